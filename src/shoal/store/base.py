@@ -1,0 +1,259 @@
+"""The store contract: a revisioned key-value store with leases and gap-free prefix watches.
+
+Every backend (memory, SQLite, etcd) implements `Store`. The invariants, which the contract
+suite in `tests/store/` proves on each backend:
+
+- Every read returns the revision it saw; a watch started at `revision + 1` delivers every
+  later change exactly once, so list-then-watch has no gap.
+- After the backend connection drops and returns, a watch yields a `Resync` carrying the
+  full current state of its prefix, so deletes made meanwhile are never lost.
+- Keys put under a lease vanish, with delete events, when the lease expires or is revoked.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+MAX_VALUE_BYTES = 1024 * 1024
+MAX_KEY_BYTES = 1024
+_KEY_RE = re.compile(r"^[A-Za-z0-9._\-/:@+=]+$")
+
+
+class StoreError(Exception):
+    """Base class for store failures."""
+
+
+class InvalidKeyError(StoreError, ValueError):
+    """A key that the store refuses: empty, too long or with forbidden characters."""
+
+
+class ValueTooLargeError(StoreError, ValueError):
+    """A value over `MAX_VALUE_BYTES`."""
+
+
+class StoreUnavailableError(StoreError, ConnectionError):
+    """The backend could not be reached (at start, or for longer than a call allows)."""
+
+
+class LeaseNotFoundError(StoreError):
+    """The lease does not exist: it expired or was revoked."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    """One stored key with the revision that last modified it and its lease (0: none)."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The items under a prefix and the store revision they were read at."""
+
+    items: list[KeyValue]
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """A key was created or changed at `revision`."""
+
+    key: str
+    value: bytes
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    """A key was deleted (explicitly, or because its lease ended) at `revision`."""
+
+    key: str
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    """The full state of the watched prefix after a gap; consumers diff it against theirs."""
+
+    items: list[KeyValue]
+    revision: int
+
+
+Event = Put | Delete | Resync
+
+
+def check_key(key: str) -> None:
+    """Refuse a key that is empty, too long, or has characters outside the safe set."""
+    if not isinstance(key, str) or not key:
+        raise InvalidKeyError(f"invalid key {key!r}: must be a non-empty string")
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise InvalidKeyError(f"invalid key {key[:60]!r}...: longer than {MAX_KEY_BYTES} bytes")
+    if not _KEY_RE.match(key) or "//" in key or key.startswith("/"):
+        raise InvalidKeyError(
+            f"invalid key {key!r}: use letters, digits and ._-/:@+= with no empty segment"
+        )
+
+
+def check_prefix(prefix: str) -> None:
+    """A prefix may be empty (everything) or follow the key rules."""
+    if prefix:
+        check_key(prefix)
+
+
+def check_value(key: str, value: bytes) -> None:
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise TypeError(f"value for {key!r} must be bytes, not {type(value).__name__}")
+    if len(value) > MAX_VALUE_BYTES:
+        raise ValueTooLargeError(
+            f"value for key {key!r} is {len(value)} bytes, over the {MAX_VALUE_BYTES}-byte limit"
+        )
+
+
+@dataclass(eq=False)
+class Lease:
+    """A lease granted by a store. Keys put under it vanish when it ends.
+
+    `lost` is set once the store says the lease no longer exists, or when no keepalive
+    succeeded for a whole TTL: the holder must grant a new lease and re-put its keys
+    (see `shoal.store.lease.LeaseKeeper`).
+    """
+
+    id: int
+    ttl: float
+    store: Store
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    last_renewed: float = field(default_factory=time.monotonic)
+    _task: asyncio.Task[None] | None = None
+
+    async def keepalive(self) -> None:
+        """Renew the lease once; sets `lost` and raises `LeaseNotFoundError` if it is gone.
+
+        A transport failure raises `StoreUnavailableError`; if renewals have failed for a
+        whole TTL the lease is counted as lost, since the store has expired it by then.
+        """
+        if self.lost.is_set():
+            raise LeaseNotFoundError(f"lease {self.id:x} is lost")
+        try:
+            alive = await self.store._keepalive(self.id, self.ttl)
+        except Exception as exc:
+            if time.monotonic() - self.last_renewed > self.ttl:
+                self.lost.set()
+            raise StoreUnavailableError(f"keepalive of lease {self.id:x} failed: {exc}") from exc
+        if not alive:
+            self.lost.set()
+            raise LeaseNotFoundError(f"lease {self.id:x} no longer exists")
+        self.last_renewed = time.monotonic()
+
+    def start_keepalive(self) -> None:
+        """Renew in the background about every TTL/3 until the lease is lost or revoked."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._keepalive_forever(), name=f"lease-{self.id:x}")
+
+    def stop_keepalive(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _keepalive_forever(self) -> None:
+        interval = max(self.ttl / 3, 0.05)
+        while not self.lost.is_set():
+            try:
+                await self.keepalive()
+            except LeaseNotFoundError:
+                log.warning("lease %x lost", self.id)
+                return
+            except StoreUnavailableError as exc:
+                log.debug("%s", exc)
+                if self.lost.is_set():
+                    log.warning("lease %x lost: no keepalive succeeded for %ss", self.id, self.ttl)
+                    return
+                await asyncio.sleep(min(interval, 0.5))
+                continue
+            await asyncio.sleep(interval)
+
+    async def revoke(self) -> None:
+        """End the lease now: its keys are deleted at once."""
+        self.stop_keepalive()
+        self.lost.set()
+        await self.store.revoke(self.id)
+
+
+class Store(abc.ABC):
+    """A revisioned key-value store with leases and prefix watches. Open with `shoal.store.open_store`."""
+
+    url: str
+
+    @abc.abstractmethod
+    async def get_prefix(self, prefix: str) -> Snapshot:
+        """All keys under `prefix`, sorted by key, with the revision they were read at."""
+
+    async def get(self, key: str) -> KeyValue | None:
+        """One key, or None."""
+        check_key(key)
+        snap = await self.get_prefix(key)
+        for kv in snap.items:
+            if kv.key == key:
+                return kv
+        return None
+
+    @abc.abstractmethod
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        """Create or replace `key`; returns the new store revision."""
+
+    @abc.abstractmethod
+    async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
+        """Atomically create `key` if absent; True if this call created it."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> bool:
+        """Delete `key`; True if it existed."""
+
+    @abc.abstractmethod
+    async def _grant(self, ttl: float) -> int:
+        """Create a lease and return its id (non-zero)."""
+
+    @abc.abstractmethod
+    async def _keepalive(self, lease_id: int, ttl: float) -> bool:
+        """Renew a lease once; False if it no longer exists."""
+
+    @abc.abstractmethod
+    async def revoke(self, lease_id: int) -> None:
+        """End a lease and delete its keys; a missing lease is not an error."""
+
+    @abc.abstractmethod
+    def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
+        """Changes under `prefix` from `start_revision` on, in revision order.
+
+        After a gap (lost connection, compacted history) yields a `Resync` with the full
+        current state, then goes on from its revision + 1. Runs until cancelled or closed.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections and stop background work. Leases are not revoked."""
+
+    async def grant(self, ttl: float, *, keepalive: bool = True) -> Lease:
+        """Grant a lease of `ttl` seconds, renewed in the background unless `keepalive=False`."""
+        if ttl <= 0:
+            raise ValueError(f"lease ttl must be positive, got {ttl}")
+        lease = Lease(id=await self._grant(ttl), ttl=ttl, store=self)
+        if keepalive:
+            lease.start_keepalive()
+        return lease
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

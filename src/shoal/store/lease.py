@@ -1,0 +1,85 @@
+"""`LeaseKeeper`: hold a process lease through store outages, re-granting when it is lost.
+
+A holder whose lease was lost (the store was unreachable past the TTL, or the lease was
+revoked behind its back) must not die: it grants a new lease and re-puts what it owns.
+The keeper does the first part and calls `on_granted` for the second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+
+from shoal.store.base import Lease, LeaseNotFoundError, Store, StoreUnavailableError
+
+log = logging.getLogger(__name__)
+
+
+class LeaseKeeper:
+    """Renews one lease every TTL/3 and replaces it when it is lost.
+
+    `tick()` does one unit of work (renew, or re-grant and re-put), so a control loop can
+    drive it and beat a heartbeat after each success; `run()` drives it on its own.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        ttl: float,
+        on_granted: Callable[[Lease], Awaitable[None]],
+    ) -> None:
+        self.store = store
+        self.ttl = ttl
+        self.on_granted = on_granted
+        self.lease: Lease | None = None
+        self.grants = 0
+
+    @property
+    def interval(self) -> float:
+        return max(self.ttl / 3, 0.05)
+
+    @property
+    def held(self) -> bool:
+        """True while the current lease is believed alive."""
+        return self.lease is not None and not self.lease.lost.is_set()
+
+    async def start(self) -> Lease:
+        """Grant the first lease and put what the holder owns."""
+        await self._regrant()
+        assert self.lease is not None
+        return self.lease
+
+    async def tick(self) -> None:
+        """Renew the lease once, or replace it if lost. Raises `StoreUnavailableError` on outage."""
+        if self.lease is not None and not self.lease.lost.is_set():
+            try:
+                await self.lease.keepalive()
+                return
+            except LeaseNotFoundError:
+                log.warning("lease %x was lost; granting a new one", self.lease.id)
+        await self._regrant()
+
+    async def _regrant(self) -> None:
+        lease = await self.store.grant(self.ttl, keepalive=False)
+        self.lease = lease
+        self.grants += 1
+        await self.on_granted(lease)
+
+    async def run(self) -> None:
+        """Tick forever with backoff on outages; cancel to stop."""
+        backoff = 0.1
+        while True:
+            try:
+                await self.tick()
+                backoff = 0.1
+                await asyncio.sleep(self.interval)
+            except (StoreUnavailableError, OSError) as exc:
+                log.warning("lease keepalive failed: %s", exc)
+                await asyncio.sleep(min(backoff, self.interval) * (0.5 + random.random()))
+                backoff = min(backoff * 2, 5.0)
+
+    async def revoke(self) -> None:
+        if self.lease is not None:
+            await self.lease.revoke()

@@ -1,0 +1,210 @@
+"""`memory://[name]`: an in-process store, for unit tests and single-process setups.
+
+Stores opened with the same name in one process share their data. It keeps the full
+contract (revisions, leases that expire, gap-free watches) but nothing survives the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from shoal.store.base import (
+    Delete,
+    Event,
+    KeyValue,
+    LeaseNotFoundError,
+    Put,
+    Resync,
+    Snapshot,
+    Store,
+    StoreUnavailableError,
+    check_key,
+    check_prefix,
+    check_value,
+)
+
+HISTORY = 100_000
+
+
+@dataclass
+class _Data:
+    items: dict[str, KeyValue] = field(default_factory=dict)
+    revision: int = 0
+    leases: dict[int, float] = field(default_factory=dict)  # id -> deadline (monotonic)
+    lease_keys: dict[int, set[str]] = field(default_factory=dict)
+    history: deque[Put | Delete] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    watchers: set[tuple[str, asyncio.Queue[Put | Delete | None], MemoryStore]] = field(
+        default_factory=set
+    )
+    lease_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(0x1000))
+
+
+_shared: dict[str, _Data] = {}
+
+
+class MemoryStore(Store):
+    def __init__(self, url: str = "memory://") -> None:
+        self.url = url
+        name = url.partition("://")[2]
+        self._d = _shared.setdefault(name, _Data()) if name else _Data()
+        self._closed = False
+        self._unreachable = False
+        self._reaper: asyncio.Task[None] | None = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreUnavailableError(f"store {self.url} is closed")
+        if self._unreachable:
+            raise StoreUnavailableError(f"store {self.url} is unreachable")
+
+    def set_unreachable(self, unreachable: bool) -> None:
+        """Fault injection for tests: this client loses (or regains) its store.
+
+        While cut off, its calls fail and its watches miss events; when it comes back, each
+        of its watches yields a `Resync`, as after a dropped connection.
+        """
+        self._unreachable = unreachable
+        if not unreachable:
+            for _, queue, owner in self._d.watchers:
+                if owner is self:
+                    queue.put_nowait(None)
+
+    def _emit(self, event: Put | Delete) -> None:
+        self._d.history.append(event)
+        for prefix, queue, owner in self._d.watchers:
+            if event.key.startswith(prefix) and not owner._unreachable:
+                queue.put_nowait(event)
+
+    def _delete_now(self, key: str) -> bool:
+        kv = self._d.items.pop(key, None)
+        if kv is None:
+            return False
+        if kv.lease:
+            self._d.lease_keys.get(kv.lease, set()).discard(key)
+        self._d.revision += 1
+        self._emit(Delete(key, self._d.revision))
+        return True
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for lease_id, deadline in list(self._d.leases.items()):
+            if deadline < now:
+                self._end_lease(lease_id)
+
+    def _end_lease(self, lease_id: int) -> None:
+        self._d.leases.pop(lease_id, None)
+        for key in sorted(self._d.lease_keys.pop(lease_id, set())):
+            self._delete_now(key)
+
+    async def _reap_forever(self) -> None:
+        while not self._closed:
+            self._reap()
+            await asyncio.sleep(0.05)
+
+    async def get_prefix(self, prefix: str) -> Snapshot:
+        self._check_open()
+        check_prefix(prefix)
+        self._reap()
+        items = sorted(
+            (kv for k, kv in self._d.items.items() if k.startswith(prefix)), key=lambda kv: kv.key
+        )
+        return Snapshot(items, self._d.revision)
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        self._check_open()
+        check_key(key)
+        check_value(key, value)
+        self._reap()
+        if lease and lease not in self._d.leases:
+            raise LeaseNotFoundError(f"lease {lease:x} does not exist (put {key!r})")
+        old = self._d.items.get(key)
+        if old is not None and old.lease and old.lease != lease:
+            self._d.lease_keys.get(old.lease, set()).discard(key)
+        self._d.revision += 1
+        self._d.items[key] = KeyValue(key, bytes(value), self._d.revision, lease)
+        if lease:
+            self._d.lease_keys.setdefault(lease, set()).add(key)
+        self._emit(Put(key, bytes(value), self._d.revision))
+        return self._d.revision
+
+    async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
+        self._check_open()
+        check_key(key)
+        check_value(key, value)
+        self._reap()
+        if key in self._d.items:
+            return False
+        await self.put(key, value, lease=lease)
+        return True
+
+    async def delete(self, key: str) -> bool:
+        self._check_open()
+        check_key(key)
+        return self._delete_now(key)
+
+    async def _grant(self, ttl: float) -> int:
+        self._check_open()
+        if self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_forever(), name="memory-store-reaper")
+        lease_id = next(self._d.lease_ids)
+        self._d.leases[lease_id] = time.monotonic() + ttl
+        return lease_id
+
+    async def _keepalive(self, lease_id: int, ttl: float) -> bool:
+        self._check_open()
+        self._reap()
+        if lease_id not in self._d.leases:
+            return False
+        self._d.leases[lease_id] = time.monotonic() + ttl
+        return True
+
+    async def revoke(self, lease_id: int) -> None:
+        self._check_open()
+        self._end_lease(lease_id)
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
+        self._check_open()
+        check_prefix(prefix)
+        queue: asyncio.Queue[Put | Delete | None] = asyncio.Queue()
+        entry = (prefix, queue, self)
+        # Replay and subscribe with no await between: nothing can slip through.
+        oldest = self._d.history[0].revision if self._d.history else self._d.revision + 1
+        backlog: list[Event]
+        if start_revision < oldest and start_revision <= self._d.revision:
+            backlog = [self._resync(prefix)]
+        else:
+            backlog = [
+                e
+                for e in self._d.history
+                if e.revision >= start_revision and e.key.startswith(prefix)
+            ]
+        self._d.watchers.add(entry)
+        try:
+            for event in backlog:
+                yield event
+            while not self._closed:
+                event = await queue.get()
+                if event is None:
+                    resync = self._resync(prefix)
+                    yield resync
+                else:
+                    yield event
+        finally:
+            self._d.watchers.discard(entry)
+
+    def _resync(self, prefix: str) -> Resync:
+        items = sorted(
+            (kv for k, kv in self._d.items.items() if k.startswith(prefix)), key=lambda kv: kv.key
+        )
+        return Resync(items, self._d.revision)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None

@@ -1,0 +1,292 @@
+"""The store contract, proved on every backend: memory, SQLite and a real etcd server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from shoal.store import (
+    MAX_VALUE_BYTES,
+    Delete,
+    Event,
+    InvalidKeyError,
+    LeaseKeeper,
+    Put,
+    Resync,
+    Store,
+    StoreUnavailableError,
+    ValueTooLargeError,
+    open_store,
+)
+from tests.helpers import free_port, wait_for
+from tests.store.conftest import Backend
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Mirror:
+    """Applies a watch's events to a dict, the way a consumer does, and keeps them all."""
+
+    def __init__(self, store: Store, prefix: str, start_revision: int, initial: dict[str, bytes]):
+        self.state = dict(initial)
+        self.events: list[Event] = []
+        self._stream: AsyncIterator[Event] = store.watch(prefix, start_revision)
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async for event in self._stream:
+            self.events.append(event)
+            if isinstance(event, Put):
+                self.state[event.key] = event.value
+            elif isinstance(event, Delete):
+                self.state.pop(event.key, None)
+            else:
+                self.state = {kv.key: kv.value for kv in event.items}
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+def spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.store.holder", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+async def test_watch_after_list_misses_nothing(store: Store, prefix: str) -> None:
+    await store.put(prefix + "a", b"1")
+    snap = await store.get_prefix(prefix)
+    # A change between the read and the watch's start.
+    await store.put(prefix + "b", b"2")
+    await store.delete(prefix + "a")
+    mirror = Mirror(store, prefix, snap.revision + 1, {kv.key: kv.value for kv in snap.items})
+    await store.put(prefix + "c", b"3")
+    try:
+        await wait_for(lambda: mirror.state == {prefix + "b": b"2", prefix + "c": b"3"})
+        keys = [(type(e).__name__, getattr(e, "key", None)) for e in mirror.events]
+        assert keys == [("Put", prefix + "b"), ("Delete", prefix + "a"), ("Put", prefix + "c")]
+        revisions = [e.revision for e in mirror.events]
+        assert revisions == sorted(revisions) and revisions[0] > snap.revision
+    finally:
+        await mirror.close()
+
+
+async def test_reads_report_the_revision_and_writes_advance_it(store: Store, prefix: str) -> None:
+    r1 = await store.put(prefix + "k", b"v1")
+    r2 = await store.put(prefix + "k", b"v2")
+    assert r2 > r1
+    kv = await store.get(prefix + "k")
+    assert kv is not None and kv.value == b"v2" and kv.mod_revision == r2
+    snap = await store.get_prefix(prefix)
+    assert snap.revision >= r2 and [i.key for i in snap.items] == [prefix + "k"]
+    assert await store.delete(prefix + "k") is True
+    assert await store.delete(prefix + "k") is False
+    assert await store.get(prefix + "k") is None
+
+
+async def test_get_prefix_returns_only_keys_under_the_prefix_sorted(
+    store: Store, prefix: str
+) -> None:
+    for k in ["b", "a", "c/d"]:
+        await store.put(prefix + "x/" + k, k.encode())
+    await store.put(prefix + "y", b"other")
+    snap = await store.get_prefix(prefix + "x/")
+    assert [kv.key for kv in snap.items] == [prefix + "x/a", prefix + "x/b", prefix + "x/c/d"]
+
+
+async def test_create_if_absent_creates_once(store: Store, prefix: str) -> None:
+    assert await store.create(prefix + "once", b"first") is True
+    assert await store.create(prefix + "once", b"second") is False
+    kv = await store.get(prefix + "once")
+    assert kv is not None and kv.value == b"first"
+
+
+async def test_create_if_absent_is_atomic_across_processes(backend: Backend, prefix: str) -> None:
+    key = prefix + "race"
+    if not backend.multiprocess:
+        stores = [await backend.open() for _ in range(8)]
+        results = await asyncio.gather(*(s.create(key, b"x") for s in stores))
+        assert sorted(results) == [False] * 7 + [True]
+        return
+    start_at = time.time() + 2.0
+    procs = [spawn(backend.url, "create", key, f"p{i}", str(start_at)) for i in range(2)]
+    outs = [p.communicate(timeout=30)[0].strip() for p in procs]
+    assert sorted(outs) == ["lost", "won"], outs
+
+
+async def test_revoke_deletes_leased_keys_at_once(store: Store, prefix: str) -> None:
+    lease = await store.grant(30)
+    await store.put(prefix + "leased", b"x", lease=lease.id)
+    await store.put(prefix + "kept", b"y")
+    snap = await store.get_prefix(prefix)
+    mirror = Mirror(store, prefix, snap.revision + 1, {kv.key: kv.value for kv in snap.items})
+    try:
+        await lease.revoke()
+        assert await store.get(prefix + "leased") is None
+        assert await store.get(prefix + "kept") is not None
+        await wait_for(lambda: any(isinstance(e, Delete) for e in mirror.events))
+        assert mirror.state == {prefix + "kept": b"y"}
+    finally:
+        await mirror.close()
+
+
+async def test_leased_key_vanishes_when_holder_is_killed(
+    backend: Backend, store: Store, prefix: str
+) -> None:
+    if not backend.multiprocess:
+        pytest.skip("memory:// lives in one process; lease expiry is tested without a kill below")
+    ttl = 2.0
+    key = prefix + "held"
+    proc = spawn(backend.url, "lease", key, str(ttl))
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 20)
+        assert line.startswith("ready"), line
+        snap = await store.get_prefix(prefix)
+        assert [kv.key for kv in snap.items] == [key]
+        mirror = Mirror(store, prefix, snap.revision + 1, {key: b"held"})
+        proc.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        try:
+            await wait_for(lambda: mirror.state == {}, timeout=ttl + 5)
+            assert time.monotonic() - killed_at <= ttl + 1.0
+            assert any(isinstance(e, Delete) and e.key == key for e in mirror.events)
+        finally:
+            await mirror.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_lease_without_keepalive_expires_within_ttl(store: Store, prefix: str) -> None:
+    lease = await store.grant(1.0, keepalive=False)
+    await store.put(prefix + "k", b"x", lease=lease.id)
+    start = time.monotonic()
+    await wait_for(lambda: _absent(store, prefix + "k"), timeout=5)
+    assert time.monotonic() - start <= 2.0
+
+
+async def _absent(store: Store, key: str) -> bool:
+    return await store.get(key) is None
+
+
+async def test_kept_alive_lease_outlives_its_ttl(store: Store, prefix: str) -> None:
+    lease = await store.grant(1.0)
+    await store.put(prefix + "k", b"x", lease=lease.id)
+    renewed = lease.last_renewed
+    await wait_for(lambda: lease.last_renewed > renewed + 1.2, timeout=5)
+    assert await store.get(prefix + "k") is not None
+    await lease.revoke()
+
+
+async def test_watch_resyncs_after_outage_and_loses_no_delete(
+    backend: Backend, prefix: str
+) -> None:
+    watcher = await backend.open()
+    writer = await backend.open()
+    try:
+        await writer.put(prefix + "b", b"2")
+        snap = await watcher.get_prefix(prefix)
+        mirror = Mirror(watcher, prefix, snap.revision + 1, {kv.key: kv.value for kv in snap.items})
+        await writer.put(prefix + "a", b"1")
+        await wait_for(lambda: prefix + "a" in mirror.state, message="the watch is live")
+        async with backend.outage(watcher):
+            if backend.name != "etcd":
+                # The writer still reaches the store: changes the watcher cannot see.
+                await writer.delete(prefix + "b")
+                await writer.put(prefix + "c", b"3")
+        if backend.name == "etcd":
+            await wait_for(lambda: _reachable(writer, prefix), timeout=20)
+            await writer.delete(prefix + "b")
+            await writer.put(prefix + "c", b"3")
+        try:
+            expected = {prefix + "a": b"1", prefix + "c": b"3"}
+            await wait_for(lambda: mirror.state == expected, timeout=20)
+            assert any(isinstance(e, Resync) for e in mirror.events)
+        finally:
+            await mirror.close()
+    finally:
+        await watcher.close()
+        await writer.close()
+
+
+async def _reachable(store: Store, prefix: str) -> bool:
+    try:
+        await store.get_prefix(prefix)
+        return True
+    except Exception:
+        return False
+
+
+async def test_lost_lease_is_regranted_and_keys_reput(backend: Backend, prefix: str) -> None:
+    holder = await backend.open()
+    observer = await backend.open()
+    key = prefix + "owned"
+
+    async def put_owned(lease: object) -> None:
+        await holder.put(key, b"mine", lease=keeper.lease.id if keeper.lease else 0)
+
+    keeper = LeaseKeeper(holder, ttl=1.0, on_granted=put_owned)
+    try:
+        first = await keeper.start()
+        run = asyncio.create_task(keeper.run())
+        async with backend.outage(holder):
+            await wait_for(lambda: first.lost.is_set(), timeout=10, message="holder told of loss")
+        await wait_for(lambda: keeper.grants >= 2 and keeper.held, timeout=20)
+        kv = await wait_for(lambda: observer.get(key), timeout=20)
+        assert keeper.lease is not None and keeper.lease.id != first.id
+        await wait_for(lambda: _leased_by(observer, key, keeper.lease.id), timeout=10)  # type: ignore[union-attr]
+        assert kv.value == b"mine"
+        assert not run.done(), "the keeper's loop must survive the outage"
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+    finally:
+        await holder.close()
+        await observer.close()
+
+
+async def _leased_by(store: Store, key: str, lease_id: int) -> bool:
+    kv = await store.get(key)
+    return kv is not None and kv.lease == lease_id
+
+
+async def test_value_over_limit_is_refused_naming_the_key(store: Store, prefix: str) -> None:
+    with pytest.raises(ValueTooLargeError, match="big"):
+        await store.put(prefix + "big", b"x" * (MAX_VALUE_BYTES + 1))
+    assert await store.get(prefix + "big") is None
+
+
+@pytest.mark.parametrize("key", ["", "/abs", "a//b", "bad key", "nul\x00", "é"])
+async def test_invalid_key_is_refused_naming_it(store: Store, key: str) -> None:
+    with pytest.raises(InvalidKeyError, match="invalid key"):
+        await store.put(key, b"x")
+
+
+async def test_unreachable_store_fails_fast_naming_the_url(
+    backend: Backend, tmp_path: Path
+) -> None:
+    if backend.name == "memory":
+        pytest.skip("memory:// is always reachable")
+    if backend.name == "etcd":
+        url = f"etcd://127.0.0.1:{free_port()}"
+    else:
+        blocker = tmp_path / "file"
+        blocker.write_text("not a directory")
+        url = f"sqlite:///{blocker}/store.db"
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match=url.split("://")[1].split("/")[0] or "store"):
+        await open_store(url, connect_timeout=2.0)
+    assert time.monotonic() - start < 5.0
