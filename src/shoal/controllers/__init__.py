@@ -1,0 +1,26 @@
+"""Layer 4: control loops whose liveness follows progress, and health endpoints with reasons.
+
+A `Controller` does one `step()`; a `Loop` runs it on a fixed-rate schedule and judges it
+alive while its `Heartbeat` keeps beating; a `ControllerManager` holds a process's loops
+and answers readiness with the reason each unhealthy loop is unhealthy.
+"""
+
+from __future__ import annotations
+
+from shoal.controllers.heartbeat import Controller, Heartbeat, HeartbeatMixin
+from shoal.controllers.http import add_health_routes, liveness, readiness
+from shoal.controllers.loop import Loop, LoopHealth, MonitoredController
+from shoal.controllers.manager import ControllerManager
+
+__all__ = [
+    "Controller",
+    "ControllerManager",
+    "Heartbeat",
+    "HeartbeatMixin",
+    "Loop",
+    "LoopHealth",
+    "MonitoredController",
+    "add_health_routes",
+    "liveness",
+    "readiness",
+]

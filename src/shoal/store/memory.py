@@ -188,12 +188,8 @@ class MemoryStore(Store):
             for event in backlog:
                 yield event
             while not self._closed:
-                event = await queue.get()
-                if event is None:
-                    resync = self._resync(prefix)
-                    yield resync
-                else:
-                    yield event
+                change = await queue.get()
+                yield self._resync(prefix) if change is None else change
         finally:
             self._d.watchers.discard(entry)
 

@@ -1,0 +1,244 @@
+"""`Loop`: run a controller's `step()` on a fixed-rate schedule and report whether it is alive.
+
+An `async def step()` runs in an asyncio task; a plain `step()` runs in a dedicated daemon
+thread, so a blocking controller never stalls the event loop. A step that raises is logged
+with its traceback and the loop goes on. A loop is healthy while its task or thread is
+alive, it made progress within `max_silence`, and its controller says it is healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from shoal.controllers.heartbeat import Controller, Heartbeat, HeartbeatMixin
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoopHealth:
+    """The result of one health probe; `reason` says what is wrong when not `healthy`."""
+
+    healthy: bool
+    reason: str | None = None
+
+
+class MonitoredController(Controller):
+    """Owns a controller's heartbeat: attaches it, and beats on entering each step.
+
+    Beating on entry means a controller that reports nothing is judged by how long a single
+    step runs; one that calls `emit_heartbeat()` per item is judged by its slowest item.
+    """
+
+    def __init__(self, controller: Controller, heartbeat: Heartbeat | None = None) -> None:
+        self.controller = controller
+        self.heartbeat = heartbeat or Heartbeat()
+        if isinstance(controller, HeartbeatMixin):
+            controller.attach_heartbeat(self.heartbeat)
+
+    @property
+    def is_async(self) -> bool:
+        """True if the wrapped `step` is `async def` and so runs in the event loop."""
+        return inspect.iscoroutinefunction(self.controller.step)
+
+    def step(self) -> Awaitable[None] | None:
+        # The previous step and the sleep completed: that is progress.
+        self.heartbeat.beat()
+        return self.controller.step()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.controller.is_healthy
+
+
+class Loop:
+    """Runs one controller every `interval` seconds until stopped.
+
+    The schedule is fixed-rate: a step starts `interval` after the previous one started. A
+    step that overruns is followed at once by the next, and the schedule re-bases on that
+    moment. The loop is unhealthy after `max_silence` seconds without progress, by default
+    `unhealthy_after` (3) intervals. `clock` drives the schedule and the heartbeat (tests
+    inject a fake one); the sleep itself is real time, and a stop wakes it at once.
+    """
+
+    def __init__(
+        self,
+        controller: Controller,
+        *,
+        interval: float,
+        name: str | None = None,
+        unhealthy_after: float | None = None,
+        max_silence: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError(f"interval must be positive, got {interval}")
+        if unhealthy_after is not None and max_silence is not None:
+            raise ValueError(
+                "give unhealthy_after (a multiple of interval) or max_silence, not both"
+            )
+        if max_silence is None:
+            max_silence = interval * (3.0 if unhealthy_after is None else unhealthy_after)
+        if max_silence <= 0:
+            raise ValueError(f"max_silence must be positive, got {max_silence}")
+        if isinstance(controller, MonitoredController):
+            self.monitored = controller
+        else:
+            self.monitored = MonitoredController(controller, Heartbeat(clock))
+        self.controller = self.monitored.controller
+        self.name = name or type(self.controller).__name__
+        self.interval = interval
+        self.max_silence = max_silence
+        self.clock = clock
+        self._stop_requested = threading.Event()  # read by the thread runner
+        self._wake = asyncio.Event()  # wakes the async runner's sleep
+        self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._done: asyncio.Future[None] | None = None
+
+    @property
+    def heartbeat(self) -> Heartbeat:
+        return self.monitored.heartbeat
+
+    @property
+    def running(self) -> bool:
+        """True while the loop's task or thread is alive."""
+        if self._thread is not None:
+            return self._thread.is_alive()
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        """Start stepping: the first step runs at once."""
+        if self.running:
+            raise RuntimeError(f"loop {self.name!r} is already running")
+        self._stop_requested.clear()
+        self._wake = asyncio.Event()
+        # Starting is progress: silence is measured from here, not from construction.
+        self.heartbeat.beat()
+        if self.monitored.is_async:
+            self._thread = None
+            self._task = asyncio.create_task(self._run_async(), name=f"loop:{self.name}")
+            self._done = self._task
+        else:
+            event_loop = asyncio.get_running_loop()
+            done: asyncio.Future[None] = event_loop.create_future()
+            self._task, self._done = None, done
+            self._thread = threading.Thread(
+                target=self._run_thread,
+                args=(event_loop, done),
+                name=f"loop:{self.name}",
+                daemon=True,
+            )
+            self._thread.start()
+
+    async def stop(self, timeout: float = 5.0) -> bool:
+        """Stop in tiers: signal (waking the sleep), wait `timeout` for the step, cancel it, wait.
+
+        Returns True once the loop has ended. A sync step cannot be cancelled: if it is still
+        running after the first wait, its daemon thread is abandoned, logged, and False is
+        returned. The thread does not hold up process exit.
+        """
+        if self._done is None or self._done.done():
+            return True
+        self._stop_requested.set()
+        self._wake.set()
+        await asyncio.wait({self._done}, timeout=timeout)
+        if self._done.done():
+            return True
+        if self._task is None:
+            log.warning(
+                "loop %r: sync step still running %ss after stop; abandoning its thread",
+                self.name,
+                timeout,
+            )
+            return False
+        log.warning("loop %r: step still running %ss after stop; cancelling it", self.name, timeout)
+        self._task.cancel()
+        await asyncio.wait({self._task}, timeout=timeout)
+        if self._task.done():
+            return True
+        log.error("loop %r: step ignored cancellation for %ss; abandoning it", self.name, timeout)
+        return False
+
+    def health(self) -> LoopHealth:
+        """Probe liveness: running, progress within `max_silence`, controller healthy."""
+        if not self.running:
+            return LoopHealth(False, "loop is not running")
+        silence = self.heartbeat.silence()
+        if silence > self.max_silence:
+            return LoopHealth(
+                False,
+                f"no progress for {_seconds(silence)} (max allowed: {_seconds(self.max_silence)})",
+            )
+        if not self.controller.is_healthy:
+            return LoopHealth(False, "controller reported itself unhealthy")
+        return LoopHealth(True)
+
+    async def _run_async(self) -> None:
+        task = asyncio.current_task()
+        next_start = self.clock()
+        while not self._stop_requested.is_set():
+            try:
+                result = self.monitored.step()
+                if result is not None:
+                    await result
+            except asyncio.CancelledError:
+                if task is not None and task.cancelling():
+                    raise
+                # Raised by something the step awaited, not by a cancel of this loop.
+                log.exception("loop %r: step failed", self.name)
+            except Exception:
+                log.exception("loop %r: step failed", self.name)
+            next_start, delay = _schedule(next_start, self.interval, self.clock())
+            if delay <= 0:
+                await asyncio.sleep(0)
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+
+    def _run_thread(
+        self, event_loop: asyncio.AbstractEventLoop, done: asyncio.Future[None]
+    ) -> None:
+        try:
+            next_start = self.clock()
+            while not self._stop_requested.is_set():
+                try:
+                    result = self.monitored.step()
+                    if inspect.isawaitable(result):
+                        if inspect.iscoroutine(result):
+                            result.close()
+                        raise TypeError("step() returned an awaitable; declare it `async def`")
+                except Exception:
+                    log.exception("loop %r: step failed", self.name)
+                next_start, delay = _schedule(next_start, self.interval, self.clock())
+                if delay > 0:
+                    self._stop_requested.wait(delay)
+        finally:
+            # A closed event loop raises RuntimeError: then nobody is waiting.
+            with contextlib.suppress(RuntimeError):
+                event_loop.call_soon_threadsafe(_resolve, done)
+
+
+def _schedule(previous_start: float, interval: float, now: float) -> tuple[float, float]:
+    """Fixed rate: the next start and the delay until it. An overrun starts at once and re-bases."""
+    next_start = previous_start + interval
+    if next_start <= now:
+        return now, 0.0
+    return next_start, next_start - now
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _seconds(value: float) -> str:
+    """47.0 -> '47s', 15.14 -> '15.1s', 0.1534 -> '0.153s': enough digits to compare."""
+    return f"{round(value, 1 if value >= 1 else 3):g}s"

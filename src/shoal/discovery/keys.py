@@ -1,0 +1,140 @@
+"""The discovery key layout, a public contract (see DESIGN.md, "Discovery keys").
+
+shoal/v1/instances/{namespace}/{component}/{endpoint}/{instance_id:x}        -> endpoint instance
+shoal/v1/models/{namespace}/{component}/{endpoint}/{instance_id:x}           -> base model card
+shoal/v1/models/{namespace}/{component}/{endpoint}/{instance_id:x}/{suffix}  -> LoRA adapter card
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ROOT = "shoal/v1/"
+INSTANCES = ROOT + "instances/"
+MODELS = ROOT + "models/"
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+_SUFFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Namespaces, components and endpoints: letters, digits, `_` and `-`."""
+    if not _NAME_RE.match(value):
+        raise ValueError(f"invalid {kind} {value!r}: use letters, digits, '_' and '-' (max 64)")
+    return value
+
+
+def check_suffix(value: str) -> str:
+    if not _SUFFIX_RE.match(value):
+        raise ValueError(f"invalid adapter suffix {value!r}: use letters, digits, '.', '_' and '-'")
+    return value
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class EndpointId:
+    """`namespace.component.endpoint`: where a worker serves."""
+
+    namespace: str
+    component: str
+    endpoint: str
+
+    def __post_init__(self) -> None:
+        check_name("namespace", self.namespace)
+        check_name("component", self.component)
+        check_name("endpoint", self.endpoint)
+
+    @classmethod
+    def parse(cls, dotted: str) -> EndpointId:
+        parts = dotted.split(".")
+        if len(parts) != 3:
+            raise ValueError(f"invalid endpoint {dotted!r}: expected namespace.component.endpoint")
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{self.namespace}.{self.component}.{self.endpoint}"
+
+    @property
+    def path(self) -> str:
+        return f"{self.namespace}/{self.component}/{self.endpoint}"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ModelKey:
+    """One model served by one endpoint instance: the base model (suffix None) or an adapter."""
+
+    endpoint: EndpointId
+    instance_id: int
+    suffix: str | None = None
+
+    @property
+    def key(self) -> str:
+        base = f"{MODELS}{self.endpoint.path}/{self.instance_id:x}"
+        return base if self.suffix is None else f"{base}/{self.suffix}"
+
+    @property
+    def instance_key(self) -> str:
+        return instance_key(self.endpoint, self.instance_id)
+
+    def __str__(self) -> str:
+        s = f"{self.endpoint}/{self.instance_id:x}"
+        return s if self.suffix is None else f"{s}/{self.suffix}"
+
+
+def instance_key(endpoint: EndpointId, instance_id: int) -> str:
+    return f"{INSTANCES}{endpoint.path}/{instance_id:x}"
+
+
+def parse_model_key(key: str) -> ModelKey:
+    """Inverse of `ModelKey.key`; raises ValueError naming the key if it does not fit."""
+    if not key.startswith(MODELS):
+        raise ValueError(f"not a model key: {key!r}")
+    parts = key[len(MODELS) :].split("/")
+    if len(parts) not in (4, 5):
+        raise ValueError(f"malformed model key {key!r}")
+    try:
+        endpoint = EndpointId(*parts[:3])
+        instance_id = int(parts[3], 16)
+        suffix = check_suffix(parts[4]) if len(parts) == 5 else None
+    except ValueError as exc:
+        raise ValueError(f"malformed model key {key!r}: {exc}") from None
+    return ModelKey(endpoint, instance_id, suffix)
+
+
+def parse_instance_key(key: str) -> tuple[EndpointId, int]:
+    if not key.startswith(INSTANCES):
+        raise ValueError(f"not an instance key: {key!r}")
+    parts = key[len(INSTANCES) :].split("/")
+    if len(parts) != 4:
+        raise ValueError(f"malformed instance key {key!r}")
+    try:
+        return EndpointId(*parts[:3]), int(parts[3], 16)
+    except ValueError as exc:
+        raise ValueError(f"malformed instance key {key!r}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """Which part of discovery to read: everything, or a namespace, component or endpoint."""
+
+    namespace: str | None = None
+    component: str | None = None
+    endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.component is not None and self.namespace is None:
+            raise ValueError("a query by component needs its namespace")
+        if self.endpoint is not None and self.component is None:
+            raise ValueError("a query by endpoint needs its component")
+
+    def _path(self) -> str:
+        parts = [p for p in (self.namespace, self.component, self.endpoint) if p is not None]
+        return "".join(p + "/" for p in parts)
+
+    @property
+    def models_prefix(self) -> str:
+        return MODELS + self._path()
+
+    @property
+    def instances_prefix(self) -> str:
+        return INSTANCES + self._path()

@@ -1,0 +1,317 @@
+"""`Discovery`: endpoint instances, model cards and taints, kept in the store.
+
+A model instance is routable when both its card (`shoal/v1/models/...`) and its endpoint
+instance (`shoal/v1/instances/...`, which holds the request URL) are present: discovery joins
+the two, so consumers see one stream of `Added`, `Removed` and `TaintsUpdated`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+import msgspec
+from prometheus_client import Counter
+
+from shoal.cards import CardError, ModelCard
+from shoal.discovery.keys import (
+    INSTANCES,
+    EndpointId,
+    ModelKey,
+    Query,
+    instance_key,
+    parse_instance_key,
+    parse_model_key,
+)
+from shoal.store import Delete, KeyValue, Put, Resync, Store
+
+log = logging.getLogger(__name__)
+
+MALFORMED = Counter(
+    "shoal_discovery_malformed_values_total",
+    "Values in the discovery store that could not be parsed and were skipped.",
+    ["kind"],
+)
+IGNORED_CHANGES = Counter(
+    "shoal_discovery_ignored_card_changes_total",
+    "Changes to a registered card other than its taints, which watchers ignore.",
+)
+
+
+class ModelConflictError(Exception):
+    """The endpoint instance already serves a different model under this key."""
+
+
+class InstanceInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An endpoint instance: where requests go (`url`) and where its status server is."""
+
+    namespace: str
+    component: str
+    endpoint: str
+    instance_id: int
+    url: str
+    status_url: str
+
+    @property
+    def endpoint_id(self) -> EndpointId:
+        return EndpointId(self.namespace, self.component, self.endpoint)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInstance:
+    """A routable model: its card, served by a live endpoint instance."""
+
+    key: ModelKey
+    card: ModelCard
+    instance: InstanceInfo
+
+    @property
+    def instance_id(self) -> int:
+        return self.key.instance_id
+
+    @property
+    def url(self) -> str:
+        return self.instance.url
+
+
+@dataclass(frozen=True, slots=True)
+class Added:
+    model: ModelInstance
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    key: ModelKey
+
+
+@dataclass(frozen=True, slots=True)
+class TaintsUpdated:
+    key: ModelKey
+    taints: tuple[str, ...]
+
+
+DiscoveryEvent = Added | Removed | TaintsUpdated
+
+_instance_decoder = msgspec.json.Decoder(InstanceInfo)
+
+
+def _parse_card(kv_key: str, value: bytes) -> tuple[ModelKey, ModelCard] | None:
+    try:
+        return parse_model_key(kv_key), ModelCard.from_json(value)
+    except (ValueError, CardError) as exc:
+        MALFORMED.labels("model").inc()
+        log.error("skipping malformed model card at %s: %s", kv_key, exc)
+        return None
+
+
+def _parse_instance(
+    kv_key: str, value: bytes
+) -> tuple[tuple[EndpointId, int], InstanceInfo] | None:
+    try:
+        ident = parse_instance_key(kv_key)
+        info = _instance_decoder.decode(value)
+        if (info.endpoint_id, info.instance_id) != ident:
+            raise ValueError("value does not match its key")
+        return ident, info
+    except (ValueError, msgspec.DecodeError) as exc:
+        MALFORMED.labels("instance").inc()
+        log.error("skipping malformed endpoint instance at %s: %s", kv_key, exc)
+        return None
+
+
+class _Joined:
+    """Cards and instances as last seen, and the joined models already reported."""
+
+    def __init__(self) -> None:
+        self.cards: dict[ModelKey, ModelCard] = {}
+        self.instances: dict[tuple[EndpointId, int], InstanceInfo] = {}
+        self.reported: dict[ModelKey, ModelInstance] = {}
+
+    def put_card(self, key: ModelKey, card: ModelCard) -> None:
+        old = self.cards.get(key)
+        if old is not None and not old.same_except_taints(card):
+            IGNORED_CHANGES.inc()
+            log.warning("ignoring a change to registered card %s other than its taints", key)
+            return
+        self.cards[key] = card
+
+    def apply(self, kv_key: str, value: bytes | None) -> Iterable[ModelKey]:
+        """Apply one raw change; returns the model keys whose joined state may have moved."""
+        if kv_key.startswith(INSTANCES):
+            try:
+                ident = parse_instance_key(kv_key)
+            except ValueError as exc:
+                MALFORMED.labels("instance").inc()
+                log.error("skipping malformed instance key: %s", exc)
+                return ()
+            if value is None:
+                self.instances.pop(ident, None)
+            elif (parsed := _parse_instance(kv_key, value)) is not None:
+                self.instances[ident] = parsed[1]
+            return [k for k in self.cards if (k.endpoint, k.instance_id) == ident]
+        if value is None:
+            try:
+                key = parse_model_key(kv_key)
+            except ValueError:
+                return ()
+            self.cards.pop(key, None)
+            return (key,)
+        if (parsed_card := _parse_card(kv_key, value)) is None:
+            return ()
+        self.put_card(*parsed_card)
+        return (parsed_card[0],)
+
+    def replace(self, prefix_root: str, items: list[KeyValue]) -> Iterable[ModelKey]:
+        """A resync of one prefix: everything it does not hold is gone."""
+        seen = {kv.key for kv in items}
+        touched: list[ModelKey] = []
+        if prefix_root == INSTANCES:
+            for ident in list(self.instances):
+                if instance_key(*ident) not in seen:
+                    touched.extend(self.apply(instance_key(*ident), None))
+        else:
+            for key in list(self.cards):
+                if key.key not in seen:
+                    touched.extend(self.apply(key.key, None))
+        for kv in items:
+            touched.extend(self.apply(kv.key, kv.value))
+        return touched
+
+    def diff(self, keys: Iterable[ModelKey]) -> list[DiscoveryEvent]:
+        events: list[DiscoveryEvent] = []
+        for key in sorted(set(keys)):
+            card = self.cards.get(key)
+            info = self.instances.get((key.endpoint, key.instance_id))
+            now = ModelInstance(key, card, info) if card is not None and info is not None else None
+            before = self.reported.get(key)
+            if now is None:
+                if before is not None:
+                    del self.reported[key]
+                    events.append(Removed(key))
+                continue
+            self.reported[key] = now
+            if before is None:
+                events.append(Added(now))
+            elif before.instance != now.instance:
+                events.extend((Removed(key), Added(now)))
+            elif before.card.taints != now.card.taints:
+                events.append(TaintsUpdated(key, now.card.taints))
+        return events
+
+
+class Discovery:
+    """Register, list and watch endpoint instances and model cards in a store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    # -- writing (workers) --------------------------------------------------------------
+
+    async def register_instance(self, info: InstanceInfo, *, lease: int) -> None:
+        key = instance_key(info.endpoint_id, info.instance_id)
+        await self.store.put(key, msgspec.json.encode(info), lease=lease)
+
+    async def unregister_instance(self, endpoint: EndpointId, instance_id: int) -> None:
+        await self.store.delete(instance_key(endpoint, instance_id))
+
+    async def register_model(self, key: ModelKey, card: ModelCard, *, lease: int) -> None:
+        """Announce `card` at `key`. Refuses a different model where one is registered."""
+        data = card.to_json()
+        if await self.store.create(key.key, data, lease=lease):
+            return
+        existing = await self.store.get(key.key)
+        if existing is not None:
+            try:
+                old = ModelCard.from_json(existing.value)
+            except CardError:
+                old = None
+            if old is not None and old.mdcsum != card.mdcsum:
+                raise ModelConflictError(
+                    f"endpoint instance {key} already serves model {old.display_name!r} "
+                    f"(mdcsum {old.mdcsum}); refusing to register {card.display_name!r} "
+                    f"(mdcsum {card.mdcsum}): detach it first"
+                )
+        await self.store.put(key.key, data, lease=lease)
+
+    async def unregister_model(self, key: ModelKey) -> None:
+        await self.store.delete(key.key)
+
+    async def update_taints(self, key: ModelKey, taints: Iterable[str]) -> ModelCard:
+        """Replace the taints of a registered card, keeping its lease."""
+        kv = await self.store.get(key.key)
+        if kv is None:
+            raise KeyError(f"no model registered at {key}")
+        card = ModelCard.from_json(kv.value).with_taints(list(taints))
+        await self.store.put(key.key, card.to_json(), lease=kv.lease)
+        return card
+
+    # -- reading (frontends, tools) -----------------------------------------------------
+
+    async def list_instances(self, query: Query | None = None) -> list[InstanceInfo]:
+        query = query or Query()
+        snap = await self.store.get_prefix(query.instances_prefix)
+        parsed = (_parse_instance(kv.key, kv.value) for kv in snap.items)
+        return [p[1] for p in parsed if p is not None]
+
+    async def list(self, query: Query | None = None) -> list[ModelInstance]:
+        """Routable models in scope: cards whose endpoint instance is registered."""
+        query = query or Query()
+        joined = _Joined()
+        inst = await self.store.get_prefix(query.instances_prefix)
+        models = await self.store.get_prefix(query.models_prefix)
+        touched = [*joined.replace(INSTANCES, inst.items), *joined.replace("", models.items)]
+        joined.diff(touched)
+        return sorted(joined.reported.values(), key=lambda m: m.key)
+
+    async def list_and_watch(self, query: Query | None = None) -> AsyncIterator[DiscoveryEvent]:
+        """The models in scope as `Added` events, then every change, with no gap.
+
+        Each prefix is read, then watched from the read's revision + 1. A store `Resync`
+        (after a lost connection) becomes the events that bring the consumer up to date.
+        """
+        query = query or Query()
+        joined = _Joined()
+        inst = await self.store.get_prefix(query.instances_prefix)
+        models = await self.store.get_prefix(query.models_prefix)
+        touched = [*joined.replace(INSTANCES, inst.items), *joined.replace("", models.items)]
+        for event in joined.diff(touched):
+            yield event
+
+        queue: asyncio.Queue[tuple[str, Put | Delete | Resync] | BaseException] = asyncio.Queue()
+
+        async def pump(root: str, prefix: str, start: int) -> None:
+            try:
+                async for ev in self.store.watch(prefix, start):
+                    queue.put_nowait((root, ev))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                queue.put_nowait(exc)
+
+        tasks = [
+            asyncio.create_task(pump(INSTANCES, query.instances_prefix, inst.revision + 1)),
+            asyncio.create_task(pump("", query.models_prefix, models.revision + 1)),
+        ]
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                root, ev = item
+                if isinstance(ev, Resync):
+                    keys = list(joined.replace(root, ev.items))
+                elif isinstance(ev, Put):
+                    keys = list(joined.apply(ev.key, ev.value))
+                else:
+                    keys = list(joined.apply(ev.key, None))
+                for event in joined.diff(keys):
+                    yield event
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task
