@@ -110,9 +110,9 @@ class Loop:
     @property
     def running(self) -> bool:
         """True while the loop's task or thread is alive."""
-        if self._thread is not None:
-            return self._thread.is_alive()
-        return self._task is not None and not self._task.done()
+        if self._done is None or self._done.done():
+            return False
+        return self._thread is None or self._thread.is_alive()
 
     async def start(self) -> None:
         """Start stepping: the first step runs at once."""

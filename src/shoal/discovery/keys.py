@@ -59,13 +59,24 @@ class EndpointId:
         return f"{self.namespace}/{self.component}/{self.endpoint}"
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@dataclass(frozen=True, slots=True)
 class ModelKey:
-    """One model served by one endpoint instance: the base model (suffix None) or an adapter."""
+    """One model served by one endpoint instance: the base model (suffix None) or an adapter.
+
+    Keys sort in store order (the base model before its adapters), so passes over them are
+    deterministic.
+    """
 
     endpoint: EndpointId
     instance_id: int
     suffix: str | None = None
+
+    def __lt__(self, other: ModelKey) -> bool:
+        return (self.endpoint, self.instance_id, self.suffix or "") < (
+            other.endpoint,
+            other.instance_id,
+            other.suffix or "",
+        )
 
     @property
     def key(self) -> str:

@@ -1,0 +1,57 @@
+"""The `shoal` command. Thin: parses flags, calls the layers.
+
+Each subcommand lives in its own module with `add_parser(subparsers)` and `run(args) -> int`.
+Every flag falls back to an environment variable `SHOAL_<NAME>`, then to a laptop default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+COMMANDS = {
+    "up": "shoal.cli.up",
+    "frontend": "shoal.cli.frontend",
+    "worker": "shoal.cli.worker",
+    "ls": "shoal.cli.ls",
+}
+
+
+def env_default(name: str, default: str | None = None) -> str | None:
+    """`SHOAL_<NAME>` from the environment, else `default`."""
+    return os.environ.get(f"SHOAL_{name.upper().replace('-', '_')}", default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shoal", description="Serve LLMs on a fleet of workers behind one OpenAI endpoint."
+    )
+    parser.add_argument(
+        "--log-level", default=env_default("log_level", "INFO"), help="DEBUG, INFO, WARNING, ERROR"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS.values():
+        try:
+            importlib.import_module(module).add_parser(sub)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    code: int = importlib.import_module(COMMANDS[args.command]).run(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,581 @@
+"""`etcd://host:port[,host:port]`: the store on an etcd v3 cluster, through `aetcd`.
+
+Revisions are etcd's own: reads report the response header's revision, each key its
+`mod_revision`, and watch events the revision of their change. Leases are etcd leases.
+
+Failure handling:
+
+- Every call has a deadline (`call_timeout`) and fails with `StoreUnavailableError`
+  when etcd cannot be reached; nothing waits forever. The gRPC channel reconnects on its
+  own with a short backoff, and with several endpoints a transport failure moves the
+  client to the next one.
+- A watch runs on its own gRPC stream. When the stream breaks (etcd died, restarted,
+  lost its leader) or etcd reports the start revision compacted, the watch backs off
+  (50 ms doubling to 2 s, with jitter), reads the prefix, yields a `Resync` with it and
+  goes on watching from that read's revision + 1.
+- etcd raises lease TTLs to a minimum (2 s with the default election timing). For a
+  lease granted with a shorter TTL, the store that granted it revokes it itself once that
+  TTL passes without a renewal, so a living holder that stops renewing loses its keys on
+  time; if the holder dies, etcd's own (longer) TTL applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import aetcd
+import aetcd.exceptions
+import aetcd.rpc
+import aetcd.utils
+
+from shoal.store.base import (
+    Delete,
+    Event,
+    KeyValue,
+    LeaseNotFoundError,
+    Put,
+    Resync,
+    Snapshot,
+    Store,
+    StoreError,
+    StoreUnavailableError,
+    ValueTooLargeError,
+    check_key,
+    check_prefix,
+    check_value,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_PORT = 2379
+BACKOFF_START = 0.05
+BACKOFF_CAP = 2.0
+
+# gRPC channel options: reconnect quickly after an outage, and detect a dead peer on a
+# silent network within ~15 s (etcd refuses pings more often than every 5 s by default,
+# and pings without an open stream).
+_CHANNEL_OPTIONS: dict[str, Any] = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.keepalive_permit_without_calls": 0,
+    "grpc.http2.max_pings_without_data": 0,
+    "grpc.max_receive_message_length": 64 * 1024 * 1024,
+}
+
+# Transport-level gRPC outcomes: etcd (or the way to it) is not there right now.
+_TRANSPORT_CODES = frozenset(
+    {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "ABORTED", "INTERNAL"}
+)
+
+
+def parse_url(url: str) -> list[tuple[str, int]]:
+    """The endpoints of `etcd://host:port[,host:port...]`, in order; the port defaults to 2379."""
+    scheme, sep, rest = url.partition("://")
+    if scheme != "etcd" or not sep:
+        raise ValueError(f"not an etcd store URL: {url!r}")
+    rest = rest.rstrip("/")
+    if not rest or "/" in rest or "?" in rest or "@" in rest:
+        raise ValueError(f"etcd store URL {url!r}: expected etcd://host:port[,host:port]")
+    endpoints: list[tuple[str, int]] = []
+    for part in rest.split(","):
+        part = part.strip()
+        if part.startswith("["):  # [v6::addr]:port
+            host, _, tail = part[1:].partition("]")
+            host = f"[{host}]"
+            port_s = tail.removeprefix(":")
+        elif part.count(":") == 1:
+            host, _, port_s = part.partition(":")
+        else:
+            host, port_s = part, ""
+        try:
+            port = int(port_s) if port_s else DEFAULT_PORT
+        except ValueError:
+            raise ValueError(f"etcd store URL {url!r}: bad port in {part!r}") from None
+        if not host or not 0 < port < 65536:
+            raise ValueError(f"etcd store URL {url!r}: bad endpoint {part!r}")
+        endpoints.append((host, port))
+    return endpoints
+
+
+def _range_of(prefix: str) -> tuple[bytes, bytes]:
+    """The etcd key range [start, end) holding every key under `prefix` ("" is everything)."""
+    if not prefix:
+        return b"\0", b"\0"
+    start = prefix.encode()
+    return start, aetcd.utils.prefix_range_end(start)
+
+
+def _grpc_code(exc: BaseException) -> tuple[str | None, str]:
+    """The gRPC status code name and details behind an aetcd or gRPC error, if any."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, aetcd.rpc.AioRpcError):
+            return seen.code().name, seen.details() or ""
+        seen = seen.__cause__
+    return None, str(exc)
+
+
+def _cancelled_by_grpc() -> bool:
+    """True when a `CancelledError` came from gRPC cancelling a call (its channel closed),
+    not from someone cancelling the running task."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
+def _jitter(delay: float) -> float:
+    return delay * (0.5 + random.random())
+
+
+class _StreamBroken(Exception):
+    """A watch stream ended or failed; the watch must resync."""
+
+
+class _Compacted(Exception):
+    """etcd no longer has the history the watch asked for."""
+
+
+class EtcdStore(Store):
+    """A `Store` on etcd v3. Open it with `EtcdStore.open(url)` (or `shoal.store.open_store`)."""
+
+    def __init__(self, url: str, *, call_timeout: float = 5.0) -> None:
+        self.url = url
+        self._endpoints = parse_url(url)
+        self._call_timeout = call_timeout
+        self._index = 0
+        self._generation = 0
+        self._client: Any = None
+        self._closed = False
+        self._watch_calls: set[Any] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        # Leases granted here whose requested TTL is below the one etcd gave: id -> deadline.
+        self._short_leases: dict[int, float] = {}
+        self._short_ttls: dict[int, float] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._reaper_wake = asyncio.Event()
+
+    # -- connection ---------------------------------------------------------------------
+
+    def _new_client(self, index: int) -> Any:
+        host, port = self._endpoints[index]
+        return aetcd.Client(
+            host=host,
+            port=port,
+            timeout=self._call_timeout,
+            options=dict(_CHANNEL_OPTIONS),
+        )
+
+    @classmethod
+    async def open(
+        cls, url: str, *, connect_timeout: float = 5.0, call_timeout: float = 5.0
+    ) -> EtcdStore:
+        """Connect to the first reachable endpoint of `url` within `connect_timeout`.
+
+        Raises `StoreUnavailableError` naming the URL when none answers in time.
+        """
+        store = cls(url, call_timeout=call_timeout)
+        deadline = time.monotonic() + connect_timeout
+        errors: list[str] = []
+        n = len(store._endpoints)
+        for i, (host, port) in enumerate(store._endpoints):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                errors.append(f"{host}:{port}: not tried (timeout)")
+                continue
+            client = store._new_client(i)
+            try:
+                async with asyncio.timeout(remaining / (n - i)):
+                    await client.connect()
+                    await client.get(b"\0shoal-probe")
+            except Exception as exc:
+                code, details = _grpc_code(exc)
+                reason = details or code or type(exc).__name__
+                errors.append(f"{host}:{port}: {reason}")
+                with contextlib.suppress(Exception):
+                    await client.close()
+                continue
+            store._client = client
+            store._index = i
+            return store
+        raise StoreUnavailableError(
+            f"etcd store {url} is unreachable within {connect_timeout}s ({'; '.join(errors)})"
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreUnavailableError(f"store {self.url} is closed")
+
+    async def _current(self) -> tuple[Any, int]:
+        """The client in use and its generation, connected."""
+        self._check_open()
+        if self._client is None:
+            self._client = self._new_client(self._index)
+        client, generation = self._client, self._generation
+        await client.connect()
+        return client, generation
+
+    def _fail_over(self, generation: int) -> None:
+        """After a transport failure on `generation`, move to the next endpoint (if any)."""
+        if self._closed or generation != self._generation or len(self._endpoints) < 2:
+            return
+        old = self._client
+        self._index = (self._index + 1) % len(self._endpoints)
+        self._generation += 1
+        self._client = self._new_client(self._index)
+        host, port = self._endpoints[self._index]
+        log.warning("etcd store %s: switching to endpoint %s:%s", self.url, host, port)
+        if old is not None:
+            self._spawn(self._close_client(old))
+
+    @staticmethod
+    async def _close_client(client: Any) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(client.close(), 5.0)
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        async def run() -> None:
+            await coro
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _translate(self, exc: BaseException, what: str) -> StoreError:
+        """The shoal error for a failed etcd call."""
+        if isinstance(exc, StoreError):
+            return exc
+        if self._closed:
+            return StoreUnavailableError(f"store {self.url} is closed")
+        if isinstance(exc, TimeoutError):
+            return StoreUnavailableError(
+                f"etcd store {self.url}: {what} timed out after {self._call_timeout}s"
+            )
+        code, details = _grpc_code(exc)
+        if code == "NOT_FOUND" and "lease" in details:
+            return LeaseNotFoundError(f"{what}: {details}")
+        if code == "INVALID_ARGUMENT" and "too large" in details:
+            return ValueTooLargeError(f"{what}: {details}")
+        if code is None and isinstance(
+            exc,
+            aetcd.exceptions.ConnectionFailedError | aetcd.exceptions.ConnectionTimeoutError,
+        ):
+            code = "UNAVAILABLE"
+        if code is None or code in _TRANSPORT_CODES:
+            return StoreUnavailableError(
+                f"etcd store {self.url} unavailable ({what}): {details or type(exc).__name__}"
+            )
+        return StoreError(f"etcd store {self.url}: {what} failed: {code}: {details}")
+
+    async def _call(self, what: str, fn: Callable[[Any], Awaitable[T]]) -> T:
+        """Run one request on the current client with a deadline, translating errors."""
+        client, generation = await self._current()
+        try:
+            async with asyncio.timeout(self._call_timeout + 1.0):
+                return await fn(client)
+        except (Exception, asyncio.CancelledError) as exc:
+            raise self._failure(exc, what, generation) from exc
+
+    def _failure(self, exc: BaseException, what: str, generation: int) -> StoreError:
+        """Translate a failed call's error, failing over on transport errors.
+
+        Re-raises a `CancelledError` aimed at the running task; one from gRPC (the call's
+        channel was closed under it) is a transport error.
+        """
+        if isinstance(exc, asyncio.CancelledError):
+            if not _cancelled_by_grpc():
+                raise exc
+            err: StoreError = StoreUnavailableError(
+                f"etcd store {self.url} unavailable ({what}): call cancelled"
+            )
+        else:
+            err = self._translate(exc, what)
+        if isinstance(err, StoreUnavailableError):
+            self._fail_over(generation)
+        return err
+
+    # -- key-value ----------------------------------------------------------------------
+
+    @staticmethod
+    def _kv(kv: Any) -> KeyValue:
+        return KeyValue(
+            key=kv.key.decode("utf-8", "replace"),
+            value=bytes(kv.value),
+            mod_revision=int(kv.mod_revision),
+            lease=int(kv.lease),
+        )
+
+    async def get_prefix(self, prefix: str) -> Snapshot:
+        check_prefix(prefix)
+        start, end = _range_of(prefix)
+
+        async def fn(client: Any) -> Any:
+            return await client.get_range(start, end, sort_order="ascend", sort_target="key")
+
+        resp = await self._call(f"get_prefix {prefix!r}", fn)
+        return Snapshot([self._kv(kv) for kv in resp.kvs], int(resp.header.revision))
+
+    async def get(self, key: str) -> KeyValue | None:
+        check_key(key)
+
+        async def fn(client: Any) -> Any:
+            return await client.get(key.encode())
+
+        resp = await self._call(f"get {key!r}", fn)
+        return None if resp is None else self._kv(resp)
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        check_key(key)
+        check_value(key, value)
+        data = bytes(value)
+
+        async def fn(client: Any) -> Any:
+            return await client.put(key.encode(), data, lease=lease or None)
+
+        resp = await self._call(f"put {key!r}", fn)
+        return int(resp.header.revision)
+
+    async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
+        check_key(key)
+        check_value(key, value)
+        raw, data = key.encode(), bytes(value)
+
+        async def fn(client: Any) -> Any:
+            tx = client.transactions
+            return await client.transaction(
+                compare=[tx.create(raw) == 0],
+                success=[tx.put(raw, data, lease=lease or None)],
+                failure=[],
+            )
+
+        succeeded, _ = await self._call(f"create {key!r}", fn)
+        return bool(succeeded)
+
+    async def delete(self, key: str) -> bool:
+        check_key(key)
+
+        async def fn(client: Any) -> Any:
+            return await client.delete(key.encode())
+
+        return await self._call(f"delete {key!r}", fn) is not None
+
+    # -- leases -------------------------------------------------------------------------
+
+    async def _grant(self, ttl: float) -> int:
+        if ttl <= 0:
+            raise ValueError(f"lease ttl must be positive, got {ttl}")
+        seconds = max(1, math.ceil(ttl))
+        sent = time.monotonic()
+
+        async def fn(client: Any) -> Any:
+            return await client.lease(seconds)
+
+        lease = await self._call(f"grant lease ttl={ttl}", fn)
+        lease_id = int(lease.id)
+        if int(lease.ttl) > ttl:
+            # etcd raised the TTL to its minimum: honour the requested one ourselves.
+            self._short_ttls[lease_id] = ttl
+            self._short_leases[lease_id] = sent + ttl
+            self._ensure_reaper()
+        return lease_id
+
+    async def _keepalive(self, lease_id: int, ttl: float) -> bool:
+        sent = time.monotonic()
+
+        async def fn(client: Any) -> Any:
+            call = client.leasestub.LeaseKeepAlive(
+                timeout=self._call_timeout, metadata=client.metadata
+            )
+            try:
+                await call.write(aetcd.rpc.LeaseKeepAliveRequest(ID=lease_id))
+                await call.done_writing()
+                async for reply in call:
+                    return reply
+                return None
+            finally:
+                call.cancel()
+
+        reply = await self._call(f"keepalive lease {lease_id:x}", fn)
+        if reply is None:
+            raise StoreUnavailableError(
+                f"etcd store {self.url}: keepalive of lease {lease_id:x} got no answer"
+            )
+        if int(reply.TTL) <= 0:
+            self._forget_short(lease_id)
+            return False
+        if lease_id in self._short_leases:
+            self._short_leases[lease_id] = sent + self._short_ttls[lease_id]
+        return True
+
+    async def revoke(self, lease_id: int) -> None:
+        self._forget_short(lease_id)
+
+        async def fn(client: Any) -> Any:
+            return await client.revoke_lease(lease_id)
+
+        with contextlib.suppress(LeaseNotFoundError):
+            await self._call(f"revoke lease {lease_id:x}", fn)
+
+    def _forget_short(self, lease_id: int) -> None:
+        self._short_leases.pop(lease_id, None)
+        self._short_ttls.pop(lease_id, None)
+
+    def _ensure_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(
+                self._reap_forever(), name="etcd-store-lease-reaper"
+            )
+        self._reaper_wake.set()
+
+    async def _reap_forever(self) -> None:
+        """Revoke short leases (see the module doc) whose requested TTL ran out."""
+        while not self._closed:
+            now = time.monotonic()
+            for lease_id, deadline in list(self._short_leases.items()):
+                if deadline <= now:
+                    log.debug("lease %x: ttl passed without keepalive, revoking", lease_id)
+                    try:
+                        await self.revoke(lease_id)
+                    except StoreError as exc:  # etcd expires it on its own
+                        log.debug("revoking expired lease %x: %s", lease_id, exc)
+            self._reaper_wake.clear()
+            timeout = None
+            if self._short_leases:
+                timeout = max(0.0, min(self._short_leases.values()) - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reaper_wake.wait(), timeout)
+
+    # -- watch --------------------------------------------------------------------------
+
+    def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
+        check_prefix(prefix)
+        self._check_open()
+        return self._watch(prefix, start_revision)
+
+    async def _watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
+        next_revision = start_revision
+        resync = False
+        backoff = BACKOFF_START
+        while not self._closed:
+            if resync:
+                try:
+                    snap = await self.get_prefix(prefix)
+                except StoreUnavailableError as exc:
+                    if self._closed:
+                        return
+                    log.debug("watch %r: resync read failed: %s", prefix, exc)
+                    await asyncio.sleep(_jitter(backoff))
+                    backoff = min(backoff * 2, BACKOFF_CAP)
+                    continue
+                yield Resync(snap.items, snap.revision)
+                next_revision = snap.revision + 1
+                resync = False
+            stream = self._watch_stream(prefix, next_revision)
+            try:
+                while True:
+                    try:
+                        batch = await anext(stream)
+                    except StopAsyncIteration:
+                        raise _StreamBroken("watch stream ended") from None
+                    if not batch:  # the stream is established
+                        backoff = BACKOFF_START
+                        continue
+                    for event in batch:
+                        yield event
+                    next_revision = batch[-1].revision + 1
+            except _Compacted as exc:
+                log.info("watch %r from %s: %s; resyncing", prefix, next_revision, exc)
+                resync = True
+            except (_StreamBroken, StoreError) as exc:
+                if self._closed:
+                    return
+                log.info("watch %r broke (%s); resyncing", prefix, exc)
+                resync = True
+                await asyncio.sleep(_jitter(backoff))
+                backoff = min(backoff * 2, BACKOFF_CAP)
+            finally:
+                await stream.aclose()
+
+    async def _watch_stream(
+        self, prefix: str, start_revision: int
+    ) -> AsyncGenerator[list[Put | Delete], None]:
+        """One etcd watch stream: yields [] once created, then each response's events.
+
+        Raises `_Compacted` when the history is gone and `_StreamBroken` on any failure.
+        """
+        client, generation = await self._current()
+        start, end = _range_of(prefix)
+        metadata = (*(client.metadata or ()), ("hasleader", "true"))
+        create = aetcd.rpc.WatchCreateRequest(
+            key=start, range_end=end, start_revision=max(start_revision, 0)
+        )
+        call = aetcd.rpc.WatchStub(client.channel).Watch(metadata=metadata)
+        self._watch_calls.add(call)
+        try:
+            try:
+                async with asyncio.timeout(self._call_timeout):
+                    await call.write(aetcd.rpc.WatchRequest(create_request=create))
+                    responses = call.__aiter__()
+                    first = await anext(responses)
+            except StopAsyncIteration:
+                raise _StreamBroken("watch stream closed before creation") from None
+            except (Exception, asyncio.CancelledError) as exc:
+                err = self._failure(exc, f"watch {prefix!r}", generation)
+                raise _StreamBroken(str(err)) from exc
+            resp = first
+            while True:
+                if resp.compact_revision:
+                    raise _Compacted(f"history compacted up to {resp.compact_revision}")
+                if resp.canceled:
+                    raise _StreamBroken(f"watch canceled by etcd: {resp.cancel_reason}")
+                if resp.created:
+                    yield []
+                if resp.events:
+                    yield [self._event(e) for e in resp.events]
+                try:
+                    resp = await anext(responses)
+                except StopAsyncIteration:
+                    raise _StreamBroken("watch stream closed by etcd") from None
+                except (Exception, asyncio.CancelledError) as exc:
+                    err = self._failure(exc, f"watch {prefix!r}", generation)
+                    raise _StreamBroken(str(err)) from exc
+        finally:
+            self._watch_calls.discard(call)
+            call.cancel()
+
+    @staticmethod
+    def _event(e: Any) -> Put | Delete:
+        key = e.kv.key.decode("utf-8", "replace")
+        revision = int(e.kv.mod_revision)
+        if e.type == aetcd.rpc.Event.DELETE:
+            return Delete(key, revision)
+        return Put(key, bytes(e.kv.value), revision)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for call in list(self._watch_calls):
+            call.cancel()
+        self._watch_calls.clear()
+        tasks = list(self._background)
+        if self._reaper is not None:
+            tasks.append(self._reaper)
+            self._reaper = None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._client is not None:
+            client, self._client = self._client, None
+            await self._close_client(client)

@@ -1,0 +1,583 @@
+"""`sqlite:///absolute/path.db`: the embedded store, shared by the processes of one host.
+
+Every process opens the same file; SQLite's WAL mode lets readers run beside the one
+writer, and every write is one short `BEGIN IMMEDIATE` transaction. The URL path is always
+absolute (`sqlite:///var/x.db` and `sqlite:////var/x.db` both mean `/var/x.db`); missing
+parent directories are created.
+
+Layout:
+
+- `meta`: one row with the current store `revision` and the `compact_revision` up to
+  which the change log has been trimmed.
+- `kv`: the keys, each with its value, the revision that last wrote it and its lease.
+- `leases`: id, TTL and deadline as wall-clock `time.time()`, since processes share it.
+- `changes`: one row per revision (key, value, NULL for a delete): the log watches read.
+
+Each write bumps `meta.revision` and appends its change in the same transaction, so
+revisions strictly increase across processes and every change is logged exactly once.
+Deleting N keys (revoking a lease) takes N revisions, as in the memory backend.
+
+Each store instance owns one connection, used only by a dedicated thread; a whole
+transaction runs in one hop to that thread. Background work per instance:
+
+- a watch poller: every `POLL_INTERVAL` (50 ms) it reads `meta` and, only if some watcher
+  is behind, the new change rows, in one read transaction, and fans them out to all of
+  this instance's watches. A watch whose next revision was trimmed, whose read failed, or
+  whose client was cut off (`set_unreachable`) gets a `Resync` read in that same snapshot.
+- a lease reaper: every `REAP_INTERVAL` (200 ms) it looks for an expired lease (a read,
+  no lock) and only then deletes expired leases and their keys with delete events. Every
+  client reaps, so a holder killed by SIGKILL loses its keys within TTL + ~0.25 s. Each
+  write transaction also reaps first, so a write never uses an expired lease.
+
+Compaction: the change log keeps the last `RETAIN_CHANGES` (1000) revisions, trimmed
+every `TRIM_EVERY` writes, so its size is bounded whatever the write rate; a watcher that
+falls further behind than that gets a `Resync`. The WAL is checkpointed automatically
+every `WAL_AUTOCHECKPOINT_PAGES` pages and truncated to `JOURNAL_SIZE_LIMIT` afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import secrets
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from shoal.store.base import (
+    Delete,
+    Event,
+    KeyValue,
+    LeaseNotFoundError,
+    Put,
+    Resync,
+    Snapshot,
+    Store,
+    StoreUnavailableError,
+    check_key,
+    check_prefix,
+    check_value,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+POLL_INTERVAL = 0.05
+"""Seconds between two reads of the change log by an instance's watch poller."""
+REAP_INTERVAL = 0.2
+"""Seconds between two looks for expired leases."""
+RETAIN_CHANGES = 1000
+"""Revisions kept in the change log; older watchers get a `Resync`."""
+TRIM_EVERY = 64
+"""The change log is trimmed on every `TRIM_EVERY`-th revision."""
+BUSY_TIMEOUT = 5.0
+"""Seconds a statement waits for another process's lock before failing."""
+WAL_AUTOCHECKPOINT_PAGES = 256
+JOURNAL_SIZE_LIMIT = 1024 * 1024
+MAX_QUEUED = 10_000
+"""Events queued for a watch that is not being read before it is dropped for a `Resync`."""
+SCHEMA_VERSION = 1
+
+_SCHEMA = (
+    "CREATE TABLE meta (id INTEGER PRIMARY KEY CHECK (id = 0),"
+    " revision INTEGER NOT NULL, compact_revision INTEGER NOT NULL)",
+    "INSERT INTO meta (id, revision, compact_revision) VALUES (0, 0, 0)",
+    "CREATE TABLE kv (key TEXT PRIMARY KEY, value BLOB NOT NULL,"
+    " mod_revision INTEGER NOT NULL, lease INTEGER NOT NULL DEFAULT 0)",
+    "CREATE INDEX kv_by_lease ON kv (lease)",
+    "CREATE TABLE leases (id INTEGER PRIMARY KEY, ttl REAL NOT NULL, deadline REAL NOT NULL)",
+    "CREATE INDEX leases_by_deadline ON leases (deadline)",
+    "CREATE TABLE changes (revision INTEGER PRIMARY KEY, key TEXT NOT NULL, value BLOB)",
+)
+
+
+def _path_from_url(url: str) -> Path:
+    scheme, sep, rest = url.partition("://")
+    if scheme != "sqlite" or not sep or not rest.startswith("/") or not rest.strip("/"):
+        raise ValueError(f"store URL {url!r}: use sqlite:///absolute/path/to/file.db")
+    return Path("/" + rest.lstrip("/"))
+
+
+def _connect(path: Path, busy_timeout: float) -> sqlite3.Connection:
+    """Open `path` in WAL mode and create the schema if the file is new (in the store thread)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(
+        path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+    )
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+        (mode,) = conn.execute("PRAGMA journal_mode = WAL").fetchone()
+        if str(mode).lower() != "wal":
+            raise sqlite3.OperationalError(f"cannot switch to WAL journal mode (got {mode!r})")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute(f"PRAGMA wal_autocheckpoint = {WAL_AUTOCHECKPOINT_PAGES}")
+        conn.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+            if version == 0:
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            elif version != SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(
+                    f"schema version {version} is not the supported {SCHEMA_VERSION}"
+                )
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT * 1000)}")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _close_unused(future: Future[sqlite3.Connection]) -> None:
+    """Close a connection whose open finished after the caller gave up on it."""
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
+
+
+# Statements run inside a transaction, in the store thread.
+
+
+def _items(conn: sqlite3.Connection, prefix: str) -> list[KeyValue]:
+    columns = "SELECT key, value, mod_revision, lease FROM kv"
+    if prefix:
+        # Keys are ASCII (see `check_key`): the range [prefix, prefix with its last
+        # character bumped) is exactly the keys that start with prefix, and uses the index.
+        upper = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        rows = conn.execute(
+            f"{columns} WHERE key >= ? AND key < ? ORDER BY key", (prefix, upper)
+        ).fetchall()
+    else:
+        rows = conn.execute(f"{columns} ORDER BY key").fetchall()
+    return [KeyValue(key, bytes(value), rev, lease) for key, value, rev, lease in rows]
+
+
+def _revision(conn: sqlite3.Connection) -> int:
+    (revision,) = conn.execute("SELECT revision FROM meta WHERE id = 0").fetchone()
+    return int(revision)
+
+
+def _append(conn: sqlite3.Connection, key: str, value: bytes | None) -> int:
+    """Take the next revision and log the change (`None`: a delete); trim the log now and then."""
+    conn.execute("UPDATE meta SET revision = revision + 1 WHERE id = 0")
+    revision = _revision(conn)
+    conn.execute(
+        "INSERT INTO changes (revision, key, value) VALUES (?, ?, ?)", (revision, key, value)
+    )
+    if revision % TRIM_EVERY == 0 and revision > RETAIN_CHANGES:
+        cutoff = revision - RETAIN_CHANGES
+        conn.execute("DELETE FROM changes WHERE revision <= ?", (cutoff,))
+        conn.execute(
+            "UPDATE meta SET compact_revision = ? WHERE id = 0 AND compact_revision < ?",
+            (cutoff, cutoff),
+        )
+    return revision
+
+
+def _delete_key(conn: sqlite3.Connection, key: str) -> int | None:
+    if conn.execute("DELETE FROM kv WHERE key = ?", (key,)).rowcount == 0:
+        return None
+    return _append(conn, key, None)
+
+
+def _end_lease(conn: sqlite3.Connection, lease_id: int) -> None:
+    if not lease_id:
+        return
+    conn.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
+    keys = conn.execute("SELECT key FROM kv WHERE lease = ? ORDER BY key", (lease_id,)).fetchall()
+    for (key,) in keys:
+        _delete_key(conn, key)
+
+
+def _reap(conn: sqlite3.Connection, now: float) -> None:
+    expired = conn.execute("SELECT id FROM leases WHERE deadline < ?", (now,)).fetchall()
+    for (lease_id,) in expired:
+        log.debug("lease %x expired", lease_id)
+        _end_lease(conn, lease_id)
+
+
+def _lease_exists(conn: sqlite3.Connection, lease_id: int) -> bool:
+    return conn.execute("SELECT 1 FROM leases WHERE id = ?", (lease_id,)).fetchone() is not None
+
+
+def _put(conn: sqlite3.Connection, now: float, key: str, value: bytes, lease: int) -> int | None:
+    if lease and not _lease_exists(conn, lease):
+        return None
+    revision = _append(conn, key, value)
+    conn.execute(
+        "INSERT INTO kv (key, value, mod_revision, lease) VALUES (?, ?, ?, ?)"
+        " ON CONFLICT (key) DO UPDATE SET value = excluded.value,"
+        " mod_revision = excluded.mod_revision, lease = excluded.lease",
+        (key, value, revision, lease),
+    )
+    return revision
+
+
+def _create(
+    conn: sqlite3.Connection, now: float, key: str, value: bytes, lease: int
+) -> bool | None:
+    if conn.execute("SELECT 1 FROM kv WHERE key = ?", (key,)).fetchone() is not None:
+        return False
+    if lease and not _lease_exists(conn, lease):
+        return None
+    revision = _revision(conn) + 1
+    inserted = conn.execute(
+        "INSERT INTO kv (key, value, mod_revision, lease) VALUES (?, ?, ?, ?)"
+        " ON CONFLICT (key) DO NOTHING",
+        (key, value, revision, lease),
+    ).rowcount
+    if inserted != 1:
+        return False
+    _append(conn, key, value)
+    return True
+
+
+def _delete(conn: sqlite3.Connection, now: float, key: str) -> bool:
+    return _delete_key(conn, key) is not None
+
+
+def _grant(conn: sqlite3.Connection, now: float, ttl: float) -> int:
+    while True:
+        lease_id = secrets.randbits(62) + 1
+        inserted = conn.execute(
+            "INSERT INTO leases (id, ttl, deadline) VALUES (?, ?, ?) ON CONFLICT (id) DO NOTHING",
+            (lease_id, ttl, now + ttl),
+        ).rowcount
+        if inserted == 1:
+            return lease_id
+
+
+def _keepalive(conn: sqlite3.Connection, now: float, lease_id: int, ttl: float) -> bool:
+    # Expired leases were reaped at the start of this transaction.
+    updated = conn.execute(
+        "UPDATE leases SET ttl = ?, deadline = ? WHERE id = ?", (ttl, now + ttl, lease_id)
+    ).rowcount
+    return bool(updated == 1)
+
+
+def _revoke(conn: sqlite3.Connection, now: float, lease_id: int) -> None:
+    _end_lease(conn, lease_id)
+
+
+def _nothing(conn: sqlite3.Connection, now: float) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _PollResult:
+    revision: int
+    resyncs: dict[int, list[KeyValue]]
+    changes: list[tuple[int, str, bytes | None]]
+
+
+@dataclass(eq=False)
+class _Watcher:
+    prefix: str
+    next_revision: int
+    epoch: int
+    queue: asyncio.Queue[Event | None] = field(default_factory=asyncio.Queue)
+    resync: bool = False
+
+
+class SQLiteStore(Store):
+    """The store in one SQLite file shared by the processes of a host. Open with `open`."""
+
+    def __init__(
+        self, url: str, path: Path, conn: sqlite3.Connection, executor: ThreadPoolExecutor
+    ) -> None:
+        self.url = url
+        self.path = path
+        self._conn = conn
+        self._executor = executor
+        self._closed = False
+        self._unreachable = False
+        self._epoch = 0  # bumped when an outage starts: watches from before it resync
+        self._watchers: set[_Watcher] = set()
+        self._wake = asyncio.Event()
+        self._poller = asyncio.create_task(self._poll_forever(), name=f"sqlite-watch {path}")
+        self._reaper = asyncio.create_task(self._reap_forever(), name=f"sqlite-reaper {path}")
+
+    @classmethod
+    async def open(cls, url: str, *, connect_timeout: float = 5.0) -> SQLiteStore:
+        """Open (creating if needed) the file named by `url`, failing within `connect_timeout`."""
+        path = _path_from_url(url)
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-sqlite")
+        busy = max(0.05, min(BUSY_TIMEOUT, connect_timeout / 2))
+        future = executor.submit(_connect, path, busy)
+        try:
+            conn = await asyncio.wait_for(asyncio.wrap_future(future), connect_timeout)
+        except TimeoutError:
+            future.add_done_callback(_close_unused)
+            executor.shutdown(wait=False, cancel_futures=True)
+            raise StoreUnavailableError(
+                f"store {url} could not be opened within {connect_timeout}s (locked?)"
+            ) from None
+        except (OSError, sqlite3.Error) as exc:
+            executor.shutdown(wait=False)
+            raise StoreUnavailableError(f"store {url} cannot be opened: {exc}") from exc
+        except BaseException:
+            future.add_done_callback(_close_unused)
+            executor.shutdown(wait=False)
+            raise
+        return cls(url, path, conn, executor)
+
+    # Plumbing.
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreUnavailableError(f"store {self.url} is closed")
+        if self._unreachable:
+            raise StoreUnavailableError(f"store {self.url} is unreachable")
+
+    def set_unreachable(self, unreachable: bool) -> None:
+        """Fault injection for tests: this client loses (or regains) its store.
+
+        While cut off, its calls fail and its watches read nothing; when it comes back, each
+        of its watches yields a `Resync`, as after a dropped connection.
+        """
+        if unreachable and not self._unreachable:
+            self._epoch += 1
+        self._unreachable = unreachable
+        if not unreachable:
+            self._wake.set()
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` in the store thread."""
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, fn)
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(f"store {self.url}: {exc}") from exc
+        except RuntimeError as exc:  # the executor was shut down by close()
+            raise StoreUnavailableError(f"store {self.url} is closed") from exc
+
+    def _write(self, fn: Callable[[sqlite3.Connection, float], T]) -> T:
+        """One write transaction (in the store thread): reap expired leases, then `fn`."""
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            now = time.time()
+            _reap(conn, now)
+            result = fn(conn, now)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return result
+
+    def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """One read transaction (in the store thread): a consistent snapshot."""
+        conn = self._conn
+        conn.execute("BEGIN")
+        try:
+            result = fn(conn)
+        finally:
+            if conn.in_transaction:
+                conn.execute("COMMIT")
+        return result
+
+    # Reads and writes.
+
+    async def get_prefix(self, prefix: str) -> Snapshot:
+        check_prefix(prefix)
+
+        def read(conn: sqlite3.Connection) -> Snapshot:
+            revision = _revision(conn)
+            return Snapshot(_items(conn, prefix), revision)
+
+        return await self._call(functools.partial(self._read, read))
+
+    async def get(self, key: str) -> KeyValue | None:
+        check_key(key)
+
+        def read() -> KeyValue | None:
+            row = self._conn.execute(
+                "SELECT key, value, mod_revision, lease FROM kv WHERE key = ?", (key,)
+            ).fetchone()
+            return None if row is None else KeyValue(row[0], bytes(row[1]), row[2], row[3])
+
+        return await self._call(read)
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        check_key(key)
+        check_value(key, value)
+        data = bytes(value)
+        revision = await self._call(
+            functools.partial(
+                self._write, functools.partial(_put, key=key, value=data, lease=lease)
+            )
+        )
+        if revision is None:
+            raise LeaseNotFoundError(f"lease {lease:x} does not exist (put {key!r})")
+        return revision
+
+    async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
+        check_key(key)
+        check_value(key, value)
+        data = bytes(value)
+        created = await self._call(
+            functools.partial(
+                self._write, functools.partial(_create, key=key, value=data, lease=lease)
+            )
+        )
+        if created is None:
+            raise LeaseNotFoundError(f"lease {lease:x} does not exist (create {key!r})")
+        return created
+
+    async def delete(self, key: str) -> bool:
+        check_key(key)
+        return await self._call(functools.partial(self._write, functools.partial(_delete, key=key)))
+
+    async def _grant(self, ttl: float) -> int:
+        return await self._call(functools.partial(self._write, functools.partial(_grant, ttl=ttl)))
+
+    async def _keepalive(self, lease_id: int, ttl: float) -> bool:
+        return await self._call(
+            functools.partial(
+                self._write, functools.partial(_keepalive, lease_id=lease_id, ttl=ttl)
+            )
+        )
+
+    async def revoke(self, lease_id: int) -> None:
+        await self._call(
+            functools.partial(self._write, functools.partial(_revoke, lease_id=lease_id))
+        )
+
+    # Leases.
+
+    def _reap_if_due(self) -> None:
+        """Look for an expired lease without locking; only if there is one, take the lock."""
+        now = time.time()
+        row = self._conn.execute("SELECT 1 FROM leases WHERE deadline < ? LIMIT 1", (now,))
+        if row.fetchone() is not None:
+            self._write(_nothing)  # every write transaction reaps first
+
+    async def _reap_forever(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(REAP_INTERVAL)
+            if self._unreachable or self._closed:
+                continue
+            try:
+                await self._call(self._reap_if_due)
+            except StoreUnavailableError as exc:
+                log.debug("lease reaper: %s", exc)
+
+    # Watches.
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
+        self._check_open()
+        check_prefix(prefix)
+        watcher = _Watcher(prefix, start_revision, self._epoch)
+        self._watchers.add(watcher)
+        self._wake.set()
+        try:
+            while True:
+                event = await watcher.queue.get()
+                if event is None:
+                    return
+                yield event
+        finally:
+            self._watchers.discard(watcher)
+
+    def _poll_read(self, plan: list[tuple[str, int, bool]]) -> _PollResult:
+        """In one read transaction: the revision, the resyncs due, and the new changes."""
+
+        def read(conn: sqlite3.Connection) -> _PollResult:
+            revision, compacted = conn.execute(
+                "SELECT revision, compact_revision FROM meta WHERE id = 0"
+            ).fetchone()
+            resyncs: dict[int, list[KeyValue]] = {}
+            low: int | None = None
+            for i, (prefix, next_revision, force) in enumerate(plan):
+                if force or next_revision <= compacted:
+                    resyncs[i] = _items(conn, prefix)
+                elif next_revision <= revision:
+                    low = next_revision if low is None else min(low, next_revision)
+            changes: list[tuple[int, str, bytes | None]] = []
+            if low is not None:
+                changes = conn.execute(
+                    "SELECT revision, key, value FROM changes"
+                    " WHERE revision >= ? AND revision <= ? ORDER BY revision",
+                    (low, revision),
+                ).fetchall()
+            return _PollResult(int(revision), resyncs, changes)
+
+        return self._read(read)
+
+    async def _poll_once(self) -> None:
+        watchers = list(self._watchers)
+        if not watchers:
+            return
+        epoch = self._epoch
+        plan = [(w.prefix, w.next_revision, w.resync or w.epoch != epoch) for w in watchers]
+        try:
+            result = await self._call(functools.partial(self._poll_read, plan))
+        except StoreUnavailableError:
+            for w in watchers:
+                w.resync = True
+            raise
+        if self._closed or self._unreachable or self._epoch != epoch:
+            return  # cut off while reading: what was read may be stale, resync later
+        revision = result.revision
+        for i, w in enumerate(watchers):
+            if w not in self._watchers:
+                continue
+            items = result.resyncs.get(i)
+            if items is not None:
+                w.queue.put_nowait(Resync(items, revision))
+                w.resync = False
+                w.epoch = epoch
+                w.next_revision = revision + 1
+                continue
+            for rev, key, value in result.changes:
+                if rev >= w.next_revision and key.startswith(w.prefix):
+                    w.queue.put_nowait(Delete(key, rev) if value is None else Put(key, value, rev))
+            w.next_revision = max(w.next_revision, revision + 1)
+            if w.queue.qsize() > MAX_QUEUED:
+                log.warning(
+                    "watch on %r fell %d events behind; it will resync", w.prefix, MAX_QUEUED
+                )
+                while not w.queue.empty():
+                    w.queue.get_nowait()
+                w.resync = True
+
+    async def _poll_forever(self) -> None:
+        while not self._closed:
+            if not self._unreachable:
+                try:
+                    await self._poll_once()
+                except StoreUnavailableError as exc:
+                    log.debug("watch poll failed: %s", exc)
+            timeout = POLL_INTERVAL if self._watchers else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in (self._poller, self._reaper):
+            task.cancel()
+        await asyncio.gather(self._poller, self._reaper, return_exceptions=True)
+        for w in self._watchers:
+            w.queue.put_nowait(None)
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(sqlite3.Error, RuntimeError):
+            await loop.run_in_executor(self._executor, self._conn.close)
+        self._executor.shutdown(wait=False)

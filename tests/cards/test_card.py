@@ -1,0 +1,112 @@
+"""Model cards: exact JSON round-trip, strict validation naming the field, a stable mdcsum."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shoal.cards import CardError, Lora, MetadataFile, ModelCard, file_checksum, slugify
+
+SHA = "sha256:" + "ab" * 32
+
+
+def card(**overrides: object) -> ModelCard:
+    fields: dict[str, object] = {
+        "display_name": "Qwen/Qwen3-0.6B",
+        "slug": "qwen--qwen3-0.6b",
+        "source": "hf://Qwen/Qwen3-0.6B",
+        "model_types": ["chat", "completions"],
+        "context_length": 32768,
+        "kv_block_size": 16,
+        "metadata_files": {
+            "config.json": {"url": "http://w/config.json", "checksum": SHA, "size": 3}
+        },
+    }
+    fields.update(overrides)
+    return ModelCard.build(**fields)
+
+
+def test_json_round_trip_is_exact() -> None:
+    original = card(runtime_config={"taints": ["draining"], "max_batch": 8}, lora=None)
+    data = original.to_json()
+    again = ModelCard.from_json(data)
+    assert again == original
+    assert again.to_json() == data
+
+
+def test_lora_card_round_trips() -> None:
+    c = card(
+        display_name="base:sql", slug="base-sql", lora={"base_model": "base", "adapter": "sql"}
+    )
+    assert ModelCard.from_json(c.to_json()).lora == Lora("base", "sql")
+
+
+def test_mdcsum_ignores_runtime_config_and_taints() -> None:
+    plain = card()
+    assert plain.with_taints(["draining"]).mdcsum == plain.mdcsum
+    assert card(runtime_config={"anything": 1}).mdcsum == plain.mdcsum
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"display_name": "other"},
+        {"source": "hf://other"},
+        {"context_length": 1024},
+        {"kv_block_size": 32},
+        {"role": "prefill"},
+        {
+            "metadata_files": {
+                "config.json": {"url": "http://w/c", "checksum": "sha256:" + "cd" * 32, "size": 3}
+            }
+        },
+    ],
+)
+def test_mdcsum_changes_with_every_identity_field(change: dict[str, object]) -> None:
+    assert card(**change).mdcsum != card().mdcsum
+
+
+def test_mdcsum_ignores_where_metadata_files_are_hosted() -> None:
+    moved = card(
+        metadata_files={"config.json": {"url": "http://elsewhere/c", "checksum": SHA, "size": 3}}
+    )
+    assert moved.mdcsum == card().mdcsum
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"context_length": 0}, "context_length"),
+        ({"context_length": "big"}, "context_length"),
+        ({"model_types": []}, "model_types"),
+        ({"model_types": ["vision"]}, "model_types"),
+        ({"slug": "Has Space"}, "slug"),
+        ({"role": "boss"}, "role"),
+        ({"display_name": ""}, "display_name"),
+        ({"metadata_files": {"c": {"url": "u", "checksum": "md5:x", "size": 1}}}, "checksum"),
+        ({"runtime_config": {"taints": "draining"}}, "taints"),
+        ({"unknown_field": 1}, "unknown_field"),
+    ],
+)
+def test_validation_is_strict_and_names_the_field(change: dict[str, object], field: str) -> None:
+    with pytest.raises(CardError, match=field):
+        card(**change)
+
+
+def test_malformed_json_is_a_card_error() -> None:
+    with pytest.raises(CardError, match="JSON"):
+        ModelCard.from_json(b"{not json")
+
+
+def test_slugify_makes_key_safe_slugs() -> None:
+    assert slugify("Qwen/Qwen3-0.6B") == "qwen--qwen3-0.6b"
+    assert slugify("  Llama 3 (8B) ") == "llama-3-8b"
+
+
+def test_file_checksum_matches_metadata_format(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_bytes(b"{}")
+    checksum, size = file_checksum(path)
+    assert size == 2
+    assert MetadataFile(url="http://x", checksum=checksum, size=size).checksum.startswith("sha256:")

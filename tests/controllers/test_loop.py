@@ -1,0 +1,290 @@
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import pytest
+
+from shoal.controllers import Controller, HeartbeatMixin, Loop, LoopHealth
+from tests.controllers.support import FakeClock, wait_for
+
+
+class Batch(HeartbeatMixin, Controller):
+    """One long step over many items (400 at 125 ms each); later steps have nothing to do."""
+
+    def __init__(self, clock: FakeClock, *, report_progress: bool) -> None:
+        self.clock = clock
+        self.report_progress = report_progress
+        self.loop: Loop | None = None
+        self.healths: list[LoopHealth] = []
+        self.done = False
+
+    def step(self) -> None:
+        if self.done:
+            return
+        assert self.loop is not None
+        for _ in range(400):
+            self.clock.advance(0.125)
+            if self.report_progress:
+                self.emit_heartbeat()
+            self.healths.append(self.loop.health())
+        self.done = True
+
+
+class Counter(Controller):
+    """Counts steps; the first `failures` steps raise."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.steps = 0
+        self.failures = failures
+        self.threads: set[str] = set()
+
+    def step(self) -> None:
+        self.steps += 1
+        self.threads.add(threading.current_thread().name)
+        if self.steps <= self.failures:
+            raise RuntimeError(f"step {self.steps} failed")
+
+
+class AsyncCounter(Counter):
+    async def step(self) -> None:  # type: ignore[override]
+        super().step()
+
+
+class SyncStuck(HeartbeatMixin, Controller):
+    """Beats, then blocks on one call until released."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def step(self) -> None:
+        self.emit_heartbeat()
+        self.entered.set()
+        self.release.wait()
+
+
+class AsyncStuck(HeartbeatMixin, Controller):
+    """Beats, then awaits one call until released or cancelled."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = asyncio.Event()
+        self.cancelled = False
+
+    async def step(self) -> None:
+        self.emit_heartbeat()
+        self.entered.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+class Flagged(Controller):
+    def __init__(self) -> None:
+        self.healthy = True
+
+    async def step(self) -> None:
+        pass
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+
+async def test_long_step_reporting_progress_stays_healthy_past_deadline() -> None:
+    clock = FakeClock()
+    controller = Batch(clock, report_progress=True)
+    loop = controller.loop = Loop(controller, interval=5.0, clock=clock)
+    began = clock.now
+    await loop.start()
+    try:
+        await wait_for(lambda: controller.done, "the long step to finish")
+    finally:
+        await loop.stop()
+    assert clock.now - began == 50.0  # far past the 15 s deadline
+    assert all(health.healthy for health in controller.healths)
+
+
+async def test_long_step_reporting_nothing_goes_unhealthy_after_deadline_with_reason() -> None:
+    clock = FakeClock()
+    controller = Batch(clock, report_progress=False)
+    loop = controller.loop = Loop(controller, interval=5.0, clock=clock)
+    await loop.start()
+    try:
+        await wait_for(lambda: controller.done, "the long step to finish")
+    finally:
+        await loop.stop()
+    # Healthy for the first 15 s of silence (120 items), unhealthy from then on.
+    assert all(health.healthy for health in controller.healths[:120])
+    assert controller.healths[120] == LoopHealth(False, "no progress for 15.1s (max allowed: 15s)")
+    assert not any(health.healthy for health in controller.healths[120:])
+
+
+async def test_controller_reporting_nothing_is_judged_by_step_entry_beats() -> None:
+    """Each 7 s step overruns the 5 s interval; steps entering keep a silent controller alive."""
+
+    class Quiet(Controller):
+        def __init__(self) -> None:
+            self.healths: list[LoopHealth] = []
+
+        def step(self) -> None:
+            if len(self.healths) < 10:
+                clock.advance(7.0)
+                self.healths.append(loop.health())
+
+    clock = FakeClock()
+    controller = Quiet()
+    loop = Loop(controller, interval=5.0, clock=clock)
+    await loop.start()
+    try:
+        await wait_for(lambda: len(controller.healths) == 10, "ten steps")
+    finally:
+        await loop.stop()
+    assert all(health.healthy for health in controller.healths)
+
+
+async def test_unhealthy_reason_names_the_silence_and_the_allowed_maximum() -> None:
+    clock = FakeClock()
+    controller = AsyncStuck()
+    loop = Loop(controller, interval=5.0, clock=clock)
+    await loop.start()
+    try:
+        await wait_for(controller.entered.is_set, "the step to start")
+        clock.advance(47.0)
+        assert loop.health() == LoopHealth(False, "no progress for 47s (max allowed: 15s)")
+    finally:
+        controller.release.set()
+        await loop.stop()
+
+
+@pytest.mark.parametrize("stuck", [SyncStuck, AsyncStuck])
+async def test_step_blocked_forever_is_caught_even_after_beating(
+    stuck: type[SyncStuck | AsyncStuck],
+) -> None:
+    controller = stuck()
+    loop = Loop(controller, interval=0.02, max_silence=0.1)
+    await loop.start()
+    try:
+        await wait_for(controller.entered.is_set, "the step to start")
+        await wait_for(lambda: not loop.health().healthy, "the blocked loop to turn unhealthy")
+        reason = loop.health().reason
+        assert reason is not None and reason.startswith("no progress for ")
+        assert reason.endswith("(max allowed: 0.1s)")
+    finally:
+        controller.release.set()
+        await loop.stop()
+
+
+@pytest.mark.parametrize("counter", [Counter, AsyncCounter])
+async def test_exception_in_step_is_logged_and_the_next_step_runs(
+    counter: type[Counter], caplog: pytest.LogCaptureFixture
+) -> None:
+    controller = counter(failures=1)
+    loop = Loop(controller, name="flaky", interval=0.01)
+    await loop.start()
+    try:
+        await wait_for(lambda: controller.steps >= 3, "steps after the failing one")
+    finally:
+        await loop.stop()
+    [failure] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "flaky" in failure.getMessage()
+    assert failure.exc_info is not None
+    assert str(failure.exc_info[1]) == "step 1 failed"
+
+
+async def test_sync_step_runs_in_the_loops_own_thread() -> None:
+    controller = Counter()
+    loop = Loop(controller, name="blocking", interval=0.01)
+    await loop.start()
+    try:
+        await wait_for(lambda: controller.steps >= 2, "two steps")
+    finally:
+        await loop.stop()
+    assert controller.threads == {"loop:blocking"}
+
+
+@pytest.mark.parametrize("counter", [Counter, AsyncCounter])
+async def test_stop_interrupts_the_sleep_promptly(counter: type[Counter]) -> None:
+    controller = counter()
+    loop = Loop(controller, interval=60.0)
+    await loop.start()
+    await wait_for(lambda: controller.steps == 1, "the first step")
+    started = time.monotonic()
+    assert await loop.stop(timeout=5.0)
+    assert time.monotonic() - started < 1.0
+    assert not loop.running
+
+
+async def test_tiered_shutdown_cancels_a_stuck_async_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    controller = AsyncStuck()
+    loop = Loop(controller, name="stuck", interval=0.01)
+    await loop.start()
+    await wait_for(controller.entered.is_set, "the step to start")
+    assert await loop.stop(timeout=0.05)
+    assert controller.cancelled
+    assert not loop.running
+    assert any("cancelling" in r.getMessage() for r in caplog.records)
+
+
+async def test_tiered_shutdown_abandons_a_stuck_sync_step_and_reports_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    controller = SyncStuck()
+    loop = Loop(controller, name="stuck", interval=0.01)
+    await loop.start()
+    try:
+        await wait_for(controller.entered.is_set, "the step to start")
+        assert not await loop.stop(timeout=0.05)
+        assert loop.running  # a thread cannot be cancelled
+        [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert "'stuck'" in warning.getMessage() and "abandoning" in warning.getMessage()
+    finally:
+        controller.release.set()
+    await wait_for(lambda: not loop.running, "the released thread to end")
+
+
+async def test_loop_that_is_not_running_is_unhealthy() -> None:
+    loop = Loop(Counter(), interval=60.0)
+    assert loop.health() == LoopHealth(False, "loop is not running")
+    await loop.start()
+    assert loop.health() == LoopHealth(True)
+    await loop.stop()
+    assert loop.health() == LoopHealth(False, "loop is not running")
+
+
+async def test_controller_reporting_itself_unhealthy_makes_the_loop_unhealthy() -> None:
+    controller = Flagged()
+    loop = Loop(controller, interval=60.0)
+    await loop.start()
+    try:
+        controller.healthy = False
+        assert loop.health() == LoopHealth(False, "controller reported itself unhealthy")
+        controller.healthy = True
+        assert loop.health() == LoopHealth(True)
+    finally:
+        await loop.stop()
+
+
+def test_max_silence_is_three_intervals_unless_configured() -> None:
+    assert Loop(Counter(), interval=5.0).max_silence == 15.0
+    assert Loop(Counter(), interval=5.0, unhealthy_after=2).max_silence == 10.0
+    assert Loop(Counter(), interval=5.0, max_silence=60.0).max_silence == 60.0
+    with pytest.raises(ValueError):
+        Loop(Counter(), interval=5.0, unhealthy_after=2, max_silence=60.0)
+
+
+async def test_loop_cannot_be_started_twice_while_running() -> None:
+    loop = Loop(Counter(), interval=60.0)
+    await loop.start()
+    try:
+        with pytest.raises(RuntimeError):
+            await loop.start()
+    finally:
+        await loop.stop()

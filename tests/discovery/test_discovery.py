@@ -1,0 +1,250 @@
+"""Discovery over the store: the join of cards and instances, gap-free watches, bad values."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from shoal.cards import ModelCard, slugify
+from shoal.discovery import (
+    Added,
+    Discovery,
+    DiscoveryEvent,
+    EndpointId,
+    InstanceInfo,
+    ModelConflictError,
+    ModelKey,
+    Query,
+    Removed,
+    TaintsUpdated,
+)
+from shoal.discovery.service import MALFORMED
+from shoal.store import Store, open_store
+from tests.helpers import wait_for
+
+EP = EndpointId("prod", "backend", "generate")
+
+
+def make_card(name: str = "llama", **extra: object) -> ModelCard:
+    fields: dict[str, object] = {"context_length": 4096, **extra}
+    return ModelCard.build(
+        display_name=name, slug=slugify(name), source=f"hf://{name}", model_types=["chat"], **fields
+    )
+
+
+def info(endpoint: EndpointId, instance_id: int) -> InstanceInfo:
+    return InstanceInfo(
+        namespace=endpoint.namespace,
+        component=endpoint.component,
+        endpoint=endpoint.endpoint,
+        instance_id=instance_id,
+        url=f"http://127.0.0.1:{9000 + instance_id % 1000}",
+        status_url=f"http://127.0.0.1:{8000 + instance_id % 1000}",
+    )
+
+
+@pytest.fixture
+async def store() -> AsyncIterator[Store]:
+    s = await open_store(f"memory://{uuid.uuid4().hex}")
+    yield s
+    await s.close()
+
+
+async def register(
+    disc: Discovery,
+    endpoint: EndpointId,
+    instance_id: int,
+    card: ModelCard,
+    suffix: str | None = None,
+) -> ModelKey:
+    key = ModelKey(endpoint, instance_id, suffix)
+    await disc.register_instance(info(endpoint, instance_id), lease=0)
+    await disc.register_model(key, card, lease=0)
+    return key
+
+
+class Collector:
+    def __init__(self, disc: Discovery, query: Query | None = None) -> None:
+        self.events: list[DiscoveryEvent] = []
+        self.task = asyncio.create_task(self._run(disc, query))
+
+    async def _run(self, disc: Discovery, query: Query | None) -> None:
+        async for event in disc.list_and_watch(query):
+            self.events.append(event)
+
+    def live(self) -> set[ModelKey]:
+        live: set[ModelKey] = set()
+        for e in self.events:
+            if isinstance(e, Added):
+                live.add(e.model.key)
+            elif isinstance(e, Removed):
+                live.discard(e.key)
+        return live
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+async def test_list_and_watch_reports_existing_then_new_models(store: Store) -> None:
+    disc = Discovery(store)
+    first = await register(disc, EP, 0x10, make_card())
+    watch = Collector(disc)
+    try:
+        await wait_for(lambda: watch.live() == {first})
+        second = await register(disc, EP, 0x11, make_card())
+        await wait_for(lambda: watch.live() == {first, second})
+        added = [e for e in watch.events if isinstance(e, Added)]
+        assert [e.model.url for e in added] == [info(EP, 0x10).url, info(EP, 0x11).url]
+        await disc.unregister_model(first)
+        await wait_for(lambda: watch.live() == {second})
+    finally:
+        await watch.close()
+
+
+async def test_a_card_is_routable_only_while_its_instance_is_registered(store: Store) -> None:
+    disc = Discovery(store)
+    key = ModelKey(EP, 0x20)
+    await disc.register_model(key, make_card(), lease=0)
+    assert await disc.list() == []
+    await disc.register_instance(info(EP, 0x20), lease=0)
+    assert [m.key for m in await disc.list()] == [key]
+    watch = Collector(disc)
+    try:
+        await wait_for(lambda: watch.live() == {key})
+        await disc.unregister_instance(EP, 0x20)
+        await wait_for(lambda: watch.live() == set())
+    finally:
+        await watch.close()
+
+
+async def test_taint_changes_arrive_as_taints_updated(store: Store) -> None:
+    disc = Discovery(store)
+    key = await register(disc, EP, 0x30, make_card())
+    watch = Collector(disc)
+    try:
+        await wait_for(lambda: watch.live() == {key})
+        card = await disc.update_taints(key, ["draining"])
+        assert card.taints == ("draining",)
+        await wait_for(lambda: TaintsUpdated(key, ("draining",)) in watch.events)
+        listed = await disc.list()
+        assert listed[0].card.taints == ("draining",)
+    finally:
+        await watch.close()
+
+
+async def test_card_changes_other_than_taints_are_ignored(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    disc = Discovery(store)
+    key = await register(disc, EP, 0x40, make_card(context_length=4096))
+    watch = Collector(disc)
+    try:
+        await wait_for(lambda: watch.live() == {key})
+        caplog.set_level(logging.WARNING)
+        changed = make_card(context_length=8192).with_taints(["draining"])
+        await store.put(key.key, changed.to_json())
+        # The taint part of the change is a legal update; the rest is ignored.
+        marker = await register(disc, EP, 0x41, make_card())
+        await wait_for(lambda: marker in watch.live())
+        assert not any(isinstance(e, TaintsUpdated) for e in watch.events)
+        assert "other than its taints" in caplog.text
+        added = next(e for e in watch.events if isinstance(e, Added) and e.model.key == key)
+        assert added.model.card.context_length == 4096
+    finally:
+        await watch.close()
+
+
+async def test_malformed_values_are_skipped_and_never_hide_valid_ones(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    disc = Discovery(store)
+    good = await register(disc, EP, 0x50, make_card())
+    before = MALFORMED.labels("model")._value.get()
+    await store.put(f"shoal/v1/models/{EP.path}/51", b"{not json")
+    await store.put(f"shoal/v1/models/{EP.path}/zz-not-hex", make_card().to_json())
+    await disc.register_instance(info(EP, 0x51), lease=0)
+    listed = await disc.list()
+    assert [m.key for m in listed] == [good]
+    assert MALFORMED.labels("model")._value.get() >= before + 2
+    assert "malformed" in caplog.text
+    watch = Collector(disc)
+    try:
+        await wait_for(lambda: watch.live() == {good})
+        # A bad value written over a valid card does not remove it.
+        await store.put(good.key, b'{"display_name": 3}')
+        marker = await register(disc, EP, 0x52, make_card())
+        await wait_for(lambda: marker in watch.live())
+        assert good in watch.live()
+    finally:
+        await watch.close()
+
+
+async def test_registering_a_different_model_on_a_served_instance_is_refused(store: Store) -> None:
+    disc = Discovery(store)
+    key = await register(disc, EP, 0x60, make_card("llama"))
+    with pytest.raises(ModelConflictError, match="already serves model 'llama'"):
+        await disc.register_model(key, make_card("mistral"), lease=0)
+    await disc.register_model(key, make_card("llama"), lease=0)  # the same model again is fine
+    assert [m.card.display_name for m in await disc.list()] == ["llama"]
+
+
+async def test_adapters_are_separate_models_on_one_instance(store: Store) -> None:
+    disc = Discovery(store)
+    base = await register(disc, EP, 0x70, make_card("base"))
+    adapter = ModelKey(EP, 0x70, "sql")
+    await disc.register_model(
+        adapter, make_card("base:sql", lora={"base_model": "base", "adapter": "sql"}), lease=0
+    )
+    assert [m.key for m in await disc.list()] == [base, adapter]
+    await disc.unregister_model(adapter)
+    assert [m.key for m in await disc.list()] == [base]
+
+
+async def test_queries_scope_by_namespace_component_and_endpoint(store: Store) -> None:
+    disc = Discovery(store)
+    a = await register(disc, EndpointId("team", "backend", "generate"), 1, make_card())
+    b = await register(disc, EndpointId("team2", "backend", "generate"), 2, make_card())
+    c = await register(disc, EndpointId("team", "prefill", "generate"), 3, make_card())
+    assert {m.key for m in await disc.list(Query("team"))} == {a, c}
+    assert {m.key for m in await disc.list(Query("team", "backend"))} == {a}
+    assert {m.key for m in await disc.list(Query("team", "backend", "generate"))} == {a}
+    assert {m.key for m in await disc.list()} == {a, b, c}
+    assert {i.instance_id for i in await disc.list_instances(Query("team2"))} == {2}
+
+
+async def test_resync_after_outage_brings_the_watcher_up_to_date(store: Store) -> None:
+    disc = Discovery(store)
+    watcher_store = await open_store(store.url)
+    try:
+        keep = await register(disc, EP, 0x80, make_card())
+        gone = await register(disc, EP, 0x81, make_card())
+        watch = Collector(Discovery(watcher_store))
+        await wait_for(lambda: watch.live() == {keep, gone})
+        watcher_store.set_unreachable(True)  # type: ignore[attr-defined]
+        await disc.unregister_model(gone)
+        new = await register(disc, EP, 0x82, make_card())
+        watcher_store.set_unreachable(False)  # type: ignore[attr-defined]
+        await wait_for(lambda: watch.live() == {keep, new})
+        await watch.close()
+    finally:
+        await watcher_store.close()
+
+
+async def test_leased_registrations_vanish_with_their_lease(store: Store) -> None:
+    disc = Discovery(store)
+    lease = await store.grant(30)
+    key = ModelKey(EP, lease.id)
+    await disc.register_instance(info(EP, lease.id), lease=lease.id)
+    await disc.register_model(key, make_card(), lease=lease.id)
+    watch = Collector(disc)
+    try:
+        await wait_for(lambda: watch.live() == {key})
+        await lease.revoke()
+        await wait_for(lambda: watch.live() == set())
+    finally:
+        await watch.close()
