@@ -105,6 +105,7 @@ class Loop:
 
     @property
     def heartbeat(self) -> Heartbeat:
+        """The controller's heartbeat: beaten on entering each step and by `emit_heartbeat()`."""
         return self.monitored.heartbeat
 
     @property
