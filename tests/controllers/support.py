@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 
-import pytest
+from tests.helpers import wait_for as shared_wait_for
 
 
 class FakeClock:
@@ -24,8 +22,4 @@ class FakeClock:
 
 async def wait_for(condition: Callable[[], object], what: str, timeout: float = 2.0) -> None:
     """Poll `condition` until it is truthy; fail the test naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.005)
+    await shared_wait_for(condition, timeout=timeout, interval=0.005, message=what)
