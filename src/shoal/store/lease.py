@@ -8,6 +8,7 @@ The keeper does the first part and calls `on_granted` for the second.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -62,10 +63,17 @@ class LeaseKeeper:
         await self._regrant()
 
     async def _regrant(self) -> None:
+        old = self.lease
         lease = await self.store.grant(self.ttl, keepalive=False)
         self.lease = lease
         self.grants += 1
         await self.on_granted(lease)
+        if old is not None:
+            # The old lease may have survived on the server (etcd restores leases after a
+            # restart): end it, after the re-puts moved our keys to the new lease, so what
+            # only it held does not linger as a ghost until it expires.
+            with contextlib.suppress(Exception):
+                await self.store.revoke(old.id)
 
     async def run(self) -> None:
         """Tick forever with backoff on outages; cancel to stop."""
