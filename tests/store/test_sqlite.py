@@ -1,0 +1,284 @@
+"""What the SQLite backend adds to the contract: bounded files, watch latency, processes
+sharing one file, and leases reaped by whichever client is alive."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from shoal.store import (
+    Delete,
+    Event,
+    LeaseNotFoundError,
+    Put,
+    Resync,
+    StoreUnavailableError,
+    open_store,
+)
+from shoal.store.sqlite import RETAIN_CHANGES, SQLiteStore
+from tests.helpers import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FILE_BOUND = 4 * 1024 * 1024
+"""Main file + WAL after 10,000 put/delete cycles must stay under this."""
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'store.db'}"
+
+
+@pytest.fixture
+async def store(url: str) -> AsyncIterator[SQLiteStore]:
+    s = await SQLiteStore.open(url)
+    yield s
+    await s.close()
+
+
+class Recorder:
+    """Collects a watch's events with their arrival time and applies them to a dict."""
+
+    def __init__(self, stream: AsyncIterator[Event], initial: dict[str, bytes] | None = None):
+        self.state = dict(initial or {})
+        self.events: list[Event] = []
+        self.arrived: dict[str, float] = {}
+        self._stream = stream
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async for event in self._stream:
+            now = time.monotonic()
+            self.events.append(event)
+            if isinstance(event, Put):
+                self.state[event.key] = event.value
+                self.arrived.setdefault(event.key, now)
+            elif isinstance(event, Delete):
+                self.state.pop(event.key, None)
+            else:
+                self.state = {kv.key: kv.value for kv in event.items}
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+def _file_size(path: Path) -> int:
+    total = 0
+    for suffix in ("", "-wal"):
+        part = Path(str(path) + suffix)
+        if part.exists():
+            total += part.stat().st_size
+    return total
+
+
+async def test_churn_keeps_the_file_bounded_and_a_far_behind_watch_resyncs(
+    store: SQLiteStore, url: str
+) -> None:
+    await store.put("churn/gone", b"soon deleted")
+    await store.put("churn/kept", b"stays")
+    start = await store.get_prefix("churn/")
+    live = Recorder(
+        store.watch("churn/", start.revision + 1), {kv.key: kv.value for kv in start.items}
+    )
+    try:
+        value = b"v" * 100
+        for i in range(10_000):
+            key = f"churn/{i % 50}"
+            await store.put(key, value)
+            await store.delete(key)
+        await store.delete("churn/gone")
+        final = await store.get_prefix("churn/")
+        assert [kv.key for kv in final.items] == ["churn/kept"]
+        assert final.revision - start.revision > RETAIN_CHANGES
+
+        size = _file_size(store.path)
+        assert size < FILE_BOUND, f"{size} bytes after 10,000 put/delete cycles"
+
+        # A watch far behind the retained log gets the full state, not a log with holes.
+        behind = Recorder(store.watch("churn/", start.revision + 1))
+        try:
+            await wait_for(lambda: behind.events, message="the far-behind watch yields")
+            first = behind.events[0]
+            assert isinstance(first, Resync)
+            assert [kv.key for kv in first.items] == ["churn/kept"]
+            assert first.revision >= final.revision
+        finally:
+            await behind.close()
+
+        # The live watch ends in the right state, whether it kept up or had to resync.
+        await wait_for(lambda: live.state == {"churn/kept": b"stays"}, timeout=20)
+    finally:
+        await live.close()
+
+
+async def test_watch_sees_a_put_from_another_client_within_100ms(url: str) -> None:
+    writer = await SQLiteStore.open(url)
+    watcher = await SQLiteStore.open(url)
+    try:
+        snap = await watcher.get_prefix("lat/")
+        recorder = Recorder(watcher.watch("lat/", snap.revision + 1))
+        latencies = []
+        for i in range(50):
+            key = f"lat/{i}"
+            sent = time.monotonic()
+            await writer.put(key, b"x")
+
+            def arrived(key: str = key) -> bool:
+                return key in recorder.arrived
+
+            await wait_for(arrived, timeout=5, interval=0.002)
+            latencies.append(recorder.arrived[key] - sent)
+        await recorder.close()
+        p50 = statistics.median(latencies)
+        assert p50 < 0.1, f"p50 {p50 * 1000:.1f} ms, max {max(latencies) * 1000:.1f} ms"
+        assert max(latencies) < 1.0
+    finally:
+        await writer.close()
+        await watcher.close()
+
+
+CHILD = """
+import asyncio, sys
+from shoal.store import Put, Resync, open_store
+
+async def main(url, prefix):
+    store = await open_store(url)
+    snap = await store.get_prefix(prefix + "parent/")
+    await store.put(prefix + "child/hello", b"from child")
+    async for event in store.watch(prefix + "parent/", snap.revision + 1):
+        if isinstance(event, Resync):
+            found = [(kv.key, kv.value) for kv in event.items]
+        else:
+            found = [(event.key, event.value)] if isinstance(event, Put) else []
+        if found:
+            key, value = found[0]
+            print("saw", key, value.decode(), flush=True)
+            break
+    await store.close()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def _spawn_child(url: str, prefix: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, url, prefix],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+
+
+async def test_two_processes_sharing_the_file_see_each_others_writes(
+    store: SQLiteStore, url: str
+) -> None:
+    proc = _spawn_child(url, "shared/")
+    try:
+        kv = await wait_for(lambda: store.get("shared/child/hello"), timeout=20)
+        assert kv.value == b"from child"
+        await store.put("shared/parent/hello", b"from parent")
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 20)
+        assert line.split() == ["saw", "shared/parent/hello", "from", "parent"]
+        assert await asyncio.to_thread(proc.wait, 20) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_revisions_strictly_increase_across_clients(url: str) -> None:
+    a = await SQLiteStore.open(url)
+    b = await SQLiteStore.open(url)
+    try:
+        revisions = []
+        for i in range(20):
+            revisions.append(await (a if i % 2 else b).put(f"rev/{i % 3}", b"x"))
+        assert revisions == sorted(revisions) and len(set(revisions)) == len(revisions)
+        assert (await a.get_prefix("rev/")).revision == revisions[-1]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_expired_lease_is_reaped_by_a_client_other_than_the_holder(url: str) -> None:
+    holder = await SQLiteStore.open(url)
+    observer = await SQLiteStore.open(url)
+    try:
+        ttl = 0.5
+        lease = await holder.grant(ttl, keepalive=False)
+        granted = time.monotonic()
+        await holder.put("reap/held", b"x", lease=lease.id)
+        snap = await observer.get_prefix("reap/")
+        recorder = Recorder(observer.watch("reap/", snap.revision + 1), {"reap/held": b"x"})
+        await holder.close()  # the holder's reaper stops with it
+        try:
+            await wait_for(lambda: recorder.state == {}, timeout=5)
+            assert time.monotonic() - granted <= ttl + 1.0
+            assert any(isinstance(e, Delete) and e.key == "reap/held" for e in recorder.events)
+        finally:
+            await recorder.close()
+        # The lease is gone for good: neither keepalive nor a put under it succeeds.
+        assert await observer._keepalive(lease.id, ttl) is False
+        with pytest.raises(LeaseNotFoundError):
+            await observer.put("reap/again", b"x", lease=lease.id)
+    finally:
+        await holder.close()
+        await observer.close()
+
+
+async def test_an_outage_too_short_to_poll_still_resyncs_every_watch(url: str) -> None:
+    watcher = await SQLiteStore.open(url)
+    writer = await SQLiteStore.open(url)
+    try:
+        await writer.put("blink/a", b"1")
+        snap = await watcher.get_prefix("blink/")
+        recorder = Recorder(watcher.watch("blink/", snap.revision + 1), {"blink/a": b"1"})
+        await writer.put("blink/b", b"2")
+        await wait_for(lambda: "blink/b" in recorder.state, message="the watch is live")
+        watcher.set_unreachable(True)
+        with pytest.raises(StoreUnavailableError, match="unreachable"):
+            await watcher.get_prefix("blink/")
+        watcher.set_unreachable(False)
+        await wait_for(lambda: any(isinstance(e, Resync) for e in recorder.events))
+        await recorder.close()
+    finally:
+        await watcher.close()
+        await writer.close()
+
+
+async def test_close_ends_watches_and_refuses_calls(url: str) -> None:
+    store = await SQLiteStore.open(url)
+    snap = await store.get_prefix("c/")
+    recorder = Recorder(store.watch("c/", snap.revision + 1))
+    await store.put("c/1", b"x")
+    await wait_for(lambda: recorder.events)
+    await store.close()
+    await asyncio.wait_for(recorder.task, 5)
+    with pytest.raises(StoreUnavailableError, match="closed"):
+        await store.put("c/2", b"x")
+
+
+async def test_missing_parent_directories_are_created(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "store.db"
+    store = await open_store(f"sqlite:///{path}")
+    try:
+        await store.put("k", b"v")
+        assert path.exists()
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("bad", ["sqlite://relative.db", "sqlite:///", "sqlite:"])
+async def test_url_without_an_absolute_path_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="sqlite:///"):
+        await SQLiteStore.open(bad)
