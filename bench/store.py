@@ -10,15 +10,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
-import statistics
 import tempfile
 import time
 import uuid
 
+from tests.etcd_server import EtcdServer
+
 from shoal.cards import ModelCard
 from shoal.discovery import Added, Discovery, EndpointId, InstanceInfo, ModelKey
 from shoal.store import Put, open_store
-from tests.etcd_server import EtcdServer
 
 
 def pct(values: list[float], q: float) -> float:

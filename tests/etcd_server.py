@@ -50,6 +50,8 @@ class EtcdServer:
                 f"--initial-advertise-peer-urls=http://127.0.0.1:{p}",
                 f"--initial-cluster=default=http://127.0.0.1:{p}",
                 "--log-level=error",
+                "--heartbeat-interval=50",
+                "--election-timeout=500",
             ],
             stdout=self.log,
             stderr=self.log,

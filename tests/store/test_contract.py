@@ -168,7 +168,7 @@ async def test_leased_key_vanishes_when_holder_is_killed(
             await mirror.close()
     finally:
         proc.kill()
-        proc.wait()
+        proc.communicate()
 
 
 async def test_lease_without_keepalive_expires_within_ttl(store: Store, prefix: str) -> None:

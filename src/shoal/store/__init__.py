@@ -64,7 +64,7 @@ async def open_store(url: str | None = None, *, connect_timeout: float = 5.0) ->
     `ValueError` for a URL with an unknown scheme.
     """
     url = url or default_store_url()
-    scheme, sep, rest = url.partition("://")
+    scheme, sep, _ = url.partition("://")
     if not sep:
         raise ValueError(
             f"store URL {url!r} has no scheme: use memory://, sqlite:///path or etcd://host:port"

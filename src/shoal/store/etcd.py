@@ -60,17 +60,19 @@ DEFAULT_PORT = 2379
 BACKOFF_START = 0.05
 BACKOFF_CAP = 2.0
 
-# gRPC channel options: reconnect quickly after an outage, and detect a dead peer on a
-# silent network within ~15 s (etcd refuses pings more often than every 5 s by default,
-# and pings without an open stream).
+# gRPC channel options: reconnect quickly after an outage, and find a dead peer (a host
+# gone silent, a frozen etcd) under an open watch within ~15 s. etcd refuses pings more
+# often than every 5 s, and pings with no stream open. gRPC now times a ping out after
+# `ping_timeout_ms` (default 60 s), no longer after `keepalive_timeout_ms`: set both.
 _CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.initial_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 1000,
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.http2.ping_timeout_ms": 5_000,
     "grpc.keepalive_permit_without_calls": 0,
     "grpc.http2.max_pings_without_data": 0,
-    "grpc.max_receive_message_length": 64 * 1024 * 1024,
+    "grpc.max_receive_message_length": 256 * 1024 * 1024,
 }
 
 # Transport-level gRPC outcomes: etcd (or the way to it) is not there right now.
@@ -134,7 +136,8 @@ def _cancelled_by_grpc() -> bool:
 
 
 def _jitter(delay: float) -> float:
-    return delay * (0.5 + random.random())
+    """Between half of `delay` and all of it, so that clients do not retry in step."""
+    return delay * (0.5 + random.random() / 2)
 
 
 class _StreamBroken(Exception):
@@ -156,6 +159,7 @@ class EtcdStore(Store):
         self._generation = 0
         self._client: Any = None
         self._closed = False
+        self._closed_event = asyncio.Event()
         self._watch_calls: set[Any] = set()
         self._background: set[asyncio.Task[None]] = set()
         # Leases granted here whose requested TTL is below the one etcd gave: id -> deadline.
@@ -210,6 +214,11 @@ class EtcdStore(Store):
         raise StoreUnavailableError(
             f"etcd store {url} is unreachable within {connect_timeout}s ({'; '.join(errors)})"
         )
+
+    async def _pause(self, delay: float) -> None:
+        """Sleep `delay` seconds, or less if the store is closed meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closed_event.wait(), delay)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -469,11 +478,14 @@ class EtcdStore(Store):
             if resync:
                 try:
                     snap = await self.get_prefix(prefix)
-                except StoreUnavailableError as exc:
+                except StoreError as exc:
                     if self._closed:
                         return
-                    log.debug("watch %r: resync read failed: %s", prefix, exc)
-                    await asyncio.sleep(_jitter(backoff))
+                    level = (
+                        logging.DEBUG if isinstance(exc, StoreUnavailableError) else logging.WARNING
+                    )
+                    log.log(level, "watch %r: resync read failed: %s", prefix, exc)
+                    await self._pause(_jitter(backoff))
                     backoff = min(backoff * 2, BACKOFF_CAP)
                     continue
                 yield Resync(snap.items, snap.revision)
@@ -500,7 +512,7 @@ class EtcdStore(Store):
                     return
                 log.info("watch %r broke (%s); resyncing", prefix, exc)
                 resync = True
-                await asyncio.sleep(_jitter(backoff))
+                await self._pause(_jitter(backoff))
                 backoff = min(backoff * 2, BACKOFF_CAP)
             finally:
                 await stream.aclose()
@@ -514,24 +526,27 @@ class EtcdStore(Store):
         """
         client, generation = await self._current()
         start, end = _range_of(prefix)
-        metadata = (*(client.metadata or ()), ("hasleader", "true"))
-        create = aetcd.rpc.WatchCreateRequest(
-            key=start, range_end=end, start_revision=max(start_revision, 0)
+        create = aetcd.rpc.WatchRequest(
+            create_request=aetcd.rpc.WatchCreateRequest(
+                key=start, range_end=end, start_revision=max(start_revision, 0)
+            )
         )
-        call = aetcd.rpc.WatchStub(client.channel).Watch(metadata=metadata)
-        self._watch_calls.add(call)
+        # "hasleader": etcd cancels the watch if its member loses the cluster leader.
+        metadata = (*(client.metadata or ()), ("hasleader", "true"))
+        call: Any = None
         try:
             try:
+                call = aetcd.rpc.WatchStub(client.channel).Watch(metadata=metadata)
+                self._watch_calls.add(call)
                 async with asyncio.timeout(self._call_timeout):
-                    await call.write(aetcd.rpc.WatchRequest(create_request=create))
+                    await call.write(create)
                     responses = call.__aiter__()
-                    first = await anext(responses)
+                    resp = await anext(responses)
             except StopAsyncIteration:
                 raise _StreamBroken("watch stream closed before creation") from None
             except (Exception, asyncio.CancelledError) as exc:
                 err = self._failure(exc, f"watch {prefix!r}", generation)
                 raise _StreamBroken(str(err)) from exc
-            resp = first
             while True:
                 if resp.compact_revision:
                     raise _Compacted(f"history compacted up to {resp.compact_revision}")
@@ -549,8 +564,9 @@ class EtcdStore(Store):
                     err = self._failure(exc, f"watch {prefix!r}", generation)
                     raise _StreamBroken(str(err)) from exc
         finally:
-            self._watch_calls.discard(call)
-            call.cancel()
+            if call is not None:
+                self._watch_calls.discard(call)
+                call.cancel()
 
     @staticmethod
     def _event(e: Any) -> Put | Delete:
@@ -566,16 +582,16 @@ class EtcdStore(Store):
         if self._closed:
             return
         self._closed = True
+        self._closed_event.set()
         for call in list(self._watch_calls):
             call.cancel()
         self._watch_calls.clear()
-        tasks = list(self._background)
         if self._reaper is not None:
-            tasks.append(self._reaper)
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
             self._reaper = None
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Clients left behind by a failover, still closing (each within 5 s).
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self._client is not None:
             client, self._client = self._client, None
             await self._close_client(client)

@@ -1,0 +1,487 @@
+"""The etcd backend beyond the shared contract: restarts, compaction, endpoints, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+
+import aetcd
+import pytest
+
+from shoal.store import (
+    Event,
+    LeaseNotFoundError,
+    Put,
+    Resync,
+    Store,
+    StoreUnavailableError,
+    open_store,
+)
+from shoal.store import etcd as etcd_module
+from shoal.store.etcd import EtcdStore, parse_url
+from tests.etcd_server import EtcdServer
+from tests.helpers import free_port, wait_for
+
+pytestmark = pytest.mark.etcd
+
+
+class Collector:
+    """Runs a watch in a task and keeps its events."""
+
+    def __init__(self, store: Store, prefix: str, start_revision: int) -> None:
+        self.events: list[Event] = []
+        self.stream = store.watch(prefix, start_revision)
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async for event in self.stream:
+            self.events.append(event)
+
+    def state(self) -> dict[str, bytes]:
+        """The prefix's state as a consumer rebuilds it from the events; checks their order."""
+        state: dict[str, bytes] = {}
+        last = 0
+        for e in self.events:
+            assert e.revision >= last, f"events out of revision order: {self.events}"
+            last = e.revision
+            if isinstance(e, Resync):
+                state = {kv.key: kv.value for kv in e.items}
+            elif isinstance(e, Put):
+                state[e.key] = e.value
+            else:
+                state.pop(e.key, None)
+        return state
+
+    def of(self, kind: type) -> list[Event]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+@pytest.fixture
+def own_server() -> Iterator[EtcdServer]:
+    """An etcd of this test's own, which it may stop and restart."""
+    server = EtcdServer()
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+async def store(etcd_server: EtcdServer) -> AsyncIterator[Store]:
+    s = await open_store(etcd_server.url)
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"etcd/{os.urandom(6).hex()}/"
+
+
+# -- URLs and connecting ----------------------------------------------------------------
+
+
+def test_parse_url() -> None:
+    assert parse_url("etcd://a:1") == [("a", 1)]
+    assert parse_url("etcd://a:1,b:2/") == [("a", 1), ("b", 2)]
+    assert parse_url("etcd://a") == [("a", 2379)]
+    assert parse_url("etcd://[::1]:23") == [("[::1]", 23)]
+    for bad in ["etcd://", "etcd://a:x", "etcd://a:0", "etcd://a:1/path", "http://a:1"]:
+        with pytest.raises(ValueError):
+            parse_url(bad)
+
+
+async def test_first_endpoint_dead_second_works(etcd_server: EtcdServer, prefix: str) -> None:
+    url = f"etcd://127.0.0.1:{free_port()},{etcd_server.endpoint}"
+    store = await open_store(url, connect_timeout=3)
+    try:
+        rev = await store.put(prefix + "k", b"v")
+        kv = await store.get(prefix + "k")
+        assert kv is not None and kv.value == b"v" and kv.mod_revision == rev
+    finally:
+        await store.close()
+
+
+async def test_all_endpoints_dead_names_the_url() -> None:
+    url = f"etcd://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match=url.removeprefix("etcd://")):
+        await open_store(url, connect_timeout=2)
+    assert time.monotonic() - start < 3
+
+
+async def test_silent_server_times_out_instead_of_hanging() -> None:
+    """A peer that accepts TCP but never speaks: open fails within its timeout."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        url = f"etcd://127.0.0.1:{sock.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match=url.removeprefix("etcd://")):
+            await open_store(url, connect_timeout=1.0)
+        assert time.monotonic() - start < 2.5
+
+
+async def test_frozen_server_calls_time_out(own_server: EtcdServer, prefix: str) -> None:
+    """etcd stopped (SIGSTOP) keeps its connections open: calls must still end in time."""
+    store = await EtcdStore.open(own_server.url, call_timeout=1.0)
+    assert own_server.proc is not None
+    try:
+        await store.put(prefix + "k", b"v")
+        own_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(StoreUnavailableError, match=own_server.endpoint):
+                await store.put(prefix + "k", b"w")
+            assert time.monotonic() - start < 3
+        finally:
+            own_server.proc.send_signal(signal.SIGCONT)
+        await wait_for(lambda: _reachable(store, prefix), timeout=10)
+    finally:
+        await store.close()
+
+
+async def test_frozen_server_breaks_the_watch_by_keepalive(
+    own_server: EtcdServer,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A watch on a silent connection notices within keepalive time + ping timeout."""
+    options = {
+        **etcd_module._CHANNEL_OPTIONS,
+        "grpc.keepalive_time_ms": 5_000,  # etcd's minimum
+        "grpc.http2.ping_timeout_ms": 1_000,
+    }
+    monkeypatch.setattr(etcd_module, "_CHANNEL_OPTIONS", options)
+    caplog.set_level(logging.INFO, logger="shoal.store.etcd")
+    store = await EtcdStore.open(own_server.url, call_timeout=1.0)
+    assert own_server.proc is not None
+    watch = Collector(store, prefix, 1)
+    try:
+        await store.put(prefix + "a", b"1")
+        await wait_for(lambda: watch.of(Put))
+        own_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            await wait_for(
+                lambda: any("broke" in r.getMessage() for r in caplog.records),
+                timeout=15,
+                message="the watch noticed the silent connection",
+            )
+        finally:
+            own_server.proc.send_signal(signal.SIGCONT)
+        await wait_for(lambda: watch.of(Resync), timeout=20)
+        assert watch.state() == {prefix + "a": b"1"}
+    finally:
+        await watch.close()
+        await store.close()
+
+
+async def _reachable(store: Store, prefix: str) -> bool:
+    try:
+        await store.get_prefix(prefix)
+        return True
+    except StoreUnavailableError:
+        return False
+
+
+async def _unreachable(store: Store, prefix: str) -> bool:
+    return not await _reachable(store, prefix)
+
+
+# -- errors and leases ------------------------------------------------------------------
+
+
+async def test_put_under_a_missing_lease_is_lease_not_found(store: Store, prefix: str) -> None:
+    with pytest.raises(LeaseNotFoundError):
+        await store.put(prefix + "k", b"v", lease=0x5EED)
+    with pytest.raises(LeaseNotFoundError):
+        await store.create(prefix + "k", b"v", lease=0x5EED)
+
+
+async def test_revoked_lease_is_not_renewed_and_revoke_is_idempotent(
+    store: Store, prefix: str
+) -> None:
+    lease = await store.grant(10, keepalive=False)
+    await lease.keepalive()
+    await store.revoke(lease.id)
+    await store.revoke(lease.id)  # a missing lease is not an error
+    assert await store._keepalive(lease.id, 10) is False
+    with pytest.raises(LeaseNotFoundError):
+        await lease.keepalive()
+    assert lease.lost.is_set()
+
+
+async def test_keepalive_while_etcd_is_down_is_unavailable(own_server: EtcdServer) -> None:
+    store = await open_store(own_server.url)
+    try:
+        lease = await store.grant(5, keepalive=False)
+        own_server.stop()
+        with pytest.raises(StoreUnavailableError):
+            await lease.keepalive()
+        assert not lease.lost.is_set()
+    finally:
+        await store.close()
+
+
+async def test_long_lease_is_left_to_etcd(store: Store, prefix: str) -> None:
+    """Only leases below etcd's minimum TTL are expired by the store itself."""
+    lease = await store.grant(3, keepalive=False)
+    assert isinstance(store, EtcdStore)
+    assert lease.id not in store._short_leases
+    short = await store.grant(0.5, keepalive=False)
+    assert short.id in store._short_leases
+    await store.put(prefix + "short", b"x", lease=short.id)
+    await wait_for(lambda: _absent(store, prefix + "short"), timeout=3)
+    assert await store._keepalive(lease.id, 3) is True
+    await lease.revoke()
+
+
+async def _absent(store: Store, key: str) -> bool:
+    return await store.get(key) is None
+
+
+async def test_calls_after_close_are_unavailable(etcd_server: EtcdServer, prefix: str) -> None:
+    store = await open_store(etcd_server.url)
+    await store.close()
+    with pytest.raises(StoreUnavailableError, match="closed"):
+        await store.put(prefix + "k", b"v")
+
+
+# -- watches ----------------------------------------------------------------------------
+
+
+async def test_watch_ends_when_the_store_closes(etcd_server: EtcdServer, prefix: str) -> None:
+    store = await open_store(etcd_server.url)
+    snap = await store.get_prefix(prefix)
+    watch = Collector(store, prefix, snap.revision + 1)
+    await store.put(prefix + "a", b"1")
+    await wait_for(lambda: watch.events)
+    await store.close()
+    await asyncio.wait_for(watch.task, 5)
+    assert [type(e) for e in watch.events] == [Put]
+
+
+async def test_close_ends_a_watch_that_is_waiting_for_etcd(
+    own_server: EtcdServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="shoal.store.etcd")
+    store = await open_store(own_server.url)
+    own_server.stop()
+    watch = Collector(store, prefix, 1)
+    await wait_for(lambda: sum("resync read failed" in r.getMessage() for r in caplog.records) >= 3)
+    start = time.monotonic()
+    await store.close()
+    await asyncio.wait_for(watch.task, 5)
+    assert time.monotonic() - start < 1.0
+    assert watch.events == []
+
+
+async def test_watch_resumes_after_etcd_restart(own_server: EtcdServer, prefix: str) -> None:
+    watcher = await open_store(own_server.url)
+    writer = await open_store(own_server.url)
+    try:
+        await writer.put(prefix + "gone", b"0")
+        snap = await watcher.get_prefix(prefix)
+        watch = Collector(watcher, prefix, snap.revision + 1)
+        await writer.put(prefix + "a", b"1")
+        await wait_for(lambda: watch.of(Put), message="the watch is live")
+
+        own_server.stop()
+        await wait_for(lambda: _unreachable(watcher, prefix), timeout=5)
+        await asyncio.to_thread(own_server.start)
+        await wait_for(lambda: _reachable(writer, prefix), timeout=20)
+        await writer.delete(prefix + "gone")
+        await writer.put(prefix + "b", b"2")
+        expected = {prefix + "a": b"1", prefix + "b": b"2"}
+        await wait_for(lambda: watch.state() == expected, timeout=20, message="caught up")
+        assert watch.of(Resync), "the watch resynced after the restart"
+        # And it is live again: a later change arrives as an event.
+        rev = await writer.put(prefix + "c", b"3")
+        await wait_for(lambda: any(e.revision == rev for e in watch.of(Put)), timeout=10)
+        await watch.close()
+    finally:
+        await watcher.close()
+        await writer.close()
+
+
+async def test_watch_started_while_etcd_is_down_resyncs_when_it_returns(
+    own_server: EtcdServer, prefix: str
+) -> None:
+    store = await open_store(own_server.url)
+    try:
+        await store.put(prefix + "a", b"1")
+        snap = await store.get_prefix(prefix)
+        own_server.stop()
+        watch = Collector(store, prefix, snap.revision + 1)
+        await asyncio.to_thread(own_server.start)
+        await wait_for(lambda: watch.of(Resync), timeout=20)
+        first = watch.events[0]
+        assert isinstance(first, Resync)
+        assert [kv.key for kv in first.items] == [prefix + "a"]
+        rev = await store.put(prefix + "b", b"2")
+        await wait_for(lambda: any(e.revision == rev for e in watch.of(Put)), timeout=10)
+        await watch.close()
+    finally:
+        await store.close()
+
+
+async def test_compacted_start_revision_gives_a_resync(
+    etcd_server: EtcdServer, store: Store, prefix: str
+) -> None:
+    first = await store.put(prefix + "a", b"1")
+    await store.put(prefix + "a", b"2")
+    await store.put(prefix + "b", b"3")
+    await store.delete(prefix + "b")
+    current = (await store.get_prefix(prefix)).revision
+    client = aetcd.Client(host="127.0.0.1", port=etcd_server.client_port, timeout=5)
+    try:
+        await client.compact(current, physical=True)
+    finally:
+        await client.close()
+
+    watch = Collector(store, prefix, first)
+    try:
+        await wait_for(lambda: watch.events, timeout=10)
+        resync = watch.events[0]
+        assert isinstance(resync, Resync), watch.events
+        assert resync.revision >= current
+        assert [(kv.key, kv.value) for kv in resync.items] == [(prefix + "a", b"2")]
+        rev = await store.put(prefix + "c", b"4")
+        await wait_for(lambda: watch.of(Put), timeout=10)
+        assert [(type(e), e.revision) for e in watch.events[1:]] == [(Put, rev)]
+    finally:
+        await watch.close()
+
+
+async def test_watch_of_everything_and_of_one_prefix(store: Store, prefix: str) -> None:
+    snap = await store.get_prefix("")
+    everything = Collector(store, "", snap.revision + 1)
+    mine = Collector(store, prefix + "x/", snap.revision + 1)
+    try:
+        await store.put(prefix + "x/1", b"a")
+        await store.put(prefix + "y", b"b")
+        await wait_for(
+            lambda: len([e for e in everything.of(Put) if e.key.startswith(prefix)]) == 2
+        )
+        await wait_for(lambda: mine.events)
+        assert [e.key for e in mine.of(Put)] == [prefix + "x/1"]  # type: ignore[attr-defined]
+    finally:
+        await everything.close()
+        await mine.close()
+
+
+# -- a three-member cluster: failover between endpoints ---------------------------------
+
+
+class Cluster:
+    """Three etcd members on loopback; members can be killed to force a failover."""
+
+    def __init__(self, size: int = 3) -> None:
+        binary = shutil.which("etcd") or "/usr/bin/etcd"
+        self.dir = tempfile.mkdtemp(prefix="shoal-etcd-cluster-")
+        self.members = [(f"m{i}", free_port(), free_port()) for i in range(size)]
+        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, _, p in self.members)
+        self.log = open(os.path.join(self.dir, "etcd.log"), "ab")  # noqa: SIM115
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for name, c, p in self.members:
+            cmd = [
+                binary,
+                f"--name={name}",
+                f"--data-dir={self.dir}/{name}",
+                f"--listen-client-urls=http://127.0.0.1:{c}",
+                f"--advertise-client-urls=http://127.0.0.1:{c}",
+                f"--listen-peer-urls=http://127.0.0.1:{p}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{p}",
+                f"--initial-cluster={initial}",
+                "--initial-cluster-state=new",
+                "--log-level=error",
+            ]
+            self.procs.append(subprocess.Popen(cmd, stdout=self.log, stderr=self.log))
+
+    def endpoint(self, i: int) -> str:
+        return f"127.0.0.1:{self.members[i][1]}"
+
+    def wait_healthy(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        for i in range(len(self.members)):
+            while True:
+                try:
+                    url = f"http://{self.endpoint(i)}/health"
+                    with urllib.request.urlopen(url, timeout=1) as resp:
+                        if b'"health":"true"' in resp.read():
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd cluster not healthy; see {self.log.name}")
+                time.sleep(0.05)
+
+    def kill(self, i: int) -> None:
+        self.procs[i].send_signal(signal.SIGKILL)
+        self.procs[i].wait(10)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(10)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    try:
+        c.wait_healthy()
+        yield c
+    finally:
+        c.close()
+
+
+async def test_failover_to_another_member_keeps_calls_and_watches_going(
+    cluster: Cluster, prefix: str
+) -> None:
+    url = "etcd://" + ",".join(cluster.endpoint(i) for i in range(3))
+    store = await open_store(url)
+    assert isinstance(store, EtcdStore)
+    try:
+        await store.put(prefix + "a", b"1")
+        snap = await store.get_prefix(prefix)
+        watch = Collector(store, prefix, snap.revision + 1)
+        await store.put(prefix + "b", b"2")
+        await wait_for(lambda: watch.of(Put))
+        assert store._index == 0
+        cluster.kill(0)
+
+        async def put_c() -> bool:
+            try:
+                await store.put(prefix + "c", b"3")
+                return True
+            except StoreUnavailableError:
+                return False
+
+        await wait_for(put_c, timeout=20, message="a put succeeds on another member")
+        assert store._index != 0
+        expected = {prefix + "a": b"1", prefix + "b": b"2", prefix + "c": b"3"}
+        await wait_for(lambda: watch.state() == expected, timeout=20, message="caught up")
+        assert watch.of(Resync), "the watch resynced on the new member"
+        rev = await store.put(prefix + "d", b"4")
+        await wait_for(lambda: any(e.revision == rev for e in watch.of(Put)), timeout=10)
+        await watch.close()
+    finally:
+        await store.close()
