@@ -8,10 +8,12 @@ metadata files and announces it in discovery.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import Metric
 
 from shoal.cards import ModelType
 
@@ -41,10 +43,10 @@ class Engine(abc.ABC):
 
     name: str
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 - optional hook
         """Load or connect; raise with a clear message if the engine cannot serve."""
 
-    async def stop(self) -> None:
+    async def stop(self) -> None:  # noqa: B027 - optional hook
         """Release resources; in-flight requests have finished or been cancelled."""
 
     @abc.abstractmethod
@@ -55,13 +57,21 @@ class Engine(abc.ABC):
     async def served_models(self) -> list[ServedModel]:
         """What to announce now; the runtime announces and withdraws to match."""
 
-    async def check_health(self) -> None:
+    async def check_health(self) -> None:  # noqa: B027 - optional hook
         """Cheap health check (never a paid generation); raises `EngineUnavailableError`."""
 
     @property
     def in_flight(self) -> int:
         """Requests being served now, for drain and metrics."""
         return 0
+
+    def collect_metrics(self) -> Iterable[Metric]:
+        """The engine's own metrics (queue depth, KV usage, tokens), read at each scrape.
+
+        The worker's status server adds them to its per-runtime registry, so engines keep
+        plain counters on the request path and build metric families only when scraped.
+        """
+        return ()
 
     async def load_adapter(self, name: str, path: str) -> ServedModel:
         raise EngineUnavailableError(f"engine {self.name} does not support LoRA adapters")

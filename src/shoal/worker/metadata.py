@@ -1,0 +1,133 @@
+"""The metadata registry: which local file the status server hosts at each metadata URL.
+
+A model card lists its metadata files (config, tokenizer, chat template) by URL on the
+worker's status server:
+
+    /v1/metadata/{namespace}/{component}/{endpoint}/{slug}/{suffix}/{filename}
+
+with suffix `_` for the base model. Each entry belongs to the model registration that
+put it there, its owner (a `ModelKey`: endpoint, instance id and adapter suffix), so a
+detach removes exactly what that model registered and nothing leaks: the base model and
+each adapter are separate owners. The registry is process-local and never builds a path
+from a URL: a request is an exact lookup of its six segments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+from urllib.parse import quote
+
+from shoal.discovery import EndpointId, ModelKey
+
+BASE_SUFFIX = "_"
+"""The suffix segment of a base model's metadata URLs."""
+
+Owner = ModelKey
+"""Who registered an entry: the model registration (endpoint, instance id, suffix)."""
+
+
+class MetadataKey(NamedTuple):
+    """The six URL segments that name one hosted file."""
+
+    namespace: str
+    component: str
+    endpoint: str
+    slug: str
+    suffix: str
+    filename: str
+
+    @classmethod
+    def of(cls, endpoint: EndpointId, slug: str, suffix: str | None, filename: str) -> MetadataKey:
+        return cls(
+            endpoint.namespace,
+            endpoint.component,
+            endpoint.endpoint,
+            slug,
+            BASE_SUFFIX if suffix is None else suffix,
+            filename,
+        )
+
+    @property
+    def path(self) -> str:
+        """The URL path that serves this file."""
+        return "/v1/metadata/" + "/".join(quote(part, safe="") for part in self)
+
+
+class CollisionError(Exception):
+    """A metadata key is already held by another owner; the registry was left unchanged."""
+
+
+class MetadataRegistry:
+    """Maps metadata keys to (file path, owner). Changes are all-or-nothing."""
+
+    def __init__(self) -> None:
+        self._entries: dict[MetadataKey, tuple[Path, Owner]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def lookup(self, key: MetadataKey) -> Path | None:
+        """The file hosted at `key`, or None."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry[0]
+
+    def owner_of(self, key: MetadataKey) -> Owner | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry[1]
+
+    def register(self, owner: Owner, files: Iterable[tuple[MetadataKey, Path]]) -> None:
+        """Host `files` for `owner`. The same owner re-registering a key updates its path.
+
+        Raises `CollisionError` naming both owners if any key is held by another owner;
+        then nothing is registered.
+        """
+        batch = self._check(owner, files)
+        for key, path in batch:
+            self._entries[key] = (path, owner)
+
+    def replace(self, owner: Owner, files: Iterable[tuple[MetadataKey, Path]]) -> None:
+        """Make `files` exactly what `owner` hosts (a re-attached model); all or nothing."""
+        batch = self._check(owner, files)
+        self.unregister_for_owner(owner)
+        for key, path in batch:
+            self._entries[key] = (path, owner)
+
+    def _check(
+        self, owner: Owner, files: Iterable[tuple[MetadataKey, Path]]
+    ) -> list[tuple[MetadataKey, Path]]:
+        batch = list(files)
+        for key, _ in batch:
+            held = self._entries.get(key)
+            if held is not None and held[1] != owner:
+                raise CollisionError(
+                    f"metadata file {key.path} is held by {held[1]}; refusing to register it "
+                    f"for {owner}"
+                )
+        return batch
+
+    def unregister_for_owner(self, owner: Owner) -> int:
+        """Remove every entry of `owner` and no other; returns how many. Idempotent."""
+        keys = [key for key, (_, held) in self._entries.items() if held == owner]
+        for key in keys:
+            del self._entries[key]
+        return len(keys)
+
+    def reassign(self, old: Owner, new: Owner) -> int:
+        """Hand every entry of `old` to `new` (a re-granted lease renames the instance)."""
+        if old == new:
+            return 0
+        moved = 0
+        for key, (path, held) in list(self._entries.items()):
+            if held == old:
+                self._entries[key] = (path, new)
+                moved += 1
+        return moved
+
+    def files_of(self, owner: Owner) -> list[tuple[MetadataKey, Path]]:
+        """What `owner` hosts, as `(key, path)` pairs."""
+        return [(key, path) for key, (path, held) in self._entries.items() if held == owner]

@@ -1,0 +1,23 @@
+"""Test support for the worker tests: raw HTTP (no client-side path normalisation)."""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlsplit
+
+
+async def raw_get(base_url: str, raw_path: str) -> tuple[int, bytes]:
+    """Send `GET raw_path` byte for byte; returns the status and body."""
+    parts = urlsplit(base_url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        writer.write(
+            f"GET {raw_path} HTTP/1.1\r\nHost: {parts.netloc}\r\nConnection: close\r\n\r\n".encode()
+        )
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, body

@@ -1,0 +1,91 @@
+"""The metadata registry: owner-scoped entries, refused collisions, no leaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shoal.discovery import EndpointId, ModelKey
+from shoal.worker.metadata import CollisionError, MetadataKey, MetadataRegistry
+
+EP = EndpointId("ns", "backend", "generate")
+BASE = ModelKey(EP, 0xA1)
+ADAPTER = ModelKey(EP, 0xA1, "my-lora")
+OTHER_INSTANCE = ModelKey(EP, 0xB2)
+
+
+def files(suffix: str | None, *names: str) -> list[tuple[MetadataKey, Path]]:
+    return [(MetadataKey.of(EP, "model", suffix, n), Path(f"/srv/{suffix}/{n}")) for n in names]
+
+
+def test_registering_a_key_held_by_another_owner_raises_and_changes_nothing() -> None:
+    registry = MetadataRegistry()
+    registry.register(BASE, files(None, "config.json"))
+    before = {k: (registry.lookup(k), registry.owner_of(k)) for k, _ in files(None, "config.json")}
+
+    with pytest.raises(CollisionError) as info:
+        registry.register(OTHER_INSTANCE, files(None, "tokenizer.json", "config.json"))
+
+    assert str(BASE) in str(info.value) and str(OTHER_INSTANCE) in str(info.value)
+    assert len(registry) == 1
+    assert registry.lookup(MetadataKey.of(EP, "model", None, "tokenizer.json")) is None
+    assert {k: (registry.lookup(k), registry.owner_of(k)) for k in before} == before
+
+
+def test_same_owner_registering_again_updates_the_path() -> None:
+    registry = MetadataRegistry()
+    key = MetadataKey.of(EP, "model", None, "config.json")
+    registry.register(BASE, [(key, Path("/old/config.json"))])
+    registry.register(BASE, [(key, Path("/new/config.json"))])
+    assert registry.lookup(key) == Path("/new/config.json")
+    assert len(registry) == 1
+
+
+def test_unregister_for_owner_removes_exactly_that_owners_entries_and_is_idempotent() -> None:
+    registry = MetadataRegistry()
+    registry.register(BASE, files(None, "config.json", "tokenizer_config.json"))
+    registry.register(ADAPTER, files("my-lora", "config.json", "adapter_config.json"))
+
+    assert registry.unregister_for_owner(ADAPTER) == 2
+    assert registry.unregister_for_owner(ADAPTER) == 0
+    assert len(registry) == 2
+    assert all(registry.owner_of(k) == BASE for k, _ in files(None, "config.json"))
+
+
+def test_reassign_hands_entries_to_the_new_instance_id() -> None:
+    registry = MetadataRegistry()
+    registry.register(BASE, files(None, "config.json"))
+    renamed = ModelKey(EP, 0xC3)
+    assert registry.reassign(BASE, renamed) == 1
+    assert registry.files_of(BASE) == []
+    assert registry.unregister_for_owner(renamed) == 1
+
+
+def test_a_thousand_register_unregister_cycles_leave_the_registry_at_its_starting_size() -> None:
+    registry = MetadataRegistry()
+    registry.register(BASE, files(None, "config.json"))
+    start = len(registry)
+    for i in range(1000):
+        owner = ModelKey(EP, 0xA1, f"lora-{i % 7}")
+        registry.register(owner, files(f"lora-{i % 7}", "config.json", "adapter_config.json"))
+        registry.unregister_for_owner(owner)
+    assert len(registry) == start
+
+
+def test_metadata_url_path_quotes_every_segment() -> None:
+    key = MetadataKey.of(EP, "model", None, "chat template.jinja")
+    assert key.path == "/v1/metadata/ns/backend/generate/model/_/chat%20template.jinja"
+
+
+def test_replace_swaps_an_owners_files_all_or_nothing() -> None:
+    registry = MetadataRegistry()
+    registry.register(BASE, files(None, "config.json", "old.json"))
+    registry.register(OTHER_INSTANCE, files(None, "taken.json"))
+
+    with pytest.raises(CollisionError):
+        registry.replace(BASE, files(None, "config.json", "taken.json"))
+    assert sorted(k.filename for k, _ in registry.files_of(BASE)) == ["config.json", "old.json"]
+
+    registry.replace(BASE, files(None, "config.json", "new.json"))
+    assert sorted(k.filename for k, _ in registry.files_of(BASE)) == ["config.json", "new.json"]

@@ -1,0 +1,353 @@
+"""The worker runtime in process: registration, metadata hosting, adapters, lease loss, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from shoal.cards import ModelCard, ModelType, file_checksum
+from shoal.discovery import Discovery, EndpointId, ModelKey
+from shoal.store import Store, open_store
+from shoal.worker import Engine, Runtime, ServedModel
+from shoal.worker.engines.mocker import MockerEngine
+from shoal.worker.metadata import MetadataKey
+from tests.helpers import wait_for
+from tests.worker.support import raw_get
+
+MODEL = "mock-model"
+EP = "ns.backend.generate"
+
+
+@pytest.fixture
+def store_url() -> str:
+    return f"memory://{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+async def observer(store_url: str) -> AsyncIterator[Store]:
+    """A second client of the same store: what the rest of the fleet sees."""
+    store = await open_store(store_url)
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+async def runtime(store_url: str) -> AsyncIterator[Runtime]:
+    rt = Runtime(store_url, lease_ttl=0.6, admin_token="s3cret", drain_timeout=5)
+    await rt.start()
+    yield rt
+    await rt.drain(timeout=1)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def serve_mocker(runtime: Runtime, **kwargs: Any) -> MockerEngine:
+    engine = MockerEngine(MODEL, **kwargs)
+    await runtime.endpoint(EP).serve(engine)
+    return engine
+
+
+AUTH = {"Authorization": "Bearer s3cret"}
+
+
+async def listed(observer: Store) -> dict[str, Any]:
+    return {m.card.display_name: m for m in await Discovery(observer).list()}
+
+
+async def test_served_engine_is_listed_with_its_url_and_verifiable_metadata(
+    runtime: Runtime, observer: Store, http: aiohttp.ClientSession
+) -> None:
+    await serve_mocker(runtime, speedup=0)
+    models = await listed(observer)
+
+    model = models[MODEL]
+    assert model.instance_id == runtime.instance_id
+    assert model.url == runtime.endpoint(EP).url
+    assert model.instance.status_url == runtime.status_url
+    assert set(model.card.metadata_files) == {"config.json", "tokenizer_config.json"}
+    for name, meta in model.card.metadata_files.items():
+        assert meta.url == (
+            f"{runtime.status_url}/v1/metadata/ns/backend/generate/mock-model/_/{name}"
+        )
+        async with http.get(meta.url) as resp:
+            assert resp.status == 200
+            body = await resp.read()
+        path = runtime.metadata.lookup(
+            MetadataKey.of(EndpointId.parse(EP), "mock-model", None, name)
+        )
+        assert (
+            path is not None
+            and file_checksum(path) == (meta.checksum, meta.size)
+            and len(body) == meta.size
+        )
+
+
+async def test_detaching_an_adapter_404s_its_files_while_the_base_model_still_serves(
+    runtime: Runtime, observer: Store, http: aiohttp.ClientSession
+) -> None:
+    await serve_mocker(runtime, speedup=0)
+    async with http.post(
+        runtime.status_url + "/v1/loras", json={"name": "my-lora", "path": "/a/b"}, headers=AUTH
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["suffix"] == "my-lora"
+    models = await listed(observer)
+    adapter = models["my-lora"]
+    assert adapter.key.suffix == "my-lora" and adapter.card.lora is not None
+    assert adapter.card.lora.base_model == MODEL
+    assert "adapter_config.json" in adapter.card.metadata_files
+    async with http.post(
+        f"{runtime.endpoint(EP).url}/v1/chat/completions",
+        json={"model": "my-lora", "messages": [{"role": "user", "content": "x"}]},
+    ) as resp:
+        assert resp.status == 200
+
+    async with http.delete(runtime.status_url + "/v1/loras/my-lora", headers=AUTH) as resp:
+        assert resp.status == 200
+    assert set(await listed(observer)) == {MODEL}
+    for meta in adapter.card.metadata_files.values():
+        async with http.get(meta.url) as resp:
+            assert resp.status == 404
+    for meta in models[MODEL].card.metadata_files.values():
+        async with http.get(meta.url) as resp:
+            assert resp.status == 200
+    async with http.delete(runtime.status_url + "/v1/loras/my-lora", headers=AUTH) as resp:
+        assert resp.status == 404
+
+
+async def test_a_thousand_attach_detach_cycles_leave_the_registry_at_its_starting_size(
+    runtime: Runtime, observer: Store, tmp_path: Path
+) -> None:
+    await serve_mocker(runtime, speedup=0)
+    endpoint = runtime.endpoint(EP)
+    start = len(runtime.metadata)
+    (tmp_path / "adapter_config.json").write_text("{}")
+    files = {"adapter_config.json": tmp_path / "adapter_config.json"}
+    card = ModelCard.build(
+        display_name="cycled",
+        slug="cycled",
+        source="test://cycled",
+        model_types=["chat"],
+        context_length=1024,
+        lora={"base_model": MODEL, "adapter": "cycled"},
+    )
+    for _ in range(1000):
+        await endpoint.attach_model(card, "cycled", files=files)
+        await endpoint.detach_model("cycled")
+    assert len(runtime.metadata) == start
+    assert set(await listed(observer)) == {MODEL}
+
+
+async def test_lora_changes_need_the_admin_token(
+    runtime: Runtime, http: aiohttp.ClientSession
+) -> None:
+    await serve_mocker(runtime, speedup=0)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        async with http.post(
+            runtime.status_url + "/v1/loras", json={"name": "x", "path": "y"}, headers=headers
+        ) as resp:
+            assert resp.status == 401
+            error = (await resp.json())["error"]
+            assert error["code"] == "invalid_api_key" and error["type"] == "authentication_error"
+        async with http.delete(runtime.status_url + "/v1/loras/x", headers=headers) as resp:
+            assert resp.status == 401
+    async with http.post(
+        runtime.status_url + "/v1/loras", json={"name": "x"}, headers=AUTH
+    ) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == "path"
+
+
+@pytest.mark.parametrize(
+    "raw_path",
+    [
+        "/v1/metadata/ns/backend/generate/mock-model/_/../../../../etc/passwd",
+        "/v1/metadata/ns/backend/generate/mock-model/_/..",
+        "/v1/metadata/ns/backend/generate/mock-model/..%2F..%2Fsecret.txt/config.json",
+        "/v1/metadata/ns/backend/generate/mock-model/_/..%2Fsecret.txt",
+        "/v1/metadata/ns/backend/generate/mock-model/_/%2Fetc%2Fpasswd",
+        "/v1/metadata/ns/backend/generate/mock-model/_/config.json%00.txt",
+        "/v1/metadata/ns/backend/generate/mock-model/_/%00",
+        "/v1/metadata/ns/backend/generate/mock-model/_//etc/passwd",
+        "/v1/metadata/ns/backend/generate/mock-model/_/secret.txt",
+        "/v1/metadata/ns/backend/generate/mock-model/my-lora/config.json",
+        "/v1/metadata/ns/backend/other/mock-model/_/config.json",
+        "/v1/metadata/ns/backend/generate/mock-model/_/config.json/extra",
+        "/v1/metadata/ns/backend/generate/%2E%2E/_/config.json",
+    ],
+)
+async def test_metadata_paths_outside_the_registry_are_refused_and_read_nothing(
+    runtime: Runtime, raw_path: str
+) -> None:
+    engine = await serve_mocker(runtime, speedup=0)
+    base_dir = (await engine.served_models())[0].metadata_dir
+    assert base_dir is not None
+    (base_dir / "secret.txt").write_text("TOP-SECRET")
+    (base_dir.parent / "secret.txt").write_text("TOP-SECRET")
+
+    status, body = await raw_get(runtime.status_url, raw_path)
+    assert status in (400, 404), (status, body)
+    assert b"TOP-SECRET" not in body and b"root:" not in body
+
+
+async def test_registered_metadata_file_is_served_over_raw_http(runtime: Runtime) -> None:
+    await serve_mocker(runtime, speedup=0)
+    status, body = await raw_get(
+        runtime.status_url, "/v1/metadata/ns/backend/generate/mock-model/_/config.json"
+    )
+    assert status == 200 and b"MockerForCausalLM" in body
+
+
+async def test_lost_lease_is_replaced_and_everything_re_registered_without_restart(
+    runtime: Runtime, observer: Store, http: aiohttp.ClientSession
+) -> None:
+    await serve_mocker(runtime, ttft_ms=0, itl_ms=20)
+    async with http.post(
+        runtime.status_url + "/v1/loras", json={"name": "my-lora", "path": "/a"}, headers=AUTH
+    ) as resp:
+        assert resp.status == 200
+    old_id = runtime.instance_id
+    endpoint = runtime.endpoint(EP)
+    assert set(await listed(observer)) == {MODEL, "my-lora"}
+    stream = await http.post(
+        f"{endpoint.url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 100,
+            "stream": True,
+        },
+    )
+
+    runtime.store.set_unreachable(True)  # type: ignore[union-attr]
+    await wait_for(lambda: _empty(observer), timeout=5, message="keys gone with the lease")
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        assert any("lease" in r for r in (await resp.json())["reasons"])
+    runtime.store.set_unreachable(False)  # type: ignore[union-attr]
+
+    models = await wait_for(lambda: _both_back(observer), timeout=5)
+    new_id = runtime.instance_id
+    assert new_id != old_id
+    assert {m.instance_id for m in models.values()} == {new_id}
+    assert runtime.metadata.files_of(ModelKey(EndpointId.parse(EP), old_id)) == []
+    assert runtime.metadata.files_of(ModelKey(EndpointId.parse(EP), new_id))
+    for model in models.values():
+        for meta in model.card.metadata_files.values():
+            async with http.get(meta.url) as resp:
+                assert resp.status == 200
+    await wait_for(lambda: _healthy(http, runtime), timeout=5)
+
+    body = (await stream.read()).decode()
+    assert body.endswith("data: [DONE]\n\n") and body.count('"content"') == 101
+
+
+async def _empty(store: Store) -> bool:
+    return not await Discovery(store).list()
+
+
+async def _both_back(store: Store) -> dict[str, Any] | None:
+    models = await listed(store)
+    return models if set(models) == {MODEL, "my-lora"} else None
+
+
+async def _healthy(http: aiohttp.ClientSession, runtime: Runtime) -> bool:
+    async with http.get(runtime.status_url + "/health") as resp:
+        return resp.status == 200
+
+
+class Switchable(Engine):
+    """An engine whose served models a test switches on and off."""
+
+    name = "switchable"
+
+    def __init__(self) -> None:
+        self.models = [ServedModel(name="a", source="test://a")]
+        self.healthy = True
+
+    def app(self) -> web.Application:
+        return web.Application()
+
+    async def served_models(self) -> list[ServedModel]:
+        return list(self.models)
+
+    async def check_health(self) -> None:
+        if not self.healthy:
+            raise RuntimeError("upstream down")
+
+
+async def test_models_follow_what_the_engine_serves(runtime: Runtime, observer: Store) -> None:
+    engine = Switchable()
+    await runtime.endpoint(EP).serve(engine)
+    assert set(await listed(observer)) == {"a"}
+
+    engine.models = []
+    await wait_for(lambda: _empty(observer), timeout=5, message="model a withdrawn")
+    engine.models = [ServedModel(name="b", source="test://b", model_types=(ModelType.CHAT,))]
+    await wait_for(lambda: _names(observer, {"b"}), timeout=5, message="model b announced")
+
+
+async def _names(store: Store, names: set[str]) -> bool:
+    return set(await listed(store)) == names
+
+
+async def test_health_is_503_with_the_reason_when_an_engine_is_unhealthy(
+    runtime: Runtime, http: aiohttp.ClientSession
+) -> None:
+    engine = Switchable()
+    await runtime.endpoint(EP).serve(engine)
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 200
+        body = await resp.json()
+        assert body["endpoints"][0]["models"][0]["name"] == "a"
+    engine.healthy = False
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        assert any("upstream down" in r for r in (await resp.json())["reasons"])
+
+
+async def test_drain_taints_waits_for_in_flight_requests_then_withdraws_everything(
+    store_url: str, observer: Store, http: aiohttp.ClientSession
+) -> None:
+    runtime = Runtime(store_url, lease_ttl=5)
+    await runtime.start()
+    await serve_mocker(runtime, ttft_ms=0, itl_ms=10)
+    url = runtime.endpoint(EP).url
+    stream = await http.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 100,
+            "stream": True,
+        },
+    )
+    drain = asyncio.create_task(runtime.drain(timeout=10))
+
+    tainted = await wait_for(lambda: listed(observer), message="still listed while draining")
+    await wait_for(lambda: _tainted(observer), message="model tainted draining")
+    assert MODEL in tainted
+    async with http.get(runtime.status_url + "/live") as resp:
+        assert resp.status == 503
+    body = (await stream.read()).decode()
+    assert body.endswith("data: [DONE]\n\n") and body.count('"content"') == 101
+    await drain
+    assert await Discovery(observer).list() == []
+    assert (await observer.get_prefix("shoal/v1/")).items == []
+    assert len(runtime.metadata) == 0
+
+
+async def _tainted(store: Store) -> bool:
+    models = await Discovery(store).list()
+    return bool(models) and all("draining" in m.card.taints for m in models)
