@@ -100,9 +100,8 @@ def make_engine(args: argparse.Namespace) -> Engine:
             raise SystemExit("shoal worker: --upstream is required for the openai engine")
         engine = cls(args.upstream)
     else:
-        if not args.model_path and not args.model:
-            raise SystemExit("shoal worker: --model-path (or --model) is required for llamacpp")
-        engine = cls(args.model_path, args.model)
+        # Without --model-path, the SmolLM2-135M GGUF shipped in the llamacpp extra is served.
+        engine = cls(args.model_path, name=args.model)
     return engine
 
 

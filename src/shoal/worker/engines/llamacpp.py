@@ -267,9 +267,12 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
 class LlamaCppEngine(Engine):
     """Serve one GGUF model (default: SmolLM2-135M-Instruct) with llama.cpp, in process.
 
-    Chat and text completions, streaming or not, in OpenAI's format. The model's
-    non-weight files (config.json, tokenizer_config.json with the chat template) are
-    written to a temporary directory for the runtime to host.
+    Chat and text completions, streaming or not, in OpenAI's format (no embeddings:
+    llama.cpp needs a separate embedding context for them). The model's non-weight files
+    (config.json, tokenizer_config.json with the chat template) are written to a
+    temporary directory for the runtime to host. `n_threads` sets llama.cpp's threads
+    for both prompt processing and generation (None: llama.cpp's defaults); on a shared
+    or busy machine 1 is often fastest.
     """
 
     name = "llamacpp"

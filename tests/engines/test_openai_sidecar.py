@@ -1,0 +1,369 @@
+"""The `openai` sidecar engine against a small real OpenAI-compatible server in-process.
+
+The fake upstream stands in for vLLM: it answers `/health` and `/v1/models`, and streams
+a chat completion one chunk per release of a gate, so tests can prove that chunks cross
+the sidecar one by one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from shoal.worker.engine import EngineUnavailableError
+from shoal.worker.engines.openai_sidecar import OpenAISidecarEngine, normalize_upstream
+from tests.engines.support import Server, serving
+from tests.helpers import free_port, wait_for
+
+MODEL = "fake/model-7b"
+
+
+def sse(payload: dict[str, object]) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def chat_chunk(content: str, finish_reason: str | None = None) -> dict[str, object]:
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish_reason}],
+    }
+
+
+STREAM = [
+    sse(chat_chunk("Hello")),
+    sse(chat_chunk(", ")),
+    sse(chat_chunk("world", finish_reason="stop")),
+    b"data: [DONE]\n\n",
+]
+
+
+class FakeUpstream:
+    """A minimal OpenAI-compatible server that records every request it gets."""
+
+    def __init__(self, *, health_status: int = 200) -> None:
+        self.health_status = health_status
+        self.requests: list[tuple[str, str]] = []
+        self.gate = asyncio.Semaphore(0)  # one release per streamed chunk
+        self.chunks_sent = 0
+        self.hang_after_first_chunk = False
+        self.stream_cancelled = asyncio.Event()
+        self.server = Server(self.app())
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        self.requests.append((request.method, request.path))
+        return web.Response(status=self.health_status)
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.requests.append((request.method, request.path))
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {"id": MODEL, "object": "model", "max_model_len": 8192, "parent": None},
+                    {"id": "sql-lora", "object": "model", "parent": MODEL},
+                ],
+            }
+        )
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append((request.method, request.path))
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response(
+                {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion",
+                    "created": 1,
+                    "model": MODEL,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "Hello"},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+                },
+                status=201,  # unusual on purpose: the status must cross unchanged
+            )
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for chunk in STREAM:
+                await self.gate.acquire()
+                self.chunks_sent += 1
+                await response.write(chunk)
+                if self.hang_after_first_chunk:
+                    await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.stream_cancelled.set()
+            raise
+        await response.write_eof()
+        return response
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeUpstream]:
+    fake = FakeUpstream()
+    await fake.server.start()
+    try:
+        yield fake
+    finally:
+        await fake.server.stop()
+
+
+@asynccontextmanager
+async def sidecar(upstream_url: str) -> AsyncIterator[tuple[OpenAISidecarEngine, Server]]:
+    """A started sidecar for `upstream_url`, its app served on a free port."""
+    engine = OpenAISidecarEngine(upstream_url, health_interval=0.0)
+    await engine.start()
+    try:
+        async with serving(engine.app()) as server:
+            yield engine, server
+    finally:
+        await engine.stop()
+
+
+def client_for(server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+async def names_of(engine: OpenAISidecarEngine) -> list[str]:
+    return [model.name for model in await engine.served_models()]
+
+
+async def test_models_are_listed_while_healthy_withdrawn_while_down_and_back_after(
+    fake: FakeUpstream,
+) -> None:
+    engine = OpenAISidecarEngine(f"{fake.server.url}/v1/", health_interval=0.0)
+    await engine.start()
+    try:
+        base, adapter = await engine.served_models()
+        assert (base.name, base.source, base.context_length) == (
+            MODEL,
+            f"openai:{fake.server.url}/{MODEL}",
+            8192,
+        )
+        assert (base.adapter, base.base_model) == (None, None)
+        assert (adapter.name, adapter.adapter, adapter.base_model) == (
+            "sql-lora",
+            "sql-lora",
+            MODEL,
+        )
+        assert adapter.context_length == 4096  # not reported by the server: the default
+        await engine.check_health()
+
+        await fake.server.stop()
+        assert await engine.served_models() == []
+        with pytest.raises(EngineUnavailableError, match=r"GET http://.*/health failed"):
+            await engine.check_health()
+
+        await fake.server.start()
+        assert await names_of(engine) == [MODEL, "sql-lora"]
+        await engine.check_health()
+    finally:
+        await engine.stop()
+
+
+async def test_an_unhealthy_upstream_announces_nothing_and_says_why(fake: FakeUpstream) -> None:
+    fake.health_status = 503
+    engine = OpenAISidecarEngine(fake.server.url, health_interval=0.0)
+    await engine.start()  # a server still loading is not a start failure
+    try:
+        assert await engine.served_models() == []
+        with pytest.raises(EngineUnavailableError, match=r"GET http://.*/health answered 503"):
+            await engine.check_health()
+        fake.health_status = 200
+        assert await names_of(engine) == [MODEL, "sql-lora"]
+    finally:
+        await engine.stop()
+
+
+async def test_a_server_without_health_route_is_probed_by_its_model_list() -> None:
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "llama3.2:1b"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    async with serving(app) as ollama:
+        engine = OpenAISidecarEngine(ollama.url, health_interval=0.0)
+        await engine.start()
+        try:
+            await engine.check_health()
+            assert await names_of(engine) == ["llama3.2:1b"]
+        finally:
+            await engine.stop()
+
+
+async def test_health_checks_only_get_health_and_models_never_generate(
+    fake: FakeUpstream,
+) -> None:
+    engine = OpenAISidecarEngine(fake.server.url, health_interval=0.0)
+    await engine.start()
+    try:
+        for _ in range(3):
+            await engine.check_health()
+            await engine.served_models()
+    finally:
+        await engine.stop()
+    assert len(fake.requests) == 2 * 7  # start probes once, then six more probes
+    assert set(fake.requests) == {("GET", "/health"), ("GET", "/v1/models")}
+
+
+async def test_probes_are_cached_for_the_health_interval(fake: FakeUpstream) -> None:
+    engine = OpenAISidecarEngine(fake.server.url, health_interval=60.0)
+    await engine.start()
+    try:
+        for _ in range(5):
+            await engine.check_health()
+            assert await names_of(engine) == [MODEL, "sql-lora"]
+    finally:
+        await engine.stop()
+    assert fake.requests == [("GET", "/health"), ("GET", "/v1/models")]
+
+
+async def test_a_stream_crosses_the_sidecar_chunk_by_chunk_unchanged(fake: FakeUpstream) -> None:
+    async with sidecar(fake.server.url) as (engine, server):
+        fake.gate.release()
+        received: list[str | None] = []
+        async with client_for(server) as client:
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            async for chunk in stream:
+                # The upstream has sent exactly this chunk and waits: it came on its own.
+                assert fake.chunks_sent == len(received) + 1
+                assert engine.in_flight == 1
+                received.append(chunk.choices[0].delta.content)
+                fake.gate.release()
+        assert received == ["Hello", ", ", "world"]
+        await wait_for(lambda: engine.in_flight == 0, message="the request to finish")
+
+        # Byte for byte, with the upstream's content type.
+        for _ in STREAM:
+            fake.gate.release()
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                f"{server.url}/v1/chat/completions",
+                json={"model": MODEL, "messages": [], "stream": True},
+            ) as response,
+        ):
+            assert response.status == 200
+            assert response.content_type == "text/event-stream"
+            assert await response.read() == b"".join(STREAM)
+
+
+async def test_a_plain_response_keeps_status_content_type_and_body(fake: FakeUpstream) -> None:
+    async with (
+        sidecar(fake.server.url) as (_, server),
+        aiohttp.ClientSession() as http,
+    ):
+        body = b'{"model": "fake/model-7b", "messages": [{"role": "user", "content": "hi"}]}'
+        async with http.post(
+            f"{server.url}/v1/chat/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        ) as response:
+            assert response.status == 201
+            assert response.content_type == "application/json"
+            assert (await response.json())["choices"][0]["message"]["content"] == "Hello"
+        async with http.get(f"{server.url}/v1/models") as response:
+            assert [m["id"] for m in (await response.json())["data"]] == [MODEL, "sql-lora"]
+
+        async with client_for(server) as client:
+            completion = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}]
+            )
+        assert completion.choices[0].message.content == "Hello"
+        assert completion.usage is not None and completion.usage.total_tokens == 4
+
+
+async def test_an_unreachable_upstream_answers_502_in_openai_error_format() -> None:
+    async with (
+        sidecar(f"http://127.0.0.1:{free_port()}") as (engine, server),
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.post(
+            f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": []}
+        ) as response:
+            assert response.status == 502
+            error = (await response.json())["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["code"] == "upstream_unavailable"
+        assert "unreachable" in error["message"]
+
+        async with client_for(server) as client:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}]
+                )
+        assert caught.value.status_code == 502
+        assert engine.in_flight == 0
+
+
+async def test_a_client_disconnect_cancels_the_upstream_request(fake: FakeUpstream) -> None:
+    fake.hang_after_first_chunk = True
+    fake.gate.release()
+    async with sidecar(fake.server.url) as (engine, server):
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                f"{server.url}/v1/chat/completions",
+                json={"model": MODEL, "messages": [], "stream": True},
+            ) as response,
+        ):
+            assert await response.content.readuntil(b"\n\n") == STREAM[0]
+            assert engine.in_flight == 1
+        # The client is gone: the upstream's handler is cancelled, nothing is in flight.
+        await wait_for(fake.stream_cancelled.is_set, message="the upstream to be cancelled")
+        await wait_for(lambda: engine.in_flight == 0, message="in_flight to drop to zero")
+
+
+async def test_an_upstream_failing_mid_stream_truncates_the_client_response() -> None:
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(STREAM[0])
+        assert request.transport is not None
+        request.transport.abort()  # the upstream dies mid-response
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    async with (
+        serving(app) as upstream,
+        sidecar(upstream.url) as (engine, server),
+        aiohttp.ClientSession() as http,
+        http.post(f"{server.url}/v1/chat/completions", json={"stream": True}) as response,
+    ):
+        assert await response.content.readuntil(b"\n\n") == STREAM[0]
+        # Never a clean end of stream: the client can tell the answer is incomplete.
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.read()
+    assert engine.in_flight == 0
+
+
+def test_upstream_urls_are_normalized_to_the_server_root() -> None:
+    assert normalize_upstream("http://gpu-1:8000/v1/") == "http://gpu-1:8000"
+    assert normalize_upstream("http://gpu-1:8000") == "http://gpu-1:8000"
+    assert normalize_upstream("https://host/ollama/v1") == "https://host/ollama"
+    with pytest.raises(ValueError, match="http"):
+        normalize_upstream("gpu-1:8000")
