@@ -1,0 +1,50 @@
+"""`shoal ls` shows what other processes registered through the store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+from tests.worker.conftest import StartWorker
+
+
+async def shoal_ls(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "shoal.cli.main",
+        "ls",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_ls_shows_models_instances_and_taints_registered_by_other_processes(
+    start_worker: StartWorker, store_url: str
+) -> None:
+    a = await start_worker("--namespace", "team-a")
+    b = await start_worker("--namespace", "team-b", model="other-model")
+    code, out, _ = await shoal_ls("--store", store_url, "--json")
+    assert code == 0
+    data = json.loads(out)
+    listed = {(m["model"], m["endpoint"], m["instance"], m["url"]) for m in data["models"]}
+    assert listed == {
+        ("mock-model", "team-a.backend.generate", f"{a.instance_id:x}", a.url),
+        ("other-model", "team-b.backend.generate", f"{b.instance_id:x}", b.url),
+    }
+    assert {i["status_url"] for i in data["instances"]} == {a.status_url, b.status_url}
+
+    code, out, _ = await shoal_ls("--store", store_url, "--namespace", "team-b")
+    assert code == 0
+    assert "other-model" in out and "mock-model" not in out and f"{b.instance_id:x}" in out
+
+
+async def test_ls_on_an_unreachable_store_fails_with_a_message_naming_it() -> None:
+    code, _, err = await shoal_ls("--store", "sqlite:///dev/null/nope/store.db")
+    assert code == 1
+    assert "sqlite:///dev/null/nope/store.db" in err
