@@ -1,0 +1,168 @@
+"""`shoal frontend`: the OpenAI-compatible gateway for the models workers announce.
+
+Prints `shoal frontend ready: url=http://HOST:PORT` on stdout once it serves (with
+`--port 0`, the port the system chose); drains on SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from shoal.cli.main import env_default
+from shoal.frontend import POLICIES, Frontend, FrontendConfig
+from shoal.store import StoreError
+
+log = logging.getLogger(__name__)
+
+
+def _env_list(name: str) -> list[str]:
+    value = env_default(name)
+    return [item for item in (value or "").split(",") if item]
+
+
+def add_frontend_flags(parser: argparse.ArgumentParser, *, port: int = 8000) -> None:
+    """The flags `shoal frontend` and `shoal up` share."""
+    parser.add_argument(
+        "--store",
+        default=env_default("store"),
+        help="discovery store URL (memory://, sqlite:///path, etcd://host:port); "
+        "default: the SQLite file in the user state dir",
+    )
+    parser.add_argument(
+        "--host", default=env_default("host", "127.0.0.1"), help="address to listen on"
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(env_default("port", str(port)) or port),
+        help=f"port to listen on (0: any free port; default {port})",
+    )
+    parser.add_argument(
+        "--router",
+        choices=POLICIES,
+        default=env_default("router", "round-robin"),
+        help="routing policy (default round-robin)",
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "frontend",
+        help="serve the OpenAI API for the fleet's models",
+        description="Serve an OpenAI-compatible API, routing each request to a live worker.",
+    )
+    add_frontend_flags(parser)
+    parser.add_argument(
+        "--namespace",
+        action="append",
+        default=_env_list("namespace"),
+        metavar="NS",
+        help="serve only models of this namespace (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--reconcile-interval",
+        type=float,
+        default=float(env_default("reconcile_interval", "30") or 30),
+        help="seconds between reconciliations with discovery (default 30)",
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=_env_list("api_key"),
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1 routes (repeatable)",
+    )
+    parser.add_argument(
+        "--max-body",
+        type=int,
+        default=int(env_default("max_body", str(16 * 1024 * 1024)) or 0),
+        metavar="BYTES",
+        help="largest request body accepted (default 16 MiB)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=int(env_default("retries", "2") or 2),
+        help="other instances to try after a failure before the first byte (default 2)",
+    )
+    parser.add_argument(
+        "--inhibit-seconds",
+        type=float,
+        default=float(env_default("inhibit_seconds", "5") or 5),
+        help="how long a failed instance gets no requests (default 5)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=env_default("cache_dir"),
+        help="where verified model metadata files are kept (default: the user cache dir)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(env_default("drain_timeout", "30") or 30),
+        help="seconds to let requests in flight finish on shutdown (default 30)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    return FrontendConfig(
+        store_url=args.store,
+        host=args.host,
+        port=args.port,
+        namespaces=tuple(args.namespace),
+        router=args.router,
+        reconcile_interval=args.reconcile_interval,
+        api_keys=tuple(args.api_key),
+        max_body=args.max_body,
+        retries=args.retries,
+        inhibit_seconds=args.inhibit_seconds,
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        drain_timeout=args.drain_timeout,
+    )
+
+
+def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run `main` on uvloop, the event loop the request path is tuned for."""
+    import uvloop
+
+    return uvloop.run(main)
+
+
+def on_stop_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def serve(config: FrontendConfig) -> int:
+    stop = asyncio.Event()
+    on_stop_signals(stop)
+    frontend = Frontend(config)
+    try:
+        await frontend.start()
+    except (StoreError, OSError, ValueError) as exc:
+        print(f"shoal frontend: {exc}", file=sys.stderr)
+        await frontend.stop()
+        return 1
+    print(f"shoal frontend ready: url={frontend.url}", flush=True)
+    await stop.wait()
+    log.info("stopping: draining requests in flight")
+    await frontend.stop()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"shoal frontend: {exc}", file=sys.stderr)
+        return 2
+    return run_event_loop(serve(config))

@@ -1,0 +1,291 @@
+"""`shoal up`: a whole fleet on this machine in one command.
+
+Starts a frontend (in this process) and `--workers` mocker workers (child processes) on the
+default SQLite store, shows progress while they start, then prints the API URL and examples
+to paste. A `shoal worker` started in another terminal finds the same store and joins.
+Ctrl-C or SIGTERM drains the frontend, then the workers (SIGTERM: they drain too); a second
+Ctrl-C stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from shoal.cli.frontend import add_frontend_flags, run_event_loop
+from shoal.cli.main import env_default
+from shoal.frontend import Frontend, FrontendConfig
+from shoal.store import StoreError, default_store_url
+
+log = logging.getLogger(__name__)
+
+READY = re.compile(r"^shoal worker ready: .*instance=(?P<instance>[0-9a-f]+)")
+START_TIMEOUT = 60.0
+STOP_TIMEOUT = 40.0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "up",
+        help="start a frontend and mocker workers on this machine",
+        description="Start an OpenAI-compatible frontend and N mocker workers, ready to curl.",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=int(env_default("workers", "2") or 2),
+        help="mocker workers to start (default 2)",
+    )
+    parser.add_argument(
+        "--model",
+        default=env_default("model", "mock-llm"),
+        help="the model name the workers serve (default mock-llm)",
+    )
+    add_frontend_flags(parser)
+
+
+@dataclass
+class Worker:
+    number: int
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    instance: str = ""
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if `shoal up` dies without stopping us (Linux only)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+async def start_worker(number: int, model: str, store_url: str, log_dir: Path) -> Worker:
+    """Spawn `shoal worker --engine mocker` in its own session (Ctrl-C is ours to forward)."""
+    log_path = log_dir / f"worker-{number}.log"
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "shoal.cli.main",
+            "worker",
+            "--engine",
+            "mocker",
+            "--model",
+            model,
+            "--store",
+            store_url,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log_file,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    return Worker(number, proc, log_path)
+
+
+async def wait_ready(worker: Worker, deadline: float) -> None:
+    """Read the worker's stdout until its ready line; `RuntimeError` if it exits or is late."""
+    assert worker.proc.stdout is not None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RuntimeError(f"worker {worker.number} not ready in {START_TIMEOUT:.0f}s")
+        try:
+            line = await asyncio.wait_for(worker.proc.stdout.readline(), remaining)
+        except TimeoutError:
+            continue
+        if not line:
+            await worker.proc.wait()
+            raise RuntimeError(f"worker {worker.number} exited with {worker.proc.returncode}")
+        if match := READY.match(line.decode(errors="replace").strip()):
+            worker.instance = match["instance"]
+            return
+
+
+async def stop_workers(workers: list[Worker], *, force: bool = False) -> None:
+    """SIGTERM (drain) or SIGKILL each worker, and wait for them all."""
+    for worker in workers:
+        if worker.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                worker.proc.send_signal(signal.SIGKILL if force else signal.SIGTERM)
+    waits = [w.proc.wait() for w in workers if w.proc.returncode is None]
+    if waits:
+        _, pending = await asyncio.wait(
+            [asyncio.ensure_future(w) for w in waits], timeout=STOP_TIMEOUT
+        )
+        if pending:
+            for worker in workers:
+                if worker.proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.proc.kill()
+            await asyncio.wait(pending, timeout=5)
+
+
+def banner(url: str, model: str, workers: int, store_url: str) -> str:
+    store_flag = "" if store_url == default_store_url() else f" --store {store_url}"
+    return f"""
+shoal is up: {workers} mocker worker{"s" if workers != 1 else ""} serving `{model}`.
+
+  OpenAI API   {url}/v1
+  models       {url}/v1/models
+  health       {url}/health
+  metrics      {url}/metrics
+
+Try it with curl:
+
+  curl {url}/v1/chat/completions \\
+    -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+or with the OpenAI Python client (pip install openai):
+
+  from openai import OpenAI
+
+  client = OpenAI(base_url="{url}/v1", api_key="unused")
+  reply = client.chat.completions.create(
+      model="{model}", messages=[{{"role": "user", "content": "Hello!"}}]
+  )
+  print(reply.choices[0].message.content)
+
+Add a worker from another terminal: shoal worker --model {model}{store_flag}
+Press Ctrl-C to stop.
+"""
+
+
+async def up(args: argparse.Namespace) -> int:
+    if args.workers < 0:
+        print("shoal up: --workers must be 0 or more", file=sys.stderr)
+        return 2
+    store_url = args.store or default_store_url()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log_dir = Path(platformdirs.user_log_dir("shoal")) / "up"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    _say(f"shoal up: store {store_url}")
+    frontend = Frontend(
+        FrontendConfig(store_url=store_url, host=args.host, port=args.port, router=args.router)
+    )
+    try:
+        await frontend.start()
+    except (StoreError, OSError, ValueError) as exc:
+        print(f"shoal up: cannot start the frontend: {exc}", file=sys.stderr)
+        await frontend.stop()
+        return 1
+    _say(f"  frontend     listening on {frontend.url}")
+
+    workers: list[Worker] = []
+    code = 0
+    try:
+        code = await _start_fleet(args, frontend, workers, store_url, log_dir, stop)
+        if code == 0:
+            _say(banner(frontend.url, args.model, len(workers), store_url))
+            await stop.wait()
+    finally:
+        code = await _shutdown(frontend, workers, stop) or code
+    return code
+
+
+async def _start_fleet(
+    args: argparse.Namespace,
+    frontend: Frontend,
+    workers: list[Worker],
+    store_url: str,
+    log_dir: Path,
+    stop: asyncio.Event,
+) -> int:
+    deadline = time.monotonic() + START_TIMEOUT
+    for number in range(1, args.workers + 1):
+        workers.append(await start_worker(number, args.model, store_url, log_dir))
+    _say(f"  workers      starting {len(workers)} (logs in {log_dir})")
+
+    async def ready(worker: Worker) -> None:
+        await wait_ready(worker, deadline)
+        _say(f"  worker {worker.number}     ready: instance {worker.instance}")
+
+    starting = asyncio.ensure_future(asyncio.gather(*(ready(w) for w in workers)))
+    stopped = asyncio.ensure_future(stop.wait())
+    either: list[asyncio.Future[Any]] = [starting, stopped]
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if stop.is_set():
+        starting.cancel()
+        return 130
+    try:
+        starting.result()
+    except RuntimeError as exc:
+        print(f"shoal up: {exc}; its log:", file=sys.stderr)
+        for worker in workers:
+            if worker.proc.returncode is not None or not worker.instance:
+                tail = worker.log_path.read_text(errors="replace").splitlines()[-20:]
+                print("\n".join(f"    {line}" for line in tail), file=sys.stderr)
+                break
+        return 1
+    instances = {int(w.instance, 16) for w in workers}
+    while not stop.is_set():
+        model = frontend.registry.models.get(args.model)
+        routable = (
+            {u.instance_id for ws in model.routable_sets for u in ws.routable} if model else set()
+        )
+        if instances <= routable:
+            _say(f"  frontend     routing `{args.model}` to {len(instances)} worker(s)")
+            return 0
+        if time.monotonic() > deadline:
+            print("shoal up: the frontend did not see the workers in time", file=sys.stderr)
+            return 1
+        await asyncio.sleep(0.05)
+    return 130
+
+
+async def _shutdown(frontend: Frontend, workers: list[Worker], stop: asyncio.Event) -> int:
+    """Drain the frontend, then the workers; a second signal kills everything at once."""
+    loop = asyncio.get_running_loop()
+    force = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, force.set)
+    _say("\nshoal up: stopping (Ctrl-C again to stop at once)...")
+
+    async def drain() -> None:
+        await frontend.stop()
+        await stop_workers(workers)
+
+    draining = asyncio.ensure_future(drain())
+    forced = asyncio.ensure_future(force.wait())
+    either: list[asyncio.Future[Any]] = [draining, forced]
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    forced.cancel()
+    if not draining.done():
+        draining.cancel()
+        with contextlib.suppress(BaseException):
+            await draining
+        await stop_workers(workers, force=True)
+        _say("shoal up: stopped at once")
+        return 130
+    draining.result()
+    _say("shoal up: stopped")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.log_level.upper() == "INFO":
+        logging.getLogger().setLevel(logging.WARNING)  # the progress lines say what matters
+    return run_event_loop(up(args))

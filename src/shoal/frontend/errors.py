@@ -1,0 +1,104 @@
+"""Errors in the OpenAI format: `{"error": {"message", "type", "param", "code"}}`.
+
+The official clients turn these into their typed exceptions (`NotFoundError`, ...), so the
+status, `type` and `code` follow what OpenAI itself answers for the same mistake.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ApiError(Exception):
+    """An error answered to the client with `status` and an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+
+    def body(self) -> bytes:
+        return error_body(self.message, type=self.type, code=self.code, param=self.param)
+
+
+def error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+) -> bytes:
+    return msgspec.json.encode(
+        {"error": {"message": message, "type": type, "param": param, "code": code}}
+    )
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        code="model_not_found",
+        param="model",
+    )
+
+
+def no_ready_instance(model: str) -> ApiError:
+    return ApiError(
+        503,
+        f"The model `{model}` has no ready instance right now; retry shortly.",
+        type="service_unavailable_error",
+        code="no_ready_instance",
+        param="model",
+    )
+
+
+def upstream_failed(model: str, reason: str) -> ApiError:
+    return ApiError(
+        502,
+        f"No instance of `{model}` could serve the request: {reason}",
+        type="server_error",
+        code="upstream_error",
+    )
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def unauthorized() -> ApiError:
+    return ApiError(
+        401,
+        "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+        code="invalid_api_key",
+    )
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"The request body is larger than the {limit}-byte limit of this server.",
+        code="request_too_large",
+    )
+
+
+def not_found(path: str) -> ApiError:
+    return ApiError(404, f"Unknown path {path!r}.", code="unknown_url")
+
+
+def method_not_allowed(method: str, path: str) -> ApiError:
+    return ApiError(405, f"Method {method} is not allowed on {path!r}.", code="method_not_allowed")
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, type="service_unavailable_error", code="unavailable")

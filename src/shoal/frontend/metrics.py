@@ -1,0 +1,166 @@
+"""Prometheus metrics of one frontend, in a `CollectorRegistry` of its own.
+
+Request metrics are plain counters kept per model (`ModelStats`) and turned into Prometheus
+families only when `/metrics` is scraped: the request path pays a dict increment, not a
+lock and a label lookup. Control-plane metrics (reconciliation, refused cards) are ordinary
+`prometheus_client` counters: they change a few times a minute.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # fmt: skip
+
+UNKNOWN_MODEL = "_unknown"  # the label of requests for models we do not serve
+
+
+class Histogram:
+    """A histogram without locks: bucket counts and a sum, cumulated when scraped."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        total = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), float(total)))
+        return out
+
+
+class ModelStats:
+    """The request counters of one model name."""
+
+    __slots__ = ("duration", "in_flight", "requests", "retries", "ttft")
+
+    def __init__(self) -> None:
+        self.requests: dict[int, int] = {}  # HTTP status -> count
+        self.in_flight = 0
+        self.retries = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.duration = Histogram(DURATION_BUCKETS)
+
+    def count(self, status: int) -> None:
+        self.requests[status] = self.requests.get(status, 0) + 1
+
+
+class FrontendMetrics:
+    """Everything `/metrics` shows for one frontend."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.models: dict[str, ModelStats] = {}
+        self.live_instances: Callable[[], dict[str, int]] = dict
+        self.registry.register(_RequestCollector(self))
+        self.reconcile_runs = Counter(
+            "shoal_frontend_reconcile_runs",
+            "Reconciliation passes that listed discovery and compared it with the registry.",
+            registry=self.registry,
+        )
+        self.reconcile_repairs = Counter(
+            "shoal_frontend_reconcile_repairs",
+            "Differences between discovery and the registry that a reconciliation pass repaired.",
+            ["action"],
+            registry=self.registry,
+        )
+        self.reconcile_failures = Counter(
+            "shoal_frontend_reconcile_failures",
+            "Reconciliation passes or entries that failed (retried on the next pass).",
+            ["stage"],
+            registry=self.registry,
+        )
+        self.cards_refused = Counter(
+            "shoal_frontend_cards_refused",
+            "Model cards refused because their checksum differs from their worker set's.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.metadata_fetch_failures = Counter(
+            "shoal_frontend_metadata_fetch_failures",
+            "Fetches of a card's metadata files that failed or did not match their checksum.",
+            registry=self.registry,
+        )
+        self.instances_inhibited = Counter(
+            "shoal_frontend_instances_inhibited",
+            "Times an instance was taken out of routing after a failure.",
+            registry=self.registry,
+        )
+
+    def model(self, name: str) -> ModelStats:
+        stats = self.models.get(name)
+        if stats is None:
+            stats = self.models[name] = ModelStats()
+        return stats
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RequestCollector(Collector):
+    """Turns the per-model counters into Prometheus families at scrape time."""
+
+    def __init__(self, metrics: FrontendMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "shoal_frontend_requests",
+            "Requests answered, by model and HTTP status.",
+            labels=["model", "status"],
+        )
+        in_flight = GaugeMetricFamily(
+            "shoal_frontend_inflight_requests",
+            "Requests being answered now, by model.",
+            labels=["model"],
+        )
+        retries = CounterMetricFamily(
+            "shoal_frontend_retries",
+            "Requests sent again to another instance after a failure before the first byte.",
+            labels=["model"],
+        )
+        ttft = HistogramMetricFamily(
+            "shoal_frontend_time_to_first_token_seconds",
+            "Time from receiving a streaming request to forwarding its first body byte.",
+            labels=["model"],
+        )
+        duration = HistogramMetricFamily(
+            "shoal_frontend_request_duration_seconds",
+            "Time from receiving a request to the end of its response.",
+            labels=["model"],
+        )
+        for name, stats in sorted(self.metrics.models.items()):
+            for status, count in sorted(stats.requests.items()):
+                requests.add_metric([name, str(status)], count)
+            in_flight.add_metric([name], stats.in_flight)
+            retries.add_metric([name], stats.retries)
+            ttft.add_metric([name], stats.ttft.buckets(), stats.ttft.sum)
+            duration.add_metric([name], stats.duration.buckets(), stats.duration.sum)
+        live = GaugeMetricFamily(
+            "shoal_frontend_live_instances",
+            "Instances that can take requests (joined, untainted), by model.",
+            labels=["model"],
+        )
+        for name, count in sorted(self.metrics.live_instances().items()):
+            live.add_metric([name], count)
+        yield from (requests, in_flight, retries, ttft, duration, live)

@@ -1,0 +1,232 @@
+"""The model registry: models → worker sets → instances, as the request path reads them.
+
+A worker set is every instance of one model in one (namespace, component, role) whose cards
+have the same `mdcsum`. The first card to join fixes the set's checksum; a card with another
+checksum is refused (another namespace may run another checksum: a rolling upgrade, and
+requests then pick a set weighted by its live instances).
+
+Everything a request needs is precomputed when membership changes, not per request: each
+set's `routable` tuple (joined, untainted instances) and each model's routable sets with
+their cumulative weights.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import time
+from dataclasses import dataclass, field
+
+from shoal.cards import ModelCard, ModelType, WorkerRole
+from shoal.discovery import EndpointId, ModelInstance, ModelKey
+from shoal.frontend.upstream import Upstream
+
+# Roles a request can be sent to; prefill-only workers are not an entry point.
+ENTRY_ROLES = frozenset({WorkerRole.AGGREGATED, WorkerRole.DECODE})
+
+
+@dataclass(frozen=True, slots=True)
+class SetId:
+    """What a worker set is of: one model in one (namespace, component, role)."""
+
+    model: str
+    namespace: str
+    component: str
+    role: WorkerRole
+
+    @classmethod
+    def of(cls, key: ModelKey, card: ModelCard) -> SetId:
+        return cls(card.display_name, key.endpoint.namespace, key.endpoint.component, card.role)
+
+
+@dataclass(eq=False, slots=True)
+class Member:
+    """A card that joined its worker set, and the instance that serves it."""
+
+    key: ModelKey
+    card: ModelCard
+    upstream: Upstream
+
+    @property
+    def tainted(self) -> bool:
+        return bool(self.card.taints)
+
+
+@dataclass(eq=False)
+class WorkerSet:
+    """Instances of one model in one (namespace, component, role) with one checksum."""
+
+    id: SetId
+    mdcsum: str
+    members: dict[ModelKey, Member] = field(default_factory=dict)
+    routable: tuple[Upstream, ...] = ()  # joined and untainted, by instance id
+    cursor: int = 0  # round-robin position, kept per set so models do not skew each other
+    router_state: object = None  # what a routing policy keeps per set (prefix index)
+
+    def refresh(self) -> None:
+        live = {m.upstream for m in self.members.values() if not m.tainted}
+        self.routable = tuple(sorted(live, key=lambda u: u.instance_id))
+
+
+@dataclass(eq=False)
+class Model:
+    """A model name and its worker sets."""
+
+    name: str
+    created: int
+    sets: dict[SetId, WorkerSet] = field(default_factory=dict)
+    routable_sets: tuple[WorkerSet, ...] = ()
+    model_types: frozenset[ModelType] = frozenset()
+    parent: str | None = None  # the base model of a LoRA adapter
+    _cum_weights: tuple[int, ...] = ()
+
+    @property
+    def serving(self) -> bool:
+        """At least one complete set has a live, untainted instance."""
+        return bool(self.routable_sets)
+
+    @property
+    def live_instances(self) -> int:
+        return sum(len(ws.routable) for ws in self.routable_sets)
+
+    def pick_set(self) -> WorkerSet | None:
+        """A routable set, chosen with probability proportional to its live instances."""
+        sets = self.routable_sets
+        if len(sets) <= 1:
+            return sets[0] if sets else None
+        point = random.random() * self._cum_weights[-1]
+        return sets[bisect.bisect_right(self._cum_weights, point)]
+
+    def refresh(self) -> None:
+        for ws in self.sets.values():
+            ws.refresh()
+        self.routable_sets = tuple(
+            ws for ws in self.sets.values() if ws.routable and ws.id.role in ENTRY_ROLES
+        )
+        weights: list[int] = []
+        total = 0
+        for ws in self.routable_sets:
+            total += len(ws.routable)
+            weights.append(total)
+        self._cum_weights = tuple(weights)
+        types: set[ModelType] = set()
+        for ws in self.sets.values():
+            for member in ws.members.values():
+                types.update(member.card.model_types)
+                if member.card.lora is not None:
+                    self.parent = member.card.lora.base_model
+        self.model_types = frozenset(types)
+
+
+class RefusedError(Exception):
+    """The card's checksum differs from its worker set's."""
+
+
+class Registry:
+    """Models by name, their worker sets, and the `Upstream` of every joined instance."""
+
+    def __init__(self, *, connect_timeout: float = 5.0) -> None:
+        self.models: dict[str, Model] = {}
+        self.connect_timeout = connect_timeout
+        self._members: dict[ModelKey, SetId] = {}
+        self._upstreams: dict[tuple[EndpointId, int], tuple[Upstream, int]] = {}
+        self._created: dict[str, int] = {}
+
+    def __contains__(self, key: ModelKey) -> bool:
+        return key in self._members
+
+    def member(self, key: ModelKey) -> Member | None:
+        set_id = self._members.get(key)
+        if set_id is None:
+            return None
+        return self.models[set_id.model].sets[set_id].members.get(key)
+
+    def worker_set(self, key: ModelKey) -> WorkerSet | None:
+        set_id = self._members.get(key)
+        return None if set_id is None else self.models[set_id.model].sets.get(set_id)
+
+    def join(self, model: ModelInstance) -> WorkerSet:
+        """Add a card whose metadata is verified to its worker set; `RefusedError` on a checksum clash."""
+        key, card = model.key, model.card
+        if key in self._members:
+            self.leave(key)
+        set_id = SetId.of(key, card)
+        entry = self.models.get(set_id.model)
+        ws = entry.sets.get(set_id) if entry is not None else None
+        if ws is not None and ws.mdcsum != card.mdcsum:
+            raise RefusedError(
+                f"card {key} of {card.display_name!r} has checksum {card.mdcsum}, but its "
+                f"worker set in {set_id.namespace}/{set_id.component} ({set_id.role}) runs "
+                f"{ws.mdcsum}: refused (upgrade in another namespace, or stop the old workers)"
+            )
+        if entry is None:
+            created = self._created.setdefault(set_id.model, int(time.time()))
+            entry = self.models[set_id.model] = Model(set_id.model, created)
+        if ws is None:
+            ws = entry.sets[set_id] = WorkerSet(set_id, card.mdcsum)
+        ws.members[key] = Member(key, card, self._acquire_upstream(model))
+        self._members[key] = set_id
+        entry.refresh()
+        return ws
+
+    def leave(self, key: ModelKey) -> SetId | None:
+        """Remove a card; returns its set's id, or None if it was not joined."""
+        set_id = self._members.pop(key, None)
+        if set_id is None:
+            return None
+        entry = self.models[set_id.model]
+        ws = entry.sets[set_id]
+        member = ws.members.pop(key)
+        self._release_upstream(key, member.upstream)
+        if not ws.members:
+            del entry.sets[set_id]
+        if entry.sets:
+            entry.refresh()
+        else:
+            del self.models[set_id.model]
+        return set_id
+
+    def set_taints(self, key: ModelKey, taints: tuple[str, ...]) -> None:
+        set_id = self._members.get(key)
+        if set_id is None:
+            return
+        entry = self.models[set_id.model]
+        member = entry.sets[set_id].members[key]
+        member.card = member.card.with_taints(list(taints))
+        entry.refresh()
+
+    def serving(self) -> list[Model]:
+        """Models that can take requests now, by name."""
+        return [m for _, m in sorted(self.models.items()) if m.serving]
+
+    def live_instances(self) -> dict[str, int]:
+        return {name: m.live_instances for name, m in self.models.items()}
+
+    def close(self) -> None:
+        for upstream, _ in self._upstreams.values():
+            upstream.close()
+        self._upstreams.clear()
+
+    def _acquire_upstream(self, model: ModelInstance) -> Upstream:
+        ident = (model.key.endpoint, model.key.instance_id)
+        held = self._upstreams.get(ident)
+        if held is not None and held[0].url == model.url:
+            self._upstreams[ident] = (held[0], held[1] + 1)
+            return held[0]
+        upstream = Upstream(model.instance_id, model.url, connect_timeout=self.connect_timeout)
+        if held is not None:  # the instance moved: new cards go to the new address
+            held[0].close()
+        self._upstreams[ident] = (upstream, 1)
+        return upstream
+
+    def _release_upstream(self, key: ModelKey, upstream: Upstream) -> None:
+        ident = (key.endpoint, key.instance_id)
+        held = self._upstreams.get(ident)
+        if held is None or held[0] is not upstream:
+            upstream.close()
+            return
+        if held[1] <= 1:
+            del self._upstreams[ident]
+            upstream.close()
+        else:
+            self._upstreams[ident] = (upstream, held[1] - 1)

@@ -1,0 +1,261 @@
+"""Connections to workers: one `Upstream` per endpoint instance, holding keep-alive connections.
+
+An `UpstreamConnection` carries one exchange at a time: the proxy writes a request with
+`send()` and the connection hands the response to a `ResponseSink` as httptools parses it:
+the head, then each piece of body as it arrives (chunked framing removed), then the end.
+Nothing is buffered here; a sink that cannot keep up pauses the connection's reading.
+
+A connection goes back to its `Upstream`'s idle list when a response ends and both sides
+allow keep-alive; it is closed on any error, and removed from the idle list when the worker
+closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.parse
+from typing import Protocol, cast
+
+import httptools
+
+MAX_IDLE = 256  # idle keep-alive connections kept per instance
+
+
+class UpstreamError(ConnectionError):
+    """The connection to an instance failed or returned something unusable."""
+
+
+class ResponseSink(Protocol):
+    """Receives one response from an `UpstreamConnection`."""
+
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
+        """The status and headers; return False to abandon the response (the connection closes)."""
+        ...
+
+    def on_body(self, data: bytes) -> None: ...
+
+    def flush(self) -> None:
+        """A packet from the worker was parsed: pass on what it held."""
+        ...
+
+    def on_complete(self) -> None: ...
+
+    def on_failure(self, exc: Exception) -> None:
+        """The connection failed before the response was complete."""
+        ...
+
+
+class Upstream:
+    """One endpoint instance as the request path sees it: its address, pool and load.
+
+    `in_flight` counts requests this frontend has open on it (for least-loaded routing);
+    `inhibited_until` (monotonic seconds) keeps it out of routing after a failure.
+    """
+
+    def __init__(self, instance_id: int, url: str, *, connect_timeout: float = 5.0) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"instance URL {url!r}: only http://host:port URLs are supported")
+        self.instance_id = instance_id
+        self.url = url
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        # Requests carry OpenAI paths (/v1/...): a URL ending in /v1 names the same root.
+        prefix = parts.path.rstrip("/")
+        self.path_prefix = (prefix[:-3] if prefix.endswith("/v1") else prefix).encode()
+        self.host_header = (parts.netloc or f"{self.host}:{self.port}").encode()
+        self.label = f"{instance_id:x}".encode()
+        self.connect_timeout = connect_timeout
+        self.idle: list[UpstreamConnection] = []
+        self.in_flight = 0
+        self.inhibited_until = 0.0
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"<Upstream {self.instance_id:x} {self.url}>"
+
+    @property
+    def inhibited(self) -> bool:
+        """True while a recent failure keeps this instance out of routing."""
+        if self.inhibited_until == 0.0:
+            return False
+        if self.inhibited_until > time.monotonic():
+            return True
+        self.inhibited_until = 0.0
+        return False
+
+    def inhibit(self, seconds: float) -> None:
+        self.inhibited_until = time.monotonic() + seconds
+
+    def take_idle(self) -> UpstreamConnection | None:
+        """The most recently used idle connection that is still open, if any."""
+        idle = self.idle
+        while idle:
+            conn = idle.pop()
+            if conn.usable:
+                return conn
+        return None
+
+    async def connect(self) -> UpstreamConnection:
+        """Open a new connection; raises `UpstreamError` if it cannot within the timeout."""
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: UpstreamConnection(self), self.host, self.port),
+                self.connect_timeout,
+            )
+        except (OSError, TimeoutError) as exc:
+            raise UpstreamError(f"cannot connect to {self.url}: {exc or 'timed out'}") from exc
+        return conn
+
+    def release(self, conn: UpstreamConnection) -> None:
+        """Keep `conn` for the next request, or close it if this instance is gone or full."""
+        if self.closed or len(self.idle) >= MAX_IDLE or not conn.usable:
+            conn.close()
+        else:
+            self.idle.append(conn)
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        if conn in self.idle:
+            self.idle.remove(conn)
+
+    def close(self) -> None:
+        """The instance left: close idle connections; busy ones close when their response ends."""
+        self.closed = True
+        idle, self.idle = self.idle, []
+        for conn in idle:
+            conn.close()
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One HTTP/1.1 connection to an instance, carrying one exchange at a time."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.sink: ResponseSink | None = None
+        self.reused = False  # carried a response before this one
+        self.received = False  # a byte of the current response arrived
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._until_eof = False  # the response has no length: it ends when the connection does
+        self._paused = False
+
+    @property
+    def usable(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing() and self.sink is None
+
+    def send(self, data: bytes, body: bytes, sink: ResponseSink) -> None:
+        """Write a request (head, then body) and deliver its response to `sink`."""
+        assert self.transport is not None
+        self.sink = sink
+        self.received = False
+        self._headers = []
+        self._until_eof = False
+        if len(body) < 65536:
+            self.transport.write(data + body)
+        else:
+            self.transport.write(data)
+            self.transport.write(body)
+
+    def close(self) -> None:
+        self.sink = None
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Drop the connection now: the worker sees the client go and stops the request."""
+        self.sink = None
+        if self.transport is not None:
+            self.transport.abort()
+
+    # FlowListener: the client's send buffer is full, or has drained.
+
+    def pause_reading(self) -> None:
+        if not self._paused and self.transport is not None and not self.transport.is_closing():
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._paused and self.transport is not None and not self.transport.is_closing():
+            self._paused = False
+            self.transport.resume_reading()
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.upstream.forget(self)
+        sink, self.sink = self.sink, None
+        if sink is None:
+            return
+        if self._until_eof:
+            sink.on_complete()
+        else:
+            reason = f": {exc}" if exc else ""
+            sink.on_failure(UpstreamError(f"connection to {self.upstream.url} lost{reason}"))
+
+    def data_received(self, data: bytes) -> None:
+        if self.sink is None:
+            # Nothing was asked: a late byte of an abandoned response, or a protocol error.
+            if self.transport is not None:
+                self.transport.close()
+            return
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            sink, self.sink = self.sink, None
+            if self.transport is not None:
+                self.transport.abort()
+            if sink is not None:
+                sink.on_failure(
+                    UpstreamError(f"malformed response from {self.upstream.url}: {exc}")
+                )
+            return
+        if self.sink is not None:
+            self.sink.flush()
+
+    # -- httptools callbacks -----------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        sink = self.sink
+        if sink is None:
+            return
+        chunked = False
+        has_length = False
+        for name, value in self._headers:
+            lname = name.lower()
+            if lname == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+            elif lname == b"content-length":
+                has_length = True
+        status = self.parser.get_status_code()
+        self._until_eof = not chunked and not has_length and status not in (204, 304)
+        if not sink.on_head(status, self._headers, chunked or self._until_eof):
+            self.abort()
+
+    def on_body(self, body: bytes) -> None:
+        if self.sink is not None:
+            self.sink.on_body(body)
+
+    def on_message_complete(self) -> None:
+        sink, self.sink = self.sink, None
+        self._until_eof = False
+        if sink is None:
+            return
+        keep_alive = self.parser.should_keep_alive()
+        sink.on_complete()
+        if keep_alive and self.transport is not None and not self.transport.is_closing():
+            self.reused = True
+            if self._paused:
+                self.resume_reading()
+            self.upstream.release(self)
+        elif self.transport is not None:
+            self.transport.close()

@@ -1,0 +1,415 @@
+"""The model watcher: keeps the registry in step with discovery, and repairs what it misses.
+
+Two paths change registrations, and a generation fence orders them:
+
+- Events. `list_and_watch` streams `Added`, `Removed` and `TaintsUpdated`, one stream per
+  namespace. Handling an event never blocks: a card whose metadata files are not cached yet
+  is fetched in a background task and joins its worker set when the files are verified.
+- Reconciliation. Every `reconcile_interval` seconds a `Reconciler` (a `shoal.controllers`
+  controller) lists discovery and repairs the difference: registers what events missed,
+  retries incomplete or refused registrations, removes cards that discovery no longer has.
+
+The generation fence: every change to a key, by event or by repair, takes the next value
+of one counter as that key's generation. A reconciliation pass notes the counter before it
+lists discovery (its epoch) and leaves alone every key whose generation is newer: an event
+about it arrived after the listing, so the listing is the stale view. A metadata fetch
+joins its card only if the registration it was started for is still the current one, so a
+slow registration that finishes after a newer removal never resurrects it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import logging
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.controllers import Controller, HeartbeatMixin
+from shoal.discovery import (
+    Added,
+    Discovery,
+    DiscoveryEvent,
+    ModelInstance,
+    ModelKey,
+    Query,
+    Removed,
+)
+from shoal.frontend.metadata import MetadataCache
+from shoal.frontend.metrics import FrontendMetrics
+from shoal.frontend.registry import RefusedError, Registry, SetId
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    PENDING = "pending"  # metadata files not fetched and verified yet
+    JOINED = "joined"  # in its worker set, routable unless tainted
+    REFUSED = "refused"  # its checksum differs from its worker set's
+
+
+@dataclass(eq=False)
+class Registration:
+    """What this frontend knows of one `ModelKey`, and how far its registration got."""
+
+    model: ModelInstance
+    generation: int
+    state: State = State.PENDING
+    task: asyncio.Task[None] | None = None  # the metadata fetch in flight
+    error: str | None = None
+
+
+def _nothing() -> None:
+    pass
+
+
+class ModelWatcher:
+    """Applies discovery to the registry: events as they come, and reconciliation passes."""
+
+    def __init__(
+        self,
+        discovery: Discovery,
+        registry: Registry,
+        cache: MetadataCache,
+        metrics: FrontendMetrics,
+        namespaces: Iterable[str] = (),
+    ) -> None:
+        self.discovery = discovery
+        self.registry = registry
+        self.cache = cache
+        self.metrics = metrics
+        self.queries = [Query(namespace=ns) for ns in namespaces] or [Query()]
+        self.registrations: dict[ModelKey, Registration] = {}
+        self.snapshot_loaded = asyncio.Event()
+        self._generations: dict[ModelKey, int] = {}
+        self._clock = 0
+        self._epochs: list[int] = []  # of the listings being applied now
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the event streams, then load the first snapshot (retrying until it works)."""
+        for query in self.queries:
+            self._spawn(self._watch(query), f"watch:{query.models_prefix}")
+        await self._resync()
+        self.snapshot_loaded.set()
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks)
+        tasks += [r.task for r in self.registrations.values() if r.task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        await self.cache.close()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- the generation fence ----------------------------------------------------------------
+
+    def _bump(self, key: ModelKey) -> int:
+        self._clock += 1
+        self._generations[key] = self._clock
+        return self._clock
+
+    def _changed_since(self, key: ModelKey, epoch: int) -> bool:
+        return self._generations.get(key, 0) > epoch
+
+    def _prune_generations(self) -> None:
+        """Forget removed keys that no listing being applied can still be older than."""
+        floor = min(self._epochs, default=self._clock)
+        for key, generation in list(self._generations.items()):
+            if generation <= floor and key not in self.registrations:
+                del self._generations[key]
+
+    # -- events ------------------------------------------------------------------------------
+
+    async def _watch(self, query: Query) -> None:
+        """Consume one `list_and_watch` stream for ever, restarting it after a failure."""
+        backoff = 0.1
+        while True:
+            try:
+                async for event in self.discovery.list_and_watch(query):
+                    self.handle(event)
+                    backoff = 0.1
+                log.warning("discovery stream of %s ended; restarting", query.models_prefix)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("discovery stream of %s failed: %s", query.models_prefix, exc)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+            # Removals that happened while the stream was down come with the next listing.
+            self._spawn(self._resync(), "resync")
+
+    def handle(self, event: DiscoveryEvent) -> None:
+        """Apply one discovery event. Never blocks; never raises."""
+        try:
+            if isinstance(event, Added):
+                self._bump(event.model.key)
+                self._add(event.model)
+            elif isinstance(event, Removed):
+                self._bump(event.key)
+                self._remove(event.key)
+            else:
+                self._bump(event.key)
+                self._set_taints(event.key, event.taints)
+        except Exception:
+            log.exception("failed to apply discovery event %s", event)
+
+    def _add(self, model: ModelInstance) -> Registration:
+        key = model.key
+        current = self.registrations.get(key)
+        if current is not None:
+            if current.model == model:
+                return current
+            if current.model.instance == model.instance and current.model.card.same_except_taints(
+                model.card
+            ):
+                self._set_taints(key, model.card.taints)
+                return current
+            self._remove(key)
+        registration = Registration(model, self._generations.get(key, self._clock))
+        self.registrations[key] = registration
+        self._try_join(registration)
+        return registration
+
+    def _remove(self, key: ModelKey) -> None:
+        registration = self.registrations.pop(key, None)
+        if registration is not None and registration.task is not None:
+            registration.task.cancel()
+        set_id = self.registry.leave(key)
+        if set_id is not None:
+            remaining = self.registry.models.get(set_id.model)
+            if remaining is None or set_id not in remaining.sets:
+                self._retry_refused(set_id)
+
+    def _set_taints(self, key: ModelKey, taints: tuple[str, ...]) -> None:
+        registration = self.registrations.get(key)
+        if registration is None:
+            return
+        model = registration.model
+        registration.model = dataclasses.replace(model, card=model.card.with_taints(taints))
+        self.registry.set_taints(key, tuple(registration.model.card.taints))
+
+    # -- joining -----------------------------------------------------------------------------
+
+    def _try_join(self, registration: Registration) -> None:
+        """Join now if the metadata is cached, else fetch it in the background first."""
+        if registration.task is not None:
+            return
+        if self.cache.missing(registration.model.card):
+            registration.task = asyncio.create_task(
+                self._fetch_and_join(registration), name=f"fetch:{registration.model.key}"
+            )
+        else:
+            self._join(registration)
+
+    async def _fetch_and_join(self, registration: Registration) -> None:
+        key = registration.model.key
+        try:
+            await self.cache.fetch(registration.model.card)
+        except Exception as exc:
+            registration.error = str(exc)
+            self.metrics.metadata_fetch_failures.inc()
+            log.warning("metadata of %s not fetched (retried by reconciliation): %s", key, exc)
+            return
+        finally:
+            registration.task = None
+        if self.registrations.get(key) is not registration:
+            log.debug("fetch for %s finished after a newer change; dropped", key)
+            return
+        self._join(registration)
+
+    def _join(self, registration: Registration) -> bool:
+        """Add the card to its worker set; False (and logged once) if it is refused."""
+        model = registration.model
+        try:
+            self.registry.join(model)
+        except RefusedError as exc:
+            if registration.state is not State.REFUSED:
+                log.error("%s", exc)
+                self.metrics.cards_refused.labels(model.card.display_name).inc()
+            registration.state, registration.error = State.REFUSED, str(exc)
+            return False
+        except ValueError as exc:  # an instance URL the proxy cannot use
+            if registration.state is not State.REFUSED:
+                log.error("card %s refused: %s", model.key, exc)
+                self.metrics.cards_refused.labels(model.card.display_name).inc()
+            registration.state, registration.error = State.REFUSED, str(exc)
+            return False
+        registration.state, registration.error = State.JOINED, None
+        log.info(
+            "model %r: instance %x joined (%s)",
+            model.card.display_name,
+            model.instance_id,
+            model.key.endpoint,
+        )
+        return True
+
+    def _retry_refused(self, set_id: SetId) -> None:
+        """A worker set emptied: cards it refused may form the new one."""
+        for registration in list(self.registrations.values()):
+            model = registration.model
+            if registration.state is State.REFUSED and SetId.of(model.key, model.card) == set_id:
+                self._join(registration)
+
+    # -- reconciliation ----------------------------------------------------------------------
+
+    async def reconcile(self, emit_heartbeat: Callable[[], None] = _nothing) -> Counter[str]:
+        """One pass: list discovery, repair the registry, wait for the fetches it started.
+
+        If listing fails nothing is changed and the error propagates. An entry that fails to
+        repair is logged and skipped. Returns the repairs made, by action.
+        """
+        self.metrics.reconcile_runs.inc()
+        epoch = self._clock
+        self._epochs.append(epoch)
+        try:
+            try:
+                listed = await self._list()
+            except Exception:
+                self.metrics.reconcile_failures.labels("list").inc()
+                raise
+            repairs, fetches = self._apply(listed, epoch, emit_heartbeat, repairing=True)
+        finally:
+            self._epochs.remove(epoch)
+            self._prune_generations()
+        for fetch in asyncio.as_completed(fetches):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await fetch
+            emit_heartbeat()
+        return repairs
+
+    async def _resync(self) -> None:
+        """List and apply without waiting for fetches; retried until the listing works."""
+        backoff = 0.1
+        while True:
+            epoch = self._clock
+            self._epochs.append(epoch)
+            try:
+                self._apply(await self._list(), epoch, _nothing, repairing=False)
+                return
+            except Exception as exc:
+                log.warning("listing discovery failed: %s; retrying in %.1fs", exc, backoff)
+            finally:
+                self._epochs.remove(epoch)
+                self._prune_generations()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def _list(self) -> dict[ModelKey, ModelInstance]:
+        listed: dict[ModelKey, ModelInstance] = {}
+        for query in self.queries:
+            for model in await self.discovery.list(query):
+                listed[model.key] = model
+        return listed
+
+    def _apply(
+        self,
+        listed: dict[ModelKey, ModelInstance],
+        epoch: int,
+        emit_heartbeat: Callable[[], None],
+        *,
+        repairing: bool,
+    ) -> tuple[Counter[str], list[asyncio.Task[None]]]:
+        """Repair each key, in key order, that no event has touched since the listing.
+
+        `repairing` is False when loading a snapshot (at start, after a stream restart):
+        then the changes are not counted or logged as repairs.
+        """
+        repairs: Counter[str] = Counter()
+        fetches: list[asyncio.Task[None]] = []
+        for key in sorted(listed.keys() | self.registrations.keys()):
+            if self._changed_since(key, epoch):
+                continue
+            try:
+                action = self._repair(key, listed.get(key))
+            except Exception:
+                log.exception("reconciliation of %s failed; retried next pass", key)
+                self.metrics.reconcile_failures.labels("entry").inc()
+                action = None
+            if action is not None:
+                repairs[action] += 1
+                if repairing:
+                    self.metrics.reconcile_repairs.labels(action).inc()
+                    log.info("reconciliation repaired %s: %s", key, action)
+                registration = self.registrations.get(key)
+                if registration is not None and registration.task is not None:
+                    fetches.append(registration.task)
+            emit_heartbeat()
+        return repairs, fetches
+
+    def _repair(self, key: ModelKey, model: ModelInstance | None) -> str | None:
+        """Make the registration of `key` match discovery; the action taken, or None."""
+        registration = self.registrations.get(key)
+        if model is None:
+            if registration is None:
+                return None
+            self._bump(key)
+            self._remove(key)
+            return "remove"
+        if registration is None:
+            self._bump(key)
+            self._add(model)
+            return "register"
+        current = registration.model
+        if current.instance != model.instance or current.card.mdcsum != model.card.mdcsum:
+            self._bump(key)
+            self._remove(key)
+            self._add(model)
+            return "reregister"
+        if current.card.taints != model.card.taints:
+            self._bump(key)
+            self._set_taints(key, model.card.taints)
+            return "taints"
+        if registration.state is State.PENDING and registration.task is None:
+            self._bump(key)
+            self._try_join(registration)
+            return "retry"
+        if registration.state is State.REFUSED:
+            return "retry" if self._join(registration) else None
+        if registration.state is State.JOINED and not self._joined_as(key, model):
+            self._bump(key)
+            self._join(registration)
+            return "rejoin"
+        return None
+
+    def _joined_as(self, key: ModelKey, model: ModelInstance) -> bool:
+        """The registry holds `key` in the worker set, and with the checksum, discovery says."""
+        member = self.registry.member(key)
+        ws = self.registry.worker_set(key)
+        checksum = model.card.mdcsum
+        return (
+            member is not None
+            and ws is not None
+            and member.card.mdcsum == checksum
+            and ws.mdcsum == checksum
+            and ws.id == SetId.of(key, model.card)
+        )
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def incomplete(self) -> list[Registration]:
+        """Registrations not joined: metadata pending, or refused."""
+        return [r for r in self.registrations.values() if r.state is not State.JOINED]
+
+
+class Reconciler(HeartbeatMixin, Controller):
+    """The periodic reconciliation as a `shoal.controllers` controller (run by a `Loop`)."""
+
+    def __init__(self, watcher: ModelWatcher) -> None:
+        self.watcher = watcher
+        self.last_repairs: Counter[str] = Counter()
+
+    async def step(self) -> None:
+        self.last_repairs = await self.watcher.reconcile(self.emit_heartbeat)

@@ -1,0 +1,110 @@
+"""Real `shoal` processes for the end-to-end tests: spawn, wait for the ready line, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WORKER_READY = re.compile(
+    r"^shoal worker ready: model=(?P<model>\S+) url=(?P<url>\S+) "
+    r"status=(?P<status>\S+) instance=(?P<instance>[0-9a-f]+)$"
+)
+FRONTEND_READY = re.compile(r"^shoal frontend ready: url=(?P<url>\S+)$")
+
+
+@dataclass
+class Process:
+    """A child `shoal` process, its log, and what its ready line said."""
+
+    proc: asyncio.subprocess.Process
+    log: Path
+    ready: dict[str, str] = field(default_factory=dict)
+    stdout: list[str] = field(default_factory=list)
+
+    @property
+    def instance_id(self) -> int:
+        return int(self.ready["instance"], 16)
+
+    @property
+    def url(self) -> str:
+        return self.ready["url"]
+
+    def signal(self, sig: int) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(sig)
+
+    async def wait(self, timeout: float = 30.0) -> int:
+        return await asyncio.wait_for(self.proc.wait(), timeout)
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def read_until(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
+        """Read stdout lines (kept in `stdout`) until one matches `pattern`."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no {pattern.pattern!r} in {timeout}s:\n{self.stderr()}")
+            try:
+                line = await asyncio.wait_for(self.proc.stdout.readline(), remaining)
+            except TimeoutError:
+                continue
+            if not line:
+                await self.proc.wait()
+                raise AssertionError(
+                    f"exited with {self.proc.returncode} before {pattern.pattern!r}:\n"
+                    f"{''.join(self.stdout)}\n{self.stderr()}"
+                )
+            text = line.decode(errors="replace")
+            self.stdout.append(text)
+            if match := pattern.match(text.strip()):
+                return match
+
+
+class Processes:
+    """Starts `python -m shoal.cli.main ...` children; kills whatever is left at the end."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.started: list[Process] = []
+
+    async def start(self, *args: str, ready: re.Pattern[str], timeout: float = 30.0) -> Process:
+        log = self.directory / f"{args[0]}-{len(self.started)}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("SHOAL_STORE", None)
+        with log.open("wb") as err:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "shoal.cli.main",
+                *args,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=err,
+                env=env,
+            )
+        process = Process(proc, log)
+        self.started.append(process)
+        match = await process.read_until(ready, timeout)
+        process.ready = match.groupdict()
+        return process
+
+    async def worker(self, store_url: str, *args: str, model: str = "mock-llm") -> Process:
+        return await self.start(
+            "worker", "--engine", "mocker", "--model", model, "--store", store_url, *args,
+            ready=WORKER_READY,
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        for process in self.started:
+            if process.proc.returncode is None:
+                process.proc.kill()
+                with contextlib.suppress(Exception):
+                    await process.wait(10)

@@ -1,0 +1,368 @@
+"""Test support for the frontend: a fake OpenAI worker, a discovery that drops chosen events,
+and helpers to start a frontend in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import web
+
+from shoal.cards import ModelCard, slugify
+from shoal.discovery import (
+    Discovery,
+    DiscoveryEvent,
+    EndpointId,
+    InstanceInfo,
+    ModelInstance,
+    ModelKey,
+    Query,
+)
+from shoal.store import Lease, Store
+
+_ids = itertools.count(1)
+
+
+class FakeWorker:
+    """An OpenAI-compatible HTTP server that also hosts its model's metadata files.
+
+    Knobs: `fail_next` answers that many requests with 500; `stream_delay` spaces SSE
+    chunks; `die_after_chunks` drops the connection mid-stream; `metadata_failures` fails
+    that many metadata fetches; `metadata_hang` makes metadata fetches hang until cleared.
+    """
+
+    def __init__(
+        self,
+        model: str = "mock-llm",
+        *,
+        namespace: str = "default",
+        component: str = "backend",
+        version: str = "1",
+        lora_of: str | None = None,
+        model_types: tuple[str, ...] = ("chat", "completions", "embeddings"),
+    ) -> None:
+        self.model = model
+        self.namespace = namespace
+        self.component = component
+        self.version = version
+        self.lora_of = lora_of
+        self.model_types = model_types
+        self.metadata = f'{{"model": "{model}", "version": "{version}"}}'.encode()
+        self.fail_next = 0
+        self.fail_status = 500
+        self.stream_delay = 0.0
+        self.stream_chunks = 3
+        self.stream_padding = 0  # bytes of padding in each SSE chunk
+        self.chunks_sent = 0
+        self.die_after_chunks: int | None = None
+        self.metadata_failures = 0
+        self.metadata_hang = asyncio.Event()
+        self.metadata_hang.set()  # set = not hanging
+        self.metadata_fetches = 0
+        self.requests = 0
+        self.in_flight = 0
+        self.cancelled = 0
+        self.bodies: list[bytes] = []
+        self.headers: list[Any] = []  # case-insensitive multidicts
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+        self.lease: Lease | None = None
+        self.discovery: Discovery | None = None
+        self.instance_id = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def endpoint(self) -> EndpointId:
+        return EndpointId(self.namespace, self.component, "generate")
+
+    @property
+    def key(self) -> ModelKey:
+        return ModelKey(self.endpoint, self.instance_id)
+
+    async def start(self) -> FakeWorker:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_get("/metadata/{name}", self._metadata)
+        self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        assert site._server is not None
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def card(self) -> ModelCard:
+        fields: dict[str, Any] = {
+            "display_name": self.model,
+            "slug": slugify(self.model),
+            "source": f"test/{self.model}",
+            "model_types": list(self.model_types),
+            "context_length": 4096,
+            "metadata_files": {
+                "config.json": {
+                    "url": f"{self.url}/metadata/config.json",
+                    "checksum": "sha256:" + hashlib.sha256(self.metadata).hexdigest(),
+                    "size": len(self.metadata),
+                }
+            },
+        }
+        if self.lora_of is not None:
+            fields["lora"] = {"base_model": self.lora_of, "adapter": f"adapters/{self.model}"}
+        return ModelCard.build(**fields)
+
+    def info(self) -> InstanceInfo:
+        return InstanceInfo(
+            self.namespace,
+            self.component,
+            "generate",
+            self.instance_id,
+            f"{self.url}/v1",
+            self.url,
+        )
+
+    def model_instance(self) -> ModelInstance:
+        return ModelInstance(self.key, self.card(), self.info())
+
+    async def register(self, store: Store, *, ttl: float = 10.0) -> None:
+        """Announce this worker in discovery under a lease of its own."""
+        self.discovery = Discovery(store)
+        self.lease = await store.grant(ttl)
+        self.instance_id = self.lease.id
+        await self.discovery.register_instance(self.info(), lease=self.lease.id)
+        await self.discovery.register_model(self.key, self.card(), lease=self.lease.id)
+
+    async def unregister(self) -> None:
+        assert self.discovery is not None
+        await self.discovery.unregister_model(self.key)
+        await self.discovery.unregister_instance(self.endpoint, self.instance_id)
+
+    async def taint(self, *taints: str) -> None:
+        assert self.discovery is not None
+        await self.discovery.update_taints(self.key, taints)
+
+    # -- handlers ----------------------------------------------------------------------------
+
+    async def _metadata(self, request: web.Request) -> web.Response:
+        self.metadata_fetches += 1
+        await self.metadata_hang.wait()
+        if self.metadata_failures > 0:
+            self.metadata_failures -= 1
+            return web.Response(status=503, text="not yet")
+        return web.Response(body=self.metadata, content_type="application/json")
+
+    def _failing(self) -> web.Response | None:
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            return web.json_response(
+                {"error": {"message": "injected failure", "type": "server_error"}},
+                status=self.fail_status,
+            )
+        return None
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat.completion")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "text_completion")
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        self.requests += 1
+        body = await request.read()
+        self.bodies.append(body)
+        if (failure := self._failing()) is not None:
+            return failure
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3]}],
+                "model": json.loads(body)["model"],
+                "usage": {"prompt_tokens": 1, "total_tokens": 1},
+            }
+        )
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        self.requests += 1
+        body = await request.read()
+        self.bodies.append(body)
+        self.headers.append(request.headers.copy())
+        if (failure := self._failing()) is not None:
+            return failure
+        data = json.loads(body)
+        text = f"hello from {self.instance_id:x}"
+        self.in_flight += 1
+        try:
+            if data.get("stream"):
+                return await self._stream(request, data["model"], kind, text)
+            await asyncio.sleep(self.stream_delay * self.stream_chunks)
+            return web.json_response(_completion(kind, data["model"], text))
+        except (asyncio.CancelledError, ConnectionError):
+            self.cancelled += 1
+            raise
+        finally:
+            self.in_flight -= 1
+
+    async def _stream(
+        self, request: web.Request, model: str, kind: str, text: str
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(self.stream_chunks):
+            if self.die_after_chunks is not None and i == self.die_after_chunks:
+                assert request.transport is not None
+                request.transport.abort()
+                return response
+            piece = text if i == 0 else f" {i}"
+            chunk = _chunk(kind, model, piece)
+            if self.stream_padding:
+                chunk["padding"] = "x" * self.stream_padding
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            self.chunks_sent += 1
+            if self.stream_delay:
+                await asyncio.sleep(self.stream_delay)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _completion(kind: str, model: str, text: str) -> dict[str, Any]:
+    if kind == "text_completion":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "finish_reason": "stop",
+            "logprobs": None,
+        }
+    else:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "stop",
+        }
+    return {
+        "id": f"cmpl-{next(_ids)}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+    }
+
+
+def _chunk(kind: str, model: str, text: str) -> dict[str, Any]:
+    if kind == "text_completion":
+        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": None}
+        obj = "text_completion"
+    else:
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": text},
+            "finish_reason": None,
+        }
+        obj = "chat.completion.chunk"
+    return {
+        "id": "chunk",
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
+
+
+class FilteringDiscovery(Discovery):
+    """A discovery whose event stream drops the events `drop` says to, and whose `list`
+    can be made to fail: the missed events and flaky stores reconciliation must repair."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.drop: Callable[[DiscoveryEvent], bool] = lambda event: False
+        self.dropped: list[DiscoveryEvent] = []
+        self.list_failures = 0
+        self.list_calls = 0
+        self.hold_listings: asyncio.Event | None = None  # listings return once it is set
+
+    async def list_and_watch(self, query: Query | None = None) -> AsyncIterator[DiscoveryEvent]:
+        async for event in super().list_and_watch(query):
+            if self.drop(event):
+                self.dropped.append(event)
+                continue
+            yield event
+
+    async def list(self, query: Query | None = None) -> list[ModelInstance]:
+        self.list_calls += 1
+        if self.list_failures > 0:
+            self.list_failures -= 1
+            raise ConnectionError("injected discovery failure")
+        listed = await super().list(query)
+        if self.hold_listings is not None:
+            await self.hold_listings.wait()  # the listing goes stale meanwhile
+        return listed
+
+
+async def raw_exchange(
+    port: int, data: bytes, *, responses: int = 1, timeout: float = 5.0
+) -> bytes:
+    """Write raw bytes to the server and read until `responses` complete responses arrived
+    (by Content-Length or chunked framing) or the server closed the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        received = b""
+        async with asyncio.timeout(timeout):
+            while count_responses(received) < responses:
+                chunk = await reader.read(65536)
+                if not chunk:
+                    break
+                received += chunk
+        return received
+    finally:
+        writer.close()
+
+
+def count_responses(data: bytes) -> int:
+    """How many complete HTTP/1.1 responses `data` holds (100 Continue not counted)."""
+    count = 0
+    while True:
+        head_end = data.find(b"\r\n\r\n")
+        if head_end < 0:
+            return count
+        head = data[:head_end].decode("latin-1").lower()
+        rest = data[head_end + 4 :]
+        if head.startswith("http/1.1 100"):
+            data = rest
+            continue
+        if "transfer-encoding: chunked" in head:
+            end = rest.find(b"0\r\n\r\n")
+            if end < 0:
+                return count
+            data = rest[end + 5 :]
+        else:
+            length = 0
+            for line in head.split("\r\n"):
+                if line.startswith("content-length:"):
+                    length = int(line.split(":", 1)[1])
+            if len(rest) < length:
+                return count
+            data = rest[length:]
+        count += 1
+
+
+def serving(frontend: Any, model: str = "mock-llm", instances: int = 1) -> bool:
+    """True once `model` is served with at least `instances` live instances."""
+    entry = frontend.registry.models.get(model)
+    return entry is not None and entry.serving and entry.live_instances >= instances

@@ -1,0 +1,68 @@
+"""`shoal frontend` and `shoal up` flags: every flag falls back to `SHOAL_<NAME>`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shoal.cli.frontend import config_from_args
+from shoal.cli.main import build_parser
+from shoal.cli.up import banner
+
+
+def test_frontend_flags_have_laptop_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("STORE", "PORT", "NAMESPACE", "API_KEY", "ROUTER", "RETRIES"):
+        monkeypatch.delenv(f"SHOAL_{name}", raising=False)
+    config = config_from_args(build_parser().parse_args(["frontend"]))
+    assert (config.port, config.router, config.retries, config.inhibit_seconds) == (
+        8000, "round-robin", 2, 5.0,
+    )  # fmt: skip
+    assert (config.reconcile_interval, config.namespaces, config.api_keys) == (30.0, (), ())
+    assert config.store_url is None  # open_store() then picks default_store_url()
+
+
+def test_frontend_flags_fall_back_to_shoal_environment_variables(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    env = {
+        "SHOAL_STORE": "memory://x",
+        "SHOAL_HOST": "0.0.0.0",
+        "SHOAL_PORT": "9100",
+        "SHOAL_NAMESPACE": "a,b",
+        "SHOAL_ROUTER": "least-loaded",
+        "SHOAL_RECONCILE_INTERVAL": "7.5",
+        "SHOAL_API_KEY": "k1,k2",
+        "SHOAL_MAX_BODY": "1234",
+        "SHOAL_RETRIES": "4",
+        "SHOAL_INHIBIT_SECONDS": "1.5",
+        "SHOAL_CACHE_DIR": str(tmp_path),
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = config_from_args(build_parser().parse_args(["frontend"]))
+    assert config.store_url == "memory://x"
+    assert (config.host, config.port, config.router) == ("0.0.0.0", 9100, "least-loaded")
+    assert config.namespaces == ("a", "b")
+    assert config.api_keys == ("k1", "k2")
+    assert (config.reconcile_interval, config.max_body, config.retries) == (7.5, 1234, 4)
+    assert (config.inhibit_seconds, config.cache_dir) == (1.5, tmp_path)
+    flagged = config_from_args(
+        build_parser().parse_args(["frontend", "--port", "9200", "--router", "prefix"])
+    )
+    assert (flagged.port, flagged.router) == (9200, "prefix")
+
+
+def test_up_defaults_to_two_workers_of_a_mock_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("WORKERS", "MODEL", "PORT"):
+        monkeypatch.delenv(f"SHOAL_{name}", raising=False)
+    args = build_parser().parse_args(["up"])
+    assert (args.workers, args.model, args.port, args.store) == (2, "mock-llm", 8000, None)
+
+
+def test_up_banner_has_ready_to_paste_examples() -> None:
+    text = banner("http://127.0.0.1:8000", "mock-llm", 2, "sqlite:////tmp/other.db")
+    assert "curl http://127.0.0.1:8000/v1/chat/completions" in text
+    assert '"model": "mock-llm"' in text
+    assert 'OpenAI(base_url="http://127.0.0.1:8000/v1"' in text
+    assert "shoal worker --model mock-llm --store sqlite:////tmp/other.db" in text

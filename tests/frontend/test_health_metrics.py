@@ -1,0 +1,142 @@
+"""`/live`, `/health`, `/health/controllers` and `/metrics`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import aiohttp
+import openai
+from openai.types.chat import ChatCompletionMessageParam
+
+from shoal.frontend import Frontend, FrontendConfig
+from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
+from tests.frontend.support import FilteringDiscovery, serving
+from tests.helpers import wait_for
+
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+
+
+async def get(url: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+    async with aiohttp.ClientSession() as session:
+        response = await session.get(url)
+        return response.status, await response.json()
+
+
+async def test_health_is_503_until_the_first_snapshot_then_lists_what_it_knows(
+    discovery: FilteringDiscovery, start_worker: StartWorker, tmp_path: Path
+) -> None:
+    worker = await start_worker()
+    discovery.list_failures = 3  # the store is not answering yet
+    frontend = Frontend(
+        FrontendConfig(port=0, cache_dir=tmp_path / "c"),
+        discovery=discovery,  # type: ignore[operator]
+    )
+    starting = asyncio.create_task(frontend.start())
+    try:
+        await wait_for(lambda: frontend.server is not None and discovery.list_calls >= 1)
+        status, body = await get(f"{frontend.url}/health")
+        assert (status, body) == (503, {"status": "starting"})
+        assert (await get(f"{frontend.url}/live"))[0] == 200
+        await starting
+        await wait_for(lambda: serving(frontend))
+        status, body = await get(f"{frontend.url}/health")
+        assert status == 200
+        assert body["models"]["mock-llm"]["instances"] == 1
+        assert body["models"]["mock-llm"]["worker_sets"][0]["instances"] == [
+            f"{worker.instance_id:x}"
+        ]
+        assert body["instances"] == 1
+    finally:
+        await frontend.stop()
+
+
+async def test_draining_frontend_answers_503_on_live_and_health(
+    start_frontend: StartFrontend,
+) -> None:
+    frontend = await start_frontend()
+    frontend.draining = True
+    assert (await get(f"{frontend.url}/health")) == (503, {"status": "draining"})
+    assert (await get(f"{frontend.url}/live"))[0] == 503
+    frontend.draining = False
+
+
+async def test_health_controllers_reports_the_reconciliation_loop(
+    start_frontend: StartFrontend,
+) -> None:
+    frontend = await start_frontend(reconcile_interval=0.2)
+    status, body = await get(f"{frontend.url}/health/controllers")
+    assert (status, body) == (200, {"status": "ok", "unhealthy": {}})
+    assert list(frontend.manager.loops) == ["model-reconciler"]
+
+
+async def test_metrics_count_requests_latency_retries_and_instances(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    bad, _good = await start_worker(), await start_worker()
+    bad.fail_next = 1
+    frontend = await start_frontend(reconcile_interval=0.2)
+    await wait_for(lambda: serving(frontend, instances=2))
+    client = openai_client(frontend)
+    for _ in range(2):
+        await client.chat.completions.create(model="mock-llm", messages=CHAT)
+    stream = await client.chat.completions.create(model="mock-llm", messages=CHAT, stream=True)
+    _ = [c async for c in stream]
+    with contextlib.suppress(openai.NotFoundError):
+        await client.chat.completions.create(model="nope", messages=CHAT)
+    await wait_for(lambda: frontend.metrics.reconcile_runs._value.get() >= 2)
+    async with aiohttp.ClientSession() as session:
+        response = await session.get(f"{frontend.url}/metrics")
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = await response.text()
+    registry = frontend.metrics.registry
+    assert (
+        registry.get_sample_value(
+            "shoal_frontend_requests_total", {"model": "mock-llm", "status": "200"}
+        )
+        == 3
+    )
+    assert (
+        registry.get_sample_value(
+            "shoal_frontend_requests_total", {"model": "_unknown", "status": "404"}
+        )
+        == 1
+    )
+    assert registry.get_sample_value("shoal_frontend_retries_total", {"model": "mock-llm"}) in (
+        0,
+        1,
+    )
+    assert registry.get_sample_value("shoal_frontend_inflight_requests", {"model": "mock-llm"}) == 0
+    assert registry.get_sample_value("shoal_frontend_live_instances", {"model": "mock-llm"}) == 2
+    assert (
+        registry.get_sample_value(
+            "shoal_frontend_time_to_first_token_seconds_count", {"model": "mock-llm"}
+        )
+        == 1
+    )
+    assert (
+        registry.get_sample_value(
+            "shoal_frontend_request_duration_seconds_count", {"model": "mock-llm"}
+        )
+        == 3
+    )
+    assert (registry.get_sample_value("shoal_frontend_reconcile_runs_total") or 0) >= 2
+    for name in (
+        "shoal_frontend_reconcile_repairs_total",
+        "shoal_frontend_reconcile_failures_total",
+        "shoal_frontend_cards_refused_total",
+        "shoal_frontend_instances_inhibited_total",
+    ):
+        assert f"# TYPE {name} counter" in text
+
+
+async def test_each_frontend_has_its_own_metrics_registry(start_frontend: StartFrontend) -> None:
+    one, two = await start_frontend(), await start_frontend()
+    one.metrics.model("x").count(200)
+    assert (
+        two.metrics.registry.get_sample_value(
+            "shoal_frontend_requests_total", {"model": "x", "status": "200"}
+        )
+        is None
+    )

@@ -1,0 +1,390 @@
+"""The request path against fake workers: OpenAI compatibility, errors, retries, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from shoal.frontend import Frontend
+from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
+from tests.frontend.support import FakeWorker, serving
+from tests.helpers import wait_for
+
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+
+
+async def ready(
+    start_frontend: StartFrontend, *workers: FakeWorker, **settings: object
+) -> Frontend:
+    frontend = await start_frontend(**settings)
+    model = workers[0].model if workers else "mock-llm"
+    await wait_for(lambda: serving(frontend, model, len(workers)), message="model served")
+    return frontend
+
+
+async def test_chat_completion_through_the_official_client(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    client = openai_client(await ready(start_frontend, worker))
+    reply = await client.chat.completions.create(model="mock-llm", messages=CHAT)
+    assert reply.choices[0].message.content == f"hello from {worker.instance_id:x}"
+    assert reply.model == "mock-llm"
+
+
+async def test_streamed_chat_arrives_as_server_sent_events(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    worker.stream_chunks = 4
+    client = openai_client(await ready(start_frontend, worker))
+    stream = await client.chat.completions.create(model="mock-llm", messages=CHAT, stream=True)
+    pieces = [chunk.choices[0].delta.content async for chunk in stream]
+    assert pieces == [f"hello from {worker.instance_id:x}", " 1", " 2", " 3"]
+
+
+async def test_streamed_bytes_reach_the_client_before_the_response_ends(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    worker.stream_chunks, worker.stream_delay = 3, 0.3
+    frontend = await ready(start_frontend, worker)
+    body = {"model": "mock-llm", "messages": CHAT, "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+    ):
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        first = await response.content.readline()
+        assert first.startswith(b"data: ")
+        assert worker.in_flight == 1  # the worker is still generating
+        rest = await response.read()
+    assert rest.rstrip().endswith(b"data: [DONE]")
+
+
+async def test_completions_and_embeddings_are_forwarded(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    client = openai_client(await ready(start_frontend, worker))
+    completion = await client.completions.create(model="mock-llm", prompt="Once upon")
+    assert completion.choices[0].text == f"hello from {worker.instance_id:x}"
+    stream = await client.completions.create(model="mock-llm", prompt="Once upon", stream=True)
+    texts = [c.choices[0].text async for c in stream]
+    assert texts[0].startswith("hello")
+    embedding = await client.embeddings.create(model="mock-llm", input="hello")
+    assert embedding.data[0].embedding == [0.1, 0.2, 0.3]
+
+
+async def test_the_body_is_forwarded_byte_for_byte(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker)
+    body = (
+        '{ "messages":[{"role":"user","content":"h\\u00e9 ✓"}],  "model" : "mock-llm","x":[1.50]}'
+    )
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(
+            f"{frontend.url}/v1/chat/completions",
+            data=body.encode(),
+            headers={"Content-Type": "application/json", "X-Custom": "kept"},
+        )
+        assert response.status == 200
+        assert response.headers["x-shoal-instance"] == f"{worker.instance_id:x}"
+    assert worker.bodies[-1] == body.encode()
+    assert worker.headers[-1]["X-Custom"] == "kept"
+
+
+async def test_unknown_model_is_404_in_openai_format(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker)
+    with pytest.raises(openai.NotFoundError) as caught:
+        await openai_client(frontend).chat.completions.create(model="nope", messages=CHAT)
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["code"] == "model_not_found"
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == "model"
+    assert "nope" in error["message"]
+
+
+async def test_known_model_without_ready_instance_is_503(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker)
+    worker.fail_next = 10
+    await worker.taint("draining")
+    # The model stays known while its only instance is tainted.
+    await wait_for(lambda: not frontend.registry.models["mock-llm"].serving)
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(
+            f"{frontend.url}/v1/chat/completions", json={"model": "mock-llm", "messages": CHAT}
+        )
+        assert response.status == 503
+        body = await response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == "no_ready_instance"
+    assert worker.requests == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b'{"model": "mock-llm", "messages": [', "not valid JSON"),
+        (b'{"messages": []}', "model parameter"),
+        (b'{"model": 7}', "Invalid request body"),
+        (b"[1, 2]", "Invalid request body"),
+        (b"", "not valid JSON"),
+    ],
+)
+async def test_malformed_body_or_missing_model_is_400(
+    start_worker: StartWorker, start_frontend: StartFrontend, body: bytes, fragment: str
+) -> None:
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker)
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{frontend.url}/v1/chat/completions", data=body)
+        assert response.status == 400
+        error = (await response.json())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert fragment in error["message"]
+    assert worker.requests == 0
+
+
+async def test_body_over_max_body_is_413(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker, max_body=1000)
+    big = json.dumps({"model": "mock-llm", "messages": CHAT, "pad": "x" * 2000})
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{frontend.url}/v1/chat/completions", data=big)
+        assert response.status == 413
+        assert (await response.json())["error"]["code"] == "request_too_large"
+        small = await session.post(
+            f"{frontend.url}/v1/chat/completions", json={"model": "mock-llm", "messages": CHAT}
+        )
+        assert small.status == 200
+
+
+async def test_api_key_is_required_when_configured(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker, api_keys=("k1", "k2"))
+    with pytest.raises(openai.AuthenticationError):
+        await openai_client(frontend, api_key="wrong").chat.completions.create(
+            model="mock-llm",
+            messages=CHAT,
+        )
+    with pytest.raises(openai.AuthenticationError):
+        await openai_client(frontend, api_key="wrong").models.list()
+    async with aiohttp.ClientSession() as session:
+        missing = await session.post(
+            f"{frontend.url}/v1/chat/completions", json={"model": "mock-llm", "messages": CHAT}
+        )
+        assert missing.status == 401
+        assert (await missing.json())["error"]["code"] == "invalid_api_key"
+        assert (await session.get(f"{frontend.url}/health")).status == 200
+    reply = await openai_client(frontend, api_key="k2").chat.completions.create(
+        model="mock-llm",
+        messages=CHAT,
+    )
+    assert reply.choices[0].message.content
+    assert "Authorization" not in worker.headers[-1]  # the gateway's key stays with it
+
+
+async def test_wrong_method_and_unknown_path_are_openai_errors(
+    start_frontend: StartFrontend,
+) -> None:
+    frontend = await start_frontend()
+    async with aiohttp.ClientSession() as session:
+        wrong = await session.get(f"{frontend.url}/v1/chat/completions")
+        assert wrong.status == 405
+        assert "error" in await wrong.json()
+        unknown = await session.post(f"{frontend.url}/v2/whatever", data=b"{}")
+        assert unknown.status == 404
+        assert (await unknown.json())["error"]["code"] == "unknown_url"
+
+
+async def test_5xx_before_first_byte_retries_on_another_instance_and_inhibits_it(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    bad, good = await start_worker(), await start_worker()
+    bad.fail_next = 100
+    frontend = await ready(start_frontend, bad, good, inhibit_seconds=60)
+    client = openai_client(frontend)
+    for _ in range(4):
+        reply = await client.chat.completions.create(model="mock-llm", messages=CHAT)
+        assert reply.choices[0].message.content == f"hello from {good.instance_id:x}"
+    assert bad.requests == 1  # inhibited after its first failure
+    assert frontend.metrics.models["mock-llm"].retries == 1
+    assert frontend.metrics.models["mock-llm"].requests == {200: 4}
+
+
+async def test_connect_error_retries_on_another_instance(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    gone, good = await start_worker(), await start_worker()
+    frontend = await ready(start_frontend, gone, good)
+    await gone.stop()  # still registered: its lease lives on
+    client = openai_client(frontend)
+    for _ in range(3):
+        reply = await client.chat.completions.create(model="mock-llm", messages=CHAT)
+        assert reply.choices[0].message.content == f"hello from {good.instance_id:x}"
+
+
+async def test_5xx_from_the_last_instance_is_passed_through(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    worker.fail_next, worker.fail_status = 1, 500
+    frontend = await ready(start_frontend, worker)
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(
+            f"{frontend.url}/v1/chat/completions", json={"model": "mock-llm", "messages": CHAT}
+        )
+        assert response.status == 500
+        assert (await response.json())["error"]["message"] == "injected failure"
+
+
+async def test_all_instances_failing_gives_502_after_the_retries(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    workers = [await start_worker() for _ in range(4)]
+    frontend = await ready(start_frontend, *workers, retries=2)
+    for worker in workers:
+        await worker.stop()
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(
+            f"{frontend.url}/v1/chat/completions", json={"model": "mock-llm", "messages": CHAT}
+        )
+        assert response.status == 502
+        assert (await response.json())["error"]["code"] == "upstream_error"
+    assert frontend.metrics.models["mock-llm"].retries == 2
+
+
+async def test_failure_after_the_first_byte_ends_the_stream_with_an_error_event(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    worker.stream_chunks, worker.die_after_chunks = 4, 2
+    client = openai_client(await ready(start_frontend, worker))
+    stream = await client.chat.completions.create(model="mock-llm", messages=CHAT, stream=True)
+    pieces: list[str | None] = []
+    with pytest.raises(openai.APIError) as caught:
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].delta.content)
+    assert len(pieces) == 2
+    assert "failed while streaming" in caught.value.message
+
+
+async def test_client_disconnect_cancels_the_upstream_request(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    worker.stream_chunks, worker.stream_delay = 50, 0.1
+    frontend = await ready(start_frontend, worker)
+    body = {"model": "mock-llm", "messages": CHAT, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{frontend.url}/v1/chat/completions", json=body)
+        await response.content.readline()
+        assert worker.in_flight == 1
+        response.close()  # drop the connection mid-stream
+    await wait_for(lambda: worker.cancelled == 1, message="the worker saw the request go")
+    assert worker.in_flight == 0
+    await wait_for(lambda: frontend.metrics.models["mock-llm"].in_flight == 0)
+    assert frontend.metrics.models["mock-llm"].requests == {499: 1}
+
+
+async def test_tainted_instance_gets_no_new_requests(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    draining, other = await start_worker(), await start_worker()
+    frontend = await ready(start_frontend, draining, other)
+    await draining.taint("draining")
+    await wait_for(lambda: frontend.registry.models["mock-llm"].live_instances == 1)
+    client = openai_client(frontend)
+    for _ in range(5):
+        await client.chat.completions.create(model="mock-llm", messages=CHAT)
+    assert draining.requests == 0
+    assert other.requests == 5
+
+
+async def test_round_robin_spreads_requests_evenly(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    workers = [await start_worker() for _ in range(3)]
+    client = openai_client(await ready(start_frontend, *workers))
+    await asyncio.gather(
+        *(client.chat.completions.create(model="mock-llm", messages=CHAT) for _ in range(30))
+    )
+    assert [w.requests for w in workers] == [10, 10, 10]
+
+
+async def test_model_that_does_not_serve_the_route_is_400(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker("chat-only", model_types=("chat",))
+    frontend = await ready(start_frontend, worker)
+    with pytest.raises(openai.BadRequestError):
+        await openai_client(frontend).embeddings.create(model="chat-only", input="x")
+    assert worker.requests == 0
+
+
+async def test_a_client_that_does_not_read_pauses_the_upstream_connection(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    worker.stream_chunks, worker.stream_padding = 600, 64 * 1024  # ~40 MB, sent at once
+    frontend = await ready(start_frontend, worker)
+    assert frontend.server is not None
+    body = b'{"model":"mock-llm","messages":[],"stream":true}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s"
+        % (len(body), body)
+    )
+
+    def paused_upstream() -> bool:
+        return any(
+            conn.writing_paused and getattr(conn.flow, "_paused", False)
+            for conn in frontend.server.connections  # type: ignore[union-attr]
+        )
+
+    await wait_for(paused_upstream, message="the frontend paused reading from the worker")
+    assert worker.chunks_sent < 600  # the worker is held back too, not buffered in the frontend
+    received = 0
+    async with asyncio.timeout(30):
+        while True:
+            chunk = await reader.read(1 << 20)
+            received += len(chunk)
+            if not chunk or chunk.endswith(b"0\r\n\r\n"):
+                break
+    writer.close()
+    assert received > 600 * 64 * 1024
+    assert worker.chunks_sent == 600
+
+
+async def test_prefix_router_keeps_a_conversation_on_one_instance(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    workers = [await start_worker() for _ in range(3)]
+    frontend = await ready(start_frontend, *workers, router="prefix")
+    client = openai_client(frontend)
+    system: ChatCompletionMessageParam = {"role": "system", "content": "You are terse. " * 40}
+    history: list[ChatCompletionMessageParam] = [system]
+    for turn in range(4):
+        history.append({"role": "user", "content": f"question {turn}"})
+        reply = await client.chat.completions.create(model="mock-llm", messages=history)
+        history.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+    assert sorted(w.requests for w in workers) == [0, 0, 4]

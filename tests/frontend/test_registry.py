@@ -1,0 +1,116 @@
+"""Models, worker sets and checksums, as served by `/v1/models` and used by routing."""
+
+from __future__ import annotations
+
+import collections
+
+import aiohttp
+import openai
+from openai.types.chat import ChatCompletionMessageParam
+
+from shoal.frontend import Frontend
+from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
+from tests.frontend.support import serving
+from tests.helpers import wait_for
+
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+
+
+def refused(frontend: Frontend, model: str) -> float:
+    value = frontend.metrics.registry.get_sample_value(
+        "shoal_frontend_cards_refused_total", {"model": model}
+    )
+    return value or 0.0
+
+
+async def test_card_with_another_checksum_in_the_same_set_is_refused(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    old = await start_worker(version="1")
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend))
+    new = await start_worker(version="2")  # same namespace/component/role, other files
+    await wait_for(lambda: refused(frontend, "mock-llm") == 1)
+    model = frontend.registry.models["mock-llm"]
+    assert [ws.mdcsum for ws in model.sets.values()] == [old.card().mdcsum]
+    assert model.live_instances == 1
+    assert new.key not in frontend.registry
+    # Once the old set is gone, the refused card forms the new one.
+    await old.unregister()
+    await wait_for(lambda: new.key in frontend.registry)
+    assert [ws.mdcsum for ws in frontend.registry.models["mock-llm"].sets.values()] == [
+        new.card().mdcsum
+    ]
+
+
+async def test_rolling_upgrade_in_another_namespace_splits_requests_by_live_instances(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    old = [await start_worker(namespace="blue", version="1") for _ in range(3)]
+    new = [await start_worker(namespace="green", version="2")]
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend, instances=4))
+    assert len(frontend.registry.models["mock-llm"].sets) == 2
+    picks = collections.Counter(
+        frontend.registry.models["mock-llm"].pick_set().id.namespace  # type: ignore[union-attr]
+        for _ in range(4000)
+    )
+    assert 0.68 < picks["blue"] / 4000 < 0.82  # 3 of 4 live instances
+    client = openai_client(frontend)
+    for _ in range(8):
+        await client.chat.completions.create(model="mock-llm", messages=CHAT)
+    assert sum(w.requests for w in old) + new[0].requests == 8
+
+
+async def test_frontend_serves_only_its_namespaces(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    await start_worker("mine", namespace="team-a")
+    await start_worker("theirs", namespace="team-b")
+    frontend = await start_frontend(namespaces=("team-a",))
+    await wait_for(lambda: serving(frontend, "mine"))
+    await frontend.watcher.reconcile()  # type: ignore[union-attr]
+    assert sorted(frontend.registry.models) == ["mine"]
+
+
+async def test_models_endpoints_list_serving_models_in_openai_format(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    await start_worker("org/Model-A")
+    tainted = await start_worker("model-b")
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend, "org/Model-A") and serving(frontend, "model-b"))
+    await tainted.taint("draining")
+    await wait_for(lambda: not serving(frontend, "model-b"))
+    client = openai_client(frontend)
+    listed = await client.models.list()
+    assert [m.id for m in listed.data] == ["org/Model-A"]
+    assert listed.data[0].object == "model"
+    assert listed.data[0].owned_by == "shoal"
+    one = await client.models.retrieve("org/Model-A")
+    assert one.id == "org/Model-A"
+    try:
+        await client.models.retrieve("model-b")
+        raise AssertionError("a model with no ready instance is not listed")
+    except openai.NotFoundError:
+        pass
+
+
+async def test_lora_adapter_is_served_under_its_own_name(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    base = await start_worker("base-llm")
+    adapter = await start_worker("base-llm-sql", lora_of="base-llm")
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend, "base-llm") and serving(frontend, "base-llm-sql"))
+    async with aiohttp.ClientSession() as session:
+        body = await (await session.get(f"{frontend.url}/v1/models")).json()
+    by_id = {m["id"]: m for m in body["data"]}
+    assert by_id["base-llm-sql"]["parent"] == "base-llm"
+    assert "parent" not in by_id["base-llm"]
+    reply = await openai_client(frontend).chat.completions.create(
+        model="base-llm-sql",
+        messages=CHAT,
+    )
+    assert reply.model == "base-llm-sql"
+    assert adapter.requests == 1 and base.requests == 0

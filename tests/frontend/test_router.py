@@ -1,0 +1,106 @@
+"""Routing policies on a worker set of fake upstreams."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from shoal.cards import WorkerRole
+from shoal.frontend.registry import SetId, WorkerSet
+from shoal.frontend.router import LeastLoaded, PrefixAware, Random, RoundRobin, make_router
+from shoal.frontend.upstream import Upstream
+
+
+def worker_set(n: int) -> WorkerSet:
+    ws = WorkerSet(SetId("m", "ns", "backend", WorkerRole.AGGREGATED), "sum")
+    ws.routable = tuple(Upstream(i + 1, f"http://127.0.0.1:{9000 + i}") for i in range(n))
+    return ws
+
+
+def test_round_robin_cycles_through_the_set() -> None:
+    ws = worker_set(3)
+    router = RoundRobin()
+    picks = [router.pick(ws).instance_id for _ in range(6)]  # type: ignore[union-attr]
+    assert sorted(picks[:3]) == [1, 2, 3]
+    assert picks[:3] == picks[3:]
+
+
+def test_round_robin_keeps_a_cursor_per_set() -> None:
+    a, b = worker_set(2), worker_set(2)
+    router = RoundRobin()
+    picks = [router.pick(ws).instance_id for _ in range(4) for ws in (a, b)]  # type: ignore[union-attr]
+    assert sorted(picks[0::2]) == [1, 1, 2, 2]  # interleaving does not starve an instance
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "random", "least-loaded", "prefix"])
+def test_every_policy_skips_excluded_and_inhibited_instances(policy: str) -> None:
+    ws = worker_set(3)
+    router = make_router(policy)
+    ws.routable[0].inhibit(60)
+    for _ in range(20):
+        target = router.pick(ws, "prompt", [ws.routable[1]])
+        assert target is ws.routable[2]
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "random", "least-loaded", "prefix"])
+def test_an_inhibited_instance_is_used_only_when_nothing_else_is_left(policy: str) -> None:
+    ws = worker_set(2)
+    router = make_router(policy)
+    ws.routable[0].inhibit(60)
+    assert router.pick(ws, "p", [ws.routable[1]]) is ws.routable[0]
+    assert router.pick(ws, "p", list(ws.routable)) is None
+
+
+def test_inhibition_expires() -> None:
+    upstream = Upstream(1, "http://127.0.0.1:9")
+    upstream.inhibit(-1)
+    assert not upstream.inhibited
+
+
+def test_random_reaches_every_instance() -> None:
+    ws = worker_set(4)
+    router = Random()
+    seen = collections.Counter(router.pick(ws).instance_id for _ in range(400))  # type: ignore[union-attr]
+    assert set(seen) == {1, 2, 3, 4}
+
+
+def test_least_loaded_picks_the_fewest_in_flight() -> None:
+    ws = worker_set(3)
+    ws.routable[0].in_flight, ws.routable[1].in_flight, ws.routable[2].in_flight = 5, 1, 3
+    assert LeastLoaded().pick(ws) is ws.routable[1]
+
+
+def test_prefix_aware_sends_a_shared_prefix_to_the_same_instance() -> None:
+    ws = worker_set(4)
+    router = PrefixAware(block_chars=16)
+    system = "You are a helpful assistant. " * 10
+    first = router.pick(ws, system + "question one")
+    assert first is not None
+    first.in_flight += 1  # busy with it: least-loaded alone would go elsewhere
+    for question in ("question two", "another question", "a third"):
+        assert router.pick(ws, system + question) is first
+
+
+def test_prefix_aware_falls_back_to_least_loaded_past_the_imbalance_threshold() -> None:
+    ws = worker_set(2)
+    router = PrefixAware(block_chars=16, balance_threshold=2)
+    prompt = "shared prefix " * 20
+    owner = router.pick(ws, prompt)
+    assert owner is not None
+    owner.in_flight = 3
+    other = router.pick(ws, prompt)
+    assert other is not owner
+
+
+def test_prefix_index_is_bounded() -> None:
+    ws = worker_set(2)
+    router = PrefixAware(block_chars=4, capacity=50)
+    for i in range(100):
+        router.pick(ws, f"prompt number {i} " * 5)
+    assert len(ws.router_state.owners) <= 50  # type: ignore[attr-defined]
+
+
+def test_unknown_policy_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="round-robin"):
+        make_router("fastest")

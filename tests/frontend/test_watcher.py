@@ -1,0 +1,295 @@
+"""The model watcher: events, the generation fence, and reconciliation repairing what events miss."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from shoal.discovery import Added, DiscoveryEvent, Removed
+from shoal.frontend import Frontend
+from shoal.frontend.watcher import State
+from tests.frontend.conftest import StartFrontend, StartWorker
+from tests.frontend.support import FilteringDiscovery, serving
+from tests.helpers import wait_for
+
+INTERVAL = 0.4  # the reconcile interval of these tests
+
+
+@pytest.fixture(params=["memory", "sqlite", "etcd"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Reconciliation is proven on every store backend."""
+    return str(request.param)
+
+
+def repairs(frontend: Frontend, action: str) -> float:
+    value = frontend.metrics.registry.get_sample_value(
+        "shoal_frontend_reconcile_repairs_total", {"action": action}
+    )
+    return value or 0.0
+
+
+async def listed_models(frontend: Frontend) -> list[str]:
+    async with aiohttp.ClientSession() as session:
+        response = await session.get(f"{frontend.url}/v1/models")
+        return [m["id"] for m in (await response.json())["data"]]
+
+
+def drop(kind: type, model: str | None = None) -> object:
+    def rule(event: DiscoveryEvent) -> bool:
+        if not isinstance(event, kind):
+            return False
+        return model is None or (
+            isinstance(event, Added) and event.model.card.display_name == model
+        )
+
+    return rule
+
+
+async def test_dropped_added_is_served_within_one_reconcile_interval(
+    discovery: FilteringDiscovery, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    discovery.drop = drop(Added)  # type: ignore[assignment]
+    frontend = await start_frontend(reconcile_interval=INTERVAL)
+    await start_worker()
+    await wait_for(lambda: discovery.dropped, message="the Added event was dropped")
+    await wait_for(lambda: serving(frontend), timeout=INTERVAL * 2 + 1)
+    assert await listed_models(frontend) == ["mock-llm"]
+    assert repairs(frontend, "register") == 1
+
+
+async def test_dropped_removed_ghost_leaves_models_within_one_reconcile_interval(
+    discovery: FilteringDiscovery, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    discovery.drop = drop(Removed)  # type: ignore[assignment]
+    worker = await start_worker()
+    frontend = await start_frontend(reconcile_interval=INTERVAL)
+    await wait_for(lambda: serving(frontend))
+    await worker.unregister()
+    await wait_for(lambda: discovery.dropped, message="the Removed event was dropped")
+    await wait_for(lambda: "mock-llm" not in frontend.registry.models, timeout=INTERVAL * 2 + 1)
+    assert await listed_models(frontend) == []
+    assert repairs(frontend, "remove") == 1
+
+
+async def test_metadata_fetch_failing_first_times_completes_on_a_later_pass(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker(register=False)
+    worker.metadata_failures = 2
+    frontend = await start_frontend(reconcile_interval=INTERVAL)
+    await worker.register(frontend.discovery.store)  # type: ignore[union-attr]
+    await wait_for(lambda: worker.metadata_fetches >= 1)
+    assert not serving(frontend)  # incomplete: not listed
+    assert await listed_models(frontend) == []
+    await wait_for(lambda: serving(frontend), timeout=INTERVAL * 3 + 2)
+    assert worker.metadata_fetches == 3
+    assert repairs(frontend, "retry") == 2
+
+
+async def test_slow_fetch_in_reconciliation_does_not_delay_a_new_workers_added(
+    discovery: FilteringDiscovery, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    discovery.drop = drop(Added, "slow")  # type: ignore[assignment]
+    frontend = await start_frontend(reconcile_interval=INTERVAL)
+    slow = await start_worker("slow", register=False)
+    slow.metadata_hang.clear()
+    await slow.register(discovery.store)
+    # Reconciliation registers the dropped card and waits on its fetch, which hangs.
+    await wait_for(lambda: slow.metadata_fetches == 1, timeout=INTERVAL * 2 + 1)
+    fast = await start_worker("fast")
+    await wait_for(lambda: serving(frontend, "fast"), timeout=1.0)
+    async with aiohttp.ClientSession() as session:
+        health = await session.get(f"{frontend.url}/health")
+        assert health.status == 200  # /health does not depend on the loop
+        await wait_for(lambda: frontend.manager.unhealthy(), timeout=INTERVAL * 4 + 1)
+        controllers = await session.get(f"{frontend.url}/health/controllers")
+        assert controllers.status == 503
+        assert "model-reconciler" in (await controllers.json())["unhealthy"]
+    slow.metadata_hang.set()
+    await wait_for(lambda: serving(frontend, "slow"))
+    await wait_for(lambda: not frontend.manager.unhealthy(), timeout=INTERVAL * 4 + 1)
+    assert fast.requests == 0
+
+
+async def test_discovery_failure_during_cleanup_removes_nothing_then_next_pass_does(
+    discovery: FilteringDiscovery, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    discovery.drop = drop(Removed)  # type: ignore[assignment]
+    stale, kept = await start_worker(), await start_worker()
+    frontend = await start_frontend(reconcile_interval=INTERVAL)
+    await wait_for(lambda: serving(frontend, instances=2))
+    discovery.list_failures = 1
+    calls = discovery.list_calls
+    await stale.unregister()
+    await wait_for(lambda: len(discovery.dropped) == 1)
+
+    def failures() -> float:
+        value = frontend.metrics.registry.get_sample_value(
+            "shoal_frontend_reconcile_failures_total", {"stage": "list"}
+        )
+        return value or 0.0
+
+    await wait_for(lambda: failures() == 1, timeout=INTERVAL * 2 + 1)
+    assert discovery.list_calls > calls
+    assert stale.key in frontend.registry and kept.key in frontend.registry  # nothing removed
+    await wait_for(lambda: stale.key not in frontend.registry, timeout=INTERVAL * 2 + 1)
+    assert kept.key in frontend.registry
+    assert serving(frontend, instances=1)
+
+
+async def test_one_entry_failing_to_repair_does_not_stop_the_others(
+    discovery: FilteringDiscovery, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    discovery.drop = drop(Added)  # type: ignore[assignment]
+    frontend = await start_frontend(reconcile_interval=60)
+    first, second = await start_worker("first"), await start_worker("second")
+    await wait_for(lambda: len(discovery.dropped) == 2)
+    watcher = frontend.watcher
+    assert watcher is not None
+    broken = min(first.key, second.key)
+    repair = watcher._repair
+
+    def failing_repair(key, model):  # type: ignore[no-untyped-def]
+        if key == broken:
+            raise RuntimeError("injected repair failure")
+        return repair(key, model)
+
+    watcher._repair = failing_repair  # type: ignore[method-assign]
+    done = await watcher.reconcile()
+    assert done == {"register": 1}
+    assert broken not in frontend.registry
+    assert max(first.key, second.key) in frontend.registry
+    watcher._repair = repair  # type: ignore[method-assign]
+    assert await watcher.reconcile() == {"register": 1}  # retried on the next pass
+
+
+async def test_stale_listing_never_removes_a_card_added_after_it(
+    discovery: FilteringDiscovery, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend(reconcile_interval=60)
+    watcher = frontend.watcher
+    assert watcher is not None
+    discovery.hold_listings = asyncio.Event()
+    pass_ = asyncio.create_task(watcher.reconcile())
+    await wait_for(lambda: discovery.list_calls >= 2)  # listed (empty), now held
+    worker = await start_worker()
+    await wait_for(lambda: serving(frontend))  # the Added event, newer than the listing
+    discovery.hold_listings.set()
+    assert await pass_ == {}
+    assert worker.key in frontend.registry
+
+
+async def test_stale_listing_never_resurrects_a_removed_card(
+    discovery: FilteringDiscovery, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    frontend = await start_frontend(reconcile_interval=60)
+    await wait_for(lambda: serving(frontend))
+    watcher = frontend.watcher
+    assert watcher is not None
+    discovery.hold_listings = asyncio.Event()
+    calls = discovery.list_calls
+    pass_ = asyncio.create_task(watcher.reconcile())
+    await wait_for(lambda: discovery.list_calls > calls)  # listed (with the worker), now held
+    await worker.unregister()
+    await wait_for(lambda: worker.key not in watcher.registrations)
+    discovery.hold_listings.set()
+    assert await pass_ == {}
+    assert worker.key not in watcher.registrations
+
+
+async def test_registration_finishing_after_a_newer_removal_does_not_resurrect_it(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker(register=False)
+    worker.metadata_hang.clear()
+    frontend = await start_frontend(reconcile_interval=60)
+    watcher = frontend.watcher
+    assert watcher is not None
+    await worker.register(watcher.discovery.store)
+    await wait_for(lambda: worker.metadata_fetches == 1)
+    registration = watcher.registrations[worker.key]
+    assert registration.state is State.PENDING and registration.task is not None
+    fetch = registration.task
+    await worker.unregister()
+    await wait_for(lambda: worker.key not in watcher.registrations)
+    worker.metadata_hang.set()
+    await asyncio.gather(fetch, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert "mock-llm" not in frontend.registry.models
+
+
+async def test_events_are_handled_while_a_fetch_is_slow(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    slow = await start_worker("slow", register=False)
+    slow.metadata_hang.clear()
+    frontend = await start_frontend(reconcile_interval=60)
+    await slow.register(frontend.watcher.discovery.store)  # type: ignore[union-attr]
+    await wait_for(lambda: slow.metadata_fetches == 1)
+    await start_worker("fast")
+    await wait_for(lambda: serving(frontend, "fast"), timeout=1.0)
+    assert not serving(frontend, "slow")
+    slow.metadata_hang.set()
+    await wait_for(lambda: serving(frontend, "slow"))
+
+
+async def test_metadata_is_fetched_once_and_cached_on_disk_by_checksum(
+    start_worker: StartWorker, start_frontend: StartFrontend, tmp_path: Path
+) -> None:
+    first = await start_worker()
+    cache = tmp_path / "shared-cache"
+    one = await start_frontend(cache_dir=cache)
+    await wait_for(lambda: serving(one))
+    second = await start_worker()  # same model and files: no fetch needed
+    await wait_for(lambda: serving(one, instances=2))
+    assert first.metadata_fetches + second.metadata_fetches == 1
+    files = list(cache.iterdir())
+    assert [f.name for f in files] == [
+        first.card().metadata_files["config.json"].checksum.replace(":", "-")
+    ]
+    two = await start_frontend(cache_dir=cache)  # a restart: the disk cache is reused
+    await wait_for(lambda: serving(two, instances=2))
+    assert first.metadata_fetches + second.metadata_fetches == 1
+
+
+async def test_metadata_not_matching_its_checksum_keeps_the_card_out(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker(register=False)
+    card_bytes = worker.metadata
+    worker.metadata = b'{"tampered": true}'  # served bytes differ from the card's checksum
+    original_card = worker.card
+
+    def card():  # type: ignore[no-untyped-def]
+        served, worker.metadata = worker.metadata, card_bytes
+        try:
+            return original_card()
+        finally:
+            worker.metadata = served
+
+    worker.card = card  # type: ignore[method-assign]
+    frontend = await start_frontend(reconcile_interval=60)
+    await worker.register(frontend.watcher.discovery.store)  # type: ignore[union-attr]
+    watcher = frontend.watcher
+    assert watcher is not None
+    await wait_for(lambda: worker.metadata_fetches == 1)
+    await wait_for(lambda: watcher.registrations[worker.key].error is not None)
+    assert "checksum" in (watcher.registrations[worker.key].error or "")
+    assert "mock-llm" not in frontend.registry.models
+
+
+async def test_taint_updates_reach_routing(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend))
+    await worker.taint("draining")
+    await wait_for(lambda: not serving(frontend))
+    assert "mock-llm" in frontend.registry.models  # still known: listed again when untainted
+    await worker.taint()
+    await wait_for(lambda: serving(frontend))
