@@ -34,11 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS.values():
-        try:
-            importlib.import_module(module).add_parser(sub)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 
