@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    code: int = importlib.import_module(COMMANDS[args.command]).run(args)
+    try:
+        code: int = importlib.import_module(COMMANDS[args.command]).run(args)
+    except BrokenPipeError:  # `shoal ls | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return code
 
 
