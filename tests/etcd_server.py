@@ -14,7 +14,10 @@ from tests.helpers import free_port
 
 
 class EtcdServer:
-    """One etcd member with its own data directory; `stop()`/`start()` keep the data."""
+    """One etcd member with its own data directory; `stop()`/`start()` keep the data.
+
+    As a context manager: started for the block, closed after it.
+    """
 
     def __init__(self) -> None:
         binary = shutil.which("etcd") or "/usr/bin/etcd"
@@ -79,3 +82,10 @@ class EtcdServer:
         self.stop()
         self.log.close()
         shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,4 +1,5 @@
-"""Shared test helpers: waiting on conditions with a deadline, free ports, subprocesses."""
+"""Shared test helpers: waiting on conditions with a deadline, free ports, serving an aiohttp
+app on one, and collecting what an async stream yields."""
 
 from __future__ import annotations
 
@@ -6,8 +7,13 @@ import asyncio
 import inspect
 import socket
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Generic, TypeVar
+
+from aiohttp import web
+
+T = TypeVar("T")
 
 
 async def wait_for(
@@ -42,3 +48,70 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+class Server:
+    """Serves an aiohttp app on a 127.0.0.1 port; it can stop and start again on that port.
+
+    The port is a free one chosen up front (so `url` is known before `start`), or with
+    `port=0` the one the system picks at the first `start`. Handler cancellation is on, as in
+    the worker: a client disconnect cancels the handler.
+    """
+
+    def __init__(self, app: web.Application, port: int | None = None) -> None:
+        self.port = free_port() if port is None else port
+        self._app = app
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self._app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await site.start()
+        if self.port == 0:
+            assert site._server is not None
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[Server]:
+    """`app` served on a free port for the block."""
+    server = Server(app)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+class Collector(Generic[T]):
+    """Runs an async stream (a watch) in a task and keeps what it yields, until `close`."""
+
+    def __init__(self, stream: AsyncIterator[T]) -> None:
+        self.events: list[T] = []
+        self._stream = stream
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async for event in self._stream:
+            self.events.append(event)
+            self._apply(event)
+
+    def _apply(self, event: T) -> None:
+        """What a subclass does with each event as it arrives."""
+
+    def of(self, kind: type) -> list[T]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)

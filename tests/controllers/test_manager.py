@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -26,6 +27,19 @@ class Flagged(Controller):
 
 def manager_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == "shoal.controllers.manager"]
+
+
+@pytest.fixture
+async def models(
+    caplog: pytest.LogCaptureFixture,
+) -> AsyncIterator[tuple[Flagged, ControllerManager]]:
+    """A started manager of one loop, `models`, with its controller; its logs are captured."""
+    caplog.set_level(logging.INFO, logger="shoal.controllers")
+    controller = Flagged()
+    manager = ControllerManager([Loop(controller, name="models", interval=60.0)])
+    await manager.start_all()
+    yield controller, manager
+    await manager.stop_all()
 
 
 def test_duplicate_loop_name_is_rejected() -> None:
@@ -57,52 +71,40 @@ async def test_start_all_and_stop_all_run_every_loop() -> None:
 
 
 async def test_health_changes_are_logged_once_per_edge_not_per_probe(
-    caplog: pytest.LogCaptureFixture,
+    models: tuple[Flagged, ControllerManager], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="shoal.controllers")
-    controller = Flagged()
-    manager = ControllerManager([Loop(controller, name="models", interval=60.0)])
-    await manager.start_all()
-    try:
-        for _ in range(3):
-            assert manager.unhealthy() == {}
-        assert manager_records(caplog) == []
+    controller, manager = models
+    for _ in range(3):
+        assert manager.unhealthy() == {}
+    assert manager_records(caplog) == []
 
-        controller.healthy = False
-        for _ in range(3):
-            assert manager.unhealthy() == {"models": "controller reported itself unhealthy"}
-        [warning] = manager_records(caplog)
-        assert warning.levelno == logging.WARNING
-        assert "'models'" in warning.getMessage()
-        assert "controller reported itself unhealthy" in warning.getMessage()
+    controller.healthy = False
+    for _ in range(3):
+        assert manager.unhealthy() == {"models": "controller reported itself unhealthy"}
+    [warning] = manager_records(caplog)
+    assert warning.levelno == logging.WARNING
+    assert "'models'" in warning.getMessage()
+    assert "controller reported itself unhealthy" in warning.getMessage()
 
-        controller.healthy = True
-        for _ in range(3):
-            assert manager.unhealthy() == {}
-        [_, recovery] = manager_records(caplog)
-        assert recovery.levelno == logging.INFO
-        assert "'models'" in recovery.getMessage()
-    finally:
-        await manager.stop_all()
+    controller.healthy = True
+    for _ in range(3):
+        assert manager.unhealthy() == {}
+    [_, recovery] = manager_records(caplog)
+    assert recovery.levelno == logging.INFO
+    assert "'models'" in recovery.getMessage()
 
 
 async def test_health_check_that_raises_counts_as_unhealthy_and_is_logged_once(
-    caplog: pytest.LogCaptureFixture,
+    models: tuple[Flagged, ControllerManager], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="shoal.controllers")
-    controller = Flagged()
-    manager = ControllerManager([Loop(controller, name="models", interval=60.0)])
-    await manager.start_all()
-    try:
-        controller.broken = True
-        for _ in range(3):
-            assert manager.unhealthy() == {"models": "health check raised RuntimeError: boom"}
-        [warning] = manager_records(caplog)
-        assert warning.levelno == logging.WARNING
-        assert warning.exc_info is not None
+    controller, manager = models
+    controller.broken = True
+    for _ in range(3):
+        assert manager.unhealthy() == {"models": "health check raised RuntimeError: boom"}
+    [warning] = manager_records(caplog)
+    assert warning.levelno == logging.WARNING
+    assert warning.exc_info is not None
 
-        controller.broken = False
-        assert manager.unhealthy() == {}
-        assert [r.levelno for r in manager_records(caplog)] == [logging.WARNING, logging.INFO]
-    finally:
-        await manager.stop_all()
+    controller.broken = False
+    assert manager.unhealthy() == {}
+    assert [r.levelno for r in manager_records(caplog)] == [logging.WARNING, logging.INFO]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -24,7 +23,7 @@ from shoal.discovery import (
 )
 from shoal.discovery.service import MALFORMED
 from shoal.store import Store, open_store
-from tests.helpers import wait_for
+from tests.helpers import Collector, wait_for
 
 EP = EndpointId("prod", "backend", "generate")
 
@@ -67,14 +66,11 @@ async def register(
     return key
 
 
-class Collector:
-    def __init__(self, disc: Discovery, query: Query | None = None) -> None:
-        self.events: list[DiscoveryEvent] = []
-        self.task = asyncio.create_task(self._run(disc, query))
+class Watch(Collector[DiscoveryEvent]):
+    """A discovery watch's events, and the models live after them."""
 
-    async def _run(self, disc: Discovery, query: Query | None) -> None:
-        async for event in disc.list_and_watch(query):
-            self.events.append(event)
+    def __init__(self, disc: Discovery, query: Query | None = None) -> None:
+        super().__init__(disc.list_and_watch(query))
 
     def live(self) -> set[ModelKey]:
         live: set[ModelKey] = set()
@@ -85,15 +81,11 @@ class Collector:
                 live.discard(e.key)
         return live
 
-    async def close(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-
 
 async def test_list_and_watch_reports_existing_then_new_models(store: Store) -> None:
     disc = Discovery(store)
     first = await register(disc, EP, 0x10, make_card())
-    watch = Collector(disc)
+    watch = Watch(disc)
     try:
         await wait_for(lambda: watch.live() == {first})
         second = await register(disc, EP, 0x11, make_card())
@@ -113,7 +105,7 @@ async def test_a_card_is_routable_only_while_its_instance_is_registered(store: S
     assert await disc.list() == []
     await disc.register_instance(info(EP, 0x20), lease=0)
     assert [m.key for m in await disc.list()] == [key]
-    watch = Collector(disc)
+    watch = Watch(disc)
     try:
         await wait_for(lambda: watch.live() == {key})
         await disc.unregister_instance(EP, 0x20)
@@ -125,7 +117,7 @@ async def test_a_card_is_routable_only_while_its_instance_is_registered(store: S
 async def test_taint_changes_arrive_as_taints_updated(store: Store) -> None:
     disc = Discovery(store)
     key = await register(disc, EP, 0x30, make_card())
-    watch = Collector(disc)
+    watch = Watch(disc)
     try:
         await wait_for(lambda: watch.live() == {key})
         card = await disc.update_taints(key, ["draining"])
@@ -142,7 +134,7 @@ async def test_card_changes_other_than_taints_are_ignored(
 ) -> None:
     disc = Discovery(store)
     key = await register(disc, EP, 0x40, make_card(context_length=4096))
-    watch = Collector(disc)
+    watch = Watch(disc)
     try:
         await wait_for(lambda: watch.live() == {key})
         caplog.set_level(logging.WARNING)
@@ -172,7 +164,7 @@ async def test_malformed_values_are_skipped_and_never_hide_valid_ones(
     assert [m.key for m in listed] == [good]
     assert MALFORMED.labels("model")._value.get() >= before + 2
     assert "malformed" in caplog.text
-    watch = Collector(disc)
+    watch = Watch(disc)
     try:
         await wait_for(lambda: watch.live() == {good})
         # A bad value written over a valid card does not remove it.
@@ -223,7 +215,7 @@ async def test_resync_after_outage_brings_the_watcher_up_to_date(store: Store) -
     try:
         keep = await register(disc, EP, 0x80, make_card())
         gone = await register(disc, EP, 0x81, make_card())
-        watch = Collector(Discovery(watcher_store))
+        watch = Watch(Discovery(watcher_store))
         await wait_for(lambda: watch.live() == {keep, gone})
         watcher_store.set_unreachable(True)  # type: ignore[attr-defined]
         await disc.unregister_model(gone)
@@ -241,7 +233,7 @@ async def test_leased_registrations_vanish_with_their_lease(store: Store) -> Non
     key = ModelKey(EP, lease.id)
     await disc.register_instance(info(EP, lease.id), lease=lease.id)
     await disc.register_model(key, make_card(), lease=lease.id)
-    watch = Collector(disc)
+    watch = Watch(disc)
     try:
         await wait_for(lambda: watch.live() == {key})
         await lease.revoke()

@@ -1,43 +1,29 @@
-"""Serving an engine's (or a fake upstream's) aiohttp app on a free loopback port."""
+"""Test support for the engine tests: a started engine with its app served on a free port."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
-from aiohttp import web
+import openai
 
-from tests.helpers import free_port
+from shoal.worker.engine import Engine
+from tests.helpers import Server, serving
 
-
-class Server:
-    """Serves an app on a fixed 127.0.0.1 port; it can stop and start again on that port.
-
-    Handler cancellation is on, as in the worker: a client disconnect cancels the handler.
-    """
-
-    def __init__(self, app: web.Application) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._app = app
-        self._runner: web.AppRunner | None = None
-
-    async def start(self) -> None:
-        self._runner = web.AppRunner(self._app, handler_cancellation=True)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+E = TypeVar("E", bound=Engine)
 
 
 @asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[Server]:
-    server = Server(app)
-    await server.start()
+async def engine_served(engine: E) -> AsyncIterator[tuple[E, Server]]:
+    """`engine` started, its app served on a free port for the block, then stopped."""
+    await engine.start()
     try:
-        yield server
+        async with serving(engine.app()) as server:
+            yield engine, server
     finally:
-        await server.stop()
+        await engine.stop()
+
+
+def client_for(server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)

@@ -20,8 +20,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from shoal.cards import ModelType
 from shoal.worker.engine import EngineUnavailableError
 from shoal.worker.engines.llamacpp import DEFAULT_MODEL_NAME, LlamaCppEngine
-from tests.engines.support import Server, serving
-from tests.helpers import wait_for
+from tests.engines.support import client_for, engine_served
+from tests.helpers import Server, wait_for
 
 needs_model = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None
@@ -38,17 +38,8 @@ NEVER_STOP = {"0": -100, "2": -100}
 
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[LlamaCppEngine, Server]]:
-    engine = LlamaCppEngine(n_threads=1)
-    await engine.start()
-    try:
-        async with serving(engine.app()) as server:
-            yield engine, server
-    finally:
-        await engine.stop()
-
-
-def client_for(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    async with engine_served(LlamaCppEngine(n_threads=1)) as served:
+        yield served
 
 
 @pytest.mark.llamacpp

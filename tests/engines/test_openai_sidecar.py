@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import aiohttp
 import openai
@@ -19,8 +19,8 @@ from aiohttp import web
 
 from shoal.worker.engine import EngineUnavailableError
 from shoal.worker.engines.openai_sidecar import OpenAISidecarEngine, normalize_upstream
-from tests.engines.support import Server, serving
-from tests.helpers import free_port, wait_for
+from tests.engines.support import client_for, engine_served
+from tests.helpers import Server, free_port, serving, wait_for
 
 MODEL = "fake/model-7b"
 
@@ -129,20 +129,22 @@ async def fake() -> AsyncIterator[FakeUpstream]:
         await fake.server.stop()
 
 
-@asynccontextmanager
-async def sidecar(upstream_url: str) -> AsyncIterator[tuple[OpenAISidecarEngine, Server]]:
+def sidecar(upstream_url: str) -> AbstractAsyncContextManager[tuple[OpenAISidecarEngine, Server]]:
     """A started sidecar for `upstream_url`, its app served on a free port."""
-    engine = OpenAISidecarEngine(upstream_url, health_interval=0.0)
-    await engine.start()
-    try:
-        async with serving(engine.app()) as server:
-            yield engine, server
-    finally:
-        await engine.stop()
+    return engine_served(OpenAISidecarEngine(upstream_url, health_interval=0.0))
 
 
-def client_for(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+@asynccontextmanager
+async def streamed_chat(server: Server) -> AsyncIterator[aiohttp.ClientResponse]:
+    """A raw streamed chat request to `server`, open for the block."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            f"{server.url}/v1/chat/completions",
+            json={"model": MODEL, "messages": [], "stream": True},
+        ) as response,
+    ):
+        yield response
 
 
 async def names_of(engine: OpenAISidecarEngine) -> list[str]:
@@ -259,13 +261,7 @@ async def test_a_stream_crosses_the_sidecar_chunk_by_chunk_unchanged(fake: FakeU
         # Byte for byte, with the upstream's content type.
         for _ in STREAM:
             fake.gate.release()
-        async with (
-            aiohttp.ClientSession() as http,
-            http.post(
-                f"{server.url}/v1/chat/completions",
-                json={"model": MODEL, "messages": [], "stream": True},
-            ) as response,
-        ):
+        async with streamed_chat(server) as response:
             assert response.status == 200
             assert response.content_type == "text/event-stream"
             assert await response.read() == b"".join(STREAM)
@@ -323,13 +319,7 @@ async def test_a_client_disconnect_cancels_the_upstream_request(fake: FakeUpstre
     fake.hang_after_first_chunk = True
     fake.gate.release()
     async with sidecar(fake.server.url) as (engine, server):
-        async with (
-            aiohttp.ClientSession() as http,
-            http.post(
-                f"{server.url}/v1/chat/completions",
-                json={"model": MODEL, "messages": [], "stream": True},
-            ) as response,
-        ):
+        async with streamed_chat(server) as response:
             assert await response.content.readuntil(b"\n\n") == STREAM[0]
             assert engine.in_flight == 1
         # The client is gone: the upstream's handler is cancelled, nothing is in flight.

@@ -23,10 +23,8 @@ StartFrontend = Callable[..., Awaitable[Frontend]]
 @pytest.fixture(scope="session")
 def frontend_etcd() -> Iterator[EtcdServer]:
     """One real etcd for the frontend tests that need it."""
-    server = EtcdServer()
-    server.start()
-    yield server
-    server.close()
+    with EtcdServer() as server:
+        yield server
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from shoal.discovery import (
     Query,
 )
 from shoal.store import Lease, Store
+from tests.helpers import Server
 
 _ids = itertools.count(1)
 
@@ -70,7 +71,7 @@ class FakeWorker:
         self.bodies: list[bytes] = []
         self.headers: list[Any] = []  # case-insensitive multidicts
         self.port = 0
-        self._runner: web.AppRunner | None = None
+        self._server: Server | None = None
         self.lease: Lease | None = None
         self.discovery: Discovery | None = None
         self.instance_id = 0
@@ -93,18 +94,15 @@ class FakeWorker:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_get("/metadata/{name}", self._metadata)
-        self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        assert site._server is not None
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self._server = Server(app, port=0)
+        await self._server.start()
+        self.port = self._server.port
         return self
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._server is not None:
+            await self._server.stop()
+            self._server = None
 
     def card(self) -> ModelCard:
         fields: dict[str, Any] = {

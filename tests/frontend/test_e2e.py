@@ -4,6 +4,7 @@ on the SQLite store and on a real etcd."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import uuid
@@ -20,19 +21,12 @@ from shoal.discovery import Discovery, Query
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.store import open_store
 from tests.etcd_server import EtcdServer
-from tests.frontend.processes import FRONTEND_READY, Process, Processes
 from tests.helpers import free_port, wait_for
+from tests.processes import FRONTEND_READY, Process, Processes
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story."}]
 # Workers of these tests: fast, and their lease ends 2 s after they die.
 FAST = ("--lease-ttl", "2", "--ttft-ms", "5", "--itl-ms", "2")
-
-
-@pytest.fixture
-async def processes(tmp_path: Path) -> AsyncIterator[Processes]:
-    procs = Processes(tmp_path)
-    yield procs
-    await procs.close()
 
 
 @pytest.fixture(params=["sqlite", "etcd"])
@@ -173,25 +167,37 @@ class Load:
         await asyncio.gather(*tasks)
 
 
-async def test_worker_killed_under_load_fails_no_request_that_had_not_started_streaming(
-    processes: Processes, frontend: Frontend, store_url: str, namespace: str
-) -> None:
-    workers = await asyncio.gather(
-        *(processes.worker(store_url, "--namespace", namespace, *FAST) for _ in range(3))
+@contextlib.asynccontextmanager
+async def under_load(
+    processes: Processes, frontend: Frontend, store_url: str, namespace: str, workers: int
+) -> AsyncIterator[tuple[list[Process], Load]]:
+    """`workers` fast workers served by `frontend`, under a `Load` that has already succeeded
+    30 times; the load stops when the block ends."""
+    started = await asyncio.gather(
+        *(processes.worker(store_url, "--namespace", namespace, *FAST) for _ in range(workers))
     )
-    await wait_for(lambda: serving(frontend, 3), timeout=10)
+    await wait_for(lambda: serving(frontend, workers), timeout=10)
     load = Load(frontend.url)
     done = asyncio.Event()
     running = asyncio.create_task(load.run_until(done))
-    await wait_for(lambda: load.ok >= 30, timeout=10)
-    victim = workers[0]
-    victim.signal(signal.SIGKILL)
-    before = load.ok
-    await wait_for(lambda: load.ok >= before + 60, timeout=15)
-    # Its lease (TTL 2 s) ends, and with it the registration.
-    await wait_for(lambda: victim.instance_id not in _instances(frontend), timeout=2 + 3)
-    done.set()
-    await running
+    try:
+        await wait_for(lambda: load.ok >= 30, timeout=10)
+        yield list(started), load
+    finally:
+        done.set()
+        await running
+
+
+async def test_worker_killed_under_load_fails_no_request_that_had_not_started_streaming(
+    processes: Processes, frontend: Frontend, store_url: str, namespace: str
+) -> None:
+    async with under_load(processes, frontend, store_url, namespace, 3) as (workers, load):
+        victim = workers[0]
+        victim.signal(signal.SIGKILL)
+        before = load.ok
+        await wait_for(lambda: load.ok >= before + 60, timeout=15)
+        # Its lease (TTL 2 s) ends, and with it the registration.
+        await wait_for(lambda: victim.instance_id not in _instances(frontend), timeout=2 + 3)
     assert load.failed_before_first_byte == []
     assert frontend.metrics.models["mock-llm"].retries >= 1  # the failure path was taken
     assert serving(frontend, 2)
@@ -200,22 +206,13 @@ async def test_worker_killed_under_load_fails_no_request_that_had_not_started_st
 async def test_worker_drained_with_sigterm_under_load_fails_no_request(
     processes: Processes, frontend: Frontend, store_url: str, namespace: str
 ) -> None:
-    workers = await asyncio.gather(
-        *(processes.worker(store_url, "--namespace", namespace, *FAST) for _ in range(2))
-    )
-    await wait_for(lambda: serving(frontend, 2), timeout=10)
-    load = Load(frontend.url)
-    done = asyncio.Event()
-    running = asyncio.create_task(load.run_until(done))
-    await wait_for(lambda: load.ok >= 30, timeout=10)
-    leaving = workers[0]
-    leaving.signal(signal.SIGTERM)
-    assert await leaving.wait(20) == 0
-    await wait_for(lambda: leaving.instance_id not in _instances(frontend), timeout=5)
-    before = load.ok
-    await wait_for(lambda: load.ok >= before + 30, timeout=10)
-    done.set()
-    await running
+    async with under_load(processes, frontend, store_url, namespace, 2) as (workers, load):
+        leaving = workers[0]
+        leaving.signal(signal.SIGTERM)
+        assert await leaving.wait(20) == 0
+        await wait_for(lambda: leaving.instance_id not in _instances(frontend), timeout=5)
+        before = load.ok
+        await wait_for(lambda: load.ok >= before + 30, timeout=10)
     assert load.failed_before_first_byte == []
     assert load.failed_mid_stream == []
 
@@ -227,7 +224,7 @@ async def test_client_disconnect_frees_the_mocker_sequence(
         store_url, "--namespace", namespace, "--lease-ttl", "2", "--ttft-ms", "5", "--itl-ms", "50"
     )
     await wait_for(lambda: serving(frontend, 1), timeout=10)
-    status_url = worker.ready["status"]
+    status_url = worker.status_url
 
     async def active_sequences(session: aiohttp.ClientSession) -> float:
         text = await (await session.get(f"{status_url}/metrics")).text()

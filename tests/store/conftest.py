@@ -15,10 +15,8 @@ from tests.etcd_server import EtcdServer
 
 @pytest.fixture(scope="session")
 def etcd_server() -> Iterator[EtcdServer]:
-    server = EtcdServer()
-    server.start()
-    yield server
-    server.close()
+    with EtcdServer() as server:
+        yield server
 
 
 class Backend:

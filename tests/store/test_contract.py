@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,8 @@ import pytest
 from shoal.store import (
     MAX_VALUE_BYTES,
     Delete,
-    Event,
     InvalidKeyError,
     LeaseKeeper,
-    Put,
     Resync,
     Store,
     StoreUnavailableError,
@@ -28,32 +25,9 @@ from shoal.store import (
 )
 from tests.helpers import free_port, wait_for
 from tests.store.conftest import Backend
+from tests.store.support import Recorder
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Mirror:
-    """Applies a watch's events to a dict, the way a consumer does, and keeps them all."""
-
-    def __init__(self, store: Store, prefix: str, start_revision: int, initial: dict[str, bytes]):
-        self.state = dict(initial)
-        self.events: list[Event] = []
-        self._stream: AsyncIterator[Event] = store.watch(prefix, start_revision)
-        self.task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        async for event in self._stream:
-            self.events.append(event)
-            if isinstance(event, Put):
-                self.state[event.key] = event.value
-            elif isinstance(event, Delete):
-                self.state.pop(event.key, None)
-            else:
-                self.state = {kv.key: kv.value for kv in event.items}
-
-    async def close(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
 
 
 def spawn(*args: str) -> subprocess.Popen[str]:
@@ -72,7 +46,9 @@ async def test_watch_after_list_misses_nothing(store: Store, prefix: str) -> Non
     # A change between the read and the watch's start.
     await store.put(prefix + "b", b"2")
     await store.delete(prefix + "a")
-    mirror = Mirror(store, prefix, snap.revision + 1, {kv.key: kv.value for kv in snap.items})
+    mirror = Recorder(
+        store.watch(prefix, snap.revision + 1), {kv.key: kv.value for kv in snap.items}
+    )
     await store.put(prefix + "c", b"3")
     try:
         await wait_for(lambda: mirror.state == {prefix + "b": b"2", prefix + "c": b"3"})
@@ -132,7 +108,9 @@ async def test_revoke_deletes_leased_keys_at_once(store: Store, prefix: str) -> 
     await store.put(prefix + "leased", b"x", lease=lease.id)
     await store.put(prefix + "kept", b"y")
     snap = await store.get_prefix(prefix)
-    mirror = Mirror(store, prefix, snap.revision + 1, {kv.key: kv.value for kv in snap.items})
+    mirror = Recorder(
+        store.watch(prefix, snap.revision + 1), {kv.key: kv.value for kv in snap.items}
+    )
     try:
         await lease.revoke()
         assert await store.get(prefix + "leased") is None
@@ -157,7 +135,7 @@ async def test_leased_key_vanishes_when_holder_is_killed(
         assert line.startswith("ready"), line
         snap = await store.get_prefix(prefix)
         assert [kv.key for kv in snap.items] == [key]
-        mirror = Mirror(store, prefix, snap.revision + 1, {key: b"held"})
+        mirror = Recorder(store.watch(prefix, snap.revision + 1), {key: b"held"})
         proc.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         try:
@@ -200,7 +178,9 @@ async def test_watch_resyncs_after_outage_and_loses_no_delete(
     try:
         await writer.put(prefix + "b", b"2")
         snap = await watcher.get_prefix(prefix)
-        mirror = Mirror(watcher, prefix, snap.revision + 1, {kv.key: kv.value for kv in snap.items})
+        mirror = Recorder(
+            watcher.watch(prefix, snap.revision + 1), {kv.key: kv.value for kv in snap.items}
+        )
         await writer.put(prefix + "a", b"1")
         await wait_for(lambda: prefix + "a" in mirror.state, message="the watch is live")
         async with backend.outage(watcher):

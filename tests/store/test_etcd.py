@@ -19,7 +19,6 @@ import aetcd
 import pytest
 
 from shoal.store import (
-    Event,
     LeaseNotFoundError,
     Put,
     Resync,
@@ -31,52 +30,16 @@ from shoal.store import etcd as etcd_module
 from shoal.store.etcd import EtcdStore, parse_url
 from tests.etcd_server import EtcdServer
 from tests.helpers import free_port, wait_for
+from tests.store.support import Recorder
 
 pytestmark = pytest.mark.etcd
-
-
-class Collector:
-    """Runs a watch in a task and keeps its events."""
-
-    def __init__(self, store: Store, prefix: str, start_revision: int) -> None:
-        self.events: list[Event] = []
-        self.stream = store.watch(prefix, start_revision)
-        self.task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        async for event in self.stream:
-            self.events.append(event)
-
-    def state(self) -> dict[str, bytes]:
-        """The prefix's state as a consumer rebuilds it from the events; checks their order."""
-        state: dict[str, bytes] = {}
-        last = 0
-        for e in self.events:
-            assert e.revision >= last, f"events out of revision order: {self.events}"
-            last = e.revision
-            if isinstance(e, Resync):
-                state = {kv.key: kv.value for kv in e.items}
-            elif isinstance(e, Put):
-                state[e.key] = e.value
-            else:
-                state.pop(e.key, None)
-        return state
-
-    def of(self, kind: type) -> list[Event]:
-        return [e for e in self.events if isinstance(e, kind)]
-
-    async def close(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
 
 
 @pytest.fixture
 def own_server() -> Iterator[EtcdServer]:
     """An etcd of this test's own, which it may stop and restart."""
-    server = EtcdServer()
-    server.start()
-    yield server
-    server.close()
+    with EtcdServer() as server:
+        yield server
 
 
 @pytest.fixture
@@ -170,7 +133,7 @@ async def test_frozen_server_breaks_the_watch_by_keepalive(
     caplog.set_level(logging.INFO, logger="shoal.store.etcd")
     store = await EtcdStore.open(own_server.url, call_timeout=1.0)
     assert own_server.proc is not None
-    watch = Collector(store, prefix, 1)
+    watch = Recorder(store.watch(prefix, 1))
     try:
         await store.put(prefix + "a", b"1")
         await wait_for(lambda: watch.of(Put))
@@ -184,7 +147,7 @@ async def test_frozen_server_breaks_the_watch_by_keepalive(
         finally:
             own_server.proc.send_signal(signal.SIGCONT)
         await wait_for(lambda: watch.of(Resync), timeout=20)
-        assert watch.state() == {prefix + "a": b"1"}
+        assert watch.ordered_state() == {prefix + "a": b"1"}
     finally:
         await watch.close()
         await store.close()
@@ -267,7 +230,7 @@ async def test_calls_after_close_are_unavailable(etcd_server: EtcdServer, prefix
 async def test_watch_ends_when_the_store_closes(etcd_server: EtcdServer, prefix: str) -> None:
     store = await open_store(etcd_server.url)
     snap = await store.get_prefix(prefix)
-    watch = Collector(store, prefix, snap.revision + 1)
+    watch = Recorder(store.watch(prefix, snap.revision + 1))
     await store.put(prefix + "a", b"1")
     await wait_for(lambda: watch.events)
     await store.close()
@@ -281,7 +244,7 @@ async def test_close_ends_a_watch_that_is_waiting_for_etcd(
     caplog.set_level(logging.DEBUG, logger="shoal.store.etcd")
     store = await open_store(own_server.url)
     own_server.stop()
-    watch = Collector(store, prefix, 1)
+    watch = Recorder(store.watch(prefix, 1))
     await wait_for(lambda: sum("resync read failed" in r.getMessage() for r in caplog.records) >= 3)
     start = time.monotonic()
     await store.close()
@@ -296,7 +259,7 @@ async def test_watch_resumes_after_etcd_restart(own_server: EtcdServer, prefix: 
     try:
         await writer.put(prefix + "gone", b"0")
         snap = await watcher.get_prefix(prefix)
-        watch = Collector(watcher, prefix, snap.revision + 1)
+        watch = Recorder(watcher.watch(prefix, snap.revision + 1))
         await writer.put(prefix + "a", b"1")
         await wait_for(lambda: watch.of(Put), message="the watch is live")
 
@@ -307,7 +270,7 @@ async def test_watch_resumes_after_etcd_restart(own_server: EtcdServer, prefix: 
         await writer.delete(prefix + "gone")
         await writer.put(prefix + "b", b"2")
         expected = {prefix + "a": b"1", prefix + "b": b"2"}
-        await wait_for(lambda: watch.state() == expected, timeout=20, message="caught up")
+        await wait_for(lambda: watch.ordered_state() == expected, timeout=20, message="caught up")
         assert watch.of(Resync), "the watch resynced after the restart"
         # And it is live again: a later change arrives as an event.
         rev = await writer.put(prefix + "c", b"3")
@@ -326,7 +289,7 @@ async def test_watch_started_while_etcd_is_down_resyncs_when_it_returns(
         await store.put(prefix + "a", b"1")
         snap = await store.get_prefix(prefix)
         own_server.stop()
-        watch = Collector(store, prefix, snap.revision + 1)
+        watch = Recorder(store.watch(prefix, snap.revision + 1))
         await asyncio.to_thread(own_server.start)
         await wait_for(lambda: watch.of(Resync), timeout=20)
         first = watch.events[0]
@@ -353,7 +316,7 @@ async def test_compacted_start_revision_gives_a_resync(
     finally:
         await client.close()
 
-    watch = Collector(store, prefix, first)
+    watch = Recorder(store.watch(prefix, first))
     try:
         await wait_for(lambda: watch.events, timeout=10)
         resync = watch.events[0]
@@ -369,8 +332,8 @@ async def test_compacted_start_revision_gives_a_resync(
 
 async def test_watch_of_everything_and_of_one_prefix(store: Store, prefix: str) -> None:
     snap = await store.get_prefix("")
-    everything = Collector(store, "", snap.revision + 1)
-    mine = Collector(store, prefix + "x/", snap.revision + 1)
+    everything = Recorder(store.watch("", snap.revision + 1))
+    mine = Recorder(store.watch(prefix + "x/", snap.revision + 1))
     try:
         await store.put(prefix + "x/1", b"a")
         await store.put(prefix + "y", b"b")
@@ -462,7 +425,7 @@ async def test_failover_to_another_member_keeps_calls_and_watches_going(
     try:
         await store.put(prefix + "a", b"1")
         snap = await store.get_prefix(prefix)
-        watch = Collector(store, prefix, snap.revision + 1)
+        watch = Recorder(store.watch(prefix, snap.revision + 1))
         await store.put(prefix + "b", b"2")
         await wait_for(lambda: watch.of(Put))
         assert store._index == 0
@@ -478,7 +441,7 @@ async def test_failover_to_another_member_keeps_calls_and_watches_going(
         await wait_for(put_c, timeout=20, message="a put succeeds on another member")
         assert store._index != 0
         expected = {prefix + "a": b"1", prefix + "b": b"2", prefix + "c": b"3"}
-        await wait_for(lambda: watch.state() == expected, timeout=20, message="caught up")
+        await wait_for(lambda: watch.ordered_state() == expected, timeout=20, message="caught up")
         assert watch.of(Resync), "the watch resynced on the new member"
         rev = await store.put(prefix + "d", b"4")
         await wait_for(lambda: any(e.revision == rev for e in watch.of(Put)), timeout=10)

@@ -16,15 +16,14 @@ import pytest
 
 from shoal.store import (
     Delete,
-    Event,
     LeaseNotFoundError,
-    Put,
     Resync,
     StoreUnavailableError,
     open_store,
 )
 from shoal.store.sqlite import RETAIN_CHANGES, SQLiteStore
 from tests.helpers import wait_for
+from tests.store.support import Recorder
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,33 +41,6 @@ async def store(url: str) -> AsyncIterator[SQLiteStore]:
     s = await SQLiteStore.open(url)
     yield s
     await s.close()
-
-
-class Recorder:
-    """Collects a watch's events with their arrival time and applies them to a dict."""
-
-    def __init__(self, stream: AsyncIterator[Event], initial: dict[str, bytes] | None = None):
-        self.state = dict(initial or {})
-        self.events: list[Event] = []
-        self.arrived: dict[str, float] = {}
-        self._stream = stream
-        self.task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        async for event in self._stream:
-            now = time.monotonic()
-            self.events.append(event)
-            if isinstance(event, Put):
-                self.state[event.key] = event.value
-                self.arrived.setdefault(event.key, now)
-            elif isinstance(event, Delete):
-                self.state.pop(event.key, None)
-            else:
-                self.state = {kv.key: kv.value for kv in event.items}
-
-    async def close(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
 
 
 def _file_size(path: Path) -> int:

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from shoal.cards import ModelCard, ModelType, file_checksum
 from shoal.discovery import Discovery, EndpointId, ModelKey
-from shoal.store import Store, open_store
+from shoal.store import Store
 from shoal.worker import Engine, Runtime, ServedModel
 from shoal.worker.engines.mocker import MockerEngine
 from shoal.worker.metadata import MetadataKey
@@ -31,11 +31,10 @@ def store_url() -> str:
 
 
 @pytest.fixture
-async def observer(store_url: str) -> AsyncIterator[Store]:
-    """A second client of the same store: what the rest of the fleet sees."""
-    store = await open_store(store_url)
-    yield store
-    await store.close()
+def observer(store: Store) -> Store:
+    """A second client of the same store (the worker tests' `store`, here on `memory://`):
+    what the rest of the fleet sees."""
+    return store
 
 
 @pytest.fixture
@@ -59,6 +58,19 @@ async def serve_mocker(runtime: Runtime, **kwargs: Any) -> MockerEngine:
 
 
 AUTH = {"Authorization": "Bearer s3cret"}
+
+
+async def long_stream(http: aiohttp.ClientSession, url: str) -> aiohttp.ClientResponse:
+    """A streamed chat of 100 tokens to the endpoint at `url`, its response still open."""
+    return await http.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 100,
+            "stream": True,
+        },
+    )
 
 
 async def listed(observer: Store) -> dict[str, Any]:
@@ -220,15 +232,7 @@ async def test_lost_lease_is_replaced_and_everything_re_registered_without_resta
     old_id = runtime.instance_id
     endpoint = runtime.endpoint(EP)
     assert set(await listed(observer)) == {MODEL, "my-lora"}
-    stream = await http.post(
-        f"{endpoint.url}/v1/chat/completions",
-        json={
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 100,
-            "stream": True,
-        },
-    )
+    stream = await long_stream(http, endpoint.url)
 
     runtime.store.set_unreachable(True)  # type: ignore[union-attr]
     await wait_for(lambda: _empty(observer), timeout=5, message="keys gone with the lease")
@@ -324,15 +328,7 @@ async def test_drain_taints_waits_for_in_flight_requests_then_withdraws_everythi
     await runtime.start()
     await serve_mocker(runtime, ttft_ms=0, itl_ms=10)
     url = runtime.endpoint(EP).url
-    stream = await http.post(
-        f"{url}/v1/chat/completions",
-        json={
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 100,
-            "stream": True,
-        },
-    )
+    stream = await long_stream(http, url)
     drain = asyncio.create_task(runtime.drain(timeout=10))
 
     tainted = await wait_for(lambda: listed(observer), message="still listed while draining")

@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 
+from tests.processes import shoal
 from tests.worker.conftest import StartWorker
 
 
 async def shoal_ls(*args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "shoal.cli.main",
-        "ls",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    proc = await shoal("ls", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()

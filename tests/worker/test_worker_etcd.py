@@ -12,7 +12,8 @@ from shoal.discovery import Discovery
 from shoal.store import open_store
 from tests.etcd_server import EtcdServer
 from tests.helpers import wait_for
-from tests.worker.conftest import StartWorker, WorkerProcess
+from tests.processes import Process
+from tests.worker.conftest import StartWorker
 
 pytestmark = pytest.mark.etcd
 
@@ -61,7 +62,7 @@ async def test_etcd_outage_past_the_ttl_is_survived_and_the_worker_re_registers(
     assert rest.endswith("data: [DONE]\n\n") and rest.count('"content"') == 150
 
 
-async def _health(http: aiohttp.ClientSession, worker: WorkerProcess, status: int) -> bool:
+async def _health(http: aiohttp.ClientSession, worker: Process, status: int) -> bool:
     async with http.get(worker.status_url + "/health") as resp:
         return resp.status == status
 

@@ -12,7 +12,8 @@ import aiohttp
 from shoal.discovery import Discovery
 from shoal.store import Store
 from tests.helpers import wait_for
-from tests.worker.conftest import StartWorker, WorkerProcess
+from tests.processes import Process
+from tests.worker.conftest import StartWorker
 
 
 def chat(max_tokens: int, stream: bool = True) -> dict[str, Any]:
@@ -24,7 +25,7 @@ def chat(max_tokens: int, stream: bool = True) -> dict[str, Any]:
     }
 
 
-async def health(http: aiohttp.ClientSession, worker: WorkerProcess) -> int:
+async def health(http: aiohttp.ClientSession, worker: Process) -> int:
     async with http.get(worker.status_url + "/health") as resp:
         return resp.status
 
@@ -47,7 +48,7 @@ async def test_sigterm_lets_an_in_flight_stream_finish_then_withdraws_and_exits_
 
     assert rest.endswith("data: [DONE]\n\n")
     assert rest.count('"content"') == 60, "every token of the stream arrived"
-    assert await worker.wait() == 0
+    assert await worker.wait(15) == 0
     assert await discovery.list() == []
     assert (await store.get_prefix("shoal/v1/")).items == []
 
@@ -116,7 +117,7 @@ async def test_store_outage_past_the_ttl_keeps_serving_reports_503_and_re_regist
     assert rest.endswith("data: [DONE]\n\n") and rest.count('"content"') == 120
 
 
-async def _status_is(http: aiohttp.ClientSession, worker: WorkerProcess, status: int) -> bool:
+async def _status_is(http: aiohttp.ClientSession, worker: Process, status: int) -> bool:
     return await health(http, worker) == status
 
 

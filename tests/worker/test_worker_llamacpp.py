@@ -16,7 +16,7 @@ async def test_llamacpp_worker_serves_smollm2_to_the_openai_client_and_registers
     start_worker: StartWorker, store: Store
 ) -> None:
     pytest.importorskip("llama_cpp", reason="needs the llamacpp extra (scripts/ensure-llamacpp.sh)")
-    worker = await start_worker("--engine", "llamacpp", model="SmolLM2-135M-Instruct", timeout=60)
+    worker = await start_worker(engine="llamacpp", model="SmolLM2-135M-Instruct", timeout=60)
     client = openai.AsyncOpenAI(base_url=worker.url + "/v1", api_key="unused")
     reply = await client.chat.completions.create(
         model=worker.model,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 
 import aiohttp
 import openai
@@ -12,7 +11,8 @@ import pytest
 
 from shoal.discovery import Discovery, Query
 from shoal.store import Store
-from tests.worker.conftest import READY_RE, StartWorker
+from tests.processes import WORKER_READY, shoal
+from tests.worker.conftest import StartWorker
 
 
 async def test_openai_client_chats_streams_completes_embeds_and_lists_models(
@@ -96,19 +96,13 @@ async def test_every_flag_falls_back_to_its_environment_variable(
         "SHOAL_ENDPOINT": "ep",
         "SHOAL_SPEEDUP": "0",
     }
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "shoal.cli.main",
-        "worker",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-        env=env,
+    proc = await shoal(
+        "worker", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env
     )
     try:
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), 20)
-        match = READY_RE.match(line.decode().strip())
+        match = WORKER_READY.match(line.decode().strip())
         assert match and match["model"] == "env-model"
         models = await Discovery(store).list(Query("from-env", "comp", "ep"))
         assert [m.card.display_name for m in models] == ["env-model"]

@@ -27,6 +27,19 @@ def _env_list(name: str) -> list[str]:
     return [item for item in (value or "").split(",") if item]
 
 
+def add_number_flag(
+    parser: argparse.ArgumentParser,
+    name: str,
+    kind: type[int] | type[float],
+    default: float,
+    **kwargs: Any,
+) -> None:
+    """Add numeric flag `name`, defaulting to `SHOAL_<NAME>` when set and not empty, else to
+    `default`."""
+    value = kind(env_default(name.lstrip("-")) or default)
+    parser.add_argument(name, type=kind, default=value, **kwargs)
+
+
 def add_frontend_flags(parser: argparse.ArgumentParser, *, port: int = 8000) -> None:
     """The flags `shoal frontend` and `shoal up` share."""
     parser.add_argument(
@@ -38,11 +51,8 @@ def add_frontend_flags(parser: argparse.ArgumentParser, *, port: int = 8000) -> 
     parser.add_argument(
         "--host", default=env_default("host", "127.0.0.1"), help="address to listen on"
     )
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=int(env_default("port", str(port)) or port),
-        help=f"port to listen on (0: any free port; default {port})",
+    add_number_flag(
+        parser, "--port", int, port, help=f"port to listen on (0: any free port; default {port})"
     )
     parser.add_argument(
         "--router",
@@ -66,10 +76,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="NS",
         help="serve only models of this namespace (repeatable; default: all)",
     )
-    parser.add_argument(
+    add_number_flag(
+        parser,
         "--reconcile-interval",
-        type=float,
-        default=float(env_default("reconcile_interval", "30") or 30),
+        float,
+        30,
         help="seconds between reconciliations with discovery (default 30)",
     )
     parser.add_argument(
@@ -86,16 +97,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="BYTES",
         help="largest request body accepted (default 16 MiB)",
     )
-    parser.add_argument(
+    add_number_flag(
+        parser,
         "--retries",
-        type=int,
-        default=int(env_default("retries", "2") or 2),
+        int,
+        2,
         help="other instances to try after a failure before the first byte (default 2)",
     )
-    parser.add_argument(
+    add_number_flag(
+        parser,
         "--inhibit-seconds",
-        type=float,
-        default=float(env_default("inhibit_seconds", "5") or 5),
+        float,
+        5,
         help="how long a failed instance gets no requests (default 5)",
     )
     parser.add_argument(
@@ -104,10 +117,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=env_default("cache_dir"),
         help="where verified model metadata files are kept (default: the user cache dir)",
     )
-    parser.add_argument(
+    add_number_flag(
+        parser,
         "--drain-timeout",
-        type=float,
-        default=float(env_default("drain_timeout", "30") or 30),
+        float,
+        30,
         help="seconds to let requests in flight finish on shutdown (default 30)",
     )
 
@@ -142,15 +156,24 @@ def on_stop_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-async def serve(config: FrontendConfig) -> int:
-    stop = asyncio.Event()
-    on_stop_signals(stop)
+async def start_frontend(config: FrontendConfig, failed: str) -> Frontend | None:
+    """The started frontend; `None` once a store, socket or settings error is printed to
+    stderr after `failed`."""
     frontend = Frontend(config)
     try:
         await frontend.start()
     except (StoreError, OSError, ValueError) as exc:
-        print(f"shoal frontend: {exc}", file=sys.stderr)
+        print(f"{failed}: {exc}", file=sys.stderr)
         await frontend.stop()
+        return None
+    return frontend
+
+
+async def serve(config: FrontendConfig) -> int:
+    stop = asyncio.Event()
+    on_stop_signals(stop)
+    frontend = await start_frontend(config, "shoal frontend")
+    if frontend is None:
         return 1
     print(f"shoal frontend ready: url={frontend.url}", flush=True)
     await stop.wait()

@@ -24,10 +24,16 @@ from typing import Any
 
 import platformdirs
 
-from shoal.cli.frontend import add_frontend_flags, run_event_loop
+from shoal.cli.frontend import (
+    add_frontend_flags,
+    add_number_flag,
+    on_stop_signals,
+    run_event_loop,
+    start_frontend,
+)
 from shoal.cli.main import env_default
 from shoal.frontend import Frontend, FrontendConfig
-from shoal.store import StoreError, default_store_url
+from shoal.store import default_store_url
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +48,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="start a frontend and mocker workers on this machine",
         description="Start an OpenAI-compatible frontend and N mocker workers, ready to curl.",
     )
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=int(env_default("workers", "2") or 2),
-        help="mocker workers to start (default 2)",
-    )
+    add_number_flag(parser, "--workers", int, 2, help="mocker workers to start (default 2)")
     parser.add_argument(
         "--model",
         default=env_default("model", "mock-llm"),
@@ -174,22 +175,17 @@ async def up(args: argparse.Namespace) -> int:
         print("shoal up: --workers must be 0 or more", file=sys.stderr)
         return 2
     store_url = args.store or default_store_url()
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    on_stop_signals(stop)
     log_dir = Path(platformdirs.user_log_dir("shoal")) / "up"
     log_dir.mkdir(parents=True, exist_ok=True)
 
     _say(f"shoal up: store {store_url}")
-    frontend = Frontend(
-        FrontendConfig(store_url=store_url, host=args.host, port=args.port, router=args.router)
+    frontend = await start_frontend(
+        FrontendConfig(store_url=store_url, host=args.host, port=args.port, router=args.router),
+        "shoal up: cannot start the frontend",
     )
-    try:
-        await frontend.start()
-    except (StoreError, OSError, ValueError) as exc:
-        print(f"shoal up: cannot start the frontend: {exc}", file=sys.stderr)
-        await frontend.stop()
+    if frontend is None:
         return 1
     _say(f"  frontend     listening on {frontend.url}")
 
@@ -258,10 +254,8 @@ async def _start_fleet(
 
 async def _shutdown(frontend: Frontend, workers: list[Worker], stop: asyncio.Event) -> int:
     """Drain the frontend, then the workers; a second signal kills everything at once."""
-    loop = asyncio.get_running_loop()
     force = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, force.set)
+    on_stop_signals(force)
     _say("\nshoal up: stopping (Ctrl-C again to stop at once)...")
 
     async def drain() -> None:

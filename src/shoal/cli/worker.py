@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from functools import partial
 from typing import Any
 
 from shoal.cli.main import env_default
@@ -24,6 +25,14 @@ from shoal.worker.engines import ENGINES, engine_class
 log = logging.getLogger(__name__)
 
 
+def env_flag(
+    parser: argparse._ActionsContainer, name: str, default: str | None = None, **kwargs: Any
+) -> None:
+    """Add flag `name`, defaulting to `SHOAL_<NAME>`, else to `default` (argparse converts a
+    string default with the flag's `type`)."""
+    parser.add_argument(name, default=env_default(name.lstrip("-"), default), **kwargs)
+
+
 def add_parser(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "worker",
@@ -31,11 +40,7 @@ def add_parser(sub: Any) -> None:
         description="Serve a model over the OpenAI API and announce it in discovery. "
         "Every flag falls back to the environment variable SHOAL_<FLAG>.",
     )
-
-    def flag(name: str, default: str | None = None, **kwargs: Any) -> None:
-        env = name.lstrip("-").replace("-", "_")
-        p.add_argument(name, default=env_default(env, default), **kwargs)
-
+    flag = partial(env_flag, p)
     flag("--model", help="the model name to announce (SHOAL_MODEL)")
     flag("--engine", "mocker", choices=sorted(ENGINES), help="engine (default: mocker)")
     flag("--namespace", "default", help="discovery namespace (default: default)")
@@ -50,34 +55,13 @@ def add_parser(sub: Any) -> None:
     flag("--admin-token", None, help="Bearer token required to load/unload adapters")
     flag("--upstream", None, help="openai engine: URL of the OpenAI-compatible server")
     flag("--model-path", None, help="llamacpp engine: path of the GGUF file")
-    mocker = p.add_argument_group("mocker engine")
-    mocker.add_argument(
-        "--ttft-ms", type=float, default=env_default("ttft_ms", "50"), help="time to first token"
-    )
-    mocker.add_argument(
-        "--itl-ms", type=float, default=env_default("itl_ms", "10"), help="inter-token latency"
-    )
-    mocker.add_argument(
-        "--max-seqs",
-        type=int,
-        default=env_default("max_seqs", "256"),
-        help="concurrent sequences (excess requests queue)",
-    )
-    mocker.add_argument(
-        "--block-size", type=int, default=env_default("block_size", "16"), help="KV block tokens"
-    )
-    mocker.add_argument(
-        "--kv-blocks",
-        type=int,
-        default=env_default("kv_blocks", "16384"),
-        help="simulated KV cache blocks",
-    )
-    mocker.add_argument(
-        "--speedup",
-        type=float,
-        default=env_default("speedup", "1"),
-        help="divide all latencies by this; 0 answers at once",
-    )
+    mocker = partial(env_flag, p.add_argument_group("mocker engine"))
+    mocker("--ttft-ms", "50", type=float, help="time to first token")
+    mocker("--itl-ms", "10", type=float, help="inter-token latency")
+    mocker("--max-seqs", "256", type=int, help="concurrent sequences (excess requests queue)")
+    mocker("--block-size", "16", type=int, help="KV block tokens")
+    mocker("--kv-blocks", "16384", type=int, help="simulated KV cache blocks")
+    mocker("--speedup", "1", type=float, help="divide all latencies by this; 0 answers at once")
 
 
 def make_engine(args: argparse.Namespace) -> Engine:

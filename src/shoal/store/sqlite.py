@@ -414,30 +414,25 @@ class SQLiteStore(Store):
         return await self._call(read)
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
-        check_key(key)
-        check_value(key, value)
-        data = bytes(value)
-        revision = await self._call(
-            functools.partial(
-                self._write, functools.partial(_put, key=key, value=data, lease=lease)
-            )
-        )
-        if revision is None:
-            raise LeaseNotFoundError(f"lease {lease:x} does not exist (put {key!r})")
-        return revision
+        return await self._write_key(_put, "put", key, value, lease)
 
     async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
+        return await self._write_key(_create, "create", key, value, lease)
+
+    async def _write_key(
+        self, op: Callable[..., T | None], verb: str, key: str, value: bytes, lease: int
+    ) -> T:
+        """`op` writes `value` at `key` in a write transaction; its `None` means that `lease`
+        does not exist."""
         check_key(key)
         check_value(key, value)
         data = bytes(value)
-        created = await self._call(
-            functools.partial(
-                self._write, functools.partial(_create, key=key, value=data, lease=lease)
-            )
+        result = await self._call(
+            functools.partial(self._write, functools.partial(op, key=key, value=data, lease=lease))
         )
-        if created is None:
-            raise LeaseNotFoundError(f"lease {lease:x} does not exist (create {key!r})")
-        return created
+        if result is None:
+            raise LeaseNotFoundError(f"lease {lease:x} does not exist ({verb} {key!r})")
+        return result
 
     async def delete(self, key: str) -> bool:
         check_key(key)

@@ -391,42 +391,32 @@ class LlamaCppEngine(Engine):
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = decode_request(await request.read(), _chat_decoder)
-        options = body.options(body.max_completion_tokens or body.max_tokens)
-        llm = self._loaded()
-        call = partial(
-            llm.create_chat_completion,
-            messages=plain_messages(body.messages),
-            response_format=body.response_format,
-            logprobs=body.logprobs,
-            top_logprobs=body.top_logprobs,
-            model=self.model_name,
-            **options,
-        )
         return await self._generate(
             request,
-            call,
-            include_usage=body.include_usage,
-            logit_bias=body.token_bias(llm.n_vocab()),
+            body,
+            body.max_completion_tokens or body.max_tokens,
+            lambda llm: partial(
+                llm.create_chat_completion,
+                messages=plain_messages(body.messages),
+                response_format=body.response_format,
+                logprobs=body.logprobs,
+                top_logprobs=body.top_logprobs,
+            ),
         )
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_request(await request.read(), _completion_decoder)
-        options = body.options(body.max_tokens)
-        llm = self._loaded()
-        call = partial(
-            llm.create_completion,
-            prompt=single_prompt(body.prompt),
-            echo=body.echo,
-            suffix=body.suffix,
-            logprobs=body.logprobs,
-            model=self.model_name,
-            **options,
-        )
         return await self._generate(
             request,
-            call,
-            include_usage=body.include_usage,
-            logit_bias=body.token_bias(llm.n_vocab()),
+            body,
+            body.max_tokens,
+            lambda llm: partial(
+                llm.create_completion,
+                prompt=single_prompt(body.prompt),
+                echo=body.echo,
+                suffix=body.suffix,
+                logprobs=body.logprobs,
+            ),
         )
 
     def _loaded(self) -> Any:
@@ -437,26 +427,34 @@ class LlamaCppEngine(Engine):
     async def _generate(
         self,
         request: web.Request,
-        call: partial[Any],
-        *,
-        include_usage: bool,
-        logit_bias: dict[int, float],
+        body: Sampling,
+        max_tokens: int | None,
+        prepare: Callable[[Any], partial[Any]],
     ) -> web.StreamResponse:
-        """Run `call` on the engine thread; answer with JSON or an SSE stream.
+        """Run the call `prepare` makes of the loaded model's method, with `body`'s sampling
+        options, on the engine thread; answer with JSON or an SSE stream.
 
         However the handler ends (done, client gone, cancelled), the generation is
         cancelled: llama.cpp stops at the next token and the engine thread is free.
         """
-        loop = asyncio.get_running_loop()
-        generation = Generation(loop, self._llm.token_eos(), logit_bias)
-        call = partial(call, logits_processor=[generation.logits_guard])
-        stream = bool(call.keywords.get("stream"))
+        options = body.options(max_tokens)
+        llm = self._loaded()
+        method_call = prepare(llm)
+        logit_bias = body.token_bias(llm.n_vocab())
+        generation = Generation(asyncio.get_running_loop(), llm.token_eos(), logit_bias)
+        call = partial(
+            method_call,
+            model=self.model_name,
+            logits_processor=[generation.logits_guard],
+            **options,
+        )
+        stream = bool(options["stream"])
         self._in_flight += 1
         self._generations.add(generation)
         try:
             if not stream:
                 return await self._answer_whole(generation, call)
-            return await self._answer_stream(request, generation, call, include_usage)
+            return await self._answer_stream(request, generation, call, body.include_usage)
         finally:
             generation.cancelled.set()
             self._generations.discard(generation)

@@ -1,4 +1,5 @@
-"""Real `shoal` processes for the end-to-end tests: spawn, wait for the ready line, stop."""
+"""Real `shoal` processes for the tests: spawn `python -m shoal.cli.main ...`, wait for the
+ready line, stop."""
 
 from __future__ import annotations
 
@@ -10,12 +11,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 WORKER_READY = re.compile(
     r"^shoal worker ready: model=(?P<model>\S+) url=(?P<url>\S+) "
     r"status=(?P<status>\S+) instance=(?P<instance>[0-9a-f]+)$"
 )
 FRONTEND_READY = re.compile(r"^shoal frontend ready: url=(?P<url>\S+)$")
+
+
+async def shoal(*args: str, **kwargs: Any) -> asyncio.subprocess.Process:
+    """`python -m shoal.cli.main ARGS` as a child; `kwargs` go to `create_subprocess_exec`."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "shoal.cli.main", *args, **kwargs
+    )
 
 
 @dataclass
@@ -34,6 +43,14 @@ class Process:
     @property
     def url(self) -> str:
         return self.ready["url"]
+
+    @property
+    def status_url(self) -> str:
+        return self.ready["status"]
+
+    @property
+    def model(self) -> str:
+        return self.ready["model"]
 
     def signal(self, sig: int) -> None:
         if self.proc.returncode is None:
@@ -70,7 +87,8 @@ class Process:
 
 
 class Processes:
-    """Starts `python -m shoal.cli.main ...` children; kills whatever is left at the end."""
+    """Starts `shoal` children with their stderr logged under `directory`; kills whatever is
+    left at the end."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -81,25 +99,24 @@ class Processes:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("SHOAL_STORE", None)
         with log.open("wb") as err:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "shoal.cli.main",
-                *args,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=err,
-                env=env,
-            )
+            proc = await shoal(*args, stdout=asyncio.subprocess.PIPE, stderr=err, env=env)
         process = Process(proc, log)
         self.started.append(process)
         match = await process.read_until(ready, timeout)
         process.ready = match.groupdict()
         return process
 
-    async def worker(self, store_url: str, *args: str, model: str = "mock-llm") -> Process:
+    async def worker(
+        self,
+        store_url: str,
+        *args: str,
+        model: str = "mock-llm",
+        engine: str = "mocker",
+        timeout: float = 30.0,
+    ) -> Process:
         return await self.start(
-            "worker", "--engine", "mocker", "--model", model, "--store", store_url, *args,
-            ready=WORKER_READY,
+            "worker", "--engine", engine, "--model", model, "--store", store_url, *args,
+            ready=WORKER_READY, timeout=timeout,
         )  # fmt: skip
 
     async def close(self) -> None:
