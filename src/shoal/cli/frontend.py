@@ -35,8 +35,9 @@ def add_number_flag(
     **kwargs: Any,
 ) -> None:
     """Add numeric flag `name`, defaulting to `SHOAL_<NAME>` when set and not empty, else to
-    `default`."""
-    value = kind(env_default(name.lstrip("-")) or default)
+    `default`. The default stays a string so argparse converts it when the command runs: a
+    bad value is reported as a usage error of that command only."""
+    value = env_default(name.lstrip("-"), str(default))
     parser.add_argument(name, type=kind, default=value, **kwargs)
 
 

@@ -21,8 +21,8 @@ COMMANDS = {
 
 
 def env_default(name: str, default: str | None = None) -> str | None:
-    """`SHOAL_<NAME>` from the environment, else `default`."""
-    return os.environ.get(f"SHOAL_{name.upper().replace('-', '_')}", default)
+    """`SHOAL_<NAME>` from the environment when set and not empty, else `default`."""
+    return os.environ.get(f"SHOAL_{name.upper().replace('-', '_')}") or default
 
 
 def build_parser() -> argparse.ArgumentParser:
