@@ -240,3 +240,19 @@ async def test_leased_registrations_vanish_with_their_lease(store: Store) -> Non
         await wait_for(lambda: watch.live() == set())
     finally:
         await watch.close()
+
+
+async def test_listing_keeps_the_last_valid_card_over_bad_values_and_illegal_changes(
+    store: Store,
+) -> None:
+    disc = Discovery(store)
+    key = await register(disc, EP, 0x90, make_card(context_length=4096))
+    assert [m.card.context_length for m in await disc.list()] == [4096]
+    await store.put(key.key, b"{not json")
+    assert [m.key for m in await disc.list()] == [key], "a bad value hid a valid card"
+    await store.put(key.key, make_card(context_length=8192).to_json())
+    assert [m.card.context_length for m in await disc.list()] == [4096]
+    await store.put(key.key, make_card(context_length=4096).with_taints(["draining"]).to_json())
+    assert [m.card.taints for m in await disc.list()] == [("draining",)]
+    await disc.unregister_model(key)
+    assert await disc.list() == []

@@ -35,6 +35,7 @@ def spawn(*args: str) -> subprocess.Popen[str]:
         [sys.executable, "-m", "tests.store.holder", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -99,8 +100,9 @@ async def test_create_if_absent_is_atomic_across_processes(backend: Backend, pre
         return
     start_at = time.time() + 2.0
     procs = [spawn(backend.url, "create", key, f"p{i}", str(start_at)) for i in range(2)]
-    outs = [p.communicate(timeout=30)[0].strip() for p in procs]
-    assert sorted(outs) == ["lost", "won"], outs
+    results = [p.communicate(timeout=30) for p in procs]
+    outs = [out.strip() for out, _ in results]
+    assert sorted(outs) == ["lost", "won"], [err[-2000:] for _, err in results]
 
 
 async def test_revoke_deletes_leased_keys_at_once(store: Store, prefix: str) -> None:

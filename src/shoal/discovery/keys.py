@@ -7,8 +7,9 @@ shoal/v1/models/{namespace}/{component}/{endpoint}/{instance_id:x}/{suffix}  -> 
 
 from __future__ import annotations
 
+import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROOT = "shoal/v1/"
 INSTANCES = ROOT + "instances/"
@@ -70,13 +71,22 @@ class ModelKey:
     endpoint: EndpointId
     instance_id: int
     suffix: str | None = None
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Hashed once: keys are looked up in ten-thousand-entry dicts many times per pass.
+        object.__setattr__(self, "_hash", hash((self.endpoint, self.instance_id, self.suffix)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __lt__(self, other: ModelKey) -> bool:
-        return (self.endpoint, self.instance_id, self.suffix or "") < (
-            other.endpoint,
-            other.instance_id,
-            other.suffix or "",
-        )
+        return self.sort_key() < other.sort_key()
+
+    def sort_key(self) -> tuple[str, str, str, int, str]:
+        """The order of keys as a plain tuple: `sorted(keys, key=ModelKey.sort_key)` is fast."""
+        ep = self.endpoint
+        return (ep.namespace, ep.component, ep.endpoint, self.instance_id, self.suffix or "")
 
     @property
     def key(self) -> str:
@@ -96,6 +106,12 @@ def instance_key(endpoint: EndpointId, instance_id: int) -> str:
     return f"{INSTANCES}{endpoint.path}/{instance_id:x}"
 
 
+@functools.lru_cache(maxsize=4096)
+def _endpoint(namespace: str, component: str, endpoint: str) -> EndpointId:
+    """One validated `EndpointId` per name: keys are parsed by the thousand on every listing."""
+    return EndpointId(namespace, component, endpoint)
+
+
 def parse_model_key(key: str) -> ModelKey:
     """Inverse of `ModelKey.key`; raises ValueError naming the key if it does not fit."""
     if not key.startswith(MODELS):
@@ -104,7 +120,7 @@ def parse_model_key(key: str) -> ModelKey:
     if len(parts) not in (4, 5):
         raise ValueError(f"malformed model key {key!r}")
     try:
-        endpoint = EndpointId(*parts[:3])
+        endpoint = _endpoint(*parts[:3])
         instance_id = int(parts[3], 16)
         suffix = check_suffix(parts[4]) if len(parts) == 5 else None
     except ValueError as exc:
@@ -119,7 +135,7 @@ def parse_instance_key(key: str) -> tuple[EndpointId, int]:
     if len(parts) != 4:
         raise ValueError(f"malformed instance key {key!r}")
     try:
-        return EndpointId(*parts[:3]), int(parts[3], 16)
+        return _endpoint(*parts[:3]), int(parts[3], 16)
     except ValueError as exc:
         raise ValueError(f"malformed instance key {key!r}: {exc}") from None
 

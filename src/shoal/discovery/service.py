@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 from prometheus_client import Counter
@@ -30,6 +31,8 @@ from shoal.store import Delete, KeyValue, Put, Resync, Store
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 MALFORMED = Counter(
     "shoal_discovery_malformed_values_total",
     "Values in the discovery store that could not be parsed and were skipped.",
@@ -45,7 +48,7 @@ class ModelConflictError(Exception):
     """The endpoint instance already serves a different model under this key."""
 
 
-class InstanceInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class InstanceInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """An endpoint instance: where requests go (`url`) and where its status server is."""
 
     namespace: str
@@ -95,7 +98,14 @@ class TaintsUpdated:
 
 DiscoveryEvent = Added | Removed | TaintsUpdated
 
+LIST_BATCH = 64
+"""Values `Discovery.list` parses between two yields to the event loop."""
+
 _instance_decoder = msgspec.json.Decoder(InstanceInfo)
+
+
+_ParsedCard = tuple[ModelKey, ModelCard]
+_ParsedInstance = tuple[tuple[EndpointId, int], InstanceInfo]
 
 
 def _parse_card(kv_key: str, value: bytes) -> tuple[ModelKey, ModelCard] | None:
@@ -113,13 +123,60 @@ def _parse_instance(
     try:
         ident = parse_instance_key(kv_key)
         info = _instance_decoder.decode(value)
-        if (info.endpoint_id, info.instance_id) != ident:
+        endpoint = ident[0]
+        if (info.namespace, info.component, info.endpoint, info.instance_id) != (
+            endpoint.namespace,
+            endpoint.component,
+            endpoint.endpoint,
+            ident[1],
+        ):
             raise ValueError("value does not match its key")
         return ident, info
     except (ValueError, msgspec.DecodeError) as exc:
         MALFORMED.labels("instance").inc()
         log.error("skipping malformed endpoint instance at %s: %s", kv_key, exc)
         return None
+
+
+async def _parse_listing(
+    items: Sequence[KeyValue],
+    parse: Callable[[str, bytes], T | None],
+    before: dict[str, tuple[int, T]],
+    allowed: Callable[[T, T], bool] = lambda old, new: True,
+) -> dict[str, tuple[int, T]]:
+    """The valid values of a listing by key, with their mod_revision; those `before` holds
+    at the same mod_revision are reused. Yields to the event loop every `LIST_BATCH` values.
+
+    As watchers do, a listing keeps the last valid value of a key when a malformed one, or a
+    change that `allowed` refuses, replaces it.
+    """
+    read: dict[str, tuple[int, T]] = {}
+    for i, kv in enumerate(items, 1):
+        if i % LIST_BATCH == 0:
+            await asyncio.sleep(0)
+        entry = before.get(kv.key)
+        if entry is None or entry[0] != kv.mod_revision:
+            parsed = parse(kv.key, kv.value)  # a bad value is reported, on every listing
+            if parsed is None:
+                if entry is None:
+                    continue
+            elif entry is None or allowed(entry[1], parsed):
+                entry = (kv.mod_revision, parsed)
+        read[kv.key] = entry
+    return read
+
+
+def _card_change_allowed(old: _ParsedCard, new: _ParsedCard) -> bool:
+    """Cards are immutable once registered, except their taints."""
+    if old[1].same_except_taints(new[1]):
+        return True
+    IGNORED_CHANGES.inc()
+    log.warning("ignoring a change to registered card %s other than its taints", new[0])
+    return False
+
+
+def _model_order(model: ModelInstance) -> tuple[str, str, str, int, str]:
+    return model.key.sort_key()
 
 
 class _Joined:
@@ -129,6 +186,8 @@ class _Joined:
         self.cards: dict[ModelKey, ModelCard] = {}
         self.instances: dict[tuple[EndpointId, int], InstanceInfo] = {}
         self.reported: dict[ModelKey, ModelInstance] = {}
+        # The keys of `cards` by endpoint instance: an instance change touches its cards only.
+        self.cards_of: dict[tuple[EndpointId, int], set[ModelKey]] = {}
 
     def put_card(self, key: ModelKey, card: ModelCard) -> None:
         old = self.cards.get(key)
@@ -137,6 +196,16 @@ class _Joined:
             log.warning("ignoring a change to registered card %s other than its taints", key)
             return
         self.cards[key] = card
+        self.cards_of.setdefault((key.endpoint, key.instance_id), set()).add(key)
+
+    def drop_card(self, key: ModelKey) -> None:
+        if self.cards.pop(key, None) is None:
+            return
+        ident = (key.endpoint, key.instance_id)
+        keys = self.cards_of[ident]
+        keys.discard(key)
+        if not keys:
+            del self.cards_of[ident]
 
     def apply(self, kv_key: str, value: bytes | None) -> Iterable[ModelKey]:
         """Apply one raw change; returns the model keys whose joined state may have moved."""
@@ -151,13 +220,13 @@ class _Joined:
                 self.instances.pop(ident, None)
             elif (parsed := _parse_instance(kv_key, value)) is not None:
                 self.instances[ident] = parsed[1]
-            return [k for k in self.cards if (k.endpoint, k.instance_id) == ident]
+            return list(self.cards_of.get(ident, ()))
         if value is None:
             try:
                 key = parse_model_key(kv_key)
             except ValueError:
                 return ()
-            self.cards.pop(key, None)
+            self.drop_card(key)
             return (key,)
         if (parsed_card := _parse_card(kv_key, value)) is None:
             return ()
@@ -182,7 +251,7 @@ class _Joined:
 
     def diff(self, keys: Iterable[ModelKey]) -> list[DiscoveryEvent]:
         events: list[DiscoveryEvent] = []
-        for key in sorted(set(keys)):
+        for key in sorted(set(keys), key=ModelKey.sort_key):
             card = self.cards.get(key)
             info = self.instances.get((key.endpoint, key.instance_id))
             now = ModelInstance(key, card, info) if card is not None and info is not None else None
@@ -207,6 +276,10 @@ class Discovery:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        # What the last `list` of each prefix read: values by key, with their mod_revision.
+        self._instances_read: dict[str, dict[str, tuple[int, _ParsedInstance]]] = {}
+        self._cards_read: dict[str, dict[str, tuple[int, _ParsedCard]]] = {}
+        self._joined: dict[str, dict[ModelKey, ModelInstance]] = {}
 
     # -- writing (workers) --------------------------------------------------------------
 
@@ -257,14 +330,42 @@ class Discovery:
         return [p[1] for p in parsed if p is not None]
 
     async def list(self, query: Query | None = None) -> list[ModelInstance]:
-        """Routable models in scope: cards whose endpoint instance is registered."""
+        """Routable models in scope: cards whose endpoint instance is registered.
+
+        A value whose key has the mod_revision the last listing of its prefix saw is the same
+        value: it is not parsed again. Parsing yields to the event loop every `LIST_BATCH`
+        values: a listing of ten thousand instances must not hold up the requests a frontend
+        serves meanwhile.
+        """
         query = query or Query()
-        joined = _Joined()
         inst = await self.store.get_prefix(query.instances_prefix)
         models = await self.store.get_prefix(query.models_prefix)
-        touched = [*joined.replace(INSTANCES, inst.items), *joined.replace("", models.items)]
-        joined.diff(touched)
-        return sorted(joined.reported.values(), key=lambda m: m.key)
+        read_instances = await _parse_listing(
+            inst.items, _parse_instance, self._instances_read.get(query.instances_prefix, {})
+        )
+        self._instances_read[query.instances_prefix] = read_instances
+        read_cards = await _parse_listing(
+            models.items,
+            _parse_card,
+            self._cards_read.get(query.models_prefix, {}),
+            _card_change_allowed,
+        )
+        self._cards_read[query.models_prefix] = read_cards
+        instances = dict(parsed for _, parsed in read_instances.values())
+        before = self._joined.get(query.models_prefix, {})
+        joined: dict[ModelKey, ModelInstance] = {}
+        for i, (_, (key, card)) in enumerate(read_cards.values(), 1):
+            if i % LIST_BATCH == 0:
+                await asyncio.sleep(0)
+            info = instances.get((key.endpoint, key.instance_id))
+            if info is None:
+                continue
+            model = before.get(key)
+            if model is None or model.card is not card or model.instance is not info:
+                model = ModelInstance(key, card, info)
+            joined[key] = model
+        self._joined[query.models_prefix] = joined
+        return sorted(joined.values(), key=_model_order)
 
     async def list_and_watch(self, query: Query | None = None) -> AsyncIterator[DiscoveryEvent]:
         """The models in scope as `Added` events, then every change, with no gap.

@@ -97,6 +97,7 @@ class Frontend:
         self.server: HttpServer | None = None
         self.draining = False
         self.started_at = time.time()
+        self._models_body: tuple[int, bytes] | None = None  # (registry version, body)
 
     @property
     def port(self) -> int:
@@ -183,8 +184,7 @@ class Frontend:
         path = request.path
         if path == b"/v1/models":
             self._authorize(request)
-            data = [self._model_object(m) for m in self.registry.serving()]
-            conn.send(200, _json({"object": "list", "data": data}))
+            conn.send(200, self._models_list())
         elif path.startswith(b"/v1/models/"):
             self._authorize(request)
             name = urllib.parse.unquote(path[len(b"/v1/models/") :].decode())
@@ -207,6 +207,17 @@ class Frontend:
             conn.send(200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
         else:
             raise errors.not_found(path.decode())
+
+    def _models_list(self) -> bytes:
+        """The `/v1/models` body, encoded again only after the registry changed."""
+        cached = self._models_body
+        if cached is None or cached[0] != self.registry.version:
+            data = [self._model_object(m) for m in self.registry.serving()]
+            cached = self._models_body = (
+                self.registry.version,
+                _json({"object": "list", "data": data}),
+            )
+        return cached[1]
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """503 while starting or draining; else 200 with what the registry knows."""

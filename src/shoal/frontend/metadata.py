@@ -2,12 +2,15 @@
 
 A card lists each file with the URL where its worker hosts it and its checksum. Files are
 kept on disk by checksum, so a file is fetched once per frontend cache whatever the number
-of workers that serve it, and a cached file needs no verification again.
+of workers that serve it, and a cached file needs no verification again. Cards that need a
+file whose download is already in flight wait for that download instead of starting theirs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -36,6 +39,7 @@ class MetadataCache:
         self.directory = directory or default_cache_dir()
         self.timeout = timeout
         self._verified: set[str] = set()
+        self._downloads: dict[str, asyncio.Task[None]] = {}  # by checksum, in flight
         self._session: aiohttp.ClientSession | None = None
 
     def path(self, checksum: str) -> Path:
@@ -59,6 +63,31 @@ class MetadataCache:
             await asyncio.gather(*(self._fetch_one(name, f) for name, f in missing.items()))
 
     async def _fetch_one(self, name: str, file: MetadataFile) -> None:
+        """Download `file`, or wait for the download of its checksum already in flight.
+
+        The download is shielded: a card that goes away does not cancel it for the others.
+        If another card's download fails, this card's own URL is tried: one worker's
+        failure says nothing of another's copy.
+        """
+        running = self._downloads.get(file.checksum)
+        if running is None:
+            running = asyncio.create_task(self._download(name, file), name=f"metadata:{name}")
+            self._downloads[file.checksum] = running
+            running.add_done_callback(functools.partial(self._download_done, file.checksum))
+            await asyncio.shield(running)
+            return
+        try:
+            await asyncio.shield(running)
+        except MetadataError:
+            await self._download(name, file)
+
+    def _download_done(self, checksum: str, task: asyncio.Task[None]) -> None:
+        if self._downloads.get(checksum) is task:
+            del self._downloads[checksum]
+        if not task.cancelled():
+            task.exception()  # retrieved: whoever awaited it has it; nobody else needs it
+
+    async def _download(self, name: str, file: MetadataFile) -> None:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
         digest = hashlib.sha256()
@@ -93,6 +122,12 @@ class MetadataCache:
         os.replace(tmp, target)
 
     async def close(self) -> None:
+        downloads = list(self._downloads.values())
+        for task in downloads:
+            task.cancel()
+        for task in downloads:
+            with contextlib.suppress(BaseException):
+                await task
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -3,7 +3,7 @@
 Request metrics are plain counters kept per model (`ModelStats`) and turned into Prometheus
 families only when `/metrics` is scraped: the request path pays a dict increment, not a
 lock and a label lookup. Control-plane metrics (reconciliation, refused cards) are ordinary
-`prometheus_client` counters: they change a few times a minute.
+`prometheus_client` counters and a histogram: they change a few times a minute.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import bisect
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import Histogram as PromHistogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -21,6 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # fmt: skip
 
 UNKNOWN_MODEL = "_unknown"  # the label of requests for models we do not serve
@@ -76,6 +78,12 @@ class FrontendMetrics:
         self.reconcile_runs = Counter(
             "shoal_frontend_reconcile_runs",
             "Reconciliation passes that listed discovery and compared it with the registry.",
+            registry=self.registry,
+        )
+        self.reconcile_duration = PromHistogram(
+            "shoal_frontend_reconcile_duration_seconds",
+            "Wall time of one reconciliation pass: list discovery, repair, await its fetches.",
+            buckets=RECONCILE_BUCKETS,
             registry=self.registry,
         )
         self.reconcile_repairs = Counter(

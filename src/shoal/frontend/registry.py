@@ -16,6 +16,7 @@ import bisect
 import random
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from shoal.cards import ModelCard, ModelType, WorkerRole
 from shoal.discovery import EndpointId, ModelInstance, ModelKey
@@ -25,9 +26,11 @@ from shoal.frontend.upstream import Upstream
 ENTRY_ROLES = frozenset({WorkerRole.AGGREGATED, WorkerRole.DECODE})
 
 
-@dataclass(frozen=True, slots=True)
-class SetId:
-    """What a worker set is of: one model in one (namespace, component, role)."""
+class SetId(NamedTuple):
+    """What a worker set is of: one model in one (namespace, component, role).
+
+    A named tuple: built, hashed and compared in C, as every lookup of a member needs one.
+    """
 
     model: str
     namespace: str
@@ -131,6 +134,7 @@ class Registry:
         self._members: dict[ModelKey, SetId] = {}
         self._upstreams: dict[tuple[EndpointId, int], tuple[Upstream, int]] = {}
         self._created: dict[str, int] = {}
+        self.version = 0  # bumped by every change: what is derived from the registry compares it
 
     def __contains__(self, key: ModelKey) -> bool:
         return key in self._members
@@ -167,6 +171,7 @@ class Registry:
         ws.members[key] = Member(key, card, self._acquire_upstream(model))
         self._members[key] = set_id
         entry.refresh()
+        self.version += 1
         return ws
 
     def leave(self, key: ModelKey) -> SetId | None:
@@ -184,6 +189,7 @@ class Registry:
             entry.refresh()
         else:
             del self.models[set_id.model]
+        self.version += 1
         return set_id
 
     def set_taints(self, key: ModelKey, taints: tuple[str, ...]) -> None:
@@ -194,6 +200,7 @@ class Registry:
         member = entry.sets[set_id].members[key]
         member.card = member.card.with_taints(list(taints))
         entry.refresh()
+        self.version += 1
 
     def serving(self) -> list[Model]:
         """Models that can take requests now, by name."""

@@ -45,6 +45,9 @@ from shoal.frontend.registry import RefusedError, Registry, SetId
 
 log = logging.getLogger(__name__)
 
+APPLY_BATCH = 64
+"""Keys a reconciliation pass repairs between two yields to the event loop."""
+
 
 class State(enum.Enum):
     PENDING = "pending"  # metadata files not fetched and verified yet
@@ -127,8 +130,8 @@ class ModelWatcher:
     def _prune_generations(self) -> None:
         """Forget removed keys that no listing being applied can still be older than."""
         floor = min(self._epochs, default=self._clock)
-        for key, generation in list(self._generations.items()):
-            if generation <= floor and key not in self.registrations:
+        for key in self._generations.keys() - self.registrations.keys():
+            if self._generations[key] <= floor:
                 del self._generations[key]
 
     # -- events ------------------------------------------------------------------------------
@@ -272,22 +275,23 @@ class ModelWatcher:
         repair is logged and skipped. Returns the repairs made, by action.
         """
         self.metrics.reconcile_runs.inc()
-        epoch = self._clock
-        self._epochs.append(epoch)
-        try:
+        with self.metrics.reconcile_duration.time():
+            epoch = self._clock
+            self._epochs.append(epoch)
             try:
-                listed = await self._list()
-            except Exception:
-                self.metrics.reconcile_failures.labels("list").inc()
-                raise
-            repairs, fetches = self._apply(listed, epoch, emit_heartbeat, repairing=True)
-        finally:
-            self._epochs.remove(epoch)
-            self._prune_generations()
-        for fetch in asyncio.as_completed(fetches):
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await fetch
-            emit_heartbeat()
+                try:
+                    listed = await self._list()
+                except Exception:
+                    self.metrics.reconcile_failures.labels("list").inc()
+                    raise
+                repairs, fetches = await self._apply(listed, epoch, emit_heartbeat, repairing=True)
+            finally:
+                self._epochs.remove(epoch)
+                self._prune_generations()
+            for fetch in asyncio.as_completed(fetches):
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await fetch
+                emit_heartbeat()
         return repairs
 
     async def _resync(self) -> None:
@@ -297,7 +301,7 @@ class ModelWatcher:
             epoch = self._clock
             self._epochs.append(epoch)
             try:
-                self._apply(await self._list(), epoch, _nothing, repairing=False)
+                await self._apply(await self._list(), epoch, _nothing, repairing=False)
                 return
             except Exception as exc:
                 log.warning("listing discovery failed: %s; retrying in %.1fs", exc, backoff)
@@ -310,11 +314,13 @@ class ModelWatcher:
     async def _list(self) -> dict[ModelKey, ModelInstance]:
         listed: dict[ModelKey, ModelInstance] = {}
         for query in self.queries:
-            for model in await self.discovery.list(query):
+            for i, model in enumerate(await self.discovery.list(query), 1):
                 listed[model.key] = model
+                if i % APPLY_BATCH == 0:
+                    await asyncio.sleep(0)
         return listed
 
-    def _apply(
+    async def _apply(
         self,
         listed: dict[ModelKey, ModelInstance],
         epoch: int,
@@ -324,12 +330,24 @@ class ModelWatcher:
     ) -> tuple[Counter[str], list[asyncio.Task[None]]]:
         """Repair each key, in key order, that no event has touched since the listing.
 
+        Yields to the event loop every `APPLY_BATCH` keys, so requests and events are served
+        during a long pass; a key an event changed meanwhile is newer than the listing: skipped.
         `repairing` is False when loading a snapshot (at start, after a stream restart):
         then the changes are not counted or logged as repairs.
         """
         repairs: Counter[str] = Counter()
         fetches: list[asyncio.Task[None]] = []
-        for key in sorted(listed.keys() | self.registrations.keys()):
+        keys = list(listed)  # in key order already, if there is one query
+        for i, key in enumerate(list(self.registrations), 1):
+            if key not in listed:
+                keys.append(key)
+            if i % APPLY_BATCH == 0:
+                await asyncio.sleep(0)
+        if len(keys) > len(listed) or len(self.queries) > 1:
+            keys.sort(key=ModelKey.sort_key)
+        for i, key in enumerate(keys, 1):
+            if i % APPLY_BATCH == 0:
+                await asyncio.sleep(0)
             if self._changed_since(key, epoch):
                 continue
             try:
@@ -363,15 +381,18 @@ class ModelWatcher:
             self._add(model)
             return "register"
         current = registration.model
-        if current.instance != model.instance or current.card.mdcsum != model.card.mdcsum:
-            self._bump(key)
-            self._remove(key)
-            self._add(model)
-            return "reregister"
-        if current.card.taints != model.card.taints:
-            self._bump(key)
-            self._set_taints(key, model.card.taints)
-            return "taints"
+        if current.card != model.card or current.instance != model.instance:
+            if current.instance != model.instance or current.card.mdcsum != model.card.mdcsum:
+                self._bump(key)
+                self._remove(key)
+                self._add(model)
+                return "reregister"
+            if current.card.taints != model.card.taints:
+                self._bump(key)
+                self._set_taints(key, model.card.taints)
+                return "taints"
+        # Unchanged in what counts: check against the registered card, whose checksum is known.
+        model = current
         if registration.state is State.PENDING and registration.task is None:
             self._bump(key)
             self._try_join(registration)
@@ -386,8 +407,8 @@ class ModelWatcher:
 
     def _joined_as(self, key: ModelKey, model: ModelInstance) -> bool:
         """The registry holds `key` in the worker set, and with the checksum, discovery says."""
-        member = self.registry.member(key)
         ws = self.registry.worker_set(key)
+        member = None if ws is None else ws.members.get(key)
         checksum = model.card.mdcsum
         return (
             member is not None

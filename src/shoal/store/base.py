@@ -20,6 +20,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 log = logging.getLogger(__name__)
 
 MAX_VALUE_BYTES = 1024 * 1024
@@ -47,9 +49,12 @@ class LeaseNotFoundError(StoreError):
     """The lease does not exist: it expired or was revoked."""
 
 
-@dataclass(frozen=True, slots=True)
-class KeyValue:
-    """One stored key with the revision that last modified it and its lease (0: none)."""
+class KeyValue(msgspec.Struct, frozen=True, gc=False):
+    """One stored key with the revision that last modified it and its lease (0: none).
+
+    A listing of a large prefix makes tens of thousands of these; they hold no references
+    to other objects, so they are kept out of the garbage collector's way (`gc=False`).
+    """
 
     key: str
     value: bytes

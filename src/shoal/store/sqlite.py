@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import secrets
 import sqlite3
 import time
@@ -105,6 +106,19 @@ def _path_from_url(url: str) -> Path:
     return Path("/" + rest.lstrip("/"))
 
 
+def _journal_mode_wal(conn: sqlite3.Connection, deadline: float) -> tuple[str]:
+    """Switch to WAL. Two processes opening a new file at once can make this fail with
+    "database is locked" at once, without the busy handler: retry until `deadline`."""
+    while True:
+        try:
+            row: tuple[str] = conn.execute("PRAGMA journal_mode = WAL").fetchone()
+            return row
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005 + random.random() * 0.02)
+
+
 def _connect(path: Path, busy_timeout: float) -> sqlite3.Connection:
     """Open `path` in WAL mode and create the schema if the file is new (in the store thread)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +127,7 @@ def _connect(path: Path, busy_timeout: float) -> sqlite3.Connection:
     )
     try:
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-        (mode,) = conn.execute("PRAGMA journal_mode = WAL").fetchone()
+        (mode,) = _journal_mode_wal(conn, time.monotonic() + busy_timeout)
         if str(mode).lower() != "wal":
             raise sqlite3.OperationalError(f"cannot switch to WAL journal mode (got {mode!r})")
         conn.execute("PRAGMA synchronous = NORMAL")
