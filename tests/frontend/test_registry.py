@@ -114,3 +114,33 @@ async def test_lora_adapter_is_served_under_its_own_name(
     )
     assert reply.model == "base-llm-sql"
     assert adapter.requests == 1 and base.requests == 0
+
+
+async def test_v1_models_reflects_join_leave_and_taints_right_after_each(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend(reconcile_interval=60)
+    async with aiohttp.ClientSession() as session:
+
+        async def listed() -> list[str]:
+            body = await (await session.get(f"{frontend.url}/v1/models")).json()
+            return [m["id"] for m in body["data"]]
+
+        # Each change is checked as soon as the registry has it, the body having been
+        # encoded (and cached) before it: the change must invalidate the cached body.
+        assert await listed() == []
+        alpha = await start_worker("alpha")
+        await wait_for(lambda: serving(frontend, "alpha"))
+        assert await listed() == ["alpha"]  # join
+        beta = await start_worker("beta")
+        await wait_for(lambda: serving(frontend, "beta"))
+        assert await listed() == ["alpha", "beta"]  # join
+        await beta.taint("draining")
+        await wait_for(lambda: not serving(frontend, "beta"))
+        assert await listed() == ["alpha"]  # its only instance is tainted: hidden
+        await beta.taint()
+        await wait_for(lambda: serving(frontend, "beta"))
+        assert await listed() == ["alpha", "beta"]  # untainted: listed again
+        await alpha.unregister()
+        await wait_for(lambda: "alpha" not in frontend.registry.models)
+        assert await listed() == ["beta"]  # leave

@@ -1,0 +1,218 @@
+"""Metadata downloads shared by checksum: many cards of one model fetch each file once, a
+failed shared download falls back to each card's own URL, and a card going away does not
+cancel the download the others wait on."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from shoal.cards import ModelCard
+from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
+from shoal.frontend import Frontend
+from shoal.frontend.watcher import ModelWatcher, State
+from shoal.store import Lease, Store
+from tests.frontend.conftest import StartFrontend
+from tests.frontend.support import serving
+from tests.helpers import Server, wait_for
+
+MODEL = "shared-llm"
+FILES = {
+    "config.json": b'{"model": "shared-llm"}',
+    "tokenizer.json": b'{"vocab": {"a": 0, "b": 1}}',
+    "chat_template.jinja": b"{{ messages }}",
+}
+
+
+class MetadataHost:
+    """One HTTP server hosting the metadata files of many fake workers at `/{worker}/{file}`.
+
+    `requests` counts requests by file and `by_worker` by worker. Requests wait while
+    `release` is clear (`held` says how many are waiting). A worker in `failing` answers
+    500; one in `dropping` closes the connection without answering.
+    """
+
+    def __init__(self) -> None:
+        self.requests: Counter[str] = Counter()
+        self.by_worker: Counter[str] = Counter()
+        self.release = asyncio.Event()
+        self.release.set()
+        self.held = 0
+        self.failing: set[str] = set()
+        self.dropping: set[str] = set()
+        app = web.Application()
+        app.router.add_get("/{worker}/{name}", self._file)
+        self.server = Server(app, port=0)
+
+    async def _file(self, request: web.Request) -> web.StreamResponse:
+        worker, name = request.match_info["worker"], request.match_info["name"]
+        self.requests[name] += 1
+        self.by_worker[worker] += 1
+        self.held += 1
+        try:
+            await self.release.wait()
+        finally:
+            self.held -= 1
+        if worker in self.dropping:
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
+        if worker in self.failing:
+            return web.Response(status=500, text="injected failure")
+        return web.Response(body=FILES[name])
+
+    def card(self, worker: str) -> ModelCard:
+        """The card of `worker`: the same files (checksums) as every other, at its own URLs."""
+        return ModelCard.build(
+            display_name=MODEL,
+            slug=MODEL,
+            source=f"test/{MODEL}",
+            model_types=["chat"],
+            context_length=4096,
+            metadata_files={
+                name: {
+                    "url": f"{self.server.url}/{worker}/{name}",
+                    "checksum": "sha256:" + hashlib.sha256(data).hexdigest(),
+                    "size": len(data),
+                }
+                for name, data in FILES.items()
+            },
+        )
+
+
+class Cards:
+    """Registers cards of `MODEL` in discovery, one instance (and lease) each."""
+
+    def __init__(self, store: Store, host: MetadataHost) -> None:
+        self.store = store
+        self.host = host
+        self.discovery = Discovery(store)
+        self.keys: dict[str, ModelKey] = {}
+        self.leases: list[Lease] = []
+
+    async def register(self, worker: str) -> ModelKey:
+        lease = await self.store.grant(30)
+        self.leases.append(lease)
+        endpoint = EndpointId("default", "backend", "generate")
+        key = ModelKey(endpoint, lease.id)
+        url = f"{self.host.server.url}/{worker}"
+        info = InstanceInfo("default", "backend", "generate", lease.id, f"{url}/v1", url)
+        await self.discovery.register_instance(info, lease=lease.id)
+        await self.discovery.register_model(key, self.host.card(worker), lease=lease.id)
+        self.keys[worker] = key
+        return key
+
+    async def unregister(self, worker: str) -> None:
+        await self.discovery.unregister_model(self.keys[worker])
+
+
+@pytest.fixture
+async def host() -> AsyncIterator[MetadataHost]:
+    host = MetadataHost()
+    await host.server.start()
+    yield host
+    host.release.set()
+    await host.server.stop()
+
+
+@pytest.fixture
+async def cards(store: Store, host: MetadataHost) -> AsyncIterator[Cards]:
+    cards = Cards(store, host)
+    yield cards
+    for lease in cards.leases:
+        with contextlib.suppress(Exception):
+            await lease.revoke()
+
+
+def watcher_of(frontend: Frontend) -> ModelWatcher:
+    assert frontend.watcher is not None
+    return frontend.watcher
+
+
+def fetching(watcher: ModelWatcher, keys: list[ModelKey]) -> bool:
+    """Every key is registered and has its metadata fetch in flight."""
+    registrations = [watcher.registrations.get(key) for key in keys]
+    return all(r is not None and r.task is not None for r in registrations)
+
+
+async def test_ten_cards_of_one_model_download_each_file_once_and_all_join(
+    host: MetadataHost, cards: Cards, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend(reconcile_interval=60)
+    watcher = watcher_of(frontend)
+    host.release.clear()  # every download stays in flight until all ten cards wait on it
+    keys = [await cards.register(f"w{i}") for i in range(10)]
+    await wait_for(lambda: fetching(watcher, keys), message="ten fetches in flight")
+    await wait_for(lambda: host.held >= len(FILES), message="the shared downloads arrived")
+    host.release.set()
+    await wait_for(lambda: serving(frontend, MODEL, instances=10))
+    assert host.requests == Counter(dict.fromkeys(FILES, 1))  # each file once, not ten times
+    assert all(key in frontend.registry for key in keys)
+    assert watcher.incomplete() == []
+
+
+@pytest.mark.parametrize("failure", ["status-500", "connection-dropped"])
+async def test_failed_shared_download_falls_back_to_each_waiting_cards_own_url(
+    failure: str, host: MetadataHost, cards: Cards, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend(reconcile_interval=60)
+    watcher = watcher_of(frontend)
+    (host.failing if failure == "status-500" else host.dropping).add("w0")
+    host.release.clear()
+    broken = await cards.register("w0")
+    # w0's downloads are the shared ones: in flight before the other cards arrive.
+    await wait_for(lambda: host.by_worker["w0"] == len(FILES), message="w0 downloads started")
+    others = [await cards.register(f"w{i}") for i in range(1, 4)]
+    await wait_for(lambda: fetching(watcher, [broken, *others]), message="all cards waiting")
+    host.release.set()
+    await wait_for(lambda: serving(frontend, MODEL, instances=3))
+    assert all(key in frontend.registry for key in others)
+    # Each waiting card fetched from its own URL once the shared download failed.
+    assert [host.by_worker[f"w{i}"] for i in range(1, 4)] == [len(FILES)] * 3
+    # The card whose URL failed stays out, pending with the error, until a retry.
+    registration = watcher.registrations[broken]
+    await wait_for(lambda: registration.task is None)
+    assert broken not in frontend.registry
+    assert registration.state is State.PENDING
+    assert registration.error is not None and "w0" in registration.error
+    assert [r.model.key for r in watcher.incomplete()] == [broken]
+    asked = host.by_worker["w0"]  # aiohttp may retry a dropped request once
+    # The retry (reconciliation) joins it from the files the others fetched: w0 not asked again.
+    assert await watcher.reconcile() == {"retry": 1}
+    assert broken in frontend.registry
+    assert host.by_worker["w0"] == asked
+    assert watcher.incomplete() == []
+
+
+@pytest.mark.parametrize("removed", ["card-that-started-the-download", "card-waiting-on-it"])
+async def test_card_removed_mid_download_does_not_cancel_the_download_for_the_others(
+    removed: str, host: MetadataHost, cards: Cards, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend(reconcile_interval=60)
+    watcher = watcher_of(frontend)
+    host.release.clear()
+    first = await cards.register("w0")
+    await wait_for(lambda: host.by_worker["w0"] == len(FILES), message="w0 downloads started")
+    rest = [await cards.register(f"w{i}") for i in range(1, 4)]
+    await wait_for(lambda: fetching(watcher, [first, *rest]), message="all cards waiting")
+    gone = "w0" if removed == "card-that-started-the-download" else "w1"
+    gone_key = cards.keys[gone]
+    fetch = watcher.registrations[gone_key].task
+    assert fetch is not None
+    await cards.unregister(gone)  # its Removed event cancels its fetch
+    await wait_for(lambda: gone_key not in watcher.registrations and fetch.done())
+    assert fetch.cancelled()
+    assert host.held == len(FILES)  # the shared downloads are still waiting on the server
+    host.release.set()
+    staying = [key for key in (first, *rest) if key != gone_key]
+    await wait_for(lambda: serving(frontend, MODEL, instances=3))
+    assert all(key in frontend.registry for key in staying)
+    assert gone_key not in frontend.registry
+    assert host.requests == Counter(dict.fromkeys(FILES, 1))  # not restarted by anyone
+    assert watcher.incomplete() == []
