@@ -34,7 +34,9 @@ class FakeWorker:
 
     Knobs: `fail_next` answers that many requests with 500; `stream_delay` spaces SSE
     chunks; `die_after_chunks` drops the connection mid-stream; `metadata_failures` fails
-    that many metadata fetches; `metadata_hang` makes metadata fetches hang until cleared.
+    that many metadata fetches; `metadata_hang` makes metadata fetches hang until cleared;
+    `head_delay` holds each answer back that long; `answering` cleared makes the worker read
+    requests and never answer them (until it is set again).
     """
 
     def __init__(
@@ -65,6 +67,9 @@ class FakeWorker:
         self.metadata_hang = asyncio.Event()
         self.metadata_hang.set()  # set = not hanging
         self.metadata_fetches = 0
+        self.head_delay = 0.0
+        self.answering = asyncio.Event()
+        self.answering.set()  # set = answering
         self.requests = 0
         self.in_flight = 0
         self.cancelled = 0
@@ -198,6 +203,9 @@ class FakeWorker:
         body = await request.read()
         self.bodies.append(body)
         self.headers.append(request.headers.copy())
+        if self.head_delay:
+            await asyncio.sleep(self.head_delay)
+        await self.answering.wait()
         if (failure := self._failing()) is not None:
             return failure
         data = json.loads(body)

@@ -12,13 +12,22 @@ from shoal.cli.up import banner
 
 
 def test_frontend_flags_have_laptop_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("STORE", "PORT", "NAMESPACE", "API_KEY", "ROUTER", "RETRIES"):
+    for name in (
+        "STORE",
+        "PORT",
+        "NAMESPACE",
+        "API_KEY",
+        "ROUTER",
+        "RETRIES",
+        "FIRST_BYTE_TIMEOUT",
+    ):
         monkeypatch.delenv(f"SHOAL_{name}", raising=False)
     config = config_from_args(build_parser().parse_args(["frontend"]))
     assert (config.port, config.router, config.retries, config.inhibit_seconds) == (
         8000, "round-robin", 2, 5.0,
     )  # fmt: skip
     assert (config.reconcile_interval, config.namespaces, config.api_keys) == (30.0, (), ())
+    assert config.first_byte_timeout == 60.0
     assert config.store_url is None  # open_store() then picks default_store_url()
 
 
@@ -36,6 +45,7 @@ def test_frontend_flags_fall_back_to_shoal_environment_variables(
         "SHOAL_MAX_BODY": "1234",
         "SHOAL_RETRIES": "4",
         "SHOAL_INHIBIT_SECONDS": "1.5",
+        "SHOAL_FIRST_BYTE_TIMEOUT": "0",
         "SHOAL_CACHE_DIR": str(tmp_path),
     }
     for name, value in env.items():
@@ -47,10 +57,15 @@ def test_frontend_flags_fall_back_to_shoal_environment_variables(
     assert config.api_keys == ("k1", "k2")
     assert (config.reconcile_interval, config.max_body, config.retries) == (7.5, 1234, 4)
     assert (config.inhibit_seconds, config.cache_dir) == (1.5, tmp_path)
+    assert config.first_byte_timeout == 0.0
     flagged = config_from_args(
-        build_parser().parse_args(["frontend", "--port", "9200", "--router", "prefix"])
+        build_parser().parse_args(
+            ["frontend", "--port", "9200", "--router", "prefix", "--first-byte-timeout", "2.5"]
+        )
     )
-    assert (flagged.port, flagged.router) == (9200, "prefix")
+    assert (flagged.port, flagged.router, flagged.first_byte_timeout) == (9200, "prefix", 2.5)
+    with pytest.raises(ValueError, match="first-byte-timeout"):
+        config_from_args(build_parser().parse_args(["frontend", "--first-byte-timeout", "-1"]))
 
 
 def test_up_defaults_to_two_workers_of_a_mock_model(monkeypatch: pytest.MonkeyPatch) -> None:

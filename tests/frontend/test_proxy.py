@@ -388,3 +388,80 @@ async def test_prefix_router_keeps_a_conversation_on_one_instance(
         reply = await client.chat.completions.create(model="mock-llm", messages=history)
         history.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
     assert sorted(w.requests for w in workers) == [0, 0, 4]
+
+
+async def test_an_instance_that_never_answers_is_left_after_the_first_byte_timeout(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    hung, good = await start_worker(), await start_worker()
+    hung.answering.clear()  # reads the request, never sends a response head
+    frontend = await ready(start_frontend, hung, good, first_byte_timeout=0.3, inhibit_seconds=60)
+    client = openai_client(frontend)
+    loop = asyncio.get_running_loop()
+    slowest = 0.0
+    for _ in range(2):  # round-robin: one of the two goes to the hung instance first
+        started = loop.time()
+        async with asyncio.timeout(5):
+            reply = await client.chat.completions.create(model="mock-llm", messages=CHAT)
+        slowest = max(slowest, loop.time() - started)
+        assert reply.choices[0].message.content == f"hello from {good.instance_id:x}"
+    assert hung.requests == 1
+    assert 0.3 <= slowest < 3.0  # waited about the timeout, then went elsewhere
+    (upstream,) = [
+        u
+        for ws in frontend.registry.models["mock-llm"].sets.values()
+        for u in ws.routable
+        if u.instance_id == hung.instance_id
+    ]
+    assert upstream.inhibited
+    stats = frontend.metrics.models["mock-llm"]
+    assert stats.retries == 1
+    assert stats.requests == {200: 2}
+    assert upstream.in_flight == 0 and stats.in_flight == 0
+
+
+async def test_no_instance_answering_in_time_is_504_upstream_timeout(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    hung = await start_worker()
+    hung.answering.clear()
+    frontend = await ready(start_frontend, hung, first_byte_timeout=0.3)
+    async with aiohttp.ClientSession() as session, asyncio.timeout(5):
+        response = await session.post(
+            f"{frontend.url}/v1/chat/completions", json={"model": "mock-llm", "messages": CHAT}
+        )
+        assert response.status == 504
+        body = await response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == "upstream_timeout"
+    assert body["error"]["type"] == "server_error"
+    assert "0.3s" in body["error"]["message"]
+    assert hung.requests == 1
+    assert frontend.metrics.models["mock-llm"].requests == {504: 1}
+
+
+async def test_a_slow_instance_that_answers_within_the_timeout_is_kept(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    hung, slow = await start_worker(), await start_worker()
+    hung.answering.clear()
+    slow.head_delay = 0.1  # the head comes after 0.1 s ...
+    slow.stream_chunks, slow.stream_delay = 4, 0.2  # ... and the stream lasts longer than 0.5 s
+    frontend = await ready(start_frontend, hung, slow, first_byte_timeout=0.5, inhibit_seconds=60)
+    client = openai_client(frontend)
+    for _ in range(2):  # one of them meets the hung instance first: the timeout is armed
+        async with asyncio.timeout(5):
+            stream = await client.chat.completions.create(
+                model="mock-llm", messages=CHAT, stream=True
+            )
+            pieces = [chunk.choices[0].delta.content async for chunk in stream]
+        assert pieces == [f"hello from {slow.instance_id:x}", " 1", " 2", " 3"]
+    assert (hung.requests, slow.requests) == (1, 2)
+    upstreams = {
+        u.instance_id: u
+        for ws in frontend.registry.models["mock-llm"].sets.values()
+        for u in ws.routable
+    }
+    assert upstreams[hung.instance_id].inhibited
+    assert not upstreams[slow.instance_id].inhibited
+    assert frontend.metrics.models["mock-llm"].retries == 1

@@ -112,6 +112,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         5,
         help="how long a failed instance gets no requests (default 5)",
     )
+    add_number_flag(
+        parser,
+        "--first-byte-timeout",
+        float,
+        60,
+        metavar="SECONDS",
+        help="how long an instance may take to start answering before the request is retried "
+        "elsewhere (and answered 504 when none does); 0: no limit (default 60)",
+    )
     parser.add_argument(
         "--cache-dir",
         type=Path,
@@ -128,6 +137,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    if args.first_byte_timeout < 0:
+        raise ValueError("--first-byte-timeout must be 0 (no limit) or more seconds")
     return FrontendConfig(
         store_url=args.store,
         host=args.host,
@@ -139,6 +150,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_body=args.max_body,
         retries=args.retries,
         inhibit_seconds=args.inhibit_seconds,
+        first_byte_timeout=args.first_byte_timeout,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         drain_timeout=args.drain_timeout,
     )

@@ -72,6 +72,16 @@ def upstream_failed(model: str, reason: str) -> ApiError:
     )
 
 
+def upstream_timeout(model: str, seconds: float) -> ApiError:
+    return ApiError(
+        504,
+        f"No instance of `{model}` started answering within the first-byte timeout "
+        f"of {seconds:g}s.",
+        type="server_error",
+        code="upstream_timeout",
+    )
+
+
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 

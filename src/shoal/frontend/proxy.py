@@ -11,9 +11,12 @@ way, a few counter increments.
 
 Failure handling: a connect error, a transport error or a 5xx before the first response
 byte reached the client marks the instance down for `inhibit_seconds` and tries another
-(up to `retries` more attempts). After the first byte, a failure ends an SSE stream with an
-error event. A client that disconnects cancels the handler, which drops the upstream
-connection so the worker stops generating.
+(up to `retries` more attempts). So does an instance that sends no response byte within
+`first_byte_timeout` of the request (it hangs, or is stuck): one timer handle per attempt,
+cancelled when the response head arrives; when no instance answers in time the client gets
+504. After the first byte, a failure ends an SSE stream with an error event. A client that
+disconnects cancels the handler, which drops the upstream connection so the worker stops
+generating.
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ _RESPONSE_HEADERS_DROPPED = frozenset(
         b"upgrade",
     }
 )
+
+
+class FirstByteTimeout(UpstreamError):
+    """An instance sent no response byte within the first-byte timeout."""
 
 
 class Fields(msgspec.Struct):
@@ -161,6 +168,7 @@ class Forward:
         "status",
         "stream",
         "target",
+        "timer",
         "tried",
     )
 
@@ -186,6 +194,7 @@ class Forward:
         self.target: Upstream | None = None
         self.conn: UpstreamConnection | None = None
         self.connecting: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None  # the first-byte timeout of the attempt
         self.out: list[bytes] = []
         self.status = 0
         self.chunked = False
@@ -208,8 +217,13 @@ class Forward:
             target = self.proxy.pick(self.model, self.prompt, self.tried)
         if target is None:
             name = self.model.name
-            error = errors.no_ready_instance(name) if failure is None else None
-            self._finish(error or errors.upstream_failed(name, str(failure)))
+            if failure is None:
+                error = errors.no_ready_instance(name)
+            elif isinstance(failure, FirstByteTimeout):
+                error = errors.upstream_timeout(name, self.proxy.first_byte_timeout)
+            else:
+                error = errors.upstream_failed(name, str(failure))
+            self._finish(error)
             return
         if self.attempt:
             self.stats.retries += 1
@@ -244,9 +258,38 @@ class Forward:
         if client.writing_paused:
             conn.pause_reading()
         conn.send(self.proxy.request_head(self.request, self.target), self.request.body, self)
+        if self.proxy.first_byte_timeout > 0:
+            self.timer = client.server.loop.call_later(
+                self.proxy.first_byte_timeout, self._first_byte_timed_out
+            )
+
+    def _first_byte_timed_out(self) -> None:
+        """No response byte within the first-byte timeout: drop the connection, try elsewhere."""
+        self.timer = None
+        conn = self.conn
+        if self.done or conn is None or self.head_seen or conn.received:
+            return
+        if conn.paused:  # held back by a slow client, not by the instance: wait on
+            self.timer = self.client.server.loop.call_later(
+                self.proxy.first_byte_timeout, self._first_byte_timed_out
+            )
+            return
+        assert self.target is not None
+        self.conn = None  # (not mistaken for an idle connection the worker had closed)
+        conn.abort()
+        seconds = self.proxy.first_byte_timeout
+        self._attempt_failed(
+            FirstByteTimeout(f"instance {self.target.url} sent nothing within {seconds:g}s")
+        )
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     def _attempt_failed(self, failure: Exception) -> None:
         """The attempt failed before any byte reached the client: try elsewhere."""
+        self._disarm()
         target, conn = self.target, self.conn
         assert target is not None
         self.conn = None
@@ -274,6 +317,9 @@ class Forward:
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
         self.head_seen = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if status >= 500 and self._may_retry():
             assert self.target is not None
             self._attempt_failed(UpstreamError(f"instance {self.target.url} answered {status}"))
@@ -347,6 +393,7 @@ class Forward:
         self._finish(None)
 
     def _end_attempt(self) -> None:
+        self._disarm()
         if self.target is not None:
             self.target.in_flight -= 1
             self.target = None
@@ -391,6 +438,7 @@ class Proxy:
         *,
         retries: int = 2,
         inhibit_seconds: float = 5.0,
+        first_byte_timeout: float = 60.0,
         strip_authorization: bool = False,
     ) -> None:
         self.registry = registry
@@ -398,6 +446,7 @@ class Proxy:
         self.metrics = metrics
         self.retries = retries
         self.inhibit_seconds = inhibit_seconds
+        self.first_byte_timeout = first_byte_timeout  # 0: no limit
         dropped = set(_REQUEST_HEADERS_DROPPED)
         if strip_authorization:
             dropped.add(b"authorization")  # the gateway's own key is not the worker's business

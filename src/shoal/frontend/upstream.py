@@ -143,6 +143,11 @@ class UpstreamConnection(asyncio.Protocol):
         self._paused = False
 
     @property
+    def paused(self) -> bool:
+        """Reading is paused because the client is not keeping up."""
+        return self._paused
+
+    @property
     def usable(self) -> bool:
         return self.transport is not None and not self.transport.is_closing() and self.sink is None
 
