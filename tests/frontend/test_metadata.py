@@ -7,8 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import os
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import IO
 
 import pytest
 from aiohttp import web
@@ -16,6 +20,7 @@ from aiohttp import web
 from shoal.cards import ModelCard
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
 from shoal.frontend import Frontend
+from shoal.frontend.metadata import MetadataCache
 from shoal.frontend.watcher import ModelWatcher, State
 from shoal.store import Lease, Store
 from tests.frontend.conftest import StartFrontend
@@ -40,6 +45,8 @@ class MetadataHost:
 
     def __init__(self) -> None:
         self.requests: Counter[str] = Counter()
+        self.active: Counter[str] = Counter()  # requests being answered now, by file
+        self.most_active: Counter[str] = Counter()  # the most at once, by file
         self.by_worker: Counter[str] = Counter()
         self.release = asyncio.Event()
         self.release.set()
@@ -54,11 +61,14 @@ class MetadataHost:
         worker, name = request.match_info["worker"], request.match_info["name"]
         self.requests[name] += 1
         self.by_worker[worker] += 1
+        self.active[name] += 1
+        self.most_active[name] = max(self.most_active[name], self.active[name])
         self.held += 1
         try:
             await self.release.wait()
         finally:
             self.held -= 1
+            self.active[name] -= 1
         if worker in self.dropping:
             assert request.transport is not None
             request.transport.abort()
@@ -67,7 +77,7 @@ class MetadataHost:
             return web.Response(status=500, text="injected failure")
         return web.Response(body=FILES[name])
 
-    def card(self, worker: str) -> ModelCard:
+    def card(self, worker: str, declared_size: int | None = None) -> ModelCard:
         """The card of `worker`: the same files (checksums) as every other, at its own URLs."""
         return ModelCard.build(
             display_name=MODEL,
@@ -79,7 +89,7 @@ class MetadataHost:
                 name: {
                     "url": f"{self.server.url}/{worker}/{name}",
                     "checksum": "sha256:" + hashlib.sha256(data).hexdigest(),
-                    "size": len(data),
+                    "size": declared_size or len(data),
                 }
                 for name, data in FILES.items()
             },
@@ -96,7 +106,7 @@ class Cards:
         self.keys: dict[str, ModelKey] = {}
         self.leases: list[Lease] = []
 
-    async def register(self, worker: str) -> ModelKey:
+    async def register(self, worker: str, declared_size: int | None = None) -> ModelKey:
         lease = await self.store.grant(30)
         self.leases.append(lease)
         endpoint = EndpointId("default", "backend", "generate")
@@ -104,7 +114,9 @@ class Cards:
         url = f"{self.host.server.url}/{worker}"
         info = InstanceInfo("default", "backend", "generate", lease.id, f"{url}/v1", url)
         await self.discovery.register_instance(info, lease=lease.id)
-        await self.discovery.register_model(key, self.host.card(worker), lease=lease.id)
+        await self.discovery.register_model(
+            key, self.host.card(worker, declared_size), lease=lease.id
+        )
         self.keys[worker] = key
         return key
 
@@ -173,8 +185,8 @@ async def test_failed_shared_download_falls_back_to_each_waiting_cards_own_url(
     host.release.set()
     await wait_for(lambda: serving(frontend, MODEL, instances=3))
     assert all(key in frontend.registry for key in others)
-    # Each waiting card fetched from its own URL once the shared download failed.
-    assert [host.by_worker[f"w{i}"] for i in range(1, 4)] == [len(FILES)] * 3
+    # One waiting card took over with its own URL; the others waited on that download.
+    assert sum(host.by_worker[f"w{i}"] for i in range(1, 4)) == len(FILES)
     # The card whose URL failed stays out, pending with the error, until a retry.
     registration = watcher.registrations[broken]
     await wait_for(lambda: registration.task is None)
@@ -216,3 +228,119 @@ async def test_card_removed_mid_download_does_not_cancel_the_download_for_the_ot
     assert gone_key not in frontend.registry
     assert host.requests == Counter(dict.fromkeys(FILES, 1))  # not restarted by anyone
     assert watcher.incomplete() == []
+
+
+async def test_failed_shared_download_is_taken_over_by_one_waiter_not_forty(
+    host: MetadataHost, cards: Cards, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend(reconcile_interval=60)
+    watcher = watcher_of(frontend)
+    host.failing.add("w0")
+    host.release.clear()
+    broken = await cards.register("w0")
+    await wait_for(lambda: host.by_worker["w0"] == len(FILES), message="w0 downloads started")
+    others = [await cards.register(f"w{i}") for i in range(1, 41)]
+    await wait_for(lambda: fetching(watcher, [broken, *others]), message="all cards waiting")
+    host.release.set()
+    await wait_for(lambda: serving(frontend, MODEL, instances=40), timeout=20)
+    # Each file: the failed shared download, then exactly one takeover; never two at once.
+    assert host.requests == Counter(dict.fromkeys(FILES, 2))
+    assert host.most_active == Counter(dict.fromkeys(FILES, 1))
+
+
+async def test_file_over_the_size_cap_is_refused_without_downloading(
+    host: MetadataHost, cards: Cards, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend(reconcile_interval=60, metadata_max_file_bytes=1 << 20)
+    watcher = watcher_of(frontend)
+    key = await cards.register("w0", declared_size=100 << 20)
+    await wait_for(lambda: (r := watcher.registrations.get(key)) is not None and r.error)
+    error = watcher.registrations[key].error
+    assert error is not None and "limit" in error and str(1 << 20) in error
+    assert key not in frontend.registry
+    assert host.requests == Counter()
+
+
+async def test_unwritable_cache_still_joins_reports_trouble_and_downloads_once(
+    host: MetadataHost, cards: Cards, start_frontend: StartFrontend, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory should be")
+    frontend = await start_frontend(reconcile_interval=60, cache_dir=blocker / "metadata")
+    key = await cards.register("w0")
+    await wait_for(lambda: serving(frontend, MODEL, instances=1))
+    assert key in frontend.registry
+    status, health = frontend.health()
+    assert status == 200
+    problem = health["metadata_cache"]["problem"]
+    assert problem is not None and "cannot write" in problem
+    assert health["metadata_cache"]["uncached_files"] == len(FILES)
+    metrics = frontend.metrics.render().decode()
+    assert "shoal_frontend_metadata_cache_errors_total 3.0" in metrics
+    # Verified files are remembered: reconciliation does not download them again.
+    await frontend.watcher.reconcile() if frontend.watcher else None
+    assert host.requests == Counter(dict.fromkeys(FILES, 1))
+
+
+class FullDiskCache(MetadataCache):
+    """A cache whose temporary files sit on a full disk: every write fails with ENOSPC
+    (the kernel's `/dev/full`), as on a real full disk, after the temporary file exists."""
+
+    def _open_tmp(self, checksum: str) -> tuple[Path, IO[bytes] | None]:
+        tmp, out = super()._open_tmp(checksum)
+        assert out is not None
+        out.close()
+        return tmp, open("/dev/full", "wb")
+
+
+async def test_full_disk_leaves_no_temporary_files_and_the_card_joins(
+    host: MetadataHost, cards: Cards, start_frontend: StartFrontend, tmp_path: Path
+) -> None:
+    frontend = await start_frontend(reconcile_interval=60)
+    watcher = watcher_of(frontend)
+    directory = tmp_path / "full"
+    watcher.cache = FullDiskCache(directory)
+    key = await cards.register("w0")
+    await wait_for(lambda: serving(frontend, MODEL, instances=1))
+    assert key in frontend.registry
+    assert list(directory.iterdir()) == []  # every temporary file removed
+    assert watcher.cache.problem is not None and "No space left" in watcher.cache.problem
+    await watcher.cache.close()
+
+
+async def test_cache_is_bounded_least_recently_used_file_leaves_first(
+    host: MetadataHost, tmp_path: Path
+) -> None:
+    sizes = {name: len(data) for name, data in FILES.items()}
+    names = list(FILES)  # config.json, tokenizer.json, chat_template.jinja
+    # Room for the two largest files, not for all three.
+    cache = MetadataCache(tmp_path / "lru", max_bytes=sum(sorted(sizes.values())[1:]))
+    card = host.card("w0")
+    files = card.metadata_files
+    try:
+        await cache._fetch_one(names[0], files[names[0]])
+        await cache._fetch_one(names[1], files[names[1]])
+        assert cache.has(files[names[0]])  # names[0] is now the most recently used
+        await cache._fetch_one(names[2], files[names[2]])
+        on_disk = {p.name for p in (tmp_path / "lru").iterdir()}
+        assert cache.path(files[names[1]].checksum).name not in on_disk  # evicted
+        assert cache.path(files[names[0]].checksum).name in on_disk
+        assert cache.path(files[names[2]].checksum).name in on_disk
+        assert cache.status()["bytes"] <= cache.max_bytes
+        assert cache.evictions == 1
+    finally:
+        await cache.close()
+
+
+def test_stale_temporary_files_of_dead_processes_are_removed_at_start(tmp_path: Path) -> None:
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    stale = directory / ".sha256-ab.123.1.tmp"
+    fresh = directory / ".sha256-cd.456.2.tmp"
+    stale.write_bytes(b"x")
+    fresh.write_bytes(b"y")
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    MetadataCache(directory)
+    assert not stale.exists()
+    assert fresh.exists()  # may belong to a live frontend sharing the directory

@@ -17,6 +17,7 @@ from typing import Any
 
 from shoal.cli.main import env_default
 from shoal.frontend import POLICIES, Frontend, FrontendConfig
+from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES
 from shoal.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_number_flag(
         parser,
+        "--metadata-cache-bytes",
+        int,
+        DEFAULT_MAX_BYTES,
+        metavar="BYTES",
+        help="size of the metadata cache; least recently used files leave first (default 1 GiB)",
+    )
+    add_number_flag(
+        parser,
+        "--metadata-max-file-bytes",
+        int,
+        DEFAULT_MAX_FILE_BYTES,
+        metavar="BYTES",
+        help="largest metadata file a card may declare; larger ones are refused (default 64 MiB)",
+    )
+    add_number_flag(
+        parser,
         "--drain-timeout",
         float,
         30,
@@ -137,6 +154,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    if args.metadata_cache_bytes < 0 or args.metadata_max_file_bytes <= 0:
+        raise ValueError("--metadata-cache-bytes and --metadata-max-file-bytes must be positive")
     if args.first_byte_timeout < 0:
         raise ValueError("--first-byte-timeout must be 0 (no limit) or more seconds")
     return FrontendConfig(
@@ -152,6 +171,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         inhibit_seconds=args.inhibit_seconds,
         first_byte_timeout=args.first_byte_timeout,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        metadata_cache_bytes=args.metadata_cache_bytes,
+        metadata_max_file_bytes=args.metadata_max_file_bytes,
         drain_timeout=args.drain_timeout,
     )
 

@@ -21,7 +21,7 @@ from shoal.controllers import ControllerManager, Loop, readiness
 from shoal.discovery import Discovery
 from shoal.frontend import errors
 from shoal.frontend.errors import ApiError
-from shoal.frontend.metadata import MetadataCache
+from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.proxy import Proxy
 from shoal.frontend.registry import Model, Registry
@@ -58,6 +58,8 @@ class FrontendConfig:
     first_byte_timeout: float = 60.0  # seconds for a worker to start answering; 0: no limit
     cache_dir: Path | None = None
     metadata_timeout: float = 30.0
+    metadata_cache_bytes: int = DEFAULT_MAX_BYTES
+    metadata_max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     connect_timeout: float = 5.0
     drain_timeout: float = 30.0
     keepalive_timeout: float = 75.0
@@ -119,7 +121,13 @@ class Frontend:
         if self.discovery is None:
             self._own_store = await open_store(config.store_url)
             self.discovery = Discovery(self._own_store)
-        cache = MetadataCache(config.cache_dir, timeout=config.metadata_timeout)
+        cache = MetadataCache(
+            config.cache_dir,
+            timeout=config.metadata_timeout,
+            max_bytes=config.metadata_cache_bytes,
+            max_file_bytes=config.metadata_max_file_bytes,
+        )
+        self.metrics.watch_metadata_cache(cache)
         self.watcher = ModelWatcher(
             self.discovery, self.registry, cache, self.metrics, config.namespaces
         )
@@ -257,6 +265,7 @@ class Frontend:
             "models": models,
             "instances": instances,
             "incomplete": incomplete,
+            "metadata_cache": self.watcher.cache.status(),
         }
 
     def _model_object(self, model: Model) -> dict[str, Any]:

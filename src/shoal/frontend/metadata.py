@@ -3,7 +3,14 @@
 A card lists each file with the URL where its worker hosts it and its checksum. Files are
 kept on disk by checksum, so a file is fetched once per frontend cache whatever the number
 of workers that serve it, and a cached file needs no verification again. Cards that need a
-file whose download is already in flight wait for that download instead of starting theirs.
+file whose download is already in flight wait for that download instead of starting theirs;
+when it fails, one of them takes over with its own URL while the others keep waiting.
+
+The cache is an optimisation, never a condition: a download streams to a temporary file
+while its checksum is computed, and a file that verifies is good even when the disk refused
+it (unwritable directory, disk full): the card joins, the trouble is reported by `status()`.
+The directory is bounded (`max_bytes`, least recently used out) and temporary files never
+outlive a failed download.
 """
 
 from __future__ import annotations
@@ -14,7 +21,11 @@ import functools
 import hashlib
 import logging
 import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any
 
 import aiohttp
 import platformdirs
@@ -22,6 +33,11 @@ import platformdirs
 from shoal.cards import MetadataFile, ModelCard
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 1 << 30  # the whole cache directory
+DEFAULT_MAX_FILE_BYTES = 64 << 20  # one metadata file; a card declaring more is refused
+STALE_TMP_SECONDS = 3600.0  # a temporary file this old belongs to a process that died
+CHUNK = 1 << 16
 
 
 class MetadataError(Exception):
@@ -32,29 +48,98 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("shoal")) / "metadata"
 
 
-class MetadataCache:
-    """Verified metadata files on disk, named by checksum."""
+@dataclass
+class _SharedDownload:
+    """The download of one checksum that every card needing it waits on.
 
-    def __init__(self, directory: Path | None = None, *, timeout: float = 30.0) -> None:
+    `failed` holds the URLs that already failed in this round (URL -> error), so a waiter
+    whose own URL failed does not ask it again; the round ends when nobody waits.
+    """
+
+    task: asyncio.Task[None] | None = None
+    url: str = ""
+    waiters: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+class MetadataCache:
+    """Verified metadata files on disk, named by checksum, bounded in size."""
+
+    def __init__(
+        self,
+        directory: Path | None = None,
+        *,
+        timeout: float = 30.0,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    ) -> None:
         self.directory = directory or default_cache_dir()
         self.timeout = timeout
-        self._verified: set[str] = set()
-        self._downloads: dict[str, asyncio.Task[None]] = {}  # by checksum, in flight
+        self.max_bytes = max_bytes
+        self.max_file_bytes = max_file_bytes
+        self._files: OrderedDict[str, int] = OrderedDict()  # on disk: checksum -> size, LRU first
+        self._bytes = 0
+        self._uncached: set[str] = set()  # verified, but the disk refused them
+        self._shared: dict[str, _SharedDownload] = {}  # by checksum
         self._session: aiohttp.ClientSession | None = None
+        self.downloads = 0  # downloads started
+        self.errors = 0  # cache writes the disk refused
+        self.evictions = 0
+        self.problem: str | None = None  # the last cache write error, until a write succeeds
+        self.problem_since: float | None = None
+        self._load()
 
     def path(self, checksum: str) -> Path:
         return self.directory / checksum.replace(":", "-")
 
+    def _load(self) -> None:
+        """Index the files already on disk (oldest first) and remove stale temporary files."""
+        try:
+            entries = list(os.scandir(self.directory))
+        except OSError:
+            return
+        found: list[tuple[float, str, int]] = []
+        now = time.time()
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                stat = entry.stat()
+                if entry.name.endswith(".tmp"):
+                    if now - stat.st_mtime > STALE_TMP_SECONDS:
+                        os.unlink(entry.path)
+                elif entry.is_file() and entry.name.startswith("sha256-"):
+                    found.append((stat.st_mtime, entry.name.replace("-", ":", 1), stat.st_size))
+        for _, checksum, size in sorted(found):
+            self._files[checksum] = size
+            self._bytes += size
+
     def has(self, file: MetadataFile) -> bool:
-        if file.checksum in self._verified:
+        checksum = file.checksum
+        if checksum in self._files:
+            self._files.move_to_end(checksum)
             return True
-        if self.path(file.checksum).is_file():
-            self._verified.add(file.checksum)
+        if checksum in self._uncached:
             return True
-        return False
+        try:
+            size = self.path(checksum).stat().st_size  # put there by another frontend
+        except OSError:
+            return False
+        self._remember(checksum, size)
+        return True
 
     def missing(self, card: ModelCard) -> dict[str, MetadataFile]:
         return {name: f for name, f in card.metadata_files.items() if not self.has(f)}
+
+    def status(self) -> dict[str, Any]:
+        """What `/health` shows of the cache: its size, and its trouble if any."""
+        return {
+            "directory": str(self.directory),
+            "files": len(self._files),
+            "bytes": self._bytes,
+            "max_bytes": self.max_bytes,
+            "uncached_files": len(self._uncached),
+            "problem": self.problem,
+            "problem_since": self.problem_since,
+        }
 
     async def fetch(self, card: ModelCard) -> None:
         """Fetch and verify every file of `card` not cached yet; `MetadataError` on any failure."""
@@ -66,63 +151,158 @@ class MetadataCache:
         """Download `file`, or wait for the download of its checksum already in flight.
 
         The download is shielded: a card that goes away does not cancel it for the others.
-        If another card's download fails, this card's own URL is tried: one worker's
-        failure says nothing of another's copy.
+        When a download fails, the first waiter to notice starts its own (its URL is another
+        worker's copy) and the others wait on that one: never N downloads at once.
         """
-        running = self._downloads.get(file.checksum)
-        if running is None:
-            running = asyncio.create_task(self._download(name, file), name=f"metadata:{name}")
-            self._downloads[file.checksum] = running
-            running.add_done_callback(functools.partial(self._download_done, file.checksum))
-            await asyncio.shield(running)
-            return
+        if file.size > self.max_file_bytes:
+            raise MetadataError(
+                f"{name}: {file.size} bytes is over the {self.max_file_bytes}-byte limit "
+                "for a metadata file (--metadata-max-file-bytes)"
+            )
+        shared = self._shared.get(file.checksum)
+        if shared is None:
+            shared = self._shared[file.checksum] = _SharedDownload()
+        shared.waiters += 1
         try:
-            await asyncio.shield(running)
-        except MetadataError:
-            await self._download(name, file)
+            while not self.has(file):
+                task = shared.task
+                if task is None:
+                    if file.url in shared.failed:
+                        raise MetadataError(shared.failed[file.url])
+                    task = asyncio.create_task(self._download(name, file), name=f"metadata:{name}")
+                    shared.task, shared.url = task, file.url
+                    task.add_done_callback(functools.partial(self._download_done, file, shared))
+                    self.downloads += 1
+                mine = shared.url == file.url
+                try:
+                    await asyncio.shield(task)
+                except MetadataError:
+                    if mine:
+                        raise
+                    # another worker's copy failed: loop, and take over if nobody has
+        finally:
+            shared.waiters -= 1
+            self._end_round(file.checksum, shared)
 
-    def _download_done(self, checksum: str, task: asyncio.Task[None]) -> None:
-        if self._downloads.get(checksum) is task:
-            del self._downloads[checksum]
+    def _download_done(
+        self, file: MetadataFile, shared: _SharedDownload, task: asyncio.Task[None]
+    ) -> None:
+        if shared.task is task:
+            shared.task = None
+            if not task.cancelled() and task.exception() is not None:
+                shared.failed[shared.url] = str(task.exception())
         if not task.cancelled():
             task.exception()  # retrieved: whoever awaited it has it; nobody else needs it
+        self._end_round(file.checksum, shared)
+
+    def _end_round(self, checksum: str, shared: _SharedDownload) -> None:
+        if shared.waiters == 0 and shared.task is None and self._shared.get(checksum) is shared:
+            del self._shared[checksum]
 
     async def _download(self, name: str, file: MetadataFile) -> None:
+        """Stream `file` to a temporary file while hashing it; keep it if it verifies."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
         digest = hashlib.sha256()
-        chunks: list[bytes] = []
         size = 0
+        tmp, out = await asyncio.to_thread(self._open_tmp, file.checksum)
         try:
-            async with self._session.get(file.url) as response:
-                if response.status != 200:
-                    raise MetadataError(f"{name}: GET {file.url} answered {response.status}")
-                async for chunk in response.content.iter_chunked(1 << 16):
-                    size += len(chunk)
-                    if size > file.size:
-                        raise MetadataError(f"{name}: {file.url} is larger than {file.size} bytes")
-                    digest.update(chunk)
-                    chunks.append(chunk)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise MetadataError(f"{name}: GET {file.url} failed: {exc or 'timed out'}") from exc
-        checksum = f"sha256:{digest.hexdigest()}"
-        if checksum != file.checksum or size != file.size:
-            raise MetadataError(
-                f"{name}: {file.url} has checksum {checksum} ({size} bytes), "
-                f"the card says {file.checksum} ({file.size} bytes)"
-            )
-        await asyncio.to_thread(self._store, file.checksum, b"".join(chunks))
-        self._verified.add(file.checksum)
+            try:
+                async with self._session.get(file.url, allow_redirects=False) as response:
+                    if response.status != 200:
+                        raise MetadataError(f"{name}: GET {file.url} answered {response.status}")
+                    async for chunk in response.content.iter_chunked(CHUNK):
+                        size += len(chunk)
+                        if size > file.size:
+                            raise MetadataError(
+                                f"{name}: {file.url} is larger than {file.size} bytes"
+                            )
+                        digest.update(chunk)
+                        if out is not None:
+                            out = await asyncio.to_thread(self._write, out, tmp, chunk)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise MetadataError(f"{name}: GET {file.url} failed: {exc or 'timed out'}") from exc
+            checksum = f"sha256:{digest.hexdigest()}"
+            if checksum != file.checksum or size != file.size:
+                raise MetadataError(
+                    f"{name}: {file.url} has checksum {checksum} ({size} bytes), "
+                    f"the card says {file.checksum} ({file.size} bytes)"
+                )
+            if out is not None and await asyncio.to_thread(self._keep, out, tmp, file.checksum):
+                self._remember(file.checksum, size)
+                self._evict()
+            else:
+                self._uncached.add(file.checksum)
+        finally:
+            if out is not None and not out.closed:
+                await asyncio.to_thread(self._discard, out, tmp)
 
-    def _store(self, checksum: str, data: bytes) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+    # -- disk: every call below runs in a thread; none raises, trouble is recorded ----------
+
+    def _open_tmp(self, checksum: str) -> tuple[Path, IO[bytes] | None]:
         target = self.path(checksum)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.{id(data):x}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.{time.monotonic_ns():x}.tmp")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            return tmp, open(tmp, "xb")  # closed by _keep or _discard
+        except OSError as exc:
+            self._trouble(f"cannot write to {self.directory}: {exc}")
+            return tmp, None
+
+    def _write(self, out: IO[bytes], tmp: Path, chunk: bytes) -> IO[bytes] | None:
+        try:
+            out.write(chunk)
+            out.flush()  # a full disk shows here, not later at close
+            return out
+        except OSError as exc:
+            self._trouble(f"cannot write to {self.directory}: {exc}")
+            self._discard(out, tmp)
+            return None
+
+    def _keep(self, out: IO[bytes], tmp: Path, checksum: str) -> bool:
+        try:
+            out.close()
+            os.replace(tmp, self.path(checksum))
+        except OSError as exc:
+            self._trouble(f"cannot write to {self.directory}: {exc}")
+            self._discard(out, tmp)
+            return False
+        self.problem = self.problem_since = None
+        return True
+
+    @staticmethod
+    def _discard(out: IO[bytes], tmp: Path) -> None:
+        with contextlib.suppress(OSError):
+            out.close()
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+    def _trouble(self, message: str) -> None:
+        self.errors += 1
+        if self.problem is None:
+            self.problem_since = time.time()
+            log.warning("metadata cache: %s (files are verified and used without caching)", message)
+        self.problem = message
+
+    def _remember(self, checksum: str, size: int) -> None:
+        old = self._files.pop(checksum, None)
+        if old is not None:
+            self._bytes -= old
+        self._files[checksum] = size
+        self._bytes += size
+        self._uncached.discard(checksum)
+
+    def _evict(self) -> None:
+        """Remove the least recently used files until the cache fits `max_bytes`."""
+        while self._bytes > self.max_bytes and len(self._files) > 1:
+            checksum, size = self._files.popitem(last=False)
+            self._bytes -= size
+            self.evictions += 1
+            with contextlib.suppress(OSError):
+                self.path(checksum).unlink()
 
     async def close(self) -> None:
-        downloads = list(self._downloads.values())
+        downloads = [s.task for s in self._shared.values() if s.task is not None]
         for task in downloads:
             task.cancel()
         for task in downloads:

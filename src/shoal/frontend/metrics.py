@@ -21,6 +21,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from shoal.frontend.metadata import MetadataCache
+
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # fmt: skip
@@ -115,6 +117,10 @@ class FrontendMetrics:
             registry=self.registry,
         )
 
+    def watch_metadata_cache(self, cache: MetadataCache) -> None:
+        """Show `cache`'s size and write errors on `/metrics`."""
+        self.registry.register(_MetadataCacheCollector(cache))
+
     def model(self, name: str) -> ModelStats:
         stats = self.models.get(name)
         if stats is None:
@@ -172,3 +178,44 @@ class _RequestCollector(Collector):
         for name, count in sorted(self.metrics.live_instances().items()):
             live.add_metric([name], count)
         yield from (requests, in_flight, retries, ttft, duration, live)
+
+
+class _MetadataCacheCollector(Collector):
+    """The metadata cache's size, downloads and trouble, read at scrape time."""
+
+    def __init__(self, cache: MetadataCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        cache = self.cache
+        status = cache.status()
+        yield GaugeMetricFamily(
+            "shoal_frontend_metadata_cache_bytes",
+            "Bytes of verified metadata files in the cache directory.",
+            value=status["bytes"],
+        )
+        yield GaugeMetricFamily(
+            "shoal_frontend_metadata_cache_files",
+            "Verified metadata files in the cache directory.",
+            value=status["files"],
+        )
+        yield GaugeMetricFamily(
+            "shoal_frontend_metadata_uncached_files",
+            "Verified metadata files used without being cached because the disk refused them.",
+            value=status["uncached_files"],
+        )
+        yield CounterMetricFamily(
+            "shoal_frontend_metadata_downloads",
+            "Metadata file downloads started (one per file, shared by every card needing it).",
+            value=cache.downloads,
+        )
+        yield CounterMetricFamily(
+            "shoal_frontend_metadata_cache_errors",
+            "Writes to the metadata cache that the disk refused (unwritable, full).",
+            value=cache.errors,
+        )
+        yield CounterMetricFamily(
+            "shoal_frontend_metadata_cache_evictions",
+            "Metadata files removed from the cache to keep it within its size.",
+            value=cache.evictions,
+        )
