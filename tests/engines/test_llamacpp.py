@@ -311,6 +311,39 @@ async def test_a_prompt_beyond_the_context_is_a_400_in_openai_format(
     assert engine.in_flight == 0
 
 
+@pytest.mark.llamacpp
+@needs_model
+async def test_an_unknown_model_is_a_404_model_not_found_and_generates_nothing(
+    served: tuple[LlamaCppEngine, Server],
+) -> None:
+    engine, server = served
+    async with client_for(server) as client:
+        for stream in (False, True):
+            with pytest.raises(openai.NotFoundError) as chat:
+                await client.chat.completions.create(
+                    model="gpt-4o", messages=QUESTION, max_tokens=2, stream=stream
+                )
+            assert isinstance(chat.value.body, dict)
+            assert (chat.value.body["code"], chat.value.body["param"]) == (
+                "model_not_found",
+                "model",
+            )
+            assert "gpt-4o" in chat.value.body["message"]
+        with pytest.raises(openai.NotFoundError) as completion:
+            await client.completions.create(model="gpt-4o", prompt="Hi", max_tokens=2)
+        assert completion.value.code == "model_not_found"
+        # The model's own name, and no name at all (as llama.cpp's server allows), still answer.
+        named = await client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hi", max_tokens=1)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}) as resp,
+    ):
+        assert resp.status == 200
+        unnamed = await resp.json()
+    assert named.model == unnamed["model"] == DEFAULT_MODEL_NAME
+    assert engine.tokens_generated == 2  # the two answered requests, one token each
+
+
 async def test_without_llama_cpp_start_names_the_extra_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

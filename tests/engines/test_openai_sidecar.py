@@ -1,14 +1,8 @@
-"""The `openai` sidecar engine against a small real OpenAI-compatible server in-process.
-
-The fake upstream stands in for vLLM: it answers `/health` and `/v1/models`, and streams
-a chat completion one chunk per release of a gate, so tests can prove that chunks cross
-the sidecar one by one.
-"""
+"""The `openai` sidecar engine against a small real OpenAI-compatible server in-process
+(`tests.engines.fake_upstream`, standing in for vLLM)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
@@ -19,114 +13,9 @@ from aiohttp import web
 
 from shoal.worker.engine import EngineUnavailableError
 from shoal.worker.engines.openai_sidecar import OpenAISidecarEngine, normalize_upstream
+from tests.engines.fake_upstream import MODEL, STREAM, FakeUpstream
 from tests.engines.support import client_for, engine_served
 from tests.helpers import Server, free_port, serving, wait_for
-
-MODEL = "fake/model-7b"
-
-
-def sse(payload: dict[str, object]) -> bytes:
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
-
-def chat_chunk(content: str, finish_reason: str | None = None) -> dict[str, object]:
-    return {
-        "id": "chatcmpl-1",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": MODEL,
-        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish_reason}],
-    }
-
-
-STREAM = [
-    sse(chat_chunk("Hello")),
-    sse(chat_chunk(", ")),
-    sse(chat_chunk("world", finish_reason="stop")),
-    b"data: [DONE]\n\n",
-]
-
-
-class FakeUpstream:
-    """A minimal OpenAI-compatible server that records every request it gets."""
-
-    def __init__(self, *, health_status: int = 200) -> None:
-        self.health_status = health_status
-        self.requests: list[tuple[str, str]] = []
-        self.gate = asyncio.Semaphore(0)  # one release per streamed chunk
-        self.chunks_sent = 0
-        self.hang_after_first_chunk = False
-        self.stream_cancelled = asyncio.Event()
-        self.server = Server(self.app())
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        return app
-
-    async def health(self, request: web.Request) -> web.Response:
-        self.requests.append((request.method, request.path))
-        return web.Response(status=self.health_status)
-
-    async def models(self, request: web.Request) -> web.Response:
-        self.requests.append((request.method, request.path))
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {"id": MODEL, "object": "model", "max_model_len": 8192, "parent": None},
-                    {"id": "sql-lora", "object": "model", "parent": MODEL},
-                ],
-            }
-        )
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        self.requests.append((request.method, request.path))
-        body = await request.json()
-        if not body.get("stream"):
-            return web.json_response(
-                {
-                    "id": "chatcmpl-1",
-                    "object": "chat.completion",
-                    "created": 1,
-                    "model": MODEL,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "Hello"},
-                            "finish_reason": "stop",
-                        }
-                    ],
-                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-                },
-                status=201,  # unusual on purpose: the status must cross unchanged
-            )
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        try:
-            for chunk in STREAM:
-                await self.gate.acquire()
-                self.chunks_sent += 1
-                await response.write(chunk)
-                if self.hang_after_first_chunk:
-                    await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            self.stream_cancelled.set()
-            raise
-        await response.write_eof()
-        return response
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeUpstream]:
-    fake = FakeUpstream()
-    await fake.server.start()
-    try:
-        yield fake
-    finally:
-        await fake.server.stop()
 
 
 def sidecar(upstream_url: str) -> AbstractAsyncContextManager[tuple[OpenAISidecarEngine, Server]]:
@@ -160,7 +49,7 @@ async def test_models_are_listed_while_healthy_withdrawn_while_down_and_back_aft
         base, adapter = await engine.served_models()
         assert (base.name, base.source, base.context_length) == (
             MODEL,
-            f"openai:{fake.server.url}/{MODEL}",
+            f"openai:{MODEL}",
             8192,
         )
         assert (base.adapter, base.base_model) == (None, None)
@@ -357,3 +246,143 @@ def test_upstream_urls_are_normalized_to_the_server_root() -> None:
     assert normalize_upstream("https://host/ollama/v1") == "https://host/ollama"
     with pytest.raises(ValueError, match="http"):
         normalize_upstream("gpu-1:8000")
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_the_client_authorization_never_reaches_the_upstream_only_the_configured_key(
+    fake: FakeUpstream,
+) -> None:
+    client_auth = {"Authorization": "Bearer the-client-s-own-key"}
+    async with sidecar(fake.server.url) as (_, server), aiohttp.ClientSession() as http:
+        fake.authorizations.clear()
+        async with http.post(
+            f"{server.url}/v1/chat/completions", json=CHAT, headers=client_auth
+        ) as response:
+            assert response.status == 201
+        assert fake.authorizations == [None]
+
+    fake.api_key = "upstream-key"
+    keyed = OpenAISidecarEngine(fake.server.url, health_interval=0.0, api_key="upstream-key")
+    async with engine_served(keyed) as (engine, server), aiohttp.ClientSession() as http:
+        assert await names_of(engine) == [MODEL, "sql-lora"]
+        fake.authorizations.clear()
+        async with http.post(
+            f"{server.url}/v1/chat/completions", json=CHAT, headers=client_auth
+        ) as response:
+            assert response.status == 201
+        assert fake.authorizations == ["Bearer upstream-key"]
+
+
+def redirecting_upstream(status: int, path: str) -> tuple[web.Application, list[str]]:
+    """An upstream whose `path` answers `status` to `/moved{path}`; requests that follow the
+    redirect are recorded (and answered as vLLM answers a bodiless POST turned into a GET)."""
+    followed: list[str] = []
+
+    async def redirect(request: web.Request) -> web.Response:
+        return web.Response(status=status, headers={"Location": f"/moved{path}"})
+
+    async def moved(request: web.Request) -> web.Response:
+        followed.append(f"{request.method} {request.path}")
+        if request.path.endswith("/completions") and not await request.read():
+            return web.json_response({"error": {"message": "empty body"}}, status=400)
+        return web.json_response({"data": [{"id": MODEL}]})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": MODEL}]})
+
+    app = web.Application()
+    app.router.add_route("*", path, redirect)
+    app.router.add_route("*", f"/moved{path}", moved)
+    if path != "/v1/models":
+        app.router.add_get("/v1/models", models)
+    return app, followed
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+async def test_a_redirect_on_the_request_path_is_not_followed_and_answers_502(
+    status: int,
+) -> None:
+    app, followed = redirecting_upstream(status, "/v1/chat/completions")
+    async with (
+        serving(app) as upstream,
+        sidecar(upstream.url) as (engine, server),
+        aiohttp.ClientSession() as http,
+        http.post(f"{server.url}/v1/chat/completions", json=CHAT) as response,
+    ):
+        assert response.status == 502
+        error = (await response.json())["error"]
+    assert error["code"] == "upstream_redirect"
+    assert f"{status}" in error["message"]
+    assert f"{upstream.url}/moved/v1/chat/completions" in error["message"]
+    assert followed == []  # never turned into a bodiless GET, never re-sent elsewhere
+    assert engine.in_flight == 0
+
+
+async def test_a_redirect_on_the_health_probe_is_reported_not_followed() -> None:
+    app, followed = redirecting_upstream(301, "/health")
+    async with serving(app) as upstream:
+        engine = OpenAISidecarEngine(upstream.url, health_interval=0.0)
+        await engine.start()
+        try:
+            assert await engine.served_models() == []
+            with pytest.raises(
+                EngineUnavailableError,
+                match=rf"GET {upstream.url}/health redirected \(301\) to "
+                rf"{upstream.url}/moved/health: .*--upstream",
+            ):
+                await engine.check_health()
+        finally:
+            await engine.stop()
+    assert followed == []
+
+
+async def test_only_the_model_named_is_announced_with_its_adapters(fake: FakeUpstream) -> None:
+    fake.model_ids = ["other-model", MODEL]
+    engine = OpenAISidecarEngine(fake.server.url, model=MODEL, health_interval=0.0)
+    await engine.start()
+    try:
+        assert await names_of(engine) == [MODEL, "sql-lora"]
+        await engine.check_health()
+    finally:
+        await engine.stop()
+
+
+async def test_a_model_the_upstream_does_not_list_is_not_announced_and_unhealthy_says_why(
+    fake: FakeUpstream,
+) -> None:
+    fake.model_ids = ["other-model"]
+    engine = OpenAISidecarEngine(fake.server.url, model="wanted", health_interval=0.0)
+    await engine.start()
+    try:
+        assert await engine.served_models() == []
+        with pytest.raises(
+            EngineUnavailableError, match=r"does not list 'wanted' \(it lists other-model, sql-lora"
+        ):
+            await engine.check_health()
+        fake.model_ids = ["other-model", "wanted"]  # the upstream loads it later: announced
+        assert await names_of(engine) == ["wanted"]
+        await engine.check_health()
+    finally:
+        await engine.stop()
+
+
+async def test_a_model_has_the_same_source_whichever_upstream_serves_it(
+    fake: FakeUpstream,
+) -> None:
+    other = FakeUpstream()
+    await other.server.start()
+    try:
+        sources = []
+        for upstream in (fake, other):
+            engine = OpenAISidecarEngine(upstream.server.url, model=MODEL, health_interval=0.0)
+            await engine.start()
+            try:
+                sources.append([(m.name, m.source) for m in await engine.served_models()])
+            finally:
+                await engine.stop()
+    finally:
+        await other.server.stop()
+    assert fake.server.url != other.server.url
+    assert sources[0] == sources[1]

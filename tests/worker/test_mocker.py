@@ -96,6 +96,24 @@ def test_apply_stop_keeps_the_piece_that_completed_the_stop_string() -> None:
     assert hit and len(kept) == 3 and "".join(kept) == "".join(pieces[:2]) + pieces[2][:1]
 
 
+def test_apply_stop_counts_every_piece_up_to_the_one_that_completed_the_stop_string() -> None:
+    pieces = ["a", " bb", " cc", " dd", " ee"]
+    # Spanning two pieces: completed by " dd", so four pieces were generated.
+    assert apply_stop(pieces, ["c d"]) == (["a", " bb", " c", ""], True)
+    # On a boundary: " cc" starts where a piece starts and is completed by that piece.
+    assert apply_stop(pieces, [" cc"]) == (["a", " bb", ""], True)
+    assert apply_stop(pieces, [" cc"], include=True) == (["a", " bb", " cc"], True)
+    assert apply_stop(pieces, ["zz", ""]) == (pieces, False)
+
+
+def test_apply_stop_ends_at_the_stop_string_completed_first_not_the_one_starting_first() -> None:
+    pieces = ["a", " bb", " cc", " dd", " ee"]
+    # " bb cc dd" starts first but is completed by piece 3; " cc" is completed by piece 2.
+    assert apply_stop(pieces, [" bb cc dd", " cc"]) == (["a", " bb", ""], True)
+    # Both completed by the same piece: the first listed wins, as in vLLM's check.
+    assert apply_stop(pieces, ["c", " cc"]) == (["a", " bb", " "], True)
+
+
 async def test_streaming_chat_is_openai_sse_with_a_usage_chunk_and_done(
     make_mocker: Make,
 ) -> None:

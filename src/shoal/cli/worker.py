@@ -54,6 +54,7 @@ def add_parser(sub: Any) -> None:
     flag("--drain-timeout", "30", type=float, help="seconds to let requests finish on SIGTERM")
     flag("--admin-token", None, help="Bearer token required to load/unload adapters")
     flag("--upstream", None, help="openai engine: URL of the OpenAI-compatible server")
+    flag("--upstream-api-key", None, help="openai engine: API key the upstream requires")
     flag("--model-path", None, help="llamacpp engine: path of the GGUF file")
     mocker = partial(env_flag, p.add_argument_group("mocker engine"))
     mocker("--ttft-ms", "50", type=float, help="time to first token")
@@ -82,7 +83,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
     elif args.engine == "openai":
         if not args.upstream:
             raise SystemExit("shoal worker: --upstream is required for the openai engine")
-        engine = cls(args.upstream)
+        engine = cls(args.upstream, model=args.model, api_key=args.upstream_api_key)
     else:
         # Without --model-path, the SmolLM2-135M GGUF shipped in the llamacpp extra is served.
         engine = cls(args.model_path, name=args.model)

@@ -31,6 +31,7 @@ from shoal.worker.protocol import (
     SSE_HEADERS,
     OpenAIError,
     decode_request,
+    model_not_found,
     openai_errors,
 )
 
@@ -391,6 +392,7 @@ class LlamaCppEngine(Engine):
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = decode_request(await request.read(), _chat_decoder)
+        self._check_model(body.model)
         return await self._generate(
             request,
             body,
@@ -406,6 +408,7 @@ class LlamaCppEngine(Engine):
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_request(await request.read(), _completion_decoder)
+        self._check_model(body.model)
         return await self._generate(
             request,
             body,
@@ -418,6 +421,11 @@ class LlamaCppEngine(Engine):
                 logprobs=body.logprobs,
             ),
         )
+
+    def _check_model(self, model: str | None) -> None:
+        """A request names this engine's model, or none (llama.cpp's server allows that)."""
+        if model is not None and model != self.model_name:
+            raise model_not_found(model)
 
     def _loaded(self) -> Any:
         if self._llm is None or self._executor is None:

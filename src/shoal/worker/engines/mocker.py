@@ -16,8 +16,10 @@ from __future__ import annotations
 import array
 import asyncio
 import base64
+import bisect
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -48,8 +50,16 @@ from shoal.worker.protocol import (
 )
 
 # -- requests ---------------------------------------------------------------------------
+#
+# The mocker stands in for vLLM, so every field that would change a real answer either
+# behaves as vLLM's does (`stop`, `seed`, `echo`, `ignore_eos`, `include_stop_str_in_output`,
+# `max_tokens`) or is refused with a 400 naming it (`unsupported()`). Sampling parameters
+# are checked for type and range (OpenAI's) and leave the synthetic text as it is.
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
+Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -61,28 +71,124 @@ class ChatMessage(msgspec.Struct):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatRequest(msgspec.Struct):
-    model: str
-    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: NonNegative | None = None
-    max_completion_tokens: NonNegative | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    seed: int | None = None
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+"""vLLM's guided decoding fields: the mocker cannot constrain its text."""
 
 
-class CompletionRequest(msgspec.Struct):
+class _Generation(msgspec.Struct, kw_only=True):
+    """The fields chat and text completions share."""
+
     model: str
-    prompt: str | list[Any]
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: NonNegative | None = None
+    max_tokens: Positive | None = None
     stop: str | list[str] | None = None
     n: int = 1
     seed: int | None = None
     echo: bool = False
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    # Refused when set to anything that would change the answer (see `unsupported`).
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something the mocker cannot honour, if any."""
+        if self.n != 1:
+            return "n"
+        if self.logit_bias:
+            return "logit_bias"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format"
+        if self.min_tokens:
+            return "min_tokens"
+        if self.stop_token_ids:
+            return "stop_token_ids"
+        if self.bad_words:
+            return "bad_words"
+        if self.prompt_logprobs is not None:
+            return "prompt_logprobs"
+        for name in _GUIDED:
+            if getattr(self, name) is not None:
+                return name
+        return None
+
+
+class ChatRequest(_Generation, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: Positive | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs:
+            return "logprobs"
+        if self.top_logprobs:
+            return "top_logprobs"
+        if self.tools and self.tool_choice != "none":
+            return "tools"
+        if self.functions and self.function_call != "none":
+            return "functions"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice"
+        if self.function_call not in (None, "none", "auto"):
+            return "function_call"
+        if self.audio is not None:
+            return "audio"
+        return super().unsupported()
+
+
+class CompletionRequest(_Generation, kw_only=True):
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs is not None:
+            return "logprobs"
+        if self.suffix:
+            return "suffix"
+        if self.best_of not in (None, 1):
+            return "best_of"
+        return super().unsupported()
+
+
+def check_request(req: _Generation) -> None:
+    """Refuse, as vLLM does, what the mocker cannot answer faithfully; the 400 names the field."""
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError(
+            400,
+            "stream_options is only allowed when stream is true.",
+            param="stream_options",
+        )
+    field = req.unsupported()
+    if field is not None:
+        raise OpenAIError(
+            400,
+            f"The mocker does not support `{field}` as given: it would change the answer, "
+            "and the mocker cannot honour it.",
+            param=field,
+            code="unsupported_parameter",
+        )
 
 
 class EmbeddingRequest(msgspec.Struct):
@@ -134,14 +240,16 @@ def tokenize(text: str) -> list[str]:
 
 def render_chat(messages: Iterable[ChatMessage]) -> str:
     """The prompt a chat becomes, as `CHAT_TEMPLATE` renders it."""
-    parts = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-        parts.append(f"<|{m.role}|>\n{content or ''}\n")
+    parts = [f"<|{m.role}|>\n{render_chat_content(m.content)}\n" for m in messages]
     parts.append("<|assistant|>\n")
     return "".join(parts)
+
+
+def render_chat_content(content: str | list[dict[str, Any]] | None) -> str:
+    """A message's content as text: content parts (`[{"type": "text", ...}]`) joined."""
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return content or ""
 
 
 def _seed(*parts: object) -> int:
@@ -161,27 +269,33 @@ def generate(seed: int, count: int) -> list[str]:
     return pieces
 
 
-def apply_stop(pieces: list[str], stop: list[str]) -> tuple[list[str], bool]:
-    """Cut the text before the first stop string; returns the pieces kept and whether one hit.
+def apply_stop(
+    pieces: list[str], stop: list[str], *, include: bool = False
+) -> tuple[list[str], bool]:
+    """Cut the text at the first stop string completed; returns the pieces kept and whether
+    one was.
 
-    The piece holding the stop string counts as generated (as an engine counts the token
-    that completed it), so it is kept, truncated, possibly to "".
+    As an engine checks the stop strings after each token, the stop string completed by
+    the earliest piece wins (the first listed on a tie), and every piece up to the one
+    that completed it counts as generated: it is kept, truncated, possibly to "". The
+    text ends before the stop string, or after it with `include` (vLLM's
+    `include_stop_str_in_output`).
     """
-    stop = [s for s in stop if s]
-    if not stop:
-        return pieces, False
     text = "".join(pieces)
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    if cut < 0:
+    ends = list(itertools.accumulate(map(len, pieces)))
+    best: tuple[int, int] | None = None  # (index of the completing piece, where the text ends)
+    for s in stop:
+        start = text.find(s) if s else -1
+        if start < 0:
+            continue
+        last = bisect.bisect_left(ends, start + len(s))
+        if best is None or last < best[0]:
+            best = (last, start + len(s) if include else start)
+    if best is None:
         return pieces, False
-    kept: list[str] = []
-    pos = 0
-    for piece in pieces:
-        if pos + len(piece) >= cut:
-            kept.append(piece[: cut - pos])
-            break
-        kept.append(piece)
-        pos += len(piece)
+    last, cut = best
+    starts = [0, *ends[:last]]
+    kept = [piece[: max(cut - start, 0)] for piece, start in zip(pieces, starts, strict=False)]
     return kept, True
 
 
@@ -205,6 +319,19 @@ class _Plan:
     prompt_tokens: list[str]
     pieces: list[str]
     finish_reason: str
+    echo: str = ""
+    """Text the answer starts with before the generated pieces (`echo`), not counted."""
+
+    @property
+    def text(self) -> str:
+        return self.echo + "".join(self.pieces)
+
+    def streamed_pieces(self) -> list[str]:
+        """The text of each streamed chunk: the echo goes with the first piece."""
+        if not self.echo:
+            return self.pieces
+        first = self.pieces[0] if self.pieces else ""
+        return [self.echo + first, *self.pieces[1:]]
 
     @property
     def usage(self) -> dict[str, int]:
@@ -420,13 +547,13 @@ class MockerEngine(Engine):
 
     def _plan(
         self,
-        model: str,
+        req: _Generation,
         prompt: str,
         tokens: list[str],
         max_tokens: int | None,
-        stop: str | list[str] | None,
-        seed: int | None,
+        echo: str = "",
     ) -> _Plan:
+        """What `req` will produce for `prompt` (its `tokens`), worked out up front."""
         if len(tokens) > self.context_length:
             raise OpenAIError(
                 400,
@@ -436,8 +563,12 @@ class MockerEngine(Engine):
                 code="context_length_exceeded",
             )
         room = self.context_length - len(tokens)
-        seed_value = _seed(model if model != self.model else "", seed or "", prompt)
-        if max_tokens is None:
+        model = req.model
+        seed = "" if req.seed is None else req.seed
+        seed_value = _seed(model if model != self.model else "", seed, prompt)
+        if max_tokens is None and req.ignore_eos:
+            count, finish = room, "length"  # never an end of sequence: up to the context
+        elif max_tokens is None:
             count, finish = min(16 + seed_value % 113, room), "stop"
         elif max_tokens > room:
             raise OpenAIError(
@@ -450,20 +581,21 @@ class MockerEngine(Engine):
         else:
             count, finish = max_tokens, "length"
         pieces = generate(seed_value, count)
+        stop = req.stop
         if stop is not None:
-            pieces, hit = apply_stop(pieces, [stop] if isinstance(stop, str) else stop)
+            stops = [stop] if isinstance(stop, str) else stop
+            pieces, hit = apply_stop(pieces, stops, include=req.include_stop_str_in_output)
             if hit:
                 finish = "stop"
-        return _Plan(model, tokens, pieces, finish)
+        return _Plan(model, tokens, pieces, finish, echo)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = decode_request(await request.read(), _chat_decoder)
         self._check_model(req.model)
-        if req.n != 1:
-            raise OpenAIError(400, "The mocker supports only n=1.", param="n")
+        check_request(req)
         prompt = render_chat(req.messages)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-        plan = self._plan(req.model, prompt, tokenize(prompt), max_tokens, req.stop, req.seed)
+        plan = self._plan(req, prompt, tokenize(prompt), max_tokens, _chat_echo(req))
         self.requests["chat"] += 1
         usage = req.stream_options is not None and req.stream_options.include_usage
         if req.stream:
@@ -478,7 +610,7 @@ class MockerEngine(Engine):
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": "".join(plan.pieces)},
+                        "message": {"role": "assistant", "content": plan.text},
                         "logprobs": None,
                         "finish_reason": plan.finish_reason,
                     }
@@ -490,17 +622,15 @@ class MockerEngine(Engine):
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = decode_request(await request.read(), _completion_decoder)
         self._check_model(req.model)
-        if req.n != 1:
-            raise OpenAIError(400, "The mocker supports only n=1.", param="n")
+        check_request(req)
         prompt = _single_prompt(req.prompt)
         tokens = tokenize(prompt) if isinstance(req.prompt, str) else prompt.split()
-        plan = self._plan(req.model, prompt, tokens, req.max_tokens, req.stop, req.seed)
+        plan = self._plan(req, prompt, tokens, req.max_tokens, prompt if req.echo else "")
         self.requests["completions"] += 1
         usage = req.stream_options is not None and req.stream_options.include_usage
         if req.stream:
             return await self._stream(request, plan, _CompletionChunks, usage)
         await self._run_to_end(plan)
-        text = "".join(plan.pieces)
         return _json(
             {
                 "id": self._ids("cmpl"),
@@ -510,7 +640,7 @@ class MockerEngine(Engine):
                 "choices": [
                     {
                         "index": 0,
-                        "text": prompt + text if req.echo else text,
+                        "text": plan.text,
                         "logprobs": None,
                         "finish_reason": plan.finish_reason,
                     }
@@ -634,7 +764,7 @@ class MockerEngine(Engine):
             # Every event at once, in one plain response: the cheapest stream to send.
             self._count(plan)
             body = [fmt.first()]
-            body.extend(fmt.piece(p) for p in plan.pieces)
+            body.extend(fmt.piece(p) for p in plan.streamed_pieces())
             body.append(fmt.last(plan.finish_reason))
             if usage:
                 body.append(fmt.usage(plan.usage))
@@ -644,9 +774,13 @@ class MockerEngine(Engine):
         await response.prepare(request)
         if first := fmt.first():
             await response.write(first)
+        echo = plan.echo  # sent with the first piece, as vLLM sends the prompt
         async with contextlib.aclosing(self._produce(plan, stream=True)) as pieces:
             async for piece in pieces:
-                await response.write(fmt.piece(piece))
+                await response.write(fmt.piece(echo + piece if echo else piece))
+                echo = ""
+        if echo:
+            await response.write(fmt.piece(echo))
         await response.write(fmt.last(plan.finish_reason))
         if usage:
             await response.write(fmt.usage(plan.usage))
@@ -744,6 +878,15 @@ class _CompletionChunks(_Chunks):
 
 def _json(body: dict[str, Any]) -> web.Response:
     return web.Response(body=_encode(body), content_type="application/json")
+
+
+def _chat_echo(req: ChatRequest) -> str:
+    """With `echo`, the last message's text when it is the assistant's (vLLM's extension: the
+    answer continues it)."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant":
+        return ""
+    return render_chat_content(last.content)
 
 
 def _single_prompt(prompt: str | list[Any]) -> str:

@@ -3,6 +3,10 @@
 vLLM, SGLang, the llama.cpp server and Ollama already speak the OpenAI API; this engine
 announces the models the server lists while it is healthy and forwards requests to it
 byte for byte, streaming the response back as it arrives.
+
+The sidecar authenticates to the upstream with its own key (never the client's), and
+follows no redirects: a redirect would turn a POST into a bodiless GET, so it is reported
+as a misconfigured upstream URL instead.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import logging
 import math
 import time
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -49,16 +53,25 @@ _HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-_NOT_FORWARDED_REQUEST = _HOP_BY_HOP | {"host", "content-length"}
+# The client's credentials are for this worker, not for the upstream: the upstream gets the
+# sidecar's own key (`api_key`), or none.
+_NOT_FORWARDED_REQUEST = _HOP_BY_HOP | {"host", "content-length", "authorization"}
+_NOT_REDIRECTS = frozenset({300, 304})
 
 
 class OpenAISidecarEngine(Engine):
     """Serve the models of an OpenAI-compatible server at `upstream_url`.
 
     `served_models()` lists the upstream's models while it is healthy and nothing when it
-    is not, so the runtime withdraws them from discovery. Health and model probes are
-    cached for `health_interval` seconds and never generate. `request_timeout` bounds a
-    whole forwarded request (None: no limit, generations can be long).
+    is not, so the runtime withdraws them from discovery. With `model`, only that model
+    (and the LoRA adapters the upstream lists on it) is announced, and an upstream that
+    does not list it is unhealthy. Health and model probes are cached for
+    `health_interval` seconds and never generate. `request_timeout` bounds a whole
+    forwarded request (None: no limit, generations can be long). `api_key` is sent to the
+    upstream as a Bearer token; the client's own `Authorization` never is.
+
+    A model's identity is its name, not the URL it is reached at: replicas of one model
+    behind different upstream servers announce identical cards.
 
     A client disconnect cancels the upstream request when the app is served with
     handler cancellation on (`web.AppRunner(app, handler_cancellation=True)`); without
@@ -71,14 +84,16 @@ class OpenAISidecarEngine(Engine):
         self,
         upstream_url: str,
         *,
+        model: str | None = None,
         health_interval: float = 2.0,
         request_timeout: float | None = None,
         api_key: str | None = None,
     ) -> None:
         self.upstream = normalize_upstream(upstream_url)
+        self.model = model or None
         self.health_interval = health_interval
         self.request_timeout = request_timeout
-        self._api_key = api_key
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
         self._probe_lock = asyncio.Lock()
         self._probed_at = -math.inf
@@ -172,9 +187,16 @@ class OpenAISidecarEngine(Engine):
         try:
             async with self._session.get(
                 url,
-                headers=self._auth_headers(),
+                headers=self._auth,
+                allow_redirects=False,
                 timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT),
             ) as response:
+                if is_redirect(response.status):
+                    raise EngineUnavailableError(
+                        f"GET {url} redirected ({response.status}) to "
+                        f"{redirect_target(response)}: set --upstream to the URL the server "
+                        "answers at (the sidecar follows no redirects)"
+                    )
                 if not 200 <= response.status < 300:
                     return response.status, None
                 if path == "/health":
@@ -207,15 +229,26 @@ class OpenAISidecarEngine(Engine):
             is_adapter = isinstance(parent, str) and parent and parent != model_id
             models[model_id] = ServedModel(
                 name=model_id,
-                source=f"openai:{self.upstream}/{model_id}",
+                source=f"openai:{model_id}",
                 context_length=context_length,
                 adapter=model_id if is_adapter else None,
                 base_model=parent if is_adapter else None,
             )
-        return list(models.values())
+        return self._select(models)
 
-    def _auth_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+    def _select(self, models: dict[str, ServedModel]) -> list[ServedModel]:
+        """All `models`, or with `self.model` that one and its adapters (unhealthy if absent)."""
+        if self.model is None:
+            return list(models.values())
+        chosen = models.get(self.model)
+        if chosen is None:
+            listed = ", ".join(sorted(models)) or "nothing"
+            raise EngineUnavailableError(
+                f"GET {self.upstream}/v1/models does not list {self.model!r} (it lists "
+                f"{listed}): check --model, or wait for the server to load it"
+            )
+        adapters = [m for m in models.values() if m.base_model == self.model]
+        return [chosen, *(m for m in adapters if m is not chosen)]
 
     # -- forwarding ----------------------------------------------------------------------
 
@@ -236,7 +269,7 @@ class OpenAISidecarEngine(Engine):
         for name, value in request.headers.items():
             if name.lower() not in _NOT_FORWARDED_REQUEST:
                 headers.add(name, value)
-        headers.update(self._auth_headers())
+        headers.update(self._auth)
         url = self.upstream + request.rel_url.raw_path_qs
         try:
             upstream = await session.request(
@@ -244,6 +277,7 @@ class OpenAISidecarEngine(Engine):
                 url,
                 data=body,
                 headers=headers,
+                allow_redirects=False,
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout),
             )
         except TimeoutError:
@@ -261,6 +295,16 @@ class OpenAISidecarEngine(Engine):
                 type="server_error",
                 code="upstream_unavailable",
             ) from None
+        if is_redirect(upstream.status):
+            upstream.close()
+            raise OpenAIError(
+                502,
+                f"The upstream server answered {request.method} {url} with a redirect "
+                f"({upstream.status}) to {redirect_target(upstream)}; the sidecar follows no "
+                "redirects: set its --upstream to the URL the server answers at.",
+                type="server_error",
+                code="upstream_redirect",
+            )
 
         # Any exit before the upstream body is complete closes the upstream connection: a
         # client disconnect (cancellation or a failed write) is how OpenAI servers learn
@@ -293,6 +337,19 @@ class OpenAISidecarEngine(Engine):
                 upstream.release()
             else:
                 upstream.close()
+
+
+def is_redirect(status: int) -> bool:
+    """A 3xx that sends the client elsewhere (301, 302, 303, 307, 308)."""
+    return 300 <= status < 400 and status not in _NOT_REDIRECTS
+
+
+def redirect_target(response: aiohttp.ClientResponse) -> str:
+    """Where a redirect points, as an absolute URL (or a placeholder when it does not say)."""
+    location = response.headers.get("Location")
+    if not location:
+        return "(no Location header)"
+    return urljoin(str(response.url), location)
 
 
 def normalize_upstream(url: str) -> str:

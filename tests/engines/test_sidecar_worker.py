@@ -1,0 +1,101 @@
+"""Real `shoal worker --engine openai` processes in front of a fake OpenAI-compatible upstream,
+on a SQLite store, checked through discovery, the status server and the openai client."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from shoal.discovery import Discovery, ModelInstance, Query
+from shoal.store import Store, open_store
+from tests.engines.fake_upstream import MODEL, FakeUpstream
+from tests.processes import Process, Processes
+
+UPSTREAM_KEY = "sk-upstream-only"
+
+
+@pytest.fixture
+def store_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'store.db'}"
+
+
+@pytest.fixture
+async def store(store_url: str) -> AsyncIterator[Store]:
+    s = await open_store(store_url)
+    yield s
+    await s.close()
+
+
+async def sidecar_worker(
+    processes: Processes, store_url: str, upstream: FakeUpstream, *args: str, model: str = MODEL
+) -> Process:
+    return await processes.worker(
+        store_url, "--upstream", upstream.server.url, *args, model=model, engine="openai"
+    )
+
+
+async def models_of(store: Store, worker: Process) -> list[ModelInstance]:
+    models = await Discovery(store).list(Query(namespace="default"))
+    return [m for m in models if m.instance_id == worker.instance_id]
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+async def test_a_sidecar_with_the_upstream_api_key_announces_and_serves_a_keyed_upstream(
+    how: str,
+    fake: FakeUpstream,
+    processes: Processes,
+    store_url: str,
+    store: Store,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake.api_key = UPSTREAM_KEY
+    args: tuple[str, ...] = ()
+    if how == "flag":
+        args = ("--upstream-api-key", UPSTREAM_KEY)
+    else:
+        monkeypatch.setenv("SHOAL_UPSTREAM_API_KEY", UPSTREAM_KEY)
+    worker = await sidecar_worker(processes, store_url, fake, *args)
+
+    assert [m.card.display_name for m in await models_of(store, worker)] == [MODEL, "sql-lora"]
+    fake.authorizations.clear()
+    async with openai.AsyncOpenAI(
+        base_url=worker.url + "/v1", api_key="the-client-s-own-key", max_retries=0
+    ) as client:
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert chat.choices[0].message.content == "Hello"
+    assert fake.authorizations == [f"Bearer {UPSTREAM_KEY}"]
+
+
+async def test_a_sidecar_whose_upstream_lacks_the_model_announces_nothing_and_says_why(
+    fake: FakeUpstream, processes: Processes, store_url: str, store: Store
+) -> None:
+    fake.model_ids = ["other-model"]
+    worker = await sidecar_worker(processes, store_url, fake, model="wanted")
+
+    assert await models_of(store, worker) == []
+    async with aiohttp.ClientSession() as http, http.get(worker.status_url + "/health") as resp:
+        assert resp.status == 503
+        reasons = " ".join((await resp.json())["reasons"])
+    assert "does not list 'wanted'" in reasons and "other-model" in reasons
+
+
+async def test_sidecar_replicas_behind_different_upstreams_announce_one_identity(
+    fake: FakeUpstream, processes: Processes, store_url: str, store: Store
+) -> None:
+    other = FakeUpstream()
+    await other.server.start()
+    try:
+        first = await sidecar_worker(processes, store_url, fake)
+        second = await sidecar_worker(processes, store_url, other)
+        cards = [m.card for w in (first, second) for m in await models_of(store, w)]
+    finally:
+        await other.server.stop()
+    assert [c.display_name for c in cards] == [MODEL, "sql-lora", MODEL, "sql-lora"]
+    assert cards[0].mdcsum == cards[2].mdcsum, "one model, one identity, whatever its upstream"
+    assert cards[1].mdcsum == cards[3].mdcsum
