@@ -10,6 +10,7 @@ that in reverse: discovery first, so no frontend fetches a file that is already 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import socket
 from collections.abc import Mapping
@@ -66,9 +67,24 @@ def metadata_files_in(directory: Path) -> dict[str, Path]:
     return found
 
 
+def adapter_suffix(name: str) -> str:
+    """The discovery suffix of adapter `name`: distinct names always get distinct suffixes.
+
+    A name that is its own slug (`my-lora`) is its suffix; any other name (`My-Lora`,
+    `org/lora`, `日本語`) gets its slug plus 8 hex digits of its SHA-256, so names that
+    slug alike (`My-Adapter`, `my adapter`) or not at all (every non-Latin name slugs to
+    `model`) never share a key.
+    """
+    slug = slugify(name)
+    if slug == name:
+        return check_suffix(slug)
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return check_suffix(f"{slug[:119]}-{digest}")
+
+
 def suffix_for(model: ServedModel) -> str | None:
     """The discovery suffix of a served model: None for a base model, else from the adapter name."""
-    return None if model.adapter is None else check_suffix(slugify(model.adapter))
+    return None if model.adapter is None else adapter_suffix(model.adapter)
 
 
 def card_for(model: ServedModel) -> tuple[ModelCard, dict[str, Path]]:
