@@ -218,9 +218,9 @@ class StatusServer:
         try:
             suffix = adapter_suffix(name)
         except ValueError:
-            suffix = None
+            raise OpenAIError(404, f"no adapter {name!r} is loaded", param="name") from None
         for ep in self.runtime.endpoints.values():
-            att = ep.models.get(suffix) if suffix is not None else None
+            att = ep.models.get(suffix)
             if att is None or att.card.lora is None or att.card.display_name != name:
                 continue
             async with ep.sync_lock:
