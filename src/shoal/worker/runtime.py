@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,12 @@ class Runtime:
     ) -> None:
         if lease_ttl <= 0:
             raise ValueError(f"lease_ttl must be positive, got {lease_ttl}")
+        if not admin_token and not is_loopback(host):
+            raise ValueError(
+                f"the status server on {host}, not a loopback address, would let anyone who "
+                "reaches it load adapters from any path: set an admin token "
+                "(--admin-token or SHOAL_ADMIN_TOKEN), or serve on 127.0.0.1"
+            )
         self._store_arg = store
         self.store: Store | None = store if isinstance(store, Store) else None
         self.lease_ttl = lease_ttl
@@ -171,6 +178,30 @@ class Runtime:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
             self._signals_installed = True
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested.is_set()
+
+    async def unless_stopped(self, step: Awaitable[object]) -> bool:
+        """Await a start-up `step` unless a stop is requested first (then cancel it).
+
+        True when `step` finished and no stop was requested: the caller may go on (and say
+        it is ready). `step`'s exception is raised.
+        """
+        task = asyncio.ensure_future(step)
+        stop = asyncio.ensure_future(self._stop_requested.wait())
+        try:
+            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait([task])
+        if task.cancelled():
+            return False
+        task.result()
+        return not self.stop_requested
 
     async def run_until_stopped(self) -> None:
         """Serve until SIGTERM/SIGINT (or `request_stop()`), then drain."""
@@ -398,6 +429,16 @@ class Runtime:
         if self.store is None:
             raise RuntimeError("the runtime is not started")
         return self.store
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address, or `localhost`) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name that may resolve to anything: not loopback
 
 
 class _LeaseControl(Controller):

@@ -125,7 +125,11 @@ class StatusServer:
         if not token:
             return
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+        try:  # aiohttp keeps undecodable header bytes as lone surrogates
+            given_bytes = given.encode()
+        except UnicodeEncodeError:
+            given_bytes = b""
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, token.encode()):
             raise OpenAIError(
                 401,
                 "A valid admin token is required: send `Authorization: Bearer <token>`.",
