@@ -47,6 +47,9 @@ WEIGHT_SUFFIXES = (
 )
 METADATA_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py")
 MAX_METADATA_FILE = 64 * 1024 * 1024
+SHUTDOWN_GRACE = 0.1
+"""Seconds a server gives requests still in flight when it stops (twice: to finish, then to
+end once cancelled). Drain waits for them before, so this only cuts what outlived it."""
 
 
 def metadata_files_in(directory: Path) -> dict[str, Path]:
@@ -197,7 +200,7 @@ class Endpoint:
             app = engine.app()
             app.middlewares.insert(0, self._track)
             runner = web.AppRunner(
-                app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0
+                app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE
             )
             await runner.setup()
             site = web.TCPSite(runner, host, port)
@@ -332,7 +335,17 @@ class Endpoint:
         return msgspec.structs.replace(card, metadata_files=listed)
 
     async def close(self) -> None:
-        """Detach every model, withdraw the instance and stop serving."""
+        """Stop serving (cutting what is in flight), then withdraw from discovery."""
+        await self.stop_serving()
+        await self.withdraw()
+
+    async def stop_serving(self) -> None:
+        """Close the request port and stop the engine; requests still in flight are cut
+        after `SHUTDOWN_GRACE` (the drain has waited for them already)."""
+        await self._stop_serving()
+
+    async def withdraw(self) -> None:
+        """Detach every model (discovery first, then metadata) and withdraw the instance."""
         for suffix in list(self.models):
             try:
                 await self.detach_model(suffix)
@@ -342,4 +355,3 @@ class Endpoint:
             await self.runtime.unregister_instance(self)
         except Exception as exc:
             log.warning("endpoint %s: unregistering the instance failed: %s", self.id, exc)
-        await self._stop_serving()

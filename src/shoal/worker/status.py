@@ -22,7 +22,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shoal.discovery import EndpointId, ModelConflictError
 from shoal.store import StoreError
-from shoal.worker.endpoint import Attached, Endpoint, adapter_suffix, advertised_host
+from shoal.worker.endpoint import (
+    SHUTDOWN_GRACE,
+    Attached,
+    Endpoint,
+    adapter_suffix,
+    advertised_host,
+)
 from shoal.worker.engine import EngineUnavailableError
 from shoal.worker.metadata import CollisionError, MetadataKey
 from shoal.worker.protocol import OpenAIError, decode_request, openai_errors
@@ -68,7 +74,7 @@ class StatusServer:
         return app
 
     async def start(self, host: str, port: int) -> None:
-        runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=1.0)
+        runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
