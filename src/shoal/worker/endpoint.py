@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from shoal.cards import MetadataFile, ModelCard, file_checksum, slugify
+from shoal.cards import MetadataFile, ModelCard, slugify
 from shoal.discovery import EndpointId, InstanceInfo, ModelKey
 from shoal.discovery.keys import check_suffix
 from shoal.worker.engine import Engine, ServedModel
-from shoal.worker.metadata import MetadataKey
+from shoal.worker.metadata import MAX_METADATA_FILE, MetadataKey, Snapshot
 
 if TYPE_CHECKING:
     from shoal.worker.runtime import Runtime
@@ -46,7 +46,6 @@ WEIGHT_SUFFIXES = (
     ".ot",
 )
 METADATA_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py")
-MAX_METADATA_FILE = 64 * 1024 * 1024
 SHUTDOWN_GRACE = 0.1
 """Seconds a server gives requests still in flight when it stops (twice: to finish, then to
 end once cancelled). Drain waits for them before, so this only cuts what outlived it."""
@@ -127,7 +126,7 @@ class Attached:
 
     key: ModelKey
     card: ModelCard
-    files: dict[str, Path]
+    files: dict[str, bytes]  # the metadata files as registered (what the card's checksums say)
     served: ServedModel | None = None  # set when the model came from the engine
 
 
@@ -262,16 +261,18 @@ class Endpoint:
     ) -> ModelCard:
         """Announce `card` on this endpoint instance (`suffix`: a LoRA adapter's key).
 
-        `files` are metadata files to host on the status server: the card's
-        `metadata_files` are set to their URLs, checksums and sizes. Returns the card as
-        announced. Raises (and leaves nothing attached) if the store refuses it.
+        `files` are metadata files to host on the status server, read once now: the card's
+        `metadata_files` are set to their URLs, checksums and sizes, and those bytes are
+        what is served, whatever happens to the files later. Returns the card as
+        announced. Raises (and leaves nothing attached) if the store refuses it, or
+        `ValueError` if a file is over `MAX_METADATA_FILE` bytes.
         """
         if suffix is not None:
             check_suffix(suffix)
-        hosted = dict(files or {})
-        if hosted:
-            card = await self._with_metadata(card, suffix, hosted)
-        await self.runtime.attach(self, card, suffix, hosted)
+        snapshots: dict[str, bytes] = {}
+        if files:
+            card, snapshots = await self._with_metadata(card, suffix, files)
+        await self.runtime.attach(self, card, suffix, snapshots)
         return card
 
     async def detach_model(self, suffix: str | None = None) -> None:
@@ -325,14 +326,19 @@ class Endpoint:
 
     async def _with_metadata(
         self, card: ModelCard, suffix: str | None, files: Mapping[str, Path]
-    ) -> ModelCard:
+    ) -> tuple[ModelCard, dict[str, bytes]]:
+        """The card listing `files` (URL, checksum, size) and their bytes, from one read."""
         listed: dict[str, MetadataFile] = {}
+        snapshots: dict[str, bytes] = {}
         base = self.runtime.status_url
         for name, path in files.items():
-            checksum, size = await asyncio.to_thread(file_checksum, path)
+            snapshot = await asyncio.to_thread(Snapshot.read, path)
             url = base + MetadataKey.of(self.id, card.slug, suffix, name).path
-            listed[name] = MetadataFile(url=url, checksum=checksum, size=size)
-        return msgspec.structs.replace(card, metadata_files=listed)
+            listed[name] = MetadataFile(
+                url=url, checksum=snapshot.checksum, size=len(snapshot.data)
+            )
+            snapshots[name] = snapshot.data
+        return msgspec.structs.replace(card, metadata_files=listed), snapshots
 
     async def close(self) -> None:
         """Stop serving (cutting what is in flight), then withdraw from discovery."""

@@ -23,7 +23,6 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Coroutine, Iterable
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -404,7 +403,7 @@ class Runtime:
             await self.discovery.unregister_instance(ep.id, self.lease.id)
 
     async def attach(
-        self, ep: Endpoint, card: ModelCard, suffix: str | None, files: dict[str, Path]
+        self, ep: Endpoint, card: ModelCard, suffix: str | None, files: dict[str, bytes]
     ) -> None:
         async with self._lock:
             lease_id = self.lease.id
@@ -415,7 +414,7 @@ class Runtime:
             before = self.metadata.files_of(key)
             if self.draining:
                 card = card.with_taints([*card.taints, DRAINING])
-            entries = [(MetadataKey.of(ep.id, card.slug, suffix, n), p) for n, p in files.items()]
+            entries = [(MetadataKey.of(ep.id, card.slug, suffix, n), d) for n, d in files.items()]
             self.metadata.replace(key, entries)  # files first: the card points at them
             self._pending_deletes.pop(key.key, None)
             try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import mimetypes
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -119,10 +120,11 @@ class StatusServer:
         for part in key:
             if part in ("", ".", "..") or any(c in part for c in _BAD_SEGMENT_CHARS):
                 raise OpenAIError(400, f"invalid metadata path segment {part!r}")
-        path = self.runtime.metadata.lookup(key)
-        if path is None or not path.is_file():
+        data = self.runtime.metadata.lookup(key)
+        if data is None:
             raise OpenAIError(404, f"no metadata file at {key.path}", code="not_found")
-        return web.FileResponse(path)
+        content_type = mimetypes.guess_type(key.filename)[0] or "application/octet-stream"
+        return web.Response(body=data, content_type=content_type)
 
     # -- adapters -----------------------------------------------------------------------
 
