@@ -5,7 +5,9 @@ On start it prints one line to stdout, which scripts and tests parse:
     shoal worker ready: model=NAME url=http://HOST:PORT status=http://HOST:PORT instance=HEX
 
 SIGTERM (or Ctrl-C) drains: models are tainted `draining`, in-flight requests finish (up to
-`--drain-timeout`), models are withdrawn and the lease revoked; then it exits 0.
+`--drain-timeout`), models are withdrawn and the lease revoked (store calls within a 2 s
+budget); then it exits 0. A second signal cuts the requests still in flight but not the
+withdrawal. Start-up errors are one `shoal worker: ...` line on stderr and a non-zero exit.
 """
 
 from __future__ import annotations
