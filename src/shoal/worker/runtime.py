@@ -11,7 +11,8 @@ true to the process:
   `served_models()` (an upstream going down withdraws its models).
 
 Drain (`drain()`, on SIGTERM): taint every model `draining`, let in-flight requests
-finish (bounded), detach (discovery first, then metadata), revoke the lease.
+finish (up to the drain timeout; a second signal ends the wait), cut what is left, detach
+(discovery first, then metadata), revoke the lease; the store calls share `CLEANUP_BUDGET`.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ log = logging.getLogger(__name__)
 
 DRAINING = "draining"
 CLEANUP_BUDGET = 2.0
-"""Seconds a drain may spend past its timeout: every store call of the drain (taints,
-withdrawals, revoke) and the server shutdown share it, so a frozen store delays exit by
-this much at most."""
+"""Seconds a drain may spend past its timeout on the store: every store call of the drain
+(taints, withdrawals, revoke, close) shares it, so a frozen store delays exit by this much
+at most. Stopping the servers adds about `2 * SHUTDOWN_GRACE`."""
 MODELS_INTERVAL = 1.0
 """Seconds between two checks of what each engine serves."""
 

@@ -216,9 +216,10 @@ class StatusServer:
                 param="name",
             )
         if path != body.path:
+            loaded = "by its engine" if path is None else f"from {path!r}"
             raise OpenAIError(
                 409,
-                f"adapter {body.name!r} is already loaded from {path!r}: unload it before "
+                f"adapter {body.name!r} is already loaded {loaded}: unload it before "
                 f"loading it from {body.path!r}",
                 param="name",
             )
