@@ -21,3 +21,19 @@ async def raw_get(base_url: str, raw_path: str) -> tuple[int, bytes]:
     head, _, body = data.partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     return status, body
+
+
+async def raw_request(base_url: str, head: bytes, body: bytes = b"") -> tuple[int, bytes, bytes]:
+    """Send a request whose head (request line and headers, no blank line) is given byte for
+    byte; returns the status, the response head and the body."""
+    parts = urlsplit(base_url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        extra = f"\r\nHost: {parts.netloc}\r\nContent-Length: {len(body)}\r\nConnection: close"
+        writer.write(head + extra.encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    response_head, _, response_body = data.partition(b"\r\n\r\n")
+    return int(response_head.split(b" ", 2)[1]), response_head, response_body

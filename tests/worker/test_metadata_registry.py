@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from shoal.discovery import EndpointId, ModelKey
@@ -15,8 +13,8 @@ ADAPTER = ModelKey(EP, 0xA1, "my-lora")
 OTHER_INSTANCE = ModelKey(EP, 0xB2)
 
 
-def files(suffix: str | None, *names: str) -> list[tuple[MetadataKey, Path]]:
-    return [(MetadataKey.of(EP, "model", suffix, n), Path(f"/srv/{suffix}/{n}")) for n in names]
+def files(suffix: str | None, *names: str) -> list[tuple[MetadataKey, bytes]]:
+    return [(MetadataKey.of(EP, "model", suffix, n), f"{suffix}/{n}".encode()) for n in names]
 
 
 def test_registering_a_key_held_by_another_owner_raises_and_changes_nothing() -> None:
@@ -33,12 +31,12 @@ def test_registering_a_key_held_by_another_owner_raises_and_changes_nothing() ->
     assert {k: (registry.lookup(k), registry.owner_of(k)) for k in before} == before
 
 
-def test_same_owner_registering_again_updates_the_path() -> None:
+def test_same_owner_registering_again_updates_the_bytes() -> None:
     registry = MetadataRegistry()
     key = MetadataKey.of(EP, "model", None, "config.json")
-    registry.register(BASE, [(key, Path("/old/config.json"))])
-    registry.register(BASE, [(key, Path("/new/config.json"))])
-    assert registry.lookup(key) == Path("/new/config.json")
+    registry.register(BASE, [(key, b"old")])
+    registry.register(BASE, [(key, b"new")])
+    assert registry.lookup(key) == b"new"
     assert len(registry) == 1
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from shoal.cards import ModelCard, ModelType, file_checksum
+from shoal.cards import ModelCard, ModelType
 from shoal.discovery import Discovery, EndpointId, ModelKey
 from shoal.store import Store
 from shoal.worker import Engine, Runtime, ServedModel
@@ -95,14 +96,11 @@ async def test_served_engine_is_listed_with_its_url_and_verifiable_metadata(
         async with http.get(meta.url) as resp:
             assert resp.status == 200
             body = await resp.read()
-        path = runtime.metadata.lookup(
+        hosted = runtime.metadata.lookup(
             MetadataKey.of(EndpointId.parse(EP), "mock-model", None, name)
         )
-        assert (
-            path is not None
-            and file_checksum(path) == (meta.checksum, meta.size)
-            and len(body) == meta.size
-        )
+        assert hosted == body and len(body) == meta.size
+        assert meta.checksum == f"sha256:{hashlib.sha256(body).hexdigest()}"
 
 
 async def test_detaching_an_adapter_404s_its_files_while_the_base_model_still_serves(

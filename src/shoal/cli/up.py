@@ -225,6 +225,9 @@ async def _start_fleet(
     stopped.cancel()
     if stop.is_set():
         starting.cancel()
+        await asyncio.wait([starting])  # let the readers finish, and retrieve their outcome
+        if not starting.cancelled():
+            starting.exception()
         return 130
     try:
         starting.result()

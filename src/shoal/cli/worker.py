@@ -5,7 +5,9 @@ On start it prints one line to stdout, which scripts and tests parse:
     shoal worker ready: model=NAME url=http://HOST:PORT status=http://HOST:PORT instance=HEX
 
 SIGTERM (or Ctrl-C) drains: models are tainted `draining`, in-flight requests finish (up to
-`--drain-timeout`), models are withdrawn and the lease revoked; then it exits 0.
+`--drain-timeout`), models are withdrawn and the lease revoked (store calls within a 2 s
+budget); then it exits 0. A second signal cuts the requests still in flight but not the
+withdrawal. Start-up errors are one `shoal worker: ...` line on stderr and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from functools import partial
 from typing import Any
@@ -91,40 +94,67 @@ def make_engine(args: argparse.Namespace) -> Engine:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    """Start, print the ready line, serve until SIGTERM/SIGINT, drain. A signal during
+    start-up stops it there: no ready line, exit 0."""
     from shoal.worker.runtime import Runtime
 
-    engine = make_engine(args)
-    runtime = Runtime(
-        args.store or default_store_url(),
-        lease_ttl=args.lease_ttl,
-        host=args.host,
-        status_port=args.status_port,
-        admin_token=args.admin_token,
-        drain_timeout=args.drain_timeout,
-    )
-    runtime.install_signal_handlers()  # a SIGTERM from now on drains, even before ready
     try:
-        await runtime.start()
-    except StoreUnavailableError as exc:
-        print(f"shoal worker: {exc}", file=sys.stderr)
-        return 1
+        engine = make_engine(args)
+        runtime = Runtime(
+            args.store or default_store_url(),
+            lease_ttl=args.lease_ttl,
+            host=args.host,
+            status_port=args.status_port,
+            admin_token=args.admin_token,
+            drain_timeout=args.drain_timeout,
+        )
+    except ValueError as exc:
+        return _fail(exc, 2)
+    runtime.install_signal_handlers()  # a SIGTERM from now on stops, even before ready
+    try:
+        if not await runtime.unless_stopped(runtime.start()):
+            await runtime.drain(timeout=0)  # whatever the start got to
+            return 0
+    except (StoreUnavailableError, OSError) as exc:  # a busy --status-port is an OSError
+        return _fail(exc, 1)
+    except ValueError as exc:  # a store URL with no or an unknown scheme
+        return _fail(exc, 2)
     try:
         endpoint = runtime.endpoint(f"{args.namespace}.{args.component}.{args.endpoint}")
-        await endpoint.serve(engine, host=args.host, port=args.port, model=args.model)
+        serving = endpoint.serve(engine, host=args.host, port=args.port, model=args.model)
+        started = await runtime.unless_stopped(serving)
     except BaseException as exc:
         await runtime.drain(timeout=0)
         if isinstance(exc, Exception):
-            print(f"shoal worker: cannot serve: {exc}", file=sys.stderr)
-            return 1
+            return _fail(f"cannot serve: {exc}", 1)
         raise
-    names = ",".join(att.card.display_name for att in endpoint.models.values())
-    print(
-        f"shoal worker ready: model={names or args.model or '-'} url={endpoint.url} "
-        f"status={runtime.status_url} instance={runtime.instance_id:x}",
-        flush=True,
-    )
+    if started:
+        names = ",".join(att.card.display_name for att in endpoint.models.values())
+        print(
+            f"shoal worker ready: model={names or args.model or '-'} url={endpoint.url} "
+            f"status={runtime.status_url} instance={runtime.instance_id:x}",
+            flush=True,
+        )
     await runtime.run_until_stopped()
+    if runtime.cleanup_cut_short:
+        _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """Exit without joining the thread of a store call the drain gave up on (a SQLite write
+    blocked on a lock would hold the exit for its whole busy timeout). The drain is over; a
+    write that never got its lock changed nothing."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _fail(message: object, code: int) -> int:
+    """Say what stopped the worker in one line on stderr; `code` to exit with."""
+    print(f"shoal worker: {message}", file=sys.stderr)
+    return code
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ that in reverse: discovery first, so no frontend fetches a file that is already 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import socket
 from collections.abc import Mapping
@@ -20,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from shoal.cards import MetadataFile, ModelCard, file_checksum, slugify
+from shoal.cards import MetadataFile, ModelCard, slugify
 from shoal.discovery import EndpointId, InstanceInfo, ModelKey
 from shoal.discovery.keys import check_suffix
 from shoal.worker.engine import Engine, ServedModel
-from shoal.worker.metadata import MetadataKey
+from shoal.worker.metadata import MAX_METADATA_FILE, MetadataKey, Snapshot
 
 if TYPE_CHECKING:
     from shoal.worker.runtime import Runtime
@@ -45,7 +46,9 @@ WEIGHT_SUFFIXES = (
     ".ot",
 )
 METADATA_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py")
-MAX_METADATA_FILE = 64 * 1024 * 1024
+SHUTDOWN_GRACE = 0.1
+"""Seconds a server gives requests still in flight when it stops (twice: to finish, then to
+end once cancelled). Drain waits for them before, so this only cuts what outlived it."""
 
 
 def metadata_files_in(directory: Path) -> dict[str, Path]:
@@ -66,9 +69,24 @@ def metadata_files_in(directory: Path) -> dict[str, Path]:
     return found
 
 
+def adapter_suffix(name: str) -> str:
+    """The discovery suffix of adapter `name`: distinct names always get distinct suffixes.
+
+    A name that is its own slug (`my-lora`) is its suffix; any other name (`My-Lora`,
+    `org/lora`, `日本語`) gets its slug plus 8 hex digits of its SHA-256, so names that
+    slug alike (`My-Adapter`, `my adapter`) or not at all (every non-Latin name slugs to
+    `model`) never share a key.
+    """
+    slug = slugify(name)
+    if slug == name:
+        return check_suffix(slug)
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return check_suffix(f"{slug[:119]}-{digest}")
+
+
 def suffix_for(model: ServedModel) -> str | None:
     """The discovery suffix of a served model: None for a base model, else from the adapter name."""
-    return None if model.adapter is None else check_suffix(slugify(model.adapter))
+    return None if model.adapter is None else adapter_suffix(model.adapter)
 
 
 def card_for(model: ServedModel) -> tuple[ModelCard, dict[str, Path]]:
@@ -108,7 +126,7 @@ class Attached:
 
     key: ModelKey
     card: ModelCard
-    files: dict[str, Path]
+    files: dict[str, bytes]  # the metadata files as registered (what the card's checksums say)
     served: ServedModel | None = None  # set when the model came from the engine
 
 
@@ -181,7 +199,7 @@ class Endpoint:
             app = engine.app()
             app.middlewares.insert(0, self._track)
             runner = web.AppRunner(
-                app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0
+                app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE
             )
             await runner.setup()
             site = web.TCPSite(runner, host, port)
@@ -243,16 +261,18 @@ class Endpoint:
     ) -> ModelCard:
         """Announce `card` on this endpoint instance (`suffix`: a LoRA adapter's key).
 
-        `files` are metadata files to host on the status server: the card's
-        `metadata_files` are set to their URLs, checksums and sizes. Returns the card as
-        announced. Raises (and leaves nothing attached) if the store refuses it.
+        `files` are metadata files to host on the status server, read once now: the card's
+        `metadata_files` are set to their URLs, checksums and sizes, and those bytes are
+        what is served, whatever happens to the files later. Returns the card as
+        announced. Raises (and leaves nothing attached) if the store refuses it, or
+        `ValueError` if a file is over `MAX_METADATA_FILE` bytes.
         """
         if suffix is not None:
             check_suffix(suffix)
-        hosted = dict(files or {})
-        if hosted:
-            card = await self._with_metadata(card, suffix, hosted)
-        await self.runtime.attach(self, card, suffix, hosted)
+        snapshots: dict[str, bytes] = {}
+        if files:
+            card, snapshots = await self._with_metadata(card, suffix, files)
+        await self.runtime.attach(self, card, suffix, snapshots)
         return card
 
     async def detach_model(self, suffix: str | None = None) -> None:
@@ -306,17 +326,32 @@ class Endpoint:
 
     async def _with_metadata(
         self, card: ModelCard, suffix: str | None, files: Mapping[str, Path]
-    ) -> ModelCard:
+    ) -> tuple[ModelCard, dict[str, bytes]]:
+        """The card listing `files` (URL, checksum, size) and their bytes, from one read."""
         listed: dict[str, MetadataFile] = {}
+        snapshots: dict[str, bytes] = {}
         base = self.runtime.status_url
         for name, path in files.items():
-            checksum, size = await asyncio.to_thread(file_checksum, path)
+            snapshot = await asyncio.to_thread(Snapshot.read, path)
             url = base + MetadataKey.of(self.id, card.slug, suffix, name).path
-            listed[name] = MetadataFile(url=url, checksum=checksum, size=size)
-        return msgspec.structs.replace(card, metadata_files=listed)
+            listed[name] = MetadataFile(
+                url=url, checksum=snapshot.checksum, size=len(snapshot.data)
+            )
+            snapshots[name] = snapshot.data
+        return msgspec.structs.replace(card, metadata_files=listed), snapshots
 
     async def close(self) -> None:
-        """Detach every model, withdraw the instance and stop serving."""
+        """Stop serving (cutting what is in flight), then withdraw from discovery."""
+        await self.stop_serving()
+        await self.withdraw()
+
+    async def stop_serving(self) -> None:
+        """Close the request port and stop the engine; requests still in flight are cut
+        after `SHUTDOWN_GRACE` (the drain has waited for them already)."""
+        await self._stop_serving()
+
+    async def withdraw(self) -> None:
+        """Detach every model (discovery first, then metadata) and withdraw the instance."""
         for suffix in list(self.models):
             try:
                 await self.detach_model(suffix)
@@ -326,4 +361,3 @@ class Endpoint:
             await self.runtime.unregister_instance(self)
         except Exception as exc:
             log.warning("endpoint %s: unregistering the instance failed: %s", self.id, exc)
-        await self._stop_serving()

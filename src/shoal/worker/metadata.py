@@ -10,16 +10,24 @@ put it there, its owner (a `ModelKey`: endpoint, instance id and adapter suffix)
 detach removes exactly what that model registered and nothing leaks: the base model and
 each adapter are separate owners. The registry is process-local and never builds a path
 from a URL: a request is an exact lookup of its six segments.
+
+Each entry holds a snapshot of the file's bytes, read once at registration (at most
+`MAX_METADATA_FILE`) and checksummed from that very read: the card's checksum always
+matches what is served, even if the file is edited, grown or deleted afterwards.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import quote
 
 from shoal.discovery import EndpointId, ModelKey
+
+MAX_METADATA_FILE = 64 * 1024 * 1024
+"""Bytes a metadata file may have; a larger one is not hosted (weights are never metadata)."""
 
 BASE_SUFFIX = "_"
 """The suffix segment of a base model's metadata URLs."""
@@ -59,11 +67,29 @@ class CollisionError(Exception):
     """A metadata key is already held by another owner; the registry was left unchanged."""
 
 
+class Snapshot(NamedTuple):
+    """A metadata file's bytes as registered, and their checksum (`sha256:<hex>`)."""
+
+    data: bytes
+    checksum: str
+
+    @classmethod
+    def read(cls, path: Path) -> Snapshot:
+        """Read `path` once; `ValueError` naming it if it is over `MAX_METADATA_FILE` bytes."""
+        with path.open("rb") as fh:
+            data = fh.read(MAX_METADATA_FILE + 1)
+        if len(data) > MAX_METADATA_FILE:
+            raise ValueError(
+                f"metadata file {path} is over the {MAX_METADATA_FILE} byte cap: not hosted"
+            )
+        return cls(data, f"sha256:{hashlib.sha256(data).hexdigest()}")
+
+
 class MetadataRegistry:
-    """Maps metadata keys to (file path, owner). Changes are all-or-nothing."""
+    """Maps metadata keys to (file bytes, owner). Changes are all-or-nothing."""
 
     def __init__(self) -> None:
-        self._entries: dict[MetadataKey, tuple[Path, Owner]] = {}
+        self._entries: dict[MetadataKey, tuple[bytes, Owner]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -71,8 +97,8 @@ class MetadataRegistry:
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
-    def lookup(self, key: MetadataKey) -> Path | None:
-        """The file hosted at `key`, or None."""
+    def lookup(self, key: MetadataKey) -> bytes | None:
+        """The bytes hosted at `key` (as registered), or None."""
         entry = self._entries.get(key)
         return None if entry is None else entry[0]
 
@@ -80,26 +106,26 @@ class MetadataRegistry:
         entry = self._entries.get(key)
         return None if entry is None else entry[1]
 
-    def register(self, owner: Owner, files: Iterable[tuple[MetadataKey, Path]]) -> None:
-        """Host `files` for `owner`. The same owner re-registering a key updates its path.
+    def register(self, owner: Owner, files: Iterable[tuple[MetadataKey, bytes]]) -> None:
+        """Host `files` for `owner`. The same owner re-registering a key updates its bytes.
 
         Raises `CollisionError` naming both owners if any key is held by another owner;
         then nothing is registered.
         """
         batch = self._check(owner, files)
-        for key, path in batch:
-            self._entries[key] = (path, owner)
+        for key, data in batch:
+            self._entries[key] = (data, owner)
 
-    def replace(self, owner: Owner, files: Iterable[tuple[MetadataKey, Path]]) -> None:
+    def replace(self, owner: Owner, files: Iterable[tuple[MetadataKey, bytes]]) -> None:
         """Make `files` exactly what `owner` hosts (a re-attached model); all or nothing."""
         batch = self._check(owner, files)
         self.unregister_for_owner(owner)
-        for key, path in batch:
-            self._entries[key] = (path, owner)
+        for key, data in batch:
+            self._entries[key] = (data, owner)
 
     def _check(
-        self, owner: Owner, files: Iterable[tuple[MetadataKey, Path]]
-    ) -> list[tuple[MetadataKey, Path]]:
+        self, owner: Owner, files: Iterable[tuple[MetadataKey, bytes]]
+    ) -> list[tuple[MetadataKey, bytes]]:
         batch = list(files)
         for key, _ in batch:
             held = self._entries.get(key)
@@ -122,12 +148,12 @@ class MetadataRegistry:
         if old == new:
             return 0
         moved = 0
-        for key, (path, held) in list(self._entries.items()):
+        for key, (data, held) in list(self._entries.items()):
             if held == old:
-                self._entries[key] = (path, new)
+                self._entries[key] = (data, new)
                 moved += 1
         return moved
 
-    def files_of(self, owner: Owner) -> list[tuple[MetadataKey, Path]]:
-        """What `owner` hosts, as `(key, path)` pairs."""
-        return [(key, path) for key, (path, held) in self._entries.items() if held == owner]
+    def files_of(self, owner: Owner) -> list[tuple[MetadataKey, bytes]]:
+        """What `owner` hosts, as `(key, bytes)` pairs."""
+        return [(key, data) for key, (data, held) in self._entries.items() if held == owner]

@@ -11,18 +11,19 @@ true to the process:
   `served_models()` (an upstream going down withdraws its models).
 
 Drain (`drain()`, on SIGTERM): taint every model `draining`, let in-flight requests
-finish (bounded), detach (discovery first, then metadata), revoke the lease.
+finish (up to the drain timeout; a second signal ends the wait), cut what is left, detach
+(discovery first, then metadata), revoke the lease; the store calls share `CLEANUP_BUDGET`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import signal
 import time
-from collections.abc import Iterable
-from pathlib import Path
+from collections.abc import Awaitable, Coroutine, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -39,10 +40,45 @@ from shoal.worker.status import StatusServer
 log = logging.getLogger(__name__)
 
 DRAINING = "draining"
+CLEANUP_BUDGET = 2.0
+"""Seconds a drain may spend past its timeout on the store: every store call of the drain
+(taints, withdrawals, revoke, close) shares it, so a frozen store delays exit by this much
+at most. Stopping the servers adds about `2 * SHUTDOWN_GRACE`."""
 MODELS_INTERVAL = 1.0
 """Seconds between two checks of what each engine serves."""
 
+LOOP_STOP_TIMEOUT = 0.2
+"""Seconds a control loop's step gets to finish when the drain stops it, before it is cut."""
+
 _STORE_ERRORS = (StoreError, OSError, TimeoutError)
+
+
+class _CleanupBudget:
+    """The seconds a drain's store calls share: each gets what the ones before it left."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+        self.cut_short = False  # a call was abandoned (or skipped) when the budget ran out
+
+    async def spend(self, what: str, call: Coroutine[Any, Any, object]) -> None:
+        """Run `call` until it ends or the budget does; a failure is logged, not raised."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            call.close()
+            self.cut_short = True
+            log.warning("drain: skipped %s: the %.1fs cleanup budget is spent", what, self.seconds)
+            return
+        try:
+            async with asyncio.timeout(remaining):
+                await call
+        except TimeoutError:
+            self.cut_short = True
+            log.warning(
+                "drain: %s did not finish within the %.1fs cleanup budget", what, self.seconds
+            )
+        except _STORE_ERRORS as exc:
+            log.warning("drain: %s failed: %s", what, exc)
 
 
 class Runtime:
@@ -66,6 +102,12 @@ class Runtime:
     ) -> None:
         if lease_ttl <= 0:
             raise ValueError(f"lease_ttl must be positive, got {lease_ttl}")
+        if not admin_token and not is_loopback(host):
+            raise ValueError(
+                f"the status server on {host}, not a loopback address, would let anyone who "
+                "reaches it load adapters from any path: set an admin token "
+                "(--admin-token or SHOAL_ADMIN_TOKEN), or serve on 127.0.0.1"
+            )
         self._store_arg = store
         self.store: Store | None = store if isinstance(store, Store) else None
         self.lease_ttl = lease_ttl
@@ -80,6 +122,8 @@ class Runtime:
         self.manager = ControllerManager()
         self.draining = False
         self.stopped = asyncio.Event()
+        self.cleanup_cut_short = False
+        """Set by a drain that gave up on a store call: its keys expire with the lease."""
         self._keeper: LeaseKeeper | None = None
         self._lease_control: _LeaseControl | None = None
         self._models_control = _ModelsControl()
@@ -88,6 +132,7 @@ class Runtime:
         self._lock = asyncio.Lock()  # serialises writes of registrations to the store
         self._status: StatusServer | None = None
         self._stop_requested = asyncio.Event()
+        self._hurry = asyncio.Event()  # a second stop request: stop waiting for requests
         self._started = False
         self._signals_installed = False
 
@@ -161,36 +206,79 @@ class Runtime:
         return self.endpoints[endpoint_id]
 
     def request_stop(self) -> None:
-        """Ask `run_until_stopped` to drain and return (what SIGTERM and SIGINT do)."""
+        """Ask `run_until_stopped` to drain and return (what SIGTERM and SIGINT do).
+
+        A second request during the drain stops waiting for in-flight requests (they are
+        cut); the withdrawals and the lease revoke still run, within `CLEANUP_BUDGET`.
+        """
+        if self._stop_requested.is_set() and not self._hurry.is_set():
+            log.warning("second stop request: cutting in-flight requests, then withdrawing")
+            self._hurry.set()
         self._stop_requested.set()
 
     def install_signal_handlers(self) -> None:
-        """Make SIGTERM and SIGINT call `request_stop()` (idempotent); do it before announcing."""
+        """Make SIGTERM and SIGINT call `request_stop()` (idempotent); do it before announcing.
+
+        They stay installed until the drain is over, so a second signal shortens the drain
+        instead of killing the process with its keys still in the store.
+        """
         if not self._signals_installed:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
             self._signals_installed = True
 
+    def _remove_signal_handlers(self) -> None:
+        if self._signals_installed:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            self._signals_installed = False
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested.is_set()
+
+    async def unless_stopped(self, step: Awaitable[object]) -> bool:
+        """Await a start-up `step` unless a stop is requested first (then cancel it).
+
+        True when `step` finished and no stop was requested: the caller may go on (and say
+        it is ready). `step`'s exception is raised.
+        """
+        task = asyncio.ensure_future(step)
+        stop = asyncio.ensure_future(self._stop_requested.wait())
+        try:
+            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait([task])
+        if task.cancelled():
+            return False
+        task.result()
+        return not self.stop_requested
+
     async def run_until_stopped(self) -> None:
         """Serve until SIGTERM/SIGINT (or `request_stop()`), then drain."""
         self.install_signal_handlers()
         try:
             await self._stop_requested.wait()
-            log.info("stop requested: draining")
+            log.info("stop requested: draining (a second signal cuts in-flight requests)")
+            await self.drain()
         finally:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-            self._signals_installed = False
-        await self.drain()
+            self._remove_signal_handlers()
 
     @property
     def in_flight(self) -> int:
         return sum(ep.in_flight for ep in self.endpoints.values())
 
     async def drain(self, timeout: float | None = None) -> None:
-        """Taint `draining`, wait for in-flight requests (up to `timeout`), detach, revoke, stop."""
+        """Taint `draining`, wait for in-flight requests (up to `timeout`), detach, revoke, stop.
+
+        Takes at most `timeout` plus `CLEANUP_BUDGET` (plus a fraction of a second to stop
+        the servers), whatever the store does.
+        """
         if self.stopped.is_set() or self.draining:
             await self.stopped.wait()
             return
@@ -203,37 +291,42 @@ class Runtime:
             self.stopped.set()
 
     async def _drain(self, timeout: float) -> None:
-        await self.manager.loops["models"].stop()
+        budget = _CleanupBudget(CLEANUP_BUDGET)
+        await self.manager.loops["models"].stop(timeout=LOOP_STOP_TIMEOUT)
         serving = [ep for ep in self.endpoints.values() if ep.serving]
         for ep in serving:
-            try:
-                await ep.set_taints([DRAINING])
-            except _STORE_ERRORS as exc:
-                log.warning("could not taint %s draining: %s", ep.id, exc)
+            await budget.spend(f"tainting {ep.id} draining", ep.set_taints([DRAINING]))
         await self._wait_idle(serving, timeout)
         for ep in serving:
-            await ep.close()
-        await self.manager.stop_all()
+            await ep.stop_serving()  # cuts what is still in flight
+        await self.manager.stop_all(timeout=LOOP_STOP_TIMEOUT)
+        for ep in serving:
+            await budget.spend(f"withdrawing {ep.id}", ep.withdraw())
         if self._keeper is not None:
-            try:
-                await self._keeper.revoke()
-            except _STORE_ERRORS as exc:
-                log.warning("could not revoke the lease: %s", exc)
+            await budget.spend("revoking the lease", self._keeper.revoke())
         if self._status is not None:
             await self._status.stop()
         if self.store is not None and not isinstance(self._store_arg, Store):
-            await self.store.close()
+            await budget.spend("closing the store", self.store.close())
+        self.cleanup_cut_short = budget.cut_short
 
     async def _wait_idle(self, endpoints: list[Endpoint], timeout: float) -> None:
-        """Wait until no request is in flight on any of `endpoints`, at most `timeout` seconds."""
+        """Wait until no request is in flight on any of `endpoints`, at most `timeout` seconds
+        (less if a second stop is requested)."""
         deadline = time.monotonic() + timeout
-        while busy := [ep for ep in endpoints if not ep.idle.is_set()]:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                log.warning("drain timeout: %d requests still in flight", self.in_flight)
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(busy[0].idle.wait(), remaining)
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        try:
+            while busy := [ep for ep in endpoints if not ep.idle.is_set()]:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or hurry.done():
+                    why = "second stop request" if hurry.done() else "drain timeout"
+                    log.warning("%s: cutting %d requests in flight", why, self.in_flight)
+                    return
+                idle = asyncio.ensure_future(busy[0].idle.wait())
+                await asyncio.wait([idle, hurry], timeout=remaining, return_when="FIRST_COMPLETED")
+                idle.cancel()
+        finally:
+            hurry.cancel()
 
     # -- health -------------------------------------------------------------------------
 
@@ -311,7 +404,7 @@ class Runtime:
             await self.discovery.unregister_instance(ep.id, self.lease.id)
 
     async def attach(
-        self, ep: Endpoint, card: ModelCard, suffix: str | None, files: dict[str, Path]
+        self, ep: Endpoint, card: ModelCard, suffix: str | None, files: dict[str, bytes]
     ) -> None:
         async with self._lock:
             lease_id = self.lease.id
@@ -322,7 +415,7 @@ class Runtime:
             before = self.metadata.files_of(key)
             if self.draining:
                 card = card.with_taints([*card.taints, DRAINING])
-            entries = [(MetadataKey.of(ep.id, card.slug, suffix, n), p) for n, p in files.items()]
+            entries = [(MetadataKey.of(ep.id, card.slug, suffix, n), d) for n, d in files.items()]
             self.metadata.replace(key, entries)  # files first: the card points at them
             self._pending_deletes.pop(key.key, None)
             try:
@@ -398,6 +491,16 @@ class Runtime:
         if self.store is None:
             raise RuntimeError("the runtime is not started")
         return self.store
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address, or `localhost`) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name that may resolve to anything: not loopback
 
 
 class _LeaseControl(Controller):

@@ -14,16 +14,22 @@ from __future__ import annotations
 
 import hmac
 import logging
+import mimetypes
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from shoal.cards import slugify
-from shoal.discovery import ModelConflictError
+from shoal.discovery import EndpointId, ModelConflictError
 from shoal.store import StoreError
-from shoal.worker.endpoint import Endpoint, advertised_host
+from shoal.worker.endpoint import (
+    SHUTDOWN_GRACE,
+    Attached,
+    Endpoint,
+    adapter_suffix,
+    advertised_host,
+)
 from shoal.worker.engine import EngineUnavailableError
 from shoal.worker.metadata import CollisionError, MetadataKey
 from shoal.worker.protocol import OpenAIError, decode_request, openai_errors
@@ -52,6 +58,7 @@ class StatusServer:
         self.runtime = runtime
         self.url: str | None = None
         self._runner: web.AppRunner | None = None
+        self._paths: dict[tuple[EndpointId, str], str] = {}  # adapter -> path loaded from
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[openai_errors])
@@ -64,11 +71,11 @@ class StatusServer:
         )
         app.router.add_get("/v1/loras", self.list_loras)
         app.router.add_post("/v1/loras", self.load_lora)
-        app.router.add_delete("/v1/loras/{name}", self.unload_lora)
+        app.router.add_delete("/v1/loras/{name:.+}", self.unload_lora)
         return app
 
     async def start(self, host: str, port: int) -> None:
-        runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=1.0)
+        runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
@@ -113,10 +120,11 @@ class StatusServer:
         for part in key:
             if part in ("", ".", "..") or any(c in part for c in _BAD_SEGMENT_CHARS):
                 raise OpenAIError(400, f"invalid metadata path segment {part!r}")
-        path = self.runtime.metadata.lookup(key)
-        if path is None or not path.is_file():
+        data = self.runtime.metadata.lookup(key)
+        if data is None:
             raise OpenAIError(404, f"no metadata file at {key.path}", code="not_found")
-        return web.FileResponse(path)
+        content_type = mimetypes.guess_type(key.filename)[0] or "application/octet-stream"
+        return web.Response(body=data, content_type=content_type)
 
     # -- adapters -----------------------------------------------------------------------
 
@@ -125,7 +133,11 @@ class StatusServer:
         if not token:
             return
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+        try:  # aiohttp keeps undecodable header bytes as lone surrogates
+            given_bytes = given.encode()
+        except UnicodeEncodeError:
+            given_bytes = b""
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, token.encode()):
             raise OpenAIError(
                 401,
                 "A valid admin token is required: send `Authorization: Bearer <token>`.",
@@ -147,7 +159,7 @@ class StatusServer:
 
     async def list_loras(self, request: web.Request) -> web.Response:
         loras = [
-            _lora_body(ep, att.card.display_name, suffix)
+            _lora_body(ep, att.card.display_name, suffix, path=self._paths.get((ep.id, suffix)))
             for ep in self.runtime.endpoints.values()
             for suffix, att in ep.models.items()
             if suffix is not None and att.card.lora is not None
@@ -155,6 +167,13 @@ class StatusServer:
         return web.json_response({"object": "list", "data": loras})
 
     async def load_lora(self, request: web.Request) -> web.Response:
+        """Load adapter `name` from `path` and announce it; a refused load changes nothing.
+
+        Loads of one name are serialised per endpoint: the first wins; a later load with the
+        same path answers 200 without touching the engine (idempotent), one with another
+        path 409. The conflict is decided before the engine is asked, so the live adapter
+        keeps serving.
+        """
         self._authorize(request)
         body = decode_request(await request.read(), _load_lora_decoder)
         if not body.name:
@@ -163,16 +182,14 @@ class StatusServer:
             raise OpenAIError(503, "the worker is draining")
         ep = self._endpoint(body.endpoint)
         assert ep.engine is not None
-        suffix = slugify(body.name)
+        try:
+            suffix = adapter_suffix(body.name)
+        except ValueError as exc:
+            raise OpenAIError(400, f"invalid adapter name: {exc}", param="name") from None
         async with ep.sync_lock:
             held = ep.models.get(suffix)
-            if held is not None and held.card.display_name != body.name:
-                raise OpenAIError(
-                    409,
-                    f"adapter {body.name!r} would take suffix {suffix!r}, held by "
-                    f"{held.card.display_name!r}",
-                    param="name",
-                )
+            if held is not None:
+                return self._reloaded(ep, held, body, suffix)
             try:
                 served = await ep.engine.load_adapter(body.name, body.path)
             except EngineUnavailableError as exc:
@@ -181,23 +198,48 @@ class StatusServer:
                 raise OpenAIError(400, str(exc), param="name") from None
             try:
                 await ep.attach_served(served)
-            except (StoreError, OSError, ModelConflictError, CollisionError) as exc:
+            except (StoreError, OSError, ModelConflictError, CollisionError, ValueError) as exc:
                 await _unload_quietly(ep, body.name)
-                status = 409 if isinstance(exc, ModelConflictError | CollisionError) else 503
+                status = 503 if isinstance(exc, StoreError | OSError) else 409
                 raise OpenAIError(status, f"could not announce adapter: {exc}") from None
+            self._paths[(ep.id, suffix)] = body.path
         return web.json_response(_lora_body(ep, body.name, suffix, path=body.path))
+
+    def _reloaded(self, ep: Endpoint, held: Attached, body: LoadLora, suffix: str) -> web.Response:
+        """A load of a suffix already attached: 200 if it is the same load, else 409."""
+        path = self._paths.get((ep.id, suffix))
+        if held.card.display_name != body.name:
+            raise OpenAIError(
+                409,
+                f"adapter {body.name!r} would take suffix {suffix!r}, held by "
+                f"{held.card.display_name!r}",
+                param="name",
+            )
+        if path != body.path:
+            loaded = "by its engine" if path is None else f"from {path!r}"
+            raise OpenAIError(
+                409,
+                f"adapter {body.name!r} is already loaded {loaded}: unload it before "
+                f"loading it from {body.path!r}",
+                param="name",
+            )
+        return web.json_response(_lora_body(ep, body.name, suffix, path=path))
 
     async def unload_lora(self, request: web.Request) -> web.Response:
         self._authorize(request)
         name = request.match_info["name"]
+        try:
+            suffix = adapter_suffix(name)
+        except ValueError:
+            raise OpenAIError(404, f"no adapter {name!r} is loaded", param="name") from None
         for ep in self.runtime.endpoints.values():
-            suffix = slugify(name)
             att = ep.models.get(suffix)
             if att is None or att.card.lora is None or att.card.display_name != name:
                 continue
             async with ep.sync_lock:
                 await ep.detach_model(suffix)  # discovery first, then metadata
                 await _unload_quietly(ep, name)
+                self._paths.pop((ep.id, suffix), None)
             return web.json_response({"object": "lora", "name": name, "deleted": True})
         raise OpenAIError(404, f"no adapter {name!r} is loaded", param="name", code="not_found")
 

@@ -1,0 +1,110 @@
+"""Run-time LoRA adapters on real `shoal worker` processes: loads, conflicts, names, unloads."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import openai
+
+from shoal.discovery import Discovery
+from shoal.store import Store
+from tests.processes import Process
+from tests.worker.conftest import StartWorker
+
+
+async def load(http: aiohttp.ClientSession, worker: Process, name: str, path: str) -> Any:
+    async with http.post(
+        worker.status_url + "/v1/loras", json={"name": name, "path": path}
+    ) as resp:
+        return resp.status, await resp.json()
+
+
+async def cards(store: Store) -> dict[str, Any]:
+    return {m.card.display_name: m for m in await Discovery(store).list()}
+
+
+async def chat_status(worker: Process, model: str) -> int:
+    client = openai.AsyncOpenAI(base_url=worker.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        return 200
+    except openai.APIStatusError as exc:
+        return exc.status_code
+    finally:
+        await client.close()
+
+
+async def test_reloading_an_adapter_with_another_path_is_refused_and_changes_nothing(
+    start_worker: StartWorker, store: Store
+) -> None:
+    worker = await start_worker("--speedup", "0")
+    async with aiohttp.ClientSession() as http:
+        assert (await load(http, worker, "ada", "/a"))[0] == 200
+        before = (await cards(store))["ada"]
+
+        status, body = await load(http, worker, "ada", "/b")
+        assert status == 409, body
+        assert body["error"]["param"] == "name" and "/a" in body["error"]["message"]
+
+        assert await chat_status(worker, "ada") == 200
+        after = (await cards(store))["ada"]
+        assert (after.key, after.card.mdcsum, after.card.source) == (
+            before.key,
+            before.card.mdcsum,
+            "/a",
+        )
+        for meta in after.card.metadata_files.values():
+            async with http.get(meta.url) as resp:
+                assert resp.status == 200
+
+        status, body = await load(http, worker, "ada", "/a")
+        assert status == 200, "the identical load is idempotent"
+        assert body["mdcsum"] == before.card.mdcsum and body["path"] == "/a"
+
+
+async def test_concurrent_loads_of_one_name_first_wins_identical_loads_succeed(
+    start_worker: StartWorker, store: Store
+) -> None:
+    worker = await start_worker("--speedup", "0")
+    async with aiohttp.ClientSession() as http:
+        same = await asyncio.gather(*(load(http, worker, "same", "/p") for _ in range(10)))
+        assert [status for status, _ in same] == [200] * 10
+        assert len({body["mdcsum"] for _, body in same}) == 1
+
+        racing = await asyncio.gather(*(load(http, worker, "race", f"/p{i}") for i in range(10)))
+        statuses = sorted(status for status, _ in racing)
+        assert statuses == [200] + [409] * 9, statuses
+        winner = next(body["path"] for status, body in racing if status == 200)
+        assert (await cards(store))["race"].card.source == winner
+        async with http.get(worker.status_url + "/v1/loras") as resp:
+            listed = {a["name"]: a["path"] for a in (await resp.json())["data"]}
+        assert listed == {"same": "/p", "race": winner}
+
+
+async def test_every_loadable_adapter_name_can_be_unloaded_and_distinct_names_stay_distinct(
+    start_worker: StartWorker, store: Store
+) -> None:
+    worker = await start_worker("--speedup", "0")
+    names = ["org/lora", "日本語", "中文", "My-Adapter", "my adapter", "my-adapter"]
+    async with aiohttp.ClientSession() as http:
+        for name in names:
+            status, body = await load(http, worker, name, f"/path/{name}")
+            assert status == 200, (name, body)
+        announced = await cards(store)
+        assert set(announced) == {"mock-model", *names}
+        suffixes = {announced[name].key.suffix for name in names}
+        assert len(suffixes) == len(names), "one distinct suffix per name"
+        for name in names:
+            assert await chat_status(worker, name) == 200
+
+        for i, name in enumerate(names):
+            target = name if i % 2 else quote(name, safe="")  # raw and percent-encoded
+            async with http.delete(f"{worker.status_url}/v1/loras/{target}") as resp:
+                assert resp.status == 200, (name, await resp.text())
+                assert (await resp.json())["name"] == name
+        assert set(await cards(store)) == {"mock-model"}
