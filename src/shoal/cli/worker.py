@@ -131,7 +131,7 @@ async def serve(args: argparse.Namespace) -> int:
     if started:
         names = ",".join(att.card.display_name for att in endpoint.models.values())
         print(
-            f"shoal worker ready: model={names or args.model or '-'} url={endpoint.url} "
+            f"shoal worker ready: model={names or '-'} url={endpoint.url} "
             f"status={runtime.status_url} instance={runtime.instance_id:x}",
             flush=True,
         )
