@@ -104,7 +104,8 @@ class FileSource:
                     last = current
                     yield current if isinstance(current, Selection) else SourceError(current)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), self.poll_interval)
+                    async with asyncio.timeout(self.poll_interval):
+                        await changed.wait()
         finally:
             notifier.cancel()
             with contextlib.suppress(BaseException):

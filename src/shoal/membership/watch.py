@@ -116,7 +116,8 @@ class MembershipWatch:
             asyncio.create_task(self._run(), name="membership-watch"),
         ]
         try:
-            await asyncio.wait_for(self._first_applied.wait(), self.setup_timeout)
+            async with asyncio.timeout(self.setup_timeout):
+                await self._first_applied.wait()
         except TimeoutError:
             await self.stop()
             reason = self.status.last_error or "the source offered no valid selection"
@@ -161,8 +162,10 @@ class MembershipWatch:
     async def _run(self) -> None:
         next_full = self.clock() + self.reconcile_interval
         while True:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.retry_tick)
+                async with asyncio.timeout(self.retry_tick):
+                    await self._wake.wait()
             if self._wake.is_set() and any(s.dirty for s in self._scopes.values()):
                 await asyncio.sleep(self.coalesce)  # one window: the burst becomes one read
             self._wake.clear()
