@@ -248,3 +248,16 @@ async def test_a_watch_that_ends_is_reopened_with_a_new_epoch(
     await add_endpoint(discovery, "a", 7)
     await wait_for(lambda: endpoints_of(watch.view) == {("a", 7)})
     assert watch.status.last_error is None
+
+
+async def test_a_failure_is_logged_once_per_distinct_error_not_per_tick(
+    start_watch: StartWatch, discovery: Discovery, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = DrivenSource()
+    source.push(Selection.of(["a"]))
+    watch = await start_watch(source, retry_tick=0.01)
+    for message in ("bad: one", "bad: one", "bad: one", "bad: two"):
+        source.push(SourceError(message))
+    await wait_for(lambda: watch.status.last_error == "bad: two")
+    logged = [r.getMessage() for r in caplog.records if "bad:" in r.getMessage()]
+    assert len(logged) == 2 and "bad: one" in logged[0] and "bad: two" in logged[1]
