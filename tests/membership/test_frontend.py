@@ -3,6 +3,7 @@ restart, the view and status are served, and a membership error shows in the hea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
@@ -12,12 +13,13 @@ import aiohttp
 import pytest
 
 from shoal.cli.frontend import membership_for
-from shoal.discovery import Discovery
+from shoal.discovery import Added, Discovery
 from shoal.frontend import Frontend, FrontendConfig
-from shoal.membership import parse_sources
+from shoal.membership import MembershipWatch, Selection, parse_sources
 from shoal.store import Store, open_store
-from tests.frontend.support import FakeWorker, serving
+from tests.frontend.support import FakeWorker, FilteringDiscovery, serving
 from tests.helpers import wait_for
+from tests.membership.support import DrivenSource
 
 
 def write_sources(path: Path, *names: str) -> str:
@@ -98,5 +100,38 @@ async def test_membership_routes_are_unknown_on_a_frontend_with_fixed_namespaces
     try:
         status, body = await get(f"{frontend.url}/v1/membership")
         assert status == 404 and body["error"]["code"] == "unknown_url"  # type: ignore[index]
+    finally:
+        await frontend.stop()
+
+
+async def test_a_listing_from_before_a_namespace_left_never_registers_its_models(
+    store: Store, workers: dict[str, FakeWorker], tmp_path: Path
+) -> None:
+    discovery = FilteringDiscovery(store)
+    discovery.drop = lambda event: isinstance(event, Added)  # only reconciliation registers
+    source = DrivenSource()
+    source.push(Selection.of(["team-a"]))
+    frontend = Frontend(
+        FrontendConfig(port=0, cache_dir=tmp_path / "cache", reconcile_interval=3600),
+        discovery=discovery,
+        membership=lambda d: MembershipWatch(d, source),
+    )
+    await frontend.start()
+    try:
+        watcher = frontend.watcher
+        assert watcher is not None and not watcher.registrations
+        discovery.hold_listings = asyncio.Event()
+        calls = discovery.list_calls
+        repair = asyncio.create_task(watcher.reconcile())
+        await wait_for(lambda: discovery.list_calls > calls)  # the pass has listed team-a
+        empty = Selection.of([])
+        source.push(empty)
+        membership = frontend.membership
+        assert membership is not None
+        await wait_for(lambda: membership.status.to_dict()["applied_revision"] == empty.revision)
+        discovery.hold_listings.set()  # the stale listing comes back after team-a left
+        await repair
+        assert not watcher.registrations
+        assert "model-team-a" not in frontend.registry.models
     finally:
         await frontend.stop()

@@ -95,6 +95,7 @@ class ModelWatcher:
         self._epochs: list[int] = []  # of the listings being applied now
         self._tasks: set[asyncio.Task[None]] = set()
         # With `follow_membership` the scope starts empty and follows `follow(scopes)`.
+        self.follows_membership = follow_membership
         if follow_membership:
             self.queries = []
         self._namespaces: dict[str, tuple[tuple[Query, ...], list[asyncio.Task[None]]]] = {}
@@ -162,6 +163,17 @@ class ModelWatcher:
         tasks = [self._spawn(self._watch(q), f"watch:{q.models_prefix}") for q in scoped]
         self._namespaces[namespace] = (scoped, tasks)
         log.info("namespace %r joined the scope", namespace)
+
+    def _in_scope(self, key: ModelKey) -> bool:
+        """`key` is inside a query of a namespace in scope (when the scope follows membership)."""
+        entry = self._namespaces.get(key.endpoint.namespace)
+        if entry is None:
+            return False
+        endpoint = key.endpoint
+        return any(
+            q.component in (None, endpoint.component) and q.endpoint in (None, endpoint.endpoint)
+            for q in entry[0]
+        )
 
     def remove_namespace(self, namespace: str) -> None:
         """Stop the streams of `namespace` and drop its registrations now: its models stop
@@ -414,6 +426,8 @@ class ModelWatcher:
 
     def _repair(self, key: ModelKey, model: ModelInstance | None) -> str | None:
         """Make the registration of `key` match discovery; the action taken, or None."""
+        if model is not None and self.follows_membership and not self._in_scope(key):
+            model = None  # listed before its namespace left the scope: it is gone for us
         registration = self.registrations.get(key)
         if model is None:
             if registration is None:
