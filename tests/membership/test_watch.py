@@ -147,19 +147,24 @@ async def test_taints_are_applied_in_place_and_unchanged_views_are_not_published
     tainted = await add_endpoint(discovery, "a", 1)
     await add_endpoint(discovery, "a", 2)
     views: list[Membership] = []
+    now = [0.0]  # the clock of the full reconciliation
     source = DrivenSource()
     source.push(Selection.of(["a"]))
-    watch = await start_watch(source, reconcile_interval=0.05, retry_tick=0.05)
+    watch = await start_watch(source, retry_tick=0.02, clock=lambda: now[0])
     watch.subscribe(views.append)
     untouched = generations(watch, "a")[2]
     reads = len(feed.reads)
 
     await discovery.update_taints(tainted, ["draining"])
     await wait_for(lambda: views and views[-1].endpoints[_ref(tainted)].taints == ("draining",))
+    assert len(feed.reads) == reads  # no snapshot read for a taint update
     assert len(views) == 1
     assert generations(watch, "a")[2] == untouched
-    # Full reconciliations keep reading; an unchanged view is not sent again.
-    await wait_for(lambda: len(feed.reads) >= reads + 3)
+    # A full reconciliation reads every scope again; an unchanged view is not sent again.
+    now[0] += 30
+    await wait_for(lambda: len(feed.reads) > reads)
+    now[0] += 30
+    await wait_for(lambda: len(feed.reads) > reads + 1)
     assert len(views) == 1
 
 

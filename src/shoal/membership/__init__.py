@@ -7,11 +7,11 @@ discovery (layer 3) and never imports another layer-5 package: the frontend subs
 the view it publishes.
 """
 
+from shoal.membership.discovery_source import DiscoverySource, EndpointPrefix
 from shoal.membership.errors import ConfigError, MembershipError, SourceError
 from shoal.membership.feed import DiscoveryFeed
 from shoal.membership.file_source import MAX_FILE_BYTES, MAX_SOURCES, FileSource, parse_sources
 from shoal.membership.selection import Selection, Source
-from shoal.membership.static_source import DiscoverySource, EndpointPrefix
 from shoal.membership.view import EndpointView, Membership, MembershipStatus
 from shoal.membership.watch import MembershipWatch
 

@@ -24,15 +24,14 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from shoal.cards import CardError, ModelCard
 from shoal.discovery import Discovery, EndpointId, ModelInstance, ModelKey, Query
 from shoal.discovery.keys import MODELS, parse_model_key
+from shoal.membership.discovery_source import EndpointPrefix
 from shoal.membership.errors import MembershipError, SourceError
 from shoal.membership.feed import Change, DiscoveryFeed, ScopeWatch
 from shoal.membership.selection import Selection, Source
-from shoal.membership.static_source import EndpointPrefix
 from shoal.membership.view import EMPTY, EndpointRef, EndpointView, Membership, MembershipStatus
 from shoal.store import Put
 
@@ -356,6 +355,3 @@ class MembershipWatch:
         if errors.pop(what, None) is not None:
             log.info("membership: %s recovered", what)
             self.status.last_error = next(reversed(errors.values()), None)
-
-    def describe(self) -> dict[str, Any]:
-        return self.status.to_dict()
