@@ -176,6 +176,9 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         host=args.host,
         port=args.port,
         namespaces=tuple(args.namespace),
+        namespace_sources=args.namespace_sources,
+        namespaces_from_discovery=args.namespaces_from_discovery,
+        endpoint_prefixes=tuple(args.endpoint_prefix),
         router=args.router,
         reconcile_interval=args.reconcile_interval,
         api_keys=tuple(args.api_key),
@@ -185,9 +188,6 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         first_byte_timeout=args.first_byte_timeout,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         drain_timeout=args.drain_timeout,
-        namespace_sources=args.namespace_sources,
-        namespaces_from_discovery=args.namespaces_from_discovery,
-        endpoint_prefixes=tuple(args.endpoint_prefix),
     )
 
 
