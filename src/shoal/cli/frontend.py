@@ -13,20 +13,16 @@ import signal
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from shoal import membership
 from shoal.cli.main import env_default
-from shoal.discovery import Discovery
 from shoal.frontend import POLICIES, Frontend, FrontendConfig
-from shoal.frontend.app import MembershipFollower
-from shoal.membership import (
-    DiscoverySource,
-    FileSource,
-    MembershipError,
-    MembershipWatch,
-    Source,
-)
 from shoal.store import StoreError
+
+if TYPE_CHECKING:
+    from shoal.discovery import Discovery
+    from shoal.frontend.app import MembershipFollower
 
 log = logging.getLogger(__name__)
 
@@ -211,13 +207,13 @@ def _check_scope_flags(args: argparse.Namespace) -> None:
 
 def membership_source(
     sources_file: Path | None, from_discovery: bool, endpoint_prefixes: list[str] | tuple[str, ...]
-) -> DiscoverySource | FileSource | None:
+) -> membership.Source | None:
     """The namespace source the flags ask for (None: fixed namespaces); refuses a
     configuration that breaks a rule, naming it."""
     if sources_file is not None:
-        return FileSource(sources_file)
+        return membership.FileSource(sources_file)
     if from_discovery:
-        return DiscoverySource(watch_all=True, endpoint_prefixes=endpoint_prefixes)
+        return membership.DiscoverySource(watch_all=True, endpoint_prefixes=endpoint_prefixes)
     return None
 
 
@@ -225,7 +221,7 @@ def membership_for(
     config: FrontendConfig,
 ) -> Callable[[Discovery], MembershipFollower] | None:
     """A factory of the membership watch the frontend's scope follows, or None."""
-    source: Source | None = membership_source(
+    source = membership_source(
         config.namespace_sources, config.namespaces_from_discovery, config.endpoint_prefixes
     )
     if source is None:
@@ -233,7 +229,7 @@ def membership_for(
     prefixes = config.endpoint_prefixes
 
     def build(discovery: Discovery) -> MembershipFollower:
-        return MembershipWatch(discovery, source, endpoint_prefixes=prefixes)
+        return membership.MembershipWatch(discovery, source, endpoint_prefixes=prefixes)
 
     return build
 
@@ -257,7 +253,7 @@ async def start_frontend(config: FrontendConfig, failed: str) -> Frontend | None
     frontend = Frontend(config, membership=membership_for(config))
     try:
         await frontend.start()
-    except (StoreError, OSError, ValueError, MembershipError) as exc:
+    except (StoreError, OSError, ValueError, membership.MembershipError) as exc:
         print(f"{failed}: {exc}", file=sys.stderr)
         await frontend.stop()
         return None
