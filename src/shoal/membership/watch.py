@@ -345,7 +345,8 @@ class MembershipWatch:
         """Record an error; logged once per distinct message, not on every tick."""
         errors = self.status.errors
         if errors.get(what) != message:
-            log.warning("membership: %s (the last applied membership stays in force)", message)
+            kept = "the last applied membership" if self._applied else "no membership yet"
+            log.warning("membership: %s (%s stays in force)", message, kept)
         errors.pop(what, None)
         errors[what] = message
         self.status.last_error = message
