@@ -345,8 +345,8 @@ class MembershipWatch:
         """Record an error; logged once per distinct message, not on every tick."""
         errors = self.status.errors
         if errors.get(what) != message:
-            kept = "the last applied membership" if self._applied else "no membership yet"
-            log.warning("membership: %s (%s stays in force)", message, kept)
+            kept = "the last applied membership stays in force" if self._applied else "none yet"
+            log.warning("membership: %s (%s)", message, kept)
         errors.pop(what, None)
         errors[what] = message
         self.status.last_error = message
