@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def write_sources(path: Path, *names: str) -> str:
 
 @pytest.fixture
 async def store() -> AsyncIterator[Store]:
-    s = await open_store("memory://membership-frontend")
+    s = await open_store(f"memory://{uuid.uuid4().hex}")
     yield s
     await s.close()
 
