@@ -11,14 +11,19 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from shoal import membership
 from shoal.cli.main import env_default
 from shoal.frontend import POLICIES, Frontend, FrontendConfig
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES
 from shoal.store import StoreError
+
+if TYPE_CHECKING:
+    from shoal.discovery import Discovery
+    from shoal.frontend.app import MembershipFollower
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,28 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=_env_list("namespace"),
         metavar="NS",
         help="serve only models of this namespace (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--namespace-sources",
+        type=Path,
+        default=env_default("namespace_sources"),
+        metavar="FILE",
+        help='serve the namespaces this JSON file lists ({"version": 1, "sources": '
+        '[{"namespace": "..."}]}), following its changes without a restart',
+    )
+    parser.add_argument(
+        "--namespaces-from-discovery",
+        action="store_true",
+        default=(env_default("namespaces_from_discovery") or "").lower() in ("1", "true", "yes"),
+        help="serve every namespace that has models in discovery, as namespaces come and go",
+    )
+    parser.add_argument(
+        "--endpoint-prefix",
+        action="append",
+        default=_env_list("endpoint_prefix"),
+        metavar="P",
+        help="with --namespaces-from-discovery: serve only endpoints under ns, ns.component or "
+        "ns.component.endpoint (repeatable)",
     )
     add_number_flag(
         parser,
@@ -158,11 +185,15 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         raise ValueError("--metadata-cache-bytes and --metadata-max-file-bytes must be positive")
     if args.first_byte_timeout < 0:
         raise ValueError("--first-byte-timeout must be 0 (no limit) or more seconds")
+    _check_scope_flags(args)
     return FrontendConfig(
         store_url=args.store,
         host=args.host,
         port=args.port,
         namespaces=tuple(args.namespace),
+        namespace_sources=args.namespace_sources,
+        namespaces_from_discovery=args.namespaces_from_discovery,
+        endpoint_prefixes=tuple(args.endpoint_prefix),
         router=args.router,
         reconcile_interval=args.reconcile_interval,
         api_keys=tuple(args.api_key),
@@ -175,6 +206,53 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         metadata_max_file_bytes=args.metadata_max_file_bytes,
         drain_timeout=args.drain_timeout,
     )
+
+
+def _check_scope_flags(args: argparse.Namespace) -> None:
+    """One way to choose the scope; endpoint prefixes only with discovery as the source."""
+    chosen = [
+        flag
+        for flag, given in (
+            ("--namespace", bool(args.namespace)),
+            ("--namespace-sources", args.namespace_sources is not None),
+            ("--namespaces-from-discovery", args.namespaces_from_discovery),
+        )
+        if given
+    ]
+    if len(chosen) > 1:
+        raise ValueError(f"{' and '.join(chosen)} exclude each other: choose one")
+    if args.endpoint_prefix and not args.namespaces_from_discovery:
+        raise ValueError("--endpoint-prefix needs --namespaces-from-discovery")
+    membership_source(args.namespace_sources, args.namespaces_from_discovery, args.endpoint_prefix)
+
+
+def membership_source(
+    sources_file: Path | None, from_discovery: bool, endpoint_prefixes: list[str] | tuple[str, ...]
+) -> membership.Source | None:
+    """The namespace source the flags ask for (None: fixed namespaces); refuses a
+    configuration that breaks a rule, naming it."""
+    if sources_file is not None:
+        return membership.FileSource(sources_file)
+    if from_discovery:
+        return membership.DiscoverySource(watch_all=True, endpoint_prefixes=endpoint_prefixes)
+    return None
+
+
+def membership_for(
+    config: FrontendConfig,
+) -> Callable[[Discovery], MembershipFollower] | None:
+    """A factory of the membership watch the frontend's scope follows, or None."""
+    source = membership_source(
+        config.namespace_sources, config.namespaces_from_discovery, config.endpoint_prefixes
+    )
+    if source is None:
+        return None
+    prefixes = config.endpoint_prefixes
+
+    def build(discovery: Discovery) -> MembershipFollower:
+        return membership.MembershipWatch(discovery, source, endpoint_prefixes=prefixes)
+
+    return build
 
 
 def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
@@ -193,10 +271,10 @@ def on_stop_signals(stop: asyncio.Event) -> None:
 async def start_frontend(config: FrontendConfig, failed: str) -> Frontend | None:
     """The started frontend; `None` once a store, socket or settings error is printed to
     stderr after `failed`."""
-    frontend = Frontend(config)
+    frontend = Frontend(config, membership=membership_for(config))
     try:
         await frontend.start()
-    except (StoreError, OSError, ValueError) as exc:
+    except (StoreError, OSError, ValueError, membership.MembershipError) as exc:
         print(f"{failed}: {exc}", file=sys.stderr)
         await frontend.stop()
         return None

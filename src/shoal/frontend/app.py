@@ -1,7 +1,8 @@
 """`Frontend`: the gateway wired together: server, routes, registry, watcher, reconciliation.
 
 Routes: the OpenAI request routes go to the proxy; `/v1/models`, `/live`, `/health`,
-`/health/controllers` and `/metrics` are small handlers on the same server.
+`/health/controllers` and `/metrics` are small handlers on the same server, and so are
+`/v1/membership` and `/v1/membership/status` when the scope follows a membership watch.
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ import hmac
 import logging
 import time
 import urllib.parse
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from shoal.cards import ModelType
 from shoal.controllers import ControllerManager, Loop, readiness
-from shoal.discovery import Discovery
+from shoal.discovery import Discovery, Query
 from shoal.frontend import errors
 from shoal.frontend.errors import ApiError
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
@@ -63,6 +65,46 @@ class FrontendConfig:
     connect_timeout: float = 5.0
     drain_timeout: float = 30.0
     keepalive_timeout: float = 75.0
+    # The scope follows a membership watch (built by `shoal.cli`) instead of `namespaces`:
+    namespace_sources: Path | None = None
+    namespaces_from_discovery: bool = False
+    endpoint_prefixes: tuple[str, ...] = ()
+
+
+class MembershipView(Protocol):
+    """The namespaces in force and their queries (`shoal.membership.Membership`)."""
+
+    @property
+    def scopes(self) -> Mapping[str, tuple[Query, ...]]: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class MembershipStatusView(Protocol):
+    @property
+    def last_error(self) -> str | None: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class MembershipFollower(Protocol):
+    """What the frontend needs of a membership watch (`shoal.membership.MembershipWatch`).
+
+    Layer-5 packages do not import each other: `shoal.cli` builds the watch and hands the
+    frontend a factory of it; the frontend only subscribes to its views.
+    """
+
+    @property
+    def view(self) -> MembershipView: ...
+
+    @property
+    def status(self) -> MembershipStatusView: ...
+
+    def subscribe(self, callback: Callable[[MembershipView], None]) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class Frontend:
@@ -77,9 +119,12 @@ class Frontend:
         config: FrontendConfig | None = None,
         *,
         discovery: Discovery | None = None,
+        membership: Callable[[Discovery], MembershipFollower] | None = None,
     ) -> None:
         self.config = config = config or FrontendConfig()
         self.discovery = discovery
+        self._membership_factory = membership
+        self.membership: MembershipFollower | None = None
         self._own_store: Store | None = None
         self.metrics = FrontendMetrics()
         self.registry = Registry(connect_timeout=config.connect_timeout)
@@ -129,13 +174,20 @@ class Frontend:
         )
         self.metrics.watch_metadata_cache(cache)
         self.watcher = ModelWatcher(
-            self.discovery, self.registry, cache, self.metrics, config.namespaces
+            self.discovery,
+            self.registry,
+            cache,
+            self.metrics,
+            config.namespaces,
+            follow_membership=self._membership_factory is not None,
         )
         self.server = HttpServer(
             self.handle, max_body=config.max_body, keepalive_timeout=config.keepalive_timeout
         )
         await self.server.start(config.host, config.port)
         await self.watcher.start()
+        if self._membership_factory is not None:
+            await self._follow_membership(self._membership_factory(self.discovery))
         self.reconciler = Reconciler(self.watcher)
         self.manager.register(
             Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
@@ -149,11 +201,21 @@ class Frontend:
         if self.server is not None:
             await self.server.close(self.config.drain_timeout)
         await self.manager.stop_all()
+        if self.membership is not None:
+            await self.membership.stop()
         if self.watcher is not None:
             await self.watcher.stop()
         self.registry.close()
         if self._own_store is not None:
             await self._own_store.close()
+
+    async def _follow_membership(self, membership: MembershipFollower) -> None:
+        """The watcher's scope follows each view; returns once the first is in force."""
+        watcher = self.watcher
+        assert watcher is not None
+        self.membership = membership
+        membership.subscribe(lambda view: watcher.follow(view.scopes))
+        await membership.start()
 
     async def __aenter__(self) -> Frontend:
         await self.start()
@@ -212,7 +274,18 @@ class Frontend:
             conn.send(status, _json(body))
         elif path == b"/health/controllers":
             status, body = readiness(self.manager)
+            if self.membership is not None and self.membership.status.last_error:
+                status, body["status"] = 503, "unavailable"
+                body["unhealthy"]["membership"] = self.membership.status.last_error
             conn.send(status, _json(body))
+        elif path in (b"/v1/membership", b"/v1/membership/status"):
+            self._authorize(request)
+            if self.membership is None:
+                raise errors.not_found(path.decode())
+            if path == b"/v1/membership":
+                conn.send(200, _json(self.membership.view.to_dict()))
+            else:
+                conn.send(200, _json(self.membership.status.to_dict()))
         elif path == b"/metrics":
             conn.send(200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
         else:
@@ -280,4 +353,7 @@ class Frontend:
         return obj
 
 
-_CONTROL_PATHS = frozenset({b"/live", b"/health", b"/health/controllers", b"/metrics"})
+_CONTROL_PATHS = frozenset(
+    {b"/live", b"/health", b"/health/controllers", b"/metrics"}
+    | {b"/v1/membership", b"/v1/membership/status"}
+)

@@ -25,7 +25,7 @@ import dataclasses
 import enum
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +80,8 @@ class ModelWatcher:
         cache: MetadataCache,
         metrics: FrontendMetrics,
         namespaces: Iterable[str] = (),
+        *,
+        follow_membership: bool = False,
     ) -> None:
         self.discovery = discovery
         self.registry = registry
@@ -92,6 +94,11 @@ class ModelWatcher:
         self._clock = 0
         self._epochs: list[int] = []  # of the listings being applied now
         self._tasks: set[asyncio.Task[None]] = set()
+        # With `follow_membership` the scope starts empty and follows `follow(scopes)`.
+        self.follows_membership = follow_membership
+        if follow_membership:
+            self.queries = []
+        self._namespaces: dict[str, tuple[tuple[Query, ...], list[asyncio.Task[None]]]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -112,10 +119,11 @@ class ModelWatcher:
                 await task
         await self.cache.close()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # -- the generation fence ----------------------------------------------------------------
 
@@ -133,6 +141,55 @@ class ModelWatcher:
         for key in self._generations.keys() - self.registrations.keys():
             if self._generations[key] <= floor:
                 del self._generations[key]
+
+    # -- membership: namespaces joining and leaving the scope ---------------------------------
+
+    def follow(self, scopes: Mapping[str, Sequence[Query]]) -> None:
+        """Serve exactly `scopes` (namespace -> its discovery queries): a namespace that left
+        is removed, a new one added, one whose queries changed restarted; the rest untouched."""
+        for namespace, (current, _) in list(self._namespaces.items()):
+            if tuple(scopes.get(namespace, ())) != current:
+                self.remove_namespace(namespace)
+        for namespace, wanted in scopes.items():
+            self.add_namespace(namespace, wanted)
+
+    def add_namespace(self, namespace: str, queries: Sequence[Query] | None = None) -> None:
+        """Start the event streams of `namespace` (or of `queries` inside it); their first
+        listings register what it serves. Adding a namespace already in scope does nothing."""
+        if namespace in self._namespaces:
+            return
+        scoped = tuple(queries) if queries else (Query(namespace=namespace),)
+        self.queries.extend(scoped)
+        tasks = [self._spawn(self._watch(q), f"watch:{q.models_prefix}") for q in scoped]
+        self._namespaces[namespace] = (scoped, tasks)
+        log.info("namespace %r joined the scope", namespace)
+
+    def _in_scope(self, key: ModelKey) -> bool:
+        """`key` is inside a query of a namespace in scope (when the scope follows membership)."""
+        entry = self._namespaces.get(key.endpoint.namespace)
+        if entry is None:
+            return False
+        endpoint = key.endpoint
+        return any(
+            q.component in (None, endpoint.component) and q.endpoint in (None, endpoint.endpoint)
+            for q in entry[0]
+        )
+
+    def remove_namespace(self, namespace: str) -> None:
+        """Stop the streams of `namespace` and drop its registrations now: its models stop
+        being served at once. Each dropped key takes a new generation, so a reconciliation
+        pass that listed the namespace before does not bring them back."""
+        entry = self._namespaces.pop(namespace, None)
+        if entry is None:
+            return
+        scoped, tasks = entry
+        for task in tasks:
+            task.cancel()
+        self.queries = [q for q in self.queries if q not in scoped]
+        for key in [k for k in self.registrations if k.endpoint.namespace == namespace]:
+            self._bump(key)
+            self._remove(key)
+        log.info("namespace %r left the scope", namespace)
 
     # -- events ------------------------------------------------------------------------------
 
@@ -369,6 +426,8 @@ class ModelWatcher:
 
     def _repair(self, key: ModelKey, model: ModelInstance | None) -> str | None:
         """Make the registration of `key` match discovery; the action taken, or None."""
+        if model is not None and self.follows_membership and not self._in_scope(key):
+            model = None  # listed before its namespace left the scope: it is gone for us
         registration = self.registrations.get(key)
         if model is None:
             if registration is None:

@@ -1,0 +1,135 @@
+"""`FileSource`: namespaces from a JSON file that an operator's tooling rewrites.
+
+The file is `{"version": 1, "sources": [{"namespace": "..."}]}`, validated strictly. It is
+watched with `watchfiles` (inotify and friends) on its directory, so an atomic replacement
+(write a temporary file, rename it over) is seen; a poll every `poll_interval` seconds
+catches whatever the notifications miss, or everything when they are unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+
+from shoal.discovery.keys import check_name
+from shoal.membership.errors import SourceError
+from shoal.membership.selection import Selection
+
+log = logging.getLogger(__name__)
+
+MAX_FILE_BYTES = 1024 * 1024
+MAX_SOURCES = 4096
+
+
+class _Entry(msgspec.Struct, forbid_unknown_fields=True):
+    namespace: str
+
+
+class _SourcesFile(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+    sources: list[_Entry]
+
+
+_decoder = msgspec.json.Decoder(_SourcesFile)
+
+
+def parse_sources(data: bytes, origin: str = "sources file") -> Selection:
+    """The selection `data` holds; a `SourceError` naming the problem if it is not valid."""
+    if len(data) > MAX_FILE_BYTES:
+        raise SourceError(f"{origin}: {len(data)} bytes, over the {MAX_FILE_BYTES}-byte limit")
+    try:
+        parsed = _decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise SourceError(f"{origin}: {exc}") from None
+    if parsed.version != 1:
+        raise SourceError(f"{origin}: version must be 1, got {parsed.version}")
+    if len(parsed.sources) > MAX_SOURCES:
+        raise SourceError(
+            f"{origin}: {len(parsed.sources)} sources, over the limit of {MAX_SOURCES}"
+        )
+    seen: set[str] = set()
+    for i, entry in enumerate(parsed.sources):
+        name = entry.namespace
+        where = f"{origin}: sources[{i}].namespace"
+        if not name:
+            raise SourceError(f"{where}: empty namespace")
+        if any(c.isspace() for c in name) or "/" in name:
+            raise SourceError(f"{where}: {name!r} contains whitespace or '/'")
+        try:
+            check_name("namespace", name)
+        except ValueError as exc:
+            raise SourceError(f"{where}: {exc}") from None
+        if name in seen:
+            raise SourceError(f"{where}: duplicate namespace {name!r}")
+        seen.add(name)
+    return Selection.of(seen)
+
+
+def read_sources(path: Path) -> Selection:
+    """Read and parse the file at `path` (at most one byte over the limit is read)."""
+    try:
+        with path.open("rb") as fh:
+            data = fh.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise SourceError(f"sources file {path}: not found") from None
+    except OSError as exc:
+        raise SourceError(f"sources file {path}: {exc}") from None
+    return parse_sources(data, f"sources file {path}")
+
+
+class FileSource:
+    """Yields the file's selection at start and whenever its content or validity changes."""
+
+    def __init__(self, path: Path | str, *, poll_interval: float = 1.0) -> None:
+        self.path = Path(path).absolute()
+        self.poll_interval = poll_interval
+
+    async def selections(self) -> AsyncIterator[Selection | SourceError]:
+        changed = asyncio.Event()
+        notifier = asyncio.create_task(self._notify(changed), name=f"watch-file:{self.path}")
+        last: Selection | str | None = None
+        try:
+            while True:
+                changed.clear()
+                try:
+                    current: Selection | str = read_sources(self.path)
+                except SourceError as exc:
+                    current = str(exc)
+                if current != last:
+                    last = current
+                    yield current if isinstance(current, Selection) else SourceError(current)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.poll_interval):
+                        await changed.wait()
+        finally:
+            notifier.cancel()
+            with contextlib.suppress(BaseException):
+                await notifier
+
+    async def _notify(self, changed: asyncio.Event) -> None:
+        """Set `changed` on any change to the file's directory entry (the poll covers gaps)."""
+        try:
+            import watchfiles
+        except ImportError:  # pragma: no cover - a dependency; polling still works
+            log.warning("watchfiles is not available; polling %s", self.path)
+            return
+        name = self.path.name
+        try:
+            async for changes in watchfiles.awatch(
+                self.path.parent,
+                watch_filter=lambda _change, p: Path(p).name == name,
+                recursive=False,
+                debounce=50,
+                step=20,
+            ):
+                if changes:
+                    changed.set()
+        except (OSError, RuntimeError) as exc:
+            log.warning(
+                "cannot watch %s (%s); polling every %ss", self.path, exc, self.poll_interval
+            )

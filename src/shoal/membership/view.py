@@ -1,0 +1,113 @@
+"""The published view: the endpoint instances in force, and the status of the membership."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.discovery import EndpointId, ModelInstance, Query
+
+EndpointRef = tuple[EndpointId, int]
+"""An endpoint instance: where it serves and its instance id (the id of its lease)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointView:
+    """One endpoint instance and the models it serves.
+
+    `generation` changes only when this endpoint changes (a card joins or leaves, its taints
+    or its instance change): a consumer skips the endpoints whose generation it has seen.
+    """
+
+    endpoint: EndpointId
+    instance_id: int
+    models: tuple[ModelInstance, ...]
+    generation: int
+
+    @property
+    def namespace(self) -> str:
+        return self.endpoint.namespace
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(sorted({str(m.card.role) for m in self.models}))
+
+    @property
+    def taints(self) -> tuple[str, ...]:
+        return tuple(sorted({t for m in self.models for t in m.card.taints}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "namespace": self.endpoint.namespace,
+            "component": self.endpoint.component,
+            "endpoint": self.endpoint.endpoint,
+            "instance_id": f"{self.instance_id:x}",
+            "models": [
+                {"name": m.card.display_name, "suffix": m.key.suffix, "mdcsum": m.card.mdcsum}
+                for m in self.models
+            ],
+            "roles": list(self.roles),
+            "taints": list(self.taints),
+            "generation": self.generation,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Membership:
+    """The namespaces in force, the queries a consumer watches for them, and their endpoints.
+
+    `scopes` maps each namespace in force to its discovery queries: the namespace itself, or
+    the endpoint prefixes inside it when the source restricts it.
+    """
+
+    revision: str | None
+    scopes: Mapping[str, tuple[Query, ...]]
+    endpoints: Mapping[EndpointRef, EndpointView]
+    version: int = 0
+
+    @property
+    def namespaces(self) -> frozenset[str]:
+        return frozenset(self.scopes)
+
+    def same_as(self, other: Membership) -> bool:
+        return (
+            self.revision == other.revision
+            and self.scopes == other.scopes
+            and self.endpoints == other.endpoints
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "revision": self.revision,
+            "version": self.version,
+            "namespaces": sorted(self.scopes),
+            "endpoints": [self.endpoints[ref].to_dict() for ref in sorted(self.endpoints)],
+        }
+
+
+EMPTY = Membership(None, {}, {})
+
+
+@dataclass
+class MembershipStatus:
+    """Whether the selection asked for is the one in force.
+
+    `desired_revision`: the source's last valid selection; `applied_revision`: the selection
+    whose watches are all set up; `count`: namespaces in force; `last_error`: the latest
+    source or watch failure, None once everything works again.
+    """
+
+    desired_revision: str | None = None
+    applied_revision: str | None = None
+    count: int = 0
+    last_error: str | None = None
+    errors: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "desired_revision": self.desired_revision,
+            "applied_revision": self.applied_revision,
+            "count": self.count,
+            "last_error": self.last_error,
+        }

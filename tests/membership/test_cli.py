@@ -1,0 +1,50 @@
+"""`shoal frontend` scope flags: one way to choose the scope, rules refused naming them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shoal.cli.frontend import config_from_args, membership_for
+from shoal.cli.main import build_parser
+from shoal.frontend import FrontendConfig
+
+
+def config(*argv: str) -> FrontendConfig:
+    return config_from_args(build_parser().parse_args(["frontend", *argv]))
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("NAMESPACE", "NAMESPACE_SOURCES", "NAMESPACES_FROM_DISCOVERY", "ENDPOINT_PREFIX"):
+        monkeypatch.delenv(f"SHOAL_{name}", raising=False)
+
+
+def test_scope_flags_and_their_environment_variables(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert membership_for(config()) is None  # fixed namespaces: today's behaviour
+    sources = config("--namespace-sources", str(tmp_path / "s.json"))
+    assert sources.namespace_sources == tmp_path / "s.json" and membership_for(sources)
+    monkeypatch.setenv("SHOAL_NAMESPACES_FROM_DISCOVERY", "true")
+    monkeypatch.setenv("SHOAL_ENDPOINT_PREFIX", "a.backend,b")
+    from_env = config()
+    assert from_env.namespaces_from_discovery
+    assert from_env.endpoint_prefixes == ("a.backend", "b")
+
+
+@pytest.mark.parametrize(
+    ("argv", "rule"),
+    [
+        (["--namespace", "a", "--namespace-sources", "f"], "exclude each other"),
+        (["--namespace-sources", "f", "--namespaces-from-discovery"], "exclude each other"),
+        (["--endpoint-prefix", "a"], "--endpoint-prefix needs --namespaces-from-discovery"),
+        (["--namespaces-from-discovery", "--endpoint-prefix", "a.b.c.d"], "ns.component"),
+        (["--namespaces-from-discovery", "--endpoint-prefix", "a b"], "invalid namespace"),
+    ],
+)
+def test_scope_flags_breaking_a_rule_are_refused_naming_it(argv: list[str], rule: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        config(*argv)
+    assert rule in str(caught.value)

@@ -1,0 +1,112 @@
+"""The sources file: strict validation naming the problem, a content-hash revision, and a
+watched file whose atomic replacement is applied while invalid content changes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shoal.discovery import Discovery
+from shoal.membership import MAX_FILE_BYTES, MAX_SOURCES, FileSource, SourceError, parse_sources
+from tests.helpers import wait_for
+from tests.membership.conftest import StartWatch
+from tests.membership.support import add_endpoint
+
+
+def sources(*names: str, **extra: Any) -> bytes:
+    return json.dumps(
+        {"version": 1, "sources": [{"namespace": n} for n in names], **extra}
+    ).encode()
+
+
+def replace_atomically(path: Path, data: bytes) -> None:
+    """What operators' tooling does: write a temporary file, rename it over the old one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (sources("a", owner="me"), "unknown field `owner`"),
+        (b'{"version": 1, "sources": [{"namespace": "a", "x": 1}]}', "unknown field `x`"),
+        (json.dumps({"version": 2, "sources": []}).encode(), "version must be 1, got 2"),
+        (sources("a", "b", "a"), "sources[2].namespace: duplicate namespace 'a'"),
+        (sources(""), "sources[0].namespace: empty namespace"),
+        (sources("a b"), "contains whitespace or '/'"),
+        (sources("a/b"), "contains whitespace or '/'"),
+        (sources(*(f"n{i}" for i in range(MAX_SOURCES + 1))), f"over the limit of {MAX_SOURCES}"),
+        (b" " * (MAX_FILE_BYTES + 1), f"over the {MAX_FILE_BYTES}-byte limit"),
+        (b"{not json", "malformed"),
+        (b'{"version": 1}', "missing required field `sources`"),
+    ],
+    ids=[
+        "unknown-field", "unknown-entry-field", "version", "duplicate", "empty", "whitespace",
+        "slash", "too-many", "too-large", "not-json", "no-sources",
+    ],
+)  # fmt: skip
+def test_an_invalid_sources_file_is_refused_naming_the_problem(data: bytes, problem: str) -> None:
+    with pytest.raises(SourceError) as caught:
+        parse_sources(data)
+    assert problem.lower() in str(caught.value).lower()
+
+
+def test_the_revision_is_a_hash_of_the_content_not_its_order_or_formatting() -> None:
+    one = parse_sources(sources("a", "b"))
+    two = parse_sources(
+        b'{\n  "sources": [{"namespace": "b"}, {"namespace": "a"}],\n "version": 1}'
+    )
+    assert one == two and one.namespaces == {"a", "b"}
+    assert parse_sources(sources("a")).revision != one.revision
+    assert parse_sources(sources(*(f"n{i}" for i in range(MAX_SOURCES)))).namespaces
+
+
+async def test_an_atomic_replacement_is_applied_and_invalid_content_keeps_the_selection(
+    start_watch: StartWatch, discovery: Discovery, tmp_path: Path
+) -> None:
+    await add_endpoint(discovery, "a", 1)
+    await add_endpoint(discovery, "b", 2)
+    path = tmp_path / "sources.json"
+    path.write_bytes(sources("a"))
+    watch = await start_watch(FileSource(path, poll_interval=5.0))
+    first = watch.status.applied_revision
+    assert watch.view.namespaces == {"a"} and first is not None
+
+    replace_atomically(path, sources("a", "b"))  # seen by the file watch, well before a poll
+    await wait_for(lambda: watch.status.applied_revision not in (None, first), timeout=4)
+    assert watch.view.namespaces == {"a", "b"}
+    applied = watch.status.applied_revision
+
+    replace_atomically(path, sources("a", "a"))
+    await wait_for(lambda: watch.status.last_error is not None, timeout=4)
+    assert "duplicate namespace 'a'" in (watch.status.last_error or "")
+    assert watch.view.namespaces == {"a", "b"}
+    assert watch.status.applied_revision == watch.status.desired_revision == applied
+
+    replace_atomically(path, sources("b"))
+    fixed = parse_sources(sources("b")).revision
+    await wait_for(lambda: watch.status.applied_revision == fixed, timeout=4)
+    assert watch.view.namespaces == {"b"}
+    assert watch.status.last_error is None
+
+
+async def test_a_missing_file_keeps_the_selection_and_the_poll_finds_it_again(
+    start_watch: StartWatch, discovery: Discovery, tmp_path: Path
+) -> None:
+    await add_endpoint(discovery, "a", 1)
+    path = tmp_path / "sources.json"
+    path.write_bytes(sources("a"))
+    watch = await start_watch(FileSource(path, poll_interval=0.05))
+    path.unlink()
+    await wait_for(lambda: "not found" in (watch.status.last_error or ""), timeout=4)
+    assert watch.view.namespaces == {"a"} and len(watch.view.endpoints) == 1
+    path.write_bytes(sources())
+    empty = parse_sources(sources()).revision
+    await wait_for(lambda: watch.status.applied_revision == empty, timeout=4)
+    assert watch.status.last_error is None
+    assert watch.view.namespaces == set() and watch.status.count == 0

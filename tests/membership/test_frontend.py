@@ -1,0 +1,138 @@
+"""The frontend's scope follows the membership view: namespaces join and leave without a
+restart, the view and status are served, and a membership error shows in the health."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from shoal.cli.frontend import membership_for
+from shoal.discovery import Added, Discovery
+from shoal.frontend import Frontend, FrontendConfig
+from shoal.membership import MembershipWatch, Selection, parse_sources
+from shoal.store import Store, open_store
+from tests.frontend.support import FakeWorker, FilteringDiscovery, serving
+from tests.helpers import wait_for
+from tests.membership.support import DrivenSource
+
+
+def write_sources(path: Path, *names: str) -> str:
+    """Replace the sources file atomically; returns the revision it holds."""
+    data = json.dumps({"version": 1, "sources": [{"namespace": n} for n in names]}).encode()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return parse_sources(data).revision
+
+
+@pytest.fixture
+async def store() -> AsyncIterator[Store]:
+    s = await open_store(f"memory://{uuid.uuid4().hex}")
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+async def workers(store: Store) -> AsyncIterator[dict[str, FakeWorker]]:
+    started = {}
+    for ns in ("team-a", "team-b"):
+        worker = await FakeWorker(f"model-{ns}", namespace=ns).start()
+        await worker.register(store)
+        started[ns] = worker
+    yield started
+    for worker in started.values():
+        await worker.stop()
+
+
+async def get(url: str) -> tuple[int, dict[str, object]]:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return response.status, await response.json()
+
+
+async def test_namespaces_join_and_leave_the_frontend_scope_as_the_sources_file_changes(
+    store: Store, workers: dict[str, FakeWorker], tmp_path: Path
+) -> None:
+    path = tmp_path / "sources.json"
+    write_sources(path, "team-a")
+    config = FrontendConfig(port=0, cache_dir=tmp_path / "cache", namespace_sources=path)
+    frontend = Frontend(config, discovery=Discovery(store), membership=membership_for(config))
+    await frontend.start()
+    try:
+        await wait_for(lambda: serving(frontend, "model-team-a"))
+        assert "model-team-b" not in frontend.registry.models
+        status, view = await get(f"{frontend.url}/v1/membership")
+        assert status == 200 and view["namespaces"] == ["team-a"]
+
+        revision = write_sources(path, "team-b")
+        await wait_for(lambda: serving(frontend, "model-team-b"), timeout=5)
+        await wait_for(lambda: "model-team-a" not in frontend.registry.models)
+        status, body = await get(f"{frontend.url}/v1/membership/status")
+        assert body == {
+            "desired_revision": revision,
+            "applied_revision": revision,
+            "count": 1,
+            "last_error": None,
+        }
+
+        path.write_text('{"version": 1, "sources": [{"namespace": "team-b", "x": 1}]}')
+        await wait_for(lambda: frontend.membership and frontend.membership.status.last_error)
+        status, health = await get(f"{frontend.url}/health/controllers")
+        assert status == 503
+        assert "unknown field `x`" in str(health["unhealthy"]["membership"])  # type: ignore[index]
+        assert serving(frontend, "model-team-b")  # the last valid selection stays in force
+    finally:
+        await frontend.stop()
+
+
+async def test_membership_routes_are_unknown_on_a_frontend_with_fixed_namespaces(
+    store: Store, tmp_path: Path
+) -> None:
+    frontend = Frontend(
+        FrontendConfig(port=0, cache_dir=tmp_path / "cache"), discovery=Discovery(store)
+    )
+    await frontend.start()
+    try:
+        status, body = await get(f"{frontend.url}/v1/membership")
+        assert status == 404 and body["error"]["code"] == "unknown_url"  # type: ignore[index]
+    finally:
+        await frontend.stop()
+
+
+async def test_a_listing_from_before_a_namespace_left_never_registers_its_models(
+    store: Store, workers: dict[str, FakeWorker], tmp_path: Path
+) -> None:
+    discovery = FilteringDiscovery(store)
+    discovery.drop = lambda event: isinstance(event, Added)  # only reconciliation registers
+    source = DrivenSource()
+    source.push(Selection.of(["team-a"]))
+    frontend = Frontend(
+        FrontendConfig(port=0, cache_dir=tmp_path / "cache", reconcile_interval=3600),
+        discovery=discovery,
+        membership=lambda d: MembershipWatch(d, source),
+    )
+    await frontend.start()
+    try:
+        watcher = frontend.watcher
+        assert watcher is not None and not watcher.registrations
+        discovery.hold_listings = asyncio.Event()
+        calls = discovery.list_calls
+        repair = asyncio.create_task(watcher.reconcile())
+        await wait_for(lambda: discovery.list_calls > calls)  # the pass has listed team-a
+        empty = Selection.of([])
+        source.push(empty)
+        membership = frontend.membership
+        assert membership is not None
+        await wait_for(lambda: membership.status.to_dict()["applied_revision"] == empty.revision)
+        discovery.hold_listings.set()  # the stale listing comes back after team-a left
+        await repair
+        assert not watcher.registrations
+        assert "model-team-a" not in frontend.registry.models
+    finally:
+        await frontend.stop()
