@@ -110,3 +110,9 @@ def test_file_checksum_matches_metadata_format(tmp_path: Path) -> None:
     checksum, size = file_checksum(path)
     assert size == 2
     assert MetadataFile(url="http://x", checksum=checksum, size=size).checksum.startswith("sha256:")
+
+
+def test_taints_are_normalised_however_the_writer_ordered_them() -> None:
+    written = card(runtime_config={"taints": ["zeta", "alpha", "zeta"]})
+    assert written.taints == ("alpha", "zeta")
+    assert written.taints == card().with_taints(["alpha", "zeta"]).taints

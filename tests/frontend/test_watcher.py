@@ -6,11 +6,13 @@ import asyncio
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 
 from shoal.discovery import Added, DiscoveryEvent, Removed
 from shoal.frontend import Frontend
 from shoal.frontend.watcher import State
+from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import FilteringDiscovery, serving
 from tests.helpers import wait_for
@@ -293,3 +295,22 @@ async def test_taint_updates_reach_routing(
     assert "mock-llm" in frontend.registry.models  # still known: listed again when untainted
     await worker.taint()
     await wait_for(lambda: serving(frontend))
+
+
+async def test_unsorted_taints_from_another_writer_are_not_repaired_every_pass(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    frontend = await start_frontend(reconcile_interval=3600)
+    await wait_for(lambda: serving(frontend))
+    card = worker.card()
+    unsorted = msgspec.structs.replace(card, runtime_config={"taints": ["zeta", "alpha", "zeta"]})
+    assert worker.lease is not None
+    await store.put(worker.key.key, unsorted.to_json(), lease=worker.lease.id)
+    watcher = frontend.watcher
+    assert watcher is not None
+    await wait_for(lambda: watcher.registrations[worker.key].model.card.taints == ("alpha", "zeta"))
+    version = frontend.registry.version
+    for _ in range(3):
+        assert await watcher.reconcile() == {}
+    assert frontend.registry.version == version

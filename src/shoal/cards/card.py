@@ -81,7 +81,10 @@ class ModelCard(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
     @property
     def taints(self) -> tuple[str, ...]:
-        return tuple(self.runtime_config.get("taints", ()))
+        """The taints, sorted and without duplicates, however the writer stored them: two
+        cards that differ only in taint order or repeats have equal `taints`."""
+        taints = self.runtime_config.get("taints", ())
+        return tuple(sorted(set(taints))) if taints else ()
 
     def with_taints(self, taints: list[str] | tuple[str, ...]) -> ModelCard:
         return msgspec.structs.replace(
