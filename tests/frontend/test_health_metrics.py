@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
 from shoal.frontend import Frontend, FrontendConfig
+from tests.etcd_server import EtcdServer
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import FilteringDiscovery, serving
 from tests.helpers import wait_for
@@ -140,3 +142,46 @@ async def test_each_frontend_has_its_own_metrics_registry(start_frontend: StartF
         )
         is None
     )
+
+
+async def test_store_outage_shows_in_health_and_fails_the_reconciliation_loop(
+    tmp_path: Path,
+) -> None:
+    etcd = EtcdServer()
+    etcd.start()
+    frontend = Frontend(
+        FrontendConfig(store_url=etcd.url, port=0, cache_dir=tmp_path / "c", reconcile_interval=0.2)
+    )
+    try:
+        await frontend.start()
+        status, body = await get(f"{frontend.url}/health")
+        assert (status, body["store"]) == (200, {"reachable": True})
+        etcd.stop()
+        status, body = await wait_for(
+            lambda: _health_when(frontend, lambda body: not body["store"]["reachable"]),
+            timeout=30,
+        )
+        assert status == 200  # /health keeps its meaning: the frontend still serves
+        assert body["store"]["unreachable_since"].endswith("+00:00")
+        assert body["store"]["error"]
+        status, body = await wait_for(
+            lambda: _get_when(f"{frontend.url}/health/controllers", 503), timeout=30
+        )
+        assert "steps failing for" in body["unhealthy"]["model-reconciler"]
+        etcd.start()
+        await wait_for(lambda: _get_when(f"{frontend.url}/health/controllers", 200), timeout=30)
+        status, body = await get(f"{frontend.url}/health")
+        assert body["store"] == {"reachable": True}
+    finally:
+        await frontend.stop()
+        etcd.close()
+
+
+async def _health_when(frontend: Frontend, check: Any) -> tuple[int, dict] | None:  # type: ignore[type-arg]
+    status, body = await get(f"{frontend.url}/health")
+    return (status, body) if check(body) else None
+
+
+async def _get_when(url: str, status: int) -> tuple[int, dict] | None:  # type: ignore[type-arg]
+    got = await get(url)
+    return got if got[0] == status else None

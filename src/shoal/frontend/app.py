@@ -254,6 +254,7 @@ class Frontend:
         )  # fmt: skip
         return 200, {
             "status": "ok",
+            "store": self.watcher.store.report(),
             "models": models,
             "instances": instances,
             "incomplete": incomplete,

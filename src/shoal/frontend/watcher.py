@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import enum
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
@@ -70,6 +72,33 @@ def _nothing() -> None:
     pass
 
 
+class StoreState:
+    """Whether discovery's store answered the last listing, and since when it has not."""
+
+    def __init__(self) -> None:
+        self.unreachable_since: float | None = None  # wall-clock time of the first failure
+        self.error: str | None = None
+
+    def failed(self, exc: Exception) -> None:
+        if self.unreachable_since is None:
+            self.unreachable_since = time.time()
+        self.error = f"{type(exc).__name__}: {exc}"
+
+    def answered(self) -> None:
+        self.unreachable_since = self.error = None
+
+    def report(self) -> dict[str, Any]:
+        """For `/health`: reachable, or unreachable since when (ISO 8601, UTC) and why."""
+        if self.unreachable_since is None:
+            return {"reachable": True}
+        since = datetime.datetime.fromtimestamp(self.unreachable_since, datetime.UTC)
+        return {
+            "reachable": False,
+            "unreachable_since": since.isoformat(timespec="seconds"),
+            "error": self.error,
+        }
+
+
 class ModelWatcher:
     """Applies discovery to the registry: events as they come, and reconciliation passes."""
 
@@ -92,6 +121,9 @@ class ModelWatcher:
         self._clock = 0
         self._epochs: list[int] = []  # of the listings being applied now
         self._tasks: set[asyncio.Task[None]] = set()
+        self._resync_task: asyncio.Task[None] | None = None  # at most one resync runs
+        self._resync_wanted = False  # a stream restarted since the running resync listed
+        self.store = StoreState()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -148,11 +180,29 @@ class ModelWatcher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                self.store.failed(exc)
                 log.warning("discovery stream of %s failed: %s", query.models_prefix, exc)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
             # Removals that happened while the stream was down come with the next listing.
-            self._spawn(self._resync(), "resync")
+            self._request_resync()
+
+    def _request_resync(self) -> None:
+        """Resync soon: one resync runs at a time, and lists again if asked to meanwhile."""
+        self._resync_wanted = True
+        if self._resync_task is None:
+            self._resync_task = asyncio.create_task(self._resync_while_wanted(), name="resync")
+            self._tasks.add(self._resync_task)
+            self._resync_task.add_done_callback(self._resync_done)
+
+    async def _resync_while_wanted(self) -> None:
+        while self._resync_wanted:
+            await self._resync()
+
+    def _resync_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._resync_task is task:
+            self._resync_task = None
 
     def handle(self, event: DiscoveryEvent) -> None:
         """Apply one discovery event. Never blocks; never raises."""
@@ -298,12 +348,14 @@ class ModelWatcher:
         """List and apply without waiting for fetches; retried until the listing works."""
         backoff = 0.1
         while True:
+            self._resync_wanted = False  # this listing answers every request made so far
             epoch = self._clock
             self._epochs.append(epoch)
             try:
                 await self._apply(await self._list(), epoch, _nothing, repairing=False)
                 return
             except Exception as exc:
+                self._resync_wanted = True
                 log.warning("listing discovery failed: %s; retrying in %.1fs", exc, backoff)
             finally:
                 self._epochs.remove(epoch)
@@ -312,12 +364,19 @@ class ModelWatcher:
             backoff = min(backoff * 2, 5.0)
 
     async def _list(self) -> dict[ModelKey, ModelInstance]:
+        """Every query's models; the outcome also tells whether the store is reachable."""
         listed: dict[ModelKey, ModelInstance] = {}
         for query in self.queries:
-            for i, model in enumerate(await self.discovery.list(query), 1):
+            try:
+                models = await self.discovery.list(query)
+            except Exception as exc:
+                self.store.failed(exc)
+                raise
+            for i, model in enumerate(models, 1):
                 listed[model.key] = model
                 if i % APPLY_BATCH == 0:
                     await asyncio.sleep(0)
+        self.store.answered()
         return listed
 
     async def _apply(
