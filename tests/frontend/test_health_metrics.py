@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from tests.etcd_server import EtcdServer
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import FilteringDiscovery, serving
 from tests.helpers import wait_for
+from tests.processes import shoal
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
@@ -185,3 +187,29 @@ async def _health_when(frontend: Frontend, check: Any) -> tuple[int, dict] | Non
 async def _get_when(url: str, status: int) -> tuple[int, dict] | None:  # type: ignore[type-arg]
     got = await get(url)
     return got if got[0] == status else None
+
+
+async def test_frontend_whose_store_never_answers_exits_non_zero_naming_it(
+    tmp_path: Path,
+) -> None:
+    silent = socket.socket()  # accepts connections (the kernel's backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    url = f"etcd://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        proc = await shoal(
+            "frontend", "--store", url, "--port", "0", "--setup-timeout", "1",
+            "--cache-dir", str(tmp_path / "c"),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            stdout, stderr = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    finally:
+        silent.close()
+    assert proc.returncode == 1
+    assert url in stderr.decode()
+    assert b"ready" not in stdout

@@ -6,6 +6,7 @@ Routes: the OpenAI request routes go to the proxy; `/v1/models`, `/live`, `/heal
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -28,7 +29,7 @@ from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import make_router
 from shoal.frontend.server import HttpConnection, HttpServer, Request
 from shoal.frontend.watcher import ModelWatcher, Reconciler
-from shoal.store import Store, open_store
+from shoal.store import Store, StoreUnavailableError, default_store_url, open_store
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class FrontendConfig:
     connect_timeout: float = 5.0
     drain_timeout: float = 30.0
     keepalive_timeout: float = 75.0
+    setup_timeout: float = 10.0  # seconds for the store to answer the first listing
 
 
 class Frontend:
@@ -114,7 +116,32 @@ class Frontend:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
-        """Serve at once (health says 503 until the first snapshot), then load discovery."""
+        """Serve at once (health says 503 until the first snapshot), then load discovery.
+
+        `StoreUnavailableError`, naming the store, if it does not answer the first listing
+        within `setup_timeout` seconds; outages after that are survived.
+        """
+        config = self.config
+        try:
+            async with asyncio.timeout(config.setup_timeout):
+                await self._set_up()
+        except TimeoutError:
+            url = config.store_url or (
+                self.discovery.store.url if self.discovery is not None else default_store_url()
+            )
+            raise StoreUnavailableError(
+                f"store {url} did not answer within {config.setup_timeout:g}s "
+                "(--setup-timeout); is it running and reachable?"
+            ) from None
+        assert self.watcher is not None
+        self.reconciler = Reconciler(self.watcher)
+        self.manager.register(
+            Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
+        )
+        await self.manager.start_all()
+        log.info("frontend serving on %s", self.url)
+
+    async def _set_up(self) -> None:
         config = self.config
         if self.discovery is None:
             self._own_store = await open_store(config.store_url)
@@ -128,12 +155,6 @@ class Frontend:
         )
         await self.server.start(config.host, config.port)
         await self.watcher.start()
-        self.reconciler = Reconciler(self.watcher)
-        self.manager.register(
-            Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
-        )
-        await self.manager.start_all()
-        log.info("frontend serving on %s", self.url)
 
     async def stop(self) -> None:
         """Drain: refuse new work, let requests in flight finish, then stop everything."""
