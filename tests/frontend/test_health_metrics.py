@@ -9,10 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
+from shoal.discovery import ModelKey
 from shoal.frontend import Frontend, FrontendConfig
+from shoal.store import Store
 from tests.etcd_server import EtcdServer
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import FilteringDiscovery, serving
@@ -213,3 +216,47 @@ async def test_frontend_whose_store_never_answers_exits_non_zero_naming_it(
     assert proc.returncode == 1
     assert url in stderr.decode()
     assert b"ready" not in stdout
+
+
+def sample(text: str, name: str, labels: str = "") -> float:
+    for line in text.splitlines():
+        if line.startswith(f"{name}{labels} "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name}{labels} in /metrics")
+
+
+async def test_cards_that_cannot_be_read_are_counted_listed_and_unknown_fields_tolerated(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    good = await start_worker()
+    newer = await start_worker("newer-llm")  # a newer worker's card: a field we do not know
+    assert newer.lease is not None
+    raw = msgspec.json.decode(newer.card().to_json())
+    raw["speculative_decoding"] = {"draft": "tiny"}
+    await store.put(newer.key.key, msgspec.json.encode(raw), lease=newer.lease.id)
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend) and serving(frontend, "newer-llm"))
+    bad_role = ModelKey(good.endpoint, good.instance_id, "encode")
+    raw = msgspec.json.decode(good.card().to_json()) | {"display_name": "enc", "role": "encode"}
+    await store.put(bad_role.key, msgspec.json.encode(raw))
+    not_json = ModelKey(good.endpoint, good.instance_id, "garbage")
+    await store.put(not_json.key, b"{not json")
+
+    def skipped(body: dict[str, Any]) -> dict[str, str]:
+        return {entry["key"]: entry["reason"] for entry in body["skipped"]}
+
+    status, body = await wait_for(
+        lambda: _health_when(frontend, lambda body: len(skipped(body)) == 2)
+    )
+    assert status == 200
+    reasons = skipped(body)
+    assert "role" in reasons[bad_role.key]
+    assert "JSON" in reasons[not_json.key]
+    async with aiohttp.ClientSession() as session:
+        metrics = await (await session.get(f"{frontend.url}/metrics")).text()
+    malformed = "shoal_discovery_malformed_values_total"
+    assert sample(metrics, malformed, '{kind="model"}') >= 2
+    assert sample(metrics, "shoal_discovery_ignored_card_changes_total") >= 0
+    assert serving(frontend)  # nothing valid is hidden by the bad values beside it
+    await store.delete(not_json.key)
+    await wait_for(lambda: _health_when(frontend, lambda body: len(skipped(body)) == 1))

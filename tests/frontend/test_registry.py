@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import collections
+import itertools
+from pathlib import Path
 
 import aiohttp
 import openai
+import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from shoal.frontend import Frontend
+from shoal.discovery import Discovery
+from shoal.frontend import Frontend, FrontendConfig
+from shoal.frontend.versions import Versions
+from shoal.frontend.watcher import State
+from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import serving
 from tests.helpers import wait_for
@@ -144,3 +151,81 @@ async def test_v1_models_reflects_join_leave_and_taints_right_after_each(
         await alpha.unregister()
         await wait_for(lambda: "alpha" not in frontend.registry.models)
         assert await listed() == ["beta"]  # leave
+
+
+def set_checksums(frontend: Frontend, model: str = "mock-llm") -> list[str]:
+    entry = frontend.registry.models.get(model)
+    return [] if entry is None else [ws.mdcsum for ws in entry.sets.values()]
+
+
+@pytest.mark.parametrize("backend", ["memory", "etcd"])
+async def test_two_frontends_with_different_histories_elect_the_same_checksum(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend, tmp_path: Path
+) -> None:
+    old = await start_worker(version="1")
+    first = await start_frontend()
+    await wait_for(lambda: serving(first))
+    new = await start_worker(version="2")
+    await wait_for(lambda: refused(first, "mock-llm") == 1)
+    # The second frontend starts now, and the old version's metadata is slow to download:
+    # the new version's card is verified first, yet the old version is the one elected.
+    old.metadata_hang.clear()
+    second = Frontend(
+        FrontendConfig(port=0, cache_dir=tmp_path / "second"), discovery=Discovery(store)
+    )
+    await second.start()
+    try:
+        watcher = second.watcher
+        assert watcher is not None
+        await wait_for(lambda: watcher.registrations[new.key].state is State.REFUSED)
+        assert new.key not in second.registry
+        old.metadata_hang.set()
+        await wait_for(lambda: serving(second))
+        assert set_checksums(second) == set_checksums(first) == [old.card().mdcsum]
+        answer = await openai_client(second).chat.completions.create(
+            model="mock-llm", messages=CHAT
+        )
+        assert answer.choices[0].message.content == f"hello from {old.instance_id:x}"
+    finally:
+        await second.stop()
+
+
+@pytest.mark.parametrize("backend", ["memory", "etcd"])
+async def test_waiting_checksum_takes_over_when_every_instance_of_the_set_drains(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    old = await start_worker(version="1")
+    frontend = await start_frontend(reconcile_interval=3600)
+    await wait_for(lambda: serving(frontend))
+    new = await start_worker(version="2")
+    await wait_for(lambda: refused(frontend, "mock-llm") == 1)
+    await old.taint("draining")  # rolling upgrade: the old worker drains, still registered
+    await wait_for(lambda: set_checksums(frontend) == [new.card().mdcsum])
+    await wait_for(lambda: serving(frontend))
+    answer = await openai_client(frontend).chat.completions.create(model="mock-llm", messages=CHAT)
+    assert answer.choices[0].message.content == f"hello from {new.instance_id:x}"
+    watcher = frontend.watcher
+    assert watcher is not None
+    assert watcher.registrations[old.key].state is State.REFUSED
+
+
+def test_election_depends_on_the_cards_not_on_the_order_they_arrived() -> None:
+    cards = [  # (key, checksum, revision, tainted)
+        ("a", "v1", 10, False),
+        ("b", "v2", 20, False),
+        ("c", "v1", 30, False),
+        ("d", "v3", 5, True),
+    ]
+    winners = set()
+    for order in itertools.permutations(cards):
+        versions: Versions[str, str] = Versions()
+        for key, checksum, revision, tainted in order:
+            versions.put("set", checksum, key, revision, tainted)
+        winners.add(versions.elected("set"))
+    assert winners == {"v1"}  # v3 is older, but only tainted: v1's oldest untainted card wins
+    versions.put("set", "v1", "a", 40, True)  # a drains: v1's oldest untainted is c (30) > b
+    assert versions.elected("set") == "v2"
+    versions.drop("b")
+    assert versions.elected("set") == "v1"  # c is v1's only untainted card left
+    versions.put("set", "v1", "c", 50, True)
+    assert versions.elected("set") == "v3"  # all tainted: the oldest card overall

@@ -279,6 +279,10 @@ class Frontend:
             "models": models,
             "instances": instances,
             "incomplete": incomplete,
+            "skipped": [
+                {"key": key, "reason": reason}
+                for key, reason in sorted(self.watcher.discovery.skipped.items())
+            ],
         }
 
     def _model_object(self, model: Model) -> dict[str, Any]:

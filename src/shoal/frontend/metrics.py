@@ -21,6 +21,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from shoal.discovery.service import IGNORED_CHANGES, MALFORMED
+
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # fmt: skip
@@ -75,6 +77,7 @@ class FrontendMetrics:
         self.models: dict[str, ModelStats] = {}
         self.live_instances: Callable[[], dict[str, int]] = dict
         self.registry.register(_RequestCollector(self))
+        self.registry.register(_DiscoveryCollector())
         self.reconcile_runs = Counter(
             "shoal_frontend_reconcile_runs",
             "Reconciliation passes that listed discovery and compared it with the registry.",
@@ -172,3 +175,15 @@ class _RequestCollector(Collector):
         for name, count in sorted(self.metrics.live_instances().items()):
             live.add_metric([name], count)
         yield from (requests, in_flight, retries, ttft, duration, live)
+
+
+class _DiscoveryCollector(Collector):
+    """Discovery's counters of values it skipped (malformed) or changes it ignored.
+
+    Discovery keeps them in the process-wide Prometheus registry, which a frontend does not
+    render: they are shown on its own `/metrics` too, counted for the whole process.
+    """
+
+    def collect(self) -> Iterator[Metric]:
+        yield from MALFORMED.collect()
+        yield from IGNORED_CHANGES.collect()

@@ -1,9 +1,10 @@
 """The model registry: models → worker sets → instances, as the request path reads them.
 
 A worker set is every instance of one model in one (namespace, component, role) whose cards
-have the same `mdcsum`. The first card to join fixes the set's checksum; a card with another
-checksum is refused (another namespace may run another checksum: a rolling upgrade, and
-requests then pick a set weighted by its live instances).
+have the same `mdcsum`. The watcher elects the set's checksum from discovery (see
+`versions`); the registry refuses a card with another checksum while the set has members
+(another namespace may run another checksum: a rolling upgrade, and requests then pick a
+set weighted by its live instances).
 
 Everything a request needs is precomputed when membership changes, not per request: each
 set's `routable` tuple (joined, untainted instances) and each model's routable sets with
