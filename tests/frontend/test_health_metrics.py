@@ -260,3 +260,39 @@ async def test_cards_that_cannot_be_read_are_counted_listed_and_unknown_fields_t
     assert serving(frontend)  # nothing valid is hidden by the bad values beside it
     await store.delete(not_json.key)
     await wait_for(lambda: _health_when(frontend, lambda body: len(skipped(body)) == 1))
+
+
+async def test_ready_is_503_with_the_reason_while_a_loop_is_stuck_and_health_keeps_its_meaning(
+    discovery: FilteringDiscovery, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend(reconcile_interval=0.2)
+    assert await get(f"{frontend.url}/ready") == (200, {"status": "ready"})
+    discovery.hold_listings = asyncio.Event()  # the next reconciliation never returns
+    _, body = await wait_for(lambda: _get_when(f"{frontend.url}/ready", 503))
+    assert body["status"] == "not ready"
+    assert "no progress for" in body["reasons"]["model-reconciler"]
+    assert (await get(f"{frontend.url}/health"))[0] == 200
+    assert (await get(f"{frontend.url}/live"))[0] == 200
+    discovery.hold_listings.set()
+    await wait_for(lambda: _get_when(f"{frontend.url}/ready", 200))
+
+
+async def test_ready_is_503_while_starting_and_draining(
+    discovery: FilteringDiscovery, tmp_path: Path
+) -> None:
+    discovery.list_failures = 3  # the store is not answering yet
+    frontend = Frontend(FrontendConfig(port=0, cache_dir=tmp_path / "c"), discovery=discovery)
+    starting = asyncio.create_task(frontend.start())
+    try:
+        await wait_for(lambda: frontend.server is not None and discovery.list_calls >= 1)
+        status, body = await get(f"{frontend.url}/ready")
+        assert (status, body["status"]) == (503, "not ready")
+        assert "first discovery snapshot" in body["reasons"]["frontend"]
+        await starting
+        assert (await get(f"{frontend.url}/ready"))[0] == 200
+        frontend.draining = True
+        status, body = await get(f"{frontend.url}/ready")
+        assert (status, body["reasons"]) == (503, {"frontend": "draining"})
+        frontend.draining = False
+    finally:
+        await frontend.stop()

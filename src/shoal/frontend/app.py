@@ -1,7 +1,10 @@
 """`Frontend`: the gateway wired together: server, routes, registry, watcher, reconciliation.
 
-Routes: the OpenAI request routes go to the proxy; `/v1/models`, `/live`, `/health`,
-`/health/controllers` and `/metrics` are small handlers on the same server.
+Routes: the OpenAI request routes go to the proxy; `/v1/models`, `/live`, `/ready`,
+`/health`, `/health/controllers` and `/metrics` are small handlers on the same server.
+`/live` is the liveness probe (503 only while shutting down), `/ready` the readiness probe
+(503 with reasons while starting, draining, or a control loop is stuck or failing), and
+`/health` a report for people (200 once started, whatever the store's state).
 """
 
 from __future__ import annotations
@@ -220,6 +223,9 @@ class Frontend:
                 conn.send(503, _json({"status": "shutting down"}))
             else:
                 conn.send(200, _json({"status": "ok"}))
+        elif path == b"/ready":
+            status, body = self.readiness()
+            conn.send(status, _json(body))
         elif path == b"/health":
             status, body = self.health()
             conn.send(status, _json(body))
@@ -241,6 +247,18 @@ class Frontend:
                 _json({"object": "list", "data": data}),
             )
         return cached[1]
+
+    def readiness(self) -> tuple[int, dict[str, Any]]:
+        """200 when this frontend should get traffic; else 503 with every reason, by loop."""
+        reasons: dict[str, str] = {}
+        if self.draining:
+            reasons["frontend"] = "draining"
+        elif self.watcher is None or not self.watcher.snapshot_loaded.is_set():
+            reasons["frontend"] = "starting: the first discovery snapshot is not loaded yet"
+        reasons.update(self.manager.unhealthy())
+        if reasons:
+            return 503, {"status": "not ready", "reasons": reasons}
+        return 200, {"status": "ready"}
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """503 while starting or draining; else 200 with what the registry knows."""
@@ -297,4 +315,4 @@ class Frontend:
         return obj
 
 
-_CONTROL_PATHS = frozenset({b"/live", b"/health", b"/health/controllers", b"/metrics"})
+_CONTROL_PATHS = frozenset({b"/live", b"/ready", b"/health", b"/health/controllers", b"/metrics"})
