@@ -296,3 +296,31 @@ async def test_ready_is_503_while_starting_and_draining(
         frontend.draining = False
     finally:
         await frontend.stop()
+
+
+async def test_series_of_a_model_gone_for_a_while_are_dropped(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    stay = await start_worker()
+    gone = await start_worker("gone-llm")
+    frontend = await start_frontend()
+    frontend.metrics.departed_ttl = 0.3  # seconds a departed model's series are kept
+    await wait_for(lambda: serving(frontend) and serving(frontend, "gone-llm"))
+    client = openai_client(frontend)
+    for model in ("mock-llm", "gone-llm"):
+        await client.chat.completions.create(model=model, messages=CHAT)
+    registry = frontend.metrics.registry
+    labels = {"model": "gone-llm", "status": "200"}
+    assert registry.get_sample_value("shoal_frontend_requests_total", labels) == 1
+    await gone.unregister()
+    await wait_for(lambda: "gone-llm" not in frontend.registry.models)
+    # Still shown for a while after it left (a scrape right after sees its last values)...
+    assert registry.get_sample_value("shoal_frontend_requests_total", labels) == 1
+    # ...then dropped, while the model that stays keeps its series.
+    await wait_for(
+        lambda: registry.get_sample_value("shoal_frontend_requests_total", labels) is None
+    )
+    assert "gone-llm" not in frontend.metrics.models
+    stays = {"model": "mock-llm", "status": "200"}
+    assert registry.get_sample_value("shoal_frontend_requests_total", stays) == 1
+    assert stay.requests == 1

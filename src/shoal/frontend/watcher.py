@@ -556,3 +556,4 @@ class Reconciler(HeartbeatMixin, Controller):
 
     async def step(self) -> None:
         self.last_repairs = await self.watcher.reconcile(self.emit_heartbeat)
+        self.watcher.metrics.drop_departed()  # also when nobody scrapes /metrics
