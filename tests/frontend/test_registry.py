@@ -84,11 +84,8 @@ async def test_models_endpoints_list_serving_models_in_openai_format(
     start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:
     await start_worker("org/Model-A")
-    tainted = await start_worker("model-b")
     frontend = await start_frontend()
-    await wait_for(lambda: serving(frontend, "org/Model-A") and serving(frontend, "model-b"))
-    await tainted.taint("draining")
-    await wait_for(lambda: not serving(frontend, "model-b"))
+    await wait_for(lambda: serving(frontend, "org/Model-A"))
     client = openai_client(frontend)
     listed = await client.models.list()
     assert [m.id for m in listed.data] == ["org/Model-A"]
@@ -96,11 +93,30 @@ async def test_models_endpoints_list_serving_models_in_openai_format(
     assert listed.data[0].owned_by == "shoal"
     one = await client.models.retrieve("org/Model-A")
     assert one.id == "org/Model-A"
-    try:
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("no-such-model")
+
+
+async def test_a_model_whose_instances_all_drain_is_listed_and_answers_503_with_retry_after(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """One story everywhere: the model still exists, it is unavailable for a moment."""
+    draining = await start_worker("model-b")
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend, "model-b"))
+    await draining.taint("draining")
+    await wait_for(lambda: not serving(frontend, "model-b"))
+    client = openai_client(frontend)
+    assert [m.id for m in (await client.models.list()).data] == ["model-b"]
+    with pytest.raises(openai.APIStatusError) as retrieved:
         await client.models.retrieve("model-b")
-        raise AssertionError("a model with no ready instance is not listed")
-    except openai.NotFoundError:
-        pass
+    assert retrieved.value.status_code == 503
+    assert int(retrieved.value.response.headers["retry-after"]) > 0
+    assert "no ready instance" in retrieved.value.message
+    with pytest.raises(openai.APIStatusError) as requested:
+        await client.chat.completions.create(model="model-b", messages=CHAT)
+    assert requested.value.status_code == 503
+    assert draining.requests == 0
 
 
 async def test_lora_adapter_is_served_under_its_own_name(
@@ -144,13 +160,13 @@ async def test_v1_models_reflects_join_leave_and_taints_right_after_each(
         assert await listed() == ["alpha", "beta"]  # join
         await beta.taint("draining")
         await wait_for(lambda: not serving(frontend, "beta"))
-        assert await listed() == ["alpha"]  # its only instance is tainted: hidden
-        await beta.taint()
-        await wait_for(lambda: serving(frontend, "beta"))
-        assert await listed() == ["alpha", "beta"]  # untainted: listed again
+        assert await listed() == ["alpha", "beta"]  # its only instance drains: still listed
+        await beta.unregister()
+        await wait_for(lambda: "beta" not in frontend.registry.models)
+        assert await listed() == ["alpha"]  # gone: no longer listed
         await alpha.unregister()
         await wait_for(lambda: "alpha" not in frontend.registry.models)
-        assert await listed() == ["beta"]  # leave
+        assert await listed() == []  # leave
 
 
 def set_checksums(frontend: Frontend, model: str = "mock-llm") -> list[str]:
@@ -229,3 +245,26 @@ def test_election_depends_on_the_cards_not_on_the_order_they_arrived() -> None:
     assert versions.elected("set") == "v1"  # c is v1's only untainted card left
     versions.put("set", "v1", "c", 50, True)
     assert versions.elected("set") == "v3"  # all tainted: the oldest card overall
+
+
+async def test_an_adapter_names_its_parent_only_while_the_base_model_is_listed(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend()
+    await start_worker("base-llm-sql", lora_of="base-llm")
+    await wait_for(lambda: serving(frontend, "base-llm-sql"))
+
+    async def listed() -> dict[str, dict[str, object]]:
+        async with aiohttp.ClientSession() as session:
+            body = await (await session.get(f"{frontend.url}/v1/models")).json()
+        return {m["id"]: m for m in body["data"]}
+
+    assert "parent" not in (await listed())["base-llm-sql"]  # no model `base-llm` to name
+    one = await openai_client(frontend).models.retrieve("base-llm-sql")
+    assert getattr(one, "parent", None) is None
+    base = await start_worker("base-llm")
+    await wait_for(lambda: serving(frontend, "base-llm"))
+    assert (await listed())["base-llm-sql"]["parent"] == "base-llm"
+    await base.unregister()
+    await wait_for(lambda: "base-llm" not in frontend.registry.models)
+    assert "parent" not in (await listed())["base-llm-sql"]

@@ -197,7 +197,7 @@ class Frontend:
                 raise errors.not_found(path.decode())
             self._control(request, conn)
         except ApiError as exc:
-            conn.send_error(exc)
+            conn.send(exc.status, exc.body(), headers=exc.headers)
 
     def _authorize(self, request: Request) -> None:
         if not self._bearer:
@@ -215,8 +215,10 @@ class Frontend:
             self._authorize(request)
             name = urllib.parse.unquote(path[len(b"/v1/models/") :].decode())
             model = self.registry.models.get(name)
-            if model is None or not model.serving:
+            if model is None or not model.listed:
                 raise errors.model_not_found(name)
+            if not model.serving:
+                raise errors.no_ready_instance(name)  # draining: the same 503 as requests
             conn.send(200, _json(self._model_object(model)))
         elif path == b"/live":
             if self.draining:
@@ -241,7 +243,7 @@ class Frontend:
         """The `/v1/models` body, encoded again only after the registry changed."""
         cached = self._models_body
         if cached is None or cached[0] != self.registry.version:
-            data = [self._model_object(m) for m in self.registry.serving()]
+            data = [self._model_object(m) for m in self.registry.listed()]
             cached = self._models_body = (
                 self.registry.version,
                 _json({"object": "list", "data": data}),
@@ -310,8 +312,9 @@ class Frontend:
             "created": model.created,
             "owned_by": "shoal",
         }
-        if model.parent is not None:
-            obj["parent"] = model.parent
+        parent = None if model.parent is None else self.registry.models.get(model.parent)
+        if parent is not None and parent.listed:  # never name a model that is not listed
+            obj["parent"] = parent.name
         return obj
 
 

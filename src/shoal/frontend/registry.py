@@ -90,6 +90,14 @@ class Model:
         return bool(self.routable_sets)
 
     @property
+    def listed(self) -> bool:
+        """Shown by `/v1/models`: serving, or its instances are only tainted (draining) for
+        now, when requests are answered 503 with Retry-After rather than 404."""
+        return self.serving or any(
+            ws.members for ws in self.sets.values() if ws.id.role in ENTRY_ROLES
+        )
+
+    @property
     def live_instances(self) -> int:
         return sum(len(ws.routable) for ws in self.routable_sets)
 
@@ -114,6 +122,7 @@ class Model:
             weights.append(total)
         self._cum_weights = tuple(weights)
         types: set[ModelType] = set()
+        self.parent = None
         for ws in self.sets.values():
             for member in ws.members.values():
                 types.update(member.card.model_types)
@@ -206,6 +215,10 @@ class Registry:
     def serving(self) -> list[Model]:
         """Models that can take requests now, by name."""
         return [m for _, m in sorted(self.models.items()) if m.serving]
+
+    def listed(self) -> list[Model]:
+        """Models `/v1/models` shows (serving, or draining for now), by name."""
+        return [m for _, m in sorted(self.models.items()) if m.listed]
 
     def live_instances(self) -> dict[str, int]:
         return {name: m.live_instances for name, m in self.models.items()}
