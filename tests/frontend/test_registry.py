@@ -7,6 +7,7 @@ import itertools
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
@@ -268,3 +269,33 @@ async def test_an_adapter_names_its_parent_only_while_the_base_model_is_listed(
     await base.unregister()
     await wait_for(lambda: "base-llm" not in frontend.registry.models)
     assert "parent" not in (await listed())["base-llm-sql"]
+
+
+async def test_created_is_the_same_on_every_frontend_and_across_restarts(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend, tmp_path: Path
+) -> None:
+    for created in (1_700_000_500, 1_700_000_000):  # when each worker registered the model
+        worker = await start_worker()
+        assert worker.lease is not None
+        card = msgspec.structs.replace(worker.card(), created=created)
+        await store.put(worker.key.key, card.to_json(), lease=worker.lease.id)
+    first = await start_frontend()
+    await wait_for(lambda: serving(first, instances=2))
+
+    async def created_on(frontend: Frontend) -> int:
+        model = await openai_client(frontend).models.retrieve("mock-llm")
+        listed = (await openai_client(frontend).models.list()).data
+        assert [m.created for m in listed] == [model.created]
+        return model.created
+
+    assert await created_on(first) == 1_700_000_000  # the earliest registration
+    for name in ("second", "third"):  # another frontend, then one started after it stopped
+        other = Frontend(
+            FrontendConfig(port=0, cache_dir=tmp_path / name), discovery=Discovery(store)
+        )
+        await other.start()
+        try:
+            await wait_for(lambda: serving(other, instances=2))  # noqa: B023
+            assert await created_on(other) == 1_700_000_000
+        finally:
+            await other.stop()

@@ -76,6 +76,9 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     runtime_config: dict[str, Any] = msgspec.field(default_factory=dict)
     metadata_files: dict[str, MetadataFile] = msgspec.field(default_factory=dict)
     lora: Lora | None = None
+    # Unix time the worker registered the model (0: not said). Not identity: frontends show
+    # the earliest of a model's cards as its `created`, the same on each of them.
+    created: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
         taints = self.runtime_config.get("taints", [])

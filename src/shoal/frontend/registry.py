@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import random
-import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -77,7 +76,7 @@ class Model:
     """A model name and its worker sets."""
 
     name: str
-    created: int
+    created: int = 0  # the earliest `created` of its cards (0: none says): what every frontend sees
     sets: dict[SetId, WorkerSet] = field(default_factory=dict)
     routable_sets: tuple[WorkerSet, ...] = ()
     model_types: frozenset[ModelType] = frozenset()
@@ -123,12 +122,16 @@ class Model:
         self._cum_weights = tuple(weights)
         types: set[ModelType] = set()
         self.parent = None
+        created = 0
         for ws in self.sets.values():
             for member in ws.members.values():
                 types.update(member.card.model_types)
+                if member.card.created and (not created or member.card.created < created):
+                    created = member.card.created
                 if member.card.lora is not None:
                     self.parent = member.card.lora.base_model
         self.model_types = frozenset(types)
+        self.created = created
 
 
 class RefusedError(Exception):
@@ -143,7 +146,6 @@ class Registry:
         self.connect_timeout = connect_timeout
         self._members: dict[ModelKey, SetId] = {}
         self._upstreams: dict[tuple[EndpointId, int], tuple[Upstream, int]] = {}
-        self._created: dict[str, int] = {}
         self.version = 0  # bumped by every change: what is derived from the registry compares it
 
     def __contains__(self, key: ModelKey) -> bool:
@@ -174,8 +176,7 @@ class Registry:
                 f"{ws.mdcsum}: refused (upgrade in another namespace, or stop the old workers)"
             )
         if entry is None:
-            created = self._created.setdefault(set_id.model, int(time.time()))
-            entry = self.models[set_id.model] = Model(set_id.model, created)
+            entry = self.models[set_id.model] = Model(set_id.model)
         if ws is None:
             ws = entry.sets[set_id] = WorkerSet(set_id, card.mdcsum)
         ws.members[key] = Member(key, card, self._acquire_upstream(model))
