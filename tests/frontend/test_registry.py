@@ -12,8 +12,10 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from shoal.discovery import Discovery
+from shoal.cards import ModelCard, ModelType
+from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelInstance, ModelKey
 from shoal.frontend import Frontend, FrontendConfig
+from shoal.frontend.registry import Registry
 from shoal.frontend.versions import Versions
 from shoal.frontend.watcher import State
 from shoal.store import Store
@@ -299,3 +301,56 @@ async def test_created_is_the_same_on_every_frontend_and_across_restarts(
             assert await created_on(other) == 1_700_000_000
         finally:
             await other.stop()
+
+
+def instance(instance_id: int, *types: str, taints: tuple[str, ...] = ()) -> ModelInstance:
+    endpoint = EndpointId("default", "backend", "generate")
+    card = ModelCard.build(
+        display_name="m",
+        slug="m",
+        source="test/m",
+        model_types=list(types),
+        context_length=4096,
+        runtime_config={"taints": list(taints)},
+    )
+    url = f"http://127.0.0.1:{9000 + instance_id}"
+    info = InstanceInfo("default", "backend", "generate", instance_id, f"{url}/v1", url)
+    return ModelInstance(ModelKey(endpoint, instance_id), card, info)
+
+
+def test_each_request_kind_goes_only_to_instances_whose_card_declares_it() -> None:
+    registry = Registry()
+    try:
+        for i in (1, 2, 3):
+            registry.join(instance(i, "chat", "completions"))
+        registry.join(instance(4, "embeddings"))  # same checksum: one worker set
+        model = registry.models["m"]
+        assert len(model.sets) == 1 and model.live_instances == 4
+        embeddings, chat = model.for_kind(ModelType.EMBEDDINGS), model.for_kind(ModelType.CHAT)
+        assert embeddings is not None and chat is not None
+        for _ in range(20):
+            ws = embeddings.pick_set()
+            assert ws is not None and [u.instance_id for u in ws.routable] == [4]
+            ws = chat.pick_set()
+            assert ws is not None and [u.instance_id for u in ws.routable] == [1, 2, 3]
+        # The embeddings instance drains: no instance left for embeddings; chat unaffected.
+        registry.set_taints(instance(4, "embeddings").key, ("draining",))
+        embeddings = model.for_kind(ModelType.EMBEDDINGS)
+        assert embeddings is not None and not embeddings.serving
+        assert embeddings.pick_set() is None
+        assert model.for_kind(ModelType.CHAT) is not None and model.serving
+    finally:
+        registry.close()
+
+
+def test_a_model_whose_cards_all_declare_the_same_kinds_is_its_own_view() -> None:
+    registry = Registry()
+    try:
+        registry.join(instance(1, "chat", "embeddings"))
+        registry.join(instance(2, "chat", "embeddings"))
+        model = registry.models["m"]
+        assert model.for_kind(ModelType.CHAT) is model  # nothing allocated per kind
+        assert model.for_kind(ModelType.EMBEDDINGS) is model
+        assert model.for_kind(ModelType.COMPLETIONS) is None
+    finally:
+        registry.close()

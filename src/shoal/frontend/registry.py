@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -49,6 +50,10 @@ class Member:
     key: ModelKey
     card: ModelCard
     upstream: Upstream
+    model_types: frozenset[ModelType] = field(init=False)  # the request kinds it declares
+
+    def __post_init__(self) -> None:
+        self.model_types = frozenset(self.card.model_types)
 
     @property
     def tainted(self) -> bool:
@@ -65,10 +70,38 @@ class WorkerSet:
     routable: tuple[Upstream, ...] = ()  # joined and untainted, by instance id
     cursor: int = 0  # round-robin position, kept per set so models do not skew each other
     router_state: object = None  # what a routing policy keeps per set (prefix index)
+    model_types: frozenset[ModelType] = frozenset()  # declared by every member's card
+    # When members declare different kinds: per kind, a set of the members declaring it.
+    kinds: dict[ModelType, WorkerSet] = field(default_factory=dict)
 
     def refresh(self) -> None:
-        live = {m.upstream for m in self.members.values() if not m.tainted}
-        self.routable = tuple(sorted(live, key=lambda u: u.instance_id))
+        self.routable = _routable(self.members.values())
+        declared = {m.model_types for m in self.members.values()}
+        if len(declared) <= 1:
+            self.model_types = next(iter(declared), frozenset())
+            self.kinds.clear()
+            return
+        self.model_types = frozenset().union(*declared)
+        for kind in self.kinds.keys() - self.model_types:
+            del self.kinds[kind]
+        for kind in self.model_types:
+            view = self.kinds.get(kind)
+            if view is None:
+                view = self.kinds[kind] = WorkerSet(self.id, self.mdcsum)
+            view.members = {k: m for k, m in self.members.items() if kind in m.model_types}
+            view.model_types = frozenset({kind})
+            view.routable = _routable(view.members.values())
+
+    def for_kind(self, kind: ModelType) -> WorkerSet | None:
+        """The members whose cards declare `kind` (this set itself when all of them do)."""
+        if kind not in self.model_types:
+            return None
+        return self.kinds.get(kind, self)
+
+
+def _routable(members: Iterable[Member]) -> tuple[Upstream, ...]:
+    live = {m.upstream for m in members if not m.tainted}
+    return tuple(sorted(live, key=lambda u: u.instance_id))
 
 
 @dataclass(eq=False)
@@ -82,6 +115,9 @@ class Model:
     model_types: frozenset[ModelType] = frozenset()
     parent: str | None = None  # the base model of a LoRA adapter
     _cum_weights: tuple[int, ...] = ()
+    # Per request kind, the model restricted to instances declaring it (itself when every
+    # set's members all declare the kinds the model serves: the common case).
+    _kinds: dict[ModelType, Model] = field(default_factory=dict)
 
     @property
     def serving(self) -> bool:
@@ -108,18 +144,16 @@ class Model:
         point = random.random() * self._cum_weights[-1]
         return sets[bisect.bisect_right(self._cum_weights, point)]
 
+    def for_kind(self, kind: ModelType) -> Model | None:
+        """The model as requests of `kind` see it: only instances whose card declares it.
+        None when no card of the model declares `kind`."""
+        return self._kinds.get(kind)
+
     def refresh(self) -> None:
         for ws in self.sets.values():
             ws.refresh()
-        self.routable_sets = tuple(
-            ws for ws in self.sets.values() if ws.routable and ws.id.role in ENTRY_ROLES
-        )
-        weights: list[int] = []
-        total = 0
-        for ws in self.routable_sets:
-            total += len(ws.routable)
-            weights.append(total)
-        self._cum_weights = tuple(weights)
+        self._route()
+        self._refresh_kinds()
         types: set[ModelType] = set()
         self.parent = None
         created = 0
@@ -132,6 +166,41 @@ class Model:
                     self.parent = member.card.lora.base_model
         self.model_types = frozenset(types)
         self.created = created
+
+    def _route(self) -> None:
+        """Routable sets and their cumulative weights, from the sets' `routable` tuples."""
+        self.routable_sets = tuple(
+            ws for ws in self.sets.values() if ws.routable and ws.id.role in ENTRY_ROLES
+        )
+        weights: list[int] = []
+        total = 0
+        for ws in self.routable_sets:
+            total += len(ws.routable)
+            weights.append(total)
+        self._cum_weights = tuple(weights)
+
+    def _refresh_kinds(self) -> None:
+        kinds: set[ModelType] = set()
+        for ws in self.sets.values():
+            kinds.update(ws.model_types)
+        uniform = all(not ws.kinds and ws.model_types == kinds for ws in self.sets.values())
+        old, self._kinds = self._kinds, {}
+        for kind in kinds:
+            if uniform:
+                self._kinds[kind] = self
+                continue
+            view = old.get(kind)
+            if view is None or view is self:
+                view = Model(self.name)
+            view.sets = {
+                set_id: narrowed
+                for set_id, ws in self.sets.items()
+                if (narrowed := ws.for_kind(kind)) is not None
+            }
+            view._route()
+            view.model_types = frozenset({kind})
+            view.created, view.parent = self.created, self.parent
+            self._kinds[kind] = view
 
 
 class RefusedError(Exception):
