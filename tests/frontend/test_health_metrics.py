@@ -260,6 +260,16 @@ async def test_cards_that_cannot_be_read_are_counted_listed_and_unknown_fields_t
     assert serving(frontend)  # nothing valid is hidden by the bad values beside it
     await store.delete(not_json.key)
     await wait_for(lambda: _health_when(frontend, lambda body: len(skipped(body)) == 1))
+    # A change other than taints to a registered card is ignored, and listed as such.
+    changed = msgspec.structs.replace(good.card(), context_length=8192)
+    assert good.lease is not None
+    await store.put(good.key.key, changed.to_json(), lease=good.lease.id)
+    _, body = await wait_for(lambda: _health_when(frontend, lambda body: len(skipped(body)) == 2))
+    assert "ignored" in skipped(body)[good.key.key]
+    async with aiohttp.ClientSession() as session:
+        metrics = await (await session.get(f"{frontend.url}/metrics")).text()
+    assert sample(metrics, "shoal_discovery_ignored_card_changes_total") >= 1
+    assert serving(frontend)  # the registered card is kept
 
 
 async def test_ready_is_503_with_the_reason_while_a_loop_is_stuck_and_health_keeps_its_meaning(
