@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from shoal.cards import CardError, Lora, MetadataFile, ModelCard, file_checksum, slugify
@@ -86,7 +87,8 @@ def test_mdcsum_ignores_where_metadata_files_are_hosted() -> None:
         ({"display_name": ""}, "display_name"),
         ({"metadata_files": {"c": {"url": "u", "checksum": "md5:x", "size": 1}}}, "checksum"),
         ({"runtime_config": {"taints": "draining"}}, "taints"),
-        ({"unknown_field": 1}, "unknown_field"),
+        ({"role": "encode"}, "role"),
+        ({"role": ""}, "role"),
     ],
 )
 def test_validation_is_strict_and_names_the_field(change: dict[str, object], field: str) -> None:
@@ -110,3 +112,25 @@ def test_file_checksum_matches_metadata_format(tmp_path: Path) -> None:
     checksum, size = file_checksum(path)
     assert size == 2
     assert MetadataFile(url="http://x", checksum=checksum, size=size).checksum.startswith("sha256:")
+
+
+def test_taints_are_normalised_however_the_writer_ordered_them() -> None:
+    written = card(runtime_config={"taints": ["zeta", "alpha", "zeta"]})
+    assert written.taints == ("alpha", "zeta")
+    assert written.taints == card().with_taints(["alpha", "zeta"]).taints
+
+
+def test_a_newer_workers_card_with_unknown_fields_is_read_and_keeps_its_checksum() -> None:
+    known = card(lora={"base_model": "base", "adapter": "a"})
+    raw = msgspec.json.decode(known.to_json())
+    raw["speculative_decoding"] = {"draft": "small"}  # a field this version does not know
+    raw["lora"]["rank"] = 16
+    raw["metadata_files"]["config.json"]["mirror"] = "http://elsewhere"
+    newer = ModelCard.from_json(msgspec.json.encode(raw))
+    assert newer == known
+    assert newer.mdcsum == known.mdcsum  # the checksum covers the fields this version knows
+
+
+def test_building_a_card_in_code_still_refuses_an_unknown_field() -> None:
+    with pytest.raises(CardError, match="unknown_field"):
+        card(unknown_field=1)

@@ -3,7 +3,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shoal.controllers import Controller, Heartbeat, HeartbeatMixin, MonitoredController
-from shoal.controllers.loop import _schedule
 from tests.controllers.support import FakeClock
 
 
@@ -65,10 +64,3 @@ def test_monitored_controller_beats_on_entering_each_step() -> None:
     monitored.step()
     # The beat came on entry; the step's own 7 s of work reported nothing.
     assert monitored.heartbeat.silence() == 7.0
-
-
-def test_schedule_is_fixed_rate_and_rebases_after_an_overrun() -> None:
-    # On time: the next step starts one interval after the previous one started.
-    assert _schedule(previous_start=10.0, interval=5.0, now=12.0) == (15.0, 3.0)
-    # Overrun: start at once, and count the next interval from now.
-    assert _schedule(previous_start=10.0, interval=5.0, now=18.0) == (18.0, 0.0)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -126,7 +127,7 @@ async def test_long_step_reporting_nothing_goes_unhealthy_after_deadline_with_re
 
 
 async def test_controller_reporting_nothing_is_judged_by_step_entry_beats() -> None:
-    """Each 7 s step overruns the 5 s interval; steps entering keep a silent controller alive."""
+    """Each step overruns its interval by 40%; steps entering keep a silent controller alive."""
 
     class Quiet(Controller):
         def __init__(self) -> None:
@@ -134,12 +135,12 @@ async def test_controller_reporting_nothing_is_judged_by_step_entry_beats() -> N
 
         def step(self) -> None:
             if len(self.healths) < 10:
-                clock.advance(7.0)
+                clock.advance(0.014)
                 self.healths.append(loop.health())
 
     clock = FakeClock()
     controller = Quiet()
-    loop = Loop(controller, interval=5.0, clock=clock)
+    loop = Loop(controller, interval=0.01, clock=clock)
     await loop.start()
     try:
         await wait_for(lambda: len(controller.healths) == 10, "ten steps")
@@ -288,3 +289,102 @@ async def test_loop_cannot_be_started_twice_while_running() -> None:
             await loop.start()
     finally:
         await loop.stop()
+
+
+class Timed(Controller):
+    """Each step takes `duration` real seconds; records when each step started and ended."""
+
+    def __init__(self, duration: float) -> None:
+        self.duration = duration
+        self.spans: list[tuple[float, float]] = []
+
+    async def step(self) -> None:
+        start = time.monotonic()
+        await asyncio.sleep(self.duration)
+        self.spans.append((start, time.monotonic()))
+
+
+async def test_loop_rests_a_full_interval_after_a_step_that_overran() -> None:
+    controller = Timed(duration=0.15)
+    loop = Loop(controller, interval=0.1)
+    await loop.start()
+    try:
+        await wait_for(lambda: len(controller.spans) >= 3, "three steps", timeout=5.0)
+    finally:
+        await loop.stop()
+    gaps = [nxt[0] - prev[1] for prev, nxt in itertools.pairwise(controller.spans)]
+    assert all(gap >= 0.1 * 0.95 for gap in gaps), gaps
+
+
+class Failing(Controller):
+    """Fails with the same error while `failing`, then succeeds; counts steps."""
+
+    def __init__(self, message: str = "store unreachable") -> None:
+        self.failing = True
+        self.message = message
+        self.steps = 0
+
+    async def step(self) -> None:
+        self.steps += 1
+        if self.failing:
+            raise ConnectionError(self.message)
+
+
+async def test_steps_failing_past_the_deadline_make_the_loop_unhealthy_with_the_failure() -> None:
+    clock = FakeClock()
+    controller = Failing()
+    loop = Loop(controller, interval=0.01, max_silence=15.0, clock=clock)
+    await loop.start()
+    try:
+        await wait_for(lambda: controller.steps >= 2, "two failed steps")
+        assert loop.health().healthy  # failing, but not for longer than the deadline yet
+        clock.advance(16.0)
+        health = loop.health()
+        assert not health.healthy
+        assert health.reason is not None
+        assert health.reason.startswith("steps failing for 16s")
+        assert health.reason.endswith("ConnectionError: store unreachable")
+        controller.failing = False
+        await wait_for(lambda: loop.health().healthy, "recovery after a successful step")
+    finally:
+        await loop.stop()
+
+
+async def test_a_step_failing_the_same_way_logs_once_then_a_count_on_recovery(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="shoal.controllers.loop")
+    controller = Failing()
+    loop = Loop(controller, name="lister", interval=0.005)
+    await loop.start()
+    try:
+        await wait_for(lambda: controller.steps >= 6, "six failed steps")
+        controller.failing = False
+        failed = controller.steps
+        await wait_for(lambda: controller.steps > failed + 1, "steps after recovery")
+    finally:
+        await loop.stop()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is not None
+    [recovered] = [r for r in caplog.records if "succeeded after" in r.getMessage()]
+    assert f"{failed} failed in a row" in recovered.getMessage()
+    assert "store unreachable" in recovered.getMessage()
+
+
+async def test_a_changed_failure_is_logged_with_the_count_of_the_previous_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    controller = Failing("first")
+    loop = Loop(controller, name="lister", interval=0.005)
+    await loop.start()
+    try:
+        await wait_for(lambda: controller.steps >= 3, "three failed steps")
+        controller.message = "second"
+        await wait_for(
+            lambda: sum(r.levelno >= logging.ERROR for r in caplog.records) == 2,
+            "the changed failure logged",
+        )
+    finally:
+        await loop.stop()
+    [repeated] = [r for r in caplog.records if "repeated" in r.getMessage()]
+    assert "ConnectionError: first" in repeated.getMessage()

@@ -256,3 +256,33 @@ async def test_listing_keeps_the_last_valid_card_over_bad_values_and_illegal_cha
     assert [m.card.taints for m in await disc.list()] == [("draining",)]
     await disc.unregister_model(key)
     assert await disc.list() == []
+
+
+async def test_every_reader_sees_a_cards_store_revision(store: Store) -> None:
+    """Listings, watches and late watchers agree on the revision that last wrote a card."""
+    disc = Discovery(store)
+    key = await register(disc, EP, 0x50, make_card())
+    watch = Watch(disc)
+    try:
+        await wait_for(lambda: watch.live() == {key})
+        kv = await store.get(key.key)
+        assert kv is not None
+        [added] = [e for e in watch.events if isinstance(e, Added)]
+        assert added.model.revision == kv.mod_revision > 0
+        await disc.update_taints(key, ["draining"])
+        kv = await store.get(key.key)
+        assert kv is not None
+        await wait_for(lambda: any(isinstance(e, TaintsUpdated) for e in watch.events))
+        [updated] = [e for e in watch.events if isinstance(e, TaintsUpdated)]
+        assert updated.revision == kv.mod_revision
+        [listed] = await Discovery(store).list()
+        assert listed.revision == kv.mod_revision
+        late = Watch(Discovery(store))
+        try:
+            await wait_for(lambda: late.live() == {key})
+            [late_added] = [e for e in late.events if isinstance(e, Added)]
+            assert late_added.model.revision == kv.mod_revision
+        finally:
+            await late.close()
+    finally:
+        await watch.close()

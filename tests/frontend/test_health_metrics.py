@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import msgspec
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
+from shoal.discovery import ModelKey
 from shoal.frontend import Frontend, FrontendConfig
+from shoal.store import Store
+from tests.etcd_server import EtcdServer
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import FilteringDiscovery, serving
 from tests.helpers import wait_for
+from tests.processes import shoal
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
@@ -140,3 +147,190 @@ async def test_each_frontend_has_its_own_metrics_registry(start_frontend: StartF
         )
         is None
     )
+
+
+async def test_store_outage_shows_in_health_and_fails_the_reconciliation_loop(
+    tmp_path: Path,
+) -> None:
+    etcd = EtcdServer()
+    etcd.start()
+    frontend = Frontend(
+        FrontendConfig(store_url=etcd.url, port=0, cache_dir=tmp_path / "c", reconcile_interval=0.2)
+    )
+    try:
+        await frontend.start()
+        status, body = await get(f"{frontend.url}/health")
+        assert (status, body["store"]) == (200, {"reachable": True})
+        etcd.stop()
+        status, body = await wait_for(
+            lambda: _health_when(frontend, lambda body: not body["store"]["reachable"]),
+            timeout=30,
+        )
+        assert status == 200  # /health keeps its meaning: the frontend still serves
+        assert body["store"]["unreachable_since"].endswith("+00:00")
+        assert body["store"]["error"]
+        status, body = await wait_for(
+            lambda: _get_when(f"{frontend.url}/health/controllers", 503), timeout=30
+        )
+        assert "steps failing for" in body["unhealthy"]["model-reconciler"]
+        etcd.start()
+        await wait_for(lambda: _get_when(f"{frontend.url}/health/controllers", 200), timeout=30)
+        status, body = await get(f"{frontend.url}/health")
+        assert body["store"] == {"reachable": True}
+    finally:
+        await frontend.stop()
+        etcd.close()
+
+
+async def _health_when(frontend: Frontend, check: Any) -> tuple[int, dict] | None:  # type: ignore[type-arg]
+    status, body = await get(f"{frontend.url}/health")
+    return (status, body) if check(body) else None
+
+
+async def _get_when(url: str, status: int) -> tuple[int, dict] | None:  # type: ignore[type-arg]
+    got = await get(url)
+    return got if got[0] == status else None
+
+
+async def test_frontend_whose_store_never_answers_exits_non_zero_naming_it(
+    tmp_path: Path,
+) -> None:
+    silent = socket.socket()  # accepts connections (the kernel's backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    url = f"etcd://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        proc = await shoal(
+            "frontend", "--store", url, "--port", "0", "--setup-timeout", "1",
+            "--cache-dir", str(tmp_path / "c"),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            stdout, stderr = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    finally:
+        silent.close()
+    assert proc.returncode == 1
+    assert url in stderr.decode()
+    assert b"ready" not in stdout
+
+
+def sample(text: str, name: str, labels: str = "") -> float:
+    for line in text.splitlines():
+        if line.startswith(f"{name}{labels} "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name}{labels} in /metrics")
+
+
+async def test_cards_that_cannot_be_read_are_counted_listed_and_unknown_fields_tolerated(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    good = await start_worker()
+    newer = await start_worker("newer-llm")  # a newer worker's card: a field we do not know
+    assert newer.lease is not None
+    raw = msgspec.json.decode(newer.card().to_json())
+    raw["speculative_decoding"] = {"draft": "tiny"}
+    await store.put(newer.key.key, msgspec.json.encode(raw), lease=newer.lease.id)
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend) and serving(frontend, "newer-llm"))
+    bad_role = ModelKey(good.endpoint, good.instance_id, "encode")
+    raw = msgspec.json.decode(good.card().to_json()) | {"display_name": "enc", "role": "encode"}
+    await store.put(bad_role.key, msgspec.json.encode(raw))
+    not_json = ModelKey(good.endpoint, good.instance_id, "garbage")
+    await store.put(not_json.key, b"{not json")
+
+    def skipped(body: dict[str, Any]) -> dict[str, str]:
+        return {entry["key"]: entry["reason"] for entry in body["skipped"]}
+
+    status, body = await wait_for(
+        lambda: _health_when(frontend, lambda body: len(skipped(body)) == 2)
+    )
+    assert status == 200
+    reasons = skipped(body)
+    assert "role" in reasons[bad_role.key]
+    assert "JSON" in reasons[not_json.key]
+    async with aiohttp.ClientSession() as session:
+        metrics = await (await session.get(f"{frontend.url}/metrics")).text()
+    malformed = "shoal_discovery_malformed_values_total"
+    assert sample(metrics, malformed, '{kind="model"}') >= 2
+    assert sample(metrics, "shoal_discovery_ignored_card_changes_total") >= 0
+    assert serving(frontend)  # nothing valid is hidden by the bad values beside it
+    await store.delete(not_json.key)
+    await wait_for(lambda: _health_when(frontend, lambda body: len(skipped(body)) == 1))
+    # A change other than taints to a registered card is ignored, and listed as such.
+    changed = msgspec.structs.replace(good.card(), context_length=8192)
+    assert good.lease is not None
+    await store.put(good.key.key, changed.to_json(), lease=good.lease.id)
+    _, body = await wait_for(lambda: _health_when(frontend, lambda body: len(skipped(body)) == 2))
+    assert "ignored" in skipped(body)[good.key.key]
+    async with aiohttp.ClientSession() as session:
+        metrics = await (await session.get(f"{frontend.url}/metrics")).text()
+    assert sample(metrics, "shoal_discovery_ignored_card_changes_total") >= 1
+    assert serving(frontend)  # the registered card is kept
+
+
+async def test_ready_is_503_with_the_reason_while_a_loop_is_stuck_and_health_keeps_its_meaning(
+    discovery: FilteringDiscovery, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend(reconcile_interval=0.2)
+    assert await get(f"{frontend.url}/ready") == (200, {"status": "ready"})
+    discovery.hold_listings = asyncio.Event()  # the next reconciliation never returns
+    _, body = await wait_for(lambda: _get_when(f"{frontend.url}/ready", 503))
+    assert body["status"] == "not ready"
+    assert "no progress for" in body["reasons"]["model-reconciler"]
+    assert (await get(f"{frontend.url}/health"))[0] == 200
+    assert (await get(f"{frontend.url}/live"))[0] == 200
+    discovery.hold_listings.set()
+    await wait_for(lambda: _get_when(f"{frontend.url}/ready", 200))
+
+
+async def test_ready_is_503_while_starting_and_draining(
+    discovery: FilteringDiscovery, tmp_path: Path
+) -> None:
+    discovery.list_failures = 3  # the store is not answering yet
+    frontend = Frontend(FrontendConfig(port=0, cache_dir=tmp_path / "c"), discovery=discovery)
+    starting = asyncio.create_task(frontend.start())
+    try:
+        await wait_for(lambda: frontend.server is not None and discovery.list_calls >= 1)
+        status, body = await get(f"{frontend.url}/ready")
+        assert (status, body["status"]) == (503, "not ready")
+        assert "first discovery snapshot" in body["reasons"]["frontend"]
+        await starting
+        assert (await get(f"{frontend.url}/ready"))[0] == 200
+        frontend.draining = True
+        status, body = await get(f"{frontend.url}/ready")
+        assert (status, body["reasons"]) == (503, {"frontend": "draining"})
+        frontend.draining = False
+    finally:
+        await frontend.stop()
+
+
+async def test_series_of_a_model_gone_for_a_while_are_dropped(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    stay = await start_worker()
+    gone = await start_worker("gone-llm")
+    frontend = await start_frontend()
+    frontend.metrics.departed_ttl = 0.3  # seconds a departed model's series are kept
+    await wait_for(lambda: serving(frontend) and serving(frontend, "gone-llm"))
+    client = openai_client(frontend)
+    for model in ("mock-llm", "gone-llm"):
+        await client.chat.completions.create(model=model, messages=CHAT)
+    registry = frontend.metrics.registry
+    labels = {"model": "gone-llm", "status": "200"}
+    assert registry.get_sample_value("shoal_frontend_requests_total", labels) == 1
+    await gone.unregister()
+    await wait_for(lambda: "gone-llm" not in frontend.registry.models)
+    # Still shown for a while after it left (a scrape right after sees its last values)...
+    assert registry.get_sample_value("shoal_frontend_requests_total", labels) == 1
+    # ...then dropped, while the model that stays keeps its series.
+    await wait_for(
+        lambda: registry.get_sample_value("shoal_frontend_requests_total", labels) is None
+    )
+    assert "gone-llm" not in frontend.metrics.models
+    stays = {"model": "mock-llm", "status": "200"}
+    assert registry.get_sample_value("shoal_frontend_requests_total", stays) == 1
+    assert stay.requests == 1

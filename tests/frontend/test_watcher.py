@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 
-from shoal.discovery import Added, DiscoveryEvent, Removed
+from shoal.discovery import Added, DiscoveryEvent, ModelInstance, Query, Removed
 from shoal.frontend import Frontend
-from shoal.frontend.watcher import State
+from shoal.frontend.metadata import MetadataCache
+from shoal.frontend.metrics import FrontendMetrics
+from shoal.frontend.registry import Registry
+from shoal.frontend.watcher import ModelWatcher, State
+from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import FilteringDiscovery, serving
 from tests.helpers import wait_for
@@ -293,3 +299,64 @@ async def test_taint_updates_reach_routing(
     assert "mock-llm" in frontend.registry.models  # still known: listed again when untainted
     await worker.taint()
     await wait_for(lambda: serving(frontend))
+
+
+async def test_unsorted_taints_from_another_writer_are_not_repaired_every_pass(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker()
+    frontend = await start_frontend(reconcile_interval=3600)
+    await wait_for(lambda: serving(frontend))
+    card = worker.card()
+    unsorted = msgspec.structs.replace(card, runtime_config={"taints": ["zeta", "alpha", "zeta"]})
+    assert worker.lease is not None
+    await store.put(worker.key.key, unsorted.to_json(), lease=worker.lease.id)
+    watcher = frontend.watcher
+    assert watcher is not None
+    await wait_for(lambda: watcher.registrations[worker.key].model.card.taints == ("alpha", "zeta"))
+    version = frontend.registry.version
+    for _ in range(3):
+        assert await watcher.reconcile() == {}
+    assert frontend.registry.version == version
+
+
+class BrokenStreams(FilteringDiscovery):
+    """Every watch stream fails at once; counts listings in flight at the same time."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.stream_failures = 0
+        self.listing = 0
+        self.most_listing = 0
+
+    async def list_and_watch(self, query: Query | None = None) -> AsyncIterator[DiscoveryEvent]:
+        self.stream_failures += 1
+        raise ConnectionError("injected stream failure")
+        yield  # pragma: no cover - makes this an async generator
+
+    async def list(self, query: Query | None = None) -> list[ModelInstance]:
+        self.listing += 1
+        self.most_listing = max(self.most_listing, self.listing)
+        try:
+            return await super().list(query)
+        finally:
+            self.listing -= 1
+
+
+@pytest.mark.parametrize("backend", ["memory"])
+async def test_failing_streams_run_one_resync_at_a_time(store: Store, tmp_path: Path) -> None:
+    discovery = BrokenStreams(store)
+    watcher = ModelWatcher(
+        discovery, Registry(), MetadataCache(tmp_path / "cache"), FrontendMetrics()
+    )
+    await watcher.start()
+    try:
+        discovery.hold_listings = asyncio.Event()  # the store stalls: resyncs cannot finish
+        failures = discovery.stream_failures
+        await wait_for(lambda: discovery.stream_failures >= failures + 4, message="failures")
+        assert discovery.most_listing == 1
+        discovery.hold_listings.set()  # the store answers again: the pending resync finishes
+        await wait_for(lambda: discovery.listing == 0, message="the resync to finish")
+        assert discovery.most_listing == 1
+    finally:
+        await watcher.stop()

@@ -42,7 +42,7 @@ class WorkerRole(enum.StrEnum):
     DECODE = "decode"
 
 
-class MetadataFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class MetadataFile(msgspec.Struct, frozen=True):
     """A non-weight file of the model (config, tokenizer, chat template), hosted by the worker."""
 
     url: NonEmpty
@@ -50,15 +50,21 @@ class MetadataFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     size: Annotated[int, msgspec.Meta(ge=0)]
 
 
-class Lora(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Lora(msgspec.Struct, frozen=True):
     """A LoRA adapter card names its base model and the adapter."""
 
     base_model: NonEmpty
     adapter: NonEmpty
 
 
-class ModelCard(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, dict=True):
-    """What a worker serves. Immutable; `with_taints` returns a copy."""
+class ModelCard(msgspec.Struct, frozen=True, kw_only=True, dict=True):
+    """What a worker serves. Immutable; `with_taints` returns a copy.
+
+    Reading a card (`from_json`) ignores fields this version does not know, at every level,
+    so a newer worker's card stays readable by an older frontend; the fields it knows are
+    validated strictly, and `mdcsum` covers only those. `build` (cards made in code) refuses
+    unknown fields: there they are typos.
+    """
 
     display_name: NonEmpty
     slug: Slug
@@ -70,6 +76,9 @@ class ModelCard(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     runtime_config: dict[str, Any] = msgspec.field(default_factory=dict)
     metadata_files: dict[str, MetadataFile] = msgspec.field(default_factory=dict)
     lora: Lora | None = None
+    # Unix time the worker registered the model (0: not said). Not identity: frontends show
+    # the earliest of a model's cards as its `created`, the same on each of them.
+    created: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
         taints = self.runtime_config.get("taints", [])
@@ -81,7 +90,10 @@ class ModelCard(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
     @property
     def taints(self) -> tuple[str, ...]:
-        return tuple(self.runtime_config.get("taints", ()))
+        """The taints, sorted and without duplicates, however the writer stored them: two
+        cards that differ only in taint order or repeats have equal `taints`."""
+        taints = self.runtime_config.get("taints", ())
+        return tuple(sorted(set(taints))) if taints else ()
 
     def with_taints(self, taints: list[str] | tuple[str, ...]) -> ModelCard:
         return msgspec.structs.replace(
@@ -123,7 +135,11 @@ class ModelCard(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
     @classmethod
     def build(cls, **fields: Any) -> ModelCard:
-        """Construct with the same strict validation as `from_json` (errors name the field)."""
+        """Construct with the same strict validation as `from_json` (errors name the field),
+        refusing fields this version does not know."""
+        unknown = sorted(fields.keys() - set(cls.__struct_fields__))
+        if unknown:
+            raise CardError(f"invalid model card: unknown field(s) {', '.join(unknown)}")
         try:
             return msgspec.convert(fields, cls)
         except msgspec.ValidationError as exc:

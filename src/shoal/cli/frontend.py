@@ -173,6 +173,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_number_flag(
         parser,
+        "--setup-timeout",
+        float,
+        10,
+        metavar="SECONDS",
+        help="how long the store may take to answer the first listing before the frontend "
+        "exits with an error naming it; outages after start are survived (default 10)",
+    )
+    add_number_flag(
+        parser,
         "--drain-timeout",
         float,
         30,
@@ -186,6 +195,9 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     if args.first_byte_timeout < 0:
         raise ValueError("--first-byte-timeout must be 0 (no limit) or more seconds")
     _check_scope_flags(args)
+    setup_timeout = args.setup_timeout
+    if setup_timeout <= 0:
+        raise ValueError("--setup-timeout must be more than 0 seconds")
     return FrontendConfig(
         store_url=args.store,
         host=args.host,
@@ -205,6 +217,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         metadata_cache_bytes=args.metadata_cache_bytes,
         metadata_max_file_bytes=args.metadata_max_file_bytes,
         drain_timeout=args.drain_timeout,
+        setup_timeout=setup_timeout,
     )
 
 

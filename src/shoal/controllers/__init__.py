@@ -1,7 +1,8 @@
 """Layer 4: control loops whose liveness follows progress, and health endpoints with reasons.
 
-A `Controller` does one `step()`; a `Loop` runs it on a fixed-rate schedule and judges it
-alive while its `Heartbeat` keeps beating; a `ControllerManager` holds a process's loops
+A `Controller` does one `step()`; a `Loop` runs it with a rest of one interval after each
+step and judges it alive while its `Heartbeat` keeps beating and its steps do not keep
+failing; a `ControllerManager` holds a process's loops
 and answers readiness with the reason each unhealthy loop is unhealthy.
 """
 

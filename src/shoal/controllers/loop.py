@@ -1,9 +1,10 @@
-"""`Loop`: run a controller's `step()` on a fixed-rate schedule and report whether it is alive.
+"""`Loop`: run a controller's `step()`, waiting `interval` after each, and report whether it is alive.
 
 An `async def step()` runs in an asyncio task; a plain `step()` runs in a dedicated daemon
 thread, so a blocking controller never stalls the event loop. A step that raises is logged
-with its traceback and the loop goes on. A loop is healthy while its task or thread is
-alive, it made progress within `max_silence`, and its controller says it is healthy.
+with its traceback once per distinct failure, and the loop goes on. A loop is healthy while
+its task or thread is alive, it made progress within `max_silence`, its steps have not kept
+failing for longer than `max_silence`, and its controller says it is healthy.
 """
 
 from __future__ import annotations
@@ -58,14 +59,26 @@ class MonitoredController(Controller):
         return self.controller.is_healthy
 
 
-class Loop:
-    """Runs one controller every `interval` seconds until stopped.
+@dataclass
+class _FailureStreak:
+    """Consecutive failed steps: since when, how many, and the last failure's description."""
 
-    The schedule is fixed-rate: a step starts `interval` after the previous one started. A
-    step that overruns is followed at once by the next, and the schedule re-bases on that
-    moment. The loop is unhealthy after `max_silence` seconds without progress, by default
-    `unhealthy_after` (3) intervals. `clock` drives the schedule and the heartbeat (tests
-    inject a fake one); the sleep itself is real time, and a stop wakes it at once.
+    since: float
+    description: str
+    count: int = 1
+
+
+class Loop:
+    """Runs one controller until stopped, waiting `interval` seconds after each step ends.
+
+    The gap is fixed-delay, not fixed-rate: a step that overruns its interval is still
+    followed by a full `interval` of rest, so a struggling store is never hammered by
+    back-to-back steps. The loop is unhealthy after `max_silence` seconds without progress
+    (by default `unhealthy_after` (3) intervals), and when its steps have kept failing for
+    longer than `max_silence`: a failed step is not progress. A failure is logged with its
+    traceback when it first occurs or changes; repeats are counted, and the count is logged
+    on recovery or change. `clock` drives the heartbeat and failure streaks (tests inject a
+    fake one); the sleep itself is real time, and a stop wakes it at once.
     """
 
     def __init__(
@@ -102,6 +115,7 @@ class Loop:
         self._task: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
         self._done: asyncio.Future[None] | None = None
+        self._failure: _FailureStreak | None = None  # the current run of failed steps
 
     @property
     def heartbeat(self) -> Heartbeat:
@@ -169,9 +183,16 @@ class Loop:
         return False
 
     def health(self) -> LoopHealth:
-        """Probe liveness: running, progress within `max_silence`, controller healthy."""
+        """Probe liveness: running, not failing nor silent beyond `max_silence`, controller healthy."""
         if not self.running:
             return LoopHealth(False, "loop is not running")
+        failure = self._failure
+        if failure is not None and self.clock() - failure.since > self.max_silence:
+            failing = _seconds(self.clock() - failure.since)
+            return LoopHealth(
+                False,
+                f"steps failing for {failing} ({failure.count} in a row): {failure.description}",
+            )
         silence = self.heartbeat.silence()
         if silence > self.max_silence:
             return LoopHealth(
@@ -182,33 +203,58 @@ class Loop:
             return LoopHealth(False, "controller reported itself unhealthy")
         return LoopHealth(True)
 
+    def _succeeded(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            log.info(
+                "loop %r: step succeeded after %d failed in a row (last: %s)",
+                self.name,
+                failure.count,
+                failure.description,
+            )
+
+    def _failed(self, exc: BaseException) -> None:
+        """Log a failure when it starts or changes; count repeats of the same one."""
+        description = f"{type(exc).__name__}: {exc}"
+        failure = self._failure
+        if failure is not None and failure.description == description:
+            failure.count += 1
+            return
+        if failure is not None:
+            log.warning(
+                "loop %r: previous failure repeated %d times: %s",
+                self.name,
+                failure.count,
+                failure.description,
+            )
+        log.error("loop %r: step failed", self.name, exc_info=exc)
+        since = self.clock() if failure is None else failure.since
+        self._failure = _FailureStreak(
+            since, description, 1 if failure is None else failure.count + 1
+        )
+
     async def _run_async(self) -> None:
         task = asyncio.current_task()
-        next_start = self.clock()
         while not self._stop_requested.is_set():
             try:
                 result = self.monitored.step()
                 if result is not None:
                     await result
-            except asyncio.CancelledError:
+                self._succeeded()
+            except asyncio.CancelledError as exc:
                 if task is not None and task.cancelling():
                     raise
                 # Raised by something the step awaited, not by a cancel of this loop.
-                log.exception("loop %r: step failed", self.name)
-            except Exception:
-                log.exception("loop %r: step failed", self.name)
-            next_start, delay = _schedule(next_start, self.interval, self.clock())
-            if delay <= 0:
-                await asyncio.sleep(0)
-                continue
+                self._failed(exc)
+            except Exception as exc:
+                self._failed(exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay)
+                await asyncio.wait_for(self._wake.wait(), self.interval)
 
     def _run_thread(
         self, event_loop: asyncio.AbstractEventLoop, done: asyncio.Future[None]
     ) -> None:
         try:
-            next_start = self.clock()
             while not self._stop_requested.is_set():
                 try:
                     result = self.monitored.step()
@@ -216,23 +262,14 @@ class Loop:
                         if inspect.iscoroutine(result):
                             result.close()
                         raise TypeError("step() returned an awaitable; declare it `async def`")
-                except Exception:
-                    log.exception("loop %r: step failed", self.name)
-                next_start, delay = _schedule(next_start, self.interval, self.clock())
-                if delay > 0:
-                    self._stop_requested.wait(delay)
+                    self._succeeded()
+                except Exception as exc:
+                    self._failed(exc)
+                self._stop_requested.wait(self.interval)
         finally:
             # A closed event loop raises RuntimeError: then nobody is waiting.
             with contextlib.suppress(RuntimeError):
                 event_loop.call_soon_threadsafe(_resolve, done)
-
-
-def _schedule(previous_start: float, interval: float, now: float) -> tuple[float, float]:
-    """Fixed rate: the next start and the delay until it. An overrun starts at once and re-bases."""
-    next_start = previous_start + interval
-    if next_start <= now:
-        return now, 0.0
-    return next_start, next_start - now
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

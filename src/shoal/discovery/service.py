@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgspec
@@ -65,11 +66,16 @@ class InstanceInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=F
 
 @dataclass(frozen=True, slots=True)
 class ModelInstance:
-    """A routable model: its card, served by a live endpoint instance."""
+    """A routable model: its card, served by a live endpoint instance.
+
+    `revision` is the store revision that last wrote the card (its mod_revision; 0 when not
+    known): every reader of the store sees the same one, so it can order cards everywhere.
+    """
 
     key: ModelKey
     card: ModelCard
     instance: InstanceInfo
+    revision: int = 0
 
     @property
     def instance_id(self) -> int:
@@ -92,8 +98,11 @@ class Removed:
 
 @dataclass(frozen=True, slots=True)
 class TaintsUpdated:
+    """The card at `key` was written again (at `revision`) with these taints."""
+
     key: ModelKey
     taints: tuple[str, ...]
+    revision: int = field(default=0, compare=False)  # an event's content is key and taints
 
 
 DiscoveryEvent = Added | Removed | TaintsUpdated
@@ -108,17 +117,30 @@ _ParsedCard = tuple[ModelKey, ModelCard]
 _ParsedInstance = tuple[tuple[EndpointId, int], InstanceInfo]
 
 
-def _parse_card(kv_key: str, value: bytes) -> tuple[ModelKey, ModelCard] | None:
+Skipped = dict[str, str]
+"""Store keys whose value is not used, with the reason: malformed, or a change ignored."""
+
+IGNORED = "a change other than its taints was ignored: the registered card is kept"
+
+
+def _parse_card(
+    kv_key: str, value: bytes, skipped: Skipped | None = None
+) -> tuple[ModelKey, ModelCard] | None:
     try:
-        return parse_model_key(kv_key), ModelCard.from_json(value)
+        parsed = parse_model_key(kv_key), ModelCard.from_json(value)
     except (ValueError, CardError) as exc:
         MALFORMED.labels("model").inc()
         log.error("skipping malformed model card at %s: %s", kv_key, exc)
+        if skipped is not None:
+            skipped[kv_key] = str(exc)
         return None
+    if skipped is not None:
+        skipped.pop(kv_key, None)
+    return parsed
 
 
 def _parse_instance(
-    kv_key: str, value: bytes
+    kv_key: str, value: bytes, skipped: Skipped | None = None
 ) -> tuple[tuple[EndpointId, int], InstanceInfo] | None:
     try:
         ident = parse_instance_key(kv_key)
@@ -131,11 +153,15 @@ def _parse_instance(
             ident[1],
         ):
             raise ValueError("value does not match its key")
-        return ident, info
     except (ValueError, msgspec.DecodeError) as exc:
         MALFORMED.labels("instance").inc()
         log.error("skipping malformed endpoint instance at %s: %s", kv_key, exc)
+        if skipped is not None:
+            skipped[kv_key] = f"invalid endpoint instance: {exc}"
         return None
+    if skipped is not None:
+        skipped.pop(kv_key, None)
+    return ident, info
 
 
 async def _parse_listing(
@@ -166,13 +192,24 @@ async def _parse_listing(
     return read
 
 
-def _card_change_allowed(old: _ParsedCard, new: _ParsedCard) -> bool:
+def _card_change_allowed(old: _ParsedCard, new: _ParsedCard, skipped: Skipped) -> bool:
     """Cards are immutable once registered, except their taints."""
     if old[1].same_except_taints(new[1]):
         return True
     IGNORED_CHANGES.inc()
     log.warning("ignoring a change to registered card %s other than its taints", new[0])
+    skipped[new[0].key] = IGNORED
     return False
+
+
+def _forget_skipped(skipped: Skipped, prefix: str, items: Sequence[KeyValue]) -> None:
+    """Keys under `prefix` that a listing no longer holds are no longer skipped."""
+    gone = [key for key in skipped if key.startswith(prefix)]
+    if gone:
+        present = {kv.key for kv in items}
+        for key in gone:
+            if key not in present:
+                del skipped[key]
 
 
 def _model_order(model: ModelInstance) -> tuple[str, str, str, int, str]:
@@ -182,55 +219,65 @@ def _model_order(model: ModelInstance) -> tuple[str, str, str, int, str]:
 class _Joined:
     """Cards and instances as last seen, and the joined models already reported."""
 
-    def __init__(self) -> None:
+    def __init__(self, skipped: Skipped) -> None:
+        self.skipped = skipped
         self.cards: dict[ModelKey, ModelCard] = {}
+        self.revisions: dict[ModelKey, int] = {}  # of each card in `cards`
         self.instances: dict[tuple[EndpointId, int], InstanceInfo] = {}
         self.reported: dict[ModelKey, ModelInstance] = {}
         # The keys of `cards` by endpoint instance: an instance change touches its cards only.
         self.cards_of: dict[tuple[EndpointId, int], set[ModelKey]] = {}
 
-    def put_card(self, key: ModelKey, card: ModelCard) -> None:
+    def put_card(self, key: ModelKey, card: ModelCard, revision: int) -> None:
         old = self.cards.get(key)
         if old is not None and not old.same_except_taints(card):
             IGNORED_CHANGES.inc()
             log.warning("ignoring a change to registered card %s other than its taints", key)
+            self.skipped[key.key] = IGNORED
             return
         self.cards[key] = card
+        self.revisions[key] = revision
         self.cards_of.setdefault((key.endpoint, key.instance_id), set()).add(key)
 
     def drop_card(self, key: ModelKey) -> None:
         if self.cards.pop(key, None) is None:
             return
+        del self.revisions[key]
         ident = (key.endpoint, key.instance_id)
         keys = self.cards_of[ident]
         keys.discard(key)
         if not keys:
             del self.cards_of[ident]
 
-    def apply(self, kv_key: str, value: bytes | None) -> Iterable[ModelKey]:
-        """Apply one raw change; returns the model keys whose joined state may have moved."""
+    def apply(self, kv_key: str, value: bytes | None, revision: int = 0) -> Iterable[ModelKey]:
+        """Apply one raw change (made at `revision`); returns the model keys whose joined
+        state may have moved."""
         if kv_key.startswith(INSTANCES):
             try:
                 ident = parse_instance_key(kv_key)
             except ValueError as exc:
                 MALFORMED.labels("instance").inc()
                 log.error("skipping malformed instance key: %s", exc)
+                if value is not None:
+                    self.skipped[kv_key] = f"invalid endpoint instance key: {exc}"
                 return ()
             if value is None:
+                self.skipped.pop(kv_key, None)
                 self.instances.pop(ident, None)
-            elif (parsed := _parse_instance(kv_key, value)) is not None:
+            elif (parsed := _parse_instance(kv_key, value, self.skipped)) is not None:
                 self.instances[ident] = parsed[1]
             return list(self.cards_of.get(ident, ()))
         if value is None:
+            self.skipped.pop(kv_key, None)
             try:
                 key = parse_model_key(kv_key)
             except ValueError:
                 return ()
             self.drop_card(key)
             return (key,)
-        if (parsed_card := _parse_card(kv_key, value)) is None:
+        if (parsed_card := _parse_card(kv_key, value, self.skipped)) is None:
             return ()
-        self.put_card(*parsed_card)
+        self.put_card(*parsed_card, revision)
         return (parsed_card[0],)
 
     def replace(self, prefix_root: str, items: list[KeyValue]) -> Iterable[ModelKey]:
@@ -246,7 +293,7 @@ class _Joined:
                 if key.key not in seen:
                     touched.extend(self.apply(key.key, None))
         for kv in items:
-            touched.extend(self.apply(kv.key, kv.value))
+            touched.extend(self.apply(kv.key, kv.value, kv.mod_revision))
         return touched
 
     def diff(self, keys: Iterable[ModelKey]) -> list[DiscoveryEvent]:
@@ -254,7 +301,11 @@ class _Joined:
         for key in sorted(set(keys), key=ModelKey.sort_key):
             card = self.cards.get(key)
             info = self.instances.get((key.endpoint, key.instance_id))
-            now = ModelInstance(key, card, info) if card is not None and info is not None else None
+            now = (
+                ModelInstance(key, card, info, self.revisions[key])
+                if card is not None and info is not None
+                else None
+            )
             before = self.reported.get(key)
             if now is None:
                 if before is not None:
@@ -266,8 +317,8 @@ class _Joined:
                 events.append(Added(now))
             elif before.instance != now.instance:
                 events.extend((Removed(key), Added(now)))
-            elif before.card.taints != now.card.taints:
-                events.append(TaintsUpdated(key, now.card.taints))
+            elif before.card.taints != now.card.taints or before.revision != now.revision:
+                events.append(TaintsUpdated(key, now.card.taints, now.revision))
         return events
 
 
@@ -280,6 +331,8 @@ class Discovery:
         self._instances_read: dict[str, dict[str, tuple[int, _ParsedInstance]]] = {}
         self._cards_read: dict[str, dict[str, tuple[int, _ParsedCard]]] = {}
         self._joined: dict[str, dict[ModelKey, ModelInstance]] = {}
+        # Keys read and not used (malformed, or a change ignored), with the reason.
+        self.skipped: Skipped = {}
 
     # -- writing (workers) --------------------------------------------------------------
 
@@ -340,21 +393,26 @@ class Discovery:
         query = query or Query()
         inst = await self.store.get_prefix(query.instances_prefix)
         models = await self.store.get_prefix(query.models_prefix)
+        skipped = self.skipped
+        _forget_skipped(skipped, query.instances_prefix, inst.items)
+        _forget_skipped(skipped, query.models_prefix, models.items)
         read_instances = await _parse_listing(
-            inst.items, _parse_instance, self._instances_read.get(query.instances_prefix, {})
+            inst.items,
+            functools.partial(_parse_instance, skipped=skipped),
+            self._instances_read.get(query.instances_prefix, {}),
         )
         self._instances_read[query.instances_prefix] = read_instances
         read_cards = await _parse_listing(
             models.items,
-            _parse_card,
+            functools.partial(_parse_card, skipped=skipped),
             self._cards_read.get(query.models_prefix, {}),
-            _card_change_allowed,
+            functools.partial(_card_change_allowed, skipped=skipped),
         )
         self._cards_read[query.models_prefix] = read_cards
         instances = dict(parsed for _, parsed in read_instances.values())
         before = self._joined.get(query.models_prefix, {})
         joined: dict[ModelKey, ModelInstance] = {}
-        for i, (_, (key, card)) in enumerate(read_cards.values(), 1):
+        for i, (revision, (key, card)) in enumerate(read_cards.values(), 1):
             if i % LIST_BATCH == 0:
                 await asyncio.sleep(0)
             info = instances.get((key.endpoint, key.instance_id))
@@ -362,7 +420,7 @@ class Discovery:
                 continue
             model = before.get(key)
             if model is None or model.card is not card or model.instance is not info:
-                model = ModelInstance(key, card, info)
+                model = ModelInstance(key, card, info, revision)
             joined[key] = model
         self._joined[query.models_prefix] = joined
         return sorted(joined.values(), key=_model_order)
@@ -374,9 +432,12 @@ class Discovery:
         (after a lost connection) becomes the events that bring the consumer up to date.
         """
         query = query or Query()
-        joined = _Joined()
+        joined = _Joined(self.skipped)
         inst = await self.store.get_prefix(query.instances_prefix)
         models = await self.store.get_prefix(query.models_prefix)
+        prefixes = {INSTANCES: query.instances_prefix, "": query.models_prefix}
+        _forget_skipped(self.skipped, query.instances_prefix, inst.items)
+        _forget_skipped(self.skipped, query.models_prefix, models.items)
         touched = [*joined.replace(INSTANCES, inst.items), *joined.replace("", models.items)]
         for event in joined.diff(touched):
             yield event
@@ -403,9 +464,10 @@ class Discovery:
                     raise item
                 root, ev = item
                 if isinstance(ev, Resync):
+                    _forget_skipped(self.skipped, prefixes[root], ev.items)
                     keys = list(joined.replace(root, ev.items))
                 elif isinstance(ev, Put):
-                    keys = list(joined.apply(ev.key, ev.value))
+                    keys = list(joined.apply(ev.key, ev.value, ev.revision))
                 else:
                     keys = list(joined.apply(ev.key, None))
                 for event in joined.diff(keys):

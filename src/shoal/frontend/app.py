@@ -1,12 +1,17 @@
 """`Frontend`: the gateway wired together: server, routes, registry, watcher, reconciliation.
 
-Routes: the OpenAI request routes go to the proxy; `/v1/models`, `/live`, `/health`,
-`/health/controllers` and `/metrics` are small handlers on the same server, and so are
-`/v1/membership` and `/v1/membership/status` when the scope follows a membership watch.
+Routes: the OpenAI request routes go to the proxy; `/v1/models`, `/live`, `/ready`,
+`/health`, `/health/controllers` and `/metrics` are small handlers on the same server.
+`/live` is the liveness probe (503 only while shutting down), `/ready` the readiness probe
+(503 with reasons while starting, draining, or a control loop is stuck or failing), and
+`/health` a report for people (200 once started, whatever the store's state).
+`/v1/membership` and `/v1/membership/status` are served when the scope follows a membership
+watch.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -30,7 +35,7 @@ from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import make_router
 from shoal.frontend.server import HttpConnection, HttpServer, Request
 from shoal.frontend.watcher import ModelWatcher, Reconciler
-from shoal.store import Store, open_store
+from shoal.store import Store, StoreUnavailableError, default_store_url, open_store
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,7 @@ class FrontendConfig:
     connect_timeout: float = 5.0
     drain_timeout: float = 30.0
     keepalive_timeout: float = 75.0
+    setup_timeout: float = 10.0  # seconds for the store to answer the first listing
     # The scope follows a membership watch (built by `shoal.cli`) instead of `namespaces`:
     namespace_sources: Path | None = None
     namespaces_from_discovery: bool = False
@@ -161,7 +167,32 @@ class Frontend:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
-        """Serve at once (health says 503 until the first snapshot), then load discovery."""
+        """Serve at once (health says 503 until the first snapshot), then load discovery.
+
+        `StoreUnavailableError`, naming the store, if it does not answer the first listing
+        within `setup_timeout` seconds; outages after that are survived.
+        """
+        config = self.config
+        try:
+            async with asyncio.timeout(config.setup_timeout):
+                await self._set_up()
+        except TimeoutError:
+            url = config.store_url or (
+                self.discovery.store.url if self.discovery is not None else default_store_url()
+            )
+            raise StoreUnavailableError(
+                f"store {url} did not answer within {config.setup_timeout:g}s "
+                "(--setup-timeout); is it running and reachable?"
+            ) from None
+        assert self.watcher is not None
+        self.reconciler = Reconciler(self.watcher)
+        self.manager.register(
+            Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
+        )
+        await self.manager.start_all()
+        log.info("frontend serving on %s", self.url)
+
+    async def _set_up(self) -> None:
         config = self.config
         if self.discovery is None:
             self._own_store = await open_store(config.store_url)
@@ -188,12 +219,6 @@ class Frontend:
         await self.watcher.start()
         if self._membership_factory is not None:
             await self._follow_membership(self._membership_factory(self.discovery))
-        self.reconciler = Reconciler(self.watcher)
-        self.manager.register(
-            Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
-        )
-        await self.manager.start_all()
-        log.info("frontend serving on %s", self.url)
 
     async def stop(self) -> None:
         """Drain: refuse new work, let requests in flight finish, then stop everything."""
@@ -243,7 +268,7 @@ class Frontend:
                 raise errors.not_found(path.decode())
             self._control(request, conn)
         except ApiError as exc:
-            conn.send_error(exc)
+            conn.send(exc.status, exc.body(), headers=exc.headers)
 
     def _authorize(self, request: Request) -> None:
         if not self._bearer:
@@ -261,14 +286,19 @@ class Frontend:
             self._authorize(request)
             name = urllib.parse.unquote(path[len(b"/v1/models/") :].decode())
             model = self.registry.models.get(name)
-            if model is None or not model.serving:
+            if model is None or not model.listed:
                 raise errors.model_not_found(name)
+            if not model.serving:
+                raise errors.no_ready_instance(name)  # draining: the same 503 as requests
             conn.send(200, _json(self._model_object(model)))
         elif path == b"/live":
             if self.draining:
                 conn.send(503, _json({"status": "shutting down"}))
             else:
                 conn.send(200, _json({"status": "ok"}))
+        elif path == b"/ready":
+            status, body = self.readiness()
+            conn.send(status, _json(body))
         elif path == b"/health":
             status, body = self.health()
             conn.send(status, _json(body))
@@ -295,12 +325,24 @@ class Frontend:
         """The `/v1/models` body, encoded again only after the registry changed."""
         cached = self._models_body
         if cached is None or cached[0] != self.registry.version:
-            data = [self._model_object(m) for m in self.registry.serving()]
+            data = [self._model_object(m) for m in self.registry.listed()]
             cached = self._models_body = (
                 self.registry.version,
                 _json({"object": "list", "data": data}),
             )
         return cached[1]
+
+    def readiness(self) -> tuple[int, dict[str, Any]]:
+        """200 when this frontend should get traffic; else 503 with every reason, by loop."""
+        reasons: dict[str, str] = {}
+        if self.draining:
+            reasons["frontend"] = "draining"
+        elif self.watcher is None or not self.watcher.snapshot_loaded.is_set():
+            reasons["frontend"] = "starting: the first discovery snapshot is not loaded yet"
+        reasons.update(self.manager.unhealthy())
+        if reasons:
+            return 503, {"status": "not ready", "reasons": reasons}
+        return 200, {"status": "ready"}
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """503 while starting or draining; else 200 with what the registry knows."""
@@ -335,10 +377,15 @@ class Frontend:
         )  # fmt: skip
         return 200, {
             "status": "ok",
+            "store": self.watcher.store.report(),
             "models": models,
             "instances": instances,
             "incomplete": incomplete,
             "metadata_cache": self.watcher.cache.status(),
+            "skipped": [
+                {"key": key, "reason": reason}
+                for key, reason in sorted(self.watcher.discovery.skipped.items())
+            ],
         }
 
     def _model_object(self, model: Model) -> dict[str, Any]:
@@ -348,12 +395,13 @@ class Frontend:
             "created": model.created,
             "owned_by": "shoal",
         }
-        if model.parent is not None:
-            obj["parent"] = model.parent
+        parent = None if model.parent is None else self.registry.models.get(model.parent)
+        if parent is not None and parent.listed:  # never name a model that is not listed
+            obj["parent"] = parent.name
         return obj
 
 
 _CONTROL_PATHS = frozenset(
-    {b"/live", b"/health", b"/health/controllers", b"/metrics"}
+    {b"/live", b"/ready", b"/health", b"/health/controllers", b"/metrics"}
     | {b"/v1/membership", b"/v1/membership/status"}
 )

@@ -20,6 +20,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         code: str | None = None,
         param: str | None = None,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -27,6 +28,7 @@ class ApiError(Exception):
         self.type = type
         self.code = code
         self.param = param
+        self.headers = headers  # sent with the error, e.g. Retry-After
 
     def body(self) -> bytes:
         return error_body(self.message, type=self.type, code=self.code, param=self.param)
@@ -53,6 +55,10 @@ def model_not_found(model: str) -> ApiError:
     )
 
 
+RETRY_AFTER = (b"retry-after", b"5")
+"""Sent with a 503 for a model that exists but whose instances all drain or are tainted."""
+
+
 def no_ready_instance(model: str) -> ApiError:
     return ApiError(
         503,
@@ -60,6 +66,7 @@ def no_ready_instance(model: str) -> ApiError:
         type="service_unavailable_error",
         code="no_ready_instance",
         param="model",
+        headers=(RETRY_AFTER,),
     )
 
 

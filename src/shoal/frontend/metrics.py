@@ -9,6 +9,8 @@ lock and a label lookup. Control-plane metrics (reconciliation, refused cards) a
 from __future__ import annotations
 
 import bisect
+import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -21,6 +23,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from shoal.discovery.service import IGNORED_CHANGES, MALFORMED
 from shoal.frontend.metadata import MetadataCache
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -28,6 +31,8 @@ RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # fmt: skip
 
 UNKNOWN_MODEL = "_unknown"  # the label of requests for models we do not serve
+DEPARTED_TTL = 600.0
+"""Seconds the series of a model that left the registry are still shown, then dropped."""
 
 
 class Histogram:
@@ -70,13 +75,24 @@ class ModelStats:
 
 
 class FrontendMetrics:
-    """Everything `/metrics` shows for one frontend."""
+    """Everything `/metrics` shows for one frontend.
 
-    def __init__(self) -> None:
+    The series of a model that left the registry (`live_instances` no longer names it) are
+    kept `departed_ttl` seconds, then dropped, so departed models (adapters come and go) do
+    not grow `/metrics` for ever; a model with requests in flight is never dropped.
+    """
+
+    def __init__(
+        self, *, departed_ttl: float = DEPARTED_TTL, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.models: dict[str, ModelStats] = {}
         self.live_instances: Callable[[], dict[str, int]] = dict
+        self.departed_ttl = departed_ttl
+        self.clock = clock
+        self._departed: dict[str, float] = {}  # model name -> when it was first seen gone
         self.registry.register(_RequestCollector(self))
+        self.registry.register(_DiscoveryCollector())
         self.reconcile_runs = Counter(
             "shoal_frontend_reconcile_runs",
             "Reconciliation passes that listed discovery and compared it with the registry.",
@@ -130,6 +146,21 @@ class FrontendMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def drop_departed(self) -> None:
+        """Drop the series of models gone from the registry for longer than `departed_ttl`."""
+        present = self.live_instances()
+        now = self.clock()
+        departed = self._departed
+        for name in departed.keys() & present.keys():
+            del departed[name]
+        for name in self.models.keys() - present.keys() - {UNKNOWN_MODEL}:
+            since = departed.setdefault(name, now)
+            if now - since > self.departed_ttl and not self.models[name].in_flight:
+                del self.models[name]
+                del departed[name]
+                with contextlib.suppress(KeyError):
+                    self.cards_refused.remove(name)
+
 
 class _RequestCollector(Collector):
     """Turns the per-model counters into Prometheus families at scrape time."""
@@ -163,6 +194,7 @@ class _RequestCollector(Collector):
             "Time from receiving a request to the end of its response.",
             labels=["model"],
         )
+        self.metrics.drop_departed()
         for name, stats in sorted(self.metrics.models.items()):
             for status, count in sorted(stats.requests.items()):
                 requests.add_metric([name, str(status)], count)
@@ -219,3 +251,15 @@ class _MetadataCacheCollector(Collector):
             "Metadata files removed from the cache to keep it within its size.",
             value=cache.evictions,
         )
+
+
+class _DiscoveryCollector(Collector):
+    """Discovery's counters of values it skipped (malformed) or changes it ignored.
+
+    Discovery keeps them in the process-wide Prometheus registry, which a frontend does not
+    render: they are shown on its own `/metrics` too, counted for the whole process.
+    """
+
+    def collect(self) -> Iterator[Metric]:
+        yield from MALFORMED.collect()
+        yield from IGNORED_CHANGES.collect()

@@ -1,9 +1,10 @@
 """The model registry: models → worker sets → instances, as the request path reads them.
 
 A worker set is every instance of one model in one (namespace, component, role) whose cards
-have the same `mdcsum`. The first card to join fixes the set's checksum; a card with another
-checksum is refused (another namespace may run another checksum: a rolling upgrade, and
-requests then pick a set weighted by its live instances).
+have the same `mdcsum`. The watcher elects the set's checksum from discovery (see
+`versions`); the registry refuses a card with another checksum while the set has members
+(another namespace may run another checksum: a rolling upgrade, and requests then pick a
+set weighted by its live instances).
 
 Everything a request needs is precomputed when membership changes, not per request: each
 set's `routable` tuple (joined, untainted instances) and each model's routable sets with
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import random
-import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -49,6 +50,10 @@ class Member:
     key: ModelKey
     card: ModelCard
     upstream: Upstream
+    model_types: frozenset[ModelType] = field(init=False)  # the request kinds it declares
+
+    def __post_init__(self) -> None:
+        self.model_types = frozenset(self.card.model_types)
 
     @property
     def tainted(self) -> bool:
@@ -65,10 +70,38 @@ class WorkerSet:
     routable: tuple[Upstream, ...] = ()  # joined and untainted, by instance id
     cursor: int = 0  # round-robin position, kept per set so models do not skew each other
     router_state: object = None  # what a routing policy keeps per set (prefix index)
+    model_types: frozenset[ModelType] = frozenset()  # declared by every member's card
+    # When members declare different kinds: per kind, a set of the members declaring it.
+    kinds: dict[ModelType, WorkerSet] = field(default_factory=dict)
 
     def refresh(self) -> None:
-        live = {m.upstream for m in self.members.values() if not m.tainted}
-        self.routable = tuple(sorted(live, key=lambda u: u.instance_id))
+        self.routable = _routable(self.members.values())
+        declared = {m.model_types for m in self.members.values()}
+        if len(declared) <= 1:
+            self.model_types = next(iter(declared), frozenset())
+            self.kinds.clear()
+            return
+        self.model_types = frozenset().union(*declared)
+        for kind in self.kinds.keys() - self.model_types:
+            del self.kinds[kind]
+        for kind in self.model_types:
+            view = self.kinds.get(kind)
+            if view is None:
+                view = self.kinds[kind] = WorkerSet(self.id, self.mdcsum)
+            view.members = {k: m for k, m in self.members.items() if kind in m.model_types}
+            view.model_types = frozenset({kind})
+            view.routable = _routable(view.members.values())
+
+    def for_kind(self, kind: ModelType) -> WorkerSet | None:
+        """The members whose cards declare `kind` (this set itself when all of them do)."""
+        if kind not in self.model_types:
+            return None
+        return self.kinds.get(kind, self)
+
+
+def _routable(members: Iterable[Member]) -> tuple[Upstream, ...]:
+    live = {m.upstream for m in members if not m.tainted}
+    return tuple(sorted(live, key=lambda u: u.instance_id))
 
 
 @dataclass(eq=False)
@@ -76,17 +109,28 @@ class Model:
     """A model name and its worker sets."""
 
     name: str
-    created: int
+    created: int = 0  # the earliest `created` of its cards (0: none says): what every frontend sees
     sets: dict[SetId, WorkerSet] = field(default_factory=dict)
     routable_sets: tuple[WorkerSet, ...] = ()
     model_types: frozenset[ModelType] = frozenset()
     parent: str | None = None  # the base model of a LoRA adapter
     _cum_weights: tuple[int, ...] = ()
+    # Per request kind, the model restricted to instances declaring it (itself when every
+    # set's members all declare the kinds the model serves: the common case).
+    _kinds: dict[ModelType, Model] = field(default_factory=dict)
 
     @property
     def serving(self) -> bool:
         """At least one complete set has a live, untainted instance."""
         return bool(self.routable_sets)
+
+    @property
+    def listed(self) -> bool:
+        """Shown by `/v1/models`: serving, or its instances are only tainted (draining) for
+        now, when requests are answered 503 with Retry-After rather than 404."""
+        return self.serving or any(
+            ws.members for ws in self.sets.values() if ws.id.role in ENTRY_ROLES
+        )
 
     @property
     def live_instances(self) -> int:
@@ -100,9 +144,31 @@ class Model:
         point = random.random() * self._cum_weights[-1]
         return sets[bisect.bisect_right(self._cum_weights, point)]
 
+    def for_kind(self, kind: ModelType) -> Model | None:
+        """The model as requests of `kind` see it: only instances whose card declares it.
+        None when no card of the model declares `kind`."""
+        return self._kinds.get(kind)
+
     def refresh(self) -> None:
         for ws in self.sets.values():
             ws.refresh()
+        self._route()
+        self._refresh_kinds()
+        types: set[ModelType] = set()
+        self.parent = None
+        created = 0
+        for ws in self.sets.values():
+            for member in ws.members.values():
+                types.update(member.card.model_types)
+                if member.card.created and (not created or member.card.created < created):
+                    created = member.card.created
+                if member.card.lora is not None:
+                    self.parent = member.card.lora.base_model
+        self.model_types = frozenset(types)
+        self.created = created
+
+    def _route(self) -> None:
+        """Routable sets and their cumulative weights, from the sets' `routable` tuples."""
         self.routable_sets = tuple(
             ws for ws in self.sets.values() if ws.routable and ws.id.role in ENTRY_ROLES
         )
@@ -112,13 +178,29 @@ class Model:
             total += len(ws.routable)
             weights.append(total)
         self._cum_weights = tuple(weights)
-        types: set[ModelType] = set()
+
+    def _refresh_kinds(self) -> None:
+        kinds: set[ModelType] = set()
         for ws in self.sets.values():
-            for member in ws.members.values():
-                types.update(member.card.model_types)
-                if member.card.lora is not None:
-                    self.parent = member.card.lora.base_model
-        self.model_types = frozenset(types)
+            kinds.update(ws.model_types)
+        uniform = all(not ws.kinds and ws.model_types == kinds for ws in self.sets.values())
+        old, self._kinds = self._kinds, {}
+        for kind in kinds:
+            if uniform:
+                self._kinds[kind] = self
+                continue
+            view = old.get(kind)
+            if view is None or view is self:
+                view = Model(self.name)
+            view.sets = {
+                set_id: narrowed
+                for set_id, ws in self.sets.items()
+                if (narrowed := ws.for_kind(kind)) is not None
+            }
+            view._route()
+            view.model_types = frozenset({kind})
+            view.created, view.parent = self.created, self.parent
+            self._kinds[kind] = view
 
 
 class RefusedError(Exception):
@@ -133,7 +215,6 @@ class Registry:
         self.connect_timeout = connect_timeout
         self._members: dict[ModelKey, SetId] = {}
         self._upstreams: dict[tuple[EndpointId, int], tuple[Upstream, int]] = {}
-        self._created: dict[str, int] = {}
         self.version = 0  # bumped by every change: what is derived from the registry compares it
 
     def __contains__(self, key: ModelKey) -> bool:
@@ -164,8 +245,7 @@ class Registry:
                 f"{ws.mdcsum}: refused (upgrade in another namespace, or stop the old workers)"
             )
         if entry is None:
-            created = self._created.setdefault(set_id.model, int(time.time()))
-            entry = self.models[set_id.model] = Model(set_id.model, created)
+            entry = self.models[set_id.model] = Model(set_id.model)
         if ws is None:
             ws = entry.sets[set_id] = WorkerSet(set_id, card.mdcsum)
         ws.members[key] = Member(key, card, self._acquire_upstream(model))
@@ -205,6 +285,10 @@ class Registry:
     def serving(self) -> list[Model]:
         """Models that can take requests now, by name."""
         return [m for _, m in sorted(self.models.items()) if m.serving]
+
+    def listed(self) -> list[Model]:
+        """Models `/v1/models` shows (serving, or draining for now), by name."""
+        return [m for _, m in sorted(self.models.items()) if m.listed]
 
     def live_instances(self) -> dict[str, int]:
         return {name: m.live_instances for name, m in self.models.items()}

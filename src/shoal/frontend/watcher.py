@@ -9,6 +9,10 @@ Two paths change registrations, and a generation fence orders them:
   controller) lists discovery and repairs the difference: registers what events missed,
   retries incomplete or refused registrations, removes cards that discovery no longer has.
 
+Which checksum a worker set runs is elected from every card discovery holds for it
+(`versions.Versions`), so frontends with different histories agree; a card of another
+checksum waits, refused, and takes over when the election turns to it.
+
 The generation fence: every change to a key, by event or by repair, takes the next value
 of one counter as that key's generation. A reconciliation pass notes the counter before it
 lists discovery (its epoch) and leaves alone every key whose generation is newer: an event
@@ -22,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import enum
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +48,7 @@ from shoal.discovery import (
 from shoal.frontend.metadata import MetadataCache
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.registry import RefusedError, Registry, SetId
+from shoal.frontend.versions import Versions
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,33 @@ class Registration:
 
 def _nothing() -> None:
     pass
+
+
+class StoreState:
+    """Whether discovery's store answered the last listing, and since when it has not."""
+
+    def __init__(self) -> None:
+        self.unreachable_since: float | None = None  # wall-clock time of the first failure
+        self.error: str | None = None
+
+    def failed(self, exc: Exception) -> None:
+        if self.unreachable_since is None:
+            self.unreachable_since = time.time()
+        self.error = f"{type(exc).__name__}: {exc}"
+
+    def answered(self) -> None:
+        self.unreachable_since = self.error = None
+
+    def report(self) -> dict[str, Any]:
+        """For `/health`: reachable, or unreachable since when (ISO 8601, UTC) and why."""
+        if self.unreachable_since is None:
+            return {"reachable": True}
+        since = datetime.datetime.fromtimestamp(self.unreachable_since, datetime.UTC)
+        return {
+            "reachable": False,
+            "unreachable_since": since.isoformat(timespec="seconds"),
+            "error": self.error,
+        }
 
 
 class ModelWatcher:
@@ -99,6 +133,11 @@ class ModelWatcher:
         if follow_membership:
             self.queries = []
         self._namespaces: dict[str, tuple[tuple[Query, ...], list[asyncio.Task[None]]]] = {}
+        self._resync_task: asyncio.Task[None] | None = None  # at most one resync runs
+        self._resync_wanted = False  # a stream restarted since the running resync listed
+        self.store = StoreState()
+        self.versions: Versions[SetId, ModelKey] = Versions()  # every card, joined or not
+        self._refused: dict[SetId, dict[ModelKey, Registration]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -205,11 +244,29 @@ class ModelWatcher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                self.store.failed(exc)
                 log.warning("discovery stream of %s failed: %s", query.models_prefix, exc)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
             # Removals that happened while the stream was down come with the next listing.
-            self._spawn(self._resync(), "resync")
+            self._request_resync()
+
+    def _request_resync(self) -> None:
+        """Resync soon: one resync runs at a time, and lists again if asked to meanwhile."""
+        self._resync_wanted = True
+        if self._resync_task is None:
+            self._resync_task = asyncio.create_task(self._resync_while_wanted(), name="resync")
+            self._tasks.add(self._resync_task)
+            self._resync_task.add_done_callback(self._resync_done)
+
+    async def _resync_while_wanted(self) -> None:
+        while self._resync_wanted:
+            await self._resync()
+
+    def _resync_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._resync_task is task:
+            self._resync_task = None
 
     def handle(self, event: DiscoveryEvent) -> None:
         """Apply one discovery event. Never blocks; never raises."""
@@ -222,7 +279,7 @@ class ModelWatcher:
                 self._remove(event.key)
             else:
                 self._bump(event.key)
-                self._set_taints(event.key, event.taints)
+                self._set_taints(event.key, event.taints, event.revision)
         except Exception:
             log.exception("failed to apply discovery event %s", event)
 
@@ -235,31 +292,90 @@ class ModelWatcher:
             if current.model.instance == model.instance and current.model.card.same_except_taints(
                 model.card
             ):
-                self._set_taints(key, model.card.taints)
+                self._set_taints(key, model.card.taints, model.revision)
                 return current
             self._remove(key)
         registration = Registration(model, self._generations.get(key, self._clock))
         self.registrations[key] = registration
+        set_id = self._track(model)
         self._try_join(registration)
+        self._settle(set_id)
         return registration
 
     def _remove(self, key: ModelKey) -> None:
         registration = self.registrations.pop(key, None)
-        if registration is not None and registration.task is not None:
+        if registration is None:
+            self.registry.leave(key)
+            return
+        if registration.task is not None:
             registration.task.cancel()
-        set_id = self.registry.leave(key)
-        if set_id is not None:
-            remaining = self.registry.models.get(set_id.model)
-            if remaining is None or set_id not in remaining.sets:
-                self._retry_refused(set_id)
+        model = registration.model
+        set_id = SetId.of(key, model.card)
+        self._refused.get(set_id, {}).pop(key, None)
+        self.versions.drop(key)
+        self.registry.leave(key)
+        self._settle(set_id)
 
-    def _set_taints(self, key: ModelKey, taints: tuple[str, ...]) -> None:
+    def _set_taints(self, key: ModelKey, taints: tuple[str, ...], revision: int) -> None:
         registration = self.registrations.get(key)
         if registration is None:
             return
         model = registration.model
-        registration.model = dataclasses.replace(model, card=model.card.with_taints(taints))
+        registration.model = dataclasses.replace(
+            model, card=model.card.with_taints(taints), revision=revision
+        )
         self.registry.set_taints(key, tuple(registration.model.card.taints))
+        self._settle(self._track(registration.model))
+
+    # -- the elected checksum ----------------------------------------------------------------
+
+    def _track(self, model: ModelInstance) -> SetId:
+        """Enter the card in its worker set's election; returns the set's id."""
+        set_id = SetId.of(model.key, model.card)
+        self.versions.put(
+            set_id, model.card.mdcsum, model.key, model.revision, bool(model.card.taints)
+        )
+        return set_id
+
+    def _settle(self, set_id: SetId) -> None:
+        """Make the registry's set run the elected checksum: members of another one leave
+        (refused, they wait), and the elected checksum's refused cards join."""
+        elected = self.versions.elected(set_id)
+        entry = self.registry.models.get(set_id.model)
+        ws = None if entry is None else entry.sets.get(set_id)
+        if ws is not None and ws.mdcsum != elected:
+            log.warning(
+                "model %r in %s/%s (%s): checksum %s elected, replacing %s",
+                set_id.model, set_id.namespace, set_id.component, set_id.role, elected, ws.mdcsum,
+            )  # fmt: skip
+            for key in list(ws.members):
+                self.registry.leave(key)
+                registration = self.registrations.get(key)
+                if registration is not None:
+                    self._refuse(registration, self._not_elected(registration.model, elected))
+            ws = None
+        if ws is None and elected is not None:
+            for registration in list(self._refused.get(set_id, {}).values()):
+                if registration.model.card.mdcsum == elected:
+                    self._try_join(registration)
+
+    def _refuse(self, registration: Registration, error: str) -> None:
+        model = registration.model
+        if registration.state is not State.REFUSED:
+            log.error("%s", error)
+            self.metrics.cards_refused.labels(model.card.display_name).inc()
+        registration.state, registration.error = State.REFUSED, error
+        refused = self._refused.setdefault(SetId.of(model.key, model.card), {})
+        refused[model.key] = registration
+
+    @staticmethod
+    def _not_elected(model: ModelInstance, elected: str | None) -> str:
+        return (
+            f"card {model.key} of {model.card.display_name!r} has checksum {model.card.mdcsum}, "
+            f"but its worker set in {model.key.endpoint.namespace}/"
+            f"{model.key.endpoint.component} ({model.card.role}) runs {elected} (the checksum "
+            "of its oldest untainted card): refused until that version drains or leaves"
+        )
 
     # -- joining -----------------------------------------------------------------------------
 
@@ -293,20 +409,20 @@ class ModelWatcher:
     def _join(self, registration: Registration) -> bool:
         """Add the card to its worker set; False (and logged once) if it is refused."""
         model = registration.model
+        set_id = SetId.of(model.key, model.card)
+        elected = self.versions.elected(set_id)
+        if elected != model.card.mdcsum:
+            self._refuse(registration, self._not_elected(model, elected))
+            return False
         try:
             self.registry.join(model)
         except RefusedError as exc:
-            if registration.state is not State.REFUSED:
-                log.error("%s", exc)
-                self.metrics.cards_refused.labels(model.card.display_name).inc()
-            registration.state, registration.error = State.REFUSED, str(exc)
+            self._refuse(registration, str(exc))
             return False
         except ValueError as exc:  # an instance URL the proxy cannot use
-            if registration.state is not State.REFUSED:
-                log.error("card %s refused: %s", model.key, exc)
-                self.metrics.cards_refused.labels(model.card.display_name).inc()
-            registration.state, registration.error = State.REFUSED, str(exc)
+            self._refuse(registration, f"card {model.key} refused: {exc}")
             return False
+        self._refused.get(set_id, {}).pop(model.key, None)
         registration.state, registration.error = State.JOINED, None
         log.info(
             "model %r: instance %x joined (%s)",
@@ -315,13 +431,6 @@ class ModelWatcher:
             model.key.endpoint,
         )
         return True
-
-    def _retry_refused(self, set_id: SetId) -> None:
-        """A worker set emptied: cards it refused may form the new one."""
-        for registration in list(self.registrations.values()):
-            model = registration.model
-            if registration.state is State.REFUSED and SetId.of(model.key, model.card) == set_id:
-                self._join(registration)
 
     # -- reconciliation ----------------------------------------------------------------------
 
@@ -355,12 +464,14 @@ class ModelWatcher:
         """List and apply without waiting for fetches; retried until the listing works."""
         backoff = 0.1
         while True:
+            self._resync_wanted = False  # this listing answers every request made so far
             epoch = self._clock
             self._epochs.append(epoch)
             try:
                 await self._apply(await self._list(), epoch, _nothing, repairing=False)
                 return
             except Exception as exc:
+                self._resync_wanted = True
                 log.warning("listing discovery failed: %s; retrying in %.1fs", exc, backoff)
             finally:
                 self._epochs.remove(epoch)
@@ -369,12 +480,19 @@ class ModelWatcher:
             backoff = min(backoff * 2, 5.0)
 
     async def _list(self) -> dict[ModelKey, ModelInstance]:
+        """Every query's models; the outcome also tells whether the store is reachable."""
         listed: dict[ModelKey, ModelInstance] = {}
         for query in self.queries:
-            for i, model in enumerate(await self.discovery.list(query), 1):
+            try:
+                models = await self.discovery.list(query)
+            except Exception as exc:
+                self.store.failed(exc)
+                raise
+            for i, model in enumerate(models, 1):
                 listed[model.key] = model
                 if i % APPLY_BATCH == 0:
                     await asyncio.sleep(0)
+        self.store.answered()
         return listed
 
     async def _apply(
@@ -440,15 +558,19 @@ class ModelWatcher:
             self._add(model)
             return "register"
         current = registration.model
-        if current.card != model.card or current.instance != model.instance:
+        if (
+            current.card != model.card
+            or current.instance != model.instance
+            or current.revision != model.revision
+        ):
             if current.instance != model.instance or current.card.mdcsum != model.card.mdcsum:
                 self._bump(key)
                 self._remove(key)
                 self._add(model)
                 return "reregister"
-            if current.card.taints != model.card.taints:
+            if current.card.taints != model.card.taints or current.revision != model.revision:
                 self._bump(key)
-                self._set_taints(key, model.card.taints)
+                self._set_taints(key, model.card.taints, model.revision)
                 return "taints"
         # Unchanged in what counts: check against the registered card, whose checksum is known.
         model = current
@@ -493,3 +615,4 @@ class Reconciler(HeartbeatMixin, Controller):
 
     async def step(self) -> None:
         self.last_repairs = await self.watcher.reconcile(self.emit_heartbeat)
+        self.watcher.metrics.drop_departed()  # also when nobody scrapes /metrics

@@ -286,7 +286,7 @@ class MembershipWatch:
             return None
         if model.card.taints == card.taints:
             return False
-        scope.models[key] = dataclasses.replace(model, card=card)
+        scope.models[key] = dataclasses.replace(model, card=card, revision=change.revision)
         return True
 
     # -- publishing --------------------------------------------------------------------------
