@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from shoal.store import (
     Delete,
     LeaseNotFoundError,
     Resync,
+    StoreError,
     StoreUnavailableError,
     open_store,
 )
@@ -254,3 +256,60 @@ async def test_missing_parent_directories_are_created(tmp_path: Path) -> None:
 async def test_url_without_an_absolute_path_is_refused(bad: str) -> None:
     with pytest.raises(ValueError, match="sqlite:///"):
         await SQLiteStore.open(bad)
+
+
+async def test_a_value_stored_as_text_is_skipped_and_watches_go_on(
+    store: SQLiteStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row edited by hand (the sqlite3 CLI stores TEXT) is reported and skipped: it never
+    stops the poller that serves every watch of the store."""
+    await store.put("bad/k", b"blob")
+    snap = await store.get_prefix("")
+    mirror = Recorder(store.watch("", snap.revision + 1))
+    other = Recorder(store.watch("good/", snap.revision + 1))
+    try:
+        with sqlite3.connect(store.path) as conn:  # a hand edit: TEXT in the log and the table
+            conn.execute("UPDATE meta SET revision = revision + 1")
+            (rev,) = conn.execute("SELECT revision FROM meta").fetchone()
+            conn.execute("INSERT INTO changes VALUES (?, 'bad/k', 'text')", (rev,))
+            conn.execute(
+                "UPDATE kv SET value = 'text', mod_revision = ? WHERE key = 'bad/k'", (rev,)
+            )
+        await store.put("good/k", b"1")
+        await wait_for(lambda: other.state == {"good/k": b"1"}, message="watches go on")
+        await wait_for(lambda: "good/k" in mirror.state)
+        assert not store._poller.done()
+        assert [kv.key for kv in (await store.get_prefix("")).items] == ["good/k"]
+        assert await store.get("bad/k") is None
+        assert "not a BLOB" in caplog.text
+    finally:
+        await mirror.close()
+        await other.close()
+
+
+async def test_watches_end_with_an_error_if_the_poller_stops(store: SQLiteStore) -> None:
+    mirror = Recorder(store.watch("p/", 1))
+    await store.put("p/a", b"1")
+    await wait_for(lambda: mirror.state == {"p/a": b"1"})
+    store._poller.cancel()  # whatever stops it, its watches must not wait forever
+    await wait_for(lambda: mirror.task.done(), timeout=5)
+    assert isinstance(mirror.task.exception(), StoreError)
+
+
+async def test_a_wall_clock_step_does_not_expire_a_healthy_lease(
+    store: SQLiteStore, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process whose wall clock runs 12 s ahead (NTP step, VM resume) writes and reaps
+    with the holder's 10 s lease still held: the key stays."""
+    lease = await store.grant(10.0)
+    await store.put("held/k", b"x", lease=lease.id)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 12.0)
+    stepped = await SQLiteStore.open(url)
+    try:
+        await stepped.put("other/k", b"y")  # every write reaps first
+        assert await stepped.get("held/k") is not None
+        assert await store.get("held/k") is not None
+    finally:
+        await stepped.close()
+        await lease.revoke()
