@@ -429,3 +429,26 @@ async def test_a_cancel_during_list_and_watch_cleanup_is_not_swallowed(store: St
     with pytest.raises(asyncio.CancelledError):
         await consumer
     await slow.close()
+
+
+async def test_an_in_place_change_stays_ignored_after_a_resync(store: Store) -> None:
+    """The Resync carries the key's create revision: a card first seen in a live event keeps
+    it, so an illegal change is not mistaken for a new registration later."""
+    disc = Discovery(store)
+    watcher_store = await open_store(store.url)
+    try:
+        watch = Watch(Discovery(watcher_store))
+        await wait_for(lambda: len(store._d.watchers) == 2)  # type: ignore[attr-defined]
+        key = await register(disc, EP, 0xF0, make_card(context_length=4096))
+        await wait_for(lambda: watch.live() == {key})
+        await store.put(key.key, make_card(context_length=8192).to_json())
+        watcher_store.set_unreachable(True)  # type: ignore[attr-defined]
+        watcher_store.set_unreachable(False)  # type: ignore[attr-defined]
+        marker = await register(disc, EP, 0xF1, make_card())
+        await wait_for(lambda: marker in watch.live())
+        assert [e.model.card.context_length for e in watch.of(Added) if e.model.key == key] == [
+            4096
+        ]
+        await watch.close()
+    finally:
+        await watcher_store.close()

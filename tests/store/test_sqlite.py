@@ -294,6 +294,8 @@ async def test_watches_end_with_an_error_if_the_poller_stops(store: SQLiteStore)
     store._poller.cancel()  # whatever stops it, its watches must not wait forever
     await wait_for(lambda: mirror.task.done(), timeout=5)
     assert isinstance(mirror.task.exception(), StoreError)
+    with pytest.raises(StoreError, match="poller"):
+        await anext(store.watch("p/", 1))
 
 
 async def test_a_wall_clock_step_does_not_expire_a_healthy_lease(
@@ -313,3 +315,36 @@ async def test_a_wall_clock_step_does_not_expire_a_healthy_lease(
     finally:
         await stepped.close()
         await lease.revoke()
+
+
+async def test_a_version_1_file_is_migrated_and_its_wall_clock_leases_end(tmp_path: Path) -> None:
+    """A store file from before lease deadlines moved off the wall clock opens as it was:
+    keys keep their data (created at their last write), leased keys go with delete events."""
+    path = tmp_path / "v1.db"
+    with sqlite3.connect(path) as conn:
+        for statement in (
+            "PRAGMA journal_mode = WAL",
+            "CREATE TABLE meta (id INTEGER PRIMARY KEY CHECK (id = 0),"
+            " revision INTEGER NOT NULL, compact_revision INTEGER NOT NULL)",
+            "INSERT INTO meta VALUES (0, 2, 0)",
+            "CREATE TABLE kv (key TEXT PRIMARY KEY, value BLOB NOT NULL,"
+            " mod_revision INTEGER NOT NULL, lease INTEGER NOT NULL DEFAULT 0)",
+            "CREATE INDEX kv_by_lease ON kv (lease)",
+            "CREATE TABLE leases (id INTEGER PRIMARY KEY, ttl REAL NOT NULL, deadline REAL NOT NULL)",
+            "CREATE INDEX leases_by_deadline ON leases (deadline)",
+            "CREATE TABLE changes (revision INTEGER PRIMARY KEY, key TEXT NOT NULL, value BLOB)",
+            "INSERT INTO kv VALUES ('k/plain', x'31', 1, 0), ('k/leased', x'32', 2, 7)",
+            f"INSERT INTO leases VALUES (7, 10.0, {time.time() + 3600})",
+            "INSERT INTO changes VALUES (1, 'k/plain', x'31'), (2, 'k/leased', x'32')",
+            "PRAGMA user_version = 1",
+        ):
+            conn.execute(statement)
+    store = await SQLiteStore.open(f"sqlite:///{path}")
+    try:
+        mirror = Recorder(store.watch("k/", 3))
+        items = (await store.get_prefix("k/")).items
+        assert [(kv.key, kv.create_revision) for kv in items] == [("k/plain", 1)]
+        await wait_for(lambda: [type(e).__name__ for e in mirror.events] == ["Delete"])
+    finally:
+        await mirror.close()
+        await store.close()

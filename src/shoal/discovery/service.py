@@ -227,11 +227,14 @@ class _Joined:
         if not keys:
             del self.cards_of[ident]
 
-    def apply(self, kv_key: str, value: bytes | None, created: int = 0) -> Iterable[ModelKey]:
+    def apply(
+        self, kv_key: str, value: bytes | None, created: int = 0, written: int = 0
+    ) -> Iterable[ModelKey]:
         """Apply one raw change; returns the model keys whose joined state may have moved.
 
-        `created` is the create revision of the key written; 0 for a watch's `Put`, which
-        creates a card this does not hold, or else changes the one it holds in place."""
+        `created` is the create revision of the key written. A watch's `Put` passes 0 and
+        its own revision as `written`: it creates a card this does not hold (a create's
+        revision is its create revision), or changes the one it holds in place."""
         if kv_key.startswith(INSTANCES):
             try:
                 ident = parse_instance_key(kv_key)
@@ -254,7 +257,7 @@ class _Joined:
         if (parsed_card := _parse_card(kv_key, value)) is None:
             return ()
         key, card = parsed_card
-        self.put_card(key, card, created or self.created.get(key, 0))
+        self.put_card(key, card, created or self.created.get(key, written))
         return (key,)
 
     def replace(self, prefix_root: str, items: list[KeyValue]) -> Iterable[ModelKey]:
@@ -439,7 +442,7 @@ class Discovery:
                 if isinstance(ev, Resync):
                     keys = list(joined.replace(root, ev.items))
                 elif isinstance(ev, Put):
-                    keys = list(joined.apply(ev.key, ev.value))
+                    keys = list(joined.apply(ev.key, ev.value, written=ev.revision))
                 else:
                     keys = list(joined.apply(ev.key, None))
                 for event in joined.diff(keys):

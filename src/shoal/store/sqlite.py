@@ -572,6 +572,8 @@ class SQLiteStore(Store):
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
         self._check_open()
         check_prefix(prefix)
+        if self._poller.done():
+            raise StoreError(f"store {self.url}: its watch poller has stopped; reopen the store")
         watcher = _Watcher(prefix, start_revision, self._epoch)
         self._watchers.add(watcher)
         self._wake.set()
