@@ -12,7 +12,9 @@ suite in `tests/store/` proves on each backend:
   later listing) still tells a new key from a modified one.
 - Keys put under a lease vanish, with delete events, when the lease expires or is revoked.
   A key whose lease has expired is never returned by a read or a listing, by any client,
-  even one that just opened the store; watchers get its delete within TTL + 1 s.
+  even one that just opened the store; watchers get its delete within TTL + 1 s. (etcd
+  counts TTLs in whole seconds, at least its minimum: a shorter lease of a holder that
+  died lasts that long there; see `shoal.store.etcd`.)
 - `close()` ends every watch of the instance (its iterator stops) and stops the keepalive
   of every lease it granted; leases themselves are not revoked.
 - A watch yields nothing at or below the revision of a `Resync` it has yielded.
