@@ -371,9 +371,10 @@ async def test_nothing_at_or_below_a_resync_follows_it(backend: Backend, prefix:
         # Changes after the reconnection, before the consumer reads anything.
         await writer.put(prefix + "b", b"2")
         await writer.delete(prefix + "b")
+        head = await first  # read before the rest: one reader of the stream at a time
         mirror = Recorder(stream, {kv.key: kv.value for kv in snap.items})
-        mirror.events.append(await first)
-        mirror._apply(mirror.events[0])
+        mirror.events.append(head)
+        mirror._apply(head)
         last = await writer.put(prefix + "c", b"3")
         await wait_for(lambda: any(e.revision >= last for e in mirror.events))
         try:

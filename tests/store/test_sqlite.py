@@ -23,7 +23,7 @@ from shoal.store import (
     StoreUnavailableError,
     open_store,
 )
-from shoal.store.sqlite import RETAIN_CHANGES, SQLiteStore
+from shoal.store.sqlite import BOOT_ID, RETAIN_CHANGES, SQLiteStore
 from tests.helpers import wait_for
 from tests.store.support import Recorder
 
@@ -348,3 +348,17 @@ async def test_a_version_1_file_is_migrated_and_its_wall_clock_leases_end(tmp_pa
     finally:
         await mirror.close()
         await store.close()
+
+
+@pytest.mark.skipif(not BOOT_ID, reason="no boot id on this system")
+async def test_a_lease_from_an_earlier_boot_is_expired(store: SQLiteStore) -> None:
+    """Deadlines are on this boot's monotonic clock; no holder survives a reboot."""
+    lease = await store.grant(3600.0, keepalive=False)
+    await store.put("boot/k", b"x", lease=lease.id)
+    with sqlite3.connect(store.path) as conn:
+        conn.execute("UPDATE leases SET boot = 'an-earlier-boot' WHERE id = ?", (lease.id,))
+    reader = await SQLiteStore.open(store.url)
+    try:
+        assert await reader.get("boot/k") is None
+    finally:
+        await reader.close()
