@@ -172,18 +172,16 @@ class Lease:
             raise LeaseNotFoundError(f"lease {self.id:x} no longer exists")
         self.last_renewed = time.monotonic()
 
-    def start_keepalive(self) -> None:
+    def start_keepalive(self) -> asyncio.Task[None]:
         """Renew in the background about every TTL/3 until the lease is lost or revoked."""
         if self._task is None:
             self._task = asyncio.create_task(self._keepalive_forever(), name=f"lease-{self.id:x}")
-            self.store._kept_alive.add(self)
-            self._task.add_done_callback(lambda _: self.store._kept_alive.discard(self))
+        return self._task
 
     def stop_keepalive(self) -> None:
         if self._task is not None:
             self._task.cancel()
             self._task = None
-        self.store._kept_alive.discard(self)
 
     async def _keepalive_forever(self) -> None:
         interval = max(self.ttl / 3, 0.05)
@@ -279,7 +277,8 @@ class Store(abc.ABC):
             raise ValueError(f"lease ttl must be positive, got {ttl}")
         lease = Lease(id=await self._grant(ttl), ttl=ttl, store=self)
         if keepalive:
-            lease.start_keepalive()
+            self._kept_alive.add(lease)
+            lease.start_keepalive().add_done_callback(lambda _: self._kept_alive.discard(lease))
         return lease
 
     async def __aenter__(self) -> Store:
