@@ -317,36 +317,43 @@ async def test_a_wall_clock_step_does_not_expire_a_healthy_lease(
         await lease.revoke()
 
 
-async def test_a_version_1_file_is_migrated_and_its_wall_clock_leases_end(tmp_path: Path) -> None:
-    """A store file from before lease deadlines moved off the wall clock opens as it was:
-    keys keep their data (created at their last write), leased keys go with delete events."""
+async def test_a_version_1_file_is_migrated_and_both_versions_keep_their_leases(
+    tmp_path: Path,
+) -> None:
+    """A file from before lease deadlines moved off the wall clock opens with its data (keys
+    created at their last write, as best known). During the upgrade, a version-1 process's
+    lease lives by its wall-clock deadline, and a version-1 reaper never ends a new lease."""
     path = tmp_path / "v1.db"
+    now = time.time()
     with sqlite3.connect(path) as conn:
         for statement in (
             "PRAGMA journal_mode = WAL",
             "CREATE TABLE meta (id INTEGER PRIMARY KEY CHECK (id = 0),"
             " revision INTEGER NOT NULL, compact_revision INTEGER NOT NULL)",
-            "INSERT INTO meta VALUES (0, 2, 0)",
+            "INSERT INTO meta VALUES (0, 3, 0)",
             "CREATE TABLE kv (key TEXT PRIMARY KEY, value BLOB NOT NULL,"
             " mod_revision INTEGER NOT NULL, lease INTEGER NOT NULL DEFAULT 0)",
             "CREATE INDEX kv_by_lease ON kv (lease)",
             "CREATE TABLE leases (id INTEGER PRIMARY KEY, ttl REAL NOT NULL, deadline REAL NOT NULL)",
             "CREATE INDEX leases_by_deadline ON leases (deadline)",
             "CREATE TABLE changes (revision INTEGER PRIMARY KEY, key TEXT NOT NULL, value BLOB)",
-            "INSERT INTO kv VALUES ('k/plain', x'31', 1, 0), ('k/leased', x'32', 2, 7)",
-            f"INSERT INTO leases VALUES (7, 10.0, {time.time() + 3600})",
-            "INSERT INTO changes VALUES (1, 'k/plain', x'31'), (2, 'k/leased', x'32')",
+            "INSERT INTO kv VALUES ('k/plain', x'31', 1, 0), ('k/live', x'32', 2, 7),"
+            " ('k/dead', x'33', 3, 8)",
+            f"INSERT INTO leases VALUES (7, 10.0, {now + 3600}), (8, 10.0, {now - 1})",
+            "INSERT INTO changes VALUES (1, 'k/plain', x'31'), (2, 'k/live', x'32'),"
+            " (3, 'k/dead', x'33')",
             "PRAGMA user_version = 1",
         ):
             conn.execute(statement)
     store = await SQLiteStore.open(f"sqlite:///{path}")
     try:
-        mirror = Recorder(store.watch("k/", 3))
         items = (await store.get_prefix("k/")).items
-        assert [(kv.key, kv.create_revision) for kv in items] == [("k/plain", 1)]
-        await wait_for(lambda: [type(e).__name__ for e in mirror.events] == ["Delete"])
+        assert [(kv.key, kv.create_revision) for kv in items] == [("k/live", 2), ("k/plain", 1)]
+        lease = await store.grant(10.0, keepalive=False)
+        with sqlite3.connect(path) as conn:  # what a version-1 reaper would end
+            v1_reaped = conn.execute("SELECT id FROM leases WHERE deadline < ?", (time.time(),))
+            assert lease.id not in {row[0] for row in v1_reaped}
     finally:
-        await mirror.close()
         await store.close()
 
 
@@ -356,7 +363,7 @@ async def test_a_lease_from_an_earlier_boot_is_expired(store: SQLiteStore) -> No
     lease = await store.grant(3600.0, keepalive=False)
     await store.put("boot/k", b"x", lease=lease.id)
     with sqlite3.connect(store.path) as conn:
-        conn.execute("UPDATE leases SET boot = 'an-earlier-boot' WHERE id = ?", (lease.id,))
+        conn.execute("UPDATE leases SET boot = 'boot:an-earlier-boot' WHERE id = ?", (lease.id,))
     reader = await SQLiteStore.open(store.url)
     try:
         assert await reader.get("boot/k") is None

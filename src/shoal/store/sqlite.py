@@ -11,8 +11,11 @@ Layout:
   which the change log has been trimmed.
 - `kv`: the keys, each with its value, the revisions that created and last wrote it and
   its lease.
-- `leases`: id, TTL, the `boot` id of the host's boot that granted or last renewed it, and
-  its deadline on that boot's monotonic clock (see "Lease clock" below).
+- `leases`: id, TTL, the `boot` that granted or last renewed it and its deadline on that
+  boot's monotonic clock (`expires`; see "Lease clock" below). `deadline` is the wall-clock
+  deadline of schema version 1: kept for leases of version-1 processes still running
+  during an upgrade (`boot` empty, judged on it as they were), and set out of reach for
+  the others, so a version-1 process never reaps them.
 - `changes`: one row per revision (key, value, NULL for a delete): the log watches read.
 
 Each write bumps `meta.revision` and appends its change in the same transaction, so
@@ -40,7 +43,8 @@ defines from a fixed point set at system start: every process of the host reads 
 value, and nothing can step it. SQLite's WAL mode already requires every process using the
 file to run on one host, so all of them share that clock. It restarts at each boot, so each
 lease also records the boot id (`/proc/sys/kernel/random/boot_id`): a lease from another
-boot is expired, since no process survives a reboot. The assumption: every process using
+boot is expired, since no process survives a reboot. (Leases of version-1 processes still
+running during an upgrade keep their wall-clock deadlines until they go.) The assumption: every process using
 the file runs on this host in the same time namespace (containers that share the file must
 not be given a private `CLOCK_MONOTONIC` offset). Where no boot id is available (not
 Linux), leases are judged on the monotonic clock alone. A monotonic clock does not count
@@ -114,17 +118,20 @@ _SCHEMA = (
     " create_revision INTEGER NOT NULL DEFAULT 0)",
     "CREATE INDEX kv_by_lease ON kv (lease)",
     "CREATE TABLE leases (id INTEGER PRIMARY KEY, ttl REAL NOT NULL, deadline REAL NOT NULL,"
-    " boot TEXT NOT NULL DEFAULT '')",
+    " boot TEXT NOT NULL DEFAULT '', expires REAL NOT NULL DEFAULT 0)",
     "CREATE INDEX leases_by_deadline ON leases (deadline)",
     "CREATE TABLE changes (revision INTEGER PRIMARY KEY, key TEXT NOT NULL, value BLOB)",
 )
-# From version 1: keys get their create revision; leases from before (wall-clock deadlines,
-# no boot id) count as expired and are reaped, with delete events, by the next write.
+# From version 1: keys get their create revision (their last write, the best known); the
+# leases of version-1 processes keep their wall-clock deadlines until those processes go.
 _MIGRATE_FROM_1 = (
     "ALTER TABLE kv ADD COLUMN create_revision INTEGER NOT NULL DEFAULT 0",
     "UPDATE kv SET create_revision = mod_revision",
     "ALTER TABLE leases ADD COLUMN boot TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE leases ADD COLUMN expires REAL NOT NULL DEFAULT 0",
 )
+OUT_OF_REACH = 1e300
+"""The wall-clock `deadline` of a lease judged on the monotonic clock: never passed."""
 
 
 def _boot_id() -> str:
@@ -136,6 +143,8 @@ def _boot_id() -> str:
 
 
 BOOT_ID = _boot_id()
+BOOT = "boot:" + BOOT_ID
+"""The `boot` of the leases this process grants: never empty (empty marks version 1)."""
 
 
 def lease_clock() -> float:
@@ -145,8 +154,18 @@ def lease_clock() -> float:
     return time.monotonic()
 
 
-_EXPIRED = "(deadline < ? OR (boot != ? AND ? != ''))"
-"""SQL: the lease has expired at `(now, BOOT_ID, BOOT_ID)`."""
+_EXPIRED = (
+    "(CASE WHEN boot = '' THEN deadline < :wall"
+    " ELSE expires < :now OR (boot != :boot AND :boot != 'boot:') END)"
+)
+"""SQL: the lease has expired, at `_expired_at(now)`. A lease of another boot has: no
+process survives a reboot. Where the boot is unknown (`BOOT` is "boot:"), only the clock
+counts."""
+
+
+def _expired_at(now: float) -> dict[str, object]:
+    """The parameters of `_EXPIRED` at `now` on the lease clock."""
+    return {"now": now, "boot": BOOT, "wall": time.time()}
 
 
 def _path_from_url(url: str) -> Path:
@@ -285,9 +304,7 @@ def _end_lease(conn: sqlite3.Connection, lease_id: int) -> None:
 
 
 def _reap(conn: sqlite3.Connection, now: float) -> None:
-    expired = conn.execute(
-        f"SELECT id FROM leases WHERE {_EXPIRED}", (now, BOOT_ID, BOOT_ID)
-    ).fetchall()
+    expired = conn.execute(f"SELECT id FROM leases WHERE {_EXPIRED}", _expired_at(now)).fetchall()
     for (lease_id,) in expired:
         log.debug("lease %x expired", lease_id)
         _end_lease(conn, lease_id)
@@ -337,9 +354,9 @@ def _grant(conn: sqlite3.Connection, now: float, ttl: float) -> int:
     while True:
         lease_id = secrets.randbits(62) + 1
         inserted = conn.execute(
-            "INSERT INTO leases (id, ttl, deadline, boot) VALUES (?, ?, ?, ?)"
+            "INSERT INTO leases (id, ttl, deadline, boot, expires) VALUES (?, ?, ?, ?, ?)"
             " ON CONFLICT (id) DO NOTHING",
-            (lease_id, ttl, now + ttl, BOOT_ID),
+            (lease_id, ttl, OUT_OF_REACH, BOOT, now + ttl),
         ).rowcount
         if inserted == 1:
             return lease_id
@@ -348,8 +365,8 @@ def _grant(conn: sqlite3.Connection, now: float, ttl: float) -> int:
 def _keepalive(conn: sqlite3.Connection, now: float, lease_id: int, ttl: float) -> bool:
     # Expired leases were reaped at the start of this transaction.
     updated = conn.execute(
-        "UPDATE leases SET ttl = ?, deadline = ?, boot = ? WHERE id = ?",
-        (ttl, now + ttl, BOOT_ID, lease_id),
+        "UPDATE leases SET ttl = ?, deadline = ?, boot = ?, expires = ? WHERE id = ?",
+        (ttl, OUT_OF_REACH, BOOT, now + ttl, lease_id),
     ).rowcount
     return bool(updated == 1)
 
@@ -551,9 +568,7 @@ class SQLiteStore(Store):
     def _reap_if_due(self) -> None:
         """Look for an expired lease without locking; only if there is one, take the lock."""
         now = lease_clock()
-        row = self._conn.execute(
-            f"SELECT 1 FROM leases WHERE {_EXPIRED} LIMIT 1", (now, BOOT_ID, BOOT_ID)
-        )
+        row = self._conn.execute(f"SELECT 1 FROM leases WHERE {_EXPIRED} LIMIT 1", _expired_at(now))
         if row.fetchone() is not None:
             self._write(_nothing)  # every write transaction reaps first
 
