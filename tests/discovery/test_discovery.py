@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 
 from shoal.cards import ModelCard, slugify
@@ -20,10 +22,12 @@ from shoal.discovery import (
     Query,
     Removed,
     TaintsUpdated,
+    service,
 )
 from shoal.discovery.service import MALFORMED
-from shoal.store import Store, open_store
+from shoal.store import Event, Store, memory, open_store
 from tests.helpers import Collector, wait_for
+from tests.store.conftest import Backend
 
 EP = EndpointId("prod", "backend", "generate")
 
@@ -286,3 +290,195 @@ async def test_every_reader_sees_a_cards_store_revision(store: Store) -> None:
             await late.close()
     finally:
         await watch.close()
+
+
+@pytest.fixture
+async def any_store(backend: Backend) -> AsyncIterator[Store]:
+    """The same test on memory, SQLite and a real etcd."""
+    s = await backend.open()
+    yield s
+    await s.close()
+
+
+def _scoped() -> EndpointId:
+    """An endpoint of this test's own, so tests sharing one etcd never see each other."""
+    return EndpointId(f"ns{uuid.uuid4().hex[:10]}", "backend", "generate")
+
+
+async def test_a_model_re_registered_at_the_same_key_is_listed_under_its_new_name(
+    any_store: Store,
+) -> None:
+    """Detach then attach (the worker's `sync_models`) is a new registration, even for a
+    listing or a resync that missed the delete: only an in-place change is ignored."""
+    ep = _scoped()
+    disc = Discovery(any_store)
+    key = await register(disc, ep, 0xA0, make_card("llama"))
+    assert [m.card.display_name for m in await disc.list(Query(ep.namespace))] == ["llama"]
+    watch = Watch(disc, Query(ep.namespace))
+    watcher_store = await open_store(any_store.url)
+    resynced = Watch(Discovery(watcher_store), Query(ep.namespace))
+    try:
+        await wait_for(lambda: watch.live() == {key} and resynced.live() == {key})
+        if hasattr(watcher_store, "set_unreachable"):
+            watcher_store.set_unreachable(True)
+        await disc.unregister_model(key)
+        await disc.register_model(key, make_card("mistral"), lease=0)
+        if hasattr(watcher_store, "set_unreachable"):
+            watcher_store.set_unreachable(False)
+        listed = await disc.list(Query(ep.namespace))
+        assert [m.card.display_name for m in listed] == ["mistral"]
+
+        def names(w: Watch) -> list[str]:
+            return [e.model.card.display_name for e in w.events if isinstance(e, Added)]
+
+        await wait_for(lambda: names(watch)[-1:] == ["mistral"] and watch.live() == {key})
+        await wait_for(lambda: names(resynced)[-1:] == ["mistral"] and resynced.live() == {key})
+    finally:
+        await watch.close()
+        await resynced.close()
+        await watcher_store.close()
+
+
+async def test_a_resync_over_a_re_registration_reports_the_new_card(store: Store) -> None:
+    """The watcher misses both the delete and the create: the Resync alone must tell."""
+    disc = Discovery(store)
+    watcher_store = await open_store(store.url)
+    try:
+        key = await register(disc, EP, 0xA1, make_card("llama"))
+        watch = Watch(Discovery(watcher_store))
+        await wait_for(lambda: watch.live() == {key})
+        watcher_store.set_unreachable(True)  # type: ignore[attr-defined]
+        await disc.unregister_model(key)
+        await disc.register_model(key, make_card("mistral"), lease=0)
+        watcher_store.set_unreachable(False)  # type: ignore[attr-defined]
+        await wait_for(
+            lambda: [e.model.card.display_name for e in watch.of(Added)] == ["llama", "mistral"]
+        )
+        assert watch.live() == {key}
+        await watch.close()
+    finally:
+        await watcher_store.close()
+
+
+async def test_list_and_watch_ends_when_the_store_is_closed(backend: Backend) -> None:
+    store = await backend.open()
+    ep = _scoped()
+    disc = Discovery(store)
+    key = await register(disc, ep, 0xB0, make_card())
+    watch = Watch(disc, Query(ep.namespace))
+    try:
+        await wait_for(lambda: watch.live() == {key})
+        await store.close()
+        await wait_for(lambda: watch.task.done(), timeout=10, message="the stream ended")
+    finally:
+        await watch.close()
+        await store.close()
+
+
+async def test_a_non_canonical_instance_key_never_hides_the_real_instance(store: Store) -> None:
+    disc = Discovery(store)
+    key = await register(disc, EP, 0x2A, make_card())
+    watch = Watch(disc)
+    try:
+        await wait_for(lambda: watch.live() == {key})
+        before = MALFORMED.labels("instance")._value.get()
+        alias = f"shoal/v1/instances/{EP.path}/002A"
+        await store.put(alias, msgspec.json.encode(info(EP, 0x2A)))
+        await store.delete(alias)
+        await store.put(f"shoal/v1/models/{EP.path}/02a", make_card("alias").to_json())
+        marker = await register(disc, EP, 0x2B, make_card())
+        await wait_for(lambda: marker in watch.live())
+        assert watch.live() == {key, marker}
+        assert [m.key for m in await disc.list()] == [key, marker]
+        assert MALFORMED.labels("instance")._value.get() >= before + 1
+    finally:
+        await watch.close()
+
+
+async def test_a_slow_consumer_of_list_and_watch_holds_bounded_memory(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Events a consumer does not read stay within the store's `MAX_QUEUED` guard (then it
+    gets a Resync): `list_and_watch` keeps no unbounded queue of its own."""
+    monkeypatch.setattr(memory, "MAX_QUEUED", 20, raising=False)
+    disc = Discovery(store)
+    stream = disc.list_and_watch()
+    first = await register(disc, EP, 0xC0, make_card())
+    assert isinstance(await anext(stream), Added)
+    # Not read from now on: 200 registrations arrive.
+    reader = asyncio.ensure_future(anext(stream))
+    await wait_for(lambda: len(store._d.watchers) == 2)  # type: ignore[attr-defined]
+    for i in range(200):
+        await register(disc, EP, 0xD00 + i, make_card())
+        await asyncio.sleep(0)
+    assert isinstance(await reader, Added)
+    buffered = [w[1].qsize() for w in store._d.watchers]  # type: ignore[attr-defined]
+    frame = stream.ag_frame  # type: ignore[attr-defined]
+    queue = frame.f_locals.get("queue") if frame is not None else None
+    held = sum(buffered) + (queue.qsize() if queue is not None else 0)
+    assert held <= 2 * (20 + 1) + getattr(service, "WATCH_BUFFER", 0) * 2, held
+    seen = {first, reader.result().model.key}
+    while len(seen) < 201:
+        event = await asyncio.wait_for(anext(stream), 5)
+        if isinstance(event, Added):
+            seen.add(event.model.key)
+    await stream.aclose()
+
+
+async def test_a_cancel_during_list_and_watch_cleanup_is_not_swallowed(store: Store) -> None:
+    stopping, release = asyncio.Event(), asyncio.Event()
+
+    class SlowToStop(memory.MemoryStore):
+        async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
+            try:
+                async for event in super().watch(prefix, start_revision):
+                    yield event
+            finally:
+                stopping.set()
+                await release.wait()  # a watch that takes a while to wind down
+
+    slow = SlowToStop(store.url)
+    disc = Discovery(slow)
+    await register(disc, EP, 0xE0, make_card())
+    stream = disc.list_and_watch()
+    later = ModelKey(EP, 0xE1)
+
+    async def consume() -> str:
+        async for event in stream:
+            if isinstance(event, Added) and event.model.key == later:
+                break
+        await stream.aclose()  # its cleanup waits for the watches to wind down
+        return "went on after being cancelled"
+
+    consumer = asyncio.create_task(consume())
+    await wait_for(lambda: len(store._d.watchers) == 2)  # type: ignore[attr-defined]
+    await register(disc, EP, 0xE1, make_card())
+    await wait_for(lambda: stopping.is_set())
+    consumer.cancel()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    await slow.close()
+
+
+async def test_an_in_place_change_stays_ignored_after_a_resync(store: Store) -> None:
+    """The Resync carries the key's create revision: a card first seen in a live event keeps
+    it, so an illegal change is not mistaken for a new registration later."""
+    disc = Discovery(store)
+    watcher_store = await open_store(store.url)
+    try:
+        watch = Watch(Discovery(watcher_store))
+        await wait_for(lambda: len(store._d.watchers) == 2)  # type: ignore[attr-defined]
+        key = await register(disc, EP, 0xF0, make_card(context_length=4096))
+        await wait_for(lambda: watch.live() == {key})
+        await store.put(key.key, make_card(context_length=8192).to_json())
+        watcher_store.set_unreachable(True)  # type: ignore[attr-defined]
+        watcher_store.set_unreachable(False)  # type: ignore[attr-defined]
+        marker = await register(disc, EP, 0xF1, make_card())
+        await wait_for(lambda: marker in watch.live())
+        assert [e.model.card.context_length for e in watch.of(Added) if e.model.key == key] == [
+            4096
+        ]
+        await watch.close()
+    finally:
+        await watcher_store.close()

@@ -16,9 +16,11 @@ from shoal.store import (
     MAX_VALUE_BYTES,
     Delete,
     InvalidKeyError,
+    Lease,
     LeaseKeeper,
     Resync,
     Store,
+    StoreError,
     StoreUnavailableError,
     ValueTooLargeError,
     open_store,
@@ -272,3 +274,168 @@ async def test_unreachable_store_fails_fast_naming_the_url(
     with pytest.raises(StoreUnavailableError, match=url.split("://")[1].split("/")[0] or "store"):
         await open_store(url, connect_timeout=2.0)
     assert time.monotonic() - start < 5.0
+
+
+async def test_a_key_deleted_and_created_again_has_a_new_create_revision(
+    store: Store, prefix: str
+) -> None:
+    key = prefix + "k"
+    first = await store.put(key, b"llama")
+    await store.put(key, b"llama, tainted")
+    kv = await store.get(key)
+    assert kv is not None and kv.create_revision == first < kv.mod_revision
+    await store.delete(key)
+    again = await store.put(key, b"mistral")
+    (listed,) = (await store.get_prefix(prefix)).items
+    assert listed.create_revision == again > first
+    assert await store.create(prefix + "c", b"x")
+    created = await store.get(prefix + "c")
+    assert created is not None and created.create_revision == created.mod_revision
+
+
+async def test_expired_lease_is_never_read_even_by_a_short_lived_reader(
+    backend: Backend, prefix: str
+) -> None:
+    """No client is alive while the lease runs out: a store opened afterwards for one read
+    (as `shoal ls` does) must not return the dead holder's key."""
+    ttl = 2.0
+    key = prefix + "dead"
+    if backend.multiprocess:
+        proc = spawn(backend.url, "lease", key, str(ttl))
+        try:
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 20)
+            assert line.startswith("ready"), line
+        finally:
+            proc.kill()
+            proc.communicate()
+    else:
+        holder = await backend.open()
+        lease = await holder.grant(ttl, keepalive=False)
+        await holder.put(key, b"held", lease=lease.id)
+        await holder.close()
+    died = time.monotonic()
+    # The lease outlives its holder by at most TTL; a fresh reader after TTL + 1 s sees no key.
+    await asyncio.sleep(ttl + 1.0 - (time.monotonic() - died))
+    for read in ("get_prefix", "get"):
+        reader = await backend.open()
+        try:
+            if read == "get_prefix":
+                assert [kv.key for kv in (await reader.get_prefix(prefix)).items] == []
+            else:
+                assert await reader.get(key) is None
+        finally:
+            await reader.close()
+
+
+async def test_watch_ends_when_its_store_is_closed(backend: Backend, prefix: str) -> None:
+    store = await backend.open()
+    snap = await store.get_prefix(prefix)
+    mirror = Recorder(store.watch(prefix, snap.revision + 1))
+    await store.put(prefix + "a", b"1")
+    await wait_for(lambda: mirror.state == {prefix + "a": b"1"}, message="the watch is live")
+    await store.close()
+    await wait_for(lambda: mirror.task.done(), timeout=10, message="the watch ended on close")
+    assert (
+        mirror.task.cancelled()
+        or mirror.task.exception() is None
+        or isinstance(mirror.task.exception(), StoreError)
+    )
+
+
+async def test_close_stops_the_keepalive_of_every_lease_granted(backend: Backend) -> None:
+    def lease_tasks() -> set[asyncio.Task[object]]:
+        return {t for t in asyncio.all_tasks() if t.get_name().startswith("lease-")}
+
+    before = lease_tasks()
+    for _ in range(5):
+        store = await backend.open()
+        await store.grant(30)
+        await store.close()
+    await wait_for(lambda: lease_tasks() <= before, timeout=5, message="keepalive tasks stopped")
+
+
+async def test_nothing_at_or_below_a_resync_follows_it(backend: Backend, prefix: str) -> None:
+    if backend.name == "etcd":
+        pytest.skip("the etcd outage is a server restart; covered by the resync test above")
+    watcher = await backend.open()
+    writer = await backend.open()
+    try:
+        await writer.put(prefix + "a", b"1")
+        snap = await watcher.get_prefix(prefix)
+        stream = watcher.watch(prefix, snap.revision + 1)
+        first = asyncio.ensure_future(anext(stream))  # the watch is set up
+        await asyncio.sleep(0)
+        async with backend.outage(watcher):
+            pass
+        # Changes after the reconnection, before the consumer reads anything.
+        await writer.put(prefix + "b", b"2")
+        await writer.delete(prefix + "b")
+        head = await first  # read before the rest: one reader of the stream at a time
+        mirror = Recorder(stream, {kv.key: kv.value for kv in snap.items})
+        mirror.events.append(head)
+        mirror._apply(head)
+        last = await writer.put(prefix + "c", b"3")
+        await wait_for(lambda: any(e.revision >= last for e in mirror.events))
+        try:
+            assert mirror.ordered_state() == {prefix + "a": b"1", prefix + "c": b"3"}
+        finally:
+            await mirror.close()
+    finally:
+        await watcher.close()
+        await writer.close()
+
+
+async def test_keeper_re_puts_until_it_succeeds_after_a_failed_re_put(
+    backend: Backend, prefix: str
+) -> None:
+    holder = await backend.open()
+    observer = await backend.open()
+    key = prefix + "owned"
+    failures = [StoreUnavailableError("the store blinked during the re-put")]
+
+    async def put_owned(lease: Lease) -> None:
+        if keeper.grants > 1 and failures:
+            raise failures.pop()
+        await holder.put(key, b"mine", lease=lease.id)
+
+    keeper = LeaseKeeper(holder, ttl=1.0, on_granted=put_owned)
+    run: asyncio.Task[None] | None = None
+    try:
+        first = await keeper.start()
+        await holder.revoke(first.id)  # lost behind the holder's back
+        run = asyncio.create_task(keeper.run())
+        await wait_for(lambda: not failures, timeout=10, message="the re-put failed once")
+        lease = await wait_for(
+            lambda: keeper.lease if keeper.held and keeper.lease is not first else None
+        )
+        await wait_for(lambda: _leased_by(observer, key, lease.id), timeout=10)
+        assert not run.done()
+    finally:
+        if run is not None:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+        await holder.close()
+        await observer.close()
+
+
+async def test_keeper_revoked_while_running_stops_and_its_keys_stay_gone(
+    backend: Backend, prefix: str
+) -> None:
+    holder = await backend.open()
+    key = prefix + "owned"
+
+    async def put_owned(lease: Lease) -> None:
+        await holder.put(key, b"mine", lease=lease.id)
+
+    keeper = LeaseKeeper(holder, ttl=1.0, on_granted=put_owned)
+    try:
+        await keeper.start()
+        run = asyncio.create_task(keeper.run())
+        await asyncio.sleep(0)
+        await keeper.revoke()
+        await asyncio.wait_for(run, timeout=5)  # revoke means stop: run() returns
+        assert keeper.grants == 1
+        assert await holder.get(key) is None
+    finally:
+        await holder.close()

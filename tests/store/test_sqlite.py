@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -18,10 +19,11 @@ from shoal.store import (
     Delete,
     LeaseNotFoundError,
     Resync,
+    StoreError,
     StoreUnavailableError,
     open_store,
 )
-from shoal.store.sqlite import RETAIN_CHANGES, SQLiteStore
+from shoal.store.sqlite import BOOT_ID, RETAIN_CHANGES, SQLiteStore
 from tests.helpers import wait_for
 from tests.store.support import Recorder
 
@@ -254,3 +256,116 @@ async def test_missing_parent_directories_are_created(tmp_path: Path) -> None:
 async def test_url_without_an_absolute_path_is_refused(bad: str) -> None:
     with pytest.raises(ValueError, match="sqlite:///"):
         await SQLiteStore.open(bad)
+
+
+async def test_a_value_stored_as_text_is_skipped_and_watches_go_on(
+    store: SQLiteStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row edited by hand (the sqlite3 CLI stores TEXT) is reported and skipped: it never
+    stops the poller that serves every watch of the store."""
+    await store.put("bad/k", b"blob")
+    snap = await store.get_prefix("")
+    mirror = Recorder(store.watch("", snap.revision + 1))
+    other = Recorder(store.watch("good/", snap.revision + 1))
+    try:
+        with sqlite3.connect(store.path) as conn:  # a hand edit: TEXT in the log and the table
+            conn.execute("UPDATE meta SET revision = revision + 1")
+            (rev,) = conn.execute("SELECT revision FROM meta").fetchone()
+            conn.execute("INSERT INTO changes VALUES (?, 'bad/k', 'text')", (rev,))
+            conn.execute(
+                "UPDATE kv SET value = 'text', mod_revision = ? WHERE key = 'bad/k'", (rev,)
+            )
+        await store.put("good/k", b"1")
+        await wait_for(lambda: other.state == {"good/k": b"1"}, message="watches go on")
+        await wait_for(lambda: "good/k" in mirror.state)
+        assert not store._poller.done()
+        assert [kv.key for kv in (await store.get_prefix("")).items] == ["good/k"]
+        assert await store.get("bad/k") is None
+        assert "not a BLOB" in caplog.text
+    finally:
+        await mirror.close()
+        await other.close()
+
+
+async def test_watches_end_with_an_error_if_the_poller_stops(store: SQLiteStore) -> None:
+    mirror = Recorder(store.watch("p/", 1))
+    await store.put("p/a", b"1")
+    await wait_for(lambda: mirror.state == {"p/a": b"1"})
+    store._poller.cancel()  # whatever stops it, its watches must not wait forever
+    await wait_for(lambda: mirror.task.done(), timeout=5)
+    assert isinstance(mirror.task.exception(), StoreError)
+    with pytest.raises(StoreError, match="poller"):
+        await anext(store.watch("p/", 1))
+
+
+async def test_a_wall_clock_step_does_not_expire_a_healthy_lease(
+    store: SQLiteStore, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process whose wall clock runs 12 s ahead (NTP step, VM resume) writes and reaps
+    with the holder's 10 s lease still held: the key stays."""
+    lease = await store.grant(10.0)
+    await store.put("held/k", b"x", lease=lease.id)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 12.0)
+    stepped = await SQLiteStore.open(url)
+    try:
+        await stepped.put("other/k", b"y")  # every write reaps first
+        assert await stepped.get("held/k") is not None
+        assert await store.get("held/k") is not None
+    finally:
+        await stepped.close()
+        await lease.revoke()
+
+
+async def test_a_version_1_file_is_migrated_and_both_versions_keep_their_leases(
+    tmp_path: Path,
+) -> None:
+    """A file from before lease deadlines moved off the wall clock opens with its data (keys
+    created at their last write, as best known). During the upgrade, a version-1 process's
+    lease lives by its wall-clock deadline, and a version-1 reaper never ends a new lease."""
+    path = tmp_path / "v1.db"
+    now = time.time()
+    with sqlite3.connect(path) as conn:
+        for statement in (
+            "PRAGMA journal_mode = WAL",
+            "CREATE TABLE meta (id INTEGER PRIMARY KEY CHECK (id = 0),"
+            " revision INTEGER NOT NULL, compact_revision INTEGER NOT NULL)",
+            "INSERT INTO meta VALUES (0, 3, 0)",
+            "CREATE TABLE kv (key TEXT PRIMARY KEY, value BLOB NOT NULL,"
+            " mod_revision INTEGER NOT NULL, lease INTEGER NOT NULL DEFAULT 0)",
+            "CREATE INDEX kv_by_lease ON kv (lease)",
+            "CREATE TABLE leases (id INTEGER PRIMARY KEY, ttl REAL NOT NULL, deadline REAL NOT NULL)",
+            "CREATE INDEX leases_by_deadline ON leases (deadline)",
+            "CREATE TABLE changes (revision INTEGER PRIMARY KEY, key TEXT NOT NULL, value BLOB)",
+            "INSERT INTO kv VALUES ('k/plain', x'31', 1, 0), ('k/live', x'32', 2, 7),"
+            " ('k/dead', x'33', 3, 8)",
+            f"INSERT INTO leases VALUES (7, 10.0, {now + 3600}), (8, 10.0, {now - 1})",
+            "INSERT INTO changes VALUES (1, 'k/plain', x'31'), (2, 'k/live', x'32'),"
+            " (3, 'k/dead', x'33')",
+            "PRAGMA user_version = 1",
+        ):
+            conn.execute(statement)
+    store = await SQLiteStore.open(f"sqlite:///{path}")
+    try:
+        items = (await store.get_prefix("k/")).items
+        assert [(kv.key, kv.create_revision) for kv in items] == [("k/live", 2), ("k/plain", 1)]
+        lease = await store.grant(10.0, keepalive=False)
+        with sqlite3.connect(path) as conn:  # what a version-1 reaper would end
+            v1_reaped = conn.execute("SELECT id FROM leases WHERE deadline < ?", (time.time(),))
+            assert lease.id not in {row[0] for row in v1_reaped}
+    finally:
+        await store.close()
+
+
+@pytest.mark.skipif(not BOOT_ID, reason="no boot id on this system")
+async def test_a_lease_from_an_earlier_boot_is_expired(store: SQLiteStore) -> None:
+    """Deadlines are on this boot's monotonic clock; no holder survives a reboot."""
+    lease = await store.grant(3600.0, keepalive=False)
+    await store.put("boot/k", b"x", lease=lease.id)
+    with sqlite3.connect(store.path) as conn:
+        conn.execute("UPDATE leases SET boot = 'boot:an-earlier-boot' WHERE id = ?", (lease.id,))
+    reader = await SQLiteStore.open(store.url)
+    try:
+        assert await reader.get("boot/k") is None
+    finally:
+        await reader.close()

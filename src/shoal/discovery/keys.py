@@ -112,6 +112,15 @@ def _endpoint(namespace: str, component: str, endpoint: str) -> EndpointId:
     return EndpointId(namespace, component, endpoint)
 
 
+def parse_instance_id(text: str) -> int:
+    """An instance id as keys spell it: lowercase hex with no leading zeros (`2a`, never
+    `002A`), so that one instance has exactly one key and an alias can never shadow it."""
+    value = int(text, 16)
+    if value < 0 or f"{value:x}" != text:
+        raise ValueError(f"instance id {text!r} is not canonical lowercase hex ({value:x})")
+    return value
+
+
 def parse_model_key(key: str) -> ModelKey:
     """Inverse of `ModelKey.key`; raises ValueError naming the key if it does not fit."""
     if not key.startswith(MODELS):
@@ -121,7 +130,7 @@ def parse_model_key(key: str) -> ModelKey:
         raise ValueError(f"malformed model key {key!r}")
     try:
         endpoint = _endpoint(*parts[:3])
-        instance_id = int(parts[3], 16)
+        instance_id = parse_instance_id(parts[3])
         suffix = check_suffix(parts[4]) if len(parts) == 5 else None
     except ValueError as exc:
         raise ValueError(f"malformed model key {key!r}: {exc}") from None
@@ -135,7 +144,7 @@ def parse_instance_key(key: str) -> tuple[EndpointId, int]:
     if len(parts) != 4:
         raise ValueError(f"malformed instance key {key!r}")
     try:
-        return _endpoint(*parts[:3]), int(parts[3], 16)
+        return _endpoint(*parts[:3]), parse_instance_id(parts[3])
     except ValueError as exc:
         raise ValueError(f"malformed instance key {key!r}: {exc}") from None
 

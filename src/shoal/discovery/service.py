@@ -3,12 +3,16 @@
 A model instance is routable when both its card (`shoal/v1/models/...`) and its endpoint
 instance (`shoal/v1/instances/...`, which holds the request URL) are present: discovery joins
 the two, so consumers see one stream of `Added`, `Removed` and `TaintsUpdated`.
+
+A card is immutable while it lives, except its taints: an in-place change to anything else
+is logged and ignored. A key whose `create_revision` changed was deleted and created again
+(a worker detached a model and attached another): that is a new registration, taken as it
+is, even by a listing or a `Resync` that never saw the delete.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -109,6 +113,9 @@ DiscoveryEvent = Added | Removed | TaintsUpdated
 
 LIST_BATCH = 64
 """Values `Discovery.list` parses between two yields to the event loop."""
+WATCH_BUFFER = 64
+"""Store events `list_and_watch` holds for a consumer that is not reading. Beyond it the
+store's own watch falls behind, and its bounded backlog turns into a `Resync`."""
 
 _instance_decoder = msgspec.json.Decoder(InstanceInfo)
 
@@ -164,30 +171,37 @@ def _parse_instance(
     return ident, info
 
 
+_Read = tuple[int, int, T]
+"""A value as a listing read it: (create_revision, mod_revision, parsed value)."""
+
+
 async def _parse_listing(
     items: Sequence[KeyValue],
     parse: Callable[[str, bytes], T | None],
-    before: dict[str, tuple[int, T]],
+    before: dict[str, _Read[T]],
     allowed: Callable[[T, T], bool] = lambda old, new: True,
-) -> dict[str, tuple[int, T]]:
-    """The valid values of a listing by key, with their mod_revision; those `before` holds
-    at the same mod_revision are reused. Yields to the event loop every `LIST_BATCH` values.
+) -> dict[str, _Read[T]]:
+    """The valid values of a listing by key, with their revisions; those `before` holds at
+    the same revisions are reused. Yields to the event loop every `LIST_BATCH` values.
 
     As watchers do, a listing keeps the last valid value of a key when a malformed one, or a
-    change that `allowed` refuses, replaces it.
+    change that `allowed` refuses, replaces it. A key created again since (a new
+    `create_revision`) is a new registration: what `before` held for it no longer counts.
     """
-    read: dict[str, tuple[int, T]] = {}
+    read: dict[str, _Read[T]] = {}
     for i, kv in enumerate(items, 1):
         if i % LIST_BATCH == 0:
             await asyncio.sleep(0)
         entry = before.get(kv.key)
-        if entry is None or entry[0] != kv.mod_revision:
+        if entry is not None and entry[0] != kv.create_revision:
+            entry = None
+        if entry is None or entry[1] != kv.mod_revision:
             parsed = parse(kv.key, kv.value)  # a bad value is reported, on every listing
             if parsed is None:
                 if entry is None:
                     continue
-            elif entry is None or allowed(entry[1], parsed):
-                entry = (kv.mod_revision, parsed)
+            elif entry is None or allowed(entry[2], parsed):
+                entry = (kv.create_revision, kv.mod_revision, parsed)
         read[kv.key] = entry
     return read
 
@@ -223,35 +237,46 @@ class _Joined:
         self.skipped = skipped
         self.cards: dict[ModelKey, ModelCard] = {}
         self.revisions: dict[ModelKey, int] = {}  # of each card in `cards`
+        # The create revision of each card's key: a new one is a new registration.
+        self.created: dict[ModelKey, int] = {}
         self.instances: dict[tuple[EndpointId, int], InstanceInfo] = {}
         self.reported: dict[ModelKey, ModelInstance] = {}
         # The keys of `cards` by endpoint instance: an instance change touches its cards only.
         self.cards_of: dict[tuple[EndpointId, int], set[ModelKey]] = {}
 
-    def put_card(self, key: ModelKey, card: ModelCard, revision: int) -> None:
+    def put_card(self, key: ModelKey, card: ModelCard, created: int, revision: int) -> None:
+        """A card written at its key's `created` revision (last written at `revision`). The
+        same `created` as the card held is an in-place change, of which only taints are taken."""
         old = self.cards.get(key)
-        if old is not None and not old.same_except_taints(card):
+        if old is not None and created == self.created[key] and not old.same_except_taints(card):
             IGNORED_CHANGES.inc()
             log.warning("ignoring a change to registered card %s other than its taints", key)
             self.skipped[key.key] = IGNORED
             return
         self.cards[key] = card
         self.revisions[key] = revision
+        self.created[key] = created
         self.cards_of.setdefault((key.endpoint, key.instance_id), set()).add(key)
 
     def drop_card(self, key: ModelKey) -> None:
         if self.cards.pop(key, None) is None:
             return
         del self.revisions[key]
+        del self.created[key]
         ident = (key.endpoint, key.instance_id)
         keys = self.cards_of[ident]
         keys.discard(key)
         if not keys:
             del self.cards_of[ident]
 
-    def apply(self, kv_key: str, value: bytes | None, revision: int = 0) -> Iterable[ModelKey]:
-        """Apply one raw change (made at `revision`); returns the model keys whose joined
-        state may have moved."""
+    def apply(
+        self, kv_key: str, value: bytes | None, created: int = 0, written: int = 0
+    ) -> Iterable[ModelKey]:
+        """Apply one raw change; returns the model keys whose joined state may have moved.
+
+        `created` is the create revision of the key written. A watch's `Put` passes 0 and
+        its own revision as `written`: it creates a card this does not hold (a create's
+        revision is its create revision), or changes the one it holds in place."""
         if kv_key.startswith(INSTANCES):
             try:
                 ident = parse_instance_key(kv_key)
@@ -277,8 +302,9 @@ class _Joined:
             return (key,)
         if (parsed_card := _parse_card(kv_key, value, self.skipped)) is None:
             return ()
-        self.put_card(*parsed_card, revision)
-        return (parsed_card[0],)
+        key, card = parsed_card
+        self.put_card(key, card, created or self.created.get(key, written), written)
+        return (key,)
 
     def replace(self, prefix_root: str, items: list[KeyValue]) -> Iterable[ModelKey]:
         """A resync of one prefix: everything it does not hold is gone."""
@@ -293,7 +319,7 @@ class _Joined:
                 if key.key not in seen:
                     touched.extend(self.apply(key.key, None))
         for kv in items:
-            touched.extend(self.apply(kv.key, kv.value, kv.mod_revision))
+            touched.extend(self.apply(kv.key, kv.value, kv.create_revision, kv.mod_revision))
         return touched
 
     def diff(self, keys: Iterable[ModelKey]) -> list[DiscoveryEvent]:
@@ -315,7 +341,9 @@ class _Joined:
             self.reported[key] = now
             if before is None:
                 events.append(Added(now))
-            elif before.instance != now.instance:
+            elif before.instance != now.instance or (
+                before.card is not now.card and not before.card.same_except_taints(now.card)
+            ):  # a new instance, or a new registration at the key
                 events.extend((Removed(key), Added(now)))
             elif before.card.taints != now.card.taints or before.revision != now.revision:
                 events.append(TaintsUpdated(key, now.card.taints, now.revision))
@@ -328,8 +356,8 @@ class Discovery:
     def __init__(self, store: Store) -> None:
         self.store = store
         # What the last `list` of each prefix read: values by key, with their mod_revision.
-        self._instances_read: dict[str, dict[str, tuple[int, _ParsedInstance]]] = {}
-        self._cards_read: dict[str, dict[str, tuple[int, _ParsedCard]]] = {}
+        self._instances_read: dict[str, dict[str, _Read[_ParsedInstance]]] = {}
+        self._cards_read: dict[str, dict[str, _Read[_ParsedCard]]] = {}
         self._joined: dict[str, dict[ModelKey, ModelInstance]] = {}
         # Keys read and not used (malformed, or a change ignored), with the reason.
         self.skipped: Skipped = {}
@@ -409,10 +437,10 @@ class Discovery:
             functools.partial(_card_change_allowed, skipped=skipped),
         )
         self._cards_read[query.models_prefix] = read_cards
-        instances = dict(parsed for _, parsed in read_instances.values())
+        instances = dict(parsed for _, _, parsed in read_instances.values())
         before = self._joined.get(query.models_prefix, {})
         joined: dict[ModelKey, ModelInstance] = {}
-        for i, (revision, (key, card)) in enumerate(read_cards.values(), 1):
+        for i, (_, revision, (key, card)) in enumerate(read_cards.values(), 1):
             if i % LIST_BATCH == 0:
                 await asyncio.sleep(0)
             info = instances.get((key.endpoint, key.instance_id))
@@ -429,7 +457,9 @@ class Discovery:
         """The models in scope as `Added` events, then every change, with no gap.
 
         Each prefix is read, then watched from the read's revision + 1. A store `Resync`
-        (after a lost connection) becomes the events that bring the consumer up to date.
+        (after a lost connection, or for a consumer that fell behind) becomes the events
+        that bring the consumer up to date. The stream ends when the store is closed, and
+        raises what a store watch raised.
         """
         query = query or Query()
         joined = _Joined(self.skipped)
@@ -442,16 +472,20 @@ class Discovery:
         for event in joined.diff(touched):
             yield event
 
-        queue: asyncio.Queue[tuple[str, Put | Delete | Resync] | BaseException] = asyncio.Queue()
+        # Bounded: a consumer that does not read holds back the store's watches, whose own
+        # bounded backlog then turns into a `Resync` (no unbounded copy here).
+        # None: a store watch ended, because the store was closed.
+        queue: asyncio.Queue[tuple[str, Put | Delete | Resync] | Exception | None] = asyncio.Queue(
+            WATCH_BUFFER
+        )
 
         async def pump(root: str, prefix: str, start: int) -> None:
             try:
                 async for ev in self.store.watch(prefix, start):
-                    queue.put_nowait((root, ev))
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:
-                queue.put_nowait(exc)
+                    await queue.put((root, ev))
+                await queue.put(None)
+            except Exception as exc:
+                await queue.put(exc)
 
         tasks = [
             asyncio.create_task(pump(INSTANCES, query.instances_prefix, inst.revision + 1)),
@@ -460,14 +494,16 @@ class Discovery:
         try:
             while True:
                 item = await queue.get()
-                if isinstance(item, BaseException):
+                if item is None:
+                    return
+                if isinstance(item, Exception):
                     raise item
                 root, ev = item
                 if isinstance(ev, Resync):
                     _forget_skipped(self.skipped, prefixes[root], ev.items)
                     keys = list(joined.replace(root, ev.items))
                 elif isinstance(ev, Put):
-                    keys = list(joined.apply(ev.key, ev.value, ev.revision))
+                    keys = list(joined.apply(ev.key, ev.value, written=ev.revision))
                 else:
                     keys = list(joined.apply(ev.key, None))
                 for event in joined.diff(keys):
@@ -475,6 +511,5 @@ class Discovery:
         finally:
             for task in tasks:
                 task.cancel()
-            for task in tasks:
-                with contextlib.suppress(BaseException):
-                    await task
+            # What the pumps raise is theirs; a cancel of this task while waiting propagates.
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -7,7 +7,17 @@ suite in `tests/store/` proves on each backend:
   later change exactly once, so list-then-watch has no gap.
 - After the backend connection drops and returns, a watch yields a `Resync` carrying the
   full current state of its prefix, so deletes made meanwhile are never lost.
+- Each key carries the revision that created it (`create_revision`): a delete followed by a
+  create at the same key gives a new one, so a reader that missed the delete (a `Resync`, a
+  later listing) still tells a new key from a modified one.
 - Keys put under a lease vanish, with delete events, when the lease expires or is revoked.
+  A key whose lease has expired is never returned by a read or a listing, by any client,
+  even one that just opened the store; watchers get its delete within TTL + 1 s. (etcd
+  counts TTLs in whole seconds, at least its minimum: a shorter lease of a holder that
+  died lasts that long there; see `shoal.store.etcd`.)
+- `close()` ends every watch of the instance (its iterator stops) and stops the keepalive
+  of every lease it granted; leases themselves are not revoked.
+- A watch yields nothing at or below the revision of a `Resync` it has yielded.
 """
 
 from __future__ import annotations
@@ -50,7 +60,8 @@ class LeaseNotFoundError(StoreError):
 
 
 class KeyValue(msgspec.Struct, frozen=True, gc=False):
-    """One stored key with the revision that last modified it and its lease (0: none).
+    """One stored key: the revision that last modified it, its lease (0: none), and the
+    revision that created it (a delete then a create at the same key is a new key).
 
     A listing of a large prefix makes tens of thousands of these; they hold no references
     to other objects, so they are kept out of the garbage collector's way (`gc=False`).
@@ -60,6 +71,7 @@ class KeyValue(msgspec.Struct, frozen=True, gc=False):
     value: bytes
     mod_revision: int
     lease: int = 0
+    create_revision: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,10 +172,11 @@ class Lease:
             raise LeaseNotFoundError(f"lease {self.id:x} no longer exists")
         self.last_renewed = time.monotonic()
 
-    def start_keepalive(self) -> None:
+    def start_keepalive(self) -> asyncio.Task[None]:
         """Renew in the background about every TTL/3 until the lease is lost or revoked."""
         if self._task is None:
             self._task = asyncio.create_task(self._keepalive_forever(), name=f"lease-{self.id:x}")
+        return self._task
 
     def stop_keepalive(self) -> None:
         if self._task is not None:
@@ -198,6 +211,15 @@ class Store(abc.ABC):
     """A revisioned key-value store with leases and prefix watches. Open with `shoal.store.open_store`."""
 
     url: str
+
+    def __init__(self) -> None:
+        # Leases granted here whose keepalive runs in the background: `close()` stops them.
+        self._kept_alive: set[Lease] = set()
+
+    def _stop_keepalives(self) -> None:
+        """Stop the keepalive of every lease this instance renews (part of `close()`)."""
+        for lease in list(self._kept_alive):
+            lease.stop_keepalive()
 
     @abc.abstractmethod
     async def get_prefix(self, prefix: str) -> Snapshot:
@@ -241,12 +263,13 @@ class Store(abc.ABC):
         """Changes under `prefix` from `start_revision` on, in revision order.
 
         After a gap (lost connection, compacted history) yields a `Resync` with the full
-        current state, then goes on from its revision + 1. Runs until cancelled or closed.
+        current state, then goes on from its revision + 1. Runs until cancelled; ends when
+        the store is closed, and raises `StoreError` if it can no longer deliver changes.
         """
 
     @abc.abstractmethod
     async def close(self) -> None:
-        """Release connections and stop background work. Leases are not revoked."""
+        """Release connections, end watches and stop keepalives. Leases are not revoked."""
 
     async def grant(self, ttl: float, *, keepalive: bool = True) -> Lease:
         """Grant a lease of `ttl` seconds, renewed in the background unless `keepalive=False`."""
@@ -254,7 +277,8 @@ class Store(abc.ABC):
             raise ValueError(f"lease ttl must be positive, got {ttl}")
         lease = Lease(id=await self._grant(ttl), ttl=ttl, store=self)
         if keepalive:
-            lease.start_keepalive()
+            self._kept_alive.add(lease)
+            lease.start_keepalive().add_done_callback(lambda _: self._kept_alive.discard(lease))
         return lease
 
     async def __aenter__(self) -> Store:

@@ -152,6 +152,7 @@ class EtcdStore(Store):
     """A `Store` on etcd v3. Open it with `EtcdStore.open(url)` (or `shoal.store.open_store`)."""
 
     def __init__(self, url: str, *, call_timeout: float = 5.0) -> None:
+        super().__init__()
         self.url = url
         self._endpoints = parse_url(url)
         self._call_timeout = call_timeout
@@ -321,6 +322,7 @@ class EtcdStore(Store):
             value=bytes(kv.value),
             mod_revision=int(kv.mod_revision),
             lease=int(kv.lease),
+            create_revision=int(kv.create_revision),
         )
 
     async def get_prefix(self, prefix: str) -> Snapshot:
@@ -583,6 +585,7 @@ class EtcdStore(Store):
             return
         self._closed = True
         self._closed_event.set()
+        self._stop_keepalives()
         for call in list(self._watch_calls):
             call.cancel()
         self._watch_calls.clear()

@@ -2,7 +2,9 @@
 
 A holder whose lease was lost (the store was unreachable past the TTL, or the lease was
 revoked behind its back) must not die: it grants a new lease and re-puts what it owns.
-The keeper does the first part and calls `on_granted` for the second.
+The keeper does the first part and calls `on_granted` for the second, again on every tick
+until it succeeds; only then is the replaced lease revoked. `revoke()` means stop: no tick
+after it grants or re-puts anything.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class LeaseKeeper:
         self.on_granted = on_granted
         self.lease: Lease | None = None
         self.grants = 0
+        self._reput_due = False  # `on_granted` has not yet succeeded for `lease`
+        self._replaced: Lease | None = None  # revoked once the re-put under `lease` succeeds
+        self._revoked = False
 
     @property
     def interval(self) -> float:
@@ -49,25 +54,50 @@ class LeaseKeeper:
     async def start(self) -> Lease:
         """Grant the first lease and put what the holder owns."""
         await self._regrant()
+        await self._reput()
         assert self.lease is not None
         return self.lease
 
     async def tick(self) -> None:
-        """Renew the lease once, or replace it if lost. Raises `StoreUnavailableError` on outage."""
+        """Renew the lease once, or replace it if lost, and re-put until that succeeds.
+
+        Raises `StoreUnavailableError` on outage; after `revoke()` does nothing."""
+        if self._revoked:
+            return
         if self.lease is not None and not self.lease.lost.is_set():
             try:
                 await self.lease.keepalive()
-                return
             except LeaseNotFoundError:
                 log.warning("lease %x was lost; granting a new one", self.lease.id)
-        await self._regrant()
+        if self.lease is None or self.lease.lost.is_set():
+            await self._regrant()
+        await self._reput()
 
     async def _regrant(self) -> None:
-        old = self.lease
         lease = await self.store.grant(self.ttl, keepalive=False)
+        if self._revoked:  # revoked while granting: this lease is not wanted
+            with contextlib.suppress(Exception):
+                await self.store.revoke(lease.id)
+            return
+        if self._replaced is None and self.lease is not None:
+            self._replaced = self.lease
         self.lease = lease
         self.grants += 1
-        await self.on_granted(lease)
+        self._reput_due = True
+
+    async def _reput(self) -> None:
+        """Call `on_granted` for the current lease if it has not succeeded yet, then end the
+        lease it replaced."""
+        lease = self.lease
+        if not self._reput_due or lease is None or self._revoked:
+            return
+        try:
+            await self.on_granted(lease)
+        except LeaseNotFoundError:
+            lease.lost.set()  # expired before the re-put: the next tick grants another
+            raise StoreUnavailableError(f"lease {lease.id:x} ended during the re-put") from None
+        self._reput_due = False
+        old, self._replaced = self._replaced, None
         if old is not None:
             # The old lease may have survived on the server (etcd restores leases after a
             # restart): end it, after the re-puts moved our keys to the new lease, so what
@@ -76,9 +106,9 @@ class LeaseKeeper:
                 await self.store.revoke(old.id)
 
     async def run(self) -> None:
-        """Tick forever with backoff on outages; cancel to stop."""
+        """Tick with backoff on outages until cancelled or revoked."""
         backoff = 0.1
-        while True:
+        while not self._revoked:
             try:
                 await self.tick()
                 backoff = 0.1
@@ -89,5 +119,7 @@ class LeaseKeeper:
                 backoff = min(backoff * 2, 5.0)
 
     async def revoke(self) -> None:
+        """Stop for good and end the lease: the holder's keys are deleted at once."""
+        self._revoked = True
         if self.lease is not None:
             await self.lease.revoke()

@@ -29,6 +29,11 @@ from shoal.store.base import (
 )
 
 HISTORY = 100_000
+MAX_QUEUED = 10_000
+"""Events queued for a watch that is not being read before they are dropped for a `Resync`."""
+
+_RESYNC = object()  # queued for a watch that must resync (its client was cut off, or lagged)
+_CLOSED = object()  # queued for a watch whose store was closed: the watch ends
 
 
 @dataclass
@@ -38,7 +43,7 @@ class _Data:
     leases: dict[int, float] = field(default_factory=dict)  # id -> deadline (monotonic)
     lease_keys: dict[int, set[str]] = field(default_factory=dict)
     history: deque[Put | Delete] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    watchers: set[tuple[str, asyncio.Queue[Put | Delete | None], MemoryStore]] = field(
+    watchers: set[tuple[str, asyncio.Queue[Put | Delete | object], MemoryStore]] = field(
         default_factory=set
     )
     lease_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(0x1000))
@@ -49,6 +54,7 @@ _shared: dict[str, _Data] = {}
 
 class MemoryStore(Store):
     def __init__(self, url: str = "memory://") -> None:
+        super().__init__()
         self.url = url
         name = url.partition("://")[2]
         self._d = _shared.setdefault(name, _Data()) if name else _Data()
@@ -72,13 +78,18 @@ class MemoryStore(Store):
         if not unreachable:
             for _, queue, owner in self._d.watchers:
                 if owner is self:
-                    queue.put_nowait(None)
+                    queue.put_nowait(_RESYNC)
 
     def _emit(self, event: Put | Delete) -> None:
         self._d.history.append(event)
         for prefix, queue, owner in self._d.watchers:
             if event.key.startswith(prefix) and not owner._unreachable:
-                queue.put_nowait(event)
+                if queue.qsize() >= MAX_QUEUED:  # not read: drop its backlog for a Resync
+                    while not queue.empty():
+                        queue.get_nowait()
+                    queue.put_nowait(_RESYNC)
+                else:
+                    queue.put_nowait(event)
 
     def _delete_now(self, key: str) -> bool:
         kv = self._d.items.pop(key, None)
@@ -126,7 +137,8 @@ class MemoryStore(Store):
         if old is not None and old.lease and old.lease != lease:
             self._d.lease_keys.get(old.lease, set()).discard(key)
         self._d.revision += 1
-        self._d.items[key] = KeyValue(key, bytes(value), self._d.revision, lease)
+        created = self._d.revision if old is None else old.create_revision
+        self._d.items[key] = KeyValue(key, bytes(value), self._d.revision, lease, created)
         if lease:
             self._d.lease_keys.setdefault(lease, set()).add(key)
         self._emit(Put(key, bytes(value), self._d.revision))
@@ -170,7 +182,7 @@ class MemoryStore(Store):
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
         self._check_open()
         check_prefix(prefix)
-        queue: asyncio.Queue[Put | Delete | None] = asyncio.Queue()
+        queue: asyncio.Queue[Put | Delete | object] = asyncio.Queue()
         entry = (prefix, queue, self)
         # Replay and subscribe with no await between: nothing can slip through.
         oldest = self._d.history[0].revision if self._d.history else self._d.revision + 1
@@ -184,12 +196,21 @@ class MemoryStore(Store):
                 if e.revision >= start_revision and e.key.startswith(prefix)
             ]
         self._d.watchers.add(entry)
+        seen = 0  # the revision of the last Resync: nothing at or below it may follow
         try:
             for event in backlog:
+                seen = event.revision if isinstance(event, Resync) else seen
                 yield event
             while not self._closed:
                 change = await queue.get()
-                yield self._resync(prefix) if change is None else change
+                if change is _CLOSED:
+                    return
+                if change is _RESYNC:
+                    resync = self._resync(prefix)
+                    seen = resync.revision
+                    yield resync
+                elif isinstance(change, Put | Delete) and change.revision > seen:
+                    yield change
         finally:
             self._d.watchers.discard(entry)
 
@@ -201,6 +222,10 @@ class MemoryStore(Store):
 
     async def close(self) -> None:
         self._closed = True
+        self._stop_keepalives()
+        for _, queue, owner in list(self._d.watchers):
+            if owner is self:
+                queue.put_nowait(_CLOSED)
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper = None

@@ -9,8 +9,13 @@ Layout:
 
 - `meta`: one row with the current store `revision` and the `compact_revision` up to
   which the change log has been trimmed.
-- `kv`: the keys, each with its value, the revision that last wrote it and its lease.
-- `leases`: id, TTL and deadline as wall-clock `time.time()`, since processes share it.
+- `kv`: the keys, each with its value, the revisions that created and last wrote it and
+  its lease.
+- `leases`: id, TTL, the `boot` that granted or last renewed it and its deadline on that
+  boot's monotonic clock (`expires`; see "Lease clock" below). `deadline` is the wall-clock
+  deadline of schema version 1: kept for leases of version-1 processes still running
+  during an upgrade (`boot` empty, judged on it as they were), and set out of reach for
+  the others, so a version-1 process never reaps them.
 - `changes`: one row per revision (key, value, NULL for a delete): the log watches read.
 
 Each write bumps `meta.revision` and appends its change in the same transaction, so
@@ -27,7 +32,24 @@ transaction runs in one hop to that thread. Background work per instance:
 - a lease reaper: every `REAP_INTERVAL` (200 ms) it looks for an expired lease (a read,
   no lock) and only then deletes expired leases and their keys with delete events. Every
   client reaps, so a holder killed by SIGKILL loses its keys within TTL + ~0.25 s. Each
-  write transaction also reaps first, so a write never uses an expired lease.
+  write transaction also reaps first, so a write never uses an expired lease, and so does
+  every read before it reads: a key whose lease has expired is never returned, even by a
+  client that has just opened the file (`shoal ls`) while no other process is alive.
+
+Lease clock. Deadlines are not on the wall clock: a step of the wall clock (NTP, a VM
+resumed, an operator's `date -s`) in any one process would otherwise expire every lease in
+the file at once, or keep dead ones alive. They are on `CLOCK_MONOTONIC`, which POSIX
+defines from a fixed point set at system start: every process of the host reads the same
+value, and nothing can step it. SQLite's WAL mode already requires every process using the
+file to run on one host, so all of them share that clock. It restarts at each boot, so each
+lease also records the boot id (`/proc/sys/kernel/random/boot_id`): a lease from another
+boot is expired, since no process survives a reboot. (Leases of version-1 processes still
+running during an upgrade keep their wall-clock deadlines until they go.) The assumption: every process using
+the file runs on this host in the same time namespace (containers that share the file must
+not be given a private `CLOCK_MONOTONIC` offset). Where no boot id is available (not
+Linux), leases are judged on the monotonic clock alone. A monotonic clock does not count
+time the host is suspended, so a suspend neither expires the leases of live holders nor
+counts towards the TTL of dead ones.
 
 Compaction: the change log keeps the last `RETAIN_CHANGES` (1000) revisions, trimmed
 every `TRIM_EVERY` writes, so its size is bounded whatever the write rate; a watcher that
@@ -60,6 +82,7 @@ from shoal.store.base import (
     Resync,
     Snapshot,
     Store,
+    StoreError,
     StoreUnavailableError,
     check_key,
     check_prefix,
@@ -84,19 +107,65 @@ WAL_AUTOCHECKPOINT_PAGES = 256
 JOURNAL_SIZE_LIMIT = 1024 * 1024
 MAX_QUEUED = 10_000
 """Events queued for a watch that is not being read before it is dropped for a `Resync`."""
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = (
     "CREATE TABLE meta (id INTEGER PRIMARY KEY CHECK (id = 0),"
     " revision INTEGER NOT NULL, compact_revision INTEGER NOT NULL)",
     "INSERT INTO meta (id, revision, compact_revision) VALUES (0, 0, 0)",
     "CREATE TABLE kv (key TEXT PRIMARY KEY, value BLOB NOT NULL,"
-    " mod_revision INTEGER NOT NULL, lease INTEGER NOT NULL DEFAULT 0)",
+    " mod_revision INTEGER NOT NULL, lease INTEGER NOT NULL DEFAULT 0,"
+    " create_revision INTEGER NOT NULL DEFAULT 0)",
     "CREATE INDEX kv_by_lease ON kv (lease)",
-    "CREATE TABLE leases (id INTEGER PRIMARY KEY, ttl REAL NOT NULL, deadline REAL NOT NULL)",
+    "CREATE TABLE leases (id INTEGER PRIMARY KEY, ttl REAL NOT NULL, deadline REAL NOT NULL,"
+    " boot TEXT NOT NULL DEFAULT '', expires REAL NOT NULL DEFAULT 0)",
     "CREATE INDEX leases_by_deadline ON leases (deadline)",
     "CREATE TABLE changes (revision INTEGER PRIMARY KEY, key TEXT NOT NULL, value BLOB)",
 )
+# From version 1: keys get their create revision (their last write, the best known); the
+# leases of version-1 processes keep their wall-clock deadlines until those processes go.
+_MIGRATE_FROM_1 = (
+    "ALTER TABLE kv ADD COLUMN create_revision INTEGER NOT NULL DEFAULT 0",
+    "UPDATE kv SET create_revision = mod_revision",
+    "ALTER TABLE leases ADD COLUMN boot TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE leases ADD COLUMN expires REAL NOT NULL DEFAULT 0",
+)
+OUT_OF_REACH = 1e300
+"""The wall-clock `deadline` of a lease judged on the monotonic clock: never passed."""
+
+
+def _boot_id() -> str:
+    """This boot of the host (Linux), or "" where the system does not say."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+BOOT_ID = _boot_id()
+BOOT = "boot:" + BOOT_ID
+"""The `boot` of the leases this process grants: never empty (empty marks version 1)."""
+
+
+def lease_clock() -> float:
+    """Now on the host's monotonic clock: the clock lease deadlines are kept on."""
+    if hasattr(time, "clock_gettime"):
+        return time.clock_gettime(time.CLOCK_MONOTONIC)
+    return time.monotonic()
+
+
+_EXPIRED = (
+    "(CASE WHEN boot = '' THEN deadline < :wall"
+    " ELSE expires < :now OR (boot != :boot AND :boot != 'boot:') END)"
+)
+"""SQL: the lease has expired, at `_expired_at(now)`. A lease of another boot has: no
+process survives a reboot. Where the boot is unknown (`BOOT` is "boot:"), only the clock
+counts."""
+
+
+def _expired_at(now: float) -> dict[str, object]:
+    """The parameters of `_EXPIRED` at `now` on the lease clock."""
+    return {"now": now, "boot": BOOT, "wall": time.time()}
 
 
 def _path_from_url(url: str) -> Path:
@@ -136,8 +205,8 @@ def _connect(path: Path, busy_timeout: float) -> sqlite3.Connection:
         conn.execute("BEGIN IMMEDIATE")
         try:
             (version,) = conn.execute("PRAGMA user_version").fetchone()
-            if version == 0:
-                for statement in _SCHEMA:
+            if version in (0, 1):
+                for statement in _SCHEMA if version == 0 else _MIGRATE_FROM_1:
                     conn.execute(statement)
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             elif version != SCHEMA_VERSION:
@@ -165,8 +234,26 @@ def _close_unused(future: Future[sqlite3.Connection]) -> None:
 # Statements run inside a transaction, in the store thread.
 
 
+def _value(key: str, value: object) -> bytes | None:
+    """A stored value as bytes; None (reported) for one that is not a BLOB, which only a
+    hand edit of the file can make: it is skipped, never served and never fatal."""
+    if isinstance(value, bytes):
+        return value
+    log.error("skipping key %r: its stored value is %s, not a BLOB", key, type(value).__name__)
+    return None
+
+
+def _kv(row: tuple[str, object, int, int, int]) -> KeyValue | None:
+    key, value, mod_revision, lease, create_revision = row
+    data = _value(key, value)
+    return None if data is None else KeyValue(key, data, mod_revision, lease, create_revision)
+
+
+_KV_COLUMNS = "SELECT key, value, mod_revision, lease, create_revision FROM kv"
+
+
 def _items(conn: sqlite3.Connection, prefix: str) -> list[KeyValue]:
-    columns = "SELECT key, value, mod_revision, lease FROM kv"
+    columns = _KV_COLUMNS
     if prefix:
         # Keys are ASCII (see `check_key`): the range [prefix, prefix with its last
         # character bumped) is exactly the keys that start with prefix, and uses the index.
@@ -176,7 +263,7 @@ def _items(conn: sqlite3.Connection, prefix: str) -> list[KeyValue]:
         ).fetchall()
     else:
         rows = conn.execute(f"{columns} ORDER BY key").fetchall()
-    return [KeyValue(key, bytes(value), rev, lease) for key, value, rev, lease in rows]
+    return [kv for row in rows if (kv := _kv(row)) is not None]
 
 
 def _revision(conn: sqlite3.Connection) -> int:
@@ -217,7 +304,7 @@ def _end_lease(conn: sqlite3.Connection, lease_id: int) -> None:
 
 
 def _reap(conn: sqlite3.Connection, now: float) -> None:
-    expired = conn.execute("SELECT id FROM leases WHERE deadline < ?", (now,)).fetchall()
+    expired = conn.execute(f"SELECT id FROM leases WHERE {_EXPIRED}", _expired_at(now)).fetchall()
     for (lease_id,) in expired:
         log.debug("lease %x expired", lease_id)
         _end_lease(conn, lease_id)
@@ -232,10 +319,10 @@ def _put(conn: sqlite3.Connection, now: float, key: str, value: bytes, lease: in
         return None
     revision = _append(conn, key, value)
     conn.execute(
-        "INSERT INTO kv (key, value, mod_revision, lease) VALUES (?, ?, ?, ?)"
+        "INSERT INTO kv (key, value, mod_revision, lease, create_revision) VALUES (?, ?, ?, ?, ?)"
         " ON CONFLICT (key) DO UPDATE SET value = excluded.value,"
         " mod_revision = excluded.mod_revision, lease = excluded.lease",
-        (key, value, revision, lease),
+        (key, value, revision, lease, revision),
     )
     return revision
 
@@ -249,9 +336,9 @@ def _create(
         return None
     revision = _revision(conn) + 1
     inserted = conn.execute(
-        "INSERT INTO kv (key, value, mod_revision, lease) VALUES (?, ?, ?, ?)"
+        "INSERT INTO kv (key, value, mod_revision, lease, create_revision) VALUES (?, ?, ?, ?, ?)"
         " ON CONFLICT (key) DO NOTHING",
-        (key, value, revision, lease),
+        (key, value, revision, lease, revision),
     ).rowcount
     if inserted != 1:
         return False
@@ -267,8 +354,9 @@ def _grant(conn: sqlite3.Connection, now: float, ttl: float) -> int:
     while True:
         lease_id = secrets.randbits(62) + 1
         inserted = conn.execute(
-            "INSERT INTO leases (id, ttl, deadline) VALUES (?, ?, ?) ON CONFLICT (id) DO NOTHING",
-            (lease_id, ttl, now + ttl),
+            "INSERT INTO leases (id, ttl, deadline, boot, expires) VALUES (?, ?, ?, ?, ?)"
+            " ON CONFLICT (id) DO NOTHING",
+            (lease_id, ttl, OUT_OF_REACH, BOOT, now + ttl),
         ).rowcount
         if inserted == 1:
             return lease_id
@@ -277,7 +365,8 @@ def _grant(conn: sqlite3.Connection, now: float, ttl: float) -> int:
 def _keepalive(conn: sqlite3.Connection, now: float, lease_id: int, ttl: float) -> bool:
     # Expired leases were reaped at the start of this transaction.
     updated = conn.execute(
-        "UPDATE leases SET ttl = ?, deadline = ? WHERE id = ?", (ttl, now + ttl, lease_id)
+        "UPDATE leases SET ttl = ?, deadline = ?, boot = ?, expires = ? WHERE id = ?",
+        (ttl, OUT_OF_REACH, BOOT, now + ttl, lease_id),
     ).rowcount
     return bool(updated == 1)
 
@@ -302,7 +391,7 @@ class _Watcher:
     prefix: str
     next_revision: int
     epoch: int
-    queue: asyncio.Queue[Event | None] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Event | StoreError | None] = field(default_factory=asyncio.Queue)
     resync: bool = False
 
 
@@ -312,6 +401,7 @@ class SQLiteStore(Store):
     def __init__(
         self, url: str, path: Path, conn: sqlite3.Connection, executor: ThreadPoolExecutor
     ) -> None:
+        super().__init__()
         self.url = url
         self.path = path
         self._conn = conn
@@ -322,6 +412,7 @@ class SQLiteStore(Store):
         self._watchers: set[_Watcher] = set()
         self._wake = asyncio.Event()
         self._poller = asyncio.create_task(self._poll_forever(), name=f"sqlite-watch {path}")
+        self._poller.add_done_callback(self._poller_ended)
         self._reaper = asyncio.create_task(self._reap_forever(), name=f"sqlite-reaper {path}")
 
     @classmethod
@@ -384,7 +475,7 @@ class SQLiteStore(Store):
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
-            now = time.time()
+            now = lease_clock()
             _reap(conn, now)
             result = fn(conn, now)
             conn.execute("COMMIT")
@@ -414,18 +505,23 @@ class SQLiteStore(Store):
             revision = _revision(conn)
             return Snapshot(_items(conn, prefix), revision)
 
-        return await self._call(functools.partial(self._read, read))
+        return await self._call(functools.partial(self._read_live, read))
 
     async def get(self, key: str) -> KeyValue | None:
         check_key(key)
 
-        def read() -> KeyValue | None:
-            row = self._conn.execute(
-                "SELECT key, value, mod_revision, lease FROM kv WHERE key = ?", (key,)
-            ).fetchone()
-            return None if row is None else KeyValue(row[0], bytes(row[1]), row[2], row[3])
+        def read(conn: sqlite3.Connection) -> KeyValue | None:
+            row = conn.execute(f"{_KV_COLUMNS} WHERE key = ?", (key,)).fetchone()
+            return None if row is None else _kv(row)
 
-        return await self._call(read)
+        return await self._call(functools.partial(self._read_live, read))
+
+    def _read_live(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """A read that never sees a key whose lease has expired: expired leases are reaped
+        (with delete events) first, whichever process reads and whether or not any other
+        process is alive to reap them."""
+        self._reap_if_due()
+        return self._read(fn)
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         return await self._write_key(_put, "put", key, value, lease)
@@ -471,8 +567,8 @@ class SQLiteStore(Store):
 
     def _reap_if_due(self) -> None:
         """Look for an expired lease without locking; only if there is one, take the lock."""
-        now = time.time()
-        row = self._conn.execute("SELECT 1 FROM leases WHERE deadline < ? LIMIT 1", (now,))
+        now = lease_clock()
+        row = self._conn.execute(f"SELECT 1 FROM leases WHERE {_EXPIRED} LIMIT 1", _expired_at(now))
         if row.fetchone() is not None:
             self._write(_nothing)  # every write transaction reaps first
 
@@ -491,6 +587,8 @@ class SQLiteStore(Store):
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
         self._check_open()
         check_prefix(prefix)
+        if self._poller.done():
+            raise StoreError(f"store {self.url}: its watch poller has stopped; reopen the store")
         watcher = _Watcher(prefix, start_revision, self._epoch)
         self._watchers.add(watcher)
         self._wake.set()
@@ -499,6 +597,8 @@ class SQLiteStore(Store):
                 event = await watcher.queue.get()
                 if event is None:
                     return
+                if isinstance(event, StoreError):
+                    raise event
                 yield event
         finally:
             self._watchers.discard(watcher)
@@ -555,7 +655,10 @@ class SQLiteStore(Store):
                 continue
             for rev, key, value in result.changes:
                 if rev >= w.next_revision and key.startswith(w.prefix):
-                    w.queue.put_nowait(Delete(key, rev) if value is None else Put(key, value, rev))
+                    if value is None:
+                        w.queue.put_nowait(Delete(key, rev))
+                    elif (data := _value(key, value)) is not None:
+                        w.queue.put_nowait(Put(key, data, rev))
             w.next_revision = max(w.next_revision, revision + 1)
             if w.queue.qsize() > MAX_QUEUED:
                 log.warning(
@@ -566,21 +669,47 @@ class SQLiteStore(Store):
                 w.resync = True
 
     async def _poll_forever(self) -> None:
+        """Poll until closed. A failed poll is reported (a traceback for the first of a run
+        of unexpected failures) and its watches resync on the next one: the poller that
+        serves every watch of this instance never stops because of one bad read."""
+        failing = False
         while not self._closed:
             if not self._unreachable:
                 try:
                     await self._poll_once()
+                    failing = False
                 except StoreUnavailableError as exc:
                     log.debug("watch poll failed: %s", exc)
+                except Exception:
+                    log.log(
+                        logging.DEBUG if failing else logging.ERROR,
+                        "watch poll of %s failed; watches will resync",
+                        self.url,
+                        exc_info=True,
+                    )
+                    failing = True
+                    for w in self._watchers:
+                        w.resync = True
             timeout = POLL_INTERVAL if self._watchers else None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
 
+    def _poller_ended(self, task: asyncio.Task[None]) -> None:
+        """If the poller ever stops while the store is open, its watches end with an error
+        instead of waiting for events that will never come."""
+        if self._closed:
+            return
+        reason = "cancelled" if task.cancelled() else repr(task.exception())
+        log.error("watch poller of %s stopped (%s); ending its watches", self.url, reason)
+        for w in self._watchers:
+            w.queue.put_nowait(StoreError(f"store {self.url}: watch poller stopped ({reason})"))
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._stop_keepalives()
         for task in (self._poller, self._reaper):
             task.cancel()
         await asyncio.gather(self._poller, self._reaper, return_exceptions=True)
