@@ -255,6 +255,27 @@ async def test_lost_lease_is_replaced_and_everything_re_registered_without_resta
     assert body.endswith("data: [DONE]\n\n") and body.count('"content"') == 101
 
 
+async def test_metrics_registry_counts_the_lease_replacement_and_the_models_re_announced(
+    runtime: Runtime, observer: Store
+) -> None:
+    await serve_mocker(runtime, speedup=0)
+    metrics = runtime.metrics_registry
+    attached = {"endpoint": EP}
+    assert metrics.get_sample_value("shoal_worker_lease_grants_total") == 1
+    assert metrics.get_sample_value("shoal_worker_models_attached", attached) == 1
+    await wait_for(lambda: metrics.get_sample_value("shoal_worker_lease_held") == 1, timeout=5)
+
+    runtime.store.set_unreachable(True)  # type: ignore[union-attr]
+    await wait_for(lambda: _empty(observer), timeout=5, message="keys gone with the lease")
+    await wait_for(lambda: metrics.get_sample_value("shoal_worker_lease_held") == 0, timeout=5)
+    runtime.store.set_unreachable(False)  # type: ignore[union-attr]
+
+    await wait_for(lambda: metrics.get_sample_value("shoal_worker_lease_held") == 1, timeout=5)
+    assert metrics.get_sample_value("shoal_worker_lease_grants_total") == 2
+    assert metrics.get_sample_value("shoal_worker_models_attached", attached) == 1
+    assert [m.instance_id for m in (await listed(observer)).values()] == [runtime.instance_id]
+
+
 async def _empty(store: Store) -> bool:
     return not await Discovery(store).list()
 

@@ -1,10 +1,10 @@
 """`Endpoint`: one `namespace.component.endpoint` of a worker, serving an engine over HTTP.
 
-An endpoint instance is registered in discovery under the runtime's lease (its id is the
-lease id) with the URL requests go to. Models are attached to it: each gets a card whose
-metadata file URLs point at the runtime's status server, its files in the metadata
-registry (owned by the model's `ModelKey`), then its key in discovery. Detaching undoes
-that in reverse: discovery first, so no frontend fetches a file that is already gone.
+An endpoint serves its engine's app on its own port and announces itself and its models
+through the process's `Registrations`: its instance under the process lease (its id is the
+lease id) with the URL requests go to, then its models, each with a card whose metadata
+file URLs point at the process's status server. Detaching undoes that in reverse:
+discovery first, so no frontend fetches a file that is already gone.
 """
 
 from __future__ import annotations
@@ -14,21 +14,18 @@ import hashlib
 import logging
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from shoal.cards import MetadataFile, ModelCard, slugify
-from shoal.discovery import EndpointId, InstanceInfo, ModelKey
+from shoal.discovery import EndpointId, ModelKey
 from shoal.discovery.keys import check_suffix
 from shoal.worker.engine import Engine, ServedModel
 from shoal.worker.metadata import MAX_METADATA_FILE, MetadataKey, Snapshot
-
-if TYPE_CHECKING:
-    from shoal.worker.runtime import Runtime
+from shoal.worker.registrations import Attached, Registrations
 
 log = logging.getLogger(__name__)
 
@@ -120,31 +117,30 @@ def advertised_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-@dataclass
-class Attached:
-    """A model attached to an endpoint: its current registration key, card and hosted files."""
-
-    key: ModelKey
-    card: ModelCard
-    files: dict[str, bytes]  # the metadata files as registered (what the card's checksums say)
-    served: ServedModel | None = None  # set when the model came from the engine
-
-
 class Endpoint:
-    """Serves one engine at `namespace.component.endpoint`; get it with `Runtime.endpoint`."""
+    """Serves one engine at `namespace.component.endpoint`; get it with `Runtime.endpoint`.
 
-    def __init__(self, runtime: Runtime, id: EndpointId) -> None:
-        self.runtime = runtime
+    What it announces is held by `registrations`, never here: `models` is a read-only view
+    of this endpoint's models there, so a re-registration under a new lease is seen at once.
+    `status_url` is the process's status server, where its models' metadata files are.
+    """
+
+    def __init__(self, id: EndpointId, registrations: Registrations, status_url: str) -> None:
         self.id = id
+        self.status_url = status_url
         self.engine: Engine | None = None
         self.url: str | None = None
-        self.models: dict[str | None, Attached] = {}
+        self.models: Mapping[str | None, Attached] = registrations.models_of(id)
+        self.follows_engine = False
+        """Set once `serve(attach_models=True)` attached the engine's models: the runtime's
+        models loop keeps them in step with the engine from then on, while it serves."""
         self.in_flight = 0
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
         self.requests: dict[tuple[str, int], int] = {}
         self.preferred_model: str | None = None
         self.sync_lock = asyncio.Lock()  # engine-driven attach/detach vs adapter calls
+        self._registrations = registrations
         self._runner: web.AppRunner | None = None
         self._warned: set[str] = set()
 
@@ -157,21 +153,11 @@ class Endpoint:
 
     @property
     def instance_id(self) -> int:
-        return self.runtime.instance_id
+        """The id of the process lease held now: this endpoint's instance id."""
+        return self._registrations.instance_id
 
     def model_key(self, suffix: str | None = None) -> ModelKey:
         return ModelKey(self.id, self.instance_id, suffix)
-
-    def instance_info(self, instance_id: int) -> InstanceInfo:
-        assert self.url is not None
-        return InstanceInfo(
-            namespace=self.id.namespace,
-            component=self.id.component,
-            endpoint=self.id.endpoint,
-            instance_id=instance_id,
-            url=self.url,
-            status_url=self.runtime.status_url,
-        )
 
     # -- serving ------------------------------------------------------------------------
 
@@ -187,8 +173,9 @@ class Endpoint:
         """Start `engine`, serve its app on host:port (0: a free port) and register the instance.
 
         With `attach_models`, the engine's `served_models()` are attached now and kept in
-        step by the runtime's models loop. An engine listing several base models gets the
-        one named `model` (else the first) announced: one base model per endpoint instance.
+        step by the runtime's models loop (`follows_engine`). An engine listing several base
+        models gets the one named `model` (else the first) announced: one base model per
+        endpoint instance.
         """
         if self.engine is not None:
             raise RuntimeError(f"endpoint {self.id} already serves {self.engine.name}")
@@ -207,10 +194,10 @@ class Endpoint:
             bound = runner.addresses[0][1]
             self._runner = runner
             self.url = f"http://{advertised_host(host)}:{bound}"
-            await self.runtime.register_instance(self)
+            await self._registrations.register_instance(self.id, self.url, self.status_url)
             if attach_models:
                 await self.sync_models()
-                self.runtime.watch_models(self)
+                self.follows_engine = True
         except BaseException:
             await self._stop_serving()
             raise
@@ -267,29 +254,35 @@ class Endpoint:
         announced. Raises (and leaves nothing attached) if the store refuses it, or
         `ValueError` if a file is over `MAX_METADATA_FILE` bytes.
         """
+        return await self._attach(card, suffix, files)
+
+    async def detach_model(self, suffix: str | None = None) -> None:
+        """Withdraw the model at `suffix` from discovery, then stop hosting its files. Idempotent."""
+        await self._registrations.detach(self.id, suffix)
+
+    async def attach_served(self, model: ServedModel) -> ModelCard:
+        """Attach a model an engine serves, hosting the metadata files found beside it."""
+        card, files = card_for(model)
+        return await self._attach(card, suffix_for(model), files, served=model)
+
+    async def _attach(
+        self,
+        card: ModelCard,
+        suffix: str | None,
+        files: Mapping[str, Path] | None,
+        served: ServedModel | None = None,
+    ) -> ModelCard:
         if suffix is not None:
             check_suffix(suffix)
         snapshots: dict[str, bytes] = {}
         if files:
             card, snapshots = await self._with_metadata(card, suffix, files)
-        await self.runtime.attach(self, card, suffix, snapshots)
+        await self._registrations.attach(self.id, card, suffix, snapshots, served)
         return card
-
-    async def detach_model(self, suffix: str | None = None) -> None:
-        """Withdraw the model at `suffix` from discovery, then stop hosting its files. Idempotent."""
-        await self.runtime.detach(self, suffix)
-
-    async def attach_served(self, model: ServedModel) -> ModelCard:
-        """Attach a model an engine serves, hosting the metadata files found beside it."""
-        card, files = card_for(model)
-        suffix = suffix_for(model)
-        attached = await self.attach_model(card, suffix, files=files)
-        self.models[suffix].served = model
-        return attached
 
     async def set_taints(self, taints: list[str]) -> None:
         """Replace the taints of every attached model (e.g. `draining`)."""
-        await self.runtime.set_taints(self, taints)
+        await self._registrations.set_taints(self.id, taints)
 
     async def sync_models(self) -> None:
         """Attach what the engine serves and is not attached; detach what it no longer serves."""
@@ -330,7 +323,7 @@ class Endpoint:
         """The card listing `files` (URL, checksum, size) and their bytes, from one read."""
         listed: dict[str, MetadataFile] = {}
         snapshots: dict[str, bytes] = {}
-        base = self.runtime.status_url
+        base = self.status_url
         for name, path in files.items():
             snapshot = await asyncio.to_thread(Snapshot.read, path)
             url = base + MetadataKey.of(self.id, card.slug, suffix, name).path
@@ -358,6 +351,6 @@ class Endpoint:
             except Exception as exc:
                 log.warning("endpoint %s: detach of %s failed: %s", self.id, suffix or "_", exc)
         try:
-            await self.runtime.unregister_instance(self)
+            await self._registrations.unregister_instance(self.id)
         except Exception as exc:
             log.warning("endpoint %s: unregistering the instance failed: %s", self.id, exc)

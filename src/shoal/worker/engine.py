@@ -68,8 +68,8 @@ class Engine(abc.ABC):
     def collect_metrics(self) -> Iterable[Metric]:
         """The engine's own metrics (queue depth, KV usage, tokens), read at each scrape.
 
-        The worker's status server adds them to its per-runtime registry, so engines keep
-        plain counters on the request path and build metric families only when scraped.
+        The worker's metrics collector adds them to the process's metrics registry, so engines
+        keep plain counters on the request path and build metric families only when scraped.
         """
         return ()
 

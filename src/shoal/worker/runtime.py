@@ -1,10 +1,11 @@
 """`Runtime`: a worker process's hold on the fleet: store, lease, endpoints, status server.
 
-The runtime owns the process lease; every key it writes (endpoint instances, model cards)
-is put under it, and the lease id is the instance id. Two control loops keep the store
-true to the process:
+The runtime owns what the process shares: the store, its `Registrations` (the process
+lease and every key put under it; the lease id is the instance id), the metadata registry,
+the metrics registry and the status server; it starts and stops them. Two control loops,
+both started in `start()`, keep the store true to the process:
 
-- `lease`: renews the lease every TTL/3 (`LeaseKeeper.tick`). When the lease was lost (a
+- `lease`: renews the lease every TTL/3 (`Registrations.renew`). When the lease was lost (a
   store outage longer than the TTL) it grants a new one and re-registers every endpoint
   instance, model and metadata owner under the new id, without a restart.
 - `models`: keeps each endpoint's announced models in step with its engine's
@@ -18,28 +19,28 @@ finish (up to the drain timeout; a second signal ends the wait), cut what is lef
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Coroutine, Iterable
+from collections.abc import Awaitable, Coroutine, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from shoal.cards import ModelCard
 from shoal.controllers import Controller, ControllerManager, Loop
-from shoal.discovery import Discovery, EndpointId, ModelKey
-from shoal.store import Lease, LeaseKeeper, Store, StoreError, open_store
-from shoal.worker.endpoint import Attached, Endpoint
-from shoal.worker.metadata import MetadataKey, MetadataRegistry
+from shoal.discovery import Discovery, EndpointId
+from shoal.store import Lease, Store, open_store
+from shoal.worker.adapters import AdapterRoutes
+from shoal.worker.endpoint import Endpoint
+from shoal.worker.health import Health
+from shoal.worker.metadata import MetadataRegistry
+from shoal.worker.metrics import WorkerCollector
+from shoal.worker.registrations import DRAINING, STORE_ERRORS, Registrations
 from shoal.worker.status import StatusServer
 
 log = logging.getLogger(__name__)
 
-DRAINING = "draining"
 CLEANUP_BUDGET = 2.0
 """Seconds a drain may spend past its timeout on the store: every store call of the drain
 (taints, withdrawals, revoke, close) shares it, so a frozen store delays exit by this much
@@ -49,8 +50,6 @@ MODELS_INTERVAL = 1.0
 
 LOOP_STOP_TIMEOUT = 0.2
 """Seconds a control loop's step gets to finish when the drain stops it, before it is cut."""
-
-_STORE_ERRORS = (StoreError, OSError, TimeoutError)
 
 
 class _CleanupBudget:
@@ -77,7 +76,7 @@ class _CleanupBudget:
             log.warning(
                 "drain: %s did not finish within the %.1fs cleanup budget", what, self.seconds
             )
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             log.warning("drain: %s failed: %s", what, exc)
 
 
@@ -86,6 +85,14 @@ class Runtime:
 
     Use as `async with Runtime(store_url) as runtime:`, or `await start()` / `await drain()`.
     `store` is a URL (the runtime opens and closes it) or an open `Store` (left open).
+
+    `instance_id` is the id of the lease held now. Everything the endpoints announce is in
+    `registrations`, and in the store under `instance_id` once `registrations.lease_id`
+    equals it; a lost lease is replaced and everything re-put under the new id by the lease
+    loop, so `instance_id` changes and nothing restarts. After `drain()` the process has
+    withdrawn what it announced and revoked its lease (a store call the cleanup budget could
+    not cover leaves keys that expire with the lease). `metrics_registry` is the process's
+    own Prometheus registry.
     """
 
     discovery: Discovery
@@ -117,20 +124,14 @@ class Runtime:
         self.drain_timeout = drain_timeout
         self.endpoints: dict[EndpointId, Endpoint] = {}
         self.metadata = MetadataRegistry()
-        self.registry = CollectorRegistry()
-        self.registry.register(_RuntimeCollector(self))
+        self.metrics_registry = CollectorRegistry()
         self.manager = ControllerManager()
-        self.draining = False
         self.stopped = asyncio.Event()
         self.cleanup_cut_short = False
         """Set by a drain that gave up on a store call: its keys expire with the lease."""
-        self._keeper: LeaseKeeper | None = None
-        self._lease_control: _LeaseControl | None = None
-        self._models_control = _ModelsControl()
-        self._registered_lease: int | None = None  # the lease everything is registered under
-        self._pending_deletes: dict[str, int] = {}  # key -> lease it was put under
-        self._lock = asyncio.Lock()  # serialises writes of registrations to the store
+        self._registrations: Registrations | None = None
         self._status: StatusServer | None = None
+        self._draining = asyncio.Event()  # set when the drain begins; never cleared
         self._stop_requested = asyncio.Event()
         self._hurry = asyncio.Event()  # a second stop request: stop waiting for requests
         self._started = False
@@ -139,7 +140,7 @@ class Runtime:
     # -- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> Runtime:
-        """Open the store, grant the lease, start the lease loop and the status server.
+        """Open the store, grant the lease, start the status server and the control loops.
 
         Raises `StoreUnavailableError` if the store cannot be reached; then nothing is left
         running.
@@ -149,28 +150,36 @@ class Runtime:
         if self.store is None:
             url = self._store_arg if isinstance(self._store_arg, str) else None
             self.store = await open_store(url)
-        self.discovery = Discovery(self.store)
-        self._keeper = LeaseKeeper(self.store, self.lease_ttl, self._on_granted)
-        self._lease_control = _LeaseControl(self)
-        self._status = StatusServer(self)
+        registrations = Registrations(
+            self.store, self.metadata, lease_ttl=self.lease_ttl, draining=self._draining
+        )
+        self.discovery = registrations.discovery
+        self._registrations = registrations
+        collector = WorkerCollector(self.endpoints, registrations, self.metadata, self._draining)
+        self.metrics_registry.register(collector)
+        self._status = StatusServer(
+            Health(self.endpoints, self.manager, registrations, self._draining),
+            self.metrics_registry,
+            self.metadata,
+            AdapterRoutes(self.endpoints, admin_token=self.admin_token, draining=self._draining),
+        )
         try:
-            await self._keeper.start()
+            await registrations.start()
             await self._status.start(self.host, self.status_port)
         except BaseException:
             await self._status.stop()
+            self.metrics_registry.unregister(collector)
             if not isinstance(self._store_arg, Store):
                 await self.store.close()
                 self.store = None
             raise
+        lease = _LeaseControl(registrations)
+        interval = registrations.renew_interval
         self.manager.register(
-            Loop(
-                self._lease_control,
-                interval=self._keeper.interval,
-                name="lease",
-                max_silence=self.lease_ttl,
-            )
+            Loop(lease, interval=interval, name="lease", max_silence=self.lease_ttl)
         )
-        self.manager.register(Loop(self._models_control, interval=MODELS_INTERVAL, name="models"))
+        models = _ModelsControl(self.endpoints)
+        self.manager.register(Loop(models, interval=MODELS_INTERVAL, name="models"))
         await self.manager.start_all()
         self._started = True
         return self
@@ -182,10 +191,19 @@ class Runtime:
         await self.drain()
 
     @property
-    def lease(self) -> Lease:
-        if self._keeper is None or self._keeper.lease is None:
+    def registrations(self) -> Registrations:
+        """The endpoint instances and models this process announces, under its lease."""
+        if self._registrations is None:
             raise RuntimeError("the runtime is not started")
-        return self._keeper.lease
+        return self._registrations
+
+    @property
+    def lease(self) -> Lease:
+        """The process lease held now; every key the process writes is under it."""
+        lease = self.registrations.lease
+        if lease is None:
+            raise RuntimeError("the runtime is not started")
+        return lease
 
     @property
     def instance_id(self) -> int:
@@ -198,11 +216,20 @@ class Runtime:
             raise RuntimeError("the runtime is not started")
         return self._status.url
 
+    @property
+    def draining(self) -> bool:
+        """True from the start of the drain on."""
+        return self._draining.is_set()
+
     def endpoint(self, name: str | EndpointId) -> Endpoint:
-        """The endpoint `namespace.component.endpoint` of this process; serve an engine on it."""
+        """The endpoint `namespace.component.endpoint` of this process; serve an engine on it.
+
+        Raises `RuntimeError` before `start()`: an endpoint announces under the lease.
+        """
         endpoint_id = name if isinstance(name, EndpointId) else EndpointId.parse(name)
         if endpoint_id not in self.endpoints:
-            self.endpoints[endpoint_id] = Endpoint(self, endpoint_id)
+            endpoint = Endpoint(endpoint_id, self.registrations, self.status_url)
+            self.endpoints[endpoint_id] = endpoint
         return self.endpoints[endpoint_id]
 
     def request_stop(self) -> None:
@@ -282,7 +309,7 @@ class Runtime:
         if self.stopped.is_set() or self.draining:
             await self.stopped.wait()
             return
-        self.draining = True
+        self._draining.set()
         timeout = self.drain_timeout if timeout is None else timeout
         try:
             if self._started:
@@ -302,8 +329,8 @@ class Runtime:
         await self.manager.stop_all(timeout=LOOP_STOP_TIMEOUT)
         for ep in serving:
             await budget.spend(f"withdrawing {ep.id}", ep.withdraw())
-        if self._keeper is not None:
-            await budget.spend("revoking the lease", self._keeper.revoke())
+        if self._registrations is not None:
+            await budget.spend("revoking the lease", self._registrations.revoke())
         if self._status is not None:
             await self._status.stop()
         if self.store is not None and not isinstance(self._store_arg, Store):
@@ -328,170 +355,6 @@ class Runtime:
         finally:
             hurry.cancel()
 
-    # -- health -------------------------------------------------------------------------
-
-    async def health(self) -> tuple[bool, dict[str, Any]]:
-        """Healthy when every endpoint serves, the engines answer and the lease is held."""
-        reasons: list[str] = []
-        if self.draining:
-            reasons.append("draining")
-        reasons.extend(f"loop {name}: {why}" for name, why in self.manager.unhealthy().items())
-        lease_reason = self.lease_problem()
-        if lease_reason:
-            reasons.append(lease_reason)
-        endpoints = []
-        for ep in self.endpoints.values():
-            if not ep.serving or ep.engine is None:
-                reasons.append(f"endpoint {ep.id} is not serving")
-                continue
-            try:
-                await asyncio.wait_for(ep.engine.check_health(), 5.0)
-            except Exception as exc:
-                reasons.append(f"endpoint {ep.id}: engine {ep.engine.name} unhealthy: {exc}")
-            endpoints.append(
-                {
-                    "endpoint": str(ep.id),
-                    "url": ep.url,
-                    "in_flight": ep.in_flight,
-                    "models": [
-                        {
-                            "name": att.card.display_name,
-                            "suffix": suffix,
-                            "mdcsum": att.card.mdcsum,
-                            "taints": list(att.card.taints),
-                        }
-                        for suffix, att in ep.models.items()
-                    ],
-                }
-            )
-        lease = self._keeper.lease if self._keeper else None
-        body = {
-            "status": "unavailable" if reasons else "ok",
-            "reasons": reasons,
-            "instance_id": None if lease is None else f"{lease.id:x}",
-            "endpoints": endpoints,
-        }
-        return not reasons, body
-
-    def lease_problem(self) -> str | None:
-        """Why the lease is not held (with everything registered under it), or None."""
-        keeper = self._keeper
-        if keeper is None or keeper.lease is None:
-            return "no lease"
-        error = self._lease_control.error if self._lease_control else None
-        if not keeper.held:
-            return f"lease {keeper.lease.id:x} lost" + (f": {error}" if error else "")
-        silence = time.monotonic() - keeper.lease.last_renewed
-        if silence > keeper.ttl:
-            return f"lease {keeper.lease.id:x} not renewed for {silence:.1f}s" + (
-                f": {error}" if error else ""
-            )
-        if self._registered_lease != keeper.lease.id:
-            return f"registering under the new lease {keeper.lease.id:x}"
-        return None
-
-    # -- registrations (under the lock, always under the current lease) -----------------
-
-    async def register_instance(self, ep: Endpoint) -> None:
-        async with self._lock:
-            if self._registered_lease == self.lease.id:
-                await self.discovery.register_instance(
-                    ep.instance_info(self.lease.id), lease=self.lease.id
-                )
-
-    async def unregister_instance(self, ep: Endpoint) -> None:
-        async with self._lock:
-            await self.discovery.unregister_instance(ep.id, self.lease.id)
-
-    async def attach(
-        self, ep: Endpoint, card: ModelCard, suffix: str | None, files: dict[str, bytes]
-    ) -> None:
-        async with self._lock:
-            lease_id = self.lease.id
-            key = ModelKey(ep.id, lease_id, suffix)
-            previous = ep.models.get(suffix)
-            if previous is not None:
-                self.metadata.reassign(previous.key, key)
-            before = self.metadata.files_of(key)
-            if self.draining:
-                card = card.with_taints([*card.taints, DRAINING])
-            entries = [(MetadataKey.of(ep.id, card.slug, suffix, n), d) for n, d in files.items()]
-            self.metadata.replace(key, entries)  # files first: the card points at them
-            self._pending_deletes.pop(key.key, None)
-            try:
-                await self.discovery.register_model(key, card, lease=lease_id)
-            except BaseException:
-                self.metadata.replace(key, before)
-                raise
-            ep.models[suffix] = Attached(key, card, dict(files))
-
-    async def detach(self, ep: Endpoint, suffix: str | None) -> None:
-        async with self._lock:
-            att = ep.models.pop(suffix, None)
-            if att is None:
-                return
-            try:
-                await self.discovery.unregister_model(att.key)
-            except _STORE_ERRORS as exc:
-                # The key vanishes with its lease if that is lost; else the lease loop retries.
-                log.warning("withdrawing %s failed (will retry): %s", att.key, exc)
-                self._pending_deletes[att.key.key] = att.key.instance_id
-            finally:
-                self.metadata.unregister_for_owner(att.key)
-
-    async def set_taints(self, ep: Endpoint, taints: list[str]) -> None:
-        async with self._lock:
-            for att in ep.models.values():
-                att.card = att.card.with_taints(taints)
-                with contextlib.suppress(KeyError):
-                    await self.discovery.update_taints(att.key, taints)
-
-    def watch_models(self, ep: Endpoint) -> None:
-        """Keep `ep`'s models in step with its engine from now on."""
-        self._models_control.endpoints.add(ep)
-
-    async def _on_granted(self, lease: Lease) -> None:
-        """A new lease: re-register everything this process owns under its id."""
-        old = self._registered_lease
-        if old is not None and old != lease.id:
-            log.warning("lease %x replaced by %x: re-registering", old, lease.id)
-        await self._register_all(lease)
-
-    async def _register_all(self, lease: Lease) -> None:
-        async with self._lock:
-            old = self._registered_lease
-            if old is not None and old != lease.id:
-                self._pending_deletes.clear()
-                with contextlib.suppress(*_STORE_ERRORS):
-                    await self.store_or_fail().revoke(old)  # in case it was only lost to us
-            for ep in self.endpoints.values():
-                if not ep.serving:
-                    continue
-                await self.discovery.register_instance(ep.instance_info(lease.id), lease=lease.id)
-                for suffix, att in ep.models.items():
-                    key = ModelKey(ep.id, lease.id, suffix)
-                    self.metadata.reassign(att.key, key)
-                    att.key = key
-                    await self.discovery.register_model(key, att.card, lease=lease.id)
-            self._registered_lease = lease.id
-
-    async def _reconcile(self) -> None:
-        """After a successful renewal: finish a re-registration, retry failed withdrawals."""
-        lease = self.lease
-        if self._registered_lease != lease.id:
-            await self._register_all(lease)
-        if self._pending_deletes:
-            async with self._lock:
-                for key, lease_id in list(self._pending_deletes.items()):
-                    if lease_id == lease.id:
-                        await self.store_or_fail().delete(key)
-                    del self._pending_deletes[key]
-
-    def store_or_fail(self) -> Store:
-        if self.store is None:
-            raise RuntimeError("the runtime is not started")
-        return self.store
-
 
 def is_loopback(host: str) -> bool:
     """Whether `host` (an address, or `localhost`) is reachable from this machine only."""
@@ -506,41 +369,27 @@ def is_loopback(host: str) -> bool:
 class _LeaseControl(Controller):
     """The lease loop's step: renew (or replace) the lease, then reconcile registrations."""
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self.error: str | None = None
+    def __init__(self, registrations: Registrations) -> None:
+        self.registrations = registrations
 
     async def step(self) -> None:
-        keeper = self.runtime._keeper
-        assert keeper is not None
-        try:
-            await keeper.tick()
-            await self.runtime._reconcile()
-        except _STORE_ERRORS as exc:
-            if self.error is None:
-                log.warning("store unreachable: %s (serving on; will re-register)", exc)
-            self.error = str(exc) or type(exc).__name__
-            return
-        if self.error is not None:
-            log.info("store reachable again; lease %x held", keeper.lease.id if keeper.lease else 0)
-        self.error = None
+        await self.registrations.renew()
 
     @property
     def is_healthy(self) -> bool:
-        return self.runtime.lease_problem() is None
+        return self.registrations.lease_problem() is None
 
 
 class _ModelsControl(Controller):
-    """The models loop's step: each endpoint's announced models follow its engine."""
+    """The models loop's step: each endpoint that follows its engine announces what it serves."""
 
-    def __init__(self) -> None:
-        self.endpoints: set[Endpoint] = set()
+    def __init__(self, endpoints: Mapping[EndpointId, Endpoint]) -> None:
+        self.endpoints = endpoints
         self.errors: dict[Endpoint, str] = {}  # last failure per endpoint, logged once
 
     async def step(self) -> None:
-        for ep in list(self.endpoints):
-            if not ep.serving:
-                self.endpoints.discard(ep)
+        for ep in list(self.endpoints.values()):
+            if not (ep.follows_engine and ep.serving):
                 continue
             try:
                 await ep.sync_models()
@@ -550,60 +399,3 @@ class _ModelsControl(Controller):
                 self.errors[ep] = str(exc)
             else:
                 self.errors.pop(ep, None)
-
-
-class _RuntimeCollector:
-    """The runtime's metrics and its engines', built at each scrape from plain counters."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-
-    def collect(self) -> Iterable[Metric]:
-        rt = self.runtime
-        requests = CounterMetricFamily(
-            "shoal_worker_requests",
-            "Requests served, by endpoint, route and status.",
-            labels=["endpoint", "route", "status"],
-        )
-        in_flight = GaugeMetricFamily(
-            "shoal_worker_requests_in_flight", "Requests being served.", labels=["endpoint"]
-        )
-        models = GaugeMetricFamily(
-            "shoal_worker_models_attached", "Models announced in discovery.", labels=["endpoint"]
-        )
-        engine_metrics: dict[str, Metric] = {}
-        for ep in rt.endpoints.values():
-            name = str(ep.id)
-            for (route, status), n in ep.requests.items():
-                requests.add_metric([name, route, str(status)], n)
-            in_flight.add_metric([name], ep.in_flight)
-            models.add_metric([name], len(ep.models))
-            if ep.engine is not None:
-                for metric in ep.engine.collect_metrics():
-                    merged = engine_metrics.setdefault(
-                        metric.name, Metric(metric.name, metric.documentation, metric.type)
-                    )
-                    merged.samples.extend(
-                        s._replace(labels={**s.labels, "endpoint": name}) for s in metric.samples
-                    )
-        yield requests
-        yield in_flight
-        yield models
-        keeper = rt._keeper
-        yield GaugeMetricFamily(
-            "shoal_worker_lease_held",
-            "1 while the process lease is held with everything registered under it.",
-            value=1 if rt.lease_problem() is None else 0,
-        )
-        yield CounterMetricFamily(
-            "shoal_worker_lease_grants",
-            "Leases granted to this process (more than 1: the lease was lost and replaced).",
-            value=keeper.grants if keeper else 0,
-        )
-        yield GaugeMetricFamily(
-            "shoal_worker_metadata_files", "Metadata files hosted.", value=len(rt.metadata)
-        )
-        yield GaugeMetricFamily(
-            "shoal_worker_draining", "1 while draining.", value=1 if rt.draining else 0
-        )
-        yield from engine_metrics.values()

@@ -1,0 +1,280 @@
+"""`Registrations`: what a worker process announces in discovery, all under its one lease.
+
+Endpoints register their instances and attach their models here; nothing else writes a
+worker's keys. Every key is put under the process lease, whose id is the instance id, and
+each model's metadata files are hosted under its registration key (`ModelKey`), so a lost
+lease is repaired in one place: a new lease, then every key put again under its id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import msgspec
+
+from shoal.cards import ModelCard
+from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
+from shoal.store import Lease, LeaseKeeper, Store, StoreError
+from shoal.worker.engine import ServedModel
+from shoal.worker.metadata import MetadataKey, MetadataRegistry
+
+log = logging.getLogger(__name__)
+
+DRAINING = "draining"
+"""The taint every model of a draining process carries: frontends stop picking it."""
+
+STORE_ERRORS = (StoreError, OSError, TimeoutError)
+"""What a store call raises when the store is unreachable or refuses: retried, not fatal."""
+
+
+@dataclass
+class Attached:
+    """A model attached to an endpoint: its current registration key, card and hosted files."""
+
+    key: ModelKey
+    card: ModelCard
+    files: dict[str, bytes]  # the metadata files as registered (what the card's checksums say)
+    served: ServedModel | None = None  # set when the model came from the engine
+
+
+class Registrations:
+    """The endpoint instances and models one process announces, and the lease they are under.
+
+    `lease` is the lease the keeper holds now; `lease_id` is the lease every registration
+    here was put under. When they are equal, every instance and model held here is in the
+    store under `lease_id` and each model's metadata files are owned by its key under that
+    id. When the lease is lost and replaced, the new lease's grant re-puts every registered
+    instance and its models (each card as it is now, taints included), moves their metadata
+    files to the new keys and only then sets `lease_id` to the new id; until then
+    `lease_problem()` says so, and `renew()` retries it. Withdrawals that failed are retried
+    while their lease is current and forgotten once it is replaced (their keys went with it).
+
+    Writes are serialised by one lock, so a re-registration never interleaves with an
+    attach or a detach. While `draining` is set, every card put carries the `DRAINING` taint.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        metadata: MetadataRegistry,
+        *,
+        lease_ttl: float,
+        draining: asyncio.Event,
+    ) -> None:
+        self.store = store
+        self.discovery = Discovery(store)
+        self.metadata = metadata
+        self.draining = draining
+        self.renew_error: str | None = None
+        """Why the last `renew()` failed (the store was unreachable); None once one succeeds."""
+        self._keeper = LeaseKeeper(store, lease_ttl, self._on_granted)
+        self._lease_id: int | None = None
+        self._instances: dict[EndpointId, InstanceInfo] = {}  # as last put
+        self._models: dict[EndpointId, dict[str | None, Attached]] = {}
+        self._pending_deletes: dict[str, int] = {}  # key -> lease it was put under
+        self._lock = asyncio.Lock()
+
+    # -- the lease ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Grant the first lease; raises `StoreUnavailableError` if the store is unreachable."""
+        await self._keeper.start()
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease held now (None before `start()`)."""
+        return self._keeper.lease
+
+    @property
+    def lease_id(self) -> int | None:
+        """The id of the lease every registration here was put under (None before `start()`)."""
+        return self._lease_id
+
+    @property
+    def instance_id(self) -> int:
+        """The id of the lease held now: the instance id every new registration gets."""
+        if self._keeper.lease is None:
+            raise RuntimeError("the runtime is not started")
+        return self._keeper.lease.id
+
+    @property
+    def grants(self) -> int:
+        """Leases granted so far (more than 1: the lease was lost and replaced)."""
+        return self._keeper.grants
+
+    @property
+    def renew_interval(self) -> float:
+        """Seconds between two `renew()` calls: a third of the lease TTL."""
+        return self._keeper.interval
+
+    async def renew(self) -> None:
+        """One turn of the lease loop: renew the lease (or replace a lost one), then finish a
+        pending re-registration and retry failed withdrawals.
+
+        A store error is not raised: it is logged once, kept in `renew_error` (it shows in
+        `lease_problem()`) and retried on the next turn; the process serves on meanwhile.
+        """
+        try:
+            await self._keeper.tick()
+            await self._reconcile()
+        except STORE_ERRORS as exc:
+            if self.renew_error is None:
+                log.warning("store unreachable: %s (serving on; will re-register)", exc)
+            self.renew_error = str(exc) or type(exc).__name__
+            return
+        if self.renew_error is not None:
+            log.info("store reachable again; lease %x held", self.instance_id)
+        self.renew_error = None
+
+    def lease_problem(self) -> str | None:
+        """Why the lease is not held with everything registered under it, or None."""
+        lease = self._keeper.lease
+        if lease is None:
+            return "no lease"
+        error = f": {self.renew_error}" if self.renew_error else ""
+        if not self._keeper.held:
+            return f"lease {lease.id:x} lost{error}"
+        silence = time.monotonic() - lease.last_renewed
+        if silence > self._keeper.ttl:
+            return f"lease {lease.id:x} not renewed for {silence:.1f}s{error}"
+        if self._lease_id != lease.id:
+            return f"registering under the new lease {lease.id:x}"
+        return None
+
+    async def revoke(self) -> None:
+        """Revoke the lease: the store deletes every key still under it."""
+        await self._keeper.revoke()
+
+    async def _on_granted(self, lease: Lease) -> None:
+        """A new lease: re-register everything this process owns under its id."""
+        old = self._lease_id
+        if old is not None and old != lease.id:
+            log.warning("lease %x replaced by %x: re-registering", old, lease.id)
+        await self._register_all(lease)
+
+    async def _register_all(self, lease: Lease) -> None:
+        async with self._lock:
+            old = self._lease_id
+            if old is not None and old != lease.id:
+                self._pending_deletes.clear()
+                with contextlib.suppress(*STORE_ERRORS):
+                    await self.store.revoke(old)  # in case it was only lost to us
+            for endpoint, info in list(self._instances.items()):
+                info = msgspec.structs.replace(info, instance_id=lease.id)
+                await self.discovery.register_instance(info, lease=lease.id)
+                self._instances[endpoint] = info
+                for suffix, att in self._models.get(endpoint, {}).items():
+                    key = ModelKey(endpoint, lease.id, suffix)
+                    self.metadata.reassign(att.key, key)
+                    att.key = key
+                    await self.discovery.register_model(key, att.card, lease=lease.id)
+            self._lease_id = lease.id
+
+    async def _reconcile(self) -> None:
+        """After a successful renewal: finish a re-registration, retry failed withdrawals."""
+        lease = self._keeper.lease
+        assert lease is not None
+        if self._lease_id != lease.id:
+            await self._register_all(lease)
+        if self._pending_deletes:
+            async with self._lock:
+                for key, lease_id in list(self._pending_deletes.items()):
+                    if lease_id == lease.id:
+                        await self.store.delete(key)
+                    del self._pending_deletes[key]
+
+    # -- instances ----------------------------------------------------------------------
+
+    async def register_instance(self, endpoint: EndpointId, url: str, status_url: str) -> None:
+        """Announce `endpoint`'s instance (requests go to `url`) under the lease.
+
+        If a re-registration is pending, the instance is put by it instead, under the new id.
+        """
+        async with self._lock:
+            info = InstanceInfo(
+                namespace=endpoint.namespace,
+                component=endpoint.component,
+                endpoint=endpoint.endpoint,
+                instance_id=self.instance_id,
+                url=url,
+                status_url=status_url,
+            )
+            if self._lease_id == info.instance_id:
+                await self.discovery.register_instance(info, lease=info.instance_id)
+            self._instances[endpoint] = info
+
+    async def unregister_instance(self, endpoint: EndpointId) -> None:
+        """Withdraw `endpoint`'s instance; it is no longer re-registered after a lease loss."""
+        async with self._lock:
+            self._instances.pop(endpoint, None)
+            await self.discovery.unregister_instance(endpoint, self.instance_id)
+
+    # -- models -------------------------------------------------------------------------
+
+    def models_of(self, endpoint: EndpointId) -> Mapping[str | None, Attached]:
+        """A live, read-only view of the models attached to `endpoint`, by suffix."""
+        return MappingProxyType(self._models.setdefault(endpoint, {}))
+
+    async def attach(
+        self,
+        endpoint: EndpointId,
+        card: ModelCard,
+        suffix: str | None,
+        files: Mapping[str, bytes],
+        served: ServedModel | None = None,
+    ) -> None:
+        """Host `files` for the model, then put its card under the lease (files first: the
+        card points at them). If the store refuses, the files hosted before are restored and
+        nothing new stays attached."""
+        async with self._lock:
+            lease_id = self.instance_id
+            key = ModelKey(endpoint, lease_id, suffix)
+            models = self._models.setdefault(endpoint, {})
+            previous = models.get(suffix)
+            if previous is not None:
+                self.metadata.reassign(previous.key, key)
+            before = self.metadata.files_of(key)
+            if self.draining.is_set():
+                card = card.with_taints([*card.taints, DRAINING])
+            slug = card.slug
+            entries = [(MetadataKey.of(endpoint, slug, suffix, n), d) for n, d in files.items()]
+            self.metadata.replace(key, entries)
+            self._pending_deletes.pop(key.key, None)
+            try:
+                await self.discovery.register_model(key, card, lease=lease_id)
+            except BaseException:
+                self.metadata.replace(key, before)
+                raise
+            models[suffix] = Attached(key, card, dict(files), served)
+
+    async def detach(self, endpoint: EndpointId, suffix: str | None) -> None:
+        """Withdraw the model at `suffix` from discovery, then stop hosting its files.
+
+        A withdrawal the store refuses is retried by `renew()` while its lease is current.
+        """
+        async with self._lock:
+            att = self._models.get(endpoint, {}).pop(suffix, None)
+            if att is None:
+                return
+            try:
+                await self.discovery.unregister_model(att.key)
+            except STORE_ERRORS as exc:
+                # The key vanishes with its lease if that is lost; else `renew()` retries.
+                log.warning("withdrawing %s failed (will retry): %s", att.key, exc)
+                self._pending_deletes[att.key.key] = att.key.instance_id
+            finally:
+                self.metadata.unregister_for_owner(att.key)
+
+    async def set_taints(self, endpoint: EndpointId, taints: list[str]) -> None:
+        """Replace the taints of every model attached to `endpoint`."""
+        async with self._lock:
+            for att in self._models.get(endpoint, {}).values():
+                att.card = att.card.with_taints(taints)
+                with contextlib.suppress(KeyError):
+                    await self.discovery.update_taints(att.key, taints)
