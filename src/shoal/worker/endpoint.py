@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import logging
 import socket
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,7 @@ def card_for(model: ServedModel) -> tuple[ModelCard, dict[str, Path]]:
         kv_block_size=model.kv_block_size,
         runtime_config=dict(model.runtime_config),
         lora=lora,
+        created=int(time.time()),  # frontends show a model's earliest card's
     )
     return card, files
 
