@@ -465,3 +465,67 @@ async def test_a_slow_instance_that_answers_within_the_timeout_is_kept(
     assert upstreams[hung.instance_id].inhibited
     assert not upstreams[slow.instance_id].inhibited
     assert frontend.metrics.models["mock-llm"].retries == 1
+
+
+@pytest.mark.parametrize("router", ["round-robin", "prefix"])
+@pytest.mark.parametrize("where", ["messages", "prompt", "tools"])
+async def test_a_deeply_nested_body_is_400_saying_why(
+    start_worker: StartWorker, start_frontend: StartFrontend, router: str, where: str
+) -> None:
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker, router=router)
+    nested = b"[" * 100_000 + b"]" * 100_000
+    body = b'{"model":"mock-llm","' + where.encode() + b'":' + nested + b"}"
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{frontend.url}/v1/chat/completions", data=body)
+        assert response.status == 400
+        error = (await response.json())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "nested too deeply" in error["message"]
+    assert worker.requests == 0
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        [{"type": "text", "text": 123}],
+        [{"type": "text", "text": ["a", "b"]}],
+        [{"type": "text", "text": None}, "loose string", 7],
+        {"unexpected": "object"},
+        12.5,
+    ],
+)
+async def test_odd_message_content_is_forwarded_by_the_prefix_router(
+    start_worker: StartWorker, start_frontend: StartFrontend, content: object
+) -> None:
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker, router="prefix")
+    body = {"model": "mock-llm", "messages": [{"role": "user", "content": content}]}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{frontend.url}/v1/chat/completions", json=body)
+        assert response.status == 200  # the worker, not the gateway, judges the content
+    assert json.loads(worker.bodies[-1]) == body
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"messages": [{"role": 5, "content": "x"}]},
+        {"messages": ["not a message"]},
+        {"messages": {"role": "user"}},
+        {"prompt": [[1, 2], "mixed", {"x": 1}]},
+        {"prompt": [None, 3.5]},
+        {"input": {"text": "x"}},
+    ],
+)
+async def test_prompt_extraction_never_fails_a_request(
+    start_worker: StartWorker, start_frontend: StartFrontend, fields: dict[str, object]
+) -> None:
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker, router="prefix")
+    body = {"model": "mock-llm", **fields}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{frontend.url}/v1/completions", json=body)
+        assert response.status != 500
+        assert response.status == 200
+    assert json.loads(worker.bodies[-1]) == body

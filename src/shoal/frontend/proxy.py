@@ -101,11 +101,22 @@ _decode_prompt_fields = msgspec.json.Decoder(PromptFields).decode
 def decode_fields(body: bytes, *, with_prompt: bool = False) -> Fields:
     """The routing fields of a body; `ApiError` 400 if it is not a JSON object with a `model`."""
     try:
-        fields = _decode_prompt_fields(body) if with_prompt else _decode_fields(body)
+        try:
+            fields = _decode_prompt_fields(body) if with_prompt else _decode_fields(body)
+        except msgspec.ValidationError:
+            if not with_prompt:
+                raise
+            # An odd prompt is no reason to refuse: route without a prefix hint, and let the
+            # worker judge it (the error, if any, is about `model` or `stream`).
+            fields = _decode_fields(body)
     except msgspec.ValidationError as exc:
         raise errors.bad_request(f"Invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise errors.bad_request(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise errors.bad_request(
+            "The request body is not valid JSON: arrays or objects are nested too deeply."
+        ) from None
     if not fields.model:
         raise errors.bad_request("You must provide a model parameter.", param="model")
     return fields
@@ -122,7 +133,9 @@ def prompt_text(fields: Fields, limit: int = PROMPT_CHARS) -> str:
             content = message.content
             if isinstance(content, list):
                 content = "".join(
-                    p.get("text", "") for p in content if isinstance(p, dict) and p.get("text")
+                    piece
+                    for p in content
+                    if isinstance(p, dict) and isinstance(piece := p.get("text"), str)
                 )
             text = f"{message.role}:{content if isinstance(content, str) else ''}\n"
             parts.append(text)
@@ -134,8 +147,17 @@ def prompt_text(fields: Fields, limit: int = PROMPT_CHARS) -> str:
     if isinstance(value, list) and value:
         value = value[0] if isinstance(value[0], str | list) else value
     if isinstance(value, list):
-        value = ",".join(str(token) for token in value[: limit // 4])
+        value = ",".join(str(t) for t in value[: limit // 4] if type(t) is int)
     return value[:limit] if isinstance(value, str) else ""
+
+
+def _prompt_hint(fields: Fields) -> str:
+    """`prompt_text`, or no hint at all: prompt extraction never fails a request."""
+    try:
+        return prompt_text(fields)
+    except Exception:  # an odd value prompt_text did not foresee: route without a hint
+        log.debug("no prefix hint for an odd prompt", exc_info=True)
+        return ""
 
 
 class Forward:
@@ -188,7 +210,7 @@ class Forward:
         self.fields = fields
         self.stats = stats
         self.stream = bool(fields.stream)
-        self.prompt = prompt_text(fields) if proxy.router.needs_prompt else None
+        self.prompt = _prompt_hint(fields) if proxy.router.needs_prompt else None
         self.tried: list[Upstream] = []
         self.attempt = 0
         self.target: Upstream | None = None
