@@ -529,3 +529,19 @@ async def test_prompt_extraction_never_fails_a_request(
         assert response.status != 500
         assert response.status == 200
     assert json.loads(worker.bodies[-1]) == body
+
+
+async def test_an_instance_alone_in_its_set_is_left_once_inhibited(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    hung, good = await start_worker(), await start_worker(component="other")
+    hung.answering.clear()  # one set holds only a hung instance, the other a healthy one
+    frontend = await ready(start_frontend, hung, good, first_byte_timeout=0.5, inhibit_seconds=60)
+    assert len(frontend.registry.models["mock-llm"].routable_sets) == 2
+    client = openai_client(frontend)
+    for _ in range(8):
+        async with asyncio.timeout(5):
+            reply = await client.chat.completions.create(model="mock-llm", messages=CHAT)
+        assert reply.choices[0].message.content == f"hello from {good.instance_id:x}"
+    assert hung.requests <= 1  # waited out once at most, then never picked again
+    assert frontend.metrics.models["mock-llm"].retries == hung.requests

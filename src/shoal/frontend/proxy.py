@@ -498,16 +498,8 @@ class Proxy:
         client.send_error(error)
 
     def pick(self, model: Model, prompt: str | None, tried: list[Upstream]) -> Upstream | None:
-        """An instance of `model` not in `tried`: a set weighted by size, then the policy."""
-        ws = model.pick_set()
-        if ws is None:
-            return None
-        target = self.router.pick(ws, prompt, tried)
-        if target is None and len(model.routable_sets) > 1:
-            for other in model.routable_sets:
-                if other is not ws and (target := self.router.pick(other, prompt, tried)):
-                    break
-        return target
+        """An instance of `model` not in `tried` (see `Router.choose`)."""
+        return self.router.choose(model, prompt, tried)
 
     def request_head(self, request: Request, target: Upstream) -> bytes:
         """The request line and headers for `target`: hop-by-hop headers dropped, length set."""

@@ -1,9 +1,12 @@
-"""Routing policies: which instance of a worker set takes a request.
+"""Routing policies: which instance of a model takes a request.
 
-Every policy picks from the set's precomputed `routable` tuple (joined, untainted), skips
-the instances a request already failed on (`exclude`), and avoids inhibited ones (recently
-failed) unless nothing else is left. Picking is O(1) for round-robin and random in the
-common case, and O(instances in the set) for least-loaded and prefix.
+`Router.choose` makes the whole decision for a model: a worker set weighted by its instances
+that can take the request, then the policy's pick within it. Policies pick from the set's
+precomputed `routable` tuple (joined, untainted), skip the instances a request already failed
+on (`exclude`) and never pick an inhibited (recently failed) instance; those are the last
+resort across all of the model's sets, taken only when nothing else is left. Picking is O(1)
+for round-robin and random in the common case (nothing inhibited), and O(instances in the
+set) for least-loaded and prefix.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Collection
 
-from shoal.frontend.registry import WorkerSet
+from shoal.frontend.registry import Model, WorkerSet
 from shoal.frontend.upstream import Upstream
 
 POLICIES = ("round-robin", "random", "least-loaded", "prefix")
@@ -27,23 +30,63 @@ class Router:
     def pick(
         self, ws: WorkerSet, prompt: str | None = None, exclude: Collection[Upstream] = ()
     ) -> Upstream | None:
+        """An instance of `ws` that is neither excluded nor inhibited, or None."""
         raise NotImplementedError
+
+    def choose(
+        self, model: Model, prompt: str | None = None, exclude: Collection[Upstream] = ()
+    ) -> Upstream | None:
+        """An instance of `model` not in `exclude`; an inhibited one only if nothing else is left."""
+        if not Upstream.any_inhibited():  # the common case: the registry's set weights hold
+            ws = model.pick_set()
+            if ws is None:
+                return None
+            target = self.pick(ws, prompt, exclude)
+            if target is None and len(model.routable_sets) > 1:
+                for other in model.routable_sets:
+                    if other is not ws and (target := self.pick(other, prompt, exclude)):
+                        break
+            return target
+        return self._choose_around_inhibited(model, prompt, exclude)
+
+    def _choose_around_inhibited(
+        self, model: Model, prompt: str | None, exclude: Collection[Upstream]
+    ) -> Upstream | None:
+        """Weigh each set by the instances that can take the request now, then pick."""
+        sets = model.routable_sets
+        weights = [
+            sum(1 for u in ws.routable if not u.inhibited and u not in exclude) for ws in sets
+        ]
+        point = random.random() * sum(weights)
+        for ws, weight in zip(sets, weights, strict=True):
+            if weight and point < weight and (target := self.pick(ws, prompt, exclude)):
+                return target
+            point -= weight
+        return last_resort(sets, exclude)
+
+
+def last_resort(sets: Collection[WorkerSet], exclude: Collection[Upstream]) -> Upstream | None:
+    """The instance not in `exclude` whose inhibition ends first: the likeliest to be back."""
+    best: Upstream | None = None
+    for ws in sets:
+        for target in ws.routable:
+            if target not in exclude and (
+                best is None or target.inhibited_until < best.inhibited_until
+            ):
+                best = target
+    return best
 
 
 def _scan(ws: WorkerSet, start: int, exclude: Collection[Upstream]) -> Upstream | None:
-    """The first usable instance from `start` on, wrapping; an inhibited one only as a last resort."""
+    """The first instance from `start` on, wrapping, that is neither excluded nor inhibited."""
     targets = ws.routable
     n = len(targets)
-    fallback: Upstream | None = None
     for i in range(n):
         target = targets[(start + i) % n]
-        if exclude and target in exclude:
-            continue
-        if target.inhibited:
-            fallback = fallback or target
+        if (exclude and target in exclude) or target.inhibited:
             continue
         return target
-    return fallback
+    return None
 
 
 class RoundRobin(Router):
@@ -73,18 +116,13 @@ def _least_loaded(ws: WorkerSet, exclude: Collection[Upstream]) -> Upstream | No
     n = len(targets)
     ws.cursor += 1
     best: Upstream | None = None
-    fallback: Upstream | None = None
     for i in range(n):
         target = targets[(ws.cursor + i) % n]
-        if exclude and target in exclude:
-            continue
-        if target.inhibited:
-            if fallback is None or target.in_flight < fallback.in_flight:
-                fallback = target
+        if (exclude and target in exclude) or target.inhibited:
             continue
         if best is None or target.in_flight < best.in_flight:
             best = target
-    return best or fallback
+    return best
 
 
 class LeastLoaded(Router):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.parse
-from typing import Protocol, cast
+from typing import ClassVar, Protocol, cast
 
 import httptools
 
@@ -51,7 +51,11 @@ class Upstream:
 
     `in_flight` counts requests this frontend has open on it (for least-loaded routing);
     `inhibited_until` (monotonic seconds) keeps it out of routing after a failure.
+    `inhibitions_end` is the latest `inhibited_until` of any instance in the process, so
+    routing knows in one comparison that nothing is inhibited (the common case).
     """
+
+    inhibitions_end: ClassVar[float] = 0.0
 
     def __init__(self, instance_id: int, url: str, *, connect_timeout: float = 5.0) -> None:
         parts = urllib.parse.urlsplit(url)
@@ -86,7 +90,20 @@ class Upstream:
         return False
 
     def inhibit(self, seconds: float) -> None:
-        self.inhibited_until = time.monotonic() + seconds
+        self.inhibited_until = until = time.monotonic() + seconds
+        if until > Upstream.inhibitions_end:
+            Upstream.inhibitions_end = until
+
+    @staticmethod
+    def any_inhibited() -> bool:
+        """False when no instance at all is inhibited: routing can skip inhibition checks."""
+        end = Upstream.inhibitions_end
+        if end == 0.0:
+            return False
+        if end > time.monotonic():
+            return True
+        Upstream.inhibitions_end = 0.0
+        return False
 
     def take_idle(self) -> UpstreamConnection | None:
         """The most recently used idle connection that is still open, if any."""
