@@ -257,11 +257,11 @@ async def test_5xx_from_the_last_instance_is_passed_through(
         assert (await response.json())["error"]["message"] == "injected failure"
 
 
-async def test_all_instances_failing_gives_502_after_the_retries(
+async def test_all_instances_refusing_gives_502_after_trying_each(
     start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:
     workers = [await start_worker() for _ in range(4)]
-    frontend = await ready(start_frontend, *workers, retries=2)
+    frontend = await ready(start_frontend, *workers, retries=1)
     for worker in workers:
         await worker.stop()
     async with aiohttp.ClientSession() as session:
@@ -270,7 +270,7 @@ async def test_all_instances_failing_gives_502_after_the_retries(
         )
         assert response.status == 502
         assert (await response.json())["error"]["code"] == "upstream_error"
-    assert frontend.metrics.models["mock-llm"].retries == 2
+    assert frontend.metrics.models["mock-llm"].retries == 3  # refusals spent no retry
 
 
 async def test_failure_after_the_first_byte_ends_the_stream_with_an_error_event(
@@ -545,3 +545,17 @@ async def test_an_instance_alone_in_its_set_is_left_once_inhibited(
         assert reply.choices[0].message.content == f"hello from {good.instance_id:x}"
     assert hung.requests <= 1  # waited out once at most, then never picked again
     assert frontend.metrics.models["mock-llm"].retries == hung.requests
+
+
+async def test_refused_connections_cost_no_retry_until_an_instance_answers(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    workers = [await start_worker() for _ in range(5)]
+    frontend = await ready(start_frontend, *workers, retries=0, inhibit_seconds=60)
+    for dead in workers[:4]:
+        await dead.stop()  # still registered: its port now refuses connections
+    client = openai_client(frontend)
+    for _ in range(6):
+        reply = await client.chat.completions.create(model="mock-llm", messages=CHAT)
+        assert reply.choices[0].message.content == f"hello from {workers[4].instance_id:x}"
+    assert frontend.metrics.models["mock-llm"].requests == {200: 6}

@@ -11,7 +11,11 @@ way, a few counter increments.
 
 Failure handling: a connect error, a transport error or a 5xx before the first response
 byte reached the client marks the instance down for `inhibit_seconds` and tries another
-(up to `retries` more attempts). So does an instance that sends no response byte within
+(up to `retries` more attempts). A refused or reset connect costs no attempt: dead instances
+are skipped, each inhibited, until one answers or none is left (within the first-byte
+timeout counted from the request's arrival). A failure before the first byte is retried
+even if the worker had started generating: there is no idempotency key, and a completion
+request has no side effect but the compute spent. So does an instance that sends no response byte within
 `first_byte_timeout` of the request (it hangs, or is stuck): one timer handle per attempt,
 cancelled when the response head arrives; when no instance answers in time the client gets
 504. After the first byte, a failure ends an SSE stream with an error event. A client that
@@ -35,7 +39,7 @@ from shoal.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics, ModelStats
 from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import Router
 from shoal.frontend.server import HttpConnection, Request, status_line
-from shoal.frontend.upstream import Upstream, UpstreamConnection, UpstreamError
+from shoal.frontend.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +251,7 @@ class Forward:
                 error = errors.upstream_failed(name, str(failure))
             self._finish(error)
             return
-        if self.attempt:
+        if self.tried:
             self.stats.retries += 1
         self.attempt += 1
         self.target = target
@@ -326,7 +330,14 @@ class Forward:
         target.inhibit(self.proxy.inhibit_seconds)
         self.proxy.metrics.instances_inhibited.inc()
         self.tried.append(target)
+        if isinstance(failure, ConnectRefused) and self._within_deadline():
+            self.attempt -= 1  # a dead instance cost nothing: the retry budget is for slow ones
         self._attempt(failure)
+
+    def _within_deadline(self) -> bool:
+        """Whether the request may still try instances (the first-byte timeout since it came)."""
+        limit = self.proxy.first_byte_timeout
+        return not limit or time.perf_counter() - self.request.received < limit
 
     def _may_retry(self) -> bool:
         """Whether a 5xx is worth another attempt: attempts left, and an instance not tried."""

@@ -26,6 +26,11 @@ class UpstreamError(ConnectionError):
     """The connection to an instance failed or returned something unusable."""
 
 
+class ConnectRefused(UpstreamError):
+    """The instance refused or reset the connection: nothing was sent, little time was spent,
+    so trying another instance costs nothing (a dead worker, not a slow one)."""
+
+
 class ResponseSink(Protocol):
     """Receives one response from an `UpstreamConnection`."""
 
@@ -122,8 +127,10 @@ class Upstream:
                 loop.create_connection(lambda: UpstreamConnection(self), self.host, self.port),
                 self.connect_timeout,
             )
-        except (OSError, TimeoutError) as exc:
-            raise UpstreamError(f"cannot connect to {self.url}: {exc or 'timed out'}") from exc
+        except TimeoutError as exc:
+            raise UpstreamError(f"cannot connect to {self.url}: timed out") from exc
+        except OSError as exc:
+            raise ConnectRefused(f"cannot connect to {self.url}: {exc}") from exc
         return conn
 
     def release(self, conn: UpstreamConnection) -> None:
