@@ -121,6 +121,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="how long an instance may take to start answering before the request is retried "
         "elsewhere (and answered 504 when none does); 0: no limit (default 60)",
     )
+    add_number_flag(
+        parser,
+        "--upstream-idle-timeout",
+        float,
+        60,
+        metavar="SECONDS",
+        help="how long an instance may send nothing in the middle of a response before it is "
+        "ended (a stream with an SSE error event); 0: no limit (default 60)",
+    )
     parser.add_argument(
         "--cache-dir",
         type=Path,
@@ -139,6 +148,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     if args.first_byte_timeout < 0:
         raise ValueError("--first-byte-timeout must be 0 (no limit) or more seconds")
+    if args.upstream_idle_timeout < 0:
+        raise ValueError("--upstream-idle-timeout must be 0 (no limit) or more seconds")
     return FrontendConfig(
         store_url=args.store,
         host=args.host,
@@ -151,6 +162,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         retries=args.retries,
         inhibit_seconds=args.inhibit_seconds,
         first_byte_timeout=args.first_byte_timeout,
+        upstream_idle_timeout=args.upstream_idle_timeout,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         drain_timeout=args.drain_timeout,
     )

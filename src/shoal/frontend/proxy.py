@@ -11,16 +11,18 @@ way, a few counter increments.
 
 Failure handling: a connect error, a transport error or a 5xx before the first response
 byte reached the client marks the instance down for `inhibit_seconds` and tries another
-(up to `retries` more attempts). A refused or reset connect costs no attempt: dead instances
-are skipped, each inhibited, until one answers or none is left (within the first-byte
-timeout counted from the request's arrival). A failure before the first byte is retried
-even if the worker had started generating: there is no idempotency key, and a completion
-request has no side effect but the compute spent. So does an instance that sends no response byte within
-`first_byte_timeout` of the request (it hangs, or is stuck): one timer handle per attempt,
-cancelled when the response head arrives; when no instance answers in time the client gets
-504. After the first byte, a failure ends an SSE stream with an error event. A client that
-disconnects cancels the handler, which drops the upstream connection so the worker stops
-generating.
+(up to `retries` more attempts). So does an instance that sends no complete response head
+within `first_byte_timeout` of the request (it hangs, is stuck, or stalls mid-head); when
+no instance answers in time the client gets 504. Once the head is in, the gap between
+packets of the body is bounded by `upstream_idle_timeout`; one timer handle per attempt
+covers both. A refused or reset connect costs no attempt: dead instances are skipped, each
+inhibited, until one answers or none is left (within the first-byte timeout counted from
+the request's arrival). A failure before the first byte is retried even if the worker had
+started generating: there is no idempotency key, and a completion has no side effect but
+the compute spent. After the first byte, a failure (an idle timeout included) ends an SSE
+stream with an error event, and any other response by closing the client connection. A
+client that disconnects cancels the handler, which drops the upstream connection so the
+worker stops generating.
 """
 
 from __future__ import annotations
@@ -75,7 +77,11 @@ _RESPONSE_HEADERS_DROPPED = frozenset(
 
 
 class FirstByteTimeout(UpstreamError):
-    """An instance sent no response byte within the first-byte timeout."""
+    """An instance sent no complete response head within the first-byte timeout."""
+
+
+class UpstreamIdleTimeout(UpstreamError):
+    """An instance sent nothing for the idle timeout in the middle of a response body."""
 
 
 class Fields(msgspec.Struct):
@@ -184,6 +190,7 @@ class Forward:
         "done",
         "fields",
         "head_seen",
+        "last_read",
         "model",
         "out",
         "prompt",
@@ -220,7 +227,8 @@ class Forward:
         self.target: Upstream | None = None
         self.conn: UpstreamConnection | None = None
         self.connecting: asyncio.Task[None] | None = None
-        self.timer: asyncio.TimerHandle | None = None  # the first-byte timeout of the attempt
+        self.timer: asyncio.TimerHandle | None = None  # the first-byte, then idle, timeout
+        self.last_read = 0.0  # monotonic time the last packet of the response arrived
         self.out: list[bytes] = []
         self.status = 0
         self.chunked = False
@@ -286,26 +294,50 @@ class Forward:
         conn.send(self.proxy.request_head(self.request, self.target), self.request.body, self)
         if self.proxy.first_byte_timeout > 0:
             self.timer = client.server.loop.call_later(
-                self.proxy.first_byte_timeout, self._first_byte_timed_out
+                self.proxy.first_byte_timeout, self._timer_fired
             )
 
-    def _first_byte_timed_out(self) -> None:
-        """No response byte within the first-byte timeout: drop the connection, try elsewhere."""
+    def _timer_fired(self) -> None:
+        """The attempt's one timer: the first-byte timeout until the head is complete, then
+        the idle timeout between packets of the body. A paused connection (the client is
+        not keeping up) is never the instance's fault: it waits on."""
         self.timer = None
         conn = self.conn
-        if self.done or conn is None or self.head_seen or conn.received:
+        if self.done or conn is None:
             return
-        if conn.paused:  # held back by a slow client, not by the instance: wait on
-            self.timer = self.client.server.loop.call_later(
-                self.proxy.first_byte_timeout, self._first_byte_timed_out
-            )
+        if self.head_seen:
+            self._check_idle(conn)
+            return
+        seconds = self.proxy.first_byte_timeout
+        if conn.paused:
+            self.timer = self.client.server.loop.call_later(seconds, self._timer_fired)
             return
         assert self.target is not None
         self.conn = None  # (not mistaken for an idle connection the worker had closed)
         conn.abort()
-        seconds = self.proxy.first_byte_timeout
         self._attempt_failed(
-            FirstByteTimeout(f"instance {self.target.url} sent nothing within {seconds:g}s")
+            FirstByteTimeout(
+                f"instance {self.target.url} sent no complete response head within {seconds:g}s"
+            )
+        )
+
+    def _check_idle(self, conn: UpstreamConnection) -> None:
+        """End the response if the instance has sent nothing for the idle timeout."""
+        seconds = self.proxy.upstream_idle_timeout
+        if seconds <= 0:
+            return
+        now = time.monotonic()
+        if conn.paused:
+            self.last_read = now
+        remaining = self.last_read + seconds - now
+        if remaining > 0:
+            self.timer = self.client.server.loop.call_later(remaining, self._timer_fired)
+            return
+        assert self.target is not None
+        self.conn = None
+        conn.abort()
+        self.on_failure(
+            UpstreamIdleTimeout(f"instance {self.target.url} sent nothing for {seconds:g}s")
         )
 
     def _disarm(self) -> None:
@@ -350,9 +382,19 @@ class Forward:
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
         self.head_seen = True
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.last_read = time.monotonic()
+        idle = self.proxy.upstream_idle_timeout
+        timer = self.timer
+        if idle <= 0:
+            if timer is not None:
+                timer.cancel()
+                self.timer = None
+        elif timer is None or timer.when() - self.client.server.loop.time() > idle:
+            # The first-byte timer, if it fires soon enough, checks idleness itself: one
+            # timer per attempt for all but the longest responses.
+            if timer is not None:
+                timer.cancel()
+            self.timer = self.client.server.loop.call_later(idle, self._timer_fired)
         if status >= 500 and self._may_retry():
             assert self.target is not None
             self._attempt_failed(UpstreamError(f"instance {self.target.url} answered {status}"))
@@ -387,6 +429,7 @@ class Forward:
             self.out.append(data)
 
     def flush(self) -> None:
+        self.last_read = time.monotonic()
         if not self.out:
             return
         data = self.out[0] if len(self.out) == 1 else b"".join(self.out)
@@ -472,6 +515,7 @@ class Proxy:
         retries: int = 2,
         inhibit_seconds: float = 5.0,
         first_byte_timeout: float = 60.0,
+        upstream_idle_timeout: float = 60.0,
         strip_authorization: bool = False,
     ) -> None:
         self.registry = registry
@@ -480,6 +524,7 @@ class Proxy:
         self.retries = retries
         self.inhibit_seconds = inhibit_seconds
         self.first_byte_timeout = first_byte_timeout  # 0: no limit
+        self.upstream_idle_timeout = upstream_idle_timeout  # 0: no limit
         dropped = set(_REQUEST_HEADERS_DROPPED)
         if strip_authorization:
             dropped.add(b"authorization")  # the gateway's own key is not the worker's business

@@ -161,7 +161,6 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.sink: ResponseSink | None = None
         self.reused = False  # carried a response before this one
-        self.received = False  # a byte of the current response arrived
         self._headers: list[tuple[bytes, bytes]] = []
         self._until_eof = False  # the response has no length: it ends when the connection does
         self._paused = False
@@ -179,7 +178,6 @@ class UpstreamConnection(asyncio.Protocol):
         """Write a request (head, then body) and deliver its response to `sink`."""
         assert self.transport is not None
         self.sink = sink
-        self.received = False
         self._headers = []
         self._until_eof = False
         if len(body) < 65536:
@@ -233,7 +231,6 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
-        self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
