@@ -27,16 +27,20 @@ class RawUpstream(FakeWorker):
     def __init__(self, behaviour: Behaviour) -> None:
         super().__init__()
         self.behaviour = behaviour
+        self.userinfo = ""  # e.g. "user:pass@", announced in the request URL
         self.raw_requests: list[bytes] = []
         self.open_connections = 0
         self._raw: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
     @property
-    def raw_url(self) -> str:
+    def raw_port(self) -> int:
         assert self._raw is not None
-        port = self._raw.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
+        return int(self._raw.sockets[0].getsockname()[1])
+
+    @property
+    def raw_url(self) -> str:
+        return f"http://{self.userinfo}127.0.0.1:{self.raw_port}"
 
     async def start(self) -> RawUpstream:
         await super().start()
@@ -102,7 +106,7 @@ def completion(text: str = "hi", *, extra_headers: bytes = b"") -> bytes:
     )
 
 
-StartRaw = Callable[[Behaviour], Awaitable[RawUpstream]]
+StartRaw = Callable[..., Awaitable[RawUpstream]]
 
 
 @pytest.fixture
@@ -110,8 +114,9 @@ async def start_raw(store: Store) -> AsyncIterator[StartRaw]:
     """Start a `RawUpstream` with a behaviour and announce it in discovery."""
     started: list[RawUpstream] = []
 
-    async def start(behaviour: Behaviour) -> RawUpstream:
+    async def start(behaviour: Behaviour, userinfo: str = "") -> RawUpstream:
         upstream = await RawUpstream(behaviour).start()
+        upstream.userinfo = userinfo
         started.append(upstream)
         await upstream.register(store)
         return upstream

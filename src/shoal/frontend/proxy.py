@@ -65,6 +65,7 @@ _REQUEST_HEADERS_DROPPED = frozenset(
 )
 _RESPONSE_HEADERS_DROPPED = frozenset(
     {
+        b"x-shoal-instance",  # the gateway's own: an upstream's would pass for it
         b"connection",
         b"keep-alive",
         b"proxy-connection",
@@ -74,6 +75,17 @@ _RESPONSE_HEADERS_DROPPED = frozenset(
         b"upgrade",
     }
 )
+
+
+def hop_by_hop(connection: bytes) -> frozenset[bytes]:
+    """The header names a `Connection:` value lists, beyond the usual `keep-alive`/`close`:
+    they are for this hop only (RFC 9110, 7.6.1), so neither direction forwards them."""
+    names = {token.strip().lower() for token in connection.split(b",")}
+    names -= _CONNECTION_OPTIONS
+    return frozenset(names)
+
+
+_CONNECTION_OPTIONS = frozenset({b"", b"keep-alive", b"close"})
 
 
 class FirstByteTimeout(UpstreamError):
@@ -317,7 +329,7 @@ class Forward:
         conn.abort()
         self._attempt_failed(
             FirstByteTimeout(
-                f"instance {self.target.url} sent no complete response head within {seconds:g}s"
+                f"instance {self.target.address} sent no complete response head within {seconds:g}s"
             )
         )
 
@@ -337,7 +349,7 @@ class Forward:
         self.conn = None
         conn.abort()
         self.on_failure(
-            UpstreamIdleTimeout(f"instance {self.target.url} sent nothing for {seconds:g}s")
+            UpstreamIdleTimeout(f"instance {self.target.address} sent nothing for {seconds:g}s")
         )
 
     def _disarm(self) -> None:
@@ -397,14 +409,24 @@ class Forward:
             self.timer = self.client.server.loop.call_later(idle, self._timer_fired)
         if status >= 500 and self._may_retry():
             assert self.target is not None
-            self._attempt_failed(UpstreamError(f"instance {self.target.url} answered {status}"))
+            self._attempt_failed(UpstreamError(f"instance {self.target.address} answered {status}"))
             return False
         client = self.client
         self.status = status
         parts = [status_line(status)]
+        listed: bytes | None = None  # the upstream's `Connection:` value
         for name, value in headers:
-            if name.lower() not in _RESPONSE_HEADERS_DROPPED:
+            lname = name.lower()
+            if lname not in _RESPONSE_HEADERS_DROPPED:
                 parts += (name, b": ", value, b"\r\n")
+            elif lname == b"connection":
+                listed = value
+        if listed is not None and (hop := hop_by_hop(listed)):
+            parts = [status_line(status)]
+            for name, value in headers:
+                lname = name.lower()
+                if lname not in _RESPONSE_HEADERS_DROPPED and lname not in hop:
+                    parts += (name, b": ", value, b"\r\n")
         if chunked:
             if self.request.http11:
                 self.chunked = True
@@ -529,6 +551,7 @@ class Proxy:
         if strip_authorization:
             dropped.add(b"authorization")  # the gateway's own key is not the worker's business
         self._dropped = frozenset(dropped)
+        self._dropped_with_authorization = self._dropped | {b"authorization"}
 
     def handle(self, request: Request, client: HttpConnection, kind: ModelType) -> None:
         """Start answering one request of `kind` (chat, completions, embeddings)."""
@@ -569,9 +592,22 @@ class Proxy:
             str(len(request.body)).encode(),
             b"\r\n",
         )
-        dropped = self._dropped
+        if target.authorization is not None:  # the instance URL's credentials
+            parts += (b"authorization: ", target.authorization, b"\r\n")
+            dropped = self._dropped_with_authorization
+        else:
+            dropped = self._dropped
+        mark = len(parts)
+        listed: bytes | None = None  # the client's `Connection:` value
         for name, value in request.headers:
             if name not in dropped:
                 parts += (name, b": ", value, b"\r\n")
+            elif name == b"connection":
+                listed = value
+        if listed is not None and (hop := hop_by_hop(listed)):
+            del parts[mark:]
+            for name, value in request.headers:
+                if name not in dropped and name not in hop:
+                    parts += (name, b": ", value, b"\r\n")
         parts.append(b"\r\n")
         return b"".join(parts)

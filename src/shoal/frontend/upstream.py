@@ -13,6 +13,7 @@ closes it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 import urllib.parse
 from typing import ClassVar, Protocol, cast
@@ -67,13 +68,21 @@ class Upstream:
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"instance URL {url!r}: only http://host:port URLs are supported")
         self.instance_id = instance_id
-        self.url = url
+        self.url = url  # as announced (identity for the registry; may hold credentials)
         self.host = parts.hostname
         self.port = parts.port or 80
+        # Credentials in the URL are sent as Basic auth, never in `Host` nor in messages.
+        hostport = parts.netloc.rpartition("@")[2]
+        self.address = urllib.parse.urlunsplit(parts._replace(netloc=hostport))
+        self.authorization: bytes | None = None
+        if parts.username is not None:
+            user = urllib.parse.unquote(parts.username)
+            password = urllib.parse.unquote(parts.password or "")
+            self.authorization = b"Basic " + base64.b64encode(f"{user}:{password}".encode())
         # Requests carry OpenAI paths (/v1/...): a URL ending in /v1 names the same root.
         prefix = parts.path.rstrip("/")
         self.path_prefix = (prefix[:-3] if prefix.endswith("/v1") else prefix).encode()
-        self.host_header = (parts.netloc or f"{self.host}:{self.port}").encode()
+        self.host_header = (hostport or f"{self.host}:{self.port}").encode()
         self.label = f"{instance_id:x}".encode()
         self.connect_timeout = connect_timeout
         self.idle: list[UpstreamConnection] = []
@@ -82,7 +91,7 @@ class Upstream:
         self.closed = False
 
     def __repr__(self) -> str:
-        return f"<Upstream {self.instance_id:x} {self.url}>"
+        return f"<Upstream {self.instance_id:x} {self.address}>"
 
     @property
     def inhibited(self) -> bool:
@@ -128,9 +137,9 @@ class Upstream:
                 self.connect_timeout,
             )
         except TimeoutError as exc:
-            raise UpstreamError(f"cannot connect to {self.url}: timed out") from exc
+            raise UpstreamError(f"cannot connect to {self.address}: timed out") from exc
         except OSError as exc:
-            raise ConnectRefused(f"cannot connect to {self.url}: {exc}") from exc
+            raise ConnectRefused(f"cannot connect to {self.address}: {exc}") from exc
         return conn
 
     def release(self, conn: UpstreamConnection) -> None:
@@ -163,6 +172,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.reused = False  # carried a response before this one
         self._headers: list[tuple[bytes, bytes]] = []
         self._until_eof = False  # the response has no length: it ends when the connection does
+        self._interim = False  # parsing a 1xx response
         self._paused = False
 
     @property
@@ -180,6 +190,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.sink = sink
         self._headers = []
         self._until_eof = False
+        self._interim = False
         if len(body) < 65536:
             self.transport.write(data + body)
         else:
@@ -223,7 +234,7 @@ class UpstreamConnection(asyncio.Protocol):
             sink.on_complete()
         else:
             reason = f": {exc}" if exc else ""
-            sink.on_failure(UpstreamError(f"connection to {self.upstream.url} lost{reason}"))
+            sink.on_failure(UpstreamError(f"connection to {self.upstream.address} lost{reason}"))
 
     def data_received(self, data: bytes) -> None:
         if self.sink is None:
@@ -239,7 +250,7 @@ class UpstreamConnection(asyncio.Protocol):
                 self.transport.abort()
             if sink is not None:
                 sink.on_failure(
-                    UpstreamError(f"malformed response from {self.upstream.url}: {exc}")
+                    UpstreamError(f"malformed response from {self.upstream.address}: {exc}")
                 )
             return
         if self.sink is not None:
@@ -263,15 +274,33 @@ class UpstreamConnection(asyncio.Protocol):
             elif lname == b"content-length":
                 has_length = True
         status = self.parser.get_status_code()
+        if status < 200:
+            self._interim_head(sink, status)
+            return
         self._until_eof = not chunked and not has_length and status not in (204, 304)
         if not sink.on_head(status, self._headers, chunked or self._until_eof):
             self.abort()
+
+    def _interim_head(self, sink: ResponseSink, status: int) -> None:
+        """A 1xx response (100 Continue, 103 Early Hints): not relayed; the final one follows.
+
+        101 Switching Protocols is never asked for (`Upgrade` is not forwarded), so it is a
+        failure, and the connection is closed rather than pooled in an unknown state."""
+        self._headers = []
+        if status == 101:
+            self.abort()
+            sink.on_failure(UpstreamError(f"{self.upstream.address} switched protocols unasked"))
+            return
+        self._interim = True
 
     def on_body(self, body: bytes) -> None:
         if self.sink is not None:
             self.sink.on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:  # the end of a 1xx response: the same sink awaits the final one
+            self._interim = False
+            return
         sink, self.sink = self.sink, None
         self._until_eof = False
         if sink is None:
