@@ -283,14 +283,21 @@ class Forward:
             self._send(conn)
 
     async def _connect(self, target: Upstream) -> None:
-        """The only await of the request path: opening a connection when none is idle."""
+        """The only await of the request path: opening a connection when none is idle.
+
+        The client may leave as the connect completes, and the result may still arrive
+        despite the cancellation: the new connection then goes to the pool, not astray."""
         try:
             conn = await target.connect()
         except Exception as exc:
             self.connecting = None
-            self._attempt_failed(exc)
+            if not self.done:
+                self._attempt_failed(exc)
             return
         self.connecting = None
+        if self.done or self.target is not target:
+            target.release(conn)
+            return
         self._send(conn)
 
     def _send(self, conn: UpstreamConnection) -> None:

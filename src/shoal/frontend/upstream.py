@@ -132,10 +132,12 @@ class Upstream:
         """Open a new connection; raises `UpstreamError` if it cannot within the timeout."""
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: UpstreamConnection(self), self.host, self.port),
-                self.connect_timeout,
-            )
+            # `asyncio.timeout`, not `wait_for`: on 3.11 `wait_for` can swallow a cancellation
+            # that arrives as the connect completes (and runs the connect in a task of its own).
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: UpstreamConnection(self), self.host, self.port
+                )
         except TimeoutError as exc:
             raise UpstreamError(f"cannot connect to {self.address}: timed out") from exc
         except OSError as exc:
