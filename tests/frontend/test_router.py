@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import tracemalloc
 
 import pytest
 
@@ -105,7 +106,7 @@ def test_prefix_index_is_bounded() -> None:
     router = PrefixAware(block_chars=4, capacity=50)
     for i in range(100):
         router.pick(ws, f"prompt number {i} " * 5)
-    assert len(ws.router_state.owners) <= 50  # type: ignore[attr-defined]
+    assert len(router.index.owners) <= 50
 
 
 def test_unknown_policy_is_refused_with_the_choices() -> None:
@@ -158,3 +159,19 @@ def test_the_last_resort_is_the_instance_whose_inhibition_ends_first() -> None:
     assert proxy.pick(model, None, []) is a.routable[1]
     assert proxy.pick(model, None, [a.routable[1]]) is b.routable[1]
     assert proxy.pick(model, None, [*a.routable, *b.routable]) is None
+
+
+def test_prefix_memory_is_bounded_across_all_worker_sets() -> None:
+    router = PrefixAware(block_chars=16, capacity=1000)
+    sets = [worker_set(2) for _ in range(400)]  # e.g. 400 models, each seeing new prompts
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(20):
+            for n, ws in enumerate(sets):
+                router.pick(ws, f"set {n} conversation {i} " * 8)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # 1,000 entries (about 150 KB) in all, not 1,000 per set (a set holds ~160 here: ~10 MB).
+    assert grown < 1_000_000

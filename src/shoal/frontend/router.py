@@ -11,6 +11,7 @@ set) for least-loaded and prefix.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import OrderedDict
 from collections.abc import Collection
@@ -135,10 +136,13 @@ class LeastLoaded(Router):
 
 
 class PrefixIndex:
-    """Recent prompt prefixes of one worker set, as chained block hashes → instance.
+    """Recent prompt prefixes of every worker set, as chained block hashes → instance.
 
     An approximate radix tree: block i's key hashes blocks 0..i, so a hit on block i means
-    the whole prefix up to it was routed there. Bounded, least recently used first out.
+    the whole prefix up to it was routed there. One index for the whole router, so memory
+    is bounded in total however many models and sets come and go (about 140 bytes an
+    entry); least recently used first out. Each set's chains start from a seed of its own,
+    so sets never share entries.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -170,6 +174,7 @@ class PrefixAware(Router):
 
     Overloaded means more than `balance_threshold` requests in flight above the least-loaded
     instance of the set; then (and for prompts with no known prefix) pick the least loaded.
+    `capacity` bounds the prefix entries kept across all sets.
     """
 
     name = "prefix"
@@ -177,17 +182,18 @@ class PrefixAware(Router):
 
     def __init__(
         self, *, block_chars: int = 128, max_blocks: int = 64, balance_threshold: int = 4,
-        capacity: int = 100_000,
+        capacity: int = 500_000,
     ) -> None:  # fmt: skip
         self.block_chars = block_chars
         self.max_blocks = max_blocks
         self.balance_threshold = balance_threshold
-        self.capacity = capacity
+        self.index = PrefixIndex(capacity)
+        self._seeds = itertools.count(1)
 
-    def block_hashes(self, prompt: str) -> list[int]:
+    def block_hashes(self, prompt: str, seed: int = 0) -> list[int]:
         size = self.block_chars
         hashes: list[int] = []
-        h = 0
+        h = seed
         for start in range(0, min(len(prompt), size * self.max_blocks), size):
             h = hash((h, prompt[start : start + size]))
             hashes.append(h)
@@ -196,14 +202,14 @@ class PrefixAware(Router):
     def pick(
         self, ws: WorkerSet, prompt: str | None = None, exclude: Collection[Upstream] = ()
     ) -> Upstream | None:
-        index = ws.router_state
-        if not isinstance(index, PrefixIndex):
-            index = ws.router_state = PrefixIndex(self.capacity)
         least = _least_loaded(ws, exclude)
         if least is None or not prompt:
             return least
-        hashes = self.block_hashes(prompt)
-        owner, _ = index.match(hashes)
+        seed = ws.router_state
+        if not isinstance(seed, int):
+            seed = ws.router_state = next(self._seeds)
+        hashes = self.block_hashes(prompt, seed)
+        owner, _ = self.index.match(hashes)
         choice = least
         if (
             owner is not None
@@ -213,7 +219,7 @@ class PrefixAware(Router):
             and owner.in_flight - least.in_flight <= self.balance_threshold
         ):
             choice = owner
-        index.record(hashes, choice)
+        self.index.record(hashes, choice)
         return choice
 
 
