@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 
+from shoal.cli.frontend import config_from_args
+from shoal.cli.main import build_parser
 from shoal.frontend import Frontend
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.raw_upstream import StartRaw, start_raw, until_closed
@@ -113,3 +116,18 @@ async def test_a_body_silent_past_the_idle_timeout_closes_the_client_connection(
         else:
             raise AssertionError("a body shorter than its content-length was accepted")
     await wait_for(lambda: stalled.open_connections == 0, message="upstream connection dropped")
+
+
+def test_upstream_idle_timeout_comes_from_the_flag_then_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SHOAL_UPSTREAM_IDLE_TIMEOUT", raising=False)
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["frontend"])).upstream_idle_timeout == 60.0
+    flag = ["frontend", "--upstream-idle-timeout", "2.5"]
+    assert config_from_args(parse(flag)).upstream_idle_timeout == 2.5
+    monkeypatch.setenv("SHOAL_UPSTREAM_IDLE_TIMEOUT", "0")
+    parse = build_parser().parse_args  # (defaults are read when the parser is built)
+    assert config_from_args(parse(["frontend"])).upstream_idle_timeout == 0.0
+    with pytest.raises(ValueError, match="--upstream-idle-timeout"):
+        config_from_args(parse(["frontend", "--upstream-idle-timeout", "-1"]))
