@@ -38,17 +38,19 @@ class Router:
         self, model: Model, prompt: str | None = None, exclude: Collection[Upstream] = ()
     ) -> Upstream | None:
         """An instance of `model` not in `exclude`; an inhibited one only if nothing else is left."""
-        if not Upstream.any_inhibited():  # the common case: the registry's set weights hold
-            ws = model.pick_set()
-            if ws is None:
-                return None
-            target = self.pick(ws, prompt, exclude)
-            if target is None and len(model.routable_sets) > 1:
-                for other in model.routable_sets:
-                    if other is not ws and (target := self.pick(other, prompt, exclude)):
-                        break
-            return target
-        return self._choose_around_inhibited(model, prompt, exclude)
+        sets = model.routable_sets
+        if len(sets) > 1 and Upstream.any_inhibited():
+            return self._choose_around_inhibited(model, prompt, exclude)
+        # The common case: one set, or nothing inhibited, so the registry's set weights hold.
+        ws = model.pick_set()
+        if ws is None:
+            return None
+        target = self.pick(ws, prompt, exclude)
+        if target is None and len(sets) > 1:
+            for other in sets:
+                if other is not ws and (target := self.pick(other, prompt, exclude)):
+                    break
+        return target or last_resort(sets, exclude)
 
     def _choose_around_inhibited(
         self, model: Model, prompt: str | None, exclude: Collection[Upstream]
