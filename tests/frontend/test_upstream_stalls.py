@@ -131,3 +131,22 @@ def test_upstream_idle_timeout_comes_from_the_flag_then_the_environment(
     assert config_from_args(parse(["frontend"])).upstream_idle_timeout == 0.0
     with pytest.raises(ValueError, match="--upstream-idle-timeout"):
         config_from_args(parse(["frontend", "--upstream-idle-timeout", "-1"]))
+
+
+async def crash_on_request(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.transport.abort()  # as a worker that dies of this request would
+
+
+async def test_a_request_that_kills_workers_spends_the_retry_budget(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    crashers = [await start_raw(crash_on_request) for _ in range(4)]
+    frontend = await started(start_frontend, *crashers, retries=1)
+    async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+        response = await session.post(f"{frontend.url}/v1/chat/completions", json=BODY)
+        assert response.status == 502
+    # Lost after the request was sent: not free like a refused connect, so one request
+    # cannot take down the whole fleet one instance after another.
+    assert sum(c.requests for c in crashers) == 2
