@@ -83,11 +83,17 @@ async def test_a_head_cut_short_is_retried_on_another_instance(
     assert stalled.requests == 1
 
 
+@pytest.mark.parametrize("first_byte_timeout", [60.0, 0.3])  # the head re-arms, or not
 async def test_a_stream_silent_past_the_idle_timeout_ends_with_the_sse_error_event(
-    start_raw: StartRaw, start_worker: StartWorker, start_frontend: StartFrontend
+    start_raw: StartRaw, start_frontend: StartFrontend, first_byte_timeout: float
 ) -> None:
     stalled = await start_raw(one_event_then_silence)
-    frontend = await started(start_frontend, stalled, upstream_idle_timeout=0.5)
+    frontend = await started(
+        start_frontend,
+        stalled,
+        first_byte_timeout=first_byte_timeout,
+        upstream_idle_timeout=0.5,
+    )
     async with aiohttp.ClientSession() as session, asyncio.timeout(10):
         response = await session.post(
             f"{frontend.url}/v1/chat/completions", json={**BODY, "stream": True}

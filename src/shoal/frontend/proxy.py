@@ -340,6 +340,19 @@ class Forward:
             )
         )
 
+    def _arm_idle_timer(self) -> None:
+        """The head is in: from now on the timer bounds the gaps in the body (if at all)."""
+        idle = self.proxy.upstream_idle_timeout
+        timer = self.timer
+        if idle <= 0:
+            if timer is not None:
+                timer.cancel()
+                self.timer = None
+        elif timer is None or timer.when() - self.client.server.loop.time() > idle:
+            if timer is not None:
+                timer.cancel()
+            self.timer = self.client.server.loop.call_later(idle, self._timer_fired)
+
     def _check_idle(self, conn: UpstreamConnection) -> None:
         """End the response if the instance has sent nothing for the idle timeout."""
         seconds = self.proxy.upstream_idle_timeout
@@ -400,20 +413,9 @@ class Forward:
     # -- ResponseSink ------------------------------------------------------------------------
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
-        self.head_seen = True
-        self.last_read = time.monotonic()
-        idle = self.proxy.upstream_idle_timeout
-        timer = self.timer
-        if idle <= 0:
-            if timer is not None:
-                timer.cancel()
-                self.timer = None
-        elif timer is None or timer.when() - self.client.server.loop.time() > idle:
-            # The first-byte timer, if it fires soon enough, checks idleness itself: one
-            # timer per attempt for all but the longest responses.
-            if timer is not None:
-                timer.cancel()
-            self.timer = self.client.server.loop.call_later(idle, self._timer_fired)
+        self.head_seen = True  # (`flush`, right after this packet is parsed, sets `last_read`)
+        if not self.proxy.first_timer_checks_idle:
+            self._arm_idle_timer()
         if status >= 500 and self._may_retry():
             assert self.target is not None
             self._attempt_failed(UpstreamError(f"instance {self.target.address} answered {status}"))
@@ -554,6 +556,10 @@ class Proxy:
         self.inhibit_seconds = inhibit_seconds
         self.first_byte_timeout = first_byte_timeout  # 0: no limit
         self.upstream_idle_timeout = upstream_idle_timeout  # 0: no limit
+        # The first-byte timer fires within `first_byte_timeout` <= the idle timeout of any
+        # head, so it can check idleness itself: one timer per attempt, nothing to do at the
+        # head (the default). Otherwise the head re-arms or cancels it.
+        self.first_timer_checks_idle = 0 < first_byte_timeout <= upstream_idle_timeout
         dropped = set(_REQUEST_HEADERS_DROPPED)
         if strip_authorization:
             dropped.add(b"authorization")  # the gateway's own key is not the worker's business
