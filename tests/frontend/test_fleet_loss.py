@@ -73,8 +73,12 @@ async def test_losing_a_third_of_the_fleet_fails_no_request_that_had_not_started
     store_url = frontend.config.store_url
     assert store_url is not None
     workers = await asyncio.gather(*(processes.worker(store_url, *FAST) for _ in range(WORKERS)))
-    entry = lambda: frontend.registry.models.get("mock-llm")  # noqa: E731
-    await wait_for(lambda: (m := entry()) is not None and m.live_instances == WORKERS, timeout=20)
+
+    def all_live() -> bool:
+        model = frontend.registry.models.get("mock-llm")
+        return model is not None and model.live_instances == WORKERS
+
+    await wait_for(all_live, timeout=20, message="every worker served")
     clients = Clients(frontend.url)
     tasks = [asyncio.create_task(clients.run(n)) for n in range(CLIENTS)]
     try:
