@@ -257,11 +257,11 @@ async def test_5xx_from_the_last_instance_is_passed_through(
         assert (await response.json())["error"]["message"] == "injected failure"
 
 
-async def test_all_instances_failing_gives_502_after_the_retries(
+async def test_all_instances_refusing_gives_502_after_trying_each(
     start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:
     workers = [await start_worker() for _ in range(4)]
-    frontend = await ready(start_frontend, *workers, retries=2)
+    frontend = await ready(start_frontend, *workers, retries=1)
     for worker in workers:
         await worker.stop()
     async with aiohttp.ClientSession() as session:
@@ -270,7 +270,7 @@ async def test_all_instances_failing_gives_502_after_the_retries(
         )
         assert response.status == 502
         assert (await response.json())["error"]["code"] == "upstream_error"
-    assert frontend.metrics.models["mock-llm"].retries == 2
+    assert frontend.metrics.models["mock-llm"].retries == 3  # refusals spent no retry
 
 
 async def test_failure_after_the_first_byte_ends_the_stream_with_an_error_event(
@@ -465,3 +465,97 @@ async def test_a_slow_instance_that_answers_within_the_timeout_is_kept(
     assert upstreams[hung.instance_id].inhibited
     assert not upstreams[slow.instance_id].inhibited
     assert frontend.metrics.models["mock-llm"].retries == 1
+
+
+@pytest.mark.parametrize("router", ["round-robin", "prefix"])
+@pytest.mark.parametrize("where", ["messages", "prompt", "tools"])
+async def test_a_deeply_nested_body_is_400_saying_why(
+    start_worker: StartWorker, start_frontend: StartFrontend, router: str, where: str
+) -> None:
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker, router=router)
+    nested = b"[" * 100_000 + b"]" * 100_000
+    body = b'{"model":"mock-llm","' + where.encode() + b'":' + nested + b"}"
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{frontend.url}/v1/chat/completions", data=body)
+        assert response.status == 400
+        error = (await response.json())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "nested too deeply" in error["message"]
+    assert worker.requests == 0
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        [{"type": "text", "text": 123}],
+        [{"type": "text", "text": ["a", "b"]}],
+        [{"type": "text", "text": None}, "loose string", 7],
+        {"unexpected": "object"},
+        12.5,
+    ],
+)
+async def test_odd_message_content_is_forwarded_by_the_prefix_router(
+    start_worker: StartWorker, start_frontend: StartFrontend, content: object
+) -> None:
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker, router="prefix")
+    body = {"model": "mock-llm", "messages": [{"role": "user", "content": content}]}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{frontend.url}/v1/chat/completions", json=body)
+        assert response.status == 200  # the worker, not the gateway, judges the content
+    assert json.loads(worker.bodies[-1]) == body
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"messages": [{"role": 5, "content": "x"}]},
+        {"messages": ["not a message"]},
+        {"messages": {"role": "user"}},
+        {"prompt": [[1, 2], "mixed", {"x": 1}]},
+        {"prompt": [None, 3.5]},
+        {"input": {"text": "x"}},
+    ],
+)
+async def test_prompt_extraction_never_fails_a_request(
+    start_worker: StartWorker, start_frontend: StartFrontend, fields: dict[str, object]
+) -> None:
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker, router="prefix")
+    body = {"model": "mock-llm", **fields}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{frontend.url}/v1/completions", json=body)
+        assert response.status != 500
+        assert response.status == 200
+    assert json.loads(worker.bodies[-1]) == body
+
+
+async def test_an_instance_alone_in_its_set_is_left_once_inhibited(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    hung, good = await start_worker(), await start_worker(component="other")
+    hung.answering.clear()  # one set holds only a hung instance, the other a healthy one
+    frontend = await ready(start_frontend, hung, good, first_byte_timeout=0.5, inhibit_seconds=60)
+    assert len(frontend.registry.models["mock-llm"].routable_sets) == 2
+    client = openai_client(frontend)
+    for _ in range(8):
+        async with asyncio.timeout(5):
+            reply = await client.chat.completions.create(model="mock-llm", messages=CHAT)
+        assert reply.choices[0].message.content == f"hello from {good.instance_id:x}"
+    assert hung.requests <= 1  # waited out once at most, then never picked again
+    assert frontend.metrics.models["mock-llm"].retries == hung.requests
+
+
+async def test_refused_connections_cost_no_retry_until_an_instance_answers(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    workers = [await start_worker() for _ in range(5)]
+    frontend = await ready(start_frontend, *workers, retries=0, inhibit_seconds=60)
+    for dead in workers[:4]:
+        await dead.stop()  # still registered: its port now refuses connections
+    client = openai_client(frontend)
+    for _ in range(6):
+        reply = await client.chat.completions.create(model="mock-llm", messages=CHAT)
+        assert reply.choices[0].message.content == f"hello from {workers[4].instance_id:x}"
+    assert frontend.metrics.models["mock-llm"].requests == {200: 6}

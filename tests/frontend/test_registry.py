@@ -354,3 +354,26 @@ def test_a_model_whose_cards_all_declare_the_same_kinds_is_its_own_view() -> Non
         assert model.for_kind(ModelType.COMPLETIONS) is None
     finally:
         registry.close()
+
+
+async def test_embeddings_requests_reach_only_the_instances_that_declare_embeddings(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend()
+    chat_only = [await start_worker(model_types=("chat",)) for _ in range(2)]
+    embedder = await start_worker(model_types=("chat", "embeddings"))
+    await wait_for(lambda: serving(frontend, instances=3))
+    async with aiohttp.ClientSession() as session:
+        for _ in range(6):
+            response = await session.post(
+                f"{frontend.url}/v1/embeddings", json={"model": "mock-llm", "input": "hello"}
+            )
+            assert response.status == 200
+        await embedder.taint("draining")
+        await wait_for(lambda: serving(frontend, instances=2))
+        response = await session.post(
+            f"{frontend.url}/v1/embeddings", json={"model": "mock-llm", "input": "hello"}
+        )
+        assert response.status == 503  # chat instances remain; none of them embeds
+    assert embedder.requests == 6
+    assert [w.requests for w in chat_only] == [0, 0]

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import collections
+import itertools
+import tracemalloc
 
 import pytest
 
 from shoal.cards import WorkerRole
-from shoal.frontend.registry import SetId, WorkerSet
+from shoal.frontend.metrics import FrontendMetrics
+from shoal.frontend.proxy import Proxy
+from shoal.frontend.registry import Model, Registry, SetId, WorkerSet
 from shoal.frontend.router import LeastLoaded, PrefixAware, Random, RoundRobin, make_router
 from shoal.frontend.upstream import Upstream
 
 
-def worker_set(n: int) -> WorkerSet:
-    ws = WorkerSet(SetId("m", "ns", "backend", WorkerRole.AGGREGATED), "sum")
-    ws.routable = tuple(Upstream(i + 1, f"http://127.0.0.1:{9000 + i}") for i in range(n))
+def worker_set(n: int, *, first_port: int = 9000) -> WorkerSet:
+    ws = WorkerSet(SetId("m", "ns", "backend", WorkerRole.AGGREGATED), f"sum{first_port}")
+    ws.routable = tuple(
+        Upstream(first_port - 8999 + i, f"http://127.0.0.1:{first_port + i}") for i in range(n)
+    )
     return ws
 
 
@@ -48,8 +54,10 @@ def test_an_inhibited_instance_is_used_only_when_nothing_else_is_left(policy: st
     ws = worker_set(2)
     router = make_router(policy)
     ws.routable[0].inhibit(60)
-    assert router.pick(ws, "p", [ws.routable[1]]) is ws.routable[0]
-    assert router.pick(ws, "p", list(ws.routable)) is None
+    assert router.pick(ws, "p", [ws.routable[1]]) is None  # a policy never picks it ...
+    model = model_of(ws)
+    assert router.choose(model, "p", [ws.routable[1]]) is ws.routable[0]  # ... the model may
+    assert router.choose(model, "p", list(ws.routable)) is None
 
 
 def test_inhibition_expires() -> None:
@@ -98,9 +106,72 @@ def test_prefix_index_is_bounded() -> None:
     router = PrefixAware(block_chars=4, capacity=50)
     for i in range(100):
         router.pick(ws, f"prompt number {i} " * 5)
-    assert len(ws.router_state.owners) <= 50  # type: ignore[attr-defined]
+    assert len(router.index.owners) <= 50
 
 
 def test_unknown_policy_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="round-robin"):
         make_router("fastest")
+
+
+def model_of(*sets: WorkerSet) -> Model:
+    """A model served by `sets`, weighted by their sizes as the registry does it."""
+    weights = tuple(itertools.accumulate(len(ws.routable) for ws in sets))
+    return Model("m", 0, routable_sets=sets, _cum_weights=weights)
+
+
+def proxy_with(policy: str) -> Proxy:
+    return Proxy(Registry(), make_router(policy), FrontendMetrics())
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "random", "least-loaded", "prefix"])
+def test_inhibited_instances_are_the_last_resort_across_all_sets(policy: str) -> None:
+    hung, healthy = worker_set(1), worker_set(1, first_port=9100)
+    hung.routable[0].inhibit(60)
+    proxy = proxy_with(policy)
+    model = model_of(hung, healthy)
+    picks = {proxy.pick(model, "prompt", []) for _ in range(200)}
+    assert picks == {healthy.routable[0]}
+    # Only when every live instance was tried does an inhibited one get the request.
+    assert proxy.pick(model, "prompt", [healthy.routable[0]]) is hung.routable[0]
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "random", "least-loaded", "prefix"])
+def test_set_weights_ignore_inhibited_instances(policy: str) -> None:
+    big, small = worker_set(4), worker_set(2, first_port=9100)
+    for upstream in big.routable[1:]:
+        upstream.inhibit(60)
+    proxy = proxy_with(policy)
+    model = model_of(big, small)
+    picks = collections.Counter(proxy.pick(model, f"p{i}", []) for i in range(3000))
+    live = [big.routable[0], *small.routable]
+    assert set(picks) == set(live)
+    for upstream in live:  # three live instances: a third each, whichever set holds them
+        assert 0.25 < picks[upstream] / 3000 < 0.42
+
+
+def test_the_last_resort_is_the_instance_whose_inhibition_ends_first() -> None:
+    a, b = worker_set(2), worker_set(2, first_port=9100)
+    for seconds, upstream in zip((40, 10, 30, 20), (*a.routable, *b.routable), strict=True):
+        upstream.inhibit(seconds)
+    proxy = proxy_with("round-robin")
+    model = model_of(a, b)
+    assert proxy.pick(model, None, []) is a.routable[1]
+    assert proxy.pick(model, None, [a.routable[1]]) is b.routable[1]
+    assert proxy.pick(model, None, [*a.routable, *b.routable]) is None
+
+
+def test_prefix_memory_is_bounded_across_all_worker_sets() -> None:
+    router = PrefixAware(block_chars=16, capacity=1000)
+    sets = [worker_set(2) for _ in range(400)]  # e.g. 400 models, each seeing new prompts
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(20):
+            for n, ws in enumerate(sets):
+                router.pick(ws, f"set {n} conversation {i} " * 8)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # 1,000 entries (about 150 KB) in all, not 1,000 per set (a set holds ~160 here: ~10 MB).
+    assert grown < 1_000_000

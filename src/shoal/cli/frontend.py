@@ -149,6 +149,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="how long an instance may take to start answering before the request is retried "
         "elsewhere (and answered 504 when none does); 0: no limit (default 60)",
     )
+    add_number_flag(
+        parser,
+        "--upstream-idle-timeout",
+        float,
+        60,
+        metavar="SECONDS",
+        help="how long an instance may send nothing in the middle of a response before it is "
+        "ended (a stream with an SSE error event); 0: no limit (default 60)",
+    )
     parser.add_argument(
         "--cache-dir",
         type=Path,
@@ -198,6 +207,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     setup_timeout = args.setup_timeout
     if setup_timeout <= 0:
         raise ValueError("--setup-timeout must be more than 0 seconds")
+    if args.upstream_idle_timeout < 0:
+        raise ValueError("--upstream-idle-timeout must be 0 (no limit) or more seconds")
     return FrontendConfig(
         store_url=args.store,
         host=args.host,
@@ -213,6 +224,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         retries=args.retries,
         inhibit_seconds=args.inhibit_seconds,
         first_byte_timeout=args.first_byte_timeout,
+        upstream_idle_timeout=args.upstream_idle_timeout,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         metadata_cache_bytes=args.metadata_cache_bytes,
         metadata_max_file_bytes=args.metadata_max_file_bytes,

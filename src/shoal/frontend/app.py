@@ -63,6 +63,7 @@ class FrontendConfig:
     retries: int = 2
     inhibit_seconds: float = 5.0
     first_byte_timeout: float = 60.0  # seconds for a worker to start answering; 0: no limit
+    upstream_idle_timeout: float = 60.0  # seconds a worker may pause mid-response; 0: no limit
     cache_dir: Path | None = None
     metadata_timeout: float = 30.0
     metadata_cache_bytes: int = DEFAULT_MAX_BYTES
@@ -143,6 +144,7 @@ class Frontend:
             retries=config.retries,
             inhibit_seconds=config.inhibit_seconds,
             first_byte_timeout=config.first_byte_timeout,
+            upstream_idle_timeout=config.upstream_idle_timeout,
             strip_authorization=bool(config.api_keys),
         )
         self._bearer = tuple(f"Bearer {key}".encode() for key in config.api_keys)

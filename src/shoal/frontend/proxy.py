@@ -11,12 +11,18 @@ way, a few counter increments.
 
 Failure handling: a connect error, a transport error or a 5xx before the first response
 byte reached the client marks the instance down for `inhibit_seconds` and tries another
-(up to `retries` more attempts). So does an instance that sends no response byte within
-`first_byte_timeout` of the request (it hangs, or is stuck): one timer handle per attempt,
-cancelled when the response head arrives; when no instance answers in time the client gets
-504. After the first byte, a failure ends an SSE stream with an error event. A client that
-disconnects cancels the handler, which drops the upstream connection so the worker stops
-generating.
+(up to `retries` more attempts). So does an instance that sends no complete response head
+within `first_byte_timeout` of the request (it hangs, is stuck, or stalls mid-head); when
+no instance answers in time the client gets 504. Once the head is in, the gap between
+packets of the body is bounded by `upstream_idle_timeout`; one timer handle per attempt
+covers both. A refused or reset connect costs no attempt: dead instances are skipped, each
+inhibited, until one answers or none is left (within the first-byte timeout counted from
+the request's arrival). A failure before the first byte is retried even if the worker had
+started generating: there is no idempotency key, and a completion has no side effect but
+the compute spent. After the first byte, a failure (an idle timeout included) ends an SSE
+stream with an error event, and any other response by closing the client connection. A
+client that disconnects cancels the handler, which drops the upstream connection so the
+worker stops generating.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from shoal.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics, ModelStats
 from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import Router
 from shoal.frontend.server import HttpConnection, Request, status_line
-from shoal.frontend.upstream import Upstream, UpstreamConnection, UpstreamError
+from shoal.frontend.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,7 @@ _REQUEST_HEADERS_DROPPED = frozenset(
 )
 _RESPONSE_HEADERS_DROPPED = frozenset(
     {
+        b"x-shoal-instance",  # the gateway's own: an upstream's would pass for it
         b"connection",
         b"keep-alive",
         b"proxy-connection",
@@ -70,8 +77,23 @@ _RESPONSE_HEADERS_DROPPED = frozenset(
 )
 
 
+def hop_by_hop(connection: bytes) -> frozenset[bytes]:
+    """The header names a `Connection:` value lists, beyond the usual `keep-alive`/`close`:
+    they are for this hop only (RFC 9110, 7.6.1), so neither direction forwards them."""
+    names = {token.strip().lower() for token in connection.split(b",")}
+    names -= _CONNECTION_OPTIONS
+    return frozenset(names)
+
+
+_CONNECTION_OPTIONS = frozenset({b"", b"keep-alive", b"close"})
+
+
 class FirstByteTimeout(UpstreamError):
-    """An instance sent no response byte within the first-byte timeout."""
+    """An instance sent no complete response head within the first-byte timeout."""
+
+
+class UpstreamIdleTimeout(UpstreamError):
+    """An instance sent nothing for the idle timeout in the middle of a response body."""
 
 
 class Fields(msgspec.Struct):
@@ -101,11 +123,22 @@ _decode_prompt_fields = msgspec.json.Decoder(PromptFields).decode
 def decode_fields(body: bytes, *, with_prompt: bool = False) -> Fields:
     """The routing fields of a body; `ApiError` 400 if it is not a JSON object with a `model`."""
     try:
-        fields = _decode_prompt_fields(body) if with_prompt else _decode_fields(body)
+        try:
+            fields = _decode_prompt_fields(body) if with_prompt else _decode_fields(body)
+        except msgspec.ValidationError:
+            if not with_prompt:
+                raise
+            # An odd prompt is no reason to refuse: route without a prefix hint, and let the
+            # worker judge it (the error, if any, is about `model` or `stream`).
+            fields = _decode_fields(body)
     except msgspec.ValidationError as exc:
         raise errors.bad_request(f"Invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise errors.bad_request(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise errors.bad_request(
+            "The request body is not valid JSON: arrays or objects are nested too deeply."
+        ) from None
     if not fields.model:
         raise errors.bad_request("You must provide a model parameter.", param="model")
     return fields
@@ -122,7 +155,9 @@ def prompt_text(fields: Fields, limit: int = PROMPT_CHARS) -> str:
             content = message.content
             if isinstance(content, list):
                 content = "".join(
-                    p.get("text", "") for p in content if isinstance(p, dict) and p.get("text")
+                    piece
+                    for p in content
+                    if isinstance(p, dict) and isinstance(piece := p.get("text"), str)
                 )
             text = f"{message.role}:{content if isinstance(content, str) else ''}\n"
             parts.append(text)
@@ -134,8 +169,17 @@ def prompt_text(fields: Fields, limit: int = PROMPT_CHARS) -> str:
     if isinstance(value, list) and value:
         value = value[0] if isinstance(value[0], str | list) else value
     if isinstance(value, list):
-        value = ",".join(str(token) for token in value[: limit // 4])
+        value = ",".join(str(t) for t in value[: limit // 4] if type(t) is int)
     return value[:limit] if isinstance(value, str) else ""
+
+
+def _prompt_hint(fields: Fields) -> str:
+    """`prompt_text`, or no hint at all: prompt extraction never fails a request."""
+    try:
+        return prompt_text(fields)
+    except Exception:  # an odd value prompt_text did not foresee: route without a hint
+        log.debug("no prefix hint for an odd prompt", exc_info=True)
+        return ""
 
 
 class Forward:
@@ -158,6 +202,7 @@ class Forward:
         "done",
         "fields",
         "head_seen",
+        "last_read",
         "model",
         "out",
         "prompt",
@@ -188,13 +233,14 @@ class Forward:
         self.fields = fields
         self.stats = stats
         self.stream = bool(fields.stream)
-        self.prompt = prompt_text(fields) if proxy.router.needs_prompt else None
+        self.prompt = _prompt_hint(fields) if proxy.router.needs_prompt else None
         self.tried: list[Upstream] = []
         self.attempt = 0
         self.target: Upstream | None = None
         self.conn: UpstreamConnection | None = None
         self.connecting: asyncio.Task[None] | None = None
-        self.timer: asyncio.TimerHandle | None = None  # the first-byte timeout of the attempt
+        self.timer: asyncio.TimerHandle | None = None  # the first-byte, then idle, timeout
+        self.last_read = 0.0  # monotonic time the last packet of the response arrived
         self.out: list[bytes] = []
         self.status = 0
         self.chunked = False
@@ -225,7 +271,7 @@ class Forward:
                 error = errors.upstream_failed(name, str(failure))
             self._finish(error)
             return
-        if self.attempt:
+        if self.tried:
             self.stats.retries += 1
         self.attempt += 1
         self.target = target
@@ -237,14 +283,21 @@ class Forward:
             self._send(conn)
 
     async def _connect(self, target: Upstream) -> None:
-        """The only await of the request path: opening a connection when none is idle."""
+        """The only await of the request path: opening a connection when none is idle.
+
+        The client may leave as the connect completes, and the result may still arrive
+        despite the cancellation: the new connection then goes to the pool, not astray."""
         try:
             conn = await target.connect()
         except Exception as exc:
             self.connecting = None
-            self._attempt_failed(exc)
+            if not self.done:
+                self._attempt_failed(exc)
             return
         self.connecting = None
+        if self.done or self.target is not target:
+            target.release(conn)
+            return
         self._send(conn)
 
     def _send(self, conn: UpstreamConnection) -> None:
@@ -260,26 +313,63 @@ class Forward:
         conn.send(self.proxy.request_head(self.request, self.target), self.request.body, self)
         if self.proxy.first_byte_timeout > 0:
             self.timer = client.server.loop.call_later(
-                self.proxy.first_byte_timeout, self._first_byte_timed_out
+                self.proxy.first_byte_timeout, self._timer_fired
             )
 
-    def _first_byte_timed_out(self) -> None:
-        """No response byte within the first-byte timeout: drop the connection, try elsewhere."""
+    def _timer_fired(self) -> None:
+        """The attempt's one timer: the first-byte timeout until the head is complete, then
+        the idle timeout between packets of the body. A paused connection (the client is
+        not keeping up) is never the instance's fault: it waits on."""
         self.timer = None
         conn = self.conn
-        if self.done or conn is None or self.head_seen or conn.received:
+        if self.done or conn is None:
             return
-        if conn.paused:  # held back by a slow client, not by the instance: wait on
-            self.timer = self.client.server.loop.call_later(
-                self.proxy.first_byte_timeout, self._first_byte_timed_out
-            )
+        if self.head_seen:
+            self._check_idle(conn)
+            return
+        seconds = self.proxy.first_byte_timeout
+        if conn.paused:
+            self.timer = self.client.server.loop.call_later(seconds, self._timer_fired)
             return
         assert self.target is not None
         self.conn = None  # (not mistaken for an idle connection the worker had closed)
         conn.abort()
-        seconds = self.proxy.first_byte_timeout
         self._attempt_failed(
-            FirstByteTimeout(f"instance {self.target.url} sent nothing within {seconds:g}s")
+            FirstByteTimeout(
+                f"instance {self.target.address} sent no complete response head within {seconds:g}s"
+            )
+        )
+
+    def _arm_idle_timer(self) -> None:
+        """The head is in: from now on the timer bounds the gaps in the body (if at all)."""
+        idle = self.proxy.upstream_idle_timeout
+        timer = self.timer
+        if idle <= 0:
+            if timer is not None:
+                timer.cancel()
+                self.timer = None
+        elif timer is None or timer.when() - self.client.server.loop.time() > idle:
+            if timer is not None:
+                timer.cancel()
+            self.timer = self.client.server.loop.call_later(idle, self._timer_fired)
+
+    def _check_idle(self, conn: UpstreamConnection) -> None:
+        """End the response if the instance has sent nothing for the idle timeout."""
+        seconds = self.proxy.upstream_idle_timeout
+        if seconds <= 0:
+            return
+        now = time.monotonic()
+        if conn.paused:
+            self.last_read = now
+        remaining = self.last_read + seconds - now
+        if remaining > 0:
+            self.timer = self.client.server.loop.call_later(remaining, self._timer_fired)
+            return
+        assert self.target is not None
+        self.conn = None
+        conn.abort()
+        self.on_failure(
+            UpstreamIdleTimeout(f"instance {self.target.address} sent nothing for {seconds:g}s")
         )
 
     def _disarm(self) -> None:
@@ -304,7 +394,14 @@ class Forward:
         target.inhibit(self.proxy.inhibit_seconds)
         self.proxy.metrics.instances_inhibited.inc()
         self.tried.append(target)
+        if isinstance(failure, ConnectRefused) and self._within_deadline():
+            self.attempt -= 1  # a dead instance cost nothing: the retry budget is for slow ones
         self._attempt(failure)
+
+    def _within_deadline(self) -> bool:
+        """Whether the request may still try instances (the first-byte timeout since it came)."""
+        limit = self.proxy.first_byte_timeout
+        return not limit or time.perf_counter() - self.request.received < limit
 
     def _may_retry(self) -> bool:
         """Whether a 5xx is worth another attempt: attempts left, and an instance not tried."""
@@ -316,20 +413,29 @@ class Forward:
     # -- ResponseSink ------------------------------------------------------------------------
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
-        self.head_seen = True
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.head_seen = True  # (`flush`, right after this packet is parsed, sets `last_read`)
+        if not self.proxy.first_timer_checks_idle:
+            self._arm_idle_timer()
         if status >= 500 and self._may_retry():
             assert self.target is not None
-            self._attempt_failed(UpstreamError(f"instance {self.target.url} answered {status}"))
+            self._attempt_failed(UpstreamError(f"instance {self.target.address} answered {status}"))
             return False
         client = self.client
         self.status = status
         parts = [status_line(status)]
+        listed: bytes | None = None  # the upstream's `Connection:` value
         for name, value in headers:
-            if name.lower() not in _RESPONSE_HEADERS_DROPPED:
+            lname = name.lower()
+            if lname not in _RESPONSE_HEADERS_DROPPED:
                 parts += (name, b": ", value, b"\r\n")
+            elif lname == b"connection":
+                listed = value
+        if listed is not None and (hop := hop_by_hop(listed)):
+            parts = [status_line(status)]
+            for name, value in headers:
+                lname = name.lower()
+                if lname not in _RESPONSE_HEADERS_DROPPED and lname not in hop:
+                    parts += (name, b": ", value, b"\r\n")
         if chunked:
             if self.request.http11:
                 self.chunked = True
@@ -354,6 +460,7 @@ class Forward:
             self.out.append(data)
 
     def flush(self) -> None:
+        self.last_read = time.monotonic()
         if not self.out:
             return
         data = self.out[0] if len(self.out) == 1 else b"".join(self.out)
@@ -439,6 +546,7 @@ class Proxy:
         retries: int = 2,
         inhibit_seconds: float = 5.0,
         first_byte_timeout: float = 60.0,
+        upstream_idle_timeout: float = 60.0,
         strip_authorization: bool = False,
     ) -> None:
         self.registry = registry
@@ -447,10 +555,16 @@ class Proxy:
         self.retries = retries
         self.inhibit_seconds = inhibit_seconds
         self.first_byte_timeout = first_byte_timeout  # 0: no limit
+        self.upstream_idle_timeout = upstream_idle_timeout  # 0: no limit
+        # The first-byte timer fires within `first_byte_timeout` <= the idle timeout of any
+        # head, so it can check idleness itself: one timer per attempt, nothing to do at the
+        # head (the default). Otherwise the head re-arms or cancels it.
+        self.first_timer_checks_idle = 0 < first_byte_timeout <= upstream_idle_timeout
         dropped = set(_REQUEST_HEADERS_DROPPED)
         if strip_authorization:
             dropped.add(b"authorization")  # the gateway's own key is not the worker's business
         self._dropped = frozenset(dropped)
+        self._dropped_with_authorization = self._dropped | {b"authorization"}
 
     def handle(self, request: Request, client: HttpConnection, kind: ModelType) -> None:
         """Start answering one request of `kind` (chat, completions, embeddings)."""
@@ -468,24 +582,19 @@ class Proxy:
         elif kind not in model.model_types:
             message = f"The model `{name}` does not serve {kind} requests."
             self._refuse(client, errors.bad_request(message, param="model"), name)
+        elif (narrowed := model.for_kind(kind)) is None or not narrowed.serving:
+            # instances that serve the model, but none of them declares this kind
+            self._refuse(client, errors.no_ready_instance(name), name)
         else:
-            Forward(self, request, client, model, fields, self.metrics.model(name)).start()
+            Forward(self, request, client, narrowed, fields, self.metrics.model(name)).start()
 
     def _refuse(self, client: HttpConnection, error: ApiError, label: str) -> None:
         self.metrics.model(label).count(error.status)
         client.send_error(error)
 
     def pick(self, model: Model, prompt: str | None, tried: list[Upstream]) -> Upstream | None:
-        """An instance of `model` not in `tried`: a set weighted by size, then the policy."""
-        ws = model.pick_set()
-        if ws is None:
-            return None
-        target = self.router.pick(ws, prompt, tried)
-        if target is None and len(model.routable_sets) > 1:
-            for other in model.routable_sets:
-                if other is not ws and (target := self.router.pick(other, prompt, tried)):
-                    break
-        return target
+        """An instance of `model` not in `tried` (see `Router.choose`)."""
+        return self.router.choose(model, prompt, tried)
 
     def request_head(self, request: Request, target: Upstream) -> bytes:
         """The request line and headers for `target`: hop-by-hop headers dropped, length set."""
@@ -499,9 +608,22 @@ class Proxy:
             str(len(request.body)).encode(),
             b"\r\n",
         )
-        dropped = self._dropped
+        if target.authorization is not None:  # the instance URL's credentials
+            parts += (b"authorization: ", target.authorization, b"\r\n")
+            dropped = self._dropped_with_authorization
+        else:
+            dropped = self._dropped
+        mark = len(parts)
+        listed: bytes | None = None  # the client's `Connection:` value
         for name, value in request.headers:
             if name not in dropped:
                 parts += (name, b": ", value, b"\r\n")
+            elif name == b"connection":
+                listed = value
+        if listed is not None and (hop := hop_by_hop(listed)):
+            del parts[mark:]
+            for name, value in request.headers:
+                if name not in dropped and name not in hop:
+                    parts += (name, b": ", value, b"\r\n")
         parts.append(b"\r\n")
         return b"".join(parts)

@@ -1,18 +1,22 @@
-"""Routing policies: which instance of a worker set takes a request.
+"""Routing policies: which instance of a model takes a request.
 
-Every policy picks from the set's precomputed `routable` tuple (joined, untainted), skips
-the instances a request already failed on (`exclude`), and avoids inhibited ones (recently
-failed) unless nothing else is left. Picking is O(1) for round-robin and random in the
-common case, and O(instances in the set) for least-loaded and prefix.
+`Router.choose` makes the whole decision for a model: a worker set weighted by its instances
+that can take the request, then the policy's pick within it. Policies pick from the set's
+precomputed `routable` tuple (joined, untainted), skip the instances a request already failed
+on (`exclude`) and never pick an inhibited (recently failed) instance; those are the last
+resort across all of the model's sets, taken only when nothing else is left. Picking is O(1)
+for round-robin and random in the common case (nothing inhibited), and O(instances in the
+set) for least-loaded and prefix.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import OrderedDict
 from collections.abc import Collection
 
-from shoal.frontend.registry import WorkerSet
+from shoal.frontend.registry import Model, WorkerSet
 from shoal.frontend.upstream import Upstream
 
 POLICIES = ("round-robin", "random", "least-loaded", "prefix")
@@ -27,23 +31,65 @@ class Router:
     def pick(
         self, ws: WorkerSet, prompt: str | None = None, exclude: Collection[Upstream] = ()
     ) -> Upstream | None:
+        """An instance of `ws` that is neither excluded nor inhibited, or None."""
         raise NotImplementedError
+
+    def choose(
+        self, model: Model, prompt: str | None = None, exclude: Collection[Upstream] = ()
+    ) -> Upstream | None:
+        """An instance of `model` not in `exclude`; an inhibited one only if nothing else is left."""
+        sets = model.routable_sets
+        if len(sets) > 1 and Upstream.any_inhibited():
+            return self._choose_around_inhibited(model, prompt, exclude)
+        # The common case: one set, or nothing inhibited, so the registry's set weights hold.
+        ws = model.pick_set()
+        if ws is None:
+            return None
+        target = self.pick(ws, prompt, exclude)
+        if target is None and len(sets) > 1:
+            for other in sets:
+                if other is not ws and (target := self.pick(other, prompt, exclude)):
+                    break
+        return target or last_resort(sets, exclude)
+
+    def _choose_around_inhibited(
+        self, model: Model, prompt: str | None, exclude: Collection[Upstream]
+    ) -> Upstream | None:
+        """Weigh each set by the instances that can take the request now, then pick."""
+        sets = model.routable_sets
+        weights = [
+            sum(1 for u in ws.routable if not u.inhibited and u not in exclude) for ws in sets
+        ]
+        point = random.random() * sum(weights)
+        for ws, weight in zip(sets, weights, strict=True):
+            if weight and point < weight and (target := self.pick(ws, prompt, exclude)):
+                return target
+            point -= weight
+        return last_resort(sets, exclude)
+
+
+def last_resort(sets: Collection[WorkerSet], exclude: Collection[Upstream]) -> Upstream | None:
+    """The instance not in `exclude` whose inhibition ends first: the likeliest to be back."""
+    best: Upstream | None = None
+    for ws in sets:
+        for target in ws.routable:
+            if target not in exclude and (
+                best is None or target.inhibited_until < best.inhibited_until
+            ):
+                best = target
+    return best
 
 
 def _scan(ws: WorkerSet, start: int, exclude: Collection[Upstream]) -> Upstream | None:
-    """The first usable instance from `start` on, wrapping; an inhibited one only as a last resort."""
+    """The first instance from `start` on, wrapping, that is neither excluded nor inhibited."""
     targets = ws.routable
     n = len(targets)
-    fallback: Upstream | None = None
     for i in range(n):
         target = targets[(start + i) % n]
-        if exclude and target in exclude:
-            continue
-        if target.inhibited:
-            fallback = fallback or target
+        if (exclude and target in exclude) or target.inhibited:
             continue
         return target
-    return fallback
+    return None
 
 
 class RoundRobin(Router):
@@ -73,18 +119,13 @@ def _least_loaded(ws: WorkerSet, exclude: Collection[Upstream]) -> Upstream | No
     n = len(targets)
     ws.cursor += 1
     best: Upstream | None = None
-    fallback: Upstream | None = None
     for i in range(n):
         target = targets[(ws.cursor + i) % n]
-        if exclude and target in exclude:
-            continue
-        if target.inhibited:
-            if fallback is None or target.in_flight < fallback.in_flight:
-                fallback = target
+        if (exclude and target in exclude) or target.inhibited:
             continue
         if best is None or target.in_flight < best.in_flight:
             best = target
-    return best or fallback
+    return best
 
 
 class LeastLoaded(Router):
@@ -97,10 +138,13 @@ class LeastLoaded(Router):
 
 
 class PrefixIndex:
-    """Recent prompt prefixes of one worker set, as chained block hashes → instance.
+    """Recent prompt prefixes of every worker set, as chained block hashes → instance.
 
     An approximate radix tree: block i's key hashes blocks 0..i, so a hit on block i means
-    the whole prefix up to it was routed there. Bounded, least recently used first out.
+    the whole prefix up to it was routed there. One index for the whole router, so memory
+    is bounded in total however many models and sets come and go (about 140 bytes an
+    entry); least recently used first out. Each set's chains start from a seed of its own,
+    so sets never share entries.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -132,6 +176,7 @@ class PrefixAware(Router):
 
     Overloaded means more than `balance_threshold` requests in flight above the least-loaded
     instance of the set; then (and for prompts with no known prefix) pick the least loaded.
+    `capacity` bounds the prefix entries kept across all sets.
     """
 
     name = "prefix"
@@ -139,17 +184,18 @@ class PrefixAware(Router):
 
     def __init__(
         self, *, block_chars: int = 128, max_blocks: int = 64, balance_threshold: int = 4,
-        capacity: int = 100_000,
+        capacity: int = 500_000,
     ) -> None:  # fmt: skip
         self.block_chars = block_chars
         self.max_blocks = max_blocks
         self.balance_threshold = balance_threshold
-        self.capacity = capacity
+        self.index = PrefixIndex(capacity)
+        self._seeds = itertools.count(1)
 
-    def block_hashes(self, prompt: str) -> list[int]:
+    def block_hashes(self, prompt: str, seed: int = 0) -> list[int]:
         size = self.block_chars
         hashes: list[int] = []
-        h = 0
+        h = seed
         for start in range(0, min(len(prompt), size * self.max_blocks), size):
             h = hash((h, prompt[start : start + size]))
             hashes.append(h)
@@ -158,14 +204,14 @@ class PrefixAware(Router):
     def pick(
         self, ws: WorkerSet, prompt: str | None = None, exclude: Collection[Upstream] = ()
     ) -> Upstream | None:
-        index = ws.router_state
-        if not isinstance(index, PrefixIndex):
-            index = ws.router_state = PrefixIndex(self.capacity)
         least = _least_loaded(ws, exclude)
         if least is None or not prompt:
             return least
-        hashes = self.block_hashes(prompt)
-        owner, _ = index.match(hashes)
+        seed = ws.router_state
+        if not isinstance(seed, int):
+            seed = ws.router_state = next(self._seeds)
+        hashes = self.block_hashes(prompt, seed)
+        owner, _ = self.index.match(hashes)
         choice = least
         if (
             owner is not None
@@ -175,7 +221,7 @@ class PrefixAware(Router):
             and owner.in_flight - least.in_flight <= self.balance_threshold
         ):
             choice = owner
-        index.record(hashes, choice)
+        self.index.record(hashes, choice)
         return choice
 
 

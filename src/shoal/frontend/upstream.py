@@ -13,9 +13,10 @@ closes it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 import urllib.parse
-from typing import Protocol, cast
+from typing import ClassVar, Protocol, cast
 
 import httptools
 
@@ -24,6 +25,11 @@ MAX_IDLE = 256  # idle keep-alive connections kept per instance
 
 class UpstreamError(ConnectionError):
     """The connection to an instance failed or returned something unusable."""
+
+
+class ConnectRefused(UpstreamError):
+    """The instance refused or reset the connection: nothing was sent, little time was spent,
+    so trying another instance costs nothing (a dead worker, not a slow one)."""
 
 
 class ResponseSink(Protocol):
@@ -51,20 +57,32 @@ class Upstream:
 
     `in_flight` counts requests this frontend has open on it (for least-loaded routing);
     `inhibited_until` (monotonic seconds) keeps it out of routing after a failure.
+    `inhibitions_end` is the latest `inhibited_until` of any instance in the process, so
+    routing knows in one comparison that nothing is inhibited (the common case).
     """
+
+    inhibitions_end: ClassVar[float] = 0.0
 
     def __init__(self, instance_id: int, url: str, *, connect_timeout: float = 5.0) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"instance URL {url!r}: only http://host:port URLs are supported")
         self.instance_id = instance_id
-        self.url = url
+        self.url = url  # as announced (identity for the registry; may hold credentials)
         self.host = parts.hostname
         self.port = parts.port or 80
+        # Credentials in the URL are sent as Basic auth, never in `Host` nor in messages.
+        hostport = parts.netloc.rpartition("@")[2]
+        self.address = urllib.parse.urlunsplit(parts._replace(netloc=hostport))
+        self.authorization: bytes | None = None
+        if parts.username is not None:
+            user = urllib.parse.unquote(parts.username)
+            password = urllib.parse.unquote(parts.password or "")
+            self.authorization = b"Basic " + base64.b64encode(f"{user}:{password}".encode())
         # Requests carry OpenAI paths (/v1/...): a URL ending in /v1 names the same root.
         prefix = parts.path.rstrip("/")
         self.path_prefix = (prefix[:-3] if prefix.endswith("/v1") else prefix).encode()
-        self.host_header = (parts.netloc or f"{self.host}:{self.port}").encode()
+        self.host_header = (hostport or f"{self.host}:{self.port}").encode()
         self.label = f"{instance_id:x}".encode()
         self.connect_timeout = connect_timeout
         self.idle: list[UpstreamConnection] = []
@@ -73,7 +91,7 @@ class Upstream:
         self.closed = False
 
     def __repr__(self) -> str:
-        return f"<Upstream {self.instance_id:x} {self.url}>"
+        return f"<Upstream {self.instance_id:x} {self.address}>"
 
     @property
     def inhibited(self) -> bool:
@@ -86,7 +104,20 @@ class Upstream:
         return False
 
     def inhibit(self, seconds: float) -> None:
-        self.inhibited_until = time.monotonic() + seconds
+        self.inhibited_until = until = time.monotonic() + seconds
+        if until > Upstream.inhibitions_end:
+            Upstream.inhibitions_end = until
+
+    @staticmethod
+    def any_inhibited() -> bool:
+        """False when no instance at all is inhibited: routing can skip inhibition checks."""
+        end = Upstream.inhibitions_end
+        if end == 0.0:
+            return False
+        if end > time.monotonic():
+            return True
+        Upstream.inhibitions_end = 0.0
+        return False
 
     def take_idle(self) -> UpstreamConnection | None:
         """The most recently used idle connection that is still open, if any."""
@@ -101,12 +132,16 @@ class Upstream:
         """Open a new connection; raises `UpstreamError` if it cannot within the timeout."""
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: UpstreamConnection(self), self.host, self.port),
-                self.connect_timeout,
-            )
-        except (OSError, TimeoutError) as exc:
-            raise UpstreamError(f"cannot connect to {self.url}: {exc or 'timed out'}") from exc
+            # `asyncio.timeout`, not `wait_for`: on 3.11 `wait_for` can swallow a cancellation
+            # that arrives as the connect completes (and runs the connect in a task of its own).
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: UpstreamConnection(self), self.host, self.port
+                )
+        except TimeoutError as exc:
+            raise UpstreamError(f"cannot connect to {self.address}: timed out") from exc
+        except OSError as exc:
+            raise ConnectRefused(f"cannot connect to {self.address}: {exc}") from exc
         return conn
 
     def release(self, conn: UpstreamConnection) -> None:
@@ -137,9 +172,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.sink: ResponseSink | None = None
         self.reused = False  # carried a response before this one
-        self.received = False  # a byte of the current response arrived
         self._headers: list[tuple[bytes, bytes]] = []
         self._until_eof = False  # the response has no length: it ends when the connection does
+        self._interim = False  # parsing a 1xx response
         self._paused = False
 
     @property
@@ -155,9 +190,9 @@ class UpstreamConnection(asyncio.Protocol):
         """Write a request (head, then body) and deliver its response to `sink`."""
         assert self.transport is not None
         self.sink = sink
-        self.received = False
         self._headers = []
         self._until_eof = False
+        self._interim = False
         if len(body) < 65536:
             self.transport.write(data + body)
         else:
@@ -201,7 +236,7 @@ class UpstreamConnection(asyncio.Protocol):
             sink.on_complete()
         else:
             reason = f": {exc}" if exc else ""
-            sink.on_failure(UpstreamError(f"connection to {self.upstream.url} lost{reason}"))
+            sink.on_failure(UpstreamError(f"connection to {self.upstream.address} lost{reason}"))
 
     def data_received(self, data: bytes) -> None:
         if self.sink is None:
@@ -209,7 +244,6 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
-        self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -218,7 +252,7 @@ class UpstreamConnection(asyncio.Protocol):
                 self.transport.abort()
             if sink is not None:
                 sink.on_failure(
-                    UpstreamError(f"malformed response from {self.upstream.url}: {exc}")
+                    UpstreamError(f"malformed response from {self.upstream.address}: {exc}")
                 )
             return
         if self.sink is not None:
@@ -242,15 +276,33 @@ class UpstreamConnection(asyncio.Protocol):
             elif lname == b"content-length":
                 has_length = True
         status = self.parser.get_status_code()
+        if status < 200:
+            self._interim_head(sink, status)
+            return
         self._until_eof = not chunked and not has_length and status not in (204, 304)
         if not sink.on_head(status, self._headers, chunked or self._until_eof):
             self.abort()
+
+    def _interim_head(self, sink: ResponseSink, status: int) -> None:
+        """A 1xx response (100 Continue, 103 Early Hints): not relayed; the final one follows.
+
+        101 Switching Protocols is never asked for (`Upgrade` is not forwarded), so it is a
+        failure, and the connection is closed rather than pooled in an unknown state."""
+        self._headers = []
+        if status == 101:
+            self.abort()
+            sink.on_failure(UpstreamError(f"{self.upstream.address} switched protocols unasked"))
+            return
+        self._interim = True
 
     def on_body(self, body: bytes) -> None:
         if self.sink is not None:
             self.sink.on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:  # the end of a 1xx response: the same sink awaits the final one
+            self._interim = False
+            return
         sink, self.sink = self.sink, None
         self._until_eof = False
         if sink is None:

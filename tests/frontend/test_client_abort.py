@@ -1,0 +1,66 @@
+"""A client that leaves while its request's upstream connection is being opened."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from typing import Any
+
+import pytest
+
+from shoal.frontend.upstream import Upstream, UpstreamConnection
+from tests.frontend.conftest import StartFrontend
+from tests.frontend.raw_upstream import StartRaw, completion, start_raw
+from tests.frontend.support import serving
+from tests.helpers import wait_for
+
+__all__ = ["start_raw"]  # the fixture
+
+REQUEST = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-length: 64\r\n\r\n"
+    b'{"model":"mock-llm","messages":[{"role":"user","content":"hi"}]}'
+)
+
+
+async def answer(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(completion())
+
+
+async def test_a_client_leaving_as_the_upstream_connect_completes_leaks_nothing(
+    start_raw: StartRaw, start_frontend: StartFrontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    upstream = await start_raw(answer)
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend), message="model served")
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    connected = asyncio.Event()
+    real_connect = Upstream.connect
+
+    async def connect_as_the_client_leaves(self: Upstream) -> UpstreamConnection:
+        conn = await real_connect(self)
+        # The client goes away in the same loop iteration as the connect completes: the
+        # cancellation arrives, but the connect's result is delivered (as 3.11's wait_for can).
+        assert frontend.server is not None
+        for client in list(frontend.server.connections):
+            client.connection_lost(None)
+        connected.set()
+        return conn
+
+    monkeypatch.setattr(Upstream, "connect", connect_as_the_client_leaves)
+    _, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    writer.write(REQUEST)
+    await asyncio.wait_for(connected.wait(), 5)
+    writer.close()
+    monkeypatch.undo()
+    await wait_for(lambda: upstream.open_connections == 1, message="the connection was accepted")
+    gc.collect()  # a task that failed with nobody to see it reports it now
+    (target,) = frontend.registry.models["mock-llm"].routable_sets[0].routable
+    # The fresh connection is pooled for the next request, not left open with no owner.
+    assert len(target.idle) == upstream.open_connections == 1
+    assert target.in_flight == 0
+    assert errors == []
+    assert frontend.metrics.models["mock-llm"].in_flight == 0

@@ -1,0 +1,118 @@
+"""What the gateway relays between client and upstream: interim responses, hop-by-hop
+headers, its own headers, and credentials in instance URLs. Raw sockets on both sides, so
+no HTTP library smooths over what was actually sent."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+from shoal.frontend import Frontend
+from shoal.frontend.upstream import Upstream
+from tests.frontend.conftest import StartFrontend
+from tests.frontend.raw_upstream import StartRaw, completion, start_raw
+from tests.frontend.support import count_responses, raw_exchange, serving
+from tests.helpers import wait_for
+
+__all__ = ["start_raw"]  # the fixture
+
+BODY = b'{"model":"mock-llm","messages":[{"role":"user","content":"hi"}]}'
+
+
+def post(*headers: bytes) -> bytes:
+    extra = b"".join(h + b"\r\n" for h in headers)
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+        + extra
+        + b"content-length: %d\r\n\r\n" % len(BODY)
+        + BODY
+    )
+
+
+def head_of(response: bytes) -> list[str]:
+    return response.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower().split("\r\n")
+
+
+async def started(start_frontend: StartFrontend, instances: int = 1) -> Frontend:
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend, "mock-llm", instances), message="model served")
+    return frontend
+
+
+async def early_hints_then_ok(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(
+        b"HTTP/1.1 100 Continue\r\n\r\n"
+        b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n" + completion("final")
+    )
+
+
+async def test_interim_responses_are_skipped_and_the_final_one_relayed(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    upstream = await start_raw(early_hints_then_ok)
+    frontend = await started(start_frontend)
+    received = await raw_exchange(frontend.port, post() * 3, responses=3)
+    assert count_responses(received) == 3
+    assert received.count(b"HTTP/1.1 200 OK\r\n") == 3
+    assert b"HTTP/1.1 10" not in received
+    assert received.count(b'"content":"final"') == 3
+    # The pooled connection stayed in step: all three went over the first one.
+    assert upstream.requests == 3 and upstream.open_connections == 1
+
+
+async def answer_with_hop_headers(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(
+        completion(
+            extra_headers=b"connection: x-up-hop\r\nx-up-hop: secret\r\nx-up-kept: yes\r\n"
+            b"x-shoal-instance: forged\r\n"
+        )
+    )
+
+
+async def test_headers_named_in_connection_are_not_forwarded_either_way(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    upstream = await start_raw(answer_with_hop_headers)
+    frontend = await started(start_frontend)
+    request = post(b"Connection: keep-alive, X-Hop", b"x-hop: secret", b"x-kept: yes")
+    received = await raw_exchange(frontend.port, request)
+    sent_upstream = head_of(upstream.raw_requests[-1])
+    assert "x-kept: yes" in sent_upstream
+    assert not [line for line in sent_upstream if line.startswith(("x-hop", "connection"))]
+    relayed = head_of(received)
+    assert relayed[0] == "http/1.1 200 ok"
+    assert "x-up-kept: yes" in relayed
+    assert not [line for line in relayed if line.startswith("x-up-hop")]
+    # Only the gateway says which instance answered.
+    assert [line for line in relayed if line.startswith("x-shoal-instance")] == [
+        f"x-shoal-instance: {upstream.instance_id:x}"
+    ]
+
+
+async def test_instance_url_credentials_are_sent_as_basic_auth_never_in_host(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    upstream = await start_raw(answer_with_hop_headers, userinfo="worker:p%40ss@")
+    frontend = await started(start_frontend)
+    await raw_exchange(frontend.port, post(b"authorization: Bearer client-key"))
+    sent_upstream = head_of(upstream.raw_requests[-1])
+    assert f"host: 127.0.0.1:{upstream.raw_port}" in sent_upstream
+    expected = "basic " + base64.b64encode(b"worker:p@ss").decode().lower()
+    assert [line for line in sent_upstream if line.startswith("authorization")] == [
+        f"authorization: {expected}"
+    ]
+    assert "p%40ss" not in repr(frontend.registry.models["mock-llm"].routable_sets[0].routable)
+
+
+def test_an_upstream_without_credentials_sends_none() -> None:
+    upstream = Upstream(1, "http://127.0.0.1:9/v1")
+    assert upstream.host_header == b"127.0.0.1:9"
+    assert upstream.authorization is None
+    assert upstream.address == "http://127.0.0.1:9/v1"
+    with_credentials = Upstream(2, "http://u:s3cret@127.0.0.1:9/v1")
+    assert with_credentials.host_header == b"127.0.0.1:9"
+    assert "s3cret" not in with_credentials.address and "s3cret" not in repr(with_credentials)

@@ -1,0 +1,158 @@
+"""Upstreams that stall part-way: in the response head, or between body bytes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from shoal.cli.frontend import config_from_args
+from shoal.cli.main import build_parser
+from shoal.frontend import Frontend
+from tests.frontend.conftest import StartFrontend, StartWorker
+from tests.frontend.raw_upstream import StartRaw, start_raw, until_closed
+from tests.frontend.support import serving
+from tests.helpers import wait_for
+
+__all__ = ["start_raw"]  # the fixture
+
+BODY = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def half_a_head(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+    await until_closed(reader)
+
+
+async def one_event_then_silence(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+        b"\r\n%x\r\n%s\r\n" % (len(event), event)
+    )
+    await until_closed(reader)
+
+
+async def part_of_a_body_then_silence(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"
+    )
+    await until_closed(reader)
+
+
+async def started(start_frontend: StartFrontend, *workers: object, **settings: object) -> Frontend:
+    frontend = await start_frontend(**settings)
+    await wait_for(lambda: serving(frontend, "mock-llm", len(workers)), message="model served")
+    return frontend
+
+
+async def test_a_head_cut_short_is_timed_out_like_no_head_at_all(
+    start_raw: StartRaw, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    stalled = await start_raw(half_a_head)
+    frontend = await started(start_frontend, stalled, first_byte_timeout=0.5)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+        response = await session.post(f"{frontend.url}/v1/chat/completions", json=BODY)
+        assert response.status == 504
+        assert (await response.json())["error"]["code"] == "upstream_timeout"
+    assert loop.time() - began < 5
+
+
+async def test_a_head_cut_short_is_retried_on_another_instance(
+    start_raw: StartRaw, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    stalled = await start_raw(half_a_head)
+    good = await start_worker()
+    frontend = await started(
+        start_frontend, stalled, good, first_byte_timeout=0.5, inhibit_seconds=60
+    )
+    async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+        for _ in range(2):
+            response = await session.post(f"{frontend.url}/v1/chat/completions", json=BODY)
+            assert response.status == 200
+            assert response.headers["x-shoal-instance"] == f"{good.instance_id:x}"
+    assert stalled.requests == 1
+
+
+@pytest.mark.parametrize("first_byte_timeout", [60.0, 0.3])  # the head re-arms, or not
+async def test_a_stream_silent_past_the_idle_timeout_ends_with_the_sse_error_event(
+    start_raw: StartRaw, start_frontend: StartFrontend, first_byte_timeout: float
+) -> None:
+    stalled = await start_raw(one_event_then_silence)
+    frontend = await started(
+        start_frontend,
+        stalled,
+        first_byte_timeout=first_byte_timeout,
+        upstream_idle_timeout=0.5,
+    )
+    async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+        response = await session.post(
+            f"{frontend.url}/v1/chat/completions", json={**BODY, "stream": True}
+        )
+        assert response.status == 200
+        received = await response.read()  # ends: the gateway closed the stream
+    first, error = received.split(b"\n\n")[:2]
+    assert first.startswith(b"data: ") and b'"content":"a"' in first
+    assert error.startswith(b"data: ")
+    assert b'"upstream_error"' in error and b"0.5s" in error
+    await wait_for(lambda: stalled.open_connections == 0, message="upstream connection dropped")
+
+
+async def test_a_body_silent_past_the_idle_timeout_closes_the_client_connection(
+    start_raw: StartRaw, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    stalled = await start_raw(part_of_a_body_then_silence)
+    frontend = await started(start_frontend, stalled, upstream_idle_timeout=0.5)
+    async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+        response = await session.post(f"{frontend.url}/v1/chat/completions", json=BODY)
+        assert response.status == 200
+        try:
+            await response.read()
+        except aiohttp.ClientPayloadError:
+            pass  # the body was cut short: only closing the connection can say so
+        else:
+            raise AssertionError("a body shorter than its content-length was accepted")
+    await wait_for(lambda: stalled.open_connections == 0, message="upstream connection dropped")
+
+
+def test_upstream_idle_timeout_comes_from_the_flag_then_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SHOAL_UPSTREAM_IDLE_TIMEOUT", raising=False)
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["frontend"])).upstream_idle_timeout == 60.0
+    flag = ["frontend", "--upstream-idle-timeout", "2.5"]
+    assert config_from_args(parse(flag)).upstream_idle_timeout == 2.5
+    monkeypatch.setenv("SHOAL_UPSTREAM_IDLE_TIMEOUT", "0")
+    parse = build_parser().parse_args  # (defaults are read when the parser is built)
+    assert config_from_args(parse(["frontend"])).upstream_idle_timeout == 0.0
+    with pytest.raises(ValueError, match="--upstream-idle-timeout"):
+        config_from_args(parse(["frontend", "--upstream-idle-timeout", "-1"]))
+
+
+async def crash_on_request(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.transport.abort()  # as a worker that dies of this request would
+
+
+async def test_a_request_that_kills_workers_spends_the_retry_budget(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    crashers = [await start_raw(crash_on_request) for _ in range(4)]
+    frontend = await started(start_frontend, *crashers, retries=1)
+    async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+        response = await session.post(f"{frontend.url}/v1/chat/completions", json=BODY)
+        assert response.status == 502
+    # Lost after the request was sent: not free like a refused connect, so one request
+    # cannot take down the whole fleet one instance after another.
+    assert sum(c.requests for c in crashers) == 2
