@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from shoal.store import open_store
 from tests.processes import shoal
 from tests.worker.conftest import StartWorker
 
@@ -40,3 +41,23 @@ async def test_ls_on_an_unreachable_store_fails_with_a_message_naming_it() -> No
     code, _, err = await shoal_ls("--store", "sqlite:///dev/null/nope/store.db")
     assert code == 1
     assert "sqlite:///dev/null/nope/store.db" in err
+
+
+async def test_ls_counts_and_names_values_written_by_hand_that_are_not_cards(
+    start_worker: StartWorker, store_url: str
+) -> None:
+    worker = await start_worker("--namespace", "team-a")
+    store = await open_store(store_url)
+    try:
+        await store.put(f"shoal/v1/models/team-a/backend/generate/{worker.instance_id:x}/bad", b"{")
+        await store.put("shoal/v1/instances/team-a/backend/generate/00ff", b"{}")
+    finally:
+        await store.close()
+    code, out, _ = await shoal_ls("--store", store_url, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert [m["model"] for m in data["models"]] == ["mock-model"]  # the valid card stays listed
+    assert len(data["skipped"]) == 2
+    assert all(entry["reason"] for entry in data["skipped"])
+    code, out, _ = await shoal_ls("--store", store_url)
+    assert "2 value(s) skipped" in out and "/bad" in out

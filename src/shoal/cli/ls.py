@@ -36,6 +36,9 @@ async def collect(store_url: str, namespace: str | None) -> dict[str, Any]:
         await store.close()
     return {
         "store": store_url,
+        # values that are not a valid card or instance (written by hand, or by a newer or
+        # broken worker): never served, counted and named here
+        "skipped": [{"key": k, "reason": r} for k, r in sorted(disc.skipped.items())],
         "models": [
             {
                 "model": m.card.display_name,
@@ -99,4 +102,7 @@ def run(args: argparse.Namespace) -> int:
         print(table(data["instances"], ["endpoint", "instance", "url", "status_url"]))
     else:
         print("no endpoint instances registered")
+    if data["skipped"]:
+        print(f"\n{len(data['skipped'])} value(s) skipped, not a valid card or instance:")
+        print(table(data["skipped"], ["key", "reason"]))
     return 0
