@@ -78,7 +78,7 @@ async def test_invalid_field_is_422_naming_it(client: CatalogClient) -> None:
         await client.create(MODELS, {"name": "m", "context_length": -1})
     assert caught.value.param == "context_length"
     with pytest.raises(InvalidError) as caught:
-        await client.create(PROVIDERS, {"name": "p", "kind": "url"})
+        await client.create(PROVIDERS, {"name": "p", "type": "url"})
     assert caught.value.param == "base_url"
     await client.create(MODELS, {"name": "m"})
     with pytest.raises(InvalidError) as caught:
@@ -111,7 +111,7 @@ async def test_workspaces_are_created_on_first_use(client: CatalogClient) -> Non
     assert await client.workspaces() == []
     await client.create(MODELS, {"name": "m"}, workspace="blue")
     await client.create(MODELS, {"name": "m"}, workspace="green")
-    await client.create(PROVIDERS, {"name": "p", "kind": "fleet"}, workspace="blue")
+    await client.create(PROVIDERS, {"name": "p", "type": "fleet"}, workspace="blue")
     assert [w.name for w in await client.workspaces()] == ["blue", "green"]
     assert (await client.list(MODELS, workspace="green")).total == 1
 
@@ -121,7 +121,7 @@ async def test_secret_is_only_a_name_and_a_value_is_refused(client: CatalogClien
         PROVIDERS,
         {
             "name": "hosted",
-            "kind": "url",
+            "type": "url",
             "base_url": "https://api.example/v1",
             "auth_secret": "HOSTED_KEY",
         },
@@ -130,7 +130,7 @@ async def test_secret_is_only_a_name_and_a_value_is_refused(client: CatalogClien
     with pytest.raises(InvalidError) as caught:
         await client.create(
             PROVIDERS,
-            {"name": "leak", "kind": "url", "base_url": "https://x/v1", "api_key": "sk-123"},
+            {"name": "leak", "type": "url", "base_url": "https://x/v1", "api_key": "sk-123"},
         )
     assert caught.value.param == "api_key"
     async with (

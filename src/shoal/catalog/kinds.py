@@ -33,7 +33,7 @@ class Kind(Generic[R]):
 
 PROVIDERS: Kind[r.Provider] = Kind(
     "providers", "Provider", r.ProviderSpec, r.ProviderCreate, r.ProviderPatch, r.Provider,
-    tables.providers, frozenset({"kind", "namespace", "status", "auth_secret"}),
+    tables.providers, frozenset({"type", "namespace", "status", "auth_secret"}),
     frozenset({"status", "status_message", "served_models"}),
 )  # fmt: skip
 MODELS: Kind[r.Model] = Kind(

@@ -55,9 +55,11 @@ class ServedModel(Strict):
 class ProviderSpec(Strict):
     """Where inference is served: an OpenAI-compatible URL, or models in a fleet namespace."""
 
-    kind: Literal["url", "fleet"]
+    type: Literal["url", "fleet"] = Field(
+        description="url: an OpenAI-compatible base_url; fleet: models in shoal discovery"
+    )
     base_url: Annotated[str, Field(max_length=2000, pattern=r"^https?://\S+$")] | None = Field(
-        None, validate_default=True, description="required for kind url, refused for fleet"
+        None, validate_default=True, description="required for type url, refused for fleet"
     )
     auth_secret: Annotated[str, Field(max_length=200, pattern=SECRET_PATTERN)] | None = Field(
         None, description="the name of a secret the frontend resolves; never its value"
@@ -67,6 +69,7 @@ class ProviderSpec(Strict):
         None, max_length=10000, description="allow-list of served model names; null allows all"
     )
     description: Text = ""
+    autoprovisioned: bool = Field(False, description="made by the controller, not a user")
     status: ProviderStatus = ProviderStatus.CREATED
     status_message: Text = ""
     served_models: list[ServedModel] | None = Field(
@@ -76,11 +79,11 @@ class ProviderSpec(Strict):
     @field_validator("base_url")
     @classmethod
     def _base_url_for_kind(cls, value: str | None, info: ValidationInfo) -> str | None:
-        kind = info.data.get("kind")
+        kind = info.data.get("type")
         if kind == "url" and not value:
-            raise ValueError("required when kind is url")
+            raise ValueError("required when type is url")
         if kind == "fleet" and value:
-            raise ValueError("only for kind url (a fleet provider serves from discovery)")
+            raise ValueError("only for type url (a fleet provider serves from discovery)")
         return value
 
 
@@ -95,6 +98,7 @@ class ModelSpec(Strict):
         default_factory=list, max_length=10000, description='providers serving it, "workspace/name"'
     )
     spec: dict[str, Any] = Field(default_factory=dict, description="free-form")
+    autoprovisioned: bool = Field(False, description="made by the controller, not a user")
 
 
 class Target(Strict):
@@ -160,12 +164,13 @@ class Patch(Strict):
 
 
 class ProviderPatch(Patch):
-    kind: Literal["url", "fleet"] | None = None
+    type: Literal["url", "fleet"] | None = None
     base_url: str | None = None
     auth_secret: str | None = None
     namespace: str | None = None
     enabled_models: list[str] | None = None
     description: str | None = None
+    autoprovisioned: bool | None = None
     status: ProviderStatus | None = None
     status_message: str | None = None
     served_models: list[ServedModel] | None = None
@@ -178,6 +183,7 @@ class ModelPatch(Patch):
     context_length: int | None = None
     providers: list[str] | None = None
     spec: dict[str, Any] | None = None
+    autoprovisioned: bool | None = None
 
 
 class VirtualModelPatch(Patch):
