@@ -6,6 +6,8 @@ import asyncio
 import re
 from pathlib import Path
 
+import pytest
+
 from shoal.catalog import MODELS, PROVIDERS, CatalogClient, CatalogServer
 from tests.helpers import free_port
 from tests.processes import Processes, shoal
@@ -113,3 +115,21 @@ async def test_serve_migrate_get_delete_end_to_end(processes: Processes, tmp_pat
     assert (await catalog_cli("delete", "models", "m", *auth))[1] == "model default/m deleted\n"
     code, _, err = await catalog_cli("delete", "models", "m", *auth)
     assert code == 1 and "no Model 'm'" in err
+
+
+async def test_up_runs_the_catalog_beside_the_frontend(
+    processes: Processes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHOAL_CATALOG_DB", f"sqlite:///{tmp_path / 'catalog.db'}")
+    catalog_port = free_port()
+    await processes.start(
+        "up", "--workers", "0", "--port", str(free_port()), "--catalog-port", str(catalog_port),
+        "--store", f"sqlite:///{tmp_path / 'store.db'}",
+        ready=re.compile(r"^Press Ctrl-C to stop\.$"), timeout=60,
+    )  # fmt: skip
+    file = tmp_path / "alias.yaml"
+    file.write_text("kind: VirtualModel\nname: chat\ndefault_model: mock-llm\n")
+    url = f"http://127.0.0.1:{catalog_port}"
+    code, out, err = await catalog_cli("apply", "-f", str(file), "--url", url)
+    assert (code, out) == (0, "virtual-model default/chat created\n"), err
+    assert (tmp_path / "catalog.db").exists()

@@ -233,3 +233,29 @@ async def delete(client: Any, args: argparse.Namespace) -> int:
     await client.delete(kind, args.name)
     print(f"{kind.plural.rstrip('s')} {args.workspace}/{args.name} deleted")
     return 0
+
+
+def add_catalog_port_flag(parser: argparse.ArgumentParser) -> None:
+    """`--catalog-port` for `shoal up`, which runs the catalog beside the frontend."""
+    add_number_flag(
+        parser,
+        "--catalog-port",
+        int,
+        DEFAULT_PORT,
+        help=f"port of the catalog API on the embedded database (default {DEFAULT_PORT})",
+    )
+
+
+async def start_catalog(host: str, port: int) -> Any:
+    """The catalog API on the default database, started; `None` once a warning is printed
+    (`shoal up` serves models without it: the catalog is desired state, not the request path)."""
+    from shoal.catalog import CatalogConfig, CatalogServer, default_database_url
+
+    server = CatalogServer(CatalogConfig(database_url=default_database_url(), host=host, port=port))
+    try:
+        await server.start()
+    except Exception as exc:  # a database or socket error, reported in one line
+        print(f"shoal up: the catalog is not running: {exc}", file=sys.stderr)
+        await server.stop()
+        return None
+    return server
