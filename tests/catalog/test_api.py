@@ -162,7 +162,7 @@ async def test_list_pages_sorts_filters_and_counts(client: CatalogClient) -> Non
     assert [m.name for m in gguf] == [f"m{i:02d}" for i in range(1, 25, 2)]
     with pytest.raises(InvalidError) as caught:
         await client.list(MODELS, filters={"context_length": "1"})
-    assert caught.value.param == "filter"
+    assert caught.value.param == "filter.0"  # the first filter
     with pytest.raises(InvalidError) as caught:
         await client.list(MODELS, page_size=1001)
     assert caught.value.param == "page_size"

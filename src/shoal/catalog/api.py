@@ -15,7 +15,7 @@ from fastapi import Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
+from pydantic import BaseModel, StringConstraints
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException
 
@@ -36,6 +36,7 @@ T = TypeVar("T")
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text}
     for status, text in (
+        (400, "the body is not JSON"),
         (401, "the admin token is missing or wrong"),
         (404, "no such workspace or resource"),
         (409, "a stale version, or the name exists"),
@@ -56,13 +57,16 @@ SortParam = Annotated[
         description="name, created_at, updated_at or version; '-' first for descending",
     ),
 ]
-FilterParam = Annotated[
-    list[str] | None,
-    Query(
-        max_length=20,
-        description="`field=value` (exact match), repeatable; fields: name and the kind's own",
-    ),
-]
+
+
+def filter_param(kind: Kind[Any]) -> Any:
+    """`filter=field=value` (repeatable, exact match) on `name` and the kind's string fields."""
+    fields = "|".join(sorted({"name", *kind.filterable}))
+    item = Annotated[str, StringConstraints(pattern=rf"^({fields})=[^\x00]*$", max_length=500)]
+    return Annotated[
+        list[item] | None,  # type: ignore[valid-type]
+        Query(max_length=20, description=f"`field=value`, exact match, on {fields}"),
+    ]
 
 
 class PageOut(BaseModel, Generic[T]):
@@ -119,7 +123,9 @@ async def _on_http_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     error = CatalogError(str(exc.detail))
     error.status, error.code = exc.status_code, "http_error"
-    return _error(error)
+    response = _error(error)
+    response.headers.update(exc.headers or {})  # 405 keeps its Allow header
+    return response
 
 
 def _guard(token: str | None) -> Callable[..., Awaitable[None]]:
@@ -168,8 +174,9 @@ def create_app(
     app.add_exception_handler(HTTPException, _on_http_error)
     repo = Repository(engine)
     app.state.repository = repo
-    write = [Depends(_guard(admin_token))]
-    read = [Depends(_no_guard if public_read else _guard(admin_token))]
+    guard = _guard(admin_token) if admin_token is not None else _no_guard
+    write = [Depends(guard)]
+    read = [Depends(_no_guard if public_read else guard)]
     _workspace_routes(app, repo, read)
     for kind in KINDS:
         _kind_routes(app, repo, kind, read, write)
@@ -208,6 +215,7 @@ def _kind_routes(
     op = kind.plural.replace("-", "_")
     common: dict[str, Any] = {"responses": ERRORS, "tags": [kind.plural]}
     Create, PatchBody, Read = kind.create, kind.patch, kind.read
+    FilterParam = filter_param(kind)
 
     page_of_read: Any = PageOut[Read]  # type: ignore[valid-type]
 
@@ -219,7 +227,7 @@ def _kind_routes(
         page: PageParam = 1,
         page_size: PageSizeParam = 100,
         sort: SortParam = "name",
-        filter: FilterParam = None,
+        filter: FilterParam = None,  # type: ignore[valid-type]
     ) -> Any:
         found = await repo.list(
             kind, workspace, page=page, page_size=page_size, sort=sort, filters=_filters(filter)

@@ -12,7 +12,8 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
+from pydantic.fields import FieldInfo
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]*$"
 WORKSPACE_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
@@ -163,45 +164,22 @@ class Patch(Strict):
     version: Version | None = Field(None, description="answer 409 unless the row has it")
 
 
-class ProviderPatch(Patch):
-    type: Literal["url", "fleet"] | None = None
-    base_url: str | None = None
-    auth_secret: str | None = None
-    namespace: str | None = None
-    enabled_models: list[str] | None = None
-    description: str | None = None
-    autoprovisioned: bool | None = None
-    status: ProviderStatus | None = None
-    status_message: str | None = None
-    served_models: list[ServedModel] | None = None
+def patch_of(spec: type[BaseModel]) -> type[Patch]:
+    """The PATCH body of `spec`: every field optional, with the spec's own type and limits
+    (an explicit null is refused where the field is not nullable), plus `version`."""
+    fields: dict[str, Any] = {}
+    for name, info in spec.model_fields.items():
+        optional = FieldInfo.merge_field_infos(info, default=None)
+        optional.default_factory = None
+        fields[name] = (info.annotation, optional)
+    name = spec.__name__.removesuffix("Spec") + "Patch"
+    return create_model(name, __base__=Patch, __doc__=f"Changes to a {name[:-5]}.", **fields)
 
 
-class ModelPatch(Patch):
-    description: str | None = None
-    base_model: str | None = None
-    format: str | None = None
-    context_length: int | None = None
-    providers: list[str] | None = None
-    spec: dict[str, Any] | None = None
-    autoprovisioned: bool | None = None
-
-
-class VirtualModelPatch(Patch):
-    description: str | None = None
-    default_model: str | None = None
-    targets: list[Target] | None = None
-    autoprovisioned: bool | None = None
-
-
-class DeploymentPatch(Patch):
-    model: str | None = None
-    engine: Literal["mocker", "openai", "llamacpp"] | None = None
-    engine_args: dict[str, Any] | None = None
-    replicas: int | None = None
-    namespace: str | None = None
-    description: str | None = None
-    status: DeploymentStatus | None = None
-    status_message: str | None = None
+ProviderPatch = patch_of(ProviderSpec)
+ModelPatch = patch_of(ModelSpec)
+VirtualModelPatch = patch_of(VirtualModelSpec)
+DeploymentPatch = patch_of(DeploymentSpec)
 
 
 class Provider(ProviderSpec, Meta):
