@@ -14,10 +14,12 @@ from typing import Annotated, Any, Generic, TypeVar
 from fastapi import Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, StringConstraints
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from shoal.catalog.database import migrate
 from shoal.catalog.errors import CatalogError, InvalidError, UnauthorizedError
@@ -119,12 +121,18 @@ async def _on_catalog_error(_request: Request, exc: Exception) -> JSONResponse:
     return _error(exc)
 
 
-async def _on_http_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     error = CatalogError(str(exc.detail))
     error.status, error.code = exc.status_code, "http_error"
     response = _error(error)
-    response.headers.update(exc.headers or {})  # 405 keeps its Allow header
+    response.headers.update(exc.headers or {})
+    if exc.status_code == 405:  # every route of this path, not only the first one matched
+        methods: set[str] = set()
+        for route in request.app.router.routes:
+            if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE:
+                methods |= route.methods or set()
+        response.headers["Allow"] = ", ".join(sorted(methods))
     return response
 
 

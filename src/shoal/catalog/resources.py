@@ -12,7 +12,16 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationInfo,
+    create_model,
+    field_validator,
+)
 from pydantic.fields import FieldInfo
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]*$"
@@ -22,7 +31,8 @@ SECRET_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=NAME_PATTERN)]
 WorkspaceName = Annotated[str, Field(min_length=1, max_length=63, pattern=WORKSPACE_PATTERN)]
 Text = Annotated[str, Field(max_length=4000)]
-Version = Annotated[int, Field(ge=1, le=2**62)]
+Version = Annotated[StrictInt, Field(ge=1, le=2**62)]
+Flag = StrictBool  # JSON true/false only: 0 and "yes" are refused
 
 
 class Strict(BaseModel):
@@ -70,7 +80,7 @@ class ProviderSpec(Strict):
         None, max_length=10000, description="allow-list of served model names; null allows all"
     )
     description: Text = ""
-    autoprovisioned: bool = Field(False, description="made by the controller, not a user")
+    autoprovisioned: Flag = Field(False, description="made by the controller, not a user")
     status: ProviderStatus = ProviderStatus.CREATED
     status_message: Text = ""
     served_models: list[ServedModel] | None = Field(
@@ -94,17 +104,17 @@ class ModelSpec(Strict):
     description: Text = ""
     base_model: Annotated[str, Field(max_length=400)] = ""
     format: Annotated[str, Field(max_length=100)] = ""
-    context_length: Annotated[int, Field(ge=1, le=100_000_000)] | None = None
+    context_length: Annotated[StrictInt, Field(ge=1, le=100_000_000)] | None = None
     providers: list[Annotated[str, Field(max_length=300, pattern=r"^[^/\s]+/\S+$")]] = Field(
         default_factory=list, max_length=10000, description='providers serving it, "workspace/name"'
     )
     spec: dict[str, Any] = Field(default_factory=dict, description="free-form")
-    autoprovisioned: bool = Field(False, description="made by the controller, not a user")
+    autoprovisioned: Flag = Field(False, description="made by the controller, not a user")
 
 
 class Target(Strict):
     model_entity: Name
-    weight: Annotated[int, Field(ge=0, le=1_000_000)] = 1
+    weight: Annotated[StrictInt, Field(ge=0, le=1_000_000)] = 1
 
 
 class VirtualModelSpec(Strict):
@@ -113,7 +123,7 @@ class VirtualModelSpec(Strict):
     description: Text = ""
     default_model: Name
     targets: list[Target] = Field(default_factory=list, max_length=1000)
-    autoprovisioned: bool = Field(False, description="made by the controller, not a user")
+    autoprovisioned: Flag = Field(False, description="made by the controller, not a user")
 
 
 class DeploymentStatus(StrEnum):
@@ -137,7 +147,7 @@ class DeploymentSpec(Strict):
     model: Annotated[str, Field(min_length=1, max_length=400)]
     engine: Literal["mocker", "openai", "llamacpp"]
     engine_args: dict[str, Any] = Field(default_factory=dict)
-    replicas: Annotated[int, Field(ge=0, le=10000)] = 1
+    replicas: Annotated[StrictInt, Field(ge=0, le=10000)] = 1
     namespace: Annotated[str, Field(max_length=200, pattern=NAME_PATTERN)] = "default"
     description: Text = ""
     status: DeploymentStatus = DeploymentStatus.CREATED
