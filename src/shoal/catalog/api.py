@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Generic, TypeVar
 
+import msgspec
 from fastapi import Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -240,7 +241,7 @@ def _kind_routes(
         found = await repo.list(
             kind, workspace, page=page, page_size=page_size, sort=sort, filters=_filters(filter)
         )
-        return _page(found)
+        return Response(msgspec.json.encode(_page(found)), media_type="application/json")
 
     @app.get(
         f"{base}/{{name:path}}",

@@ -13,6 +13,7 @@ classes of `shoal.catalog.errors` (`NotFoundError`, `ConflictError`, ...), so a 
 from __future__ import annotations
 
 import builtins
+import functools
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, TypeVar
@@ -33,6 +34,18 @@ class ListPage(Generic[M]):
     items: list[M]
     total: int
     next_page: int | None
+
+
+class _Page(BaseModel, Generic[M]):
+    items: builtins.list[M]
+    total: int
+    next_page: int | None
+
+
+@functools.cache
+def _page_of(read: type[M]) -> type[_Page[M]]:
+    """The page model of one kind, built once: a page is parsed in one pass from its bytes."""
+    return _Page[read]  # type: ignore[valid-type]
 
 
 class CatalogClient:
@@ -74,7 +87,10 @@ class CatalogClient:
         url = f"{self.base_url}/v1/workspaces/{workspace or self.workspace}/{kind.plural}"
         return f"{url}/{quote(name, safe='/:@+')}" if name is not None else url
 
-    async def _call(self, method: str, url: str, *, json: Any = None, params: Any = None) -> Any:
+    async def _call(
+        self, method: str, url: str, *, json: Any = None, params: Any = None, raw: bool = False
+    ) -> Any:
+        """The decoded JSON answer (`raw`: its bytes), or the error class of its status."""
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         async with self._session.request(
@@ -82,6 +98,8 @@ class CatalogClient:
         ) as resp:
             if resp.status == 204:
                 return None
+            if raw and resp.status < 400:
+                return await resp.read()
             body = await resp.json(content_type=None)
             if resp.status >= 400:
                 error = (body or {}).get("error", {}) if isinstance(body, dict) else {}
@@ -105,9 +123,9 @@ class CatalogClient:
             ("page", str(page)), ("page_size", str(page_size)), ("sort", sort)
         ]  # fmt: skip
         params += [("filter", f"{k}={v}") for k, v in (filters or {}).items()]
-        body = await self._call("GET", self._url(kind, workspace), params=params)
-        items = [kind.read.model_validate(item) for item in body["items"]]
-        return ListPage(items, body["total"], body["next_page"])
+        raw = await self._call("GET", self._url(kind, workspace), params=params, raw=True)
+        found = _page_of(kind.read).model_validate_json(raw)
+        return ListPage(found.items, found.total, found.next_page)
 
     async def list_all(
         self,

@@ -29,7 +29,7 @@ from shoal.catalog.resources import Meta, Patch, Workspace
 SORTABLE = ("name", "created_at", "updated_at", "version")
 MAX_PAGE_SIZE = 1000
 HISTORY_LIMIT = 100
-R = TypeVar("R", bound=BaseModel)
+R = TypeVar("R")
 M = TypeVar("M", bound=Meta)
 
 
@@ -83,6 +83,18 @@ def _utc(moment: datetime) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
+def _document(row: sa.Row[Any]) -> dict[str, Any]:
+    """A row as the API shows it: its metadata and its fields."""
+    return {
+        "name": row.name,
+        "workspace": row.workspace,
+        "version": row.version,
+        "created_at": _utc(row.created_at),
+        "updated_at": _utc(row.updated_at),
+        **row.data,
+    }
+
+
 def _order(table: sa.Table, sort: str) -> list[sa.ColumnElement[Any]]:
     field = sort.removeprefix("-")
     if field not in SORTABLE:
@@ -119,16 +131,7 @@ class Repository:
         self._insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
 
     def _read(self, kind: Kind[M], row: sa.Row[Any]) -> M:
-        return kind.read.model_validate(
-            {
-                **row.data,
-                "name": row.name,
-                "workspace": row.workspace,
-                "version": row.version,
-                "created_at": _utc(row.created_at),
-                "updated_at": _utc(row.updated_at),
-            }
-        )
+        return kind.read.model_validate(_document(row))
 
     async def list(
         self,
@@ -139,7 +142,8 @@ class Repository:
         page_size: int = 100,
         sort: str = "name",
         filters: dict[str, str] | None = None,
-    ) -> Page[M]:
+    ) -> Page[dict[str, Any]]:
+        """One page of rows as the API sends them (stored data is valid: not re-validated)."""
         t = kind.table
         where = [t.c.workspace == workspace, *_conditions(kind, filters or {})]
         query = (
@@ -152,7 +156,7 @@ class Repository:
         async with self.engine.connect() as conn:
             rows = (await conn.execute(query)).all()
             if rows:
-                return Page([self._read(kind, r) for r in rows], rows[0].total, page, page_size)
+                return Page([_document(r) for r in rows], rows[0].total, page, page_size)
             await self._require_workspace(conn, workspace)
             total = 0
             if page > 1:

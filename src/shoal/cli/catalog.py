@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,8 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     command = args.catalog_command
+    if args.log_level.upper() != "DEBUG":
+        logging.getLogger("alembic").setLevel(logging.WARNING)  # one line per migration step
     if command == "serve":
         return run_event_loop(serve(args))
     if command == "migrate":
