@@ -21,7 +21,7 @@ SCHEMATHESIS = str(Path(sys.executable).parent / "schemathesis")
 
 
 async def test_schemathesis_finds_no_server_error_or_schema_violation(
-    processes: Processes, database_url: str
+    processes: Processes, database_url: str, tmp_path: Path
 ) -> None:
     served = await processes.start(
         "catalog", "serve", "--db", database_url, "--port", str(free_port()),
@@ -34,6 +34,7 @@ async def test_schemathesis_finds_no_server_error_or_schema_violation(
         "--generation-allow-x00", "false", "--generation-deterministic",
         "--max-examples", "20", "--continue-on-failure",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        cwd=tmp_path,  # its example database and cache stay out of the work tree
     )  # fmt: skip
     out, _ = await asyncio.wait_for(proc.communicate(), 110)
     report = out.decode(errors="replace")
