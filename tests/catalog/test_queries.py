@@ -46,3 +46,6 @@ async def test_list_and_get_are_one_statement_each(
     with counting(catalog) as statements:
         page = await client.list(MODELS, page=2, page_size=10, filters={"format": ""})
     assert len(statements) == 1 and len(page.items) == 10
+    before = client.requests
+    assert len(await client.list_all(MODELS, page_size=7)) == 30
+    assert client.requests - before == 5  # one request per page, ceil(30 / 7)

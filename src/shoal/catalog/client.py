@@ -66,6 +66,7 @@ class CatalogClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session = session
         self._owns_session = session is None
+        self.requests = 0  # HTTP requests made: what a controller's call budget is counted in
 
     async def __aenter__(self) -> CatalogClient:
         return self
@@ -93,6 +94,7 @@ class CatalogClient:
         """The decoded JSON answer (`raw`: its bytes), or the error class of its status."""
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self.requests += 1
         async with self._session.request(
             method, url, json=json, params=params, headers=self._headers
         ) as resp:
