@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 
@@ -205,3 +207,24 @@ async def test_admin_token_guards_writes_and_reads_unless_public_read(database_u
                         await anonymous.workspaces()
         finally:
             await server.stop()
+
+
+async def test_concurrent_updates_of_one_version_let_exactly_one_win(client: CatalogClient) -> None:
+    await client.create(MODELS, {"name": "m"})
+    await client.create(MODELS, {"name": "other"})
+
+    async def update(i: int) -> str:
+        try:
+            await client.update(MODELS, "m", {"description": f"writer {i}"}, version=1)
+        except ConflictError:
+            return "conflict"
+        return "updated"
+
+    async def create(i: int) -> str:
+        await client.update(MODELS, "other", {"description": f"{i}"})  # no version: last wins
+        return "unversioned"
+
+    outcomes = await asyncio.gather(*(update(i) for i in range(8)), *(create(i) for i in range(4)))
+    assert sorted(outcomes[:8]) == ["conflict"] * 7 + ["updated"]
+    assert (await client.get(MODELS, "m")).version == 2
+    assert (await client.get(MODELS, "other")).version == 5

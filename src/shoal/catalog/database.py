@@ -48,21 +48,33 @@ def open_engine(url: str) -> AsyncEngine:
         args["pool_size"] = 10
     engine = create_async_engine(target, **args)
     if target.get_backend_name() == "sqlite":
-        sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        sa.event.listen(engine.sync_engine, "connect", _sqlite_connect)
+        sa.event.listen(engine.sync_engine, "begin", _sqlite_begin)
     return engine
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.isolation_level = None  # transactions begin in `_sqlite_begin`, not the driver
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
 
 
+def _sqlite_begin(conn: sa.Connection) -> None:
+    """Writes take the database lock when they begin (waiting up to the busy timeout), so a
+    transaction that read a row never fails later on upgrading to a write. Reads begin
+    nothing: each is one SELECT, atomic on its own, and stays one statement."""
+    if conn.get_execution_options().get("shoal_write", False):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
 async def migrate(engine: AsyncEngine) -> None:
-    """Apply every Alembic migration not yet applied (idempotent)."""
-    async with engine.begin() as conn:
-        await conn.run_sync(_upgrade)
+    """Apply every Alembic migration not yet applied (idempotent), in one write transaction."""
+    async with engine.connect() as conn:
+        await conn.execution_options(shoal_write=True)
+        async with conn.begin():
+            await conn.run_sync(_upgrade)
 
 
 def _upgrade(connection: sa.Connection) -> None:

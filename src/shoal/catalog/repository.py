@@ -11,6 +11,8 @@ Invariants, both ways:
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
@@ -183,7 +185,7 @@ class Repository:
         t = kind.table
         values = {"workspace": workspace, "name": name, "version": 1, "data": data}
         try:
-            async with self.engine.begin() as conn:
+            async with self._writing() as conn:
                 await self._ensure_workspace(conn, workspace, now)
                 await conn.execute(t.insert().values(**values, created_at=now, updated_at=now))
         except IntegrityError as exc:
@@ -196,9 +198,9 @@ class Repository:
         """Apply `patch` over the row; 409 if `patch.version` is set and not the row's."""
         changes = patch.model_dump(mode="json", exclude_unset=True, exclude={"version"})
         t = kind.table
-        async with self.engine.begin() as conn:
+        async with self._writing() as conn:
             query = sa.select(t).where(t.c.workspace == workspace, t.c.name == name)
-            row = (await conn.execute(query)).first()
+            row = (await conn.execute(query.with_for_update())).first()
             if row is None:
                 await self._require_workspace(conn, workspace)
                 raise NotFoundError(f"no {kind.singular} {name!r} in workspace {workspace!r}")
@@ -234,7 +236,7 @@ class Repository:
         """Delete the row; 409 if `version` is set and not the row's, 404 if there is none."""
         t = kind.table
         where = [t.c.workspace == workspace, t.c.name == name]
-        async with self.engine.begin() as conn:
+        async with self._writing() as conn:
             if version is not None:
                 where.append(t.c.version == version)
             done = await conn.execute(t.delete().where(*where))
@@ -272,6 +274,15 @@ class Repository:
         if row is None:
             raise NotFoundError(f"no workspace {name!r}", param="workspace")
         return Workspace(name=row.name, version=row.version, created_at=_utc(row.created_at))
+
+    @asynccontextmanager
+    async def _writing(self) -> AsyncIterator[AsyncConnection]:
+        """A write transaction: it holds the row it read (PostgreSQL: FOR UPDATE) or the
+        database (SQLite: BEGIN IMMEDIATE) until it commits, so read-merge-write is atomic."""
+        async with self.engine.connect() as conn:
+            await conn.execution_options(shoal_write=True)
+            async with conn.begin():
+                yield conn
 
     async def _ensure_workspace(self, conn: AsyncConnection, name: str, now: datetime) -> None:
         """Workspaces are created on first use: the first create in one makes it."""
