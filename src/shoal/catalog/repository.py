@@ -104,7 +104,8 @@ def _order(table: sa.Table, sort: str) -> list[sa.ColumnElement[Any]]:
             f"sort: one of {', '.join(SORTABLE)}, '-' first for descending", param="sort"
         )
     column = table.c[field]
-    return [column.desc() if sort.startswith("-") else column.asc(), table.c.id.asc()]
+    order: list[sa.ColumnElement[Any]] = [column.desc() if sort.startswith("-") else column.asc()]
+    return order if field == "name" else [*order, table.c.id.asc()]  # names are unique
 
 
 def _conditions(kind: Kind[Any], filters: dict[str, str]) -> list[sa.ColumnElement[bool]]:
@@ -148,8 +149,9 @@ class Repository:
         """One page of rows as the API sends them (stored data is valid: not re-validated)."""
         t = kind.table
         where = [t.c.workspace == workspace, *_conditions(kind, filters or {})]
+        counted = sa.select(sa.func.count()).select_from(t).where(*where).scalar_subquery()
         query = (
-            sa.select(t, sa.func.count().over().label("total"))
+            sa.select(t, counted.label("total"))  # counted once, from the index, not per row
             .where(*where)
             .order_by(*_order(t, sort))
             .limit(page_size)
@@ -252,7 +254,7 @@ class Repository:
     async def list_workspaces(self, *, page: int = 1, page_size: int = 100) -> Page[Workspace]:
         w = tables.workspaces
         query = (
-            sa.select(w, sa.func.count().over().label("total"))
+            sa.select(w, sa.select(sa.func.count()).select_from(w).scalar_subquery().label("total"))
             .order_by(w.c.name)
             .limit(page_size)
             .offset((page - 1) * page_size)
