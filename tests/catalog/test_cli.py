@@ -133,3 +133,21 @@ async def test_up_runs_the_catalog_beside_the_frontend(
     code, out, err = await catalog_cli("apply", "-f", str(file), "--url", url)
     assert (code, out) == (0, "virtual-model default/chat created\n"), err
     assert (tmp_path / "catalog.db").exists()
+
+
+async def test_apply_leaves_fields_the_controller_writes(
+    catalog: CatalogServer, client: CatalogClient, tmp_path: Path
+) -> None:
+    file = tmp_path / "m.yaml"
+    file.write_text(
+        "kind: Model\nname: m\nworkspace: team-a\n---\n"
+        "kind: Provider\nname: p\nworkspace: team-a\ntype: fleet\n"
+    )
+    assert (await catalog_cli("apply", "-f", str(file), "--url", catalog.url))[0] == 0
+    await client.update(MODELS, "m", {"providers": ["team-a/p"]})  # as the controller links it
+    await client.update(PROVIDERS, "p", {"status": "READY", "served_models": []})
+    code, out, err = await catalog_cli("apply", "-f", str(file), "--url", catalog.url)
+    assert code == 0 and out.split() == [
+        "provider", "team-a/p", "unchanged", "model", "team-a/m", "unchanged",
+    ], out + err  # fmt: skip
+    assert (await client.get(MODELS, "m")).providers == ["team-a/p"]

@@ -38,7 +38,7 @@ PROVIDERS: Kind[r.Provider] = Kind(
 )  # fmt: skip
 MODELS: Kind[r.Model] = Kind(
     "models", "Model", r.ModelSpec, r.ModelCreate, r.ModelPatch, r.Model,
-    tables.models, frozenset({"base_model", "format"}),
+    tables.models, frozenset({"base_model", "format"}), frozenset({"providers"}),
 )  # fmt: skip
 VIRTUAL_MODELS: Kind[r.VirtualModel] = Kind(
     "virtual-models", "VirtualModel", r.VirtualModelSpec, r.VirtualModelCreate,
