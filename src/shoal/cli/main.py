@@ -17,6 +17,7 @@ COMMANDS = {
     "frontend": "shoal.cli.frontend",
     "worker": "shoal.cli.worker",
     "ls": "shoal.cli.ls",
+    "catalog": "shoal.cli.catalog",
 }
 
 

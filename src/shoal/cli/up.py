@@ -24,6 +24,7 @@ from typing import Any
 
 import platformdirs
 
+from shoal.cli.catalog import add_catalog_port_flag, start_catalog
 from shoal.cli.frontend import (
     add_frontend_flags,
     add_number_flag,
@@ -55,6 +56,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the model name the workers serve (default mock-llm)",
     )
     add_frontend_flags(parser)
+    add_catalog_port_flag(parser)
 
 
 @dataclass
@@ -188,6 +190,9 @@ async def up(args: argparse.Namespace) -> int:
     if frontend is None:
         return 1
     _say(f"  frontend     listening on {frontend.url}")
+    catalog = await start_catalog(args.host, args.catalog_port)  # optional: None if it failed
+    if catalog is not None:
+        _say(f"  catalog      {catalog.url}/docs: shoal catalog apply -f FILE")
 
     workers: list[Worker] = []
     code = 0
@@ -198,6 +203,8 @@ async def up(args: argparse.Namespace) -> int:
             await stop.wait()
     finally:
         code = await _shutdown(frontend, workers, stop) or code
+        if catalog is not None:
+            await catalog.stop()
     return code
 
 

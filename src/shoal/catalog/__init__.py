@@ -1,0 +1,52 @@
+"""Layer 6: the catalog, the fleet's desired state.
+
+What belongs here: the resources users and controllers declare (providers, model entities,
+virtual models, deployments, in workspaces), their database (SQLAlchemy on SQLite or
+PostgreSQL, Alembic migrations), the REST API over it (FastAPI), the typed client of that API,
+and `apply` (a file of resources made true). The models controller that reconciles all this
+(issue 12) belongs here too. Nothing imports the catalog except `shoal.cli`.
+"""
+
+from __future__ import annotations
+
+from shoal.catalog.client import CatalogClient, ListPage
+from shoal.catalog.database import default_database_url, migrate, open_engine
+from shoal.catalog.errors import (
+    CatalogError,
+    ConflictError,
+    InvalidError,
+    NotFoundError,
+    UnauthorizedError,
+)
+from shoal.catalog.kinds import (
+    DEPLOYMENTS,
+    KINDS,
+    MODELS,
+    PROVIDERS,
+    VIRTUAL_MODELS,
+    Kind,
+    kind_named,
+)
+from shoal.catalog.server import CatalogConfig, CatalogServer
+
+__all__ = [
+    "DEPLOYMENTS",
+    "KINDS",
+    "MODELS",
+    "PROVIDERS",
+    "VIRTUAL_MODELS",
+    "CatalogClient",
+    "CatalogConfig",
+    "CatalogError",
+    "CatalogServer",
+    "ConflictError",
+    "InvalidError",
+    "Kind",
+    "ListPage",
+    "NotFoundError",
+    "UnauthorizedError",
+    "default_database_url",
+    "kind_named",
+    "migrate",
+    "open_engine",
+]

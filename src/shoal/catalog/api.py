@@ -1,0 +1,294 @@
+"""The catalog's REST API: every kind under `/v1/workspaces/{workspace}/{kind}`, on FastAPI.
+
+Routes are made from the kind descriptors, so each kind has the same five operations with
+the same rules: the admin token guards writes (and reads unless `public_read`), errors answer
+in the OpenAI format with `param` naming the field, and lists are paginated with a total.
+No `from __future__ import annotations` here: FastAPI reads the route closures' annotations.
+"""
+
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, Generic, TypeVar
+
+import msgspec
+from fastapi import Depends, FastAPI, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, StringConstraints
+from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.exceptions import HTTPException
+from starlette.routing import Match
+
+from shoal.catalog.database import migrate
+from shoal.catalog.errors import CatalogError, InvalidError, UnauthorizedError
+from shoal.catalog.kinds import KINDS, Kind
+from shoal.catalog.repository import MAX_PAGE_SIZE, Page, Repository
+from shoal.catalog.resources import (
+    NAME_PATTERN,
+    WORKSPACE_PATTERN,
+    ErrorBody,
+    Meta,
+    Patch,
+    Workspace,
+)
+
+T = TypeVar("T")
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in (
+        (400, "the body is not JSON"),
+        (401, "the admin token is missing or wrong"),
+        (404, "no such workspace or resource"),
+        (409, "a stale version, or the name exists"),
+        (422, "a field is invalid; `param` names it"),
+    )
+}
+
+WorkspaceParam = Annotated[
+    str, Path(min_length=1, max_length=63, pattern=WORKSPACE_PATTERN, description="workspace")
+]
+NameParam = Annotated[str, Path(min_length=1, max_length=200, pattern=NAME_PATTERN)]
+PageParam = Annotated[int, Query(ge=1, le=1_000_000, description="1-based page number")]
+PageSizeParam = Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE, description="items per page")]
+SortParam = Annotated[
+    str,
+    Query(
+        pattern=r"^-?(name|created_at|updated_at|version)$",
+        description="name, created_at, updated_at or version; '-' first for descending",
+    ),
+]
+
+
+def filter_param(kind: Kind[Any]) -> Any:
+    """`filter=field=value` (repeatable, exact match) on `name` and the kind's string fields."""
+    fields = "|".join(sorted({"name", *kind.filterable}))
+    item = Annotated[str, StringConstraints(pattern=rf"^({fields})=[^\x00]*$", max_length=500)]
+    return Annotated[
+        list[item] | None,  # type: ignore[valid-type]
+        Query(max_length=20, description=f"`field=value`, exact match, on {fields}"),
+    ]
+
+
+class PageOut(BaseModel, Generic[T]):
+    """One page of a list; `next_page` is the page to ask for next, null on the last."""
+
+    items: list[T]
+    total: int
+    page: int
+    page_size: int
+    next_page: int | None
+
+
+def _page(page: Page[Any]) -> dict[str, Any]:
+    return {
+        "items": page.items,
+        "total": page.total,
+        "page": page.page,
+        "page_size": page.page_size,
+        "next_page": page.next_page,
+    }
+
+
+def _filters(raw: list[str] | None) -> dict[str, str]:
+    filters: dict[str, str] = {}
+    for item in raw or []:
+        field, sep, value = item.partition("=")
+        if not sep or not field:
+            raise InvalidError(f"filter: {item!r} is not field=value", param="filter")
+        filters[field] = value
+    return filters
+
+
+def _error(exc: CatalogError) -> JSONResponse:
+    body = {
+        "error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
+    }
+    return JSONResponse(body, status_code=exc.status)
+
+
+async def _on_validation(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0]
+    loc = [str(part) for part in first.get("loc", ())]
+    param = ".".join(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc) or None
+    return _error(InvalidError(f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param))
+
+
+async def _on_catalog_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, CatalogError)
+    return _error(exc)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    error = CatalogError(str(exc.detail))
+    error.status, error.code = exc.status_code, "http_error"
+    response = _error(error)
+    response.headers.update(exc.headers or {})
+    if exc.status_code == 405:  # every route of this path, not only the first one matched
+        methods: set[str] = set()
+        for route in request.app.router.routes:
+            if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE:
+                methods |= route.methods or set()
+        response.headers["Allow"] = ", ".join(sorted(methods))
+    return response
+
+
+def _guard(token: str | None) -> Callable[..., Awaitable[None]]:
+    """A dependency refusing requests without `Authorization: Bearer <token>` (if one is set)."""
+    bearer = HTTPBearer(auto_error=False, description="the admin token")
+
+    async def check(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    ) -> None:
+        if token is None:
+            return
+        given = credentials.credentials if credentials else ""
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise UnauthorizedError("an admin token is required: Authorization: Bearer <token>")
+
+    return check
+
+
+async def _no_guard() -> None:
+    return None
+
+
+def create_app(
+    engine: AsyncEngine,
+    *,
+    admin_token: str | None = None,
+    public_read: bool = False,
+    migrate_on_start: bool = True,
+) -> FastAPI:
+    """The catalog API on `engine`; the schema is migrated when the app starts."""
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if migrate_on_start:
+            await migrate(engine)
+        yield
+
+    app = FastAPI(
+        title="shoal catalog",
+        version="1",
+        description="The fleet's desired state: providers, models, virtual models, deployments.",
+        lifespan=lifespan,
+    )
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(CatalogError, _on_catalog_error)
+    app.add_exception_handler(HTTPException, _on_http_error)
+    repo = Repository(engine)
+    app.state.repository = repo
+    guard = _guard(admin_token) if admin_token is not None else _no_guard
+    write = [Depends(guard)]
+    read = [Depends(_no_guard if public_read else guard)]
+    _workspace_routes(app, repo, read)
+    for kind in KINDS:
+        _kind_routes(app, repo, kind, read, write)
+    return app
+
+
+def _workspace_routes(app: FastAPI, repo: Repository, read: list[Any]) -> None:
+    @app.get(
+        "/v1/workspaces",
+        response_model=PageOut[Workspace],
+        responses=ERRORS,
+        dependencies=read,
+        tags=["workspaces"],
+        operation_id="list_workspaces",
+    )
+    async def list_workspaces(page: PageParam = 1, page_size: PageSizeParam = 100) -> Any:
+        return _page(await repo.list_workspaces(page=page, page_size=page_size))
+
+    @app.get(
+        "/v1/workspaces/{workspace}",
+        response_model=Workspace,
+        responses=ERRORS,
+        dependencies=read,
+        tags=["workspaces"],
+        operation_id="get_workspace",
+    )
+    async def get_workspace(workspace: WorkspaceParam) -> Any:
+        return await repo.get_workspace(workspace)
+
+
+def _kind_routes(
+    app: FastAPI, repo: Repository, kind: Kind[Any], read: list[Any], write: list[Any]
+) -> None:
+    """list, get, create, update (PATCH) and delete for one kind."""
+    base = f"/v1/workspaces/{{workspace}}/{kind.plural}"
+    op = kind.plural.replace("-", "_")
+    common: dict[str, Any] = {"responses": ERRORS, "tags": [kind.plural]}
+    Create, PatchBody, Read = kind.create, kind.patch, kind.read
+    FilterParam = filter_param(kind)
+
+    page_of_read: Any = PageOut[Read]  # type: ignore[valid-type]
+
+    @app.get(
+        base, response_model=page_of_read, dependencies=read, operation_id=f"list_{op}", **common
+    )
+    async def list_items(
+        workspace: WorkspaceParam,
+        page: PageParam = 1,
+        page_size: PageSizeParam = 100,
+        sort: SortParam = "name",
+        filter: FilterParam = None,  # type: ignore[valid-type]
+    ) -> Any:
+        found = await repo.list(
+            kind, workspace, page=page, page_size=page_size, sort=sort, filters=_filters(filter)
+        )
+        return Response(msgspec.json.encode(_page(found)), media_type="application/json")
+
+    @app.get(
+        f"{base}/{{name:path}}",
+        response_model=Read,
+        dependencies=read,
+        operation_id=f"get_{op}",
+        **common,
+    )
+    async def get_item(workspace: WorkspaceParam, name: NameParam) -> Meta:
+        return await repo.get(kind, workspace, name)
+
+    @app.post(
+        base,
+        response_model=Read,
+        status_code=201,
+        dependencies=write,
+        operation_id=f"create_{op}",
+        **common,
+    )
+    async def create_item(workspace: WorkspaceParam, body: Create) -> Meta:  # type: ignore[valid-type]
+        return await repo.create(kind, workspace, body)
+
+    @app.patch(
+        f"{base}/{{name:path}}",
+        response_model=Read,
+        dependencies=write,
+        operation_id=f"update_{op}",
+        **common,
+    )
+    async def update_item(workspace: WorkspaceParam, name: NameParam, body: PatchBody) -> Meta:  # type: ignore[valid-type]
+        patch: Patch = body
+        return await repo.update(kind, workspace, name, patch)
+
+    @app.delete(
+        f"{base}/{{name:path}}",
+        status_code=204,
+        response_class=Response,
+        dependencies=write,
+        operation_id=f"delete_{op}",
+        **common,
+    )
+    async def delete_item(
+        workspace: WorkspaceParam,
+        name: NameParam,
+        version: Annotated[
+            int | None, Query(ge=1, le=2**62, description="409 unless current")
+        ] = None,
+    ) -> Response:
+        await repo.delete(kind, workspace, name, version)
+        return Response(status_code=204)

@@ -1,0 +1,142 @@
+"""`catalog apply`: make the resources a file declares true, and say what changed.
+
+A file (YAML, several documents, or JSON) holds resources, each a mapping with `kind`, `name`,
+an optional `workspace` and its fields. Applying is idempotent: a resource that already
+matches is left alone (no write, same version), so a second apply of the same file reports
+every resource `unchanged`. Fields the controller owns (statuses, served models) are left as
+they are unless the file names them. With `prune`, resources of the file's workspaces that the
+file no longer names are deleted, except those the controller made (`autoprovisioned`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from shoal.catalog.client import CatalogClient
+from shoal.catalog.errors import NotFoundError
+from shoal.catalog.kinds import KINDS, Kind, kind_named
+
+READ_ONLY = frozenset({"version", "created_at", "updated_at", "status_history"})
+
+
+class ApplyError(ValueError):
+    """A file that cannot be applied; the message names the document and the field."""
+
+
+@dataclass(frozen=True)
+class Document:
+    kind: Kind[Any]
+    workspace: str
+    name: str
+    fields: dict[str, Any]  # as written, without kind, workspace and read-only metadata
+    where: str  # "document 3" for messages
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind.plural.rstrip('s')} {self.workspace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Change:
+    action: str  # created, updated, unchanged, deleted
+    label: str
+
+    def __str__(self) -> str:
+        return f"{self.label} {self.action}"
+
+
+def parse_documents(text: str, *, workspace: str, json_only: bool = False) -> list[Document]:
+    """The resources in `text`, checked against their kind's schema."""
+    try:
+        raw: list[Any] = [json.loads(text)] if json_only else list(yaml.safe_load_all(text))
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ApplyError(f"not valid {'JSON' if json_only else 'YAML'}: {exc}") from exc
+    items: list[Any] = []
+    for doc in raw:
+        if isinstance(doc, dict) and "items" in doc and "kind" not in doc:
+            doc = doc["items"]
+        items.extend(doc if isinstance(doc, list) else [] if doc is None else [doc])
+    documents = [_document(item, f"document {i}", workspace) for i, item in enumerate(items, 1)]
+    seen: set[str] = set()
+    for doc in documents:
+        if doc.label in seen:
+            raise ApplyError(f"{doc.where}: {doc.label} is declared twice")
+        seen.add(doc.label)
+    return documents
+
+
+def _document(item: Any, where: str, default_workspace: str) -> Document:
+    if not isinstance(item, dict):
+        raise ApplyError(f"{where}: a resource is a mapping with kind and name")
+    fields = {k: v for k, v in item.items() if k not in READ_ONLY}
+    try:
+        kind = kind_named(str(fields.pop("kind", "")))
+    except KeyError as exc:
+        raise ApplyError(f"{where}: kind: {exc.args[0]}") from exc
+    workspace = str(fields.pop("workspace", default_workspace))
+    try:
+        kind.create.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        raise ApplyError(
+            f"{where} ({kind.singular} {fields.get('name')!r}): {field}: {first['msg']}"
+        ) from exc
+    return Document(kind, workspace, str(fields["name"]), fields, where)
+
+
+def _desired(doc: Document) -> dict[str, Any]:
+    """The fields the resource must have: the file's, defaults for the rest, except the
+    controller's own fields when the file does not name them."""
+    body = doc.kind.create.model_validate(doc.fields).model_dump(mode="json", exclude={"name"})
+    return {k: v for k, v in body.items() if k not in doc.kind.managed or k in doc.fields}
+
+
+async def apply_documents(
+    client: CatalogClient, documents: list[Document], *, prune: bool = False
+) -> list[Change]:
+    """Create or update each resource to match; with `prune`, delete what is not named."""
+    order = {kind.plural: i for i, kind in enumerate(KINDS)}  # referenced kinds first
+    changes: list[Change] = []
+    for doc in sorted(documents, key=lambda d: order[d.kind.plural]):
+        changes.append(Change(await _apply_one(client, doc), doc.label))
+    if prune:
+        changes += await _prune(client, documents)
+    return changes
+
+
+async def _apply_one(client: CatalogClient, doc: Document) -> str:
+    desired = _desired(doc)
+    try:
+        current = await client.get(doc.kind, doc.name, workspace=doc.workspace)
+    except NotFoundError:
+        await client.create(doc.kind, {"name": doc.name, **desired}, workspace=doc.workspace)
+        return "created"
+    have = current.model_dump(mode="json")
+    diff = {k: v for k, v in desired.items() if have.get(k) != v}
+    if not diff:
+        return "unchanged"
+    await client.update(doc.kind, doc.name, diff, version=current.version, workspace=doc.workspace)
+    return "updated"
+
+
+async def _prune(client: CatalogClient, documents: list[Document]) -> list[Change]:
+    named = {doc.label for doc in documents}
+    changes: list[Change] = []
+    for workspace in sorted({doc.workspace for doc in documents}):
+        for kind in reversed(KINDS):  # dependents first
+            for item in await client.list_all(kind, workspace=workspace):
+                label = f"{kind.plural.rstrip('s')} {workspace}/{item.name}"
+                if label in named or getattr(item, "autoprovisioned", False):
+                    continue
+                try:
+                    await client.delete(kind, item.name, version=item.version, workspace=workspace)
+                except NotFoundError:
+                    continue  # deleted by someone else meanwhile: what prune wanted
+                changes.append(Change("deleted", label))
+    return changes

@@ -1,0 +1,52 @@
+"""Catalog errors, one per answer the API gives:
+
+    CatalogError              anything the catalog refuses (status 400)
+    ├── UnauthorizedError     401: the admin token is missing or wrong
+    ├── NotFoundError         404: no such workspace or resource
+    ├── ConflictError         409: a stale version, or a create of a name that exists
+    └── InvalidError          422: a field failed validation; `param` names it
+
+The repository raises them, the API answers them in the OpenAI error format, and the client
+raises the same classes from those answers, so callers handle one hierarchy everywhere.
+"""
+
+from __future__ import annotations
+
+
+class CatalogError(Exception):
+    """A request the catalog refused; `status` is the HTTP status it answers with."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "bad_request"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class UnauthorizedError(CatalogError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_admin_token"
+
+
+class NotFoundError(CatalogError):
+    status = 404
+    code = "not_found"
+
+
+class ConflictError(CatalogError):
+    status = 409
+    code = "conflict"
+
+
+class InvalidError(CatalogError):
+    status = 422
+    code = "invalid_value"
+
+
+BY_STATUS: dict[int, type[CatalogError]] = {
+    cls.status: cls for cls in (UnauthorizedError, NotFoundError, ConflictError, InvalidError)
+}

@@ -1,0 +1,309 @@
+"""Reading and writing catalog rows: versions checked, one query per list or get.
+
+Invariants, both ways:
+- a row's `version` is 1 when created and grows by one with every change that alters it; an
+  update or delete that names a version other than the row's is refused (409), and an update
+  that changes nothing writes nothing and keeps the version (so a converged writer is free);
+- a list or a get of rows that exist is exactly one SQL statement (the total rides along as a
+  window count); only a miss pays a second one, to tell an unknown workspace from an empty one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Generic, TypeVar
+
+import sqlalchemy as sa
+from pydantic import BaseModel, ValidationError
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from shoal.catalog import tables
+from shoal.catalog.errors import ConflictError, InvalidError, NotFoundError
+from shoal.catalog.kinds import DEPLOYMENTS, Kind
+from shoal.catalog.resources import Meta, Patch, Workspace
+
+SORTABLE = ("name", "created_at", "updated_at", "version")
+MAX_PAGE_SIZE = 1000
+HISTORY_LIMIT = 100
+R = TypeVar("R")
+M = TypeVar("M", bound=Meta)
+
+
+@dataclass
+class Page(Generic[R]):
+    items: list[R]
+    total: int
+    page: int
+    page_size: int
+
+    @property
+    def next_page(self) -> int | None:
+        return self.page + 1 if self.page * self.page_size < self.total else None
+
+
+def invalid(exc: ValidationError) -> InvalidError:
+    """The first validation error as a 422 naming its field (`a.b.0.c`)."""
+    first = exc.errors()[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    return InvalidError(f"{param or 'body'}: {first['msg']}", param=param)
+
+
+def check_storable(value: Any, path: str = "") -> None:
+    """Refuse what a JSON column cannot hold on every backend: NUL, lone surrogates, NaN."""
+    if isinstance(value, str):
+        if "\x00" in value or (not value.isascii() and _has_surrogate(value)):
+            raise InvalidError(
+                f"{path}: NUL characters and lone surrogates are refused", param=path
+            )
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidError(f"{path}: numbers must be finite", param=path)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_storable(key, path)
+            check_storable(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_storable(item, f"{path}.{index}")
+
+
+def _has_surrogate(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _document(row: sa.Row[Any]) -> dict[str, Any]:
+    """A row as the API shows it: its metadata and its fields."""
+    return {
+        "name": row.name,
+        "workspace": row.workspace,
+        "version": row.version,
+        "created_at": _utc(row.created_at),
+        "updated_at": _utc(row.updated_at),
+        **row.data,
+    }
+
+
+def _order(table: sa.Table, sort: str) -> list[sa.ColumnElement[Any]]:
+    field = sort.removeprefix("-")
+    if field not in SORTABLE:
+        raise InvalidError(
+            f"sort: one of {', '.join(SORTABLE)}, '-' first for descending", param="sort"
+        )
+    column = table.c[field]
+    order: list[sa.ColumnElement[Any]] = [column.desc() if sort.startswith("-") else column.asc()]
+    return order if field == "name" else [*order, table.c.id.asc()]  # names are unique
+
+
+def _conditions(kind: Kind[Any], filters: dict[str, str]) -> list[sa.ColumnElement[bool]]:
+    table = kind.table
+    conditions: list[sa.ColumnElement[bool]] = []
+    for field, value in filters.items():
+        check_storable(value, "filter")
+        if field == "name":
+            conditions.append(table.c.name == value)
+        elif field in kind.filterable:
+            conditions.append(table.c.data[field].as_string() == value)
+        else:
+            choices = ", ".join(sorted({"name", *kind.filterable}))
+            raise InvalidError(
+                f"filter: {field!r} is not filterable; one of {choices}", param="filter"
+            )
+    return conditions
+
+
+class Repository:
+    """The catalog's rows in one database; every method is one short transaction."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        dialect = engine.dialect.name
+        self._insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+
+    def _read(self, kind: Kind[M], row: sa.Row[Any]) -> M:
+        return kind.read.model_validate(_document(row))
+
+    async def list(
+        self,
+        kind: Kind[M],
+        workspace: str,
+        *,
+        page: int = 1,
+        page_size: int = 100,
+        sort: str = "name",
+        filters: dict[str, str] | None = None,
+    ) -> Page[dict[str, Any]]:
+        """One page of rows as the API sends them (stored data is valid: not re-validated)."""
+        t = kind.table
+        where = [t.c.workspace == workspace, *_conditions(kind, filters or {})]
+        counted = sa.select(sa.func.count()).select_from(t).where(*where).scalar_subquery()
+        query = (
+            sa.select(t, counted.label("total"))  # counted once, from the index, not per row
+            .where(*where)
+            .order_by(*_order(t, sort))
+            .limit(page_size)
+            .offset((page - 1) * page_size)
+        )
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+            if rows:
+                return Page([_document(r) for r in rows], rows[0].total, page, page_size)
+            await self._require_workspace(conn, workspace)
+            total = 0
+            if page > 1:
+                total = (await conn.execute(sa.select(sa.func.count()).where(*where))).scalar_one()
+        return Page([], total, page, page_size)
+
+    async def get(self, kind: Kind[M], workspace: str, name: str) -> M:
+        t = kind.table
+        query = sa.select(t).where(t.c.workspace == workspace, t.c.name == name)
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(query)).first()
+            if row is None:
+                await self._require_workspace(conn, workspace)
+                raise NotFoundError(f"no {kind.singular} {name!r} in workspace {workspace!r}")
+        return self._read(kind, row)
+
+    async def create(self, kind: Kind[M], workspace: str, body: BaseModel) -> M:
+        data = body.model_dump(mode="json", exclude={"name"})
+        name: str = body.name  # type: ignore[attr-defined]
+        check_storable(data)
+        now = datetime.now(UTC)
+        if kind is DEPLOYMENTS:
+            data["status_history"] = [_change(data, now)]
+        t = kind.table
+        values = {"workspace": workspace, "name": name, "version": 1, "data": data}
+        try:
+            async with self._writing() as conn:
+                await self._ensure_workspace(conn, workspace, now)
+                await conn.execute(t.insert().values(**values, created_at=now, updated_at=now))
+        except IntegrityError as exc:
+            raise ConflictError(
+                f"{kind.singular} {name!r} already exists in workspace {workspace!r}", param="name"
+            ) from exc
+        return kind.read.model_validate({**data, **values, "created_at": now, "updated_at": now})
+
+    async def update(self, kind: Kind[M], workspace: str, name: str, patch: Patch) -> M:
+        """Apply `patch` over the row; 409 if `patch.version` is set and not the row's."""
+        changes = patch.model_dump(mode="json", exclude_unset=True, exclude={"version"})
+        t = kind.table
+        async with self._writing() as conn:
+            query = sa.select(t).where(t.c.workspace == workspace, t.c.name == name)
+            row = (await conn.execute(query.with_for_update())).first()
+            if row is None:
+                await self._require_workspace(conn, workspace)
+                raise NotFoundError(f"no {kind.singular} {name!r} in workspace {workspace!r}")
+            _check_version(kind, name, patch.version, row.version)
+            old = dict(row.data)
+            history = old.pop("status_history", None)
+            try:
+                spec = kind.spec.model_validate({**old, **changes})
+            except ValidationError as exc:
+                raise invalid(exc) from exc
+            new = spec.model_dump(mode="json")
+            if new == old:
+                return self._read(kind, row)
+            check_storable(new)
+            now = datetime.now(UTC)
+            if history is not None:
+                if (new["status"], new["status_message"]) != (old["status"], old["status_message"]):
+                    history = [*history, _change(new, now)][-HISTORY_LIMIT:]
+                new["status_history"] = history
+            done = await conn.execute(
+                t.update()
+                .where(t.c.id == row.id, t.c.version == row.version)
+                .values(data=new, version=row.version + 1, updated_at=now)
+            )
+            if done.rowcount != 1:
+                raise ConflictError(f"{kind.singular} {name!r} changed meanwhile; read it again")
+        return kind.read.model_validate(
+            {**new, "name": name, "workspace": workspace, "version": row.version + 1,
+             "created_at": _utc(row.created_at), "updated_at": now}
+        )  # fmt: skip
+
+    async def delete(self, kind: Kind[Any], workspace: str, name: str, version: int | None) -> None:
+        """Delete the row; 409 if `version` is set and not the row's, 404 if there is none."""
+        t = kind.table
+        where = [t.c.workspace == workspace, t.c.name == name]
+        async with self._writing() as conn:
+            if version is not None:
+                where.append(t.c.version == version)
+            done = await conn.execute(t.delete().where(*where))
+            if done.rowcount == 1:
+                return
+            query = sa.select(t.c.version).where(t.c.workspace == workspace, t.c.name == name)
+            current = (await conn.execute(query)).scalar()
+            if current is None:
+                await self._require_workspace(conn, workspace)
+                raise NotFoundError(f"no {kind.singular} {name!r} in workspace {workspace!r}")
+            _check_version(kind, name, version, current)
+
+    async def list_workspaces(self, *, page: int = 1, page_size: int = 100) -> Page[Workspace]:
+        w = tables.workspaces
+        query = (
+            sa.select(w, sa.select(sa.func.count()).select_from(w).scalar_subquery().label("total"))
+            .order_by(w.c.name)
+            .limit(page_size)
+            .offset((page - 1) * page_size)
+        )
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+            total = rows[0].total if rows else 0
+            if not rows and page > 1:
+                total = (await conn.execute(sa.select(sa.func.count()).select_from(w))).scalar_one()
+        items = [
+            Workspace(name=r.name, version=r.version, created_at=_utc(r.created_at)) for r in rows
+        ]
+        return Page(items, total, page, page_size)
+
+    async def get_workspace(self, name: str) -> Workspace:
+        w = tables.workspaces
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(sa.select(w).where(w.c.name == name))).first()
+        if row is None:
+            raise NotFoundError(f"no workspace {name!r}", param="workspace")
+        return Workspace(name=row.name, version=row.version, created_at=_utc(row.created_at))
+
+    @asynccontextmanager
+    async def _writing(self) -> AsyncIterator[AsyncConnection]:
+        """A write transaction: it holds the row it read (PostgreSQL: FOR UPDATE) or the
+        database (SQLite: BEGIN IMMEDIATE) until it commits, so read-merge-write is atomic."""
+        async with self.engine.connect() as conn:
+            await conn.execution_options(shoal_write=True)
+            async with conn.begin():
+                yield conn
+
+    async def _ensure_workspace(self, conn: AsyncConnection, name: str, now: datetime) -> None:
+        """Workspaces are created on first use: the first create in one makes it."""
+        insert = self._insert(tables.workspaces).values(name=name, version=1, created_at=now)
+        await conn.execute(insert.on_conflict_do_nothing(index_elements=["name"]))
+
+    async def _require_workspace(self, conn: AsyncConnection, name: str) -> None:
+        w = tables.workspaces
+        if (await conn.execute(sa.select(w.c.name).where(w.c.name == name))).first() is None:
+            raise NotFoundError(f"no workspace {name!r}", param="workspace")
+
+
+def _check_version(kind: Kind[Any], name: str, expected: int | None, actual: int) -> None:
+    if expected is not None and expected != actual:
+        raise ConflictError(
+            f"{kind.singular} {name!r} is at version {actual}, not {expected}; read it again",
+            param="version",
+        )
+
+
+def _change(data: dict[str, Any], now: datetime) -> dict[str, Any]:
+    return {"status": data["status"], "message": data["status_message"], "at": now.isoformat()}

@@ -1,0 +1,103 @@
+"""The catalog API served by uvicorn inside the caller's event loop (`serve`, `shoal up`).
+
+The socket is bound here, before uvicorn starts, so a busy port is an `OSError` for the
+caller to report, and uvicorn never installs signal handlers: the command owns Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import uvicorn
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from shoal.catalog.api import create_app
+from shoal.catalog.database import migrate, open_engine
+
+
+@dataclass
+class CatalogConfig:
+    database_url: str
+    host: str = "127.0.0.1"
+    port: int = 8100
+    admin_token: str | None = None
+    public_read: bool = False
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers, telling when start-up is over."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.startup_done = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets)
+        finally:
+            self.startup_done.set()
+
+
+class CatalogServer:
+    """Migrates the database, then serves the API until `stop()`."""
+
+    def __init__(self, config: CatalogConfig) -> None:
+        self.config = config
+        self.engine: AsyncEngine | None = None
+        self._server: _Server | None = None
+        self._socket: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.port = config.port
+
+    @property
+    def url(self) -> str:
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Migrate and start serving; raises (`OSError`, database errors) before serving."""
+        self.engine = open_engine(self.config.database_url)
+        await migrate(self.engine)
+        app = create_app(
+            self.engine,
+            admin_token=self.config.admin_token,
+            public_read=self.config.public_read,
+            migrate_on_start=False,
+        )
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.config.host, self.config.port))
+        except OSError:
+            sock.close()
+            raise
+        sock.listen(1024)
+        sock.setblocking(False)
+        self._socket, self.port = sock, sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve([sock]), name="catalog-server")
+        await self._server.startup_done.wait()
+        if not self._server.started:
+            await self.stop()
+            raise RuntimeError("the catalog API did not start (see the log)")
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._socket is not None:
+            self._socket.close()
+        if self.engine is not None:
+            await self.engine.dispose()
+        self._server = self._task = self._socket = self.engine = None

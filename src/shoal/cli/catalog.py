@@ -1,0 +1,264 @@
+"""`shoal catalog`: serve the catalog API, migrate its database, and apply, get or delete
+resources through the API.
+
+    shoal catalog serve [--db URL] [--port P]      the API (migrates first)
+    shoal catalog migrate [--db URL]               the schema only
+    shoal catalog apply -f FILE [--prune]          make a file of resources true
+    shoal catalog get KIND [NAME] [-o json|yaml|table]
+    shoal catalog delete KIND NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from shoal.cli.frontend import add_number_flag, on_stop_signals, run_event_loop
+from shoal.cli.main import env_default
+
+DEFAULT_PORT = 8100
+COLUMNS: dict[str, tuple[str, ...]] = {
+    "providers": ("type", "status", "base_url", "namespace", "auth_secret"),
+    "models": ("base_model", "format", "context_length", "providers"),
+    "virtual-models": ("default_model", "targets", "autoprovisioned"),
+    "deployments": ("model", "engine", "replicas", "namespace", "status"),
+}
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "catalog",
+        help="the catalog: providers, models, virtual models, deployments",
+        description="Serve the catalog API, or apply, get and delete its resources.",
+    )
+    commands = parser.add_subparsers(dest="catalog_command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="serve the catalog API (migrates the database)")
+    add_database_flag(serve)
+    serve.add_argument("--host", default=env_default("host", "127.0.0.1"), help="listen address")
+    add_number_flag(serve, "--port", int, DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    add_auth_flags(serve)
+    serve.add_argument(
+        "--public-read",
+        action="store_true",
+        default=env_default("public_read", "") in ("1", "true", "yes"),
+        help="reads need no admin token (SHOAL_PUBLIC_READ=1)",
+    )
+
+    migrate = commands.add_parser("migrate", help="bring the database schema up to date")
+    add_database_flag(migrate)
+
+    apply = commands.add_parser("apply", help="create or update the resources of a file")
+    apply.add_argument("-f", "--file", required=True, help="YAML or JSON file ('-': stdin)")
+    apply.add_argument("--prune", action="store_true", help="delete what the file no longer names")
+    add_client_flags(apply)
+
+    get = commands.add_parser("get", help="print resources of one kind")
+    get.add_argument("kind", help="providers, models, virtual-models or deployments")
+    get.add_argument("name", nargs="?", help="one resource (default: all)")
+    get.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+    add_client_flags(get)
+
+    delete = commands.add_parser("delete", help="delete one resource")
+    delete.add_argument("kind", help="providers, models, virtual-models or deployments")
+    delete.add_argument("name")
+    add_client_flags(delete)
+
+
+def add_database_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--db",
+        default=env_default("catalog_db"),
+        help="database URL: sqlite:///path or postgresql://user@host/db "
+        "(default: catalog.db in the user state dir)",
+    )
+
+
+def add_auth_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--admin-token",
+        default=env_default("admin_token"),
+        help="bearer token the API requires (SHOAL_ADMIN_TOKEN; default: none)",
+    )
+
+
+def add_client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url",
+        default=env_default("catalog_url", f"http://127.0.0.1:{DEFAULT_PORT}"),
+        help=f"catalog API (SHOAL_CATALOG_URL; default http://127.0.0.1:{DEFAULT_PORT})",
+    )
+    parser.add_argument(
+        "-w", "--workspace", default=env_default("workspace", "default"), help="workspace"
+    )
+    add_auth_flags(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.catalog_command
+    if args.log_level.upper() != "DEBUG":
+        logging.getLogger("alembic").setLevel(logging.WARNING)  # one line per migration step
+    if command == "serve":
+        return run_event_loop(serve(args))
+    if command == "migrate":
+        return asyncio.run(migrate(args))
+    if command == "apply":
+        try:
+            args.text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+        except OSError as exc:
+            print(f"shoal catalog apply: {args.file}: {exc.strerror}", file=sys.stderr)
+            return 1
+    return asyncio.run(client_command(args))
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from shoal.catalog import CatalogConfig, CatalogServer, default_database_url
+
+    stop = asyncio.Event()
+    on_stop_signals(stop)
+    config = CatalogConfig(
+        database_url=args.db or default_database_url(),
+        host=args.host,
+        port=args.port,
+        admin_token=args.admin_token,
+        public_read=args.public_read,
+    )
+    server = CatalogServer(config)
+    try:
+        await server.start()
+    except Exception as exc:  # a database or socket error, reported in one line
+        print(f"shoal catalog serve: {config.database_url}: {exc}", file=sys.stderr)
+        await server.stop()
+        return 1
+    print(f"shoal catalog ready: url={server.url} db={config.database_url}", flush=True)
+    await stop.wait()
+    await server.stop()
+    return 0
+
+
+async def migrate(args: argparse.Namespace) -> int:
+    from shoal.catalog import default_database_url, open_engine
+    from shoal.catalog import migrate as migrate_schema
+    from shoal.catalog.database import current_revision
+
+    url = args.db or default_database_url()
+    engine = open_engine(url)
+    try:
+        await migrate_schema(engine)
+        async with engine.connect() as conn:
+            revision = await current_revision(conn)
+    except Exception as exc:
+        print(f"shoal catalog migrate: {url}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await engine.dispose()
+    print(f"{url}: at revision {revision}")
+    return 0
+
+
+async def client_command(args: argparse.Namespace) -> int:
+    import aiohttp
+
+    from shoal.catalog import CatalogClient, CatalogError
+
+    name = f"shoal catalog {args.catalog_command}"
+    try:
+        async with CatalogClient(args.url, token=args.admin_token, workspace=args.workspace) as c:
+            if args.catalog_command == "apply":
+                return await apply(c, args)
+            if args.catalog_command == "get":
+                return await get(c, args)
+            return await delete(c, args)
+    except CatalogError as exc:
+        print(f"{name}: {exc.message}", file=sys.stderr)
+    except (KeyError, ValueError) as exc:
+        print(f"{name}: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+    except aiohttp.ClientError as exc:
+        print(f"{name}: cannot reach the catalog at {args.url}: {exc}", file=sys.stderr)
+    return 1
+
+
+async def apply(client: Any, args: argparse.Namespace) -> int:
+    from shoal.catalog.apply import apply_documents, parse_documents
+
+    documents = parse_documents(
+        args.text, workspace=args.workspace, json_only=args.file.endswith(".json")
+    )
+    for change in await apply_documents(client, documents, prune=args.prune):
+        print(change, flush=True)
+    return 0
+
+
+async def get(client: Any, args: argparse.Namespace) -> int:
+    from shoal.catalog import kind_named
+
+    kind = kind_named(args.kind)
+    if args.name:
+        items = [await client.get(kind, args.name)]
+    else:
+        items = await client.list_all(kind)
+    rows = [{"kind": kind.singular, **item.model_dump(mode="json")} for item in items]
+    if args.output == "json":
+        print(json.dumps(rows[0] if args.name else rows, indent=2))
+    elif args.output == "yaml":
+        import yaml
+
+        print(yaml.safe_dump_all(rows, sort_keys=False), end="")
+    else:
+        print(table(rows, ("name", "version", *COLUMNS[kind.plural])))
+    return 0
+
+
+def table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
+    def cell(value: Any) -> str:
+        if isinstance(value, list):
+            return ",".join(
+                str(v.get("model_entity", v)) if isinstance(v, dict) else str(v) for v in value
+            )
+        return "" if value is None else str(value)
+
+    cells = [[c.upper() for c in columns]] + [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return "\n".join(
+        "  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in cells
+    )
+
+
+async def delete(client: Any, args: argparse.Namespace) -> int:
+    from shoal.catalog import kind_named
+
+    kind = kind_named(args.kind)
+    await client.delete(kind, args.name)
+    print(f"{kind.plural.rstrip('s')} {args.workspace}/{args.name} deleted")
+    return 0
+
+
+def add_catalog_port_flag(parser: argparse.ArgumentParser) -> None:
+    """`--catalog-port` for `shoal up`, which runs the catalog beside the frontend."""
+    add_number_flag(
+        parser,
+        "--catalog-port",
+        int,
+        DEFAULT_PORT,
+        help=f"port of the catalog API on the embedded database (default {DEFAULT_PORT})",
+    )
+
+
+async def start_catalog(host: str, port: int) -> Any:
+    """The catalog API on the default database, started; `None` once a warning is printed
+    (`shoal up` serves models without it: the catalog is desired state, not the request path)."""
+    from shoal.catalog import CatalogConfig, CatalogServer, default_database_url
+
+    server = CatalogServer(CatalogConfig(database_url=default_database_url(), host=host, port=port))
+    try:
+        await server.start()
+    except Exception as exc:  # a database or socket error, reported in one line
+        print(f"shoal up: the catalog is not running: {exc}", file=sys.stderr)
+        await server.stop()
+        return None
+    return server

@@ -1,0 +1,153 @@
+"""`shoal catalog` as users run it: real processes against a real catalog API."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import pytest
+
+from shoal.catalog import MODELS, PROVIDERS, CatalogClient, CatalogServer
+from tests.helpers import free_port
+from tests.processes import Processes, shoal
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "catalog.md"
+CATALOG_READY = re.compile(r"^shoal catalog ready: url=(?P<url>\S+) db=(?P<db>\S+)$")
+
+
+def docs_example() -> str:
+    """The YAML block right after the `example: catalog.yaml` marker in docs/catalog.md."""
+    text = DOCS.read_text()
+    after = text[text.index("<!-- example: catalog.yaml") :]
+    return after.split("```yaml\n", 1)[1].split("```", 1)[0]
+
+
+async def catalog_cli(*args: str) -> tuple[int, str, str]:
+    proc = await shoal(
+        "catalog", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_docs_example_applies_then_reapplies_unchanged(
+    catalog: CatalogServer, client: CatalogClient, tmp_path: Path
+) -> None:
+    example = tmp_path / "catalog.yaml"
+    example.write_text(docs_example())
+    code, out, err = await catalog_cli("apply", "-f", str(example), "--url", catalog.url)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 6 and all(line.endswith(" created") for line in lines), out
+    assert "provider default/hosted created" in lines
+    code, out, err = await catalog_cli("apply", "-f", str(example), "--url", catalog.url)
+    assert code == 0, err
+    assert [line.rsplit(" ", 1)[1] for line in out.splitlines()] == ["unchanged"] * 6, out
+    hosted = await client.get(PROVIDERS, "hosted", workspace="default")
+    assert (hosted.version, hosted.auth_secret) == (1, "HOSTED_KEY")
+
+
+async def test_apply_updates_what_differs_and_prune_deletes_what_is_gone(
+    catalog: CatalogServer, client: CatalogClient, tmp_path: Path
+) -> None:
+    file = tmp_path / "models.yaml"
+    file.write_text("kind: Model\nname: a\n---\nkind: Model\nname: b\nformat: gguf\n")
+    url = ["--url", catalog.url, "-w", "team-a"]
+    assert (await catalog_cli("apply", "-f", str(file), *url))[0] == 0
+    await client.update(MODELS, "a", {"autoprovisioned": False, "description": "drifted"})
+    file.write_text('[{"kind": "models", "name": "a"}]')
+    code, out, err = await catalog_cli("apply", "-f", str(file), "--prune", *url)
+    assert code == 0, err
+    assert out.splitlines() == ["model team-a/a updated", "model team-a/b deleted"]
+    assert [m.name for m in await client.list_all(MODELS)] == ["a"]
+    assert (await client.get(MODELS, "a")).description == ""
+
+
+async def test_get_yaml_output_applies_back_unchanged(
+    catalog: CatalogServer, client: CatalogClient, tmp_path: Path
+) -> None:
+    await client.create(MODELS, {"name": "m", "context_length": 4096, "spec": {"k": [1, 2]}})
+    await client.create(PROVIDERS, {"name": "p", "type": "fleet"})
+    for kind in ("models", "providers"):
+        code, out, err = await catalog_cli(
+            "get", kind, "-o", "yaml", "--url", catalog.url, "-w", "team-a"
+        )
+        assert code == 0, err
+        (tmp_path / f"{kind}.yaml").write_text(out)
+        code, out, err = await catalog_cli(
+            "apply", "-f", str(tmp_path / f"{kind}.yaml"), "--url", catalog.url
+        )
+        assert code == 0, err
+        assert out.strip().endswith(" unchanged"), out
+    code, out, _ = await catalog_cli("get", "models", "--url", catalog.url, "-w", "team-a")
+    assert out.splitlines()[0].split()[:3] == ["NAME", "VERSION", "BASE_MODEL"]
+    assert out.splitlines()[1].split()[:2] == ["m", "1"]
+
+
+async def test_bad_file_is_refused_naming_document_and_field(
+    catalog: CatalogServer, tmp_path: Path
+) -> None:
+    file = tmp_path / "bad.yaml"
+    file.write_text("kind: Model\nname: ok\n---\nkind: Model\nname: m\ncontext_length: -5\n")
+    code, out, err = await catalog_cli("apply", "-f", str(file), "--url", catalog.url)
+    assert code == 1 and out == ""
+    assert "document 2" in err and "context_length" in err
+
+
+async def test_serve_migrate_get_delete_end_to_end(processes: Processes, tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'c.db'}"
+    code, out, err = await catalog_cli("migrate", "--db", db)
+    assert code == 0 and "at revision 0001" in out, err
+    served = await processes.start(
+        "catalog", "serve", "--db", db, "--port", str(free_port()), "--admin-token", "tok",
+        ready=CATALOG_READY,
+    )  # fmt: skip
+    file = tmp_path / "m.json"
+    file.write_text('{"kind": "Model", "name": "m"}')
+    auth = ["--url", served.url, "--admin-token", "tok"]
+    assert (await catalog_cli("apply", "-f", str(file), *auth))[1] == "model default/m created\n"
+    code, _, err = await catalog_cli("get", "models", "m", "--url", served.url)
+    assert code == 1 and "admin token" in err
+    code, out, _ = await catalog_cli("get", "models", "m", "-o", "json", *auth)
+    assert code == 0 and '"name": "m"' in out
+    assert (await catalog_cli("delete", "models", "m", *auth))[1] == "model default/m deleted\n"
+    code, _, err = await catalog_cli("delete", "models", "m", *auth)
+    assert code == 1 and "no Model 'm'" in err
+
+
+async def test_up_runs_the_catalog_beside_the_frontend(
+    processes: Processes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHOAL_CATALOG_DB", f"sqlite:///{tmp_path / 'catalog.db'}")
+    catalog_port = free_port()
+    await processes.start(
+        "up", "--workers", "0", "--port", str(free_port()), "--catalog-port", str(catalog_port),
+        "--store", f"sqlite:///{tmp_path / 'store.db'}",
+        ready=re.compile(r"^Press Ctrl-C to stop\.$"), timeout=60,
+    )  # fmt: skip
+    file = tmp_path / "alias.yaml"
+    file.write_text("kind: VirtualModel\nname: chat\ndefault_model: mock-llm\n")
+    url = f"http://127.0.0.1:{catalog_port}"
+    code, out, err = await catalog_cli("apply", "-f", str(file), "--url", url)
+    assert (code, out) == (0, "virtual-model default/chat created\n"), err
+    assert (tmp_path / "catalog.db").exists()
+
+
+async def test_apply_leaves_fields_the_controller_writes(
+    catalog: CatalogServer, client: CatalogClient, tmp_path: Path
+) -> None:
+    file = tmp_path / "m.yaml"
+    file.write_text(
+        "kind: Model\nname: m\nworkspace: team-a\n---\n"
+        "kind: Provider\nname: p\nworkspace: team-a\ntype: fleet\n"
+    )
+    assert (await catalog_cli("apply", "-f", str(file), "--url", catalog.url))[0] == 0
+    await client.update(MODELS, "m", {"providers": ["team-a/p"]})  # as the controller links it
+    await client.update(PROVIDERS, "p", {"status": "READY", "served_models": []})
+    code, out, err = await catalog_cli("apply", "-f", str(file), "--url", catalog.url)
+    assert code == 0 and out.split() == [
+        "provider", "team-a/p", "unchanged", "model", "team-a/m", "unchanged",
+    ], out + err  # fmt: skip
+    assert (await client.get(MODELS, "m")).providers == ["team-a/p"]
