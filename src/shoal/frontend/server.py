@@ -493,6 +493,7 @@ class HttpConnection(asyncio.Protocol):
         if self._lingering or transport is None or transport.is_closing():
             return
         self._lingering = True
+        self.pending.clear()  # (when the response cut the connection short)
         error, self._final = self._final, None
         if error is not None:
             transport.write(encode_response(error.status, error.body(), keep_alive=False))
