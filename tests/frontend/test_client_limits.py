@@ -54,7 +54,7 @@ async def test_too_many_headers_is_431(start_frontend: StartFrontend) -> None:
     headers = b"".join(b"X-H%d: v\r\n" % i for i in range(20_000))
     received = await raw_exchange(frontend.port, b"GET /live HTTP/1.1\r\n" + headers + b"\r\n")
     assert received.startswith(b"HTTP/1.1 431 ")
-    assert "headers" in error_of(received)["message"]
+    assert error_of(received)["code"] == "request_header_fields_too_large"
 
 
 async def test_header_limits_are_configurable(start_frontend: StartFrontend) -> None:
@@ -62,7 +62,9 @@ async def test_header_limits_are_configurable(start_frontend: StartFrontend) -> 
     three = b"GET /live HTTP/1.1\r\nHost: t\r\nA: 1\r\nB: 2\r\n\r\n"
     assert (await raw_exchange(frontend.port, three)).startswith(b"HTTP/1.1 200 ")
     four = b"GET /live HTTP/1.1\r\nHost: t\r\nA: 1\r\nB: 2\r\nC: 3\r\n\r\n"
-    assert (await raw_exchange(frontend.port, four)).startswith(b"HTTP/1.1 431 ")
+    refused = await raw_exchange(frontend.port, four)
+    assert refused.startswith(b"HTTP/1.1 431 ")
+    assert "more than 3 headers" in error_of(refused)["message"]
     long = b"GET /live HTTP/1.1\r\nHost: t\r\nA: " + b"x" * 200 + b"\r\n\r\n"
     assert (await raw_exchange(frontend.port, long)).startswith(b"HTTP/1.1 431 ")
 

@@ -42,6 +42,9 @@ MAX_PIPELINED = 16  # parsed requests waiting behind the current one before pars
 FEED_SLICE = 8192  # a larger read is parsed this much at a time, so the bound above holds
 LINGER_SECONDS = 2.0  # how long bytes are read and dropped after the last answer, before closing
 
+# The request headers the server itself reads (the handler reads the others).
+_READ_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
+
 # What a connection is reading: nothing yet of the next request, its head, or its body.
 IDLE, HEAD, BODY = 0, 1, 2
 
@@ -127,25 +130,24 @@ def encode_response(
     body: bytes,
     content_type: bytes = b"application/json",
     headers: Sequence[tuple[bytes, bytes]] = (),
-    *,
     keep_alive: bool = True,
     extra: bytes = b"",
     head_only: bool = False,
 ) -> bytes:
     """A whole response. `extra`: encoded header lines added as they are; `head_only`: the
     answer to HEAD (the head a GET would get, without its body)."""
-    parts = [status_line(status)]
     if status != 204:
-        parts += (b"content-type: ", content_type, b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n")  # fmt: skip
+        length = str(len(body)).encode()
+        parts = [status_line(status), b"content-type: ", content_type, b"\r\ncontent-length: ", length, b"\r\n"]  # fmt: skip
+    else:
+        parts = [status_line(status)]  # no content (RFC 9110 §8.6)
     for name, value in headers:
         parts += (name, b": ", value, b"\r\n")
     if extra:
         parts.append(extra)
     if not keep_alive:
         parts.append(b"connection: close\r\n")
-    parts.append(b"\r\n")
-    if not head_only:
-        parts.append(body)
+    parts += (b"\r\n", b"" if head_only else body)
     return b"".join(parts)
 
 
@@ -188,13 +190,13 @@ class HttpConnection(asyncio.Protocol):
         self._lingering = False  # the last answer is written: closing soon
         # Deadlines: what is being read since when (checked by the server's sweep).
         self._phase = HEAD  # a new connection owes its first request head
-        self._phase_since = self.idle_since
-        self._last_read = 0.0
+        self._phase_since = self.idle_since  # 0.0: since the next sweep
+        self._progress = False  # bytes arrived since the last sweep
+        self._last_progress = 0.0  # when a sweep last saw bytes arrive (0.0: never)
         self._head_bytes = 0  # bytes read while in a request head
         # The message being parsed.
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
-        self._head_size = 0
         self._body: list[bytes] = []
         self._body_size = 0
 
@@ -226,16 +228,25 @@ class HttpConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._stopped:
             return  # after the last request: dropped while the answer is being read
-        self._last_read = self.server.loop.time()
+        self._progress = True
         self._answered_in_read = False
         if self._held or len(data) > FEED_SLICE or len(self.pending) >= MAX_PIPELINED:
             self._hold(data)
             self._parse_held()
             return
-        offset = self._feed(data)
-        if offset >= 0:
-            self._hold(data[offset:])
-            self._parse_held()
+        if self._phase != BODY:
+            self._head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._parse_failed(exc)
+        except httptools.HttpParserUpgrade as exc:
+            if self._upgraded():
+                self._hold(data[exc.args[0] :])
+                self._parse_held()
+        else:
+            if self._phase == HEAD and self._head_bytes > self.server.max_header_size:
+                self._head_too_large()
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -254,28 +265,44 @@ class HttpConnection(asyncio.Protocol):
     # -- parsing -----------------------------------------------------------------------------
 
     def _feed(self, data: bytes | memoryview) -> int:
-        """Parse `data`; -1, or the offset of the bytes after an ignored upgrade request."""
+        """Parse `data` (as `data_received` does); -1, or the offset of the bytes after an
+        ignored upgrade request."""
         if self._phase != BODY:
             self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade as exc:
-            if self._upgrading:
-                self._restart_parser()
-                return int(exc.args[0])
-            self._stop(None)  # CONNECT: what follows is a tunnel, which this server is not
-        except httptools.HttpParserCallbackError:
-            if not self._stopped:  # not a refusal: a bug in a callback
-                log.exception("parsing a request failed")
-                self._stop(errors.internal_error())
         except httptools.HttpParserError as exc:
-            if not self._stopped:
-                self._stop(bad_request(f"Malformed HTTP request: {exc}"))
+            self._parse_failed(exc)
+        except httptools.HttpParserUpgrade as exc:
+            if self._upgraded():
+                return int(exc.args[0])
         else:
             if self._phase == HEAD and self._head_bytes > self.server.max_header_size:
-                limit = self.server.max_header_size
-                self._stop(errors.headers_too_large(f"over {limit} bytes"))
+                self._head_too_large()
         return -1
+
+    def _upgraded(self) -> bool:
+        """True if the parser stopped at an upgrade this server ignores (the bytes after it
+        go to a fresh parser); False for CONNECT, which ends the connection."""
+        if self._upgrading:
+            self._restart_parser()
+            return True
+        self._stop(None)  # CONNECT: what follows is a tunnel, which this server is not
+        return False
+
+    def _head_too_large(self) -> None:
+        """A head still incomplete after more bytes than the limit (checked on each read, so
+        that a header growing without end is not buffered)."""
+        self._stop(errors.headers_too_large(f"over {self.server.max_header_size} bytes"))
+
+    def _parse_failed(self, exc: httptools.HttpParserError) -> None:
+        if self._stopped:
+            return  # a callback refused the request, or it was the last one
+        if isinstance(exc, httptools.HttpParserCallbackError):  # a bug in a callback
+            log.exception("parsing a request failed")
+            self._stop(errors.internal_error())
+        else:
+            self._stop(bad_request(f"Malformed HTTP request: {exc}"))
 
     def _hold(self, data: bytes | memoryview) -> None:
         rest = self._held[self._held_pos :]
@@ -323,44 +350,43 @@ class HttpConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
-        self._head_size = 0
         self._body = []
         self._body_size = 0
         if self._phase == IDLE:
             self._phase = HEAD
-            self._phase_since = self._last_read
+            self._phase_since = 0.0  # set by the next sweep: no clock read per request
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._head_size += len(url)
-        if self._head_size > self.server.max_header_size:
-            self._refuse(errors.headers_too_large(f"over {self.server.max_header_size} bytes"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
-        self._head_size += len(name) + len(value) + 4
-        server = self.server
-        if self._head_size > server.max_header_size:
-            self._refuse(errors.headers_too_large(f"over {server.max_header_size} bytes"))
-        if len(self._headers) > server.max_headers:
-            self._refuse(errors.headers_too_large(f"more than {server.max_headers} headers"))
 
     def on_headers_complete(self) -> None:
         self._phase = BODY
         self._head_bytes = 0
+        server = self.server
+        headers = self._headers
+        if len(headers) > server.max_headers:
+            self._refuse(errors.headers_too_large(f"more than {server.max_headers} headers"))
+        size = len(self._url)
         expect_continue = False
-        for name, value in self._headers:
-            if name == b"content-length":
-                if int(value) > self.server.max_body:
-                    self._refuse(body_too_large(self.server.max_body))
-            elif name == b"transfer-encoding":
-                if value.strip().lower() != b"chunked":
-                    self._refuse(unsupported_coding(value))
-            elif name == b"expect" and value.lower() == b"100-continue":
-                expect_continue = True
-            elif name == b"upgrade" and self.parser.should_upgrade():
-                self._upgrading = True
-                self._upgrade_method = self.parser.get_method()
+        for name, value in headers:
+            size += len(value)
+            if name in _READ_HEADERS:
+                if name == b"content-length":
+                    if int(value) > server.max_body:
+                        self._refuse(body_too_large(server.max_body))
+                elif name == b"transfer-encoding":
+                    if value.strip().lower() != b"chunked":
+                        self._refuse(unsupported_coding(value))
+                elif name == b"expect":
+                    expect_continue = value.lower() == b"100-continue"
+                elif self.parser.should_upgrade():  # upgrade
+                    self._upgrading = True
+                    self._upgrade_method = self.parser.get_method()
+        if size > server.max_header_size:  # (names: bounded by the check on each read)
+            self._refuse(errors.headers_too_large(f"over {server.max_header_size} bytes"))
         if expect_continue and not self._upgrading and self.idle and self.transport is not None:
             # (Behind a request being answered, an interim 100 would land inside its response:
             # the client then sends the body after its own short wait.)
@@ -503,7 +529,12 @@ class HttpConnection(asyncio.Protocol):
         self.server.loop.call_later(LINGER_SECONDS, transport.close)
 
     def check_deadlines(self, now: float) -> None:
-        """Close or answer 408 if the client took too long (called by the server's sweep)."""
+        """Close or answer 408 if the client took too long (called by the server's sweep,
+        which also dates what the request path only flags: a deadline is late by at most
+        one sweep, never early)."""
+        if self._progress:
+            self._progress = False
+            self._last_progress = now
         if self._stopped or self.busy or self.pending or self.transport is None:
             return
         server = self.server
@@ -513,12 +544,14 @@ class HttpConnection(asyncio.Protocol):
         elif self._reading_paused:
             return  # we are not reading: the time is not the client's
         elif self._phase == HEAD:
-            if server.header_timeout and now - self._phase_since > server.header_timeout:
-                if not self._last_read:
+            if not self._phase_since:
+                self._phase_since = now
+            elif server.header_timeout and now - self._phase_since > server.header_timeout:
+                if not self._last_progress:
                     self.transport.close()  # nothing was ever sent: nothing to answer
                 else:
                     self._stop(errors.request_timeout("request head", server.header_timeout))
-        elif server.body_timeout and now - self._last_read > server.body_timeout:
+        elif server.body_timeout and now - self._last_progress > server.body_timeout:
             self._stop(errors.request_timeout("rest of the request body", server.body_timeout))
 
     def send(
@@ -533,15 +566,9 @@ class HttpConnection(asyncio.Protocol):
             self.response_started = True
             self.transport.write(
                 encode_response(
-                    status,
-                    body,
-                    content_type,
-                    headers,
-                    keep_alive=self.keep_alive,
-                    extra=self.extra_headers,
-                    head_only=self.head_only,
+                    status, body, content_type, headers, self.keep_alive, self.extra_headers, self.head_only
                 )
-            )
+            )  # fmt: skip
         self.end()
 
     def send_error(self, error: ApiError) -> None:
