@@ -61,7 +61,6 @@ class Request:
         "path",
         "query",
         "received",
-        "too_large",
     )
 
     def __init__(
@@ -82,7 +81,6 @@ class Request:
         self.body = body
         self.keep_alive = keep_alive
         self.http11 = http11
-        self.too_large = False  # the body was over the limit and dropped: answered with 413
         self.received = time.perf_counter()
 
     def header(self, name: bytes) -> bytes | None:
