@@ -119,6 +119,7 @@ async def test_a_model_whose_instances_all_drain_is_listed_and_answers_503_with_
     with pytest.raises(openai.APIStatusError) as requested:
         await client.chat.completions.create(model="model-b", messages=CHAT)
     assert requested.value.status_code == 503
+    assert int(requested.value.response.headers["retry-after"]) > 0  # the same story
     assert draining.requests == 0
 
 

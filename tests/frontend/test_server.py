@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from shoal.frontend import Frontend
+from shoal.frontend.server import FEED_SLICE, MAX_PIPELINED
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import FakeWorker, count_responses, raw_exchange, serving
 from tests.helpers import wait_for
@@ -159,3 +161,191 @@ async def test_idle_keep_alive_connections_are_closed_after_the_timeout(
             received += chunk
     writer.close()
     assert received.startswith(b"HTTP/1.1 200 OK")
+
+
+async def read_until_closed(reader: asyncio.StreamReader, timeout: float = 5.0) -> bytes:
+    """Everything the server sends until it closes the connection (fails on timeout)."""
+    received = b""
+    async with asyncio.timeout(timeout):
+        while chunk := await reader.read(65536):
+            received += chunk
+    return received
+
+
+async def test_pipelined_flood_from_a_client_that_never_reads_stays_bounded(
+    start_frontend: StartFrontend,
+) -> None:
+    """2,000 pipelined `/metrics` in one send from a client that does not read: the server
+    stops producing once the client's send buffer is full (bounded memory), other clients
+    are answered at once, and every flooded request is answered once the client reads."""
+    frontend = await start_frontend()
+    assert frontend.server is not None
+    flood = 2000
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    try:
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n" * flood)
+        await writer.drain()
+        # The server stops reading and answering the flood: its send buffer stops growing.
+        await wait_for(lambda: any(c.writing_paused for c in frontend.server.connections))
+        started = time.perf_counter()
+        other = await raw_exchange(frontend.port, b"GET /live HTTP/1.1\r\nHost: t\r\n\r\n")
+        latency = time.perf_counter() - started
+        assert other.startswith(b"HTTP/1.1 200 OK")
+        assert latency < 1.0, f"/live took {latency:.2f}s beside the flood"
+        (conn,) = [c for c in frontend.server.connections if c.writing_paused]
+        assert conn.transport is not None
+        assert conn.transport.get_write_buffer_size() < 1024 * 1024
+        assert len(conn.pending) <= MAX_PIPELINED + FEED_SLICE // 18  # 18: the smallest request
+        answered = await count_status_lines(reader, flood)
+    finally:
+        writer.close()
+    assert answered == flood
+
+
+async def count_status_lines(reader: asyncio.StreamReader, expected: int) -> int:
+    """How many `200 OK` status lines arrive, reading until `expected` did (linear time)."""
+    marker = b"HTTP/1.1 200 OK\r\n"
+    count, tail = 0, b""
+    async with asyncio.timeout(30):
+        while count < expected and (chunk := await reader.read(1 << 20)):
+            data = tail + chunk
+            count += data.count(marker)
+            tail = data[-(len(marker) - 1) :]
+    return count
+
+
+async def test_pipelined_builtin_requests_are_answered_one_per_loop_turn(
+    start_frontend: StartFrontend,
+) -> None:
+    """Pipelined built-in requests do not monopolise the loop: between two of them, other
+    work runs (here: a callback scheduled when the packet arrived)."""
+    frontend = await start_frontend()
+    assert frontend.server is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    try:
+        writer.write(b"GET /live HTTP/1.1\r\nHost: t\r\n\r\n" * 50)
+        received = b""
+        turns = 0
+
+        def tick() -> None:
+            nonlocal turns
+            turns += 1
+            if turns < 1000:
+                asyncio.get_running_loop().call_soon(tick)
+
+        tick()
+        async with asyncio.timeout(5):
+            while count_responses(received) < 50:
+                received += await reader.read(65536)
+    finally:
+        writer.close()
+    assert received.count(b"HTTP/1.1 200 OK") == 50
+    assert turns >= 25, f"only {turns} other loop turns while 50 requests were answered"
+
+
+async def test_h2c_upgrade_is_ignored_and_answered_once(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """`curl --http2` on a cleartext URL: the Upgrade is ignored (RFC 9110 §7.8), the body
+    reaches the worker whole, and the next request on the connection gets its own answer."""
+    worker, frontend = await served(start_worker, start_frontend)
+    upgrade = post(
+        BODY,
+        "Connection: Upgrade, HTTP2-Settings",
+        "Upgrade: h2c",
+        "HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA",
+    )
+    live = b"GET /live HTTP/1.1\r\nHost: t\r\n\r\n"
+    received = await raw_exchange(frontend.port, upgrade + live, responses=2)
+    assert count_responses(received) == 2
+    first, _, rest = received.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200 OK")
+    assert worker.bodies == [BODY]
+    assert b'{"status":"ok"}' in rest
+    assert b" 400 " not in received
+
+
+async def test_complete_request_before_garbage_is_answered_then_400_then_close(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker, frontend = await served(start_worker, start_frontend)
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    try:
+        writer.write(post() + b"GARBAGE\r\n\r\n")
+        received = await read_until_closed(reader)
+    finally:
+        writer.close()
+    assert count_responses(received) == 2
+    assert received.startswith(b"HTTP/1.1 200 OK")
+    second = received[received.index(b"HTTP/1.1 400 ") :]
+    assert b"Malformed HTTP request" in second
+    assert b"connection: close" in second
+    assert worker.requests == 1
+
+
+async def test_http10_request_followed_by_a_stray_byte_is_answered(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker, frontend = await served(start_worker, start_frontend)
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    head = b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(BODY)
+    try:
+        writer.write(head + BODY + b"X")
+        received = await read_until_closed(reader)
+    finally:
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 200 OK")
+    assert count_responses(received) == 1
+    assert worker.requests == 1
+
+
+async def test_connection_close_request_is_answered_and_what_follows_dropped(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker, frontend = await served(start_worker, start_frontend)
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    try:
+        writer.write(post(BODY, "Connection: close") + post())
+        received = await read_until_closed(reader)
+    finally:
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 200 OK")
+    assert count_responses(received) == 1
+    assert worker.requests == 1
+
+
+async def test_chunked_upload_over_the_limit_is_refused_while_it_is_sent(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """The 413 arrives and the server closes while the client is still sending chunks:
+    the upload is not read to its end."""
+    worker, frontend = await served(start_worker, start_frontend, max_body=1000)
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    chunk = b"%x\r\n%s\r\n" % (600, b"x" * 600)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        writer.write(chunk * 2)  # 1,200 bytes: over the limit, and the upload goes on
+        received = await read_until_closed(reader)
+        assert not writer.is_closing()  # the client never ended its upload
+    finally:
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 413 ")
+    assert json.loads(received.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_too_large"
+    assert worker.requests == 0
+
+
+async def test_transfer_coding_other_than_chunked_is_501(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker, frontend = await served(start_worker, start_frontend)
+    data = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
+    )
+    received = await raw_exchange(frontend.port, data)
+    assert received.startswith(b"HTTP/1.1 501 ")
+    error = json.loads(received.partition(b"\r\n\r\n")[2])["error"]
+    assert "gzip, chunked" in error["message"]
+    assert worker.requests == 0

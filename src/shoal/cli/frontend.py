@@ -164,6 +164,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=env_default("cache_dir"),
         help="where verified model metadata files are kept (default: the user cache dir)",
     )
+    add_client_limit_flags(parser)
     add_number_flag(
         parser,
         "--metadata-cache-bytes",
@@ -198,6 +199,53 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
 
 
+def add_client_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """What one client may cost the gateway, and which browser pages may call it."""
+    add_number_flag(
+        parser,
+        "--header-timeout",
+        float,
+        10,
+        metavar="SECONDS",
+        help="time to receive a request head, from its first byte (or the connection's "
+        "start); 0: no limit (default 10)",
+    )
+    add_number_flag(
+        parser,
+        "--body-timeout",
+        float,
+        30,
+        metavar="SECONDS",
+        help="longest gap between request body bytes; 0: no limit (default 30)",
+    )
+    add_number_flag(
+        parser,
+        "--max-connections",
+        int,
+        10_000,
+        help="client connections served at once; others get 503 (default 10000)",
+    )
+    add_number_flag(
+        parser,
+        "--max-header-size",
+        int,
+        64 * 1024,
+        metavar="BYTES",
+        help="largest request line plus headers; larger gets 431 (default 65536)",
+    )
+    add_number_flag(
+        parser, "--max-headers", int, 100, help="most request headers; more gets 431 (default 100)"
+    )
+    parser.add_argument(
+        "--cors-origin",
+        action="append",
+        default=_env_list("cors_origin"),
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN (e.g. https://app.example, or *) call the API "
+        "(repeatable; default: none)",
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     if args.metadata_cache_bytes < 0 or args.metadata_max_file_bytes <= 0:
         raise ValueError("--metadata-cache-bytes and --metadata-max-file-bytes must be positive")
@@ -209,6 +257,12 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         raise ValueError("--setup-timeout must be more than 0 seconds")
     if args.upstream_idle_timeout < 0:
         raise ValueError("--upstream-idle-timeout must be 0 (no limit) or more seconds")
+    for flag in ("header_timeout", "body_timeout"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be 0 (no limit) or more seconds")
+    for flag in ("max_connections", "max_header_size", "max_headers"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
     return FrontendConfig(
         store_url=args.store,
         host=args.host,
@@ -230,6 +284,12 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         metadata_max_file_bytes=args.metadata_max_file_bytes,
         drain_timeout=args.drain_timeout,
         setup_timeout=setup_timeout,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
+        max_header_size=args.max_header_size,
+        max_headers=args.max_headers,
+        cors_origins=tuple(args.cors_origin),
     )
 
 

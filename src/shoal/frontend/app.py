@@ -27,6 +27,7 @@ from shoal.cards import ModelType
 from shoal.controllers import ControllerManager, Loop, readiness
 from shoal.discovery import Discovery, Query
 from shoal.frontend import errors
+from shoal.frontend.cors import Cors
 from shoal.frontend.errors import ApiError
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
 from shoal.frontend.metrics import FrontendMetrics
@@ -71,6 +72,12 @@ class FrontendConfig:
     connect_timeout: float = 5.0
     drain_timeout: float = 30.0
     keepalive_timeout: float = 75.0
+    header_timeout: float = 10.0  # seconds to receive a request head; 0: no limit
+    body_timeout: float = 30.0  # seconds between request body bytes; 0: no limit
+    max_connections: int = 10_000
+    max_header_size: int = 64 * 1024  # bytes of request line and headers
+    max_headers: int = 100
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any)
     setup_timeout: float = 10.0  # seconds for the store to answer the first listing
     # The scope follows a membership watch (built by `shoal.cli`) instead of `namespaces`:
     namespace_sources: Path | None = None
@@ -148,6 +155,7 @@ class Frontend:
             strip_authorization=bool(config.api_keys),
         )
         self._bearer = tuple(f"Bearer {key}".encode() for key in config.api_keys)
+        self.cors = Cors(config.cors_origins) if config.cors_origins else None
         self.manager = ControllerManager()
         self.watcher: ModelWatcher | None = None
         self.reconciler: Reconciler | None = None
@@ -215,7 +223,14 @@ class Frontend:
             follow_membership=self._membership_factory is not None,
         )
         self.server = HttpServer(
-            self.handle, max_body=config.max_body, keepalive_timeout=config.keepalive_timeout
+            self.handle,
+            max_body=config.max_body,
+            keepalive_timeout=config.keepalive_timeout,
+            header_timeout=config.header_timeout,
+            body_timeout=config.body_timeout,
+            max_header_size=config.max_header_size,
+            max_headers=config.max_headers,
+            max_connections=config.max_connections,
         )
         await self.server.start(config.host, config.port)
         await self.watcher.start()
@@ -257,13 +272,15 @@ class Frontend:
         path = request.path
         kind = PROXY_ROUTES.get(path)
         try:
+            if self.cors is not None and self._cross_origin(request, conn):
+                return
             if kind is not None:
                 if request.method != b"POST":
                     raise errors.method_not_allowed(request.method.decode(), path.decode())
                 self._authorize(request)
                 self.proxy.handle(request, conn, kind)
                 return
-            if request.method != b"GET":
+            if request.method != b"GET" and request.method != b"HEAD":  # HEAD: a GET, no body
                 known = path.startswith(b"/v1/models") or path in _CONTROL_PATHS
                 if known:
                     raise errors.method_not_allowed(request.method.decode(), path.decode())
@@ -271,6 +288,24 @@ class Frontend:
             self._control(request, conn)
         except ApiError as exc:
             conn.send(exc.status, exc.body(), headers=exc.headers)
+
+    def _cross_origin(self, request: Request, conn: HttpConnection) -> bool:
+        """Add CORS headers for an allowed origin; True once a preflight is answered."""
+        assert self.cors is not None
+        origin = request.header(b"origin")
+        if origin is None:
+            return False
+        allowed = self.cors.allows(origin)
+        if request.method == b"OPTIONS" and request.header(b"access-control-request-method"):
+            if not allowed:
+                raise errors.origin_not_allowed(origin.decode("latin-1"))
+            requested = request.header(b"access-control-request-headers")
+            conn.extra_headers = self.cors.preflight_headers(origin, requested)
+            conn.send(204, b"")
+            return True
+        if allowed:
+            conn.extra_headers = self.cors.response_headers(origin)
+        return False
 
     def _authorize(self, request: Request) -> None:
         if not self._bearer:

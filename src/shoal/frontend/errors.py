@@ -119,3 +119,40 @@ def method_not_allowed(method: str, path: str) -> ApiError:
 
 def unavailable(message: str) -> ApiError:
     return ApiError(503, message, type="service_unavailable_error", code="unavailable")
+
+
+def headers_too_large(what: str) -> ApiError:
+    return ApiError(
+        431,
+        f"The request head is too large: {what}.",
+        code="request_header_fields_too_large",
+    )
+
+
+def request_timeout(what: str, seconds: float) -> ApiError:
+    return ApiError(
+        408,
+        f"The {what} did not arrive within {seconds:g}s.",
+        code="request_timeout",
+    )
+
+
+def not_implemented(message: str) -> ApiError:
+    return ApiError(501, message, code="not_implemented")
+
+
+def too_many_connections(limit: int) -> ApiError:
+    return ApiError(
+        503,
+        f"The server already holds its limit of {limit} client connections; retry shortly.",
+        type="service_unavailable_error",
+        code="too_many_connections",
+    )
+
+
+def origin_not_allowed(origin: str) -> ApiError:
+    return ApiError(403, f"Cross-origin requests from {origin!r} are not allowed.", code="cors")
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "Internal error in the gateway.", type="server_error")

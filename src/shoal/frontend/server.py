@@ -1,16 +1,23 @@
 """The gateway's HTTP/1.1 server: one `asyncio.Protocol` per connection, parsed by httptools.
 
 A web framework costs more CPU per request than the whole proxy path should, so the server
-is the minimum that is correct: keep-alive, pipelining (requests on one connection are
-answered in order, one at a time), Content-Length and chunked request bodies, `Expect:
-100-continue`, a body size limit, an idle timeout, and write-side flow control that the
-proxy passes on to the upstream connection (`HttpConnection.flow`).
+is the minimum that is correct: keep-alive, pipelining, Content-Length and chunked request
+bodies, `Expect: 100-continue`, limits, timeouts, and write-side flow control that the proxy
+passes on to the upstream connection (`HttpConnection.flow`).
 
 Each complete request is handed to the server's handler as a `Request` with its whole body,
 straight from the parser's callback: no task per request. The handler answers through the
 `HttpConnection`: `send()` for a whole response, or `write()`s and then `end()` for one that
 is produced later (the proxy's), registering itself as `current` so that a client that goes
 away cancels it. It clears `keep_alive` when the connection cannot carry another request.
+
+What a connection owes its client, in order (RFC 9112 §9.3): an answer to every complete
+request, one at a time, then (if reading stopped on an error) that error, then the close.
+Pipelined requests are answered one per loop iteration, never while the client's send
+buffer is full, and at most `MAX_PIPELINED` wait (plus those in one `FEED_SLICE` of bytes):
+beyond that the bytes stay unparsed and the socket is not read. Bounds a client cannot
+stretch: the request head (size, header count, `header_timeout` from its first byte), the
+body (`max_body`, `body_timeout` between its bytes) and the number of connections.
 """
 
 from __future__ import annotations
@@ -26,12 +33,20 @@ from typing import Protocol, cast
 
 import httptools
 
-from shoal.frontend.errors import ApiError, bad_request, body_too_large, error_body
+from shoal.frontend import errors
+from shoal.frontend.errors import ApiError, bad_request, body_too_large
 
 log = logging.getLogger(__name__)
 
-MAX_PIPELINED = 16  # parsed requests waiting behind the current one before reading pauses
-LINGER_SECONDS = 2.0  # how long the rest of a refused body is read before closing anyway
+MAX_PIPELINED = 16  # parsed requests waiting behind the current one before parsing stops
+FEED_SLICE = 8192  # a larger read is parsed this much at a time, so the bound above holds
+LINGER_SECONDS = 2.0  # how long bytes are read and dropped after the last answer, before closing
+
+# The request headers the server itself reads (the handler reads the others).
+_READ_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
+
+# What a connection is reading: nothing yet of the next request, its head, or its body.
+IDLE, HEAD, BODY = 0, 1, 2
 
 
 class Request:
@@ -46,7 +61,6 @@ class Request:
         "path",
         "query",
         "received",
-        "too_large",
     )
 
     def __init__(
@@ -67,7 +81,6 @@ class Request:
         self.body = body
         self.keep_alive = keep_alive
         self.http11 = http11
-        self.too_large = False  # the body was over the limit and dropped: answered with 413
         self.received = time.perf_counter()
 
     def header(self, name: bytes) -> bytes | None:
@@ -115,27 +128,38 @@ def encode_response(
     body: bytes,
     content_type: bytes = b"application/json",
     headers: Sequence[tuple[bytes, bytes]] = (),
-    *,
     keep_alive: bool = True,
+    extra: bytes = b"",
+    head_only: bool = False,
 ) -> bytes:
-    parts = [
-        status_line(status),
-        b"content-type: ",
-        content_type,
-        b"\r\ncontent-length: ",
-        str(len(body)).encode(),
-        b"\r\n",
-    ]
+    """A whole response. `extra`: encoded header lines added as they are; `head_only`: the
+    answer to HEAD (the head a GET would get, without its body)."""
+    if status != 204:
+        length = str(len(body)).encode()
+        parts = [status_line(status), b"content-type: ", content_type, b"\r\ncontent-length: ", length, b"\r\n"]  # fmt: skip
+    else:
+        parts = [status_line(status)]  # no content (RFC 9110 §8.6)
     for name, value in headers:
         parts += (name, b": ", value, b"\r\n")
+    if extra:
+        parts.append(extra)
     if not keep_alive:
         parts.append(b"connection: close\r\n")
-    parts += (b"\r\n", body)
+    parts += (b"\r\n", b"" if head_only else body)
     return b"".join(parts)
 
 
+class StopParsing(Exception):
+    """Raised in a parser callback once the connection reads no more requests."""
+
+
 class HttpConnection(asyncio.Protocol):
-    """One client connection: parses requests and answers them in order, one at a time."""
+    """One client connection: parses requests and answers them in order, one at a time.
+
+    Invariant: once `_stopped`, no byte is parsed again; the connection answers what it owes
+    (`busy`, `pending`, then `_final`) and closes. While it owes nothing it is never stopped
+    without closing, and while it is not stopped every complete request gets an answer.
+    """
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
@@ -146,50 +170,178 @@ class HttpConnection(asyncio.Protocol):
         self.current: InFlight | None = None  # what to cancel if the client goes away
         self.keep_alive = True  # cleared when this connection must close after the response
         self.response_started = False
+        self.head_only = False  # answering HEAD: the response carries no body
+        self.extra_headers = b""  # header lines the handler adds to this response (CORS)
         self.writing_paused = False
         self.flow: FlowListener | None = None  # told to pause while our send buffer is full
         self.closed = False
         self.idle_since = server.loop.time()
         self._reading_paused = False
+        self._stopped = False  # no more requests are parsed (see the class invariant)
+        self._final: ApiError | None = None  # answered after the requests owed, then close
+        self._held = b""  # bytes read but not parsed yet: the pipeline is full
+        self._held_pos = 0
+        self._answered_in_read = False  # one request answered per read: the others wait a turn
+        self._next_scheduled = False
+        self._upgrading = False  # the request asked for an Upgrade, which is ignored
+        self._upgrade_method = b""
+        self._lingering = False  # the last answer is written: closing soon
+        # Deadlines: what is being read since when (checked by the server's sweep).
+        self._phase = HEAD  # a new connection owes its first request head
+        self._phase_since = self.idle_since  # 0.0: since the next sweep
+        self._progress = False  # bytes arrived since the last sweep
+        self._last_progress = 0.0  # when a sweep last saw bytes arrive (0.0: never)
+        self._head_bytes = 0  # bytes read while in a request head
         # The message being parsed.
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._body_size = 0
-        self._too_large = False
-        self._refused_early = False
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.server.connections.add(self)
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            self._stop(errors.too_many_connections(server.max_connections))
+            return
+        server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
         self.pending.clear()
+        self._held = b""
         current, self.current = self.current, None
         if current is not None:
             current.cancel()  # the client went away: stop the work done for it
 
+    def eof_received(self) -> bool | None:
+        if self.busy or self.pending:
+            self._stop(None)  # a half-closed client still gets the answers it asked for
+            return True
+        return None  # close
+
     def data_received(self, data: bytes) -> None:
+        if self._stopped:
+            return  # after the last request: dropped while the answer is being read
+        self._progress = True
+        self._answered_in_read = False
+        if self._held or len(data) > FEED_SLICE or len(self.pending) >= MAX_PIPELINED:
+            self._hold(data)
+            self._parse_held()
+            return
+        if self._phase != BODY:
+            self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(bad_request("Protocol upgrades are not supported."))
         except httptools.HttpParserError as exc:
-            self._fail(bad_request(f"Malformed HTTP request: {exc}"))
+            self._parse_failed(exc)
+        except httptools.HttpParserUpgrade as exc:
+            if self._upgraded():
+                self._hold(data[exc.args[0] :])
+                self._parse_held()
+        else:
+            if self._phase == HEAD and self._head_bytes > self.server.max_header_size:
+                self._head_too_large()
 
     def pause_writing(self) -> None:
         self.writing_paused = True
         if self.flow is not None:
             self.flow.pause_reading()
+        self._update_reading()
 
     def resume_writing(self) -> None:
         self.writing_paused = False
         if self.flow is not None:
             self.flow.resume_reading()
+        self._update_reading()
+        if self.pending and not self.busy:
+            self._schedule_next()
+
+    # -- parsing -----------------------------------------------------------------------------
+
+    def _feed(self, data: bytes | memoryview) -> int:
+        """Parse `data` (as `data_received` does); -1, or the offset of the bytes after an
+        ignored upgrade request."""
+        if self._phase != BODY:
+            self._head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._parse_failed(exc)
+        except httptools.HttpParserUpgrade as exc:
+            if self._upgraded():
+                return int(exc.args[0])
+        else:
+            if self._phase == HEAD and self._head_bytes > self.server.max_header_size:
+                self._head_too_large()
+        return -1
+
+    def _upgraded(self) -> bool:
+        """True if the parser stopped at an upgrade this server ignores (the bytes after it
+        go to a fresh parser); False for CONNECT, which ends the connection."""
+        if self._upgrading:
+            self._restart_parser()
+            return True
+        self._stop(None)  # CONNECT: what follows is a tunnel, which this server is not
+        return False
+
+    def _head_too_large(self) -> None:
+        """A head still incomplete after more bytes than the limit (checked on each read, so
+        that a header growing without end is not buffered)."""
+        self._stop(errors.headers_too_large(f"over {self.server.max_header_size} bytes"))
+
+    def _parse_failed(self, exc: httptools.HttpParserError) -> None:
+        if self._stopped:
+            return  # a callback refused the request, or it was the last one
+        if isinstance(exc, httptools.HttpParserCallbackError):  # a bug in a callback
+            log.exception("parsing a request failed")
+            self._stop(errors.internal_error())
+        else:
+            self._stop(bad_request(f"Malformed HTTP request: {exc}"))
+
+    def _hold(self, data: bytes | memoryview) -> None:
+        rest = self._held[self._held_pos :]
+        self._held = rest + data if rest else bytes(data)
+        self._held_pos = 0
+
+    def _parse_held(self) -> None:
+        """Parse held bytes a slice at a time while the pipeline has room."""
+        data = self._held
+        view = memoryview(data)
+        pos = self._held_pos
+        while pos < len(data) and not self._stopped and len(self.pending) < MAX_PIPELINED:
+            piece = view[pos : pos + FEED_SLICE]
+            pos += len(piece)
+            offset = self._feed(piece)
+            if offset >= 0:  # an ignored upgrade: the fresh parser reads the rest
+                data = self._held + bytes(piece[offset:]) + data[pos:]
+                view = memoryview(data)
+                pos = 0
+        self._held, self._held_pos = (b"", 0) if pos >= len(data) or self._stopped else (data, pos)
+        self._update_reading()
+
+    def _restart_parser(self) -> None:
+        """Ignore an `Upgrade` (RFC 9110 §7.8 allows it): a fresh parser reads the request
+        again without it, body included, and the connection carries on as HTTP/1.1."""
+        self._upgrading = False
+        self.parser = httptools.HttpRequestParser(self)
+        method = self._upgrade_method
+        lines = [method, b" ", self._url, b" HTTP/1.1\r\n"]
+        for name, value in self._headers:
+            if name != b"upgrade":
+                lines += (name, b": ", value, b"\r\n")
+        lines.append(b"\r\n")
+        self._held = b"".join(lines)  # parsed before the bytes that followed the head
+        self._held_pos = 0
+        self._phase = IDLE
+
+    def _refuse(self, error: ApiError) -> None:
+        """Read nothing more: answer what is owed, then `error`, then close."""
+        self._stop(error)
+        raise StopParsing
 
     # -- httptools callbacks -----------------------------------------------------------------
 
@@ -198,7 +350,9 @@ class HttpConnection(asyncio.Protocol):
         self._headers = []
         self._body = []
         self._body_size = 0
-        self._too_large = False
+        if self._phase == IDLE:
+            self._phase = HEAD
+            self._phase_since = 0.0  # set by the next sweep: no clock read per request
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -207,59 +361,66 @@ class HttpConnection(asyncio.Protocol):
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        self._phase = BODY
+        self._head_bytes = 0
+        server = self.server
+        headers = self._headers
+        if len(headers) > server.max_headers:
+            self._refuse(errors.headers_too_large(f"more than {server.max_headers} headers"))
+        size = len(self._url)
         expect_continue = False
-        for name, value in self._headers:
-            if name == b"content-length":
-                if int(value) > self.server.max_body:
-                    self._too_large = True
-            elif name == b"expect" and value.lower() == b"100-continue":
-                expect_continue = True
-        if self._too_large and not self.busy and not self.pending and self.transport is not None:
-            # Answer at once, so the client stops sending; read and drop the rest of the body
-            # (closing with unread data would reset the connection before the client reads).
-            self._refused_early = True
-            self.keep_alive = False
-            error = body_too_large(self.server.max_body)
-            self.transport.write(encode_response(error.status, error.body(), keep_alive=False))
-            self.server.loop.call_later(LINGER_SECONDS, self.transport.close)
-        elif expect_continue and not self._too_large and self.idle and self.transport is not None:
+        for name, value in headers:
+            size += len(value)
+            if name in _READ_HEADERS:
+                if name == b"content-length":
+                    if int(value) > server.max_body:
+                        self._refuse(body_too_large(server.max_body))
+                elif name == b"transfer-encoding":
+                    if value.strip().lower() != b"chunked":
+                        self._refuse(unsupported_coding(value))
+                elif name == b"expect":
+                    expect_continue = value.lower() == b"100-continue"
+                elif self.parser.should_upgrade():  # upgrade
+                    self._upgrading = True
+                    self._upgrade_method = self.parser.get_method()
+        if size > server.max_header_size:  # (names: bounded by the check on each read)
+            self._refuse(errors.headers_too_large(f"over {server.max_header_size} bytes"))
+        if expect_continue and not self._upgrading and self.idle and self.transport is not None:
             # (Behind a request being answered, an interim 100 would land inside its response:
             # the client then sends the body after its own short wait.)
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
-        if self._too_large:
-            return
         self._body_size += len(body)
         if self._body_size > self.server.max_body:
-            self._too_large = True
-            self._body = []
-            return
+            self._refuse(body_too_large(self.server.max_body))
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self.closed or self.transport is None or self.transport.is_closing():
-            return
-        if self._refused_early:
-            self.transport.close()
-            return
+        self._phase = IDLE
+        if self._upgrading:
+            return  # the body is still unread: parsed again once the upgrade is ignored
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(
             self.parser.get_method(),
             self._url,
             self._headers,
-            b"" if self._too_large else body,
-            keep_alive=bool(self.parser.should_keep_alive()) and not self._too_large,
+            body,
+            keep_alive=bool(self.parser.should_keep_alive()),
             http11=self.parser.get_http_version() == "1.1",
         )
-        request.too_large = self._too_large
-        if not self.busy:
+        if self.busy or self.pending or self.writing_paused or self._answered_in_read:
+            self.pending.append(request)  # answered in its turn, on a later loop iteration
+            if not self.busy:
+                self._schedule_next()
+            if len(self.pending) >= MAX_PIPELINED:
+                self._update_reading()
+        else:
+            self._answered_in_read = True
             self._dispatch(request)
-            return
-        self.pending.append(request)  # pipelined: answered when the one before it is
-        if len(self.pending) >= MAX_PIPELINED and not self._reading_paused:
-            self._reading_paused = True
-            self.transport.pause_reading()
+        if not request.keep_alive:
+            self._stop(None)  # the last request of this connection: what follows is dropped
+            raise StopParsing
 
     # -- answering requests in order ---------------------------------------------------------
 
@@ -267,10 +428,7 @@ class HttpConnection(asyncio.Protocol):
         self.busy = True
         self.keep_alive = request.keep_alive and not self.server.closing
         self.response_started = False
-        if request.too_large:
-            self.keep_alive = False
-            self.send_error(body_too_large(self.server.max_body))
-            return
+        self.head_only = request.method == b"HEAD"
         try:
             self.server.handler(request, self)
         except Exception:
@@ -280,43 +438,119 @@ class HttpConnection(asyncio.Protocol):
             if self.response_started:
                 self.end()
             else:
-                self.send(500, error_body("Internal error in the gateway.", type="server_error"))
+                self.send_error(errors.internal_error())
 
     def end(self) -> None:
         """The response to the current request is complete: go on with the next one."""
         self.busy = False
         self.current = None
         self.flow = None
+        self.extra_headers = b""
         if self.closed or self.transport is None:
             return
         if not self.keep_alive or self.server.closing:
-            self.transport.close()
+            self._finish()
         elif self.pending:
             # Pipelined requests wait for the next loop iteration: never re-enter a handler
             # from the callback that finished the previous response.
-            self.server.loop.call_soon(self._next)
+            self._schedule_next()
+        elif self._stopped:
+            self._finish()
         else:
             self.idle_since = self.server.loop.time()
 
-    def _next(self) -> None:
-        if self.closed or self.busy or not self.pending:
-            return
-        request = self.pending.popleft()
-        if self._reading_paused and len(self.pending) < MAX_PIPELINED // 2:
-            self._reading_paused = False
-            if self.transport is not None:
-                self.transport.resume_reading()
-        self._dispatch(request)
+    def _schedule_next(self) -> None:
+        if not self._next_scheduled:
+            self._next_scheduled = True
+            self.server.loop.call_soon(self._next)
 
-    def _fail(self, error: ApiError) -> None:
-        """Answer a request we could not parse or will not read, then close."""
-        if self.transport is None or self.transport.is_closing():
+    def _next(self) -> None:
+        self._next_scheduled = False
+        if self.closed or self.busy or not self.pending or self.writing_paused:
+            return  # `end()` or `resume_writing()` schedules it again
+        self._dispatch(self.pending.popleft())
+        if self._held and len(self.pending) < MAX_PIPELINED // 2:
+            self._answered_in_read = True
+            self._parse_held()
+        self._update_reading()
+        if self.pending and not self.busy:
+            self._schedule_next()
+
+    def _update_reading(self) -> None:
+        """Read the socket unless the client is not reading its answers, the pipeline is
+        full, or answers are owed after reading stopped (idempotent)."""
+        owed = self.busy or bool(self.pending)
+        paused = (
+            self.writing_paused
+            or len(self.pending) >= MAX_PIPELINED
+            or bool(self._held)
+            or (self._stopped and owed)
+        )
+        if paused == self._reading_paused:
             return
-        self.keep_alive = False
-        self.pending.clear()
-        if not self.busy:
-            self.send_error(error)
-        self.transport.close()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self._reading_paused = paused
+        if paused:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
+
+    def _stop(self, error: ApiError | None) -> None:
+        """Parse nothing more; answer what is owed, then `error` if any, then close."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._final = error
+        self._held = b""
+        if self.busy or self.pending:
+            self._update_reading()
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Write the final error if one is owed, then close. Bytes still arriving are read
+        and dropped for a while, so that the client reads the answer before a reset."""
+        self._stopped = True
+        transport = self.transport
+        if self._lingering or transport is None or transport.is_closing():
+            return
+        self._lingering = True
+        self.pending.clear()  # (when the response cut the connection short)
+        error, self._final = self._final, None
+        if error is not None:
+            transport.write(encode_response(error.status, error.body(), keep_alive=False))
+        self._update_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.server.loop.call_later(LINGER_SECONDS, transport.close)
+
+    def check_deadlines(self, now: float) -> None:
+        """Close or answer 408 if the client took too long (called by the server's sweep,
+        which also dates what the request path only flags: a deadline is late by at most
+        one sweep, never early)."""
+        if self._progress:
+            self._progress = False
+            self._last_progress = now
+        if self._stopped or self.busy or self.pending or self.transport is None:
+            return
+        server = self.server
+        if self._phase == IDLE:
+            if now - self.idle_since > server.keepalive_timeout:
+                self.transport.close()
+        elif self._reading_paused:
+            return  # we are not reading: the time is not the client's
+        elif self._phase == HEAD:
+            if not self._phase_since:
+                self._phase_since = now
+            elif server.header_timeout and now - self._phase_since > server.header_timeout:
+                if not self._last_progress:
+                    self.transport.close()  # nothing was ever sent: nothing to answer
+                else:
+                    self._stop(errors.request_timeout("request head", server.header_timeout))
+        elif server.body_timeout and now - self._last_progress > server.body_timeout:
+            self._stop(errors.request_timeout("rest of the request body", server.body_timeout))
 
     def send(
         self,
@@ -329,17 +563,24 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.response_started = True
             self.transport.write(
-                encode_response(status, body, content_type, headers, keep_alive=self.keep_alive)
-            )
+                encode_response(
+                    status, body, content_type, headers, self.keep_alive, self.extra_headers, self.head_only
+                )
+            )  # fmt: skip
         self.end()
 
     def send_error(self, error: ApiError) -> None:
-        self.send(error.status, error.body())
+        self.send(error.status, error.body(), headers=error.headers)
 
     def write(self, data: bytes) -> None:
-        """Write part of a streamed response (the proxy frames it); `end()` when done."""
+        """Write part of a streamed response (the proxy frames it); `end()` when done. The
+        first write starts with the status line: `extra_headers` go right after it."""
         if self.transport is not None:
-            self.response_started = True
+            if not self.response_started:
+                self.response_started = True
+                if self.extra_headers:
+                    line_end = data.index(b"\r\n") + 2
+                    data = data[:line_end] + self.extra_headers + data[line_end:]
             self.transport.write(data)
 
     @property
@@ -351,13 +592,43 @@ class HttpConnection(asyncio.Protocol):
         return not self.busy and not self.pending
 
 
-class HttpServer:
-    """Listens on a TCP port and runs `handler` for each request."""
+def unsupported_coding(value: bytes) -> ApiError:
+    coding = value.decode("latin-1")
+    return errors.not_implemented(
+        f"Transfer-Encoding {coding!r} is not supported: send the body with Content-Length "
+        "or `Transfer-Encoding: chunked` alone."
+    )
 
-    def __init__(self, handler: Handler, *, max_body: int, keepalive_timeout: float = 75.0) -> None:
+
+class HttpServer:
+    """Listens on a TCP port and runs `handler` for each request.
+
+    Limits: `max_body` bytes of request body; `max_header_size` bytes of request line and
+    headers and `max_headers` headers (431); `header_timeout` seconds from a request's first
+    byte (or a new connection's start) to the end of its head and `body_timeout` between
+    body bytes (408; 0: no limit); `max_connections` clients at once (503 to the others).
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_body: int,
+        keepalive_timeout: float = 75.0,
+        header_timeout: float = 10.0,
+        body_timeout: float = 30.0,
+        max_header_size: int = 64 * 1024,
+        max_headers: int = 100,
+        max_connections: int = 10_000,
+    ) -> None:
         self.handler = handler
         self.max_body = max_body
         self.keepalive_timeout = keepalive_timeout
+        self.header_timeout = header_timeout
+        self.body_timeout = body_timeout
+        self.max_header_size = max_header_size
+        self.max_headers = max_headers
+        self.max_connections = max_connections
         self.connections: set[HttpConnection] = set()
         self.closing = False
         self.loop = asyncio.get_running_loop()
@@ -372,14 +643,14 @@ class HttpServer:
 
     @property
     def _sweep_every(self) -> float:
-        return max(self.keepalive_timeout / 4, 0.05)
+        timeouts = (self.keepalive_timeout, self.header_timeout, self.body_timeout)
+        return max(min(t for t in timeouts if t > 0) / 4, 0.05)
 
     def _sweep(self) -> None:
-        """Close connections idle for longer than the keep-alive timeout (one timer, not one per request)."""
-        deadline = self.loop.time() - self.keepalive_timeout
+        """Enforce the idle, head and body timeouts (one timer, not one per request)."""
+        now = self.loop.time()
         for conn in list(self.connections):
-            if conn.idle and conn.idle_since < deadline and conn.transport is not None:
-                conn.transport.close()
+            conn.check_deadlines(now)
         self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
 
     @property
