@@ -439,3 +439,36 @@ async def test_keeper_revoked_while_running_stops_and_its_keys_stay_gone(
         assert await holder.get(key) is None
     finally:
         await holder.close()
+
+
+async def test_a_replaced_lease_outlives_the_re_put_by_one_ttl_then_ends(
+    backend: Backend, prefix: str
+) -> None:
+    """Readers following instances and models on separate watches must see the new
+    registration before the old one goes: never a moment with neither."""
+    holder = await backend.open()
+    observer = await backend.open()
+    only_old = prefix + "only-under-the-old-lease"
+
+    async def put_owned(lease: Lease) -> None:
+        await holder.put(prefix + "owned", str(lease.id).encode(), lease=lease.id)
+
+    keeper = LeaseKeeper(holder, ttl=1.0, on_granted=put_owned)
+    try:
+        first = await keeper.start()
+        await holder.put(only_old, b"x", lease=first.id)
+        first.lost.set()  # lost to the holder (an outage), alive on the server
+        await keeper.tick()
+        assert keeper.lease is not first
+        assert await observer.get(only_old) is not None  # not revoked at the re-put
+        await wait_for(
+            lambda: _gone(observer, only_old), timeout=1.0 + 2.0, message="old lease ended"
+        )
+    finally:
+        await keeper.revoke()
+        await holder.close()
+        await observer.close()
+
+
+async def _gone(store: Store, key: str) -> bool:
+    return await store.get(key) is None

@@ -3,7 +3,7 @@
 A holder whose lease was lost (the store was unreachable past the TTL, or the lease was
 revoked behind its back) must not die: it grants a new lease and re-puts what it owns.
 The keeper does the first part and calls `on_granted` for the second, again on every tick
-until it succeeds; only then is the replaced lease revoked. `revoke()` means stop: no tick
+until it succeeds; the replaced lease is revoked one TTL after that. `revoke()` means stop: no tick
 after it grants or re-puts anything.
 """
 
@@ -41,6 +41,8 @@ class LeaseKeeper:
         self._reput_due = False  # `on_granted` has not yet succeeded for `lease`
         self._replaced: Lease | None = None  # revoked once the re-put under `lease` succeeds
         self._revoked = False
+        self._retiring: dict[int, asyncio.TimerHandle] = {}  # replaced leases, revoked later
+        self._retire_tasks: set[asyncio.Task[None]] = set()
 
     @property
     def interval(self) -> float:
@@ -100,10 +102,23 @@ class LeaseKeeper:
         old, self._replaced = self._replaced, None
         if old is not None:
             # The old lease may have survived on the server (etcd restores leases after a
-            # restart): end it, after the re-puts moved our keys to the new lease, so what
-            # only it held does not linger as a ghost until it expires.
-            with contextlib.suppress(Exception):
-                await self.store.revoke(old.id)
+            # restart): end it, so what only it held does not linger until it expires, but
+            # one TTL after the re-put. Readers follow instances and models on separate
+            # watches that may catch up at different times; for that long they see both
+            # registrations of this live process, never a moment with neither.
+            self._retiring[old.id] = asyncio.get_running_loop().call_later(
+                self.ttl, self._retire, old.id
+            )
+
+    def _retire(self, lease_id: int) -> None:
+        self._retiring.pop(lease_id, None)
+        task = asyncio.create_task(self._revoke_quietly(lease_id), name=f"retire-{lease_id:x}")
+        self._retire_tasks.add(task)
+        task.add_done_callback(self._retire_tasks.discard)
+
+    async def _revoke_quietly(self, lease_id: int) -> None:
+        with contextlib.suppress(Exception):
+            await self.store.revoke(lease_id)
 
     async def run(self) -> None:
         """Tick with backoff on outages until cancelled or revoked."""
@@ -119,7 +134,12 @@ class LeaseKeeper:
                 backoff = min(backoff * 2, 5.0)
 
     async def revoke(self) -> None:
-        """Stop for good and end the lease: the holder's keys are deleted at once."""
+        """Stop for good and end the lease (and any replaced one not yet retired): the
+        holder's keys are deleted at once."""
         self._revoked = True
+        retiring, self._retiring = self._retiring, {}
+        for lease_id, timer in retiring.items():
+            timer.cancel()
+            await self._revoke_quietly(lease_id)
         if self.lease is not None:
             await self.lease.revoke()

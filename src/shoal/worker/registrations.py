@@ -162,9 +162,10 @@ class Registrations:
         async with self._lock:
             old = self._lease_id
             if old is not None and old != lease.id:
+                # Withdrawals pending under the old lease go with it. The old lease itself is
+                # revoked by the keeper only after this re-put: frontends see the new keys
+                # before the old ones go, never a moment with neither.
                 self._pending_deletes.clear()
-                with contextlib.suppress(*STORE_ERRORS):
-                    await self.store.revoke(old)  # in case it was only lost to us
             for endpoint, info in list(self._instances.items()):
                 info = msgspec.structs.replace(info, instance_id=lease.id)
                 await self.discovery.register_instance(info, lease=lease.id)
