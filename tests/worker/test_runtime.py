@@ -366,3 +366,50 @@ async def test_drain_taints_waits_for_in_flight_requests_then_withdraws_everythi
 async def _tainted(store: Store) -> bool:
     models = await Discovery(store).list()
     return bool(models) and all("draining" in m.card.taints for m in models)
+
+
+async def test_an_attach_the_store_refuses_hosts_nothing_and_the_base_model_keeps_serving(
+    runtime: Runtime, observer: Store, http: aiohttp.ClientSession
+) -> None:
+    await serve_mocker(runtime, speedup=0)
+    base = (await listed(observer))[MODEL]
+    store = runtime.store
+    assert store is not None
+    store.set_unreachable(True)  # type: ignore[attr-defined]
+    try:
+        async with http.post(
+            runtime.status_url + "/v1/loras",
+            json={"name": "my-lora", "path": "/a/b"},
+            headers=AUTH,
+        ) as resp:
+            assert resp.status >= 500  # refused, and said so
+    finally:
+        store.set_unreachable(False)  # type: ignore[attr-defined]
+    adapter_file = MetadataKey.of(EndpointId.parse(EP), "my-lora", "my-lora", "adapter_config.json")
+    assert runtime.metadata.lookup(adapter_file) is None  # its files were rolled back
+    assert "my-lora" not in runtime.endpoint(EP).models
+    assert set(await listed(observer)) == {MODEL}
+    for meta in base.card.metadata_files.values():
+        async with http.get(meta.url) as resp:
+            assert resp.status == 200
+
+
+async def test_two_endpoints_of_one_process_serving_one_slug_keep_their_own_files(
+    runtime: Runtime, observer: Store, http: aiohttp.ClientSession
+) -> None:
+    await runtime.endpoint("ns.backend.generate").serve(MockerEngine(MODEL, speedup=0))
+    await runtime.endpoint("ns.other.generate").serve(MockerEngine(MODEL, speedup=0))
+    cards = {str(m.key.endpoint): m.card for m in await Discovery(observer).list()}
+    assert set(cards) == {"ns.backend.generate", "ns.other.generate"}
+    urls = {ep: {f.url for f in card.metadata_files.values()} for ep, card in cards.items()}
+    assert urls["ns.backend.generate"].isdisjoint(urls["ns.other.generate"])
+    await runtime.endpoint("ns.other.generate").close()
+    assert {str(m.key.endpoint) for m in await Discovery(observer).list()} == {
+        "ns.backend.generate"
+    }
+    for url in urls["ns.backend.generate"]:
+        async with http.get(url) as resp:
+            assert resp.status == 200  # the other endpoint's detach left these alone
+    for url in urls["ns.other.generate"]:
+        async with http.get(url) as resp:
+            assert resp.status == 404
