@@ -3,6 +3,7 @@
 Routes: the OpenAI request routes go to the proxy; `/v1/models`, `/live`, `/health`,
 `/health/controllers` and `/metrics` are small handlers on the same server, and so are
 `/v1/membership` and `/v1/membership/status` when the scope follows a membership watch.
+`/ui` and everything under it is the fleet dashboard (`dashboard.py`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from typing import Any, Protocol
 import msgspec
 
 from shoal.cards import ModelType
-from shoal.controllers import ControllerManager, Loop, readiness
+from shoal.controllers import ControllerManager, Loop, LoopCollector, readiness
 from shoal.discovery import Discovery, Query
 from shoal.frontend import errors
+from shoal.frontend.dashboard import Dashboard
 from shoal.frontend.errors import ApiError
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
 from shoal.frontend.metrics import FrontendMetrics
@@ -141,6 +143,8 @@ class Frontend:
         )
         self._bearer = tuple(f"Bearer {key}".encode() for key in config.api_keys)
         self.manager = ControllerManager()
+        self.metrics.registry.register(LoopCollector(self.manager))
+        self.dashboard = Dashboard(self)
         self.watcher: ModelWatcher | None = None
         self.reconciler: Reconciler | None = None
         self.server: HttpServer | None = None
@@ -193,11 +197,13 @@ class Frontend:
             Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
         )
         await self.manager.start_all()
+        self.dashboard.start()
         log.info("frontend serving on %s", self.url)
 
     async def stop(self) -> None:
         """Drain: refuse new work, let requests in flight finish, then stop everything."""
         self.draining = True
+        await self.dashboard.close()
         if self.server is not None:
             await self.server.close(self.config.drain_timeout)
         await self.manager.stop_all()
@@ -235,6 +241,9 @@ class Frontend:
                     raise errors.method_not_allowed(request.method.decode(), path.decode())
                 self._authorize(request)
                 self.proxy.handle(request, conn, kind)
+                return
+            if path == b"/ui" or path.startswith(b"/ui/"):
+                self.dashboard.handle(request, conn)
                 return
             if request.method != b"GET":
                 known = path.startswith(b"/v1/models") or path in _CONTROL_PATHS
