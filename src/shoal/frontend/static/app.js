@@ -314,13 +314,17 @@ function renderCharts() {
 }
 
 function chart(sel, points, series) {
+  // The newest point at the right edge; the x axis spans 1 minute at first, 10 at most.
   const svg = $(sel);
-  const width = 300, height = 60, span = 300; // the last 300 points
-  let max = 0;
-  for (const p of points) for (const [field] of series) max = Math.max(max, p[field] ?? 0);
-  max = max || 1;
+  const width = 300, height = 60;
+  const span = Math.min(300, Math.max(30, points.length));
   const start = Math.max(0, points.length - span);
-  const x = (i) => ((i - start) / Math.max(1, span - 1)) * width;
+  let max = 0;
+  for (let i = start; i < points.length; i++) {
+    for (const [field] of series) max = Math.max(max, points[i][field] ?? 0);
+  }
+  max = max || 1;
+  const x = (i) => width - ((points.length - 1 - i) * width) / (span - 1);
   svg.innerHTML = series.map(([field, cls]) => {
     const coords = [];
     for (let i = start; i < points.length; i++) {
@@ -330,6 +334,7 @@ function chart(sel, points, series) {
     return `<polyline class="${cls}" points="${coords.join(" ")}"></polyline>`;
   }).join("");
   svg.dataset.points = String(points.length);
+  svg.dataset.max = String(max);
 }
 
 probe();
