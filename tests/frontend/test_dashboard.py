@@ -116,6 +116,17 @@ async def test_snapshot_shows_models_instances_states_incomplete_loops_and_no_ro
     stuck.metadata_hang.set()
 
 
+async def test_routes_section_is_empty_until_a_routes_source_fills_it(
+    start_frontend: StartFrontend,
+) -> None:
+    frontend = await start_frontend()
+    assert (await snapshot(frontend))["routes"] == []
+    route = {"workspace": "team-a", "name": "fast", "targets": [{"model": "mock-llm"}]}
+    frontend.dashboard.reader.routes = lambda: [route]
+    (shown,) = (await snapshot(frontend))["routes"]
+    assert shown == {"key": "team-a/fast", **route}
+
+
 async def test_event_stream_sends_a_snapshot_then_each_change_within_two_seconds(
     start_frontend: StartFrontend, start_worker: StartWorker
 ) -> None:

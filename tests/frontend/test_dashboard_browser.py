@@ -150,6 +150,7 @@ async def test_workers_appear_drain_and_vanish_on_the_page_and_a_lost_frontend_i
             "rows => rows.map(r => r.dataset.state).sort()"
         )
         assert states == ["draining", "ready", "ready", "ready"]
+        assert "No routes published" in await page.inner_text("#routes .empty")
         await screenshot(page, "dashboard-fleet.png")
     finally:
         stop.set()
