@@ -10,14 +10,18 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from shoal.frontend import Frontend
+from shoal.cli.frontend import membership_for
+from shoal.discovery import Discovery
+from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.dashboard import StaticFiles
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.snapshot import RequestHistory, percentile
+from shoal.membership import parse_sources
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import serving
@@ -116,6 +120,32 @@ async def test_snapshot_shows_models_instances_states_incomplete_loops_and_no_ro
     stuck.metadata_hang.set()
 
 
+async def test_membership_section_shows_desired_and_applied_revision_and_namespaces(
+    start_worker: StartWorker, store: Store, tmp_path: Path
+) -> None:
+    await start_worker(namespace="team-a")
+    path = tmp_path / "sources.json"
+    path.write_text(json.dumps({"version": 1, "sources": [{"namespace": "team-a"}]}))
+    revision = parse_sources(path.read_bytes()).revision
+    config = FrontendConfig(port=0, cache_dir=tmp_path / "cache", namespace_sources=path)
+    frontend = Frontend(config, discovery=Discovery(store), membership=membership_for(config))
+    await frontend.start()
+    try:
+        snap = await snapshot(frontend)
+        assert snap["membership"] == {
+            "status": {
+                "desired_revision": revision,
+                "applied_revision": revision,
+                "count": 1,
+                "last_error": None,
+            },
+            "namespaces": ["team-a"],
+        }
+        assert snap["frontend"]["follows_membership"] is True
+    finally:
+        await frontend.stop()
+
+
 async def test_routes_section_is_empty_until_a_routes_source_fills_it(
     start_frontend: StartFrontend,
 ) -> None:
@@ -203,6 +233,7 @@ async def test_static_files_ship_in_the_package_and_ui_redirects_to_its_page(
         assert (await session.get(f"{frontend.url}/ui/nothing.js")).status == 404
         assert (await session.post(f"{frontend.url}/ui/api/snapshot")).status == 405
         assert (await session.get(f"{frontend.url}/ui/api/login")).status == 405
+        assert (await session.get(f"{frontend.url}/ui/api/nothing")).status == 404
 
 
 async def test_a_failing_instance_counts_errors_and_shows_inhibited(

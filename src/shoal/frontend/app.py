@@ -189,6 +189,7 @@ class Frontend:
             self.handle, max_body=config.max_body, keepalive_timeout=config.keepalive_timeout
         )
         await self.server.start(config.host, config.port)
+        self.dashboard.start()
         await self.watcher.start()
         if self._membership_factory is not None:
             await self._follow_membership(self._membership_factory(self.discovery))
@@ -197,7 +198,6 @@ class Frontend:
             Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
         )
         await self.manager.start_all()
-        self.dashboard.start()
         log.info("frontend serving on %s", self.url)
 
     async def stop(self) -> None:

@@ -62,6 +62,12 @@ _PAGE_HEADERS = (
     (b"cache-control", b"no-cache"),
 )
 _encode = msgspec.json.encode
+_API_METHODS = {
+    b"snapshot": (b"GET", b"HEAD"),
+    b"events": (b"GET",),  # a stream: HEAD would have nothing to say
+    b"login": (b"POST",),
+    b"logout": (b"POST",),
+}
 
 
 class StaticFiles:
@@ -127,7 +133,7 @@ class Dashboard:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.static = StaticFiles()
+        """Start the timer: request history samples, and changes for open pages."""
         self.history.sample()
         self._task = asyncio.create_task(self._run(), name="dashboard")
 
@@ -146,8 +152,9 @@ class Dashboard:
             await asyncio.sleep(TICK_SECONDS)
             try:
                 point = None
-                if time.monotonic() >= next_sample:
-                    next_sample += self.history.period
+                now = time.monotonic()
+                if now >= next_sample:
+                    next_sample = max(next_sample + self.history.period, now)
                     point = self.history.sample()
                 self.tick(point)
             except Exception:
@@ -192,15 +199,16 @@ class Dashboard:
         if path == b"/ui":
             conn.send(308, b"", b"text/plain", ((b"location", b"/ui/"),))
             return
-        assert self.static is not None, "the dashboard serves once started"
+        if self.static is None:
+            self.static = StaticFiles()
         name = path[len(b"/ui/") :].decode() or "index.html"
         self.static.serve(name, conn)
 
     def _api(self, route: bytes, request: Request, conn: HttpConnection) -> None:
-        method = b"POST" if route in (b"login", b"logout") else b"GET"
-        if route not in (b"login", b"logout", b"snapshot", b"events"):
+        methods = _API_METHODS.get(route)
+        if methods is None:
             raise errors.not_found(request.path.decode())
-        if request.method != method and not (method == b"GET" and request.method == b"HEAD"):
+        if request.method not in methods:
             raise errors.method_not_allowed(request.method.decode(), request.path.decode())
         if route == b"login":
             self._login(request, conn)
