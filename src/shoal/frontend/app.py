@@ -3,7 +3,6 @@
 Routes: the OpenAI request routes go to the proxy; `/v1/models`, `/live`, `/health`,
 `/health/controllers` and `/metrics` are small handlers on the same server, and so are
 `/v1/membership` and `/v1/membership/status` when the scope follows a membership watch.
-`/ui` and everything under it is the fleet dashboard (`dashboard.py`).
 """
 
 from __future__ import annotations
@@ -242,7 +241,7 @@ class Frontend:
                 self._authorize(request)
                 self.proxy.handle(request, conn, kind)
                 return
-            if path == b"/ui" or path.startswith(b"/ui/"):
+            if path == b"/ui" or path.startswith(b"/ui/"):  # the fleet page (dashboard.py)
                 self.dashboard.handle(request, conn)
                 return
             if request.method != b"GET":
