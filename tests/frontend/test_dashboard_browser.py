@@ -236,5 +236,8 @@ async def test_a_thousand_instances_are_paged_and_filtered(
     await until(page, "document.querySelectorAll('#instances tbody tr').length === 1")
     assert await page.locator(row(ids[-1])).count() == 1
     assert "1 of 1000 match" in await page.inner_text("#instances .count")
+    await page.fill("#filter", "generate/1038")  # ids 0x10380..0x1038f
+    await until(page, "document.querySelectorAll('#instances tbody tr').length === 16")
+    await screenshot(page, "dashboard-filter.png", height=900)
     await lease.revoke()
     await page.wait_for_selector(row(ids[-1]), state="detached", timeout=10_000)

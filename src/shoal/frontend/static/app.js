@@ -252,7 +252,10 @@ function renderTable(id, rows, cells, total) {
   const count = section.querySelector(".count");
   const all = total ?? rows.length;
   if (count) count.textContent = needle ? `(${shown.length} of ${rows.length} match)` : `(${all})`;
-  section.querySelector(".empty").hidden = shown.length > 0;
+  const empty = section.querySelector(".empty");
+  empty.dataset.text ??= empty.innerHTML;
+  empty.innerHTML = needle && rows.length ? "Nothing matches the filter." : empty.dataset.text;
+  empty.hidden = shown.length > 0;
   const pager = section.querySelector(".pager");
   if (pager) {
     pager.innerHTML = pages > 1
