@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 
 from shoal.cli.frontend import membership_for
+from shoal.controllers import Controller, Loop
 from shoal.discovery import Discovery
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.dashboard import StaticFiles
@@ -118,6 +119,36 @@ async def test_snapshot_shows_models_instances_states_incomplete_loops_and_no_ro
     assert snap["routes"] == []  # filled once the frontend follows shoal/v1/routes/
     assert snap["frontend"]["loaded"] is True and snap["frontend"]["protected"] is False
     stuck.metadata_hang.set()
+
+
+class Hung(Controller):
+    """A controller whose step never returns: its loop stops making progress."""
+
+    async def step(self) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_tainted_instances_and_unhealthy_loops_show_with_their_reason(
+    start_frontend: StartFrontend, start_worker: StartWorker
+) -> None:
+    worker = await start_worker()
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend))
+    await worker.taint("maintenance")
+    await wait_for(lambda: not serving(frontend))
+    loop = frontend.manager.register(Loop(Hung(), interval=0.05, max_silence=0.2, name="hung"))
+    await loop.start()
+    try:
+        await wait_for(lambda: not loop.health().healthy)
+        snap = await snapshot(frontend)
+    finally:
+        await loop.stop(0.1)
+    (row,) = snap["instances"]
+    assert (row["state"], row["taints"]) == ("tainted", ["maintenance"])
+    loops = {entry["name"]: entry for entry in snap["loops"]}
+    assert loops["hung"]["healthy"] is False
+    assert loops["hung"]["reason"].startswith("no progress for")
+    assert loops["hung"]["heartbeat_age"] >= 0.2
 
 
 async def test_membership_section_shows_desired_and_applied_revision_and_namespaces(
