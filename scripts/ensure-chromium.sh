@@ -9,7 +9,7 @@ fi
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
-apt() {
+apt_get() {
   for _ in $(seq 60); do
     if $SUDO apt-get -o DPkg::Lock::Timeout=10 "$@"; then return 0; fi
     echo "apt-get $1 failed (another apt-get holding a lock?): retrying in 10 s" >&2
@@ -18,6 +18,6 @@ apt() {
   return 1
 }
 echo "installing chromium (Debian package) for the dashboard's browser tests..."
-apt update -qq
-apt install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null
+apt_get update -qq
+apt_get install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null
 test -x /usr/bin/chromium
