@@ -111,9 +111,14 @@ class EventStream:
         self.dashboard.streams.discard(self)
 
     def end(self) -> None:
+        """End the response and close its connection (the page reconnects to another frontend)."""
         self.dashboard.streams.discard(self)
         self.conn.keep_alive = False
-        self.conn.end()
+        try:
+            self.conn.end()
+        except OSError:  # the client is gone; its `connection_lost` has not arrived yet
+            if self.conn.transport is not None:
+                self.conn.transport.abort()
 
 
 class Dashboard:
