@@ -182,7 +182,11 @@ async def test_routes_section_is_empty_until_a_routes_source_fills_it(
 ) -> None:
     frontend = await start_frontend()
     assert (await snapshot(frontend))["routes"] == []
-    route = {"workspace": "team-a", "name": "fast", "targets": [{"model": "mock-llm"}]}
+    route = {  # the shape of a route under shoal/v1/routes/{workspace}/{name}
+        "workspace": "team-a",
+        "name": "fast",
+        "targets": [{"kind": "fleet", "model": "mock-llm", "weight": 1}],
+    }
     frontend.dashboard.reader.routes = lambda: [route]
     (shown,) = (await snapshot(frontend))["routes"]
     assert shown == {"key": "team-a/fast", **route}

@@ -210,10 +210,18 @@ function render() {
   renderTable("incomplete", [...state.incomplete.values()], (r) =>
     `<td class="mono">${esc(r.key)}</td><td>${esc(r.model)}</td><td>${badge(r.state)}</td><td class="wrap">${esc(r.error || "metadata files not fetched yet")}</td>`);
   renderTable("routes", [...state.routes.values()], (r) =>
-    `<td>${esc(r.workspace)}</td><td>${esc(r.name)}</td><td class="wrap mono">${esc(JSON.stringify(r.targets ?? r))}</td>`);
+    `<td>${esc(r.workspace)}</td><td>${esc(r.name)}</td><td class="wrap">${(r.targets || []).map(target).join("<br>") || "nowhere (no target)"}</td>`);
   renderLoops();
   renderMembership();
   renderCharts();
+}
+
+function target(t) {
+  // A route target (shoal/v1/routes/): a fleet model, or an external OpenAI-compatible provider.
+  const weight = `<span class="count">weight ${esc(t.weight ?? 1)}</span>`;
+  if (t.kind === "fleet") return `fleet model ${esc(t.model)} ${weight}`;
+  if (t.kind === "url") return `${esc(t.provider || t.base_url)}: ${esc(t.model)} <span class="mono">${esc(t.base_url)}</span> ${weight}`;
+  return `<span class="mono">${esc(JSON.stringify(t))}</span>`;
 }
 
 function renderModels() {
