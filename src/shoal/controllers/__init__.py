@@ -12,6 +12,7 @@ from shoal.controllers.heartbeat import Controller, Heartbeat, HeartbeatMixin
 from shoal.controllers.http import add_health_routes, liveness, readiness
 from shoal.controllers.loop import Loop, LoopHealth, MonitoredController
 from shoal.controllers.manager import ControllerManager
+from shoal.controllers.metrics import LoopCollector
 
 __all__ = [
     "Controller",
@@ -19,6 +20,7 @@ __all__ = [
     "Heartbeat",
     "HeartbeatMixin",
     "Loop",
+    "LoopCollector",
     "LoopHealth",
     "MonitoredController",
     "add_health_routes",

@@ -24,10 +24,11 @@ from typing import Any, Protocol
 import msgspec
 
 from shoal.cards import ModelType
-from shoal.controllers import ControllerManager, Loop, readiness
+from shoal.controllers import ControllerManager, Loop, LoopCollector, readiness
 from shoal.discovery import Discovery, Query
 from shoal.frontend import errors
 from shoal.frontend.cors import Cors
+from shoal.frontend.dashboard import Dashboard
 from shoal.frontend.errors import ApiError
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
 from shoal.frontend.metrics import FrontendMetrics
@@ -157,6 +158,8 @@ class Frontend:
         self._bearer = tuple(f"Bearer {key}".encode() for key in config.api_keys)
         self.cors = Cors(config.cors_origins) if config.cors_origins else None
         self.manager = ControllerManager()
+        self.metrics.registry.register(LoopCollector(self.manager))
+        self.dashboard = Dashboard(self)
         self.watcher: ModelWatcher | None = None
         self.reconciler: Reconciler | None = None
         self.server: HttpServer | None = None
@@ -233,6 +236,7 @@ class Frontend:
             max_connections=config.max_connections,
         )
         await self.server.start(config.host, config.port)
+        self.dashboard.start()
         await self.watcher.start()
         if self._membership_factory is not None:
             await self._follow_membership(self._membership_factory(self.discovery))
@@ -240,6 +244,7 @@ class Frontend:
     async def stop(self) -> None:
         """Drain: refuse new work, let requests in flight finish, then stop everything."""
         self.draining = True
+        await self.dashboard.close()
         if self.server is not None:
             await self.server.close(self.config.drain_timeout)
         await self.manager.stop_all()
@@ -279,6 +284,9 @@ class Frontend:
                     raise errors.method_not_allowed(request.method.decode(), path.decode())
                 self._authorize(request)
                 self.proxy.handle(request, conn, kind)
+                return
+            if path == b"/ui" or path.startswith(b"/ui/"):  # the fleet page (dashboard.py)
+                self.dashboard.handle(request, conn)
                 return
             if request.method != b"GET" and request.method != b"HEAD":  # HEAD: a GET, no body
                 known = path.startswith(b"/v1/models") or path in _CONTROL_PATHS

@@ -523,7 +523,11 @@ class HttpConnection(asyncio.Protocol):
             transport.write(encode_response(error.status, error.body(), keep_alive=False))
         self._update_reading()
         if transport.can_write_eof():
-            transport.write_eof()
+            try:
+                transport.write_eof()
+            except OSError:  # the client is already gone (ENOTCONN): nothing left to tell it
+                transport.abort()
+                return
         self.server.loop.call_later(LINGER_SECONDS, transport.close)
 
     def check_deadlines(self, now: float) -> None:

@@ -1,0 +1,301 @@
+"""`/ui`: the fleet dashboard: its static page, a JSON snapshot, and server-sent events of changes.
+
+Routes (all under `/ui`, served by the frontend's own server):
+
+- `GET /ui/` and `GET /ui/<file>`: the page, shipped in the package (`static/`, read once
+  with `importlib.resources`). Public even with API keys: it holds no fleet data.
+- `GET /ui/api/snapshot`: everything the page shows, as JSON.
+- `GET /ui/api/events`: `text/event-stream`; a `snapshot` event, then a `change` event with
+  only what changed (at most every `TICK_SECONDS`), and a `ping` when nothing did for a while.
+- `POST /ui/api/login` (`{"key": "..."}`) and `POST /ui/api/logout`.
+
+Access: with API keys configured, the data routes want `Authorization: Bearer KEY` (curl)
+or the `shoal_ui` cookie (a browser, whose EventSource cannot send headers). Login sets that
+cookie, HttpOnly and SameSite=Strict, to an HMAC of the key: the key itself is never stored
+in the browser, every frontend sharing the key accepts the cookie, and removing the key from
+the frontend's configuration revokes it.
+
+One timer per frontend reads the fleet every `TICK_SECONDS` while a page is open (and
+samples the request history every period regardless): nothing here is on the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import importlib.resources
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from shoal.frontend import errors
+from shoal.frontend.server import HttpConnection, Request, status_line
+from shoal.frontend.snapshot import FleetReader, RequestHistory, Sections, diff, full
+
+if TYPE_CHECKING:
+    from shoal.frontend.app import Frontend
+
+log = logging.getLogger(__name__)
+
+TICK_SECONDS = 0.5  # how often open pages are sent what changed
+PING_SECONDS = 5.0  # an event at least this often, so a page can tell a dead frontend
+COOKIE = b"shoal_ui"
+_COOKIE_CONTEXT = b"shoal-ui-session-v1"
+_TYPES = {
+    ".html": b"text/html; charset=utf-8",
+    ".js": b"text/javascript; charset=utf-8",
+    ".css": b"text/css; charset=utf-8",
+    ".svg": b"image/svg+xml",
+}
+_PAGE_HEADERS = (
+    (
+        b"content-security-policy",
+        b"default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+        b"connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+    ),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cache-control", b"no-cache"),
+)
+_encode = msgspec.json.encode
+_API_METHODS = {
+    b"snapshot": (b"GET", b"HEAD"),
+    b"events": (b"GET",),  # a stream: HEAD would have nothing to say
+    b"login": (b"POST",),
+    b"logout": (b"POST",),
+}
+
+
+class StaticFiles:
+    """The page's files, read once from the installed package (a few kB: kept in memory)."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, tuple[bytes, bytes]] = {}  # name -> (body, content type)
+        root = importlib.resources.files("shoal.frontend").joinpath("static")
+        for entry in root.iterdir():
+            suffix = "." + entry.name.rpartition(".")[2]
+            if entry.is_file() and suffix in _TYPES:
+                self.files[entry.name] = (entry.read_bytes(), _TYPES[suffix])
+
+    def serve(self, name: str, conn: HttpConnection) -> None:
+        found = self.files.get(name)
+        if found is None:
+            raise errors.not_found(f"/ui/{name}")
+        body, content_type = found
+        conn.send(200, body, content_type, _PAGE_HEADERS)
+
+
+class EventStream:
+    """One open `/ui/api/events` response. `stale` means it missed a change: resend everything."""
+
+    def __init__(self, dashboard: Dashboard, conn: HttpConnection) -> None:
+        self.dashboard = dashboard
+        self.conn = conn
+        self.stale = False
+        self.last_sent = time.monotonic()
+
+    def send(self, event: bytes, data: bytes) -> bool:
+        """Write one event; False (and `stale`) when the client is not reading its events."""
+        if self.conn.writing_paused:
+            self.stale = True
+            return False
+        self.conn.write(b"event: " + event + b"\ndata: " + data + b"\n\n")
+        self.last_sent = time.monotonic()
+        return True
+
+    def cancel(self) -> None:  # the client went away (`InFlight`)
+        self.dashboard.streams.discard(self)
+
+    def end(self) -> None:
+        """End the response and close its connection (the page reconnects to another frontend)."""
+        self.dashboard.streams.discard(self)
+        self.conn.keep_alive = False
+        try:
+            self.conn.end()
+        except OSError:  # the client is gone; its `connection_lost` has not arrived yet
+            if self.conn.transport is not None:
+                self.conn.transport.abort()
+
+
+class Dashboard:
+    """The `/ui` routes of one frontend and the timer that feeds their event streams."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.reader = FleetReader(frontend)
+        self.history = RequestHistory(frontend.metrics)
+        self.streams: set[EventStream] = set()
+        self.static: StaticFiles | None = None
+        self._tokens = tuple(_session_token(key) for key in frontend.config.api_keys)
+        self._bearer = tuple(f"Bearer {key}".encode() for key in frontend.config.api_keys)
+        self._sent: Sections | None = None  # what open streams were last sent
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the timer: request history samples, and changes for open pages."""
+        self.history.sample()
+        self._task = asyncio.create_task(self._run(), name="dashboard")
+
+    async def close(self) -> None:
+        """End every event stream (so the server's drain does not wait for them), stop the timer."""
+        for stream in list(self.streams):
+            stream.end()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        next_sample = time.monotonic() + self.history.period
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            try:
+                point = None
+                now = time.monotonic()
+                if now >= next_sample:
+                    next_sample = max(next_sample + self.history.period, now)
+                    point = self.history.sample()
+                self.tick(point)
+            except Exception:
+                log.exception("dashboard: reading the fleet failed (the page shows the last read)")
+
+    def tick(self, point: dict[str, Any] | None = None) -> None:
+        """Send open streams what changed since the last tick (and `point`, a new chart sample)."""
+        if not self.streams:
+            self._sent = None  # the next page starts from a fresh read
+            return
+        before = self._sent
+        after = self._sent = self.reader.read()
+        change = diff(before, after) if before is not None else {}
+        if point is not None:
+            change["series"] = [point]
+        data = _encode({"server_time": time.time(), **change}) if change else None
+        now = time.monotonic()
+        for stream in list(self.streams):
+            if stream.stale:
+                if not stream.conn.writing_paused:
+                    stream.stale = False
+                    stream.send(b"snapshot", self._snapshot_body(after))
+            elif data is not None:
+                stream.send(b"change", data)
+            elif now - stream.last_sent >= PING_SECONDS:
+                stream.send(b"ping", b"{}")
+
+    def _snapshot_body(self, sections: Sections) -> bytes:
+        history = {"period": self.history.period, "points": list(self.history.points)}
+        return _encode({"server_time": time.time(), **full(sections), "series": history})
+
+    # -- routes ------------------------------------------------------------------------------
+
+    def handle(self, request: Request, conn: HttpConnection) -> None:
+        """Answer a request whose path is `/ui` or under `/ui/`."""
+        path, method = request.path, request.method
+        if path.startswith(b"/ui/api/"):
+            self._api(path[len(b"/ui/api/") :], request, conn)
+            return
+        if method not in (b"GET", b"HEAD"):
+            raise errors.method_not_allowed(method.decode(), path.decode())
+        if path == b"/ui":
+            conn.send(308, b"", b"text/plain", ((b"location", b"/ui/"),))
+            return
+        if self.static is None:
+            self.static = StaticFiles()
+        name = path[len(b"/ui/") :].decode() or "index.html"
+        self.static.serve(name, conn)
+
+    def _api(self, route: bytes, request: Request, conn: HttpConnection) -> None:
+        methods = _API_METHODS.get(route)
+        if methods is None:
+            raise errors.not_found(request.path.decode())
+        if request.method not in methods:
+            raise errors.method_not_allowed(request.method.decode(), request.path.decode())
+        if route == b"login":
+            self._login(request, conn)
+        elif route == b"logout":
+            conn.send(200, b"{}", headers=(_cookie_header(request, b"", max_age=0),))
+        else:
+            self._authorize(request)
+            if route == b"snapshot":
+                body = self._snapshot_body(self.reader.read())
+                conn.send(200, body, headers=((b"cache-control", b"no-store"),))
+            else:
+                self._open_stream(conn)
+
+    @property
+    def protected(self) -> bool:
+        return bool(self._tokens)
+
+    def _authorize(self, request: Request) -> None:
+        if not self._tokens:
+            return
+        given = request.header(b"authorization")
+        if given is not None and any(hmac.compare_digest(given, b) for b in self._bearer):
+            return
+        cookie = _cookie(request.header(b"cookie"), COOKIE)
+        if cookie is not None and any(hmac.compare_digest(cookie, t) for t in self._tokens):
+            return
+        raise errors.unauthorized()
+
+    def _login(self, request: Request, conn: HttpConnection) -> None:
+        try:
+            key = msgspec.json.decode(request.body, type=_Login).key
+        except msgspec.DecodeError as exc:
+            raise errors.bad_request(f'Login body: expected {{"key": "..."}}: {exc}') from None
+        if not self._tokens:
+            conn.send(200, b"{}")
+            return
+        token = _session_token(key)
+        if not any(hmac.compare_digest(token, t) for t in self._tokens):
+            raise errors.unauthorized()
+        conn.send(200, b"{}", headers=(_cookie_header(request, token),))
+
+    def _open_stream(self, conn: HttpConnection) -> None:
+        stream = EventStream(self, conn)
+        conn.keep_alive = False  # the stream ends with the connection
+        conn.current = stream
+        conn.write(
+            status_line(200) + b"content-type: text/event-stream\r\n"
+            b"cache-control: no-store\r\nx-accel-buffering: no\r\nconnection: close\r\n\r\n"
+            b"retry: 1000\n\n"
+        )
+        if self._sent is None or not self.streams:
+            self._sent = self.reader.read()
+        self.streams.add(stream)
+        # The base of the next diff, so this page and the others stay in step.
+        stream.send(b"snapshot", self._snapshot_body(self._sent))
+
+
+class _Login(msgspec.Struct):
+    key: str
+
+
+def _session_token(key: str) -> bytes:
+    """The cookie value for API key `key`: an HMAC, so the browser never holds the key."""
+    return hmac.new(key.encode(), _COOKIE_CONTEXT, hashlib.sha256).hexdigest().encode()
+
+
+def _cookie(header: bytes | None, name: bytes) -> bytes | None:
+    if not header:
+        return None
+    for part in header.split(b";"):
+        key, _, value = part.strip().partition(b"=")
+        if key == name:
+            return value
+    return None
+
+
+def _cookie_header(
+    request: Request, value: bytes, max_age: int | None = None
+) -> tuple[bytes, bytes]:
+    attributes = [COOKIE + b"=" + value, b"Path=/ui/api", b"HttpOnly", b"SameSite=Strict"]
+    if max_age is not None:
+        attributes.append(b"Max-Age=%d" % max_age)
+    if request.header(b"x-forwarded-proto") == b"https":
+        attributes.append(b"Secure")
+    return b"set-cookie", b"; ".join(attributes)
