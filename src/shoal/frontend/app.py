@@ -28,7 +28,6 @@ from shoal.controllers import ControllerManager, Loop, readiness
 from shoal.discovery import Discovery, Query
 from shoal.frontend import errors
 from shoal.frontend.cors import Cors
-from shoal.frontend.errors import ApiError
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.proxy import Proxy
@@ -36,6 +35,7 @@ from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import make_router
 from shoal.frontend.server import HttpConnection, HttpServer, Request
 from shoal.frontend.watcher import ModelWatcher, Reconciler
+from shoal.openai import ApiError
 from shoal.store import Store, StoreUnavailableError, default_store_url, open_store
 
 log = logging.getLogger(__name__)

@@ -36,12 +36,12 @@ import msgspec
 
 from shoal.cards import ModelType
 from shoal.frontend import errors
-from shoal.frontend.errors import ApiError
 from shoal.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics, ModelStats
 from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import Router
 from shoal.frontend.server import HttpConnection, Request, status_line
 from shoal.frontend.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
+from shoal.openai import ApiError, error_body, sse_event
 
 log = logging.getLogger(__name__)
 
@@ -511,11 +511,13 @@ class Forward:
         """A response failed after its first byte reached the client."""
         log.warning("response for %s broke off: %s", self.model.name, failure)
         if self.chunked and self.stream and self.client.writable:
-            event = b"data: " + errors.error_body(
-                f"The model instance failed while streaming: {failure}",
-                type="server_error",
-                code="upstream_error",
-            ) + b"\n\n"  # fmt: skip
+            event = sse_event(
+                error_body(
+                    f"The model instance failed while streaming: {failure}",
+                    type="server_error",
+                    code="upstream_error",
+                )
+            )
             self.client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
         else:
             self.client.keep_alive = False  # the body is cut short: only closing tells the client
