@@ -106,8 +106,9 @@ class InFlight(Protocol):
 
 
 class ClientConnection(Protocol):
-    """The client connection as a response produced later (the proxy's) sees it: all it
-    may do. The connection's own state (pipeline, flow control, keep-alive) stays its own."""
+    """The client connection as a response produced later (the proxy's) sees it, and all
+    that response may do with it. The connection's state (pipeline, flow control, keep-alive)
+    stays its own: `HttpConnection` implements this."""
 
     loop: asyncio.AbstractEventLoop  # the loop the connection runs on, for timers
 
@@ -610,7 +611,8 @@ class HttpConnection(asyncio.Protocol):
             flow.pause_reading()
 
     def close_after_response(self) -> None:
-        """This response ends with the connection (its length is not known otherwise)."""
+        """Close the connection after this response: the only end a client can see of a body
+        without a length, or of one cut short."""
         self.keep_alive = False
 
     def finish(self, error: ApiError | None = None) -> None:
@@ -622,7 +624,7 @@ class HttpConnection(asyncio.Protocol):
             self.end()
 
     def write(self, data: bytes) -> None:
-        """Write part of a streamed response (the proxy frames it); `end()` when done. The
+        """Write part of a streamed response (the proxy frames it); `finish()` when done. The
         first write starts with the status line: `extra_headers` go right after it."""
         if self.transport is not None:
             if not self.response_started:
