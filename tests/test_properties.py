@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from shoal.cards import CardError, ModelCard
 from shoal.discovery.keys import INSTANCES, MODELS, parse_instance_key, parse_model_key
-from shoal.frontend.errors import ApiError
 from shoal.frontend.proxy import decode_fields, prompt_text
+from shoal.openai import ApiError
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),

@@ -29,7 +29,6 @@ from shoal.discovery import Discovery, Query
 from shoal.frontend import errors
 from shoal.frontend.cors import Cors
 from shoal.frontend.dashboard import Dashboard
-from shoal.frontend.errors import ApiError
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.proxy import Proxy
@@ -37,6 +36,7 @@ from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import make_router
 from shoal.frontend.server import HttpConnection, HttpServer, Request
 from shoal.frontend.watcher import ModelWatcher, Reconciler
+from shoal.openai import ApiError
 from shoal.store import Store, StoreUnavailableError, default_store_url, open_store
 
 log = logging.getLogger(__name__)

@@ -1,49 +1,12 @@
-"""Errors in the OpenAI format: `{"error": {"message", "type", "param", "code"}}`.
+"""The gateway's errors, each one `ApiError` (`shoal.openai`) built for one mistake.
 
-The official clients turn these into their typed exceptions (`NotFoundError`, ...), so the
-status, `type` and `code` follow what OpenAI itself answers for the same mistake.
+The status, `type` and `code` follow what OpenAI itself answers for the same mistake, so
+the official clients raise the matching typed exception (`NotFoundError`, ...).
 """
 
 from __future__ import annotations
 
-import msgspec
-
-
-class ApiError(Exception):
-    """An error answered to the client with `status` and an OpenAI error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: tuple[tuple[bytes, bytes], ...] = (),
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.headers = headers  # sent with the error, e.g. Retry-After
-
-    def body(self) -> bytes:
-        return error_body(self.message, type=self.type, code=self.code, param=self.param)
-
-
-def error_body(
-    message: str,
-    *,
-    type: str = "invalid_request_error",
-    code: str | None = None,
-    param: str | None = None,
-) -> bytes:
-    return msgspec.json.encode(
-        {"error": {"message": message, "type": type, "param": param, "code": code}}
-    )
+from shoal.openai import ApiError
 
 
 def model_not_found(model: str) -> ApiError:
@@ -97,6 +60,7 @@ def unauthorized() -> ApiError:
     return ApiError(
         401,
         "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+        type="invalid_request_error",
         code="invalid_api_key",
     )
 
@@ -138,7 +102,7 @@ def request_timeout(what: str, seconds: float) -> ApiError:
 
 
 def not_implemented(message: str) -> ApiError:
-    return ApiError(501, message, code="not_implemented")
+    return ApiError(501, message, type="invalid_request_error", code="not_implemented")
 
 
 def too_many_connections(limit: int) -> ApiError:
@@ -151,7 +115,12 @@ def too_many_connections(limit: int) -> ApiError:
 
 
 def origin_not_allowed(origin: str) -> ApiError:
-    return ApiError(403, f"Cross-origin requests from {origin!r} are not allowed.", code="cors")
+    return ApiError(
+        403,
+        f"Cross-origin requests from {origin!r} are not allowed.",
+        type="invalid_request_error",
+        code="cors",
+    )
 
 
 def internal_error() -> ApiError:

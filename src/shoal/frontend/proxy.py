@@ -36,14 +36,111 @@ import msgspec
 
 from shoal.cards import ModelType
 from shoal.frontend import errors
-from shoal.frontend.errors import ApiError
 from shoal.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics, ModelStats
 from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import Router
-from shoal.frontend.server import HttpConnection, Request, status_line
+from shoal.frontend.server import ClientConnection, Request, status_line
 from shoal.frontend.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
+from shoal.openai import ApiError, error_body, sse_event
 
 log = logging.getLogger(__name__)
+
+
+class Proxy:
+    """Forwards OpenAI requests to instances of the requested model: `handle` is the entry
+    point, a `Forward` (below) carries each request from there."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        router: Router,
+        metrics: FrontendMetrics,
+        *,
+        retries: int = 2,
+        inhibit_seconds: float = 5.0,
+        first_byte_timeout: float = 60.0,
+        upstream_idle_timeout: float = 60.0,
+        strip_authorization: bool = False,
+    ) -> None:
+        self.registry = registry
+        self.router = router
+        self.metrics = metrics
+        self.retries = retries
+        self.inhibit_seconds = inhibit_seconds
+        self.first_byte_timeout = first_byte_timeout  # 0: no limit
+        self.upstream_idle_timeout = upstream_idle_timeout  # 0: no limit
+        # The first-byte timer fires within `first_byte_timeout` <= the idle timeout of any
+        # head, so it can check idleness itself: one timer per attempt, nothing to do at the
+        # head (the default). Otherwise the head re-arms or cancels it.
+        self.first_timer_checks_idle = 0 < first_byte_timeout <= upstream_idle_timeout
+        dropped = set(_REQUEST_HEADERS_DROPPED)
+        if strip_authorization:
+            dropped.add(b"authorization")  # the gateway's own key is not the worker's business
+        self._dropped = frozenset(dropped)
+        self._dropped_with_authorization = self._dropped | {b"authorization"}
+
+    def handle(self, request: Request, client: ClientConnection, kind: ModelType) -> None:
+        """Start answering one request of `kind` (chat, completions, embeddings)."""
+        try:
+            fields = decode_fields(request.body, with_prompt=self.router.needs_prompt)
+        except ApiError as exc:
+            self._refuse(client, exc, UNKNOWN_MODEL)
+            return
+        name = fields.model or ""
+        model = self.registry.models.get(name)
+        if model is None:
+            self._refuse(client, errors.model_not_found(name), UNKNOWN_MODEL)
+        elif not model.serving:
+            self._refuse(client, errors.no_ready_instance(name), name)
+        elif kind not in model.model_types:
+            message = f"The model `{name}` does not serve {kind} requests."
+            self._refuse(client, errors.bad_request(message, param="model"), name)
+        elif (narrowed := model.for_kind(kind)) is None or not narrowed.serving:
+            # instances that serve the model, but none of them declares this kind
+            self._refuse(client, errors.no_ready_instance(name), name)
+        else:
+            Forward(self, request, client, narrowed, fields, self.metrics.model(name)).start()
+
+    def _refuse(self, client: ClientConnection, error: ApiError, label: str) -> None:
+        self.metrics.model(label).count(error.status)
+        client.send_error(error)
+
+    def pick(self, model: Model, prompt: str | None, tried: list[Upstream]) -> Upstream | None:
+        """An instance of `model` not in `tried` (see `Router.choose`)."""
+        return self.router.choose(model, prompt, tried)
+
+    def request_head(self, request: Request, target: Upstream) -> bytes:
+        """The request line and headers for `target`: hop-by-hop headers dropped, length set."""
+        parts = [request.method, b" ", target.path_prefix, request.path]
+        if request.query:
+            parts += (b"?", request.query)
+        parts += (
+            b" HTTP/1.1\r\nhost: ",
+            target.host_header,
+            b"\r\ncontent-length: ",
+            str(len(request.body)).encode(),
+            b"\r\n",
+        )
+        if target.authorization is not None:  # the instance URL's credentials
+            parts += (b"authorization: ", target.authorization, b"\r\n")
+            dropped = self._dropped_with_authorization
+        else:
+            dropped = self._dropped
+        mark = len(parts)
+        listed: bytes | None = None  # the client's `Connection:` value
+        for name, value in request.headers:
+            if name not in dropped:
+                parts += (name, b": ", value, b"\r\n")
+            elif name == b"connection":
+                listed = value
+        if listed is not None and (hop := hop_by_hop(listed)):
+            del parts[mark:]
+            for name, value in request.headers:
+                if name not in dropped and name not in hop:
+                    parts += (name, b": ", value, b"\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
 
 PROMPT_CHARS = 8192  # how much of the prompt prefix-aware routing looks at
 
@@ -186,7 +283,8 @@ class Forward:
     """One request on its way: pick an instance, send, stream the answer back, retry early failures.
 
     It is the `ResponseSink` of the upstream connection carrying the current attempt, and
-    the `current` work of the client connection, which cancels it if the client goes away.
+    the work the client connection waits on (`produce_later`), cancelled if the client goes
+    away. It touches the client only through `ClientConnection`.
     Output is gathered while one packet from the worker is parsed and written once (`flush`).
     `started` turns True when the first byte reached the client: from then on a failure
     cannot be retried, and a stream ends with an SSE error event instead.
@@ -221,7 +319,7 @@ class Forward:
         self,
         proxy: Proxy,
         request: Request,
-        client: HttpConnection,
+        client: ClientConnection,
         model: Model,
         fields: Fields,
         stats: ModelStats,
@@ -251,7 +349,7 @@ class Forward:
 
     def start(self) -> None:
         self.stats.in_flight += 1
-        self.client.current = self
+        self.client.produce_later(self)
         self._attempt(None)
 
     # -- attempts ----------------------------------------------------------------------------
@@ -306,13 +404,10 @@ class Forward:
         self.out = []
         self.head_seen = False
         self.chunked = False
-        client = self.client
-        client.flow = conn
-        if client.writing_paused:
-            conn.pause_reading()
+        self.client.follow(conn)
         conn.send(self.proxy.request_head(self.request, self.target), self.request.body, self)
         if self.proxy.first_byte_timeout > 0:
-            self.timer = client.server.loop.call_later(
+            self.timer = self.client.loop.call_later(
                 self.proxy.first_byte_timeout, self._timer_fired
             )
 
@@ -329,7 +424,7 @@ class Forward:
             return
         seconds = self.proxy.first_byte_timeout
         if conn.paused:
-            self.timer = self.client.server.loop.call_later(seconds, self._timer_fired)
+            self.timer = self.client.loop.call_later(seconds, self._timer_fired)
             return
         assert self.target is not None
         self.conn = None  # (not mistaken for an idle connection the worker had closed)
@@ -348,10 +443,10 @@ class Forward:
             if timer is not None:
                 timer.cancel()
                 self.timer = None
-        elif timer is None or timer.when() - self.client.server.loop.time() > idle:
+        elif timer is None or timer.when() - self.client.loop.time() > idle:
             if timer is not None:
                 timer.cancel()
-            self.timer = self.client.server.loop.call_later(idle, self._timer_fired)
+            self.timer = self.client.loop.call_later(idle, self._timer_fired)
 
     def _check_idle(self, conn: UpstreamConnection) -> None:
         """End the response if the instance has sent nothing for the idle timeout."""
@@ -363,7 +458,7 @@ class Forward:
             self.last_read = now
         remaining = self.last_read + seconds - now
         if remaining > 0:
-            self.timer = self.client.server.loop.call_later(remaining, self._timer_fired)
+            self.timer = self.client.loop.call_later(remaining, self._timer_fired)
             return
         assert self.target is not None
         self.conn = None
@@ -383,7 +478,7 @@ class Forward:
         target, conn = self.target, self.conn
         assert target is not None
         self.conn = None
-        self.client.flow = None
+        self.client.follow(None)
         if conn is not None and conn.reused and not self.head_seen:
             # An idle connection the worker had closed: not the instance's fault.
             self.connecting = asyncio.create_task(self._connect(target))
@@ -441,7 +536,7 @@ class Forward:
                 self.chunked = True
                 parts.append(b"transfer-encoding: chunked\r\n")
             else:
-                client.keep_alive = False  # an HTTP/1.0 client: the body ends with the connection
+                client.close_after_response()  # HTTP/1.0: the body ends with the connection
         if not client.keep_alive:
             parts.append(b"connection: close\r\n")
         assert self.target is not None
@@ -505,20 +600,22 @@ class Forward:
             self.target.in_flight -= 1
             self.target = None
         self.conn = None
-        self.client.flow = None
+        self.client.follow(None)
 
     def _break_off(self, failure: Exception) -> None:
         """A response failed after its first byte reached the client."""
         log.warning("response for %s broke off: %s", self.model.name, failure)
         if self.chunked and self.stream and self.client.writable:
-            event = b"data: " + errors.error_body(
-                f"The model instance failed while streaming: {failure}",
-                type="server_error",
-                code="upstream_error",
-            ) + b"\n\n"  # fmt: skip
+            event = sse_event(
+                error_body(
+                    f"The model instance failed while streaming: {failure}",
+                    type="server_error",
+                    code="upstream_error",
+                )
+            )
             self.client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
         else:
-            self.client.keep_alive = False  # the body is cut short: only closing tells the client
+            self.client.close_after_response()  # the body is cut short: only closing tells
 
     def _finish(self, error: ApiError | None) -> None:
         self.done = True
@@ -526,104 +623,4 @@ class Forward:
         stats.in_flight -= 1
         stats.count(error.status if error is not None else self.status)
         stats.duration.observe(time.perf_counter() - self.request.received)
-        client = self.client
-        client.current = None
-        if error is not None and not client.response_started:
-            client.send_error(error)
-        else:
-            client.end()
-
-
-class Proxy:
-    """Forwards OpenAI requests to instances of the requested model."""
-
-    def __init__(
-        self,
-        registry: Registry,
-        router: Router,
-        metrics: FrontendMetrics,
-        *,
-        retries: int = 2,
-        inhibit_seconds: float = 5.0,
-        first_byte_timeout: float = 60.0,
-        upstream_idle_timeout: float = 60.0,
-        strip_authorization: bool = False,
-    ) -> None:
-        self.registry = registry
-        self.router = router
-        self.metrics = metrics
-        self.retries = retries
-        self.inhibit_seconds = inhibit_seconds
-        self.first_byte_timeout = first_byte_timeout  # 0: no limit
-        self.upstream_idle_timeout = upstream_idle_timeout  # 0: no limit
-        # The first-byte timer fires within `first_byte_timeout` <= the idle timeout of any
-        # head, so it can check idleness itself: one timer per attempt, nothing to do at the
-        # head (the default). Otherwise the head re-arms or cancels it.
-        self.first_timer_checks_idle = 0 < first_byte_timeout <= upstream_idle_timeout
-        dropped = set(_REQUEST_HEADERS_DROPPED)
-        if strip_authorization:
-            dropped.add(b"authorization")  # the gateway's own key is not the worker's business
-        self._dropped = frozenset(dropped)
-        self._dropped_with_authorization = self._dropped | {b"authorization"}
-
-    def handle(self, request: Request, client: HttpConnection, kind: ModelType) -> None:
-        """Start answering one request of `kind` (chat, completions, embeddings)."""
-        try:
-            fields = decode_fields(request.body, with_prompt=self.router.needs_prompt)
-        except ApiError as exc:
-            self._refuse(client, exc, UNKNOWN_MODEL)
-            return
-        name = fields.model or ""
-        model = self.registry.models.get(name)
-        if model is None:
-            self._refuse(client, errors.model_not_found(name), UNKNOWN_MODEL)
-        elif not model.serving:
-            self._refuse(client, errors.no_ready_instance(name), name)
-        elif kind not in model.model_types:
-            message = f"The model `{name}` does not serve {kind} requests."
-            self._refuse(client, errors.bad_request(message, param="model"), name)
-        elif (narrowed := model.for_kind(kind)) is None or not narrowed.serving:
-            # instances that serve the model, but none of them declares this kind
-            self._refuse(client, errors.no_ready_instance(name), name)
-        else:
-            Forward(self, request, client, narrowed, fields, self.metrics.model(name)).start()
-
-    def _refuse(self, client: HttpConnection, error: ApiError, label: str) -> None:
-        self.metrics.model(label).count(error.status)
-        client.send_error(error)
-
-    def pick(self, model: Model, prompt: str | None, tried: list[Upstream]) -> Upstream | None:
-        """An instance of `model` not in `tried` (see `Router.choose`)."""
-        return self.router.choose(model, prompt, tried)
-
-    def request_head(self, request: Request, target: Upstream) -> bytes:
-        """The request line and headers for `target`: hop-by-hop headers dropped, length set."""
-        parts = [request.method, b" ", target.path_prefix, request.path]
-        if request.query:
-            parts += (b"?", request.query)
-        parts += (
-            b" HTTP/1.1\r\nhost: ",
-            target.host_header,
-            b"\r\ncontent-length: ",
-            str(len(request.body)).encode(),
-            b"\r\n",
-        )
-        if target.authorization is not None:  # the instance URL's credentials
-            parts += (b"authorization: ", target.authorization, b"\r\n")
-            dropped = self._dropped_with_authorization
-        else:
-            dropped = self._dropped
-        mark = len(parts)
-        listed: bytes | None = None  # the client's `Connection:` value
-        for name, value in request.headers:
-            if name not in dropped:
-                parts += (name, b": ", value, b"\r\n")
-            elif name == b"connection":
-                listed = value
-        if listed is not None and (hop := hop_by_hop(listed)):
-            del parts[mark:]
-            for name, value in request.headers:
-                if name not in dropped and name not in hop:
-                    parts += (name, b": ", value, b"\r\n")
-        parts.append(b"\r\n")
-        return b"".join(parts)
+        self.client.finish(error)

@@ -3,13 +3,13 @@
 A web framework costs more CPU per request than the whole proxy path should, so the server
 is the minimum that is correct: keep-alive, pipelining, Content-Length and chunked request
 bodies, `Expect: 100-continue`, limits, timeouts, and write-side flow control that the proxy
-passes on to the upstream connection (`HttpConnection.flow`).
+passes on to the upstream connection (`ClientConnection.follow`).
 
 Each complete request is handed to the server's handler as a `Request` with its whole body,
 straight from the parser's callback: no task per request. The handler answers through the
-`HttpConnection`: `send()` for a whole response, or `write()`s and then `end()` for one that
-is produced later (the proxy's), registering itself as `current` so that a client that goes
-away cancels it. It clears `keep_alive` when the connection cannot carry another request.
+`HttpConnection`: `send()` for a whole response, or, for one produced later (the proxy's),
+through the few methods of `ClientConnection`: `produce_later()` so that a client that goes
+away cancels it, `follow()` to pass flow control on, `write()`s, then `finish()`.
 
 What a connection owes its client, in order (RFC 9112 §9.3): an answer to every complete
 request, one at a time, then (if reading stopped on an error) that error, then the close.
@@ -34,7 +34,8 @@ from typing import Protocol, cast
 import httptools
 
 from shoal.frontend import errors
-from shoal.frontend.errors import ApiError, bad_request, body_too_large
+from shoal.frontend.errors import bad_request, body_too_large
+from shoal.openai import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,31 @@ class InFlight(Protocol):
     def cancel(self) -> None: ...
 
 
-# A handler answers with `send()` (a whole response), or with `write()`s then `end()` later,
-# setting `HttpConnection.current` meanwhile. It is called in the parser's callback: no task.
+class ClientConnection(Protocol):
+    """The client connection as a response produced later (the proxy's) sees it, and all
+    that response may do with it. The connection's state (pipeline, flow control, keep-alive)
+    stays its own: `HttpConnection` implements this."""
+
+    loop: asyncio.AbstractEventLoop  # the loop the connection runs on, for timers
+
+    @property
+    def keep_alive(self) -> bool:
+        """Whether the connection carries another request after this response."""
+        ...
+
+    @property
+    def writable(self) -> bool: ...
+
+    def produce_later(self, work: InFlight) -> None: ...
+    def follow(self, flow: FlowListener | None) -> None: ...
+    def close_after_response(self) -> None: ...
+    def write(self, data: bytes) -> None: ...
+    def finish(self, error: ApiError | None = None) -> None: ...
+    def send_error(self, error: ApiError) -> None: ...
+
+
+# A handler answers with `send()` (a whole response), or with `produce_later()`, `write()`s
+# and `finish()` later. It is called in the parser's callback: no task.
 Handler = Callable[[Request, "HttpConnection"], None]
 
 _status_lines: dict[int, bytes] = {}
@@ -163,6 +187,7 @@ class HttpConnection(asyncio.Protocol):
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
+        self.loop = server.loop
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.pending: deque[Request] = deque()
@@ -576,8 +601,34 @@ class HttpConnection(asyncio.Protocol):
     def send_error(self, error: ApiError) -> None:
         self.send(error.status, error.body(), headers=error.headers)
 
+    # -- a response produced later (`ClientConnection`) --------------------------------------
+
+    def produce_later(self, work: InFlight) -> None:
+        """The response comes later from `work`, which is cancelled if the client goes away."""
+        self.current = work
+
+    def follow(self, flow: FlowListener | None) -> None:
+        """`flow` produces the response from now on: it is paused while the client's send
+        buffer is full, at once if it is full now (idempotent). None: nothing produces."""
+        self.flow = flow
+        if flow is not None and self.writing_paused:
+            flow.pause_reading()
+
+    def close_after_response(self) -> None:
+        """Close the connection after this response: the only end a client can see of a body
+        without a length, or of one cut short."""
+        self.keep_alive = False
+
+    def finish(self, error: ApiError | None = None) -> None:
+        """The response is complete, or failed with `error`: answered as such if no byte
+        of the response was sent yet."""
+        if error is not None and not self.response_started:
+            self.send_error(error)
+        else:
+            self.end()
+
     def write(self, data: bytes) -> None:
-        """Write part of a streamed response (the proxy frames it); `end()` when done. The
+        """Write part of a streamed response (the proxy frames it); `finish()` when done. The
         first write starts with the status line: `extra_headers` go right after it."""
         if self.transport is not None:
             if not self.response_started:

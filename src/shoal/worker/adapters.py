@@ -21,11 +21,11 @@ import msgspec
 from aiohttp import web
 
 from shoal.discovery import EndpointId, ModelConflictError
+from shoal.openai import ApiError, decode_request
 from shoal.store import StoreError
 from shoal.worker.endpoint import Endpoint, adapter_suffix
 from shoal.worker.engine import EngineUnavailableError
 from shoal.worker.metadata import CollisionError
-from shoal.worker.protocol import OpenAIError, decode_request
 from shoal.worker.registrations import Attached
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class AdapterRoutes:
         except UnicodeEncodeError:
             given_bytes = b""
         if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, token.encode()):
-            raise OpenAIError(
+            raise ApiError(
                 401,
                 "A valid admin token is required: send `Authorization: Bearer <token>`.",
                 code="invalid_api_key",
@@ -81,11 +81,9 @@ class AdapterRoutes:
             for ep in serving:
                 if str(ep.id) == name:
                     return ep
-            raise OpenAIError(404, f"no endpoint {name!r} is served here", param="endpoint")
+            raise ApiError(404, f"no endpoint {name!r} is served here", param="endpoint")
         if len(serving) != 1:
-            raise OpenAIError(
-                400, "this worker serves several endpoints: name one", param="endpoint"
-            )
+            raise ApiError(400, "this worker serves several endpoints: name one", param="endpoint")
         return serving[0]
 
     async def list_loras(self, request: web.Request) -> web.Response:
@@ -108,15 +106,15 @@ class AdapterRoutes:
         self._authorize(request)
         body = decode_request(await request.read(), _load_lora_decoder)
         if not body.name:
-            raise OpenAIError(400, "name must not be empty", param="name")
+            raise ApiError(400, "name must not be empty", param="name")
         if self.draining.is_set():
-            raise OpenAIError(503, "the worker is draining")
+            raise ApiError(503, "the worker is draining")
         ep = self._endpoint(body.endpoint)
         assert ep.engine is not None
         try:
             suffix = adapter_suffix(body.name)
         except ValueError as exc:
-            raise OpenAIError(400, f"invalid adapter name: {exc}", param="name") from None
+            raise ApiError(400, f"invalid adapter name: {exc}", param="name") from None
         async with ep.sync_lock:
             held = ep.models.get(suffix)
             if held is not None:
@@ -124,15 +122,15 @@ class AdapterRoutes:
             try:
                 served = await ep.engine.load_adapter(body.name, body.path)
             except EngineUnavailableError as exc:
-                raise OpenAIError(501, str(exc)) from None
+                raise ApiError(501, str(exc)) from None
             except ValueError as exc:
-                raise OpenAIError(400, str(exc), param="name") from None
+                raise ApiError(400, str(exc), param="name") from None
             try:
                 await ep.attach_served(served)
             except (StoreError, OSError, ModelConflictError, CollisionError, ValueError) as exc:
                 await _unload_quietly(ep, body.name)
                 status = 503 if isinstance(exc, StoreError | OSError) else 409
-                raise OpenAIError(status, f"could not announce adapter: {exc}") from None
+                raise ApiError(status, f"could not announce adapter: {exc}") from None
             self._paths[(ep.id, suffix)] = body.path
         return web.json_response(_lora_body(ep, body.name, suffix, path=body.path))
 
@@ -140,7 +138,7 @@ class AdapterRoutes:
         """A load of a suffix already attached: 200 if it is the same load, else 409."""
         path = self._paths.get((ep.id, suffix))
         if held.card.display_name != body.name:
-            raise OpenAIError(
+            raise ApiError(
                 409,
                 f"adapter {body.name!r} would take suffix {suffix!r}, held by "
                 f"{held.card.display_name!r}",
@@ -148,7 +146,7 @@ class AdapterRoutes:
             )
         if path != body.path:
             loaded = "by its engine" if path is None else f"from {path!r}"
-            raise OpenAIError(
+            raise ApiError(
                 409,
                 f"adapter {body.name!r} is already loaded {loaded}: unload it before "
                 f"loading it from {body.path!r}",
@@ -162,7 +160,7 @@ class AdapterRoutes:
         try:
             suffix = adapter_suffix(name)
         except ValueError:
-            raise OpenAIError(404, f"no adapter {name!r} is loaded", param="name") from None
+            raise ApiError(404, f"no adapter {name!r} is loaded", param="name") from None
         for ep in self.endpoints.values():
             att = ep.models.get(suffix)
             if att is None or att.card.lora is None or att.card.display_name != name:
@@ -172,7 +170,7 @@ class AdapterRoutes:
                 await _unload_quietly(ep, name)
                 self._paths.pop((ep.id, suffix), None)
             return web.json_response({"object": "lora", "name": name, "deleted": True})
-        raise OpenAIError(404, f"no adapter {name!r} is loaded", param="name", code="not_found")
+        raise ApiError(404, f"no adapter {name!r} is loaded", param="name", code="not_found")
 
 
 async def _unload_quietly(ep: Endpoint, name: str) -> None:

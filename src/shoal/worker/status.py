@@ -17,11 +17,12 @@ import mimetypes
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from shoal.openai import ApiError
 from shoal.worker.adapters import AdapterRoutes
 from shoal.worker.endpoint import SHUTDOWN_GRACE, advertised_host
 from shoal.worker.health import Health
 from shoal.worker.metadata import MetadataKey, MetadataRegistry
-from shoal.worker.protocol import OpenAIError, openai_errors
+from shoal.worker.protocol import openai_errors
 
 _BAD_SEGMENT_CHARS = ("/", "\\", "\x00")
 
@@ -103,9 +104,9 @@ class StatusServer:
         )
         for part in key:
             if part in ("", ".", "..") or any(c in part for c in _BAD_SEGMENT_CHARS):
-                raise OpenAIError(400, f"invalid metadata path segment {part!r}")
+                raise ApiError(400, f"invalid metadata path segment {part!r}")
         data = self.metadata.lookup(key)
         if data is None:
-            raise OpenAIError(404, f"no metadata file at {key.path}", code="not_found")
+            raise ApiError(404, f"no metadata file at {key.path}", code="not_found")
         content_type = mimetypes.guess_type(key.filename)[0] or "application/octet-stream"
         return web.Response(body=data, content_type=content_type)

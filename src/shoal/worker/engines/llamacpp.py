@@ -19,21 +19,25 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from shoal.cards import ModelType
-from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
-from shoal.worker.protocol import (
+from shoal.openai import (
     SSE_DONE,
     SSE_HEADERS,
-    OpenAIError,
+    ApiError,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    SamplingRequest,
     decode_request,
-    model_not_found,
-    openai_errors,
+    sse_event,
 )
+from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
+from shoal.worker.protocol import model_not_found, openai_errors
 
 log = logging.getLogger(__name__)
 
@@ -72,107 +76,81 @@ def default_model_path() -> Path:
 
 # -- requests ----------------------------------------------------------------------------
 
-NonNegative = Annotated[float, msgspec.Meta(ge=0)]
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+# Sampling defaults where a request gives none: OpenAI's, and vLLM's extensions off.
+_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for text completions
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
+def _given(value: Any, name: str) -> Any:
+    return _DEFAULTS[name] if value is None else value
 
 
-class Sampling(msgspec.Struct, kw_only=True):
-    """Sampling parameters shared by chat and completions, with OpenAI's defaults.
-
-    `top_k`, `min_p` and `repetition_penalty` are vLLM's extensions; off unless given.
-    """
-
-    model: str | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
-    top_k: int = 0
-    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    logit_bias: dict[str, float] | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-    def options(self, max_tokens: int | None) -> dict[str, Any]:
-        if self.n != 1:
-            raise OpenAIError(400, "Only n=1 is supported.", param="n")
-        if self.stream_options is not None and not self.stream:
-            raise OpenAIError(
-                400, "stream_options is only allowed when stream is true.", param="stream_options"
-            )
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "stop": self.stop or [],
-            "seed": self.seed,
-            "max_tokens": max_tokens,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repeat_penalty": self.repetition_penalty,
-            "stream": self.stream,
-        }
-
-    def token_bias(self, n_vocab: int) -> dict[int, float]:
-        """`logit_bias` by token id (applied by the engine: llama-cpp-python drops it when
-        a logits processor is also given)."""
-        bias: dict[int, float] = {}
-        for token, value in (self.logit_bias or {}).items():
-            if not token.isdigit() or int(token) >= n_vocab:
-                raise OpenAIError(
-                    400, f"logit_bias: {token!r} is not a token id.", param="logit_bias"
-                )
-            bias[int(token)] = max(-100.0, min(100.0, value))
-        return bias
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+def sampling_options(body: SamplingRequest, max_tokens: int | None) -> dict[str, Any]:
+    """llama.cpp's keyword arguments for `body`'s sampling parameters."""
+    if body.n != 1:
+        raise ApiError(400, "Only n=1 is supported.", param="n")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(
+            400, "stream_options is only allowed when stream is true.", param="stream_options"
+        )
+    return {
+        "temperature": _given(body.temperature, "temperature"),
+        "top_p": _given(body.top_p, "top_p"),
+        "top_k": _given(body.top_k, "top_k"),
+        "min_p": _given(body.min_p, "min_p"),
+        "stop": body.stop or [],
+        "seed": body.seed,
+        "max_tokens": max_tokens,
+        "presence_penalty": _given(body.presence_penalty, "presence_penalty"),
+        "frequency_penalty": _given(body.frequency_penalty, "frequency_penalty"),
+        "repeat_penalty": _given(body.repetition_penalty, "repetition_penalty"),
+        "stream": body.stream,
+    }
 
 
-class ChatRequest(Sampling, kw_only=True):
-    messages: Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1)]
-    max_tokens: PositiveInt | None = None
-    max_completion_tokens: PositiveInt | None = None
-    response_format: dict[str, Any] | None = None
-    logprobs: bool | None = None
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
-
-
-class CompletionRequest(Sampling, kw_only=True):
-    prompt: str | list[Any]
-    max_tokens: PositiveInt = 16
-    echo: bool = False
-    suffix: str | None = None
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
+def token_bias(body: SamplingRequest, n_vocab: int) -> dict[int, float]:
+    """`logit_bias` by token id (applied by the engine: llama-cpp-python drops it when
+    a logits processor is also given)."""
+    bias: dict[int, float] = {}
+    for token, value in (body.logit_bias or {}).items():
+        if not token.isdigit() or int(token) >= n_vocab:
+            raise ApiError(400, f"logit_bias: {token!r} is not a token id.", param="logit_bias")
+        bias[int(token)] = max(-100.0, min(100.0, value))
+    return bias
 
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 
 
-def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with content parts (`[{"type": "text", ...}]`) joined into plain text."""
+def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as llama.cpp takes them, content parts (`[{"type": "text", ...}]`) joined
+    into plain text."""
     plain = []
     for message in messages:
-        content = message.get("content")
+        content = message.content
         if isinstance(content, list):
-            text = "".join(
+            content = "".join(
                 part.get("text", "")
                 for part in content
                 if isinstance(part, dict) and part.get("type") == "text"
             )
-            message = {**message, "content": text}
-        plain.append(message)
+        item: dict[str, Any] = {"role": message.role, "content": content}
+        if message.name is not None:
+            item["name"] = message.name
+        if message.tool_calls is not None:
+            item["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        plain.append(item)
     return plain
 
 
@@ -183,11 +161,11 @@ def single_prompt(prompt: str | list[Any]) -> str | list[int]:
         return prompt[0]
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt  # token ids
-    raise OpenAIError(400, "prompt must be one string or one list of token ids.", param="prompt")
+    raise ApiError(400, "prompt must be one string or one list of token ids.", param="prompt")
 
 
 def sse(payload: object) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+    return sse_event(json.dumps(payload, ensure_ascii=False).encode())
 
 
 # -- generation --------------------------------------------------------------------------
@@ -248,18 +226,18 @@ class Generation:
         }
 
 
-def engine_stopping() -> OpenAIError:
-    return OpenAIError(503, "The engine is stopping.", code="engine_stopping")
+def engine_stopping() -> ApiError:
+    return ApiError(503, "The engine is stopping.", code="engine_stopping")
 
 
-def as_openai_error(exc: BaseException) -> OpenAIError:
-    if isinstance(exc, OpenAIError):
+def as_openai_error(exc: BaseException) -> ApiError:
+    if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ValueError):
         code = "context_length_exceeded" if "context window" in str(exc) else None
-        return OpenAIError(400, str(exc), code=code)
+        return ApiError(400, str(exc), code=code)
     log.error("llama.cpp generation failed", exc_info=exc)
-    return OpenAIError(500, f"The generation failed: {exc!r}")
+    return ApiError(500, f"The generation failed: {exc!r}")
 
 
 # -- the engine --------------------------------------------------------------------------
@@ -412,7 +390,7 @@ class LlamaCppEngine(Engine):
         return await self._generate(
             request,
             body,
-            body.max_tokens,
+            body.max_tokens or COMPLETION_MAX_TOKENS,
             lambda llm: partial(
                 llm.create_completion,
                 prompt=single_prompt(body.prompt),
@@ -429,13 +407,13 @@ class LlamaCppEngine(Engine):
 
     def _loaded(self) -> Any:
         if self._llm is None or self._executor is None:
-            raise OpenAIError(503, "The model is not loaded.", code="model_not_loaded")
+            raise ApiError(503, "The model is not loaded.", code="model_not_loaded")
         return self._llm
 
     async def _generate(
         self,
         request: web.Request,
-        body: Sampling,
+        body: SamplingRequest,
         max_tokens: int | None,
         prepare: Callable[[Any], partial[Any]],
     ) -> web.StreamResponse:
@@ -445,10 +423,10 @@ class LlamaCppEngine(Engine):
         However the handler ends (done, client gone, cancelled), the generation is
         cancelled: llama.cpp stops at the next token and the engine thread is free.
         """
-        options = body.options(max_tokens)
+        options = sampling_options(body, max_tokens)
         llm = self._loaded()
         method_call = prepare(llm)
-        logit_bias = body.token_bias(llm.n_vocab())
+        logit_bias = token_bias(body, llm.n_vocab())
         generation = Generation(asyncio.get_running_loop(), llm.token_eos(), logit_bias)
         call = partial(
             method_call,

@@ -22,8 +22,9 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from shoal.openai import ApiError
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
-from shoal.worker.protocol import OpenAIError, openai_errors
+from shoal.worker.protocol import openai_errors
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +264,7 @@ class OpenAISidecarEngine(Engine):
     async def _forward_one(self, request: web.Request) -> web.StreamResponse:
         session = self._session
         if session is None:
-            raise OpenAIError(503, "The openai engine is not started.", code="engine_stopped")
+            raise ApiError(503, "The openai engine is not started.", code="engine_stopped")
         body = await request.read()
         headers: CIMultiDict[str] = CIMultiDict()
         for name, value in request.headers.items():
@@ -281,7 +282,7 @@ class OpenAISidecarEngine(Engine):
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout),
             )
         except TimeoutError:
-            raise OpenAIError(
+            raise ApiError(
                 504,
                 f"The upstream server {self.upstream} did not answer within "
                 f"{self.request_timeout}s.",
@@ -289,7 +290,7 @@ class OpenAISidecarEngine(Engine):
                 code="upstream_timeout",
             ) from None
         except aiohttp.ClientError as exc:
-            raise OpenAIError(
+            raise ApiError(
                 502,
                 f"The upstream server {self.upstream} is unreachable: {exc}",
                 type="server_error",
@@ -297,7 +298,7 @@ class OpenAISidecarEngine(Engine):
             ) from None
         if is_redirect(upstream.status):
             upstream.close()
-            raise OpenAIError(
+            raise ApiError(
                 502,
                 f"The upstream server answered {request.method} {url} with a redirect "
                 f"({upstream.status}) to {redirect_target(upstream)}; the sidecar follows no "
