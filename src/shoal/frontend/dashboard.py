@@ -28,16 +28,13 @@ import hmac
 import importlib.resources
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from shoal.frontend import errors
 from shoal.frontend.server import HttpConnection, Request, status_line
-from shoal.frontend.snapshot import FleetReader, RequestHistory, Sections, diff, full
-
-if TYPE_CHECKING:
-    from shoal.frontend.app import Frontend
+from shoal.frontend.snapshot import Fleet, FleetReader, RequestHistory, Sections, diff, full
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +121,7 @@ class EventStream:
 class Dashboard:
     """The `/ui` routes of one frontend and the timer that feeds their event streams."""
 
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Fleet) -> None:
         self.frontend = frontend
         self.reader = FleetReader(frontend)
         self.history = RequestHistory(frontend.metrics)

@@ -19,16 +19,50 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
 from shoal import __version__
+from shoal.controllers import ControllerManager
 from shoal.frontend.metrics import TTFT_BUCKETS, FrontendMetrics
+from shoal.frontend.registry import Registry
 from shoal.frontend.upstream import Upstream
+from shoal.frontend.watcher import ModelWatcher
 
-if TYPE_CHECKING:
-    from shoal.frontend.app import Frontend
+
+class FleetConfig(Protocol):
+    """The settings the dashboard shows (`FrontendConfig` has them)."""
+
+    @property
+    def router(self) -> str: ...
+    @property
+    def namespaces(self) -> tuple[str, ...]: ...
+    @property
+    def api_keys(self) -> tuple[str, ...]: ...
+
+
+class Fleet(Protocol):
+    """What the dashboard reads of one frontend. `shoal.frontend.app.Frontend` is one; the
+    dashboard does not import it (the app owns the dashboard, not the other way round)."""
+
+    @property
+    def config(self) -> FleetConfig: ...
+    @property
+    def metrics(self) -> FrontendMetrics: ...
+    @property
+    def manager(self) -> ControllerManager: ...
+    @property
+    def membership(self) -> Any: ...
+    @property
+    def registry(self) -> Registry: ...
+    @property
+    def watcher(self) -> ModelWatcher | None: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def started_at(self) -> float: ...
+
 
 DRAINING = "draining"  # the taint a worker sets while it drains
 ERROR_WINDOW = 300.0  # seconds of failures counted as an instance's "recent errors"
@@ -71,7 +105,7 @@ class FleetReader:
     KV indexer. Until then the dashboard shows an empty routes section and no hit rates.
     """
 
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Fleet) -> None:
         self.frontend = frontend
         self.routes: RoutesSource = no_routes
         self.kv_hit_rates: KvHitRates = no_hit_rates
