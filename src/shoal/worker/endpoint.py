@@ -153,6 +153,7 @@ class Endpoint:
             instance_id=instance_id,
             url=self.url,
             status_url=self.runtime.status_url,
+            kv_events=None if self.engine is None else self.engine.kv_events,
         )
 
     # -- serving ------------------------------------------------------------------------
