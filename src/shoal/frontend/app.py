@@ -21,6 +21,7 @@ from shoal.controllers import ControllerManager, Loop, readiness
 from shoal.discovery import Discovery
 from shoal.frontend import errors
 from shoal.frontend.errors import ApiError
+from shoal.frontend.kv_router import KvRouter
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.proxy import Proxy
@@ -63,6 +64,7 @@ class FrontendConfig:
     connect_timeout: float = 5.0
     drain_timeout: float = 30.0
     keepalive_timeout: float = 75.0
+    kv_overlap_weight: float = 1.0  # the kv policy: cost of an uncached block vs one of load
 
 
 class Frontend:
@@ -85,6 +87,8 @@ class Frontend:
         self.registry = Registry(connect_timeout=config.connect_timeout)
         self.metrics.live_instances = self.registry.live_instances
         self.router = make_router(config.router)
+        if isinstance(self.router, KvRouter):
+            self.router.overlap_weight = config.kv_overlap_weight
         self.proxy = Proxy(
             self.registry,
             self.router,
@@ -128,6 +132,8 @@ class Frontend:
             max_file_bytes=config.metadata_max_file_bytes,
         )
         self.metrics.watch_metadata_cache(cache)
+        if isinstance(self.router, KvRouter):
+            self.router.attach(self.registry, cache, self.metrics)
         self.watcher = ModelWatcher(
             self.discovery, self.registry, cache, self.metrics, config.namespaces
         )
@@ -151,6 +157,8 @@ class Frontend:
         await self.manager.stop_all()
         if self.watcher is not None:
             await self.watcher.stop()
+        if isinstance(self.router, KvRouter):
+            await self.router.close()
         self.registry.close()
         if self._own_store is not None:
             await self._own_store.close()

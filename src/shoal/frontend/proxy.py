@@ -188,7 +188,8 @@ class Forward:
         self.fields = fields
         self.stats = stats
         self.stream = bool(fields.stream)
-        self.prompt = prompt_text(fields) if proxy.router.needs_prompt else None
+        router = proxy.router
+        self.prompt = (router.prompt_of or prompt_text)(fields) if router.needs_prompt else None
         self.tried: list[Upstream] = []
         self.attempt = 0
         self.target: Upstream | None = None

@@ -16,7 +16,7 @@ import bisect
 import random
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from shoal.cards import ModelCard, ModelType, WorkerRole
 from shoal.discovery import EndpointId, ModelInstance, ModelKey
@@ -121,6 +121,14 @@ class Model:
         self.model_types = frozenset(types)
 
 
+class RegistryObserver(Protocol):
+    """Told of every card that joins or leaves a worker set (the KV indexer follows these)."""
+
+    def joined(self, model: ModelInstance, ws: WorkerSet) -> None: ...
+
+    def left(self, key: ModelKey, ws: WorkerSet) -> None: ...
+
+
 class RefusedError(Exception):
     """The card's checksum differs from its worker set's."""
 
@@ -135,6 +143,7 @@ class Registry:
         self._upstreams: dict[tuple[EndpointId, int], tuple[Upstream, int]] = {}
         self._created: dict[str, int] = {}
         self.version = 0  # bumped by every change: what is derived from the registry compares it
+        self.observers: list[RegistryObserver] = []
 
     def __contains__(self, key: ModelKey) -> bool:
         return key in self._members
@@ -172,6 +181,8 @@ class Registry:
         self._members[key] = set_id
         entry.refresh()
         self.version += 1
+        for observer in self.observers:
+            observer.joined(model, ws)
         return ws
 
     def leave(self, key: ModelKey) -> SetId | None:
@@ -190,6 +201,8 @@ class Registry:
         else:
             del self.models[set_id.model]
         self.version += 1
+        for observer in self.observers:
+            observer.left(key, ws)
         return set_id
 
     def set_taints(self, key: ModelKey, taints: tuple[str, ...]) -> None:

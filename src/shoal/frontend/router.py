@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 from shoal.frontend.registry import WorkerSet
 from shoal.frontend.upstream import Upstream
 
-POLICIES = ("round-robin", "random", "least-loaded", "prefix")
+POLICIES = ("round-robin", "random", "least-loaded", "prefix", "kv")
 
 
 class Router:
@@ -23,6 +24,8 @@ class Router:
 
     name = ""
     needs_prompt = False
+    prompt_of: Callable[[Any], str] | None = None
+    """How the policy reads the prompt from the request's fields (default: the proxy's text)."""
 
     def pick(
         self, ws: WorkerSet, prompt: str | None = None, exclude: Collection[Upstream] = ()
@@ -186,6 +189,10 @@ def make_router(policy: str) -> Router:
         "least-loaded": LeastLoaded,
         "prefix": PrefixAware,
     }
+    if policy == "kv":
+        from shoal.frontend.kv_router import KvRouter  # it builds on this module's policies
+
+        return KvRouter()
     try:
         return routers[policy]()
     except KeyError:

@@ -1,0 +1,88 @@
+"""`PromptTokenizer`: a prompt's token ids as the worker computes them, for KV-aware routing.
+
+Loaded from a worker set's verified metadata files: `tokenizer.json` (Hugging Face
+`tokenizers`) and the chat template of `tokenizer_config.json`, rendered in a sandboxed
+`jinja2` environment (templates come from workers, so they get no access to Python). As
+vLLM does, a chat is rendered with the generation prompt and tokenized without special
+tokens added; a completion prompt is tokenized with them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+
+
+class PromptTokenizer:
+    """Tokenizes chat messages (through the chat template) and completion prompts."""
+
+    def __init__(self, tokenizer: Tokenizer, config: dict[str, Any]) -> None:
+        self.tokenizer = tokenizer
+        self.specials = {
+            name: _token_text(config.get(name))
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        self.template: jinja2.Template | None = None
+        if isinstance(template, str):
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self.template = env.from_string(template)
+
+    @classmethod
+    def load(cls, tokenizer_file: Path, config_file: Path | None) -> PromptTokenizer:
+        """From the files on disk; raises (OSError, ValueError, jinja2 errors) if unusable."""
+        config: dict[str, Any] = {}
+        if config_file is not None:
+            loaded = json.loads(config_file.read_text())
+            config = loaded if isinstance(loaded, dict) else {}
+        return cls(Tokenizer.from_file(str(tokenizer_file)), config)
+
+    def chat(self, messages: list[Any]) -> list[int] | None:
+        """The ids of a chat as the template renders it; None without a template."""
+        if self.template is None:
+            return None
+        plain = [{"role": m.role, "content": _content_text(m.content)} for m in messages]
+        text = self.template.render(messages=plain, add_generation_prompt=True, **self.specials)
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def completion(self, prompt: Any) -> list[int] | None:
+        """The ids of a completions prompt: text is tokenized, token ids are taken as they are."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt
+        return None
+
+
+def _token_text(value: Any) -> str:
+    """A special token from the config: a string, or an `AddedToken`-like dict."""
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return value if isinstance(value, str) else ""
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as text: content parts joined, None as empty (as engines do)."""
+    if isinstance(content, list):
+        return "".join(
+            str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("text")
+        )
+    return content if isinstance(content, str) else ""
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
