@@ -67,8 +67,9 @@ class KvTracker:
         self._tracked.clear()
         for task in list(self._loads):
             task.cancel()
+        await asyncio.gather(*self._loads, return_exceptions=True)
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # closes any socket a cancelled task left open
             self._ctx = None
 
     def index_size(self) -> int:

@@ -95,7 +95,7 @@ class KvEventPublisher:
             if sock is not None:
                 sock.close(0)
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
         self._pub = self._replay = self._ctx = None
 
     # -- recording --------------------------------------------------------------------------
