@@ -327,7 +327,7 @@ class LlamaCppEngine(Engine):
                 raise EngineUnavailableError(f"llama.cpp could not load {path}: {exc}") from exc
             self._metadata_dir = Path(tempfile.mkdtemp(prefix="shoal-llamacpp-"))
             files = await loop.run_in_executor(
-                self._executor, write_metadata, self._llm, self._metadata_dir
+                self._executor, write_metadata, self._llm, self._metadata_dir, path
             )
         except BaseException:
             await self.stop()
@@ -578,8 +578,9 @@ class LlamaCppEngine(Engine):
         return response
 
 
-def write_metadata(llm: Any, directory: Path) -> tuple[str, ...]:
-    """Write config.json and tokenizer_config.json from the GGUF metadata (engine thread)."""
+def write_metadata(llm: Any, directory: Path, gguf_path: Path | None = None) -> tuple[str, ...]:
+    """Write config.json and tokenizer_config.json from the GGUF metadata, and tokenizer.json
+    from its vocabulary when `gguf_tokenizer` can build it (engine thread)."""
     metadata: dict[str, str] = dict(llm.metadata)
     arch = metadata.get("general.architecture", "unknown")
 
@@ -616,4 +617,23 @@ def write_metadata(llm: Any, directory: Path) -> tuple[str, ...]:
     for name, fields in files.items():
         present = {key: value for key, value in fields.items() if value is not None}
         (directory / name).write_text(json.dumps(present, indent=2, sort_keys=True) + "\n")
-    return tuple(files)
+    names = tuple(files)
+    tokenizer_json = gguf_path and _gguf_tokenizer_json(gguf_path)
+    if tokenizer_json:
+        (directory / "tokenizer.json").write_text(tokenizer_json)
+        names += ("tokenizer.json",)
+    return names
+
+
+def _gguf_tokenizer_json(path: Path) -> str | None:
+    try:
+        from shoal.worker.engines.gguf_tokenizer import gguf_tokenizer
+
+        tokenizer = gguf_tokenizer(path)
+    except Exception as exc:  # the model serves anyway; the frontend routes it by prefix
+        log.warning("no tokenizer.json for %s: %s", path, exc)
+        return None
+    if tokenizer is None:
+        log.info("no tokenizer.json for %s: its GGUF vocabulary is not byte-level BPE", path)
+        return None
+    return str(tokenizer.to_str())
