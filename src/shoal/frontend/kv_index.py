@@ -14,6 +14,7 @@ indexed: a guess would route prompts to a cache that may not hold their prefix.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from shoal.kv import ROOT_HASH, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, chain_hash
@@ -115,3 +116,38 @@ class KvIndex:
             for instance_id in alive:
                 matched[instance_id] = depth
         return matched
+
+
+class RecentPicks:
+    """Prompt blocks just sent to an instance, counted as cached there for `ttl` seconds.
+
+    The instance's events confirm (or deny, by evicting) within milliseconds; until then a
+    burst of prompts sharing a prefix would otherwise all see an empty index and be spread
+    over every instance. Each block remembers only its latest pick; bounded, oldest out.
+    """
+
+    def __init__(self, ttl: float = 2.0, capacity: int = 65_536) -> None:
+        self.ttl = ttl
+        self.capacity = capacity
+        self._picks: OrderedDict[int, tuple[int, float]] = OrderedDict()
+
+    def record(self, hashes: list[int], instance_id: int, now: float) -> None:
+        picks = self._picks
+        entry = (instance_id, now + self.ttl)
+        for h in hashes:
+            picks[h] = entry
+            picks.move_to_end(h)
+        while len(picks) > self.capacity:
+            picks.popitem(last=False)
+
+    def matched(self, hashes: list[int], now: float) -> tuple[int, int]:
+        """The instance the prompt's leading blocks were last sent to, and how many: (id, 0)
+        when none."""
+        picks = self._picks
+        owner, depth = 0, 0
+        for h in hashes:
+            entry = picks.get(h)
+            if entry is None or entry[1] < now or (depth and entry[0] != owner):
+                break
+            owner, depth = entry[0], depth + 1
+        return owner, depth

@@ -1,8 +1,8 @@
 """The `kv` routing policy: send a prompt where its KV blocks are cached, by the engines' events.
 
 Cost of an instance = (prompt blocks it does not hold) * `overlap_weight` + its load, the
-load being its requests in flight times the set's average prompt blocks (so both terms
-count blocks); the cheapest wins, ties go to the least loaded, then round-robin. Tainted
+load being its requests in flight times the set's average uncached blocks per request (the
+prefill work a request in flight stands for, so both terms count blocks to compute); the cheapest wins, ties go to the least loaded, then round-robin. Tainted
 and inhibited instances are never picked. A pick reads the index and does no I/O.
 
 The prompt is tokenized as the worker will (`KvPrompt`, once per request and tokenizer). A
@@ -12,6 +12,7 @@ worker set without a usable tokenizer is routed by the `prefix` policy, with one
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -120,10 +121,29 @@ class KvRouter(Router):
         index = state.index
         hashes = token_block_hashes(tokens, index.block_size, limit=self.max_blocks)
         blocks = len(hashes)
-        state.avg_prompt_blocks += (blocks - state.avg_prompt_blocks) * 0.05
         matched = index.overlaps(hashes) if blocks else {}
+        now = time.monotonic()
+        owner, depth = state.recent.matched(hashes, now)
+        if depth > matched.get(owner, 0):
+            matched[owner] = depth
+        best = self._cheapest(ws, blocks, matched, state.avg_uncached_blocks, exclude)
+        if best is not None:
+            held = matched.get(best.instance_id, 0)
+            state.avg_uncached_blocks += (max(blocks - held, 1) - state.avg_uncached_blocks) * 0.05
+            state.recent.record(hashes, best.instance_id, now)
+            self._count(blocks, held)
+        return best
+
+    def _cheapest(
+        self,
+        ws: WorkerSet,
+        blocks: int,
+        matched: dict[int, int],
+        unit: float,
+        exclude: Collection[Upstream],
+    ) -> Upstream | None:
+        """The instance of least cost; ties to the least loaded, then round-robin."""
         weight = self.overlap_weight
-        unit = max(state.avg_prompt_blocks, 1.0)
         targets = ws.routable
         n = len(targets)
         ws.cursor += 1
@@ -137,8 +157,6 @@ class KvRouter(Router):
             key = (cost, target.in_flight)
             if best is None or key < best_key:
                 best, best_key = target, key
-        if best is not None:
-            self._count(blocks, matched.get(best.instance_id, 0))
         return best
 
     def _count(self, blocks: int, matched: int) -> None:
