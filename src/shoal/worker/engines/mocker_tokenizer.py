@@ -14,10 +14,11 @@ import functools
 import string
 from collections.abc import Iterable
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 UNK = "[UNK]"
-SPECIAL = (UNK, "<|begin|>", "<|end|>")
+SPECIAL = (UNK, "<|begin|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>")
+"""Matched whole wherever they appear (the chat template's role markers among them)."""
 _CHARS = string.ascii_letters + string.digits + string.punctuation
 
 
@@ -29,6 +30,7 @@ def build_tokenizer(words: Iterable[str]) -> Tokenizer:
     tokenizer = Tokenizer(models.WordPiece(vocab, unk_token=UNK, max_input_chars_per_word=100))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.decoder = decoders.WordPiece()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
     return tokenizer
 
 
