@@ -73,3 +73,44 @@ async def test_a_completion_prompt_counts_the_same_tokens_at_both_ends(
         tokens = tokenizer.completion(text)
         assert answer.usage is not None and tokens is not None
         assert answer.usage.prompt_tokens == len(tokens), text
+
+
+async def test_llama_cpps_context_is_published_as_kv_events() -> None:
+    import zmq.asyncio
+
+    from shoal.frontend.kv_events import KvStats, KvSubscription
+    from shoal.frontend.kv_index import KvIndex
+    from shoal.kv import KVEventBatch, token_block_hashes
+    from tests.helpers import wait_for
+
+    engine = LlamaCppEngine(n_threads=1, kv_events_port=0, kv_block_size=4)
+    async with engine_served(engine) as (engine, server):
+        assert engine.kv_events is not None
+        ctx = zmq.asyncio.Context()
+        index = KvIndex(4)
+
+        def apply(batch: KVEventBatch) -> None:
+            for event in batch.events:
+                index.apply(1, event)
+
+        sub = KvSubscription(ctx, 1, engine.kv_events, apply, lambda: index.purge(1), KvStats())
+        sub.start()
+        try:
+            tokenizer = await published_tokenizer(engine)
+            first, second = SAMPLES[7], SAMPLES[5] * 3
+            for text in (first, second):
+                await client_for(server).completions.create(
+                    model=engine.model_name, prompt=text, max_tokens=2, temperature=0
+                )
+                tokens = tokenizer.completion(text)
+                assert tokens is not None
+                hashes = token_block_hashes(tokens, 4)
+                await wait_for(
+                    lambda h=hashes: index.overlaps(h).get(1) == len(h),  # type: ignore[misc]
+                    message="the prompt's blocks held",
+                )
+            # One context: the first prompt's blocks were replaced by the second's.
+            assert index.overlaps(token_block_hashes(tokenizer.completion(first) or [], 4)) == {}
+        finally:
+            await sub.stop()
+            ctx.term()

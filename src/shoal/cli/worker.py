@@ -79,7 +79,8 @@ def add_parser(sub: Any) -> None:
         "--kv-events-port",
         None,
         type=int,
-        help="publish KV cache events (vLLM's format) on this port; 0: a free port; unset: off",
+        help="mocker and llamacpp engines: publish KV cache events (vLLM's format) on this "
+        "port; 0: a free port; unset: off",
     )
 
 
@@ -113,7 +114,12 @@ def make_engine(args: argparse.Namespace) -> Engine:
         )
     else:
         # Without --model-path, the SmolLM2-135M GGUF shipped in the llamacpp extra is served.
-        engine = cls(args.model_path, name=args.model)
+        engine = cls(
+            args.model_path,
+            name=args.model,
+            kv_events_port=args.kv_events_port,
+            kv_events_host=args.host,
+        )
     return engine
 
 

@@ -25,7 +25,9 @@ import msgspec
 from aiohttp import web
 
 from shoal.cards import ModelType
+from shoal.kv import BlockRemoved, BlockStored, KvEndpoint, token_block_hashes
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
+from shoal.worker.kv_publisher import KvEventPublisher
 from shoal.worker.protocol import (
     SSE_DONE,
     SSE_HEADERS,
@@ -285,6 +287,9 @@ class LlamaCppEngine(Engine):
         name: str | None = None,
         n_ctx: int = 2048,
         n_threads: int | None = None,
+        kv_events_port: int | None = None,
+        kv_events_host: str = "127.0.0.1",
+        kv_block_size: int = 16,
     ) -> None:
         self.model_path = Path(model_path) if model_path else None
         self.model_name = name or (
@@ -300,6 +305,12 @@ class LlamaCppEngine(Engine):
         self._metadata_dir: Path | None = None
         self._generations: set[Generation] = set()
         self._in_flight = 0
+        self.kv_block_size = kv_block_size
+        self.publisher: KvEventPublisher | None = None
+        if kv_events_port is not None:
+            self.publisher = KvEventPublisher(kv_events_host, kv_events_port)
+        self._cached_blocks: list[int] = []  # chained hashes of the context's full blocks
+        self._snapshots: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -337,14 +348,19 @@ class LlamaCppEngine(Engine):
             source=f"gguf:{path.name}",
             model_types=(ModelType.CHAT, ModelType.COMPLETIONS),
             context_length=self._llm.n_ctx(),
+            kv_block_size=self.kv_block_size,
             metadata_dir=self._metadata_dir,
             metadata_files=files,
         )
+        if self.publisher is not None:
+            await self.publisher.start()
         log.info("llama.cpp loaded %s as %r (n_ctx %d)", path, self.model_name, self.n_ctx)
 
     async def stop(self) -> None:
         for generation in self._generations:
             generation.cancelled.set()
+        if self.publisher is not None:
+            await self.publisher.close()
         executor, self._executor = self._executor, None
         if executor is not None:
             await asyncio.to_thread(executor.shutdown, wait=True, cancel_futures=True)
@@ -467,6 +483,45 @@ class LlamaCppEngine(Engine):
             generation.cancelled.set()
             self._generations.discard(generation)
             self._in_flight -= 1
+            if self.publisher is not None:
+                task = asyncio.ensure_future(self._publish_context())
+                self._snapshots.add(task)
+                task.add_done_callback(self._snapshots.discard)
+
+    # -- KV events --------------------------------------------------------------------------
+
+    @property
+    def kv_events(self) -> KvEndpoint | None:
+        return None if self.publisher is None else self.publisher.endpoint
+
+    async def _publish_context(self) -> None:
+        """Publish what llama.cpp's context now holds: one sequence, whose leading tokens
+        the next request reuses. Blocks that changed since the last snapshot are reported
+        removed, new ones stored (read on the engine thread, after the generation ended)."""
+        if self._executor is None or self.publisher is None:
+            return
+        llm = self._llm
+        tokens: list[int] = await asyncio.get_running_loop().run_in_executor(
+            self._executor, lambda: [int(t) for t in llm.input_ids[: llm.n_tokens]]
+        )
+        size = self.kv_block_size
+        hashes = token_block_hashes(tokens, size)
+        old = self._cached_blocks
+        kept = 0
+        while kept < min(len(old), len(hashes)) and old[kept] == hashes[kept]:
+            kept += 1
+        if len(old) > kept:
+            self.publisher.record(BlockRemoved(block_hashes=old[kept:]))
+        if len(hashes) > kept:
+            self.publisher.record(
+                BlockStored(
+                    block_hashes=hashes[kept:],
+                    parent_block_hash=hashes[kept - 1] if kept else None,
+                    token_ids=tokens[kept * size : len(hashes) * size],
+                    block_size=size,
+                )
+            )
+        self._cached_blocks = hashes
 
     def _run_streaming(self, generation: Generation, call: Callable[[], Any]) -> None:
         """On the engine thread: pass each chunk to the loop until done or cancelled."""
