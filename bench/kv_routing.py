@@ -57,6 +57,7 @@ from bench.gateway_targets import (
 )
 
 MODEL = "kv-bench"
+FIRST_TOKEN = re.compile(rb'"content":"[^"]')
 PEERS = ROOT / ".bench" / "peers-venv"
 TARGETS = (
     "shoal:round-robin",
@@ -262,7 +263,8 @@ async def one(
                 return
             first = None
             async for line in resp.content:
-                if first is None and line.startswith(b"data: {") and b'"content":"' in line:
+                # The first token: the first chunk with text (the role chunk before it has none).
+                if first is None and FIRST_TOKEN.search(line):
                     first = time.perf_counter() - start
             if first is not None:
                 run.ttfts.append(first)

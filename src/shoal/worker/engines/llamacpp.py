@@ -26,6 +26,7 @@ from aiohttp import web
 
 from shoal.cards import ModelType
 from shoal.kv import BlockRemoved, BlockStored, KvEndpoint, token_block_hashes
+from shoal.kv.events import BlockHash
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
 from shoal.worker.kv_publisher import KvEventPublisher
 from shoal.worker.protocol import (
@@ -511,11 +512,11 @@ class LlamaCppEngine(Engine):
         while kept < min(len(old), len(hashes)) and old[kept] == hashes[kept]:
             kept += 1
         if len(old) > kept:
-            self.publisher.record(BlockRemoved(block_hashes=old[kept:]))
+            self.publisher.record(BlockRemoved(block_hashes=list[BlockHash](old[kept:])))
         if len(hashes) > kept:
             self.publisher.record(
                 BlockStored(
-                    block_hashes=hashes[kept:],
+                    block_hashes=list[BlockHash](hashes[kept:]),
                     parent_block_hash=hashes[kept - 1] if kept else None,
                     token_ids=tokens[kept * size : len(hashes) * size],
                     block_size=size,
