@@ -63,3 +63,15 @@ def test_events_of_another_block_size_are_refused_not_misread() -> None:
     index = KvIndex(4)
     index.apply(1, stored([101], None, PROMPT[:2]))
     assert index.mismatched_events == 1 and index.holders == {}
+
+
+def test_a_recent_pick_counts_until_an_eviction_cancels_it() -> None:
+    index = KvIndex(BS)
+    hashes = token_block_hashes(PROMPT, BS)
+    index.recent.record(hashes, 1, now=100.0)
+    assert index.recent.matched(hashes, now=101.0) == (1, 4)  # sent there: predicted cached
+    assert index.recent.matched(hashes, now=103.0) == (0, 0)  # events never came: expired
+    index.apply(1, stored([101, 102], None, PROMPT[:4]))
+    index.recent.record(hashes, 1, now=200.0)
+    index.apply(1, BlockRemoved(block_hashes=[102]))
+    assert index.recent.matched(hashes, now=200.5) == (1, 1)  # block 1 evicted: cut there

@@ -27,6 +27,7 @@ class KvIndex:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.holders: dict[int, set[int]] = {}
+        self.recent = RecentPicks()  # predictions: an eviction or purge cancels them
         self._blocks: dict[int, dict[BlockHash, int]] = {}  # instance -> engine hash -> ours
         self.orphan_blocks = 0  # stored blocks dropped because their parent was unknown
         self.mismatched_events = 0  # events whose block size is not the set's
@@ -91,6 +92,7 @@ class KvIndex:
             self._release(ours, instance_id)
 
     def _release(self, ours: int, instance_id: int) -> None:
+        self.recent.forget(ours, instance_id)
         holding = self.holders.get(ours)
         if holding is not None:
             holding.discard(instance_id)
@@ -139,6 +141,12 @@ class RecentPicks:
             picks.move_to_end(h)
         while len(picks) > self.capacity:
             picks.popitem(last=False)
+
+    def forget(self, block_hash: int, instance_id: int) -> None:
+        """`instance_id` no longer holds the block (it evicted it): not a prediction either."""
+        entry = self._picks.get(block_hash)
+        if entry is not None and entry[0] == instance_id:
+            del self._picks[block_hash]
 
     def matched(self, hashes: list[int], now: float) -> tuple[int, int]:
         """The instance the prompt's leading blocks were last sent to, and how many: (id, 0)

@@ -65,8 +65,14 @@ class PromptTokenizer:
         plain = [{"role": m.role, "content": _content_text(m.content)} for m in messages]
         text = self.template.render(messages=plain, add_generation_prompt=True, **self.specials)
         if self._split is None:
-            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            return self._encode(text, special_tokens=False)
         return self._by_pieces(text, self._split)
+
+    def _encode(self, text: str, *, special_tokens: bool) -> list[int]:
+        """`text`'s ids; without the offsets `encode` also computes (three times faster)."""
+        return list(
+            self.tokenizer.encode_batch_fast([text], add_special_tokens=special_tokens)[0].ids
+        )
 
     def _by_pieces(self, text: str, split: re.Pattern[str]) -> list[int]:
         """`text`'s ids, from the ids of its pieces between special tokens (kept)."""
@@ -81,7 +87,7 @@ class PromptTokenizer:
                 continue
             known = pieces.get(piece)
             if known is None:
-                known = self.tokenizer.encode(piece, add_special_tokens=False).ids
+                known = self._encode(piece, special_tokens=False)
                 if len(pieces) >= PIECES_KEPT:
                     del pieces[next(iter(pieces))]  # oldest first out
                 pieces[piece] = known
@@ -93,7 +99,7 @@ class PromptTokenizer:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
+            return self._encode(prompt, special_tokens=True)
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             return prompt
         return None

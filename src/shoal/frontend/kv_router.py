@@ -123,14 +123,14 @@ class KvRouter(Router):
         blocks = len(hashes)
         matched = index.overlaps(hashes) if blocks else {}
         now = time.monotonic()
-        owner, depth = state.recent.matched(hashes, now)
+        owner, depth = index.recent.matched(hashes, now)
         if depth > matched.get(owner, 0):
             matched[owner] = depth
         best = self._cheapest(ws, blocks, matched, state.avg_uncached_blocks, exclude)
         if best is not None:
             held = matched.get(best.instance_id, 0)
             state.avg_uncached_blocks += (max(blocks - held, 1) - state.avg_uncached_blocks) * 0.05
-            state.recent.record(hashes, best.instance_id, now)
+            index.recent.record(hashes, best.instance_id, now)
             self._count(blocks, held)
         return best
 

@@ -22,7 +22,7 @@ import zmq.asyncio
 from shoal.cards import ModelCard
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
 from shoal.frontend.kv_events import KvStats, KvSubscription
-from shoal.frontend.kv_index import KvIndex, RecentPicks
+from shoal.frontend.kv_index import KvIndex
 from shoal.frontend.kv_prompt import CONFIG_FILE, TOKENIZER_FILE, PromptTokenizer
 from shoal.frontend.metadata import MetadataCache
 from shoal.frontend.registry import SetId, WorkerSet
@@ -36,7 +36,6 @@ class KvSet:
     """What the kv policy knows about one worker set."""
 
     index: KvIndex
-    recent: RecentPicks = field(default_factory=RecentPicks)
     tokenizer: PromptTokenizer | None = None
     no_tokenizer: str = "loading"  # why `tokenizer` is None
     fallback_logged: bool = False
