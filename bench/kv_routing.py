@@ -31,6 +31,7 @@ import json
 import random
 import re
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -207,6 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--itl-ms", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--kv-overlap-weight", type=float, default=1.0, help="shoal's --router kv")
+    p.add_argument("--rounds", type=int, default=1, help="runs per target (interleaved); medians")
     p.add_argument("--quick", action="store_true", help="a small run: a smoke test")
     p.add_argument("--report", type=Path, help="also write the markdown report here")
     args = p.parse_args(argv)
@@ -438,8 +440,7 @@ def run_target(
     gateway = name.split(":")[0]
     if gateway != "shoal" and (why := peer_missing(gateway, PEERS)):
         return {"target": name, "skipped": why}
-    tdir = workdir / name.replace(":", "-")
-    tdir.mkdir()
+    tdir = Path(tempfile.mkdtemp(dir=workdir, prefix=name.replace(":", "-") + "-"))
     session = Session(tdir, pin=False)
     store = f"sqlite:///{tdir / 'store.db'}"
     try:
@@ -469,6 +470,26 @@ def run_target(
         session.stop_all()
 
 
+def medians(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per target: the median of each figure over its rounds (errors: the sum)."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        rows.setdefault(r["target"], []).append(r)
+    out = []
+    for runs in rows.values():
+        done = [r for r in runs if "skipped" not in r]
+        if not done:
+            out.append(runs[0])
+            continue
+        row = dict(done[0])
+        for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "rps", "cpu_us_per_request"):
+            row[key] = statistics.median(r[key] for r in done)
+        row["errors"] = sum(r["errors"] for r in done)
+        row["rounds"] = len(done)
+        out.append(row)
+    return out
+
+
 def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
     lines = [
         f"Command: `{command}`",
@@ -477,7 +498,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str
         f"prefill {args.prefill_us_per_token:g} us/token, {args.itl_ms:g} ms/token decode); "
         f"{args.system_prompts} system prompts of {args.system_tokens} tokens, {args.conversations} "
         f"conversations x {args.turns} turns (+{args.user_tokens} user, +{args.reply_tokens} reply tokens "
-        f"per turn), concurrency {args.concurrency}, streaming, max_tokens {args.max_tokens}.",
+        f"per turn), concurrency {args.concurrency}, streaming, max_tokens {args.max_tokens}; "
+        f"medians of {args.rounds} interleaved round(s), fresh workers for every run.",
         "",
         "| target | version | hit rate | TTFT p50 ms | TTFT p99 ms | req/s | gateway CPU us/req | errors |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -507,11 +529,12 @@ def main(argv: list[str] | None = None) -> int:
     convs = conversations(args)
     results = []
     with tempfile.TemporaryDirectory(prefix="shoal-kv-bench-") as tmp:
-        for name in args.targets.split(","):
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-            results.append(run_target(name.strip(), args, convs, Path(tmp)))
-            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    text = report(results, args, command)
+        for round_ in range(args.rounds):
+            for name in args.targets.split(","):
+                print(f"round {round_ + 1}: {name} ...", file=sys.stderr, flush=True)
+                results.append(run_target(name.strip(), args, convs, Path(tmp)))
+                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    text = report(medians(results), args, command)
     print(text)
     if args.report:
         args.report.write_text(text + "\n")
