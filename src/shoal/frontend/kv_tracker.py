@@ -1,7 +1,8 @@
 """`KvTracker`: whose KV events the frontend follows, and each worker set's index and tokenizer.
 
 The narrow interface is `track(instance, ws)` / `untrack(endpoint, instance_id, ws)`: an
-instance is tracked for a worker set while it is a member of it. Today the registry drives
+instance is tracked for a worker set while it is a member of it; `retain(selected)` drops
+every instance outside a selection (a membership view) at once. Today the registry drives
 it (`joined`/`left`, as a `RegistryObserver`), so the tracker follows exactly the instances
 the frontend routes to, which the frontend's scope (and, with it, the membership view)
 decides. An instance that leaves is purged from the set's index.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,6 +131,12 @@ class KvTracker:
             return
         tracked.sets.discard(ws.id)
         if not tracked.sets:
+            self._drop(ident)
+
+    def retain(self, selected: Callable[[EndpointId], bool]) -> None:
+        """Stop following, and purge, every instance whose endpoint `selected` refuses: how a
+        membership view that stopped selecting a namespace is applied at once."""
+        for ident in [i for i in self._tracked if not selected(i[0])]:
             self._drop(ident)
 
     def _drop(self, ident: tuple[EndpointId, int]) -> None:
