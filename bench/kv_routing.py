@@ -207,7 +207,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-us-per-token", type=float, default=100.0)
     p.add_argument("--itl-ms", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--kv-overlap-weight", type=float, default=1.0, help="shoal's --router kv")
+    p.add_argument("--kv-overlap-weight", type=float, help="shoal's --router kv (default: its own)")
     p.add_argument("--rounds", type=int, default=1, help="runs per target (interleaved); medians")
     p.add_argument("--quick", action="store_true", help="a small run: a smoke test")
     p.add_argument("--report", type=Path, help="also write the markdown report here")
@@ -368,8 +368,9 @@ def start_target(
         argv = [
             *SHOAL, "frontend", "--store", store, "--host", "127.0.0.1", "--port", str(port),
             "--router", policy, "--cache-dir", str(session.workdir / "cache"),
-            "--kv-overlap-weight", str(args.kv_overlap_weight),
         ]  # fmt: skip
+        if args.kv_overlap_weight is not None:
+            argv += ["--kv-overlap-weight", str(args.kv_overlap_weight)]
         version = git_version()
     elif gateway == "vllm-router":
         argv = [

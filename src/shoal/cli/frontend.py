@@ -82,8 +82,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         parser,
         "--kv-overlap-weight",
         float,
-        1.0,
-        help="--router kv: cost of one uncached prompt block against one block of load (default 1)",
+        2.0,
+        help="--router kv: cost of one uncached prompt block against one block of load (default 2)",
     )
     add_number_flag(
         parser,

@@ -64,7 +64,7 @@ class FrontendConfig:
     connect_timeout: float = 5.0
     drain_timeout: float = 30.0
     keepalive_timeout: float = 75.0
-    kv_overlap_weight: float = 1.0  # the kv policy: cost of an uncached block vs one of load
+    kv_overlap_weight: float = 2.0  # the kv policy: cost of an uncached block vs one of load
 
 
 class Frontend:

@@ -35,6 +35,9 @@ from shoal.kv import token_block_hashes
 
 log = logging.getLogger(__name__)
 
+OVERLAP_WEIGHT = 2.0
+"""An uncached block costs two blocks of load: the load term counts a whole uncached prefill
+for every request in flight, while most of them are past it, decoding."""
 OVERLAP_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 PROMPT_CHARS = 8192  # what the prefix fallback reads of a prompt
 
@@ -92,7 +95,7 @@ class KvRouter(Router):
     name = "kv"
     needs_prompt = True
 
-    def __init__(self, *, overlap_weight: float = 1.0, max_blocks: int = 1024) -> None:
+    def __init__(self, *, overlap_weight: float = OVERLAP_WEIGHT, max_blocks: int = 1024) -> None:
         self.overlap_weight = overlap_weight
         self.max_blocks = max_blocks
         self.tracker = KvTracker()
