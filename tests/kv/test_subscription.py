@@ -87,3 +87,18 @@ async def test_a_gap_that_cannot_be_replayed_drops_the_instances_blocks(
     # and what came after the gap is indexed.
     assert cached(index) == 0
     assert index.overlaps(token_block_hashes([50, 51], BS)) == {7: 1}
+
+
+async def test_a_restarted_publisher_is_resnapshotted_not_ignored(
+    publisher: FakeVllmPublisher, subscribe: tuple[KvIndex, KvStats]
+) -> None:
+    index, stats = subscribe
+    await wait_for(lambda: cached(index) == 2, message="caught up (batches 0-1)")
+    # vLLM restarts: empty cache, numbering from 0 again, a new replay buffer.
+    publisher.kept.clear()
+    await publisher.send(0, vllm.batch(vllm.stored([900], None, [70, 71], BS)))
+    await wait_for(lambda: stats.resnapshots == 1, message="the restart noticed")
+    await wait_for(
+        lambda: index.overlaps(token_block_hashes([70, 71], BS)) == {7: 1}, message="new blocks"
+    )
+    assert cached(index) == 0  # the old cache's blocks are gone

@@ -9,7 +9,10 @@ in sequence order. Sequence numbers make every loss visible:
 - when the missing range cannot be replayed (no replay socket, no answer, or the
   publisher no longer buffers it), the instance is resnapshotted: its blocks are dropped
   from every index and rebuilt from the events that follow. The index may forget blocks;
-  it never keeps ones the instance no longer holds because an event was lost.
+  it never keeps ones the instance no longer holds because an event was lost;
+- a live batch numbered at or below the last one applied, other than the very batch that
+  was just replayed (queued meanwhile), means the publisher restarted (a vLLM behind a sidecar, say): its
+  cache is gone, so are its blocks here, and its numbering starts again.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class KvSubscription:
         self.resnapshot = resnapshot
         self.stats = stats
         self.last_seq = -1  # the last batch applied
+        self._replayed: dict[int, int] = {}  # seq -> payload hash, of batches just replayed
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -91,10 +95,13 @@ class KvSubscription:
                     self.stats.decode_errors += 1
                     continue
                 if seq <= self.last_seq:
-                    continue  # already applied (from a replay)
+                    if self._replayed.get(seq) == hash(frames[2]):
+                        continue  # the same batch, queued while it was being replayed
+                    self._restarted()
                 if (self.last_seq >= 0 and seq > self.last_seq + 1) or self.last_seq < 0 < seq:
                     await self._catch_up(self.last_seq + 1, seq)
                 self._apply(seq, frames[2])
+                self._replayed.clear()
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -119,6 +126,12 @@ class KvSubscription:
             self.stats.events += len(batch.events)
         self.last_seq = seq
 
+    def _restarted(self) -> None:
+        log.info("KV events of instance %x: the publisher restarted", self.instance_id)
+        self._resnapshot()
+        self.last_seq = -1
+        self._replayed.clear()
+
     def _resnapshot(self) -> None:
         self.stats.resnapshots += 1
         self.resnapshot()
@@ -134,6 +147,7 @@ class KvSubscription:
                     if seq != self.last_seq + 1 and self.last_seq >= 0:
                         break
                     self._apply(seq, payload)
+                    self._replayed[seq] = hash(payload)
         if upto is not None and self.last_seq != upto - 1:
             log.info(
                 "KV events of instance %x: batches %d..%d lost, dropping its blocks",
