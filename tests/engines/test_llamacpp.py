@@ -13,10 +13,10 @@ import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
-import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+import openai
 from shoal.cards import ModelType
 from shoal.worker.engine import EngineUnavailableError
 from shoal.worker.engines.llamacpp import DEFAULT_MODEL_NAME, LlamaCppEngine
@@ -184,7 +184,7 @@ async def test_the_served_model_carries_its_config_and_chat_template(
     assert model.context_length == 2048
     assert model.model_types == (ModelType.CHAT, ModelType.COMPLETIONS)
     assert model.metadata_dir is not None
-    assert set(model.metadata_files) == {"config.json", "tokenizer_config.json"}
+    assert set(model.metadata_files) == {"config.json", "tokenizer.json", "tokenizer_config.json"}
     assert {p.name for p in model.metadata_dir.iterdir()} == set(model.metadata_files)
     config = json.loads((model.metadata_dir / "config.json").read_text())
     assert (config["model_type"], config["n_ctx"], config["vocab_size"]) == ("llama", 2048, 49152)

@@ -88,7 +88,11 @@ async def test_served_engine_is_listed_with_its_url_and_verifiable_metadata(
     assert model.instance_id == runtime.instance_id
     assert model.url == runtime.endpoint(EP).url
     assert model.instance.status_url == runtime.status_url
-    assert set(model.card.metadata_files) == {"config.json", "tokenizer_config.json"}
+    assert set(model.card.metadata_files) == {
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     for name, meta in model.card.metadata_files.items():
         assert meta.url == (
             f"{runtime.status_url}/v1/metadata/ns/backend/generate/mock-model/_/{name}"

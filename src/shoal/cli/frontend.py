@@ -107,6 +107,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_number_flag(
         parser,
+        "--kv-overlap-weight",
+        float,
+        2.0,
+        help="--router kv: cost of one uncached prompt block against one block of load (default 2)",
+    )
+    add_number_flag(
+        parser,
         "--reconcile-interval",
         float,
         30,
@@ -272,6 +279,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         namespaces_from_discovery=args.namespaces_from_discovery,
         endpoint_prefixes=tuple(args.endpoint_prefix),
         router=args.router,
+        kv_overlap_weight=args.kv_overlap_weight,
         reconcile_interval=args.reconcile_interval,
         api_keys=tuple(args.api_key),
         max_body=args.max_body,

@@ -59,6 +59,12 @@ def add_parser(sub: Any) -> None:
     flag("--upstream", None, help="openai engine: URL of the OpenAI-compatible server")
     flag("--upstream-api-key", None, help="openai engine: API key the upstream requires")
     flag("--model-path", None, help="llamacpp engine: path of the GGUF file")
+    flag(
+        "--kv-events-endpoint",
+        None,
+        help="openai engine: the fronted vLLM's KV events PUB socket (tcp://host:port)",
+    )
+    flag("--kv-replay-endpoint", None, help="openai engine: the fronted vLLM's replay socket")
     mocker = partial(env_flag, p.add_argument_group("mocker engine"))
     mocker("--ttft-ms", "50", type=float, help="time to first token")
     mocker("--itl-ms", "10", type=float, help="inter-token latency")
@@ -66,6 +72,19 @@ def add_parser(sub: Any) -> None:
     mocker("--block-size", "16", type=int, help="KV block tokens")
     mocker("--kv-blocks", "16384", type=int, help="simulated KV cache blocks")
     mocker("--speedup", "1", type=float, help="divide all latencies by this; 0 answers at once")
+    mocker(
+        "--prefill-us-per-token",
+        "0",
+        type=float,
+        help="prefill time per uncached prompt token, prefills one at a time (0: use --ttft-ms)",
+    )
+    mocker(
+        "--kv-events-port",
+        None,
+        type=int,
+        help="mocker and llamacpp engines: publish KV cache events (vLLM's format) on this "
+        "port; 0: a free port; unset: off",
+    )
 
 
 def make_engine(args: argparse.Namespace) -> Engine:
@@ -82,14 +101,28 @@ def make_engine(args: argparse.Namespace) -> Engine:
             block_size=args.block_size,
             kv_blocks=args.kv_blocks,
             speedup=args.speedup,
+            prefill_us_per_token=args.prefill_us_per_token,
+            kv_events_port=args.kv_events_port,
+            kv_events_host=args.host,
         )
     elif args.engine == "openai":
         if not args.upstream:
             raise SystemExit("shoal worker: --upstream is required for the openai engine")
-        engine = cls(args.upstream, model=args.model, api_key=args.upstream_api_key)
+        engine = cls(
+            args.upstream,
+            model=args.model,
+            api_key=args.upstream_api_key,
+            kv_events_endpoint=args.kv_events_endpoint,
+            kv_replay_endpoint=args.kv_replay_endpoint,
+        )
     else:
         # Without --model-path, the SmolLM2-135M GGUF shipped in the llamacpp extra is served.
-        engine = cls(args.model_path, name=args.model)
+        engine = cls(
+            args.model_path,
+            name=args.model,
+            kv_events_port=args.kv_events_port,
+            kv_events_host=args.host,
+        )
     return engine
 
 

@@ -32,6 +32,7 @@ from shoal.discovery.keys import (
     parse_instance_key,
     parse_model_key,
 )
+from shoal.kv import KvEndpoint
 from shoal.store import Delete, KeyValue, Put, Resync, Store
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class InstanceInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=F
     instance_id: int
     url: str
     status_url: str
+    kv_events: KvEndpoint | None = None  # where it publishes KV cache events, if it does
 
     @property
     def endpoint_id(self) -> EndpointId:

@@ -29,6 +29,7 @@ from shoal.discovery import Discovery, Query
 from shoal.frontend import errors
 from shoal.frontend.cors import Cors
 from shoal.frontend.dashboard import Dashboard
+from shoal.frontend.kv_router import KvRouter
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.proxy import Proxy
@@ -84,6 +85,7 @@ class FrontendConfig:
     namespace_sources: Path | None = None
     namespaces_from_discovery: bool = False
     endpoint_prefixes: tuple[str, ...] = ()
+    kv_overlap_weight: float = 2.0  # the kv policy: cost of an uncached block vs one of load
 
 
 class MembershipView(Protocol):
@@ -144,7 +146,9 @@ class Frontend:
         self.metrics = FrontendMetrics()
         self.registry = Registry(connect_timeout=config.connect_timeout)
         self.metrics.live_instances = self.registry.live_instances
-        self.router = make_router(config.router)
+        self.router = KvRouter() if config.router == "kv" else make_router(config.router)
+        if isinstance(self.router, KvRouter):
+            self.router.overlap_weight = config.kv_overlap_weight
         self.proxy = Proxy(
             self.registry,
             self.router,
@@ -217,6 +221,8 @@ class Frontend:
             max_file_bytes=config.metadata_max_file_bytes,
         )
         self.metrics.watch_metadata_cache(cache)
+        if isinstance(self.router, KvRouter):
+            self.router.attach(self.registry, cache, self.metrics)
         self.watcher = ModelWatcher(
             self.discovery,
             self.registry,
@@ -252,6 +258,8 @@ class Frontend:
             await self.membership.stop()
         if self.watcher is not None:
             await self.watcher.stop()
+        if isinstance(self.router, KvRouter):
+            await self.router.close()
         self.registry.close()
         if self._own_store is not None:
             await self._own_store.close()

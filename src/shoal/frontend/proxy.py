@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -270,10 +271,11 @@ def prompt_text(fields: Fields, limit: int = PROMPT_CHARS) -> str:
     return value[:limit] if isinstance(value, str) else ""
 
 
-def _prompt_hint(fields: Fields) -> str:
-    """`prompt_text`, or no hint at all: prompt extraction never fails a request."""
+def _prompt_hint(fields: Fields, extract: Callable[[Fields], str] | None = None) -> str:
+    """The router's prompt (`extract`, else `prompt_text`), or no hint at all: prompt
+    extraction never fails a request."""
     try:
-        return prompt_text(fields)
+        return (extract or prompt_text)(fields)
     except Exception:  # an odd value prompt_text did not foresee: route without a hint
         log.debug("no prefix hint for an odd prompt", exc_info=True)
         return ""
@@ -331,7 +333,8 @@ class Forward:
         self.fields = fields
         self.stats = stats
         self.stream = bool(fields.stream)
-        self.prompt = _prompt_hint(fields) if proxy.router.needs_prompt else None
+        router = proxy.router
+        self.prompt = _prompt_hint(fields, router.prompt_of) if router.needs_prompt else None
         self.tried: list[Upstream] = []
         self.attempt = 0
         self.target: Upstream | None = None

@@ -17,7 +17,7 @@ import bisect
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from shoal.cards import ModelCard, ModelType, WorkerRole
 from shoal.discovery import EndpointId, ModelInstance, ModelKey
@@ -203,6 +203,14 @@ class Model:
             self._kinds[kind] = view
 
 
+class RegistryObserver(Protocol):
+    """Told of every card that joins or leaves a worker set (the KV indexer follows these)."""
+
+    def joined(self, model: ModelInstance, ws: WorkerSet) -> None: ...
+
+    def left(self, key: ModelKey, ws: WorkerSet) -> None: ...
+
+
 class RefusedError(Exception):
     """The card's checksum differs from its worker set's."""
 
@@ -216,6 +224,7 @@ class Registry:
         self._members: dict[ModelKey, SetId] = {}
         self._upstreams: dict[tuple[EndpointId, int], tuple[Upstream, int]] = {}
         self.version = 0  # bumped by every change: what is derived from the registry compares it
+        self.observers: list[RegistryObserver] = []
 
     def __contains__(self, key: ModelKey) -> bool:
         return key in self._members
@@ -252,6 +261,8 @@ class Registry:
         self._members[key] = set_id
         entry.refresh()
         self.version += 1
+        for observer in self.observers:
+            observer.joined(model, ws)
         return ws
 
     def leave(self, key: ModelKey) -> SetId | None:
@@ -270,6 +281,8 @@ class Registry:
         else:
             del self.models[set_id.model]
         self.version += 1
+        for observer in self.observers:
+            observer.left(key, ws)
         return set_id
 
     def set_taints(self, key: ModelKey, taints: tuple[str, ...]) -> None:

@@ -14,12 +14,13 @@ from __future__ import annotations
 import itertools
 import random
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 from shoal.frontend.registry import Model, WorkerSet
 from shoal.frontend.upstream import Upstream
 
-POLICIES = ("round-robin", "random", "least-loaded", "prefix")
+POLICIES = ("round-robin", "random", "least-loaded", "prefix", "kv")
 
 
 class Router:
@@ -27,6 +28,8 @@ class Router:
 
     name = ""
     needs_prompt = False
+    prompt_of: Callable[[Any], str] | None = None
+    """How the policy reads the prompt from the request's fields (default: the proxy's text)."""
 
     def pick(
         self, ws: WorkerSet, prompt: str | None = None, exclude: Collection[Upstream] = ()
@@ -232,6 +235,7 @@ def make_router(policy: str) -> Router:
         "least-loaded": LeastLoaded,
         "prefix": PrefixAware,
     }
+    # "kv" is built by the frontend (`shoal.frontend.kv_router` builds on this module)
     try:
         return routers[policy]()
     except KeyError:

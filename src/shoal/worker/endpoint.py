@@ -196,7 +196,9 @@ class Endpoint:
             bound = runner.addresses[0][1]
             self._runner = runner
             self.url = f"http://{advertised_host(host)}:{bound}"
-            await self._registrations.register_instance(self.id, self.url, self.status_url)
+            await self._registrations.register_instance(
+                self.id, self.url, self.status_url, kv_events=engine.kv_events
+            )
             if attach_models:
                 await self.sync_models()
                 self.follows_engine = True

@@ -16,6 +16,7 @@ from aiohttp import web
 from prometheus_client import Metric
 
 from shoal.cards import ModelType
+from shoal.kv import KvEndpoint
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,11 @@ class Engine(abc.ABC):
     def in_flight(self) -> int:
         """Requests being served now, for drain and metrics."""
         return 0
+
+    @property
+    def kv_events(self) -> KvEndpoint | None:
+        """Where the engine publishes its KV cache events (vLLM's format), once started."""
+        return None
 
     def collect_metrics(self) -> Iterable[Metric]:
         """The engine's own metrics (queue depth, KV usage, tokens), read at each scrape.

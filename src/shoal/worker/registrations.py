@@ -20,6 +20,7 @@ import msgspec
 
 from shoal.cards import ModelCard
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
+from shoal.kv import KvEndpoint
 from shoal.store import Lease, LeaseKeeper, Store, StoreError
 from shoal.worker.engine import ServedModel
 from shoal.worker.metadata import MetadataKey, MetadataRegistry
@@ -192,8 +193,16 @@ class Registrations:
 
     # -- instances ----------------------------------------------------------------------
 
-    async def register_instance(self, endpoint: EndpointId, url: str, status_url: str) -> None:
-        """Announce `endpoint`'s instance (requests go to `url`) under the lease.
+    async def register_instance(
+        self,
+        endpoint: EndpointId,
+        url: str,
+        status_url: str,
+        *,
+        kv_events: KvEndpoint | None = None,
+    ) -> None:
+        """Announce `endpoint`'s instance (requests go to `url`; its KV events, if it
+        publishes them, at `kv_events`) under the lease.
 
         If a re-registration is pending, the instance is put by it instead, under the new id.
         """
@@ -205,6 +214,7 @@ class Registrations:
                 instance_id=self.instance_id,
                 url=url,
                 status_url=status_url,
+                kv_events=kv_events,
             )
             if self._lease_id == info.instance_id:
                 await self.discovery.register_instance(info, lease=info.instance_id)

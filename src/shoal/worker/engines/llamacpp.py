@@ -25,6 +25,8 @@ import msgspec
 from aiohttp import web
 
 from shoal.cards import ModelType
+from shoal.kv import BlockRemoved, BlockStored, KvEndpoint, token_block_hashes
+from shoal.kv.events import BlockHash
 from shoal.openai import (
     SSE_DONE,
     SSE_HEADERS,
@@ -37,6 +39,7 @@ from shoal.openai import (
     sse_event,
 )
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
+from shoal.worker.kv_publisher import KvEventPublisher
 from shoal.worker.protocol import model_not_found, openai_errors
 
 log = logging.getLogger(__name__)
@@ -263,6 +266,9 @@ class LlamaCppEngine(Engine):
         name: str | None = None,
         n_ctx: int = 2048,
         n_threads: int | None = None,
+        kv_events_port: int | None = None,
+        kv_events_host: str = "127.0.0.1",
+        kv_block_size: int = 16,
     ) -> None:
         self.model_path = Path(model_path) if model_path else None
         self.model_name = name or (
@@ -278,6 +284,12 @@ class LlamaCppEngine(Engine):
         self._metadata_dir: Path | None = None
         self._generations: set[Generation] = set()
         self._in_flight = 0
+        self.kv_block_size = kv_block_size
+        self.publisher: KvEventPublisher | None = None
+        if kv_events_port is not None:
+            self.publisher = KvEventPublisher(kv_events_host, kv_events_port)
+        self._cached_blocks: list[int] = []  # chained hashes of the context's full blocks
+        self._snapshots: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -305,7 +317,7 @@ class LlamaCppEngine(Engine):
                 raise EngineUnavailableError(f"llama.cpp could not load {path}: {exc}") from exc
             self._metadata_dir = Path(tempfile.mkdtemp(prefix="shoal-llamacpp-"))
             files = await loop.run_in_executor(
-                self._executor, write_metadata, self._llm, self._metadata_dir
+                self._executor, write_metadata, self._llm, self._metadata_dir, path
             )
         except BaseException:
             await self.stop()
@@ -315,14 +327,19 @@ class LlamaCppEngine(Engine):
             source=f"gguf:{path.name}",
             model_types=(ModelType.CHAT, ModelType.COMPLETIONS),
             context_length=self._llm.n_ctx(),
+            kv_block_size=self.kv_block_size,
             metadata_dir=self._metadata_dir,
             metadata_files=files,
         )
+        if self.publisher is not None:
+            await self.publisher.start()
         log.info("llama.cpp loaded %s as %r (n_ctx %d)", path, self.model_name, self.n_ctx)
 
     async def stop(self) -> None:
         for generation in self._generations:
             generation.cancelled.set()
+        if self.publisher is not None:
+            await self.publisher.close()
         executor, self._executor = self._executor, None
         if executor is not None:
             await asyncio.to_thread(executor.shutdown, wait=True, cancel_futures=True)
@@ -445,6 +462,45 @@ class LlamaCppEngine(Engine):
             generation.cancelled.set()
             self._generations.discard(generation)
             self._in_flight -= 1
+            if self.publisher is not None:
+                task = asyncio.ensure_future(self._publish_context())
+                self._snapshots.add(task)
+                task.add_done_callback(self._snapshots.discard)
+
+    # -- KV events --------------------------------------------------------------------------
+
+    @property
+    def kv_events(self) -> KvEndpoint | None:
+        return None if self.publisher is None else self.publisher.endpoint
+
+    async def _publish_context(self) -> None:
+        """Publish what llama.cpp's context now holds: one sequence, whose leading tokens
+        the next request reuses. Blocks that changed since the last snapshot are reported
+        removed, new ones stored (read on the engine thread, after the generation ended)."""
+        if self._executor is None or self.publisher is None:
+            return
+        llm = self._llm
+        tokens: list[int] = await asyncio.get_running_loop().run_in_executor(
+            self._executor, lambda: [int(t) for t in llm.input_ids[: llm.n_tokens]]
+        )
+        size = self.kv_block_size
+        hashes = token_block_hashes(tokens, size)
+        old = self._cached_blocks
+        kept = 0
+        while kept < min(len(old), len(hashes)) and old[kept] == hashes[kept]:
+            kept += 1
+        if len(old) > kept:
+            self.publisher.record(BlockRemoved(block_hashes=list[BlockHash](old[kept:])))
+        if len(hashes) > kept:
+            self.publisher.record(
+                BlockStored(
+                    block_hashes=list[BlockHash](hashes[kept:]),
+                    parent_block_hash=hashes[kept - 1] if kept else None,
+                    token_ids=tokens[kept * size : len(hashes) * size],
+                    block_size=size,
+                )
+            )
+        self._cached_blocks = hashes
 
     def _run_streaming(self, generation: Generation, call: Callable[[], Any]) -> None:
         """On the engine thread: pass each chunk to the loop until done or cancelled."""
@@ -556,8 +612,9 @@ class LlamaCppEngine(Engine):
         return response
 
 
-def write_metadata(llm: Any, directory: Path) -> tuple[str, ...]:
-    """Write config.json and tokenizer_config.json from the GGUF metadata (engine thread)."""
+def write_metadata(llm: Any, directory: Path, gguf_path: Path | None = None) -> tuple[str, ...]:
+    """Write config.json and tokenizer_config.json from the GGUF metadata, and tokenizer.json
+    from its vocabulary when `gguf_tokenizer` can build it (engine thread)."""
     metadata: dict[str, str] = dict(llm.metadata)
     arch = metadata.get("general.architecture", "unknown")
 
@@ -594,4 +651,23 @@ def write_metadata(llm: Any, directory: Path) -> tuple[str, ...]:
     for name, fields in files.items():
         present = {key: value for key, value in fields.items() if value is not None}
         (directory / name).write_text(json.dumps(present, indent=2, sort_keys=True) + "\n")
-    return tuple(files)
+    names = tuple(files)
+    tokenizer_json = gguf_path and _gguf_tokenizer_json(gguf_path)
+    if tokenizer_json:
+        (directory / "tokenizer.json").write_text(tokenizer_json)
+        names += ("tokenizer.json",)
+    return names
+
+
+def _gguf_tokenizer_json(path: Path) -> str | None:
+    try:
+        from shoal.worker.engines.gguf_tokenizer import gguf_tokenizer
+
+        tokenizer = gguf_tokenizer(path)
+    except Exception as exc:  # the model serves anyway; the frontend routes it by prefix
+        log.warning("no tokenizer.json for %s: %s", path, exc)
+        return None
+    if tokenizer is None:
+        log.info("no tokenizer.json for %s: its GGUF vocabulary is not byte-level BPE", path)
+        return None
+    return str(tokenizer.to_str())

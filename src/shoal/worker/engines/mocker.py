@@ -4,7 +4,13 @@ Text is derived from a hash of the prompt, so the same request always gets the s
 answer. Timing follows a simple model: a sequence waits for one of `max_seqs` slots, then
 its first token comes after `ttft_ms` scaled by the share of the prompt not found in the
 simulated prefix cache, and each next token after `itl_ms`; all times are divided by
-`speedup`. `speedup=0` answers at once on a path kept as cheap as possible (no queue,
+`speedup`. With `prefill_us_per_token`, the first token instead waits for the prefill of
+the uncached prompt tokens (`ttft_ms` is then unused), one prefill at a time (as a GPU's
+compute is shared), which makes a prefix cache hit as valuable as it is on a real engine.
+
+Prompts are tokenized with a real `tokenizers` model (`mocker_tokenizer`), published as
+`tokenizer.json` with the chat template in `tokenizer_config.json`; with `kv_events_port`
+set, every block the prefix cache stores or evicts is published in vLLM's KV event format. `speedup=0` answers at once on a path kept as cheap as possible (no queue,
 no cache), for measuring gateway overhead.
 
 A client disconnect cancels the handler (the runtime serves with handler cancellation),
@@ -36,8 +42,11 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from shoal.cards import ModelType, slugify
+from shoal.kv import KvEndpoint
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
+from shoal.worker.engines.mocker_tokenizer import build_tokenizer, tokenizer_json
 from shoal.worker.engines.prefix_cache import PrefixCache
+from shoal.worker.kv_publisher import KvEventPublisher
 from shoal.worker.protocol import (
     SSE_DONE,
     SSE_HEADERS,
@@ -234,8 +243,16 @@ CHAT_TEMPLATE = (
 
 
 def tokenize(text: str) -> list[str]:
-    """The mocker's tokens: words and punctuation marks."""
+    """The mocker's word split: words and punctuation marks (the tokenizer's pre-tokens)."""
     return _TOKEN_RE.findall(text)
+
+
+TOKENIZER = build_tokenizer(_VOCAB)
+
+
+def encode(text: str) -> list[int]:
+    """The token ids of `text`, as the published `tokenizer.json` gives them."""
+    return list(TOKENIZER.encode(text, add_special_tokens=False).ids)
 
 
 def render_chat(messages: Iterable[ChatMessage]) -> str:
@@ -316,7 +333,7 @@ class _Plan:
     """What one request will produce, worked out before any waiting."""
 
     model: str
-    prompt_tokens: list[str]
+    prompt_tokens: list[int]
     pieces: list[str]
     finish_reason: str
     echo: str = ""
@@ -354,9 +371,14 @@ class MockerEngine(Engine):
         speedup: float = 1.0,
         context_length: int = 8192,
         embedding_dim: int = 256,
+        prefill_us_per_token: float = 0.0,
+        kv_events_port: int | None = None,
+        kv_events_host: str = "127.0.0.1",
     ) -> None:
-        if speedup < 0 or ttft_ms < 0 or itl_ms < 0:
-            raise ValueError("speedup, ttft_ms and itl_ms must not be negative")
+        if speedup < 0 or ttft_ms < 0 or itl_ms < 0 or prefill_us_per_token < 0:
+            raise ValueError(
+                "speedup, ttft_ms, itl_ms and prefill_us_per_token must not be negative"
+            )
         if max_seqs <= 0:
             raise ValueError(f"max_seqs must be positive, got {max_seqs}")
         self.name = "mocker"
@@ -367,7 +389,13 @@ class MockerEngine(Engine):
         self.speedup = speedup
         self.context_length = context_length
         self.embedding_dim = embedding_dim
-        self.cache = PrefixCache(kv_blocks, block_size)
+        self.prefill_per_token = prefill_us_per_token / 1e6
+        self._prefill = asyncio.Lock()
+        self.publisher: KvEventPublisher | None = None
+        if kv_events_port is not None:
+            self.publisher = KvEventPublisher(kv_events_host, kv_events_port)
+        sink = None if self.publisher is None else self.publisher.record
+        self.cache = PrefixCache(kv_blocks, block_size, sink)
         self.adapters: dict[str, str] = {}  # adapter name -> path it was loaded from
         self.active_sequences = 0
         self.waiting_requests = 0
@@ -385,8 +413,16 @@ class MockerEngine(Engine):
     async def start(self) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="shoal-mocker-"))
         self._write_metadata(self._dir / "base")
+        if self.publisher is not None:
+            await self.publisher.start()
+
+    @property
+    def kv_events(self) -> KvEndpoint | None:
+        return None if self.publisher is None else self.publisher.endpoint
 
     async def stop(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.close()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
@@ -511,11 +547,13 @@ class MockerEngine(Engine):
             "model_max_length": self.context_length,
             "bos_token": "<|begin|>",
             "eos_token": "<|end|>",
+            "unk_token": "[UNK]",
             "chat_template": CHAT_TEMPLATE,
-            "tokenizer_class": "MockerTokenizer",
+            "tokenizer_class": "PreTrainedTokenizerFast",
         }
         (target / "config.json").write_text(json.dumps(config, indent=2))
         (target / "tokenizer_config.json").write_text(json.dumps(tokenizer, indent=2))
+        (target / "tokenizer.json").write_text(tokenizer_json(tuple(_VOCAB)))
 
     def _base_model(self) -> ServedModel:
         return ServedModel(
@@ -549,7 +587,7 @@ class MockerEngine(Engine):
         self,
         req: _Generation,
         prompt: str,
-        tokens: list[str],
+        tokens: list[int],
         max_tokens: int | None,
         echo: str = "",
     ) -> _Plan:
@@ -595,7 +633,7 @@ class MockerEngine(Engine):
         check_request(req)
         prompt = render_chat(req.messages)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-        plan = self._plan(req, prompt, tokenize(prompt), max_tokens, _chat_echo(req))
+        plan = self._plan(req, prompt, encode(prompt), max_tokens, _chat_echo(req))
         self.requests["chat"] += 1
         usage = req.stream_options is not None and req.stream_options.include_usage
         if req.stream:
@@ -624,7 +662,8 @@ class MockerEngine(Engine):
         self._check_model(req.model)
         check_request(req)
         prompt = _single_prompt(req.prompt)
-        tokens = tokenize(prompt) if isinstance(req.prompt, str) else prompt.split()
+        token_ids = _prompt_ids(req.prompt)
+        tokens = encode(prompt) if token_ids is None else token_ids
         plan = self._plan(req, prompt, tokens, req.max_tokens, prompt if req.echo else "")
         self.requests["completions"] += 1
         usage = req.stream_options is not None and req.stream_options.include_usage
@@ -662,7 +701,7 @@ class MockerEngine(Engine):
         data = []
         tokens = 0
         for i, text in enumerate(inputs):
-            tokens += len(tokenize(text)) or 1
+            tokens += len(encode(text)) or 1
             vec = embed(text, dims)
             value: list[float] | str = vec
             if req.encoding_format == "base64":
@@ -730,11 +769,17 @@ class MockerEngine(Engine):
         self.cache.blocks_in_use += blocks
         finished = False
         try:
-            cached = self.cache.admit(self.cache.block_hashes(plan.prompt_tokens), prompt_len)
-            uncached = max(prompt_len - cached, 1) / max(prompt_len, 1)
+            cached = self.cache.admit(
+                self.cache.block_hashes(plan.prompt_tokens), plan.prompt_tokens
+            )
             loop = asyncio.get_running_loop()
+            if self.prefill_per_token:
+                await self._run_prefill(prompt_len - cached)
+                first = 0.0  # the prefill produced the first token
+            else:
+                uncached = max(prompt_len - cached, 1) / max(prompt_len, 1)
+                first = self.ttft * uncached / self.speedup
             start = loop.time()
-            first = self.ttft * uncached / self.speedup
             step = self.itl / self.speedup
             self.prompt_tokens += prompt_len
             if not stream:
@@ -755,6 +800,11 @@ class MockerEngine(Engine):
             self.cache.blocks_in_use -= blocks
             self.active_sequences -= 1
             self._slots.release()
+
+    async def _run_prefill(self, tokens: int) -> None:
+        """Compute `tokens` uncached prompt tokens; prefills run one at a time."""
+        async with self._prefill:
+            await asyncio.sleep(tokens * self.prefill_per_token / self.speedup)
 
     async def _stream(
         self, request: web.Request, plan: _Plan, chunks: type[_Chunks], usage: bool
@@ -905,6 +955,19 @@ def _single_prompt(prompt: str | list[Any]) -> str:
         "list holding one of those.",
         param="prompt",
     )
+
+
+def _prompt_ids(prompt: str | list[Any]) -> list[int] | None:
+    """The token ids of a completions prompt given as ids (`[ids]` or `[[ids]]`), else None."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return list(prompt)
+    return None
 
 
 def _embedding_inputs(value: str | list[Any]) -> list[str]:

@@ -22,6 +22,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from shoal.kv import KvEndpoint
 from shoal.openai import ApiError
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
 from shoal.worker.protocol import openai_errors
@@ -89,8 +90,17 @@ class OpenAISidecarEngine(Engine):
         health_interval: float = 2.0,
         request_timeout: float | None = None,
         api_key: str | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_replay_endpoint: str | None = None,
     ) -> None:
         self.upstream = normalize_upstream(upstream_url)
+        # The fronted server's own KV event sockets, advertised as they are: subscribers
+        # read vLLM's stream (and replay) directly, with no extra hop or copy.
+        self._kv_events = (
+            KvEndpoint(publisher=kv_events_endpoint, replay=kv_replay_endpoint or "")
+            if kv_events_endpoint
+            else None
+        )
         self.model = model or None
         self.health_interval = health_interval
         self.request_timeout = request_timeout
@@ -102,6 +112,10 @@ class OpenAISidecarEngine(Engine):
         self._unavailable: str | None = "the upstream has not been checked yet"
         self._health_route_missing = False
         self._in_flight = 0
+
+    @property
+    def kv_events(self) -> KvEndpoint | None:
+        return self._kv_events
 
     async def start(self) -> None:
         """Open the connection pool and probe the upstream once.

@@ -1,0 +1,548 @@
+"""KV-aware routing benchmark (not a test): shared-prefix chat traffic through each router.
+
+    .venv/bin/python -m bench.kv_routing            # the default run, a few minutes
+    .venv/bin/python -m bench.kv_routing --quick    # a smoke test
+
+Workers: `--workers` `shoal worker --engine mocker` processes with a realistic cost model:
+prefill time proportional to the uncached prompt tokens (`--prefill-us-per-token`, one
+prefill at a time per worker), a KV cache of `--kv-blocks` blocks with LRU eviction, and
+`--itl-ms` per decoded token. They publish KV events (vLLM's format) for the routers that
+read them. Each target gets fresh workers (empty caches), started the same way.
+
+Workload (seeded, reproducible): `--system-prompts` system prompts of `--system-tokens`
+tokens; `--conversations` conversations, each on one system prompt, of `--turns` turns
+whose user message (`--user-tokens`) and a fixed assistant reply are appended to the
+history, so each turn's prompt extends the previous one. `--concurrency` clients each run
+conversations one turn at a time, streaming. The default sizes the caches so that the four
+workers together hold the working set but none alone does.
+
+Targets: shoal `round-robin`, `prefix` and `kv`; vllm-router `cache_aware` and `kv_aware`
+(fed the workers' ZMQ events); sglang-router `cache_aware` (peers from
+bench/install-peers.sh; a peer that is missing or does not run is skipped with a note).
+Figures: prefix cache hit rate (from the workers' metrics), TTFT p50/p99, requests/s, and
+the gateway's CPU time per request (its process tree, from /proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.gateway_targets import (
+    ROOT,
+    SHOAL,
+    Proc,
+    Session,
+    StartError,
+    chat_ok,
+    free_port,
+    git_version,
+    http,
+    peer_missing,
+    peer_version,
+    tree_cpu_seconds,
+    wait_until,
+)
+
+MODEL = "kv-bench"
+FIRST_TOKEN = re.compile(rb'"content":"[^"]')
+PEERS = ROOT / ".bench" / "peers-venv"
+TARGETS = (
+    "shoal:round-robin",
+    "shoal:prefix",
+    "shoal:kv",
+    "vllm-router:cache_aware",
+    "vllm-router:kv_aware",
+    "sglang-router:cache_aware",
+)
+# The mocker's vocabulary words: each is one token, so prompt sizes are exact.
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "it",
+    "for",
+    "was",
+    "on",
+    "are",
+    "as",
+    "with",
+    "his",
+    "they",
+    "at",
+    "be",
+    "this",
+    "from",
+    "have",
+    "or",
+    "by",
+    "one",
+    "had",
+    "not",
+    "but",
+    "what",
+    "all",
+    "were",
+    "when",
+    "we",
+    "there",
+    "can",
+    "an",
+    "your",
+    "which",
+    "their",
+    "said",
+    "if",
+    "do",
+    "will",
+    "each",
+    "about",
+    "how",
+    "up",
+    "out",
+    "them",
+    "then",
+    "she",
+    "many",
+    "some",
+    "so",
+    "these",
+    "would",
+    "other",
+    "into",
+    "has",
+    "more",
+    "her",
+    "two",
+    "like",
+    "him",
+    "see",
+    "time",
+    "could",
+    "no",
+    "make",
+    "than",
+    "first",
+    "been",
+    "its",
+    "who",
+    "now",
+    "people",
+    "my",
+    "made",
+    "over",
+    "did",
+    "down",
+    "only",
+    "way",
+    "find",
+    "use",
+    "may",
+    "water",
+    "long",
+    "little",
+    "very",
+    "after",
+    "words",
+    "called",
+    "just",
+    "where",
+    "most",
+    "know",
+    "get",
+    "through",
+    "back",
+    "much",
+    "go",
+    "good",
+    "new",
+    "write",
+    "our",
+    "me",
+    "man",
+    "too",
+    "any",
+    "day",
+    "same",
+    "right",
+    "look",
+    "think",
+    "also",
+]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated targets")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--system-prompts", type=int, default=32)
+    p.add_argument("--system-tokens", type=int, default=1000)
+    p.add_argument("--conversations", type=int, default=128)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--user-tokens", type=int, default=60)
+    p.add_argument("--reply-tokens", type=int, default=40)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-blocks", type=int, default=1024, help="per worker")
+    p.add_argument("--prefill-us-per-token", type=float, default=100.0)
+    p.add_argument("--itl-ms", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--kv-overlap-weight", type=float, help="shoal's --router kv (default: its own)")
+    p.add_argument("--rounds", type=int, default=1, help="runs per target (interleaved); medians")
+    p.add_argument("--quick", action="store_true", help="a small run: a smoke test")
+    p.add_argument("--report", type=Path, help="also write the markdown report here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.conversations, args.turns, args.system_prompts = 16, 2, 8
+    return args
+
+
+# --- workload ---------------------------------------------------------------------------------
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def conversations(args: argparse.Namespace) -> list[list[list[dict[str, str]]]]:
+    """Each conversation's requests (message lists), turn by turn."""
+    rng = random.Random(args.seed)
+    systems = [
+        f"system {i} " + words(rng, args.system_tokens - 2) for i in range(args.system_prompts)
+    ]
+    out = []
+    for _ in range(args.conversations):
+        history = [{"role": "system", "content": systems[rng.randrange(len(systems))]}]
+        turns = []
+        for _turn in range(args.turns):
+            history = [*history, {"role": "user", "content": words(rng, args.user_tokens)}]
+            turns.append(history)
+            history = [*history, {"role": "assistant", "content": words(rng, args.reply_tokens)}]
+        out.append(turns)
+    return out
+
+
+@dataclass
+class Run:
+    ttfts: list[float] = field(default_factory=list)
+    errors: int = 0
+    seconds: float = 0.0
+
+
+async def one(
+    session: aiohttp.ClientSession,
+    url: str,
+    messages: list[dict[str, str]],
+    args: argparse.Namespace,
+    run: Run,
+) -> None:
+    body = {"model": MODEL, "messages": messages, "max_tokens": args.max_tokens, "stream": True}
+    start = time.perf_counter()
+    try:
+        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:
+                run.errors += 1
+                await resp.read()
+                return
+            first = None
+            async for line in resp.content:
+                # The first token: the first chunk with text (the role chunk before it has none).
+                if first is None and FIRST_TOKEN.search(line):
+                    first = time.perf_counter() - start
+            if first is not None:
+                run.ttfts.append(first)
+    except aiohttp.ClientError:
+        run.errors += 1
+
+
+async def drive(url: str, convs: list[list[list[dict[str, str]]]], args: argparse.Namespace) -> Run:
+    run = Run()
+    queue: asyncio.Queue[list[list[dict[str, str]]]] = asyncio.Queue()
+    for conv in convs:
+        queue.put_nowait(conv)
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while not queue.empty():
+            for messages in queue.get_nowait():
+                await one(session, url, messages, args, run)
+
+    timeout = aiohttp.ClientTimeout(total=300)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=connector, headers={"Authorization": "Bearer x"}
+    ) as s:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(s) for _ in range(args.concurrency)))
+        run.seconds = time.perf_counter() - start
+    return run
+
+
+# --- processes --------------------------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    proc: Proc
+    url: str
+    status: str
+    kv_pub: str
+    kv_replay: str
+
+
+READY = re.compile(r"shoal worker ready: .*url=(\S+) status=(\S+)")
+
+
+def start_workers(session: Session, args: argparse.Namespace, store: str) -> list[Worker]:
+    workers = []
+    for i in range(args.workers):
+        port, kv_port = free_port(), free_port()
+        argv = [
+            *SHOAL, "worker", "--engine", "mocker", "--model", MODEL, "--store", store,
+            "--host", "127.0.0.1", "--port", str(port), "--status-port", str(free_port()),
+            "--block-size", str(args.block_size), "--kv-blocks", str(args.kv_blocks),
+            "--prefill-us-per-token", str(args.prefill_us_per_token), "--itl-ms", str(args.itl_ms),
+            "--kv-events-port", str(kv_port), "--max-seqs", "64",
+        ]  # fmt: skip
+        proc = session.start(f"worker-{i}", argv)
+        found: list[re.Match[str]] = []
+
+        def printed(proc: Proc = proc, found: list[re.Match[str]] = found) -> bool:
+            match = READY.search(proc.log.read_text(errors="replace"))
+            if match:
+                found.append(match)
+            return bool(match)
+
+        wait_until("the ready line", printed, 60, proc)
+        url, status = found[0].group(1).rstrip("/"), found[0].group(2).rstrip("/")
+        replay = _replay_endpoint(store, url)
+        workers.append(Worker(proc, url, status, f"tcp://127.0.0.1:{kv_port}", replay))
+    return workers
+
+
+def _replay_endpoint(store: str, url: str) -> str:
+    """The replay socket the worker advertises in discovery (its port is chosen at start)."""
+    from shoal.discovery import Discovery
+    from shoal.store import open_store
+
+    async def find() -> str:
+        s = await open_store(store)
+        try:
+            for info in await Discovery(s).list_instances():
+                if info.url.rstrip("/") == url and info.kv_events is not None:
+                    return info.kv_events.replay
+        finally:
+            await s.close()
+        return ""
+
+    return asyncio.run(find())
+
+
+def start_target(
+    session: Session, name: str, workers: list[Worker], store: str, args: argparse.Namespace
+) -> tuple[Proc, str, str]:
+    gateway, policy = name.split(":")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    urls = [w.url for w in workers]
+    if gateway == "shoal":
+        argv = [
+            *SHOAL, "frontend", "--store", store, "--host", "127.0.0.1", "--port", str(port),
+            "--router", policy, "--cache-dir", str(session.workdir / "cache"),
+        ]  # fmt: skip
+        if args.kv_overlap_weight is not None:
+            argv += ["--kv-overlap-weight", str(args.kv_overlap_weight)]
+        version = git_version()
+    elif gateway == "vllm-router":
+        argv = [
+            str(PEERS / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *urls, "--policy", policy, "--log-level", "warning",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        ]  # fmt: skip
+        if policy == "kv_aware":
+            for w in workers:
+                argv += ["--kv-event-source", f"{w.url}={w.kv_pub}"]
+                argv += ["--kv-event-replay-source", f"{w.url}={w.kv_replay}"]
+            argv += ["--kv-event-block-size", str(args.block_size), "--kv-event-model", MODEL]
+        version = peer_version(PEERS, "vllm-router")
+    else:
+        argv = [
+            str(PEERS / "bin" / "python"), "-m", "sglang_router.launch_router",
+            "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+            "--policy", policy, "--log-level", "warn",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        ]  # fmt: skip
+        version = peer_version(PEERS, "sglang-router")
+    proc = session.start(name.replace(":", "-"), argv)
+
+    def ready() -> bool:
+        if gateway == "shoal":
+            models = json.loads(http("GET", f"{url}/v1/models"))
+            health = json.loads(http("GET", f"{url}/health"))
+            live = health.get("models", {}).get(MODEL, {}).get("instances", 0)
+            if live != len(workers) or not any(
+                m.get("id") == MODEL for m in models.get("data", [])
+            ):
+                return False
+        return chat_ok(url, MODEL)
+
+    wait_until(f"{len(workers)} workers behind it and a chat completion", ready, 90, proc)
+    return proc, url, version
+
+
+def cache_figures(workers: list[Worker]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for w in workers:
+        text = http("GET", f"{w.status}/metrics").decode()
+        for name, value in re.findall(
+            r"^(shoal_mocker_prefix_cache_(?:hits|queries)_tokens_total)\{[^}]*\} (\S+)$",
+            text,
+            re.M,
+        ):
+            if "hits" in name:
+                hits += float(value)
+            else:
+                queries += float(value)
+    return hits, queries
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def run_target(
+    name: str, args: argparse.Namespace, convs: list[Any], workdir: Path
+) -> dict[str, Any]:
+    gateway = name.split(":")[0]
+    if gateway != "shoal" and (why := peer_missing(gateway, PEERS)):
+        return {"target": name, "skipped": why}
+    tdir = Path(tempfile.mkdtemp(dir=workdir, prefix=name.replace(":", "-") + "-"))
+    session = Session(tdir, pin=False)
+    store = f"sqlite:///{tdir / 'store.db'}"
+    try:
+        workers = start_workers(session, args, store)
+        proc, url, version = start_target(session, name, workers, store, args)
+        # The readiness probe went through one worker; count from here on.
+        hits0, queries0 = cache_figures(workers)
+        cpu0 = tree_cpu_seconds(proc.pid)
+        run = asyncio.run(drive(url, convs, args))
+        cpu = tree_cpu_seconds(proc.pid) - cpu0
+        hits, queries = cache_figures(workers)
+        served = len(run.ttfts)
+        return {
+            "target": name,
+            "version": version,
+            "requests": served,
+            "errors": run.errors,
+            "hit_rate": (hits - hits0) / max(queries - queries0, 1.0),
+            "ttft_p50_ms": percentile(run.ttfts, 0.5) * 1000,
+            "ttft_p99_ms": percentile(run.ttfts, 0.99) * 1000,
+            "rps": served / run.seconds if run.seconds else 0.0,
+            "cpu_us_per_request": cpu / max(served, 1) * 1e6,
+        }
+    except StartError as exc:
+        return {"target": name, "skipped": f"did not run: {str(exc).splitlines()[0]}"}
+    finally:
+        session.stop_all()
+
+
+def medians(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per target: the median of each figure over its rounds (errors: the sum)."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        rows.setdefault(r["target"], []).append(r)
+    out = []
+    for runs in rows.values():
+        done = [r for r in runs if "skipped" not in r]
+        if not done:
+            out.append(runs[0])
+            continue
+        row = dict(done[0])
+        for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "rps", "cpu_us_per_request"):
+            row[key] = statistics.median(r[key] for r in done)
+        row["errors"] = sum(r["errors"] for r in done)
+        row["rounds"] = len(done)
+        out.append(row)
+    return out
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
+    lines = [
+        f"Command: `{command}`",
+        "",
+        f"Workload: {args.workers} workers ({args.kv_blocks} KV blocks of {args.block_size} tokens each, "
+        f"prefill {args.prefill_us_per_token:g} us/token, {args.itl_ms:g} ms/token decode); "
+        f"{args.system_prompts} system prompts of {args.system_tokens} tokens, {args.conversations} "
+        f"conversations x {args.turns} turns (+{args.user_tokens} user, +{args.reply_tokens} reply tokens "
+        f"per turn), concurrency {args.concurrency}, streaming, max_tokens {args.max_tokens}; "
+        f"medians of {args.rounds} interleaved round(s), fresh workers for every run.",
+        "",
+        "| target | version | hit rate | TTFT p50 ms | TTFT p99 ms | req/s | gateway CPU us/req | errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    notes = []
+    for r in results:
+        if "skipped" in r:
+            notes.append(f"- {r['target']}: skipped, {r['skipped']}")
+            continue
+        lines.append(
+            f"| {r['target']} | {r['version']} | {r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | "
+            f"{r['ttft_p99_ms']:.0f} | {r['rps']:.1f} | {r['cpu_us_per_request']:.0f} | {r['errors']} |"
+        )
+    return "\n".join([*lines, "", *notes])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = shlex.join(
+        [
+            ".venv/bin/python",
+            "-m",
+            "bench.kv_routing",
+            *(argv if argv is not None else sys.argv[1:]),
+        ]
+    )
+    convs = conversations(args)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="shoal-kv-bench-") as tmp:
+        for round_ in range(args.rounds):
+            for name in args.targets.split(","):
+                print(f"round {round_ + 1}: {name} ...", file=sys.stderr, flush=True)
+                results.append(run_target(name.strip(), args, convs, Path(tmp)))
+                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    text = report(medians(results), args, command)
+    print(text)
+    if args.report:
+        args.report.write_text(text + "\n")
+    (ROOT / ".bench").mkdir(exist_ok=True)
+    (ROOT / ".bench" / "kv-routing-results.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

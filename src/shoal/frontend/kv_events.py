@@ -1,0 +1,179 @@
+"""`KvSubscription`: one instance's KV event stream, applied to the indexes that track it.
+
+Per instance, one task reads the PUB socket the instance advertises and applies each batch
+in sequence order. Sequence numbers make every loss visible:
+
+- on connect, the whole buffered history is asked from the replay socket, so an instance
+  that cached blocks before this frontend started is indexed at once;
+- a batch whose number skips ahead (`gap`) triggers a replay of the missing range;
+- when the missing range cannot be replayed (no replay socket, no answer, or the
+  publisher no longer buffers it), the instance is resnapshotted: its blocks are dropped
+  from every index and rebuilt from the events that follow. The index may forget blocks;
+  it never keeps ones the instance no longer holds because an event was lost;
+- a live batch numbered at or below the last one applied, other than the very batch that
+  was just replayed (queued meanwhile), means the publisher restarted (a vLLM behind a sidecar, say): its
+  cache is gone, so are its blocks here, and its numbering starts again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from shoal.kv import END_OF_REPLAY, KvEndpoint, KVEventBatch, decode_batch, decode_seq, encode_seq
+
+log = logging.getLogger(__name__)
+
+REPLAY_TIMEOUT = 2.0  # seconds to wait for each message of a replay
+
+
+class KvStats:
+    """Counters every subscription adds to, shown on `/metrics`."""
+
+    __slots__ = ("batches", "decode_errors", "events", "replays", "resnapshots")
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.events = 0
+        self.replays = 0
+        self.resnapshots = 0
+        self.decode_errors = 0
+
+
+class KvSubscription:
+    """Reads one instance's events; `apply(batch)` and `resnapshot()` act on its indexes."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        instance_id: int,
+        endpoint: KvEndpoint,
+        apply: Callable[[KVEventBatch], None],
+        resnapshot: Callable[[], None],
+        stats: KvStats,
+    ) -> None:
+        self.ctx = ctx
+        self.instance_id = instance_id
+        self.endpoint = endpoint
+        self.apply = apply
+        self.resnapshot = resnapshot
+        self.stats = stats
+        self.last_seq = -1  # the last batch applied
+        self._replayed: dict[int, int] = {}  # seq -> payload hash, of batches just replayed
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.run(), name=f"kv-events-{self.instance_id:x}")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    async def run(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic.encode())
+        sub.connect(self.endpoint.publisher)
+        try:
+            await self._catch_up(0, None)
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3:
+                    self.stats.decode_errors += 1
+                    continue
+                try:
+                    seq = decode_seq(frames[1])
+                except ValueError:
+                    self.stats.decode_errors += 1
+                    continue
+                if seq <= self.last_seq:
+                    if self._replayed.get(seq) == hash(frames[2]):
+                        continue  # the same batch, queued while it was being replayed
+                    self._restarted()
+                if (self.last_seq >= 0 and seq > self.last_seq + 1) or self.last_seq < 0 < seq:
+                    await self._catch_up(self.last_seq + 1, seq)
+                self._apply(seq, frames[2])
+                self._replayed.clear()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("KV events of instance %x: subscription failed", self.instance_id)
+            raise
+        finally:
+            sub.close(0)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # A batch we cannot read is a loss like any other: the index must not drift.
+            self.stats.decode_errors += 1
+            log.warning(
+                "KV events of instance %x: batch %d unreadable: %s", self.instance_id, seq, exc
+            )
+            self._resnapshot()
+        else:
+            self.apply(batch)
+            self.stats.batches += 1
+            self.stats.events += len(batch.events)
+        self.last_seq = seq
+
+    def _restarted(self) -> None:
+        log.info("KV events of instance %x: the publisher restarted", self.instance_id)
+        self._resnapshot()
+        self.last_seq = -1
+        self._replayed.clear()
+
+    def _resnapshot(self) -> None:
+        self.stats.resnapshots += 1
+        self.resnapshot()
+
+    async def _catch_up(self, first: int, upto: int | None) -> None:
+        """Replay batches `first`.. (before `upto`, when a live batch showed the gap);
+        resnapshot when the gap is not filled."""
+        replayed = await self._replay(first) if self.endpoint.replay else None
+        if replayed is not None:
+            self.stats.replays += 1
+            for seq, payload in replayed:
+                if seq > self.last_seq and (upto is None or seq < upto):
+                    if seq != self.last_seq + 1 and self.last_seq >= 0:
+                        break
+                    self._apply(seq, payload)
+                    self._replayed[seq] = hash(payload)
+        if upto is not None and self.last_seq != upto - 1:
+            log.info(
+                "KV events of instance %x: batches %d..%d lost, dropping its blocks",
+                self.instance_id,
+                self.last_seq + 1,
+                upto - 1,
+            )
+            self._resnapshot()
+            self.last_seq = upto - 1
+
+    async def _replay(self, first: int) -> list[tuple[int, bytes]] | None:
+        """Every buffered batch from `first` on, or None when the replay socket does not answer."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint.replay)
+        out: list[tuple[int, bytes]] = []
+        try:
+            await sock.send_multipart((b"", encode_seq(first)))
+            while True:
+                if not await sock.poll(REPLAY_TIMEOUT * 1000):
+                    return None
+                frames = await sock.recv_multipart()
+                if len(frames) < 2 or frames[-2] == END_OF_REPLAY or not frames[-1]:
+                    return out
+                out.append((decode_seq(frames[-2]), frames[-1]))
+        except ValueError:
+            return None
+        finally:
+            sock.close(0)

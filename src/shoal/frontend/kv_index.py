@@ -1,0 +1,161 @@
+"""`KvIndex`: which instances of one worker set hold which KV blocks, from their KV events.
+
+Blocks are named by the frontend's own chained hash of their token ids (`shoal.kv`), so a
+prompt hashed the same way is looked up directly: `holders` maps a block hash to the
+instances holding it, and since a block's hash covers its whole prefix, the map is a radix
+tree over prompts, flattened. Engines name blocks with hashes of their own, which events
+use for parents and removals: each instance's `engine hash -> our hash` map translates.
+
+Invariant, both ways: an instance is in `holders[h]` exactly when its last applied events
+stored block `h` and neither removed it, cleared its cache, nor was it purged. A stored
+block whose parent the index does not know (an event was lost and not replayed) is not
+indexed: a guess would route prompts to a cache that may not hold their prefix.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from shoal.kv import ROOT_HASH, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, chain_hash
+from shoal.kv.events import BlockHash
+
+
+class KvIndex:
+    """Block hash → instances holding it, for one worker set (one model, one block size)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.holders: dict[int, set[int]] = {}
+        self.recent = RecentPicks()  # predictions: an eviction or purge cancels them
+        self._blocks: dict[int, dict[BlockHash, int]] = {}  # instance -> engine hash -> ours
+        self.orphan_blocks = 0  # stored blocks dropped because their parent was unknown
+        self.mismatched_events = 0  # events whose block size is not the set's
+
+    def __len__(self) -> int:
+        """Blocks indexed, counting each (block, instance) once."""
+        return sum(len(blocks) for blocks in self._blocks.values())
+
+    def instance_blocks(self, instance_id: int) -> int:
+        return len(self._blocks.get(instance_id, ()))
+
+    def apply(self, instance_id: int, event: KvEvent) -> None:
+        if isinstance(event, BlockStored):
+            self.stored(instance_id, event)
+        elif isinstance(event, BlockRemoved):
+            self.removed(instance_id, event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            self.purge(instance_id)
+
+    def stored(self, instance_id: int, event: BlockStored) -> None:
+        size = self.block_size
+        if event.block_size != size or len(event.token_ids) < size * len(event.block_hashes):
+            self.mismatched_events += 1
+            return
+        if event.lora_id is not None:
+            return  # an adapter's blocks: not this (base model) set's
+        blocks = self._blocks.setdefault(instance_id, {})
+        if event.parent_block_hash is None:
+            parent = ROOT_HASH
+        else:
+            known = blocks.get(event.parent_block_hash)
+            if known is None:
+                self.orphan_blocks += len(event.block_hashes)
+                return
+            parent = known
+        tokens = event.token_ids
+        holders = self.holders
+        for i, engine_hash in enumerate(event.block_hashes):
+            parent = chain_hash(parent, tokens[i * size : (i + 1) * size])
+            previous = blocks.get(engine_hash)
+            if previous is not None and previous != parent:
+                self._release(previous, instance_id)
+            blocks[engine_hash] = parent
+            holding = holders.get(parent)
+            if holding is None:
+                holders[parent] = {instance_id}
+            else:
+                holding.add(instance_id)
+
+    def removed(self, instance_id: int, engine_hashes: Iterable[BlockHash]) -> None:
+        blocks = self._blocks.get(instance_id)
+        if not blocks:
+            return
+        for engine_hash in engine_hashes:
+            ours = blocks.pop(engine_hash, None)
+            if ours is not None:
+                self._release(ours, instance_id)
+
+    def purge(self, instance_id: int) -> None:
+        """Forget every block of `instance_id` (it left, cleared its cache, or lost events)."""
+        for ours in self._blocks.pop(instance_id, {}).values():
+            self._release(ours, instance_id)
+
+    def _release(self, ours: int, instance_id: int) -> None:
+        self.recent.forget(ours, instance_id)
+        holding = self.holders.get(ours)
+        if holding is not None:
+            holding.discard(instance_id)
+            if not holding:
+                del self.holders[ours]
+
+    def overlaps(self, hashes: list[int]) -> dict[int, int]:
+        """For each instance holding the prompt's first block: how many leading blocks it holds.
+
+        Walks the prompt's blocks while some instance still holds every block so far: the
+        work is bounded by the longest cached prefix, not by the prompt or the index.
+        """
+        matched: dict[int, int] = {}
+        holders = self.holders
+        alive: set[int] | None = None
+        for depth, h in enumerate(hashes, 1):
+            holding = holders.get(h)
+            if not holding:
+                break
+            alive = set(holding) if alive is None else alive & holding
+            if not alive:
+                break
+            for instance_id in alive:
+                matched[instance_id] = depth
+        return matched
+
+
+class RecentPicks:
+    """Prompt blocks just sent to an instance, counted as cached there for `ttl` seconds.
+
+    The instance's events confirm (or deny, by evicting) within milliseconds; until then a
+    burst of prompts sharing a prefix would otherwise all see an empty index and be spread
+    over every instance. Each block remembers only its latest pick; bounded, oldest out.
+    """
+
+    def __init__(self, ttl: float = 2.0, capacity: int = 65_536) -> None:
+        self.ttl = ttl
+        self.capacity = capacity
+        self._picks: OrderedDict[int, tuple[int, float]] = OrderedDict()
+
+    def record(self, hashes: list[int], instance_id: int, now: float) -> None:
+        picks = self._picks
+        entry = (instance_id, now + self.ttl)
+        for h in hashes:
+            picks[h] = entry
+            picks.move_to_end(h)
+        while len(picks) > self.capacity:
+            picks.popitem(last=False)
+
+    def forget(self, block_hash: int, instance_id: int) -> None:
+        """`instance_id` no longer holds the block (it evicted it): not a prediction either."""
+        entry = self._picks.get(block_hash)
+        if entry is not None and entry[0] == instance_id:
+            del self._picks[block_hash]
+
+    def matched(self, hashes: list[int], now: float) -> tuple[int, int]:
+        """The instance the prompt's leading blocks were last sent to, and how many: (id, 0)
+        when none."""
+        picks = self._picks
+        owner, depth = 0, 0
+        for h in hashes:
+            entry = picks.get(h)
+            if entry is None or entry[1] < now or (depth and entry[0] != owner):
+                break
+            owner, depth = entry[0], depth + 1
+        return owner, depth

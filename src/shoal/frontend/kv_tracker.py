@@ -1,0 +1,199 @@
+"""`KvTracker`: whose KV events the frontend follows, and each worker set's index and tokenizer.
+
+The narrow interface is `track(instance, ws)` / `untrack(endpoint, instance_id, ws)`: an
+instance is tracked for a worker set while it is a member of it; `retain(selected)` drops
+every instance outside a selection (a membership view) at once. Today the registry drives
+it (`joined`/`left`, as a `RegistryObserver`), so the tracker follows exactly the instances
+the frontend routes to, which the frontend's scope (and, with it, the membership view)
+decides. An instance that leaves is purged from the set's index.
+
+Everything here runs off the request path: subscriptions apply events in their own tasks,
+tokenizers load in a thread; the policy only reads `sets`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq.asyncio
+
+from shoal.cards import ModelCard
+from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
+from shoal.frontend.kv_events import KvStats, KvSubscription
+from shoal.frontend.kv_index import KvIndex
+from shoal.frontend.kv_prompt import CONFIG_FILE, TOKENIZER_FILE, PromptTokenizer
+from shoal.frontend.metadata import MetadataCache
+from shoal.frontend.registry import SetId, WorkerSet
+from shoal.kv import KVEventBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class KvSet:
+    """What the kv policy knows about one worker set."""
+
+    index: KvIndex
+    tokenizer: PromptTokenizer | None = None
+    no_tokenizer: str = "loading"  # why `tokenizer` is None
+    fallback_logged: bool = False
+    avg_uncached_blocks: float = 1.0  # a moving average: the load term's unit
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """One instance's subscription and the sets its events feed."""
+
+    subscription: KvSubscription
+    sets: set[SetId] = field(default_factory=set)
+
+
+class KvTracker:
+    """Subscriptions to the tracked instances' KV events, feeding per-set `KvIndex`es."""
+
+    def __init__(self, cache: MetadataCache | None = None) -> None:
+        self.cache = cache
+        self.sets: dict[SetId, KvSet] = {}
+        self.stats = KvStats()
+        self._tracked: dict[tuple[EndpointId, int], _Tracked] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._loads: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        for tracked in list(self._tracked.values()):
+            await tracked.subscription.stop()
+        self._tracked.clear()
+        for task in list(self._loads):
+            task.cancel()
+        await asyncio.gather(*self._loads, return_exceptions=True)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)  # closes any socket a cancelled task left open
+            self._ctx = None
+
+    def index_size(self) -> int:
+        return sum(len(s.index) for s in self.sets.values())
+
+    # -- the registry's changes -----------------------------------------------------------
+
+    def joined(self, model: ModelInstance, ws: WorkerSet) -> None:
+        if model.card.lora is not None:
+            return  # adapters' blocks are told apart by `lora_id`: not indexed yet
+        self._ensure_set(ws, model.card)
+        self.track(model.instance, ws)
+
+    def left(self, key: ModelKey, ws: WorkerSet) -> None:
+        self.untrack(key.endpoint, key.instance_id, ws)
+        if not ws.members:
+            self.sets.pop(ws.id, None)
+
+    # -- tracking -----------------------------------------------------------------------------
+
+    def track(self, instance: InstanceInfo, ws: WorkerSet) -> None:
+        """Follow `instance`'s events for `ws` (nothing to follow if it publishes none)."""
+        endpoint = instance.kv_events
+        ident = (instance.endpoint_id, instance.instance_id)
+        tracked = self._tracked.get(ident)
+        if tracked is not None and tracked.subscription.endpoint != endpoint:
+            self._drop(ident)  # it moved: its old stream says nothing about the new one
+            tracked = None
+        if endpoint is None or ws.id not in self.sets:
+            return
+        if tracked is None:
+            if self._ctx is None:
+                self._ctx = zmq.asyncio.Context()
+            instance_id = instance.instance_id
+            tracked = _Tracked(
+                KvSubscription(
+                    self._ctx,
+                    instance_id,
+                    endpoint,
+                    lambda batch: self._apply(ident, batch),
+                    lambda: self._purge(ident),
+                    self.stats,
+                )
+            )
+            self._tracked[ident] = tracked
+            tracked.subscription.start()
+        tracked.sets.add(ws.id)
+
+    def untrack(self, endpoint: EndpointId, instance_id: int, ws: WorkerSet) -> None:
+        """Stop following `instance_id` for `ws`, and forget its blocks there."""
+        ident = (endpoint, instance_id)
+        state = self.sets.get(ws.id)
+        if state is not None:
+            state.index.purge(instance_id)
+        tracked = self._tracked.get(ident)
+        if tracked is None:
+            return
+        tracked.sets.discard(ws.id)
+        if not tracked.sets:
+            self._drop(ident)
+
+    def retain(self, selected: Callable[[EndpointId], bool]) -> None:
+        """Stop following, and purge, every instance whose endpoint `selected` refuses: how a
+        membership view that stopped selecting a namespace is applied at once."""
+        for ident in [i for i in self._tracked if not selected(i[0])]:
+            self._drop(ident)
+
+    def _drop(self, ident: tuple[EndpointId, int]) -> None:
+        tracked = self._tracked.pop(ident, None)
+        if tracked is None:
+            return
+        self._purge_sets(ident[1], tracked.sets)
+        task = asyncio.ensure_future(tracked.subscription.stop())
+        self._loads.add(task)
+        task.add_done_callback(self._loads.discard)
+
+    def _apply(self, ident: tuple[EndpointId, int], batch: KVEventBatch) -> None:
+        tracked = self._tracked.get(ident)
+        if tracked is None:
+            return
+        instance_id = ident[1]
+        for set_id in tracked.sets:
+            state = self.sets.get(set_id)
+            if state is not None:
+                for event in batch.events:
+                    state.index.apply(instance_id, event)
+
+    def _purge(self, ident: tuple[EndpointId, int]) -> None:
+        tracked = self._tracked.get(ident)
+        if tracked is not None:
+            self._purge_sets(ident[1], tracked.sets)
+
+    def _purge_sets(self, instance_id: int, sets: set[SetId]) -> None:
+        for set_id in sets:
+            state = self.sets.get(set_id)
+            if state is not None:
+                state.index.purge(instance_id)
+
+    # -- tokenizers ---------------------------------------------------------------------------
+
+    def _ensure_set(self, ws: WorkerSet, card: ModelCard) -> None:
+        if ws.id in self.sets:
+            return
+        state = self.sets[ws.id] = KvSet(KvIndex(card.kv_block_size))
+        tokenizer = card.metadata_files.get(TOKENIZER_FILE)
+        if tokenizer is None:
+            state.no_tokenizer = f"its metadata has no {TOKENIZER_FILE}"
+            return
+        if self.cache is None:
+            state.no_tokenizer = "no metadata cache"
+            return
+        path = self.cache.path(tokenizer.checksum)
+        config = card.metadata_files.get(CONFIG_FILE)
+        config_path = None if config is None else self.cache.path(config.checksum)
+        task = asyncio.ensure_future(self._load(state, ws.id, path, config_path))
+        self._loads.add(task)
+        task.add_done_callback(self._loads.discard)
+
+    async def _load(self, state: KvSet, set_id: SetId, path: Path, config: Path | None) -> None:
+        try:
+            state.tokenizer = await asyncio.to_thread(PromptTokenizer.load, path, config)
+            state.no_tokenizer = ""
+        except Exception as exc:  # any unusable file: the set routes by prefix instead
+            state.no_tokenizer = f"its tokenizer could not be loaded: {exc}"
+            log.warning("kv router: %s/%s: %s", set_id.model, set_id.namespace, state.no_tokenizer)

@@ -1,0 +1,40 @@
+"""The mocker's tokenizer: a real Hugging Face `tokenizers` model, shipped as `tokenizer.json`.
+
+Text splits into words and runs of punctuation (`\\w+|[^\\w\\s]+`, the `Whitespace`
+pre-tokenizer: the cheapest there is); a word of the mocker's vocabulary is one token, any
+other ASCII word or punctuation run is spelled with one token per character (WordPiece
+continuation pieces), anything else is `[UNK]`.
+The frontend loads the very file the mocker publishes, so both tokenize alike by
+construction.
+"""
+
+from __future__ import annotations
+
+import functools
+import string
+from collections.abc import Iterable
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+UNK = "[UNK]"
+SPECIAL = (UNK, "<|begin|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>")
+"""Matched whole wherever they appear (the chat template's role markers among them)."""
+_CHARS = string.ascii_letters + string.digits + string.punctuation
+
+
+def build_tokenizer(words: Iterable[str]) -> Tokenizer:
+    """The tokenizer over `words` (plus single characters, so ASCII text is never unknown)."""
+    vocab: dict[str, int] = {}
+    for token in (*SPECIAL, *words, *_CHARS, *("##" + c for c in _CHARS)):
+        vocab.setdefault(token, len(vocab))
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token=UNK, max_input_chars_per_word=100))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    return tokenizer
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_json(words: tuple[str, ...]) -> str:
+    """The `tokenizer.json` text of `build_tokenizer(words)`."""
+    return str(build_tokenizer(words).to_str())

@@ -1,0 +1,153 @@
+"""`KvEventPublisher`: an engine's KV cache events on a ZMQ PUB socket, in vLLM's format.
+
+Events recorded during one turn of the event loop go out as one `KVEventBatch` with the
+next sequence number (one per batch, from 0, increasing by one). The last `buffer`
+batches are kept, so a subscriber that missed some (or just connected) asks the replay
+socket (ROUTER) for everything from a sequence number on and gets it, then the
+end-of-replay marker. A subscriber asking for batches older than the buffer gets only
+the marker: it knows it cannot catch up and resnapshots.
+
+Publishing never blocks the engine: PUB drops messages for a subscriber that does not
+keep up (its next sequence number shows the gap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+
+from shoal.kv import (
+    END_OF_REPLAY,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEndpoint,
+    KVEventBatch,
+    encode_batch,
+    encode_seq,
+)
+from shoal.worker.endpoint import advertised_host
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUFFER = 10_000  # batches kept for replay
+
+
+class KvEventPublisher:
+    """Publishes one engine's KV events; `start()` binds, `close()` unbinds."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        replay_port: int = 0,
+        topic: str = "",
+        buffer: int = DEFAULT_BUFFER,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.replay_port = replay_port
+        self.topic = topic.encode()
+        self.next_seq = 0
+        self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer)
+        self.endpoint: KvEndpoint | None = None
+        self._pending: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+        self._flush: asyncio.Handle | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        self._replay_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> KvEndpoint:
+        """Bind both sockets (port 0: a free port) and serve replays; returns the endpoint."""
+        self._ctx = ctx = zmq.asyncio.Context()
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._replay = ctx.socket(zmq.ROUTER)
+        self._replay.setsockopt(zmq.LINGER, 0)
+        pub_port = _bind(self._pub, self.host, self.port)
+        replay_port = _bind(self._replay, self.host, self.replay_port)
+        host = advertised_host(self.host)
+        self.endpoint = KvEndpoint(
+            publisher=f"tcp://{host}:{pub_port}",
+            replay=f"tcp://{host}:{replay_port}",
+            topic=self.topic.decode(),
+        )
+        self._replay_task = asyncio.create_task(self._serve_replays(), name="kv-replay")
+        return self.endpoint
+
+    async def close(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            self.flush()
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replay_task
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(0)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+        self._pub = self._replay = self._ctx = None
+
+    # -- recording --------------------------------------------------------------------------
+
+    def record(self, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
+        """Queue `event` for the batch sent at the end of this event-loop turn."""
+        if self._pub is None:
+            return
+        self._pending.append(event)
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Send the queued events as one batch with the next sequence number."""
+        self._flush = None
+        if not self._pending or self._pub is None:
+            return
+        batch = KVEventBatch(ts=time.time(), events=self._pending)
+        self._pending = []
+        seq, payload = self.next_seq, encode_batch(batch)
+        self.next_seq += 1
+        self.buffer.append((seq, payload))
+        with contextlib.suppress(zmq.Again):
+            self._pub.send_multipart((self.topic, encode_seq(seq), payload), flags=zmq.NOBLOCK)
+
+    # -- replay -------------------------------------------------------------------------------
+
+    async def _serve_replays(self) -> None:
+        assert self._replay is not None
+        sock = self._replay
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) < 3:
+                continue  # not [identity, b"", start]: ignore
+            identity, start = frames[0], frames[-1]
+            try:
+                first = int.from_bytes(start, "big", signed=True)
+            except ValueError:
+                first = -1
+            for seq, payload in self.replay_from(first):
+                await sock.send_multipart((identity, b"", encode_seq(seq), payload))
+            await sock.send_multipart((identity, b"", END_OF_REPLAY, b""))
+
+    def replay_from(self, first: int) -> list[tuple[int, bytes]]:
+        """The buffered batches from `first` on; none if `first` is older than the buffer."""
+        if not self.buffer or first < self.buffer[0][0]:
+            return []
+        return [(seq, payload) for seq, payload in self.buffer if seq >= first]
+
+
+def _bind(sock: zmq.asyncio.Socket, host: str, port: int) -> int:
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+        return port
+    return sock.bind_to_random_port(f"tcp://{host}")

@@ -1,0 +1,99 @@
+"""The frontend tokenizes a prompt exactly as the mocker does: it loads the mocker's
+published `tokenizer.json` and chat template, and the mocker's own KV events (which carry
+the token ids it computed) cover every block of the frontend's tokens."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq.asyncio
+
+from shoal.frontend.kv_events import KvStats, KvSubscription
+from shoal.frontend.kv_index import KvIndex
+from shoal.frontend.kv_prompt import PromptTokenizer
+from shoal.frontend.kv_router import KvPrompt
+from shoal.frontend.proxy import decode_fields
+from shoal.kv import KVEventBatch, token_block_hashes
+from shoal.worker.engines.mocker import MockerEngine
+from tests.engines.support import client_for, engine_served
+from tests.helpers import Server, wait_for
+
+BS = 4
+LONG = "The quick brown fox, named Zorblax_42, jumps over the lazy dog! " * 12
+
+
+@pytest.fixture
+async def mocker() -> AsyncIterator[tuple[MockerEngine, Server, KvIndex]]:
+    engine = MockerEngine("parity", ttft_ms=0, itl_ms=0, block_size=BS, kv_events_port=0)
+    async with engine_served(engine) as (engine, server):
+        assert engine.kv_events is not None
+        ctx = zmq.asyncio.Context()
+        index = KvIndex(BS)
+
+        def apply(batch: KVEventBatch) -> None:
+            for event in batch.events:
+                index.apply(1, event)
+
+        sub = KvSubscription(ctx, 1, engine.kv_events, apply, lambda: index.purge(1), KvStats())
+        sub.start()
+        yield engine, server, index
+        await sub.stop()
+        ctx.term()
+
+
+def frontend_tokens(engine: MockerEngine, body: dict[str, Any]) -> list[int]:
+    """What the frontend computes for `body`: its fields, decoded as the proxy decodes them,
+    tokenized with the files the mocker publishes."""
+    assert engine._dir is not None
+    base = engine._dir / "base"
+    tokenizer = PromptTokenizer.load(base / "tokenizer.json", base / "tokenizer_config.json")
+    prompt = KvPrompt.of(decode_fields(msgspec.json.encode(body), with_prompt=True))
+    tokens = prompt.tokens(tokenizer)
+    assert tokens is not None
+    return tokens
+
+
+def cached_blocks(index: KvIndex, tokens: list[int]) -> int:
+    return index.overlaps(token_block_hashes(tokens, BS)).get(1, 0)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": LONG}],
+        [
+            {"role": "system", "content": "You are terse.\nAnswer in one line."},
+            {"role": "user", "content": [{"type": "text", "text": LONG}]},
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "And then? (Ünïcode too)"},
+        ],
+    ],
+    ids=["one-message", "multi-turn-with-parts"],
+)
+async def test_chat_tokens_match_the_mockers(
+    mocker: tuple[MockerEngine, Server, KvIndex], messages: list[dict[str, Any]]
+) -> None:
+    engine, server, index = mocker
+    body = {"model": "parity", "messages": messages, "max_tokens": 1}
+    tokens = frontend_tokens(engine, body)
+    answer = await client_for(server).chat.completions.create(**body)  # type: ignore[call-overload]
+    assert answer.usage.prompt_tokens == len(tokens)
+    blocks = len(tokens) // BS
+    assert blocks > 10
+    await wait_for(lambda: cached_blocks(index, tokens) == blocks, message="every block matched")
+
+
+@pytest.mark.parametrize("prompt", [LONG, [LONG], list(range(3, 60))], ids=["text", "list", "ids"])
+async def test_completion_tokens_match_the_mockers(
+    mocker: tuple[MockerEngine, Server, KvIndex], prompt: Any
+) -> None:
+    engine, server, index = mocker
+    body = {"model": "parity", "prompt": prompt, "max_tokens": 1}
+    tokens = frontend_tokens(engine, body)
+    answer = await client_for(server).completions.create(**body)
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(tokens)
+    blocks = len(tokens) // BS
+    await wait_for(lambda: cached_blocks(index, tokens) == blocks, message="every block matched")
