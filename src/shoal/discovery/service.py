@@ -117,7 +117,8 @@ class TaintsUpdated:
 DiscoveryEvent = Added | Removed | TaintsUpdated
 
 LIST_BATCH = 64
-"""Values `Discovery.list` parses between two yields to the event loop."""
+"""Values (or keys) a listing or a `Resync` goes through between two yields to the event
+loop: ten thousand of them must not hold up the requests a frontend serves meanwhile."""
 WATCH_BUFFER = 64
 """Store events `list_and_watch` holds for a consumer that is not reading. Beyond it the
 store's own watch falls behind, and its bounded backlog turns into a `Resync`."""
@@ -325,9 +326,10 @@ class CardsAndInstances:
         events: list[DiscoveryEvent] = []
         for key in sorted(set(keys), key=ModelKey.sort_key):
             before, now = self._rejoin(key)
+            if now is before:
+                continue
             if now is None:
-                if before is not None:
-                    events.append(Removed(key))
+                events.append(Removed(key))
             elif before is None:
                 events.append(Added(now))
             elif before.instance != now.instance or (
@@ -380,7 +382,14 @@ def _model_order(model: ModelInstance) -> tuple[str, str, str, int, str]:
 
 
 class Discovery:
-    """Register, list and watch endpoint instances and model cards in a store."""
+    """Register, list and watch endpoint instances and model cards in a store.
+
+    Workers write (`register_*`, `update_taints`); frontends and tools read (`list`,
+    `list_and_watch`), both through `CardsAndInstances`: a reader that saw the same store
+    changes has the same models whether it listed them or watched them, and the same
+    `skipped`. `list` remembers, per query, what it read, so each listing parses only
+    what changed since the last.
+    """
 
     def __init__(self, store: Store) -> None:
         self.store = store
