@@ -526,3 +526,37 @@ async def test_a_key_created_again_with_a_malformed_value_removes_the_old_card(
         await resynced.close()
     finally:
         await watcher_store.close()
+
+
+async def test_a_listing_parses_only_what_changed_since_the_last_one(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reconciliation lists thousands of keys every pass: a value read again at the revisions
+    it was read at is not parsed again, and a model that did not move is the same object."""
+    disc = Discovery(store)
+    keys = [await register(disc, EP, 0x130 + i, make_card()) for i in range(3)]
+    first = await disc.list()
+    assert [m.key for m in first] == keys
+    parsed: list[str] = []
+    from_json = ModelCard.from_json
+
+    def counting_from_json(data: bytes | str) -> ModelCard:
+        parsed.append("card")
+        return from_json(data)
+
+    class CountingDecoder:
+        def decode(self, data: bytes) -> InstanceInfo:
+            parsed.append("instance")
+            return msgspec.json.decode(data, type=InstanceInfo)
+
+    monkeypatch.setattr(ModelCard, "from_json", counting_from_json)
+    monkeypatch.setattr(service, "_instance_decoder", CountingDecoder())
+    again = await disc.list()
+    assert parsed == []
+    assert all(a is b for a, b in zip(again, first, strict=True))
+    await disc.update_taints(keys[1], ["draining"])
+    parsed.clear()  # the update read the card it changes
+    third = await disc.list()
+    assert parsed == ["card"]
+    assert third[0] is first[0] and third[2] is first[2]
+    assert third[1].card.taints == ("draining",)
