@@ -225,20 +225,20 @@ class CardsAndInstances:
     def _put(
         self,
         root: str,
-        held: tuple[int, int] | None,
+        held_at: tuple[int, int] | None,
         kv_key: str,
         value: bytes,
-        revisions: tuple[int, int],
+        read_at: tuple[int, int],
         touched: list[ModelKey],
     ) -> None:
-        """Take `value`, read at `revisions`, over what is `held` at `kv_key`; add the model
-        keys this may move to `touched`."""
-        if held is not None and held[0] != revisions[0]:
+        """Take `value`, read at `read_at` (create_revision, mod_revision), over the value
+        held at `kv_key` (read at `held_at`); add the model keys this may move to `touched`."""
+        if held_at is not None and held_at[0] != read_at[0]:
             touched.extend(self.delete(kv_key))  # a new registration at the key
         if root == INSTANCES:
-            touched.extend(self._put_instance(kv_key, value, revisions))
+            touched.extend(self._put_instance(kv_key, value, read_at))
         else:
-            touched.extend(self._put_card(kv_key, value, revisions))
+            touched.extend(self._put_card(kv_key, value, read_at))
 
     def _put_instance(
         self, kv_key: str, value: bytes, revisions: tuple[int, int]
