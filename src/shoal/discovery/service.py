@@ -202,7 +202,7 @@ class CardsAndInstances:
         self.cards: dict[ModelKey, _HeldCard] = {}
         self.instances: dict[InstanceId, InstanceInfo] = {}
         # The keys of `cards` by endpoint instance: an instance change touches its cards only.
-        self.cards_of: dict[InstanceId, set[ModelKey]] = {}
+        self.cards_of: dict[InstanceId, list[ModelKey]] = {}
         # (create_revision, mod_revision) of the value held at each store key, per key root.
         self.held: dict[str, dict[str, tuple[int, int]]] = {INSTANCES: {}, MODELS: {}}
         self.reported: dict[ModelKey, ModelInstance] = {}
@@ -269,9 +269,10 @@ class CardsAndInstances:
             self.skipped[kv_key] = IGNORED
             return ()
         self.skipped.pop(kv_key, None)
+        if held is None:  # most instances serve one card: a list is smaller than a set
+            self.cards_of.setdefault((key.endpoint, key.instance_id), []).append(key)
         self.cards[key] = _HeldCard(card, revisions[0], revisions[1])
         self.held[MODELS][kv_key] = revisions
-        self.cards_of.setdefault((key.endpoint, key.instance_id), set()).add(key)
         return (key,)
 
     def delete(self, kv_key: str) -> Iterable[ModelKey]:
@@ -289,7 +290,7 @@ class CardsAndInstances:
         del self.cards[key]
         ident = (key.endpoint, key.instance_id)
         keys = self.cards_of[ident]
-        keys.discard(key)
+        keys.remove(key)
         if not keys:
             del self.cards_of[ident]
         return (key,)
