@@ -295,15 +295,17 @@ class CardsAndInstances:
             del self.cards_of[ident]
         return (key,)
 
-    async def replace(self, prefix: str, items: Sequence[KeyValue]) -> list[ModelKey]:
+    async def replace(
+        self, prefix: str, items: Sequence[KeyValue], pause_every: int = LIST_BATCH
+    ) -> list[ModelKey]:
         """The whole of `prefix` (a listing, or a `Resync`): every held key it lacks is gone.
-        Yields to the event loop every `LIST_BATCH` values."""
+        Yields to the event loop every `pause_every` values (0: never)."""
         touched: list[ModelKey] = []
         root = INSTANCES if prefix.startswith(INSTANCES) else MODELS
         held = self.held[root]
         held_before, held_seen = len(held), 0
         for i, kv in enumerate(items, 1):
-            if i % LIST_BATCH == 0:
+            if pause_every and i % pause_every == 0:
                 await asyncio.sleep(0)
             revisions = held.get(kv.key)
             if revisions is not None:
@@ -485,8 +487,10 @@ class Discovery:
         join = CardsAndInstances(self.skipped)
         inst = await self.store.get_prefix(query.instances_prefix)
         models = await self.store.get_prefix(query.models_prefix)
-        touched = await join.replace(query.instances_prefix, inst.items)
-        touched += await join.replace(query.models_prefix, models.items)
+        # A stream applies a snapshot (here, and on a `Resync`) in one go: its consumer has
+        # nothing to act on before the whole is applied, and does its work between them.
+        touched = await join.replace(query.instances_prefix, inst.items, pause_every=0)
+        touched += await join.replace(query.models_prefix, models.items, pause_every=0)
         for event in join.report(touched):
             yield event
 
@@ -518,7 +522,7 @@ class Discovery:
                     raise item
                 prefix, ev = item
                 if isinstance(ev, Resync):
-                    keys = await join.replace(prefix, ev.items)
+                    keys = await join.replace(prefix, ev.items, pause_every=0)
                 elif isinstance(ev, Put):
                     keys = join.put(ev.key, ev.value, 0, ev.revision)
                 else:
