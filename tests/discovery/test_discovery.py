@@ -482,3 +482,81 @@ async def test_an_in_place_change_stays_ignored_after_a_resync(store: Store) -> 
         await watch.close()
     finally:
         await watcher_store.close()
+
+
+async def test_a_skipped_key_is_no_longer_listed_as_skipped_once_deleted(store: Store) -> None:
+    """`skipped` names only keys in the store: a listing forgets those that are gone, also
+    one whose card was held while a change to it was being ignored."""
+    disc = Discovery(store)
+    key = await register(disc, EP, 0x110, make_card(context_length=4096))
+    bad = f"shoal/v1/models/{EP.path}/111"
+    await store.put(bad, b"{not json")
+    await disc.list()
+    await store.put(key.key, make_card(context_length=8192).to_json())
+    [listed] = await disc.list()
+    assert listed.card.context_length == 4096
+    assert set(disc.skipped) == {key.key, bad}
+    await store.delete(key.key)
+    await store.delete(bad)
+    assert await disc.list() == []
+    assert disc.skipped == {}
+
+
+async def test_a_key_created_again_with_a_malformed_value_removes_the_old_card(
+    store: Store,
+) -> None:
+    """A new `create_revision` is a new registration even when its value is malformed: a
+    listing and a `Resync` that missed the delete agree with a watcher that saw it."""
+    disc = Discovery(store)
+    watcher_store = await open_store(store.url)
+    try:
+        key = await register(disc, EP, 0x120, make_card())
+        marker = await register(disc, EP, 0x121, make_card())
+        assert [m.key for m in await disc.list()] == [key, marker]
+        live, resynced = Watch(disc), Watch(Discovery(watcher_store))
+        await wait_for(lambda: live.live() == resynced.live() == {key, marker})
+        watcher_store.set_unreachable(True)  # type: ignore[attr-defined]
+        await disc.unregister_model(key)
+        await store.put(key.key, b"{not json")
+        watcher_store.set_unreachable(False)  # type: ignore[attr-defined]
+        assert [m.key for m in await disc.list()] == [marker]
+        await wait_for(lambda: live.live() == resynced.live() == {marker})
+        assert disc.skipped[key.key]
+        await live.close()
+        await resynced.close()
+    finally:
+        await watcher_store.close()
+
+
+async def test_a_listing_parses_only_what_changed_since_the_last_one(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reconciliation lists thousands of keys every pass: a value read again at the revisions
+    it was read at is not parsed again, and a model that did not move is the same object."""
+    disc = Discovery(store)
+    keys = [await register(disc, EP, 0x130 + i, make_card()) for i in range(3)]
+    first = await disc.list()
+    assert [m.key for m in first] == keys
+    parsed: list[str] = []
+    from_json = ModelCard.from_json
+
+    def counting_from_json(data: bytes | str) -> ModelCard:
+        parsed.append("card")
+        return from_json(data)
+
+    class CountingDecoder:
+        def decode(self, data: bytes) -> InstanceInfo:
+            parsed.append("instance")
+            return msgspec.json.decode(data, type=InstanceInfo)
+
+    monkeypatch.setattr(ModelCard, "from_json", counting_from_json)
+    monkeypatch.setattr(service, "_instance_decoder", CountingDecoder())
+    again = await disc.list()
+    assert parsed == []
+    assert all(a is b for a, b in zip(again, first, strict=True))
+    await disc.update_taints(keys[1], ["draining"])
+    parsed.clear()  # the update read the card it changes
+    third = await disc.list()
+    assert parsed == ["card"]
+    assert third[0] is first[0] and third[2] is first[2]
+    assert third[1].card.taints == ("draining",)

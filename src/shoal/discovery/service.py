@@ -1,23 +1,29 @@
 """`Discovery`: endpoint instances, model cards and taints, kept in the store.
 
 A model instance is routable when both its card (`shoal/v1/models/...`) and its endpoint
-instance (`shoal/v1/instances/...`, which holds the request URL) are present: discovery joins
-the two, so consumers see one stream of `Added`, `Removed` and `TaintsUpdated`.
+instance (`shoal/v1/instances/...`, which holds the request URL) are present. One join,
+`CardsAndInstances`, turns what the store holds into routable models, for `Discovery.list`
+and for `Discovery.list_and_watch` alike, so every reader sees the same models:
 
-A card is immutable while it lives, except its taints: an in-place change to anything else
-is logged and ignored. A key whose `create_revision` changed was deleted and created again
-(a worker detached a model and attached another): that is a new registration, taken as it
-is, even by a listing or a `Resync` that never saw the delete.
+- A card is immutable while its key lives, except its taints: a write at the key's
+  `create_revision` that changes anything else is logged and ignored, and the registered
+  card is kept. Conversely a key whose `create_revision` changed was deleted and created
+  again (a worker detached a model and attached another): a new registration, taken as it
+  is, even by a listing or a `Resync` that never saw the delete.
+- A malformed value is reported and skipped; it never hides or removes a valid one.
+  `Discovery.skipped` lists the keys whose value is not used, and why.
+- `ModelInstance.revision` is the `mod_revision` of the card's value: every reader of the
+  store sees the same one, so cards are ordered alike everywhere.
+- `list_and_watch` watches each prefix from its listing's revision + 1 (`start_revision`):
+  no change is missed or seen twice.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import msgspec
 from prometheus_client import Counter
@@ -25,6 +31,7 @@ from prometheus_client import Counter
 from shoal.cards import CardError, ModelCard
 from shoal.discovery.keys import (
     INSTANCES,
+    MODELS,
     EndpointId,
     ModelKey,
     Query,
@@ -36,8 +43,6 @@ from shoal.kv import KvEndpoint
 from shoal.store import Delete, KeyValue, Put, Resync, Store
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 MALFORMED = Counter(
     "shoal_discovery_malformed_values_total",
@@ -114,17 +119,16 @@ class TaintsUpdated:
 DiscoveryEvent = Added | Removed | TaintsUpdated
 
 LIST_BATCH = 64
-"""Values `Discovery.list` parses between two yields to the event loop."""
+"""Values (or keys) a listing or a `Resync` goes through between two yields to the event
+loop: ten thousand of them must not hold up the requests a frontend serves meanwhile."""
 WATCH_BUFFER = 64
 """Store events `list_and_watch` holds for a consumer that is not reading. Beyond it the
 store's own watch falls behind, and its bounded backlog turns into a `Resync`."""
 
 _instance_decoder = msgspec.json.Decoder(InstanceInfo)
 
-
-_ParsedCard = tuple[ModelKey, ModelCard]
-_ParsedInstance = tuple[tuple[EndpointId, int], InstanceInfo]
-
+InstanceId = tuple[EndpointId, int]
+"""An endpoint instance as its store key names it: the endpoint and the instance id."""
 
 Skipped = dict[str, str]
 """Store keys whose value is not used, with the reason: malformed, or a change ignored."""
@@ -132,216 +136,206 @@ Skipped = dict[str, str]
 IGNORED = "a change other than its taints was ignored: the registered card is kept"
 
 
-def _parse_card(
-    kv_key: str, value: bytes, skipped: Skipped | None = None
-) -> tuple[ModelKey, ModelCard] | None:
-    try:
-        parsed = parse_model_key(kv_key), ModelCard.from_json(value)
-    except (ValueError, CardError) as exc:
-        MALFORMED.labels("model").inc()
-        log.error("skipping malformed model card at %s: %s", kv_key, exc)
-        if skipped is not None:
-            skipped[kv_key] = str(exc)
-        return None
+def _report_malformed(kind: str, kv_key: str, error: Exception, skipped: Skipped | None) -> None:
+    """Count and log a value that cannot be used (`kind`: "model" or "instance"), and list
+    it in `skipped` if given."""
+    MALFORMED.labels(kind).inc()
+    if kind == "model":
+        log.error("skipping malformed model card at %s: %s", kv_key, error)
+        reason = str(error)
+    else:
+        log.error("skipping malformed endpoint instance at %s: %s", kv_key, error)
+        reason = f"invalid endpoint instance: {error}"
     if skipped is not None:
-        skipped.pop(kv_key, None)
-    return parsed
+        skipped[kv_key] = reason
 
 
-def _parse_instance(
-    kv_key: str, value: bytes, skipped: Skipped | None = None
-) -> tuple[tuple[EndpointId, int], InstanceInfo] | None:
+def _parse_instance(kv_key: str, value: bytes) -> tuple[InstanceId, InstanceInfo]:
+    """The endpoint instance stored at `kv_key`; ValueError if key or value does not fit."""
+    ident = parse_instance_key(kv_key)
     try:
-        ident = parse_instance_key(kv_key)
         info = _instance_decoder.decode(value)
-        endpoint = ident[0]
-        if (info.namespace, info.component, info.endpoint, info.instance_id) != (
-            endpoint.namespace,
-            endpoint.component,
-            endpoint.endpoint,
-            ident[1],
-        ):
-            raise ValueError("value does not match its key")
-    except (ValueError, msgspec.DecodeError) as exc:
-        MALFORMED.labels("instance").inc()
-        log.error("skipping malformed endpoint instance at %s: %s", kv_key, exc)
-        if skipped is not None:
-            skipped[kv_key] = f"invalid endpoint instance: {exc}"
-        return None
-    if skipped is not None:
-        skipped.pop(kv_key, None)
+    except msgspec.DecodeError as exc:
+        raise ValueError(str(exc)) from None
+    endpoint, instance_id = ident
+    if (info.namespace, info.component, info.endpoint, info.instance_id) != (
+        endpoint.namespace,
+        endpoint.component,
+        endpoint.endpoint,
+        instance_id,
+    ):
+        raise ValueError("value does not match its key")
     return ident, info
 
 
-_Read = tuple[int, int, T]
-"""A value as a listing read it: (create_revision, mod_revision, parsed value)."""
+class _HeldCard(msgspec.Struct, frozen=True, gc=False):
+    """A registered card, with the revisions of the store value it was read from (held by
+    the ten thousand: no reference cycle can go through it, so the collector skips it)."""
+
+    card: ModelCard
+    create_revision: int
+    mod_revision: int
 
 
-async def _parse_listing(
-    items: Sequence[KeyValue],
-    parse: Callable[[str, bytes], T | None],
-    before: dict[str, _Read[T]],
-    allowed: Callable[[T, T], bool] = lambda old, new: True,
-) -> dict[str, _Read[T]]:
-    """The valid values of a listing by key, with their revisions; those `before` holds at
-    the same revisions are reused. Yields to the event loop every `LIST_BATCH` values.
+class CardsAndInstances:
+    """The model cards and endpoint instances of one query as last read from the store, and
+    the routable models (each card joined to its instance) last reported from them.
 
-    As watchers do, a listing keeps the last valid value of a key when a malformed one, or a
-    change that `allowed` refuses, replaces it. A key created again since (a new
-    `create_revision`) is a new registration: what `before` held for it no longer counts.
+    Every reader goes through here: `Discovery.list` keeps one per query between listings,
+    and each `list_and_watch` stream has its own. Store changes go in as the store reports
+    them (`put`, `delete`, and `replace` for a listing or a `Resync` of a whole prefix), each
+    returning the model keys whose join may have moved; `report` turns those into events.
+
+    The rules, which make a listing, a watch and a late reader agree:
+    - A card held at a key's `create_revision` changes only in its taints: a write at the
+      same `create_revision` that changes anything else is ignored (counted, logged, listed
+      in `skipped`), and the card held is kept. Conversely a write at a new
+      `create_revision` is a new registration: what was held for the key no longer counts,
+      even when the new value is malformed.
+    - A malformed value is listed in `skipped`; it never replaces or removes the valid
+      value held at the same `create_revision`.
+    - A value is parsed once per (`create_revision`, `mod_revision`): `replace` skips a key
+      read at the revisions its value is held at. A value not held (malformed, or a change
+      ignored) is parsed, and reported, on every `replace` that reads it.
     """
-    read: dict[str, _Read[T]] = {}
-    for i, kv in enumerate(items, 1):
-        if i % LIST_BATCH == 0:
-            await asyncio.sleep(0)
-        entry = before.get(kv.key)
-        if entry is not None and entry[0] != kv.create_revision:
-            entry = None
-        if entry is None or entry[1] != kv.mod_revision:
-            parsed = parse(kv.key, kv.value)  # a bad value is reported, on every listing
-            if parsed is None:
-                if entry is None:
-                    continue
-            elif entry is None or allowed(entry[2], parsed):
-                entry = (kv.create_revision, kv.mod_revision, parsed)
-        read[kv.key] = entry
-    return read
-
-
-def _card_change_allowed(old: _ParsedCard, new: _ParsedCard, skipped: Skipped) -> bool:
-    """Cards are immutable once registered, except their taints."""
-    if old[1].same_except_taints(new[1]):
-        return True
-    IGNORED_CHANGES.inc()
-    log.warning("ignoring a change to registered card %s other than its taints", new[0])
-    skipped[new[0].key] = IGNORED
-    return False
-
-
-def _forget_skipped(skipped: Skipped, prefix: str, items: Sequence[KeyValue]) -> None:
-    """Keys under `prefix` that a listing no longer holds are no longer skipped."""
-    gone = [key for key in skipped if key.startswith(prefix)]
-    if gone:
-        present = {kv.key for kv in items}
-        for key in gone:
-            if key not in present:
-                del skipped[key]
-
-
-def _model_order(model: ModelInstance) -> tuple[str, str, str, int, str]:
-    return model.key.sort_key()
-
-
-class _Joined:
-    """Cards and instances as last seen, and the joined models already reported."""
 
     def __init__(self, skipped: Skipped) -> None:
         self.skipped = skipped
-        self.cards: dict[ModelKey, ModelCard] = {}
-        self.revisions: dict[ModelKey, int] = {}  # of each card in `cards`
-        # The create revision of each card's key: a new one is a new registration.
-        self.created: dict[ModelKey, int] = {}
-        self.instances: dict[tuple[EndpointId, int], InstanceInfo] = {}
-        self.reported: dict[ModelKey, ModelInstance] = {}
+        self.cards: dict[ModelKey, _HeldCard] = {}
+        self.instances: dict[InstanceId, InstanceInfo] = {}
         # The keys of `cards` by endpoint instance: an instance change touches its cards only.
-        self.cards_of: dict[tuple[EndpointId, int], set[ModelKey]] = {}
+        self.cards_of: dict[InstanceId, list[ModelKey]] = {}
+        # (create_revision, mod_revision) of the value held at each store key, per key root.
+        self.held: dict[str, dict[str, tuple[int, int]]] = {INSTANCES: {}, MODELS: {}}
+        self.reported: dict[ModelKey, ModelInstance] = {}
+        self._listing: list[ModelInstance] | None = None  # `reported`, in key order
 
-    def put_card(self, key: ModelKey, card: ModelCard, created: int, revision: int) -> None:
-        """A card written at its key's `created` revision (last written at `revision`). The
-        same `created` as the card held is an in-place change, of which only taints are taken."""
-        old = self.cards.get(key)
-        if old is not None and created == self.created[key] and not old.same_except_taints(card):
-            IGNORED_CHANGES.inc()
-            log.warning("ignoring a change to registered card %s other than its taints", key)
-            self.skipped[key.key] = IGNORED
-            return
-        self.cards[key] = card
-        self.revisions[key] = revision
-        self.created[key] = created
-        self.cards_of.setdefault((key.endpoint, key.instance_id), set()).add(key)
-
-    def drop_card(self, key: ModelKey) -> None:
-        if self.cards.pop(key, None) is None:
-            return
-        del self.revisions[key]
-        del self.created[key]
-        ident = (key.endpoint, key.instance_id)
-        keys = self.cards_of[ident]
-        keys.discard(key)
-        if not keys:
-            del self.cards_of[ident]
-
-    def apply(
-        self, kv_key: str, value: bytes | None, created: int = 0, written: int = 0
-    ) -> Iterable[ModelKey]:
-        """Apply one raw change; returns the model keys whose joined state may have moved.
-
-        `created` is the create revision of the key written. A watch's `Put` passes 0 and
-        its own revision as `written`: it creates a card this does not hold (a create's
-        revision is its create revision), or changes the one it holds in place."""
-        if kv_key.startswith(INSTANCES):
-            try:
-                ident = parse_instance_key(kv_key)
-            except ValueError as exc:
-                MALFORMED.labels("instance").inc()
-                log.error("skipping malformed instance key: %s", exc)
-                if value is not None:
-                    self.skipped[kv_key] = f"invalid endpoint instance key: {exc}"
-                return ()
-            if value is None:
-                self.skipped.pop(kv_key, None)
-                self.instances.pop(ident, None)
-            elif (parsed := _parse_instance(kv_key, value, self.skipped)) is not None:
-                self.instances[ident] = parsed[1]
-            return list(self.cards_of.get(ident, ()))
-        if value is None:
-            self.skipped.pop(kv_key, None)
-            try:
-                key = parse_model_key(kv_key)
-            except ValueError:
-                return ()
-            self.drop_card(key)
-            return (key,)
-        if (parsed_card := _parse_card(kv_key, value, self.skipped)) is None:
-            return ()
-        key, card = parsed_card
-        self.put_card(key, card, created or self.created.get(key, written), written)
-        return (key,)
-
-    def replace(self, prefix_root: str, items: list[KeyValue]) -> Iterable[ModelKey]:
-        """A resync of one prefix: everything it does not hold is gone."""
-        seen = {kv.key for kv in items}
+    def put(
+        self, kv_key: str, value: bytes, create_revision: int, mod_revision: int
+    ) -> list[ModelKey]:
+        """A value written at `kv_key`. A watch's `Put` does not carry the key's
+        `create_revision` and passes 0: the one held (an in-place change), or `mod_revision`
+        when none is held (a create's revision is its create revision)."""
+        root = INSTANCES if kv_key.startswith(INSTANCES) else MODELS
+        held = self.held[root].get(kv_key)
+        if not create_revision:
+            create_revision = mod_revision if held is None else held[0]
         touched: list[ModelKey] = []
-        if prefix_root == INSTANCES:
-            for ident in list(self.instances):
-                if instance_key(*ident) not in seen:
-                    touched.extend(self.apply(instance_key(*ident), None))
-        else:
-            for key in list(self.cards):
-                if key.key not in seen:
-                    touched.extend(self.apply(key.key, None))
-        for kv in items:
-            touched.extend(self.apply(kv.key, kv.value, kv.create_revision, kv.mod_revision))
+        self._put(root, held, kv_key, value, (create_revision, mod_revision), touched)
         return touched
 
-    def diff(self, keys: Iterable[ModelKey]) -> list[DiscoveryEvent]:
+    def _put(
+        self,
+        root: str,
+        held_at: tuple[int, int] | None,
+        kv_key: str,
+        value: bytes,
+        read_at: tuple[int, int],
+        touched: list[ModelKey],
+    ) -> None:
+        """Take `value`, read at `read_at` (create_revision, mod_revision), over the value
+        held at `kv_key` (read at `held_at`); add the model keys this may move to `touched`."""
+        if held_at is not None and held_at[0] != read_at[0]:
+            touched.extend(self.delete(kv_key))  # a new registration at the key
+        if root == INSTANCES:
+            touched.extend(self._put_instance(kv_key, value, read_at))
+        else:
+            touched.extend(self._put_card(kv_key, value, read_at))
+
+    def _put_instance(
+        self, kv_key: str, value: bytes, revisions: tuple[int, int]
+    ) -> Iterable[ModelKey]:
+        try:
+            ident, info = _parse_instance(kv_key, value)
+        except ValueError as exc:
+            _report_malformed("instance", kv_key, exc, self.skipped)
+            return ()
+        self.skipped.pop(kv_key, None)
+        self.instances[ident] = info
+        self.held[INSTANCES][kv_key] = revisions
+        return self.cards_of.get(ident, ())
+
+    def _put_card(
+        self, kv_key: str, value: bytes, revisions: tuple[int, int]
+    ) -> Iterable[ModelKey]:
+        try:
+            key = parse_model_key(kv_key)
+            card = ModelCard.from_json(value)
+        except (ValueError, CardError) as exc:
+            _report_malformed("model", kv_key, exc, self.skipped)
+            return ()
+        held = self.cards.get(key)
+        if held is not None and not held.card.same_except_taints(card):
+            IGNORED_CHANGES.inc()
+            log.warning("ignoring a change to registered card %s other than its taints", key)
+            self.skipped[kv_key] = IGNORED
+            return ()
+        self.skipped.pop(kv_key, None)
+        if held is None:  # most instances serve one card: a list is smaller than a set
+            self.cards_of.setdefault((key.endpoint, key.instance_id), []).append(key)
+        self.cards[key] = _HeldCard(card, revisions[0], revisions[1])
+        self.held[MODELS][kv_key] = revisions
+        return (key,)
+
+    def delete(self, kv_key: str) -> Iterable[ModelKey]:
+        """`kv_key` was deleted: its value, if one is held, is gone."""
+        self.skipped.pop(kv_key, None)
+        if kv_key.startswith(INSTANCES):
+            if self.held[INSTANCES].pop(kv_key, None) is None:
+                return ()
+            ident = parse_instance_key(kv_key)  # valid: its value was held
+            del self.instances[ident]
+            return list(self.cards_of.get(ident, ()))
+        if self.held[MODELS].pop(kv_key, None) is None:
+            return ()
+        key = parse_model_key(kv_key)
+        del self.cards[key]
+        ident = (key.endpoint, key.instance_id)
+        keys = self.cards_of[ident]
+        keys.remove(key)
+        if not keys:
+            del self.cards_of[ident]
+        return (key,)
+
+    async def replace(
+        self, prefix: str, items: Sequence[KeyValue], pause_every: int = LIST_BATCH
+    ) -> list[ModelKey]:
+        """The whole of `prefix` (a listing, or a `Resync`): every held key it lacks is gone.
+        Yields to the event loop every `pause_every` values (0: never)."""
+        touched: list[ModelKey] = []
+        root = INSTANCES if prefix.startswith(INSTANCES) else MODELS
+        held = self.held[root]
+        held_before, held_seen = len(held), 0
+        for i, kv in enumerate(items, 1):
+            if pause_every and i % pause_every == 0:
+                await asyncio.sleep(0)
+            revisions = held.get(kv.key)
+            if revisions is not None:
+                held_seen += 1
+                if revisions[1] == kv.mod_revision and revisions[0] == kv.create_revision:
+                    continue  # the value held: not parsed again
+            read_at = (kv.create_revision, kv.mod_revision)
+            self._put(root, revisions, kv.key, kv.value, read_at, touched)
+        skipped = [k for k in self.skipped if k.startswith(prefix)]
+        if held_seen < held_before or skipped:  # something may be gone: find what
+            seen = {kv.key for kv in items}
+            for kv_key in [k for k in held if k not in seen]:
+                touched.extend(self.delete(kv_key))
+            for kv_key in skipped:
+                if kv_key not in seen:
+                    self.skipped.pop(kv_key, None)  # no longer in the store
+        return touched
+
+    def report(self, keys: Iterable[ModelKey]) -> list[DiscoveryEvent]:
+        """The events that bring a reader of `reported` up to date on `keys`, in key order."""
         events: list[DiscoveryEvent] = []
         for key in sorted(set(keys), key=ModelKey.sort_key):
-            card = self.cards.get(key)
-            info = self.instances.get((key.endpoint, key.instance_id))
-            now = (
-                ModelInstance(key, card, info, self.revisions[key])
-                if card is not None and info is not None
-                else None
-            )
-            before = self.reported.get(key)
-            if now is None:
-                if before is not None:
-                    del self.reported[key]
-                    events.append(Removed(key))
+            before, now = self._rejoin(key)
+            if now is before:
                 continue
-            self.reported[key] = now
-            if before is None:
+            if now is None:
+                events.append(Removed(key))
+            elif before is None:
                 events.append(Added(now))
             elif before.instance != now.instance or (
                 before.card is not now.card and not before.card.same_except_taints(now.card)
@@ -351,16 +345,61 @@ class _Joined:
                 events.append(TaintsUpdated(key, now.card.taints, now.revision))
         return events
 
+    async def catch_up(self, keys: Sequence[ModelKey]) -> None:
+        """`report`, for a reader that needs `reported` only, not the events. Yields to the
+        event loop every `LIST_BATCH` keys."""
+        for i, key in enumerate(keys, 1):
+            if i % LIST_BATCH == 0:
+                await asyncio.sleep(0)
+            self._rejoin(key)
+
+    def _rejoin(self, key: ModelKey) -> tuple[ModelInstance | None, ModelInstance | None]:
+        """Join the card at `key` to its instance again: the model reported before, and the
+        one now (None: not routable), both None or the same one when it did not move."""
+        before = self.reported.get(key)
+        held = self.cards.get(key)
+        info = None if held is None else self.instances.get((key.endpoint, key.instance_id))
+        if held is None or info is None:
+            if before is not None:
+                del self.reported[key]
+                self._listing = None
+            return before, None
+        if (
+            before is not None
+            and before.card is held.card
+            and before.instance is info
+            and before.revision == held.mod_revision
+        ):
+            return before, before
+        now = self.reported[key] = ModelInstance(key, held.card, info, held.mod_revision)
+        self._listing = None
+        return before, now
+
+    def listing(self) -> list[ModelInstance]:
+        """The models reported, in key order (sorted again only after a change)."""
+        if self._listing is None:
+            self._listing = sorted(self.reported.values(), key=_model_order)
+        return list(self._listing)
+
+
+def _model_order(model: ModelInstance) -> tuple[str, str, str, int, str]:
+    return model.key.sort_key()
+
 
 class Discovery:
-    """Register, list and watch endpoint instances and model cards in a store."""
+    """Register, list and watch endpoint instances and model cards in a store.
+
+    Workers write (`register_*`, `update_taints`); frontends and tools read (`list`,
+    `list_and_watch`), both through `CardsAndInstances`: a reader that saw the same store
+    changes has the same models whether it listed them or watched them, and the same
+    `skipped`. `list` remembers, per query, what it read, so each listing parses only
+    what changed since the last.
+    """
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        # What the last `list` of each prefix read: values by key, with their mod_revision.
-        self._instances_read: dict[str, dict[str, _Read[_ParsedInstance]]] = {}
-        self._cards_read: dict[str, dict[str, _Read[_ParsedCard]]] = {}
-        self._joined: dict[str, dict[ModelKey, ModelInstance]] = {}
+        # What the last complete `list` of each query read, for the next one to start from.
+        self._listed: dict[Query, CardsAndInstances] = {}
         # Keys read and not used (malformed, or a change ignored), with the reason.
         self.skipped: Skipped = {}
 
@@ -409,69 +448,52 @@ class Discovery:
     async def list_instances(self, query: Query | None = None) -> list[InstanceInfo]:
         query = query or Query()
         snap = await self.store.get_prefix(query.instances_prefix)
-        parsed = (_parse_instance(kv.key, kv.value) for kv in snap.items)
-        return [p[1] for p in parsed if p is not None]
+        instances: list[InstanceInfo] = []
+        for kv in snap.items:
+            try:
+                instances.append(_parse_instance(kv.key, kv.value)[1])
+            except ValueError as exc:
+                _report_malformed("instance", kv.key, exc, None)
+        return instances
 
     async def list(self, query: Query | None = None) -> list[ModelInstance]:
         """Routable models in scope: cards whose endpoint instance is registered.
 
-        A value whose key has the mod_revision the last listing of its prefix saw is the same
-        value: it is not parsed again. Parsing yields to the event loop every `LIST_BATCH`
-        values: a listing of ten thousand instances must not hold up the requests a frontend
-        serves meanwhile.
+        Each listing starts from what the last one of the same query read (one
+        `CardsAndInstances` per query): a value at the revisions it was read at is not
+        parsed again, and a model that did not move is the same `ModelInstance`. Parsing
+        yields to the event loop every `LIST_BATCH` values: a listing of ten thousand
+        instances must not hold up the requests a frontend serves meanwhile.
         """
         query = query or Query()
+        # Taken out while it is updated: a listing that fails or is cancelled half-way, or
+        # runs beside another of the same query, never leaves a half-updated join behind.
+        join = self._listed.pop(query, None) or CardsAndInstances(self.skipped)
         inst = await self.store.get_prefix(query.instances_prefix)
         models = await self.store.get_prefix(query.models_prefix)
-        skipped = self.skipped
-        _forget_skipped(skipped, query.instances_prefix, inst.items)
-        _forget_skipped(skipped, query.models_prefix, models.items)
-        read_instances = await _parse_listing(
-            inst.items,
-            functools.partial(_parse_instance, skipped=skipped),
-            self._instances_read.get(query.instances_prefix, {}),
-        )
-        self._instances_read[query.instances_prefix] = read_instances
-        read_cards = await _parse_listing(
-            models.items,
-            functools.partial(_parse_card, skipped=skipped),
-            self._cards_read.get(query.models_prefix, {}),
-            functools.partial(_card_change_allowed, skipped=skipped),
-        )
-        self._cards_read[query.models_prefix] = read_cards
-        instances = dict(parsed for _, _, parsed in read_instances.values())
-        before = self._joined.get(query.models_prefix, {})
-        joined: dict[ModelKey, ModelInstance] = {}
-        for i, (_, revision, (key, card)) in enumerate(read_cards.values(), 1):
-            if i % LIST_BATCH == 0:
-                await asyncio.sleep(0)
-            info = instances.get((key.endpoint, key.instance_id))
-            if info is None:
-                continue
-            model = before.get(key)
-            if model is None or model.card is not card or model.instance is not info:
-                model = ModelInstance(key, card, info, revision)
-            joined[key] = model
-        self._joined[query.models_prefix] = joined
-        return sorted(joined.values(), key=_model_order)
+        touched = await join.replace(query.instances_prefix, inst.items)
+        touched += await join.replace(query.models_prefix, models.items)
+        await join.catch_up(touched)
+        self._listed[query] = join
+        return join.listing()
 
     async def list_and_watch(self, query: Query | None = None) -> AsyncIterator[DiscoveryEvent]:
         """The models in scope as `Added` events, then every change, with no gap.
 
-        Each prefix is read, then watched from the read's revision + 1. A store `Resync`
-        (after a lost connection, or for a consumer that fell behind) becomes the events
-        that bring the consumer up to date. The stream ends when the store is closed, and
-        raises what a store watch raised.
+        Each prefix is read, then watched from the read's revision + 1 (its
+        `start_revision`). A store `Resync` (after a lost connection, or for a consumer that
+        fell behind) becomes the events that bring the consumer up to date. The stream ends
+        when the store is closed, and raises what a store watch raised.
         """
         query = query or Query()
-        joined = _Joined(self.skipped)
+        join = CardsAndInstances(self.skipped)
         inst = await self.store.get_prefix(query.instances_prefix)
         models = await self.store.get_prefix(query.models_prefix)
-        prefixes = {INSTANCES: query.instances_prefix, "": query.models_prefix}
-        _forget_skipped(self.skipped, query.instances_prefix, inst.items)
-        _forget_skipped(self.skipped, query.models_prefix, models.items)
-        touched = [*joined.replace(INSTANCES, inst.items), *joined.replace("", models.items)]
-        for event in joined.diff(touched):
+        # A stream applies a snapshot (here, and on a `Resync`) in one go: its consumer has
+        # nothing to act on before the whole is applied, and does its work between them.
+        touched = await join.replace(query.instances_prefix, inst.items, pause_every=0)
+        touched += await join.replace(query.models_prefix, models.items, pause_every=0)
+        for event in join.report(touched):
             yield event
 
         # Bounded: a consumer that does not read holds back the store's watches, whose own
@@ -481,17 +503,17 @@ class Discovery:
             WATCH_BUFFER
         )
 
-        async def pump(root: str, prefix: str, start: int) -> None:
+        async def pump(prefix: str, start_revision: int) -> None:
             try:
-                async for ev in self.store.watch(prefix, start):
-                    await queue.put((root, ev))
+                async for ev in self.store.watch(prefix, start_revision):
+                    await queue.put((prefix, ev))
                 await queue.put(None)
             except Exception as exc:
                 await queue.put(exc)
 
         tasks = [
-            asyncio.create_task(pump(INSTANCES, query.instances_prefix, inst.revision + 1)),
-            asyncio.create_task(pump("", query.models_prefix, models.revision + 1)),
+            asyncio.create_task(pump(query.instances_prefix, inst.revision + 1)),
+            asyncio.create_task(pump(query.models_prefix, models.revision + 1)),
         ]
         try:
             while True:
@@ -500,15 +522,14 @@ class Discovery:
                     return
                 if isinstance(item, Exception):
                     raise item
-                root, ev = item
+                prefix, ev = item
                 if isinstance(ev, Resync):
-                    _forget_skipped(self.skipped, prefixes[root], ev.items)
-                    keys = list(joined.replace(root, ev.items))
+                    keys = await join.replace(prefix, ev.items, pause_every=0)
                 elif isinstance(ev, Put):
-                    keys = list(joined.apply(ev.key, ev.value, written=ev.revision))
+                    keys = join.put(ev.key, ev.value, 0, ev.revision)
                 else:
-                    keys = list(joined.apply(ev.key, None))
-                for event in joined.diff(keys):
+                    keys = list(join.delete(ev.key))
+                for event in join.report(keys):
                     yield event
         finally:
             for task in tasks:
