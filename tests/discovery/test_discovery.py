@@ -560,3 +560,17 @@ async def test_a_listing_parses_only_what_changed_since_the_last_one(
     assert parsed == ["card"]
     assert third[0] is first[0] and third[2] is first[2]
     assert third[1].card.taints == ("draining",)
+
+
+async def test_an_instance_record_with_fields_this_version_does_not_know_is_read(
+    store: Store,
+) -> None:
+    """A newer worker's instance record (an extra field) stays visible to an older frontend,
+    and a record without the optional fields is written without them."""
+    disc = Discovery(store)
+    key = await register(disc, EP, 0x77, make_card())
+    raw = await store.get(key.instance_key)
+    assert raw is not None and b"kv_events" not in raw.value
+    newer = raw.value[:-1] + b',"from_the_future":{"x":1}}'
+    await store.put(key.instance_key, newer)
+    assert [m.key for m in await Discovery(store).list()] == [key]

@@ -59,8 +59,11 @@ class ModelConflictError(Exception):
     """The endpoint instance already serves a different model under this key."""
 
 
-class InstanceInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
-    """An endpoint instance: where requests go (`url`) and where its status server is."""
+class InstanceInfo(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
+    """An endpoint instance: where requests go (`url`) and where its status server is.
+
+    Unknown fields are ignored and unset optional ones are not written, so a newer worker's
+    record stays readable by an older frontend, as cards do."""
 
     namespace: str
     component: str
