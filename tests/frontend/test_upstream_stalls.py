@@ -156,3 +156,30 @@ async def test_a_request_that_kills_workers_spends_the_retry_budget(
     # Lost after the request was sent: not free like a refused connect, so one request
     # cannot take down the whole fleet one instance after another.
     assert sum(c.requests for c in crashers) == 2
+
+
+async def a_head_then_death(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    await writer.drain()
+    writer.transport.abort()  # the worker died before its first token
+
+
+async def test_a_worker_dying_between_its_head_and_its_first_token_is_retried_elsewhere(
+    start_raw: StartRaw, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    dying = await start_raw(a_head_then_death)
+    good = await start_worker()
+    frontend = await started(start_frontend, dying, good, inhibit_seconds=60)
+    stream = {**BODY, "stream": True}
+    async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+        for _ in range(4):
+            response = await session.post(f"{frontend.url}/v1/chat/completions", json=stream)
+            assert response.status == 200
+            assert response.headers["x-shoal-instance"] == f"{good.instance_id:x}"
+            body = await response.read()
+            assert b"data: [DONE]" in body and b"error" not in body
+    assert dying.requests == 1  # tried once, then inhibited

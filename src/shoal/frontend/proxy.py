@@ -557,9 +557,12 @@ class Forward:
         else:
             self.out.append(data)
 
-    def flush(self) -> None:
+    def flush(self, final: bool = False) -> None:
+        """Write what this packet produced. A response head is held until the first body
+        byte (or the end): a worker dying between its head and its first token fails before
+        anything reached the client, so the request is retried elsewhere."""
         self.last_read = time.monotonic()
-        if not self.out:
+        if not self.out or not (self.body_seen or final):
             return
         data = self.out[0] if len(self.out) == 1 else b"".join(self.out)
         self.out = []
@@ -570,7 +573,7 @@ class Forward:
     def on_complete(self) -> None:
         if self.chunked:
             self.out.append(b"0\r\n\r\n")
-        self.flush()
+        self.flush(final=True)
         self._end_attempt()
         self._finish(None)
 
