@@ -3,9 +3,11 @@ controller writes them), fake workers as fleet models and as `url` providers."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import ssl
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +20,11 @@ from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.proxy import Proxy
 from shoal.frontend.registry import Registry
 from shoal.frontend.router import make_router
+from shoal.frontend.routes import RouteWatcher
 from shoal.frontend.secrets import SecretError, Secrets, env_name
 from shoal.frontend.server import Request
 from shoal.frontend.upstream import Upstream
+from shoal.frontend.virtual import RouteTable
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import FakeWorker, serving
@@ -156,6 +160,51 @@ async def test_the_first_workspace_wins_a_name_both_define(
     await wait_for(lambda: frontend.routes.models["shared"].workspace == "second")
     status, body, _ = await post(frontend, {"model": "shared", "messages": CHAT})
     assert (status, body["model"]) == (200, "model-b")
+
+
+class CompactingStore:
+    """A store whose watches can be broken once (`broken`), dropping the event in flight,
+    and whose later watches start at the current revision whatever they ask for: history
+    compacted while the watcher was away, so only a fresh read tells what changed."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.broken = asyncio.Event()
+        self.failed = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Any]:
+        if self.failed:
+            start_revision = (await self.inner.get_prefix(prefix)).revision + 1
+        async for event in self.inner.watch(prefix, start_revision):
+            if self.broken.is_set():
+                self.broken.clear()
+                self.failed += 1
+                raise ConnectionError("injected: the watch broke")
+            yield event
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite", "etcd"])
+async def test_a_route_deleted_while_the_watch_was_broken_is_removed(store: Store) -> None:
+    await publish_route(store, route("a", FleetTarget("model-a")))
+    await publish_route(store, route("b", FleetTarget("model-b")))
+    flaky = CompactingStore(store)
+    table = RouteTable(Registry())
+    watcher = RouteWatcher(flaky, table)  # type: ignore[arg-type]
+    await watcher.start()
+    try:
+        assert set(table.models) == {"a", "b"}
+        flaky.broken.set()
+        await delete_route(store, "default", "a")  # its event is lost with the watch
+        await wait_for(lambda: flaky.failed == 1)
+        await wait_for(lambda: set(table.models) == {"b"}, message="the re-read removed `a`")
+        await publish_route(store, route("c", FleetTarget("model-c")))
+        await wait_for(lambda: set(table.models) == {"b", "c"}, message="watching again")
+    finally:
+        await watcher.stop()
+        table.close()
 
 
 # -- choosing a target ---------------------------------------------------------------------
