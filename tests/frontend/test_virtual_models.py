@@ -493,3 +493,21 @@ def test_a_secret_name_cannot_reach_outside_the_directory(tmp_path: Path, name: 
 def test_a_secret_value_that_could_break_a_header_is_refused(value: str) -> None:
     with pytest.raises(SecretError, match="visible ASCII"):
         Secrets(None, {"SHOAL_SECRET_K": value}).resolve("k")
+
+
+async def test_a_virtual_models_request_series_are_kept_while_it_is_routed(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    await start_worker("mock-llm")
+    frontend = await start_frontend()
+    await publish_route(store, route("alias", FleetTarget("mock-llm")))
+    await wait_for(lambda: serving(frontend) and routed(frontend, "alias"))
+    status, _, _ = await post(frontend, {"model": "alias", "messages": CHAT})
+    assert status == 200
+    frontend.metrics.departed_ttl = -1.0  # anything departed goes at once
+    frontend.metrics.drop_departed()
+    frontend.metrics.drop_departed()
+    assert frontend.metrics.models["alias"].requests[200] == 1
+    metrics = frontend.metrics.render().decode()
+    assert 'shoal_frontend_live_instances{model="alias"} 1.0' in metrics
+    assert 'shoal_frontend_requests_total{model="alias",status="200"} 1.0' in metrics

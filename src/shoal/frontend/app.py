@@ -150,7 +150,6 @@ class Frontend:
         self._own_store: Store | None = None
         self.metrics = FrontendMetrics()
         self.registry = Registry(connect_timeout=config.connect_timeout)
-        self.metrics.live_instances = self.registry.live_instances
         self.router = make_router(config.router)
         self.routes = RouteTable(
             self.registry,
@@ -159,6 +158,8 @@ class Frontend:
             connect_timeout=config.connect_timeout,
         )
         self.route_watcher: RouteWatcher | None = None
+        # (virtual models count as models: their request series are not dropped as departed)
+        self.metrics.live_instances = self._live_instances
         self.proxy = Proxy(
             self.registry,
             self.router,
@@ -379,6 +380,13 @@ class Frontend:
             data.sort(key=lambda obj: str(obj["id"]))
             cached = self._models_body = (version, _json({"object": "list", "data": data}))
         return cached[1]
+
+    def _live_instances(self) -> dict[str, int]:
+        """Instances by model name, discovered and virtual (a virtual model wins a name)."""
+        live = self.registry.live_instances()
+        if self.routes.models:
+            live.update(self.routes.live_instances())
+        return live
 
     def readiness(self) -> tuple[int, dict[str, Any]]:
         """200 when this frontend should get traffic; else 503 with every reason, by loop."""

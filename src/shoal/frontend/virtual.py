@@ -75,6 +75,11 @@ class FleetChoice:
         model = self.registry.models.get(self.served)
         return model is not None and model.serving
 
+    def instances(self) -> Iterable[Upstream]:
+        """Every instance that can take a request of some kind now."""
+        model = self.registry.models.get(self.served)
+        return () if model is None else (u for ws in model.routable_sets for u in ws.routable)
+
     def accepts(self, kind: ModelType) -> bool:
         model = self.registry.models.get(self.served)
         return model is not None and kind in model.model_types
@@ -111,6 +116,9 @@ class UrlChoice:
     @property
     def serving(self) -> bool:
         return self.upstream is not None
+
+    def instances(self) -> Iterable[Upstream]:
+        return () if self.upstream is None else (self.upstream,)
 
     def accepts(self, kind: ModelType) -> bool:
         return self.upstream is not None  # a provider's kinds are not known: it answers
@@ -151,6 +159,11 @@ class VirtualModel:
 
     def accepts(self, kind: ModelType) -> bool:
         return any(c.accepts(kind) for c in self.weighted)
+
+    @property
+    def live_instances(self) -> int:
+        """Instances and providers its targets with weight can send requests to now."""
+        return len({u for c in self.weighted for u in c.instances()})
 
     def choose(
         self, kind: ModelType, router: Router, prompt: str | None, exclude: Collection[Upstream]
@@ -326,6 +339,10 @@ class RouteTable:
                 name, self.models[name].workspace, name,
             )  # fmt: skip
         return True
+
+    def live_instances(self) -> dict[str, int]:
+        """Per virtual model, the instances and providers it can send requests to now."""
+        return {name: vm.live_instances for name, vm in self.models.items()}
 
     def describe(self) -> dict[str, Any]:
         """The table for people and dashboards: every virtual model, and skipped routes."""
