@@ -65,6 +65,14 @@ async def model_ids(frontend: Frontend) -> list[str]:
         return [m["id"] for m in (await response.json())["data"]]
 
 
+async def get_model(frontend: Frontend, name: str) -> tuple[int, str | None]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{frontend.url}/v1/models/{name}") as response,
+    ):
+        return response.status, (await response.json()).get("id")
+
+
 def routed(frontend: Frontend, name: str, serving_now: bool = True) -> bool:
     virtual = frontend.routes.models.get(name)
     return virtual is not None and virtual.serving == serving_now
@@ -315,9 +323,11 @@ async def test_a_fleet_target_follows_the_fleet_model_coming_and_going(
     status, body, _ = await post(frontend, {"model": "later", "messages": CHAT})
     assert (status, body["error"]["code"]) == (503, "no_ready_instance")
 
+    assert await get_model(frontend, "later") == (404, None)
     worker = await start_worker("model-a")
     await wait_for(lambda: serving(frontend, "model-a"))
     assert await model_ids(frontend) == ["later", "model-a"]  # the cached body was rebuilt
+    assert await get_model(frontend, "later") == (200, "later")
     status, body, _ = await post(frontend, {"model": "later", "messages": CHAT})
     assert (status, body["model"]) == (200, "model-a")
     await worker.unregister()
@@ -511,3 +521,32 @@ async def test_a_virtual_models_request_series_are_kept_while_it_is_routed(
     metrics = frontend.metrics.render().decode()
     assert 'shoal_frontend_live_instances{model="alias"} 1.0' in metrics
     assert 'shoal_frontend_requests_total{model="alias",status="200"} 1.0' in metrics
+
+
+def test_virtual_model_flags_default_and_fall_back_to_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from shoal.cli.frontend import config_from_args
+    from shoal.cli.main import build_parser
+
+    names = ("WORKSPACE", "SECRETS_DIR", "PROVIDER_CA_FILE", "TLS_CERTFILE", "TLS_KEYFILE")
+    for name in names:
+        monkeypatch.delenv(f"SHOAL_{name}", raising=False)
+    config = config_from_args(build_parser().parse_args(["frontend"]))
+    assert (config.workspaces, config.secrets_dir, config.provider_ca_file) == (
+        ("default",), None, None,
+    )  # fmt: skip
+    assert (config.tls_certfile, config.tls_keyfile) == (None, None)
+    flags = build_parser().parse_args(["frontend", "--workspace", "a", "--workspace", "b"])
+    assert config_from_args(flags).workspaces == ("a", "b")
+    for name in names:
+        monkeypatch.setenv(f"SHOAL_{name}", str(tmp_path / name.lower()))
+    monkeypatch.setenv("SHOAL_WORKSPACE", "team-a,team-b")
+    config = config_from_args(build_parser().parse_args(["frontend"]))
+    assert config.workspaces == ("team-a", "team-b")
+    assert (config.secrets_dir, config.provider_ca_file) == (
+        tmp_path / "secrets_dir", tmp_path / "provider_ca_file",
+    )  # fmt: skip
+    assert (config.tls_certfile, config.tls_keyfile) == (
+        tmp_path / "tls_certfile", tmp_path / "tls_keyfile",
+    )  # fmt: skip
