@@ -217,7 +217,6 @@ class Frontend:
         self.manager.register(
             Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
         )
-
         await self.manager.start_all()
         log.info("frontend serving on %s", self.url)
 

@@ -1,7 +1,8 @@
 """The request path: read `model` and `stream`, pick an instance, forward, stream back.
 
 The body is forwarded as it came; only the fields routing needs are decoded (a tiny msgspec
-`Struct`). The response is streamed to the client as it arrives, re-framed as chunked when
+`Struct`). A request for a virtual model (`virtual`) goes to one of its targets, and its body
+is re-encoded only when that target serves the model under another name (`VirtualForward`). The response is streamed to the client as it arrives, re-framed as chunked when
 the worker sent it chunked, without parsing SSE.
 
 A `Forward` carries one request through all of this, driven by callbacks: from the client's
@@ -670,16 +671,16 @@ class Proxy:
     ) -> None:
         """Start answering a request for a virtual model."""
         name = virtual.name
-        if self.routes is not None:
+        if name in self.registry.models and self.routes is not None:
             self.routes.shadows(name)  # a clash with a discovered model is logged once
-        if not virtual.serving:
-            self._refuse(client, errors.no_ready_instance(name), name)
-        elif not virtual.accepts(kind):
-            message = f"The model `{name}` does not serve {kind} requests."
-            self._refuse(client, errors.bad_request(message, param="model"), name)
-        else:
+        if virtual.accepts(kind):  # (with no instance now, the first pick answers 503)
             stats = self.metrics.model(name)
             VirtualForward(self, request, client, virtual, kind, fields, stats).start()
+        elif not virtual.serving:
+            self._refuse(client, errors.no_ready_instance(name), name)
+        else:
+            message = f"The model `{name}` does not serve {kind} requests."
+            self._refuse(client, errors.bad_request(message, param="model"), name)
 
     def _refuse(self, client: HttpConnection, error: ApiError, label: str) -> None:
         self.metrics.model(label).count(error.status)

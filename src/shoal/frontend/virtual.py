@@ -59,8 +59,10 @@ class FleetChoice:
     def pick(
         self, kind: ModelType, router: Router, prompt: str | None, exclude: Collection[Upstream]
     ) -> Upstream | None:
-        model = self.model(kind)
-        if model is None or not model.serving:
+        model = self.registry.models.get(self.served)
+        if model is not None:
+            model = model.for_kind(kind)
+        if model is None or not model.routable_sets:
             return None
         return router.choose(model, prompt, exclude)
 
@@ -158,7 +160,8 @@ class VirtualModel:
         return any(c.serving for c in self.weighted)
 
     def accepts(self, kind: ModelType) -> bool:
-        return any(c.accepts(kind) for c in self.weighted)
+        """A target with weight takes requests of `kind` (a provider takes every kind)."""
+        return any(choice.accepts(kind) for choice in self.weighted)
 
     @property
     def live_instances(self) -> int:
@@ -243,7 +246,7 @@ class RouteTable:
         self.registry = registry
         self.workspaces = tuple(dict.fromkeys(workspaces))
         self.secrets = secrets or Secrets()
-        self.tls = tls or ssl.create_default_context()
+        self.tls = tls  # for HTTPS providers; None: the system's defaults, made when first needed
         self.connect_timeout = connect_timeout
         self.models: dict[str, VirtualModel] = {}
         self.routes: dict[str, dict[str, Route]] = {ws: {} for ws in self.workspaces}
@@ -403,6 +406,8 @@ class RouteTable:
     def _provider(self, base_url: str) -> Upstream:
         if not base_url.isascii() or any(ch.isspace() or ord(ch) < 32 for ch in base_url):
             raise ValueError(f"base URL {base_url!r} is not a plain ASCII URL")
+        if self.tls is None:
+            self.tls = ssl.create_default_context()
         upstream = Upstream(
             next(_provider_ids),
             base_url,
