@@ -550,3 +550,29 @@ def test_virtual_model_flags_default_and_fall_back_to_the_environment(
     assert (config.tls_certfile, config.tls_keyfile) == (
         tmp_path / "tls_certfile", tmp_path / "tls_keyfile",
     )  # fmt: skip
+
+
+async def test_a_url_target_the_frontend_cannot_use_leaves_the_other_targets_serving(
+    store: Store,
+    start_worker: StartWorker,
+    start_frontend: StartFrontend,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    await start_worker("mock-llm")
+    frontend = await start_frontend()
+    unusable = [
+        UrlTarget(base_url="ftp://files.example.com/v1", model="m"),
+        UrlTarget(base_url="https://user:pw@api.example.com/v1", model="m"),
+        UrlTarget(base_url="https://api.example.com/v1", model="m", secret="../../etc/passwd"),
+    ]
+    await publish_route(store, route("mixed", *unusable, FleetTarget("mock-llm")))
+    await wait_for(lambda: serving(frontend) and routed(frontend, "mixed"))
+    errors = [t["error"] for t in frontend.routes.describe()["models"][0]["targets"][:3]]
+    assert "only http" in errors[0]
+    assert "credentials belong in a secret" in errors[1]
+    assert "pw" not in json.dumps(frontend.routes.describe())  # not in /health, nor in logs
+    assert "not valid" in errors[2]
+    assert "pw@" not in caplog.text and "***@api.example.com" in caplog.text
+    for _ in range(5):
+        status, body, _ = await post(frontend, {"model": "mixed", "messages": CHAT})
+        assert (status, body["model"]) == (200, "mock-llm")

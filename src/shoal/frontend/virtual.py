@@ -26,6 +26,7 @@ import itertools
 import logging
 import random
 import ssl
+import urllib.parse
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -129,7 +130,7 @@ class UrlChoice:
         upstream = self.upstream
         return {
             "kind": "url",
-            "base_url": self.target.base_url,
+            "base_url": redact(self.target.base_url),
             "model": self.served,
             "weight": self.weight,
             "secret": self.target.secret,
@@ -396,7 +397,7 @@ class RouteTable:
             token = None if target.secret is None else self.secrets.resolve(target.secret)
             upstream = self._provider(target.base_url)
         except (SecretError, ValueError) as exc:
-            log.error("virtual model target %s cannot be used: %s", target.base_url, exc)
+            log.error("virtual model target %s cannot be used: %s", redact(target.base_url), exc)
             return UrlChoice(target.model, target.weight, target, None, str(exc))
         if token is not None:
             upstream.authorization = b"Bearer " + token.encode()
@@ -432,6 +433,17 @@ class RouteTable:
                     held[0].close()
                 else:
                     self._upstreams[key] = (held[0], held[1] - 1)
+
+
+def redact(url: str) -> str:
+    """`url` without the credentials it may hold: they never go to logs or reports."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<invalid URL>"
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
 def workspace_prefix(workspace: str) -> str:
