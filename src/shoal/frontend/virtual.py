@@ -106,6 +106,7 @@ class UrlChoice:
     target: UrlTarget
     upstream: Upstream | None
     error: str | None = None
+    secret_missing: bool = False  # the only reason it cannot be used: resolved again later
 
     def pick(
         self, kind: ModelType, router: Router, prompt: str | None, exclude: Collection[Upstream]
@@ -310,7 +311,7 @@ class RouteTable:
                 with contextlib.suppress(SecretError):
                     upstream.authorization = b"Bearer " + self.secrets.resolve(secret).encode()
         stale = [vm.name for vm in self.models.values() if any(
-            isinstance(c, UrlChoice) and c.upstream is None and self._usable(c.target)
+            isinstance(c, UrlChoice) and c.secret_missing and self._usable(c.target)
             for c in vm.choices
         )]  # fmt: skip
         for name in stale:
@@ -394,11 +395,16 @@ class RouteTable:
             self._upstreams[key] = (held[0], held[1] + 1)
             return UrlChoice(target.model, target.weight, target, held[0])
         try:
-            token = None if target.secret is None else self.secrets.resolve(target.secret)
             upstream = self._provider(target.base_url)
-        except (SecretError, ValueError) as exc:
+        except ValueError as exc:
             log.error("virtual model target %s cannot be used: %s", redact(target.base_url), exc)
             return UrlChoice(target.model, target.weight, target, None, str(exc))
+        try:
+            token = None if target.secret is None else self.secrets.resolve(target.secret)
+        except SecretError as exc:
+            upstream.close()
+            log.error("virtual model target %s cannot be used: %s", redact(target.base_url), exc)
+            return UrlChoice(target.model, target.weight, target, None, str(exc), True)
         if token is not None:
             upstream.authorization = b"Bearer " + token.encode()
         self._upstreams[key] = (upstream, 1)
