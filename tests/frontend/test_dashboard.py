@@ -335,3 +335,20 @@ def test_request_history_turns_counters_into_rates_and_ttft_percentiles() -> Non
 def test_percentile_of_an_empty_histogram_is_unknown() -> None:
     assert percentile([0] * 14, 0.5) is None
     assert percentile([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4], 0.5) == 60.0
+
+
+async def test_virtual_models_published_in_discovery_show_in_the_routes_section(
+    start_frontend: StartFrontend, start_worker: StartWorker, store: Store
+) -> None:
+    from shoal.discovery import FleetTarget, Route, publish_route
+
+    frontend = await start_frontend()
+    await start_worker()
+    await wait_for(lambda: serving(frontend))
+    await publish_route(
+        store, Route(workspace="default", name="fast", targets=(FleetTarget(model="mock-llm"),))
+    )
+    await wait_for(lambda: "fast" in frontend.routes.models)
+    (shown,) = (await snapshot(frontend))["routes"]
+    assert shown["key"] == "default/fast" and shown["serving"] is True
+    assert shown["targets"][0]["kind"] == "fleet" and shown["targets"][0]["model"] == "mock-llm"

@@ -204,6 +204,48 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         30,
         help="seconds to let requests in flight finish on shutdown (default 30)",
     )
+    add_virtual_model_flags(parser)
+    parser.add_argument(
+        "--tls-certfile",
+        type=Path,
+        default=env_default("tls_certfile"),
+        metavar="PEM",
+        help="serve HTTPS with this certificate (chain); needs --tls-keyfile",
+    )
+    parser.add_argument(
+        "--tls-keyfile",
+        type=Path,
+        default=env_default("tls_keyfile"),
+        metavar="PEM",
+        help="the private key of --tls-certfile",
+    )
+
+
+def add_virtual_model_flags(parser: argparse.ArgumentParser) -> None:
+    """Which routes the frontend serves, and how it reaches external providers."""
+    parser.add_argument(
+        "--workspace",
+        action="append",
+        default=_env_list("workspace"),
+        metavar="NAME",
+        help="serve the virtual models of this catalog workspace (repeatable; the first wins "
+        "a name defined in several; default: default)",
+    )
+    parser.add_argument(
+        "--secrets-dir",
+        type=Path,
+        default=env_default("secrets_dir"),
+        metavar="DIR",
+        help="directory of provider secrets, one file per secret name (checked after the "
+        "SHOAL_SECRET_<NAME> variables)",
+    )
+    parser.add_argument(
+        "--provider-ca-file",
+        type=Path,
+        default=env_default("provider_ca_file"),
+        metavar="PEM",
+        help="also trust this CA for HTTPS providers (self-hosted ones, tests)",
+    )
 
 
 def add_client_limit_flags(parser: argparse.ArgumentParser) -> None:
@@ -270,6 +312,11 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     for flag in ("max_connections", "max_header_size", "max_headers"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if (args.tls_certfile is None) != (args.tls_keyfile is None):
+        raise ValueError("--tls-certfile and --tls-keyfile go together")
+    for workspace in args.workspace:
+        if not workspace:
+            raise ValueError("--workspace must not be empty")
     return FrontendConfig(
         store_url=args.store,
         host=args.host,
@@ -298,6 +345,11 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_header_size=args.max_header_size,
         max_headers=args.max_headers,
         cors_origins=tuple(args.cors_origin),
+        workspaces=tuple(args.workspace) or ("default",),
+        secrets_dir=args.secrets_dir,
+        provider_ca_file=args.provider_ca_file,
+        tls_certfile=args.tls_certfile,
+        tls_keyfile=args.tls_keyfile,
     )
 
 

@@ -7,6 +7,9 @@ Routes: the OpenAI request routes go to the proxy; `/v1/models`, `/live`, `/read
 `/health` a report for people (200 once started, whatever the store's state).
 `/v1/membership` and `/v1/membership/status` are served when the scope follows a membership
 watch.
+
+Virtual models (the routes of `workspaces`, see `virtual`) are served beside discovered
+models: `Frontend.routes` is the table, `routes.describe()` its report (also in `/health`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import ssl
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -35,7 +39,10 @@ from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.proxy import Proxy
 from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import make_router
+from shoal.frontend.routes import RouteWatcher
+from shoal.frontend.secrets import Secrets
 from shoal.frontend.server import HttpConnection, HttpServer, Request
+from shoal.frontend.virtual import FleetChoice, RouteTable, VirtualModel
 from shoal.frontend.watcher import ModelWatcher, Reconciler
 from shoal.openai import ApiError
 from shoal.store import Store, StoreUnavailableError, default_store_url, open_store
@@ -86,6 +93,14 @@ class FrontendConfig:
     namespaces_from_discovery: bool = False
     endpoint_prefixes: tuple[str, ...] = ()
     kv_overlap_weight: float = 2.0  # the kv policy: cost of an uncached block vs one of load
+    # Virtual models: the workspaces whose routes are served (the first wins a name clash),
+    # where providers' secrets are files, and a CA file to trust beside the system's.
+    workspaces: tuple[str, ...] = ("default",)
+    secrets_dir: Path | None = None
+    provider_ca_file: Path | None = None
+    # Serve HTTPS instead of HTTP (both files, PEM).
+    tls_certfile: Path | None = None
+    tls_keyfile: Path | None = None
 
 
 class MembershipView(Protocol):
@@ -145,10 +160,18 @@ class Frontend:
         self._own_store: Store | None = None
         self.metrics = FrontendMetrics()
         self.registry = Registry(connect_timeout=config.connect_timeout)
-        self.metrics.live_instances = self.registry.live_instances
         self.router = KvRouter() if config.router == "kv" else make_router(config.router)
         if isinstance(self.router, KvRouter):
             self.router.overlap_weight = config.kv_overlap_weight
+        self.routes = RouteTable(
+            self.registry,
+            config.workspaces,
+            secrets=Secrets(config.secrets_dir),
+            connect_timeout=config.connect_timeout,
+        )
+        self.route_watcher: RouteWatcher | None = None
+        # (virtual models count as models: their request series are not dropped as departed)
+        self.metrics.live_instances = self._live_instances
         self.proxy = Proxy(
             self.registry,
             self.router,
@@ -158,18 +181,21 @@ class Frontend:
             first_byte_timeout=config.first_byte_timeout,
             upstream_idle_timeout=config.upstream_idle_timeout,
             strip_authorization=bool(config.api_keys),
+            routes=self.routes,
         )
         self._bearer = tuple(f"Bearer {key}".encode() for key in config.api_keys)
         self.cors = Cors(config.cors_origins) if config.cors_origins else None
         self.manager = ControllerManager()
         self.metrics.registry.register(LoopCollector(self.manager))
         self.dashboard = Dashboard(self)
+        self.dashboard.reader.routes = lambda: self.routes.describe()["models"]
         self.watcher: ModelWatcher | None = None
         self.reconciler: Reconciler | None = None
         self.server: HttpServer | None = None
         self.draining = False
         self.started_at = time.time()
-        self._models_body: tuple[int, bytes] | None = None  # (registry version, body)
+        # ((registry version, route table version), body)
+        self._models_body: tuple[tuple[int, int], bytes] | None = None
 
     @property
     def port(self) -> int:
@@ -181,7 +207,8 @@ class Frontend:
         host = self.config.host
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.config.tls_certfile is not None else "http"
+        return f"{scheme}://{host}:{self.port}"
 
     async def start(self) -> None:
         """Serve at once (health says 503 until the first snapshot), then load discovery.
@@ -241,9 +268,15 @@ class Frontend:
             max_headers=config.max_headers,
             max_connections=config.max_connections,
         )
-        await self.server.start(config.host, config.port)
+        self.routes.tls = provider_tls(config.provider_ca_file)
+        tls = server_tls(config.tls_certfile, config.tls_keyfile)
+        await self.server.start(config.host, config.port, tls)
         self.dashboard.start()
         await self.watcher.start()
+        self.route_watcher = RouteWatcher(
+            self.discovery.store, self.routes, secrets_interval=config.reconcile_interval
+        )
+        await self.route_watcher.start()
         if self._membership_factory is not None:
             await self._follow_membership(self._membership_factory(self.discovery))
 
@@ -260,6 +293,9 @@ class Frontend:
             await self.watcher.stop()
         if isinstance(self.router, KvRouter):
             await self.router.close()
+        if self.route_watcher is not None:
+            await self.route_watcher.stop()
+        self.routes.close()
         self.registry.close()
         if self._own_store is not None:
             await self._own_store.close()
@@ -338,6 +374,12 @@ class Frontend:
         elif path.startswith(b"/v1/models/"):
             self._authorize(request)
             name = urllib.parse.unquote(path[len(b"/v1/models/") :].decode())
+            virtual = self.routes.models.get(name)
+            if virtual is not None:  # wins over a discovered model of the same name
+                if not virtual.serving:
+                    raise errors.model_not_found(name)
+                conn.send(200, _json(self._virtual_object(virtual)))
+                return
             model = self.registry.models.get(name)
             if model is None or not model.listed:
                 raise errors.model_not_found(name)
@@ -375,15 +417,27 @@ class Frontend:
             raise errors.not_found(path.decode())
 
     def _models_list(self) -> bytes:
-        """The `/v1/models` body, encoded again only after the registry changed."""
+        """The `/v1/models` body, encoded again only after the registry or the routes changed:
+        discovered models and the virtual models with a serving target, by name (a virtual
+        model hides a discovered one of its name)."""
         cached = self._models_body
-        if cached is None or cached[0] != self.registry.version:
-            data = [self._model_object(m) for m in self.registry.listed()]
-            cached = self._models_body = (
-                self.registry.version,
-                _json({"object": "list", "data": data}),
-            )
+        version = (self.registry.version, self.routes.version)
+        if cached is None or cached[0] != version:
+            routes = self.routes
+            data = [
+                self._model_object(m) for m in self.registry.listed() if not routes.shadows(m.name)
+            ]
+            data += [self._virtual_object(v) for v in routes.models.values() if v.serving]
+            data.sort(key=lambda obj: str(obj["id"]))
+            cached = self._models_body = (version, _json({"object": "list", "data": data}))
         return cached[1]
+
+    def _live_instances(self) -> dict[str, int]:
+        """Instances by model name, discovered and virtual (a virtual model wins a name)."""
+        live = self.registry.live_instances()
+        if self.routes.models:
+            live.update(self.routes.live_instances())
+        return live
 
     def readiness(self) -> tuple[int, dict[str, Any]]:
         """200 when this frontend should get traffic; else 503 with every reason, by loop."""
@@ -439,6 +493,7 @@ class Frontend:
                 {"key": key, "reason": reason}
                 for key, reason in sorted(self.watcher.discovery.skipped.items())
             ],
+            "virtual_models": self.routes.describe(),
         }
 
     def _model_object(self, model: Model) -> dict[str, Any]:
@@ -452,6 +507,39 @@ class Frontend:
         if parent is not None and parent.listed:  # never name a model that is not listed
             obj["parent"] = parent.name
         return obj
+
+    def _virtual_object(self, virtual: VirtualModel) -> dict[str, Any]:
+        """A virtual model as `/v1/models` shows it; `created` is its first fleet target's."""
+        created = 0
+        for choice in virtual.choices:
+            fleet = isinstance(choice, FleetChoice)
+            model = self.registry.models.get(choice.served) if fleet else None
+            if model is not None:
+                created = model.created
+                break
+        return {"id": virtual.name, "object": "model", "created": created, "owned_by": "shoal"}
+
+
+def provider_tls(ca_file: Path | None) -> ssl.SSLContext:
+    """The client context for HTTPS providers: the system's CAs (and `ca_file`'s), SNI and
+    certificate verification on, HTTP/1.1."""
+    context = ssl.create_default_context()
+    if ca_file is not None:
+        context.load_verify_locations(cafile=str(ca_file))
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+def server_tls(certfile: Path | None, keyfile: Path | None) -> ssl.SSLContext | None:
+    """The server context for `--tls-certfile`/`--tls-keyfile`, or None to serve plain HTTP."""
+    if certfile is None and keyfile is None:
+        return None
+    if certfile is None or keyfile is None:
+        raise ValueError("--tls-certfile and --tls-keyfile go together")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(certfile), str(keyfile))
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 _CONTROL_PATHS = frozenset(

@@ -1,7 +1,8 @@
 """The request path: read `model` and `stream`, pick an instance, forward, stream back.
 
 The body is forwarded as it came; only the fields routing needs are decoded (a tiny msgspec
-`Struct`). The response is streamed to the client as it arrives, re-framed as chunked when
+`Struct`). A request for a virtual model goes to one of its targets, and its body is
+re-encoded only when that target serves the model under another name (`VirtualForward`). The response is streamed to the client as it arrives, re-framed as chunked when
 the worker sent it chunked, without parsing SSE.
 
 A `Forward` carries one request through all of this, driven by callbacks: from the client's
@@ -42,6 +43,7 @@ from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import Router
 from shoal.frontend.server import ClientConnection, Request, status_line
 from shoal.frontend.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
+from shoal.frontend.virtual import RouteTable, VirtualModel
 from shoal.openai import ApiError, error_body, sse_event
 
 log = logging.getLogger(__name__)
@@ -62,8 +64,11 @@ class Proxy:
         first_byte_timeout: float = 60.0,
         upstream_idle_timeout: float = 60.0,
         strip_authorization: bool = False,
+        routes: RouteTable | None = None,
     ) -> None:
         self.registry = registry
+        self.routes = routes
+        self.virtual: dict[str, VirtualModel] = routes.models if routes is not None else {}
         self.router = router
         self.metrics = metrics
         self.retries = retries
@@ -88,6 +93,10 @@ class Proxy:
             self._refuse(client, exc, UNKNOWN_MODEL)
             return
         name = fields.model or ""
+        virtual = self.virtual.get(name)
+        if virtual is not None:
+            self._route(request, client, kind, fields, virtual)
+            return
         model = self.registry.models.get(name)
         if model is None:
             self._refuse(client, errors.model_not_found(name), UNKNOWN_MODEL)
@@ -102,6 +111,27 @@ class Proxy:
         else:
             Forward(self, request, client, narrowed, fields, self.metrics.model(name)).start()
 
+    def _route(
+        self,
+        request: Request,
+        client: ClientConnection,
+        kind: ModelType,
+        fields: Fields,
+        virtual: VirtualModel,
+    ) -> None:
+        """Start answering a request for a virtual model."""
+        name = virtual.name
+        if name in self.registry.models and self.routes is not None:
+            self.routes.shadows(name)  # a clash with a discovered model is logged once
+        if virtual.accepts(kind):  # (with no instance now, the first pick answers 503)
+            stats = self.metrics.model(name)
+            VirtualForward(self, request, client, virtual, kind, fields, stats).start()
+        elif not virtual.serving:
+            self._refuse(client, errors.no_ready_instance(name), name)
+        else:
+            message = f"The model `{name}` does not serve {kind} requests."
+            self._refuse(client, errors.bad_request(message, param="model"), name)
+
     def _refuse(self, client: ClientConnection, error: ApiError, label: str) -> None:
         self.metrics.model(label).count(error.status)
         client.send_error(error)
@@ -110,20 +140,26 @@ class Proxy:
         """An instance of `model` not in `tried` (see `Router.choose`)."""
         return self.router.choose(model, prompt, tried)
 
-    def request_head(self, request: Request, target: Upstream) -> bytes:
-        """The request line and headers for `target`: hop-by-hop headers dropped, length set."""
-        parts = [request.method, b" ", target.path_prefix, request.path]
+    def request_head(self, request: Request, target: Upstream, body: bytes) -> bytes:
+        """The request line and headers for `target` and `body`: hop-by-hop headers dropped,
+        length set. A provider never gets the client's `Authorization`, only its own."""
+        path = request.path
+        if target.path_skip:
+            path = path[target.path_skip :]
+        parts = [request.method, b" ", target.path_prefix, path]
         if request.query:
             parts += (b"?", request.query)
         parts += (
             b" HTTP/1.1\r\nhost: ",
             target.host_header,
             b"\r\ncontent-length: ",
-            str(len(request.body)).encode(),
+            str(len(body)).encode(),
             b"\r\n",
         )
-        if target.authorization is not None:  # the instance URL's credentials
+        if target.authorization is not None:  # the instance URL's credentials, a provider's secret
             parts += (b"authorization: ", target.authorization, b"\r\n")
+            dropped = self._dropped_with_authorization
+        elif target.provider:
             dropped = self._dropped_with_authorization
         else:
             dropped = self._dropped
@@ -216,6 +252,16 @@ class PromptFields(Fields):
 
 _decode_fields = msgspec.json.Decoder(Fields).decode
 _decode_prompt_fields = msgspec.json.Decoder(PromptFields).decode
+_decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_encode = msgspec.json.encode
+
+
+def rewrite_model(body: bytes, model: str) -> bytes:
+    """`body` (a JSON object) with its `model` set to `model`; every other top-level member
+    is kept byte for byte (decoded only as far as the top level)."""
+    members = _decode_members(body)
+    members["model"] = msgspec.Raw(_encode(model))
+    return _encode(members)
 
 
 def decode_fields(body: bytes, *, with_prompt: bool = False) -> Fields:
@@ -294,6 +340,7 @@ class Forward:
 
     __slots__ = (
         "attempt",
+        "body",
         "body_seen",
         "chunked",
         "client",
@@ -304,6 +351,7 @@ class Forward:
         "head_seen",
         "last_read",
         "model",
+        "name",
         "out",
         "prompt",
         "proxy",
@@ -322,14 +370,16 @@ class Forward:
         proxy: Proxy,
         request: Request,
         client: ClientConnection,
-        model: Model,
+        model: Model | None,
         fields: Fields,
         stats: ModelStats,
     ) -> None:
         self.proxy = proxy
         self.request = request
         self.client = client
-        self.model = model
+        self.body = request.body  # what is sent: the client's body, unless a route rewrote it
+        self.model = model  # None for a virtual model (`VirtualForward`)
+        self.name = fields.model or ""
         self.fields = fields
         self.stats = stats
         self.stream = bool(fields.stream)
@@ -361,9 +411,9 @@ class Forward:
         """Send to the next instance; after the last one, answer with the failure."""
         target = None
         if self.attempt <= self.proxy.retries:
-            target = self.proxy.pick(self.model, self.prompt, self.tried)
+            target = self._pick()
         if target is None:
-            name = self.model.name
+            name = self.name
             if failure is None:
                 error = errors.no_ready_instance(name)
             elif isinstance(failure, FirstByteTimeout):
@@ -382,6 +432,12 @@ class Forward:
             self.connecting = asyncio.create_task(self._connect(target))
         else:
             self._send(conn)
+
+    def _pick(self) -> Upstream | None:
+        """The instance of the next attempt (see `Router.choose`)."""
+        model = self.model
+        assert model is not None
+        return self.proxy.router.choose(model, self.prompt, self.tried)
 
     async def _connect(self, target: Upstream) -> None:
         """The only await of the request path: opening a connection when none is idle.
@@ -408,7 +464,8 @@ class Forward:
         self.head_seen = False
         self.chunked = False
         self.client.follow(conn)
-        conn.send(self.proxy.request_head(self.request, self.target), self.request.body, self)
+        body = self.body
+        conn.send(self.proxy.request_head(self.request, self.target, body), body, self)
         if self.proxy.first_byte_timeout > 0:
             self.timer = self.client.loop.call_later(
                 self.proxy.first_byte_timeout, self._timer_fired
@@ -506,7 +563,9 @@ class Forward:
         if self.attempt > self.proxy.retries:
             return False
         tried = [*self.tried, self.target]
-        return any(u not in tried for ws in self.model.routable_sets for u in ws.routable)
+        model = self.model
+        assert model is not None
+        return any(u not in tried for ws in model.routable_sets for u in ws.routable)
 
     # -- ResponseSink ------------------------------------------------------------------------
 
@@ -610,7 +669,7 @@ class Forward:
 
     def _break_off(self, failure: Exception) -> None:
         """A response failed after its first byte reached the client."""
-        log.warning("response for %s broke off: %s", self.model.name, failure)
+        log.warning("response for %s broke off: %s", self.name, failure)
         if self.chunked and self.stream and self.client.writable:
             event = sse_event(
                 error_body(
@@ -630,3 +689,43 @@ class Forward:
         stats.count(error.status if error is not None else self.status)
         stats.duration.observe(time.perf_counter() - self.request.received)
         self.client.finish(error)
+
+
+class VirtualForward(Forward):
+    """A request for a virtual model: each attempt picks one of its targets by weight, and
+    sends the body naming the model as that target serves it (re-encoded only then)."""
+
+    __slots__ = ("kind", "served", "virtual")
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        request: Request,
+        client: ClientConnection,
+        virtual: VirtualModel,
+        kind: ModelType,
+        fields: Fields,
+        stats: ModelStats,
+    ) -> None:
+        super().__init__(proxy, request, client, None, fields, stats)
+        self.virtual = virtual
+        self.kind = kind
+        self.served = self.name  # the model the body names now
+
+    def _pick(self) -> Upstream | None:
+        picked = self.virtual.choose(self.kind, self.proxy.router, self.prompt, self.tried)
+        if picked is None:
+            return None
+        target, served = picked
+        if served != self.served:
+            self.served = served
+            body = self.request.body
+            self.body = body if served == self.name else rewrite_model(body, served)
+        return target
+
+    def _may_retry(self) -> bool:
+        if self.attempt > self.proxy.retries:
+            return False
+        target = self.target
+        tried = self.tried if target is None else [*self.tried, target]
+        return self.virtual.untried(self.kind, tried)

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import http
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -690,9 +691,10 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
+        """Listen on `host:port`; over TLS (HTTPS) when given a server context."""
         self._server = await self.loop.create_server(
-            lambda: HttpConnection(self), host, port, backlog=2048, reuse_address=True
+            lambda: HttpConnection(self), host, port, backlog=2048, reuse_address=True, ssl=tls
         )
         self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
 

@@ -8,12 +8,17 @@ Nothing is buffered here; a sink that cannot keep up pauses the connection's rea
 A connection goes back to its `Upstream`'s idle list when a response ends and both sides
 allow keep-alive; it is closed on any error, and removed from the idle list when the worker
 closes it.
+
+Workers are reached over plain HTTP; an external provider (a virtual model's `url` target)
+also over HTTPS, when the `Upstream` is given an `ssl.SSLContext` (SNI and certificate
+verification as the context says).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import ssl
 import time
 import urllib.parse
 from typing import ClassVar, Protocol, cast
@@ -55,6 +60,10 @@ class ResponseSink(Protocol):
 class Upstream:
     """One endpoint instance as the request path sees it: its address, pool and load.
 
+    Or, with `provider`, an external OpenAI-compatible server a virtual model routes to:
+    `url` is its base URL, and the client's own `Authorization` is never sent to it (only
+    `authorization`, the bearer token of its secret, when it has one).
+
     `in_flight` counts requests this frontend has open on it (for least-loaded routing);
     `inhibited_until` (monotonic seconds) keeps it out of routing after a failure.
     `inhibitions_end` is the latest `inhibited_until` of any instance in the process, so
@@ -63,27 +72,42 @@ class Upstream:
 
     inhibitions_end: ClassVar[float] = 0.0
 
-    def __init__(self, instance_id: int, url: str, *, connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        instance_id: int,
+        url: str,
+        *,
+        connect_timeout: float = 5.0,
+        tls: ssl.SSLContext | None = None,
+        provider: bool = False,
+    ) -> None:
         parts = urllib.parse.urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"instance URL {url!r}: only http://host:port URLs are supported")
+        schemes = ("http", "https") if tls is not None else ("http",)
+        if parts.scheme not in schemes or not parts.hostname:
+            wanted = " or ".join(f"{s}://host:port" for s in schemes)
+            raise ValueError(f"URL {url!r}: only {wanted} URLs are supported")
         self.instance_id = instance_id
         self.url = url  # as announced (identity for the registry; may hold credentials)
         self.host = parts.hostname
-        self.port = parts.port or 80
+        self.tls = tls if parts.scheme == "https" else None
+        self.port = parts.port or (443 if self.tls is not None else 80)
         # Credentials in the URL are sent as Basic auth, never in `Host` nor in messages.
         hostport = parts.netloc.rpartition("@")[2]
         self.address = urllib.parse.urlunsplit(parts._replace(netloc=hostport))
         self.authorization: bytes | None = None
+        self.provider = provider
         if parts.username is not None:
             user = urllib.parse.unquote(parts.username)
             password = urllib.parse.unquote(parts.password or "")
             self.authorization = b"Basic " + base64.b64encode(f"{user}:{password}".encode())
         # Requests carry OpenAI paths (/v1/...): a URL ending in /v1 names the same root.
+        # A provider's `base_url` ends where `/chat/completions` starts: another base path
+        # (`https://host/v1beta/openai`) replaces the `/v1` of requests (`path_skip`).
         prefix = parts.path.rstrip("/")
         self.path_prefix = (prefix[:-3] if prefix.endswith("/v1") else prefix).encode()
+        self.path_skip = 3 if provider and not prefix.endswith("/v1") else 0
         self.host_header = (hostport or f"{self.host}:{self.port}").encode()
-        self.label = f"{instance_id:x}".encode()
+        self.label = f"{instance_id:x}".encode()  # the `x-shoal-instance` of its answers
         self.connect_timeout = connect_timeout
         self.idle: list[UpstreamConnection] = []
         self.in_flight = 0
@@ -136,7 +160,11 @@ class Upstream:
             # that arrives as the connect completes (and runs the connect in a task of its own).
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: UpstreamConnection(self), self.host, self.port
+                    lambda: UpstreamConnection(self),
+                    self.host,
+                    self.port,
+                    ssl=self.tls,
+                    server_hostname=self.host if self.tls is not None else None,
                 )
         except TimeoutError as exc:
             raise UpstreamError(f"cannot connect to {self.address}: timed out") from exc

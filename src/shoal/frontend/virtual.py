@@ -1,0 +1,457 @@
+"""Virtual models: the routes of this frontend's workspaces, resolved for the request path.
+
+The models controller publishes each virtual model's targets at
+`shoal/v1/routes/{workspace}/{name}` (`shoal.discovery.routes`); the `RouteWatcher` feeds
+them to the `RouteTable`, which keeps `models`: name → `VirtualModel`, what the proxy looks
+up. A request picks one target by weight. A `fleet` target is a model of the registry
+(routed as a request for it would be: its worker sets, the routing policy, inhibition); a
+`url` target is an external provider behind one pooled `Upstream` (HTTPS or HTTP), whose
+bearer token comes from the frontend's own secrets.
+
+Names: a virtual model wins over a discovered model of the same name (logged once per name):
+the route is what an operator declared, and the controller's passthrough virtual models are
+named like the fleet models they point at. A fleet target always names a discovered model,
+never another virtual model, so routes do not chain. When several served workspaces define
+one name, the first workspace in `--workspace` order wins.
+
+A malformed route is reported in `skipped` and never hides a valid one: a key that held a
+valid route keeps it until the key is deleted or a valid value replaces it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import logging
+import random
+import ssl
+import urllib.parse
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.cards import ModelType
+from shoal.discovery import FleetTarget, Route, RouteError, UrlTarget, decode_route, route_key
+from shoal.discovery.routes import parse_route_key
+from shoal.frontend.registry import Model, Registry
+from shoal.frontend.router import Router
+from shoal.frontend.secrets import SecretError, Secrets
+from shoal.frontend.upstream import Upstream
+from shoal.store import KeyValue
+
+log = logging.getLogger(__name__)
+
+_provider_ids = itertools.count(1)
+
+
+@dataclass(eq=False, slots=True)
+class FleetChoice:
+    """A `fleet` target: requests go where a request for `served` would."""
+
+    served: str
+    weight: int
+    registry: Registry
+
+    def model(self, kind: ModelType) -> Model | None:
+        model = self.registry.models.get(self.served)
+        return None if model is None else model.for_kind(kind)
+
+    def pick(
+        self, kind: ModelType, router: Router, prompt: str | None, exclude: Collection[Upstream]
+    ) -> Upstream | None:
+        model = self.registry.models.get(self.served)
+        if model is not None:
+            model = model.for_kind(kind)
+        if model is None or not model.routable_sets:
+            return None
+        return router.choose(model, prompt, exclude)
+
+    def candidates(self, kind: ModelType) -> Iterable[Upstream]:
+        model = self.model(kind)
+        if model is None:
+            return ()
+        return (u for ws in model.routable_sets for u in ws.routable)
+
+    @property
+    def serving(self) -> bool:
+        model = self.registry.models.get(self.served)
+        return model is not None and model.serving
+
+    def instances(self) -> Iterable[Upstream]:
+        """Every instance that can take a request of some kind now."""
+        model = self.registry.models.get(self.served)
+        return () if model is None else (u for ws in model.routable_sets for u in ws.routable)
+
+    def accepts(self, kind: ModelType) -> bool:
+        model = self.registry.models.get(self.served)
+        return model is not None and kind in model.model_types
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "fleet",
+            "model": self.served,
+            "weight": self.weight,
+            "serving": self.serving,
+        }
+
+
+@dataclass(eq=False, slots=True)
+class UrlChoice:
+    """A `url` target: an external provider; `upstream` is None while it cannot be used
+    (`error` says why: a missing secret, a URL the frontend cannot reach)."""
+
+    served: str
+    weight: int
+    target: UrlTarget
+    upstream: Upstream | None
+    error: str | None = None
+    secret_missing: bool = False  # the only reason it cannot be used: resolved again later
+
+    def pick(
+        self, kind: ModelType, router: Router, prompt: str | None, exclude: Collection[Upstream]
+    ) -> Upstream | None:
+        upstream = self.upstream
+        return None if upstream is None or upstream in exclude else upstream
+
+    def candidates(self, kind: ModelType) -> Iterable[Upstream]:
+        return () if self.upstream is None else (self.upstream,)
+
+    @property
+    def serving(self) -> bool:
+        return self.upstream is not None
+
+    def instances(self) -> Iterable[Upstream]:
+        return () if self.upstream is None else (self.upstream,)
+
+    def accepts(self, kind: ModelType) -> bool:
+        return self.upstream is not None  # a provider's kinds are not known: it answers
+
+    def describe(self) -> dict[str, Any]:
+        upstream = self.upstream
+        return {
+            "kind": "url",
+            "base_url": redact(self.target.base_url),
+            "model": self.served,
+            "weight": self.weight,
+            "secret": self.target.secret,
+            "provider": self.target.provider,
+            "serving": upstream is not None,
+            "inhibited": upstream is not None and upstream.inhibited,
+            "error": self.error,
+        }
+
+
+Choice = FleetChoice | UrlChoice
+
+
+class VirtualModel:
+    """One virtual model: its route and its targets, with the weights precomputed."""
+
+    def __init__(self, route: Route, choices: Sequence[Choice]) -> None:
+        self.route = route
+        self.name = route.name
+        self.workspace = route.workspace
+        self.choices = tuple(choices)
+        self.weighted = tuple(c for c in self.choices if c.weight > 0)
+        self._cum: list[int] = list(itertools.accumulate(c.weight for c in self.weighted))
+
+    @property
+    def serving(self) -> bool:
+        """A target with weight can take requests now: listed by `/v1/models`."""
+        return any(c.serving for c in self.weighted)
+
+    def accepts(self, kind: ModelType) -> bool:
+        """A target with weight takes requests of `kind` (a provider takes every kind)."""
+        return any(choice.accepts(kind) for choice in self.weighted)
+
+    @property
+    def live_instances(self) -> int:
+        """Instances and providers its targets with weight can send requests to now."""
+        return len({u for c in self.weighted for u in c.instances()})
+
+    def choose(
+        self, kind: ModelType, router: Router, prompt: str | None, exclude: Collection[Upstream]
+    ) -> tuple[Upstream, str] | None:
+        """An instance or provider for a request of `kind`, and the name it serves the
+        model as; inhibited ones only when nothing else is left. None: nowhere to go."""
+        weighted = self.weighted
+        if len(weighted) == 1:  # an alias: the common case
+            choice = weighted[0]
+            target = choice.pick(kind, router, prompt, exclude)
+            return None if target is None else (target, choice.served)
+        if not weighted:
+            return None
+        if not exclude and not Upstream.any_inhibited():
+            choice = weighted[bisect.bisect_right(self._cum, random.random() * self._cum[-1])]
+            target = choice.pick(kind, router, prompt, exclude)
+            if target is not None:
+                return target, choice.served
+        return self._choose_around(kind, router, prompt, exclude)
+
+    def _choose_around(
+        self, kind: ModelType, router: Router, prompt: str | None, exclude: Collection[Upstream]
+    ) -> tuple[Upstream, str] | None:
+        """Weigh only the targets with an instance neither tried nor inhibited; else the
+        untried instance whose inhibition ends first."""
+        weights = [
+            c.weight if any(u not in exclude and not u.inhibited for u in c.candidates(kind)) else 0
+            for c in self.weighted
+        ]
+        point = random.random() * sum(weights)
+        for choice, weight in zip(self.weighted, weights, strict=True):
+            if weight and point < weight:
+                target = choice.pick(kind, router, prompt, exclude)
+                if target is not None:
+                    return target, choice.served
+                break
+            point -= weight
+        best: tuple[Upstream, str] | None = None
+        for choice in self.weighted:
+            target = choice.pick(kind, router, prompt, exclude)
+            if target is not None and (
+                best is None or target.inhibited_until < best[0].inhibited_until
+            ):
+                best = (target, choice.served)
+        return best
+
+    def untried(self, kind: ModelType, exclude: Collection[Upstream]) -> bool:
+        """Whether an instance or provider not in `exclude` is left (a 5xx is worth a retry)."""
+        return any(u not in exclude for c in self.weighted for u in c.candidates(kind))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "workspace": self.workspace,
+            "name": self.name,
+            "serving": self.serving,
+            "targets": [c.describe() for c in self.choices],
+        }
+
+
+class RouteTable:
+    """The virtual models of this frontend's workspaces, by name, as the proxy reads them.
+
+    `models` is mutated in place (the proxy holds it); `version` is bumped by every change
+    of what it holds, so what is derived from it (the `/v1/models` body) is rebuilt only
+    then. `skipped` holds the route keys whose value is not used, with the reason.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        workspaces: Sequence[str] = ("default",),
+        *,
+        secrets: Secrets | None = None,
+        tls: ssl.SSLContext | None = None,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.registry = registry
+        self.workspaces = tuple(dict.fromkeys(workspaces))
+        self.secrets = secrets or Secrets()
+        self.tls = tls  # for HTTPS providers; None: the system's defaults, made when first needed
+        self.connect_timeout = connect_timeout
+        self.models: dict[str, VirtualModel] = {}
+        self.routes: dict[str, dict[str, Route]] = {ws: {} for ws in self.workspaces}
+        self.skipped: dict[str, str] = {}
+        self.version = 0
+        self._upstreams: dict[tuple[str, str | None], tuple[Upstream, int]] = {}
+        self._clashes_logged: set[str] = set()
+
+    # -- changes (from the route watcher) ----------------------------------------------------
+
+    def put(self, key: str, value: bytes) -> None:
+        """A route key was written: take the route, or report it and keep the valid one."""
+        try:
+            route = decode_route(key, value)
+        except RouteError as exc:
+            self._skip(key, str(exc))
+            return
+        self.skipped.pop(key, None)
+        held = self.routes.get(route.workspace)
+        if held is None:
+            return  # not a workspace of this frontend
+        if held.get(route.name) != route:
+            held[route.name] = route
+            self._settle(route.name)
+
+    def delete(self, key: str) -> None:
+        self.skipped.pop(key, None)
+        try:
+            workspace, name = parse_route_key(key)
+        except RouteError:
+            return
+        held = self.routes.get(workspace)
+        if held is not None and held.pop(name, None) is not None:
+            self._settle(name)
+
+    def replace(self, workspace: str, items: Iterable[KeyValue]) -> None:
+        """The whole of `workspace` as a listing or a resync read it: what is not in it goes."""
+        held = self.routes.get(workspace)
+        if held is None:
+            return
+        seen: set[str] = set()
+        keys: set[str] = set()
+        for kv in items:
+            keys.add(kv.key)
+            with contextlib.suppress(RouteError):
+                seen.add(parse_route_key(kv.key)[1])
+            self.put(kv.key, kv.value)
+        for name in [n for n in held if n not in seen]:
+            del held[name]
+            self._settle(name)
+        prefix = workspace_prefix(workspace)
+        for key in [k for k in self.skipped if k.startswith(prefix) and k not in keys]:
+            del self.skipped[key]
+
+    def refresh_secrets(self) -> None:
+        """Resolve every provider's secret again (a rotated file, a variable set late)."""
+        for (_, secret), (upstream, _) in self._upstreams.items():
+            if secret is not None:
+                # (a value that stops resolving: the one in use stays until one works again)
+                with contextlib.suppress(SecretError):
+                    upstream.authorization = b"Bearer " + self.secrets.resolve(secret).encode()
+        stale = [vm.name for vm in self.models.values() if any(
+            isinstance(c, UrlChoice) and c.secret_missing and self._usable(c.target)
+            for c in vm.choices
+        )]  # fmt: skip
+        for name in stale:
+            self._settle(name)
+
+    def _usable(self, target: UrlTarget) -> bool:
+        try:
+            if target.secret is not None:
+                self.secrets.resolve(target.secret)
+        except SecretError:
+            return False
+        return True
+
+    def close(self) -> None:
+        for upstream, _ in self._upstreams.values():
+            upstream.close()
+        self._upstreams.clear()
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def shadows(self, name: str) -> bool:
+        """A virtual model hides the discovered model `name` (logged once per name)."""
+        if name not in self.models:
+            return False
+        if name not in self._clashes_logged and name in self.registry.models:
+            self._clashes_logged.add(name)
+            log.warning(
+                "virtual model %r (workspace %r) shadows the discovered model of the same "
+                "name: requests for %r follow the route",
+                name, self.models[name].workspace, name,
+            )  # fmt: skip
+        return True
+
+    def live_instances(self) -> dict[str, int]:
+        """Per virtual model, the instances and providers it can send requests to now."""
+        return {name: vm.live_instances for name, vm in self.models.items()}
+
+    def describe(self) -> dict[str, Any]:
+        """The table for people and dashboards: every virtual model, and skipped routes."""
+        return {
+            "workspaces": list(self.workspaces),
+            "models": [vm.describe() for _, vm in sorted(self.models.items())],
+            "skipped": [{"key": k, "reason": r} for k, r in sorted(self.skipped.items())],
+        }
+
+    # -- resolving ---------------------------------------------------------------------------
+
+    def _skip(self, key: str, reason: str) -> None:
+        if self.skipped.get(key) != reason:
+            log.error("%s; skipped (a valid route held at this key is kept)", reason)
+        self.skipped[key] = reason
+
+    def _settle(self, name: str) -> None:
+        """Make `models[name]` the route of the first workspace that defines `name`."""
+        route = next((r[name] for r in self.routes.values() if name in r), None)
+        old = self.models.get(name)
+        if route is None:
+            if old is not None:
+                del self.models[name]
+                self._clashes_logged.discard(name)
+                self._release(old)
+                self.version += 1
+            return
+        defined = [ws for ws, r in self.routes.items() if name in r]
+        if len(defined) > 1:
+            log.warning(
+                "virtual model %r is defined in workspaces %s: %r wins", name, defined, defined[0]
+            )
+        self.models[name] = VirtualModel(route, [self._resolve(t) for t in route.targets])
+        if old is not None:
+            self._release(old)
+        self.version += 1
+        self.shadows(name)
+
+    def _resolve(self, target: FleetTarget | UrlTarget) -> Choice:
+        if isinstance(target, FleetTarget):
+            return FleetChoice(target.model, target.weight, self.registry)
+        key = (target.base_url, target.secret)
+        held = self._upstreams.get(key)
+        if held is not None:
+            self._upstreams[key] = (held[0], held[1] + 1)
+            return UrlChoice(target.model, target.weight, target, held[0])
+        try:
+            upstream = self._provider(target.base_url)
+        except ValueError as exc:
+            log.error("virtual model target %s cannot be used: %s", redact(target.base_url), exc)
+            return UrlChoice(target.model, target.weight, target, None, str(exc))
+        try:
+            token = None if target.secret is None else self.secrets.resolve(target.secret)
+        except SecretError as exc:
+            upstream.close()
+            log.error("virtual model target %s cannot be used: %s", redact(target.base_url), exc)
+            return UrlChoice(target.model, target.weight, target, None, str(exc), True)
+        if token is not None:
+            upstream.authorization = b"Bearer " + token.encode()
+        self._upstreams[key] = (upstream, 1)
+        return UrlChoice(target.model, target.weight, target, upstream)
+
+    def _provider(self, base_url: str) -> Upstream:
+        if not base_url.isascii() or any(ch.isspace() or ord(ch) < 32 for ch in base_url):
+            raise ValueError(f"base URL {base_url!r} is not a plain ASCII URL")
+        if self.tls is None:
+            self.tls = ssl.create_default_context()
+        upstream = Upstream(
+            next(_provider_ids),
+            base_url,
+            connect_timeout=self.connect_timeout,
+            tls=self.tls,
+            provider=True,
+        )
+        if upstream.authorization is not None:
+            raise ValueError(f"base URL {upstream.address}: credentials belong in a secret")
+        upstream.label = b"url:" + upstream.host_header  # x-shoal-instance of its answers
+        return upstream
+
+    def _release(self, vm: VirtualModel) -> None:
+        for choice in vm.choices:
+            if isinstance(choice, UrlChoice) and choice.upstream is not None:
+                key = (choice.target.base_url, choice.target.secret)
+                held = self._upstreams.get(key)
+                if held is None or held[0] is not choice.upstream:
+                    continue
+                if held[1] <= 1:
+                    del self._upstreams[key]
+                    held[0].close()
+                else:
+                    self._upstreams[key] = (held[0], held[1] - 1)
+
+
+def redact(url: str) -> str:
+    """`url` without the credentials it may hold: they never go to logs or reports."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<invalid URL>"
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+
+
+def workspace_prefix(workspace: str) -> str:
+    """The store prefix of `workspace`'s routes (with its trailing `/`)."""
+    return route_key(workspace, "_").rpartition("/")[0] + "/"

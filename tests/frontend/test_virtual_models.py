@@ -1,0 +1,581 @@
+"""Virtual models served by a frontend: routes written straight into the store (as the models
+controller writes them), fake workers as fleet models and as `url` providers."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from shoal.discovery import FleetTarget, Route, UrlTarget, delete_route, publish_route, route_key
+from shoal.frontend import Frontend
+from shoal.frontend.metrics import FrontendMetrics
+from shoal.frontend.proxy import Proxy
+from shoal.frontend.registry import Registry
+from shoal.frontend.router import make_router
+from shoal.frontend.routes import RouteWatcher
+from shoal.frontend.secrets import SecretError, Secrets, env_name
+from shoal.frontend.server import Request
+from shoal.frontend.upstream import Upstream
+from shoal.frontend.virtual import RouteTable
+from shoal.store import Store
+from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
+from tests.frontend.support import FakeWorker, serving
+from tests.helpers import free_port, wait_for
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def route(name: str, *targets: FleetTarget | UrlTarget, workspace: str = "default") -> Route:
+    return Route(workspace=workspace, name=name, targets=tuple(targets))
+
+
+def provider(worker: FakeWorker, model: str | None = None, **kwargs: Any) -> UrlTarget:
+    """A `url` target pointing at `worker` over plain HTTP."""
+    return UrlTarget(base_url=f"{worker.url}/v1", model=model or worker.model, **kwargs)
+
+
+async def post(
+    frontend: Frontend, body: dict[str, Any] | bytes, **headers: str
+) -> tuple[int, Any, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{frontend.url}/v1/chat/completions",
+            data=data,
+            headers={"content-type": "application/json", **headers},
+        ) as response,
+    ):
+        return response.status, await response.json(), response.headers
+
+
+async def model_ids(frontend: Frontend) -> list[str]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{frontend.url}/v1/models") as response,
+    ):
+        return [m["id"] for m in (await response.json())["data"]]
+
+
+async def get_model(frontend: Frontend, name: str) -> tuple[int, str | None]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{frontend.url}/v1/models/{name}") as response,
+    ):
+        return response.status, (await response.json()).get("id")
+
+
+def routed(frontend: Frontend, name: str, serving_now: bool = True) -> bool:
+    virtual = frontend.routes.models.get(name)
+    return virtual is not None and virtual.serving == serving_now
+
+
+def seen_model(worker: FakeWorker) -> str:
+    return str(json.loads(worker.bodies[-1])["model"])
+
+
+# -- watching the store -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite", "etcd"])
+async def test_a_route_serves_an_alias_and_a_deleted_route_answers_404(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker("mock-llm")
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend))
+    await publish_route(store, route("fast", FleetTarget("mock-llm")))
+    await wait_for(lambda: routed(frontend, "fast"), message="the route is served")
+
+    reply = await openai_client(frontend).chat.completions.create(
+        model="fast", messages=[{"role": "user", "content": "hi"}]
+    )
+    assert reply.model == "mock-llm"  # the worker answered for the name it serves
+    assert seen_model(worker) == "mock-llm"
+    assert await model_ids(frontend) == ["fast", "mock-llm"]
+
+    await delete_route(store, "default", "fast")
+    await wait_for(lambda: "fast" not in frontend.routes.models, message="the route is gone")
+    status, body, _ = await post(frontend, {"model": "fast", "messages": CHAT})
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+    assert await model_ids(frontend) == ["mock-llm"]
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite", "etcd"])
+async def test_a_malformed_route_is_skipped_and_never_hides_a_valid_one(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    await start_worker("mock-llm")
+    await store.put(
+        route_key("default", "broken"),
+        b'{"workspace": "default", "name": "broken", "targets": [{"kind": "carrier-pigeon"}]}',
+    )
+    await publish_route(store, route("good", FleetTarget("mock-llm")))
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend) and routed(frontend, "good"))
+    assert "broken" not in frontend.routes.models
+    assert list(frontend.routes.skipped) == [route_key("default", "broken")]
+
+    # A valid route overwritten with garbage keeps serving until a valid value or a delete.
+    await store.put(route_key("default", "good"), b"not json")
+    await wait_for(lambda: route_key("default", "good") in frontend.routes.skipped)
+    status, body, _ = await post(frontend, {"model": "good", "messages": CHAT})
+    assert (status, body["model"]) == (200, "mock-llm")
+    async with aiohttp.ClientSession() as session:
+        health = await (await session.get(f"{frontend.url}/health")).json()
+    reported = {s["key"] for s in health["virtual_models"]["skipped"]}
+    assert reported == {route_key("default", "broken"), route_key("default", "good")}
+
+    await store.delete(route_key("default", "good"))
+    await wait_for(lambda: "good" not in frontend.routes.models)
+    assert route_key("default", "good") not in frontend.routes.skipped
+
+
+async def test_routes_of_other_workspaces_are_not_served(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    await start_worker("mock-llm")
+    await publish_route(store, route("theirs", FleetTarget("mock-llm"), workspace="team-b"))
+    await publish_route(store, route("ours", FleetTarget("mock-llm"), workspace="team-a"))
+    frontend = await start_frontend(workspaces=("team-a",))
+    await wait_for(lambda: serving(frontend) and routed(frontend, "ours"))
+    assert "theirs" not in frontend.routes.models
+    status, _, _ = await post(frontend, {"model": "theirs", "messages": CHAT})
+    assert status == 404
+
+
+async def test_the_first_workspace_wins_a_name_both_define(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    first, second = await start_worker("model-a"), await start_worker("model-b")
+    await publish_route(store, route("shared", FleetTarget("model-b"), workspace="second"))
+    await publish_route(store, route("shared", FleetTarget("model-a"), workspace="first"))
+    frontend = await start_frontend(workspaces=("first", "second"))
+    await wait_for(lambda: serving(frontend, "model-a") and serving(frontend, "model-b"))
+    await wait_for(lambda: routed(frontend, "shared"))
+    status, body, _ = await post(frontend, {"model": "shared", "messages": CHAT})
+    assert (status, body["model"], first.requests, second.requests) == (200, "model-a", 1, 0)
+
+    await delete_route(store, "first", "shared")
+    await wait_for(lambda: frontend.routes.models["shared"].workspace == "second")
+    status, body, _ = await post(frontend, {"model": "shared", "messages": CHAT})
+    assert (status, body["model"]) == (200, "model-b")
+
+
+class CompactingStore:
+    """A store whose watches can be broken once (`broken`), dropping the event in flight,
+    and whose later watches start at the current revision whatever they ask for: history
+    compacted while the watcher was away, so only a fresh read tells what changed."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.broken = asyncio.Event()
+        self.failed = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Any]:
+        if self.failed:
+            start_revision = (await self.inner.get_prefix(prefix)).revision + 1
+        async for event in self.inner.watch(prefix, start_revision):
+            if self.broken.is_set():
+                self.broken.clear()
+                self.failed += 1
+                raise ConnectionError("injected: the watch broke")
+            yield event
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite", "etcd"])
+async def test_a_route_deleted_while_the_watch_was_broken_is_removed(store: Store) -> None:
+    await publish_route(store, route("a", FleetTarget("model-a")))
+    await publish_route(store, route("b", FleetTarget("model-b")))
+    flaky = CompactingStore(store)
+    table = RouteTable(Registry())
+    watcher = RouteWatcher(flaky, table)  # type: ignore[arg-type]
+    await watcher.start()
+    try:
+        assert set(table.models) == {"a", "b"}
+        flaky.broken.set()
+        await delete_route(store, "default", "a")  # its event is lost with the watch
+        await wait_for(lambda: flaky.failed == 1)
+        await wait_for(lambda: set(table.models) == {"b"}, message="the re-read removed `a`")
+        await publish_route(store, route("c", FleetTarget("model-c")))
+        await wait_for(lambda: set(table.models) == {"b", "c"}, message="watching again")
+    finally:
+        await watcher.stop()
+        table.close()
+
+
+# -- choosing a target ---------------------------------------------------------------------
+
+
+async def test_targets_share_requests_by_weight_each_seeing_its_own_name(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    heavy, light = await start_worker("model-a"), await start_worker("model-b")
+    frontend = await start_frontend()
+    await publish_route(
+        store, route("split", FleetTarget("model-a", weight=3), FleetTarget("model-b", weight=1))
+    )
+    await wait_for(lambda: serving(frontend, "model-a") and serving(frontend, "model-b"))
+    await wait_for(lambda: routed(frontend, "split"))
+    answered: collections.Counter[str] = collections.Counter()
+    async with aiohttp.ClientSession() as session:
+        for _ in range(400):
+            async with session.post(
+                f"{frontend.url}/v1/chat/completions", json={"model": "split", "messages": CHAT}
+            ) as response:
+                assert response.status == 200
+                answered[(await response.json())["model"]] += 1
+    # 3:1 of 400 is 300:100; the standard deviation is 8.7 requests: allow more than 5.
+    assert 255 <= answered["model-a"] <= 345, answered
+    assert answered["model-a"] + answered["model-b"] == 400
+    assert heavy.requests == answered["model-a"] and light.requests == answered["model-b"]
+    assert {json.loads(b)["model"] for b in heavy.bodies} == {"model-a"}
+    assert {json.loads(b)["model"] for b in light.bodies} == {"model-b"}
+
+
+async def test_a_zero_weight_target_gets_nothing_and_a_route_without_targets_is_unlisted(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    used, spare = await start_worker("model-a"), await start_worker("model-b")
+    frontend = await start_frontend()
+    await publish_route(
+        store, route("one", FleetTarget("model-a"), FleetTarget("model-b", weight=0))
+    )
+    await publish_route(store, route("nowhere"))
+    await wait_for(lambda: serving(frontend, "model-a") and serving(frontend, "model-b"))
+    await wait_for(lambda: routed(frontend, "one") and routed(frontend, "nowhere", False))
+    for _ in range(20):
+        status, _, _ = await post(frontend, {"model": "one", "messages": CHAT})
+        assert status == 200
+    assert (used.requests, spare.requests) == (20, 0)
+    assert "nowhere" not in await model_ids(frontend)
+    status, body, _ = await post(frontend, {"model": "nowhere", "messages": CHAT})
+    assert (status, body["error"]["code"]) == (503, "no_ready_instance")
+
+
+async def test_a_body_naming_the_served_model_is_forwarded_byte_for_byte(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    worker = await start_worker("mock-llm")
+    frontend = await start_frontend()
+    await publish_route(store, route("passthrough", FleetTarget("mock-llm")))
+    await publish_route(store, route("alias", FleetTarget("mock-llm")))
+    await wait_for(lambda: serving(frontend) and routed(frontend, "alias"))
+    await wait_for(lambda: routed(frontend, "passthrough"))
+    body = b'{ "model" : "passthrough", "messages": [{"role":"user","content":"1.50e2 \\u00e9"}], "n": 1 }'
+    # The name differs: only the top-level `model` is re-encoded, every other member as sent.
+    status, _, _ = await post(frontend, body.replace(b"passthrough", b"alias"))
+    assert status == 200
+    rewritten = json.loads(worker.bodies[-1])
+    assert rewritten == {**json.loads(body), "model": "mock-llm"}
+    assert b'[{"role":"user","content":"1.50e2 \\u00e9"}]' in worker.bodies[-1]
+    # A route to a model of the same name (the controller's passthrough): the very bytes.
+    await publish_route(store, route("mock-llm", FleetTarget("mock-llm")))
+    await wait_for(lambda: routed(frontend, "mock-llm"))
+    same = body.replace(b"passthrough", b"mock-llm")
+    status, _, _ = await post(frontend, same)
+    assert (status, worker.bodies[-1]) == (200, same)
+
+
+async def test_a_virtual_model_wins_over_a_discovered_model_of_its_name(
+    store: Store,
+    start_worker: StartWorker,
+    start_frontend: StartFrontend,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    shadowed, target = await start_worker("mock-llm"), await start_worker("other")
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend, "mock-llm") and serving(frontend, "other"))
+    await publish_route(store, route("mock-llm", FleetTarget("other")))
+    await wait_for(lambda: routed(frontend, "mock-llm"))
+    for _ in range(3):
+        status, body, _ = await post(frontend, {"model": "mock-llm", "messages": CHAT})
+        assert (status, body["model"]) == (200, "other")
+    assert (shadowed.requests, target.requests) == (0, 3)
+    assert await model_ids(frontend) == ["mock-llm", "other"]  # listed once
+    clashes = [r for r in caplog.records if "shadows the discovered model" in r.getMessage()]
+    assert len(clashes) == 1
+
+    await delete_route(store, "default", "mock-llm")
+    await wait_for(lambda: "mock-llm" not in frontend.routes.models)
+    status, body, _ = await post(frontend, {"model": "mock-llm", "messages": CHAT})
+    assert (status, body["model"], shadowed.requests) == (200, "mock-llm", 1)
+
+
+async def test_a_fleet_target_follows_the_fleet_model_coming_and_going(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend()
+    await publish_route(store, route("later", FleetTarget("model-a")))
+    await wait_for(lambda: routed(frontend, "later", False))
+    assert "later" not in await model_ids(frontend)
+    status, body, _ = await post(frontend, {"model": "later", "messages": CHAT})
+    assert (status, body["error"]["code"]) == (503, "no_ready_instance")
+
+    assert await get_model(frontend, "later") == (404, None)
+    worker = await start_worker("model-a")
+    await wait_for(lambda: serving(frontend, "model-a"))
+    assert await model_ids(frontend) == ["later", "model-a"]  # the cached body was rebuilt
+    assert await get_model(frontend, "later") == (200, "later")
+    status, body, _ = await post(frontend, {"model": "later", "messages": CHAT})
+    assert (status, body["model"]) == (200, "model-a")
+    await worker.unregister()
+    await wait_for(lambda: not serving(frontend, "model-a"))
+    assert await model_ids(frontend) == []
+
+
+async def test_a_fleet_target_retries_and_inhibits_like_the_fleet_model(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    failing, healthy = await start_worker("model-a"), await start_worker("model-a")
+    frontend = await start_frontend(router="round-robin")
+    await publish_route(store, route("alias", FleetTarget("model-a")))
+    await wait_for(lambda: serving(frontend, "model-a", 2) and routed(frontend, "alias"))
+    failing.fail_next = 100
+    for _ in range(6):
+        status, body, _ = await post(frontend, {"model": "alias", "messages": CHAT})
+        assert (status, body["model"]) == (200, "model-a")
+    assert failing.requests == 1  # failed once, then inhibited
+    assert healthy.requests == 6
+
+
+# -- url targets ---------------------------------------------------------------------------
+
+
+async def test_a_url_target_gets_the_secret_instead_of_the_clients_authorization(
+    store: Store,
+    start_worker: StartWorker,
+    start_frontend: StartFrontend,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    remote = await start_worker("remote-model", register=False)
+    bare = await start_worker("bare-model", register=False)
+    monkeypatch.setenv("SHOAL_SECRET_REMOTE_KEY", "sk-remote")
+    frontend = await start_frontend()
+    await publish_route(store, route("r", provider(remote, secret="remote-key")))
+    await publish_route(store, route("b", provider(bare)))
+    await wait_for(lambda: routed(frontend, "r") and routed(frontend, "b"))
+    status, body, headers = await post(
+        frontend, {"model": "r", "messages": CHAT}, authorization="Bearer client-key"
+    )
+    assert (status, body["model"]) == (200, "remote-model")
+    assert remote.headers[-1].getall("authorization") == ["Bearer sk-remote"]
+    assert headers["x-shoal-instance"] == f"url:127.0.0.1:{remote.port}"
+    # No secret: the client's key, meant for the gateway, is not passed on either.
+    status, _, _ = await post(
+        frontend, {"model": "b", "messages": CHAT}, authorization="Bearer client-key"
+    )
+    assert status == 200
+    assert "authorization" not in bare.headers[-1]
+
+
+async def test_a_url_target_without_its_secret_is_unlisted_until_the_secret_appears(
+    store: Store,
+    start_worker: StartWorker,
+    start_frontend: StartFrontend,
+    tmp_path: Path,
+) -> None:
+    remote = await start_worker("remote-model", register=False)
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    frontend = await start_frontend(secrets_dir=secrets, reconcile_interval=0.1)
+    await publish_route(store, route("r", provider(remote, secret="late")))
+    await wait_for(lambda: routed(frontend, "r", False))
+    error = frontend.routes.describe()["models"][0]["targets"][0]["error"]
+    assert "late" in error and str(secrets / "late") in error
+    status, _, _ = await post(frontend, {"model": "r", "messages": CHAT})
+    assert status == 503
+    assert await model_ids(frontend) == []
+
+    (secrets / "late").write_text("sk-late\n")
+    await wait_for(lambda: routed(frontend, "r"), message="the secret was picked up")
+    assert await model_ids(frontend) == ["r"]
+    status, _, _ = await post(frontend, {"model": "r", "messages": CHAT})
+    assert status == 200
+    assert remote.headers[-1]["authorization"] == "Bearer sk-late"
+    (secrets / "late").write_text("sk-rotated")
+    await wait_for(
+        lambda: (
+            frontend.routes.models["r"].choices[0].upstream.authorization == b"Bearer sk-rotated"
+        )
+    )  # type: ignore[union-attr]
+
+
+async def test_a_dead_url_target_is_inhibited_and_requests_go_to_the_live_one(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    live = await start_worker("live-model", register=False)
+    dead = UrlTarget(base_url=f"http://127.0.0.1:{free_port()}/v1", model="dead-model")
+    frontend = await start_frontend(inhibit_seconds=30)
+    await publish_route(store, route("split", dead, provider(live)))
+    await wait_for(lambda: routed(frontend, "split"))
+    for _ in range(10):
+        status, body, _ = await post(frontend, {"model": "split", "messages": CHAT})
+        assert (status, body["model"]) == (200, "live-model")
+    dead_upstream = frontend.routes.models["split"].choices[0].upstream
+    assert dead_upstream is not None and dead_upstream.inhibited
+    assert live.requests == 10
+
+    await publish_route(store, route("only-dead", dead))
+    await wait_for(lambda: routed(frontend, "only-dead"))
+    status, body, _ = await post(frontend, {"model": "only-dead", "messages": CHAT})
+    assert (status, body["error"]["code"]) == (502, "upstream_error")
+
+
+async def test_a_url_target_answering_5xx_is_retried_on_another_target(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    flaky = await start_worker("flaky-model", register=False)
+    steady = await start_worker("steady-model", register=False)
+    flaky.fail_next = 100
+    frontend = await start_frontend(inhibit_seconds=30)
+    await publish_route(
+        store, route("pair", provider(flaky, weight=1000), provider(steady, weight=1))
+    )
+    await wait_for(lambda: routed(frontend, "pair"))
+    for _ in range(5):
+        status, body, _ = await post(frontend, {"model": "pair", "messages": CHAT})
+        assert (status, body["model"]) == (200, "steady-model")
+    assert flaky.requests == 1  # then inhibited, for all its weight
+    # The retry named the model as the other target serves it.
+    assert [json.loads(b)["model"] for b in steady.bodies] == ["steady-model"] * 5
+
+
+def test_a_provider_base_url_maps_openai_paths_below_it() -> None:
+    proxy = Proxy(Registry(), make_router("round-robin"), FrontendMetrics())
+    request = Request(
+        b"POST",
+        b"/v1/chat/completions",
+        [(b"authorization", b"Bearer client-key")],
+        b"{}",
+        keep_alive=True,
+        http11=True,
+    )
+
+    def head(url: str) -> bytes:
+        target = Upstream(1, url, tls=ssl.create_default_context(), provider=True)
+        return proxy.request_head(request, target, request.body)
+
+    assert head("https://api.example.com/v1").startswith(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: api.example.com\r\n"
+    )
+    assert head("https://g.example.com/v1beta/openai/").startswith(
+        b"POST /v1beta/openai/chat/completions "
+    )
+    assert head("http://h:8080/api/v1").startswith(
+        b"POST /api/v1/chat/completions HTTP/1.1\r\nhost: h:8080\r\n"
+    )
+    assert b"client-key" not in head("https://api.example.com/v1")
+
+
+# -- secrets -------------------------------------------------------------------------------
+
+
+def test_secrets_come_from_the_environment_then_the_directory(tmp_path: Path) -> None:
+    (tmp_path / "openai-key").write_text("  sk-file\n")
+    (tmp_path / "both").write_text("sk-file")
+    secrets = Secrets(tmp_path, {"SHOAL_SECRET_BOTH": "sk-env"})
+    assert env_name("openai-key") == "SHOAL_SECRET_OPENAI_KEY"
+    assert secrets.resolve("openai-key") == "sk-file"
+    assert secrets.resolve("both") == "sk-env"
+    with pytest.raises(SecretError, match=r"SHOAL_SECRET_MISSING or .*missing"):
+        secrets.resolve("missing")
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "a/b", ".hidden", ""])
+def test_a_secret_name_cannot_reach_outside_the_directory(tmp_path: Path, name: str) -> None:
+    with pytest.raises(SecretError, match="not valid"):
+        Secrets(tmp_path, {}).resolve(name)
+
+
+@pytest.mark.parametrize("value", ["sk-1\r\nx-injected: 1", "", "   ", "clé"])
+def test_a_secret_value_that_could_break_a_header_is_refused(value: str) -> None:
+    with pytest.raises(SecretError, match="visible ASCII"):
+        Secrets(None, {"SHOAL_SECRET_K": value}).resolve("k")
+
+
+async def test_a_virtual_models_request_series_are_kept_while_it_is_routed(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    await start_worker("mock-llm")
+    frontend = await start_frontend()
+    await publish_route(store, route("alias", FleetTarget("mock-llm")))
+    await wait_for(lambda: serving(frontend) and routed(frontend, "alias"))
+    status, _, _ = await post(frontend, {"model": "alias", "messages": CHAT})
+    assert status == 200
+    frontend.metrics.departed_ttl = -1.0  # anything departed goes at once
+    frontend.metrics.drop_departed()
+    frontend.metrics.drop_departed()
+    assert frontend.metrics.models["alias"].requests[200] == 1
+    metrics = frontend.metrics.render().decode()
+    assert 'shoal_frontend_live_instances{model="alias"} 1.0' in metrics
+    assert 'shoal_frontend_requests_total{model="alias",status="200"} 1.0' in metrics
+
+
+def test_virtual_model_flags_default_and_fall_back_to_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from shoal.cli.frontend import config_from_args
+    from shoal.cli.main import build_parser
+
+    names = ("WORKSPACE", "SECRETS_DIR", "PROVIDER_CA_FILE", "TLS_CERTFILE", "TLS_KEYFILE")
+    for name in names:
+        monkeypatch.delenv(f"SHOAL_{name}", raising=False)
+    config = config_from_args(build_parser().parse_args(["frontend"]))
+    assert (config.workspaces, config.secrets_dir, config.provider_ca_file) == (
+        ("default",), None, None,
+    )  # fmt: skip
+    assert (config.tls_certfile, config.tls_keyfile) == (None, None)
+    flags = build_parser().parse_args(["frontend", "--workspace", "a", "--workspace", "b"])
+    assert config_from_args(flags).workspaces == ("a", "b")
+    for name in names:
+        monkeypatch.setenv(f"SHOAL_{name}", str(tmp_path / name.lower()))
+    monkeypatch.setenv("SHOAL_WORKSPACE", "team-a,team-b")
+    config = config_from_args(build_parser().parse_args(["frontend"]))
+    assert config.workspaces == ("team-a", "team-b")
+    assert (config.secrets_dir, config.provider_ca_file) == (
+        tmp_path / "secrets_dir", tmp_path / "provider_ca_file",
+    )  # fmt: skip
+    assert (config.tls_certfile, config.tls_keyfile) == (
+        tmp_path / "tls_certfile", tmp_path / "tls_keyfile",
+    )  # fmt: skip
+
+
+async def test_a_url_target_the_frontend_cannot_use_leaves_the_other_targets_serving(
+    store: Store,
+    start_worker: StartWorker,
+    start_frontend: StartFrontend,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    await start_worker("mock-llm")
+    frontend = await start_frontend()
+    unusable = [
+        UrlTarget(base_url="ftp://files.example.com/v1", model="m"),
+        UrlTarget(base_url="https://user:pw@api.example.com/v1", model="m"),
+        UrlTarget(base_url="https://api.example.com/v1", model="m", secret="../../etc/passwd"),
+    ]
+    await publish_route(store, route("mixed", *unusable, FleetTarget("mock-llm")))
+    await wait_for(lambda: serving(frontend) and routed(frontend, "mixed"))
+    errors = [t["error"] for t in frontend.routes.describe()["models"][0]["targets"][:3]]
+    assert "only http" in errors[0]
+    assert "credentials belong in a secret" in errors[1]
+    assert "pw" not in json.dumps(frontend.routes.describe())  # not in /health, nor in logs
+    assert "not valid" in errors[2]
+    assert "pw@" not in caplog.text and "***@api.example.com" in caplog.text
+    version = frontend.routes.version
+    frontend.routes.refresh_secrets()  # nothing a secret would fix: the table stays as it is
+    assert frontend.routes.version == version
+    for _ in range(5):
+        status, body, _ = await post(frontend, {"model": "mixed", "messages": CHAT})
+        assert (status, body["model"]) == (200, "mock-llm")
