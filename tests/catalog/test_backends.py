@@ -42,18 +42,17 @@ async def test_replicas_start_and_one_that_died_is_restarted(tmp_path: Path) -> 
     store = await open_store(store_url)
     try:
         await backend.start(wanted)
-        await wait_for(
-            lambda: _all_ready(backend, wanted), timeout=90, message="2 replicas ready"
-        )
+        await wait_for(lambda: _all_ready(backend, wanted), timeout=90, message="2 replicas ready")
         discovery = Discovery(store)
         assert len(await discovery.list(Query("backend-test"))) == 2
         victim = backend.pids("team-a", "mock")[0]
         os.kill(victim, signal.SIGKILL)
-        await wait_for(
-            lambda: _all_ready(backend, wanted) and victim not in backend.pids("team-a", "mock"),
-            timeout=90,
-            message="the dead replica restarted",
-        )
+
+        async def replaced() -> bool:
+            ready = await _all_ready(backend, wanted)
+            return ready and victim not in backend.pids("team-a", "mock")
+
+        await wait_for(replaced, timeout=90, message="the dead replica restarted")
         observed = await backend.poll(wanted)
         assert (observed.ready, observed.failed) == (2, False)
         await backend.poll(deployment(namespace="backend-test", replicas=1))  # scaled down

@@ -56,9 +56,9 @@ async def test_a_pass_stuck_on_one_call_is_reported_within_three_intervals(
             await wait_for(lambda: not loop.health().healthy, timeout=3 * interval + 1.0)
             assert time.monotonic() - stuck_at <= 3 * interval + 0.5
             assert "no progress" in (loop.health().reason or "")
-            async with aiohttp.ClientSession() as http:
-                async with http.get(f"{catalog.url}/health/controllers") as resp:
-                    body = await resp.json()
+            url = f"{catalog.url}/health/controllers"
+            async with aiohttp.ClientSession() as http, http.get(url) as resp:
+                body = await resp.json()
             assert resp.status == 503
             assert "no progress" in body["unhealthy"]["models-controller"]
         finally:

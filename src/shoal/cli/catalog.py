@@ -319,7 +319,7 @@ class EmbeddedCatalog:
 
 
 async def start_catalog(
-    host: str, port: int, store_url: str | None = None, interval: float = DEFAULT_INTERVAL
+    host: str, port: int, store_url: str | None = None, interval: float | None = None
 ) -> EmbeddedCatalog | None:
     """The catalog API on the default database, started, with its models controller on
     `store_url` if given; `None` once a warning is printed (`shoal up` serves models without
@@ -333,5 +333,7 @@ async def start_catalog(
         print(f"shoal up: the catalog is not running: {exc}", file=sys.stderr)
         await server.stop()
         return None
+    if interval is None:
+        interval = float(env_default("controller_interval", str(DEFAULT_INTERVAL)) or 0)
     controller = await start_controller(server, store_url, interval) if store_url else None
     return EmbeddedCatalog(server, controller)
