@@ -16,6 +16,7 @@ backend runs for a deployment that is not listed as wanted are stopped.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -67,7 +68,8 @@ class DeploymentsPhase:
         self.now = now
 
     async def run(self, workspace: str) -> None:
-        listed = {s: await self.calls.list_all(DEPLOYMENTS, workspace, {"status": s}) for s in S}
+        lists = [self.calls.list_all(DEPLOYMENTS, workspace, {"status": s}) for s in S]
+        listed = dict(zip(S, await asyncio.gather(*lists), strict=True))  # one list per status
         ready: list[Deployment] = []
         for deployment in listed[S.CREATED]:
             await self.backend.start(deployment)

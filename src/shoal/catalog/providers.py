@@ -22,6 +22,7 @@ snapshot, one changed meanwhile answers 409 and is kept, one deleted meanwhile i
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -117,17 +118,14 @@ class ProvidersPhase:
 
     async def run(self, workspace: str) -> ProvidersResult:
         self.fleet.new_pass()
-        try:
-            virtual_models: list[VirtualModel] | None = await self.calls.list_all(
-                VIRTUAL_MODELS, workspace
-            )
-        except (CatalogError, aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("virtual models of %s not read: no creation or cleanup: %s", workspace, exc)
-            virtual_models = None
-        providers = await self.calls.list_all(PROVIDERS, workspace)
-        result = ProvidersResult(virtual_models, {f"{workspace}/{p.name}": p for p in providers})
         cache = EntityCache(self.calls, workspace)
-        await cache.refresh()
+        # The three reads of the pass, at once: none depends on another.
+        virtual_models, providers, _ = await asyncio.gather(
+            self._virtual_models(workspace),
+            self.calls.list_all(PROVIDERS, workspace),
+            cache.refresh(),
+        )
+        result = ProvidersResult(virtual_models, {f"{workspace}/{p.name}": p for p in providers})
         try:
             for provider in providers:
                 await self._provider(workspace, provider, cache, result)
@@ -140,6 +138,14 @@ class ProvidersPhase:
             await self._passthrough(workspace, result)
             await self._cleanup(workspace, result)
         return result
+
+    async def _virtual_models(self, workspace: str) -> list[VirtualModel] | None:
+        """Every virtual model of the workspace; None (logged) if they cannot be read."""
+        try:
+            return await self.calls.list_all(VIRTUAL_MODELS, workspace)
+        except (CatalogError, aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("virtual models of %s not read: no creation or cleanup: %s", workspace, exc)
+            return None
 
     async def _provider(
         self, workspace: str, provider: Provider, cache: EntityCache, result: ProvidersResult
