@@ -20,7 +20,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.catalog.calls import Calls
+import aiohttp
+
+from shoal.catalog.calls import Calls, each
 from shoal.catalog.errors import CatalogError, ConflictError, NotFoundError
 from shoal.catalog.kinds import MODELS
 from shoal.catalog.resources import Model
@@ -167,19 +169,24 @@ class EntityCache:
     async def flush(self) -> FlushResult:
         """Write every staged entity that differs, each at most once; failures stay staged."""
         result = FlushResult()
-        for name in sorted(self._staged):
+
+        async def flush_one(name: str) -> None:
             change = self._staged[name]
             try:
                 written = await self._write(name, change)
-            except (CatalogError, OSError, TimeoutError) as exc:
+            except (CatalogError, aiohttp.ClientError, OSError, TimeoutError) as exc:
                 change.attempted = True
                 result.failed[name] = f"{type(exc).__name__}: {exc}"
                 log.warning("model %s/%s not written (retried next pass): %s",
                             self.workspace, name, exc)  # fmt: skip
-                continue
-            del self._staged[name]
+                return
+            if self._staged.get(name) is change:  # not staged again while it was written
+                del self._staged[name]
             if written:
                 result.written.append(name)
+
+        await each(sorted(self._staged), flush_one)
+        result.written.sort()
         return result
 
     async def _write(self, name: str, change: _Change) -> bool:

@@ -7,7 +7,8 @@ reported unhealthy within its `max_silence`, however long the pass was healthy b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from shoal.catalog.client import CatalogClient
@@ -16,6 +17,23 @@ from shoal.catalog.kinds import Kind
 from shoal.catalog.resources import Meta, Workspace
 
 M = TypeVar("M", bound=Meta)
+T = TypeVar("T")
+
+WRITES_AT_ONCE = 8
+"""Catalog writes a pass keeps in flight: a cold pass's hundreds of creates overlap their
+round trips, and the catalog is never asked for more than this at a time."""
+
+
+async def each(items: Iterable[T], work: Callable[[T], Awaitable[None]]) -> None:
+    """`work(item)` for every item, `WRITES_AT_ONCE` at a time; `work` handles its own errors
+    (one item's failure must not stop the others)."""
+    limit = asyncio.Semaphore(WRITES_AT_ONCE)
+
+    async def one(item: T) -> None:
+        async with limit:
+            await work(item)
+
+    await asyncio.gather(*(one(item) for item in items))
 
 
 def _nothing() -> None:

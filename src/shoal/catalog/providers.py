@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 
 from shoal.catalog.cache import EntityCache
-from shoal.catalog.calls import Calls
+from shoal.catalog.calls import Calls, each
 from shoal.catalog.errors import CatalogError, ConflictError, NotFoundError
 from shoal.catalog.kinds import PROVIDERS, VIRTUAL_MODELS
 from shoal.catalog.resources import NAME_PATTERN, Model, Provider, VirtualModel
@@ -209,18 +209,20 @@ class ProvidersPhase:
     async def _passthrough(self, workspace: str, result: ProvidersResult) -> None:
         """A virtual model for each served name that no virtual model holds."""
         assert result.virtual_models is not None
-        taken = {vm.name for vm in result.virtual_models}
-        for name in sorted(result.served - taken):
+        made = result.virtual_models
+        taken = {vm.name for vm in made}
+
+        async def create(name: str) -> None:
             body = {"name": name, "default_model": name, "autoprovisioned": True,
                     "description": "passthrough: the model under its own name"}  # fmt: skip
             try:
-                result.virtual_models.append(
-                    await self.calls.create(VIRTUAL_MODELS, workspace, body)
-                )
+                made.append(await self.calls.create(VIRTUAL_MODELS, workspace, body))
             except ConflictError:  # made meanwhile by someone else: theirs to keep
-                continue
+                return
             except CatalogError as exc:
                 log.warning("passthrough virtual model %s/%s: %s", workspace, name, exc.message)
+
+        await each(sorted(result.served - taken), create)
 
     async def _cleanup(self, workspace: str, result: ProvidersResult) -> None:
         """Delete autoprovisioned virtual models whose entity nobody serves any more."""
