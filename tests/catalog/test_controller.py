@@ -3,6 +3,10 @@ the providers phase, the deployments phase with a fake backend, and published ro
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from shoal.catalog import DEPLOYMENTS, MODELS, PROVIDERS, VIRTUAL_MODELS, CatalogServer
 from shoal.catalog.routing import routes_prefix
 from shoal.discovery import FleetTarget, UrlTarget, decode_route, route_key
@@ -14,6 +18,7 @@ from tests.catalog.controller_fixtures import (
     openai_servers,
     seed_converged,
 )
+from tests.helpers import wait_for
 
 REF = f"{WS}/p0"
 
@@ -273,3 +278,43 @@ async def test_deleted_and_failed_deployments_are_collected_after_the_ttl(
         ctl.deployments.ttl = 0.0
         await ctl.step()
         assert await client.list_all(DEPLOYMENTS) == []
+
+
+async def test_staged_links_land_when_the_pass_is_cancelled(catalog: CatalogServer) -> None:
+    async with (
+        openai_servers(["a"], ["b"]) as servers,
+        controller_on(catalog.url, workspaces=[WS]) as (ctl, client, _),
+    ):
+        for i, server in enumerate(servers):
+            await client.create(PROVIDERS, {"name": f"p{i}", "type": "url",
+                                            "base_url": server.base_url})  # fmt: skip
+        client.hold = lambda call: call == f"PATCH /v1/workspaces/{WS}/providers/p1"
+        step = asyncio.create_task(ctl.step())
+        await wait_for(client.held.is_set, timeout=30)
+        client.hold = lambda call: False
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        # the flush in `finally` wrote both providers' entities and links
+        assert (await client.get(MODELS, "a")).providers == [f"{WS}/p0"]
+        assert (await client.get(MODELS, "b")).providers == [f"{WS}/p1"]
+
+
+async def test_one_provider_whose_status_cannot_be_written_does_not_stop_the_others(
+    catalog: CatalogServer,
+) -> None:
+    async with (
+        openai_servers(["a"], ["b"]) as servers,
+        controller_on(catalog.url, workspaces=[WS]) as (ctl, client, _),
+    ):
+        for i, server in enumerate(servers):
+            await client.create(PROVIDERS, {"name": f"p{i}", "type": "url",
+                                            "base_url": server.base_url})  # fmt: skip
+        client.fail = lambda call: call == f"PATCH /v1/workspaces/{WS}/providers/p0"
+        await ctl.step()
+        client.fail = lambda call: False
+        assert (await client.get(PROVIDERS, "p0")).status == "CREATED"
+        assert (await client.get(PROVIDERS, "p1")).status == "READY"
+        assert sorted(vm.name for vm in await client.list_all(VIRTUAL_MODELS)) == ["a", "b"]
+        await ctl.step()
+        assert (await client.get(PROVIDERS, "p0")).status == "READY"

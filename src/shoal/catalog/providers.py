@@ -196,6 +196,9 @@ class ProvidersPhase:
         except (ConflictError, NotFoundError) as exc:  # changed or deleted meanwhile
             log.info("provider %s not updated (next pass): %s", ref, exc.message)
             return
+        except (CatalogError, aiohttp.ClientError, TimeoutError) as exc:  # isolated: go on
+            log.warning("provider %s not updated (next pass): %s", ref, exc)
+            return
         result.providers[ref] = updated
 
     def _unlink_gone(self, workspace: str, cache: EntityCache, result: ProvidersResult) -> None:
