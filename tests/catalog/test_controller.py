@@ -89,7 +89,8 @@ async def test_virtual_models_are_read_once_per_pass(catalog: CatalogServer) -> 
             await ctl.step()
             assert client.made(f"GET /v1/workspaces/{WS}/virtual-models") == 1
             assert client.made(f"GET /v1/workspaces/{WS}/models") == 1
-            assert client.made(f"GET /v1/workspaces/{WS}/providers") == 1
+        # the last pass: no deployment and no provider of one left, so one providers list
+        assert client.made(f"GET /v1/workspaces/{WS}/providers") == 1
         b = await client.get(MODELS, "b")
         assert b.providers == [f"{WS}/p0", f"{WS}/p1"] and b.version == 1  # one write
 
@@ -318,3 +319,21 @@ async def test_one_provider_whose_status_cannot_be_written_does_not_stop_the_oth
         assert sorted(vm.name for vm in await client.list_all(VIRTUAL_MODELS)) == ["a", "b"]
         await ctl.step()
         assert (await client.get(PROVIDERS, "p0")).status == "READY"
+
+
+async def test_a_deleted_deployment_row_stops_its_workers_and_removes_its_provider(
+    catalog: CatalogServer,
+) -> None:
+    backend = FakeBackend()
+    async with controller_on(catalog.url, workspaces=[WS], backend=backend) as (ctl, client, store):
+        await announce(store, "default", "mock-llm", 1)
+        await client.create(DEPLOYMENTS, {"name": "d", "model": "mock-llm", "engine": "mocker",
+                                          "status": "PENDING"})  # fmt: skip
+        await ctl.step()  # READY, its provider made
+        await ctl.step()  # the entity linked to it
+        assert (await client.get(MODELS, "mock-llm")).providers == [f"{WS}/deployment-d"]
+        await client.delete(DEPLOYMENTS, "d")  # the last deployment of the workspace
+        await ctl.step()
+        assert backend.stopped == ["d"]
+        assert await client.list_all(PROVIDERS) == []
+        assert (await client.get(MODELS, "mock-llm")).providers == []

@@ -66,6 +66,7 @@ class DeploymentsPhase:
         self.backend = backend
         self.ttl = ttl
         self.now = now
+        self._had_providers: dict[str, bool] = {}  # workspace -> deployment providers left
 
     async def run(self, workspace: str) -> None:
         lists = [self.calls.list_all(DEPLOYMENTS, workspace, {"status": s}) for s in S]
@@ -93,8 +94,10 @@ class DeploymentsPhase:
             if running_workspace == workspace and name not in wanted:
                 log.info("deployment %s/%s is gone: stopping its workers", workspace, name)
                 await self.backend.stop(workspace, name)
-        if any(listed[s] for s in S):  # no deployment, no provider of one: nothing to read
-            await self._providers(workspace, ready)
+        # Providers are read while deployments exist, or their providers did at the last
+        # read: a steady workspace without deployments pays no call for them.
+        if any(listed[s] for s in S) or self._had_providers.get(workspace, True):
+            self._had_providers[workspace] = await self._providers(workspace, ready)
 
     async def _poll(self, deployment: Deployment, observed: Observed) -> S:
         if observed.failed:
@@ -134,8 +137,9 @@ class DeploymentsPhase:
             return
         log.info("deployment %s/%s collected", deployment.workspace, deployment.name)
 
-    async def _providers(self, workspace: str, ready: list[Deployment]) -> None:
-        """Each READY deployment has its fleet provider; other deployment providers go."""
+    async def _providers(self, workspace: str, ready: list[Deployment]) -> bool:
+        """Each READY deployment has its fleet provider; other deployment providers go.
+        True if deployment providers are left."""
         providers = {p.name: p for p in await self.calls.list_all(PROVIDERS, workspace)}
         for deployment in ready:
             await self._ensure_provider(workspace, deployment, providers)
@@ -145,7 +149,7 @@ class DeploymentsPhase:
             if p.autoprovisioned and name.startswith(PROVIDER_PREFIX) and name not in wanted
         ]  # fmt: skip
         if not stale:
-            return
+            return bool(ready)
         cache = EntityCache(self.calls, workspace)
         await cache.refresh()
         try:
@@ -157,11 +161,13 @@ class DeploymentsPhase:
                         cache.stage_provider_unlink(name, ref)
         finally:
             await cache.flush()
+        left = bool(ready)
         for provider in stale:
             try:
                 await self.calls.delete(PROVIDERS, workspace, provider.name, provider.version)
             except (ConflictError, NotFoundError):
-                continue
+                left = True  # changed meanwhile: looked at again next pass
+        return left
 
     async def _ensure_provider(
         self, workspace: str, deployment: Deployment, providers: dict[str, Provider]
