@@ -125,3 +125,12 @@ async def test_two_catalog_replicas_one_leads_and_the_other_takes_over(
         await deployment_brings_workers_and_routes(survivor.ready["url"], store, tmp_path)
     finally:
         await store.close()
+
+
+async def test_serve_with_a_store_it_cannot_use_says_so_and_exits(tmp_path: Path) -> None:
+    code, out, err = await catalog_cli(
+        "serve", "--db", f"sqlite:///{tmp_path / 'c.db'}", "--port", str(free_port()),
+        "--store", "nope://x",
+    )  # fmt: skip
+    assert code == 1 and out == ""
+    assert "models controller cannot start" in err and "nope" in err
