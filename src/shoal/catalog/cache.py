@@ -79,6 +79,17 @@ class EntityCache:
         """Every entity name known: the snapshot's and the staged creates'."""
         return sorted(self._snapshot.keys() | self._staged.keys())
 
+    def linked_to(self, provider: str) -> list[str]:
+        """Names linked to `provider` once the flush is done (no call, no copies)."""
+        linked = []
+        for name in self.names():
+            change = self._staged.get(name)
+            staged = change.links.get(provider) if change is not None else None
+            base = self._snapshot.get(name)
+            if staged or (staged is None and base is not None and provider in base.providers):
+                linked.append(name)
+        return linked
+
     def peek(self, name: str) -> Model | None:
         """The entity as it will be after the flush, from the snapshot only (no call)."""
         base = self._snapshot.get(name)

@@ -155,10 +155,8 @@ class DeploymentsPhase:
         try:
             for provider in stale:
                 ref = f"{workspace}/{provider.name}"
-                for name in cache.names():
-                    entity = cache.peek(name)
-                    if entity is not None and ref in entity.providers:
-                        cache.stage_provider_unlink(name, ref)
+                for name in cache.linked_to(ref):
+                    cache.stage_provider_unlink(name, ref)
         finally:
             await cache.flush()
         left = bool(ready)

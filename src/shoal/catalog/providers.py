@@ -168,11 +168,11 @@ class ProvidersPhase:
                     name, {"autoprovisioned": True, "description": f"served by {ref}"}
                 )
             cache.stage_provider_link(name, ref)
-        for name in cache.names():
-            entity = cache.peek(name)
-            if entity is not None and ref in entity.providers and name not in valid:
+        kept = set(valid)
+        for name in cache.linked_to(ref):
+            if name not in kept:
                 cache.stage_provider_unlink(name, ref)
-        result.served |= set(valid)
+        result.served |= kept
         skipped = len(served) - len(valid)
         message = f"{len(valid)} model(s)" + (f"; {skipped} name(s) not valid entity names"
                                               if skipped else "")  # fmt: skip
