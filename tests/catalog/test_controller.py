@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from shoal.catalog import DEPLOYMENTS, MODELS, PROVIDERS, VIRTUAL_MODELS, CatalogServer
+from shoal.catalog.controller import PassError
 from shoal.catalog.routing import routes_prefix
 from shoal.discovery import FleetTarget, UrlTarget, decode_route, route_key
 from tests.catalog.controller_fixtures import (
@@ -337,3 +338,16 @@ async def test_a_deleted_deployment_row_stops_its_workers_and_removes_its_provid
         assert backend.stopped == ["d"]
         assert await client.list_all(PROVIDERS) == []
         assert (await client.get(MODELS, "mock-llm")).providers == []
+
+
+async def test_a_failing_workspace_does_not_stop_the_others(catalog: CatalogServer) -> None:
+    async with openai_servers(["a"]) as [server], controller_on(catalog.url) as (ctl, client, _):
+        for workspace in ("broken", WS):
+            await client.create(PROVIDERS, {"name": "p", "type": "url",
+                                            "base_url": server.base_url}, workspace=workspace)  # fmt: skip
+        client.fail = lambda call: call.startswith("GET /v1/workspaces/broken/providers")
+        with pytest.raises(PassError, match="broken"):
+            await ctl.step()
+        client.fail = lambda call: False
+        assert (await client.get(PROVIDERS, "p")).status == "READY"  # team-a reconciled
+        assert (await client.get(PROVIDERS, "p", workspace="broken")).status == "CREATED"

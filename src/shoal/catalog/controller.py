@@ -28,16 +28,21 @@ from shoal.catalog.backends import Backend, LocalBackend
 from shoal.catalog.calls import Calls
 from shoal.catalog.client import CatalogClient
 from shoal.catalog.deployments import DeploymentsPhase
+from shoal.catalog.errors import CatalogError
 from shoal.catalog.leader import Leadership
 from shoal.catalog.providers import FleetLister, ProvidersPhase, UrlLister
 from shoal.catalog.routing import publish, resolve
 from shoal.controllers import Controller, ControllerManager, HeartbeatMixin, Loop
 from shoal.discovery import Discovery
-from shoal.store import Store, open_store
+from shoal.store import Store, StoreError, open_store
 
 log = logging.getLogger(__name__)
 
 ROLE = "models-controller"
+
+
+class PassError(Exception):
+    """Some workspaces of a pass failed (the others were reconciled); the message names them."""
 
 
 @dataclass
@@ -84,21 +89,33 @@ class ModelsController(Controller, HeartbeatMixin):
         report = PassReport()
         started, calls = time.monotonic(), self.calls.requests
         names = self.workspaces or [w.name for w in await self.calls.workspaces()]
+        failed: dict[str, str] = {}
         for workspace in names:
-            await self.deployments.run(workspace)
-            result = await self.providers.run(workspace)
-            if result.virtual_models is not None:  # not read: the routes stay as they are
-                routes = resolve(
-                    workspace, result.virtual_models, result.entities.get, result.providers
-                )
-                written, deleted = await publish(self.store, workspace, routes)
-                report.routes_written += written
-                report.routes_deleted += deleted
-            report.workspaces.append(workspace)
+            try:
+                await self._workspace(workspace, report)
+            except (CatalogError, StoreError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                failed[workspace] = f"{type(exc).__name__}: {exc}"  # the others go on
+                log.warning("workspace %s: pass failed: %s", workspace, exc, exc_info=exc)
             self.emit_heartbeat()
         report.calls = self.calls.requests - calls
         report.seconds = time.monotonic() - started
         self.last, self.passes = report, self.passes + 1
+        if failed:  # the loop counts the pass as failed, and health says why if it lasts
+            raise PassError(f"{len(failed)} workspace(s) failed: " + "; ".join(
+                f"{workspace}: {why}" for workspace, why in sorted(failed.items())
+            ))  # fmt: skip
+
+    async def _workspace(self, workspace: str, report: PassReport) -> None:
+        """The phases of one workspace, in order, then its routes."""
+        await self.deployments.run(workspace)
+        result = await self.providers.run(workspace)
+        if result.virtual_models is None:  # not read: the routes stay as they are
+            return
+        routes = resolve(workspace, result.virtual_models, result.entities.get, result.providers)
+        written, deleted = await publish(self.store, workspace, routes)
+        report.routes_written += written
+        report.routes_deleted += deleted
+        report.workspaces.append(workspace)
 
 
 @dataclass
