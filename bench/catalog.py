@@ -1,7 +1,10 @@
 """Catalog benchmark (not a test): 10,000 model entities and 10,000 virtual models in one
-workspace; a full paginated list of each, and single gets, through the HTTP API.
+workspace; a full paginated list of each, and single gets, through the HTTP API. With
+`--controller`: the models controller's passes over 4 providers x 102 models, every catalog
+call delayed 60 ms by a middleware (a catalog across a network).
 
     .venv/bin/python -m bench.catalog [--backends sqlite,postgresql] [--entities 10000]
+    .venv/bin/python -m bench.catalog --controller [--backends sqlite,postgresql]
 
 The API runs as a real `shoal catalog serve` process; the client is `CatalogClient` (aiohttp)
 in this one. Rows are seeded with one bulk insert (the subject is reading them back), each
@@ -22,7 +25,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 from tests.postgres_server import PostgresDatabase
 
 from shoal.catalog import MODELS, VIRTUAL_MODELS, CatalogClient, Kind
@@ -109,21 +112,84 @@ async def run_backend(url: str, args: argparse.Namespace) -> dict[str, float]:
         await proc.wait()
 
 
+class Delay:
+    """ASGI middleware: every HTTP request waits `seconds` before the app sees it."""
+
+    def __init__(self, app: Any, seconds: float) -> None:
+        self.app, self.seconds = app, seconds
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await asyncio.sleep(self.seconds)
+        await self.app(scope, receive, send)
+
+
+async def controller_passes(url: str, args: argparse.Namespace) -> dict[str, float]:
+    """A cold pass, then `rounds` steady passes, of 4 url providers x 102 models."""
+    import uvicorn
+    from tests.catalog.controller_fixtures import WS, controller_on, openai_servers
+
+    from shoal.catalog import PROVIDERS
+    from shoal.catalog.api import create_app
+
+    engine = open_engine(url)
+    await migrate(engine)
+    port = free_port()
+    app = Delay(create_app(engine, migrate_on_start=False), args.delay_ms / 1000)
+    config = uvicorn.Config(app, port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    await wait_for(lambda: server.started, timeout=30, message="the catalog API started")
+    served = [[f"p{i}/model-{j:03d}" for j in range(102)] for i in range(4)]
+    result: dict[str, float] = {}
+    try:
+        async with (
+            openai_servers(*served) as upstreams,
+            controller_on(f"http://127.0.0.1:{port}", workspaces=[WS]) as (ctl, client, _),
+        ):
+            for i, upstream in enumerate(upstreams):
+                await client.create(
+                    PROVIDERS, {"name": f"p{i}", "type": "url", "base_url": upstream.base_url}
+                )
+            await ctl.step()
+            assert ctl.last is not None
+            result["cold pass calls"] = ctl.last.calls
+            result["cold pass s"] = ctl.last.seconds
+            steady = []
+            for _ in range(args.rounds):
+                await ctl.step()
+                steady.append(ctl.last.seconds)
+                result["steady pass calls"] = ctl.last.calls
+            result[f"steady pass s (median of {args.rounds})"] = pct(steady, 0.5)
+            result["steady pass s (max)"] = max(steady)
+    finally:
+        server.should_exit = True
+        await serving
+        await engine.dispose()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="sqlite,postgresql")
     parser.add_argument("--entities", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--gets", type=int, default=1000)
+    parser.add_argument("--controller", action="store_true", help="the controller's passes")
+    parser.add_argument("--delay-ms", type=float, default=60.0, help="added to every call")
     args = parser.parse_args()
     print(f"# {platform.platform()}, python {platform.python_version()}")
-    print(f"# {args.entities} model entities + {args.entities} virtual models, page_size 1000")
+    if args.controller:
+        print(f"# controller: 4 url providers x 102 models, {args.delay_ms:g} ms per catalog call")
+    else:
+        print(f"# {args.entities} model entities + {args.entities} virtual models, page_size 1000")
     for backend in args.backends.split(","):
         postgres = PostgresDatabase() if backend == "postgresql" else None
         with tempfile.TemporaryDirectory() as tmp:
             url = postgres.url if postgres else f"sqlite:///{tmp}/catalog.db"
+            run = controller_passes if args.controller else run_backend
             try:
-                result = asyncio.run(run_backend(url, args))
+                result = asyncio.run(run(url, args))
             finally:
                 if postgres:
                     postgres.close()

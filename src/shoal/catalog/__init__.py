@@ -4,7 +4,10 @@ What belongs here: the resources users and controllers declare (providers, model
 virtual models, deployments, in workspaces), their database (SQLAlchemy on SQLite or
 PostgreSQL, Alembic migrations), the REST API over it (FastAPI), the typed client of that API,
 and `apply` (a file of resources made true). The models controller that reconciles all this
-(issue 12) belongs here too. Nothing imports the catalog except `shoal.cli`.
+belongs here too: `controller` (the pass, in one file), its phases `deployments` and
+`providers`, the entity `cache` they write through, `calls` (the client, beating), the
+deployment `backends`, `routing` (virtual models to published routes) and `leader`.
+Nothing imports the catalog except `shoal.cli`.
 """
 
 from __future__ import annotations

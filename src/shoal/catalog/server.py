@@ -13,10 +13,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shoal.catalog.api import create_app
 from shoal.catalog.database import migrate, open_engine
+from shoal.controllers import ControllerManager, readiness
 
 
 @dataclass
@@ -56,6 +59,7 @@ class CatalogServer:
         self._socket: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = config.port
+        self.controllers: ControllerManager | None = None  # the loops /health/controllers reports
 
     @property
     def url(self) -> str:
@@ -72,6 +76,7 @@ class CatalogServer:
             public_read=self.config.public_read,
             migrate_on_start=False,
         )
+        self._health_routes(app)
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -90,6 +95,18 @@ class CatalogServer:
         if not self._server.started:
             await self.stop()
             raise RuntimeError("the catalog API did not start (see the log)")
+
+    def _health_routes(self, app: FastAPI) -> None:
+        """`GET /health/controllers`: 200 while every loop of `controllers` is healthy (or
+        none runs), else 503 naming each unhealthy loop and why."""
+
+        @app.get("/health/controllers", include_in_schema=False)
+        async def controllers() -> JSONResponse:
+            if self.controllers is None:
+                return JSONResponse({"status": "ok", "unhealthy": {}, "loops": []})
+            status, body = readiness(self.controllers)
+            body["loops"] = sorted(self.controllers.loops)
+            return JSONResponse(body, status_code=status)
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:

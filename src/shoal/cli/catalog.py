@@ -1,7 +1,9 @@
 """`shoal catalog`: serve the catalog API, migrate its database, and apply, get or delete
 resources through the API.
 
-    shoal catalog serve [--db URL] [--port P]      the API (migrates first)
+    shoal catalog serve [--db URL] [--port P] [--store URL]
+                                                   the API (migrates first); with a discovery
+                                                   store, the models controller too
     shoal catalog migrate [--db URL]               the schema only
     shoal catalog apply -f FILE [--prune]          make a file of resources true
     shoal catalog get KIND [NAME] [-o json|yaml|table]
@@ -22,6 +24,7 @@ from shoal.cli.frontend import add_number_flag, on_stop_signals, run_event_loop
 from shoal.cli.main import env_default
 
 DEFAULT_PORT = 8100
+DEFAULT_INTERVAL = 2.0
 COLUMNS: dict[str, tuple[str, ...]] = {
     "providers": ("type", "status", "base_url", "namespace", "auth_secret"),
     "models": ("base_model", "format", "context_length", "providers"),
@@ -49,6 +52,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=env_default("public_read", "") in ("1", "true", "yes"),
         help="reads need no admin token (SHOAL_PUBLIC_READ=1)",
     )
+    add_controller_flags(serve)
 
     migrate = commands.add_parser("migrate", help="bring the database schema up to date")
     add_database_flag(migrate)
@@ -76,6 +80,22 @@ def add_database_flag(parser: argparse.ArgumentParser) -> None:
         default=env_default("catalog_db"),
         help="database URL: sqlite:///path or postgresql://user@host/db "
         "(default: catalog.db in the user state dir)",
+    )
+
+
+def add_controller_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store",
+        default=env_default("store"),
+        help="discovery store URL: runs the models controller, which starts deployments and "
+        "publishes routes there (SHOAL_STORE; default: no controller)",
+    )
+    add_number_flag(
+        parser,
+        "--controller-interval",
+        float,
+        DEFAULT_INTERVAL,
+        help=f"seconds between two controller passes (default {DEFAULT_INTERVAL:g})",
     )
 
 
@@ -135,10 +155,43 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"shoal catalog serve: {config.database_url}: {exc}", file=sys.stderr)
         await server.stop()
         return 1
+    controller = None
+    if args.store:
+        controller = await start_controller(server, args.store, args.controller_interval)
+        if controller is None:
+            await server.stop()
+            return 1
     print(f"shoal catalog ready: url={server.url} db={config.database_url}", flush=True)
     await stop.wait()
+    if controller is not None:
+        await controller.stop()
     await server.stop()
     return 0
+
+
+async def start_controller(server: Any, store_url: str, interval: float) -> Any:
+    """The models controller of `server`'s catalog, started on the store at `store_url`;
+    `None` once the reason it cannot start is printed. Its workers log beside the store."""
+    import platformdirs
+
+    from shoal.catalog.controller import ControllerConfig, ModelsControllerService
+
+    config = ControllerConfig(
+        catalog_url=server.url,
+        store_url=store_url,
+        admin_token=server.config.admin_token,
+        interval=interval,
+        log_dir=Path(platformdirs.user_log_dir("shoal")) / "deployments",
+    )
+    controller = ModelsControllerService(config)
+    try:
+        await controller.start()
+    except Exception as exc:  # the store is unreachable or its URL is wrong
+        print(f"shoal catalog: the models controller cannot start: {exc}", file=sys.stderr)
+        await controller.stop()
+        return None
+    server.controllers = controller.manager  # /health/controllers reports its loop
+    return controller
 
 
 async def migrate(args: argparse.Namespace) -> int:
@@ -249,9 +302,28 @@ def add_catalog_port_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-async def start_catalog(host: str, port: int) -> Any:
-    """The catalog API on the default database, started; `None` once a warning is printed
-    (`shoal up` serves models without it: the catalog is desired state, not the request path)."""
+class EmbeddedCatalog:
+    """The catalog API and its models controller as `shoal up` runs them: stopped together."""
+
+    def __init__(self, server: Any, controller: Any) -> None:
+        self.server, self.controller = server, controller
+
+    @property
+    def url(self) -> str:
+        return str(self.server.url)
+
+    async def stop(self) -> None:
+        if self.controller is not None:
+            await self.controller.stop()
+        await self.server.stop()
+
+
+async def start_catalog(
+    host: str, port: int, store_url: str | None = None, interval: float | None = None
+) -> EmbeddedCatalog | None:
+    """The catalog API on the default database, started, with its models controller on
+    `store_url` if given; `None` once a warning is printed (`shoal up` serves models without
+    it: the catalog is desired state, not the request path)."""
     from shoal.catalog import CatalogConfig, CatalogServer, default_database_url
 
     server = CatalogServer(CatalogConfig(database_url=default_database_url(), host=host, port=port))
@@ -261,4 +333,7 @@ async def start_catalog(host: str, port: int) -> Any:
         print(f"shoal up: the catalog is not running: {exc}", file=sys.stderr)
         await server.stop()
         return None
-    return server
+    if interval is None:
+        interval = float(env_default("controller_interval", str(DEFAULT_INTERVAL)) or 0)
+    controller = await start_controller(server, store_url, interval) if store_url else None
+    return EmbeddedCatalog(server, controller)

@@ -190,7 +190,7 @@ async def up(args: argparse.Namespace) -> int:
     if frontend is None:
         return 1
     _say(f"  frontend     listening on {frontend.url}")
-    catalog = await start_catalog(args.host, args.catalog_port)  # optional: None if it failed
+    catalog = await start_catalog(args.host, args.catalog_port, store_url)  # None if it failed
     if catalog is not None:
         _say(f"  catalog      {catalog.url}/docs: shoal catalog apply -f FILE")
 

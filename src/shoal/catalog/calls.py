@@ -1,0 +1,100 @@
+"""`Calls`: the catalog client as the models controller uses it, beating after every call.
+
+Liveness follows progress (`shoal.controllers.heartbeat`): each completed API call, and each
+page of a list, is progress. A call that hangs beats nothing, so the loop that made it is
+reported unhealthy within its `max_silence`, however long the pass was healthy before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+from shoal.catalog.client import CatalogClient
+from shoal.catalog.errors import NotFoundError
+from shoal.catalog.kinds import Kind
+from shoal.catalog.resources import Meta, Workspace
+
+M = TypeVar("M", bound=Meta)
+T = TypeVar("T")
+
+WRITES_AT_ONCE = 8
+"""Catalog writes a pass keeps in flight: a cold pass's hundreds of creates overlap their
+round trips, and the catalog is never asked for more than this at a time."""
+
+
+async def each(items: Iterable[T], work: Callable[[T], Awaitable[None]]) -> None:
+    """`work(item)` for every item, `WRITES_AT_ONCE` at a time; `work` handles its own errors
+    (one item's failure must not stop the others)."""
+    limit = asyncio.Semaphore(WRITES_AT_ONCE)
+
+    async def one(item: T) -> None:
+        async with limit:
+            await work(item)
+
+    await asyncio.gather(*(one(item) for item in items))
+
+
+def _nothing() -> None:
+    return None
+
+
+class Calls:
+    """The catalog calls of one controller, each followed by `beat()` once it completed."""
+
+    def __init__(self, client: CatalogClient, beat: Callable[[], None] = _nothing) -> None:
+        self.client = client
+        self.beat = beat
+
+    @property
+    def requests(self) -> int:
+        """HTTP requests made so far (the client's count)."""
+        return self.client.requests
+
+    async def list_all(
+        self, kind: Kind[M], workspace: str, filters: dict[str, str] | None = None
+    ) -> list[M]:
+        """Every item of `kind` in `workspace`, page by page (1000 a page), beating per page.
+        A workspace that does not exist (yet) has no items."""
+        items: list[M] = []
+        page: int | None = 1
+        while page is not None:
+            try:
+                got = await self.client.list(
+                    kind, workspace=workspace, page=page, page_size=1000, filters=filters
+                )
+            except NotFoundError as exc:
+                if exc.param != "workspace":
+                    raise
+                return []
+            self.beat()
+            items += got.items
+            page = got.next_page
+        return items
+
+    async def get(self, kind: Kind[M], workspace: str, name: str) -> M:
+        found = await self.client.get(kind, name, workspace=workspace)
+        self.beat()
+        return found
+
+    async def create(self, kind: Kind[M], workspace: str, body: dict[str, Any]) -> M:
+        made = await self.client.create(kind, body, workspace=workspace)
+        self.beat()
+        return made
+
+    async def update(
+        self, kind: Kind[M], workspace: str, name: str, changes: dict[str, Any], version: int
+    ) -> M:
+        done = await self.client.update(kind, name, changes, version=version, workspace=workspace)
+        self.beat()
+        return done
+
+    async def delete(self, kind: Kind[Any], workspace: str, name: str, version: int) -> None:
+        await self.client.delete(kind, name, version=version, workspace=workspace)
+        self.beat()
+
+    async def workspaces(self) -> list[Workspace]:
+        found = await self.client.workspaces()
+        self.beat()
+        return found

@@ -1,0 +1,185 @@
+"""The deployments phase: each deployment's status made true by a backend, one list per status.
+
+    CREATED           → start the replicas, go PENDING
+    PENDING / READY   → poll (drift repaired by the backend); PENDING → READY once all are
+                        ready; replicas that keep failing → ERROR
+    DELETING          → stop, go DELETED
+    ERROR             → replicas stopped
+    DELETED / ERROR   → the row deleted once unchanged for `ttl` seconds
+
+A READY deployment has a `fleet` provider, `deployment-{name}` (autoprovisioned, serving the
+deployment's model from its namespace). Every other autoprovisioned `deployment-*` provider
+(its deployment is not READY, or gone) is removed: its entity links are unlinked through the
+phase's entity cache, flushed in a `finally`, and the provider is deleted. Replicas the
+backend runs for a deployment that is not listed as wanted are stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from shoal.catalog.backends import Backend, Observed
+from shoal.catalog.cache import EntityCache
+from shoal.catalog.calls import Calls
+from shoal.catalog.errors import CatalogError, ConflictError, NotFoundError
+from shoal.catalog.kinds import DEPLOYMENTS, PROVIDERS
+from shoal.catalog.resources import Deployment, DeploymentStatus, Provider
+
+log = logging.getLogger(__name__)
+
+S = DeploymentStatus
+PROVIDER_PREFIX = "deployment-"
+
+
+def fleet_provider_name(deployment: str) -> str:
+    return PROVIDER_PREFIX + deployment
+
+
+def fleet_provider(deployment: Deployment) -> dict[str, Any]:
+    """The provider a READY deployment gets: its model, from its namespace."""
+    return {
+        "name": fleet_provider_name(deployment.name),
+        "type": "fleet",
+        "namespace": deployment.namespace,
+        "enabled_models": [deployment.model],
+        "autoprovisioned": True,
+        "description": f"the workers of deployment {deployment.name}",
+    }
+
+
+class DeploymentsPhase:
+    """One pass over one workspace's deployments."""
+
+    def __init__(
+        self,
+        calls: Calls,
+        backend: Backend,
+        *,
+        ttl: float,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.calls = calls
+        self.backend = backend
+        self.ttl = ttl
+        self.now = now
+        self._had_providers: dict[str, bool] = {}  # workspace -> deployment providers left
+
+    async def run(self, workspace: str) -> None:
+        lists = [self.calls.list_all(DEPLOYMENTS, workspace, {"status": s}) for s in S]
+        listed = dict(zip(S, await asyncio.gather(*lists), strict=True))  # one list per status
+        ready: list[Deployment] = []
+        for deployment in listed[S.CREATED]:
+            await self.backend.start(deployment)
+            await self._set(deployment, S.PENDING, f"starting {deployment.replicas} worker(s)")
+            self.calls.beat()
+        for deployment in listed[S.PENDING] + listed[S.READY]:
+            status = await self._poll(deployment, await self.backend.poll(deployment))
+            if status is S.READY:
+                ready.append(deployment)
+            self.calls.beat()
+        for deployment in listed[S.DELETING]:
+            await self.backend.stop(workspace, deployment.name)
+            await self._set(deployment, S.DELETED, "stopped")
+            self.calls.beat()
+        for deployment in listed[S.DELETED] + listed[S.ERROR]:
+            await self.backend.stop(workspace, deployment.name)
+            await self._collect(deployment)
+            self.calls.beat()
+        wanted = {d.name for s in (S.CREATED, S.PENDING, S.READY) for d in listed[s]}
+        for running_workspace, name in sorted(self.backend.running()):
+            if running_workspace == workspace and name not in wanted:
+                log.info("deployment %s/%s is gone: stopping its workers", workspace, name)
+                await self.backend.stop(workspace, name)
+        # Providers are read while deployments exist, or their providers did at the last
+        # read: a steady workspace without deployments pays no call for them.
+        if any(listed[s] for s in S) or self._had_providers.get(workspace, True):
+            self._had_providers[workspace] = await self._providers(workspace, ready)
+
+    async def _poll(self, deployment: Deployment, observed: Observed) -> S:
+        if observed.failed:
+            await self.backend.stop(deployment.workspace, deployment.name)
+            await self._set(deployment, S.ERROR, observed.message)
+            return S.ERROR
+        status = S.READY if observed.all_ready or deployment.status is S.READY else S.PENDING
+        await self._set(deployment, status, observed.message)
+        return status
+
+    async def _set(self, deployment: Deployment, status: S, message: str) -> None:
+        """Write the status if it changed; a deployment changed or deleted meanwhile is left
+        to the next pass."""
+        if (deployment.status, deployment.status_message) == (status, message):
+            return
+        changes = {"status": status.value, "status_message": message}
+        try:
+            await self.calls.update(
+                DEPLOYMENTS, deployment.workspace, deployment.name, changes, deployment.version
+            )
+        except (ConflictError, NotFoundError) as exc:
+            log.info("deployment %s: %s (next pass)", deployment.name, exc.message)
+            return
+        log.info(
+            "deployment %s/%s: %s (%s)", deployment.workspace, deployment.name, status, message
+        )
+
+    async def _collect(self, deployment: Deployment) -> None:
+        """Delete a DELETED or ERROR deployment unchanged for `ttl` seconds."""
+        if (self.now() - deployment.updated_at).total_seconds() < self.ttl:
+            return
+        try:
+            await self.calls.delete(
+                DEPLOYMENTS, deployment.workspace, deployment.name, deployment.version
+            )
+        except (ConflictError, NotFoundError):
+            return
+        log.info("deployment %s/%s collected", deployment.workspace, deployment.name)
+
+    async def _providers(self, workspace: str, ready: list[Deployment]) -> bool:
+        """Each READY deployment has its fleet provider; other deployment providers go.
+        True if deployment providers are left."""
+        providers = {p.name: p for p in await self.calls.list_all(PROVIDERS, workspace)}
+        for deployment in ready:
+            await self._ensure_provider(workspace, deployment, providers)
+        wanted = {fleet_provider_name(d.name) for d in ready}
+        stale = [
+            p for name, p in providers.items()
+            if p.autoprovisioned and name.startswith(PROVIDER_PREFIX) and name not in wanted
+        ]  # fmt: skip
+        if not stale:
+            return bool(ready)
+        cache = EntityCache(self.calls, workspace)
+        await cache.refresh()
+        try:
+            for provider in stale:
+                ref = f"{workspace}/{provider.name}"
+                for name in cache.linked_to(ref):
+                    cache.stage_provider_unlink(name, ref)
+        finally:
+            await cache.flush()
+        left = bool(ready)
+        for provider in stale:
+            try:
+                await self.calls.delete(PROVIDERS, workspace, provider.name, provider.version)
+            except (ConflictError, NotFoundError):
+                left = True  # changed meanwhile: looked at again next pass
+        return left
+
+    async def _ensure_provider(
+        self, workspace: str, deployment: Deployment, providers: dict[str, Provider]
+    ) -> None:
+        body = fleet_provider(deployment)
+        held = providers.get(body["name"])
+        try:
+            if held is None:
+                await self.calls.create(PROVIDERS, workspace, body)
+                return
+            current = held.model_dump(mode="json")
+            changes = {k: v for k, v in body.items() if k != "name" and current.get(k) != v}
+            if changes:
+                await self.calls.update(PROVIDERS, workspace, held.name, changes, held.version)
+        except CatalogError as exc:  # a name taken by a user, or changed meanwhile
+            log.warning("provider %s/%s of deployment %s: %s",
+                        workspace, body["name"], deployment.name, exc.message)  # fmt: skip

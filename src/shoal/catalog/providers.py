@@ -1,0 +1,247 @@
+"""The providers phase: what each provider serves, as entities, links, statuses and names.
+
+Virtual models are read once per pass, providers once, entities once (the phase's cache).
+For each provider, its failure isolated from the others:
+
+1. discover the names it serves, cheaply: `GET {base_url}/models` for a `url` provider, one
+   discovery listing per namespace for `fleet` ones; keep those `enabled_models` allows;
+2. stage an entity per name (created autoprovisioned when missing) linked to the provider,
+   and unlink the entities it no longer serves;
+3. write its `served_models`, `status` and `status_message` if they differ.
+
+A provider whose listing fails is marked ERROR and keeps its persisted `served_models`
+(cleanup below uses them); its links are left as they are. Links to providers of this
+workspace that no longer exist are removed. The cache is flushed in a `finally`.
+
+Then, if the virtual-model listing succeeded: a passthrough virtual model (autoprovisioned)
+for each served name no virtual model holds (a user-managed one is never touched), and the
+deletion of autoprovisioned virtual models whose entity nobody serves any more. Deletion
+works from the pass's snapshot with its version: one created meanwhile is not in the
+snapshot, one changed meanwhile answers 409 and is kept, one deleted meanwhile is not an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from shoal.catalog.cache import EntityCache
+from shoal.catalog.calls import Calls, each
+from shoal.catalog.errors import CatalogError, ConflictError, NotFoundError
+from shoal.catalog.kinds import PROVIDERS, VIRTUAL_MODELS
+from shoal.catalog.resources import NAME_PATTERN, Model, Provider, VirtualModel
+from shoal.discovery import Discovery, Query
+
+log = logging.getLogger(__name__)
+
+ENTITY_NAME = re.compile(NAME_PATTERN)
+Lister = Callable[[Provider], Awaitable[list[str]]]
+
+
+class ListingError(Exception):
+    """A provider's served models could not be read; the message says why."""
+
+
+@dataclass
+class ProvidersResult:
+    """What the pass ends with, for routing: virtual models (None: not read), providers by
+    `"workspace/name"`, and the entities as flushed."""
+
+    virtual_models: list[VirtualModel] | None
+    providers: dict[str, Provider]
+    entities: dict[str, Model] = field(default_factory=dict)
+    served: set[str] = field(default_factory=set)
+
+
+def secret_value(name: str | None) -> str | None:
+    """The value of secret `name` from `SHOAL_SECRET_<NAME>` (never from the catalog)."""
+    return os.environ.get(f"SHOAL_SECRET_{name.upper()}") if name else None
+
+
+class UrlLister:
+    """`GET {base_url}/models` of an OpenAI-compatible server: the ids it lists."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeout: float = 10.0) -> None:
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def __call__(self, provider: Provider) -> list[str]:
+        assert provider.base_url is not None
+        url = provider.base_url.rstrip("/") + "/models"
+        secret = secret_value(provider.auth_secret)
+        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        try:
+            async with self.session.get(url, headers=headers, timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    raise ListingError(f"GET {url}: HTTP {resp.status}")
+                body = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise ListingError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list):
+            raise ListingError(f"GET {url}: no `data` list in the answer")
+        return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
+
+
+class FleetLister:
+    """The model names announced in a discovery namespace: one listing per namespace per pass."""
+
+    def __init__(self, discovery: Discovery) -> None:
+        self.discovery = discovery
+        self._listed: dict[str, list[str]] = {}
+
+    def new_pass(self) -> None:
+        self._listed = {}
+
+    async def __call__(self, provider: Provider) -> list[str]:
+        namespace = provider.namespace or "default"
+        if namespace not in self._listed:
+            models = await self.discovery.list(Query(namespace))
+            self._listed[namespace] = sorted({m.card.display_name for m in models})
+        return self._listed[namespace]
+
+
+class ProvidersPhase:
+    """One pass over one workspace's providers."""
+
+    def __init__(self, calls: Calls, url_lister: Lister, fleet_lister: FleetLister) -> None:
+        self.calls = calls
+        self.listers: dict[str, Lister] = {"url": url_lister, "fleet": fleet_lister}
+        self.fleet = fleet_lister
+
+    async def run(self, workspace: str) -> ProvidersResult:
+        self.fleet.new_pass()
+        cache = EntityCache(self.calls, workspace)
+        # The three reads of the pass, at once: none depends on another.
+        virtual_models, providers, _ = await asyncio.gather(
+            self._virtual_models(workspace),
+            self.calls.list_all(PROVIDERS, workspace),
+            cache.refresh(),
+        )
+        result = ProvidersResult(virtual_models, {f"{workspace}/{p.name}": p for p in providers})
+        try:
+            for provider in providers:
+                await self._provider(workspace, provider, cache, result)
+                self.calls.beat()
+            self._unlink_gone(workspace, cache, result)
+        finally:
+            await cache.flush()
+        result.entities = {name: e for name in cache.names() if (e := cache.peek(name))}
+        if virtual_models is not None:
+            await self._passthrough(workspace, result)
+            await self._cleanup(workspace, result)
+        return result
+
+    async def _virtual_models(self, workspace: str) -> list[VirtualModel] | None:
+        """Every virtual model of the workspace; None (logged) if they cannot be read."""
+        try:
+            return await self.calls.list_all(VIRTUAL_MODELS, workspace)
+        except (CatalogError, aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("virtual models of %s not read: no creation or cleanup: %s", workspace, exc)
+            return None
+
+    async def _provider(
+        self, workspace: str, provider: Provider, cache: EntityCache, result: ProvidersResult
+    ) -> None:
+        ref = f"{workspace}/{provider.name}"
+        try:
+            names = await self.listers[provider.type](provider)
+        except Exception as exc:  # isolated: this provider is ERROR, the others go on
+            message = str(exc) if isinstance(exc, ListingError) else f"{type(exc).__name__}: {exc}"
+            result.served |= {s.model_entity for s in provider.served_models or ()}
+            await self._write_status(workspace, ref, result, {"status": "ERROR",
+                                     "status_message": message[:4000]})  # fmt: skip
+            return
+        allowed = set(provider.enabled_models) if provider.enabled_models is not None else None
+        served = sorted(n for n in set(names) if allowed is None or n in allowed)
+        valid = [n for n in served if len(n) <= 200 and ENTITY_NAME.match(n)]
+        for name in valid:
+            if cache.peek(name) is None:
+                cache.stage_create(
+                    name, {"autoprovisioned": True, "description": f"served by {ref}"}
+                )
+            cache.stage_provider_link(name, ref)
+        kept = set(valid)
+        for name in cache.linked_to(ref):
+            if name not in kept:
+                cache.stage_provider_unlink(name, ref)
+        result.served |= kept
+        skipped = len(served) - len(valid)
+        message = f"{len(valid)} model(s)" + (f"; {skipped} name(s) not valid entity names"
+                                              if skipped else "")  # fmt: skip
+        await self._write_status(workspace, ref, result, {
+            "status": "READY", "status_message": message,
+            "served_models": [{"model_entity": n, "served_model_name": n} for n in valid],
+        })  # fmt: skip
+
+    async def _write_status(
+        self, workspace: str, ref: str, result: ProvidersResult, desired: dict[str, Any]
+    ) -> None:
+        provider = result.providers[ref]
+        current = provider.model_dump(mode="json")
+        changes = {k: v for k, v in desired.items() if current.get(k) != v}
+        if not changes:
+            return
+        try:
+            updated = await self.calls.update(
+                PROVIDERS, workspace, provider.name, changes, provider.version
+            )
+        except (ConflictError, NotFoundError) as exc:  # changed or deleted meanwhile
+            log.info("provider %s not updated (next pass): %s", ref, exc.message)
+            return
+        except (CatalogError, aiohttp.ClientError, TimeoutError) as exc:  # isolated: go on
+            log.warning("provider %s not updated (next pass): %s", ref, exc)
+            return
+        result.providers[ref] = updated
+
+    def _unlink_gone(self, workspace: str, cache: EntityCache, result: ProvidersResult) -> None:
+        """Unlink providers of this workspace that no longer exist."""
+        for name in cache.names():
+            entity = cache.peek(name)
+            for ref in entity.providers if entity is not None else ():
+                if ref.startswith(f"{workspace}/") and ref not in result.providers:
+                    cache.stage_provider_unlink(name, ref)
+
+    async def _passthrough(self, workspace: str, result: ProvidersResult) -> None:
+        """A virtual model for each served name that no virtual model holds."""
+        assert result.virtual_models is not None
+        made = result.virtual_models
+        taken = {vm.name for vm in made}
+
+        async def create(name: str) -> None:
+            body = {"name": name, "default_model": name, "autoprovisioned": True,
+                    "description": "passthrough: the model under its own name"}  # fmt: skip
+            try:
+                made.append(await self.calls.create(VIRTUAL_MODELS, workspace, body))
+            except ConflictError:  # made meanwhile by someone else: theirs to keep
+                return
+            except CatalogError as exc:
+                log.warning("passthrough virtual model %s/%s: %s", workspace, name, exc.message)
+
+        await each(sorted(result.served - taken), create)
+
+    async def _cleanup(self, workspace: str, result: ProvidersResult) -> None:
+        """Delete autoprovisioned virtual models whose entity nobody serves any more."""
+        assert result.virtual_models is not None
+        kept: list[VirtualModel] = []
+        for vm in result.virtual_models:
+            if not vm.autoprovisioned or vm.default_model in result.served:
+                kept.append(vm)
+                continue
+            try:
+                await self.calls.delete(VIRTUAL_MODELS, workspace, vm.name, vm.version)
+            except NotFoundError:  # deleted meanwhile: what we wanted
+                pass
+            except ConflictError:  # changed meanwhile: not ours to judge this pass
+                kept.append(vm)
+                continue
+            log.info("virtual model %s/%s removed: %s is not served", workspace, vm.name,
+                     vm.default_model)  # fmt: skip
+        result.virtual_models = kept

@@ -1,0 +1,91 @@
+"""The local deployment backend with real `shoal worker` processes: replicas start, a dead one
+is restarted, failing starts back off exponentially and end in a failure report."""
+
+from __future__ import annotations
+
+import os
+import signal
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from shoal.catalog.backends import GIVE_UP_AFTER, LocalBackend, worker_command
+from shoal.catalog.resources import Deployment
+from shoal.discovery import Discovery, Query
+from shoal.store import open_store
+from tests.helpers import wait_for
+
+
+def deployment(**fields: Any) -> Deployment:
+    now = datetime.now(UTC)
+    return Deployment.model_validate({
+        "name": "mock", "workspace": "team-a", "version": 1, "created_at": now,
+        "updated_at": now, "model": "mock-llm", "engine": "mocker", "replicas": 2,
+        "engine_args": {"speedup": 0}, **fields,
+    })  # fmt: skip
+
+
+def test_engine_args_become_worker_flags() -> None:
+    command = worker_command(
+        deployment(engine_args={"ttft_ms": 5, "speedup": 0, "off": False}), "memory://x"
+    )
+    assert command[3:] == [
+        "worker", "--engine", "mocker", "--model", "mock-llm", "--namespace", "default",
+        "--store", "memory://x", "--speedup", "0", "--ttft-ms", "5",
+    ]  # fmt: skip
+
+
+async def test_replicas_start_and_one_that_died_is_restarted(tmp_path: Path) -> None:
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    backend = LocalBackend(store_url, tmp_path / "logs", backoff_first=0.05)
+    wanted = deployment(namespace="backend-test")
+    store = await open_store(store_url)
+    try:
+        await backend.start(wanted)
+        await wait_for(lambda: _all_ready(backend, wanted), timeout=90, message="2 replicas ready")
+        discovery = Discovery(store)
+        assert len(await discovery.list(Query("backend-test"))) == 2
+        victim = backend.pids("team-a", "mock")[0]
+        os.kill(victim, signal.SIGKILL)
+
+        async def replaced() -> bool:
+            ready = await _all_ready(backend, wanted)
+            return ready and victim not in backend.pids("team-a", "mock")
+
+        await wait_for(replaced, timeout=90, message="the dead replica restarted")
+        observed = await backend.poll(wanted)
+        assert (observed.ready, observed.failed) == (2, False)
+        await backend.poll(deployment(namespace="backend-test", replicas=1))  # scaled down
+        assert len(backend.pids("team-a", "mock")) == 1
+    finally:
+        await backend.close()
+        await store.close()
+    assert backend.running() == set()
+
+
+async def _all_ready(backend: LocalBackend, wanted: Deployment) -> bool:
+    return (await backend.poll(wanted)).all_ready
+
+
+async def test_failing_starts_back_off_exponentially_then_report_failure(tmp_path: Path) -> None:
+    now = [0.0]
+    backend = LocalBackend(
+        "memory://unused", tmp_path / "logs", clock=lambda: now[0], backoff_first=1.0
+    )
+    broken = deployment(replicas=1, engine_args={"no-such-flag": 1})  # the worker exits 2
+    await backend.start(broken)
+    delays: list[float] = []
+    for _ in range(GIVE_UP_AFTER):
+        await wait_for(lambda: backend.pids("team-a", "mock") == [], timeout=60)
+        observed = await backend.poll(broken)  # notes the death, schedules the restart
+        replica = backend._running[("team-a", "mock")].replicas[0]
+        delays.append(replica.not_before - now[0])
+        if observed.failed:
+            break
+        assert backend.pids("team-a", "mock") == []  # not restarted before its backoff
+        now[0] = replica.not_before
+        await backend.poll(broken)
+        assert len(backend.pids("team-a", "mock")) == 1
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0][: len(delays)]
+    assert observed.failed and "exited with 2" in observed.message
+    await backend.close()

@@ -1,0 +1,136 @@
+"""End to end: `shoal catalog apply` of a deployment and an alias makes workers run and routes
+appear in the store, through `shoal up` and `shoal catalog serve --store` as users run them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from shoal.catalog import DEPLOYMENTS, PROVIDERS, CatalogClient
+from shoal.catalog.leader import leader_key
+from shoal.discovery import Discovery, FleetTarget, Query, decode_route, route_key
+from shoal.store import Store, open_store
+from tests.catalog.test_cli import CATALOG_READY, catalog_cli
+from tests.helpers import free_port, wait_for
+from tests.processes import Processes
+
+FILE = """\
+kind: Deployment
+name: mock
+model: mock-llm
+engine: mocker
+replicas: 2
+namespace: e2e
+engine_args: {speedup: 0}
+---
+kind: VirtualModel
+name: chat
+default_model: mock-llm
+"""
+
+
+async def routes(store: Store) -> dict[str, tuple[FleetTarget, ...]]:
+    found = {}
+    for kv in (await store.get_prefix("shoal/v1/routes/default/")).items:
+        found[kv.key] = decode_route(kv.key, kv.value).targets
+    return found
+
+
+async def deployment_brings_workers_and_routes(catalog_url: str, store: Store, tmp: Path) -> None:
+    """Apply FILE; wait for READY, two workers and both routes; then delete and see them go."""
+    (tmp / "fleet.yaml").write_text(FILE)
+    code, out, err = await catalog_cli("apply", "-f", str(tmp / "fleet.yaml"), "--url", catalog_url)
+    assert code == 0, err
+    assert sorted(out.splitlines()) == [
+        "deployment default/mock created",
+        "virtual-model default/chat created",
+    ]
+    discovery = Discovery(store)
+    wanted = {
+        route_key("default", "chat"): (FleetTarget("mock-llm", 1),),
+        route_key("default", "mock-llm"): (FleetTarget("mock-llm", 1),),
+    }
+
+    async def published() -> bool:
+        return await routes(store) == wanted
+
+    await wait_for(published, timeout=120, message="the routes of chat and mock-llm")
+    assert len(await discovery.list(Query("e2e"))) == 2
+    async with CatalogClient(catalog_url, workspace="default") as client:
+        mock = await client.get(DEPLOYMENTS, "mock")
+        assert (mock.status, mock.status_message) == ("READY", "2/2 ready")
+        assert (await client.get(PROVIDERS, "deployment-mock")).status == "READY"
+        await client.update(DEPLOYMENTS, "mock", {"status": "DELETING"})
+
+        async def deleted() -> bool:
+            gone = await client.get(DEPLOYMENTS, "mock")
+            return gone.status == "DELETED" and not await discovery.list(Query("e2e"))
+
+        await wait_for(deleted, timeout=60, message="deployment DELETED, its workers gone")
+
+        async def unrouted() -> bool:
+            return await routes(store) == {route_key("default", "chat"): ()}
+
+        await wait_for(unrouted, timeout=30, message="mock-llm unpublished, chat with no target")
+        assert await client.list_all(PROVIDERS) == []
+
+
+async def test_apply_a_deployment_and_an_alias_to_shoal_up(
+    processes: Processes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHOAL_CATALOG_DB", f"sqlite:///{tmp_path / 'catalog.db'}")
+    monkeypatch.setenv("SHOAL_CONTROLLER_INTERVAL", "0.3")
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    catalog_port = free_port()
+    await processes.start(
+        "up", "--workers", "0", "--port", str(free_port()), "--catalog-port", str(catalog_port),
+        "--store", store_url, ready=re.compile(r"^Press Ctrl-C to stop\.$"), timeout=60,
+    )  # fmt: skip
+    store = await open_store(store_url)
+    try:
+        await deployment_brings_workers_and_routes(
+            f"http://127.0.0.1:{catalog_port}", store, tmp_path
+        )
+    finally:
+        await store.close()
+
+
+async def test_two_catalog_replicas_one_leads_and_the_other_takes_over(
+    processes: Processes, tmp_path: Path, database_url: str
+) -> None:
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    serve = ["catalog", "serve", "--db", database_url, "--store", store_url]
+    interval = ["--controller-interval", "0.3"]
+    replicas = [
+        await processes.start(*serve, "--port", str(free_port()), *interval, ready=CATALOG_READY)
+        for _ in range(2)
+    ]
+    store = await open_store(store_url)
+    try:
+        await wait_for(lambda: store.get(leader_key("models-controller")), timeout=30)
+        held = await store.get(leader_key("models-controller"))
+        assert held is not None
+        leader = next(r for r in replicas if f":{r.proc.pid}:".encode() in held.value)
+        leader.signal(15)
+        assert await leader.wait(60) == 0
+        survivor = next(r for r in replicas if r is not leader)
+
+        async def taken_over() -> bool:
+            now = await store.get(leader_key("models-controller"))
+            return now is not None and f":{survivor.proc.pid}:".encode() in now.value
+
+        await wait_for(taken_over, timeout=30, message="the other replica leads")
+        await deployment_brings_workers_and_routes(survivor.ready["url"], store, tmp_path)
+    finally:
+        await store.close()
+
+
+async def test_serve_with_a_store_it_cannot_use_says_so_and_exits(tmp_path: Path) -> None:
+    code, out, err = await catalog_cli(
+        "serve", "--db", f"sqlite:///{tmp_path / 'c.db'}", "--port", str(free_port()),
+        "--store", "nope://x",
+    )  # fmt: skip
+    assert code == 1 and out == ""
+    assert "models controller cannot start" in err and "nope" in err
