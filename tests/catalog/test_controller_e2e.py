@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import openai
 from shoal.catalog import DEPLOYMENTS, PROVIDERS, CatalogClient
 from shoal.catalog.leader import leader_key
 from shoal.discovery import Discovery, FleetTarget, Query, decode_route, route_key
@@ -134,3 +135,37 @@ async def test_serve_with_a_store_it_cannot_use_says_so_and_exits(tmp_path: Path
     )  # fmt: skip
     assert code == 1 and out == ""
     assert "models controller cannot start" in err and "nope" in err
+
+
+async def test_the_openai_client_gets_answers_through_an_alias_applied_to_shoal_up(
+    processes: Processes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHOAL_CATALOG_DB", f"sqlite:///{tmp_path / 'catalog.db'}")
+    monkeypatch.setenv("SHOAL_CONTROLLER_INTERVAL", "0.3")
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    port, catalog_port = free_port(), free_port()
+    await processes.start(
+        "up", "--workers", "0", "--port", str(port), "--catalog-port", str(catalog_port),
+        "--store", store_url, ready=re.compile(r"^Press Ctrl-C to stop\.$"), timeout=60,
+    )  # fmt: skip
+    (tmp_path / "fleet.yaml").write_text(FILE)
+    code, _, err = await catalog_cli(
+        "apply", "-f", str(tmp_path / "fleet.yaml"), "--url", f"http://127.0.0.1:{catalog_port}"
+    )
+    assert code == 0, err
+    store = await open_store(store_url)
+    try:
+        await wait_for(lambda: routes(store), timeout=120, message="routes published")
+    finally:
+        await store.close()
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+
+    async def answered() -> bool:
+        reply = await client.chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+        )
+        return bool(reply.choices[0].message.content)
+
+    await wait_for(answered, timeout=60, message="an answer through the alias")
+    assert "chat" in {m.id for m in (await client.models.list()).data}
+    await client.close()
