@@ -300,12 +300,21 @@ class Frontend:
         if self._own_store is not None:
             await self._own_store.close()
 
+    def _in_force(self, view: MembershipView) -> None:
+        """A new membership view: the watcher's scope follows it, and the KV indexer drops
+        the instances of namespaces that left it at once (not card by card)."""
+        assert self.watcher is not None
+        self.watcher.follow(view.scopes)
+        if isinstance(self.router, KvRouter):
+            scopes = view.scopes
+            self.router.tracker.retain(lambda endpoint: endpoint.namespace in scopes)
+
     async def _follow_membership(self, membership: MembershipFollower) -> None:
         """The watcher's scope follows each view; returns once the first is in force."""
         watcher = self.watcher
         assert watcher is not None
         self.membership = membership
-        membership.subscribe(lambda view: watcher.follow(view.scopes))
+        membership.subscribe(self._in_force)
         await membership.start()
 
     async def __aenter__(self) -> Frontend:
