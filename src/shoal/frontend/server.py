@@ -258,19 +258,10 @@ class HttpConnection(asyncio.Protocol):
             self._hold(data)
             self._parse_held()
             return
-        if self._phase != BODY:
-            self._head_bytes += len(data)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._parse_failed(exc)
-        except httptools.HttpParserUpgrade as exc:
-            if self._upgraded():
-                self._hold(data[exc.args[0] :])
-                self._parse_held()
-        else:
-            if self._phase == HEAD and self._head_bytes > self.server.max_header_size:
-                self._head_too_large()
+        offset = self._feed(data)
+        if offset >= 0:  # an ignored upgrade: the fresh parser reads the rest
+            self._hold(data[offset:])
+            self._parse_held()
 
     def pause_writing(self) -> None:
         self.writing_paused = True
