@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import openai
 from openai.types.chat import ChatCompletionMessageParam
 
+import openai
 from shoal.cards import ModelCard
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey, Query
 from shoal.store import Lease, Store
@@ -201,6 +201,11 @@ async def instance_ids(frontend_url: str, model: str = "mock-llm") -> set[int]:
     if not entry:
         return set()
     return {int(i, 16) for ws in entry["worker_sets"] for i in ws["instances"]}
+
+
+async def routes_exactly(frontend_url: str, expected: set[int]) -> bool:
+    """The frontend routes `mock-llm` to exactly the instances `expected`."""
+    return await instance_ids(frontend_url) == expected
 
 
 async def copy_card(store: Store, namespace: str, url: str) -> tuple[ModelKey, Lease]:

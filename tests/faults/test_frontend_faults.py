@@ -8,7 +8,7 @@ from pathlib import Path
 
 from shoal.frontend import Frontend, FrontendConfig
 from tests.faults.conftest import Fleet
-from tests.faults.support import RECONCILE_INTERVAL, Load, Row, until
+from tests.faults.support import RECONCILE_INTERVAL, Load, Row, routes_exactly, until
 from tests.faults.support import instance_ids as routed
 from tests.frontend.support import FilteringDiscovery
 from tests.helpers import free_port
@@ -24,7 +24,7 @@ async def test_frontend_restarted_under_load_beside_a_second_one_fails_nothing(
     port = free_port()
     first, second = await fleet.frontend(port=port), await fleet.frontend()
     for front in (first, second):
-        await until(lambda f=front: _is(f.url, ids), 15, "both workers routed")
+        await until(lambda f=front: routes_exactly(f.url, ids), 15, "both workers routed")
     load = Load([first.url, second.url])
     load.start()
     try:
@@ -33,7 +33,9 @@ async def test_frontend_restarted_under_load_beside_a_second_one_fails_nothing(
         assert await first.wait(20) == 0
         await load.advance(40)  # all on the second frontend now
         restarted = await fleet.frontend(port=port)
-        converge = await until(lambda: _is(restarted.url, ids), 15, "restarted one serves")
+        converge = await until(
+            lambda: routes_exactly(restarted.url, ids), 15, "restarted one serves"
+        )
         await load.advance(40)
     finally:
         await load.finish()
@@ -65,7 +67,7 @@ async def test_failing_discovery_listings_change_nothing_and_are_repaired_after(
     try:
         workers = [await fleet.worker() for _ in range(2)]
         ids = {w.instance_id for w in workers}
-        await until(lambda: _is(frontend.url, ids), 15, "both workers routed")
+        await until(lambda: routes_exactly(frontend.url, ids), 15, "both workers routed")
         load = Load([frontend.url])
         load.start()
         try:
@@ -82,7 +84,9 @@ async def test_failing_discovery_listings_change_nothing_and_are_repaired_after(
             )
             # A worker leaving meanwhile is removed by its events, listings or not.
             workers[0].signal(signal.SIGTERM)
-            await until(lambda: _is(frontend.url, {workers[1].instance_id}), 10, "removed")
+            await until(
+                lambda: routes_exactly(frontend.url, {workers[1].instance_id}), 10, "removed"
+            )
             await load.advance(20)
             discovery.list_failures = 0
             passes = _sample(frontend, "shoal_frontend_reconcile_runs_total")
@@ -106,10 +110,6 @@ async def test_failing_discovery_listings_change_nothing_and_are_repaired_after(
     ).record()  # fmt: skip
     assert load.failed_before_first_byte == []
     assert load.failed_mid_stream == []
-
-
-async def _is(url: str, expected: set[int]) -> bool:
-    return await routed(url) == expected
 
 
 def _sample(frontend: Frontend, name: str, **labels: str) -> float:

@@ -12,7 +12,15 @@ import pytest
 
 from tests.etcd_server import EtcdServer
 from tests.faults.conftest import Fleet
-from tests.faults.support import LEASE_TTL, RECONCILE_INTERVAL, Load, Row, TcpProxy, until
+from tests.faults.support import (
+    LEASE_TTL,
+    RECONCILE_INTERVAL,
+    Load,
+    Row,
+    TcpProxy,
+    routes_exactly,
+    until,
+)
 from tests.faults.support import instance_ids as routed
 from tests.processes import Processes
 
@@ -27,7 +35,7 @@ async def test_etcd_down_longer_than_the_lease_ttl_with_a_worker_killed_meanwhil
     staying, dying = await fleet.worker(), await fleet.worker()
     front = await fleet.frontend()
     both = {staying.instance_id, dying.instance_id}
-    await until(lambda: _is(front.url, both), 15, "both workers routed")
+    await until(lambda: routes_exactly(front.url, both), 15, "both workers routed")
     load = Load([front.url])
     load.start()
     try:
@@ -65,7 +73,7 @@ async def test_store_traffic_stalled_or_cut_by_a_proxy(
     workers = [await fleet.worker("--lease-ttl", "8") for _ in range(2)]
     front = await fleet.frontend()
     ids = {w.instance_id for w in workers}
-    await until(lambda: _is(front.url, ids), 15, "both workers routed")
+    await until(lambda: routes_exactly(front.url, ids), 15, "both workers routed")
     load = Load([front.url])
     load.start()
     try:
@@ -78,7 +86,9 @@ async def test_store_traffic_stalled_or_cut_by_a_proxy(
         # After the fault, discovery events flow again: a worker that leaves is removed.
         workers[0].signal(signal.SIGTERM)
         converge = await until(
-            lambda: _is(front.url, {workers[1].instance_id}), 8 + 10, "drained worker removed"
+            lambda: routes_exactly(front.url, {workers[1].instance_id}),
+            8 + 10,
+            "drained worker removed",
         )
         await load.advance(30)
     finally:
@@ -92,10 +102,6 @@ async def test_store_traffic_stalled_or_cut_by_a_proxy(
     ).record()  # fmt: skip
     assert load.failed_before_first_byte == []
     assert load.failed_mid_stream == []
-
-
-async def _is(url: str, expected: set[int]) -> bool:
-    return await routed(url) == expected
 
 
 async def _only_live(url: str, dead: int) -> bool:

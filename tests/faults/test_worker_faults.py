@@ -8,8 +8,8 @@ import hashlib
 import signal
 
 import aiohttp
-import openai
 
+import openai
 from shoal.cards import ModelCard
 from shoal.discovery import EndpointId
 from shoal.store import Store
@@ -22,6 +22,7 @@ from tests.faults.support import (
     copy_card,
     instance_ids,
     register_card,
+    routes_exactly,
     until,
 )
 
@@ -34,7 +35,7 @@ async def test_workers_killed_and_drained_under_load_fail_no_unstarted_request(
     workers = [await fleet.worker() for _ in range(3)]
     front = await fleet.frontend()
     ids = {w.instance_id for w in workers}
-    await until(lambda: _routes(front.url, ids), 15, "all three workers routed")
+    await until(lambda: routes_exactly(front.url, ids), 15, "all three workers routed")
     load = Load([front.url])
     load.start()
     try:
@@ -44,7 +45,9 @@ async def test_workers_killed_and_drained_under_load_fail_no_unstarted_request(
         drained.signal(signal.SIGTERM)
         survivors = {workers[2].instance_id}
         converge = await until(
-            lambda: _routes(front.url, survivors), LEASE_TTL + RECONCILE_INTERVAL + 3, "ghosts gone"
+            lambda: routes_exactly(front.url, survivors),
+            LEASE_TTL + RECONCILE_INTERVAL + 3,
+            "ghosts gone",
         )
         assert await drained.wait(20) == 0
         await load.advance(30)
@@ -65,13 +68,13 @@ async def test_hung_and_failing_instances_cost_no_request(
 ) -> None:
     worker = await fleet.worker()
     front = await fleet.frontend()
-    await until(lambda: _routes(front.url, {worker.instance_id}), 15, "worker routed")
+    await until(lambda: routes_exactly(front.url, {worker.instance_id}), 15, "worker routed")
     hung = await asyncio.start_server(_never_answer, "127.0.0.1", 0)
     failing = await asyncio.start_server(_answer_500, "127.0.0.1", 0)
     hung_key, hung_lease = await copy_card(store, namespace, _url(hung))
     failing_key, failing_lease = await copy_card(store, namespace, _url(failing))
     expected = {worker.instance_id, hung_key.instance_id, failing_key.instance_id}
-    await until(lambda: _routes(front.url, expected), 15, "the bad instances joined")
+    await until(lambda: routes_exactly(front.url, expected), 15, "the bad instances joined")
     load = Load([front.url])
     load.start()
     try:
@@ -107,7 +110,7 @@ async def test_bad_or_slow_metadata_never_joins_and_blocks_no_other_model(
     try:
         worker = await fleet.worker()  # joins while the slow download hangs
         converge = await until(
-            lambda: _routes(front.url, {worker.instance_id}), 15, "the healthy worker joined"
+            lambda: routes_exactly(front.url, {worker.instance_id}), 15, "the healthy worker joined"
         )
         client = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="-", max_retries=0)
         reply = await client.chat.completions.create(
@@ -211,7 +214,3 @@ async def _metadata_files(reader: asyncio.StreamReader, writer: asyncio.StreamWr
 def _url(server: asyncio.Server) -> str:
     port = server.sockets[0].getsockname()[1]
     return f"http://127.0.0.1:{port}"
-
-
-async def _routes(url: str, expected: set[int]) -> bool:
-    return await instance_ids(url) == expected
