@@ -47,13 +47,12 @@ from shoal.worker.engines.mocker.embeddings import (
     encoded,
 )
 from shoal.worker.engines.mocker.framing import (
-    CHAT_CHUNKS,
-    COMPLETION_CHUNKS,
-    ChunkKind,
+    CHAT,
+    COMPLETION,
+    AnswerKind,
     Chunks,
-    chat_completion,
     json_response,
-    text_completion,
+    whole_answer,
 )
 from shoal.worker.engines.mocker.metadata import write_adapter_config, write_model_files
 from shoal.worker.engines.mocker.metrics import mocker_metrics
@@ -236,10 +235,7 @@ class MockerEngine(Engine):
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         plan = self._plan(req, model, prompt, encode(prompt), max_tokens, chat_echo(req))
         self.requests["chat"] += 1
-        if req.stream:
-            return await self._stream(request, plan, CHAT_CHUNKS, req.include_usage)
-        await self._run_to_end(plan)
-        return chat_completion(self._ids, model, plan.text, plan.finish_reason, plan.usage)
+        return await self._answer(request, plan, CHAT, stream=req.stream, usage=req.include_usage)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = decode_request(await request.read(), _completion_decoder)
@@ -251,10 +247,9 @@ class MockerEngine(Engine):
         echo = prompt if req.echo else ""
         plan = self._plan(req, model, prompt, tokens, req.max_tokens, echo)
         self.requests["completions"] += 1
-        if req.stream:
-            return await self._stream(request, plan, COMPLETION_CHUNKS, req.include_usage)
-        await self._run_to_end(plan)
-        return text_completion(self._ids, model, plan.text, plan.finish_reason, plan.usage)
+        return await self._answer(
+            request, plan, COMPLETION, stream=req.stream, usage=req.include_usage
+        )
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         req = decode_request(await request.read(), _embedding_decoder)
@@ -305,6 +300,15 @@ class MockerEngine(Engine):
             base_model=self.model,
             context_length=self.context_length,
         )
+
+    async def _answer(
+        self, request: web.Request, plan: Plan, kind: AnswerKind, *, stream: bool, usage: bool
+    ) -> web.StreamResponse:
+        """Simulate `plan` and answer it, streamed or whole."""
+        if stream:
+            return await self._stream(request, plan, kind, usage)
+        await self._run_to_end(plan)
+        return whole_answer(kind, self._ids, plan.model, plan.text, plan.finish_reason, plan.usage)
 
     # -- simulation ---------------------------------------------------------------------
 
@@ -372,7 +376,7 @@ class MockerEngine(Engine):
             await asyncio.sleep(tokens * self.prefill_per_token / self.speedup)
 
     async def _stream(
-        self, request: web.Request, plan: Plan, kind: ChunkKind, usage: bool
+        self, request: web.Request, plan: Plan, kind: AnswerKind, usage: bool
     ) -> web.StreamResponse:
         chunks = Chunks(kind, self._ids, plan.model, usage)
         if self.speedup == 0:

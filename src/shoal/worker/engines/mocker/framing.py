@@ -20,31 +20,38 @@ _encode = msgspec.json.Encoder().encode
 
 
 @dataclass(frozen=True, slots=True)
-class ChunkKind:
-    """What sets one kind of stream (chat or text completion) apart: its names, and its choice
-    encoded around the text or the finish reason."""
+class AnswerKind:
+    """What sets one kind of answer (chat or text completion) apart: its names, and the choice
+    of its stream chunks encoded around the text or the finish reason."""
 
     id_prefix: str
     object: str
+    chunk_object: str
     opening: bytes
     """The choice of the chunk before any text (chat's role), or b"" for no such chunk."""
     text_open: bytes
     text_close: bytes
     finish_open: bytes
 
+    @property
+    def chat(self) -> bool:
+        return self.object == "chat.completion"
 
-CHAT_CHUNKS = ChunkKind(
+
+CHAT = AnswerKind(
     id_prefix="chatcmpl",
-    object="chat.completion.chunk",
+    object="chat.completion",
+    chunk_object="chat.completion.chunk",
     opening=b'{"index":0,"delta":{"role":"assistant","content":""},'
     b'"logprobs":null,"finish_reason":null}',
     text_open=b'{"index":0,"delta":{"content":',
     text_close=b'},"logprobs":null,"finish_reason":null}',
     finish_open=b'{"index":0,"delta":{},"logprobs":null,"finish_reason":"',
 )
-COMPLETION_CHUNKS = ChunkKind(
+COMPLETION = AnswerKind(
     id_prefix="cmpl",
     object="text_completion",
+    chunk_object="text_completion",
     opening=b"",
     text_open=b'{"index":0,"text":',
     text_close=b',"logprobs":null,"finish_reason":null}',
@@ -55,8 +62,13 @@ COMPLETION_CHUNKS = ChunkKind(
 class Chunks:
     """The `data: {...}` events of one streamed answer, built from parts encoded once."""
 
-    def __init__(self, kind: ChunkKind, ids: IdMaker, model: str, usage: bool) -> None:
-        head = {"id": ids(kind.id_prefix), "object": kind.object, "created": now(), "model": model}
+    def __init__(self, kind: AnswerKind, ids: IdMaker, model: str, usage: bool) -> None:
+        head = {
+            "id": ids(kind.id_prefix),
+            "object": kind.chunk_object,
+            "created": now(),
+            "model": model,
+        }
         start = SSE_EVENT_START + _encode(head)[:-1]
         tail = (b'],"usage":null}' if usage else b"]}") + SSE_EVENT_END
         self._head = start + b',"choices":['
@@ -85,30 +97,21 @@ class Chunks:
         return self._usage_head + _encode(usage) + b"}" + SSE_EVENT_END
 
 
-def chat_completion(
-    ids: IdMaker, model: str, text: str, finish_reason: str, usage: dict[str, int]
+def whole_answer(
+    kind: AnswerKind, ids: IdMaker, model: str, text: str, finish_reason: str, usage: dict[str, int]
 ) -> web.Response:
-    """A whole chat completion."""
-    message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-    return _answer(ids("chatcmpl"), "chat.completion", model, choice, usage)
-
-
-def text_completion(
-    ids: IdMaker, model: str, text: str, finish_reason: str, usage: dict[str, int]
-) -> web.Response:
-    """A whole text completion."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return _answer(ids("cmpl"), "text_completion", model, choice, usage)
-
-
-def _answer(
-    id: str, obj: str, model: str, choice: dict[str, Any], usage: dict[str, int]
-) -> web.Response:
+    """A whole (not streamed) chat or text completion."""
+    choice: dict[str, Any] = {"index": 0}
+    if kind.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    choice["logprobs"] = None
+    choice["finish_reason"] = finish_reason
     return json_response(
         {
-            "id": id,
-            "object": obj,
+            "id": ids(kind.id_prefix),
+            "object": kind.object,
             "created": now(),
             "model": model,
             "choices": [choice],
