@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import openai
 import pytest
 
-import openai
 from shoal.catalog import DEPLOYMENTS, PROVIDERS, CatalogClient
 from shoal.catalog.leader import leader_key
 from shoal.discovery import Discovery, FleetTarget, Query, decode_route, route_key

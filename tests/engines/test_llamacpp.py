@@ -13,10 +13,10 @@ import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
+import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-import openai
 from shoal.cards import ModelType
 from shoal.worker.engine import EngineUnavailableError
 from shoal.worker.engines.llamacpp import DEFAULT_MODEL_NAME, LlamaCppEngine

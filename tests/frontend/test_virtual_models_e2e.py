@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import openai
 import pytest
 import trustme
 
-import openai
 from shoal.discovery import FleetTarget, Route, UrlTarget, publish_route
 from shoal.store import open_store
 from tests.etcd_server import EtcdServer

@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import openai
 import pytest
 
-import openai
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.kv_router import KvRouter
 from shoal.kv import token_block_hashes
-from shoal.worker.engines.mocker import encode, render_chat
+from shoal.worker.engines.mocker.tokenizer import encode, render_chat
 from tests.helpers import wait_for
 from tests.processes import Process, Processes
 

@@ -17,7 +17,7 @@ from shoal.frontend.kv_router import KvPrompt, KvRouter
 from shoal.frontend.proxy import decode_fields
 from shoal.frontend.registry import Registry, WorkerSet
 from shoal.kv import BlockStored
-from shoal.worker.engines.mocker import CHAT_TEMPLATE, TOKENIZER
+from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, TOKENIZER
 
 CARD = ModelCard.build(
     display_name="m", slug="m", source="test/m", model_types=["chat"], context_length=4096,

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from shoal.worker.engines.mocker import MockerEngine, apply_stop, encode, generate
+from shoal.worker.engines.mocker import MockerEngine
+from shoal.worker.engines.mocker.text import apply_stop, generate
+from shoal.worker.engines.mocker.tokenizer import encode
 from tests.helpers import wait_for
 
 MODEL = "mock-model"

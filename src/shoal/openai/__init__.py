@@ -7,28 +7,33 @@ anything that serves, routes or generates; how an HTTP framework sends these byt
 with the layer that uses the framework.
 """
 
-from shoal.openai.errors import ApiError, error_body, error_type
+from shoal.openai.errors import ApiError, error_body, error_type, missing_parameter
 from shoal.openai.schemas import (
     ChatMessage,
     ChatRequest,
     CompletionRequest,
+    EmbeddingRequest,
     SamplingRequest,
     StreamOptions,
     decode_request,
 )
-from shoal.openai.sse import SSE_DONE, SSE_HEADERS, sse_event
+from shoal.openai.sse import SSE_DONE, SSE_EVENT_END, SSE_EVENT_START, SSE_HEADERS, sse_event
 
 __all__ = [
     "SSE_DONE",
+    "SSE_EVENT_END",
+    "SSE_EVENT_START",
     "SSE_HEADERS",
     "ApiError",
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
+    "EmbeddingRequest",
     "SamplingRequest",
     "StreamOptions",
     "decode_request",
     "error_body",
     "error_type",
+    "missing_parameter",
     "sse_event",
 ]

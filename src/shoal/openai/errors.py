@@ -57,6 +57,16 @@ class ApiError(Exception):
         return error_body(self.message, type=self.type, code=self.code, param=self.param)
 
 
+def missing_parameter(param: str) -> ApiError:
+    """The 400 for a request that lacks the required parameter `param`."""
+    return ApiError(
+        400,
+        f"Missing required parameter: '{param}'.",
+        param=param,
+        code="missing_required_parameter",
+    )
+
+
 def error_body(
     message: str,
     *,

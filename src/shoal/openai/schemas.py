@@ -1,4 +1,4 @@
-"""The request bodies of chat and text completions, as msgspec structs, and their decoding.
+"""Request bodies (chat and text completions, embeddings) as msgspec structs, and decoding.
 
 A field the client did not send is `None` (or its OpenAI default where the answer does not
 depend on it), so an engine can tell "not given" from a value and apply its own defaults.
@@ -13,7 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from shoal.openai.errors import ApiError
+from shoal.openai.errors import ApiError, missing_parameter
 
 T = TypeVar("T")
 
@@ -82,6 +82,8 @@ class ChatRequest(SamplingRequest, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    echo: bool = False
+    """vLLM's extension: the answer starts with the last message when it is the assistant's."""
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -93,6 +95,13 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     suffix: str | None = None
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
     best_of: int | None = None
+
+
+class EmbeddingRequest(msgspec.Struct):
+    model: str
+    input: str | list[Any]
+    dimensions: Annotated[int, msgspec.Meta(ge=1, le=8192)] | None = None
+    encoding_format: str = "float"
 
 
 _FIELD_RE = re.compile(r"field `([^`]+)`")
@@ -109,12 +118,7 @@ def decode_request(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:
         match = (_FIELD_RE.search(text) if missing else None) or _PATH_RE.search(text)
         param = match.group(1) if match else None
         if missing and param:
-            raise ApiError(
-                400,
-                f"Missing required parameter: '{param}'.",
-                param=param,
-                code="missing_required_parameter",
-            ) from None
+            raise missing_parameter(param) from None
         raise ApiError(400, f"Invalid request: {text}", param=param) from None
     except msgspec.DecodeError as exc:
         raise ApiError(

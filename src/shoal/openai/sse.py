@@ -13,6 +13,11 @@ SSE_HEADERS = {
 """The response headers of a stream."""
 
 
+SSE_EVENT_START = b"data: "
+SSE_EVENT_END = b"\n\n"
+"""What an event's data stands between: for framing pre-encoded parts without `sse_event`."""
+
+
 def sse_event(data: bytes) -> bytes:
     """One event carrying `data` (encoded JSON, without a newline)."""
-    return b"data: " + data + b"\n\n"
+    return SSE_EVENT_START + data + SSE_EVENT_END

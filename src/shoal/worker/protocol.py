@@ -14,23 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shoal.openai import SSE_DONE, SSE_HEADERS, ApiError, decode_request
-
-# Re-exported for `engines/mocker.py` until it is split along the wire format (issue 9).
-OpenAIError = ApiError
-
-__all__ = [
-    "SSE_DONE",
-    "SSE_HEADERS",
-    "ApiError",
-    "IdMaker",
-    "OpenAIError",
-    "decode_request",
-    "error_response",
-    "model_not_found",
-    "now",
-    "openai_errors",
-]
+from shoal.openai import ApiError
 
 
 def error_response(error: ApiError) -> web.Response:

@@ -5,7 +5,8 @@ pre-tokenizer: the cheapest there is); a word of the mocker's vocabulary is one 
 other ASCII word or punctuation run is spelled with one token per character (WordPiece
 continuation pieces), anything else is `[UNK]`.
 The frontend loads the very file the mocker publishes, so both tokenize alike by
-construction.
+construction; likewise the chat template, published in `tokenizer_config.json`, renders a
+chat exactly as `render_chat` does.
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ from __future__ import annotations
 import functools
 import string
 from collections.abc import Iterable
+from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from shoal.openai import ChatMessage
+from shoal.worker.engines.mocker.text import VOCAB
 
 UNK = "[UNK]"
 SPECIAL = (UNK, "<|begin|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>")
@@ -38,3 +43,31 @@ def build_tokenizer(words: Iterable[str]) -> Tokenizer:
 def tokenizer_json(words: tuple[str, ...]) -> str:
     """The `tokenizer.json` text of `build_tokenizer(words)`."""
     return str(build_tokenizer(words).to_str())
+
+
+TOKENIZER = build_tokenizer(VOCAB)
+"""The mocker's tokenizer, over the words it speaks."""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def encode(text: str) -> list[int]:
+    """The token ids of `text`, as the published `tokenizer.json` gives them."""
+    return list(TOKENIZER.encode(text, add_special_tokens=False).ids)
+
+
+def render_chat(messages: Iterable[ChatMessage]) -> str:
+    """The prompt a chat becomes, as `CHAT_TEMPLATE` renders it."""
+    parts = [f"<|{m.role}|>\n{render_chat_content(m.content)}\n" for m in messages]
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def render_chat_content(content: str | list[dict[str, Any]] | None) -> str:
+    """A message's content as text: content parts (`[{"type": "text", ...}]`) joined."""
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return content or ""

@@ -1,0 +1,408 @@
+"""`MockerEngine`: the mocker's OpenAI API, its adapters, and the timing of its sequences.
+
+A sequence waits for one of `max_seqs` slots, then its first token comes after `ttft_ms`
+scaled by the share of the prompt not found in the simulated prefix cache, and each next
+token after `itl_ms`; all times are divided by `speedup`. With `prefill_us_per_token`, the
+first token instead waits for the prefill of the uncached prompt tokens (`ttft_ms` is then
+unused), one prefill at a time (as a GPU's compute is shared), which makes a prefix cache
+hit as valuable as it is on a real engine. `speedup=0` answers at once on a path kept as
+cheap as possible (no queue, no cache), for measuring gateway overhead.
+
+A client disconnect cancels the handler (the runtime serves with handler cancellation),
+which ends the sequence and frees its slot: `active_sequences` and the metrics show it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import shutil
+import tempfile
+from collections.abc import AsyncGenerator, Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client.core import Metric
+
+from shoal.cards import ModelType, slugify
+from shoal.kv import KvEndpoint
+from shoal.openai import (
+    SSE_DONE,
+    SSE_HEADERS,
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    decode_request,
+    missing_parameter,
+)
+from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
+from shoal.worker.engines.mocker.conformance import check_request
+from shoal.worker.engines.mocker.embeddings import (
+    check_encoding,
+    embed,
+    embedding_inputs,
+    encoded,
+)
+from shoal.worker.engines.mocker.framing import (
+    CHAT,
+    COMPLETION,
+    AnswerKind,
+    Chunks,
+    json_response,
+    whole_answer,
+)
+from shoal.worker.engines.mocker.metadata import write_adapter_config, write_model_files
+from shoal.worker.engines.mocker.metrics import mocker_metrics
+from shoal.worker.engines.mocker.plan import Plan, make_plan
+from shoal.worker.engines.mocker.prefix_cache import PrefixCache
+from shoal.worker.engines.mocker.prompts import chat_echo, prompt_ids, single_prompt
+from shoal.worker.engines.mocker.tokenizer import encode, render_chat
+from shoal.worker.kv_publisher import KvEventPublisher
+from shoal.worker.protocol import IdMaker, model_not_found, openai_errors
+
+_chat_decoder = msgspec.json.Decoder(ChatRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_embedding_decoder = msgspec.json.Decoder(EmbeddingRequest)
+
+
+class MockerEngine(Engine):
+    """A simulated LLM serving `name` (and fake LoRA adapters on it) over the OpenAI API."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        ttft_ms: float = 50.0,
+        itl_ms: float = 10.0,
+        max_seqs: int = 256,
+        block_size: int = 16,
+        kv_blocks: int = 16384,
+        speedup: float = 1.0,
+        context_length: int = 8192,
+        embedding_dim: int = 256,
+        prefill_us_per_token: float = 0.0,
+        kv_events_port: int | None = None,
+        kv_events_host: str = "127.0.0.1",
+    ) -> None:
+        if speedup < 0 or ttft_ms < 0 or itl_ms < 0 or prefill_us_per_token < 0:
+            raise ValueError(
+                "speedup, ttft_ms, itl_ms and prefill_us_per_token must not be negative"
+            )
+        if max_seqs <= 0:
+            raise ValueError(f"max_seqs must be positive, got {max_seqs}")
+        self.name = "mocker"
+        self.model = name
+        self.ttft = ttft_ms / 1000
+        self.itl = itl_ms / 1000
+        self.max_seqs = max_seqs
+        self.speedup = speedup
+        self.context_length = context_length
+        self.embedding_dim = embedding_dim
+        self.prefill_per_token = prefill_us_per_token / 1e6
+        self._prefill = asyncio.Lock()
+        self.publisher: KvEventPublisher | None = None
+        if kv_events_port is not None:
+            self.publisher = KvEventPublisher(kv_events_host, kv_events_port)
+        sink = None if self.publisher is None else self.publisher.record
+        self.cache = PrefixCache(kv_blocks, block_size, sink)
+        self.adapters: dict[str, str] = {}  # adapter name -> path it was loaded from
+        self.active_sequences = 0
+        self.waiting_requests = 0
+        self.cancelled_sequences = 0
+        self.requests: dict[str, int] = {"chat": 0, "completions": 0, "embeddings": 0}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self._slots = asyncio.Semaphore(max_seqs)
+        self._ids = IdMaker()
+        self._dir: Path | None = None
+
+    # -- Engine interface ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="shoal-mocker-"))
+        self._write_model_files(self._dir / "base")
+        if self.publisher is not None:
+            await self.publisher.start()
+
+    @property
+    def kv_events(self) -> KvEndpoint | None:
+        return None if self.publisher is None else self.publisher.endpoint
+
+    async def stop(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[openai_errors], client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def served_models(self) -> list[ServedModel]:
+        base = self._base_model()
+        return [base, *(self._adapter_model(name) for name in self.adapters)]
+
+    @property
+    def in_flight(self) -> int:
+        return self.active_sequences + self.waiting_requests
+
+    async def load_adapter(self, name: str, path: str) -> ServedModel:
+        if name == self.model or not name:
+            raise ValueError(f"invalid adapter name {name!r}")
+        if self._dir is None:
+            raise EngineUnavailableError("the mocker is not started")
+        self.adapters[name] = path
+        target = self._dir / "adapters" / slugify(name)
+        self._write_model_files(target)
+        write_adapter_config(target, base_model=self.model, source=path)
+        return self._adapter_model(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise KeyError(name)
+        if self._dir is not None:
+            shutil.rmtree(self._dir / "adapters" / slugify(name), ignore_errors=True)
+
+    def collect_metrics(self) -> Iterable[Metric]:
+        return mocker_metrics(self)
+
+    # -- models -------------------------------------------------------------------------
+
+    def _write_model_files(self, target: Path) -> None:
+        write_model_files(
+            target,
+            context_length=self.context_length,
+            hidden_size=self.embedding_dim,
+            kv_block_size=self.cache.block_size,
+        )
+
+    def _base_model(self) -> ServedModel:
+        return ServedModel(
+            name=self.model,
+            source=f"mocker://{self.model}",
+            model_types=(ModelType.CHAT, ModelType.COMPLETIONS, ModelType.EMBEDDINGS),
+            context_length=self.context_length,
+            kv_block_size=self.cache.block_size,
+            metadata_dir=None if self._dir is None else self._dir / "base",
+        )
+
+    def _adapter_model(self, name: str) -> ServedModel:
+        return ServedModel(
+            name=name,
+            source=self.adapters[name],
+            model_types=(ModelType.CHAT, ModelType.COMPLETIONS),
+            context_length=self.context_length,
+            kv_block_size=self.cache.block_size,
+            metadata_dir=None if self._dir is None else self._dir / "adapters" / slugify(name),
+            adapter=name,
+            base_model=self.model,
+        )
+
+    def _check_model(self, model: str | None) -> str:
+        """`model` when it is served here; a 400 when missing, a 404 when unknown."""
+        if model is None:
+            raise missing_parameter("model")
+        if model != self.model and model not in self.adapters:
+            raise model_not_found(model)
+        return model
+
+    def _names(self) -> list[str]:
+        return [self.model, *self.adapters]
+
+    def _model_object(self, name: str) -> dict[str, Any]:
+        obj: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "shoal"}
+        if name != self.model:
+            obj["parent"] = self.model
+        return obj
+
+    # -- handlers -----------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), _chat_decoder)
+        model = self._check_model(req.model)
+        check_request(req)
+        prompt = render_chat(req.messages)
+        max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+        plan = self._plan(req, model, prompt, encode(prompt), max_tokens, chat_echo(req))
+        self.requests["chat"] += 1
+        return await self._answer(request, plan, CHAT, stream=req.stream, usage=req.include_usage)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), _completion_decoder)
+        model = self._check_model(req.model)
+        check_request(req)
+        prompt = single_prompt(req.prompt)
+        token_ids = prompt_ids(req.prompt)
+        tokens = encode(prompt) if token_ids is None else token_ids
+        echo = prompt if req.echo else ""
+        plan = self._plan(req, model, prompt, tokens, req.max_tokens, echo)
+        self.requests["completions"] += 1
+        return await self._answer(
+            request, plan, COMPLETION, stream=req.stream, usage=req.include_usage
+        )
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), _embedding_decoder)
+        if req.model != self.model:
+            raise model_not_found(req.model)
+        check_encoding(req.encoding_format)
+        inputs = embedding_inputs(req.input)
+        dims = req.dimensions or self.embedding_dim
+        data = []
+        tokens = 0
+        for i, text in enumerate(inputs):
+            tokens += len(encode(text)) or 1
+            value = encoded(embed(text, dims), req.encoding_format)
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        self.requests["embeddings"] += 1
+        self.prompt_tokens += tokens
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return json_response({"object": "list", "data": data, "model": req.model, "usage": usage})
+
+    async def list_models(self, request: web.Request) -> web.StreamResponse:
+        models = [self._model_object(m) for m in self._names()]
+        return json_response({"object": "list", "data": models})
+
+    async def get_model(self, request: web.Request) -> web.StreamResponse:
+        model = request.match_info["model"]
+        self._check_model(model)
+        return json_response(self._model_object(model))
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        return json_response({"status": "ok"})
+
+    def _plan(
+        self,
+        req: ChatRequest | CompletionRequest,
+        model: str,
+        prompt: str,
+        tokens: list[int],
+        max_tokens: int | None,
+        echo: str,
+    ) -> Plan:
+        return make_plan(
+            req,
+            model,
+            prompt,
+            tokens,
+            max_tokens=max_tokens,
+            echo=echo,
+            base_model=self.model,
+            context_length=self.context_length,
+        )
+
+    async def _answer(
+        self, request: web.Request, plan: Plan, kind: AnswerKind, *, stream: bool, usage: bool
+    ) -> web.StreamResponse:
+        """Simulate `plan` and answer it, streamed or whole."""
+        if stream:
+            return await self._stream(request, plan, kind, usage)
+        await self._run_to_end(plan)
+        return whole_answer(kind, self._ids, plan.model, plan.text, plan.finish_reason, plan.usage)
+
+    # -- simulation ---------------------------------------------------------------------
+
+    async def _run_to_end(self, plan: Plan) -> None:
+        """Simulate a whole sequence for a non-streaming answer."""
+        if self.speedup == 0:
+            self._count(plan)
+            return
+        async with contextlib.aclosing(self._produce(plan, stream=False)) as tokens:
+            async for _ in tokens:
+                pass
+
+    def _count(self, plan: Plan) -> None:
+        self.prompt_tokens += len(plan.prompt_tokens)
+        self.generation_tokens += len(plan.pieces)
+
+    async def _produce(self, plan: Plan, *, stream: bool) -> AsyncGenerator[str, None]:
+        """Yield each piece when the simulated engine would have produced it."""
+        self.waiting_requests += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting_requests -= 1
+        prompt_len = len(plan.prompt_tokens)
+        blocks = math.ceil((prompt_len + len(plan.pieces)) / self.cache.block_size)
+        self.active_sequences += 1
+        self.cache.blocks_in_use += blocks
+        finished = False
+        try:
+            cached = self.cache.admit(
+                self.cache.block_hashes(plan.prompt_tokens), plan.prompt_tokens
+            )
+            loop = asyncio.get_running_loop()
+            if self.prefill_per_token:
+                await self._run_prefill(prompt_len - cached)
+                first = 0.0  # the prefill produced the first token
+            else:
+                uncached = max(prompt_len - cached, 1) / max(prompt_len, 1)
+                first = self.ttft * uncached / self.speedup
+            start = loop.time()
+            step = self.itl / self.speedup
+            self.prompt_tokens += prompt_len
+            if not stream:
+                await asyncio.sleep(first + step * max(len(plan.pieces) - 1, 0))
+                self.generation_tokens += len(plan.pieces)
+                finished = True
+                return
+            for i, piece in enumerate(plan.pieces):
+                delay = start + first + step * i - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                self.generation_tokens += 1
+                yield piece
+            finished = True
+        finally:
+            if not finished:
+                self.cancelled_sequences += 1
+            self.cache.blocks_in_use -= blocks
+            self.active_sequences -= 1
+            self._slots.release()
+
+    async def _run_prefill(self, tokens: int) -> None:
+        """Compute `tokens` uncached prompt tokens; prefills run one at a time."""
+        async with self._prefill:
+            await asyncio.sleep(tokens * self.prefill_per_token / self.speedup)
+
+    async def _stream(
+        self, request: web.Request, plan: Plan, kind: AnswerKind, usage: bool
+    ) -> web.StreamResponse:
+        chunks = Chunks(kind, self._ids, plan.model, usage)
+        if self.speedup == 0:
+            # Every event at once, in one plain response: the cheapest stream to send.
+            self._count(plan)
+            body = [chunks.first()]
+            body.extend(chunks.piece(p) for p in plan.streamed_pieces())
+            body.append(chunks.last(plan.finish_reason))
+            if usage:
+                body.append(chunks.usage(plan.usage))
+            body.append(SSE_DONE)
+            return web.Response(body=b"".join(body), headers=SSE_HEADERS)
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        if first := chunks.first():
+            await response.write(first)
+        echo = plan.echo  # sent with the first piece, as vLLM sends the prompt
+        async with contextlib.aclosing(self._produce(plan, stream=True)) as pieces:
+            async for piece in pieces:
+                await response.write(chunks.piece(echo + piece if echo else piece))
+                echo = ""
+        if echo:
+            await response.write(chunks.piece(echo))
+        await response.write(chunks.last(plan.finish_reason))
+        if usage:
+            await response.write(chunks.usage(plan.usage))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
