@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
 from openai.types.chat import ChatCompletionMessageParam
 
-import openai
 from shoal.cards import ModelCard
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey, Query
 from shoal.store import Lease, Store

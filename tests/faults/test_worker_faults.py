@@ -8,8 +8,8 @@ import hashlib
 import signal
 
 import aiohttp
-
 import openai
+
 from shoal.cards import ModelCard
 from shoal.discovery import EndpointId
 from shoal.store import Store
