@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,7 +40,10 @@ CHROMIUM_FLAGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
+# The screenshots shown in docs/dashboard.md are refreshed with
+# `SHOAL_SCREENSHOTS_DIR=docs/images pytest tests/frontend/test_dashboard_browser.py`; a plain
+# test run writes them to a temporary directory, leaving the checkout as it was.
+IMAGES = Path(os.environ.get("SHOAL_SCREENSHOTS_DIR") or tempfile.mkdtemp(prefix="shoal-ui-"))
 FAST = ("--lease-ttl", "2", "--ttft-ms", "5", "--itl-ms", "2")
 UPDATE_MS = 2000  # the page shows a fleet change within 2 s
 
@@ -75,8 +80,8 @@ async def until(page: Page, expression: str, timeout: float = 10.0) -> None:
 
 
 async def screenshot(page: Page, name: str, *, height: int | None = None) -> None:
-    """Write `docs/images/NAME`: the whole page, or its top `height` pixels."""
-    IMAGES.mkdir(parents=True, exist_ok=True)
+    """Write `IMAGES/NAME`: the whole page, or its top `height` pixels."""
+    await asyncio.to_thread(IMAGES.mkdir, parents=True, exist_ok=True)
     path = IMAGES / name
     if height is None:
         await page.screenshot(path=str(path), full_page=True)
