@@ -559,3 +559,10 @@ async def test_refused_connections_cost_no_retry_until_an_instance_answers(
         reply = await client.chat.completions.create(model="mock-llm", messages=CHAT)
         assert reply.choices[0].message.content == f"hello from {workers[4].instance_id:x}"
     assert frontend.metrics.models["mock-llm"].requests == {200: 6}
+
+
+def test_an_upstream_failure_message_always_says_what_failed() -> None:
+    from shoal.frontend import errors
+
+    message = errors.upstream_failed("m", "").message
+    assert not message.rstrip().endswith(":") and message.endswith("the instance failed")

@@ -36,7 +36,7 @@ def no_ready_instance(model: str) -> ApiError:
 def upstream_failed(model: str, reason: str) -> ApiError:
     return ApiError(
         502,
-        f"No instance of `{model}` could serve the request: {reason}",
+        f"No instance of `{model}` could serve the request: {reason or 'the instance failed'}",
         type="server_error",
         code="upstream_error",
     )
