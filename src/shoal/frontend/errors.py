@@ -7,16 +7,9 @@ the official clients raise the matching typed exception (`NotFoundError`, ...).
 from __future__ import annotations
 
 from shoal.openai import ApiError
-
-
-def model_not_found(model: str) -> ApiError:
-    return ApiError(
-        404,
-        f"The model `{model}` does not exist or you do not have access to it.",
-        code="model_not_found",
-        param="model",
-    )
-
+from shoal.openai import (
+    model_not_found as model_not_found,  # the gateway's 404 is the wire format's
+)
 
 RETRY_AFTER = (b"retry-after", b"5")
 """Sent with a 503 for a model that exists but whose instances all drain or are tainted."""

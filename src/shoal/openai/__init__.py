@@ -7,7 +7,13 @@ anything that serves, routes or generates; how an HTTP framework sends these byt
 with the layer that uses the framework.
 """
 
-from shoal.openai.errors import ApiError, error_body, error_type, missing_parameter
+from shoal.openai.errors import (
+    ApiError,
+    error_body,
+    error_type,
+    missing_parameter,
+    model_not_found,
+)
 from shoal.openai.schemas import (
     ChatMessage,
     ChatRequest,
@@ -35,5 +41,6 @@ __all__ = [
     "error_body",
     "error_type",
     "missing_parameter",
+    "model_not_found",
     "sse_event",
 ]

@@ -57,6 +57,16 @@ class ApiError(Exception):
         return error_body(self.message, type=self.type, code=self.code, param=self.param)
 
 
+def model_not_found(model: str) -> ApiError:
+    """404 for a model nobody here serves, in the words and code the OpenAI API uses."""
+    return ApiError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        code="model_not_found",
+        param="model",
+    )
+
+
 def missing_parameter(param: str) -> ApiError:
     """The 400 for a request that lacks the required parameter `param`."""
     return ApiError(

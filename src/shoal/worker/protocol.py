@@ -27,15 +27,6 @@ def error_response(error: ApiError) -> web.Response:
     )
 
 
-def model_not_found(model: str) -> ApiError:
-    return ApiError(
-        404,
-        f"The model `{model}` does not exist or is not served here.",
-        param="model",
-        code="model_not_found",
-    )
-
-
 @web.middleware
 async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Turn `ApiError` and aiohttp's own 404/405/413 into OpenAI-format error responses."""

@@ -36,11 +36,12 @@ from shoal.openai import (
     CompletionRequest,
     SamplingRequest,
     decode_request,
+    model_not_found,
     sse_event,
 )
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
 from shoal.worker.kv_publisher import KvEventPublisher
-from shoal.worker.protocol import model_not_found, openai_errors
+from shoal.worker.protocol import openai_errors
 
 log = logging.getLogger(__name__)
 

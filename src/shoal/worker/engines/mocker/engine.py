@@ -37,6 +37,7 @@ from shoal.openai import (
     EmbeddingRequest,
     decode_request,
     missing_parameter,
+    model_not_found,
 )
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
 from shoal.worker.engines.mocker.conformance import check_request
@@ -61,7 +62,7 @@ from shoal.worker.engines.mocker.prefix_cache import PrefixCache
 from shoal.worker.engines.mocker.prompts import chat_echo, prompt_ids, single_prompt
 from shoal.worker.engines.mocker.tokenizer import encode, render_chat
 from shoal.worker.kv_publisher import KvEventPublisher
-from shoal.worker.protocol import IdMaker, model_not_found, openai_errors
+from shoal.worker.protocol import IdMaker, openai_errors
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
