@@ -12,7 +12,7 @@ import pytest
 from shoal.store import Store, open_store
 from tests.etcd_server import EtcdServer
 from tests.faults.support import FAST, RECONCILE_INTERVAL
-from tests.processes import FRONTEND_READY, Process, Processes
+from tests.processes import Process, Processes
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ class Fleet:
             "--port", str(port), "--reconcile-interval", f"{RECONCILE_INTERVAL:g}",
             "--first-byte-timeout", "1", "--inhibit-seconds", "3",
             "--cache-dir", str(self.tmp / f"cache-{port}"), *args,
-            ready=FRONTEND_READY,
+            ready="frontend",
         )  # fmt: skip
 
 

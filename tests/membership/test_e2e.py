@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from tests.etcd_server import EtcdServer
 from tests.helpers import wait_for
 from tests.membership.test_frontend import write_sources
-from tests.processes import FRONTEND_READY, Processes
+from tests.processes import Processes
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello."}]
 FAST = ("--lease-ttl", "2", "--ttft-ms", "5", "--itl-ms", "2")
@@ -60,7 +60,7 @@ async def test_rewriting_the_sources_file_moves_the_scope_while_clients_send_req
     write_sources(path, keep, old)
     front = await processes.start(
         "frontend", "--store", store_url, "--port", "0", "--namespace-sources", str(path),
-        "--cache-dir", str(tmp_path / "cache"), ready=FRONTEND_READY,
+        "--cache-dir", str(tmp_path / "cache"), ready="frontend",
     )  # fmt: skip
     client = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="unused", max_retries=0)
 
