@@ -35,12 +35,12 @@ class Backend:
     async def outage(self, *stores: Store) -> AsyncIterator[None]:
         """The given clients cannot reach the store inside the block."""
         for s in stores:
-            s.set_unreachable(True)  # type: ignore[attr-defined]
+            s.set_unreachable(True)
         try:
             yield
         finally:
             for s in stores:
-                s.set_unreachable(False)  # type: ignore[attr-defined]
+                s.set_unreachable(False)
 
 
 class MemoryBackend(Backend):
