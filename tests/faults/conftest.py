@@ -4,7 +4,7 @@ etcd, with real `shoal` processes and the official `openai` client."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -15,18 +15,11 @@ from tests.faults.support import FAST, RECONCILE_INTERVAL
 from tests.processes import Process, Processes
 
 
-@pytest.fixture
-def etcd() -> Iterator[EtcdServer]:
-    """An etcd of the test's own, which the test may stop and start (an outage)."""
-    with EtcdServer() as server:
-        yield server
-
-
 @pytest.fixture(params=["sqlite", "etcd"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'store.db'}"
-    server: EtcdServer = request.getfixturevalue("etcd")
+    server: EtcdServer = request.getfixturevalue("own_etcd")
     return server.url
 
 

@@ -34,7 +34,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'store.db'}"
     else:
-        server: EtcdServer = request.getfixturevalue("frontend_etcd")
+        server: EtcdServer = request.getfixturevalue("etcd_server")
         yield server.url
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable
 from pathlib import Path
 
 import aiohttp
@@ -23,17 +23,11 @@ CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello."}]
 FAST = ("--lease-ttl", "2", "--ttft-ms", "5", "--itl-ms", "2")
 
 
-@pytest.fixture(scope="session")
-def membership_etcd() -> Iterator[EtcdServer]:
-    with EtcdServer() as server:
-        yield server
-
-
 @pytest.fixture(params=["sqlite", pytest.param("etcd", marks=pytest.mark.etcd)])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'store.db'}"
-    server: EtcdServer = request.getfixturevalue("membership_etcd")
+    server: EtcdServer = request.getfixturevalue("etcd_server")
     return server.url
 
 

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from shoal.store import Store, open_store
 from tests.etcd_server import EtcdServer
-
-
-@pytest.fixture(scope="session")
-def etcd_server() -> Iterator[EtcdServer]:
-    with EtcdServer() as server:
-        yield server
 
 
 class Backend:
