@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 
 from shoal.controllers import Controller, ControllerManager, Loop, readiness
-from tests.controllers.support import wait_for
+from tests.helpers import wait_for
 
 
 class Gated(Controller):
@@ -21,7 +21,7 @@ async def test_readiness_is_503_with_reasons_then_200_after_recovery() -> None:
     manager = ControllerManager([Loop(controller, name="models", interval=0.02, max_silence=0.1)])
     await manager.start_all()
     try:
-        await wait_for(lambda: manager.unhealthy(), "the gated loop to turn unhealthy")
+        await wait_for(lambda: manager.unhealthy(), message="the gated loop to turn unhealthy")
         status, body = readiness(manager)
         assert status == 503
         assert body["status"] == "unavailable"
@@ -29,7 +29,7 @@ async def test_readiness_is_503_with_reasons_then_200_after_recovery() -> None:
         assert body["unhealthy"]["models"].startswith("no progress for ")
 
         controller.gate.set()
-        await wait_for(lambda: not manager.unhealthy(), "the loop to recover")
+        await wait_for(lambda: not manager.unhealthy(), message="the loop to recover")
         assert readiness(manager) == (200, {"status": "ok", "unhealthy": {}})
     finally:
         await manager.stop_all()

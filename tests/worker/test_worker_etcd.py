@@ -10,8 +10,8 @@ import pytest
 
 from shoal.discovery import Discovery
 from shoal.store import open_store
+from tests.etcd_server import EtcdServer
 from tests.helpers import wait_for
-from tests.own_etcd import EtcdServer
 from tests.processes import Process
 from tests.worker.conftest import StartWorker
 
