@@ -12,8 +12,8 @@ import pytest
 
 from shoal.discovery import Discovery, ModelInstance, Query
 from shoal.store import Store, open_store
-from tests.engines.fake_upstream import MODEL, FakeUpstream
 from tests.processes import Process, Processes
+from tests.worker.engines.fake_upstream import MODEL, FakeUpstream
 
 UPSTREAM_KEY = "sk-upstream-only"
 
