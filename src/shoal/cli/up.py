@@ -111,7 +111,7 @@ async def wait_ready(worker: Worker, deadline: float) -> None:
             await worker.proc.wait()
             raise RuntimeError(f"worker {worker.number} exited with {worker.proc.returncode}")
         ready = parse_ready_line(line.decode(errors="replace"), "worker")
-        if ready is not None and "instance" in ready:
+        if ready is not None:
             worker.instance = ready["instance"]
             return
 
