@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import platform
 import random
-import re
 import sys
 import tempfile
 import time
@@ -31,8 +30,8 @@ from tests.postgres_server import PostgresDatabase
 from shoal.catalog import MODELS, VIRTUAL_MODELS, CatalogClient, Kind
 from shoal.catalog.database import migrate, open_engine
 from shoal.catalog.tables import workspaces
+from shoal.cli.common import parse_ready_line
 
-READY = re.compile(r"^shoal catalog ready: url=(\S+)")
 WORKSPACE = "bench"
 
 
@@ -104,9 +103,9 @@ async def run_backend(url: str, args: argparse.Namespace) -> dict[str, float]:
     try:
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-        match = READY.match(line)
-        assert match, line
-        return await measure(match[1], args.entities, args.rounds, args.gets)
+        ready = parse_ready_line(line, "catalog")
+        assert ready is not None, line
+        return await measure(ready["url"], args.entities, args.rounds, args.gets)
     finally:
         proc.terminate()
         await proc.wait()

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -22,6 +21,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from shoal.cli.common import parse_ready_line
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -248,14 +249,14 @@ def start_worker(session: Session, model: str, store: str) -> tuple[Proc, str]:
         *("--status-port", str(free_port())),
     ]
     proc = session.start("worker", argv)
-    ready = re.compile(r"shoal worker ready: .*url=(http://\S+)")
     found: list[str] = []
 
     def printed_ready() -> bool:
-        match = ready.search(proc.log.read_text(errors="replace"))
-        if match:
-            found.append(match.group(1).rstrip("/"))
-        return bool(match)
+        for line in proc.log.read_text(errors="replace").splitlines():
+            if (ready := parse_ready_line(line, "worker")) is not None:
+                found.append(ready["url"].rstrip("/"))
+                return True
+        return False
 
     wait_until("the ready line", printed_ready, 60, proc)
     wait_until("a chat completion", lambda: chat_ok(found[0], model), 30, proc)

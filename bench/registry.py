@@ -52,6 +52,7 @@ from aiohttp import web
 from tests.etcd_server import EtcdServer
 
 from shoal.cards import ModelCard, slugify
+from shoal.cli.common import parse_ready_line, print_ready
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
 from shoal.store import Store, open_store
 
@@ -59,9 +60,6 @@ NAMESPACE = "bench"
 ENDPOINT = EndpointId(NAMESPACE, "backend", "generate")
 FIRST_ID = 0x100000
 FILES = ("config.json", "tokenizer_config.json")
-WORKER_READY = re.compile(r"^shoal worker ready: model=\S+ url=(?P<url>\S+) status=(?P<status>\S+)")
-FRONTEND_READY = re.compile(r"^shoal frontend ready: url=(?P<url>\S+)$")
-METADATA_READY = re.compile(r"^metadata server: url=(?P<url>\S+)$")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -125,7 +123,7 @@ async def serve_metadata() -> None:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    print(f"metadata server: url=http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+    print_ready("bench-metadata", url=f"http://127.0.0.1:{runner.addresses[0][1]}")
     await asyncio.Event().wait()
 
 
@@ -162,7 +160,8 @@ class Child:
                 await self.proc.wait()
 
 
-async def spawn(args: list[str], ready: re.Pattern[str], log: Path, timeout: float = 60) -> Child:
+async def spawn(args: list[str], component: str, log: Path, timeout: float = 60) -> Child:
+    """Start `python ARGS` and wait for its ready line (`shoal COMPONENT ready: ...`)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("SHOAL_STORE", None)
     started = time.perf_counter()
@@ -177,15 +176,15 @@ async def spawn(args: list[str], ready: re.Pattern[str], log: Path, timeout: flo
         line = await asyncio.wait_for(proc.stdout.readline(), deadline - time.monotonic())
         if not line:
             raise RuntimeError(f"{args[:3]} exited before it was ready; see {log}")
-        if match := ready.match(line.decode().strip()):
-            child.ready = match.groupdict()
+        if (ready := parse_ready_line(line.decode(), component)) is not None:
+            child.ready = ready
             return child
 
 
 async def start_frontend(store_url: str, cache: Path, interval: float, log: Path) -> Child:
     args = ["-m", "shoal.cli.main", "frontend", "--store", store_url, "--port", "0"]
     args += ["--cache-dir", str(cache), "--reconcile-interval", str(interval)]
-    return await spawn(args, FRONTEND_READY, log)
+    return await spawn(args, "frontend", log)
 
 
 # -- measurements ----------------------------------------------------------------------------
@@ -417,7 +416,7 @@ async def bench_backend(backend: str, args: argparse.Namespace, work: Path) -> d
         raise SystemExit(f"unknown backend {backend!r}")
     log = work / f"{backend}.log"
     try:
-        meta = await spawn(["-m", "bench.registry", "--serve-metadata"], METADATA_READY, log)
+        meta = await spawn(["-m", "bench.registry", "--serve-metadata"], "bench-metadata", log)
         children.append(meta)
         metadata_url = meta.ready["url"]
         workers: list[dict[str, str]] = []
@@ -426,7 +425,7 @@ async def bench_backend(backend: str, args: argparse.Namespace, work: Path) -> d
             w = await spawn(
                 ["-m", "shoal.cli.main", "worker", "--engine", "mocker", "--speedup", "0",
                  "--model", name, "--store", url],
-                WORKER_READY, log,
+                "worker", log,
             )  # fmt: skip
             children.append(w)
             workers.append(w.ready)

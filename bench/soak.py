@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.faults.support import LEASE_TTL, Load
 from tests.helpers import free_port, wait_for
-from tests.processes import FRONTEND_READY, Process, Processes
+from tests.processes import Process, Processes
 
 WORKER = ("--lease-ttl", f"{LEASE_TTL:g}", "--ttft-ms", "5", "--itl-ms", "2")
 
@@ -86,7 +86,7 @@ class Soak:
         return await self.processes.start(
             "frontend", "--store", self.store, "--port", str(port), "--reconcile-interval", "5",
             "--first-byte-timeout", "5", "--cache-dir", str(self.tmp / f"cache-{port}"),
-            ready=FRONTEND_READY,
+            ready="frontend",
         )  # fmt: skip
 
     async def worker(self) -> Process:

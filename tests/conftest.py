@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -9,6 +9,7 @@ import pytest
 # tests/ is importable as a package for the shared helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.etcd_server import EtcdServer
 from tests.processes import Processes
 
 
@@ -18,3 +19,18 @@ async def processes(tmp_path: Path) -> AsyncIterator[Processes]:
     procs = Processes(tmp_path)
     yield procs
     await procs.close()
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdServer]:
+    """The session's one shared etcd. Tests keep to keys of their own (a prefix, a namespace)
+    and never stop it; a test that needs an outage takes `own_etcd`."""
+    with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture
+def own_etcd() -> Iterator[EtcdServer]:
+    """An etcd of the test's own, which the test may stop and start (an outage)."""
+    with EtcdServer() as server:
+        yield server

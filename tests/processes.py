@@ -13,11 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-WORKER_READY = re.compile(
-    r"^shoal worker ready: model=(?P<model>\S+) url=(?P<url>\S+) "
-    r"status=(?P<status>\S+) instance=(?P<instance>[0-9a-f]+)$"
-)
-FRONTEND_READY = re.compile(r"^shoal frontend ready: url=(?P<url>\S+)$")
+from shoal.cli.common import parse_ready_line
 
 
 async def shoal(*args: str, **kwargs: Any) -> asyncio.subprocess.Process:
@@ -62,14 +58,18 @@ class Process:
     def stderr(self) -> str:
         return self.log.read_text(errors="replace")
 
-    async def read_until(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
-        """Read stdout lines (kept in `stdout`) until one matches `pattern`."""
+    async def read_until_ready(
+        self, ready: str | re.Pattern[str], timeout: float
+    ) -> dict[str, str]:
+        """Read stdout lines (kept in `stdout`) until the ready line of component `ready` (its
+        fields), or a line matching the pattern `ready` (its named groups)."""
+        what = f"{ready} ready line" if isinstance(ready, str) else repr(ready.pattern)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise AssertionError(f"no {pattern.pattern!r} in {timeout}s:\n{self.stderr()}")
+                raise AssertionError(f"no {what} in {timeout}s:\n{self.stderr()}")
             try:
                 line = await asyncio.wait_for(self.proc.stdout.readline(), remaining)
             except TimeoutError:
@@ -77,13 +77,16 @@ class Process:
             if not line:
                 await self.proc.wait()
                 raise AssertionError(
-                    f"exited with {self.proc.returncode} before {pattern.pattern!r}:\n"
+                    f"exited with {self.proc.returncode} before {what}:\n"
                     f"{''.join(self.stdout)}\n{self.stderr()}"
                 )
             text = line.decode(errors="replace")
             self.stdout.append(text)
-            if match := pattern.match(text.strip()):
-                return match
+            if isinstance(ready, str):
+                if (fields := parse_ready_line(text, ready)) is not None:
+                    return fields
+            elif match := ready.match(text.strip()):
+                return match.groupdict()
 
 
 class Processes:
@@ -94,7 +97,11 @@ class Processes:
         self.directory = directory
         self.started: list[Process] = []
 
-    async def start(self, *args: str, ready: re.Pattern[str], timeout: float = 30.0) -> Process:
+    async def start(
+        self, *args: str, ready: str | re.Pattern[str], timeout: float = 30.0
+    ) -> Process:
+        """Start `shoal ARGS`; wait for the ready line of component `ready` ("frontend"), or
+        for a line matching `ready` of a command that prints none (`shoal up`)."""
         log = self.directory / f"{args[0]}-{len(self.started)}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("SHOAL_STORE", None)
@@ -102,8 +109,7 @@ class Processes:
             proc = await shoal(*args, stdout=asyncio.subprocess.PIPE, stderr=err, env=env)
         process = Process(proc, log)
         self.started.append(process)
-        match = await process.read_until(ready, timeout)
-        process.ready = match.groupdict()
+        process.ready = await process.read_until_ready(ready, timeout)
         return process
 
     async def worker(
@@ -116,7 +122,7 @@ class Processes:
     ) -> Process:
         return await self.start(
             "worker", "--engine", engine, "--model", model, "--store", store_url, *args,
-            ready=WORKER_READY, timeout=timeout,
+            ready="worker", timeout=timeout,
         )  # fmt: skip
 
     async def close(self) -> None:

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.cli.main import COMMANDS, build_parser
 from tests.helpers import wait_for
-from tests.processes import FRONTEND_READY, Processes
+from tests.processes import Processes
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAFANA = ROOT / "deploy" / "grafana" / "shoal.json"
@@ -85,7 +85,7 @@ async def test_every_metric_the_grafana_dashboard_queries_is_exported_by_shoal(
     worker = await processes.worker(store_url, "--namespace", namespace, *FAST)
     frontend = await processes.start(
         "frontend", "--store", store_url, "--port", "0", "--namespace", namespace,
-        ready=FRONTEND_READY,
+        ready="frontend",
     )  # fmt: skip
     client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0)
     async with client:

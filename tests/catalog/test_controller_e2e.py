@@ -13,7 +13,7 @@ from shoal.catalog import DEPLOYMENTS, PROVIDERS, CatalogClient
 from shoal.catalog.leader import leader_key
 from shoal.discovery import Discovery, FleetTarget, Query, decode_route, route_key
 from shoal.store import Store, open_store
-from tests.catalog.test_cli import CATALOG_READY, catalog_cli
+from tests.catalog.test_cli import catalog_cli
 from tests.helpers import free_port, wait_for
 from tests.processes import Processes
 
@@ -105,7 +105,7 @@ async def test_two_catalog_replicas_one_leads_and_the_other_takes_over(
     serve = ["catalog", "serve", "--db", database_url, "--store", store_url]
     interval = ["--controller-interval", "0.3"]
     replicas = [
-        await processes.start(*serve, "--port", str(free_port()), *interval, ready=CATALOG_READY)
+        await processes.start(*serve, "--port", str(free_port()), *interval, ready="catalog")
         for _ in range(2)
     ]
     store = await open_store(store_url)

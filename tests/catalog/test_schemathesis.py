@@ -13,7 +13,6 @@ import asyncio
 import sys
 from pathlib import Path
 
-from tests.catalog.test_cli import CATALOG_READY
 from tests.helpers import free_port
 from tests.processes import Processes
 
@@ -25,7 +24,7 @@ async def test_schemathesis_finds_no_server_error_or_schema_violation(
 ) -> None:
     served = await processes.start(
         "catalog", "serve", "--db", database_url, "--port", str(free_port()),
-        "--admin-token", "tok", ready=CATALOG_READY,
+        "--admin-token", "tok", ready="catalog",
     )  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
         SCHEMATHESIS, "run", f"{served.url}/openapi.json",

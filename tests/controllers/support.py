@@ -1,10 +1,6 @@
-"""Test support for the controllers tests: a fake clock and waiting on a condition with a deadline."""
+"""Test support for the controllers tests: a fake clock."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
-
-from tests.helpers import wait_for as shared_wait_for
 
 
 class FakeClock:
@@ -18,8 +14,3 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
-
-
-async def wait_for(condition: Callable[[], object], what: str, timeout: float = 2.0) -> None:
-    """Poll `condition` until it is truthy; fail the test naming `what` after `timeout` seconds."""
-    await shared_wait_for(condition, timeout=timeout, interval=0.005, message=what)

@@ -2,18 +2,8 @@ from __future__ import annotations
 
 import asyncio
 
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
-
-from shoal.controllers import (
-    Controller,
-    ControllerManager,
-    Loop,
-    add_health_routes,
-    liveness,
-    readiness,
-)
-from tests.controllers.support import wait_for
+from shoal.controllers import Controller, ControllerManager, Loop, readiness
+from tests.helpers import wait_for
 
 
 class Gated(Controller):
@@ -26,43 +16,26 @@ class Gated(Controller):
         await self.gate.wait()
 
 
-async def test_ready_answers_503_with_reasons_then_200_after_recovery() -> None:
+async def test_readiness_is_503_with_reasons_then_200_after_recovery() -> None:
     controller = Gated()
     manager = ControllerManager([Loop(controller, name="models", interval=0.02, max_silence=0.1)])
-    app = web.Application()
-    add_health_routes(app, manager)
     await manager.start_all()
     try:
-        async with TestClient(TestServer(app)) as client:
-            await wait_for(lambda: manager.unhealthy(), "the gated loop to turn unhealthy")
-            response = await client.get("/health/ready")
-            assert response.status == 503
-            body = await response.json()
-            assert body["status"] == "unavailable"
-            assert list(body["unhealthy"]) == ["models"]
-            assert body["unhealthy"]["models"].startswith("no progress for ")
+        await wait_for(lambda: manager.unhealthy(), message="the gated loop to turn unhealthy")
+        status, body = readiness(manager)
+        assert status == 503
+        assert body["status"] == "unavailable"
+        assert list(body["unhealthy"]) == ["models"]
+        assert body["unhealthy"]["models"].startswith("no progress for ")
 
-            controller.gate.set()
-            await wait_for(lambda: not manager.unhealthy(), "the loop to recover")
-            response = await client.get("/health/ready")
-            assert response.status == 200
-            assert await response.json() == {"status": "ok", "unhealthy": {}}
+        controller.gate.set()
+        await wait_for(lambda: not manager.unhealthy(), message="the loop to recover")
+        assert readiness(manager) == (200, {"status": "ok", "unhealthy": {}})
     finally:
         await manager.stop_all()
 
 
-async def test_live_answers_200_while_the_process_runs() -> None:
-    manager = ControllerManager([Loop(Gated(), name="stopped", interval=1.0)])
-    app = web.Application()
-    add_health_routes(app, manager, prefix="/status/health/")
-    async with TestClient(TestServer(app)) as client:
-        response = await client.get("/status/health/live")
-        assert response.status == 200
-        # Readiness fails (the loop never started), liveness does not care.
-        assert (await client.get("/status/health/ready")).status == 503
-
-
-def test_neutral_functions_answer_without_a_web_framework() -> None:
+def test_readiness_names_a_loop_that_is_not_running() -> None:
     manager = ControllerManager([Loop(Gated(), name="stopped", interval=1.0)])
     assert readiness(manager) == (
         503,
@@ -70,4 +43,3 @@ def test_neutral_functions_answer_without_a_web_framework() -> None:
     )
     manager.unregister("stopped")
     assert readiness(manager) == (200, {"status": "ok", "unhealthy": {}})
-    assert liveness() == (200, {"status": "ok"})

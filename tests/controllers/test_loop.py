@@ -9,7 +9,8 @@ import time
 import pytest
 
 from shoal.controllers import Controller, HeartbeatMixin, Loop, LoopHealth
-from tests.controllers.support import FakeClock, wait_for
+from tests.controllers.support import FakeClock
+from tests.helpers import wait_for
 
 
 class Batch(HeartbeatMixin, Controller):
@@ -104,7 +105,7 @@ async def test_long_step_reporting_progress_stays_healthy_past_deadline() -> Non
     began = clock.now
     await loop.start()
     try:
-        await wait_for(lambda: controller.done, "the long step to finish")
+        await wait_for(lambda: controller.done, message="the long step to finish")
     finally:
         await loop.stop()
     assert clock.now - began == 50.0  # far past the 15 s deadline
@@ -117,7 +118,7 @@ async def test_long_step_reporting_nothing_goes_unhealthy_after_deadline_with_re
     loop = controller.loop = Loop(controller, interval=5.0, clock=clock)
     await loop.start()
     try:
-        await wait_for(lambda: controller.done, "the long step to finish")
+        await wait_for(lambda: controller.done, message="the long step to finish")
     finally:
         await loop.stop()
     # Healthy for the first 15 s of silence (120 items), unhealthy from then on.
@@ -143,7 +144,7 @@ async def test_controller_reporting_nothing_is_judged_by_step_entry_beats() -> N
     loop = Loop(controller, interval=0.01, clock=clock)
     await loop.start()
     try:
-        await wait_for(lambda: len(controller.healths) == 10, "ten steps")
+        await wait_for(lambda: len(controller.healths) == 10, message="ten steps")
     finally:
         await loop.stop()
     assert all(health.healthy for health in controller.healths)
@@ -155,7 +156,7 @@ async def test_unhealthy_reason_names_the_silence_and_the_allowed_maximum() -> N
     loop = Loop(controller, interval=5.0, clock=clock)
     await loop.start()
     try:
-        await wait_for(controller.entered.is_set, "the step to start")
+        await wait_for(controller.entered.is_set, message="the step to start")
         clock.advance(47.0)
         assert loop.health() == LoopHealth(False, "no progress for 47s (max allowed: 15s)")
     finally:
@@ -171,8 +172,10 @@ async def test_step_blocked_forever_is_caught_even_after_beating(
     loop = Loop(controller, interval=0.02, max_silence=0.1)
     await loop.start()
     try:
-        await wait_for(controller.entered.is_set, "the step to start")
-        await wait_for(lambda: not loop.health().healthy, "the blocked loop to turn unhealthy")
+        await wait_for(controller.entered.is_set, message="the step to start")
+        await wait_for(
+            lambda: not loop.health().healthy, message="the blocked loop to turn unhealthy"
+        )
         reason = loop.health().reason
         assert reason is not None and reason.startswith("no progress for ")
         assert reason.endswith("(max allowed: 0.1s)")
@@ -189,7 +192,7 @@ async def test_exception_in_step_is_logged_and_the_next_step_runs(
     loop = Loop(controller, name="flaky", interval=0.01)
     await loop.start()
     try:
-        await wait_for(lambda: controller.steps >= 3, "steps after the failing one")
+        await wait_for(lambda: controller.steps >= 3, message="steps after the failing one")
     finally:
         await loop.stop()
     [failure] = [r for r in caplog.records if r.levelno == logging.ERROR]
@@ -203,7 +206,7 @@ async def test_sync_step_runs_in_the_loops_own_thread() -> None:
     loop = Loop(controller, name="blocking", interval=0.01)
     await loop.start()
     try:
-        await wait_for(lambda: controller.steps >= 2, "two steps")
+        await wait_for(lambda: controller.steps >= 2, message="two steps")
     finally:
         await loop.stop()
     assert controller.threads == {"loop:blocking"}
@@ -214,7 +217,7 @@ async def test_stop_interrupts_the_sleep_promptly(counter: type[Counter]) -> Non
     controller = counter()
     loop = Loop(controller, interval=60.0)
     await loop.start()
-    await wait_for(lambda: controller.steps == 1, "the first step")
+    await wait_for(lambda: controller.steps == 1, message="the first step")
     started = time.monotonic()
     assert await loop.stop(timeout=5.0)
     assert time.monotonic() - started < 1.0
@@ -227,7 +230,7 @@ async def test_tiered_shutdown_cancels_a_stuck_async_step(
     controller = AsyncStuck()
     loop = Loop(controller, name="stuck", interval=0.01)
     await loop.start()
-    await wait_for(controller.entered.is_set, "the step to start")
+    await wait_for(controller.entered.is_set, message="the step to start")
     assert await loop.stop(timeout=0.05)
     assert controller.cancelled
     assert not loop.running
@@ -241,14 +244,14 @@ async def test_tiered_shutdown_abandons_a_stuck_sync_step_and_reports_it(
     loop = Loop(controller, name="stuck", interval=0.01)
     await loop.start()
     try:
-        await wait_for(controller.entered.is_set, "the step to start")
+        await wait_for(controller.entered.is_set, message="the step to start")
         assert not await loop.stop(timeout=0.05)
         assert loop.running  # a thread cannot be cancelled
         [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert "'stuck'" in warning.getMessage() and "abandoning" in warning.getMessage()
     finally:
         controller.release.set()
-    await wait_for(lambda: not loop.running, "the released thread to end")
+    await wait_for(lambda: not loop.running, message="the released thread to end")
 
 
 async def test_loop_that_is_not_running_is_unhealthy() -> None:
@@ -309,7 +312,7 @@ async def test_loop_rests_a_full_interval_after_a_step_that_overran() -> None:
     loop = Loop(controller, interval=0.1)
     await loop.start()
     try:
-        await wait_for(lambda: len(controller.spans) >= 3, "three steps", timeout=5.0)
+        await wait_for(lambda: len(controller.spans) >= 3, message="three steps", timeout=5.0)
     finally:
         await loop.stop()
     gaps = [nxt[0] - prev[1] for prev, nxt in itertools.pairwise(controller.spans)]
@@ -336,7 +339,7 @@ async def test_steps_failing_past_the_deadline_make_the_loop_unhealthy_with_the_
     loop = Loop(controller, interval=0.01, max_silence=15.0, clock=clock)
     await loop.start()
     try:
-        await wait_for(lambda: controller.steps >= 2, "two failed steps")
+        await wait_for(lambda: controller.steps >= 2, message="two failed steps")
         assert loop.health().healthy  # failing, but not for longer than the deadline yet
         clock.advance(16.0)
         health = loop.health()
@@ -345,7 +348,7 @@ async def test_steps_failing_past_the_deadline_make_the_loop_unhealthy_with_the_
         assert health.reason.startswith("steps failing for 16s")
         assert health.reason.endswith("ConnectionError: store unreachable")
         controller.failing = False
-        await wait_for(lambda: loop.health().healthy, "recovery after a successful step")
+        await wait_for(lambda: loop.health().healthy, message="recovery after a successful step")
     finally:
         await loop.stop()
 
@@ -358,10 +361,10 @@ async def test_a_step_failing_the_same_way_logs_once_then_a_count_on_recovery(
     loop = Loop(controller, name="lister", interval=0.005)
     await loop.start()
     try:
-        await wait_for(lambda: controller.steps >= 6, "six failed steps")
+        await wait_for(lambda: controller.steps >= 6, message="six failed steps")
         controller.failing = False
         failed = controller.steps
-        await wait_for(lambda: controller.steps > failed + 1, "steps after recovery")
+        await wait_for(lambda: controller.steps > failed + 1, message="steps after recovery")
     finally:
         await loop.stop()
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -378,11 +381,11 @@ async def test_a_changed_failure_is_logged_with_the_count_of_the_previous_one(
     loop = Loop(controller, name="lister", interval=0.005)
     await loop.start()
     try:
-        await wait_for(lambda: controller.steps >= 3, "three failed steps")
+        await wait_for(lambda: controller.steps >= 3, message="three failed steps")
         controller.message = "second"
         await wait_for(
             lambda: sum(r.levelno >= logging.ERROR for r in caplog.records) == 2,
-            "the changed failure logged",
+            message="the changed failure logged",
         )
     finally:
         await loop.stop()

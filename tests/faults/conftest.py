@@ -4,7 +4,7 @@ etcd, with real `shoal` processes and the official `openai` client."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -12,21 +12,14 @@ import pytest
 from shoal.store import Store, open_store
 from tests.etcd_server import EtcdServer
 from tests.faults.support import FAST, RECONCILE_INTERVAL
-from tests.processes import FRONTEND_READY, Process, Processes
-
-
-@pytest.fixture
-def etcd() -> Iterator[EtcdServer]:
-    """An etcd of the test's own, which the test may stop and start (an outage)."""
-    with EtcdServer() as server:
-        yield server
+from tests.processes import Process, Processes
 
 
 @pytest.fixture(params=["sqlite", "etcd"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'store.db'}"
-    server: EtcdServer = request.getfixturevalue("etcd")
+    server: EtcdServer = request.getfixturevalue("own_etcd")
     return server.url
 
 
@@ -68,7 +61,7 @@ class Fleet:
             "--port", str(port), "--reconcile-interval", f"{RECONCILE_INTERVAL:g}",
             "--first-byte-timeout", "1", "--inhibit-seconds", "3",
             "--cache-dir", str(self.tmp / f"cache-{port}"), *args,
-            ready=FRONTEND_READY,
+            ready="frontend",
         )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from shoal.cards import ModelCard
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey, Query
 from shoal.store import Lease, Store
+from tests.helpers import wait_for
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story."}]
 # Workers of these tests: fast, and their lease ends 2 s after they die.
@@ -175,17 +176,11 @@ class Load:
 async def until(
     condition: Callable[[], Any | Awaitable[Any]], timeout: float, message: str
 ) -> float:
-    """Seconds until `condition` held; fail after `timeout`. (The time is a figure we report.)"""
+    """Seconds until `condition` held (`tests.helpers.wait_for`); the time is a figure we
+    report."""
     started = time.monotonic()
-    while True:
-        result = condition()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return time.monotonic() - started
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"not within {timeout}s: {message}")
-        await asyncio.sleep(0.02)
+    await wait_for(condition, timeout, message=message)
+    return time.monotonic() - started
 
 
 async def instance_ids(frontend_url: str, model: str = "mock-llm") -> set[int]:

@@ -29,9 +29,9 @@ CONVERGE = LEASE_TTL + RECONCILE_INTERVAL + 5  # etcd restarts leases with a ful
 
 
 async def test_etcd_down_longer_than_the_lease_ttl_with_a_worker_killed_meanwhile(
-    processes: Processes, etcd: EtcdServer, namespace: str, tmp_path: object
+    processes: Processes, own_etcd: EtcdServer, namespace: str, tmp_path: object
 ) -> None:
-    fleet = Fleet(processes, etcd.url, namespace, tmp_path)  # type: ignore[arg-type]
+    fleet = Fleet(processes, own_etcd.url, namespace, tmp_path)  # type: ignore[arg-type]
     staying, dying = await fleet.worker(), await fleet.worker()
     front = await fleet.frontend()
     both = {staying.instance_id, dying.instance_id}
@@ -40,13 +40,13 @@ async def test_etcd_down_longer_than_the_lease_ttl_with_a_worker_killed_meanwhil
     load.start()
     try:
         await load.advance(30)
-        etcd.stop()
+        own_etcd.stop()
         down = time.monotonic()
         dying.signal(signal.SIGKILL)
         # The outage outlasts the lease TTL while requests keep being answered.
         await until(lambda: time.monotonic() - down > 2 * LEASE_TTL, 10, "outage")
         await load.advance(20)
-        etcd.start()
+        own_etcd.start()
         converge = await until(lambda: _only_live(front.url, dying.instance_id), CONVERGE, "ghost")
         await load.advance(30)
     finally:
@@ -65,9 +65,9 @@ async def test_etcd_down_longer_than_the_lease_ttl_with_a_worker_killed_meanwhil
 
 @pytest.mark.parametrize("fault", ["stall", "cut"])
 async def test_store_traffic_stalled_or_cut_by_a_proxy(
-    processes: Processes, etcd: EtcdServer, namespace: str, tmp_path: object, fault: str
+    processes: Processes, own_etcd: EtcdServer, namespace: str, tmp_path: object, fault: str
 ) -> None:
-    proxy = await TcpProxy("127.0.0.1", etcd.client_port).start()
+    proxy = await TcpProxy("127.0.0.1", own_etcd.client_port).start()
     fleet = Fleet(processes, f"etcd://127.0.0.1:{proxy.port}", namespace, tmp_path)  # type: ignore[arg-type]
     # Leases outlive the fault here: only the traffic is lost, not the registrations.
     workers = [await fleet.worker("--lease-ttl", "8") for _ in range(2)]

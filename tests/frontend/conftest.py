@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,18 +13,10 @@ import pytest
 
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.store import Store, open_store
-from tests.etcd_server import EtcdServer
 from tests.frontend.support import FakeWorker, FilteringDiscovery
 
 StartWorker = Callable[..., Awaitable[FakeWorker]]
 StartFrontend = Callable[..., Awaitable[Frontend]]
-
-
-@pytest.fixture(scope="session")
-def frontend_etcd() -> Iterator[EtcdServer]:
-    """One real etcd for the frontend tests that need it."""
-    with EtcdServer() as server:
-        yield server
 
 
 @pytest.fixture
@@ -42,7 +34,7 @@ async def store(
     elif backend == "sqlite":
         url = f"sqlite:///{tmp_path / 'store.db'}"
     else:
-        url = request.getfixturevalue("frontend_etcd").url
+        url = request.getfixturevalue("etcd_server").url
     s = await open_store(url)
     if backend == "etcd":  # one server for the session: start from an empty discovery
         for kv in (await s.get_prefix("shoal/v1/")).items:

@@ -28,7 +28,7 @@ from shoal.store import Store, open_store
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import serving
 from tests.helpers import wait_for
-from tests.processes import FRONTEND_READY, Process, Processes
+from tests.processes import Process, Processes
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = [
@@ -117,7 +117,7 @@ async def test_workers_appear_drain_and_vanish_on_the_page_and_a_lost_frontend_i
     namespace = f"ui-{uuid.uuid4().hex[:8]}"
     frontend = await processes.start(
         "frontend", "--store", store_url, "--port", "0", "--namespace", namespace,
-        ready=FRONTEND_READY,
+        ready="frontend",
     )  # fmt: skip
     await page.goto(f"{frontend.url}/ui/")
     await page.wait_for_selector('#conn[data-state="live"]')

@@ -22,7 +22,7 @@ from shoal.frontend import Frontend, FrontendConfig
 from shoal.store import open_store
 from tests.etcd_server import EtcdServer
 from tests.helpers import free_port, wait_for
-from tests.processes import FRONTEND_READY, Process, Processes
+from tests.processes import Process, Processes
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story."}]
 # Workers of these tests: fast, and their lease ends 2 s after they die.
@@ -34,7 +34,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'store.db'}"
     else:
-        server: EtcdServer = request.getfixturevalue("frontend_etcd")
+        server: EtcdServer = request.getfixturevalue("etcd_server")
         yield server.url
 
 
@@ -79,7 +79,7 @@ async def test_openai_client_through_a_frontend_process_to_worker_processes(
     )
     front = await processes.start(
         "frontend", "--store", store_url, "--port", "0", "--namespace", namespace,
-        "--cache-dir", str(tmp_path / "cache"), ready=FRONTEND_READY,
+        "--cache-dir", str(tmp_path / "cache"), ready="frontend",
     )  # fmt: skip
     client = client_for(front.url)
 

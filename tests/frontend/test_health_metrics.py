@@ -150,10 +150,9 @@ async def test_each_frontend_has_its_own_metrics_registry(start_frontend: StartF
 
 
 async def test_store_outage_shows_in_health_and_fails_the_reconciliation_loop(
-    tmp_path: Path,
+    own_etcd: EtcdServer, tmp_path: Path
 ) -> None:
-    etcd = EtcdServer()
-    etcd.start()
+    etcd = own_etcd
     frontend = Frontend(
         FrontendConfig(store_url=etcd.url, port=0, cache_dir=tmp_path / "c", reconcile_interval=0.2)
     )
@@ -179,7 +178,6 @@ async def test_store_outage_shows_in_health_and_fails_the_reconciliation_loop(
         assert body["store"] == {"reachable": True}
     finally:
         await frontend.stop()
-        etcd.close()
 
 
 async def _health_when(frontend: Frontend, check: Any) -> tuple[int, dict] | None:  # type: ignore[type-arg]

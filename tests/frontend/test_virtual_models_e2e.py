@@ -19,7 +19,7 @@ from shoal.discovery import FleetTarget, Route, UrlTarget, publish_route
 from shoal.store import open_store
 from tests.etcd_server import EtcdServer
 from tests.helpers import wait_for
-from tests.processes import FRONTEND_READY, Process, Processes
+from tests.processes import Process, Processes
 
 FAST = ("--lease-ttl", "2", "--ttft-ms", "5", "--itl-ms", "2")
 CHAT: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "Hi."}]
@@ -30,7 +30,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'store.db'}"
     else:
-        server: EtcdServer = request.getfixturevalue("frontend_etcd")
+        server: EtcdServer = request.getfixturevalue("etcd_server")
         yield server.url
 
 
@@ -53,7 +53,7 @@ async def frontend(processes: Processes, store_url: str, tmp_path: Path, *args: 
     name = f"cache-{uuid.uuid4().hex[:6]}"
     return await processes.start(
         "frontend", "--store", store_url, "--port", "0", "--cache-dir", str(tmp_path / name),
-        "--reconcile-interval", "1", *args, ready=FRONTEND_READY,
+        "--reconcile-interval", "1", *args, ready="frontend",
     )  # fmt: skip
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from shoal.frontend.kv_prompt import PromptTokenizer
 from shoal.worker.engines.llamacpp import LlamaCppEngine, default_model_path
-from tests.engines.support import client_for, engine_served
 from tests.helpers import Server
+from tests.worker.engines.support import client_for, engine_served
 
 pytestmark = [
     pytest.mark.llamacpp,

@@ -14,11 +14,11 @@ from shoal.frontend.kv_tracker import KvTracker
 from shoal.frontend.registry import Registry
 from shoal.kv import KvEndpoint, token_block_hashes
 from shoal.store import open_store
-from tests.engines.fake_upstream import MODEL, FakeUpstream
 from tests.helpers import wait_for
 from tests.kv import vllm_fixtures as vllm
 from tests.kv.fake_vllm import FakeVllmPublisher
 from tests.processes import Processes
+from tests.worker.engines.fake_upstream import MODEL, FakeUpstream
 
 TOKENS = list(range(64))
 

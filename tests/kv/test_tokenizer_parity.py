@@ -18,8 +18,8 @@ from shoal.frontend.kv_router import KvPrompt
 from shoal.frontend.proxy import decode_fields
 from shoal.kv import KVEventBatch, token_block_hashes
 from shoal.worker.engines.mocker import MockerEngine
-from tests.engines.support import client_for, engine_served
 from tests.helpers import Server, wait_for
+from tests.worker.engines.support import client_for, engine_served
 
 BS = 4
 LONG = "The quick brown fox, named Zorblax_42, jumps over the lazy dog! " * 12

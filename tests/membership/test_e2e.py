@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable
 from pathlib import Path
 
 import aiohttp
@@ -17,23 +17,17 @@ from openai.types.chat import ChatCompletionMessageParam
 from tests.etcd_server import EtcdServer
 from tests.helpers import wait_for
 from tests.membership.test_frontend import write_sources
-from tests.processes import FRONTEND_READY, Processes
+from tests.processes import Processes
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello."}]
 FAST = ("--lease-ttl", "2", "--ttft-ms", "5", "--itl-ms", "2")
-
-
-@pytest.fixture(scope="session")
-def membership_etcd() -> Iterator[EtcdServer]:
-    with EtcdServer() as server:
-        yield server
 
 
 @pytest.fixture(params=["sqlite", pytest.param("etcd", marks=pytest.mark.etcd)])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'store.db'}"
-    server: EtcdServer = request.getfixturevalue("membership_etcd")
+    server: EtcdServer = request.getfixturevalue("etcd_server")
     return server.url
 
 
@@ -60,7 +54,7 @@ async def test_rewriting_the_sources_file_moves_the_scope_while_clients_send_req
     write_sources(path, keep, old)
     front = await processes.start(
         "frontend", "--store", store_url, "--port", "0", "--namespace-sources", str(path),
-        "--cache-dir", str(tmp_path / "cache"), ready=FRONTEND_READY,
+        "--cache-dir", str(tmp_path / "cache"), ready="frontend",
     )  # fmt: skip
     client = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="unused", max_retries=0)
 

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from shoal.store import Store, open_store
 from tests.etcd_server import EtcdServer
-
-
-@pytest.fixture(scope="session")
-def etcd_server() -> Iterator[EtcdServer]:
-    with EtcdServer() as server:
-        yield server
 
 
 class Backend:
@@ -35,12 +29,12 @@ class Backend:
     async def outage(self, *stores: Store) -> AsyncIterator[None]:
         """The given clients cannot reach the store inside the block."""
         for s in stores:
-            s.set_unreachable(True)  # type: ignore[attr-defined]
+            s.set_unreachable(True)
         try:
             yield
         finally:
             for s in stores:
-                s.set_unreachable(False)  # type: ignore[attr-defined]
+                s.set_unreachable(False)
 
 
 class MemoryBackend(Backend):

@@ -36,13 +36,6 @@ pytestmark = pytest.mark.etcd
 
 
 @pytest.fixture
-def own_server() -> Iterator[EtcdServer]:
-    """An etcd of this test's own, which it may stop and restart."""
-    with EtcdServer() as server:
-        yield server
-
-
-@pytest.fixture
 async def store(etcd_server: EtcdServer) -> AsyncIterator[Store]:
     s = await open_store(etcd_server.url)
     yield s
@@ -98,27 +91,27 @@ async def test_silent_server_times_out_instead_of_hanging() -> None:
         assert time.monotonic() - start < 2.5
 
 
-async def test_frozen_server_calls_time_out(own_server: EtcdServer, prefix: str) -> None:
+async def test_frozen_server_calls_time_out(own_etcd: EtcdServer, prefix: str) -> None:
     """etcd stopped (SIGSTOP) keeps its connections open: calls must still end in time."""
-    store = await EtcdStore.open(own_server.url, call_timeout=1.0)
-    assert own_server.proc is not None
+    store = await EtcdStore.open(own_etcd.url, call_timeout=1.0)
+    assert own_etcd.proc is not None
     try:
         await store.put(prefix + "k", b"v")
-        own_server.proc.send_signal(signal.SIGSTOP)
+        own_etcd.proc.send_signal(signal.SIGSTOP)
         try:
             start = time.monotonic()
-            with pytest.raises(StoreUnavailableError, match=own_server.endpoint):
+            with pytest.raises(StoreUnavailableError, match=own_etcd.endpoint):
                 await store.put(prefix + "k", b"w")
             assert time.monotonic() - start < 3
         finally:
-            own_server.proc.send_signal(signal.SIGCONT)
+            own_etcd.proc.send_signal(signal.SIGCONT)
         await wait_for(lambda: _reachable(store, prefix), timeout=10)
     finally:
         await store.close()
 
 
 async def test_frozen_server_breaks_the_watch_by_keepalive(
-    own_server: EtcdServer,
+    own_etcd: EtcdServer,
     prefix: str,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
@@ -131,13 +124,13 @@ async def test_frozen_server_breaks_the_watch_by_keepalive(
     }
     monkeypatch.setattr(etcd_module, "_CHANNEL_OPTIONS", options)
     caplog.set_level(logging.INFO, logger="shoal.store.etcd")
-    store = await EtcdStore.open(own_server.url, call_timeout=1.0)
-    assert own_server.proc is not None
+    store = await EtcdStore.open(own_etcd.url, call_timeout=1.0)
+    assert own_etcd.proc is not None
     watch = Recorder(store.watch(prefix, 1))
     try:
         await store.put(prefix + "a", b"1")
         await wait_for(lambda: watch.of(Put))
-        own_server.proc.send_signal(signal.SIGSTOP)
+        own_etcd.proc.send_signal(signal.SIGSTOP)
         try:
             await wait_for(
                 lambda: any("broke" in r.getMessage() for r in caplog.records),
@@ -145,7 +138,7 @@ async def test_frozen_server_breaks_the_watch_by_keepalive(
                 message="the watch noticed the silent connection",
             )
         finally:
-            own_server.proc.send_signal(signal.SIGCONT)
+            own_etcd.proc.send_signal(signal.SIGCONT)
         await wait_for(lambda: watch.of(Resync), timeout=20)
         assert watch.ordered_state() == {prefix + "a": b"1"}
     finally:
@@ -188,11 +181,11 @@ async def test_revoked_lease_is_not_renewed_and_revoke_is_idempotent(
     assert lease.lost.is_set()
 
 
-async def test_keepalive_while_etcd_is_down_is_unavailable(own_server: EtcdServer) -> None:
-    store = await open_store(own_server.url)
+async def test_keepalive_while_etcd_is_down_is_unavailable(own_etcd: EtcdServer) -> None:
+    store = await open_store(own_etcd.url)
     try:
         lease = await store.grant(5, keepalive=False)
-        own_server.stop()
+        own_etcd.stop()
         with pytest.raises(StoreUnavailableError):
             await lease.keepalive()
         assert not lease.lost.is_set()
@@ -239,11 +232,11 @@ async def test_watch_ends_when_the_store_closes(etcd_server: EtcdServer, prefix:
 
 
 async def test_close_ends_a_watch_that_is_waiting_for_etcd(
-    own_server: EtcdServer, prefix: str, caplog: pytest.LogCaptureFixture
+    own_etcd: EtcdServer, prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="shoal.store.etcd")
-    store = await open_store(own_server.url)
-    own_server.stop()
+    store = await open_store(own_etcd.url)
+    own_etcd.stop()
     watch = Recorder(store.watch(prefix, 1))
     await wait_for(lambda: sum("resync read failed" in r.getMessage() for r in caplog.records) >= 3)
     start = time.monotonic()
@@ -253,9 +246,9 @@ async def test_close_ends_a_watch_that_is_waiting_for_etcd(
     assert watch.events == []
 
 
-async def test_watch_resumes_after_etcd_restart(own_server: EtcdServer, prefix: str) -> None:
-    watcher = await open_store(own_server.url)
-    writer = await open_store(own_server.url)
+async def test_watch_resumes_after_etcd_restart(own_etcd: EtcdServer, prefix: str) -> None:
+    watcher = await open_store(own_etcd.url)
+    writer = await open_store(own_etcd.url)
     try:
         await writer.put(prefix + "gone", b"0")
         snap = await watcher.get_prefix(prefix)
@@ -263,9 +256,9 @@ async def test_watch_resumes_after_etcd_restart(own_server: EtcdServer, prefix: 
         await writer.put(prefix + "a", b"1")
         await wait_for(lambda: watch.of(Put), message="the watch is live")
 
-        own_server.stop()
+        own_etcd.stop()
         await wait_for(lambda: _unreachable(watcher, prefix), timeout=5)
-        await asyncio.to_thread(own_server.start)
+        await asyncio.to_thread(own_etcd.start)
         await wait_for(lambda: _reachable(writer, prefix), timeout=20)
         await writer.delete(prefix + "gone")
         await writer.put(prefix + "b", b"2")
@@ -282,15 +275,15 @@ async def test_watch_resumes_after_etcd_restart(own_server: EtcdServer, prefix: 
 
 
 async def test_watch_started_while_etcd_is_down_resyncs_when_it_returns(
-    own_server: EtcdServer, prefix: str
+    own_etcd: EtcdServer, prefix: str
 ) -> None:
-    store = await open_store(own_server.url)
+    store = await open_store(own_etcd.url)
     try:
         await store.put(prefix + "a", b"1")
         snap = await store.get_prefix(prefix)
-        own_server.stop()
+        own_etcd.stop()
         watch = Recorder(store.watch(prefix, snap.revision + 1))
-        await asyncio.to_thread(own_server.start)
+        await asyncio.to_thread(own_etcd.start)
         await wait_for(lambda: watch.of(Resync), timeout=20)
         first = watch.events[0]
         assert isinstance(first, Resync)

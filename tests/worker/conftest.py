@@ -1,14 +1,13 @@
-"""Fixtures for the worker tests: real `shoal worker` processes on a SQLite (or etcd) store."""
+"""Fixtures for the worker tests: real `shoal worker` processes on a SQLite store."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 from shoal.store import Store, open_store
-from tests.etcd_server import EtcdServer
 from tests.processes import Process, Processes
 
 StartWorker = Callable[..., Awaitable[Process]]
@@ -42,14 +41,3 @@ def start_worker(processes: Processes, store_url: str) -> StartWorker:
         )
 
     return start
-
-
-@pytest.fixture
-def etcd_server() -> Iterator[EtcdServer]:
-    """A real etcd of this test's own (the test may stop and restart it)."""
-    try:
-        server = EtcdServer()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    with server:
-        yield server

@@ -236,12 +236,13 @@ async def test_lost_lease_is_replaced_and_everything_re_registered_without_resta
     assert set(await listed(observer)) == {MODEL, "my-lora"}
     stream = await long_stream(http, endpoint.url)
 
-    runtime.store.set_unreachable(True)  # type: ignore[union-attr]
+    assert runtime.store is not None
+    runtime.store.set_unreachable(True)
     await wait_for(lambda: _empty(observer), timeout=5, message="keys gone with the lease")
     async with http.get(runtime.status_url + "/health") as resp:
         assert resp.status == 503
         assert any("lease" in r for r in (await resp.json())["reasons"])
-    runtime.store.set_unreachable(False)  # type: ignore[union-attr]
+    runtime.store.set_unreachable(False)
 
     models = await wait_for(lambda: _both_back(observer), timeout=5)
     new_id = runtime.instance_id
@@ -269,10 +270,11 @@ async def test_metrics_registry_counts_the_lease_replacement_and_the_models_re_a
     assert metrics.get_sample_value("shoal_worker_models_attached", attached) == 1
     await wait_for(lambda: metrics.get_sample_value("shoal_worker_lease_held") == 1, timeout=5)
 
-    runtime.store.set_unreachable(True)  # type: ignore[union-attr]
+    assert runtime.store is not None
+    runtime.store.set_unreachable(True)
     await wait_for(lambda: _empty(observer), timeout=5, message="keys gone with the lease")
     await wait_for(lambda: metrics.get_sample_value("shoal_worker_lease_held") == 0, timeout=5)
-    runtime.store.set_unreachable(False)  # type: ignore[union-attr]
+    runtime.store.set_unreachable(False)
 
     await wait_for(lambda: metrics.get_sample_value("shoal_worker_lease_held") == 1, timeout=5)
     assert metrics.get_sample_value("shoal_worker_lease_grants_total") == 2
@@ -379,7 +381,7 @@ async def test_an_attach_the_store_refuses_hosts_nothing_and_the_base_model_keep
     base = (await listed(observer))[MODEL]
     store = runtime.store
     assert store is not None
-    store.set_unreachable(True)  # type: ignore[attr-defined]
+    store.set_unreachable(True)
     try:
         async with http.post(
             runtime.status_url + "/v1/loras",
@@ -388,7 +390,7 @@ async def test_an_attach_the_store_refuses_hosts_nothing_and_the_base_model_keep
         ) as resp:
             assert resp.status >= 500  # refused, and said so
     finally:
-        store.set_unreachable(False)  # type: ignore[attr-defined]
+        store.set_unreachable(False)
     adapter_file = MetadataKey.of(EndpointId.parse(EP), "my-lora", "my-lora", "adapter_config.json")
     assert runtime.metadata.lookup(adapter_file) is None  # its files were rolled back
     assert "my-lora" not in runtime.endpoint(EP).models

@@ -19,14 +19,14 @@ pytestmark = pytest.mark.etcd
 
 
 async def test_etcd_outage_past_the_ttl_is_survived_and_the_worker_re_registers(
-    start_worker: StartWorker, etcd_server: EtcdServer
+    start_worker: StartWorker, own_etcd: EtcdServer
 ) -> None:
     ttl = 2.0
     worker = await start_worker(
-        "--lease-ttl", str(ttl), "--ttft-ms", "0", "--itl-ms", "30", store=etcd_server.url
+        "--lease-ttl", str(ttl), "--ttft-ms", "0", "--itl-ms", "30", store=own_etcd.url
     )
     async with aiohttp.ClientSession() as http:
-        store = await open_store(etcd_server.url)
+        store = await open_store(own_etcd.url)
         try:
             models = await Discovery(store).list()
             assert [m.instance_id for m in models] == [worker.instance_id]
@@ -41,13 +41,13 @@ async def test_etcd_outage_past_the_ttl_is_survived_and_the_worker_re_registers(
         resp = await http.post(worker.url + "/v1/chat/completions", json=body)
         await resp.content.readuntil(b"\n\n")
 
-        etcd_server.stop()
+        own_etcd.stop()
         try:
             await wait_for(lambda: _health(http, worker, 503), timeout=ttl + 5, message="503")
         finally:
-            etcd_server.start()
+            own_etcd.start()
 
-        store = await open_store(etcd_server.url)
+        store = await open_store(own_etcd.url)
         try:
             await wait_for(
                 lambda: _listed_once_under_a_new_id(Discovery(store), worker.instance_id),

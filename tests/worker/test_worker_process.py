@@ -9,9 +9,10 @@ import aiohttp
 import openai
 import pytest
 
+from shoal.cli.common import parse_ready_line
 from shoal.discovery import Discovery, Query
 from shoal.store import Store
-from tests.processes import WORKER_READY, shoal
+from tests.processes import shoal
 from tests.worker.conftest import StartWorker
 
 
@@ -102,8 +103,8 @@ async def test_every_flag_falls_back_to_its_environment_variable(
     try:
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), 20)
-        match = WORKER_READY.match(line.decode().strip())
-        assert match and match["model"] == "env-model"
+        ready = parse_ready_line(line.decode(), "worker")
+        assert ready is not None and ready["model"] == "env-model"
         models = await Discovery(store).list(Query("from-env", "comp", "ep"))
         assert [m.card.display_name for m in models] == ["env-model"]
     finally:

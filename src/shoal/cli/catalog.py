@@ -20,8 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shoal.cli.frontend import add_number_flag, on_stop_signals, run_event_loop
-from shoal.cli.main import env_default
+from shoal.cli.common import add_flag, env_value, on_stop_signals, print_ready, run_event_loop
 
 DEFAULT_PORT = 8100
 DEFAULT_INTERVAL = 2.0
@@ -43,13 +42,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     serve = commands.add_parser("serve", help="serve the catalog API (migrates the database)")
     add_database_flag(serve)
-    serve.add_argument("--host", default=env_default("host", "127.0.0.1"), help="listen address")
-    add_number_flag(serve, "--port", int, DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    add_flag(serve, "--host", "127.0.0.1", help="listen address")
+    add_flag(serve, "--port", DEFAULT_PORT, type=int, help=f"port (default {DEFAULT_PORT})")
     add_auth_flags(serve)
-    serve.add_argument(
+    add_flag(
+        serve,
         "--public-read",
         action="store_true",
-        default=env_default("public_read", "") in ("1", "true", "yes"),
         help="reads need no admin token (SHOAL_PUBLIC_READ=1)",
     )
     add_controller_flags(serve)
@@ -75,47 +74,48 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def add_database_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    add_flag(
+        parser,
         "--db",
-        default=env_default("catalog_db"),
+        env="catalog_db",
         help="database URL: sqlite:///path or postgresql://user@host/db "
         "(default: catalog.db in the user state dir)",
     )
 
 
 def add_controller_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    add_flag(
+        parser,
         "--store",
-        default=env_default("store"),
         help="discovery store URL: runs the models controller, which starts deployments and "
         "publishes routes there (SHOAL_STORE; default: no controller)",
     )
-    add_number_flag(
+    add_flag(
         parser,
         "--controller-interval",
-        float,
         DEFAULT_INTERVAL,
+        type=float,
         help=f"seconds between two controller passes (default {DEFAULT_INTERVAL:g})",
     )
 
 
 def add_auth_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    add_flag(
+        parser,
         "--admin-token",
-        default=env_default("admin_token"),
         help="bearer token the API requires (SHOAL_ADMIN_TOKEN; default: none)",
     )
 
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    add_flag(
+        parser,
         "--url",
-        default=env_default("catalog_url", f"http://127.0.0.1:{DEFAULT_PORT}"),
+        f"http://127.0.0.1:{DEFAULT_PORT}",
+        env="catalog_url",
         help=f"catalog API (SHOAL_CATALOG_URL; default http://127.0.0.1:{DEFAULT_PORT})",
     )
-    parser.add_argument(
-        "-w", "--workspace", default=env_default("workspace", "default"), help="workspace"
-    )
+    add_flag(parser, "--workspace", "default", short="-w", help="workspace")
     add_auth_flags(parser)
 
 
@@ -126,14 +126,14 @@ def run(args: argparse.Namespace) -> int:
     if command == "serve":
         return run_event_loop(serve(args))
     if command == "migrate":
-        return asyncio.run(migrate(args))
+        return run_event_loop(migrate(args))
     if command == "apply":
         try:
             args.text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
         except OSError as exc:
             print(f"shoal catalog apply: {args.file}: {exc.strerror}", file=sys.stderr)
             return 1
-    return asyncio.run(client_command(args))
+    return run_event_loop(client_command(args))
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -161,7 +161,7 @@ async def serve(args: argparse.Namespace) -> int:
         if controller is None:
             await server.stop()
             return 1
-    print(f"shoal catalog ready: url={server.url} db={config.database_url}", flush=True)
+    print_ready("catalog", url=server.url, db=config.database_url)
     await stop.wait()
     if controller is not None:
         await controller.stop()
@@ -293,11 +293,11 @@ async def delete(client: Any, args: argparse.Namespace) -> int:
 
 def add_catalog_port_flag(parser: argparse.ArgumentParser) -> None:
     """`--catalog-port` for `shoal up`, which runs the catalog beside the frontend."""
-    add_number_flag(
+    add_flag(
         parser,
         "--catalog-port",
-        int,
         DEFAULT_PORT,
+        type=int,
         help=f"port of the catalog API on the embedded database (default {DEFAULT_PORT})",
     )
 
@@ -334,6 +334,6 @@ async def start_catalog(
         await server.stop()
         return None
     if interval is None:
-        interval = float(env_default("controller_interval", str(DEFAULT_INTERVAL)) or 0)
+        interval = float(env_value("controller_interval") or DEFAULT_INTERVAL)
     controller = await start_controller(server, store_url, interval) if store_url else None
     return EmbeddedCatalog(server, controller)

@@ -9,14 +9,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shoal import membership
-from shoal.cli.main import env_default
+from shoal.cli.common import add_flag, on_stop_signals, print_ready, run_event_loop
 from shoal.frontend import POLICIES, Frontend, FrontendConfig
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES
 from shoal.store import StoreError
@@ -28,43 +27,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _env_list(name: str) -> list[str]:
-    value = env_default(name)
-    return [item for item in (value or "").split(",") if item]
-
-
-def add_number_flag(
-    parser: argparse.ArgumentParser,
-    name: str,
-    kind: type[int] | type[float],
-    default: float,
-    **kwargs: Any,
-) -> None:
-    """Add numeric flag `name`, defaulting to `SHOAL_<NAME>` when set and not empty, else to
-    `default`. The default stays a string so argparse converts it when the command runs: a
-    bad value is reported as a usage error of that command only."""
-    value = env_default(name.lstrip("-"), str(default))
-    parser.add_argument(name, type=kind, default=value, **kwargs)
-
-
 def add_frontend_flags(parser: argparse.ArgumentParser, *, port: int = 8000) -> None:
     """The flags `shoal frontend` and `shoal up` share."""
-    parser.add_argument(
+    add_flag(
+        parser,
         "--store",
-        default=env_default("store"),
         help="discovery store URL (memory://, sqlite:///path, etcd://host:port); "
         "default: the SQLite file in the user state dir",
     )
-    parser.add_argument(
-        "--host", default=env_default("host", "127.0.0.1"), help="address to listen on"
+    add_flag(parser, "--host", "127.0.0.1", help="address to listen on")
+    add_flag(
+        parser,
+        "--port",
+        port,
+        type=int,
+        help=f"port to listen on (0: any free port; default {port})",
     )
-    add_number_flag(
-        parser, "--port", int, port, help=f"port to listen on (0: any free port; default {port})"
-    )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--router",
+        "round-robin",
         choices=POLICIES,
-        default=env_default("router", "round-robin"),
         help="routing policy (default round-robin)",
     )
 
@@ -76,146 +59,147 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Serve an OpenAI-compatible API, routing each request to a live worker.",
     )
     add_frontend_flags(parser)
-    parser.add_argument(
+    add_flag(
+        parser,
         "--namespace",
         action="append",
-        default=_env_list("namespace"),
         metavar="NS",
         help="serve only models of this namespace (repeatable; default: all)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--namespace-sources",
         type=Path,
-        default=env_default("namespace_sources"),
         metavar="FILE",
         help='serve the namespaces this JSON file lists ({"version": 1, "sources": '
         '[{"namespace": "..."}]}), following its changes without a restart',
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--namespaces-from-discovery",
         action="store_true",
-        default=(env_default("namespaces_from_discovery") or "").lower() in ("1", "true", "yes"),
         help="serve every namespace that has models in discovery, as namespaces come and go",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--endpoint-prefix",
         action="append",
-        default=_env_list("endpoint_prefix"),
         metavar="P",
         help="with --namespaces-from-discovery: serve only endpoints under ns, ns.component or "
         "ns.component.endpoint (repeatable)",
     )
-    add_number_flag(
+    add_flag(
         parser,
         "--kv-overlap-weight",
-        float,
         2.0,
+        type=float,
         help="--router kv: cost of one uncached prompt block against one block of load (default 2)",
     )
-    add_number_flag(
+    add_flag(
         parser,
         "--reconcile-interval",
-        float,
         30,
+        type=float,
         help="seconds between reconciliations with discovery (default 30)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--api-key",
         action="append",
-        default=_env_list("api_key"),
         metavar="KEY",
         help="require `Authorization: Bearer KEY` on /v1 routes (repeatable)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--max-body",
+        16 * 1024 * 1024,
         type=int,
-        default=int(env_default("max_body", str(16 * 1024 * 1024)) or 0),
         metavar="BYTES",
         help="largest request body accepted (default 16 MiB)",
     )
-    add_number_flag(
+    add_flag(
         parser,
         "--retries",
-        int,
         2,
+        type=int,
         help="other instances to try after a failure before the first byte (default 2)",
     )
-    add_number_flag(
+    add_flag(
         parser,
         "--inhibit-seconds",
-        float,
         5,
+        type=float,
         help="how long a failed instance gets no requests (default 5)",
     )
-    add_number_flag(
+    add_flag(
         parser,
         "--first-byte-timeout",
-        float,
         60,
+        type=float,
         metavar="SECONDS",
         help="how long an instance may take to start answering before the request is retried "
         "elsewhere (and answered 504 when none does); 0: no limit (default 60)",
     )
-    add_number_flag(
+    add_flag(
         parser,
         "--upstream-idle-timeout",
-        float,
         60,
+        type=float,
         metavar="SECONDS",
         help="how long an instance may send nothing in the middle of a response before it is "
         "ended (a stream with an SSE error event); 0: no limit (default 60)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--cache-dir",
         type=Path,
-        default=env_default("cache_dir"),
         help="where verified model metadata files are kept (default: the user cache dir)",
     )
     add_client_limit_flags(parser)
-    add_number_flag(
+    add_flag(
         parser,
         "--metadata-cache-bytes",
-        int,
         DEFAULT_MAX_BYTES,
+        type=int,
         metavar="BYTES",
         help="size of the metadata cache; least recently used files leave first (default 1 GiB)",
     )
-    add_number_flag(
+    add_flag(
         parser,
         "--metadata-max-file-bytes",
-        int,
         DEFAULT_MAX_FILE_BYTES,
+        type=int,
         metavar="BYTES",
         help="largest metadata file a card may declare; larger ones are refused (default 64 MiB)",
     )
-    add_number_flag(
+    add_flag(
         parser,
         "--setup-timeout",
-        float,
         10,
+        type=float,
         metavar="SECONDS",
         help="how long the store may take to answer the first listing before the frontend "
         "exits with an error naming it; outages after start are survived (default 10)",
     )
-    add_number_flag(
+    add_flag(
         parser,
         "--drain-timeout",
-        float,
         30,
+        type=float,
         help="seconds to let requests in flight finish on shutdown (default 30)",
     )
     add_virtual_model_flags(parser)
-    parser.add_argument(
+    add_flag(
+        parser,
         "--tls-certfile",
         type=Path,
-        default=env_default("tls_certfile"),
         metavar="PEM",
         help="serve HTTPS with this certificate (chain); needs --tls-keyfile",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--tls-keyfile",
         type=Path,
-        default=env_default("tls_keyfile"),
         metavar="PEM",
         help="the private key of --tls-certfile",
     )
@@ -223,26 +207,26 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def add_virtual_model_flags(parser: argparse.ArgumentParser) -> None:
     """Which routes the frontend serves, and how it reaches external providers."""
-    parser.add_argument(
+    add_flag(
+        parser,
         "--workspace",
         action="append",
-        default=_env_list("workspace"),
         metavar="NAME",
         help="serve the virtual models of this catalog workspace (repeatable; the first wins "
         "a name defined in several; default: default)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--secrets-dir",
         type=Path,
-        default=env_default("secrets_dir"),
         metavar="DIR",
         help="directory of provider secrets, one file per secret name (checked after the "
         "SHOAL_SECRET_<NAME> variables)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--provider-ca-file",
         type=Path,
-        default=env_default("provider_ca_file"),
         metavar="PEM",
         help="also trust this CA for HTTPS providers (self-hosted ones, tests)",
     )
@@ -250,45 +234,49 @@ def add_virtual_model_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_client_limit_flags(parser: argparse.ArgumentParser) -> None:
     """What one client may cost the gateway, and which browser pages may call it."""
-    add_number_flag(
+    add_flag(
         parser,
         "--header-timeout",
-        float,
         10,
+        type=float,
         metavar="SECONDS",
         help="time to receive a request head, from its first byte (or the connection's "
         "start); 0: no limit (default 10)",
     )
-    add_number_flag(
+    add_flag(
         parser,
         "--body-timeout",
-        float,
         30,
+        type=float,
         metavar="SECONDS",
         help="longest gap between request body bytes; 0: no limit (default 30)",
     )
-    add_number_flag(
+    add_flag(
         parser,
         "--max-connections",
-        int,
         10_000,
+        type=int,
         help="client connections served at once; others get 503 (default 10000)",
     )
-    add_number_flag(
+    add_flag(
         parser,
         "--max-header-size",
-        int,
         64 * 1024,
+        type=int,
         metavar="BYTES",
         help="largest request line plus headers; larger gets 431 (default 65536)",
     )
-    add_number_flag(
-        parser, "--max-headers", int, 100, help="most request headers; more gets 431 (default 100)"
+    add_flag(
+        parser,
+        "--max-headers",
+        100,
+        type=int,
+        help="most request headers; more gets 431 (default 100)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--cors-origin",
         action="append",
-        default=_env_list("cors_origin"),
         metavar="ORIGIN",
         help="let browser pages from ORIGIN (e.g. https://app.example, or *) call the API "
         "(repeatable; default: none)",
@@ -400,19 +388,6 @@ def membership_for(
     return build
 
 
-def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
-    """Run `main` on uvloop, the event loop the request path is tuned for."""
-    import uvloop
-
-    return uvloop.run(main)
-
-
-def on_stop_signals(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-
 async def start_frontend(config: FrontendConfig, failed: str) -> Frontend | None:
     """The started frontend; `None` once a store, socket or settings error is printed to
     stderr after `failed`."""
@@ -432,7 +407,7 @@ async def serve(config: FrontendConfig) -> int:
     frontend = await start_frontend(config, "shoal frontend")
     if frontend is None:
         return 1
-    print(f"shoal frontend ready: url={frontend.url}", flush=True)
+    print_ready("frontend", url=frontend.url)
     await stop.wait()
     log.info("stopping: draining requests in flight")
     await frontend.stop()

@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from typing import Any
 
 import msgspec
 
-from shoal.cli.main import env_default
+from shoal.cli.common import add_flag, run_event_loop
 from shoal.discovery import Discovery, Query
 from shoal.store import StoreError, default_store_url, open_store
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("ls", help="list models, instances and taints in the store")
-    p.add_argument(
+    add_flag(
+        p,
         "--store",
-        default=env_default("store"),
         help="store URL (default: SHOAL_STORE or the embedded SQLite file)",
     )
-    p.add_argument("--namespace", default=env_default("namespace"), help="only this namespace")
+    add_flag(p, "--namespace", help="only this namespace")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
 
 
@@ -81,7 +80,7 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 def run(args: argparse.Namespace) -> int:
     url = args.store or default_store_url()
     try:
-        data = asyncio.run(collect(url, args.namespace))
+        data = run_event_loop(collect(url, args.namespace))
     except (StoreError, ValueError) as exc:
         print(f"shoal ls: {exc}", file=sys.stderr)
         return 1

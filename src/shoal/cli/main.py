@@ -1,7 +1,8 @@
 """The `shoal` command. Thin: parses flags, calls the layers.
 
 Each subcommand lives in its own module with `add_parser(subparsers)` and `run(args) -> int`.
-Every flag falls back to an environment variable `SHOAL_<NAME>`, then to a laptop default.
+Every flag falls back to an environment variable `SHOAL_<NAME>`, then to a laptop default
+(`shoal.cli.common.add_flag`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import logging
 import os
 import sys
 
+from shoal.cli.common import add_flag
+
 COMMANDS = {
     "up": "shoal.cli.up",
     "frontend": "shoal.cli.frontend",
@@ -21,18 +24,11 @@ COMMANDS = {
 }
 
 
-def env_default(name: str, default: str | None = None) -> str | None:
-    """`SHOAL_<NAME>` from the environment when set and not empty, else `default`."""
-    return os.environ.get(f"SHOAL_{name.upper().replace('-', '_')}") or default
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shoal", description="Serve LLMs on a fleet of workers behind one OpenAI endpoint."
     )
-    parser.add_argument(
-        "--log-level", default=env_default("log_level", "INFO"), help="DEBUG, INFO, WARNING, ERROR"
-    )
+    add_flag(parser, "--log-level", "INFO", help="DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS.values():
         importlib.import_module(module).add_parser(sub)

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import signal
 import sys
 import time
@@ -25,20 +24,13 @@ from typing import Any
 import platformdirs
 
 from shoal.cli.catalog import add_catalog_port_flag, start_catalog
-from shoal.cli.frontend import (
-    add_frontend_flags,
-    add_number_flag,
-    on_stop_signals,
-    run_event_loop,
-    start_frontend,
-)
-from shoal.cli.main import env_default
+from shoal.cli.common import add_flag, on_stop_signals, parse_ready_line, run_event_loop
+from shoal.cli.frontend import add_frontend_flags, start_frontend
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.store import default_store_url
 
 log = logging.getLogger(__name__)
 
-READY = re.compile(r"^shoal worker ready: .*instance=(?P<instance>[0-9a-f]+)")
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 40.0
 
@@ -49,10 +41,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="start a frontend and mocker workers on this machine",
         description="Start an OpenAI-compatible frontend and N mocker workers, ready to curl.",
     )
-    add_number_flag(parser, "--workers", int, 2, help="mocker workers to start (default 2)")
-    parser.add_argument(
+    add_flag(parser, "--workers", 2, type=int, help="mocker workers to start (default 2)")
+    add_flag(
+        parser,
         "--model",
-        default=env_default("model", "mock-llm"),
+        "mock-llm",
         help="the model name the workers serve (default mock-llm)",
     )
     add_frontend_flags(parser)
@@ -117,8 +110,9 @@ async def wait_ready(worker: Worker, deadline: float) -> None:
         if not line:
             await worker.proc.wait()
             raise RuntimeError(f"worker {worker.number} exited with {worker.proc.returncode}")
-        if match := READY.match(line.decode(errors="replace").strip()):
-            worker.instance = match["instance"]
+        ready = parse_ready_line(line.decode(errors="replace"), "worker")
+        if ready is not None:
+            worker.instance = ready["instance"]
             return
 
 

@@ -13,27 +13,18 @@ withdrawal. Start-up errors are one `shoal worker: ...` line on stderr and a non
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
 from functools import partial
 from typing import Any
 
-from shoal.cli.main import env_default
+from shoal.cli.common import add_flag, print_ready, run_event_loop
 from shoal.store import StoreUnavailableError, default_store_url
 from shoal.worker.engine import Engine
 from shoal.worker.engines import ENGINES, engine_class
 
 log = logging.getLogger(__name__)
-
-
-def env_flag(
-    parser: argparse._ActionsContainer, name: str, default: str | None = None, **kwargs: Any
-) -> None:
-    """Add flag `name`, defaulting to `SHOAL_<NAME>`, else to `default` (argparse converts a
-    string default with the flag's `type`)."""
-    parser.add_argument(name, default=env_default(name.lstrip("-"), default), **kwargs)
 
 
 def add_parser(sub: Any) -> None:
@@ -43,7 +34,7 @@ def add_parser(sub: Any) -> None:
         description="Serve a model over the OpenAI API and announce it in discovery. "
         "Every flag falls back to the environment variable SHOAL_<FLAG>.",
     )
-    flag = partial(env_flag, p)
+    flag = partial(add_flag, p)
     flag("--model", help="the model name to announce (SHOAL_MODEL)")
     flag("--engine", "mocker", choices=sorted(ENGINES), help="engine (default: mocker)")
     flag("--namespace", "default", help="discovery namespace (default: default)")
@@ -65,7 +56,7 @@ def add_parser(sub: Any) -> None:
         help="openai engine: the fronted vLLM's KV events PUB socket (tcp://host:port)",
     )
     flag("--kv-replay-endpoint", None, help="openai engine: the fronted vLLM's replay socket")
-    mocker = partial(env_flag, p.add_argument_group("mocker engine"))
+    mocker = partial(add_flag, p.add_argument_group("mocker engine"))
     mocker("--ttft-ms", "50", type=float, help="time to first token")
     mocker("--itl-ms", "10", type=float, help="inter-token latency")
     mocker("--max-seqs", "256", type=int, help="concurrent sequences (excess requests queue)")
@@ -163,10 +154,12 @@ async def serve(args: argparse.Namespace) -> int:
         raise
     if started:
         names = ",".join(att.card.display_name for att in endpoint.models.values())
-        print(
-            f"shoal worker ready: model={names or '-'} url={endpoint.url} "
-            f"status={runtime.status_url} instance={runtime.instance_id:x}",
-            flush=True,
+        print_ready(
+            "worker",
+            model=names or "-",
+            url=endpoint.url,
+            status=runtime.status_url,
+            instance=f"{runtime.instance_id:x}",
         )
     await runtime.run_until_stopped()
     if runtime.cleanup_cut_short:
@@ -191,9 +184,4 @@ def _fail(message: object, code: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency, but optional at heart
-        return asyncio.run(serve(args))
-    logging.getLogger("asyncio").setLevel(logging.WARNING)
-    return uvloop.run(serve(args))
+    return run_event_loop(serve(args))

@@ -1,4 +1,4 @@
-"""Layer 4: control loops whose liveness follows progress, and health endpoints with reasons.
+"""Layer 4: control loops whose liveness follows progress, and readiness with reasons.
 
 A `Controller` does one `step()`; a `Loop` runs it with a rest of one interval after each
 step and judges it alive while its `Heartbeat` keeps beating and its steps do not keep
@@ -9,7 +9,7 @@ and answers readiness with the reason each unhealthy loop is unhealthy.
 from __future__ import annotations
 
 from shoal.controllers.heartbeat import Controller, Heartbeat, HeartbeatMixin
-from shoal.controllers.http import add_health_routes, liveness, readiness
+from shoal.controllers.http import readiness
 from shoal.controllers.loop import Loop, LoopHealth, MonitoredController
 from shoal.controllers.manager import ControllerManager
 from shoal.controllers.metrics import LoopCollector
@@ -23,7 +23,5 @@ __all__ = [
     "LoopCollector",
     "LoopHealth",
     "MonitoredController",
-    "add_health_routes",
-    "liveness",
     "readiness",
 ]

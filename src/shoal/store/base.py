@@ -271,6 +271,14 @@ class Store(abc.ABC):
     async def close(self) -> None:
         """Release connections, end watches and stop keepalives. Leases are not revoked."""
 
+    def set_unreachable(self, unreachable: bool) -> None:
+        """Test seam, not for production code: cut this client off from its store (or let it
+        back). While cut off its calls raise `StoreUnavailableError` and its watches miss
+        changes; when let back, each of its watches yields a `Resync`, as after a dropped
+        connection. The memory and SQLite stores implement it; a backend that cannot raises
+        `NotImplementedError` (tests cut etcd off by stopping the server)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot cut one client off")
+
     async def grant(self, ttl: float, *, keepalive: bool = True) -> Lease:
         """Grant a lease of `ttl` seconds, renewed in the background unless `keepalive=False`."""
         if ttl <= 0:

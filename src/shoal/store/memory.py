@@ -69,7 +69,7 @@ class MemoryStore(Store):
             raise StoreUnavailableError(f"store {self.url} is unreachable")
 
     def set_unreachable(self, unreachable: bool) -> None:
-        """Fault injection for tests: this client loses (or regains) its store.
+        """Test seam (see `Store.set_unreachable`): this client loses (or regains) its store.
 
         While cut off, its calls fail and its watches miss events; when it comes back, each
         of its watches yields a `Resync`, as after a dropped connection.

@@ -448,7 +448,7 @@ class SQLiteStore(Store):
             raise StoreUnavailableError(f"store {self.url} is unreachable")
 
     def set_unreachable(self, unreachable: bool) -> None:
-        """Fault injection for tests: this client loses (or regains) its store.
+        """Test seam (see `Store.set_unreachable`): this client loses (or regains) its store.
 
         While cut off, its calls fail and its watches read nothing; when it comes back, each
         of its watches yields a `Resync`, as after a dropped connection.

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.engines.fake_upstream import FakeUpstream
+from tests.worker.engines.fake_upstream import FakeUpstream
 
 
 @pytest.fixture

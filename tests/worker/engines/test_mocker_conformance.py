@@ -12,7 +12,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from shoal.worker.engines.mocker import MockerEngine
-from tests.engines.support import client_for, engine_served
+from tests.worker.engines.support import client_for, engine_served
 
 MODEL = "mock-model"
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story."}]

@@ -1,5 +1,5 @@
 """The `openai` sidecar engine against a small real OpenAI-compatible server in-process
-(`tests.engines.fake_upstream`, standing in for vLLM)."""
+(`tests.worker.engines.fake_upstream`, standing in for vLLM)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from aiohttp import web
 
 from shoal.worker.engine import EngineUnavailableError
 from shoal.worker.engines.openai_sidecar import OpenAISidecarEngine, normalize_upstream
-from tests.engines.fake_upstream import MODEL, STREAM, FakeUpstream
-from tests.engines.support import client_for, engine_served
 from tests.helpers import Server, free_port, serving, wait_for
+from tests.worker.engines.fake_upstream import MODEL, STREAM, FakeUpstream
+from tests.worker.engines.support import client_for, engine_served
 
 
 def sidecar(upstream_url: str) -> AbstractAsyncContextManager[tuple[OpenAISidecarEngine, Server]]:

@@ -20,8 +20,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from shoal.cards import ModelType
 from shoal.worker.engine import EngineUnavailableError
 from shoal.worker.engines.llamacpp import DEFAULT_MODEL_NAME, LlamaCppEngine
-from tests.engines.support import client_for, engine_served
 from tests.helpers import Server, wait_for
+from tests.worker.engines.support import client_for, engine_served
 
 needs_model = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None

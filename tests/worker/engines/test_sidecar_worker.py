@@ -1,33 +1,19 @@
 """Real `shoal worker --engine openai` processes in front of a fake OpenAI-compatible upstream,
-on a SQLite store, checked through discovery, the status server and the openai client."""
+on a SQLite store (`store_url`, `store`: tests/worker/conftest.py), checked through discovery,
+the status server and the openai client."""
 
 from __future__ import annotations
-
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
 
 from shoal.discovery import Discovery, ModelInstance, Query
-from shoal.store import Store, open_store
-from tests.engines.fake_upstream import MODEL, FakeUpstream
+from shoal.store import Store
 from tests.processes import Process, Processes
+from tests.worker.engines.fake_upstream import MODEL, FakeUpstream
 
 UPSTREAM_KEY = "sk-upstream-only"
-
-
-@pytest.fixture
-def store_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'store.db'}"
-
-
-@pytest.fixture
-async def store(store_url: str) -> AsyncIterator[Store]:
-    s = await open_store(store_url)
-    yield s
-    await s.close()
 
 
 async def sidecar_worker(

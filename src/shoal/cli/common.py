@@ -1,0 +1,94 @@
+"""What every `shoal` command shares: flags that fall back to the environment, the event
+loop, the stop signals, and the ready line that scripts, `shoal up`, the tests and `bench/`
+read to learn where a started process serves.
+
+The ready line is one line on stdout, `shoal COMPONENT ready: KEY=VALUE KEY=VALUE ...`,
+printed once the process serves; `parse_ready_line` is its one parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_TRUE = ("1", "true", "yes")
+_READY = re.compile(r"^shoal (?P<component>[\w-]+) ready:(?P<fields>.*)$")
+_FIELD = re.compile(r" (\w+)=(.*?)(?= \w+=|$)")  # a value runs to the next ` KEY=`
+
+
+def env_value(name: str) -> str | None:
+    """`SHOAL_<NAME>` (dashes become underscores) when set and not empty, else None."""
+    return os.environ.get(f"SHOAL_{name.upper().replace('-', '_')}") or None
+
+
+def add_flag(
+    parser: argparse._ActionsContainer,
+    name: str,
+    default: Any = None,
+    *,
+    env: str | None = None,
+    short: str | None = None,
+    **kwargs: Any,
+) -> None:
+    """Add flag `name`, defaulting to `SHOAL_<NAME>` (or `SHOAL_<ENV>`) when set and not
+    empty, else to `default`; `short` is its one-letter alias (`-w`).
+
+    A default is kept as a string, so argparse converts it with the flag's `type` when the
+    command runs: a bad value is a usage error of that command only. With
+    `action="store_true"` the variable is a switch (1, true or yes); with `action="append"`
+    it is a comma-separated list the flags add to.
+    """
+    value = env_value(env or name.lstrip("-"))
+    action = kwargs.get("action")
+    if action == "store_true":
+        chosen: Any = value.lower() in _TRUE if value is not None else bool(default)
+    elif action == "append":
+        chosen = [item for item in value.split(",") if item] if value else list(default or [])
+    elif value is not None:
+        chosen = value
+    else:
+        chosen = default if default is None or isinstance(default, str) else str(default)
+    names = (short, name) if short else (name,)
+    parser.add_argument(*names, default=chosen, **kwargs)
+
+
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run `main` on uvloop, the event loop the request path is tuned for (in every command,
+    so each runs on the loop it is tested on); what it returns."""
+    import uvloop
+
+    logging.getLogger("asyncio").setLevel(logging.WARNING)
+    return uvloop.run(main)
+
+
+def on_stop_signals(stop: asyncio.Event) -> None:
+    """Set `stop` on SIGINT or SIGTERM (replacing any handler set before)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+def ready_line(component: str, **fields: object) -> str:
+    """`shoal COMPONENT ready: KEY=VALUE ...`, the line a process prints once it serves."""
+    return f"shoal {component} ready:" + "".join(f" {k}={v}" for k, v in fields.items())
+
+
+def print_ready(component: str, **fields: object) -> None:
+    """Print the ready line on stdout, flushed at once (a pipe would hold it otherwise)."""
+    print(ready_line(component, **fields), flush=True)
+
+
+def parse_ready_line(line: str, component: str | None = None) -> dict[str, str] | None:
+    """The fields of a ready line (of `component`, when given); None for any other line."""
+    match = _READY.match(line.strip())
+    if match is None or (component is not None and match["component"] != component):
+        return None
+    return dict(_FIELD.findall(match["fields"]))

@@ -1,0 +1,87 @@
+"""`shoal.cli.common`: a flag falls back to `SHOAL_<NAME>`, then to its default, and a ready
+line reads back as the fields it was printed with."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from shoal.cli.common import add_flag, parse_ready_line, ready_line
+
+
+def parser_with_flags() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_flag(parser, "--port", 8000, type=int)
+    add_flag(parser, "--store")
+    add_flag(parser, "--db", env="catalog_db")
+    add_flag(parser, "--workspace", "default", short="-w")
+    add_flag(parser, "--public-read", action="store_true")
+    add_flag(parser, "--api-key", action="append")
+    return parser
+
+
+def test_flags_without_environment_take_their_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("PORT", "STORE", "CATALOG_DB", "WORKSPACE", "PUBLIC_READ", "API_KEY"):
+        monkeypatch.delenv(f"SHOAL_{name}", raising=False)
+    args = parser_with_flags().parse_args([])
+    assert (args.port, args.store, args.db, args.workspace) == (8000, None, None, "default")
+    assert (args.public_read, args.api_key) == (False, [])
+
+
+def test_flags_fall_back_to_the_environment_and_the_command_line_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SHOAL_PORT", "9000")
+    monkeypatch.setenv("SHOAL_STORE", "memory://x")
+    monkeypatch.setenv("SHOAL_CATALOG_DB", "sqlite:///c.db")
+    monkeypatch.setenv("SHOAL_WORKSPACE", "team")
+    monkeypatch.setenv("SHOAL_PUBLIC_READ", "Yes")
+    monkeypatch.setenv("SHOAL_API_KEY", "a,b")
+    parser = parser_with_flags()
+    args = parser.parse_args([])
+    assert (args.port, args.store, args.db, args.workspace) == (
+        9000,
+        "memory://x",
+        "sqlite:///c.db",
+        "team",
+    )
+    assert (args.public_read, args.api_key) == (True, ["a", "b"])
+    args = parser.parse_args(["--port", "1", "-w", "mine", "--api-key", "c"])
+    assert (args.port, args.workspace, args.api_key) == (1, "mine", ["a", "b", "c"])
+
+
+def test_an_empty_variable_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHOAL_PORT", "")
+    monkeypatch.setenv("SHOAL_PUBLIC_READ", "")
+    args = parser_with_flags().parse_args([])
+    assert (args.port, args.public_read) == (8000, False)
+
+
+def test_a_bad_environment_value_is_a_usage_error_naming_the_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SHOAL_PORT", "many")
+    with pytest.raises(argparse.ArgumentError, match="--port"):
+        parser_with_flags().parse_args([])
+
+
+def test_a_ready_line_reads_back_as_its_fields() -> None:
+    fields = {"model": "a,b", "url": "http://127.0.0.1:1", "instance": "7f"}
+    line = ready_line("worker", **fields)
+    assert line == "shoal worker ready: model=a,b url=http://127.0.0.1:1 instance=7f"
+    assert parse_ready_line(line + "\n", "worker") == fields
+    assert parse_ready_line(line) == fields
+
+
+def test_a_value_with_spaces_reads_back_whole() -> None:
+    db = "sqlite:////Users/me/Library/Application Support/shoal/catalog.db"
+    line = ready_line("catalog", url="http://h:8100", db=db)
+    assert parse_ready_line(line, "catalog") == {"url": "http://h:8100", "db": db}
+
+
+@pytest.mark.parametrize(
+    "line", ["shoal frontend ready: url=http://h:1", "shoal worker: cannot serve", "ready: url=x"]
+)
+def test_other_lines_are_not_a_worker_ready_line(line: str) -> None:
+    assert parse_ready_line(line, "worker") is None
