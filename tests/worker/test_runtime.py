@@ -419,3 +419,26 @@ async def test_two_endpoints_of_one_process_serving_one_slug_keep_their_own_file
     for url in urls["ns.other.generate"]:
         async with http.get(url) as resp:
             assert resp.status == 404
+
+
+async def test_a_drain_whose_taint_the_store_refused_taints_again_and_still_withdraws(
+    store_url: str, observer: Store, http: aiohttp.ClientSession
+) -> None:
+    """A store that comes back during a drain: the worker taints itself as soon as it can
+    (frontends stop sending), and after waiting out its requests it still has the cleanup
+    budget to withdraw: the wait does not spend it."""
+    runtime = Runtime(store_url, lease_ttl=30)
+    await runtime.start()
+    await serve_mocker(runtime, ttft_ms=0, itl_ms=30)  # a 100-token stream: about 3 s
+    stream = await long_stream(http, runtime.endpoint(EP).url)
+    store = runtime.store
+    assert store is not None
+    store.set_unreachable(True)
+    drain = asyncio.create_task(runtime.drain(timeout=10))
+    await wait_for(lambda: runtime.draining, message="draining")
+    store.set_unreachable(False)
+    await wait_for(lambda: _tainted(observer), timeout=3, message="tainted once the store is back")
+    await stream.read()  # the drain waited for it (longer than the 2 s cleanup budget)
+    await drain
+    assert runtime.cleanup_cut_short is False
+    assert (await observer.get_prefix("shoal/v1/")).items == []

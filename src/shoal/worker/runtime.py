@@ -53,24 +53,30 @@ LOOP_STOP_TIMEOUT = 0.2
 
 
 class _CleanupBudget:
-    """The seconds a drain's store calls share: each gets what the ones before it left."""
+    """The seconds a drain's store calls share: each gets what the ones before it left.
+
+    Only the time spent in those calls counts, not the wait for requests in flight between
+    them: a drain that waited its whole `--drain-timeout` still has its budget to withdraw.
+    """
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self.deadline = time.monotonic() + seconds
+        self.left = seconds
         self.cut_short = False  # a call was abandoned (or skipped) when the budget ran out
 
-    async def spend(self, what: str, call: Coroutine[Any, Any, object]) -> None:
-        """Run `call` until it ends or the budget does; a failure is logged, not raised."""
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
+    async def spend(self, what: str, call: Coroutine[Any, Any, object]) -> bool:
+        """Run `call` until it ends or the budget does; True if it succeeded. A failure is
+        logged, not raised."""
+        if self.left <= 0:
             call.close()
             self.cut_short = True
             log.warning("drain: skipped %s: the %.1fs cleanup budget is spent", what, self.seconds)
-            return
+            return False
+        started = time.monotonic()
         try:
-            async with asyncio.timeout(remaining):
+            async with asyncio.timeout(self.left):
                 await call
+            return True
         except TimeoutError:
             self.cut_short = True
             log.warning(
@@ -78,6 +84,9 @@ class _CleanupBudget:
             )
         except STORE_ERRORS as exc:
             log.warning("drain: %s failed: %s", what, exc)
+        finally:
+            self.left -= time.monotonic() - started
+        return False
 
 
 class Runtime:
@@ -321,9 +330,12 @@ class Runtime:
         budget = _CleanupBudget(CLEANUP_BUDGET)
         await self.manager.loops["models"].stop(timeout=LOOP_STOP_TIMEOUT)
         serving = [ep for ep in self.endpoints.values() if ep.serving]
-        for ep in serving:
-            await budget.spend(f"tainting {ep.id} draining", ep.set_taints([DRAINING]))
-        await self._wait_idle(serving, timeout)
+        untainted = [
+            ep
+            for ep in serving
+            if not await budget.spend(f"tainting {ep.id} draining", ep.set_taints([DRAINING]))
+        ]
+        await self._wait_idle(serving, timeout, untainted)
         for ep in serving:
             await ep.stop_serving()  # cuts what is still in flight
         await self.manager.stop_all(timeout=LOOP_STOP_TIMEOUT)
@@ -337,9 +349,12 @@ class Runtime:
             await budget.spend("closing the store", self.store.close())
         self.cleanup_cut_short = budget.cut_short
 
-    async def _wait_idle(self, endpoints: list[Endpoint], timeout: float) -> None:
+    async def _wait_idle(
+        self, endpoints: list[Endpoint], timeout: float, untainted: list[Endpoint]
+    ) -> None:
         """Wait until no request is in flight on any of `endpoints`, at most `timeout` seconds
-        (less if a second stop is requested)."""
+        (less if a second stop is requested). Endpoints whose `draining` taint the store
+        refused are tainted again meanwhile: until frontends see it, they keep sending."""
         deadline = time.monotonic() + timeout
         hurry = asyncio.ensure_future(self._hurry.wait())
         try:
@@ -349,11 +364,29 @@ class Runtime:
                     why = "second stop request" if hurry.done() else "drain timeout"
                     log.warning("%s: cutting %d requests in flight", why, self.in_flight)
                     return
+                if untainted:
+                    untainted = await self._taint_again(untainted, min(remaining, 1.0))
+                    continue
                 idle = asyncio.ensure_future(busy[0].idle.wait())
                 await asyncio.wait([idle, hurry], timeout=remaining, return_when="FIRST_COMPLETED")
                 idle.cancel()
         finally:
             hurry.cancel()
+
+    async def _taint_again(self, endpoints: list[Endpoint], within: float) -> list[Endpoint]:
+        """Try to taint `endpoints` `draining` once more (each within `within` seconds, then
+        a pause of the rest); the ones still untainted."""
+        started = time.monotonic()
+        left = []
+        for ep in endpoints:
+            try:
+                async with asyncio.timeout(within):
+                    await ep.set_taints([DRAINING])
+            except (TimeoutError, *STORE_ERRORS):
+                left.append(ep)
+        if left:
+            await asyncio.sleep(max(0.0, within - (time.monotonic() - started)))
+        return left
 
 
 def is_loopback(host: str) -> bool:
