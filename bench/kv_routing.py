@@ -203,7 +203,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-blocks", type=int, default=1024, help="per worker")
+    p.add_argument("--kv-blocks", type=int, default=512, help="per worker")
     p.add_argument("--prefill-us-per-token", type=float, default=100.0)
     p.add_argument("--itl-ms", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=7)
