@@ -16,6 +16,7 @@ import pytest
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.kv_router import KvRouter
 from shoal.kv import token_block_hashes
+from shoal.worker.engines.mocker.text import VOCAB
 from shoal.worker.engines.mocker.tokenizer import encode, render_chat
 from tests.helpers import wait_for
 from tests.processes import Process, Processes
@@ -27,28 +28,7 @@ WORKER_FLAGS = (
     "--lease-ttl", "2", "--ttft-ms", "1", "--itl-ms", "1",
     "--block-size", str(BS), "--kv-blocks", "64", "--kv-events-port", "0",
 )  # fmt: skip
-WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "that",
-    "it",
-    "for",
-    "was",
-    "on",
-    "are",
-    "as",
-    "with",
-    "his",
-    "they",
-    "at",
-    "be",
-    "this",
-    "from",
-]
+WORDS = VOCAB[:20]  # the mocker's own words: one token each
 
 
 def long_text(seed: int, words: int) -> str:
