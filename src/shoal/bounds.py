@@ -1,0 +1,62 @@
+"""Bounds on values that come from outside (store values, request bodies, files, events).
+
+One rule for nesting depth, checked on the raw bytes before any recursive decoder (msgspec,
+pydantic, json) or walker sees the value: a decoder's own recursion limit depends on how deep
+the caller's stack already is, so the same value can pass in one place and raise
+`RecursionError` in another. `MAX_DEPTH` is far deeper than any real card, route, request or
+file, and far shallower than the interpreter's recursion limit.
+
+Every decoder of outside JSON calls `check_json_depth` first: a store value over the bound is
+skipped and counted, a client body over it is answered 400, a file over it is refused.
+"""
+
+from __future__ import annotations
+
+MAX_DEPTH = 64
+"""The deepest nesting of arrays and objects shoal accepts in any outside JSON value."""
+
+# Keep only brackets, and write both kinds as `[`/`]`: depth does not care which kind, and
+# a mismatched pair is the decoder's to report, as a syntax error.
+_BRACKETS_ONLY = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+class TooDeep(ValueError):
+    """A JSON value nests arrays or objects deeper than allowed."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"arrays or objects are nested deeper than {limit} levels")
+        self.limit = limit
+
+
+def json_depth_exceeds(data: bytes | bytearray | memoryview | str, limit: int = MAX_DEPTH) -> bool:
+    """Whether `data` (JSON text, valid or not) nests arrays or objects deeper than `limit`.
+
+    Every step is one C-speed pass over bytes (no Python loop per byte): drop escapes, drop
+    what lies between quotes, keep the brackets, then peel one level of innermost pairs per
+    pass. A value with at most `limit` openers costs two counts, which is most values.
+    """
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    # Escapes go first (`\\` before `\"`), so every quote left opens or closes a string
+    # and the pieces outside strings are the even ones.
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside = b"".join(raw.split(b'"')[::2]) if b'"' in raw else raw
+    brackets = outside.translate(_BRACKETS_ONLY, _NOT_BRACKETS)
+    for level in range(limit + 1):
+        # After `level` passes each bracket left sits `level` levels above a leaf, so a run of
+        # openers longer than what remains of the budget proves the value too deep.
+        if b"[" * (limit - level + 1) in brackets:
+            return True
+        brackets = brackets.replace(b"[]", b"")
+        if b"[" not in brackets:
+            return False  # nothing left but stray closers: malformed, for the decoder to say
+    return True
+
+
+def check_json_depth(data: bytes | bytearray | memoryview | str, limit: int = MAX_DEPTH) -> None:
+    """Raise `TooDeep` when `data` nests deeper than `limit` (see `json_depth_exceeds`)."""
+    if json_depth_exceeds(data, limit):
+        raise TooDeep(limit)
