@@ -184,6 +184,9 @@ async def spawn(args: list[str], component: str, log: Path, timeout: float = 60)
 async def start_frontend(store_url: str, cache: Path, interval: float, log: Path) -> Child:
     args = ["-m", "shoal.cli.main", "frontend", "--store", store_url, "--port", "0"]
     args += ["--cache-dir", str(cache), "--reconcile-interval", str(interval)]
+    if profile := os.environ.get("SHOAL_BENCH_PROFILE"):
+        # cProfile of the frontend, written when it exits (`python -m pstats FILE`).
+        args = ["-m", "cProfile", "-o", f"{profile}.{interval:g}", *args]
     return await spawn(args, "frontend", log)
 
 
@@ -454,6 +457,8 @@ async def bench_backend(backend: str, args: argparse.Namespace, work: Path) -> d
             res["cold_start_s"] = time.perf_counter() - fa.started
             await wait_all_joined(http, fa.ready["url"], args.instances)
             res["all_joined_s"] = time.perf_counter() - fa.started
+            # The frontend's own CPU: a busy machine moves it less than the wall time.
+            res["cold_cpu_s"] = fa.cpu_seconds()
             res["rss_mib"] = fa.rss_mib()
             await asyncio.sleep(2)
             res["idle_cpu"] = await idle_cpu(fa, args.idle_seconds)
@@ -521,6 +526,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("frontend ready line (s)", "", "{ready_s:.2f}"),
     ("cold start to all models in /v1/models (s)", "< 10", "{cold_start_s:.2f}"),
     ("cold start to all N instances routable (s)", "", "{all_joined_s:.2f}"),
+    ("cold start CPU of the frontend, to all routable (s)", "", "{cold_cpu_s:.2f}"),
     ("warm start (metadata cached) to all models (s)", "", "{warm_start_s:.2f}"),
     ("new registration listed p50 / max (ms)", "", "{listed_p50_ms:.0f} / {listed_max_ms:.0f}"),
     ("new registration routed p50 / max (ms)", "< 200", "{routed_p50_ms:.0f} / {routed_max_ms:.0f}"),

@@ -38,6 +38,7 @@ DEFAULT_MAX_BYTES = 1 << 30  # the whole cache directory
 DEFAULT_MAX_FILE_BYTES = 64 << 20  # one metadata file; a card declaring more is refused
 STALE_TMP_SECONDS = 3600.0  # a temporary file this old belongs to a process that died
 CHUNK = 1 << 16
+SMALL_FILE_BYTES = 1 << 20  # a file up to this size is held in memory and written in one go
 
 
 class MetadataError(Exception):
@@ -90,7 +91,12 @@ class MetadataCache:
         self._load()
 
     def path(self, checksum: str) -> Path:
-        return self.directory / checksum.replace(":", "-")
+        return Path(self._path(checksum))
+
+    def _path(self, checksum: str) -> str:
+        # A plain string: `has` runs for every file of every card, and pathlib costs more
+        # than the lookup itself.
+        return os.path.join(self.directory, checksum.replace(":", "-"))
 
     def _load(self) -> None:
         """Index the files already on disk (oldest first) and remove stale temporary files."""
@@ -119,8 +125,10 @@ class MetadataCache:
             return True
         if checksum in self._uncached:
             return True
+        if checksum in self._shared:
+            return False  # being downloaded here: its end settles it, no need to look on disk
         try:
-            size = self.path(checksum).stat().st_size  # put there by another frontend
+            size = os.stat(self._path(checksum)).st_size  # put there by another frontend
         except OSError:
             return False
         self._remember(checksum, size)
@@ -200,12 +208,18 @@ class MetadataCache:
             del self._shared[checksum]
 
     async def _download(self, name: str, file: MetadataFile) -> None:
-        """Stream `file` to a temporary file while hashing it; keep it if it verifies."""
+        """Download `file` while hashing it; keep it if it verifies.
+
+        A small file (most are: configs, templates) is held in memory and written to the cache
+        with one thread hop; a larger one streams to a temporary file, chunk by chunk.
+        """
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
         digest = hashlib.sha256()
         size = 0
-        tmp, out = await asyncio.to_thread(self._open_tmp, file.checksum)
+        small = file.size <= SMALL_FILE_BYTES
+        chunks: list[bytes] = []
+        tmp, out = (None, None) if small else await asyncio.to_thread(self._open_tmp, file.checksum)
         try:
             try:
                 async with self._session.get(file.url, allow_redirects=False) as response:
@@ -218,7 +232,9 @@ class MetadataCache:
                                 f"{name}: {file.url} is larger than {file.size} bytes"
                             )
                         digest.update(chunk)
-                        if out is not None:
+                        if small:
+                            chunks.append(chunk)
+                        elif out is not None and tmp is not None:
                             out = await asyncio.to_thread(self._write, out, tmp, chunk)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise MetadataError(f"{name}: GET {file.url} failed: {exc or 'timed out'}") from exc
@@ -228,13 +244,21 @@ class MetadataCache:
                     f"{name}: {file.url} has checksum {checksum} ({size} bytes), "
                     f"the card says {file.checksum} ({file.size} bytes)"
                 )
-            if out is not None and await asyncio.to_thread(self._keep, out, tmp, file.checksum):
+            if small:
+                kept = await asyncio.to_thread(self._write_whole, file.checksum, b"".join(chunks))
+            else:
+                kept = (
+                    out is not None
+                    and tmp is not None
+                    and await asyncio.to_thread(self._keep, out, tmp, file.checksum)
+                )
+            if kept:
                 self._remember(file.checksum, size)
                 self._evict()
             else:
                 self._uncached.add(file.checksum)
         finally:
-            if out is not None and not out.closed:
+            if out is not None and tmp is not None and not out.closed:
                 await asyncio.to_thread(self._discard, out, tmp)
 
     # -- disk: every call below runs in a thread; none raises, trouble is recorded ----------
@@ -249,6 +273,14 @@ class MetadataCache:
             self._trouble(f"cannot write to {self.directory}: {exc}")
             return tmp, None
 
+    def _write_whole(self, checksum: str, data: bytes) -> bool:
+        """Write a verified small file to the cache (through a temporary file); False if the
+        disk refused it."""
+        tmp, out = self._open_tmp(checksum)
+        if out is None:
+            return False
+        return self._write(out, tmp, data) is not None and self._keep(out, tmp, checksum)
+
     def _write(self, out: IO[bytes], tmp: Path, chunk: bytes) -> IO[bytes] | None:
         try:
             out.write(chunk)
@@ -262,7 +294,7 @@ class MetadataCache:
     def _keep(self, out: IO[bytes], tmp: Path, checksum: str) -> bool:
         try:
             out.close()
-            os.replace(tmp, self.path(checksum))
+            os.replace(tmp, self._path(checksum))
         except OSError as exc:
             self._trouble(f"cannot write to {self.directory}: {exc}")
             self._discard(out, tmp)
@@ -299,7 +331,7 @@ class MetadataCache:
             self._bytes -= size
             self.evictions += 1
             with contextlib.suppress(OSError):
-                self.path(checksum).unlink()
+                os.unlink(self._path(checksum))
 
     async def close(self) -> None:
         downloads = [s.task for s in self._shared.values() if s.task is not None]
