@@ -9,6 +9,7 @@ import grimp
 import pytest
 
 LAYERS = {
+    "shoal.bounds": 0,  # bounds on outside values (nesting depth): used by every layer
     "shoal.store": 1,
     "shoal.cards": 2,
     "shoal.openai": 2,
