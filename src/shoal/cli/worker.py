@@ -49,6 +49,13 @@ def add_parser(sub: Any) -> None:
     flag("--admin-token", None, help="Bearer token required to load/unload adapters")
     flag("--upstream", None, help="openai engine: URL of the OpenAI-compatible server")
     flag("--upstream-api-key", None, help="openai engine: API key the upstream requires")
+    flag(
+        "--max-body",
+        None,
+        type=int,
+        help="openai engine: largest request body forwarded, in bytes (default 16 MiB, "
+        "the frontend's default)",
+    )
     flag("--model-path", None, help="llamacpp engine: path of the GGUF file")
     flag(
         "--kv-events-endpoint",
@@ -105,6 +112,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
             api_key=args.upstream_api_key,
             kv_events_endpoint=args.kv_events_endpoint,
             kv_replay_endpoint=args.kv_replay_endpoint,
+            **({} if args.max_body is None else {"max_body": args.max_body}),
         )
     else:
         # Without --model-path, the SmolLM2-135M GGUF shipped in the llamacpp extra is served.

@@ -4,13 +4,15 @@ the status server and the openai client."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import openai
 import pytest
 
 from shoal.discovery import Discovery, ModelInstance, Query
 from shoal.store import Store
-from tests.processes import Process, Processes
+from tests.processes import Process, Processes, shoal
 from tests.worker.engines.fake_upstream import MODEL, FakeUpstream
 
 UPSTREAM_KEY = "sk-upstream-only"
@@ -85,3 +87,19 @@ async def test_sidecar_replicas_behind_different_upstreams_announce_one_identity
     assert [c.display_name for c in cards] == [MODEL, "sql-lora", MODEL, "sql-lora"]
     assert cards[0].mdcsum == cards[2].mdcsum, "one model, one identity, whatever its upstream"
     assert cards[1].mdcsum == cards[3].mdcsum
+
+
+async def test_a_sidecar_with_credentials_in_its_upstream_url_exits_at_start_in_one_line(
+    processes: Processes, store_url: str
+) -> None:
+    proc = await shoal(
+        "worker", "--engine", "openai", "--model", MODEL, "--store", store_url,
+        "--upstream", "http://admin:s3cret-PW@127.0.0.1:1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shoal worker:"), lines
+    assert "--upstream-api-key" in lines[0]
+    assert b"s3cret-PW" not in out + err
