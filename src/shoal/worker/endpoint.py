@@ -183,8 +183,8 @@ class Endpoint:
             raise RuntimeError(f"endpoint {self.id} already serves {self.engine.name}")
         self.engine = engine
         self.preferred_model = model
-        await engine.start()
-        try:
+        try:  # a start that fails or is cancelled half-way is stopped too
+            await engine.start()
             app = engine.app()
             app.middlewares.insert(0, self._track)
             runner = web.AppRunner(
