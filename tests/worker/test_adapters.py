@@ -11,6 +11,7 @@ import openai
 
 from shoal.discovery import Discovery
 from shoal.store import Store
+from shoal.worker.endpoint import adapter_suffix
 from tests.processes import Process
 from tests.worker.conftest import StartWorker
 
@@ -108,3 +109,18 @@ async def test_every_loadable_adapter_name_can_be_unloaded_and_distinct_names_st
                 assert resp.status == 200, (name, await resp.text())
                 assert (await resp.json())["name"] == name
         assert set(await cards(store)) == {"mock-model"}
+
+
+async def test_a_name_spelling_another_names_hashed_suffix_gets_its_own(
+    start_worker: StartWorker, store: Store
+) -> None:
+    hashed = adapter_suffix("My-Lora")
+    assert hashed.startswith("my-lora-") and hashed != "my-lora"
+    assert adapter_suffix(hashed) != hashed
+    worker = await start_worker("--speedup", "0")
+    async with aiohttp.ClientSession() as http:
+        for name in ("My-Lora", hashed, "my-lora"):
+            status, body = await load(http, worker, name, f"/path/{name}")
+            assert status == 200, (name, body)
+    announced = await cards(store)
+    assert len({announced[n].key.suffix for n in ("My-Lora", hashed, "my-lora")}) == 3

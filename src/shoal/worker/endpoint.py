@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 import socket
 import time
 from collections.abc import Mapping
@@ -67,16 +68,22 @@ def metadata_files_in(directory: Path) -> dict[str, Path]:
     return found
 
 
+_HASHED = re.compile(r"-[0-9a-f]{8}$")
+"""How a hashed suffix ends: a name that ends so is hashed too, so no name spells another's."""
+
+
 def adapter_suffix(name: str) -> str:
-    """The discovery suffix of adapter `name`: distinct names always get distinct suffixes.
+    """The discovery suffix of adapter `name`: distinct names get distinct suffixes.
 
     A name that is its own slug (`my-lora`) is its suffix; any other name (`My-Lora`,
-    `org/lora`, `日本語`) gets its slug plus 8 hex digits of its SHA-256, so names that
-    slug alike (`My-Adapter`, `my adapter`) or not at all (every non-Latin name slugs to
-    `model`) never share a key.
+    `org/lora`, `日本語`) gets its slug plus `-` and 8 hex digits of its SHA-256, so names
+    that slug alike (`My-Adapter`, `my adapter`) or not at all (every non-Latin name slugs
+    to `model`) never share a key. A slug name that ends like a hashed suffix
+    (`my-lora-d1ae385f`) is hashed as well: a suffix kept as its name never ends that way,
+    so no name can take another's hashed suffix.
     """
     slug = slugify(name)
-    if slug == name:
+    if slug == name and not _HASHED.search(name):
         return check_suffix(slug)
     digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
     return check_suffix(f"{slug[:119]}-{digest}")
