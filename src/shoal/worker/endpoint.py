@@ -183,8 +183,8 @@ class Endpoint:
 
         With `attach_models`, the engine's `served_models()` are attached now and kept in
         step by the runtime's models loop (`follows_engine`). An engine listing several base
-        models gets the one named `model` (else the first) announced: one base model per
-        endpoint instance.
+        models gets the one named `model` announced (else the one announced already, while
+        the engine still lists it, else the first): one base model per endpoint instance.
         """
         if self.engine is not None:
             raise RuntimeError(f"endpoint {self.id} already serves {self.engine.name}")
@@ -312,7 +312,12 @@ class Endpoint:
         wanted: dict[str | None, ServedModel] = {}
         bases = [m for m in served if m.adapter is None]
         if len(bases) > 1:
-            chosen = next((m for m in bases if m.name == self.preferred_model), bases[0])
+            # The model named, else the one announced now while it is still served (an
+            # upstream reordering its list must not swap it), else the first.
+            held = self.models.get(None)
+            current = None if held is None or held.served is None else held.served.name
+            chosen = next((m for m in bases if m.name == self.preferred_model), None)
+            chosen = chosen or next((m for m in bases if m.name == current), bases[0])
             names = ", ".join(sorted(m.name for m in bases if m is not chosen))
             if names not in self._warned:
                 self._warned.add(names)

@@ -12,6 +12,8 @@ import pytest
 
 from shoal.discovery import Discovery, ModelInstance, Query
 from shoal.store import Store
+from shoal.worker.engines.openai_sidecar import OpenAISidecarEngine
+from shoal.worker.runtime import Runtime
 from tests.processes import Process, Processes, shoal
 from tests.worker.engines.fake_upstream import MODEL, FakeUpstream
 
@@ -103,3 +105,20 @@ async def test_a_sidecar_with_credentials_in_its_upstream_url_exits_at_start_in_
     assert len(lines) == 1 and lines[0].startswith("shoal worker:"), lines
     assert "--upstream-api-key" in lines[0]
     assert b"s3cret-PW" not in out + err
+
+
+async def test_a_sidecar_without_model_keeps_its_model_when_the_upstream_reorders_its_list(
+    fake: FakeUpstream, store_url: str
+) -> None:
+    fake.model_ids = ["model-a", "model-b"]
+    engine = OpenAISidecarEngine(fake.server.url, health_interval=0.0)
+    async with Runtime(store_url) as runtime:
+        endpoint = runtime.endpoint("default.backend.generate")
+        await endpoint.serve(engine)
+        assert endpoint.models[None].card.display_name == "model-a"
+        fake.model_ids = ["model-b", "model-a"]  # Ollama lists the newest first
+        await endpoint.sync_models()
+        assert endpoint.models[None].card.display_name == "model-a"
+        fake.model_ids = ["model-b"]  # gone: the other one is announced instead
+        await endpoint.sync_models()
+        assert endpoint.models[None].card.display_name == "model-b"
