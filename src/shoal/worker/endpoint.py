@@ -291,6 +291,10 @@ class Endpoint:
         await self._registrations.attach(self.id, card, suffix, snapshots, served)
         return card
 
+    async def reattach(self, suffix: str | None, att: Attached) -> None:
+        """Announce again a model detached from this endpoint, as it was (`att`)."""
+        await self._registrations.attach(self.id, att.card, suffix, att.files, att.served)
+
     async def set_taints(self, taints: list[str]) -> None:
         """Replace the taints of every attached model (e.g. `draining`)."""
         await self._registrations.set_taints(self.id, taints)

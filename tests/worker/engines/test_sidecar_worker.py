@@ -122,3 +122,20 @@ async def test_a_sidecar_without_model_keeps_its_model_when_the_upstream_reorder
         fake.model_ids = ["model-b"]  # gone: the other one is announced instead
         await endpoint.sync_models()
         assert endpoint.models[None].card.display_name == "model-b"
+
+
+async def test_deleting_an_adapter_the_sidecar_cannot_unload_answers_501_and_withdraws_nothing(
+    fake: FakeUpstream, processes: Processes, store_url: str, store: Store
+) -> None:
+    worker = await sidecar_worker(processes, store_url, fake)
+    before = await models_of(store, worker)
+    assert [m.card.display_name for m in before] == [MODEL, "sql-lora"]
+    async with (
+        aiohttp.ClientSession() as http,
+        http.delete(worker.status_url + "/v1/loras/sql-lora") as response,
+    ):
+        assert response.status == 501, await response.text()
+        assert "sql-lora" in (await response.json())["error"]["message"]
+    assert [(m.key, m.card) for m in await models_of(store, worker)] == [
+        (m.key, m.card) for m in before
+    ]
