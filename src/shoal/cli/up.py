@@ -2,7 +2,8 @@
 
 Starts a frontend (in this process) and `--workers` mocker workers (child processes) on the
 default SQLite store, shows progress while they start, then prints the API URL and examples
-to paste. A `shoal worker` started in another terminal finds the same store and joins.
+to paste. `SHOAL_*` variables configure `shoal up` as its flags do; workers get none of them,
+only the flags `shoal up` passes (engine, model, store, log level). A `shoal worker` started in another terminal finds the same store and joins.
 Ctrl-C or SIGTERM drains the frontend, then the workers (SIGTERM: they drain too); a second
 Ctrl-C stops at once.
 """
@@ -72,7 +73,17 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-async def start_worker(number: int, model: str, store_url: str, log_dir: Path) -> Worker:
+def worker_env() -> dict[str, str]:
+    """A worker's environment: this one without any `SHOAL_*` setting. Those were meant for
+    `shoal up` (`SHOAL_PORT` is the frontend's port, `SHOAL_HOST` its address) and it
+    consumed them; a worker gets what is its own as flags."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
+async def start_worker(
+    number: int, model: str, store_url: str, log_dir: Path, log_level: str = "INFO"
+) -> Worker:
     """Spawn `shoal worker --engine mocker` in its own session (Ctrl-C is ours to forward)."""
     log_path = log_dir / f"worker-{number}.log"
     with log_path.open("wb") as log_file:
@@ -80,6 +91,8 @@ async def start_worker(number: int, model: str, store_url: str, log_dir: Path) -
             sys.executable,
             "-m",
             "shoal.cli.main",
+            "--log-level",
+            log_level,
             "worker",
             "--engine",
             "mocker",
@@ -91,7 +104,7 @@ async def start_worker(number: int, model: str, store_url: str, log_dir: Path) -
             stderr=log_file,
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=worker_env(),
         )
     return Worker(number, proc, log_path)
 
@@ -212,7 +225,7 @@ async def _start_fleet(
 ) -> int:
     deadline = time.monotonic() + START_TIMEOUT
     for number in range(1, args.workers + 1):
-        workers.append(await start_worker(number, args.model, store_url, log_dir))
+        workers.append(await start_worker(number, args.model, store_url, log_dir, args.log_level))
     _say(f"  workers      starting {len(workers)} (logs in {log_dir})")
 
     async def ready(worker: Worker) -> None:
