@@ -48,7 +48,9 @@ BAD_STARTS = {
     "store path without scheme": (["--store", "/x.db"], "/x.db"),
     "unknown store scheme": (["--store", "redis://x"], "redis://x"),
     "upstream not http": (["--engine", "openai", "--upstream", "ftp://x"], "ftp://x"),
-    "no sequence slots": (["--max-seqs", "0"], "max_seqs"),
+    "no sequence slots": (["--max-seqs", "0"], "--max-seqs"),
+    "nan drain timeout": (["--drain-timeout", "nan"], "--drain-timeout"),
+    "port out of range": (["--port", "75276"], "--port"),
     "zero lease ttl": (["--lease-ttl", "0"], "lease"),
     "non-loopback host without admin token": (["--host", "0.0.0.0"], "--admin-token"),
 }

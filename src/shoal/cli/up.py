@@ -25,7 +25,7 @@ from typing import Any
 import platformdirs
 
 from shoal.cli.catalog import add_catalog_port_flag, start_catalog
-from shoal.cli.common import add_flag, on_stop_signals, parse_ready_line, run_event_loop
+from shoal.cli.common import COUNT, add_flag, on_stop_signals, parse_ready_line, run_event_loop
 from shoal.cli.frontend import add_frontend_flags, start_frontend
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.store import default_store_url
@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="start a frontend and mocker workers on this machine",
         description="Start an OpenAI-compatible frontend and N mocker workers, ready to curl.",
     )
-    add_flag(parser, "--workers", 2, type=int, help="mocker workers to start (default 2)")
+    add_flag(parser, "--workers", 2, type=COUNT, help="mocker workers to start (default 2)")
     add_flag(
         parser,
         "--model",
@@ -180,9 +180,6 @@ Press Ctrl-C to stop.
 
 
 async def up(args: argparse.Namespace) -> int:
-    if args.workers < 0:
-        print("shoal up: --workers must be 0 or more", file=sys.stderr)
-        return 2
     store_url = args.store or default_store_url()
     stop = asyncio.Event()
     on_stop_signals(stop)
