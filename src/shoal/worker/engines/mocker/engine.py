@@ -239,9 +239,12 @@ class MockerEngine(Engine):
         req = decode_request(await request.read(), _chat_decoder)
         model = self._check_model(req.model)
         check_request(req)
-        prompt = render_chat(req.messages)
+        prompt = render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
         tokens = await tokenize(prompt, self.context_length, "messages")
-        max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+        # As vLLM: `max_completion_tokens` (OpenAI's newer name) wins over `max_tokens`.
+        max_tokens = (
+            req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        )
         plan = self._plan(req, model, prompt, tokens, max_tokens, chat_echo(req))
         self.requests["chat"] += 1
         return await self._answer(request, plan, CHAT, stream=req.stream, usage=req.include_usage)

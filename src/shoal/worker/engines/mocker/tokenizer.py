@@ -92,10 +92,11 @@ async def tokenize(text: str, room: int, param: str) -> list[int]:
     return await asyncio.to_thread(encode, text)
 
 
-def render_chat(messages: Iterable[ChatMessage]) -> str:
+def render_chat(messages: Iterable[ChatMessage], *, add_generation_prompt: bool = True) -> str:
     """The prompt a chat becomes, as `CHAT_TEMPLATE` renders it."""
     parts = [f"<|{m.role}|>\n{render_chat_content(m.content)}\n" for m in messages]
-    parts.append("<|assistant|>\n")
+    if add_generation_prompt:
+        parts.append("<|assistant|>\n")
     return "".join(parts)
 
 
