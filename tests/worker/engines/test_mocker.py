@@ -329,3 +329,25 @@ async def test_embeddings_refuse_more_inputs_than_the_bound_before_computing_any
     assert resp.status == 400
     assert (await resp.json())["error"]["param"] == "input"
     assert engine.requests["embeddings"] == 0
+
+
+async def test_a_prompt_of_token_ids_over_the_context_is_refused_before_each_id_is_read(
+    make_mocker: Make,
+) -> None:
+    _, client = await make_mocker(speedup=0)
+    resp = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": [[7] * 9000], "max_tokens": 1}
+    )
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+
+
+async def test_a_chat_of_many_messages_is_answered_like_a_short_one(make_mocker: Make) -> None:
+    _, client = await make_mocker(speedup=0)
+    messages = [{"role": "user", "content": "hi"}] * 1000
+    resp = await client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2}
+    )
+    assert resp.status == 200
+    assert (await resp.json())["usage"]["prompt_tokens"] > 1000

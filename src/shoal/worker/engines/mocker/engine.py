@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import shutil
 import tempfile
@@ -60,7 +61,7 @@ from shoal.worker.engines.mocker.metadata import write_adapter_config, write_mod
 from shoal.worker.engines.mocker.metrics import mocker_metrics
 from shoal.worker.engines.mocker.plan import Plan, context_exceeded, make_plan
 from shoal.worker.engines.mocker.prefix_cache import PrefixCache
-from shoal.worker.engines.mocker.prompts import chat_echo, prompt_ids, single_prompt
+from shoal.worker.engines.mocker.prompts import chat_echo, prompt_ids, prompt_size, single_prompt
 from shoal.worker.engines.mocker.tokenizer import (
     INLINE_CHARS,
     check_length,
@@ -70,6 +71,9 @@ from shoal.worker.engines.mocker.tokenizer import (
 )
 from shoal.worker.kv_publisher import KvEventPublisher
 from shoal.worker.protocol import IdMaker, openai_errors
+
+INLINE_MESSAGES = 256
+"""Chats of more messages are rendered in a thread (a few ms per thousand messages)."""
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
@@ -239,7 +243,12 @@ class MockerEngine(Engine):
         req = decode_request(await request.read(), _chat_decoder)
         model = self._check_model(req.model)
         check_request(req)
-        prompt = render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+        render = functools.partial(
+            render_chat, req.messages, add_generation_prompt=req.add_generation_prompt
+        )
+        # A chat of many messages is rendered in a thread: no request holds the loop.
+        many = len(req.messages) > INLINE_MESSAGES
+        prompt = await asyncio.to_thread(render) if many else render()
         tokens = await tokenize(prompt, self.context_length, "messages")
         # As vLLM: `max_completion_tokens` (OpenAI's newer name) wins over `max_tokens`.
         max_tokens = (
@@ -253,6 +262,8 @@ class MockerEngine(Engine):
         req = decode_request(await request.read(), _completion_decoder)
         model = self._check_model(req.model)
         check_request(req)
+        if prompt_size(req.prompt) > self.context_length:  # before looking at each id
+            raise context_exceeded(self.context_length, prompt_size(req.prompt), "prompt")
         token_ids = prompt_ids(req.prompt)
         if token_ids is not None and len(token_ids) > self.context_length:
             raise context_exceeded(self.context_length, len(token_ids), "prompt")
