@@ -4,15 +4,17 @@ line reads back as the fields it was printed with."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 
 import pytest
 
-from shoal.cli.common import add_flag, parse_ready_line, ready_line
+from shoal.cli.common import add_flag, number, parse_ready_line, ready_line
+from shoal.cli.main import build_parser
 
 
 def parser_with_flags() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(exit_on_error=False)
-    add_flag(parser, "--port", 8000, type=int)
+    add_flag(parser, "--port", 8000, type=number(int, low=0, high=65535))
     add_flag(parser, "--store")
     add_flag(parser, "--db", env="catalog_db")
     add_flag(parser, "--workspace", "default", short="-w")
@@ -85,3 +87,71 @@ def test_a_value_with_spaces_reads_back_whole() -> None:
 )
 def test_other_lines_are_not_a_worker_ready_line(line: str) -> None:
     assert parse_ready_line(line, "worker") is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["worker", "--drain-timeout", "nan"], "--drain-timeout"),
+        (["worker", "--lease-ttl", "nan"], "--lease-ttl"),
+        (["worker", "--lease-ttl", "inf"], "--lease-ttl"),
+        (["worker", "--lease-ttl", "0"], "--lease-ttl"),
+        (["worker", "--port", "75276"], "--port"),
+        (["worker", "--status-port", "75276"], "--status-port"),
+        (["worker", "--kv-events-port", "-1"], "--kv-events-port"),
+        (["worker", "--speedup", "nan"], "--speedup"),
+        (["worker", "--max-seqs", "0"], "--max-seqs"),
+        (["frontend", "--port", "75276"], "--port"),
+        (["frontend", "--drain-timeout", "nan"], "--drain-timeout"),
+        (["frontend", "--first-byte-timeout", "-inf"], "--first-byte-timeout"),
+        (["up", "--workers", "-1"], "--workers"),
+        (["up", "--catalog-port", "70000"], "--catalog-port"),
+        (["catalog", "serve", "--port", "70000"], "--port"),
+    ],
+)
+def test_non_finite_and_out_of_range_numeric_flags_are_one_line_usage_errors(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(argv)
+    assert caught.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"argument {named}" in errors[0], errors
+    assert "Traceback" not in errors[0]
+
+
+def test_an_out_of_range_environment_value_is_refused_like_the_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SHOAL_PORT", "75276")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker"])
+    assert "argument --port" in capsys.readouterr().err
+
+
+def test_every_numeric_flag_of_every_command_goes_through_the_one_validator() -> None:
+    def actions(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from actions(sub)
+            else:
+                yield action
+
+    numeric = [a for a in actions(build_parser()) if a.type in (int, float)]
+    assert numeric == []
+    with pytest.raises(TypeError, match="--n"):
+        add_flag(argparse.ArgumentParser(), "--n", 1, type=int)
+
+
+def test_number_names_what_it_wants() -> None:
+    port = number(int, low=0, high=65535)
+    assert port("8080") == 8080
+    for bad, said in (("75276", "at most 65535"), ("-1", "at least 0"), ("x", "integer")):
+        with pytest.raises(argparse.ArgumentTypeError, match=said):
+            port(bad)
+    seconds = number(float, above=0)
+    assert seconds("0.5") == 0.5
+    for bad, said in (("nan", "finite"), ("inf", "finite"), ("0", "more than 0")):
+        with pytest.raises(argparse.ArgumentTypeError, match=said):
+            seconds(bad)

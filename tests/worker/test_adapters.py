@@ -8,9 +8,13 @@ from urllib.parse import quote
 
 import aiohttp
 import openai
+import pytest
 
 from shoal.discovery import Discovery
 from shoal.store import Store
+from shoal.worker.endpoint import adapter_suffix
+from shoal.worker.engines.mocker import MockerEngine
+from shoal.worker.runtime import Runtime
 from tests.processes import Process
 from tests.worker.conftest import StartWorker
 
@@ -108,3 +112,44 @@ async def test_every_loadable_adapter_name_can_be_unloaded_and_distinct_names_st
                 assert resp.status == 200, (name, await resp.text())
                 assert (await resp.json())["name"] == name
         assert set(await cards(store)) == {"mock-model"}
+
+
+async def test_a_name_spelling_another_names_hashed_suffix_gets_its_own(
+    start_worker: StartWorker, store: Store
+) -> None:
+    hashed = adapter_suffix("My-Lora")
+    assert hashed.startswith("my-lora-") and hashed != "my-lora"
+    assert adapter_suffix(hashed) != hashed
+    worker = await start_worker("--speedup", "0")
+    async with aiohttp.ClientSession() as http:
+        for name in ("My-Lora", hashed, "my-lora"):
+            status, body = await load(http, worker, name, f"/path/{name}")
+            assert status == 200, (name, body)
+    announced = await cards(store)
+    assert len({announced[n].key.suffix for n in ("My-Lora", hashed, "my-lora")}) == 3
+
+
+async def test_an_adapter_whose_unload_fails_answers_409_and_stays_announced(
+    store_url: str, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = MockerEngine("mock-model", speedup=0)
+    async with Runtime(store_url) as runtime:
+        await runtime.endpoint("default.backend.generate").serve(engine)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                runtime.status_url + "/v1/loras", json={"name": "sql", "path": "/p"}
+            ) as resp:
+                assert resp.status == 200
+            before = await cards(store)
+
+            async def stuck(name: str) -> None:
+                raise RuntimeError("the engine is busy with it")
+
+            monkeypatch.setattr(engine, "unload_adapter", stuck)
+            async with http.delete(runtime.status_url + "/v1/loras/sql") as resp:
+                assert resp.status == 409
+                assert "busy" in (await resp.json())["error"]["message"]
+            after = await cards(store)
+            assert after["sql"].card == before["sql"].card
+            async with http.get(runtime.status_url + "/v1/loras") as resp:
+                assert [a["name"] for a in (await resp.json())["data"]] == ["sql"]

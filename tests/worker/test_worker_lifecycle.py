@@ -8,9 +8,13 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 
 from shoal.discovery import Discovery
-from shoal.store import Store
+from shoal.discovery.keys import INSTANCES, MODELS
+from shoal.store import Store, StoreError
+from shoal.worker.engines.mocker import MockerEngine
+from shoal.worker.runtime import Runtime
 from tests.helpers import wait_for
 from tests.processes import Process
 from tests.worker.conftest import StartWorker
@@ -126,3 +130,56 @@ async def _listed_under_new_id(discovery: Discovery, old_id: int) -> list[Any] |
     if len(models) == 1 and models[0].instance_id != old_id:
         return models
     return None
+
+
+async def test_a_card_deleted_from_the_store_is_put_back_and_reported(
+    start_worker: StartWorker, store: Store
+) -> None:
+    worker = await start_worker("--lease-ttl", "1.5")
+    before = {kv.key: kv.value for kv in (await store.get_prefix("shoal/v1/")).items}
+    model_keys = [k for k in before if k.startswith(MODELS)]
+    assert len(model_keys) == 1 and any(k.startswith(INSTANCES) for k in before)
+    for key in before:
+        await store.delete(key)
+
+    async def all_back() -> bool:
+        now = {kv.key: kv.value for kv in (await store.get_prefix("shoal/v1/")).items}
+        return now.keys() == before.keys()
+
+    await wait_for(all_back, timeout=5, message="the worker put its keys back")
+    now = {kv.key: kv.value for kv in (await store.get_prefix("shoal/v1/")).items}
+    assert now[model_keys[0]] == before[model_keys[0]]
+    assert "missing from the store" in worker.stderr()
+    async with aiohttp.ClientSession() as http:
+        assert await health(http, worker) == 200
+        async with http.get(worker.status_url + "/metrics") as resp:
+            assert "shoal_worker_registrations_repaired_total 2.0" in await resp.text()
+
+
+async def test_health_says_when_a_registration_is_missing_and_cannot_be_put_back(
+    store_url: str, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with Runtime(store_url) as runtime:
+        endpoint = runtime.endpoint("default.backend.generate")
+        await endpoint.serve(MockerEngine("mock-model", speedup=0))
+        registrations = runtime.registrations
+        key = endpoint.models[None].key.key
+        await store.delete(key)
+
+        async def refused(*args: Any, **kwargs: Any) -> None:
+            raise StoreError("refused")
+
+        monkeypatch.setattr(registrations.discovery, "register_model", refused)
+        await registrations.renew()
+        problem = registrations.lease_problem()
+        assert problem is not None and "missing" in problem and key in problem
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(runtime.status_url + "/health") as resp,
+        ):
+            assert resp.status == 503
+            assert any(key in r for r in (await resp.json())["reasons"])
+        monkeypatch.undo()
+        await registrations.renew()
+        assert registrations.lease_problem() is None
+        assert await store.get(key) is not None

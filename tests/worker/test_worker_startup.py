@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +18,8 @@ from aiohttp import web
 
 from shoal.discovery import Discovery
 from shoal.store import Store
+from shoal.worker.engines.mocker import MockerEngine
+from shoal.worker.runtime import Runtime
 from tests.helpers import Server, free_port
 from tests.processes import shoal
 from tests.worker.conftest import StartWorker
@@ -43,7 +48,9 @@ BAD_STARTS = {
     "store path without scheme": (["--store", "/x.db"], "/x.db"),
     "unknown store scheme": (["--store", "redis://x"], "redis://x"),
     "upstream not http": (["--engine", "openai", "--upstream", "ftp://x"], "ftp://x"),
-    "no sequence slots": (["--max-seqs", "0"], "max_seqs"),
+    "no sequence slots": (["--max-seqs", "0"], "--max-seqs"),
+    "nan drain timeout": (["--drain-timeout", "nan"], "--drain-timeout"),
+    "port out of range": (["--port", "75276"], "--port"),
     "zero lease ttl": (["--lease-ttl", "0"], "lease"),
     "non-loopback host without admin token": (["--host", "0.0.0.0"], "--admin-token"),
 }
@@ -119,3 +126,45 @@ async def test_a_sidecar_stopped_during_start_up_never_prints_its_ready_line(
     assert "Traceback" not in err.decode(), err
     assert proc.returncode == 0
     assert await Discovery(store).list() == []
+
+
+async def test_a_sidecar_sigtermed_during_its_first_probe_exits_at_once_and_cleanly(
+    store_url: str,
+) -> None:
+    asked = asyncio.Event()
+
+    async def health(request: web.Request) -> web.Response:
+        asked.set()
+        await asyncio.Event().wait()  # never answers
+        raise AssertionError
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    upstream = Server(app, port=free_port())
+    await upstream.start()
+    try:
+        proc = await shoal(
+            "worker", "--engine", "openai", "--upstream", upstream.url, "--store", store_url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        await asyncio.wait_for(asked.wait(), 20)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 20)
+        took = time.monotonic() - signalled
+    finally:
+        await upstream.stop()
+    assert proc.returncode == 0, err
+    assert "Unclosed" not in err.decode() and "Traceback" not in err.decode(), err
+    assert took < 1.5, f"exit took {took:.1f}s after SIGTERM"
+
+
+async def test_a_mocker_whose_kv_events_port_is_busy_leaves_no_temp_dir(
+    busy_port: int, store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    engine = MockerEngine("m", kv_events_port=busy_port)
+    async with Runtime(store_url) as runtime:
+        with pytest.raises(Exception, match=str(busy_port)):
+            await runtime.endpoint("default.backend.generate").serve(engine)
+    assert not any(name.startswith("shoal-mocker-") for name in os.listdir(tmp_path))

@@ -20,7 +20,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shoal.cli.common import add_flag, env_value, on_stop_signals, print_ready, run_event_loop
+from shoal.cli.common import (
+    PORT,
+    SECONDS,
+    add_flag,
+    env_value,
+    on_stop_signals,
+    print_ready,
+    run_event_loop,
+)
 
 DEFAULT_PORT = 8100
 DEFAULT_INTERVAL = 2.0
@@ -43,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     serve = commands.add_parser("serve", help="serve the catalog API (migrates the database)")
     add_database_flag(serve)
     add_flag(serve, "--host", "127.0.0.1", help="listen address")
-    add_flag(serve, "--port", DEFAULT_PORT, type=int, help=f"port (default {DEFAULT_PORT})")
+    add_flag(serve, "--port", DEFAULT_PORT, type=PORT, help=f"port (default {DEFAULT_PORT})")
     add_auth_flags(serve)
     add_flag(
         serve,
@@ -94,7 +102,7 @@ def add_controller_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "--controller-interval",
         DEFAULT_INTERVAL,
-        type=float,
+        type=SECONDS,
         help=f"seconds between two controller passes (default {DEFAULT_INTERVAL:g})",
     )
 
@@ -297,7 +305,7 @@ def add_catalog_port_flag(parser: argparse.ArgumentParser) -> None:
         parser,
         "--catalog-port",
         DEFAULT_PORT,
-        type=int,
+        type=PORT,
         help=f"port of the catalog API on the embedded database (default {DEFAULT_PORT})",
     )
 

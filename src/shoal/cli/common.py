@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import re
 import signal
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+N = TypeVar("N", int, float)
 
 _TRUE = ("1", "true", "yes")
 _READY = re.compile(r"^shoal (?P<component>[\w-]+) ready:(?P<fields>.*)$")
@@ -27,6 +29,48 @@ _FIELD = re.compile(r" (\w+)=(.*?)(?= \w+=|$)")  # a value runs to the next ` KE
 def env_value(name: str) -> str | None:
     """`SHOAL_<NAME>` (dashes become underscores) when set and not empty, else None."""
     return os.environ.get(f"SHOAL_{name.upper().replace('-', '_')}") or None
+
+
+def number(
+    kind: type[N], *, low: N | None = None, high: N | None = None, above: N | None = None
+) -> Callable[[str], N]:
+    """The `type` of a numeric flag: `kind` (int or float), finite, at least `low`, at most
+    `high`, more than `above`. The one validator of every numeric flag of every command
+    (`add_flag` refuses a bare `int` or `float`): a bad value, from the flag or from its
+    `SHOAL_*` variable, is a usage error naming the flag, before anything starts."""
+    what = "an integer" if kind is int else "a number"
+
+    def parse(text: str) -> N:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if low is not None and value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {text}")
+        if above is not None and value <= above:
+            raise argparse.ArgumentTypeError(f"must be more than {above}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's messages name the type
+    return parse
+
+
+PORT = number(int, low=0, high=65535)
+"""A TCP port; 0 lets the system pick a free one."""
+POSITIVE = number(int, low=1)
+"""A count or size of at least 1."""
+COUNT = number(int, low=0)
+"""A count that may be 0."""
+SECONDS = number(float, above=0)
+"""A duration of more than 0 seconds."""
+SECONDS_OR_ZERO = number(float, low=0)
+"""A duration where 0 means none (or no limit, as the flag says)."""
+NON_NEGATIVE = number(float, low=0)
+"""A finite number of at least 0 (a weight, a latency, a factor)."""
 
 
 def add_flag(
@@ -42,10 +86,13 @@ def add_flag(
     empty, else to `default`; `short` is its one-letter alias (`-w`).
 
     A default is kept as a string, so argparse converts it with the flag's `type` when the
-    command runs: a bad value is a usage error of that command only. With
+    command runs: a bad value is a usage error of that command only. A numeric flag's
+    `type` is a `number(...)` (`PORT`, `SECONDS`, ...), never a bare `int` or `float`. With
     `action="store_true"` the variable is a switch (1, true or yes); with `action="append"`
     it is a comma-separated list the flags add to.
     """
+    if kwargs.get("type") in (int, float):
+        raise TypeError(f"flag {name}: give a numeric flag a `number(...)` type, not a bare one")
     value = env_value(env or name.lstrip("-"))
     action = kwargs.get("action")
     if action == "store_true":

@@ -15,7 +15,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shoal import membership
-from shoal.cli.common import add_flag, on_stop_signals, print_ready, run_event_loop
+from shoal.cli.common import (
+    COUNT,
+    NON_NEGATIVE,
+    PORT,
+    POSITIVE,
+    SECONDS,
+    SECONDS_OR_ZERO,
+    add_flag,
+    on_stop_signals,
+    print_ready,
+    run_event_loop,
+)
 from shoal.frontend import POLICIES, Frontend, FrontendConfig
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES
 from shoal.store import StoreError
@@ -40,7 +51,7 @@ def add_frontend_flags(parser: argparse.ArgumentParser, *, port: int = 8000) -> 
         parser,
         "--port",
         port,
-        type=int,
+        type=PORT,
         help=f"port to listen on (0: any free port; default {port})",
     )
     add_flag(
@@ -92,14 +103,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         parser,
         "--kv-overlap-weight",
         2.0,
-        type=float,
+        type=NON_NEGATIVE,
         help="--router kv: cost of one uncached prompt block against one block of load (default 2)",
     )
     add_flag(
         parser,
         "--reconcile-interval",
         30,
-        type=float,
+        type=SECONDS,
         help="seconds between reconciliations with discovery (default 30)",
     )
     add_flag(
@@ -113,7 +124,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         parser,
         "--max-body",
         16 * 1024 * 1024,
-        type=int,
+        type=POSITIVE,
         metavar="BYTES",
         help="largest request body accepted (default 16 MiB)",
     )
@@ -121,21 +132,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         parser,
         "--retries",
         2,
-        type=int,
+        type=COUNT,
         help="other instances to try after a failure before the first byte (default 2)",
     )
     add_flag(
         parser,
         "--inhibit-seconds",
         5,
-        type=float,
+        type=SECONDS_OR_ZERO,
         help="how long a failed instance gets no requests (default 5)",
     )
     add_flag(
         parser,
         "--first-byte-timeout",
         60,
-        type=float,
+        type=SECONDS_OR_ZERO,
         metavar="SECONDS",
         help="how long an instance may take to start answering before the request is retried "
         "elsewhere (and answered 504 when none does); 0: no limit (default 60)",
@@ -144,7 +155,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         parser,
         "--upstream-idle-timeout",
         60,
-        type=float,
+        type=SECONDS_OR_ZERO,
         metavar="SECONDS",
         help="how long an instance may send nothing in the middle of a response before it is "
         "ended (a stream with an SSE error event); 0: no limit (default 60)",
@@ -160,7 +171,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         parser,
         "--metadata-cache-bytes",
         DEFAULT_MAX_BYTES,
-        type=int,
+        type=COUNT,
         metavar="BYTES",
         help="size of the metadata cache; least recently used files leave first (default 1 GiB)",
     )
@@ -168,7 +179,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         parser,
         "--metadata-max-file-bytes",
         DEFAULT_MAX_FILE_BYTES,
-        type=int,
+        type=POSITIVE,
         metavar="BYTES",
         help="largest metadata file a card may declare; larger ones are refused (default 64 MiB)",
     )
@@ -176,7 +187,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         parser,
         "--setup-timeout",
         10,
-        type=float,
+        type=SECONDS,
         metavar="SECONDS",
         help="how long the store may take to answer the first listing before the frontend "
         "exits with an error naming it; outages after start are survived (default 10)",
@@ -185,7 +196,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         parser,
         "--drain-timeout",
         30,
-        type=float,
+        type=SECONDS_OR_ZERO,
         help="seconds to let requests in flight finish on shutdown (default 30)",
     )
     add_virtual_model_flags(parser)
@@ -238,7 +249,7 @@ def add_client_limit_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "--header-timeout",
         10,
-        type=float,
+        type=SECONDS_OR_ZERO,
         metavar="SECONDS",
         help="time to receive a request head, from its first byte (or the connection's "
         "start); 0: no limit (default 10)",
@@ -247,7 +258,7 @@ def add_client_limit_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "--body-timeout",
         30,
-        type=float,
+        type=SECONDS_OR_ZERO,
         metavar="SECONDS",
         help="longest gap between request body bytes; 0: no limit (default 30)",
     )
@@ -255,14 +266,14 @@ def add_client_limit_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "--max-connections",
         10_000,
-        type=int,
+        type=POSITIVE,
         help="client connections served at once; others get 503 (default 10000)",
     )
     add_flag(
         parser,
         "--max-header-size",
         64 * 1024,
-        type=int,
+        type=POSITIVE,
         metavar="BYTES",
         help="largest request line plus headers; larger gets 431 (default 65536)",
     )
@@ -270,7 +281,7 @@ def add_client_limit_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "--max-headers",
         100,
-        type=int,
+        type=POSITIVE,
         help="most request headers; more gets 431 (default 100)",
     )
     add_flag(
@@ -284,22 +295,9 @@ def add_client_limit_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
-    if args.metadata_cache_bytes < 0 or args.metadata_max_file_bytes <= 0:
-        raise ValueError("--metadata-cache-bytes and --metadata-max-file-bytes must be positive")
-    if args.first_byte_timeout < 0:
-        raise ValueError("--first-byte-timeout must be 0 (no limit) or more seconds")
+    # Numeric ranges are checked by the flags' types (`shoal.cli.common.number`).
     _check_scope_flags(args)
     setup_timeout = args.setup_timeout
-    if setup_timeout <= 0:
-        raise ValueError("--setup-timeout must be more than 0 seconds")
-    if args.upstream_idle_timeout < 0:
-        raise ValueError("--upstream-idle-timeout must be 0 (no limit) or more seconds")
-    for flag in ("header_timeout", "body_timeout"):
-        if getattr(args, flag) < 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be 0 (no limit) or more seconds")
-    for flag in ("max_connections", "max_header_size", "max_headers"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
     if (args.tls_certfile is None) != (args.tls_keyfile is None):
         raise ValueError("--tls-certfile and --tls-keyfile go together")
     for workspace in args.workspace:

@@ -2,7 +2,8 @@
 
 Starts a frontend (in this process) and `--workers` mocker workers (child processes) on the
 default SQLite store, shows progress while they start, then prints the API URL and examples
-to paste. A `shoal worker` started in another terminal finds the same store and joins.
+to paste. `SHOAL_*` variables configure `shoal up` as its flags do; workers get none of them,
+only the flags `shoal up` passes (engine, model, store, log level). A `shoal worker` started in another terminal finds the same store and joins.
 Ctrl-C or SIGTERM drains the frontend, then the workers (SIGTERM: they drain too); a second
 Ctrl-C stops at once.
 """
@@ -24,7 +25,7 @@ from typing import Any
 import platformdirs
 
 from shoal.cli.catalog import add_catalog_port_flag, start_catalog
-from shoal.cli.common import add_flag, on_stop_signals, parse_ready_line, run_event_loop
+from shoal.cli.common import COUNT, add_flag, on_stop_signals, parse_ready_line, run_event_loop
 from shoal.cli.frontend import add_frontend_flags, start_frontend
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.store import default_store_url
@@ -41,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="start a frontend and mocker workers on this machine",
         description="Start an OpenAI-compatible frontend and N mocker workers, ready to curl.",
     )
-    add_flag(parser, "--workers", 2, type=int, help="mocker workers to start (default 2)")
+    add_flag(parser, "--workers", 2, type=COUNT, help="mocker workers to start (default 2)")
     add_flag(
         parser,
         "--model",
@@ -72,7 +73,17 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-async def start_worker(number: int, model: str, store_url: str, log_dir: Path) -> Worker:
+def worker_env() -> dict[str, str]:
+    """A worker's environment: this one without any `SHOAL_*` setting. Those were meant for
+    `shoal up` (`SHOAL_PORT` is the frontend's port, `SHOAL_HOST` its address) and it
+    consumed them; a worker gets what is its own as flags."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
+async def start_worker(
+    number: int, model: str, store_url: str, log_dir: Path, log_level: str = "INFO"
+) -> Worker:
     """Spawn `shoal worker --engine mocker` in its own session (Ctrl-C is ours to forward)."""
     log_path = log_dir / f"worker-{number}.log"
     with log_path.open("wb") as log_file:
@@ -80,6 +91,8 @@ async def start_worker(number: int, model: str, store_url: str, log_dir: Path) -
             sys.executable,
             "-m",
             "shoal.cli.main",
+            "--log-level",
+            log_level,
             "worker",
             "--engine",
             "mocker",
@@ -91,7 +104,7 @@ async def start_worker(number: int, model: str, store_url: str, log_dir: Path) -
             stderr=log_file,
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=worker_env(),
         )
     return Worker(number, proc, log_path)
 
@@ -167,9 +180,6 @@ Press Ctrl-C to stop.
 
 
 async def up(args: argparse.Namespace) -> int:
-    if args.workers < 0:
-        print("shoal up: --workers must be 0 or more", file=sys.stderr)
-        return 2
     store_url = args.store or default_store_url()
     stop = asyncio.Event()
     on_stop_signals(stop)
@@ -212,7 +222,7 @@ async def _start_fleet(
 ) -> int:
     deadline = time.monotonic() + START_TIMEOUT
     for number in range(1, args.workers + 1):
-        workers.append(await start_worker(number, args.model, store_url, log_dir))
+        workers.append(await start_worker(number, args.model, store_url, log_dir, args.log_level))
     _say(f"  workers      starting {len(workers)} (logs in {log_dir})")
 
     async def ready(worker: Worker) -> None:

@@ -19,7 +19,16 @@ import sys
 from functools import partial
 from typing import Any
 
-from shoal.cli.common import add_flag, print_ready, run_event_loop
+from shoal.cli.common import (
+    NON_NEGATIVE,
+    PORT,
+    POSITIVE,
+    SECONDS,
+    SECONDS_OR_ZERO,
+    add_flag,
+    print_ready,
+    run_event_loop,
+)
 from shoal.store import StoreUnavailableError, default_store_url
 from shoal.worker.engine import Engine
 from shoal.worker.engines import ENGINES, engine_class
@@ -42,13 +51,25 @@ def add_parser(sub: Any) -> None:
     flag("--endpoint", "generate", help="endpoint (default: generate)")
     flag("--store", None, help="store URL (default: SHOAL_STORE, else the local SQLite file)")
     flag("--host", "127.0.0.1", help="address to serve on (default: 127.0.0.1)")
-    flag("--port", "0", type=int, help="request port (default: 0, a free port)")
-    flag("--status-port", "0", type=int, help="status server port (default: 0, a free port)")
-    flag("--lease-ttl", "10", type=float, help="seconds the lease outlives a silent worker")
-    flag("--drain-timeout", "30", type=float, help="seconds to let requests finish on SIGTERM")
+    flag("--port", "0", type=PORT, help="request port (default: 0, a free port)")
+    flag("--status-port", "0", type=PORT, help="status server port (default: 0, a free port)")
+    flag("--lease-ttl", "10", type=SECONDS, help="seconds the lease outlives a silent worker")
+    flag(
+        "--drain-timeout",
+        "30",
+        type=SECONDS_OR_ZERO,
+        help="seconds to let requests finish on SIGTERM",
+    )
     flag("--admin-token", None, help="Bearer token required to load/unload adapters")
     flag("--upstream", None, help="openai engine: URL of the OpenAI-compatible server")
     flag("--upstream-api-key", None, help="openai engine: API key the upstream requires")
+    flag(
+        "--max-body",
+        None,
+        type=POSITIVE,
+        help="openai engine: largest request body forwarded, in bytes (default 16 MiB, "
+        "the frontend's default)",
+    )
     flag("--model-path", None, help="llamacpp engine: path of the GGUF file")
     flag(
         "--kv-events-endpoint",
@@ -57,22 +78,24 @@ def add_parser(sub: Any) -> None:
     )
     flag("--kv-replay-endpoint", None, help="openai engine: the fronted vLLM's replay socket")
     mocker = partial(add_flag, p.add_argument_group("mocker engine"))
-    mocker("--ttft-ms", "50", type=float, help="time to first token")
-    mocker("--itl-ms", "10", type=float, help="inter-token latency")
-    mocker("--max-seqs", "256", type=int, help="concurrent sequences (excess requests queue)")
-    mocker("--block-size", "16", type=int, help="KV block tokens")
-    mocker("--kv-blocks", "16384", type=int, help="simulated KV cache blocks")
-    mocker("--speedup", "1", type=float, help="divide all latencies by this; 0 answers at once")
+    mocker("--ttft-ms", "50", type=NON_NEGATIVE, help="time to first token")
+    mocker("--itl-ms", "10", type=NON_NEGATIVE, help="inter-token latency")
+    mocker("--max-seqs", "256", type=POSITIVE, help="concurrent sequences (excess requests queue)")
+    mocker("--block-size", "16", type=POSITIVE, help="KV block tokens")
+    mocker("--kv-blocks", "16384", type=POSITIVE, help="simulated KV cache blocks")
+    mocker(
+        "--speedup", "1", type=NON_NEGATIVE, help="divide all latencies by this; 0 answers at once"
+    )
     mocker(
         "--prefill-us-per-token",
         "0",
-        type=float,
+        type=NON_NEGATIVE,
         help="prefill time per uncached prompt token, prefills one at a time (0: use --ttft-ms)",
     )
     mocker(
         "--kv-events-port",
         None,
-        type=int,
+        type=PORT,
         help="mocker and llamacpp engines: publish KV cache events (vLLM's format) on this "
         "port; 0: a free port; unset: off",
     )
@@ -105,6 +128,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
             api_key=args.upstream_api_key,
             kv_events_endpoint=args.kv_events_endpoint,
             kv_replay_endpoint=args.kv_replay_endpoint,
+            **({} if args.max_body is None else {"max_body": args.max_body}),
         )
     else:
         # Without --model-path, the SmolLM2-135M GGUF shipped in the llamacpp extra is served.

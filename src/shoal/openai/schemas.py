@@ -68,6 +68,10 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    structural_tag: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    use_beam_search: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -87,6 +91,8 @@ class ChatRequest(SamplingRequest, kw_only=True):
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    """vLLM's extension: whether the chat template ends with the assistant's turn opening."""
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):

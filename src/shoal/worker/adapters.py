@@ -4,7 +4,8 @@
 - `POST /v1/loras {"name", "path"[, "endpoint"]}`: load an adapter into an endpoint's
   engine and announce it.
 - `DELETE /v1/loras/{name}`: withdraw the adapter (discovery first, then metadata), then
-  unload it.
+  unload it; an engine that cannot unload adapters answers 501 and nothing is withdrawn,
+  an unload that fails answers 409 and the adapter is announced again as it was.
 
 Changes need `Authorization: Bearer <admin_token>` when a token is set.
 """
@@ -165,9 +166,24 @@ class AdapterRoutes:
             att = ep.models.get(suffix)
             if att is None or att.card.lora is None or att.card.display_name != name:
                 continue
+            if ep.engine is None or not ep.engine.unloads_adapters:
+                engine = "" if ep.engine is None else f" {ep.engine.name}"
+                raise ApiError(
+                    501,
+                    f"adapter {name!r} was not unloaded: the engine{engine} cannot unload "
+                    "adapters (unload it on the server that lists it)",
+                    param="name",
+                )
             async with ep.sync_lock:
                 await ep.detach_model(suffix)  # discovery first, then metadata
-                await _unload_quietly(ep, name)
+                try:
+                    await ep.engine.unload_adapter(name)
+                except Exception as exc:
+                    # Still loaded: announce it again, as it was, and say why.
+                    await ep.reattach(suffix, att)
+                    raise ApiError(
+                        409, f"adapter {name!r} was not unloaded: {exc}", param="name"
+                    ) from None
                 self._paths.pop((ep.id, suffix), None)
             return web.json_response({"object": "lora", "name": name, "deleted": True})
         raise ApiError(404, f"no adapter {name!r} is loaded", param="name", code="not_found")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 import socket
 import time
 from collections.abc import Mapping
@@ -67,16 +68,22 @@ def metadata_files_in(directory: Path) -> dict[str, Path]:
     return found
 
 
+_HASHED = re.compile(r"-[0-9a-f]{8}$")
+"""How a hashed suffix ends: a name that ends so is hashed too, so no name spells another's."""
+
+
 def adapter_suffix(name: str) -> str:
-    """The discovery suffix of adapter `name`: distinct names always get distinct suffixes.
+    """The discovery suffix of adapter `name`: distinct names get distinct suffixes.
 
     A name that is its own slug (`my-lora`) is its suffix; any other name (`My-Lora`,
-    `org/lora`, `日本語`) gets its slug plus 8 hex digits of its SHA-256, so names that
-    slug alike (`My-Adapter`, `my adapter`) or not at all (every non-Latin name slugs to
-    `model`) never share a key.
+    `org/lora`, `日本語`) gets its slug plus `-` and 8 hex digits of its SHA-256, so names
+    that slug alike (`My-Adapter`, `my adapter`) or not at all (every non-Latin name slugs
+    to `model`) never share a key. A slug name that ends like a hashed suffix
+    (`my-lora-d1ae385f`) is hashed as well: a suffix kept as its name never ends that way,
+    so no name can take another's hashed suffix.
     """
     slug = slugify(name)
-    if slug == name:
+    if slug == name and not _HASHED.search(name):
         return check_suffix(slug)
     digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
     return check_suffix(f"{slug[:119]}-{digest}")
@@ -176,15 +183,15 @@ class Endpoint:
 
         With `attach_models`, the engine's `served_models()` are attached now and kept in
         step by the runtime's models loop (`follows_engine`). An engine listing several base
-        models gets the one named `model` (else the first) announced: one base model per
-        endpoint instance.
+        models gets the one named `model` announced (else the one announced already, while
+        the engine still lists it, else the first): one base model per endpoint instance.
         """
         if self.engine is not None:
             raise RuntimeError(f"endpoint {self.id} already serves {self.engine.name}")
         self.engine = engine
         self.preferred_model = model
-        await engine.start()
-        try:
+        try:  # a start that fails or is cancelled half-way is stopped too
+            await engine.start()
             app = engine.app()
             app.middlewares.insert(0, self._track)
             runner = web.AppRunner(
@@ -284,6 +291,10 @@ class Endpoint:
         await self._registrations.attach(self.id, card, suffix, snapshots, served)
         return card
 
+    async def reattach(self, suffix: str | None, att: Attached) -> None:
+        """Announce again a model detached from this endpoint, as it was (`att`)."""
+        await self._registrations.attach(self.id, att.card, suffix, att.files, att.served)
+
     async def set_taints(self, taints: list[str]) -> None:
         """Replace the taints of every attached model (e.g. `draining`)."""
         await self._registrations.set_taints(self.id, taints)
@@ -305,7 +316,12 @@ class Endpoint:
         wanted: dict[str | None, ServedModel] = {}
         bases = [m for m in served if m.adapter is None]
         if len(bases) > 1:
-            chosen = next((m for m in bases if m.name == self.preferred_model), bases[0])
+            # The model named, else the one announced now while it is still served (an
+            # upstream reordering its list must not swap it), else the first.
+            held = self.models.get(None)
+            current = None if held is None or held.served is None else held.served.name
+            chosen = next((m for m in bases if m.name == self.preferred_model), None)
+            chosen = chosen or next((m for m in bases if m.name == current), bases[0])
             names = ", ".join(sorted(m.name for m in bases if m is not chosen))
             if names not in self._warned:
                 self._warned.add(names)

@@ -79,6 +79,11 @@ class Engine(abc.ABC):
         """
         return ()
 
+    @property
+    def unloads_adapters(self) -> bool:
+        """Whether this engine can unload an adapter (it overrides `unload_adapter`)."""
+        return type(self).unload_adapter is not Engine.unload_adapter
+
     async def load_adapter(self, name: str, path: str) -> ServedModel:
         raise EngineUnavailableError(f"engine {self.name} does not support LoRA adapters")
 

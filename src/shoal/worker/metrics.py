@@ -71,6 +71,12 @@ class WorkerCollector:
             "Leases granted to this process (more than 1: the lease was lost and replaced).",
             value=self.registrations.grants,
         )
+        yield CounterMetricFamily(
+            "shoal_worker_registrations_repaired",
+            "Keys of this process found missing from the store (deleted by someone else) and "
+            "put back.",
+            value=self.registrations.repairs,
+        )
         yield GaugeMetricFamily(
             "shoal_worker_metadata_files", "Metadata files hosted.", value=len(self.metadata)
         )

@@ -20,6 +20,7 @@ import msgspec
 
 from shoal.cards import ModelCard
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
+from shoal.discovery.keys import instance_key
 from shoal.kv import KvEndpoint
 from shoal.store import Lease, LeaseKeeper, Store, StoreError
 from shoal.worker.engine import ServedModel
@@ -55,6 +56,8 @@ class Registrations:
     files to the new keys and only then sets `lease_id` to the new id; until then
     `lease_problem()` says so, and `renew()` retries it. Withdrawals that failed are retried
     while their lease is current and forgotten once it is replaced (their keys went with it).
+    Each `renew()` also reads every key held here and puts back one the store lost (deleted
+    by someone else): logged, counted in `repairs`, and in `lease_problem()` until put back.
 
     Writes are serialised by one lock, so a re-registration never interleaves with an
     attach or a detach. While `draining` is set, every card put carries the `DRAINING` taint.
@@ -79,6 +82,10 @@ class Registrations:
         self._instances: dict[EndpointId, InstanceInfo] = {}  # as last put
         self._models: dict[EndpointId, dict[str | None, Attached]] = {}
         self._pending_deletes: dict[str, int] = {}  # key -> lease it was put under
+        self.missing: set[str] = set()
+        """Keys of ours found missing from the store and not put back yet."""
+        self.repairs = 0
+        """Keys of ours found missing from the store (deleted by someone else) and put back."""
         self._lock = asyncio.Lock()
 
     # -- the lease ----------------------------------------------------------------------
@@ -146,6 +153,8 @@ class Registrations:
             return f"lease {lease.id:x} not renewed for {silence:.1f}s{error}"
         if self._lease_id != lease.id:
             return f"registering under the new lease {lease.id:x}"
+        if self.missing:
+            return f"registrations missing from the store: {', '.join(sorted(self.missing))}"
         return None
 
     async def revoke(self) -> None:
@@ -177,6 +186,7 @@ class Registrations:
                     att.key = key
                     await self.discovery.register_model(key, att.card, lease=lease.id)
             self._lease_id = lease.id
+            self.missing.clear()  # every key was just put
 
     async def _reconcile(self) -> None:
         """After a successful renewal: finish a re-registration, retry failed withdrawals."""
@@ -184,12 +194,41 @@ class Registrations:
         assert lease is not None
         if self._lease_id != lease.id:
             await self._register_all(lease)
+        else:
+            await self._put_back_missing(lease.id)
         if self._pending_deletes:
             async with self._lock:
                 for key, lease_id in list(self._pending_deletes.items()):
                     if lease_id == lease.id:
                         await self.store.delete(key)
                     del self._pending_deletes[key]
+
+    async def _put_back_missing(self, lease_id: int) -> None:
+        """Put back every key of ours the store no longer holds (someone deleted it, or a
+        store restored from a backup lost it): one read per key, each lease-loop turn."""
+        async with self._lock:
+            if self._lease_id != lease_id:
+                return
+            for endpoint, info in list(self._instances.items()):
+                key = instance_key(endpoint, lease_id)
+                if await self._is_missing(key):
+                    await self.discovery.register_instance(info, lease=lease_id)
+                    self._put_back(key)
+                for att in self._models.get(endpoint, {}).values():
+                    if await self._is_missing(att.key.key):
+                        await self.discovery.register_model(att.key, att.card, lease=lease_id)
+                        self._put_back(att.key.key)
+
+    async def _is_missing(self, key: str) -> bool:
+        if await self.store.get(key) is not None:
+            return False
+        log.warning("registration %s is missing from the store: putting it back", key)
+        self.missing.add(key)  # until the put succeeds: `lease_problem()` says so
+        return True
+
+    def _put_back(self, key: str) -> None:
+        self.missing.discard(key)
+        self.repairs += 1
 
     # -- instances ----------------------------------------------------------------------
 
@@ -224,6 +263,7 @@ class Registrations:
         """Withdraw `endpoint`'s instance; it is no longer re-registered after a lease loss."""
         async with self._lock:
             self._instances.pop(endpoint, None)
+            self.missing.discard(instance_key(endpoint, self.instance_id))
             await self.discovery.unregister_instance(endpoint, self.instance_id)
 
     # -- models -------------------------------------------------------------------------
@@ -273,6 +313,7 @@ class Registrations:
             att = self._models.get(endpoint, {}).pop(suffix, None)
             if att is None:
                 return
+            self.missing.discard(att.key.key)
             try:
                 await self.discovery.unregister_model(att.key)
             except STORE_ERRORS as exc:

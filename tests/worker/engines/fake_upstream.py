@@ -48,6 +48,7 @@ class FakeUpstream:
         self.api_key = api_key  # when set, every route needs `Authorization: Bearer <api_key>`
         self.model_ids = [MODEL]  # base models listed, besides the adapter `sql-lora`
         self.requests: list[tuple[str, str]] = []
+        self.bodies: list[bytes] = []  # the body of each chat request, as received
         self.authorizations: list[str | None] = []
         self.gate = asyncio.Semaphore(0)  # one release per streamed chunk
         self.chunks_sent = 0
@@ -56,7 +57,7 @@ class FakeUpstream:
         self.server = Server(self.app())
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.authenticate])
+        app = web.Application(middlewares=[self.authenticate], client_max_size=64 * 1024 * 1024)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -92,6 +93,7 @@ class FakeUpstream:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.method, request.path))
+        self.bodies.append(await request.read())
         body = await request.json()
         if not body.get("stream"):
             return web.json_response(

@@ -303,3 +303,51 @@ async def test_fake_lora_adapters_load_serve_and_unload(make_mocker: Make) -> No
     gone = await client.post("/v1/chat/completions", json=chat("hi") | {"model": "my-lora"})
     assert gone.status == 404
     assert [m.name for m in await engine.served_models()] == [MODEL]
+
+
+async def test_embeddings_refuse_dimensions_over_the_models_size_naming_the_field(
+    make_mocker: Make,
+) -> None:
+    _, client = await make_mocker(speedup=0)
+    resp = await client.post(
+        "/v1/embeddings", json={"model": MODEL, "input": "alpha", "dimensions": 8192}
+    )
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["param"] == "dimensions" and "256" in error["message"]
+    ok = await client.post("/v1/embeddings", json={"model": MODEL, "input": "a", "dimensions": 256})
+    assert ok.status == 200
+
+
+async def test_embeddings_refuse_more_inputs_than_the_bound_before_computing_any(
+    make_mocker: Make,
+) -> None:
+    engine, client = await make_mocker(speedup=0)
+    resp = await client.post(
+        "/v1/embeddings", json={"model": MODEL, "input": ["word"] * 3000, "dimensions": 256}
+    )
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "input"
+    assert engine.requests["embeddings"] == 0
+
+
+async def test_a_prompt_of_token_ids_over_the_context_is_refused_before_each_id_is_read(
+    make_mocker: Make,
+) -> None:
+    _, client = await make_mocker(speedup=0)
+    resp = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": [[7] * 9000], "max_tokens": 1}
+    )
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+
+
+async def test_a_chat_of_many_messages_is_answered_like_a_short_one(make_mocker: Make) -> None:
+    _, client = await make_mocker(speedup=0)
+    messages = [{"role": "user", "content": "hi"}] * 1000
+    resp = await client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2}
+    )
+    assert resp.status == 200
+    assert (await resp.json())["usage"]["prompt_tokens"] > 1000

@@ -7,11 +7,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import jinja2
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from shoal.worker.engines.mocker import MockerEngine
+from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, encode
 from tests.worker.engines.support import client_for, engine_served
 
 MODEL = "mock-model"
@@ -23,6 +25,12 @@ async def client(request: pytest.FixtureRequest) -> AsyncIterator[openai.AsyncOp
     engine = MockerEngine(MODEL, speedup=request.param)
     async with engine_served(engine) as (_, server), client_for(server) as client:
         yield client
+
+
+def render_chat_template(messages: Any, *, add_generation_prompt: bool) -> str:
+    """The prompt the published chat template renders (what a frontend would tokenize)."""
+    template = jinja2.Environment().from_string(CHAT_TEMPLATE)
+    return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
 
 
 async def streamed_completion(client: openai.AsyncOpenAI, **kwargs: Any) -> list[str]:
@@ -131,6 +139,13 @@ CHANGES_THE_ANSWER = [
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"temperature": -1}, "temperature"),
     ("completions", {"min_tokens": 4}, "min_tokens"),
+    ("chat", {"truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+    ("completions", {"truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+    ("chat", {"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ("completions", {"allowed_token_ids": [5]}, "allowed_token_ids"),
+    ("chat", {"use_beam_search": True}, "use_beam_search"),
+    ("completions", {"use_beam_search": True}, "use_beam_search"),
+    ("chat", {"structural_tag": '{"type": "structural_tag"}'}, "structural_tag"),
 ]
 
 
@@ -157,6 +172,8 @@ HARMLESS = [
     {"response_format": {"type": "text"}},
     {"logit_bias": {}},
     {"temperature": 0.7, "top_p": 0.9, "presence_penalty": 1, "frequency_penalty": -1},
+    {"use_beam_search": False},
+    {"add_generation_prompt": True},
 ]
 
 
@@ -222,3 +239,26 @@ async def test_ignore_eos_generates_up_to_the_context_like_vllm(
     assert endless.choices[0].finish_reason == "length"
     assert plain.usage is not None and endless.usage is not None
     assert endless.usage.total_tokens == 8192  # the mocker's context length
+
+
+async def test_max_completion_tokens_wins_over_max_tokens_like_vllm(
+    client: openai.AsyncOpenAI,
+) -> None:
+    both = await client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=5, extra_body={"max_completion_tokens": 10}
+    )
+    assert both.usage is not None and both.usage.completion_tokens == 10
+    assert both.choices[0].finish_reason == "length"
+
+
+async def test_add_generation_prompt_false_leaves_the_assistant_marker_out_like_vllm(
+    client: openai.AsyncOpenAI,
+) -> None:
+    with_marker = await client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
+    without = await client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=3, extra_body={"add_generation_prompt": False}
+    )
+    assert with_marker.usage is not None and without.usage is not None
+    rendered = render_chat_template(USER, add_generation_prompt=False)
+    assert without.usage.prompt_tokens == len(encode(rendered))
+    assert without.usage.prompt_tokens < with_marker.usage.prompt_tokens

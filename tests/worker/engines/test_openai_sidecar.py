@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
@@ -386,3 +387,39 @@ async def test_a_model_has_the_same_source_whichever_upstream_serves_it(
         await other.server.stop()
     assert fake.server.url != other.server.url
     assert sources[0] == sources[1]
+
+
+async def test_a_2_mib_chat_is_forwarded_byte_for_byte_and_one_over_the_limit_gets_413(
+    fake: FakeUpstream,
+) -> None:
+    engine = OpenAISidecarEngine(fake.server.url, health_interval=0.0, max_body=3 * 1024 * 1024)
+    content = "word " * (2 * 1024 * 1024 // 5)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]})
+    async with engine_served(engine) as (_, server), aiohttp.ClientSession() as http:
+        async with http.post(
+            f"{server.url}/v1/chat/completions",
+            data=body.encode(),
+            headers={"Content-Type": "application/json"},
+        ) as response:
+            assert response.status == 201
+        assert fake.bodies == [body.encode()]
+        async with http.post(
+            f"{server.url}/v1/chat/completions",
+            data=b" " * (3 * 1024 * 1024 + 1),
+            headers={"Content-Type": "application/json"},
+        ) as response:
+            assert response.status == 413
+            assert (await response.json())["error"]["message"]
+    assert len(fake.bodies) == 1
+
+
+def test_the_sidecar_takes_the_gateways_16_mib_by_default() -> None:
+    assert OpenAISidecarEngine("http://127.0.0.1:1").max_body == 16 * 1024 * 1024
+
+
+def test_an_upstream_url_with_credentials_is_refused_without_echoing_them() -> None:
+    with pytest.raises(ValueError, match="--upstream-api-key") as caught:
+        normalize_upstream("http://admin:s3cret-PW@gpu-1:8000/v1")
+    assert "s3cret-PW" not in str(caught.value)
+    with pytest.raises(ValueError, match="--upstream-api-key"):
+        normalize_upstream("http://token@gpu-1:8000")

@@ -4,13 +4,17 @@ the status server and the openai client."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import openai
 import pytest
 
 from shoal.discovery import Discovery, ModelInstance, Query
 from shoal.store import Store
-from tests.processes import Process, Processes
+from shoal.worker.engines.openai_sidecar import OpenAISidecarEngine
+from shoal.worker.runtime import Runtime
+from tests.processes import Process, Processes, shoal
 from tests.worker.engines.fake_upstream import MODEL, FakeUpstream
 
 UPSTREAM_KEY = "sk-upstream-only"
@@ -85,3 +89,53 @@ async def test_sidecar_replicas_behind_different_upstreams_announce_one_identity
     assert [c.display_name for c in cards] == [MODEL, "sql-lora", MODEL, "sql-lora"]
     assert cards[0].mdcsum == cards[2].mdcsum, "one model, one identity, whatever its upstream"
     assert cards[1].mdcsum == cards[3].mdcsum
+
+
+async def test_a_sidecar_with_credentials_in_its_upstream_url_exits_at_start_in_one_line(
+    processes: Processes, store_url: str
+) -> None:
+    proc = await shoal(
+        "worker", "--engine", "openai", "--model", MODEL, "--store", store_url,
+        "--upstream", "http://admin:s3cret-PW@127.0.0.1:1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shoal worker:"), lines
+    assert "--upstream-api-key" in lines[0]
+    assert b"s3cret-PW" not in out + err
+
+
+async def test_a_sidecar_without_model_keeps_its_model_when_the_upstream_reorders_its_list(
+    fake: FakeUpstream, store_url: str
+) -> None:
+    fake.model_ids = ["model-a", "model-b"]
+    engine = OpenAISidecarEngine(fake.server.url, health_interval=0.0)
+    async with Runtime(store_url) as runtime:
+        endpoint = runtime.endpoint("default.backend.generate")
+        await endpoint.serve(engine)
+        assert endpoint.models[None].card.display_name == "model-a"
+        fake.model_ids = ["model-b", "model-a"]  # Ollama lists the newest first
+        await endpoint.sync_models()
+        assert endpoint.models[None].card.display_name == "model-a"
+        fake.model_ids = ["model-b"]  # gone: the other one is announced instead
+        await endpoint.sync_models()
+        assert endpoint.models[None].card.display_name == "model-b"
+
+
+async def test_deleting_an_adapter_the_sidecar_cannot_unload_answers_501_and_withdraws_nothing(
+    fake: FakeUpstream, processes: Processes, store_url: str, store: Store
+) -> None:
+    worker = await sidecar_worker(processes, store_url, fake)
+    before = await models_of(store, worker)
+    assert [m.card.display_name for m in before] == [MODEL, "sql-lora"]
+    async with (
+        aiohttp.ClientSession() as http,
+        http.delete(worker.status_url + "/v1/loras/sql-lora") as response,
+    ):
+        assert response.status == 501, await response.text()
+        assert "sql-lora" in (await response.json())["error"]["message"]
+    assert [(m.key, m.card) for m in await models_of(store, worker)] == [
+        (m.key, m.card) for m in before
+    ]

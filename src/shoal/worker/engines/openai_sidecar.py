@@ -30,6 +30,9 @@ from shoal.worker.protocol import openai_errors
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT_LENGTH = 4096
+DEFAULT_MAX_BODY = 16 * 1024 * 1024
+"""Bytes of a request body forwarded at most by default: the gateway's own default limit
+(`shoal frontend --max-body`), so whatever a frontend lets through reaches the upstream."""
 PROBE_TIMEOUT = 5.0
 """Seconds a health probe may take before the upstream counts as unhealthy."""
 
@@ -70,7 +73,8 @@ class OpenAISidecarEngine(Engine):
     does not list it is unhealthy. Health and model probes are cached for
     `health_interval` seconds and never generate. `request_timeout` bounds a whole
     forwarded request (None: no limit, generations can be long). `api_key` is sent to the
-    upstream as a Bearer token; the client's own `Authorization` never is.
+    upstream as a Bearer token; the client's own `Authorization` never is. Request bodies
+    up to `max_body` bytes are forwarded byte for byte; a larger one is answered 413.
 
     A model's identity is its name, not the URL it is reached at: replicas of one model
     behind different upstream servers announce identical cards.
@@ -92,8 +96,12 @@ class OpenAISidecarEngine(Engine):
         api_key: str | None = None,
         kv_events_endpoint: str | None = None,
         kv_replay_endpoint: str | None = None,
+        max_body: int = DEFAULT_MAX_BODY,
     ) -> None:
+        if max_body <= 0:
+            raise ValueError(f"max_body must be positive, got {max_body}")
         self.upstream = normalize_upstream(upstream_url)
+        self.max_body = max_body
         # The fronted server's own KV event sockets, advertised as they are: subscribers
         # read vLLM's stream (and replay) directly, with no extra hop or copy.
         self._kv_events = (
@@ -157,7 +165,7 @@ class OpenAISidecarEngine(Engine):
             raise EngineUnavailableError(self._unavailable)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[openai_errors])
+        app = web.Application(middlewares=[openai_errors], client_max_size=self.max_body)
         for method, path in FORWARDED_ROUTES:
             app.router.add_route(method, path, self._forward)
         return app
@@ -368,8 +376,17 @@ def redirect_target(response: aiohttp.ClientResponse) -> str:
 
 
 def normalize_upstream(url: str) -> str:
-    """`http://host:8000/v1/` -> `http://host:8000`: the server root, without `/v1`."""
+    """`http://host:8000/v1/` -> `http://host:8000`: the server root, without `/v1`.
+
+    A URL with credentials (`http://user:password@host`) is refused, without repeating
+    them: the URL shows in errors, `/health` and logs; the key goes in `api_key`.
+    """
     parts = urlsplit(url.strip())
+    if "@" in parts.netloc:
+        raise ValueError(
+            "the upstream URL must not carry credentials (user:password@host): give the "
+            "upstream's key with --upstream-api-key (SHOAL_UPSTREAM_API_KEY) instead"
+        )
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ValueError(f"upstream URL must be http(s)://host[:port], got {url!r}")
     path = parts.path.rstrip("/")

@@ -2,7 +2,8 @@
 
 The mocker stands in for vLLM, so every field that would change a real answer either
 behaves as vLLM's does (`stop`, `seed`, `echo`, `ignore_eos`, `include_stop_str_in_output`,
-`max_tokens`) or is refused here. Sampling parameters are checked for type and range by
+`max_tokens`, `max_completion_tokens` winning over it, `add_generation_prompt`) or is
+refused here. Sampling parameters are checked for type and range by
 the schemas (`shoal.openai`) and leave the synthetic text as it is.
 """
 
@@ -10,8 +11,17 @@ from __future__ import annotations
 
 from shoal.openai import ApiError, ChatRequest, CompletionRequest, SamplingRequest
 
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-"""vLLM's guided decoding fields: the mocker cannot constrain its text."""
+_GUIDED = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "structural_tag",
+    "truncate_prompt_tokens",
+    "allowed_token_ids",
+)
+"""vLLM's fields that constrain the text or cut the prompt: the mocker does neither."""
 
 
 def check_request(req: ChatRequest | CompletionRequest) -> None:
@@ -85,6 +95,8 @@ def _unsupported_in_sampling(req: SamplingRequest) -> str | None:
         return "bad_words"
     if req.prompt_logprobs is not None:
         return "prompt_logprobs"
+    if req.use_beam_search:
+        return "use_beam_search"
     for name in _GUIDED:
         if getattr(req, name) is not None:
             return name

@@ -12,6 +12,12 @@ from typing import Any
 from shoal.openai import ApiError
 
 ENCODINGS = ("float", "base64")
+MAX_INPUTS = 2048
+"""Inputs one request may embed (OpenAI's limit)."""
+MAX_VALUES = MAX_INPUTS * 256
+"""Numbers one answer may hold (inputs x dimensions): checked before any is computed."""
+MAX_CHARS = 4 * 1024 * 1024
+"""Characters the inputs of one request may total, checked before any is tokenized."""
 
 
 def embedding_inputs(value: str | list[Any]) -> list[str]:
@@ -29,6 +35,33 @@ def embedding_inputs(value: str | list[Any]) -> list[str]:
     raise ApiError(
         400, "input must be a string, a list of strings, or token id lists.", param="input"
     )
+
+
+def check_size(inputs: list[str], dimensions: int, model_dimensions: int) -> None:
+    """Refuse, before any work, `dimensions` over the model's size (as vLLM and OpenAI do)
+    and answers over the bounds: `MAX_INPUTS` inputs, `MAX_VALUES` numbers, `MAX_CHARS`."""
+    if dimensions > model_dimensions:
+        raise ApiError(
+            400,
+            f"dimensions {dimensions} exceeds the model's {model_dimensions} dimensions.",
+            param="dimensions",
+        )
+    if len(inputs) > MAX_INPUTS:
+        raise ApiError(
+            400, f"input has {len(inputs)} items; at most {MAX_INPUTS} are allowed.", param="input"
+        )
+    if len(inputs) * dimensions > MAX_VALUES:
+        raise ApiError(
+            400,
+            f"{len(inputs)} inputs of {dimensions} dimensions exceed the {MAX_VALUES} numbers "
+            "one answer may hold.",
+            param="input",
+        )
+    chars = sum(map(len, inputs))
+    if chars > MAX_CHARS:
+        raise ApiError(
+            400, f"input totals {chars} characters; at most {MAX_CHARS} are allowed.", param="input"
+        )
 
 
 def check_encoding(encoding_format: str) -> None:

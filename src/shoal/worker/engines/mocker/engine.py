@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import shutil
 import tempfile
@@ -43,6 +44,7 @@ from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
 from shoal.worker.engines.mocker.conformance import check_request
 from shoal.worker.engines.mocker.embeddings import (
     check_encoding,
+    check_size,
     embed,
     embedding_inputs,
     encoded,
@@ -57,12 +59,21 @@ from shoal.worker.engines.mocker.framing import (
 )
 from shoal.worker.engines.mocker.metadata import write_adapter_config, write_model_files
 from shoal.worker.engines.mocker.metrics import mocker_metrics
-from shoal.worker.engines.mocker.plan import Plan, make_plan
+from shoal.worker.engines.mocker.plan import Plan, context_exceeded, make_plan
 from shoal.worker.engines.mocker.prefix_cache import PrefixCache
-from shoal.worker.engines.mocker.prompts import chat_echo, prompt_ids, single_prompt
-from shoal.worker.engines.mocker.tokenizer import encode, render_chat
+from shoal.worker.engines.mocker.prompts import chat_echo, prompt_ids, prompt_size, single_prompt
+from shoal.worker.engines.mocker.tokenizer import (
+    INLINE_CHARS,
+    check_length,
+    encode,
+    render_chat,
+    tokenize,
+)
 from shoal.worker.kv_publisher import KvEventPublisher
 from shoal.worker.protocol import IdMaker, openai_errors
+
+INLINE_MESSAGES = 256
+"""Chats of more messages are rendered in a thread (a few ms per thousand messages)."""
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
@@ -232,9 +243,18 @@ class MockerEngine(Engine):
         req = decode_request(await request.read(), _chat_decoder)
         model = self._check_model(req.model)
         check_request(req)
-        prompt = render_chat(req.messages)
-        max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-        plan = self._plan(req, model, prompt, encode(prompt), max_tokens, chat_echo(req))
+        render = functools.partial(
+            render_chat, req.messages, add_generation_prompt=req.add_generation_prompt
+        )
+        # A chat of many messages is rendered in a thread: no request holds the loop.
+        many = len(req.messages) > INLINE_MESSAGES
+        prompt = await asyncio.to_thread(render) if many else render()
+        tokens = await tokenize(prompt, self.context_length, "messages")
+        # As vLLM: `max_completion_tokens` (OpenAI's newer name) wins over `max_tokens`.
+        max_tokens = (
+            req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        )
+        plan = self._plan(req, model, prompt, tokens, max_tokens, chat_echo(req))
         self.requests["chat"] += 1
         return await self._answer(request, plan, CHAT, stream=req.stream, usage=req.include_usage)
 
@@ -242,9 +262,15 @@ class MockerEngine(Engine):
         req = decode_request(await request.read(), _completion_decoder)
         model = self._check_model(req.model)
         check_request(req)
-        prompt = single_prompt(req.prompt)
+        if prompt_size(req.prompt) > self.context_length:  # before looking at each id
+            raise context_exceeded(self.context_length, prompt_size(req.prompt), "prompt")
         token_ids = prompt_ids(req.prompt)
-        tokens = encode(prompt) if token_ids is None else token_ids
+        if token_ids is not None and len(token_ids) > self.context_length:
+            raise context_exceeded(self.context_length, len(token_ids), "prompt")
+        prompt = single_prompt(req.prompt)
+        if token_ids is None:
+            token_ids = await tokenize(prompt, self.context_length, "prompt")
+        tokens = token_ids
         echo = prompt if req.echo else ""
         plan = self._plan(req, model, prompt, tokens, req.max_tokens, echo)
         self.requests["completions"] += 1
@@ -259,16 +285,33 @@ class MockerEngine(Engine):
         check_encoding(req.encoding_format)
         inputs = embedding_inputs(req.input)
         dims = req.dimensions or self.embedding_dim
-        data = []
-        tokens = 0
-        for i, text in enumerate(inputs):
-            tokens += len(encode(text)) or 1
-            value = encoded(embed(text, dims), req.encoding_format)
-            data.append({"object": "embedding", "index": i, "embedding": value})
+        check_size(inputs, dims, self.embedding_dim)
+        for text in inputs:
+            check_length(text, self.context_length, "input")
+        work = sum(map(len, inputs)) + len(inputs) * dims
+        if work <= INLINE_CHARS:
+            data, tokens = self._embed(inputs, dims, req.encoding_format)
+        else:  # bounded above, but too long for the event loop
+            data, tokens = await asyncio.to_thread(self._embed, inputs, dims, req.encoding_format)
         self.requests["embeddings"] += 1
         self.prompt_tokens += tokens
         usage = {"prompt_tokens": tokens, "total_tokens": tokens}
         return json_response({"object": "list", "data": data, "model": req.model, "usage": usage})
+
+    def _embed(
+        self, inputs: list[str], dims: int, encoding_format: str
+    ) -> tuple[list[dict[str, Any]], int]:
+        """The embedding of each input, and their tokens counted; no input over the context."""
+        data = []
+        tokens = 0
+        for i, text in enumerate(inputs):
+            count = len(encode(text)) or 1
+            if count > self.context_length:
+                raise context_exceeded(self.context_length, count, "input")
+            tokens += count
+            value = encoded(embed(text, dims), encoding_format)
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        return data, tokens
 
     async def list_models(self, request: web.Request) -> web.StreamResponse:
         models = [self._model_object(m) for m in self._names()]

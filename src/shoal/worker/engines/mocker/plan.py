@@ -41,6 +41,16 @@ class Plan:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def context_exceeded(context_length: int, tokens: int, param: str = "messages") -> ApiError:
+    """The 400 for a prompt of `tokens` tokens, over `context_length`."""
+    return ApiError(
+        400,
+        f"This model's maximum context length is {context_length} tokens; the prompt has {tokens}.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def make_plan(
     req: SamplingRequest,
     model: str,
@@ -59,13 +69,7 @@ def make_plan(
     `ignore_eos`, runs to the context length).
     """
     if len(tokens) > context_length:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {context_length} tokens; "
-            f"the prompt has {len(tokens)}.",
-            param="messages",
-            code="context_length_exceeded",
-        )
+        raise context_exceeded(context_length, len(tokens))
     room = context_length - len(tokens)
     seed = "" if req.seed is None else req.seed
     seed_value = seed_of(model if model != base_model else "", seed, prompt)

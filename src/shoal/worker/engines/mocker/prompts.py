@@ -26,6 +26,16 @@ def single_prompt(prompt: str | list[Any]) -> str:
     )
 
 
+def prompt_size(prompt: str | list[Any]) -> int:
+    """A cheap lower bound of a completions prompt's tokens when it is given as ids (the
+    length of its id list, without looking at each), else 0."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str | list):
+        return len(prompt)
+    return 0
+
+
 def prompt_ids(prompt: str | list[Any]) -> list[int] | None:
     """The token ids of a completions prompt given as ids (`[ids]` or `[[ids]]`), else None."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):

@@ -11,6 +11,7 @@ chat exactly as `render_chat` does.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import string
 from collections.abc import Iterable
@@ -18,7 +19,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from shoal.openai import ChatMessage
+from shoal.openai import ApiError, ChatMessage
 from shoal.worker.engines.mocker.text import VOCAB
 
 UNK = "[UNK]"
@@ -54,15 +55,48 @@ CHAT_TEMPLATE = (
 )
 
 
+CHARS_PER_TOKEN = 16
+"""The cheap bound checked before tokenizing: a text longer than this many characters per
+token of room is refused without being tokenized (the mocker's tokens average about 5
+characters; its longest word is 9)."""
+INLINE_CHARS = 8192
+"""Texts up to this many characters are tokenized on the event loop (under ~2 ms); longer
+ones in a thread, so no prompt holds the loop (and the lease renewal on it)."""
+
+
 def encode(text: str) -> list[int]:
     """The token ids of `text`, as the published `tokenizer.json` gives them."""
     return list(TOKENIZER.encode(text, add_special_tokens=False).ids)
 
 
-def render_chat(messages: Iterable[ChatMessage]) -> str:
+def check_length(text: str, room: int, param: str) -> None:
+    """Refuse `text` (400 `context_length_exceeded` naming `param`) when it is so long that
+    it cannot fit `room` tokens: a check on its length alone, before any tokenizing."""
+    if len(text) > room * CHARS_PER_TOKEN:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {room} tokens; the {param} has "
+            f"{len(text)} characters, more than {CHARS_PER_TOKEN} per token of the context "
+            "(checked before tokenizing).",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+async def tokenize(text: str, room: int, param: str) -> list[int]:
+    """The token ids of `text`, after the cheap length bound (`check_length`); a long text is
+    tokenized in a thread, off the event loop."""
+    check_length(text, room, param)
+    if len(text) <= INLINE_CHARS:
+        return encode(text)
+    return await asyncio.to_thread(encode, text)
+
+
+def render_chat(messages: Iterable[ChatMessage], *, add_generation_prompt: bool = True) -> str:
     """The prompt a chat becomes, as `CHAT_TEMPLATE` renders it."""
     parts = [f"<|{m.role}|>\n{render_chat_content(m.content)}\n" for m in messages]
-    parts.append("<|assistant|>\n")
+    if add_generation_prompt:
+        parts.append("<|assistant|>\n")
     return "".join(parts)
 
 
