@@ -369,3 +369,222 @@ async def test_a_lease_from_an_earlier_boot_is_expired(store: SQLiteStore) -> No
         assert await reader.get("boot/k") is None
     finally:
         await reader.close()
+
+
+def _expire_every_lease(path: Path) -> None:
+    """What the lease clock says once the holders are long dead, written by hand."""
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE leases SET expires = 0")
+
+
+async def _dead_and_live_registrations(url: str) -> None:
+    """In the file at `url`: a worker whose lease expired with nobody left to reap it, and
+    one registered without a lease."""
+    from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
+    from tests.discovery.test_discovery import make_card
+
+    writer = await SQLiteStore.open(url)
+    try:
+        disc = Discovery(writer)
+        lease = await writer.grant(3600.0, keepalive=False)
+        for instance_id, lease_id in ((0xDEAD, lease.id), (0x11FE, 0)):
+            endpoint = EndpointId("ns", "c", "e")
+            await disc.register_instance(
+                InstanceInfo("ns", "c", "e", instance_id, "http://w", "http://s"), lease=lease_id
+            )
+            await disc.register_model(
+                ModelKey(endpoint, instance_id), make_card(f"m{instance_id:x}"), lease=lease_id
+            )
+    finally:
+        await writer.close()
+    _expire_every_lease(Path(url.removeprefix("sqlite://")))
+
+
+async def test_a_read_only_reader_reads_without_keys_of_an_expired_lease(url: str) -> None:
+    """Reaping on read is an optimisation: a reader that cannot write (`?mode=ro`, or a file
+    it may only read) still reads, and never returns a key whose lease has expired."""
+    from shoal.discovery import Discovery
+
+    await _dead_and_live_registrations(url)
+    reader = await open_store(url + "?mode=ro")
+    try:
+        assert await reader.get("shoal/v1/instances/ns/c/e/dead") is None
+        assert await reader.get("shoal/v1/instances/ns/c/e/11fe") is not None
+        keys = [kv.key for kv in (await reader.get_prefix("shoal/v1/")).items]
+        assert keys == ["shoal/v1/instances/ns/c/e/11fe", "shoal/v1/models/ns/c/e/11fe"]
+        assert [m.key.instance_id for m in await Discovery(reader).list()] == [0x11FE]
+        with pytest.raises(StoreError, match="read-only"):
+            await reader.put("k", b"v")
+    finally:
+        await reader.close()
+
+
+async def test_a_read_that_cannot_reap_for_a_full_disk_still_succeeds(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shoal.store import sqlite as backend
+
+    await _dead_and_live_registrations(url)
+
+    def disk_full(conn: sqlite3.Connection, now: float) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(backend, "_reap", disk_full)
+    reader = await open_store(url)
+    try:
+        assert await reader.get("shoal/v1/models/ns/c/e/dead") is None
+        keys = [kv.key for kv in (await reader.get_prefix("shoal/v1/models/")).items]
+        assert keys == ["shoal/v1/models/ns/c/e/11fe"]
+    finally:
+        await reader.close()
+
+
+async def test_a_read_only_watch_drops_the_keys_of_a_lease_that_expires(url: str) -> None:
+    """Nobody can reap (the holder is gone, the reader may not write): the watch still loses
+    the key once its lease has expired, by a `Resync`."""
+    holder = await SQLiteStore.open(url)
+    lease = await holder.grant(0.5, keepalive=False)
+    await holder.put("w/held", b"x", lease=lease.id)
+    await holder.put("w/kept", b"y")
+    await holder.close()
+    reader = await open_store(url + "?mode=ro")
+    try:
+        snap = await reader.get_prefix("w/")
+        recorder = Recorder(
+            reader.watch("w/", snap.revision + 1), {kv.key: kv.value for kv in snap.items}
+        )
+        try:
+            await wait_for(lambda: recorder.state == {"w/kept": b"y"}, timeout=5)
+        finally:
+            await recorder.close()
+    finally:
+        await reader.close()
+
+
+async def test_without_a_boot_id_a_lease_from_before_a_reboot_expires_by_the_wall_clock(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no boot id the monotonic clock alone cannot tell a reboot (it restarts near 0):
+    the wall clock bounds every lease too, generously (`WALL_CLOCK_SLACK`)."""
+    from shoal.store import sqlite as backend
+
+    monkeypatch.setattr(backend, "BOOT", "boot:")
+    monkeypatch.setattr(backend, "BOOT_ID", "")
+    store = await SQLiteStore.open(url)
+    try:
+        lease = await store.grant(1.0, keepalive=False)
+        await store.put("boot/k", b"x", lease=lease.id)
+        # The previous boot ran long: its monotonic deadline is far ahead of this boot's clock.
+        with sqlite3.connect(store.path) as conn:
+            conn.execute("UPDATE leases SET expires = ?", (backend.lease_clock() + 1e6,))
+        assert await store.get("boot/k") is not None  # no time has passed on the wall clock
+        real = time.time
+        later = 1.0 + getattr(backend, "WALL_CLOCK_SLACK", 0.0) + 1.0
+        monkeypatch.setattr(time, "time", lambda: real() + later)  # the reboot took a while
+        assert await store.get("boot/k") is None
+    finally:
+        await store.close()
+
+
+def _intermediate_v2_file(path: Path, live: float, dead: float) -> None:
+    """The layout two development builds wrote as version 2: leases with a `boot` id and a
+    `deadline` on the monotonic clock, no `expires`."""
+    with sqlite3.connect(path) as conn:
+        for statement in (
+            "PRAGMA journal_mode = WAL",
+            "CREATE TABLE meta (id INTEGER PRIMARY KEY CHECK (id = 0),"
+            " revision INTEGER NOT NULL, compact_revision INTEGER NOT NULL)",
+            "INSERT INTO meta VALUES (0, 3, 0)",
+            "CREATE TABLE kv (key TEXT PRIMARY KEY, value BLOB NOT NULL,"
+            " mod_revision INTEGER NOT NULL, lease INTEGER NOT NULL DEFAULT 0,"
+            " create_revision INTEGER NOT NULL DEFAULT 0)",
+            "CREATE INDEX kv_by_lease ON kv (lease)",
+            "CREATE TABLE leases (id INTEGER PRIMARY KEY, ttl REAL NOT NULL,"
+            " deadline REAL NOT NULL, boot TEXT NOT NULL DEFAULT '')",
+            "CREATE INDEX leases_by_deadline ON leases (deadline)",
+            "CREATE TABLE changes (revision INTEGER PRIMARY KEY, key TEXT NOT NULL, value BLOB)",
+            "INSERT INTO kv VALUES ('k/plain', x'31', 1, 0, 1), ('k/live', x'32', 2, 7, 2),"
+            " ('k/dead', x'33', 3, 8, 3)",
+            f"INSERT INTO leases VALUES (7, 3600.0, {live}, '{BOOT_ID}'),"
+            f" (8, 10.0, {dead}, '{BOOT_ID}')",
+            "INSERT INTO changes VALUES (1, 'k/plain', x'31'), (2, 'k/live', x'32'),"
+            " (3, 'k/dead', x'33')",
+            "PRAGMA user_version = 2",
+        ):
+            conn.execute(statement)
+
+
+async def test_a_version_2_file_without_lease_expiry_is_migrated(tmp_path: Path) -> None:
+    from shoal.store.sqlite import lease_clock
+
+    path = tmp_path / "v2dev.db"
+    now = lease_clock()
+    _intermediate_v2_file(path, live=now + 3600, dead=now - 1)
+    store = await SQLiteStore.open(f"sqlite:///{path}")
+    try:
+        items = (await store.get_prefix("k/")).items
+        assert [kv.key for kv in items] == ["k/live", "k/plain"]
+        assert await store._keepalive(7, 3600.0) is True
+        lease = await store.grant(10.0, keepalive=False)
+        await store.put("k/new", b"4", lease=lease.id)
+        assert await store.get("k/new") is not None
+    finally:
+        await store.close()
+    # The current layout of version 2 opens as it is.
+    again = await SQLiteStore.open(f"sqlite:///{path}")
+    try:
+        assert [kv.key for kv in (await again.get_prefix("k/")).items] == [
+            "k/live",
+            "k/new",
+            "k/plain",
+        ]
+    finally:
+        await again.close()
+
+
+async def test_a_version_2_file_of_an_unknown_layout_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "odd.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE kv (key TEXT PRIMARY KEY)")
+        conn.execute("PRAGMA user_version = 2")
+    with pytest.raises(StoreUnavailableError) as caught:
+        await SQLiteStore.open(f"sqlite:///{path}")
+    message = str(caught.value)
+    assert "\n" not in message and "layout" in message and "value" in message, message
+
+
+async def test_a_relative_url_path_is_relative_to_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    store = await open_store("sqlite:///./rel.db")
+    try:
+        await store.put("k", b"v")
+    finally:
+        await store.close()
+    assert (tmp_path / "rel.db").exists()
+
+
+async def test_url_escapes_in_the_path_are_decoded(tmp_path: Path) -> None:
+    store = await open_store(f"sqlite:///{tmp_path}/with%20space.db")
+    try:
+        await store.put("k", b"v")
+    finally:
+        await store.close()
+    assert (tmp_path / "with space.db").exists()
+    assert not [n for n in os.listdir(tmp_path) if "%20" in n]
+
+
+@pytest.mark.parametrize(
+    ("suffix", "named"),
+    [("?mode=rw2", "mode"), ("?cache=shared", "cache"), ("#frag", "#"), ("%00x", "NUL")],
+)
+async def test_url_parameters_other_than_mode_ro_are_refused_in_one_line(
+    tmp_path: Path, suffix: str, named: str
+) -> None:
+    with pytest.raises(ValueError, match=named) as caught:
+        await open_store(f"sqlite:///{tmp_path}/s.db{suffix}")
+    assert "\n" not in str(caught.value)
+    assert not os.listdir(tmp_path)

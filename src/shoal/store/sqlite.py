@@ -1,9 +1,15 @@
 """`sqlite:///absolute/path.db`: the embedded store, shared by the processes of one host.
 
 Every process opens the same file; SQLite's WAL mode lets readers run beside the one
-writer, and every write is one short `BEGIN IMMEDIATE` transaction. The URL path is always
-absolute (`sqlite:///var/x.db` and `sqlite:////var/x.db` both mean `/var/x.db`); missing
-parent directories are created.
+writer, and every write is one short `BEGIN IMMEDIATE` transaction.
+
+URL: after `sqlite://` come an empty host and the path. `sqlite:///var/x.db` and
+`sqlite:////var/x.db` both mean `/var/x.db`; a path that starts with `./` or `../`
+(`sqlite:///./x.db`) is relative to the working directory. `%XX` escapes are decoded
+(`%20` is a space). The one parameter is `mode`: `?mode=ro` opens the file read-only (it
+must exist in the current layout; every write is refused), `?mode=rw` is the default.
+Anything else (another parameter, a `#` fragment, `%00`) is refused in one line. Missing
+parent directories are created (read-write only).
 
 Layout:
 
@@ -12,10 +18,10 @@ Layout:
 - `kv`: the keys, each with its value, the revisions that created and last wrote it and
   its lease.
 - `leases`: id, TTL, the `boot` that granted or last renewed it and its deadline on that
-  boot's monotonic clock (`expires`; see "Lease clock" below). `deadline` is the wall-clock
-  deadline of schema version 1: kept for leases of version-1 processes still running
-  during an upgrade (`boot` empty, judged on it as they were), and set out of reach for
-  the others, so a version-1 process never reaps them.
+  boot's monotonic clock (`expires`; see "Lease clock" below). `deadline` is a wall-clock
+  deadline: for the leases of version-1 processes still running during an upgrade (`boot`
+  empty, judged on it as they were), the generous bound of a lease whose boot is unknown,
+  and out of reach for the others, so a version-1 process never reaps them.
 - `changes`: one row per revision (key, value, NULL for a delete): the log watches read.
 
 Each write bumps `meta.revision` and appends its change in the same transaction, so
@@ -33,8 +39,13 @@ transaction runs in one hop to that thread. Background work per instance:
   no lock) and only then deletes expired leases and their keys with delete events. Every
   client reaps, so a holder killed by SIGKILL loses its keys within TTL + ~0.25 s. Each
   write transaction also reaps first, so a write never uses an expired lease, and so does
-  every read before it reads: a key whose lease has expired is never returned, even by a
-  client that has just opened the file (`shoal ls`) while no other process is alive.
+  every read before it reads. Reaping is an optimisation: every read (and a watch's
+  `Resync`) leaves out the keys of expired leases itself, so a key whose lease has expired
+  is never returned, even by a client that has just opened the file (`shoal ls`) while no
+  other process is alive, and a client that cannot write (`mode=ro`, a file it may only
+  read, a full disk) still reads. Such a client's watches get no delete events for what
+  it cannot reap: each gets a `Resync` without those keys instead (once per newly expired
+  lease).
 
 Lease clock. Deadlines are not on the wall clock: a step of the wall clock (NTP, a VM
 resumed, an operator's `date -s`) in any one process would otherwise expire every lease in
@@ -47,9 +58,19 @@ boot is expired, since no process survives a reboot. (Leases of version-1 proces
 running during an upgrade keep their wall-clock deadlines until they go.) The assumption: every process using
 the file runs on this host in the same time namespace (containers that share the file must
 not be given a private `CLOCK_MONOTONIC` offset). Where no boot id is available (not
-Linux), leases are judged on the monotonic clock alone. A monotonic clock does not count
-time the host is suspended, so a suspend neither expires the leases of live holders nor
-counts towards the TTL of dead ones.
+Linux), the monotonic clock alone cannot tell a reboot (it restarts near 0, so a dead
+lease would outlive the reboot by the previous uptime): each lease then also gets a
+wall-clock bound, its TTL + `WALL_CLOCK_SLACK` (120 s) after its grant or last renewal.
+A dead lease outlives a reboot by that much at most; the price is that a forward step of
+the wall clock by more than the slack expires the leases of live holders, which re-grant.
+A monotonic clock does not count time the host is suspended, so (with a boot id) a
+suspend neither expires the leases of live holders nor counts towards the TTL of dead ones.
+
+Layouts: a new file gets the current one (`SCHEMA_VERSION` 2). A version-1 file is
+migrated at open (see `_MIGRATE_FROM_1`), and so is the version-2 layout two development
+builds wrote, with no `leases.expires` (`_MIGRATE_FROM_DEV_2`; stop processes of those
+builds first: they judge leases differently). A version-2 file lacking any other column,
+or a newer version, is refused at open in one line naming what is missing.
 
 Compaction: the change log keeps the last `RETAIN_CHANGES` (1000) revisions, trimmed
 every `TRIM_EVERY` writes, so its size is bounded whatever the write rate; a watcher that
@@ -63,6 +84,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import random
 import secrets
 import sqlite3
@@ -72,6 +94,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import quote, unquote
 
 from shoal.store.base import (
     Delete,
@@ -122,6 +145,13 @@ _SCHEMA = (
     "CREATE INDEX leases_by_deadline ON leases (deadline)",
     "CREATE TABLE changes (revision INTEGER PRIMARY KEY, key TEXT NOT NULL, value BLOB)",
 )
+_COLUMNS = {
+    "meta": ("id", "revision", "compact_revision"),
+    "kv": ("key", "value", "mod_revision", "lease", "create_revision"),
+    "leases": ("id", "ttl", "deadline", "boot", "expires"),
+    "changes": ("revision", "key", "value"),
+}
+"""The columns of each table in the layout of `SCHEMA_VERSION`, checked at open."""
 # From version 1: keys get their create revision (their last write, the best known); the
 # leases of version-1 processes keep their wall-clock deadlines until those processes go.
 _MIGRATE_FROM_1 = (
@@ -132,6 +162,18 @@ _MIGRATE_FROM_1 = (
 )
 OUT_OF_REACH = 1e300
 """The wall-clock `deadline` of a lease judged on the monotonic clock: never passed."""
+# From the layout two development builds wrote as version 2 (no `expires`; `deadline` on
+# the monotonic clock of the raw `boot` id, "" where unknown): the deadline moves to
+# `expires`, the boot gets its prefix, and the wall-clock bound is set as `_grant` sets it.
+_MIGRATE_FROM_DEV_2 = (
+    "ALTER TABLE leases ADD COLUMN expires REAL NOT NULL DEFAULT 0",
+    "UPDATE leases SET expires = deadline, boot = 'boot:' || boot,"
+    f" deadline = CASE WHEN boot = '' THEN :wall + ttl + :slack ELSE {OUT_OF_REACH} END",
+)
+
+WALL_CLOCK_SLACK = 120.0
+"""Seconds the wall clock may step forward without costing a lease, where the boot is
+unknown (see "Lease clock"): a dead lease outlives a reboot by at most its TTL + this."""
 
 
 def _boot_id() -> str:
@@ -144,7 +186,8 @@ def _boot_id() -> str:
 
 BOOT_ID = _boot_id()
 BOOT = "boot:" + BOOT_ID
-"""The `boot` of the leases this process grants: never empty (empty marks version 1)."""
+"""The `boot` of the leases this process grants: never empty (empty marks version 1);
+"boot:" where the boot is unknown."""
 
 
 def lease_clock() -> float:
@@ -154,13 +197,24 @@ def lease_clock() -> float:
     return time.monotonic()
 
 
+def _wall_deadline(ttl: float) -> float:
+    """The wall-clock `deadline` of a lease granted or renewed now: out of reach where the
+    boot id tells a reboot, else a generous bound that a reboot always passes."""
+    if BOOT != "boot:":
+        return OUT_OF_REACH
+    return time.time() + ttl + WALL_CLOCK_SLACK
+
+
 _EXPIRED = (
     "(CASE WHEN boot = '' THEN deadline < :wall"
-    " ELSE expires < :now OR (boot != :boot AND :boot != 'boot:') END)"
+    " ELSE expires < :now OR deadline < :wall OR (boot != :boot AND :boot != 'boot:') END)"
 )
 """SQL: the lease has expired, at `_expired_at(now)`. A lease of another boot has: no
-process survives a reboot. Where the boot is unknown (`BOOT` is "boot:"), only the clock
-counts."""
+process survives a reboot. Where the boot is unknown (`BOOT` is "boot:"), the monotonic
+clock counts, and the wall-clock bound of `_wall_deadline`."""
+
+_LIVE = f"(lease = 0 OR lease NOT IN (SELECT id FROM leases WHERE {_EXPIRED}))"
+"""SQL, on `kv`: the key's lease (if any) has not expired, at `_expired_at(now)`."""
 
 
 def _expired_at(now: float) -> dict[str, object]:
@@ -168,11 +222,43 @@ def _expired_at(now: float) -> dict[str, object]:
     return {"now": now, "boot": BOOT, "wall": time.time()}
 
 
-def _path_from_url(url: str) -> Path:
+_URL_USAGE = "use sqlite:///absolute/path.db or sqlite:///./relative/path.db, optionally ?mode=ro"
+
+
+def _parse_url(url: str) -> tuple[Path, bool]:
+    """The file named by `url`, and whether it is opened read-only (`?mode=ro`).
+
+    After `sqlite://` comes an empty host and the path: `sqlite:///var/x.db` and
+    `sqlite:////var/x.db` both mean `/var/x.db`; a path that starts `./` or `../` is
+    relative to the working directory. `%XX` escapes are decoded. The only parameter is
+    `mode` (`ro`, or `rw`, the default); anything else is refused.
+    """
     scheme, sep, rest = url.partition("://")
-    if scheme != "sqlite" or not sep or not rest.startswith("/") or not rest.strip("/"):
-        raise ValueError(f"store URL {url!r}: use sqlite:///absolute/path/to/file.db")
-    return Path("/" + rest.lstrip("/"))
+    if scheme != "sqlite" or not sep:
+        raise ValueError(f"store URL {url!r}: {_URL_USAGE}")
+    if "#" in rest:
+        raise ValueError(f"store URL {url!r}: a '#' fragment means nothing here; {_URL_USAGE}")
+    rest, _, query = rest.partition("?")
+    read_only = False
+    for param in query.split("&") if query else ():
+        name, _, value = param.partition("=")
+        if name != "mode" or value not in ("ro", "rw"):
+            raise ValueError(
+                f"store URL {url!r}: unsupported parameter {param!r} (only mode=ro or mode=rw)"
+            )
+        read_only = value == "ro"
+    try:
+        raw = unquote(rest, errors="strict")
+    except UnicodeDecodeError:
+        raise ValueError(f"store URL {url!r}: an escape in the path is not UTF-8") from None
+    if "\0" in raw:
+        raise ValueError(f"store URL {url!r}: the path holds a NUL character (%00)")
+    if not raw.startswith("/") or not raw.strip("/"):
+        raise ValueError(f"store URL {url!r}: {_URL_USAGE}")
+    path = raw[1:]
+    if path.startswith(("./", "../")):
+        return Path(os.path.abspath(path)), read_only
+    return Path("/" + path.lstrip("/")), read_only
 
 
 def _journal_mode_wal(conn: sqlite3.Connection, deadline: float) -> tuple[str]:
@@ -188,31 +274,34 @@ def _journal_mode_wal(conn: sqlite3.Connection, deadline: float) -> tuple[str]:
             time.sleep(0.005 + random.random() * 0.02)
 
 
-def _connect(path: Path, busy_timeout: float) -> sqlite3.Connection:
-    """Open `path` in WAL mode and create the schema if the file is new (in the store thread)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(
-        path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
-    )
+def _connect(path: Path, busy_timeout: float, read_only: bool) -> sqlite3.Connection:
+    """Open `path` in WAL mode and create the schema if the file is new, or migrate it (in
+    the store thread). Read-only: the file must exist in the current layout."""
+    if read_only:
+        conn = sqlite3.connect(
+            f"file:{quote(str(path))}?mode=ro",
+            uri=True,
+            timeout=busy_timeout,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(
+            path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+        )
     try:
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-        (mode,) = _journal_mode_wal(conn, time.monotonic() + busy_timeout)
-        if str(mode).lower() != "wal":
-            raise sqlite3.OperationalError(f"cannot switch to WAL journal mode (got {mode!r})")
-        conn.execute("PRAGMA synchronous = NORMAL")
-        conn.execute(f"PRAGMA wal_autocheckpoint = {WAL_AUTOCHECKPOINT_PAGES}")
-        conn.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
-        conn.execute("BEGIN IMMEDIATE")
+        if not read_only:
+            (mode,) = _journal_mode_wal(conn, time.monotonic() + busy_timeout)
+            if str(mode).lower() != "wal":
+                raise sqlite3.OperationalError(f"cannot switch to WAL journal mode (got {mode!r})")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute(f"PRAGMA wal_autocheckpoint = {WAL_AUTOCHECKPOINT_PAGES}")
+            conn.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
+        conn.execute("BEGIN" if read_only else "BEGIN IMMEDIATE")
         try:
-            (version,) = conn.execute("PRAGMA user_version").fetchone()
-            if version in (0, 1):
-                for statement in _SCHEMA if version == 0 else _MIGRATE_FROM_1:
-                    conn.execute(statement)
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            elif version != SCHEMA_VERSION:
-                raise sqlite3.DatabaseError(
-                    f"schema version {version} is not the supported {SCHEMA_VERSION}"
-                )
+            _check_layout(conn, read_only)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
@@ -223,6 +312,51 @@ def _connect(path: Path, busy_timeout: float) -> sqlite3.Connection:
         conn.close()
         raise
     return conn
+
+
+def _missing_columns(conn: sqlite3.Connection) -> list[str]:
+    """What the file lacks of the current layout: `table` or `table.column`, in order."""
+    missing: list[str] = []
+    for table, columns in _COLUMNS.items():
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if not have:
+            missing.append(table)
+        else:
+            missing.extend(f"{table}.{c}" for c in columns if c not in have)
+    return missing
+
+
+def _check_layout(conn: sqlite3.Connection, read_only: bool) -> None:
+    """Create the schema in a new file, or migrate an older one, or refuse in one line."""
+    (version,) = conn.execute("PRAGMA user_version").fetchone()
+    migration: tuple[str, ...] = ()
+    if version == 0:
+        migration = _SCHEMA
+    elif version == 1:
+        migration = _MIGRATE_FROM_1
+    elif version == SCHEMA_VERSION:
+        missing = _missing_columns(conn)
+        if missing == ["leases.expires"]:
+            migration = _MIGRATE_FROM_DEV_2
+        elif missing:
+            raise sqlite3.DatabaseError(
+                f"schema version {version} with an unknown layout (missing"
+                f" {', '.join(missing)}): not a store file this shoal can use"
+            )
+    else:
+        raise sqlite3.DatabaseError(
+            f"schema version {version} is not the supported {SCHEMA_VERSION}"
+        )
+    if not migration:
+        return
+    if read_only:
+        raise sqlite3.DatabaseError(
+            "the file is new or needs upgrading to the current layout: open it once without mode=ro"
+        )
+    params = {"wall": time.time(), "slack": WALL_CLOCK_SLACK}
+    for statement in migration:
+        conn.execute(statement, params if ":wall" in statement else ())
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
 def _close_unused(future: Future[sqlite3.Connection]) -> None:
@@ -252,17 +386,16 @@ def _kv(row: tuple[str, object, int, int, int]) -> KeyValue | None:
 _KV_COLUMNS = "SELECT key, value, mod_revision, lease, create_revision FROM kv"
 
 
-def _items(conn: sqlite3.Connection, prefix: str) -> list[KeyValue]:
-    columns = _KV_COLUMNS
+def _items(conn: sqlite3.Connection, prefix: str, now: float) -> list[KeyValue]:
+    """The keys under `prefix` whose lease has not expired at `now`, reaped or not."""
+    params = _expired_at(now)
+    where = _LIVE
     if prefix:
         # Keys are ASCII (see `check_key`): the range [prefix, prefix with its last
         # character bumped) is exactly the keys that start with prefix, and uses the index.
-        upper = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-        rows = conn.execute(
-            f"{columns} WHERE key >= ? AND key < ? ORDER BY key", (prefix, upper)
-        ).fetchall()
-    else:
-        rows = conn.execute(f"{columns} ORDER BY key").fetchall()
+        params.update(low=prefix, high=prefix[:-1] + chr(ord(prefix[-1]) + 1))
+        where = f"key >= :low AND key < :high AND {_LIVE}"
+    rows = conn.execute(f"{_KV_COLUMNS} WHERE {where} ORDER BY key", params).fetchall()
     return [kv for row in rows if (kv := _kv(row)) is not None]
 
 
@@ -356,7 +489,7 @@ def _grant(conn: sqlite3.Connection, now: float, ttl: float) -> int:
         inserted = conn.execute(
             "INSERT INTO leases (id, ttl, deadline, boot, expires) VALUES (?, ?, ?, ?, ?)"
             " ON CONFLICT (id) DO NOTHING",
-            (lease_id, ttl, OUT_OF_REACH, BOOT, now + ttl),
+            (lease_id, ttl, _wall_deadline(ttl), BOOT, now + ttl),
         ).rowcount
         if inserted == 1:
             return lease_id
@@ -366,7 +499,7 @@ def _keepalive(conn: sqlite3.Connection, now: float, lease_id: int, ttl: float) 
     # Expired leases were reaped at the start of this transaction.
     updated = conn.execute(
         "UPDATE leases SET ttl = ?, deadline = ?, boot = ?, expires = ? WHERE id = ?",
-        (ttl, OUT_OF_REACH, BOOT, now + ttl, lease_id),
+        (ttl, _wall_deadline(ttl), BOOT, now + ttl, lease_id),
     ).rowcount
     return bool(updated == 1)
 
@@ -399,11 +532,19 @@ class SQLiteStore(Store):
     """The store in one SQLite file shared by the processes of a host. Open with `open`."""
 
     def __init__(
-        self, url: str, path: Path, conn: sqlite3.Connection, executor: ThreadPoolExecutor
+        self,
+        url: str,
+        path: Path,
+        conn: sqlite3.Connection,
+        executor: ThreadPoolExecutor,
+        read_only: bool = False,
     ) -> None:
         super().__init__()
         self.url = url
         self.path = path
+        self.read_only = read_only
+        # Expired leases this instance found and could not reap (see `_reap_forever`).
+        self._unreaped: frozenset[int] = frozenset()
         self._conn = conn
         self._executor = executor
         self._closed = False
@@ -418,10 +559,10 @@ class SQLiteStore(Store):
     @classmethod
     async def open(cls, url: str, *, connect_timeout: float = 5.0) -> SQLiteStore:
         """Open (creating if needed) the file named by `url`, failing within `connect_timeout`."""
-        path = _path_from_url(url)
+        path, read_only = _parse_url(url)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-sqlite")
         busy = max(0.05, min(BUSY_TIMEOUT, connect_timeout / 2))
-        future = executor.submit(_connect, path, busy)
+        future = executor.submit(_connect, path, busy, read_only)
         try:
             conn = await asyncio.wait_for(asyncio.wrap_future(future), connect_timeout)
         except TimeoutError:
@@ -437,7 +578,7 @@ class SQLiteStore(Store):
             future.add_done_callback(_close_unused)
             executor.shutdown(wait=False)
             raise
-        return cls(url, path, conn, executor)
+        return cls(url, path, conn, executor, read_only)
 
     # Plumbing.
 
@@ -472,6 +613,8 @@ class SQLiteStore(Store):
 
     def _write(self, fn: Callable[[sqlite3.Connection, float], T]) -> T:
         """One write transaction (in the store thread): reap expired leases, then `fn`."""
+        if self.read_only:
+            raise StoreError(f"store {self.url} is read-only (mode=ro): it cannot be written")
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -503,7 +646,7 @@ class SQLiteStore(Store):
 
         def read(conn: sqlite3.Connection) -> Snapshot:
             revision = _revision(conn)
-            return Snapshot(_items(conn, prefix), revision)
+            return Snapshot(_items(conn, prefix, lease_clock()), revision)
 
         return await self._call(functools.partial(self._read_live, read))
 
@@ -511,15 +654,17 @@ class SQLiteStore(Store):
         check_key(key)
 
         def read(conn: sqlite3.Connection) -> KeyValue | None:
-            row = conn.execute(f"{_KV_COLUMNS} WHERE key = ?", (key,)).fetchone()
+            params = {**_expired_at(lease_clock()), "key": key}
+            row = conn.execute(f"{_KV_COLUMNS} WHERE key = :key AND {_LIVE}", params).fetchone()
             return None if row is None else _kv(row)
 
         return await self._call(functools.partial(self._read_live, read))
 
     def _read_live(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """A read that never sees a key whose lease has expired: expired leases are reaped
-        (with delete events) first, whichever process reads and whether or not any other
-        process is alive to reap them."""
+        """A read that never sees a key whose lease has expired. Expired leases are reaped
+        (with delete events) first when this client can write; when it cannot (`mode=ro`,
+        a file it may only read, a full disk), the read still succeeds: `fn` leaves out
+        the keys of expired leases itself (`_LIVE`)."""
         self._reap_if_due()
         return self._read(fn)
 
@@ -565,22 +710,41 @@ class SQLiteStore(Store):
 
     # Leases.
 
-    def _reap_if_due(self) -> None:
-        """Look for an expired lease without locking; only if there is one, take the lock."""
-        now = lease_clock()
-        row = self._conn.execute(f"SELECT 1 FROM leases WHERE {_EXPIRED} LIMIT 1", _expired_at(now))
-        if row.fetchone() is not None:
-            self._write(_nothing)  # every write transaction reaps first
+    def _reap_if_due(self) -> frozenset[int]:
+        """Look for expired leases without locking; only if there is one, take the lock and
+        reap. Returns the expired leases left unreaped: reaping is an optimisation, and a
+        client that cannot write (read-only, disk full) goes on reading without them."""
+        rows = self._conn.execute(
+            f"SELECT id FROM leases WHERE {_EXPIRED}", _expired_at(lease_clock())
+        ).fetchall()
+        if not rows:
+            return frozenset()
+        if not self.read_only:
+            try:
+                self._write(_nothing)  # every write transaction reaps first
+                return frozenset()
+            except sqlite3.Error as exc:
+                log.debug("cannot reap expired leases of %s: %s", self.url, exc)
+        return frozenset(lease_id for (lease_id,) in rows)
 
     async def _reap_forever(self) -> None:
+        """Reap every `REAP_INTERVAL`. Expired leases that cannot be reaped make no delete
+        events: each watch gets a `Resync` instead (once per newly expired lease), which
+        leaves their keys out."""
         while not self._closed:
             await asyncio.sleep(REAP_INTERVAL)
             if self._unreachable or self._closed:
                 continue
             try:
-                await self._call(self._reap_if_due)
+                unreaped = await self._call(self._reap_if_due)
             except StoreUnavailableError as exc:
                 log.debug("lease reaper: %s", exc)
+                continue
+            if unreaped - self._unreaped:
+                for w in self._watchers:
+                    w.resync = True
+                self._wake.set()
+            self._unreaped = unreaped
 
     # Watches.
 
@@ -607,6 +771,7 @@ class SQLiteStore(Store):
         """In one read transaction: the revision, the resyncs due, and the new changes."""
 
         def read(conn: sqlite3.Connection) -> _PollResult:
+            now = lease_clock()
             revision, compacted = conn.execute(
                 "SELECT revision, compact_revision FROM meta WHERE id = 0"
             ).fetchone()
@@ -614,7 +779,7 @@ class SQLiteStore(Store):
             low: int | None = None
             for i, (prefix, next_revision, force) in enumerate(plan):
                 if force or next_revision <= compacted:
-                    resyncs[i] = _items(conn, prefix)
+                    resyncs[i] = _items(conn, prefix, now)
                 elif next_revision <= revision:
                     low = next_revision if low is None else min(low, next_revision)
             changes: list[tuple[int, str, bytes | None]] = []
