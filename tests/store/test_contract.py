@@ -472,3 +472,79 @@ async def test_a_replaced_lease_outlives_the_re_put_by_one_ttl_then_ends(
 
 async def _gone(store: Store, key: str) -> bool:
     return await store.get(key) is None
+
+
+async def test_several_prefixes_are_read_at_one_revision(backend: Backend, prefix: str) -> None:
+    """A writer puts `a/k` then `b/k` with the same counter: read at one revision, `a` is
+    never behind `b` nor more than one step ahead. Keys outside the prefixes stay out."""
+    reader = await backend.open()
+    writer = await backend.open()
+    a, b = prefix + "a/", prefix + "b/"
+    try:
+        await writer.put(prefix + "c/k", b"outside")
+
+        async def write() -> None:
+            for n in range(40):
+                await writer.put(a + "k", str(n).encode())
+                await writer.put(b + "k", str(n).encode())
+
+        task = asyncio.create_task(write())
+        try:
+            while not task.done():
+                snap = await reader.get_prefixes((b, a, a + "k"))
+                keys = [kv.key for kv in snap.items]
+                assert keys in ([], [a + "k"], [a + "k", b + "k"]), keys
+                if len(keys) == 2:
+                    ahead = int(snap.items[0].value) - int(snap.items[1].value)
+                    assert ahead in (0, 1), f"read across revisions: {snap.items}"
+                assert all(kv.mod_revision <= snap.revision for kv in snap.items)
+                await asyncio.sleep(0)  # the memory store never waits: let the writer run
+        finally:
+            await task
+    finally:
+        await reader.close()
+        await writer.close()
+
+
+async def test_a_watch_of_several_prefixes_follows_them_as_one(
+    backend: Backend, prefix: str
+) -> None:
+    """Changes under any of the prefixes in revision order, none from outside them, and
+    after an outage one `Resync` holding every prefix at one revision."""
+    watcher = await backend.open()
+    writer = await backend.open()
+    a, b = prefix + "a/", prefix + "b/"
+    try:
+        await writer.put(a + "1", b"1")
+        await writer.put(b + "1", b"1")
+        snap = await watcher.get_prefixes((a, b))
+        mirror = Recorder(
+            watcher.watch_prefixes((a, b), snap.revision + 1),
+            {kv.key: kv.value for kv in snap.items},
+        )
+        try:
+            await writer.put(prefix + "c/1", b"outside")
+            await writer.put(b + "2", b"2")
+            await writer.delete(a + "1")
+            await writer.put(a + "3", b"3")
+            await wait_for(lambda: mirror.state == {b + "1": b"1", b + "2": b"2", a + "3": b"3"})
+            assert not [e for e in mirror.events if getattr(e, "key", a).startswith(prefix + "c")]
+            async with backend.outage(watcher):
+                if backend.name != "etcd":
+                    await writer.delete(b + "1")
+                    await writer.put(a + "4", b"4")
+            if backend.name == "etcd":
+                await wait_for(lambda: _reachable(writer, prefix), timeout=20)
+                await writer.delete(b + "1")
+                await writer.put(a + "4", b"4")
+            expected = {b + "2": b"2", a + "3": b"3", a + "4": b"4"}
+            await wait_for(lambda: mirror.ordered_state() == expected, timeout=20)
+            resyncs = [e for e in mirror.events if isinstance(e, Resync)]
+            assert resyncs, mirror.events
+            held = {kv.key[: len(a)] for kv in resyncs[-1].items}
+            assert held == {a, b}, resyncs[-1]
+        finally:
+            await mirror.close()
+    finally:
+        await watcher.close()
+        await writer.close()

@@ -14,13 +14,19 @@ and for `Discovery.list_and_watch` alike, so every reader sees the same models:
   `Discovery.skipped` lists the keys whose value is not used, and why.
 - `ModelInstance.revision` is the `mod_revision` of the card's value: every reader of the
   store sees the same one, so cards are ordered alike everywhere.
-- `list_and_watch` watches each prefix from its listing's revision + 1 (`start_revision`):
-  no change is missed or seen twice.
+- Instances and cards are read as one: a listing reads both prefixes at one revision
+  (`Store.get_prefixes`), and `list_and_watch` follows them with one watch
+  (`Store.watch_prefixes`) from that revision + 1, so no change is missed or seen twice,
+  changes come in revision order, and a `Resync` replaces both at one revision. The join
+  never holds instances from a later revision than cards (or the reverse): a worker that
+  re-registers under a new lease before its old one ends is never seen without a
+  routable instance.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +46,7 @@ from shoal.discovery.keys import (
     parse_model_key,
 )
 from shoal.kv import KvEndpoint
-from shoal.store import Delete, KeyValue, Put, Resync, Store
+from shoal.store import KeyValue, Put, Resync, Store
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +130,6 @@ DiscoveryEvent = Added | Removed | TaintsUpdated
 LIST_BATCH = 64
 """Values (or keys) a listing or a `Resync` goes through between two yields to the event
 loop: ten thousand of them must not hold up the requests a frontend serves meanwhile."""
-WATCH_BUFFER = 64
-"""Store events `list_and_watch` holds for a consumer that is not reading. Beyond it the
-store's own watch falls behind, and its bounded backlog turns into a `Resync`."""
 
 _instance_decoder = msgspec.json.Decoder(InstanceInfo)
 
@@ -329,15 +332,28 @@ class CardsAndInstances:
                     self.skipped.pop(kv_key, None)  # no longer in the store
         return touched
 
+    async def replace_all(
+        self, query: Query, items: Sequence[KeyValue], pause_every: int = LIST_BATCH
+    ) -> list[ModelKey]:
+        """`replace` both prefixes of `query` with `items`, read at one revision."""
+        instances = [kv for kv in items if kv.key.startswith(INSTANCES)]
+        models = [kv for kv in items if kv.key.startswith(MODELS)]
+        touched = await self.replace(query.instances_prefix, instances, pause_every)
+        return touched + await self.replace(query.models_prefix, models, pause_every)
+
     def report(self, keys: Iterable[ModelKey]) -> list[DiscoveryEvent]:
-        """The events that bring a reader of `reported` up to date on `keys`, in key order."""
+        """The events that bring a reader of `reported` up to date on `keys`: arrivals and
+        changes in key order, then departures in key order, so a consumer applying them one
+        by one never loses a model that only moved to another key (a worker re-registered
+        under a new lease, seen in one `Resync` with its old registration's end)."""
         events: list[DiscoveryEvent] = []
+        departures: list[DiscoveryEvent] = []
         for key in sorted(set(keys), key=ModelKey.sort_key):
             before, now = self._rejoin(key)
             if now is before:
                 continue
             if now is None:
-                events.append(Removed(key))
+                departures.append(Removed(key))
             elif before is None:
                 events.append(Added(now))
             elif before.instance != now.instance or (
@@ -346,7 +362,7 @@ class CardsAndInstances:
                 events.extend((Removed(key), Added(now)))
             elif before.card.taints != now.card.taints or before.revision != now.revision:
                 events.append(TaintsUpdated(key, now.card.taints, now.revision))
-        return events
+        return events + departures
 
     async def catch_up(self, keys: Sequence[ModelKey]) -> None:
         """`report`, for a reader that needs `reported` only, not the events. Yields to the
@@ -472,10 +488,8 @@ class Discovery:
         # Taken out while it is updated: a listing that fails or is cancelled half-way, or
         # runs beside another of the same query, never leaves a half-updated join behind.
         join = self._listed.pop(query, None) or CardsAndInstances(self.skipped)
-        inst = await self.store.get_prefix(query.instances_prefix)
-        models = await self.store.get_prefix(query.models_prefix)
-        touched = await join.replace(query.instances_prefix, inst.items)
-        touched += await join.replace(query.models_prefix, models.items)
+        snap = await self.store.get_prefixes((query.instances_prefix, query.models_prefix))
+        touched = await join.replace_all(query, snap.items)
         await join.catch_up(touched)
         self._listed[query] = join
         return join.listing()
@@ -483,59 +497,31 @@ class Discovery:
     async def list_and_watch(self, query: Query | None = None) -> AsyncIterator[DiscoveryEvent]:
         """The models in scope as `Added` events, then every change, with no gap.
 
-        Each prefix is read, then watched from the read's revision + 1 (its
-        `start_revision`). A store `Resync` (after a lost connection, or for a consumer that
-        fell behind) becomes the events that bring the consumer up to date. The stream ends
-        when the store is closed, and raises what a store watch raised.
+        Instances and cards are read at one revision, then followed by one store watch of
+        both from that revision + 1 (`Store.watch_prefixes`). A store `Resync` (after a lost
+        connection, or for a consumer that fell behind) holds both at one revision and
+        becomes the events that bring the consumer up to date. Nothing is buffered here: a
+        consumer that does not read holds back the store's watch, whose own bounded
+        backlog turns into a `Resync`. The stream ends when the store is closed, and raises
+        what the store watch raised.
         """
         query = query or Query()
+        prefixes = (query.instances_prefix, query.models_prefix)
         join = CardsAndInstances(self.skipped)
-        inst = await self.store.get_prefix(query.instances_prefix)
-        models = await self.store.get_prefix(query.models_prefix)
+        snap = await self.store.get_prefixes(prefixes)
         # A stream applies a snapshot (here, and on a `Resync`) in one go: its consumer has
         # nothing to act on before the whole is applied, and does its work between them.
-        touched = await join.replace(query.instances_prefix, inst.items, pause_every=0)
-        touched += await join.replace(query.models_prefix, models.items, pause_every=0)
+        touched = await join.replace_all(query, snap.items, pause_every=0)
         for event in join.report(touched):
             yield event
-
-        # Bounded: a consumer that does not read holds back the store's watches, whose own
-        # bounded backlog then turns into a `Resync` (no unbounded copy here).
-        # None: a store watch ended, because the store was closed.
-        queue: asyncio.Queue[tuple[str, Put | Delete | Resync] | Exception | None] = asyncio.Queue(
-            WATCH_BUFFER
-        )
-
-        async def pump(prefix: str, start_revision: int) -> None:
-            try:
-                async for ev in self.store.watch(prefix, start_revision):
-                    await queue.put((prefix, ev))
-                await queue.put(None)
-            except Exception as exc:
-                await queue.put(exc)
-
-        tasks = [
-            asyncio.create_task(pump(query.instances_prefix, inst.revision + 1)),
-            asyncio.create_task(pump(query.models_prefix, models.revision + 1)),
-        ]
-        try:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    return
-                if isinstance(item, Exception):
-                    raise item
-                prefix, ev = item
+        watch = self.store.watch_prefixes(prefixes, snap.revision + 1)
+        async with contextlib.aclosing(watch):
+            async for ev in watch:
                 if isinstance(ev, Resync):
-                    keys = await join.replace(prefix, ev.items, pause_every=0)
+                    keys = await join.replace_all(query, ev.items, pause_every=0)
                 elif isinstance(ev, Put):
                     keys = join.put(ev.key, ev.value, 0, ev.revision)
                 else:
                     keys = list(join.delete(ev.key))
                 for event in join.report(keys):
                     yield event
-        finally:
-            for task in tasks:
-                task.cancel()
-            # What the pumps raise is theirs; a cancel of this task while waiting propagates.
-            await asyncio.gather(*tasks, return_exceptions=True)

@@ -18,6 +18,11 @@ suite in `tests/store/` proves on each backend:
 - `close()` ends every watch of the instance (its iterator stops) and stops the keepalive
   of every lease it granted; leases themselves are not revoked.
 - A watch yields nothing at or below the revision of a `Resync` it has yielded.
+- Several prefixes read or watched as one (`get_prefixes`, `watch_prefixes`) share one
+  revision: a listing reads them all at one revision, a watch delivers the changes under
+  any of them in revision order, and its `Resync` carries all of them at one revision. A
+  reader joining keys of two prefixes (discovery: instances and cards) never holds one
+  prefix's state from a later revision than the other's.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -128,6 +133,19 @@ def check_prefix(prefix: str) -> None:
         check_key(prefix)
 
 
+def distinct_prefixes(prefixes: Sequence[str]) -> tuple[str, ...]:
+    """`prefixes` checked, sorted, without those inside another ("" holds every key)."""
+    for prefix in prefixes:
+        check_prefix(prefix)
+    if not prefixes:
+        raise ValueError("no prefix given")
+    kept: list[str] = []
+    for prefix in sorted(set(prefixes)):
+        if not kept or not prefix.startswith(kept[-1]):
+            kept.append(prefix)
+    return tuple(kept)
+
+
 def check_value(key: str, value: bytes) -> None:
     if not isinstance(value, bytes | bytearray | memoryview):
         raise TypeError(f"value for {key!r} must be bytes, not {type(value).__name__}")
@@ -225,6 +243,10 @@ class Store(abc.ABC):
     async def get_prefix(self, prefix: str) -> Snapshot:
         """All keys under `prefix`, sorted by key, with the revision they were read at."""
 
+    @abc.abstractmethod
+    async def get_prefixes(self, prefixes: Sequence[str]) -> Snapshot:
+        """All keys under any of `prefixes`, each once, sorted by key, read at one revision."""
+
     async def get(self, key: str) -> KeyValue | None:
         """One key, or None."""
         check_key(key)
@@ -266,6 +288,13 @@ class Store(abc.ABC):
         current state, then goes on from its revision + 1. Runs until cancelled; ends when
         the store is closed, and raises `StoreError` if it can no longer deliver changes.
         """
+
+    @abc.abstractmethod
+    def watch_prefixes(
+        self, prefixes: Sequence[str], start_revision: int
+    ) -> AsyncGenerator[Event, None]:
+        """`watch` of several prefixes as one: the changes under any of them in revision
+        order, and a `Resync` with the state of all of them at one revision."""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -13,6 +13,13 @@ Failure handling:
   lost its leader) or etcd reports the start revision compacted, the watch backs off
   (50 ms doubling to 2 s, with jitter), reads the prefix, yields a `Resync` with it and
   goes on watching from that read's revision + 1.
+- Several prefixes as one (`get_prefixes`, `watch_prefixes`): the listing is one read-only
+  transaction with a range per prefix, so all are read at one revision. The watch is one
+  etcd watch on the smallest key range holding every prefix, whose events outside the
+  prefixes are dropped here: one stream, so its changes come in revision order and it
+  resyncs all prefixes at once, at one revision. The price: the range may hold other
+  keys (for discovery's instances and cards of one namespace, those of other namespaces),
+  whose changes travel to the watcher and are dropped.
 - etcd raises lease TTLs to a minimum (2 s with the default election timing). For a
   lease granted with a shorter TTL, the store that granted it revokes it itself once that
   TTL passes without a renewal, so a living holder that stops renewing loses its keys on
@@ -27,7 +34,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import aetcd
@@ -50,6 +57,7 @@ from shoal.store.base import (
     check_key,
     check_prefix,
     check_value,
+    distinct_prefixes,
 )
 
 log = logging.getLogger(__name__)
@@ -116,6 +124,14 @@ def _range_of(prefix: str) -> tuple[bytes, bytes]:
         return b"\0", b"\0"
     start = prefix.encode()
     return start, aetcd.utils.prefix_range_end(start)
+
+
+def _covering_range(prefixes: tuple[str, ...]) -> tuple[bytes, bytes]:
+    """The smallest etcd key range holding every key under any of `prefixes`."""
+    ranges = [_range_of(prefix) for prefix in prefixes]
+    if any(start == b"\0" for start, _ in ranges):
+        return b"\0", b"\0"
+    return min(start for start, _ in ranges), max(end for _, end in ranges)
 
 
 def _grpc_code(exc: BaseException) -> tuple[str | None, str]:
@@ -335,6 +351,32 @@ class EtcdStore(Store):
         resp = await self._call(f"get_prefix {prefix!r}", fn)
         return Snapshot([self._kv(kv) for kv in resp.kvs], int(resp.header.revision))
 
+    async def get_prefixes(self, prefixes: Sequence[str]) -> Snapshot:
+        distinct = distinct_prefixes(prefixes)
+        ranges = [
+            aetcd.rpc.RequestOp(
+                request_range=aetcd.rpc.RangeRequest(
+                    key=start,
+                    range_end=end,
+                    sort_order=aetcd.rpc.RangeRequest.ASCEND,
+                    sort_target=aetcd.rpc.RangeRequest.KEY,
+                )
+            )
+            for start, end in map(_range_of, distinct)
+        ]
+
+        async def fn(client: Any) -> Any:  # a read-only transaction: one revision for all
+            return await client.kvstub.Txn(
+                aetcd.rpc.TxnRequest(success=ranges),
+                timeout=self._call_timeout,
+                metadata=client.metadata,
+            )
+
+        resp = await self._call(f"get_prefixes {', '.join(distinct)}", fn)
+        # The prefixes are sorted and none is inside another: the ranges come in key order.
+        items = [self._kv(kv) for op in resp.responses for kv in op.response_range.kvs]
+        return Snapshot(items, int(resp.header.revision))
+
     async def get(self, key: str) -> KeyValue | None:
         check_key(key)
 
@@ -469,17 +511,27 @@ class EtcdStore(Store):
 
     def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
         check_prefix(prefix)
-        self._check_open()
-        return self._watch(prefix, start_revision)
+        return self.watch_prefixes((prefix,), start_revision)
 
-    async def _watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
+    def watch_prefixes(
+        self, prefixes: Sequence[str], start_revision: int
+    ) -> AsyncGenerator[Event, None]:
+        distinct = distinct_prefixes(prefixes)
+        self._check_open()
+        return self._watch(distinct, start_revision)
+
+    async def _watch(
+        self, prefixes: tuple[str, ...], start_revision: int
+    ) -> AsyncGenerator[Event, None]:
+        prefix = ", ".join(prefixes)  # for the log
+        key_range = _covering_range(prefixes)
         next_revision = start_revision
         resync = False
         backoff = BACKOFF_START
         while not self._closed:
             if resync:
                 try:
-                    snap = await self.get_prefix(prefix)
+                    snap = await self.get_prefixes(prefixes)
                 except StoreError as exc:
                     if self._closed:
                         return
@@ -493,7 +545,7 @@ class EtcdStore(Store):
                 yield Resync(snap.items, snap.revision)
                 next_revision = snap.revision + 1
                 resync = False
-            stream = self._watch_stream(prefix, next_revision)
+            stream = self._watch_stream(key_range, prefix, next_revision)
             try:
                 while True:
                     try:
@@ -503,9 +555,10 @@ class EtcdStore(Store):
                     if not batch:  # the stream is established
                         backoff = BACKOFF_START
                         continue
-                    for event in batch:
-                        yield event
                     next_revision = batch[-1].revision + 1
+                    for event in batch:
+                        if event.key.startswith(prefixes):
+                            yield event
             except _Compacted as exc:
                 log.info("watch %r from %s: %s; resyncing", prefix, next_revision, exc)
                 resync = True
@@ -520,14 +573,15 @@ class EtcdStore(Store):
                 await stream.aclose()
 
     async def _watch_stream(
-        self, prefix: str, start_revision: int
+        self, key_range: tuple[bytes, bytes], prefix: str, start_revision: int
     ) -> AsyncGenerator[list[Put | Delete], None]:
-        """One etcd watch stream: yields [] once created, then each response's events.
+        """One etcd watch stream on `key_range` (`prefix` names it in errors): yields []
+        once created, then each response's events.
 
         Raises `_Compacted` when the history is gone and `_StreamBroken` on any failure.
         """
         client, generation = await self._current()
-        start, end = _range_of(prefix)
+        start, end = key_range
         create = aetcd.rpc.WatchRequest(
             create_request=aetcd.rpc.WatchCreateRequest(
                 key=start, range_end=end, start_revision=max(start_revision, 0)

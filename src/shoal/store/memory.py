@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from shoal.store.base import (
@@ -26,6 +26,7 @@ from shoal.store.base import (
     check_key,
     check_prefix,
     check_value,
+    distinct_prefixes,
 )
 
 HISTORY = 100_000
@@ -43,8 +44,8 @@ class _Data:
     leases: dict[int, float] = field(default_factory=dict)  # id -> deadline (monotonic)
     lease_keys: dict[int, set[str]] = field(default_factory=dict)
     history: deque[Put | Delete] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    watchers: set[tuple[str, asyncio.Queue[Put | Delete | object], MemoryStore]] = field(
-        default_factory=set
+    watchers: set[tuple[tuple[str, ...], asyncio.Queue[Put | Delete | object], MemoryStore]] = (
+        field(default_factory=set)
     )
     lease_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(0x1000))
 
@@ -82,8 +83,8 @@ class MemoryStore(Store):
 
     def _emit(self, event: Put | Delete) -> None:
         self._d.history.append(event)
-        for prefix, queue, owner in self._d.watchers:
-            if event.key.startswith(prefix) and not owner._unreachable:
+        for prefixes, queue, owner in self._d.watchers:
+            if event.key.startswith(prefixes) and not owner._unreachable:
                 if queue.qsize() >= MAX_QUEUED:  # not read: drop its backlog for a Resync
                     while not queue.empty():
                         queue.get_nowait()
@@ -118,13 +119,17 @@ class MemoryStore(Store):
             await asyncio.sleep(0.05)
 
     async def get_prefix(self, prefix: str) -> Snapshot:
-        self._check_open()
         check_prefix(prefix)
+        return await self.get_prefixes((prefix,))
+
+    async def get_prefixes(self, prefixes: Sequence[str]) -> Snapshot:
+        self._check_open()
         self._reap()
-        items = sorted(
-            (kv for k, kv in self._d.items.items() if k.startswith(prefix)), key=lambda kv: kv.key
-        )
-        return Snapshot(items, self._d.revision)
+        return Snapshot(self._items(distinct_prefixes(prefixes)), self._d.revision)
+
+    def _items(self, prefixes: tuple[str, ...]) -> list[KeyValue]:
+        items = (kv for k, kv in self._d.items.items() if k.startswith(prefixes))
+        return sorted(items, key=lambda kv: kv.key)
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         self._check_open()
@@ -179,21 +184,27 @@ class MemoryStore(Store):
         self._check_open()
         self._end_lease(lease_id)
 
-    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
-        self._check_open()
+    def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
         check_prefix(prefix)
+        return self.watch_prefixes((prefix,), start_revision)
+
+    async def watch_prefixes(
+        self, prefixes: Sequence[str], start_revision: int
+    ) -> AsyncGenerator[Event, None]:
+        self._check_open()
+        prefixes = distinct_prefixes(prefixes)
         queue: asyncio.Queue[Put | Delete | object] = asyncio.Queue()
-        entry = (prefix, queue, self)
+        entry = (prefixes, queue, self)
         # Replay and subscribe with no await between: nothing can slip through.
         oldest = self._d.history[0].revision if self._d.history else self._d.revision + 1
         backlog: list[Event]
         if start_revision < oldest and start_revision <= self._d.revision:
-            backlog = [self._resync(prefix)]
+            backlog = [self._resync(prefixes)]
         else:
             backlog = [
                 e
                 for e in self._d.history
-                if e.revision >= start_revision and e.key.startswith(prefix)
+                if e.revision >= start_revision and e.key.startswith(prefixes)
             ]
         self._d.watchers.add(entry)
         seen = 0  # the revision of the last Resync: nothing at or below it may follow
@@ -206,7 +217,7 @@ class MemoryStore(Store):
                 if change is _CLOSED:
                     return
                 if change is _RESYNC:
-                    resync = self._resync(prefix)
+                    resync = self._resync(prefixes)
                     seen = resync.revision
                     yield resync
                 elif isinstance(change, Put | Delete) and change.revision > seen:
@@ -214,11 +225,8 @@ class MemoryStore(Store):
         finally:
             self._d.watchers.discard(entry)
 
-    def _resync(self, prefix: str) -> Resync:
-        items = sorted(
-            (kv for k, kv in self._d.items.items() if k.startswith(prefix)), key=lambda kv: kv.key
-        )
-        return Resync(items, self._d.revision)
+    def _resync(self, prefixes: tuple[str, ...]) -> Resync:
+        return Resync(self._items(prefixes), self._d.revision)
 
     async def close(self) -> None:
         self._closed = True

@@ -89,7 +89,7 @@ import random
 import secrets
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +110,7 @@ from shoal.store.base import (
     check_key,
     check_prefix,
     check_value,
+    distinct_prefixes,
 )
 
 log = logging.getLogger(__name__)
@@ -399,6 +400,12 @@ def _items(conn: sqlite3.Connection, prefix: str, now: float) -> list[KeyValue]:
     return [kv for row in rows if (kv := _kv(row)) is not None]
 
 
+def _items_under(conn: sqlite3.Connection, prefixes: tuple[str, ...], now: float) -> list[KeyValue]:
+    """`_items` of each of `prefixes` (`distinct_prefixes`: sorted, none inside another), so
+    the ranges are disjoint and in key order: together they are sorted."""
+    return [kv for prefix in prefixes for kv in _items(conn, prefix, now)]
+
+
 def _revision(conn: sqlite3.Connection) -> int:
     (revision,) = conn.execute("SELECT revision FROM meta WHERE id = 0").fetchone()
     return int(revision)
@@ -521,7 +528,7 @@ class _PollResult:
 
 @dataclass(eq=False)
 class _Watcher:
-    prefix: str
+    prefixes: tuple[str, ...]
     next_revision: int
     epoch: int
     queue: asyncio.Queue[Event | StoreError | None] = field(default_factory=asyncio.Queue)
@@ -643,10 +650,14 @@ class SQLiteStore(Store):
 
     async def get_prefix(self, prefix: str) -> Snapshot:
         check_prefix(prefix)
+        return await self.get_prefixes((prefix,))
+
+    async def get_prefixes(self, prefixes: Sequence[str]) -> Snapshot:
+        distinct = distinct_prefixes(prefixes)
 
         def read(conn: sqlite3.Connection) -> Snapshot:
             revision = _revision(conn)
-            return Snapshot(_items(conn, prefix, lease_clock()), revision)
+            return Snapshot(_items_under(conn, distinct, lease_clock()), revision)
 
         return await self._call(functools.partial(self._read_live, read))
 
@@ -748,12 +759,18 @@ class SQLiteStore(Store):
 
     # Watches.
 
-    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
-        self._check_open()
+    def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
         check_prefix(prefix)
+        return self.watch_prefixes((prefix,), start_revision)
+
+    async def watch_prefixes(
+        self, prefixes: Sequence[str], start_revision: int
+    ) -> AsyncGenerator[Event, None]:
+        self._check_open()
+        distinct = distinct_prefixes(prefixes)
         if self._poller.done():
             raise StoreError(f"store {self.url}: its watch poller has stopped; reopen the store")
-        watcher = _Watcher(prefix, start_revision, self._epoch)
+        watcher = _Watcher(distinct, start_revision, self._epoch)
         self._watchers.add(watcher)
         self._wake.set()
         try:
@@ -767,7 +784,7 @@ class SQLiteStore(Store):
         finally:
             self._watchers.discard(watcher)
 
-    def _poll_read(self, plan: list[tuple[str, int, bool]]) -> _PollResult:
+    def _poll_read(self, plan: list[tuple[tuple[str, ...], int, bool]]) -> _PollResult:
         """In one read transaction: the revision, the resyncs due, and the new changes."""
 
         def read(conn: sqlite3.Connection) -> _PollResult:
@@ -777,9 +794,9 @@ class SQLiteStore(Store):
             ).fetchone()
             resyncs: dict[int, list[KeyValue]] = {}
             low: int | None = None
-            for i, (prefix, next_revision, force) in enumerate(plan):
+            for i, (prefixes, next_revision, force) in enumerate(plan):
                 if force or next_revision <= compacted:
-                    resyncs[i] = _items(conn, prefix, now)
+                    resyncs[i] = _items_under(conn, prefixes, now)
                 elif next_revision <= revision:
                     low = next_revision if low is None else min(low, next_revision)
             changes: list[tuple[int, str, bytes | None]] = []
@@ -798,7 +815,7 @@ class SQLiteStore(Store):
         if not watchers:
             return
         epoch = self._epoch
-        plan = [(w.prefix, w.next_revision, w.resync or w.epoch != epoch) for w in watchers]
+        plan = [(w.prefixes, w.next_revision, w.resync or w.epoch != epoch) for w in watchers]
         try:
             result = await self._call(functools.partial(self._poll_read, plan))
         except StoreUnavailableError:
@@ -819,7 +836,7 @@ class SQLiteStore(Store):
                 w.next_revision = revision + 1
                 continue
             for rev, key, value in result.changes:
-                if rev >= w.next_revision and key.startswith(w.prefix):
+                if rev >= w.next_revision and key.startswith(w.prefixes):
                     if value is None:
                         w.queue.put_nowait(Delete(key, rev))
                     elif (data := _value(key, value)) is not None:
@@ -827,7 +844,9 @@ class SQLiteStore(Store):
             w.next_revision = max(w.next_revision, revision + 1)
             if w.queue.qsize() > MAX_QUEUED:
                 log.warning(
-                    "watch on %r fell %d events behind; it will resync", w.prefix, MAX_QUEUED
+                    "watch on %s fell %d events behind; it will resync",
+                    ", ".join(w.prefixes),
+                    MAX_QUEUED,
                 )
                 while not w.queue.empty():
                     w.queue.get_nowait()

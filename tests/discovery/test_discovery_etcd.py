@@ -1,0 +1,82 @@
+"""Discovery on a real etcd: the join of cards and instances across etcd restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from shoal.discovery import Added, Discovery, ModelKey, Removed
+from shoal.store import open_store
+from tests.etcd_server import EtcdServer
+from tests.helpers import wait_for
+from tests.processes import Processes
+
+pytestmark = pytest.mark.etcd
+
+TTL = 1.0
+"""Shorter than the gap between two watches reconnecting (their backoff reaches 2 s)."""
+OUTAGE = 3.0
+"""How long etcd stays down: long enough for watch backoffs to grow apart (the scenario's
+length, not a synchronisation)."""
+
+
+async def test_a_live_worker_never_loses_its_model_across_etcd_restarts(
+    processes: Processes, own_etcd: EtcdServer
+) -> None:
+    """etcd restarts for longer than the worker's lease TTL: the worker re-grants, re-puts
+    its instance and card under the new lease and retires the old one a TTL later. A
+    watcher must never see the model without a routable instance meanwhile: it reads
+    instances and cards as one (one watch, one revision), never one ahead of the other."""
+    worker = await processes.worker(
+        own_etcd.url, "--lease-ttl", f"{TTL:g}", "--ttft-ms", "0", "--itl-ms", "1"
+    )
+    store = await open_store(own_etcd.url)
+    live: dict[ModelKey, str] = {}
+    dropped: list[str] = []
+
+    async def follow() -> None:
+        async for event in Discovery(store).list_and_watch():
+            if isinstance(event, Added):
+                live[event.model.key] = event.model.card.display_name
+            elif isinstance(event, Removed):
+                gone = live.pop(event.key, None)
+                if gone is not None and gone not in live.values():
+                    dropped.append(f"{event.key} left with no other instance of {gone}")
+
+    follower = asyncio.create_task(follow())
+    try:
+        await wait_for(lambda: list(live.values()) == ["mock-llm"], message="model listed")
+        async with aiohttp.ClientSession() as http:
+            for restart in range(4):
+                (before,) = live
+                down = time.monotonic()
+                own_etcd.stop()
+                try:
+                    # The worker counts its lease lost: no renewal for a whole TTL.
+                    await wait_for(
+                        lambda: _lease_lost(http, worker.status_url),
+                        timeout=TTL + 5,
+                        message="the worker reports its lease lost",
+                    )
+                    await asyncio.sleep(max(0.0, down + OUTAGE - time.monotonic()))
+                finally:
+                    await asyncio.to_thread(own_etcd.start)
+                await wait_for(
+                    lambda before=before: len(live) == 1 and before not in live,
+                    timeout=TTL * 3 + 5,
+                    message=f"restart {restart}: the worker listed under its new lease only",
+                )
+                assert not dropped, dropped
+        assert worker.proc.returncode is None
+    finally:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+        await store.close()
+
+
+async def _lease_lost(http: aiohttp.ClientSession, status_url: str) -> bool:
+    async with http.get(status_url + "/health") as resp:
+        return resp.status == 503 and "lost" in await resp.text()
