@@ -574,3 +574,30 @@ async def test_an_instance_record_with_fields_this_version_does_not_know_is_read
     newer = raw.value[:-1] + b',"from_the_future":{"x":1}}'
     await store.put(key.instance_key, newer)
     assert [m.key for m in await Discovery(store).list()] == [key]
+
+
+async def test_a_resync_reports_a_moved_registration_before_the_old_one_leaves(
+    store: Store,
+) -> None:
+    """A worker re-registered under a new instance id while the watcher was cut off: the
+    `Resync` brings the new registration and the end of the old one together. A consumer
+    applying the events one by one never goes without the model in between."""
+    disc = Discovery(store)
+    watcher_store = await open_store(store.url)
+    try:
+        old = await register(disc, EP, 0x1, make_card())
+        watch = Watch(Discovery(watcher_store))
+        await wait_for(lambda: watch.live() == {old})
+        watcher_store.set_unreachable(True)
+        new = await register(disc, EP, 0x2, make_card())  # after `old` in key order
+        await disc.unregister_model(old)
+        await disc.unregister_instance(EP, 0x1)
+        watcher_store.set_unreachable(False)
+        await wait_for(lambda: watch.live() == {new})
+        moved = [e for e in watch.events if not (isinstance(e, Added) and e.model.key == old)]
+        assert [type(e) for e in moved] == [Added, Removed], moved
+        assert isinstance(moved[0], Added) and moved[0].model.key == new
+        assert moved[1] == Removed(old)
+        await watch.close()
+    finally:
+        await watcher_store.close()
