@@ -103,9 +103,9 @@ class LeaseKeeper:
         if old is not None:
             # The old lease may have survived on the server (etcd restores leases after a
             # restart): end it, so what only it held does not linger until it expires, but
-            # one TTL after the re-put. Readers follow instances and models on separate
-            # watches that may catch up at different times; for that long they see both
-            # registrations of this live process, never a moment with neither.
+            # one TTL after the re-put: a reader that is a little behind (a listing under
+            # way, a watch resyncing) sees both registrations of this live process for that
+            # long, never a moment with neither.
             self._retiring[old.id] = asyncio.get_running_loop().call_later(
                 self.ttl, self._retire, old.id
             )
