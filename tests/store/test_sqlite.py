@@ -417,6 +417,8 @@ async def test_a_read_only_reader_reads_without_keys_of_an_expired_lease(url: st
             await reader.put("k", b"v")
     finally:
         await reader.close()
+    with pytest.raises(StoreUnavailableError, match="no store file"):
+        await open_store(url.replace("store.db", "absent.db") + "?mode=ro")
 
 
 async def test_a_read_that_cannot_reap_for_a_full_disk_still_succeeds(

@@ -279,6 +279,8 @@ def _connect(path: Path, busy_timeout: float, read_only: bool) -> sqlite3.Connec
     """Open `path` in WAL mode and create the schema if the file is new, or migrate it (in
     the store thread). Read-only: the file must exist in the current layout."""
     if read_only:
+        if not path.is_file():
+            raise sqlite3.OperationalError(f"no store file {path} (mode=ro opens an existing one)")
         conn = sqlite3.connect(
             f"file:{quote(str(path))}?mode=ro",
             uri=True,
