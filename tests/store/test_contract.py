@@ -482,6 +482,7 @@ async def test_several_prefixes_are_read_at_one_revision(backend: Backend, prefi
     a, b = prefix + "a/", prefix + "b/"
     try:
         await writer.put(prefix + "c/k", b"outside")
+        await writer.put(prefix + "ab/k", b"between the prefixes, outside both")
 
         async def write() -> None:
             for n in range(40):
@@ -524,11 +525,13 @@ async def test_a_watch_of_several_prefixes_follows_them_as_one(
         )
         try:
             await writer.put(prefix + "c/1", b"outside")
+            await writer.put(prefix + "ab/1", b"between the prefixes, outside both")
             await writer.put(b + "2", b"2")
             await writer.delete(a + "1")
             await writer.put(a + "3", b"3")
             await wait_for(lambda: mirror.state == {b + "1": b"1", b + "2": b"2", a + "3": b"3"})
-            assert not [e for e in mirror.events if getattr(e, "key", a).startswith(prefix + "c")]
+            outside = (prefix + "c", prefix + "ab")
+            assert not [e for e in mirror.events if getattr(e, "key", a).startswith(outside)]
             async with backend.outage(watcher):
                 if backend.name != "etcd":
                     await writer.delete(b + "1")
