@@ -116,5 +116,27 @@ def origin_not_allowed(origin: str) -> ApiError:
     )
 
 
+def loop_detected(gateway: str, hops: int) -> ApiError:
+    return ApiError(
+        508,
+        f"Request loop: the request came back to the gateway that already forwarded it "
+        f"({gateway}, {hops} gateway hop(s) in `Via`); a virtual model's url target leads back "
+        "to a gateway on its own path.",
+        type="server_error",
+        code="loop_detected",
+    )
+
+
+def too_many_hops(hops: int, limit: int) -> ApiError:
+    return ApiError(
+        508,
+        f"Request loop: the request already passed through {hops} shoal gateways (`Via`), the "
+        f"limit is {limit}; virtual models' url targets chain gateways into a loop or too long "
+        "a path.",
+        type="server_error",
+        code="loop_detected",
+    )
+
+
 def internal_error() -> ApiError:
     return ApiError(500, "Internal error in the gateway.", type="server_error")

@@ -24,12 +24,20 @@ the compute spent. After the first byte, a failure (an idle timeout included) en
 stream with an error event, and any other response by closing the client connection. A
 client that disconnects cancels the handler, which drops the upstream connection so the
 worker stops generating.
+
+What crosses: a worker gets the client's headers but hop-by-hop ones; a provider (a virtual
+model's `url` target, outside the fleet) only those of `PROVIDER_HEADERS`. Every forwarded
+request carries this gateway's `Via` entry (`1.1 shoal-<random id>`): a request whose `Via`
+names this gateway, or already `MAX_GATEWAY_HOPS` shoal gateways, went round a loop of url
+targets and is answered 508. Upstream `Access-Control-*` headers are dropped: the gateway's
+own CORS policy alone decides what a browser may read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -84,6 +92,10 @@ class Proxy:
             dropped.add(b"authorization")  # the gateway's own key is not the worker's business
         self._dropped = frozenset(dropped)
         self._dropped_with_authorization = self._dropped | {b"authorization"}
+        # This gateway's name in `Via`: random, so a request that comes back is recognised.
+        self.gateway = "shoal-" + secrets.token_hex(8)
+        self._gateway = self.gateway.encode()
+        self.via = b"via: 1.1 " + self._gateway + b"\r\n"
 
     def handle(self, request: Request, client: ClientConnection, kind: ModelType) -> None:
         """Start answering one request of `kind` (chat, completions, embeddings)."""
@@ -93,6 +105,10 @@ class Proxy:
             self._refuse(client, exc, UNKNOWN_MODEL)
             return
         name = fields.model or ""
+        if (looped := self._looped(request)) is not None:
+            known = name in self.virtual or name in self.registry.models
+            self._refuse(client, looped, name if known else UNKNOWN_MODEL)
+            return
         virtual = self.virtual.get(name)
         if virtual is not None:
             self._route(request, client, kind, fields, virtual)
@@ -132,6 +148,18 @@ class Proxy:
             message = f"The model `{name}` does not serve {kind} requests."
             self._refuse(client, errors.bad_request(message, param="model"), name)
 
+    def _looped(self, request: Request) -> ApiError | None:
+        """508 when the request's `Via` names this gateway, or `MAX_GATEWAY_HOPS` shoal ones."""
+        hops = 0
+        for name, value in request.headers:
+            if name == b"via":
+                hops += value.count(b" shoal-")
+                if self._gateway in value:
+                    return errors.loop_detected(self.gateway, hops)
+        if hops >= MAX_GATEWAY_HOPS:
+            return errors.too_many_hops(hops, MAX_GATEWAY_HOPS)
+        return None
+
     def _refuse(self, client: ClientConnection, error: ApiError, label: str) -> None:
         self.metrics.model(label).count(error.status)
         client.send_error(error)
@@ -142,7 +170,8 @@ class Proxy:
 
     def request_head(self, request: Request, target: Upstream, body: bytes) -> bytes:
         """The request line and headers for `target` and `body`: hop-by-hop headers dropped,
-        length set. A provider never gets the client's `Authorization`, only its own."""
+        length set, this gateway's `Via` added. A provider gets only `PROVIDER_HEADERS` of
+        the client's, never its `Authorization`, only its own."""
         path = request.path
         if target.path_skip:
             path = path[target.path_skip :]
@@ -158,8 +187,14 @@ class Proxy:
         )
         if target.authorization is not None:  # the instance URL's credentials, a provider's secret
             parts += (b"authorization: ", target.authorization, b"\r\n")
-            dropped = self._dropped_with_authorization
-        elif target.provider:
+        if target.provider:
+            hop = hop_by_hop(request.header(b"connection") or b"")
+            for name, value in request.headers:
+                if name in PROVIDER_HEADERS and name not in hop:
+                    parts += (name, b": ", value, b"\r\n")
+            parts += (self.via, b"\r\n")
+            return b"".join(parts)
+        if target.authorization is not None:
             dropped = self._dropped_with_authorization
         else:
             dropped = self._dropped
@@ -175,11 +210,31 @@ class Proxy:
             for name, value in request.headers:
                 if name not in dropped and name not in hop:
                     parts += (name, b": ", value, b"\r\n")
-        parts.append(b"\r\n")
+        parts += (self.via, b"\r\n")
         return b"".join(parts)
 
 
 PROMPT_CHARS = 8192  # how much of the prompt prefix-aware routing looks at
+MAX_GATEWAY_HOPS = 8  # shoal gateways a request may pass through (counted in `Via`)
+
+# What a provider gets of the client's headers: what the answer's form depends on, what
+# identifies the client software and the request for tracing, the OpenAI beta opt-ins, and
+# the `Via` trail (this gateway's entry is added). Never cookies, identity headers a proxy
+# in front added (`X-Forwarded-*`), `OpenAI-Organization`/`OpenAI-Project` (which would let
+# a client choose what the gateway's key bills), `Origin` or `Referer`.
+PROVIDER_HEADERS = frozenset(
+    {
+        b"content-type",
+        b"accept",
+        b"accept-encoding",
+        b"user-agent",
+        b"x-request-id",
+        b"openai-beta",
+        b"traceparent",
+        b"tracestate",
+        b"via",
+    }
+)
 
 # Not forwarded upstream: hop-by-hop headers, and those the proxy sets itself.
 _REQUEST_HEADERS_DROPPED = frozenset(
@@ -209,6 +264,9 @@ _RESPONSE_HEADERS_DROPPED = frozenset(
         b"upgrade",
     }
 )
+
+
+_CORS = b"access-control-"  # an upstream's CORS headers: the gateway's policy alone decides
 
 
 def hop_by_hop(connection: bytes) -> frozenset[bytes]:
@@ -583,7 +641,7 @@ class Forward:
         listed: bytes | None = None  # the upstream's `Connection:` value
         for name, value in headers:
             lname = name.lower()
-            if lname not in _RESPONSE_HEADERS_DROPPED:
+            if lname not in _RESPONSE_HEADERS_DROPPED and not lname.startswith(_CORS):
                 parts += (name, b": ", value, b"\r\n")
             elif lname == b"connection":
                 listed = value
@@ -591,7 +649,8 @@ class Forward:
             parts = [status_line(status)]
             for name, value in headers:
                 lname = name.lower()
-                if lname not in _RESPONSE_HEADERS_DROPPED and lname not in hop:
+                relayed = lname not in _RESPONSE_HEADERS_DROPPED and not lname.startswith(_CORS)
+                if relayed and lname not in hop:
                     parts += (name, b": ", value, b"\r\n")
         if chunked:
             if self.request.http11:

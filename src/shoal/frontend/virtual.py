@@ -6,7 +6,9 @@ them to the `RouteTable`, which keeps `models`: name → `VirtualModel`, what th
 up. A request picks one target by weight. A `fleet` target is a model of the registry
 (routed as a request for it would be: its worker sets, the routing policy, inhibition); a
 `url` target is an external provider behind one pooled `Upstream` (HTTPS or HTTP), whose
-bearer token comes from the frontend's own secrets.
+bearer token comes from the frontend's own secrets. Targets that differ only in the model
+they name (gpt-4o and gpt-4o-mini on one key) have an `Upstream` each: a failure excludes
+and inhibits the target that failed, not its neighbour at the same base URL.
 
 Names: a virtual model wins over a discovered model of the same name (logged once per name):
 the route is what an operator declared, and the controller's passthrough virtual models are
@@ -254,7 +256,8 @@ class RouteTable:
         self.routes: dict[str, dict[str, Route]] = {ws: {} for ws in self.workspaces}
         self.skipped: dict[str, str] = {}
         self.version = 0
-        self._upstreams: dict[tuple[str, str | None], tuple[Upstream, int]] = {}
+        # (base URL, secret, model) -> the target's upstream and how many choices hold it
+        self._upstreams: dict[tuple[str, str | None, str], tuple[Upstream, int]] = {}
         self._clashes_logged: set[str] = set()
 
     # -- changes (from the route watcher) ----------------------------------------------------
@@ -305,7 +308,7 @@ class RouteTable:
 
     def refresh_secrets(self) -> None:
         """Resolve every provider's secret again (a rotated file, a variable set late)."""
-        for (_, secret), (upstream, _) in self._upstreams.items():
+        for (_, secret, _), (upstream, _) in self._upstreams.items():
             if secret is not None:
                 # (a value that stops resolving: the one in use stays until one works again)
                 with contextlib.suppress(SecretError):
@@ -389,7 +392,7 @@ class RouteTable:
     def _resolve(self, target: FleetTarget | UrlTarget) -> Choice:
         if isinstance(target, FleetTarget):
             return FleetChoice(target.model, target.weight, self.registry)
-        key = (target.base_url, target.secret)
+        key = (target.base_url, target.secret, target.model)
         held = self._upstreams.get(key)
         if held is not None:
             self._upstreams[key] = (held[0], held[1] + 1)
@@ -430,7 +433,7 @@ class RouteTable:
     def _release(self, vm: VirtualModel) -> None:
         for choice in vm.choices:
             if isinstance(choice, UrlChoice) and choice.upstream is not None:
-                key = (choice.target.base_url, choice.target.secret)
+                key = (choice.target.base_url, choice.target.secret, choice.target.model)
                 held = self._upstreams.get(key)
                 if held is None or held[0] is not choice.upstream:
                     continue
