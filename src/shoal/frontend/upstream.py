@@ -61,8 +61,9 @@ class Upstream:
     """One endpoint instance as the request path sees it: its address, pool and load.
 
     Or, with `provider`, an external OpenAI-compatible server a virtual model routes to:
-    `url` is its base URL, and the client's own `Authorization` is never sent to it (only
-    `authorization`, the bearer token of its secret, when it has one).
+    `url` is its base URL; of the client's headers it gets only `proxy.PROVIDER_HEADERS`,
+    never the client's own `Authorization` (only `authorization`, the bearer token of its
+    secret, when it has one).
 
     `in_flight` counts requests this frontend has open on it (for least-loaded routing);
     `inhibited_until` (monotonic seconds) keeps it out of routing after a failure.
