@@ -342,8 +342,11 @@ async def test_steps_failing_past_the_deadline_make_the_loop_unhealthy_with_the_
         await wait_for(lambda: controller.steps >= 2, message="two failed steps")
         assert loop.health().healthy  # failing, but not for longer than the deadline yet
         clock.advance(16.0)
+        steps = controller.steps
+        await wait_for(lambda: controller.steps > steps, message="a step after the deadline")
         health = loop.health()
         assert not health.healthy
+        assert health.failing  # the loop runs: its steps fail, it is not stuck
         assert health.reason is not None
         assert health.reason.startswith("steps failing for 16s")
         assert health.reason.endswith("ConnectionError: store unreachable")

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from shoal.controllers import Controller, ControllerManager, Loop, LoopHealth
+from tests.helpers import wait_for
 
 
 class Flagged(Controller):
@@ -108,3 +109,28 @@ async def test_health_check_that_raises_counts_as_unhealthy_and_is_logged_once(
     controller.broken = False
     assert manager.unhealthy() == {}
     assert [r.levelno for r in manager_records(caplog)] == [logging.WARNING, logging.INFO]
+
+
+class Failing(Controller):
+    """Every step fails, as a step against a store that is down does."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    async def step(self) -> None:
+        self.steps += 1
+        raise ConnectionError("store unreachable")
+
+
+async def test_a_loop_whose_steps_keep_failing_is_unhealthy_but_not_stuck(
+    models: tuple[Flagged, ControllerManager],
+) -> None:
+    controller, manager = models
+    failing = Failing()
+    manager.register(Loop(failing, name="failing", interval=0.02, max_silence=0.5))
+    await manager.start_all()
+    await wait_for(lambda: "failing" in manager.unhealthy(), message="failing past the deadline")
+    assert manager.unhealthy()["failing"].startswith("steps failing for")
+    assert manager.stuck() == {}  # a shared dependency down: no readiness probe fails for it
+    controller.healthy = False  # a loop stuck on its own work is what readiness fails for
+    assert manager.stuck() == {"models": "controller reported itself unhealthy"}

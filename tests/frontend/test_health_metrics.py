@@ -149,7 +149,36 @@ async def test_each_frontend_has_its_own_metrics_registry(start_frontend: StartF
     )
 
 
-async def test_store_outage_shows_in_health_and_fails_the_reconciliation_loop(
+async def test_a_reconcile_interval_shorter_than_a_hanging_metadata_fetch_keeps_the_frontend_ready(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """One worker whose metadata hangs (each fetch ends at the 1 s timeout, and is retried by
+    reconciliation every 0.2 s) delays only its own card: the loop never waits on it."""
+    slow = await start_worker("slow", register=False)
+    slow.metadata_hang.clear()
+    await start_worker("fast")
+    frontend = await start_frontend(reconcile_interval=0.2, metadata_timeout=1.0)
+    await slow.register(frontend.watcher.discovery.store)  # type: ignore[union-attr]
+    not_ready: list[tuple[int, Any]] = []
+
+    async def ready_while_fetches_hang() -> bool:
+        status, body = await get(f"{frontend.url}/ready")
+        if status != 200:
+            not_ready.append((status, body))
+        return slow.metadata_fetches >= 3 or bool(not_ready)
+
+    # The event's fetch times out, then reconciliation retries it twice, each hanging 1 s.
+    await wait_for(ready_while_fetches_hang, timeout=15)
+    assert not_ready == []
+    assert serving(frontend, "fast") and not serving(frontend, "slow")
+    _, body = await get(f"{frontend.url}/health")
+    assert [entry["state"] for entry in body["incomplete"]] == ["pending"]
+    assert (await get(f"{frontend.url}/health/controllers"))[0] == 200
+    slow.metadata_hang.set()
+    await wait_for(lambda: serving(frontend, "slow"), timeout=5)
+
+
+async def test_store_outage_shows_in_health_and_health_controllers_but_not_in_ready(
     own_etcd: EtcdServer, tmp_path: Path
 ) -> None:
     etcd = own_etcd
@@ -169,9 +198,12 @@ async def test_store_outage_shows_in_health_and_fails_the_reconciliation_loop(
         assert body["store"]["unreachable_since"].endswith("+00:00")
         assert body["store"]["error"]
         status, body = await wait_for(
-            lambda: _get_when(f"{frontend.url}/health/controllers", 503), timeout=30
+            lambda: _controllers_when(frontend, "model-reconciler"), timeout=30
         )
+        assert status == 503
         assert "steps failing for" in body["unhealthy"]["model-reconciler"]
+        assert body["unhealthy"]["store"].startswith("unreachable since ")
+        assert (await get(f"{frontend.url}/ready")) == (200, {"status": "ready"})
         etcd.start()
         await wait_for(lambda: _get_when(f"{frontend.url}/health/controllers", 200), timeout=30)
         status, body = await get(f"{frontend.url}/health")
@@ -183,6 +215,11 @@ async def test_store_outage_shows_in_health_and_fails_the_reconciliation_loop(
 async def _health_when(frontend: Frontend, check: Any) -> tuple[int, dict] | None:  # type: ignore[type-arg]
     status, body = await get(f"{frontend.url}/health")
     return (status, body) if check(body) else None
+
+
+async def _controllers_when(frontend: Frontend, loop: str) -> tuple[int, dict] | None:  # type: ignore[type-arg]
+    status, body = await get(f"{frontend.url}/health/controllers")
+    return (status, body) if loop in body["unhealthy"] else None
 
 
 async def _get_when(url: str, status: int) -> tuple[int, dict] | None:  # type: ignore[type-arg]

@@ -5,6 +5,12 @@ thread, so a blocking controller never stalls the event loop. A step that raises
 with its traceback once per distinct failure, and the loop goes on. A loop is healthy while
 its task or thread is alive, it made progress within `max_silence`, its steps have not kept
 failing for longer than `max_silence`, and its controller says it is healthy.
+
+Two kinds of unhealthy, because they call for different answers: a loop *stuck* on its own
+work (not running, silent, its controller says so) is this process's trouble, which taking
+it out of traffic or restarting it may fix; a loop whose steps run and return but keep
+*failing* (`LoopHealth.failing`) is most often held up by something outside it (the store,
+a peer) that every replica shares, so it is reported but fails no readiness probe.
 """
 
 from __future__ import annotations
@@ -25,10 +31,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoopHealth:
-    """The result of one health probe; `reason` says what is wrong when not `healthy`."""
+    """The result of one health probe; `reason` says what is wrong when not `healthy`.
+
+    `failing`: unhealthy only because its steps keep raising, while the loop itself runs and
+    makes progress; otherwise an unhealthy loop is stuck on its own work."""
 
     healthy: bool
     reason: str | None = None
+    failing: bool = False
 
 
 class MonitoredController(Controller):
@@ -183,16 +193,10 @@ class Loop:
         return False
 
     def health(self) -> LoopHealth:
-        """Probe liveness: running, not failing nor silent beyond `max_silence`, controller healthy."""
+        """Probe liveness: running, not silent nor failing beyond `max_silence`, controller
+        healthy. Being stuck is reported before failing (a step that hangs after failures)."""
         if not self.running:
             return LoopHealth(False, "loop is not running")
-        failure = self._failure
-        if failure is not None and self.clock() - failure.since > self.max_silence:
-            failing = _seconds(self.clock() - failure.since)
-            return LoopHealth(
-                False,
-                f"steps failing for {failing} ({failure.count} in a row): {failure.description}",
-            )
         silence = self.heartbeat.silence()
         if silence > self.max_silence:
             return LoopHealth(
@@ -201,6 +205,14 @@ class Loop:
             )
         if not self.controller.is_healthy:
             return LoopHealth(False, "controller reported itself unhealthy")
+        failure = self._failure
+        if failure is not None and self.clock() - failure.since > self.max_silence:
+            failing = _seconds(self.clock() - failure.since)
+            return LoopHealth(
+                False,
+                f"steps failing for {failing} ({failure.count} in a row): {failure.description}",
+                failing=True,
+            )
         return LoopHealth(True)
 
     def _succeeded(self) -> None:

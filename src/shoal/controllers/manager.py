@@ -77,6 +77,16 @@ class ControllerManager:
             if not health.healthy
         }
 
+    def stuck(self) -> dict[str, str]:
+        """The loops stuck on their own work, and why: unhealthy, and not merely because
+        their steps keep failing on something outside the process (`LoopHealth.failing`).
+        What a readiness probe fails for."""
+        return {
+            name: health.reason or "unhealthy"
+            for name, health in self.health().items()
+            if not health.healthy and not health.failing
+        }
+
     def _record(self, name: str, health: LoopHealth, error: Exception | None) -> None:
         was_healthy = self._healthy.get(name, True)
         self._healthy[name] = health.healthy

@@ -3,8 +3,10 @@
 Routes: the OpenAI request routes go to the proxy; `/v1/models`, `/live`, `/ready`,
 `/health`, `/health/controllers` and `/metrics` are small handlers on the same server.
 `/live` is the liveness probe (503 only while shutting down), `/ready` the readiness probe
-(503 with reasons while starting, draining, or a control loop is stuck or failing), and
-`/health` a report for people (200 once started, whatever the store's state).
+(503 with reasons while starting, draining, or a control loop is stuck on its own work; never
+for the store or a worker, which every replica shares), and `/health` a report for people
+(200 once started, whatever the store's state). `/health/controllers` reports every loop in
+trouble and the store's outage.
 `/v1/membership` and `/v1/membership/status` are served when the scope follows a membership
 watch.
 
@@ -258,6 +260,8 @@ class Frontend:
             config.namespaces,
             follow_membership=self._membership_factory is not None,
         )
+        store = self.watcher.store
+        self.metrics.watch_store(lambda: store.unreachable_since)
         self.server = HttpServer(
             self.handle,
             max_body=config.max_body,
@@ -411,6 +415,9 @@ class Frontend:
             if self.membership is not None and self.membership.status.last_error:
                 status, body["status"] = 503, "unavailable"
                 body["unhealthy"]["membership"] = self.membership.status.last_error
+            if self.watcher is not None and (outage := self.watcher.store.outage()) is not None:
+                status, body["status"] = 503, "unavailable"
+                body["unhealthy"]["store"] = outage
             conn.send(status, _json(body))
         elif path in (b"/v1/membership", b"/v1/membership/status"):
             self._authorize(request)
@@ -449,13 +456,18 @@ class Frontend:
         return live
 
     def readiness(self) -> tuple[int, dict[str, Any]]:
-        """200 when this frontend should get traffic; else 503 with every reason, by loop."""
+        """200 when this frontend should get traffic; else 503 with every reason, by source.
+
+        Only what taking this replica out can help: starting, draining, a loop stuck on its
+        own work. Never a store outage or one bad worker: every replica shares those, and
+        failing all of them at once would turn a degraded fleet into no fleet (each still
+        serves from what it knows). Those show in `/health`, `/health/controllers`, metrics."""
         reasons: dict[str, str] = {}
         if self.draining:
             reasons["frontend"] = "draining"
         elif self.watcher is None or not self.watcher.snapshot_loaded.is_set():
             reasons["frontend"] = "starting: the first discovery snapshot is not loaded yet"
-        reasons.update(self.manager.unhealthy())
+        reasons.update(self.manager.stuck())
         if reasons:
             return 503, {"status": "not ready", "reasons": reasons}
         return 200, {"status": "ready"}

@@ -100,7 +100,8 @@ class FrontendMetrics:
         )
         self.reconcile_duration = PromHistogram(
             "shoal_frontend_reconcile_duration_seconds",
-            "Wall time of one reconciliation pass: list discovery, repair, await its fetches.",
+            "Wall time of one reconciliation pass: list discovery and repair (the metadata "
+            "fetches it starts run on after it).",
             buckets=RECONCILE_BUCKETS,
             registry=self.registry,
         )
@@ -136,6 +137,11 @@ class FrontendMetrics:
     def watch_metadata_cache(self, cache: MetadataCache) -> None:
         """Show `cache`'s size and write errors on `/metrics`."""
         self.registry.register(_MetadataCacheCollector(cache))
+
+    def watch_store(self, unreachable_since: Callable[[], float | None]) -> None:
+        """Show whether the store answers: `unreachable_since` gives the wall-clock time of
+        the first failed call of the current outage, or None while it answers."""
+        self.registry.register(_StoreCollector(unreachable_since))
 
     def model(self, name: str) -> ModelStats:
         stats = self.models.get(name)
@@ -250,6 +256,27 @@ class _MetadataCacheCollector(Collector):
             "shoal_frontend_metadata_cache_evictions",
             "Metadata files removed from the cache to keep it within its size.",
             value=cache.evictions,
+        )
+
+
+class _StoreCollector(Collector):
+    """The store's reachability, read at scrape time (an outage every replica sees: alert on
+    it, it fails no readiness probe)."""
+
+    def __init__(self, unreachable_since: Callable[[], float | None]) -> None:
+        self.unreachable_since = unreachable_since
+
+    def collect(self) -> Iterator[Metric]:
+        since = self.unreachable_since()
+        yield GaugeMetricFamily(
+            "shoal_frontend_store_reachable",
+            "1 while the store answered the frontend's last call, 0 during an outage.",
+            value=1.0 if since is None else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "shoal_frontend_store_unreachable_seconds",
+            "Seconds since the store's current outage began (0 while it answers).",
+            value=0.0 if since is None else max(0.0, time.time() - since),
         )
 
 

@@ -8,6 +8,8 @@ Two paths change registrations, and a generation fence orders them:
 - Reconciliation. Every `reconcile_interval` seconds a `Reconciler` (a `shoal.controllers`
   controller) lists discovery and repairs the difference: registers what events missed,
   retries incomplete or refused registrations, removes cards that discovery no longer has.
+  Its pass does not wait for the metadata fetches it starts: one worker whose files hang
+  delays only its own card, never the repair of the others nor the loop's health.
 
 Which checksum a worker set runs is elected from every card discovery holds for it
 (`versions.Versions`), so frontends with different histories agree; a card of another
@@ -96,12 +98,22 @@ class StoreState:
         """For `/health`: reachable, or unreachable since when (ISO 8601, UTC) and why."""
         if self.unreachable_since is None:
             return {"reachable": True}
-        since = datetime.datetime.fromtimestamp(self.unreachable_since, datetime.UTC)
         return {
             "reachable": False,
-            "unreachable_since": since.isoformat(timespec="seconds"),
+            "unreachable_since": self._since(),
             "error": self.error,
         }
+
+    def outage(self) -> str | None:
+        """For `/health/controllers`: the outage in a sentence, or None while it answers."""
+        if self.unreachable_since is None:
+            return None
+        return f"unreachable since {self._since()}: {self.error}"
+
+    def _since(self) -> str:
+        assert self.unreachable_since is not None
+        since = datetime.datetime.fromtimestamp(self.unreachable_since, datetime.UTC)
+        return since.isoformat(timespec="seconds")
 
 
 class ModelWatcher:
@@ -434,8 +446,11 @@ class ModelWatcher:
 
     # -- reconciliation ----------------------------------------------------------------------
 
-    async def reconcile(self, emit_heartbeat: Callable[[], None] = _nothing) -> Counter[str]:
-        """One pass: list discovery, repair the registry, wait for the fetches it started.
+    async def reconcile(
+        self, emit_heartbeat: Callable[[], None] = _nothing, *, wait_for_fetches: bool = True
+    ) -> Counter[str]:
+        """One pass: list discovery, repair the registry, and (`wait_for_fetches`) wait for
+        the metadata fetches it started, so their cards have joined when it returns.
 
         If listing fails nothing is changed and the error propagates. An entry that fails to
         repair is logged and skipped. Returns the repairs made, by action.
@@ -454,6 +469,8 @@ class ModelWatcher:
             finally:
                 self._epochs.remove(epoch)
                 self._prune_generations()
+            if not wait_for_fetches:
+                return repairs
             for fetch in asyncio.as_completed(fetches):
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await fetch
@@ -607,12 +624,18 @@ class ModelWatcher:
 
 
 class Reconciler(HeartbeatMixin, Controller):
-    """The periodic reconciliation as a `shoal.controllers` controller (run by a `Loop`)."""
+    """The periodic reconciliation as a `shoal.controllers` controller (run by a `Loop`).
+
+    A step that raises failed to list the store (every replica shares it): the loop reports
+    it as failing, not stuck. The fetches a step starts run on after it: a worker whose
+    metadata hangs never holds the loop up."""
 
     def __init__(self, watcher: ModelWatcher) -> None:
         self.watcher = watcher
         self.last_repairs: Counter[str] = Counter()
 
     async def step(self) -> None:
-        self.last_repairs = await self.watcher.reconcile(self.emit_heartbeat)
+        self.last_repairs = await self.watcher.reconcile(
+            self.emit_heartbeat, wait_for_fetches=False
+        )
         self.watcher.metrics.drop_departed()  # also when nobody scrapes /metrics
