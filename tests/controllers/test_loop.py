@@ -394,3 +394,36 @@ async def test_a_changed_failure_is_logged_with_the_count_of_the_previous_one(
         await loop.stop()
     [repeated] = [r for r in caplog.records if "repeated" in r.getMessage()]
     assert "ConnectionError: first" in repeated.getMessage()
+
+
+class WaitsOnTheStore(HeartbeatMixin, Controller):
+    """Each step waits on the store (a shared dependency) until released."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def step(self) -> None:
+        with self.waiting_on("the store"):
+            self.entered.set()
+            await self.release.wait()
+
+
+async def test_a_loop_silent_while_waiting_on_a_shared_dependency_is_failing_not_stuck() -> None:
+    clock = FakeClock()
+    controller = WaitsOnTheStore()
+    loop = Loop(controller, interval=5.0, clock=clock)
+    await loop.start()
+    try:
+        await wait_for(controller.entered.is_set, message="the step to wait on the store")
+        clock.advance(47.0)
+        assert loop.health() == LoopHealth(
+            False, "no progress for 47s (max allowed: 15s): waiting on the store", failing=True
+        )
+        controller.entered.clear()
+        controller.release.set()  # the store answers: the wait was not the loop's silence
+        await wait_for(lambda: loop.heartbeat.waiting is None)
+        assert loop.health() == LoopHealth(True)
+    finally:
+        controller.release.set()
+        await loop.stop()

@@ -14,7 +14,7 @@ import pytest
 
 from tests.etcd_server import EtcdServer
 from tests.faults.conftest import Fleet
-from tests.faults.support import RECONCILE_INTERVAL, Load, routes_exactly, until
+from tests.faults.support import RECONCILE_INTERVAL, Load, TcpProxy, routes_exactly, until
 
 pytestmark = pytest.mark.etcd
 
@@ -57,12 +57,18 @@ async def get(url: str) -> tuple[int, Any]:
         return response.status, await response.text()
 
 
-async def reconciler_failing(url: str) -> bool:
-    """The frontend's reconciler has failed for longer than three intervals (its loop says so
-    once its steps kept failing past `max_silence`)."""
+async def reconciler_held_up(url: str) -> bool:
+    """The frontend's reconciler has been held up by the store for more than three intervals:
+    its steps kept failing (etcd stopped) or it waited on the store (etcd stalled) that long,
+    which used to fail `/ready`."""
     status, body = await get(f"{url}/health/controllers")
-    unhealthy = body.get("unhealthy", {})
-    return status == 503 and "steps failing for" in unhealthy.get("model-reconciler", "")
+    reason = body.get("unhealthy", {}).get("model-reconciler", "")
+    return status == 503 and ("steps failing for" in reason or "no progress for" in reason)
+
+
+async def outage_reported(url: str) -> bool:
+    status, body = await get(f"{url}/health/controllers")
+    return status == 503 and "unreachable since" in body.get("unhealthy", {}).get("store", "")
 
 
 async def store_reachable(url: str) -> bool:
@@ -70,11 +76,19 @@ async def store_reachable(url: str) -> bool:
     return status == 200 and bool(body["store"]["reachable"])
 
 
+@pytest.mark.parametrize("fault", ["stopped", "stalled"])
 async def test_a_store_outage_leaves_every_frontend_ready_and_serving(
-    processes: Any, own_etcd: EtcdServer, namespace: str, tmp_path: Path
+    processes: Any, own_etcd: EtcdServer, namespace: str, tmp_path: Path, fault: str
 ) -> None:
-    fleet = Fleet(processes, own_etcd.url, namespace, tmp_path)
-    worker = await fleet.worker("--lease-ttl", "10")  # the lease outlives the outage
+    """etcd stopped (calls refused at once), or its traffic stalled (each call waits for its
+    deadline, longer than three reconcile intervals)."""
+    proxy = await TcpProxy("127.0.0.1", own_etcd.client_port).start()
+    store_url = own_etcd.url if fault == "stopped" else f"etcd://127.0.0.1:{proxy.port}"
+    fleet = Fleet(processes, store_url, namespace, tmp_path)
+    # The worker reaches etcd directly, under a lease that outlives the outage: only the
+    # frontends' store is in trouble.
+    direct = Fleet(processes, own_etcd.url, namespace, tmp_path)
+    worker = await direct.worker("--lease-ttl", "15")
     fronts = [await fleet.frontend("--cache-dir", str(tmp_path / f"cache-{i}")) for i in range(2)]
     urls = [front.url for front in fronts]
     for url in urls:
@@ -85,27 +99,31 @@ async def test_a_store_outage_leaves_every_frontend_ready_and_serving(
     load.start()
     try:
         await load.advance(20)
-        own_etcd.stop()
-        # Down long enough for each reconciler to fail more than three intervals in a row.
+        own_etcd.stop() if fault == "stopped" else proxy.stall()
+        # Down long enough for each reconciler to be held up more than three intervals.
         for url in urls:
-            await until(lambda u=url: reconciler_failing(u), 10 + 6 * RECONCILE_INTERVAL, "failing")  # type: ignore[misc]
+            await until(lambda u=url: reconciler_held_up(u), 10 + 6 * RECONCILE_INTERVAL, "held up")  # type: ignore[misc]
         assert probe.not_ready == []
         for url in urls:
-            status, body = await get(f"{url}/health/controllers")
-            assert "unreachable since" in body["unhealthy"]["store"]
+            await until(lambda u=url: outage_reported(u), 10, "the store's outage reported")  # type: ignore[misc]
+            if fault == "stopped":  # (a stalled store's failures come a call deadline apart)
+                status, body = await get(f"{url}/health/controllers")
+                reason = body["unhealthy"]["model-reconciler"]
+                assert reason.startswith("steps failing for"), reason
             status, body = await get(f"{url}/health")
             assert status == 200
             assert body["store"]["reachable"] is False and body["store"]["error"]
             _, metrics = await get(f"{url}/metrics")
             assert "shoal_frontend_store_reachable 0.0" in metrics
         await load.advance(20)  # answered from what each frontend knows
-        own_etcd.start()
+        own_etcd.start() if fault == "stopped" else proxy.heal()
         for url in urls:
             await until(lambda u=url: store_reachable(u), 30, "store reachable again")  # type: ignore[misc]
         await load.advance(10)
     finally:
         await load.finish()
         await probe.stop()
+        await proxy.close()
     assert probe.probes > 20
     assert probe.not_ready == []
     assert load.failed_before_first_byte == []

@@ -308,18 +308,43 @@ async def test_cards_that_cannot_be_read_are_counted_listed_and_unknown_fields_t
 
 
 async def test_ready_is_503_with_the_reason_while_a_loop_is_stuck_and_health_keeps_its_meaning(
-    discovery: FilteringDiscovery, start_frontend: StartFrontend
+    start_frontend: StartFrontend,
 ) -> None:
     frontend = await start_frontend(reconcile_interval=0.2)
     assert await get(f"{frontend.url}/ready") == (200, {"status": "ready"})
-    discovery.hold_listings = asyncio.Event()  # the next reconciliation never returns
+    watcher = frontend.watcher
+    assert watcher is not None
+    stuck = asyncio.Event()
+    apply = watcher._apply
+
+    async def apply_never_ends(*args: Any, **kwargs: Any) -> Any:
+        await stuck.wait()  # the loop's own work (not the store) never ends
+        return await apply(*args, **kwargs)
+
+    watcher._apply = apply_never_ends  # type: ignore[method-assign]
     _, body = await wait_for(lambda: _get_when(f"{frontend.url}/ready", 503))
     assert body["status"] == "not ready"
     assert "no progress for" in body["reasons"]["model-reconciler"]
     assert (await get(f"{frontend.url}/health"))[0] == 200
     assert (await get(f"{frontend.url}/live"))[0] == 200
-    discovery.hold_listings.set()
+    watcher._apply = apply  # type: ignore[method-assign]
+    stuck.set()
     await wait_for(lambda: _get_when(f"{frontend.url}/ready", 200))
+
+
+async def test_a_listing_the_store_does_not_answer_is_waiting_on_the_store_not_stuck(
+    discovery: FilteringDiscovery, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend(reconcile_interval=0.2)
+    discovery.hold_listings = asyncio.Event()  # the store takes its time with the next listing
+    status, body = await wait_for(
+        lambda: _controllers_when(frontend, "model-reconciler"), message="the loop is silent"
+    )
+    assert status == 503
+    assert body["unhealthy"]["model-reconciler"].endswith("waiting on the store")
+    assert await get(f"{frontend.url}/ready") == (200, {"status": "ready"})
+    discovery.hold_listings.set()
+    await wait_for(lambda: _get_when(f"{frontend.url}/health/controllers", 200))
 
 
 async def test_ready_is_503_while_starting_and_draining(

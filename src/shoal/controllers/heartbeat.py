@@ -7,13 +7,20 @@ stops reporting is not, however recently it began.
 The rule: a beat only ever follows completed work. Never beat from a timer, and never
 around a call that might block: a single call that hangs forever must stop the clock,
 so that it is caught. Slow-but-advancing work is healthy; that is the point.
+
+A call to something outside the process that every replica shares (the store) is marked
+with `waiting_on`: the time spent in it is not this loop's silence. While it lasts, a
+silence is reported as that wait, which no readiness probe fails for (another replica would
+wait just the same), and the clock starts again when it ends.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractContextManager
 
 
 class Controller(abc.ABC):
@@ -43,6 +50,7 @@ class Heartbeat:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.last = clock()
+        self.waiting: str | None = None  # the shared dependency a step waits on now
 
     def beat(self) -> None:
         """Record that work was just completed."""
@@ -51,6 +59,18 @@ class Heartbeat:
     def silence(self) -> float:
         """Seconds since the last beat."""
         return self.clock() - self.last
+
+    @contextlib.contextmanager
+    def waiting_on(self, what: str) -> Iterator[None]:
+        """The work inside waits on `what`, outside the process and shared by every replica.
+        A silence meanwhile is reported as this wait; when it ends (answered or failed), the
+        silence is counted from then: the wait was not this loop's own work."""
+        self.waiting = what
+        try:
+            yield
+        finally:
+            self.waiting = None
+            self.last = max(self.last, self.clock())
 
 
 class HeartbeatMixin:
@@ -72,3 +92,10 @@ class HeartbeatMixin:
         """Report that a piece of work was just completed."""
         if self._heartbeat is not None:
             self._heartbeat.beat()
+
+    def waiting_on(self, what: str) -> AbstractContextManager[None]:
+        """Mark a call to a shared dependency (`Heartbeat.waiting_on`); pass it to helpers
+        like `emit_heartbeat`."""
+        if self._heartbeat is None:
+            return contextlib.nullcontext()
+        return self._heartbeat.waiting_on(what)

@@ -8,9 +8,10 @@ failing for longer than `max_silence`, and its controller says it is healthy.
 
 Two kinds of unhealthy, because they call for different answers: a loop *stuck* on its own
 work (not running, silent, its controller says so) is this process's trouble, which taking
-it out of traffic or restarting it may fix; a loop whose steps run and return but keep
-*failing* (`LoopHealth.failing`) is most often held up by something outside it (the store,
-a peer) that every replica shares, so it is reported but fails no readiness probe.
+it out of traffic or restarting it may fix; a loop whose steps keep *failing*, or that is
+silent while waiting on a shared dependency (`Heartbeat.waiting_on`: the store), is held up
+by something every replica shares (`LoopHealth.failing`): reported, but it fails no
+readiness probe.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ log = logging.getLogger(__name__)
 class LoopHealth:
     """The result of one health probe; `reason` says what is wrong when not `healthy`.
 
-    `failing`: unhealthy only because its steps keep raising, while the loop itself runs and
-    makes progress; otherwise an unhealthy loop is stuck on its own work."""
+    `failing`: unhealthy only because its steps keep raising, or it is silent while waiting
+    on a dependency every replica shares; otherwise an unhealthy loop is stuck on its own
+    work."""
 
     healthy: bool
     reason: str | None = None
@@ -199,10 +201,13 @@ class Loop:
             return LoopHealth(False, "loop is not running")
         silence = self.heartbeat.silence()
         if silence > self.max_silence:
-            return LoopHealth(
-                False,
-                f"no progress for {_seconds(silence)} (max allowed: {_seconds(self.max_silence)})",
+            reason = (
+                f"no progress for {_seconds(silence)} (max allowed: {_seconds(self.max_silence)})"
             )
+            waiting = self.heartbeat.waiting
+            if waiting is not None:
+                return LoopHealth(False, f"{reason}: waiting on {waiting}", failing=True)
+            return LoopHealth(False, reason)
         if not self.controller.is_healthy:
             return LoopHealth(False, "controller reported itself unhealthy")
         failure = self._failure

@@ -79,6 +79,10 @@ def _nothing() -> None:
     pass
 
 
+def _unwatched(what: str) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
 class StoreState:
     """Whether discovery's store answered the last listing, and since when it has not."""
 
@@ -447,10 +451,16 @@ class ModelWatcher:
     # -- reconciliation ----------------------------------------------------------------------
 
     async def reconcile(
-        self, emit_heartbeat: Callable[[], None] = _nothing, *, wait_for_fetches: bool = True
+        self,
+        emit_heartbeat: Callable[[], None] = _nothing,
+        *,
+        waiting_on: Callable[[str], contextlib.AbstractContextManager[None]] = _unwatched,
+        wait_for_fetches: bool = True,
     ) -> Counter[str]:
         """One pass: list discovery, repair the registry, and (`wait_for_fetches`) wait for
         the metadata fetches it started, so their cards have joined when it returns.
+        The listing runs inside `waiting_on("the store")`: a store that is slow to answer or
+        fail is the store's trouble, which every replica shares, not this loop's.
 
         If listing fails nothing is changed and the error propagates. An entry that fails to
         repair is logged and skipped. Returns the repairs made, by action.
@@ -461,7 +471,8 @@ class ModelWatcher:
             self._epochs.append(epoch)
             try:
                 try:
-                    listed = await self._list()
+                    with waiting_on("the store"):
+                        listed = await self._list()
                 except Exception:
                     self.metrics.reconcile_failures.labels("list").inc()
                     raise
@@ -626,9 +637,10 @@ class ModelWatcher:
 class Reconciler(HeartbeatMixin, Controller):
     """The periodic reconciliation as a `shoal.controllers` controller (run by a `Loop`).
 
-    A step that raises failed to list the store (every replica shares it): the loop reports
-    it as failing, not stuck. The fetches a step starts run on after it: a worker whose
-    metadata hangs never holds the loop up."""
+    A step that raises failed to list the store, and a step silent in its listing waits on
+    the store: every replica shares it, so the loop reports either as failing, not stuck.
+    The fetches a step starts run on after it: a worker whose metadata hangs never holds the
+    loop up."""
 
     def __init__(self, watcher: ModelWatcher) -> None:
         self.watcher = watcher
@@ -636,6 +648,6 @@ class Reconciler(HeartbeatMixin, Controller):
 
     async def step(self) -> None:
         self.last_repairs = await self.watcher.reconcile(
-            self.emit_heartbeat, wait_for_fetches=False
+            self.emit_heartbeat, waiting_on=self.waiting_on, wait_for_fetches=False
         )
         self.watcher.metrics.drop_departed()  # also when nobody scrapes /metrics
