@@ -132,7 +132,8 @@ async def test_a_source_error_keeps_the_membership_until_an_empty_selection_clea
     await wait_for(lambda: watch.status.last_error is not None)
     assert watch.status.last_error == "sources file: version must be 1, got 2"
     assert watch.view is before
-    assert watch.status.desired_revision == watch.status.applied_revision == selected.revision
+    assert watch.status.applied_revision == selected.revision
+    assert watch.status.desired_revision is None  # cleared: the source offers nothing valid
 
     empty = Selection.of([])
     source.push(empty)
@@ -195,7 +196,7 @@ async def test_endpoint_prefixes_filter_namespaces_as_they_are_added_and_removed
     assert watch.view.scopes == {"b": (Query("b", "other", "generate"),)}
 
 
-async def test_watch_all_with_prefixes_derives_namespaces_from_discovery(
+async def test_watch_all_with_prefixes_derives_namespaces_and_counts_every_one_seen(
     start_watch: StartWatch, discovery: Discovery, feed: CountingFeed
 ) -> None:
     await add_endpoint(discovery, "a", 1)
@@ -205,7 +206,8 @@ async def test_watch_all_with_prefixes_derives_namespaces_from_discovery(
     assert endpoints_of(watch.view) == {("b", 2)}
     await add_endpoint(discovery, "b", 3)
     await wait_for(lambda: endpoints_of(watch.view) == {("b", 2), ("b", 3)})
-    assert watch.status.count == 1 and len(feed.opened) == 1
+    assert watch.view.namespaces == {"b"} and len(feed.opened) == 1
+    assert watch.status.count == 2  # watch-all: the namespaces seen in discovery, a and b
 
 
 @pytest.mark.parametrize(

@@ -419,6 +419,9 @@ class Discovery:
         self.store = store
         # What the last complete `list` of each query read, for the next one to start from.
         self._listed: dict[Query, CardsAndInstances] = {}
+        # Listings in flight by query, and the queries forgotten while one was: not kept.
+        self._listing: dict[Query, int] = {}
+        self._forgotten: set[Query] = set()
         # Keys read and not used (malformed, or a change ignored), with the reason.
         self.skipped: Skipped = {}
 
@@ -485,14 +488,30 @@ class Discovery:
         instances must not hold up the requests a frontend serves meanwhile.
         """
         query = query or Query()
-        # Taken out while it is updated: a listing that fails or is cancelled half-way, or
-        # runs beside another of the same query, never leaves a half-updated join behind.
-        join = self._listed.pop(query, None) or CardsAndInstances(self.skipped)
-        snap = await self.store.get_prefixes((query.instances_prefix, query.models_prefix))
-        touched = await join.replace_all(query, snap.items)
-        await join.catch_up(touched)
-        self._listed[query] = join
-        return join.listing()
+        self._listing[query] = self._listing.get(query, 0) + 1
+        try:
+            # Taken out while it is updated: a listing that fails or is cancelled half-way,
+            # or runs beside another of the same query, never leaves a half-updated join.
+            join = self._listed.pop(query, None) or CardsAndInstances(self.skipped)
+            snap = await self.store.get_prefixes((query.instances_prefix, query.models_prefix))
+            touched = await join.replace_all(query, snap.items)
+            await join.catch_up(touched)
+            if query not in self._forgotten:
+                self._listed[query] = join
+            return join.listing()
+        finally:
+            self._listing[query] -= 1
+            if not self._listing[query]:
+                del self._listing[query]
+                self._forgotten.discard(query)
+
+    def forget(self, query: Query) -> None:
+        """Drop what `list` keeps of `query` (a namespace that left a reader's scope): its
+        listings would otherwise stay in memory for good. A listing of `query` in flight
+        now does not keep what it read either."""
+        self._listed.pop(query, None)
+        if query in self._listing:
+            self._forgotten.add(query)
 
     async def list_and_watch(self, query: Query | None = None) -> AsyncIterator[DiscoveryEvent]:
         """The models in scope as `Added` events, then every change, with no gap.

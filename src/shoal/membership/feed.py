@@ -2,7 +2,8 @@
 
 `open(query)` opens one watch over a scope (its instances and its model cards) starting
 at the store's current revision, before anything is read; `read(query)` reads a snapshot of
-the scope's routable models. Tests subclass it to count both.
+the scope's routable models; `forget(query)` drops what was kept for the next read of a
+scope that closed. Tests subclass it to count the first two.
 """
 
 from __future__ import annotations
@@ -80,3 +81,7 @@ class DiscoveryFeed:
     async def read(self, query: Query) -> list[ModelInstance]:
         """The routable models of `query` now."""
         return await self.discovery.list(query)
+
+    def forget(self, query: Query) -> None:
+        """`query` is no longer read: drop what discovery keeps to list it again."""
+        self.discovery.forget(query)
