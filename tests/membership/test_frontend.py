@@ -18,6 +18,7 @@ from shoal.discovery import Added, Discovery
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.membership import MembershipWatch, Selection, parse_sources
 from shoal.store import Store, open_store
+from tests.etcd_server import EtcdServer
 from tests.frontend.support import FakeWorker, FilteringDiscovery, serving
 from tests.helpers import wait_for
 from tests.membership.support import DrivenSource
@@ -136,3 +137,56 @@ async def test_a_listing_from_before_a_namespace_left_never_registers_its_models
         assert "model-team-a" not in frontend.registry.models
     finally:
         await frontend.stop()
+
+
+@pytest.mark.etcd
+async def test_a_new_selection_is_made_before_the_old_one_breaks_while_etcd_is_down(
+    own_etcd: EtcdServer, tmp_path: Path
+) -> None:
+    store = await open_store(own_etcd.url)
+    alpha, beta = (
+        FakeWorker("model-alpha", namespace="alpha"),
+        FakeWorker("model-beta", namespace="beta"),
+    )
+    for worker in (alpha, beta):
+        await worker.start()
+        await worker.register(store, ttl=60)
+    path = tmp_path / "sources.json"
+    before = write_sources(path, "alpha")
+    config = FrontendConfig(port=0, cache_dir=tmp_path / "cache", namespace_sources=path)
+    frontend = Frontend(config, discovery=Discovery(store), membership=membership_for(config))
+    await frontend.start()
+    try:
+        membership = frontend.membership
+        assert membership is not None
+        await wait_for(lambda: serving(frontend, "model-alpha"))
+
+        own_etcd.stop()  # the store is briefly unavailable while the file changes
+        after = write_sources(path, "beta")
+        await wait_for(lambda: membership.status.to_dict()["desired_revision"] == after)
+        await wait_for(lambda: membership.status.last_error, timeout=15)
+        # The old selection stays in force, and the status and view say so.
+        assert membership.status.to_dict()["applied_revision"] == before
+        view = membership.view.to_dict()
+        assert view["namespaces"] == ["alpha"] and view["revision"] == before
+        assert [ep["models"][0]["name"] for ep in view["endpoints"]] == ["model-alpha"]
+        assert serving(frontend, "model-alpha")
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "model-alpha", "messages": [{"role": "user", "content": "hi"}]}
+            async with session.post(f"{frontend.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+
+        own_etcd.start()  # the store is back: beta is made, then alpha broken
+        await wait_for(lambda: serving(frontend, "model-beta"), timeout=20)
+        await wait_for(lambda: "model-alpha" not in frontend.registry.models)
+        assert membership.status.to_dict() == {
+            "desired_revision": after,
+            "applied_revision": after,
+            "count": 1,
+            "last_error": None,
+        }
+    finally:
+        await frontend.stop()
+        for worker in (alpha, beta):
+            await worker.stop()
+        await store.close()
