@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from shoal.cli.frontend import membership_for
+from shoal.cli.frontend import membership_for, start_frontend
 from shoal.discovery import Added, Discovery
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.membership import MembershipWatch, Selection, parse_sources
@@ -190,3 +191,108 @@ async def test_a_new_selection_is_made_before_the_old_one_breaks_while_etcd_is_d
         for worker in (alpha, beta):
             await worker.stop()
         await store.close()
+
+
+@pytest.mark.etcd
+async def test_4096_namespaces_are_set_up_on_etcd_within_the_setup_timeout(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    store = await open_store(etcd_server.url)
+    tag = uuid.uuid4().hex[:8]  # the shared etcd: namespaces of this test's own
+    names = [f"{tag}-{i}" for i in range(4096)]
+    worker = await FakeWorker("model-many", namespace=names[-1]).start()
+    await worker.register(store, ttl=60)
+    path = tmp_path / "sources.json"
+    write_sources(path, *names)
+    config = FrontendConfig(
+        port=0, cache_dir=tmp_path / "cache", namespace_sources=path, setup_timeout=60
+    )
+    frontend = Frontend(config, discovery=Discovery(store), membership=membership_for(config))
+    started = time.monotonic()
+    try:
+        await frontend.start()  # more than the old hard-coded 10 s on a loaded machine
+        took = time.monotonic() - started
+        membership = frontend.membership
+        assert membership is not None and membership.status.to_dict()["count"] == 4096
+        assert len(membership.view.to_dict()["endpoints"]) == 1
+        assert took < 30, f"set-up took {took:.1f}s"
+        status, _ = await get(f"{frontend.url}/ready")
+        assert status == 200
+        await wait_for(lambda: serving(frontend, "model-many"), timeout=30)
+    finally:
+        await frontend.stop()
+        await worker.stop()
+        await store.close()
+
+
+async def test_ready_is_not_200_before_the_first_selection_is_in_force(
+    store: Store, workers: dict[str, FakeWorker], tmp_path: Path
+) -> None:
+    source = DrivenSource()  # offers no selection yet
+    frontend = Frontend(
+        FrontendConfig(port=0, cache_dir=tmp_path / "cache"),
+        discovery=Discovery(store),
+        membership=lambda d: MembershipWatch(d, source, setup_timeout=30),
+    )
+    starting = asyncio.create_task(frontend.start())
+    try:
+        await wait_for(lambda: frontend.url, message="the server listens during set-up")
+        status, body = await get(f"{frontend.url}/ready")
+        assert status == 503, body
+        assert "no namespace selection is in force" in str(body["reasons"])
+        source.push(Selection.of(["team-a"]))
+        await starting
+        status, body = await get(f"{frontend.url}/ready")
+        assert status == 200, body
+    finally:
+        if not starting.done():
+            starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await frontend.stop()
+
+
+async def test_a_bad_sources_file_at_start_is_reported_naming_the_file_and_its_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "sources.json"
+    path.write_text('{"version": 2, "sources": []}')
+    config = FrontendConfig(
+        store_url=f"sqlite:///{tmp_path / 'store.db'}",
+        port=0,
+        cache_dir=tmp_path / "cache",
+        namespace_sources=path,
+        setup_timeout=1,
+    )
+    assert await start_frontend(config, "shoal frontend") is None
+    error = capsys.readouterr().err
+    assert f"sources file {path}: version must be 1, got 2" in error, error
+    assert "did not answer" not in error
+
+
+async def test_listings_of_namespaces_that_left_are_dropped(
+    store: Store, workers: dict[str, FakeWorker], tmp_path: Path
+) -> None:
+    discovery = Discovery(store)
+    source = DrivenSource()
+    source.push(Selection.of(["team-a", "team-b"]))
+    frontend = Frontend(
+        FrontendConfig(port=0, cache_dir=tmp_path / "cache", reconcile_interval=3600),
+        discovery=discovery,
+        membership=lambda d: MembershipWatch(d, source),
+    )
+    await frontend.start()
+    try:
+        watcher, membership = frontend.watcher, frontend.membership
+        assert watcher is not None and membership is not None
+        await watcher.reconcile()  # the frontend lists its namespaces too
+
+        def listed() -> set[str | None]:
+            return {query.namespace for query in discovery._listed}
+
+        assert listed() == {"team-a", "team-b"}
+        kept = Selection.of(["team-b"])
+        source.push(kept)
+        await wait_for(lambda: membership.status.to_dict()["applied_revision"] == kept.revision)
+        await wait_for(lambda: listed() == {"team-b"})
+    finally:
+        await frontend.stop()

@@ -1,6 +1,5 @@
 """The membership watch under load, on the real stores: bursts spread over seconds are
-coalesced into few snapshot reads, taint storms never hold the event loop, and a large
-selection is set up with bounded concurrency within its time bound."""
+coalesced into few snapshot reads, and taint storms never hold the event loop."""
 
 from __future__ import annotations
 

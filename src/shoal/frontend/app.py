@@ -114,6 +114,9 @@ class MembershipView(Protocol):
 
 class MembershipStatusView(Protocol):
     @property
+    def applied_revision(self) -> str | None: ...
+
+    @property
     def last_error(self) -> str | None: ...
 
     def to_dict(self) -> dict[str, Any]: ...
@@ -157,6 +160,7 @@ class Frontend:
         self.discovery = discovery
         self._membership_factory = membership
         self.membership: MembershipFollower | None = None
+        self._followed: Mapping[str, tuple[Query, ...]] | None = None  # the scopes in force
         self._own_store: Store | None = None
         self.metrics = FrontendMetrics()
         self.registry = Registry(connect_timeout=config.connect_timeout)
@@ -228,7 +232,11 @@ class Frontend:
                 f"store {url} did not answer within {config.setup_timeout:g}s "
                 "(--setup-timeout); is it running and reachable?"
             ) from None
-        assert self.watcher is not None
+        assert self.watcher is not None and self.discovery is not None
+        if self._membership_factory is not None:
+            # Bounded by the membership's own setup timeout, not the store's above: its
+            # error (a bad sources file, a namespace not opened) is the one reported.
+            await self._follow_membership(self._membership_factory(self.discovery))
         self.reconciler = Reconciler(self.watcher)
         self.manager.register(
             Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
@@ -277,8 +285,6 @@ class Frontend:
             self.discovery.store, self.routes, secrets_interval=config.reconcile_interval
         )
         await self.route_watcher.start()
-        if self._membership_factory is not None:
-            await self._follow_membership(self._membership_factory(self.discovery))
 
     async def stop(self) -> None:
         """Drain: refuse new work, let requests in flight finish, then stop everything."""
@@ -302,11 +308,15 @@ class Frontend:
 
     def _in_force(self, view: MembershipView) -> None:
         """A new membership view: the watcher's scope follows it, and the KV indexer drops
-        the instances of namespaces that left it at once (not card by card)."""
+        the instances of namespaces that left it at once (not card by card). A view whose
+        scopes did not move (a taint, an endpoint joining) costs nothing here."""
         assert self.watcher is not None
-        self.watcher.follow(view.scopes)
+        scopes = view.scopes
+        if scopes == self._followed:
+            return
+        self._followed = scopes
+        self.watcher.follow(scopes)
         if isinstance(self.router, KvRouter):
-            scopes = view.scopes
             self.router.tracker.retain(lambda endpoint: endpoint.namespace in scopes)
 
     async def _follow_membership(self, membership: MembershipFollower) -> None:
@@ -455,6 +465,10 @@ class Frontend:
             reasons["frontend"] = "draining"
         elif self.watcher is None or not self.watcher.snapshot_loaded.is_set():
             reasons["frontend"] = "starting: the first discovery snapshot is not loaded yet"
+        elif self._membership_factory is not None and (
+            self.membership is None or self.membership.status.applied_revision is None
+        ):
+            reasons["membership"] = "starting: no namespace selection is in force yet"
         reasons.update(self.manager.unhealthy())
         if reasons:
             return 503, {"status": "not ready", "reasons": reasons}
