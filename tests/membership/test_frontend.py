@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -208,17 +207,16 @@ async def test_4096_namespaces_are_set_up_on_etcd_within_the_setup_timeout(
         port=0, cache_dir=tmp_path / "cache", namespace_sources=path, setup_timeout=60
     )
     frontend = Frontend(config, discovery=Discovery(store), membership=membership_for(config))
-    started = time.monotonic()
     try:
-        await frontend.start()  # more than the old hard-coded 10 s on a loaded machine
-        took = time.monotonic() - started
+        # 10-20 s here: more than the 10 s the membership was once given whatever the flag.
+        await frontend.start()
         membership = frontend.membership
         assert membership is not None and membership.status.to_dict()["count"] == 4096
-        assert len(membership.view.to_dict()["endpoints"]) == 1
-        assert took < 30, f"set-up took {took:.1f}s"
+        view = membership.view.to_dict()
+        assert len(view["namespaces"]) == 4096
+        assert [ep["models"][0]["name"] for ep in view["endpoints"]] == ["model-many"]
         status, _ = await get(f"{frontend.url}/ready")
         assert status == 200
-        await wait_for(lambda: serving(frontend, "model-many"), timeout=30)
     finally:
         await frontend.stop()
         await worker.stop()

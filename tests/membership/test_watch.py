@@ -102,8 +102,8 @@ async def test_instance_removed_while_the_watch_opens_is_absent_from_the_first_v
     await add_endpoint(discovery, "a", 2)
 
     class RemovingFeed(CountingFeed):
-        async def open(self, query: Query) -> ScopeWatch:
-            opened = await super().open(query)
+        async def open(self, query: Query, revision: int | None = None) -> ScopeWatch:
+            opened = await super().open(query, revision)
             await remove_endpoint(discovery, leaving)  # leaves while the watch opens
             return opened
 
@@ -243,8 +243,8 @@ async def test_a_watch_that_ends_is_reopened_with_a_new_epoch(
     opened: list[ScopeWatch] = []
 
     class KeepingFeed(CountingFeed):
-        async def open(self, query: Query) -> ScopeWatch:
-            opened.append(await super().open(query))
+        async def open(self, query: Query, revision: int | None = None) -> ScopeWatch:
+            opened.append(await super().open(query, revision))
             return opened[-1]
 
     source = DrivenSource()
@@ -297,10 +297,10 @@ async def test_an_update_that_cannot_be_set_up_in_time_keeps_the_old_selection(
     hung = asyncio.Event()
 
     class HangingFeed(CountingFeed):
-        async def open(self, query: Query) -> ScopeWatch:
+        async def open(self, query: Query, revision: int | None = None) -> ScopeWatch:
             if query.namespace == "b":
                 await hung.wait()  # a store call that never answers
-            return await super().open(query)
+            return await super().open(query, revision)
 
     source = DrivenSource()
     first = Selection.of(["a"])

@@ -36,17 +36,20 @@ async def real_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIte
 
 class StallProbe:
     """Measures the longest time the event loop was held: a task that asks to wake every
-    millisecond and records how late it woke."""
+    millisecond and records how late it woke. The hold is counted in this thread's CPU time,
+    so a loaded machine that leaves the process waiting for a core does not count as work
+    on the loop (the wall-clock figure is kept for the message)."""
 
     def __init__(self) -> None:
-        self.longest = 0.0
+        self.longest = self.longest_wall = 0.0
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
         while True:
-            before = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.thread_time()
             await asyncio.sleep(0.001)
-            self.longest = max(self.longest, time.perf_counter() - before - 0.001)
+            self.longest = max(self.longest, time.thread_time() - cpu)
+            self.longest_wall = max(self.longest_wall, time.perf_counter() - wall)
 
     async def stop(self) -> float:
         self._task.cancel()
@@ -76,9 +79,11 @@ async def test_a_burst_spread_over_a_second_is_coalesced_into_few_snapshot_reads
         for i in range(200):  # 400 writes, paced over ~1.2 s (10 endpoints per namespace)
             await asyncio.sleep(max(0.0, start + i * 0.006 - time.monotonic()))
             await add_endpoint(discovery, NAMESPACES[i % 20], i + 1)
+        spread = time.monotonic() - start
         await wait_for(lambda: len(watch.view.endpoints) == 200, message="200 endpoints")
         assert len(feed.opened) == watches
-        assert len(feed.reads) <= max_reads, len(feed.reads)
+        read_at = [round(t - start, 2) for t in feed.read_at]
+        assert len(feed.reads) <= max_reads, f"reads at {read_at}, writes over {spread:.2f}s"
         assert watch.status.count == 20
         assert watch.status.applied_revision == selection.revision
     finally:
@@ -109,6 +114,9 @@ async def test_300_taint_updates_over_5000_endpoints_never_hold_the_event_loop(
 
     await wait_for(all_tainted, message="300 taints in the view")
     longest = await probe.stop()
-    assert longest < 0.05, f"the event loop was held {longest * 1000:.1f} ms"
+    assert longest < 0.05, (
+        f"the event loop was held {longest * 1000:.1f} ms "
+        f"({probe.longest_wall * 1000:.1f} ms of wall-clock time)"
+    )
     assert len(views) < 30, len(views)  # coalesced, not one view per taint
     assert len(feed.reads) == reads  # taints are applied in place, never by a read

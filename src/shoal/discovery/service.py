@@ -130,6 +130,10 @@ DiscoveryEvent = Added | Removed | TaintsUpdated
 LIST_BATCH = 64
 """Values (or keys) a listing or a `Resync` goes through between two yields to the event
 loop: ten thousand of them must not hold up the requests a frontend serves meanwhile."""
+MAX_LISTINGS = 32
+"""Listings of one `Discovery` in flight at once (`list`, and the first listing of each
+`list_and_watch`): a frontend that starts thousands of streams together does not send
+thousands of reads to the store together, which would time them all out."""
 
 _instance_decoder = msgspec.json.Decoder(InstanceInfo)
 
@@ -422,6 +426,7 @@ class Discovery:
         # Listings in flight by query, and the queries forgotten while one was: not kept.
         self._listing: dict[Query, int] = {}
         self._forgotten: set[Query] = set()
+        self._listing_slots = asyncio.Semaphore(MAX_LISTINGS)
         # Keys read and not used (malformed, or a change ignored), with the reason.
         self.skipped: Skipped = {}
 
@@ -493,7 +498,8 @@ class Discovery:
             # Taken out while it is updated: a listing that fails or is cancelled half-way,
             # or runs beside another of the same query, never leaves a half-updated join.
             join = self._listed.pop(query, None) or CardsAndInstances(self.skipped)
-            snap = await self.store.get_prefixes((query.instances_prefix, query.models_prefix))
+            async with self._listing_slots:
+                snap = await self.store.get_prefixes((query.instances_prefix, query.models_prefix))
             touched = await join.replace_all(query, snap.items)
             await join.catch_up(touched)
             if query not in self._forgotten:
@@ -527,7 +533,8 @@ class Discovery:
         query = query or Query()
         prefixes = (query.instances_prefix, query.models_prefix)
         join = CardsAndInstances(self.skipped)
-        snap = await self.store.get_prefixes(prefixes)
+        async with self._listing_slots:
+            snap = await self.store.get_prefixes(prefixes)
         # A stream applies a snapshot (here, and on a `Resync`) in one go: its consumer has
         # nothing to act on before the whole is applied, and does its work between them.
         touched = await join.replace_all(query, snap.items, pause_every=0)

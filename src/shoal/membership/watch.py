@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -53,6 +54,7 @@ RETRY_TICK_SECONDS = 1.0
 RECONCILE_SECONDS = 30.0
 SETUP_TIMEOUT_SECONDS = 10.0
 CONCURRENCY = 32
+OPEN_CHUNK = 128  # scopes opened after one read of the store revision
 YIELD_EVERY = 256  # events applied, or endpoints built, between two yields to the loop
 
 Models = dict[ModelKey, ModelInstance]
@@ -240,7 +242,7 @@ class MembershipWatch:
             self._opening = {}
             self._clear("update")
         scopes = list(self._scopes.values())
-        await self._each([s for s in scopes if s.task is None], self._open)
+        await self._open_each([s for s in scopes if s.task is None])
         await self._each(
             [s for s in scopes if s.task is not None and (full or s.dirty or not s.ready)],
             self._read,
@@ -263,7 +265,7 @@ class MembershipWatch:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.update_timeout):
                 opening = list(self._opening.values())
-                await self._each([s for s in opening if s.task is None], self._open)
+                await self._open_each([s for s in opening if s.task is None])
                 await self._each(
                     [s for s in opening if s.task is not None and not s.ready], self._read
                 )
@@ -292,7 +294,9 @@ class MembershipWatch:
         for scope in dropped:
             self._close(scope)
 
-    async def _each(self, scopes: list[_Scope], action: Callable[[_Scope], Awaitable[None]]) -> None:
+    async def _each(
+        self, scopes: list[_Scope], action: Callable[[_Scope], Awaitable[None]]
+    ) -> None:
         """`action` on every scope, at most `concurrency` at a time."""
         if not scopes:
             return
@@ -309,10 +313,23 @@ class MembershipWatch:
     def _in_force(self, scope: _Scope) -> bool:
         return self._scopes.get(scope.name) is scope
 
-    async def _open(self, scope: _Scope) -> None:
-        """Open the scope's watch, then read its snapshot (watch before list)."""
+    async def _open_each(self, scopes: list[_Scope]) -> None:
+        """Open the scopes, `OPEN_CHUNK` at a time after one read of the store revision
+        (watch before list holds: that read precedes every snapshot read of the chunk)."""
+        for i in range(0, len(scopes), OPEN_CHUNK):
+            chunk = scopes[i : i + OPEN_CHUNK]
+            try:
+                revision = await self.feed.revision()
+            except Exception as exc:
+                for scope in chunk:
+                    self._fail(f"scope:{scope.name}", f"watch of {scope.label} not opened: {exc}")
+                continue
+            await self._each(chunk, functools.partial(self._open, revision=revision))
+
+    async def _open(self, scope: _Scope, revision: int) -> None:
+        """Open the scope's watch from `revision` + 1, then read its snapshot."""
         try:
-            watch = await self.feed.open(scope.query)
+            watch = await self.feed.open(scope.query, revision)
         except Exception as exc:
             self._fail(f"scope:{scope.name}", f"watch of {scope.label} not opened: {exc}")
             return
