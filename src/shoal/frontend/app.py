@@ -312,7 +312,7 @@ class Frontend:
         scopes did not move (a taint, an endpoint joining) costs nothing here."""
         assert self.watcher is not None
         scopes = view.scopes
-        if scopes == self._followed:
+        if scopes is self._followed or scopes == self._followed:
             return
         self._followed = scopes
         self.watcher.follow(scopes)

@@ -425,9 +425,7 @@ class MembershipWatch:
             return None
         if model.card.taints == card.taints:
             return ()
-        models = dict(models)  # the listing's dict may be shared: replace, never mutate
         models[key] = dataclasses.replace(model, card=card, revision=change.revision)
-        scope.endpoints[ref] = models
         return ref
 
     # -- publishing --------------------------------------------------------------------------
