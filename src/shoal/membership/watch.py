@@ -226,9 +226,14 @@ class MembershipWatch:
             first, last = self._burst
             until = min(last + self.quiet, first + self.max_delay)
             now = time.monotonic()
-            if now >= until:
+            if now < until:
+                await asyncio.sleep(until - now)
+                continue
+            if now >= first + self.max_delay:
                 break
-            await asyncio.sleep(until - now)
+            await asyncio.sleep(0)  # events that queued up while the loop was held count
+            if self._burst == (first, last):
+                break
         self._burst = None
 
     async def _step(self, full: bool) -> None:
