@@ -215,10 +215,13 @@ class Frontend:
         return f"{scheme}://{host}:{self.port}"
 
     async def start(self) -> None:
-        """Serve at once (health says 503 until the first snapshot), then load discovery.
+        """Serve at once (health says 503 until the first snapshot), then load discovery,
+        then put the first membership selection in force (when the scope follows one).
 
         `StoreUnavailableError`, naming the store, if it does not answer the first listing
-        within `setup_timeout` seconds; outages after that are survived.
+        within `setup_timeout` seconds; the membership's `MembershipError` (its own bound of
+        the same length) naming why its first selection is not in force; outages after that
+        are survived.
         """
         config = self.config
         try:
