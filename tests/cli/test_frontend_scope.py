@@ -8,7 +8,10 @@ import pytest
 
 from shoal.cli.frontend import config_from_args, membership_for
 from shoal.cli.main import build_parser
+from shoal.discovery import Discovery
 from shoal.frontend import FrontendConfig
+from shoal.membership import DiscoverySource, MembershipWatch, Selection
+from shoal.store.memory import MemoryStore
 
 
 def config(*argv: str) -> FrontendConfig:
@@ -39,7 +42,8 @@ def test_scope_flags_and_their_environment_variables(
     [
         (["--namespace", "a", "--namespace-sources", "f"], "exclude each other"),
         (["--namespace-sources", "f", "--namespaces-from-discovery"], "exclude each other"),
-        (["--endpoint-prefix", "a"], "--endpoint-prefix needs --namespaces-from-discovery"),
+        (["--endpoint-prefix", "a"], "--endpoint-prefix needs --namespace or --namespaces-"),
+        (["--namespace", "a", "--endpoint-prefix", "b.c"], "inside a listed namespace"),
         (["--namespaces-from-discovery", "--endpoint-prefix", "a.b.c.d"], "ns.component"),
         (["--namespaces-from-discovery", "--endpoint-prefix", "a b"], "invalid namespace"),
     ],
@@ -48,3 +52,16 @@ def test_scope_flags_breaking_a_rule_are_refused_naming_it(argv: list[str], rule
     with pytest.raises(ValueError) as caught:
         config(*argv)
     assert rule in str(caught.value)
+
+
+def test_listed_namespaces_with_endpoint_prefixes_follow_discovery() -> None:
+    listed = config("--namespace", "a", "--namespace", "b", "--endpoint-prefix", "a.backend")
+    build = membership_for(listed)
+    assert build is not None
+    watch = build(Discovery(MemoryStore()))
+    assert isinstance(watch, MembershipWatch)
+    source = watch.source
+    assert isinstance(source, DiscoverySource)
+    assert source.selection == Selection.of(["a", "b"])
+    assert [str(p) for p in watch.endpoint_prefixes] == ["a.backend"]
+    assert membership_for(config("--namespace", "a")) is None  # no prefixes: fixed, as before

@@ -25,7 +25,7 @@ from shoal.discovery import (
     service,
 )
 from shoal.discovery.service import MALFORMED
-from shoal.store import Event, Store, memory, open_store
+from shoal.store import Event, Snapshot, Store, memory, open_store
 from tests.helpers import Collector, wait_for
 from tests.store.conftest import Backend
 
@@ -601,3 +601,37 @@ async def test_a_resync_reports_a_moved_registration_before_the_old_one_leaves(
         await watch.close()
     finally:
         await watcher_store.close()
+
+
+async def test_many_streams_started_at_once_list_with_bounded_concurrency() -> None:
+    """A frontend that follows thousands of namespaces starts a stream for each at once;
+    their first listings go to the store a bounded number at a time, not all together."""
+    inner = await open_store(f"memory://{uuid.uuid4().hex}")
+    in_flight = [0, 0]  # now, most
+
+    class SlowStore(memory.MemoryStore):
+        async def get_prefixes(self, prefixes: Sequence[str]) -> Snapshot:
+            in_flight[0] += 1
+            in_flight[1] = max(in_flight[1], in_flight[0])
+            try:
+                await asyncio.sleep(0.002)
+                return await inner.get_prefixes(prefixes)
+            finally:
+                in_flight[0] -= 1
+
+    discovery = Discovery(SlowStore())
+    listed: list[str] = []
+
+    async def follow(namespace: str) -> None:
+        stream = discovery.list_and_watch(Query(namespace=namespace))
+        listing = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.5)  # the listing is done long before; no event will come
+        listed.append(namespace)
+        listing.cancel()
+        await asyncio.gather(listing, return_exceptions=True)
+        await stream.aclose()
+
+    await asyncio.gather(*(follow(f"ns-{i}") for i in range(300)))
+    assert len(listed) == 300
+    assert in_flight[1] <= service.MAX_LISTINGS, in_flight[1]
+    await inner.close()

@@ -4,6 +4,7 @@ feed, and a source the test drives."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from shoal.cards import ModelCard
@@ -54,13 +55,15 @@ class CountingFeed(DiscoveryFeed):
         super().__init__(discovery)
         self.opened: list[Query] = []
         self.reads: list[Query] = []
+        self.read_at: list[float] = []  # time.monotonic() of each read
 
-    async def open(self, query: Query) -> ScopeWatch:
+    async def open(self, query: Query, revision: int | None = None) -> ScopeWatch:
         self.opened.append(query)
-        return await super().open(query)
+        return await super().open(query, revision)
 
     async def read(self, query: Query) -> list[ModelInstance]:
         self.reads.append(query)
+        self.read_at.append(time.monotonic())
         return await super().read(query)
 
 

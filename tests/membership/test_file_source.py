@@ -86,7 +86,8 @@ async def test_an_atomic_replacement_is_applied_and_invalid_content_keeps_the_se
     await wait_for(lambda: watch.status.last_error is not None, timeout=4)
     assert "duplicate namespace 'a'" in (watch.status.last_error or "")
     assert watch.view.namespaces == {"a", "b"}
-    assert watch.status.applied_revision == watch.status.desired_revision == applied
+    assert watch.status.applied_revision == applied
+    assert watch.status.desired_revision is None  # the source offers nothing valid now
 
     replace_atomically(path, sources("b"))
     fixed = parse_sources(sources("b")).revision

@@ -13,11 +13,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from shoal.cli.frontend import membership_for
+from shoal.cli.frontend import membership_for, start_frontend
 from shoal.discovery import Added, Discovery
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.membership import MembershipWatch, Selection, parse_sources
 from shoal.store import Store, open_store
+from tests.etcd_server import EtcdServer
 from tests.frontend.support import FakeWorker, FilteringDiscovery, serving
 from tests.helpers import wait_for
 from tests.membership.support import DrivenSource
@@ -134,5 +135,162 @@ async def test_a_listing_from_before_a_namespace_left_never_registers_its_models
         await repair
         assert not watcher.registrations
         assert "model-team-a" not in frontend.registry.models
+    finally:
+        await frontend.stop()
+
+
+@pytest.mark.etcd
+async def test_a_new_selection_is_made_before_the_old_one_breaks_while_etcd_is_down(
+    own_etcd: EtcdServer, tmp_path: Path
+) -> None:
+    store = await open_store(own_etcd.url)
+    alpha, beta = (
+        FakeWorker("model-alpha", namespace="alpha"),
+        FakeWorker("model-beta", namespace="beta"),
+    )
+    for worker in (alpha, beta):
+        await worker.start()
+        await worker.register(store, ttl=60)
+    path = tmp_path / "sources.json"
+    before = write_sources(path, "alpha")
+    config = FrontendConfig(port=0, cache_dir=tmp_path / "cache", namespace_sources=path)
+    frontend = Frontend(config, discovery=Discovery(store), membership=membership_for(config))
+    await frontend.start()
+    try:
+        membership = frontend.membership
+        assert membership is not None
+        await wait_for(lambda: serving(frontend, "model-alpha"))
+
+        own_etcd.stop()  # the store is briefly unavailable while the file changes
+        after = write_sources(path, "beta")
+        await wait_for(lambda: membership.status.to_dict()["desired_revision"] == after)
+        await wait_for(lambda: membership.status.last_error, timeout=15)
+        # The old selection stays in force, and the status and view say so.
+        assert membership.status.to_dict()["applied_revision"] == before
+        view = membership.view.to_dict()
+        assert view["namespaces"] == ["alpha"] and view["revision"] == before
+        assert [ep["models"][0]["name"] for ep in view["endpoints"]] == ["model-alpha"]
+        assert serving(frontend, "model-alpha")
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "model-alpha", "messages": [{"role": "user", "content": "hi"}]}
+            async with session.post(f"{frontend.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+
+        own_etcd.start()  # the store is back: beta is made, then alpha broken
+        await wait_for(lambda: serving(frontend, "model-beta"), timeout=20)
+        await wait_for(lambda: "model-alpha" not in frontend.registry.models)
+        assert membership.status.to_dict() == {
+            "desired_revision": after,
+            "applied_revision": after,
+            "count": 1,
+            "last_error": None,
+        }
+    finally:
+        await frontend.stop()
+        for worker in (alpha, beta):
+            await worker.stop()
+        await store.close()
+
+
+@pytest.mark.etcd
+async def test_4096_namespaces_are_set_up_on_etcd_within_the_setup_timeout(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    store = await open_store(etcd_server.url)
+    tag = uuid.uuid4().hex[:8]  # the shared etcd: namespaces of this test's own
+    names = [f"{tag}-{i}" for i in range(4096)]
+    worker = await FakeWorker("model-many", namespace=names[-1]).start()
+    await worker.register(store, ttl=60)
+    path = tmp_path / "sources.json"
+    write_sources(path, *names)
+    config = FrontendConfig(
+        port=0, cache_dir=tmp_path / "cache", namespace_sources=path, setup_timeout=60
+    )
+    frontend = Frontend(config, discovery=Discovery(store), membership=membership_for(config))
+    try:
+        # 10-20 s here: more than the 10 s the membership was once given whatever the flag.
+        await frontend.start()
+        membership = frontend.membership
+        assert membership is not None and membership.status.to_dict()["count"] == 4096
+        view = membership.view.to_dict()
+        assert len(view["namespaces"]) == 4096
+        assert [ep["models"][0]["name"] for ep in view["endpoints"]] == ["model-many"]
+        status, _ = await get(f"{frontend.url}/ready")
+        assert status == 200
+    finally:
+        await frontend.stop()
+        await worker.stop()
+        await store.close()
+
+
+async def test_ready_is_not_200_before_the_first_selection_is_in_force(
+    store: Store, workers: dict[str, FakeWorker], tmp_path: Path
+) -> None:
+    source = DrivenSource()  # offers no selection yet
+    frontend = Frontend(
+        FrontendConfig(port=0, cache_dir=tmp_path / "cache"),
+        discovery=Discovery(store),
+        membership=lambda d: MembershipWatch(d, source, setup_timeout=30),
+    )
+    starting = asyncio.create_task(frontend.start())
+    try:
+        await wait_for(lambda: frontend.url, message="the server listens during set-up")
+        status, body = await get(f"{frontend.url}/ready")
+        assert status == 503, body
+        assert "no namespace selection is in force" in str(body["reasons"])
+        source.push(Selection.of(["team-a"]))
+        await starting
+        status, body = await get(f"{frontend.url}/ready")
+        assert status == 200, body
+    finally:
+        if not starting.done():
+            starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await frontend.stop()
+
+
+async def test_a_bad_sources_file_at_start_is_reported_naming_the_file_and_its_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "sources.json"
+    path.write_text('{"version": 2, "sources": []}')
+    config = FrontendConfig(
+        store_url=f"sqlite:///{tmp_path / 'store.db'}",
+        port=0,
+        cache_dir=tmp_path / "cache",
+        namespace_sources=path,
+        setup_timeout=1,
+    )
+    assert await start_frontend(config, "shoal frontend") is None
+    error = capsys.readouterr().err
+    assert f"sources file {path}: version must be 1, got 2" in error, error
+    assert "did not answer" not in error
+
+
+async def test_listings_of_namespaces_that_left_are_dropped(
+    store: Store, workers: dict[str, FakeWorker], tmp_path: Path
+) -> None:
+    discovery = Discovery(store)
+    source = DrivenSource()
+    source.push(Selection.of(["team-a", "team-b"]))
+    frontend = Frontend(
+        FrontendConfig(port=0, cache_dir=tmp_path / "cache", reconcile_interval=3600),
+        discovery=discovery,
+        membership=lambda d: MembershipWatch(d, source),
+    )
+    await frontend.start()
+    try:
+        watcher, membership = frontend.watcher, frontend.membership
+        assert watcher is not None and membership is not None
+        await watcher.reconcile()  # the frontend lists its namespaces too
+
+        def listed() -> set[str | None]:
+            return {query.namespace for query in discovery._listed}
+
+        assert listed() == {"team-a", "team-b"}
+        kept = Selection.of(["team-b"])
+        source.push(kept)
+        await wait_for(lambda: membership.status.to_dict()["applied_revision"] == kept.revision)
+        await wait_for(lambda: listed() == {"team-b"})
     finally:
         await frontend.stop()

@@ -3,7 +3,9 @@ that touch only what changed, and a membership that survives source errors."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -100,8 +102,8 @@ async def test_instance_removed_while_the_watch_opens_is_absent_from_the_first_v
     await add_endpoint(discovery, "a", 2)
 
     class RemovingFeed(CountingFeed):
-        async def open(self, query: Query) -> ScopeWatch:
-            opened = await super().open(query)
+        async def open(self, query: Query, revision: int | None = None) -> ScopeWatch:
+            opened = await super().open(query, revision)
             await remove_endpoint(discovery, leaving)  # leaves while the watch opens
             return opened
 
@@ -132,7 +134,8 @@ async def test_a_source_error_keeps_the_membership_until_an_empty_selection_clea
     await wait_for(lambda: watch.status.last_error is not None)
     assert watch.status.last_error == "sources file: version must be 1, got 2"
     assert watch.view is before
-    assert watch.status.desired_revision == watch.status.applied_revision == selected.revision
+    assert watch.status.applied_revision == selected.revision
+    assert watch.status.desired_revision is None  # cleared: the source offers nothing valid
 
     empty = Selection.of([])
     source.push(empty)
@@ -195,7 +198,7 @@ async def test_endpoint_prefixes_filter_namespaces_as_they_are_added_and_removed
     assert watch.view.scopes == {"b": (Query("b", "other", "generate"),)}
 
 
-async def test_watch_all_with_prefixes_derives_namespaces_from_discovery(
+async def test_watch_all_with_prefixes_derives_namespaces_and_counts_every_one_seen(
     start_watch: StartWatch, discovery: Discovery, feed: CountingFeed
 ) -> None:
     await add_endpoint(discovery, "a", 1)
@@ -205,7 +208,8 @@ async def test_watch_all_with_prefixes_derives_namespaces_from_discovery(
     assert endpoints_of(watch.view) == {("b", 2)}
     await add_endpoint(discovery, "b", 3)
     await wait_for(lambda: endpoints_of(watch.view) == {("b", 2), ("b", 3)})
-    assert watch.status.count == 1 and len(feed.opened) == 1
+    assert watch.view.namespaces == {"b"} and len(feed.opened) == 1
+    assert watch.status.count == 2  # watch-all: the namespaces seen in discovery, a and b
 
 
 @pytest.mark.parametrize(
@@ -239,8 +243,8 @@ async def test_a_watch_that_ends_is_reopened_with_a_new_epoch(
     opened: list[ScopeWatch] = []
 
     class KeepingFeed(CountingFeed):
-        async def open(self, query: Query) -> ScopeWatch:
-            opened.append(await super().open(query))
+        async def open(self, query: Query, revision: int | None = None) -> ScopeWatch:
+            opened.append(await super().open(query, revision))
             return opened[-1]
 
     source = DrivenSource()
@@ -266,3 +270,50 @@ async def test_a_failure_is_logged_once_per_distinct_error_not_per_tick(
     await wait_for(lambda: watch.status.last_error == "bad: two")
     logged = [r.getMessage() for r in caplog.records if "bad:" in r.getMessage()]
     assert len(logged) == 2 and "bad: one" in logged[0] and "bad: two" in logged[1]
+
+
+async def test_a_source_that_closes_is_reported_and_its_selection_stays(
+    start_watch: StartWatch, discovery: Discovery
+) -> None:
+    await add_endpoint(discovery, "a", 1)
+    selected = Selection.of(["a"])
+
+    class OneShot:
+        async def selections(self) -> AsyncIterator[Selection | SourceError]:
+            yield selected  # then the source ends
+
+    watch = await start_watch(OneShot(), retry_tick=0.05)
+    await wait_for(lambda: watch.status.last_error)
+    assert "namespace source closed" in (watch.status.last_error or "")
+    assert watch.status.applied_revision == selected.revision
+    assert endpoints_of(watch.view) == {("a", 1)}
+
+
+async def test_an_update_that_cannot_be_set_up_in_time_keeps_the_old_selection(
+    start_watch: StartWatch, discovery: Discovery, feed: CountingFeed
+) -> None:
+    await add_endpoint(discovery, "a", 1)
+    await add_endpoint(discovery, "b", 2)
+    hung = asyncio.Event()
+
+    class HangingFeed(CountingFeed):
+        async def open(self, query: Query, revision: int | None = None) -> ScopeWatch:
+            if query.namespace == "b":
+                await hung.wait()  # a store call that never answers
+            return await super().open(query, revision)
+
+    source = DrivenSource()
+    first = Selection.of(["a"])
+    source.push(first)
+    watch = await start_watch(source, feed=HangingFeed(discovery), update_timeout=0.3)
+    second = Selection.of(["b"])
+    source.push(second)
+    await wait_for(lambda: watch.status.last_error, timeout=5)
+    assert f"selection {second.revision} not in force" in (watch.status.last_error or "")
+    assert "not done within 0.3s" in (watch.status.last_error or "")
+    assert watch.status.applied_revision == first.revision
+    assert watch.status.desired_revision == second.revision
+    assert endpoints_of(watch.view) == {("a", 1)}
+    hung.set()  # the store answers again: the next attempt puts it in force
+    await wait_for(lambda: watch.status.applied_revision == second.revision)
+    assert endpoints_of(watch.view) == {("b", 2)} and watch.status.last_error is None

@@ -96,8 +96,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--endpoint-prefix",
         action="append",
         metavar="P",
-        help="with --namespaces-from-discovery: serve only endpoints under ns, ns.component or "
-        "ns.component.endpoint (repeatable)",
+        help="with --namespace or --namespaces-from-discovery: serve only endpoints under ns, "
+        "ns.component or ns.component.endpoint in namespace ns (repeatable; with --namespace, "
+        "each inside a listed namespace)",
     )
     add_flag(
         parser,
@@ -189,8 +190,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         10,
         type=SECONDS,
         metavar="SECONDS",
-        help="how long the store may take to answer the first listing before the frontend "
-        "exits with an error naming it; outages after start are survived (default 10)",
+        help="how long the store may take to answer the first listing, and the namespace "
+        "membership to set up its first selection (each bound on its own), before the frontend "
+        "exits with an error naming what failed; outages after start are survived; also the "
+        "time bound of each later membership update (default 10)",
     )
     add_flag(
         parser,
@@ -352,20 +355,32 @@ def _check_scope_flags(args: argparse.Namespace) -> None:
     ]
     if len(chosen) > 1:
         raise ValueError(f"{' and '.join(chosen)} exclude each other: choose one")
-    if args.endpoint_prefix and not args.namespaces_from_discovery:
-        raise ValueError("--endpoint-prefix needs --namespaces-from-discovery")
-    membership_source(args.namespace_sources, args.namespaces_from_discovery, args.endpoint_prefix)
+    if args.endpoint_prefix and not (args.namespaces_from_discovery or args.namespace):
+        raise ValueError("--endpoint-prefix needs --namespace or --namespaces-from-discovery")
+    membership_source(
+        args.namespace_sources,
+        args.namespaces_from_discovery,
+        args.endpoint_prefix,
+        namespaces=args.namespace,
+    )
 
 
 def membership_source(
-    sources_file: Path | None, from_discovery: bool, endpoint_prefixes: list[str] | tuple[str, ...]
+    sources_file: Path | None,
+    from_discovery: bool,
+    endpoint_prefixes: list[str] | tuple[str, ...],
+    *,
+    namespaces: list[str] | tuple[str, ...] = (),
 ) -> membership.Source | None:
-    """The namespace source the flags ask for (None: fixed namespaces); refuses a
-    configuration that breaks a rule, naming it."""
+    """The namespace source the flags ask for (None: fixed namespaces, no prefixes); refuses
+    a configuration that breaks a rule, naming it. Listed namespaces with endpoint prefixes
+    are a discovery source over those namespaces."""
     if sources_file is not None:
         return membership.FileSource(sources_file)
     if from_discovery:
         return membership.DiscoverySource(watch_all=True, endpoint_prefixes=endpoint_prefixes)
+    if namespaces and endpoint_prefixes:
+        return membership.DiscoverySource(namespaces, endpoint_prefixes=endpoint_prefixes)
     return None
 
 
@@ -374,14 +389,19 @@ def membership_for(
 ) -> Callable[[Discovery], MembershipFollower] | None:
     """A factory of the membership watch the frontend's scope follows, or None."""
     source = membership_source(
-        config.namespace_sources, config.namespaces_from_discovery, config.endpoint_prefixes
+        config.namespace_sources,
+        config.namespaces_from_discovery,
+        config.endpoint_prefixes,
+        namespaces=config.namespaces,
     )
     if source is None:
         return None
-    prefixes = config.endpoint_prefixes
+    prefixes, setup_timeout = config.endpoint_prefixes, config.setup_timeout
 
     def build(discovery: Discovery) -> MembershipFollower:
-        return membership.MembershipWatch(discovery, source, endpoint_prefixes=prefixes)
+        return membership.MembershipWatch(
+            discovery, source, endpoint_prefixes=prefixes, setup_timeout=setup_timeout
+        )
 
     return build
 

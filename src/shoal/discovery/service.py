@@ -130,6 +130,10 @@ DiscoveryEvent = Added | Removed | TaintsUpdated
 LIST_BATCH = 64
 """Values (or keys) a listing or a `Resync` goes through between two yields to the event
 loop: ten thousand of them must not hold up the requests a frontend serves meanwhile."""
+MAX_LISTINGS = 32
+"""Listings of one `Discovery` in flight at once (`list`, and the first listing of each
+`list_and_watch`): a frontend that starts thousands of streams together does not send
+thousands of reads to the store together, which would time them all out."""
 
 _instance_decoder = msgspec.json.Decoder(InstanceInfo)
 
@@ -419,6 +423,10 @@ class Discovery:
         self.store = store
         # What the last complete `list` of each query read, for the next one to start from.
         self._listed: dict[Query, CardsAndInstances] = {}
+        # Listings in flight by query, and the queries forgotten while one was: not kept.
+        self._listing: dict[Query, int] = {}
+        self._forgotten: set[Query] = set()
+        self._listing_slots = asyncio.Semaphore(MAX_LISTINGS)
         # Keys read and not used (malformed, or a change ignored), with the reason.
         self.skipped: Skipped = {}
 
@@ -485,14 +493,31 @@ class Discovery:
         instances must not hold up the requests a frontend serves meanwhile.
         """
         query = query or Query()
-        # Taken out while it is updated: a listing that fails or is cancelled half-way, or
-        # runs beside another of the same query, never leaves a half-updated join behind.
-        join = self._listed.pop(query, None) or CardsAndInstances(self.skipped)
-        snap = await self.store.get_prefixes((query.instances_prefix, query.models_prefix))
-        touched = await join.replace_all(query, snap.items)
-        await join.catch_up(touched)
-        self._listed[query] = join
-        return join.listing()
+        self._listing[query] = self._listing.get(query, 0) + 1
+        try:
+            # Taken out while it is updated: a listing that fails or is cancelled half-way,
+            # or runs beside another of the same query, never leaves a half-updated join.
+            join = self._listed.pop(query, None) or CardsAndInstances(self.skipped)
+            async with self._listing_slots:
+                snap = await self.store.get_prefixes((query.instances_prefix, query.models_prefix))
+            touched = await join.replace_all(query, snap.items)
+            await join.catch_up(touched)
+            if query not in self._forgotten:
+                self._listed[query] = join
+            return join.listing()
+        finally:
+            self._listing[query] -= 1
+            if not self._listing[query]:
+                del self._listing[query]
+                self._forgotten.discard(query)
+
+    def forget(self, query: Query) -> None:
+        """Drop what `list` keeps of `query` (a namespace that left a reader's scope): its
+        listings would otherwise stay in memory for good. A listing of `query` in flight
+        now does not keep what it read either."""
+        self._listed.pop(query, None)
+        if query in self._listing:
+            self._forgotten.add(query)
 
     async def list_and_watch(self, query: Query | None = None) -> AsyncIterator[DiscoveryEvent]:
         """The models in scope as `Added` events, then every change, with no gap.
@@ -508,7 +533,8 @@ class Discovery:
         query = query or Query()
         prefixes = (query.instances_prefix, query.models_prefix)
         join = CardsAndInstances(self.skipped)
-        snap = await self.store.get_prefixes(prefixes)
+        async with self._listing_slots:
+            snap = await self.store.get_prefixes(prefixes)
         # A stream applies a snapshot (here, and on a `Resync`) in one go: its consumer has
         # nothing to act on before the whole is applied, and does its work between them.
         touched = await join.replace_all(query, snap.items, pause_every=0)

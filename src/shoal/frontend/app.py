@@ -116,6 +116,9 @@ class MembershipView(Protocol):
 
 class MembershipStatusView(Protocol):
     @property
+    def applied_revision(self) -> str | None: ...
+
+    @property
     def last_error(self) -> str | None: ...
 
     def to_dict(self) -> dict[str, Any]: ...
@@ -159,6 +162,7 @@ class Frontend:
         self.discovery = discovery
         self._membership_factory = membership
         self.membership: MembershipFollower | None = None
+        self._followed: Mapping[str, tuple[Query, ...]] | None = None  # the scopes in force
         self._own_store: Store | None = None
         self.metrics = FrontendMetrics()
         self.registry = Registry(connect_timeout=config.connect_timeout)
@@ -213,10 +217,13 @@ class Frontend:
         return f"{scheme}://{host}:{self.port}"
 
     async def start(self) -> None:
-        """Serve at once (health says 503 until the first snapshot), then load discovery.
+        """Serve at once (health says 503 until the first snapshot), then load discovery,
+        then put the first membership selection in force (when the scope follows one).
 
         `StoreUnavailableError`, naming the store, if it does not answer the first listing
-        within `setup_timeout` seconds; outages after that are survived.
+        within `setup_timeout` seconds; the membership's `MembershipError` (its own bound of
+        the same length) naming why its first selection is not in force; outages after that
+        are survived.
         """
         config = self.config
         try:
@@ -230,7 +237,11 @@ class Frontend:
                 f"store {url} did not answer within {config.setup_timeout:g}s "
                 "(--setup-timeout); is it running and reachable?"
             ) from None
-        assert self.watcher is not None
+        assert self.watcher is not None and self.discovery is not None
+        if self._membership_factory is not None:
+            # Bounded by the membership's own setup timeout, not the store's above: its
+            # error (a bad sources file, a namespace not opened) is the one reported.
+            await self._follow_membership(self._membership_factory(self.discovery))
         self.reconciler = Reconciler(self.watcher)
         self.manager.register(
             Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
@@ -281,8 +292,6 @@ class Frontend:
             self.discovery.store, self.routes, secrets_interval=config.reconcile_interval
         )
         await self.route_watcher.start()
-        if self._membership_factory is not None:
-            await self._follow_membership(self._membership_factory(self.discovery))
 
     async def stop(self) -> None:
         """Drain: refuse new work, let requests in flight finish, then stop everything."""
@@ -306,11 +315,15 @@ class Frontend:
 
     def _in_force(self, view: MembershipView) -> None:
         """A new membership view: the watcher's scope follows it, and the KV indexer drops
-        the instances of namespaces that left it at once (not card by card)."""
+        the instances of namespaces that left it at once (not card by card). A view whose
+        scopes did not move (a taint, an endpoint joining) costs nothing here."""
         assert self.watcher is not None
-        self.watcher.follow(view.scopes)
+        scopes = view.scopes
+        if scopes is self._followed or scopes == self._followed:
+            return
+        self._followed = scopes
+        self.watcher.follow(scopes)
         if isinstance(self.router, KvRouter):
-            scopes = view.scopes
             self.router.tracker.retain(lambda endpoint: endpoint.namespace in scopes)
 
     async def _follow_membership(self, membership: MembershipFollower) -> None:
@@ -467,6 +480,10 @@ class Frontend:
             reasons["frontend"] = "draining"
         elif self.watcher is None or not self.watcher.snapshot_loaded.is_set():
             reasons["frontend"] = "starting: the first discovery snapshot is not loaded yet"
+        elif self._membership_factory is not None and (
+            self.membership is None or self.membership.status.applied_revision is None
+        ):
+            reasons["membership"] = "starting: no namespace selection is in force yet"
         reasons.update(self.manager.stuck())
         if reasons:
             return 503, {"status": "not ready", "reasons": reasons}

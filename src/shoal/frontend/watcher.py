@@ -241,6 +241,8 @@ class ModelWatcher:
         for task in tasks:
             task.cancel()
         self.queries = [q for q in self.queries if q not in scoped]
+        for query in scoped:
+            self.discovery.forget(query)  # its listings are not needed any more
         for key in [k for k in self.registrations if k.endpoint.namespace == namespace]:
             self._bump(key)
             self._remove(key)

@@ -1,8 +1,10 @@
 """`DiscoveryFeed`: how the membership watch reads discovery, in two operations it counts on.
 
-`open(query)` opens one watch over a scope (its instances and its model cards) starting
-at the store's current revision, before anything is read; `read(query)` reads a snapshot of
-the scope's routable models. Tests subclass it to count both.
+`open(query, revision)` opens one watch over a scope (its instances and its model cards)
+starting after a store revision read before anything is read (`revision()`; one read can
+serve many scopes opened together); `read(query)` reads a snapshot of
+the scope's routable models; `forget(query)` drops what was kept for the next read of a
+scope that closed. Tests subclass it to count the first two.
 """
 
 from __future__ import annotations
@@ -71,12 +73,22 @@ class DiscoveryFeed:
     def __init__(self, discovery: Discovery) -> None:
         self.discovery = discovery
 
-    async def open(self, query: Query) -> ScopeWatch:
-        """A watch of `query` from the store's current revision + 1: whatever a later
-        snapshot read misses, this watch delivers."""
-        revision = (await self.discovery.store.get_prefix(REVISION_PROBE)).revision
+    async def revision(self) -> int:
+        """The store's current revision (one small read)."""
+        return (await self.discovery.store.get_prefix(REVISION_PROBE)).revision
+
+    async def open(self, query: Query, revision: int | None = None) -> ScopeWatch:
+        """A watch of `query` from `revision` + 1 (a revision read before any snapshot read
+        of the scope; the store's current one when None): whatever a later snapshot read
+        misses, this watch delivers."""
+        if revision is None:
+            revision = await self.revision()
         return ScopeWatch(self.discovery, query, revision + 1)
 
     async def read(self, query: Query) -> list[ModelInstance]:
         """The routable models of `query` now."""
         return await self.discovery.list(query)
+
+    def forget(self, query: Query) -> None:
+        """`query` is no longer read: drop what discovery keeps to list it again."""
+        self.discovery.forget(query)

@@ -1,9 +1,10 @@
 """`MembershipWatch`: follow a source's selections and publish the endpoints in force.
 
 The loop, in one place (`_run`): wait for a wake-up (an event, a new selection) or the
-retry tick; let a burst settle for one coalescing window; then apply the desired selection,
-reopen watches that ended, read a snapshot of each scope marked dirty (or of every scope at
-a full reconciliation), and publish the view if it changed.
+retry tick; let a burst settle (until `quiet` seconds pass without an event, at most
+`max_delay` seconds after its first); then bring the desired selection into force, reopen
+watches that ended, read a snapshot of each scope marked dirty (or of every scope at a full
+reconciliation), and publish the view if it changed.
 
 The invariants, both ways:
 - Watch before list: a scope's watch starts at the store revision read before its snapshot,
@@ -12,7 +13,14 @@ The invariants, both ways:
 - Epochs: every watch opened gets a new epoch; events of a watch whose scope now has another
   epoch (it was replaced or closed) are ignored. A scope that stays selected keeps its watch,
   its epoch and its endpoints' generations.
+- Make before break: a new selection's scopes are opened and read (at most `concurrency` at
+  a time) while the old selection stays in force; the view and `applied_revision` move to it
+  in one step, and only then are the scopes it dropped closed. An update not done within
+  `update_timeout` leaves the old selection in force, says why in `last_error`, and is tried
+  again at the next tick (scopes already opened for it are kept).
 - A source error changes nothing in force; only a valid selection (even an empty one) does.
+- Taint updates are applied in place, O(1) each, and published coalesced: a view is built
+  from the endpoints that changed since the last one, never from every endpoint.
 """
 
 from __future__ import annotations
@@ -20,10 +28,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable
+import types
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from shoal.cards import CardError, ModelCard
 from shoal.discovery import Discovery, EndpointId, ModelInstance, ModelKey, Query
@@ -37,10 +48,16 @@ from shoal.store import Put
 
 log = logging.getLogger(__name__)
 
-COALESCE_SECONDS = 0.05
+QUIET_SECONDS = 0.1
+MAX_DELAY_SECONDS = 1.0
 RETRY_TICK_SECONDS = 1.0
 RECONCILE_SECONDS = 30.0
 SETUP_TIMEOUT_SECONDS = 10.0
+CONCURRENCY = 32
+OPEN_CHUNK = 128  # scopes opened after one read of the store revision
+YIELD_EVERY = 256  # events applied, or endpoints built, between two yields to the loop
+
+Models = dict[ModelKey, ModelInstance]
 
 
 @dataclasses.dataclass(eq=False)
@@ -54,7 +71,8 @@ class _Scope:
     ready: bool = False  # a snapshot was read since the watch opened
     dirty: bool = False
     reading: bool = False
-    models: dict[ModelKey, ModelInstance] = dataclasses.field(default_factory=dict)
+    closed: bool = False
+    endpoints: dict[EndpointRef, Models] = dataclasses.field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -71,10 +89,13 @@ class MembershipWatch:
         *,
         endpoint_prefixes: Iterable[str | EndpointPrefix] = (),
         feed: DiscoveryFeed | None = None,
-        coalesce: float = COALESCE_SECONDS,
+        quiet: float = QUIET_SECONDS,
+        max_delay: float = MAX_DELAY_SECONDS,
         retry_tick: float = RETRY_TICK_SECONDS,
         reconcile_interval: float = RECONCILE_SECONDS,
         setup_timeout: float = SETUP_TIMEOUT_SECONDS,
+        update_timeout: float | None = None,
+        concurrency: int = CONCURRENCY,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.feed = feed or DiscoveryFeed(discovery)
@@ -83,21 +104,35 @@ class MembershipWatch:
             p if isinstance(p, EndpointPrefix) else EndpointPrefix.parse(p)
             for p in endpoint_prefixes
         )
-        self.coalesce = coalesce
+        self.quiet = quiet
+        self.max_delay = max_delay
         self.retry_tick = retry_tick
         self.reconcile_interval = reconcile_interval
         self.setup_timeout = setup_timeout
+        self.update_timeout = setup_timeout if update_timeout is None else update_timeout
+        self.concurrency = concurrency
         self.clock = clock
         self.status = MembershipStatus()
         self.view: Membership = EMPTY
-        self._scopes: dict[str | None, _Scope] = {}
+        self._scopes: dict[str | None, _Scope] = {}  # in force
+        self._opening: dict[str | None, _Scope] = {}  # for the desired selection, not yet
         self._epochs = itertools.count(1)
         self._generations = itertools.count(1)
-        self._endpoint_generations: dict[EndpointRef, EndpointView] = {}
         self._desired: Selection | None = None
-        self._target: Selection | None = None  # being applied, not all scopes ready yet
         self._applied: Selection | None = None
+        # The view being built: endpoints as last published, those changed since, and
+        # per namespace how many endpoints are in the view and how many were seen at all.
+        self._endpoints: dict[EndpointRef, EndpointView] = {}
+        self._changed: set[EndpointRef] = set()
+        self._present: set[EndpointRef] = set()
+        self._in_view: Counter[str] = Counter()
+        self._seen: Counter[str] = Counter()
+        self._view_scopes: Mapping[str, tuple[Query, ...]] = EMPTY.scopes
+        self._rescope = False  # the view's namespaces are derived again (watch-all)
+        self._publishing = asyncio.Lock()
+        self._publisher: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._burst: tuple[float, float] | None = None  # (first, last) event of a burst
         self._first_applied = asyncio.Event()
         self._subscribers: list[Callable[[Membership], None]] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -125,8 +160,10 @@ class MembershipWatch:
             ) from None
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *(s.task for s in self._scopes.values() if s.task)]
-        self._tasks = []
+        tasks = [*self._tasks, *([self._publisher] if self._publisher else [])]
+        scopes = [*self._scopes.values(), *self._opening.values()]
+        tasks += [s.task for s in scopes if s.task is not None]
+        self._tasks, self._publisher = [], None
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -140,20 +177,24 @@ class MembershipWatch:
     # -- the source --------------------------------------------------------------------------
 
     async def _follow_source(self) -> None:
+        """Each valid selection becomes the desired one; an error clears it (nothing to apply,
+        the selection in force stays); a source that ends is reported and restarted."""
         while True:
             try:
                 async for item in self.source.selections():
                     if isinstance(item, SourceError):
+                        self._desired = self.status.desired_revision = None
                         self._fail("source", str(item))
                     else:
                         self._clear("source")
                         self._desired = item
                         self.status.desired_revision = item.revision
                     self._wake.set()
+                self._fail("source", "namespace source closed; restarting it")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self._fail("source", f"namespace source failed: {exc}")
+                self._fail("source", f"namespace source failed: {exc}; restarting it")
             await asyncio.sleep(self.retry_tick)
 
     # -- the loop ----------------------------------------------------------------------------
@@ -165,8 +206,7 @@ class MembershipWatch:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.retry_tick):
                     await self._wake.wait()
-            if self._wake.is_set() and any(s.dirty for s in self._scopes.values()):
-                await asyncio.sleep(self.coalesce)  # one window: the burst becomes one read
+            await self._settle()
             self._wake.clear()
             full = self.clock() >= next_full
             if full:
@@ -179,50 +219,126 @@ class MembershipWatch:
                 log.exception("membership step failed")
                 self._fail("step", f"membership step failed: {exc}")
 
+    async def _settle(self) -> None:
+        """Let a burst of events settle: until `quiet` seconds pass without an event, and at
+        most `max_delay` seconds after its first; then the burst costs one read per scope."""
+        while self._burst is not None:
+            first, last = self._burst
+            until = min(last + self.quiet, first + self.max_delay)
+            now = time.monotonic()
+            if now < until:
+                await asyncio.sleep(until - now)
+                continue
+            if now >= first + self.max_delay:
+                break
+            await asyncio.sleep(0)  # events that queued up while the loop was held count
+            if self._burst == (first, last):
+                break
+        self._burst = None
+
     async def _step(self, full: bool) -> None:
         desired = self._desired
-        if desired is not None and desired is not self._target and desired is not self._applied:
-            self._select(desired)
+        applied = self._applied
+        if desired is not None and (applied is None or desired.revision != applied.revision):
+            await self._update(desired)
+        elif self._opening:  # the update was withdrawn (a source error, or back to applied)
+            for scope in self._opening.values():
+                self._close(scope)
+            self._opening = {}
+            self._clear("update")
         scopes = list(self._scopes.values())
-        await asyncio.gather(*(self._open(s) for s in scopes if s.task is None))
-        await asyncio.gather(
-            *(self._read(s) for s in scopes if s.task is not None and (full or s.dirty))
+        await self._open_each([s for s in scopes if s.task is None])
+        await self._each(
+            [s for s in scopes if s.task is not None and (full or s.dirty or not s.ready)],
+            self._read,
         )
-        target = self._target
-        if target is not None and all(s.ready for s in self._scopes.values()):
-            self._target, self._applied = None, target
-            self.status.applied_revision = target.revision
-            self._first_applied.set()
-        self._publish()
+        await self._publish()
 
-    def _select(self, selection: Selection) -> None:
-        """Close the scopes the selection dropped; add the new ones (opened by the step)."""
+    async def _update(self, selection: Selection) -> None:
+        """Make before break: open and read the scopes `selection` adds, within
+        `update_timeout`; then put it in force in one step and close what it dropped."""
         wanted: dict[str | None, Query] = (
             {None: Query()}
             if selection.watch_all
             else {ns: Query(namespace=ns) for ns in sorted(selection.namespaces)}
         )
-        for name in [n for n in self._scopes if n not in wanted]:
-            scope = self._scopes.pop(name)
-            scope.epoch = 0  # its watch's events are ignored from now on
-            if scope.task is not None:
-                scope.task.cancel()
-            self._clear(f"scope:{name}")
+        for name in [n for n in self._opening if n not in wanted]:
+            self._close(self._opening.pop(name))
         for name, query in wanted.items():
-            if name not in self._scopes:
-                self._scopes[name] = _Scope(name, query)
-        self._target = selection
+            if name not in self._scopes and name not in self._opening:
+                self._opening[name] = _Scope(name, query)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.update_timeout):
+                opening = list(self._opening.values())
+                await self._open_each([s for s in opening if s.task is None])
+                await self._each(
+                    [s for s in opening if s.task is not None and not s.ready], self._read
+                )
+        missing = [s for s in self._opening.values() if s.task is None or not s.ready]
+        if missing:
+            errors = [self.status.errors.get(f"scope:{s.name}") for s in missing]
+            reason = next((e for e in errors if e), f"not done within {self.update_timeout:g}s")
+            self._fail(
+                "update",
+                f"selection {selection.revision} not in force: {len(missing)} of "
+                f"{len(self._opening)} new scopes not set up ({reason})",
+            )
+            return
+        dropped = [s for name, s in self._scopes.items() if name not in wanted]
+        scopes = {name: self._scopes.get(name) or self._opening[name] for name in wanted}
+        for scope in [*self._opening.values(), *dropped]:
+            self._changed.update(scope.endpoints)
+        self._scopes, self._opening, self._applied = scopes, {}, selection
+        if selection.watch_all:
+            self._rescope = True
+        else:
+            self._view_scopes = self._scopes_of(n for n in scopes if n is not None)
+        self._clear("update")
+        await self._publish()
+        self._first_applied.set()
+        for scope in dropped:
+            self._close(scope)
+
+    async def _each(
+        self, scopes: list[_Scope], action: Callable[[_Scope], Awaitable[None]]
+    ) -> None:
+        """`action` on every scope, at most `concurrency` at a time."""
+        if not scopes:
+            return
+        limit = asyncio.Semaphore(self.concurrency)
+
+        async def one(scope: _Scope) -> None:
+            async with limit:
+                await action(scope)
+
+        await asyncio.gather(*(one(s) for s in scopes))
 
     # -- one scope ---------------------------------------------------------------------------
 
-    async def _open(self, scope: _Scope) -> None:
-        """Open the scope's watch, then read its snapshot (watch before list)."""
+    def _in_force(self, scope: _Scope) -> bool:
+        return self._scopes.get(scope.name) is scope
+
+    async def _open_each(self, scopes: list[_Scope]) -> None:
+        """Open the scopes, `OPEN_CHUNK` at a time after one read of the store revision
+        (watch before list holds: that read precedes every snapshot read of the chunk)."""
+        for i in range(0, len(scopes), OPEN_CHUNK):
+            chunk = scopes[i : i + OPEN_CHUNK]
+            try:
+                revision = await self.feed.revision()
+            except Exception as exc:
+                for scope in chunk:
+                    self._fail(f"scope:{scope.name}", f"watch of {scope.label} not opened: {exc}")
+                continue
+            await self._each(chunk, functools.partial(self._open, revision=revision))
+
+    async def _open(self, scope: _Scope, revision: int) -> None:
+        """Open the scope's watch from `revision` + 1, then read its snapshot."""
         try:
-            watch = await self.feed.open(scope.query)
+            watch = await self.feed.open(scope.query, revision)
         except Exception as exc:
             self._fail(f"scope:{scope.name}", f"watch of {scope.label} not opened: {exc}")
             return
-        if self._scopes.get(scope.name) is not scope:
+        if scope.closed:
             await watch.close()
             return
         scope.epoch, scope.ready = next(self._epochs), False
@@ -231,27 +347,49 @@ class MembershipWatch:
         )
         await self._read(scope)
 
+    def _close(self, scope: _Scope) -> None:
+        """Stop the scope's watch; its events are ignored from now on, its listing dropped."""
+        scope.closed, scope.epoch = True, 0
+        if scope.task is not None:
+            scope.task.cancel()
+        self.feed.forget(scope.query)
+        self._clear(f"scope:{scope.name}")
+
     async def _read(self, scope: _Scope) -> None:
         scope.dirty, scope.reading = False, True
         try:
             models = await self.feed.read(scope.query)
+            endpoints: dict[EndpointRef, Models] = {}
+            for i, model in enumerate(models, 1):
+                if i % (YIELD_EVERY * 4) == 0:
+                    await asyncio.sleep(0)
+                key = model.key
+                endpoints.setdefault((key.endpoint, key.instance_id), {})[key] = model
         except Exception as exc:
             scope.dirty = True  # read again at the next tick
             self._fail(f"scope:{scope.name}", f"snapshot of {scope.label} not read: {exc}")
             return
         finally:
             scope.reading = False
-        scope.models = {m.key: m for m in models}
-        scope.ready = True
+        before, scope.endpoints, scope.ready = scope.endpoints, endpoints, True
+        if self._in_force(scope) and not scope.closed:
+            changed = self._changed
+            for ref in before.keys() | endpoints.keys():
+                if before.get(ref) != endpoints.get(ref):  # identical models compare at once
+                    changed.add(ref)
         self._clear(f"scope:{scope.name}")
 
     async def _consume(self, scope: _Scope, watch: ScopeWatch, epoch: int) -> None:
         reason = "ended"
         try:
+            applied = 0
             async for change in watch:
                 if scope.epoch != epoch:
                     return  # replaced or closed: its events no longer count
                 self._on_change(scope, change)
+                applied += 1
+                if applied % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # a queued flood must not hold the loop
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -265,42 +403,44 @@ class MembershipWatch:
     def _on_change(self, scope: _Scope, change: Change) -> None:
         """Taints in place; anything else marks the scope dirty for the coalesced read."""
         if not scope.reading and isinstance(change, Put) and change.key.startswith(MODELS):
-            handled = self._update_taints(scope, change)
-            if handled is not None:
-                if handled:
-                    self._publish()
+            ref = self._update_taints(scope, change)
+            if ref is not None:
+                if ref and self._in_force(scope):
+                    self._changed.add(ref)
+                    self._publish_soon()
                 return
         scope.dirty = True
+        now = time.monotonic()
+        self._burst = (self._burst[0] if self._burst else now, now)
         self._wake.set()
 
     @staticmethod
-    def _update_taints(scope: _Scope, change: Put) -> bool | None:
-        """True: taints applied; False: nothing changed; None: not a taint update."""
+    def _update_taints(scope: _Scope, change: Put) -> EndpointRef | tuple[()] | None:
+        """The endpoint whose taints changed; () when nothing changed; None when the change
+        is not a taint update of a known card."""
         try:
             key = parse_model_key(change.key)
             card = ModelCard.from_json(change.value)
         except (ValueError, CardError):
             return None
-        model = scope.models.get(key)
-        if model is None or not model.card.same_except_taints(card):
+        ref = (key.endpoint, key.instance_id)
+        models = scope.endpoints.get(ref)
+        model = None if models is None else models.get(key)
+        if models is None or model is None or not model.card.same_except_taints(card):
             return None
         if model.card.taints == card.taints:
-            return False
-        scope.models[key] = dataclasses.replace(model, card=card, revision=change.revision)
-        return True
+            return ()
+        models[key] = dataclasses.replace(model, card=card, revision=change.revision)
+        return ref
 
     # -- publishing --------------------------------------------------------------------------
 
-    def _scopes_in_force(self, refs: Iterable[EndpointRef]) -> dict[str, tuple[Query, ...]]:
-        if None in self._scopes:
-            names = {endpoint.namespace for endpoint, _ in refs}
-        else:
-            names = {n for n in self._scopes if n is not None}
+    def _scopes_of(self, names: Iterable[str]) -> Mapping[str, tuple[Query, ...]]:
         scopes: dict[str, tuple[Query, ...]] = {}
         for name in sorted(names):
             inside = tuple(p.query for p in self.endpoint_prefixes if p.namespace == name)
             scopes[name] = inside or (Query(namespace=name),)
-        return scopes
+        return types.MappingProxyType(scopes)
 
     def _admitted(self, endpoint: EndpointId) -> bool:
         prefixes = self.endpoint_prefixes
@@ -311,33 +451,90 @@ class MembershipWatch:
             return None not in self._scopes  # a listed namespace without prefixes: all of it
         return any(p.matches(endpoint) for p in prefixes)
 
-    def _publish(self) -> None:
-        """Send the view to subscribers if it differs from the last one sent."""
-        grouped: dict[EndpointRef, list[ModelInstance]] = {}
-        for scope in self._scopes.values():
-            for model in scope.models.values():
-                if self._admitted(model.key.endpoint):
-                    ref = (model.key.endpoint, model.key.instance_id)
-                    grouped.setdefault(ref, []).append(model)
-        endpoints: dict[EndpointRef, EndpointView] = {}
-        for ref, models in grouped.items():
-            ordered = tuple(sorted(models, key=lambda m: m.key.sort_key()))
-            before = self._endpoint_generations.get(ref)
-            if before is None or before.models != ordered:
-                before = EndpointView(ref[0], ref[1], ordered, next(self._generations))
-            endpoints[ref] = before
-        self._endpoint_generations = endpoints
-        revision = self._applied.revision if self._applied is not None else None
-        view = Membership(revision, self._scopes_in_force(endpoints), endpoints)
-        self.status.count = len(view.scopes)
-        if view.same_as(self.view):
-            return
-        self.view = view = dataclasses.replace(view, version=self.view.version + 1)
-        for callback in self._subscribers:
-            try:
-                callback(view)
-            except Exception:
-                log.exception("membership subscriber %r failed", callback)
+    def _models_of(self, ref: EndpointRef) -> Models | None:
+        scope = self._scopes.get(None) or self._scopes.get(ref[0].namespace)
+        return None if scope is None else scope.endpoints.get(ref)
+
+    def _publish_soon(self) -> None:
+        """Publish the endpoints changed in place (taints) once per `quiet` window."""
+        if self._publisher is None or self._publisher.done():
+            self._publisher = asyncio.create_task(self._publish_later(), name="membership-taints")
+
+    async def _publish_later(self) -> None:
+        while self._changed:
+            await asyncio.sleep(self.quiet)
+            await self._publish()
+
+    async def _publish(self) -> None:
+        """Rebuild the changed endpoints (yielding every `YIELD_EVERY`), then send the view
+        to subscribers if it differs from the last one sent."""
+        async with self._publishing:
+            changed, self._changed = self._changed, set()
+            updates: dict[EndpointRef, EndpointView | None] = {}
+            for i, ref in enumerate(changed, 1):
+                if i % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+                models = self._models_of(ref)
+                self._note_seen(ref, bool(models))
+                before = self._endpoints.get(ref)
+                if not models or not self._admitted(ref[0]):
+                    if before is not None:
+                        updates[ref] = None
+                    continue
+                ordered = tuple(sorted(models.values(), key=lambda m: m.key.sort_key()))
+                if before is None or before.models != ordered:
+                    updates[ref] = EndpointView(ref[0], ref[1], ordered, next(self._generations))
+            # From here to the end nothing awaits: the view changes in one step.
+            endpoints = self._endpoints
+            namespaces_moved = False
+            for ref, endpoint in updates.items():
+                namespace = ref[0].namespace
+                if endpoint is None:
+                    del endpoints[ref]
+                    self._in_view[namespace] -= 1
+                    if not self._in_view[namespace]:
+                        del self._in_view[namespace]
+                        namespaces_moved = True
+                else:
+                    if ref not in endpoints:
+                        self._in_view[namespace] += 1
+                        namespaces_moved = namespaces_moved or self._in_view[namespace] == 1
+                    endpoints[ref] = endpoint
+            watch_all = None in self._scopes
+            if watch_all and (namespaces_moved or self._rescope):
+                self._view_scopes, self._rescope = self._scopes_of(self._in_view), False
+            revision = self._applied.revision if self._applied is not None else None
+            self.status.count = len(self._seen) if watch_all else len(self._view_scopes)
+            if (
+                not updates
+                and revision == self.view.revision
+                and self._view_scopes is self.view.scopes
+            ):
+                return
+            self.view = view = Membership(
+                revision,
+                self._view_scopes,
+                types.MappingProxyType(dict(endpoints)),
+                self.view.version + 1,
+            )
+            self.status.applied_revision = revision
+            for callback in self._subscribers:
+                try:
+                    callback(view)
+                except Exception:
+                    log.exception("membership subscriber %r failed", callback)
+
+    def _note_seen(self, ref: EndpointRef, present: bool) -> None:
+        """Count the endpoints seen per namespace, admitted or not (`count` with watch-all)."""
+        namespace = ref[0].namespace
+        if present and ref not in self._present:
+            self._present.add(ref)
+            self._seen[namespace] += 1
+        elif not present and ref in self._present:
+            self._present.discard(ref)
+            self._seen[namespace] -= 1
+            if not self._seen[namespace]:
+                del self._seen[namespace]
 
     # -- errors ------------------------------------------------------------------------------
 

@@ -1,0 +1,122 @@
+"""The membership watch under load, on the real stores: bursts spread over seconds are
+coalesced into few snapshot reads, and taint storms never hold the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from shoal.discovery import Discovery
+from shoal.membership import MembershipWatch, Selection
+from shoal.store import Store, open_store
+from tests.etcd_server import EtcdServer
+from tests.helpers import wait_for
+from tests.membership.conftest import StartWatch
+from tests.membership.support import CountingFeed, DrivenSource, add_endpoint
+
+NAMESPACES = [f"ns-{i}" for i in range(20)]
+
+
+@pytest.fixture(params=["sqlite", pytest.param("etcd", marks=pytest.mark.etcd)])
+async def real_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    """An empty SQLite or etcd store of the test's own (watch-all sees every key in it)."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'store.db'}"
+    else:
+        server: EtcdServer = request.getfixturevalue("own_etcd")
+        url = server.url
+    store = await open_store(url)
+    yield store
+    await store.close()
+
+
+class StallProbe:
+    """Measures the longest time the event loop was held: a task that asks to wake every
+    millisecond and records how late it woke. The hold is counted in this thread's CPU time,
+    so a loaded machine that leaves the process waiting for a core does not count as work
+    on the loop (the wall-clock figure is kept for the message)."""
+
+    def __init__(self) -> None:
+        self.longest = self.longest_wall = 0.0
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            await asyncio.sleep(0.001)
+            self.longest = max(self.longest, time.thread_time() - cpu)
+            self.longest_wall = max(self.longest_wall, time.perf_counter() - wall)
+
+    async def stop(self) -> float:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        return self.longest
+
+
+@pytest.mark.parametrize(
+    ("selection", "watches", "max_reads"),
+    [
+        (Selection.of((), watch_all=True), 1, 3),
+        (Selection.of(NAMESPACES), 20, 60),
+    ],
+    ids=["watch-all", "20-namespaces"],
+)
+async def test_a_burst_spread_over_a_second_is_coalesced_into_few_snapshot_reads(
+    real_store: Store, selection: Selection, watches: int, max_reads: int
+) -> None:
+    discovery = Discovery(real_store)
+    feed = CountingFeed(discovery)
+    source = DrivenSource()
+    source.push(selection)
+    watch = MembershipWatch(discovery, source, feed=feed)
+    await watch.start()
+    try:
+        start = time.monotonic()
+        for i in range(200):  # 400 writes, paced over ~1.2 s (10 endpoints per namespace)
+            await asyncio.sleep(max(0.0, start + i * 0.006 - time.monotonic()))
+            await add_endpoint(discovery, NAMESPACES[i % 20], i + 1)
+        spread = time.monotonic() - start
+        await wait_for(lambda: len(watch.view.endpoints) == 200, message="200 endpoints")
+        assert len(feed.opened) == watches
+        read_at = [round(t - start, 2) for t in feed.read_at]
+        assert len(feed.reads) <= max_reads, f"reads at {read_at}, writes over {spread:.2f}s"
+        assert watch.status.count == 20
+        assert watch.status.applied_revision == selection.revision
+    finally:
+        await watch.stop()
+
+
+async def test_300_taint_updates_over_5000_endpoints_never_hold_the_event_loop(
+    start_watch: StartWatch, discovery: Discovery, feed: CountingFeed
+) -> None:
+    keys = [await add_endpoint(discovery, f"ns-{i % 50}", i + 1) for i in range(5000)]
+    source = DrivenSource()
+    source.push(Selection.of((), watch_all=True))
+    watch = await start_watch(source)
+    assert len(watch.view.endpoints) == 5000
+    views: list[object] = []
+    watch.subscribe(views.append)
+    reads = len(feed.reads)
+
+    probe = StallProbe()
+    for key in keys[:300]:
+        await discovery.update_taints(key, ["draining"])
+        await asyncio.sleep(0)  # the writer itself lets the loop run
+    tainted = {(k.endpoint, k.instance_id) for k in keys[:300]}
+
+    def all_tainted() -> bool:
+        endpoints = watch.view.endpoints
+        return all(endpoints[ref].taints == ("draining",) for ref in tainted)
+
+    await wait_for(all_tainted, message="300 taints in the view")
+    longest = await probe.stop()
+    assert longest < 0.05, (
+        f"the event loop was held {longest * 1000:.1f} ms "
+        f"({probe.longest_wall * 1000:.1f} ms of wall-clock time)"
+    )
+    assert len(views) < 30, len(views)  # coalesced, not one view per taint
+    assert len(feed.reads) == reads  # taints are applied in place, never by a read
