@@ -4,6 +4,7 @@ coalesced into few snapshot reads, and taint storms never hold the event loop.""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from shoal.discovery import Discovery
 from shoal.membership import MembershipWatch, Selection
+from shoal.membership.watch import QUIET_SECONDS
 from shoal.store import Store, open_store
 from tests.etcd_server import EtcdServer
 from tests.helpers import wait_for
@@ -76,14 +78,22 @@ async def test_a_burst_spread_over_a_second_is_coalesced_into_few_snapshot_reads
     await watch.start()
     try:
         start = time.monotonic()
+        written: list[float] = []
         for i in range(200):  # 400 writes, paced over ~1.2 s (10 endpoints per namespace)
             await asyncio.sleep(max(0.0, start + i * 0.006 - time.monotonic()))
             await add_endpoint(discovery, NAMESPACES[i % 20], i + 1)
+            written.append(time.monotonic())
         spread = time.monotonic() - start
+        # A loaded machine can pause the writer for longer than the quiet period: each such
+        # pause ends a burst for real, and may cost one more read per watch.
+        pauses = sum(1 for a, b in itertools.pairwise(written) if b - a > QUIET_SECONDS)
+        max_reads += pauses * watches
         await wait_for(lambda: len(watch.view.endpoints) == 200, message="200 endpoints")
         assert len(feed.opened) == watches
         read_at = [round(t - start, 2) for t in feed.read_at]
-        assert len(feed.reads) <= max_reads, f"reads at {read_at}, writes over {spread:.2f}s"
+        assert len(feed.reads) <= max_reads, (
+            f"reads at {read_at}, writes over {spread:.2f}s with {pauses} pauses"
+        )
         assert watch.status.count == 20
         assert watch.status.applied_revision == selection.revision
     finally:
