@@ -29,6 +29,7 @@ from shoal.cli.common import (
     print_ready,
     run_event_loop,
 )
+from shoal.kv import check_zmq_endpoint
 from shoal.store import StoreUnavailableError, default_store_url
 from shoal.worker.engine import Engine
 from shoal.worker.engines import ENGINES, engine_class
@@ -74,9 +75,15 @@ def add_parser(sub: Any) -> None:
     flag(
         "--kv-events-endpoint",
         None,
+        type=check_zmq_endpoint,
         help="openai engine: the fronted vLLM's KV events PUB socket (tcp://host:port)",
     )
-    flag("--kv-replay-endpoint", None, help="openai engine: the fronted vLLM's replay socket")
+    flag(
+        "--kv-replay-endpoint",
+        None,
+        type=check_zmq_endpoint,
+        help="openai engine: the fronted vLLM's replay socket (tcp://host:port)",
+    )
     mocker = partial(add_flag, p.add_argument_group("mocker engine"))
     mocker("--ttft-ms", "50", type=NON_NEGATIVE, help="time to first token")
     mocker("--itl-ms", "10", type=NON_NEGATIVE, help="inter-token latency")
