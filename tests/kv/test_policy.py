@@ -81,7 +81,9 @@ def test_the_instance_holding_most_of_the_prompt_wins_unless_too_loaded(
 
     def prepared() -> KvPrompt:
         p = prompt()
-        p.prepare(tokenizer, {4}, router.max_blocks)  # (a request does it in the tokenizer's thread)
+        p.prepare(
+            tokenizer, {4}, router.max_blocks
+        )  # (a request does it in the tokenizer's thread)
         return p
 
     assert router.pick(ws, prepared()).instance_id == 2  # type: ignore[union-attr]

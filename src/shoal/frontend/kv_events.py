@@ -174,7 +174,11 @@ class KvSubscription:
         while True:
             before = self.last_seq
             complete = await self._replay_round(self.last_seq + 1 if before >= 0 else first, upto)
-            if complete or self.last_seq == before or (upto is not None and self.last_seq >= upto - 1):
+            if (
+                complete
+                or self.last_seq == before
+                or (upto is not None and self.last_seq >= upto - 1)
+            ):
                 return
 
     async def _replay_round(self, first: int, upto: int | None) -> bool:

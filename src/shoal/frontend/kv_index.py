@@ -20,7 +20,6 @@ from collections.abc import Iterable
 from shoal.kv import ROOT_HASH, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, chain_hash
 from shoal.kv.events import BlockHash
 
-
 MAX_INSTANCE_BLOCKS = 1 << 18
 """Blocks indexed per instance at most (4M tokens at 16 a block, more than any engine's
 cache): an instance past it is purged and counted in `over_cap`, as for a lost event."""

@@ -297,7 +297,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     # -- hooks every template's code goes through -------------------------------------
 
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         __self.check()
         target = getattr(__obj, "__self__", None)
         _check_growth(getattr(__obj, "__name__", ""), (target, *args), kwargs)
@@ -321,9 +321,9 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             raise TemplateOverrun("the chat template asked for too wide a format")
         if operator == "*":
             for seq, times in ((left, right), (right, left)):
-                if isinstance(seq, str | list | tuple) and isinstance(times, int):
-                    if len(seq) * times > MAX_TEXT:
-                        raise TemplateOverrun("the chat template built too large a sequence")
+                sized = isinstance(seq, str | list | tuple) and isinstance(times, int)
+                if sized and len(seq) * times > MAX_TEXT:
+                    raise TemplateOverrun("the chat template built too large a sequence")
         return _bounded(super().call_binop(context, operator, left, right))
 
     def _range(self, *args: int) -> Iterator[int]:
@@ -382,7 +382,12 @@ def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
     if not isinstance(target, str):
         return
     size = len(target)
-    if name == "replace" and len(rest) >= 2 and isinstance(rest[0], str) and isinstance(rest[1], str):
+    if (
+        name == "replace"
+        and len(rest) >= 2
+        and isinstance(rest[0], str)
+        and isinstance(rest[1], str)
+    ):
         old, new = rest[0], rest[1]
         count = size + 1 if not old else target.count(old)
         size += count * max(0, len(new) - len(old))

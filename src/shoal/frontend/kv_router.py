@@ -11,11 +11,11 @@ worker set without a usable tokenizer is routed by the `prefix` policy, with one
 
 from __future__ import annotations
 
-import logging
-import time
 import asyncio
 import concurrent.futures
 import functools
+import logging
+import time
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
@@ -75,7 +75,9 @@ class KvPrompt(str):
     def size(self) -> int:
         """Roughly how much text the prompt holds (what tokenizing it costs)."""
         if self.messages is not None:
-            return sum(len(m.get("content") or "") if isinstance(m, dict) else 0 for m in self.messages)
+            return sum(
+                len(m.get("content") or "") if isinstance(m, dict) else 0 for m in self.messages
+            )
         return len(self.prompt) if isinstance(self.prompt, str | list) else 0
 
     def tokens(self, tokenizer: PromptTokenizer, wanted: int | None = None) -> list[int] | None:
@@ -84,7 +86,9 @@ class KvPrompt(str):
             return tokenizer.chat(self.messages, wanted)
         return tokenizer.completion(self.prompt, wanted) if self.prompt is not None else None
 
-    def prepare(self, tokenizer: PromptTokenizer, block_sizes: Iterable[int], max_blocks: int) -> None:
+    def prepare(
+        self, tokenizer: PromptTokenizer, block_sizes: Iterable[int], max_blocks: int
+    ) -> None:
         """Tokenize (the start of) the prompt and hash its first `max_blocks` blocks for
         each of `block_sizes`. Runs in the tokenizer's thread, or inline when small."""
         sizes = sorted(set(block_sizes))
@@ -151,7 +155,11 @@ class KvRouter(Router):
             reason = state.no_tokenizer if tokenizer is None else tokenizer.disabled
             if reason and reason != "loading":
                 by_prefix[f"{set_id.model} ({set_id.namespace}/{set_id.component})"] = reason
-        return {"routed_by_prefix": by_prefix, "instances_over_block_cap": self.tracker.over_cap}
+        return {
+            "policy": self.name,
+            "routed_by_prefix": by_prefix,
+            "instances_over_block_cap": self.tracker.over_cap,
+        }
 
     def prepare(self, prompt: str | None, models: Iterable[str]) -> asyncio.Future[None] | None:
         """Tokenize and hash `prompt` for the tokenizers of `models`' worker sets, off the

@@ -38,6 +38,10 @@ class Router:
         """An instance of `ws` that is neither excluded nor inhibited, or None."""
         raise NotImplementedError
 
+    def describe(self) -> dict[str, Any]:
+        """For `/health`: the policy, and what it wants an operator to know."""
+        return {"policy": self.name}
+
     def prepare(self, prompt: str | None, models: Iterable[str]) -> asyncio.Future[None] | None:
         """Work on `prompt` that must not run on the event loop, for a request to one of
         `models`: a future the first pick waits for, or None (the default: nothing to do)."""

@@ -151,19 +151,25 @@ class KvEventPublisher:
         and the send waits; a subscriber that reads nothing for `REPLAY_SEND_TIMEOUT`, or
         left, is dropped. Yields to the event loop every `YIELD_EVERY` messages."""
         batches = self.replay_from(first)
-        messages = [(identity, b"", encode_seq(seq), payload) for seq, payload in batches]
-        messages.append((identity, b"", END_OF_REPLAY, b""))
         try:
-            for i, frames in enumerate(messages):
-                sent = cast("asyncio.Future[object]", sock.send_multipart(frames))
-                if not sent.done():
-                    await asyncio.wait_for(sent, REPLAY_SEND_TIMEOUT)
-                else:
-                    sent.result()
+            for i, (seq, payload) in enumerate(batches):
+                await self._send(sock, (identity, b"", encode_seq(seq), payload))
                 if i % YIELD_EVERY == YIELD_EVERY - 1:
                     await asyncio.sleep(0)
+            await self._send(sock, (identity, b"", END_OF_REPLAY, b""))
         except (zmq.ZMQError, TimeoutError) as exc:
-            log.info("KV replay from %d abandoned after its subscriber stalled or left: %s", first, exc)
+            log.info(
+                "KV replay from %d abandoned after its subscriber stalled or left: %s", first, exc
+            )
+
+    @staticmethod
+    async def _send(sock: zmq.asyncio.Socket, frames: tuple[bytes, ...]) -> None:
+        """Send `frames`, waiting (at most `REPLAY_SEND_TIMEOUT`) while the queue is full."""
+        sent = cast("asyncio.Future[object]", sock.send_multipart(frames))
+        if sent.done():
+            sent.result()
+        else:
+            await asyncio.wait_for(sent, REPLAY_SEND_TIMEOUT)
 
     def replay_from(self, first: int) -> list[tuple[int, bytes]]:
         """The buffered batches from `first` on; from the oldest one when `first` is older
