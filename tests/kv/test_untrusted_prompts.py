@@ -227,3 +227,15 @@ async def test_a_render_that_ignores_its_budget_is_interrupted(
     with pytest.raises(TemplateOverrun):
         await asyncio.wait_for(asyncio.wrap_future(job), 5)  # the thread stopped rendering
     assert not tokenizer.renders and "ran past" in tokenizer.disabled
+
+
+def test_a_clients_long_chat_is_no_overrun_of_the_template() -> None:
+    template = (
+        "{% for m in messages %}{{ '<|user|>' ~ (m.content | trim).replace('x', 'y') }}{% endfor %}"
+    )
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    text = " ".join(VOCAB[i % 40] for i in range(800_000))  # ~3 MB: three times `MAX_TEXT`
+    assert len(text) > 3 * kv_prompt.MAX_TEXT
+    tokens = tokenizer.chat([{"role": "user", "content": text}] * 3, wanted=1024)
+    assert tokens is not None and len(tokens) == 1024
+    assert tokenizer.renders, tokenizer.disabled

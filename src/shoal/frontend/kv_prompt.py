@@ -8,15 +8,20 @@ tokens added; a completion prompt is tokenized with them. Messages reach the tem
 (tool calls, their ids, names), as the engine passes them.
 
 A template is untrusted work, so rendering is bounded (`BoundedSandbox`): every loop
-iteration, call and attribute read checks a time budget (`RENDER_SECONDS`), every string
-built (`*`, `+`, `~`, filters) and the output are bounded in size. Rendering and
-tokenizing run in the tokenizer's own thread (`worker`, one per tokenizer: a bad template
-can occupy at most one thread). A template that overruns its budget is disabled for good
-(`disabled` says why: the set is routed by prefix, `/health` shows it); a render that
-ignores its budget (stuck in C code) is interrupted from the event loop (`interrupt`).
+iteration, call and attribute read checks a time budget (`RENDER_SECONDS`, and
+`RENDER_SECONDS_PER_MB` of chat: a client's long chat is not the template's fault), every
+string built (`*`, `+`, `~`, string methods and filters) is checked against a size limit
+(the chat's size plus `MAX_TEXT`), before it is built where its size can be foreseen, and
+the output stops at `MAX_TEXT`. Rendering and tokenizing run in the tokenizer's own thread
+(`submit`, one per tokenizer: a bad template occupies at most one thread). A template that
+overruns is disabled for good (`disabled` says why: the set is routed by prefix, `/health`
+shows it); a render still running past its deadline (stuck where no check runs) is
+interrupted from the event loop (`overran`: an exception raised in its thread) and the
+tokenizer gets a fresh thread.
 
 Only what can be hashed is tokenized: the text is cut to a size that holds the tokens
-asked for (`tokens`, doubling the cut in the rare case it did not).
+asked for (`chat`/`completion` with `wanted`, doubling the cut in the rare case it did
+not), `CUT_MARGIN` more tokens kept past them so the cut cannot change the ones hashed.
 
 Chats repeat themselves (a system prompt, a growing history), so a rendered chat is split
 at the tokenizer's special tokens and each piece between them is tokenized once and kept
@@ -48,7 +53,8 @@ from tokenizers import Tokenizer
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 RENDER_SECONDS = 0.5  # a template's time budget for one chat
-MAX_TEXT = 1 << 20  # characters: any string a template builds, and what a render keeps
+RENDER_SECONDS_PER_MB = 1.0  # and more for a long chat: a client's long chat is no overrun
+MAX_TEXT = 1 << 20  # characters: what a render keeps, and (beyond the chat's own) any string
 PIECE_CACHE_BYTES = 64 << 20  # tokenized pieces of chats kept per tokenizer
 CHARS_PER_TOKEN = 8  # the first cut: text for this many characters per token wanted
 CUT_MARGIN = 128  # tokens past those wanted, so the cut cannot change the ones kept
@@ -79,7 +85,7 @@ class PromptTokenizer:
             self.template = self.env.from_string(template)
         self.disabled = ""  # why the template is no longer rendered ("" while it is)
         self._worker: ThreadPoolExecutor | None = None
-        self._rendering: tuple[int, float] | None = None  # (thread, since) of a render
+        self._rendering: tuple[int, float] | None = None  # (thread, deadline) of a render
         self._lock = threading.Lock()
 
     @classmethod
@@ -105,7 +111,7 @@ class PromptTokenizer:
         the tokenizer a new thread. True when it did."""
         with self._lock:
             rendering = self._rendering
-            if rendering is None or now - rendering[1] < 2 * RENDER_SECONDS:
+            if rendering is None or now < rendering[1] + RENDER_SECONDS:
                 return False
             self._rendering = None
             self.disable(f"the chat template ran past {RENDER_SECONDS:g}s")
@@ -146,11 +152,18 @@ class PromptTokenizer:
         """The template's text for `messages` (its first `MAX_TEXT` characters)."""
         assert self.template is not None
         plain = [_message(m) for m in messages]
+        size = sum(_size(m) for m in plain)
+        deadline = time.monotonic() + RENDER_SECONDS + RENDER_SECONDS_PER_MB * size / 1e6
         with self._lock:
-            self._rendering = (threading.get_ident(), time.monotonic())
+            self._rendering = (threading.get_ident(), deadline)
         try:
             return self.env.render(
-                self.template, messages=plain, add_generation_prompt=True, **self.specials
+                self.template,
+                deadline,
+                MAX_TEXT + size,
+                messages=plain,
+                add_generation_prompt=True,
+                **self.specials,
             )
         except TemplateOverrun as exc:
             self.disable(str(exc) or f"the chat template ran past {RENDER_SECONDS:g}s")
@@ -257,8 +270,8 @@ def _cost(piece: str, ids: array[int]) -> int:
 
 class BoundedSandbox(ImmutableSandboxedEnvironment):
     """A sandbox that bounds work, not only access: each `render` has a deadline, checked
-    at every loop iteration, call and attribute read, and every string it builds, like its
-    output, holds at most `MAX_TEXT` characters."""
+    at every loop iteration, call and attribute read, and a size limit no string it builds
+    may pass (the chat's own size and `MAX_TEXT` more); its output is cut at `MAX_TEXT`."""
 
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
@@ -273,10 +286,11 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         for name, fn in list(self.filters.items()):
             self.filters[name] = self._bounded_filter(fn)
 
-    def render(self, template: jinja2.Template, **context: Any) -> str:
+    def render(self, template: jinja2.Template, deadline: float, limit: int, **context: Any) -> str:
         """`template` rendered with `context`: at most `MAX_TEXT` characters are kept (the
-        render stops there), `TemplateOverrun` past `RENDER_SECONDS`."""
-        self._local.deadline = time.monotonic() + RENDER_SECONDS
+        render stops there), `TemplateOverrun` past `deadline` or a string over `limit`."""
+        self._local.deadline = deadline
+        self._local.limit = limit
         out: list[str] = []
         size = 0
         try:
@@ -288,7 +302,14 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                 self.check()
         finally:
             self._local.deadline = None
+            self._local.limit = MAX_TEXT
         return "".join(out)[:MAX_TEXT]
+
+    @property
+    def limit(self) -> int:
+        """No string the render in progress builds may be longer."""
+        limit: int = getattr(self._local, "limit", MAX_TEXT)
+        return limit
 
     def check(self) -> None:
         deadline = getattr(self._local, "deadline", None)
@@ -300,8 +321,9 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         __self.check()
         target = getattr(__obj, "__self__", None)
-        _check_growth(getattr(__obj, "__name__", ""), (target, *args), kwargs)
-        return _bounded(super().call(__context, __obj, *args, **kwargs))
+        limit = __self.limit
+        _check_growth(getattr(__obj, "__name__", ""), (target, *args), kwargs, limit)
+        return _bounded(super().call(__context, __obj, *args, **kwargs), limit)
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         self.check()
@@ -322,9 +344,9 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         if operator == "*":
             for seq, times in ((left, right), (right, left)):
                 sized = isinstance(seq, str | list | tuple) and isinstance(times, int)
-                if sized and len(seq) * times > MAX_TEXT:
+                if sized and len(seq) * times > self.limit:
                     raise TemplateOverrun("the chat template built too large a sequence")
-        return _bounded(super().call_binop(context, operator, left, right))
+        return _bounded(super().call_binop(context, operator, left, right), self.limit)
 
     def _range(self, *args: int) -> Iterator[int]:
         if len(range(*args)) > MAX_TEXT:
@@ -337,7 +359,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             yield item
 
     def _text(self, value: Any) -> Any:
-        return _bounded(value)
+        return _bounded(value, self.limit)
 
     def _bounded_filter(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         name = fn.__name__.removeprefix("do_")
@@ -346,8 +368,9 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         def bounded(*args: Any, **kwargs: Any) -> Any:
             self.check()
             text = [i for i, a in enumerate(args) if isinstance(a, str)][:1]  # the filtered value
-            _check_growth(name, args[text[0] :] if text else (None, *args), kwargs)
-            return _bounded(fn(*args, **kwargs))
+            limit = self.limit
+            _check_growth(name, args[text[0] :] if text else (None, *args), kwargs, limit)
+            return _bounded(fn(*args, **kwargs), limit)
 
         return bounded
 
@@ -372,11 +395,11 @@ def _call(name: str, node: nodes.Expr) -> nodes.Expr:
 _WIDE = re.compile(r"[%:.<>^=]\s*[-+ #0]*\d{7,}")  # a format field a million wide
 
 
-def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Refuse, before it runs, a call that would build more than `MAX_TEXT` characters: any
+def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> None:
+    """Refuse, before it runs, a call that would build more than `limit` characters: any
     count above it, or a string method (or filter) `name` on `args[0]` growing it past it."""
     for value in (*args, *kwargs.values()):
-        if type(value) is int and value > MAX_TEXT:
+        if type(value) is int and value > limit:
             raise TemplateOverrun(f"the chat template asked for {value} of something")
     target, rest = args[0], args[1:]
     if not isinstance(target, str):
@@ -399,13 +422,13 @@ def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
         width = len(width) if isinstance(width, str) else width
         size += (target.count("\n") + 1) * width if isinstance(width, int) else 0
     elif name == "format" and _WIDE.search(target):
-        size = MAX_TEXT + 1
-    if size > MAX_TEXT:
+        size = limit + 1
+    if size > limit:
         raise TemplateOverrun(f"the chat template would build {size} characters with {name}")
 
 
-def _bounded(value: Any) -> Any:
-    if isinstance(value, str | list | tuple) and len(value) > MAX_TEXT:
+def _bounded(value: Any, limit: int) -> Any:
+    if isinstance(value, str | list | tuple) and len(value) > limit:
         raise TemplateOverrun("the chat template built too large a sequence")
     return value
 
@@ -441,6 +464,13 @@ def _message(message: Any) -> Any:
     if isinstance(content, str):
         return message
     return {**message, "content": _content_text(content)}
+
+
+def _size(message: Any) -> int:
+    """Roughly how many characters `message` holds (its strings, 64 for anything else)."""
+    if not isinstance(message, dict):
+        return 64
+    return sum(len(v) if isinstance(v, str) else 64 for v in message.values())
 
 
 def _content_text(content: Any) -> str:

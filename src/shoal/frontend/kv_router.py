@@ -61,7 +61,14 @@ class KvPrompt(str):
         messages = getattr(fields, "messages", None)
         prompt = getattr(fields, "prompt", None)
         if messages:
-            text = "".join(_line(m) for m in messages[:PROMPT_CHARS])
+            lines: list[str] = []
+            size = 0
+            for message in messages:
+                lines.append(line := _line(message))
+                size += len(line)
+                if size >= PROMPT_CHARS:
+                    break
+            text = "".join(lines)
         else:
             text = prompt[:PROMPT_CHARS] if isinstance(prompt, str) else ""
         self = cls(text[:PROMPT_CHARS])
