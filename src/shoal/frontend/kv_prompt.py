@@ -86,6 +86,7 @@ class PromptTokenizer:
         self.disabled = ""  # why the template is no longer rendered ("" while it is)
         self._worker: ThreadPoolExecutor | None = None
         self._rendering: tuple[int, float] | None = None  # (thread, deadline) of a render
+        self.watched = False  # the event loop checks on the render in progress
         self._lock = threading.Lock()
 
     @classmethod
@@ -122,6 +123,11 @@ class PromptTokenizer:
             self._worker.shutdown(wait=False, cancel_futures=True)
             self._worker = None
         return True
+
+    @property
+    def rendering(self) -> bool:
+        """Whether a render is in progress in this tokenizer's thread."""
+        return self._rendering is not None
 
     def disable(self, reason: str) -> None:
         if not self.disabled:

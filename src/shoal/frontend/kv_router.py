@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 from prometheus_client.core import (
@@ -27,7 +28,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from shoal.frontend.kv_prompt import PromptTokenizer, TemplateOverrun
+from shoal.frontend.kv_prompt import RENDER_SECONDS, PromptTokenizer, TemplateOverrun
 from shoal.frontend.kv_tracker import KvSet, KvTracker
 from shoal.frontend.metadata import MetadataCache
 from shoal.frontend.metrics import FrontendMetrics, Histogram
@@ -215,10 +216,8 @@ class KvRouter(Router):
                 done.set_result(None)
 
         def too_slow() -> None:
-            now = time.monotonic()
             for tokenizer in pending:
-                if tokenizer.overran(now):
-                    log.warning("kv router: a chat template is disabled: %s", tokenizer.disabled)
+                self._watch(tokenizer)
             if not done.done():
                 self.figures.slow_prepares += 1
                 done.set_result(None)
@@ -231,11 +230,24 @@ class KvRouter(Router):
             except RuntimeError:  # its thread was just replaced and shut down
                 pending.discard(tokenizer)
                 continue
-            job.add_done_callback(lambda job, report=report: loop.call_soon_threadsafe(report, job))  # type: ignore[misc]
+            job.add_done_callback(functools.partial(_on_loop, loop, report))
         if not pending:
             timer.cancel()
             done.set_result(None)
         return done
+
+    def _watch(self, tokenizer: PromptTokenizer) -> None:
+        """Check, until it ends, the render running in `tokenizer`'s thread: one past its
+        deadline is interrupted (`PromptTokenizer.overran`) and its template disabled."""
+        if tokenizer.overran(time.monotonic()):
+            log.warning("kv router: a chat template is disabled: %s", tokenizer.disabled)
+        elif tokenizer.rendering and not tokenizer.watched:
+            tokenizer.watched = True
+            asyncio.get_running_loop().call_later(RENDER_SECONDS / 4, self._rewatch, tokenizer)
+
+    def _rewatch(self, tokenizer: PromptTokenizer) -> None:
+        tokenizer.watched = False
+        self._watch(tokenizer)
 
     def pick(
         self, ws: WorkerSet, prompt: str | None = None, exclude: Collection[Upstream] = ()
@@ -311,6 +323,12 @@ class KvRouter(Router):
                 state.no_tokenizer,
             )
         return self.fallback.pick(ws, prompt, exclude)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, report: Callable[[Any], None], job: Any) -> None:
+    """Call `report(job)` on `loop` (from the tokenizer's thread); not once it is closed."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(report, job)
 
 
 class KvCollector(Collector):

@@ -7,7 +7,7 @@ the worker sent it chunked, without parsing SSE.
 
 A `Forward` carries one request through all of this, driven by callbacks: from the client's
 packet to the worker's answer it creates no task and no future (only opening a new upstream
-connection awaits). Per request: one small JSON decode, one routing pick, one write each
+connection awaits, and a policy's work on the prompt off the event loop, `Router.prepare`). Per request: one small JSON decode, one routing pick, one write each
 way, a few counter increments.
 
 Failure handling: a connect error, a transport error or a 5xx before the first response
