@@ -65,12 +65,14 @@ TOOL_CHAT = [
 ]
 
 
-@pytest.fixture
-async def front(processes: Processes, tmp_path: Path) -> AsyncIterator[Frontend]:
+async def start_front(processes: Processes, tmp_path: Path, *flags: str) -> Frontend:
+    """A `--router kv` frontend over two mocker workers started with `flags`."""
     store_url = f"sqlite:///{tmp_path / 'store.db'}"
     namespace = f"kvu-{uuid.uuid4().hex[:8]}"
     for _ in range(2):
-        await processes.worker(store_url, "--namespace", namespace, *WORKER_FLAGS, model=MODEL)
+        await processes.worker(
+            store_url, "--namespace", namespace, *WORKER_FLAGS, *flags, model=MODEL
+        )
     config = FrontendConfig(
         store_url=store_url, port=0, namespaces=(namespace,), router="kv",
         reconcile_interval=1.0, cache_dir=tmp_path / "cache",
@@ -78,6 +80,22 @@ async def front(processes: Processes, tmp_path: Path) -> AsyncIterator[Frontend]
     front = Frontend(config)
     await front.start()
     await wait_for(lambda: kv_set(front).tokenizer is not None, timeout=30, message="tokenizer")
+    return front
+
+
+@pytest.fixture
+async def front(processes: Processes, tmp_path: Path) -> AsyncIterator[Frontend]:
+    front = await start_front(processes, tmp_path)
+    yield front
+    await front.stop()
+
+
+@pytest.fixture
+async def hostile_front(processes: Processes, tmp_path: Path) -> AsyncIterator[Frontend]:
+    """The workers publish a chat template of two nested `range(100000)` loops."""
+    template = tmp_path / "template.jinja"
+    template.write_text(NESTED_LOOPS)
+    front = await start_front(processes, tmp_path, "--chat-template", str(template))
     yield front
     await front.stop()
 
@@ -131,8 +149,12 @@ class LiveProbe:
         return statistics.median(self.latencies)
 
 
-async def test_a_hostile_template_is_disabled_and_never_stops_live(front: Frontend) -> None:
-    tokenizer = publish_template(front, NESTED_LOOPS)
+async def test_a_hostile_template_is_disabled_and_never_stops_live(
+    hostile_front: Frontend,
+) -> None:
+    front = hostile_front
+    tokenizer = kv_set(front).tokenizer
+    assert tokenizer is not None and tokenizer.renders
     client = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
     live, loop = LiveProbe(front.url), LoopProbe()
     chats = [
