@@ -80,13 +80,15 @@ class KvPrompt(str):
         return self
 
     @property
-    def size(self) -> int:
-        """Roughly how much text the prompt holds (what tokenizing it costs)."""
-        if self.messages is not None:
-            return sum(
-                len(m.get("content") or "") if isinstance(m, dict) else 0 for m in self.messages
-            )
-        return len(self.prompt) if isinstance(self.prompt, str | list) else 0
+    def small(self) -> bool:
+        """A completion prompt cheap enough to tokenize on the event loop (a chat never is:
+        its template is a worker's code)."""
+        prompt = self.prompt
+        return (
+            self.messages is None
+            and isinstance(prompt, str | list)
+            and len(prompt) <= INLINE_PROMPT
+        )
 
     def tokens(self, tokenizer: PromptTokenizer, wanted: int | None = None) -> list[int] | None:
         """The prompt's token ids (the first `wanted` and then some, when given)."""
@@ -186,7 +188,7 @@ class KvRouter(Router):
                     work.setdefault(tokenizer, set()).add(state.index.block_size)  # type: ignore[union-attr]
         if not work:
             return None
-        if prompt.messages is None and prompt.size <= INLINE_PROMPT:  # no template, little text
+        if prompt.small:
             for tokenizer, sizes in work.items():
                 self._prepare_now(prompt, tokenizer, sizes)
             return None
@@ -262,6 +264,8 @@ class KvRouter(Router):
             else None
         )
         if hashes is None:
+            why = getattr(prompt, "failure", "") or "not tokenized"
+            log.debug("kv router: a prompt routed by prefix: %s", why)
             self.figures.fallbacks += 1
             return self.fallback.pick(ws, prompt, exclude)
         blocks = len(hashes)
