@@ -258,3 +258,19 @@ def test_a_clients_long_chat_is_no_overrun_of_the_template() -> None:
     tokens = tokenizer.chat([{"role": "user", "content": text}] * 3, wanted=1024)
     assert tokens is not None and len(tokens) == 1024
     assert tokenizer.renders, tokenizer.disabled
+
+
+async def test_a_router_error_fails_only_its_request_and_leaves_no_gauge_raised(
+    front: Frontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any) -> None:
+        raise RuntimeError("a bug in a routing policy")
+
+    monkeypatch.setattr(front.router, "pick", broken)
+    client = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.InternalServerError):
+        await client.chat.completions.create(model=MODEL, messages=TOOL_CHAT, max_tokens=1)  # type: ignore[arg-type]
+    assert front.metrics.model(MODEL).in_flight == 0
+    monkeypatch.undo()
+    answer = await client.chat.completions.create(model=MODEL, messages=TOOL_CHAT, max_tokens=1)  # type: ignore[arg-type]
+    assert answer.choices
