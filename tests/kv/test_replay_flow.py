@@ -16,11 +16,14 @@ import pytest
 import zmq.asyncio
 
 from shoal.discovery import InstanceInfo
+from shoal.frontend import kv_events
 from shoal.frontend.kv_events import KvStats, KvSubscription
 from shoal.frontend.kv_index import KvIndex
 from shoal.kv import BlockStored, KvEndpoint, KVEventBatch, token_block_hashes
 from shoal.worker.kv_publisher import KvEventPublisher
 from tests.helpers import wait_for
+from tests.kv import vllm_fixtures as vllm
+from tests.kv.fake_vllm import FakeVllmPublisher
 
 BS = 256  # tokens a block: ~1.2 KB a batch with ids of 5 bytes
 BATCHES = 20_000
@@ -204,3 +207,28 @@ async def test_a_bad_replay_endpoint_keeps_the_live_stream(
     finally:
         await sub.stop()
         ctx.destroy(linger=0)
+
+
+async def test_a_replay_cut_short_by_a_dropping_publisher_is_kept_and_resumed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM's replay socket sends everything at once and drops what its queue cannot hold,
+    # the end marker included: what did arrive is applied, the rest asked for again.
+    monkeypatch.setattr(kv_events, "REPLAY_TIMEOUT", 0.5)
+    fake = FakeVllmPublisher()
+    count = 5_000
+    for i in range(count):
+        event = ["BlockStored", [i], None if i == 0 else i - 1, block_tokens(i), BS, None]
+        await fake.send(i, vllm.batch(event), live=False)
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
+    endpoint = KvEndpoint(publisher=fake.endpoint, replay=fake.replay_endpoint)
+    sub = subscribe(ctx, endpoint, index, stats)
+    try:
+        await wait_for(lambda: sub.last_seq == count - 1, timeout=30, message="replayed")
+        assert index.instance_blocks(7) == count
+        assert len(fake.replay_requests) > 1  # (it was cut short, then resumed)
+        assert stats.resnapshots == 0
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)
+        await fake.close()
