@@ -274,3 +274,26 @@ async def test_a_router_error_fails_only_its_request_and_leaves_no_gauge_raised(
     monkeypatch.undo()
     answer = await client.chat.completions.create(model=MODEL, messages=TOOL_CHAT, max_tokens=1)  # type: ignore[arg-type]
     assert answer.choices
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ 'a' * 1000000000 }}",
+        "{{ ('a' * 1000) | replace('', 'b' * 2000) }}",
+        "{{ ('a' * 1000).replace('a', 'b' * 2000) }}",
+        "{{ ('\\n' * 100000) | indent(1000) }}",
+        "{{ '%0999999999d' % 1 }}",
+        "{{ '{:>999999999}'.format(1) }}",
+        "{% set ns = namespace(x='ab') %}{% for i in range(60) %}{% set ns.x = ns.x ~ ns.x %}"
+        "{% endfor %}",
+        "{% set x = 'a' * 100000 %}{% for a in x %}{% for b in x %}{% endfor %}{% endfor %}",
+    ],
+)
+def test_a_template_that_builds_without_bound_is_stopped_and_disabled(template: str) -> None:
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    t0 = time.monotonic()
+    with pytest.raises(TemplateOverrun):
+        tokenizer.chat([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - t0 < 3 * kv_prompt.RENDER_SECONDS
+    assert not tokenizer.renders and tokenizer.disabled
