@@ -5,10 +5,8 @@ replay endpoint is refused where it enters and never kills a live subscription."
 from __future__ import annotations
 
 import asyncio
-import gc
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -24,6 +22,7 @@ from shoal.worker.kv_publisher import KvEventPublisher
 from tests.helpers import wait_for
 from tests.kv import vllm_fixtures as vllm
 from tests.kv.fake_vllm import FakeVllmPublisher
+from tests.kv.probes import LoopProbe
 
 BS = 256  # tokens a block: ~1.2 KB a batch with ids of 5 bytes
 BATCHES = 20_000
@@ -44,38 +43,6 @@ def store(publisher: KvEventPublisher, i: int) -> None:
         )
     )
     publisher.flush()
-
-
-class LoopProbe:
-    """The longest the event loop was held between two runs of a 1 ms timer, in CPU time
-    of its thread (what other processes on a shared machine take does not count), less
-    the time the garbage collector took meanwhile (a pause of the whole process, whatever
-    runs: the test process's heap makes it far longer than a frontend's)."""
-
-    def __init__(self) -> None:
-        self.worst = 0.0
-        self._gc = 0.0
-        self._gc_start = 0.0
-        gc.callbacks.append(self._collected)
-        self._task = asyncio.create_task(self._run())
-
-    def _collected(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._gc_start = time.thread_time()
-        else:
-            self._gc += time.thread_time() - self._gc_start
-
-    async def _run(self) -> None:
-        while True:
-            t0, gc0 = time.thread_time(), self._gc
-            await asyncio.sleep(0.001)
-            self.worst = max(self.worst, time.thread_time() - t0 - (self._gc - gc0))
-
-    async def stop(self) -> float:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        gc.callbacks.remove(self._collected)
-        return self.worst
 
 
 @pytest.fixture

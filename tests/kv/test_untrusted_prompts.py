@@ -5,9 +5,6 @@ into a 500: a real frontend, real mocker workers, the official openai client."""
 from __future__ import annotations
 
 import asyncio
-import http.client
-import statistics
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +23,7 @@ from shoal.frontend.kv_tracker import KvSet
 from shoal.worker.engines.mocker.text import VOCAB
 from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, TOKENIZER
 from tests.helpers import wait_for
-from tests.kv.test_replay_flow import LoopProbe
+from tests.kv.probes import LiveProbe, LoopProbe
 from tests.processes import Processes
 
 MODEL = "kv-untrusted"
@@ -120,33 +117,6 @@ def figures(front: Frontend) -> Any:
     router = front.router
     assert isinstance(router, KvRouter)
     return router.figures
-
-
-class LiveProbe:
-    """Asks `/live` every 5 ms from another thread, as ../shared/tools/stall_probe.py does."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.latencies: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        host, port = self.url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            conn.request("GET", "/live")
-            conn.getresponse().read()
-            self.latencies.append(time.perf_counter() - t0)
-            time.sleep(0.005)
-
-    def stop(self) -> float:
-        """The median latency."""
-        self._stop.set()
-        self._thread.join()
-        return statistics.median(self.latencies)
 
 
 async def test_a_hostile_template_is_disabled_and_never_stops_live(
