@@ -72,17 +72,25 @@ def test_the_instance_holding_most_of_the_prompt_wins_unless_too_loaded(
     fleet: tuple[KvRouter, WorkerSet],
 ) -> None:
     router, ws = fleet
-    p = prompt()
-    tokens = p.tokens(with_tokenizer(router, ws))
+    tokenizer = with_tokenizer(router, ws)
+    tokens = prompt().tokens(tokenizer)
     assert tokens is not None and len(tokens) // 4 > 30
     cache(router, ws, 2, tokens, 30)
     cache(router, ws, 3, tokens, 10)
     by_id = {u.instance_id: u for u in ws.routable}
-    assert router.pick(ws, prompt()).instance_id == 2  # type: ignore[union-attr]
+
+    def prepared() -> KvPrompt:
+        p = prompt()
+        p.prepare(
+            tokenizer, {4}, router.max_blocks
+        )  # (a request does it in the tokenizer's thread)
+        return p
+
+    assert router.pick(ws, prepared()).instance_id == 2  # type: ignore[union-attr]
     by_id[2].in_flight = 1000  # far too loaded: the next best holder
-    assert router.pick(ws, prompt()).instance_id == 3  # type: ignore[union-attr]
+    assert router.pick(ws, prepared()).instance_id == 3  # type: ignore[union-attr]
     by_id[3].inhibited_until = time.monotonic() + 60  # never an inhibited one
-    assert router.pick(ws, prompt()).instance_id == 1  # type: ignore[union-attr]
+    assert router.pick(ws, prepared()).instance_id == 1  # type: ignore[union-attr]
     assert router.figures.picks == 3
 
 

@@ -29,6 +29,7 @@ from shoal.cli.common import (
     print_ready,
     run_event_loop,
 )
+from shoal.kv import check_zmq_endpoint
 from shoal.store import StoreUnavailableError, default_store_url
 from shoal.worker.engine import Engine
 from shoal.worker.engines import ENGINES, engine_class
@@ -74,9 +75,15 @@ def add_parser(sub: Any) -> None:
     flag(
         "--kv-events-endpoint",
         None,
+        type=check_zmq_endpoint,
         help="openai engine: the fronted vLLM's KV events PUB socket (tcp://host:port)",
     )
-    flag("--kv-replay-endpoint", None, help="openai engine: the fronted vLLM's replay socket")
+    flag(
+        "--kv-replay-endpoint",
+        None,
+        type=check_zmq_endpoint,
+        help="openai engine: the fronted vLLM's replay socket (tcp://host:port)",
+    )
     mocker = partial(add_flag, p.add_argument_group("mocker engine"))
     mocker("--ttft-ms", "50", type=NON_NEGATIVE, help="time to first token")
     mocker("--itl-ms", "10", type=NON_NEGATIVE, help="inter-token latency")
@@ -93,12 +100,28 @@ def add_parser(sub: Any) -> None:
         help="prefill time per uncached prompt token, prefills one at a time (0: use --ttft-ms)",
     )
     mocker(
+        "--chat-template",
+        None,
+        help="mocker engine: publish the chat template in this file instead of the mocker's "
+        "own (the mocker still renders chats its own way): to see what a frontend does with "
+        "a worker's template",
+    )
+    mocker(
         "--kv-events-port",
         None,
         type=PORT,
         help="mocker and llamacpp engines: publish KV cache events (vLLM's format) on this "
         "port; 0: a free port; unset: off",
     )
+
+
+def read_text(path: str) -> str:
+    """The text of the file at `path`; SystemExit naming it when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"shoal worker: cannot read {path}: {exc}") from None
 
 
 def make_engine(args: argparse.Namespace) -> Engine:
@@ -118,6 +141,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
             prefill_us_per_token=args.prefill_us_per_token,
             kv_events_port=args.kv_events_port,
             kv_events_host=args.host,
+            chat_template=None if args.chat_template is None else read_text(args.chat_template),
         )
     elif args.engine == "openai":
         if not args.upstream:

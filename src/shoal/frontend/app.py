@@ -527,6 +527,7 @@ class Frontend:
             "instances": instances,
             "incomplete": incomplete,
             "metadata_cache": self.watcher.cache.status(),
+            "routing": self.router.describe(),
             "skipped": [
                 {"key": key, "reason": reason}
                 for key, reason in sorted(self.watcher.discovery.skipped.items())

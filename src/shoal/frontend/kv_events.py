@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -31,6 +32,8 @@ from shoal.kv import END_OF_REPLAY, KvEndpoint, KVEventBatch, decode_batch, deco
 log = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT = 2.0  # seconds to wait for each message of a replay
+YIELD_EVERY = 64  # messages read before yielding to the event loop
+YIELD_SECONDS = 0.005  # or this long
 
 
 class KvStats:
@@ -66,6 +69,7 @@ class KvSubscription:
         self.stats = stats
         self.last_seq = -1  # the last batch applied
         self._replayed: dict[int, int] = {}  # seq -> payload hash, of batches just replayed
+        self.replay_broken = False  # its replay endpoint cannot be used: follow without it
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -81,11 +85,18 @@ class KvSubscription:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic.encode())
-        sub.connect(self.endpoint.publisher)
+        try:
+            sub.connect(self.endpoint.publisher)
+        except zmq.ZMQError as exc:  # (endpoints are checked where they enter: not expected)
+            log.warning("KV events of instance %x: cannot subscribe: %s", self.instance_id, exc)
+            sub.close(0)
+            return
         try:
             await self._catch_up(0, None)
+            pace = Pace()
             while True:
                 frames = await sub.recv_multipart()
+                await pace.step()
                 if len(frames) != 3:
                     self.stats.decode_errors += 1
                     continue
@@ -139,15 +150,8 @@ class KvSubscription:
     async def _catch_up(self, first: int, upto: int | None) -> None:
         """Replay batches `first`.. (before `upto`, when a live batch showed the gap);
         resnapshot when the gap is not filled."""
-        replayed = await self._replay(first) if self.endpoint.replay else None
-        if replayed is not None:
-            self.stats.replays += 1
-            for seq, payload in replayed:
-                if seq > self.last_seq and (upto is None or seq < upto):
-                    if seq != self.last_seq + 1 and self.last_seq >= 0:
-                        break
-                    self._apply(seq, payload)
-                    self._replayed[seq] = hash(payload)
+        if self.endpoint.replay and not self.replay_broken:
+            await self._replay(first, upto)
         if upto is not None and self.last_seq != upto - 1:
             log.info(
                 "KV events of instance %x: batches %d..%d lost, dropping its blocks",
@@ -158,22 +162,86 @@ class KvSubscription:
             self._resnapshot()
             self.last_seq = upto - 1
 
-    async def _replay(self, first: int) -> list[tuple[int, bytes]] | None:
-        """Every buffered batch from `first` on, or None when the replay socket does not answer."""
+    async def _replay(self, first: int, upto: int | None) -> None:
+        """Apply the buffered batches from `first` on (before `upto`), as they arrive.
+
+        Flow control from this side: whatever arrives in order is applied and kept; when
+        the stream stalls or skips (a publisher dropped messages past its queue), the rest
+        is asked again from the next batch wanted, as long as each round makes progress.
+        A publisher that no longer buffers `first` replays from its oldest batch: the
+        missing range is a loss (resnapshot), what follows is applied."""
+        self.stats.replays += 1
+        while True:
+            before = self.last_seq
+            complete = await self._replay_round(self.last_seq + 1 if before >= 0 else first, upto)
+            if (
+                complete
+                or self.last_seq == before
+                or (upto is not None and self.last_seq >= upto - 1)
+            ):
+                return
+
+    async def _replay_round(self, first: int, upto: int | None) -> bool:
+        """One replay request from `first`: True when it ended with the end marker (or
+        reached `upto`), False when it stalled, skipped or failed."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint.replay)
-        out: list[tuple[int, bytes]] = []
+        try:
+            sock.connect(self.endpoint.replay)
+        except zmq.ZMQError as exc:
+            self.replay_broken = True
+            log.warning(
+                "KV events of instance %x: replay endpoint %r unusable (%s): following "
+                "without replay", self.instance_id, self.endpoint.replay, exc,
+            )  # fmt: skip
+            sock.close(0)
+            return True
+        pace = Pace()
+        received = False
         try:
             await sock.send_multipart((b"", encode_seq(first)))
             while True:
                 if not await sock.poll(REPLAY_TIMEOUT * 1000):
-                    return None
+                    return False
                 frames = await sock.recv_multipart()
+                await pace.step()
                 if len(frames) < 2 or frames[-2] == END_OF_REPLAY or not frames[-1]:
-                    return out
-                out.append((decode_seq(frames[-2]), frames[-1]))
+                    return True
+                seq, payload = decode_seq(frames[-2]), frames[-1]
+                if seq <= self.last_seq:
+                    continue
+                if upto is not None and seq >= upto:
+                    return True  # the live batch that showed the gap follows
+                if self.last_seq >= 0 and seq != self.last_seq + 1:
+                    if received:  # a hole in this round: ask again from the next one
+                        return False
+                    log.info(
+                        "KV events of instance %x: batches %d..%d no longer buffered, "
+                        "dropping its blocks", self.instance_id, self.last_seq + 1, seq - 1,
+                    )  # fmt: skip
+                    self._resnapshot()
+                received = True
+                self._apply(seq, payload)
+                self._replayed[seq] = hash(payload)
         except ValueError:
-            return None
+            return False
         finally:
             sock.close(0)
+
+
+class Pace:
+    """Yields to the event loop every `YIELD_EVERY` messages or `YIELD_SECONDS`: a socket
+    with messages queued returns them without ever suspending the task reading them."""
+
+    __slots__ = ("count", "since")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.since = time.monotonic()
+
+    async def step(self) -> None:
+        self.count += 1
+        if self.count >= YIELD_EVERY or time.monotonic() - self.since > YIELD_SECONDS:
+            await asyncio.sleep(0)
+            self.count = 0
+            self.since = time.monotonic()

@@ -20,12 +20,18 @@ from collections.abc import Iterable
 from shoal.kv import ROOT_HASH, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, chain_hash
 from shoal.kv.events import BlockHash
 
+MAX_INSTANCE_BLOCKS = 1 << 18
+"""Blocks indexed per instance at most (4M tokens at 16 a block, more than any engine's
+cache): an instance past it is purged and counted in `over_cap`, as for a lost event."""
+
 
 class KvIndex:
     """Block hash → instances holding it, for one worker set (one model, one block size)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, max_instance_blocks: int = MAX_INSTANCE_BLOCKS) -> None:
         self.block_size = block_size
+        self.max_instance_blocks = max_instance_blocks
+        self.over_cap: dict[int, int] = {}  # instance -> times it was purged for it
         self.holders: dict[int, set[int]] = {}
         self.recent = RecentPicks()  # predictions: an eviction or purge cancels them
         self._blocks: dict[int, dict[BlockHash, int]] = {}  # instance -> engine hash -> ours
@@ -76,6 +82,9 @@ class KvIndex:
                 holders[parent] = {instance_id}
             else:
                 holding.add(instance_id)
+        if len(blocks) > self.max_instance_blocks:
+            self.purge(instance_id)
+            self.over_cap[instance_id] = self.over_cap.get(instance_id, 0) + 1
 
     def removed(self, instance_id: int, engine_hashes: Iterable[BlockHash]) -> None:
         blocks = self._blocks.get(instance_id)

@@ -4,28 +4,64 @@ Loaded from a worker set's verified metadata files: `tokenizer.json` (Hugging Fa
 `tokenizers`) and the chat template of `tokenizer_config.json`, rendered in a sandboxed
 `jinja2` environment (templates come from workers, so they get no access to Python). As
 vLLM does, a chat is rendered with the generation prompt and tokenized without special
-tokens added; a completion prompt is tokenized with them.
+tokens added; a completion prompt is tokenized with them. Messages reach the template whole
+(tool calls, their ids, names), as the engine passes them.
+
+A template is untrusted work, so rendering is bounded (`BoundedSandbox`): every loop
+iteration, call and attribute read checks a time budget (`RENDER_SECONDS`, and
+`RENDER_SECONDS_PER_MB` of chat: a client's long chat is not the template's fault), every
+string built (`*`, `+`, `~`, string methods and filters) is checked against a size limit
+(the chat's size plus `MAX_TEXT`), before it is built where its size can be foreseen, and
+the output stops at `MAX_TEXT`. Rendering and tokenizing run in the tokenizer's own thread
+(`submit`, one per tokenizer: a bad template occupies at most one thread). A template that
+overruns is disabled for good (`disabled` says why: the set is routed by prefix, `/health`
+shows it); a render still running past its deadline (stuck where no check runs) is
+interrupted from the event loop (`overran`: an exception raised in its thread) and the
+tokenizer gets a fresh thread.
+
+Only what can be hashed is tokenized: the text is cut to a size that holds the tokens
+asked for (`chat`/`completion` with `wanted`, doubling the cut in the rare case it did
+not), `CUT_MARGIN` more tokens kept past them so the cut cannot change the ones hashed.
 
 Chats repeat themselves (a system prompt, a growing history), so a rendered chat is split
-at the tokenizer's special tokens and each piece between them is tokenized once and kept:
-the tokenizer itself tokenizes those pieces independently (special tokens are matched
-first), so the ids are the same, at a fraction of the cost.
+at the tokenizer's special tokens and each piece between them is tokenized once and kept
+(`PIECE_CACHE_BYTES` in all, least recently used out): the tokenizer itself tokenizes
+those pieces independently (special tokens are matched first), so the ids are the same,
+at a fraction of the cost.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import re
+import sys
+import threading
+import time
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
-PIECES_KEPT = 8192  # tokenized pieces of chats kept per tokenizer
+RENDER_SECONDS = 0.5  # a template's time budget for one chat
+RENDER_SECONDS_PER_MB = 1.0  # and more for a long chat: a client's long chat is no overrun
+MAX_TEXT = 1 << 20  # characters: what a render keeps, and (beyond the chat's own) any string
+PIECE_CACHE_BYTES = 64 << 20  # tokenized pieces of chats kept per tokenizer
+CHARS_PER_TOKEN = 8  # the first cut: text for this many characters per token wanted
+CUT_MARGIN = 128  # tokens past those wanted, so the cut cannot change the ones kept
+
+
+class TemplateOverrun(jinja2.TemplateError):
+    """A template exceeded its time or size budget: it is disabled for its model."""
 
 
 class PromptTokenizer:
@@ -33,7 +69,7 @@ class PromptTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, config: dict[str, Any]) -> None:
         self.tokenizer = tokenizer
-        self._pieces: dict[str, list[int]] = {}
+        self.pieces = PieceCache(PIECE_CACHE_BYTES)
         self._split, self._special_ids = _special_split(tokenizer)
         self.specials = {
             name: _token_text(config.get(name))
@@ -44,10 +80,14 @@ class PromptTokenizer:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         self.template: jinja2.Template | None = None
+        self.env = BoundedSandbox()
         if isinstance(template, str):
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            self.template = env.from_string(template)
+            self.template = self.env.from_string(template)
+        self.disabled = ""  # why the template is no longer rendered ("" while it is)
+        self._worker: ThreadPoolExecutor | None = None
+        self._rendering: tuple[int, float] | None = None  # (thread, deadline) of a render
+        self.watched = False  # the event loop checks on the render in progress
+        self._lock = threading.Lock()
 
     @classmethod
     def load(cls, tokenizer_file: Path, config_file: Path | None) -> PromptTokenizer:
@@ -58,14 +98,113 @@ class PromptTokenizer:
             config = loaded if isinstance(loaded, dict) else {}
         return cls(Tokenizer.from_file(str(tokenizer_file)), config)
 
-    def chat(self, messages: list[Any]) -> list[int] | None:
-        """The ids of a chat as the template renders it; None without a template."""
-        if self.template is None:
+    # -- the worker thread ----------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
+        """Run `fn(*args)` in this tokenizer's thread."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-tokenizer")
+        return self._worker.submit(fn, *args)
+
+    def overran(self, now: float) -> bool:
+        """Called from the event loop: if a render has run past twice its budget (it ignored
+        the checks, stuck in C code), disable the template, interrupt the render and give
+        the tokenizer a new thread. True when it did."""
+        with self._lock:
+            rendering = self._rendering
+            if rendering is None or now < rendering[1] + RENDER_SECONDS:
+                return False
+            self._rendering = None
+            self.disable(f"the chat template ran past {RENDER_SECONDS:g}s")
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(rendering[0]), ctypes.py_object(TemplateOverrun)
+            )
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
+        return True
+
+    @property
+    def rendering(self) -> bool:
+        """Whether a render is in progress in this tokenizer's thread."""
+        return self._rendering is not None
+
+    def disable(self, reason: str) -> None:
+        if not self.disabled:
+            self.disabled = reason
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
+
+    # -- tokenizing -----------------------------------------------------------------------
+
+    @property
+    def renders(self) -> bool:
+        """Whether chats can be tokenized: a template that is not disabled."""
+        return self.template is not None and not self.disabled
+
+    def chat(self, messages: list[Any], wanted: int | None = None) -> list[int] | None:
+        """The ids of a chat as the template renders it (the first `wanted` of them, and a
+        few more, when given); None without a usable template. Raises `TemplateOverrun`
+        (the template is then disabled) or any error the template raises."""
+        if not self.renders:
             return None
-        plain = [{"role": m.role, "content": _content_text(m.content)} for m in messages]
-        text = self.template.render(messages=plain, add_generation_prompt=True, **self.specials)
-        if self._split is None:
-            return self._encode(text, special_tokens=False)
+        text = self.render(messages)
+        return self._cut_and_encode(text, wanted, special_tokens=False)
+
+    def render(self, messages: list[Any]) -> str:
+        """The template's text for `messages` (its first `MAX_TEXT` characters)."""
+        assert self.template is not None
+        plain = [_message(m) for m in messages]
+        size = sum(_size(m) for m in plain)
+        deadline = time.monotonic() + RENDER_SECONDS + RENDER_SECONDS_PER_MB * size / 1e6
+        with self._lock:
+            self._rendering = (threading.get_ident(), deadline)
+        try:
+            return self.env.render(
+                self.template,
+                deadline,
+                MAX_TEXT + size,
+                messages=plain,
+                add_generation_prompt=True,
+                **self.specials,
+            )
+        except TemplateOverrun as exc:
+            self.disable(str(exc) or f"the chat template ran past {RENDER_SECONDS:g}s")
+            raise
+        finally:
+            with self._lock:
+                self._rendering = None
+
+    def completion(self, prompt: Any, wanted: int | None = None) -> list[int] | None:
+        """The ids of a completions prompt: text is tokenized, token ids are taken as they are."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self._cut_and_encode(prompt, wanted, special_tokens=True)
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt
+        return None
+
+    def _cut_and_encode(self, text: str, wanted: int | None, *, special_tokens: bool) -> list[int]:
+        """The ids of `text`, or of a cut of it holding at least `wanted` + `CUT_MARGIN` of
+        them (the ids past `wanted` near the cut may differ from the whole text's: dropped)."""
+        if wanted is None:
+            return self._encode_all(text, special_tokens)
+        cut = (wanted + CUT_MARGIN) * CHARS_PER_TOKEN
+        while True:
+            ids = self._encode_all(text[:cut], special_tokens)
+            if cut >= len(text):
+                return ids
+            if len(ids) >= wanted + CUT_MARGIN:
+                return ids[:wanted]
+            cut *= 2  # tokens longer than CHARS_PER_TOKEN on average: cut further out
+
+    def _encode_all(self, text: str, special_tokens: bool) -> list[int]:
+        if special_tokens or self._split is None:
+            return self._encode(text, special_tokens=special_tokens)
         return self._by_pieces(text, self._split)
 
     def _encode(self, text: str, *, special_tokens: bool) -> list[int]:
@@ -77,7 +216,7 @@ class PromptTokenizer:
     def _by_pieces(self, text: str, split: re.Pattern[str]) -> list[int]:
         """`text`'s ids, from the ids of its pieces between special tokens (kept)."""
         ids: list[int] = []
-        pieces = self._pieces
+        pieces = self.pieces
         special = self._special_ids
         for i, piece in enumerate(split.split(text)):
             if i % 2:  # a special token (the pattern's one group)
@@ -87,22 +226,217 @@ class PromptTokenizer:
                 continue
             known = pieces.get(piece)
             if known is None:
-                known = self._encode(piece, special_tokens=False)
-                if len(pieces) >= PIECES_KEPT:
-                    del pieces[next(iter(pieces))]  # oldest first out
-                pieces[piece] = known
-            ids.extend(known)
+                encoded = self._encode(piece, special_tokens=False)
+                pieces.put(piece, encoded)
+                ids.extend(encoded)
+            else:
+                ids.extend(known)
         return ids
 
-    def completion(self, prompt: Any) -> list[int] | None:
-        """The ids of a completions prompt: text is tokenized, token ids are taken as they are."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self._encode(prompt, special_tokens=True)
-        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            return prompt
-        return None
+
+class PieceCache:
+    """Tokenized pieces of text, bounded in bytes (the text and the ids, stored compactly);
+    least recently used out. Used from one thread at a time, but safe from several."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.bytes = 0
+        self._pieces: dict[str, array[int]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def get(self, piece: str) -> array[int] | None:
+        with self._lock:
+            known = self._pieces.pop(piece, None)
+            if known is not None:
+                self._pieces[piece] = known  # most recently used last
+            return known
+
+    def put(self, piece: str, ids: list[int]) -> None:
+        stored = array("I", ids)
+        cost = _cost(piece, stored)
+        if cost > self.capacity // 8:
+            return  # a piece this large would push out most others
+        with self._lock:
+            pieces = self._pieces
+            if piece in pieces:
+                return
+            while pieces and self.bytes + cost > self.capacity:
+                oldest = next(iter(pieces))
+                self.bytes -= _cost(oldest, pieces.pop(oldest))
+            pieces[piece] = stored
+            self.bytes += cost
+
+
+def _cost(piece: str, ids: array[int]) -> int:
+    return sys.getsizeof(piece) + ids.itemsize * len(ids) + 200  # + the entry and array headers
+
+
+class BoundedSandbox(ImmutableSandboxedEnvironment):
+    """A sandbox that bounds work, not only access: each `render` has a deadline, checked
+    at every loop iteration, call and attribute read, and a size limit no string it builds
+    may pass (the chat's own size and `MAX_TEXT` more); its output is cut at `MAX_TEXT`."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def __init__(self) -> None:
+        super().__init__(trim_blocks=True, lstrip_blocks=True)
+        self._local = threading.local()
+        self.globals.pop("lipsum", None)  # builds as much text as asked
+        self.globals["range"] = self._range
+        self.globals["raise_exception"] = _raise
+        self.globals["__bounded_iter"] = self._iter
+        self.globals["__bounded_text"] = self._text
+        for name, fn in list(self.filters.items()):
+            self.filters[name] = self._bounded_filter(fn)
+
+    def render(self, template: jinja2.Template, deadline: float, limit: int, **context: Any) -> str:
+        """`template` rendered with `context`: at most `MAX_TEXT` characters are kept (the
+        render stops there), `TemplateOverrun` past `deadline` or a string over `limit`."""
+        self._local.deadline = deadline
+        self._local.limit = limit
+        out: list[str] = []
+        size = 0
+        try:
+            for chunk in template.generate(**context):
+                out.append(chunk)
+                size += len(chunk)
+                if size >= MAX_TEXT:
+                    break
+                self.check()
+        finally:
+            self._local.deadline = None
+            self._local.limit = MAX_TEXT
+        return "".join(out)[:MAX_TEXT]
+
+    @property
+    def limit(self) -> int:
+        """No string the render in progress builds may be longer."""
+        limit: int = getattr(self._local, "limit", MAX_TEXT)
+        return limit
+
+    def check(self) -> None:
+        deadline = getattr(self._local, "deadline", None)
+        if deadline is not None and time.monotonic() > deadline:
+            raise TemplateOverrun(f"the chat template ran past {RENDER_SECONDS:g}s")
+
+    # -- hooks every template's code goes through -------------------------------------
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        __self.check()
+        target = getattr(__obj, "__self__", None)
+        limit = __self.limit
+        _check_growth(getattr(__obj, "__name__", ""), (target, *args), kwargs, limit)
+        return _bounded(super().call(__context, __obj, *args, **kwargs), limit)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        self.check()
+        if attribute in ("format", "format_map") and isinstance(obj, str) and _WIDE.search(obj):
+            raise TemplateOverrun("the chat template asked for too wide a format")
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        self.check()
+        return super().getitem(obj, argument)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        self.check()
+        if operator == "**" and isinstance(right, int) and abs(right) > 64:
+            raise TemplateOverrun("the chat template raised a number to a large power")
+        if operator == "%" and isinstance(left, str) and _WIDE.search(left):
+            raise TemplateOverrun("the chat template asked for too wide a format")
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                sized = isinstance(seq, str | list | tuple) and isinstance(times, int)
+                if sized and len(seq) * times > self.limit:
+                    raise TemplateOverrun("the chat template built too large a sequence")
+        return _bounded(super().call_binop(context, operator, left, right), self.limit)
+
+    def _range(self, *args: int) -> Iterator[int]:
+        if len(range(*args)) > MAX_TEXT:
+            raise TemplateOverrun("the chat template asked for too large a range")
+        return self._iter(range(*args))
+
+    def _iter(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        for item in iterable:
+            self.check()
+            yield item
+
+    def _text(self, value: Any) -> Any:
+        return _bounded(value, self.limit)
+
+    def _bounded_filter(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        name = fn.__name__.removeprefix("do_")
+
+        @functools.wraps(fn)
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            self.check()
+            text = [i for i, a in enumerate(args) if isinstance(a, str)][:1]  # the filtered value
+            limit = self.limit
+            _check_growth(name, args[text[0] :] if text else (None, *args), kwargs, limit)
+            return _bounded(fn(*args, **kwargs), limit)
+
+        return bounded
+
+    # -- every loop and concatenation goes through the hooks above ----------------------
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        tree = super()._parse(source, name, filename)
+        for loop in tree.find_all(nodes.For):
+            loop.iter = _call("__bounded_iter", loop.iter)  # type: ignore[arg-type]
+        for concat in list(tree.find_all(nodes.Concat)):
+            concat.nodes = [_call("__bounded_text", n) for n in concat.nodes]  # type: ignore[arg-type]
+        return tree
+
+
+def _call(name: str, node: nodes.Expr) -> nodes.Expr:
+    """`name(node)` as a template expression."""
+    call = nodes.Call(nodes.Name(name, "load"), [node], [], None, None)
+    call.set_lineno(node.lineno)
+    return call
+
+
+_WIDE = re.compile(r"[%:.<>^=]\s*[-+ #0]*\d{7,}")  # a format field a million wide
+
+
+def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> None:
+    """Refuse, before it runs, a call that would build more than `limit` characters: any
+    count above it, or a string method (or filter) `name` on `args[0]` growing it past it."""
+    for value in (*args, *kwargs.values()):
+        if type(value) is int and value > limit:
+            raise TemplateOverrun(f"the chat template asked for {value} of something")
+    target, rest = args[0], args[1:]
+    if not isinstance(target, str):
+        return
+    size = len(target)
+    if (
+        name == "replace"
+        and len(rest) >= 2
+        and isinstance(rest[0], str)
+        and isinstance(rest[1], str)
+    ):
+        old, new = rest[0], rest[1]
+        count = size + 1 if not old else target.count(old)
+        size += count * max(0, len(new) - len(old))
+    elif name == "expandtabs":
+        tab = rest[0] if rest and isinstance(rest[0], int) else kwargs.get("tabsize", 8)
+        size += target.count("\t") * tab if isinstance(tab, int) else 0
+    elif name == "indent":
+        width = rest[0] if rest else kwargs.get("width", 4)
+        width = len(width) if isinstance(width, str) else width
+        size += (target.count("\n") + 1) * width if isinstance(width, int) else 0
+    elif name == "format" and _WIDE.search(target):
+        size = limit + 1
+    if size > limit:
+        raise TemplateOverrun(f"the chat template would build {size} characters with {name}")
+
+
+def _bounded(value: Any, limit: int) -> Any:
+    if isinstance(value, str | list | tuple) and len(value) > limit:
+        raise TemplateOverrun("the chat template built too large a sequence")
+    return value
 
 
 def _special_split(tokenizer: Tokenizer) -> tuple[re.Pattern[str] | None, dict[str, int]]:
@@ -127,8 +461,25 @@ def _token_text(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
+def _message(message: Any) -> Any:
+    """A message as the template sees it: whole, its content parts joined as text, None
+    as empty (as engines do for text-only templates)."""
+    if not isinstance(message, dict):
+        return message
+    content = message.get("content")
+    if isinstance(content, str):
+        return message
+    return {**message, "content": _content_text(content)}
+
+
+def _size(message: Any) -> int:
+    """Roughly how many characters `message` holds (its strings, 64 for anything else)."""
+    if not isinstance(message, dict):
+        return 64
+    return sum(len(v) if isinstance(v, str) else 64 for v in message.values())
+
+
 def _content_text(content: Any) -> str:
-    """A message's content as text: content parts joined, None as empty (as engines do)."""
     if isinstance(content, list):
         return "".join(
             str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("text")

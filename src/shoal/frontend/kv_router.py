@@ -11,9 +11,13 @@ worker set without a usable tokenizer is routed by the `prefix` policy, with one
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
 import logging
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 from prometheus_client.core import (
@@ -24,7 +28,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from shoal.frontend.kv_prompt import PromptTokenizer
+from shoal.frontend.kv_prompt import RENDER_SECONDS, PromptTokenizer, TemplateOverrun
 from shoal.frontend.kv_tracker import KvSet, KvTracker
 from shoal.frontend.metadata import MetadataCache
 from shoal.frontend.metrics import FrontendMetrics, Histogram
@@ -40,50 +44,89 @@ OVERLAP_WEIGHT = 2.0
 for every request in flight, while most of them are past it, decoding."""
 OVERLAP_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 PROMPT_CHARS = 8192  # what the prefix fallback reads of a prompt
+INLINE_PROMPT = 2048  # a completion prompt this short is tokenized on the event loop
+PREPARE_WAIT = 1.0  # seconds a request waits for its prompt's tokens, then routed by prefix
 
 
 class KvPrompt(str):
-    """A request's prompt: its text (what the prefix fallback reads) and, per tokenizer,
-    its token ids, computed on first use."""
+    """A request's prompt: its text (what the prefix fallback reads) and, once `prepare`d
+    for a tokenizer (off the event loop), its block hashes per block size."""
 
     messages: list[Any] | None
     prompt: Any
-    _tokens: tuple[PromptTokenizer | None, list[int] | None]
+    hashes: dict[tuple[PromptTokenizer, int], list[int]]
+    failure: str  # why the last preparation gave no hashes ("" when it did)
 
     @classmethod
     def of(cls, fields: Any) -> KvPrompt:
         messages = getattr(fields, "messages", None)
         prompt = getattr(fields, "prompt", None)
         if messages:
-            text = "".join(
-                f"{m.role}:{m.content if isinstance(m.content, str) else ''}\n" for m in messages
-            )
+            lines: list[str] = []
+            size = 0
+            for message in messages:
+                lines.append(line := _line(message))
+                size += len(line)
+                if size >= PROMPT_CHARS:
+                    break
+            text = "".join(lines)
         else:
-            text = prompt if isinstance(prompt, str) else ""
+            text = prompt[:PROMPT_CHARS] if isinstance(prompt, str) else ""
         self = cls(text[:PROMPT_CHARS])
         self.messages = messages or None
         self.prompt = prompt
-        self._tokens = (None, None)
+        self.hashes = {}
+        self.failure = ""
         return self
 
-    def tokens(self, tokenizer: PromptTokenizer) -> list[int] | None:
-        if self._tokens[0] is tokenizer:
-            return self._tokens[1]
+    @property
+    def small(self) -> bool:
+        """A completion prompt cheap enough to tokenize on the event loop (a chat never is:
+        its template is a worker's code)."""
+        prompt = self.prompt
+        return (
+            self.messages is None
+            and isinstance(prompt, str | list)
+            and len(prompt) <= INLINE_PROMPT
+        )
+
+    def tokens(self, tokenizer: PromptTokenizer, wanted: int | None = None) -> list[int] | None:
+        """The prompt's token ids (the first `wanted` and then some, when given)."""
         if self.messages is not None:
-            ids = tokenizer.chat(self.messages)
-        else:
-            ids = tokenizer.completion(self.prompt) if self.prompt is not None else None
-        self._tokens = (tokenizer, ids)
-        return ids
+            return tokenizer.chat(self.messages, wanted)
+        return tokenizer.completion(self.prompt, wanted) if self.prompt is not None else None
+
+    def prepare(
+        self, tokenizer: PromptTokenizer, block_sizes: Iterable[int], max_blocks: int
+    ) -> None:
+        """Tokenize (the start of) the prompt and hash its first `max_blocks` blocks for
+        each of `block_sizes`. Runs in the tokenizer's thread, or inline when small."""
+        sizes = sorted(set(block_sizes))
+        tokens = self.tokens(tokenizer, max_blocks * sizes[-1])
+        if tokens is None:
+            self.failure = "no chat template" if self.messages is not None else "no text prompt"
+            return
+        for size in sizes:
+            self.hashes[(tokenizer, size)] = token_block_hashes(tokens, size, limit=max_blocks)
+
+
+def _line(message: Any) -> str:
+    """A message as the prefix fallback reads it."""
+    if not isinstance(message, dict):
+        return ""
+    content = message.get("content")
+    return f"{message.get('role')}:{content[:PROMPT_CHARS] if isinstance(content, str) else ''}\n"
 
 
 class KvStatsView:
     """Per-pick figures for `/metrics`."""
 
-    __slots__ = ("blocks", "matched", "overlap", "picks")
+    __slots__ = ("blocks", "fallbacks", "matched", "overlap", "picks", "slow_prepares")
 
     def __init__(self) -> None:
         self.picks = 0
+        self.fallbacks = 0  # requests routed by prefix as their prompt could not be tokenized
+        self.slow_prepares = 0  # of them, because tokenizing took longer than PREPARE_WAIT
         self.blocks = 0
         self.matched = 0
         self.overlap = Histogram(OVERLAP_BUCKETS)
@@ -102,9 +145,11 @@ class KvRouter(Router):
         self.fallback = PrefixAware()
         self.figures = KvStatsView()
         self.prompt_of = KvPrompt.of
+        self.registry: Registry | None = None
 
     def attach(self, registry: Registry, cache: MetadataCache, metrics: FrontendMetrics) -> None:
         """Follow `registry`'s instances, load tokenizers from `cache`, report on `metrics`."""
+        self.registry = registry
         self.tracker.cache = cache
         registry.observers.append(self.tracker)
         metrics.registry.register(KvCollector(self))
@@ -112,17 +157,117 @@ class KvRouter(Router):
     async def close(self) -> None:
         await self.tracker.close()
 
+    def describe(self) -> dict[str, Any]:
+        """For `/health`: the models routed by prefix, and why."""
+        by_prefix = {}
+        for set_id, state in self.tracker.sets.items():
+            tokenizer = state.tokenizer
+            reason = state.no_tokenizer if tokenizer is None else tokenizer.disabled
+            if reason and reason != "loading":
+                by_prefix[f"{set_id.model} ({set_id.namespace}/{set_id.component})"] = reason
+        return {
+            "policy": self.name,
+            "routed_by_prefix": by_prefix,
+            "instances_over_block_cap": self.tracker.over_cap,
+        }
+
+    def prepare(self, prompt: str | None, models: Iterable[str]) -> asyncio.Future[None] | None:
+        """Tokenize and hash `prompt` for the tokenizers of `models`' worker sets, off the
+        event loop: a future done when it is (or after `PREPARE_WAIT`, whatever is left
+        then routed by prefix); None when nothing needs to wait. Never raises: a prompt
+        that cannot be tokenized is routed by prefix, counted in `fallbacks`."""
+        if not isinstance(prompt, KvPrompt) or self.registry is None:
+            return None
+        work: dict[PromptTokenizer, set[int]] = {}
+        for name in models:
+            model = self.registry.models.get(name)
+            for ws in model.routable_sets if model is not None else ():
+                state = self.tracker.sets.get(ws.id)
+                tokenizer = state.tokenizer if state is not None else None
+                if tokenizer is not None and (prompt.messages is None or tokenizer.renders):
+                    work.setdefault(tokenizer, set()).add(state.index.block_size)  # type: ignore[union-attr]
+        if not work:
+            return None
+        if prompt.small:
+            for tokenizer, sizes in work.items():
+                self._prepare_now(prompt, tokenizer, sizes)
+            return None
+        return self._prepare_in_threads(prompt, work)
+
+    def _prepare_now(self, prompt: KvPrompt, tokenizer: PromptTokenizer, sizes: set[int]) -> None:
+        try:
+            prompt.prepare(tokenizer, sizes, self.max_blocks)
+        except Exception as exc:
+            prompt.failure = f"{type(exc).__name__}: {exc}"
+
+    def _prepare_in_threads(
+        self, prompt: KvPrompt, work: dict[PromptTokenizer, set[int]]
+    ) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        pending = set(work)
+
+        def finished(tokenizer: PromptTokenizer, job: concurrent.futures.Future[None]) -> None:
+            pending.discard(tokenizer)
+            if not job.cancelled() and (exc := job.exception()) is not None:
+                prompt.failure = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, TemplateOverrun):
+                    log.warning("kv router: a chat template is disabled: %s", tokenizer.disabled)
+            if not pending and not done.done():
+                timer.cancel()
+                done.set_result(None)
+
+        def too_slow() -> None:
+            for tokenizer in pending:
+                self._watch(tokenizer)
+            if not done.done():
+                self.figures.slow_prepares += 1
+                done.set_result(None)
+
+        timer = loop.call_later(PREPARE_WAIT, too_slow)
+        for tokenizer, sizes in work.items():
+            report = functools.partial(finished, tokenizer)
+            try:
+                job = tokenizer.submit(prompt.prepare, tokenizer, sizes, self.max_blocks)
+            except RuntimeError:  # its thread was just replaced and shut down
+                pending.discard(tokenizer)
+                continue
+            job.add_done_callback(functools.partial(_on_loop, loop, report))
+        if not pending:
+            timer.cancel()
+            done.set_result(None)
+        return done
+
+    def _watch(self, tokenizer: PromptTokenizer) -> None:
+        """Check, until it ends, the render running in `tokenizer`'s thread: one past its
+        deadline is interrupted (`PromptTokenizer.overran`) and its template disabled."""
+        if tokenizer.overran(time.monotonic()):
+            log.warning("kv router: a chat template is disabled: %s", tokenizer.disabled)
+        elif tokenizer.rendering and not tokenizer.watched:
+            tokenizer.watched = True
+            asyncio.get_running_loop().call_later(RENDER_SECONDS / 4, self._rewatch, tokenizer)
+
+    def _rewatch(self, tokenizer: PromptTokenizer) -> None:
+        tokenizer.watched = False
+        self._watch(tokenizer)
+
     def pick(
         self, ws: WorkerSet, prompt: str | None = None, exclude: Collection[Upstream] = ()
     ) -> Upstream | None:
         state = self.tracker.sets.get(ws.id)
         if state is None or state.tokenizer is None:
             return self._fall_back(ws, state, prompt, exclude)
-        tokens = prompt.tokens(state.tokenizer) if isinstance(prompt, KvPrompt) else None
-        if tokens is None:
-            return self._fall_back(ws, state, prompt, exclude)
         index = state.index
-        hashes = token_block_hashes(tokens, index.block_size, limit=self.max_blocks)
+        hashes = (
+            prompt.hashes.get((state.tokenizer, index.block_size))
+            if isinstance(prompt, KvPrompt)
+            else None
+        )
+        if hashes is None:
+            why = getattr(prompt, "failure", "") or "not tokenized"
+            log.debug("kv router: a prompt routed by prefix: %s", why)
+            self.figures.fallbacks += 1
+            return self.fallback.pick(ws, prompt, exclude)
         blocks = len(hashes)
         matched = index.overlaps(hashes) if blocks else {}
         now = time.monotonic()
@@ -184,6 +329,12 @@ class KvRouter(Router):
         return self.fallback.pick(ws, prompt, exclude)
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop, report: Callable[[Any], None], job: Any) -> None:
+    """Call `report(job)` on `loop` (from the tokenizer's thread); not once it is closed."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(report, job)
+
+
 class KvCollector(Collector):
     """The kv policy's figures on `/metrics`, read at scrape time."""
 
@@ -226,6 +377,33 @@ class KvCollector(Collector):
         )
         yield CounterMetricFamily(
             "shoal_frontend_kv_picks", "Requests routed by KV overlap.", value=figures.picks
+        )
+        yield CounterMetricFamily(
+            "shoal_frontend_kv_prefix_fallbacks",
+            "Picks routed by prefix because the prompt could not be tokenized (template "
+            "error or overrun, tokenizing failed or took too long).",
+            value=figures.fallbacks,
+        )
+        yield CounterMetricFamily(
+            "shoal_frontend_kv_slow_prompts",
+            "Requests whose prompt was not tokenized within the wait, routed by prefix.",
+            value=figures.slow_prepares,
+        )
+        yield CounterMetricFamily(
+            "shoal_frontend_kv_over_block_cap",
+            "Times an instance held more blocks than the per-instance cap and was resnapshotted.",
+            value=sum(router.tracker.over_cap.values()),
+        )
+        tokenizers = {s.tokenizer for s in router.tracker.sets.values() if s.tokenizer is not None}
+        yield GaugeMetricFamily(
+            "shoal_frontend_kv_piece_cache_bytes",
+            "Bytes held by the tokenized-piece caches of chat prompts.",
+            value=sum(t.pieces.bytes for t in tokenizers),
+        )
+        yield GaugeMetricFamily(
+            "shoal_frontend_kv_disabled_templates",
+            "Chat templates disabled for overrunning their time or size budget.",
+            value=sum(1 for t in tokenizers if t.disabled),
         )
         yield CounterMetricFamily(
             "shoal_frontend_kv_prompt_blocks",

@@ -64,6 +64,9 @@ class KvTracker:
         self._loads: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
+        for state in self.sets.values():
+            if state.tokenizer is not None:
+                state.tokenizer.close()
         for tracked in list(self._tracked.values()):
             await tracked.subscription.stop()
         self._tracked.clear()
@@ -77,6 +80,11 @@ class KvTracker:
     def index_size(self) -> int:
         return sum(len(s.index) for s in self.sets.values())
 
+    @property
+    def over_cap(self) -> dict[str, int]:
+        """Instances (hex id) purged for holding more blocks than the cap, and how often."""
+        return {f"{i:x}": n for s in self.sets.values() for i, n in s.index.over_cap.items()}
+
     # -- the registry's changes -----------------------------------------------------------
 
     def joined(self, model: ModelInstance, ws: WorkerSet) -> None:
@@ -88,7 +96,9 @@ class KvTracker:
     def left(self, key: ModelKey, ws: WorkerSet) -> None:
         self.untrack(key.endpoint, key.instance_id, ws)
         if not ws.members:
-            self.sets.pop(ws.id, None)
+            state = self.sets.pop(ws.id, None)
+            if state is not None and state.tokenizer is not None:
+                state.tokenizer.close()
 
     # -- tracking -----------------------------------------------------------------------------
 
@@ -126,6 +136,7 @@ class KvTracker:
         state = self.sets.get(ws.id)
         if state is not None:
             state.index.purge(instance_id)
+            state.index.over_cap.pop(instance_id, None)
         tracked = self._tracked.get(ident)
         if tracked is None:
             return

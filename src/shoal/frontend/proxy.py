@@ -7,7 +7,7 @@ the worker sent it chunked, without parsing SSE.
 
 A `Forward` carries one request through all of this, driven by callbacks: from the client's
 packet to the worker's answer it creates no task and no future (only opening a new upstream
-connection awaits). Per request: one small JSON decode, one routing pick, one write each
+connection awaits, and a policy's work on the prompt off the event loop, `Router.prepare`). Per request: one small JSON decode, one routing pick, one write each
 way, a few counter increments.
 
 Failure handling: a connect error, a transport error or a 5xx before the first response
@@ -51,7 +51,7 @@ from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import Router
 from shoal.frontend.server import ClientConnection, Request, status_line
 from shoal.frontend.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
-from shoal.frontend.virtual import RouteTable, VirtualModel
+from shoal.frontend.virtual import FleetChoice, RouteTable, VirtualModel
 from shoal.openai import ApiError, error_body, sse_event
 
 log = logging.getLogger(__name__)
@@ -295,15 +295,10 @@ class Fields(msgspec.Struct):
     stream: bool | None = None
 
 
-class _Message(msgspec.Struct):
-    role: str = ""
-    content: Any = None
-
-
 class PromptFields(Fields):
     """`Fields` and the prompt, for prefix-aware routing."""
 
-    messages: list[_Message] | None = None
+    messages: list[dict[str, Any]] | None = None  # whole: a chat template reads every field
     prompt: Any = None
     input: Any = None
 
@@ -354,14 +349,14 @@ def prompt_text(fields: Fields, limit: int = PROMPT_CHARS) -> str:
     size = 0
     if fields.messages:
         for message in fields.messages:
-            content = message.content
+            content = message.get("content")
             if isinstance(content, list):
                 content = "".join(
                     piece
                     for p in content
                     if isinstance(p, dict) and isinstance(piece := p.get("text"), str)
                 )
-            text = f"{message.role}:{content if isinstance(content, str) else ''}\n"
+            text = f"{message.get('role')}:{content[:limit] if isinstance(content, str) else ''}\n"
             parts.append(text)
             size += len(text)
             if size >= limit:
@@ -461,7 +456,29 @@ class Forward:
     def start(self) -> None:
         self.stats.in_flight += 1
         self.client.produce_later(self)
-        self._attempt(None)
+        ready = self._prepare()
+        if ready is None:
+            self._attempt(None)
+        else:  # the router works on the prompt off the event loop: pick when it is done
+            ready.add_done_callback(self._prepared)
+
+    def _prepare(self) -> asyncio.Future[None] | None:
+        """The router's work on the prompt before the first pick (`Router.prepare`)."""
+        if self.prompt is None:
+            return None
+        try:
+            return self.proxy.router.prepare(self.prompt, self._models())
+        except Exception:  # routing goes on without it
+            log.exception("preparing the prompt of a %s request failed", self.name)
+            return None
+
+    def _prepared(self, _: asyncio.Future[None]) -> None:
+        if not self.done:
+            self._attempt(None)
+
+    def _models(self) -> tuple[str, ...]:
+        """The models this request may be sent to."""
+        return (self.name,)
 
     # -- attempts ----------------------------------------------------------------------------
 
@@ -469,7 +486,12 @@ class Forward:
         """Send to the next instance; after the last one, answer with the failure."""
         target = None
         if self.attempt <= self.proxy.retries:
-            target = self._pick()
+            try:
+                target = self._pick()
+            except Exception:  # a router's bug fails this request, never the gauges
+                log.exception("routing a %s request failed", self.name)
+                self._finish(errors.internal_error())
+                return
         if target is None:
             name = self.name
             if failure is None:
@@ -770,6 +792,9 @@ class VirtualForward(Forward):
         self.virtual = virtual
         self.kind = kind
         self.served = self.name  # the model the body names now
+
+    def _models(self) -> tuple[str, ...]:
+        return tuple(c.served for c in self.virtual.weighted if isinstance(c, FleetChoice))
 
     def _pick(self) -> Upstream | None:
         picked = self.virtual.choose(self.kind, self.proxy.router, self.prompt, self.tried)

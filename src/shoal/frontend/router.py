@@ -11,10 +11,11 @@ set) for least-loaded and prefix.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from shoal.frontend.registry import Model, WorkerSet
@@ -36,6 +37,15 @@ class Router:
     ) -> Upstream | None:
         """An instance of `ws` that is neither excluded nor inhibited, or None."""
         raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """For `/health`: the policy, and what it wants an operator to know."""
+        return {"policy": self.name}
+
+    def prepare(self, prompt: str | None, models: Iterable[str]) -> asyncio.Future[None] | None:
+        """Work on `prompt` that must not run on the event loop, for a request to one of
+        `models`: a future the first pick waits for, or None (the default: nothing to do)."""
+        return None
 
     def choose(
         self, model: Model, prompt: str | None = None, exclude: Collection[Upstream] = ()

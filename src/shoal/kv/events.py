@@ -17,6 +17,8 @@ Block hashes are opaque engine values (an int or bytes): only equality matters.
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 BlockHash = int | bytes
@@ -60,13 +62,38 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 class KvEndpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False):
-    """Where a worker publishes its KV events, as advertised in its discovery record."""
+    """Where a worker publishes its KV events, as advertised in its discovery record; both
+    sockets are checked (`check_zmq_endpoint`) when it is built or decoded."""
 
     publisher: str
     """The PUB socket, e.g. `tcp://10.0.0.5:5557`."""
     replay: str = ""
     """The ROUTER replay socket; empty when the publisher cannot replay."""
     topic: str = ""
+
+    def __post_init__(self) -> None:
+        check_zmq_endpoint(self.publisher)
+        if self.replay:
+            check_zmq_endpoint(self.replay)
+
+
+_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):([0-9]{1,5})")
+MAX_ENDPOINT = 512
+
+
+def check_zmq_endpoint(endpoint: str) -> str:
+    """`endpoint` if ZMQ can connect to it: `tcp://host:port` (port 1-65535) or
+    `ipc://path`; ValueError naming what is wrong otherwise."""
+    if len(endpoint) > MAX_ENDPOINT:
+        raise ValueError(f"a ZMQ endpoint is at most {MAX_ENDPOINT} characters")
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return endpoint
+    match = _TCP.fullmatch(endpoint)
+    if match is None:
+        raise ValueError(f"{endpoint!r} is not a ZMQ endpoint like tcp://host:port or ipc://path")
+    if not 0 < int(match.group(2)) < 65536:
+        raise ValueError(f"{endpoint!r}: the port must be 1-65535")
+    return endpoint
 
 
 _encoder = msgspec.msgpack.Encoder()

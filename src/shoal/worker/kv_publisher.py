@@ -4,8 +4,9 @@ Events recorded during one turn of the event loop go out as one `KVEventBatch` w
 next sequence number (one per batch, from 0, increasing by one). The last `buffer`
 batches are kept, so a subscriber that missed some (or just connected) asks the replay
 socket (ROUTER) for everything from a sequence number on and gets it, then the
-end-of-replay marker. A subscriber asking for batches older than the buffer gets only
-the marker: it knows it cannot catch up and resnapshots.
+end-of-replay marker, at the pace it reads them (nothing is dropped: a full socket queue
+makes the replay wait). A subscriber asking for batches older than the buffer gets them
+from the oldest one kept: the first number it gets shows what it missed.
 
 Publishing never blocks the engine: PUB drops messages for a subscriber that does not
 keep up (its next sequence number shows the gap).
@@ -16,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import time
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -37,6 +40,9 @@ from shoal.worker.endpoint import advertised_host
 log = logging.getLogger(__name__)
 
 DEFAULT_BUFFER = 10_000  # batches kept for replay
+MAX_REPLAYS = 16  # replays served at once
+REPLAY_SEND_TIMEOUT = 10.0  # seconds a replay waits for its subscriber to read
+YIELD_EVERY = 64  # replayed messages sent before yielding to the event loop
 
 
 class KvEventPublisher:
@@ -64,6 +70,7 @@ class KvEventPublisher:
         self._pub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
+        self._replays: set[asyncio.Task[None]] = set()
 
     async def start(self) -> KvEndpoint:
         """Bind both sockets (port 0: a free port) and serve replays; returns the endpoint."""
@@ -72,6 +79,7 @@ class KvEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = ctx.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
+        self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue waits, never drops
         pub_port = _bind(self._pub, self.host, self.port)
         replay_port = _bind(self._replay, self.host, self.replay_port)
         host = advertised_host(self.host)
@@ -87,10 +95,11 @@ class KvEventPublisher:
         if self._flush is not None:
             self._flush.cancel()
             self.flush()
-        if self._replay_task is not None:
-            self._replay_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._replay_task
+        for task in (self._replay_task, *self._replays):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(0)
@@ -128,22 +137,48 @@ class KvEventPublisher:
         sock = self._replay
         while True:
             frames = await sock.recv_multipart()
-            if len(frames) < 3:
-                continue  # not [identity, b"", start]: ignore
+            if len(frames) < 3 or len(self._replays) >= MAX_REPLAYS:
+                continue  # not [identity, b"", start], or too many at once: it asks again
             identity, start = frames[0], frames[-1]
-            try:
-                first = int.from_bytes(start, "big", signed=True)
-            except ValueError:
-                first = -1
-            for seq, payload in self.replay_from(first):
-                await sock.send_multipart((identity, b"", encode_seq(seq), payload))
-            await sock.send_multipart((identity, b"", END_OF_REPLAY, b""))
+            first = int.from_bytes(start, "big", signed=True) if len(start) == 8 else -1
+            task = asyncio.create_task(self._replay_to(sock, identity, first))
+            self._replays.add(task)
+            task.add_done_callback(self._replays.discard)
+
+    async def _replay_to(self, sock: zmq.asyncio.Socket, identity: bytes, first: int) -> None:
+        """Send one subscriber the batches from `first` on, then the end marker, at the pace
+        it reads them: the socket refuses what its queue cannot hold (ROUTER_MANDATORY)
+        and the send waits; a subscriber that reads nothing for `REPLAY_SEND_TIMEOUT`, or
+        left, is dropped. Yields to the event loop every `YIELD_EVERY` messages."""
+        batches = self.replay_from(first)
+        try:
+            for i, (seq, payload) in enumerate(batches):
+                await self._send(sock, (identity, b"", encode_seq(seq), payload))
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    await asyncio.sleep(0)
+            await self._send(sock, (identity, b"", END_OF_REPLAY, b""))
+        except (zmq.ZMQError, TimeoutError) as exc:
+            log.info(
+                "KV replay from %d abandoned after its subscriber stalled or left: %s", first, exc
+            )
+
+    @staticmethod
+    async def _send(sock: zmq.asyncio.Socket, frames: tuple[bytes, ...]) -> None:
+        """Send `frames`, waiting (at most `REPLAY_SEND_TIMEOUT`) while the queue is full."""
+        sent = cast("asyncio.Future[object]", sock.send_multipart(frames))
+        if sent.done():
+            sent.result()
+        else:
+            await asyncio.wait_for(sent, REPLAY_SEND_TIMEOUT)
 
     def replay_from(self, first: int) -> list[tuple[int, bytes]]:
-        """The buffered batches from `first` on; none if `first` is older than the buffer."""
-        if not self.buffer or first < self.buffer[0][0]:
+        """The buffered batches from `first` on; from the oldest one when `first` is older
+        (the subscriber sees what it missed by the first sequence number it gets)."""
+        buffer = self.buffer
+        if not buffer or first > buffer[-1][0]:
             return []
-        return [(seq, payload) for seq, payload in self.buffer if seq >= first]
+        skip = max(0, first - buffer[0][0])
+        return list(itertools.islice(buffer, skip, None))
 
 
 def _bind(sock: zmq.asyncio.Socket, host: str, port: int) -> int:

@@ -98,6 +98,7 @@ class MockerEngine(Engine):
         prefill_us_per_token: float = 0.0,
         kv_events_port: int | None = None,
         kv_events_host: str = "127.0.0.1",
+        chat_template: str | None = None,
     ) -> None:
         if speedup < 0 or ttft_ms < 0 or itl_ms < 0 or prefill_us_per_token < 0:
             raise ValueError(
@@ -130,6 +131,7 @@ class MockerEngine(Engine):
         self._slots = asyncio.Semaphore(max_seqs)
         self._ids = IdMaker()
         self._dir: Path | None = None
+        self.chat_template = chat_template  # published instead of the mocker's own
 
     # -- Engine interface ---------------------------------------------------------------
 
@@ -196,6 +198,7 @@ class MockerEngine(Engine):
             context_length=self.context_length,
             hidden_size=self.embedding_dim,
             kv_block_size=self.cache.block_size,
+            chat_template=self.chat_template,
         )
 
     def _base_model(self) -> ServedModel:

@@ -15,9 +15,15 @@ from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, tokenizer_json
 
 
 def write_model_files(
-    target: Path, *, context_length: int, hidden_size: int, kv_block_size: int
+    target: Path,
+    *,
+    context_length: int,
+    hidden_size: int,
+    kv_block_size: int,
+    chat_template: str | None = None,
 ) -> None:
-    """Write the model's `config.json` and tokenizer files into `target` (created)."""
+    """Write the model's `config.json` and tokenizer files into `target` (created), with
+    `chat_template` instead of the mocker's own when given."""
     target.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["MockerForCausalLM"],
@@ -32,7 +38,7 @@ def write_model_files(
         "bos_token": "<|begin|>",
         "eos_token": "<|end|>",
         "unk_token": "[UNK]",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": CHAT_TEMPLATE if chat_template is None else chat_template,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
     (target / "config.json").write_text(json.dumps(config, indent=2))

@@ -1,0 +1,201 @@
+"""A busy worker's history reaches a new subscriber whole (replay with flow control), an
+event flood never holds the event loop, the index is bounded per instance, and a malformed
+replay endpoint is refused where it enters and never kills a live subscription."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+import zmq.asyncio
+
+from shoal.discovery import InstanceInfo
+from shoal.frontend import kv_events
+from shoal.frontend.kv_events import KvStats, KvSubscription
+from shoal.frontend.kv_index import KvIndex
+from shoal.kv import BlockStored, KvEndpoint, KVEventBatch, token_block_hashes
+from shoal.worker.kv_publisher import KvEventPublisher
+from tests.helpers import wait_for
+from tests.kv import vllm_fixtures as vllm
+from tests.kv.fake_vllm import FakeVllmPublisher
+from tests.kv.probes import LoopProbe
+
+BS = 256  # tokens a block: ~1.2 KB a batch with ids of 5 bytes
+BATCHES = 20_000
+
+
+def block_tokens(i: int) -> list[int]:
+    return [100_000 + (i * BS + j) % 900_000 for j in range(BS)]
+
+
+def store(publisher: KvEventPublisher, i: int) -> None:
+    """Publish batch i: block i, chained to block i - 1."""
+    publisher.record(
+        BlockStored(
+            block_hashes=[i],
+            parent_block_hash=None if i == 0 else i - 1,
+            token_ids=block_tokens(i),
+            block_size=BS,
+        )
+    )
+    publisher.flush()
+
+
+@pytest.fixture
+async def publisher() -> AsyncIterator[KvEventPublisher]:
+    pub = KvEventPublisher(buffer=BATCHES + 1)
+    await pub.start()
+    yield pub
+    await pub.close()
+
+
+def subscribe(
+    ctx: zmq.asyncio.Context, endpoint: KvEndpoint, index: KvIndex, stats: KvStats
+) -> KvSubscription:
+    def apply(batch: KVEventBatch) -> None:
+        for event in batch.events:
+            index.apply(7, event)
+
+    sub = KvSubscription(ctx, 7, endpoint, apply, lambda: index.purge(7), stats)
+    sub.start()
+    return sub
+
+
+async def test_a_busy_workers_whole_history_is_replayed_without_stalling_the_loop(
+    publisher: KvEventPublisher,
+) -> None:
+    for i in range(BATCHES):  # before anyone subscribed: only a replay can tell
+        store(publisher, i)
+    assert len(publisher.buffer[0][1]) > 1_000
+    assert publisher.endpoint is not None
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
+    probe = LoopProbe()
+    sub = subscribe(ctx, publisher.endpoint, index, stats)
+    try:
+        await wait_for(lambda: sub.last_seq == BATCHES - 1, timeout=60, message="replayed")
+        worst = await probe.stop()
+        assert index.instance_blocks(7) == BATCHES  # every block indexed
+        assert stats.resnapshots == 0
+        assert worst < 0.02, f"the loop was held {worst * 1000:.0f} ms"
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)
+
+
+async def test_a_live_flood_is_applied_in_slices(publisher: KvEventPublisher) -> None:
+    assert publisher.endpoint is not None
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
+    sub = subscribe(ctx, publisher.endpoint, index, stats)
+    try:
+        await wait_for(lambda: stats.replays == 1, message="subscribed")
+        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        for i in range(BATCHES):  # a burst: the batches queue up at the subscriber
+            store(publisher, i)
+        probe = LoopProbe()
+        await asyncio.sleep(0.5)
+        store(publisher, BATCHES)  # (what the burst's queues dropped at the end shows here)
+        await wait_for(lambda: sub.last_seq == BATCHES, timeout=60, message="applied")
+        worst = await probe.stop()
+        assert index.instance_blocks(7) == BATCHES + 1
+        assert worst < 0.02, f"the loop was held {worst * 1000:.0f} ms"
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)
+
+
+async def test_a_request_older_than_the_buffer_replays_from_the_oldest_batch() -> None:
+    pub = KvEventPublisher(buffer=100)
+    await pub.start()
+    try:
+        for i in range(250):
+            store(pub, i)
+        replayed = pub.replay_from(0)
+        assert [seq for seq, _ in replayed] == list(range(150, 250))
+        assert [seq for seq, _ in pub.replay_from(200)] == list(range(200, 250))
+        assert pub.replay_from(250) == []
+    finally:
+        await pub.close()
+
+
+def test_an_instance_over_the_block_cap_is_purged_and_reported() -> None:
+    index = KvIndex(2, max_instance_blocks=10)
+    tokens = list(range(40))
+    for i in range(20):
+        index.apply(
+            7,
+            BlockStored(
+                block_hashes=[i],
+                parent_block_hash=None if i == 0 else i - 1,
+                token_ids=tokens[2 * i : 2 * i + 2],
+                block_size=2,
+            ),
+        )
+    assert index.instance_blocks(7) <= 10
+    assert index.over_cap == {7: 1}
+    assert not index.overlaps(token_block_hashes(tokens, 2))  # nothing half-known kept
+
+
+def test_a_replay_endpoint_without_a_port_is_refused_where_it_enters() -> None:
+    with pytest.raises(ValueError, match="tcp://host:port"):
+        KvEndpoint(publisher="tcp://127.0.0.1:5557", replay="tcp://host")
+    record = {
+        "namespace": "ns", "component": "c", "endpoint": "e", "instance_id": 1,
+        "url": "http://127.0.0.1:1", "status_url": "http://127.0.0.1:1",
+        "kv_events": {"publisher": "tcp://127.0.0.1:5557", "replay": "tcp://host"},
+    }  # fmt: skip
+    with pytest.raises(msgspec.ValidationError, match="tcp://host"):
+        msgspec.json.decode(msgspec.json.encode(record), type=InstanceInfo)
+    flag = subprocess.run(
+        [sys.executable, "-c", "from shoal.cli.main import main; main()", "worker", "--engine", "openai",
+         "--kv-events-endpoint", "tcp://127.0.0.1:5557", "--kv-replay-endpoint", "tcp://host"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert flag.returncode == 2 and "--kv-replay-endpoint" in flag.stderr, flag.stderr
+
+
+async def test_a_bad_replay_endpoint_keeps_the_live_stream(
+    publisher: KvEventPublisher,
+) -> None:
+    assert publisher.endpoint is not None
+    endpoint = KvEndpoint(publisher=publisher.endpoint.publisher)
+    msgspec.structs.force_setattr(endpoint, "replay", "tcp://host")  # past the checks
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
+    sub = subscribe(ctx, endpoint, index, stats)
+    try:
+        await wait_for(lambda: sub.replay_broken, message="the replay endpoint given up")
+        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        store(publisher, 0)
+        await wait_for(lambda: index.instance_blocks(7) == 1, message="the live batch applied")
+        assert sub.task is not None and not sub.task.done()
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)
+
+
+async def test_a_replay_cut_short_by_a_dropping_publisher_is_kept_and_resumed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM's replay socket sends everything at once and drops what its queue cannot hold,
+    # the end marker included: what did arrive is applied, the rest asked for again.
+    monkeypatch.setattr(kv_events, "REPLAY_TIMEOUT", 0.5)
+    fake = FakeVllmPublisher()
+    count = 5_000
+    for i in range(count):
+        event = ["BlockStored", [i], None if i == 0 else i - 1, block_tokens(i), BS, None]
+        await fake.send(i, vllm.batch(event), live=False)
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
+    endpoint = KvEndpoint(publisher=fake.endpoint, replay=fake.replay_endpoint)
+    sub = subscribe(ctx, endpoint, index, stats)
+    try:
+        await wait_for(lambda: sub.last_seq == count - 1, timeout=30, message="replayed")
+        assert index.instance_blocks(7) == count
+        assert len(fake.replay_requests) > 1  # (it was cut short, then resumed)
+        assert stats.resnapshots == 0
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)
+        await fake.close()

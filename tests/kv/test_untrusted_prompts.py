@@ -1,0 +1,269 @@
+"""What a worker publishes (its chat template) and what a client sends (its prompt) never
+block a `--router kv` frontend's event loop, grow its memory without a byte bound, or turn
+into a 500: a real frontend, real mocker workers, the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from shoal.frontend import Frontend, FrontendConfig, kv_prompt
+from shoal.frontend.kv_prompt import PromptTokenizer, TemplateOverrun
+from shoal.frontend.kv_router import KvRouter
+from shoal.frontend.kv_tracker import KvSet
+from shoal.worker.engines.mocker.text import VOCAB
+from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, TOKENIZER
+from tests.helpers import wait_for
+from tests.kv.probes import LiveProbe, LoopProbe
+from tests.processes import Processes
+
+MODEL = "kv-untrusted"
+WORKER_FLAGS = (
+    "--lease-ttl", "2", "--ttft-ms", "1", "--itl-ms", "1", "--block-size", "16",
+    "--kv-events-port", "0",
+)  # fmt: skip
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+# Mistral's templates check tool call ids like this (and raise otherwise).
+MISTRAL_LIKE = """{%- for message in messages %}
+{%- if message.role == 'tool' %}
+{%- if message.tool_call_id is not defined or message.tool_call_id|length != 9 %}
+{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+{%- endif %}
+{{- '[TOOL_RESULTS]' ~ message.tool_call_id ~ ' ' ~ message.content ~ '[/TOOL_RESULTS]' }}
+{%- elif message.tool_calls is defined and message.tool_calls %}
+{{- '[TOOL_CALLS]' ~ message.tool_calls[0].function.name ~ ' ' ~ message.tool_calls[0].id }}
+{%- else %}
+{{- '<|user|>' ~ message.content }}
+{%- endif %}
+{%- endfor %}"""
+TOOL_CHAT = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "abcDEF123",
+                "type": "function",
+                "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "abcDEF123", "content": "sunny, 21 C"},
+]
+
+
+async def start_front(processes: Processes, tmp_path: Path, *flags: str) -> Frontend:
+    """A `--router kv` frontend over two mocker workers started with `flags`."""
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    namespace = f"kvu-{uuid.uuid4().hex[:8]}"
+    for _ in range(2):
+        await processes.worker(
+            store_url, "--namespace", namespace, *WORKER_FLAGS, *flags, model=MODEL
+        )
+    config = FrontendConfig(
+        store_url=store_url, port=0, namespaces=(namespace,), router="kv",
+        reconcile_interval=1.0, cache_dir=tmp_path / "cache",
+    )  # fmt: skip
+    front = Frontend(config)
+    await front.start()
+    await wait_for(lambda: kv_set(front).tokenizer is not None, timeout=30, message="tokenizer")
+    return front
+
+
+@pytest.fixture
+async def front(processes: Processes, tmp_path: Path) -> AsyncIterator[Frontend]:
+    front = await start_front(processes, tmp_path)
+    yield front
+    await front.stop()
+
+
+@pytest.fixture
+async def hostile_front(processes: Processes, tmp_path: Path) -> AsyncIterator[Frontend]:
+    """The workers publish a chat template of two nested `range(100000)` loops."""
+    template = tmp_path / "template.jinja"
+    template.write_text(NESTED_LOOPS)
+    front = await start_front(processes, tmp_path, "--chat-template", str(template))
+    yield front
+    await front.stop()
+
+
+def kv_set(front: Frontend) -> KvSet:
+    router = front.router
+    assert isinstance(router, KvRouter)
+    model = front.registry.models.get(MODEL)
+    state = None if model is None else router.tracker.sets.get(model.routable_sets[0].id)
+    return state or KvSet(index=None)  # type: ignore[arg-type]
+
+
+def publish_template(front: Frontend, template: str) -> PromptTokenizer:
+    """The set's tokenizer, now with `template` (as a worker would publish it)."""
+    state = kv_set(front)
+    assert state.tokenizer is not None
+    state.tokenizer = PromptTokenizer(state.tokenizer.tokenizer, {"chat_template": template})
+    return state.tokenizer
+
+
+def figures(front: Frontend) -> Any:
+    router = front.router
+    assert isinstance(router, KvRouter)
+    return router.figures
+
+
+async def test_a_hostile_template_is_disabled_and_never_stops_live(
+    hostile_front: Frontend,
+) -> None:
+    front = hostile_front
+    tokenizer = kv_set(front).tokenizer
+    assert tokenizer is not None and tokenizer.renders
+    client = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
+    live, loop = LiveProbe(front.url), LoopProbe()
+    chats = [
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=1
+        )
+        for i in range(4)
+    ]
+    answers = await asyncio.gather(*chats)
+    await asyncio.sleep(0.3)  # (for the probes: a few more answers after the overrun)
+    worst, median = await loop.stop(), live.stop()
+    assert all(a.choices for a in answers)  # routed by prefix
+    assert "ran past" in tokenizer.disabled
+    assert worst < 0.02, f"the loop was held {worst * 1000:.0f} ms"
+    assert median < 0.05, f"/live answered in {median * 1000:.0f} ms (median)"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{front.url}/health") as r:
+            health = await r.json()
+        async with session.get(f"{front.url}/metrics") as r:
+            metrics = await r.text()
+    reasons = health["routing"]["routed_by_prefix"]
+    assert any("ran past" in reason for reason in reasons.values()), health["routing"]
+    assert "shoal_frontend_kv_disabled_templates 1.0" in metrics
+    assert figures(front).fallbacks >= 4
+    assert front.metrics.model(MODEL).in_flight == 0
+
+
+async def test_a_4mb_chat_is_tokenized_off_the_event_loop(front: Frontend) -> None:
+    text = " ".join(VOCAB[i % 40] for i in range(1_000_000))  # ~4 MB
+    assert len(text) > 4_000_000
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    loop, picks = LoopProbe(), figures(front).picks
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{front.url}/v1/chat/completions", json=body) as r,
+    ):
+        await r.read()
+    worst = await loop.stop()
+    assert figures(front).picks == picks + 1  # routed by its KV blocks, not by prefix
+    assert worst < 0.02, f"the loop was held {worst * 1000:.0f} ms"
+
+
+async def test_tool_messages_reach_the_template_whole(front: Frontend) -> None:
+    publish_template(front, MISTRAL_LIKE)
+    client = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
+    before = figures(front).picks
+    answer = await client.chat.completions.create(model=MODEL, messages=TOOL_CHAT, max_tokens=1)  # type: ignore[arg-type]
+    assert answer.choices
+    assert figures(front).picks == before + 1 and figures(front).fallbacks == 0
+
+
+async def test_a_template_error_routes_that_request_by_prefix(front: Frontend) -> None:
+    publish_template(front, "{{ raise_exception('this template refuses every chat') }}")
+    client = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
+    for _ in range(3):
+        answer = await client.chat.completions.create(model=MODEL, messages=TOOL_CHAT, max_tokens=1)  # type: ignore[arg-type]
+        assert answer.choices
+    assert figures(front).fallbacks == 3
+    assert front.metrics.model(MODEL).in_flight == 0
+    async with aiohttp.ClientSession() as session, session.get(f"{front.url}/metrics") as r:
+        metrics = await r.text()
+    assert "shoal_frontend_kv_prefix_fallbacks_total 3.0" in metrics
+    assert 'shoal_frontend_inflight_requests{model="kv-untrusted"} 0.0' in metrics
+
+
+def test_the_piece_cache_is_bounded_in_bytes() -> None:
+    tokenizer = PromptTokenizer(
+        Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": CHAT_TEMPLATE}
+    )
+    capacity = tokenizer.pieces.capacity = 16 << 20
+    for i in range(12):  # distinct ~1 MB messages: ~14 MB each as lists of ints
+        text = f"{i} " + " ".join(VOCAB[(i + j) % 40] for j in range(200_000))
+        tokens = tokenizer.chat([{"role": "user", "content": text}])
+        assert tokens is not None and len(tokens) > 200_000
+        assert tokenizer.pieces.bytes <= capacity
+    assert tokenizer.pieces.bytes > capacity // 2  # (it does keep pieces)
+
+
+async def test_a_render_that_ignores_its_budget_is_interrupted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tokenizer = PromptTokenizer(
+        Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": NESTED_LOOPS}
+    )
+    monkeypatch.setattr(tokenizer.env, "check", lambda: None)  # as if stuck past every check
+    job = tokenizer.submit(tokenizer.render, [{"role": "user", "content": "hi"}])
+    await wait_for(lambda: tokenizer.rendering, message="rendering")
+    KvRouter()._watch(tokenizer)  # what a request that waited too long starts
+    with pytest.raises(TemplateOverrun):
+        await asyncio.wait_for(asyncio.wrap_future(job), 3 * kv_prompt.RENDER_SECONDS + 5)
+    assert not tokenizer.renders and "ran past" in tokenizer.disabled
+
+
+def test_a_clients_long_chat_is_no_overrun_of_the_template() -> None:
+    template = (
+        "{% for m in messages %}{{ '<|user|>' ~ (m.content | trim).replace('x', 'y') }}{% endfor %}"
+    )
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    text = " ".join(VOCAB[i % 40] for i in range(800_000))  # ~3 MB: three times `MAX_TEXT`
+    assert len(text) > 3 * kv_prompt.MAX_TEXT
+    tokens = tokenizer.chat([{"role": "user", "content": text}] * 3, wanted=1024)
+    assert tokens is not None and len(tokens) == 1024
+    assert tokenizer.renders, tokenizer.disabled
+
+
+async def test_a_router_error_fails_only_its_request_and_leaves_no_gauge_raised(
+    front: Frontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any) -> None:
+        raise RuntimeError("a bug in a routing policy")
+
+    monkeypatch.setattr(front.router, "pick", broken)
+    client = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.InternalServerError):
+        await client.chat.completions.create(model=MODEL, messages=TOOL_CHAT, max_tokens=1)  # type: ignore[arg-type]
+    assert front.metrics.model(MODEL).in_flight == 0
+    monkeypatch.undo()
+    answer = await client.chat.completions.create(model=MODEL, messages=TOOL_CHAT, max_tokens=1)  # type: ignore[arg-type]
+    assert answer.choices
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ 'a' * 1000000000 }}",
+        "{{ ('a' * 1000) | replace('', 'b' * 2000) }}",
+        "{{ ('a' * 1000).replace('a', 'b' * 2000) }}",
+        "{{ ('\\n' * 100000) | indent(1000) }}",
+        "{{ '%0999999999d' % 1 }}",
+        "{{ '{:>999999999}'.format(1) }}",
+        "{% set ns = namespace(x='ab') %}{% for i in range(60) %}{% set ns.x = ns.x ~ ns.x %}"
+        "{% endfor %}",
+        "{% set x = 'a' * 100000 %}{% for a in x %}{% for b in x %}{% endfor %}{% endfor %}",
+    ],
+)
+def test_a_template_that_builds_without_bound_is_stopped_and_disabled(template: str) -> None:
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    t0 = time.monotonic()
+    with pytest.raises(TemplateOverrun):
+        tokenizer.chat([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - t0 < 3 * kv_prompt.RENDER_SECONDS
+    assert not tokenizer.renders and tokenizer.disabled
