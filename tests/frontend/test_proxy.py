@@ -11,6 +11,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from shoal.frontend import Frontend
+from shoal.frontend.metrics import UNKNOWN_MODEL
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import FakeWorker, serving
 from tests.helpers import wait_for
@@ -481,8 +482,63 @@ async def test_a_deeply_nested_body_is_400_saying_why(
         assert response.status == 400
         error = (await response.json())["error"]
     assert error["type"] == "invalid_request_error"
-    assert "nested too deeply" in error["message"]
+    assert "nested deeper than 64 levels" in error["message"]
     assert worker.requests == 0
+    assert frontend.metrics.models[UNKNOWN_MODEL].requests == {400: 1}
+
+
+@pytest.mark.parametrize("depth", [65, 985, 1_000, 1_500])
+async def test_a_body_nested_past_the_bound_in_a_free_form_field_is_400(
+    start_worker: StartWorker, start_frontend: StartFrontend, depth: int
+) -> None:
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker)
+    nested = b'{"a":' * depth + b"1" + b"}" * depth
+    body = b'{"model":"mock-llm","messages":[],"metadata":' + nested + b"}"
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{frontend.url}/v1/chat/completions", data=body)
+        assert response.status == 400
+        assert "nested deeper than 64 levels" in (await response.json())["error"]["message"]
+    assert worker.requests == 0
+
+
+@pytest.mark.parametrize("failing_pick", [1, 2])
+async def test_a_failure_in_the_gateway_after_the_gauge_went_up_answers_500_and_leaves_it_at_0(
+    start_worker: StartWorker,
+    start_frontend: StartFrontend,
+    monkeypatch: pytest.MonkeyPatch,
+    failing_pick: int,
+) -> None:
+    """A bug while picking an instance (the first pick, or the retry's after a 5xx, which runs
+    in the upstream connection's callback) never leaves the request hanging or in flight."""
+    workers = [await start_worker(), await start_worker()]
+    for worker in workers:
+        worker.fail_next = 1
+    frontend = await ready(start_frontend, *workers)
+    router = frontend.proxy.router
+    choose = router.choose
+    picks = 0
+
+    def failing_choose(*args: object, **kwargs: object) -> object:
+        nonlocal picks
+        picks += 1
+        if picks == failing_pick:
+            raise RuntimeError("a bug in the router")
+        return choose(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(router, "choose", failing_choose)
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(
+            f"{frontend.url}/v1/chat/completions", json={"model": "mock-llm", "messages": CHAT}
+        )
+        assert response.status == 500
+        assert (await response.json())["error"]["type"] == "server_error"
+    stats = frontend.metrics.models["mock-llm"]
+    assert stats.in_flight == 0
+    assert stats.requests == {500: 1}
+    model = frontend.registry.models["mock-llm"]
+    assert all(u.in_flight == 0 for ws in model.sets.values() for u in ws.routable)
+    assert sum(w.requests for w in workers) == failing_pick - 1
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from shoal.bounds import TooDeep, check_json_depth
+
 _SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 _CHECKSUM_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
@@ -126,8 +128,13 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 
     @classmethod
     def from_json(cls, data: bytes | str) -> ModelCard:
+        """The card `data` holds; `CardError` naming the problem if it is not one (nested
+        deeper than `shoal.bounds.MAX_DEPTH` included)."""
         try:
+            check_json_depth(data)
             return _decoder.decode(data)
+        except TooDeep as exc:
+            raise CardError(f"invalid model card JSON: {exc}") from None
         except msgspec.ValidationError as exc:
             raise CardError(f"invalid model card: {exc}") from None
         except msgspec.DecodeError as exc:

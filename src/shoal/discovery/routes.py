@@ -20,6 +20,7 @@ from typing import Annotated
 
 import msgspec
 
+from shoal.bounds import TooDeep, check_json_depth
 from shoal.discovery.keys import ROOT
 from shoal.store import Store
 
@@ -94,11 +95,13 @@ def parse_route_key(key: str) -> tuple[str, str]:
 
 
 def decode_route(key: str, value: bytes) -> Route:
-    """The route stored at `key`; `RouteError` naming the problem if it does not fit."""
+    """The route stored at `key`; `RouteError` naming the problem if it does not fit (nested
+    deeper than `shoal.bounds.MAX_DEPTH` included)."""
     workspace, name = parse_route_key(key)
     try:
+        check_json_depth(value)
         route = _decoder.decode(value)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, TooDeep) as exc:
         raise RouteError(f"invalid route at {key}: {exc}") from None
     if (route.workspace, route.name) != (workspace, name):
         raise RouteError(f"route at {key} names {route.workspace}/{route.name}")

@@ -10,7 +10,8 @@ and for `Discovery.list_and_watch` alike, so every reader sees the same models:
   card is kept. Conversely a key whose `create_revision` changed was deleted and created
   again (a worker detached a model and attached another): a new registration, taken as it
   is, even by a listing or a `Resync` that never saw the delete.
-- A malformed value is reported and skipped; it never hides or removes a valid one.
+- A malformed value (nested deeper than `shoal.bounds.MAX_DEPTH` included) is reported,
+  counted and skipped; it never hides or removes a valid one, nor stops a stream.
   `Discovery.skipped` lists the keys whose value is not used, and why.
 - `ModelInstance.revision` is the `mod_revision` of the card's value: every reader of the
   store sees the same one, so cards are ordered alike everywhere.
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import msgspec
 from prometheus_client import Counter
 
+from shoal.bounds import check_json_depth
 from shoal.cards import CardError, ModelCard
 from shoal.discovery.keys import (
     INSTANCES,
@@ -161,8 +163,10 @@ def _report_malformed(kind: str, kv_key: str, error: Exception, skipped: Skipped
 
 
 def _parse_instance(kv_key: str, value: bytes) -> tuple[InstanceId, InstanceInfo]:
-    """The endpoint instance stored at `kv_key`; ValueError if key or value does not fit."""
+    """The endpoint instance stored at `kv_key`; ValueError if key or value does not fit
+    (`TooDeep` if it nests deeper than `shoal.bounds.MAX_DEPTH`)."""
     ident = parse_instance_key(kv_key)
+    check_json_depth(value)
     try:
         info = _instance_decoder.decode(value)
     except msgspec.DecodeError as exc:

@@ -44,6 +44,7 @@ from typing import Any
 
 import msgspec
 
+from shoal.bounds import TooDeep, check_json_depth
 from shoal.cards import ModelType
 from shoal.frontend import errors
 from shoal.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics, ModelStats
@@ -98,7 +99,16 @@ class Proxy:
         self.via = b"via: 1.1 " + self._gateway + b"\r\n"
 
     def handle(self, request: Request, client: ClientConnection, kind: ModelType) -> None:
-        """Start answering one request of `kind` (chat, completions, embeddings)."""
+        """Start answering one request of `kind` (chat, completions, embeddings). Nothing
+        raises out of here: a bug answers 500 in the OpenAI format, counted like any answer
+        (a `Forward` once started answers for itself)."""
+        try:
+            self._handle(request, client, kind)
+        except Exception:
+            log.exception("request %s failed in the gateway", request.path.decode("latin-1"))
+            self._refuse(client, errors.internal_error(), UNKNOWN_MODEL)
+
+    def _handle(self, request: Request, client: ClientConnection, kind: ModelType) -> None:
         try:
             fields = decode_fields(request.body, with_prompt=self.router.needs_prompt)
         except ApiError as exc:
@@ -310,15 +320,21 @@ _encode = msgspec.json.encode
 
 
 def rewrite_model(body: bytes, model: str) -> bytes:
-    """`body` (a JSON object) with its `model` set to `model`; every other top-level member
-    is kept byte for byte (decoded only as far as the top level)."""
+    """`body` (a JSON object that passed `decode_fields`, so within the depth bound) with its
+    `model` set to `model`; every other top-level member is kept byte for byte (decoded only
+    as far as the top level)."""
     members = _decode_members(body)
     members["model"] = msgspec.Raw(_encode(model))
     return _encode(members)
 
 
 def decode_fields(body: bytes, *, with_prompt: bool = False) -> Fields:
-    """The routing fields of a body; `ApiError` 400 if it is not a JSON object with a `model`."""
+    """The routing fields of a body; `ApiError` 400 if it is not a JSON object with a `model`,
+    or nests deeper than `shoal.bounds.MAX_DEPTH` (checked before any decoder sees it)."""
+    try:
+        check_json_depth(body)
+    except TooDeep as exc:
+        raise errors.bad_request(f"The request body is not accepted: {exc}.") from None
     try:
         try:
             fields = _decode_prompt_fields(body) if with_prompt else _decode_fields(body)
@@ -332,10 +348,6 @@ def decode_fields(body: bytes, *, with_prompt: bool = False) -> Fields:
         raise errors.bad_request(f"Invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise errors.bad_request(f"The request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise errors.bad_request(
-            "The request body is not valid JSON: arrays or objects are nested too deeply."
-        ) from None
     if not fields.model:
         raise errors.bad_request("You must provide a model parameter.", param="model")
     return fields
@@ -483,7 +495,14 @@ class Forward:
     # -- attempts ----------------------------------------------------------------------------
 
     def _attempt(self, failure: Exception | None) -> None:
-        """Send to the next instance; after the last one, answer with the failure."""
+        """Send to the next instance; after the last one, answer with the failure. Whatever
+        raises on the way ends the request with a 500 (`_broken`), never past it."""
+        try:
+            self._next_attempt(failure)
+        except Exception:
+            self._broken()
+
+    def _next_attempt(self, failure: Exception | None) -> None:
         target = None
         if self.attempt <= self.proxy.retries:
             try:
@@ -535,7 +554,10 @@ class Forward:
         if self.done or self.target is not target:
             target.release(conn)
             return
-        self._send(conn)
+        try:
+            self._send(conn)
+        except Exception:
+            self._broken()
 
     def _send(self, conn: UpstreamConnection) -> None:
         assert self.target is not None
@@ -739,6 +761,23 @@ class Forward:
         self._end_attempt()
         self.status = 499
         self._finish(None)
+
+    def _broken(self) -> None:
+        """A bug on the request path (called from an `except`): logged, the attempt dropped,
+        the client answered 500 (or cut off, if bytes went out), and the request counted and
+        taken off the in-flight gauge like any other."""
+        log.exception("request for %s failed in the gateway", self.name)
+        if self.done:
+            return
+        if self.connecting is not None:
+            self.connecting.cancel()
+            self.connecting = None
+        if self.conn is not None:
+            self.conn.abort()
+        self._end_attempt()
+        if self.started:
+            self.client.close_after_response()
+        self._finish(errors.internal_error())
 
     def _end_attempt(self) -> None:
         self._disarm()

@@ -59,6 +59,9 @@ class RouteWatcher:
         while True:
             try:
                 snapshot = await self.store.get_prefix(prefix)
+                # (inside the retry: whatever a value makes it raise must not end the
+                # workspace's watch task, nor the frontend's start)
+                self.table.replace(workspace, snapshot.items)
             except Exception as exc:
                 log.warning(
                     "reading routes of %r failed: %s; retrying in %.1fs", workspace, exc, backoff
@@ -66,7 +69,6 @@ class RouteWatcher:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            self.table.replace(workspace, snapshot.items)
             return snapshot.revision
 
     async def _watch(self, workspace: str, start_revision: int) -> None:
