@@ -247,8 +247,9 @@ async def client_command(args: argparse.Namespace) -> int:
 async def apply(client: Any, args: argparse.Namespace) -> int:
     from shoal.catalog.apply import apply_documents, parse_documents
 
+    origin = "standard input" if args.file == "-" else args.file
     documents = parse_documents(
-        args.text, workspace=args.workspace, json_only=args.file.endswith(".json")
+        args.text, workspace=args.workspace, json_only=args.file.endswith(".json"), origin=origin
     )
     for change in await apply_documents(client, documents, prune=args.prune):
         print(change, flush=True)

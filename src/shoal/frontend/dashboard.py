@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from shoal.bounds import TooDeep, check_json_depth
 from shoal.frontend import errors
 from shoal.frontend.server import HttpConnection, Request, status_line
 from shoal.frontend.snapshot import Fleet, FleetReader, RequestHistory, Sections, diff, full
@@ -241,8 +242,9 @@ class Dashboard:
 
     def _login(self, request: Request, conn: HttpConnection) -> None:
         try:
+            check_json_depth(request.body)
             key = msgspec.json.decode(request.body, type=_Login).key
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, TooDeep) as exc:
             raise errors.bad_request(f'Login body: expected {{"key": "..."}}: {exc}') from None
         if not self._tokens:
             conn.send(200, b"{}")

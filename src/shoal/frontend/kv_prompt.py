@@ -50,6 +50,8 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from shoal.bounds import check_json_depth
+
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 RENDER_SECONDS = 0.5  # a template's time budget for one chat
@@ -94,7 +96,9 @@ class PromptTokenizer:
         """From the files on disk; raises (OSError, ValueError, jinja2 errors) if unusable."""
         config: dict[str, Any] = {}
         if config_file is not None:
-            loaded = json.loads(config_file.read_text())
+            text = config_file.read_text()
+            check_json_depth(text)  # (a worker's file: `TooDeep` is a ValueError)
+            loaded = json.loads(text)
             config = loaded if isinstance(loaded, dict) else {}
         return cls(Tokenizer.from_file(str(tokenizer_file)), config)
 

@@ -105,8 +105,18 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """A batch from its msgpack payload; `msgspec.DecodeError` (or ValidationError) if malformed."""
-    return _decoder.decode(payload)
+    """A batch from its msgpack payload; `msgspec.DecodeError` (or ValidationError) if malformed.
+
+    Depth: every field the schema knows has a fixed shape, so a nested value where one is
+    expected is a `ValidationError` at once; only the trailing fields a reader ignores are
+    skipped whatever they hold. Binary msgpack has no brackets for `shoal.bounds` to count,
+    so a payload nested past the interpreter's recursion limit there (called from the same
+    shallow frame of the subscriber every time) is answered as the `DecodeError` it is.
+    """
+    try:
+        return _decoder.decode(payload)
+    except RecursionError:
+        raise msgspec.DecodeError("KV event batch: values nested too deeply") from None
 
 
 def encode_seq(seq: int) -> bytes:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import msgspec
 
+from shoal.bounds import TooDeep, check_json_depth
 from shoal.discovery.keys import check_name
 from shoal.membership.errors import SourceError
 from shoal.membership.selection import Selection
@@ -43,8 +44,9 @@ def parse_sources(data: bytes, origin: str = "sources file") -> Selection:
     if len(data) > MAX_FILE_BYTES:
         raise SourceError(f"{origin}: {len(data)} bytes, over the {MAX_FILE_BYTES}-byte limit")
     try:
+        check_json_depth(data)
         parsed = _decoder.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, TooDeep) as exc:
         raise SourceError(f"{origin}: {exc}") from None
     if parsed.version != 1:
         raise SourceError(f"{origin}: version must be 1, got {parsed.version}")

@@ -13,6 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from shoal.bounds import TooDeep, check_json_depth
 from shoal.openai.errors import ApiError, missing_parameter
 
 T = TypeVar("T")
@@ -117,7 +118,10 @@ _PATH_RE = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 def decode_request(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:
     """Decode a JSON request body; raises `ApiError` 400 naming the parameter at fault."""
     try:
+        check_json_depth(body)
         return decoder.decode(body)
+    except TooDeep as exc:
+        raise ApiError(400, f"Invalid request: {exc}", code="invalid_json") from None
     except msgspec.ValidationError as exc:
         text = str(exc)
         missing = "missing required field" in text
