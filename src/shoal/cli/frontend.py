@@ -119,7 +119,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--api-key",
         action="append",
         metavar="KEY",
-        help="require `Authorization: Bearer KEY` on /v1 routes (repeatable)",
+        help="require `Authorization: Bearer KEY` on /v1 routes, the dashboard's data and "
+        "/health's details (repeatable)",
+    )
+    add_flag(
+        parser,
+        "--public-health",
+        action="store_true",
+        help="with --api-key, still show /health's details (models, providers, cache) to "
+        "callers without a key; without it they get only the status and its reasons",
     )
     add_flag(
         parser,
@@ -318,6 +326,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         kv_overlap_weight=args.kv_overlap_weight,
         reconcile_interval=args.reconcile_interval,
         api_keys=tuple(args.api_key),
+        public_health=args.public_health,
         max_body=args.max_body,
         retries=args.retries,
         inhibit_seconds=args.inhibit_seconds,

@@ -43,7 +43,7 @@ from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import make_router
 from shoal.frontend.routes import RouteWatcher
 from shoal.frontend.secrets import Secrets
-from shoal.frontend.server import HttpConnection, HttpServer, Request
+from shoal.frontend.server import HttpConnection, HttpServer, Request, bearer_token
 from shoal.frontend.virtual import FleetChoice, RouteTable, VirtualModel
 from shoal.frontend.watcher import ModelWatcher, Reconciler
 from shoal.openai import ApiError
@@ -89,6 +89,7 @@ class FrontendConfig:
     max_header_size: int = 64 * 1024  # bytes of request line and headers
     max_headers: int = 100
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any)
+    public_health: bool = False  # with API keys, `/health` details without the key too
     setup_timeout: float = 10.0  # seconds for the store to answer the first listing
     # The scope follows a membership watch (built by `shoal.cli`) instead of `namespaces`:
     namespace_sources: Path | None = None
@@ -189,7 +190,7 @@ class Frontend:
             strip_authorization=bool(config.api_keys),
             routes=self.routes,
         )
-        self._bearer = tuple(f"Bearer {key}".encode() for key in config.api_keys)
+        self._keys = tuple(key.encode() for key in config.api_keys)
         self.cors = Cors(config.cors_origins) if config.cors_origins else None
         self.manager = ControllerManager()
         self.metrics.registry.register(LoopCollector(self.manager))
@@ -351,7 +352,9 @@ class Frontend:
                 return
             if kind is not None:
                 if request.method != b"POST":
-                    raise errors.method_not_allowed(request.method.decode(), path.decode())
+                    raise errors.method_not_allowed(
+                        request.method.decode(), path.decode(), (b"POST",)
+                    )
                 self._authorize(request)
                 self.proxy.handle(request, conn, kind)
                 return
@@ -361,7 +364,9 @@ class Frontend:
             if request.method != b"GET" and request.method != b"HEAD":  # HEAD: a GET, no body
                 known = path.startswith(b"/v1/models") or path in _CONTROL_PATHS
                 if known:
-                    raise errors.method_not_allowed(request.method.decode(), path.decode())
+                    raise errors.method_not_allowed(
+                        request.method.decode(), path.decode(), (b"GET", b"HEAD")
+                    )
                 raise errors.not_found(path.decode())
             self._control(request, conn)
         except ApiError as exc:
@@ -386,11 +391,15 @@ class Frontend:
         return False
 
     def _authorize(self, request: Request) -> None:
-        if not self._bearer:
-            return
-        given = request.header(b"authorization") or b""
-        if not any(hmac.compare_digest(given, expected) for expected in self._bearer):
+        if not self._authorized(request):
             raise errors.unauthorized()
+
+    def _authorized(self, request: Request) -> bool:
+        """No key is configured, or the request bears one (`Bearer`, in any case)."""
+        if not self._keys:
+            return True
+        token = bearer_token(request.header(b"authorization"))
+        return token is not None and any(hmac.compare_digest(token, k) for k in self._keys)
 
     def _control(self, request: Request, conn: HttpConnection) -> None:
         path = request.path
@@ -422,6 +431,8 @@ class Frontend:
             conn.send(status, _json(body))
         elif path == b"/health":
             status, body = self.health()
+            if not self.config.public_health and not self._authorized(request):
+                body = {k: v for k, v in body.items() if k in _PUBLIC_HEALTH}
             conn.send(status, _json(body))
         elif path == b"/health/controllers":
             status, body = readiness(self.manager)
@@ -580,6 +591,9 @@ def server_tls(certfile: Path | None, keyfile: Path | None) -> ssl.SSLContext | 
     context.set_alpn_protocols(["http/1.1"])
     return context
 
+
+_PUBLIC_HEALTH = frozenset({"status", "reasons"})
+"""What `/health` tells a caller without the API key (unless `--public-health`)."""
 
 _CONTROL_PATHS = frozenset(
     {b"/live", b"/ready", b"/health", b"/health/controllers", b"/metrics"}

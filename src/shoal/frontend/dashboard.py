@@ -9,11 +9,13 @@ Routes (all under `/ui`, served by the frontend's own server):
   only what changed (at most every `TICK_SECONDS`), and a `ping` when nothing did for a while.
 - `POST /ui/api/login` (`{"key": "..."}`) and `POST /ui/api/logout`.
 
-Access: with API keys configured, the data routes want `Authorization: Bearer KEY` (curl)
-or the `shoal_ui` cookie (a browser, whose EventSource cannot send headers). Login sets that
-cookie, HttpOnly and SameSite=Strict, to an HMAC of the key: the key itself is never stored
-in the browser, every frontend sharing the key accepts the cookie, and removing the key from
-the frontend's configuration revokes it.
+Access: with API keys configured, the data routes want `Authorization: Bearer KEY` (curl;
+the scheme in any case) or the `shoal_ui` cookie (a browser, whose EventSource cannot send
+headers). Login checks the key and sets that cookie to a new random session id (`Sessions`):
+HttpOnly, SameSite=Strict, Secure when the frontend serves HTTPS (or says a proxy in front
+does, `X-Forwarded-Proto: https`). The session lives on this frontend only, for
+`SESSION_SECONDS` at most, until log out; the browser never holds the key nor anything
+derived from it, so a stolen cookie tells nothing about the key.
 
 One timer per frontend reads the fleet every `TICK_SECONDS` while a page is open (and
 samples the request history every period regardless): nothing here is on the request path.
@@ -23,18 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import importlib.resources
 import logging
+import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from shoal.bounds import TooDeep, check_json_depth
 from shoal.frontend import errors
-from shoal.frontend.server import HttpConnection, Request, status_line
+from shoal.frontend.server import HttpConnection, Request, bearer_token, status_line
 from shoal.frontend.snapshot import Fleet, FleetReader, RequestHistory, Sections, diff, full
 
 log = logging.getLogger(__name__)
@@ -42,7 +45,8 @@ log = logging.getLogger(__name__)
 TICK_SECONDS = 0.5  # how often open pages are sent what changed
 PING_SECONDS = 5.0  # an event at least this often, so a page can tell a dead frontend
 COOKIE = b"shoal_ui"
-_COOKIE_CONTEXT = b"shoal-ui-session-v1"
+SESSION_SECONDS = 12 * 3600  # a dashboard session ends this long after its login
+MAX_SESSIONS = 10_000  # sessions held per frontend; a new login beyond ends the oldest
 _TYPES = {
     ".html": b"text/html; charset=utf-8",
     ".js": b"text/javascript; charset=utf-8",
@@ -128,8 +132,9 @@ class Dashboard:
         self.history = RequestHistory(frontend.metrics)
         self.streams: set[EventStream] = set()
         self.static: StaticFiles | None = None
-        self._tokens = tuple(_session_token(key) for key in frontend.config.api_keys)
-        self._bearer = tuple(f"Bearer {key}".encode() for key in frontend.config.api_keys)
+        self._keys = tuple(key.encode() for key in frontend.config.api_keys)
+        self.sessions = Sessions()
+        self._tls = frontend.config.tls_certfile is not None  # cookies are `Secure`
         self._sent: Sections | None = None  # what open streams were last sent
         self._task: asyncio.Task[None] | None = None
 
@@ -198,7 +203,7 @@ class Dashboard:
             self._api(path[len(b"/ui/api/") :], request, conn)
             return
         if method not in (b"GET", b"HEAD"):
-            raise errors.method_not_allowed(method.decode(), path.decode())
+            raise errors.method_not_allowed(method.decode(), path.decode(), (b"GET", b"HEAD"))
         if path == b"/ui":
             conn.send(308, b"", b"text/plain", ((b"location", b"/ui/"),))
             return
@@ -212,11 +217,15 @@ class Dashboard:
         if methods is None:
             raise errors.not_found(request.path.decode())
         if request.method not in methods:
-            raise errors.method_not_allowed(request.method.decode(), request.path.decode())
+            method, path = request.method.decode(), request.path.decode()
+            raise errors.method_not_allowed(method, path, methods)
         if route == b"login":
             self._login(request, conn)
         elif route == b"logout":
-            conn.send(200, b"{}", headers=(_cookie_header(request, b"", max_age=0),))
+            session = _cookie(request.header(b"cookie"), COOKIE)
+            if session is not None:
+                self.sessions.close(session)
+            conn.send(200, b"{}", headers=(self._cookie_header(request, b"", max_age=0),))
         else:
             self._authorize(request)
             if route == b"snapshot":
@@ -227,32 +236,37 @@ class Dashboard:
 
     @property
     def protected(self) -> bool:
-        return bool(self._tokens)
+        return bool(self._keys)
 
     def _authorize(self, request: Request) -> None:
-        if not self._tokens:
+        if not self._keys:
             return
-        given = request.header(b"authorization")
-        if given is not None and any(hmac.compare_digest(given, b) for b in self._bearer):
+        token = bearer_token(request.header(b"authorization"))
+        if token is not None and any(hmac.compare_digest(token, key) for key in self._keys):
             return
-        cookie = _cookie(request.header(b"cookie"), COOKIE)
-        if cookie is not None and any(hmac.compare_digest(cookie, t) for t in self._tokens):
+        session = _cookie(request.header(b"cookie"), COOKIE)
+        if session is not None and self.sessions.valid(session):
             return
         raise errors.unauthorized()
 
     def _login(self, request: Request, conn: HttpConnection) -> None:
-        try:
-            check_json_depth(request.body)
-            key = msgspec.json.decode(request.body, type=_Login).key
-        except (msgspec.DecodeError, TooDeep) as exc:
-            raise errors.bad_request(f'Login body: expected {{"key": "..."}}: {exc}') from None
-        if not self._tokens:
+        key = login_key(request.body).encode()
+        if not self._keys:
             conn.send(200, b"{}")
             return
-        token = _session_token(key)
-        if not any(hmac.compare_digest(token, t) for t in self._tokens):
+        if not any(hmac.compare_digest(key, known) for known in self._keys):
             raise errors.unauthorized()
-        conn.send(200, b"{}", headers=(_cookie_header(request, token),))
+        session = self.sessions.open().encode()
+        conn.send(200, b"{}", headers=(self._cookie_header(request, session),))
+
+    def _cookie_header(
+        self, request: Request, value: bytes, max_age: int | None = None
+    ) -> tuple[bytes, bytes]:
+        attributes = [COOKIE + b"=" + value, b"Path=/ui/api", b"HttpOnly", b"SameSite=Strict"]
+        attributes.append(b"Max-Age=%d" % (SESSION_SECONDS if max_age is None else max_age))
+        if self._tls or request.header(b"x-forwarded-proto") == b"https":
+            attributes.append(b"Secure")
+        return b"set-cookie", b"; ".join(attributes)
 
     def _open_stream(self, conn: HttpConnection) -> None:
         stream = EventStream(self, conn)
@@ -270,13 +284,65 @@ class Dashboard:
         stream.send(b"snapshot", self._snapshot_body(self._sent))
 
 
+class Sessions:
+    """The dashboard sessions of one frontend: random ids, each valid for `ttl` seconds after
+    its login or until its log out; at most `limit` (a login beyond ends the oldest)."""
+
+    def __init__(
+        self,
+        ttl: float = SESSION_SECONDS,
+        limit: int = MAX_SESSIONS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl = ttl
+        self.limit = limit
+        self.clock = clock
+        self._expires: dict[bytes, float] = {}  # in login order, so in expiry order
+
+    def __len__(self) -> int:
+        return len(self._expires)
+
+    def open(self) -> str:
+        """A new session; its id (URL- and cookie-safe)."""
+        self._expire()
+        while len(self._expires) >= self.limit:
+            del self._expires[next(iter(self._expires))]
+        session = secrets.token_urlsafe(32)
+        self._expires[session.encode()] = self.clock() + self.ttl
+        return session
+
+    def valid(self, session: bytes) -> bool:
+        expires = self._expires.get(session)
+        if expires is None:
+            return False
+        if expires <= self.clock():
+            self._expire()
+            return False
+        return True
+
+    def close(self, session: bytes) -> None:
+        self._expires.pop(session, None)
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._expires:
+            oldest = next(iter(self._expires))
+            if self._expires[oldest] > now:
+                break
+            del self._expires[oldest]
+
+
 class _Login(msgspec.Struct):
     key: str
 
 
-def _session_token(key: str) -> bytes:
-    """The cookie value for API key `key`: an HMAC, so the browser never holds the key."""
-    return hmac.new(key.encode(), _COOKIE_CONTEXT, hashlib.sha256).hexdigest().encode()
+def login_key(body: bytes) -> str:
+    """The key of a login body `{"key": "..."}`; `ApiError` 400 naming what is wrong."""
+    try:
+        check_json_depth(body)
+        return msgspec.json.decode(body, type=_Login).key
+    except (msgspec.DecodeError, TooDeep) as exc:
+        raise errors.bad_request(f'Login body: expected {{"key": "..."}}: {exc}') from None
 
 
 def _cookie(header: bytes | None, name: bytes) -> bytes | None:
@@ -287,14 +353,3 @@ def _cookie(header: bytes | None, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
-
-
-def _cookie_header(
-    request: Request, value: bytes, max_age: int | None = None
-) -> tuple[bytes, bytes]:
-    attributes = [COOKIE + b"=" + value, b"Path=/ui/api", b"HttpOnly", b"SameSite=Strict"]
-    if max_age is not None:
-        attributes.append(b"Max-Age=%d" % max_age)
-    if request.header(b"x-forwarded-proto") == b"https":
-        attributes.append(b"Secure")
-    return b"set-cookie", b"; ".join(attributes)

@@ -70,8 +70,14 @@ def not_found(path: str) -> ApiError:
     return ApiError(404, f"Unknown path {path!r}.", code="unknown_url")
 
 
-def method_not_allowed(method: str, path: str) -> ApiError:
-    return ApiError(405, f"Method {method} is not allowed on {path!r}.", code="method_not_allowed")
+def method_not_allowed(method: str, path: str, allowed: tuple[bytes, ...]) -> ApiError:
+    """405, with the `Allow` header naming the methods `path` takes (RFC 9110 §15.5.6)."""
+    return ApiError(
+        405,
+        f"Method {method} is not allowed on {path!r}.",
+        code="method_not_allowed",
+        headers=((b"allow", b", ".join(allowed)),),
+    )
 
 
 def unavailable(message: str) -> ApiError:

@@ -639,6 +639,17 @@ class HttpConnection(asyncio.Protocol):
         return not self.busy and not self.pending
 
 
+def bearer_token(authorization: bytes | None) -> bytes | None:
+    """The token of an `Authorization: Bearer TOKEN` value, the scheme in any case (RFC 9110
+    §11.1); None for another scheme or none."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return token.strip() or None
+
+
 def unsupported_coding(value: bytes) -> ApiError:
     coding = value.decode("latin-1")
     return errors.not_implemented(

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
@@ -40,6 +41,8 @@ class FleetConfig(Protocol):
     def namespaces(self) -> tuple[str, ...]: ...
     @property
     def api_keys(self) -> tuple[str, ...]: ...
+    @property
+    def tls_certfile(self) -> Path | None: ...
 
 
 class Fleet(Protocol):
