@@ -261,6 +261,18 @@ async def test_file_over_the_size_cap_is_refused_without_downloading(
     assert host.requests == Counter()
 
 
+async def test_a_download_that_times_out_says_so_and_names_the_timeout(
+    host: MetadataHost, cards: Cards, start_frontend: StartFrontend
+) -> None:
+    host.release.clear()  # the host never answers
+    frontend = await start_frontend(reconcile_interval=60, metadata_timeout=0.3)
+    watcher = watcher_of(frontend)
+    key = await cards.register("w0")
+    await wait_for(lambda: (r := watcher.registrations.get(key)) is not None and r.error)
+    error = watcher.registrations[key].error
+    assert error is not None and error.endswith("failed: timed out after 0.3s"), error
+
+
 async def test_unwritable_cache_still_joins_reports_trouble_and_downloads_once(
     host: MetadataHost, cards: Cards, start_frontend: StartFrontend, tmp_path: Path
 ) -> None:

@@ -336,6 +336,39 @@ async def test_chunked_upload_over_the_limit_is_refused_while_it_is_sent(
     assert worker.requests == 0
 
 
+async def test_a_client_that_keeps_sending_after_the_413_sees_the_connection_closed_at_once(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """No lingering after a 413: the server stops reading and closes as soon as the answer is
+    written, so a client pushing on finds its writes refused (not swallowed for seconds)."""
+    _worker, frontend = await served(start_worker, start_frontend, max_body=1000)
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    chunk = b"%x\r\n%s\r\n" % (65536, b"x" * 65536)
+    sent = 0
+    loop = asyncio.get_running_loop()
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        writer.write(chunk)
+        received = await reader.readuntil(b"request_too_large")  # the 413 is in
+        answered = loop.time()
+        refused_after = None
+        async with asyncio.timeout(5):
+            while refused_after is None:
+                try:
+                    writer.write(chunk)
+                    await writer.drain()
+                    sent += len(chunk)
+                except (ConnectionResetError, BrokenPipeError):
+                    refused_after = loop.time() - answered
+    finally:
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 413 ")
+    assert refused_after < 1.0  # (lingering read and dropped for 2 s, 3 GB on loopback)
+    assert sent < 64 << 20
+
+
 async def test_transfer_coding_other_than_chunked_is_501(
     start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:

@@ -237,7 +237,13 @@ class MetadataCache:
                         elif out is not None and tmp is not None:
                             out = await asyncio.to_thread(self._write, out, tmp, chunk)
             except (aiohttp.ClientError, TimeoutError) as exc:
-                raise MetadataError(f"{name}: GET {file.url} failed: {exc or 'timed out'}") from exc
+                # (an exception is always true: its text is what may be empty, as a timeout's is)
+                reason = str(exc) or (
+                    f"timed out after {self.timeout:g}s"
+                    if isinstance(exc, TimeoutError)
+                    else type(exc).__name__
+                )
+                raise MetadataError(f"{name}: GET {file.url} failed: {reason}") from exc
             checksum = f"sha256:{digest.hexdigest()}"
             if checksum != file.checksum or size != file.size:
                 raise MetadataError(

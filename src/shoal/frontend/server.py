@@ -528,7 +528,9 @@ class HttpConnection(asyncio.Protocol):
 
     def _finish(self) -> None:
         """Write the final error if one is owed, then close. Bytes still arriving are read
-        and dropped for a while, so that the client reads the answer before a reset."""
+        and dropped for a while, so that the client reads the answer before a reset; except
+        after a 413, where they are the very body refused for its size: the connection closes
+        as soon as the answer is written (nothing more is read)."""
         self._stopped = True
         transport = self.transport
         if self._lingering or transport is None or transport.is_closing():
@@ -538,6 +540,9 @@ class HttpConnection(asyncio.Protocol):
         error, self._final = self._final, None
         if error is not None:
             transport.write(encode_response(error.status, error.body(), keep_alive=False))
+            if error.status == 413:
+                transport.close()  # (once what is buffered is written)
+                return
         self._update_reading()
         if transport.can_write_eof():
             try:

@@ -230,7 +230,9 @@ class OpenAISidecarEngine(Engine):
                 f"GET {url} did not answer within {PROBE_TIMEOUT}s"
             ) from None
         except (aiohttp.ClientError, ValueError) as exc:
-            raise EngineUnavailableError(f"GET {url} failed: {exc or type(exc).__name__}") from None
+            raise EngineUnavailableError(
+                f"GET {url} failed: {str(exc) or type(exc).__name__}"
+            ) from None
 
     def _parse_models(self, body: Any) -> list[ServedModel]:
         data = body.get("data") if isinstance(body, dict) else None
