@@ -12,6 +12,8 @@ import aiohttp
 import pytest
 import trustme
 
+from shoal.cli.frontend import config_from_args
+from shoal.cli.main import build_parser
 from shoal.frontend import Frontend
 from shoal.frontend.dashboard import COOKIE, Sessions
 from tests.frontend.conftest import StartFrontend, StartWorker
@@ -189,3 +191,26 @@ async def test_the_session_cookie_is_secure_on_an_https_listener(
     async with aiohttp.ClientSession(connector=connector) as session:
         cookie = await login(session, frontend, "s3cret")
     assert "Secure" in cookie.split("; ")
+
+
+async def test_metrics_port_serves_metrics_alone_and_the_api_port_no_longer_does(
+    start_frontend: StartFrontend,
+) -> None:
+    frontend = await start_frontend(api_keys=("s3cret",), metrics_port=0)
+    assert frontend.metrics_server is not None
+    scrape = f"http://127.0.0.1:{frontend.metrics_server.port}"
+    async with aiohttp.ClientSession() as session:
+        metrics = await session.get(f"{scrape}/metrics")
+        assert metrics.status == 200
+        assert "shoal_frontend_" in await metrics.text()
+        assert (await session.get(f"{scrape}/v1/models")).status == 404
+        wrong = await session.post(f"{scrape}/metrics")
+        assert (wrong.status, wrong.headers["Allow"]) == (405, "GET, HEAD")
+        assert (await session.get(f"{frontend.url}/metrics")).status == 404
+
+
+def test_the_metrics_port_flag_reaches_the_config() -> None:
+    args = build_parser().parse_args(["frontend", "--metrics-port", "9101", "--public-health"])
+    config = config_from_args(args)
+    assert (config.metrics_port, config.public_health) == (9101, True)
+    assert config_from_args(build_parser().parse_args(["frontend"])).metrics_port is None

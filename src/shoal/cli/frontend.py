@@ -124,6 +124,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_flag(
         parser,
+        "--metrics-port",
+        type=PORT,
+        metavar="PORT",
+        help="serve /metrics on this port (same --host, plain HTTP) and not on --port: a "
+        "port for the scraper that clients are not routed to (default: on --port)",
+    )
+    add_flag(
+        parser,
         "--public-health",
         action="store_true",
         help="with --api-key, still show /health's details (models, providers, cache) to "
@@ -327,6 +335,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         reconcile_interval=args.reconcile_interval,
         api_keys=tuple(args.api_key),
         public_health=args.public_health,
+        metrics_port=args.metrics_port,
         max_body=args.max_body,
         retries=args.retries,
         inhibit_seconds=args.inhibit_seconds,

@@ -90,6 +90,7 @@ class FrontendConfig:
     max_headers: int = 100
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any)
     public_health: bool = False  # with API keys, `/health` details without the key too
+    metrics_port: int | None = None  # serve `/metrics` on this port (same host) instead
     setup_timeout: float = 10.0  # seconds for the store to answer the first listing
     # The scope follows a membership watch (built by `shoal.cli`) instead of `namespaces`:
     namespace_sources: Path | None = None
@@ -199,6 +200,7 @@ class Frontend:
         self.watcher: ModelWatcher | None = None
         self.reconciler: Reconciler | None = None
         self.server: HttpServer | None = None
+        self.metrics_server: HttpServer | None = None  # `/metrics` alone, on `metrics_port`
         self.draining = False
         self.started_at = time.time()
         # ((registry version, route table version), body)
@@ -287,6 +289,9 @@ class Frontend:
         self.routes.tls = provider_tls(config.provider_ca_file)
         tls = server_tls(config.tls_certfile, config.tls_keyfile)
         await self.server.start(config.host, config.port, tls)
+        if config.metrics_port is not None:
+            self.metrics_server = HttpServer(self._serve_metrics, max_body=0, max_connections=64)
+            await self.metrics_server.start(config.host, config.metrics_port)
         self.dashboard.start()
         await self.watcher.start()
         self.route_watcher = RouteWatcher(
@@ -300,6 +305,8 @@ class Frontend:
         await self.dashboard.close()
         if self.server is not None:
             await self.server.close(self.config.drain_timeout)
+        if self.metrics_server is not None:
+            await self.metrics_server.close(0)
         await self.manager.stop_all()
         if self.membership is not None:
             await self.membership.stop()
@@ -451,10 +458,23 @@ class Frontend:
                 conn.send(200, _json(self.membership.view.to_dict()))
             else:
                 conn.send(200, _json(self.membership.status.to_dict()))
-        elif path == b"/metrics":
-            conn.send(200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
+        elif path == b"/metrics" and self.metrics_server is None:
+            conn.send(200, self.metrics.render(), _METRICS_TYPE)
         else:
             raise errors.not_found(path.decode())
+
+    def _serve_metrics(self, request: Request, conn: HttpConnection) -> None:
+        """The `metrics_port` server's one route."""
+        if request.path != b"/metrics":
+            error = errors.not_found(request.path.decode())
+        elif request.method not in (b"GET", b"HEAD"):
+            error = errors.method_not_allowed(
+                request.method.decode(), "/metrics", (b"GET", b"HEAD")
+            )
+        else:
+            conn.send(200, self.metrics.render(), _METRICS_TYPE)
+            return
+        conn.send(error.status, error.body(), headers=error.headers)
 
     def _models_list(self) -> bytes:
         """The `/v1/models` body, encoded again only after the registry or the routes changed:
@@ -592,6 +612,7 @@ def server_tls(certfile: Path | None, keyfile: Path | None) -> ssl.SSLContext | 
     return context
 
 
+_METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _PUBLIC_HEALTH = frozenset({"status", "reasons"})
 """What `/health` tells a caller without the API key (unless `--public-health`)."""
 
