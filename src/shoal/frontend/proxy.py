@@ -803,6 +803,9 @@ class Forward:
             self.client.close_after_response()  # the body is cut short: only closing tells
 
     def _finish(self, error: ApiError | None) -> None:
+        """Count the request and end its response, once (whichever path gets here first)."""
+        if self.done:
+            return
         self.done = True
         stats = self.stats
         stats.in_flight -= 1
