@@ -1,18 +1,21 @@
 """Nested input, generated, fed to every decoder of outside values: store values (cards,
 endpoint instances, routes), client bodies (gateway, dashboard login, workers), files (the
-membership sources file, catalog apply) and KV event batches. Each one decodes, or refuses
+membership sources file, catalog apply, a worker's tokenizer config) and KV event batches. Each one decodes, or refuses
 with its own documented error; none raises `RecursionError`, at any depth up to 1,500, in a
 free-form field or one it skips. Past `shoal.bounds.MAX_DEPTH` the JSON ones refuse."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
 from shoal.bounds import MAX_DEPTH
 from shoal.cards import CardError, ModelCard
@@ -21,6 +24,7 @@ from shoal.discovery import RouteError, decode_route, route_key
 from shoal.discovery.keys import MODELS, EndpointId, ModelKey, instance_key
 from shoal.discovery.service import CardsAndInstances, _parse_instance
 from shoal.frontend.dashboard import login_key
+from shoal.frontend.kv_prompt import PromptTokenizer
 from shoal.frontend.proxy import decode_fields, rewrite_model
 from shoal.frontend.registry import Registry
 from shoal.frontend.virtual import RouteTable
@@ -213,3 +217,14 @@ def test_a_card_nested_past_the_bound_is_a_card_error_naming_it(depth: int) -> N
     data = with_field(CARD, "runtime_config", b'{"x":' + b"[" * depth + b"]" * depth + b"}")
     with pytest.raises(CardError, match=f"nested deeper than {MAX_DEPTH} levels"):
         ModelCard.from_json(data)
+
+
+@pytest.mark.parametrize("depth", [1, MAX_DEPTH - 1, MAX_DEPTH + 1, 1_000, 1_500])
+def test_tokenizer_configs_of_the_kv_router(tmp_path: Path, depth: int) -> None:
+    """A worker's `tokenizer_config.json` (downloaded metadata): loads, or `ValueError`."""
+    tokenizer = tmp_path / "tokenizer.json"
+    Tokenizer(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tokenizer))
+    config = tmp_path / "tokenizer_config.json"
+    config.write_bytes(with_field({"eos_token": "a"}, "extra", nested([True] * depth)))
+    error = outcome(lambda: PromptTokenizer.load(tokenizer, config), ValueError)
+    too_deep([True] * depth, error)
