@@ -12,6 +12,10 @@ watch.
 
 Virtual models (the routes of `workspaces`, see `virtual`) are served beside discovered
 models: `Frontend.routes` is the table, `routes.describe()` its report (also in `/health`).
+
+Exposure: with API keys, `/health` shows its details only to a caller with a key (or to
+anyone with `public_health`); with `metrics_port`, `/metrics` is served there alone (plain
+HTTP, for a scraper), not on the API's port.
 """
 
 from __future__ import annotations
