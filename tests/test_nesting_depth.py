@@ -1,11 +1,12 @@
 """Nested input, generated, fed to every decoder of outside values: store values (cards,
 endpoint instances, routes), client bodies (gateway, dashboard login, workers), files (the
-membership sources file, catalog apply, a worker's tokenizer config) and KV event batches. Each one decodes, or refuses
+membership sources file, `shoal catalog apply` files, a worker's tokenizer config) and KV event batches. Each one decodes, or refuses
 with its own documented error; none raises `RecursionError`, at any depth up to 1,500, in a
 free-form field or one it skips. Past `shoal.bounds.MAX_DEPTH` the JSON ones refuse."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from tokenizers.models import WordLevel
 from shoal.bounds import MAX_DEPTH
 from shoal.cards import CardError, ModelCard
 from shoal.catalog.apply import ApplyError, parse_documents
+from shoal.cli.catalog import apply as cli_apply
 from shoal.discovery import RouteError, decode_route, route_key
 from shoal.discovery.keys import MODELS, EndpointId, ModelKey, instance_key
 from shoal.discovery.service import CardsAndInstances, _parse_instance
@@ -185,13 +187,21 @@ def test_membership_sources_files(shape: list[bool], where: str) -> None:
 @example(EDGES[5], False)
 def test_catalog_apply_files(shape: list[bool], json_only: bool) -> None:
     text = with_field({"kind": "provider", "name": "p"}, "x", nested(shape)).decode()
-    error = outcome(
-        lambda: parse_documents(text, workspace="default", json_only=json_only, origin="f.yaml"),
-        ApplyError,
-    )
-    too_deep(shape, error)
-    if len(shape) > MAX_DEPTH:
-        assert str(error).startswith("f.yaml: ")  # the error names the file
+    parse = lambda: parse_documents(text, workspace="default", json_only=json_only)  # noqa: E731
+    too_deep(shape, outcome(parse, ApplyError))
+
+
+@pytest.mark.parametrize("block", [False, True])
+async def test_catalog_apply_names_the_file_nested_too_deep(tmp_path: Path, block: bool) -> None:
+    """`shoal catalog apply`: the error names the file (YAML block style too, past what the
+    parser can take)."""
+    if block:
+        text = "".join(" " * i + "k:\n" for i in range(1_500)) + " " * 1_500 + "v\n"
+    else:
+        text = "kind: provider\nname: p\nx: " + "[" * 1_000 + "]" * 1_000 + "\n"
+    args = argparse.Namespace(text=text, file="fleet.yaml", workspace="default", prune=False)
+    with pytest.raises(ApplyError, match=r"^fleet\.yaml: nested too deep"):
+        await cli_apply(None, args)
 
 
 @DEEP

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from shoal.bounds import TooDeep, check_json_depth
+from shoal.bounds import MAX_DEPTH, TooDeep, check_json_depth
 from shoal.catalog.client import CatalogClient
 from shoal.catalog.errors import NotFoundError
 from shoal.catalog.kinds import KINDS, Kind, kind_named
@@ -51,25 +51,18 @@ class Change:
         return f"{self.label} {self.action}"
 
 
-def parse_documents(
-    text: str, *, workspace: str, json_only: bool = False, origin: str = "the file"
-) -> list[Document]:
-    """The resources in `text` (read from `origin`, which errors name), checked against their
-    kind's schema. Nesting deeper than `shoal.bounds.MAX_DEPTH` is refused: flow collections
-    (`[`, `{`: all of JSON) before parsing, YAML's indented ones once parsed (or as the
-    parser meets them, past its own limit)."""
-    language = "JSON" if json_only else "YAML"
+def parse_documents(text: str, *, workspace: str, json_only: bool = False) -> list[Document]:
+    """The resources in `text`, checked against their kind's schema; a file nesting deeper
+    than `MAX_DEPTH` is refused before it is parsed (YAML's block style: while it is)."""
     try:
-        check_json_depth(text)
+        check_json_depth(text)  # JSON, and YAML's flow style: [..] and {..}
         raw: list[Any] = [json.loads(text)] if json_only else list(yaml.safe_load_all(text))
-        if not json_only:
-            check_json_depth(json.dumps(raw, default=str))
     except TooDeep as exc:
-        raise ApplyError(f"{origin}: not accepted: {exc}") from None
-    except RecursionError:
-        raise ApplyError(f"{origin}: not accepted: mappings or lists nested too deeply") from None
+        raise ApplyError(f"nested too deep: {exc}") from exc
+    except RecursionError as exc:
+        raise ApplyError(f"nested too deep to parse (the bound is {MAX_DEPTH} levels)") from exc
     except (ValueError, yaml.YAMLError) as exc:
-        raise ApplyError(f"{origin}: not valid {language}: {exc}") from exc
+        raise ApplyError(f"not valid {'JSON' if json_only else 'YAML'}: {exc}") from exc
     items: list[Any] = []
     for doc in raw:
         if isinstance(doc, dict) and "items" in doc and "kind" not in doc:

@@ -245,12 +245,15 @@ async def client_command(args: argparse.Namespace) -> int:
 
 
 async def apply(client: Any, args: argparse.Namespace) -> int:
-    from shoal.catalog.apply import apply_documents, parse_documents
+    from shoal.catalog.apply import ApplyError, apply_documents, parse_documents
 
-    origin = "standard input" if args.file == "-" else args.file
-    documents = parse_documents(
-        args.text, workspace=args.workspace, json_only=args.file.endswith(".json"), origin=origin
-    )
+    try:
+        documents = parse_documents(
+            args.text, workspace=args.workspace, json_only=args.file.endswith(".json")
+        )
+    except ApplyError as exc:  # the message names the file
+        origin = "standard input" if args.file == "-" else args.file
+        raise ApplyError(f"{origin}: {exc}") from None
     for change in await apply_documents(client, documents, prune=args.prune):
         print(change, flush=True)
     return 0
