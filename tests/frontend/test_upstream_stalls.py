@@ -135,8 +135,14 @@ def test_upstream_idle_timeout_comes_from_the_flag_then_the_environment(
     monkeypatch.setenv("SHOAL_UPSTREAM_IDLE_TIMEOUT", "0")
     parse = build_parser().parse_args  # (defaults are read when the parser is built)
     assert config_from_args(parse(["frontend"])).upstream_idle_timeout == 0.0
-    with pytest.raises(ValueError, match="--upstream-idle-timeout"):
-        config_from_args(parse(["frontend", "--upstream-idle-timeout", "-1"]))
+
+
+def test_a_negative_upstream_idle_timeout_is_a_one_line_flag_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["frontend", "--upstream-idle-timeout", "-1"])
+    assert "--upstream-idle-timeout" in capsys.readouterr().err
 
 
 async def crash_on_request(
