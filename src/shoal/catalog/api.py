@@ -7,7 +7,7 @@ No `from __future__ import annotations` here: FastAPI reads the route closures' 
 """
 
 import hmac
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Generic, TypeVar
 
@@ -22,11 +22,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
+from shoal.bounds import MAX_DEPTH, json_depth_exceeds
 from shoal.catalog.database import migrate
 from shoal.catalog.errors import CatalogError, InvalidError, UnauthorizedError
 from shoal.catalog.kinds import KINDS, Kind
 from shoal.catalog.repository import MAX_PAGE_SIZE, Page, Repository
 from shoal.catalog.resources import (
+    FREE_FORM_DEPTH,
     NAME_PATTERN,
     WORKSPACE_PATTERN,
     ErrorBody,
@@ -39,7 +41,7 @@ T = TypeVar("T")
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text}
     for status, text in (
-        (400, "the body is not JSON"),
+        (400, f"the body is not JSON, or nests deeper than {MAX_DEPTH} levels"),
         (401, "the admin token is missing or wrong"),
         (404, "no such workspace or resource"),
         (409, "a stale version, or the name exists"),
@@ -109,9 +111,38 @@ def _error(exc: CatalogError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status)
 
 
+class BoundedRoute(APIRoute):
+    """A route that answers 400 for a body nesting deeper than `MAX_DEPTH`, checked on its
+    bytes before FastAPI decodes it: no decoder or serializer ever meets a deeper value."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def bounded(request: Request) -> Response:
+            if json_depth_exceeds(await request.body()):  # read once: FastAPI reuses it
+                raise CatalogError(
+                    f"body: arrays or objects are nested deeper than {MAX_DEPTH} levels"
+                    f" (free-form fields: {FREE_FORM_DEPTH})"
+                )
+            return await handle(request)
+
+        return bounded
+
+
+def _not_json(exc: RequestValidationError, error: dict[str, Any]) -> CatalogError:
+    """400 for a body that is not JSON, saying where it stops being JSON."""
+    doc = exc.body if isinstance(exc.body, str) else ""
+    pos = error["loc"][1] if len(error["loc"]) > 1 and isinstance(error["loc"][1], int) else 0
+    line, column = doc.count("\n", 0, pos) + 1, pos - doc.rfind("\n", 0, pos)
+    reason = error.get("ctx", {}).get("error", "invalid")
+    return CatalogError(f"body: not valid JSON: {reason} at line {line} column {column}")
+
+
 async def _on_validation(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return _error(_not_json(exc, first))
     loc = [str(part) for part in first.get("loc", ())]
     param = ".".join(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc) or None
     return _error(InvalidError(f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param))
@@ -178,6 +209,7 @@ def create_app(
         description="The fleet's desired state: providers, models, virtual models, deployments.",
         lifespan=lifespan,
     )
+    app.router.route_class = BoundedRoute
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(CatalogError, _on_catalog_error)
     app.add_exception_handler(HTTPException, _on_http_error)

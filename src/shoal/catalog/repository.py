@@ -55,7 +55,9 @@ def invalid(exc: ValidationError) -> InvalidError:
 
 
 def check_storable(value: Any, path: str = "") -> None:
-    """Refuse what a JSON column cannot hold on every backend: NUL, lone surrogates, NaN."""
+    """Refuse what a JSON column cannot hold on every backend: NUL, lone surrogates, NaN and
+    infinities. Checked on values as decoded (pydantic's JSON mode turns NaN into null and a
+    lone surrogate into U+FFFD), so they are refused naming the field, never changed."""
     if isinstance(value, str):
         if "\x00" in value or (not value.isascii() and _has_surrogate(value)):
             raise InvalidError(
@@ -178,9 +180,9 @@ class Repository:
         return self._read(kind, row)
 
     async def create(self, kind: Kind[M], workspace: str, body: BaseModel) -> M:
+        check_storable(body.model_dump(exclude={"name"}))  # before JSON mode rewrites NaN
         data = body.model_dump(mode="json", exclude={"name"})
         name: str = body.name  # type: ignore[attr-defined]
-        check_storable(data)
         now = datetime.now(UTC)
         if kind is DEPLOYMENTS:
             data["status_history"] = [_change(data, now)]
@@ -198,6 +200,7 @@ class Repository:
 
     async def update(self, kind: Kind[M], workspace: str, name: str, patch: Patch) -> M:
         """Apply `patch` over the row; 409 if `patch.version` is set and not the row's."""
+        check_storable(patch.model_dump(exclude_unset=True, exclude={"version"}))
         changes = patch.model_dump(mode="json", exclude_unset=True, exclude={"version"})
         t = kind.table
         async with self._writing() as conn:

@@ -8,11 +8,14 @@ a patch body (every spec field optional, plus the `version` it expects) and a re
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -24,11 +27,76 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from shoal.bounds import MAX_DEPTH, TooDeep, check_json_depth
+
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]*$"
 WORKSPACE_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
 SECRET_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
-Name = Annotated[str, Field(min_length=1, max_length=200, pattern=NAME_PATTERN)]
+# Bounds that keep whatever the API accepts carriable by everything downstream:
+FREE_FORM_DEPTH = MAX_DEPTH // 2
+"""Nesting of a free-form field (`spec`, `engine_args`): any document carrying a row (a list
+page, an apply file) stays within `shoal.bounds.MAX_DEPTH`, which every decoder checks."""
+FREE_FORM_BYTES = 64 * 1024
+"""A free-form field as UTF-8 JSON: `engine_args` become one argv, far under the OS limit."""
+ENGINE_ARGS_COUNT = 100
+DEPLOYMENT_NAME_LENGTH = 150
+"""A deployment's worker log files (`{workspace}-{name}-{replica}.log`) stay under 255 bytes,
+and its provider `deployment-{name}` is a valid name."""
+TARGETS_LENGTH = 100
+BASE_URL_LENGTH = 2048
+"""With `TARGETS_LENGTH`, a route stays under a third of the store's 1 MiB value limit per
+provider serving each target entity (tests/catalog/test_api_limits.py builds the largest)."""
+
+
+def _no_dot_segments(name: str) -> str:
+    """Refuse `.` and `..` between slashes: a URL holding them addresses another name."""
+    if any(segment in (".", "..") for segment in name.split("/")):
+        raise ValueError("a '.' or '..' segment is refused (its URL would name another resource)")
+    return name
+
+
+def _free_form(value: dict[str, Any]) -> dict[str, Any]:
+    """Refuse a free-form value over `FREE_FORM_DEPTH` levels or `FREE_FORM_BYTES`."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    except RecursionError:  # only a value built in Python gets here: bodies are bounded first
+        raise TooDeep(FREE_FORM_DEPTH) from None
+    check_json_depth(text, FREE_FORM_DEPTH)  # the field's own object is level 1
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > FREE_FORM_BYTES:
+        raise ValueError(f"{size} bytes as JSON, over the {FREE_FORM_BYTES}-byte limit")
+    return value
+
+
+def _no_credentials(url: str | None) -> str | None:
+    """Refuse userinfo (`user:password@`) in a URL; the message never repeats the URL."""
+    if url is not None and "@" in urlsplit(url).netloc:
+        raise ValueError(
+            "credentials in the URL are refused: name the secret holding them in auth_secret"
+        )
+    return url
+
+
+def redact_url(url: str) -> str:
+    """`url` without its userinfo, for messages and logs."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+
+
+Name = Annotated[
+    str,
+    Field(min_length=1, max_length=200, pattern=NAME_PATTERN),
+    AfterValidator(_no_dot_segments),
+]
+DeploymentName = Annotated[
+    str,
+    Field(min_length=1, max_length=DEPLOYMENT_NAME_LENGTH, pattern=NAME_PATTERN),
+    AfterValidator(_no_dot_segments),
+]
+FreeForm = Annotated[dict[str, Any], AfterValidator(_free_form)]
 WorkspaceName = Annotated[str, Field(min_length=1, max_length=63, pattern=WORKSPACE_PATTERN)]
 Text = Annotated[str, Field(max_length=4000)]
 Version = Annotated[StrictInt, Field(ge=1, le=2**62)]
@@ -69,8 +137,17 @@ class ProviderSpec(Strict):
     type: Literal["url", "fleet"] = Field(
         description="url: an OpenAI-compatible base_url; fleet: models in shoal discovery"
     )
-    base_url: Annotated[str, Field(max_length=2000, pattern=r"^https?://\S+$")] | None = Field(
-        None, validate_default=True, description="required for type url, refused for fleet"
+    base_url: (
+        Annotated[
+            str,
+            Field(max_length=BASE_URL_LENGTH, pattern=r"^https?://\S+$"),
+            AfterValidator(_no_credentials),
+        ]
+        | None
+    ) = Field(
+        None,
+        validate_default=True,
+        description="required for type url, refused for fleet; no credentials (auth_secret)",
     )
     auth_secret: Annotated[str, Field(max_length=200, pattern=SECRET_PATTERN)] | None = Field(
         None, description="the name of a secret the frontend resolves; never its value"
@@ -108,7 +185,9 @@ class ModelSpec(Strict):
     providers: list[Annotated[str, Field(max_length=300, pattern=r"^[^/\s]+/\S+$")]] = Field(
         default_factory=list, max_length=10000, description='providers serving it, "workspace/name"'
     )
-    spec: dict[str, Any] = Field(default_factory=dict, description="free-form")
+    spec: FreeForm = Field(
+        default_factory=dict, description=f"free-form, at most {FREE_FORM_DEPTH} levels deep"
+    )
     autoprovisioned: Flag = Field(False, description="made by the controller, not a user")
 
 
@@ -122,7 +201,7 @@ class VirtualModelSpec(Strict):
 
     description: Text = ""
     default_model: Name
-    targets: list[Target] = Field(default_factory=list, max_length=1000)
+    targets: list[Target] = Field(default_factory=list, max_length=TARGETS_LENGTH)
     autoprovisioned: Flag = Field(False, description="made by the controller, not a user")
 
 
@@ -146,7 +225,11 @@ class DeploymentSpec(Strict):
 
     model: Annotated[str, Field(min_length=1, max_length=400)]
     engine: Literal["mocker", "openai", "llamacpp"]
-    engine_args: dict[str, Any] = Field(default_factory=dict)
+    engine_args: FreeForm = Field(
+        default_factory=dict,
+        max_length=ENGINE_ARGS_COUNT,
+        description="flags of `shoal worker`: {speedup: 0} is --speedup 0",
+    )
     replicas: Annotated[StrictInt, Field(ge=0, le=10000)] = 1
     namespace: Annotated[str, Field(max_length=200, pattern=NAME_PATTERN)] = "default"
     description: Text = ""
@@ -167,7 +250,7 @@ class VirtualModelCreate(VirtualModelSpec):
 
 
 class DeploymentCreate(DeploymentSpec):
-    name: Name
+    name: DeploymentName
 
 
 class Patch(Strict):

@@ -1,0 +1,228 @@
+"""What the catalog API refuses, and how: every bound answers 422 naming the field (400 for a
+body that is not JSON or nests past `shoal.bounds.MAX_DEPTH`), never 500, on SQLite and
+PostgreSQL. Raw HTTP where the typed client could not send the body."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from shoal.bounds import MAX_DEPTH
+from shoal.catalog import DEPLOYMENTS, MODELS, PROVIDERS, VIRTUAL_MODELS, CatalogClient
+from shoal.catalog.errors import InvalidError
+from shoal.catalog.resources import (
+    BASE_URL_LENGTH,
+    DEPLOYMENT_NAME_LENGTH,
+    ENGINE_ARGS_COUNT,
+    FREE_FORM_BYTES,
+    FREE_FORM_DEPTH,
+    TARGETS_LENGTH,
+)
+from shoal.discovery.routes import Route, UrlTarget
+from shoal.store import MAX_VALUE_BYTES
+
+
+async def send(client: CatalogClient, method: str, path: str, body: str | bytes) -> Any:
+    """(status, error) of a raw request with `body` to `path` under the client's workspace."""
+    url = f"{client.base_url}/v1/workspaces/{client.workspace}/{path}"
+    headers = {"Content-Type": "application/json"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(method, url, data=body, headers=headers) as resp,
+    ):
+        answer = await resp.json(content_type=None)
+    return resp.status, (answer or {}).get("error", {}) if isinstance(answer, dict) else {}
+
+
+def nested(depth: int) -> dict[str, Any]:
+    """An object nesting `depth` levels (itself included)."""
+    value: dict[str, Any] = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
+async def test_free_form_fields_share_one_depth_bound_named_in_422(client: CatalogClient) -> None:
+    deep = nested(FREE_FORM_DEPTH + 1)
+    with pytest.raises(InvalidError) as caught:
+        await client.create(MODELS, {"name": "m", "spec": deep})
+    assert caught.value.param == "spec" and str(FREE_FORM_DEPTH) in caught.value.message
+    with pytest.raises(InvalidError) as caught:
+        await client.create(
+            DEPLOYMENTS, {"name": "d", "model": "m", "engine": "mocker", "engine_args": deep}
+        )
+    assert caught.value.param == "engine_args"
+    await client.create(MODELS, {"name": "m", "spec": nested(FREE_FORM_DEPTH)})
+    with pytest.raises(InvalidError) as caught:
+        await client.update(MODELS, "m", {"spec": deep})
+    assert caught.value.param == "spec"
+    # what the API accepted, its own client reads back, alone and in a page
+    assert (await client.get(MODELS, "m")).spec == nested(FREE_FORM_DEPTH)
+    assert [m.name for m in await client.list_all(MODELS)] == ["m"]
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 256, 1000, 100_000])
+async def test_bodies_nested_past_the_bound_are_400_never_500(
+    client: CatalogClient, depth: int
+) -> None:
+    await client.create(MODELS, {"name": "m"})
+    spec = "[" * depth + "]" * depth
+    body = f'{{"name": "n", "spec": {spec}}}'
+    for method, path in (("POST", "models"), ("PATCH", "models/m"), ("PUT", "models/m")):
+        status, error = await send(client, method, path, body)
+        if method == "PUT":  # no such route: refused before the body is read
+            assert status == 405
+            continue
+        assert status == 400, (method, status, error)
+        assert error["param"] is None and f"{MAX_DEPTH} levels" in error["message"]
+    assert [m.name for m in await client.list_all(MODELS)] == ["m"]
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ('{"name": "m", "spec": {"a": NaN}}', "spec.a"),
+        ('{"name": "m", "spec": {"a": [1, Infinity]}}', "spec.a.1"),
+        ('{"name": "m", "spec": {"a": -Infinity}}', "spec.a"),
+        ('{"name": "m", "spec": {"a": "x\\ud800y"}}', "spec.a"),
+        ('{"name": "m", "spec": {"k\\udfff": 1}}', "spec"),
+        ('{"name": "m", "description": "\\ud83d"}', "description"),
+    ],
+)
+async def test_nan_infinity_and_lone_surrogates_are_422_naming_the_field(
+    client: CatalogClient, text: str, where: str
+) -> None:
+    status, error = await send(client, "POST", "models", text)
+    assert (status, error["param"]) == (422, where), error
+    await client.create(MODELS, {"name": "m"})
+    patch = text.replace('"name": "m", ', "")
+    status, error = await send(client, "PATCH", "models/m", patch)
+    assert (status, error["param"]) == (422, where), error
+    got = await client.get(MODELS, "m")
+    assert (got.version, got.spec, got.description) == (1, {}, "")
+
+
+async def test_malformed_json_is_400_saying_where(client: CatalogClient) -> None:
+    status, error = await send(client, "POST", "models", '{"name": "m",\n "spec": {,}}')
+    assert (status, error["param"]) == (400, None), error
+    assert "line 2 column 11" in error["message"], error
+    await client.create(MODELS, {"name": "m"})
+    status, error = await send(client, "PATCH", "models/m", "{")
+    assert (status, error["param"]) == (400, None), error
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{client.base_url}/openapi.json") as resp,
+    ):
+        openapi = await resp.json()
+    for path, operations in openapi["paths"].items():
+        for method, operation in operations.items():
+            if method in ("post", "patch"):
+                assert "400" in operation["responses"], (method, path)
+
+
+@pytest.mark.parametrize("name", ["a/../b", "a/./b", "a/..", "a/.", "x/y/../z", "a/b/."])
+async def test_names_with_dot_segments_are_422(client: CatalogClient, name: str) -> None:
+    for kind, body in (
+        (MODELS, {}),
+        (PROVIDERS, {"type": "fleet"}),
+        (VIRTUAL_MODELS, {"default_model": "m"}),
+        (DEPLOYMENTS, {"model": "m", "engine": "mocker"}),
+    ):
+        with pytest.raises(InvalidError) as caught:
+            await client.create(kind, {"name": name, **body})
+        assert caught.value.param == "name" and "segment" in caught.value.message
+    with pytest.raises(InvalidError) as caught:
+        await client.create(VIRTUAL_MODELS, {"name": "vm", "default_model": name})
+    assert caught.value.param == "default_model"
+    # dots inside a segment are ordinary characters
+    await client.create(MODELS, {"name": "a/..b/c.d/..."})
+    assert (await client.get(MODELS, "a/..b/c.d/...")).name == "a/..b/c.d/..."
+
+
+async def test_engine_args_are_bounded_in_bytes_and_count(client: CatalogClient) -> None:
+    base = {"name": "d", "model": "m", "engine": "mocker"}
+    for engine_args in (
+        {"prompt": "x" * FREE_FORM_BYTES},
+        {f"flag-{i}": i for i in range(ENGINE_ARGS_COUNT + 1)},
+    ):
+        with pytest.raises(InvalidError) as caught:
+            await client.create(DEPLOYMENTS, {**base, "engine_args": engine_args})
+        assert caught.value.param == "engine_args", caught.value.message
+    most = {f"flag-{i}": "x" * 100 for i in range(ENGINE_ARGS_COUNT)}
+    await client.create(DEPLOYMENTS, {**base, "engine_args": most})
+    with pytest.raises(InvalidError) as caught:
+        await client.update(DEPLOYMENTS, "d", {"engine_args": {"prompt": "é" * FREE_FORM_BYTES}})
+    assert caught.value.param == "engine_args"
+
+
+async def test_deployment_names_keep_every_file_and_provider_name_they_make_short(
+    client: CatalogClient,
+) -> None:
+    workspace = "w" * 63
+    longest = "d" * DEPLOYMENT_NAME_LENGTH
+    body = {"model": "m", "engine": "mocker", "replicas": 10000}
+    made = await client.create(DEPLOYMENTS, {"name": longest, **body}, workspace=workspace)
+    # the worker log file and the autoprovisioned provider the controller names after it
+    assert len(f"{workspace}-{made.name}-{made.replicas}.log".encode()) < 255
+    assert len(f"deployment-{made.name}") <= 200
+    with pytest.raises(InvalidError) as caught:
+        await client.create(DEPLOYMENTS, {"name": longest + "d", **body})
+    assert caught.value.param == "name"
+
+
+async def test_targets_and_base_url_are_bounded_so_a_route_fits_the_store(
+    client: CatalogClient,
+) -> None:
+    targets = [{"model_entity": f"m{i}"} for i in range(TARGETS_LENGTH + 1)]
+    with pytest.raises(InvalidError) as caught:
+        await client.create(
+            VIRTUAL_MODELS, {"name": "vm", "default_model": "m", "targets": targets}
+        )
+    assert caught.value.param == "targets"
+    url = "https://example.com/" + "x" * (BASE_URL_LENGTH - len("https://example.com/") + 1)
+    with pytest.raises(InvalidError) as caught:
+        await client.create(PROVIDERS, {"name": "p", "type": "url", "base_url": url})
+    assert caught.value.param == "base_url"
+    # the largest route the API lets a virtual model resolve to, with each target entity
+    # served by one url provider whose every field is at its longest, fits the store 3 times
+    target = UrlTarget(
+        base_url=url[:-1], model="m" * 400, weight=1_000_000, secret="S" * 200,
+        provider=f"{'w' * 63}/{'p' * 200}",
+    )  # fmt: skip
+    route = Route("w" * 63, "v" * 200, (target,) * TARGETS_LENGTH)
+    assert 3 * len(route.to_json()) < MAX_VALUE_BYTES
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://admin:pw@host/v1",
+        "https://user@host/v1",
+        "https://:secret@host:8443/v1",
+        "https://a%40b:c@host/v1",
+    ],
+)
+async def test_credentials_in_base_url_are_422_and_never_echoed(
+    client: CatalogClient, url: str
+) -> None:
+    with pytest.raises(InvalidError) as caught:
+        await client.create(PROVIDERS, {"name": "p", "type": "url", "base_url": url})
+    assert caught.value.param == "base_url" and "auth_secret" in caught.value.message
+    assert "pw" not in caught.value.message and "secret@" not in caught.value.message
+    await client.create(PROVIDERS, {"name": "p", "type": "url", "base_url": "https://host/v1"})
+    with pytest.raises(InvalidError) as caught:
+        await client.update(PROVIDERS, "p", {"base_url": url})
+    assert caught.value.param == "base_url"
+    assert (await client.get(PROVIDERS, "p")).base_url == "https://host/v1"
+
+
+def test_body_without_credentials_keeps_an_at_sign_in_its_path() -> None:
+    # `@` after the host is a path character, not userinfo
+    from shoal.catalog.resources import ProviderSpec
+
+    spec = ProviderSpec(type="url", base_url="https://host/v1/@team")
+    assert spec.base_url == "https://host/v1/@team"
+    assert json.loads(spec.model_dump_json())["base_url"] == "https://host/v1/@team"
