@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import aiohttp
+import yarl
 from pydantic import BaseModel
 
 from shoal.catalog.errors import BY_STATUS, CatalogError
@@ -40,6 +41,10 @@ class _Page(BaseModel, Generic[M]):
     items: builtins.list[M]
     total: int
     next_page: int | None
+
+
+def _segment(text: str) -> str:
+    return quote(text, safe="")
 
 
 @functools.cache
@@ -84,12 +89,16 @@ class CatalogClient:
             await self._session.close()
         self._session = None
 
-    def _url(self, kind: Kind[Any], workspace: str | None, name: str | None = None) -> str:
-        url = f"{self.base_url}/v1/workspaces/{workspace or self.workspace}/{kind.plural}"
-        return f"{url}/{quote(name, safe='/:@+')}" if name is not None else url
+    def _url(self, kind: Kind[Any], workspace: str | None, name: str | None = None) -> yarl.URL:
+        """The URL of `kind` (and `name`) in `workspace`: every segment percent-encoded, `/`
+        of a name included, so no name (`a/../b`, `a%2Fb`, `a?b`) can address another."""
+        path = f"/v1/workspaces/{_segment(workspace or self.workspace)}/{kind.plural}"
+        if name is not None:
+            path += f"/{_segment(name)}"
+        return yarl.URL(self.base_url + path, encoded=True)
 
     async def _call(
-        self, method: str, url: str, *, json: Any = None, params: Any = None, raw: bool = False
+        self, method: str, url: str | yarl.URL, *, json: Any = None, params: Any = None, raw: bool = False
     ) -> Any:
         """The decoded JSON answer (`raw`: its bytes), or the error class of its status."""
         if self._session is None:
