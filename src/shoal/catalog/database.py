@@ -69,11 +69,23 @@ def _sqlite_begin(conn: sa.Connection) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+MIGRATION_LOCK = int.from_bytes(b"shoal-mg")
+"""The PostgreSQL advisory lock key migrations hold (any 64-bit number no one else uses)."""
+
+
 async def migrate(engine: AsyncEngine) -> None:
-    """Apply every Alembic migration not yet applied (idempotent), in one write transaction."""
+    """Apply every Alembic migration not yet applied (idempotent), in one write transaction.
+
+    Migrations of one database are one at a time, so replicas and `catalog migrate` commands
+    may start together: the transaction first takes the database's migration lock (PostgreSQL:
+    an advisory lock until commit; SQLite: BEGIN IMMEDIATE, the database's write lock), and
+    whoever waited finds the schema at head and does nothing."""
     async with engine.connect() as conn:
         await conn.execution_options(shoal_write=True)
         async with conn.begin():
+            if conn.dialect.name == "postgresql":
+                lock = sa.text("SELECT pg_advisory_xact_lock(:key)")
+                await conn.execute(lock, {"key": MIGRATION_LOCK})
             await conn.run_sync(_upgrade)
 
 
