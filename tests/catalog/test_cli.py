@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from shoal.catalog import MODELS, PROVIDERS, CatalogClient, CatalogServer, tables
+from shoal.catalog.apply import apply_documents, parse_documents
 from shoal.catalog.resources import ModelSpec
 from tests.helpers import free_port
 from tests.processes import Processes, shoal
@@ -187,3 +188,29 @@ async def test_get_and_delete_act_on_exactly_the_named_resource(
     assert [m.name for m in await client.list_all(MODELS)] == ["a", "a/b", "b", "y"]
     assert (await catalog_cli("delete", "models", "a/b", *url))[0] == 0
     assert [m.name for m in await client.list_all(MODELS)] == ["a", "b", "y"]
+
+
+async def test_concurrent_applies_of_one_file_both_succeed(
+    catalog: CatalogServer, client: CatalogClient, tmp_path: Path
+) -> None:
+    """Whoever loses a race (the name was just created, the version just bumped) reads the
+    resource again and adopts it: updates what still differs, or reports it unchanged."""
+    text = "".join(f"kind: Model\nname: m{i}\nformat: gguf\n---\n" for i in range(8))
+    documents = parse_documents(text, workspace="team-a")
+    async with CatalogClient(catalog.url) as other:
+        for _ in range(2):  # from nothing, then over a drift both see
+            outcomes = await asyncio.gather(
+                apply_documents(client, documents), apply_documents(other, documents)
+            )
+            assert [len(changes) for changes in outcomes] == [8, 8]
+            for i in range(8):
+                await client.update(MODELS, f"m{i}", {"format": "drifted"})
+    if catalog.config.database_url.startswith("sqlite"):  # the command, once
+        file = tmp_path / "models.yaml"
+        file.write_text(text.replace("name: m", "name: n"))
+        url = ["--url", catalog.url, "-w", "team-a"]
+        results = await asyncio.gather(
+            *(catalog_cli("apply", "-f", str(file), *url) for _ in range(2))
+        )
+        assert [code for code, _, _ in results] == [0, 0], results
+        assert len(await client.list_all(MODELS)) == 16

@@ -3,7 +3,8 @@
 A file (YAML, several documents, or JSON) holds resources, each a mapping with `kind`, `name`,
 an optional `workspace` and its fields. Applying is idempotent: a resource that already
 matches is left alone (no write, same version), so a second apply of the same file reports
-every resource `unchanged`. Fields the controller owns (statuses, served models) are left as
+every resource `unchanged`, and concurrent applies of one file all succeed (a write that
+loses a race reads the resource again and adopts it). Fields the controller owns (statuses, served models) are left as
 they are unless the file names them. With `prune`, resources of the file's workspaces that the
 file no longer names are deleted, except those the controller made (`autoprovisioned`).
 """
@@ -19,10 +20,11 @@ from pydantic import ValidationError
 
 from shoal.bounds import MAX_DEPTH, TooDeep, check_json_depth
 from shoal.catalog.client import CatalogClient
-from shoal.catalog.errors import NotFoundError
+from shoal.catalog.errors import ConflictError, NotFoundError
 from shoal.catalog.kinds import KINDS, Kind, kind_named
 
 READ_ONLY = frozenset({"version", "created_at", "updated_at", "status_history"})
+ATTEMPTS = 5  # reads and writes of one resource before a race it keeps losing is an error
 
 
 class ApplyError(ValueError):
@@ -118,18 +120,33 @@ async def apply_documents(
 
 
 async def _apply_one(client: CatalogClient, doc: Document) -> str:
+    """Create, update or leave one resource. A write that loses a race (the name was just
+    created, the version just bumped, the row just deleted) reads the resource again and
+    starts over, so concurrent applies of one file all end well."""
     desired = _desired(doc)
-    try:
-        current = await client.get(doc.kind, doc.name, workspace=doc.workspace)
-    except NotFoundError:
-        await client.create(doc.kind, {"name": doc.name, **desired}, workspace=doc.workspace)
-        return "created"
-    have = current.model_dump(mode="json")
-    diff = {k: v for k, v in desired.items() if have.get(k) != v}
-    if not diff:
-        return "unchanged"
-    await client.update(doc.kind, doc.name, diff, version=current.version, workspace=doc.workspace)
-    return "updated"
+    for _ in range(ATTEMPTS):
+        try:
+            current = await client.get(doc.kind, doc.name, workspace=doc.workspace)
+        except NotFoundError:
+            try:
+                await client.create(
+                    doc.kind, {"name": doc.name, **desired}, workspace=doc.workspace
+                )
+            except ConflictError:
+                continue  # created meanwhile: compare with that
+            return "created"
+        have = current.model_dump(mode="json")
+        diff = {k: v for k, v in desired.items() if have.get(k) != v}
+        if not diff:
+            return "unchanged"
+        try:
+            await client.update(
+                doc.kind, doc.name, diff, version=current.version, workspace=doc.workspace
+            )
+        except (ConflictError, NotFoundError):
+            continue  # changed or deleted meanwhile: read it again
+        return "updated"
+    raise ConflictError(f"{doc.label} changed under every one of {ATTEMPTS} attempts")
 
 
 async def _prune(client: CatalogClient, documents: list[Document]) -> list[Change]:

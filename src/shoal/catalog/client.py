@@ -98,7 +98,13 @@ class CatalogClient:
         return yarl.URL(self.base_url + path, encoded=True)
 
     async def _call(
-        self, method: str, url: str | yarl.URL, *, json: Any = None, params: Any = None, raw: bool = False
+        self,
+        method: str,
+        url: str | yarl.URL,
+        *,
+        json: Any = None,
+        params: Any = None,
+        raw: bool = False,
     ) -> Any:
         """The decoded JSON answer (`raw`: its bytes), or the error class of its status."""
         if self._session is None:
