@@ -73,8 +73,9 @@ MIGRATION_LOCK = int.from_bytes(b"shoal-mg")
 """The PostgreSQL advisory lock key migrations hold (any 64-bit number no one else uses)."""
 
 
-async def migrate(engine: AsyncEngine) -> None:
-    """Apply every Alembic migration not yet applied (idempotent), in one write transaction.
+async def migrate(engine: AsyncEngine, revision: str = "head") -> None:
+    """Apply every Alembic migration not yet applied up to `revision` (idempotent), in one
+    write transaction.
 
     Migrations of one database are one at a time, so replicas and `catalog migrate` commands
     may start together: the transaction first takes the database's migration lock (PostgreSQL:
@@ -86,17 +87,17 @@ async def migrate(engine: AsyncEngine) -> None:
             if conn.dialect.name == "postgresql":
                 lock = sa.text("SELECT pg_advisory_xact_lock(:key)")
                 await conn.execute(lock, {"key": MIGRATION_LOCK})
-            await conn.run_sync(_upgrade)
+            await conn.run_sync(_upgrade, revision)
 
 
-def _upgrade(connection: sa.Connection) -> None:
+def _upgrade(connection: sa.Connection, revision: str) -> None:
     from alembic import command
     from alembic.config import Config
 
     config = Config()
     config.set_main_option("script_location", MIGRATIONS)
     config.attributes["connection"] = connection
-    command.upgrade(config, "head")
+    command.upgrade(config, revision)
 
 
 async def current_revision(conn: AsyncConnection) -> str | None:
