@@ -14,6 +14,7 @@ from shoal.catalog import MODELS, PROVIDERS, CatalogClient, CatalogServer, table
 from shoal.catalog.apply import apply_documents, parse_documents
 from shoal.catalog.resources import ModelSpec
 from tests.helpers import free_port
+from tests.postgres_server import PostgresDatabase
 from tests.processes import Processes, shoal
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "catalog.md"
@@ -214,3 +215,15 @@ async def test_concurrent_applies_of_one_file_both_succeed(
         )
         assert [code for code, _, _ in results] == [0, 0], results
         assert len(await client.list_all(MODELS)) == 16
+
+
+async def test_urls_in_messages_carry_no_credentials(postgres: PostgresDatabase) -> None:
+    database = postgres.url.replace("postgres@", "postgres:hunter2@", 1)
+    assert "hunter2" in database
+    (code, out, err), (code2, _, err2) = await asyncio.gather(
+        catalog_cli("migrate", "--db", database),
+        catalog_cli("get", "models", "--url", f"http://admin:hunter2@127.0.0.1:{free_port()}"),
+    )
+    assert code == 0 and "at revision" in out, err
+    assert code2 == 1 and "cannot reach the catalog at http://127.0.0.1:" in err2
+    assert "hunter2" not in out + err + err2

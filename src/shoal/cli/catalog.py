@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(args: argparse.Namespace) -> int:
     from shoal.catalog import CatalogConfig, CatalogServer, default_database_url
+    from shoal.catalog.resources import redact_url
 
     stop = asyncio.Event()
     on_stop_signals(stop)
@@ -160,7 +161,7 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         await server.start()
     except Exception as exc:  # a database or socket error, reported in one line
-        print(f"shoal catalog serve: {config.database_url}: {exc}", file=sys.stderr)
+        print(f"shoal catalog serve: {redact_url(config.database_url)}: {exc}", file=sys.stderr)
         await server.stop()
         return 1
     controller = None
@@ -169,7 +170,7 @@ async def serve(args: argparse.Namespace) -> int:
         if controller is None:
             await server.stop()
             return 1
-    print_ready("catalog", url=server.url, db=config.database_url)
+    print_ready("catalog", url=server.url, db=redact_url(config.database_url))
     await stop.wait()
     if controller is not None:
         await controller.stop()
@@ -206,6 +207,7 @@ async def migrate(args: argparse.Namespace) -> int:
     from shoal.catalog import default_database_url, open_engine
     from shoal.catalog import migrate as migrate_schema
     from shoal.catalog.database import current_revision
+    from shoal.catalog.resources import redact_url
 
     url = args.db or default_database_url()
     engine = open_engine(url)
@@ -214,11 +216,11 @@ async def migrate(args: argparse.Namespace) -> int:
         async with engine.connect() as conn:
             revision = await current_revision(conn)
     except Exception as exc:
-        print(f"shoal catalog migrate: {url}: {exc}", file=sys.stderr)
+        print(f"shoal catalog migrate: {redact_url(url)}: {exc}", file=sys.stderr)
         return 1
     finally:
         await engine.dispose()
-    print(f"{url}: at revision {revision}")
+    print(f"{redact_url(url)}: at revision {revision}")
     return 0
 
 
@@ -226,6 +228,7 @@ async def client_command(args: argparse.Namespace) -> int:
     import aiohttp
 
     from shoal.catalog import CatalogClient, CatalogError
+    from shoal.catalog.resources import redact_url
 
     name = f"shoal catalog {args.catalog_command}"
     try:
@@ -240,7 +243,7 @@ async def client_command(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as exc:
         print(f"{name}: {exc.args[0] if exc.args else exc}", file=sys.stderr)
     except aiohttp.ClientError as exc:
-        print(f"{name}: cannot reach the catalog at {args.url}: {exc}", file=sys.stderr)
+        print(f"{name}: cannot reach the catalog at {redact_url(args.url)}: {exc}", file=sys.stderr)
     return 1
 
 
