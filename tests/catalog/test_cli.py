@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from shoal.bounds import MAX_DEPTH
 from shoal.catalog import MODELS, PROVIDERS, CatalogClient, CatalogServer, tables
-from shoal.catalog.apply import apply_documents, parse_documents
+from shoal.catalog.apply import ApplyError, apply_documents, parse_documents
 from shoal.catalog.resources import ModelSpec
 from tests.helpers import free_port
 from tests.postgres_server import PostgresDatabase
@@ -227,3 +228,14 @@ async def test_urls_in_messages_carry_no_credentials(postgres: PostgresDatabase)
     assert code == 0 and "at revision" in out, err
     assert code2 == 1 and "cannot reach the catalog at http://127.0.0.1:" in err2
     assert "hunter2" not in out + err + err2
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 1000, 100_000])
+def test_files_nested_past_the_bound_are_refused_not_crashed(depth: int) -> None:
+    flow = "kind: Model\nname: m\nspec: {a: " + "[" * depth + "]" * depth + "}\n"
+    block = "kind: Model\nname: m\nspec:\n" + "".join(
+        " " * i + "a:\n" for i in range(1, min(depth, 5000))
+    )
+    for text, json_only in ((flow, False), (block, False), (flow.replace("a:", '"a":'), True)):
+        with pytest.raises(ApplyError, match="nested"):
+            parse_documents(text, workspace="w", json_only=json_only)
