@@ -5,13 +5,21 @@ PostgreSQL. Raw HTTP where the typed client could not send the body."""
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 import pytest
 
 from shoal.bounds import MAX_DEPTH
-from shoal.catalog import DEPLOYMENTS, MODELS, PROVIDERS, VIRTUAL_MODELS, CatalogClient
+from shoal.catalog import (
+    DEPLOYMENTS,
+    MODELS,
+    PROVIDERS,
+    VIRTUAL_MODELS,
+    CatalogClient,
+    CatalogServer,
+)
 from shoal.catalog.errors import InvalidError
 from shoal.catalog.resources import (
     BASE_URL_LENGTH,
@@ -134,12 +142,42 @@ async def test_names_with_dot_segments_are_422(client: CatalogClient, name: str)
         with pytest.raises(InvalidError) as caught:
             await client.create(kind, {"name": name, **body})
         assert caught.value.param == "name" and "segment" in caught.value.message
-    with pytest.raises(InvalidError) as caught:
-        await client.create(VIRTUAL_MODELS, {"name": "vm", "default_model": name})
-    assert caught.value.param == "default_model"
+    # a reference may name anything: a name that cannot exist only resolves to nothing
+    await client.create(VIRTUAL_MODELS, {"name": "vm", "default_model": name})
+    await client.delete(VIRTUAL_MODELS, "vm")
     # dots inside a segment are ordinary characters
     await client.create(MODELS, {"name": "a/..b/c.d/..."})
     assert (await client.get(MODELS, "a/..b/c.d/...")).name == "a/..b/c.d/..."
+
+
+async def test_rows_older_than_a_bound_stay_readable_alone_and_in_pages(
+    catalog: CatalogServer, client: CatalogClient
+) -> None:
+    await client.create(MODELS, {"name": "first"})  # makes the workspace
+    over = {
+        MODELS: {"spec": nested(FREE_FORM_DEPTH + 8)},
+        VIRTUAL_MODELS: {"default_model": "m", "targets": [{"model_entity": "m"}] * 1000},
+        DEPLOYMENTS: {"model": "m", "engine": "mocker", "engine_args": {"prompt": "x" * 200_000}},
+    }
+    assert catalog.engine is not None
+    now = datetime.now(UTC)
+    async with catalog.engine.begin() as conn:
+        for kind, data in over.items():
+            stored = kind.spec.model_construct(**data).model_dump(mode="json", warnings=False)
+            await conn.execute(
+                kind.table.insert().values(
+                    workspace="team-a", name="old", version=1, created_at=now, updated_at=now,
+                    data=stored,
+                )
+            )  # fmt: skip
+    for kind in over:
+        assert (await client.get(kind, "old")).version == 1
+        assert "old" in [item.name for item in await client.list_all(kind)]
+    with pytest.raises(InvalidError) as caught:
+        await client.update(VIRTUAL_MODELS, "old", {"description": "x"})
+    assert caught.value.param == "targets"
+    fixed = await client.update(VIRTUAL_MODELS, "old", {"targets": [{"model_entity": "m"}]})
+    assert fixed.version == 2
 
 
 async def test_engine_args_are_bounded_in_bytes_and_count(client: CatalogClient) -> None:

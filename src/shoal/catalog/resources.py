@@ -86,11 +86,8 @@ def redact_url(url: str) -> str:
     return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
-Name = Annotated[
-    str,
-    Field(min_length=1, max_length=200, pattern=NAME_PATTERN),
-    AfterValidator(_no_dot_segments),
-]
+Name = Annotated[str, Field(min_length=1, max_length=200, pattern=NAME_PATTERN)]
+ResourceName = Annotated[Name, AfterValidator(_no_dot_segments)]  # a new resource's own name
 DeploymentName = Annotated[
     str,
     Field(min_length=1, max_length=DEPLOYMENT_NAME_LENGTH, pattern=NAME_PATTERN),
@@ -238,15 +235,15 @@ class DeploymentSpec(Strict):
 
 
 class ProviderCreate(ProviderSpec):
-    name: Name
+    name: ResourceName
 
 
 class ModelCreate(ModelSpec):
-    name: Name
+    name: ResourceName
 
 
 class VirtualModelCreate(VirtualModelSpec):
-    name: Name
+    name: ResourceName
 
 
 class DeploymentCreate(DeploymentSpec):
@@ -279,16 +276,26 @@ class Provider(ProviderSpec, Meta):
     model_config = ConfigDict(extra="ignore")
 
 
+# Read models take rows as stored: a row written before a bound was added (more targets, a
+# deeper spec) stays readable, alone and in a page; an update of it must bring it within.
+
+
 class Model(ModelSpec, Meta):
     model_config = ConfigDict(extra="ignore")
+
+    spec: dict[str, Any] = Field(default_factory=dict, description="free-form")
 
 
 class VirtualModel(VirtualModelSpec, Meta):
     model_config = ConfigDict(extra="ignore")
 
+    targets: list[Target] = Field(default_factory=list)
+
 
 class Deployment(DeploymentSpec, Meta):
     model_config = ConfigDict(extra="ignore")
+
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="the worker's flags")
 
     status_history: list[StatusChange] = Field(
         default_factory=list, description="every status change, oldest first (the last 100)"
