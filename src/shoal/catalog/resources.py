@@ -38,7 +38,8 @@ FREE_FORM_DEPTH = MAX_DEPTH // 2
 """Nesting of a free-form field (`spec`, `engine_args`): any document carrying a row (a list
 page, an apply file) stays within `shoal.bounds.MAX_DEPTH`, which every decoder checks."""
 FREE_FORM_BYTES = 64 * 1024
-"""A free-form field as UTF-8 JSON: `engine_args` become one argv, far under the OS limit."""
+"""A free-form field as UTF-8 JSON: `engine_args` become a worker's flags, far under the OS
+limits on its command line (128 KiB per argument, 2 MiB in all)."""
 ENGINE_ARGS_COUNT = 100
 DEPLOYMENT_NAME_LENGTH = 150
 """A deployment's worker log files (`{workspace}-{name}-{replica}.log`) stay under 255 bytes,
