@@ -20,7 +20,6 @@ from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import aiohttp
-import yarl
 from pydantic import BaseModel
 
 from shoal.catalog.errors import BY_STATUS, CatalogError
@@ -89,22 +88,14 @@ class CatalogClient:
             await self._session.close()
         self._session = None
 
-    def _url(self, kind: Kind[Any], workspace: str | None, name: str | None = None) -> yarl.URL:
+    def _url(self, kind: Kind[Any], workspace: str | None, name: str | None = None) -> str:
         """The URL of `kind` (and `name`) in `workspace`: every segment percent-encoded, `/`
         of a name included, so no name (`a/../b`, `a%2Fb`, `a?b`) can address another."""
-        path = f"/v1/workspaces/{_segment(workspace or self.workspace)}/{kind.plural}"
-        if name is not None:
-            path += f"/{_segment(name)}"
-        return yarl.URL(self.base_url + path, encoded=True)
+        url = f"{self.base_url}/v1/workspaces/{_segment(workspace or self.workspace)}/{kind.plural}"
+        return f"{url}/{_segment(name)}" if name is not None else url
 
     async def _call(
-        self,
-        method: str,
-        url: str | yarl.URL,
-        *,
-        json: Any = None,
-        params: Any = None,
-        raw: bool = False,
+        self, method: str, url: str, *, json: Any = None, params: Any = None, raw: bool = False
     ) -> Any:
         """The decoded JSON answer (`raw`: its bytes), or the error class of its status."""
         if self._session is None:
