@@ -119,7 +119,8 @@ async def test_migration_renames_dot_segment_names_and_strips_url_credentials(
         await engine.dispose()
 
 
-async def test_six_migrate_commands_at_once_on_fresh_postgresql_all_exit_0() -> None:
+async def test_six_migrate_commands_at_once_on_a_fresh_postgresql_all_exit_0() -> None:
+    """As processes, on PostgreSQL where the race was seen (SQLite: the test above)."""
     fresh = PostgresDatabase()
     try:
         results = await asyncio.gather(
