@@ -5,13 +5,21 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from shoal.bounds import MAX_DEPTH
-from shoal.catalog import MODELS, PROVIDERS, CatalogClient, CatalogServer, tables
+from shoal.catalog import (
+    MODELS,
+    PROVIDERS,
+    CatalogClient,
+    CatalogConfig,
+    CatalogServer,
+    tables,
+)
 from shoal.catalog.apply import ApplyError, apply_documents, parse_documents
 from shoal.catalog.resources import ModelSpec
 from tests.helpers import free_port
@@ -158,38 +166,49 @@ async def test_apply_leaves_fields_the_controller_writes(
     assert (await client.get(MODELS, "m")).providers == ["team-a/p"]
 
 
+@pytest.fixture
+async def sqlite_catalog(tmp_path: Path) -> AsyncIterator[CatalogServer]:
+    """A catalog on SQLite only, for what does not depend on the database."""
+    server = CatalogServer(CatalogConfig(database_url=f"sqlite:///{tmp_path / 'c.db'}", port=0))
+    await server.start()
+    yield server
+    await server.stop()
+
+
 async def test_get_and_delete_act_on_exactly_the_named_resource(
-    catalog: CatalogServer, client: CatalogClient
+    sqlite_catalog: CatalogServer,
 ) -> None:
-    for name in ("a/b", "a", "b", "y"):
-        await client.create(MODELS, {"name": name})
-    # a name from before dot segments were refused, as the database may still hold one
-    assert catalog.engine is not None
-    now = datetime.now(UTC)
-    async with catalog.engine.begin() as conn:
-        await conn.execute(
-            tables.models.insert().values(
-                workspace="team-a", name="x/../y", version=1, created_at=now, updated_at=now,
-                data=ModelSpec().model_dump(mode="json"),
-            )
-        )  # fmt: skip
-    url = ["--url", catalog.url, "-w", "team-a"]
-    others = ("a%2Fb", "a/b?x", "a/b#x", "a/b x", "a/b/", "x/%2E%2E/y")
-    results = await asyncio.gather(
-        *(catalog_cli("get", "models", name, "-o", "json", *url) for name in others),
-        catalog_cli("get", "models", "x/../y", "-o", "json", *url),
-    )
-    assert [code for code, _, _ in results[:-1]] == [1] * len(others), results
-    code, out, err = results[-1]
-    assert code == 0 and json.loads(out)["name"] == "x/../y", err
-    results = await asyncio.gather(
-        *(catalog_cli("delete", "models", name, *url) for name in others),
-        catalog_cli("delete", "models", "x/../y", *url),
-    )
-    assert [code for code, _, _ in results] == [1] * len(others) + [0], results
-    assert [m.name for m in await client.list_all(MODELS)] == ["a", "a/b", "b", "y"]
-    assert (await catalog_cli("delete", "models", "a/b", *url))[0] == 0
-    assert [m.name for m in await client.list_all(MODELS)] == ["a", "b", "y"]
+    catalog = sqlite_catalog
+    async with CatalogClient(catalog.url, workspace="team-a") as client:
+        for name in ("a/b", "a", "b", "y"):
+            await client.create(MODELS, {"name": name})
+        # a name from before dot segments were refused, as the database may still hold one
+        assert catalog.engine is not None
+        now = datetime.now(UTC)
+        async with catalog.engine.begin() as conn:
+            await conn.execute(
+                tables.models.insert().values(
+                    workspace="team-a", name="x/../y", version=1, created_at=now, updated_at=now,
+                    data=ModelSpec().model_dump(mode="json"),
+                )
+            )  # fmt: skip
+        url = ["--url", catalog.url, "-w", "team-a"]
+        others = ("a%2Fb", "a/b?x", "a/b#x", "a/b x")
+        results = await asyncio.gather(
+            *(catalog_cli("get", "models", name, "-o", "json", *url) for name in others),
+            catalog_cli("get", "models", "x/../y", "-o", "json", *url),
+        )
+        assert [code for code, _, _ in results[:-1]] == [1] * len(others), results
+        code, out, err = results[-1]
+        assert code == 0 and json.loads(out)["name"] == "x/../y", err
+        results = await asyncio.gather(
+            *(catalog_cli("delete", "models", name, *url) for name in others),
+            catalog_cli("delete", "models", "x/../y", *url),
+        )
+        assert [code for code, _, _ in results] == [1] * len(others) + [0], results
+        assert [m.name for m in await client.list_all(MODELS)] == ["a", "a/b", "b", "y"]
+        assert (await catalog_cli("delete", "models", "a/b", *url))[0] == 0
+        assert [m.name for m in await client.list_all(MODELS)] == ["a", "b", "y"]
 
 
 async def test_concurrent_applies_of_one_file_both_succeed(
