@@ -173,11 +173,23 @@ async def test_rows_older_than_a_bound_stay_readable_alone_and_in_pages(
     for kind in over:
         assert (await client.get(kind, "old")).version == 1
         assert "old" in [item.name for item in await client.list_all(kind)]
+    # a patch of other fields is taken (the controller's status writes go on); a patch of the
+    # field over the bound must bring it within
+    failed = await client.update(DEPLOYMENTS, "old", {"status": "ERROR", "status_message": "x"})
+    assert (failed.version, failed.status, len(failed.engine_args["prompt"])) == (
+        2,
+        "ERROR",
+        200_000,
+    )
+    assert (await client.update(VIRTUAL_MODELS, "old", {"description": "x"})).version == 2
     with pytest.raises(InvalidError) as caught:
-        await client.update(VIRTUAL_MODELS, "old", {"description": "x"})
+        await client.update(VIRTUAL_MODELS, "old", {"targets": [{"model_entity": "m"}] * 101})
     assert caught.value.param == "targets"
+    with pytest.raises(InvalidError) as caught:
+        await client.update(MODELS, "old", {"spec": {"a": {"b": float("nan")}}})
+    assert caught.value.param == "spec.a.b"
     fixed = await client.update(VIRTUAL_MODELS, "old", {"targets": [{"model_entity": "m"}]})
-    assert fixed.version == 2
+    assert fixed.version == 3
 
 
 async def test_engine_args_are_bounded_in_bytes_and_count(client: CatalogClient) -> None:
@@ -264,3 +276,11 @@ def test_body_without_credentials_keeps_an_at_sign_in_its_path() -> None:
     spec = ProviderSpec(type="url", base_url="https://host/v1/@team")
     assert spec.base_url == "https://host/v1/@team"
     assert json.loads(spec.model_dump_json())["base_url"] == "https://host/v1/@team"
+
+
+async def test_a_patch_that_breaks_a_rule_across_fields_is_still_422(client: CatalogClient) -> None:
+    await client.create(PROVIDERS, {"name": "p", "type": "url", "base_url": "https://host/v1"})
+    with pytest.raises(InvalidError) as caught:
+        await client.update(PROVIDERS, "p", {"type": "fleet"})
+    assert caught.value.param == "base_url"
+    assert (await client.get(PROVIDERS, "p")).type == "url"
