@@ -11,15 +11,21 @@ Failure handling:
   client to the next one.
 - A watch runs on its own gRPC stream. When the stream breaks (etcd died, restarted,
   lost its leader) or etcd reports the start revision compacted, the watch backs off
-  (50 ms doubling to 2 s, with jitter), reads the prefix, yields a `Resync` with it and
-  goes on watching from that read's revision + 1.
+  (50 ms doubling to 2 s, with jitter), opens a new stream watching from etcd's current
+  revision, reads the prefix, yields a `Resync` with it and passes on the changes after
+  that read's revision.
 - Several prefixes as one (`get_prefixes`, `watch_prefixes`): the listing is one read-only
-  transaction with a range per prefix, so all are read at one revision. The watch is one
-  etcd watch on the smallest key range holding every prefix, whose events outside the
-  prefixes are dropped here: one stream, so its changes come in revision order and it
-  resyncs all prefixes at once, at one revision. The price: the range may hold other
-  keys (for discovery's instances and cards of one namespace, those of other namespaces),
-  whose changes travel to the watcher and are dropped.
+  transaction with a range per prefix, so all are read at one revision. The watch has one
+  etcd watcher per prefix, all on one gRPC stream: etcd sends a stream's live changes in
+  revision order whichever watcher they belong to, and the stream breaks (and resyncs) as
+  one. Only a watcher catching up on history sends its share alone, out of order with the
+  others'; so a watch of several prefixes never catches up: when the store moved since its
+  start revision it starts its watchers at etcd's current revision, reads every prefix
+  (one transaction) and yields that as a `Resync`, as it does after every break. A change
+  older than one already yielded (a watcher that raced its creation) is caught and
+  resynced the same way. No other key's change travels to the watcher (a range covering
+  the prefixes would carry, for discovery's instances and cards of one namespace, those of
+  every namespace sorted between them: with N namespaces each change reached N/2 watches).
 - etcd raises lease TTLs to a minimum (2 s with the default election timing). For a
   lease granted with a shorter TTL, the store that granted it revokes it itself once that
   TTL passes without a renewal, so a living holder that stops renewing loses its keys on
@@ -126,14 +132,6 @@ def _range_of(prefix: str) -> tuple[bytes, bytes]:
     return start, aetcd.utils.prefix_range_end(start)
 
 
-def _covering_range(prefixes: tuple[str, ...]) -> tuple[bytes, bytes]:
-    """The smallest etcd key range holding every key under any of `prefixes`."""
-    ranges = [_range_of(prefix) for prefix in prefixes]
-    if any(start == b"\0" for start, _ in ranges):
-        return b"\0", b"\0"
-    return min(start for start, _ in ranges), max(end for _, end in ranges)
-
-
 def _grpc_code(exc: BaseException) -> tuple[str | None, str]:
     """The gRPC status code name and details behind an aetcd or gRPC error, if any."""
     seen: BaseException | None = exc
@@ -162,6 +160,10 @@ class _StreamBroken(Exception):
 
 class _Compacted(Exception):
     """etcd no longer has the history the watch asked for."""
+
+
+class _OutOfOrder(Exception):
+    """One prefix's watcher delivered a change older than one already yielded."""
 
 
 class EtcdStore(Store):
@@ -523,44 +525,63 @@ class EtcdStore(Store):
     async def _watch(
         self, prefixes: tuple[str, ...], start_revision: int
     ) -> AsyncGenerator[Event, None]:
+        """One etcd watcher per prefix, all on one gRPC stream (see the module doc)."""
         prefix = ", ".join(prefixes)  # for the log
-        key_range = _covering_range(prefixes)
-        next_revision = start_revision
+        ranges = [_range_of(p) for p in prefixes]
+        several = len(prefixes) > 1
+        floor = start_revision  # events below it are already known to the consumer
         resync = False
         backoff = BACKOFF_START
         while not self._closed:
-            if resync:
-                try:
-                    snap = await self.get_prefixes(prefixes)
-                except StoreError as exc:
-                    if self._closed:
-                        return
-                    level = (
-                        logging.DEBUG if isinstance(exc, StoreUnavailableError) else logging.WARNING
-                    )
-                    log.log(level, "watch %r: resync read failed: %s", prefix, exc)
-                    await self._pause(_jitter(backoff))
-                    backoff = min(backoff * 2, BACKOFF_CAP)
-                    continue
-                yield Resync(snap.items, snap.revision)
-                next_revision = snap.revision + 1
-                resync = False
-            stream = self._watch_stream(key_range, prefix, next_revision)
+            # A resync starts its watchers at etcd's current revision, then reads: every
+            # change after the read comes through the watchers, none is lost between.
+            stream = self._watch_stream(ranges, prefix, 0 if resync else floor)
             try:
+                try:
+                    created = await anext(stream)
+                except StopAsyncIteration:
+                    raise _StreamBroken("watch stream ended") from None
+                backoff = BACKOFF_START
+                if several and not resync and created >= floor:
+                    # The store moved since `floor - 1`: watchers that catch up on history
+                    # send each one's share in turn, out of revision order. Read instead.
+                    resync = True
+                if resync:
+                    try:
+                        snap = await self.get_prefixes(prefixes)
+                    except StoreError as exc:
+                        level = (
+                            logging.DEBUG
+                            if isinstance(exc, StoreUnavailableError)
+                            else logging.WARNING
+                        )
+                        log.log(level, "watch %r: resync read failed: %s", prefix, exc)
+                        raise _StreamBroken(f"resync read failed: {exc}") from exc
+                    yield Resync(snap.items, snap.revision)
+                    floor = snap.revision + 1
+                    resync = False
+                last = floor - 1
                 while True:
                     try:
                         batch = await anext(stream)
                     except StopAsyncIteration:
                         raise _StreamBroken("watch stream ended") from None
-                    if not batch:  # the stream is established
-                        backoff = BACKOFF_START
-                        continue
-                    next_revision = batch[-1].revision + 1
                     for event in batch:
-                        if event.key.startswith(prefixes):
-                            yield event
+                        if event.revision < floor:
+                            continue  # held by the Resync already
+                        if event.revision < last:
+                            # Another prefix's watcher is ahead of this one (it caught up
+                            # on history): what was yielded is out of order. Read again.
+                            raise _OutOfOrder(
+                                f"revision {event.revision} after {last}; resyncing"
+                            )
+                        last = event.revision
+                        yield event
+            except _OutOfOrder as exc:
+                log.info("watch %r: %s", prefix, exc)
+                resync = True
             except _Compacted as exc:
-                log.info("watch %r from %s: %s; resyncing", prefix, next_revision, exc)
+                log.info("watch %r from %s: %s; resyncing", prefix, floor, exc)
                 resync = True
             except (_StreamBroken, StoreError) as exc:
                 if self._closed:
@@ -573,45 +594,63 @@ class EtcdStore(Store):
                 await stream.aclose()
 
     async def _watch_stream(
-        self, key_range: tuple[bytes, bytes], prefix: str, start_revision: int
-    ) -> AsyncGenerator[list[Put | Delete], None]:
-        """One etcd watch stream on `key_range` (`prefix` names it in errors): yields []
-        once created, then each response's events.
+        self, ranges: list[tuple[bytes, bytes]], prefix: str, start_revision: int
+    ) -> AsyncGenerator[Any, None]:
+        """One etcd watch stream with a watcher on each of `ranges` from `start_revision`
+        (0: after etcd's current revision); `prefix` names it in errors. Yields, once every
+        watcher is created, the highest revision etcd reported at their creation (a watcher
+        started at or below it catches up on history), then each response's events.
 
         Raises `_Compacted` when the history is gone and `_StreamBroken` on any failure.
         """
         client, generation = await self._current()
-        start, end = key_range
-        create = aetcd.rpc.WatchRequest(
-            create_request=aetcd.rpc.WatchCreateRequest(
-                key=start, range_end=end, start_revision=max(start_revision, 0)
-            )
-        )
         # "hasleader": etcd cancels the watch if its member loses the cluster leader.
         metadata = (*(client.metadata or ()), ("hasleader", "true"))
         call: Any = None
+        early: list[list[Put | Delete]] = []  # events of a watcher before the others exist
+
+        def check(resp: Any) -> None:
+            if resp.compact_revision:
+                raise _Compacted(f"history compacted up to {resp.compact_revision}")
+            if resp.canceled:
+                raise _StreamBroken(f"watch canceled by etcd: {resp.cancel_reason}")
+
         try:
             try:
                 call = aetcd.rpc.WatchStub(client.channel).Watch(metadata=metadata)
                 self._watch_calls.add(call)
+                created = -1
                 async with asyncio.timeout(self._call_timeout):
-                    await call.write(create)
+                    for start, end in ranges:
+                        await call.write(
+                            aetcd.rpc.WatchRequest(
+                                create_request=aetcd.rpc.WatchCreateRequest(
+                                    key=start, range_end=end, start_revision=start_revision
+                                )
+                            )
+                        )
                     responses = call.__aiter__()
-                    resp = await anext(responses)
+                    waiting = len(ranges)
+                    while waiting:
+                        resp = await anext(responses)
+                        check(resp)
+                        if resp.created:
+                            waiting -= 1
+                            created = max(created, int(resp.header.revision))
+                        if resp.events:
+                            early.append([self._event(e) for e in resp.events])
             except StopAsyncIteration:
                 raise _StreamBroken("watch stream closed before creation") from None
+            except (_Compacted, _StreamBroken):
+                raise
             except (Exception, asyncio.CancelledError) as exc:
                 err = self._failure(exc, f"watch {prefix!r}", generation)
                 raise _StreamBroken(str(err)) from exc
+            yield created
+            for batch in early:
+                yield batch
+            early.clear()
             while True:
-                if resp.compact_revision:
-                    raise _Compacted(f"history compacted up to {resp.compact_revision}")
-                if resp.canceled:
-                    raise _StreamBroken(f"watch canceled by etcd: {resp.cancel_reason}")
-                if resp.created:
-                    yield []
-                if resp.events:
-                    yield [self._event(e) for e in resp.events]
                 try:
                     resp = await anext(responses)
                 except StopAsyncIteration:
@@ -619,6 +658,9 @@ class EtcdStore(Store):
                 except (Exception, asyncio.CancelledError) as exc:
                     err = self._failure(exc, f"watch {prefix!r}", generation)
                     raise _StreamBroken(str(err)) from exc
+                check(resp)
+                if resp.events:
+                    yield [self._event(e) for e in resp.events]
         finally:
             if call is not None:
                 self._watch_calls.discard(call)
