@@ -18,13 +18,14 @@ import pytest
 from shoal.store import (
     Delete,
     LeaseNotFoundError,
+    Put,
     Resync,
     StoreError,
     StoreUnavailableError,
     open_store,
 )
 from shoal.store.sqlite import BOOT_ID, RETAIN_CHANGES, SQLiteStore
-from tests.helpers import wait_for
+from tests.helpers import StallProbe, wait_for
 from tests.store.support import Recorder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,6 +152,43 @@ def _spawn_child(url: str, prefix: str) -> subprocess.Popen[str]:
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
     )
+
+
+async def test_a_poll_fanning_changes_out_to_4096_watches_never_holds_the_event_loop(
+    url: str,
+) -> None:
+    """A frontend following 4,096 namespaces has two prefixes watched per namespace: one
+    poll that reads 1,000 changes hands each watch its own without matching every change
+    against every watch on the event loop (that held it ~0.6 s)."""
+    store = await SQLiteStore.open(url)
+    writer = await SQLiteStore.open(url)
+    try:
+        start = (await store.get_prefix("")).revision + 1
+        for i in range(500):  # 1,000 changes: all kept in the change log
+            await writer.put(f"shoal/v1/instances/ns-{i % 4096}/c/e/{i:x}", b"x")
+            await writer.put(f"shoal/v1/models/ns-{i % 4096}/c/e/{i:x}/m", b"x")
+        got = [0]
+
+        async def follow(ns: str) -> None:
+            prefixes = (f"shoal/v1/instances/{ns}/", f"shoal/v1/models/{ns}/")
+            async for event in store.watch_prefixes(prefixes, start):
+                assert isinstance(event, Put) and event.key.startswith(prefixes), event
+                got[0] += 1
+
+        tasks = [asyncio.create_task(follow(f"ns-{n}")) for n in range(4096)]
+        await asyncio.sleep(0)  # the 4,096 watches start (this test's own loop hold)
+        probe = StallProbe()
+        try:
+            await wait_for(lambda: got[0] == 1000, timeout=30, message="every change delivered")
+        finally:
+            longest = await probe.stop()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        assert longest < 0.05, f"the loop was held {longest * 1000:.0f} ms"
+    finally:
+        await store.close()
+        await writer.close()
 
 
 async def test_two_processes_sharing_the_file_see_each_others_writes(

@@ -81,6 +81,7 @@ every `WAL_AUTOCHECKPOINT_PAGES` pages and truncated to `JOURNAL_SIZE_LIMIT` aft
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
 import logging
@@ -528,6 +529,32 @@ class _PollResult:
     changes: list[tuple[int, str, bytes | None]]
 
 
+class _Changes:
+    """The changes one poll read, found by key: a watch gets those under its prefixes in
+    O(log n) each, not by matching every change against every watch (a frontend following
+    4,096 namespaces watches 8,192 prefixes; 1,000 changes held the event loop ~0.3 s)."""
+
+    def __init__(self, changes: list[tuple[int, str, bytes | None]]) -> None:
+        self._changes = changes
+        self._by_key = sorted(range(len(changes)), key=lambda i: changes[i][1])
+        self._keys = [changes[i][1] for i in self._by_key]
+
+    def under(self, prefixes: tuple[str, ...]) -> list[tuple[int, str, bytes | None]]:
+        """The changes under any of `prefixes` (`distinct_prefixes`), in revision order."""
+        if not self._changes:
+            return []
+        found: list[int] = []
+        for prefix in prefixes:
+            if not prefix:
+                return self._changes
+            # Keys are ASCII (`check_key`): the keys under `prefix` sort in one run.
+            high = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+            lo = bisect.bisect_left(self._keys, prefix)
+            found.extend(self._by_key[lo : bisect.bisect_left(self._keys, high, lo)])
+        found.sort()
+        return [self._changes[i] for i in found]
+
+
 @dataclass(eq=False)
 class _Watcher:
     prefixes: tuple[str, ...]
@@ -827,6 +854,7 @@ class SQLiteStore(Store):
         if self._closed or self._unreachable or self._epoch != epoch:
             return  # cut off while reading: what was read may be stale, resync later
         revision = result.revision
+        changes = _Changes(result.changes)
         for i, w in enumerate(watchers):
             if w not in self._watchers:
                 continue
@@ -837,8 +865,8 @@ class SQLiteStore(Store):
                 w.epoch = epoch
                 w.next_revision = revision + 1
                 continue
-            for rev, key, value in result.changes:
-                if rev >= w.next_revision and key.startswith(w.prefixes):
+            for rev, key, value in changes.under(w.prefixes):
+                if rev >= w.next_revision:
                     if value is None:
                         w.queue.put_nowait(Delete(key, rev))
                     elif (data := _value(key, value)) is not None:
