@@ -107,6 +107,9 @@ def test_other_lines_are_not_a_worker_ready_line(line: str) -> None:
         (["up", "--workers", "-1"], "--workers"),
         (["up", "--catalog-port", "70000"], "--catalog-port"),
         (["catalog", "serve", "--port", "70000"], "--port"),
+        (["worker", "--port", "9" * 400], "--port"),  # past a float: OverflowError
+        (["worker", "--max-seqs", "9" * 400], "--max-seqs"),
+        (["worker", "--max-seqs", "9" * 5000], "--max-seqs"),  # past int()'s digit limit
     ],
 )
 def test_non_finite_and_out_of_range_numeric_flags_are_one_line_usage_errors(

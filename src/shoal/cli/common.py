@@ -31,6 +31,11 @@ def env_value(name: str) -> str | None:
     return os.environ.get(f"SHOAL_{name.upper().replace('-', '_')}") or None
 
 
+MAX_INT = 2**63 - 1
+"""The largest integer flag value: what a store or a syscall takes (int64). A longer one
+would not even convert to a float (`math.isfinite` raised `OverflowError`, a traceback)."""
+
+
 def number(
     kind: type[N], *, low: N | None = None, high: N | None = None, above: N | None = None
 ) -> Callable[[str], N]:
@@ -45,8 +50,10 @@ def number(
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if isinstance(value, int) and abs(value) > MAX_INT:
+            raise argparse.ArgumentTypeError(f"{text[:20]}... is out of range (max {MAX_INT})")
         if low is not None and value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
         if high is not None and value > high:
