@@ -183,3 +183,37 @@ async def test_health_says_when_a_registration_is_missing_and_cannot_be_put_back
         await registrations.renew()
         assert registrations.lease_problem() is None
         assert await store.get(key) is not None
+
+
+async def test_checking_that_200_models_are_still_registered_costs_one_store_read(
+    store_url: str, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each lease-loop turn checks the worker's keys are still in the store: with many
+    models (adapters), one read per key made a turn take a round trip per model while
+    holding the registrations' lock, delaying the next keepalive past the TTL on a
+    distant store (200 models x 20 ms = 4 s)."""
+    async with Runtime(store_url) as runtime:
+        endpoint = runtime.endpoint("default.backend.generate")
+        await endpoint.serve(MockerEngine("mock-model", speedup=0))
+        registrations = runtime.registrations
+        card = endpoint.models[None].card
+        for i in range(200):
+            await registrations.attach(endpoint.id, card, f"adapter-{i}", {})
+        reads: list[str] = []
+        own = registrations.store
+        for name in ("get", "get_prefix", "get_prefixes"):
+            method = getattr(own, name)
+
+            async def counted(*args: Any, _method: Any = method, _name: str = name) -> Any:
+                reads.append(_name)
+                return await _method(*args)
+
+            monkeypatch.setattr(own, name, counted)
+        gone = endpoint.models[None].key.key
+        await store.delete(gone)
+        await store.delete(registrations.models_of(endpoint.id)["adapter-7"].key.key)
+        await registrations.renew()
+        assert len(reads) == 1, reads
+        assert await store.get(gone) is not None
+        assert registrations.repairs == 2
+        assert registrations.lease_problem() is None

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 DRAINING = "draining"
 """The taint every model of a draining process carries: frontends stop picking it."""
 
+READ_CHUNK = 64
+"""Endpoints whose keys one read lists (two prefixes each: etcd refuses a transaction of
+more than 128 operations by default)."""
+
 STORE_ERRORS = (StoreError, OSError, TimeoutError)
 """What a store call raises when the store is unreachable or refuses: retried, not fatal."""
 
@@ -56,8 +60,8 @@ class Registrations:
     files to the new keys and only then sets `lease_id` to the new id; until then
     `lease_problem()` says so, and `renew()` retries it. Withdrawals that failed are retried
     while their lease is current and forgotten once it is replaced (their keys went with it).
-    Each `renew()` also reads every key held here and puts back one the store lost (deleted
-    by someone else): logged, counted in `repairs`, and in `lease_problem()` until put back.
+    Each `renew()` also lists the keys held here (one read) and puts back one the store lost
+    (deleted by someone else): logged, counted in `repairs`, and in `lease_problem()` until put back.
 
     Writes are serialised by one lock, so a re-registration never interleaves with an
     attach or a detach. While `draining` is set, every card put carries the `DRAINING` taint.
@@ -205,22 +209,38 @@ class Registrations:
 
     async def _put_back_missing(self, lease_id: int) -> None:
         """Put back every key of ours the store no longer holds (someone deleted it, or a
-        store restored from a backup lost it): one read per key, each lease-loop turn."""
+        store restored from a backup lost it). The keys are read in one listing of the
+        instance's keys per `READ_CHUNK` endpoints, not one read per key: a worker with
+        hundreds of adapters must not spend a round trip per model each lease-loop turn,
+        holding the lock and delaying the next keepalive."""
         async with self._lock:
             if self._lease_id != lease_id:
                 return
-            for endpoint, info in list(self._instances.items()):
+            endpoints = list(self._instances.items())
+            present: set[str] = set()
+            for i in range(0, len(endpoints), READ_CHUNK):
+                prefixes = [
+                    p
+                    for endpoint, _ in endpoints[i : i + READ_CHUNK]
+                    for p in (
+                        instance_key(endpoint, lease_id),
+                        ModelKey(endpoint, lease_id, None).key,
+                    )
+                ]
+                snap = await self.store.get_prefixes(prefixes)
+                present.update(kv.key for kv in snap.items)
+            for endpoint, info in endpoints:
                 key = instance_key(endpoint, lease_id)
-                if await self._is_missing(key):
+                if self._is_missing(key, present):
                     await self.discovery.register_instance(info, lease=lease_id)
                     self._put_back(key)
                 for att in self._models.get(endpoint, {}).values():
-                    if await self._is_missing(att.key.key):
+                    if self._is_missing(att.key.key, present):
                         await self.discovery.register_model(att.key, att.card, lease=lease_id)
                         self._put_back(att.key.key)
 
-    async def _is_missing(self, key: str) -> bool:
-        if await self.store.get(key) is not None:
+    def _is_missing(self, key: str, present: set[str]) -> bool:
+        if key in present:
             return False
         log.warning("registration %s is missing from the store: putting it back", key)
         self.missing.add(key)  # until the put succeeds: `lease_problem()` says so
