@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -26,7 +27,7 @@ from shoal.discovery import (
 )
 from shoal.discovery.service import MALFORMED
 from shoal.store import Event, Snapshot, Store, memory, open_store
-from tests.helpers import Collector, wait_for
+from tests.helpers import Collector, StallProbe, wait_for
 from tests.store.conftest import Backend
 
 EP = EndpointId("prod", "backend", "generate")
@@ -635,3 +636,39 @@ async def test_many_streams_started_at_once_list_with_bounded_concurrency() -> N
     assert len(listed) == 300
     assert in_flight[1] <= service.MAX_LISTINGS, in_flight[1]
     await inner.close()
+
+
+async def test_the_first_listing_of_a_stream_of_10000_models_never_holds_the_event_loop() -> None:
+    """A frontend restarting a discovery stream (after a store error) lists its whole scope
+    again while it serves: the snapshot is joined and reported in batches, yielding to the
+    event loop between them (in one go, 10,000 models held it ~0.13 s)."""
+    from tests.membership.support import add_endpoint
+
+    store = await open_store(f"memory://{uuid.uuid4().hex}")
+    try:
+        writer = Discovery(store)
+        for i in range(10000):
+            await add_endpoint(writer, f"ns-{i % 50}", i + 1)
+        added = 0
+
+        async def follow() -> None:
+            nonlocal added
+            async for event in Discovery(store).list_and_watch():
+                assert isinstance(event, Added)
+                added += 1
+
+        # The collector's passes over a heap this size are the process's, not the stream's.
+        gc.disable()
+        probe = StallProbe()
+        await asyncio.sleep(0.01)  # the probe runs
+        task = asyncio.create_task(follow())
+        try:
+            await wait_for(lambda: added == 10000, message="every model listed")
+        finally:
+            longest = await probe.stop()
+            gc.enable()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert longest < 0.05, f"the loop was held {longest * 1000:.0f} ms"
+    finally:
+        await store.close()
