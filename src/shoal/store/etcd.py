@@ -572,9 +572,7 @@ class EtcdStore(Store):
                         if event.revision < last:
                             # Another prefix's watcher is ahead of this one (it caught up
                             # on history): what was yielded is out of order. Read again.
-                            raise _OutOfOrder(
-                                f"revision {event.revision} after {last}; resyncing"
-                            )
+                            raise _OutOfOrder(f"revision {event.revision} after {last}; resyncing")
                         last = event.revision
                         yield event
             except _OutOfOrder as exc:
