@@ -499,3 +499,16 @@ async def test_failover_to_another_member_keeps_calls_and_watches_going(
         await watch.close()
     finally:
         await store.close()
+
+
+async def test_a_read_of_200_prefixes_is_one_revision_past_etcds_transaction_limit(
+    store: Store, prefix: str
+) -> None:
+    """etcd refuses a transaction of more than 128 operations (`--max-txn-ops`): a listing
+    of more prefixes reads them in several, all at the first one's revision."""
+    prefixes = [f"{prefix}{i:03d}/" for i in range(200)]
+    for p in prefixes[::50]:
+        await store.put(p + "k", b"v")
+    snap = await store.get_prefixes(prefixes)
+    assert [kv.key for kv in snap.items] == [p + "k" for p in prefixes[::50]]
+    assert all(kv.mod_revision <= snap.revision for kv in snap.items)

@@ -15,7 +15,8 @@ Failure handling:
   revision, reads the prefix, yields a `Resync` with it and passes on the changes after
   that read's revision.
 - Several prefixes as one (`get_prefixes`, `watch_prefixes`): the listing is one read-only
-  transaction with a range per prefix, so all are read at one revision. The watch has one
+  transaction with a range per prefix, so all are read at one revision (past
+  `MAX_TXN_OPS` prefixes, several transactions, the later ones at the first one's revision). The watch has one
   etcd watcher per prefix, all on one gRPC stream: etcd sends a stream's live changes in
   revision order whichever watcher they belong to, and the stream breaks (and resyncs) as
   one. Only a watcher catching up on history sends its share alone, out of order with the
@@ -71,6 +72,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_PORT = 2379
+MAX_TXN_OPS = 128
+"""Operations etcd takes in one transaction (its `--max-txn-ops` default): a listing of more
+prefixes reads them in several transactions, the later ones at the first one's revision."""
 BACKOFF_START = 0.05
 BACKOFF_CAP = 2.0
 
@@ -355,29 +359,36 @@ class EtcdStore(Store):
 
     async def get_prefixes(self, prefixes: Sequence[str]) -> Snapshot:
         distinct = distinct_prefixes(prefixes)
-        ranges = [
-            aetcd.rpc.RequestOp(
-                request_range=aetcd.rpc.RangeRequest(
-                    key=start,
-                    range_end=end,
-                    sort_order=aetcd.rpc.RangeRequest.ASCEND,
-                    sort_target=aetcd.rpc.RangeRequest.KEY,
+        what = f"get_prefixes {', '.join(distinct)}"[:200]
+        items: list[KeyValue] = []
+        revision = 0  # the first transaction's: the later ones read at it
+        for i in range(0, len(distinct), MAX_TXN_OPS):
+            ranges = [
+                aetcd.rpc.RequestOp(
+                    request_range=aetcd.rpc.RangeRequest(
+                        key=start,
+                        range_end=end,
+                        revision=revision,
+                        sort_order=aetcd.rpc.RangeRequest.ASCEND,
+                        sort_target=aetcd.rpc.RangeRequest.KEY,
+                    )
                 )
-            )
-            for start, end in map(_range_of, distinct)
-        ]
+                for start, end in map(_range_of, distinct[i : i + MAX_TXN_OPS])
+            ]
 
-        async def fn(client: Any) -> Any:  # a read-only transaction: one revision for all
-            return await client.kvstub.Txn(
-                aetcd.rpc.TxnRequest(success=ranges),
-                timeout=self._call_timeout,
-                metadata=client.metadata,
-            )
+            async def fn(client: Any, ranges: list[Any] = ranges) -> Any:
+                # A read-only transaction: one revision for all its ranges.
+                return await client.kvstub.Txn(
+                    aetcd.rpc.TxnRequest(success=ranges),
+                    timeout=self._call_timeout,
+                    metadata=client.metadata,
+                )
 
-        resp = await self._call(f"get_prefixes {', '.join(distinct)}", fn)
-        # The prefixes are sorted and none is inside another: the ranges come in key order.
-        items = [self._kv(kv) for op in resp.responses for kv in op.response_range.kvs]
-        return Snapshot(items, int(resp.header.revision))
+            resp = await self._call(what, fn)
+            revision = revision or int(resp.header.revision)
+            # The prefixes are sorted and none is inside another: the ranges come in key order.
+            items.extend(self._kv(kv) for op in resp.responses for kv in op.response_range.kvs)
+        return Snapshot(items, revision)
 
     async def get(self, key: str) -> KeyValue | None:
         check_key(key)
