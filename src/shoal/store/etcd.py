@@ -15,11 +15,11 @@ Failure handling:
   revision, reads the prefix, yields a `Resync` with it and passes on the changes after
   that read's revision.
 - Several prefixes as one (`get_prefixes`, `watch_prefixes`): the listing is one read-only
-  transaction with a range per prefix, so all are read at one revision (past
-  `MAX_TXN_OPS` prefixes, several transactions, the later ones at the first one's revision). The watch has one
-  etcd watcher per prefix, all on one gRPC stream: etcd sends a stream's live changes in
-  revision order whichever watcher they belong to, and the stream breaks (and resyncs) as
-  one. Only a watcher catching up on history sends its share alone, out of order with the
+  transaction with a range per prefix, so all are read at one revision (past `MAX_TXN_OPS`
+  prefixes, several transactions, the later ones at the first one's revision). The watch
+  has one etcd watcher per prefix, all on one gRPC stream: etcd sends a stream's live
+  changes in revision order whichever watcher they belong to, and the stream breaks (and
+  resyncs) as one. Only a watcher catching up on history sends its share alone, out of order with the
   others'; so a watch of several prefixes never catches up: when the store moved since its
   start revision it starts its watchers at etcd's current revision, reads every prefix
   (one transaction) and yields that as a `Resync`, as it does after every break. A change
