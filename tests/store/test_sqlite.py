@@ -628,3 +628,29 @@ async def test_url_parameters_other_than_mode_ro_are_refused_in_one_line(
         await open_store(f"sqlite:///{tmp_path}/s.db{suffix}")
     assert "\n" not in str(caught.value)
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.skipif(not BOOT_ID, reason="no boot id on this system")
+async def test_a_live_lease_granted_without_a_boot_id_is_not_expired_by_a_process_with_one(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that cannot read the boot id (a sandbox without /proc) shares the file with
+    one that can: its live leases are judged on the clocks both share (the monotonic
+    deadline and the wall-clock bound), not taken for another boot's and reaped at once."""
+    from shoal.store import sqlite as backend
+
+    holder_url = url
+    monkeypatch.setattr(backend, "BOOT", "boot:")
+    monkeypatch.setattr(backend, "BOOT_ID", "")
+    holder = await SQLiteStore.open(holder_url)
+    lease = await holder.grant(30.0, keepalive=False)
+    await holder.put("boot/k", b"x", lease=lease.id)
+    monkeypatch.undo()  # the reader has a boot id
+    reader = await SQLiteStore.open(url)
+    try:
+        assert await reader.get("boot/k") is not None
+        await reader.put("boot/other", b"a write reaps first")
+        assert await reader.get("boot/k") is not None
+    finally:
+        await reader.close()
+        await holder.close()

@@ -63,6 +63,8 @@ lease would outlive the reboot by the previous uptime): each lease then also get
 wall-clock bound, its TTL + `WALL_CLOCK_SLACK` (120 s) after its grant or last renewal.
 A dead lease outlives a reboot by that much at most; the price is that a forward step of
 the wall clock by more than the slack expires the leases of live holders, which re-grant.
+A lease granted without a boot id is judged so by every process, one with a boot id too
+(it was taken for another boot's and reaped at once).
 A monotonic clock does not count time the host is suspended, so (with a boot id) a
 suspend neither expires the leases of live holders nor counts towards the TTL of dead ones.
 
@@ -209,11 +211,13 @@ def _wall_deadline(ttl: float) -> float:
 
 _EXPIRED = (
     "(CASE WHEN boot = '' THEN deadline < :wall"
-    " ELSE expires < :now OR deadline < :wall OR (boot != :boot AND :boot != 'boot:') END)"
+    " ELSE expires < :now OR deadline < :wall"
+    " OR (boot != :boot AND :boot != 'boot:' AND boot != 'boot:') END)"
 )
 """SQL: the lease has expired, at `_expired_at(now)`. A lease of another boot has: no
-process survives a reboot. Where the boot is unknown (`BOOT` is "boot:"), the monotonic
-clock counts, and the wall-clock bound of `_wall_deadline`."""
+process survives a reboot. Where the boot is unknown (`BOOT` is "boot:", to the judge or
+to the holder: a sandbox without /proc beside a process with it), the monotonic clock
+counts, and the wall-clock bound `_wall_deadline` gave the lease."""
 
 _LIVE = f"(lease = 0 OR lease NOT IN (SELECT id FROM leases WHERE {_EXPIRED}))"
 """SQL, on `kv`: the key's lease (if any) has not expired, at `_expired_at(now)`."""
