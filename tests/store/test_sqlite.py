@@ -639,10 +639,9 @@ async def test_a_live_lease_granted_without_a_boot_id_is_not_expired_by_a_proces
     deadline and the wall-clock bound), not taken for another boot's and reaped at once."""
     from shoal.store import sqlite as backend
 
-    holder_url = url
     monkeypatch.setattr(backend, "BOOT", "boot:")
     monkeypatch.setattr(backend, "BOOT_ID", "")
-    holder = await SQLiteStore.open(holder_url)
+    holder = await SQLiteStore.open(url)
     lease = await holder.grant(30.0, keepalive=False)
     await holder.put("boot/k", b"x", lease=lease.id)
     monkeypatch.undo()  # the reader has a boot id
