@@ -121,6 +121,7 @@ def test_non_finite_and_out_of_range_numeric_flags_are_one_line_usage_errors(
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and f"argument {named}" in errors[0], errors
     assert "Traceback" not in errors[0]
+    assert len(errors[0]) < 300, "a huge value is not echoed whole"
 
 
 def test_an_out_of_range_environment_value_is_refused_like_the_flag(

@@ -46,20 +46,23 @@ def number(
     what = "an integer" if kind is int else "a number"
 
     def parse(text: str) -> N:
+        # A value is echoed, never a huge one whole.
+        plain = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+        shown = repr(text) if len(text) <= 40 else repr(text[:40]) + f" ({len(text)} characters)"
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+            raise argparse.ArgumentTypeError(f"{shown} is not {what}") from None
         if isinstance(value, float) and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+            raise argparse.ArgumentTypeError(f"{shown} is not a finite number")
         if isinstance(value, int) and abs(value) > MAX_INT:
-            raise argparse.ArgumentTypeError(f"{text[:20]}... is out of range (max {MAX_INT})")
+            raise argparse.ArgumentTypeError(f"{shown} is out of range (at most {MAX_INT})")
         if low is not None and value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {plain}")
         if high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"must be at most {high}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {plain}")
         if above is not None and value <= above:
-            raise argparse.ArgumentTypeError(f"must be more than {above}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be more than {above}, got {plain}")
         return value
 
     parse.__name__ = kind.__name__  # argparse's messages name the type
