@@ -107,6 +107,13 @@ def add_parser(sub: Any) -> None:
         "a worker's template",
     )
     mocker(
+        "--die-after-tokens",
+        None,
+        type=POSITIVE,
+        help="a test hook: the process kills itself (SIGKILL) once a response has streamed "
+        "this many tokens; unset: off",
+    )
+    mocker(
         "--kv-events-port",
         None,
         type=PORT,
@@ -142,6 +149,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
             kv_events_port=args.kv_events_port,
             kv_events_host=args.host,
             chat_template=None if args.chat_template is None else read_text(args.chat_template),
+            die_after_tokens=args.die_after_tokens,
         )
     elif args.engine == "openai":
         if not args.upstream:

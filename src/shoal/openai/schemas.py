@@ -94,6 +94,9 @@ class ChatRequest(SamplingRequest, kw_only=True):
     audio: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     """vLLM's extension: whether the chat template ends with the assistant's turn opening."""
+    continue_final_message: bool = False
+    """vLLM's extension: the answer continues the last message (the assistant's), which the
+    template leaves open (with `add_generation_prompt: false`)."""
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):

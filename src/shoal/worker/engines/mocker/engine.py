@@ -18,7 +18,9 @@ import asyncio
 import contextlib
 import functools
 import math
+import os
 import shutil
+import signal
 import tempfile
 from collections.abc import AsyncGenerator, Iterable
 from pathlib import Path
@@ -33,6 +35,7 @@ from shoal.kv import KvEndpoint
 from shoal.openai import (
     SSE_DONE,
     SSE_HEADERS,
+    ApiError,
     ChatRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -59,7 +62,12 @@ from shoal.worker.engines.mocker.framing import (
 )
 from shoal.worker.engines.mocker.metadata import write_adapter_config, write_model_files
 from shoal.worker.engines.mocker.metrics import mocker_metrics
-from shoal.worker.engines.mocker.plan import Plan, context_exceeded, make_plan
+from shoal.worker.engines.mocker.plan import (
+    Plan,
+    context_exceeded,
+    make_plan,
+    split_continuation,
+)
 from shoal.worker.engines.mocker.prefix_cache import PrefixCache
 from shoal.worker.engines.mocker.prompts import chat_echo, prompt_ids, prompt_size, single_prompt
 from shoal.worker.engines.mocker.tokenizer import (
@@ -67,6 +75,7 @@ from shoal.worker.engines.mocker.tokenizer import (
     check_length,
     encode,
     render_chat,
+    render_chat_content,
     tokenize,
 )
 from shoal.worker.kv_publisher import KvEventPublisher
@@ -99,7 +108,10 @@ class MockerEngine(Engine):
         kv_events_port: int | None = None,
         kv_events_host: str = "127.0.0.1",
         chat_template: str | None = None,
+        die_after_tokens: int | None = None,
     ) -> None:
+        if die_after_tokens is not None and (die_after_tokens < 1 or speedup == 0):
+            raise ValueError("die_after_tokens must be at least 1, and needs a speedup above 0")
         if speedup < 0 or ttft_ms < 0 or itl_ms < 0 or prefill_us_per_token < 0:
             raise ValueError(
                 "speedup, ttft_ms, itl_ms and prefill_us_per_token must not be negative"
@@ -132,6 +144,8 @@ class MockerEngine(Engine):
         self._ids = IdMaker()
         self._dir: Path | None = None
         self.chat_template = chat_template  # published instead of the mocker's own
+        # A test hook: the process dies (SIGKILL) once a response has streamed this many tokens.
+        self.die_after_tokens = die_after_tokens
 
     # -- Engine interface ---------------------------------------------------------------
 
@@ -246,18 +260,23 @@ class MockerEngine(Engine):
         req = decode_request(await request.read(), _chat_decoder)
         model = self._check_model(req.model)
         check_request(req)
+        carried = continued_message(req)
+        messages = req.messages[:-1] if req.continue_final_message else req.messages
         render = functools.partial(
-            render_chat, req.messages, add_generation_prompt=req.add_generation_prompt
+            render_chat,
+            messages,
+            add_generation_prompt=req.add_generation_prompt or req.continue_final_message,
         )
         # A chat of many messages is rendered in a thread: no request holds the loop.
         many = len(req.messages) > INLINE_MESSAGES
         prompt = await asyncio.to_thread(render) if many else render()
-        tokens = await tokenize(prompt, self.context_length, "messages")
+        # The template leaves the continued message open: it ends the prompt, unterminated.
+        tokens = await tokenize(prompt + carried, self.context_length, "messages")
         # As vLLM: `max_completion_tokens` (OpenAI's newer name) wins over `max_tokens`.
         max_tokens = (
             req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         )
-        plan = self._plan(req, model, prompt, tokens, max_tokens, chat_echo(req))
+        plan = self._plan(req, model, prompt, tokens, max_tokens, chat_echo(req), carried)
         self.requests["chat"] += 1
         return await self._answer(request, plan, CHAT, stream=req.stream, usage=req.include_usage)
 
@@ -271,11 +290,14 @@ class MockerEngine(Engine):
         if token_ids is not None and len(token_ids) > self.context_length:
             raise context_exceeded(self.context_length, len(token_ids), "prompt")
         prompt = single_prompt(req.prompt)
+        carried = ""
         if token_ids is None:
             token_ids = await tokenize(prompt, self.context_length, "prompt")
+            name = model if model != self.model else ""
+            prompt, carried = split_continuation(name, req.seed, prompt)
         tokens = token_ids
-        echo = prompt if req.echo else ""
-        plan = self._plan(req, model, prompt, tokens, req.max_tokens, echo)
+        echo = prompt + carried if req.echo else ""
+        plan = self._plan(req, model, prompt, tokens, req.max_tokens, echo, carried)
         self.requests["completions"] += 1
         return await self._answer(
             request, plan, COMPLETION, stream=req.stream, usage=req.include_usage
@@ -336,6 +358,7 @@ class MockerEngine(Engine):
         tokens: list[int],
         max_tokens: int | None,
         echo: str,
+        carried: str = "",
     ) -> Plan:
         return make_plan(
             req,
@@ -346,6 +369,7 @@ class MockerEngine(Engine):
             echo=echo,
             base_model=self.model,
             context_length=self.context_length,
+            carried=carried,
         )
 
     async def _answer(
@@ -399,6 +423,9 @@ class MockerEngine(Engine):
             step = self.itl / self.speedup
             self.prompt_tokens += prompt_len
             if not stream:
+                if (die := self.die_after_tokens) is not None and len(plan.pieces) >= die:
+                    await asyncio.sleep(first + step * (die - 1))
+                    _die()
                 await asyncio.sleep(first + step * max(len(plan.pieces) - 1, 0))
                 self.generation_tokens += len(plan.pieces)
                 finished = True
@@ -441,10 +468,15 @@ class MockerEngine(Engine):
         if first := chunks.first():
             await response.write(first)
         echo = plan.echo  # sent with the first piece, as vLLM sends the prompt
+        die = self.die_after_tokens
         async with contextlib.aclosing(self._produce(plan, stream=True)) as pieces:
             async for piece in pieces:
                 await response.write(chunks.piece(echo + piece if echo else piece))
                 echo = ""
+                if die is not None:
+                    die -= 1
+                    if die == 0:
+                        _die()
         if echo:
             await response.write(chunks.piece(echo))
         await response.write(chunks.last(plan.finish_reason))
@@ -453,3 +485,29 @@ class MockerEngine(Engine):
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
+
+
+def _die() -> None:
+    """`die_after_tokens`: end the process as SIGKILL does, with no cleanup at all."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def continued_message(req: ChatRequest) -> str:
+    """With `continue_final_message`, the text of the last message (the assistant's), which
+    the answer continues; else "". A 400 as vLLM's when the request cannot be continued."""
+    if not req.continue_final_message:
+        return ""
+    if req.add_generation_prompt:
+        raise ApiError(
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to true.",
+            param="continue_final_message",
+        )
+    last = req.messages[-1]
+    if last.role != "assistant":
+        raise ApiError(
+            400,
+            "`continue_final_message` needs the last message to be the assistant's.",
+            param="messages",
+        )
+    return render_chat_content(last.content)

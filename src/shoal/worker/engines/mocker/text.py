@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
+from collections.abc import Iterator
 
 _WORDS = (
     "the of and to in is that it for was on are as with his they at be this from have or "
@@ -42,14 +43,32 @@ def seed_of(*parts: object) -> int:
 
 def generate(seed: int, count: int) -> list[str]:
     """`count` deterministic word pieces (`"word"`, `" word"`, ...) from `seed`."""
-    pieces = []
+    return list(itertools.islice(pieces_of(seed), count))
+
+
+def pieces_of(seed: int) -> Iterator[str]:
+    """The word pieces of `seed`, without end: `generate` takes the first few."""
     x = seed
     vocab, size = VOCAB, len(VOCAB)
-    for i in range(count):
+    x = (x * _LCG_A + _LCG_C) & _MASK
+    yield vocab[(x >> 33) % size]
+    while True:
         x = (x * _LCG_A + _LCG_C) & _MASK
-        word = vocab[(x >> 33) % size]
-        pieces.append(word if i == 0 else " " + word)
-    return pieces
+        yield " " + vocab[(x >> 33) % size]
+
+
+def carried_count(seed: int, carried: str) -> int | None:
+    """How many pieces of `seed` the text `carried` is made of (a continuation goes on after
+    them), or None when it is not a prefix of `seed`'s pieces cut between two of them."""
+    pos = 0
+    end = len(carried)
+    for count, piece in enumerate(pieces_of(seed)):
+        if pos >= end:
+            return count
+        if not carried.startswith(piece, pos):
+            return None
+        pos += len(piece)
+    return None  # (unreachable: the pieces never end)
 
 
 def apply_stop(
