@@ -179,6 +179,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_flag(
         parser,
+        "--migration-limit",
+        1,
+        type=COUNT,
+        metavar="N",
+        help="times a stream whose instance fails after its first token may be continued on "
+        "another instance (a card's runtime_config migration_limit sets its own); 0: never "
+        "(default 1)",
+    )
+    add_flag(
+        parser,
         "--cache-dir",
         type=Path,
         help="where verified model metadata files are kept (default: the user cache dir)",
@@ -341,6 +351,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         inhibit_seconds=args.inhibit_seconds,
         first_byte_timeout=args.first_byte_timeout,
         upstream_idle_timeout=args.upstream_idle_timeout,
+        migration_limit=args.migration_limit,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         metadata_cache_bytes=args.metadata_cache_bytes,
         metadata_max_file_bytes=args.metadata_max_file_bytes,

@@ -80,6 +80,7 @@ class FrontendConfig:
     inhibit_seconds: float = 5.0
     first_byte_timeout: float = 60.0  # seconds for a worker to start answering; 0: no limit
     upstream_idle_timeout: float = 60.0  # seconds a worker may pause mid-response; 0: no limit
+    migration_limit: int = 1  # times a stream may move to another instance mid-stream; 0: never
     cache_dir: Path | None = None
     metadata_timeout: float = 30.0
     metadata_cache_bytes: int = DEFAULT_MAX_BYTES
@@ -192,6 +193,7 @@ class Frontend:
             inhibit_seconds=config.inhibit_seconds,
             first_byte_timeout=config.first_byte_timeout,
             upstream_idle_timeout=config.upstream_idle_timeout,
+            migration_limit=config.migration_limit,
             strip_authorization=bool(config.api_keys),
             routes=self.routes,
         )

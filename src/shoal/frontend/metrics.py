@@ -133,6 +133,15 @@ class FrontendMetrics:
             "Times an instance was taken out of routing after a failure.",
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "shoal_frontend_migrations",
+            "Streams whose instance failed after the first token: a continuation sent to "
+            "another instance (outcome attempted; reason: lost, eof, idle_timeout), a migrated "
+            "stream that completed (succeeded), or a stream ended with an error event "
+            "(refused; reason: why it could not migrate).",
+            ["outcome", "reason"],
+            registry=self.registry,
+        )
 
     def watch_metadata_cache(self, cache: MetadataCache) -> None:
         """Show `cache`'s size and write errors on `/metrics`."""

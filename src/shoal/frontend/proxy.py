@@ -46,8 +46,9 @@ import msgspec
 
 from shoal.bounds import TooDeep, check_json_depth
 from shoal.cards import ModelType
-from shoal.frontend import errors
+from shoal.frontend import errors, migration
 from shoal.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics, ModelStats
+from shoal.frontend.migration import ContinuationRefused, Migration, StreamCutShort
 from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import Router
 from shoal.frontend.server import ClientConnection, Request, status_line
@@ -74,6 +75,7 @@ class Proxy:
         upstream_idle_timeout: float = 60.0,
         strip_authorization: bool = False,
         routes: RouteTable | None = None,
+        migration_limit: int = 1,
     ) -> None:
         self.registry = registry
         self.routes = routes
@@ -84,6 +86,7 @@ class Proxy:
         self.inhibit_seconds = inhibit_seconds
         self.first_byte_timeout = first_byte_timeout  # 0: no limit
         self.upstream_idle_timeout = upstream_idle_timeout  # 0: no limit
+        self.migration_limit = migration_limit  # continuations per stream (migration.py); 0: off
         # The first-byte timer fires within `first_byte_timeout` <= the idle timeout of any
         # head, so it can check idleness itself: one timer per attempt, nothing to do at the
         # head (the default). Otherwise the head re-arms or cancels it.
@@ -415,6 +418,7 @@ class Forward:
         "fields",
         "head_seen",
         "last_read",
+        "migration",
         "model",
         "name",
         "out",
@@ -464,9 +468,12 @@ class Forward:
         self.body_seen = False
         self.started = False
         self.done = False
+        self.migration: Migration | None = None  # a stream that may move (migration.py)
 
     def start(self) -> None:
         self.stats.in_flight += 1
+        if self.stream and self.model is not None:
+            self.migration = migration.prepare(self, self.model, self.proxy.migration_limit)
         self.client.produce_later(self)
         ready = self._prepare()
         if ready is None:
@@ -524,6 +531,10 @@ class Forward:
         if self.tried:
             self.stats.retries += 1
         self.attempt += 1
+        self.launch(target)
+
+    def launch(self, target: Upstream) -> None:
+        """Send to `target`, on an idle connection or a new one."""
         self.target = target
         target.in_flight += 1
         conn = target.take_idle()
@@ -564,7 +575,8 @@ class Forward:
         self.conn = conn
         self.out = []
         self.head_seen = False
-        self.chunked = False
+        if not self.started:  # (a migrated stream's continuation keeps the client's framing)
+            self.chunked = False
         self.client.follow(conn)
         body = self.body
         conn.send(self.proxy.request_head(self.request, self.target, body), body, self)
@@ -647,6 +659,9 @@ class Forward:
             return
         target.in_flight -= 1
         self.target = None
+        if self.started:  # a migrated stream's continuation failed before its first event
+            self._failed_after_start(failure, target)
+            return
         log.warning("%s; trying another instance", failure)
         target.inhibit(self.proxy.inhibit_seconds)
         self.proxy.metrics.instances_inhibited.inc()
@@ -675,6 +690,15 @@ class Forward:
         self.head_seen = True  # (`flush`, right after this packet is parsed, sets `last_read`)
         if not self.proxy.first_timer_checks_idle:
             self._arm_idle_timer()
+        if self.started:  # a migrated stream's continuation: the client has its head
+            if status == 200:
+                return True
+            assert self.target is not None
+            what = f"instance {self.target.address} answered {status} to a continuation"
+            self._attempt_failed(
+                UpstreamError(what) if status >= 500 else ContinuationRefused(what)
+            )
+            return False
         if status >= 500 and self._may_retry():
             assert self.target is not None
             self._attempt_failed(UpstreamError(f"instance {self.target.address} answered {status}"))
@@ -714,6 +738,10 @@ class Forward:
             self.body_seen = True
             if self.stream:
                 self.stats.ttft.observe(time.perf_counter() - self.request.received)
+        if self.migration is not None and self.migration.parsing:
+            data = self.migration.feed(data)
+            if not data:
+                return
         if self.chunked:
             self.out += (b"%x\r\n" % len(data), data, b"\r\n")
         else:
@@ -733,6 +761,12 @@ class Forward:
             self.client.write(data)
 
     def on_complete(self) -> None:
+        if self.migration is not None and not self.migration.complete():
+            assert self.target is not None
+            self.on_failure(
+                StreamCutShort(f"instance {self.target.address} ended the stream early")
+            )
+            return
         if self.chunked:
             self.out.append(b"0\r\n\r\n")
         self.flush(final=True)
@@ -744,7 +778,15 @@ class Forward:
             self._attempt_failed(exc)
             return
         self.flush()
+        target = self.target
         self._end_attempt()
+        self._failed_after_start(exc, target)
+
+    def _failed_after_start(self, exc: Exception, target: Upstream | None) -> None:
+        """The response failed after its first byte reached the client: a stream that may
+        migrate goes on at another instance (`Migration.resume`), any other ends."""
+        if self.migration is not None and self.migration.resume(exc, target):
+            return
         self._break_off(exc)
         self._finish(None)
 

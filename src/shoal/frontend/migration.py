@@ -1,0 +1,444 @@
+"""Streams that survive their instance: a stream whose instance fails after its first token
+goes on at another instance of the same worker set, which continues the text so far.
+
+A `Migration` rides along a `Forward` (proxy.py) of a streamed chat or text completion
+when the model may migrate (`--migration-limit`, or the card's `runtime_config`
+`migration_limit`) and has another instance. Only then are the stream's SSE events parsed
+(`feed`): whole events pass to the client (a partial one waits for its end, so the client
+never holds half an event when the instance dies), and the text, the tokens (content
+chunks) and the stream's `id` and `created` are kept. Every other request keeps the byte
+pass-through.
+
+When the instance fails (reset, EOF before `[DONE]`, idle timeout), `resume` re-issues the
+request to another instance of the set, never one inhibited, tainted or tried: chat with
+the text as a final assistant message, `continue_final_message: true` and
+`add_generation_prompt: false` (vLLM's and SGLang's parameters); completions with the text
+appended to the prompt; `max_tokens`/`max_completion_tokens` less the tokens received.
+The continuation's events are rewritten into the client's stream: its `id` and `created`,
+the role chunk dropped, and the usage chunk counting every token the client received
+(the continuation's prompt holds the carried tokens: they move back to the completion).
+Text continuation: the next instance re-tokenizes the text, so a real engine may split it
+into other tokens than it was generated as.
+
+Not migrated (the stream ends with the error event as before, and
+`shoal_frontend_migrations_total{outcome="refused"}` says why): `n` > 1, `logprobs`,
+`echo`, a prompt that is not one string, tool calls in the stream, a card that says so
+(`migration_limit: 0`), no other instance, the limit reached, more text than `MAX_CARRIED`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from shoal.frontend.registry import Model, WorkerSet
+from shoal.frontend.upstream import Upstream, UpstreamError
+
+if TYPE_CHECKING:
+    from shoal.frontend.metrics import FrontendMetrics
+    from shoal.frontend.proxy import Forward
+
+log = logging.getLogger(__name__)
+
+CHAT_PATH = b"/v1/chat/completions"
+COMPLETIONS_PATH = b"/v1/completions"
+MAX_CARRIED = 1 << 20
+"""Characters of generated text a stream keeps for a continuation; past them it cannot migrate."""
+MAX_EVENT = 1 << 20
+"""Bytes of one SSE event held until its end; a longer one ends parsing (no migration)."""
+CARD_KEY = "migration_limit"
+"""The card's `runtime_config` key: its own limit (0: its model cannot continue text)."""
+
+
+class StreamCutShort(UpstreamError):
+    """The instance ended the response before the stream's `data: [DONE]`."""
+
+
+class ContinuationRefused(UpstreamError):
+    """The instance answered the continuation with an error status (it cannot continue)."""
+
+
+class _Asked(msgspec.Struct):
+    """What of the request decides whether its stream may migrate."""
+
+    n: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    prompt: msgspec.Raw | None = None
+
+
+class _Delta(msgspec.Struct):
+    content: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None
+    text: Any = None
+    finish_reason: Any = None
+
+
+class _Chunk(msgspec.Struct):
+    id: Any = None
+    created: Any = None
+    choices: list[_Choice] | None = None
+    usage: Any = None
+
+
+_decode_asked = msgspec.json.Decoder(_Asked).decode
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+_decode_any = msgspec.json.Decoder().decode
+_encode = msgspec.json.encode
+
+
+def limit_of(model: Model, default: int) -> int:
+    """The migration limit of `model`: `default` (the frontend's), unless its card's
+    `runtime_config` sets its own; 0 from either turns migration off."""
+    if default <= 0:
+        return 0
+    for ws in model.routable_sets:
+        for member in ws.members.values():
+            value = member.card.runtime_config.get(CARD_KEY)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return value
+            return default
+    return default
+
+
+def prepare(forward: Forward, model: Model, default_limit: int) -> Migration | None:
+    """The migration of a streamed request, or None when it is not a chat or completion.
+    A stream that cannot migrate gets one that only says why (no parsing)."""
+    path = forward.request.path
+    if path == CHAT_PATH:
+        chat = True
+    elif path == COMPLETIONS_PATH:
+        chat = False
+    else:
+        return None
+    limit = limit_of(model, default_limit)
+    refused: str | None = None
+    if limit <= 0:
+        refused = "disabled" if default_limit <= 0 else "card"
+    elif model.live_instances < 2:
+        refused = "no_instance"
+    else:
+        refused = _refusal(forward.body, chat)
+    return Migration(forward, chat, limit, refused)
+
+
+def _refusal(body: bytes, chat: bool) -> str | None:
+    """Why a request's stream cannot be continued elsewhere, or None."""
+    try:
+        asked = _decode_asked(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return "body"
+    if asked.n not in (None, 1):
+        return "n"
+    if asked.logprobs not in (None, False) or asked.top_logprobs:
+        return "logprobs"
+    if asked.echo:
+        return "echo"
+    if not chat:
+        raw = bytes(asked.prompt or b"").lstrip(b" \t\r\n[")
+        if not raw.startswith(b'"'):
+            return "prompt"  # token ids, or no prompt: only text is continued
+    return None
+
+
+class Migration:
+    """The state of one stream that may move to another instance (see the module doc)."""
+
+    __slots__ = (
+        "carried",
+        "chat",
+        "created",
+        "delivered",
+        "done",
+        "finished",
+        "forward",
+        "id",
+        "limit",
+        "migrations",
+        "parsing",
+        "pending",
+        "reason",
+        "refused",
+        "resuming",
+        "retries",
+        "size",
+        "text",
+        "tokens",
+        "ws",
+    )
+
+    def __init__(self, forward: Forward, chat: bool, limit: int, refused: str | None) -> None:
+        self.forward = forward
+        self.chat = chat
+        self.limit = limit
+        self.refused = refused  # why the stream cannot migrate (now), or None
+        self.parsing = refused is None
+        self.pending = b""  # the start of an event whose end has not come yet
+        self.text: list[str] = []
+        self.size = 0
+        self.tokens = 0  # content chunks the client received: the tokens generated
+        self.carried = 0  # of those, the ones before the current attempt's continuation
+        self.id: Any = None
+        self.created: Any = None
+        self.finished = False  # a finish reason was seen
+        self.done = False  # `data: [DONE]` was seen
+        self.ws: WorkerSet | None = None
+        self.migrations = 0
+        self.retries = 0
+        self.resuming = False  # the current attempt is a continuation
+        self.delivered = False  # the current attempt sent a whole event
+        self.reason = ""  # why the first migration happened (for the success count)
+
+    # -- the stream ------------------------------------------------------------------------
+
+    def feed(self, data: bytes) -> bytes:
+        """What of `data` (the response body as it comes) goes to the client now: whole
+        events, rewritten when the attempt is a continuation."""
+        if not self.parsing:
+            return data
+        if self.ws is None and not self.resuming and not self.pending:  # the first packet
+            if self.forward.status != 200 or not data.startswith((b"data:", b":")):
+                return self._give_up(data, "not_sse")  # an error, or not a stream at all
+            self.ws = self._find_set()
+        if self.pending:
+            data = self.pending + data
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            if len(data) > MAX_EVENT or b"\r\n" in data:
+                return self._give_up(data, "framing")
+            self.pending = data
+            return b""
+        self.pending = data[end + 2 :]
+        if len(self.pending) > MAX_EVENT:
+            return self._give_up(data, "framing")
+        complete = data[: end + 2]
+        if not self.resuming:
+            for event in complete.split(b"\n\n")[:-1]:
+                self._read(event)
+            self.delivered = True
+            return complete
+        out = [self._rewrite(event) for event in complete.split(b"\n\n")[:-1]]
+        self.delivered = True
+        return b"".join(out)
+
+    def _give_up(self, data: bytes, reason: str) -> bytes:
+        """Events the gateway cannot read: pass the rest as it comes, migrate no more."""
+        self.parsing = False
+        self.refused = self.refused or reason
+        self.pending = b""
+        return data
+
+    def _read(self, event: bytes) -> _Chunk | None:
+        """Keep what a migration needs of one event of the instance's."""
+        if not event.startswith(b"data:"):
+            return None
+        payload = event[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        try:
+            chunk = _decode_chunk(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            self.refused = self.refused or "unreadable"
+            return None
+        if self.id is None:
+            self.id, self.created = chunk.id, chunk.created
+        for choice in chunk.choices or ():
+            delta = choice.delta
+            piece = choice.text if delta is None else delta.content
+            if delta is not None and (delta.tool_calls or delta.function_call):
+                self.refused = self.refused or "tool_calls"
+            if isinstance(piece, str) and piece:
+                self.tokens += 1
+                if self.size + len(piece) > MAX_CARRIED:
+                    self.refused = self.refused or "too_long"
+                else:
+                    self.text.append(piece)
+                    self.size += len(piece)
+            if choice.finish_reason is not None:
+                self.finished = True
+        return chunk
+
+    def _rewrite(self, event: bytes) -> bytes:
+        """One event of a continuation as the client's stream has it: its `id` and
+        `created`, the role chunk dropped, the usage counting every token sent."""
+        chunk = self._read(event)
+        if chunk is None:
+            return event + b"\n\n"
+        obj = _decode_any(event[5:].strip())
+        if not isinstance(obj, dict):
+            return event + b"\n\n"
+        choices = obj.get("choices") or []
+        if self.chat and chunk.usage is None and all(_opening(c) for c in choices) and choices:
+            return b""  # the continuation's role chunk: the client had one
+        obj["id"], obj["created"] = self.id, self.created
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and self.carried:
+            completion = usage.get("completion_tokens")
+            prompt = usage.get("prompt_tokens")
+            if isinstance(completion, int):
+                usage["completion_tokens"] = completion + self.carried
+            if isinstance(prompt, int):
+                usage["prompt_tokens"] = max(prompt - self.carried, 0)
+        return b"data: " + _encode(obj) + b"\n\n"
+
+    def complete(self) -> bool:
+        """Whether a response that ended normally ended the stream (its `[DONE]` came);
+        counts a migrated stream that completed."""
+        if not self.parsing or self.done:
+            if self.migrations and self.done:
+                self._count("succeeded", self.reason)
+            return True
+        return False
+
+    # -- the failure -----------------------------------------------------------------------
+
+    def resume(self, failure: Exception, failed: Upstream | None) -> bool:
+        """The instance failed after the client got the first byte: go on elsewhere if the
+        stream may. False when it may not (counted, and the caller ends the stream)."""
+        forward = self.forward
+        reason = _failure_kind(failure)
+        if failed is not None:
+            forward.tried.append(failed)
+        refused = self.refused
+        if refused is None and isinstance(failure, ContinuationRefused):
+            refused = "continuation_refused"
+        if refused is None and self.finished:
+            refused = "finished"
+        if refused is None and not self.delivered and self.resuming:
+            # The continuation failed before its first event: another try, not a migration.
+            self.retries += 1
+            if self.retries > forward.proxy.retries:
+                refused = "no_instance"
+        elif refused is None and self.migrations >= self.limit:
+            refused = "limit"
+        target = None
+        if refused is None:
+            ws = self.ws
+            target = None if ws is None else forward.proxy.router.pick(ws, None, forward.tried)
+            if target is None:
+                refused = "no_instance"
+        if refused is not None or target is None:
+            self._count("refused", refused or "no_instance")
+            return False
+        body = self._continuation()
+        if body is None:
+            self._count("refused", "prompt")
+            return False
+        if failed is not None:
+            failed.inhibit(forward.proxy.inhibit_seconds)
+            forward.proxy.metrics.instances_inhibited.inc()
+        if self.delivered or not self.resuming:
+            self.migrations += 1
+            self.retries = 0
+            self.reason = self.reason or reason
+            self._count("attempted", reason)
+        log.warning(
+            "request %s (stream %s) of %s: instance %s failed after %d tokens (%s); "
+            "continuing on instance %s (migration %d of %d)",
+            _request_id(forward),
+            self.id,
+            forward.name,
+            "?" if failed is None else f"{failed.instance_id:x}",
+            self.tokens,
+            failure,
+            f"{target.instance_id:x}",
+            self.migrations,
+            self.limit,
+        )
+        self.resuming = True
+        self.delivered = False
+        self.pending = b""
+        self.carried = self.tokens
+        forward.body = body
+        forward.launch(target)
+        return True
+
+    def _continuation(self) -> bytes | None:
+        """The request asking an instance to continue the text so far."""
+        if not self.text:
+            return self.forward.request.body  # nothing to continue: the request afresh
+        try:
+            body = _decode_any(self.forward.request.body)
+        except (msgspec.DecodeError, RecursionError):
+            return None
+        if not isinstance(body, dict):
+            return None
+        text = "".join(self.text)
+        if self.chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                return None
+            last = messages[-1] if messages else None
+            if (
+                body.get("continue_final_message") is True
+                and isinstance(last, dict)
+                and last.get("role") == "assistant"
+                and isinstance(last.get("content"), str)
+            ):
+                last["content"] += text  # the client's own continuation, continued
+            else:
+                messages.append({"role": "assistant", "content": text})
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                body["prompt"] = prompt + text
+            elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                body["prompt"] = [prompt[0] + text]
+            else:
+                return None
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = body.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                body[key] = max(value - self.tokens, 1)
+        return _encode(body)
+
+    def _find_set(self) -> WorkerSet | None:
+        """The worker set of the instance answering the first attempt."""
+        forward = self.forward
+        target, model = forward.target, forward.model
+        if target is None or model is None:
+            return None
+        for ws in model.sets.values():
+            if target in ws.routable or any(m.upstream is target for m in ws.members.values()):
+                return ws
+        return None
+
+    def _count(self, outcome: str, reason: str) -> None:
+        metrics: FrontendMetrics = self.forward.proxy.metrics
+        metrics.migrations.labels(outcome=outcome, reason=reason).inc()
+
+
+def _opening(choice: Any) -> bool:
+    """A chat choice that only opens the message (`role`, empty content)."""
+    if not isinstance(choice, dict) or choice.get("finish_reason") is not None:
+        return False
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    return not delta.get("content") and not delta.get("tool_calls") and "role" in delta
+
+
+def _failure_kind(failure: Exception) -> str:
+    from shoal.frontend.proxy import UpstreamIdleTimeout
+
+    if isinstance(failure, UpstreamIdleTimeout):
+        return "idle_timeout"
+    if isinstance(failure, StreamCutShort):
+        return "eof"
+    return "lost"
+
+
+def _request_id(forward: Forward) -> str:
+    value = forward.request.header(b"x-request-id")
+    return "-" if value is None else value.decode("latin-1")

@@ -1,0 +1,135 @@
+"""Streams that survive their worker (issue 27): real `shoal` processes, the official `openai`
+client. A worker dies mid-stream (`--die-after-tokens`, a SIGKILL of itself); the gateway
+continues the stream on another instance, and the client sees one stream with the text of
+an undisturbed run."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from shoal.worker.engines.mocker import MockerEngine
+from tests.faults.support import routes_exactly, until
+from tests.processes import Process, Processes
+
+MODEL = "mock-llm"
+FAST = ("--lease-ttl", "2", "--ttft-ms", "5", "--itl-ms", "10")
+
+
+class Fleet:
+    def __init__(self, processes: Processes, tmp: Path) -> None:
+        self.processes = processes
+        self.store = f"sqlite:///{tmp / 'store.db'}"
+        self.tmp = tmp
+        self.workers: list[Process] = []
+
+    async def worker(self, *args: str) -> Process:
+        worker = await self.processes.worker(self.store, *FAST, *args, model=MODEL)
+        self.workers.append(worker)
+        return worker
+
+    async def frontend(self, *args: str) -> Process:
+        front = await self.processes.start(
+            "frontend", "--store", self.store, "--port", "0", "--reconcile-interval", "1",
+            "--first-byte-timeout", "5", "--cache-dir", str(self.tmp / "cache"), *args,
+            ready="frontend",
+        )  # fmt: skip
+        ids = {w.instance_id for w in self.workers}
+        await until(lambda: routes_exactly(front.url, ids), 20, "every worker routed")
+        return front
+
+
+@pytest.fixture
+def fleet(processes: Processes, tmp_path: Path) -> Fleet:
+    return Fleet(processes, tmp_path)
+
+
+@pytest.fixture
+async def reference() -> AsyncIterator[openai.AsyncOpenAI]:
+    """An undisturbed mocker (in-process, answering at once): the texts streams must have."""
+    engine = MockerEngine(MODEL, speedup=0)
+    await engine.start()
+    client: TestClient[Any, Any] = TestClient(TestServer(engine.app()))
+    await client.start_server()
+    yield openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused")
+    await client.close()
+    await engine.stop()
+
+
+def _client(front: Process) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="unused", max_retries=0)
+
+
+async def _chat_stream(client: openai.AsyncOpenAI, i: int, max_tokens: int) -> dict[str, Any]:
+    """One streamed chat: its text, ids, created, usage and how many content chunks."""
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"Tell me story {i}."}],
+        seed=i,
+        temperature=0,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    out: dict[str, Any] = {"text": "", "ids": set(), "created": set(), "usage": None, "chunks": 0}
+    out["roles"] = 0
+    async for chunk in stream:
+        out["ids"].add(chunk.id)
+        out["created"].add(chunk.created)
+        if chunk.usage is not None:
+            out["usage"] = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.role:
+                out["roles"] += 1
+            if choice.delta.content:
+                out["text"] += choice.delta.content
+                out["chunks"] += 1
+    return out
+
+
+async def _reference_text(reference: openai.AsyncOpenAI, i: int, max_tokens: int) -> str:
+    answer = await reference.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"Tell me story {i}."}],
+        seed=i,
+        temperature=0,
+        max_tokens=max_tokens,
+    )
+    return answer.choices[0].message.content or ""
+
+
+async def _metric(front: Process, outcome: str) -> float:
+    async with aiohttp.ClientSession() as session, session.get(f"{front.url}/metrics") as resp:
+        text = await resp.text()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("shoal_frontend_migrations_total{") and f'outcome="{outcome}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_streams_on_a_worker_that_dies_complete_with_the_text_of_an_undisturbed_run(
+    fleet: Fleet, reference: openai.AsyncOpenAI
+) -> None:
+    dying = await fleet.worker("--die-after-tokens", "10")
+    await fleet.worker()
+    await fleet.worker()
+    front = await fleet.frontend()
+    client = _client(front)
+    results = await asyncio.gather(*(_chat_stream(client, i, 30) for i in range(10)))
+    assert await dying.wait(10) != 0  # it did die (SIGKILL)
+    for i, result in enumerate(results):
+        assert result["text"] == await _reference_text(reference, i, 30), i
+        assert len(result["ids"]) == 1 and len(result["created"]) == 1
+        assert result["roles"] == 1
+        assert result["usage"].completion_tokens == result["chunks"] == 30
+    assert await _metric(front, "attempted") >= 1
+    assert await _metric(front, "succeeded") == await _metric(front, "attempted")
+    assert await _metric(front, "refused") == 0
