@@ -94,6 +94,13 @@ async def _chat_stream(client: openai.AsyncOpenAI, i: int, max_tokens: int) -> d
     return out
 
 
+async def _completion_stream(client: openai.AsyncOpenAI, i: int, max_tokens: int) -> str:
+    stream = await client.completions.create(
+        model=MODEL, prompt=f"Once upon a time {i}", seed=i, max_tokens=max_tokens, stream=True
+    )
+    return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+
 async def _reference_text(reference: openai.AsyncOpenAI, i: int, max_tokens: int) -> str:
     answer = await reference.chat.completions.create(
         model=MODEL,
@@ -123,8 +130,16 @@ async def test_streams_on_a_worker_that_dies_complete_with_the_text_of_an_undist
     await fleet.worker()
     front = await fleet.frontend()
     client = _client(front)
-    results = await asyncio.gather(*(_chat_stream(client, i, 30) for i in range(10)))
+    results, completions = await asyncio.gather(
+        asyncio.gather(*(_chat_stream(client, i, 30) for i in range(10))),
+        asyncio.gather(*(_completion_stream(client, i, 30) for i in range(4))),
+    )
     assert await dying.wait(10) != 0  # it did die (SIGKILL)
+    for i, text in enumerate(completions):
+        answer = await reference.completions.create(
+            model=MODEL, prompt=f"Once upon a time {i}", seed=i, max_tokens=30
+        )
+        assert text == answer.choices[0].text, i
     for i, result in enumerate(results):
         assert result["text"] == await _reference_text(reference, i, 30), i
         assert len(result["ids"]) == 1 and len(result["created"]) == 1
@@ -133,3 +148,37 @@ async def test_streams_on_a_worker_that_dies_complete_with_the_text_of_an_undist
     assert await _metric(front, "attempted") >= 1
     assert await _metric(front, "succeeded") == await _metric(front, "attempted")
     assert await _metric(front, "refused") == 0
+
+
+async def _probe_until(front: Process, instance: Process) -> None:
+    """Send one-token answers (which kill no worker) until `instance` took one: round-robin
+    then sends the next request to the instance after it, the retry to the one after that."""
+    async with aiohttp.ClientSession() as session:
+        for _ in range(10):
+            body = {"model": MODEL, "prompt": "probe", "max_tokens": 1}
+            async with session.post(f"{front.url}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                if int(resp.headers["x-shoal-instance"], 16) == instance.instance_id:
+                    return
+    raise AssertionError("the probe never reached the instance")
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+async def test_a_stream_whose_worker_dies_twice_needs_a_migration_limit_of_two(
+    fleet: Fleet, reference: openai.AsyncOpenAI, limit: int
+) -> None:
+    healthy = await fleet.worker()
+    for _ in range(2):
+        await fleet.worker("--die-after-tokens", "8")
+    front = await fleet.frontend("--migration-limit", str(limit), "--router", "round-robin")
+    await _probe_until(front, healthy)  # the stream starts on one dying worker, then the other
+    client = _client(front)
+    if limit == 1:
+        with pytest.raises(openai.APIError, match="failed while streaming"):
+            await _chat_stream(client, 1, 30)
+        assert await _metric(front, "refused") == 1
+    else:
+        result = await _chat_stream(client, 1, 30)
+        assert result["text"] == await _reference_text(reference, 1, 30)
+        assert result["usage"].completion_tokens == 30
+    assert await _metric(front, "attempted") == 1 if limit == 1 else 2

@@ -67,7 +67,7 @@ class _Asked(msgspec.Struct):
     logprobs: Any = None
     top_logprobs: Any = None
     echo: Any = None
-    prompt: msgspec.Raw | None = None
+    prompt: msgspec.Raw = msgspec.Raw(b"")
 
 
 class _Delta(msgspec.Struct):
@@ -143,7 +143,7 @@ def _refusal(body: bytes, chat: bool) -> str | None:
     if asked.echo:
         return "echo"
     if not chat:
-        raw = bytes(asked.prompt or b"").lstrip(b" \t\r\n[")
+        raw = bytes(asked.prompt).lstrip(b" \t\r\n[")
         if not raw.startswith(b'"'):
             return "prompt"  # token ids, or no prompt: only text is continued
     return None
@@ -327,7 +327,9 @@ class Migration:
             if target is None:
                 refused = "no_instance"
         if refused is not None or target is None:
-            self._count("refused", refused or "no_instance")
+            refused = refused or "no_instance"
+            log.warning("request %s (stream %s): not migrated (%s)", _request_id(forward), self.id, refused)
+            self._count("refused", refused)
             return False
         body = self._continuation()
         if body is None:
