@@ -63,6 +63,8 @@ class FakeWorker:
         self.stream_padding = 0  # bytes of padding in each SSE chunk
         self.chunks_sent = 0
         self.die_after_chunks: int | None = None
+        self.delta_extra: dict[str, Any] = {}  # added to each streamed chat delta (tool calls)
+        self.runtime_config: dict[str, Any] = {}  # the card's
         self.metadata_failures = 0
         self.metadata_hang = asyncio.Event()
         self.metadata_hang.set()  # set = not hanging
@@ -116,6 +118,7 @@ class FakeWorker:
             "source": f"test/{self.model}",
             "model_types": list(self.model_types),
             "context_length": 4096,
+            "runtime_config": self.runtime_config,
             "metadata_files": {
                 "config.json": {
                     "url": f"{self.url}/metadata/config.json",
@@ -234,6 +237,8 @@ class FakeWorker:
                 return response
             piece = text if i == 0 else f" {i}"
             chunk = _chunk(kind, model, piece)
+            if self.delta_extra and "delta" in chunk["choices"][0]:
+                chunk["choices"][0]["delta"].update(self.delta_extra)
             if self.stream_padding:
                 chunk["padding"] = "x" * self.stream_padding
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")

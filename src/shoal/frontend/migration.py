@@ -328,7 +328,9 @@ class Migration:
                 refused = "no_instance"
         if refused is not None or target is None:
             refused = refused or "no_instance"
-            log.warning("request %s (stream %s): not migrated (%s)", _request_id(forward), self.id, refused)
+            log.warning(
+                "request %s (stream %s): not migrated (%s)", _request_id(forward), self.id, refused
+            )
             self._count("refused", refused)
             return False
         body = self._continuation()
