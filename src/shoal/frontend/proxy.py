@@ -3,7 +3,8 @@
 The body is forwarded as it came; only the fields routing needs are decoded (a tiny msgspec
 `Struct`). A request for a virtual model goes to one of its targets, and its body is
 re-encoded only when that target serves the model under another name (`VirtualForward`). The response is streamed to the client as it arrives, re-framed as chunked when
-the worker sent it chunked, without parsing SSE.
+the worker sent it chunked, without parsing SSE (but for a stream that may migrate, see
+`migration`).
 
 A `Forward` carries one request through all of this, driven by callbacks: from the client's
 packet to the worker's answer it creates no task and no future (only opening a new upstream
@@ -20,7 +21,8 @@ covers both. A refused or reset connect costs no attempt: dead instances are ski
 inhibited, until one answers or none is left (within the first-byte timeout counted from
 the request's arrival). A failure before the first byte is retried even if the worker had
 started generating: there is no idempotency key, and a completion has no side effect but
-the compute spent. After the first byte, a failure (an idle timeout included) ends an SSE
+the compute spent. After the first byte, a failure (an idle timeout included) moves a
+stream that may migrate to another instance (`migration`), else ends an SSE
 stream with an error event, and any other response by closing the client connection. A
 client that disconnects cancels the handler, which drops the upstream connection so the
 worker stops generating.
