@@ -29,18 +29,50 @@ Not migrated (the stream ends with the error event as before, and
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
+from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.registry import Model, WorkerSet
+from shoal.frontend.router import Router
+from shoal.frontend.server import Request
 from shoal.frontend.upstream import Upstream, UpstreamError
 
-if TYPE_CHECKING:
-    from shoal.frontend.metrics import FrontendMetrics
-    from shoal.frontend.proxy import Forward
-
 log = logging.getLogger(__name__)
+
+
+class _Proxy(Protocol):
+    @property
+    def router(self) -> Router: ...
+    @property
+    def metrics(self) -> FrontendMetrics: ...
+    @property
+    def retries(self) -> int: ...
+    @property
+    def inhibit_seconds(self) -> float: ...
+
+
+class Forward(Protocol):
+    """What a migration sees of the request it rides along (`proxy.Forward`)."""
+
+    request: Request
+    body: bytes
+    name: str
+    status: int
+    tried: list[Upstream]
+
+    @property
+    def proxy(self) -> _Proxy: ...
+    @property
+    def model(self) -> Model | None: ...
+    @property
+    def target(self) -> Upstream | None: ...
+
+    def launch(self, target: Upstream) -> None:
+        """Send `body` to `target`."""
+        ...
+
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
@@ -54,6 +86,8 @@ CARD_KEY = "migration_limit"
 
 class StreamCutShort(UpstreamError):
     """The instance ended the response before the stream's `data: [DONE]`."""
+
+    reason = "eof"  # (the failure's label in the migration metric; else "lost")
 
 
 class ContinuationRefused(UpstreamError):
@@ -419,8 +453,7 @@ class Migration:
         return None
 
     def _count(self, outcome: str, reason: str) -> None:
-        metrics: FrontendMetrics = self.forward.proxy.metrics
-        metrics.migrations.labels(outcome=outcome, reason=reason).inc()
+        self.forward.proxy.metrics.migrations.labels(outcome=outcome, reason=reason).inc()
 
 
 def _opening(choice: Any) -> bool:
@@ -434,13 +467,8 @@ def _opening(choice: Any) -> bool:
 
 
 def _failure_kind(failure: Exception) -> str:
-    from shoal.frontend.proxy import UpstreamIdleTimeout
-
-    if isinstance(failure, UpstreamIdleTimeout):
-        return "idle_timeout"
-    if isinstance(failure, StreamCutShort):
-        return "eof"
-    return "lost"
+    reason = getattr(failure, "reason", "lost")
+    return reason if isinstance(reason, str) else "lost"
 
 
 def _request_id(forward: Forward) -> str:

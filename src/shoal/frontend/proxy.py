@@ -302,6 +302,8 @@ class FirstByteTimeout(UpstreamError):
 class UpstreamIdleTimeout(UpstreamError):
     """An instance sent nothing for the idle timeout in the middle of a response body."""
 
+    reason = "idle_timeout"  # (its label in the migration metric)
+
 
 class Fields(msgspec.Struct):
     """The only parts of a request body the gateway reads."""
