@@ -1,0 +1,123 @@
+"""The splice of a migrated stream, byte by byte: whatever way the first instance fails
+(silence past the idle timeout, an end before `[DONE]`, a lost connection), the
+continuation is asked for the text so far and its events join the client's stream under
+the first one's `id` and `created`, its role chunk dropped, its usage counting every token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from shoal.frontend import Frontend
+from tests.frontend.conftest import StartFrontend
+from tests.frontend.raw_upstream import StartRaw, start_raw, until_closed
+from tests.frontend.support import serving
+from tests.helpers import wait_for
+
+__all__ = ["start_raw"]  # the fixture
+
+FIRST = (
+    b'data: {"id":"chatcmpl-first","object":"chat.completion.chunk","created":111,'
+    b'"model":"mock-llm","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+    b"\n\n"
+    b'data: {"id":"chatcmpl-first","object":"chat.completion.chunk","created":111,'
+    b'"model":"mock-llm","choices":[{"index":0,"delta":{"content":"Once"}}]}\n\n'
+    b'data: {"id":"chatcmpl-first","object":"chat.completion.chunk","created":111,'
+    b'"model":"mock-llm","choices":[{"index":0,"delta":{"content":" upon"}}]}\n\n'
+    b'data: {"id":"chatcmpl-first","object":"chat.comp'  # half an event, then the failure
+)
+CONTINUATION = (
+    b'data: {"id":"chatcmpl-second","object":"chat.completion.chunk","created":222,'
+    b'"model":"mock-llm","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+    b"\n\n"
+    b'data: {"id":"chatcmpl-second","object":"chat.completion.chunk","created":222,'
+    b'"model":"mock-llm","choices":[{"index":0,"delta":{"content":" a time"}}]}\n\n'
+    b'data: {"id":"chatcmpl-second","object":"chat.completion.chunk","created":222,'
+    b'"model":"mock-llm","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    b'data: {"id":"chatcmpl-second","object":"chat.completion.chunk","created":222,'
+    b'"model":"mock-llm","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":1,'
+    b'"total_tokens":13}}\n\n'
+    b"data: [DONE]\n\n"
+)
+CHUNKED = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+class Script:
+    """The first request fails as `how` says; later ones get the continuation."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+        self.bodies: list[dict[str, Any]] = []
+
+    async def __call__(
+        self, request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.bodies.append(json.loads(request.split(b"\r\n\r\n", 1)[1]))
+        if len(self.bodies) > 1:
+            writer.write(CHUNKED + b"%x\r\n%s\r\n0\r\n\r\n" % (len(CONTINUATION), CONTINUATION))
+            return
+        if self.how == "eof":  # no length, not chunked: the body ends with the connection
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + FIRST)
+            await writer.drain()
+            writer.close()
+            return
+        writer.write(CHUNKED + b"%x\r\n%s\r\n" % (len(FIRST), FIRST))
+        await writer.drain()
+        if self.how == "lost":
+            writer.transport.abort()
+            return
+        await until_closed(reader)  # idle_timeout: silence
+
+
+async def _started(start_frontend: StartFrontend, **settings: Any) -> Frontend:
+    frontend = await start_frontend(**settings)
+    await wait_for(lambda: serving(frontend, "mock-llm", 2), message="model served")
+    return frontend
+
+
+@pytest.mark.parametrize("how", ["idle_timeout", "eof", "lost"])
+async def test_a_failed_stream_continues_on_another_instance_as_one_stream(
+    start_raw: StartRaw, start_frontend: StartFrontend, how: str
+) -> None:
+    script = Script(how)
+    await start_raw(script)
+    await start_raw(script)
+    frontend = await _started(start_frontend, upstream_idle_timeout=0.3)
+    body = {
+        "model": "mock-llm",
+        "messages": [{"role": "user", "content": "Tell me"}],
+        "max_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status == 200
+        received = await response.read()
+    events = [e[len(b"data: ") :] for e in received.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {(c["id"], c["created"]) for c in chunks} == {("chatcmpl-first", 111)}
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert [d.get("role") for d in deltas].count("assistant") == 1
+    assert "".join(d.get("content") or "" for d in deltas) == "Once upon a time"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+    first, continuation = script.bodies
+    assert continuation["messages"] == [
+        *first["messages"],
+        {"role": "assistant", "content": "Once upon"},
+    ]
+    assert continuation["continue_final_message"] is True
+    assert continuation["add_generation_prompt"] is False
+    assert continuation["max_tokens"] == 8
+    value = frontend.metrics.registry.get_sample_value(
+        "shoal_frontend_migrations_total", {"outcome": "succeeded", "reason": how}
+    )
+    assert value == 1
