@@ -67,6 +67,8 @@ class Forward(Protocol):
     @property
     def model(self) -> Model | None: ...
     @property
+    def prompt(self) -> str | None: ...
+    @property
     def target(self) -> Upstream | None: ...
 
     def launch(self, target: Upstream) -> None:
@@ -357,7 +359,9 @@ class Migration:
         target = None
         if refused is None:
             ws = self.ws
-            target = None if ws is None else forward.proxy.router.pick(ws, None, forward.tried)
+            target = (
+                None if ws is None else forward.proxy.router.pick(ws, forward.prompt, forward.tried)
+            )
             if target is None:
                 refused = "no_instance"
         if refused is not None or target is None:
