@@ -43,7 +43,9 @@ CONTINUATION = (
     b'"total_tokens":13}}\n\n'
     b"data: [DONE]\n\n"
 )
-CHUNKED = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+CHUNKED = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
 
 
 class Script:

@@ -147,7 +147,16 @@ def limit_of(model: Model, default: int) -> int:
 
 def prepare(forward: Forward, model: Model, default_limit: int) -> Migration | None:
     """The migration of a streamed request, or None when it is not a chat or completion.
-    A stream that cannot migrate gets one that only says why (no parsing)."""
+    A stream that cannot migrate gets one that only says why (no parsing). Never raises:
+    a request goes on without migration rather than fail for it."""
+    try:
+        return _prepare(forward, model, default_limit)
+    except Exception:
+        log.exception("deciding whether a %s stream may migrate failed", forward.name)
+        return None
+
+
+def _prepare(forward: Forward, model: Model, default_limit: int) -> Migration | None:
     path = forward.request.path
     if path == CHAT_PATH:
         chat = True

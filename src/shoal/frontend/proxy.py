@@ -789,7 +789,11 @@ class Forward:
     def _failed_after_start(self, exc: Exception, target: Upstream | None) -> None:
         """The response failed after its first byte reached the client: a stream that may
         migrate goes on at another instance (`Migration.resume`), any other ends."""
-        if self.migration is not None and self.migration.resume(exc, target):
+        try:
+            if self.migration is not None and self.migration.resume(exc, target):
+                return
+        except Exception:
+            self._broken()
             return
         self._break_off(exc)
         self._finish(None)
