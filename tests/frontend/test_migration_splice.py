@@ -67,9 +67,10 @@ class Script:
             await writer.drain()
             writer.close()
             return
-        writer.write(CHUNKED + b"%x\r\n%s\r\n" % (len(FIRST), FIRST))
+        first = FIRST[:20] if self.how == "partial" else FIRST  # (partial: half an event)
+        writer.write(CHUNKED + b"%x\r\n%s\r\n" % (len(first), first))
         await writer.drain()
-        if self.how == "lost":
+        if self.how in ("lost", "partial"):
             writer.transport.abort()
             return
         await until_closed(reader)  # idle_timeout: silence
@@ -123,3 +124,28 @@ async def test_a_failed_stream_continues_on_another_instance_as_one_stream(
         "shoal_frontend_migrations_total", {"outcome": "succeeded", "reason": how}
     )
     assert value == 1
+
+
+async def test_a_stream_that_failed_before_its_first_whole_event_gets_the_continuation_whole(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    script = Script("partial")
+    await start_raw(script)
+    await start_raw(script)
+    frontend = await _started(start_frontend)
+    body = {
+        "model": "mock-llm",
+        "messages": [{"role": "user", "content": "Tell me"}],
+        "stream": True,
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+    ):
+        received = await response.read()
+    events = [e[len(b"data: ") :] for e in received.split(b"\n\n") if e]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {(c["id"], c["created"]) for c in chunks} == {("chatcmpl-second", 222)}
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"  # the one role chunk
+    assert script.bodies[1] == script.bodies[0]  # nothing to continue: the request afresh

@@ -208,6 +208,7 @@ class Migration:
         "id",
         "limit",
         "migrations",
+        "opened",
         "parsing",
         "pending",
         "reason",
@@ -241,6 +242,7 @@ class Migration:
         self.resuming = False  # the current attempt is a continuation
         self.delivered = False  # the current attempt sent a whole event
         self.reason = ""  # why the first migration happened (for the success count)
+        self.opened = False  # the client has the stream's first event (chat: its role chunk)
 
     # -- the stream ------------------------------------------------------------------------
 
@@ -268,7 +270,7 @@ class Migration:
         if not self.resuming:
             for event in complete.split(b"\n\n")[:-1]:
                 self._read(event)
-            self.delivered = True
+            self.delivered = self.opened = True
             return complete
         out = [self._rewrite(event) for event in complete.split(b"\n\n")[:-1]]
         self.delivered = True
@@ -322,8 +324,15 @@ class Migration:
         if not isinstance(obj, dict):
             return event + b"\n\n"
         choices = obj.get("choices") or []
-        if self.chat and chunk.usage is None and all(_opening(c) for c in choices) and choices:
+        if (
+            self.opened
+            and self.chat
+            and chunk.usage is None
+            and choices
+            and all(_opening(c) for c in choices)
+        ):
             return b""  # the continuation's role chunk: the client had one
+        self.opened = True
         obj["id"], obj["created"] = self.id, self.created
         usage = obj.get("usage")
         if isinstance(usage, dict) and self.carried:
