@@ -124,6 +124,10 @@ async def test_a_failed_stream_continues_on_another_instance_as_one_stream(
         "shoal_frontend_migrations_total", {"outcome": "succeeded", "reason": how}
     )
     assert value == 1
+    splices = frontend.metrics.registry.get_sample_value(
+        "shoal_frontend_migration_splice_seconds_count"
+    )
+    assert splices == 1
 
 
 async def test_a_stream_that_failed_before_its_first_whole_event_gets_the_continuation_whole(

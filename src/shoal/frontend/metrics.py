@@ -30,6 +30,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # fmt: skip
 
+SPLICE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 UNKNOWN_MODEL = "_unknown"  # the label of requests for models we do not serve
 DEPARTED_TTL = 600.0
 """Seconds the series of a model that left the registry are still shown, then dropped."""
@@ -140,6 +141,13 @@ class FrontendMetrics:
             "stream that completed (succeeded), or a stream ended with an error event "
             "(refused; reason: why it could not migrate).",
             ["outcome", "reason"],
+            registry=self.registry,
+        )
+        self.migration_splice = PromHistogram(
+            "shoal_frontend_migration_splice_seconds",
+            "From a migrated stream's failure to the continuation's first event written to the "
+            "client: the gap the client sees, beyond detecting the failure.",
+            buckets=SPLICE_BUCKETS,
             registry=self.registry,
         )
 

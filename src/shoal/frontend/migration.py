@@ -29,6 +29,7 @@ Not migrated (the stream ends with the error event as before, and
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Protocol
 
 import msgspec
@@ -203,6 +204,7 @@ class Migration:
         "created",
         "delivered",
         "done",
+        "failed_at",
         "finished",
         "forward",
         "id",
@@ -243,6 +245,7 @@ class Migration:
         self.delivered = False  # the current attempt sent a whole event
         self.reason = ""  # why the first migration happened (for the success count)
         self.opened = False  # the client has the stream's first event (chat: its role chunk)
+        self.failed_at = 0.0  # when the stream last failed (perf_counter), until it went on
 
     # -- the stream ------------------------------------------------------------------------
 
@@ -272,9 +275,13 @@ class Migration:
                 self._read(event)
             self.delivered = self.opened = True
             return complete
-        out = [self._rewrite(event) for event in complete.split(b"\n\n")[:-1]]
+        out = b"".join([self._rewrite(event) for event in complete.split(b"\n\n")[:-1]])
         self.delivered = True
-        return b"".join(out)
+        if out and self.failed_at:
+            elapsed = time.perf_counter() - self.failed_at
+            self.forward.proxy.metrics.migration_splice.observe(elapsed)
+            self.failed_at = 0.0
+        return out
 
     def _give_up(self, data: bytes, reason: str) -> bytes:
         """Events the gateway cannot read: pass the rest as it comes, migrate no more."""
@@ -360,6 +367,8 @@ class Migration:
         stream may. False when it may not (counted, and the caller ends the stream)."""
         forward = self.forward
         reason = _failure_kind(failure)
+        if not self.failed_at:
+            self.failed_at = time.perf_counter()
         if failed is not None:
             forward.tried.append(failed)
         refused = self.refused
