@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.soak                  # 30 minutes, figures for docs/reliability.md
     .venv/bin/python -m bench.soak --duration 60    # the short version the test suite runs
+    .venv/bin/python -m bench.soak --kill-every 20  # streams while a worker is SIGKILLed every 20 s
 
 On one SQLite store: two frontends, two long-lived mocker workers, and for the whole run:
 official `openai` clients sending chat completions (streaming and not) to both frontends
@@ -14,6 +15,13 @@ Measured: RSS and open file descriptors of the frontend that is not restarted an
 long-lived workers, after the warm-up (the first quarter) and at the end; the frontend's
 registry (instances) and the workers' model lists before the churn and after it settles;
 requests sent and failed. Prints JSON, and a markdown row with `--markdown`.
+
+`--kill-every SECONDS` runs the migration soak instead: one frontend, three mocker workers,
+seeded streams only (each checked against the text of an undisturbed mocker), and every
+SECONDS the oldest worker SIGKILLed and a new one started. Measured: streams sent,
+truncated (an error mid-stream: the goal is 0), wrong text, migrations by outcome, and the
+splice latency (the frontend's `shoal_frontend_migration_splice_seconds`, p99 as the
+bound of its bucket; and the clients' longest gap between two chunks of a stream).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -213,13 +222,208 @@ def markdown(figures: dict[str, Any], command: str) -> str:
     )
 
 
+STREAM_WORKER = ("--lease-ttl", f"{LEASE_TTL:g}", "--ttft-ms", "5", "--itl-ms", "10")
+STREAM_TOKENS = 100
+
+
+class KillSoak:
+    """The migration soak (`--kill-every`); `run()` returns its figures."""
+
+    def __init__(self, duration: float, kill_every: float, clients: int, tmp: Path) -> None:
+        self.duration = duration
+        self.kill_every = kill_every
+        self.clients = clients
+        self.tmp = tmp
+        self.store = f"sqlite:///{tmp / 'store.db'}"
+        self.processes = Processes(tmp)
+        self.references: dict[int, str] = {}
+        self.sent = self.ok = self.truncated = self.wrong = self.failed_before_first_byte = 0
+        self.gaps: list[float] = []  # per stream, its longest gap between two chunks
+        self.failures: list[str] = []
+        self.kills = 0
+
+    async def run(self) -> dict[str, Any]:
+        from aiohttp.test_utils import TestClient, TestServer
+
+        from shoal.worker.engines.mocker import MockerEngine
+
+        engine = MockerEngine("mock-llm", speedup=0)
+        await engine.start()
+        client: TestClient[Any, Any] = TestClient(TestServer(engine.app()))
+        await client.start_server()
+        reference = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused")
+        try:
+            for key in range(50):
+                answer = await reference.chat.completions.create(**self._request(key))
+                self.references[key] = answer.choices[0].message.content or ""
+            return await self._run()
+        finally:
+            await self.processes.close()
+            await client.close()
+            await engine.stop()
+
+    def _request(self, key: int) -> dict[str, Any]:
+        return {
+            "model": "mock-llm",
+            "messages": [{"role": "user", "content": f"Tell me story {key}."}],
+            "seed": key,
+            "temperature": 0,
+            "max_tokens": STREAM_TOKENS,
+        }
+
+    async def _run(self) -> dict[str, Any]:
+        workers = [await self.processes.worker(self.store, *STREAM_WORKER) for _ in range(3)]
+        front = await self.processes.start(
+            "frontend", "--store", self.store, "--port", "0", "--reconcile-interval", "5",
+            "--first-byte-timeout", "5", "--cache-dir", str(self.tmp / "cache"),
+            ready="frontend",
+        )  # fmt: skip
+        await wait_for(lambda: _at_least(front, 3), timeout=30, message="workers routed")
+        stop = asyncio.Event()
+        api = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="unused", max_retries=0)
+        loops = [asyncio.create_task(self._loop(api, n, stop)) for n in range(self.clients)]
+        started = time.monotonic()
+        try:
+            while time.monotonic() - started < self.duration:
+                await asyncio.sleep(min(self.kill_every, self.duration))
+                if time.monotonic() - started >= self.duration:
+                    break
+                oldest = workers.pop(0)
+                oldest.signal(signal.SIGKILL)
+                self.kills += 1
+                await oldest.wait(30)
+                workers.append(await self.processes.worker(self.store, *STREAM_WORKER))
+        finally:
+            stop.set()
+            await asyncio.gather(*loops)
+            await api.close()
+        metrics = await _metrics_text(front.url)
+        return {
+            "duration_s": self.duration,
+            "kill_every_s": self.kill_every,
+            "workers_killed": self.kills,
+            "streams_sent": self.sent,
+            "streams_ok": self.ok,
+            "truncated": self.truncated,
+            "wrong_text": self.wrong,
+            "failed_before_first_byte": self.failed_before_first_byte,
+            "failures": self.failures[:5],
+            "migrations": _samples(metrics, "shoal_frontend_migrations_total"),
+            "splice_p99_s_bucket": _histogram_quantile(
+                metrics, "shoal_frontend_migration_splice_seconds", 0.99
+            ),
+            "splice_count": sum(
+                _samples(metrics, "shoal_frontend_migration_splice_seconds_count").values()
+            ),
+            "client_gap_p50_s": _quantile(self.gaps, 0.5),
+            "client_gap_p99_s": _quantile(self.gaps, 0.99),
+            "client_gap_max_s": max(self.gaps, default=0.0),
+        }
+
+    async def _loop(self, api: openai.AsyncOpenAI, n: int, stop: asyncio.Event) -> None:
+        i = n
+        while not stop.is_set():
+            key = i % 50
+            i += self.clients
+            self.sent += 1
+            text, received, gap = "", 0, 0.0
+            last = time.perf_counter()
+            try:
+                stream = await api.chat.completions.create(**self._request(key), stream=True)
+                async for chunk in stream:
+                    now = time.perf_counter()
+                    if received:
+                        gap = max(gap, now - last)
+                    last = now
+                    received += 1
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        text += chunk.choices[0].delta.content
+            except openai.APIError as exc:
+                self.failures.append(repr(exc))
+                if received:
+                    self.truncated += 1
+                else:
+                    self.failed_before_first_byte += 1
+                continue
+            self.gaps.append(gap)
+            if text == self.references[key]:
+                self.ok += 1
+            else:
+                self.wrong += 1
+
+
+async def _metrics_text(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
+        return await response.text()
+
+
+def _samples(text: str, name: str) -> dict[str, float]:
+    """The samples of metric `name` in a Prometheus text, by their label set."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, _, value = line[len(name) :].rpartition(" ")
+            out[labels.strip() or "-"] = float(value)
+    return out
+
+
+def _histogram_quantile(text: str, name: str, q: float) -> float | None:
+    """The upper bound of the bucket holding quantile `q` of histogram `name`, or None."""
+    buckets = []
+    for labels, value in _samples(text, name + "_bucket").items():
+        bound = labels.split('le="', 1)[1].split('"', 1)[0]
+        buckets.append((float(bound), value))
+    buckets.sort()
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    total = buckets[-1][1]
+    return next(bound for bound, count in buckets if count >= q * total)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return round(ordered[min(int(q * len(ordered)), len(ordered) - 1)], 4)
+
+
+def kill_markdown(figures: dict[str, Any], command: str) -> str:
+    migrations = figures["migrations"]
+    attempted = sum(v for k, v in migrations.items() if 'outcome="attempted"' in k)
+    refused = sum(v for k, v in migrations.items() if 'outcome="refused"' in k)
+    return (
+        f"| {figures['duration_s']:g} s of seeded streams ({STREAM_TOKENS} tokens), a worker "
+        f"of 3 SIGKILLed every {figures['kill_every_s']:g} s ({figures['workers_killed']} kills) "
+        f"| {figures['streams_sent']} | {figures['truncated']} | {figures['wrong_text']} | "
+        f"{attempted:g} migrated, {refused:g} refused | "
+        f"p99 ≤ {figures['splice_p99_s_bucket']} s (gateway), a stream's longest gap between chunks "
+        f"p50 {figures['client_gap_p50_s']} s, p99 {figures['client_gap_p99_s']} s, max {round(figures['client_gap_max_s'], 3)} s | "
+        f"`{command}` |"
+    )
+
+
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=1800, help="seconds (default 1800)")
     parser.add_argument("--churn-seconds", type=float, default=3, help="seconds between churns")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown row")
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        default=0,
+        help="the migration soak: SIGKILL a worker every this many seconds (0: the churn soak)",
+    )
     args = parser.parse_args()
+    command = "python -m bench.soak " + " ".join(sys.argv[1:])
+    if args.kill_every > 0:
+        with tempfile.TemporaryDirectory(prefix="shoal-soak-") as tmp:
+            soak = KillSoak(args.duration, args.kill_every, args.clients, Path(tmp))
+            figures = await soak.run()
+        print(json.dumps(figures, indent=2))
+        if args.markdown:
+            print(kill_markdown(figures, command))
+        return 0
     with tempfile.TemporaryDirectory(prefix="shoal-soak-") as tmp:
         figures = await Soak(args.duration, args.churn_seconds, args.clients, Path(tmp)).run()
     figures["growth"] = growth(figures)
