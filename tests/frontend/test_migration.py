@@ -6,6 +6,7 @@ an undisturbed run."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -182,3 +183,27 @@ async def test_a_stream_whose_worker_dies_twice_needs_a_migration_limit_of_two(
         assert result["text"] == await _reference_text(reference, 1, 30)
         assert result["usage"].completion_tokens == 30
     assert await _metric(front, "attempted") == 1 if limit == 1 else 2
+
+
+async def test_streams_cut_by_a_drain_that_outlives_its_timeout_complete_elsewhere(
+    fleet: Fleet, reference: openai.AsyncOpenAI
+) -> None:
+    draining = await fleet.worker("--drain-timeout", "0.3")
+    await fleet.worker()
+    front = await fleet.frontend()
+    client = _client(front)
+    streams = [asyncio.create_task(_chat_stream(client, i, 150)) for i in range(4)]
+    await until(lambda: _metric_started(front), 10, "streams under way")
+    draining.signal(signal.SIGTERM)  # its streams run past the drain timeout: it cuts them
+    results = await asyncio.gather(*streams)
+    assert await draining.wait(10) == 0
+    for i, result in enumerate(results):
+        assert result["text"] == await _reference_text(reference, i, 150), i
+        assert result["usage"].completion_tokens == 150
+    assert await _metric(front, "attempted") >= 1
+
+
+async def _metric_started(front: Process) -> bool:
+    async with aiohttp.ClientSession() as session, session.get(f"{front.url}/metrics") as resp:
+        text = await resp.text()
+    return 'shoal_frontend_time_to_first_token_seconds_count{model="mock-llm"} 4.0' in text
