@@ -153,3 +153,35 @@ async def test_a_stream_that_failed_before_its_first_whole_event_gets_the_contin
     assert {(c["id"], c["created"]) for c in chunks} == {("chatcmpl-second", 222)}
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"  # the one role chunk
     assert script.bodies[1] == script.bodies[0]  # nothing to continue: the request afresh
+
+
+async def test_a_stream_that_finished_without_done_is_not_continued(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    finished = CONTINUATION[: CONTINUATION.index(b"data: [DONE]")]  # finish reason, no [DONE]
+    requests: list[bytes] = []
+
+    async def no_done(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        requests.append(request)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + finished)
+        await writer.drain()
+        writer.close()
+
+    await start_raw(no_done)
+    await start_raw(no_done)
+    frontend = await _started(start_frontend)
+    body = {
+        "model": "mock-llm",
+        "messages": [{"role": "user", "content": "Tell me"}],
+        "stream": True,
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+    ):
+        received = await response.read()
+    assert received == finished  # as the instance sent it: no error event, no continuation
+    assert len(requests) == 1

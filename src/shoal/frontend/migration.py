@@ -254,7 +254,7 @@ class Migration:
         events, rewritten when the attempt is a continuation."""
         if not self.parsing:
             return data
-        if self.ws is None and not self.resuming and not self.pending:  # the first packet
+        if not self.opened and not self.resuming and not self.pending:  # the first packet
             if self.forward.status != 200 or not data.startswith((b"data:", b":")):
                 return self._give_up(data, "not_sse")  # an error, or not a stream at all
             self.ws = self._find_set()
@@ -352,10 +352,11 @@ class Migration:
         return b"data: " + _encode(obj) + b"\n\n"
 
     def complete(self) -> bool:
-        """Whether a response that ended normally ended the stream (its `[DONE]` came);
-        counts a migrated stream that completed."""
-        if not self.parsing or self.done:
-            if self.migrations and self.done:
+        """Whether a response that ended normally ended the stream (its `[DONE]` came, or
+        at least its finish reason: an engine may send no `[DONE]`); counts a migrated
+        stream that completed."""
+        if not self.parsing or self.done or self.finished:
+            if self.migrations:
                 self._count("succeeded", self.reason)
             return True
         return False
