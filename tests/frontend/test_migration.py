@@ -95,6 +95,17 @@ async def _chat_stream(client: openai.AsyncOpenAI, i: int, max_tokens: int) -> d
     return out
 
 
+async def _chat_whole(client: openai.AsyncOpenAI, i: int, max_tokens: int) -> str:
+    answer = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"Tell me story {i}."}],
+        seed=i,
+        temperature=0,
+        max_tokens=max_tokens,
+    )
+    return answer.choices[0].message.content or ""
+
+
 async def _completion_stream(client: openai.AsyncOpenAI, i: int, max_tokens: int) -> str:
     stream = await client.completions.create(
         model=MODEL, prompt=f"Once upon a time {i}", seed=i, max_tokens=max_tokens, stream=True
@@ -131,11 +142,14 @@ async def test_streams_on_a_worker_that_dies_complete_with_the_text_of_an_undist
     await fleet.worker()
     front = await fleet.frontend()
     client = _client(front)
-    results, completions = await asyncio.gather(
+    results, completions, whole = await asyncio.gather(
         asyncio.gather(*(_chat_stream(client, i, 30) for i in range(10))),
         asyncio.gather(*(_completion_stream(client, i, 30) for i in range(4))),
+        asyncio.gather(*(_chat_whole(client, i, 30) for i in range(3))),
     )
     assert await dying.wait(10) != 0  # it did die (SIGKILL)
+    for i, text in enumerate(whole):  # not streamed: retried from scratch, before a byte
+        assert text == await _reference_text(reference, i, 30), i
     for i, text in enumerate(completions):
         answer = await reference.completions.create(
             model=MODEL, prompt=f"Once upon a time {i}", seed=i, max_tokens=30
