@@ -352,3 +352,24 @@ async def test_without_llama_cpp_start_names_the_extra_to_install(
     with pytest.raises(EngineUnavailableError, match=r"pip install 'shoal\[llamacpp\]'"):
         await engine.start()
     assert await engine.served_models() == []
+
+
+@pytest.mark.llamacpp
+@needs_model
+async def test_a_continuation_is_refused_and_the_card_says_its_streams_do_not_migrate(
+    served: tuple[LlamaCppEngine, Server],
+) -> None:
+    engine, server = served
+    continued: list[ChatCompletionMessageParam] = [
+        *QUESTION,
+        {"role": "assistant", "content": "The capital"},
+    ]
+    async with client_for(server) as client:
+        with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+            await client.chat.completions.create(
+                model=DEFAULT_MODEL_NAME,
+                messages=continued,
+                extra_body={"continue_final_message": True, "add_generation_prompt": False},
+            )
+    [model] = await engine.served_models()
+    assert model.runtime_config["migration_limit"] == 0

@@ -331,6 +331,9 @@ class LlamaCppEngine(Engine):
             kv_block_size=self.kv_block_size,
             metadata_dir=self._metadata_dir,
             metadata_files=files,
+            # It cannot continue a message (`continue_final_message`): the gateway does not
+            # migrate its streams (docs/gateway.md "Migration").
+            runtime_config={"migration_limit": 0},
         )
         if self.publisher is not None:
             await self.publisher.start()
@@ -389,6 +392,13 @@ class LlamaCppEngine(Engine):
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = decode_request(await request.read(), _chat_decoder)
         self._check_model(body.model)
+        if body.continue_final_message:
+            raise ApiError(
+                400,
+                "continue_final_message is not supported by the llama.cpp engine.",
+                param="continue_final_message",
+                code="unsupported_parameter",
+            )
         return await self._generate(
             request,
             body,
