@@ -9,7 +9,8 @@ never holds half an event when the instance dies), and the text, the tokens (con
 chunks) and the stream's `id` and `created` are kept. Every other request keeps the byte
 pass-through.
 
-When the instance fails (reset, EOF before `[DONE]`, idle timeout), `resume` re-issues the
+When the instance fails (reset, an end before `[DONE]` and before the finish reason, the
+idle timeout), `resume` re-issues the
 request to another instance of the set, never one inhibited, tainted or tried: chat with
 the text as a final assistant message, `continue_final_message: true` and
 `add_generation_prompt: false` (vLLM's and SGLang's parameters); completions with the text
