@@ -9,6 +9,8 @@ import aiohttp
 import pytest
 
 from shoal.frontend import Frontend
+from shoal.frontend.migration import limit_of
+from shoal.frontend.registry import Registry
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import FakeWorker, serving
@@ -72,3 +74,17 @@ async def test_a_stream_that_cannot_migrate_ends_with_the_error_event_and_says_w
     assert b"failed while streaming" in events[2]
     assert sum(w.requests for w in fleet) == 1  # not sent anywhere else
     assert _refused(frontend, reason) == 1
+
+
+@pytest.mark.parametrize(
+    ("card", "flag", "limit"),
+    [({}, 1, 1), ({"migration_limit": 3}, 1, 3), ({"migration_limit": 3}, 0, 0), ({}, 2, 2)],
+)
+def test_a_card_sets_its_own_migration_limit_and_the_flag_at_zero_wins(
+    card: dict[str, Any], flag: int, limit: int
+) -> None:
+    worker = FakeWorker()
+    worker.instance_id, worker.runtime_config = 7, card
+    registry = Registry()
+    registry.join(worker.model_instance())
+    assert limit_of(registry.models["mock-llm"], flag) == limit
