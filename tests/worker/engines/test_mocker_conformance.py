@@ -13,6 +13,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from shoal.worker.engines.mocker import MockerEngine
+from shoal.worker.engines.mocker.conformance import MAX_STOP_STRINGS
 from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, encode
 from tests.worker.engines.support import client_for, engine_served
 
@@ -262,3 +263,16 @@ async def test_add_generation_prompt_false_leaves_the_assistant_marker_out_like_
     rendered = render_chat_template(USER, add_generation_prompt=False)
     assert without.usage.prompt_tokens == len(encode(rendered))
     assert without.usage.prompt_tokens < with_marker.usage.prompt_tokens
+
+
+async def test_a_stop_list_over_the_bound_is_refused_before_any_text_is_searched(
+    client: openai.AsyncOpenAI,
+) -> None:
+    stop = [f"s{i:09d}" for i in range(200_000)]  # 2.8 MB: held the loop 2.5 s before
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.completions.create(model=MODEL, prompt="hi", max_tokens=5, stop=stop)
+    assert refused.value.body["param"] == "stop"  # type: ignore[index]
+    answer = await client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=5, stop=stop[:MAX_STOP_STRINGS]
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length")

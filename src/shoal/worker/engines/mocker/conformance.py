@@ -23,6 +23,11 @@ _GUIDED = (
 )
 """vLLM's fields that constrain the text or cut the prompt: the mocker does neither."""
 
+MAX_STOP_STRINGS = 256
+MAX_STOP_CHARS = 65_536
+"""Bounds on `stop`, checked before any text is searched: each stop string costs a search of
+the whole answer on the event loop (OpenAI allows 4 strings; vLLM sets no bound)."""
+
 
 def check_request(req: ChatRequest | CompletionRequest) -> None:
     """Refuse what the mocker cannot answer faithfully; the 400 names the field."""
@@ -31,6 +36,14 @@ def check_request(req: ChatRequest | CompletionRequest) -> None:
             400,
             "stream_options is only allowed when stream is true.",
             param="stream_options",
+        )
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_CHARS:
+        raise ApiError(
+            400,
+            f"stop: at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all "
+            f"(got {len(stop)} strings).",
+            param="stop",
         )
     field = unsupported(req)
     if field is not None:
