@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import aiohttp
+import sqlalchemy as sa
 from aiohttp import web
 
 from shoal.cards import ModelCard, slugify
@@ -38,10 +39,13 @@ class RecordingClient(CatalogClient):
         self.fail: Callable[[str], bool] = lambda call: False
         self.hold: Callable[[str], bool] = lambda call: False
         self.held = asyncio.Event()
+        self.before: Callable[[str, Any], Awaitable[None]] | None = None  # (call, params)
 
     async def _call(self, method: str, url: str, **kwargs: Any) -> Any:
         call = f"{method} {urlparse(url).path}"
         self.calls.append(call)
+        if self.before is not None:
+            await self.before(call, kwargs.get("params"))
         if self.fail(call):
             self.requests += 1
             error = CatalogError(f"{call} failed (test)")
@@ -185,9 +189,36 @@ async def seed_converged(database_url: str, served: dict[str, list[str]]) -> Non
         await engine.dispose()
 
 
+async def insert_rows(
+    database_url: str, kind: Kind[Any], workspace: str, bodies: list[dict[str, Any]]
+) -> None:
+    """Rows written straight into the database, unvalidated: what an older catalog (before
+    a bound) or a hand-made migration may have left, whatever the API accepts today."""
+    engine = open_engine(database_url)
+    now = datetime.now(UTC)
+    rows = [{"workspace": workspace, "name": body["name"], "version": 1, "created_at": now,
+             "updated_at": now, "data": {k: v for k, v in body.items() if k != "name"}}
+            for body in bodies]  # fmt: skip
+    try:
+        async with engine.begin() as conn:
+            ensure = sa.select(workspaces.c.name).where(workspaces.c.name == workspace)
+            if (await conn.execute(ensure)).first() is None:
+                await conn.execute(
+                    workspaces.insert().values(name=workspace, version=1, created_at=now)
+                )
+            if rows:
+                await conn.execute(kind.table.insert(), rows)
+    finally:
+        await engine.dispose()
+
+
 @asynccontextmanager
 async def controller_on(
-    url: str, *, workspaces: list[str] | None = None, backend: Backend | None = None
+    url: str,
+    *,
+    workspaces: list[str] | None = None,
+    backend: Backend | None = None,
+    provider_timeout: float = 10.0,
 ) -> AsyncIterator[tuple[ModelsController, RecordingClient, Store]]:
     """A controller of the catalog at `url` on a fresh in-memory store."""
     store = await open_store(f"memory://{uuid.uuid4().hex}")
@@ -195,7 +226,7 @@ async def controller_on(
     session = aiohttp.ClientSession()
     controller = ModelsController(
         client, store, backend or FakeBackend(), session, workspaces=workspaces,
-        deployment_ttl=3600.0,
+        deployment_ttl=3600.0, provider_timeout=provider_timeout,
     )  # fmt: skip
     try:
         yield controller, client, store

@@ -7,16 +7,18 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
-from shoal.catalog import PROVIDERS, CatalogServer
+from shoal.catalog import PROVIDERS, CatalogServer, providers
 from shoal.controllers import ControllerManager, Loop
 from tests.catalog.controller_fixtures import controller_on, openai_servers, seed_converged
 from tests.helpers import wait_for
 
 
 async def test_a_long_pass_with_400_items_and_slow_providers_stays_healthy(
-    catalog: CatalogServer, database_url: str
+    catalog: CatalogServer, database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(providers, "LISTINGS_AT_ONCE", 1)  # one after another: a long pass
     served = {f"p{i}": [f"p{i}-model-{j:03d}" for j in range(100)] for i in range(4)}
     await seed_converged(database_url, served)
     async with (

@@ -55,6 +55,14 @@ WorkspaceParam = Annotated[
 NameParam = Annotated[str, Path(min_length=1, max_length=200, pattern=NAME_PATTERN)]
 PageParam = Annotated[int, Query(ge=1, le=1_000_000, description="1-based page number")]
 PageSizeParam = Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE, description="items per page")]
+AfterParam = Annotated[
+    str | None,
+    Query(
+        max_length=200,
+        description="keyset paging (sort=name): the items named after this one; "
+        "ask again with the last name of each page until a page is short",
+    ),
+]
 SortParam = Annotated[
     str,
     Query(
@@ -269,10 +277,12 @@ def _kind_routes(
         page_size: PageSizeParam = 100,
         sort: SortParam = "name",
         filter: FilterParam = None,  # type: ignore[valid-type]
+        after: AfterParam = None,
     ) -> Any:
         found = await repo.list(
-            kind, workspace, page=page, page_size=page_size, sort=sort, filters=_filters(filter)
-        )
+            kind, workspace, page=page, page_size=page_size, sort=sort, filters=_filters(filter),
+            after=after,
+        )  # fmt: skip
         return Response(msgspec.json.encode(_page(found)), media_type="application/json")
 
     @app.get(

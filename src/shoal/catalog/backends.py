@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -123,7 +124,7 @@ class LocalBackend(Backend):
 
     Invariant: every replica slot has a live process, or a restart due at `not_before`
     (backoff doubling from 1 s to 60 s while starts keep failing, reset once a replica has
-    stayed up for 30 s). Workers log to `log_dir/{workspace}-{name}-{n}.log`.
+    stayed up for 30 s). Workers log to `log_dir/` (`log_file_name`).
     """
 
     def __init__(
@@ -204,7 +205,7 @@ class LocalBackend(Backend):
         self, key: DeploymentId, number: int, command: list[str], replica: _Replica
     ) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{key[0]}-{_file_safe(key[1])}-{number}.log"
+        log_path = self.log_dir / log_file_name(key, number)
         with log_path.open("ab") as log_file:
             replica.proc = await asyncio.create_subprocess_exec(
                 *command,
@@ -262,5 +263,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _file_safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+def log_file_name(key: DeploymentId, number: int) -> str:
+    """`{workspace}-{name}-{hash}-{n}.log`: readable, at most 120 bytes whatever the names
+    (a file name is at most 255), and never shared by two deployments (`a/b` and `a_b`)."""
+    readable = re.sub(r"[^A-Za-z0-9._-]", "_", f"{key[0]}-{key[1]}")[:80]
+    digest = hashlib.sha256(f"{key[0]}/{key[1]}".encode()).hexdigest()[:12]
+    return f"{readable}-{digest}-{number}.log"

@@ -3,18 +3,25 @@
 Liveness follows progress (`shoal.controllers.heartbeat`): each completed API call, and each
 page of a list, is progress. A call that hangs beats nothing, so the loop that made it is
 reported unhealthy within its `max_silence`, however long the pass was healthy before.
+
+A listing is a `Listing`: the items read, page by page by key, and the names of the items
+that could not be read. A caller that acts on an item's absence (stops its workers, deletes
+its route, unlinks it) treats those names as present: one unreadable row affects only itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from shoal.catalog.client import CatalogClient
 from shoal.catalog.errors import NotFoundError
 from shoal.catalog.kinds import Kind
 from shoal.catalog.resources import Meta, Workspace
+
+log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Meta)
 T = TypeVar("T")
@@ -36,6 +43,14 @@ async def each(items: Iterable[T], work: Callable[[T], Awaitable[None]]) -> None
     await asyncio.gather(*(one(item) for item in items))
 
 
+class Listing(list[M], Generic[M]):
+    """The items of one listing, and `invalid`: those that could not be read (name → why)."""
+
+    def __init__(self, items: Iterable[M] = (), invalid: dict[str, str] | None = None) -> None:
+        super().__init__(items)
+        self.invalid: dict[str, str] = invalid or {}
+
+
 def _nothing() -> None:
     return None
 
@@ -54,24 +69,23 @@ class Calls:
 
     async def list_all(
         self, kind: Kind[M], workspace: str, filters: dict[str, str] | None = None
-    ) -> list[M]:
-        """Every item of `kind` in `workspace`, page by page (1000 a page), beating per page.
-        A workspace that does not exist (yet) has no items."""
-        items: list[M] = []
-        page: int | None = 1
-        while page is not None:
-            try:
-                got = await self.client.list(
-                    kind, workspace=workspace, page=page, page_size=1000, filters=filters
-                )
-            except NotFoundError as exc:
-                if exc.param != "workspace":
-                    raise
-                return []
-            self.beat()
-            items += got.items
-            page = got.next_page
-        return items
+    ) -> Listing[M]:
+        """Every item of `kind` in `workspace`, page by page by key (1000 a page), beating
+        per page. A workspace that does not exist (yet) has no items."""
+        found: Listing[M] = Listing()
+        try:
+            async for page in self.client.pages(kind, workspace=workspace, filters=filters):
+                self.beat()
+                found += page.items
+                found.invalid.update(page.invalid)
+        except NotFoundError as exc:
+            if exc.param != "workspace":
+                raise
+            return Listing()
+        for name, why in found.invalid.items():
+            log.warning("%s %s/%s cannot be read (left as it is): %s",
+                        kind.singular, workspace, name, why)  # fmt: skip
+        return found
 
     async def get(self, kind: Kind[M], workspace: str, name: str) -> M:
         found = await self.client.get(kind, name, workspace=workspace)

@@ -1,8 +1,12 @@
 """A small typed async client of the catalog API, on aiohttp.
 
-Every call is one HTTP request, except `list_all` (one per page). Errors come back as the
-classes of `shoal.catalog.errors` (`NotFoundError`, `ConflictError`, ...), so a caller writes
-`except ConflictError` whether it talks to the API or uses the repository directly.
+Every call is one HTTP request, except `list_all` and `workspaces` (one per page). Errors
+come back as the classes of `shoal.catalog.errors` (`NotFoundError`, `ConflictError`, ...), so
+a caller writes `except ConflictError` whether it talks to the API or uses the repository
+directly. A listing reads each item on its own: an item this client cannot read (a row an
+older or newer catalog wrote) is left out and named in `ListPage.invalid`, never failing
+the page. `list_all` pages by key (`after=` the last name), so a row deleted or created
+between two pages never shifts an untouched row out of the listing.
 
     async with CatalogClient("http://127.0.0.1:8100", token=...) as catalog:
         models = await catalog.list_all(MODELS)                # every entity, paged
@@ -13,14 +17,15 @@ classes of `shoal.catalog.errors` (`NotFoundError`, `ConflictError`, ...), so a 
 from __future__ import annotations
 
 import builtins
-import functools
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import aiohttp
-from pydantic import BaseModel
+import msgspec
+from pydantic import BaseModel, ValidationError
 
 from shoal.catalog.errors import BY_STATUS, CatalogError
 from shoal.catalog.kinds import Kind
@@ -31,25 +36,48 @@ M = TypeVar("M", bound=Meta)
 
 @dataclass
 class ListPage(Generic[M]):
+    """One page: the items read, and those that could not be read (name → why)."""
+
     items: list[M]
     total: int
     next_page: int | None
+    invalid: dict[str, str] = field(default_factory=dict)
+    last: str | None = None  # the name of the page's last row, in the server's order
 
 
-class _Page(BaseModel, Generic[M]):
-    items: builtins.list[M]
+class _Envelope(msgspec.Struct):
+    items: builtins.list[dict[str, Any]]
     total: int
-    next_page: int | None
+    next_page: int | None = None
 
 
 def _segment(text: str) -> str:
     return quote(text, safe="")
 
 
-@functools.cache
-def _page_of(read: type[M]) -> type[_Page[M]]:
-    """The page model of one kind, built once: a page is parsed in one pass from its bytes."""
-    return _Page[read]  # type: ignore[valid-type]
+def read_items(read: type[M], raw: bytes) -> ListPage[M]:
+    """A page from its bytes, each item validated on its own (`invalid` names the others)."""
+    page = msgspec.json.decode(raw, type=_Envelope)
+    items: builtins.list[M] = []
+    invalid: dict[str, str] = {}
+    for item in page.items:
+        try:
+            items.append(read.model_validate(item))
+        except (ValidationError, RecursionError) as exc:
+            name = item.get("name")
+            invalid[name if isinstance(name, str) else f"#{len(invalid)}"] = _why(exc)
+    last = page.items[-1].get("name") if page.items else None
+    return ListPage(
+        items, page.total, page.next_page, invalid, last if isinstance(last, str) else None
+    )
+
+
+def _why(exc: Exception) -> str:
+    if isinstance(exc, ValidationError) and exc.errors():
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "item"
+        return f"{where}: {first['msg']}"
+    return f"{type(exc).__name__}: {exc}"[:500]
 
 
 class CatalogClient:
@@ -126,14 +154,37 @@ class CatalogClient:
         page_size: int = 1000,
         sort: str = "name",
         filters: dict[str, str] | None = None,
+        after: str | None = None,
     ) -> ListPage[M]:
+        """One page; with `after`, the first `page_size` items named after it (by name)."""
         params: builtins.list[tuple[str, str]] = [
             ("page", str(page)), ("page_size", str(page_size)), ("sort", sort)
         ]  # fmt: skip
         params += [("filter", f"{k}={v}") for k, v in (filters or {}).items()]
+        if after is not None:
+            params.append(("after", after))
         raw = await self._call("GET", self._url(kind, workspace), params=params, raw=True)
-        found = _page_of(kind.read).model_validate_json(raw)
-        return ListPage(found.items, found.total, found.next_page)
+        return read_items(kind.read, raw)
+
+    async def pages(
+        self,
+        kind: Kind[M],
+        *,
+        workspace: str | None = None,
+        filters: dict[str, str] | None = None,
+        page_size: int = 1000,
+    ) -> AsyncIterator[ListPage[M]]:
+        """Every page of `kind` in name order, each read after the last name of the one
+        before (keyset): an untouched row is in exactly one page whatever changes meanwhile."""
+        after: str | None = None
+        while True:
+            got = await self.list(
+                kind, workspace=workspace, page_size=page_size, filters=filters, after=after
+            )
+            yield got
+            if len(got.items) + len(got.invalid) < page_size or got.last is None:
+                return
+            after = got.last
 
     async def list_all(
         self,
@@ -143,15 +194,12 @@ class CatalogClient:
         filters: dict[str, str] | None = None,
         page_size: int = 1000,
     ) -> builtins.list[M]:
-        """Every item of `kind`, in name order, reading page after page."""
+        """Every item of `kind` this client can read, in name order, page after page."""
         items: builtins.list[M] = []
-        page: int | None = 1
-        while page is not None:
-            got = await self.list(
-                kind, workspace=workspace, page=page, page_size=page_size, filters=filters
-            )
+        async for got in self.pages(
+            kind, workspace=workspace, filters=filters, page_size=page_size
+        ):
             items += got.items
-            page = got.next_page
         return items
 
     async def get(self, kind: Kind[M], name: str, *, workspace: str | None = None) -> M:
@@ -195,8 +243,16 @@ class CatalogClient:
         params = {"version": str(version)} if version is not None else None
         await self._call("DELETE", self._url(kind, workspace, name), params=params)
 
-    async def workspaces(self) -> builtins.list[Workspace]:
-        body = await self._call(
-            "GET", f"{self.base_url}/v1/workspaces", params={"page_size": "1000"}
-        )
-        return [Workspace.model_validate(item) for item in body["items"]]
+    async def workspaces(self, *, page_size: int = 1000) -> builtins.list[Workspace]:
+        """Every workspace, following `next_page`. Workspaces are only ever added: one
+        added meanwhile can repeat a name across two pages (kept once), never hide one."""
+        found: dict[str, Workspace] = {}
+        page: int | None = 1
+        while page is not None:
+            params = {"page": str(page), "page_size": str(page_size)}
+            body = await self._call("GET", f"{self.base_url}/v1/workspaces", params=params)
+            for item in body["items"]:
+                workspace = Workspace.model_validate(item)
+                found.setdefault(workspace.name, workspace)
+            page = body.get("next_page")
+        return list(found.values())

@@ -5,9 +5,14 @@
       for each workspace:
         deployments phase  replicas started, polled, stopped; statuses; fleet providers
         providers phase    served models → entities, links, statuses, passthrough names
-        routes             each virtual model's targets published to discovery
+        routes             each virtual model's targets published to discovery, each route
+                           on its own (a failure is that virtual model's status_message)
 
-Each phase lists what it needs once, reads entities through its own cache and flushes it in a
+Failures are isolated to what they come from: a row the client cannot read is left out of
+its listing and left as it is; a deployment that cannot start is ERROR; a provider that
+cannot be listed is ERROR; a route that cannot be written is reported on its virtual model;
+anything else fails its workspace's pass, never the others'. A pass fails (the loop counts
+it) only when every workspace failed. Each phase lists what it needs once, reads entities through its own cache and flushes it in a
 `finally`; a phase reads only after the previous one wrote, so no phase decides on state
 another already changed. Every catalog call and every item beats the loop's heartbeat: a
 long pass that advances is healthy, a pass stuck on one call is reported within
@@ -28,13 +33,15 @@ from shoal.catalog.backends import Backend, LocalBackend
 from shoal.catalog.calls import Calls
 from shoal.catalog.client import CatalogClient
 from shoal.catalog.deployments import DeploymentsPhase
-from shoal.catalog.errors import CatalogError
+from shoal.catalog.errors import CatalogError, NotFoundError
+from shoal.catalog.kinds import VIRTUAL_MODELS
 from shoal.catalog.leader import Leadership
 from shoal.catalog.providers import FleetLister, ProvidersPhase, UrlLister
+from shoal.catalog.resources import VirtualModel
 from shoal.catalog.routing import publish, resolve
 from shoal.controllers import Controller, ControllerManager, HeartbeatMixin, Loop
 from shoal.discovery import Discovery
-from shoal.store import Store, StoreError, open_store
+from shoal.store import Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +49,7 @@ ROLE = "models-controller"
 
 
 class PassError(Exception):
-    """Some workspaces of a pass failed (the others were reconciled); the message names them."""
+    """Every workspace of a pass failed; the message names them and why."""
 
 
 @dataclass
@@ -54,6 +61,7 @@ class PassReport:
     routes_written: int = 0
     routes_deleted: int = 0
     workspaces: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # workspace -> why its pass failed
 
 
 class ModelsController(Controller, HeartbeatMixin):
@@ -77,8 +85,9 @@ class ModelsController(Controller, HeartbeatMixin):
         self.workspaces = workspaces
         self.deployments = DeploymentsPhase(self.calls, backend, ttl=deployment_ttl)
         self.providers = ProvidersPhase(
-            self.calls, UrlLister(session, provider_timeout), FleetLister(Discovery(store))
-        )
+            self.calls, UrlLister(session, provider_timeout), FleetLister(Discovery(store)),
+            timeout=provider_timeout,
+        )  # fmt: skip
         self.last: PassReport | None = None
         self.passes = 0
 
@@ -89,18 +98,18 @@ class ModelsController(Controller, HeartbeatMixin):
         report = PassReport()
         started, calls = time.monotonic(), self.calls.requests
         names = self.workspaces or [w.name for w in await self.calls.workspaces()]
-        failed: dict[str, str] = {}
+        failed = report.failed
         for workspace in names:
             try:
                 await self._workspace(workspace, report)
-            except (CatalogError, StoreError, aiohttp.ClientError, OSError, TimeoutError) as exc:
-                failed[workspace] = f"{type(exc).__name__}: {exc}"  # the others go on
+            except Exception as exc:  # anything: that workspace's pass only, the others go on
+                failed[workspace] = f"{type(exc).__name__}: {exc}"[:1000]
                 log.warning("workspace %s: pass failed: %s", workspace, exc, exc_info=exc)
             self.emit_heartbeat()
         report.calls = self.calls.requests - calls
         report.seconds = time.monotonic() - started
         self.last, self.passes = report, self.passes + 1
-        if failed:  # the loop counts the pass as failed, and health says why if it lasts
+        if failed and len(failed) == len(names):  # nothing reconciled: the loop counts it
             raise PassError(f"{len(failed)} workspace(s) failed: " + "; ".join(
                 f"{workspace}: {why}" for workspace, why in sorted(failed.items())
             ))  # fmt: skip
@@ -112,10 +121,40 @@ class ModelsController(Controller, HeartbeatMixin):
         if result.virtual_models is None:  # not read: the routes stay as they are
             return
         routes = resolve(workspace, result.virtual_models, result.entities.get, result.providers)
-        written, deleted = await publish(self.store, workspace, routes)
-        report.routes_written += written
-        report.routes_deleted += deleted
+
+        async def gone(name: str) -> bool:
+            return await self._virtual_model_gone(workspace, name)
+
+        published = await publish(self.store, workspace, routes, gone)
+        report.routes_written += published.written
+        report.routes_deleted += published.deleted
+        await self._route_statuses(workspace, result.virtual_models, published.failed)
         report.workspaces.append(workspace)
+
+    async def _virtual_model_gone(self, workspace: str, name: str) -> bool:
+        """True only if a read by name finds no virtual model `name` (any doubt keeps it)."""
+        try:
+            await self.calls.get(VIRTUAL_MODELS, workspace, name)
+        except NotFoundError:
+            return True
+        except Exception as exc:  # unreadable, or the catalog failed: the route stays
+            log.warning("route %s/%s kept: its virtual model not read: %s", workspace, name, exc)
+        return False
+
+    async def _route_statuses(
+        self, workspace: str, virtual_models: list[VirtualModel], failed: dict[str, str]
+    ) -> None:
+        """Each virtual model's `status_message`: why its route is not published, or empty."""
+        for vm in virtual_models:
+            message = failed.get(vm.name, "")[:4000]
+            if vm.status_message == message:
+                continue
+            try:
+                await self.calls.update(
+                    VIRTUAL_MODELS, workspace, vm.name, {"status_message": message}, vm.version
+                )
+            except (CatalogError, aiohttp.ClientError, TimeoutError) as exc:  # next pass
+                log.info("virtual model %s/%s: status not written: %s", workspace, vm.name, exc)
 
 
 @dataclass
@@ -127,6 +166,7 @@ class ControllerConfig:
     log_dir: Path = Path(".")
     deployment_ttl: float = 3600.0
     leader_ttl: float = 10.0
+    provider_timeout: float = 10.0  # at most; kept below the loop's max_silence (3 intervals)
 
 
 class ModelsControllerService:
@@ -153,6 +193,7 @@ class ModelsControllerService:
         self.controller = ModelsController(
             self.client, self.store, self.backend, self.session,
             leadership=self.leadership, deployment_ttl=config.deployment_ttl,
+            provider_timeout=min(config.provider_timeout, 2 * config.interval),
         )  # fmt: skip
         self.manager.register(Loop(self.controller, interval=config.interval, name=ROLE))
         await self.manager.start_all()

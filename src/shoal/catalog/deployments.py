@@ -17,10 +17,13 @@ backend runs for a deployment that is not listed as wanted are stopped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
+
+import aiohttp
 
 from shoal.catalog.backends import Backend, Observed
 from shoal.catalog.cache import EntityCache
@@ -71,33 +74,63 @@ class DeploymentsPhase:
     async def run(self, workspace: str) -> None:
         lists = [self.calls.list_all(DEPLOYMENTS, workspace, {"status": s}) for s in S]
         listed = dict(zip(S, await asyncio.gather(*lists), strict=True))  # one list per status
+        # Rows this controller cannot read: their workers and providers are left as they are.
+        unreadable = {name for found in listed.values() for name in found.invalid}
         ready: list[Deployment] = []
-        for deployment in listed[S.CREATED]:
-            await self.backend.start(deployment)
-            await self._set(deployment, S.PENDING, f"starting {deployment.replicas} worker(s)")
-            self.calls.beat()
-        for deployment in listed[S.PENDING] + listed[S.READY]:
-            status = await self._poll(deployment, await self.backend.poll(deployment))
-            if status is S.READY:
-                ready.append(deployment)
-            self.calls.beat()
-        for deployment in listed[S.DELETING]:
-            await self.backend.stop(workspace, deployment.name)
-            await self._set(deployment, S.DELETED, "stopped")
-            self.calls.beat()
-        for deployment in listed[S.DELETED] + listed[S.ERROR]:
-            await self.backend.stop(workspace, deployment.name)
-            await self._collect(deployment)
-            self.calls.beat()
+        for status in S:
+            for deployment in listed[status]:
+                if await self._isolated(deployment, self._one(deployment)) is S.READY:
+                    ready.append(deployment)
+                self.calls.beat()
         wanted = {d.name for s in (S.CREATED, S.PENDING, S.READY) for d in listed[s]}
         for running_workspace, name in sorted(self.backend.running()):
-            if running_workspace == workspace and name not in wanted:
+            if running_workspace == workspace and name not in wanted | unreadable:
                 log.info("deployment %s/%s is gone: stopping its workers", workspace, name)
                 await self.backend.stop(workspace, name)
         # Providers are read while deployments exist, or their providers did at the last
         # read: a steady workspace without deployments pays no call for them.
-        if any(listed[s] for s in S) or self._had_providers.get(workspace, True):
-            self._had_providers[workspace] = await self._providers(workspace, ready)
+        if any(listed[s] or listed[s].invalid for s in S) or self._had_providers.get(
+            workspace, True
+        ):
+            self._had_providers[workspace] = await self._providers(workspace, ready, unreadable)
+
+    async def _one(self, deployment: Deployment) -> S | None:
+        """One deployment's step; the status it is left in, or None if it has none yet."""
+        workspace, name = deployment.workspace, deployment.name
+        if deployment.status is S.CREATED:
+            await self.backend.start(deployment)
+            await self._set(deployment, S.PENDING, f"starting {deployment.replicas} worker(s)")
+            return S.PENDING
+        if deployment.status in (S.PENDING, S.READY):
+            return await self._poll(deployment, await self.backend.poll(deployment))
+        await self.backend.stop(workspace, name)
+        if deployment.status is S.DELETING:
+            await self._set(deployment, S.DELETED, "stopped")
+            return S.DELETED
+        await self._collect(deployment)  # DELETED or ERROR
+        return deployment.status
+
+    async def _isolated(self, deployment: Deployment, step: Awaitable[S | None]) -> S | None:
+        """Run one deployment's step; a failure is that deployment's ERROR (its workers
+        stopped, the reason in its status), never its workspace's."""
+        try:
+            return await step
+        except (CatalogError, aiohttp.ClientError, TimeoutError) as exc:  # the catalog: retried
+            log.warning("deployment %s/%s: %s (next pass)", deployment.workspace,
+                        deployment.name, exc)  # fmt: skip
+            return None
+        except Exception as exc:  # it cannot run (errno 7, 36, ...): ERROR, with the reason
+            log.warning("deployment %s/%s cannot run: %s", deployment.workspace,
+                        deployment.name, exc, exc_info=exc)  # fmt: skip
+            with contextlib.suppress(Exception):
+                await self.backend.stop(deployment.workspace, deployment.name)
+            message = f"cannot start: {type(exc).__name__}: {exc}"[:4000]
+            try:
+                await self._set(deployment, S.ERROR, message)
+            except (CatalogError, aiohttp.ClientError, TimeoutError) as write_error:
+                log.warning("deployment %s/%s: status not written (next pass): %s",
+                            deployment.workspace, deployment.name, write_error)  # fmt: skip
+            return S.ERROR
 
     async def _poll(self, deployment: Deployment, observed: Observed) -> S:
         if observed.failed:
@@ -137,13 +170,15 @@ class DeploymentsPhase:
             return
         log.info("deployment %s/%s collected", deployment.workspace, deployment.name)
 
-    async def _providers(self, workspace: str, ready: list[Deployment]) -> bool:
-        """Each READY deployment has its fleet provider; other deployment providers go.
-        True if deployment providers are left."""
+    async def _providers(
+        self, workspace: str, ready: list[Deployment], unreadable: set[str]
+    ) -> bool:
+        """Each READY deployment has its fleet provider; other deployment providers go
+        (not those of deployments that cannot be read). True if deployment providers are left."""
         providers = {p.name: p for p in await self.calls.list_all(PROVIDERS, workspace)}
         for deployment in ready:
             await self._ensure_provider(workspace, deployment, providers)
-        wanted = {fleet_provider_name(d.name) for d in ready}
+        wanted = {fleet_provider_name(d) for d in {d.name for d in ready} | unreadable}
         stale = [
             p for name, p in providers.items()
             if p.autoprovisioned and name.startswith(PROVIDER_PREFIX) and name not in wanted

@@ -4,7 +4,10 @@ Virtual models are read once per pass, providers once, entities once (the phase'
 For each provider, its failure isolated from the others:
 
 1. discover the names it serves, cheaply: `GET {base_url}/models` for a `url` provider, one
-   discovery listing per namespace for `fleet` ones; keep those `enabled_models` allows;
+   discovery listing per namespace for `fleet` ones; keep those `enabled_models` allows.
+   Providers are listed concurrently (`LISTINGS_AT_ONCE`), each within `timeout`, which the
+   controller keeps below its loop's `max_silence`: each listing that ends beats, so hung
+   providers cost one timeout per pass, not one each, and never make the loop unhealthy;
 2. stage an entity per name (created autoprovisioned when missing) linked to the provider,
    and unlink the entities it no longer serves;
 3. write its `served_models`, `status` and `status_message` if they differ.
@@ -42,6 +45,7 @@ from shoal.discovery import Discovery, Query
 log = logging.getLogger(__name__)
 
 ENTITY_NAME = re.compile(NAME_PATTERN)
+LISTINGS_AT_ONCE = 16  # providers listed concurrently
 Lister = Callable[[Provider], Awaitable[list[str]]]
 
 
@@ -58,6 +62,7 @@ class ProvidersResult:
     providers: dict[str, Provider]
     entities: dict[str, Model] = field(default_factory=dict)
     served: set[str] = field(default_factory=set)
+    unreadable: set[str] = field(default_factory=set)  # refs of providers not read: kept as is
 
 
 def secret_value(name: str | None) -> str | None:
@@ -82,7 +87,9 @@ class UrlLister:
                 if resp.status != 200:
                     raise ListingError(f"GET {url}: HTTP {resp.status}")
                 body = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except TimeoutError as exc:
+            raise ListingError(f"GET {url}: no answer within {self.timeout.total:g}s") from exc
+        except (aiohttp.ClientError, ValueError) as exc:
             raise ListingError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
@@ -111,10 +118,18 @@ class FleetLister:
 class ProvidersPhase:
     """One pass over one workspace's providers."""
 
-    def __init__(self, calls: Calls, url_lister: Lister, fleet_lister: FleetLister) -> None:
+    def __init__(
+        self,
+        calls: Calls,
+        url_lister: Lister,
+        fleet_lister: FleetLister,
+        *,
+        timeout: float = 10.0,
+    ) -> None:
         self.calls = calls
         self.listers: dict[str, Lister] = {"url": url_lister, "fleet": fleet_lister}
         self.fleet = fleet_lister
+        self.timeout = timeout
 
     async def run(self, workspace: str) -> ProvidersResult:
         self.fleet.new_pass()
@@ -126,9 +141,11 @@ class ProvidersPhase:
             cache.refresh(),
         )
         result = ProvidersResult(virtual_models, {f"{workspace}/{p.name}": p for p in providers})
+        result.unreadable = {f"{workspace}/{name}" for name in providers.invalid}
+        listed = await self._list_served(providers)
         try:
             for provider in providers:
-                await self._provider(workspace, provider, cache, result)
+                await self._provider(workspace, provider, listed[provider.name], cache, result)
                 self.calls.beat()
             self._unlink_gone(workspace, cache, result)
         finally:
@@ -147,13 +164,36 @@ class ProvidersPhase:
             log.warning("virtual models of %s not read: no creation or cleanup: %s", workspace, exc)
             return None
 
+    async def _list_served(self, providers: list[Provider]) -> dict[str, list[str] | Exception]:
+        """What each provider serves (or why not), listed concurrently, each within `timeout`."""
+        listed: dict[str, list[str] | Exception] = {}
+        limit = asyncio.Semaphore(LISTINGS_AT_ONCE)
+
+        async def list_one(provider: Provider) -> None:
+            async with limit:
+                try:
+                    async with asyncio.timeout(self.timeout):
+                        listed[provider.name] = await self.listers[provider.type](provider)
+                except TimeoutError:
+                    listed[provider.name] = ListingError(f"no answer within {self.timeout:g}s")
+                except Exception as exc:  # isolated: this provider is ERROR, the others go on
+                    listed[provider.name] = exc
+            self.calls.beat()  # a listing ended: progress, whatever its outcome
+
+        await asyncio.gather(*(list_one(provider) for provider in providers))
+        return listed
+
     async def _provider(
-        self, workspace: str, provider: Provider, cache: EntityCache, result: ProvidersResult
+        self,
+        workspace: str,
+        provider: Provider,
+        names: list[str] | Exception,
+        cache: EntityCache,
+        result: ProvidersResult,
     ) -> None:
         ref = f"{workspace}/{provider.name}"
-        try:
-            names = await self.listers[provider.type](provider)
-        except Exception as exc:  # isolated: this provider is ERROR, the others go on
+        if isinstance(names, Exception):  # isolated: this provider is ERROR, the others go on
+            exc = names
             message = str(exc) if isinstance(exc, ListingError) else f"{type(exc).__name__}: {exc}"
             result.served |= {s.model_entity for s in provider.served_models or ()}
             await self._write_status(workspace, ref, result, {"status": "ERROR",
@@ -206,7 +246,8 @@ class ProvidersPhase:
         for name in cache.names():
             entity = cache.peek(name)
             for ref in entity.providers if entity is not None else ():
-                if ref.startswith(f"{workspace}/") and ref not in result.providers:
+                gone = ref not in result.providers and ref not in result.unreadable
+                if ref.startswith(f"{workspace}/") and gone:
                     cache.stage_provider_unlink(name, ref)
 
     async def _passthrough(self, workspace: str, result: ProvidersResult) -> None:

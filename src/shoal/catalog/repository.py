@@ -147,17 +147,25 @@ class Repository:
         page_size: int = 100,
         sort: str = "name",
         filters: dict[str, str] | None = None,
+        after: str | None = None,
     ) -> Page[dict[str, Any]]:
-        """One page of rows as the API sends them (stored data is valid: not re-validated)."""
+        """One page of rows as the API sends them (stored data is valid: not re-validated).
+        With `after` (keyset paging, by name only): the first `page_size` rows named after
+        it, so rows deleted or created meanwhile never shift an untouched row out of a page."""
         t = kind.table
         where = [t.c.workspace == workspace, *_conditions(kind, filters or {})]
         counted = sa.select(sa.func.count()).select_from(t).where(*where).scalar_subquery()
+        if after is not None:
+            check_storable(after, "after")
+            if sort != "name":
+                raise InvalidError("after: only with sort=name", param="after")
+        rows_where = [*where, t.c.name > after] if after is not None else where
         query = (
             sa.select(t, counted.label("total"))  # counted once, from the index, not per row
-            .where(*where)
+            .where(*rows_where)
             .order_by(*_order(t, sort))
             .limit(page_size)
-            .offset((page - 1) * page_size)
+            .offset((page - 1) * page_size if after is None else 0)
         )
         async with self.engine.connect() as conn:
             rows = (await conn.execute(query)).all()

@@ -201,6 +201,9 @@ class VirtualModelSpec(Strict):
     default_model: Name
     targets: list[Target] = Field(default_factory=list, max_length=TARGETS_LENGTH)
     autoprovisioned: Flag = Field(False, description="made by the controller, not a user")
+    status_message: Text = Field(
+        "", description="written by the models controller: why its route is not published"
+    )
 
 
 class DeploymentStatus(StrEnum):

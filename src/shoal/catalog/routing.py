@@ -6,12 +6,17 @@ entities; each entity is served by the providers linked to it that list it in th
 frontends like any discovered model); a `url` provider gives a `UrlTarget` (its base URL,
 served name and secret name). An entity served by two providers gives two targets, each with
 the entity's weight. Publishing compares with what the store holds and writes only the
-routes that differ, deleting those of virtual models that are gone.
+routes that differ, each on its own: a route that cannot be written (over the store's value
+limit) is reported for its virtual model and never stops the others. A held route that no
+route of the listing replaces is deleted only once its virtual model is known to be gone
+(`gone(name)`, a read by name): nothing is deleted on the strength of one listing's absence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 
 from shoal.catalog.resources import Model, Provider, VirtualModel
 from shoal.discovery.routes import (
@@ -25,7 +30,9 @@ from shoal.discovery.routes import (
     publish_route,
     route_key,
 )
-from shoal.store import Store
+from shoal.store import Store, StoreError
+
+log = logging.getLogger(__name__)
 
 
 def resolve(
@@ -66,22 +73,43 @@ def routes_prefix(workspace: str) -> str:
     return route_key(workspace, "-").rsplit("/", 1)[0] + "/"
 
 
-async def publish(store: Store, workspace: str, routes: list[Route]) -> tuple[int, int]:
-    """Make the store hold exactly `routes` for `workspace`: (written, deleted)."""
+@dataclass
+class Published:
+    """What one publish did: routes written and deleted, and those that failed (name → why)."""
+
+    written: int = 0
+    deleted: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+async def publish(
+    store: Store,
+    workspace: str,
+    routes: list[Route],
+    gone: Callable[[str], Awaitable[bool]],
+) -> Published:
+    """Make the store hold `routes` for `workspace`, and no route of a virtual model that
+    `gone(name)` confirms is gone; one route's failure is in `failed`, not raised."""
     held = await store.get_prefix(routes_prefix(workspace))
     held_values = {kv.key: kv.value for kv in held.items}
-    written = 0
+    done = Published()
     for route in routes:
-        if held_values.get(route.key) != route.to_json() and await publish_route(store, route):
-            written += 1
+        try:
+            data = route.to_json()
+            if held_values.get(route.key) != data and await publish_route(store, route):
+                done.written += 1
+        except (StoreError, RouteError, ValueError) as exc:  # this route only
+            done.failed[route.name] = f"route not published: {exc}"
+            log.warning("route %s/%s not published: %s", workspace, route.name, exc)
     wanted = {route.key for route in routes}
-    deleted = 0
     for key in sorted(held_values.keys() - wanted):
         try:
             _, name = parse_route_key(key)
         except RouteError:  # not a route key: not ours to judge, but in our prefix all the same
             await store.delete(key)
-        else:
+            done.deleted += 1
+            continue
+        if await gone(name):
             await delete_route(store, workspace, name)
-        deleted += 1
-    return written, deleted
+            done.deleted += 1
+    return done

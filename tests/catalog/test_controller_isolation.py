@@ -1,0 +1,250 @@
+"""One bad resource affects only itself (SQLite and PostgreSQL): a row the client cannot read,
+a deployment that cannot start, a route the store refuses, a hung provider; and the
+listings the controller acts on are consistent, so no untouched route ever disappears."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from shoal.catalog import DEPLOYMENTS, MODELS, PROVIDERS, VIRTUAL_MODELS, CatalogServer
+from shoal.catalog.backends import LocalBackend
+from shoal.catalog.controller import ControllerConfig, ModelsControllerService
+from shoal.catalog.errors import NotFoundError
+from shoal.catalog.routing import routes_prefix
+from shoal.controllers import ControllerManager, Loop
+from shoal.discovery import route_key
+from shoal.store import Delete, Put, Resync
+from tests.catalog.controller_fixtures import (
+    WS,
+    FakeBackend,
+    RecordingClient,
+    controller_on,
+    insert_rows,
+    openai_servers,
+    seed_converged,
+)
+from tests.helpers import wait_for
+
+
+def nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+async def test_a_row_the_client_cannot_read_affects_only_itself(
+    catalog: CatalogServer, database_url: str
+) -> None:
+    """Rows left by an older catalog: a model whose `spec` nests 300 levels (readable), a
+    virtual model and a deployment that no longer validate (unreadable). The pass goes on
+    for everything else, leaves the unreadable ones' route and workers alone, and
+    `/health/controllers` stays 200."""
+    backend = FakeBackend()
+    await insert_rows(database_url, MODELS, WS, [{"name": "deep", "spec": nested(300)}])
+    await insert_rows(database_url, VIRTUAL_MODELS, WS, [
+        {"name": "broken", "default_model": "deep", "targets": "not a list"},
+    ])  # fmt: skip
+    await insert_rows(database_url, DEPLOYMENTS, WS, [
+        {"name": "odd", "model": "m", "engine": "no-such-engine", "status": "READY"},
+    ])  # fmt: skip
+    async with controller_on(catalog.url, backend=backend) as (ctl, client, store):
+        backend.runs.add((WS, "odd"))  # its workers, started before the row went bad
+        await store.put(route_key(WS, "broken"), b'{"workspace":"team-a","name":"broken"}')
+        await client.create(VIRTUAL_MODELS, {"name": "chat", "default_model": "deep"})
+        await client.create(VIRTUAL_MODELS, {"name": "new", "default_model": "x"}, workspace="b")
+        assert [m.name for m in await client.list_all(MODELS)] == ["deep"]  # read, at 300
+        loop = Loop(ctl, interval=0.2, name="models-controller")
+        catalog.controllers = ControllerManager([loop])
+        await catalog.controllers.start_all()
+        try:
+            await wait_for(lambda: ctl.passes >= 3, timeout=30)
+            url = f"{catalog.url}/health/controllers"
+            async with aiohttp.ClientSession() as http, http.get(url) as resp:
+                assert resp.status == 200, await resp.text()
+        finally:
+            await catalog.controllers.stop_all(timeout=1.0)
+            catalog.controllers = None
+        assert ctl.last is not None and ctl.last.failed == {}
+        assert await store.get(route_key(WS, "chat")) is not None
+        assert await store.get(route_key("b", "new")) is not None  # the other workspace too
+        assert await store.get(route_key(WS, "broken")) is not None  # not judged: kept
+        assert (WS, "odd") in backend.runs and "odd" not in backend.stopped
+
+
+async def test_the_client_reads_every_workspace_past_the_first_page(
+    catalog: CatalogServer, database_url: str
+) -> None:
+    for n in range(1001):
+        await insert_rows(database_url, MODELS, f"w{n:04d}", [])
+    async with RecordingClient(catalog.url) as client:
+        found = [w.name for w in await client.workspaces()]
+        assert len(found) == 1001 and found[-1] == "w1000"
+        assert [w.name for w in await client.workspaces(page_size=7)] == found
+
+
+async def test_a_deployment_that_cannot_start_is_error_and_its_workspace_proceeds(
+    catalog: CatalogServer, database_url: str, tmp_path: Path
+) -> None:
+    """errno 36 (a log file name from a long workspace and name) no longer happens: file
+    names are bounded; errno 7 (engine_args too large for a command line) makes that
+    deployment ERROR with the reason, and the workspace's other resources go on."""
+    workspace, long_name = "w" * 63, "d" * 200
+    await insert_rows(database_url, DEPLOYMENTS, workspace, [
+        {"name": "huge-args", "model": "m", "engine": "mocker",
+         "engine_args": {"blob": "x" * 200_000}, "status": "CREATED"},
+    ])  # fmt: skip
+    backend = LocalBackend("memory://nowhere", tmp_path, backoff_first=60.0)
+    async with controller_on(catalog.url, workspaces=[workspace], backend=backend) as (
+        ctl, client, store,
+    ):  # fmt: skip
+        try:
+            await client.create(DEPLOYMENTS, {"name": long_name, "model": "m", "engine": "mocker"},
+                                workspace=workspace)  # fmt: skip
+            await client.create(VIRTUAL_MODELS, {"name": "chat", "default_model": "m"},
+                                workspace=workspace)  # fmt: skip
+            await ctl.step()
+            assert ctl.last is not None and ctl.last.failed == {}
+            huge = await client.get(DEPLOYMENTS, "huge-args", workspace=workspace)
+            assert huge.status == "ERROR"
+            assert "cannot start" in huge.status_message
+            assert "Argument list too long" in huge.status_message  # errno 7, named
+            assert (await client.get(DEPLOYMENTS, long_name, workspace=workspace)).status == (
+                "PENDING"
+            )
+            assert backend.pids(workspace, long_name)  # started, its log file bounded
+            logs = [p.name for p in await asyncio.to_thread(lambda: list(tmp_path.iterdir()))]
+            assert logs and all(len(name) <= 120 for name in logs), logs
+            assert await store.get(route_key(workspace, "chat")) is not None
+        finally:
+            await backend.close()
+
+
+async def test_a_route_the_store_refuses_is_reported_and_the_others_are_published(
+    catalog: CatalogServer, database_url: str
+) -> None:
+    """A virtual model of 1,000 targets on a provider whose base_url is 2,000 bytes long
+    resolves to a 2 MB route, over the store's 1 MiB: its virtual model says why, every
+    other route of the workspace is published."""
+    served = {"p": [f"m{i:04d}" for i in range(1000)]}
+    await seed_converged(database_url, served)
+    base_url = "http://127.0.0.1:1/" + "v" * 1980
+    async with controller_on(catalog.url, workspaces=[WS]) as (ctl, client, store):
+        await client.update(PROVIDERS, "p", {"base_url": base_url})  # refused: listing ERROR
+        await insert_rows(database_url, VIRTUAL_MODELS, WS, [
+            {"name": "huge", "default_model": "m0000",
+             "targets": [{"model_entity": n, "weight": 1} for n in served["p"]]},
+        ])  # fmt: skip
+        await ctl.step()
+        assert ctl.last is not None and ctl.last.failed == {}
+        held = {kv.key for kv in (await store.get_prefix(routes_prefix(WS))).items}
+        assert held == {route_key(WS, n) for n in served["p"]}  # every other route
+        huge = await client.get(VIRTUAL_MODELS, "huge")
+        assert "route not published" in huge.status_message
+        assert "byte" in huge.status_message
+        await ctl.step()  # converged: the message is not written again
+        assert (await client.get(VIRTUAL_MODELS, "huge")).version == huge.version
+
+
+async def test_no_untouched_route_disappears_while_another_client_deletes_and_recreates_one(
+    catalog: CatalogServer, database_url: str
+) -> None:
+    """1,001 virtual models, two pages; between the pages of each listing another client
+    deletes (and re-creates) the first one. Listings page by key and a route is deleted
+    only after a read by name: the store sees no delete of any other route."""
+    names = [f"m{i:04d}" for i in range(1001)]
+    await seed_converged(database_url, {"p": names})
+    async with (
+        openai_servers(names) as [server],
+        controller_on(catalog.url, workspaces=[WS]) as (ctl, client, store),
+        RecordingClient(catalog.url, workspace=WS) as other,
+    ):
+        await client.update(PROVIDERS, "p", {"base_url": server.base_url})
+        await ctl.step()
+        start = (await store.get_prefix(routes_prefix(WS))).revision
+        deleted: list[str] = []
+        seen = [start]
+
+        async def watch() -> None:
+            async for event in store.watch(routes_prefix(WS), start + 1):
+                assert not isinstance(event, Resync)
+                if isinstance(event, Delete):
+                    deleted.append(event.key)
+                if isinstance(event, Put | Delete):
+                    seen[0] = event.revision
+
+        async def between_pages(call: str, params: Any) -> None:
+            """Between the two pages of a virtual-model listing: delete m0000, or re-create
+            it if it is gone (a deleted row shifts the offset of every row after it)."""
+            second_page = any(k == "after" or (k, v) == ("page", "2") for k, v in params or [])
+            if not (call.endswith("/virtual-models") and second_page):
+                return
+            try:
+                await other.delete(VIRTUAL_MODELS, "m0000")
+            except NotFoundError:
+                await other.create(VIRTUAL_MODELS, {"name": "m0000", "default_model": "m0000"})
+
+        watcher = asyncio.create_task(watch())
+        try:
+            client.before = between_pages
+            for _ in range(4):
+                await ctl.step()
+            client.before = None
+            await store.put(route_key(WS, "zz-marker"), b"{}")  # the last event to wait for
+            last = (await store.get_prefix(routes_prefix(WS))).revision
+            await wait_for(lambda: watcher.done() or seen[0] >= last, timeout=10)
+            await store.delete(route_key(WS, "zz-marker"))
+        finally:
+            watcher.cancel()
+        assert set(deleted) <= {route_key(WS, "m0000")}, deleted
+        held = {kv.key for kv in (await store.get_prefix(routes_prefix(WS))).items}
+        assert held >= {route_key(WS, n) for n in names[1:]}
+
+
+async def test_hung_url_providers_are_error_and_the_loop_stays_healthy(
+    catalog: CatalogServer, tmp_path: Path
+) -> None:
+    """Three providers that never answer and one that does: listed at once, each within a
+    timeout below the loop's max_silence, so every pass ends in about one timeout, the hung
+    ones are ERROR with the reason, and the loop is healthy throughout."""
+    interval = 0.5
+    config = ControllerConfig(
+        catalog_url=catalog.url, store_url="memory://hung-providers", interval=interval,
+        log_dir=tmp_path, leader_ttl=1.0,
+    )  # fmt: skip
+    async with openai_servers(["a"], [], [], []) as servers:
+        for server in servers[1:]:
+            server.delay = 3600.0  # hung: holds the request, never answers
+        async with RecordingClient(catalog.url, workspace=WS) as client:
+            for i, server in enumerate(servers):
+                await client.create(PROVIDERS, {"name": f"p{i}", "type": "url",
+                                                "base_url": server.base_url})  # fmt: skip
+            service = ModelsControllerService(config)
+            await service.start()
+            try:
+                loop = service.manager.loops["models-controller"]
+                controller = service.controller
+                assert controller is not None
+                unhealthy: list[str] = []
+                deadline = time.monotonic() + 30
+                while controller.passes < 3 and time.monotonic() < deadline:
+                    health = loop.health()
+                    if not health.healthy:
+                        unhealthy.append(health.reason or "")
+                    await asyncio.sleep(0.02)  # sampling the probe, as a readiness check would
+                assert controller.passes >= 3
+                assert unhealthy == []
+                assert controller.last is not None
+                assert controller.last.seconds < loop.max_silence  # not one timeout each
+                providers = {p.name: p for p in await client.list_all(PROVIDERS)}
+                assert providers["p0"].status == "READY"
+                for name in ("p1", "p2", "p3"):
+                    assert providers[name].status == "ERROR"
+                    assert "no answer within" in providers[name].status_message
+            finally:
+                await service.stop()
