@@ -3,7 +3,9 @@ appear in the store, through `shoal up` and `shoal catalog serve --store` as use
 
 from __future__ import annotations
 
+import asyncio
 import re
+import signal
 from pathlib import Path
 
 import openai
@@ -83,6 +85,7 @@ async def test_apply_a_deployment_and_an_alias_to_shoal_up(
 ) -> None:
     monkeypatch.setenv("SHOAL_CATALOG_DB", f"sqlite:///{tmp_path / 'catalog.db'}")
     monkeypatch.setenv("SHOAL_CONTROLLER_INTERVAL", "0.3")
+    monkeypatch.setenv("SHOAL_LEADER_TTL", "2")
     store_url = f"sqlite:///{tmp_path / 'store.db'}"
     catalog_port = free_port()
     await processes.start(
@@ -103,7 +106,7 @@ async def test_two_catalog_replicas_one_leads_and_the_other_takes_over(
 ) -> None:
     store_url = f"sqlite:///{tmp_path / 'store.db'}"
     serve = ["catalog", "serve", "--db", database_url, "--store", store_url]
-    interval = ["--controller-interval", "0.3"]
+    interval = ["--controller-interval", "0.3", "--leader-ttl", "2"]
     replicas = [
         await processes.start(*serve, "--port", str(free_port()), *interval, ready="catalog")
         for _ in range(2)
@@ -128,6 +131,96 @@ async def test_two_catalog_replicas_one_leads_and_the_other_takes_over(
         await store.close()
 
 
+def workers_of(pids: list[int]) -> dict[int, list[int]]:
+    """The live (not zombie) `shoal worker` children of each of `pids`, from /proc."""
+    found: dict[int, list[int]] = {pid: [] for pid in pids}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) in found and state != "Z" and b"worker" in cmdline:
+            found[int(ppid)].append(int(entry.name))
+    return found
+
+
+async def test_a_deposed_leader_stops_its_workers_before_the_new_leader_starts_any(
+    processes: Processes, tmp_path: Path, database_url: str
+) -> None:
+    """Two replicas; the leader runs the one worker of a `replicas: 1` deployment and is
+    paused (SIGSTOP) past its lease TTL, so the other takes over. The paused one stops its
+    worker as soon as it runs again (SIGCONT), and the new leader starts its own only one
+    TTL after winning: at no moment do two workers run. After DELETING none runs."""
+    ttl = 2.0
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    serve = ["catalog", "serve", "--db", database_url, "--store", store_url,
+             "--controller-interval", "0.2", "--leader-ttl", str(ttl)]  # fmt: skip
+    first = await processes.start(*serve, "--port", str(free_port()), ready="catalog")
+    second = await processes.start(*serve, "--port", str(free_port()), ready="catalog")
+    pids = [first.proc.pid, second.proc.pid]
+    by_pid = {first.proc.pid: first, second.proc.pid: second}
+    most: list[int] = [0]
+    samples: list[dict[int, list[int]]] = []
+
+    async def sample() -> None:
+        while True:
+            found = await asyncio.to_thread(workers_of, pids)
+            samples.append(found)
+            most[0] = max(most[0], sum(len(w) for w in found.values()))
+            await asyncio.sleep(0.02)  # a sampling period, not synchronisation
+
+    sampler = asyncio.create_task(sample())
+    async with CatalogClient(first.url, workspace="default") as client:
+        try:
+            await client.create(DEPLOYMENTS, {"name": "one", "model": "mock-llm",
+                                              "engine": "mocker", "replicas": 1,
+                                              "namespace": "fence",
+                                              "engine_args": {"speedup": 0}})  # fmt: skip
+
+            async def ready() -> bool:
+                return (await client.get(DEPLOYMENTS, "one")).status == "READY"
+
+            await wait_for(ready, timeout=60, message="the deployment READY")
+            running = await asyncio.to_thread(workers_of, pids)
+            leader_pid = next(pid for pid, found in running.items() if found)
+            leader, follower = by_pid[leader_pid], by_pid[sum(pids) - leader_pid]
+            leader.signal(signal.SIGSTOP)
+            store = await open_store(store_url)
+            try:
+
+                async def taken_over() -> bool:
+                    held = await store.get(leader_key("models-controller"))
+                    return held is not None and f":{follower.proc.pid}:".encode() in held.value
+
+                await wait_for(taken_over, timeout=30, message="the follower took over")
+            finally:
+                await store.close()
+            leader.signal(signal.SIGCONT)
+
+            async def handed_over() -> bool:
+                found = await asyncio.to_thread(workers_of, pids)
+                return not found[leader.proc.pid] and len(found[follower.proc.pid]) == 1
+
+            await wait_for(handed_over, timeout=60, message="the follower's worker alone")
+            assert most[0] == 1, [s for s in samples if sum(map(len, s.values())) > 1][:3]
+            await client.update(DEPLOYMENTS, "one", {"status": "DELETING"})
+
+            async def none_left() -> bool:
+                found = await asyncio.to_thread(workers_of, pids)
+                return not any(found.values())
+
+            await wait_for(none_left, timeout=60, message="no worker after DELETING")
+        finally:
+            sampler.cancel()
+            first.signal(signal.SIGCONT)
+            second.signal(signal.SIGCONT)
+    assert most[0] == 1
+
+
 async def test_serve_with_a_store_it_cannot_use_says_so_and_exits(tmp_path: Path) -> None:
     code, out, err = await catalog_cli(
         "serve", "--db", f"sqlite:///{tmp_path / 'c.db'}", "--port", str(free_port()),
@@ -142,6 +235,7 @@ async def test_the_openai_client_gets_answers_through_an_alias_applied_to_shoal_
 ) -> None:
     monkeypatch.setenv("SHOAL_CATALOG_DB", f"sqlite:///{tmp_path / 'catalog.db'}")
     monkeypatch.setenv("SHOAL_CONTROLLER_INTERVAL", "0.3")
+    monkeypatch.setenv("SHOAL_LEADER_TTL", "2")
     store_url = f"sqlite:///{tmp_path / 'store.db'}"
     port, catalog_port = free_port(), free_port()
     await processes.start(

@@ -1,5 +1,6 @@
 """Leadership of the models controller: one replica works, the others wait, and one takes
-over when the leader goes."""
+over when the leader goes; a replica acts only one TTL after winning, and stops counting
+itself leader once its lease was not renewed for a TTL."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from shoal.catalog.controller import ROLE, ModelsController
 from shoal.catalog.leader import Leadership, leader_key
 from shoal.store import Store, open_store
 from tests.catalog.controller_fixtures import FakeBackend, RecordingClient
+from tests.helpers import wait_for
 
 
 @pytest.fixture
@@ -23,26 +25,46 @@ async def store() -> AsyncIterator[Store]:
     await s.close()
 
 
+async def in_force_after_a_ttl(leadership: Leadership) -> None:
+    """The winner holds the key at once, and acts one TTL later."""
+    assert not await leadership.hold() and leadership.leading
+    await wait_for(leadership.hold, timeout=5 * leadership.ttl + 5)
+
+
 async def test_one_replica_holds_the_key_and_the_other_takes_over_when_it_goes(
     store: Store,
 ) -> None:
-    first, second = Leadership(store, ROLE, ttl=5), Leadership(store, ROLE, ttl=5)
-    assert await first.hold() and not await second.hold()
+    first, second = Leadership(store, ROLE, ttl=0.5), Leadership(store, ROLE, ttl=0.5)
+    await in_force_after_a_ttl(first)
+    assert not await second.hold() and not second.leading
     assert await first.hold() and not await second.hold()  # held, not re-won
     held = await store.get(leader_key(ROLE))
     assert held is not None and first.lease is not None and held.lease == first.lease.id
     await first.release()
     assert await store.get(leader_key(ROLE)) is None  # gone with the lease
-    assert await second.hold() and not await first.hold()
+    await in_force_after_a_ttl(second)
+    assert not await first.hold()
 
 
 async def test_a_leader_whose_lease_expired_stops_leading(store: Store) -> None:
-    first, second = Leadership(store, ROLE, ttl=5), Leadership(store, ROLE, ttl=5)
-    assert await first.hold()
+    first, second = Leadership(store, ROLE, ttl=0.5), Leadership(store, ROLE, ttl=0.5)
+    await in_force_after_a_ttl(first)
     assert first.lease is not None
     await store.revoke(first.lease.id)  # as if it expired while the holder was stalled
-    assert await second.hold()
+    await in_force_after_a_ttl(second)
     assert not await first.hold()  # a new lease, but the key is the other's
+
+
+async def test_a_leader_whose_lease_was_not_renewed_for_a_ttl_is_not_in_force(
+    store: Store,
+) -> None:
+    """No call needed: a frozen or cut-off leader knows from its clock alone."""
+    leadership = Leadership(store, ROLE, ttl=0.5)
+    await in_force_after_a_ttl(leadership)
+    assert leadership.lease is not None
+    leadership.lease.stop_keepalive()  # as if the store stopped answering
+    await wait_for(lambda: not leadership.in_force(), timeout=2)
+    assert leadership.leading  # the key may still be there: not in force all the same
 
 
 async def test_only_the_leading_controller_makes_passes(
@@ -54,9 +76,12 @@ async def test_only_the_leading_controller_makes_passes(
         for client in clients:
             controllers.append(ModelsController(
                 client, store, FakeBackend(), session, workspaces=["team-a"],
-                leadership=Leadership(store, ROLE, ttl=5),
+                leadership=Leadership(store, ROLE, ttl=0.5),
             ))  # fmt: skip
         try:
+            await controllers[0].step()  # wins the key; acts one TTL later
+            assert controllers[0].leadership is not None
+            await wait_for(controllers[0].leadership.hold, timeout=10)
             for _ in range(2):
                 for controller in controllers:
                     await controller.step()
@@ -64,6 +89,8 @@ async def test_only_the_leading_controller_makes_passes(
             assert clients[1].calls == []  # a waiting replica does not touch the catalog
             assert controllers[0].leadership is not None
             await controllers[0].leadership.release()
+            assert controllers[1].leadership is not None
+            await wait_for(controllers[1].leadership.hold, timeout=10)
             await controllers[1].step()
             await controllers[0].step()
             assert [c.passes for c in controllers] == [2, 1]

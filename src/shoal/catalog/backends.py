@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shoal.catalog.leader import LeadershipLost
 from shoal.catalog.resources import Deployment
 
 log = logging.getLogger(__name__)
@@ -134,11 +135,13 @@ class LocalBackend(Backend):
         *,
         clock: Callable[[], float] = time.monotonic,
         backoff_first: float = BACKOFF_FIRST,
+        may_start: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store_url = store_url
         self.log_dir = log_dir
         self.clock = clock
         self.backoff_first = backoff_first
+        self.may_start = may_start  # checked before every process starts (leadership)
         self._running: dict[DeploymentId, _Running] = {}
 
     def running(self) -> set[DeploymentId]:
@@ -204,6 +207,8 @@ class LocalBackend(Backend):
     async def _launch(
         self, key: DeploymentId, number: int, command: list[str], replica: _Replica
     ) -> None:
+        if not self.may_start():
+            raise LeadershipLost(f"not starting a worker of {key[0]}/{key[1]}: not the leader")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / log_file_name(key, number)
         with log_path.open("ab") as log_file:

@@ -1,7 +1,8 @@
 """The models controller: the catalog's desired state made true, one pass per step.
 
     step:
-      hold the leadership key (shoal/v1/leaders/models-controller), else wait
+      hold the leadership key (shoal/v1/leaders/models-controller) and have it in force,
+      else stop every local worker and wait (`Fence` also stops them between passes)
       for each workspace:
         deployments phase  replicas started, polled, stopped; statuses; fleet providers
         providers phase    served models → entities, links, statuses, passthrough names
@@ -35,7 +36,7 @@ from shoal.catalog.client import CatalogClient
 from shoal.catalog.deployments import DeploymentsPhase
 from shoal.catalog.errors import CatalogError, NotFoundError
 from shoal.catalog.kinds import VIRTUAL_MODELS
-from shoal.catalog.leader import Leadership
+from shoal.catalog.leader import Leadership, LeadershipLost
 from shoal.catalog.providers import FleetLister, ProvidersPhase, UrlLister
 from shoal.catalog.resources import VirtualModel
 from shoal.catalog.routing import publish, resolve
@@ -46,6 +47,7 @@ from shoal.store import Store, open_store
 log = logging.getLogger(__name__)
 
 ROLE = "models-controller"
+FENCE = "models-controller-fence"
 
 
 class PassError(Exception):
@@ -81,6 +83,7 @@ class ModelsController(Controller, HeartbeatMixin):
     ) -> None:
         self.calls = Calls(client, self.emit_heartbeat)
         self.store = store
+        self.backend = backend
         self.leadership = leadership
         self.workspaces = workspaces
         self.deployments = DeploymentsPhase(self.calls, backend, ttl=deployment_ttl)
@@ -93,7 +96,8 @@ class ModelsController(Controller, HeartbeatMixin):
 
     async def step(self) -> None:
         if self.leadership is not None and not await self.leadership.hold():
-            return  # another replica leads: wait
+            await stop_local_work(self.backend)  # not in force here: nothing runs here
+            return  # another replica leads, or this one waits out the last leader's lease
         self.emit_heartbeat()
         report = PassReport()
         started, calls = time.monotonic(), self.calls.requests
@@ -102,6 +106,8 @@ class ModelsController(Controller, HeartbeatMixin):
         for workspace in names:
             try:
                 await self._workspace(workspace, report)
+            except LeadershipLost:  # the pass ends; the fence stops what runs here
+                raise
             except Exception as exc:  # anything: that workspace's pass only, the others go on
                 failed[workspace] = f"{type(exc).__name__}: {exc}"[:1000]
                 log.warning("workspace %s: pass failed: %s", workspace, exc, exc_info=exc)
@@ -157,6 +163,29 @@ class ModelsController(Controller, HeartbeatMixin):
                 log.info("virtual model %s/%s: status not written: %s", workspace, vm.name, exc)
 
 
+async def stop_local_work(backend: Backend) -> None:
+    """Stop every worker the local backend runs (a replica not leading runs none)."""
+    running = backend.running()
+    if running:
+        log.warning("not the leader (any more): stopping the workers of %d deployment(s)",
+                    len(running))  # fmt: skip
+        await backend.close()
+
+
+class Fence(Controller):
+    """Stops the local workers as soon as leadership is not in force, between passes too:
+    a leader cut off from the store (or frozen, then resumed) stops them before its lease
+    can have ended plus one TTL, when a new leader may start its own (`shoal.catalog.leader`)."""
+
+    def __init__(self, leadership: Leadership, backend: Backend) -> None:
+        self.leadership = leadership
+        self.backend = backend
+
+    async def step(self) -> None:
+        if not self.leadership.in_force():
+            await stop_local_work(self.backend)
+
+
 @dataclass
 class ControllerConfig:
     catalog_url: str
@@ -188,14 +217,18 @@ class ModelsControllerService:
         self.store = await open_store(config.store_url)
         self.client = CatalogClient(config.catalog_url, token=config.admin_token)
         self.session = aiohttp.ClientSession()
-        self.backend = LocalBackend(config.store_url, config.log_dir)
         self.leadership = Leadership(self.store, ROLE, ttl=config.leader_ttl)
+        self.backend = LocalBackend(
+            config.store_url, config.log_dir, may_start=self.leadership.in_force
+        )
         self.controller = ModelsController(
             self.client, self.store, self.backend, self.session,
             leadership=self.leadership, deployment_ttl=config.deployment_ttl,
             provider_timeout=min(config.provider_timeout, 2 * config.interval),
         )  # fmt: skip
         self.manager.register(Loop(self.controller, interval=config.interval, name=ROLE))
+        fence = Fence(self.leadership, self.backend)
+        self.manager.register(Loop(fence, interval=min(config.leader_ttl / 4, 1.0), name=FENCE))
         await self.manager.start_all()
 
     async def stop(self) -> None:

@@ -30,6 +30,7 @@ from shoal.catalog.cache import EntityCache
 from shoal.catalog.calls import Calls
 from shoal.catalog.errors import CatalogError, ConflictError, NotFoundError
 from shoal.catalog.kinds import DEPLOYMENTS, PROVIDERS
+from shoal.catalog.leader import LeadershipLost
 from shoal.catalog.resources import Deployment, DeploymentStatus, Provider
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ class DeploymentsPhase:
         stopped, the reason in its status), never its workspace's."""
         try:
             return await step
+        except LeadershipLost:  # not this deployment's fault: the pass ends here
+            raise
         except (CatalogError, aiohttp.ClientError, TimeoutError) as exc:  # the catalog: retried
             log.warning("deployment %s/%s: %s (next pass)", deployment.workspace,
                         deployment.name, exc)  # fmt: skip

@@ -32,6 +32,7 @@ from shoal.cli.common import (
 
 DEFAULT_PORT = 8100
 DEFAULT_INTERVAL = 2.0
+DEFAULT_LEADER_TTL = 10.0
 COLUMNS: dict[str, tuple[str, ...]] = {
     "providers": ("type", "status", "base_url", "namespace", "auth_secret"),
     "models": ("base_model", "format", "context_length", "providers"),
@@ -105,6 +106,14 @@ def add_controller_flags(parser: argparse.ArgumentParser) -> None:
         type=SECONDS,
         help=f"seconds between two controller passes (default {DEFAULT_INTERVAL:g})",
     )
+    add_flag(
+        parser,
+        "--leader-ttl",
+        DEFAULT_LEADER_TTL,
+        type=float,
+        help="seconds of the controller's leadership lease: a replica takes over that long "
+        f"after the leader is gone, and acts that long later (default {DEFAULT_LEADER_TTL:g})",
+    )
 
 
 def add_auth_flags(parser: argparse.ArgumentParser) -> None:
@@ -166,7 +175,9 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
     controller = None
     if args.store:
-        controller = await start_controller(server, args.store, args.controller_interval)
+        controller = await start_controller(
+            server, args.store, args.controller_interval, args.leader_ttl
+        )
         if controller is None:
             await server.stop()
             return 1
@@ -178,7 +189,9 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def start_controller(server: Any, store_url: str, interval: float) -> Any:
+async def start_controller(
+    server: Any, store_url: str, interval: float, leader_ttl: float = DEFAULT_LEADER_TTL
+) -> Any:
     """The models controller of `server`'s catalog, started on the store at `store_url`;
     `None` once the reason it cannot start is printed. Its workers log beside the store."""
     import platformdirs
@@ -190,6 +203,7 @@ async def start_controller(server: Any, store_url: str, interval: float) -> Any:
         store_url=store_url,
         admin_token=server.config.admin_token,
         interval=interval,
+        leader_ttl=leader_ttl,
         log_dir=Path(platformdirs.user_log_dir("shoal")) / "deployments",
     )
     controller = ModelsControllerService(config)
@@ -350,5 +364,8 @@ async def start_catalog(
         return None
     if interval is None:
         interval = float(env_value("controller_interval") or DEFAULT_INTERVAL)
-    controller = await start_controller(server, store_url, interval) if store_url else None
+    leader_ttl = float(env_value("leader_ttl") or DEFAULT_LEADER_TTL)
+    controller = (
+        await start_controller(server, store_url, interval, leader_ttl) if store_url else None
+    )
     return EmbeddedCatalog(server, controller)
