@@ -263,6 +263,18 @@ def test_probes_name_declared_ports_and_documented_paths() -> None:
     assert frontend["readinessProbe"]["httpGet"]["path"] == "/ready"
 
 
+def test_the_catalog_runs_its_models_controller_on_two_replicas_with_http_probes() -> None:
+    """Without `--store` no controller runs (no routes, no deployments); the readiness probe
+    is the controller's health; two replicas share the leadership."""
+    workloads = [d for n, d in manifests() if n == "catalog.yaml" and d["kind"] in WORKLOADS]
+    assert [d["spec"]["replicas"] for d in workloads] == [2]
+    catalog = dict(containers())["catalog.yaml:shoal-catalog/catalog"]
+    args = check_command_line(command_line(catalog))
+    assert args.store and args.store.startswith("etcd://")
+    assert catalog["livenessProbe"]["httpGet"]["path"] == "/live"
+    assert catalog["readinessProbe"]["httpGet"]["path"] == "/ready"
+
+
 def test_services_select_pods_and_secrets_referenced_exist() -> None:
     docs = manifests()
     templates = [

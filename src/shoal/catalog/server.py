@@ -97,9 +97,15 @@ class CatalogServer:
             raise RuntimeError("the catalog API did not start (see the log)")
 
     def _health_routes(self, app: FastAPI) -> None:
-        """`GET /health/controllers`: 200 while every loop of `controllers` is healthy (or
-        none runs), else 503 naming each unhealthy loop and why."""
+        """The probes, unauthenticated: `GET /live` 200 while the API serves (liveness);
+        `GET /ready` and `GET /health/controllers` 200 while every loop of `controllers` is
+        healthy (or none runs), else 503 naming each unhealthy loop and why (readiness)."""
 
+        @app.get("/live", include_in_schema=False)
+        async def live() -> JSONResponse:
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/ready", include_in_schema=False)
         @app.get("/health/controllers", include_in_schema=False)
         async def controllers() -> JSONResponse:
             if self.controllers is None:
