@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from shoal.catalog import DEPLOYMENTS, MODELS, PROVIDERS, VIRTUAL_MODELS, CatalogServer
 from shoal.catalog.backends import LocalBackend
 from shoal.catalog.controller import ControllerConfig, ModelsControllerService
-from shoal.catalog.errors import NotFoundError
+from shoal.catalog.errors import InvalidError, NotFoundError
 from shoal.catalog.routing import routes_prefix
 from shoal.controllers import ControllerManager, Loop
 from shoal.discovery import route_key
@@ -42,20 +43,27 @@ async def test_a_row_the_client_cannot_read_affects_only_itself(
     catalog: CatalogServer, database_url: str
 ) -> None:
     """Rows left by an older catalog: a model whose `spec` nests 300 levels (readable), a
-    virtual model and a deployment that no longer validate (unreadable). The pass goes on
+    entity, a virtual model and a deployment that no longer validate. The pass goes on
     for everything else, leaves the unreadable ones' route and workers alone, and
     `/health/controllers` stays 200."""
     backend = FakeBackend()
-    await insert_rows(database_url, MODELS, WS, [{"name": "deep", "spec": nested(300)}])
+    await insert_rows(database_url, MODELS, WS, [
+        {"name": "deep", "spec": nested(300)},
+        {"name": "odd-model", "providers": "not a list"},
+    ])  # fmt: skip
     await insert_rows(database_url, VIRTUAL_MODELS, WS, [
         {"name": "broken", "default_model": "deep", "targets": "not a list"},
+        {"name": "via-odd", "default_model": "odd-model"},
     ])  # fmt: skip
     await insert_rows(database_url, DEPLOYMENTS, WS, [
         {"name": "odd", "model": "m", "engine": "no-such-engine", "status": "READY"},
     ])  # fmt: skip
     async with controller_on(catalog.url, backend=backend) as (ctl, client, store):
         backend.runs.add((WS, "odd"))  # its workers, started before the row went bad
-        await store.put(route_key(WS, "broken"), b'{"workspace":"team-a","name":"broken"}')
+        for name in ("broken", "via-odd"):  # routes published before the rows went bad
+            route = f'{{"workspace":"team-a","name":"{name}","targets":[{{"kind":"fleet","model":"m"}}]}}'
+            await store.put(route_key(WS, name), route.encode())
+        held = {n: await store.get(route_key(WS, n)) for n in ("broken", "via-odd")}
         await client.create(VIRTUAL_MODELS, {"name": "chat", "default_model": "deep"})
         await client.create(VIRTUAL_MODELS, {"name": "new", "default_model": "x"}, workspace="b")
         assert [m.name for m in await client.list_all(MODELS)] == ["deep"]  # read, at 300
@@ -73,7 +81,9 @@ async def test_a_row_the_client_cannot_read_affects_only_itself(
         assert ctl.last is not None and ctl.last.failed == {}
         assert await store.get(route_key(WS, "chat")) is not None
         assert await store.get(route_key("b", "new")) is not None  # the other workspace too
-        assert await store.get(route_key(WS, "broken")) is not None  # not judged: kept
+        for name, kv in held.items():  # not judged: kept as they were
+            now = await store.get(route_key(WS, name))
+            assert kv is not None and now is not None and now.mod_revision == kv.mod_revision
         assert (WS, "odd") in backend.runs and "odd" not in backend.stopped
 
 
@@ -248,3 +258,18 @@ async def test_hung_url_providers_are_error_and_the_loop_stays_healthy(
                     assert "no answer within" in providers[name].status_message
             finally:
                 await service.stop()
+
+
+async def test_keyset_pages_are_named_after_the_cursor_and_only_by_name(
+    catalog: CatalogServer,
+) -> None:
+    async with RecordingClient(catalog.url, workspace=WS) as client:
+        for name in ("a", "b", "c", "d"):
+            await client.create(VIRTUAL_MODELS, {"name": name, "default_model": name})
+        page = await client.list(VIRTUAL_MODELS, page_size=2, after="a")
+        assert [vm.name for vm in page.items] == ["b", "c"] and page.last == "c"
+        pages = [p async for p in client.pages(VIRTUAL_MODELS, page_size=2)]
+        assert [[vm.name for vm in p.items] for p in pages] == [["a", "b"], ["c", "d"], []]
+        with pytest.raises(InvalidError) as refused:
+            await client.list(VIRTUAL_MODELS, sort="-name", after="a")
+        assert refused.value.param == "after"

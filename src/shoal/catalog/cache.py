@@ -20,10 +20,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from shoal.catalog.calls import Calls, each
-from shoal.catalog.errors import CatalogError, ConflictError, NotFoundError
+from shoal.catalog.errors import ConflictError, NotFoundError
 from shoal.catalog.kinds import MODELS
 from shoal.catalog.resources import Model
 
@@ -59,6 +57,7 @@ class EntityCache:
         self._snapshot: dict[str, Model] = {}
         self._absent: set[str] = set()  # names a direct get found missing since the refresh
         self._staged: dict[str, _Change] = {}
+        self.unreadable: set[str] = set()  # listed names the client could not read
         self.refreshed = False
 
     # -- reading ------------------------------------------------------------------------
@@ -72,6 +71,7 @@ class EntityCache:
             )
         entities = await self.calls.list_all(MODELS, self.workspace)
         self._snapshot = {entity.name: entity for entity in entities}
+        self.unreadable = set(entities.invalid)
         self._absent = set()
         self.refreshed = True
 
@@ -185,7 +185,7 @@ class EntityCache:
             change = self._staged[name]
             try:
                 written = await self._write(name, change)
-            except (CatalogError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            except Exception as exc:  # this entity only (unreadable, refused, the catalog down)
                 change.attempted = True
                 result.failed[name] = f"{type(exc).__name__}: {exc}"
                 log.warning("model %s/%s not written (retried next pass): %s",

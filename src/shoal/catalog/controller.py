@@ -50,6 +50,11 @@ ROLE = "models-controller"
 FENCE = "models-controller-fence"
 
 
+def _names(vm: VirtualModel) -> set[str]:
+    """The model entities a virtual model routes to."""
+    return {t.model_entity for t in vm.targets} or {vm.default_model}
+
+
 class PassError(Exception):
     """Every workspace of a pass failed; the message names them and why."""
 
@@ -126,7 +131,9 @@ class ModelsController(Controller, HeartbeatMixin):
         result = await self.providers.run(workspace)
         if result.virtual_models is None:  # not read: the routes stay as they are
             return
-        routes = resolve(workspace, result.virtual_models, result.entities.get, result.providers)
+        unreadable = result.unreadable_entities
+        judged = [vm for vm in result.virtual_models if not _names(vm) & unreadable]
+        routes = resolve(workspace, judged, result.entities.get, result.providers)
 
         async def gone(name: str) -> bool:
             return await self._virtual_model_gone(workspace, name)

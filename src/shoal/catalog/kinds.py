@@ -43,6 +43,7 @@ MODELS: Kind[r.Model] = Kind(
 VIRTUAL_MODELS: Kind[r.VirtualModel] = Kind(
     "virtual-models", "VirtualModel", r.VirtualModelSpec, r.VirtualModelCreate,
     r.VirtualModelPatch, r.VirtualModel, tables.virtual_models, frozenset({"default_model"}),
+    frozenset({"status_message"}),
 )  # fmt: skip
 DEPLOYMENTS: Kind[r.Deployment] = Kind(
     "deployments", "Deployment", r.DeploymentSpec, r.DeploymentCreate, r.DeploymentPatch,

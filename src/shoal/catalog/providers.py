@@ -63,6 +63,7 @@ class ProvidersResult:
     entities: dict[str, Model] = field(default_factory=dict)
     served: set[str] = field(default_factory=set)
     unreadable: set[str] = field(default_factory=set)  # refs of providers not read: kept as is
+    unreadable_entities: set[str] = field(default_factory=set)  # routes over them: kept as is
 
 
 def secret_value(name: str | None) -> str | None:
@@ -151,6 +152,7 @@ class ProvidersPhase:
         finally:
             await cache.flush()
         result.entities = {name: e for name in cache.names() if (e := cache.peek(name))}
+        result.unreadable_entities = set(cache.unreadable)
         if virtual_models is not None:
             await self._passthrough(workspace, result)
             await self._cleanup(workspace, result)
