@@ -110,7 +110,7 @@ def add_controller_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "--leader-ttl",
         DEFAULT_LEADER_TTL,
-        type=float,
+        type=SECONDS,
         help="seconds of the controller's leadership lease: a replica takes over that long "
         f"after the leader is gone, and acts that long later (default {DEFAULT_LEADER_TTL:g})",
     )
