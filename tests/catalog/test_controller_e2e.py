@@ -17,6 +17,7 @@ from shoal.discovery import Discovery, FleetTarget, Query, decode_route, route_k
 from shoal.store import Store, open_store
 from tests.catalog.test_cli import catalog_cli
 from tests.helpers import free_port, wait_for
+from tests.etcd_server import EtcdServer
 from tests.processes import Processes
 
 FILE = """\
@@ -149,14 +150,15 @@ def workers_of(pids: list[int]) -> dict[int, list[int]]:
 
 
 async def test_a_deposed_leader_stops_its_workers_before_the_new_leader_starts_any(
-    processes: Processes, tmp_path: Path, database_url: str
+    processes: Processes, own_etcd: EtcdServer, database_url: str
 ) -> None:
     """Two replicas; the leader runs the one worker of a `replicas: 1` deployment and is
     paused (SIGSTOP) past its lease TTL, so the other takes over. The paused one stops its
     worker as soon as it runs again (SIGCONT), and the new leader starts its own only one
-    TTL after winning: at no moment do two workers run. After DELETING none runs."""
+    TTL after winning: at no moment do two workers run. After DELETING none runs. (On etcd:
+    a SQLite store's lock can be held by the paused process.)"""
     ttl = 2.0
-    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    store_url = own_etcd.url
     serve = ["catalog", "serve", "--db", database_url, "--store", store_url,
              "--controller-interval", "0.2", "--leader-ttl", str(ttl)]  # fmt: skip
     first = await processes.start(*serve, "--port", str(free_port()), ready="catalog")
