@@ -13,8 +13,10 @@ Failures are isolated to what they come from: a row the client cannot read is le
 its listing and left as it is; a deployment that cannot start is ERROR; a provider that
 cannot be listed is ERROR; a route that cannot be written is reported on its virtual model;
 anything else fails its workspace's pass, never the others'. A pass fails (the loop counts
-it) only when every workspace failed. Each phase lists what it needs once, reads entities through its own cache and flushes it in a
-`finally`; a phase reads only after the previous one wrote, so no phase decides on state
+it) only when every workspace failed.
+
+Each phase lists what it needs once, reads entities through its own cache and flushes it in
+a `finally`; a phase reads only after the previous one wrote, so no phase decides on state
 another already changed. Every catalog call and every item beats the loop's heartbeat: a
 long pass that advances is healthy, a pass stuck on one call is reported within
 `max_silence` (three intervals). `ModelsControllerService` runs the loop beside the catalog

@@ -7,6 +7,11 @@
     ERROR             → replicas stopped
     DELETED / ERROR   → the row deleted once unchanged for `ttl` seconds
 
+Each deployment is isolated: one that cannot start at all (errno 7, a command line too long;
+a file that cannot be made) is ERROR with the reason and its workers stopped; a catalog
+error leaves it to the next pass; the others go on either way. A row the client cannot read
+is left as it is: its workers keep running and its provider stays.
+
 A READY deployment has a `fleet` provider, `deployment-{name}` (autoprovisioned, serving the
 deployment's model from its namespace). Every other autoprovisioned `deployment-*` provider
 (its deployment is not READY, or gone) is removed: its entity links are unlinked through the
