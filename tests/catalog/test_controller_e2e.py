@@ -16,8 +16,8 @@ from shoal.catalog.leader import leader_key
 from shoal.discovery import Discovery, FleetTarget, Query, decode_route, route_key
 from shoal.store import Store, open_store
 from tests.catalog.test_cli import catalog_cli
-from tests.helpers import free_port, wait_for
 from tests.etcd_server import EtcdServer
+from tests.helpers import free_port, wait_for
 from tests.processes import Processes
 
 FILE = """\
