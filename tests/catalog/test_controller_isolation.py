@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,10 @@ import pytest
 from shoal.catalog import DEPLOYMENTS, MODELS, PROVIDERS, VIRTUAL_MODELS, CatalogServer
 from shoal.catalog.backends import LocalBackend
 from shoal.catalog.controller import ControllerConfig, ModelsControllerService
+from shoal.catalog.database import open_engine
 from shoal.catalog.errors import InvalidError, NotFoundError
 from shoal.catalog.routing import routes_prefix
+from shoal.catalog.tables import workspaces
 from shoal.controllers import ControllerManager, Loop
 from shoal.discovery import route_key
 from shoal.store import Delete, Put, Resync
@@ -90,12 +93,18 @@ async def test_a_row_the_client_cannot_read_affects_only_itself(
 async def test_the_client_reads_every_workspace_past_the_first_page(
     catalog: CatalogServer, database_url: str
 ) -> None:
-    for n in range(1001):
-        await insert_rows(database_url, MODELS, f"w{n:04d}", [])
+    engine = open_engine(database_url)
+    now = datetime.now(UTC)
+    try:
+        async with engine.begin() as conn:
+            rows = [{"name": f"w{n:04d}", "version": 1, "created_at": now} for n in range(1001)]
+            await conn.execute(workspaces.insert(), rows)
+    finally:
+        await engine.dispose()
     async with RecordingClient(catalog.url) as client:
         found = [w.name for w in await client.workspaces()]
         assert len(found) == 1001 and found[-1] == "w1000"
-        assert [w.name for w in await client.workspaces(page_size=7)] == found
+        assert [w.name for w in await client.workspaces(page_size=250)] == found
 
 
 async def test_a_deployment_that_cannot_start_is_error_and_its_workspace_proceeds(
