@@ -68,6 +68,10 @@ async def test_a_pass_stuck_on_one_call_is_reported_within_three_intervals(
                 body = await resp.json()
             assert resp.status == 503
             assert "no progress" in body["unhealthy"]["models-controller"]
+            async with aiohttp.ClientSession() as http, http.get(f"{catalog.url}/ready") as resp:
+                ready = await resp.json()
+            assert resp.status == 503  # stuck on its own call: this replica only
+            assert "no progress" in ready["reasons"]["models-controller"]
         finally:
             await manager.stop_all(timeout=0.5)
             catalog.controllers = None

@@ -75,9 +75,10 @@ async def test_a_row_the_client_cannot_read_affects_only_itself(
         await catalog.controllers.start_all()
         try:
             await wait_for(lambda: ctl.passes >= 3, timeout=30)
-            url = f"{catalog.url}/health/controllers"
-            async with aiohttp.ClientSession() as http, http.get(url) as resp:
-                assert resp.status == 200, await resp.text()
+            async with aiohttp.ClientSession() as http:
+                for probe in ("/health/controllers", "/ready", "/live"):
+                    async with http.get(f"{catalog.url}{probe}") as resp:
+                        assert resp.status == 200, (probe, await resp.text())
         finally:
             await catalog.controllers.stop_all(timeout=1.0)
             catalog.controllers = None

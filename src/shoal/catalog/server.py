@@ -97,15 +97,23 @@ class CatalogServer:
             raise RuntimeError("the catalog API did not start (see the log)")
 
     def _health_routes(self, app: FastAPI) -> None:
-        """The probes, unauthenticated: `GET /live` 200 while the API serves (liveness);
-        `GET /ready` and `GET /health/controllers` 200 while every loop of `controllers` is
-        healthy (or none runs), else 503 naming each unhealthy loop and why (readiness)."""
+        """The probes and the report, unauthenticated. `GET /live`: 200 while the API serves.
+        `GET /ready`: 503 only while a loop of `controllers` is stuck on its own work, which
+        another replica would not share; never for steps failing on the store or the
+        database, shared by every replica. `GET /health/controllers`: 200 while every loop
+        is healthy (or none runs), else 503 naming each unhealthy loop and why."""
 
         @app.get("/live", include_in_schema=False)
         async def live() -> JSONResponse:
             return JSONResponse({"status": "ok"})
 
         @app.get("/ready", include_in_schema=False)
+        async def ready() -> JSONResponse:
+            stuck = self.controllers.stuck() if self.controllers is not None else {}
+            if stuck:
+                return JSONResponse({"status": "not ready", "reasons": stuck}, status_code=503)
+            return JSONResponse({"status": "ready"})
+
         @app.get("/health/controllers", include_in_schema=False)
         async def controllers() -> JSONResponse:
             if self.controllers is None:
