@@ -5,6 +5,7 @@ listings the controller acts on are consistent, so no untouched route ever disap
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,6 +33,7 @@ from tests.catalog.controller_fixtures import (
     openai_servers,
     seed_converged,
 )
+from tests.catalog.test_cli import catalog_cli
 from tests.helpers import wait_for
 
 
@@ -283,3 +285,19 @@ async def test_keyset_pages_are_named_after_the_cursor_and_only_by_name(
         with pytest.raises(InvalidError) as refused:
             await client.list(VIRTUAL_MODELS, sort="-name", after="a")
         assert refused.value.param == "after"
+
+
+async def test_catalog_get_lists_every_readable_row_and_names_the_others(
+    catalog: CatalogServer, database_url: str
+) -> None:
+    await insert_rows(database_url, MODELS, "default", [
+        {"name": "deep", "spec": nested(64)},
+        {"name": "deeper", "spec": nested(300)},
+        {"name": "odd", "providers": "not a list"},
+        {"name": "plain"},
+    ])  # fmt: skip
+    code, out, err = await catalog_cli("get", "models", "-o", "json", "--url", catalog.url)
+    assert code == 0, err
+    assert [row["name"] for row in json.loads(out)] == ["deep", "plain"]
+    assert "models odd: cannot be read: providers" in err
+    assert "models deeper: cannot be printed" in err

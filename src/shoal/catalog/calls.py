@@ -61,6 +61,7 @@ class Calls:
     def __init__(self, client: CatalogClient, beat: Callable[[], None] = _nothing) -> None:
         self.client = client
         self.beat = beat
+        self._reported: set[tuple[str, str, str, str]] = set()  # unreadable rows logged
 
     @property
     def requests(self) -> int:
@@ -83,8 +84,10 @@ class Calls:
                 raise
             return Listing()
         for name, why in found.invalid.items():
-            log.warning("%s %s/%s cannot be read (left as it is): %s",
-                        kind.singular, workspace, name, why)  # fmt: skip
+            if (kind.plural, workspace, name, why) not in self._reported:  # once, not each pass
+                self._reported.add((kind.plural, workspace, name, why))
+                log.warning("%s %s/%s cannot be read (left as it is): %s",
+                            kind.singular, workspace, name, why)  # fmt: skip
         return found
 
     async def get(self, kind: Kind[M], workspace: str, name: str) -> M:

@@ -283,8 +283,19 @@ async def get(client: Any, args: argparse.Namespace) -> int:
     if args.name:
         items = [await client.get(kind, args.name)]
     else:
-        items = await client.list_all(kind)
-    rows = [{"kind": kind.singular, **item.model_dump(mode="json")} for item in items]
+        items = []
+        async for page in client.pages(kind):
+            items += page.items
+            for name, why in page.invalid.items():  # listed without it, named on stderr
+                print(f"shoal catalog get: {kind.plural} {name}: cannot be read: {why}",
+                      file=sys.stderr)  # fmt: skip
+    rows = []
+    for item in items:
+        try:
+            rows.append({"kind": kind.singular, **item.model_dump(mode="json")})
+        except ValueError as exc:  # a row from before a bound (nested past what prints)
+            print(f"shoal catalog get: {kind.plural} {item.name}: cannot be printed: {exc}",
+                  file=sys.stderr)  # fmt: skip
     if args.output == "json":
         print(json.dumps(rows[0] if args.name else rows, indent=2))
     elif args.output == "yaml":
