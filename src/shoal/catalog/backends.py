@@ -33,6 +33,7 @@ BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 60.0
 STABLE_AFTER = 30.0  # a replica up this long has its backoff reset
 GIVE_UP_AFTER = 5  # failed starts in a row (never ready) before the deployment is in ERROR
+STOP_TIMEOUT = 30.0  # a stopped worker's drain, before SIGKILL
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ async def _read_ready(replica: _Replica) -> None:
             replica.ready, replica.instance = True, match["instance"]
 
 
-async def _stop_replica(replica: _Replica, timeout: float = 30.0) -> None:
+async def _stop_replica(replica: _Replica, timeout: float = STOP_TIMEOUT) -> None:
     """SIGTERM (the worker drains), then SIGKILL after `timeout`."""
     proc = replica.proc
     if proc is not None and proc.returncode is None:

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
-from shoal.catalog.backends import Backend, LocalBackend
+from shoal.catalog.backends import STOP_TIMEOUT, Backend, LocalBackend
 from shoal.catalog.calls import Calls
 from shoal.catalog.client import CatalogClient
 from shoal.catalog.deployments import DeploymentsPhase
@@ -103,7 +104,7 @@ class ModelsController(Controller, HeartbeatMixin):
 
     async def step(self) -> None:
         if self.leadership is not None and not await self.leadership.hold():
-            await stop_local_work(self.backend)  # not in force here: nothing runs here
+            await stop_local_work(self.backend, self.emit_heartbeat)  # nothing runs here
             return  # another replica leads, or this one waits out the last leader's lease
         self.emit_heartbeat()
         report = PassReport()
@@ -172,16 +173,19 @@ class ModelsController(Controller, HeartbeatMixin):
                 log.info("virtual model %s/%s: status not written: %s", workspace, vm.name, exc)
 
 
-async def stop_local_work(backend: Backend) -> None:
-    """Stop every worker the local backend runs (a replica not leading runs none)."""
+async def stop_local_work(backend: Backend, beat: Callable[[], None] = lambda: None) -> None:
+    """Stop every worker the local backend runs (a replica not leading runs none), beating
+    after each deployment stopped."""
     running = backend.running()
     if running:
         log.warning("not the leader (any more): stopping the workers of %d deployment(s)",
                     len(running))  # fmt: skip
-        await backend.close()
+    for workspace, name in sorted(running):
+        await backend.stop(workspace, name)
+        beat()
 
 
-class Fence(Controller):
+class Fence(Controller, HeartbeatMixin):
     """Stops the local workers as soon as leadership is not in force, between passes too:
     a leader cut off from the store (or frozen, then resumed) stops them before its lease
     can have ended plus one TTL, when a new leader may start its own (`shoal.catalog.leader`)."""
@@ -192,7 +196,7 @@ class Fence(Controller):
 
     async def step(self) -> None:
         if not self.leadership.in_force():
-            await stop_local_work(self.backend)
+            await stop_local_work(self.backend, self.emit_heartbeat)
 
 
 @dataclass
@@ -236,8 +240,10 @@ class ModelsControllerService:
             provider_timeout=min(config.provider_timeout, 2 * config.interval),
         )  # fmt: skip
         self.manager.register(Loop(self.controller, interval=config.interval, name=ROLE))
-        fence = Fence(self.leadership, self.backend)
-        self.manager.register(Loop(fence, interval=min(config.leader_ttl / 4, 1.0), name=FENCE))
+        fence, every = Fence(self.leadership, self.backend), min(config.leader_ttl / 4, 1.0)
+        # Silent at most while one deployment's workers drain (SIGTERM, SIGKILL after 30 s).
+        silence = 3 * every + STOP_TIMEOUT + 5
+        self.manager.register(Loop(fence, interval=every, max_silence=silence, name=FENCE))
         await self.manager.start_all()
 
     async def stop(self) -> None:
