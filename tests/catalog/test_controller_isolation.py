@@ -16,9 +16,11 @@ import pytest
 
 from shoal.catalog import DEPLOYMENTS, MODELS, PROVIDERS, VIRTUAL_MODELS, CatalogServer
 from shoal.catalog.backends import LocalBackend
+from shoal.catalog.client import read_items
 from shoal.catalog.controller import ControllerConfig, ModelsControllerService
 from shoal.catalog.database import open_engine
-from shoal.catalog.errors import InvalidError, NotFoundError
+from shoal.catalog.errors import CatalogError, InvalidError, NotFoundError
+from shoal.catalog.resources import Model
 from shoal.catalog.routing import routes_prefix
 from shoal.catalog.tables import workspaces
 from shoal.controllers import ControllerManager, Loop
@@ -301,3 +303,15 @@ async def test_catalog_get_lists_every_readable_row_and_names_the_others(
     assert [row["name"] for row in json.loads(out)] == ["deep", "plain"]
     assert "models odd: cannot be read: providers" in err
     assert "models deeper: cannot be printed" in err
+
+
+def test_a_page_nested_past_what_the_decoder_follows_is_a_catalog_error() -> None:
+    """Items are validated one by one; a page too deep to decode at all is one error of that
+    listing (its workspace's), never a RecursionError."""
+    deep = b'{"a":' * 2000 + b"{}" + b"}" * 2000
+    with pytest.raises(CatalogError, match="not a page"):
+        read_items(Model, b'{"items":[' + deep + b'],"total":1}')
+    page = read_items(Model, b'{"items":[{"name":"x"},{"name":"y","workspace":"w","version":1,'
+                      b'"created_at":"2026-01-01T00:00:00Z","updated_at":"2026-01-01T00:00:00Z"}],'
+                      b'"total":2}')  # fmt: skip
+    assert [m.name for m in page.items] == ["y"] and list(page.invalid) == ["x"]

@@ -57,7 +57,12 @@ def _segment(text: str) -> str:
 
 def read_items(read: type[M], raw: bytes) -> ListPage[M]:
     """A page from its bytes, each item validated on its own (`invalid` names the others)."""
-    page = msgspec.json.decode(raw, type=_Envelope)
+    try:
+        page = msgspec.json.decode(raw, type=_Envelope)
+    except (msgspec.DecodeError, RecursionError) as exc:  # not a page: the whole answer
+        raise CatalogError(
+            f"the catalog's answer is not a page this client can read: {exc}"
+        ) from exc
     items: builtins.list[M] = []
     invalid: dict[str, str] = {}
     for item in page.items:
