@@ -34,7 +34,7 @@ async def in_force_after_a_ttl(leadership: Leadership) -> None:
 async def test_one_replica_holds_the_key_and_the_other_takes_over_when_it_goes(
     store: Store,
 ) -> None:
-    first, second = Leadership(store, ROLE, ttl=0.5), Leadership(store, ROLE, ttl=0.5)
+    first, second = Leadership(store, ROLE, ttl=2), Leadership(store, ROLE, ttl=2)
     await in_force_after_a_ttl(first)
     assert not await second.hold() and not second.leading
     assert await first.hold() and not await second.hold()  # held, not re-won
@@ -47,7 +47,7 @@ async def test_one_replica_holds_the_key_and_the_other_takes_over_when_it_goes(
 
 
 async def test_a_leader_whose_lease_expired_stops_leading(store: Store) -> None:
-    first, second = Leadership(store, ROLE, ttl=0.5), Leadership(store, ROLE, ttl=0.5)
+    first, second = Leadership(store, ROLE, ttl=2), Leadership(store, ROLE, ttl=2)
     await in_force_after_a_ttl(first)
     assert first.lease is not None
     await store.revoke(first.lease.id)  # as if it expired while the holder was stalled
@@ -59,7 +59,7 @@ async def test_a_leader_whose_lease_was_not_renewed_for_a_ttl_is_not_in_force(
     store: Store,
 ) -> None:
     """No call needed: a frozen or cut-off leader knows from its clock alone."""
-    leadership = Leadership(store, ROLE, ttl=0.5)
+    leadership = Leadership(store, ROLE, ttl=2)
     await in_force_after_a_ttl(leadership)
     assert leadership.lease is not None
     leadership.lease.stop_keepalive()  # as if the store stopped answering
@@ -76,7 +76,7 @@ async def test_only_the_leading_controller_makes_passes(
         for client in clients:
             controllers.append(ModelsController(
                 client, store, FakeBackend(), session, workspaces=["team-a"],
-                leadership=Leadership(store, ROLE, ttl=0.5),
+                leadership=Leadership(store, ROLE, ttl=2),
             ))  # fmt: skip
         try:
             await controllers[0].step()  # wins the key; acts one TTL later
