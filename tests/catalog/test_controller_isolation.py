@@ -115,10 +115,11 @@ async def test_the_client_reads_every_workspace_past_the_first_page(
 async def test_a_deployment_that_cannot_start_is_error_and_its_workspace_proceeds(
     catalog: CatalogServer, database_url: str, tmp_path: Path
 ) -> None:
-    """errno 36 (a log file name from a long workspace and name) no longer happens: file
-    names are bounded; errno 7 (engine_args too large for a command line) makes that
-    deployment ERROR with the reason, and the workspace's other resources go on."""
-    workspace, long_name = "w" * 63, "d" * 200
+    """Log file names are bounded (120 bytes, a hash suffix) whatever the workspace and
+    name (errno 36 came from them when names could be 200 long); errno 7 (engine_args too
+    large for a command line, a row from before the API's bound) makes that deployment
+    ERROR with the reason, and the workspace's other resources go on."""
+    workspace, long_name = "w" * 63, "d" * 150
     await insert_rows(database_url, DEPLOYMENTS, workspace, [
         {"name": "huge-args", "model": "m", "engine": "mocker",
          "engine_args": {"blob": "x" * 200_000}, "status": "CREATED"},
