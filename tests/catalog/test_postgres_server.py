@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from shoal.catalog.database import current_revision, migrate, open_engine
+from tests.catalog.test_migrations import HEAD
 from tests.postgres_server import PostgresCluster
 
 
@@ -22,7 +23,7 @@ async def test_throwaway_cluster_serves_a_migrated_catalog() -> None:
         try:
             await migrate(engine)
             async with engine.connect() as conn:
-                assert await current_revision(conn) == "0001"
+                assert await current_revision(conn) == HEAD
         finally:
             await engine.dispose()
     finally:
