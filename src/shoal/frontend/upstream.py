@@ -86,6 +86,10 @@ class Upstream:
         schemes = ("http", "https") if tls is not None else ("http",)
         if parts.scheme not in schemes or not parts.hostname:
             wanted = " or ".join(f"{s}://host:port" for s in schemes)
+            if "@" in parts.netloc:  # credentials never go into messages
+                url = urllib.parse.urlunsplit(
+                    parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2])
+                )
             raise ValueError(f"URL {url!r}: only {wanted} URLs are supported")
         self.instance_id = instance_id
         self.url = url  # as announced (identity for the registry; may hold credentials)
