@@ -234,3 +234,29 @@ async def test_one_batch_of_many_blocks_is_applied_in_slices(publisher: KvEventP
     finally:
         await sub.stop()
         ctx.destroy(linger=0)
+
+
+async def test_a_batch_over_the_size_bound_is_refused_unread_and_counted_as_a_loss(
+    publisher: KvEventPublisher,
+) -> None:
+    """A batch is decoded on the event loop in one step: a publisher's 6 MB message (about
+    50 times an engine step's) held it ~55 ms, and 50 MB ~0.5 s. Now a batch
+    over `MAX_BATCH_BYTES` is a loss like an unreadable one: never decoded, the instance's
+    blocks are dropped, and the stream goes on."""
+    assert publisher.endpoint is not None
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
+    sub = subscribe(ctx, publisher.endpoint, index, stats)
+    try:
+        await wait_for(lambda: stats.replays == 1, message="subscribed")
+        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        store(publisher, 0)
+        await wait_for(lambda: sub.last_seq == 0, message="first batch")
+        huge = 6 << 20
+        publisher.record(BlockStored([1], 0, [1] * huge, huge))
+        publisher.flush()
+        store(publisher, 2)
+        await wait_for(lambda: sub.last_seq == 2, timeout=30, message="went on")
+        assert (stats.batches, stats.decode_errors, stats.resnapshots) == (2, 1, 1)
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)

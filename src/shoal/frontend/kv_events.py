@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 REPLAY_TIMEOUT = 2.0  # seconds to wait for each message of a replay
 YIELD_EVERY = 64  # messages read before yielding to the event loop
 YIELD_SECONDS = 0.005  # or this long
+# The largest batch decoded: decoding is one step on the event loop, and an engine step's
+# events weigh far less (16,384 tokens of prefill: ~100 KB). A larger one is a loss like an
+# unreadable one. (ZMQ's own MAXMSGSIZE would do it before reading, but libzmq 4.3 never
+# reconnects a peer it dropped for it: the subscription would go deaf.)
+MAX_BATCH_BYTES = 4 << 20
 APPLY_SLICE = 1024  # blocks of one batch applied before yielding to the event loop
 
 
@@ -134,6 +139,8 @@ class KvSubscription:
 
     async def _apply(self, seq: int, payload: bytes) -> None:
         try:
+            if len(payload) > MAX_BATCH_BYTES:
+                raise msgspec.DecodeError(f"{len(payload)} bytes, over {MAX_BATCH_BYTES}")
             batch = decode_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             # A batch we cannot read is a loss like any other: the index must not drift.
