@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import time
+import timeit
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -57,3 +60,15 @@ def test_brackets_inside_strings_do_not_count() -> None:
 def test_a_thousand_levels_are_refused_without_recursion() -> None:
     assert json_depth_exceeds(b"[" * 100_000 + b"]" * 100_000)
     assert json_depth_exceeds(b'{"a":' * 1000)  # truncated input is judged too
+
+
+def test_a_chat_of_many_messages_is_checked_faster_than_it_is_decoded() -> None:
+    """The check runs on the event loop before every request body is decoded: splitting at
+    each of 1.6 million quotes held the loop ~0.8 s for an 8 MB chat, four times msgspec's
+    own decoding of it."""
+    message = {"role": "user", "content": "hi there"}
+    body = json.dumps({"model": "m", "messages": [message] * 200_000}).encode()
+    cpu = time.thread_time  # (what other processes on a shared machine take does not count)
+    check = min(timeit.repeat(lambda: json_depth_exceeds(body), cpu, number=1, repeat=3))
+    decode = min(timeit.repeat(lambda: msgspec.json.decode(body), cpu, number=1, repeat=3))
+    assert check < decode  # (about a third of it; twice it before)

@@ -15,10 +15,10 @@ from __future__ import annotations
 MAX_DEPTH = 64
 """The deepest nesting of arrays and objects shoal accepts in any outside JSON value."""
 
-# Keep only brackets, and write both kinds as `[`/`]`: depth does not care which kind, and
-# a mismatched pair is the decoder's to report, as a syntax error.
+# Keep only quotes and brackets, and write both kinds of bracket as `[`/`]`: depth does not
+# care which kind, and a mismatched pair is the decoder's to report, as a syntax error.
 _BRACKETS_ONLY = bytes.maketrans(b"{}", b"[]")
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
 
 
 class TooDeep(ValueError):
@@ -32,9 +32,13 @@ class TooDeep(ValueError):
 def json_depth_exceeds(data: bytes | bytearray | memoryview | str, limit: int = MAX_DEPTH) -> bool:
     """Whether `data` (JSON text, valid or not) nests arrays or objects deeper than `limit`.
 
-    Every step is one C-speed pass over bytes (no Python loop per byte): drop escapes, drop
-    what lies between quotes, keep the brackets, then peel one level of innermost pairs per
-    pass. A value with at most `limit` openers costs two counts, which is most values.
+    Every step is one C-speed pass over bytes (no Python loop per byte): drop escapes, keep
+    only quotes and brackets, drop what lies between quotes, then peel one level of innermost
+    pairs per pass. A value with at most `limit` openers costs two counts, which is most
+    values. When no string holds a bracket (a chat of 200,000 messages), each string is left
+    as `""` and one `replace` drops them all: splitting at every quote cost ~0.8 s of event
+    loop for 8 MB. (If every quote goes in adjacent pairs, no string held a bracket: the
+    first that did would need an odd number of quotes before the bracket ahead of it.)
     """
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if raw.count(b"[") + raw.count(b"{") <= limit:
@@ -43,8 +47,10 @@ def json_depth_exceeds(data: bytes | bytearray | memoryview | str, limit: int = 
     # and the pieces outside strings are the even ones.
     if b"\\" in raw:
         raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    outside = b"".join(raw.split(b'"')[::2]) if b'"' in raw else raw
-    brackets = outside.translate(_BRACKETS_ONLY, _NOT_BRACKETS)
+    structure = raw.translate(_BRACKETS_ONLY, _NOT_STRUCTURE)
+    brackets = structure.replace(b'""', b"")
+    if b'"' in brackets:  # some string holds a bracket
+        brackets = b"".join(structure.split(b'"')[::2])
     for level in range(limit + 1):
         # After `level` passes each bracket left sits `level` levels above a leaf, so a run of
         # openers longer than what remains of the budget proves the value too deep.

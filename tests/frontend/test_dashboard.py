@@ -25,7 +25,7 @@ from shoal.frontend.snapshot import RequestHistory, percentile
 from shoal.membership import parse_sources
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
-from tests.frontend.support import serving
+from tests.frontend.support import FakeWorker, serving
 from tests.helpers import wait_for
 
 
@@ -352,3 +352,31 @@ async def test_virtual_models_published_in_discovery_show_in_the_routes_section(
     (shown,) = (await snapshot(frontend))["routes"]
     assert shown["key"] == "default/fast" and shown["serving"] is True
     assert shown["targets"][0]["kind"] == "fleet" and shown["targets"][0]["model"] == "mock-llm"
+
+
+class WorkerWithCredentials(FakeWorker):
+    """A worker announced at a URL with Basic credentials (the frontend sends them)."""
+
+    @property
+    def url(self) -> str:
+        return f"http://svc:hunter2@127.0.0.1:{self.port}"
+
+
+async def test_instance_urls_show_without_their_credentials(
+    start_frontend: StartFrontend, store: Store
+) -> None:
+    """Any holder of an API key (every client) reads the dashboard's data: an instance URL's
+    credentials, which only the frontend needs, showed there."""
+    worker = await WorkerWithCredentials().start()
+    try:
+        await worker.register(store)
+        frontend = await start_frontend()
+        await wait_for(lambda: serving(frontend))
+        snap = await snapshot(frontend)
+        (row,) = snap["instances"]
+        assert row["url"] == f"http://***@127.0.0.1:{worker.port}/v1"
+        assert "hunter2" not in json.dumps(snap)
+    finally:
+        await worker.stop()
+        if worker.lease is not None:
+            await worker.lease.revoke()

@@ -4,6 +4,7 @@ allowed, and a dashboard session is a random id that expires and ends at log out
 
 from __future__ import annotations
 
+import json
 import ssl
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,9 @@ import trustme
 
 from shoal.cli.frontend import config_from_args
 from shoal.cli.main import build_parser
-from shoal.frontend import Frontend
+from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.dashboard import COOKIE, Sessions
+from tests.etcd_server import EtcdServer
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import serving
 from tests.helpers import wait_for
@@ -214,3 +216,37 @@ def test_the_metrics_port_flag_reaches_the_config() -> None:
     config = config_from_args(args)
     assert (config.metrics_port, config.public_health) == (9101, True)
     assert config_from_args(build_parser().parse_args(["frontend"])).metrics_port is None
+
+
+async def test_health_controllers_without_the_key_names_the_loops_but_not_the_errors(
+    own_etcd: EtcdServer, tmp_path: Path
+) -> None:
+    """A store outage's reasons quote the store's errors (its address, a user name): without
+    the key `/health/controllers` names the loops in trouble only; the key shows why."""
+    config = FrontendConfig(
+        store_url=own_etcd.url,
+        port=0,
+        cache_dir=tmp_path / "c",
+        reconcile_interval=0.2,
+        api_keys=("s3cret",),
+    )
+    frontend = Frontend(config)
+    try:
+        await frontend.start()
+        own_etcd.stop()
+        url = f"{frontend.url}/health/controllers"
+
+        async def both_reported() -> dict[str, str] | None:
+            _, body, _ = await get(url, Authorization="Bearer s3cret")
+            unhealthy: dict[str, str] = body["unhealthy"]
+            return unhealthy if {"store", "model-reconciler"} <= set(unhealthy) else None
+
+        with_key = await wait_for(both_reported, timeout=30)
+        assert own_etcd.url.split("://")[-1] in with_key["store"]
+        status, body, _ = await get(url)
+        assert status == 503 and body["status"] == "unavailable"
+        assert set(body["unhealthy"]) >= {"store", "model-reconciler"}
+        assert own_etcd.url.split("://")[-1] not in json.dumps(body)
+        assert set(body["unhealthy"].values()) == {"unhealthy"}
+    finally:
+        await frontend.stop()

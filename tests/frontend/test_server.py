@@ -6,9 +6,12 @@ import asyncio
 import json
 import time
 
+import openai
+import pytest
+
 from shoal.frontend import Frontend
-from shoal.frontend.server import FEED_SLICE, MAX_PIPELINED
-from tests.frontend.conftest import StartFrontend, StartWorker
+from shoal.frontend.server import FEED_SLICE, LINGER_BYTES, MAX_PIPELINED
+from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import FakeWorker, count_responses, raw_exchange, serving
 from tests.helpers import wait_for
 
@@ -336,11 +339,11 @@ async def test_chunked_upload_over_the_limit_is_refused_while_it_is_sent(
     assert worker.requests == 0
 
 
-async def test_a_client_that_keeps_sending_after_the_413_sees_the_connection_closed_at_once(
+async def test_a_client_that_keeps_sending_after_the_413_is_cut_within_the_linger_budget(
     start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:
-    """No lingering after a 413: the server stops reading and closes as soon as the answer is
-    written, so a client pushing on finds its writes refused (not swallowed for seconds)."""
+    """After a 413 the server drops at most its linger budget (here LINGER_BYTES) before it
+    closes, so a client pushing on finds its writes refused (not swallowed for seconds)."""
     _worker, frontend = await served(start_worker, start_frontend, max_body=1000)
     reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
     chunk = b"%x\r\n%s\r\n" % (65536, b"x" * 65536)
@@ -366,7 +369,7 @@ async def test_a_client_that_keeps_sending_after_the_413_sees_the_connection_clo
         writer.close()
     assert received.startswith(b"HTTP/1.1 413 ")
     assert refused_after < 1.0  # (lingering read and dropped for 2 s, 3 GB on loopback)
-    assert sent < 64 << 20
+    assert sent < LINGER_BYTES + (16 << 20)  # (what the two kernels' buffers can hold)
 
 
 async def test_transfer_coding_other_than_chunked_is_501(
@@ -381,4 +384,22 @@ async def test_transfer_coding_other_than_chunked_is_501(
     assert received.startswith(b"HTTP/1.1 501 ")
     error = json.loads(received.partition(b"\r\n\r\n")[2])["error"]
     assert "gzip, chunked" in error["message"]
+    assert worker.requests == 0
+
+
+async def test_the_official_client_sending_a_body_over_the_limit_reads_its_413(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """httpx writes the whole body before it reads: the server lingers (writes the 413, shuts
+    its side, drops what still arrives) so that the client reads the 413, not a reset."""
+    worker, frontend = await served(start_worker, start_frontend, max_body=4 << 20)
+    client = openai_client(frontend)
+    for _ in range(3):
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.chat.completions.create(
+                model="mock-llm",
+                messages=[{"role": "user", "content": "x" * (7 << 20)}],
+            )
+        assert refused.value.status_code == 413
+        assert str(4 << 20) in refused.value.message
     assert worker.requests == 0

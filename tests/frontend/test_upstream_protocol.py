@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import base64
 
+import pytest
+
 from shoal.frontend import Frontend
 from shoal.frontend.upstream import Upstream
 from tests.frontend.conftest import StartFrontend
@@ -116,3 +118,44 @@ def test_an_upstream_without_credentials_sends_none() -> None:
     with_credentials = Upstream(2, "http://u:s3cret@127.0.0.1:9/v1")
     assert with_credentials.host_header == b"127.0.0.1:9"
     assert "s3cret" not in with_credentials.address and "s3cret" not in repr(with_credentials)
+
+
+ENDLESS_PAD = b"x-pad: " + b"p" * 1000 + b"\r\n"
+
+
+@pytest.mark.parametrize(
+    ("start", "line"),
+    [
+        (b"HTTP/1.1 200 OK\r\n", ENDLESS_PAD),
+        (b"", b"HTTP/1.1 103 Early Hints\r\n" + ENDLESS_PAD + b"\r\n"),
+    ],
+    ids=["header lines", "interim responses"],
+)
+async def test_a_response_head_without_end_fails_the_attempt_within_a_bound(
+    start_raw: StartRaw, start_frontend: StartFrontend, start: bytes, line: bytes
+) -> None:
+    """An upstream (a provider is on the internet) sending header lines without end was read
+    into memory until the first-byte timeout (60 s: gigabytes on a fast link); interim
+    responses without end likewise. Now a response head is bounded: 502 naming it."""
+    sent: list[int] = []
+
+    async def endless(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        total = 0
+        writer.write(start)
+        try:
+            while total < 256 << 20:
+                writer.write(line * 64)
+                total += len(line) * 64
+                await writer.drain()
+        finally:
+            sent.append(total)
+
+    await start_raw(endless)
+    frontend = await started(start_frontend)
+    received = await asyncio.wait_for(raw_exchange(frontend.port, post()), 10)
+    assert received.startswith(b"HTTP/1.1 502 ")
+    assert b"response head" in received
+    await wait_for(lambda: sent, message="the upstream connection closed")
+    assert sent[0] < 4 << 20

@@ -579,3 +579,26 @@ async def test_a_url_target_the_frontend_cannot_use_leaves_the_other_targets_ser
     for _ in range(5):
         status, body, _ = await post(frontend, {"model": "mixed", "messages": CHAT})
         assert (status, body["model"]) == (200, "mock-llm")
+
+
+async def test_credentials_in_a_url_target_of_the_wrong_form_reach_neither_health_nor_logs(
+    store: Store,
+    start_worker: StartWorker,
+    start_frontend: StartFrontend,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A URL refused for its scheme or its characters was quoted whole in the error (which
+    `/health` and the log show): with the credentials it held."""
+    await start_worker("mock-llm")
+    frontend = await start_frontend()
+    unusable = [
+        UrlTarget(base_url="htps://svc:hunter2@api.example.com/v1", model="m"),
+        UrlTarget(base_url="https://svc:hunter2@api.example.com/v1 ", model="m"),
+    ]
+    await publish_route(store, route("typo", *unusable, FleetTarget("mock-llm")))
+    await wait_for(lambda: serving(frontend) and routed(frontend, "typo"))
+    errors = [t["error"] for t in frontend.routes.describe()["models"][0]["targets"][:2]]
+    assert "only http" in errors[0] and "api.example.com" in errors[0]
+    assert "not a plain ASCII URL" in errors[1]
+    assert "hunter2" not in json.dumps(frontend.routes.describe())
+    assert "hunter2" not in caplog.text

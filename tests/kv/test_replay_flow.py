@@ -17,7 +17,7 @@ from shoal.discovery import InstanceInfo
 from shoal.frontend import kv_events
 from shoal.frontend.kv_events import KvStats, KvSubscription
 from shoal.frontend.kv_index import KvIndex
-from shoal.kv import BlockStored, KvEndpoint, KVEventBatch, token_block_hashes
+from shoal.kv import BlockRemoved, BlockStored, KvEndpoint, KVEventBatch, token_block_hashes
 from shoal.worker.kv_publisher import KvEventPublisher
 from tests.helpers import wait_for
 from tests.kv import vllm_fixtures as vllm
@@ -199,3 +199,64 @@ async def test_a_replay_cut_short_by_a_dropping_publisher_is_kept_and_resumed(
         await sub.stop()
         ctx.destroy(linger=0)
         await fake.close()
+
+
+async def test_one_batch_of_many_blocks_is_applied_in_slices(publisher: KvEventPublisher) -> None:
+    """A batch is one message, and a single event in it can store 200,000 blocks (0.8 MB with
+    one-token blocks): applied in one go it held the loop ~0.2 s; now in slices, to the
+    same index, and a removal of as many blocks likewise."""
+    assert publisher.endpoint is not None
+    blocks = 200_000
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(1), KvStats()
+    sub = subscribe(ctx, publisher.endpoint, index, stats)
+    try:
+        await wait_for(lambda: stats.replays == 1, message="subscribed")
+        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        hashes = list(range(1, blocks + 1))
+        event = BlockStored(hashes, None, [j % 100 for j in range(blocks)], 1)
+        expected = KvIndex(1)
+        expected.stored(7, event)
+        probe = LoopProbe()
+        publisher.record(event)
+        publisher.flush()
+        await wait_for(lambda: sub.last_seq == 0, timeout=30, message="applied")
+        assert index.instance_blocks(7) == blocks
+        stored_worst = await probe.stop()
+        assert index.holders == expected.holders  # the same chain of hashes as in one go
+        probe = LoopProbe()
+        publisher.record(BlockRemoved(block_hashes=hashes[1:]))
+        publisher.flush()
+        await wait_for(lambda: sub.last_seq == 1, timeout=30, message="removed")
+        assert index.instance_blocks(7) == 1
+        worst = max(stored_worst, await probe.stop())
+        # (decoding the 1 MB message is one step that cannot be cut: ~7 ms of it)
+        assert worst < 0.05, f"the loop was held {worst * 1000:.0f} ms"
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)
+
+
+async def test_a_batch_over_the_size_bound_is_refused_unread_and_counted_as_a_loss(
+    publisher: KvEventPublisher,
+) -> None:
+    """A batch is decoded on the event loop in one step: a publisher's 6 MB message (about
+    50 times an engine step's) held it ~55 ms, and 50 MB ~0.5 s. Now a batch
+    over `MAX_BATCH_BYTES` is a loss like an unreadable one: never decoded, the instance's
+    blocks are dropped, and the stream goes on."""
+    assert publisher.endpoint is not None
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
+    sub = subscribe(ctx, publisher.endpoint, index, stats)
+    try:
+        await wait_for(lambda: stats.replays == 1, message="subscribed")
+        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        store(publisher, 0)
+        await wait_for(lambda: sub.last_seq == 0, message="first batch")
+        huge = 6 << 20
+        publisher.record(BlockStored([1], 0, [1] * huge, huge))
+        publisher.flush()
+        store(publisher, 2)
+        await wait_for(lambda: sub.last_seq == 2, timeout=30, message="went on")
+        assert (stats.batches, stats.decode_errors, stats.resnapshots) == (2, 1, 1)
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)

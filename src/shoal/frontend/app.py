@@ -455,6 +455,9 @@ class Frontend:
             if self.watcher is not None and (outage := self.watcher.store.outage()) is not None:
                 status, body["status"] = 503, "unavailable"
                 body["unhealthy"]["store"] = outage
+            if not self.config.public_health and not self._authorized(request):
+                # The reasons quote errors (the store's address, a user name): names only.
+                body["unhealthy"] = dict.fromkeys(body["unhealthy"], "unhealthy")
             conn.send(status, _json(body))
         elif path in (b"/v1/membership", b"/v1/membership/status"):
             self._authorize(request)

@@ -21,19 +21,35 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from shoal.kv import END_OF_REPLAY, KvEndpoint, KVEventBatch, decode_batch, decode_seq, encode_seq
+from shoal.kv import (
+    END_OF_REPLAY,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEndpoint,
+    KVEventBatch,
+    decode_batch,
+    decode_seq,
+    encode_seq,
+)
 
 log = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT = 2.0  # seconds to wait for each message of a replay
 YIELD_EVERY = 64  # messages read before yielding to the event loop
 YIELD_SECONDS = 0.005  # or this long
+# The largest batch decoded: decoding is one step on the event loop, and an engine step's
+# events weigh far less (16,384 tokens of prefill: ~100 KB). A larger one is a loss like an
+# unreadable one. (ZMQ's own MAXMSGSIZE would do it before reading, but libzmq 4.3 never
+# reconnects a peer it dropped for it: the subscription would go deaf.)
+MAX_BATCH_BYTES = 4 << 20
+APPLY_SLICE = 1024  # blocks of one batch applied before yielding to the event loop
 
 
 class KvStats:
@@ -111,7 +127,7 @@ class KvSubscription:
                     self._restarted()
                 if (self.last_seq >= 0 and seq > self.last_seq + 1) or self.last_seq < 0 < seq:
                     await self._catch_up(self.last_seq + 1, seq)
-                self._apply(seq, frames[2])
+                await self._apply(seq, frames[2])
                 self._replayed.clear()
         except asyncio.CancelledError:
             raise
@@ -121,8 +137,10 @@ class KvSubscription:
         finally:
             sub.close(0)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    async def _apply(self, seq: int, payload: bytes) -> None:
         try:
+            if len(payload) > MAX_BATCH_BYTES:
+                raise msgspec.DecodeError(f"{len(payload)} bytes, over {MAX_BATCH_BYTES}")
             batch = decode_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             # A batch we cannot read is a loss like any other: the index must not drift.
@@ -132,7 +150,12 @@ class KvSubscription:
             )
             self._resnapshot()
         else:
-            self.apply(batch)
+            # One event can store a whole context's blocks: applied a slice at a time (one
+            # event of 200,000 blocks held the loop ~0.2 s).
+            for i, part in enumerate(slices(batch)):
+                if i:
+                    await asyncio.sleep(0)
+                self.apply(part)
             self.stats.batches += 1
             self.stats.events += len(batch.events)
         self.last_seq = seq
@@ -221,12 +244,55 @@ class KvSubscription:
                     )  # fmt: skip
                     self._resnapshot()
                 received = True
-                self._apply(seq, payload)
+                await self._apply(seq, payload)
                 self._replayed[seq] = hash(payload)
         except ValueError:
             return False
         finally:
             sock.close(0)
+
+
+def slices(batch: KVEventBatch, limit: int = APPLY_SLICE) -> Iterator[KVEventBatch]:
+    """`batch` as batches of about `limit` blocks each, in order and to the same effect: an
+    event over `limit` blocks is cut in parts, each stored part chained to the last block
+    of the part before (as the whole event chains them)."""
+    part: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    size = 0
+    for event in batch.events:
+        for piece in _pieces(event, limit):
+            part.append(piece)
+            size += 1 if isinstance(piece, AllBlocksCleared) else len(piece.block_hashes)
+            if size >= limit:
+                yield KVEventBatch(batch.ts, part, batch.data_parallel_rank)
+                part, size = [], 0
+    if part or not batch.events:
+        yield KVEventBatch(batch.ts, part, batch.data_parallel_rank)
+
+
+def _pieces(
+    event: BlockStored | BlockRemoved | AllBlocksCleared, limit: int
+) -> Iterator[BlockStored | BlockRemoved | AllBlocksCleared]:
+    if isinstance(event, AllBlocksCleared) or len(event.block_hashes) <= limit:
+        yield event
+        return
+    hashes = event.block_hashes
+    if isinstance(event, BlockRemoved):
+        for start in range(0, len(hashes), limit):
+            yield BlockRemoved(hashes[start : start + limit], event.medium)
+        return
+    size = event.block_size
+    if size <= 0 or len(event.token_ids) < size * len(hashes):
+        yield event  # malformed: the index refuses it whole
+        return
+    for start in range(0, len(hashes), limit):
+        yield BlockStored(
+            hashes[start : start + limit],
+            event.parent_block_hash if start == 0 else hashes[start - 1],
+            event.token_ids[start * size : (start + limit) * size],
+            size,
+            event.lora_id,
+            event.medium,
+        )
 
 
 class Pace:

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 MAX_PIPELINED = 16  # parsed requests waiting behind the current one before parsing stops
 FEED_SLICE = 8192  # a larger read is parsed this much at a time, so the bound above holds
 LINGER_SECONDS = 2.0  # how long bytes are read and dropped after the last answer, before closing
+LINGER_BYTES = 1 << 20  # and how many at least (twice `max_body` if more: see `_finish`)
 
 # The request headers the server itself reads (the handler reads the others).
 _READ_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
@@ -212,6 +213,7 @@ class HttpConnection(asyncio.Protocol):
         self._upgrading = False  # the request asked for an Upgrade, which is ignored
         self._upgrade_method = b""
         self._lingering = False  # the last answer is written: closing soon
+        self._linger_left = 0  # bytes still dropped while lingering, then the connection closes
         # Deadlines: what is being read since when (checked by the server's sweep).
         self._phase = HEAD  # a new connection owes its first request head
         self._phase_since = self.idle_since  # 0.0: since the next sweep
@@ -250,8 +252,12 @@ class HttpConnection(asyncio.Protocol):
         return None  # close
 
     def data_received(self, data: bytes) -> None:
-        if self._stopped:
-            return  # after the last request: dropped while the answer is being read
+        if self._stopped:  # after the last request: dropped while the answer is being read
+            if self._lingering:
+                self._linger_left -= len(data)
+                if self._linger_left < 0 and self.transport is not None:
+                    self.transport.close()  # the client pushes on: enough was dropped
+            return
         self._progress = True
         self._answered_in_read = False
         if self._held or len(data) > FEED_SLICE or len(self.pending) >= MAX_PIPELINED:
@@ -527,22 +533,23 @@ class HttpConnection(asyncio.Protocol):
             self._finish()
 
     def _finish(self) -> None:
-        """Write the final error if one is owed, then close. Bytes still arriving are read
-        and dropped for a while, so that the client reads the answer before a reset; except
-        after a 413, where they are the very body refused for its size: the connection closes
-        as soon as the answer is written (nothing more is read)."""
+        """Write the final error if one is owed, then close the way nginx does: shut down our
+        side (the client reads the answer, then EOF), read and drop what still arrives, and
+        close after `LINGER_SECONDS` or once the dropped bytes pass the budget, whichever
+        comes first. Without it, a client that writes its whole body before reading (httpx,
+        requests) would get a reset instead of its 413: closing with unread bytes sends RST,
+        which discards the answer. The budget, `LINGER_BYTES` or twice `max_body`, lets a
+        body over the limit be read to its end, and bounds what a client can push."""
         self._stopped = True
         transport = self.transport
         if self._lingering or transport is None or transport.is_closing():
             return
         self._lingering = True
+        self._linger_left = max(LINGER_BYTES, 2 * self.server.max_body)
         self.pending.clear()  # (when the response cut the connection short)
         error, self._final = self._final, None
         if error is not None:
             transport.write(encode_response(error.status, error.body(), keep_alive=False))
-            if error.status == 413:
-                transport.close()  # (once what is buffered is written)
-                return
         self._update_reading()
         if transport.can_write_eof():
             try:

@@ -29,6 +29,7 @@ from shoal.controllers import ControllerManager
 from shoal.frontend.metrics import TTFT_BUCKETS, FrontendMetrics
 from shoal.frontend.registry import Registry
 from shoal.frontend.upstream import Upstream
+from shoal.frontend.virtual import redact
 from shoal.frontend.watcher import ModelWatcher
 
 
@@ -289,7 +290,7 @@ def _row(rows: dict[str, dict[str, Any]], path: str, instance_id: int, url: str)
             "namespace": namespace,
             "component": component,
             "endpoint": endpoint,
-            "url": url,
+            "url": redact(url),  # (any client with a key reads this: not the credentials)
             "models": set(),
             "roles": set(),
             "taints": set(),

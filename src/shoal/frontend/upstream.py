@@ -26,6 +26,7 @@ from typing import ClassVar, Protocol, cast
 import httptools
 
 MAX_IDLE = 256  # idle keep-alive connections kept per instance
+MAX_RESPONSE_HEAD = 64 * 1024  # bytes of header lines in a response, its interim ones included
 
 
 class UpstreamError(ConnectionError):
@@ -86,6 +87,10 @@ class Upstream:
         schemes = ("http", "https") if tls is not None else ("http",)
         if parts.scheme not in schemes or not parts.hostname:
             wanted = " or ".join(f"{s}://host:port" for s in schemes)
+            if "@" in parts.netloc:  # credentials never go into messages
+                url = urllib.parse.urlunsplit(
+                    parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2])
+                )
             raise ValueError(f"URL {url!r}: only {wanted} URLs are supported")
         self.instance_id = instance_id
         self.url = url  # as announced (identity for the registry; may hold credentials)
@@ -204,6 +209,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._until_eof = False  # the response has no length: it ends when the connection does
         self._interim = False  # parsing a 1xx response
+        self._head_bytes = 0  # of the response being read, interim responses included
         self._paused = False
 
     @property
@@ -222,6 +228,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._headers = []
         self._until_eof = False
         self._interim = False
+        self._head_bytes = 0
         if len(body) < 65536:
             self.transport.write(data + body)
         else:
@@ -280,9 +287,12 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
             if sink is not None:
-                sink.on_failure(
-                    UpstreamError(f"malformed response from {self.upstream.address}: {exc}")
-                )
+                address = self.upstream.address
+                if self._head_bytes > MAX_RESPONSE_HEAD:
+                    reason = f"response head from {address} over {MAX_RESPONSE_HEAD} bytes"
+                else:
+                    reason = f"malformed response from {address}: {exc}"
+                sink.on_failure(UpstreamError(reason))
             return
         if self.sink is not None:
             self.sink.flush()
@@ -290,6 +300,10 @@ class UpstreamConnection(asyncio.Protocol):
     # -- httptools callbacks -----------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # (an upstream sending header lines or interim responses without end: bounded)
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > MAX_RESPONSE_HEAD:
+            raise ValueError("response head too large")  # (the parser stops: see data_received)
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:

@@ -415,7 +415,7 @@ class RouteTable:
 
     def _provider(self, base_url: str) -> Upstream:
         if not base_url.isascii() or any(ch.isspace() or ord(ch) < 32 for ch in base_url):
-            raise ValueError(f"base URL {base_url!r} is not a plain ASCII URL")
+            raise ValueError(f"base URL {redact(base_url)!r} is not a plain ASCII URL")
         if self.tls is None:
             self.tls = ssl.create_default_context()
         upstream = Upstream(

@@ -423,3 +423,31 @@ def test_an_upstream_url_with_credentials_is_refused_without_echoing_them() -> N
     assert "s3cret-PW" not in str(caught.value)
     with pytest.raises(ValueError, match="--upstream-api-key"):
         normalize_upstream("http://token@gpu-1:8000")
+
+
+async def test_a_deeply_nested_model_list_makes_the_upstream_unhealthy_naming_it() -> None:
+    """A reply nested 100,000 deep raised RecursionError out of the probe (only ValueError
+    was caught): now the upstream is unhealthy, and the reason names it."""
+    nested = b'{"data": [' + b"[" * 100_000 + b"]" * 100_000 + b"]}"
+
+    async def models(request: web.Request) -> web.Response:
+        return web.Response(body=nested, content_type="application/json")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    async with serving(app) as upstream:
+        engine = OpenAISidecarEngine(upstream.url, health_interval=0.0)
+        await engine.start()
+        try:
+            assert await engine.served_models() == []
+            with pytest.raises(
+                EngineUnavailableError,
+                match=rf"GET {upstream.url}/v1/models failed: .*nested deeper than 64",
+            ):
+                await engine.check_health()
+        finally:
+            await engine.stop()

@@ -12,6 +12,7 @@ as a misconfigured upstream URL instead.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -22,6 +23,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from shoal.bounds import check_json_depth
 from shoal.kv import KvEndpoint
 from shoal.openai import ApiError
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
@@ -224,7 +226,9 @@ class OpenAISidecarEngine(Engine):
                     return response.status, None
                 if path == "/health":
                     return response.status, None
-                return response.status, await response.json(content_type=None)
+                body = await response.read()
+                check_json_depth(body)  # (a deeper reply raised RecursionError)
+                return response.status, json.loads(body)
         except TimeoutError:
             raise EngineUnavailableError(
                 f"GET {url} did not answer within {PROBE_TIMEOUT}s"
