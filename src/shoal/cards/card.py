@@ -105,15 +105,26 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     @cached_property
     def mdcsum(self) -> str:
         """A stable hash of the identity fields; runtime config and taints are excluded."""
-        identity = {
+        return self._identity_sum(with_role=True)
+
+    @cached_property
+    def pairsum(self) -> str:
+        """The identity's hash without the role: a `prefill` and a `decode` worker set of the
+        same model (same weights, files, context, block size) have equal `pairsum`, so they
+        pair up to serve it in two stages."""
+        return self._identity_sum(with_role=False)
+
+    def _identity_sum(self, *, with_role: bool) -> str:
+        identity: dict[str, Any] = {
             "name": self.display_name,
             "source": self.source,
             "files": {n: f.checksum for n, f in sorted(self.metadata_files.items())},
             "context_length": self.context_length,
             "kv_block_size": self.kv_block_size,
-            "role": str(self.role),
             "lora": None if self.lora is None else [self.lora.base_model, self.lora.adapter],
         }
+        if with_role:
+            identity["role"] = str(self.role)
         return hashlib.sha256(msgspec.json.encode(identity, order="sorted")).hexdigest()[:16]
 
     def same_except_taints(self, other: ModelCard) -> bool:

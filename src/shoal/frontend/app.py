@@ -538,6 +538,8 @@ class Frontend:
         models = {
             name: {
                 "serving": model.serving,
+                "disaggregated": model.stages is not None,
+                "incomplete": model.incomplete,
                 "instances": model.live_instances,
                 "worker_sets": [
                     {

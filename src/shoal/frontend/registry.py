@@ -9,6 +9,12 @@ set weighted by its live instances).
 Everything a request needs is precomputed when membership changes, not per request: each
 set's `routable` tuple (joined, untainted instances) and each model's routable sets with
 their cumulative weights.
+
+Disaggregated serving: `prefill` and `decode` sets whose cards have the same `pairsum` (the
+checksum without the role) serve a model in two stages (`Model.stages`). The policy:
+disaggregated when both stages have a routable instance, else aggregated (the `aggregated`
+sets), else not serving. A stage set with no partner of its `pairsum` makes the model
+incomplete (`Model.incomplete` says why): not listed, not served, until the other stage joins.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from shoal.cards import ModelCard, ModelType, WorkerRole
 from shoal.discovery import EndpointId, ModelInstance, ModelKey
 from shoal.frontend.upstream import Upstream
 
-# Roles a request can be sent to; prefill-only workers are not an entry point.
-ENTRY_ROLES = frozenset({WorkerRole.AGGREGATED, WorkerRole.DECODE})
+# Roles a request is sent to whole; `prefill` and `decode` sets serve only as a pair (`Stages`).
+ENTRY_ROLES = frozenset({WorkerRole.AGGREGATED})
 
 
 class SetId(NamedTuple):
@@ -66,6 +72,7 @@ class WorkerSet:
 
     id: SetId
     mdcsum: str
+    pairsum: str = ""  # the checksum without the role: which set of the other stage pairs with it
     members: dict[ModelKey, Member] = field(default_factory=dict)
     routable: tuple[Upstream, ...] = ()  # joined and untainted, by instance id
     cursor: int = 0  # round-robin position, kept per set so models do not skew each other
@@ -87,7 +94,7 @@ class WorkerSet:
         for kind in self.model_types:
             view = self.kinds.get(kind)
             if view is None:
-                view = self.kinds[kind] = WorkerSet(self.id, self.mdcsum)
+                view = self.kinds[kind] = WorkerSet(self.id, self.mdcsum, self.pairsum)
             view.members = {k: m for k, m in self.members.items() if kind in m.model_types}
             view.model_types = frozenset({kind})
             view.routable = _routable(view.members.values())
@@ -104,6 +111,14 @@ def _routable(members: Iterable[Member]) -> tuple[Upstream, ...]:
     return tuple(sorted(live, key=lambda u: u.instance_id))
 
 
+class Stages(NamedTuple):
+    """A model served in two stages: its prefill and its decode sets of one `pairsum`, each
+    as a `Model` of those sets only (so routing policies pick in them as in any model)."""
+
+    prefill: Model
+    decode: Model
+
+
 @dataclass(eq=False)
 class Model:
     """A model name and its worker sets."""
@@ -114,6 +129,8 @@ class Model:
     routable_sets: tuple[WorkerSet, ...] = ()
     model_types: frozenset[ModelType] = frozenset()
     parent: str | None = None  # the base model of a LoRA adapter
+    stages: Stages | None = None  # both stages routable: requests are served disaggregated
+    incomplete: str | None = None  # why stage sets wait for their partner (None: they don't)
     _cum_weights: tuple[int, ...] = ()
     # Per request kind, the model restricted to instances declaring it (itself when every
     # set's members all declare the kinds the model serves: the common case).
@@ -121,20 +138,26 @@ class Model:
 
     @property
     def serving(self) -> bool:
-        """At least one complete set has a live, untainted instance."""
-        return bool(self.routable_sets)
+        """An aggregated set, or both stages of a pair, has a live, untainted instance."""
+        return bool(self.routable_sets) or self.stages is not None
 
     @property
     def listed(self) -> bool:
         """Shown by `/v1/models`: serving, or its instances are only tainted (draining) for
-        now, when requests are answered 503 with Retry-After rather than 404."""
-        return self.serving or any(
+        now, when requests are answered 503 with Retry-After rather than 404. A model whose
+        stage sets lack their partner is not listed (`incomplete`)."""
+        if self.serving or any(
             ws.members for ws in self.sets.values() if ws.id.role in ENTRY_ROLES
-        )
+        ):
+            return True
+        return bool(_paired(self.sets.values(), routable=False))
 
     @property
     def live_instances(self) -> int:
-        return sum(len(ws.routable) for ws in self.routable_sets)
+        live = sum(len(ws.routable) for ws in self.routable_sets)
+        if self.stages is not None:
+            live += self.stages.prefill.live_instances + self.stages.decode.live_instances
+        return live
 
     def pick_set(self) -> WorkerSet | None:
         """A routable set, chosen with probability proportional to its live instances."""
@@ -168,10 +191,24 @@ class Model:
         self.created = created
 
     def _route(self) -> None:
-        """Routable sets and their cumulative weights, from the sets' `routable` tuples."""
-        self.routable_sets = tuple(
-            ws for ws in self.sets.values() if ws.routable and ws.id.role in ENTRY_ROLES
-        )
+        """Routable sets and their cumulative weights, from the sets' `routable` tuples; the
+        stages when a prefill and a decode set of one `pairsum` both have routable instances."""
+        self._weigh(ws for ws in self.sets.values() if ws.routable and ws.id.role in ENTRY_ROLES)
+        self.stages = None
+        pairs = _paired(self.sets.values(), routable=True)
+        if pairs:
+            # One pair serves (the most decode instances): requests never mix checksums.
+            pairsum = max(pairs, key=lambda p: (pairs[p][1], p))
+            self.stages = Stages(*(self._stage(sets) for sets in pairs[pairsum]))
+        self.incomplete = _incomplete(self.sets.values())
+
+    def _stage(self, sets: list[WorkerSet]) -> Model:
+        stage = Model(self.name, sets={ws.id: ws for ws in sets})
+        stage._weigh(sets)
+        return stage
+
+    def _weigh(self, sets: Iterable[WorkerSet]) -> None:
+        self.routable_sets = tuple(sets)
         weights: list[int] = []
         total = 0
         for ws in self.routable_sets:
@@ -201,6 +238,38 @@ class Model:
             view.model_types = frozenset({kind})
             view.created, view.parent = self.created, self.parent
             self._kinds[kind] = view
+
+
+def _paired(
+    sets: Iterable[WorkerSet], *, routable: bool
+) -> dict[str, tuple[list[WorkerSet], list[WorkerSet]]]:
+    """The prefill and decode sets of each `pairsum` that has both (with a routable instance
+    in each stage when `routable`; with members otherwise)."""
+    stages: dict[str, tuple[list[WorkerSet], list[WorkerSet]]] = {}
+    for ws in sets:
+        if ws.id.role is WorkerRole.AGGREGATED or not (ws.routable if routable else ws.members):
+            continue
+        prefill, decode = stages.setdefault(ws.pairsum, ([], []))
+        (prefill if ws.id.role is WorkerRole.PREFILL else decode).append(ws)
+    return {p: pair for p, pair in stages.items() if pair[0] and pair[1]}
+
+
+def _incomplete(sets: Iterable[WorkerSet]) -> str | None:
+    """Why stage sets cannot serve: a role without a set of the other role and same checksum."""
+    roles: dict[str, set[WorkerRole]] = {}
+    for ws in sets:
+        if ws.id.role is not WorkerRole.AGGREGATED and ws.members:
+            roles.setdefault(ws.pairsum, set()).add(ws.id.role)
+    reasons = []
+    for pairsum, have in sorted(roles.items()):
+        if len(have) == 1:
+            (role,) = have
+            other = WorkerRole.DECODE if role is WorkerRole.PREFILL else WorkerRole.PREFILL
+            reasons.append(
+                f"{role} worker set(s) of checksum {pairsum} have no {other} set of the same "
+                f"model: waiting for {other} workers"
+            )
+    return "; ".join(reasons) or None
 
 
 class RegistryObserver(Protocol):
@@ -256,7 +325,7 @@ class Registry:
         if entry is None:
             entry = self.models[set_id.model] = Model(set_id.model)
         if ws is None:
-            ws = entry.sets[set_id] = WorkerSet(set_id, card.mdcsum)
+            ws = entry.sets[set_id] = WorkerSet(set_id, card.mdcsum, card.pairsum)
         ws.members[key] = Member(key, card, self._acquire_upstream(model))
         self._members[key] = set_id
         entry.refresh()

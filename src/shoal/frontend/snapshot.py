@@ -189,6 +189,8 @@ class FleetReader:
                     "key": name,
                     "name": name,
                     "serving": model.serving,
+                    "disaggregated": model.stages is not None,
+                    "incomplete": model.incomplete,
                     "live_instances": model.live_instances,
                     "types": sorted(str(t) for t in model.model_types),
                     "parent": model.parent,

@@ -224,6 +224,13 @@ function target(t) {
   return `<span class="mono">${esc(JSON.stringify(t))}</span>`;
 }
 
+function servingWord(model) {
+  // "disaggregated" when served in two stages; "incomplete" when a stage waits for its partner.
+  if (model.disaggregated) return "disaggregated";
+  if (model.serving) return "yes";
+  return model.incomplete ? "incomplete" : "no";
+}
+
 function renderModels() {
   const rows = [];
   for (const model of state.models.values()) {
@@ -233,7 +240,7 @@ function renderModels() {
   }
   renderTable("models", rows, ({ model, ws }) =>
     `<td>${esc(model.name)}${model.parent ? ` <span class="count">(adapter of ${esc(model.parent)})</span>` : ""}</td>` +
-    `<td>${badge(model.serving ? "yes" : "no")}</td><td>${esc(ws.namespace)}</td><td>${esc(ws.component)}</td>` +
+    `<td${model.incomplete ? ` title="${esc(model.incomplete)}"` : ""}>${badge(servingWord(model))}</td><td>${esc(ws.namespace)}</td><td>${esc(ws.component)}</td>` +
     `<td>${esc(ws.role)}</td><td class="mono" title="${esc(ws.mdcsum)}">${esc(ws.mdcsum.slice(0, 12))}</td>` +
     `<td>${ws.routable} / ${ws.members}</td>`, state.models.size);
 }
