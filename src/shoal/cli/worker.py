@@ -61,6 +61,13 @@ def add_parser(sub: Any) -> None:
         type=SECONDS_OR_ZERO,
         help="seconds to let requests finish on SIGTERM",
     )
+    flag(
+        "--role",
+        "aggregated",
+        choices=("aggregated", "prefill", "decode"),
+        help="mocker and openai engines: the stage this worker serves in disaggregated "
+        "serving (prefill, decode), or whole requests (aggregated, the default)",
+    )
     flag("--admin-token", None, help="Bearer token required to load/unload adapters")
     flag("--upstream", None, help="openai engine: URL of the OpenAI-compatible server")
     flag("--upstream-api-key", None, help="openai engine: API key the upstream requires")
@@ -114,6 +121,12 @@ def add_parser(sub: Any) -> None:
         "this many tokens; unset: off",
     )
     mocker(
+        "--kv-transfer-us-per-block",
+        "0",
+        type=NON_NEGATIVE,
+        help="decode role: simulated time to fetch each KV block from the prefill mocker",
+    )
+    mocker(
         "--kv-events-port",
         None,
         type=PORT,
@@ -150,6 +163,8 @@ def make_engine(args: argparse.Namespace) -> Engine:
             kv_events_host=args.host,
             chat_template=None if args.chat_template is None else read_text(args.chat_template),
             die_after_tokens=args.die_after_tokens,
+            role=args.role,
+            kv_transfer_us_per_block=args.kv_transfer_us_per_block,
         )
     elif args.engine == "openai":
         if not args.upstream:

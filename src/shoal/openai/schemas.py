@@ -73,6 +73,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: Any = None
     allowed_token_ids: Any = None
     use_beam_search: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's disaggregated serving (NixlConnector): what a prefill hands to a decode."""
 
     @property
     def include_usage(self) -> bool:

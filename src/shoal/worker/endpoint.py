@@ -112,6 +112,7 @@ def card_for(model: ServedModel) -> tuple[ModelCard, dict[str, Path]]:
         model_types=list(model.model_types),
         context_length=model.context_length,
         kv_block_size=model.kv_block_size,
+        role=model.role,
         runtime_config=dict(model.runtime_config),
         lora=lora,
         created=int(time.time()),  # frontends show a model's earliest card's

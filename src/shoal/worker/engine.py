@@ -15,7 +15,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import Metric
 
-from shoal.cards import ModelType
+from shoal.cards import ModelType, WorkerRole
 from shoal.kv import KvEndpoint
 
 
@@ -33,6 +33,7 @@ class ServedModel:
     adapter: str | None = None
     base_model: str | None = None
     runtime_config: dict[str, object] = field(default_factory=dict)
+    role: WorkerRole = WorkerRole.AGGREGATED  # a stage of disaggregated serving, or both
 
 
 class EngineUnavailableError(Exception):

@@ -8,6 +8,11 @@ unused), one prefill at a time (as a GPU's compute is shared), which makes a pre
 hit as valuable as it is on a real engine. `speedup=0` answers at once on a path kept as
 cheap as possible (no queue, no cache), for measuring gateway overhead.
 
+With `role` prefill or decode it is one stage of disaggregated serving (`kv_transfer`): a
+prefill answers `kv_transfer_params.do_remote_decode` with the params of the blocks it holds
+for the decode; a decode given `do_remote_prefill` params fetches those blocks first and
+spends no prefill on the tokens they cover.
+
 A client disconnect cancels the handler (the runtime serves with handler cancellation),
 which ends the sequence and frees its slot: `active_sequences` and the metrics show it.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -30,7 +36,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client.core import Metric
 
-from shoal.cards import ModelType, slugify
+from shoal.cards import ModelType, WorkerRole, slugify
 from shoal.kv import KvEndpoint
 from shoal.openai import (
     SSE_DONE,
@@ -59,6 +65,14 @@ from shoal.worker.engines.mocker.framing import (
     Chunks,
     json_response,
     whole_answer,
+)
+from shoal.worker.engines.mocker.kv_transfer import (
+    HeldBlocks,
+    KvSideChannel,
+    RemotePrefill,
+    covered_tokens,
+    fetch_blocks,
+    prompt_blocks,
 )
 from shoal.worker.engines.mocker.metadata import write_adapter_config, write_model_files
 from shoal.worker.engines.mocker.metrics import mocker_metrics
@@ -109,6 +123,8 @@ class MockerEngine(Engine):
         kv_events_host: str = "127.0.0.1",
         chat_template: str | None = None,
         die_after_tokens: int | None = None,
+        role: WorkerRole | str = WorkerRole.AGGREGATED,
+        kv_transfer_us_per_block: float = 0.0,
     ) -> None:
         if die_after_tokens is not None and (die_after_tokens < 1 or speedup == 0):
             raise ValueError("die_after_tokens must be at least 1, and needs a speedup above 0")
@@ -118,6 +134,18 @@ class MockerEngine(Engine):
             )
         if max_seqs <= 0:
             raise ValueError(f"max_seqs must be positive, got {max_seqs}")
+        if kv_transfer_us_per_block < 0:
+            raise ValueError("kv_transfer_us_per_block must not be negative")
+        self.role = WorkerRole(role)
+        self.kv_transfer_per_block_us = kv_transfer_us_per_block
+        self.held = HeldBlocks()  # blocks prefilled for remote decodes (role prefill)
+        self.side_channel: KvSideChannel | None = None
+        if self.role is WorkerRole.PREFILL:
+            self.side_channel = KvSideChannel(self.held, kv_events_host)
+        self.remote_prefills = 0  # requests prefilled here for a remote decode
+        self.remote_decodes = 0  # requests decoded here from a remote prefill
+        self.kv_received_blocks = 0
+        self.computed_prompt_tokens = 0  # prefilled here: neither cached nor transferred
         self.name = "mocker"
         self.model = name
         self.ttft = ttft_ms / 1000
@@ -154,12 +182,16 @@ class MockerEngine(Engine):
         self._write_model_files(self._dir / "base")
         if self.publisher is not None:
             await self.publisher.start()
+        if self.side_channel is not None:
+            await self.side_channel.start()
 
     @property
     def kv_events(self) -> KvEndpoint | None:
         return None if self.publisher is None else self.publisher.endpoint
 
     async def stop(self) -> None:
+        if self.side_channel is not None:
+            await self.side_channel.close()
         if self.publisher is not None:
             await self.publisher.close()
         if self._dir is not None:
@@ -223,6 +255,7 @@ class MockerEngine(Engine):
             context_length=self.context_length,
             kv_block_size=self.cache.block_size,
             metadata_dir=None if self._dir is None else self._dir / "base",
+            role=self.role,
         )
 
     def _adapter_model(self, name: str) -> ServedModel:
@@ -235,6 +268,7 @@ class MockerEngine(Engine):
             metadata_dir=None if self._dir is None else self._dir / "adapters" / slugify(name),
             adapter=name,
             base_model=self.model,
+            role=self.role,
         )
 
     def _check_model(self, model: str | None) -> str:
@@ -277,8 +311,12 @@ class MockerEngine(Engine):
             req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         )
         plan = self._plan(req, model, prompt, tokens, max_tokens, chat_echo(req), carried)
+        handoff = self._hands_off(req)
+        plan = await self._remote_prefill(req, plan)
         self.requests["chat"] += 1
-        return await self._answer(request, plan, CHAT, stream=req.stream, usage=req.include_usage)
+        return await self._answer(
+            request, plan, CHAT, stream=req.stream, usage=req.include_usage, handoff=handoff
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = decode_request(await request.read(), _completion_decoder)
@@ -298,9 +336,11 @@ class MockerEngine(Engine):
         tokens = token_ids
         echo = prompt + carried if req.echo else ""
         plan = self._plan(req, model, prompt, tokens, req.max_tokens, echo, carried)
+        handoff = self._hands_off(req)
+        plan = await self._remote_prefill(req, plan)
         self.requests["completions"] += 1
         return await self._answer(
-            request, plan, COMPLETION, stream=req.stream, usage=req.include_usage
+            request, plan, COMPLETION, stream=req.stream, usage=req.include_usage, handoff=handoff
         )
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
@@ -372,14 +412,72 @@ class MockerEngine(Engine):
             carried=carried,
         )
 
+    def _hands_off(self, req: ChatRequest | CompletionRequest) -> bool:
+        """Whether this prefill mocker is asked to hold the prompt's KV for a remote decode."""
+        params = req.kv_transfer_params
+        if not params or params.get("do_remote_decode") is not True:
+            return False
+        if self.side_channel is None:
+            raise ApiError(
+                400,
+                f"kv_transfer_params.do_remote_decode: this worker's role is {self.role}, "
+                "not prefill: it hands off no KV cache.",
+                param="kv_transfer_params.do_remote_decode",
+            )
+        if req.stream:
+            raise ApiError(
+                400,
+                "kv_transfer_params.do_remote_decode needs a whole answer: set stream to false.",
+                param="stream",
+            )
+        return True
+
+    async def _remote_prefill(self, req: ChatRequest | CompletionRequest, plan: Plan) -> Plan:
+        """A request prefilled elsewhere: fetch its blocks, so its prefill costs nothing here."""
+        remote = RemotePrefill.of(req.kv_transfer_params or {})
+        if remote is None:
+            return plan
+        hashes = await fetch_blocks(remote, self.kv_transfer_per_block_us, self.speedup)
+        size = self.cache.block_size
+        tokens = plan.prompt_tokens
+        covered = covered_tokens(prompt_blocks(tokens, size), hashes, len(tokens), size)
+        self.remote_decodes += 1
+        self.kv_received_blocks += len(hashes)
+        return dataclasses.replace(plan, transferred=covered)
+
+    def _handoff_params(self, plan: Plan) -> dict[str, Any]:
+        """Hold the prompt's blocks for a remote decode; the params that name them."""
+        assert self.side_channel is not None
+        block_ids = self.held.hold(prompt_blocks(plan.prompt_tokens, self.cache.block_size))
+        self.remote_prefills += 1
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": block_ids,
+            "remote_engine_id": self.held.engine_id,
+            "remote_host": self.side_channel.host,
+            "remote_port": self.side_channel.port,
+            "tp_size": 1,
+        }
+
     async def _answer(
-        self, request: web.Request, plan: Plan, kind: AnswerKind, *, stream: bool, usage: bool
+        self,
+        request: web.Request,
+        plan: Plan,
+        kind: AnswerKind,
+        *,
+        stream: bool,
+        usage: bool,
+        handoff: bool = False,
     ) -> web.StreamResponse:
-        """Simulate `plan` and answer it, streamed or whole."""
+        """Simulate `plan` and answer it, streamed or whole (with the handoff's params)."""
         if stream:
             return await self._stream(request, plan, kind, usage)
         await self._run_to_end(plan)
-        return whole_answer(kind, self._ids, plan.model, plan.text, plan.finish_reason, plan.usage)
+        extra = {"kv_transfer_params": self._handoff_params(plan)} if handoff else None
+        return whole_answer(
+            kind, self._ids, plan.model, plan.text, plan.finish_reason, plan.usage, extra
+        )
 
     # -- simulation ---------------------------------------------------------------------
 
@@ -394,6 +492,7 @@ class MockerEngine(Engine):
 
     def _count(self, plan: Plan) -> None:
         self.prompt_tokens += len(plan.prompt_tokens)
+        self.computed_prompt_tokens += len(plan.prompt_tokens) - plan.transferred
         self.generation_tokens += len(plan.pieces)
 
     async def _produce(self, plan: Plan, *, stream: bool) -> AsyncGenerator[str, None]:
@@ -412,6 +511,8 @@ class MockerEngine(Engine):
             cached = self.cache.admit(
                 self.cache.block_hashes(plan.prompt_tokens), plan.prompt_tokens
             )
+            cached = max(cached, plan.transferred)
+            self.computed_prompt_tokens += prompt_len - cached
             loop = asyncio.get_running_loop()
             if self.prefill_per_token:
                 await self._run_prefill(prompt_len - cached)

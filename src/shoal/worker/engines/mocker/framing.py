@@ -98,9 +98,16 @@ class Chunks:
 
 
 def whole_answer(
-    kind: AnswerKind, ids: IdMaker, model: str, text: str, finish_reason: str, usage: dict[str, int]
+    kind: AnswerKind,
+    ids: IdMaker,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage: dict[str, int],
+    extra: dict[str, Any] | None = None,
 ) -> web.Response:
-    """A whole (not streamed) chat or text completion."""
+    """A whole (not streamed) chat or text completion; `extra` adds top-level members
+    (a prefill's `kv_transfer_params`)."""
     choice: dict[str, Any] = {"index": 0}
     if kind.chat:
         choice["message"] = {"role": "assistant", "content": text}
@@ -116,6 +123,7 @@ def whole_answer(
             "model": model,
             "choices": [choice],
             "usage": usage,
+            **(extra or {}),
         }
     )
 

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from shoal.worker.engines.mocker.kv_transfer import HeldBlocks
 from shoal.worker.engines.mocker.prefix_cache import PrefixCache
 
 
@@ -22,6 +23,11 @@ class MockerState(Protocol):
     requests: dict[str, int]
     prompt_tokens: int
     generation_tokens: int
+    computed_prompt_tokens: int
+    remote_prefills: int
+    remote_decodes: int
+    kv_received_blocks: int
+    held: HeldBlocks
 
 
 def mocker_metrics(state: MockerState) -> Iterator[Metric]:
@@ -53,6 +59,31 @@ def mocker_metrics(state: MockerState) -> Iterator[Metric]:
         ),
         ("shoal_mocker_prompt_tokens", "Prompt tokens processed.", state.prompt_tokens),
         ("shoal_mocker_generation_tokens", "Tokens generated.", state.generation_tokens),
+        (
+            "shoal_mocker_computed_prompt_tokens",
+            "Prompt tokens prefilled here: neither cached nor handed over by a remote prefill.",
+            state.computed_prompt_tokens,
+        ),
+        (
+            "shoal_mocker_remote_prefills",
+            "Requests prefilled here for a remote decode (kv_transfer_params.do_remote_decode).",
+            state.remote_prefills,
+        ),
+        (
+            "shoal_mocker_remote_decodes",
+            "Requests decoded here from a remote prefill's blocks.",
+            state.remote_decodes,
+        ),
+        (
+            "shoal_mocker_kv_received_blocks",
+            "KV blocks fetched from remote prefills.",
+            state.kv_received_blocks,
+        ),
+        (
+            "shoal_mocker_kv_sent_blocks",
+            "KV blocks fetched by remote decodes from this prefill.",
+            state.held.served_blocks,
+        ),
         (
             "shoal_mocker_cancelled_sequences",
             "Sequences ended by a client disconnect.",

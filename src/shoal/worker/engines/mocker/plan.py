@@ -36,6 +36,8 @@ class Plan:
     finish_reason: str
     echo: str = ""
     """Text the answer starts with before the generated pieces (`echo`), not counted."""
+    transferred: int = 0
+    """Prompt tokens whose KV a remote prefill handed over: no prefill is spent on them."""
 
     @property
     def text(self) -> str:

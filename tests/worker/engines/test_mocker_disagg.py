@@ -1,0 +1,142 @@
+"""The mocker's prefill and decode roles: vLLM's NixlConnector handoff, over a side channel."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from shoal.cards import WorkerRole
+from shoal.worker.engines.mocker import MockerEngine
+from tests.worker.engines.test_mocker import MODEL, Make, chat
+
+STAGE_ONE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+PROMPT = "the quick brown fox jumps over the lazy dog " * 20
+
+
+@pytest.fixture
+async def make_mocker() -> AsyncIterator[Make]:
+    made: list[tuple[MockerEngine, TestClient[Any, Any]]] = []
+
+    async def make(**kwargs: Any) -> tuple[MockerEngine, TestClient[Any, Any]]:
+        engine = MockerEngine(MODEL, **kwargs)
+        await engine.start()
+        client: TestClient[Any, Any] = TestClient(
+            TestServer(engine.app(), handler_cancellation=True)
+        )
+        await client.start_server()
+        made.append((engine, client))
+        return engine, client
+
+    yield make
+    for engine, client in made:
+        await client.close()
+        await engine.stop()
+
+
+async def prefill(client: TestClient[Any, Any], **extra: Any) -> dict[str, Any]:
+    body = chat(PROMPT, max_tokens=1, stream=False, kv_transfer_params=STAGE_ONE, **extra)
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200, await resp.text()
+    answer: dict[str, Any] = await resp.json()
+    return answer
+
+
+async def test_a_prefill_names_itself_and_its_blocks_and_the_decode_computes_no_prefill(
+    make_mocker: Make,
+) -> None:
+    p_engine, p_client = await make_mocker(role="prefill", speedup=10)
+    d_engine, d_client = await make_mocker(role="decode", speedup=10)
+    answer = await prefill(p_client)
+    params = answer["kv_transfer_params"]
+    assert params["remote_engine_id"] == p_engine.held.engine_id
+    assert (params["remote_host"], params["remote_port"]) == (
+        "127.0.0.1",
+        p_engine.side_channel and p_engine.side_channel.port,
+    )
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    assert len(params["remote_block_ids"]) == -(-prompt_tokens // 16)
+    assert p_engine.computed_prompt_tokens == prompt_tokens
+
+    resp = await d_client.post(
+        "/v1/chat/completions", json=chat(PROMPT, max_tokens=5, kv_transfer_params=params)
+    )
+    assert resp.status == 200, await resp.text()
+    decoded = await resp.json()
+    assert decoded["usage"]["prompt_tokens"] == prompt_tokens
+    assert decoded["usage"]["completion_tokens"] == 5
+    assert d_engine.computed_prompt_tokens == 0  # every prompt token came over
+    assert d_engine.remote_decodes == 1 and p_engine.remote_prefills == 1
+    assert (
+        d_engine.kv_received_blocks
+        == p_engine.held.served_blocks
+        == len(params["remote_block_ids"])
+    )
+    # Fetched once: the same params again point at blocks no longer held.
+    resp = await d_client.post(
+        "/v1/chat/completions", json=chat(PROMPT, max_tokens=5, kv_transfer_params=params)
+    )
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "kv_transfer_params.remote_block_ids"
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"remote_port": 1}, "kv_transfer_params.remote_host"),  # nothing listens there
+        ({"remote_engine_id": "someone-else"}, "kv_transfer_params.remote_engine_id"),
+        ({"remote_block_ids": [10**9]}, "kv_transfer_params.remote_block_ids"),
+        ({"remote_port": "x"}, "kv_transfer_params.remote_port"),
+    ],
+)
+async def test_a_decode_refuses_params_that_point_nowhere_naming_the_field(
+    make_mocker: Make, change: dict[str, Any], field: str
+) -> None:
+    _, p_client = await make_mocker(role="prefill", speedup=0)
+    d_engine, d_client = await make_mocker(role="decode", speedup=0)
+    params = (await prefill(p_client))["kv_transfer_params"] | change
+    resp = await d_client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "kv_transfer_params": params}
+    )
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["param"] == field and error["code"] == "kv_transfer_failed"
+    assert d_engine.requests["completions"] == 0
+
+
+async def test_the_transfer_takes_the_time_per_block(make_mocker: Make) -> None:
+    _, p_client = await make_mocker(role="prefill", speedup=0)
+    _, d_client = await make_mocker(role="decode", speedup=1, kv_transfer_us_per_block=20_000)
+    params = (await prefill(p_client))["kv_transfer_params"]
+    blocks = len(params["remote_block_ids"])
+    started = time.perf_counter()
+    resp = await d_client.post(
+        "/v1/chat/completions",
+        json=chat(PROMPT, max_tokens=1, kv_transfer_params=params),
+    )
+    assert resp.status == 200
+    assert time.perf_counter() - started >= blocks * 0.02
+
+
+async def test_only_a_prefill_mocker_hands_off_and_only_whole_answers(make_mocker: Make) -> None:
+    engine, client = await make_mocker(role=WorkerRole.DECODE, speedup=0)
+    body = chat(PROMPT, max_tokens=1, kv_transfer_params=STAGE_ONE)
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "kv_transfer_params.do_remote_decode"
+    _, p_client = await make_mocker(role="prefill", speedup=0)
+    resp = await p_client.post("/v1/chat/completions", json=body | {"stream": True})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "stream"
+    served = await engine.served_models()
+    assert served[0].role is WorkerRole.DECODE
