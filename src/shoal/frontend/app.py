@@ -39,6 +39,7 @@ from shoal.discovery import Discovery, Query
 from shoal.frontend import errors
 from shoal.frontend.cors import Cors
 from shoal.frontend.dashboard import Dashboard
+from shoal.frontend.disagg import TwoStages
 from shoal.frontend.kv_router import KvRouter
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
 from shoal.frontend.metrics import FrontendMetrics
@@ -197,6 +198,7 @@ class Frontend:
             strip_authorization=bool(config.api_keys),
             routes=self.routes,
         )
+        self.proxy.two_stages = TwoStages(self.proxy)  # models served disaggregated
         self._keys = tuple(key.encode() for key in config.api_keys)
         self.cors = Cors(config.cors_origins) if config.cors_origins else None
         self.manager = ControllerManager()

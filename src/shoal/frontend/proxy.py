@@ -42,7 +42,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -59,6 +59,19 @@ from shoal.frontend.virtual import FleetChoice, RouteTable, VirtualModel
 from shoal.openai import ApiError, error_body, sse_event
 
 log = logging.getLogger(__name__)
+
+
+class TwoStageStarter(Protocol):
+    """Starts a request for a model served in two stages (`frontend/disagg.TwoStages`)."""
+
+    def start(
+        self,
+        request: Request,
+        client: ClientConnection,
+        model: Model,
+        fields: Fields,
+        stats: ModelStats,
+    ) -> None: ...
 
 
 class Proxy:
@@ -102,6 +115,9 @@ class Proxy:
         self.gateway = "shoal-" + secrets.token_hex(8)
         self._gateway = self.gateway.encode()
         self.via = b"via: 1.1 " + self._gateway + b"\r\n"
+        # Models served in two stages (prefill, then decode): `frontend/disagg.TwoStages`,
+        # which builds on this module, set by the frontend.
+        self.two_stages: TwoStageStarter | None = None
 
     def handle(self, request: Request, client: ClientConnection, kind: ModelType) -> None:
         """Start answering one request of `kind` (chat, completions, embeddings). Nothing
@@ -139,6 +155,8 @@ class Proxy:
         elif (narrowed := model.for_kind(kind)) is None or not narrowed.serving:
             # instances that serve the model, but none of them declares this kind
             self._refuse(client, errors.no_ready_instance(name), name)
+        elif narrowed.stages is not None and self.two_stages is not None:  # disaggregated
+            self.two_stages.start(request, client, narrowed, fields, self.metrics.model(name))
         else:
             Forward(self, request, client, narrowed, fields, self.metrics.model(name)).start()
 

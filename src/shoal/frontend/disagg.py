@@ -1,0 +1,440 @@
+"""Disaggregated serving: a request in two stages, in vLLM's NixlConnector protocol.
+
+1. Stage one goes to a prefill instance (picked by the routing policy, `kv` included): the
+   client's body with `max_tokens: 1` (and `max_completion_tokens: 1` when given),
+   `stream: false`, no `stream_options`, and `kv_transfer_params` asking for a remote decode
+   (`do_remote_decode: true`, `do_remote_prefill: false`, the rest null), under an
+   `X-Request-Id` (the client's, else one the frontend makes). Its whole answer is read (at
+   most `MAX_PREFILL_ANSWER` bytes) for its `kv_transfer_params`.
+2. The client's body with those `kv_transfer_params` goes to a decode instance (the least
+   loaded), and its answer is relayed as any answer is (`Forward`), streamed or not: the
+   usage the client sees is the decode's, counted once.
+
+Failover: a prefill that fails (connect, 5xx, no answer within the first-byte timeout) is
+inhibited and another prefill instance is tried (a refused connect costs no attempt). A
+decode that fails before the first byte is retried on another decode instance with a new
+prefill (the handle names blocks a decode may have started to fetch), except when the decode
+was never reached (a refused connect): then the same handle goes to the next decode. A
+decode that refuses the handle (a 400 naming `kv_transfer_params`: the prefill instance
+died before the decode fetched its blocks) counts as that prefill's failure: a new prefill,
+and the decode tried again. After the first byte, as for aggregated answers. A client that
+leaves during stage one cancels it, and no decode starts. Taints, draining and inhibition
+apply to both stages, since both pick from the registry's routable instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+import msgspec
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shoal.frontend.metrics import TTFT_BUCKETS, Histogram, ModelStats
+from shoal.frontend.proxy import Fields, Forward, Proxy
+from shoal.frontend.registry import Model
+from shoal.frontend.router import LeastLoaded
+from shoal.frontend.server import ClientConnection, Request
+from shoal.frontend.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
+from shoal.openai import ApiError
+
+log = logging.getLogger(__name__)
+
+MAX_PREFILL_ANSWER = 1 << 20  # bytes of a stage-one answer read (one token and the params)
+MAX_PEEK = 64 * 1024  # bytes of a decode's 400 read to see whether it refuses the KV handle
+
+STAGE_ONE_PARAMS = msgspec.Raw(
+    msgspec.json.encode(
+        {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+    )
+)
+_ONE = msgspec.Raw(b"1")
+_FALSE = msgspec.Raw(b"false")
+
+_decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+
+
+class _Answer(msgspec.Struct):
+    kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")  # kept as it came
+
+
+class _ErrorDetail(msgspec.Struct):
+    message: str = ""
+    type: str | None = None
+    param: str | None = None
+    code: str | int | None = None
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _ErrorDetail | None = None
+
+
+_decode_answer = msgspec.json.Decoder(_Answer).decode
+_decode_error = msgspec.json.Decoder(_ErrorBody).decode
+
+
+def stage_one_body(body: bytes) -> bytes:
+    """The prefill's body: the client's, asking for one token, whole, and a remote decode."""
+    members = _decode_members(body)
+    members["max_tokens"] = _ONE
+    if "max_completion_tokens" in members:
+        members["max_completion_tokens"] = _ONE
+    members["stream"] = _FALSE
+    members.pop("stream_options", None)
+    members["kv_transfer_params"] = STAGE_ONE_PARAMS
+    return msgspec.json.encode(members)
+
+
+def stage_two_body(body: bytes, params: msgspec.Raw | None) -> bytes:
+    """The decode's body: the client's, with the prefill's `kv_transfer_params` (none: the
+    prefill gave none, and the decode computes the prompt itself, as vLLM's proxy does)."""
+    if params is None:
+        return body
+    members = _decode_members(body)
+    members["kv_transfer_params"] = params
+    return msgspec.json.encode(members)
+
+
+def refuses_handle(body: bytes) -> bool:
+    """Whether a decode's 400 refuses the KV handle (its `param` names `kv_transfer_params`)."""
+    try:
+        error = _decode_error(body).error
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    return error is not None and str(error.param or "").startswith("kv_transfer_params")
+
+
+def api_error(status: int, body: bytes) -> ApiError:
+    """A prefill's refusal (4xx), relayed to the client with its message, param and code."""
+    try:
+        detail = _decode_error(body).error
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        detail = None
+    if detail is None:
+        return ApiError(status, f"The prefill instance refused the request ({status}).")
+    code = None if detail.code is None else str(detail.code)
+    return ApiError(status, detail.message, type=detail.type, param=detail.param, code=code)
+
+
+class StageStats(Collector):
+    """Per stage figures on `/metrics`: prefill time, decode time to first byte, failures."""
+
+    def __init__(self) -> None:
+        self.prefill = Histogram(TTFT_BUCKETS)
+        self.decode_ttft = Histogram(TTFT_BUCKETS)
+        self.failures = {"prefill": 0, "decode": 0}
+
+    def collect(self) -> Iterator[Metric]:
+        prefill = HistogramMetricFamily(
+            "shoal_frontend_disagg_prefill_seconds",
+            "Disaggregated requests: time of the prefill stage (send to whole answer).",
+        )
+        prefill.add_metric([], self.prefill.buckets(), self.prefill.sum)
+        decode = HistogramMetricFamily(
+            "shoal_frontend_disagg_decode_ttft_seconds",
+            "Disaggregated requests: time from sending the decode stage to its first byte "
+            "(the KV handoff wait included).",
+        )
+        decode.add_metric([], self.decode_ttft.buckets(), self.decode_ttft.sum)
+        failures = CounterMetricFamily(
+            "shoal_frontend_disagg_stage_failures",
+            "Disaggregated requests: stage attempts that failed and were retried or answered.",
+            labels=["stage"],
+        )
+        for stage, count in self.failures.items():
+            failures.add_metric([stage], count)
+        yield from (prefill, decode, failures)
+
+
+class TwoStages:
+    """What the proxy needs for disaggregated requests: the decode picker and the figures."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self.decode_router = LeastLoaded()  # decode is memory-bound: by load, not by prefix
+        self.stats = StageStats()
+        proxy.metrics.registry.register(self.stats)
+        self._ids = itertools.count()
+        self._prefix = os.urandom(4).hex()
+
+    def start(
+        self,
+        request: Request,
+        client: ClientConnection,
+        model: Model,
+        fields: Fields,
+        stats: ModelStats,
+    ) -> None:
+        TwoStageForward(self, request, client, model, fields, stats).start()
+
+    def request_id(self) -> bytes:
+        return f"shoal-{self._prefix}-{next(self._ids):x}".encode()
+
+
+class PrefillSink:
+    """Receives a stage-one answer whole (it is small) into a future."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.done: asyncio.Future[tuple[int, bytes]] = loop.create_future()
+        self.status = 0
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.head_seen = False
+
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
+        self.head_seen = True
+        self.status = status
+        return True
+
+    def on_body(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > MAX_PREFILL_ANSWER:
+            self.on_failure(UpstreamError(f"prefill answer over {MAX_PREFILL_ANSWER} bytes"))
+        else:
+            self.parts.append(data)
+
+    def flush(self) -> None:
+        pass
+
+    def on_complete(self) -> None:
+        if not self.done.done():
+            self.done.set_result((self.status, b"".join(self.parts)))
+
+    def on_failure(self, exc: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+
+class TwoStageForward(Forward):
+    """A request for a model served in two stages: each attempt is a prefill (a task: the
+    one place this path awaits more than a connect), then the decode, relayed by `Forward`."""
+
+    __slots__ = ("handle", "peek", "prefilled_by", "sent_at", "stages", "staging")
+
+    def __init__(
+        self,
+        stages: TwoStages,
+        request: Request,
+        client: ClientConnection,
+        model: Model,
+        fields: Fields,
+        stats: ModelStats,
+    ) -> None:
+        super().__init__(stages.proxy, request, client, model, fields, stats)
+        self.stages = stages
+        self.staging: asyncio.Task[None] | None = None
+        self.handle: msgspec.Raw | None = None  # the prefill's kv_transfer_params
+        self.prefilled_by: Upstream | None = None  # None: the next decode needs a new prefill
+        self.peek: list[bytes] | None = None  # a decode's 400, read before it is relayed
+        self.sent_at = 0.0
+        if request.header(b"x-request-id") is None:  # both stages carry one request id
+            request.headers.append((b"x-request-id", stages.request_id()))
+
+    # -- attempts: a prefill, then the decode --------------------------------------------------
+
+    def _attempt(self, failure: Exception | None) -> None:
+        if self.prefilled_by is not None or self.attempt > self.proxy.retries:
+            super()._attempt(failure)  # a handle to send, or no attempt left (answers)
+            return
+        self.staging = asyncio.create_task(self._prefill(failure))
+
+    async def _prefill(self, failure: Exception | None) -> None:
+        """Stage one on prefill instances until one answers; then the decode attempt."""
+        proxy = self.proxy
+        served = self.model
+        assert served is not None
+        tried: list[Upstream] = []
+        failed = 0  # failures that cost an attempt (a refused connect costs none)
+        try:
+            while failed <= proxy.retries:
+                stages = served.stages
+                if stages is None:
+                    break
+                target = proxy.router.choose(stages.prefill, self.prompt, tried)
+                if target is None:
+                    break
+                try:
+                    handle = await self._stage_one(target)
+                except UpstreamError as exc:
+                    failure = exc
+                    self.stages.stats.failures["prefill"] += 1
+                    log.warning("prefill failed: %s; trying another prefill instance", exc)
+                    target.inhibit(proxy.inhibit_seconds)
+                    proxy.metrics.instances_inhibited.inc()
+                    tried.append(target)
+                    if not (isinstance(exc, ConnectRefused) and self._within_deadline()):
+                        failed += 1
+                    continue
+                self.handle, self.prefilled_by = handle, target
+                break
+        except ApiError as exc:  # the prefill refused the request: so would a decode
+            if not self.done:
+                self._finish(exc)
+            return
+        finally:
+            self.staging = None
+        if self.done:
+            return
+        if self.prefilled_by is None:
+            self.attempt = proxy.retries + 1  # no prefill answered: the answer is the failure
+        super()._attempt(failure)
+
+    async def _stage_one(self, target: Upstream) -> msgspec.Raw | None:
+        """Send stage one to `target`; the `kv_transfer_params` it answered (None if none).
+        `ApiError` when it refused the request (4xx), `UpstreamError` when it failed."""
+        body = stage_one_body(self.request.body)
+        head = self.proxy.request_head(self.request, target, body)
+        limit = self.proxy.first_byte_timeout
+        started = time.perf_counter()
+        target.in_flight += 1
+        try:
+            async with asyncio.timeout(limit or None):
+                try:
+                    status, answer = await self._exchange(target, head, body, target.take_idle())
+                except StaleConnection:
+                    status, answer = await self._exchange(target, head, body, None)
+        except TimeoutError:
+            raise UpstreamError(
+                f"prefill instance {target.address} sent no answer within {limit:g}s"
+            ) from None
+        finally:
+            target.in_flight -= 1
+        if status >= 500:
+            raise UpstreamError(f"prefill instance {target.address} answered {status}")
+        if status >= 400:
+            raise api_error(status, answer)
+        self.stages.stats.prefill.observe(time.perf_counter() - started)
+        try:
+            params = _decode_answer(answer).kv_transfer_params
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise UpstreamError(
+                f"prefill instance {target.address} answered no JSON object: {exc}"
+            ) from None
+        return None if bytes(params) == b"null" else params
+
+    @staticmethod
+    async def _exchange(
+        target: Upstream, head: bytes, body: bytes, conn: UpstreamConnection | None
+    ) -> tuple[int, bytes]:
+        """One request on `conn` (a new connection if None); the status and whole body.
+        `StaleConnection` when a pooled connection had been closed by the instance."""
+        reused = conn is not None
+        if conn is None:
+            conn = await target.connect()
+        sink = PrefillSink(asyncio.get_running_loop())
+        conn.send(head, body, sink)
+        try:
+            return await sink.done
+        except UpstreamError:
+            conn.abort()
+            if reused and not sink.head_seen:
+                raise StaleConnection() from None
+            raise
+        except BaseException:
+            conn.abort()  # cancelled (the client left) or timed out: the prefill stops
+            raise
+
+    def _pick(self) -> Upstream | None:
+        """A decode instance for the handle in hand (the body then carries it)."""
+        served = self.model
+        assert served is not None
+        stages = served.stages
+        if stages is None or self.prefilled_by is None:
+            return None
+        target = self.stages.decode_router.choose(stages.decode, None, self.tried)
+        if target is not None:
+            self.body = stage_two_body(self.request.body, self.handle)
+        return target
+
+    def _send(self, conn: UpstreamConnection) -> None:
+        self.sent_at = time.perf_counter()
+        self.peek = None
+        super()._send(conn)
+
+    def _attempt_failed(self, failure: Exception) -> None:
+        """A decode failed before its first byte: the next decode gets a new prefill, unless
+        this one never got the handle (a refused connect, a pooled connection found closed)."""
+        conn = self.conn
+        if not (conn is not None and conn.reused and not self.head_seen):  # (stale: no failure)
+            self.stages.stats.failures["decode"] += 1
+            if not isinstance(failure, ConnectRefused):
+                self.prefilled_by = None
+        super()._attempt_failed(failure)
+
+    def _may_retry(self) -> bool:
+        served = self.model
+        assert served is not None
+        if self.attempt > self.proxy.retries or served.stages is None:
+            return False
+        tried = [*self.tried, self.target]
+        decode = served.stages.decode.routable_sets
+        return any(u not in tried for ws in decode for u in ws.routable)
+
+    # -- the decode's answer -------------------------------------------------------------------
+
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
+        if status == 400 and not self.started and self.attempt <= self.proxy.retries:
+            self.peek = []  # a refused handle is retried: read the body before relaying it
+        return super().on_head(status, headers, chunked)
+
+    def on_body(self, data: bytes) -> None:
+        if not self.body_seen:
+            self.stages.stats.decode_ttft.observe(time.perf_counter() - self.sent_at)
+        peek = self.peek
+        if peek is not None:
+            peek.append(data)
+            if sum(map(len, peek)) > MAX_PEEK:
+                self.peek = None  # too long for a refusal: relayed as it comes
+        super().on_body(data)
+
+    def flush(self, final: bool = False) -> None:
+        if self.peek is not None and not final:
+            self.last_read = time.monotonic()
+            return  # held until the whole refusal is read
+        super().flush(final)
+
+    def on_complete(self) -> None:
+        peek, self.peek = self.peek, None
+        if peek is not None and refuses_handle(b"".join(peek)):
+            self._handle_refused()
+            return
+        super().on_complete()
+
+    def _handle_refused(self) -> None:
+        """The decode could not fetch the prefill's blocks: that prefill failed; again with
+        a new one (the decode is not at fault, and not inhibited)."""
+        self.out = []
+        self._end_attempt()
+        prefill, self.prefilled_by = self.prefilled_by, None
+        self.stages.stats.failures["prefill"] += 1
+        failure = UpstreamError("the decode instance could not fetch the prefilled KV blocks")
+        if prefill is not None:
+            log.warning("%s from %s; prefilling again", failure, prefill.address)
+            prefill.inhibit(self.proxy.inhibit_seconds)
+            self.proxy.metrics.instances_inhibited.inc()
+        self._attempt(failure)
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """The client left: a prefill in progress is cancelled, and no decode starts."""
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging.cancel()
+        super().cancel()
+
+
+class StaleConnection(UpstreamError):
+    """A pooled connection the instance had closed: nothing was sent, try a new one."""
