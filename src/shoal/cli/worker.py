@@ -175,9 +175,12 @@ def make_engine(args: argparse.Namespace) -> Engine:
             api_key=args.upstream_api_key,
             kv_events_endpoint=args.kv_events_endpoint,
             kv_replay_endpoint=args.kv_replay_endpoint,
+            role=args.role,
             **({} if args.max_body is None else {"max_body": args.max_body}),
         )
     else:
+        if args.role != "aggregated":
+            raise SystemExit("shoal worker: --role is for the mocker and openai engines")
         # Without --model-path, the SmolLM2-135M GGUF shipped in the llamacpp extra is served.
         engine = cls(
             args.model_path,

@@ -7,6 +7,10 @@ byte for byte, streaming the response back as it arrives.
 The sidecar authenticates to the upstream with its own key (never the client's), and
 follows no redirects: a redirect would turn a POST into a bodiless GET, so it is reported
 as a misconfigured upstream URL instead.
+
+In disaggregated serving it announces the `role` it is given (a vLLM prefill or decode
+server with the NixlConnector behind it); `kv_transfer_params` cross it unchanged both
+ways, as every byte of a request and its answer does.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from shoal.bounds import check_json_depth
+from shoal.cards import WorkerRole
 from shoal.kv import KvEndpoint
 from shoal.openai import ApiError
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
@@ -99,9 +104,11 @@ class OpenAISidecarEngine(Engine):
         kv_events_endpoint: str | None = None,
         kv_replay_endpoint: str | None = None,
         max_body: int = DEFAULT_MAX_BODY,
+        role: WorkerRole | str = WorkerRole.AGGREGATED,
     ) -> None:
         if max_body <= 0:
             raise ValueError(f"max_body must be positive, got {max_body}")
+        self.role = WorkerRole(role)  # announced on every card: the stage the upstream serves
         self.upstream = normalize_upstream(upstream_url)
         self.max_body = max_body
         # The fronted server's own KV event sockets, advertised as they are: subscribers
@@ -262,6 +269,7 @@ class OpenAISidecarEngine(Engine):
                 context_length=context_length,
                 adapter=model_id if is_adapter else None,
                 base_model=parent if is_adapter else None,
+                role=self.role,
             )
         return self._select(models)
 
