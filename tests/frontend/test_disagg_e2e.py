@@ -144,6 +144,11 @@ async def test_each_request_is_prefilled_on_one_instance_and_decoded_on_another(
             received = after_d["kv_received_blocks"] - before_d["kv_received_blocks"]
             assert received == -(-usage.prompt_tokens // 16)
             assert after_p["kv_sent_blocks"] - before_p["kv_sent_blocks"] == received
+        # A request the prefill refuses is answered with its refusal; no decode starts.
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="mock-llm", messages=CHAT, temperature=5)
+        assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "temperature"
+        assert (await totals(decodes))["remote_decodes"] == 4
     prefill_seconds = frontend.metrics.registry.get_sample_value(
         "shoal_frontend_disagg_prefill_seconds_count"
     )

@@ -35,6 +35,7 @@ import msgspec
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from shoal.frontend import errors
 from shoal.frontend.metrics import TTFT_BUCKETS, Histogram, ModelStats
 from shoal.frontend.proxy import Fields, Forward, Proxy
 from shoal.frontend.registry import Model
@@ -282,6 +283,11 @@ class TwoStageForward(Forward):
         except ApiError as exc:  # the prefill refused the request: so would a decode
             if not self.done:
                 self._finish(exc)
+            return
+        except Exception as exc:  # a fault of ours: this request fails, and only it
+            log.exception("the prefill stage of a request for %s failed", self.name)
+            if not self.done:
+                self._finish(errors.upstream_failed(self.name, f"prefill stage: {exc}"))
             return
         finally:
             self.staging = None
