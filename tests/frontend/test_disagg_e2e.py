@@ -244,3 +244,36 @@ async def test_a_client_that_leaves_during_prefill_cancels_it_and_no_decode_star
     model = frontend.registry.models["mock-llm"]
     assert model.stages is not None
     assert [u.in_flight for ws in model.stages.prefill.routable_sets for u in ws.routable] == [0]
+
+
+async def test_with_the_kv_router_prefills_go_where_the_prompt_is_cached(
+    processes: Processes, tmp_path: Path
+) -> None:
+    store_url = f"sqlite:///{tmp_path / 'kv.db'}"
+    config = FrontendConfig(
+        store_url=store_url, port=0, cache_dir=tmp_path / "kv-cache", router="kv"
+    )
+    frontend = Frontend(config)
+    await frontend.start()
+    try:
+        kv = ("--kv-events-port", "0")
+        prefills = list(
+            await asyncio.gather(
+                *(
+                    processes.worker(store_url, "--role", "prefill", "--component", "p", *kv, *FAST)
+                    for _ in range(2)
+                )
+            )
+        )
+        await processes.worker(store_url, "--role", "decode", "--component", "d", *FAST)
+        await wait_for(lambda: stages_ready(frontend, 2, 1), timeout=20, message="2P+1D serve")
+        client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0)
+        for _ in range(4):
+            await client.chat.completions.create(model="mock-llm", messages=CHAT, max_tokens=2)
+        async with aiohttp.ClientSession() as http:
+            each = [(await counters(http, w))["remote_prefills"] for w in prefills]
+        assert sorted(each) == [0, 4]  # one instance holds the prompt: every prefill went there
+        picks = frontend.metrics.registry.get_sample_value("shoal_frontend_kv_picks_total")
+        assert picks is not None and picks >= 4
+    finally:
+        await frontend.stop()

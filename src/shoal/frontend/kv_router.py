@@ -181,7 +181,7 @@ class KvRouter(Router):
         work: dict[PromptTokenizer, set[int]] = {}
         for name in models:
             model = self.registry.models.get(name)
-            for ws in model.routable_sets if model is not None else ():
+            for ws in model.first_sets if model is not None else ():
                 state = self.tracker.sets.get(ws.id)
                 tokenizer = state.tokenizer if state is not None else None
                 if tokenizer is not None and (prompt.messages is None or tokenizer.renders):

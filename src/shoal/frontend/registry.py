@@ -153,6 +153,14 @@ class Model:
         return bool(_paired(self.sets.values(), routable=False))
 
     @property
+    def first_sets(self) -> tuple[WorkerSet, ...]:
+        """The routable sets a request's first (or only) stage is picked in: the aggregated
+        ones, and the prefill stage's (what a routing policy prepares the prompt for)."""
+        if self.stages is None:
+            return self.routable_sets
+        return self.routable_sets + self.stages.prefill.routable_sets
+
+    @property
     def live_instances(self) -> int:
         live = sum(len(ws.routable) for ws in self.routable_sets)
         if self.stages is not None:
