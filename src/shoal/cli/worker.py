@@ -121,6 +121,12 @@ def add_parser(sub: Any) -> None:
         "this many tokens; unset: off",
     )
     mocker(
+        "--prefill-stalls-decode",
+        action="store_true",
+        help="with --prefill-us-per-token: a prefill stalls the worker's decode steps for its "
+        "duration (prefill and decode sharing one GPU)",
+    )
+    mocker(
         "--kv-transfer-us-per-block",
         "0",
         type=NON_NEGATIVE,
@@ -165,6 +171,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
             die_after_tokens=args.die_after_tokens,
             role=args.role,
             kv_transfer_us_per_block=args.kv_transfer_us_per_block,
+            prefill_stalls_decode=args.prefill_stalls_decode,
         )
     elif args.engine == "openai":
         if not args.upstream:

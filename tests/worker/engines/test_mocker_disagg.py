@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from shoal.cards import WorkerRole
 from shoal.worker.engines.mocker import MockerEngine
+from tests.helpers import wait_for
 from tests.worker.engines.test_mocker import MODEL, Make, chat
 
 STAGE_ONE = {
@@ -140,3 +142,35 @@ async def test_only_a_prefill_mocker_hands_off_and_only_whole_answers(make_mocke
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "stream"
     served = await engine.served_models()
     assert served[0].role is WorkerRole.DECODE
+
+
+async def stream_gaps(client: TestClient[Any, Any], body: dict[str, Any]) -> list[float]:
+    """The gaps between the chunks of a streamed answer, in seconds."""
+    gaps: list[float] = []
+    async with client.post("/v1/chat/completions", json=body | {"stream": True}) as resp:
+        last = None
+        async for _ in resp.content:
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+    return gaps
+
+
+@pytest.mark.parametrize("stalls", [True, False])
+async def test_a_prefill_stalls_the_decode_steps_of_an_aggregated_worker_only_when_asked(
+    make_mocker: Make, stalls: bool
+) -> None:
+    engine, client = await make_mocker(
+        prefill_us_per_token=1000, itl_ms=5, prefill_stalls_decode=stalls
+    )
+    decoding = asyncio.create_task(stream_gaps(client, chat("hi", max_tokens=60)))
+    await wait_for(lambda: engine.generation_tokens >= 3, message="the first sequence decodes")
+    long_prompt = chat(" ".join(f"w{i}" for i in range(300)), max_tokens=1)
+    resp = await client.post("/v1/chat/completions", json=long_prompt)
+    assert resp.status == 200
+    worst = max(await decoding)
+    if stalls:
+        assert worst >= 0.2  # the other sequence's ~300 ms prefill held it
+    else:
+        assert worst < 0.2

@@ -5,7 +5,9 @@ scaled by the share of the prompt not found in the simulated prefix cache, and e
 token after `itl_ms`; all times are divided by `speedup`. With `prefill_us_per_token`, the
 first token instead waits for the prefill of the uncached prompt tokens (`ttft_ms` is then
 unused), one prefill at a time (as a GPU's compute is shared), which makes a prefix cache
-hit as valuable as it is on a real engine. `speedup=0` answers at once on a path kept as
+hit as valuable as it is on a real engine. With `prefill_stalls_decode` too, a prefill
+stalls the decode steps of every other sequence of the worker for its duration (an engine
+that runs prefill and decode on one GPU). `speedup=0` answers at once on a path kept as
 cheap as possible (no queue, no cache), for measuring gateway overhead.
 
 With `role` prefill or decode it is one stage of disaggregated serving (`kv_transfer`): a
@@ -125,6 +127,7 @@ class MockerEngine(Engine):
         die_after_tokens: int | None = None,
         role: WorkerRole | str = WorkerRole.AGGREGATED,
         kv_transfer_us_per_block: float = 0.0,
+        prefill_stalls_decode: bool = False,
     ) -> None:
         if die_after_tokens is not None and (die_after_tokens < 1 or speedup == 0):
             raise ValueError("die_after_tokens must be at least 1, and needs a speedup above 0")
@@ -156,6 +159,9 @@ class MockerEngine(Engine):
         self.embedding_dim = embedding_dim
         self.prefill_per_token = prefill_us_per_token / 1e6
         self._prefill = asyncio.Lock()
+        self.prefill_stalls_decode = prefill_stalls_decode
+        self._no_prefill = asyncio.Event()  # set while no prefill runs (decode steps go on)
+        self._no_prefill.set()
         self.publisher: KvEventPublisher | None = None
         if kv_events_port is not None:
             self.publisher = KvEventPublisher(kv_events_host, kv_events_port)
@@ -535,6 +541,10 @@ class MockerEngine(Engine):
                 delay = start + first + step * i - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                if self.prefill_stalls_decode and not self._no_prefill.is_set():
+                    stalled = loop.time()
+                    await self._no_prefill.wait()  # another sequence's prefill holds the GPU
+                    start += loop.time() - stalled
                 self.generation_tokens += 1
                 yield piece
             finished = True
@@ -547,8 +557,14 @@ class MockerEngine(Engine):
 
     async def _run_prefill(self, tokens: int) -> None:
         """Compute `tokens` uncached prompt tokens; prefills run one at a time."""
+        if tokens <= 0:
+            return
         async with self._prefill:
-            await asyncio.sleep(tokens * self.prefill_per_token / self.speedup)
+            self._no_prefill.clear()
+            try:
+                await asyncio.sleep(tokens * self.prefill_per_token / self.speedup)
+            finally:
+                self._no_prefill.set()
 
     async def _stream(
         self, request: web.Request, plan: Plan, kind: AnswerKind, usage: bool
