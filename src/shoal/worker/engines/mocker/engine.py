@@ -461,7 +461,7 @@ class MockerEngine(Engine):
             "do_remote_decode": False,
             "remote_block_ids": block_ids,
             "remote_engine_id": self.held.engine_id,
-            "remote_host": self.side_channel.host,
+            "remote_host": self.side_channel.advertised_host,
             "remote_port": self.side_channel.port,
             "tp_size": 1,
         }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -154,6 +155,11 @@ class KvSideChannel:
         self.host = host
         self.port = port
         self._server: asyncio.Server | None = None
+
+    @property
+    def advertised_host(self) -> str:
+        """The host decodes reach the side channel at (a wildcard: this machine's name)."""
+        return socket.getfqdn() if self.host in ("", "0.0.0.0", "::") else self.host
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=MAX_LINE)
