@@ -1,0 +1,56 @@
+"""The two bodies of a disaggregated request, as vLLM's NixlConnector proxy sends them."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+
+from shoal.frontend.disagg import refuses_handle, stage_one_body, stage_two_body
+
+CLIENT = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 300,
+    "max_completion_tokens": 200,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "temperature": 0.5,
+}
+
+
+def test_stage_one_asks_one_whole_token_and_a_remote_decode_keeping_the_rest() -> None:
+    body = json.loads(stage_one_body(json.dumps(CLIENT).encode()))
+    assert body["max_tokens"] == 1 and body["max_completion_tokens"] == 1
+    assert body["stream"] is False and "stream_options" not in body
+    assert body["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    assert body["messages"] == CLIENT["messages"] and body["temperature"] == 0.5
+    without = {k: v for k, v in CLIENT.items() if k != "max_completion_tokens"}
+    assert "max_completion_tokens" not in json.loads(stage_one_body(json.dumps(without).encode()))
+
+
+def test_stage_two_is_the_clients_body_with_the_handle_byte_for_byte() -> None:
+    handle = b'{"remote_block_ids":[1,2],"remote_engine_id":"e","remote_port":7,"x":1.50}'
+    raw = json.dumps(CLIENT).encode()
+    body = stage_two_body(raw, msgspec.Raw(handle))
+    assert handle in body  # not re-encoded: unknown fields and number forms pass as they came
+    decoded = json.loads(body)
+    assert {k: v for k, v in decoded.items() if k != "kv_transfer_params"} == CLIENT
+    assert stage_two_body(raw, None) is raw  # no handle: the decode prefills itself
+
+
+def test_only_a_400_naming_kv_transfer_params_refuses_the_handle() -> None:
+    def error(param: str | None) -> bytes:
+        return json.dumps({"error": {"message": "x", "param": param}}).encode()
+
+    assert refuses_handle(error("kv_transfer_params.remote_host"))
+    assert not refuses_handle(error("max_tokens"))
+    assert not refuses_handle(error(None))
+    assert not refuses_handle(b"not json")
