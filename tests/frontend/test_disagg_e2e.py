@@ -92,6 +92,9 @@ async def test_each_request_is_prefilled_on_one_instance_and_decoded_on_another(
         reason = await wait_for(health_reason, timeout=20, message="the model is incomplete")
         assert "no decode set" in reason
         assert [m.id for m in (await client.models.list()).data] == []
+        with pytest.raises(openai.APIStatusError) as waiting:
+            await client.chat.completions.create(model="mock-llm", messages=CHAT)
+        assert waiting.value.status_code == 503 and "no decode set" in waiting.value.message
         prefills = [first, await stage_worker(processes, frontend, "prefill")]
         decodes = list(
             await asyncio.gather(*(stage_worker(processes, frontend, "decode") for _ in range(2)))

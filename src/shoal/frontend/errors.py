@@ -15,10 +15,12 @@ RETRY_AFTER = (b"retry-after", b"5")
 """Sent with a 503 for a model that exists but whose instances all drain or are tainted."""
 
 
-def no_ready_instance(model: str) -> ApiError:
+def no_ready_instance(model: str, why: str | None = None) -> ApiError:
+    """`why`: what the model waits for (an incomplete disaggregated model says which stage)."""
+    because = f" ({why})" if why else ""
     return ApiError(
         503,
-        f"The model `{model}` has no ready instance right now; retry shortly.",
+        f"The model `{model}` has no ready instance right now{because}; retry shortly.",
         type="service_unavailable_error",
         code="no_ready_instance",
         param="model",

@@ -148,7 +148,7 @@ class Proxy:
         if model is None:
             self._refuse(client, errors.model_not_found(name), UNKNOWN_MODEL)
         elif not model.serving:
-            self._refuse(client, errors.no_ready_instance(name), name)
+            self._refuse(client, errors.no_ready_instance(name, model.incomplete), name)
         elif kind not in model.model_types:
             message = f"The model `{name}` does not serve {kind} requests."
             self._refuse(client, errors.bad_request(message, param="model"), name)
