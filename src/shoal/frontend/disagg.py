@@ -422,6 +422,7 @@ class TwoStageForward(Forward):
         """The decode could not fetch the prefill's blocks: that prefill failed; again with
         a new one (the decode is not at fault, and not inhibited)."""
         self.out = []
+        self.body_seen = False  # (nothing reached the client: the next head is held again)
         self._end_attempt()
         prefill, self.prefilled_by = self.prefilled_by, None
         self.stages.stats.failures["prefill"] += 1
