@@ -20,6 +20,10 @@ Layouts: `4A` (four aggregated workers), `2P2D`, `1P3D` (prefill + decode worker
 Figures: TTFT p50/p99, ITL p50/p99 (the gaps between streamed tokens), requests/s, and the
 gateway's CPU time per request (its process tree, from /proc).
 
+`--overhead` measures only the gateway's cost of the two stages: `--overhead-requests`
+small whole chats, 8 at a time, through `2A` and `1P1D` workers that answer at once
+(`--speedup 0`), after a warm-up; the figure is the frontend's CPU time per request.
+
 vllm-router's PD mode is not run: it needs the peers venv (bench/install-peers.sh, which
 downloads it) and vLLM's own prefill/decode servers to bootstrap against; see
 docs/benchmarks.md.
@@ -80,6 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--rounds", type=int, default=1, help="runs per layout (interleaved); medians")
     p.add_argument("--quick", action="store_true", help="a small run: a smoke test")
+    p.add_argument("--overhead", action="store_true", help="the two-stage CPU cost only")
+    p.add_argument("--overhead-requests", type=int, default=5000)
     p.add_argument("--report", type=Path, help="also write the markdown report here")
     args = p.parse_args(argv)
     if args.quick:
@@ -178,14 +184,20 @@ def start_workers(
     procs = []
     for i, role in enumerate(roles):
         component = "backend" if role == "aggregated" else role
-        argv = [
+        if args.overhead:
+            argv = [
+                *SHOAL, "worker", "--engine", "mocker", "--model", MODEL, "--store", store,
+                "--role", role, "--component", component, "--speedup", "0",
+            ]  # fmt: skip
+        else:
+            argv = [
             *SHOAL, "worker", "--engine", "mocker", "--model", MODEL, "--store", store,
             "--host", "127.0.0.1", "--port", str(free_port()), "--status-port", str(free_port()),
             "--role", role, "--component", component, "--max-seqs", "256",
             "--prefill-us-per-token", str(args.prefill_us_per_token), "--prefill-stalls-decode",
             "--itl-ms", str(args.itl_ms),
             "--kv-transfer-us-per-block", str(args.kv_transfer_us_per_block),
-        ]  # fmt: skip
+            ]  # fmt: skip
         proc = session.start(f"worker-{i}-{role}", argv)
         wait_until(
             "the ready line",
@@ -220,6 +232,49 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def overhead(url: str, n: int) -> int:
+    """`n` small whole chats, 8 at a time; how many were answered 200."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 16}
+    left = [n]
+    ok = [0]
+    async with aiohttp.ClientSession() as s:
+
+        async def client() -> None:
+            while left[0] > 0:
+                left[0] -= 1
+                async with s.post(f"{url}/v1/chat/completions", json=body) as resp:
+                    await resp.read()
+                    ok[0] += resp.status == 200
+
+        await asyncio.gather(*(client() for _ in range(8)))
+    return ok[0]
+
+
+def run_overhead(layout: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    tdir = Path(tempfile.mkdtemp(dir=workdir, prefix=f"{layout}-"))
+    session = Session(tdir, pin=False)
+    store = f"sqlite:///{tdir / 'store.db'}"
+    roles = parse_layout(layout)
+    try:
+        start_workers(session, roles, args, store)
+        proc, url = start_frontend(session, store, len(roles))
+        asyncio.run(overhead(url, 500))  # warm-up: pools, caches
+        cpu0 = tree_cpu_seconds(proc.pid)
+        start = time.perf_counter()
+        ok = asyncio.run(overhead(url, args.overhead_requests))
+        seconds = time.perf_counter() - start
+        cpu = tree_cpu_seconds(proc.pid) - cpu0
+        return {
+            "layout": layout,
+            "requests": ok,
+            "errors": args.overhead_requests - ok,
+            "rps": ok / seconds,
+            "cpu_us_per_request": cpu / max(ok, 1) * 1e6,
+        }
+    finally:
+        session.stop_all()
 
 
 def run_layout(
@@ -307,6 +362,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     given = argv if argv is not None else sys.argv[1:]
     command = shlex.join([".venv/bin/python", "-m", "bench.disagg", *given])
+    if args.overhead:
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="shoal-disagg-bench-") as tmp:
+            for _ in range(args.rounds):
+                for layout in ("2A", "1P1D"):
+                    rows.append(run_overhead(layout, args, Path(tmp)))
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        lines = [
+            f"Command: `{command}`",
+            "",
+            "| layout | gateway CPU us/req | req/s | errors |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for layout in ("2A", "1P1D"):
+            runs = [r for r in rows if r["layout"] == layout]
+            cpu = statistics.median(r["cpu_us_per_request"] for r in runs)
+            rps = statistics.median(r["rps"] for r in runs)
+            errors = sum(r["errors"] for r in runs)
+            lines.append(f"| {layout} | {cpu:.0f} | {rps:.0f} | {errors} |")
+        print("\n".join(lines))
+        return 0
     requests = workload(args)
     results = []
     with tempfile.TemporaryDirectory(prefix="shoal-disagg-bench-") as tmp:
