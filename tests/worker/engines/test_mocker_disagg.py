@@ -119,7 +119,9 @@ async def test_a_decode_refuses_params_that_point_nowhere_naming_the_field(
 
 async def test_the_transfer_takes_the_time_per_block(make_mocker: Make) -> None:
     _, p_client = await make_mocker(role="prefill", speedup=0)
-    _, d_client = await make_mocker(role="decode", speedup=1, kv_transfer_us_per_block=20_000)
+    d_engine, d_client = await make_mocker(
+        role="decode", speedup=1, kv_transfer_us_per_block=20_000
+    )
     params = (await prefill(p_client))["kv_transfer_params"]
     blocks = len(params["remote_block_ids"])
     started = time.perf_counter()
@@ -129,6 +131,7 @@ async def test_the_transfer_takes_the_time_per_block(make_mocker: Make) -> None:
     )
     assert resp.status == 200
     assert time.perf_counter() - started >= blocks * 0.02
+    assert d_engine.kv_fetch_seconds >= blocks * 0.02  # the handoff wait, on /metrics
 
 
 async def test_only_a_prefill_mocker_hands_off_and_only_whole_answers(make_mocker: Make) -> None:

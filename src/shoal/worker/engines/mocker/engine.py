@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import AsyncGenerator, Iterable
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,7 @@ class MockerEngine(Engine):
         self.remote_prefills = 0  # requests prefilled here for a remote decode
         self.remote_decodes = 0  # requests decoded here from a remote prefill
         self.kv_received_blocks = 0
+        self.kv_fetch_seconds = 0.0  # the KV handoff wait of remote decodes, summed
         self.computed_prompt_tokens = 0  # prefilled here: neither cached nor transferred
         self.name = "mocker"
         self.model = name
@@ -443,7 +445,9 @@ class MockerEngine(Engine):
         remote = RemotePrefill.of(req.kv_transfer_params or {})
         if remote is None:
             return plan
+        started = time.perf_counter()
         hashes = await fetch_blocks(remote, self.kv_transfer_per_block_us, self.speedup)
+        self.kv_fetch_seconds += time.perf_counter() - started
         size = self.cache.block_size
         tokens = plan.prompt_tokens
         covered = covered_tokens(prompt_blocks(tokens, size), hashes, len(tokens), size)

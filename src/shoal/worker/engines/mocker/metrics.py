@@ -27,6 +27,7 @@ class MockerState(Protocol):
     remote_prefills: int
     remote_decodes: int
     kv_received_blocks: int
+    kv_fetch_seconds: float
     held: HeldBlocks
 
 
@@ -78,6 +79,12 @@ def mocker_metrics(state: MockerState) -> Iterator[Metric]:
             "shoal_mocker_kv_received_blocks",
             "KV blocks fetched from remote prefills.",
             state.kv_received_blocks,
+        ),
+        (
+            "shoal_mocker_kv_fetch_seconds",
+            "Time remote decodes waited for their KV blocks (the handoff), summed; "
+            "divide by shoal_mocker_remote_decodes_total for the mean.",
+            state.kv_fetch_seconds,
         ),
         (
             "shoal_mocker_kv_sent_blocks",
