@@ -15,7 +15,9 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from shoal.discovery import FleetTarget, Route, publish_route
 from shoal.frontend import Frontend, FrontendConfig
+from shoal.store import open_store
 from tests.helpers import wait_for
 from tests.processes import Process, Processes
 
@@ -280,3 +282,29 @@ async def test_with_the_kv_router_prefills_go_where_the_prompt_is_cached(
         assert picks is not None and picks >= 4
     finally:
         await frontend.stop()
+
+
+async def test_an_alias_of_a_disaggregated_model_is_served_in_two_stages(
+    processes: Processes, frontend: Frontend
+) -> None:
+    store_url = frontend.config.store_url
+    assert store_url is not None
+    prefill, decode = await asyncio.gather(
+        stage_worker(processes, frontend, "prefill"), stage_worker(processes, frontend, "decode")
+    )
+    await wait_for(lambda: stages_ready(frontend, 1, 1), timeout=20, message="1P+1D serve")
+    store = await open_store(store_url)
+    try:
+        await publish_route(store, Route("default", "storyteller", (FleetTarget("mock-llm"),)))
+    finally:
+        await store.close()
+    await wait_for(lambda: "storyteller" in frontend.routes.models, message="the alias is served")
+    client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0)
+    stream = await client.chat.completions.create(
+        model="storyteller", messages=CHAT, max_tokens=5, stream=True
+    )
+    assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    async with aiohttp.ClientSession() as http:
+        assert (await counters(http, prefill))["remote_prefills"] == 1
+        assert (await counters(http, decode))["remote_decodes"] == 1
+        assert (await counters(http, decode))["computed_prompt_tokens"] == 0

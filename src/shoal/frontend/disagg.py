@@ -37,7 +37,7 @@ from prometheus_client.registry import Collector
 
 from shoal.frontend import errors
 from shoal.frontend.metrics import TTFT_BUCKETS, Histogram, ModelStats
-from shoal.frontend.proxy import Fields, Forward, Proxy
+from shoal.frontend.proxy import Fields, Forward, Proxy, rewrite_model
 from shoal.frontend.registry import Model
 from shoal.frontend.router import LeastLoaded
 from shoal.frontend.server import ClientConnection, Request
@@ -177,8 +177,12 @@ class TwoStages:
         model: Model,
         fields: Fields,
         stats: ModelStats,
+        *,
+        served: str | None = None,
     ) -> None:
-        TwoStageForward(self, request, client, model, fields, stats).start()
+        """Start a request for `model`; `served`: the name the workers serve it as, when the
+        request names a virtual model (an alias) of it."""
+        TwoStageForward(self, request, client, model, fields, stats, served).start()
 
     def request_id(self) -> bytes:
         return f"shoal-{self._prefix}-{next(self._ids):x}".encode()
@@ -222,7 +226,16 @@ class TwoStageForward(Forward):
     """A request for a model served in two stages: each attempt is a prefill (a task: the
     one place this path awaits more than a connect), then the decode, relayed by `Forward`."""
 
-    __slots__ = ("handle", "peek", "prefilled_by", "sent_at", "stages", "staging")
+    __slots__ = (
+        "handle",
+        "peek",
+        "prefilled_by",
+        "sent_at",
+        "served",
+        "source",
+        "stages",
+        "staging",
+    )
 
     def __init__(
         self,
@@ -232,9 +245,13 @@ class TwoStageForward(Forward):
         model: Model,
         fields: Fields,
         stats: ModelStats,
+        served: str | None = None,
     ) -> None:
         super().__init__(stages.proxy, request, client, model, fields, stats)
         self.stages = stages
+        self.served = served or self.name  # the model's name on the workers
+        body = request.body  # what both stages are made from: the client's body, or the
+        self.source = body if self.served == self.name else rewrite_model(body, self.served)
         self.staging: asyncio.Task[None] | None = None
         self.handle: msgspec.Raw | None = None  # the prefill's kv_transfer_params
         self.prefilled_by: Upstream | None = None  # None: the next decode needs a new prefill
@@ -300,7 +317,7 @@ class TwoStageForward(Forward):
     async def _stage_one(self, target: Upstream) -> msgspec.Raw | None:
         """Send stage one to `target`; the `kv_transfer_params` it answered (None if none).
         `ApiError` when it refused the request (4xx), `UpstreamError` when it failed."""
-        body = stage_one_body(self.request.body)
+        body = stage_one_body(self.source)
         head = self.proxy.request_head(self.request, target, body)
         limit = self.proxy.first_byte_timeout
         started = time.perf_counter()
@@ -361,8 +378,11 @@ class TwoStageForward(Forward):
             return None
         target = self.stages.decode_router.choose(stages.decode, None, self.tried)
         if target is not None:
-            self.body = stage_two_body(self.request.body, self.handle)
+            self.body = stage_two_body(self.source, self.handle)
         return target
+
+    def _models(self) -> tuple[str, ...]:
+        return (self.served,)
 
     def _send(self, conn: UpstreamConnection) -> None:
         self.sent_at = time.perf_counter()

@@ -71,6 +71,8 @@ class TwoStageStarter(Protocol):
         model: Model,
         fields: Fields,
         stats: ModelStats,
+        *,
+        served: str | None = None,
     ) -> None: ...
 
 
@@ -172,7 +174,12 @@ class Proxy:
         name = virtual.name
         if name in self.registry.models and self.routes is not None:
             self.routes.shadows(name)  # a clash with a discovered model is logged once
-        if virtual.accepts(kind):  # (with no instance now, the first pick answers 503)
+        staged = virtual.staged(kind) if self.two_stages is not None else None
+        if staged is not None and self.two_stages is not None:  # an alias of a disaggregated model
+            model, served = staged
+            stats = self.metrics.model(name)
+            self.two_stages.start(request, client, model, fields, stats, served=served)
+        elif virtual.accepts(kind):  # (with no instance now, the first pick answers 503)
             stats = self.metrics.model(name)
             VirtualForward(self, request, client, virtual, kind, fields, stats).start()
         elif not virtual.serving:

@@ -167,6 +167,15 @@ class VirtualModel:
         """A target with weight takes requests of `kind` (a provider takes every kind)."""
         return any(choice.accepts(kind) for choice in self.weighted)
 
+    def staged(self, kind: ModelType) -> tuple[Model, str] | None:
+        """An alias of a fleet model served in two stages now (`Model.stages`): that model,
+        as requests of `kind` see it, and its name. None otherwise (several targets, a
+        provider, or a model served whole)."""
+        if len(self.weighted) != 1 or not isinstance(choice := self.weighted[0], FleetChoice):
+            return None
+        model = choice.model(kind)
+        return None if model is None or model.stages is None else (model, choice.served)
+
     @property
     def live_instances(self) -> int:
         """Instances and providers its targets with weight can send requests to now."""
