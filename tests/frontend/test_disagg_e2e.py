@@ -308,3 +308,33 @@ async def test_an_alias_of_a_disaggregated_model_is_served_in_two_stages(
         assert (await counters(http, prefill))["remote_prefills"] == 1
         assert (await counters(http, decode))["remote_decodes"] == 1
         assert (await counters(http, decode))["computed_prompt_tokens"] == 0
+
+
+async def test_a_decode_dying_mid_stream_is_continued_on_another_decode_with_the_same_text(
+    processes: Processes, frontend: Frontend
+) -> None:
+    store_url = frontend.config.store_url
+    assert store_url is not None
+    decode = ("--role", "decode", "--component", "decode", *FAST)
+    await asyncio.gather(
+        stage_worker(processes, frontend, "prefill"),
+        processes.worker(store_url, *decode, "--die-after-tokens", "4"),
+        processes.worker(store_url, *decode),
+    )
+    await wait_for(lambda: stages_ready(frontend, 1, 2), timeout=20, message="1P+2D serve")
+    client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0)
+    texts = []
+    for _ in range(2):  # one of the two goes to the decode that dies (ties go round-robin)
+        stream = await client.chat.completions.create(
+            model="mock-llm", messages=CHAT, max_tokens=12, stream=True
+        )
+        texts.append("".join([c.choices[0].delta.content or "" async for c in stream if c.choices]))
+    assert texts[0] == texts[1] and texts[0]  # the migrated stream: the same text, whole
+    attempted = sum(
+        sample.value
+        for family in frontend.metrics.registry.collect()
+        if family.name == "shoal_frontend_migrations"
+        for sample in family.samples
+        if sample.name.endswith("_total") and sample.labels.get("outcome") == "attempted"
+    )
+    assert attempted == 1
