@@ -48,7 +48,6 @@ from typing import Any
 import aiohttp
 
 from bench.gateway_targets import (
-    ROOT,
     SHOAL,
     Proc,
     Session,
@@ -60,6 +59,7 @@ from bench.gateway_targets import (
     tree_cpu_seconds,
     wait_until,
 )
+from bench.rounds import medians, percentile, publish, run_rounds
 from shoal.worker.engines.mocker.text import VOCAB
 
 MODEL = "disagg-bench"
@@ -227,13 +227,6 @@ def start_frontend(session: Session, store: str, workers: int) -> tuple[Proc, st
     return proc, url
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def overhead(url: str, n: int) -> int:
     """`n` small whole chats, 8 at a time; how many were answered 200."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 16}
@@ -312,25 +305,6 @@ def run_layout(
 FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "rps", "cpu_us_per_request")
 
 
-def medians(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    rows: dict[str, list[dict[str, Any]]] = {}
-    for r in results:
-        rows.setdefault(r["layout"], []).append(r)
-    out = []
-    for runs in rows.values():
-        done = [r for r in runs if "skipped" not in r]
-        if not done:
-            out.append(runs[0])
-            continue
-        row = dict(done[0])
-        for key in FIGURES:
-            row[key] = statistics.median(r[key] for r in done)
-        row["errors"] = sum(r["errors"] for r in done)
-        row["rounds"] = len(done)
-        out.append(row)
-    return out
-
-
 def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
     lines = [
         f"Command: `{command}`",
@@ -384,19 +358,15 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines))
         return 0
     requests = workload(args)
-    results = []
     with tempfile.TemporaryDirectory(prefix="shoal-disagg-bench-") as tmp:
-        for round_ in range(args.rounds):
-            for layout in args.layouts.split(","):
-                print(f"round {round_ + 1}: {layout} ...", file=sys.stderr, flush=True)
-                results.append(run_layout(layout.strip(), args, requests, Path(tmp)))
-                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    text = report(medians(results), args, command)
-    print(text)
-    if args.report:
-        args.report.write_text(text + "\n")
-    (ROOT / ".bench").mkdir(exist_ok=True)
-    (ROOT / ".bench" / "disagg-results.json").write_text(json.dumps(results, indent=2))
+        results = run_rounds(
+            args.layouts.split(","),
+            args.rounds,
+            lambda layout: run_layout(layout, args, requests, Path(tmp)),
+        )
+    publish(
+        report(medians(results, "layout", FIGURES), args, command), results, "disagg", args.report
+    )
     return 0
 
 

@@ -31,7 +31,6 @@ import json
 import random
 import re
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -56,6 +55,7 @@ from bench.gateway_targets import (
     tree_cpu_seconds,
     wait_until,
 )
+from bench.rounds import medians, percentile, publish, run_rounds
 from shoal.worker.engines.mocker.text import VOCAB
 
 MODEL = "kv-bench"
@@ -309,13 +309,6 @@ def cache_figures(workers: list[Worker]) -> tuple[float, float]:
     return hits, queries
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 # --- main -------------------------------------------------------------------------------------
 
 
@@ -355,26 +348,6 @@ def run_target(
         session.stop_all()
 
 
-def medians(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per target: the median of each figure over its rounds (errors: the sum)."""
-    rows: dict[str, list[dict[str, Any]]] = {}
-    for r in results:
-        rows.setdefault(r["target"], []).append(r)
-    out = []
-    for runs in rows.values():
-        done = [r for r in runs if "skipped" not in r]
-        if not done:
-            out.append(runs[0])
-            continue
-        row = dict(done[0])
-        for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "rps", "cpu_us_per_request"):
-            row[key] = statistics.median(r[key] for r in done)
-        row["errors"] = sum(r["errors"] for r in done)
-        row["rounds"] = len(done)
-        out.append(row)
-    return out
-
-
 def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
     lines = [
         f"Command: `{command}`",
@@ -412,19 +385,19 @@ def main(argv: list[str] | None = None) -> int:
         ]
     )
     convs = conversations(args)
-    results = []
     with tempfile.TemporaryDirectory(prefix="shoal-kv-bench-") as tmp:
-        for round_ in range(args.rounds):
-            for name in args.targets.split(","):
-                print(f"round {round_ + 1}: {name} ...", file=sys.stderr, flush=True)
-                results.append(run_target(name.strip(), args, convs, Path(tmp)))
-                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    text = report(medians(results), args, command)
-    print(text)
-    if args.report:
-        args.report.write_text(text + "\n")
-    (ROOT / ".bench").mkdir(exist_ok=True)
-    (ROOT / ".bench" / "kv-routing-results.json").write_text(json.dumps(results, indent=2))
+        results = run_rounds(
+            args.targets.split(","),
+            args.rounds,
+            lambda name: run_target(name, args, convs, Path(tmp)),
+        )
+    figures = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "rps", "cpu_us_per_request")
+    publish(
+        report(medians(results, "target", figures), args, command),
+        results,
+        "kv-routing",
+        args.report,
+    )
     return 0
 
 
