@@ -111,6 +111,8 @@ class FrontendConfig:
     # Serve HTTPS instead of HTTP (both files, PEM).
     tls_certfile: Path | None = None
     tls_keyfile: Path | None = None
+    # One of several processes listening on `port` (`SO_REUSEPORT`; `shoal.cli.processes`).
+    reuse_port: bool = False
 
 
 class MembershipView(Protocol):
@@ -296,7 +298,7 @@ class Frontend:
         )
         self.routes.tls = provider_tls(config.provider_ca_file)
         tls = server_tls(config.tls_certfile, config.tls_keyfile)
-        await self.server.start(config.host, config.port, tls)
+        await self.server.start(config.host, config.port, tls, reuse_port=config.reuse_port)
         if config.metrics_port is not None:
             self.metrics_server = HttpServer(self._serve_metrics, max_body=0, max_connections=64)
             await self.metrics_server.start(config.host, config.metrics_port)
