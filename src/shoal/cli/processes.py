@@ -131,6 +131,12 @@ class Supervisor:
                     print(f"shoal frontend: --metrics-port: {exc}", file=sys.stderr)
                     code = 1
                 else:
+                    if self.config.metrics_port is None:
+                        log.warning(
+                            "--processes %d without --metrics-port: /metrics on the API port "
+                            "shows only the process that takes the connection",
+                            len(self.children),
+                        )
                     url = self.children[0].url
                     print_ready("frontend", url=url, processes=len(self.children), **fields)
                     log.info("frontend serving on %s in %d processes", url, len(self.children))
@@ -170,13 +176,17 @@ class Supervisor:
 
     async def _run_once(self, child: Child, config: FrontendConfig) -> int:
         """Start the child, read its ready line, pass its later stdout on; its exit code."""
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "shoal.cli.processes",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "shoal.cli.processes",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+        except OSError as exc:  # no process, no memory: as if it died at once
+            log.error("cannot start a frontend process (slot %d): %s", child.slot, exc)
+            return -1
         child.proc = proc
         assert proc.stdin is not None and proc.stdout is not None
         with contextlib.suppress(OSError):  # it died at once: its exit code says so
