@@ -3,6 +3,8 @@ answered is read from the parent's merged metrics (`process="K"` on each child's
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import uuid
@@ -15,7 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.cli.common import processes as processes_flag
 from shoal.cli.main import build_parser
-from tests.helpers import wait_for
+from shoal.frontend import Frontend, FrontendConfig
+from shoal.frontend.watcher import ModelWatcher
+from tests.helpers import free_port, wait_for
 from tests.processes import Process, Processes
 
 CHAT = [{"role": "user", "content": "Tell me a story."}]
@@ -30,10 +34,17 @@ def alive(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
 
 
+async def scrape(metrics_url: str) -> str:
+    async with aiohttp.ClientSession() as session:
+        return await (await session.get(metrics_url)).text()
+
+
 async def requests_by_process(metrics_url: str) -> dict[str, float]:
     """Chat requests each child answered, by its `process` label."""
-    async with aiohttp.ClientSession() as session:
-        text = await (await session.get(metrics_url)).text()
+    return requests_of(await scrape(metrics_url))
+
+
+def requests_of(text: str) -> dict[str, float]:
     counts: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         if family.name == "shoal_frontend_requests":
@@ -90,26 +101,32 @@ async def test_two_processes_serve_survive_a_killed_child_and_drain_on_sigterm(
 
     await wait_for(served_by_both, timeout=20, interval=0, message="both children answer")
 
-    # A child killed: the other serves every new connection meanwhile, and it comes back.
+    # A child killed: every request succeeds meanwhile (the other child takes every new
+    # connection, and the new child joins the port only once it has loaded the fleet).
     killed = min(first)
     os.kill(killed, signal.SIGKILL)
-    await wait_for(lambda: killed not in children_of(front.proc.pid), timeout=5)
-    for _ in range(10):
-        await chat(url)
-    await wait_for(lambda: len(children_of(front.proc.pid) - first) == 1, timeout=10)
-    restarted = (children_of(front.proc.pid) - first).pop()
+
+    failures: list[Exception] = []
+
+    async def one_chat() -> None:
+        try:
+            await chat(url)
+        except Exception as exc:
+            failures.append(exc)
 
     async def restarted_serves() -> bool:
-        await chat(url)
-        counts = await requests_by_process(metrics)
-        return len(counts) == 2 and restarted in children_of(front.proc.pid)
+        await asyncio.gather(*(one_chat() for _ in range(8)))
+        text = await scrape(metrics)
+        restarted = [
+            slot for slot in ("0", "1")
+            if f'shoal_frontend_process_restarts_total{{process="{slot}"}} 1.0' in text
+        ]  # fmt: skip
+        return len(restarted) == 1 and requests_of(text).get(restarted[0], 0) > 0
 
     await wait_for(restarted_serves, timeout=20, interval=0, message="the new child answers")
-    async with aiohttp.ClientSession() as session:
-        text = await (await session.get(metrics)).text()
-    assert 'shoal_frontend_process_restarts_total{process="0"}' in text or (
-        'shoal_frontend_process_restarts_total{process="1"}' in text
-    )
+    assert failures == []
+    assert killed not in children_of(front.proc.pid)
+    assert len(children_of(front.proc.pid)) == 2
 
     # SIGTERM: both children drain (a stream in flight ends whole), the parent exits 0.
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
@@ -153,3 +170,42 @@ async def test_processes_start_fails_whole_when_a_child_cannot_start(
             "--setup-timeout", "2", ready="frontend", timeout=30,
         )  # fmt: skip
     assert "none.json" in processes.started[1].stderr()
+
+
+async def test_a_process_of_several_joins_the_port_only_once_it_has_loaded_the_fleet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted child listening before its first snapshot would take its share of new
+    connections and answer them from an empty registry (404) while its siblings could
+    have served them."""
+    loading, release = asyncio.Event(), asyncio.Event()
+    resync = ModelWatcher._resync
+
+    async def slow_resync(self: ModelWatcher) -> None:
+        loading.set()
+        await release.wait()
+        await resync(self)
+
+    monkeypatch.setattr(ModelWatcher, "_resync", slow_resync)
+    port = free_port()
+    config = FrontendConfig(
+        store_url=f"sqlite:///{tmp_path / 's.db'}",
+        port=port,
+        cache_dir=tmp_path / "cache",
+        reuse_port=True,
+    )
+    frontend = Frontend(config)
+    starting = asyncio.create_task(frontend.start())
+    try:
+        await asyncio.wait_for(loading.wait(), 10)
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection("127.0.0.1", port)
+        release.set()
+        await asyncio.wait_for(starting, 10)
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.close()
+    finally:
+        release.set()
+        with contextlib.suppress(Exception):
+            await starting
+        await frontend.stop()

@@ -211,6 +211,7 @@ class Frontend:
         self.reconciler: Reconciler | None = None
         self.server: HttpServer | None = None
         self.metrics_server: HttpServer | None = None  # `/metrics` alone, on `metrics_port`
+        self._tls: ssl.SSLContext | None = None
         self.draining = False
         self.started_at = time.time()
         # ((registry version, route table version), body)
@@ -260,6 +261,11 @@ class Frontend:
             Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
         )
         await self.manager.start_all()
+        if config.reuse_port:
+            # One of several processes on the port: it joins once loaded, so no connection
+            # lands on an empty registry while the others could have answered it.
+            assert self.server is not None
+            await self.server.start(config.host, config.port, self._tls, reuse_port=True)
         log.info("frontend serving on %s", self.url)
 
     async def _set_up(self) -> None:
@@ -297,8 +303,9 @@ class Frontend:
             max_connections=config.max_connections,
         )
         self.routes.tls = provider_tls(config.provider_ca_file)
-        tls = server_tls(config.tls_certfile, config.tls_keyfile)
-        await self.server.start(config.host, config.port, tls, reuse_port=config.reuse_port)
+        self._tls = server_tls(config.tls_certfile, config.tls_keyfile)
+        if not config.reuse_port:
+            await self.server.start(config.host, config.port, self._tls)
         if config.metrics_port is not None:
             self.metrics_server = HttpServer(self._serve_metrics, max_body=0, max_connections=64)
             await self.metrics_server.start(config.host, config.metrics_port)
