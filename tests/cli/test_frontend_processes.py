@@ -26,8 +26,16 @@ CHAT = [{"role": "user", "content": "Tell me a story."}]
 
 
 def children_of(pid: int) -> set[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return {int(child) for child in f.read().split()}
+    """Live (not zombie) children of `pid`, from /proc/*/stat."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if fields[1] == str(pid) and fields[0] != "Z":
+            found.add(int(stat.parent.name))
+    return found
 
 
 def alive(pid: int) -> bool:
