@@ -7,12 +7,14 @@ import asyncio
 import contextlib
 import os
 import signal
+import ssl
 import uuid
 from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
+import trustme
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.cli.common import processes as processes_flag
@@ -217,3 +219,48 @@ async def test_a_process_of_several_joins_the_port_only_once_it_has_loaded_the_f
         with contextlib.suppress(Exception):
             await starting
         await frontend.stop()
+
+
+async def test_two_processes_serve_https_and_keep_metrics_off_the_api_port(
+    processes: Processes, tmp_path: Path
+) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    ca_file, cert_file, key_file = (tmp_path / f"{n}.pem" for n in ("ca", "cert", "key"))
+    ca.cert_pem.write_to_path(str(ca_file))
+    cert.private_key_pem.write_to_path(str(key_file))
+    for i, pem in enumerate(cert.cert_chain_pems):
+        pem.write_to_path(str(cert_file), append=i > 0)
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    await processes.worker(store_url, "--lease-ttl", "2", "--ttft-ms", "1", "--itl-ms", "1")
+    front = await processes.start(
+        "frontend", "--store", store_url, "--port", "0", "--metrics-port", "0",
+        "--cache-dir", str(tmp_path / "cache"), "--processes", "2",
+        "--tls-certfile", str(cert_file), "--tls-keyfile", str(key_file), ready="frontend",
+    )  # fmt: skip
+    assert front.url.startswith("https://")
+    context = ssl.create_default_context(cafile=str(ca_file))
+    seen: set[str] = set()
+    for _ in range(40):  # new connections, so both processes take some
+        async with openai.AsyncOpenAI(
+            base_url=f"{front.url}/v1",
+            api_key="x",
+            max_retries=0,
+            http_client=openai.DefaultAsyncHttpxClient(verify=context),
+        ) as client:
+            reply = await client.chat.completions.create(
+                model="mock-llm",
+                messages=CHAT,  # type: ignore[arg-type]
+                max_tokens=2,
+            )
+        assert reply.choices[0].message.content
+        seen = set(await requests_by_process(front.ready["metrics"]))
+        if seen == {"0", "1"}:
+            break
+    assert seen == {"0", "1"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context)) as session:
+        for _ in range(4):  # whichever process answers
+            async with session.get(f"{front.url}/metrics") as response:
+                assert response.status == 404
+    front.signal(signal.SIGTERM)
+    assert await front.wait(20) == 0

@@ -190,7 +190,16 @@ class Supervisor:
         child.proc = proc
         assert proc.stdin is not None and proc.stdout is not None
         with contextlib.suppress(OSError):  # it died at once: its exit code says so
-            proc.stdin.write(pickle.dumps((config, os.getpid(), logging.getLogger().level)))
+            proc.stdin.write(
+                pickle.dumps(
+                    (
+                        config,
+                        self.config.metrics_port is not None,
+                        os.getpid(),
+                        logging.getLogger().level,
+                    )
+                )
+            )
             await proc.stdin.drain()
         proc.stdin.close()
         if self.stopping:  # a stop signal came while it started: it never saw it
@@ -328,7 +337,9 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def serve_child(config: FrontendConfig) -> int:
+async def serve_child(config: FrontendConfig, metrics_port_given: bool) -> int:
+    """Serve as one frontend of several; `metrics_port_given`: the parent serves `/metrics`
+    on `--metrics-port`, so the API port answers 404 for it, as one frontend's does."""
     from shoal.cli.frontend import start_frontend
 
     stop = asyncio.Event()
@@ -338,15 +349,17 @@ async def serve_child(config: FrontendConfig) -> int:
         return 1
     metrics = HttpServer(frontend._serve_metrics, max_body=0, max_connections=16)
     await metrics.start("127.0.0.1", 0)
+    if metrics_port_given:
+        frontend.metrics_server = metrics  # closed by `stop()`
     print_ready(CHILD, url=frontend.url, metrics=f"http://127.0.0.1:{metrics.port}/metrics")
     await stop.wait()
-    await metrics.close(0)
     await frontend.stop()
+    await metrics.close(0)
     return 0
 
 
 def main() -> int:
-    config, parent, level = pickle.load(sys.stdin.buffer)
+    config, metrics_port_given, parent, level = pickle.load(sys.stdin.buffer)
     assert isinstance(config, FrontendConfig)
     _die_with_parent(parent)
     logging.basicConfig(
@@ -354,7 +367,7 @@ def main() -> int:
         format=f"%(asctime)s %(levelname)s [{os.getpid()}] %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    return run_event_loop(serve_child(config))
+    return run_event_loop(serve_child(config, metrics_port_given))
 
 
 if __name__ == "__main__":
