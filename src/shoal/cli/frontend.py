@@ -1,7 +1,8 @@
 """`shoal frontend`: the OpenAI-compatible gateway for the models workers announce.
 
 Prints `shoal frontend ready: url=http://HOST:PORT` on stdout once it serves (with
-`--port 0`, the port the system chose); drains on SIGINT or SIGTERM.
+`--port 0`, the port the system chose); drains on SIGINT or SIGTERM. With `--processes N`
+above 1, a supervisor runs N frontend processes on the port (`shoal.cli.processes`).
 """
 
 from __future__ import annotations
