@@ -137,6 +137,10 @@ async def test_two_processes_serve_survive_a_killed_child_and_drain_on_sigterm(
     assert failures == []
     assert killed not in children_of(front.proc.pid)
     assert len(children_of(front.proc.pid)) == 2
+    async with aiohttp.ClientSession() as session:
+        for _ in range(4):  # with --metrics-port, no process serves /metrics on the API port
+            async with session.get(f"{url}/metrics") as response:
+                assert response.status == 404
 
     # SIGTERM: both children drain (a stream in flight ends whole), the parent exits 0.
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
@@ -221,7 +225,7 @@ async def test_a_process_of_several_joins_the_port_only_once_it_has_loaded_the_f
         await frontend.stop()
 
 
-async def test_two_processes_serve_https_and_keep_metrics_off_the_api_port(
+async def test_two_processes_serve_https_and_the_whole_frontends_metrics_on_the_api_port(
     processes: Processes, tmp_path: Path
 ) -> None:
     ca = trustme.CA()
@@ -234,7 +238,7 @@ async def test_two_processes_serve_https_and_keep_metrics_off_the_api_port(
     store_url = f"sqlite:///{tmp_path / 'store.db'}"
     await processes.worker(store_url, "--lease-ttl", "2", "--ttft-ms", "1", "--itl-ms", "1")
     front = await processes.start(
-        "frontend", "--store", store_url, "--port", "0", "--metrics-port", "0",
+        "frontend", "--store", store_url, "--port", "0",
         "--cache-dir", str(tmp_path / "cache"), "--processes", "2",
         "--tls-certfile", str(cert_file), "--tls-keyfile", str(key_file), ready="frontend",
     )  # fmt: skip
@@ -254,13 +258,13 @@ async def test_two_processes_serve_https_and_keep_metrics_off_the_api_port(
                 max_tokens=2,
             )
         assert reply.choices[0].message.content
-        seen = set(await requests_by_process(front.ready["metrics"]))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context)) as http:
+            # without --metrics-port, whichever process answers shows the whole frontend's
+            text = await (await http.get(f"{front.url}/metrics")).text()
+        seen = set(requests_of(text))
         if seen == {"0", "1"}:
             break
     assert seen == {"0", "1"}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context)) as session:
-        for _ in range(4):  # whichever process answers
-            async with session.get(f"{front.url}/metrics") as response:
-                assert response.status == 404
+    assert "metrics" not in front.ready
     front.signal(signal.SIGTERM)
     assert await front.wait(20) == 0

@@ -13,9 +13,10 @@ The parent prints the one `shoal frontend ready:` line once every child is ready
 a child that dies, after a backoff (0.5 s doubling to 30 s, back to 0.5 s once a child has
 lived 30 s); forwards SIGINT and SIGTERM to every child, which drain, and exits 0 when all
 drained. A child that fails before its first ready line fails the start (exit 1; its
-error is on the shared stderr). With `--metrics-port`, the parent serves `/metrics` there:
-the children's metrics merged, each sample labelled `process="K"` (the child's slot, kept
-across restarts), plus the parent's own `shoal_frontend_processes*` series.
+error is on the shared stderr). `/metrics` is the parent's: the children's metrics merged,
+each sample labelled `process="K"` (the child's slot, kept across restarts), plus the
+parent's own `shoal_frontend_process*` series; served on `--metrics-port` when given, else
+on a loopback port the children fetch it from to answer `/metrics` on the API port.
 """
 
 from __future__ import annotations
@@ -112,10 +113,16 @@ class Supervisor:
             )
             return 1
         with reserved:
+            try:
+                merged = await self._serve_metrics()
+            except OSError as exc:
+                print(f"shoal frontend: --metrics-port: {exc}", file=sys.stderr)
+                return 1
             port = reserved.getsockname()[1]
             child_config = replace(self.config, port=port, metrics_port=None, reuse_port=True)
             self._tasks = [
-                asyncio.create_task(self._keep(child, child_config)) for child in self.children
+                asyncio.create_task(self._keep(child, child_config, merged))
+                for child in self.children
             ]
             all_ready = asyncio.create_task(self._all_ready())
             failed = asyncio.create_task(self.failed.wait())
@@ -125,22 +132,11 @@ class Supervisor:
                 task.cancel()
             code = 1 if self.failed.is_set() else 0
             if code == 0 and not stop.is_set():
-                try:
-                    fields = await self._serve_metrics()
-                except OSError as exc:
-                    print(f"shoal frontend: --metrics-port: {exc}", file=sys.stderr)
-                    code = 1
-                else:
-                    if self.config.metrics_port is None:
-                        log.warning(
-                            "--processes %d without --metrics-port: /metrics on the API port "
-                            "shows only the process that takes the connection",
-                            len(self.children),
-                        )
-                    url = self.children[0].url
-                    print_ready("frontend", url=url, processes=len(self.children), **fields)
-                    log.info("frontend serving on %s in %d processes", url, len(self.children))
-                    await stop.wait()
+                url = self.children[0].url
+                fields = {"metrics": merged} if self.config.metrics_port is not None else {}
+                print_ready("frontend", url=url, processes=len(self.children), **fields)
+                log.info("frontend serving on %s in %d processes", url, len(self.children))
+                await stop.wait()
             log.info("stopping: draining the frontend processes")
             drained = await self._stop()
             return code if code else (0 if drained else 1)
@@ -149,12 +145,12 @@ class Supervisor:
         for child in self.children:
             await child.ready.wait()
 
-    async def _keep(self, child: Child, config: FrontendConfig) -> None:
+    async def _keep(self, child: Child, config: FrontendConfig, merged: str) -> None:
         """Run the slot's child, again after it dies (with a backoff), until stopping."""
         backoff = BACKOFF_FIRST
         while not self.stopping:
             started = time.monotonic()
-            code = await self._run_once(child, config)
+            code = await self._run_once(child, config, merged)
             if self.stopping:
                 return
             if not child.ready.is_set():
@@ -174,7 +170,7 @@ class Supervisor:
             backoff = min(backoff * 2, BACKOFF_MAX)
             child.restarts += 1
 
-    async def _run_once(self, child: Child, config: FrontendConfig) -> int:
+    async def _run_once(self, child: Child, config: FrontendConfig, merged: str) -> int:
         """Start the child, read its ready line, pass its later stdout on; its exit code."""
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -194,7 +190,7 @@ class Supervisor:
                 pickle.dumps(
                     (
                         config,
-                        self.config.metrics_port is not None,
+                        self._child_role(merged),
                         os.getpid(),
                         logging.getLogger().level,
                     )
@@ -232,19 +228,26 @@ class Supervisor:
             await self._metrics_runner.cleanup()
         return drained
 
-    async def _serve_metrics(self) -> dict[str, str]:
-        """Serve the merged `/metrics` on `--metrics-port`, when given; its ready-line field."""
-        if self.config.metrics_port is None:
-            return {}
+    async def _serve_metrics(self) -> str:
+        """Serve the merged `/metrics`: on `--metrics-port` when given, else on a loopback
+        port that the children ask for `/metrics` on the API port. Its URL."""
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         self._metrics_runner = runner
-        sock = socket.create_server((self.config.host, self.config.metrics_port), backlog=64)
+        given = self.config.metrics_port
+        host = self.config.host if given is not None else "127.0.0.1"
+        sock = socket.create_server((host, given or 0), backlog=64)
         await web.SockSite(runner, sock).start()
-        host = (self.children[0].url or "").split("://", 1)[1].rsplit(":", 1)[0]
-        return {"metrics": f"http://{host}:{sock.getsockname()[1]}/metrics"}
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"http://{host}:{sock.getsockname()[1]}/metrics"
+
+    def _child_role(self, merged: str) -> str | None:
+        """What a child's API port does for `/metrics`: None (404: the parent serves it on
+        `--metrics-port`), or the URL of the merged metrics it answers with."""
+        return None if self.config.metrics_port is not None else merged
 
     async def _metrics(self, _: web.Request) -> web.Response:
         texts = await self.scrape()
@@ -337,9 +340,10 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def serve_child(config: FrontendConfig, metrics_port_given: bool) -> int:
-    """Serve as one frontend of several; `metrics_port_given`: the parent serves `/metrics`
-    on `--metrics-port`, so the API port answers 404 for it, as one frontend's does."""
+async def serve_child(config: FrontendConfig, merged: str | None) -> int:
+    """Serve as one frontend of several. `/metrics` on the API port: 404 when `merged` is
+    None (the parent serves it on `--metrics-port`, as one frontend would), else the whole
+    frontend's, fetched from the parent at `merged`."""
     from shoal.cli.frontend import start_frontend
 
     stop = asyncio.Event()
@@ -349,8 +353,10 @@ async def serve_child(config: FrontendConfig, metrics_port_given: bool) -> int:
         return 1
     metrics = HttpServer(frontend._serve_metrics, max_body=0, max_connections=16)
     await metrics.start("127.0.0.1", 0)
-    if metrics_port_given:
+    if merged is None:
         frontend.metrics_server = metrics  # closed by `stop()`
+    else:
+        frontend.metrics_source = lambda: fetch(merged)
     print_ready(CHILD, url=frontend.url, metrics=f"http://127.0.0.1:{metrics.port}/metrics")
     await stop.wait()
     await frontend.stop()
@@ -358,16 +364,24 @@ async def serve_child(config: FrontendConfig, metrics_port_given: bool) -> int:
     return 0
 
 
+async def fetch(url: str) -> bytes:
+    """The body of GET `url` (the parent's merged metrics)."""
+    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT * 2)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as response:
+        response.raise_for_status()
+        return await response.read()
+
+
 def main() -> int:
-    config, metrics_port_given, parent, level = pickle.load(sys.stdin.buffer)
-    assert isinstance(config, FrontendConfig)
+    config, merged, parent, level = pickle.load(sys.stdin.buffer)
+    assert isinstance(config, FrontendConfig) and (merged is None or isinstance(merged, str))
     _die_with_parent(parent)
     logging.basicConfig(
         level=level,
         format=f"%(asctime)s %(levelname)s [{os.getpid()}] %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    return run_event_loop(serve_child(config, metrics_port_given))
+    return run_event_loop(serve_child(config, merged))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import logging
 import ssl
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -212,6 +212,8 @@ class Frontend:
         self.server: HttpServer | None = None
         self.metrics_server: HttpServer | None = None  # `/metrics` alone, on `metrics_port`
         self._tls: ssl.SSLContext | None = None
+        # One process of several: `/metrics` on the API port answers the whole frontend's.
+        self.metrics_source: Callable[[], Awaitable[bytes]] | None = None
         self.draining = False
         self.started_at = time.time()
         # ((registry version, route table version), body)
@@ -479,7 +481,10 @@ class Frontend:
             else:
                 conn.send(200, _json(self.membership.status.to_dict()))
         elif path == b"/metrics" and self.metrics_server is None:
-            conn.send(200, self.metrics.render(), _METRICS_TYPE)
+            if self.metrics_source is None:
+                conn.send(200, self.metrics.render(), _METRICS_TYPE)
+            else:
+                _MetricsLater(conn, self.metrics_source())
         else:
             raise errors.not_found(path.decode())
 
@@ -610,6 +615,28 @@ class Frontend:
                 created = model.created
                 break
         return {"id": virtual.name, "object": "model", "created": created, "owned_by": "shoal"}
+
+
+class _MetricsLater:
+    """A `/metrics` answer produced by an awaitable (the merged metrics of several
+    processes); cancelled if the client goes away, 503 if the awaitable fails."""
+
+    def __init__(self, conn: HttpConnection, body: Awaitable[bytes]) -> None:
+        self.task = asyncio.ensure_future(self._answer(conn, body))
+        conn.produce_later(self)
+
+    @staticmethod
+    async def _answer(conn: HttpConnection, body: Awaitable[bytes]) -> None:
+        try:
+            data = await body
+        except Exception as exc:
+            error = errors.unavailable(f"the frontend's metrics could not be gathered: {exc}")
+            conn.send(error.status, error.body(), headers=error.headers)
+        else:
+            conn.send(200, data, _METRICS_TYPE)
+
+    def cancel(self) -> None:
+        self.task.cancel()
 
 
 def provider_tls(ca_file: Path | None) -> ssl.SSLContext:
