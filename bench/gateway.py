@@ -68,7 +68,7 @@ from bench.gateway_targets import (
     start_worker,
 )
 
-TARGETS = ("direct", "shoal", "vllm-router", "sglang-router", "litellm")
+TARGETS = ("direct", "shoal", "shoal-p2", "vllm-router", "sglang-router", "litellm")
 OUT = ROOT / ".bench"
 LOGS = OUT / "gateway-logs"
 
@@ -281,15 +281,16 @@ def start_targets(
     starters: dict[str, Callable[[], Target]] = {
         "direct": lambda: Target("direct", worker_url, None, version=git_version()),
         "shoal": lambda: start_shoal(session, model, store),
+        "shoal-p2": lambda: start_shoal(session, model, store, processes=2),
         "vllm-router": lambda: start_vllm_router(session, peers, worker_url, model),
         "sglang-router": lambda: start_sglang_router(session, peers, worker_url, model),
         "litellm": lambda: start_litellm(session, peers, worker_url, model, args.litellm_scale),
     }
     targets = []
     for name in args.targets:
-        if name == "shoal" and args.worker_url:
+        if name.startswith("shoal") and args.worker_url:
             why: str | None = "--worker-url given (the frontend finds workers in the store)"
-        elif name == "shoal" and importlib.util.find_spec("shoal.cli.frontend") is None:
+        elif name.startswith("shoal") and importlib.util.find_spec("shoal.cli.frontend") is None:
             why = "shoal frontend is not available (src/shoal/cli/frontend.py)"
         elif name in ("vllm-router", "sglang-router", "litellm"):
             why = peer_missing(name, peers)

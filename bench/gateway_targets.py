@@ -263,15 +263,25 @@ def start_worker(session: Session, model: str, store: str) -> tuple[Proc, str]:
     return proc, found[0]
 
 
-def start_shoal(session: Session, model: str, store: str) -> Target:
+def start_shoal(session: Session, model: str, store: str, processes: int = 1) -> Target:
+    """`shoal frontend`; with `processes` > 1, that many processes on the port (target
+    `shoal-pN`), ready once its one ready line is printed (every process loaded)."""
     port = free_port()
+    name = "shoal" if processes == 1 else f"shoal-p{processes}"
     argv = [
         *SHOAL,
         "frontend",
         *("--store", store, "--host", "127.0.0.1", "--port", str(port)),
         *("--router", "round-robin", "--cache-dir", str(session.workdir / "cache")),
+        *("--processes", str(processes)),
     ]
-    proc = session.start("shoal", argv)
+    proc = session.start(name, argv)
+    wait_until(
+        "the ready line",
+        lambda: "shoal frontend ready:" in proc.log.read_text(errors="replace"),
+        60,
+        proc,
+    )
     url = f"http://127.0.0.1:{port}"
 
     def model_listed() -> bool:
@@ -281,7 +291,7 @@ def start_shoal(session: Session, model: str, store: str) -> Target:
 
     wait_until("/health and the model in /v1/models", model_listed, 60, proc)
     wait_until("a chat completion", lambda: chat_ok(url, model), 30, proc)
-    return Target("shoal", url, proc, version=git_version())
+    return Target(name, url, proc, version=git_version())
 
 
 def start_vllm_router(session: Session, peers: Path, worker: str, model: str) -> Target:

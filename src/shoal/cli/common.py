@@ -81,6 +81,20 @@ SECONDS_OR_ZERO = number(float, low=0)
 """A duration where 0 means none (or no limit, as the flag says)."""
 NON_NEGATIVE = number(float, low=0)
 """A finite number of at least 0 (a weight, a latency, a factor)."""
+MAX_PROCESSES = 1024
+
+
+def processes(text: str) -> int:
+    """A number of processes (1 to `MAX_PROCESSES`), or `auto`: the cores this process may
+    run on (`os.sched_getaffinity`, which a cgroup's or taskset's limit narrows)."""
+    if text.strip().lower() == "auto":
+        return max(1, len(os.sched_getaffinity(0)))
+    return _PROCESS_COUNT(text)
+
+
+_PROCESS_COUNT = number(int, low=1, high=MAX_PROCESSES)
+PROCESSES = processes
+"""A count of processes, or `auto` (see `processes`)."""
 
 
 def add_flag(

@@ -1,7 +1,8 @@
 """`shoal frontend`: the OpenAI-compatible gateway for the models workers announce.
 
 Prints `shoal frontend ready: url=http://HOST:PORT` on stdout once it serves (with
-`--port 0`, the port the system chose); drains on SIGINT or SIGTERM.
+`--port 0`, the port the system chose); drains on SIGINT or SIGTERM. With `--processes N`
+above 1, a supervisor runs N frontend processes on the port (`shoal.cli.processes`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from shoal.cli.common import (
     NON_NEGATIVE,
     PORT,
     POSITIVE,
+    PROCESSES,
     SECONDS,
     SECONDS_OR_ZERO,
     add_flag,
@@ -70,6 +72,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Serve an OpenAI-compatible API, routing each request to a live worker.",
     )
     add_frontend_flags(parser)
+    add_flag(
+        parser,
+        "--processes",
+        1,
+        type=PROCESSES,
+        metavar="N",
+        help="frontend processes sharing the port, each with its own event loop, supervised by "
+        "one parent (auto: one per core this process may use; default 1); see "
+        "docs/operations.md",
+    )
     add_flag(
         parser,
         "--namespace",
@@ -467,4 +479,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"shoal frontend: {exc}", file=sys.stderr)
         return 2
+    if args.processes > 1:
+        from shoal.cli.processes import supervise
+
+        return run_event_loop(supervise(config, args.processes))
     return run_event_loop(serve(config))

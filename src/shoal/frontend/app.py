@@ -26,7 +26,7 @@ import logging
 import ssl
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -111,6 +111,8 @@ class FrontendConfig:
     # Serve HTTPS instead of HTTP (both files, PEM).
     tls_certfile: Path | None = None
     tls_keyfile: Path | None = None
+    # One of several processes listening on `port` (`SO_REUSEPORT`; `shoal.cli.processes`).
+    reuse_port: bool = False
 
 
 class MembershipView(Protocol):
@@ -209,6 +211,9 @@ class Frontend:
         self.reconciler: Reconciler | None = None
         self.server: HttpServer | None = None
         self.metrics_server: HttpServer | None = None  # `/metrics` alone, on `metrics_port`
+        self._tls: ssl.SSLContext | None = None
+        # One process of several: `/metrics` on the API port answers the whole frontend's.
+        self.metrics_source: Callable[[], Awaitable[bytes]] | None = None
         self.draining = False
         self.started_at = time.time()
         # ((registry version, route table version), body)
@@ -258,6 +263,11 @@ class Frontend:
             Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
         )
         await self.manager.start_all()
+        if config.reuse_port:
+            # One of several processes on the port: it joins once loaded, so no connection
+            # lands on an empty registry while the others could have answered it.
+            assert self.server is not None
+            await self.server.start(config.host, config.port, self._tls, reuse_port=True)
         log.info("frontend serving on %s", self.url)
 
     async def _set_up(self) -> None:
@@ -295,8 +305,9 @@ class Frontend:
             max_connections=config.max_connections,
         )
         self.routes.tls = provider_tls(config.provider_ca_file)
-        tls = server_tls(config.tls_certfile, config.tls_keyfile)
-        await self.server.start(config.host, config.port, tls)
+        self._tls = server_tls(config.tls_certfile, config.tls_keyfile)
+        if not config.reuse_port:
+            await self.server.start(config.host, config.port, self._tls)
         if config.metrics_port is not None:
             self.metrics_server = HttpServer(self._serve_metrics, max_body=0, max_connections=64)
             await self.metrics_server.start(config.host, config.metrics_port)
@@ -470,7 +481,10 @@ class Frontend:
             else:
                 conn.send(200, _json(self.membership.status.to_dict()))
         elif path == b"/metrics" and self.metrics_server is None:
-            conn.send(200, self.metrics.render(), _METRICS_TYPE)
+            if self.metrics_source is None:
+                conn.send(200, self.metrics.render(), _METRICS_TYPE)
+            else:
+                _MetricsLater(conn, self.metrics_source())
         else:
             raise errors.not_found(path.decode())
 
@@ -601,6 +615,28 @@ class Frontend:
                 created = model.created
                 break
         return {"id": virtual.name, "object": "model", "created": created, "owned_by": "shoal"}
+
+
+class _MetricsLater:
+    """A `/metrics` answer produced by an awaitable (the merged metrics of several
+    processes); cancelled if the client goes away, 503 if the awaitable fails."""
+
+    def __init__(self, conn: HttpConnection, body: Awaitable[bytes]) -> None:
+        self.task = asyncio.ensure_future(self._answer(conn, body))
+        conn.produce_later(self)
+
+    @staticmethod
+    async def _answer(conn: HttpConnection, body: Awaitable[bytes]) -> None:
+        try:
+            data = await body
+        except Exception as exc:
+            error = errors.unavailable(f"the frontend's metrics could not be gathered: {exc}")
+            conn.send(error.status, error.body(), headers=error.headers)
+        else:
+            conn.send(200, data, _METRICS_TYPE)
+
+    def cancel(self) -> None:
+        self.task.cancel()
 
 
 def provider_tls(ca_file: Path | None) -> ssl.SSLContext:

@@ -705,10 +705,19 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
-    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
-        """Listen on `host:port`; over TLS (HTTPS) when given a server context."""
+    async def start(
+        self, host: str, port: int, tls: ssl.SSLContext | None = None, *, reuse_port: bool = False
+    ) -> None:
+        """Listen on `host:port`; over TLS (HTTPS) when given a server context; with
+        `reuse_port`, beside the other processes listening there (`SO_REUSEPORT`)."""
         self._server = await self.loop.create_server(
-            lambda: HttpConnection(self), host, port, backlog=2048, reuse_address=True, ssl=tls
+            lambda: HttpConnection(self),
+            host,
+            port,
+            backlog=2048,
+            reuse_address=True,
+            reuse_port=reuse_port or None,
+            ssl=tls,
         )
         self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
 

@@ -1,0 +1,388 @@
+"""`shoal frontend --processes N`: N frontend processes on one port, and their supervisor.
+
+The parent reserves the port (bound with `SO_REUSEPORT`, never listening, so `--port 0`
+resolves once and no other program takes the port while a child restarts), then starts N
+children (`python -m shoal.cli.processes`, the frontend's settings on their stdin). Each
+child is a whole frontend: its own event loop, registry, watches and router, listening on
+the port with `SO_REUSEPORT`, so the kernel spreads new connections over the children
+evenly (a shared accept queue would let whichever loop wakes first take a burst) and
+each child builds its own TLS context from the files. A child also serves its own
+`/metrics` on a private loopback port and names it in its ready line (`frontend-process`).
+
+The parent prints the one `shoal frontend ready:` line once every child is ready; restarts
+a child that dies, after a backoff (0.5 s doubling to 30 s, back to 0.5 s once a child has
+lived 30 s); forwards SIGINT and SIGTERM to every child, which drain, and exits 0 when all
+drained. A child that fails before its first ready line fails the start (exit 1; its
+error is on the shared stderr). `/metrics` is the parent's: the children's metrics merged,
+each sample labelled `process="K"` (the child's slot, kept across restarts), plus the
+parent's own `shoal_frontend_process*` series; served on `--metrics-port` when given, else
+on a loopback port the children fetch it from to answer `/metrics` on the API port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import socket
+import ssl
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import replace
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from shoal.cli.common import on_stop_signals, parse_ready_line, print_ready, run_event_loop
+from shoal.frontend import FrontendConfig
+from shoal.frontend.app import server_tls
+from shoal.frontend.server import HttpServer
+
+log = logging.getLogger(__name__)
+
+CHILD = "frontend-process"
+"""The component of a child's ready line (the parent reads it; it never reaches stdout)."""
+BACKOFF_FIRST = 0.5
+BACKOFF_MAX = 30.0
+SCRAPE_TIMEOUT = 5.0
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to `host:port` with `SO_REUSEPORT` and not listening: it holds the
+    port (resolving 0) for the children, and no connection is ever queued on it."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class Child:
+    """One slot: its current process, whether it served once, its metrics URL."""
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.proc: asyncio.subprocess.Process | None = None
+        self.ready = asyncio.Event()
+        self.metrics_url: str | None = None
+        self.url: str | None = None
+        self.restarts = 0
+
+
+class Supervisor:
+    """Runs `processes` frontend children on `config`'s port (see the module doc)."""
+
+    def __init__(self, config: FrontendConfig, processes: int) -> None:
+        self.config = config
+        self.children = [Child(slot) for slot in range(processes)]
+        self.stopping = False
+        self.failed = asyncio.Event()  # a child exited before its first ready line
+        self._tasks: list[asyncio.Task[None]] = []
+        self._metrics_runner: web.AppRunner | None = None
+
+    async def run(self) -> int:
+        stop = asyncio.Event()
+        on_stop_signals(stop)
+        try:  # once here, not N times from the children
+            server_tls(self.config.tls_certfile, self.config.tls_keyfile)
+        except (OSError, ValueError, ssl.SSLError) as exc:
+            print(f"shoal frontend: --tls-certfile/--tls-keyfile: {exc}", file=sys.stderr)
+            return 1
+        try:
+            reserved = reserve_port(self.config.host, self.config.port)
+        except OSError as exc:
+            print(
+                f"shoal frontend: cannot listen on {self.config.host}:{self.config.port}: {exc}",
+                file=sys.stderr,
+            )
+            return 1
+        with reserved:
+            try:
+                merged = await self._serve_metrics()
+            except OSError as exc:
+                print(f"shoal frontend: --metrics-port: {exc}", file=sys.stderr)
+                return 1
+            port = reserved.getsockname()[1]
+            child_config = replace(self.config, port=port, metrics_port=None, reuse_port=True)
+            self._tasks = [
+                asyncio.create_task(self._keep(child, child_config, merged))
+                for child in self.children
+            ]
+            all_ready = asyncio.create_task(self._all_ready())
+            failed = asyncio.create_task(self.failed.wait())
+            stopped = asyncio.create_task(stop.wait())
+            await asyncio.wait((all_ready, failed, stopped), return_when=asyncio.FIRST_COMPLETED)
+            for task in (all_ready, failed, stopped):
+                task.cancel()
+            code = 1 if self.failed.is_set() else 0
+            if code == 0 and not stop.is_set():
+                url = self.children[0].url
+                fields = {"metrics": merged} if self.config.metrics_port is not None else {}
+                print_ready("frontend", url=url, processes=len(self.children), **fields)
+                log.info("frontend serving on %s in %d processes", url, len(self.children))
+                await stop.wait()
+            log.info("stopping: draining the frontend processes")
+            drained = await self._stop()
+            return code if code else (0 if drained else 1)
+
+    async def _all_ready(self) -> None:
+        for child in self.children:
+            await child.ready.wait()
+
+    async def _keep(self, child: Child, config: FrontendConfig, merged: str) -> None:
+        """Run the slot's child, again after it dies (with a backoff), until stopping."""
+        backoff = BACKOFF_FIRST
+        while not self.stopping:
+            started = time.monotonic()
+            code = await self._run_once(child, config, merged)
+            if self.stopping:
+                return
+            if not child.ready.is_set():
+                self.failed.set()
+                return
+            if time.monotonic() - started >= BACKOFF_MAX:
+                backoff = BACKOFF_FIRST
+            log.warning(
+                "frontend process %d (slot %d) exited with %s; restarting in %gs",
+                child.proc.pid if child.proc else 0,
+                child.slot,
+                code,
+                backoff,
+            )
+            child.metrics_url = None
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)
+            child.restarts += 1
+
+    async def _run_once(self, child: Child, config: FrontendConfig, merged: str) -> int:
+        """Start the child, read its ready line, pass its later stdout on; its exit code."""
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "shoal.cli.processes",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+        except OSError as exc:  # no process, no memory: as if it died at once
+            log.error("cannot start a frontend process (slot %d): %s", child.slot, exc)
+            return -1
+        child.proc = proc
+        assert proc.stdin is not None and proc.stdout is not None
+        with contextlib.suppress(OSError):  # it died at once: its exit code says so
+            proc.stdin.write(
+                pickle.dumps(
+                    (
+                        config,
+                        self._child_role(merged),
+                        os.getpid(),
+                        logging.getLogger().level,
+                    )
+                )
+            )
+            await proc.stdin.drain()
+        proc.stdin.close()
+        if self.stopping:  # a stop signal came while it started: it never saw it
+            proc.send_signal(signal.SIGTERM)
+        async for line in proc.stdout:
+            text = line.decode(errors="replace")
+            fields = parse_ready_line(text, CHILD)
+            if fields is None:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                continue
+            child.url, child.metrics_url = fields["url"], fields["metrics"]
+            child.ready.set()
+        return await proc.wait()
+
+    async def _stop(self) -> bool:
+        """Drain every child (SIGTERM); whether all exited 0."""
+        self.stopping = True
+        for child in self.children:
+            if child.proc is not None and child.proc.returncode is None:
+                child.proc.send_signal(signal.SIGTERM)
+        drained = True
+        for child in self.children:
+            if child.proc is not None:
+                drained &= await child.proc.wait() == 0
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+        return drained
+
+    async def _serve_metrics(self) -> str:
+        """Serve the merged `/metrics`: on `--metrics-port` when given, else on a loopback
+        port that the children ask for `/metrics` on the API port. Its URL."""
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        self._metrics_runner = runner
+        given = self.config.metrics_port
+        host = self.config.host if given is not None else "127.0.0.1"
+        sock = socket.create_server((host, given or 0), backlog=64)
+        await web.SockSite(runner, sock).start()
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"http://{host}:{sock.getsockname()[1]}/metrics"
+
+    def _child_role(self, merged: str) -> str | None:
+        """What a child's API port does for `/metrics`: None (404: the parent serves it on
+        `--metrics-port`), or the URL of the merged metrics it answers with."""
+        return None if self.config.metrics_port is not None else merged
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        texts = await self.scrape()
+        body = generate_latest(registry_of(merge(texts, self._own_metrics())))
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def scrape(self) -> dict[int, str]:
+        """Each ready child's metrics text, by slot (a child down now is left out)."""
+        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+
+            async def one(url: str) -> str | None:
+                try:
+                    async with session.get(url) as response:
+                        return await response.text() if response.status == 200 else None
+                except (aiohttp.ClientError, TimeoutError):
+                    return None
+
+            wanted = [(c.slot, c.metrics_url) for c in self.children if c.metrics_url]
+            texts = await asyncio.gather(*(one(url) for _, url in wanted))
+        return {slot: text for (slot, _), text in zip(wanted, texts, strict=True) if text}
+
+    def _own_metrics(self) -> list[Metric]:
+        up = GaugeMetricFamily(
+            "shoal_frontend_processes_up",
+            "Frontend processes running and ready, by slot",
+            labels=["process"],
+        )
+        restarts = CounterMetricFamily(
+            "shoal_frontend_process_restarts",
+            "Times the supervisor restarted a frontend process, by slot",
+            labels=["process"],
+        )
+        for child in self.children:
+            alive = child.proc is not None and child.proc.returncode is None
+            up.add_metric([str(child.slot)], 1.0 if alive and child.metrics_url else 0.0)
+            restarts.add_metric([str(child.slot)], child.restarts)
+        return [up, restarts]
+
+
+class _Families:
+    """A collector of ready-made metric families, for `generate_latest`."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def merge(texts: dict[int, str], own: list[Metric]) -> list[Metric]:
+    """The families of every child's metrics text, each sample labelled with its child's
+    slot (`process`), then `own`. Counts are not summed here: a gauge such as the instances
+    a process knows is the same fleet seen N times; `sum without (process)` where a total
+    is meant."""
+    families: dict[str, Metric] = {}
+    for slot, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
+            merged.samples.extend(
+                Sample(s.name, {**s.labels, "process": str(slot)}, s.value, s.timestamp)
+                for s in family.samples
+            )
+    return [*families.values(), *own]
+
+
+def registry_of(families: list[Metric]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))  # type: ignore[arg-type]
+    return registry
+
+
+async def supervise(config: FrontendConfig, processes: int) -> int:
+    return await Supervisor(config, processes).run()
+
+
+# The child's side.
+
+
+def _die_with_parent(parent: int) -> None:
+    """Get SIGTERM when the parent dies (Linux), so no orphan keeps serving the port."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def serve_child(config: FrontendConfig, merged: str | None) -> int:
+    """Serve as one frontend of several. `/metrics` on the API port: 404 when `merged` is
+    None (the parent serves it on `--metrics-port`, as one frontend would), else the whole
+    frontend's, fetched from the parent at `merged`."""
+    from shoal.cli.frontend import start_frontend
+
+    stop = asyncio.Event()
+    on_stop_signals(stop)
+    frontend = await start_frontend(config, f"shoal frontend (process {os.getpid()})")
+    if frontend is None:
+        return 1
+    metrics = HttpServer(frontend._serve_metrics, max_body=0, max_connections=16)
+    await metrics.start("127.0.0.1", 0)
+    if merged is None:
+        frontend.metrics_server = metrics  # closed by `stop()`
+    else:
+        frontend.metrics_source = lambda: fetch(merged)
+    print_ready(CHILD, url=frontend.url, metrics=f"http://127.0.0.1:{metrics.port}/metrics")
+    await stop.wait()
+    await frontend.stop()
+    await metrics.close(0)
+    return 0
+
+
+async def fetch(url: str) -> bytes:
+    """The body of GET `url` (the parent's merged metrics)."""
+    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT * 2)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as response:
+        response.raise_for_status()
+        return await response.read()
+
+
+def main() -> int:
+    config, merged, parent, level = pickle.load(sys.stdin.buffer)
+    assert isinstance(config, FrontendConfig) and (merged is None or isinstance(merged, str))
+    _die_with_parent(parent)
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s [{os.getpid()}] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return run_event_loop(serve_child(config, merged))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
