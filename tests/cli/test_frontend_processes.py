@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import ssl
+import sys
 import uuid
 from pathlib import Path
 
@@ -268,3 +269,22 @@ async def test_two_processes_serve_https_and_the_whole_frontends_metrics_on_the_
     assert "metrics" not in front.ready
     front.signal(signal.SIGTERM)
     assert await front.wait(20) == 0
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+async def test_a_missing_certificate_is_one_line_naming_the_files(
+    tmp_path: Path, processes: str
+) -> None:
+    cert, key = tmp_path / "absent-cert.pem", tmp_path / "absent-key.pem"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "shoal.cli.main", "frontend", "--store", "memory://",
+        "--port", "0", "--processes", processes,
+        "--tls-certfile", str(cert), "--tls-keyfile", str(key),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        _, err = await proc.communicate()
+    assert proc.returncode != 0
+    lines = [line for line in err.decode().splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert str(cert) in lines[0] and str(key) in lines[0] and "No such file" in lines[0]

@@ -656,7 +656,13 @@ def server_tls(certfile: Path | None, keyfile: Path | None) -> ssl.SSLContext | 
     if certfile is None or keyfile is None:
         raise ValueError("--tls-certfile and --tls-keyfile go together")
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(str(certfile), str(keyfile))
+    try:
+        context.load_cert_chain(str(certfile), str(keyfile))
+    except OSError as exc:  # ssl.SSLError too: the files exist but do not hold a key pair
+        reason = exc.strerror or str(exc)
+        raise ValueError(
+            f"cannot load the certificate {certfile} and key {keyfile}: {reason}"
+        ) from None
     context.set_alpn_protocols(["http/1.1"])
     return context
 
