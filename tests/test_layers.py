@@ -20,6 +20,7 @@ LAYERS = {
     "shoal.frontend": 5,
     "shoal.membership": 5,
     "shoal.catalog": 6,
+    "shoal.relay": 6,
     "shoal.cli": 7,
 }
 

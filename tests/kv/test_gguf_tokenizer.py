@@ -78,9 +78,9 @@ async def test_a_completion_prompt_counts_the_same_tokens_at_both_ends(
 async def test_llama_cpps_context_is_published_as_kv_events() -> None:
     import zmq.asyncio
 
-    from shoal.frontend.kv_events import KvStats, KvSubscription
     from shoal.frontend.kv_index import KvIndex
     from shoal.kv import KVEventBatch, token_block_hashes
+    from shoal.kv.subscription import KvStats, KvSubscription
     from tests.helpers import wait_for
 
     engine = LlamaCppEngine(n_threads=1, kv_events_port=0, kv_block_size=4)
@@ -89,7 +89,7 @@ async def test_llama_cpps_context_is_published_as_kv_events() -> None:
         ctx = zmq.asyncio.Context()
         index = KvIndex(4)
 
-        def apply(batch: KVEventBatch) -> None:
+        def apply(seq: int, batch: KVEventBatch) -> None:
             for event in batch.events:
                 index.apply(1, event)
 

@@ -14,10 +14,9 @@ import pytest
 import zmq.asyncio
 
 from shoal.discovery import InstanceInfo
-from shoal.frontend import kv_events
-from shoal.frontend.kv_events import KvStats, KvSubscription
 from shoal.frontend.kv_index import KvIndex
-from shoal.kv import BlockRemoved, BlockStored, KvEndpoint, KVEventBatch, token_block_hashes
+from shoal.kv import BlockRemoved, BlockStored, KvEndpoint, KVEventBatch, subscription, token_block_hashes
+from shoal.kv.subscription import KvStats, KvSubscription
 from shoal.worker.kv_publisher import KvEventPublisher
 from tests.helpers import wait_for
 from tests.kv import vllm_fixtures as vllm
@@ -56,7 +55,7 @@ async def publisher() -> AsyncIterator[KvEventPublisher]:
 def subscribe(
     ctx: zmq.asyncio.Context, endpoint: KvEndpoint, index: KvIndex, stats: KvStats
 ) -> KvSubscription:
-    def apply(batch: KVEventBatch) -> None:
+    def apply(seq: int, batch: KVEventBatch) -> None:
         for event in batch.events:
             index.apply(7, event)
 
@@ -181,7 +180,7 @@ async def test_a_replay_cut_short_by_a_dropping_publisher_is_kept_and_resumed(
 ) -> None:
     # vLLM's replay socket sends everything at once and drops what its queue cannot hold,
     # the end marker included: what did arrive is applied, the rest asked for again.
-    monkeypatch.setattr(kv_events, "REPLAY_TIMEOUT", 0.5)
+    monkeypatch.setattr(subscription, "REPLAY_TIMEOUT", 0.5)
     fake = FakeVllmPublisher()
     count = 5_000
     for i in range(count):

@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 import pytest
 import zmq.asyncio
 
-from shoal.frontend.kv_events import KvStats, KvSubscription
 from shoal.frontend.kv_index import KvIndex
 from shoal.kv import KvEndpoint, token_block_hashes
+from shoal.kv.subscription import KvStats, KvSubscription
 from tests.helpers import wait_for
 from tests.kv import vllm_fixtures as vllm
 from tests.kv.fake_vllm import FakeVllmPublisher
@@ -37,7 +37,7 @@ async def subscribe(publisher: FakeVllmPublisher) -> AsyncIterator[tuple[KvIndex
     ctx = zmq.asyncio.Context()
     index, stats = KvIndex(BS), KvStats()
 
-    def apply(batch: object) -> None:
+    def apply(seq: int, batch: object) -> None:
         for event in batch.events:  # type: ignore[attr-defined]
             index.apply(7, event)
 

@@ -11,12 +11,12 @@ import msgspec
 import pytest
 import zmq.asyncio
 
-from shoal.frontend.kv_events import KvStats, KvSubscription
 from shoal.frontend.kv_index import KvIndex
 from shoal.frontend.kv_prompt import PromptTokenizer
 from shoal.frontend.kv_router import KvPrompt
 from shoal.frontend.proxy import decode_fields
 from shoal.kv import KVEventBatch, token_block_hashes
+from shoal.kv.subscription import KvStats, KvSubscription
 from shoal.worker.engines.mocker import MockerEngine
 from tests.helpers import Server, wait_for
 from tests.worker.engines.support import client_for, engine_served
@@ -33,7 +33,7 @@ async def mocker() -> AsyncIterator[tuple[MockerEngine, Server, KvIndex]]:
         ctx = zmq.asyncio.Context()
         index = KvIndex(BS)
 
-        def apply(batch: KVEventBatch) -> None:
+        def apply(seq: int, batch: KVEventBatch) -> None:
             for event in batch.events:
                 index.apply(1, event)
 

@@ -23,12 +23,12 @@ import zmq.asyncio
 
 from shoal.cards import ModelCard
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
-from shoal.frontend.kv_events import KvStats, KvSubscription
 from shoal.frontend.kv_index import KvIndex
 from shoal.frontend.kv_prompt import CONFIG_FILE, TOKENIZER_FILE, PromptTokenizer
 from shoal.frontend.metadata import MetadataCache
 from shoal.frontend.registry import SetId, WorkerSet
 from shoal.kv import KVEventBatch
+from shoal.kv.subscription import KvStats, KvSubscription
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class KvTracker:
                     self._ctx,
                     instance_id,
                     endpoint,
-                    lambda batch: self._apply(ident, batch),
+                    lambda seq, batch: self._apply(ident, batch),
                     lambda: self._purge(ident),
                     self.stats,
                 )

@@ -1,7 +1,12 @@
-"""Layer 2: KV cache events in vLLM's wire format, and chained token-block hashing. Pure data.
+"""Layer 2: KV cache events in vLLM's wire format, chained token-block hashing, and the
+per-instance subscription to a worker's KV publisher.
 
 Engines publish which KV blocks they store and evict (`events`); the frontend's indexer
 hashes token blocks itself (`hashing`), so it never depends on an engine's hash function.
+`subscription` (`KvSubscription`: replay on connect and on gap, resnapshot when history is
+gone, publisher restarts) is the one reader of a worker's stream, shared by the frontend and
+the relay (`shoal.relay`); it is the only module here that does I/O (ZMQ), and it is imported
+from `shoal.kv.subscription`, not from this package, so readers of the pure data do not load it.
 """
 
 from shoal.kv.events import (

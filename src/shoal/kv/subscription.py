@@ -1,7 +1,10 @@
-"""`KvSubscription`: one instance's KV event stream, applied to the indexes that track it.
+"""`KvSubscription`: one instance's KV event stream, handed on batch by batch in sequence order.
 
-Per instance, one task reads the PUB socket the instance advertises and applies each batch
-in sequence order. Sequence numbers make every loss visible:
+Per instance, one task reads the PUB socket the instance advertises and hands each batch, with
+its sequence number, to `apply` in sequence order: the frontend's tracker applies it to the
+indexes that track the instance (in slices of `APPLY_SLICE` blocks), the relay
+(`shoal.relay`) publishes it whole to JetStream. One implementation for both, so both see
+losses the same way. Sequence numbers make every loss visible:
 
 - on connect, the whole buffered history is asked from the replay socket, so an instance
   that cached blocks before this frontend started is indexed at once;
@@ -27,7 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shoal.kv import (
+from shoal.kv.events import (
     END_OF_REPLAY,
     AllBlocksCleared,
     BlockRemoved,
@@ -66,16 +69,20 @@ class KvStats:
 
 
 class KvSubscription:
-    """Reads one instance's events; `apply(batch)` and `resnapshot()` act on its indexes."""
+    """Reads one instance's events; `apply(seq, batch)` and `resnapshot()` act on what
+    follows it (indexes, a stream). With `whole_batches`, `apply` gets each batch once, else
+    in slices (several calls with the same `seq`)."""
 
     def __init__(
         self,
         ctx: zmq.asyncio.Context,
         instance_id: int,
         endpoint: KvEndpoint,
-        apply: Callable[[KVEventBatch], None],
+        apply: Callable[[int, KVEventBatch], None],
         resnapshot: Callable[[], None],
         stats: KvStats,
+        *,
+        whole_batches: bool = False,
     ) -> None:
         self.ctx = ctx
         self.instance_id = instance_id
@@ -83,6 +90,7 @@ class KvSubscription:
         self.apply = apply
         self.resnapshot = resnapshot
         self.stats = stats
+        self.whole_batches = whole_batches
         self.last_seq = -1  # the last batch applied
         self._replayed: dict[int, int] = {}  # seq -> payload hash, of batches just replayed
         self.replay_broken = False  # its replay endpoint cannot be used: follow without it
@@ -152,10 +160,11 @@ class KvSubscription:
         else:
             # One event can store a whole context's blocks: applied a slice at a time (one
             # event of 200,000 blocks held the loop ~0.2 s).
-            for i, part in enumerate(slices(batch)):
+            parts = (batch,) if self.whole_batches else slices(batch)
+            for i, part in enumerate(parts):
                 if i:
                     await asyncio.sleep(0)
-                self.apply(part)
+                self.apply(seq, part)
             self.stats.batches += 1
             self.stats.events += len(batch.events)
         self.last_seq = seq
