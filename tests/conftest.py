@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.etcd_server import EtcdServer
+from tests.nats_server import NatsServer
 from tests.processes import Processes
 
 
@@ -33,4 +34,11 @@ def etcd_server() -> Iterator[EtcdServer]:
 def own_etcd() -> Iterator[EtcdServer]:
     """An etcd of the test's own, which the test may stop and start (an outage)."""
     with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture
+def nats_server() -> Iterator[NatsServer]:
+    """A `nats-server -js` of the test's own (it may stop and start it: an outage)."""
+    with NatsServer() as server:
         yield server

@@ -82,36 +82,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "one parent (auto: one per core this process may use; default 1); see "
         "docs/operations.md",
     )
-    add_flag(
-        parser,
-        "--namespace",
-        action="append",
-        metavar="NS",
-        help="serve only models of this namespace (repeatable; default: all)",
-    )
-    add_flag(
-        parser,
-        "--namespace-sources",
-        type=Path,
-        metavar="FILE",
-        help='serve the namespaces this JSON file lists ({"version": 1, "sources": '
-        '[{"namespace": "..."}]}), following its changes without a restart',
-    )
-    add_flag(
-        parser,
-        "--namespaces-from-discovery",
-        action="store_true",
-        help="serve every namespace that has models in discovery, as namespaces come and go",
-    )
-    add_flag(
-        parser,
-        "--endpoint-prefix",
-        action="append",
-        metavar="P",
-        help="with --namespace or --namespaces-from-discovery: serve only endpoints under ns, "
-        "ns.component or ns.component.endpoint in namespace ns (repeatable; with --namespace, "
-        "each inside a listed namespace)",
-    )
+    add_membership_flags(parser)
     add_flag(
         parser,
         "--kv-overlap-weight",
@@ -257,6 +228,41 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
 
 
+def add_membership_flags(parser: argparse.ArgumentParser, what: str = "serve") -> None:
+    """How the scope is chosen (one way): listed namespaces, a sources file, or discovery;
+    the flags `shoal frontend` and `shoal kv-relay` share (`what`: what is done with it)."""
+    add_flag(
+        parser,
+        "--namespace",
+        action="append",
+        metavar="NS",
+        help=f"{what} only models of this namespace (repeatable; default: all)",
+    )
+    add_flag(
+        parser,
+        "--namespace-sources",
+        type=Path,
+        metavar="FILE",
+        help=f'{what} the namespaces this JSON file lists ({{"version": 1, "sources": '
+        '[{"namespace": "..."}]}), following its changes without a restart',
+    )
+    add_flag(
+        parser,
+        "--namespaces-from-discovery",
+        action="store_true",
+        help=f"{what} every namespace that has models in discovery, as namespaces come and go",
+    )
+    add_flag(
+        parser,
+        "--endpoint-prefix",
+        action="append",
+        metavar="P",
+        help=f"with --namespace or --namespaces-from-discovery: {what} only endpoints under ns, "
+        "ns.component or ns.component.endpoint in namespace ns (repeatable; with --namespace, "
+        "each inside a listed namespace)",
+    )
+
+
 def add_virtual_model_flags(parser: argparse.ArgumentParser) -> None:
     """Which routes the frontend serves, and how it reaches external providers."""
     add_flag(
@@ -337,7 +343,7 @@ def add_client_limit_flags(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     # Numeric ranges are checked by the flags' types (`shoal.cli.common.number`).
-    _check_scope_flags(args)
+    check_membership_flags(args)
     setup_timeout = args.setup_timeout
     if (args.tls_certfile is None) != (args.tls_keyfile is None):
         raise ValueError("--tls-certfile and --tls-keyfile go together")
@@ -383,7 +389,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     )
 
 
-def _check_scope_flags(args: argparse.Namespace) -> None:
+def check_membership_flags(args: argparse.Namespace) -> None:
     """One way to choose the scope; endpoint prefixes only with discovery as the source."""
     chosen = [
         flag
@@ -425,6 +431,22 @@ def membership_source(
     return None
 
 
+def membership_watch(
+    source: membership.Source,
+    endpoint_prefixes: tuple[str, ...] | list[str],
+    setup_timeout: float,
+) -> Callable[[Discovery], membership.MembershipWatch]:
+    """A factory of the membership watch over `source` (the frontend's and the relay's)."""
+    prefixes = tuple(endpoint_prefixes)
+
+    def build(discovery: Discovery) -> membership.MembershipWatch:
+        return membership.MembershipWatch(
+            discovery, source, endpoint_prefixes=prefixes, setup_timeout=setup_timeout
+        )
+
+    return build
+
+
 def membership_for(
     config: FrontendConfig,
 ) -> Callable[[Discovery], MembershipFollower] | None:
@@ -437,14 +459,7 @@ def membership_for(
     )
     if source is None:
         return None
-    prefixes, setup_timeout = config.endpoint_prefixes, config.setup_timeout
-
-    def build(discovery: Discovery) -> MembershipFollower:
-        return membership.MembershipWatch(
-            discovery, source, endpoint_prefixes=prefixes, setup_timeout=setup_timeout
-        )
-
-    return build
+    return membership_watch(source, config.endpoint_prefixes, config.setup_timeout)
 
 
 async def start_frontend(config: FrontendConfig, failed: str) -> Frontend | None:

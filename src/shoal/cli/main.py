@@ -21,6 +21,7 @@ COMMANDS = {
     "worker": "shoal.cli.worker",
     "ls": "shoal.cli.ls",
     "catalog": "shoal.cli.catalog",
+    "kv-relay": "shoal.cli.relay",
 }
 
 

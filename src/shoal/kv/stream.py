@@ -1,0 +1,79 @@
+"""The layout of relayed KV events in NATS JetStream: what `shoal kv-relay` writes and what a
+frontend with `--kv-events nats://...` reads. Pure data, a public contract like the discovery
+keys.
+
+- Stream `shoal-kv` (the default name), subjects `shoal.kv.{namespace}.{instance_id:x}`.
+- Every message carries the header `Shoal-Kind`: `batch` (payload: the worker's msgpack
+  `KVEventBatch`, as it published it), `joined` (payload: JSON `{"block_size", "model",
+  "namespace", "component", "endpoint", "role", "mdcsum"}`), `resnapshot` (drop what you
+  hold for this instance: the batches before `Shoal-Seq` are lost) or `left`.
+- `Shoal-Epoch` names one run of the worker's numbering (a publisher that restarts starts a
+  new one); `Shoal-Seq` is the worker's own sequence number of a batch (of the batch that
+  follows, on a `resnapshot`); `Shoal-Ts` is the worker's timestamp of that batch.
+- `Nats-Msg-Id` is `{instance:x}:{epoch}:{seq}` for a batch, so the stream keeps one copy of
+  what two relays both publish (within its duplicate window).
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+DEFAULT_STREAM = "shoal-kv"
+SUBJECT_PREFIX = "shoal.kv"
+
+KIND = "Shoal-Kind"
+EPOCH = "Shoal-Epoch"
+SEQ = "Shoal-Seq"
+TS = "Shoal-Ts"
+MSG_ID = "Nats-Msg-Id"
+
+BATCH = "batch"
+JOINED = "joined"
+RESNAPSHOT = "resnapshot"
+LEFT = "left"
+KINDS = frozenset({BATCH, JOINED, RESNAPSHOT, LEFT})
+
+_TOKEN = re.compile(r"[^.*>\s]+")
+
+
+class Joined(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """What a `joined` record says of an instance: the worker set its blocks belong to."""
+
+    block_size: int
+    model: str
+    namespace: str
+    component: str
+    endpoint: str
+    role: str
+    mdcsum: str
+
+
+def subject(namespace: str, instance_id: int) -> str:
+    """The subject of one instance's records; ValueError for a namespace NATS cannot carry
+    as one subject token (a dot, a wildcard, whitespace)."""
+    if not _TOKEN.fullmatch(namespace):
+        raise ValueError(f"namespace {namespace!r} cannot be a NATS subject token")
+    return f"{SUBJECT_PREFIX}.{namespace}.{instance_id:x}"
+
+
+def parse_subject(text: str) -> tuple[str, int] | None:
+    """(namespace, instance id) of a record's subject; None for any other subject."""
+    parts = text.split(".")
+    if len(parts) != 4 or f"{parts[0]}.{parts[1]}" != SUBJECT_PREFIX:
+        return None
+    try:
+        return parts[2], int(parts[3], 16)
+    except ValueError:
+        return None
+
+
+def batch_id(instance_id: int, epoch: str, seq: int) -> str:
+    """The de-duplication id of a batch: the same for every relay that publishes it."""
+    return f"{instance_id:x}:{epoch}:{seq}"
+
+
+def epoch_of(ts: float) -> str:
+    """An epoch named after the worker's timestamp of a batch (every relay reads the same)."""
+    return f"{int(ts * 1_000_000):x}"

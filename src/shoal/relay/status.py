@@ -1,0 +1,111 @@
+"""The relay's probes: `/health`, `/v1/membership/status`, `/v1/membership` and `/metrics`.
+
+`/health` answers 200 while the membership has a selection in force and NATS takes records,
+503 naming why otherwise (the relay keeps following its workers meanwhile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shoal.membership import MembershipWatch
+from shoal.relay.relay import KvRelay
+
+
+class StatusServer:
+    """Serves the relay's and its membership watch's status; holds those two only."""
+
+    def __init__(self, relay: KvRelay, membership: MembershipWatch) -> None:
+        self.relay = relay
+        self.membership = membership
+        self.registry = CollectorRegistry()
+        self.registry.register(_RelayCollector(relay))
+        self.url: str | None = None
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self.get_health)
+        app.router.add_get("/v1/membership/status", self.get_status)
+        app.router.add_get("/v1/membership", self.get_membership)
+        app.router.add_get("/metrics", self.get_metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        self._runner = runner
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        self.url = f"http://{shown}:{runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        reasons: dict[str, str] = {}
+        status = self.membership.status
+        if status.applied_revision is None and status.last_error:
+            reasons["membership"] = status.last_error
+        if not self.relay.connected.is_set():
+            reasons["nats"] = self.relay.nats_error or self.relay.nats_state
+        body: dict[str, Any] = {"status": "unavailable" if reasons else "ok"}
+        if reasons:
+            body["unhealthy"] = reasons
+        return (503 if reasons else 200), body
+
+    async def get_health(self, request: web.Request) -> web.Response:
+        code, body = self.health()
+        return web.json_response(body, status=code)
+
+    async def get_status(self, request: web.Request) -> web.Response:
+        return web.json_response({**self.membership.status.to_dict(), **self.relay.status()})
+
+    async def get_membership(self, request: web.Request) -> web.Response:
+        return web.json_response(self.membership.view.to_dict())
+
+    async def get_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), content_type="text/plain", charset="utf-8"
+        )
+
+
+class _RelayCollector(Collector):
+    def __init__(self, relay: KvRelay) -> None:
+        self.relay = relay
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.relay.stats
+        subs = stats.subscriptions
+        for name, doc, value in (
+            ("batches_relayed", "batches the stream stored", stats.relayed),
+            ("duplicates", "records the stream refused as already stored", stats.duplicates),
+            ("dropped_batches", "batches dropped from a full member queue", stats.dropped),
+            ("resnapshots", "resnapshot records published or queued", stats.resnapshots),
+            ("publish_errors", "publishes that failed (retried)", stats.publish_errors),
+            ("replays", "replays asked of workers", subs.replays),
+            ("batches_received", "batches read from workers", subs.batches),
+            ("decode_errors", "worker messages that could not be read", subs.decode_errors),
+        ):
+            yield CounterMetricFamily(f"shoal_relay_{name}", doc, value=value)
+        yield GaugeMetricFamily(
+            "shoal_relay_members", "instances followed", value=len(self.relay.members)
+        )
+        yield GaugeMetricFamily(
+            "shoal_relay_connected",
+            "1 while NATS takes records",
+            value=self.relay.connected.is_set(),
+        )
+        lag = GaugeMetricFamily(
+            "shoal_relay_lag_ms",
+            "ms from a worker's batch timestamp to the stream's acknowledgement, per member",
+            labels=["namespace", "instance"],
+        )
+        for (namespace, instance_id), ms in self.relay.lag().items():
+            lag.add_metric([namespace, f"{instance_id:x}"], ms)
+        yield lag

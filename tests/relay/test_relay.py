@@ -1,0 +1,178 @@
+"""`shoal kv-relay` with real parts: mocker workers publishing KV events, a real `nats-server -js`,
+relay processes. What the stream holds is compared with what the workers published (read
+straight from their ZMQ sockets)."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import nats
+import openai
+import pytest
+import zmq.asyncio
+from nats.js import api
+
+from shoal.discovery import Discovery, Query
+from shoal.kv import KVEventBatch, decode_batch, encode_batch
+from shoal.kv import stream as layout
+from shoal.kv.subscription import KvStats, KvSubscription
+from shoal.store import open_store
+from shoal.worker.engines.mocker.text import VOCAB
+from tests.helpers import wait_for
+from tests.nats_server import NatsServer
+from tests.processes import Process, Processes
+
+MODEL = "relay-llm"
+BS = 4
+WORKER_FLAGS = (
+    "--lease-ttl", "2", "--ttft-ms", "1", "--itl-ms", "1",
+    "--block-size", str(BS), "--kv-blocks", "64", "--kv-events-port", "0",
+)  # fmt: skip
+
+
+def prompt(seed: int) -> str:
+    return " ".join(VOCAB[(seed * 7 + i * i) % 20] for i in range(40))
+
+
+async def send(worker: Process, text: str) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{worker.url}/v1", api_key="x", max_retries=0)
+    await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=1,
+    )
+
+
+async def status(relay: Process) -> dict[str, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{relay.ready['status']}/v1/membership/status") as resp,
+    ):
+        body: dict[str, Any] = await resp.json()
+        return body
+
+
+async def stream_records(url: str) -> list[tuple[str, dict[str, str], bytes]]:
+    """Every record the stream holds, in order: (subject, headers, payload)."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(layout.DEFAULT_STREAM)
+        total = info.state.messages
+        sub = await js.subscribe(
+            f"{layout.SUBJECT_PREFIX}.>",
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.ALL,
+        )
+        records = []
+        for _ in range(total):
+            msg = await sub.next_msg(timeout=5)
+            records.append((msg.subject, dict(msg.headers or {}), msg.data))
+        await sub.unsubscribe()
+        return records
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+async def fleet(
+    processes: Processes, tmp_path: Path
+) -> AsyncIterator[tuple[str, str, list[Process]]]:
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    namespace = f"relay-{uuid.uuid4().hex[:8]}"
+    workers = [
+        await processes.worker(store_url, "--namespace", namespace, *WORKER_FLAGS, model=MODEL)
+        for _ in range(2)
+    ]
+    yield store_url, namespace, workers
+
+
+async def direct_batches(store_url: str, namespace: str) -> dict[int, dict[int, KVEventBatch]]:
+    """Each worker's batches as its own replay socket gives them (seq -> batch)."""
+    store = await open_store(store_url)
+    ctx = zmq.asyncio.Context()
+    found: dict[int, dict[int, KVEventBatch]] = {}
+    subs = []
+    try:
+        for model in await Discovery(store).list(Query(namespace=namespace)):
+            kv = model.instance.kv_events
+            assert kv is not None
+            got = found.setdefault(model.instance_id, {})
+            sub = KvSubscription(
+                ctx, model.instance_id, kv, lambda s, b, got=got: got.__setitem__(s, b),
+                lambda: None, KvStats(),
+            )  # fmt: skip
+            sub.start()
+            subs.append(sub)
+        await wait_for(lambda: all(found.values()), message="every worker's history replayed")
+        return found
+    finally:
+        for sub in subs:
+            await sub.stop()
+        ctx.destroy(linger=0)
+        await store.close()
+
+
+async def test_two_relays_put_each_batch_in_the_stream_once(
+    processes: Processes,
+    fleet: tuple[str, str, list[Process]],
+    nats_server: NatsServer,
+) -> None:
+    store_url, namespace, workers = fleet
+    for i, worker in enumerate(workers):
+        await send(worker, prompt(i))
+    relay_args = (
+        "kv-relay", "--store", store_url, "--namespace", namespace,
+        "--nats", nats_server.url, "--status-port", "0",
+    )  # fmt: skip
+    relays = [await processes.start(*relay_args, ready="kv-relay") for _ in range(2)]
+    for i, worker in enumerate(workers):
+        await send(worker, prompt(i + 10))
+    direct = await direct_batches(store_url, namespace)
+    last = {inst: max(batches) for inst, batches in direct.items()}
+
+    async def relayed_all() -> bool:
+        for relay in relays:
+            members = {int(m["instance_id"], 16): m for m in (await status(relay))["members"]}
+            if {i: m["last_seq"] for i, m in members.items()} != last:
+                return False
+            if any(m["pending"] for m in members.values()):
+                return False
+        return True
+
+    await wait_for(relayed_all, timeout=20, message="both relays published every batch")
+    records = await stream_records(nats_server.url)
+    seen: dict[int, list[int]] = {}
+    joined: dict[int, int] = {}
+    for subject, headers, payload in records:
+        parsed = layout.parse_subject(subject)
+        assert parsed is not None and parsed[0] == namespace
+        instance = parsed[1]
+        kind = headers[layout.KIND]
+        if kind == layout.JOINED:
+            joined[instance] = joined.get(instance, 0) + 1
+            info = msgspec.json.decode(payload, type=layout.Joined)
+            assert (info.model, info.block_size, info.namespace) == (MODEL, BS, namespace)
+        elif kind == layout.BATCH:
+            seq = int(headers[layout.SEQ])
+            seen.setdefault(instance, []).append(seq)
+            assert encode_batch(decode_batch(payload)) == encode_batch(direct[instance][seq])
+        else:
+            raise AssertionError(f"unexpected {kind} record")
+    assert joined == {i: 1 for i in direct}
+    # Every batch once, in the worker's order: two relays, no duplicate kept.
+    assert seen == {i: sorted(direct[i]) for i in direct}
+    assert sorted(direct[next(iter(direct))]) == list(range(last[next(iter(direct))] + 1))
+    text = ""
+    async with aiohttp.ClientSession() as session:
+        for relay in relays:
+            async with session.get(f"{relay.ready['status']}/metrics") as resp:
+                text += await resp.text()
+    duplicates = re.findall(r"^shoal_relay_duplicates_total (\S+)$", text, re.M)
+    assert len(duplicates) == 2 and sum(float(d) for d in duplicates) > 0, text
