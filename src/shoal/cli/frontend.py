@@ -31,6 +31,7 @@ from shoal.cli.common import (
 )
 from shoal.frontend import POLICIES, Frontend, FrontendConfig
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES
+from shoal.kv.stream import DEFAULT_STREAM
 from shoal.store import StoreError
 
 if TYPE_CHECKING:
@@ -89,6 +90,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         2.0,
         type=NON_NEGATIVE,
         help="--router kv: cost of one uncached prompt block against one block of load (default 2)",
+    )
+    add_flag(
+        parser,
+        "--kv-events",
+        metavar="nats://HOST:4222[,...]",
+        help="--router kv: read KV events from the relay's JetStream stream (shoal kv-relay) "
+        "instead of each worker's ZMQ publisher",
+    )
+    add_flag(
+        parser,
+        "--kv-stream",
+        DEFAULT_STREAM,
+        help=f"with --kv-events: the stream to read (default {DEFAULT_STREAM})",
     )
     add_flag(
         parser,
@@ -347,6 +361,12 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     setup_timeout = args.setup_timeout
     if (args.tls_certfile is None) != (args.tls_keyfile is None):
         raise ValueError("--tls-certfile and --tls-keyfile go together")
+    if args.kv_events is not None:
+        if args.router != "kv":
+            raise ValueError("--kv-events needs --router kv")
+        for url in args.kv_events.split(","):
+            if not url.startswith(("nats://", "tls://")):
+                raise ValueError(f"--kv-events: {url!r} is not a nats://HOST:PORT URL")
     for workspace in args.workspace:
         if not workspace:
             raise ValueError("--workspace must not be empty")
@@ -360,6 +380,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         endpoint_prefixes=tuple(args.endpoint_prefix),
         router=args.router,
         kv_overlap_weight=args.kv_overlap_weight,
+        kv_events=args.kv_events,
+        kv_stream=args.kv_stream,
         reconcile_interval=args.reconcile_interval,
         api_keys=tuple(args.api_key),
         public_health=args.public_health,

@@ -41,6 +41,7 @@ from shoal.frontend.cors import Cors
 from shoal.frontend.dashboard import Dashboard
 from shoal.frontend.disagg import TwoStages
 from shoal.frontend.kv_router import KvRouter
+from shoal.frontend.kv_stream import KvStreamReader
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.proxy import Proxy
@@ -103,6 +104,8 @@ class FrontendConfig:
     namespaces_from_discovery: bool = False
     endpoint_prefixes: tuple[str, ...] = ()
     kv_overlap_weight: float = 2.0  # the kv policy: cost of an uncached block vs one of load
+    kv_events: str | None = None  # the kv policy: nats://... reads the relay's stream, not ZMQ
+    kv_stream: str = "shoal-kv"
     # Virtual models: the workspaces whose routes are served (the first wins a name clash),
     # where providers' secrets are files, and a CA file to trust beside the system's.
     workspaces: tuple[str, ...] = ("default",)
@@ -284,6 +287,8 @@ class Frontend:
         self.metrics.watch_metadata_cache(cache)
         if isinstance(self.router, KvRouter):
             self.router.attach(self.registry, cache, self.metrics)
+            if config.kv_events:
+                self.router.tracker.use_stream(KvStreamReader(config.kv_events, config.kv_stream))
         self.watcher = ModelWatcher(
             self.discovery,
             self.registry,

@@ -7,6 +7,10 @@ it (`joined`/`left`, as a `RegistryObserver`), so the tracker follows exactly th
 the frontend routes to, which the frontend's scope (and, with it, the membership view)
 decides. An instance that leaves is purged from the set's index.
 
+The events come from each instance's own publisher (one `KvSubscription` per instance), or,
+with `use_stream(reader)`, from the relay's JetStream stream (`KvStreamReader`), which the
+tracker tells which instances to follow.
+
 Everything here runs off the request path: subscriptions apply events in their own tasks,
 tokenizers load in a thread; the policy only reads `sets`.
 """
@@ -25,9 +29,10 @@ from shoal.cards import ModelCard
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
 from shoal.frontend.kv_index import KvIndex
 from shoal.frontend.kv_prompt import CONFIG_FILE, TOKENIZER_FILE, PromptTokenizer
+from shoal.frontend.kv_stream import KvStreamReader, StreamKey
 from shoal.frontend.metadata import MetadataCache
 from shoal.frontend.registry import SetId, WorkerSet
-from shoal.kv import KVEventBatch
+from shoal.kv import KvEndpoint, KVEventBatch
 from shoal.kv.subscription import KvStats, KvSubscription
 
 log = logging.getLogger(__name__)
@@ -48,7 +53,8 @@ class KvSet:
 class _Tracked:
     """One instance's subscription and the sets its events feed."""
 
-    subscription: KvSubscription
+    subscription: KvSubscription | None  # None: its events come from the stream
+    endpoint: KvEndpoint
     sets: set[SetId] = field(default_factory=set)
 
 
@@ -62,14 +68,25 @@ class KvTracker:
         self._tracked: dict[tuple[EndpointId, int], _Tracked] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._loads: set[asyncio.Task[None]] = set()
+        self.stream: KvStreamReader | None = None
+        self._by_key: dict[StreamKey, set[tuple[EndpointId, int]]] = {}
+
+    def use_stream(self, reader: KvStreamReader) -> None:
+        """Read every instance's events from `reader` instead of its own publisher."""
+        self.stream = reader
+        reader.stats = self.stats
+        reader.start()
 
     async def close(self) -> None:
         for state in self.sets.values():
             if state.tokenizer is not None:
                 state.tokenizer.close()
         for tracked in list(self._tracked.values()):
-            await tracked.subscription.stop()
+            if tracked.subscription is not None:
+                await tracked.subscription.stop()
         self._tracked.clear()
+        if self.stream is not None:
+            await self.stream.close()
         for task in list(self._loads):
             task.cancel()
         await asyncio.gather(*self._loads, return_exceptions=True)
@@ -107,28 +124,47 @@ class KvTracker:
         endpoint = instance.kv_events
         ident = (instance.endpoint_id, instance.instance_id)
         tracked = self._tracked.get(ident)
-        if tracked is not None and tracked.subscription.endpoint != endpoint:
+        if tracked is not None and tracked.endpoint != endpoint:
             self._drop(ident)  # it moved: its old stream says nothing about the new one
             tracked = None
         if endpoint is None or ws.id not in self.sets:
             return
         if tracked is None:
-            if self._ctx is None:
-                self._ctx = zmq.asyncio.Context()
-            instance_id = instance.instance_id
-            tracked = _Tracked(
-                KvSubscription(
-                    self._ctx,
-                    instance_id,
-                    endpoint,
-                    lambda seq, batch: self._apply(ident, batch),
-                    lambda: self._purge(ident),
-                    self.stats,
-                )
-            )
-            self._tracked[ident] = tracked
-            tracked.subscription.start()
+            tracked = self._tracked[ident] = _Tracked(self._subscribe(ident, endpoint), endpoint)
         tracked.sets.add(ws.id)
+
+    def _subscribe(
+        self, ident: tuple[EndpointId, int], endpoint: KvEndpoint
+    ) -> KvSubscription | None:
+        """Start following `ident`'s events: its own publisher, or its records in the stream."""
+        if self.stream is not None:
+            key = (ident[0].namespace, ident[1])
+            idents = self._by_key.setdefault(key, set())
+            idents.add(ident)
+            if len(idents) == 1:
+
+                def apply(batch: KVEventBatch) -> None:
+                    for one in list(idents):
+                        self._apply(one, batch)
+
+                def purge() -> None:
+                    for one in list(idents):
+                        self._purge(one)
+
+                self.stream.follow(key, apply, purge)
+            return None
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        subscription = KvSubscription(
+            self._ctx,
+            ident[1],
+            endpoint,
+            lambda seq, batch: self._apply(ident, batch),
+            lambda: self._purge(ident),
+            self.stats,
+        )
+        subscription.start()
+        return subscription
 
     def untrack(self, endpoint: EndpointId, instance_id: int, ws: WorkerSet) -> None:
         """Stop following `instance_id` for `ws`, and forget its blocks there."""
@@ -155,6 +191,14 @@ class KvTracker:
         if tracked is None:
             return
         self._purge_sets(ident[1], tracked.sets)
+        if tracked.subscription is None:
+            key = (ident[0].namespace, ident[1])
+            idents = self._by_key.get(key, set())
+            idents.discard(ident)
+            if not idents and self.stream is not None:
+                self._by_key.pop(key, None)
+                self.stream.unfollow(key)
+            return
         task = asyncio.ensure_future(tracked.subscription.stop())
         self._loads.add(task)
         task.add_done_callback(self._loads.discard)

@@ -1,0 +1,229 @@
+"""`KvStreamReader`: the frontend's KV events from the relay's JetStream stream (`--kv-events
+nats://...`), instead of one ZMQ subscription per worker.
+
+One ordered consumer reads the stream's retained history, then live records (layout:
+`shoal.kv.stream`). Per instance (namespace, instance id) it keeps the run it follows (the
+epoch) and the last batch applied, and checks every record the way `KvSubscription` checks a
+worker's own numbering:
+
+- a batch at or below the last one of the same epoch is a duplicate: skipped;
+- a batch past the next one expected (a gap), or of another epoch (the publisher restarted),
+  drops what the index holds of the instance before it is applied; so do a `resnapshot`
+  record and a batch that cannot be read. The index may forget blocks, never keep evicted ones;
+- the records of an instance no `follow` asked for yet (the registry has not verified its
+  card, or routes elsewhere) are kept, at most `PENDING_BATCHES` of them from its last loss on
+  (older ones leave first: forgetting is safe), and applied when it is followed, so a frontend
+  started late is caught up from the stream; a `left` record drops them.
+
+A consumer that resumes past records the stream no longer holds (retention) has lost some:
+every instance followed is dropped and rebuilt from what follows. NATS unreachable: retried
+with backoff, the index kept as it is meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import nats
+from nats.aio.client import Client
+from nats.js import api
+
+from shoal.kv import KVEventBatch, decode_batch
+from shoal.kv import stream as layout
+from shoal.kv.subscription import KvStats, Pace
+
+log = logging.getLogger(__name__)
+
+PENDING_BATCHES = 4096  # kept per instance not yet followed
+BACKOFF_MAX = 5.0
+StreamKey = tuple[str, int]  # (namespace, instance id)
+
+
+@dataclass(eq=False)
+class _Instance:
+    """One instance's place in the stream, and where its batches go."""
+
+    epoch: str | None = None
+    last_seq: int = -1
+    pending: deque[KVEventBatch] = field(default_factory=lambda: deque(maxlen=PENDING_BATCHES))
+    apply: Callable[[KVEventBatch], None] | None = None
+    purge: Callable[[], None] | None = None
+    flushing: asyncio.Task[None] | None = None
+
+    def lose(self) -> None:
+        """What is held of this instance may be wrong: drop it."""
+        self.pending.clear()
+        if self.purge is not None:
+            self.purge()
+
+    def deliver(self, batch: KVEventBatch) -> None:
+        if self.apply is None or self.flushing is not None:
+            self.pending.append(batch)
+        else:
+            self.apply(batch)
+
+
+class KvStreamReader:
+    """Reads the stream; `follow(key, apply, purge)` routes one instance's batches."""
+
+    def __init__(
+        self, url: str, stream: str = layout.DEFAULT_STREAM, stats: KvStats | None = None
+    ) -> None:
+        self.urls = [u for u in url.split(",") if u]
+        self.stream = stream
+        self.stats = stats or KvStats()
+        self.instances: dict[StreamKey, _Instance] = {}
+        self.last_stream_seq = 0  # the stream sequence of the last record read
+        self.connected = False
+        self.error: str | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kv-stream")
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._task,) if t is not None]
+        tasks += [i.flushing for i in self.instances.values() if i.flushing is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    # -- the tracker's side -------------------------------------------------------------------
+
+    def follow(
+        self, key: StreamKey, apply: Callable[[KVEventBatch], None], purge: Callable[[], None]
+    ) -> None:
+        """Send `key`'s batches to `apply` (those kept so far first, yielding as it goes)."""
+        instance = self.instances.setdefault(key, _Instance())
+        instance.apply, instance.purge = apply, purge
+        if instance.pending and instance.flushing is None:
+            instance.flushing = asyncio.create_task(
+                self._flush(instance), name=f"kv-stream-{key[1]:x}"
+            )
+
+    def unfollow(self, key: StreamKey) -> None:
+        instance = self.instances.get(key)
+        if instance is None:
+            return
+        if instance.flushing is not None:
+            instance.flushing.cancel()
+            instance.flushing = None
+        instance.apply = instance.purge = None
+        instance.pending.clear()
+
+    async def _flush(self, instance: _Instance) -> None:
+        pace = Pace()
+        try:
+            while instance.pending and instance.apply is not None:
+                instance.apply(instance.pending.popleft())
+                await pace.step()
+        finally:
+            instance.flushing = None
+
+    # -- the stream ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        delay = 0.1
+        while True:
+            nc: Client | None = None
+            try:
+                nc = await nats.connect(self.urls, connect_timeout=2, max_reconnect_attempts=-1)
+                js = nc.jetstream()
+                start = self.last_stream_seq + 1
+                sub = await js.subscribe(
+                    f"{layout.SUBJECT_PREFIX}.>",
+                    stream=self.stream,
+                    ordered_consumer=True,
+                    config=api.ConsumerConfig(
+                        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start
+                    )
+                    if start > 1
+                    else None,
+                    deliver_policy=None if start > 1 else api.DeliverPolicy.ALL,
+                    idle_heartbeat=2.0,
+                )
+                self.connected, self.error, delay = True, None, 0.1
+                log.info("kv stream: reading %s from record %d", self.stream, start)
+                pace = Pace()
+                async for msg in sub.messages:
+                    seq = msg.metadata.sequence.stream
+                    if self.last_stream_seq and seq > self.last_stream_seq + 1 and start > 1:
+                        log.info(
+                            "kv stream: records %d..%d gone, dropping every instance's blocks",
+                            self.last_stream_seq + 1,
+                            seq - 1,
+                        )
+                        for instance in self.instances.values():
+                            instance.lose()
+                            instance.epoch, instance.last_seq = None, -1
+                    start = 0
+                    self.last_stream_seq = seq
+                    self.record(msg.subject, msg.headers or {}, msg.data)
+                    await pace.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.connected = False
+                why = str(exc) or type(exc).__name__
+                if why != self.error:
+                    log.warning("kv stream %s: %s; retrying", self.stream, why)
+                self.error = why
+            finally:
+                if nc is not None:
+                    with contextlib.suppress(Exception):
+                        await nc.close()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX)
+
+    def record(self, subject: str, headers: dict[str, str], payload: bytes) -> None:
+        """Apply one record of the stream."""
+        key = layout.parse_subject(subject)
+        kind = headers.get(layout.KIND)
+        if key is None or kind not in layout.KINDS:
+            self.stats.decode_errors += 1
+            return
+        if kind == layout.JOINED:
+            return
+        instance = self.instances.get(key)
+        if kind == layout.LEFT:
+            if instance is not None and instance.apply is None:
+                del self.instances[key]
+            return
+        if instance is None:
+            instance = self.instances[key] = _Instance()
+        try:
+            epoch, seq = headers[layout.EPOCH], int(headers[layout.SEQ])
+        except (KeyError, ValueError):
+            self.stats.decode_errors += 1
+            return
+        if kind == layout.RESNAPSHOT:
+            self._resnapshot(instance)
+            instance.epoch, instance.last_seq = epoch, seq - 1
+            return
+        if instance.epoch is not None:
+            if epoch == instance.epoch and seq <= instance.last_seq:
+                return  # already applied
+            if epoch != instance.epoch or seq != instance.last_seq + 1:
+                self._resnapshot(instance)
+        instance.epoch, instance.last_seq = epoch, seq
+        try:
+            batch = decode_batch(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.stats.decode_errors += 1
+            self._resnapshot(instance)
+            return
+        self.stats.batches += 1
+        self.stats.events += len(batch.events)
+        instance.deliver(batch)
+
+    def _resnapshot(self, instance: _Instance) -> None:
+        self.stats.resnapshots += 1
+        instance.lose()
