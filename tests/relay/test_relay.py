@@ -4,7 +4,9 @@ straight from their ZMQ sockets)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import signal
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -176,3 +178,90 @@ async def test_two_relays_put_each_batch_in_the_stream_once(
                 text += await resp.text()
     duplicates = re.findall(r"^shoal_relay_duplicates_total (\S+)$", text, re.M)
     assert len(duplicates) == 2 and sum(float(d) for d in duplicates) > 0, text
+
+
+def check_complete(
+    records: list[tuple[str, dict[str, str], bytes]], direct: dict[int, dict[int, KVEventBatch]]
+) -> dict[int, list[str]]:
+    """Every worker batch in the stream exactly once, in order; the control records by instance."""
+    seen: dict[int, list[int]] = {}
+    controls: dict[int, list[str]] = {}
+    for subject, headers, _ in records:
+        parsed = layout.parse_subject(subject)
+        assert parsed is not None
+        if headers[layout.KIND] == layout.BATCH:
+            seen.setdefault(parsed[1], []).append(int(headers[layout.SEQ]))
+        else:
+            controls.setdefault(parsed[1], []).append(headers[layout.KIND])
+    assert seen == {i: sorted(direct[i]) for i in direct}
+    return controls
+
+
+async def test_a_relay_killed_under_load_leaves_the_other_keeping_the_stream_complete(
+    processes: Processes,
+    fleet: tuple[str, str, list[Process]],
+    nats_server: NatsServer,
+) -> None:
+    store_url, namespace, workers = fleet
+    relay_args = (
+        "kv-relay", "--store", store_url, "--namespace", namespace,
+        "--nats", nats_server.url, "--status-port", "0",
+    )  # fmt: skip
+    survivor, victim = [await processes.start(*relay_args, ready="kv-relay") for _ in range(2)]
+    for n in range(12):
+        if n == 4:
+            victim.signal(signal.SIGKILL)
+        await asyncio.gather(*(send(w, prompt(n * 3 + i)) for i, w in enumerate(workers)))
+    direct = await direct_batches(store_url, namespace)
+    last = {inst: max(batches) for inst, batches in direct.items()}
+
+    async def relayed_all() -> bool:
+        members = (await status(survivor))["members"]
+        return {int(m["instance_id"], 16): m["last_seq"] for m in members} == last and not any(
+            m["pending"] for m in members
+        )
+
+    await wait_for(relayed_all, timeout=20, message="the survivor published every batch")
+    controls = check_complete(await stream_records(nats_server.url), direct)
+    assert controls == {i: ["joined"] for i in direct}  # nothing resnapshotted
+
+
+async def test_a_worker_that_leaves_is_unsubscribed_and_left_is_published_once(
+    processes: Processes,
+    fleet: tuple[str, str, list[Process]],
+    nats_server: NatsServer,
+) -> None:
+    store_url, namespace, (a, b) = fleet
+    relay = await processes.start(
+        "kv-relay", "--store", store_url, "--namespace", namespace,
+        "--nats", nats_server.url, "--status-port", "0", ready="kv-relay",
+    )  # fmt: skip
+    await send(a, prompt(1))
+
+    async def members() -> set[int]:
+        return {int(m["instance_id"], 16) for m in (await status(relay))["members"]}
+
+    await wait_for(lambda: _eq(members(), {a.instance_id, b.instance_id}), message="followed")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{relay.ready['status']}/health") as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+    b.signal(signal.SIGTERM)
+    assert await b.wait() == 0
+    await wait_for(lambda: _eq(members(), {a.instance_id}), timeout=15, message="b unfollowed")
+
+    async def left_records() -> list[str]:
+        records = await stream_records(nats_server.url)
+        return [
+            h[layout.KIND]
+            for s, h, _ in records
+            if layout.parse_subject(s) == (namespace, b.instance_id) and h[layout.KIND] == "left"
+        ]
+
+    await wait_for(left_records, message="left published")
+    assert await left_records() == ["left"]
+
+
+async def _eq(value: Any, expected: Any) -> bool:
+    return bool(await value == expected)
