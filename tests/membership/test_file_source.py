@@ -44,10 +44,14 @@ def replace_atomically(path: Path, data: bytes) -> None:
         (b" " * (MAX_FILE_BYTES + 1), f"over the {MAX_FILE_BYTES}-byte limit"),
         (b"{not json", "malformed"),
         (b'{"version": 1}', "missing required field `sources`"),
+        (sources("a", revision=""), "revision must be 1 to 256 characters"),
+        (sources("a", connection_revision="x" * 257), "connection_revision must be 1 to 256"),
+        (sources("a", revision=7), "expected `str | null`"),
     ],
     ids=[
         "unknown-field", "unknown-entry-field", "version", "duplicate", "empty", "whitespace",
-        "slash", "too-many", "too-large", "not-json", "no-sources",
+        "slash", "too-many", "too-large", "not-json", "no-sources", "empty-revision",
+        "long-connection-revision", "revision-not-a-string",
     ],
 )  # fmt: skip
 def test_an_invalid_sources_file_is_refused_naming_the_problem(data: bytes, problem: str) -> None:
@@ -64,6 +68,14 @@ def test_the_revision_is_a_hash_of_the_content_not_its_order_or_formatting() -> 
     assert one == two and one.namespaces == {"a", "b"}
     assert parse_sources(sources("a")).revision != one.revision
     assert parse_sources(sources(*(f"n{i}" for i in range(MAX_SOURCES)))).namespaces
+
+
+def test_a_files_own_revision_is_the_selections_and_a_connection_revision_changes_it() -> None:
+    given = parse_sources(sources("a", revision="2026-12-01.3", connection_revision="c1"))
+    assert (given.revision, given.connection_revision) == ("2026-12-01.3", "c1")
+    hashed = parse_sources(sources("a", connection_revision="c1"))
+    assert hashed.revision != parse_sources(sources("a", connection_revision="c2")).revision
+    assert parse_sources(sources("a")).connection_revision is None  # the present format holds
 
 
 async def test_an_atomic_replacement_is_applied_and_invalid_content_keeps_the_selection(

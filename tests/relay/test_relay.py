@@ -265,3 +265,53 @@ async def test_a_worker_that_leaves_is_unsubscribed_and_left_is_published_once(
 
 async def _eq(value: Any, expected: Any) -> bool:
     return bool(await value == expected)
+
+
+def write_atomically(path: Path, content: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(content)
+    tmp.rename(path)
+
+
+async def test_the_relay_follows_its_sources_file_and_connects_again_on_a_new_connection_revision(
+    processes: Processes,
+    fleet: tuple[str, str, list[Process]],
+    nats_server: NatsServer,
+    tmp_path: Path,
+) -> None:
+    store_url, namespace, (a, _) = fleet
+    sources = tmp_path / "sources.json"
+    listing = '{{"version": 1, "revision": "{r}", "connection_revision": "{c}", "sources": [{s}]}}'
+    write_atomically(sources, listing.format(r="r1", c="c1", s=f'{{"namespace": "{namespace}"}}'))
+    relay = await processes.start(
+        "kv-relay", "--store", store_url, "--namespace-sources", str(sources),
+        "--nats", nats_server.url, "--status-port", "0", ready="kv-relay",
+    )  # fmt: skip
+
+    async def shows(
+        revision: str, connection: str, members: int, connections: int, error: bool = False
+    ) -> bool:
+        body = await status(relay)
+        return (
+            body["applied_revision"] == revision
+            and body["connection_revision"] == connection
+            and len(body["members"]) == members
+            and body["nats"]["connections"] == connections
+            and body["nats"]["state"] == "connected"
+            and (body["last_error"] is not None) == error
+        )
+
+    await wait_for(lambda: shows("r1", "c1", 2, 1), message="r1 in force, both followed")
+    write_atomically(sources, listing.format(r="r2", c="c1", s=""))
+    await wait_for(lambda: shows("r2", "c1", 0, 1), message="r2 in force: nobody followed")
+    write_atomically(sources, '{"version": 1, "sources": [')  # invalid: r2 stays in force
+    await wait_for(lambda: shows("r2", "c1", 0, 1, error=True), message="the error shown")
+    write_atomically(sources, listing.format(r="r3", c="c2", s=f'{{"namespace": "{namespace}"}}'))
+    await wait_for(lambda: shows("r3", "c2", 2, 2), message="r3 in force, connected again")
+    records = await stream_records(nats_server.url)
+    kinds = [
+        h[layout.KIND]
+        for s, h, _ in records
+        if layout.parse_subject(s) == (namespace, a.instance_id)
+    ]
+    assert kinds[:1] == ["joined"] and kinds.count("left") == 1

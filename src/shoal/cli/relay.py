@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from shoal import membership
 from shoal.cli.common import (
@@ -58,6 +59,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "nats://127.0.0.1:4222",
         metavar="URL[,URL]",
         help="NATS servers, comma-separated (default nats://127.0.0.1:4222)",
+    )
+    add_flag(
+        parser,
+        "--nats-creds",
+        type=Path,
+        metavar="FILE",
+        help="NATS credentials file, read again at each connection (a sources file's new "
+        "connection_revision makes one)",
     )
     add_flag(
         parser, "--stream", DEFAULT_STREAM, help=f"JetStream stream (default {DEFAULT_STREAM})"
@@ -130,6 +139,7 @@ async def serve(args: argparse.Namespace, source: membership.Source) -> int:
         max_age=args.max_age,
         max_bytes=args.max_bytes,
         buffer=args.buffer,
+        creds=args.nats_creds,
     )
     relay = KvRelay(config)
     try:

@@ -1,6 +1,9 @@
 """`FileSource`: namespaces from a JSON file that an operator's tooling rewrites.
 
-The file is `{"version": 1, "sources": [{"namespace": "..."}]}`, validated strictly. It is
+The file is `{"version": 1, "sources": [{"namespace": "..."}]}`, validated strictly, with two
+optional opaque strings (at most `MAX_REVISION` characters): `revision`, the selection's
+revision instead of the content hash, and `connection_revision`, whose change makes a
+consumer that connects elsewhere (the KV relay, to NATS) connect again. It is
 watched with `watchfiles` (inotify and friends) on its directory, so an atomic replacement
 (write a temporary file, rename it over) is seen; a poll every `poll_interval` seconds
 catches whatever the notifications miss, or everything when they are unavailable.
@@ -25,6 +28,7 @@ log = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 1024 * 1024
 MAX_SOURCES = 4096
+MAX_REVISION = 256
 
 
 class _Entry(msgspec.Struct, forbid_unknown_fields=True):
@@ -34,6 +38,8 @@ class _Entry(msgspec.Struct, forbid_unknown_fields=True):
 class _SourcesFile(msgspec.Struct, forbid_unknown_fields=True):
     version: int
     sources: list[_Entry]
+    revision: str | None = None
+    connection_revision: str | None = None
 
 
 _decoder = msgspec.json.Decoder(_SourcesFile)
@@ -54,6 +60,10 @@ def parse_sources(data: bytes, origin: str = "sources file") -> Selection:
         raise SourceError(
             f"{origin}: {len(parsed.sources)} sources, over the limit of {MAX_SOURCES}"
         )
+    for field in ("revision", "connection_revision"):
+        value = getattr(parsed, field)
+        if value is not None and not 0 < len(value) <= MAX_REVISION:
+            raise SourceError(f"{origin}: {field} must be 1 to {MAX_REVISION} characters")
     seen: set[str] = set()
     for i, entry in enumerate(parsed.sources):
         name = entry.namespace
@@ -69,7 +79,9 @@ def parse_sources(data: bytes, origin: str = "sources file") -> Selection:
         if name in seen:
             raise SourceError(f"{where}: duplicate namespace {name!r}")
         seen.add(name)
-    return Selection.of(seen)
+    return Selection.of(
+        seen, revision=parsed.revision, connection_revision=parsed.connection_revision
+    )
 
 
 def read_sources(path: Path) -> Selection:

@@ -16,19 +16,33 @@ from shoal.membership.errors import SourceError
 class Selection:
     """The namespaces a source selects, or every namespace (`watch_all`), and its revision.
 
-    The revision is a hash of the canonical content: the same namespaces in any order or
-    formatting have the same revision.
+    The revision is the source's own when it gives one (a sources file's `revision`), else a
+    hash of the canonical content: the same namespaces in any order or formatting have the
+    same revision. `connection_revision` is opaque: a consumer that connects elsewhere (the
+    KV relay, to NATS) connects again when it changes.
     """
 
     namespaces: frozenset[str]
     revision: str
     watch_all: bool = False
+    connection_revision: str | None = None
 
     @classmethod
-    def of(cls, namespaces: Iterable[str], *, watch_all: bool = False) -> Selection:
+    def of(
+        cls,
+        namespaces: Iterable[str],
+        *,
+        watch_all: bool = False,
+        revision: str | None = None,
+        connection_revision: str | None = None,
+    ) -> Selection:
         names = frozenset(namespaces)
-        canonical = msgspec.json.encode({"namespaces": sorted(names), "watch_all": watch_all})
-        return cls(names, hashlib.sha256(canonical).hexdigest()[:16], watch_all)
+        if revision is None:
+            content: dict[str, object] = {"namespaces": sorted(names), "watch_all": watch_all}
+            if connection_revision is not None:
+                content["connection_revision"] = connection_revision
+            revision = hashlib.sha256(msgspec.json.encode(content)).hexdigest()[:16]
+        return cls(names, revision, watch_all, connection_revision)
 
 
 class Source(Protocol):

@@ -65,6 +65,7 @@ class Membership:
     scopes: Mapping[str, tuple[Query, ...]]
     endpoints: Mapping[EndpointRef, EndpointView]
     version: int = 0
+    connection_revision: str | None = None
 
     @property
     def namespaces(self) -> frozenset[str]:
@@ -73,6 +74,7 @@ class Membership:
     def same_as(self, other: Membership) -> bool:
         return (
             self.revision == other.revision
+            and self.connection_revision == other.connection_revision
             and self.scopes == other.scopes
             and self.endpoints == other.endpoints
         )
@@ -80,6 +82,7 @@ class Membership:
     def to_dict(self) -> dict[str, Any]:
         return {
             "revision": self.revision,
+            "connection_revision": self.connection_revision,
             "version": self.version,
             "namespaces": sorted(self.scopes),
             "endpoints": [self.endpoints[ref].to_dict() for ref in sorted(self.endpoints)],
@@ -94,12 +97,13 @@ class MembershipStatus:
     """Whether the selection asked for is the one in force.
 
     `desired_revision`: the source's last valid selection; `applied_revision`: the selection
-    whose watches are all set up; `count`: namespaces in force; `last_error`: the latest
+    whose watches are all set up (and `connection_revision`, the one it carries); `count`: namespaces in force; `last_error`: the latest
     source or watch failure, None once everything works again.
     """
 
     desired_revision: str | None = None
     applied_revision: str | None = None
+    connection_revision: str | None = None
     count: int = 0
     last_error: str | None = None
     errors: dict[str, str] = field(default_factory=dict, repr=False)
@@ -108,6 +112,7 @@ class MembershipStatus:
         return {
             "desired_revision": self.desired_revision,
             "applied_revision": self.applied_revision,
+            "connection_revision": self.connection_revision,
             "count": self.count,
             "last_error": self.last_error,
         }

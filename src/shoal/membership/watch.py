@@ -239,7 +239,7 @@ class MembershipWatch:
     async def _step(self, full: bool) -> None:
         desired = self._desired
         applied = self._applied
-        if desired is not None and (applied is None or desired.revision != applied.revision):
+        if desired is not None and (applied is None or desired != applied):
             await self._update(desired)
         elif self._opening:  # the update was withdrawn (a source error, or back to applied)
             for scope in self._opening.values():
@@ -504,10 +504,12 @@ class MembershipWatch:
             if watch_all and (namespaces_moved or self._rescope):
                 self._view_scopes, self._rescope = self._scopes_of(self._in_view), False
             revision = self._applied.revision if self._applied is not None else None
+            connection = self._applied.connection_revision if self._applied is not None else None
             self.status.count = len(self._seen) if watch_all else len(self._view_scopes)
             if (
                 not updates
                 and revision == self.view.revision
+                and connection == self.view.connection_revision
                 and self._view_scopes is self.view.scopes
             ):
                 return
@@ -516,8 +518,10 @@ class MembershipWatch:
                 self._view_scopes,
                 types.MappingProxyType(dict(endpoints)),
                 self.view.version + 1,
+                connection,
             )
             self.status.applied_revision = revision
+            self.status.connection_revision = connection
             for callback in self._subscribers:
                 try:
                     callback(view)

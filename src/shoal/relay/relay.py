@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -65,6 +66,7 @@ class RelayConfig:
     duplicate_window: float = 120.0  # seconds the stream remembers message ids
     buffer: int = BUFFER
     publish_timeout: float = 2.0
+    creds: Path | None = None  # a NATS credentials file, read at every connection
 
 
 class RelayStats:
@@ -204,6 +206,9 @@ class KvRelay:
         self._ctx = zmq.asyncio.Context()
         self._connector: asyncio.Task[None] | None = None
         self._leaving: set[asyncio.Task[None]] = set()
+        self.connections = 0  # connections made to NATS (a new connection_revision: one more)
+        self._connection_revision: str | None = None
+        self._seen_view = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -233,7 +238,17 @@ class KvRelay:
     # -- the view ----------------------------------------------------------------------------
 
     def on_view(self, view: Membership) -> None:
-        """Follow every instance of `view` that publishes KV events; leave the others."""
+        """Follow every instance of `view` that publishes KV events; leave the others; connect
+        to NATS again when its `connection_revision` changed."""
+        if self._seen_view and view.connection_revision != self._connection_revision:
+            log.info(
+                "kv relay: connection revision %s: connecting to NATS again",
+                view.connection_revision,
+            )
+            task = asyncio.create_task(self._reconnect(), name="kv-relay-reconnect")
+            self._leaving.add(task)
+            task.add_done_callback(self._leaving.discard)
+        self._seen_view, self._connection_revision = True, view.connection_revision
         wanted: dict[MemberKey, tuple[KvEndpoint, ModelInstance]] = {}
         for endpoint in view.endpoints.values():
             for model in endpoint.models:
@@ -284,14 +299,30 @@ class KvRelay:
 
     # -- NATS --------------------------------------------------------------------------------
 
+    async def _reconnect(self) -> None:
+        """Drop the connection and make a new one (new credentials are read then); records
+        not acknowledged are sent again, with the same ids."""
+        self.connected.clear()
+        if self._connector is not None:
+            self._connector.cancel()
+            with contextlib.suppress(BaseException):
+                await self._connector
+        nc, self._nc = self._nc, None
+        if nc is not None:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        self._connector = asyncio.create_task(self._connect(), name="kv-relay-nats")
+
     async def _connect(self) -> None:
         """Connect (retrying with backoff), then make sure the stream exists; nats-py
         reconnects by itself after that, and the stream is checked again each time."""
         delay = 0.1
         while True:
             try:
+                creds = self.config.creds
                 self._nc = await nats.connect(
                     list(self.config.nats_urls),
+                    user_credentials=str(creds) if creds is not None else None,
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,  # type: ignore[arg-type]
@@ -300,6 +331,7 @@ class KvRelay:
                     reconnected_cb=self._reconnected,
                     error_cb=self._error,
                 )
+                self.connections += 1
                 break
             except Exception as exc:
                 self._note_down(f"cannot connect: {exc or type(exc).__name__}")
@@ -421,7 +453,11 @@ class KvRelay:
 
     def status(self) -> dict[str, Any]:
         return {
-            "nats": {"state": self.nats_state, "error": self.nats_error},
+            "nats": {
+                "state": self.nats_state,
+                "error": self.nats_error,
+                "connections": self.connections,
+            },
             "stream": self.config.stream,
             "members": [m.status() for _, m in sorted(self.members.items())],
         }
