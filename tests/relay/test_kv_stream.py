@@ -89,7 +89,7 @@ class Site:
     namespace: str
     workers: list[Process]
     nats: NatsServer
-    relay: Process
+    relays: list[Process]  # two, as run for availability
     tmp: Path
 
     async def frontend(self, kv_events: str | None) -> Frontend:
@@ -129,11 +129,12 @@ async def site(
         await processes.worker(store_url, "--namespace", namespace, *WORKER_FLAGS, model=MODEL)
         for _ in range(3)
     ]
-    relay = await processes.start(
+    relay_args = (
         "kv-relay", "--store", store_url, "--namespace", namespace, "--nats", nats_server.url,
-        "--status-port", "0", "--buffer", "4", ready="kv-relay",
+        "--status-port", "0", "--buffer", "4",
     )  # fmt: skip
-    yield Site(store_url, namespace, workers, nats_server, relay, tmp_path)
+    relays = [await processes.start(*relay_args, ready="kv-relay") for _ in range(2)]
+    yield Site(store_url, namespace, workers, nats_server, relays, tmp_path)
 
 
 async def relay_metric(relay: Process, name: str) -> float:
@@ -155,13 +156,20 @@ async def test_a_late_frontend_reading_the_stream_indexes_and_routes_as_one_read
         await send(worker.url, text(i))
     zmq_front = await site.frontend(None)
     stream_front = await site.frontend(site.nats.url)
+    other_front = await site.frontend(site.nats.url)
     try:
         await wait_for(
-            lambda: holders(zmq_front) and holders(stream_front) == holders(zmq_front),
+            lambda: (
+                holders(zmq_front)
+                and holders(stream_front) == holders(zmq_front)
+                and holders(other_front) == holders(zmq_front)
+            ),
             timeout=15,
-            message="the stream frontend caught up to the ZMQ one",
+            message="the stream frontends caught up to the ZMQ one",
         )
         tracker = router(stream_front).tracker
+        health = router(stream_front).describe()["kv_events"]
+        assert health["connected"] and health["error"] is None, health
         assert tracker.stats.replays == 0  # caught up from the stream, no worker asked
         assert all(t.subscription is None for t in tracker._tracked.values())
 
@@ -173,11 +181,13 @@ async def test_a_late_frontend_reading_the_stream_indexes_and_routes_as_one_read
             timeout=10,
             message="live events indexed alike",
         )
-        before = [await chat_requests(w) for w in (a, b, c)]
-        await send(stream_front.url, prompt)
-        after = [await chat_requests(w) for w in (a, b, c)]
-        assert [x - y for x, y in zip(after, before, strict=True)] == [0, 1, 0]
+        for front in (stream_front, other_front):
+            before = [await chat_requests(w) for w in (a, b, c)]
+            await send(front.url, prompt)
+            after = [await chat_requests(w) for w in (a, b, c)]
+            assert [x - y for x, y in zip(after, before, strict=True)] == [0, 1, 0]
     finally:
+        await other_front.stop()
         await stream_front.stop()
         await zmq_front.stop()
 
@@ -198,24 +208,25 @@ async def test_a_nats_outage_ends_in_a_resnapshot_and_the_stream_index_never_kee
         site.nats.stop()
         for seed in range(2, 12):  # more batches than the relay's buffer (4): some dropped
             await send(a.url, text(seed))
-        await wait_for(
-            lambda: relay_metric(site.relay, "dropped_batches_total"),
-            message="the relay dropped batches while NATS was down",
-        )
+        for relay in site.relays:
+            await wait_for(
+                lambda relay=relay: relay_metric(relay, "dropped_batches_total"),
+                message="each relay dropped batches while NATS was down",
+            )
         site.nats.start()
         await send(a.url, text(20))
 
-        def converged() -> bool:
-            stream, direct = holders(stream_front), holders(zmq_front)
-            # Never a block the worker evicted; everything stored after the loss is there.
-            return (
-                bool(stream)
-                and all(direct.get(h, frozenset()) >= i for h, i in stream.items())
-                and router(stream_front).tracker.stats.resnapshots > 0
-            )
-
-        await wait_for(converged, timeout=20, message="the stream frontend converged")
-        assert await relay_metric(site.relay, "resnapshots_total") > 0
+        reader = router(stream_front).tracker.stream
+        assert reader is not None
+        await wait_for(
+            lambda: (
+                router(stream_front).tracker.stats.resnapshots > 0
+                and reader.instances[(site.namespace, a.instance_id)].last_seq >= 11
+            ),
+            timeout=20,
+            message="the stream frontend read the resnapshot and what followed",
+        )
+        assert all([await relay_metric(r, "resnapshots_total") > 0 for r in site.relays])
         # After the loss, blocks stored anew reach the stream frontend as they reach the ZMQ
         # one (a completion whose first block is new: no forgotten parent before it).
         prompt = " ".join(reversed(text(30, 160).split()))
@@ -229,6 +240,12 @@ async def test_a_nats_outage_ends_in_a_resnapshot_and_the_stream_index_never_kee
             timeout=10,
             message="new blocks indexed after the outage",
         )
+
+        def never_evicted() -> bool:
+            stream, direct = holders(stream_front), holders(zmq_front)
+            return all(direct.get(h, frozenset()) >= i for h, i in stream.items())
+
+        await wait_for(never_evicted, message="no block the worker does not hold")
     finally:
         await stream_front.stop()
         await zmq_front.stop()

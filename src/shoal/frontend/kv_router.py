@@ -165,11 +165,15 @@ class KvRouter(Router):
             reason = state.no_tokenizer if tokenizer is None else tokenizer.disabled
             if reason and reason != "loading":
                 by_prefix[f"{set_id.model} ({set_id.namespace}/{set_id.component})"] = reason
-        return {
+        described: dict[str, Any] = {
             "policy": self.name,
             "routed_by_prefix": by_prefix,
             "instances_over_block_cap": self.tracker.over_cap,
         }
+        stream = self.tracker.stream
+        if stream is not None:
+            described["kv_events"] = stream.describe()
+        return described
 
     def prepare(self, prompt: str | None, models: Iterable[str]) -> asyncio.Future[None] | None:
         """Tokenize and hash `prompt` for the tokenizers of `models`' worker sets, off the

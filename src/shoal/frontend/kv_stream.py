@@ -96,6 +96,16 @@ class KvStreamReader:
             with contextlib.suppress(BaseException):
                 await task
 
+    def describe(self) -> dict[str, object]:
+        """For `/health`: the stream read, whether it is, and why not."""
+        return {
+            "stream": self.stream,
+            "connected": self.connected,
+            "error": self.error,
+            "last_record": self.last_stream_seq,
+            "instances": len(self.instances),
+        }
+
     # -- the tracker's side -------------------------------------------------------------------
 
     def follow(
