@@ -65,3 +65,33 @@ def test_listed_namespaces_with_endpoint_prefixes_follow_discovery() -> None:
     assert source.selection == Selection.of(["a", "b"])
     assert [str(p) for p in watch.endpoint_prefixes] == ["a.backend"]
     assert membership_for(config("--namespace", "a")) is None  # no prefixes: fixed, as before
+
+
+@pytest.mark.parametrize(
+    ("argv", "rule"),
+    [
+        (["--kv-events", "nats://127.0.0.1:4222"], "--kv-events needs --router kv"),
+        (["--router", "kv", "--kv-events", "tcp://h:1"], "is not a nats://HOST:PORT URL"),
+    ],
+)
+def test_kv_events_flags_breaking_a_rule_are_refused_naming_it(argv: list[str], rule: str) -> None:
+    with pytest.raises(ValueError, match=rule):
+        config(*argv)
+
+
+def test_kv_events_reads_the_stream_only_when_asked() -> None:
+    assert config("--router", "kv").kv_events is None  # ZMQ stays the default
+    asked = config("--router", "kv", "--kv-events", "nats://a:4222,nats://b:4222")
+    assert (asked.kv_events, asked.kv_stream) == ("nats://a:4222,nats://b:4222", "shoal-kv")
+
+
+def test_the_relay_needs_members_and_refuses_what_the_frontend_refuses(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from shoal.cli import relay
+
+    parse = build_parser().parse_args
+    assert relay.run(parse(["kv-relay"])) == 2
+    assert "choose the members" in capsys.readouterr().err
+    assert relay.run(parse(["kv-relay", "--namespace", "a", "--namespace-sources", "f"])) == 2
+    assert "exclude each other" in capsys.readouterr().err
