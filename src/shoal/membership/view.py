@@ -80,13 +80,15 @@ class Membership:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        shown: dict[str, Any] = {
             "revision": self.revision,
-            "connection_revision": self.connection_revision,
             "version": self.version,
             "namespaces": sorted(self.scopes),
             "endpoints": [self.endpoints[ref].to_dict() for ref in sorted(self.endpoints)],
         }
+        if self.connection_revision is not None:  # (only sources that give one)
+            shown["connection_revision"] = self.connection_revision
+        return shown
 
 
 EMPTY = Membership(None, {}, {})
@@ -109,10 +111,12 @@ class MembershipStatus:
     errors: dict[str, str] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        shown: dict[str, Any] = {
             "desired_revision": self.desired_revision,
             "applied_revision": self.applied_revision,
-            "connection_revision": self.connection_revision,
             "count": self.count,
             "last_error": self.last_error,
         }
+        if self.connection_revision is not None:  # (only sources that give one)
+            shown["connection_revision"] = self.connection_revision
+        return shown
