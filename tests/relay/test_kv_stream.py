@@ -213,6 +213,12 @@ async def test_a_nats_outage_ends_in_a_resnapshot_and_the_stream_index_never_kee
                 lambda relay=relay: relay_metric(relay, "dropped_batches_total"),
                 message="each relay dropped batches while NATS was down",
             )
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"{site.relays[0].ready['status']}/health") as resp,
+        ):
+            body = await resp.json()
+            assert resp.status == 503 and "nats" in body["unhealthy"], body
         site.nats.start()
         await send(a.url, text(20))
 

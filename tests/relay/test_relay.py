@@ -242,11 +242,10 @@ async def test_a_worker_that_leaves_is_unsubscribed_and_left_is_published_once(
         return {int(m["instance_id"], 16) for m in (await status(relay))["members"]}
 
     await wait_for(lambda: _eq(members(), {a.instance_id, b.instance_id}), message="followed")
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"{relay.ready['status']}/health") as resp,
-    ):
-        assert resp.status == 200, await resp.text()
+    async with aiohttp.ClientSession() as session:
+        for probe in ("/live", "/health"):
+            async with session.get(f"{relay.ready['status']}{probe}") as resp:
+                assert resp.status == 200, await resp.text()
     b.signal(signal.SIGTERM)
     assert await b.wait() == 0
     await wait_for(lambda: _eq(members(), {a.instance_id}), timeout=15, message="b unfollowed")

@@ -1,7 +1,10 @@
-"""The relay's probes: `/health`, `/v1/membership/status`, `/v1/membership` and `/metrics`.
+"""The relay's probes: `/live`, `/health`, `/v1/membership/status`, `/v1/membership` and
+`/metrics`.
 
-`/health` answers 200 while the membership has a selection in force and NATS takes records,
-503 naming why otherwise (the relay keeps following its workers meanwhile).
+`/live` answers 200 while the process runs (the liveness probe: a NATS or store outage is
+not fixed by a restart). `/health` answers 200 while the membership has a selection in force
+and NATS takes records, 503 naming why otherwise (the relay keeps following its workers
+meanwhile): a report to alert on, not a probe.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class StatusServer:
 
     async def start(self, host: str, port: int) -> None:
         app = web.Application()
+        app.router.add_get("/live", self.get_live)
         app.router.add_get("/health", self.get_health)
         app.router.add_get("/v1/membership/status", self.get_status)
         app.router.add_get("/v1/membership", self.get_membership)
@@ -58,6 +62,9 @@ class StatusServer:
         if reasons:
             body["unhealthy"] = reasons
         return (503 if reasons else 200), body
+
+    async def get_live(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
 
     async def get_health(self, request: web.Request) -> web.Response:
         code, body = self.health()
