@@ -15,7 +15,14 @@ import zmq.asyncio
 
 from shoal.discovery import InstanceInfo
 from shoal.frontend.kv_index import KvIndex
-from shoal.kv import BlockRemoved, BlockStored, KvEndpoint, KVEventBatch, subscription, token_block_hashes
+from shoal.kv import (
+    BlockRemoved,
+    BlockStored,
+    KvEndpoint,
+    KVEventBatch,
+    subscription,
+    token_block_hashes,
+)
 from shoal.kv.subscription import KvStats, KvSubscription
 from shoal.worker.kv_publisher import KvEventPublisher
 from tests.helpers import wait_for

@@ -4,10 +4,13 @@ kept (bounded) and applied once it is followed."""
 
 from __future__ import annotations
 
+import asyncio
+
 from shoal.frontend import kv_stream
 from shoal.frontend.kv_stream import KvStreamReader
-from shoal.kv import AllBlocksCleared, KVEventBatch, encode_batch
+from shoal.kv import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
 from shoal.kv import stream as layout
+from shoal.kv.subscription import APPLY_SLICE
 from tests.helpers import wait_for
 
 NS, INSTANCE = "ns", 0xAB
@@ -75,3 +78,25 @@ async def test_records_kept_for_an_instance_not_followed_are_bounded_and_dropped
     assert len(reader.instances[(NS, INSTANCE)].pending) == kv_stream.PENDING_BATCHES
     control(reader, layout.LEFT)
     assert (NS, INSTANCE) not in reader.instances
+
+
+async def test_a_batch_of_many_blocks_is_applied_in_slices_and_a_loss_stops_its_rest() -> None:
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    parts: list[int] = []
+    reader.follow(
+        (NS, INSTANCE), lambda b: parts.append(len(b.events[0].block_hashes)), lambda: None
+    )
+    blocks = 3 * APPLY_SLICE
+    event = BlockStored(list(range(blocks)), None, [1] * blocks, 1)
+    headers = {layout.KIND: layout.BATCH, layout.EPOCH: "e1", layout.SEQ: "0"}
+    reader.record(SUBJECT, headers, encode_batch(KVEventBatch(0.0, [event])))
+    assert parts == []  # not on the reading path: queued for the flush task
+    await wait_for(lambda: parts == [APPLY_SLICE] * 3)
+
+    parts.clear()
+    headers[layout.SEQ] = "1"
+    reader.record(SUBJECT, headers, encode_batch(KVEventBatch(1.0, [event])))
+    await asyncio.sleep(0)  # the flush task applied its first slice
+    control(reader, layout.RESNAPSHOT, seq=2)  # ... and then the instance is lost
+    await wait_for(lambda: reader.instances[(NS, INSTANCE)].flushing is None)
+    assert parts == [APPLY_SLICE]  # the rest of the batch was dropped with it

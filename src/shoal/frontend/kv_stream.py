@@ -13,7 +13,9 @@ worker's own numbering:
 - the records of an instance no `follow` asked for yet (the registry has not verified its
   card, or routes elsewhere) are kept, at most `PENDING_BATCHES` of them from its last loss on
   (older ones leave first: forgetting is safe), and applied when it is followed, so a frontend
-  started late is caught up from the stream; a `left` record drops them.
+  started late is caught up from the stream; a `left` record drops them;
+- a large batch is applied in slices of `APPLY_SLICE` blocks, yielding between them, as a
+  subscription does; an instance whose queue of batches to apply fills up is resnapshotted.
 
 A consumer that resumes past records the stream no longer holds (retention) has lost some:
 every instance followed is dropped and rebuilt from what follows. NATS unreachable: retried
@@ -34,9 +36,9 @@ import nats
 from nats.aio.client import Client
 from nats.js import api
 
-from shoal.kv import KVEventBatch, decode_batch
+from shoal.kv import AllBlocksCleared, KVEventBatch, decode_batch
 from shoal.kv import stream as layout
-from shoal.kv.subscription import KvStats, Pace
+from shoal.kv.subscription import APPLY_SLICE, MAX_BATCH_BYTES, KvStats, Pace, slices
 
 log = logging.getLogger(__name__)
 
@@ -51,22 +53,22 @@ class _Instance:
 
     epoch: str | None = None
     last_seq: int = -1
-    pending: deque[KVEventBatch] = field(default_factory=lambda: deque(maxlen=PENDING_BATCHES))
+    pending: deque[KVEventBatch] = field(default_factory=deque)
     apply: Callable[[KVEventBatch], None] | None = None
     purge: Callable[[], None] | None = None
     flushing: asyncio.Task[None] | None = None
+    losses: int = 0  # a batch being applied in slices stops when this moves
 
     def lose(self) -> None:
         """What is held of this instance may be wrong: drop it."""
+        self.losses += 1
         self.pending.clear()
         if self.purge is not None:
             self.purge()
 
-    def deliver(self, batch: KVEventBatch) -> None:
-        if self.apply is None or self.flushing is not None:
-            self.pending.append(batch)
-        else:
-            self.apply(batch)
+
+def _blocks(batch: KVEventBatch) -> int:
+    return sum(len(e.block_hashes) for e in batch.events if not isinstance(e, AllBlocksCleared))
 
 
 class KvStreamReader:
@@ -114,10 +116,8 @@ class KvStreamReader:
         """Send `key`'s batches to `apply` (those kept so far first, yielding as it goes)."""
         instance = self.instances.setdefault(key, _Instance())
         instance.apply, instance.purge = apply, purge
-        if instance.pending and instance.flushing is None:
-            instance.flushing = asyncio.create_task(
-                self._flush(instance), name=f"kv-stream-{key[1]:x}"
-            )
+        if instance.pending:
+            self._start_flush(instance)
 
     def unfollow(self, key: StreamKey) -> None:
         instance = self.instances.get(key)
@@ -129,11 +129,37 @@ class KvStreamReader:
         instance.apply = instance.purge = None
         instance.pending.clear()
 
+    def _deliver(self, instance: _Instance, batch: KVEventBatch) -> None:
+        """Apply `batch` now when it is small and nothing waits before it; else queue it for
+        the instance's flush task, which applies it in slices, yielding between them."""
+        if instance.apply is None:
+            if len(instance.pending) >= PENDING_BATCHES:
+                instance.pending.popleft()  # nothing applied yet: forgetting the oldest is safe
+            instance.pending.append(batch)
+            return
+        if instance.flushing is None and _blocks(batch) <= APPLY_SLICE:
+            instance.apply(batch)
+            return
+        if len(instance.pending) >= PENDING_BATCHES:
+            self._resnapshot(instance)  # applying does not keep up: a loss, told as one
+        instance.pending.append(batch)
+        self._start_flush(instance)
+
+    def _start_flush(self, instance: _Instance) -> None:
+        if instance.flushing is None:
+            instance.flushing = asyncio.create_task(self._flush(instance), name="kv-stream-flush")
+
     async def _flush(self, instance: _Instance) -> None:
         pace = Pace()
         try:
             while instance.pending and instance.apply is not None:
-                instance.apply(instance.pending.popleft())
+                batch, losses = instance.pending.popleft(), instance.losses
+                for i, part in enumerate(slices(batch)):
+                    if i:
+                        await asyncio.sleep(0)
+                    if instance.apply is None or instance.losses != losses:
+                        break  # dropped meanwhile: the rest of this batch is dropped too
+                    instance.apply(part)
                 await pace.step()
         finally:
             instance.flushing = None
@@ -225,6 +251,8 @@ class KvStreamReader:
                 self._resnapshot(instance)
         instance.epoch, instance.last_seq = epoch, seq
         try:
+            if len(payload) > MAX_BATCH_BYTES:
+                raise msgspec.DecodeError(f"{len(payload)} bytes, over {MAX_BATCH_BYTES}")
             batch = decode_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.stats.decode_errors += 1
@@ -232,7 +260,7 @@ class KvStreamReader:
             return
         self.stats.batches += 1
         self.stats.events += len(batch.events)
-        instance.deliver(batch)
+        self._deliver(instance, batch)
 
     def _resnapshot(self, instance: _Instance) -> None:
         self.stats.resnapshots += 1

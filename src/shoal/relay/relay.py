@@ -278,7 +278,13 @@ class KvRelay:
         member.pending.append(Record(layout.JOINED, payload=msgspec.json.encode(joined)))
         member.wake.set()
         member.subscription = KvSubscription(
-            self._ctx, key[1], kv, member.apply, member.resnapshot, self.stats.subscriptions
+            self._ctx,
+            key[1],
+            kv,
+            member.apply,
+            member.resnapshot,
+            self.stats.subscriptions,
+            whole_batches=True,
         )
         self.members[key] = member
         member.task = asyncio.create_task(self._publish(member), name=f"kv-relay-{key[1]:x}")
@@ -419,6 +425,20 @@ class KvRelay:
                 )
             except asyncio.CancelledError:
                 raise
+            except nats.errors.MaxPayloadError:
+                # Larger than the server takes, ever: a loss, told as one.
+                self.stats.publish_errors += 1
+                self.stats.dropped += 1
+                self.stats.resnapshots += 1
+                log.warning(
+                    "kv relay: batch %d of instance %x is over NATS's max payload: "
+                    "published as a resnapshot", record.seq, member.instance_id,
+                )  # fmt: skip
+                if member.pending and member.pending[0] is record:
+                    member.pending[0] = Record(
+                        layout.RESNAPSHOT, record.seq + 1, record.epoch, b"", record.ts
+                    )
+                continue
             except Exception as exc:
                 self.stats.publish_errors += 1
                 log.debug("kv relay: publish to %s failed: %r", member.subject, exc)
