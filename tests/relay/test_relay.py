@@ -260,6 +260,8 @@ async def test_a_worker_that_leaves_is_unsubscribed_and_left_is_published_once(
 
     await wait_for(left_records, message="left published")
     assert await left_records() == ["left"]
+    relay.signal(signal.SIGTERM)
+    assert await relay.wait(10) == 0
 
 
 async def _eq(value: Any, expected: Any) -> bool:
