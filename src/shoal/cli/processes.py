@@ -2,7 +2,7 @@
 
 The parent reserves the port (bound with `SO_REUSEPORT`, never listening, so `--port 0`
 resolves once and no other program takes the port while a child restarts), then starts N
-children (`python -m shoal.cli.processes`, the frontend's settings on their stdin). Each
+children (`python -m shoal.cli.frontend_child`, the frontend's settings on their stdin). Each
 child is a whole frontend: its own event loop, registry, watches and router, listening on
 the port with `SO_REUSEPORT`, so the kernel spreads new connections over the children
 evenly (a shared accept queue would let whichever loop wakes first take a burst) and
@@ -42,10 +42,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from shoal.cli.common import on_stop_signals, parse_ready_line, print_ready, run_event_loop
+from shoal.cli.common import on_stop_signals, parse_ready_line, print_ready
 from shoal.frontend import FrontendConfig
 from shoal.frontend.app import server_tls
-from shoal.frontend.server import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +175,7 @@ class Supervisor:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "shoal.cli.processes",
+                "shoal.cli.frontend_child",
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
             )
@@ -331,7 +330,7 @@ async def supervise(config: FrontendConfig, processes: int) -> int:
 # The child's side.
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """Get SIGTERM when the parent dies (Linux), so no orphan keeps serving the port."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -340,49 +339,9 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def serve_child(config: FrontendConfig, merged: str | None) -> int:
-    """Serve as one frontend of several. `/metrics` on the API port: 404 when `merged` is
-    None (the parent serves it on `--metrics-port`, as one frontend would), else the whole
-    frontend's, fetched from the parent at `merged`."""
-    from shoal.cli.frontend import start_frontend
-
-    stop = asyncio.Event()
-    on_stop_signals(stop)
-    frontend = await start_frontend(config, f"shoal frontend (process {os.getpid()})")
-    if frontend is None:
-        return 1
-    metrics = HttpServer(frontend._serve_metrics, max_body=0, max_connections=16)
-    await metrics.start("127.0.0.1", 0)
-    if merged is None:
-        frontend.metrics_server = metrics  # closed by `stop()`
-    else:
-        frontend.metrics_source = lambda: fetch(merged)
-    print_ready(CHILD, url=frontend.url, metrics=f"http://127.0.0.1:{metrics.port}/metrics")
-    await stop.wait()
-    await frontend.stop()
-    await metrics.close(0)
-    return 0
-
-
 async def fetch(url: str) -> bytes:
     """The body of GET `url` (the parent's merged metrics)."""
     timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT * 2)
     async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as response:
         response.raise_for_status()
         return await response.read()
-
-
-def main() -> int:
-    config, merged, parent, level = pickle.load(sys.stdin.buffer)
-    assert isinstance(config, FrontendConfig) and (merged is None or isinstance(merged, str))
-    _die_with_parent(parent)
-    logging.basicConfig(
-        level=level,
-        format=f"%(asctime)s %(levelname)s [{os.getpid()}] %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    return run_event_loop(serve_child(config, merged))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
