@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import msgspec
+import pytest
 
-from shoal.frontend.disagg import refuses_handle, stage_one_body, stage_two_body
+from shoal.frontend.disagg import prefill_handle, refuses_handle, stage_one_body, stage_two_body
+from shoal.frontend.upstream import UpstreamError
 
 CLIENT = {
     "model": "m",
@@ -54,3 +56,19 @@ def test_only_a_400_naming_kv_transfer_params_refuses_the_handle() -> None:
     assert not refuses_handle(error("max_tokens"))
     assert not refuses_handle(error(None))
     assert not refuses_handle(b"not json")
+
+
+def test_a_prefill_handle_too_deep_or_no_object_is_a_prefill_failure_never_forwarded() -> None:
+    def answer(params: str) -> bytes:
+        return b'{"id":"x","choices":[],"kv_transfer_params":' + params.encode() + b"}"
+
+    handle = '{"remote_block_ids":[1,2],"remote_host":"h","remote_port":7}'
+    assert bytes(prefill_handle(answer(handle), "p:1") or b"") == handle.encode()
+    assert prefill_handle(answer("null"), "p:1") is None
+    assert prefill_handle(b'{"id":"x"}', "p:1") is None
+    deep = '{"a":' * 100_000 + "1" + "}" * 100_000  # under the 1 MiB answer bound
+    for bad in [deep, '"127.0.0.1:22"', "[1,2]", "7", "true"]:
+        with pytest.raises(UpstreamError, match="p:1"):
+            prefill_handle(answer(bad), "p:1")
+    with pytest.raises(UpstreamError):
+        prefill_handle(b"[1]", "p:1")

@@ -35,6 +35,7 @@ import msgspec
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from shoal.bounds import TooDeep, check_json_depth
 from shoal.frontend import errors
 from shoal.frontend.metrics import TTFT_BUCKETS, Histogram, ModelStats
 from shoal.frontend.proxy import Fields, Forward, Proxy, rewrite_model
@@ -106,6 +107,25 @@ def stage_two_body(body: bytes, params: msgspec.Raw | None) -> bytes:
     members = _decode_members(body)
     members["kv_transfer_params"] = params
     return msgspec.json.encode(members)
+
+
+def prefill_handle(answer: bytes, address: str) -> msgspec.Raw | None:
+    """The `kv_transfer_params` of a prefill's whole answer (None if it gave none), as they
+    came; `UpstreamError` when the answer is no JSON object, nests deeper than `MAX_DEPTH`,
+    or its params are no object: nothing else is put into a decode's body."""
+    try:
+        check_json_depth(answer)
+        params = _decode_answer(answer).kv_transfer_params
+    except (TooDeep, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise UpstreamError(f"prefill instance {address} answered no usable JSON: {exc}") from None
+    raw = bytes(params)
+    if raw == b"null":
+        return None
+    if not raw.startswith(b"{"):
+        raise UpstreamError(
+            f"prefill instance {address} answered kv_transfer_params that are no object"
+        )
+    return params
 
 
 def refuses_handle(body: bytes) -> bool:
@@ -339,13 +359,7 @@ class TwoStageForward(Forward):
         if status >= 400:
             raise api_error(status, answer)
         self.stages.stats.prefill.observe(time.perf_counter() - started)
-        try:
-            params = _decode_answer(answer).kv_transfer_params
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise UpstreamError(
-                f"prefill instance {target.address} answered no JSON object: {exc}"
-            ) from None
-        return None if bytes(params) == b"null" else params
+        return prefill_handle(answer, target.address)
 
     @staticmethod
     async def _exchange(

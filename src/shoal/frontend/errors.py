@@ -51,6 +51,14 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def client_kv_transfer_params() -> ApiError:
+    return bad_request(
+        "`kv_transfer_params` are set by the gateway for disaggregated serving, never by "
+        "clients: they make a worker fetch KV blocks from the host they name.",
+        param="kv_transfer_params",
+    )
+
+
 def unauthorized() -> ApiError:
     return ApiError(
         401,

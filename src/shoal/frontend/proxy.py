@@ -138,6 +138,9 @@ class Proxy:
             self._refuse(client, exc, UNKNOWN_MODEL)
             return
         name = fields.model or ""
+        if bytes(fields.kv_transfer_params) != b"null":
+            self._refuse(client, errors.client_kv_transfer_params(), UNKNOWN_MODEL)
+            return
         if (looped := self._looped(request)) is not None:
             known = name in self.virtual or name in self.registry.models
             self._refuse(client, looped, name if known else UNKNOWN_MODEL)
@@ -335,6 +338,8 @@ class Fields(msgspec.Struct):
 
     model: str | None = None
     stream: bool | None = None
+    # Set by the gateway alone (disagg.py): they make a worker connect where they say.
+    kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
 
 
 class PromptFields(Fields):
