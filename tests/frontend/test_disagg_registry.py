@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from shoal.cards import ModelCard, WorkerRole
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
 from shoal.frontend.registry import Registry
@@ -14,6 +16,7 @@ def instance(
     component: str = "backend",
     source: str = "test/m",
     taints: tuple[str, ...] = (),
+    config: dict[str, Any] | None = None,
 ) -> ModelInstance:
     endpoint = EndpointId("default", component, "generate")
     card = ModelCard.build(
@@ -23,7 +26,7 @@ def instance(
         model_types=["chat", "completions"],
         context_length=4096,
         role=role,
-        runtime_config={"taints": list(taints)},
+        runtime_config={"taints": list(taints), **(config or {})},
     )
     url = f"http://127.0.0.1:{9000 + instance_id}"
     info = InstanceInfo("default", component, "generate", instance_id, f"{url}/v1", url)

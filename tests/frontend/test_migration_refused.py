@@ -8,12 +8,14 @@ from typing import Any
 import aiohttp
 import pytest
 
+from shoal.cards import WorkerRole
 from shoal.frontend import Frontend
-from shoal.frontend.migration import limit_of
+from shoal.frontend.migration import CARD_KEY, limit_of
 from shoal.frontend.registry import Registry
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import FakeWorker, serving
+from tests.frontend.test_disagg_registry import instance
 from tests.helpers import wait_for
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -88,3 +90,14 @@ def test_a_card_sets_its_own_migration_limit_and_the_flag_at_zero_wins(
     registry = Registry()
     registry.join(worker.model_instance())
     assert limit_of(registry.models["mock-llm"], flag) == limit
+
+
+def test_a_disaggregated_models_decode_card_sets_its_migration_limit() -> None:
+    """A decode stage streams the answer, so its card's `migration_limit` holds for it (an
+    engine that cannot continue text says 0, and no stream of it is continued)."""
+    registry = Registry()
+    registry.join(instance(1, WorkerRole.PREFILL, component="prefill"))
+    registry.join(instance(2, WorkerRole.DECODE, component="decode", config={CARD_KEY: 0}))
+    model = registry.models["m"]
+    assert model.stages is not None
+    assert limit_of(model, 3) == 0

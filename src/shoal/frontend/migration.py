@@ -135,10 +135,14 @@ _encode = msgspec.json.encode
 
 def limit_of(model: Model, default: int) -> int:
     """The migration limit of `model`: `default` (the frontend's), unless its card's
-    `runtime_config` sets its own; 0 from either turns migration off."""
+    `runtime_config` sets its own; 0 from either turns migration off. A disaggregated
+    model's streams come from its decode stage: the decode card says."""
     if default <= 0:
         return 0
-    for ws in model.routable_sets:
+    sets = model.routable_sets
+    if model.stages is not None:  # (its requests are disaggregated: the decode card first)
+        sets = model.stages.decode.routable_sets + sets
+    for ws in sets:
         for member in ws.members.values():
             value = member.card.runtime_config.get(CARD_KEY)
             if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
