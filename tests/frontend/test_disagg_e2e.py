@@ -338,3 +338,30 @@ async def test_a_decode_dying_mid_stream_is_continued_on_another_decode_with_the
         if sample.name.endswith("_total") and sample.labels.get("outcome") == "attempted"
     )
     assert attempted == 1
+
+
+async def test_a_virtual_model_of_several_targets_serves_its_disaggregated_one_in_two_stages(
+    processes: Processes, frontend: Frontend
+) -> None:
+    prefill, decode = await asyncio.gather(
+        stage_worker(processes, frontend, "prefill"), stage_worker(processes, frontend, "decode")
+    )
+    await wait_for(lambda: stages_ready(frontend, 1, 1), timeout=20, message="1P+1D serve")
+    store_url = frontend.config.store_url
+    assert store_url is not None
+    store = await open_store(store_url)
+    try:  # the other target serves nothing now: every request goes to the disaggregated one
+        targets = (FleetTarget("mock-llm", weight=1), FleetTarget("absent", weight=1))
+        await publish_route(store, Route("default", "storyteller", targets))
+    finally:
+        await store.close()
+    await wait_for(lambda: "storyteller" in frontend.routes.models, message="the route is served")
+    client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0)
+    for _ in range(3):
+        answer = await client.chat.completions.create(
+            model="storyteller", messages=CHAT, max_tokens=3
+        )
+        assert answer.choices[0].message.content
+    async with aiohttp.ClientSession() as http:
+        assert (await counters(http, prefill))["remote_prefills"] == 3
+        assert (await counters(http, decode))["remote_decodes"] == 3

@@ -168,13 +168,31 @@ class VirtualModel:
         return any(choice.accepts(kind) for choice in self.weighted)
 
     def staged(self, kind: ModelType) -> tuple[Model, str] | None:
-        """An alias of a fleet model served in two stages now (`Model.stages`): that model,
-        as requests of `kind` see it, and its name. None otherwise (several targets, a
-        provider, or a model served whole)."""
-        if len(self.weighted) != 1 or not isinstance(choice := self.weighted[0], FleetChoice):
+        """When this request goes to a fleet model served in two stages now (`Model.stages`):
+        that model, as requests of `kind` see it, and its name. None when it goes elsewhere
+        (`choose` then picks among the targets served whole and the providers). With several
+        targets, one is drawn by weight among those that can take the request now."""
+        staged: dict[int, Model] = {}
+        for i, choice in enumerate(self.weighted):
+            if isinstance(choice, FleetChoice):
+                model = choice.model(kind)
+                if model is not None and model.stages is not None:
+                    staged[i] = model
+        if not staged:
             return None
-        model = choice.model(kind)
-        return None if model is None or model.stages is None else (model, choice.served)
+        if len(self.weighted) == 1:  # an alias: the common case
+            return staged[0], self.weighted[0].served
+        weights = [
+            c.weight if i in staged or any(not u.inhibited for u in c.candidates(kind)) else 0
+            for i, c in enumerate(self.weighted)
+        ]
+        point = random.random() * sum(weights)
+        for i, weight in enumerate(weights):
+            if weight and point < weight:
+                model = staged.get(i)
+                return None if model is None else (model, self.weighted[i].served)
+            point -= weight
+        return None
 
     @property
     def live_instances(self) -> int:
