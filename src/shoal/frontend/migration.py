@@ -29,6 +29,7 @@ Not migrated (the stream ends with the error event as before, and
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 from typing import Any, Protocol
@@ -218,6 +219,7 @@ class Migration:
         "opened",
         "parsing",
         "pending",
+        "pending_size",
         "reason",
         "refused",
         "resuming",
@@ -234,8 +236,11 @@ class Migration:
         self.limit = limit
         self.refused = refused  # why the stream cannot migrate (now), or None
         self.parsing = refused is None
-        self.pending = b""  # the start of an event whose end has not come yet
-        self.text: list[str] = []
+        # The start of an event whose end has not come yet, as it came (joined only when
+        # the end comes: an event dripped in small reads is not copied at each one).
+        self.pending: list[bytes] = []
+        self.pending_size = 0
+        self.text = io.StringIO()  # (no string object per chunk: a chunk may be one character)
         self.size = 0
         self.tokens = 0  # content chunks the client received: the tokens generated
         self.carried = 0  # of those, the ones before the current attempt's continuation
@@ -257,23 +262,26 @@ class Migration:
     def feed(self, data: bytes) -> bytes:
         """What of `data` (the response body as it comes) goes to the client now: whole
         events, rewritten when the attempt is a continuation."""
-        if not self.parsing:
+        if not self.parsing or not data:
             return data
         if not self.opened and not self.resuming and not self.pending:  # the first packet
-            if self.forward.status != 200 or not data.startswith((b"data:", b":")):
+            if self.forward.status != 200 or not _sse_start(data):
                 return self._give_up(data, "not_sse")  # an error, or not a stream at all
             self.ws = self._find_set()
-        if self.pending:
-            data = self.pending + data
+        pending = self.pending
+        if pending:
+            if b"\n\n" not in data and not (data[:1] == b"\n" and pending[-1][-1:] == b"\n"):
+                return self._hold(data)  # the event goes on
+            data = b"".join(pending) + data
+            self.pending, self.pending_size = [], 0
         end = data.rfind(b"\n\n")
         if end < 0:
-            if len(data) > MAX_EVENT or b"\r\n" in data:
-                return self._give_up(data, "framing")
-            self.pending = data
-            return b""
-        self.pending = data[end + 2 :]
-        if len(self.pending) > MAX_EVENT:
+            return self._hold(data)
+        rest = data[end + 2 :]
+        if len(rest) > MAX_EVENT:
             return self._give_up(data, "framing")
+        if rest:
+            self.pending, self.pending_size = [rest], len(rest)
         complete = data[: end + 2]
         if not self.resuming:
             for event in complete.split(b"\n\n")[:-1]:
@@ -288,11 +296,24 @@ class Migration:
             self.failed_at = 0.0
         return out
 
+    def _hold(self, data: bytes) -> bytes:
+        """Keep `data`, a part of an event whose end has not come (nothing for the client
+        now); an event over `MAX_EVENT` or framed with CRLF ends parsing."""
+        pending = self.pending
+        crlf = b"\r\n" in data or (
+            data[:1] == b"\n" and bool(pending) and pending[-1][-1:] == b"\r"
+        )
+        pending.append(data)
+        self.pending_size += len(data)
+        if crlf or self.pending_size > MAX_EVENT:
+            return self._give_up(b"".join(pending), "framing")
+        return b""
+
     def _give_up(self, data: bytes, reason: str) -> bytes:
         """Events the gateway cannot read: pass the rest as it comes, migrate no more."""
         self.parsing = False
         self.refused = self.refused or reason
-        self.pending = b""
+        self.pending, self.pending_size = [], 0
         return data
 
     def _read(self, event: bytes) -> _Chunk | None:
@@ -320,7 +341,7 @@ class Migration:
                 if self.size + len(piece) > MAX_CARRIED:
                     self.refused = self.refused or "too_long"
                 else:
-                    self.text.append(piece)
+                    self.text.write(piece)
                     self.size += len(piece)
             if choice.finish_reason is not None:
                 self.finished = True
@@ -431,7 +452,7 @@ class Migration:
         )
         self.resuming = True
         self.delivered = False
-        self.pending = b""
+        self.pending, self.pending_size = [], 0
         self.carried = self.tokens
         forward.body = body
         forward.launch(target)
@@ -439,7 +460,7 @@ class Migration:
 
     def _continuation(self) -> bytes | None:
         """The request asking an instance to continue the text so far."""
-        if not self.text:
+        if not self.size:
             return self.forward.request.body  # nothing to continue: the request afresh
         try:
             body = _decode_any(self.forward.request.body)
@@ -447,7 +468,7 @@ class Migration:
             return None
         if not isinstance(body, dict):
             return None
-        text = "".join(self.text)
+        text = self.text.getvalue()
         if self.chat:
             messages = body.get("messages")
             if not isinstance(messages, list):
@@ -491,6 +512,12 @@ class Migration:
 
     def _count(self, outcome: str, reason: str) -> None:
         self.forward.proxy.metrics.migrations.labels(outcome=outcome, reason=reason).inc()
+
+
+def _sse_start(data: bytes) -> bool:
+    """Whether `data`, the first bytes of a response body, may start an SSE stream (a read
+    may end inside the first `data:`)."""
+    return data.startswith((b"data:", b":")) or (len(data) < 5 and b"data:".startswith(data))
 
 
 def _opening(choice: Any) -> bool:
