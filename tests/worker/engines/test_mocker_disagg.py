@@ -177,3 +177,19 @@ async def test_a_prefill_stalls_the_decode_steps_of_an_aggregated_worker_only_wh
         assert worst >= 0.2  # the other sequence's ~300 ms prefill held it
     else:
         assert worst < 0.2
+
+
+async def test_a_flood_of_prefills_never_fetched_holds_only_unexpired_blocks(
+    make_mocker: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks no decode fetches are dropped when they expire, even when no decode ever
+    fetches anything (expiry ran only on a fetch: a prefill-only flood kept every block
+    up to a million)."""
+    from shoal.worker.engines.mocker import kv_transfer
+
+    monkeypatch.setattr(kv_transfer, "HOLD_SECONDS", 0.0)  # every hold expires at once
+    engine, client = await make_mocker(role=WorkerRole.PREFILL, speedup=0)
+    blocks = len((await prefill(client))["kv_transfer_params"]["remote_block_ids"])
+    for _ in range(20):
+        await prefill(client)
+    assert engine.held.count <= blocks

@@ -116,8 +116,14 @@ class HeldBlocks:
         self._held: OrderedDict[int, tuple[float, int]] = OrderedDict()  # id → (expiry, hash)
         self.served_blocks = 0  # blocks fetched by decode mockers
 
+    @property
+    def count(self) -> int:
+        """Blocks held now (expired ones included until the next hold or fetch drops them)."""
+        return len(self._held)
+
     def hold(self, hashes: list[int]) -> list[int]:
         """Hold the blocks of `hashes`; their ids, in order."""
+        self._expire()  # (a prefill whose blocks no decode fetches frees them here)
         expires = time.monotonic() + HOLD_SECONDS
         ids = [next(self._ids) for _ in hashes]
         held = self._held
