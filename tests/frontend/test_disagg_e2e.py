@@ -310,11 +310,19 @@ async def test_an_alias_of_a_disaggregated_model_is_served_in_two_stages(
         assert (await counters(http, decode))["computed_prompt_tokens"] == 0
 
 
+@pytest.mark.parametrize("name", ["mock-llm", "storyteller"])  # the model, an alias of it
 async def test_a_decode_dying_mid_stream_is_continued_on_another_decode_with_the_same_text(
-    processes: Processes, frontend: Frontend
+    processes: Processes, frontend: Frontend, name: str
 ) -> None:
     store_url = frontend.config.store_url
     assert store_url is not None
+    if name != "mock-llm":
+        store = await open_store(store_url)
+        try:
+            await publish_route(store, Route("default", name, (FleetTarget("mock-llm"),)))
+        finally:
+            await store.close()
+        await wait_for(lambda: name in frontend.routes.models, message="the alias is served")
     decode = ("--role", "decode", "--component", "decode", *FAST)
     await asyncio.gather(
         stage_worker(processes, frontend, "prefill"),
@@ -326,7 +334,7 @@ async def test_a_decode_dying_mid_stream_is_continued_on_another_decode_with_the
     texts = []
     for _ in range(2):  # one of the two goes to the decode that dies (ties go round-robin)
         stream = await client.chat.completions.create(
-            model="mock-llm", messages=CHAT, max_tokens=12, stream=True
+            model=name, messages=CHAT, max_tokens=12, stream=True
         )
         texts.append("".join([c.choices[0].delta.content or "" async for c in stream if c.choices]))
     assert texts[0] == texts[1] and texts[0]  # the migrated stream: the same text, whole

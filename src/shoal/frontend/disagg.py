@@ -398,6 +398,10 @@ class TwoStageForward(Forward):
     def _models(self) -> tuple[str, ...]:
         return (self.served,)
 
+    @property
+    def origin(self) -> bytes:
+        return self.source  # (an alias's request names the model as the decodes serve it)
+
     def _send(self, conn: UpstreamConnection) -> None:
         self.sent_at = time.perf_counter()
         self.peek = None

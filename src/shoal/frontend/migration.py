@@ -73,6 +73,10 @@ class Forward(Protocol):
     def prompt(self) -> str | None: ...
     @property
     def target(self) -> Upstream | None: ...
+    @property
+    def origin(self) -> bytes:
+        """The body a continuation is made from."""
+        ...
 
     def launch(self, target: Upstream) -> None:
         """Send `body` to `target`."""
@@ -461,9 +465,9 @@ class Migration:
     def _continuation(self) -> bytes | None:
         """The request asking an instance to continue the text so far."""
         if not self.size:
-            return self.forward.request.body  # nothing to continue: the request afresh
+            return self.forward.origin  # nothing to continue: the request afresh
         try:
-            body = _decode_any(self.forward.request.body)
+            body = _decode_any(self.forward.origin)
         except (msgspec.DecodeError, RecursionError):
             return None
         if not isinstance(body, dict):

@@ -567,6 +567,12 @@ class Forward:
         self.attempt += 1
         self.launch(target)
 
+    @property
+    def origin(self) -> bytes:
+        """The body a continuation of this stream is made from (migration.py): the client's,
+        naming the model as the instances serve it."""
+        return self.request.body
+
     def launch(self, target: Upstream) -> None:
         """Send to `target`, on an idle connection or a new one."""
         self.target = target
