@@ -356,20 +356,48 @@ async def test_without_llama_cpp_start_names_the_extra_to_install(
 
 @pytest.mark.llamacpp
 @needs_model
-async def test_a_continuation_is_refused_and_the_card_says_its_streams_do_not_migrate(
+async def test_a_continuation_goes_on_from_the_final_assistant_message_as_the_whole_answer(
     served: tuple[LlamaCppEngine, Server],
 ) -> None:
+    """`continue_final_message`: the template is rendered without a generation prompt and
+    cut after the final assistant message, so the answer continues that text; at
+    temperature 0 the continued text is the rest of the undisturbed answer, streamed or
+    not. The card no longer turns migration off."""
     engine, server = served
-    continued: list[ChatCompletionMessageParam] = [
-        *QUESTION,
-        {"role": "assistant", "content": "The capital"},
-    ]
     async with client_for(server) as client:
-        with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        whole = await client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME, messages=QUESTION, temperature=0, max_tokens=12
+        )
+        text = whole.choices[0].message.content
+        assert text and len(text) > 6
+        cut = text.index(" ", 3)  # a word boundary: the re-tokenized text is the same
+        continued: list[ChatCompletionMessageParam] = [
+            *QUESTION,
+            {"role": "assistant", "content": text[:cut]},
+        ]
+        extra = {"continue_final_message": True, "add_generation_prompt": False}
+        rest = await client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME,
+            messages=continued,
+            temperature=0,
+            max_tokens=20,
+            extra_body=extra,
+        )
+        assert (text[:cut] + (rest.choices[0].message.content or "")).startswith(text)
+        assert rest.choices[0].message.role == "assistant"
+        stream = await client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME,
+            messages=continued,
+            temperature=0,
+            max_tokens=20,
+            stream=True,
+            extra_body=extra,
+        )
+        streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert streamed == rest.choices[0].message.content
+        with pytest.raises(openai.BadRequestError, match="assistant"):
             await client.chat.completions.create(
-                model=DEFAULT_MODEL_NAME,
-                messages=continued,
-                extra_body={"continue_final_message": True, "add_generation_prompt": False},
+                model=DEFAULT_MODEL_NAME, messages=QUESTION, extra_body=extra
             )
     [model] = await engine.served_models()
-    assert model.runtime_config["migration_limit"] == 0
+    assert "migration_limit" not in model.runtime_config

@@ -120,6 +120,70 @@ def sampling_options(body: SamplingRequest, max_tokens: int | None) -> dict[str,
     }
 
 
+def continued_text(messages: list[dict[str, Any]], response_format: Any, logprobs: Any) -> str:
+    """The final assistant message a `continue_final_message` request continues (its text);
+    `ApiError` 400 when there is none, or with what a continuation cannot honour."""
+    final = messages[-1] if messages else None
+    content = None if final is None else final.get("content")
+    if final is None or final.get("role") != "assistant" or not isinstance(content, str):
+        raise ApiError(
+            400,
+            "continue_final_message needs the final message to be the assistant's, as text.",
+            param="messages",
+        )
+    if not content:
+        raise ApiError(
+            400, "continue_final_message: the final assistant message is empty.", param="messages"
+        )
+    for given, name in ((response_format, "response_format"), (logprobs, "logprobs")):
+        if given:
+            raise ApiError(400, f"{name} is not supported with continue_final_message.", param=name)
+    return content
+
+
+def continue_chat(llm: Any, messages: list[dict[str, Any]], final: str, **kwargs: Any) -> Any:
+    """On the engine thread: a chat answer that continues the final assistant message
+    `final`, as vLLM does it: the model's chat template rendered without a generation
+    prompt, cut after that message's text (before the template's end of turn), completed
+    as text, and the completion returned in the chat format (streamed or whole)."""
+    from llama_cpp import llama_chat_format  # (loaded with the model: no import cost here)
+
+    template = llm.metadata.get("tokenizer.chat_template")
+    if not template:
+        raise ApiError(
+            400, "continue_final_message needs the model's chat template; it has none.",
+            param="continue_final_message",
+        )  # fmt: skip
+    eos, bos = llm.token_eos(), llm.token_bos()
+    formatter: Any = llama_chat_format.Jinja2ChatFormatter(
+        template=template,
+        eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
+        bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
+        add_generation_prompt=False,
+        stop_token_ids=[eos],
+    )
+    rendered = formatter(messages=messages)
+    end = rendered.prompt.rfind(final)
+    if end < 0:
+        raise ApiError(
+            400, "continue_final_message: the chat template does not render the final "
+            "assistant message as it is.", param="messages",
+        )  # fmt: skip
+    stop = kwargs.pop("stop", None) or []
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    template_stop = rendered.stop or []
+    stop += [template_stop] if isinstance(template_stop, str) else template_stop
+    prompt = rendered.prompt[: end + len(final)]  # (tokenized as llama.cpp's chat does)
+    tokens = llm.tokenize(prompt.encode(), add_bos=not rendered.added_special, special=True)
+    completion = llm.create_completion(
+        prompt=tokens,
+        stop=stop,
+        stopping_criteria=rendered.stopping_criteria,
+        **kwargs,
+    )
+    return llama_chat_format._convert_completion_to_chat(completion, stream=kwargs["stream"])
+
+
 def token_bias(body: SamplingRequest, n_vocab: int) -> dict[int, float]:
     """`logit_bias` by token id (applied by the engine: llama-cpp-python drops it when
     a logits processor is also given)."""
@@ -331,9 +395,6 @@ class LlamaCppEngine(Engine):
             kv_block_size=self.kv_block_size,
             metadata_dir=self._metadata_dir,
             metadata_files=files,
-            # It cannot continue a message (`continue_final_message`): the gateway does not
-            # migrate its streams (docs/gateway.md "Migration").
-            runtime_config={"migration_limit": 0},
         )
         if self.publisher is not None:
             await self.publisher.start()
@@ -392,12 +453,14 @@ class LlamaCppEngine(Engine):
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = decode_request(await request.read(), _chat_decoder)
         self._check_model(body.model)
+        messages = plain_messages(body.messages)
         if body.continue_final_message:
-            raise ApiError(
-                400,
-                "continue_final_message is not supported by the llama.cpp engine.",
-                param="continue_final_message",
-                code="unsupported_parameter",
+            final = continued_text(messages, body.response_format, body.logprobs)
+            return await self._generate(
+                request,
+                body,
+                body.max_completion_tokens or body.max_tokens,
+                lambda llm: partial(continue_chat, llm, messages, final),
             )
         return await self._generate(
             request,
@@ -405,7 +468,7 @@ class LlamaCppEngine(Engine):
             body.max_completion_tokens or body.max_tokens,
             lambda llm: partial(
                 llm.create_chat_completion,
-                messages=plain_messages(body.messages),
+                messages=messages,
                 response_format=body.response_format,
                 logprobs=body.logprobs,
                 top_logprobs=body.top_logprobs,
