@@ -22,7 +22,6 @@ import msgspec
 
 from shoal.discovery.keys import ROOT
 from shoal.discovery.routes import _quote
-from shoal.store import Store
 
 KEYS = ROOT + "keys/"
 SECRET_PREFIX = "sk-shoal-"
@@ -93,20 +92,3 @@ def decode_grant(key: str, value: bytes) -> Grant:
     if grant.key != key:  # a value copied to another key grants nothing
         raise GrantError(f"key grant at {key} is for {grant.workspace}/{grant.hash[:12]}...")
     return grant
-
-
-async def publish_grants(store: Store, workspace: str, grants: list[Grant]) -> tuple[int, int]:
-    """Make the store hold exactly `grants` for `workspace`: (written, deleted)."""
-    held = await store.get_prefix(grants_prefix(workspace))
-    held_values = {kv.key: kv.value for kv in held.items}
-    written = 0
-    for grant in grants:
-        data = grant.to_json()
-        if held_values.get(grant.key) != data:
-            await store.put(grant.key, data)
-            written += 1
-    deleted = 0
-    for key in sorted(held_values.keys() - {grant.key for grant in grants}):
-        await store.delete(key)
-        deleted += 1
-    return written, deleted
