@@ -433,7 +433,13 @@ async def start_catalog(
     it: the catalog is desired state, not the request path)."""
     from shoal.catalog import CatalogConfig, CatalogServer, default_database_url
 
-    server = CatalogServer(CatalogConfig(database_url=default_database_url(), host=host, port=port))
+    config = CatalogConfig(
+        database_url=default_database_url(),
+        host=host,
+        port=port,
+        key_pepper=env_value("key_pepper") or "",
+    )
+    server = CatalogServer(config)
     try:
         await server.start()
     except Exception as exc:  # a database or socket error, reported in one line

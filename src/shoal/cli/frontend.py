@@ -136,6 +136,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_flag(
         parser,
+        "--auth",
+        "api-key",
+        choices=("api-key", "keys"),
+        help="keys: require a catalog API key of the --workspaces (its allow-list and limits; "
+        "--api-key ones stay valid); default api-key: only --api-key, if any",
+    )
+    add_flag(
+        parser,
+        "--key-pepper",
+        "",
+        help="the catalog's --key-pepper, hashed with the API keys (SHOAL_KEY_PEPPER)",
+    )
+    add_flag(
+        parser,
         "--max-body",
         16 * 1024 * 1024,
         type=POSITIVE,
@@ -386,6 +400,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         api_keys=tuple(args.api_key),
         public_health=args.public_health,
         metrics_port=args.metrics_port,
+        auth=args.auth,
+        key_pepper=args.key_pepper,
         max_body=args.max_body,
         retries=args.retries,
         inhibit_seconds=args.inhibit_seconds,
