@@ -150,6 +150,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_flag(
         parser,
+        "--limits",
+        metavar="URL",
+        help="redis://HOST:6379: the API keys' rpm and tpm shared by every frontend (default: "
+        "each frontend limits alone)",
+    )
+    add_flag(
+        parser,
         "--max-body",
         16 * 1024 * 1024,
         type=POSITIVE,
@@ -402,6 +409,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         metrics_port=args.metrics_port,
         auth=args.auth,
         key_pepper=args.key_pepper,
+        limits_url=args.limits,
         max_body=args.max_body,
         retries=args.retries,
         inhibit_seconds=args.inhibit_seconds,

@@ -41,9 +41,11 @@ from shoal.frontend import errors
 from shoal.frontend.cors import Cors
 from shoal.frontend.dashboard import Dashboard
 from shoal.frontend.disagg import TwoStages
+from shoal.frontend.gate import Gate
 from shoal.frontend.keys import KeyRing, KeyWatcher, models_for
 from shoal.frontend.kv_router import KvRouter
 from shoal.frontend.kv_stream import KvStreamReader
+from shoal.frontend.limits import Limits
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.proxy import Proxy, decode_fields
@@ -122,6 +124,7 @@ class FrontendConfig:
     # grants of `workspaces` in the store, hashed with `key_pepper` (see `keys`).
     auth: str = "api-key"
     key_pepper: str = ""
+    limits_url: str | None = None  # redis://HOST:6379: rpm and tpm shared by the frontends
 
 
 class MembershipView(Protocol):
@@ -215,6 +218,8 @@ class Frontend:
         if config.auth == "keys":
             self.keys = KeyRing(config.workspaces, config.key_pepper, self._keys)
         self.key_watcher: KeyWatcher | None = None
+        self.limits = Limits(config.limits_url)
+        self.gate = Gate(self.limits, self.proxy.handle)
         self.cors = Cors(config.cors_origins) if config.cors_origins else None
         self.manager = ControllerManager()
         self.metrics.registry.register(LoopCollector(self.manager))
@@ -335,6 +340,7 @@ class Frontend:
         if self.keys is not None:
             self.key_watcher = KeyWatcher(self.discovery.store, self.keys)
             await self.key_watcher.start()
+            await self.limits.start()
 
     async def stop(self) -> None:
         """Drain: refuse new work, let requests in flight finish, then stop everything."""
@@ -355,6 +361,7 @@ class Frontend:
             await self.route_watcher.stop()
         if self.key_watcher is not None:
             await self.key_watcher.stop()
+        await self.limits.stop()
         self.routes.close()
         self.registry.close()
         if self._own_store is not None:
@@ -402,8 +409,11 @@ class Frontend:
                         request.method.decode(), path.decode(), (b"POST",)
                     )
                 grant = self._authorize(request)
-                if grant is not None and grant.models:  # 403 before the model is looked up
-                    KeyRing.admit(grant, decode_fields(request.body).model or "")
+                if grant is not None:
+                    model = decode_fields(request.body).model or ""
+                    KeyRing.admit(grant, model)  # 403 before the model is looked up
+                    self.gate.handle(request, conn, kind, grant, model)
+                    return
                 self.proxy.handle(request, conn, kind)
                 return
             if path == b"/ui" or path.startswith(b"/ui/"):  # the fleet page (dashboard.py)
@@ -619,7 +629,11 @@ class Frontend:
                 for key, reason in sorted(self.watcher.discovery.skipped.items())
             ],
             "virtual_models": self.routes.describe(),
-            **({"keys": self.keys.describe()} if self.keys is not None else {}),
+            **(
+                {"keys": self.keys.describe(), "limits": self.limits.describe()}
+                if self.keys is not None
+                else {}
+            ),
         }
 
     def _model_object(self, model: Model) -> dict[str, Any]:
