@@ -37,6 +37,7 @@ from shoal.catalog.resources import (
     Patch,
     Workspace,
 )
+from shoal.catalog.usage import usage_routes
 
 T = TypeVar("T")
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -230,6 +231,7 @@ def create_app(
     read = [Depends(_no_guard if public_read else guard)]
     _workspace_routes(app, repo, read)
     key_routes(app, repo, key_pepper, write, ERRORS)  # a key's create answers its secret
+    usage_routes(app, engine, read, write, ERRORS)
     for kind in KINDS:
         _kind_routes(app, repo, kind, read, write)
     return app

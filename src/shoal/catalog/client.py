@@ -266,6 +266,32 @@ class CatalogClient:
         body = {"old_valid_until": old_valid_until}
         return KeyWithSecret.model_validate(await self._call("POST", url, json=body))
 
+    async def record_usage(self, batch: dict[str, Any]) -> bool:
+        """Send one usage batch (`{batch_id, rows}`); False if it was counted before."""
+        answer = await self._call("POST", f"{self.base_url}/v1/usage", json=batch)
+        return bool(answer["counted"])
+
+    async def usage(
+        self,
+        *,
+        key: str | None = None,
+        model: str | None = None,
+        start: str | None = None,
+        end: str | None = None,
+        group_by: str = "key",
+        workspace: str | None = None,
+    ) -> builtins.list[dict[str, Any]]:
+        """The usage sums per `group_by` (key, model or minute), as the API answers them."""
+        params = {"group_by": group_by}
+        for name, value in (("key", key), ("model", model), ("from", start), ("to", end)):
+            if value is not None:
+                params[name] = value
+        url = f"{self.base_url}/v1/workspaces/{workspace or self.workspace}/usage"
+        items: builtins.list[dict[str, Any]] = (await self._call("GET", url, params=params))[
+            "items"
+        ]
+        return items
+
     async def workspaces(self, *, page_size: int = 1000) -> builtins.list[Workspace]:
         """Every workspace, following `next_page`. Workspaces are only ever added: one
         added meanwhile can repeat a name across two pages (kept once), never hide one."""

@@ -9,6 +9,7 @@ a patch body (every spec field optional, plus the `version` it expects) and a re
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -242,9 +243,12 @@ class DeploymentSpec(Strict):
 Limit = Annotated[StrictInt, Field(ge=1, le=10**12)]
 
 
+_NUMBER = re.compile(r"^\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$")
+
+
 def _iso_time(value: Any) -> Any:
     """A time is an ISO 8601 string, as the schema says: a bare number is refused."""
-    if isinstance(value, int | float):
+    if isinstance(value, int | float) or (isinstance(value, str) and _NUMBER.match(value)):
         raise ValueError("a time is an ISO 8601 string, e.g. 2030-01-01T00:00:00Z")
     return value
 
