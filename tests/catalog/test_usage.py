@@ -66,3 +66,15 @@ async def test_usage_survives_a_catalog_restart(database_url: str) -> None:
                 assert (await catalog.usage())[0]["requests"] == n + 1
         finally:
             await server.stop()
+
+
+async def test_catalog_usage_prints_the_sums(catalog: CatalogServer, client: CatalogClient) -> None:
+    from tests.catalog.test_cli import catalog_cli
+
+    await client.record_usage(
+        {"batch_id": "batch-cli1", "rows": [row("a", "chat", "2030-01-01T00:00:00Z", 2, 3, 4)]}
+    )
+    code, out, err = await catalog_cli("usage", "--url", catalog.url, "-w", "team-a")
+    assert code == 0, err
+    assert out.split() == ["KEY", "REQUESTS", "PROMPT_TOKENS", "COMPLETION_TOKENS",
+                           "TOTAL_TOKENS", "a", "2", "3", "4", "7"]  # fmt: skip

@@ -12,6 +12,8 @@ resources through the API.
                                                    a new API key: prints its secret, once
     shoal catalog key rotate NAME [--old-valid-for SECONDS]
                                                    a new secret; the old ones end then
+    shoal catalog usage [--key K] [--model M] [--from T] [--to T] [--group-by key|model|minute]
+                                                   requests and tokens of the API keys
 """
 
 from __future__ import annotations
@@ -113,6 +115,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="seconds the current secrets keep working (default 0: they stop at once)",
     )
     add_client_flags(rotate)
+
+    usage = commands.add_parser("usage", help="requests and tokens of the API keys")
+    usage.add_argument("--key", help="one key (default: all)")
+    usage.add_argument("--model", help="one model (default: all)")
+    usage.add_argument("--from", dest="start", help="ISO 8601 time, inclusive")
+    usage.add_argument("--to", dest="end", help="ISO 8601 time, exclusive")
+    usage.add_argument("--group-by", choices=("key", "model", "minute"), default="key")
+    usage.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    add_client_flags(usage)
 
 
 def add_database_flag(parser: argparse.ArgumentParser) -> None:
@@ -297,6 +308,8 @@ async def client_command(args: argparse.Namespace) -> int:
                 return await get(c, args)
             if args.catalog_command == "key":
                 return await key(c, args)
+            if args.catalog_command == "usage":
+                return await usage(c, args)
             return await delete(c, args)
     except CatalogError as exc:
         print(f"{name}: {exc.message}", file=sys.stderr)
@@ -395,6 +408,18 @@ async def key(client: Any, args: argparse.Namespace) -> int:
         made = await client.rotate_key(args.name, old_valid_until=until.isoformat())
     print(f"key {args.workspace}/{args.name} {args.key_command}d; its secret (shown once):")
     print(made.secret)
+    return 0
+
+
+async def usage(client: Any, args: argparse.Namespace) -> int:
+    items = await client.usage(
+        key=args.key, model=args.model, start=args.start, end=args.end, group_by=args.group_by
+    )
+    if args.output == "json":
+        print(json.dumps(items, indent=2))
+    else:
+        columns = (args.group_by, "requests", "prompt_tokens", "completion_tokens", "total_tokens")
+        print(table(items, columns))
     return 0
 
 

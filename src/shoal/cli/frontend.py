@@ -157,6 +157,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_flag(
         parser,
+        "--catalog-url",
+        metavar="URL",
+        help="the catalog API, where the API keys' usage is flushed every 10 s "
+        "(SHOAL_CATALOG_URL; default: usage is not recorded)",
+    )
+    add_flag(
+        parser,
+        "--catalog-token",
+        env="admin_token",
+        help="the catalog's admin token (SHOAL_ADMIN_TOKEN)",
+    )
+    add_flag(
+        parser,
         "--max-body",
         16 * 1024 * 1024,
         type=POSITIVE,
@@ -410,6 +423,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         auth=args.auth,
         key_pepper=args.key_pepper,
         limits_url=args.limits,
+        catalog_url=args.catalog_url,
+        catalog_token=args.catalog_token,
         max_body=args.max_body,
         retries=args.retries,
         inhibit_seconds=args.inhibit_seconds,

@@ -54,6 +54,7 @@ from shoal.frontend.router import make_router
 from shoal.frontend.routes import RouteWatcher
 from shoal.frontend.secrets import Secrets
 from shoal.frontend.server import HttpConnection, HttpServer, Request, bearer_token
+from shoal.frontend.usage import UsageBook
 from shoal.frontend.virtual import FleetChoice, RouteTable, VirtualModel
 from shoal.frontend.watcher import ModelWatcher, Reconciler
 from shoal.openai import ApiError
@@ -125,6 +126,9 @@ class FrontendConfig:
     auth: str = "api-key"
     key_pepper: str = ""
     limits_url: str | None = None  # redis://HOST:6379: rpm and tpm shared by the frontends
+    catalog_url: str | None = None  # where the keys' usage is flushed (`POST /v1/usage`)
+    catalog_token: str | None = None
+    usage_interval: float = 10.0  # seconds between two flushes of usage
 
 
 class MembershipView(Protocol):
@@ -219,7 +223,13 @@ class Frontend:
             self.keys = KeyRing(config.workspaces, config.key_pepper, self._keys)
         self.key_watcher: KeyWatcher | None = None
         self.limits = Limits(config.limits_url)
-        self.gate = Gate(self.limits, self.proxy.handle)
+        self.usage: UsageBook | None = None
+        if config.catalog_url and config.auth == "keys":
+            self.usage = UsageBook(
+                config.catalog_url, token=config.catalog_token, interval=config.usage_interval
+            )
+        record = self.usage.record if self.usage is not None else None
+        self.gate = Gate(self.limits, self.proxy.handle, record)
         self.cors = Cors(config.cors_origins) if config.cors_origins else None
         self.manager = ControllerManager()
         self.metrics.registry.register(LoopCollector(self.manager))
@@ -341,6 +351,8 @@ class Frontend:
             self.key_watcher = KeyWatcher(self.discovery.store, self.keys)
             await self.key_watcher.start()
             await self.limits.start()
+            if self.usage is not None:
+                await self.usage.start()
 
     async def stop(self) -> None:
         """Drain: refuse new work, let requests in flight finish, then stop everything."""
@@ -362,6 +374,8 @@ class Frontend:
         if self.key_watcher is not None:
             await self.key_watcher.stop()
         await self.limits.stop()
+        if self.usage is not None:
+            await self.usage.stop()
         self.routes.close()
         self.registry.close()
         if self._own_store is not None:
@@ -630,7 +644,11 @@ class Frontend:
             ],
             "virtual_models": self.routes.describe(),
             **(
-                {"keys": self.keys.describe(), "limits": self.limits.describe()}
+                {
+                    "keys": self.keys.describe(),
+                    "limits": self.limits.describe(),
+                    "usage": self.usage.describe() if self.usage is not None else None,
+                }
                 if self.keys is not None
                 else {}
             ),

@@ -21,7 +21,8 @@ from shoal.frontend.metering import Metered
 from shoal.frontend.server import ClientConnection, HttpConnection, Request
 
 Forward = Callable[[Request, ClientConnection, ModelType], None]
-Record = Callable[[Grant, str, int, int, int], None]  # grant, model, status, prompt, completion
+# grant, model, served model, status, prompt tokens, completion tokens
+Record = Callable[[Grant, str, str, int, int, int], None]
 
 
 class _Pending:
@@ -49,11 +50,11 @@ class Gate:
         refused = limits.enter(grant)
         if refused is not None:
             conn.send_error(refused)
-            self._done(grant, model, refused.status, 0, 0, entered=False)
+            self._done(grant, model, refused.status, 0, 0, "", entered=False)
             return
 
-        def done(status: int, prompt: int, completion: int) -> None:
-            self._done(grant, model, status, prompt, completion)
+        def done(status: int, prompt: int, completion: int, served: str) -> None:
+            self._done(grant, model, status, prompt, completion, served)
 
         metered = Metered(conn, len(request.body), done)
         if limits.needs_round_trip(grant):
@@ -99,10 +100,11 @@ class Gate:
         status: int,
         prompt: int,
         completion: int,
+        served: str,
         entered: bool = True,
     ) -> None:
         if entered:
             self.limits.leave(grant)
         self.limits.charge(grant, prompt + completion)
         if self.record is not None:
-            self.record(grant, model, status, prompt, completion)
+            self.record(grant, model, served or model, status, prompt, completion)

@@ -6,7 +6,8 @@ first write's status line, or the error answered) and the last `TAIL` bytes of t
 where an OpenAI response carries its `usage` (the JSON body's, or a stream's last event with
 `stream_options.include_usage`). When the engine gives no usage, the gateway counts: one
 completion token per streamed event, and the prompt as its body bytes / 4. `on_done(status,
-prompt_tokens, completion_tokens)` is called once, when the response is finished or refused.
+prompt_tokens, completion_tokens, served_model)` is called once, when the response is finished
+or refused; the served model is the `model` the answer names ("" if none).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ TAIL = 4096
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _STATUS = re.compile(rb"^HTTP/1\.[01] (\d{3})")
+_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,400})"')
 
-Done = Callable[[int, int, int], None]
+Done = Callable[[int, int, int, str], None]  # status, prompt and completion tokens, served
 
 
 def usage_of(tail: bytes, events: int, request_bytes: int) -> tuple[int, int]:
@@ -38,7 +40,9 @@ def usage_of(tail: bytes, events: int, request_bytes: int) -> tuple[int, int]:
 class Metered:
     """`conn` as the proxy sees it, reporting the end to `on_done` (see the module)."""
 
-    __slots__ = ("_done", "conn", "events", "loop", "on_done", "request_bytes", "status", "tail")
+    __slots__ = (
+        "_done", "conn", "events", "head", "loop", "on_done", "request_bytes", "status", "tail"
+    )  # fmt: skip
 
     def __init__(self, conn: ClientConnection, request_bytes: int, on_done: Done) -> None:
         self.conn = conn
@@ -47,6 +51,7 @@ class Metered:
         self.on_done = on_done
         self.status = 0
         self.tail = b""
+        self.head = b""  # the first bytes: where a JSON answer names its `model`
         self.events = 0
         self._done = False
 
@@ -71,6 +76,8 @@ class Metered:
         if not self.status and (match := _STATUS.match(data)):
             self.status = int(match.group(1))
         self.events += data.count(b"data:")
+        if len(self.head) < TAIL:
+            self.head += data[: TAIL - len(self.head)]
         self.tail = (self.tail + data)[-TAIL:]
         self.conn.write(data)
 
@@ -89,4 +96,5 @@ class Metered:
         prompt, completion = usage_of(self.tail, self.events, self.request_bytes)
         if status >= 400:
             prompt = completion = 0  # a refused or failed request is charged no tokens
-        self.on_done(status or 499, prompt, completion)
+        served = _MODEL.search(self.head) or _MODEL.search(self.tail)
+        self.on_done(status or 499, prompt, completion, served.group(1).decode() if served else "")
