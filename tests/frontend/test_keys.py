@@ -78,14 +78,15 @@ async def test_disabled_and_expired_keys_are_refused_with_401(
 ) -> None:
     await start_worker("mock-llm")
     await grant(store, SECRET, disabled=True)
-    await grant(store, OTHER, expires_at=time.time() + 0.5)
+    await grant(store, OTHER, expires_at=time.time() + 3)
     frontend = await start_frontend(auth="keys")
     await wait_for(lambda: "mock-llm" in frontend.registry.models)
     with pytest.raises(openai.AuthenticationError) as caught:
         await chat(frontend, SECRET)
     assert caught.value.code == "key_disabled"
     assert await chat(frontend, OTHER)
-    await wait_for(lambda: time.time() > frontend.keys.by_hash[hash_secret(OTHER)].expires_at)  # type: ignore[union-attr,operator]
+    ends = frontend.keys.by_hash[hash_secret(OTHER)].expires_at  # type: ignore[union-attr]
+    await wait_for(lambda: time.time() > ends, timeout=5)  # type: ignore[operator]
     with pytest.raises(openai.AuthenticationError) as caught:
         await chat(frontend, OTHER)
     assert caught.value.code == "key_expired"
@@ -140,3 +141,27 @@ async def test_a_malformed_grant_is_reported_and_never_hides_a_valid_one(
         text = await response.text()
     assert '"keys":{"keys":1' in text.replace(" ", "") and SECRET not in text
     assert hash_secret(SECRET) not in text
+
+
+async def test_the_secret_never_appears_in_health_metrics_or_logs(
+    store: Store,
+    start_worker: StartWorker,
+    start_frontend: StartFrontend,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("DEBUG")
+    await start_worker("mock-llm")
+    await grant(store, SECRET, models=("mock-llm",))
+    frontend = await start_frontend(auth="keys")
+    await wait_for(lambda: "mock-llm" in frontend.registry.models)
+    assert await chat(frontend, SECRET)
+    assert await refused(frontend, SECRET, "other") == 403
+    assert await refused(frontend, SECRET + "x") == 401
+    async with aiohttp.ClientSession() as session:
+        for path in ("/health", "/metrics", "/v1/models"):
+            async with session.get(
+                f"{frontend.url}{path}", headers={"authorization": f"Bearer {SECRET}"}
+            ) as response:
+                assert SECRET not in await response.text()
+    assert all(SECRET not in record.getMessage() for record in caplog.records)
+    assert all(SECRET.encode() not in kv.value for kv in (await store.get_prefix("shoal/")).items)
