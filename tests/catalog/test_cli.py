@@ -112,7 +112,7 @@ async def test_bad_file_is_refused_naming_document_and_field(
 async def test_serve_migrate_get_delete_end_to_end(processes: Processes, tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'c.db'}"
     code, out, err = await catalog_cli("migrate", "--db", db)
-    assert code == 0 and "at revision 0002" in out, err
+    assert code == 0 and "at revision 0004_usage" in out, err
     served = await processes.start(
         "catalog", "serve", "--db", db, "--port", str(free_port()), "--admin-token", "tok",
         ready="catalog",
