@@ -3,6 +3,7 @@ again is not counted twice, and the report groups by key, model or minute."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -78,3 +79,39 @@ async def test_catalog_usage_prints_the_sums(catalog: CatalogServer, client: Cat
     assert code == 0, err
     assert out.split() == ["KEY", "REQUESTS", "PROMPT_TOKENS", "COMPLETION_TOKENS",
                            "TOTAL_TOKENS", "a", "2", "3", "4", "7"]  # fmt: skip
+
+
+@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="no /usr/bin/chromium")
+async def test_the_usage_page_shows_the_sums_per_key_then_per_minute(
+    catalog: CatalogServer, client: CatalogClient, tmp_path: Path
+) -> None:
+    from playwright.async_api import async_playwright
+
+    from tests.frontend.test_dashboard_browser import CHROMIUM_FLAGS
+
+    await client.record_usage({"batch_id": "batch-page", "rows": [
+        row("a", "chat", "2030-01-01T00:00:00Z", 2, 3, 4),
+        row("b", "chat", "2030-01-01T00:01:00Z", 1, 1, 1),
+    ]})  # fmt: skip
+    async with async_playwright() as playwright:
+        context = await playwright.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path="/usr/bin/chromium", headless=True,
+            args=CHROMIUM_FLAGS,
+        )  # fmt: skip
+        try:
+            page = context.pages[0] if context.pages else await context.new_page()
+            await page.goto(f"{catalog.url}/ui/usage")
+            await page.fill("input[name=workspace]", "team-a")
+            await page.click("button")
+            await page.wait_for_selector("#rows tbody tr:nth-child(2)")
+            cells = await page.locator("#rows tbody tr").all_inner_texts()
+            assert [c.split() for c in cells] == [
+                ["a", "2", "3", "4", "7"],
+                ["b", "1", "1", "1", "2"],
+            ]
+            await page.select_option("select[name=group_by]", "minute")
+            await page.click("button")
+            await page.wait_for_function("document.querySelector('#group').textContent == 'minute'")
+            assert await page.locator("#chart rect").count() == 2
+        finally:
+            await context.close()

@@ -8,11 +8,12 @@ lost, the frontend retried) finds its id taken and adds nothing, so nothing is c
 No `from __future__ import annotations` here: FastAPI reads the routes' annotations.
 """
 
+import pathlib
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 import sqlalchemy as sa
-from fastapi import FastAPI, Path, Query
+from fastapi import FastAPI, Path, Query, Response
 from pydantic import BaseModel, Field, field_validator
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -183,8 +184,15 @@ def usage_routes(
     write: list[Any],
     responses: dict[int | str, Any],
 ) -> None:
-    """`POST /v1/usage` (a frontend's batch) and `GET /v1/workspaces/{ws}/usage`."""
+    """`POST /v1/usage` (a frontend's batch), `GET /v1/workspaces/{ws}/usage`, and the page
+    that shows it, `GET /ui/usage` (per key, model or minute; its data needs the admin token
+    unless reads are public, as the API does)."""
     common: dict[str, Any] = {"responses": responses, "tags": ["usage"]}
+    page = (pathlib.Path(__file__).parent / "static" / "usage.html").read_bytes()
+
+    @app.get("/ui/usage", include_in_schema=False)
+    async def usage_page() -> Response:
+        return Response(page, media_type="text/html; charset=utf-8")
 
     @app.post(
         "/v1/usage",
