@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 WINDOW = 60  # seconds: limits are per minute
 BEAT = 1.0  # seconds between two reports of this frontend to Redis (and probes when down)
 FRONTENDS_TTL = 10.0  # a frontend not heard of for this long is not counted in N
-TIMEOUT = 0.25  # seconds for a Redis call before it counts as down
+TIMEOUT = 0.5  # seconds for a Redis call before it counts as down
 
 ADMIT = """
 local t = redis.call('TIME')
