@@ -81,3 +81,20 @@ def test_up_banner_has_ready_to_paste_examples() -> None:
     assert '"model": "mock-llm"' in text
     assert 'OpenAI(base_url="http://127.0.0.1:8000/v1"' in text
     assert "shoal worker --model mock-llm --store sqlite:////tmp/other.db" in text
+
+
+def test_key_flags_reach_the_frontend_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AUTH", "KEY_PEPPER", "LIMITS", "CATALOG_URL", "ADMIN_TOKEN"):
+        monkeypatch.delenv(f"SHOAL_{name}", raising=False)
+    plain = config_from_args(build_parser().parse_args(["frontend"]))
+    assert (plain.auth, plain.key_pepper, plain.limits_url, plain.catalog_url) == (
+        "api-key", "", None, None,
+    )  # fmt: skip
+    monkeypatch.setenv("SHOAL_KEY_PEPPER", "p")
+    monkeypatch.setenv("SHOAL_ADMIN_TOKEN", "t")
+    args = ["frontend", "--auth", "keys", "--limits", "redis://h:6379", "--catalog-url", "http://c"]
+    config = config_from_args(build_parser().parse_args(args))
+    assert (config.auth, config.key_pepper, config.limits_url) == ("keys", "p", "redis://h:6379")
+    assert (config.catalog_url, config.catalog_token) == ("http://c", "t")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["frontend", "--auth", "nobody"])

@@ -23,6 +23,7 @@ from shoal.catalog.errors import (
 )
 from shoal.catalog.kinds import (
     DEPLOYMENTS,
+    KEYS,
     KINDS,
     MODELS,
     PROVIDERS,
@@ -34,6 +35,7 @@ from shoal.catalog.server import CatalogConfig, CatalogServer
 
 __all__ = [
     "DEPLOYMENTS",
+    "KEYS",
     "KINDS",
     "MODELS",
     "PROVIDERS",

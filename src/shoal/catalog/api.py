@@ -25,7 +25,8 @@ from starlette.routing import Match
 from shoal.bounds import MAX_DEPTH, json_depth_exceeds
 from shoal.catalog.database import migrate
 from shoal.catalog.errors import CatalogError, InvalidError, UnauthorizedError
-from shoal.catalog.kinds import KINDS, Kind
+from shoal.catalog.keys import key_routes
+from shoal.catalog.kinds import KEYS, KINDS, Kind
 from shoal.catalog.repository import MAX_PAGE_SIZE, Page, Repository
 from shoal.catalog.resources import (
     FREE_FORM_DEPTH,
@@ -36,6 +37,7 @@ from shoal.catalog.resources import (
     Patch,
     Workspace,
 )
+from shoal.catalog.usage import usage_routes
 
 T = TypeVar("T")
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -202,6 +204,7 @@ def create_app(
     admin_token: str | None = None,
     public_read: bool = False,
     migrate_on_start: bool = True,
+    key_pepper: str = "",
 ) -> FastAPI:
     """The catalog API on `engine`; the schema is migrated when the app starts."""
 
@@ -227,6 +230,8 @@ def create_app(
     write = [Depends(guard)]
     read = [Depends(_no_guard if public_read else guard)]
     _workspace_routes(app, repo, read)
+    key_routes(app, repo, key_pepper, write, ERRORS)  # a key's create answers its secret
+    usage_routes(app, engine, read, write, ERRORS)
     for kind in KINDS:
         _kind_routes(app, repo, kind, read, write)
     return app
@@ -295,16 +300,18 @@ def _kind_routes(
     async def get_item(workspace: WorkspaceParam, name: NameParam) -> Meta:
         return await repo.get(kind, workspace, name)
 
-    @app.post(
-        base,
-        response_model=Read,
-        status_code=201,
-        dependencies=write,
-        operation_id=f"create_{op}",
-        **common,
-    )
     async def create_item(workspace: WorkspaceParam, body: Create) -> Meta:  # type: ignore[valid-type]
         return await repo.create(kind, workspace, body)
+
+    if kind is not KEYS:  # a key's create is `key_routes`': it answers the secret
+        app.post(
+            base,
+            response_model=Read,
+            status_code=201,
+            dependencies=write,
+            operation_id=f"create_{op}",
+            **common,
+        )(create_item)
 
     @app.patch(
         f"{base}/{{name:path}}",

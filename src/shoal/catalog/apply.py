@@ -23,7 +23,9 @@ from shoal.catalog.client import CatalogClient
 from shoal.catalog.errors import ConflictError, NotFoundError
 from shoal.catalog.kinds import KINDS, Kind, kind_named
 
-READ_ONLY = frozenset({"version", "created_at", "updated_at", "status_history"})
+READ_ONLY = frozenset(
+    {"version", "created_at", "updated_at", "status_history", "credentials", "secret"}
+)  # a key's secrets are never applied: `shoal catalog key create` / `rotate` make them
 ATTEMPTS = 5  # reads and writes of one resource before a race it keeps losing is an error
 
 

@@ -28,8 +28,8 @@ import msgspec
 from pydantic import BaseModel, ValidationError
 
 from shoal.catalog.errors import BY_STATUS, CatalogError
-from shoal.catalog.kinds import Kind
-from shoal.catalog.resources import Meta, Workspace
+from shoal.catalog.kinds import KEYS, Kind
+from shoal.catalog.resources import KeyWithSecret, Meta, Workspace
 
 M = TypeVar("M", bound=Meta)
 
@@ -247,6 +247,50 @@ class CatalogClient:
     ) -> None:
         params = {"version": str(version)} if version is not None else None
         await self._call("DELETE", self._url(kind, workspace, name), params=params)
+
+    async def create_key(
+        self, name: str, fields: dict[str, Any] | None = None, *, workspace: str | None = None
+    ) -> KeyWithSecret:
+        """Create key `name`; the answer holds its secret, which is never shown again."""
+        body = {"name": name, **(fields or {})}
+        return KeyWithSecret.model_validate(
+            await self._call("POST", self._url(KEYS, workspace), json=body)
+        )
+
+    async def rotate_key(
+        self, name: str, *, old_valid_until: str | None = None, workspace: str | None = None
+    ) -> KeyWithSecret:
+        """A new secret for key `name`; the current ones end at `old_valid_until` (ISO 8601;
+        default: at once)."""
+        url = self._url(KEYS, workspace, name)
+        body = {"old_valid_until": old_valid_until}
+        return KeyWithSecret.model_validate(await self._call("POST", url, json=body))
+
+    async def record_usage(self, batch: dict[str, Any]) -> bool:
+        """Send one usage batch (`{batch_id, rows}`); False if it was counted before."""
+        answer = await self._call("POST", f"{self.base_url}/v1/usage", json=batch)
+        return bool(answer["counted"])
+
+    async def usage(
+        self,
+        *,
+        key: str | None = None,
+        model: str | None = None,
+        start: str | None = None,
+        end: str | None = None,
+        group_by: str = "key",
+        workspace: str | None = None,
+    ) -> builtins.list[dict[str, Any]]:
+        """The usage sums per `group_by` (key, model or minute), as the API answers them."""
+        params = {"group_by": group_by}
+        for name, value in (("key", key), ("model", model), ("from", start), ("to", end)):
+            if value is not None:
+                params[name] = value
+        url = f"{self.base_url}/v1/workspaces/{workspace or self.workspace}/usage"
+        items: builtins.list[dict[str, Any]] = (await self._call("GET", url, params=params))[
+            "items"
+        ]
+        return items
 
     async def workspaces(self, *, page_size: int = 1000) -> builtins.list[Workspace]:
         """Every workspace, following `next_page`. Workspaces are only ever added: one

@@ -8,6 +8,9 @@
         providers phase    served models → entities, links, statuses, passthrough names
         routes             each virtual model's targets published to discovery, each route
                            on its own (a failure is that virtual model's status_message)
+        keys               each API key's live secrets published as grants (hashes, never
+                           secrets), even when a phase above failed; a key that cannot be
+                           published keeps its grants as they are
 
 Failures are isolated to what they come from: a row the client cannot read is left out of
 its listing and left as it is; a deployment that cannot start is ERROR; a provider that
@@ -38,6 +41,7 @@ from shoal.catalog.calls import Calls
 from shoal.catalog.client import CatalogClient
 from shoal.catalog.deployments import DeploymentsPhase
 from shoal.catalog.errors import CatalogError, NotFoundError
+from shoal.catalog.grants import KeysPhase
 from shoal.catalog.kinds import VIRTUAL_MODELS
 from shoal.catalog.leader import Leadership, LeadershipLost
 from shoal.catalog.providers import FleetLister, ProvidersPhase, UrlLister
@@ -70,6 +74,9 @@ class PassReport:
     seconds: float = 0.0
     routes_written: int = 0
     routes_deleted: int = 0
+    grants_written: int = 0
+    grants_deleted: int = 0
+    keys_failed: dict[str, str] = field(default_factory=dict)  # "workspace/key" -> why
     workspaces: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # workspace -> why its pass failed
 
@@ -99,6 +106,7 @@ class ModelsController(Controller, HeartbeatMixin):
             self.calls, UrlLister(session, provider_timeout), FleetLister(Discovery(store)),
             timeout=provider_timeout,
         )  # fmt: skip
+        self.keys = KeysPhase(self.calls, store)
         self.last: PassReport | None = None
         self.passes = 0
 
@@ -129,7 +137,25 @@ class ModelsController(Controller, HeartbeatMixin):
             ))  # fmt: skip
 
     async def _workspace(self, workspace: str, report: PassReport) -> None:
-        """The phases of one workspace, in order, then its routes."""
+        """The phases of one workspace, in order, then its routes; then its keys, even when a
+        phase failed (a revoked key must not wait for a provider to answer), but never by a
+        replica that lost the leadership."""
+        try:
+            await self._models(workspace, report)
+        except LeadershipLost:
+            raise
+        except Exception:
+            await self._keys(workspace, report)
+            raise
+        await self._keys(workspace, report)
+
+    async def _keys(self, workspace: str, report: PassReport) -> None:
+        keys = await self.keys.run(workspace)
+        report.grants_written += keys.written
+        report.grants_deleted += keys.deleted
+        report.keys_failed.update({f"{workspace}/{k}": why for k, why in keys.failed.items()})
+
+    async def _models(self, workspace: str, report: PassReport) -> None:
         await self.deployments.run(workspace)
         result = await self.providers.run(workspace)
         if result.virtual_models is None:  # not read: the routes stay as they are

@@ -51,7 +51,11 @@ DEPLOYMENTS: Kind[r.Deployment] = Kind(
     frozenset({"status", "status_message"}),
 )  # fmt: skip
 
-KINDS: tuple[Kind[Any], ...] = (PROVIDERS, MODELS, VIRTUAL_MODELS, DEPLOYMENTS)
+KEYS: Kind[r.Key] = Kind(
+    "keys", "Key", r.KeySpec, r.KeyCreate, r.KeyPatch, r.Key, tables.keys, frozenset()
+)
+
+KINDS: tuple[Kind[Any], ...] = (PROVIDERS, MODELS, VIRTUAL_MODELS, DEPLOYMENTS, KEYS)
 BY_NAME: dict[str, Kind[Any]] = {
     alias: kind
     for kind in KINDS

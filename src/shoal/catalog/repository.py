@@ -31,6 +31,7 @@ from shoal.catalog.resources import Meta, Patch, Workspace
 SORTABLE = ("name", "created_at", "updated_at", "version")
 MAX_PAGE_SIZE = 1000
 HISTORY_LIMIT = 100
+KEPT = ("credentials",)  # stored beside the spec; only their own methods change them
 R = TypeVar("R")
 M = TypeVar("M", bound=Meta)
 
@@ -187,10 +188,20 @@ class Repository:
                 raise NotFoundError(f"no {kind.singular} {name!r} in workspace {workspace!r}")
         return self._read(kind, row)
 
-    async def create(self, kind: Kind[M], workspace: str, body: BaseModel) -> M:
+    async def create(
+        self,
+        kind: Kind[M],
+        workspace: str,
+        body: BaseModel,
+        *,
+        kept: dict[str, Any] | None = None,
+    ) -> M:
+        """Insert `body`; `kept`: fields stored beside the spec that no patch may change (a
+        key's credentials)."""
         check_storable(body.model_dump(exclude={"name"}))  # before JSON mode rewrites NaN
         data = body.model_dump(mode="json", exclude={"name"})
         name: str = body.name  # type: ignore[attr-defined]
+        data.update(kept or {})
         now = datetime.now(UTC)
         if kind is DEPLOYMENTS:
             data["status_history"] = [_change(data, now)]
@@ -220,6 +231,7 @@ class Repository:
             _check_version(kind, name, patch.version, row.version)
             old = dict(row.data)
             history = old.pop("status_history", None)
+            kept = {k: old.pop(k) for k in KEPT if k in old}
             try:
                 new = kind.spec.model_validate({**old, **changes}).model_dump(mode="json")
             except ValidationError as exc:
@@ -229,6 +241,7 @@ class Repository:
             if new == old:
                 return self._read(kind, row)
             check_storable(new)
+            new.update(kept)
             now = datetime.now(UTC)
             if history is not None:
                 if (new["status"], new["status_message"]) != (old["status"], old["status_message"]):
@@ -262,6 +275,42 @@ class Repository:
                 await self._require_workspace(conn, workspace)
                 raise NotFoundError(f"no {kind.singular} {name!r} in workspace {workspace!r}")
             _check_version(kind, name, version, current)
+
+    async def rotate_credentials(
+        self,
+        kind: Kind[M],
+        workspace: str,
+        name: str,
+        credential: dict[str, Any],
+        old_valid_until: datetime,
+    ) -> M:
+        """Add `credential` to the row's credentials; the others end at `old_valid_until` (or
+        earlier, if they already did), and those already ended are dropped."""
+        t = kind.table
+        async with self._writing() as conn:
+            query = sa.select(t).where(t.c.workspace == workspace, t.c.name == name)
+            row = (await conn.execute(query.with_for_update())).first()
+            if row is None:
+                await self._require_workspace(conn, workspace)
+                raise NotFoundError(f"no {kind.singular} {name!r} in workspace {workspace!r}")
+            now = datetime.now(UTC)
+            kept: list[dict[str, Any]] = []
+            for old in row.data.get("credentials", []):
+                ends = old_valid_until
+                if old.get("expires_at"):
+                    ends = min(ends, _utc(datetime.fromisoformat(old["expires_at"])))
+                if ends > now:
+                    kept.append({**old, "expires_at": ends.isoformat()})
+            data = {**row.data, "credentials": [*kept, credential]}
+            await conn.execute(
+                t.update()
+                .where(t.c.id == row.id)
+                .values(data=data, version=row.version + 1, updated_at=now)
+            )
+        return kind.read.model_validate(
+            {**data, "name": name, "workspace": workspace, "version": row.version + 1,
+             "created_at": _utc(row.created_at), "updated_at": now}
+        )  # fmt: skip
 
     async def list_workspaces(self, *, page: int = 1, page_size: int = 100) -> Page[Workspace]:
         w = tables.workspaces

@@ -9,6 +9,7 @@ a patch body (every spec field optional, plus the `version` it expects) and a re
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -17,6 +18,7 @@ from urllib.parse import urlsplit
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -238,6 +240,56 @@ class DeploymentSpec(Strict):
     status_message: Text = ""
 
 
+Limit = Annotated[StrictInt, Field(ge=1, le=10**12)]
+
+
+_NUMBER = re.compile(r"^\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$")
+
+
+def _iso_time(value: Any) -> Any:
+    """A time is an ISO 8601 string, as the schema says: a bare number is refused."""
+    if isinstance(value, int | float) or (isinstance(value, str) and _NUMBER.match(value)):
+        raise ValueError("a time is an ISO 8601 string, e.g. 2030-01-01T00:00:00Z")
+    return value
+
+
+Time = Annotated[datetime, BeforeValidator(_iso_time)]
+
+
+class KeySpec(Strict):
+    """An API key of the workspace: which models it may use and how fast. The secret is
+    never a field: the catalog makes it on create and rotate, shows it once, keeps its hash."""
+
+    description: Text = ""
+    models: list[Annotated[str, Field(min_length=1, max_length=400)]] = Field(
+        default_factory=list,
+        max_length=1000,
+        description="served names (virtual or fleet) it may use; empty: every one",
+    )
+    rpm: Limit | None = Field(None, description="requests per minute; null: no limit")
+    tpm: Limit | None = Field(None, description="tokens (prompt + completion) per minute")
+    max_parallel: Limit | None = Field(None, description="requests at once, per frontend")
+    expires_at: Time | None = Field(None, description="refused from then on; null: never")
+    disabled: Flag = Field(False, description="refused at once while true")
+    metadata: dict[
+        Annotated[str, Field(max_length=200)], Annotated[str, Field(max_length=1000)]
+    ] = Field(default_factory=dict, max_length=100, description="free-form labels")
+
+
+class Credential(BaseModel):
+    """One secret of a key, by its hash: SHA-256 of the secret and the server pepper."""
+
+    hash: str
+    created_at: datetime
+    expires_at: datetime | None = Field(None, description="set when a rotation retires it")
+
+
+class RotateKey(Strict):
+    """`old_valid_until`: when the key's current secrets stop working (default: at once)."""
+
+    old_valid_until: Time | None = None
+
+
 class ProviderCreate(ProviderSpec):
     name: ResourceName
 
@@ -252,6 +304,10 @@ class VirtualModelCreate(VirtualModelSpec):
 
 class DeploymentCreate(DeploymentSpec):
     name: DeploymentName
+
+
+class KeyCreate(KeySpec):
+    name: Name
 
 
 class Patch(Strict):
@@ -274,6 +330,7 @@ ProviderPatch = patch_of(ProviderSpec)
 ModelPatch = patch_of(ModelSpec)
 VirtualModelPatch = patch_of(VirtualModelSpec)
 DeploymentPatch = patch_of(DeploymentSpec)
+KeyPatch = patch_of(KeySpec)
 
 
 class Provider(ProviderSpec, Meta):
@@ -304,6 +361,20 @@ class Deployment(DeploymentSpec, Meta):
     status_history: list[StatusChange] = Field(
         default_factory=list, description="every status change, oldest first (the last 100)"
     )
+
+
+class Key(KeySpec, Meta):
+    model_config = ConfigDict(extra="ignore")
+
+    credentials: list[Credential] = Field(
+        default_factory=list, description="the hashes of its live secrets (never a secret)"
+    )
+
+
+class KeyWithSecret(Key):
+    """A key as create and rotate answer it: with its new secret, shown this once."""
+
+    secret: str
 
 
 class Workspace(BaseModel):

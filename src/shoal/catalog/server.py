@@ -29,6 +29,7 @@ class CatalogConfig:
     port: int = 8100
     admin_token: str | None = None
     public_read: bool = False
+    key_pepper: str = ""  # hashed with API key secrets; the frontends checking keys share it
 
 
 class _Server(uvicorn.Server):
@@ -75,6 +76,7 @@ class CatalogServer:
             admin_token=self.config.admin_token,
             public_read=self.config.public_read,
             migrate_on_start=False,
+            key_pepper=self.config.key_pepper,
         )
         self._health_routes(app)
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET

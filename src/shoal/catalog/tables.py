@@ -44,3 +44,32 @@ providers = resource_table("providers")
 models = resource_table("models")
 virtual_models = resource_table("virtual_models")
 deployments = resource_table("deployments")
+keys = resource_table("keys")
+
+# Usage of API keys, per (workspace, key, model, served model, status class, minute), added to
+# by the frontends' batches; a batch id is kept once, so a retried batch is not counted twice.
+usage = sa.Table(
+    "usage",
+    metadata,
+    sa.Column("id", Id, primary_key=True, autoincrement=True),
+    sa.Column("workspace", sa.String(63), nullable=False),
+    sa.Column("key", sa.String(200), nullable=False),
+    sa.Column("model", sa.String(400), nullable=False),
+    sa.Column("served_model", sa.String(400), nullable=False),
+    sa.Column("status_class", sa.String(3), nullable=False),
+    sa.Column("minute", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("requests", sa.BigInteger, nullable=False),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=False),
+    sa.UniqueConstraint(
+        "workspace", "key", "model", "served_model", "status_class", "minute",
+        name="uq_usage_row",
+    ),
+    sa.Index("ix_usage_workspace_minute", "workspace", "minute"),
+)  # fmt: skip
+usage_batches = sa.Table(
+    "usage_batches",
+    metadata,
+    sa.Column("batch_id", sa.String(64), primary_key=True),
+    sa.Column("received_at", sa.DateTime(timezone=True), nullable=False),
+)

@@ -8,6 +8,12 @@ resources through the API.
     shoal catalog apply -f FILE [--prune]          make a file of resources true
     shoal catalog get KIND [NAME] [-o json|yaml|table]
     shoal catalog delete KIND NAME
+    shoal catalog key create NAME [--models M,M] [--rpm N] [--tpm N] ...
+                                                   a new API key: prints its secret, once
+    shoal catalog key rotate NAME [--old-valid-for SECONDS]
+                                                   a new secret; the old ones end then
+    shoal catalog usage [--key K] [--model M] [--from T] [--to T] [--group-by key|model|minute]
+                                                   requests and tokens of the API keys
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from shoal.cli.common import (
     SECONDS,
     add_flag,
     env_value,
+    number,
     on_stop_signals,
     print_ready,
     run_event_loop,
@@ -38,7 +45,9 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "models": ("base_model", "format", "context_length", "providers"),
     "virtual-models": ("default_model", "targets", "autoprovisioned"),
     "deployments": ("model", "engine", "replicas", "namespace", "status"),
+    "keys": ("models", "rpm", "tpm", "max_parallel", "expires_at", "disabled"),
 }
+LIMIT = number(int, low=1)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -54,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_flag(serve, "--host", "127.0.0.1", help="listen address")
     add_flag(serve, "--port", DEFAULT_PORT, type=PORT, help=f"port (default {DEFAULT_PORT})")
     add_auth_flags(serve)
+    add_key_pepper_flag(serve)
     add_flag(
         serve,
         "--public-read",
@@ -80,6 +90,40 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     delete.add_argument("kind", help="providers, models, virtual-models or deployments")
     delete.add_argument("name")
     add_client_flags(delete)
+
+    key = commands.add_parser("key", help="create an API key or rotate its secret")
+    key_commands = key.add_subparsers(dest="key_command", required=True, metavar="COMMAND")
+    create = key_commands.add_parser("create", help="a new key; prints its secret, once")
+    create.add_argument("name")
+    create.add_argument("--models", default="", help="comma-separated served names (default: all)")
+    for flag, what in (
+        ("--rpm", "requests per minute"),
+        ("--tpm", "tokens per minute"),
+        ("--max-parallel", "requests at once"),
+    ):
+        create.add_argument(flag, type=LIMIT, help=f"{what} (default: no limit)")
+    create.add_argument("--expires-at", help="ISO 8601 time it stops working (default: never)")
+    create.add_argument("--description", default="")
+    add_client_flags(create)
+    rotate = key_commands.add_parser("rotate", help="a new secret; prints it, once")
+    rotate.add_argument("name")
+    add_flag(
+        rotate,
+        "--old-valid-for",
+        0.0,
+        type=number(float, low=0),
+        help="seconds the current secrets keep working (default 0: they stop at once)",
+    )
+    add_client_flags(rotate)
+
+    usage = commands.add_parser("usage", help="requests and tokens of the API keys")
+    usage.add_argument("--key", help="one key (default: all)")
+    usage.add_argument("--model", help="one model (default: all)")
+    usage.add_argument("--from", dest="start", help="ISO 8601 time, inclusive")
+    usage.add_argument("--to", dest="end", help="ISO 8601 time, exclusive")
+    usage.add_argument("--group-by", choices=("key", "model", "minute"), default="key")
+    usage.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    add_client_flags(usage)
 
 
 def add_database_flag(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +168,16 @@ def add_auth_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_key_pepper_flag(parser: argparse.ArgumentParser) -> None:
+    add_flag(
+        parser,
+        "--key-pepper",
+        "",
+        help="hashed with every API key secret; the same on the catalog and the frontends "
+        "that check keys (SHOAL_KEY_PEPPER; default: none)",
+    )
+
+
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(
         parser,
@@ -165,6 +219,7 @@ async def serve(args: argparse.Namespace) -> int:
         port=args.port,
         admin_token=args.admin_token,
         public_read=args.public_read,
+        key_pepper=args.key_pepper,
     )
     server = CatalogServer(config)
     try:
@@ -251,6 +306,10 @@ async def client_command(args: argparse.Namespace) -> int:
                 return await apply(c, args)
             if args.catalog_command == "get":
                 return await get(c, args)
+            if args.catalog_command == "key":
+                return await key(c, args)
+            if args.catalog_command == "usage":
+                return await usage(c, args)
             return await delete(c, args)
     except CatalogError as exc:
         print(f"{name}: {exc.message}", file=sys.stderr)
@@ -331,6 +390,39 @@ async def delete(client: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+async def key(client: Any, args: argparse.Namespace) -> int:
+    """`key create` / `key rotate`: the secret on stdout, alone on its line, and only there."""
+    from datetime import UTC, datetime, timedelta
+
+    if args.key_command == "create":
+        fields: dict[str, Any] = {
+            "models": [m.strip() for m in args.models.split(",") if m.strip()],
+            "description": args.description,
+        }
+        for field in ("rpm", "tpm", "max_parallel", "expires_at"):
+            if getattr(args, field) is not None:
+                fields[field] = getattr(args, field)
+        made = await client.create_key(args.name, fields)
+    else:
+        until = datetime.now(UTC) + timedelta(seconds=args.old_valid_for)
+        made = await client.rotate_key(args.name, old_valid_until=until.isoformat())
+    print(f"key {args.workspace}/{args.name} {args.key_command}d; its secret (shown once):")
+    print(made.secret)
+    return 0
+
+
+async def usage(client: Any, args: argparse.Namespace) -> int:
+    items = await client.usage(
+        key=args.key, model=args.model, start=args.start, end=args.end, group_by=args.group_by
+    )
+    if args.output == "json":
+        print(json.dumps(items, indent=2))
+    else:
+        columns = (args.group_by, "requests", "prompt_tokens", "completion_tokens", "total_tokens")
+        print(table(items, columns))
+    return 0
+
+
 def add_catalog_port_flag(parser: argparse.ArgumentParser) -> None:
     """`--catalog-port` for `shoal up`, which runs the catalog beside the frontend."""
     add_flag(
@@ -366,7 +458,13 @@ async def start_catalog(
     it: the catalog is desired state, not the request path)."""
     from shoal.catalog import CatalogConfig, CatalogServer, default_database_url
 
-    server = CatalogServer(CatalogConfig(database_url=default_database_url(), host=host, port=port))
+    config = CatalogConfig(
+        database_url=default_database_url(),
+        host=host,
+        port=port,
+        key_pepper=env_value("key_pepper") or "",
+    )
+    server = CatalogServer(config)
     try:
         await server.start()
     except Exception as exc:  # a database or socket error, reported in one line

@@ -136,6 +136,40 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_flag(
         parser,
+        "--auth",
+        "api-key",
+        choices=("api-key", "keys"),
+        help="keys: require a catalog API key of the --workspaces (its allow-list and limits; "
+        "--api-key ones stay valid); default api-key: only --api-key, if any",
+    )
+    add_flag(
+        parser,
+        "--key-pepper",
+        "",
+        help="the catalog's --key-pepper, hashed with the API keys (SHOAL_KEY_PEPPER)",
+    )
+    add_flag(
+        parser,
+        "--limits",
+        metavar="URL",
+        help="redis://HOST:6379: the API keys' rpm and tpm shared by every frontend (default: "
+        "each frontend limits alone)",
+    )
+    add_flag(
+        parser,
+        "--catalog-url",
+        metavar="URL",
+        help="the catalog API, where the API keys' usage is flushed every 10 s "
+        "(SHOAL_CATALOG_URL; default: usage is not recorded)",
+    )
+    add_flag(
+        parser,
+        "--catalog-token",
+        env="admin_token",
+        help="the catalog's admin token (SHOAL_ADMIN_TOKEN)",
+    )
+    add_flag(
+        parser,
         "--max-body",
         16 * 1024 * 1024,
         type=POSITIVE,
@@ -386,6 +420,11 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         api_keys=tuple(args.api_key),
         public_health=args.public_health,
         metrics_port=args.metrics_port,
+        auth=args.auth,
+        key_pepper=args.key_pepper,
+        limits_url=args.limits,
+        catalog_url=args.catalog_url,
+        catalog_token=args.catalog_token,
         max_body=args.max_body,
         retries=args.retries,
         inhibit_seconds=args.inhibit_seconds,

@@ -36,20 +36,25 @@ import msgspec
 from shoal.cards import ModelType
 from shoal.controllers import ControllerManager, Loop, LoopCollector, readiness
 from shoal.discovery import Discovery, Query
+from shoal.discovery.grants import Grant
 from shoal.frontend import errors
 from shoal.frontend.cors import Cors
 from shoal.frontend.dashboard import Dashboard
 from shoal.frontend.disagg import TwoStages
+from shoal.frontend.gate import Gate
+from shoal.frontend.keys import KeyRing, KeyWatcher, models_for
 from shoal.frontend.kv_router import KvRouter
 from shoal.frontend.kv_stream import KvStreamReader
+from shoal.frontend.limits import Limits
 from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
 from shoal.frontend.metrics import FrontendMetrics
-from shoal.frontend.proxy import Proxy
+from shoal.frontend.proxy import Proxy, decode_fields
 from shoal.frontend.registry import Model, Registry
 from shoal.frontend.router import make_router
 from shoal.frontend.routes import RouteWatcher
 from shoal.frontend.secrets import Secrets
 from shoal.frontend.server import HttpConnection, HttpServer, Request, bearer_token
+from shoal.frontend.usage import UsageBook
 from shoal.frontend.virtual import FleetChoice, RouteTable, VirtualModel
 from shoal.frontend.watcher import ModelWatcher, Reconciler
 from shoal.openai import ApiError
@@ -116,6 +121,14 @@ class FrontendConfig:
     tls_keyfile: Path | None = None
     # One of several processes listening on `port` (`SO_REUSEPORT`; `shoal.cli.processes`).
     reuse_port: bool = False
+    # `keys`: requests need a catalog API key (or an `api_keys` one), checked against the
+    # grants of `workspaces` in the store, hashed with `key_pepper` (see `keys`).
+    auth: str = "api-key"
+    key_pepper: str = ""
+    limits_url: str | None = None  # redis://HOST:6379: rpm and tpm shared by the frontends
+    catalog_url: str | None = None  # where the keys' usage is flushed (`POST /v1/usage`)
+    catalog_token: str | None = None
+    usage_interval: float = 10.0  # seconds between two flushes of usage
 
 
 class MembershipView(Protocol):
@@ -200,11 +213,23 @@ class Frontend:
             first_byte_timeout=config.first_byte_timeout,
             upstream_idle_timeout=config.upstream_idle_timeout,
             migration_limit=config.migration_limit,
-            strip_authorization=bool(config.api_keys),
+            strip_authorization=bool(config.api_keys) or config.auth == "keys",
             routes=self.routes,
         )
         self.proxy.two_stages = TwoStages(self.proxy)  # models served disaggregated
         self._keys = tuple(key.encode() for key in config.api_keys)
+        self.keys: KeyRing | None = None
+        if config.auth == "keys":
+            self.keys = KeyRing(config.workspaces, config.key_pepper, self._keys)
+        self.key_watcher: KeyWatcher | None = None
+        self.limits = Limits(config.limits_url)
+        self.usage: UsageBook | None = None
+        if config.catalog_url and config.auth == "keys":
+            self.usage = UsageBook(
+                config.catalog_url, token=config.catalog_token, interval=config.usage_interval
+            )
+        record = self.usage.record if self.usage is not None else None
+        self.gate = Gate(self.limits, self.proxy.handle, record)
         self.cors = Cors(config.cors_origins) if config.cors_origins else None
         self.manager = ControllerManager()
         self.metrics.registry.register(LoopCollector(self.manager))
@@ -322,6 +347,12 @@ class Frontend:
             self.discovery.store, self.routes, secrets_interval=config.reconcile_interval
         )
         await self.route_watcher.start()
+        if self.keys is not None:
+            self.key_watcher = KeyWatcher(self.discovery.store, self.keys)
+            await self.key_watcher.start()
+            await self.limits.start()
+            if self.usage is not None:
+                await self.usage.start()
 
     async def stop(self) -> None:
         """Drain: refuse new work, let requests in flight finish, then stop everything."""
@@ -340,6 +371,11 @@ class Frontend:
             await self.router.close()
         if self.route_watcher is not None:
             await self.route_watcher.stop()
+        if self.key_watcher is not None:
+            await self.key_watcher.stop()
+        await self.limits.stop()
+        if self.usage is not None:
+            await self.usage.stop()
         self.routes.close()
         self.registry.close()
         if self._own_store is not None:
@@ -386,7 +422,12 @@ class Frontend:
                     raise errors.method_not_allowed(
                         request.method.decode(), path.decode(), (b"POST",)
                     )
-                self._authorize(request)
+                grant = self._authorize(request)
+                if grant is not None:
+                    model = decode_fields(request.body).model or ""
+                    KeyRing.admit(grant, model)  # 403 before the model is looked up
+                    self.gate.handle(request, conn, kind, grant, model)
+                    return
                 self.proxy.handle(request, conn, kind)
                 return
             if path == b"/ui" or path.startswith(b"/ui/"):  # the fleet page (dashboard.py)
@@ -421,9 +462,13 @@ class Frontend:
             conn.extra_headers = self.cors.response_headers(origin)
         return False
 
-    def _authorize(self, request: Request) -> None:
+    def _authorize(self, request: Request) -> Grant | None:
+        """The key's grant with `--auth keys` (None for an `--api-key`); 401 if refused."""
+        if self.keys is not None:
+            return self.keys.check(request.header(b"authorization"))
         if not self._authorized(request):
             raise errors.unauthorized()
+        return None
 
     def _authorized(self, request: Request) -> bool:
         """No key is configured, or the request bears one (`Bearer`, in any case)."""
@@ -435,11 +480,13 @@ class Frontend:
     def _control(self, request: Request, conn: HttpConnection) -> None:
         path = request.path
         if path == b"/v1/models":
-            self._authorize(request)
-            conn.send(200, self._models_list())
+            grant = self._authorize(request)
+            conn.send(200, models_for(self._models_list(), grant))
         elif path.startswith(b"/v1/models/"):
-            self._authorize(request)
+            grant = self._authorize(request)
             name = urllib.parse.unquote(path[len(b"/v1/models/") :].decode())
+            if not KeyRing.allows(grant, name):  # as if absent: nothing told about it
+                raise errors.model_not_found(name)
             virtual = self.routes.models.get(name)
             if virtual is not None:  # wins over a discovered model of the same name
                 if not virtual.serving:
@@ -596,6 +643,15 @@ class Frontend:
                 for key, reason in sorted(self.watcher.discovery.skipped.items())
             ],
             "virtual_models": self.routes.describe(),
+            **(
+                {
+                    "keys": self.keys.describe(),
+                    "limits": self.limits.describe(),
+                    "usage": self.usage.describe() if self.usage is not None else None,
+                }
+                if self.keys is not None
+                else {}
+            ),
         }
 
     def _model_object(self, model: Model) -> dict[str, Any]:

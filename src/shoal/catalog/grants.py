@@ -1,0 +1,96 @@
+"""The keys phase of the models controller: each key's live secrets published as grants.
+
+For one workspace: list its keys (one list), turn each live secret of each key into a `Grant`
+(its hash, the key's allow-list and limits, and when it ends), and make
+`shoal/v1/keys/{workspace}/` hold exactly those (`publish_grants` writes only what differs).
+A secret whose rotation already ended it is not published, so it is deleted. One key that
+cannot be turned into grants is reported and its grants in the store are kept as they are;
+it never stops the others. Secrets never reach this phase: the catalog keeps only hashes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from shoal.catalog.calls import Calls
+from shoal.catalog.kinds import KEYS
+from shoal.catalog.resources import Key
+from shoal.discovery.grants import Grant, decode_grant, grants_prefix
+from shoal.store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KeysResult:
+    written: int = 0
+    deleted: int = 0
+    failed: dict[str, str] = field(default_factory=dict)  # key name -> why
+
+
+def grants_of(key: Key, now: datetime) -> list[Grant]:
+    """A grant per secret of `key` that has not ended by `now`."""
+    grants: list[Grant] = []
+    for credential in key.credentials:
+        ends = [t for t in (key.expires_at, credential.expires_at) if t is not None]
+        end = min(ends) if ends else None
+        if credential.expires_at is not None and credential.expires_at <= now:
+            continue  # retired by a rotation: gone from the store
+        grants.append(
+            Grant(
+                workspace=key.workspace,
+                name=key.name,
+                hash=credential.hash,
+                models=tuple(key.models),
+                rpm=key.rpm,
+                tpm=key.tpm,
+                max_parallel=key.max_parallel,
+                expires_at=end.timestamp() if end is not None else None,
+                disabled=key.disabled,
+            )
+        )
+    return grants
+
+
+class KeysPhase:
+    """Publishes the grants of one workspace's keys (see the module's docstring)."""
+
+    def __init__(self, calls: Calls, store: Store) -> None:
+        self.calls = calls
+        self.store = store
+
+    async def run(self, workspace: str) -> KeysResult:
+        keys = await self.calls.list_all(KEYS, workspace)
+        result = KeysResult()
+        now = datetime.now(UTC)
+        wanted: dict[str, Grant] = {}
+        for key in keys:
+            try:
+                for grant in grants_of(key, now):
+                    wanted[grant.key] = grant
+            except Exception as exc:  # one bad key: reported, its grants left as they are
+                result.failed[key.name] = f"{type(exc).__name__}: {exc}"
+                log.warning("key %s/%s: not published: %s", workspace, key.name, exc)
+        held = {
+            kv.key: kv.value for kv in (await self.store.get_prefix(grants_prefix(workspace))).items
+        }
+        for name, grant in wanted.items():
+            if held.get(name) != (data := grant.to_json()):
+                await self.store.put(name, data)
+                result.written += 1
+        for name in sorted(held.keys() - wanted.keys()):
+            if result.failed and _held_by(name, held[name], result.failed):
+                continue
+            await self.store.delete(name)
+            result.deleted += 1
+        return result
+
+
+def _held_by(key: str, value: bytes, names: dict[str, str]) -> bool:
+    """True when the grant at `key` belongs to one of the keys named (or is unreadable)."""
+    try:
+        return decode_grant(key, value).name in names
+    except ValueError:
+        return False

@@ -1,0 +1,226 @@
+"""Usage of API keys: the frontends' batches added up per minute, and the queries over them.
+
+`POST /v1/usage` takes one batch of a frontend, `{batch_id, rows}`, each row the requests and
+tokens of one (workspace, key, model, served model, status class, minute). The batch id is
+inserted in the same transaction as the rows are added: a batch sent again (its answer was
+lost, the frontend retried) finds its id taken and adds nothing, so nothing is counted twice.
+`GET /v1/workspaces/{ws}/usage?key=&model=&from=&to=&group_by=key|model|minute` sums them.
+No `from __future__ import annotations` here: FastAPI reads the routes' annotations.
+"""
+
+import pathlib
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+import sqlalchemy as sa
+from fastapi import FastAPI, Path, Query, Response
+from pydantic import BaseModel, Field, field_validator
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from shoal.catalog import tables
+from shoal.catalog.resources import WORKSPACE_PATTERN, Strict, Time
+
+Count = Annotated[int, Field(ge=0, le=10**15, strict=True)]
+Label = Annotated[str, Field(max_length=400, pattern=r"^[^\x00]*$")]
+
+
+class UsageRow(Strict):
+    workspace: Annotated[str, Field(min_length=1, max_length=63, pattern=WORKSPACE_PATTERN)]
+    key: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00]+$")]
+    model: Label
+    served_model: Label = ""
+    status_class: Literal["2xx", "3xx", "4xx", "5xx"]
+    minute: Time
+    requests: Count
+    prompt_tokens: Count = 0
+    completion_tokens: Count = 0
+
+    @field_validator("minute")
+    @classmethod
+    def _whole_minute(cls, value: datetime) -> datetime:
+        value = value if value.tzinfo else value.replace(tzinfo=UTC)
+        return value.astimezone(UTC).replace(second=0, microsecond=0)
+
+
+class UsageBatch(Strict):
+    batch_id: Annotated[str, Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    rows: list[UsageRow] = Field(max_length=100_000)
+
+
+class BatchResult(BaseModel):
+    batch_id: str
+    counted: bool = Field(description="false: this batch was counted before (a retry)")
+    rows: int
+
+
+class UsageItem(BaseModel):
+    key: str | None = None
+    model: str | None = None
+    minute: datetime | None = None
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class UsageReport(BaseModel):
+    workspace: str
+    group_by: str
+    items: list[UsageItem]
+
+
+async def record_batch(engine: AsyncEngine, batch: UsageBatch) -> bool:
+    """Add `batch`'s rows unless its id was counted before; True if counted now."""
+    insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+    u = tables.usage
+    async with engine.connect() as conn:
+        await conn.execution_options(shoal_write=True)
+        async with conn.begin():
+            taken = await conn.execute(
+                insert(tables.usage_batches)
+                .values(batch_id=batch.batch_id, received_at=datetime.now(UTC))
+                .on_conflict_do_nothing(index_elements=["batch_id"])
+            )
+            if taken.rowcount != 1:
+                return False
+            for row in _merged(batch.rows):
+                stmt = insert(u).values(**row)
+                await conn.execute(
+                    stmt.on_conflict_do_update(
+                        index_elements=[
+                            "workspace", "key", "model", "served_model", "status_class", "minute"
+                        ],
+                        set_={
+                            "requests": u.c.requests + stmt.excluded.requests,
+                            "prompt_tokens": u.c.prompt_tokens + stmt.excluded.prompt_tokens,
+                            "completion_tokens": u.c.completion_tokens
+                            + stmt.excluded.completion_tokens,
+                        },
+                    )
+                )  # fmt: skip
+    return True
+
+
+def _merged(rows: list[UsageRow]) -> list[dict[str, Any]]:
+    """The rows with one per identity (a batch may repeat one: they add up)."""
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in rows:
+        data = row.model_dump()
+        ident = tuple(data[k] for k in ("workspace", "key", "model", "served_model",
+                                        "status_class", "minute"))  # fmt: skip
+        held = merged.get(ident)
+        if held is None:
+            merged[ident] = data
+        else:
+            for count in ("requests", "prompt_tokens", "completion_tokens"):
+                held[count] += data[count]
+    return list(merged.values())
+
+
+async def query_usage(
+    engine: AsyncEngine,
+    workspace: str,
+    *,
+    key: str | None = None,
+    model: str | None = None,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    group_by: str = "key",
+) -> list[UsageItem]:
+    """Sums per `group_by` (key, model or minute) of the rows matching the filters, in order;
+    `start` inclusive, `end` exclusive."""
+    u = tables.usage
+    where: list[sa.ColumnElement[bool]] = [u.c.workspace == workspace]
+    if key is not None:
+        where.append(u.c.key == key)
+    if model is not None:
+        where.append(u.c.model == model)
+    if start is not None:
+        where.append(u.c.minute >= _aware(start))
+    if end is not None:
+        where.append(u.c.minute < _aware(end))
+    column = {"key": u.c.key, "model": u.c.model, "minute": u.c.minute}[group_by]
+    query = (
+        sa.select(
+            column.label("group"),
+            sa.func.sum(u.c.requests).label("requests"),
+            sa.func.sum(u.c.prompt_tokens).label("prompt_tokens"),
+            sa.func.sum(u.c.completion_tokens).label("completion_tokens"),
+        )
+        .where(*where)
+        .group_by(column)
+        .order_by(column)
+        .limit(100_000)
+    )
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).all()
+    items: list[UsageItem] = []
+    for row in rows:
+        group: Any = row.group
+        if group_by == "minute" and isinstance(group, datetime):
+            group = _aware(group)
+        prompt, completion = int(row.prompt_tokens), int(row.completion_tokens)
+        items.append(
+            UsageItem(
+                **{group_by: group},
+                requests=int(row.requests),
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                total_tokens=prompt + completion,
+            )
+        )
+    return items
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def usage_routes(
+    app: FastAPI,
+    engine: AsyncEngine,
+    read: list[Any],
+    write: list[Any],
+    responses: dict[int | str, Any],
+) -> None:
+    """`POST /v1/usage` (a frontend's batch), `GET /v1/workspaces/{ws}/usage`, and the page
+    that shows it, `GET /ui/usage` (per key, model or minute; its data needs the admin token
+    unless reads are public, as the API does)."""
+    common: dict[str, Any] = {"responses": responses, "tags": ["usage"]}
+    page = (pathlib.Path(__file__).parent / "static" / "usage.html").read_bytes()
+
+    @app.get("/ui/usage", include_in_schema=False)
+    async def usage_page() -> Response:
+        return Response(page, media_type="text/html; charset=utf-8")
+
+    @app.post(
+        "/v1/usage",
+        response_model=BatchResult,
+        dependencies=write,
+        operation_id="record_usage",
+        **common,
+    )
+    async def record(body: UsageBatch) -> BatchResult:
+        counted = await record_batch(engine, body)
+        return BatchResult(batch_id=body.batch_id, counted=counted, rows=len(body.rows))
+
+    @app.get(
+        "/v1/workspaces/{workspace}/usage",
+        response_model=UsageReport,
+        dependencies=read,
+        operation_id="get_usage",
+        **common,
+    )
+    async def report(
+        workspace: Annotated[str, Path(min_length=1, max_length=63, pattern=WORKSPACE_PATTERN)],
+        key: Annotated[str | None, Query(max_length=200)] = None,
+        model: Annotated[str | None, Query(max_length=400)] = None,
+        start: Annotated[Time | None, Query(alias="from")] = None,
+        end: Annotated[Time | None, Query(alias="to")] = None,
+        group_by: Literal["key", "model", "minute"] = "key",
+    ) -> UsageReport:
+        items = await query_usage(
+            engine, workspace, key=key, model=model, start=start, end=end, group_by=group_by
+        )
+        return UsageReport(workspace=workspace, group_by=group_by, items=items)

@@ -1,0 +1,220 @@
+"""API keys at the frontend (`--auth keys`): the grants of the store, checked in memory.
+
+`KeyRing` holds the grants of the frontend's workspaces by the hash of their secret, the one
+lookup a request makes: a bearer is hashed with the pepper (`--key-pepper`, as the catalog's)
+and found, or not, in one dict. Unknown, disabled or expired → 401; a model outside the key's
+allow-list → 403, answered before the model is looked up, so a key cannot learn whether a model
+it may not use exists. `KeyWatcher` keeps the ring equal to `shoal/v1/keys/{workspace}/` of the
+store: read, then watch from the read's revision + 1; a `Resync` or a broken watch replaces
+the workspace's grants with what the store holds (a delete missed meanwhile is not kept). A
+malformed grant is reported in `skipped` and never hides or removes a valid one.
+
+The frontend's own `--api-key`s stay valid beside the keys: they are the operator's, with no
+allow-list and no limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Iterable
+
+import msgspec
+
+from shoal.discovery.grants import Grant, GrantError, decode_grant, grants_prefix
+from shoal.frontend.server import bearer_token
+from shoal.openai import ApiError
+from shoal.store import Delete, KeyValue, Put, Store
+
+log = logging.getLogger(__name__)
+
+
+def invalid_key() -> ApiError:
+    return ApiError(
+        401,
+        "Incorrect API key provided: send `Authorization: Bearer <key>` with a valid key.",
+        type="invalid_request_error",
+        code="invalid_api_key",
+    )
+
+
+def ended_key(why: str) -> ApiError:
+    code = "key_" + why.split()[-1]  # key_disabled, key_expired
+    return ApiError(401, f"This API key {why}.", type="invalid_request_error", code=code)
+
+
+def model_not_allowed(model: str) -> ApiError:
+    return ApiError(
+        403,
+        f"This API key may not use the model `{model}`.",
+        type="permission_error",
+        code="model_not_allowed",
+        param="model",
+    )
+
+
+class KeyRing:
+    """The grants of `workspaces`, by secret hash (see the module's docstring)."""
+
+    def __init__(
+        self, workspaces: Iterable[str], pepper: str = "", static: Iterable[bytes] = ()
+    ) -> None:
+        self.workspaces = tuple(workspaces)
+        self.pepper = pepper.encode()
+        self.static = tuple(static)  # the operator's own `--api-key`s
+        self._held: dict[str, Grant] = {}  # store key -> grant
+        self.by_hash: dict[str, Grant] = {}
+        self.skipped: dict[str, str] = {}  # store key -> why its value was refused
+        self.version = 0
+
+    # -- the request path ----------------------------------------------------------------
+
+    def check(self, authorization: bytes | None, now: float | None = None) -> Grant | None:
+        """The grant of the request's bearer; None for an operator's `--api-key`; `ApiError`
+        (401) for a missing, unknown, disabled or expired key."""
+        secret = bearer_token(authorization)
+        if secret is None:
+            raise invalid_key()
+        digest = hashlib.sha256(secret + self.pepper).hexdigest()
+        grant = self.by_hash.get(digest)
+        if grant is None:
+            if any(hmac.compare_digest(secret, s) for s in self.static):
+                return None
+            raise invalid_key()
+        if grant.disabled:
+            raise ended_key("is disabled")
+        if grant.expires_at is not None and (now or time.time()) >= grant.expires_at:
+            raise ended_key("has expired")
+        return grant
+
+    @staticmethod
+    def admit(grant: Grant | None, model: str) -> None:
+        """403 unless `grant` may use `model` (an empty allow-list allows every model)."""
+        if grant is not None and grant.models and model not in grant.models:
+            raise model_not_allowed(model)
+
+    @staticmethod
+    def allows(grant: Grant | None, model: str) -> bool:
+        return grant is None or not grant.models or model in grant.models
+
+    # -- following the store ---------------------------------------------------------------
+
+    def put(self, key: str, value: bytes) -> None:
+        try:
+            grant = decode_grant(key, value)
+        except GrantError as exc:
+            self.skipped[key] = str(exc)
+            log.warning("key grant skipped: %s", exc)
+            return  # a valid grant held at this key stays
+        self.skipped.pop(key, None)
+        old = self._held.get(key)
+        if old is not None and self.by_hash.get(old.hash) is old:
+            del self.by_hash[old.hash]
+        self._held[key] = grant
+        self.by_hash[grant.hash] = grant
+        self.version += 1
+
+    def delete(self, key: str) -> None:
+        self.skipped.pop(key, None)
+        old = self._held.pop(key, None)
+        if old is not None:
+            if self.by_hash.get(old.hash) is old:
+                del self.by_hash[old.hash]
+            self.version += 1
+
+    def replace(self, workspace: str, items: Iterable[KeyValue]) -> None:
+        """The grants of `workspace` become exactly `items`."""
+        prefix = grants_prefix(workspace)
+        fresh = {kv.key: kv.value for kv in items if kv.key.startswith(prefix)}
+        for key in [k for k in self._held if k.startswith(prefix) and k not in fresh]:
+            self.delete(key)
+        for key in [k for k in self.skipped if k.startswith(prefix) and k not in fresh]:
+            del self.skipped[key]
+        for key, value in fresh.items():
+            self.put(key, value)
+
+    def describe(self) -> dict[str, object]:
+        """For `/health`: how many grants are held, and the values refused (never a hash)."""
+        return {
+            "keys": len(self.by_hash),
+            "skipped": [{"key": k, "reason": r} for k, r in sorted(self.skipped.items())],
+        }
+
+
+class KeyWatcher:
+    """Keeps `ring` equal to the grants of its workspaces in `store`."""
+
+    def __init__(self, store: Store, ring: KeyRing) -> None:
+        self.store = store
+        self.ring = ring
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Read every workspace (retrying until the store answers), then watch each."""
+        for workspace in self.ring.workspaces:
+            revision = await self._read(workspace)
+            self._tasks.append(
+                asyncio.create_task(self._watch(workspace, revision + 1), name=f"keys:{workspace}")
+            )
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        self._tasks.clear()
+
+    async def _read(self, workspace: str) -> int:
+        backoff = 0.1
+        while True:
+            try:
+                snapshot = await self.store.get_prefix(grants_prefix(workspace))
+            except Exception as exc:
+                log.warning("reading the keys of %r failed: %s; retrying", workspace, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            self.ring.replace(workspace, snapshot.items)
+            return snapshot.revision
+
+    async def _watch(self, workspace: str, start_revision: int) -> None:
+        """Watch for ever; after a broken watch, read again and watch from that read."""
+        backoff = 0.1
+        while True:
+            try:
+                async for event in self.store.watch(grants_prefix(workspace), start_revision):
+                    if isinstance(event, Put):
+                        self.ring.put(event.key, event.value)
+                    elif isinstance(event, Delete):
+                        self.ring.delete(event.key)
+                    else:
+                        self.ring.replace(workspace, event.items)
+                    backoff = 0.1
+                log.warning("key watch of %r ended; restarting", workspace)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("key watch of %r failed: %s", workspace, exc)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+            start_revision = await self._read(workspace) + 1
+
+
+_models = msgspec.json.Decoder(dict[str, object])
+
+
+def models_for(body: bytes, grant: Grant | None) -> bytes:
+    """The `/v1/models` body with only the models `grant` may use."""
+    if grant is None or not grant.models:
+        return body
+    listing = _models.decode(body)
+    data = listing.get("data")
+    allowed = set(grant.models)
+    if isinstance(data, list):
+        listing["data"] = [m for m in data if isinstance(m, dict) and m.get("id") in allowed]
+    return msgspec.json.encode(listing)

@@ -1,0 +1,117 @@
+"""Usage in the catalog, on SQLite and PostgreSQL: batches add up per minute, a batch sent
+again is not counted twice, and the report groups by key, model or minute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shoal.catalog import CatalogClient, CatalogConfig, CatalogServer, InvalidError
+
+
+def row(key: str, model: str, minute: str, requests: int, prompt: int = 0, completion: int = 0,
+        status: str = "2xx", workspace: str = "team-a") -> dict[str, Any]:  # fmt: skip
+    return {
+        "workspace": workspace, "key": key, "model": model, "served_model": model,
+        "status_class": status, "minute": minute, "requests": requests,
+        "prompt_tokens": prompt, "completion_tokens": completion,
+    }  # fmt: skip
+
+
+async def test_batches_add_up_and_a_retried_batch_counts_once(client: CatalogClient) -> None:
+    first = {"batch_id": "batch-0001", "rows": [
+        row("a", "chat", "2030-01-01T00:00:10Z", 2, 10, 20),
+        row("a", "chat", "2030-01-01T00:00:50Z", 1, 5, 5),  # the same minute: added up
+        row("b", "embed", "2030-01-01T00:01:00Z", 4, 40, 0),
+        row("a", "chat", "2030-01-01T00:00:00Z", 3, 0, 0, status="4xx"),
+    ]}  # fmt: skip
+    assert await client.record_usage(first)
+    assert not await client.record_usage(first)  # its answer was lost: sent again
+    second = {"batch_id": "batch-0002", "rows": [row("a", "chat", "2030-01-01T00:01:00Z", 1, 1, 1)]}
+    assert await client.record_usage(second)
+    by_key = await client.usage(group_by="key")
+    assert [(i["key"], i["requests"], i["total_tokens"]) for i in by_key] == [
+        ("a", 7, 42), ("b", 4, 40)
+    ]  # fmt: skip
+    by_model = await client.usage(group_by="model", key="a")
+    assert [(i["model"], i["prompt_tokens"], i["completion_tokens"]) for i in by_model] == [
+        ("chat", 16, 26)
+    ]
+    by_minute = await client.usage(
+        group_by="minute", start="2030-01-01T00:01:00Z", end="2030-01-01T00:02:00Z"
+    )
+    assert [(i["minute"], i["requests"]) for i in by_minute] == [("2030-01-01T00:01:00Z", 5)]
+    assert await client.usage(workspace="other") == []
+
+
+async def test_a_bad_row_refuses_the_batch_naming_it(client: CatalogClient) -> None:
+    bad = {"batch_id": "batch-0003", "rows": [row("a", "chat", "2030-01-01T00:00:00Z", -1)]}
+    with pytest.raises(InvalidError) as caught:
+        await client.record_usage(bad)
+    assert caught.value.param == "rows.0.requests"
+    good = {"batch_id": "batch-0003", "rows": [row("a", "chat", "2030-01-01T00:00:00Z", 1)]}
+    assert await client.record_usage(good)  # the refused batch did not take its id
+
+
+async def test_usage_survives_a_catalog_restart(database_url: str) -> None:
+    for n in range(2):
+        server = CatalogServer(CatalogConfig(database_url, port=0))
+        await server.start()
+        try:
+            async with CatalogClient(server.url, workspace="team-a") as catalog:
+                batch = {"batch_id": f"restart-{n:04d}",
+                         "rows": [row("a", "chat", "2030-01-01T00:00:00Z", 1, 2, 3)]}  # fmt: skip
+                assert await catalog.record_usage(batch)
+                assert (await catalog.usage())[0]["requests"] == n + 1
+        finally:
+            await server.stop()
+
+
+async def test_catalog_usage_prints_the_sums(catalog: CatalogServer, client: CatalogClient) -> None:
+    from tests.catalog.test_cli import catalog_cli
+
+    await client.record_usage(
+        {"batch_id": "batch-cli1", "rows": [row("a", "chat", "2030-01-01T00:00:00Z", 2, 3, 4)]}
+    )
+    code, out, err = await catalog_cli("usage", "--url", catalog.url, "-w", "team-a")
+    assert code == 0, err
+    assert out.split() == ["KEY", "REQUESTS", "PROMPT_TOKENS", "COMPLETION_TOKENS",
+                           "TOTAL_TOKENS", "a", "2", "3", "4", "7"]  # fmt: skip
+
+
+@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="no /usr/bin/chromium")
+async def test_the_usage_page_shows_the_sums_per_key_then_per_minute(
+    catalog: CatalogServer, client: CatalogClient, tmp_path: Path
+) -> None:
+    from playwright.async_api import async_playwright
+
+    from tests.frontend.test_dashboard_browser import CHROMIUM_FLAGS
+
+    await client.record_usage({"batch_id": "batch-page", "rows": [
+        row("a", "chat", "2030-01-01T00:00:00Z", 2, 3, 4),
+        row("b", "chat", "2030-01-01T00:01:00Z", 1, 1, 1),
+    ]})  # fmt: skip
+    async with async_playwright() as playwright:
+        context = await playwright.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path="/usr/bin/chromium", headless=True,
+            args=CHROMIUM_FLAGS,
+        )  # fmt: skip
+        try:
+            page = context.pages[0] if context.pages else await context.new_page()
+            await page.goto(f"{catalog.url}/ui/usage")
+            await page.fill("input[name=workspace]", "team-a")
+            await page.click("button")
+            await page.wait_for_selector("#rows tbody tr:nth-child(2)")
+            cells = await page.locator("#rows tbody tr").all_inner_texts()
+            assert [c.split() for c in cells] == [
+                ["a", "2", "3", "4", "7"],
+                ["b", "1", "1", "1", "2"],
+            ]
+            await page.select_option("select[name=group_by]", "minute")
+            await page.click("button")
+            await page.wait_for_function("document.querySelector('#group').textContent == 'minute'")
+            assert await page.locator("#chart rect").count() == 2
+        finally:
+            await context.close()

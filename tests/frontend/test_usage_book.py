@@ -1,0 +1,37 @@
+"""`UsageBook`: counts per row, keeps batches while the catalog is away, bounded."""
+
+from __future__ import annotations
+
+from shoal.discovery.grants import Grant
+from shoal.frontend.usage import UsageBook, status_class
+from tests.helpers import free_port
+
+GRANT = Grant(workspace="w", name="team", hash="a" * 64)
+
+
+async def test_a_catalog_that_cannot_be_reached_keeps_a_bounded_backlog() -> None:
+    book = UsageBook(f"http://127.0.0.1:{free_port()}", max_rows=3, interval=3600)
+    await book.start()
+    try:
+        book.record(GRANT, "chat", "chat", 200, 1, 3)
+        book.record(GRANT, "chat", "chat", 200, 2, 5)  # the same row: added up
+        book.record(GRANT, "chat", "chat", 503, 0, 0)
+        assert sorted(book.rows.values()) == [[1, 0, 0], [2, 3, 8]]
+        await book.flush()
+        assert (len(book.pending), book.pending_rows, book.dropped_rows) == (1, 2, 0)
+        assert book.describe()["last_error"]
+        for model in ("a", "b"):
+            book.record(GRANT, model, model, 200, 1, 1)
+            await book.flush()  # each flush seals a batch, and fails again
+        described = book.describe()
+        assert (described["pending_batches"], described["pending_rows"]) == (2, 2)
+        assert described["dropped_rows"] == 2  # over 3 rows: the oldest batch went first
+        assert [batch["rows"][0]["model"] for batch in book.pending] == ["a", "b"]
+    finally:
+        await book.stop()
+
+
+def test_status_classes_are_the_four_the_catalog_knows() -> None:
+    assert [status_class(s) for s in (101, 200, 304, 429, 499, 503, 600)] == [
+        "2xx", "2xx", "3xx", "4xx", "4xx", "5xx", "5xx",
+    ]  # fmt: skip
