@@ -471,9 +471,11 @@ class Frontend:
         return None
 
     def _authorized(self, request: Request) -> bool:
-        """No key is configured, or the request bears one (`Bearer`, in any case)."""
+        """An operator's request: no key is configured, or it bears an `--api-key` (`Bearer`,
+        in any case). With `--auth keys` a team's key is not an operator's: without an
+        `--api-key` nobody is (details of `/health` then need `--public-health`)."""
         if not self._keys:
-            return True
+            return self.keys is None
         token = bearer_token(request.header(b"authorization"))
         return token is not None and any(hmac.compare_digest(token, k) for k in self._keys)
 

@@ -133,6 +133,9 @@ class Dashboard:
         self.streams: set[EventStream] = set()
         self.static: StaticFiles | None = None
         self._keys = tuple(key.encode() for key in frontend.config.api_keys)
+        # With `--auth keys`, team keys are for the API, not for the fleet's page: the page
+        # takes only an `--api-key` (an operator's key), and without one it stays shut.
+        self._closed = not self._keys and frontend.config.auth == "keys"
         self.sessions = Sessions()
         self._tls = frontend.config.tls_certfile is not None  # cookies are `Secure`
         self._sent: Sections | None = None  # what open streams were last sent
@@ -236,10 +239,10 @@ class Dashboard:
 
     @property
     def protected(self) -> bool:
-        return bool(self._keys)
+        return bool(self._keys) or self._closed
 
     def _authorize(self, request: Request) -> None:
-        if not self._keys:
+        if not self._keys and not self._closed:
             return
         token = bearer_token(request.header(b"authorization"))
         if token is not None and any(hmac.compare_digest(token, key) for key in self._keys):
@@ -251,7 +254,7 @@ class Dashboard:
 
     def _login(self, request: Request, conn: HttpConnection) -> None:
         key = login_key(request.body).encode()
-        if not self._keys:
+        if not self._keys and not self._closed:
             conn.send(200, b"{}")
             return
         if not any(hmac.compare_digest(key, known) for known in self._keys):
