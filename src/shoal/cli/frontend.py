@@ -213,7 +213,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         10,
         type=SECONDS,
         metavar="SECONDS",
-        help="how long the store may take to answer the first listing, and the namespace "
+        help="how long the store may take to answer the first listing (not to load the "
+        "fleet it lists: that takes as long as it needs, its progress in /health), and the namespace "
         "membership to set up its first selection (each bound on its own), before the frontend "
         "exits with an error naming what failed; outages after start are survived; also the "
         "time bound of each later membership update (default 10)",

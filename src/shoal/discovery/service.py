@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -500,8 +500,11 @@ class Discovery:
                 _report_malformed("instance", kv.key, exc, None)
         return instances
 
-    async def list(self, query: Query | None = None) -> list[ModelInstance]:
+    async def list(
+        self, query: Query | None = None, *, on_answer: Callable[[], None] | None = None
+    ) -> list[ModelInstance]:
         """Routable models in scope: cards whose endpoint instance is registered.
+        `on_answer` is called once the store has answered, before the values are parsed.
 
         Each listing starts from what the last one of the same query read (one
         `CardsAndInstances` per query): a value at the revisions it was read at is not
@@ -517,6 +520,8 @@ class Discovery:
             join = self._listed.pop(query, None) or CardsAndInstances(self.skipped)
             async with self._listing_slots:
                 snap = await self.store.get_prefixes((query.instances_prefix, query.models_prefix))
+            if on_answer is not None:
+                on_answer()
             touched = await join.replace_all(query, snap.items)
             await join.catch_up(touched)
             if query not in self._forgotten:

@@ -306,6 +306,10 @@ class Registry:
     def __contains__(self, key: ModelKey) -> bool:
         return key in self._members
 
+    def __len__(self) -> int:
+        """Cards joined to a worker set."""
+        return len(self._members)
+
     def member(self, key: ModelKey) -> Member | None:
         set_id = self._members.get(key)
         if set_id is None:
