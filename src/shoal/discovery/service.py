@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -183,9 +184,11 @@ def _parse_instance(kv_key: str, value: bytes) -> tuple[InstanceId, InstanceInfo
 
 
 class _HeldCard(msgspec.Struct, frozen=True, gc=False):
-    """A registered card, with the revisions of the store value it was read from (held by
-    the ten thousand: no reference cycle can go through it, so the collector skips it)."""
+    """A registered card and its key, with the revisions of the store value it was read
+    from (held by the ten thousand: no reference cycle can go through it, so the collector
+    skips it). Immutable: the readers of one `Discovery` that read the same value share it."""
 
+    key: ModelKey
     card: ModelCard
     create_revision: int
     mod_revision: int
@@ -211,10 +214,19 @@ class CardsAndInstances:
     - A value is parsed once per (`create_revision`, `mod_revision`): `replace` skips a key
       read at the revisions its value is held at. A value not held (malformed, or a change
       ignored) is parsed, and reported, on every `replace` that reads it.
+    - `peers`, the other readers of the same query (a frontend's listing and its watch
+      stream), share what they parsed: a value one of them holds at the revisions read is
+      taken from it, not parsed again, so one fleet is held in memory once, not per reader.
     """
 
-    def __init__(self, skipped: Skipped) -> None:
+    def __init__(
+        self, skipped: Skipped, peers: weakref.WeakSet[CardsAndInstances] | None = None
+    ) -> None:
         self.skipped = skipped
+        self.peers: weakref.WeakSet[CardsAndInstances] = (
+            weakref.WeakSet() if peers is None else peers
+        )
+        self.peers.add(self)
         self.cards: dict[ModelKey, _HeldCard] = {}
         self.instances: dict[InstanceId, InstanceInfo] = {}
         # The keys of `cards` by endpoint instance: an instance change touches its cards only.
@@ -256,14 +268,26 @@ class CardsAndInstances:
         else:
             touched.extend(self._put_card(kv_key, value, read_at))
 
+    def _peer(self, root: str, kv_key: str, revisions: tuple[int, int]) -> CardsAndInstances | None:
+        """Another reader of the query that holds the value of `kv_key` read at `revisions`."""
+        for peer in self.peers:
+            if peer is not self and peer.held[root].get(kv_key) == revisions:
+                return peer
+        return None
+
     def _put_instance(
         self, kv_key: str, value: bytes, revisions: tuple[int, int]
     ) -> Iterable[ModelKey]:
-        try:
-            ident, info = _parse_instance(kv_key, value)
-        except ValueError as exc:
-            _report_malformed("instance", kv_key, exc, self.skipped)
-            return ()
+        peer = self._peer(INSTANCES, kv_key, revisions)
+        shared = None if peer is None else peer.instances.get(ident := parse_instance_key(kv_key))
+        if peer is not None and shared is not None:
+            info, revisions = shared, peer.held[INSTANCES][kv_key]
+        else:
+            try:
+                ident, info = _parse_instance(kv_key, value)
+            except ValueError as exc:
+                _report_malformed("instance", kv_key, exc, self.skipped)
+                return ()
         self.skipped.pop(kv_key, None)
         self.instances[ident] = info
         self.held[INSTANCES][kv_key] = revisions
@@ -272,12 +296,17 @@ class CardsAndInstances:
     def _put_card(
         self, kv_key: str, value: bytes, revisions: tuple[int, int]
     ) -> Iterable[ModelKey]:
-        try:
-            key = parse_model_key(kv_key)
-            card = ModelCard.from_json(value)
-        except (ValueError, CardError) as exc:
-            _report_malformed("model", kv_key, exc, self.skipped)
-            return ()
+        peer = self._peer(MODELS, kv_key, revisions)
+        shared = None if peer is None else peer.cards.get(parse_model_key(kv_key))
+        if peer is not None and shared is not None:
+            key, card, revisions = shared.key, shared.card, peer.held[MODELS][kv_key]
+        else:
+            try:
+                key = parse_model_key(kv_key)
+                card = ModelCard.from_json(value)
+            except (ValueError, CardError) as exc:
+                _report_malformed("model", kv_key, exc, self.skipped)
+                return ()
         held = self.cards.get(key)
         if held is not None and not held.card.same_except_taints(card):
             IGNORED_CHANGES.inc()
@@ -287,7 +316,7 @@ class CardsAndInstances:
         self.skipped.pop(kv_key, None)
         if held is None:  # most instances serve one card: a list is smaller than a set
             self.cards_of.setdefault((key.endpoint, key.instance_id), []).append(key)
-        self.cards[key] = _HeldCard(card, revisions[0], revisions[1])
+        self.cards[key] = shared or _HeldCard(key, card, revisions[0], revisions[1])
         self.held[MODELS][kv_key] = revisions
         return (key,)
 
@@ -403,7 +432,21 @@ class CardsAndInstances:
             and before.revision == held.mod_revision
         ):
             return before, before
-        now = self.reported[key] = ModelInstance(key, held.card, info, held.mod_revision)
+        now = None
+        for peer in self.peers:  # the same model reported by another reader: shared
+            if peer is not self:
+                theirs = peer.reported.get(key)
+                if (
+                    theirs is not None
+                    and theirs.card is held.card
+                    and theirs.instance is info
+                    and theirs.revision == held.mod_revision
+                ):
+                    now = theirs
+                    break
+        if now is None:
+            now = ModelInstance(held.key, held.card, info, held.mod_revision)
+        self.reported[key] = now
         self._listing = None
         return before, now
 
@@ -440,6 +483,8 @@ class Discovery:
         self.store = store
         # What the last complete `list` of each query read, for the next one to start from.
         self._listed: dict[Query, CardsAndInstances] = {}
+        # Every reader of each query (its listing, its streams), sharing what they parsed.
+        self._readers: dict[Query, weakref.WeakSet[CardsAndInstances]] = {}
         # Listings in flight by query, and the queries forgotten while one was: not kept.
         self._listing: dict[Query, int] = {}
         self._forgotten: set[Query] = set()
@@ -517,7 +562,7 @@ class Discovery:
         try:
             # Taken out while it is updated: a listing that fails or is cancelled half-way,
             # or runs beside another of the same query, never leaves a half-updated join.
-            join = self._listed.pop(query, None) or CardsAndInstances(self.skipped)
+            join = self._listed.pop(query, None) or self._reader(query)
             async with self._listing_slots:
                 snap = await self.store.get_prefixes((query.instances_prefix, query.models_prefix))
             if on_answer is not None:
@@ -533,11 +578,19 @@ class Discovery:
                 del self._listing[query]
                 self._forgotten.discard(query)
 
+    def _reader(self, query: Query) -> CardsAndInstances:
+        """A new reader of `query`, sharing what the others parse."""
+        readers = self._readers.get(query)
+        if readers is None or not readers:
+            readers = self._readers[query] = weakref.WeakSet()
+        return CardsAndInstances(self.skipped, readers)
+
     def forget(self, query: Query) -> None:
         """Drop what `list` keeps of `query` (a namespace that left a reader's scope): its
         listings would otherwise stay in memory for good. A listing of `query` in flight
         now does not keep what it read either."""
         self._listed.pop(query, None)
+        self._readers.pop(query, None)
         if query in self._listing:
             self._forgotten.add(query)
 
@@ -554,7 +607,7 @@ class Discovery:
         """
         query = query or Query()
         prefixes = (query.instances_prefix, query.models_prefix)
-        join = CardsAndInstances(self.skipped)
+        join = self._reader(query)
         async with self._listing_slots:
             snap = await self.store.get_prefixes(prefixes)
         # A snapshot (here, and in a `Resync`) is applied to the stream's own join, then

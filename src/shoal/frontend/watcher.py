@@ -67,7 +67,7 @@ class State(enum.Enum):
     REFUSED = "refused"  # its checksum differs from its worker set's
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Registration:
     """What this frontend knows of one `ModelKey`, and how far its registration got."""
 
