@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import gc
 import json
 import tempfile
@@ -104,6 +105,7 @@ async def main() -> None:
     parser.add_argument("--tracemalloc", action="store_true")
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--profile", help="write a cProfile of the passes to this file")
     args = parser.parse_args()
 
     store = await open_store(args.store)
@@ -154,9 +156,15 @@ async def main() -> None:
     for _ in range(args.passes):
         probe = LoopHold()
         await asyncio.sleep(0.01)
+        profile = cProfile.Profile() if args.profile else None
+        if profile is not None:
+            profile.enable()
         t, cpu = time.perf_counter(), time.thread_time()
         repairs = await frontend.watcher.reconcile()
         walls.append(time.perf_counter() - t)
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(args.profile)
         cpus.append(time.thread_time() - cpu)
         holds.append(await probe.stop())
         gcs.append(probe.gc_worst)

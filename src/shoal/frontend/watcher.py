@@ -627,7 +627,7 @@ class ModelWatcher:
             self._add(model)
             return "register"
         current = registration.model
-        if (
+        if model is not current and (  # (readers share a model that did not move)
             current.card != model.card
             or current.instance != model.instance
             or current.revision != model.revision
@@ -657,6 +657,9 @@ class ModelWatcher:
 
     def _joined_as(self, key: ModelKey, model: ModelInstance) -> bool:
         """The registry holds `key` in the worker set, and with the checksum, discovery says."""
+        member = self.registry.member(key)
+        if member is not None and member.card is model.card:
+            return True  # joined with this very card: in the set it names, with its checksum
         ws = self.registry.worker_set(key)
         member = None if ws is None else ws.members.get(key)
         checksum = model.card.mdcsum
