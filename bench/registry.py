@@ -503,8 +503,10 @@ async def bench_backend(backend: str, args: argparse.Namespace, work: Path) -> d
                 after["shoal_frontend_reconcile_duration_seconds_count"]
                 - before["shoal_frontend_reconcile_duration_seconds_count"]
             )
-            res["cpu_per_pass_ms"] = (
+            res["cpu_per_pass_ms"] = (  # (no pass ended in the window: a pass is that slow)
                 (res["idle_cpu_reconciling"] - res["idle_cpu"]) * args.idle_seconds / passes * 1e3
+                if passes
+                else float("nan")
             )
             lat = await chat_latency(http, fb.ready["url"], mock_models, args.chat_seconds)
             res["rchat_n"] = len(lat)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -495,13 +496,27 @@ async def start_frontend(config: FrontendConfig, failed: str) -> Frontend | None
         print(f"{failed}: {exc}", file=sys.stderr)
         await frontend.stop()
         return None
+    except asyncio.CancelledError:  # stopped while starting (loading a large fleet)
+        await frontend.stop()
+        raise
     return frontend
 
 
 async def serve(config: FrontendConfig) -> int:
     stop = asyncio.Event()
     on_stop_signals(stop)
-    frontend = await start_frontend(config, "shoal frontend")
+    # A stop signal while discovery loads (a large fleet takes its time) ends the start.
+    starting = asyncio.create_task(start_frontend(config, "shoal frontend"))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not starting.done():
+        log.info("stopping while starting")
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return 0
+    frontend = starting.result()
     if frontend is None:
         return 1
     print_ready("frontend", url=frontend.url)
