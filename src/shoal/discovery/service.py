@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -183,6 +184,22 @@ def _parse_instance(kv_key: str, value: bytes) -> tuple[InstanceId, InstanceInfo
     return ident, info
 
 
+def _interned(card: ModelCard) -> ModelCard:
+    """`card` with the strings its model's other cards repeat (names, source, file names and
+    checksums) interned: ten thousand instances of a model hold one copy of each."""
+    files = {
+        sys.intern(name): msgspec.structs.replace(file, checksum=sys.intern(file.checksum))
+        for name, file in card.metadata_files.items()
+    }
+    return msgspec.structs.replace(
+        card,
+        display_name=sys.intern(card.display_name),
+        slug=sys.intern(card.slug),
+        source=sys.intern(card.source),
+        metadata_files=files,
+    )
+
+
 class _HeldCard(msgspec.Struct, frozen=True, gc=False):
     """A registered card and its key, with the revisions of the store value it was read
     from (held by the ten thousand: no reference cycle can go through it, so the collector
@@ -303,7 +320,7 @@ class CardsAndInstances:
         else:
             try:
                 key = parse_model_key(kv_key)
-                card = ModelCard.from_json(value)
+                card = _interned(ModelCard.from_json(value))
             except (ValueError, CardError) as exc:
                 _report_malformed("model", kv_key, exc, self.skipped)
                 return ()
