@@ -242,9 +242,9 @@ class Frontend:
 
         `StoreUnavailableError`, naming the store, if it does not answer the first listing
         within `setup_timeout` seconds (the fleet it lists then loads as long as its size
-        needs, its progress in `/health` and the log); the membership's `MembershipError` (its own bound of
-        the same length) naming why its first selection is not in force; outages after that
-        are survived.
+        needs, its progress in `/health` and the log); the membership's `MembershipError`
+        (its own bound of the same length) naming why its first selection is not in force;
+        outages after that are survived.
         """
         config = self.config
         try:
