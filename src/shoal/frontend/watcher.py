@@ -55,8 +55,7 @@ from shoal.frontend.versions import Versions
 log = logging.getLogger(__name__)
 
 APPLY_BATCH = 64
-"""Keys a reconciliation pass repairs (or events a stream applies) between two yields to
-the event loop."""
+"""Keys a reconciliation pass repairs between two yields to the event loop."""
 PROGRESS_INTERVAL = 5.0
 """Seconds between two log lines of the first snapshot's progress while it loads."""
 
@@ -288,13 +287,9 @@ class ModelWatcher:
         backoff = 0.1
         while True:
             try:
-                n = 0
                 async for event in self.discovery.list_and_watch(query):
                     self.handle(event)
                     backoff = 0.1
-                    n += 1
-                    if n % APPLY_BATCH == 0:  # a snapshot's events come all at once
-                        await asyncio.sleep(0)
                 log.warning("discovery stream of %s ended; restarting", query.models_prefix)
             except asyncio.CancelledError:
                 raise
