@@ -181,9 +181,11 @@ async def spawn(args: list[str], component: str, log: Path, timeout: float = 60)
             return child
 
 
-async def start_frontend(store_url: str, cache: Path, interval: float, log: Path) -> Child:
+async def start_frontend(
+    store_url: str, cache: Path, interval: float, log: Path, *extra: str
+) -> Child:
     args = ["-m", "shoal.cli.main", "frontend", "--store", store_url, "--port", "0"]
-    args += ["--cache-dir", str(cache), "--reconcile-interval", str(interval)]
+    args += ["--cache-dir", str(cache), "--reconcile-interval", str(interval), *extra]
     if profile := os.environ.get("SHOAL_BENCH_PROFILE"):
         # cProfile of the frontend, written when it exits (`python -m pstats FILE`).
         args = ["-m", "cProfile", "-o", f"{profile}.{interval:g}", *args]
@@ -405,7 +407,7 @@ async def idle_cpu(child: Child, seconds: float) -> float:
 
 
 async def bench_backend(backend: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    res: dict[str, Any] = {}
+    res: dict[str, Any] = {"instances": args.instances}
     server: EtcdServer | None = None
     children: list[Child] = []
     store: Store | None = None
@@ -447,6 +449,13 @@ async def bench_backend(backend: str, args: argparse.Namespace, work: Path) -> d
             if server is not None and server.proc is not None:
                 ours.append(server.proc.pid)
             foreign = Foreign(ours)
+            # The empty frontend (a namespace nobody registered in): what RSS is counted over.
+            empty = await start_frontend(
+                url, work / "cache-empty", 3600, log, "--namespace", "none"
+            )
+            await asyncio.sleep(1)
+            res["empty_rss_mib"] = empty.rss_mib()
+            await empty.stop()
             res["quiet_wait_s"] = await foreign.wait_for_quiet(args.quiet_wait)
             fa = await start_frontend(url, cache, 3600, log)
             children.append(fa)
@@ -494,8 +503,10 @@ async def bench_backend(backend: str, args: argparse.Namespace, work: Path) -> d
                 after["shoal_frontend_reconcile_duration_seconds_count"]
                 - before["shoal_frontend_reconcile_duration_seconds_count"]
             )
-            res["cpu_per_pass_ms"] = (
+            res["cpu_per_pass_ms"] = (  # (no pass ended in the window: a pass is that slow)
                 (res["idle_cpu_reconciling"] - res["idle_cpu"]) * args.idle_seconds / passes * 1e3
+                if passes
+                else float("nan")
             )
             lat = await chat_latency(http, fb.ready["url"], mock_models, args.chat_seconds)
             res["rchat_n"] = len(lat)
@@ -533,6 +544,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("/v1/models p50 / p99 (ms)", "< 5", "{models_p50_ms:.2f} / {models_p99_ms:.2f}"),
     ("/v1/models p50 / p99, reconciling every 1 s (ms)", "< 5", "{rmodels_p50_ms:.2f} / {rmodels_p99_ms:.2f}"),
     ("frontend RSS after load / after tries (MiB)", "", "{rss_mib:.0f} / {rss_after_mib:.0f}"),
+    ("frontend RSS with no instance (MiB)", "", "{empty_rss_mib:.0f}"),
+    ("RSS per instance over the empty frontend (KB)", "≤ 5", "{rss_per_instance_kb:.1f}"),
     ("reconciliation pass wall mean / max bucket (ms)", "< 1000", "{pass_mean_ms:.0f} / ≤{pass_max_ms:.0f}"),
     ("reconciliation pass CPU (ms)", "", "{cpu_per_pass_ms:.0f}"),
     ("idle CPU, interval 3600 s / 1 s (%)", "", "{idle_cpu_pct:.1f} / {idle_cpu_reconciling_pct:.1f}"),
@@ -554,6 +567,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         for b in backends:
             r = dict(results[b])
             r["idle_cpu_pct"] = r["idle_cpu"] * 100
+            r["rss_per_instance_kb"] = (r["rss_mib"] - r["empty_rss_mib"]) * 1024 / r["instances"]
             r["idle_cpu_reconciling_pct"] = r["idle_cpu_reconciling"] * 100
             cells.append(fmt.format(**r))
         lines.append(f"| {label} | {target} | {' | '.join(cells)} |")

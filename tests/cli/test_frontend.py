@@ -1,14 +1,19 @@
-"""`shoal frontend` and `shoal up` flags: every flag falls back to `SHOAL_<NAME>`."""
+"""`shoal frontend` and `shoal up`: every flag falls back to `SHOAL_<NAME>`; stopping while starting."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
-from shoal.cli.frontend import config_from_args
+from shoal.cli.frontend import config_from_args, serve
 from shoal.cli.main import build_parser
 from shoal.cli.up import banner
+from shoal.frontend import FrontendConfig
+from shoal.frontend.watcher import ModelWatcher
 
 
 def test_frontend_flags_have_laptop_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,3 +103,29 @@ def test_key_flags_reach_the_frontend_config(monkeypatch: pytest.MonkeyPatch) ->
     assert (config.catalog_url, config.catalog_token) == ("http://c", "t")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["frontend", "--auth", "nobody"])
+
+
+async def test_a_stop_signal_ends_a_frontend_still_loading_discovery(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A large fleet takes its time to load once the store answered: SIGTERM meanwhile stops
+    the frontend then, not once everything is loaded."""
+    loading = asyncio.Event()
+
+    async def endless_load(self: ModelWatcher) -> None:  # the store answered; loading goes on
+        self.store_answered.set()
+        loading.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(ModelWatcher, "start", endless_load)
+    config = FrontendConfig(store_url="memory://stop-while-loading", port=0, cache_dir=tmp_path)
+    serving = asyncio.create_task(serve(config))
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.wait_for(loading.wait(), 10)
+        os.kill(os.getpid(), signal.SIGTERM)  # (serve's handler sets its stop event)
+        assert await asyncio.wait_for(serving, 10) == 0
+    finally:
+        serving.cancel()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

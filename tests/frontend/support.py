@@ -313,12 +313,14 @@ class FilteringDiscovery(Discovery):
                 continue
             yield event
 
-    async def list(self, query: Query | None = None) -> list[ModelInstance]:
+    async def list(
+        self, query: Query | None = None, *, on_answer: Callable[[], None] | None = None
+    ) -> list[ModelInstance]:
         self.list_calls += 1
         if self.list_failures > 0:
             self.list_failures -= 1
             raise ConnectionError("injected discovery failure")
-        listed = await super().list(query)
+        listed = await super().list(query, on_answer=on_answer)
         if self.hold_listings is not None:
             await self.hold_listings.wait()  # the listing goes stale meanwhile
         return listed

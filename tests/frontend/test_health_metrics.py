@@ -44,7 +44,8 @@ async def test_health_is_503_until_the_first_snapshot_then_lists_what_it_knows(
     try:
         await wait_for(lambda: frontend.server is not None and discovery.list_calls >= 1)
         status, body = await get(f"{frontend.url}/health")
-        assert (status, body) == (503, {"status": "starting"})
+        assert (status, body["status"]) == (503, "starting"), body
+        assert body["loading"]["listed"] is None  # (the listing has not answered)
         assert (await get(f"{frontend.url}/live"))[0] == 200
         await starting
         await wait_for(lambda: serving(frontend))

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -17,10 +18,10 @@ from typing import IO
 import pytest
 from aiohttp import web
 
-from shoal.cards import ModelCard
+from shoal.cards import MetadataFile, ModelCard
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
 from shoal.frontend import Frontend
-from shoal.frontend.metadata import MetadataCache
+from shoal.frontend.metadata import MetadataCache, MetadataError
 from shoal.frontend.watcher import ModelWatcher, State
 from shoal.store import Lease, Store
 from tests.frontend.conftest import StartFrontend
@@ -356,3 +357,46 @@ def test_stale_temporary_files_of_dead_processes_are_removed_at_start(tmp_path: 
     MetadataCache(directory)
     assert not stale.exists()
     assert fresh.exists()  # may belong to a live frontend sharing the directory
+
+
+async def test_a_card_arriving_as_a_shared_download_fails_takes_over_without_spinning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A card whose file is being downloaded with another worker's URL, arriving in the loop
+    turn in which that download failed (before its done-callback ran), waited on the failed
+    download again and again without ever yielding: the frontend's loop spun for good."""
+    cache = MetadataCache(tmp_path / "cache")
+    checksum = "sha256:" + "0" * 64
+    downloads: list[str] = []
+
+    async def failing_download(name: str, file: MetadataFile) -> None:
+        downloads.append(file.url)
+        raise MetadataError(f"{file.url} failed")
+
+    monkeypatch.setattr(cache, "_download", failing_download)
+
+    def card(url: str) -> ModelCard:
+        return ModelCard.build(
+            display_name="m", slug="m", source="s", model_types=["chat"], context_length=8,
+            metadata_files={"config.json": {"url": url, "checksum": checksum, "size": 1}},
+        )  # fmt: skip
+
+    late: list[asyncio.Task[None]] = []
+
+    async def arrive_late() -> None:  # runs in the turn after the first download started
+        late.append(asyncio.create_task(cache.fetch(card("http://b/config.json"))))
+
+    def spinning(signum: int, frame: object) -> None:
+        raise TimeoutError("the fetch spun without yielding to the event loop")
+
+    previous = signal.signal(signal.SIGALRM, spinning)
+    signal.setitimer(signal.ITIMER_REAL, 5)
+    try:
+        first = asyncio.create_task(cache.fetch(card("http://a/config.json")))
+        await asyncio.create_task(arrive_late())
+        results = await asyncio.gather(first, *late, return_exceptions=True)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert [type(r) for r in results] == [MetadataError, MetadataError], results
+    assert downloads == ["http://a/config.json", "http://b/config.json"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
@@ -333,11 +333,13 @@ class BrokenStreams(FilteringDiscovery):
         raise ConnectionError("injected stream failure")
         yield  # pragma: no cover - makes this an async generator
 
-    async def list(self, query: Query | None = None) -> list[ModelInstance]:
+    async def list(
+        self, query: Query | None = None, *, on_answer: Callable[[], None] | None = None
+    ) -> list[ModelInstance]:
         self.listing += 1
         self.most_listing = max(self.most_listing, self.listing)
         try:
-            return await super().list(query)
+            return await super().list(query, on_answer=on_answer)
         finally:
             self.listing -= 1
 

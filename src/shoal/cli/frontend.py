@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -247,7 +248,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         10,
         type=SECONDS,
         metavar="SECONDS",
-        help="how long the store may take to answer the first listing, and the namespace "
+        help="how long the store may take to answer the first listing (not to load the "
+        "fleet it lists: that takes as long as it needs, its progress in /health), and the namespace "
         "membership to set up its first selection (each bound on its own), before the frontend "
         "exits with an error naming what failed; outages after start are survived; also the "
         "time bound of each later membership update (default 10)",
@@ -533,13 +535,27 @@ async def start_frontend(config: FrontendConfig, failed: str) -> Frontend | None
         print(f"{failed}: {exc}", file=sys.stderr)
         await frontend.stop()
         return None
+    except asyncio.CancelledError:  # stopped while starting (loading a large fleet)
+        await frontend.stop()
+        raise
     return frontend
 
 
 async def serve(config: FrontendConfig) -> int:
     stop = asyncio.Event()
     on_stop_signals(stop)
-    frontend = await start_frontend(config, "shoal frontend")
+    # A stop signal while discovery loads (a large fleet takes its time) ends the start.
+    starting = asyncio.create_task(start_frontend(config, "shoal frontend"))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not starting.done():
+        log.info("stopping while starting")
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return 0
+    frontend = starting.result()
     if frontend is None:
         return 1
     print_ready("frontend", url=frontend.url)

@@ -29,7 +29,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+import sys
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -182,10 +184,28 @@ def _parse_instance(kv_key: str, value: bytes) -> tuple[InstanceId, InstanceInfo
     return ident, info
 
 
-class _HeldCard(msgspec.Struct, frozen=True, gc=False):
-    """A registered card, with the revisions of the store value it was read from (held by
-    the ten thousand: no reference cycle can go through it, so the collector skips it)."""
+def _interned(card: ModelCard) -> ModelCard:
+    """`card` with the strings its model's other cards repeat (names, source, file names and
+    checksums) interned: ten thousand instances of a model hold one copy of each."""
+    files = {
+        sys.intern(name): msgspec.structs.replace(file, checksum=sys.intern(file.checksum))
+        for name, file in card.metadata_files.items()
+    }
+    return msgspec.structs.replace(
+        card,
+        display_name=sys.intern(card.display_name),
+        slug=sys.intern(card.slug),
+        source=sys.intern(card.source),
+        metadata_files=files,
+    )
 
+
+class _HeldCard(msgspec.Struct, frozen=True, gc=False):
+    """A registered card and its key, with the revisions of the store value it was read
+    from (held by the ten thousand: no reference cycle can go through it, so the collector
+    skips it). Immutable: the readers of one `Discovery` that read the same value share it."""
+
+    key: ModelKey
     card: ModelCard
     create_revision: int
     mod_revision: int
@@ -211,10 +231,19 @@ class CardsAndInstances:
     - A value is parsed once per (`create_revision`, `mod_revision`): `replace` skips a key
       read at the revisions its value is held at. A value not held (malformed, or a change
       ignored) is parsed, and reported, on every `replace` that reads it.
+    - `peers`, the other readers of the same query (a frontend's listing and its watch
+      stream), share what they parsed: a value one of them holds at the revisions read is
+      taken from it, not parsed again, so one fleet is held in memory once, not per reader.
     """
 
-    def __init__(self, skipped: Skipped) -> None:
+    def __init__(
+        self, skipped: Skipped, peers: weakref.WeakSet[CardsAndInstances] | None = None
+    ) -> None:
         self.skipped = skipped
+        self.peers: weakref.WeakSet[CardsAndInstances] = (
+            weakref.WeakSet() if peers is None else peers
+        )
+        self.peers.add(self)
         self.cards: dict[ModelKey, _HeldCard] = {}
         self.instances: dict[InstanceId, InstanceInfo] = {}
         # The keys of `cards` by endpoint instance: an instance change touches its cards only.
@@ -256,14 +285,26 @@ class CardsAndInstances:
         else:
             touched.extend(self._put_card(kv_key, value, read_at))
 
+    def _peer(self, root: str, kv_key: str, revisions: tuple[int, int]) -> CardsAndInstances | None:
+        """Another reader of the query that holds the value of `kv_key` read at `revisions`."""
+        for peer in self.peers:
+            if peer is not self and peer.held[root].get(kv_key) == revisions:
+                return peer
+        return None
+
     def _put_instance(
         self, kv_key: str, value: bytes, revisions: tuple[int, int]
     ) -> Iterable[ModelKey]:
-        try:
-            ident, info = _parse_instance(kv_key, value)
-        except ValueError as exc:
-            _report_malformed("instance", kv_key, exc, self.skipped)
-            return ()
+        peer = self._peer(INSTANCES, kv_key, revisions)
+        shared = None if peer is None else peer.instances.get(ident := parse_instance_key(kv_key))
+        if peer is not None and shared is not None:
+            info, revisions = shared, peer.held[INSTANCES][kv_key]
+        else:
+            try:
+                ident, info = _parse_instance(kv_key, value)
+            except ValueError as exc:
+                _report_malformed("instance", kv_key, exc, self.skipped)
+                return ()
         self.skipped.pop(kv_key, None)
         self.instances[ident] = info
         self.held[INSTANCES][kv_key] = revisions
@@ -272,12 +313,17 @@ class CardsAndInstances:
     def _put_card(
         self, kv_key: str, value: bytes, revisions: tuple[int, int]
     ) -> Iterable[ModelKey]:
-        try:
-            key = parse_model_key(kv_key)
-            card = ModelCard.from_json(value)
-        except (ValueError, CardError) as exc:
-            _report_malformed("model", kv_key, exc, self.skipped)
-            return ()
+        peer = self._peer(MODELS, kv_key, revisions)
+        shared = None if peer is None else peer.cards.get(parse_model_key(kv_key))
+        if peer is not None and shared is not None:
+            key, card, revisions = shared.key, shared.card, peer.held[MODELS][kv_key]
+        else:
+            try:
+                key = parse_model_key(kv_key)
+                card = _interned(ModelCard.from_json(value))
+            except (ValueError, CardError) as exc:
+                _report_malformed("model", kv_key, exc, self.skipped)
+                return ()
         held = self.cards.get(key)
         if held is not None and not held.card.same_except_taints(card):
             IGNORED_CHANGES.inc()
@@ -287,7 +333,7 @@ class CardsAndInstances:
         self.skipped.pop(kv_key, None)
         if held is None:  # most instances serve one card: a list is smaller than a set
             self.cards_of.setdefault((key.endpoint, key.instance_id), []).append(key)
-        self.cards[key] = _HeldCard(card, revisions[0], revisions[1])
+        self.cards[key] = shared or _HeldCard(key, card, revisions[0], revisions[1])
         self.held[MODELS][kv_key] = revisions
         return (key,)
 
@@ -403,7 +449,21 @@ class CardsAndInstances:
             and before.revision == held.mod_revision
         ):
             return before, before
-        now = self.reported[key] = ModelInstance(key, held.card, info, held.mod_revision)
+        now = None
+        for peer in self.peers:  # the same model reported by another reader: shared
+            if peer is not self:
+                theirs = peer.reported.get(key)
+                if (
+                    theirs is not None
+                    and theirs.card is held.card
+                    and theirs.instance is info
+                    and theirs.revision == held.mod_revision
+                ):
+                    now = theirs
+                    break
+        if now is None:
+            now = ModelInstance(held.key, held.card, info, held.mod_revision)
+        self.reported[key] = now
         self._listing = None
         return before, now
 
@@ -440,6 +500,8 @@ class Discovery:
         self.store = store
         # What the last complete `list` of each query read, for the next one to start from.
         self._listed: dict[Query, CardsAndInstances] = {}
+        # Every reader of each query (its listing, its streams), sharing what they parsed.
+        self._readers: dict[Query, weakref.WeakSet[CardsAndInstances]] = {}
         # Listings in flight by query, and the queries forgotten while one was: not kept.
         self._listing: dict[Query, int] = {}
         self._forgotten: set[Query] = set()
@@ -500,8 +562,11 @@ class Discovery:
                 _report_malformed("instance", kv.key, exc, None)
         return instances
 
-    async def list(self, query: Query | None = None) -> list[ModelInstance]:
+    async def list(
+        self, query: Query | None = None, *, on_answer: Callable[[], None] | None = None
+    ) -> list[ModelInstance]:
         """Routable models in scope: cards whose endpoint instance is registered.
+        `on_answer` is called once the store has answered, before the values are parsed.
 
         Each listing starts from what the last one of the same query read (one
         `CardsAndInstances` per query): a value at the revisions it was read at is not
@@ -514,9 +579,11 @@ class Discovery:
         try:
             # Taken out while it is updated: a listing that fails or is cancelled half-way,
             # or runs beside another of the same query, never leaves a half-updated join.
-            join = self._listed.pop(query, None) or CardsAndInstances(self.skipped)
+            join = self._listed.pop(query, None) or self._reader(query)
             async with self._listing_slots:
                 snap = await self.store.get_prefixes((query.instances_prefix, query.models_prefix))
+            if on_answer is not None:
+                on_answer()
             touched = await join.replace_all(query, snap.items)
             await join.catch_up(touched)
             if query not in self._forgotten:
@@ -528,11 +595,19 @@ class Discovery:
                 del self._listing[query]
                 self._forgotten.discard(query)
 
+    def _reader(self, query: Query) -> CardsAndInstances:
+        """A new reader of `query`, sharing what the others parse."""
+        readers = self._readers.get(query)
+        if readers is None or not readers:
+            readers = self._readers[query] = weakref.WeakSet()
+        return CardsAndInstances(self.skipped, readers)
+
     def forget(self, query: Query) -> None:
         """Drop what `list` keeps of `query` (a namespace that left a reader's scope): its
         listings would otherwise stay in memory for good. A listing of `query` in flight
         now does not keep what it read either."""
         self._listed.pop(query, None)
+        self._readers.pop(query, None)
         if query in self._listing:
             self._forgotten.add(query)
 
@@ -549,7 +624,7 @@ class Discovery:
         """
         query = query or Query()
         prefixes = (query.instances_prefix, query.models_prefix)
-        join = CardsAndInstances(self.skipped)
+        join = self._reader(query)
         async with self._listing_slots:
             snap = await self.store.get_prefixes(prefixes)
         # A snapshot (here, and in a `Resync`) is applied to the stream's own join, then
@@ -557,9 +632,14 @@ class Discovery:
         # first listing of 20,000 models held a frontend's loop ~0.5 s. A consumer applying
         # the events meanwhile is never worse off: arrivals come before departures.
         touched = await join.replace_all(query, snap.items)
+        revision = snap.revision
+        # This generator lives as long as the stream: it must not keep the values it read
+        # (at 30,000 instances the snapshot's bytes were a third of a frontend's memory).
+        del snap
         async for event in _paced(await join.report(touched)):
             yield event
-        watch = self.store.watch_prefixes(prefixes, snap.revision + 1)
+        del touched
+        watch = self.store.watch_prefixes(prefixes, revision + 1)
         async with contextlib.aclosing(watch):
             async for ev in watch:
                 if isinstance(ev, Resync):
@@ -568,5 +648,6 @@ class Discovery:
                     keys = join.put(ev.key, ev.value, 0, ev.revision)
                 else:
                     keys = list(join.delete(ev.key))
+                del ev  # (nor the last `Resync`'s)
                 async for event in _paced(await join.report(keys)):
                     yield event

@@ -236,6 +236,7 @@ class Frontend:
         self.dashboard = Dashboard(self)
         self.dashboard.reader.routes = lambda: self.routes.describe()["models"]
         self.watcher: ModelWatcher | None = None
+        self._loading: asyncio.Task[None] | None = None  # the first discovery snapshot
         self.reconciler: Reconciler | None = None
         self.server: HttpServer | None = None
         self.metrics_server: HttpServer | None = None  # `/metrics` alone, on `metrics_port`
@@ -265,22 +266,33 @@ class Frontend:
         then put the first membership selection in force (when the scope follows one).
 
         `StoreUnavailableError`, naming the store, if it does not answer the first listing
-        within `setup_timeout` seconds; the membership's `MembershipError` (its own bound of
-        the same length) naming why its first selection is not in force; outages after that
-        are survived.
+        within `setup_timeout` seconds (the fleet it lists then loads as long as its size
+        needs, its progress in `/health` and the log); the membership's `MembershipError`
+        (its own bound of the same length) naming why its first selection is not in force;
+        outages after that are survived.
         """
         config = self.config
         try:
-            async with asyncio.timeout(config.setup_timeout):
-                await self._set_up()
-        except TimeoutError:
-            url = config.store_url or (
-                self.discovery.store.url if self.discovery is not None else default_store_url()
-            )
-            raise StoreUnavailableError(
-                f"store {url} did not answer within {config.setup_timeout:g}s "
-                "(--setup-timeout); is it running and reachable?"
-            ) from None
+            try:
+                async with asyncio.timeout(config.setup_timeout):
+                    await self._set_up()
+            except TimeoutError:
+                url = config.store_url or (
+                    self.discovery.store.url if self.discovery is not None else default_store_url()
+                )
+                raise StoreUnavailableError(
+                    f"store {url} did not answer within {config.setup_timeout:g}s "
+                    "(--setup-timeout); is it running and reachable?"
+                ) from None
+            # The store answered: loading the fleet it listed takes as long as its size
+            # needs (`/health` and the log tell the progress); not ready until it is loaded.
+            assert self._loading is not None
+            await self._loading
+        except BaseException:
+            if self._loading is not None:
+                self._loading.cancel()
+                await asyncio.gather(self._loading, return_exceptions=True)
+            raise
         assert self.watcher is not None and self.discovery is not None
         if self._membership_factory is not None:
             # Bounded by the membership's own setup timeout, not the store's above: its
@@ -342,7 +354,14 @@ class Frontend:
             self.metrics_server = HttpServer(self._serve_metrics, max_body=0, max_connections=64)
             await self.metrics_server.start(config.host, config.metrics_port)
         self.dashboard.start()
-        await self.watcher.start()
+        self._loading = asyncio.create_task(self.watcher.start(), name="discovery:load")
+        answered = asyncio.create_task(self.watcher.store_answered.wait())
+        try:
+            await asyncio.wait((self._loading, answered), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            answered.cancel()
+        if self._loading.done():
+            self._loading.result()  # (raises what loading raised)
         self.route_watcher = RouteWatcher(
             self.discovery.store, self.routes, secrets_interval=config.reconcile_interval
         )
@@ -363,6 +382,9 @@ class Frontend:
         if self.metrics_server is not None:
             await self.metrics_server.close(0)
         await self.manager.stop_all()
+        if self._loading is not None and not self._loading.done():
+            self._loading.cancel()
+            await asyncio.gather(self._loading, return_exceptions=True)
         if self.membership is not None:
             await self.membership.stop()
         if self.watcher is not None:
@@ -603,8 +625,10 @@ class Frontend:
         """503 while starting or draining; else 200 with what the registry knows."""
         if self.draining:
             return 503, {"status": "draining"}
-        if self.watcher is None or not self.watcher.snapshot_loaded.is_set():
+        if self.watcher is None:
             return 503, {"status": "starting"}
+        if not self.watcher.snapshot_loaded.is_set():
+            return 503, {"status": "starting", "loading": self.watcher.progress()}
         models = {
             name: {
                 "serving": model.serving,

@@ -187,7 +187,10 @@ class MetadataCache:
                 except MetadataError:
                     if mine:
                         raise
-                    # another worker's copy failed: loop, and take over if nobody has
+                    # another worker's copy failed: loop, and take over if nobody has. Yield
+                    # first: a download that failed before this card came is awaited without
+                    # a yield, and its done-callback (which clears `shared.task`) must run.
+                    await asyncio.sleep(0)
         finally:
             shared.waiters -= 1
             self._end_round(file.checksum, shared)

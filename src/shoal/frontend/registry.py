@@ -49,6 +49,10 @@ class SetId(NamedTuple):
         return cls(card.display_name, key.endpoint.namespace, key.endpoint.component, card.role)
 
 
+_TYPES: dict[tuple[ModelType, ...], frozenset[ModelType]] = {}
+"""One frozenset per list of request kinds a card declares, shared by the members."""
+
+
 @dataclass(eq=False, slots=True)
 class Member:
     """A card that joined its worker set, and the instance that serves it."""
@@ -59,7 +63,8 @@ class Member:
     model_types: frozenset[ModelType] = field(init=False)  # the request kinds it declares
 
     def __post_init__(self) -> None:
-        self.model_types = frozenset(self.card.model_types)
+        types = tuple(self.card.model_types)
+        self.model_types = _TYPES.get(types) or _TYPES.setdefault(types, frozenset(types))
 
     @property
     def tainted(self) -> bool:
@@ -306,6 +311,10 @@ class Registry:
     def __contains__(self, key: ModelKey) -> bool:
         return key in self._members
 
+    def __len__(self) -> int:
+        """Cards joined to a worker set."""
+        return len(self._members)
+
     def member(self, key: ModelKey) -> Member | None:
         set_id = self._members.get(key)
         if set_id is None:
@@ -335,7 +344,7 @@ class Registry:
         if ws is None:
             ws = entry.sets[set_id] = WorkerSet(set_id, card.mdcsum, card.pairsum)
         ws.members[key] = Member(key, card, self._acquire_upstream(model))
-        self._members[key] = set_id
+        self._members[key] = ws.id  # (one id per set, not one per member)
         entry.refresh()
         self.version += 1
         for observer in self.observers:

@@ -17,7 +17,7 @@ Store revisions are the same for every reader, so two frontends elect the same c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 K = TypeVar("K")
 S = TypeVar("S")
@@ -25,10 +25,11 @@ S = TypeVar("S")
 _Oldest = tuple[int, str] | None  # (revision, str(key)) of the oldest card, None: recompute
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Version(Generic[K]):
     """The cards of one checksum in one worker set: key -> (revision, tainted)."""
 
+    where: tuple[Any, str] = (None, "")  # (its set's id, its checksum)
     cards: dict[K, tuple[int, bool]] = field(default_factory=dict)
     untainted: int = 0
     oldest_untainted: _Oldest = None
@@ -90,9 +91,9 @@ class Versions(Generic[S, K]):
         versions = self._sets.setdefault(set_id, {})
         version = versions.get(checksum)
         if version is None:
-            version = versions[checksum] = _Version()
+            version = versions[checksum] = _Version(where=(set_id, checksum))
         version.put(key, revision, tainted)
-        self._where[key] = (set_id, checksum)
+        self._where[key] = version.where  # (one tuple per version, not one per card)
 
     def drop(self, key: K) -> None:
         """Forget the card at `key`, if known."""

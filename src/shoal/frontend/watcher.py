@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 APPLY_BATCH = 64
 """Keys a reconciliation pass repairs between two yields to the event loop."""
+PROGRESS_INTERVAL = 5.0
+"""Seconds between two log lines of the first snapshot's progress while it loads."""
 
 
 class State(enum.Enum):
@@ -64,7 +66,7 @@ class State(enum.Enum):
     REFUSED = "refused"  # its checksum differs from its worker set's
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Registration:
     """What this frontend knows of one `ModelKey`, and how far its registration got."""
 
@@ -140,6 +142,10 @@ class ModelWatcher:
         self.queries = [Query(namespace=ns) for ns in namespaces] or [Query()]
         self.registrations: dict[ModelKey, Registration] = {}
         self.snapshot_loaded = asyncio.Event()
+        # Set when the store answered the first listing: what a setup timeout bounds (the
+        # fleet it lists then takes as long as its size needs, with `progress()` reported).
+        self.store_answered = asyncio.Event()
+        self.listed: int | None = None  # keys in the last listing, once it is read
         self._generations: dict[ModelKey, int] = {}
         self._clock = 0
         self._epochs: list[int] = []  # of the listings being applied now
@@ -158,11 +164,37 @@ class ModelWatcher:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the event streams, then load the first snapshot (retrying until it works)."""
+        """Start the event streams, then load the first snapshot (retrying until it works).
+        `store_answered` is set once the store answered; until the snapshot is loaded, a log
+        line tells the progress every `PROGRESS_INTERVAL` seconds."""
         for query in self.queries:
             self._spawn(self._watch(query), f"watch:{query.models_prefix}")
-        await self._resync()
+        reporter = self._spawn(self._report_progress(), "discovery:progress")
+        try:
+            await self._resync()
+        finally:
+            reporter.cancel()
         self.snapshot_loaded.set()
+        log.info("discovery loaded: %s", self._progress_line())
+
+    def progress(self) -> dict[str, int | None]:
+        """How far loading got: model instances listed (None until the store answered),
+        registered (known to this frontend) and joined (routable, or tainted)."""
+        return {
+            "listed": self.listed,
+            "registered": len(self.registrations),
+            "joined": len(self.registry),
+        }
+
+    def _progress_line(self) -> str:
+        p = self.progress()
+        listed = "?" if p["listed"] is None else f"{p['listed']:,}"
+        return f"{p['registered']:,} of {listed} model instances registered, {p['joined']:,} joined"
+
+    async def _report_progress(self) -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL)
+            log.info("loading discovery: %s", self._progress_line())
 
     async def stop(self) -> None:
         tasks = list(self._tasks)
@@ -514,7 +546,7 @@ class ModelWatcher:
         listed: dict[ModelKey, ModelInstance] = {}
         for query in self.queries:
             try:
-                models = await self.discovery.list(query)
+                models = await self.discovery.list(query, on_answer=self.store_answered.set)
             except Exception as exc:
                 self.store.failed(exc)
                 raise
@@ -523,6 +555,8 @@ class ModelWatcher:
                 if i % APPLY_BATCH == 0:
                     await asyncio.sleep(0)
         self.store.answered()
+        self.store_answered.set()  # (also with no query: nothing to wait for)
+        self.listed = len(listed)
         return listed
 
     async def _apply(
@@ -588,7 +622,7 @@ class ModelWatcher:
             self._add(model)
             return "register"
         current = registration.model
-        if (
+        if model is not current and (  # (readers share a model that did not move)
             current.card != model.card
             or current.instance != model.instance
             or current.revision != model.revision
@@ -618,6 +652,9 @@ class ModelWatcher:
 
     def _joined_as(self, key: ModelKey, model: ModelInstance) -> bool:
         """The registry holds `key` in the worker set, and with the checksum, discovery says."""
+        member = self.registry.member(key)
+        if member is not None and member.card is model.card:
+            return True  # joined with this very card: in the set it names, with its checksum
         ws = self.registry.worker_set(key)
         member = None if ws is None else ws.members.get(key)
         checksum = model.card.mdcsum
