@@ -165,3 +165,28 @@ async def test_the_secret_never_appears_in_health_metrics_or_logs(
                 assert SECRET not in await response.text()
     assert all(SECRET not in record.getMessage() for record in caplog.records)
     assert all(SECRET.encode() not in kv.value for kv in (await store.get_prefix("shoal/")).items)
+
+
+async def test_a_team_key_opens_neither_the_fleet_page_nor_health_details(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    await start_worker("mock-llm")
+    await grant(store, SECRET)
+    closed = await start_frontend(auth="keys")  # no --api-key: no operator at all
+    operated = await start_frontend(auth="keys", api_keys=("operator",))
+    await wait_for(lambda: "mock-llm" in closed.registry.models)
+    assert await chat(closed, SECRET)
+    async with aiohttp.ClientSession() as session:
+        for key in (None, SECRET):
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            async with session.get(f"{closed.url}/ui/api/snapshot", headers=headers) as page:
+                assert page.status == 401
+            async with session.post(f"{closed.url}/ui/api/login", json={"key": key or ""}) as r:
+                assert r.status == 401
+            async with session.get(f"{closed.url}/health", headers=headers) as health:
+                assert set(await health.json()) <= {"status", "reasons"}
+        operator = {"authorization": "Bearer operator"}
+        async with session.get(f"{operated.url}/ui/api/snapshot", headers=operator) as page:
+            assert page.status == 200
+        async with session.get(f"{operated.url}/health", headers=operator) as health:
+            assert "models" in await health.json()
