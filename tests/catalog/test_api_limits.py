@@ -4,6 +4,7 @@ PostgreSQL. Raw HTTP where the typed client could not send the body."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import UTC, datetime
 from typing import Any
@@ -20,6 +21,7 @@ from shoal.catalog import (
     CatalogClient,
     CatalogServer,
 )
+from shoal.catalog.api import MAX_BODY_BYTES
 from shoal.catalog.errors import InvalidError
 from shoal.catalog.resources import (
     BASE_URL_LENGTH,
@@ -284,3 +286,49 @@ async def test_a_patch_that_breaks_a_rule_across_fields_is_still_422(client: Cat
         await client.update(PROVIDERS, "p", {"type": "fleet"})
     assert caught.value.param == "base_url"
     assert (await client.get(PROVIDERS, "p")).type == "url"
+
+
+async def test_a_body_over_the_byte_bound_is_413_before_it_is_read(
+    catalog: CatalogServer,
+) -> None:
+    """A declared length over `MAX_BODY_BYTES` is answered 413 in the catalog's error format
+    from the headers alone (the body never comes), so no request makes it buffer more."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", catalog.port)
+    try:
+        writer.write(
+            b"POST /v1/workspaces/team-a/models HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode()
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+        body = json.loads(await asyncio.wait_for(reader.readexactly(length), 5))
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 413 ")
+    assert body["error"]["code"] == "body_too_large"
+    assert str(MAX_BODY_BYTES) in body["error"]["message"]
+
+
+async def test_a_chunked_body_over_the_byte_bound_is_413_once_it_passes_it(
+    client: CatalogClient,
+) -> None:
+    """Without a length, the body is counted as it comes: 413 as soon as it passes the bound,
+    while the sender still has more to send."""
+    never = asyncio.Event()
+
+    async def chunks() -> Any:
+        for _ in range(MAX_BODY_BYTES // 65536 + 2):
+            yield b" " * 65536
+        await never.wait()  # the rest never comes: only an early answer ends the test
+
+    url = f"{client.base_url}/v1/workspaces/{client.workspace}/models"
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url, data=chunks(), headers={"Content-Type": "application/json"}) as resp,
+    ):
+        answer = await asyncio.wait_for(resp.json(content_type=None), 5)
+    assert resp.status == 413 and answer["error"]["code"] == "body_too_large"
+    status, _ = await send(client, "POST", "models", '{"name": "m"}' + " " * 100_000)
+    assert status == 201  # a body under the bound is served as before

@@ -24,7 +24,7 @@ from starlette.routing import Match
 
 from shoal.bounds import MAX_DEPTH, json_depth_exceeds
 from shoal.catalog.database import migrate
-from shoal.catalog.errors import CatalogError, InvalidError, UnauthorizedError
+from shoal.catalog.errors import CatalogError, InvalidError, TooLargeError, UnauthorizedError
 from shoal.catalog.keys import key_routes
 from shoal.catalog.kinds import KEYS, KINDS, Kind
 from shoal.catalog.repository import MAX_PAGE_SIZE, Page, Repository
@@ -40,6 +40,7 @@ from shoal.catalog.resources import (
 from shoal.catalog.usage import usage_routes
 
 T = TypeVar("T")
+MAX_BODY_BYTES = 1 << 20  # a request body's bound: several times the largest valid resource
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text}
     for status, text in (
@@ -47,6 +48,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (401, "the admin token is missing or wrong"),
         (404, "no such workspace or resource"),
         (409, "a stale version, or the name exists"),
+        (413, f"the body is over {MAX_BODY_BYTES} bytes"),
         (422, "a field is invalid; `param` names it"),
     )
 }
@@ -122,14 +124,16 @@ def _error(exc: CatalogError) -> JSONResponse:
 
 
 class BoundedRoute(APIRoute):
-    """A route that answers 400 for a body nesting deeper than `MAX_DEPTH`, checked on its
-    bytes before FastAPI decodes it: no decoder or serializer ever meets a deeper value."""
+    """A route that answers 413 for a body over `MAX_BODY_BYTES` (from its declared length,
+    else as it comes, never buffering more), and 400 for one nesting deeper than `MAX_DEPTH`,
+    checked on its bytes before FastAPI decodes it: no decoder or serializer ever meets a
+    deeper value."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handle = super().get_route_handler()
 
         async def bounded(request: Request) -> Response:
-            if json_depth_exceeds(await request.body()):  # read once: FastAPI reuses it
+            if json_depth_exceeds(await _bounded_body(request)):
                 raise CatalogError(
                     f"body: arrays or objects are nested deeper than {MAX_DEPTH} levels"
                     f" (free-form fields: {FREE_FORM_DEPTH})"
@@ -137,6 +141,23 @@ class BoundedRoute(APIRoute):
             return await handle(request)
 
         return bounded
+
+
+async def _bounded_body(request: Request) -> bytes:
+    """The body, read once (FastAPI reuses it), or `TooLargeError` once it passes the bound."""
+    too_large = TooLargeError(f"body: over {MAX_BODY_BYTES} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    request._body = body = b"".join(chunks)  # what `Request.body()` returns from now on
+    return body
 
 
 def _not_json(exc: RequestValidationError, error: dict[str, Any]) -> CatalogError:

@@ -4,6 +4,7 @@
     ├── UnauthorizedError     401: the admin token is missing or wrong
     ├── NotFoundError         404: no such workspace or resource
     ├── ConflictError         409: a stale version, or a create of a name that exists
+    ├── TooLargeError         413: the request body is over the API's byte bound
     └── InvalidError          422: a field failed validation; `param` names it
 
 The repository raises them, the API answers them in the OpenAI error format, and the client
@@ -42,11 +43,17 @@ class ConflictError(CatalogError):
     code = "conflict"
 
 
+class TooLargeError(CatalogError):
+    status = 413
+    code = "body_too_large"
+
+
 class InvalidError(CatalogError):
     status = 422
     code = "invalid_value"
 
 
 BY_STATUS: dict[int, type[CatalogError]] = {
-    cls.status: cls for cls in (UnauthorizedError, NotFoundError, ConflictError, InvalidError)
+    cls.status: cls
+    for cls in (UnauthorizedError, NotFoundError, ConflictError, TooLargeError, InvalidError)
 }
