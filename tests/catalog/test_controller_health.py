@@ -4,12 +4,13 @@ stuck on one call is reported on `/health/controllers` within three intervals.""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
 import pytest
 
-from shoal.catalog import PROVIDERS, CatalogServer, providers
+from shoal.catalog import PROVIDERS, CatalogConfig, CatalogServer, providers
 from shoal.controllers import ControllerManager, Loop
 from tests.catalog.controller_fixtures import controller_on, openai_servers, seed_converged
 from tests.helpers import wait_for
@@ -75,3 +76,38 @@ async def test_a_pass_stuck_on_one_call_is_reported_within_three_intervals(
         finally:
             await manager.stop_all(timeout=0.5)
             catalog.controllers = None
+
+
+class _Failing:
+    """A controller whose steps fail quoting a store address with a password in it."""
+
+    is_healthy = True
+
+    def step(self) -> None:
+        raise ConnectionError("redis://:hunter2@10.0.0.5:6379 refused")
+
+
+async def test_the_controllers_report_quotes_errors_only_to_admin_token_holders(
+    database_url: str,
+) -> None:
+    """`/health/controllers` quotes the loops' errors (workspaces, hosts, store addresses):
+    with an admin token, a caller without it gets the status and the loops' names only."""
+    server = CatalogServer(CatalogConfig(database_url=database_url, port=0, admin_token="s3"))
+    await server.start()
+    server.controllers = manager = ControllerManager()
+    loop = manager.register(Loop(_Failing(), interval=0.05, max_silence=0.2, name="models"))
+    await manager.start_all()
+    url = server.url + "/health/controllers"
+    try:
+        await wait_for(lambda: not loop.health().healthy, timeout=5)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url) as resp:
+                anonymous = resp.status, await resp.json()
+            async with session.get(url, headers={"Authorization": "Bearer s3"}) as resp:
+                admin = resp.status, await resp.json()
+        assert anonymous == (503, {**anonymous[1], "unhealthy": {"models": "unhealthy"}})
+        assert "hunter2" not in json.dumps(anonymous[1])
+        assert admin[0] == 503 and "hunter2" in admin[1]["unhealthy"]["models"]
+    finally:
+        await manager.stop_all()
+        await server.stop()

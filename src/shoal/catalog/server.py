@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -103,7 +104,8 @@ class CatalogServer:
         `GET /ready`: 503 only while a loop of `controllers` is stuck on its own work, which
         another replica would not share; never for steps failing on the store or the
         database, shared by every replica. `GET /health/controllers`: 200 while every loop
-        is healthy (or none runs), else 503 naming each unhealthy loop and why."""
+        is healthy (or none runs), else 503 naming each unhealthy loop, and why only to a
+        caller who may read the API (the reasons quote errors: workspaces, hosts, stores)."""
 
         @app.get("/live", include_in_schema=False)
         async def live() -> JSONResponse:
@@ -117,12 +119,24 @@ class CatalogServer:
             return JSONResponse({"status": "ready"})
 
         @app.get("/health/controllers", include_in_schema=False)
-        async def controllers() -> JSONResponse:
+        async def controllers(request: Request) -> JSONResponse:
             if self.controllers is None:
                 return JSONResponse({"status": "ok", "unhealthy": {}, "loops": []})
             status, body = readiness(self.controllers)
+            if not self._may_read(request):
+                body["unhealthy"] = dict.fromkeys(body["unhealthy"], "unhealthy")
             body["loops"] = sorted(self.controllers.loops)
             return JSONResponse(body, status_code=status)
+
+    def _may_read(self, request: Request) -> bool:
+        """Whether `request` may read what the API's reads return (the admin token, if any)."""
+        token = self.config.admin_token
+        if token is None or self.config.public_read:
+            return True
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), token.encode()
+        )
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:
