@@ -132,3 +132,34 @@ async def test_six_migrate_commands_at_once_on_a_fresh_postgresql_all_exit_0() -
     finally:
         fresh.close()
     assert [code for code, _, _ in results] == [0] * 6, results
+
+
+async def test_migration_strips_credentials_from_base_urls_urlsplit_cannot_parse(
+    fresh_database: Callable[[], str],
+) -> None:
+    """0001 accepted any `https?://\\S+`: a row `urlsplit` refuses (an unclosed IPv6 bracket)
+    must not stop the migration, so every replica can start, and loses its credentials too."""
+    engine = open_engine(fresh_database())
+    now = datetime.now(UTC)
+    urls = {"creds": "http://admin:pw@[::1/v1", "bad": "http://[bad/v1", "ok": "http://h/v1"}
+    try:
+        await migrate(engine, "0001")
+        async with engine.begin() as conn:
+            await conn.execute(
+                tables.workspaces.insert().values(name="w", version=1, created_at=now)
+            )
+            for name, url in urls.items():
+                data = ProviderSpec.model_construct(type="url", base_url=url)
+                await conn.execute(
+                    tables.providers.insert().values(
+                        workspace="w", name=name, version=1, created_at=now, updated_at=now,
+                        data=data.model_dump(mode="json"),
+                    )
+                )  # fmt: skip
+        await migrate(engine)
+        repo = Repository(engine)
+        found = {p["name"]: p["data"]["base_url"] if "data" in p else p["base_url"]
+                 for p in (await repo.list(PROVIDERS, "w")).items}  # fmt: skip
+        assert found == {"creds": "http://[::1/v1", "bad": "http://[bad/v1", "ok": "http://h/v1"}
+    finally:
+        await engine.dispose()

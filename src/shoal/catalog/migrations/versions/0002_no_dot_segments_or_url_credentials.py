@@ -17,7 +17,6 @@ import hashlib
 import logging
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlsplit
 
 import sqlalchemy as sa
 from alembic import op
@@ -76,8 +75,15 @@ def _rename_dot_segments(conn: sa.Connection, kind: str, now: datetime) -> None:
 
 
 def _without_credentials(url: str) -> str:
-    parts = urlsplit(url)
-    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    """`url` without the userinfo of its authority (what `urlsplit` calls the netloc), split
+    by hand: 0001 stored URLs `urlsplit` refuses (`http://u:p@[::1/v1`), and the migration
+    must neither stop on one nor leave its credentials."""
+    scheme, sep, rest = url.partition("://")
+    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    authority = rest[:end]
+    if not sep or "@" not in authority:
+        return url
+    return f"{scheme}{sep}{authority.rpartition('@')[2]}{rest[end:]}"
 
 
 def _remove_url_credentials(conn: sa.Connection, now: datetime) -> None:
@@ -85,9 +91,9 @@ def _remove_url_credentials(conn: sa.Connection, now: datetime) -> None:
     for row in conn.execute(sa.select(t.c.id, t.c.workspace, t.c.name, t.c.version, t.c.data)):
         data: dict[str, Any] = dict(row.data)
         url = data.get("base_url")
-        if not isinstance(url, str) or "@" not in urlsplit(url).netloc:
+        if not isinstance(url, str) or (cleaned := _without_credentials(url)) == url:
             continue
-        data["base_url"] = _without_credentials(url)
+        data["base_url"] = cleaned
         conn.execute(
             t.update()
             .where(t.c.id == row.id)
