@@ -271,6 +271,17 @@ async def test_credentials_in_base_url_are_422_and_never_echoed(
     assert (await client.get(PROVIDERS, "p")).base_url == "https://host/v1"
 
 
+def test_redact_url_removes_credentials_even_from_urls_urlsplit_refuses() -> None:
+    """`shoal catalog serve --db` prints the URL redacted in its one-line error; a URL
+    `urlsplit` refuses made that line a traceback (and kept nothing from leaking by luck)."""
+    from shoal.catalog.resources import redact_url
+
+    assert redact_url("postgresql+asyncpg://u:pw@[::1/db") == "postgresql+asyncpg://[::1/db"
+    assert redact_url("postgresql://u:p@ss@h:5432/db?x=@") == "postgresql://h:5432/db?x=@"
+    assert redact_url("sqlite+aiosqlite:////tmp/a@b.db") == "sqlite+aiosqlite:////tmp/a@b.db"
+    assert redact_url("http://h/v1/@team") == "http://h/v1/@team"
+
+
 def test_body_without_credentials_keeps_an_at_sign_in_its_path() -> None:
     # `@` after the host is a path character, not userinfo
     from shoal.catalog.resources import ProviderSpec

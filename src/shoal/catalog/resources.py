@@ -82,11 +82,13 @@ def _no_credentials(url: str | None) -> str | None:
 
 
 def redact_url(url: str) -> str:
-    """`url` without its userinfo, for messages and logs."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
+    """`url` without its userinfo, for messages and logs; split by hand, as `urlsplit`
+    refuses some URLs (`postgresql://u:p@[::1/db`) that still carry credentials."""
+    scheme, sep, rest = url.partition("://")
+    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    if not sep or "@" not in rest[:end]:
         return url
-    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    return f"{scheme}{sep}{rest[:end].rpartition('@')[2]}{rest[end:]}"
 
 
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=NAME_PATTERN)]
