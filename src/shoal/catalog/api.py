@@ -147,7 +147,7 @@ async def _bounded_body(request: Request) -> bytes:
     """The body, read once (FastAPI reuses it), or `TooLargeError` once it passes the bound."""
     too_large = TooLargeError(f"body: over {MAX_BODY_BYTES} bytes")
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    if declared.isascii() and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_large
     chunks: list[bytes] = []
     size = 0
