@@ -127,7 +127,7 @@ async def test_a_malformed_grant_is_reported_and_never_hides_a_valid_one(
     await start_worker("mock-llm")
     made = await grant(store, SECRET)
     await store.put(grant_key("default", "f" * 64), b'{"not": "a grant"}')
-    frontend = await start_frontend(auth="keys")
+    frontend = await start_frontend(auth="keys", api_keys=("operator",))  # /health details
     await wait_for(lambda: "mock-llm" in frontend.registry.models)
     await store.put(made.key, b"garbage")  # the valid grant held at this key stays
     copied = Grant(workspace="default", name="x", hash="e" * 64).to_json()
@@ -136,7 +136,9 @@ async def test_a_malformed_grant_is_reported_and_never_hides_a_valid_one(
     assert await chat(frontend, SECRET)
     async with (
         aiohttp.ClientSession() as session,
-        session.get(f"{frontend.url}/health") as response,
+        session.get(
+            f"{frontend.url}/health", headers={"authorization": "Bearer operator"}
+        ) as response,
     ):
         text = await response.text()
     assert '"keys":{"keys":1' in text.replace(" ", "") and SECRET not in text
