@@ -197,11 +197,12 @@ def check_command_line(argv: list[str]) -> argparse.Namespace:
         pytest.fail(f"`{' '.join(argv)}` is refused by the shoal argument parser (see stderr)")
 
 
-def test_manifests_run_shoal_in_the_frontend_catalog_and_both_workers() -> None:
+def test_manifests_run_shoal_in_the_frontend_catalog_relay_and_both_workers() -> None:
     subcommands = {(n.split(":")[0], command_line(c)[1]) for n, c in SHOAL_CONTAINERS}
     assert subcommands == {
         ("catalog.yaml", "catalog"),
         ("frontend.yaml", "frontend"),
+        ("kv-relay.yaml", "kv-relay"),
         ("worker-mocker.yaml", "worker"),
         ("worker-vllm.yaml", "worker"),
     }
