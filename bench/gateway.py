@@ -10,6 +10,10 @@ workload against every target in turn, for `--rounds` rounds), all in front of o
 
   direct         the worker itself: the limit of this machine
   shoal          `shoal frontend` (store: a fresh SQLite file in a temp dir)
+  shoal-p2       the same with `--processes 2`
+  shoal-keys     the same with `--auth keys`: the bench's bearer is a grant in the store
+  shoal-limits   `--auth keys --limits redis://...` on a throwaway redis-server (rpm and tpm
+                 of the grant far above what is served: one Redis round trip per request)
   vllm-router    the Rust router of PyPI's `vllm-router`, `--policy round_robin`
   sglang-router  the Rust router of PyPI's `sglang-router`, `--policy round_robin`
   litellm        the LiteLLM proxy (Python), offline; its runs are shorter (it is slow)
@@ -68,7 +72,16 @@ from bench.gateway_targets import (
     start_worker,
 )
 
-TARGETS = ("direct", "shoal", "shoal-p2", "vllm-router", "sglang-router", "litellm")
+TARGETS = (
+    "direct",
+    "shoal",
+    "shoal-p2",
+    "shoal-keys",
+    "shoal-limits",
+    "vllm-router",
+    "sglang-router",
+    "litellm",
+)
 OUT = ROOT / ".bench"
 LOGS = OUT / "gateway-logs"
 
@@ -131,9 +144,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--report", type=Path, help="also write the markdown report to this file")
     p.add_argument(
         "--profile",
-        action="store_true",
-        help="after the measured runs, profile the shoal frontend under wrk -c32 with py-spy "
-        "(.bench/frontend.svg; top functions in the report)",
+        nargs="?",
+        const="shoal",
+        metavar="TARGET",
+        help="after the measured runs, profile a shoal frontend (default: shoal; or shoal-keys, "
+        "shoal-limits, ...) under wrk -c32 with py-spy (.bench/frontend.svg; top functions in "
+        "the report)",
     )
     args = p.parse_args(argv)
     if args.quick:
@@ -229,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{result['requests_per_s']:9,.0f} req/s  errors {result['errors']}"
                     )
         if args.profile:
-            shoal = next((t for t in targets if t.name == "shoal"), None)
+            shoal = next((t for t in targets if t.name == args.profile), None)
             if shoal is not None:
                 profile = profile_frontend(session, shoal, wrk_script, args.duration)
     finally:
@@ -282,6 +298,8 @@ def start_targets(
         "direct": lambda: Target("direct", worker_url, None, version=git_version()),
         "shoal": lambda: start_shoal(session, model, store),
         "shoal-p2": lambda: start_shoal(session, model, store, processes=2),
+        "shoal-keys": lambda: start_shoal(session, model, store, auth="keys"),
+        "shoal-limits": lambda: start_shoal(session, model, store, auth="limits"),
         "vllm-router": lambda: start_vllm_router(session, peers, worker_url, model),
         "sglang-router": lambda: start_sglang_router(session, peers, worker_url, model),
         "litellm": lambda: start_litellm(session, peers, worker_url, model, args.litellm_scale),
@@ -427,6 +445,7 @@ def profile_frontend(
         return [(frame, round(n / max(1, samples) * 100, 1)) for frame, n in ranked]
 
     return {
+        "target": shoal.name,
         "svg": str(svg.relative_to(ROOT)),
         "raw": str(raw.relative_to(ROOT)),
         "seconds": seconds,

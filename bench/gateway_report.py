@@ -164,6 +164,25 @@ def targets_check(summary: dict[str, dict[str, Any]]) -> list[tuple[str, bool | 
             f"{fmt(s)} vs 50 x {fmt(v)} = {fmt(limit)} ({fmt(ratio(s, v), '.0f')}x)",
         )
     )
+    # Keys and limits on the request path, over the plain frontend (both measured in the run).
+    base_cpu, base_p50 = get("c1", "shoal", "gateway_cpu_us_per_req"), get("c1", "shoal", "p50_ms")
+    for name in ("shoal-keys", "shoal-limits"):
+        cpu, p50 = get("c1", name, "gateway_cpu_us_per_req"), get("c1", name, "p50_ms")
+        d_cpu = None if cpu is None or base_cpu is None else cpu - base_cpu
+        d_p50 = None if p50 is None or base_p50 is None else p50 - base_p50
+        c32, base32 = (
+            get("c32", name, "gateway_cpu_us_per_req"),
+            get("c32", "shoal", "gateway_cpu_us_per_req"),
+        )
+        d32 = None if c32 is None or base32 is None else c32 - base32
+        checks.append(
+            check(
+                f"non-streaming c1: {name} - shoal: CPU/req ≤ +15 µs and p50 ≤ +0.3 ms",
+                None if d_cpu is None or d_p50 is None else d_cpu <= 15 and d_p50 <= 0.3,
+                f"{fmt(d_cpu, '+,.1f', ' µs')}, {fmt(d_p50, '+.3f', ' ms')} "
+                f"(CPU/req at c32: {fmt(d32, '+,.1f', ' µs')})",
+            )
+        )
     return checks
 
 
@@ -260,7 +279,7 @@ def profile_section(profile: dict[str, Any]) -> str:
     if "error" in profile:
         return f"Profile of the shoal frontend failed: {profile['error']}"
     lines = [
-        f"**Profile of the shoal frontend under wrk -c32** (py-spy --native, {profile['seconds']} s: "
+        f"**Profile of the {profile.get('target', 'shoal')} frontend under wrk -c32** (py-spy --native, {profile['seconds']} s: "
         f"{profile['samples']} samples of working threads, {profile['idle_samples']} of waiting "
         f"ones left out; stacks: {profile['raw']}; flame graph of Python frames: {profile['svg']})",
         "",

@@ -7,10 +7,12 @@ tree, so gateways that fork workers are counted in full.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -263,9 +265,52 @@ def start_worker(session: Session, model: str, store: str) -> tuple[Proc, str]:
     return proc, found[0]
 
 
-def start_shoal(session: Session, model: str, store: str, processes: int = 1) -> Target:
+async def _put_grant(store_url: str) -> None:
+    # Imported here: only the keys targets need the store's client.
+    from shoal.discovery.grants import Grant, hash_secret
+    from shoal.store import open_store
+
+    store = await open_store(store_url)
+    try:
+        # Limits far above what this machine can serve: checked and counted, never hit.
+        made = Grant(
+            workspace="default", name="bench", hash=hash_secret(API_KEY), rpm=10**11, tpm=10**11
+        )
+        await store.put(made.key, made.to_json())
+    finally:
+        await store.close()
+
+
+def start_redis(session: Session) -> str:
+    """A throwaway `redis-server` on a free loopback port, without persistence; its URL."""
+    port = free_port()
+    argv = [
+        shutil.which("redis-server") or "/usr/bin/redis-server",
+        *("--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"),
+        *("--dir", str(session.workdir), "--loglevel", "warning"),
+    ]
+    proc = session.start("redis", argv)
+
+    def pong() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+
+    wait_until("PONG", pong, 10, proc)
+    return f"redis://127.0.0.1:{port}"
+
+
+def start_shoal(
+    session: Session, model: str, store: str, processes: int = 1, auth: str = ""
+) -> Target:
     """`shoal frontend`; with `processes` > 1, that many processes on the port (target
-    `shoal-pN`), ready once its one ready line is printed (every process loaded)."""
+    `shoal-pN`), ready once its one ready line is printed (every process loaded).
+
+    `auth` "keys" (target `shoal-keys`): `--auth keys`, with a grant for the bench's bearer
+    written into the store first (no allow-list, rpm and tpm never reached); "limits" (target
+    `shoal-limits`): that and `--limits` on a throwaway redis-server of its own. The load
+    generators send the same bearer to every target: the requests are byte for byte the same.
+    """
     port = free_port()
     name = "shoal" if processes == 1 else f"shoal-p{processes}"
     argv = [
@@ -275,6 +320,12 @@ def start_shoal(session: Session, model: str, store: str, processes: int = 1) ->
         *("--router", "round-robin", "--cache-dir", str(session.workdir / "cache")),
         *("--processes", str(processes)),
     ]
+    if auth:
+        name = f"shoal-{auth}"
+        asyncio.run(_put_grant(store))
+        argv += ["--auth", "keys"]
+    if auth == "limits":
+        argv += ["--limits", start_redis(session)]
     proc = session.start(name, argv)
     wait_until(
         "the ready line",
