@@ -107,7 +107,10 @@ async def test_migration_renames_dot_segment_names_and_strips_url_credentials(
         with caplog.at_level(logging.WARNING, "shoal.catalog.migrations"):
             await migrate(engine)
         repo = Repository(engine)
-        found = {m["name"]: m["version"] for m in map(msgspec.json.decode, (await repo.list(MODELS, "w")).items)}
+        found = {
+            m["name"]: m["version"]
+            for m in map(msgspec.json.decode, (await repo.list(MODELS, "w")).items)
+        }
         long = next(n for n in found if n.startswith("renamed-"))
         assert found == {
             "x/dotdot/y-2": 2, "y": 1, "x/dotdot/y": 1, "a/dot/b": 2, "a/b/dotdot": 2,
