@@ -115,11 +115,8 @@ def _listed(row: sa.Row[Any]) -> bytes:
         {"name": row.name, "workspace": row.workspace, "version": row.version,
          "created_at": _utc(row.created_at), "updated_at": _utc(row.updated_at)}
     )  # fmt: skip
-    data = row.data_text.strip()
-    if not data.startswith("{") or data[1:].lstrip().startswith("}"):  # none, or not an object
-        fields = msgspec.json.decode(data) if data.startswith("{") else {}
-        return msgspec.json.encode({**msgspec.json.decode(head), **fields})
-    return b"%s,%s" % (head[:-1], data[1:].encode())
+    fields = row.data_text.strip().removeprefix("{").lstrip()  # a stored object's fields
+    return head if fields.startswith("}") else b"%s,%s" % (head[:-1], fields.encode())
 
 
 def _order(table: sa.Table, sort: str) -> list[sa.ColumnElement[Any]]:
