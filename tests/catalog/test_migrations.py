@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
@@ -106,7 +107,10 @@ async def test_migration_renames_dot_segment_names_and_strips_url_credentials(
         with caplog.at_level(logging.WARNING, "shoal.catalog.migrations"):
             await migrate(engine)
         repo = Repository(engine)
-        found = {m["name"]: m["version"] for m in (await repo.list(MODELS, "w")).items}
+        found = {
+            m["name"]: m["version"]
+            for m in map(msgspec.json.decode, (await repo.list(MODELS, "w")).items)
+        }
         long = next(n for n in found if n.startswith("renamed-"))
         assert found == {
             "x/dotdot/y-2": 2, "y": 1, "x/dotdot/y": 1, "a/dot/b": 2, "a/b/dotdot": 2,
@@ -159,7 +163,7 @@ async def test_migration_strips_credentials_from_base_urls_urlsplit_cannot_parse
         await migrate(engine)
         repo = Repository(engine)
         found = {p["name"]: p["data"]["base_url"] if "data" in p else p["base_url"]
-                 for p in (await repo.list(PROVIDERS, "w")).items}  # fmt: skip
+                 for p in map(msgspec.json.decode, (await repo.list(PROVIDERS, "w")).items)}  # fmt: skip
         assert found == {"creds": "http://[::1/v1", "bad": "http://[bad/v1", "ok": "http://h/v1"}
     finally:
         await engine.dispose()

@@ -87,13 +87,16 @@ def filter_param(kind: Kind[Any]) -> Any:
 
 
 class PageOut(BaseModel, Generic[T]):
-    """One page of a list; `next_page` is the page to ask for next, null on the last."""
+    """One page of a list; `next_page` is the page to ask for next, null on the last (and
+    on a page ended early at the byte budget); `next_after` (sort=name) the name to ask
+    `after=` next while more items may follow."""
 
     items: list[T]
     total: int
     page: int
     page_size: int
     next_page: int | None
+    next_after: str | None = None
 
 
 def _page(page: Page[Any]) -> dict[str, Any]:
@@ -103,6 +106,7 @@ def _page(page: Page[Any]) -> dict[str, Any]:
         "page": page.page,
         "page_size": page.page_size,
         "next_page": page.next_page,
+        "next_after": page.next_after,
     }
 
 

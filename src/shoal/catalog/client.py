@@ -6,7 +6,8 @@ a caller writes `except ConflictError` whether it talks to the API or uses the r
 directly. A listing reads each item on its own: an item this client cannot read (a row an
 older or newer catalog wrote) is left out and named in `ListPage.invalid`, never failing
 the page. `list_all` pages by key (`after=` the last name), so a row deleted or created
-between two pages never shifts an untouched row out of the listing.
+between two pages never shifts an untouched row out of the listing, and follows a page
+the server ended early at its byte budget.
 
     async with CatalogClient("http://127.0.0.1:8100", token=...) as catalog:
         models = await catalog.list_all(MODELS)                # every entity, paged
@@ -43,12 +44,14 @@ class ListPage(Generic[M]):
     next_page: int | None
     invalid: dict[str, str] = field(default_factory=dict)
     last: str | None = None  # the name of the page's last row, in the server's order
+    next_after: str | None = None  # where the server says the listing goes on (keyset)
 
 
 class _Envelope(msgspec.Struct):
     items: builtins.list[dict[str, Any]]
     total: int
     next_page: int | None = None
+    next_after: str | None = None
 
 
 def _segment(text: str) -> str:
@@ -73,7 +76,12 @@ def read_items(read: type[M], raw: bytes) -> ListPage[M]:
             invalid[name if isinstance(name, str) else f"#{len(invalid)}"] = _why(exc)
     last = page.items[-1].get("name") if page.items else None
     return ListPage(
-        items, page.total, page.next_page, invalid, last if isinstance(last, str) else None
+        items,
+        page.total,
+        page.next_page,
+        invalid,
+        last if isinstance(last, str) else None,
+        page.next_after,
     )
 
 
@@ -180,16 +188,18 @@ class CatalogClient:
         page_size: int = 1000,
     ) -> AsyncIterator[ListPage[M]]:
         """Every page of `kind` in name order, each read after the last name of the one
-        before (keyset): an untouched row is in exactly one page whatever changes meanwhile."""
+        before (keyset): an untouched row is in exactly one page whatever changes meanwhile.
+        A page may end early (the server's byte budget): its `next_after` says so."""
         after: str | None = None
         while True:
             got = await self.list(
                 kind, workspace=workspace, page_size=page_size, filters=filters, after=after
             )
             yield got
-            if len(got.items) + len(got.invalid) < page_size or got.last is None:
+            full = len(got.items) + len(got.invalid) >= page_size
+            if got.last is None or (got.next_after is None and not full):
                 return
-            after = got.last
+            after = got.next_after or got.last
 
     async def list_all(
         self,
