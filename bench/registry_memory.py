@@ -32,7 +32,7 @@ from pathlib import Path
 from bench.registry import ENDPOINT, FILES, FIRST_ID, card_for, checksum, metadata_file
 from shoal.discovery import Discovery, InstanceInfo, ModelKey
 from shoal.frontend import Frontend, FrontendConfig
-from shoal.frontend.metadata import MetadataCache
+from shoal.frontend.registry.metadata import MetadataCache
 from shoal.store import open_store
 
 WORKERS = [f"http://127.0.0.1:{9000 + w}" for w in range(3)]

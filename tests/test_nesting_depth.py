@@ -25,11 +25,11 @@ from shoal.cli.catalog import apply as cli_apply
 from shoal.discovery import RouteError, decode_route, route_key
 from shoal.discovery.keys import MODELS, EndpointId, ModelKey, instance_key
 from shoal.discovery.service import CardsAndInstances, _parse_instance
-from shoal.frontend.dashboard import login_key
-from shoal.frontend.kv_prompt import PromptTokenizer
-from shoal.frontend.proxy import decode_fields, rewrite_model
-from shoal.frontend.registry import Registry
-from shoal.frontend.virtual import RouteTable
+from shoal.frontend.dashboard.dashboard import login_key
+from shoal.frontend.kv.prompt import PromptTokenizer
+from shoal.frontend.proxy.proxy import decode_fields, rewrite_model
+from shoal.frontend.registry.registry import Registry
+from shoal.frontend.virtual.virtual import RouteTable
 from shoal.kv import KVEventBatch, decode_batch
 from shoal.membership import parse_sources
 from shoal.membership.errors import SourceError

@@ -13,7 +13,7 @@ from shoal.cli.frontend import config_from_args, serve
 from shoal.cli.main import build_parser
 from shoal.cli.up import banner
 from shoal.frontend import FrontendConfig
-from shoal.frontend.watcher import ModelWatcher
+from shoal.frontend.registry.watcher import ModelWatcher
 
 
 def test_frontend_flags_have_laptop_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

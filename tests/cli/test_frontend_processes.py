@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shoal.cli.common import processes as processes_flag
 from shoal.cli.main import build_parser
 from shoal.frontend import Frontend, FrontendConfig
-from shoal.frontend.watcher import ModelWatcher
+from shoal.frontend.registry.watcher import ModelWatcher
 from tests.helpers import free_port, wait_for
 from tests.processes import Process, Processes
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from shoal.frontend.upstream import Upstream, UpstreamConnection
+from shoal.frontend.http.upstream import Upstream, UpstreamConnection
 from tests.frontend.conftest import StartFrontend
 from tests.frontend.raw_upstream import StartRaw, completion, start_raw
 from tests.frontend.support import serving

@@ -13,7 +13,7 @@ import msgspec
 
 from shoal.discovery import DiscoveryEvent, Query
 from shoal.frontend import Frontend, FrontendConfig
-from shoal.frontend.watcher import ModelWatcher
+from shoal.frontend.registry.watcher import ModelWatcher
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import FilteringDiscovery, serving

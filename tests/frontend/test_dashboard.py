@@ -19,9 +19,9 @@ from shoal.cli.frontend import membership_for
 from shoal.controllers import Controller, Loop
 from shoal.discovery import Discovery
 from shoal.frontend import Frontend, FrontendConfig
-from shoal.frontend.dashboard import StaticFiles
-from shoal.frontend.metrics import FrontendMetrics
-from shoal.frontend.snapshot import RequestHistory, percentile
+from shoal.frontend.dashboard.dashboard import StaticFiles
+from shoal.frontend.dashboard.snapshot import RequestHistory, percentile
+from shoal.frontend.registry.metrics import FrontendMetrics
 from shoal.membership import parse_sources
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client

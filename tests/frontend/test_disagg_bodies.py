@@ -7,8 +7,13 @@ import json
 import msgspec
 import pytest
 
-from shoal.frontend.disagg import prefill_handle, refuses_handle, stage_one_body, stage_two_body
-from shoal.frontend.upstream import UpstreamError
+from shoal.frontend.http.upstream import UpstreamError
+from shoal.frontend.proxy.disagg import (
+    prefill_handle,
+    refuses_handle,
+    stage_one_body,
+    stage_two_body,
+)
 
 CLIENT = {
     "model": "m",

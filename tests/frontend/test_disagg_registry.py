@@ -6,7 +6,7 @@ from typing import Any
 
 from shoal.cards import ModelCard, WorkerRole
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
-from shoal.frontend.registry import Registry
+from shoal.frontend.registry.registry import Registry
 
 
 def instance(

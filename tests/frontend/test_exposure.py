@@ -16,7 +16,7 @@ import trustme
 from shoal.cli.frontend import config_from_args
 from shoal.cli.main import build_parser
 from shoal.frontend import Frontend, FrontendConfig
-from shoal.frontend.dashboard import COOKIE, Sessions
+from shoal.frontend.dashboard.dashboard import COOKIE, Sessions
 from tests.etcd_server import EtcdServer
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import serving

@@ -12,8 +12,9 @@ import msgspec
 import pytest
 
 from shoal.discovery import Discovery, InstanceInfo, ModelInstance, ModelKey
-from shoal.frontend import Frontend, FrontendConfig, watcher
-from shoal.frontend.registry import WorkerSet
+from shoal.frontend import Frontend, FrontendConfig
+from shoal.frontend.registry import watcher
+from shoal.frontend.registry.registry import WorkerSet
 from shoal.store import Store, StoreUnavailableError
 from tests.frontend.conftest import StartWorker
 from tests.frontend.support import FilteringDiscovery
@@ -64,7 +65,7 @@ async def test_the_setup_timeout_bounds_the_stores_answer_not_the_time_to_load_t
     card = msgspec.structs.replace(worker.card(), metadata_files={})
     await register_fleet(store, worker.url, card)
     monkeypatch.setattr(watcher, "PROGRESS_INTERVAL", 0.05)
-    caplog.set_level(logging.INFO, logger="shoal.frontend.watcher")
+    caplog.set_level(logging.INFO, logger="shoal.frontend.registry.watcher")
     frontend = Frontend(
         FrontendConfig(
             port=0,

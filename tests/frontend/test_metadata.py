@@ -21,8 +21,8 @@ from aiohttp import web
 from shoal.cards import MetadataFile, ModelCard
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
 from shoal.frontend import Frontend
-from shoal.frontend.metadata import MetadataCache, MetadataError
-from shoal.frontend.watcher import ModelWatcher, State
+from shoal.frontend.registry.metadata import MetadataCache, MetadataError
+from shoal.frontend.registry.watcher import ModelWatcher, State
 from shoal.store import Lease, Store
 from tests.frontend.conftest import StartFrontend
 from tests.frontend.support import serving

@@ -8,7 +8,7 @@ import tracemalloc
 from types import SimpleNamespace
 from typing import Any
 
-from shoal.frontend.migration import MAX_CARRIED, Migration
+from shoal.frontend.proxy.migration import MAX_CARRIED, Migration
 
 
 def _migration() -> Migration:

@@ -10,8 +10,8 @@ import pytest
 
 from shoal.cards import WorkerRole
 from shoal.frontend import Frontend
-from shoal.frontend.migration import CARD_KEY, limit_of
-from shoal.frontend.registry import Registry
+from shoal.frontend.proxy.migration import CARD_KEY, limit_of
+from shoal.frontend.registry.registry import Registry
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import FakeWorker, serving

@@ -14,8 +14,8 @@ import msgspec
 from shoal.discovery import FleetTarget, ModelKey, Route, publish_route, route_key
 from shoal.discovery.keys import instance_key
 from shoal.frontend import Frontend
-from shoal.frontend.routes import RouteWatcher
-from shoal.frontend.virtual import RouteTable
+from shoal.frontend.virtual.routes import RouteWatcher
+from shoal.frontend.virtual.virtual import RouteTable
 from shoal.store import Store, open_store
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import serving

@@ -11,7 +11,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from shoal.frontend import Frontend
-from shoal.frontend.metrics import UNKNOWN_MODEL
+from shoal.frontend.registry.metrics import UNKNOWN_MODEL
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import FakeWorker, serving
 from tests.helpers import wait_for
@@ -618,7 +618,7 @@ async def test_refused_connections_cost_no_retry_until_an_instance_answers(
 
 
 def test_an_upstream_failure_message_always_says_what_failed() -> None:
-    from shoal.frontend import errors
+    from shoal.frontend.http import errors
 
     message = errors.upstream_failed("m", "").message
     assert not message.rstrip().endswith(":") and message.endswith("the instance failed")

@@ -9,11 +9,11 @@ import tracemalloc
 import pytest
 
 from shoal.cards import WorkerRole
-from shoal.frontend.metrics import FrontendMetrics
-from shoal.frontend.proxy import Proxy
-from shoal.frontend.registry import Model, Registry, SetId, WorkerSet
-from shoal.frontend.router import LeastLoaded, PrefixAware, Random, RoundRobin, make_router
-from shoal.frontend.upstream import Upstream
+from shoal.frontend.http.upstream import Upstream
+from shoal.frontend.proxy.proxy import Proxy
+from shoal.frontend.registry.metrics import FrontendMetrics
+from shoal.frontend.registry.registry import Model, Registry, SetId, WorkerSet
+from shoal.frontend.registry.router import LeastLoaded, PrefixAware, Random, RoundRobin, make_router
 
 
 def worker_set(n: int, *, first_port: int = 9000) -> WorkerSet:

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from shoal.frontend import Frontend
-from shoal.frontend.server import FEED_SLICE, LINGER_BYTES, MAX_PIPELINED
+from shoal.frontend.http.server import FEED_SLICE, LINGER_BYTES, MAX_PIPELINED
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import FakeWorker, count_responses, raw_exchange, serving
 from tests.helpers import wait_for

@@ -10,7 +10,7 @@ import base64
 import pytest
 
 from shoal.frontend import Frontend
-from shoal.frontend.upstream import Upstream
+from shoal.frontend.http.upstream import Upstream
 from tests.frontend.conftest import StartFrontend
 from tests.frontend.raw_upstream import StartRaw, completion, start_raw
 from tests.frontend.support import count_responses, raw_exchange, serving

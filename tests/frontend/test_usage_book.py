@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shoal.discovery.grants import Grant
-from shoal.frontend.usage import UsageBook, status_class
+from shoal.frontend.keys.usage import UsageBook, status_class
 from tests.helpers import free_port
 
 GRANT = Grant(workspace="w", name="team", hash="a" * 64)

@@ -16,15 +16,15 @@ import pytest
 
 from shoal.discovery import FleetTarget, Route, UrlTarget, delete_route, publish_route, route_key
 from shoal.frontend import Frontend
-from shoal.frontend.metrics import FrontendMetrics
-from shoal.frontend.proxy import Proxy
-from shoal.frontend.registry import Registry
-from shoal.frontend.router import make_router
-from shoal.frontend.routes import RouteWatcher
-from shoal.frontend.secrets import SecretError, Secrets, env_name
-from shoal.frontend.server import Request
-from shoal.frontend.upstream import Upstream
-from shoal.frontend.virtual import RouteTable
+from shoal.frontend.http.server import Request
+from shoal.frontend.http.upstream import Upstream
+from shoal.frontend.proxy.proxy import Proxy
+from shoal.frontend.registry.metrics import FrontendMetrics
+from shoal.frontend.registry.registry import Registry
+from shoal.frontend.registry.router import make_router
+from shoal.frontend.virtual.routes import RouteWatcher
+from shoal.frontend.virtual.secrets import SecretError, Secrets, env_name
+from shoal.frontend.virtual.virtual import RouteTable
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import FakeWorker, serving

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from shoal.frontend.kv_prompt import PromptTokenizer
+from shoal.frontend.kv.prompt import PromptTokenizer
 from shoal.worker.engines.llamacpp import LlamaCppEngine, default_model_path
 from tests.helpers import Server
 from tests.worker.engines.support import client_for, engine_served
@@ -78,7 +78,7 @@ async def test_a_completion_prompt_counts_the_same_tokens_at_both_ends(
 async def test_llama_cpps_context_is_published_as_kv_events() -> None:
     import zmq.asyncio
 
-    from shoal.frontend.kv_index import KvIndex
+    from shoal.frontend.kv.index import KvIndex
     from shoal.kv import KVEventBatch, token_block_hashes
     from shoal.kv.subscription import KvStats, KvSubscription
     from tests.helpers import wait_for

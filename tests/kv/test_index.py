@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shoal.frontend.kv_index import KvIndex
+from shoal.frontend.kv.index import KvIndex
 from shoal.kv import AllBlocksCleared, BlockRemoved, BlockStored, token_block_hashes
 
 BS = 2

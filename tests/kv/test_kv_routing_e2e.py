@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from shoal.frontend import Frontend, FrontendConfig
-from shoal.frontend.kv_router import KvRouter
+from shoal.frontend.kv.router import KvRouter
 from shoal.kv import token_block_hashes
 from shoal.worker.engines.mocker.text import VOCAB
 from shoal.worker.engines.mocker.tokenizer import encode, render_chat

@@ -12,10 +12,10 @@ from tokenizers import Tokenizer
 
 from shoal.cards import ModelCard
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
-from shoal.frontend.kv_prompt import PromptTokenizer
-from shoal.frontend.kv_router import KvPrompt, KvRouter
-from shoal.frontend.proxy import decode_fields
-from shoal.frontend.registry import Registry, WorkerSet
+from shoal.frontend.kv.prompt import PromptTokenizer
+from shoal.frontend.kv.router import KvPrompt, KvRouter
+from shoal.frontend.proxy.proxy import decode_fields
+from shoal.frontend.registry.registry import Registry, WorkerSet
 from shoal.kv import BlockStored
 from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, TOKENIZER
 
@@ -99,7 +99,7 @@ def test_a_model_without_a_tokenizer_is_routed_by_prefix_with_one_log_line(
 ) -> None:
     router, ws = fleet
     assert router.tracker.sets[ws.id].no_tokenizer == "its metadata has no tokenizer.json"
-    caplog.set_level(logging.INFO, logger="shoal.frontend.kv_router")
+    caplog.set_level(logging.INFO, logger="shoal.frontend.kv.router")
     first = router.pick(ws, prompt())
     assert router.pick(ws, prompt()) is first  # the prefix policy remembers where it went
     assert router.pick(ws, prompt("something else entirely")) is not None

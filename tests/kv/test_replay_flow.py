@@ -14,7 +14,7 @@ import pytest
 import zmq.asyncio
 
 from shoal.discovery import InstanceInfo
-from shoal.frontend.kv_index import KvIndex
+from shoal.frontend.kv.index import KvIndex
 from shoal.kv import (
     BlockRemoved,
     BlockStored,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from shoal.discovery import Discovery, Query
-from shoal.frontend.kv_tracker import KvTracker
-from shoal.frontend.registry import Registry
+from shoal.frontend.kv.tracker import KvTracker
+from shoal.frontend.registry.registry import Registry
 from shoal.kv import KvEndpoint, token_block_hashes
 from shoal.store import open_store
 from tests.helpers import wait_for

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import zmq.asyncio
 
-from shoal.frontend.kv_index import KvIndex
+from shoal.frontend.kv.index import KvIndex
 from shoal.kv import KvEndpoint, token_block_hashes
 from shoal.kv.subscription import KvStats, KvSubscription
 from tests.helpers import wait_for

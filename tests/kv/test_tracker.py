@@ -6,8 +6,8 @@ import msgspec
 
 from shoal.cards import ModelCard
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
-from shoal.frontend.kv_tracker import KvTracker
-from shoal.frontend.registry import Registry
+from shoal.frontend.kv.tracker import KvTracker
+from shoal.frontend.registry.registry import Registry
 from shoal.kv import KvEndpoint, token_block_hashes
 from tests.helpers import wait_for
 from tests.kv import vllm_fixtures as vllm

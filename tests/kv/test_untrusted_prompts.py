@@ -16,10 +16,11 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from shoal.frontend import Frontend, FrontendConfig, kv_prompt
-from shoal.frontend.kv_prompt import PromptTokenizer, TemplateOverrun
-from shoal.frontend.kv_router import KvRouter
-from shoal.frontend.kv_tracker import KvSet
+from shoal.frontend import Frontend, FrontendConfig
+from shoal.frontend.kv import prompt as kv_prompt
+from shoal.frontend.kv.prompt import PromptTokenizer, TemplateOverrun
+from shoal.frontend.kv.router import KvRouter
+from shoal.frontend.kv.tracker import KvSet
 from shoal.worker.engines.mocker.text import VOCAB
 from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, TOKENIZER
 from tests.helpers import wait_for

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from shoal.frontend import kv_stream
-from shoal.frontend.kv_stream import KvStreamReader
+from shoal.frontend.kv import stream as kv_stream
+from shoal.frontend.kv.stream import KvStreamReader
 from shoal.kv import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
 from shoal.kv import stream as layout
 from shoal.kv.subscription import APPLY_SLICE

@@ -31,7 +31,7 @@ from shoal.cli.common import (
     run_event_loop,
 )
 from shoal.frontend import POLICIES, Frontend, FrontendConfig
-from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES
+from shoal.frontend.registry.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES
 from shoal.kv.stream import DEFAULT_STREAM
 from shoal.store import StoreError
 

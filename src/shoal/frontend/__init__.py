@@ -2,10 +2,13 @@
 
 `Frontend` serves `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and
 `/v1/models` for the models workers announce in discovery; see `app.py` for the wiring,
-`watcher.py` for how the registry follows discovery, and `proxy.py` for the request path.
+and the subpackages, from the bottom up: `http` (the server, upstream connections, errors),
+`registry` (the fleet, its watcher, routing policies, metrics), `keys` (API keys, limits,
+usage), `virtual` (virtual models and providers), `kv` (KV-aware routing), `proxy` (the request
+path, migration, disaggregation) and `dashboard` (`/ui`).
 """
 
 from shoal.frontend.app import Frontend, FrontendConfig
-from shoal.frontend.router import POLICIES
+from shoal.frontend.registry.router import POLICIES
 
 __all__ = ["POLICIES", "Frontend", "FrontendConfig"]

@@ -37,26 +37,30 @@ from shoal.cards import ModelType
 from shoal.controllers import ControllerManager, Loop, LoopCollector, readiness
 from shoal.discovery import Discovery, Query
 from shoal.discovery.grants import Grant
-from shoal.frontend import errors
-from shoal.frontend.cors import Cors
-from shoal.frontend.dashboard import Dashboard
-from shoal.frontend.disagg import TwoStages
-from shoal.frontend.gate import Gate
-from shoal.frontend.keys import KeyRing, KeyWatcher, models_for
-from shoal.frontend.kv_router import KvRouter
-from shoal.frontend.kv_stream import KvStreamReader
-from shoal.frontend.limits import Limits
-from shoal.frontend.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES, MetadataCache
-from shoal.frontend.metrics import FrontendMetrics
-from shoal.frontend.proxy import Proxy, decode_fields
-from shoal.frontend.registry import Model, Registry
-from shoal.frontend.router import make_router
-from shoal.frontend.routes import RouteWatcher
-from shoal.frontend.secrets import Secrets
-from shoal.frontend.server import HttpConnection, HttpServer, Request, bearer_token
-from shoal.frontend.usage import UsageBook
-from shoal.frontend.virtual import FleetChoice, RouteTable, VirtualModel
-from shoal.frontend.watcher import ModelWatcher, Reconciler
+from shoal.frontend.dashboard.dashboard import Dashboard
+from shoal.frontend.http import errors
+from shoal.frontend.http.cors import Cors
+from shoal.frontend.http.server import HttpConnection, HttpServer, Request, bearer_token
+from shoal.frontend.keys.gate import Gate
+from shoal.frontend.keys.keys import KeyRing, KeyWatcher, models_for
+from shoal.frontend.keys.limits import Limits
+from shoal.frontend.keys.usage import UsageBook
+from shoal.frontend.kv.router import KvRouter
+from shoal.frontend.kv.stream import KvStreamReader
+from shoal.frontend.proxy.disagg import TwoStages
+from shoal.frontend.proxy.proxy import Proxy, decode_fields
+from shoal.frontend.registry.metadata import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_FILE_BYTES,
+    MetadataCache,
+)
+from shoal.frontend.registry.metrics import FrontendMetrics
+from shoal.frontend.registry.registry import Model, Registry
+from shoal.frontend.registry.router import make_router
+from shoal.frontend.registry.watcher import ModelWatcher, Reconciler
+from shoal.frontend.virtual.routes import RouteWatcher
+from shoal.frontend.virtual.secrets import Secrets
+from shoal.frontend.virtual.virtual import FleetChoice, RouteTable, VirtualModel
 from shoal.openai import ApiError
 from shoal.store import Store, StoreUnavailableError, default_store_url, open_store
 

@@ -36,9 +36,16 @@ from typing import Any
 import msgspec
 
 from shoal.bounds import TooDeep, check_json_depth
-from shoal.frontend import errors
-from shoal.frontend.server import HttpConnection, Request, bearer_token, status_line
-from shoal.frontend.snapshot import Fleet, FleetReader, RequestHistory, Sections, diff, full
+from shoal.frontend.dashboard.snapshot import (
+    Fleet,
+    FleetReader,
+    RequestHistory,
+    Sections,
+    diff,
+    full,
+)
+from shoal.frontend.http import errors
+from shoal.frontend.http.server import HttpConnection, Request, bearer_token, status_line
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +84,7 @@ class StaticFiles:
 
     def __init__(self) -> None:
         self.files: dict[str, tuple[bytes, bytes]] = {}  # name -> (body, content type)
-        root = importlib.resources.files("shoal.frontend").joinpath("static")
+        root = importlib.resources.files("shoal.frontend.dashboard").joinpath("static")
         for entry in root.iterdir():
             suffix = "." + entry.name.rpartition(".")[2]
             if entry.is_file() and suffix in _TYPES:

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from shoal.cards import ModelType
 from shoal.discovery.grants import Grant
-from shoal.frontend.limits import Limits, Verdict, rate_limited
-from shoal.frontend.metering import Metered
-from shoal.frontend.server import ClientConnection, HttpConnection, Request
+from shoal.frontend.http.server import ClientConnection, HttpConnection, Request
+from shoal.frontend.keys.limits import Limits, Verdict, rate_limited
+from shoal.frontend.keys.metering import Metered
 
 Forward = Callable[[Request, ClientConnection, ModelType], None]
 # grant, model, served model, status, prompt tokens, completion tokens

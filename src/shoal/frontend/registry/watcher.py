@@ -47,10 +47,10 @@ from shoal.discovery import (
     Query,
     Removed,
 )
-from shoal.frontend.metadata import MetadataCache
-from shoal.frontend.metrics import FrontendMetrics
-from shoal.frontend.registry import RefusedError, Registry, SetId
-from shoal.frontend.versions import Versions
+from shoal.frontend.registry.metadata import MetadataCache
+from shoal.frontend.registry.metrics import FrontendMetrics
+from shoal.frontend.registry.registry import RefusedError, Registry, SetId
+from shoal.frontend.registry.versions import Versions
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 
-from shoal.frontend.virtual import RouteTable, workspace_prefix
+from shoal.frontend.virtual.virtual import RouteTable, workspace_prefix
 from shoal.store import Delete, Put, Resync, Store
 
 log = logging.getLogger(__name__)

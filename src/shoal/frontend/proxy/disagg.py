@@ -36,13 +36,13 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 
 from shoal.bounds import TooDeep, check_json_depth
-from shoal.frontend import errors
-from shoal.frontend.metrics import TTFT_BUCKETS, Histogram, ModelStats
-from shoal.frontend.proxy import Fields, Forward, Proxy, rewrite_model
-from shoal.frontend.registry import Model
-from shoal.frontend.router import LeastLoaded
-from shoal.frontend.server import ClientConnection, Request
-from shoal.frontend.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
+from shoal.frontend.http import errors
+from shoal.frontend.http.server import ClientConnection, Request
+from shoal.frontend.http.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
+from shoal.frontend.proxy.proxy import Fields, Forward, Proxy, rewrite_model
+from shoal.frontend.registry.metrics import TTFT_BUCKETS, Histogram, ModelStats
+from shoal.frontend.registry.registry import Model
+from shoal.frontend.registry.router import LeastLoaded
 from shoal.openai import ApiError
 
 log = logging.getLogger(__name__)

@@ -48,14 +48,15 @@ import msgspec
 
 from shoal.bounds import TooDeep, check_json_depth
 from shoal.cards import ModelType
-from shoal.frontend import errors, migration
-from shoal.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics, ModelStats
-from shoal.frontend.migration import ContinuationRefused, Migration, StreamCutShort
-from shoal.frontend.registry import Model, Registry
-from shoal.frontend.router import Router
-from shoal.frontend.server import ClientConnection, Request, status_line
-from shoal.frontend.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
-from shoal.frontend.virtual import FleetChoice, RouteTable, VirtualModel
+from shoal.frontend.http import errors
+from shoal.frontend.http.server import ClientConnection, Request, status_line
+from shoal.frontend.http.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
+from shoal.frontend.proxy import migration
+from shoal.frontend.proxy.migration import ContinuationRefused, Migration, StreamCutShort
+from shoal.frontend.registry.metrics import UNKNOWN_MODEL, FrontendMetrics, ModelStats
+from shoal.frontend.registry.registry import Model, Registry
+from shoal.frontend.registry.router import Router
+from shoal.frontend.virtual.virtual import FleetChoice, RouteTable, VirtualModel
 from shoal.openai import ApiError, error_body, sse_event
 
 log = logging.getLogger(__name__)

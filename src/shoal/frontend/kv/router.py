@@ -28,13 +28,13 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from shoal.frontend.kv_prompt import RENDER_SECONDS, PromptTokenizer, TemplateOverrun
-from shoal.frontend.kv_tracker import KvSet, KvTracker
-from shoal.frontend.metadata import MetadataCache
-from shoal.frontend.metrics import FrontendMetrics, Histogram
-from shoal.frontend.registry import Registry, WorkerSet
-from shoal.frontend.router import PrefixAware, Router
-from shoal.frontend.upstream import Upstream
+from shoal.frontend.http.upstream import Upstream
+from shoal.frontend.kv.prompt import RENDER_SECONDS, PromptTokenizer, TemplateOverrun
+from shoal.frontend.kv.tracker import KvSet, KvTracker
+from shoal.frontend.registry.metadata import MetadataCache
+from shoal.frontend.registry.metrics import FrontendMetrics, Histogram
+from shoal.frontend.registry.registry import Registry, WorkerSet
+from shoal.frontend.registry.router import PrefixAware, Router
 from shoal.kv import token_block_hashes
 
 log = logging.getLogger(__name__)

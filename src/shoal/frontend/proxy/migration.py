@@ -36,11 +36,11 @@ from typing import Any, Protocol
 
 import msgspec
 
-from shoal.frontend.metrics import FrontendMetrics
-from shoal.frontend.registry import Model, WorkerSet
-from shoal.frontend.router import Router
-from shoal.frontend.server import Request
-from shoal.frontend.upstream import Upstream, UpstreamError
+from shoal.frontend.http.server import Request
+from shoal.frontend.http.upstream import Upstream, UpstreamError
+from shoal.frontend.registry.metrics import FrontendMetrics
+from shoal.frontend.registry.registry import Model, WorkerSet
+from shoal.frontend.registry.router import Router
 
 log = logging.getLogger(__name__)
 

@@ -26,11 +26,11 @@ import msgspec
 
 from shoal import __version__
 from shoal.controllers import ControllerManager
-from shoal.frontend.metrics import TTFT_BUCKETS, FrontendMetrics
-from shoal.frontend.registry import Registry
-from shoal.frontend.upstream import Upstream
-from shoal.frontend.virtual import redact
-from shoal.frontend.watcher import ModelWatcher
+from shoal.frontend.http.upstream import Upstream
+from shoal.frontend.registry.metrics import TTFT_BUCKETS, FrontendMetrics
+from shoal.frontend.registry.registry import Registry
+from shoal.frontend.registry.watcher import ModelWatcher
+from shoal.frontend.virtual.virtual import redact
 
 
 class FleetConfig(Protocol):

@@ -27,7 +27,7 @@ from typing import NamedTuple, Protocol
 
 from shoal.cards import ModelCard, ModelType, WorkerRole
 from shoal.discovery import EndpointId, ModelInstance, ModelKey
-from shoal.frontend.upstream import Upstream
+from shoal.frontend.http.upstream import Upstream
 
 # Roles a request is sent to whole; `prefill` and `decode` sets serve only as a pair (`Stages`).
 ENTRY_ROLES = frozenset({WorkerRole.AGGREGATED})

@@ -27,11 +27,11 @@ import zmq.asyncio
 
 from shoal.cards import ModelCard
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
-from shoal.frontend.kv_index import KvIndex
-from shoal.frontend.kv_prompt import CONFIG_FILE, TOKENIZER_FILE, PromptTokenizer
-from shoal.frontend.kv_stream import KvStreamReader, StreamKey
-from shoal.frontend.metadata import MetadataCache
-from shoal.frontend.registry import SetId, WorkerSet
+from shoal.frontend.kv.index import KvIndex
+from shoal.frontend.kv.prompt import CONFIG_FILE, TOKENIZER_FILE, PromptTokenizer
+from shoal.frontend.kv.stream import KvStreamReader, StreamKey
+from shoal.frontend.registry.metadata import MetadataCache
+from shoal.frontend.registry.registry import SetId, WorkerSet
 from shoal.kv import KvEndpoint, KVEventBatch
 from shoal.kv.subscription import KvStats, KvSubscription
 

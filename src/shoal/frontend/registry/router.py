@@ -18,8 +18,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from shoal.frontend.registry import Model, WorkerSet
-from shoal.frontend.upstream import Upstream
+from shoal.frontend.http.upstream import Upstream
+from shoal.frontend.registry.registry import Model, WorkerSet
 
 POLICIES = ("round-robin", "random", "least-loaded", "prefix", "kv")
 
@@ -245,7 +245,7 @@ def make_router(policy: str) -> Router:
         "least-loaded": LeastLoaded,
         "prefix": PrefixAware,
     }
-    # "kv" is built by the frontend (`shoal.frontend.kv_router` builds on this module)
+    # "kv" is built by the frontend (`shoal.frontend.kv.router` builds on this module)
     try:
         return routers[policy]()
     except KeyError:

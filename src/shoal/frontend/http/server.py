@@ -34,8 +34,8 @@ from typing import Protocol, cast
 
 import httptools
 
-from shoal.frontend import errors
-from shoal.frontend.errors import bad_request, body_too_large
+from shoal.frontend.http import errors
+from shoal.frontend.http.errors import bad_request, body_too_large
 from shoal.openai import ApiError
 
 log = logging.getLogger(__name__)

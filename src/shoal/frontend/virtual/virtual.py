@@ -36,10 +36,10 @@ from typing import Any
 from shoal.cards import ModelType
 from shoal.discovery import FleetTarget, Route, RouteError, UrlTarget, decode_route, route_key
 from shoal.discovery.routes import parse_route_key
-from shoal.frontend.registry import Model, Registry
-from shoal.frontend.router import Router
-from shoal.frontend.secrets import SecretError, Secrets
-from shoal.frontend.upstream import Upstream
+from shoal.frontend.http.upstream import Upstream
+from shoal.frontend.registry.registry import Model, Registry
+from shoal.frontend.registry.router import Router
+from shoal.frontend.virtual.secrets import SecretError, Secrets
 from shoal.store import KeyValue
 
 log = logging.getLogger(__name__)
