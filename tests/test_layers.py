@@ -1,6 +1,7 @@
 """The layers of DESIGN.md hold in the code: every import between shoal's packages points
 down (or within its own package), the layer-5 packages never import each other, and no
 module imports itself through others (no cycle, counting imports made only for type checks).
+Inside the frontend, its subpackages are layered the same way (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -22,6 +23,21 @@ LAYERS = {
     "shoal.catalog": 6,
     "shoal.relay": 6,
     "shoal.cli": 7,
+}
+
+
+# The frontend's subpackages, bottom up; the modules directly in `shoal.frontend` (`app`, the
+# package's face) wire them together and sit on top. Subpackages of one layer stay apart.
+FRONTEND = "shoal.frontend"
+FRONTEND_LAYERS = {
+    "shoal.frontend.http": 0,  # the wire: server, upstream connections, errors, CORS
+    "shoal.frontend.registry": 1,  # the fleet: registry, watcher, metadata, router, metrics
+    "shoal.frontend.keys": 1,  # API keys, limits, metering, usage
+    "shoal.frontend.virtual": 2,  # virtual models, routes, provider secrets
+    "shoal.frontend.kv": 2,  # KV-aware routing
+    "shoal.frontend.proxy": 3,  # the request path, migration, disaggregation
+    "shoal.frontend.dashboard": 4,  # /ui
+    FRONTEND: 5,  # app: the composition root
 }
 
 
@@ -73,3 +89,40 @@ def test_no_module_imports_itself_through_others(graph: grimp.ImportGraph) -> No
             if back is not None and not importer.startswith(imported + "."):
                 cycles.add(tuple(sorted((importer, *back))))
     assert sorted(cycles) == []
+
+
+def frontend_part_of(module: str) -> str | None:
+    """The frontend subpackage `module` is in, `shoal.frontend` for the modules directly in
+    the frontend package, None outside the frontend."""
+    if module != FRONTEND and not module.startswith(FRONTEND + "."):
+        return None
+    subpackage = ".".join(module.split(".")[:3])
+    return subpackage if subpackage in FRONTEND_LAYERS else FRONTEND
+
+
+def test_every_frontend_subpackage_has_a_layer(graph: grimp.ImportGraph) -> None:
+    subpackages = {
+        ".".join(m.split(".")[:3]) for m in graph.find_descendants(FRONTEND) if m.count(".") >= 3
+    }
+    assert subpackages <= set(FRONTEND_LAYERS), (
+        f"frontend subpackages missing from FRONTEND_LAYERS: {subpackages - set(FRONTEND_LAYERS)}"
+    )
+
+
+def test_frontend_subpackages_import_down_and_same_layer_ones_stay_apart(
+    graph: grimp.ImportGraph,
+) -> None:
+    wrong: list[str] = []
+    for importer in sorted(graph.find_descendants(FRONTEND) | {FRONTEND}):
+        source = frontend_part_of(importer)
+        assert source is not None
+        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
+            target = frontend_part_of(imported)
+            if target is None or target == source:
+                continue
+            if FRONTEND_LAYERS[target] >= FRONTEND_LAYERS[source]:
+                wrong.append(
+                    f"{importer} -> {imported} "
+                    f"(layer {FRONTEND_LAYERS[source]} -> {FRONTEND_LAYERS[target]})"
+                )
+    assert wrong == []
