@@ -16,7 +16,7 @@ import pytest
 
 from shoal.discovery import FleetTarget, Route, UrlTarget, delete_route, publish_route, route_key
 from shoal.frontend import Frontend
-from shoal.frontend.http.server import Request
+from shoal.frontend.http.request import Request
 from shoal.frontend.http.upstream import Upstream
 from shoal.frontend.proxy.proxy import Proxy
 from shoal.frontend.registry.metrics import FrontendMetrics

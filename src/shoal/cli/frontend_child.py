@@ -13,7 +13,7 @@ from shoal.cli.common import on_stop_signals, print_ready, run_event_loop
 from shoal.cli.frontend import start_frontend
 from shoal.cli.processes import CHILD, die_with_parent, fetch
 from shoal.frontend import FrontendConfig
-from shoal.frontend.http.server import HttpServer
+from shoal.frontend.http.listener import HttpServer
 
 
 async def serve_child(config: FrontendConfig, merged: str | None) -> int:

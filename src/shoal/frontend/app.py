@@ -40,7 +40,9 @@ from shoal.discovery.grants import Grant
 from shoal.frontend.dashboard.dashboard import Dashboard
 from shoal.frontend.http import errors
 from shoal.frontend.http.cors import Cors
-from shoal.frontend.http.server import HttpConnection, HttpServer, Request, bearer_token
+from shoal.frontend.http.listener import HttpServer
+from shoal.frontend.http.request import Request, bearer_token
+from shoal.frontend.http.server import HttpConnection
 from shoal.frontend.keys.gate import Gate
 from shoal.frontend.keys.keys import KeyRing, KeyWatcher, models_for
 from shoal.frontend.keys.limits import Limits

@@ -45,7 +45,8 @@ from shoal.frontend.dashboard.snapshot import (
     full,
 )
 from shoal.frontend.http import errors
-from shoal.frontend.http.server import HttpConnection, Request, bearer_token, status_line
+from shoal.frontend.http.request import Request, bearer_token, status_line
+from shoal.frontend.http.server import HttpConnection
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,6 @@
 """The gateway's HTTP/1.1 server: one `asyncio.Protocol` per connection, parsed by httptools.
+This module is the connection (`HttpConnection`); `listener.py` listens and sweeps deadlines,
+`request.py` holds what a handler sees.
 
 A web framework costs more CPU per request than the whole proxy path should, so the server
 is the minimum that is correct: keep-alive, pipelining, Content-Length and chunked request
@@ -23,11 +25,7 @@ body (`max_body`, `body_timeout` between its bytes) and the number of connection
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import http
 import logging
-import ssl
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol, cast
@@ -36,6 +34,7 @@ import httptools
 
 from shoal.frontend.http import errors
 from shoal.frontend.http.errors import bad_request, body_too_large
+from shoal.frontend.http.request import FlowListener, InFlight, Request, encode_response
 from shoal.openai import ApiError
 
 log = logging.getLogger(__name__)
@@ -52,127 +51,25 @@ _READ_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"expect", b
 IDLE, HEAD, BODY = 0, 1, 2
 
 
-class Request:
-    """One parsed request. Header names are lower-cased bytes; the body is complete."""
-
-    __slots__ = (
-        "body",
-        "headers",
-        "http11",
-        "keep_alive",
-        "method",
-        "path",
-        "query",
-        "received",
-    )
-
-    def __init__(
-        self,
-        method: bytes,
-        target: bytes,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        *,
-        keep_alive: bool,
-        http11: bool,
-    ) -> None:
-        path, _, query = target.partition(b"?")
-        self.method = method
-        self.path = path
-        self.query = query
-        self.headers = headers
-        self.body = body
-        self.keep_alive = keep_alive
-        self.http11 = http11
-        self.received = time.perf_counter()
-
-    def header(self, name: bytes) -> bytes | None:
-        """The first value of header `name` (lower-case), or None."""
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
-
-
-class FlowListener(Protocol):
-    """What is told to stop producing while the client's send buffer is full."""
-
-    def pause_reading(self) -> None: ...
-    def resume_reading(self) -> None: ...
-
-
-class InFlight(Protocol):
-    """A response being produced after the handler returned; told if the client goes away."""
-
-    def cancel(self) -> None: ...
-
-
-class ClientConnection(Protocol):
-    """The client connection as a response produced later (the proxy's) sees it, and all
-    that response may do with it. The connection's state (pipeline, flow control, keep-alive)
-    stays its own: `HttpConnection` implements this."""
-
-    loop: asyncio.AbstractEventLoop  # the loop the connection runs on, for timers
-
-    @property
-    def keep_alive(self) -> bool:
-        """Whether the connection carries another request after this response."""
-        ...
-
-    @property
-    def writable(self) -> bool: ...
-
-    def produce_later(self, work: InFlight) -> None: ...
-    def follow(self, flow: FlowListener | None) -> None: ...
-    def close_after_response(self) -> None: ...
-    def write(self, data: bytes) -> None: ...
-    def finish(self, error: ApiError | None = None) -> None: ...
-    def send_error(self, error: ApiError) -> None: ...
-
-
 # A handler answers with `send()` (a whole response), or with `produce_later()`, `write()`s
 # and `finish()` later. It is called in the parser's callback: no task.
 Handler = Callable[[Request, "HttpConnection"], None]
 
-_status_lines: dict[int, bytes] = {}
 
+class Listener(Protocol):
+    """What a connection reads of the server that accepted it (`HttpServer`)."""
 
-def status_line(status: int) -> bytes:
-    """`HTTP/1.1 200 OK\\r\\n`, cached per status."""
-    line = _status_lines.get(status)
-    if line is None:
-        try:
-            phrase = http.HTTPStatus(status).phrase
-        except ValueError:
-            phrase = "Unknown"
-        line = _status_lines[status] = f"HTTP/1.1 {status} {phrase}\r\n".encode()
-    return line
-
-
-def encode_response(
-    status: int,
-    body: bytes,
-    content_type: bytes = b"application/json",
-    headers: Sequence[tuple[bytes, bytes]] = (),
-    keep_alive: bool = True,
-    extra: bytes = b"",
-    head_only: bool = False,
-) -> bytes:
-    """A whole response. `extra`: encoded header lines added as they are; `head_only`: the
-    answer to HEAD (the head a GET would get, without its body)."""
-    if status != 204:
-        length = str(len(body)).encode()
-        parts = [status_line(status), b"content-type: ", content_type, b"\r\ncontent-length: ", length, b"\r\n"]  # fmt: skip
-    else:
-        parts = [status_line(status)]  # no content (RFC 9110 §8.6)
-    for name, value in headers:
-        parts += (name, b": ", value, b"\r\n")
-    if extra:
-        parts.append(extra)
-    if not keep_alive:
-        parts.append(b"connection: close\r\n")
-    parts += (b"\r\n", b"" if head_only else body)
-    return b"".join(parts)
+    handler: Handler
+    loop: asyncio.AbstractEventLoop
+    connections: set[HttpConnection]
+    closing: bool
+    max_body: int
+    max_header_size: int
+    max_headers: int
+    max_connections: int
+    keepalive_timeout: float
+    header_timeout: float
+    body_timeout: float
 
 
 class StopParsing(Exception):
@@ -187,7 +84,7 @@ class HttpConnection(asyncio.Protocol):
     without closing, and while it is not stopped every complete request gets an answer.
     """
 
-    def __init__(self, server: HttpServer) -> None:
+    def __init__(self, server: Listener) -> None:
         self.server = server
         self.loop = server.loop
         self.parser = httptools.HttpRequestParser(self)
@@ -651,116 +548,9 @@ class HttpConnection(asyncio.Protocol):
         return not self.busy and not self.pending
 
 
-def bearer_token(authorization: bytes | None) -> bytes | None:
-    """The token of an `Authorization: Bearer TOKEN` value, the scheme in any case (RFC 9110
-    §11.1); None for another scheme or none."""
-    if authorization is None:
-        return None
-    scheme, _, token = authorization.strip().partition(b" ")
-    if scheme.lower() != b"bearer":
-        return None
-    return token.strip() or None
-
-
 def unsupported_coding(value: bytes) -> ApiError:
     coding = value.decode("latin-1")
     return errors.not_implemented(
         f"Transfer-Encoding {coding!r} is not supported: send the body with Content-Length "
         "or `Transfer-Encoding: chunked` alone."
     )
-
-
-class HttpServer:
-    """Listens on a TCP port and runs `handler` for each request.
-
-    Limits: `max_body` bytes of request body; `max_header_size` bytes of request line and
-    headers and `max_headers` headers (431); `header_timeout` seconds from a request's first
-    byte (or a new connection's start) to the end of its head and `body_timeout` between
-    body bytes (408; 0: no limit); `max_connections` clients at once (503 to the others).
-    """
-
-    def __init__(
-        self,
-        handler: Handler,
-        *,
-        max_body: int,
-        keepalive_timeout: float = 75.0,
-        header_timeout: float = 10.0,
-        body_timeout: float = 30.0,
-        max_header_size: int = 64 * 1024,
-        max_headers: int = 100,
-        max_connections: int = 10_000,
-    ) -> None:
-        self.handler = handler
-        self.max_body = max_body
-        self.keepalive_timeout = keepalive_timeout
-        self.header_timeout = header_timeout
-        self.body_timeout = body_timeout
-        self.max_header_size = max_header_size
-        self.max_headers = max_headers
-        self.max_connections = max_connections
-        self.connections: set[HttpConnection] = set()
-        self.closing = False
-        self.loop = asyncio.get_running_loop()
-        self._server: asyncio.Server | None = None
-        self._sweeper: asyncio.TimerHandle | None = None
-
-    async def start(
-        self, host: str, port: int, tls: ssl.SSLContext | None = None, *, reuse_port: bool = False
-    ) -> None:
-        """Listen on `host:port`; over TLS (HTTPS) when given a server context; with
-        `reuse_port`, beside the other processes listening there (`SO_REUSEPORT`)."""
-        self._server = await self.loop.create_server(
-            lambda: HttpConnection(self),
-            host,
-            port,
-            backlog=2048,
-            reuse_address=True,
-            reuse_port=reuse_port or None,
-            ssl=tls,
-        )
-        self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
-
-    @property
-    def _sweep_every(self) -> float:
-        timeouts = (self.keepalive_timeout, self.header_timeout, self.body_timeout)
-        return max(min(t for t in timeouts if t > 0) / 4, 0.05)
-
-    def _sweep(self) -> None:
-        """Enforce the idle, head and body timeouts (one timer, not one per request)."""
-        now = self.loop.time()
-        for conn in list(self.connections):
-            conn.check_deadlines(now)
-        self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
-
-    @property
-    def port(self) -> int:
-        assert self._server is not None and self._server.sockets
-        return int(self._server.sockets[0].getsockname()[1])
-
-    @property
-    def busy(self) -> int:
-        """Connections with a request being answered."""
-        return sum(1 for conn in self.connections if not conn.idle)
-
-    async def close(self, timeout: float) -> None:
-        """Stop accepting, let requests in flight finish within `timeout`, then close everything."""
-        self.closing = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        if self._server is not None:
-            self._server.close()
-        deadline = self.loop.time() + timeout
-        while True:
-            for conn in list(self.connections):
-                if conn.idle and conn.transport is not None:
-                    conn.transport.close()
-            if not self.connections or self.loop.time() >= deadline:
-                break
-            await asyncio.sleep(0.05)
-        for conn in list(self.connections):
-            if conn.transport is not None:
-                conn.transport.abort()
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from shoal.cards import ModelType
 from shoal.discovery.grants import Grant
-from shoal.frontend.http.server import ClientConnection, HttpConnection, Request
+from shoal.frontend.http.request import ClientConnection, Request
+from shoal.frontend.http.server import HttpConnection
 from shoal.frontend.keys.limits import Limits, Verdict, rate_limited
 from shoal.frontend.keys.metering import Metered
 

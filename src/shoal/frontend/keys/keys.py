@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import msgspec
 
 from shoal.discovery.grants import Grant, GrantError, decode_grant, grants_prefix
-from shoal.frontend.http.server import bearer_token
+from shoal.frontend.http.request import bearer_token
 from shoal.openai import ApiError
 from shoal.store import Delete, KeyValue, Put, Store
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from shoal.frontend.http.server import ClientConnection, FlowListener, InFlight
+from shoal.frontend.http.request import ClientConnection, FlowListener, InFlight
 from shoal.openai import ApiError
 
 TAIL = 4096

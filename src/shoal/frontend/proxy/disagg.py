@@ -37,7 +37,7 @@ from prometheus_client.registry import Collector
 
 from shoal.bounds import TooDeep, check_json_depth
 from shoal.frontend.http import errors
-from shoal.frontend.http.server import ClientConnection, Request
+from shoal.frontend.http.request import ClientConnection, Request
 from shoal.frontend.http.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
 from shoal.frontend.proxy.proxy import Fields, Forward, Proxy, rewrite_model
 from shoal.frontend.registry.metrics import TTFT_BUCKETS, Histogram, ModelStats

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from shoal.frontend.http.server import Request
+from shoal.frontend.http.request import Request
 from shoal.frontend.http.upstream import Upstream, UpstreamError
 from shoal.frontend.registry.metrics import FrontendMetrics
 from shoal.frontend.registry.registry import Model, WorkerSet

@@ -49,7 +49,7 @@ import msgspec
 from shoal.bounds import TooDeep, check_json_depth
 from shoal.cards import ModelType
 from shoal.frontend.http import errors
-from shoal.frontend.http.server import ClientConnection, Request, status_line
+from shoal.frontend.http.request import ClientConnection, Request, status_line
 from shoal.frontend.http.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
 from shoal.frontend.proxy import migration
 from shoal.frontend.proxy.migration import ContinuationRefused, Migration, StreamCutShort

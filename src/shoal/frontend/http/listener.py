@@ -1,0 +1,108 @@
+"""`HttpServer`: the listening socket of the gateway's HTTP server, the one timer that
+enforces every connection's deadlines, and the graceful close. Each accepted connection is an
+`HttpConnection` (server.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+
+from shoal.frontend.http.server import Handler, HttpConnection
+
+
+class HttpServer:
+    """Listens on a TCP port and runs `handler` for each request.
+
+    Limits: `max_body` bytes of request body; `max_header_size` bytes of request line and
+    headers and `max_headers` headers (431); `header_timeout` seconds from a request's first
+    byte (or a new connection's start) to the end of its head and `body_timeout` between
+    body bytes (408; 0: no limit); `max_connections` clients at once (503 to the others).
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_body: int,
+        keepalive_timeout: float = 75.0,
+        header_timeout: float = 10.0,
+        body_timeout: float = 30.0,
+        max_header_size: int = 64 * 1024,
+        max_headers: int = 100,
+        max_connections: int = 10_000,
+    ) -> None:
+        self.handler = handler
+        self.max_body = max_body
+        self.keepalive_timeout = keepalive_timeout
+        self.header_timeout = header_timeout
+        self.body_timeout = body_timeout
+        self.max_header_size = max_header_size
+        self.max_headers = max_headers
+        self.max_connections = max_connections
+        self.connections: set[HttpConnection] = set()
+        self.closing = False
+        self.loop = asyncio.get_running_loop()
+        self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    async def start(
+        self, host: str, port: int, tls: ssl.SSLContext | None = None, *, reuse_port: bool = False
+    ) -> None:
+        """Listen on `host:port`; over TLS (HTTPS) when given a server context; with
+        `reuse_port`, beside the other processes listening there (`SO_REUSEPORT`)."""
+        self._server = await self.loop.create_server(
+            lambda: HttpConnection(self),
+            host,
+            port,
+            backlog=2048,
+            reuse_address=True,
+            reuse_port=reuse_port or None,
+            ssl=tls,
+        )
+        self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
+
+    @property
+    def _sweep_every(self) -> float:
+        timeouts = (self.keepalive_timeout, self.header_timeout, self.body_timeout)
+        return max(min(t for t in timeouts if t > 0) / 4, 0.05)
+
+    def _sweep(self) -> None:
+        """Enforce the idle, head and body timeouts (one timer, not one per request)."""
+        now = self.loop.time()
+        for conn in list(self.connections):
+            conn.check_deadlines(now)
+        self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None and self._server.sockets
+        return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def busy(self) -> int:
+        """Connections with a request being answered."""
+        return sum(1 for conn in self.connections if not conn.idle)
+
+    async def close(self, timeout: float) -> None:
+        """Stop accepting, let requests in flight finish within `timeout`, then close everything."""
+        self.closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._server is not None:
+            self._server.close()
+        deadline = self.loop.time() + timeout
+        while True:
+            for conn in list(self.connections):
+                if conn.idle and conn.transport is not None:
+                    conn.transport.close()
+            if not self.connections or self.loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.abort()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)

@@ -1,0 +1,144 @@
+"""What a request handler sees of the HTTP server: the parsed `Request`, the
+`ClientConnection` a response produced later answers through (and the `FlowListener` and
+`InFlight` it hands over), and the encoding of a response head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from shoal.openai import ApiError
+
+
+class Request:
+    """One parsed request. Header names are lower-cased bytes; the body is complete."""
+
+    __slots__ = (
+        "body",
+        "headers",
+        "http11",
+        "keep_alive",
+        "method",
+        "path",
+        "query",
+        "received",
+    )
+
+    def __init__(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        keep_alive: bool,
+        http11: bool,
+    ) -> None:
+        path, _, query = target.partition(b"?")
+        self.method = method
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.http11 = http11
+        self.received = time.perf_counter()
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header `name` (lower-case), or None."""
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+class FlowListener(Protocol):
+    """What is told to stop producing while the client's send buffer is full."""
+
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+
+
+class InFlight(Protocol):
+    """A response being produced after the handler returned; told if the client goes away."""
+
+    def cancel(self) -> None: ...
+
+
+class ClientConnection(Protocol):
+    """The client connection as a response produced later (the proxy's) sees it, and all
+    that response may do with it. The connection's state (pipeline, flow control, keep-alive)
+    stays its own: `HttpConnection` implements this."""
+
+    loop: asyncio.AbstractEventLoop  # the loop the connection runs on, for timers
+
+    @property
+    def keep_alive(self) -> bool:
+        """Whether the connection carries another request after this response."""
+        ...
+
+    @property
+    def writable(self) -> bool: ...
+
+    def produce_later(self, work: InFlight) -> None: ...
+    def follow(self, flow: FlowListener | None) -> None: ...
+    def close_after_response(self) -> None: ...
+    def write(self, data: bytes) -> None: ...
+    def finish(self, error: ApiError | None = None) -> None: ...
+    def send_error(self, error: ApiError) -> None: ...
+
+
+_status_lines: dict[int, bytes] = {}
+
+
+def status_line(status: int) -> bytes:
+    """`HTTP/1.1 200 OK\\r\\n`, cached per status."""
+    line = _status_lines.get(status)
+    if line is None:
+        try:
+            phrase = http.HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "Unknown"
+        line = _status_lines[status] = f"HTTP/1.1 {status} {phrase}\r\n".encode()
+    return line
+
+
+def encode_response(
+    status: int,
+    body: bytes,
+    content_type: bytes = b"application/json",
+    headers: Sequence[tuple[bytes, bytes]] = (),
+    keep_alive: bool = True,
+    extra: bytes = b"",
+    head_only: bool = False,
+) -> bytes:
+    """A whole response. `extra`: encoded header lines added as they are; `head_only`: the
+    answer to HEAD (the head a GET would get, without its body)."""
+    if status != 204:
+        length = str(len(body)).encode()
+        parts = [status_line(status), b"content-type: ", content_type, b"\r\ncontent-length: ", length, b"\r\n"]  # fmt: skip
+    else:
+        parts = [status_line(status)]  # no content (RFC 9110 §8.6)
+    for name, value in headers:
+        parts += (name, b": ", value, b"\r\n")
+    if extra:
+        parts.append(extra)
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts += (b"\r\n", b"" if head_only else body)
+    return b"".join(parts)
+
+
+def bearer_token(authorization: bytes | None) -> bytes | None:
+    """The token of an `Authorization: Bearer TOKEN` value, the scheme in any case (RFC 9110
+    §11.1); None for another scheme or none."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return token.strip() or None
