@@ -27,7 +27,7 @@ from shoal.discovery.keys import MODELS, EndpointId, ModelKey, instance_key
 from shoal.discovery.service import CardsAndInstances, _parse_instance
 from shoal.frontend.dashboard.dashboard import login_key
 from shoal.frontend.kv.prompt import PromptTokenizer
-from shoal.frontend.proxy.proxy import decode_fields, rewrite_model
+from shoal.frontend.proxy.fields import decode_fields, rewrite_model
 from shoal.frontend.registry.registry import Registry
 from shoal.frontend.virtual.virtual import RouteTable
 from shoal.kv import KVEventBatch, decode_batch

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from shoal.cards import CardError, ModelCard
 from shoal.discovery.keys import INSTANCES, MODELS, parse_instance_key, parse_model_key
-from shoal.frontend.proxy.proxy import decode_fields, prompt_text
+from shoal.frontend.proxy.fields import decode_fields, prompt_text
 from shoal.openai import ApiError
 
 JSON = st.recursive(

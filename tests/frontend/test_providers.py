@@ -14,7 +14,7 @@ from aiohttp import web
 
 from shoal.discovery import Route, UrlTarget, publish_route
 from shoal.frontend import Frontend
-from shoal.frontend.proxy.proxy import MAX_GATEWAY_HOPS, PROVIDER_HEADERS
+from shoal.frontend.proxy.headers import MAX_GATEWAY_HOPS, PROVIDER_HEADERS
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, openai_client
 from tests.frontend.support import FakeWorker

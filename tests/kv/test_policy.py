@@ -14,7 +14,7 @@ from shoal.cards import ModelCard
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
 from shoal.frontend.kv.prompt import PromptTokenizer
 from shoal.frontend.kv.router import KvPrompt, KvRouter
-from shoal.frontend.proxy.proxy import decode_fields
+from shoal.frontend.proxy.fields import decode_fields
 from shoal.frontend.registry.registry import Registry, WorkerSet
 from shoal.kv import BlockStored
 from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, TOKENIZER

@@ -14,7 +14,7 @@ import zmq.asyncio
 from shoal.frontend.kv.index import KvIndex
 from shoal.frontend.kv.prompt import PromptTokenizer
 from shoal.frontend.kv.router import KvPrompt
-from shoal.frontend.proxy.proxy import decode_fields
+from shoal.frontend.proxy.fields import decode_fields
 from shoal.kv import KVEventBatch, token_block_hashes
 from shoal.kv.subscription import KvStats, KvSubscription
 from shoal.worker.engines.mocker import MockerEngine

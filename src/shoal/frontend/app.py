@@ -50,7 +50,8 @@ from shoal.frontend.keys.usage import UsageBook
 from shoal.frontend.kv.router import KvRouter
 from shoal.frontend.kv.stream import KvStreamReader
 from shoal.frontend.proxy.disagg import TwoStages
-from shoal.frontend.proxy.proxy import Proxy, decode_fields
+from shoal.frontend.proxy.fields import decode_fields
+from shoal.frontend.proxy.proxy import Proxy
 from shoal.frontend.registry.metadata import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_FILE_BYTES,

@@ -39,7 +39,9 @@ from shoal.bounds import TooDeep, check_json_depth
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request
 from shoal.frontend.http.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
-from shoal.frontend.proxy.proxy import Fields, Forward, Proxy, rewrite_model
+from shoal.frontend.proxy.fields import Fields, rewrite_model
+from shoal.frontend.proxy.forward import Forward
+from shoal.frontend.proxy.proxy import Proxy
 from shoal.frontend.registry.metrics import TTFT_BUCKETS, Histogram, ModelStats
 from shoal.frontend.registry.registry import Model
 from shoal.frontend.registry.router import LeastLoaded

@@ -1,7 +1,7 @@
 """Streams that survive their instance: a stream whose instance fails after its first token
 goes on at another instance of the same worker set, which continues the text so far.
 
-A `Migration` rides along a `Forward` (proxy.py) of a streamed chat or text completion
+A `Migration` rides along a `Forward` (forward.py) of a streamed chat or text completion
 when the model may migrate (`--migration-limit`, or the card's `runtime_config`
 `migration_limit`) and has another instance. Only then are the stream's SSE events parsed
 (`feed`): whole events pass to the client (a partial one waits for its end, so the client
@@ -57,7 +57,7 @@ class _Proxy(Protocol):
 
 
 class Forward(Protocol):
-    """What a migration sees of the request it rides along (`proxy.Forward`)."""
+    """What a migration sees of the request it rides along (`forward.Forward`)."""
 
     request: Request
     body: bytes

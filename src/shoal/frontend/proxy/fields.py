@@ -1,0 +1,115 @@
+"""The only parts of a request body the gateway reads (`Fields`: `model`, `stream`, and for
+prefix-aware routing the prompt), decoded with a depth bound, and the one rewrite it makes
+(`rewrite_model`, for a virtual model's target that names the model otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from shoal.bounds import TooDeep, check_json_depth
+from shoal.frontend.http import errors
+
+log = logging.getLogger(__name__)
+
+PROMPT_CHARS = 8192  # how much of the prompt prefix-aware routing looks at
+
+
+class Fields(msgspec.Struct):
+    """The only parts of a request body the gateway reads."""
+
+    model: str | None = None
+    stream: bool | None = None
+    # Set by the gateway alone (disagg.py): they make a worker connect where they say.
+    kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
+
+
+class PromptFields(Fields):
+    """`Fields` and the prompt, for prefix-aware routing."""
+
+    messages: list[dict[str, Any]] | None = None  # whole: a chat template reads every field
+    prompt: Any = None
+    input: Any = None
+
+
+_decode_fields = msgspec.json.Decoder(Fields).decode
+_decode_prompt_fields = msgspec.json.Decoder(PromptFields).decode
+_decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_encode = msgspec.json.encode
+
+
+def rewrite_model(body: bytes, model: str) -> bytes:
+    """`body` (a JSON object that passed `decode_fields`, so within the depth bound) with its
+    `model` set to `model`; every other top-level member is kept byte for byte (decoded only
+    as far as the top level)."""
+    members = _decode_members(body)
+    members["model"] = msgspec.Raw(_encode(model))
+    return _encode(members)
+
+
+def decode_fields(body: bytes, *, with_prompt: bool = False) -> Fields:
+    """The routing fields of a body; `ApiError` 400 if it is not a JSON object with a `model`,
+    or nests deeper than `shoal.bounds.MAX_DEPTH` (checked before any decoder sees it)."""
+    try:
+        check_json_depth(body)
+    except TooDeep as exc:
+        raise errors.bad_request(f"The request body is not accepted: {exc}.") from None
+    try:
+        try:
+            fields = _decode_prompt_fields(body) if with_prompt else _decode_fields(body)
+        except msgspec.ValidationError:
+            if not with_prompt:
+                raise
+            # An odd prompt is no reason to refuse: route without a prefix hint, and let the
+            # worker judge it (the error, if any, is about `model` or `stream`).
+            fields = _decode_fields(body)
+    except msgspec.ValidationError as exc:
+        raise errors.bad_request(f"Invalid request body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise errors.bad_request(f"The request body is not valid JSON: {exc}") from None
+    if not fields.model:
+        raise errors.bad_request("You must provide a model parameter.", param="model")
+    return fields
+
+
+def prompt_text(fields: Fields, limit: int = PROMPT_CHARS) -> str:
+    """The start of the prompt as text: chat messages, a completion prompt or embedding input."""
+    if not isinstance(fields, PromptFields):
+        return ""
+    parts: list[str] = []
+    size = 0
+    if fields.messages:
+        for message in fields.messages:
+            content = message.get("content")
+            if isinstance(content, list):
+                content = "".join(
+                    piece
+                    for p in content
+                    if isinstance(p, dict) and isinstance(piece := p.get("text"), str)
+                )
+            text = f"{message.get('role')}:{content[:limit] if isinstance(content, str) else ''}\n"
+            parts.append(text)
+            size += len(text)
+            if size >= limit:
+                break
+        return "".join(parts)[:limit]
+    value = fields.prompt if fields.prompt is not None else fields.input
+    if isinstance(value, list) and value:
+        value = value[0] if isinstance(value[0], str | list) else value
+    if isinstance(value, list):
+        value = ",".join(str(t) for t in value[: limit // 4] if type(t) is int)
+    return value[:limit] if isinstance(value, str) else ""
+
+
+def prompt_hint(fields: Fields, extract: Callable[[Fields], str] | None = None) -> str:
+    """The router's prompt (`extract`, else `prompt_text`), or no hint at all: prompt
+    extraction never fails a request."""
+    try:
+        return (extract or prompt_text)(fields)
+    except Exception:  # an odd value prompt_text did not foresee: route without a hint
+        log.debug("no prefix hint for an odd prompt", exc_info=True)
+        return ""

@@ -1,0 +1,588 @@
+"""`Forward`: one request on its way to a worker and its answer on the way back.
+
+A `Forward` carries one request from the pick of an instance to the end of its answer (the
+proxy decoded its fields and started it), driven by callbacks: from the client's packet to the
+worker's answer it creates no task and no future (only opening a new upstream connection
+awaits, and a policy's work on the prompt off the event loop, `Router.prepare`). Per request:
+one small JSON decode, one routing pick, one write each way, a few counter increments.
+
+Failure handling: a connect error, a transport error or a 5xx before the first response
+byte reached the client marks the instance down for `inhibit_seconds` and tries another
+(up to `retries` more attempts). So does an instance that sends no complete response head
+within `first_byte_timeout` of the request (it hangs, is stuck, or stalls mid-head); when
+no instance answers in time the client gets 504. Once the head is in, the gap between
+packets of the body is bounded by `upstream_idle_timeout`; one timer handle per attempt
+covers both. A refused or reset connect costs no attempt: dead instances are skipped, each
+inhibited, until one answers or none is left (within the first-byte timeout counted from
+the request's arrival). A failure before the first byte is retried even if the worker had
+started generating: there is no idempotency key, and a completion has no side effect but
+the compute spent. After the first byte, a failure (an idle timeout included) moves a
+stream that may migrate to another instance (`migration`), else ends an SSE
+stream with an error event, and any other response by closing the client connection. A
+client that disconnects cancels the handler, which drops the upstream connection so the
+worker stops generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol
+
+from shoal.cards import ModelType
+from shoal.frontend.http import errors
+from shoal.frontend.http.request import ClientConnection, Request, status_line
+from shoal.frontend.http.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
+from shoal.frontend.proxy import migration
+from shoal.frontend.proxy.fields import Fields, prompt_hint, rewrite_model
+from shoal.frontend.proxy.headers import CORS_PREFIX, RESPONSE_HEADERS_DROPPED, hop_by_hop
+from shoal.frontend.proxy.migration import ContinuationRefused, Migration, StreamCutShort
+from shoal.frontend.registry.metrics import FrontendMetrics, ModelStats
+from shoal.frontend.registry.registry import Model
+from shoal.frontend.registry.router import Router
+from shoal.frontend.virtual.virtual import FleetChoice, VirtualModel
+from shoal.openai import ApiError, error_body, sse_event
+
+log = logging.getLogger(__name__)
+
+
+class Gateway(Protocol):
+    """What a `Forward` reads of the `Proxy` that started it."""
+
+    router: Router
+    metrics: FrontendMetrics
+    retries: int
+    inhibit_seconds: float
+    first_byte_timeout: float
+    upstream_idle_timeout: float
+    first_timer_checks_idle: bool
+    migration_limit: int
+
+    def request_head(self, request: Request, target: Upstream, body: bytes) -> bytes: ...
+
+
+class FirstByteTimeout(UpstreamError):
+    """An instance sent no complete response head within the first-byte timeout."""
+
+
+class UpstreamIdleTimeout(UpstreamError):
+    """An instance sent nothing for the idle timeout in the middle of a response body."""
+
+    reason = "idle_timeout"  # (its label in the migration metric)
+
+
+class Forward:
+    """One request on its way: pick an instance, send, stream the answer back, retry early failures.
+
+    It is the `ResponseSink` of the upstream connection carrying the current attempt, and
+    the work the client connection waits on (`produce_later`), cancelled if the client goes
+    away. It touches the client only through `ClientConnection`.
+    Output is gathered while one packet from the worker is parsed and written once (`flush`).
+    `started` turns True when the first byte reached the client: from then on a failure
+    cannot be retried, and a stream ends with an SSE error event instead.
+    """
+
+    __slots__ = (
+        "attempt",
+        "body",
+        "body_seen",
+        "chunked",
+        "client",
+        "conn",
+        "connecting",
+        "done",
+        "fields",
+        "head_seen",
+        "last_read",
+        "migration",
+        "model",
+        "name",
+        "out",
+        "prompt",
+        "proxy",
+        "request",
+        "started",
+        "stats",
+        "status",
+        "stream",
+        "target",
+        "timer",
+        "tried",
+    )
+
+    def __init__(
+        self,
+        proxy: Gateway,
+        request: Request,
+        client: ClientConnection,
+        model: Model | None,
+        fields: Fields,
+        stats: ModelStats,
+    ) -> None:
+        self.proxy = proxy
+        self.request = request
+        self.client = client
+        self.body = request.body  # what is sent: the client's body, unless a route rewrote it
+        self.model = model  # None for a virtual model (`VirtualForward`)
+        self.name = fields.model or ""
+        self.fields = fields
+        self.stats = stats
+        self.stream = bool(fields.stream)
+        router = proxy.router
+        self.prompt = prompt_hint(fields, router.prompt_of) if router.needs_prompt else None
+        self.tried: list[Upstream] = []
+        self.attempt = 0
+        self.target: Upstream | None = None
+        self.conn: UpstreamConnection | None = None
+        self.connecting: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None  # the first-byte, then idle, timeout
+        self.last_read = 0.0  # monotonic time the last packet of the response arrived
+        self.out: list[bytes] = []
+        self.status = 0
+        self.chunked = False
+        self.head_seen = False
+        self.body_seen = False
+        self.started = False
+        self.done = False
+        self.migration: Migration | None = None  # a stream that may move (migration.py)
+
+    def start(self) -> None:
+        self.stats.in_flight += 1
+        if self.stream and self.model is not None:
+            self.migration = migration.prepare(self, self.model, self.proxy.migration_limit)
+        self.client.produce_later(self)
+        ready = self._prepare()
+        if ready is None:
+            self._attempt(None)
+        else:  # the router works on the prompt off the event loop: pick when it is done
+            ready.add_done_callback(self._prepared)
+
+    def _prepare(self) -> asyncio.Future[None] | None:
+        """The router's work on the prompt before the first pick (`Router.prepare`)."""
+        if self.prompt is None:
+            return None
+        try:
+            return self.proxy.router.prepare(self.prompt, self._models())
+        except Exception:  # routing goes on without it
+            log.exception("preparing the prompt of a %s request failed", self.name)
+            return None
+
+    def _prepared(self, _: asyncio.Future[None]) -> None:
+        if not self.done:
+            self._attempt(None)
+
+    def _models(self) -> tuple[str, ...]:
+        """The models this request may be sent to."""
+        return (self.name,)
+
+    # -- attempts ----------------------------------------------------------------------------
+
+    def _attempt(self, failure: Exception | None) -> None:
+        """Send to the next instance; after the last one, answer with the failure. Whatever
+        raises on the way ends the request with a 500 (`_broken`), never past it."""
+        try:
+            self._next_attempt(failure)
+        except Exception:
+            self._broken()
+
+    def _next_attempt(self, failure: Exception | None) -> None:
+        target = None
+        if self.attempt <= self.proxy.retries:
+            try:
+                target = self._pick()
+            except Exception:  # a router's bug fails this request, never the gauges
+                log.exception("routing a %s request failed", self.name)
+                self._finish(errors.internal_error())
+                return
+        if target is None:
+            name = self.name
+            if failure is None:
+                error = errors.no_ready_instance(name)
+            elif isinstance(failure, FirstByteTimeout):
+                error = errors.upstream_timeout(name, self.proxy.first_byte_timeout)
+            else:
+                error = errors.upstream_failed(name, str(failure))
+            self._finish(error)
+            return
+        if self.tried:
+            self.stats.retries += 1
+        self.attempt += 1
+        self.launch(target)
+
+    @property
+    def origin(self) -> bytes:
+        """The body a continuation of this stream is made from (migration.py): the client's,
+        naming the model as the instances serve it."""
+        return self.request.body
+
+    def launch(self, target: Upstream) -> None:
+        """Send to `target`, on an idle connection or a new one."""
+        self.target = target
+        target.in_flight += 1
+        conn = target.take_idle()
+        if conn is None:
+            self.connecting = asyncio.create_task(self._connect(target))
+        else:
+            self._send(conn)
+
+    def _pick(self) -> Upstream | None:
+        """The instance of the next attempt (see `Router.choose`)."""
+        model = self.model
+        assert model is not None
+        return self.proxy.router.choose(model, self.prompt, self.tried)
+
+    async def _connect(self, target: Upstream) -> None:
+        """The only await of the request path: opening a connection when none is idle.
+
+        The client may leave as the connect completes, and the result may still arrive
+        despite the cancellation: the new connection then goes to the pool, not astray."""
+        try:
+            conn = await target.connect()
+        except Exception as exc:
+            self.connecting = None
+            if not self.done:
+                self._attempt_failed(exc)
+            return
+        self.connecting = None
+        if self.done or self.target is not target:
+            target.release(conn)
+            return
+        try:
+            self._send(conn)
+        except Exception:
+            self._broken()
+
+    def _send(self, conn: UpstreamConnection) -> None:
+        assert self.target is not None
+        self.conn = conn
+        self.out = []
+        self.head_seen = False
+        if not self.started:  # (a migrated stream's continuation keeps the client's framing)
+            self.chunked = False
+        self.client.follow(conn)
+        body = self.body
+        conn.send(self.proxy.request_head(self.request, self.target, body), body, self)
+        if self.proxy.first_byte_timeout > 0:
+            self.timer = self.client.loop.call_later(
+                self.proxy.first_byte_timeout, self._timer_fired
+            )
+
+    def _timer_fired(self) -> None:
+        """The attempt's one timer: the first-byte timeout until the head is complete, then
+        the idle timeout between packets of the body. A paused connection (the client is
+        not keeping up) is never the instance's fault: it waits on."""
+        self.timer = None
+        conn = self.conn
+        if self.done or conn is None:
+            return
+        if self.head_seen:
+            self._check_idle(conn)
+            return
+        seconds = self.proxy.first_byte_timeout
+        if conn.paused:
+            self.timer = self.client.loop.call_later(seconds, self._timer_fired)
+            return
+        assert self.target is not None
+        self.conn = None  # (not mistaken for an idle connection the worker had closed)
+        conn.abort()
+        self._attempt_failed(
+            FirstByteTimeout(
+                f"instance {self.target.address} sent no complete response head within {seconds:g}s"
+            )
+        )
+
+    def _arm_idle_timer(self) -> None:
+        """The head is in: from now on the timer bounds the gaps in the body (if at all)."""
+        idle = self.proxy.upstream_idle_timeout
+        timer = self.timer
+        if idle <= 0:
+            if timer is not None:
+                timer.cancel()
+                self.timer = None
+        elif timer is None or timer.when() - self.client.loop.time() > idle:
+            if timer is not None:
+                timer.cancel()
+            self.timer = self.client.loop.call_later(idle, self._timer_fired)
+
+    def _check_idle(self, conn: UpstreamConnection) -> None:
+        """End the response if the instance has sent nothing for the idle timeout."""
+        seconds = self.proxy.upstream_idle_timeout
+        if seconds <= 0:
+            return
+        now = time.monotonic()
+        if conn.paused:
+            self.last_read = now
+        remaining = self.last_read + seconds - now
+        if remaining > 0:
+            self.timer = self.client.loop.call_later(remaining, self._timer_fired)
+            return
+        assert self.target is not None
+        self.conn = None
+        conn.abort()
+        self.on_failure(
+            UpstreamIdleTimeout(f"instance {self.target.address} sent nothing for {seconds:g}s")
+        )
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _attempt_failed(self, failure: Exception) -> None:
+        """The attempt failed before any byte reached the client: try elsewhere."""
+        self._disarm()
+        target, conn = self.target, self.conn
+        assert target is not None
+        self.conn = None
+        self.client.follow(None)
+        if conn is not None and conn.reused and not self.head_seen:
+            # An idle connection the worker had closed: not the instance's fault.
+            self.connecting = asyncio.create_task(self._connect(target))
+            return
+        target.in_flight -= 1
+        self.target = None
+        if self.started:  # a migrated stream's continuation failed before its first event
+            self._failed_after_start(failure, target)
+            return
+        log.warning("%s; trying another instance", failure)
+        target.inhibit(self.proxy.inhibit_seconds)
+        self.proxy.metrics.instances_inhibited.inc()
+        self.tried.append(target)
+        if isinstance(failure, ConnectRefused) and self._within_deadline():
+            self.attempt -= 1  # a dead instance cost nothing: the retry budget is for slow ones
+        self._attempt(failure)
+
+    def _within_deadline(self) -> bool:
+        """Whether the request may still try instances (the first-byte timeout since it came)."""
+        limit = self.proxy.first_byte_timeout
+        return not limit or time.perf_counter() - self.request.received < limit
+
+    def _may_retry(self) -> bool:
+        """Whether a 5xx is worth another attempt: attempts left, and an instance not tried."""
+        if self.attempt > self.proxy.retries:
+            return False
+        tried = [*self.tried, self.target]
+        model = self.model
+        assert model is not None
+        return any(u not in tried for ws in model.routable_sets for u in ws.routable)
+
+    # -- ResponseSink ------------------------------------------------------------------------
+
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
+        self.head_seen = True  # (`flush`, right after this packet is parsed, sets `last_read`)
+        if not self.proxy.first_timer_checks_idle:
+            self._arm_idle_timer()
+        if self.started:  # a migrated stream's continuation: the client has its head
+            if status == 200:
+                return True
+            assert self.target is not None
+            what = f"instance {self.target.address} answered {status} to a continuation"
+            self._attempt_failed(
+                UpstreamError(what) if status >= 500 else ContinuationRefused(what)
+            )
+            return False
+        if status >= 500 and self._may_retry():
+            assert self.target is not None
+            self._attempt_failed(UpstreamError(f"instance {self.target.address} answered {status}"))
+            return False
+        client = self.client
+        self.status = status
+        parts = [status_line(status)]
+        listed: bytes | None = None  # the upstream's `Connection:` value
+        for name, value in headers:
+            lname = name.lower()
+            if lname not in RESPONSE_HEADERS_DROPPED and not lname.startswith(CORS_PREFIX):
+                parts += (name, b": ", value, b"\r\n")
+            elif lname == b"connection":
+                listed = value
+        if listed is not None and (hop := hop_by_hop(listed)):
+            parts = [status_line(status)]
+            for name, value in headers:
+                lname = name.lower()
+                relayed = lname not in RESPONSE_HEADERS_DROPPED and not lname.startswith(
+                    CORS_PREFIX
+                )
+                if relayed and lname not in hop:
+                    parts += (name, b": ", value, b"\r\n")
+        if chunked:
+            if self.request.http11:
+                self.chunked = True
+                parts.append(b"transfer-encoding: chunked\r\n")
+            else:
+                client.close_after_response()  # HTTP/1.0: the body ends with the connection
+        if not client.keep_alive:
+            parts.append(b"connection: close\r\n")
+        assert self.target is not None
+        parts += (b"x-shoal-instance: ", self.target.label, b"\r\n\r\n")
+        self.out.append(b"".join(parts))
+        return True
+
+    def on_body(self, data: bytes) -> None:
+        if not self.body_seen:
+            self.body_seen = True
+            if self.stream:
+                self.stats.ttft.observe(time.perf_counter() - self.request.received)
+        if self.migration is not None and self.migration.parsing:
+            data = self.migration.feed(data)
+            if not data:
+                return
+        if self.chunked:
+            self.out += (b"%x\r\n" % len(data), data, b"\r\n")
+        else:
+            self.out.append(data)
+
+    def flush(self, final: bool = False) -> None:
+        """Write what this packet produced. A response head is held until the first body
+        byte (or the end): a worker dying between its head and its first token fails before
+        anything reached the client, so the request is retried elsewhere."""
+        self.last_read = time.monotonic()
+        if not self.out or not (self.body_seen or final):
+            return
+        data = self.out[0] if len(self.out) == 1 else b"".join(self.out)
+        self.out = []
+        if self.client.writable:
+            self.started = True
+            self.client.write(data)
+
+    def on_complete(self) -> None:
+        if self.migration is not None and not self.migration.complete():
+            assert self.target is not None
+            self.on_failure(
+                StreamCutShort(f"instance {self.target.address} ended the stream early")
+            )
+            return
+        if self.chunked:
+            self.out.append(b"0\r\n\r\n")
+        self.flush(final=True)
+        self._end_attempt()
+        self._finish(None)
+
+    def on_failure(self, exc: Exception) -> None:
+        if not self.started:
+            self._attempt_failed(exc)
+            return
+        self.flush()
+        target = self.target
+        self._end_attempt()
+        self._failed_after_start(exc, target)
+
+    def _failed_after_start(self, exc: Exception, target: Upstream | None) -> None:
+        """The response failed after its first byte reached the client: a stream that may
+        migrate goes on at another instance (`Migration.resume`), any other ends."""
+        try:
+            if self.migration is not None and self.migration.resume(exc, target):
+                return
+        except Exception:
+            self._broken()
+            return
+        self._break_off(exc)
+        self._finish(None)
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """The client went away: drop the upstream connection, so the worker stops too."""
+        if self.done:
+            return
+        if self.connecting is not None:
+            self.connecting.cancel()
+        if self.conn is not None:
+            self.conn.abort()
+        self._end_attempt()
+        self.status = 499
+        self._finish(None)
+
+    def _broken(self) -> None:
+        """A bug on the request path (called from an `except`): logged, the attempt dropped,
+        the client answered 500 (or cut off, if bytes went out), and the request counted and
+        taken off the in-flight gauge like any other."""
+        log.exception("request for %s failed in the gateway", self.name)
+        if self.done:
+            return
+        if self.connecting is not None:
+            self.connecting.cancel()
+            self.connecting = None
+        if self.conn is not None:
+            self.conn.abort()
+        self._end_attempt()
+        if self.started:
+            self.client.close_after_response()
+        self._finish(errors.internal_error())
+
+    def _end_attempt(self) -> None:
+        self._disarm()
+        if self.target is not None:
+            self.target.in_flight -= 1
+            self.target = None
+        self.conn = None
+        self.client.follow(None)
+
+    def _break_off(self, failure: Exception) -> None:
+        """A response failed after its first byte reached the client."""
+        log.warning("response for %s broke off: %s", self.name, failure)
+        if self.chunked and self.stream and self.client.writable:
+            event = sse_event(
+                error_body(
+                    f"The model instance failed while streaming: {failure}",
+                    type="server_error",
+                    code="upstream_error",
+                )
+            )
+            self.client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+        else:
+            self.client.close_after_response()  # the body is cut short: only closing tells
+
+    def _finish(self, error: ApiError | None) -> None:
+        """Count the request and end its response, once (whichever path gets here first)."""
+        if self.done:
+            return
+        self.done = True
+        stats = self.stats
+        stats.in_flight -= 1
+        stats.count(error.status if error is not None else self.status)
+        stats.duration.observe(time.perf_counter() - self.request.received)
+        self.client.finish(error)
+
+
+class VirtualForward(Forward):
+    """A request for a virtual model: each attempt picks one of its targets by weight, and
+    sends the body naming the model as that target serves it (re-encoded only then)."""
+
+    __slots__ = ("kind", "served", "virtual")
+
+    def __init__(
+        self,
+        proxy: Gateway,
+        request: Request,
+        client: ClientConnection,
+        virtual: VirtualModel,
+        kind: ModelType,
+        fields: Fields,
+        stats: ModelStats,
+    ) -> None:
+        super().__init__(proxy, request, client, None, fields, stats)
+        self.virtual = virtual
+        self.kind = kind
+        self.served = self.name  # the model the body names now
+
+    def _models(self) -> tuple[str, ...]:
+        return tuple(c.served for c in self.virtual.weighted if isinstance(c, FleetChoice))
+
+    def _pick(self) -> Upstream | None:
+        picked = self.virtual.choose(self.kind, self.proxy.router, self.prompt, self.tried)
+        if picked is None:
+            return None
+        target, served = picked
+        if served != self.served:
+            self.served = served
+            body = self.request.body
+            self.body = body if served == self.name else rewrite_model(body, served)
+        return target
+
+    def _may_retry(self) -> bool:
+        if self.attempt > self.proxy.retries:
+            return False
+        target = self.target
+        tried = self.tried if target is None else [*self.tried, target]
+        return self.virtual.untried(self.kind, tried)

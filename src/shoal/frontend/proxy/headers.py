@@ -1,0 +1,75 @@
+"""Which headers cross the gateway, each way.
+
+What crosses: a worker gets the client's headers but hop-by-hop ones; a provider (a virtual
+model's `url` target, outside the fleet) only those of `PROVIDER_HEADERS`. Every forwarded
+request carries this gateway's `Via` entry (`1.1 shoal-<random id>`): a request whose `Via`
+names this gateway, or already `MAX_GATEWAY_HOPS` shoal gateways, went round a loop of url
+targets and is answered 508. Upstream `Access-Control-*` headers are dropped: the gateway's
+own CORS policy alone decides what a browser may read.
+"""
+
+from __future__ import annotations
+
+MAX_GATEWAY_HOPS = 8  # shoal gateways a request may pass through (counted in `Via`)
+
+# What a provider gets of the client's headers: what the answer's form depends on, what
+# identifies the client software and the request for tracing, the OpenAI beta opt-ins, and
+# the `Via` trail (this gateway's entry is added). Never cookies, identity headers a proxy
+# in front added (`X-Forwarded-*`), `OpenAI-Organization`/`OpenAI-Project` (which would let
+# a client choose what the gateway's key bills), `Origin` or `Referer`.
+PROVIDER_HEADERS = frozenset(
+    {
+        b"content-type",
+        b"accept",
+        b"accept-encoding",
+        b"user-agent",
+        b"x-request-id",
+        b"openai-beta",
+        b"traceparent",
+        b"tracestate",
+        b"via",
+    }
+)
+
+# Not forwarded upstream: hop-by-hop headers, and those the proxy sets itself.
+REQUEST_HEADERS_DROPPED = frozenset(
+    {
+        b"host",
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"expect",
+    }
+)
+RESPONSE_HEADERS_DROPPED = frozenset(
+    {
+        b"x-shoal-instance",  # the gateway's own: an upstream's would pass for it
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+    }
+)
+
+
+CORS_PREFIX = b"access-control-"  # an upstream's CORS headers: the gateway's policy alone decides
+
+
+def hop_by_hop(connection: bytes) -> frozenset[bytes]:
+    """The header names a `Connection:` value lists, beyond the usual `keep-alive`/`close`:
+    they are for this hop only (RFC 9110, 7.6.1), so neither direction forwards them."""
+    names = {token.strip().lower() for token in connection.split(b",")}
+    names -= _CONNECTION_OPTIONS
+    return frozenset(names)
+
+
+_CONNECTION_OPTIONS = frozenset({b"", b"keep-alive", b"close"})
