@@ -37,7 +37,7 @@ from shoal.store import StoreError
 
 if TYPE_CHECKING:
     from shoal.discovery import Discovery
-    from shoal.frontend.app import MembershipFollower
+    from shoal.frontend.config import MembershipFollower
 
 log = logging.getLogger(__name__)
 

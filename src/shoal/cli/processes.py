@@ -44,7 +44,7 @@ from prometheus_client.samples import Sample
 
 from shoal.cli.common import on_stop_signals, parse_ready_line, print_ready
 from shoal.frontend import FrontendConfig
-from shoal.frontend.app import server_tls
+from shoal.frontend.config import server_tls
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ usage), `virtual` (virtual models and providers), `kv` (KV-aware routing), `prox
 path, migration, disaggregation) and `dashboard` (`/ui`).
 """
 
-from shoal.frontend.app import Frontend, FrontendConfig
+from shoal.frontend.app import Frontend
+from shoal.frontend.config import FrontendConfig
 from shoal.frontend.registry.router import POLICIES
 
 __all__ = ["POLICIES", "Frontend", "FrontendConfig"]
