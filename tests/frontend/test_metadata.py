@@ -22,7 +22,8 @@ from shoal.cards import MetadataFile, ModelCard
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
 from shoal.frontend import Frontend
 from shoal.frontend.registry.metadata import MetadataCache, MetadataError
-from shoal.frontend.registry.watcher import ModelWatcher, State
+from shoal.frontend.registry.registrations import State
+from shoal.frontend.registry.watcher import ModelWatcher
 from shoal.store import Lease, Store
 from tests.frontend.conftest import StartFrontend
 from tests.frontend.support import serving

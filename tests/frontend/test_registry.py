@@ -15,9 +15,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from shoal.cards import ModelCard, ModelType
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelInstance, ModelKey
 from shoal.frontend import Frontend, FrontendConfig
+from shoal.frontend.registry.registrations import State
 from shoal.frontend.registry.registry import Registry
 from shoal.frontend.registry.versions import Versions
-from shoal.frontend.registry.watcher import State
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import serving

@@ -14,8 +14,9 @@ from shoal.discovery import Added, DiscoveryEvent, ModelInstance, Query, Removed
 from shoal.frontend import Frontend
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.metrics import FrontendMetrics
+from shoal.frontend.registry.registrations import State
 from shoal.frontend.registry.registry import Registry
-from shoal.frontend.registry.watcher import ModelWatcher, State
+from shoal.frontend.registry.watcher import ModelWatcher
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import FilteringDiscovery, serving

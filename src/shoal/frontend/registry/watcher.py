@@ -27,14 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import datetime
-import enum
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from shoal.controllers import Controller, HeartbeatMixin
@@ -49,7 +46,8 @@ from shoal.discovery import (
 )
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.metrics import FrontendMetrics
-from shoal.frontend.registry.registry import RefusedError, Registry, SetId
+from shoal.frontend.registry.registrations import Registration, Registrations, State
+from shoal.frontend.registry.registry import Registry, SetId
 from shoal.frontend.registry.versions import Versions
 
 log = logging.getLogger(__name__)
@@ -58,23 +56,6 @@ APPLY_BATCH = 64
 """Keys a reconciliation pass repairs between two yields to the event loop."""
 PROGRESS_INTERVAL = 5.0
 """Seconds between two log lines of the first snapshot's progress while it loads."""
-
-
-class State(enum.Enum):
-    PENDING = "pending"  # metadata files not fetched and verified yet
-    JOINED = "joined"  # in its worker set, routable unless tainted
-    REFUSED = "refused"  # its checksum differs from its worker set's
-
-
-@dataclass(eq=False, slots=True)
-class Registration:
-    """What this frontend knows of one `ModelKey`, and how far its registration got."""
-
-    model: ModelInstance
-    generation: int
-    state: State = State.PENDING
-    task: asyncio.Task[None] | None = None  # the metadata fetch in flight
-    error: str | None = None
 
 
 def _nothing() -> None:
@@ -122,7 +103,7 @@ class StoreState:
         return since.isoformat(timespec="seconds")
 
 
-class ModelWatcher:
+class ModelWatcher(Registrations):
     """Applies discovery to the registry: events as they come, and reconciliation passes."""
 
     def __init__(
@@ -211,23 +192,6 @@ class ModelWatcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    # -- the generation fence ----------------------------------------------------------------
-
-    def _bump(self, key: ModelKey) -> int:
-        self._clock += 1
-        self._generations[key] = self._clock
-        return self._clock
-
-    def _changed_since(self, key: ModelKey, epoch: int) -> bool:
-        return self._generations.get(key, 0) > epoch
-
-    def _prune_generations(self) -> None:
-        """Forget removed keys that no listing being applied can still be older than."""
-        floor = min(self._epochs, default=self._clock)
-        for key in self._generations.keys() - self.registrations.keys():
-            if self._generations[key] <= floor:
-                del self._generations[key]
 
     # -- membership: namespaces joining and leaving the scope ---------------------------------
 
@@ -332,155 +296,6 @@ class ModelWatcher:
                 self._set_taints(event.key, event.taints, event.revision)
         except Exception:
             log.exception("failed to apply discovery event %s", event)
-
-    def _add(self, model: ModelInstance) -> Registration:
-        key = model.key
-        current = self.registrations.get(key)
-        if current is not None:
-            if current.model == model:
-                return current
-            if current.model.instance == model.instance and current.model.card.same_except_taints(
-                model.card
-            ):
-                self._set_taints(key, model.card.taints, model.revision)
-                return current
-            self._remove(key)
-        registration = Registration(model, self._generations.get(key, self._clock))
-        self.registrations[key] = registration
-        set_id = self._track(model)
-        self._try_join(registration)
-        self._settle(set_id)
-        return registration
-
-    def _remove(self, key: ModelKey) -> None:
-        registration = self.registrations.pop(key, None)
-        if registration is None:
-            self.registry.leave(key)
-            return
-        if registration.task is not None:
-            registration.task.cancel()
-        model = registration.model
-        set_id = SetId.of(key, model.card)
-        self._refused.get(set_id, {}).pop(key, None)
-        self.versions.drop(key)
-        self.registry.leave(key)
-        self._settle(set_id)
-
-    def _set_taints(self, key: ModelKey, taints: tuple[str, ...], revision: int) -> None:
-        registration = self.registrations.get(key)
-        if registration is None:
-            return
-        model = registration.model
-        registration.model = dataclasses.replace(
-            model, card=model.card.with_taints(taints), revision=revision
-        )
-        self.registry.set_taints(key, tuple(registration.model.card.taints))
-        self._settle(self._track(registration.model))
-
-    # -- the elected checksum ----------------------------------------------------------------
-
-    def _track(self, model: ModelInstance) -> SetId:
-        """Enter the card in its worker set's election; returns the set's id."""
-        set_id = SetId.of(model.key, model.card)
-        self.versions.put(
-            set_id, model.card.mdcsum, model.key, model.revision, bool(model.card.taints)
-        )
-        return set_id
-
-    def _settle(self, set_id: SetId) -> None:
-        """Make the registry's set run the elected checksum: members of another one leave
-        (refused, they wait), and the elected checksum's refused cards join."""
-        elected = self.versions.elected(set_id)
-        entry = self.registry.models.get(set_id.model)
-        ws = None if entry is None else entry.sets.get(set_id)
-        if ws is not None and ws.mdcsum != elected:
-            log.warning(
-                "model %r in %s/%s (%s): checksum %s elected, replacing %s",
-                set_id.model, set_id.namespace, set_id.component, set_id.role, elected, ws.mdcsum,
-            )  # fmt: skip
-            for key in list(ws.members):
-                self.registry.leave(key)
-                registration = self.registrations.get(key)
-                if registration is not None:
-                    self._refuse(registration, self._not_elected(registration.model, elected))
-            ws = None
-        if ws is None and elected is not None:
-            for registration in list(self._refused.get(set_id, {}).values()):
-                if registration.model.card.mdcsum == elected:
-                    self._try_join(registration)
-
-    def _refuse(self, registration: Registration, error: str) -> None:
-        model = registration.model
-        if registration.state is not State.REFUSED:
-            log.error("%s", error)
-            self.metrics.cards_refused.labels(model.card.display_name).inc()
-        registration.state, registration.error = State.REFUSED, error
-        refused = self._refused.setdefault(SetId.of(model.key, model.card), {})
-        refused[model.key] = registration
-
-    @staticmethod
-    def _not_elected(model: ModelInstance, elected: str | None) -> str:
-        return (
-            f"card {model.key} of {model.card.display_name!r} has checksum {model.card.mdcsum}, "
-            f"but its worker set in {model.key.endpoint.namespace}/"
-            f"{model.key.endpoint.component} ({model.card.role}) runs {elected} (the checksum "
-            "of its oldest untainted card): refused until that version drains or leaves"
-        )
-
-    # -- joining -----------------------------------------------------------------------------
-
-    def _try_join(self, registration: Registration) -> None:
-        """Join now if the metadata is cached, else fetch it in the background first."""
-        if registration.task is not None:
-            return
-        if self.cache.missing(registration.model.card):
-            registration.task = asyncio.create_task(
-                self._fetch_and_join(registration), name=f"fetch:{registration.model.key}"
-            )
-        else:
-            self._join(registration)
-
-    async def _fetch_and_join(self, registration: Registration) -> None:
-        key = registration.model.key
-        try:
-            await self.cache.fetch(registration.model.card)
-        except Exception as exc:
-            registration.error = str(exc)
-            self.metrics.metadata_fetch_failures.inc()
-            log.warning("metadata of %s not fetched (retried by reconciliation): %s", key, exc)
-            return
-        finally:
-            registration.task = None
-        if self.registrations.get(key) is not registration:
-            log.debug("fetch for %s finished after a newer change; dropped", key)
-            return
-        self._join(registration)
-
-    def _join(self, registration: Registration) -> bool:
-        """Add the card to its worker set; False (and logged once) if it is refused."""
-        model = registration.model
-        set_id = SetId.of(model.key, model.card)
-        elected = self.versions.elected(set_id)
-        if elected != model.card.mdcsum:
-            self._refuse(registration, self._not_elected(model, elected))
-            return False
-        try:
-            self.registry.join(model)
-        except RefusedError as exc:
-            self._refuse(registration, str(exc))
-            return False
-        except ValueError as exc:  # an instance URL the proxy cannot use
-            self._refuse(registration, f"card {model.key} refused: {exc}")
-            return False
-        self._refused.get(set_id, {}).pop(model.key, None)
-        registration.state, registration.error = State.JOINED, None
-        log.info(
-            "model %r: instance %x joined (%s)",
-            model.card.display_name,
-            model.instance_id,
-            model.key.endpoint,
-        )
-        return True
 
     # -- reconciliation ----------------------------------------------------------------------
 
@@ -665,12 +480,6 @@ class ModelWatcher:
             and ws.mdcsum == checksum
             and ws.id == SetId.of(key, model.card)
         )
-
-    # -- reading -----------------------------------------------------------------------------
-
-    def incomplete(self) -> list[Registration]:
-        """Registrations not joined: metadata pending, or refused."""
-        return [r for r in self.registrations.values() if r.state is not State.JOINED]
 
 
 class Reconciler(HeartbeatMixin, Controller):
