@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 class TwoStageStarter(Protocol):
-    """Starts a request for a model served in two stages (`frontend/disagg.TwoStages`)."""
+    """Starts a request for a model served in two stages (`frontend/proxy/disagg.TwoStages`)."""
 
     def start(
         self,
@@ -94,7 +94,7 @@ class Proxy:
         self.gateway = "shoal-" + secrets.token_hex(8)
         self._gateway = self.gateway.encode()
         self.via = b"via: 1.1 " + self._gateway + b"\r\n"
-        # Models served in two stages (prefill, then decode): `frontend/disagg.TwoStages`,
+        # Models served in two stages (prefill, then decode): `frontend/proxy/disagg.TwoStages`,
         # which builds on this module, set by the frontend.
         self.two_stages: TwoStageStarter | None = None
 
