@@ -31,7 +31,7 @@ async def real_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIte
     else:
         server: EtcdServer = request.getfixturevalue("own_etcd")
         url = server.url
-    store = await open_store(url)
+    store = await open_store(url, connect_timeout=30)  # a fresh etcd on a loaded machine
     yield store
     await store.close()
 
