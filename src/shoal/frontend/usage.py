@@ -7,6 +7,10 @@ accepted are sent, oldest first, to the catalog's `POST /v1/usage`. A batch whos
 lost is sent again with the same id, and the catalog counts an id once: nothing is counted
 twice. While the catalog cannot be reached the batches wait, at most `max_rows` rows in all
 (the oldest are dropped beyond, and counted as dropped); `/health` reports the backlog.
+
+What a client chose is bounded before it makes a row: a model name is cut to the catalog's
+`LABEL_CHARS` (NULs replaced), a request's tokens to `MAX_TOKENS`. A batch the catalog
+refuses for good (400, 413, 422) is dropped and counted, never retried ahead of the others.
 """
 
 from __future__ import annotations
@@ -27,6 +31,14 @@ from shoal.discovery.grants import Grant
 log = logging.getLogger(__name__)
 
 Row = tuple[str, str, str, str, str, str]  # workspace, key, model, served, status class, minute
+LABEL_CHARS = 400  # the catalog's bound on a row's model and served model
+MAX_TOKENS = 10**9  # a request's tokens as counted (an engine's claim beyond is cut here)
+REFUSED = frozenset((400, 413, 422))  # the catalog will never take this batch
+
+
+def label(name: str) -> str:
+    """`name` as the catalog takes it in a row: at most `LABEL_CHARS`, no NUL."""
+    return name[:LABEL_CHARS].replace("\x00", "\ufffd")
 
 
 def status_class(status: int) -> str:
@@ -54,6 +66,7 @@ class UsageBook:
         self.dropped_rows = 0
         self.sent_batches = 0
         self.last_error = ""
+        self.last_refused = ""  # why the catalog last refused a batch for good
         self.last_flush: float | None = None
         self._minute = (0, "")  # (minute number, its ISO form): formatted once a minute
         self._session: aiohttp.ClientSession | None = None
@@ -66,7 +79,11 @@ class UsageBook:
         now = int(time.time() // 60)
         if now != self._minute[0]:
             self._minute = (now, datetime.fromtimestamp(now * 60, UTC).isoformat())
-        key = (grant.workspace, grant.name, model, served, status_class(status), self._minute[1])
+        key = (
+            grant.workspace, grant.name, label(model), label(served), status_class(status),
+            self._minute[1],
+        )  # fmt: skip
+        prompt, completion = min(prompt, MAX_TOKENS), min(completion, MAX_TOKENS)
         counts = self.rows.get(key)
         if counts is None:
             self.rows[key] = [1, prompt, completion]
@@ -126,6 +143,10 @@ class UsageBook:
                     async with self._session.post(
                         self.url, json=batch, headers=self.headers
                     ) as resp:
+                        if resp.status in REFUSED:  # never valid: the others go on
+                            text = (await resp.text())[:300]
+                            self._refused(f"the catalog refused a batch ({resp.status}): {text}")
+                            continue
                         if resp.status >= 400:
                             text = (await resp.text())[:300]
                             raise RuntimeError(f"the catalog answered {resp.status}: {text}")
@@ -139,6 +160,13 @@ class UsageBook:
             self.last_error = ""
             self.last_flush = time.time()
 
+    def _refused(self, why: str) -> None:
+        batch = self.pending.popleft()
+        self.pending_rows -= len(batch["rows"])
+        self.dropped_rows += len(batch["rows"])
+        self.last_refused = why
+        log.warning("usage: %d rows dropped: %s", len(batch["rows"]), why)
+
     def describe(self) -> dict[str, Any]:
         """For `/health`: the backlog waiting for the catalog."""
         return {
@@ -147,5 +175,6 @@ class UsageBook:
             "pending_rows": self.pending_rows,
             "dropped_rows": self.dropped_rows,
             "last_error": self.last_error or None,
+            "last_refused": self.last_refused or None,
             "last_flush": self.last_flush,
         }
