@@ -29,6 +29,20 @@ async def requests_counted(catalog: CatalogServer) -> int:
         return sum(item["requests"] for item in await client.usage(group_by="key"))
 
 
+async def test_rows_over_the_catalogs_body_bound_are_all_counted(catalog: CatalogServer) -> None:
+    book = UsageBook(catalog.url, interval=3600)
+    await book.start()
+    try:
+        for i in range(6000):  # a busy fleet: many keys x models in one interval (> 1 MiB)
+            book.record(GRANT, f"model-{i:05d}-" + "m" * 100, "served", 200, 1, 1)
+        await book.flush()
+        assert book.describe()["last_error"] is None
+        assert not book.pending
+    finally:
+        await book.stop()
+    assert await requests_counted(catalog) == 6000
+
+
 async def test_a_model_name_the_catalog_would_refuse_holds_back_no_usage(
     catalog: CatalogServer,
 ) -> None:

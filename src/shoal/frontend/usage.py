@@ -9,7 +9,8 @@ twice. While the catalog cannot be reached the batches wait, at most `max_rows` 
 (the oldest are dropped beyond, and counted as dropped); `/health` reports the backlog.
 
 What a client chose is bounded before it makes a row: a model name is cut to the catalog's
-`LABEL_CHARS` (NULs replaced), a request's tokens to `MAX_TOKENS`. A batch the catalog
+`LABEL_CHARS` (NULs replaced), a request's tokens to `MAX_TOKENS`. A batch goes in parts of
+at most `BATCH_BYTES` of JSON (under the catalog's 1 MiB body bound). A part the catalog
 refuses for good (400, 413, 422) is dropped and counted, never retried ahead of the others.
 """
 
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 Row = tuple[str, str, str, str, str, str]  # workspace, key, model, served, status class, minute
 LABEL_CHARS = 400  # the catalog's bound on a row's model and served model
 MAX_TOKENS = 10**9  # a request's tokens as counted (an engine's claim beyond is cut here)
+BATCH_BYTES = 512 * 1024  # a batch's JSON at most: half the catalog's body bound
+ROW_BYTES = 256  # a row's JSON but its names: keys, minute, counts (each at most 16 digits)
 REFUSED = frozenset((400, 413, 422))  # the catalog will never take this batch
 
 
@@ -116,15 +119,27 @@ class UsageBook:
                 log.exception("flushing usage failed")
 
     def seal(self) -> None:
-        """The rows counted so far become a batch of their own, waiting to be sent."""
+        """The rows counted so far become batches of their own (each at most `BATCH_BYTES`
+        of JSON), waiting to be sent."""
         if not self.rows:
             return
-        rows = [
-            {"workspace": w, "key": k, "model": m, "served_model": s, "status_class": c,
-             "minute": minute, "requests": n, "prompt_tokens": p, "completion_tokens": t}
-            for (w, k, m, s, c, minute), (n, p, t) in self.rows.items()
-        ]  # fmt: skip
+        rows: list[dict[str, Any]] = []
+        size = 0
+        for (w, k, m, s, c, minute), (n, p, t) in self.rows.items():
+            rows.append(
+                {"workspace": w, "key": k, "model": m, "served_model": s, "status_class": c,
+                 "minute": minute, "requests": n, "prompt_tokens": p, "completion_tokens": t}
+            )  # fmt: skip
+            size += ROW_BYTES + 6 * (len(w) + len(k) + len(m) + len(s))  # 6: "\\u0001"
+            if size >= BATCH_BYTES:
+                self._batch(rows)
+                rows, size = [], 0
+        self._batch(rows)
         self.rows = {}
+
+    def _batch(self, rows: list[dict[str, Any]]) -> None:
+        if not rows:
+            return
         self.pending.append({"batch_id": uuid.uuid4().hex, "rows": rows})
         self.pending_rows += len(rows)
         while self.pending_rows > self.max_rows and len(self.pending) > 1:
