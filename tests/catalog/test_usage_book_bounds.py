@@ -77,3 +77,12 @@ async def test_a_batch_the_catalog_refuses_is_dropped_and_the_next_ones_counted(
     finally:
         await book.stop()
     assert await requests_counted(catalog) == 1
+
+
+async def test_distinct_rows_between_two_flushes_are_bounded() -> None:
+    book = UsageBook("http://127.0.0.1:9", max_rows=100, interval=3600)
+    for i in range(1000):
+        book.record(GRANT, f"model-{i}", "", 404, 0, 0)
+    book.record(GRANT, "model-0", "", 404, 0, 0)  # a row held still adds up
+    assert len(book.rows) == 100
+    assert book.describe()["dropped_rows"] == 900

@@ -9,9 +9,11 @@ twice. While the catalog cannot be reached the batches wait, at most `max_rows` 
 (the oldest are dropped beyond, and counted as dropped); `/health` reports the backlog.
 
 What a client chose is bounded before it makes a row: a model name is cut to the catalog's
-`LABEL_CHARS` (NULs replaced), a request's tokens to `MAX_TOKENS`. A batch goes in parts of
-at most `BATCH_BYTES` of JSON (under the catalog's 1 MiB body bound). A part the catalog
-refuses for good (400, 413, 422) is dropped and counted, never retried ahead of the others.
+`LABEL_CHARS` (NULs replaced), a request's tokens to `MAX_TOKENS`, and at most `max_rows`
+distinct rows are counted between two flushes (a request beyond adds to `dropped_rows`). A
+batch goes in parts of at most `BATCH_BYTES` of JSON (under the catalog's 1 MiB body bound).
+A part the catalog refuses for good (400, 413, 422) is dropped and counted, never retried
+ahead of the others.
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ class UsageBook:
         prompt, completion = min(prompt, MAX_TOKENS), min(completion, MAX_TOKENS)
         counts = self.rows.get(key)
         if counts is None:
+            if len(self.rows) >= self.max_rows:  # bounded between two flushes too
+                self.dropped_rows += 1
+                return
             self.rows[key] = [1, prompt, completion]
         else:
             counts[0] += 1
