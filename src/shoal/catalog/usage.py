@@ -84,21 +84,29 @@ async def record_batch(engine: AsyncEngine, batch: UsageBatch) -> bool:
             )
             if taken.rowcount != 1:
                 return False
-            for row in _merged(batch.rows):
-                stmt = insert(u).values(**row)
-                await conn.execute(
-                    stmt.on_conflict_do_update(
-                        index_elements=[
-                            "workspace", "key", "model", "served_model", "status_class", "minute"
-                        ],
-                        set_={
-                            "requests": u.c.requests + stmt.excluded.requests,
-                            "prompt_tokens": u.c.prompt_tokens + stmt.excluded.prompt_tokens,
-                            "completion_tokens": u.c.completion_tokens
-                            + stmt.excluded.completion_tokens,
-                        },
-                    )
-                )  # fmt: skip
+            rows = _merged(batch.rows)
+            if not rows:
+                return True
+            stmt = insert(u)
+            await conn.execute(
+                stmt.on_conflict_do_update(
+                    index_elements=[
+                        "workspace",
+                        "key",
+                        "model",
+                        "served_model",
+                        "status_class",
+                        "minute",
+                    ],
+                    set_={
+                        "requests": u.c.requests + stmt.excluded.requests,
+                        "prompt_tokens": u.c.prompt_tokens + stmt.excluded.prompt_tokens,
+                        "completion_tokens": u.c.completion_tokens
+                        + stmt.excluded.completion_tokens,
+                    },
+                ),
+                rows,
+            )  # fmt: skip (one statement, every row: executemany)
     return True
 
 
