@@ -97,4 +97,4 @@ class Metered:
         if status >= 400:
             prompt = completion = 0  # a refused or failed request is charged no tokens
         served = _MODEL.search(self.head) or _MODEL.search(self.tail)
-        self.on_done(status or 499, prompt, completion, served.group(1).decode() if served else "")
+        self.on_done(status or 499, prompt, completion, served.group(1).decode(errors="replace") if served else "")
