@@ -49,6 +49,13 @@ async def test_a_served_model_that_is_not_utf8_gives_the_keys_slot_back(
                                answering(b"mock-\xff\xfe-llm", b"1", b"1"))  # fmt: skip
 
 
+async def test_a_usage_of_a_thousand_digits_gives_the_keys_slot_back(
+    store: Store, start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    await answered_three_times(store, start_raw, start_frontend,
+                               answering(b"mock-llm", b"9" * 3000, b"9" * 1000))  # fmt: skip
+
+
 async def answered_three_times(
     store: Store, start_raw: StartRaw, start_frontend: StartFrontend, behaviour: Behaviour
 ) -> None:
