@@ -81,6 +81,8 @@ def test_stage_two_never_carries_the_clients_own_kv_transfer_params() -> None:
               "remote_port": 22, "remote_block_ids": [1, 2, 3]}  # fmt: skip
     raw = json.dumps({**CLIENT, "kv_transfer_params": forged}).encode()
     assert "kv_transfer_params" not in json.loads(stage_two_body(raw, None))
+    twice = raw[:-1] + b', "kv_transfer_params": null}'  # the proxy's check sees the last
+    assert b"kv_transfer_params" not in stage_two_body(twice, None)
     escaped = raw.replace(b'"kv_transfer_params"', b'"kv_transfer\\u005fparams"')
     assert "kv_transfer_params" not in json.loads(stage_two_body(escaped, None))
     handle = b'{"remote_engine_id":"p","remote_host":"h","remote_port":7}'
