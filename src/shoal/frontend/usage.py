@@ -50,6 +50,20 @@ def status_class(status: int) -> str:
     return f"{min(max(status // 100, 2), 5)}xx"
 
 
+async def _receipt(resp: aiohttp.ClientResponse, batch_id: str) -> None:
+    """`RuntimeError` unless `resp` is the catalog's receipt of `batch_id` (a URL that
+    points elsewhere, a login page in front of it, answers 200 too)."""
+    try:
+        answer = await resp.json(content_type=None)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or answer.get("batch_id") != batch_id:
+        raise RuntimeError(
+            f"the answer ({resp.status}, {resp.content_type}) is no receipt of the batch: "
+            "is --catalog-url the catalog's?"
+        )
+
+
 class UsageBook:
     """This frontend's usage not yet accepted by the catalog (see the module's docstring)."""
 
@@ -170,6 +184,7 @@ class UsageBook:
                         if resp.status >= 400:
                             text = (await resp.text())[:300]
                             raise RuntimeError(f"the catalog answered {resp.status}: {text}")
+                        await _receipt(resp, batch["batch_id"])
                 except (aiohttp.ClientError, OSError, TimeoutError, RuntimeError) as exc:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     log.warning("usage not flushed (%d batches wait): %s", len(self.pending), exc)
