@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 Row = tuple[str, str, str, str, str, str]  # workspace, key, model, served, status class, minute
 LABEL_CHARS = 400  # the catalog's bound on a row's model and served model
 MAX_TOKENS = 10**9  # a request's tokens as counted (an engine's claim beyond is cut here)
-BATCH_BYTES = 512 * 1024  # a batch's JSON at most: half the catalog's body bound
+BATCH_BYTES = 256 * 1024  # a batch's JSON at most (the catalog validates it on its loop)
 ROW_BYTES = 256  # a row's JSON but its names: keys, minute, counts (each at most 16 digits)
 REFUSED = frozenset((400, 413, 422))  # the catalog will never take this batch
 
