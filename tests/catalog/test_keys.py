@@ -106,3 +106,20 @@ async def test_key_create_and_rotate_print_the_secret(
     rotated = await client.get(KEYS, "cli")
     assert [c.hash for c in rotated.credentials] == [hash_secret(secret),
                                                     hash_secret(out.splitlines()[-1])]  # fmt: skip
+
+
+async def test_rotate_refuses_more_live_secrets_than_its_bound(client: CatalogClient) -> None:
+    """Each live secret is a grant in the store (its allow-list up to 400 KB): rotations
+    that all keep the old secrets live must not grow a key's grants without bound."""
+    from shoal.catalog import ConflictError
+    from shoal.catalog.repository import MAX_LIVE_SECRETS
+
+    await client.create_key("k")
+    later = (datetime.now(UTC) + timedelta(days=1)).isoformat()
+    for _ in range(MAX_LIVE_SECRETS - 1):
+        await client.rotate_key("k", old_valid_until=later)
+    with pytest.raises(ConflictError, match="live secrets"):
+        await client.rotate_key("k", old_valid_until=later)
+    assert len((await client.get(KEYS, "k")).credentials) == MAX_LIVE_SECRETS
+    last = await client.rotate_key("k")  # ending the old ones at once is always possible
+    assert len(last.credentials) == 1

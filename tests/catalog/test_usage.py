@@ -115,3 +115,42 @@ async def test_the_usage_page_shows_the_sums_per_key_then_per_minute(
             assert await page.locator("#chart rect").count() == 2
         finally:
             await context.close()
+
+
+async def test_a_usage_report_of_many_minutes_does_not_hold_the_event_loop(
+    catalog: CatalogServer, client: CatalogClient
+) -> None:
+    """A month of one key's minutes is 43,200 items: building and encoding them item by item
+    held the catalog's loop (its controller's included) for about a second."""
+    from datetime import UTC, datetime, timedelta
+
+    import aiohttp
+
+    from shoal.catalog import tables
+    from tests.helpers import StallProbe
+
+    start = datetime(2030, 1, 1, tzinfo=UTC)
+    rows = [
+        {"workspace": "team-a", "key": "k", "model": "m", "served_model": "m",
+         "status_class": "2xx", "minute": start + timedelta(minutes=i), "requests": 1,
+         "prompt_tokens": 2, "completion_tokens": 3}
+        for i in range(43_200)
+    ]  # fmt: skip
+    assert catalog.engine is not None
+    async with catalog.engine.begin() as conn:
+        await conn.execute(tables.usage.insert(), rows)
+    url = f"{client.base_url}/v1/workspaces/team-a/usage"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url, params={"group_by": "key"}) as resp:  # warm the pool
+            assert resp.status == 200
+        probe = StallProbe()  # the catalog serves on this very loop
+        async with session.get(url, params={"group_by": "minute"}) as resp:
+            assert resp.status == 200
+            body = await resp.read()
+        held = await probe.stop()
+    items = __import__("json").loads(body)["items"]
+    assert len(items) == 43_200
+    assert items[1] == {"key": None, "model": None, "minute": "2030-01-01T00:01:00Z",
+                        "requests": 1, "prompt_tokens": 2, "completion_tokens": 3,
+                        "total_tokens": 5}  # fmt: skip
+    assert held < 0.05, f"the loop was held {held * 1000:.0f} ms ({probe.longest_wall:.3f}s)"

@@ -288,3 +288,37 @@ async def test_a_missing_certificate_is_one_line_naming_the_files(
     lines = [line for line in err.decode().splitlines() if line.strip()]
     assert len(lines) == 1, lines
     assert str(cert) in lines[0] and str(key) in lines[0] and "No such file" in lines[0]
+
+
+async def test_a_stop_signal_ends_a_process_of_several_still_loading_discovery(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A child of `--processes N` that gets SIGTERM (forwarded by its parent) while it loads
+    a large fleet stops then, as one frontend does: the parent waits for every child, so a
+    child that waited for its load to end kept `shoal frontend` from stopping as long."""
+    from shoal.cli.frontend_child import serve_child
+
+    loading = asyncio.Event()
+
+    async def endless_load(self: ModelWatcher) -> None:  # the store answered; loading goes on
+        self.store_answered.set()
+        loading.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(ModelWatcher, "start", endless_load)
+    config = FrontendConfig(
+        store_url="memory://child-stop-while-loading", port=free_port(), cache_dir=tmp_path,
+        reuse_port=True,
+    )  # fmt: skip
+    serving = asyncio.create_task(serve_child(config, None))
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.wait_for(loading.wait(), 10)
+        os.kill(os.getpid(), signal.SIGTERM)  # (serve_child's handler sets its stop event)
+        assert await asyncio.wait_for(serving, 10) == 0
+    finally:
+        serving.cancel()
+        with contextlib.suppress(BaseException):
+            await serving
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

@@ -77,3 +77,20 @@ def test_a_prefill_handle_too_deep_or_no_object_is_a_prefill_failure_never_forwa
             prefill_handle(answer(bad), "p:1")
     with pytest.raises(UpstreamError):
         prefill_handle(b"[1]", "p:1")
+
+
+def test_stage_two_never_carries_the_clients_own_kv_transfer_params() -> None:
+    # A client's handle would have the decode fetch blocks it names, from a host it names
+    # (another request's KV, or any address): only a prefill's answer may give one.
+    forged = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "10.0.0.9",
+              "remote_port": 22, "remote_block_ids": [1, 2, 3]}  # fmt: skip
+    raw = json.dumps({**CLIENT, "kv_transfer_params": forged}).encode()
+    assert "kv_transfer_params" not in json.loads(stage_two_body(raw, None))
+    twice = raw[:-1] + b', "kv_transfer_params": null}'  # the proxy's check sees the last
+    assert b"kv_transfer_params" not in stage_two_body(twice, None)
+    escaped = raw.replace(b'"kv_transfer_params"', b'"kv_transfer\\u005fparams"')
+    assert "kv_transfer_params" not in json.loads(stage_two_body(escaped, None))
+    handle = b'{"remote_engine_id":"p","remote_host":"h","remote_port":7}'
+    assert json.loads(stage_two_body(raw, msgspec.Raw(handle)))["kv_transfer_params"] == {
+        "remote_engine_id": "p", "remote_host": "h", "remote_port": 7
+    }  # fmt: skip

@@ -62,3 +62,46 @@ def test_events_split_anywhere_pass_whole_and_are_read_once() -> None:
     framed = _event("a").replace(b"\n\n", b"\r\n\r\n")
     out = [crlf.feed(framed[i : i + 1]) for i in range(len(framed))]
     assert b"".join(out) == framed and not crlf.parsing and crlf.refused == "framing"
+
+
+def test_a_continuation_splices_the_clients_messages_without_decoding_them() -> None:
+    """A chat of 200,000 messages (a 16 MB body) is continued by splicing the text after the
+    client's messages as they came (decoding and re-encoding them held the event loop for
+    ~150 ms at the failure): spacing and number forms inside them are kept byte for byte."""
+    messages = b'[{"role": "user",  "content": "hi", "x": 1.50}' + b', {"role":"user"}' * 200_000
+    origin = b'{"model":"m","stream":true,"max_tokens":50,"messages":' + messages + b"]}"
+    forward: Any = SimpleNamespace(status=200, target=None, model=None, origin=origin)
+    migration = Migration(forward, True, 1, None)
+    migration.feed(_event("Hello") + _event(" there"))
+    body = migration._continuation()
+    assert body is not None and messages in body
+    decoded = json.loads(body)
+    assert decoded["messages"][-1] == {"role": "assistant", "content": "Hello there"}
+    assert len(decoded["messages"]) == 200_002
+    assert decoded["continue_final_message"] is True
+    assert decoded["add_generation_prompt"] is False and decoded["max_tokens"] == 48
+
+
+def test_a_continuation_of_the_clients_own_continuation_extends_its_last_message() -> None:
+    origin = json.dumps({"model": "m", "stream": True, "continue_final_message": True,
+                         "messages": [{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": "Once"}]}).encode()  # fmt: skip
+    forward: Any = SimpleNamespace(status=200, target=None, model=None, origin=origin)
+    migration = Migration(forward, True, 1, None)
+    migration.feed(_event(" upon"))
+    body = migration._continuation()
+    assert body is not None
+    assert json.loads(body)["messages"] == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}
+    ]  # fmt: skip
+
+
+def test_a_completion_continuation_appends_to_the_prompt() -> None:
+    for prompt, continued in (("Once", "Once upon"), (["Once"], ["Once upon"])):
+        origin = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 5}).encode()
+        forward: Any = SimpleNamespace(status=200, target=None, model=None, origin=origin)
+        migration = Migration(forward, False, 1, None)
+        migration.feed(b'data: {"id":"c","created":1,"choices":[{"text":" upon"}]}\n\n')
+        body = migration._continuation()
+        assert body is not None
+        assert json.loads(body) == {"model": "m", "prompt": continued, "max_tokens": 4}

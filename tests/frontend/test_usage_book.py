@@ -35,3 +35,39 @@ def test_status_classes_are_the_four_the_catalog_knows() -> None:
     assert [status_class(s) for s in (101, 200, 304, 429, 499, 503, 600)] == [
         "2xx", "2xx", "3xx", "4xx", "4xx", "5xx", "5xx",
     ]  # fmt: skip
+
+
+async def test_an_answer_that_is_no_receipt_of_the_batch_keeps_it_waiting() -> None:
+    """A `--catalog-url` that points elsewhere (a login page in front, another service)
+    answers 200 too: only an answer naming the batch counts it as sent, else usage would be
+    dropped in silence while `/health` said all was flushed."""
+    from aiohttp import web
+
+    from tests.helpers import Server
+
+    answers = [web.Response(text="<html>sign in</html>", content_type="text/html"),
+               web.json_response({"ok": True})]  # fmt: skip
+
+    async def usage(request: web.Request) -> web.Response:
+        body = await request.json()
+        if answers:
+            return answers.pop(0)
+        return web.json_response({"batch_id": body["batch_id"], "counted": True, "rows": 1})
+
+    app = web.Application()
+    app.router.add_post("/v1/usage", usage)
+    server = Server(app)
+    await server.start()
+    book = UsageBook(server.url, interval=3600)
+    await book.start()
+    try:
+        book.record(GRANT, "chat", "chat", 200, 1, 1)
+        for _ in range(2):
+            await book.flush()
+            assert len(book.pending) == 1
+            assert "receipt" in book.describe()["last_error"]
+        await book.flush()
+        assert not book.pending and book.describe()["last_error"] is None
+    finally:
+        await book.stop()
+        await server.stop()

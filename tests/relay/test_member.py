@@ -61,3 +61,34 @@ def test_a_late_relay_takes_the_streams_epoch_only_for_the_same_run() -> None:
     old.apply(50, batch(150.0))
     old.resolve_epoch(old.pending[0])
     assert old.epoch == layout.epoch_of(150.0)
+
+
+def test_the_records_queued_by_every_member_are_bounded_in_bytes() -> None:
+    """While NATS takes nothing, members queue up to `buffer` records each: batches of up to
+    4 MiB. The bytes all of a relay's members hold stay under its byte bound (plus one batch
+    a member), each member that goes over it dropping its batches for one resnapshot."""
+    stats = RelayStats()
+    joined = layout.Joined(4, "m", "ns", "c", "e", "aggregated", "x")
+    members = [
+        Member(
+            ("ns", i),
+            layout.subject("ns", i),
+            KvEndpoint("tcp://127.0.0.1:1"),
+            joined,
+            stats,
+            10_000,
+            buffer_bytes=2_000_000,
+        )
+        for i in range(3)
+    ]
+    big = KVEventBatch(100.0, [AllBlocksCleared()] * 20_000)  # ~360 KB
+    for seq in range(40):
+        for m in members:
+            m.apply(seq, big)
+            held = sum(len(r.payload) for each in members for r in each.pending)
+            assert held == stats.queued_bytes <= 2_000_000 + 3 * 400_000
+    assert stats.dropped > 0 and stats.resnapshots > 0
+    for m in members:
+        while m.pending:
+            m.sent(m.pending[0])
+    assert stats.queued_bytes == 0

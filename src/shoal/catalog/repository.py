@@ -34,6 +34,7 @@ MAX_PAGE_SIZE = 1000
 PAGE_BYTES = 4 << 20  # a list page's encoded items: it ends early past this (>= 1 item)
 FETCH_ROWS = 16  # rows decoded and encoded between two yields to the event loop
 HISTORY_LIMIT = 100
+MAX_LIVE_SECRETS = 16  # a key's secrets not yet ended: each is a grant every frontend holds
 KEPT = ("credentials",)  # stored beside the spec; only their own methods change them
 R = TypeVar("R")
 M = TypeVar("M", bound=Meta)
@@ -348,6 +349,11 @@ class Repository:
                     ends = min(ends, _utc(datetime.fromisoformat(old["expires_at"])))
                 if ends > now:
                     kept.append({**old, "expires_at": ends.isoformat()})
+            if len(kept) >= MAX_LIVE_SECRETS:
+                raise ConflictError(
+                    f"{kind.singular} {name!r} has {len(kept)} live secrets, the most it may "
+                    "have: rotate with an earlier old_valid_until (default: now) to end them"
+                )
             data = {**row.data, "credentials": [*kept, credential]}
             await conn.execute(
                 t.update()

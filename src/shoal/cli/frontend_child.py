@@ -4,6 +4,7 @@ the supervisor in `shoal.cli.processes` starts, its settings read from stdin."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import pickle
@@ -22,7 +23,20 @@ async def serve_child(config: FrontendConfig, merged: str | None) -> int:
     frontend's, fetched from the parent at `merged`."""
     stop = asyncio.Event()
     on_stop_signals(stop)
-    frontend = await start_frontend(config, f"shoal frontend (process {os.getpid()})")
+    # A stop signal while discovery loads (a large fleet takes its time) ends the start: the
+    # parent waits for every child before it exits.
+    starting = asyncio.create_task(
+        start_frontend(config, f"shoal frontend (process {os.getpid()})")
+    )
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return 0
+    frontend = starting.result()
     if frontend is None:
         return 1
     metrics = HttpServer(frontend._serve_metrics, max_body=0, max_connections=16)

@@ -94,6 +94,7 @@ class Supervisor:
         self.failed = asyncio.Event()  # a child exited before its first ready line
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics_runner: web.AppRunner | None = None
+        self._rendering: asyncio.Future[bytes] | None = None  # the merge in progress
 
     async def run(self) -> int:
         stop = asyncio.Event()
@@ -249,9 +250,17 @@ class Supervisor:
         return None if self.config.metrics_port is not None else merged
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        texts = await self.scrape()
-        body = generate_latest(registry_of(merge(texts, self._own_metrics())))
+        """The merged metrics; requests that come while a merge is in progress share it
+        (each child's `/metrics` on the public API port asks here: N scrapes a request)."""
+        if self._rendering is None:
+            rendering = self._rendering = asyncio.ensure_future(self._render())
+            rendering.add_done_callback(lambda _: setattr(self, "_rendering", None))
+        body = await asyncio.shield(self._rendering)
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def _render(self) -> bytes:
+        texts = await self.scrape()
+        return generate_latest(registry_of(merge(texts, self._own_metrics())))
 
     async def scrape(self) -> dict[int, str]:
         """Each ready child's metrics text, by slot (a child down now is left out)."""

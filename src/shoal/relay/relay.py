@@ -8,8 +8,9 @@ JetStream in order, waiting for each acknowledgement, retrying (the same message
 an error.
 
 The invariants, both ways:
-- Nothing blocks the subscription: a member's queue holds at most `buffer` records; past
-  that its batches are dropped and a `resnapshot` record (from the batch that follows) takes
+- Nothing blocks the subscription: a member's queue holds at most `buffer` records, and all
+  members' queues at most `buffer_bytes` of payload (plus one batch each); past that the
+  member's batches are dropped and a `resnapshot` record (from the batch that follows) takes
   their place, so a consumer forgets the instance's blocks rather than keep evicted ones.
 - Every batch has the message id `{instance}:{epoch}:{seq}`, the same from every relay that
   publishes it: the stream keeps one copy when two relays run. The epoch of a run is named
@@ -51,6 +52,7 @@ from shoal.membership import Membership
 log = logging.getLogger(__name__)
 
 BUFFER = 10_000  # records queued per member while NATS does not take them
+BUFFER_BYTES = 256 << 20  # payload bytes queued by all members at once (batches: <= 4 MiB)
 BACKOFF_MAX = 5.0  # seconds between two tries to reach NATS, at most
 MemberKey = tuple[str, int]  # (namespace, instance id): one subject
 
@@ -65,6 +67,7 @@ class RelayConfig:
     max_bytes: int = 1 << 30  # bytes the stream keeps at most (-1: no bound)
     duplicate_window: float = 120.0  # seconds the stream remembers message ids
     buffer: int = BUFFER
+    buffer_bytes: int = BUFFER_BYTES
     publish_timeout: float = 2.0
     creds: Path | None = None  # a NATS credentials file, read at every connection
 
@@ -78,6 +81,7 @@ class RelayStats:
         self.dropped = 0  # batches dropped from a full queue (a resnapshot replaced them)
         self.resnapshots = 0  # resnapshot records queued
         self.publish_errors = 0
+        self.queued_bytes = 0  # payload bytes of every member's queue
         self.subscriptions = KvStats()
 
 
@@ -114,6 +118,7 @@ class Member:
     joined: layout.Joined
     stats: RelayStats
     buffer: int
+    buffer_bytes: int = BUFFER_BYTES  # of all members' queues (`stats.queued_bytes`)
     pending: deque[Record] = field(default_factory=deque)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     epoch: str | None = None
@@ -149,10 +154,21 @@ class Member:
         self.pending.append(Record(layout.LEFT))
         self.wake.set()
 
+    def sent(self, record: Record) -> None:
+        """`record`, the first queued, is in the stream: off the queue."""
+        if self.pending and self.pending[0] is record:
+            self.pending.popleft()
+            self.stats.queued_bytes -= len(record.payload)
+
     def _push(self, record: Record) -> None:
-        if len(self.pending) >= self.buffer:
+        stats = self.stats
+        if len(self.pending) >= self.buffer or (
+            stats.queued_bytes + len(record.payload) > self.buffer_bytes and self.pending
+        ):
             kept = [r for r in self.pending if r.kind == layout.JOINED]
-            self.stats.dropped += sum(1 for r in self.pending if r.kind == layout.BATCH)
+            stats.dropped += sum(1 for r in self.pending if r.kind == layout.BATCH)
+            stats.queued_bytes -= sum(len(r.payload) for r in self.pending)
+            stats.queued_bytes += sum(len(r.payload) for r in kept)
             self.pending = deque(kept)
             if record.kind == layout.BATCH:
                 self.stats.resnapshots += 1
@@ -160,8 +176,9 @@ class Member:
                     Record(layout.RESNAPSHOT, record.seq, record.epoch, b"", record.ts)
                 )
         if record.kind == layout.RESNAPSHOT:
-            self.stats.resnapshots += 1
+            stats.resnapshots += 1
         self.pending.append(record)
+        stats.queued_bytes += len(record.payload)
         self.wake.set()
 
     def resolve_epoch(self, first: Record) -> None:
@@ -273,9 +290,11 @@ class KvRelay:
             mdcsum=card.mdcsum,
         )
         member = Member(
-            key, layout.subject(*key), kv, joined, self.stats, max(2, self.config.buffer)
-        )
+            key, layout.subject(*key), kv, joined, self.stats, max(2, self.config.buffer),
+            self.config.buffer_bytes,
+        )  # fmt: skip
         member.pending.append(Record(layout.JOINED, payload=msgspec.json.encode(joined)))
+        self.stats.queued_bytes += len(member.pending[0].payload)
         member.wake.set()
         member.subscription = KvSubscription(
             self._ctx,
@@ -438,6 +457,7 @@ class KvRelay:
                     member.pending[0] = Record(
                         layout.RESNAPSHOT, record.seq + 1, record.epoch, b"", record.ts
                     )
+                    self.stats.queued_bytes -= len(record.payload)
                 continue
             except Exception as exc:
                 self.stats.publish_errors += 1
@@ -446,8 +466,7 @@ class KvRelay:
                 delay = min(delay * 2, BACKOFF_MAX)
                 continue
             delay = 0.1
-            if member.pending and member.pending[0] is record:
-                member.pending.popleft()
+            member.sent(record)
             if ack.duplicate:
                 self.stats.duplicates += 1
             elif record.kind == layout.BATCH:

@@ -167,6 +167,7 @@ class Limits:
 
     def __init__(self, url: str | None = None, *, prefix: str = "shoal:") -> None:
         self.url = url
+        self.shown = _safe(url) if url is not None else None  # for logs and /health
         self.prefix = prefix
         self.id = uuid.uuid4().hex
         self.local = LocalWindows()
@@ -287,7 +288,7 @@ class Limits:
         if self.shared:
             log.warning(
                 "limits: Redis at %s failed (%s): local limits at 1/%d of each key's",
-                self.url, exc, self.frontends,
+                self.shown, exc, self.frontends,
             )  # fmt: skip
             self.down_since = time.time()
         self.shared = False
@@ -311,7 +312,7 @@ class Limits:
             return
         self.frontends = max(int(count), 1)
         if not self.shared:
-            log.info("limits: Redis at %s answers: shared limits in force", self.url)
+            log.info("limits: Redis at %s answers: shared limits in force", self.shown)
         self.shared, self.down_since, self.last_error = True, None, ""
 
     async def _beats(self) -> None:
@@ -324,10 +325,10 @@ class Limits:
         if self.url is None:
             return {"state": "local", "reason": "no --limits: each frontend limits alone"}
         if self.shared:
-            return {"state": "shared", "redis": _safe(self.url), "frontends": self.frontends}
+            return {"state": "shared", "redis": self.shown, "frontends": self.frontends}
         return {
             "state": "fallback",
-            "redis": _safe(self.url),
+            "redis": self.shown,
             "reason": f"Redis unreachable ({self.last_error}): fail open, local limits at "
             f"1/{self.frontends} of each key's",
             "frontends": self.frontends,
@@ -336,8 +337,12 @@ class Limits:
 
 
 def _safe(url: str) -> str:
-    """`url` without its password."""
-    if "@" in url:
-        scheme, _, rest = url.partition("://")
-        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    return url
+    """`url` without what may hold a password: its userinfo and its query (redis-py takes
+    `?password=`); split by hand, as `urlsplit` refuses some URLs that still carry one."""
+    scheme, sep, rest = url.partition("://")
+    rest = rest.partition("#")[0]
+    rest, query, _ = rest.partition("?")
+    end = rest.find("/") if "/" in rest else len(rest)
+    if sep and "@" in rest[:end]:
+        rest = "***@" + rest[:end].rpartition("@")[2] + rest[end:]
+    return f"{scheme}{sep}{rest}" + ("?***" if query else "")

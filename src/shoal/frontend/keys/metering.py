@@ -19,6 +19,7 @@ from shoal.frontend.http.request import ClientConnection, FlowListener, InFlight
 from shoal.openai import ApiError
 
 TAIL = 4096
+MAX_TOKENS = 10**9  # an engine's claim of usage beyond is cut here (it is charged and counted)
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _STATUS = re.compile(rb"^HTTP/1\.[01] (\d{3})")
@@ -32,9 +33,14 @@ def usage_of(tail: bytes, events: int, request_bytes: int) -> tuple[int, int]:
     prompts = _PROMPT.findall(tail)
     completions = _COMPLETION.findall(tail)
     if prompts or completions:
-        prompt = int(prompts[-1]) if prompts else request_bytes // 4
-        return prompt, int(completions[-1]) if completions else max(events - 1, 0)
+        prompt = _tokens(prompts[-1]) if prompts else request_bytes // 4
+        return prompt, _tokens(completions[-1]) if completions else max(events - 1, 0)
     return request_bytes // 4, max(events - 1, 0)  # (the last event is `[DONE]`)
+
+
+def _tokens(digits: bytes) -> int:
+    """A count an engine claims, at most `MAX_TOKENS` (never a thousand-digit int)."""
+    return int(digits) if len(digits) < 10 else MAX_TOKENS
 
 
 class Metered:
@@ -97,4 +103,5 @@ class Metered:
         if status >= 400:
             prompt = completion = 0  # a refused or failed request is charged no tokens
         served = _MODEL.search(self.head) or _MODEL.search(self.tail)
-        self.on_done(status or 499, prompt, completion, served.group(1).decode() if served else "")
+        name = served.group(1).decode(errors="replace") if served else ""
+        self.on_done(status or 499, prompt, completion, name)

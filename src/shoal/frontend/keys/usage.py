@@ -7,6 +7,13 @@ accepted are sent, oldest first, to the catalog's `POST /v1/usage`. A batch whos
 lost is sent again with the same id, and the catalog counts an id once: nothing is counted
 twice. While the catalog cannot be reached the batches wait, at most `max_rows` rows in all
 (the oldest are dropped beyond, and counted as dropped); `/health` reports the backlog.
+
+What a client chose is bounded before it makes a row: a model name is cut to the catalog's
+`LABEL_CHARS` (NULs replaced), a request's tokens to `MAX_TOKENS`, and at most `max_rows`
+distinct rows are counted between two flushes (a request beyond adds to `dropped_rows`). A
+batch goes in parts of at most `BATCH_BYTES` of JSON (under the catalog's 1 MiB body bound).
+A part the catalog refuses for good (400, 413, 422) is dropped and counted, never retried
+ahead of the others.
 """
 
 from __future__ import annotations
@@ -27,10 +34,34 @@ from shoal.discovery.grants import Grant
 log = logging.getLogger(__name__)
 
 Row = tuple[str, str, str, str, str, str]  # workspace, key, model, served, status class, minute
+LABEL_CHARS = 400  # the catalog's bound on a row's model and served model
+MAX_TOKENS = 10**9  # a request's tokens as counted (an engine's claim beyond is cut here)
+BATCH_BYTES = 256 * 1024  # a batch's JSON at most (the catalog validates it on its loop)
+ROW_BYTES = 256  # a row's JSON but its names: keys, minute, counts (each at most 16 digits)
+REFUSED = frozenset((400, 413, 422))  # the catalog will never take this batch
+
+
+def label(name: str) -> str:
+    """`name` as the catalog takes it in a row: at most `LABEL_CHARS`, no NUL."""
+    return name[:LABEL_CHARS].replace("\x00", "\ufffd")
 
 
 def status_class(status: int) -> str:
     return f"{min(max(status // 100, 2), 5)}xx"
+
+
+async def _receipt(resp: aiohttp.ClientResponse, batch_id: str) -> None:
+    """`RuntimeError` unless `resp` is the catalog's receipt of `batch_id` (a URL that
+    points elsewhere, a login page in front of it, answers 200 too)."""
+    try:
+        answer = await resp.json(content_type=None)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or answer.get("batch_id") != batch_id:
+        raise RuntimeError(
+            f"the answer ({resp.status}, {resp.content_type}) is no receipt of the batch: "
+            "is --catalog-url the catalog's?"
+        )
 
 
 class UsageBook:
@@ -54,6 +85,7 @@ class UsageBook:
         self.dropped_rows = 0
         self.sent_batches = 0
         self.last_error = ""
+        self.last_refused = ""  # why the catalog last refused a batch for good
         self.last_flush: float | None = None
         self._minute = (0, "")  # (minute number, its ISO form): formatted once a minute
         self._session: aiohttp.ClientSession | None = None
@@ -66,9 +98,16 @@ class UsageBook:
         now = int(time.time() // 60)
         if now != self._minute[0]:
             self._minute = (now, datetime.fromtimestamp(now * 60, UTC).isoformat())
-        key = (grant.workspace, grant.name, model, served, status_class(status), self._minute[1])
+        key = (
+            grant.workspace, grant.name, label(model), label(served), status_class(status),
+            self._minute[1],
+        )  # fmt: skip
+        prompt, completion = min(prompt, MAX_TOKENS), min(completion, MAX_TOKENS)
         counts = self.rows.get(key)
         if counts is None:
+            if len(self.rows) >= self.max_rows:  # bounded between two flushes too
+                self.dropped_rows += 1
+                return
             self.rows[key] = [1, prompt, completion]
         else:
             counts[0] += 1
@@ -99,15 +138,27 @@ class UsageBook:
                 log.exception("flushing usage failed")
 
     def seal(self) -> None:
-        """The rows counted so far become a batch of their own, waiting to be sent."""
+        """The rows counted so far become batches of their own (each at most `BATCH_BYTES`
+        of JSON), waiting to be sent."""
         if not self.rows:
             return
-        rows = [
-            {"workspace": w, "key": k, "model": m, "served_model": s, "status_class": c,
-             "minute": minute, "requests": n, "prompt_tokens": p, "completion_tokens": t}
-            for (w, k, m, s, c, minute), (n, p, t) in self.rows.items()
-        ]  # fmt: skip
+        rows: list[dict[str, Any]] = []
+        size = 0
+        for (w, k, m, s, c, minute), (n, p, t) in self.rows.items():
+            rows.append(
+                {"workspace": w, "key": k, "model": m, "served_model": s, "status_class": c,
+                 "minute": minute, "requests": n, "prompt_tokens": p, "completion_tokens": t}
+            )  # fmt: skip
+            size += ROW_BYTES + 6 * (len(w) + len(k) + len(m) + len(s))  # 6: "\\u0001"
+            if size >= BATCH_BYTES:
+                self._batch(rows)
+                rows, size = [], 0
+        self._batch(rows)
         self.rows = {}
+
+    def _batch(self, rows: list[dict[str, Any]]) -> None:
+        if not rows:
+            return
         self.pending.append({"batch_id": uuid.uuid4().hex, "rows": rows})
         self.pending_rows += len(rows)
         while self.pending_rows > self.max_rows and len(self.pending) > 1:
@@ -126,9 +177,14 @@ class UsageBook:
                     async with self._session.post(
                         self.url, json=batch, headers=self.headers
                     ) as resp:
+                        if resp.status in REFUSED:  # never valid: the others go on
+                            text = (await resp.text())[:300]
+                            self._refused(f"the catalog refused a batch ({resp.status}): {text}")
+                            continue
                         if resp.status >= 400:
                             text = (await resp.text())[:300]
                             raise RuntimeError(f"the catalog answered {resp.status}: {text}")
+                        await _receipt(resp, batch["batch_id"])
                 except (aiohttp.ClientError, OSError, TimeoutError, RuntimeError) as exc:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     log.warning("usage not flushed (%d batches wait): %s", len(self.pending), exc)
@@ -139,6 +195,13 @@ class UsageBook:
             self.last_error = ""
             self.last_flush = time.time()
 
+    def _refused(self, why: str) -> None:
+        batch = self.pending.popleft()
+        self.pending_rows -= len(batch["rows"])
+        self.dropped_rows += len(batch["rows"])
+        self.last_refused = why
+        log.warning("usage: %d rows dropped: %s", len(batch["rows"]), why)
+
     def describe(self) -> dict[str, Any]:
         """For `/health`: the backlog waiting for the catalog."""
         return {
@@ -147,5 +210,6 @@ class UsageBook:
             "pending_rows": self.pending_rows,
             "dropped_rows": self.dropped_rows,
             "last_error": self.last_error or None,
+            "last_refused": self.last_refused or None,
             "last_flush": self.last_flush,
         }

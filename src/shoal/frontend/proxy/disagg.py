@@ -103,11 +103,16 @@ def stage_one_body(body: bytes) -> bytes:
 
 def stage_two_body(body: bytes, params: msgspec.Raw | None) -> bytes:
     """The decode's body: the client's, with the prefill's `kv_transfer_params` (none: the
-    prefill gave none, and the decode computes the prompt itself, as vLLM's proxy does)."""
-    if params is None:
-        return body
+    prefill gave none, and the decode computes the prompt itself, as vLLM's proxy does).
+    Params the client sent never reach a decode: they would name blocks and a host to fetch
+    them from (another request's KV, or any address) that no prefill of this request made."""
+    if params is None and b"kv_transfer_params" not in body and b"\\u" not in body:
+        return body  # (no such member, not even spelled with escapes)
     members = _decode_members(body)
-    members["kv_transfer_params"] = params
+    if params is None:
+        members.pop("kv_transfer_params", None)
+    else:
+        members["kv_transfer_params"] = params
     return msgspec.json.encode(members)
 
 
