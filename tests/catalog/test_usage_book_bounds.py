@@ -11,7 +11,7 @@ import pytest
 
 from shoal.catalog import CatalogClient, CatalogConfig, CatalogServer
 from shoal.discovery.grants import Grant
-from shoal.frontend.usage import UsageBook
+from shoal.frontend.keys.usage import UsageBook
 
 GRANT = Grant(workspace="team-a", name="team", hash="a" * 64)
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shoal.frontend.limits import Limits
+from shoal.frontend.keys.limits import Limits
 from tests.helpers import wait_for
 from tests.redis_server import RedisServer
 
