@@ -301,7 +301,12 @@ def start_redis(session: Session) -> str:
 
 
 def start_shoal(
-    session: Session, model: str, store: str, processes: int = 1, auth: str = ""
+    session: Session,
+    model: str,
+    store: str,
+    processes: int = 1,
+    auth: str = "",
+    base: Path | None = None,
 ) -> Target:
     """`shoal frontend`; with `processes` > 1, that many processes on the port (target
     `shoal-pN`), ready once its one ready line is printed (every process loaded).
@@ -310,6 +315,9 @@ def start_shoal(
     written into the store first (no allow-list, rpm and tpm never reached); "limits" (target
     `shoal-limits`): that and `--limits` on a throwaway redis-server of its own. The load
     generators send the same bearer to every target: the requests are byte for byte the same.
+
+    `base`: run the frontend from that source tree instead (`PYTHONPATH=BASE/src`, target
+    `NAME@base`), to compare a change with what it changes in one session.
     """
     port = free_port()
     name = "shoal" if processes == 1 else f"shoal-p{processes}"
@@ -326,7 +334,11 @@ def start_shoal(
         argv += ["--auth", "keys"]
     if auth == "limits":
         argv += ["--limits", start_redis(session)]
-    proc = session.start(name, argv)
+    env = None
+    if base is not None:
+        name += "@base"
+        env = {"PYTHONPATH": str(base.resolve() / "src")}
+    proc = session.start(name, argv, env=env)
     wait_until(
         "the ready line",
         lambda: "shoal frontend ready:" in proc.log.read_text(errors="replace"),
