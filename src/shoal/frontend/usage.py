@@ -29,8 +29,11 @@ log = logging.getLogger(__name__)
 Row = tuple[str, str, str, str, str, str]  # workspace, key, model, served, status class, minute
 
 
+_CLASSES = ("2xx", "2xx", "2xx", "3xx", "4xx", "5xx")
+
+
 def status_class(status: int) -> str:
-    return f"{min(max(status // 100, 2), 5)}xx"
+    return _CLASSES[min(max(status // 100, 2), 5)]
 
 
 class UsageBook:
@@ -64,9 +67,10 @@ class UsageBook:
         self, grant: Grant, model: str, served: str, status: int, prompt: int, completion: int
     ) -> None:
         now = int(time.time() // 60)
-        if now != self._minute[0]:
-            self._minute = (now, datetime.fromtimestamp(now * 60, UTC).isoformat())
-        key = (grant.workspace, grant.name, model, served, status_class(status), self._minute[1])
+        minute = self._minute
+        if now != minute[0]:
+            minute = self._minute = (now, datetime.fromtimestamp(now * 60, UTC).isoformat())
+        key = (grant.workspace, grant.name, model, served, status_class(status), minute[1])
         counts = self.rows.get(key)
         if counts is None:
             self.rows[key] = [1, prompt, completion]
