@@ -137,7 +137,9 @@ async def one(
     await start_worker("mock-llm")
     await grant(store, **limits)
     front = await start_frontend(auth="keys", limits_url=url)
-    await wait_for(lambda: "mock-llm" in front.registry.models and front.keys and front.keys.by_hash)
+    await wait_for(
+        lambda: "mock-llm" in front.registry.models and front.keys and front.keys.by_hash
+    )
     await wait_for(lambda: front.limits.shared)
     return front
 
@@ -181,7 +183,9 @@ async def test_a_busy_key_leases_allowances_and_redis_counts_only_what_was_admit
         async def hammer() -> list[int]:
             return [(await post(session, front))[0] for _ in range(20)]
 
-        answered = [s for part in await asyncio.gather(*(hammer() for _ in range(15))) for s in part]
+        answered = [
+            s for part in await asyncio.gather(*(hammer() for _ in range(15))) for s in part
+        ]
     assert answered == [200] * 300
     assert front.limits.leases < 300 / 4, front.limits.leases  # allowances, not a trip each
     # what was leased and not used goes back once the allowance's time is over

@@ -9,10 +9,10 @@ Leases: a request costs at most one round trip, and a busy key far fewer. `LEASE
 requests of a key waiting here and leases an **allowance** beside them: requests this frontend
 may admit alone, counted in Redis when leased (so the frontends together never admit more than
 the limit), used until they run out or `LEASE_TIME` passes; what is left is then given back.
-An allowance is sized to this frontend's recent rate for the key (rate × `LEASE_TIME`), and is
-at most 1/(`LEASE_SHARE` × N) of the key's rpm, and of its tpm at the key's tokens per
+An allowance is sized to this frontend's recent rate for the key (rate x `LEASE_TIME`), and is
+at most 1/(`LEASE_SHARE` x N) of the key's rpm, and of its tpm at the key's tokens per
 request: while allowances are out, a key may be refused up to 1/`LEASE_SHARE` of its limit
-early, never admitted over it. A key with a small limit (rpm < `LEASE_SHARE` × N) gets no
+early, never admitted over it. A key with a small limit (rpm < `LEASE_SHARE` x N) gets no
 allowance: one round trip per request, exact. Requests that wait while a lease is asked join it.
 
 Tokens: each request admitted reserves the key's tokens per request (its average here) in the
@@ -22,8 +22,7 @@ more: no round trip of its own. An allowance is used only while its reserved tok
 is owed. A request is admitted while the key's token estimate is under `tpm`, so the last one
 admitted may overshoot by its own size.
 
-The link to Redis is one dedicated connection (`RedisLink`): calls made in one turn of the loop
-go in one write, answers are matched in order, one timeout covers a batch.
+Redis is reached through one dedicated connection, calls pipelined (`RedisLink`).
 
 Redis down (`--limits redis://...` refused, timed out): the frontend fails **open** onto
 local windows at 1/N of each limit, N being the frontends that reported to Redis in its last
@@ -47,8 +46,8 @@ import math
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shoal.discovery.grants import Grant
@@ -62,9 +61,10 @@ BEAT = 1.0  # seconds between two reports of this frontend to Redis (and probes 
 FRONTENDS_TTL = 10.0  # a frontend not heard of for this long is not counted in N
 TIMEOUT = 0.5  # seconds for a Redis call before it counts as down
 LEASE_TIME = 0.5  # seconds an allowance lasts, and the time it is sized for
-LEASE_SHARE = 32  # an allowance is at most 1/(LEASE_SHARE × N) of a key's limit
+LEASE_SHARE = 32  # an allowance is at most 1/(LEASE_SHARE x N) of a key's limit
 MAX_LEASE = 100_000  # requests in one allowance, whatever the limit
 FLUSH = 0.25  # seconds between two flushes of what idle keys owe Redis
+FLUSH_BATCH = 1000  # keys settled by one flush at most (the loop is not held long)
 MAX_KEYS = 100_000  # keys' states held here (beyond, idle ones are forgotten)
 
 # KEYS[1]: the key's prefix. ARGV: window, rpm, tpm (0: none), requests wanted (0: only
@@ -213,11 +213,13 @@ class LocalWindows:
 
     def __init__(self) -> None:
         self._windows: dict[str, _Window] = {}
+        self._swept = 0  # the minute windows were last swept (at most once a minute)
 
     def _at(self, key: str, minute: int) -> _Window:
         window = self._windows.get(key)
         if window is None:
-            if len(self._windows) >= MAX_KEYS:  # bounded: old windows go first
+            if len(self._windows) >= MAX_KEYS and self._swept != minute:
+                self._swept = minute  # bounded: windows of keys idle for a minute go
                 self._forget(minute)
             window = self._windows[key] = _Window(minute)
         elif window.minute != minute:
@@ -260,9 +262,8 @@ class _Key:
     """One key's state here while the windows are shared (see the module's docstring)."""
 
     __slots__ = (
-        "asking", "avg", "back", "back_tokens", "back_window", "grant", "left_requests",
-        "left_tokens", "owed", "per", "reset_at", "since", "units", "until", "used", "waiting",
-        "window",
+        "asking", "avg", "grant", "left_requests", "left_tokens", "owed", "per", "reset_at",
+        "since", "units", "until", "used", "waiting", "window",
     )  # fmt: skip
 
     def __init__(self, grant: Grant) -> None:
@@ -272,7 +273,6 @@ class _Key:
         self.window = 0  # the Redis window it was counted in
         self.per = 0  # tokens it reserved per request
         self.owed = 0  # tokens owed to Redis: answers' tokens - reservations (may be < 0)
-        self.back = self.back_tokens = self.back_window = 0  # an allowance to give back
         self.used = 0  # requests admitted since the last lease...
         self.since = 0.0  # ... which was then (monotonic): the rate
         self.avg = 0.0  # tokens per answer (0: none seen yet)
@@ -283,7 +283,7 @@ class _Key:
 
     @property
     def idle(self) -> bool:
-        return not (self.units or self.owed or self.back or self.asking or self.waiting)
+        return not (self.units or self.owed or self.asking or self.waiting)
 
 
 class Limits:
@@ -385,7 +385,7 @@ class Limits:
             if tokens > 0:
                 self.local.charge(grant, tokens)
             return
-        key = self._key(grant)
+        key = self._keys.get(grant.hash) or self._key(grant)
         if tokens > 0:
             key.avg = tokens if not key.avg else key.avg + (tokens - key.avg) / 8
         key.owed += tokens
@@ -418,8 +418,7 @@ class Limits:
         return key
 
     def _allowance(self, key: _Key, now: float, per: int) -> int:
-        """Requests to lease beside those waiting: this frontend's rate for the key ×
-        LEASE_TIME, at most 1/(LEASE_SHARE × N) of its limits."""
+        """Requests to lease beside those waiting (see the module's docstring)."""
         if not key.used:
             return 0
         grant = key.grant
@@ -445,18 +444,13 @@ class Limits:
             self.leases += 1
         else:
             self.settles += 1
-        if key.units > 0 and give_back:
-            key.back += key.units
-            key.back_tokens += key.units * key.per
-            key.back_window = key.window
-            key.units = 0
-        owed, back, back_tokens = key.owed, key.back, key.back_tokens
-        key.owed = key.back = key.back_tokens = 0
+        back = key.units if give_back else 0  # the allowance left, given back
+        owed, key.owed, key.units = key.owed, 0, key.units - back
         key.asking = True
         future = self.link.call(
             "EVALSHA", self._lease, 1, f"{self.prefix}rl:{grant.hash[:32]}",
             WINDOW, grant.rpm or 0, grant.tpm or 0, want, per, owed,
-            back, back_tokens, key.back_window,
+            back, back * key.per, key.window,
         )  # fmt: skip
         future.add_done_callback(functools.partial(self._answered, key, want, per, owed))
         return future
@@ -477,13 +471,11 @@ class Limits:
                 _tell(waiter, self.local.admit(grant, self.frontends))
             return
         admitted, granted, left_r, left_t, wait, turn, window, which = future.result()
-        if not want:  # settled only
-            if key.units > 0 or key.owed:
-                self._unsettled.add(grant.hash)
-            return
         now = time.monotonic()
-        key.left_requests, key.left_tokens, key.reset_at = left_r, left_t, now + turn
-        if not admitted:
+        if not want:  # settled only: its answer says nothing of the windows
+            pass
+        elif not admitted:
+            key.left_requests, key.left_tokens, key.reset_at = left_r, left_t, now + turn
             refusal = Refusal(
                 _headers(grant, left_r, left_t, turn),
                 max(int(wait), 1),
@@ -491,17 +483,18 @@ class Limits:
             )
             for waiter in self._waiters(key):
                 waiter.refused(refusal)
-            return
-        key.units, key.window, key.per = granted, window, per
-        key.until, key.since, key.used = now + LEASE_TIME, now, 0
-        while key.waiting and key.units > 0:
-            waiter = key.waiting.popleft()
-            if not waiter.cancelled:
-                waiter.admitted(self._take(key, now))
+        else:
+            key.left_requests, key.left_tokens, key.reset_at = left_r, left_t, now + turn
+            key.units, key.window, key.per = granted, window, per
+            key.until, key.since, key.used = now + LEASE_TIME, now, 0
+            while key.waiting and key.units > 0:
+                waiter = key.waiting.popleft()
+                if not waiter.cancelled:
+                    waiter.admitted(self._take(key, now))
         if key.units > 0 or key.owed:
-            self._unsettled.add(grant.hash)  # an allowance to give back if unused
+            self._unsettled.add(grant.hash)  # owes tokens, or an allowance to give back
         if any(not waiter.cancelled for waiter in key.waiting):
-            self._ask(key, now)  # more came than were granted
+            self._ask(key, now)  # came while it was asked, more than were granted
         else:
             key.waiting.clear()
 
@@ -517,7 +510,7 @@ class Limits:
         if not self.shared or self.link is None:
             return
         now = time.monotonic()
-        sent = []
+        sent: list[asyncio.Future[Any]] = []
         for hash_ in list(self._unsettled):
             key = self._keys.get(hash_)
             if key is None:
@@ -526,7 +519,7 @@ class Limits:
             if key.asking:
                 continue  # its answer puts it back if need be
             ended = key.units > 0 and (final or now >= key.until)
-            if key.owed or key.back or ended:
+            if (key.owed or ended) and (final or len(sent) < FLUSH_BATCH):
                 self._unsettled.discard(hash_)
                 sent.append(self._ask(key, now, give_back=ended))
             elif key.units == 0:
@@ -544,7 +537,7 @@ class Limits:
             )  # fmt: skip
             self.down_since = time.time()
             for key in self._keys.values():  # allowances are void: nothing is admitted on them
-                key.units = key.back = key.back_tokens = 0
+                key.units = 0
         self.shared = False
         self.last_error = f"{type(exc).__name__}: {exc}"
 

@@ -23,11 +23,13 @@ class RedisLink:
 
     def __init__(self, url: str, timeout: float) -> None:
         from redis.asyncio import ConnectionPool
+        from redis.asyncio.connection import AbstractConnection
 
         self.timeout = timeout
         # The pool only reads the URL (host, port, password, db, TLS): its one connection is
         # this link's for ever, never checked out per call.
-        self.conn = ConnectionPool.from_url(url, socket_connect_timeout=timeout).make_connection()
+        pool = ConnectionPool.from_url(url, socket_connect_timeout=timeout)
+        self.conn: AbstractConnection = pool.make_connection()  # type: ignore[no-untyped-call]
         self.round_trips = 0
         self._queue: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
         self._scripts: dict[str, str] = {}
