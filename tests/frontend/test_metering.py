@@ -48,6 +48,7 @@ class Conn:
 class Gate:
     def __init__(self) -> None:
         self.ends: list[tuple[Any, ...]] = []
+        self.record = print  # usage is recorded: tokens and the served model are looked for
 
     def done(self, *end: Any) -> None:
         self.ends.append(end)
@@ -77,4 +78,14 @@ def test_a_refused_request_costs_no_tokens_and_a_cut_stream_what_it_sent() -> No
     metered.write(b'data: {"x":1}\n\ndata: {"x":2}\n\n')
     metered.finish(ApiError(502, "cut"))  # after the first byte: the status stays 200
     assert gate.ends[-1] == (GRANT, "alias", 200, 3, 2, "m")
+    conn.loop.close()
+
+
+def test_nothing_is_looked_for_when_no_tpm_and_no_usage_book_need_it() -> None:
+    conn, gate = Conn(), Gate()
+    gate.record = None  # type: ignore[assignment]
+    metered = Metered(conn, 40, gate, GRANT, "alias")  # type: ignore[arg-type]
+    metered.write(b'HTTP/1.1 200 OK\r\n\r\n{"model":"m","usage":{"prompt_tokens":3}}')
+    metered.finish()
+    assert gate.ends == [(GRANT, "alias", 200, 0, 0, "")]
     conn.loop.close()

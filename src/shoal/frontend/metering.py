@@ -115,16 +115,12 @@ class Metered:
         if self._done:
             return
         self._done = True
-        if status >= 400:
-            prompt = completion = 0  # a refused or failed request is charged no tokens
-        else:
+        gate, grant = self.gate, self.grant
+        prompt = completion = 0  # a refused or failed request is charged no tokens
+        served = ""  # (and what nobody reads is not looked for: tpm, or usage recorded)
+        if status < 400 and (gate.record is not None or grant.tpm is not None):
             prompt, completion = usage_of(self.tail, self.events, self.request_bytes)
-        served = _MODEL.search(self.head) or _MODEL.search(self.tail)
-        self.gate.done(
-            self.grant,
-            self.model,
-            status or 499,
-            prompt,
-            completion,
-            served.group(1).decode() if served else "",
-        )
+        if gate.record is not None:
+            found = _MODEL.search(self.head) or _MODEL.search(self.tail)
+            served = found.group(1).decode() if found else ""
+        gate.done(grant, self.model, status or 499, prompt, completion, served)
