@@ -27,12 +27,16 @@ if TYPE_CHECKING:
 TAIL = 4096
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_BOTH = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)\s*,\s*"completion_tokens"\s*:\s*(\d+)')
 _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,400})"')
 
 
 def usage_of(tail: bytes, events: int, request_bytes: int) -> tuple[int, int]:
     """(prompt, completion) tokens: the last `usage` in `tail`, else the gateway's count
     (the prompt as its bytes / 4, one completion token per event but the last, `[DONE]`)."""
+    at = tail.rfind(b'"prompt_tokens"')
+    if at >= 0 and (both := _BOTH.match(tail, at)) is not None:  # the usual order: one look
+        return int(both.group(1)), int(both.group(2))
     prompt = _last(_PROMPT, b'"prompt_tokens"', tail)
     completion = _last(_COMPLETION, b'"completion_tokens"', tail)
     return (
