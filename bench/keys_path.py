@@ -110,7 +110,9 @@ async def measure(mode: str, requests: int, repeat: int, redis_url: str | None) 
                (b"authorization", b"Bearer " + SECRET)]  # fmt: skip
     request = Request(b"POST", b"/v1/chat/completions", headers, BODY, keep_alive=True, http11=True)
     ring = KeyRing(["default"])
-    made = Grant(workspace="default", name="bench", hash=hash_secret(SECRET), rpm=10**11, tpm=10**11)
+    made = Grant(
+        workspace="default", name="bench", hash=hash_secret(SECRET), rpm=10**11, tpm=10**11
+    )
     ring.put(made.key, made.to_json())
     share = getattr(limits_module, "LEASE_SHARE", None)
     if mode == "limits-per-req" and share is not None:
@@ -152,9 +154,7 @@ async def measure(mode: str, requests: int, repeat: int, redis_url: str | None) 
 
 
 async def run_all(args: argparse.Namespace, redis_url: str) -> dict[str, float]:
-    return {
-        mode: await measure(mode, args.requests, args.repeat, redis_url) for mode in args.modes
-    }
+    return {mode: await measure(mode, args.requests, args.repeat, redis_url) for mode in args.modes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             argv2 = [sys.executable, "-m", "bench.keys_path", "--json", "--redis", redis_url,
                      "--requests", str(args.requests), "--repeat", str(args.repeat),
                      "--modes", ",".join(args.modes)]  # fmt: skip
-            env = {**os.environ, "PYTHONPATH": f"{args.base.resolve() / 'src'}{os.pathsep}{Path.cwd()}"}
+            env = {
+                **os.environ,
+                "PYTHONPATH": f"{args.base.resolve() / 'src'}{os.pathsep}{Path.cwd()}",
+            }
             out = subprocess.run(argv2, env=env, capture_output=True, text=True, check=True)
             base = json.loads(out.stdout)
     finally:
