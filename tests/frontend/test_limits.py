@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import socket
+import struct
 import time
 from collections.abc import Awaitable, Iterator
 from typing import Any
@@ -215,3 +218,36 @@ async def test_allowances_never_admit_more_than_rpm_across_three_frontends(
     # never over the limit; under it by what allowances held at most (1/LEASE_SHARE)
     assert rpm - rpm // limits.LEASE_SHARE <= answered.count(200) <= rpm, answered.count(200)
     assert sum(f.limits.leases for f in fronts) < answered.count(200) / 2
+
+
+async def test_a_client_that_leaves_while_redis_answers_is_never_forwarded(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend,
+    redis_server: RedisServer,
+) -> None:  # fmt: skip
+    worker = await start_worker("mock-llm")
+    await grant(store, rpm=20, max_parallel=1)  # Redis decides each request
+    front = await start_frontend(auth="keys", limits_url=redis_server.url)
+    await wait_for(
+        lambda: "mock-llm" in front.registry.models and front.keys and front.keys.by_hash
+    )
+    await wait_for(lambda: front.limits.shared)
+    assert redis_server.proc is not None
+    redis_server.proc.send_signal(signal.SIGSTOP)  # Redis hangs: the request waits
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", front.port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+            b"content-length: %d\r\n\r\n%s" % (SECRET.encode(), len(BODY), BODY.encode())
+        )
+        await wait_for(lambda: front.limits.in_flight)  # it waits for Redis
+        sock = writer.get_extra_info("socket")  # the client leaves: a reset (after a mere
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # half-close, the server still answers)
+        await wait_for(lambda: not front.limits.in_flight)  # its place is given back at once
+        await wait_for(lambda: not front.limits.shared, timeout=5)  # Redis' answer timed out
+        assert worker.requests == 0  # and the request never went on
+        async with aiohttp.ClientSession() as session:
+            assert (await post(session, front))[0] == 200  # the fallback's local windows
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    assert worker.requests == 1
