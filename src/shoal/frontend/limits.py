@@ -85,8 +85,8 @@ local function add(k, n)
     redis.call('INCRBY', k, n)
     redis.call('EXPIRE', k, 2 * W)
   elseif n < 0 then
-    local v = tonumber(redis.call('GET', k) or '0')
-    if v > 0 then redis.call('SET', k, math.max(v + n, 0), 'KEEPTTL') end
+    if redis.call('DECRBY', k, -n) < 0 then redis.call('SET', k, 0) end
+    redis.call('EXPIRE', k, 2 * W)
   end
 end
 add(p .. ':t:' .. cur, tonumber(ARGV[6]))
