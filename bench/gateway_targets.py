@@ -354,7 +354,7 @@ def start_shoal(
 
     wait_until("/health and the model in /v1/models", model_listed, 60, proc)
     wait_until("a chat completion", lambda: chat_ok(url, model), 30, proc)
-    return Target(name, url, proc, version=git_version())
+    return Target(name, url, proc, version=git_version(base or ROOT))
 
 
 def start_vllm_router(session: Session, peers: Path, worker: str, model: str) -> Target:
@@ -415,9 +415,9 @@ def peer_version(peers: Path, dist: str) -> str:
     return out.stdout.decode().strip() or "?"
 
 
-def git_version() -> str:
+def git_version(root: Path = ROOT) -> str:
     out = subprocess.run(
-        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True
+        ["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True
     )
     return out.stdout.decode().strip() or "?"
 
