@@ -48,7 +48,7 @@ class Conn:
 class Gate:
     def __init__(self) -> None:
         self.ends: list[tuple[Any, ...]] = []
-        self.record = print  # usage is recorded: tokens and the served model are looked for
+        self.records_usage = True  # tokens and the served model are looked for
 
     def done(self, *end: Any) -> None:
         self.ends.append(end)
@@ -56,7 +56,7 @@ class Gate:
 
 def test_a_response_is_told_once_with_its_status_tokens_and_served_model() -> None:
     conn, gate = Conn(), Gate()
-    metered = Metered(conn, 40, gate, GRANT, "alias")  # type: ignore[arg-type]
+    metered = Metered(conn, 40, gate, GRANT, "alias")
     body = json.dumps({"model": "served-1", "usage": {"prompt_tokens": 3, "completion_tokens": 4}})
     head = b"HTTP/1.1 201 Created\r\ncontent-length: %d\r\n\r\n" % len(body)
     metered.write(head + body[:10].encode())
@@ -70,10 +70,10 @@ def test_a_response_is_told_once_with_its_status_tokens_and_served_model() -> No
 
 def test_a_refused_request_costs_no_tokens_and_a_cut_stream_what_it_sent() -> None:
     conn, gate = Conn(), Gate()
-    metered = Metered(conn, 40, gate, GRANT, "alias")  # type: ignore[arg-type]
+    metered = Metered(conn, 40, gate, GRANT, "alias")
     metered.send_error(ApiError(503, "no instance"))
     assert gate.ends == [(GRANT, "alias", 503, 0, 0, "")]
-    metered = Metered(conn, 40, gate, GRANT, "alias")  # type: ignore[arg-type]
+    metered = Metered(conn, 40, gate, GRANT, "alias")
     metered.write(b'HTTP/1.1 200 OK\r\n\r\ndata: {"model":"m","usage":{"prompt_tokens":3}}\n\n')
     metered.write(b'data: {"x":1}\n\ndata: {"x":2}\n\n')
     metered.finish(ApiError(502, "cut"))  # after the first byte: the status stays 200
@@ -83,8 +83,8 @@ def test_a_refused_request_costs_no_tokens_and_a_cut_stream_what_it_sent() -> No
 
 def test_nothing_is_looked_for_when_no_tpm_and_no_usage_book_need_it() -> None:
     conn, gate = Conn(), Gate()
-    gate.record = None  # type: ignore[assignment]
-    metered = Metered(conn, 40, gate, GRANT, "alias")  # type: ignore[arg-type]
+    gate.records_usage = False
+    metered = Metered(conn, 40, gate, GRANT, "alias")
     metered.write(b'HTTP/1.1 200 OK\r\n\r\n{"model":"m","usage":{"prompt_tokens":3}}')
     metered.finish()
     assert gate.ends == [(GRANT, "alias", 200, 0, 0, "")]

@@ -63,6 +63,7 @@ class Gate:
         self.limits = limits
         self.forward = forward
         self.record = record
+        self.records_usage = record is not None
 
     def handle(
         self, request: Request, conn: HttpConnection, kind: ModelType, grant: Grant, model: str

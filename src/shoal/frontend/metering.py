@@ -15,20 +15,27 @@ is looked for once, at the end, from the last `"usage"` of the tail.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from shoal.discovery.grants import Grant
 from shoal.frontend.server import ClientConnection, FlowListener, InFlight
 from shoal.openai import ApiError
-
-if TYPE_CHECKING:
-    from shoal.frontend.gate import Gate
 
 TAIL = 4096
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _BOTH = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)\s*,\s*"completion_tokens"\s*:\s*(\d+)')
 _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,400})"')
+
+
+class EndListener(Protocol):
+    """What a `Metered` response tells its end to (the gate)."""
+
+    records_usage: bool  # the served model is looked for only then
+
+    def done(
+        self, grant: Grant, model: str, status: int, prompt: int, completion: int, served: str
+    ) -> None: ...
 
 
 def usage_of(tail: bytes, events: int, request_bytes: int) -> tuple[int, int]:
@@ -64,7 +71,12 @@ class Metered:
     )  # fmt: skip
 
     def __init__(
-        self, conn: ClientConnection, request_bytes: int, gate: Gate, grant: Grant, model: str
+        self,
+        conn: ClientConnection,
+        request_bytes: int,
+        gate: EndListener,
+        grant: Grant,
+        model: str,
     ) -> None:
         self.conn = conn
         self.loop = conn.loop
@@ -122,9 +134,9 @@ class Metered:
         gate, grant = self.gate, self.grant
         prompt = completion = 0  # a refused or failed request is charged no tokens
         served = ""  # (and what nobody reads is not looked for: tpm, or usage recorded)
-        if status < 400 and (gate.record is not None or grant.tpm is not None):
+        if status < 400 and (gate.records_usage or grant.tpm is not None):
             prompt, completion = usage_of(self.tail, self.events, self.request_bytes)
-        if gate.record is not None:
+        if gate.records_usage:
             found = _MODEL.search(self.head) or _MODEL.search(self.tail)
             served = found.group(1).decode() if found else ""
         gate.done(grant, self.model, status or 499, prompt, completion, served)
