@@ -87,6 +87,17 @@ class Proc:
             self.popen.wait(5)
 
 
+def _absolute_pythonpath() -> dict[str, str]:
+    """`PYTHONPATH` with its entries made absolute: the processes run in the session's
+    directory, where `PYTHONPATH=src` would find nothing, and they would import the venv's
+    installed shoal instead of the tree under test."""
+    value = os.environ.get("PYTHONPATH")
+    if not value:
+        return {}
+    entries = [str(Path(entry).resolve()) for entry in value.split(os.pathsep) if entry]
+    return {"PYTHONPATH": os.pathsep.join(entries)}
+
+
 class Session:
     """Starts the benchmark's processes, pinned to cores or not, and stops them all."""
 
@@ -111,7 +122,12 @@ class Session:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                env={
+                    **os.environ,
+                    **_absolute_pythonpath(),
+                    "PYTHONUNBUFFERED": "1",
+                    **(env or {}),
+                },
                 cwd=self.workdir,
                 start_new_session=True,
             )
