@@ -17,6 +17,8 @@ workload against every target in turn, for `--rounds` rounds), all in front of o
   vllm-router    the Rust router of PyPI's `vllm-router`, `--policy round_robin`
   sglang-router  the Rust router of PyPI's `sglang-router`, `--policy round_robin`
   litellm        the LiteLLM proxy (Python), offline; its runs are shorter (it is slow)
+  NAME@base      a shoal target run from the source tree `--base DIR` (PYTHONPATH=DIR/src):
+                 a change and what it changes, measured interleaved in one session
 
 Workloads: non-streaming chat completions at concurrency 1 and 32 (wrk, one thread, a Lua
 script that POSTs a fixed body), and streaming chat completions of 128 tokens at concurrency 32
@@ -114,6 +116,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of c1,c32,stream"
     )
+    p.add_argument(
+        "--base",
+        type=Path,
+        metavar="DIR",
+        help="a source tree (a git worktree of the base branch) for the targets NAME@base",
+    )
     p.add_argument("--model", default="bench-model", help="the model the mocker serves")
     p.add_argument(
         "--max-tokens", type=int, default=16, help="non-streaming max_tokens (default 16)"
@@ -159,8 +167,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for name in args.targets:
-        if name not in TARGETS:
-            p.error(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
+        plain, based, _ = name.partition("@base")
+        if plain not in TARGETS or (based and plain not in ("shoal", "shoal-keys", "shoal-limits")):
+            p.error(
+                f"unknown target {name!r}; known: {', '.join(TARGETS)} (and shoal, shoal-keys, shoal-limits @base)"
+            )
+        if based and args.base is None:
+            p.error(f"{name} needs --base DIR")
+        if based and not (args.base / "src" / "shoal").is_dir():
+            p.error(f"--base {args.base}: no src/shoal there")
     for name in args.workloads:
         if name not in WORKLOADS:
             p.error(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
@@ -294,12 +309,16 @@ def start_targets(
 ) -> list[Target]:
     """Start the wanted targets; one that is missing or does not start is skipped with a note."""
     peers, model = args.peers_venv, args.model
+    base = args.base
     starters: dict[str, Callable[[], Target]] = {
         "direct": lambda: Target("direct", worker_url, None, version=git_version()),
         "shoal": lambda: start_shoal(session, model, store),
         "shoal-p2": lambda: start_shoal(session, model, store, processes=2),
         "shoal-keys": lambda: start_shoal(session, model, store, auth="keys"),
         "shoal-limits": lambda: start_shoal(session, model, store, auth="limits"),
+        "shoal@base": lambda: start_shoal(session, model, store, base=base),
+        "shoal-keys@base": lambda: start_shoal(session, model, store, auth="keys", base=base),
+        "shoal-limits@base": lambda: start_shoal(session, model, store, auth="limits", base=base),
         "vllm-router": lambda: start_vllm_router(session, peers, worker_url, model),
         "sglang-router": lambda: start_sglang_router(session, peers, worker_url, model),
         "litellm": lambda: start_litellm(session, peers, worker_url, model, args.litellm_scale),

@@ -87,6 +87,17 @@ class Proc:
             self.popen.wait(5)
 
 
+def _absolute_pythonpath() -> dict[str, str]:
+    """`PYTHONPATH` with its entries made absolute: the processes run in the session's
+    directory, where `PYTHONPATH=src` would find nothing, and they would import the venv's
+    installed shoal instead of the tree under test."""
+    value = os.environ.get("PYTHONPATH")
+    if not value:
+        return {}
+    entries = [str(Path(entry).resolve()) for entry in value.split(os.pathsep) if entry]
+    return {"PYTHONPATH": os.pathsep.join(entries)}
+
+
 class Session:
     """Starts the benchmark's processes, pinned to cores or not, and stops them all."""
 
@@ -111,7 +122,12 @@ class Session:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                env={
+                    **os.environ,
+                    **_absolute_pythonpath(),
+                    "PYTHONUNBUFFERED": "1",
+                    **(env or {}),
+                },
                 cwd=self.workdir,
                 start_new_session=True,
             )
@@ -301,7 +317,12 @@ def start_redis(session: Session) -> str:
 
 
 def start_shoal(
-    session: Session, model: str, store: str, processes: int = 1, auth: str = ""
+    session: Session,
+    model: str,
+    store: str,
+    processes: int = 1,
+    auth: str = "",
+    base: Path | None = None,
 ) -> Target:
     """`shoal frontend`; with `processes` > 1, that many processes on the port (target
     `shoal-pN`), ready once its one ready line is printed (every process loaded).
@@ -310,6 +331,9 @@ def start_shoal(
     written into the store first (no allow-list, rpm and tpm never reached); "limits" (target
     `shoal-limits`): that and `--limits` on a throwaway redis-server of its own. The load
     generators send the same bearer to every target: the requests are byte for byte the same.
+
+    `base`: run the frontend from that source tree instead (`PYTHONPATH=BASE/src`, target
+    `NAME@base`), to compare a change with what it changes in one session.
     """
     port = free_port()
     name = "shoal" if processes == 1 else f"shoal-p{processes}"
@@ -326,7 +350,11 @@ def start_shoal(
         argv += ["--auth", "keys"]
     if auth == "limits":
         argv += ["--limits", start_redis(session)]
-    proc = session.start(name, argv)
+    env = None
+    if base is not None:
+        name += "@base"
+        env = {"PYTHONPATH": str(base.resolve() / "src")}
+    proc = session.start(name, argv, env=env)
     wait_until(
         "the ready line",
         lambda: "shoal frontend ready:" in proc.log.read_text(errors="replace"),
@@ -342,7 +370,7 @@ def start_shoal(
 
     wait_until("/health and the model in /v1/models", model_listed, 60, proc)
     wait_until("a chat completion", lambda: chat_ok(url, model), 30, proc)
-    return Target(name, url, proc, version=git_version())
+    return Target(name, url, proc, version=git_version(base or ROOT))
 
 
 def start_vllm_router(session: Session, peers: Path, worker: str, model: str) -> Target:
@@ -403,9 +431,9 @@ def peer_version(peers: Path, dist: str) -> str:
     return out.stdout.decode().strip() or "?"
 
 
-def git_version() -> str:
+def git_version(root: Path = ROOT) -> str:
     out = subprocess.run(
-        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True
+        ["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True
     )
     return out.stdout.decode().strip() or "?"
 

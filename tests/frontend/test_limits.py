@@ -3,15 +3,22 @@ shared by three frontends, 429s with the headers clients read, Redis killed and 
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+import signal
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import aiohttp
 import pytest
+import redis.asyncio
 
 from shoal.discovery.grants import Grant, hash_secret
 from shoal.frontend import Frontend
+from shoal.frontend.keys import limits
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.helpers import wait_for
@@ -116,3 +123,132 @@ async def test_redis_down_fails_open_onto_local_limits_and_shared_limits_resume(
         answered = [(await post(session, fronts[0]))[0] for _ in range(40)]
         assert abs(answered.count(200) - 30) <= 1, answered  # one frontend, the whole limit
         assert (await post(session, fronts[1]))[0] == 429  # and it is shared
+
+
+async def counted(redis_server: RedisServer, kind: str) -> int:
+    """What Redis holds for the test's key: requests ("r") or tokens ("t"), both windows."""
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        keys = await client.keys(f"shoal:rl:{hash_secret(SECRET)[:32]}:{kind}:*")
+        return sum(int(v) for v in await client.mget(keys)) if keys else 0
+    finally:
+        await client.aclose()
+
+
+async def one(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend, url: str, **limits: Any
+) -> Frontend:
+    await start_worker("mock-llm")
+    await grant(store, **limits)
+    front = await start_frontend(auth="keys", limits_url=url)
+    await wait_for(
+        lambda: "mock-llm" in front.registry.models and front.keys and front.keys.by_hash
+    )
+    await wait_for(lambda: front.limits.shared)
+    return front
+
+
+async def test_a_request_costs_one_round_trip_and_its_tokens_ride_on_the_next(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend,
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setattr(limits, "FLUSH", 3600.0)  # no flush: only requests reach Redis
+    # rpm 20 is too small for an allowance (< LEASE_SHARE): Redis decides each request
+    front = await one(store, start_worker, start_frontend, redis_server.url, rpm=20, tpm=10_000)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(10):
+            assert (await post(session, front))[0] == 200
+    assert (front.limits.leases, front.limits.settles) == (10, 0)  # no round trip to charge
+    # each answer's 4 tokens: the first carried by the second request, the others reserved
+    # at admission (the key's tokens per request) and then owing nothing
+    assert await counted(redis_server, "t") == 40
+    assert await counted(redis_server, "r") == 10
+
+
+async def test_tokens_an_idle_key_owes_reach_redis_without_a_request(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend,
+    redis_server: RedisServer,
+) -> None:  # fmt: skip
+    front = await one(store, start_worker, start_frontend, redis_server.url, tpm=10_000)
+    async with aiohttp.ClientSession() as session:
+        assert (await post(session, front))[0] == 200
+    await wait_for(lambda: counted(redis_server, "t"), timeout=2)  # the flush, every 0.25 s
+    assert await counted(redis_server, "t") == 4
+    assert front.limits.leases == 1
+
+
+async def test_a_busy_key_leases_allowances_and_redis_counts_only_what_was_admitted(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend,
+    redis_server: RedisServer,
+) -> None:  # fmt: skip
+    front = await one(store, start_worker, start_frontend, redis_server.url, rpm=1_000_000)
+    async with aiohttp.ClientSession() as session:
+
+        async def hammer() -> list[int]:
+            return [(await post(session, front))[0] for _ in range(20)]
+
+        answered = [
+            s for part in await asyncio.gather(*(hammer() for _ in range(15))) for s in part
+        ]
+    assert answered == [200] * 300
+    assert front.limits.leases < 300 / 4, front.limits.leases  # allowances, not a trip each
+    # what was leased and not used goes back once the allowance's time is over
+    await wait_for(lambda: _equals(counted(redis_server, "r"), 300), timeout=5)
+
+
+async def _equals(value: Awaitable[int], expected: int) -> bool:
+    return await value == expected
+
+
+async def test_allowances_never_admit_more_than_rpm_across_three_frontends(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend,
+    redis_server: RedisServer,
+) -> None:  # fmt: skip
+    rpm = 3 * limits.LEASE_SHARE * 4  # an allowance of up to 4 requests per frontend
+    fronts = await three(store, start_worker, start_frontend, redis_server.url, rpm=rpm)
+    # not across a minute's turn: the previous minute's count then starts to fade
+    await wait_for(lambda: time.time() % 60 < 45, timeout=20)
+    async with aiohttp.ClientSession() as session:
+
+        async def hammer(front: Frontend) -> list[int]:
+            return [(await post(session, front))[0] for _ in range(25)]
+
+        parts = await asyncio.gather(*(hammer(f) for f in fronts for _ in range(6)))
+    answered = [s for part in parts for s in part]
+    assert set(answered) == {200, 429}
+    # never over the limit; under it by what allowances held at most (1/LEASE_SHARE)
+    assert rpm - rpm // limits.LEASE_SHARE <= answered.count(200) <= rpm, answered.count(200)
+    assert sum(f.limits.leases for f in fronts) < answered.count(200) / 2
+
+
+async def test_a_client_that_leaves_while_redis_answers_is_never_forwarded(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend,
+    redis_server: RedisServer,
+) -> None:  # fmt: skip
+    worker = await start_worker("mock-llm")
+    await grant(store, rpm=20, max_parallel=1)  # Redis decides each request
+    front = await start_frontend(auth="keys", limits_url=redis_server.url)
+    await wait_for(
+        lambda: "mock-llm" in front.registry.models and front.keys and front.keys.by_hash
+    )
+    await wait_for(lambda: front.limits.shared)
+    assert redis_server.proc is not None
+    redis_server.proc.send_signal(signal.SIGSTOP)  # Redis hangs: the request waits
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", front.port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+            b"content-length: %d\r\n\r\n%s" % (SECRET.encode(), len(BODY), BODY.encode())
+        )
+        await wait_for(lambda: front.limits.in_flight)  # it waits for Redis
+        sock = writer.get_extra_info("socket")  # the client leaves: a reset (after a mere
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # half-close, the server still answers)
+        await wait_for(lambda: not front.limits.in_flight)  # its place is given back at once
+        await wait_for(lambda: not front.limits.shared, timeout=5)  # Redis' answer timed out
+        assert worker.requests == 0  # and the request never went on
+        async with aiohttp.ClientSession() as session:
+            assert (await post(session, front))[0] == 200  # the fallback's local windows
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    assert worker.requests == 1

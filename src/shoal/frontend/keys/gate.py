@@ -1,24 +1,27 @@
 """`Gate`: the path of a request made with an API key, between its check and the proxy.
 
-    max_parallel (this frontend) → rpm/tpm (`Limits.admit`: one Redis round trip while the
-    windows are shared, none otherwise) → the proxy, answering through `Metered` → at the end:
-    the request leaves max_parallel, its tokens are charged to tpm, and its usage is recorded.
+    max_parallel (this frontend) → rpm/tpm (`Limits.admit`: decided here for a key without
+    limits, on the fallback's local windows, or on the key's allowance; else the request
+    waits for Redis' answer, `Limits.wait`) → the proxy, answering through `Metered` → at the
+    end (`done`): the request leaves max_parallel, its tokens are charged to tpm, and its
+    usage is recorded.
 
 A refused request answers 429 with `Retry-After` and the `x-ratelimit-*` headers (an admitted
-one gets the headers too). While Redis answers, the round trip runs in a task the connection
-holds as its response in progress, so a client that leaves cancels it.
+one gets the headers too). While it waits for Redis, the request is the connection's response
+in progress (`_Waiting`): a client that leaves cancels it, and it is not forwarded.
+Nothing here allocates per request beyond the `Metered` connection (and `_Waiting` if Redis
+decides).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from shoal.cards import ModelType
 from shoal.discovery.grants import Grant
 from shoal.frontend.http.request import ClientConnection, Request
 from shoal.frontend.http.server import HttpConnection
-from shoal.frontend.keys.limits import Limits, Verdict, rate_limited
+from shoal.frontend.keys.limits import Limits, Refusal, rate_limited
 from shoal.frontend.keys.metering import Metered
 
 Forward = Callable[[Request, ClientConnection, ModelType], None]
@@ -26,16 +29,34 @@ Forward = Callable[[Request, ClientConnection, ModelType], None]
 Record = Callable[[Grant, str, str, int, int, int], None]
 
 
-class _Pending:
-    """The admission in progress, as the connection's response: cancelled if the client goes."""
+class _Waiting:
+    """A request waiting for Redis' answer: the connection's response until it comes."""
 
-    __slots__ = ("task",)
+    __slots__ = ("cancelled", "conn", "gate", "kind", "metered", "request")
 
-    def __init__(self, task: asyncio.Task[None]) -> None:
-        self.task = task
+    def __init__(
+        self, gate: Gate, request: Request, conn: HttpConnection, metered: Metered, kind: ModelType
+    ) -> None:
+        self.gate = gate
+        self.request = request
+        self.conn = conn
+        self.metered = metered
+        self.kind = kind
+        self.cancelled = False
 
     def cancel(self) -> None:
-        self.task.cancel()
+        """The client left while Redis answered."""
+        if not self.cancelled:
+            self.cancelled = True
+            self.gate.limits.leave(self.metered.grant)
+
+    def admitted(self, headers: bytes) -> None:
+        self.conn.extra_headers += headers
+        self.gate.forward(self.request, self.metered, self.kind)
+
+    def refused(self, refusal: Refusal) -> None:
+        self.conn.extra_headers += refusal.headers
+        self.metered.send_error(rate_limited(self.metered.grant, refusal))
 
 
 class Gate:
@@ -43,69 +64,41 @@ class Gate:
         self.limits = limits
         self.forward = forward
         self.record = record
+        self.records_usage = record is not None
 
     def handle(
         self, request: Request, conn: HttpConnection, kind: ModelType, grant: Grant, model: str
     ) -> None:
         limits = self.limits
-        refused = limits.enter(grant)
-        if refused is not None:
-            conn.send_error(refused)
-            self._done(grant, model, refused.status, 0, 0, "", entered=False)
-            return
-
-        def done(status: int, prompt: int, completion: int, served: str) -> None:
-            self._done(grant, model, status, prompt, completion, served)
-
-        metered = Metered(conn, len(request.body), done)
-        if limits.needs_round_trip(grant):
-            task = asyncio.create_task(self._admit(request, conn, metered, kind, grant))
-            conn.produce_later(_Pending(task))
-        else:
-            self._go(limits.admit_locally(grant), request, conn, metered, kind, grant)
-
-    async def _admit(
-        self,
-        request: Request,
-        conn: HttpConnection,
-        metered: Metered,
-        kind: ModelType,
-        grant: Grant,
-    ) -> None:
-        try:
-            verdict = await self.limits.admit(grant)
-        except asyncio.CancelledError:
-            self.limits.leave(grant)  # the client left while Redis answered
-            raise
-        self._go(verdict, request, conn, metered, kind, grant)
-
-    def _go(
-        self,
-        verdict: Verdict,
-        request: Request,
-        conn: HttpConnection,
-        metered: Metered,
-        kind: ModelType,
-        grant: Grant,
-    ) -> None:
-        conn.extra_headers += verdict.headers
-        if verdict.allowed:
+        if grant.max_parallel is not None:
+            refused = limits.enter(grant)
+            if refused is not None:
+                conn.send_error(refused)
+                if self.record is not None:
+                    self.record(grant, model, model, refused.status, 0, 0)
+                return
+        metered = Metered(conn, len(request.body), self, grant, model)
+        verdict = limits.admit(grant)
+        if verdict is None:
+            waiting = _Waiting(self, request, conn, metered, kind)
+            conn.produce_later(waiting)
+            limits.wait(grant, waiting)
+        elif isinstance(verdict, bytes):
+            if verdict:
+                conn.extra_headers += verdict
             self.forward(request, metered, kind)
         else:
+            conn.extra_headers += verdict.headers
             metered.send_error(rate_limited(grant, verdict))
 
-    def _done(
-        self,
-        grant: Grant,
-        model: str,
-        status: int,
-        prompt: int,
-        completion: int,
-        served: str,
-        entered: bool = True,
+    def done(
+        self, grant: Grant, model: str, status: int, prompt: int, completion: int, served: str
     ) -> None:
-        if entered:
-            self.limits.leave(grant)
-        self.limits.charge(grant, prompt + completion)
+        """The end of a request that passed max_parallel (`Metered` tells it, once)."""
+        limits = self.limits
+        if grant.max_parallel is not None:
+            limits.leave(grant)
+        if grant.tpm is not None:
+            limits.charge(grant, prompt + completion)
         if self.record is not None:
             self.record(grant, model, served or model, status, prompt, completion)

@@ -1,12 +1,28 @@
 """Rate limits of API keys: rpm and tpm shared by every frontend in Redis, max_parallel here.
 
-`Limits.admit(grant)` decides one request in one Redis round trip (`ADMIT`, a Lua script):
-each key has a sliding window per minute, estimated from two fixed windows (the previous
-minute's count weighted by the part of it still inside the last 60 s, plus this minute's),
-read and counted atomically on Redis' own clock, so frontends agree whatever their clocks.
-Tokens are charged after the fact (`charge`, one `INCRBY` once the response's usage is
-known): a request is admitted while the key's token estimate is under `tpm`, so the last one
+Windows: each key has a sliding window per minute in Redis, estimated from two fixed windows
+(the previous minute's count weighted by the part of it still inside the last 60 s, plus this
+minute's), read and counted atomically by a Lua script (`LEASE`) on Redis' own clock, so
+frontends agree whatever their clocks.
+
+Leases: a request costs at most one round trip, and a busy key far fewer. `LEASE` admits the
+requests of a key waiting here and leases an **allowance** beside them: requests this frontend
+may admit alone, counted in Redis when leased (so the frontends together never admit more than
+the limit), used until they run out or `LEASE_TIME` passes; what is left is then given back.
+An allowance is sized to this frontend's recent rate for the key (rate x `LEASE_TIME`), and is
+at most 1/(`LEASE_SHARE` x N) of the key's rpm, and of its tpm at the key's tokens per
+request: while allowances are out, a key may be refused up to 1/`LEASE_SHARE` of its limit
+early, never admitted over it. A key with a small limit (rpm < `LEASE_SHARE` x N) gets no
+allowance: one round trip per request, exact. Requests that wait while a lease is asked join it.
+
+Tokens: each request admitted reserves the key's tokens per request (its average here) in the
+tpm window; once answered, what it used beyond (or short of) that is owed, and carried to Redis
+by the key's next `LEASE`, or by the flush every `FLUSH` seconds for a key that asks nothing
+more: no round trip of its own. An allowance is used only while its reserved tokens cover what
+is owed. A request is admitted while the key's token estimate is under `tpm`, so the last one
 admitted may overshoot by its own size.
+
+Redis is reached through one dedicated connection, calls pipelined (`RedisLink`).
 
 Redis down (`--limits redis://...` refused, timed out): the frontend fails **open** onto
 local windows at 1/N of each limit, N being the frontends that reported to Redis in its last
@@ -24,14 +40,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
 import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from shoal.discovery.grants import Grant
+from shoal.frontend.keys.redis_link import RedisLink
 from shoal.openai import ApiError
 
 log = logging.getLogger(__name__)
@@ -40,15 +60,42 @@ WINDOW = 60  # seconds: limits are per minute
 BEAT = 1.0  # seconds between two reports of this frontend to Redis (and probes when down)
 FRONTENDS_TTL = 10.0  # a frontend not heard of for this long is not counted in N
 TIMEOUT = 0.5  # seconds for a Redis call before it counts as down
+LEASE_TIME = 0.5  # seconds an allowance lasts, and the time it is sized for
+LEASE_SHARE = 32  # an allowance is at most 1/(LEASE_SHARE x N) of a key's limit
+MAX_LEASE = 100_000  # requests in one allowance, whatever the limit
+FLUSH = 0.25  # seconds between two flushes of what idle keys owe Redis
+FLUSH_BATCH = 1000  # keys settled by one flush at most (the loop is not held long)
+MAX_KEYS = 100_000  # keys' states held here (beyond, idle ones are forgotten)
 
-ADMIT = """
+# KEYS[1]: the key's prefix. ARGV: window, rpm, tpm (0: none), requests wanted (0: only
+# settle), tokens reserved per request, tokens owed, then an allowance given back: requests,
+# tokens, its window. Answers {admitted, requests granted, requests left, tokens left, wait
+# (s), reset (s), window, refused by (1 requests, 2 tokens)}.
+LEASE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local W = tonumber(ARGV[3])
+local W = tonumber(ARGV[1])
 local cur = math.floor(now / W)
 local keep = 1 - (now - cur * W) / W
+local turn = math.ceil(keep * W)
 local p = KEYS[1]
-local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+local rpm, tpm, want, per = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local function add(k, n)
+  if n > 0 then
+    redis.call('INCRBY', k, n)
+    redis.call('EXPIRE', k, 2 * W)
+  elseif n < 0 then
+    if redis.call('DECRBY', k, -n) < 0 then redis.call('SET', k, 0) end
+    redis.call('EXPIRE', k, 2 * W)
+  end
+end
+add(p .. ':t:' .. cur, tonumber(ARGV[6]))
+local back = tonumber(ARGV[7])
+if back > 0 then
+  add(p .. ':r:' .. ARGV[9], -back)
+  add(p .. ':t:' .. ARGV[9], -tonumber(ARGV[8]))
+end
+if want == 0 then return {1, 0, 0, 0, 0, turn, cur, 0} end
 local rc = tonumber(redis.call('GET', p .. ':r:' .. cur) or '0')
 local rp = tonumber(redis.call('GET', p .. ':r:' .. (cur - 1)) or '0')
 local tc = tonumber(redis.call('GET', p .. ':t:' .. cur) or '0')
@@ -56,47 +103,63 @@ local tp = tonumber(redis.call('GET', p .. ':t:' .. (cur - 1)) or '0')
 local r, tk = rp * keep + rc, tp * keep + tc
 local function wait(prev, c, over)
   if prev > 0 and c < over then return math.ceil((prev * keep + c - over) / prev * W) end
-  return math.ceil(keep * W)
+  return turn
 end
-local turn = math.ceil(keep * W)
-if rpm > 0 and r + 1 > rpm then return {0, 0, math.max(tpm - tk, 0), wait(rp, rc, rpm - 1), turn, 1} end
-if tpm > 0 and tk >= tpm then return {0, math.max(rpm - r, 0), 0, wait(tp, tc, tpm), turn, 2} end
-local k = p .. ':r:' .. cur
-redis.call('INCR', k)
-redis.call('EXPIRE', k, 2 * W)
-return {1, math.max(rpm - r - 1, 0), math.max(tpm - tk, 0), 0, turn, 0}
+if rpm > 0 and r + 1 > rpm then
+  return {0, 0, 0, math.max(tpm - tk, 0), wait(rp, rc, rpm - 1), turn, cur, 1}
+end
+if tpm > 0 and tk >= tpm then
+  return {0, 0, math.max(rpm - r, 0), 0, wait(tp, tc, tpm), turn, cur, 2}
+end
+local n = want
+if rpm > 0 then n = math.min(n, math.floor(rpm - r)) end
+if tpm > 0 and per > 0 then n = math.min(n, math.ceil((tpm - tk) / per)) end
+n = math.max(n, 1)
+add(p .. ':r:' .. cur, n)
+add(p .. ':t:' .. cur, n * per)
+return {1, n, math.max(rpm - r - n, 0), math.max(tpm - tk - n * per, 0), 0, turn, cur, 0}
 """
 
-CHARGE = """
+# KEYS[1]: the sorted set of frontends. ARGV: this frontend's id, FRONTENDS_TTL. Answers N.
+BEAT_SCRIPT = """
 local t = redis.call('TIME')
-local W = tonumber(ARGV[2])
-local k = KEYS[1] .. ':t:' .. math.floor(tonumber(t[1]) / W)
-redis.call('INCRBY', k, ARGV[1])
-redis.call('EXPIRE', k, 2 * W)
-return 1
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local ttl = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
+redis.call('EXPIRE', KEYS[1], math.ceil(3 * ttl))
+return redis.call('ZCARD', KEYS[1])
 """
 
 
-@dataclass
-class Verdict:
-    """One request's admission: allowed or not, and the `x-ratelimit-*` header lines."""
+@dataclass(slots=True)
+class Refusal:
+    """A request refused by rpm or tpm: its `x-ratelimit-*` header lines, and when to retry."""
 
-    allowed: bool
     headers: bytes
-    retry_after: int = 0
-    what: str = ""  # "requests" or "tokens": the limit that refused
+    retry_after: int
+    what: str  # "requests" or "tokens": the limit that refused
 
 
-def rate_limited(grant: Grant, verdict: Verdict) -> ApiError:
-    limit = grant.rpm if verdict.what == "requests" else grant.tpm
-    per = "requests" if verdict.what == "requests" else "tokens"
+class Waiter(Protocol):
+    """A request waiting for Redis' answer about its key (the gate's)."""
+
+    cancelled: bool
+
+    def admitted(self, headers: bytes) -> None: ...
+    def refused(self, refusal: Refusal) -> None: ...
+
+
+def rate_limited(grant: Grant, refusal: Refusal) -> ApiError:
+    limit = grant.rpm if refusal.what == "requests" else grant.tpm
+    per = "requests" if refusal.what == "requests" else "tokens"
     return ApiError(
         429,
         f"Rate limit reached for {per} per minute of this API key (limit {limit}); "
-        f"retry in {verdict.retry_after}s.",
+        f"retry in {refusal.retry_after}s.",
         type=per,
         code="rate_limit_exceeded",
-        headers=((b"retry-after", str(verdict.retry_after).encode()),),
+        headers=((b"retry-after", str(refusal.retry_after).encode()),),
     )
 
 
@@ -111,55 +174,116 @@ def too_many_parallel(grant: Grant, limit: int) -> ApiError:
     )
 
 
+_REQUESTS = (
+    b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n"
+    b"x-ratelimit-reset-requests: %ds\r\n"
+)
+_TOKENS = (
+    b"x-ratelimit-limit-tokens: %d\r\nx-ratelimit-remaining-tokens: %d\r\n"
+    b"x-ratelimit-reset-tokens: %ds\r\n"
+)
+_BOTH = _REQUESTS + _TOKENS
+
+
 def _headers(grant: Grant, left_requests: float, left_tokens: float, reset: int) -> bytes:
-    parts: list[bytes] = []
-    if grant.rpm is not None:
-        parts.append(
-            b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n"
-            b"x-ratelimit-reset-requests: %ds\r\n" % (grant.rpm, max(left_requests, 0), reset)
-        )
-    if grant.tpm is not None:
-        parts.append(
-            b"x-ratelimit-limit-tokens: %d\r\nx-ratelimit-remaining-tokens: %d\r\n"
-            b"x-ratelimit-reset-tokens: %ds\r\n" % (grant.tpm, max(left_tokens, 0), reset)
-        )
-    return b"".join(parts)
+    rpm, tpm = grant.rpm, grant.tpm
+    if rpm is not None:
+        if tpm is not None:
+            left_t = left_tokens if left_tokens > 0 else 0
+            left_r = left_requests if left_requests > 0 else 0
+            return _BOTH % (rpm, left_r, reset, tpm, left_t, reset)
+        return _REQUESTS % (rpm, left_requests if left_requests > 0 else 0, reset)
+    if tpm is not None:
+        return _TOKENS % (tpm, left_tokens if left_tokens > 0 else 0, reset)
+    return b""
+
+
+class _Window:
+    """One key's two fixed windows here: this minute's and the one before."""
+
+    __slots__ = ("minute", "prev_requests", "prev_tokens", "requests", "tokens")
+
+    def __init__(self, minute: int) -> None:
+        self.minute = minute
+        self.requests = self.tokens = self.prev_requests = self.prev_tokens = 0
 
 
 class LocalWindows:
-    """The same sliding windows as `ADMIT`, in this process (the fallback, or no Redis)."""
+    """The same sliding windows as `LEASE`, in this process (the fallback, or no Redis)."""
 
     def __init__(self) -> None:
-        self._counts: dict[tuple[str, str, int], float] = {}
+        self._windows: dict[str, _Window] = {}
+        self._swept = 0  # the minute windows were last swept (at most once a minute)
 
-    def admit(self, grant: Grant, share: int, now: float | None = None) -> Verdict:
+    def _at(self, key: str, minute: int) -> _Window:
+        window = self._windows.get(key)
+        if window is None:
+            if len(self._windows) >= MAX_KEYS and self._swept != minute:
+                self._swept = minute  # bounded: windows of keys idle for a minute go
+                self._forget(minute)
+            window = self._windows[key] = _Window(minute)
+        elif window.minute != minute:
+            if window.minute == minute - 1:
+                window.prev_requests, window.prev_tokens = window.requests, window.tokens
+            else:
+                window.prev_requests = window.prev_tokens = 0
+            window.requests = window.tokens = 0
+            window.minute = minute
+        return window
+
+    def admit(self, grant: Grant, share: int, now: float | None = None) -> bytes | Refusal:
+        """The header lines of an admitted request, or its `Refusal`."""
         now = time.time() if now is None else now
-        cur = math.floor(now / WINDOW)
-        keep = 1 - (now - cur * WINDOW) / WINDOW
+        minute = int(now // WINDOW)
+        keep = 1 - (now - minute * WINDOW) / WINDOW
         turn = math.ceil(keep * WINDOW)
-        h = grant.hash
-        rc, rp = self._counts.get((h, "r", cur), 0), self._counts.get((h, "r", cur - 1), 0)
-        tc, tp = self._counts.get((h, "t", cur), 0), self._counts.get((h, "t", cur - 1), 0)
-        r, tk = rp * keep + rc, tp * keep + tc
-        rpm = math.ceil(grant.rpm / share) if grant.rpm else 0
-        tpm = math.ceil(grant.tpm / share) if grant.tpm else 0
+        window = self._at(grant.hash, minute)
+        r = window.prev_requests * keep + window.requests
+        tk = window.prev_tokens * keep + window.tokens
+        rpm = -(-grant.rpm // share) if grant.rpm else 0
+        tpm = -(-grant.tpm // share) if grant.tpm else 0
         if rpm and r + 1 > rpm:
-            return Verdict(False, _headers(grant, 0, tpm - tk, turn), turn, "requests")
+            return Refusal(_headers(grant, 0, tpm - tk, turn), turn, "requests")
         if tpm and tk >= tpm:
-            return Verdict(False, _headers(grant, rpm - r, 0, turn), turn, "tokens")
-        self._counts[(h, "r", cur)] = rc + 1
-        if len(self._counts) > 100_000:  # bounded: old windows go first
-            self._forget(cur)
-        return Verdict(True, _headers(grant, rpm - r - 1, tpm - tk, turn))
+            return Refusal(_headers(grant, rpm - r, 0, turn), turn, "tokens")
+        window.requests += 1
+        return _headers(grant, rpm - r - 1, tpm - tk, turn)
 
     def charge(self, grant: Grant, tokens: int, now: float | None = None) -> None:
-        cur = math.floor((time.time() if now is None else now) / WINDOW)
-        key = (grant.hash, "t", cur)
-        self._counts[key] = self._counts.get(key, 0) + tokens
+        now = time.time() if now is None else now
+        self._at(grant.hash, int(now // WINDOW)).tokens += tokens
 
-    def _forget(self, cur: int) -> None:
-        for key in [k for k in self._counts if k[2] < cur - 1]:
-            del self._counts[key]
+    def _forget(self, minute: int) -> None:
+        for key in [k for k, w in self._windows.items() if w.minute < minute - 1]:
+            del self._windows[key]
+
+
+class _Key:
+    """One key's state here while the windows are shared (see the module's docstring)."""
+
+    __slots__ = (
+        "asking", "avg", "grant", "left_requests", "left_tokens", "owed", "per", "reset_at",
+        "since", "units", "until", "used", "waiting", "window",
+    )  # fmt: skip
+
+    def __init__(self, grant: Grant) -> None:
+        self.grant = grant  # the latest seen: its limits may change
+        self.units = 0  # requests of the allowance left
+        self.until = 0.0  # monotonic time the allowance ends
+        self.window = 0  # the Redis window it was counted in
+        self.per = 0  # tokens it reserved per request
+        self.owed = 0  # tokens owed to Redis: answers' tokens - reservations (may be < 0)
+        self.used = 0  # requests admitted since the last lease...
+        self.since = 0.0  # ... which was then (monotonic): the rate
+        self.avg = 0.0  # tokens per answer (0: none seen yet)
+        self.left_requests = self.left_tokens = 0  # Redis' last answer, for the headers
+        self.reset_at = 0.0
+        self.waiting: deque[Waiter] = deque()
+        self.asking = False  # a LEASE is on its way
+
+    @property
+    def idle(self) -> bool:
+        return not (self.units or self.owed or self.asking or self.waiting)
 
 
 class Limits:
@@ -176,48 +300,41 @@ class Limits:
         self.down_since: float | None = None
         self.last_error = ""
         self.in_flight: dict[str, int] = {}
-        self._redis: Any = None
-        self._admit: Any = None
-        self._charge: Any = None
-        self._task: asyncio.Task[None] | None = None
-        self._charges: set[asyncio.Task[None]] = set()
+        self.link: RedisLink | None = None
+        self.leases = self.settles = 0  # LEASEs sent to admit requests, and to settle only
+        self._keys: dict[str, _Key] = {}
+        self._unsettled: set[str] = set()  # keys that owe Redis tokens or an allowance
+        self._tasks: list[asyncio.Task[None]] = []
+        self._lease = self._beat_sha = ""
 
     async def start(self) -> None:
         if self.url is None:
             return
-        import redis.asyncio as redis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
-        self._redis = redis.Redis.from_url(
-            self.url,
-            socket_timeout=TIMEOUT,
-            socket_connect_timeout=TIMEOUT,
-            retry=Retry(NoBackoff(), 0),
-        )
-        self._admit = self._redis.register_script(ADMIT)
-        self._charge = self._redis.register_script(CHARGE)
+        self.link = RedisLink(self.url, TIMEOUT)
+        self._lease = self.link.script(LEASE)
+        self._beat_sha = self.link.script(BEAT_SCRIPT)
         await self._beat()  # shared at once when Redis answers; else local, and said so
-        self._task = asyncio.create_task(self._beats(), name="limits:redis")
+        self._tasks = [
+            asyncio.create_task(self._every(BEAT, self._beat), name="limits:beat"),
+            asyncio.create_task(self._every(FLUSH, self._flush), name="limits:flush"),
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
-        for task in list(self._charges):
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
-        if self._redis is not None:
-            with contextlib.suppress(Exception):
-                await self._redis.zrem(self.prefix + "frontends", self.id)
-            await self._redis.aclose()
+        if self.link is None:
+            return
+        with contextlib.suppress(Exception):
+            await self._flush(final=True)
+            await asyncio.wait_for(
+                self.link.call("ZREM", self.prefix + "frontends", self.id), TIMEOUT
+            )
+        await self.link.close()
 
     # -- the request path ----------------------------------------------------------------
-
-    @staticmethod
-    def limited(grant: Grant) -> bool:
-        return grant.rpm is not None or grant.tpm is not None or grant.max_parallel is not None
 
     def enter(self, grant: Grant) -> ApiError | None:
         """Count a request in flight; a 429 instead when `max_parallel` is reached here."""
@@ -239,75 +356,202 @@ class Limits:
         else:
             self.in_flight.pop(grant.hash, None)
 
-    def needs_round_trip(self, grant: Grant) -> bool:
-        return self.shared and (grant.rpm is not None or grant.tpm is not None)
+    def admit(self, grant: Grant) -> bytes | Refusal | None:
+        """One request's verdict, decided here: its `x-ratelimit-*` header lines (admitted),
+        its `Refusal`, or None: Redis decides, the request `wait`s for it."""
+        if grant.rpm is None and grant.tpm is None:
+            return b""
+        if not self.shared:
+            return self.local.admit(grant, self.frontends if self.url else 1)
+        key = self._keys.get(grant.hash)
+        if key is None or key.units <= 0 or key.owed > key.units * key.per:
+            return None  # no allowance, or its reserved tokens no longer cover what is owed
+        now = time.monotonic()
+        if now >= key.until or key.grant is not grant:
+            return None
+        return self._take(key, now)
 
-    def admit_locally(self, grant: Grant) -> Verdict:
-        return self.local.admit(grant, self.frontends if self.url else 1)
-
-    async def admit(self, grant: Grant) -> Verdict:
-        """The verdict for one request of `grant`: one Redis round trip while shared."""
-        if not self.needs_round_trip(grant):
-            return self.admit_locally(grant)
-        try:
-            allowed, left_r, left_t, wait, turn, which = await self._admit(
-                keys=[self._key(grant)], args=[grant.rpm or 0, grant.tpm or 0, WINDOW]
-            )
-        except Exception as exc:  # Redis down: fail open onto the local windows
-            self._down(exc)
-            return self.admit_locally(grant)
-        headers = _headers(grant, left_r, left_t, turn)
-        if allowed:
-            return Verdict(True, headers)
-        return Verdict(False, headers, max(int(wait), 1), "requests" if which == 1 else "tokens")
+    def wait(self, grant: Grant, waiter: Waiter) -> None:
+        """Queue `waiter` for Redis' answer about its key; it is told, unless cancelled."""
+        key = self._key(grant)
+        key.waiting.append(waiter)
+        if not key.asking:
+            self._ask(key, time.monotonic())
 
     def charge(self, grant: Grant, tokens: int) -> None:
-        """Charge `tokens` to the key's tpm window, after the fact (nothing awaits it)."""
-        if grant.tpm is None or tokens <= 0:
+        """Charge an answer's `tokens` to the key's tpm (after the fact; nothing awaits it)."""
+        if grant.tpm is None:
             return
         if not self.shared:
-            self.local.charge(grant, tokens)
+            if tokens > 0:
+                self.local.charge(grant, tokens)
             return
-        task = asyncio.create_task(self._charge_shared(grant, tokens))
-        self._charges.add(task)
-        task.add_done_callback(self._charges.discard)
+        key = self._keys.get(grant.hash) or self._key(grant)
+        if tokens > 0:
+            key.avg = tokens if not key.avg else key.avg + (tokens - key.avg) / 8
+        key.owed += tokens
+        if key.owed:
+            self._unsettled.add(grant.hash)
 
-    async def _charge_shared(self, grant: Grant, tokens: int) -> None:
-        try:
-            await self._charge(keys=[self._key(grant)], args=[tokens, WINDOW])
-        except Exception as exc:
+    def _take(self, key: _Key, now: float) -> bytes:
+        """One request of the key's allowance: its header lines."""
+        key.units = units = key.units - 1
+        key.used += 1
+        per = key.per
+        key.owed -= per
+        reset = math.ceil(key.reset_at - now)
+        return _headers(
+            key.grant,
+            key.left_requests + units,
+            key.left_tokens + units * per,
+            reset if reset > 1 else 1,
+        )
+
+    def _key(self, grant: Grant) -> _Key:
+        key = self._keys.get(grant.hash)
+        if key is not None:
+            key.grant = grant
+            return key
+        if len(self._keys) >= MAX_KEYS:  # bounded: idle keys are forgotten
+            for idle in [h for h, k in self._keys.items() if k.idle]:
+                del self._keys[idle]
+        key = self._keys[grant.hash] = _Key(grant)
+        return key
+
+    def _allowance(self, key: _Key, now: float, per: int) -> int:
+        """Requests to lease beside those waiting (see the module's docstring)."""
+        if not key.used:
+            return 0
+        grant = key.grant
+        cap = MAX_LEASE
+        share = LEASE_SHARE * self.frontends
+        if grant.rpm is not None:
+            cap = min(cap, grant.rpm // share)
+        if grant.tpm is not None:
+            cap = min(cap, grant.tpm // (share * per)) if per else 0
+        if cap <= 0:
+            return 0
+        return min(cap, math.ceil(key.used / max(now - key.since, 1e-3) * LEASE_TIME))
+
+    def _ask(self, key: _Key, now: float, give_back: bool = True) -> asyncio.Future[Any]:
+        """Send the key's `LEASE`: for the requests waiting and an allowance, with what is
+        owed and the allowance left (given back); only settle when nobody waits."""
+        assert self.link is not None
+        grant = key.grant
+        per = math.ceil(key.avg) if grant.tpm is not None else 0
+        want = len(key.waiting)
+        if want:
+            want += self._allowance(key, now, per)
+            self.leases += 1
+        else:
+            self.settles += 1
+        back = key.units if give_back else 0  # the allowance left, given back
+        owed, key.owed, key.units = key.owed, 0, key.units - back
+        key.asking = True
+        future = self.link.call(
+            "EVALSHA", self._lease, 1, f"{self.prefix}rl:{grant.hash[:32]}",
+            WINDOW, grant.rpm or 0, grant.tpm or 0, want, per, owed,
+            back, back * key.per, key.window,
+        )  # fmt: skip
+        future.add_done_callback(functools.partial(self._answered, key, want, per, owed))
+        return future
+
+    def _answered(
+        self, key: _Key, want: int, per: int, owed: int, future: asyncio.Future[Any]
+    ) -> None:
+        key.asking = False
+        if future.cancelled():
+            return
+        grant = key.grant
+        exc = future.exception()
+        if exc is not None:  # Redis down: fail open onto the local windows
             self._down(exc)
-            self.local.charge(grant, tokens)
+            if owed > 0:
+                self.local.charge(grant, owed)
+            for waiter in self._waiters(key):
+                _tell(waiter, self.local.admit(grant, self.frontends))
+            return
+        admitted, granted, left_r, left_t, wait, turn, window, which = future.result()
+        now = time.monotonic()
+        if not want:  # settled only: its answer says nothing of the windows
+            pass
+        elif not admitted:
+            key.left_requests, key.left_tokens, key.reset_at = left_r, left_t, now + turn
+            refusal = Refusal(
+                _headers(grant, left_r, left_t, turn),
+                max(int(wait), 1),
+                "requests" if which == 1 else "tokens",
+            )
+            for waiter in self._waiters(key):
+                waiter.refused(refusal)
+        else:
+            key.left_requests, key.left_tokens, key.reset_at = left_r, left_t, now + turn
+            key.units, key.window, key.per = granted, window, per
+            key.until, key.since, key.used = now + LEASE_TIME, now, 0
+            while key.waiting and key.units > 0:
+                waiter = key.waiting.popleft()
+                if not waiter.cancelled:
+                    waiter.admitted(self._take(key, now))
+        if key.units > 0 or key.owed:
+            self._unsettled.add(grant.hash)  # owes tokens, or an allowance to give back
+        if any(not waiter.cancelled for waiter in key.waiting):
+            self._ask(key, now)  # came while it was asked, more than were granted
+        else:
+            key.waiting.clear()
 
-    def _key(self, grant: Grant) -> str:
-        return f"{self.prefix}rl:{grant.hash[:32]}"
+    @staticmethod
+    def _waiters(key: _Key) -> list[Waiter]:
+        waiting = [waiter for waiter in key.waiting if not waiter.cancelled]
+        key.waiting.clear()
+        return waiting
+
+    async def _flush(self, final: bool = False) -> None:
+        """Settle idle keys with Redis: tokens owed, allowances past their time (every one
+        when `final`)."""
+        if not self.shared or self.link is None:
+            return
+        now = time.monotonic()
+        sent: list[asyncio.Future[Any]] = []
+        for hash_ in list(self._unsettled):
+            key = self._keys.get(hash_)
+            if key is None:
+                self._unsettled.discard(hash_)
+                continue
+            if key.asking:
+                continue  # its answer puts it back if need be
+            ended = key.units > 0 and (final or now >= key.until)
+            if (key.owed or ended) and (final or len(sent) < FLUSH_BATCH):
+                self._unsettled.discard(hash_)
+                sent.append(self._ask(key, now, give_back=ended))
+            elif key.units == 0:
+                self._unsettled.discard(hash_)
+        if final and sent:
+            await asyncio.wait(sent, timeout=TIMEOUT)
 
     # -- Redis' state ------------------------------------------------------------------------
 
-    def _down(self, exc: Exception) -> None:
+    def _down(self, exc: BaseException) -> None:
         if self.shared:
             log.warning(
                 "limits: Redis at %s failed (%s): local limits at 1/%d of each key's",
                 self.shown, exc, self.frontends,
             )  # fmt: skip
             self.down_since = time.time()
+            for key in self._keys.values():  # allowances are void: nothing is admitted on them
+                key.units = 0
         self.shared = False
         self.last_error = f"{type(exc).__name__}: {exc}"
 
     async def _beat(self) -> None:
         """Report this frontend, count the others; shared again if Redis answers."""
-        now = time.time()
-        key = self.prefix + "frontends"
+        assert self.link is not None
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.zadd(key, {self.id: now})
-                pipe.zremrangebyscore(key, "-inf", now - FRONTENDS_TTL)
-                pipe.zcard(key)
-                pipe.expire(key, int(FRONTENDS_TTL * 3))
-                *_, count, _ = await pipe.execute()
+            count = await self.link.call(
+                "EVALSHA", self._beat_sha, 1, self.prefix + "frontends", self.id, FRONTENDS_TTL
+            )
         except Exception as exc:
             if self.down_since is None:
-                self.down_since = now
+                self.down_since = time.time()
             self._down(exc)
             return
         self.frontends = max(int(count), 1)
@@ -315,10 +559,14 @@ class Limits:
             log.info("limits: Redis at %s answers: shared limits in force", self.shown)
         self.shared, self.down_since, self.last_error = True, None, ""
 
-    async def _beats(self) -> None:
+    @staticmethod
+    async def _every(seconds: float, work: Callable[[], Awaitable[None]]) -> None:
         while True:
-            await asyncio.sleep(BEAT)
-            await self._beat()
+            await asyncio.sleep(seconds)
+            try:
+                await work()
+            except Exception:
+                log.exception("limits: periodic work failed")
 
     def describe(self) -> dict[str, Any]:
         """For `/health`: which limits are in force, and why."""
@@ -334,6 +582,13 @@ class Limits:
             "frontends": self.frontends,
             "since": self.down_since,
         }
+
+
+def _tell(waiter: Waiter, verdict: bytes | Refusal) -> None:
+    if isinstance(verdict, Refusal):
+        waiter.refused(verdict)
+    else:
+        waiter.admitted(verdict)
 
 
 def _safe(url: str) -> str:

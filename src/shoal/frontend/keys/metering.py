@@ -5,16 +5,19 @@ key, passing everything through and keeping only what the end needs: the status 
 first write's status line, or the error answered) and the last `TAIL` bytes of the body,
 where an OpenAI response carries its `usage` (the JSON body's, or a stream's last event with
 `stream_options.include_usage`). When the engine gives no usage, the gateway counts: one
-completion token per streamed event, and the prompt as its body bytes / 4. `on_done(status,
-prompt_tokens, completion_tokens, served_model)` is called once, when the response is finished
-or refused; the served model is the `model` the answer names ("" if none).
+completion token per streamed event, and the prompt as its body bytes / 4. The gate's
+`done(grant, model, status, prompt_tokens, completion_tokens, served_model)` is called once,
+when the response is finished or refused; the served model is the `model` the answer names
+("" if none). Per write: a count of `data:` and two slices, no regular expression; the usage
+is looked for once, at the end, from the last `"usage"` of the tail.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from typing import Protocol
 
+from shoal.discovery.grants import Grant
 from shoal.frontend.http.request import ClientConnection, FlowListener, InFlight
 from shoal.openai import ApiError
 
@@ -22,20 +25,42 @@ TAIL = 4096
 MAX_TOKENS = 10**9  # an engine's claim of usage beyond is cut here (it is charged and counted)
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_STATUS = re.compile(rb"^HTTP/1\.[01] (\d{3})")
+_BOTH = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)\s*,\s*"completion_tokens"\s*:\s*(\d+)')
 _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,400})"')
 
-Done = Callable[[int, int, int, str], None]  # status, prompt and completion tokens, served
+
+class EndListener(Protocol):
+    """What a `Metered` response tells its end to (the gate)."""
+
+    records_usage: bool  # the served model is looked for only then
+
+    def done(
+        self, grant: Grant, model: str, status: int, prompt: int, completion: int, served: str
+    ) -> None: ...
 
 
 def usage_of(tail: bytes, events: int, request_bytes: int) -> tuple[int, int]:
-    """(prompt, completion) tokens: the last `usage` in `tail`, else the gateway's count."""
-    prompts = _PROMPT.findall(tail)
-    completions = _COMPLETION.findall(tail)
-    if prompts or completions:
-        prompt = _tokens(prompts[-1]) if prompts else request_bytes // 4
-        return prompt, _tokens(completions[-1]) if completions else max(events - 1, 0)
-    return request_bytes // 4, max(events - 1, 0)  # (the last event is `[DONE]`)
+    """(prompt, completion) tokens: the last `usage` in `tail`, else the gateway's count
+    (the prompt as its bytes / 4, one completion token per event but the last, `[DONE]`)."""
+    at = tail.rfind(b'"prompt_tokens"')
+    if at >= 0 and (both := _BOTH.match(tail, at)) is not None:  # the usual order: one look
+        return _tokens(both.group(1)), _tokens(both.group(2))
+    prompt = _last(_PROMPT, b'"prompt_tokens"', tail)
+    completion = _last(_COMPLETION, b'"completion_tokens"', tail)
+    return (
+        request_bytes // 4 if prompt < 0 else prompt,
+        max(events - 1, 0) if completion < 0 else completion,
+    )
+
+
+def _last(pattern: re.Pattern[bytes], name: bytes, tail: bytes) -> int:
+    """The number after the last `name` in `tail` (-1 if none): found from the end."""
+    end = len(tail)
+    while (at := tail.rfind(name, 0, end)) >= 0:
+        if (match := pattern.match(tail, at)) is not None:
+            return _tokens(match.group(1))
+        end = at  # a `name` without a number (in a string): look further back
+    return -1
 
 
 def _tokens(digits: bytes) -> int:
@@ -47,14 +72,24 @@ class Metered:
     """`conn` as the proxy sees it, reporting the end to `on_done` (see the module)."""
 
     __slots__ = (
-        "_done", "conn", "events", "head", "loop", "on_done", "request_bytes", "status", "tail"
+        "_done", "conn", "events", "gate", "grant", "head", "loop", "model", "request_bytes",
+        "status", "tail",
     )  # fmt: skip
 
-    def __init__(self, conn: ClientConnection, request_bytes: int, on_done: Done) -> None:
+    def __init__(
+        self,
+        conn: ClientConnection,
+        request_bytes: int,
+        gate: EndListener,
+        grant: Grant,
+        model: str,
+    ) -> None:
         self.conn = conn
         self.loop = conn.loop
         self.request_bytes = request_bytes
-        self.on_done = on_done
+        self.gate = gate
+        self.grant = grant
+        self.model = model
         self.status = 0
         self.tail = b""
         self.head = b""  # the first bytes: where a JSON answer names its `model`
@@ -79,12 +114,15 @@ class Metered:
         self.conn.close_after_response()
 
     def write(self, data: bytes) -> None:
-        if not self.status and (match := _STATUS.match(data)):
-            self.status = int(match.group(1))
+        if not self.status:  # the first write starts with the status line (the proxy's)
+            code = data[9:12]
+            self.status = int(code) if data[:7] == b"HTTP/1." and code.isdigit() else 0
         self.events += data.count(b"data:")
-        if len(self.head) < TAIL:
+        if not self.head:
+            self.head = data[:TAIL]
+        elif len(self.head) < TAIL:
             self.head += data[: TAIL - len(self.head)]
-        self.tail = (self.tail + data)[-TAIL:]
+        self.tail = data[-TAIL:] if len(data) >= TAIL else (self.tail + data)[-TAIL:]
         self.conn.write(data)
 
     def finish(self, error: ApiError | None = None) -> None:
@@ -99,9 +137,12 @@ class Metered:
         if self._done:
             return
         self._done = True
-        prompt, completion = usage_of(self.tail, self.events, self.request_bytes)
-        if status >= 400:
-            prompt = completion = 0  # a refused or failed request is charged no tokens
-        served = _MODEL.search(self.head) or _MODEL.search(self.tail)
-        name = served.group(1).decode(errors="replace") if served else ""
-        self.on_done(status or 499, prompt, completion, name)
+        gate, grant = self.gate, self.grant
+        prompt = completion = 0  # a refused or failed request is charged no tokens
+        served = ""  # (and what nobody reads is not looked for: tpm, or usage recorded)
+        if status < 400 and (gate.records_usage or grant.tpm is not None):
+            prompt, completion = usage_of(self.tail, self.events, self.request_bytes)
+        if gate.records_usage:
+            found = _MODEL.search(self.head) or _MODEL.search(self.tail)
+            served = found.group(1).decode() if found else ""
+        gate.done(grant, self.model, status or 499, prompt, completion, served)

@@ -46,8 +46,11 @@ def label(name: str) -> str:
     return name[:LABEL_CHARS].replace("\x00", "\ufffd")
 
 
+_CLASSES = ("2xx", "2xx", "2xx", "3xx", "4xx", "5xx")
+
+
 def status_class(status: int) -> str:
-    return f"{min(max(status // 100, 2), 5)}xx"
+    return _CLASSES[min(max(status // 100, 2), 5)]
 
 
 async def _receipt(resp: aiohttp.ClientResponse, batch_id: str) -> None:
@@ -96,11 +99,12 @@ class UsageBook:
         self, grant: Grant, model: str, served: str, status: int, prompt: int, completion: int
     ) -> None:
         now = int(time.time() // 60)
-        if now != self._minute[0]:
-            self._minute = (now, datetime.fromtimestamp(now * 60, UTC).isoformat())
+        minute = self._minute
+        if now != minute[0]:
+            minute = self._minute = (now, datetime.fromtimestamp(now * 60, UTC).isoformat())
         key = (
             grant.workspace, grant.name, label(model), label(served), status_class(status),
-            self._minute[1],
+            minute[1],
         )  # fmt: skip
         prompt, completion = min(prompt, MAX_TOKENS), min(completion, MAX_TOKENS)
         counts = self.rows.get(key)

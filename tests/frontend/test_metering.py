@@ -1,0 +1,91 @@
+"""`Metered`: what a response cost, told once at its end (unit tests, a fake connection)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from shoal.discovery.grants import Grant
+from shoal.frontend.keys.metering import Metered, usage_of
+from shoal.openai import ApiError
+
+GRANT = Grant(workspace="w", name="team", hash="a" * 64)
+
+
+def test_the_last_usage_of_the_tail_counts_and_a_name_in_a_string_is_skipped() -> None:
+    stream = (
+        b'data: {"choices":[{"delta":{"content":"\\"prompt_tokens\\": 99"}}],"usage":null}\n\n'
+        b'data: {"usage":{"prompt_tokens": 7, "completion_tokens":12}}\n\n'
+        b'data: {"usage":{"prompt_tokens":8,"completion_tokens":13},"x":"\\"prompt_tokens\\""}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert usage_of(stream, events=4, request_bytes=400) == (8, 13)
+
+
+def test_without_usage_the_gateway_counts_events_and_prompt_bytes() -> None:
+    assert usage_of(b'data: {"x":1}\n\ndata: {"x":2}\n\ndata: [DONE]\n\n', 3, 400) == (100, 2)
+    assert usage_of(b'{"usage":{"completion_tokens":5}}', 0, 40) == (10, 5)
+
+
+class Conn:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.written: list[bytes] = []
+        self.keep_alive = True
+        self.writable = True
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def finish(self, error: ApiError | None = None) -> None:
+        pass
+
+    def send_error(self, error: ApiError) -> None:
+        self.written.append(b"error")
+
+
+class Gate:
+    def __init__(self) -> None:
+        self.ends: list[tuple[Any, ...]] = []
+        self.records_usage = True  # tokens and the served model are looked for
+
+    def done(self, *end: Any) -> None:
+        self.ends.append(end)
+
+
+def test_a_response_is_told_once_with_its_status_tokens_and_served_model() -> None:
+    conn, gate = Conn(), Gate()
+    metered = Metered(conn, 40, gate, GRANT, "alias")
+    body = json.dumps({"model": "served-1", "usage": {"prompt_tokens": 3, "completion_tokens": 4}})
+    head = b"HTTP/1.1 201 Created\r\ncontent-length: %d\r\n\r\n" % len(body)
+    metered.write(head + body[:10].encode())
+    metered.write(body[10:].encode())
+    metered.finish()
+    metered.finish()  # told once
+    assert gate.ends == [(GRANT, "alias", 201, 3, 4, "served-1")]
+    assert b"".join(conn.written) == head + body.encode()
+    conn.loop.close()
+
+
+def test_a_refused_request_costs_no_tokens_and_a_cut_stream_what_it_sent() -> None:
+    conn, gate = Conn(), Gate()
+    metered = Metered(conn, 40, gate, GRANT, "alias")
+    metered.send_error(ApiError(503, "no instance"))
+    assert gate.ends == [(GRANT, "alias", 503, 0, 0, "")]
+    metered = Metered(conn, 40, gate, GRANT, "alias")
+    metered.write(b'HTTP/1.1 200 OK\r\n\r\ndata: {"model":"m","usage":{"prompt_tokens":3}}\n\n')
+    metered.write(b'data: {"x":1}\n\ndata: {"x":2}\n\n')
+    metered.finish(ApiError(502, "cut"))  # after the first byte: the status stays 200
+    assert gate.ends[-1] == (GRANT, "alias", 200, 3, 2, "m")
+    conn.loop.close()
+
+
+def test_nothing_is_looked_for_when_no_tpm_and_no_usage_book_need_it() -> None:
+    conn, gate = Conn(), Gate()
+    gate.records_usage = False
+    metered = Metered(conn, 40, gate, GRANT, "alias")
+    metered.write(b'HTTP/1.1 200 OK\r\n\r\n{"model":"m","usage":{"prompt_tokens":3}}')
+    metered.finish()
+    assert gate.ends == [(GRANT, "alias", 200, 0, 0, "")]
+    conn.loop.close()
