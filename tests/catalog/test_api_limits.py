@@ -343,3 +343,25 @@ async def test_a_chunked_body_over_the_byte_bound_is_413_once_it_passes_it(
     assert resp.status == 413 and answer["error"]["code"] == "body_too_large"
     status, _ = await send(client, "POST", "models", '{"name": "m"}' + " " * 100_000)
     assert status == 201  # a body under the bound is served as before
+
+
+async def test_a_large_body_decoded_off_the_loop_is_refused_as_a_small_one_is(
+    client: CatalogClient,
+) -> None:
+    """Bodies over `api.OFF_LOOP_BYTES` are decoded and validated in a thread: the same
+    answers as on the loop (400 saying where, 400 for depth, 422 naming the field)."""
+    from shoal.catalog.api import OFF_LOOP_BYTES
+
+    pad = " " * OFF_LOOP_BYTES
+    status, error = await send(client, "POST", "models", pad + '{"name": "m",\n "spec": {,}}')
+    assert (status, error["param"]) == (400, None) and "line 2 column 11" in error["message"]
+    status, error = await send(client, "POST", "models", pad + json.dumps(nested(MAX_DEPTH + 1)))
+    assert (status, error["param"]) == (400, None) and "nested deeper" in error["message"]
+    status, error = await send(client, "POST", "models", '{"name": "m", "spec": 1}' + pad)
+    assert (status, error["param"]) == (422, "spec"), error
+    status, error = await send(client, "POST", "models", '{"name": "m", "spec": {"a": 1}}' + pad)
+    assert status == 201, error
+    assert (await client.get(MODELS, "m")).spec == {"a": 1}
+    status, error = await send(client, "PATCH", "models/m", '{"description": "d"}' + pad)
+    assert status == 200, error
+    assert (await client.get(MODELS, "m")).description == "d"
