@@ -167,7 +167,7 @@ class Limits:
 
     def __init__(self, url: str | None = None, *, prefix: str = "shoal:") -> None:
         self.url = url
-        self.shown = _safe(url) if url is not None else None  # for logs and /health
+        self.shown = safe_url(url) if url is not None else None  # for logs and /health
         self.prefix = prefix
         self.id = uuid.uuid4().hex
         self.local = LocalWindows()
@@ -336,7 +336,7 @@ class Limits:
         }
 
 
-def _safe(url: str) -> str:
+def safe_url(url: str) -> str:
     """`url` without what may hold a password: its userinfo and its query (redis-py takes
     `?password=`); split by hand, as `urlsplit` refuses some URLs that still carry one."""
     scheme, sep, rest = url.partition("://")
