@@ -10,7 +10,8 @@ import grimp
 import pytest
 
 LAYERS = {
-    "shoal.bounds": 0,  # bounds on outside values (nesting depth): used by every layer
+    "shoal.bounds": 0,
+    "shoal.urls": 0,  # URLs as they may be shown (credentials redacted)  # bounds on outside values (nesting depth): used by every layer
     "shoal.store": 1,
     "shoal.cards": 2,
     "shoal.openai": 2,

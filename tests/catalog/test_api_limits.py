@@ -274,10 +274,10 @@ async def test_credentials_in_base_url_are_422_and_never_echoed(
 def test_redact_url_removes_credentials_even_from_urls_urlsplit_refuses() -> None:
     """`shoal catalog serve --db` prints the URL redacted in its one-line error; a URL
     `urlsplit` refuses made that line a traceback (and kept nothing from leaking by luck)."""
-    from shoal.catalog.resources import redact_url
+    from shoal.urls import redact_url
 
-    assert redact_url("postgresql+asyncpg://u:pw@[::1/db") == "postgresql+asyncpg://[::1/db"
-    assert redact_url("postgresql://u:p@ss@h:5432/db?x=@") == "postgresql://h:5432/db?x=@"
+    assert redact_url("postgresql+asyncpg://u:pw@[::1/db") == "postgresql+asyncpg://***@[::1/db"
+    assert redact_url("postgresql://u:p@ss@h:5432/db?x=@") == "postgresql://***@h:5432/db?***"
     assert redact_url("sqlite+aiosqlite:////tmp/a@b.db") == "sqlite+aiosqlite:////tmp/a@b.db"
     assert redact_url("http://h/v1/@team") == "http://h/v1/@team"
 
@@ -343,3 +343,25 @@ async def test_a_chunked_body_over_the_byte_bound_is_413_once_it_passes_it(
     assert resp.status == 413 and answer["error"]["code"] == "body_too_large"
     status, _ = await send(client, "POST", "models", '{"name": "m"}' + " " * 100_000)
     assert status == 201  # a body under the bound is served as before
+
+
+async def test_a_large_body_decoded_off_the_loop_is_refused_as_a_small_one_is(
+    client: CatalogClient,
+) -> None:
+    """Bodies over `api.OFF_LOOP_BYTES` are decoded and validated in a thread: the same
+    answers as on the loop (400 saying where, 400 for depth, 422 naming the field)."""
+    from shoal.catalog.api import OFF_LOOP_BYTES
+
+    pad = " " * OFF_LOOP_BYTES
+    status, error = await send(client, "POST", "models", pad + '{"name": "m",\n "spec": {,}}')
+    assert (status, error["param"]) == (400, None) and "line 2 column 11" in error["message"]
+    status, error = await send(client, "POST", "models", pad + json.dumps(nested(MAX_DEPTH + 1)))
+    assert (status, error["param"]) == (400, None) and "nested deeper" in error["message"]
+    status, error = await send(client, "POST", "models", '{"name": "m", "spec": 1}' + pad)
+    assert (status, error["param"]) == (422, "spec"), error
+    status, error = await send(client, "POST", "models", '{"name": "m", "spec": {"a": 1}}' + pad)
+    assert status == 201, error
+    assert (await client.get(MODELS, "m")).spec == {"a": 1}
+    status, error = await send(client, "PATCH", "models/m", '{"description": "d"}' + pad)
+    assert status == 200, error
+    assert (await client.get(MODELS, "m")).description == "d"

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shoal.cards import ModelCard, slugify
+from shoal.cards import ModelCard, WorkerRole, slugify
 from shoal.discovery import (
     Discovery,
     DiscoveryEvent,
@@ -36,7 +36,9 @@ class FakeWorker:
     chunks; `die_after_chunks` drops the connection mid-stream; `metadata_failures` fails
     that many metadata fetches; `metadata_hang` makes metadata fetches hang until cleared;
     `head_delay` holds each answer back that long; `answering` cleared makes the worker read
-    requests and never answer them (until it is set again).
+    requests and never answer them (until it is set again); `role` is its card's (a stage of
+    disaggregated serving); `echo_request_id` answers the request's `X-Request-Id` (as vLLM
+    does with `--enable-request-id-headers`).
     """
 
     def __init__(
@@ -48,8 +50,11 @@ class FakeWorker:
         version: str = "1",
         lora_of: str | None = None,
         model_types: tuple[str, ...] = ("chat", "completions", "embeddings"),
+        role: WorkerRole = WorkerRole.AGGREGATED,
     ) -> None:
         self.model = model
+        self.role = role
+        self.echo_request_id = False
         self.namespace = namespace
         self.component = component
         self.version = version
@@ -119,6 +124,7 @@ class FakeWorker:
             "model_types": list(self.model_types),
             "context_length": 4096,
             "runtime_config": self.runtime_config,
+            "role": self.role,
             "metadata_files": {
                 "config.json": {
                     "url": f"{self.url}/metadata/config.json",
@@ -213,12 +219,14 @@ class FakeWorker:
             return failure
         data = json.loads(body)
         text = f"hello from {self.instance_id:x}"
+        echoed = request.headers.get("x-request-id") if self.echo_request_id else None
+        headers = {"X-Request-Id": echoed} if echoed is not None else {}
         self.in_flight += 1
         try:
             if data.get("stream"):
-                return await self._stream(request, data["model"], kind, text)
+                return await self._stream(request, data["model"], kind, text, headers)
             await asyncio.sleep(self.stream_delay * self.stream_chunks)
-            return web.json_response(_completion(kind, data["model"], text))
+            return web.json_response(_completion(kind, data["model"], text), headers=headers)
         except (asyncio.CancelledError, ConnectionError):
             self.cancelled += 1
             raise
@@ -226,9 +234,9 @@ class FakeWorker:
             self.in_flight -= 1
 
     async def _stream(
-        self, request: web.Request, model: str, kind: str, text: str
+        self, request: web.Request, model: str, kind: str, text: str, headers: dict[str, str]
     ) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
         await response.prepare(request)
         for i in range(self.stream_chunks):
             if self.die_after_chunks is not None and i == self.die_after_chunks:

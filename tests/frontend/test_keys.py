@@ -192,3 +192,18 @@ async def test_a_team_key_opens_neither_the_fleet_page_nor_health_details(
             assert page.status == 200
         async with session.get(f"{operated.url}/health", headers=operator) as health:
             assert "models" in await health.json()
+
+
+def test_health_counts_every_refused_grant_and_lists_only_the_first() -> None:
+    """10,000 malformed grants in the store made `/health` list 10,000 entries, on every
+    probe: the report counts them all and names the first `keys.MAX_LISTED`."""
+    from shoal.frontend.keys.keys import MAX_LISTED, KeyRing
+
+    ring = KeyRing(["default"])
+    for n in range(10_000):
+        ring.put(grant_key("default", f"{n:04x}" + "0" * 60), b"garbage")
+    described = ring.describe()
+    assert described["keys"] == 0 and described["skipped_total"] == 10_000
+    listed = described["skipped"]
+    assert isinstance(listed, list) and len(listed) == MAX_LISTED
+    assert listed[0]["key"] == grant_key("default", "0" * 64)

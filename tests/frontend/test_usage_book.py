@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from shoal.discovery.grants import Grant
 from shoal.frontend.keys.usage import UsageBook, status_class
 from tests.helpers import free_port
@@ -71,3 +75,20 @@ async def test_an_answer_that_is_no_receipt_of_the_batch_keeps_it_waiting() -> N
     finally:
         await book.stop()
         await server.stop()
+
+
+async def test_the_catalog_urls_credentials_never_reach_health_or_logs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("DEBUG")
+    for url in (f"http://user:s3cret@127.0.0.1:{free_port()}", "http://user:s3cret@[::1:80"):
+        book = UsageBook(url, interval=3600)
+        await book.start()
+        try:
+            book.record(GRANT, "chat", "chat", 200, 1, 3)
+            await book.flush()
+            described = book.describe()
+        finally:
+            await book.stop()
+        assert described["last_error"] and described["catalog"].startswith("http://***@")
+        assert "s3cret" not in json.dumps(described) + caplog.text, described

@@ -81,16 +81,6 @@ def _no_credentials(url: str | None) -> str | None:
     return url
 
 
-def redact_url(url: str) -> str:
-    """`url` without its userinfo, for messages and logs; split by hand, as `urlsplit`
-    refuses some URLs (`postgresql://u:p@[::1/db`) that still carry credentials."""
-    scheme, sep, rest = url.partition("://")
-    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
-    if not sep or "@" not in rest[:end]:
-        return url
-    return f"{scheme}{sep}{rest[:end].rpartition('@')[2]}{rest[end:]}"
-
-
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=NAME_PATTERN)]
 ResourceName = Annotated[Name, AfterValidator(_no_dot_segments)]  # a new resource's own name
 DeploymentName = Annotated[

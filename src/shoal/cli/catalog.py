@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(args: argparse.Namespace) -> int:
     from shoal.catalog import CatalogConfig, CatalogServer, default_database_url
-    from shoal.catalog.resources import redact_url
+    from shoal.urls import redact_url
 
     stop = asyncio.Event()
     on_stop_signals(stop)
@@ -276,7 +276,7 @@ async def migrate(args: argparse.Namespace) -> int:
     from shoal.catalog import default_database_url, open_engine
     from shoal.catalog import migrate as migrate_schema
     from shoal.catalog.database import current_revision
-    from shoal.catalog.resources import redact_url
+    from shoal.urls import redact_url
 
     url = args.db or default_database_url()
     engine = open_engine(url)
@@ -297,7 +297,7 @@ async def client_command(args: argparse.Namespace) -> int:
     import aiohttp
 
     from shoal.catalog import CatalogClient, CatalogError
-    from shoal.catalog.resources import redact_url
+    from shoal.urls import redact_url
 
     name = f"shoal catalog {args.catalog_command}"
     try:

@@ -94,6 +94,7 @@ class Supervisor:
         self.failed = asyncio.Event()  # a child exited before its first ready line
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics_runner: web.AppRunner | None = None
+        self.child_command = (sys.executable, "-m", "shoal.cli.frontend_child")
         self._rendering: asyncio.Future[bytes] | None = None  # the merge in progress
 
     async def run(self) -> int:
@@ -127,10 +128,13 @@ class Supervisor:
             all_ready = asyncio.create_task(self._all_ready())
             failed = asyncio.create_task(self.failed.wait())
             stopped = asyncio.create_task(stop.wait())
-            await asyncio.wait((all_ready, failed, stopped), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                (all_ready, failed, stopped, *self._tasks), return_when=asyncio.FIRST_COMPLETED
+            )
             for task in (all_ready, failed, stopped):
                 task.cancel()
-            code = 1 if self.failed.is_set() else 0
+            ended = [task for task in self._tasks if task.done()]  # (a slot is never let go)
+            code = 1 if self.failed.is_set() or ended else 0
             if code == 0 and not stop.is_set():
                 url = self.children[0].url
                 fields = {"metrics": merged} if self.config.metrics_port is not None else {}
@@ -146,11 +150,17 @@ class Supervisor:
             await child.ready.wait()
 
     async def _keep(self, child: Child, config: FrontendConfig, merged: str) -> None:
-        """Run the slot's child, again after it dies (with a backoff), until stopping."""
+        """Run the slot's child, again after it dies or its supervision fails (with a
+        backoff), until stopping. A child that was never ready fails the start."""
         backoff = BACKOFF_FIRST
         while not self.stopping:
             started = time.monotonic()
-            code = await self._run_once(child, config, merged)
+            try:
+                code: int | str = await self._run_once(child, config, merged)
+            except Exception as exc:  # a fault of the supervision: this slot starts again
+                log.exception("frontend process slot %d failed: %s", child.slot, exc)
+                code = f"a supervision error ({type(exc).__name__})"
+                await self._end(child)
             if self.stopping:
                 return
             if not child.ready.is_set():
@@ -170,13 +180,20 @@ class Supervisor:
             backoff = min(backoff * 2, BACKOFF_MAX)
             child.restarts += 1
 
+    @staticmethod
+    async def _end(child: Child) -> None:
+        """Kill the slot's child if it still runs (its output is no longer read)."""
+        proc = child.proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
     async def _run_once(self, child: Child, config: FrontendConfig, merged: str) -> int:
         """Start the child, read its ready line, pass its later stdout on; its exit code."""
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "shoal.cli.frontend_child",
+                *self.child_command,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
             )
@@ -200,12 +217,13 @@ class Supervisor:
         proc.stdin.close()
         if self.stopping:  # a stop signal came while it started: it never saw it
             proc.send_signal(signal.SIGTERM)
-        async for line in proc.stdout:
+        while line := await _read_line(proc.stdout):
             text = line.decode(errors="replace")
-            fields = parse_ready_line(text, CHILD)
+            fields = parse_ready_line(text, CHILD) if line.endswith(b"\n") else None
             if fields is None:
-                sys.stdout.write(text)
-                sys.stdout.flush()
+                with contextlib.suppress(OSError, ValueError):  # our stdout is gone: dropped
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
                 continue
             child.url, child.metrics_url = fields["url"], fields["metrics"]
             child.ready.set()
@@ -330,6 +348,17 @@ def registry_of(families: list[Metric]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))  # type: ignore[arg-type]
     return registry
+
+
+async def _read_line(stream: asyncio.StreamReader) -> bytes:
+    """The next line of `stream` with its newline; a line over the reader's limit comes in
+    pieces of the limit (the last ends with the newline); b"" at the end."""
+    try:
+        return await stream.readuntil(b"\n")
+    except asyncio.IncompleteReadError as exc:
+        return exc.partial  # the end, after a last line without a newline
+    except asyncio.LimitOverrunError as exc:
+        return await stream.readexactly(exc.consumed)
 
 
 async def supervise(config: FrontendConfig, processes: int) -> int:

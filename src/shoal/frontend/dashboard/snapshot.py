@@ -30,7 +30,7 @@ from shoal.frontend.http.upstream import Upstream
 from shoal.frontend.registry.metrics import TTFT_BUCKETS, FrontendMetrics
 from shoal.frontend.registry.registry import Registry
 from shoal.frontend.registry.watcher import ModelWatcher
-from shoal.frontend.virtual.virtual import redact
+from shoal.urls import redact_url
 
 
 class FleetConfig(Protocol):
@@ -294,7 +294,7 @@ def _row(rows: dict[str, dict[str, Any]], path: str, instance_id: int, url: str)
             "namespace": namespace,
             "component": component,
             "endpoint": endpoint,
-            "url": redact(url),  # (any client with a key reads this: not the credentials)
+            "url": redact_url(url),  # (any client with a key reads this: not the credentials)
             "models": set(),
             "roles": set(),
             "taints": set(),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import heapq
 import hmac
 import logging
 import time
@@ -31,6 +32,8 @@ from shoal.openai import ApiError
 from shoal.store import Delete, KeyValue, Put, Store
 
 log = logging.getLogger(__name__)
+
+MAX_LISTED = 20  # refused grants `/health` names (it counts them all)
 
 
 def invalid_key() -> ApiError:
@@ -138,10 +141,13 @@ class KeyRing:
             self.put(key, value)
 
     def describe(self) -> dict[str, object]:
-        """For `/health`: how many grants are held, and the values refused (never a hash)."""
+        """For `/health`: how many grants are held, how many values are refused, and the
+        first `MAX_LISTED` of them by key with why (never a hash)."""
+        first = heapq.nsmallest(MAX_LISTED, self.skipped.items())
         return {
             "keys": len(self.by_hash),
-            "skipped": [{"key": k, "reason": r} for k, r in sorted(self.skipped.items())],
+            "skipped_total": len(self.skipped),
+            "skipped": [{"key": k, "reason": r} for k, r in first],
         }
 
 

@@ -53,6 +53,7 @@ from typing import Any, Protocol
 from shoal.discovery.grants import Grant
 from shoal.frontend.keys.redis_link import RedisLink
 from shoal.openai import ApiError
+from shoal.urls import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +292,7 @@ class Limits:
 
     def __init__(self, url: str | None = None, *, prefix: str = "shoal:") -> None:
         self.url = url
-        self.shown = _safe(url) if url is not None else None  # for logs and /health
+        self.shown = redact_url(url) if url is not None else None  # for logs and /health
         self.prefix = prefix
         self.id = uuid.uuid4().hex
         self.local = LocalWindows()
@@ -589,15 +590,3 @@ def _tell(waiter: Waiter, verdict: bytes | Refusal) -> None:
         waiter.refused(verdict)
     else:
         waiter.admitted(verdict)
-
-
-def _safe(url: str) -> str:
-    """`url` without what may hold a password: its userinfo and its query (redis-py takes
-    `?password=`); split by hand, as `urlsplit` refuses some URLs that still carry one."""
-    scheme, sep, rest = url.partition("://")
-    rest = rest.partition("#")[0]
-    rest, query, _ = rest.partition("?")
-    end = rest.find("/") if "/" in rest else len(rest)
-    if sep and "@" in rest[:end]:
-        rest = "***@" + rest[:end].rpartition("@")[2] + rest[end:]
-    return f"{scheme}{sep}{rest}" + ("?***" if query else "")

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import urllib.parse
 import uuid
 from collections import deque
 from datetime import UTC, datetime
@@ -30,13 +31,14 @@ from typing import Any
 import aiohttp
 
 from shoal.discovery.grants import Grant
+from shoal.urls import redact_url
 
 log = logging.getLogger(__name__)
 
 Row = tuple[str, str, str, str, str, str]  # workspace, key, model, served, status class, minute
 LABEL_CHARS = 400  # the catalog's bound on a row's model and served model
 MAX_TOKENS = 10**9  # a request's tokens as counted (an engine's claim beyond is cut here)
-BATCH_BYTES = 256 * 1024  # a batch's JSON at most (the catalog validates it on its loop)
+BATCH_BYTES = 256 * 1024  # a batch's JSON at most (well under the catalog's 1 MiB bound)
 ROW_BYTES = 256  # a row's JSON but its names: keys, minute, counts (each at most 16 digits)
 REFUSED = frozenset((400, 413, 422))  # the catalog will never take this batch
 
@@ -79,6 +81,12 @@ class UsageBook:
         max_rows: int = 100_000,
     ) -> None:
         self.url = catalog_url.rstrip("/") + "/v1/usage"
+        self.shown = redact_url(self.url)  # for /health and logs: never `user:password@`
+        rest = catalog_url.partition("://")[2]
+        userinfo = rest[: min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))]
+        userinfo = userinfo.rpartition("@")[0]
+        # what an error message may quote of the credentials, as given or decoded
+        self._secrets = [s for s in {userinfo, urllib.parse.unquote(userinfo)} if s]
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.interval = interval
         self.max_rows = max_rows
@@ -190,14 +198,21 @@ class UsageBook:
                             raise RuntimeError(f"the catalog answered {resp.status}: {text}")
                         await _receipt(resp, batch["batch_id"])
                 except (aiohttp.ClientError, OSError, TimeoutError, RuntimeError) as exc:
-                    self.last_error = f"{type(exc).__name__}: {exc}"
-                    log.warning("usage not flushed (%d batches wait): %s", len(self.pending), exc)
+                    why = self._scrubbed(str(exc))
+                    self.last_error = f"{type(exc).__name__}: {why}"
+                    log.warning("usage not flushed (%d batches wait): %s", len(self.pending), why)
                     return
                 self.pending.popleft()
                 self.pending_rows -= len(batch["rows"])
                 self.sent_batches += 1
             self.last_error = ""
             self.last_flush = time.time()
+
+    def _scrubbed(self, text: str) -> str:
+        """`text` (an error's) without the catalog URL's credentials."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
     def _refused(self, why: str) -> None:
         batch = self.pending.popleft()
@@ -209,7 +224,7 @@ class UsageBook:
     def describe(self) -> dict[str, Any]:
         """For `/health`: the backlog waiting for the catalog."""
         return {
-            "catalog": self.url,
+            "catalog": self.shown,
             "pending_batches": len(self.pending),
             "pending_rows": self.pending_rows,
             "dropped_rows": self.dropped_rows,

@@ -4,11 +4,14 @@
    client's body with `max_tokens: 1` (and `max_completion_tokens: 1` when given),
    `stream: false`, no `stream_options`, and `kv_transfer_params` asking for a remote decode
    (`do_remote_decode: true`, `do_remote_prefill: false`, the rest null), under an
-   `X-Request-Id` (the client's, else one the frontend makes). Its whole answer is read (at
-   most `MAX_PREFILL_ANSWER` bytes) for its `kv_transfer_params`.
+   `X-Request-Id` the frontend makes, new for each prefill (vLLM's connector matches a KV
+   transfer by it: two requests a client sent under one id must not meet on an instance).
+   Its whole answer is read (at most `MAX_PREFILL_ANSWER` bytes) for its `kv_transfer_params`.
 2. The client's body with those `kv_transfer_params` goes to a decode instance (the least
-   loaded), and its answer is relayed as any answer is (`Forward`), streamed or not: the
-   usage the client sees is the decode's, counted once.
+   loaded) under the prefill's `X-Request-Id`, and its answer is relayed as any answer is
+   (`Forward`), streamed or not: the usage the client sees is the decode's, counted once.
+   The client's own `X-Request-Id` names the request in the logs, and an answer's
+   `X-Request-Id` (an engine echoing the stage's) is given back as the client's.
 
 Failover: a prefill that fails (connect, 5xx, no answer within the first-byte timeout) is
 inhibited and another prefill instance is tried (a refused connect costs no attempt). A
@@ -25,6 +28,7 @@ apply to both stages, since both pick from the registry's routable instances.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import os
@@ -260,6 +264,7 @@ class TwoStageForward(Forward):
         "sent_at",
         "served",
         "source",
+        "stage_request",
         "stages",
         "staging",
     )
@@ -284,8 +289,18 @@ class TwoStageForward(Forward):
         self.prefilled_by: Upstream | None = None  # None: the next decode needs a new prefill
         self.peek: list[bytes] | None = None  # a decode's 400, read before it is relayed
         self.sent_at = 0.0
-        if request.header(b"x-request-id") is None:  # both stages carry one request id
-            request.headers.append((b"x-request-id", stages.request_id()))
+        self.stage_request = request  # the client's request under the prefill's request id
+
+    def _new_stage_id(self) -> None:
+        """A new `X-Request-Id` for the next prefill and the decodes of its handle."""
+        request = self.request
+        stage = copy.copy(request)
+        stage.headers = [(k, v) for k, v in request.headers if k != b"x-request-id"]
+        stage.headers.append((b"x-request-id", self.stages.request_id()))
+        self.stage_request = stage
+
+    def _head(self, target: Upstream, body: bytes) -> bytes:
+        return self.proxy.request_head(self.stage_request, target, body)
 
     # -- attempts: a prefill, then the decode --------------------------------------------------
 
@@ -345,7 +360,8 @@ class TwoStageForward(Forward):
         """Send stage one to `target`; the `kv_transfer_params` it answered (None if none).
         `ApiError` when it refused the request (4xx), `UpstreamError` when it failed."""
         body = stage_one_body(self.source)
-        head = self.proxy.request_head(self.request, target, body)
+        self._new_stage_id()
+        head = self._head(target, body)
         limit = self.proxy.first_byte_timeout
         started = time.perf_counter()
         target.in_flight += 1
@@ -438,6 +454,9 @@ class TwoStageForward(Forward):
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
         if status == 400 and not self.started and self.attempt <= self.proxy.retries:
             self.peek = []  # a refused handle is retried: read the body before relaying it
+        given = self.request.header(b"x-request-id")
+        if given is not None:  # the client's id, never the stage's an engine echoes
+            headers = [(k, given if k.lower() == b"x-request-id" else v) for k, v in headers]
         return super().on_head(status, headers, chunked)
 
     def on_body(self, data: bytes) -> None:

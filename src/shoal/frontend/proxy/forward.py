@@ -216,6 +216,10 @@ class Forward:
         naming the model as the instances serve it."""
         return self.request.body
 
+    def _head(self, target: Upstream, body: bytes) -> bytes:
+        """The request head sent to `target` with `body`: the client's headers, as a rule."""
+        return self.proxy.request_head(self.request, target, body)
+
     def launch(self, target: Upstream) -> None:
         """Send to `target`, on an idle connection or a new one."""
         self.target = target
@@ -262,7 +266,7 @@ class Forward:
             self.chunked = False
         self.client.follow(conn)
         body = self.body
-        conn.send(self.proxy.request_head(self.request, self.target, body), body, self)
+        conn.send(self._head(self.target, body), body, self)
         if self.proxy.first_byte_timeout > 0:
             self.timer = self.client.loop.call_later(
                 self.proxy.first_byte_timeout, self._timer_fired

@@ -28,7 +28,6 @@ import itertools
 import logging
 import random
 import ssl
-import urllib.parse
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from shoal.frontend.registry.registry import Model, Registry
 from shoal.frontend.registry.router import Router
 from shoal.frontend.virtual.secrets import SecretError, Secrets
 from shoal.store import KeyValue
+from shoal.urls import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class UrlChoice:
         upstream = self.upstream
         return {
             "kind": "url",
-            "base_url": redact(self.target.base_url),
+            "base_url": redact_url(self.target.base_url),
             "model": self.served,
             "weight": self.weight,
             "secret": self.target.secret,
@@ -427,13 +427,17 @@ class RouteTable:
         try:
             upstream = self._provider(target.base_url)
         except ValueError as exc:
-            log.error("virtual model target %s cannot be used: %s", redact(target.base_url), exc)
+            log.error(
+                "virtual model target %s cannot be used: %s", redact_url(target.base_url), exc
+            )
             return UrlChoice(target.model, target.weight, target, None, str(exc))
         try:
             token = None if target.secret is None else self.secrets.resolve(target.secret)
         except SecretError as exc:
             upstream.close()
-            log.error("virtual model target %s cannot be used: %s", redact(target.base_url), exc)
+            log.error(
+                "virtual model target %s cannot be used: %s", redact_url(target.base_url), exc
+            )
             return UrlChoice(target.model, target.weight, target, None, str(exc), True)
         if token is not None:
             upstream.authorization = b"Bearer " + token.encode()
@@ -442,7 +446,7 @@ class RouteTable:
 
     def _provider(self, base_url: str) -> Upstream:
         if not base_url.isascii() or any(ch.isspace() or ord(ch) < 32 for ch in base_url):
-            raise ValueError(f"base URL {redact(base_url)!r} is not a plain ASCII URL")
+            raise ValueError(f"base URL {redact_url(base_url)!r} is not a plain ASCII URL")
         if self.tls is None:
             self.tls = ssl.create_default_context()
         upstream = Upstream(
@@ -469,17 +473,6 @@ class RouteTable:
                     held[0].close()
                 else:
                     self._upstreams[key] = (held[0], held[1] - 1)
-
-
-def redact(url: str) -> str:
-    """`url` without the credentials it may hold: they never go to logs or reports."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:
-        return "<invalid URL>"
-    if "@" not in parts.netloc:
-        return url
-    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
 def workspace_prefix(workspace: str) -> str:

@@ -1,0 +1,113 @@
+"""The `--processes` supervisor's own rules, with a stand-in child (a few lines of Python that
+print what a frontend child prints): whatever a slot's child does, the start ends, and a slot
+that fails is logged and started again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from typing import Any
+
+import pytest
+
+from shoal.cli.processes import CHILD, Child, Supervisor
+from shoal.frontend import FrontendConfig
+from tests.helpers import wait_for
+
+READY = f"shoal {CHILD} ready: url=http://127.0.0.1:1 metrics=http://127.0.0.1:1/metrics"
+
+
+def stand_in(*lines: str) -> tuple[str, ...]:
+    """A child that reads its settings, prints `lines`, and serves until SIGTERM."""
+    script = (
+        "import signal, sys, time\n"
+        "sys.stdin.buffer.read()\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+        f"for line in {list(lines)!r}:\n"
+        "    print(line, flush=True)\n"
+        "while True:\n"
+        "    time.sleep(1)\n"
+    )
+    return (sys.executable, "-c", script)
+
+
+def supervisor(command: tuple[str, ...], cls: type[Supervisor] = Supervisor) -> Supervisor:
+    config = FrontendConfig(host="127.0.0.1", port=0)
+    running = cls(config, 1)
+    running.child_command = command
+    return running
+
+
+async def stopped(running: asyncio.Task[int], supervised: Supervisor) -> int:
+    """The supervisor's exit code after SIGTERM (its handler takes it); if it is stuck, its
+    children are killed and it is cancelled, so a failing test leaves nothing behind."""
+    try:
+        if not running.done():
+            os.kill(os.getpid(), signal.SIGTERM)
+        return await asyncio.wait_for(asyncio.shield(running), 20)
+    finally:
+        for child in supervised.children:
+            if child.proc is not None and child.proc.returncode is None:
+                child.proc.kill()
+        running.cancel()
+
+
+async def test_a_child_line_over_64_kib_is_passed_on_and_the_start_completes(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A stdout line over the pipe reader's 64 KiB limit ended the slot's task in silence:
+    the ready line behind it was never read, and the start waited forever."""
+    long_line = "x" * 100_000
+    supervised = supervisor(stand_in(long_line, READY))
+    running = asyncio.create_task(supervised.run())
+    out = ""
+
+    def started() -> bool:
+        nonlocal out
+        out += capfd.readouterr().out
+        return "shoal frontend ready:" in out
+
+    try:
+        await wait_for(started, timeout=20, message="the start completes")
+    finally:
+        code = await stopped(running, supervised)
+    assert code == 0 and long_line + "\n" in out
+
+
+async def test_a_slot_whose_supervision_fails_is_logged_and_started_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Any failure of a slot (here an error of the supervisor's own, injected once, after a
+    child died) is logged and the child started again after the backoff; never a slot left
+    empty in silence."""
+
+    class Faulty(Supervisor):
+        runs = 0
+
+        async def _run_once(self, child: Child, config: FrontendConfig, merged: str) -> Any:
+            self.runs += 1
+            if self.runs == 2:
+                raise RuntimeError("injected supervisor fault")
+            return await super()._run_once(child, config, merged)
+
+    supervised = supervisor(stand_in(READY), Faulty)
+    running = asyncio.create_task(supervised.run())
+    child = supervised.children[0]
+    try:
+        await wait_for(lambda: child.ready.is_set(), timeout=20, message="first child ready")
+        assert child.proc is not None
+        first = child.proc
+        first.kill()
+
+        def started_again() -> bool:  # and ready: its ready line read
+            proc = child.proc
+            alive = proc is not first and proc is not None and proc.returncode is None
+            return alive and child.metrics_url is not None
+
+        await wait_for(lambda: child.restarts == 2 and started_again(), timeout=20,
+                       message="the slot is started again after its failure")  # fmt: skip
+    finally:
+        code = await stopped(running, supervised)
+    assert "injected supervisor fault" in caplog.text and code == 0
