@@ -12,6 +12,9 @@ skipped and counted, a client body over it is answered 400, a file over it is re
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Mapping
+
 MAX_DEPTH = 64
 """The deepest nesting of arrays and objects shoal accepts in any outside JSON value."""
 
@@ -66,3 +69,13 @@ def check_json_depth(data: bytes | bytearray | memoryview | str, limit: int = MA
     """Raise `TooDeep` when `data` nests deeper than `limit` (see `json_depth_exceeds`)."""
     if json_depth_exceeds(data, limit):
         raise TooDeep(limit)
+
+
+MAX_LISTED = 20
+"""The refused values (store keys, routes, grants) a report names; it counts them all."""
+
+
+def first_listed(skipped: Mapping[str, str], limit: int = MAX_LISTED) -> list[dict[str, str]]:
+    """The first `limit` of `skipped` (key → why), by key, as `/health` lists them: a
+    report stays small however many values an outside writer spoils."""
+    return [{"key": k, "reason": r} for k, r in heapq.nsmallest(limit, skipped.items())]

@@ -395,3 +395,25 @@ async def test_series_of_a_model_gone_for_a_while_are_dropped(
     stays = {"model": "mock-llm", "status": "200"}
     assert registry.get_sample_value("shoal_frontend_requests_total", stays) == 1
     assert stay.requests == 1
+
+
+async def test_health_counts_every_spoiled_discovery_value_and_names_only_the_first(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """A writer that spoils 300 keys under the fleet's prefix does not make `/health` a
+    listing of them: it counts them all and names the first `MAX_LISTED`, by key."""
+    from shoal.bounds import MAX_LISTED
+
+    good = await start_worker()
+    spoiled = [ModelKey(good.endpoint, good.instance_id, f"garbage-{i:03d}") for i in range(300)]
+    for key in spoiled:
+        await store.put(key.key, b"{not json")
+    frontend = await start_frontend()
+    status, body = await wait_for(
+        lambda: _health_when(frontend, lambda body: body.get("skipped_total") == 300)
+    )
+    assert status == 200
+    await wait_for(lambda: serving(frontend))  # nothing valid is hidden by them
+    assert [entry["key"] for entry in body["skipped"]] == sorted(k.key for k in spoiled)[
+        :MAX_LISTED
+    ]

@@ -197,7 +197,8 @@ async def test_a_team_key_opens_neither_the_fleet_page_nor_health_details(
 def test_health_counts_every_refused_grant_and_lists_only_the_first() -> None:
     """10,000 malformed grants in the store made `/health` list 10,000 entries, on every
     probe: the report counts them all and names the first `keys.MAX_LISTED`."""
-    from shoal.frontend.keys.keys import MAX_LISTED, KeyRing
+    from shoal.bounds import MAX_LISTED
+    from shoal.frontend.keys.keys import KeyRing
 
     ring = KeyRing(["default"])
     for n in range(10_000):

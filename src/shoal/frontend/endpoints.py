@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from shoal.bounds import first_listed
 from shoal.cards import ModelType
 from shoal.controllers import ControllerManager, readiness
 from shoal.discovery import Discovery
@@ -314,10 +315,8 @@ class Endpoints:
             "incomplete": incomplete,
             "metadata_cache": self.watcher.cache.status(),
             "routing": self.router.describe(),
-            "skipped": [
-                {"key": key, "reason": reason}
-                for key, reason in sorted(self.watcher.discovery.skipped.items())
-            ],
+            "skipped_total": len(self.watcher.discovery.skipped),
+            "skipped": first_listed(self.watcher.discovery.skipped),
             "virtual_models": self.routes.describe(),
             **(
                 {

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import heapq
 import hmac
 import logging
 import time
@@ -26,14 +25,13 @@ from collections.abc import Iterable
 
 import msgspec
 
+from shoal.bounds import first_listed
 from shoal.discovery.grants import Grant, GrantError, decode_grant, grants_prefix
 from shoal.frontend.http.request import bearer_token
 from shoal.openai import ApiError
 from shoal.store import Delete, KeyValue, Put, Store
 
 log = logging.getLogger(__name__)
-
-MAX_LISTED = 20  # refused grants `/health` names (it counts them all)
 
 
 def invalid_key() -> ApiError:
@@ -143,11 +141,10 @@ class KeyRing:
     def describe(self) -> dict[str, object]:
         """For `/health`: how many grants are held, how many values are refused, and the
         first `MAX_LISTED` of them by key with why (never a hash)."""
-        first = heapq.nsmallest(MAX_LISTED, self.skipped.items())
         return {
             "keys": len(self.by_hash),
             "skipped_total": len(self.skipped),
-            "skipped": [{"key": k, "reason": r} for k, r in first],
+            "skipped": first_listed(self.skipped),
         }
 
 

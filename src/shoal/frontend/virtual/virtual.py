@@ -32,6 +32,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.bounds import first_listed
 from shoal.cards import ModelType
 from shoal.discovery import FleetTarget, Route, RouteError, UrlTarget, decode_route, route_key
 from shoal.discovery.routes import parse_route_key
@@ -384,7 +385,8 @@ class RouteTable:
         return {
             "workspaces": list(self.workspaces),
             "models": [vm.describe() for _, vm in sorted(self.models.items())],
-            "skipped": [{"key": k, "reason": r} for k, r in sorted(self.skipped.items())],
+            "skipped_total": len(self.skipped),
+            "skipped": first_listed(self.skipped),
         }
 
     # -- resolving ---------------------------------------------------------------------------
