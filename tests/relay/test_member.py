@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shoal.kv import AllBlocksCleared, KvEndpoint, KVEventBatch
 from shoal.kv import stream as layout
-from shoal.relay.relay import Member, RelayStats
+from shoal.relay.member import Member, RelayStats
 
 
 def member(buffer: int = 100) -> Member:

@@ -28,6 +28,7 @@ EPOCH = "Shoal-Epoch"
 SEQ = "Shoal-Seq"
 TS = "Shoal-Ts"
 MSG_ID = "Nats-Msg-Id"
+EXPECTED_STREAM = "Nats-Expected-Stream"  # the stream refuses a record another one would take
 
 BATCH = "batch"
 JOINED = "joined"

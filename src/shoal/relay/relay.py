@@ -4,13 +4,18 @@ The loop, per member (an instance in the view that advertises a KV publisher): i
 `KvSubscription` hands over batches in sequence order (replay on connect and on gap,
 resnapshot when history is gone, publisher restarts seen); `Member` turns them into records
 (`shoal.kv.stream`) in a bounded queue; one publish task per member sends the queue to
-JetStream in order, waiting for each acknowledgement, retrying (the same message id) after
-an error.
+JetStream in order, up to `WINDOW` records ahead of their acknowledgements (`AckInbox`),
+sending again from the first one that failed or was not acknowledged in time (the same
+message ids).
 
 The invariants, both ways:
-- Nothing blocks the subscription: a member's queue holds at most `buffer` records; past
-  that its batches are dropped and a `resnapshot` record (from the batch that follows) takes
-  their place, so a consumer forgets the instance's blocks rather than keep evicted ones.
+- Nothing blocks the subscription: a member's queue holds at most `buffer` records (and
+  `WINDOW` in flight); past that its batches are dropped and a `resnapshot` record (from the
+  batch that follows) takes their place, so a consumer forgets the instance's blocks rather
+  than keep evicted ones.
+- Per subject, the stream stores records in the order of the worker's batches: they are sent
+  in order on one connection, and after a failure sent again from the first one not
+  acknowledged (what the stream stored meanwhile it refuses as duplicates).
 - Every batch has the message id `{instance}:{epoch}:{seq}`, the same from every relay that
   publishes it: the stream keeps one copy when two relays run. The epoch of a run is named
   after the worker's timestamp of its batch 0; a relay that joins a run later takes the
@@ -27,10 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +46,17 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext, api
 
 from shoal.discovery import ModelInstance
-from shoal.kv import KvEndpoint, KVEventBatch, encode_batch
+from shoal.kv import KvEndpoint
 from shoal.kv import stream as layout
-from shoal.kv.subscription import KvStats, KvSubscription
+from shoal.kv.subscription import KvSubscription
 from shoal.membership import Membership
+from shoal.relay.acks import AckInbox
+from shoal.relay.member import WINDOW, Member, MemberKey, Record, RelayStats
 
 log = logging.getLogger(__name__)
 
 BUFFER = 10_000  # records queued per member while NATS does not take them
 BACKOFF_MAX = 5.0  # seconds between two tries to reach NATS, at most
-MemberKey = tuple[str, int]  # (namespace, instance id): one subject
 
 
 @dataclass
@@ -69,128 +73,6 @@ class RelayConfig:
     creds: Path | None = None  # a NATS credentials file, read at every connection
 
 
-class RelayStats:
-    """Counters shown on `/metrics` (the subscriptions' own in `subscriptions`)."""
-
-    def __init__(self) -> None:
-        self.relayed = 0  # batches the stream stored
-        self.duplicates = 0  # records the stream refused as already stored (by id)
-        self.dropped = 0  # batches dropped from a full queue (a resnapshot replaced them)
-        self.resnapshots = 0  # resnapshot records queued
-        self.publish_errors = 0
-        self.subscriptions = KvStats()
-
-
-@dataclass(eq=False)
-class Record:
-    kind: str
-    seq: int = -1
-    epoch: str | None = None
-    payload: bytes = b""
-    ts: float = 0.0
-
-    def headers(self, instance_id: int) -> dict[str, str]:
-        headers = {layout.KIND: self.kind}
-        if self.kind == layout.BATCH or self.kind == layout.RESNAPSHOT:
-            headers[layout.SEQ] = str(self.seq)
-            headers[layout.EPOCH] = self.epoch or ""
-            headers[layout.TS] = repr(self.ts)
-        if self.kind == layout.BATCH:
-            headers[layout.MSG_ID] = layout.batch_id(instance_id, self.epoch or "", self.seq)
-        elif self.kind == layout.RESNAPSHOT:
-            headers[layout.MSG_ID] = f"{instance_id:x}:{self.epoch}:resnapshot:{self.seq}"
-        else:
-            headers[layout.MSG_ID] = f"{instance_id:x}:{self.kind}"
-        return headers
-
-
-@dataclass(eq=False)
-class Member:
-    """One followed instance: its subscription's batches as records, queued for JetStream."""
-
-    key: MemberKey
-    subject: str
-    endpoint: KvEndpoint
-    joined: layout.Joined
-    stats: RelayStats
-    buffer: int
-    pending: deque[Record] = field(default_factory=deque)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    epoch: str | None = None
-    last_seq: int = -1
-    owed: bool = False  # a resnapshot goes before the next batch
-    hint: tuple[str, int, float] | None = None  # the stream's last (epoch, seq, ts) seen
-    hint_read: bool = False
-    lag_ms: float | None = None
-    leaving: bool = False
-    subscription: KvSubscription | None = None
-    task: asyncio.Task[None] | None = None
-
-    @property
-    def instance_id(self) -> int:
-        return self.key[1]
-
-    def apply(self, seq: int, batch: KVEventBatch) -> None:
-        if seq <= self.last_seq:  # the publisher restarted: a new run, a new epoch
-            self.epoch = None
-        if seq == 0:
-            self.epoch = layout.epoch_of(batch.ts)
-        if self.owed:
-            self.owed = False
-            self._push(Record(layout.RESNAPSHOT, seq, self.epoch, b"", batch.ts))
-        self._push(Record(layout.BATCH, seq, self.epoch, encode_batch(batch), batch.ts))
-        self.last_seq = seq
-
-    def resnapshot(self) -> None:
-        self.owed = True
-
-    def leave(self) -> None:
-        self.leaving = True
-        self.pending.append(Record(layout.LEFT))
-        self.wake.set()
-
-    def _push(self, record: Record) -> None:
-        if len(self.pending) >= self.buffer:
-            kept = [r for r in self.pending if r.kind == layout.JOINED]
-            self.stats.dropped += sum(1 for r in self.pending if r.kind == layout.BATCH)
-            self.pending = deque(kept)
-            if record.kind == layout.BATCH:
-                self.stats.resnapshots += 1
-                self.pending.append(
-                    Record(layout.RESNAPSHOT, record.seq, record.epoch, b"", record.ts)
-                )
-        if record.kind == layout.RESNAPSHOT:
-            self.stats.resnapshots += 1
-        self.pending.append(record)
-        self.wake.set()
-
-    def resolve_epoch(self, first: Record) -> None:
-        """Name the run of `first` (its epoch unknown: the relay joined the run after batch
-        0), then every queued record of that run."""
-        hint = self.hint
-        same_run = hint is not None and (
-            (hint[1] < first.seq and hint[2] <= first.ts)
-            or (hint[1] >= first.seq and hint[2] >= first.ts)
-        )
-        epoch = hint[0] if same_run and hint is not None else layout.epoch_of(first.ts)
-        for record in self.pending:
-            if record.epoch is None and record.kind in (layout.BATCH, layout.RESNAPSHOT):
-                record.epoch = epoch
-        if self.epoch is None:
-            self.epoch = epoch
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "namespace": self.key[0],
-            "instance_id": f"{self.instance_id:x}",
-            "subject": self.subject,
-            "epoch": self.epoch,
-            "last_seq": self.last_seq,
-            "pending": len(self.pending),
-            "lag_ms": self.lag_ms,
-        }
-
-
 class KvRelay:
     """Follows membership views (`on_view`) and relays each member's KV events."""
 
@@ -203,6 +85,7 @@ class KvRelay:
         self.nats_error: str | None = None
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
+        self._acks: AckInbox | None = None
         self._ctx = zmq.asyncio.Context()
         self._connector: asyncio.Task[None] | None = None
         self._leaving: set[asyncio.Task[None]] = set()
@@ -223,6 +106,7 @@ class KvRelay:
                 await member.subscription.stop()
             if member.task is not None:
                 tasks.append(member.task)
+            member.disarm()
         tasks += list(self._leaving)
         for task in tasks:
             task.cancel()
@@ -313,7 +197,7 @@ class KvRelay:
             self._connector.cancel()
             with contextlib.suppress(BaseException):
                 await self._connector
-        nc, self._nc = self._nc, None
+        nc, self._nc, self._acks = self._nc, None, None
         if nc is not None:
             with contextlib.suppress(Exception):
                 await nc.close()
@@ -337,6 +221,8 @@ class KvRelay:
                     reconnected_cb=self._reconnected,
                     error_cb=self._error,
                 )
+                acks = AckInbox(self._nc)
+                await acks.start()
                 self.connections += 1
                 break
             except Exception as exc:
@@ -344,11 +230,21 @@ class KvRelay:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
         self._js = self._nc.jetstream(timeout=self.config.publish_timeout)
+        self._acks = acks
+        self._resend("a new connection")  # what was in flight on the last one: sent again
         await self._reconnected()
 
     async def _disconnected(self) -> None:
         self.connected.clear()
         self._note_down("disconnected; reconnecting")
+        self._resend("the connection was lost")
+
+    def _resend(self, why: str) -> None:
+        """Every member sends again what it has in flight (its answers may never come)."""
+        for member in self.members.values():
+            if member.inflight:
+                member.failed = why
+                member.wake.set()
 
     async def _reconnected(self) -> None:
         delay = 0.1
@@ -398,34 +294,58 @@ class KvRelay:
     # -- publishing --------------------------------------------------------------------------
 
     async def _publish(self, member: Member) -> None:
-        """Send the member's queue in order; each record until the stream acknowledges it."""
-        delay = 0.1
-        while True:
-            if not member.pending:
-                if member.leaving:
-                    return
-                member.wake.clear()
-                await member.wake.wait()
-                continue
-            await self.connected.wait()
-            js = self._js
-            assert js is not None
-            record = member.pending[0]
+        """Send the member's queue in order, up to `WINDOW` records ahead of the stream's
+        acknowledgements; from the first failure on, send again (after a pause)."""
+        loop = asyncio.get_running_loop()
+        timeout = self.config.publish_timeout
+        try:
+            while True:
+                if member.failed is not None or member.expired(loop.time(), timeout):
+                    await self._failed(member)
+                    continue
+                room = WINDOW - len(member.inflight)
+                if not member.pending or room <= 0 or not self.connected.is_set():
+                    if member.leaving and not member.pending and not member.inflight:
+                        return
+                    member.wake.clear()
+                    if member.pending and not member.inflight and not self.connected.is_set():
+                        await self.connected.wait()
+                        continue
+                    member.arm(loop, timeout)
+                    await member.wake.wait()
+                    continue
+                await self._send(member, room, loop.time())
+        finally:
+            member.disarm()
+
+    async def _send(self, member: Member, room: int, now: float) -> None:
+        """Send up to `room` records of the member's queue."""
+        nc, js, acks = self._nc, self._js, self._acks
+        assert nc is not None and js is not None and acks is not None
+        if not member.hint_read:
             try:
-                if not member.hint_read:
-                    member.hint = await self._last_record(js, member.subject)
-                    member.hint_read = True
-                if record.epoch is None and record.kind in (layout.BATCH, layout.RESNAPSHOT):
-                    member.resolve_epoch(record)
-                ack = await js.publish(
-                    member.subject,
+                member.hint = await self._last_record(js, member.subject)
+            except Exception as exc:
+                member.failed = f"the stream's last record not read: {exc!r}"
+                return
+            member.hint_read = True
+        pending, inflight = member.pending, member.inflight
+        stream, subject, instance_id = self.config.stream, member.subject, member.instance_id
+        for _ in range(room):
+            if not pending:
+                return
+            record = pending[0]
+            if record.epoch is None and record.kind in (layout.BATCH, layout.RESNAPSHOT):
+                member.resolve_epoch(record)
+            try:
+                await nc.publish(
+                    subject,
                     record.payload,
-                    stream=self.config.stream,
-                    headers=record.headers(member.instance_id),
+                    reply=acks.reply(member, record),
+                    headers=record.headers(instance_id, stream),
                 )
-            except asyncio.CancelledError:
-                raise
             except nats.errors.MaxPayloadError:
+                acks.forget(record)
                 # Larger than the server takes, ever: a loss, told as one.
                 self.stats.publish_errors += 1
                 self.stats.dropped += 1
@@ -434,26 +354,31 @@ class KvRelay:
                     "kv relay: batch %d of instance %x is over NATS's max payload: "
                     "published as a resnapshot", record.seq, member.instance_id,
                 )  # fmt: skip
-                if member.pending and member.pending[0] is record:
-                    member.pending[0] = Record(
+                if pending and pending[0] is record:
+                    pending[0] = Record(
                         layout.RESNAPSHOT, record.seq + 1, record.epoch, b"", record.ts
                     )
                 continue
             except Exception as exc:
-                self.stats.publish_errors += 1
-                log.debug("kv relay: publish to %s failed: %r", member.subject, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, BACKOFF_MAX)
-                continue
-            delay = 0.1
-            if member.pending and member.pending[0] is record:
-                member.pending.popleft()
-            if ack.duplicate:
-                self.stats.duplicates += 1
-            elif record.kind == layout.BATCH:
-                self.stats.relayed += 1
-            if record.kind == layout.BATCH:
-                member.lag_ms = max(0.0, (time.time() - record.ts) * 1000)
+                acks.forget(record)
+                member.failed = f"not sent: {exc!r}"
+                return
+            record.sent = now
+            pending.popleft()
+            inflight.append(record)
+
+    async def _failed(self, member: Member) -> None:
+        """Put what is in flight back in the queue, pause, then let it be sent again."""
+        why = member.failed or f"no acknowledgement in {self.config.publish_timeout} s"
+        acks = self._acks
+        for record in member.rewind():
+            if acks is not None:
+                acks.forget(record)
+        member.disarm()
+        self.stats.publish_errors += 1
+        log.debug("kv relay: publishing to %s: %s; sending again", member.subject, why)
+        await asyncio.sleep(member.delay)
+        member.delay = min(member.delay * 2, BACKOFF_MAX)
 
     async def _last_record(
         self, js: JetStreamContext, subject: str
