@@ -1,6 +1,6 @@
 """`Member`, the relay's queue of one instance's records, one unit: a full queue turns its
-batches into one `resnapshot`, a publisher restart starts a new epoch, and a relay that joins
-a run late takes the stream's epoch only when the run is the same."""
+batches into one `resnapshot`, a publisher restart queues one, and a batch's message id is
+the same from every relay whenever it joined (the worker's numbering and timestamp)."""
 
 from __future__ import annotations
 
@@ -29,35 +29,40 @@ def test_a_full_queue_drops_its_batches_for_one_resnapshot_and_never_blocks() ->
         m.apply(seq, batch(100.0 + seq))
     assert queued(m) == [("resnapshot", 3), ("batch", 3), ("batch", 4)]
     assert (m.stats.dropped, m.stats.resnapshots) == (3, 1)
-    assert {r.epoch for r in m.pending} == {layout.epoch_of(100.0)}  # still batch 0's run
 
 
-def test_a_publisher_restart_starts_a_new_epoch_after_a_resnapshot() -> None:
+def test_a_publisher_restart_queues_a_resnapshot_before_its_first_batch() -> None:
     m = member()
     for seq in range(3):
         m.apply(seq, batch(100.0 + seq))
     m.resnapshot()  # what the subscription calls when the numbering starts again
     m.apply(0, batch(200.0))
-    kinds = queued(m)
-    assert kinds[-2:] == [("resnapshot", 0), ("batch", 0)]
-    assert m.pending[-1].epoch == layout.epoch_of(200.0) != m.pending[0].epoch
+    assert queued(m)[-2:] == [("resnapshot", 0), ("batch", 0)]
+    assert ids(m)[0] != m.pending[0].headers(1)[layout.MSG_ID]  # not batch 0 of the first run
 
 
-def test_a_late_relay_takes_the_streams_epoch_only_for_the_same_run() -> None:
-    same = member()
-    same.hint = ("e-stream", 40, 140.0)  # the other relay is at batch 40 of this run
-    same.apply(50, batch(150.0))
-    same.resolve_epoch(same.pending[0])
-    assert same.pending[0].epoch == same.epoch == "e-stream"
+def ids(m: Member) -> dict[int, str]:
+    """Seq -> message id of the batches queued."""
+    return {
+        r.seq: r.headers(m.instance_id)[layout.MSG_ID] for r in m.pending if r.kind == layout.BATCH
+    }
 
-    ahead = member()
-    ahead.hint = ("e-stream", 60, 160.0)  # the other relay is ahead in this run
-    ahead.apply(50, batch(150.0))
-    ahead.resolve_epoch(ahead.pending[0])
-    assert ahead.epoch == "e-stream"
 
-    old = member()
-    old.hint = ("e-old", 900, 90.0)  # a run that ended: numbered higher, stamped earlier
-    old.apply(50, batch(150.0))
-    old.resolve_epoch(old.pending[0])
-    assert old.epoch == layout.epoch_of(150.0)
+def test_two_relays_that_joined_a_run_at_different_points_give_each_batch_the_same_id() -> None:
+    early, late = member(), member()
+    for seq in range(10):
+        early.apply(seq, batch(100.0 + seq))
+    for seq in range(6, 10):  # joined when batch 0 had left the worker's buffer
+        late.apply(seq, batch(100.0 + seq))
+    assert ids(late) == {seq: ids(early)[seq] for seq in range(6, 10)}
+    # Another relay joining later still, while nobody holds batch 6 anymore: the same ids.
+    later = member()
+    later.apply(9, batch(109.0))
+    assert ids(later) == {9: ids(early)[9]}
+
+
+def test_a_restarted_publishers_batch_of_the_same_number_has_another_id() -> None:
+    before, after = member(), member()
+    before.apply(3, batch(103.0))
+    after.apply(3, batch(203.0))  # a new run, numbered from 0 again, reached 3
+    assert ids(before)[3] != ids(after)[3]

@@ -46,26 +46,26 @@ class RelayStats:
 class Record:
     kind: str
     seq: int = -1
-    epoch: str | None = None
-    payload: bytes = b""
     ts: float = 0.0
+    payload: bytes = b""
     token: str = ""  # the reply subject's token while its acknowledgement is awaited
     sent: float = 0.0  # when it was sent (the event loop's clock)
     outcome: int = WAITING
 
-    def headers(self, instance_id: int, stream: str) -> dict[str, str]:
-        headers = {layout.KIND: self.kind, layout.EXPECTED_STREAM: stream}
-        if self.kind == layout.BATCH or self.kind == layout.RESNAPSHOT:
-            headers[layout.SEQ] = str(self.seq)
-            headers[layout.EPOCH] = self.epoch or ""
-            headers[layout.TS] = repr(self.ts)
-        if self.kind == layout.BATCH:
-            headers[layout.MSG_ID] = layout.batch_id(instance_id, self.epoch or "", self.seq)
-        elif self.kind == layout.RESNAPSHOT:
-            headers[layout.MSG_ID] = f"{instance_id:x}:{self.epoch}:resnapshot:{self.seq}"
+    def headers(self, instance_id: int) -> dict[str, str]:
+        kind = self.kind
+        if kind == layout.BATCH:
+            msg_id = layout.batch_id(instance_id, self.seq, self.ts)
+        elif kind == layout.RESNAPSHOT:
+            msg_id = layout.resnapshot_id(instance_id, self.seq, self.ts)
         else:
-            headers[layout.MSG_ID] = f"{instance_id:x}:{self.kind}"
-        return headers
+            return {layout.KIND: kind, layout.MSG_ID: f"{instance_id:x}:{kind}"}
+        return {
+            layout.KIND: kind,
+            layout.SEQ: str(self.seq),
+            layout.TS: repr(self.ts),
+            layout.MSG_ID: msg_id,
+        }
 
 
 @dataclass(eq=False)
@@ -81,11 +81,8 @@ class Member:
     pending: deque[Record] = field(default_factory=deque)
     inflight: deque[Record] = field(default_factory=deque)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    epoch: str | None = None
     last_seq: int = -1
     owed: bool = False  # a resnapshot goes before the next batch
-    hint: tuple[str, int, float] | None = None  # the stream's last (epoch, seq, ts) seen
-    hint_read: bool = False
     lag_ms: float | None = None
     leaving: bool = False
     failed: str | None = None  # why the records in flight are to be sent again
@@ -101,14 +98,11 @@ class Member:
     # -- the subscription's side --------------------------------------------------------------
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
-        if seq <= self.last_seq:  # the publisher restarted: a new run, a new epoch
-            self.epoch = None
-        if seq == 0:
-            self.epoch = layout.epoch_of(batch.ts)
+        ts = batch.ts
         if self.owed:
             self.owed = False
-            self._push(Record(layout.RESNAPSHOT, seq, self.epoch, b"", batch.ts))
-        self._push(Record(layout.BATCH, seq, self.epoch, encode_batch(batch), batch.ts))
+            self._push(Record(layout.RESNAPSHOT, seq, ts))
+        self._push(Record(layout.BATCH, seq, ts, encode_batch(batch)))
         self.last_seq = seq
 
     def resnapshot(self) -> None:
@@ -127,28 +121,11 @@ class Member:
             self.pending.extend(kept)
             if record.kind == layout.BATCH:
                 self.stats.resnapshots += 1
-                self.pending.append(
-                    Record(layout.RESNAPSHOT, record.seq, record.epoch, b"", record.ts)
-                )
+                self.pending.append(Record(layout.RESNAPSHOT, record.seq, record.ts))
         if record.kind == layout.RESNAPSHOT:
             self.stats.resnapshots += 1
         self.pending.append(record)
         self.wake.set()
-
-    def resolve_epoch(self, first: Record) -> None:
-        """Name the run of `first` (its epoch unknown: the relay joined the run after batch
-        0), then every queued record of that run."""
-        hint = self.hint
-        same_run = hint is not None and (
-            (hint[1] < first.seq and hint[2] <= first.ts)
-            or (hint[1] >= first.seq and hint[2] >= first.ts)
-        )
-        epoch = hint[0] if same_run and hint is not None else layout.epoch_of(first.ts)
-        for record in self.pending:
-            if record.epoch is None and record.kind in (layout.BATCH, layout.RESNAPSHOT):
-                record.epoch = epoch
-        if self.epoch is None:
-            self.epoch = epoch
 
     # -- the stream's side --------------------------------------------------------------------
 
@@ -211,7 +188,6 @@ class Member:
             "namespace": self.key[0],
             "instance_id": f"{self.instance_id:x}",
             "subject": self.subject,
-            "epoch": self.epoch,
             "last_seq": self.last_seq,
             "pending": len(self.pending) + len(self.inflight),
             "lag_ms": self.lag_ms,

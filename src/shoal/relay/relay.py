@@ -16,11 +16,9 @@ The invariants, both ways:
 - Per subject, the stream stores records in the order of the worker's batches: they are sent
   in order on one connection, and after a failure sent again from the first one not
   acknowledged (what the stream stored meanwhile it refuses as duplicates).
-- Every batch has the message id `{instance}:{epoch}:{seq}`, the same from every relay that
-  publishes it: the stream keeps one copy when two relays run. The epoch of a run is named
-  after the worker's timestamp of its batch 0; a relay that joins a run later takes the
-  epoch of the stream's last record of that instance when it belongs to the same run (its
-  sequence number and timestamp agree), else names the run after the first batch it saw.
+- Every batch has the message id `{instance}:{seq}:{ts}` (`shoal.kv.stream.batch_id`): the
+  worker's own number and timestamp of it, the same from every relay that publishes it,
+  whenever each started following the worker, so the stream keeps one copy when two run.
 - A member that leaves the view is unsubscribed at once and its `left` record published
   once (after what it had queued).
 - The relay never deletes or alters a stream: it creates `stream` when it is missing (after
@@ -322,27 +320,18 @@ class KvRelay:
         """Send up to `room` records of the member's queue."""
         nc, js, acks = self._nc, self._js, self._acks
         assert nc is not None and js is not None and acks is not None
-        if not member.hint_read:
-            try:
-                member.hint = await self._last_record(js, member.subject)
-            except Exception as exc:
-                member.failed = f"the stream's last record not read: {exc!r}"
-                return
-            member.hint_read = True
         pending, inflight = member.pending, member.inflight
-        stream, subject, instance_id = self.config.stream, member.subject, member.instance_id
+        subject, instance_id = member.subject, member.instance_id
         for _ in range(room):
             if not pending:
                 return
             record = pending[0]
-            if record.epoch is None and record.kind in (layout.BATCH, layout.RESNAPSHOT):
-                member.resolve_epoch(record)
             try:
                 await nc.publish(
                     subject,
                     record.payload,
                     reply=acks.reply(member, record),
-                    headers=record.headers(instance_id, stream),
+                    headers=record.headers(instance_id),
                 )
             except nats.errors.MaxPayloadError:
                 acks.forget(record)
@@ -355,9 +344,7 @@ class KvRelay:
                     "published as a resnapshot", record.seq, member.instance_id,
                 )  # fmt: skip
                 if pending and pending[0] is record:
-                    pending[0] = Record(
-                        layout.RESNAPSHOT, record.seq + 1, record.epoch, b"", record.ts
-                    )
+                    pending[0] = Record(layout.RESNAPSHOT, record.seq + 1, record.ts)
                 continue
             except Exception as exc:
                 acks.forget(record)
@@ -379,20 +366,6 @@ class KvRelay:
         log.debug("kv relay: publishing to %s: %s; sending again", member.subject, why)
         await asyncio.sleep(member.delay)
         member.delay = min(member.delay * 2, BACKOFF_MAX)
-
-    async def _last_record(
-        self, js: JetStreamContext, subject: str
-    ) -> tuple[str, int, float] | None:
-        """(epoch, seq, ts) of the stream's last record of `subject` that has them."""
-        try:
-            msg = await js.get_last_msg(self.config.stream, subject)
-        except nats.js.errors.NotFoundError:
-            return None
-        headers = msg.headers or {}
-        try:
-            return headers[layout.EPOCH], int(headers[layout.SEQ]), float(headers[layout.TS])
-        except (KeyError, ValueError):
-            return None
 
     # -- status ------------------------------------------------------------------------------
 
