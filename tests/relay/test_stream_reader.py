@@ -59,9 +59,7 @@ async def test_duplicates_are_skipped_and_a_gap_drops_what_is_held() -> None:
     assert reader.stats.resnapshots == 3
 
 
-async def test_a_new_run_that_numbers_past_the_last_batch_read_is_told_by_its_timestamps() -> (
-    None
-):
+async def test_a_new_run_that_numbers_past_the_last_batch_read_is_told_by_its_timestamps() -> None:
     reader = KvStreamReader("nats://127.0.0.1:1")
     follower = Follower(reader)
     for seq in range(3):

@@ -295,15 +295,18 @@ class _Reader:
             waiter.set_result(True)
 
     def recv(self) -> list[bytes] | None:
+        # EVENTS first: cheaper than the exception a read of an empty socket raises, and it
+        # takes the FD's signal down, so a message arriving after this one signals it again.
+        if not cast(int, self.sock.get(_EVENTS)) & _POLLIN:
+            return None
         try:
             return self.sock.recv_multipart(_NOBLOCK)
         except zmq.Again:
             return None
 
     async def wait(self, timeout: float | None = None) -> bool:
-        """Until a message is ready (True) or `timeout` seconds passed (False)."""
-        if cast(int, self.sock.get(_EVENTS)) & _POLLIN:  # (a recv may have taken the FD's signal down)
-            return True
+        """After `recv()` found nothing: until a message is ready (True) or `timeout` seconds
+        passed (False)."""
         self.waiter = waiter = self.loop.create_future()
         timer = None if timeout is None else self.loop.call_later(timeout, _expire, waiter)
         try:

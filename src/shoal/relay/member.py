@@ -9,13 +9,15 @@ the records sent whose acknowledgement is awaited.
   when the stream acknowledges it and every record before it; one that fails (an error, no
   acknowledgement in time, the connection lost) sends it and every record after it again,
   with the same message ids (the stream refuses what it already stored).
+- `notify(member)` tells the relay's sender the member has something to do: records to
+  send, room in its window again, a failure to handle, its `left` acknowledged.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,16 +82,15 @@ class Member:
     buffer: int
     pending: deque[Record] = field(default_factory=deque)
     inflight: deque[Record] = field(default_factory=deque)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    notify: Callable[[Member], None] = lambda member: None
     last_seq: int = -1
     owed: bool = False  # a resnapshot goes before the next batch
     lag_ms: float | None = None
     leaving: bool = False
     failed: str | None = None  # why the records in flight are to be sent again
     delay: float = 0.1  # the pause before sending again after a failure
-    timer: asyncio.TimerHandle | None = None  # wakes the publisher when an ack is late
+    retry_at: float = 0.0  # (the event loop's clock) not sent before
     subscription: KvSubscription | None = None
-    task: asyncio.Task[None] | None = None
 
     @property
     def instance_id(self) -> int:
@@ -111,7 +112,7 @@ class Member:
     def leave(self) -> None:
         self.leaving = True
         self.pending.append(Record(layout.LEFT))
-        self.wake.set()
+        self.notify(self)
 
     def _push(self, record: Record) -> None:
         if len(self.pending) >= self.buffer:
@@ -125,7 +126,7 @@ class Member:
         if record.kind == layout.RESNAPSHOT:
             self.stats.resnapshots += 1
         self.pending.append(record)
-        self.wake.set()
+        self.notify(self)
 
     # -- the stream's side --------------------------------------------------------------------
 
@@ -135,25 +136,25 @@ class Member:
         record.outcome = outcome
         if outcome == FAILED:
             self.failed = why or "refused"
-            self.wake.set()
+            self.notify(self)
             return
         inflight = self.inflight
         was_full = len(inflight) >= WINDOW
         stats = self.stats
-        newest = 0.0
+        newest = None
         while inflight and inflight[0].outcome in (STORED, DUPLICATE):
             done = inflight.popleft()
+            self.delay = 0.1
             if done.outcome == DUPLICATE:
                 stats.duplicates += 1
             elif done.kind == layout.BATCH:
                 stats.relayed += 1
             if done.kind == layout.BATCH:
                 newest = done.ts
-        if newest:
+        if newest is not None:
             self.lag_ms = max(0.0, (time.time() - newest) * 1000)
-            self.delay = 0.1
         if was_full or (self.leaving and not inflight):
-            self.wake.set()
+            self.notify(self)
 
     def expired(self, now: float, timeout: float) -> bool:
         return bool(self.inflight) and now - self.inflight[0].sent > timeout
@@ -168,20 +169,6 @@ class Member:
         self.inflight.clear()
         self.failed = None
         return again
-
-    def arm(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
-        """Wake the publisher when the oldest record in flight is overdue."""
-        if self.inflight and self.timer is None:
-            self.timer = loop.call_at(self.inflight[0].sent + timeout, self._late)
-
-    def _late(self) -> None:
-        self.timer = None
-        self.wake.set()
-
-    def disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
 
     def status(self) -> dict[str, Any]:
         return {

@@ -3,10 +3,12 @@
 The loop, per member (an instance in the view that advertises a KV publisher): its
 `KvSubscription` hands over batches in sequence order (replay on connect and on gap,
 resnapshot when history is gone, publisher restarts seen); `Member` turns them into records
-(`shoal.kv.stream`) in a bounded queue; one publish task per member sends the queue to
+(`shoal.kv.stream`) in a bounded queue; one sender task sends every member's queue to
 JetStream in order, up to `WINDOW` records ahead of their acknowledgements (`AckInbox`),
 sending again from the first one that failed or was not acknowledged in time (the same
-message ids).
+message ids). The sender waits `linger` seconds after the first record to send, so that the
+records of many members go out in one write to the socket (the write is the dearest part
+of a small record).
 
 The invariants, both ways:
 - Nothing blocks the subscription: a member's queue holds at most `buffer` records (and
@@ -68,6 +70,7 @@ class RelayConfig:
     duplicate_window: float = 120.0  # seconds the stream remembers message ids
     buffer: int = BUFFER
     publish_timeout: float = 2.0
+    linger: float = 0.002  # seconds records gather before they are sent (one write for all)
     creds: Path | None = None  # a NATS credentials file, read at every connection
 
 
@@ -87,6 +90,12 @@ class KvRelay:
         self._ctx = zmq.asyncio.Context()
         self._connector: asyncio.Task[None] | None = None
         self._leaving: set[asyncio.Task[None]] = set()
+        self._ready: dict[Member, None] = {}  # members with something to send or handle
+        self._work = asyncio.Event()
+        self._departing: set[Member] = set()  # left the view; their `left` not acknowledged
+        self._sender: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._retry: asyncio.TimerHandle | None = None  # wakes the sender for a retry
         self.connections = 0  # connections made to NATS (a new connection_revision: one more)
         self._connection_revision: str | None = None
         self._seen_view = False
@@ -96,15 +105,17 @@ class KvRelay:
     async def start(self) -> None:
         """Start reaching NATS (in the background: the relay follows its workers meanwhile)."""
         self._connector = asyncio.create_task(self._connect(), name="kv-relay-nats")
+        self._sender = asyncio.create_task(self._send_loop(), name="kv-relay-sender")
+        self._watch_acks()
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._connector,) if t is not None]
+        tasks = [t for t in (self._connector, self._sender) if t is not None]
+        for timer in (self._watchdog, self._retry):
+            if timer is not None:
+                timer.cancel()
         for member in self.members.values():
             if member.subscription is not None:
                 await member.subscription.stop()
-            if member.task is not None:
-                tasks.append(member.task)
-            member.disarm()
         tasks += list(self._leaving)
         for task in tasks:
             task.cancel()
@@ -157,8 +168,9 @@ class KvRelay:
         member = Member(
             key, layout.subject(*key), kv, joined, self.stats, max(2, self.config.buffer)
         )
+        member.notify = self._notify
         member.pending.append(Record(layout.JOINED, payload=msgspec.json.encode(joined)))
-        member.wake.set()
+        self._notify(member)
         member.subscription = KvSubscription(
             self._ctx,
             key[1],
@@ -169,21 +181,18 @@ class KvRelay:
             whole_batches=True,
         )
         self.members[key] = member
-        member.task = asyncio.create_task(self._publish(member), name=f"kv-relay-{key[1]:x}")
         member.subscription.start()
         log.info("kv relay: following instance %x of namespace %s", key[1], key[0])
 
     def _leave(self, member: Member) -> None:
-        """Unsubscribe now; `left` goes out after what was queued (its task ends then)."""
+        """Unsubscribe now; `left` goes out after what was queued."""
         log.info("kv relay: instance %x left", member.instance_id)
         if member.subscription is not None:
             stopping = asyncio.ensure_future(member.subscription.stop())
             self._leaving.add(stopping)
             stopping.add_done_callback(self._leaving.discard)
+        self._departing.add(member)
         member.leave()
-        if member.task is not None:
-            self._leaving.add(member.task)
-            member.task.add_done_callback(self._leaving.discard)
 
     # -- NATS --------------------------------------------------------------------------------
 
@@ -215,6 +224,7 @@ class KvRelay:
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,  # type: ignore[arg-type]
                     connect_timeout=2,
+                    skip_subject_validation=True,  # subjects built here, tokens checked
                     disconnected_cb=self._disconnected,
                     reconnected_cb=self._reconnected,
                     error_cb=self._error,
@@ -239,10 +249,10 @@ class KvRelay:
 
     def _resend(self, why: str) -> None:
         """Every member sends again what it has in flight (its answers may never come)."""
-        for member in self.members.values():
+        for member in (*self.members.values(), *self._departing):
             if member.inflight:
                 member.failed = why
-                member.wake.set()
+                self._notify(member)
 
     async def _reconnected(self) -> None:
         delay = 0.1
@@ -291,30 +301,46 @@ class KvRelay:
 
     # -- publishing --------------------------------------------------------------------------
 
-    async def _publish(self, member: Member) -> None:
-        """Send the member's queue in order, up to `WINDOW` records ahead of the stream's
-        acknowledgements; from the first failure on, send again (after a pause)."""
+    def _notify(self, member: Member) -> None:
+        self._ready[member] = None
+        self._work.set()
+
+    async def _send_loop(self) -> None:
+        """Send the queues of the members that have records, each in order, up to `WINDOW`
+        records ahead of the stream's acknowledgements; after a failure, send again from
+        the first record not acknowledged, after a pause."""
         loop = asyncio.get_running_loop()
-        timeout = self.config.publish_timeout
-        try:
-            while True:
-                if member.failed is not None or member.expired(loop.time(), timeout):
-                    await self._failed(member)
+        while True:
+            await self._work.wait()
+            if self.config.linger > 0:
+                await asyncio.sleep(self.config.linger)
+            await self.connected.wait()
+            self._work.clear()
+            ready, self._ready = self._ready, {}
+            now = loop.time()
+            later = None
+            for member in ready:
+                if member.failed is not None:
+                    self._failed(member, now)
+                if member.retry_at > now:
+                    self._ready[member] = None
+                    later = member.retry_at if later is None else min(later, member.retry_at)
                     continue
                 room = WINDOW - len(member.inflight)
-                if not member.pending or room <= 0 or not self.connected.is_set():
-                    if member.leaving and not member.pending and not member.inflight:
-                        return
-                    member.wake.clear()
-                    if member.pending and not member.inflight and not self.connected.is_set():
-                        await self.connected.wait()
-                        continue
-                    member.arm(loop, timeout)
-                    await member.wake.wait()
-                    continue
-                await self._send(member, room, loop.time())
-        finally:
-            member.disarm()
+                if member.pending and room > 0:
+                    await self._send(member, room, now)
+                    if member.failed is not None:
+                        self._notify(member)
+                if member.leaving and not member.pending and not member.inflight:
+                    self._departing.discard(member)
+            if later is not None and (self._retry is None or self._retry.when() > later):
+                if self._retry is not None:
+                    self._retry.cancel()
+                self._retry = loop.call_at(later, self._retry_now)
+
+    def _retry_now(self) -> None:
+        self._retry = None
+        self._work.set()
 
     async def _send(self, member: Member, room: int, now: float) -> None:
         """Send up to `room` records of the member's queue."""
@@ -354,18 +380,29 @@ class KvRelay:
             pending.popleft()
             inflight.append(record)
 
-    async def _failed(self, member: Member) -> None:
-        """Put what is in flight back in the queue, pause, then let it be sent again."""
-        why = member.failed or f"no acknowledgement in {self.config.publish_timeout} s"
+    def _failed(self, member: Member, now: float) -> None:
+        """Put what is in flight back in the queue, to be sent again after a pause."""
+        why = member.failed
         acks = self._acks
         for record in member.rewind():
             if acks is not None:
                 acks.forget(record)
-        member.disarm()
         self.stats.publish_errors += 1
         log.debug("kv relay: publishing to %s: %s; sending again", member.subject, why)
-        await asyncio.sleep(member.delay)
+        member.retry_at = now + member.delay
         member.delay = min(member.delay * 2, BACKOFF_MAX)
+
+    def _watch_acks(self) -> None:
+        """Every so often: a member whose oldest record in flight is not acknowledged in
+        time sends again (its answer may never come)."""
+        loop = asyncio.get_running_loop()
+        timeout = self.config.publish_timeout
+        now = loop.time()
+        for member in (*self.members.values(), *self._departing):
+            if member.failed is None and member.expired(now, timeout):
+                member.failed = f"no acknowledgement in {timeout} s"
+                self._notify(member)
+        self._watchdog = loop.call_later(min(timeout / 4, 1.0), self._watch_acks)
 
     # -- status ------------------------------------------------------------------------------
 
