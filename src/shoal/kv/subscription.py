@@ -59,6 +59,7 @@ YIELD_SECONDS = 0.005  # or this long
 MAX_BATCH_BYTES = 4 << 20
 APPLY_SLICE = 1024  # blocks of one batch applied before yielding to the event loop
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
 
 
 class KvStats:
@@ -299,10 +300,14 @@ class _Reader:
         # takes the FD's signal down, so a message arriving after this one signals it again.
         if not cast(int, self.sock.get(_EVENTS)) & _POLLIN:
             return None
+        sock = self.sock
         try:
-            return self.sock.recv_multipart(_NOBLOCK)
+            frames = [sock.recv(_NOBLOCK)]
+            while sock.get(_RCVMORE):  # (pyzmq's recv_multipart: enum arithmetic per frame)
+                frames.append(sock.recv(_NOBLOCK))
         except zmq.Again:
             return None
+        return frames
 
     async def wait(self, timeout: float | None = None) -> bool:
         """After `recv()` found nothing: until a message is ready (True) or `timeout` seconds
