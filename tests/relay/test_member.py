@@ -1,12 +1,18 @@
-"""`Member`, the relay's queue of one instance's records, one unit: a full queue turns its
-batches into one `resnapshot`, a publisher restart queues one, and a batch's message id is
-the same from every relay whenever it joined (the worker's numbering and timestamp)."""
+"""`Member`, the relay's queue of one instance's records: a full queue holds its subscription
+back (the worker keeps what is not read), past its bound it turns its batches into one
+`resnapshot`, a publisher restart queues one, and a batch's message id is the same from every
+relay whenever it joined (the worker's numbering and timestamp)."""
 
 from __future__ import annotations
 
-from shoal.kv import AllBlocksCleared, KvEndpoint, KVEventBatch
+import zmq.asyncio
+
+from shoal.kv import AllBlocksCleared, KvEndpoint, KVEventBatch, encode_batch
 from shoal.kv import stream as layout
-from shoal.relay.member import Member, RelayStats
+from shoal.kv.subscription import KvSubscription
+from shoal.relay.member import WINDOW, Member, RelayStats
+from tests.helpers import wait_for
+from tests.kv.fake_vllm import FakeVllmPublisher
 
 
 def member(buffer: int = 100) -> Member:
@@ -23,12 +29,53 @@ def queued(m: Member) -> list[tuple[str, int]]:
     return [(r.kind, r.seq) for r in m.pending]
 
 
-def test_a_full_queue_drops_its_batches_for_one_resnapshot_and_never_blocks() -> None:
+def test_a_queue_past_its_buffer_and_a_window_drops_its_batches_for_one_resnapshot() -> None:
     m = member(buffer=3)
-    for seq in range(5):
-        m.apply(seq, batch(100.0 + seq))
-    assert queued(m) == [("resnapshot", 3), ("batch", 3), ("batch", 4)]
-    assert (m.stats.dropped, m.stats.resnapshots) == (3, 1)
+    bound = 3 + WINDOW  # (a subscription waiting for room never gets there)
+    for seq in range(bound + 2):
+        m.apply(seq, batch(100.0 + seq))  # never blocks
+    assert queued(m) == [("resnapshot", bound), ("batch", bound), ("batch", bound + 1)]
+    assert (m.stats.dropped, m.stats.resnapshots) == (bound, 1)
+
+
+async def test_a_full_queue_holds_the_subscription_back_and_the_worker_keeps_the_rest() -> None:
+    publisher = FakeVllmPublisher()
+    ctx = zmq.asyncio.Context()
+    m = member(buffer=4)
+    endpoint = KvEndpoint(publisher.endpoint, publisher.replay_endpoint)
+    sub = KvSubscription(
+        ctx, 1, endpoint, m.apply, m.resnapshot, m.stats.subscriptions,
+        whole_batches=True, room=m.room,
+    )  # fmt: skip
+    try:
+        sub.start()
+        await wait_for(lambda: 0 in publisher.replay_requests, message="subscribed")
+        for seq in range(20):  # NATS down: nothing leaves the queue
+            # 5-14 overflow the socket's queue (as past its high-water mark): replay only.
+            live = not 5 <= seq < 15
+            await publisher.send(seq, encode_batch(batch(100.0 + seq)), live=live)
+        await wait_for(lambda: len(m.pending) == 3, message="the queue filled (4: room for 2)")
+        sent: list[tuple[str, int]] = []
+
+        def drained() -> bool:  # NATS back: the sender takes records as they come
+            while m.pending:
+                record = m.pending.popleft()
+                sent.append((record.kind, record.seq))
+            m.taken()
+            return bool(sent) and sent[-1] == ("batch", 19)
+
+        await wait_for(drained, message="every batch queued in the end")
+        assert sent == [("batch", seq) for seq in range(20)]  # in order, none lost
+        assert 5 in publisher.replay_requests  # the gap read from the worker's buffer
+        assert (m.stats.dropped, m.stats.resnapshots, m.stats.subscriptions.resnapshots) == (
+            0,
+            0,
+            0,
+        )
+    finally:
+        await sub.stop()
+        await publisher.close()
+        ctx.destroy(linger=0)
 
 
 def test_a_publisher_restart_queues_a_resnapshot_before_its_first_batch() -> None:

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, cast
 
 import msgspec
@@ -78,7 +78,13 @@ class KvStats:
 class KvSubscription:
     """Reads one instance's events; `apply(seq, batch)` and `resnapshot()` act on what
     follows it (indexes, a stream). With `whole_batches`, `apply` gets each batch once, else
-    in slices (several calls with the same `seq`)."""
+    in slices (several calls with the same `seq`).
+
+    `room()`, when given, is awaited before each batch is applied: a consumer that cannot
+    take more (a relay whose NATS is down) holds the subscription back instead of dropping
+    batches. What it does not read meanwhile waits in the socket's queue, then in the
+    worker's replay buffer (a gap, replayed when reading resumes): lost only when the worker
+    no longer has it, and then told by `resnapshot()` as any loss."""
 
     def __init__(
         self,
@@ -90,8 +96,10 @@ class KvSubscription:
         stats: KvStats,
         *,
         whole_batches: bool = False,
+        room: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.ctx = ctx
+        self.room = room
         self.instance_id = instance_id
         self.endpoint = endpoint
         self.apply = apply
@@ -157,6 +165,8 @@ class KvSubscription:
             reader.close()
 
     async def _apply(self, seq: int, payload: bytes) -> None:
+        if self.room is not None:
+            await self.room()
         try:
             if len(payload) > MAX_BATCH_BYTES:
                 raise msgspec.DecodeError(f"{len(payload)} bytes, over {MAX_BATCH_BYTES}")

@@ -1,10 +1,12 @@
 """`Member`: one instance the relay follows, its batches as records queued for JetStream, and
 the records sent whose acknowledgement is awaited.
 
-- `pending` holds the records not sent yet, at most `buffer` of them: past that its batches
-  are dropped and a `resnapshot` record (from the batch that follows) takes their place, so a
-  consumer forgets the instance's blocks rather than keep evicted ones. Nothing blocks the
-  subscription that feeds it.
+- `pending` holds the records not sent yet, about `buffer` of them: when it is full, the
+  subscription that feeds it waits (`room`) and the worker keeps what it publishes meanwhile
+  (its replay buffer), so a NATS outage costs no batch the worker can still replay. Past
+  `buffer + WINDOW` records (never, with a subscription that waits for room) its batches are
+  dropped and a `resnapshot` record (from the batch that follows) takes their place, so a
+  consumer forgets the instance's blocks rather than keep evicted ones.
 - `inflight` holds the records sent, in the order sent, at most `WINDOW`: each is retired
   when the stream acknowledges it and every record before it; one that fails (an error, no
   acknowledgement in time, the connection lost) sends it and every record after it again,
@@ -15,6 +17,7 @@ the records sent whose acknowledgement is awaited.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
@@ -91,6 +94,7 @@ class Member:
     delay: float = 0.1  # the pause before sending again after a failure
     retry_at: float = 0.0  # (the event loop's clock) not sent before
     subscription: KvSubscription | None = None
+    roomy: asyncio.Event = field(default_factory=asyncio.Event)  # the queue has room again
 
     @property
     def instance_id(self) -> int:
@@ -109,13 +113,24 @@ class Member:
     def resnapshot(self) -> None:
         self.owed = True
 
+    async def room(self) -> None:
+        """Until the queue has room for a batch (and a resnapshot before it)."""
+        while len(self.pending) + 2 > self.buffer:
+            self.roomy.clear()
+            await self.roomy.wait()
+
+    def taken(self) -> None:
+        """Records left the queue (sent): a subscription waiting for room goes on."""
+        if len(self.pending) + 2 <= self.buffer:
+            self.roomy.set()
+
     def leave(self) -> None:
         self.leaving = True
         self.pending.append(Record(layout.LEFT))
         self.notify(self)
 
     def _push(self, record: Record) -> None:
-        if len(self.pending) >= self.buffer:
+        if len(self.pending) >= self.buffer + WINDOW:
             kept = [r for r in self.pending if r.kind == layout.JOINED]
             self.stats.dropped += sum(1 for r in self.pending if r.kind == layout.BATCH)
             self.pending.clear()  # in place: the publisher may be going through it

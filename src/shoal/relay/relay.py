@@ -166,7 +166,7 @@ class KvRelay:
             mdcsum=card.mdcsum,
         )
         member = Member(
-            key, layout.subject(*key), kv, joined, self.stats, max(2, self.config.buffer)
+            key, layout.subject(*key), kv, joined, self.stats, max(4, self.config.buffer)
         )
         member.notify = self._notify
         member.pending.append(Record(layout.JOINED, payload=msgspec.json.encode(joined)))
@@ -179,6 +179,7 @@ class KvRelay:
             member.resnapshot,
             self.stats.subscriptions,
             whole_batches=True,
+            room=member.room,
         )
         self.members[key] = member
         member.subscription.start()
@@ -344,13 +345,13 @@ class KvRelay:
 
     async def _send(self, member: Member, room: int, now: float) -> None:
         """Send up to `room` records of the member's queue."""
-        nc, js, acks = self._nc, self._js, self._acks
-        assert nc is not None and js is not None and acks is not None
+        nc, acks = self._nc, self._acks
+        assert nc is not None and acks is not None
         pending, inflight = member.pending, member.inflight
         subject, instance_id = member.subject, member.instance_id
         for _ in range(room):
             if not pending:
-                return
+                break
             record = pending[0]
             try:
                 await nc.publish(
@@ -375,10 +376,11 @@ class KvRelay:
             except Exception as exc:
                 acks.forget(record)
                 member.failed = f"not sent: {exc!r}"
-                return
+                break
             record.sent = now
             pending.popleft()
             inflight.append(record)
+        member.taken()
 
     def _failed(self, member: Member, now: float) -> None:
         """Put what is in flight back in the queue, to be sent again after a pause."""
