@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -164,6 +165,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     if b"ready" not in line:
         raise RuntimeError(f"relay did not start: {line!r}; see {tmp / 'relay.log'}")
     status = re.search(rb"status=(\S+)", line)
+    if status:
+        print(f"relay status: {status.group(1).decode()}", file=sys.stderr, flush=True)
     total = args.seconds + args.warmup
     consumer = None
     if not args.receive_only:
@@ -185,9 +188,16 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     n = 0
     cpu0 = t0 = None
     sent0 = 0
+    paused = None
     while (now := time.monotonic()) - start < total:
         if cpu0 is None and now - start >= args.warmup:
             cpu0, t0, sent0 = cpu_seconds(relay.pid), now, n * args.workers
+        if args.pause_nats and paused is None and now - start >= args.warmup + 2:
+            procs[0].send_signal(signal.SIGSTOP)  # NATS stalls: no acknowledgement comes
+            paused = now
+        if paused and now - paused >= args.pause_nats:
+            procs[0].send_signal(signal.SIGCONT)
+            paused = 0.0
         for i, pub in enumerate(pubs):
             h = (n << 8) | i
             pub.record(BlockStored(block_hashes=[h], parent_block_hash=None,
@@ -211,6 +221,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         out, _ = await asyncio.to_thread(consumer.communicate)
         lags = json.loads(out.decode().strip().splitlines()[-1])["lags"]
     relayed = re.search(r"^shoal_relay_batches_relayed_total (\S+)$", metrics, re.M)
+    errors = re.search(r"^shoal_relay_publish_errors_total (\S+)$", metrics, re.M)
     for pub in pubs:
         await pub.close()
     await store.close()
@@ -229,6 +240,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "offered_batches_per_s": args.workers * args.rate,
         "achieved_batches_per_s": round(sent / (t1 - t0), 1),
         "batches_relayed_total": float(relayed.group(1)) if relayed else None,
+        "publish_errors": float(errors.group(1)) if errors else None,
         "lag_samples": len(lags),
         "lag_p50_ms": round(pct(lags, 0.5), 2),
         "lag_p99_ms": round(pct(lags, 0.99), 2),
@@ -291,6 +303,12 @@ def main() -> None:
         "--receive-only",
         action="store_true",
         help="measure a process that only receives the workers' events (no relay)",
+    )
+    p.add_argument(
+        "--pause-nats",
+        type=float,
+        default=0.0,
+        help="stop nats-server (SIGSTOP) this many seconds, 2 s into the measured window",
     )
     p.add_argument("--receive", nargs="*", help=argparse.SUPPRESS)
     p.add_argument("--consume", help=argparse.SUPPRESS)

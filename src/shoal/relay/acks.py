@@ -11,6 +11,7 @@ round trip before the next one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import msgspec
@@ -22,6 +23,7 @@ from shoal.relay.member import DUPLICATE, FAILED, STORED, Member, Record
 log = logging.getLogger(__name__)
 
 NO_RESPONDERS = "503"
+YIELD_EVERY = 256  # answers handled before yielding to the event loop
 
 
 class _ApiError(msgspec.Struct):
@@ -48,6 +50,7 @@ class AckInbox:
         self.prefix = nc.new_inbox() + "."
         self.waiting: dict[str, tuple[Member, Record]] = {}
         self._count = 0
+        self._answers = 0
 
     async def start(self) -> None:
         await self.nc.subscribe(self.prefix + "*", cb=self._answer)
@@ -67,6 +70,9 @@ class AckInbox:
         record.token = ""
 
     async def _answer(self, msg: Msg) -> None:
+        self._answers += 1
+        if self._answers % YIELD_EVERY == 0:
+            await asyncio.sleep(0)  # nats-py hands queued answers over without yielding
         entry = self.waiting.pop(msg.subject[len(self.prefix) :], None)
         if entry is None:
             return  # a record sent again since (its answer came late), or not ours

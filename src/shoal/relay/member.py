@@ -29,7 +29,7 @@ from shoal.kv import stream as layout
 from shoal.kv.subscription import KvStats, KvSubscription
 
 MemberKey = tuple[str, int]  # (namespace, instance id): one subject
-WINDOW = 256  # records of one member sent and not acknowledged yet, at most
+WINDOW = 128  # records of one member sent and not acknowledged yet, at most
 
 # A record's acknowledgement, once it came.
 WAITING, STORED, DUPLICATE, FAILED = 0, 1, 2, 3

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 BUFFER = 10_000  # records queued per member while NATS does not take them
 BACKOFF_MAX = 5.0  # seconds between two tries to reach NATS, at most
+YIELD_SECONDS = 0.005  # the sender yields to the event loop after sending this long
 
 
 @dataclass
@@ -318,9 +319,12 @@ class KvRelay:
             await self.connected.wait()
             self._work.clear()
             ready, self._ready = self._ready, {}
-            now = loop.time()
+            now = started = loop.time()
             later = None
             for member in ready:
+                if loop.time() - started > YIELD_SECONDS:  # a backlog: others run meanwhile
+                    await asyncio.sleep(0)
+                    started = loop.time()
                 if member.failed is not None:
                     self._failed(member, now)
                 if member.retry_at > now:
