@@ -5,12 +5,14 @@ relay whenever it joined (the worker's numbering and timestamp)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import zmq.asyncio
 
 from shoal.kv import AllBlocksCleared, KvEndpoint, KVEventBatch, encode_batch
 from shoal.kv import stream as layout
 from shoal.kv.subscription import KvSubscription
-from shoal.relay.member import WINDOW, Member, RelayStats
+from shoal.relay.member import STORED, WINDOW, Member, RelayStats
 from tests.helpers import wait_for
 from tests.kv.fake_vllm import FakeVllmPublisher
 
@@ -113,3 +115,41 @@ def test_a_restarted_publishers_batch_of_the_same_number_has_another_id() -> Non
     before.apply(3, batch(103.0))
     after.apply(3, batch(203.0))  # a new run, numbered from 0 again, reached 3
     assert ids(before)[3] != ids(after)[3]
+
+
+async def test_the_records_queued_by_every_member_are_bounded_in_bytes() -> None:
+    """While NATS takes nothing, the bytes all of a relay's members hold stay under its byte
+    bound (plus one batch a member): past it their subscriptions wait, and go on (nothing
+    dropped) as acknowledgements free bytes."""
+    stats = RelayStats()
+    joined = layout.Joined(4, "m", "ns", "c", "e", "aggregated", "x")
+    endpoint = KvEndpoint("tcp://127.0.0.1:1")
+    members = [
+        Member(("ns", i), layout.subject("ns", i), endpoint, joined, stats, 10_000, 2_000_000)
+        for i in range(3)
+    ]
+    big = KVEventBatch(100.0, [AllBlocksCleared()] * 20_000)  # ~360 KB
+
+    async def feed(m: Member) -> None:  # what a subscription does
+        for seq in range(40):
+            await m.room()
+            m.apply(seq, big)
+            held = sum(len(r.payload) for each in members for r in each.pending)
+            assert held == stats.queued_bytes <= 2_000_000 + 3 * 400_000
+
+    feeders = [asyncio.create_task(feed(m)) for m in members]
+    await wait_for(lambda: stats.short == set(members), message="every member waits for bytes")
+    assert stats.queued_bytes <= 2_000_000 + 3 * 400_000
+
+    def acknowledge_all() -> bool:  # NATS takes records again
+        for m in members:
+            while m.pending:
+                record = m.pending.popleft()
+                m.inflight.append(record)
+                m.acknowledged(record, STORED)
+        return all(f.done() for f in feeders)
+
+    await wait_for(acknowledge_all, message="every batch queued in the end")
+    for f in feeders:
+        f.result()
+    assert stats.queued_bytes == 0 and stats.dropped == 0 and stats.resnapshots == 0

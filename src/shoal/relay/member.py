@@ -1,9 +1,11 @@
 """`Member`: one instance the relay follows, its batches as records queued for JetStream, and
 the records sent whose acknowledgement is awaited.
 
-- `pending` holds the records not sent yet, about `buffer` of them: when it is full, the
-  subscription that feeds it waits (`room`) and the worker keeps what it publishes meanwhile
-  (its replay buffer), so a NATS outage costs no batch the worker can still replay. Past
+- `pending` holds the records not sent yet, about `buffer` of them, and all members' records
+  (queued or in flight) hold at most `buffer_bytes` of payload, plus a batch or two a member
+  (`RelayStats.queued_bytes`; batches are up to 4 MiB): when either is full, the subscription
+  that feeds the member waits (`room`) and the worker keeps what it publishes meanwhile (its
+  replay buffer), so a NATS outage costs no batch the worker can still replay. Past
   `buffer + WINDOW` records (never, with a subscription that waits for room) its batches are
   dropped and a `resnapshot` record (from the batch that follows) takes their place, so a
   consumer forgets the instance's blocks rather than keep evicted ones.
@@ -30,6 +32,7 @@ from shoal.kv.subscription import KvStats, KvSubscription
 
 MemberKey = tuple[str, int]  # (namespace, instance id): one subject
 WINDOW = 128  # records of one member sent and not acknowledged yet, at most
+BUFFER_BYTES = 256 << 20  # payload bytes queued by all members at once (batches: <= 4 MiB)
 
 # A record's acknowledgement, once it came.
 WAITING, STORED, DUPLICATE, FAILED = 0, 1, 2, 3
@@ -44,7 +47,9 @@ class RelayStats:
         self.dropped = 0  # batches dropped from a full queue (a resnapshot replaced them)
         self.resnapshots = 0  # resnapshot records queued
         self.publish_errors = 0
+        self.queued_bytes = 0  # payload bytes of every member's records, queued or in flight
         self.subscriptions = KvStats()
+        self.short: set[Member] = set()  # members waiting for `queued_bytes` to go down
 
 
 @dataclass(eq=False, slots=True)
@@ -83,6 +88,7 @@ class Member:
     joined: layout.Joined
     stats: RelayStats
     buffer: int
+    buffer_bytes: int = BUFFER_BYTES  # of all members' records (`stats.queued_bytes`)
     pending: deque[Record] = field(default_factory=deque)
     inflight: deque[Record] = field(default_factory=deque)
     notify: Callable[[Member], None] = lambda member: None
@@ -106,42 +112,70 @@ class Member:
         ts = batch.ts
         if self.owed:
             self.owed = False
-            self._push(Record(layout.RESNAPSHOT, seq, ts))
-        self._push(Record(layout.BATCH, seq, ts, encode_batch(batch)))
+            self.push(Record(layout.RESNAPSHOT, seq, ts))
+        self.push(Record(layout.BATCH, seq, ts, encode_batch(batch)))
         self.last_seq = seq
 
     def resnapshot(self) -> None:
         self.owed = True
 
     async def room(self) -> None:
-        """Until the queue has room for a batch (and a resnapshot before it)."""
-        while len(self.pending) + 2 > self.buffer:
-            self.roomy.clear()
-            await self.roomy.wait()
+        """Until the queue has room for a batch (and a resnapshot before it), and all
+        members' records are within `buffer_bytes`."""
+        stats = self.stats
+        try:
+            while True:
+                if len(self.pending) + 2 > self.buffer:
+                    pass  # `taken` wakes it
+                elif stats.queued_bytes > self.buffer_bytes:
+                    stats.short.add(self)  # `_freed` wakes it
+                else:
+                    return
+                self.roomy.clear()
+                await self.roomy.wait()
+        finally:
+            stats.short.discard(self)
 
     def taken(self) -> None:
         """Records left the queue (sent): a subscription waiting for room goes on."""
         if len(self.pending) + 2 <= self.buffer:
             self.roomy.set()
 
+    def _freed(self, size: int) -> None:
+        stats = self.stats
+        stats.queued_bytes -= size
+        if stats.short and stats.queued_bytes <= self.buffer_bytes:
+            for member in stats.short:
+                member.roomy.set()
+            stats.short.clear()
+
     def leave(self) -> None:
         self.leaving = True
         self.pending.append(Record(layout.LEFT))
         self.notify(self)
 
-    def _push(self, record: Record) -> None:
+    def push(self, record: Record) -> None:
+        """Queue `record` (never blocks: `room` is where a subscription waits)."""
         if len(self.pending) >= self.buffer + WINDOW:
             kept = [r for r in self.pending if r.kind == layout.JOINED]
-            self.stats.dropped += sum(1 for r in self.pending if r.kind == layout.BATCH)
+            dropped = [r for r in self.pending if r.kind != layout.JOINED]
+            self.stats.dropped += sum(1 for r in dropped if r.kind == layout.BATCH)
             self.pending.clear()  # in place: the publisher may be going through it
             self.pending.extend(kept)
+            self._freed(sum(len(r.payload) for r in dropped))
             if record.kind == layout.BATCH:
                 self.stats.resnapshots += 1
                 self.pending.append(Record(layout.RESNAPSHOT, record.seq, record.ts))
         if record.kind == layout.RESNAPSHOT:
             self.stats.resnapshots += 1
         self.pending.append(record)
+        self.stats.queued_bytes += len(record.payload)
         self.notify(self)
+
+    def replace_head(self, record: Record) -> None:
+        """The first queued record is replaced by `record` (one NATS cannot take)."""
+        self._freed(len(self.pending[0].payload) - len(record.payload))
+        self.pending[0] = record
 
     # -- the stream's side --------------------------------------------------------------------
 
@@ -157,8 +191,10 @@ class Member:
         was_full = len(inflight) >= WINDOW
         stats = self.stats
         newest = None
+        size = 0
         while inflight and inflight[0].outcome in (STORED, DUPLICATE):
             done = inflight.popleft()
+            size += len(done.payload)
             self.delay = 0.1
             if done.outcome == DUPLICATE:
                 stats.duplicates += 1
@@ -168,6 +204,8 @@ class Member:
                 newest = done.ts
         if newest is not None:
             self.lag_ms = max(0.0, (time.time() - newest) * 1000)
+        if size:
+            self._freed(size)
         if was_full or (self.leaving and not inflight):
             self.notify(self)
 

@@ -51,7 +51,7 @@ from shoal.kv import stream as layout
 from shoal.kv.subscription import KvSubscription
 from shoal.membership import Membership
 from shoal.relay.acks import AckInbox
-from shoal.relay.member import WINDOW, Member, MemberKey, Record, RelayStats
+from shoal.relay.member import BUFFER_BYTES, WINDOW, Member, MemberKey, Record, RelayStats
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class RelayConfig:
     max_bytes: int = 1 << 30  # bytes the stream keeps at most (-1: no bound)
     duplicate_window: float = 120.0  # seconds the stream remembers message ids
     buffer: int = BUFFER
+    buffer_bytes: int = BUFFER_BYTES
     publish_timeout: float = 2.0
     linger: float = 0.002  # seconds records gather before they are sent (one write for all)
     creds: Path | None = None  # a NATS credentials file, read at every connection
@@ -167,11 +168,16 @@ class KvRelay:
             mdcsum=card.mdcsum,
         )
         member = Member(
-            key, layout.subject(*key), kv, joined, self.stats, max(4, self.config.buffer)
+            key,
+            layout.subject(*key),
+            kv,
+            joined,
+            self.stats,
+            max(4, self.config.buffer),
+            self.config.buffer_bytes,
         )
         member.notify = self._notify
-        member.pending.append(Record(layout.JOINED, payload=msgspec.json.encode(joined)))
-        self._notify(member)
+        member.push(Record(layout.JOINED, payload=msgspec.json.encode(joined)))
         member.subscription = KvSubscription(
             self._ctx,
             key[1],
@@ -375,7 +381,7 @@ class KvRelay:
                     "published as a resnapshot", record.seq, member.instance_id,
                 )  # fmt: skip
                 if pending and pending[0] is record:
-                    pending[0] = Record(layout.RESNAPSHOT, record.seq + 1, record.ts)
+                    member.replace_head(Record(layout.RESNAPSHOT, record.seq + 1, record.ts))
                 continue
             except Exception as exc:
                 acks.forget(record)

@@ -108,6 +108,11 @@ class _RelayCollector(Collector):
             "shoal_relay_members", "instances followed", value=len(self.relay.members)
         )
         yield GaugeMetricFamily(
+            "shoal_relay_queued_bytes",
+            "payload bytes queued for NATS by every member (bounded: buffer_bytes)",
+            value=stats.queued_bytes,
+        )
+        yield GaugeMetricFamily(
             "shoal_relay_connected",
             "1 while NATS takes records",
             value=self.relay.connected.is_set(),
