@@ -317,7 +317,6 @@ class KvRelay:
         """Send the queues of the members that have records, each in order, up to `WINDOW`
         records ahead of the stream's acknowledgements; after a failure, send again from
         the first record not acknowledged, after a pause."""
-        loop = asyncio.get_running_loop()
         while True:
             await self._work.wait()
             if self.config.linger > 0:
@@ -325,29 +324,44 @@ class KvRelay:
             await self.connected.wait()
             self._work.clear()
             ready, self._ready = self._ready, {}
-            now = started = loop.time()
-            later = None
-            for member in ready:
-                if loop.time() - started > YIELD_SECONDS:  # a backlog: others run meanwhile
-                    await asyncio.sleep(0)
-                    started = loop.time()
+            try:
+                await self._send_round(ready)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: the sender must outlive it, or nothing is relayed
+                log.exception("kv relay: sending failed; going on")
+                for member in ready:
+                    self._notify(member)
+                await asyncio.sleep(1.0)
+
+    async def _send_round(self, ready: dict[Member, None]) -> None:
+        loop = asyncio.get_running_loop()
+        now = started = loop.time()
+        later = None
+        for member in ready:
+            if loop.time() - started > YIELD_SECONDS:  # a backlog: others run meanwhile
+                await asyncio.sleep(0)
+                started = loop.time()
+            if not self.connected.is_set():  # lost while this round yielded: next one
+                self._notify(member)
+                continue
+            if member.failed is not None:
+                self._failed(member, now)
+            if member.retry_at > now:
+                self._ready[member] = None
+                later = member.retry_at if later is None else min(later, member.retry_at)
+                continue
+            room = WINDOW - len(member.inflight)
+            if member.pending and room > 0:
+                await self._send(member, room, now)
                 if member.failed is not None:
-                    self._failed(member, now)
-                if member.retry_at > now:
-                    self._ready[member] = None
-                    later = member.retry_at if later is None else min(later, member.retry_at)
-                    continue
-                room = WINDOW - len(member.inflight)
-                if member.pending and room > 0:
-                    await self._send(member, room, now)
-                    if member.failed is not None:
-                        self._notify(member)
-                if member.leaving and not member.pending and not member.inflight:
-                    self._departing.discard(member)
-            if later is not None and (self._retry is None or self._retry.when() > later):
-                if self._retry is not None:
-                    self._retry.cancel()
-                self._retry = loop.call_at(later, self._retry_now)
+                    self._notify(member)
+            if member.leaving and not member.pending and not member.inflight:
+                self._departing.discard(member)
+        if later is not None and (self._retry is None or self._retry.when() > later):
+            if self._retry is not None:
+                self._retry.cancel()
+            self._retry = loop.call_at(later, self._retry_now)
 
     def _retry_now(self) -> None:
         self._retry = None
@@ -356,7 +370,9 @@ class KvRelay:
     async def _send(self, member: Member, room: int, now: float) -> None:
         """Send up to `room` records of the member's queue."""
         nc, acks = self._nc, self._acks
-        assert nc is not None and acks is not None
+        if nc is None or acks is None:  # (connecting again: `connected` is clear then)
+            self._notify(member)
+            return
         pending, inflight = member.pending, member.inflight
         subject, instance_id = member.subject, member.instance_id
         for _ in range(room):
@@ -409,12 +425,12 @@ class KvRelay:
         time sends again (its answer may never come)."""
         loop = asyncio.get_running_loop()
         timeout = self.config.publish_timeout
+        self._watchdog = loop.call_later(min(timeout / 4, 1.0), self._watch_acks)
         now = loop.time()
         for member in (*self.members.values(), *self._departing):
             if member.failed is None and member.expired(now, timeout):
                 member.failed = f"no acknowledgement in {timeout} s"
                 self._notify(member)
-        self._watchdog = loop.call_later(min(timeout / 4, 1.0), self._watch_acks)
 
     # -- status ------------------------------------------------------------------------------
 
