@@ -11,6 +11,12 @@ worker's timestamp (`Shoal-Ts`) to delivery. Figures: lag p50/p99, batches relay
 relay's CPU (utime+stime from /proc) per 1,000 batches and as % of a core, the relay's
 ESTABLISHED TCP connections (`ss`), and the connections 4 frontends x W workers open,
 direct (ZMQ) vs through the relay.
+
+    .venv/bin/python -m bench.kv_relay --workers 20 --rate 200 --seconds 20 --receive-only
+
+The same workers, but instead of the relay a process that only receives (one
+`KvSubscription` per worker, as the relay and a frontend have, applying nothing): the CPU per
+batch of the ZMQ side alone, a floor under the relay's.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -148,6 +155,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     launcher = ["-m", "shoal.cli.main"]
     if args.profile:
         launcher = ["-m", "bench.kv_relay", "--profile-relay", args.profile, "--"]
+    if args.receive_only:
+        endpoints = [f"{p.endpoint.publisher},{p.endpoint.replay}" for p in pubs if p.endpoint]
+        launcher, relay_args = ["-m", "bench.kv_relay", "--receive"], endpoints
     relay = spawn([sys.executable, *launcher, *relay_args], tmp / "relay.log", pipe=True)
     procs.append(relay)
     assert relay.stdout is not None
@@ -155,23 +165,21 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     if b"ready" not in line:
         raise RuntimeError(f"relay did not start: {line!r}; see {tmp / 'relay.log'}")
     status = re.search(rb"status=(\S+)", line)
+    if status:
+        print(f"relay status: {status.group(1).decode()}", file=sys.stderr, flush=True)
     total = args.seconds + args.warmup
-    consumer = spawn(
-        [
-            sys.executable,
-            "-m",
-            "bench.kv_relay",
-            "--consume",
-            nats_url,
-            "--seconds",
-            str(total + 2),
-        ],
-        tmp / "reader.log",
-        pipe=True,
-    )
-    procs.append(consumer)
-    assert consumer.stdout is not None
-    await asyncio.to_thread(consumer.stdout.readline)
+    consumer = None
+    if not args.receive_only:
+        consumer = spawn(
+            [sys.executable, "-m", "bench.kv_relay", "--consume", nats_url,
+             "--seconds", str(total + 2)],
+            tmp / "reader.log",
+            pipe=True,
+        )  # fmt: skip
+        procs.append(consumer)
+        assert consumer.stdout is not None
+        await asyncio.to_thread(consumer.stdout.readline)
+    load_before = os.getloadavg()[0]
 
     # Publish: every tick each publisher records one event (one batch per tick per worker).
     interval = 1.0 / args.rate
@@ -180,9 +188,16 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     n = 0
     cpu0 = t0 = None
     sent0 = 0
+    paused = None
     while (now := time.monotonic()) - start < total:
         if cpu0 is None and now - start >= args.warmup:
             cpu0, t0, sent0 = cpu_seconds(relay.pid), now, n * args.workers
+        if args.pause_nats and paused is None and now - start >= args.warmup + 2:
+            procs[0].send_signal(signal.SIGSTOP)  # NATS stalls: no acknowledgement comes
+            paused = now
+        if paused and now - paused >= args.pause_nats:
+            procs[0].send_signal(signal.SIGCONT)
+            paused = 0.0
         for i, pub in enumerate(pubs):
             h = (n << 8) | i
             pub.record(BlockStored(block_hashes=[h], parent_block_hash=None,
@@ -194,14 +209,19 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     assert cpu0 is not None and t0 is not None
     cpu1 = cpu_seconds(relay.pid)
     sent = n * args.workers - sent0
+    load_after = os.getloadavg()[0]
     relay_conns = established(relay.pid)
-    consumer_conns = established(consumer.pid)
     metrics = ""
     if status:
         metrics = await asyncio.to_thread(fetch, f"{status.group(1).decode()}/metrics")
-    out, _ = await asyncio.to_thread(consumer.communicate)
-    lags = json.loads(out.decode().strip().splitlines()[-1])["lags"]
+    lags: list[float] = []
+    consumer_conns = 0
+    if consumer is not None:
+        consumer_conns = established(consumer.pid)
+        out, _ = await asyncio.to_thread(consumer.communicate)
+        lags = json.loads(out.decode().strip().splitlines()[-1])["lags"]
     relayed = re.search(r"^shoal_relay_batches_relayed_total (\S+)$", metrics, re.M)
+    errors = re.search(r"^shoal_relay_publish_errors_total (\S+)$", metrics, re.M)
     for pub in pubs:
         await pub.close()
     await store.close()
@@ -213,11 +233,14 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     cpu = cpu1 - cpu0
     frontends = 4
     return {
+        "mode": "receive only" if args.receive_only else "relay",
+        "load_average_1m": f"{load_before:.1f} -> {load_after:.1f}",
         "workers": args.workers,
         "rate_per_worker": args.rate,
         "offered_batches_per_s": args.workers * args.rate,
         "achieved_batches_per_s": round(sent / (t1 - t0), 1),
         "batches_relayed_total": float(relayed.group(1)) if relayed else None,
+        "publish_errors": float(errors.group(1)) if errors else None,
         "lag_samples": len(lags),
         "lag_p50_ms": round(pct(lags, 0.5), 2),
         "lag_p99_ms": round(pct(lags, 0.99), 2),
@@ -232,6 +255,26 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "direct_connections": f"{frontends} x {args.workers} = {frontends * args.workers}",
         "relay_connections": (f"{args.workers} + 1 + {frontends} = {args.workers + 1 + frontends}"),
     }
+
+
+async def receive(endpoints: list[str]) -> None:
+    """The receiving side alone: one `KvSubscription` per worker, applying nothing."""
+    import zmq.asyncio
+
+    from shoal.kv import KvEndpoint
+    from shoal.kv.subscription import KvStats, KvSubscription
+
+    ctx = zmq.asyncio.Context()
+    stats = KvStats()
+    subs = []
+    for i, pair in enumerate(endpoints):
+        publisher, replay = pair.split(",")
+        sub = KvSubscription(ctx, i, KvEndpoint(publisher, replay), lambda s, b: None,
+                             lambda: None, stats, whole_batches=True)  # fmt: skip
+        sub.start()
+        subs.append(sub)
+    print("receiver ready", flush=True)
+    await asyncio.Event().wait()  # until terminated
 
 
 def profile_relay(out: str, argv: list[str]) -> None:
@@ -256,12 +299,29 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--profile", help="write the relay's cProfile stats to this file")
+    p.add_argument(
+        "--receive-only",
+        action="store_true",
+        help="measure a process that only receives the workers' events (no relay)",
+    )
+    p.add_argument(
+        "--pause-nats",
+        type=float,
+        default=0.0,
+        help="stop nats-server (SIGSTOP) this many seconds, 2 s into the measured window",
+    )
+    p.add_argument("--receive", nargs="*", help=argparse.SUPPRESS)
     p.add_argument("--consume", help=argparse.SUPPRESS)
     p.add_argument("--profile-relay", help=argparse.SUPPRESS)
     p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.profile_relay:
         profile_relay(args.profile_relay, args.rest)
+        return
+    if args.receive is not None:
+        import uvloop  # as `shoal kv-relay` runs
+
+        uvloop.run(receive(args.receive))
         return
     if args.consume:
         asyncio.run(consume(args.consume, args.seconds))

@@ -1,12 +1,20 @@
-"""`Member`, the relay's queue of one instance's records, one unit: a full queue turns its
-batches into one `resnapshot`, a publisher restart starts a new epoch, and a relay that joins
-a run late takes the stream's epoch only when the run is the same."""
+"""`Member`, the relay's queue of one instance's records: a full queue holds its subscription
+back (the worker keeps what is not read), past its bound it turns its batches into one
+`resnapshot`, a publisher restart queues one, and a batch's message id is the same from every
+relay whenever it joined (the worker's numbering and timestamp)."""
 
 from __future__ import annotations
 
-from shoal.kv import AllBlocksCleared, KvEndpoint, KVEventBatch
+import asyncio
+
+import zmq.asyncio
+
+from shoal.kv import AllBlocksCleared, KvEndpoint, KVEventBatch, encode_batch
 from shoal.kv import stream as layout
-from shoal.relay.relay import Member, RelayStats
+from shoal.kv.subscription import KvSubscription
+from shoal.relay.member import STORED, WINDOW, Member, RelayStats
+from tests.helpers import wait_for
+from tests.kv.fake_vllm import FakeVllmPublisher
 
 
 def member(buffer: int = 100) -> Member:
@@ -23,72 +31,125 @@ def queued(m: Member) -> list[tuple[str, int]]:
     return [(r.kind, r.seq) for r in m.pending]
 
 
-def test_a_full_queue_drops_its_batches_for_one_resnapshot_and_never_blocks() -> None:
+def test_a_queue_past_its_buffer_and_a_window_drops_its_batches_for_one_resnapshot() -> None:
     m = member(buffer=3)
-    for seq in range(5):
-        m.apply(seq, batch(100.0 + seq))
-    assert queued(m) == [("resnapshot", 3), ("batch", 3), ("batch", 4)]
-    assert (m.stats.dropped, m.stats.resnapshots) == (3, 1)
-    assert {r.epoch for r in m.pending} == {layout.epoch_of(100.0)}  # still batch 0's run
+    bound = 3 + WINDOW  # (a subscription waiting for room never gets there)
+    for seq in range(bound + 2):
+        m.apply(seq, batch(100.0 + seq))  # never blocks
+    assert queued(m) == [("resnapshot", bound), ("batch", bound), ("batch", bound + 1)]
+    assert (m.stats.dropped, m.stats.resnapshots) == (bound, 1)
 
 
-def test_a_publisher_restart_starts_a_new_epoch_after_a_resnapshot() -> None:
+async def test_a_full_queue_holds_the_subscription_back_and_the_worker_keeps_the_rest() -> None:
+    publisher = FakeVllmPublisher()
+    ctx = zmq.asyncio.Context()
+    m = member(buffer=4)
+    endpoint = KvEndpoint(publisher.endpoint, publisher.replay_endpoint)
+    sub = KvSubscription(
+        ctx, 1, endpoint, m.apply, m.resnapshot, m.stats.subscriptions,
+        whole_batches=True, room=m.room,
+    )  # fmt: skip
+    try:
+        sub.start()
+        await wait_for(lambda: 0 in publisher.replay_requests, message="subscribed")
+        for seq in range(20):  # NATS down: nothing leaves the queue
+            # 5-14 overflow the socket's queue (as past its high-water mark): replay only.
+            live = not 5 <= seq < 15
+            await publisher.send(seq, encode_batch(batch(100.0 + seq)), live=live)
+        await wait_for(lambda: len(m.pending) == 3, message="the queue filled (4: room for 2)")
+        sent: list[tuple[str, int]] = []
+
+        def drained() -> bool:  # NATS back: the sender takes records as they come
+            while m.pending:
+                record = m.pending.popleft()
+                sent.append((record.kind, record.seq))
+            m.taken()
+            return bool(sent) and sent[-1] == ("batch", 19)
+
+        await wait_for(drained, message="every batch queued in the end")
+        assert sent == [("batch", seq) for seq in range(20)]  # in order, none lost
+        assert 5 in publisher.replay_requests  # the gap read from the worker's buffer
+        assert (m.stats.dropped, m.stats.resnapshots, m.stats.subscriptions.resnapshots) == (
+            0,
+            0,
+            0,
+        )
+    finally:
+        await sub.stop()
+        await publisher.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_publisher_restart_queues_a_resnapshot_before_its_first_batch() -> None:
     m = member()
     for seq in range(3):
         m.apply(seq, batch(100.0 + seq))
     m.resnapshot()  # what the subscription calls when the numbering starts again
     m.apply(0, batch(200.0))
-    kinds = queued(m)
-    assert kinds[-2:] == [("resnapshot", 0), ("batch", 0)]
-    assert m.pending[-1].epoch == layout.epoch_of(200.0) != m.pending[0].epoch
+    assert queued(m)[-2:] == [("resnapshot", 0), ("batch", 0)]
+    assert ids(m)[0] != m.pending[0].headers(1)[layout.MSG_ID]  # not batch 0 of the first run
 
 
-def test_a_late_relay_takes_the_streams_epoch_only_for_the_same_run() -> None:
-    same = member()
-    same.hint = ("e-stream", 40, 140.0)  # the other relay is at batch 40 of this run
-    same.apply(50, batch(150.0))
-    same.resolve_epoch(same.pending[0])
-    assert same.pending[0].epoch == same.epoch == "e-stream"
-
-    ahead = member()
-    ahead.hint = ("e-stream", 60, 160.0)  # the other relay is ahead in this run
-    ahead.apply(50, batch(150.0))
-    ahead.resolve_epoch(ahead.pending[0])
-    assert ahead.epoch == "e-stream"
-
-    old = member()
-    old.hint = ("e-old", 900, 90.0)  # a run that ended: numbered higher, stamped earlier
-    old.apply(50, batch(150.0))
-    old.resolve_epoch(old.pending[0])
-    assert old.epoch == layout.epoch_of(150.0)
+def ids(m: Member) -> dict[int, str]:
+    """Seq -> message id of the batches queued."""
+    return {
+        r.seq: r.headers(m.instance_id)[layout.MSG_ID] for r in m.pending if r.kind == layout.BATCH
+    }
 
 
-def test_the_records_queued_by_every_member_are_bounded_in_bytes() -> None:
-    """While NATS takes nothing, members queue up to `buffer` records each: batches of up to
-    4 MiB. The bytes all of a relay's members hold stay under its byte bound (plus one batch
-    a member), each member that goes over it dropping its batches for one resnapshot."""
+def test_two_relays_that_joined_a_run_at_different_points_give_each_batch_the_same_id() -> None:
+    early, late = member(), member()
+    for seq in range(10):
+        early.apply(seq, batch(100.0 + seq))
+    for seq in range(6, 10):  # joined when batch 0 had left the worker's buffer
+        late.apply(seq, batch(100.0 + seq))
+    assert ids(late) == {seq: ids(early)[seq] for seq in range(6, 10)}
+    # Another relay joining later still, while nobody holds batch 6 anymore: the same ids.
+    later = member()
+    later.apply(9, batch(109.0))
+    assert ids(later) == {9: ids(early)[9]}
+
+
+def test_a_restarted_publishers_batch_of_the_same_number_has_another_id() -> None:
+    before, after = member(), member()
+    before.apply(3, batch(103.0))
+    after.apply(3, batch(203.0))  # a new run, numbered from 0 again, reached 3
+    assert ids(before)[3] != ids(after)[3]
+
+
+async def test_the_records_queued_by_every_member_are_bounded_in_bytes() -> None:
+    """While NATS takes nothing, the bytes all of a relay's members hold stay under its byte
+    bound (plus one batch a member): past it their subscriptions wait, and go on (nothing
+    dropped) as acknowledgements free bytes."""
     stats = RelayStats()
     joined = layout.Joined(4, "m", "ns", "c", "e", "aggregated", "x")
+    endpoint = KvEndpoint("tcp://127.0.0.1:1")
     members = [
-        Member(
-            ("ns", i),
-            layout.subject("ns", i),
-            KvEndpoint("tcp://127.0.0.1:1"),
-            joined,
-            stats,
-            10_000,
-            buffer_bytes=2_000_000,
-        )
+        Member(("ns", i), layout.subject("ns", i), endpoint, joined, stats, 10_000, 2_000_000)
         for i in range(3)
     ]
     big = KVEventBatch(100.0, [AllBlocksCleared()] * 20_000)  # ~360 KB
-    for seq in range(40):
-        for m in members:
+
+    async def feed(m: Member) -> None:  # what a subscription does
+        for seq in range(40):
+            await m.room()
             m.apply(seq, big)
             held = sum(len(r.payload) for each in members for r in each.pending)
             assert held == stats.queued_bytes <= 2_000_000 + 3 * 400_000
-    assert stats.dropped > 0 and stats.resnapshots > 0
-    for m in members:
-        while m.pending:
-            m.sent(m.pending[0])
-    assert stats.queued_bytes == 0
+
+    feeders = [asyncio.create_task(feed(m)) for m in members]
+    await wait_for(lambda: stats.short == set(members), message="every member waits for bytes")
+    assert stats.queued_bytes <= 2_000_000 + 3 * 400_000
+
+    def acknowledge_all() -> bool:  # NATS takes records again
+        for m in members:
+            while m.pending:
+                record = m.pending.popleft()
+                m.inflight.append(record)
+                m.acknowledged(record, STORED)
+        return all(f.done() for f in feeders)
+
+    await wait_for(acknowledge_all, message="every batch queued in the end")
+    for f in feeders:
+        f.result()
+    assert stats.queued_bytes == 0 and stats.dropped == 0 and stats.resnapshots == 0

@@ -1,6 +1,7 @@
 """`KvStreamReader`'s checks of the records it reads, one unit: duplicates skipped, a gap or a
-new epoch or a `resnapshot` drops what is held, records of an instance not followed yet are
-kept (bounded) and applied once it is followed."""
+new run of the worker's numbering or a `resnapshot` drops what is held (a resnapshot for
+batches this reader did get is ignored), records of an instance not followed yet are kept
+(bounded) and applied once it is followed."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ NS, INSTANCE = "ns", 0xAB
 SUBJECT = layout.subject(NS, INSTANCE)
 
 
-def batch(reader: KvStreamReader, seq: int, epoch: str = "e1") -> None:
-    headers = {layout.KIND: layout.BATCH, layout.EPOCH: epoch, layout.SEQ: str(seq)}
-    reader.record(SUBJECT, headers, encode_batch(KVEventBatch(float(seq), [AllBlocksCleared()])))
+def batch(reader: KvStreamReader, seq: int, run: float = 0.0) -> None:
+    """Batch `seq` of the worker's run started at `run` (its timestamp: `run + seq`)."""
+    ts = run + seq
+    headers = {layout.KIND: layout.BATCH, layout.SEQ: str(seq), layout.TS: repr(ts)}
+    reader.record(SUBJECT, headers, encode_batch(KVEventBatch(ts, [AllBlocksCleared()])))
 
 
-def control(reader: KvStreamReader, kind: str, seq: int = 0, epoch: str = "e1") -> None:
-    headers = {layout.KIND: kind, layout.EPOCH: epoch, layout.SEQ: str(seq)}
+def control(reader: KvStreamReader, kind: str, seq: int = 0, run: float = 0.0) -> None:
+    headers = {layout.KIND: kind, layout.SEQ: str(seq), layout.TS: repr(run + seq)}
     reader.record(SUBJECT, headers, b"")
 
 
@@ -48,25 +51,50 @@ async def test_duplicates_are_skipped_and_a_gap_drops_what_is_held() -> None:
     assert (follower.applied, follower.purges) == ([0, 1, 2], 0)
     batch(reader, 5)  # 3 and 4 never came
     assert (follower.applied, follower.purges) == ([0, 1, 2, 5], 1)
-    batch(reader, 0, epoch="e2")  # the publisher restarted
-    assert (follower.applied, follower.purges) == ([0, 1, 2, 5, 0], 2)
-    control(reader, layout.RESNAPSHOT, seq=9, epoch="e2")
-    batch(reader, 9, epoch="e2")  # follows the resnapshot: no gap
-    assert (follower.applied[-1], follower.purges) == (9, 3)
+    batch(reader, 0, run=100.0)  # the publisher restarted: numbered from 0, later
+    assert (follower.applied, follower.purges) == ([0, 1, 2, 5, 100], 2)
+    control(reader, layout.RESNAPSHOT, seq=9, run=100.0)
+    batch(reader, 9, run=100.0)  # follows the resnapshot: no gap
+    assert (follower.applied[-1], follower.purges) == (109, 3)
     assert reader.stats.resnapshots == 3
+
+
+async def test_a_new_run_that_numbers_past_the_last_batch_read_is_told_by_its_timestamps() -> None:
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    follower = Follower(reader)
+    for seq in range(3):
+        batch(reader, seq)
+    batch(reader, 1, run=100.0)  # a new run (a relay joined it late: no resnapshot before it)
+    assert (follower.applied, follower.purges) == ([0, 1, 2, 101], 1)
+    batch(reader, 2, run=0.0)  # a late copy of the first run's batch 2: no continuation of it
+    assert follower.purges == 2  # (applied alone: the index may forget, never mix the two runs)
+
+
+async def test_a_resnapshot_for_batches_the_stream_holds_from_another_relay_is_ignored() -> None:
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    follower = Follower(reader)
+    for seq in range(6):  # relay A delivered every batch
+        batch(reader, seq)
+    control(reader, layout.RESNAPSHOT, seq=4)  # relay B dropped some before 4: A did not
+    control(reader, layout.RESNAPSHOT, seq=6)  # ... or before 6
+    batch(reader, 6)
+    assert (follower.applied, follower.purges) == (list(range(7)), 0)
+    control(reader, layout.RESNAPSHOT, seq=9)  # batches 7 and 8 are lost for this reader too
+    batch(reader, 9)
+    assert (follower.applied[-1], follower.purges) == (9, 1)
 
 
 async def test_an_instance_followed_late_gets_what_the_stream_held_since_its_last_loss() -> None:
     reader = KvStreamReader("nats://127.0.0.1:1")
     for seq in range(3):
         batch(reader, seq)
-    control(reader, layout.RESNAPSHOT, seq=3)  # what came before is no longer true
-    for seq in range(3, 6):
+    control(reader, layout.RESNAPSHOT, seq=4)  # batch 3 is lost: what came before is dropped
+    for seq in range(4, 6):
         batch(reader, seq)
     follower = Follower(reader)
-    await wait_for(lambda: follower.applied == [3, 4, 5])
+    await wait_for(lambda: follower.applied == [4, 5])
     batch(reader, 6)
-    assert follower.applied == [3, 4, 5, 6]
+    assert follower.applied == [4, 5, 6]
 
 
 async def test_records_kept_for_an_instance_not_followed_are_bounded_and_dropped_when_it_leaves() -> (
@@ -88,15 +116,15 @@ async def test_a_batch_of_many_blocks_is_applied_in_slices_and_a_loss_stops_its_
     )
     blocks = 3 * APPLY_SLICE
     event = BlockStored(list(range(blocks)), None, [1] * blocks, 1)
-    headers = {layout.KIND: layout.BATCH, layout.EPOCH: "e1", layout.SEQ: "0"}
+    headers = {layout.KIND: layout.BATCH, layout.SEQ: "0", layout.TS: "0.0"}
     reader.record(SUBJECT, headers, encode_batch(KVEventBatch(0.0, [event])))
     assert parts == []  # not on the reading path: queued for the flush task
     await wait_for(lambda: parts == [APPLY_SLICE] * 3)
 
     parts.clear()
-    headers[layout.SEQ] = "1"
+    headers[layout.SEQ], headers[layout.TS] = "1", "1.0"
     reader.record(SUBJECT, headers, encode_batch(KVEventBatch(1.0, [event])))
     await asyncio.sleep(0)  # the flush task applied its first slice
-    control(reader, layout.RESNAPSHOT, seq=2)  # ... and then the instance is lost
+    control(reader, layout.RESNAPSHOT, seq=3)  # ... and then the instance is lost
     await wait_for(lambda: reader.instances[(NS, INSTANCE)].flushing is None)
     assert parts == [APPLY_SLICE]  # the rest of the batch was dropped with it

@@ -93,7 +93,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=POSITIVE,
         metavar="RECORDS",
         help="records queued per member while NATS does not take them; past that the member's "
-        "batches are dropped and a resnapshot published (default 10000)",
+        "events are left in the worker's replay buffer and read when NATS takes records again "
+        "(default 10000)",
     )
     add_flag(parser, "--host", "127.0.0.1", help="address of the status server")
     add_flag(

@@ -7,15 +7,21 @@ keys.
   `KVEventBatch`, as it published it), `joined` (payload: JSON `{"block_size", "model",
   "namespace", "component", "endpoint", "role", "mdcsum"}`), `resnapshot` (drop what you
   hold for this instance: the batches before `Shoal-Seq` are lost) or `left`.
-- `Shoal-Epoch` names one run of the worker's numbering (a publisher that restarts starts a
-  new one); `Shoal-Seq` is the worker's own sequence number of a batch (of the batch that
-  follows, on a `resnapshot`); `Shoal-Ts` is the worker's timestamp of that batch.
-- `Nats-Msg-Id` is `{instance:x}:{epoch}:{seq}` for a batch, so the stream keeps one copy of
-  what two relays both publish (within its duplicate window).
+- `Shoal-Seq` is the worker's own sequence number of a batch (of the batch that follows, on
+  a `resnapshot`); `Shoal-Ts` is the worker's timestamp of that batch. Together they name a
+  batch, whichever relay saw it, whenever it started following the worker: a publisher that
+  restarts numbers from 0 again, later. A reader's next batch is numbered one more than its
+  last one and not older; a batch numbered at or below the last one and not newer is one it
+  has; anything else is a loss (a gap, a new run of the numbering).
+- `Nats-Msg-Id` is `{instance:x}:{seq}:{ts in us:x}` for a batch (`batch_id`),
+  `{instance:x}:resnapshot:{seq}:{ts in us:x}` for a resnapshot, `{instance:x}:{kind}` for
+  the others, so the stream keeps one copy of what two relays both publish (within its
+  duplicate window).
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 import msgspec
@@ -24,10 +30,10 @@ DEFAULT_STREAM = "shoal-kv"
 SUBJECT_PREFIX = "shoal.kv"
 
 KIND = "Shoal-Kind"
-EPOCH = "Shoal-Epoch"
 SEQ = "Shoal-Seq"
 TS = "Shoal-Ts"
 MSG_ID = "Nats-Msg-Id"
+EXPECTED_STREAM = "Nats-Expected-Stream"  # the stream refuses a record another one would take
 
 BATCH = "batch"
 JOINED = "joined"
@@ -69,11 +75,15 @@ def parse_subject(text: str) -> tuple[str, int] | None:
         return None
 
 
-def batch_id(instance_id: int, epoch: str, seq: int) -> str:
-    """The de-duplication id of a batch: the same for every relay that publishes it."""
-    return f"{instance_id:x}:{epoch}:{seq}"
+def batch_id(instance_id: int, seq: int, ts: float) -> str:
+    """The de-duplication id of a batch: the same from every relay that publishes it."""
+    return f"{instance_id:x}:{seq}:{_micros(ts):x}"
 
 
-def epoch_of(ts: float) -> str:
-    """An epoch named after the worker's timestamp of a batch (every relay reads the same)."""
-    return f"{int(ts * 1_000_000):x}"
+def resnapshot_id(instance_id: int, seq: int, ts: float) -> str:
+    """The id of a resnapshot before batch `seq` (timestamped `ts`)."""
+    return f"{instance_id:x}:{RESNAPSHOT}:{seq}:{_micros(ts):x}"
+
+
+def _micros(ts: float) -> int:
+    return int(ts * 1_000_000) if math.isfinite(ts) else 0

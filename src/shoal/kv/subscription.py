@@ -16,6 +16,10 @@ losses the same way. Sequence numbers make every loss visible:
 - a live batch numbered at or below the last one applied, other than the very batch that
   was just replayed (queued meanwhile), means the publisher restarted (a vLLM behind a sidecar, say): its
   cache is gone, so are its blocks here, and its numbering starts again.
+
+Sockets are read without blocking, every message ready at one wake-up of the event loop
+(`_Reader`): pyzmq's asyncio sockets take a future, a callback and flag arithmetic per
+message, which was most of a relay's cost of receiving.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -53,6 +58,8 @@ YIELD_SECONDS = 0.005  # or this long
 # reconnects a peer it dropped for it: the subscription would go deaf.)
 MAX_BATCH_BYTES = 4 << 20
 APPLY_SLICE = 1024  # blocks of one batch applied before yielding to the event loop
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
 
 
 class KvStats:
@@ -71,7 +78,13 @@ class KvStats:
 class KvSubscription:
     """Reads one instance's events; `apply(seq, batch)` and `resnapshot()` act on what
     follows it (indexes, a stream). With `whole_batches`, `apply` gets each batch once, else
-    in slices (several calls with the same `seq`)."""
+    in slices (several calls with the same `seq`).
+
+    `room()`, when given, is awaited before each batch is applied: a consumer that cannot
+    take more (a relay whose NATS is down) holds the subscription back instead of dropping
+    batches. What it does not read meanwhile waits in the socket's queue, then in the
+    worker's replay buffer (a gap, replayed when reading resumes): lost only when the worker
+    no longer has it, and then told by `resnapshot()` as any loss."""
 
     def __init__(
         self,
@@ -83,8 +96,10 @@ class KvSubscription:
         stats: KvStats,
         *,
         whole_batches: bool = False,
+        room: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.ctx = ctx
+        self.room = room
         self.instance_id = instance_id
         self.endpoint = endpoint
         self.apply = apply
@@ -106,20 +121,23 @@ class KvSubscription:
                 await self.task
 
     async def run(self) -> None:
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        reader = _Reader(self.ctx, zmq.SUB)
+        sub = reader.sock
         sub.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic.encode())
         try:
             sub.connect(self.endpoint.publisher)
         except zmq.ZMQError as exc:  # (endpoints are checked where they enter: not expected)
             log.warning("KV events of instance %x: cannot subscribe: %s", self.instance_id, exc)
-            sub.close(0)
+            reader.close()
             return
         try:
             await self._catch_up(0, None)
             pace = Pace()
             while True:
-                frames = await sub.recv_multipart()
+                frames = reader.recv()
+                if frames is None:
+                    await reader.wait()
+                    continue
                 await pace.step()
                 if len(frames) != 3:
                     self.stats.decode_errors += 1
@@ -136,16 +154,19 @@ class KvSubscription:
                 if (self.last_seq >= 0 and seq > self.last_seq + 1) or self.last_seq < 0 < seq:
                     await self._catch_up(self.last_seq + 1, seq)
                 await self._apply(seq, frames[2])
-                self._replayed.clear()
+                if self._replayed:
+                    self._replayed.clear()
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("KV events of instance %x: subscription failed", self.instance_id)
             raise
         finally:
-            sub.close(0)
+            reader.close()
 
     async def _apply(self, seq: int, payload: bytes) -> None:
+        if self.room is not None:
+            await self.room()
         try:
             if len(payload) > MAX_BATCH_BYTES:
                 raise msgspec.DecodeError(f"{len(payload)} bytes, over {MAX_BATCH_BYTES}")
@@ -216,26 +237,27 @@ class KvSubscription:
     async def _replay_round(self, first: int, upto: int | None) -> bool:
         """One replay request from `first`: True when it ended with the end marker (or
         reached `upto`), False when it stalled, skipped or failed."""
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        reader = _Reader(self.ctx, zmq.DEALER)
         try:
-            sock.connect(self.endpoint.replay)
+            reader.sock.connect(self.endpoint.replay)
         except zmq.ZMQError as exc:
             self.replay_broken = True
             log.warning(
                 "KV events of instance %x: replay endpoint %r unusable (%s): following "
                 "without replay", self.instance_id, self.endpoint.replay, exc,
             )  # fmt: skip
-            sock.close(0)
+            reader.close()
             return True
         pace = Pace()
         received = False
         try:
-            await sock.send_multipart((b"", encode_seq(first)))
+            reader.sock.send_multipart((b"", encode_seq(first)), _NOBLOCK)
             while True:
-                if not await sock.poll(REPLAY_TIMEOUT * 1000):
-                    return False
-                frames = await sock.recv_multipart()
+                frames = reader.recv()
+                if frames is None:
+                    if not await reader.wait(REPLAY_TIMEOUT):
+                        return False
+                    continue
                 await pace.step()
                 if len(frames) < 2 or frames[-2] == END_OF_REPLAY or not frames[-1]:
                     return True
@@ -255,10 +277,69 @@ class KvSubscription:
                 received = True
                 await self._apply(seq, payload)
                 self._replayed[seq] = hash(payload)
-        except ValueError:
+        except (ValueError, zmq.Again):
             return False
         finally:
-            sock.close(0)
+            reader.close()
+
+
+class _Reader:
+    """A ZMQ socket read without blocking: `recv()` takes the next message ready (None when
+    there is none), `wait()` sleeps until one is, woken by the socket's FD on the event loop.
+    A task drains every message ready per wake-up, at the cost of one call each."""
+
+    __slots__ = ("fd", "loop", "sock", "waiter")
+
+    def __init__(self, ctx: zmq.Context[Any], kind: int) -> None:
+        self.sock: zmq.Socket[bytes] = ctx.socket(kind, socket_class=zmq.Socket)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.loop = asyncio.get_running_loop()
+        self.waiter: asyncio.Future[bool] | None = None
+        self.fd: int = self.sock.get(zmq.FD)
+        self.loop.add_reader(self.fd, self._signalled)
+
+    def _signalled(self) -> None:
+        # Reading EVENTS also takes the FD's signal down: read it whether a task waits or not.
+        ready = cast(int, self.sock.get(_EVENTS)) & _POLLIN
+        waiter = self.waiter
+        if ready and waiter is not None and not waiter.done():
+            waiter.set_result(True)
+
+    def recv(self) -> list[bytes] | None:
+        # EVENTS first: cheaper than the exception a read of an empty socket raises, and it
+        # takes the FD's signal down, so a message arriving after this one signals it again.
+        if not cast(int, self.sock.get(_EVENTS)) & _POLLIN:
+            return None
+        sock = self.sock
+        try:
+            frames = [sock.recv(_NOBLOCK)]
+            while sock.get(_RCVMORE):  # (pyzmq's recv_multipart: enum arithmetic per frame)
+                frames.append(sock.recv(_NOBLOCK))
+        except zmq.Again:
+            return None
+        return frames
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """After `recv()` found nothing: until a message is ready (True) or `timeout` seconds
+        passed (False)."""
+        self.waiter = waiter = self.loop.create_future()
+        timer = None if timeout is None else self.loop.call_later(timeout, _expire, waiter)
+        try:
+            ready: bool = await waiter
+            return ready
+        finally:
+            self.waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.fd)
+        self.sock.close(0)
+
+
+def _expire(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
 
 
 def slices(batch: KVEventBatch, limit: int = APPLY_SLICE) -> Iterator[KVEventBatch]:

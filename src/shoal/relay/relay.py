@@ -3,20 +3,24 @@
 The loop, per member (an instance in the view that advertises a KV publisher): its
 `KvSubscription` hands over batches in sequence order (replay on connect and on gap,
 resnapshot when history is gone, publisher restarts seen); `Member` turns them into records
-(`shoal.kv.stream`) in a bounded queue; one publish task per member sends the queue to
-JetStream in order, waiting for each acknowledgement, retrying (the same message id) after
-an error.
+(`shoal.kv.stream`) in a bounded queue; one sender task sends every member's queue to
+JetStream in order, up to `WINDOW` records ahead of their acknowledgements (`AckInbox`),
+sending again from the first one that failed or was not acknowledged in time (the same
+message ids). The sender waits `linger` seconds after the first record to send, so that the
+records of many members go out in one write to the socket (the write is the dearest part
+of a small record).
 
 The invariants, both ways:
-- Nothing blocks the subscription: a member's queue holds at most `buffer` records, and all
-  members' queues at most `buffer_bytes` of payload (plus one batch each); past that the
-  member's batches are dropped and a `resnapshot` record (from the batch that follows) takes
-  their place, so a consumer forgets the instance's blocks rather than keep evicted ones.
-- Every batch has the message id `{instance}:{epoch}:{seq}`, the same from every relay that
-  publishes it: the stream keeps one copy when two relays run. The epoch of a run is named
-  after the worker's timestamp of its batch 0; a relay that joins a run later takes the
-  epoch of the stream's last record of that instance when it belongs to the same run (its
-  sequence number and timestamp agree), else names the run after the first batch it saw.
+- Nothing blocks the subscription: a member's queue holds at most `buffer` records (and
+  `WINDOW` in flight); past that its batches are dropped and a `resnapshot` record (from the
+  batch that follows) takes their place, so a consumer forgets the instance's blocks rather
+  than keep evicted ones.
+- Per subject, the stream stores records in the order of the worker's batches: they are sent
+  in order on one connection, and after a failure sent again from the first one not
+  acknowledged (what the stream stored meanwhile it refuses as duplicates).
+- Every batch has the message id `{instance}:{seq}:{ts}` (`shoal.kv.stream.batch_id`): the
+  worker's own number and timestamp of it, the same from every relay that publishes it,
+  whenever each started following the worker, so the stream keeps one copy when two run.
 - A member that leaves the view is unsubscribed at once and its `left` record published
   once (after what it had queued).
 - The relay never deletes or alters a stream: it creates `stream` when it is missing (after
@@ -28,10 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,17 +46,18 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext, api
 
 from shoal.discovery import ModelInstance
-from shoal.kv import KvEndpoint, KVEventBatch, encode_batch
+from shoal.kv import KvEndpoint
 from shoal.kv import stream as layout
-from shoal.kv.subscription import KvStats, KvSubscription
+from shoal.kv.subscription import KvSubscription
 from shoal.membership import Membership
+from shoal.relay.acks import AckInbox
+from shoal.relay.member import BUFFER_BYTES, WINDOW, Member, MemberKey, Record, RelayStats
 
 log = logging.getLogger(__name__)
 
 BUFFER = 10_000  # records queued per member while NATS does not take them
-BUFFER_BYTES = 256 << 20  # payload bytes queued by all members at once (batches: <= 4 MiB)
 BACKOFF_MAX = 5.0  # seconds between two tries to reach NATS, at most
-MemberKey = tuple[str, int]  # (namespace, instance id): one subject
+YIELD_SECONDS = 0.005  # the sender yields to the event loop after sending this long
 
 
 @dataclass
@@ -69,143 +72,8 @@ class RelayConfig:
     buffer: int = BUFFER
     buffer_bytes: int = BUFFER_BYTES
     publish_timeout: float = 2.0
+    linger: float = 0.002  # seconds records gather before they are sent (one write for all)
     creds: Path | None = None  # a NATS credentials file, read at every connection
-
-
-class RelayStats:
-    """Counters shown on `/metrics` (the subscriptions' own in `subscriptions`)."""
-
-    def __init__(self) -> None:
-        self.relayed = 0  # batches the stream stored
-        self.duplicates = 0  # records the stream refused as already stored (by id)
-        self.dropped = 0  # batches dropped from a full queue (a resnapshot replaced them)
-        self.resnapshots = 0  # resnapshot records queued
-        self.publish_errors = 0
-        self.queued_bytes = 0  # payload bytes of every member's queue
-        self.subscriptions = KvStats()
-
-
-@dataclass(eq=False)
-class Record:
-    kind: str
-    seq: int = -1
-    epoch: str | None = None
-    payload: bytes = b""
-    ts: float = 0.0
-
-    def headers(self, instance_id: int) -> dict[str, str]:
-        headers = {layout.KIND: self.kind}
-        if self.kind == layout.BATCH or self.kind == layout.RESNAPSHOT:
-            headers[layout.SEQ] = str(self.seq)
-            headers[layout.EPOCH] = self.epoch or ""
-            headers[layout.TS] = repr(self.ts)
-        if self.kind == layout.BATCH:
-            headers[layout.MSG_ID] = layout.batch_id(instance_id, self.epoch or "", self.seq)
-        elif self.kind == layout.RESNAPSHOT:
-            headers[layout.MSG_ID] = f"{instance_id:x}:{self.epoch}:resnapshot:{self.seq}"
-        else:
-            headers[layout.MSG_ID] = f"{instance_id:x}:{self.kind}"
-        return headers
-
-
-@dataclass(eq=False)
-class Member:
-    """One followed instance: its subscription's batches as records, queued for JetStream."""
-
-    key: MemberKey
-    subject: str
-    endpoint: KvEndpoint
-    joined: layout.Joined
-    stats: RelayStats
-    buffer: int
-    buffer_bytes: int = BUFFER_BYTES  # of all members' queues (`stats.queued_bytes`)
-    pending: deque[Record] = field(default_factory=deque)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    epoch: str | None = None
-    last_seq: int = -1
-    owed: bool = False  # a resnapshot goes before the next batch
-    hint: tuple[str, int, float] | None = None  # the stream's last (epoch, seq, ts) seen
-    hint_read: bool = False
-    lag_ms: float | None = None
-    leaving: bool = False
-    subscription: KvSubscription | None = None
-    task: asyncio.Task[None] | None = None
-
-    @property
-    def instance_id(self) -> int:
-        return self.key[1]
-
-    def apply(self, seq: int, batch: KVEventBatch) -> None:
-        if seq <= self.last_seq:  # the publisher restarted: a new run, a new epoch
-            self.epoch = None
-        if seq == 0:
-            self.epoch = layout.epoch_of(batch.ts)
-        if self.owed:
-            self.owed = False
-            self._push(Record(layout.RESNAPSHOT, seq, self.epoch, b"", batch.ts))
-        self._push(Record(layout.BATCH, seq, self.epoch, encode_batch(batch), batch.ts))
-        self.last_seq = seq
-
-    def resnapshot(self) -> None:
-        self.owed = True
-
-    def leave(self) -> None:
-        self.leaving = True
-        self.pending.append(Record(layout.LEFT))
-        self.wake.set()
-
-    def sent(self, record: Record) -> None:
-        """`record`, the first queued, is in the stream: off the queue."""
-        if self.pending and self.pending[0] is record:
-            self.pending.popleft()
-            self.stats.queued_bytes -= len(record.payload)
-
-    def _push(self, record: Record) -> None:
-        stats = self.stats
-        if len(self.pending) >= self.buffer or (
-            stats.queued_bytes + len(record.payload) > self.buffer_bytes and self.pending
-        ):
-            kept = [r for r in self.pending if r.kind == layout.JOINED]
-            stats.dropped += sum(1 for r in self.pending if r.kind == layout.BATCH)
-            stats.queued_bytes -= sum(len(r.payload) for r in self.pending)
-            stats.queued_bytes += sum(len(r.payload) for r in kept)
-            self.pending = deque(kept)
-            if record.kind == layout.BATCH:
-                self.stats.resnapshots += 1
-                self.pending.append(
-                    Record(layout.RESNAPSHOT, record.seq, record.epoch, b"", record.ts)
-                )
-        if record.kind == layout.RESNAPSHOT:
-            stats.resnapshots += 1
-        self.pending.append(record)
-        stats.queued_bytes += len(record.payload)
-        self.wake.set()
-
-    def resolve_epoch(self, first: Record) -> None:
-        """Name the run of `first` (its epoch unknown: the relay joined the run after batch
-        0), then every queued record of that run."""
-        hint = self.hint
-        same_run = hint is not None and (
-            (hint[1] < first.seq and hint[2] <= first.ts)
-            or (hint[1] >= first.seq and hint[2] >= first.ts)
-        )
-        epoch = hint[0] if same_run and hint is not None else layout.epoch_of(first.ts)
-        for record in self.pending:
-            if record.epoch is None and record.kind in (layout.BATCH, layout.RESNAPSHOT):
-                record.epoch = epoch
-        if self.epoch is None:
-            self.epoch = epoch
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "namespace": self.key[0],
-            "instance_id": f"{self.instance_id:x}",
-            "subject": self.subject,
-            "epoch": self.epoch,
-            "last_seq": self.last_seq,
-            "pending": len(self.pending),
-            "lag_ms": self.lag_ms,
-        }
 
 
 class KvRelay:
@@ -220,9 +88,16 @@ class KvRelay:
         self.nats_error: str | None = None
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
+        self._acks: AckInbox | None = None
         self._ctx = zmq.asyncio.Context()
         self._connector: asyncio.Task[None] | None = None
         self._leaving: set[asyncio.Task[None]] = set()
+        self._ready: dict[Member, None] = {}  # members with something to send or handle
+        self._work = asyncio.Event()
+        self._departing: set[Member] = set()  # left the view; their `left` not acknowledged
+        self._sender: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._retry: asyncio.TimerHandle | None = None  # wakes the sender for a retry
         self.connections = 0  # connections made to NATS (a new connection_revision: one more)
         self._connection_revision: str | None = None
         self._seen_view = False
@@ -232,14 +107,17 @@ class KvRelay:
     async def start(self) -> None:
         """Start reaching NATS (in the background: the relay follows its workers meanwhile)."""
         self._connector = asyncio.create_task(self._connect(), name="kv-relay-nats")
+        self._sender = asyncio.create_task(self._send_loop(), name="kv-relay-sender")
+        self._watch_acks()
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._connector,) if t is not None]
+        tasks = [t for t in (self._connector, self._sender) if t is not None]
+        for timer in (self._watchdog, self._retry):
+            if timer is not None:
+                timer.cancel()
         for member in self.members.values():
             if member.subscription is not None:
                 await member.subscription.stop()
-            if member.task is not None:
-                tasks.append(member.task)
         tasks += list(self._leaving)
         for task in tasks:
             task.cancel()
@@ -290,12 +168,16 @@ class KvRelay:
             mdcsum=card.mdcsum,
         )
         member = Member(
-            key, layout.subject(*key), kv, joined, self.stats, max(2, self.config.buffer),
+            key,
+            layout.subject(*key),
+            kv,
+            joined,
+            self.stats,
+            max(4, self.config.buffer),
             self.config.buffer_bytes,
-        )  # fmt: skip
-        member.pending.append(Record(layout.JOINED, payload=msgspec.json.encode(joined)))
-        self.stats.queued_bytes += len(member.pending[0].payload)
-        member.wake.set()
+        )
+        member.notify = self._notify
+        member.push(Record(layout.JOINED, payload=msgspec.json.encode(joined)))
         member.subscription = KvSubscription(
             self._ctx,
             key[1],
@@ -304,23 +186,21 @@ class KvRelay:
             member.resnapshot,
             self.stats.subscriptions,
             whole_batches=True,
+            room=member.room,
         )
         self.members[key] = member
-        member.task = asyncio.create_task(self._publish(member), name=f"kv-relay-{key[1]:x}")
         member.subscription.start()
         log.info("kv relay: following instance %x of namespace %s", key[1], key[0])
 
     def _leave(self, member: Member) -> None:
-        """Unsubscribe now; `left` goes out after what was queued (its task ends then)."""
+        """Unsubscribe now; `left` goes out after what was queued."""
         log.info("kv relay: instance %x left", member.instance_id)
         if member.subscription is not None:
             stopping = asyncio.ensure_future(member.subscription.stop())
             self._leaving.add(stopping)
             stopping.add_done_callback(self._leaving.discard)
+        self._departing.add(member)
         member.leave()
-        if member.task is not None:
-            self._leaving.add(member.task)
-            member.task.add_done_callback(self._leaving.discard)
 
     # -- NATS --------------------------------------------------------------------------------
 
@@ -332,7 +212,7 @@ class KvRelay:
             self._connector.cancel()
             with contextlib.suppress(BaseException):
                 await self._connector
-        nc, self._nc = self._nc, None
+        nc, self._nc, self._acks = self._nc, None, None
         if nc is not None:
             with contextlib.suppress(Exception):
                 await nc.close()
@@ -352,10 +232,13 @@ class KvRelay:
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,  # type: ignore[arg-type]
                     connect_timeout=2,
+                    skip_subject_validation=True,  # subjects built here, tokens checked
                     disconnected_cb=self._disconnected,
                     reconnected_cb=self._reconnected,
                     error_cb=self._error,
                 )
+                acks = AckInbox(self._nc)
+                await acks.start()
                 self.connections += 1
                 break
             except Exception as exc:
@@ -363,11 +246,21 @@ class KvRelay:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
         self._js = self._nc.jetstream(timeout=self.config.publish_timeout)
+        self._acks = acks
+        self._resend("a new connection")  # what was in flight on the last one: sent again
         await self._reconnected()
 
     async def _disconnected(self) -> None:
         self.connected.clear()
         self._note_down("disconnected; reconnecting")
+        self._resend("the connection was lost")
+
+    def _resend(self, why: str) -> None:
+        """Every member sends again what it has in flight (its answers may never come)."""
+        for member in (*self.members.values(), *self._departing):
+            if member.inflight:
+                member.failed = why
+                self._notify(member)
 
     async def _reconnected(self) -> None:
         delay = 0.1
@@ -416,35 +309,85 @@ class KvRelay:
 
     # -- publishing --------------------------------------------------------------------------
 
-    async def _publish(self, member: Member) -> None:
-        """Send the member's queue in order; each record until the stream acknowledges it."""
-        delay = 0.1
+    def _notify(self, member: Member) -> None:
+        self._ready[member] = None
+        self._work.set()
+
+    async def _send_loop(self) -> None:
+        """Send the queues of the members that have records, each in order, up to `WINDOW`
+        records ahead of the stream's acknowledgements; after a failure, send again from
+        the first record not acknowledged, after a pause."""
         while True:
-            if not member.pending:
-                if member.leaving:
-                    return
-                member.wake.clear()
-                await member.wake.wait()
-                continue
+            await self._work.wait()
+            if self.config.linger > 0:
+                await asyncio.sleep(self.config.linger)
             await self.connected.wait()
-            js = self._js
-            assert js is not None
-            record = member.pending[0]
+            self._work.clear()
+            ready, self._ready = self._ready, {}
             try:
-                if not member.hint_read:
-                    member.hint = await self._last_record(js, member.subject)
-                    member.hint_read = True
-                if record.epoch is None and record.kind in (layout.BATCH, layout.RESNAPSHOT):
-                    member.resolve_epoch(record)
-                ack = await js.publish(
-                    member.subject,
-                    record.payload,
-                    stream=self.config.stream,
-                    headers=record.headers(member.instance_id),
-                )
+                await self._send_round(ready)
             except asyncio.CancelledError:
                 raise
+            except Exception:  # a bug: the sender must outlive it, or nothing is relayed
+                log.exception("kv relay: sending failed; going on")
+                for member in ready:
+                    self._notify(member)
+                await asyncio.sleep(1.0)
+
+    async def _send_round(self, ready: dict[Member, None]) -> None:
+        loop = asyncio.get_running_loop()
+        now = started = loop.time()
+        later = None
+        for member in ready:
+            if loop.time() - started > YIELD_SECONDS:  # a backlog: others run meanwhile
+                await asyncio.sleep(0)
+                started = loop.time()
+            if not self.connected.is_set():  # lost while this round yielded: next one
+                self._notify(member)
+                continue
+            if member.failed is not None:
+                self._failed(member, now)
+            if member.retry_at > now:
+                self._ready[member] = None
+                later = member.retry_at if later is None else min(later, member.retry_at)
+                continue
+            room = WINDOW - len(member.inflight)
+            if member.pending and room > 0:
+                await self._send(member, room, now)
+                if member.failed is not None:
+                    self._notify(member)
+            if member.leaving and not member.pending and not member.inflight:
+                self._departing.discard(member)
+        if later is not None and (self._retry is None or self._retry.when() > later):
+            if self._retry is not None:
+                self._retry.cancel()
+            self._retry = loop.call_at(later, self._retry_now)
+
+    def _retry_now(self) -> None:
+        self._retry = None
+        self._work.set()
+
+    async def _send(self, member: Member, room: int, now: float) -> None:
+        """Send up to `room` records of the member's queue."""
+        nc, acks = self._nc, self._acks
+        if nc is None or acks is None:  # (connecting again: `connected` is clear then)
+            self._notify(member)
+            return
+        pending, inflight = member.pending, member.inflight
+        subject, instance_id = member.subject, member.instance_id
+        for _ in range(room):
+            if not pending:
+                break
+            record = pending[0]
+            try:
+                await nc.publish(
+                    subject,
+                    record.payload,
+                    reply=acks.reply(member, record),
+                    headers=record.headers(instance_id),
+                )
             except nats.errors.MaxPayloadError:
+                acks.forget(record)
                 # Larger than the server takes, ever: a loss, told as one.
                 self.stats.publish_errors += 1
                 self.stats.dropped += 1
@@ -453,40 +396,41 @@ class KvRelay:
                     "kv relay: batch %d of instance %x is over NATS's max payload: "
                     "published as a resnapshot", record.seq, member.instance_id,
                 )  # fmt: skip
-                if member.pending and member.pending[0] is record:
-                    member.pending[0] = Record(
-                        layout.RESNAPSHOT, record.seq + 1, record.epoch, b"", record.ts
-                    )
-                    self.stats.queued_bytes -= len(record.payload)
+                if pending and pending[0] is record:
+                    member.replace_head(Record(layout.RESNAPSHOT, record.seq + 1, record.ts))
                 continue
             except Exception as exc:
-                self.stats.publish_errors += 1
-                log.debug("kv relay: publish to %s failed: %r", member.subject, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, BACKOFF_MAX)
-                continue
-            delay = 0.1
-            member.sent(record)
-            if ack.duplicate:
-                self.stats.duplicates += 1
-            elif record.kind == layout.BATCH:
-                self.stats.relayed += 1
-            if record.kind == layout.BATCH:
-                member.lag_ms = max(0.0, (time.time() - record.ts) * 1000)
+                acks.forget(record)
+                member.failed = f"not sent: {exc!r}"
+                break
+            record.sent = now
+            pending.popleft()
+            inflight.append(record)
+        member.taken()
 
-    async def _last_record(
-        self, js: JetStreamContext, subject: str
-    ) -> tuple[str, int, float] | None:
-        """(epoch, seq, ts) of the stream's last record of `subject` that has them."""
-        try:
-            msg = await js.get_last_msg(self.config.stream, subject)
-        except nats.js.errors.NotFoundError:
-            return None
-        headers = msg.headers or {}
-        try:
-            return headers[layout.EPOCH], int(headers[layout.SEQ]), float(headers[layout.TS])
-        except (KeyError, ValueError):
-            return None
+    def _failed(self, member: Member, now: float) -> None:
+        """Put what is in flight back in the queue, to be sent again after a pause."""
+        why = member.failed
+        acks = self._acks
+        for record in member.rewind():
+            if acks is not None:
+                acks.forget(record)
+        self.stats.publish_errors += 1
+        log.debug("kv relay: publishing to %s: %s; sending again", member.subject, why)
+        member.retry_at = now + member.delay
+        member.delay = min(member.delay * 2, BACKOFF_MAX)
+
+    def _watch_acks(self) -> None:
+        """Every so often: a member whose oldest record in flight is not acknowledged in
+        time sends again (its answer may never come)."""
+        loop = asyncio.get_running_loop()
+        timeout = self.config.publish_timeout
+        self._watchdog = loop.call_later(min(timeout / 4, 1.0), self._watch_acks)
+        now = loop.time()
+        for member in (*self.members.values(), *self._departing):
+            if member.failed is None and member.expired(now, timeout):
+                member.failed = f"no acknowledgement in {timeout} s"
+                self._notify(member)
 
     # -- status ------------------------------------------------------------------------------
 

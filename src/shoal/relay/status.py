@@ -92,7 +92,11 @@ class _RelayCollector(Collector):
         for name, doc, value in (
             ("batches_relayed", "batches the stream stored", stats.relayed),
             ("duplicates", "records the stream refused as already stored", stats.duplicates),
-            ("dropped_batches", "batches dropped from a full member queue", stats.dropped),
+            (
+                "dropped_batches",
+                "batches dropped (over NATS's max payload, a queue past its bound)",
+                stats.dropped,
+            ),
             ("resnapshots", "resnapshot records published or queued", stats.resnapshots),
             ("publish_errors", "publishes that failed (retried)", stats.publish_errors),
             ("replays", "replays asked of workers", subs.replays),

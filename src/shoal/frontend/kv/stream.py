@@ -2,14 +2,17 @@
 nats://...`), instead of one ZMQ subscription per worker.
 
 One ordered consumer reads the stream's retained history, then live records (layout:
-`shoal.kv.stream`). Per instance (namespace, instance id) it keeps the run it follows (the
-epoch) and the last batch applied, and checks every record the way `KvSubscription` checks a
-worker's own numbering:
+`shoal.kv.stream`). Per instance (namespace, instance id) it keeps the worker's number and
+timestamp of the last batch applied, and checks every record the way `KvSubscription` checks
+a worker's own numbering:
 
-- a batch at or below the last one of the same epoch is a duplicate: skipped;
-- a batch past the next one expected (a gap), or of another epoch (the publisher restarted),
-  drops what the index holds of the instance before it is applied; so do a `resnapshot`
-  record and a batch that cannot be read. The index may forget blocks, never keep evicted ones;
+- a batch numbered at or below the last one and not newer is one already applied (another
+  relay's copy): skipped;
+- the next batch (numbered one more, not older) is applied; any other (a gap, the numbering
+  started again by a restarted publisher, later) drops what the index holds of the instance
+  before it is applied; so does a batch that cannot be read, and a `resnapshot` record unless
+  it is for batches this reader did get (another relay delivered them): the index may forget
+  blocks, never keep evicted ones;
 - the records of an instance no `follow` asked for yet (the registry has not verified its
   card, or routes elsewhere) are kept, at most `PENDING_BATCHES` of them from its last loss on
   (older ones leave first: forgetting is safe), and applied when it is followed, so a frontend
@@ -51,8 +54,8 @@ StreamKey = tuple[str, int]  # (namespace, instance id)
 class _Instance:
     """One instance's place in the stream, and where its batches go."""
 
-    epoch: str | None = None
-    last_seq: int = -1
+    last_seq: int = -1  # the worker's number of the last batch applied (-1: none known)
+    last_ts: float = 0.0  # and its timestamp
     pending: deque[KVEventBatch] = field(default_factory=deque)
     apply: Callable[[KVEventBatch], None] | None = None
     purge: Callable[[], None] | None = None
@@ -199,7 +202,7 @@ class KvStreamReader:
                         )
                         for instance in self.instances.values():
                             instance.lose()
-                            instance.epoch, instance.last_seq = None, -1
+                            instance.last_seq = -1
                     start = 0
                     self.last_stream_seq = seq
                     self.record(msg.subject, msg.headers or {}, msg.data)
@@ -236,20 +239,23 @@ class KvStreamReader:
         if instance is None:
             instance = self.instances[key] = _Instance()
         try:
-            epoch, seq = headers[layout.EPOCH], int(headers[layout.SEQ])
+            seq, ts = int(headers[layout.SEQ]), float(headers[layout.TS])
         except (KeyError, ValueError):
             self.stats.decode_errors += 1
             return
+        last, last_ts = instance.last_seq, instance.last_ts
+        seen = last >= 0 and seq <= last and ts <= last_ts
+        following = last >= 0 and seq == last + 1 and ts >= last_ts
         if kind == layout.RESNAPSHOT:
-            self._resnapshot(instance)
-            instance.epoch, instance.last_seq = epoch, seq - 1
-            return
-        if instance.epoch is not None:
-            if epoch == instance.epoch and seq <= instance.last_seq:
-                return  # already applied
-            if epoch != instance.epoch or seq != instance.last_seq + 1:
+            if not (seen or following):  # else: lost by a relay, not by this reader
                 self._resnapshot(instance)
-        instance.epoch, instance.last_seq = epoch, seq
+                instance.last_seq, instance.last_ts = seq - 1, ts
+            return
+        if seen:
+            return  # already applied
+        if last >= 0 and not following:
+            self._resnapshot(instance)
+        instance.last_seq, instance.last_ts = seq, ts
         try:
             if len(payload) > MAX_BATCH_BYTES:
                 raise msgspec.DecodeError(f"{len(payload)} bytes, over {MAX_BATCH_BYTES}")

@@ -1,0 +1,94 @@
+"""`AckInbox`: the acknowledgements of the records one NATS connection publishes to JetStream.
+
+A record is published with the reply subject `{inbox}.{token}`; the stream answers there
+(`{"stream", "seq", "duplicate"}` or `{"error": ...}`; a 503 status when no stream takes the
+subject). One subscription (`{inbox}.*`) receives every answer and hands it to the record's
+`Member`, so publishing does not wait for each answer: the records of a member go out in a
+window, in order, and are retired in order (`Member.acknowledged`). A request per record
+(nats-py's `JetStreamContext.publish`) cost an inbox, a future and a `wait_for` each, and a
+round trip before the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from shoal.relay.member import DUPLICATE, FAILED, STORED, Member, Record
+
+log = logging.getLogger(__name__)
+
+NO_RESPONDERS = "503"
+YIELD_EVERY = 256  # answers handled before yielding to the event loop
+
+
+class _ApiError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _PubAck(msgspec.Struct):
+    stream: str = ""
+    seq: int = 0
+    duplicate: bool = False
+    error: _ApiError | None = None
+
+
+_decode = msgspec.json.Decoder(_PubAck).decode
+
+
+class AckInbox:
+    """Reply subjects for records sent on `nc`, and the answers routed back to their member."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.prefix = nc.new_inbox() + "."
+        self.waiting: dict[str, tuple[Member, Record]] = {}
+        self._count = 0
+        self._answers = 0
+
+    async def start(self) -> None:
+        await self.nc.subscribe(self.prefix + "*", cb=self._answer)
+
+    def reply(self, member: Member, record: Record) -> str:
+        """The reply subject of `record`, now awaited."""
+        self._count += 1
+        record.token = token = f"{self._count:x}"
+        self.waiting[token] = (member, record)
+        return self.prefix + token
+
+    def forget(self, record: Record) -> None:
+        """`record` is no longer awaited here (it is sent again, or never was)."""
+        entry = self.waiting.get(record.token)
+        if entry is not None and entry[1] is record:  # (a token of another connection: not)
+            del self.waiting[record.token]
+        record.token = ""
+
+    async def _answer(self, msg: Msg) -> None:
+        self._answers += 1
+        if self._answers % YIELD_EVERY == 0:
+            await asyncio.sleep(0)  # nats-py hands queued answers over without yielding
+        entry = self.waiting.pop(msg.subject[len(self.prefix) :], None)
+        if entry is None:
+            return  # a record sent again since (its answer came late), or not ours
+        member, record = entry
+        record.token = ""
+        headers = msg.headers
+        if headers and headers.get("Status") == NO_RESPONDERS:
+            member.acknowledged(record, FAILED, "no stream takes the subject")
+            return
+        try:
+            ack = _decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            member.acknowledged(record, FAILED, f"unreadable acknowledgement: {exc}")
+            return
+        if ack.error is not None:
+            why = f"{ack.error.description} (code {ack.error.code}/{ack.error.err_code})"
+            member.acknowledged(record, FAILED, why)
+            return
+        member.acknowledged(record, DUPLICATE if ack.duplicate else STORED)
