@@ -514,6 +514,8 @@ class Limits:
         now = time.monotonic()
         sent: list[asyncio.Future[Any]] = []
         for hash_ in list(self._unsettled):
+            if len(sent) >= FLUSH_BATCH and not final:
+                break  # the rest stay unsettled: the next flush
             key = self._keys.get(hash_)
             if key is None:
                 self._unsettled.discard(hash_)
@@ -521,7 +523,7 @@ class Limits:
             if key.asking:
                 continue  # its answer puts it back if need be
             ended = key.units > 0 and (final or now >= key.until)
-            if (key.owed or ended) and (final or len(sent) < FLUSH_BATCH):
+            if key.owed or ended:
                 self._unsettled.discard(hash_)
                 sent.append(self._ask(key, now, give_back=ended))
             elif key.units == 0:
