@@ -3,14 +3,16 @@ many keys owing tokens at once, Redis losing its scripts or its data, Redis hang
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio
 
 from shoal.discovery.grants import Grant, hash_secret
-from shoal.frontend.keys import limits
+from shoal.frontend.keys import limits, redis_link
 from shoal.frontend.keys.limits import Limits
+from shoal.frontend.keys.redis_link import RedisLink
 from tests.helpers import wait_for
 from tests.redis_server import RedisServer
 
@@ -57,3 +59,66 @@ async def test_tokens_owed_by_more_keys_than_one_flush_settles_all_reach_redis(
         return await tokens_in_redis(redis_server) == 20
 
     await wait_for(all_charged, timeout=5)
+
+
+class Told:
+    """A request waiting for Redis' answer (`limits.Waiter`): what it was told."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.verdicts: list[object] = []
+
+    def admitted(self, headers: bytes) -> None:
+        self.verdicts.append(headers)
+
+    def refused(self, refusal: limits.Refusal) -> None:
+        self.verdicts.append(refusal)
+
+
+async def test_scripts_flushed_in_redis_are_sent_again_and_the_limits_stay_shared(
+    shared: Limits, redis_server: RedisServer
+) -> None:
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        await client.script_flush()
+        await client.flushall()
+    finally:
+        await client.aclose()
+    waiters = [Told() for _ in range(3)]
+    for i, waiter in enumerate(waiters):
+        shared.wait(grant(i, rpm=1), waiter)
+    await wait_for(lambda: all(w.verdicts for w in waiters))
+    assert all(w.verdicts == [w.verdicts[0]] and isinstance(w.verdicts[0], bytes)
+               for w in waiters)  # fmt: skip
+    assert shared.shared
+    second = Told()
+    shared.wait(grant(0, rpm=1), second)  # counted in Redis: the second of rpm 1 is refused
+    await wait_for(lambda: second.verdicts)
+    assert isinstance(second.verdicts[0], limits.Refusal)
+
+
+async def test_a_link_sends_many_calls_in_bounded_batches(redis_server: RedisServer) -> None:
+    link = RedisLink(redis_server.url, 2.0)
+    try:
+        answers = await asyncio.gather(*(link.call("INCR", "n") for _ in range(1000)))
+    finally:
+        await link.close()
+    assert answers == list(range(1, 1001))  # in order, every one
+    # one write (and one loop turn reading the answers) per batch: the loop is not held long
+    assert link.round_trips >= 1000 / redis_link.MAX_BATCH
+
+
+async def test_scripts_redis_lost_are_loaded_once_not_sent_whole_with_each_call(
+    redis_server: RedisServer,
+) -> None:
+    link = RedisLink(redis_server.url, 2.0)
+    sha = link.script("return tonumber(ARGV[1]) + 1")
+    try:
+        answers = await asyncio.gather(*(link.call("EVALSHA", sha, 0, i) for i in range(100)))
+        assert answers == [i + 1 for i in range(100)]
+        stats = await link.call("INFO", "commandstats")
+    finally:
+        await link.close()
+    stats = stats.decode() if isinstance(stats, bytes) else stats
+    assert "cmdstat_eval:" not in stats  # the script went once, not 100 times
+    assert "cmdstat_script|load:calls=1," in stats
