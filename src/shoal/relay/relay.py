@@ -24,7 +24,8 @@ The invariants, both ways:
 - A member that leaves the view is unsubscribed at once and its `left` record published
   once (after what it had queued).
 - The relay never deletes or alters a stream: it creates `stream` when it is missing (after
-  every reconnection too: a server restarted without its storage).
+  every reconnection too: a server restarted without its storage; and when no stream takes
+  a record: one deleted under a connected relay).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class KvRelay:
         self.connections = 0  # connections made to NATS (a new connection_revision: one more)
         self._connection_revision: str | None = None
         self._seen_view = False
+        self._checking: asyncio.Task[None] | None = None  # the stream, after one went missing
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -111,7 +113,7 @@ class KvRelay:
         self._watch_acks()
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._connector, self._sender) if t is not None]
+        tasks = [t for t in (self._connector, self._sender, self._checking) if t is not None]
         for timer in (self._watchdog, self._retry):
             if timer is not None:
                 timer.cancel()
@@ -237,7 +239,7 @@ class KvRelay:
                     reconnected_cb=self._reconnected,
                     error_cb=self._error,
                 )
-                acks = AckInbox(self._nc)
+                acks = AckInbox(self._nc, self._no_stream)
                 await acks.start()
                 self.connections += 1
                 break
@@ -276,6 +278,19 @@ class KvRelay:
             self.connected.set()
             log.info("kv relay: connected to NATS, stream %s ready", self.config.stream)
             return
+
+    def _no_stream(self) -> None:
+        """No stream took a record (deleted under the relay?): made again, once at a time
+        (the records are sent again meanwhile, with backoff)."""
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.create_task(self._check_stream(), name="kv-relay-stream")
+
+    async def _check_stream(self) -> None:
+        try:
+            await self._ensure_stream()
+        except Exception as exc:
+            log.warning("kv relay: stream %s not ready: %s", self.config.stream, exc)
+            self.nats_error = f"stream {self.config.stream} not ready: {exc}"
 
     async def _error(self, exc: Exception) -> None:
         self.nats_error = str(exc) or type(exc).__name__

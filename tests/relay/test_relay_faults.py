@@ -1,0 +1,76 @@
+"""`KvRelay` in this process against a real `nats-server -js`, its members fed by hand (no
+worker): what it does when the stream is deleted under it, and when a member comes back."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import nats
+import pytest
+from nats.js.errors import NotFoundError
+
+from shoal.kv import AllBlocksCleared, KvEndpoint, KVEventBatch
+from shoal.kv import stream as layout
+from shoal.relay.member import Member, Record
+from shoal.relay.relay import KvRelay, RelayConfig
+from tests.helpers import wait_for
+from tests.nats_server import NatsServer
+
+STREAM = "shoal-kv-faults"
+
+
+@pytest.fixture
+async def relay(nats_server: NatsServer) -> AsyncIterator[KvRelay]:
+    made = KvRelay(RelayConfig(nats_urls=(nats_server.url,), stream=STREAM, publish_timeout=1))
+    await made.start()
+    await wait_for(lambda: made.connected.is_set())
+    try:
+        yield made
+    finally:
+        await made.stop()
+
+
+def fed(relay: KvRelay, instance_id: int) -> Member:
+    """A member of `relay` without a subscription: its batches are `apply`d by the test."""
+    key = ("ns", instance_id)
+    joined = layout.Joined(4, "m", "ns", "c", "e", "aggregated", "x")
+    member = Member(key, layout.subject(*key), KvEndpoint("tcp://127.0.0.1:1"), joined,
+                    relay.stats, 100)  # fmt: skip
+    member.notify = relay._notify
+    relay.members[key] = member
+    member.push(Record(layout.JOINED, payload=b"{}"))
+    return member
+
+
+def batch(ts: float) -> KVEventBatch:
+    return KVEventBatch(ts, [AllBlocksCleared()])
+
+
+async def stored(url: str) -> int:
+    """Messages in the stream (0 when there is none)."""
+    nc = await nats.connect(url)
+    try:
+        return (await nc.jetstream().stream_info(STREAM)).state.messages
+    except NotFoundError:
+        return 0
+    finally:
+        await nc.close()
+
+
+async def test_a_stream_deleted_under_a_connected_relay_is_created_again(
+    relay: KvRelay, nats_server: NatsServer
+) -> None:
+    member = fed(relay, 1)
+    member.apply(0, batch(100.0))
+    await wait_for(lambda: relay.stats.relayed == 1)
+    nc = await nats.connect(nats_server.url)
+    try:
+        await nc.jetstream().delete_stream(STREAM)
+    finally:
+        await nc.close()
+    member.apply(1, batch(101.0))  # no stream takes it: the relay makes one again
+
+    async def in_stream() -> bool:
+        return await stored(nats_server.url) >= 1 and relay.stats.relayed == 2
+
+    await wait_for(in_stream, timeout=10)
