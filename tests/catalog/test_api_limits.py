@@ -365,3 +365,22 @@ async def test_a_large_body_decoded_off_the_loop_is_refused_as_a_small_one_is(
     status, error = await send(client, "PATCH", "models/m", '{"description": "d"}' + pad)
     assert status == 200, error
     assert (await client.get(MODELS, "m")).description == "d"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"name": "m\xff"}', b"\xef\xbb\xbf{}", b'{"name": "\xed\xa0\x80"}', b"\xff\xfe{\x00}\x00"],
+    ids=["invalid-utf8", "bom", "utf8-surrogate", "utf16"],
+)
+async def test_a_large_body_that_is_not_utf8_json_is_answered_as_a_small_one(
+    client: CatalogClient, body: bytes
+) -> None:
+    """Bytes `json.loads` refuses before it parses (not UTF-8, a BOM, UTF-16): a body over
+    `api.OFF_LOOP_BYTES` gets the answer a small one gets, never 500."""
+    from shoal.catalog.api import OFF_LOOP_BYTES
+
+    space = " ".encode("utf-16-le" if body.startswith(b"\xff\xfe") else "utf-8")
+    small = await send(client, "POST", "models", body)
+    large = await send(client, "POST", "models", body + space * OFF_LOOP_BYTES)
+    assert small[0] in (400, 422), small
+    assert large == small

@@ -186,6 +186,8 @@ def _decoded(body: bytes, field: Any) -> Any:
         error = {"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
                  "input": {}, "ctx": {"error": exc.msg}}  # fmt: skip
         raise RequestValidationError([error], body=exc.doc) from exc
+    except ValueError as exc:  # not UTF-8 (or 16, 32): what FastAPI answers for it on the loop
+        raise HTTPException(400, "There was an error parsing the body") from exc
     valid, errors = field.validate(value, {}, loc=("body",))
     if errors:
         raise RequestValidationError(errors, body=value)
