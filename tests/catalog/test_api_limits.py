@@ -19,6 +19,7 @@ from shoal.catalog import (
     PROVIDERS,
     VIRTUAL_MODELS,
     CatalogClient,
+    CatalogConfig,
     CatalogServer,
 )
 from shoal.catalog.api import MAX_BODY_BYTES
@@ -384,3 +385,30 @@ async def test_a_large_body_that_is_not_utf8_json_is_answered_as_a_small_one(
     large = await send(client, "POST", "models", body + space * OFF_LOOP_BYTES)
     assert small[0] in (400, 422), small
     assert large == small
+
+
+async def test_a_large_body_without_the_admin_token_is_401_before_it_is_decoded(
+    database_url: str,
+) -> None:
+    """The admin token is checked before a body over `api.OFF_LOOP_BYTES` is decoded and
+    validated (in a thread): a client without it gets 401 as with a small body, never a
+    422 about the body, and costs no decoding."""
+    from shoal.catalog.api import OFF_LOOP_BYTES
+
+    server = CatalogServer(CatalogConfig(database_url, port=0, admin_token="s3cret"))
+    await server.start()
+    try:
+        url = f"{server.url}/v1/workspaces/team-a/models"
+        pad = " " * OFF_LOOP_BYTES
+        answers = []
+        async with aiohttp.ClientSession() as session:
+            for body in ('{"name": "m", "spec": 1}', '{"name": "m", "spec": 1}' + pad,
+                         '{"name": "m", "spec": {,}}' + pad):  # fmt: skip
+                async with session.post(
+                    url, data=body, headers={"Content-Type": "application/json"}
+                ) as resp:
+                    answers.append((resp.status, (await resp.json())["error"]["code"]))
+    finally:
+        await server.stop()
+    assert answers[0][0] == 401
+    assert answers[1:] == [answers[0]] * 2, answers
