@@ -74,3 +74,19 @@ async def test_a_stream_deleted_under_a_connected_relay_is_created_again(
         return await stored(nats_server.url) >= 1 and relay.stats.relayed == 2
 
     await wait_for(in_stream, timeout=10)
+
+
+async def test_a_relay_whose_stream_was_made_with_another_max_age_says_so(
+    relay: KvRelay, nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stream is used as it is, never altered: a second relay started with another
+    `--max-age` says which settings it found instead of its own, in its log and status."""
+    other = KvRelay(RelayConfig(nats_urls=(nats_server.url,), stream=STREAM, max_age=3600))
+    await other.start()
+    try:
+        await wait_for(lambda: other.connected.is_set())
+        assert other.status()["stream_differs"] == {"max_age": {"stream": 600.0, "flag": 3600}}
+        assert relay.status()["stream_differs"] == {}
+    finally:
+        await other.stop()
+    assert "max_age 600.0 (not 3600" in caplog.text

@@ -103,6 +103,7 @@ class KvRelay:
         self._connection_revision: str | None = None
         self._seen_view = False
         self._checking: asyncio.Task[None] | None = None  # the stream, after one went missing
+        self.stream_differs: dict[str, dict[str, float | None]] = {}  # its settings, not ours
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -304,10 +305,12 @@ class KvRelay:
         assert self._js is not None
         config = self.config
         try:
-            await self._js.stream_info(config.stream)
-            return  # it exists: used as it is, never altered
+            info = await self._js.stream_info(config.stream)
         except nats.js.errors.NotFoundError:
             pass
+        else:  # it exists: used as it is, never altered (said when it is not as asked)
+            self._compare(info.config)
+            return
         try:
             await self._js.add_stream(
                 name=config.stream,
@@ -319,8 +322,28 @@ class KvRelay:
                 num_replicas=1,
             )
             log.info("kv relay: created stream %s", config.stream)
-        except nats.js.errors.BadRequestError:
-            await self._js.stream_info(config.stream)  # another relay created it meanwhile
+            self.stream_differs = {}
+        except nats.js.errors.BadRequestError:  # another relay created it meanwhile
+            self._compare((await self._js.stream_info(config.stream)).config)
+
+    def _compare(self, found: api.StreamConfig) -> None:
+        """Note (`stream_differs`, logged once a change) the stream's retention settings
+        that are not this relay's flags: another relay, or an operator, made it so."""
+        config = self.config
+        differs: dict[str, dict[str, float | None]] = {}
+        for name, flag, value in (
+            ("max_age", config.max_age, found.max_age),
+            ("max_bytes", config.max_bytes, found.max_bytes),
+            ("duplicate_window", config.duplicate_window, found.duplicate_window),
+        ):
+            if value != flag:
+                differs[name] = {"stream": value, "flag": flag}
+        if differs and differs != self.stream_differs:
+            log.warning(
+                "kv relay: stream %s is used as it is: %s", config.stream,
+                ", ".join(f"{k} {v['stream']} (not {v['flag']})" for k, v in differs.items()),
+            )  # fmt: skip
+        self.stream_differs = differs
 
     # -- publishing --------------------------------------------------------------------------
 
@@ -457,6 +480,7 @@ class KvRelay:
                 "connections": self.connections,
             },
             "stream": self.config.stream,
+            "stream_differs": self.stream_differs,
             "members": [m.status() for _, m in sorted(self.members.items())],
         }
 
