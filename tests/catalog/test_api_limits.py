@@ -412,3 +412,38 @@ async def test_a_large_body_without_the_admin_token_is_401_before_it_is_decoded(
         await server.stop()
     assert answers[0][0] == 401
     assert answers[1:] == [answers[0]] * 2, answers
+
+
+async def test_large_bodies_are_decoded_one_at_a_time_beside_the_shared_thread_pool(
+    client: CatalogClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client sending many bodies over `api.OFF_LOOP_BYTES` at once gets them decoded one
+    after the other on the catalog's own thread: not in the pool usage reports use, nor in
+    six threads at once that would leave the event loop (every other client) a seventh of
+    the interpreter."""
+    import threading
+
+    from shoal.catalog import api
+
+    decoding: list[int] = []
+    seen: list[tuple[str, int]] = []
+    real = api._decoded
+
+    def decoded(body: bytes, field: Any) -> Any:
+        decoding.append(1)
+        seen.append((threading.current_thread().name, len(decoding)))
+        try:
+            threading.Event().wait(0.02)  # (work: lets another decoding overlap if it may)
+            return real(body, field)
+        finally:
+            decoding.pop()
+
+    monkeypatch.setattr(api, "_decoded", decoded)
+    pad = " " * api.OFF_LOOP_BYTES
+    answers = await asyncio.gather(
+        *(send(client, "POST", "models", f'{{"name": "m{i}"}}' + pad) for i in range(8))
+    )
+    assert [status for status, _ in answers] == [201] * 8
+    assert len(seen) == 8
+    assert {name.split("_")[0] for name, _ in seen} == {"catalog-body"}, seen
+    assert max(depth for _, depth in seen) == 1, seen

@@ -7,6 +7,7 @@ No `from __future__ import annotations` here: FastAPI reads the route closures' 
 """
 
 import asyncio
+import concurrent.futures
 import email.message
 import hmac
 import json
@@ -46,6 +47,10 @@ from shoal.catalog.usage import usage_routes
 T = TypeVar("T")
 MAX_BODY_BYTES = 1 << 20  # a request body's bound: several times the largest valid resource
 OFF_LOOP_BYTES = 32 << 10  # a JSON body over this is decoded and validated in a thread
+# ... this one thread, one body at a time: decoding holds the interpreter, so more threads
+# decode no faster and leave the event loop (every other client) a smaller share of it; and
+# a flood of bodies does not queue before the usage reports in asyncio's default pool.
+_DECODER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="catalog-body")
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text}
     for status, text in (
@@ -133,13 +138,14 @@ def _error(exc: CatalogError) -> JSONResponse:
 
 
 class BoundedRoute(APIRoute):
-    """A route that answers 413 for a body over `MAX_BODY_BYTES` (from its declared length,
-    else as it comes, never buffering more), 401 before reading it when the admin token the
-    route requires is missing, and 400 for one nesting deeper than `MAX_DEPTH`,
-    checked on its bytes before FastAPI decodes it: no decoder or serializer ever meets a
-    deeper value. A JSON body over `OFF_LOOP_BYTES` is checked, decoded and validated in a
-    thread (a usage batch of 1 MiB held the loop ~70 ms); FastAPI then meets the model it
-    declared, already valid, so the OpenAPI schema is the same either way."""
+    """A route that answers 401 before reading a body when the admin token it requires is
+    missing, 413 for a body over `MAX_BODY_BYTES` (from its declared length, else as it
+    comes, never buffering more), and 400 for one nesting deeper than `MAX_DEPTH`, checked
+    on its bytes before FastAPI decodes it: no decoder or serializer ever meets a deeper
+    value. A JSON body over `OFF_LOOP_BYTES` is checked, decoded and validated in a thread
+    of its own (`_DECODER`; a usage batch of 1 MiB held the loop ~70 ms); FastAPI then
+    meets the model it declared, already valid, so the OpenAPI schema is the same either
+    way."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handle = super().get_route_handler()
@@ -154,7 +160,8 @@ class BoundedRoute(APIRoute):
             off_loop = one_body and len(body) > OFF_LOOP_BYTES and _is_json(request)
             if body_field is not None and off_loop:
                 # what FastAPI's `await request.json()` returns from now on
-                request._json = await asyncio.to_thread(_decoded, body, body_field)
+                loop = asyncio.get_running_loop()
+                request._json = await loop.run_in_executor(_DECODER, _decoded, body, body_field)
                 return await handle(request)
             if json_depth_exceeds(body):
                 raise _too_deep()
