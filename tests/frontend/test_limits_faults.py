@@ -4,6 +4,7 @@ many keys owing tokens at once, Redis losing its scripts or its data, Redis hang
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -122,3 +123,46 @@ async def test_scripts_redis_lost_are_loaded_once_not_sent_whole_with_each_call(
     stats = stats.decode() if isinstance(stats, bytes) else stats
     assert "cmdstat_eval:" not in stats  # the script went once, not 100 times
     assert "cmdstat_script|load:calls=1," in stats
+
+
+async def test_redis_hanging_answers_every_waiting_request_from_the_fallback_then_resumes(
+    shared: Limits, redis_server: RedisServer
+) -> None:
+    assert redis_server.proc is not None
+    redis_server.proc.send_signal(signal.SIGSTOP)  # Redis hangs (a 5 s pause)
+    try:
+        waiters = [Told() for _ in range(200)]
+        for i, waiter in enumerate(waiters):
+            shared.wait(grant(i % 50, rpm=1000), waiter)
+        # every one told by the fallback once Redis' answer is overdue (`limits.TIMEOUT`)
+        await wait_for(lambda: all(w.verdicts for w in waiters), timeout=3)
+        assert all(isinstance(w.verdicts[0], bytes) for w in waiters)
+        assert not shared.shared and shared.describe()["state"] == "fallback"
+        assert shared.admit(grant(0, rpm=1000)) is not None  # decided here meanwhile
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    await wait_for(lambda: shared.shared, timeout=5)
+    after = Told()
+    shared.wait(grant(99, rpm=1), after)
+    await wait_for(lambda: after.verdicts)
+    again = Told()
+    shared.wait(grant(99, rpm=1), again)  # Redis counts again: the second of rpm 1 refused
+    await wait_for(lambda: again.verdicts)
+    assert isinstance(again.verdicts[0], limits.Refusal)
+
+
+async def test_a_lowered_limit_takes_effect_at_once_on_a_key_holding_an_allowance(
+    shared: Limits,
+) -> None:
+    generous = grant(0, rpm=1_000_000)
+    for _ in range(3):  # the key is busy: its next lease brings an allowance
+        told = Told()
+        shared.wait(generous, told)
+        await wait_for(lambda told=told: told.verdicts)
+    assert isinstance(shared.admit(generous), bytes)  # on the allowance, no round trip
+    lowered = grant(0, rpm=2)  # the store's new version of the key
+    assert shared.admit(lowered) is None  # the allowance is not the new limit's: Redis decides
+    told = Told()
+    shared.wait(lowered, told)
+    await wait_for(lambda: told.verdicts)
+    assert isinstance(told.verdicts[0], limits.Refusal) and told.verdicts[0].what == "requests"
