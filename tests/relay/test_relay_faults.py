@@ -4,6 +4,7 @@ worker): what it does when the stream is deleted under it, and when a member com
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import nats
 import pytest
@@ -11,7 +12,7 @@ from nats.js.errors import NotFoundError
 
 from shoal.kv import AllBlocksCleared, KvEndpoint, KVEventBatch
 from shoal.kv import stream as layout
-from shoal.relay.member import Member, Record
+from shoal.relay.member import Member
 from shoal.relay.relay import KvRelay, RelayConfig
 from tests.helpers import wait_for
 from tests.nats_server import NatsServer
@@ -30,16 +31,15 @@ async def relay(nats_server: NatsServer) -> AsyncIterator[KvRelay]:
         await made.stop()
 
 
-def fed(relay: KvRelay, instance_id: int) -> Member:
-    """A member of `relay` without a subscription: its batches are `apply`d by the test."""
+def fed(relay: KvRelay, instance_id: int, buffer: int = 100) -> Member:
+    """A member joined as a view would join it (its subscription to a worker that is not
+    there waits, idle): its batches are `apply`d by the test."""
+    relay.config.buffer = buffer
     key = ("ns", instance_id)
-    joined = layout.Joined(4, "m", "ns", "c", "e", "aggregated", "x")
-    member = Member(key, layout.subject(*key), KvEndpoint("tcp://127.0.0.1:1"), joined,
-                    relay.stats, 100)  # fmt: skip
-    member.notify = relay._notify
-    relay.members[key] = member
-    member.push(Record(layout.JOINED, payload=b"{}"))
-    return member
+    card = SimpleNamespace(kv_block_size=4, display_name="m", role="aggregated", mdcsum="x")
+    instance = SimpleNamespace(namespace="ns", component="c", endpoint="e")
+    relay._join(key, KvEndpoint("tcp://127.0.0.1:1"), SimpleNamespace(card=card, instance=instance))  # type: ignore[arg-type]
+    return relay.members[key]
 
 
 def batch(ts: float) -> KVEventBatch:
@@ -90,3 +90,40 @@ async def test_a_relay_whose_stream_was_made_with_another_max_age_says_so(
     finally:
         await other.stop()
     assert "max_age 600.0 (not 3600" in caplog.text
+
+
+async def records(url: str) -> list[tuple[str, str]]:
+    """(kind, Shoal-Seq) of every record in the stream, in its order."""
+    nc = await nats.connect(url)
+    try:
+        info = await nc.jetstream().stream_info(STREAM)
+        sub = await nc.jetstream().subscribe(
+            f"{layout.SUBJECT_PREFIX}.>", stream=STREAM, ordered_consumer=True
+        )
+        got = []
+        for _ in range(info.state.messages):
+            msg = await sub.next_msg(timeout=5)
+            headers = msg.headers or {}
+            got.append((headers.get(layout.KIND, ""), headers.get(layout.SEQ, "")))
+        return got
+    finally:
+        await nc.close()
+
+
+async def test_an_instance_back_under_the_same_id_is_published_after_its_left(
+    relay: KvRelay, nats_server: NatsServer
+) -> None:
+    """A worker restarted with the same instance id (its KV endpoint changed: left, joined
+    again in one view): the new run's records go to the subject after everything the old
+    run had queued and its `left`, never among them."""
+    old = fed(relay, 1, buffer=1000)
+    for seq in range(400):  # more than a window: the old run is still sending
+        old.apply(seq, batch(100.0 + seq))
+    relay._leave(relay.members.pop(old.key))
+    new = fed(relay, 1)
+    for seq in range(3):
+        new.apply(seq, batch(1000.0 + seq))
+    await wait_for(lambda: relay.stats.relayed == 403, timeout=10)
+    kinds = [kind for kind, _ in await records(nats_server.url)]
+    assert kinds.index("left") == 401, kinds  # joined, 400 batches, left
+    assert kinds[402:] == ["batch"] * 3  # (the new run's joined: a duplicate of the first)

@@ -22,7 +22,9 @@ The invariants, both ways:
   worker's own number and timestamp of it, the same from every relay that publishes it,
   whenever each started following the worker, so the stream keeps one copy when two run.
 - A member that leaves the view is unsubscribed at once and its `left` record published
-  once (after what it had queued).
+  once (after what it had queued). An instance back under the same id (a worker restarted)
+  is a new member whose records wait until the one before has published its `left`: the
+  runs never mix on their subject.
 - The relay never deletes or alters a stream: it creates `stream` when it is missing (after
   every reconnection too: a server restarted without its storage; and when no stream takes
   a record: one deleted under a connected relay).
@@ -96,6 +98,7 @@ class KvRelay:
         self._ready: dict[Member, None] = {}  # members with something to send or handle
         self._work = asyncio.Event()
         self._departing: set[Member] = set()  # left the view; their `left` not acknowledged
+        self._last_left: dict[MemberKey, Member] = {}  # of those, the last one of each key
         self._sender: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._retry: asyncio.TimerHandle | None = None  # wakes the sender for a retry
@@ -180,6 +183,7 @@ class KvRelay:
             self.config.buffer_bytes,
         )
         member.notify = self._notify
+        member.follows = self._last_left.get(key)
         member.push(Record(layout.JOINED, payload=msgspec.json.encode(joined)))
         member.subscription = KvSubscription(
             self._ctx,
@@ -203,7 +207,18 @@ class KvRelay:
             self._leaving.add(stopping)
             stopping.add_done_callback(self._leaving.discard)
         self._departing.add(member)
+        self._last_left[member.key] = member
         member.leave()
+
+    def _departed(self, member: Member) -> None:
+        """`member`'s `left` is acknowledged: the run of the same instance after it sends."""
+        self._departing.discard(member)
+        if self._last_left.get(member.key) is member:
+            del self._last_left[member.key]
+        for after in (*self._departing, self.members.get(member.key)):
+            if after is not None and after.follows is member:
+                after.follows = None
+                self._notify(after)
 
     # -- NATS --------------------------------------------------------------------------------
 
@@ -383,6 +398,8 @@ class KvRelay:
             if not self.connected.is_set():  # lost while this round yielded: next one
                 self._notify(member)
                 continue
+            if member.follows is not None:
+                continue  # after the run before it (`_departed` wakes it)
             if member.failed is not None:
                 self._failed(member, now)
             if member.retry_at > now:
@@ -395,7 +412,7 @@ class KvRelay:
                 if member.failed is not None:
                     self._notify(member)
             if member.leaving and not member.pending and not member.inflight:
-                self._departing.discard(member)
+                self._departed(member)
         if later is not None and (self._retry is None or self._retry.when() > later):
             if self._retry is not None:
                 self._retry.cancel()
