@@ -166,3 +166,22 @@ async def test_a_lowered_limit_takes_effect_at_once_on_a_key_holding_an_allowanc
     shared.wait(lowered, told)
     await wait_for(lambda: told.verdicts)
     assert isinstance(told.verdicts[0], limits.Refusal) and told.verdicts[0].what == "requests"
+
+
+def test_the_state_of_many_keys_is_small() -> None:
+    """`limits.MAX_KEYS` keys' states are held at most: each costs a few hundred bytes, not
+    a queue of waiting requests it has not got (a deque is 760 bytes empty)."""
+    import tracemalloc
+
+    grants = [grant(i, rpm=100, tpm=1000) for i in range(10_000)]
+    limits_here = Limits("redis://127.0.0.1:1")  # (never started: only the states)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for made in grants:
+            limits_here._key(made)
+            limits_here.charge(made, 10)
+        per_key = (tracemalloc.get_traced_memory()[0] - before) / len(grants)
+    finally:
+        tracemalloc.stop()
+    assert per_key < 400, f"{per_key:.0f} bytes a key"  # (~350; 1,050 with a deque)
