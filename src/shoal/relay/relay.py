@@ -305,8 +305,10 @@ class KvRelay:
         try:
             await self._ensure_stream()
         except Exception as exc:
-            log.warning("kv relay: stream %s not ready: %s", self.config.stream, exc)
-            self.nats_error = f"stream {self.config.stream} not ready: {exc}"
+            why = f"stream {self.config.stream} not ready: {exc}"
+            if self.nats_error != why:  # (once, not at every record's retry)
+                log.warning("kv relay: %s", why)
+            self.nats_error = why
 
     async def _error(self, exc: Exception) -> None:
         self.nats_error = str(exc) or type(exc).__name__
