@@ -10,6 +10,8 @@ import nats
 import pytest
 from nats.js.errors import NotFoundError
 
+from shoal.frontend.kv import stream as kv_stream
+from shoal.frontend.kv.stream import KvStreamReader
 from shoal.kv import AllBlocksCleared, KvEndpoint, KVEventBatch
 from shoal.kv import stream as layout
 from shoal.relay.member import Member
@@ -127,3 +129,34 @@ async def test_an_instance_back_under_the_same_id_is_published_after_its_left(
     kinds = [kind for kind, _ in await records(nats_server.url)]
     assert kinds.index("left") == 401, kinds  # joined, 400 batches, left
     assert kinds[402:] == ["batch"] * 3  # (the new run's joined: a duplicate of the first)
+
+
+async def test_a_reader_whose_stream_is_deleted_and_made_again_reads_the_new_one(
+    relay: KvRelay, nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream deleted and made again (by the relay; or a NATS server back without its
+    storage) numbers its records from 1: a frontend reading it goes on from the new stream's
+    start (what it held of every instance dropped), not from its old place."""
+    monkeypatch.setattr(kv_stream, "STREAM_CHECK", 0.2, raising=False)
+    reader = KvStreamReader(nats_server.url, STREAM)
+    applied: list[float] = []
+    purges: list[int] = []
+    reader.follow(("ns", 1), lambda b: applied.append(b.ts), lambda: purges.append(1))
+    reader.start()
+    try:
+        member = fed(relay, 1)
+        for seq in range(50):
+            member.apply(seq, batch(100.0 + seq))
+        await wait_for(lambda: len(applied) == 50, timeout=10)
+        nc = await nats.connect(nats_server.url)
+        try:
+            await nc.jetstream().delete_stream(STREAM)
+        finally:
+            await nc.close()
+        for seq in range(50, 60):  # the first finds no stream: the relay makes it again
+            member.apply(seq, batch(100.0 + seq))
+        await wait_for(lambda: applied[-1:] == [159.0], timeout=10)
+        assert purges  # what it held may be wrong: dropped
+        assert reader.describe()["last_record"] == 10
+    finally:
+        await reader.close()
