@@ -3,6 +3,7 @@ worker): what it does when the stream is deleted under it, and when a member com
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
@@ -160,3 +161,17 @@ async def test_a_reader_whose_stream_is_deleted_and_made_again_reads_the_new_one
         assert reader.describe()["last_record"] == 10
     finally:
         await reader.close()
+
+
+async def test_a_relay_follows_more_instances_than_zmqs_default_socket_bound(
+    relay: KvRelay,
+) -> None:
+    """1,100 members: one SUB socket each (and a DEALER while one replays), past libzmq's
+    default of 1,023 sockets a context, every subscription runs."""
+    for instance_id in range(1, 1101):
+        fed(relay, instance_id)
+    tasks = [m.subscription.task for m in relay.members.values() if m.subscription]
+    assert len(tasks) == 1100 and None not in tasks
+    await asyncio.sleep(0)  # (one turn of the loop: each subscription's first step, its socket)
+    failed = [task for task in tasks if task is not None and task.done()]
+    assert not failed, f"{len(failed)} subscriptions died"

@@ -44,14 +44,13 @@ import msgspec
 import nats
 import nats.errors
 import nats.js.errors
-import zmq.asyncio
 from nats.aio.client import Client
 from nats.js import JetStreamContext, api
 
 from shoal.discovery import ModelInstance
 from shoal.kv import KvEndpoint
 from shoal.kv import stream as layout
-from shoal.kv.subscription import KvSubscription
+from shoal.kv.subscription import KvSubscription, zmq_context
 from shoal.membership import Membership
 from shoal.relay.acks import AckInbox
 from shoal.relay.member import BUFFER_BYTES, WINDOW, Member, MemberKey, Record, RelayStats
@@ -92,7 +91,7 @@ class KvRelay:
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._acks: AckInbox | None = None
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq_context()
         self._connector: asyncio.Task[None] | None = None
         self._leaving: set[asyncio.Task[None]] = set()
         self._ready: dict[Member, None] = {}  # members with something to send or handle
