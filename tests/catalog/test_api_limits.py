@@ -19,6 +19,7 @@ from shoal.catalog import (
     PROVIDERS,
     VIRTUAL_MODELS,
     CatalogClient,
+    CatalogConfig,
     CatalogServer,
 )
 from shoal.catalog.api import MAX_BODY_BYTES
@@ -365,3 +366,84 @@ async def test_a_large_body_decoded_off_the_loop_is_refused_as_a_small_one_is(
     status, error = await send(client, "PATCH", "models/m", '{"description": "d"}' + pad)
     assert status == 200, error
     assert (await client.get(MODELS, "m")).description == "d"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"name": "m\xff"}', b"\xef\xbb\xbf{}", b'{"name": "\xed\xa0\x80"}', b"\xff\xfe{\x00}\x00"],
+    ids=["invalid-utf8", "bom", "utf8-surrogate", "utf16"],
+)
+async def test_a_large_body_that_is_not_utf8_json_is_answered_as_a_small_one(
+    client: CatalogClient, body: bytes
+) -> None:
+    """Bytes `json.loads` refuses before it parses (not UTF-8, a BOM, UTF-16): a body over
+    `api.OFF_LOOP_BYTES` gets the answer a small one gets, never 500."""
+    from shoal.catalog.api import OFF_LOOP_BYTES
+
+    space = " ".encode("utf-16-le" if body.startswith(b"\xff\xfe") else "utf-8")
+    small = await send(client, "POST", "models", body)
+    large = await send(client, "POST", "models", body + space * OFF_LOOP_BYTES)
+    assert small[0] in (400, 422), small
+    assert large == small
+
+
+async def test_a_large_body_without_the_admin_token_is_401_before_it_is_decoded(
+    database_url: str,
+) -> None:
+    """The admin token is checked before a body over `api.OFF_LOOP_BYTES` is decoded and
+    validated (in a thread): a client without it gets 401 as with a small body, never a
+    422 about the body, and costs no decoding."""
+    from shoal.catalog.api import OFF_LOOP_BYTES
+
+    server = CatalogServer(CatalogConfig(database_url, port=0, admin_token="s3cret"))
+    await server.start()
+    try:
+        url = f"{server.url}/v1/workspaces/team-a/models"
+        pad = " " * OFF_LOOP_BYTES
+        answers = []
+        async with aiohttp.ClientSession() as session:
+            for body in ('{"name": "m", "spec": 1}', '{"name": "m", "spec": 1}' + pad,
+                         '{"name": "m", "spec": {,}}' + pad):  # fmt: skip
+                async with session.post(
+                    url, data=body, headers={"Content-Type": "application/json"}
+                ) as resp:
+                    answers.append((resp.status, (await resp.json())["error"]["code"]))
+    finally:
+        await server.stop()
+    assert answers[0][0] == 401
+    assert answers[1:] == [answers[0]] * 2, answers
+
+
+async def test_large_bodies_are_decoded_one_at_a_time_beside_the_shared_thread_pool(
+    client: CatalogClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client sending many bodies over `api.OFF_LOOP_BYTES` at once gets them decoded one
+    after the other on the catalog's own thread: not in the pool usage reports use, nor in
+    six threads at once that would leave the event loop (every other client) a seventh of
+    the interpreter."""
+    import threading
+
+    from shoal.catalog import api
+
+    decoding: list[int] = []
+    seen: list[tuple[str, int]] = []
+    real = api._decoded
+
+    def decoded(body: bytes, field: Any) -> Any:
+        decoding.append(1)
+        seen.append((threading.current_thread().name, len(decoding)))
+        try:
+            threading.Event().wait(0.02)  # (work: lets another decoding overlap if it may)
+            return real(body, field)
+        finally:
+            decoding.pop()
+
+    monkeypatch.setattr(api, "_decoded", decoded)
+    pad = " " * api.OFF_LOOP_BYTES
+    answers = await asyncio.gather(
+        *(send(client, "POST", "models", f'{{"name": "m{i}"}}' + pad) for i in range(8))
+    )
+    assert [status for status, _ in answers] == [201] * 8
+    assert len(seen) == 8
+    assert {name.split("_")[0] for name, _ in seen} == {"catalog-body"}, seen
+    assert max(depth for _, depth in seen) == 1, seen

@@ -7,6 +7,7 @@ No `from __future__ import annotations` here: FastAPI reads the route closures' 
 """
 
 import asyncio
+import concurrent.futures
 import email.message
 import hmac
 import json
@@ -20,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import BaseModel, StringConstraints
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException
@@ -45,6 +47,10 @@ from shoal.catalog.usage import usage_routes
 T = TypeVar("T")
 MAX_BODY_BYTES = 1 << 20  # a request body's bound: several times the largest valid resource
 OFF_LOOP_BYTES = 32 << 10  # a JSON body over this is decoded and validated in a thread
+# ... this one thread, one body at a time: decoding holds the interpreter, so more threads
+# decode no faster and leave the event loop (every other client) a smaller share of it; and
+# a flood of bodies does not queue before the usage reports in asyncio's default pool.
+_DECODER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="catalog-body")
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text}
     for status, text in (
@@ -132,24 +138,30 @@ def _error(exc: CatalogError) -> JSONResponse:
 
 
 class BoundedRoute(APIRoute):
-    """A route that answers 413 for a body over `MAX_BODY_BYTES` (from its declared length,
-    else as it comes, never buffering more), and 400 for one nesting deeper than `MAX_DEPTH`,
-    checked on its bytes before FastAPI decodes it: no decoder or serializer ever meets a
-    deeper value. A JSON body over `OFF_LOOP_BYTES` is checked, decoded and validated in a
-    thread (a usage batch of 1 MiB held the loop ~70 ms); FastAPI then meets the model it
-    declared, already valid, so the OpenAPI schema is the same either way."""
+    """A route that answers 401 before reading a body when the admin token it requires is
+    missing, 413 for a body over `MAX_BODY_BYTES` (from its declared length, else as it
+    comes, never buffering more), and 400 for one nesting deeper than `MAX_DEPTH`, checked
+    on its bytes before FastAPI decodes it: no decoder or serializer ever meets a deeper
+    value. A JSON body over `OFF_LOOP_BYTES` is checked, decoded and validated in a thread
+    of its own (`_DECODER`; a usage batch of 1 MiB held the loop ~70 ms); FastAPI then
+    meets the model it declared, already valid, so the OpenAPI schema is the same either
+    way."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handle = super().get_route_handler()
         body_field = self.body_field
         one_body = len(self.dependant.body_params) == 1 and not self._embed_body_fields
+        guards = [d.dependency for d in self.dependencies if isinstance(d.dependency, _Guard)]
 
         async def bounded(request: Request) -> Response:
+            for guard in guards:  # before the body is read
+                guard.check_header(request.headers.get("authorization", ""))
             body = await _bounded_body(request)
             off_loop = one_body and len(body) > OFF_LOOP_BYTES and _is_json(request)
             if body_field is not None and off_loop:
                 # what FastAPI's `await request.json()` returns from now on
-                request._json = await asyncio.to_thread(_decoded, body, body_field)
+                loop = asyncio.get_running_loop()
+                request._json = await loop.run_in_executor(_DECODER, _decoded, body, body_field)
                 return await handle(request)
             if json_depth_exceeds(body):
                 raise _too_deep()
@@ -186,6 +198,8 @@ def _decoded(body: bytes, field: Any) -> Any:
         error = {"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
                  "input": {}, "ctx": {"error": exc.msg}}  # fmt: skip
         raise RequestValidationError([error], body=exc.doc) from exc
+    except ValueError as exc:  # not UTF-8 (or 16, 32): what FastAPI answers for it on the loop
+        raise HTTPException(400, "There was an error parsing the body") from exc
     valid, errors = field.validate(value, {}, loc=("body",))
     if errors:
         raise RequestValidationError(errors, body=value)
@@ -248,20 +262,30 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     return response
 
 
-def _guard(token: str | None) -> Callable[..., Awaitable[None]]:
-    """A dependency refusing requests without `Authorization: Bearer <token>` (if one is set)."""
-    bearer = HTTPBearer(auto_error=False, description="the admin token")
+_BEARER = HTTPBearer(auto_error=False, description="the admin token")
 
-    async def check(
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+
+class _Guard:
+    """A dependency refusing requests without `Authorization: Bearer <token>`. A
+    `BoundedRoute` also asks it before reading the body: a client without the token never
+    has one read, decoded or validated (in a thread)."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token.encode()
+
+    async def __call__(
+        self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
     ) -> None:
-        if token is None:
-            return
-        given = credentials.credentials if credentials else ""
-        if not hmac.compare_digest(given.encode(), token.encode()):
+        self.check(credentials.credentials if credentials else "")
+
+    def check(self, given: str) -> None:
+        if not hmac.compare_digest(given.encode(), self.token):
             raise UnauthorizedError("an admin token is required: Authorization: Bearer <token>")
 
-    return check
+    def check_header(self, authorization: str) -> None:
+        """`check` on an `Authorization` header, read as `HTTPBearer` reads it."""
+        scheme, credentials = get_authorization_scheme_param(authorization)
+        self.check(credentials if scheme.lower() == "bearer" else "")
 
 
 async def _no_guard() -> None:
@@ -296,7 +320,9 @@ def create_app(
     app.add_exception_handler(HTTPException, _on_http_error)
     repo = Repository(engine)
     app.state.repository = repo
-    guard = _guard(admin_token) if admin_token is not None else _no_guard
+    guard: Callable[..., Awaitable[None]] = (
+        _Guard(admin_token) if admin_token is not None else _no_guard
+    )
     write = [Depends(guard)]
     read = [Depends(_no_guard if public_read else guard)]
     _workspace_routes(app, repo, read)

@@ -58,8 +58,18 @@ YIELD_SECONDS = 0.005  # or this long
 # reconnects a peer it dropped for it: the subscription would go deaf.)
 MAX_BATCH_BYTES = 4 << 20
 APPLY_SLICE = 1024  # blocks of one batch applied before yielding to the event loop
+# Sockets of one context: a SUB per instance followed, a DEALER while one replays (libzmq's
+# default, 1,023, was ~500 instances catching up at once: the rest failed, unseen).
+MAX_SOCKETS = 65_536
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
+
+
+def zmq_context() -> zmq.asyncio.Context:
+    """The ZMQ context of a process's subscriptions (`MAX_SOCKETS` sockets)."""
+    ctx = zmq.asyncio.Context()
+    ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+    return ctx
 
 
 class KvStats:
@@ -121,7 +131,11 @@ class KvSubscription:
                 await self.task
 
     async def run(self) -> None:
-        reader = _Reader(self.ctx, zmq.SUB)
+        try:
+            reader = _Reader(self.ctx, zmq.SUB)
+        except zmq.ZMQError as exc:  # (out of sockets or files): said, not left to the GC
+            log.error("KV events of instance %x: no socket: %s", self.instance_id, exc)
+            raise
         sub = reader.sock
         sub.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic.encode())
         try:

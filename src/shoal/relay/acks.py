@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import msgspec
 from nats.aio.client import Client
@@ -45,8 +46,9 @@ _decode = msgspec.json.Decoder(_PubAck).decode
 class AckInbox:
     """Reply subjects for records sent on `nc`, and the answers routed back to their member."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Client, no_stream: Callable[[], None] = lambda: None) -> None:
         self.nc = nc
+        self.no_stream = no_stream  # told when no stream takes a record's subject
         self.prefix = nc.new_inbox() + "."
         self.waiting: dict[str, tuple[Member, Record]] = {}
         self._count = 0
@@ -81,6 +83,7 @@ class AckInbox:
         headers = msg.headers
         if headers and headers.get("Status") == NO_RESPONDERS:
             member.acknowledged(record, FAILED, "no stream takes the subject")
+            self.no_stream()
             return
         try:
             ack = _decode(msg.data)

@@ -100,6 +100,7 @@ class Member:
     delay: float = 0.1  # the pause before sending again after a failure
     retry_at: float = 0.0  # (the event loop's clock) not sent before
     subscription: KvSubscription | None = None
+    follows: Member | None = None  # the same instance's run before, still sending: first
     roomy: asyncio.Event = field(default_factory=asyncio.Event)  # the queue has room again
 
     @property

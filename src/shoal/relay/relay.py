@@ -22,9 +22,12 @@ The invariants, both ways:
   worker's own number and timestamp of it, the same from every relay that publishes it,
   whenever each started following the worker, so the stream keeps one copy when two run.
 - A member that leaves the view is unsubscribed at once and its `left` record published
-  once (after what it had queued).
+  once (after what it had queued). An instance back under the same id (a worker restarted)
+  is a new member whose records wait until the one before has published its `left`: the
+  runs never mix on their subject.
 - The relay never deletes or alters a stream: it creates `stream` when it is missing (after
-  every reconnection too: a server restarted without its storage).
+  every reconnection too: a server restarted without its storage; and when no stream takes
+  a record: one deleted under a connected relay).
 """
 
 from __future__ import annotations
@@ -41,14 +44,13 @@ import msgspec
 import nats
 import nats.errors
 import nats.js.errors
-import zmq.asyncio
 from nats.aio.client import Client
 from nats.js import JetStreamContext, api
 
 from shoal.discovery import ModelInstance
 from shoal.kv import KvEndpoint
 from shoal.kv import stream as layout
-from shoal.kv.subscription import KvSubscription
+from shoal.kv.subscription import KvSubscription, zmq_context
 from shoal.membership import Membership
 from shoal.relay.acks import AckInbox
 from shoal.relay.member import BUFFER_BYTES, WINDOW, Member, MemberKey, Record, RelayStats
@@ -89,18 +91,21 @@ class KvRelay:
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._acks: AckInbox | None = None
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq_context()
         self._connector: asyncio.Task[None] | None = None
         self._leaving: set[asyncio.Task[None]] = set()
         self._ready: dict[Member, None] = {}  # members with something to send or handle
         self._work = asyncio.Event()
         self._departing: set[Member] = set()  # left the view; their `left` not acknowledged
+        self._last_left: dict[MemberKey, Member] = {}  # of those, the last one of each key
         self._sender: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._retry: asyncio.TimerHandle | None = None  # wakes the sender for a retry
         self.connections = 0  # connections made to NATS (a new connection_revision: one more)
         self._connection_revision: str | None = None
         self._seen_view = False
+        self._checking: asyncio.Task[None] | None = None  # the stream, after one went missing
+        self.stream_differs: dict[str, dict[str, float | None]] = {}  # its settings, not ours
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -111,7 +116,7 @@ class KvRelay:
         self._watch_acks()
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._connector, self._sender) if t is not None]
+        tasks = [t for t in (self._connector, self._sender, self._checking) if t is not None]
         for timer in (self._watchdog, self._retry):
             if timer is not None:
                 timer.cancel()
@@ -177,6 +182,7 @@ class KvRelay:
             self.config.buffer_bytes,
         )
         member.notify = self._notify
+        member.follows = self._last_left.get(key)
         member.push(Record(layout.JOINED, payload=msgspec.json.encode(joined)))
         member.subscription = KvSubscription(
             self._ctx,
@@ -200,7 +206,18 @@ class KvRelay:
             self._leaving.add(stopping)
             stopping.add_done_callback(self._leaving.discard)
         self._departing.add(member)
+        self._last_left[member.key] = member
         member.leave()
+
+    def _departed(self, member: Member) -> None:
+        """`member`'s `left` is acknowledged: the run of the same instance after it sends."""
+        self._departing.discard(member)
+        if self._last_left.get(member.key) is member:
+            del self._last_left[member.key]
+        for after in (*self._departing, self.members.get(member.key)):
+            if after is not None and after.follows is member:
+                after.follows = None
+                self._notify(after)
 
     # -- NATS --------------------------------------------------------------------------------
 
@@ -237,7 +254,7 @@ class KvRelay:
                     reconnected_cb=self._reconnected,
                     error_cb=self._error,
                 )
-                acks = AckInbox(self._nc)
+                acks = AckInbox(self._nc, self._no_stream)
                 await acks.start()
                 self.connections += 1
                 break
@@ -277,6 +294,21 @@ class KvRelay:
             log.info("kv relay: connected to NATS, stream %s ready", self.config.stream)
             return
 
+    def _no_stream(self) -> None:
+        """No stream took a record (deleted under the relay?): made again, once at a time
+        (the records are sent again meanwhile, with backoff)."""
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.create_task(self._check_stream(), name="kv-relay-stream")
+
+    async def _check_stream(self) -> None:
+        try:
+            await self._ensure_stream()
+        except Exception as exc:
+            why = f"stream {self.config.stream} not ready: {exc}"
+            if self.nats_error != why:  # (once, not at every record's retry)
+                log.warning("kv relay: %s", why)
+            self.nats_error = why
+
     async def _error(self, exc: Exception) -> None:
         self.nats_error = str(exc) or type(exc).__name__
 
@@ -289,10 +321,12 @@ class KvRelay:
         assert self._js is not None
         config = self.config
         try:
-            await self._js.stream_info(config.stream)
-            return  # it exists: used as it is, never altered
+            info = await self._js.stream_info(config.stream)
         except nats.js.errors.NotFoundError:
             pass
+        else:  # it exists: used as it is, never altered (said when it is not as asked)
+            self._compare(info.config)
+            return
         try:
             await self._js.add_stream(
                 name=config.stream,
@@ -304,8 +338,28 @@ class KvRelay:
                 num_replicas=1,
             )
             log.info("kv relay: created stream %s", config.stream)
-        except nats.js.errors.BadRequestError:
-            await self._js.stream_info(config.stream)  # another relay created it meanwhile
+            self.stream_differs = {}
+        except nats.js.errors.BadRequestError:  # another relay created it meanwhile
+            self._compare((await self._js.stream_info(config.stream)).config)
+
+    def _compare(self, found: api.StreamConfig) -> None:
+        """Note (`stream_differs`, logged once a change) the stream's retention settings
+        that are not this relay's flags: another relay, or an operator, made it so."""
+        config = self.config
+        differs: dict[str, dict[str, float | None]] = {}
+        for name, flag, value in (
+            ("max_age", config.max_age, found.max_age),
+            ("max_bytes", config.max_bytes, found.max_bytes),
+            ("duplicate_window", config.duplicate_window, found.duplicate_window),
+        ):
+            if value != flag:
+                differs[name] = {"stream": value, "flag": flag}
+        if differs and differs != self.stream_differs:
+            log.warning(
+                "kv relay: stream %s is used as it is: %s", config.stream,
+                ", ".join(f"{k} {v['stream']} (not {v['flag']})" for k, v in differs.items()),
+            )  # fmt: skip
+        self.stream_differs = differs
 
     # -- publishing --------------------------------------------------------------------------
 
@@ -345,6 +399,8 @@ class KvRelay:
             if not self.connected.is_set():  # lost while this round yielded: next one
                 self._notify(member)
                 continue
+            if member.follows is not None:
+                continue  # after the run before it (`_departed` wakes it)
             if member.failed is not None:
                 self._failed(member, now)
             if member.retry_at > now:
@@ -357,7 +413,7 @@ class KvRelay:
                 if member.failed is not None:
                     self._notify(member)
             if member.leaving and not member.pending and not member.inflight:
-                self._departing.discard(member)
+                self._departed(member)
         if later is not None and (self._retry is None or self._retry.when() > later):
             if self._retry is not None:
                 self._retry.cancel()
@@ -442,6 +498,7 @@ class KvRelay:
                 "connections": self.connections,
             },
             "stream": self.config.stream,
+            "stream_differs": self.stream_differs,
             "members": [m.status() for _, m in sorted(self.members.items())],
         }
 

@@ -3,10 +3,11 @@
 redis-py's client checks a connection out of its pool, packs, sends and reads each command in
 its own turns of the loop; on the request path that machinery cost more than Redis' own work.
 A link keeps one connection of redis-py's (with hiredis' parser when installed) for ever: the
-calls made in one turn of the loop go in one write, their answers are matched in order, read by
-one task that lives as long as the link; a batch unanswered after `timeout` fails (one timer per
-`timeout` while busy, not one per call). Scripts run by EVALSHA and are sent whole (EVAL) only when Redis
-lost them (a restart). A call fails with its batch's error when the connection does; the next
+calls made in one turn of the loop go in one write (at most `MAX_BATCH` calls: packing and
+reading a batch holds the loop), their answers are matched in order, read by one task that lives
+as long as the link; a batch unanswered after `timeout` fails (one timer per `timeout` while
+busy, not one per call). Scripts run by EVALSHA; when Redis lost them (a restart, SCRIPT FLUSH)
+a script is loaded once (SCRIPT LOAD) and the calls that found it missing are sent again. A call fails with its batch's error when the connection does; the next
 call connects again.
 """
 
@@ -16,6 +17,8 @@ import asyncio
 import contextlib
 import hashlib
 from typing import Any
+
+MAX_BATCH = 256  # calls in one write: a flush of many keys is sent over a few turns of the loop
 
 
 class RedisLink:
@@ -66,7 +69,8 @@ class RedisLink:
                 self._idle = loop.create_future()
                 await self._idle
                 self._idle = None
-            batch, self._queue = self._queue, []
+            batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+            again: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []  # scripts lost
             self._sent_at = loop.time()
             if self._watchdog is None:
                 self._watchdog = loop.call_at(self._sent_at + self.timeout, self._watch)
@@ -78,8 +82,13 @@ class RedisLink:
                 for args, future in batch:
                     try:
                         reply = await conn.read_response()
-                    except NoScriptError:  # Redis restarted: the script, whole
-                        self._queue.append((("EVAL", self._scripts[args[1]], *args[2:]), future))
+                    except NoScriptError:  # Redis restarted: the script loaded, the call again
+                        if args[0] == "EVALSHA":
+                            again.append((("evalsha", *args[1:]), future))
+                        else:  # lost again after its load (retried in lower case): whole
+                            self._queue.append(
+                                (("EVAL", self._scripts[args[1]], *args[2:]), future)
+                            )
                         continue
                     except ResponseError as exc:
                         if not future.done():
@@ -87,6 +96,8 @@ class RedisLink:
                         continue
                     if not future.done():
                         future.set_result(reply)
+                if again:
+                    self._queue[:0] = [*map(self._load, {args[1] for args, _ in again}), *again]
             except asyncio.CancelledError:
                 if not self._expired:
                     raise  # closed
@@ -98,6 +109,13 @@ class RedisLink:
                 self._fail(batch, exc)  # by the next call
             finally:
                 self._sent_at = None
+
+    def _load(self, sha: str) -> tuple[tuple[Any, ...], asyncio.Future[Any]]:
+        """A SCRIPT LOAD of the script `sha`, sent before the calls that found it missing
+        (its failure is theirs: nobody waits for it)."""
+        loaded: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loaded.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return ("SCRIPT", "LOAD", self._scripts[sha]), loaded
 
     def _fail(
         self, batch: list[tuple[tuple[Any, ...], asyncio.Future[Any]]], exc: Exception

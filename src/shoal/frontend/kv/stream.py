@@ -21,7 +21,9 @@ a worker's own numbering:
   subscription does; an instance whose queue of batches to apply fills up is resnapshotted.
 
 A consumer that resumes past records the stream no longer holds (retention) has lost some:
-every instance followed is dropped and rebuilt from what follows. NATS unreachable: retried
+every instance followed is dropped and rebuilt from what follows. So with a stream deleted and
+made again (numbered from 1; a NATS server back without its storage), seen when the reader
+connects and every `STREAM_CHECK` seconds: it is read from its start. NATS unreachable: retried
 with backoff, the index kept as it is meanwhile.
 """
 
@@ -33,11 +35,12 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import msgspec
 import nats
 from nats.aio.client import Client
-from nats.js import api
+from nats.js import JetStreamContext, api
 
 from shoal.kv import AllBlocksCleared, KVEventBatch, decode_batch
 from shoal.kv import stream as layout
@@ -46,6 +49,7 @@ from shoal.kv.subscription import APPLY_SLICE, MAX_BATCH_BYTES, KvStats, Pace, s
 log = logging.getLogger(__name__)
 
 PENDING_BATCHES = 4096  # kept per instance not yet followed
+STREAM_CHECK = 5.0  # seconds between two looks at the stream read (deleted, made again?)
 BACKOFF_MAX = 5.0
 StreamKey = tuple[str, int]  # (namespace, instance id)
 
@@ -88,6 +92,7 @@ class KvStreamReader:
         self.connected = False
         self.error: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self._created: datetime | None = None  # when the stream read was made
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kv-stream")
@@ -176,6 +181,7 @@ class KvStreamReader:
             try:
                 nc = await nats.connect(self.urls, connect_timeout=2, max_reconnect_attempts=-1)
                 js = nc.jetstream()
+                self._made_again(await js.stream_info(self.stream))
                 start = self.last_stream_seq + 1
                 sub = await js.subscribe(
                     f"{layout.SUBJECT_PREFIX}.>",
@@ -191,22 +197,17 @@ class KvStreamReader:
                 )
                 self.connected, self.error, delay = True, None, 0.1
                 log.info("kv stream: reading %s from record %d", self.stream, start)
-                pace = Pace()
-                async for msg in sub.messages:
-                    seq = msg.metadata.sequence.stream
-                    if self.last_stream_seq and seq > self.last_stream_seq + 1 and start > 1:
-                        log.info(
-                            "kv stream: records %d..%d gone, dropping every instance's blocks",
-                            self.last_stream_seq + 1,
-                            seq - 1,
-                        )
-                        for instance in self.instances.values():
-                            instance.lose()
-                            instance.last_seq = -1
-                    start = 0
-                    self.last_stream_seq = seq
-                    self.record(msg.subject, msg.headers or {}, msg.data)
-                    await pace.step()
+                reading = asyncio.ensure_future(self._read(sub, start))
+                try:  # the stream itself looked at now and then: deleted, made again?
+                    while not (await asyncio.wait({reading}, timeout=STREAM_CHECK))[0]:
+                        if self._made_again(await js.stream_info(self.stream)):
+                            break  # read again from the new one's start
+                    else:
+                        reading.result()  # (its failure)
+                finally:
+                    reading.cancel()
+                    with contextlib.suppress(BaseException):
+                        await reading
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -221,6 +222,42 @@ class KvStreamReader:
                         await nc.close()
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX)
+
+    async def _read(self, sub: JetStreamContext.PushSubscription, start: int) -> None:
+        pace = Pace()
+        async for msg in sub.messages:
+            seq = msg.metadata.sequence.stream
+            if self.last_stream_seq and seq > self.last_stream_seq + 1 and start > 1:
+                log.info(
+                    "kv stream: records %d..%d gone, dropping every instance's blocks",
+                    self.last_stream_seq + 1,
+                    seq - 1,
+                )
+                self._lose_all()
+            start = 0
+            self.last_stream_seq = seq
+            self.record(msg.subject, msg.headers or {}, msg.data)
+            await pace.step()
+
+    def _made_again(self, info: api.StreamInfo) -> bool:
+        """Whether the stream is not the one read so far (made again since: numbered from
+        1); if so, it is to be read from its start, and what is held of every instance is
+        dropped."""
+        created, self._created = self._created, info.created
+        if self.last_stream_seq == 0 or (
+            created == info.created and info.state.last_seq >= self.last_stream_seq
+        ):
+            return False
+        log.info("kv stream: %s was made again: reading it from its start, dropping every "
+                 "instance's blocks", self.stream)  # fmt: skip
+        self._lose_all()
+        self.last_stream_seq = 0
+        return True
+
+    def _lose_all(self) -> None:
+        for instance in self.instances.values():
+            instance.lose()
+            instance.last_seq = -1
 
     def record(self, subject: str, headers: dict[str, str], payload: bytes) -> None:
         """Apply one record of the stream."""

@@ -33,7 +33,7 @@ from shoal.frontend.kv.stream import KvStreamReader, StreamKey
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.registry import SetId, WorkerSet
 from shoal.kv import KvEndpoint, KVEventBatch
-from shoal.kv.subscription import KvStats, KvSubscription
+from shoal.kv.subscription import KvStats, KvSubscription, zmq_context
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class KvTracker:
                 self.stream.follow(key, apply, purge)
             return None
         if self._ctx is None:
-            self._ctx = zmq.asyncio.Context()
+            self._ctx = zmq_context()
         subscription = KvSubscription(
             self._ctx,
             ident[1],

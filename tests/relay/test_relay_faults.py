@@ -1,0 +1,177 @@
+"""`KvRelay` in this process against a real `nats-server -js`, its members fed by hand (no
+worker): what it does when the stream is deleted under it, and when a member comes back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+import nats
+import pytest
+from nats.js.errors import NotFoundError
+
+from shoal.frontend.kv import stream as kv_stream
+from shoal.frontend.kv.stream import KvStreamReader
+from shoal.kv import AllBlocksCleared, KvEndpoint, KVEventBatch
+from shoal.kv import stream as layout
+from shoal.relay.member import Member
+from shoal.relay.relay import KvRelay, RelayConfig
+from tests.helpers import wait_for
+from tests.nats_server import NatsServer
+
+STREAM = "shoal-kv-faults"
+
+
+@pytest.fixture
+async def relay(nats_server: NatsServer) -> AsyncIterator[KvRelay]:
+    made = KvRelay(RelayConfig(nats_urls=(nats_server.url,), stream=STREAM, publish_timeout=1))
+    await made.start()
+    await wait_for(lambda: made.connected.is_set())
+    try:
+        yield made
+    finally:
+        await made.stop()
+
+
+def fed(relay: KvRelay, instance_id: int, buffer: int = 100) -> Member:
+    """A member joined as a view would join it (its subscription to a worker that is not
+    there waits, idle): its batches are `apply`d by the test."""
+    relay.config.buffer = buffer
+    key = ("ns", instance_id)
+    card = SimpleNamespace(kv_block_size=4, display_name="m", role="aggregated", mdcsum="x")
+    instance = SimpleNamespace(namespace="ns", component="c", endpoint="e")
+    relay._join(key, KvEndpoint("tcp://127.0.0.1:1"), SimpleNamespace(card=card, instance=instance))  # type: ignore[arg-type]
+    return relay.members[key]
+
+
+def batch(ts: float) -> KVEventBatch:
+    return KVEventBatch(ts, [AllBlocksCleared()])
+
+
+async def stored(url: str) -> int:
+    """Messages in the stream (0 when there is none)."""
+    nc = await nats.connect(url)
+    try:
+        return (await nc.jetstream().stream_info(STREAM)).state.messages
+    except NotFoundError:
+        return 0
+    finally:
+        await nc.close()
+
+
+async def test_a_stream_deleted_under_a_connected_relay_is_created_again(
+    relay: KvRelay, nats_server: NatsServer
+) -> None:
+    member = fed(relay, 1)
+    member.apply(0, batch(100.0))
+    await wait_for(lambda: relay.stats.relayed == 1)
+    nc = await nats.connect(nats_server.url)
+    try:
+        await nc.jetstream().delete_stream(STREAM)
+    finally:
+        await nc.close()
+    member.apply(1, batch(101.0))  # no stream takes it: the relay makes one again
+
+    async def in_stream() -> bool:
+        return await stored(nats_server.url) >= 1 and relay.stats.relayed == 2
+
+    await wait_for(in_stream, timeout=10)
+
+
+async def test_a_relay_whose_stream_was_made_with_another_max_age_says_so(
+    relay: KvRelay, nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stream is used as it is, never altered: a second relay started with another
+    `--max-age` says which settings it found instead of its own, in its log and status."""
+    other = KvRelay(RelayConfig(nats_urls=(nats_server.url,), stream=STREAM, max_age=3600))
+    await other.start()
+    try:
+        await wait_for(lambda: other.connected.is_set())
+        assert other.status()["stream_differs"] == {"max_age": {"stream": 600.0, "flag": 3600}}
+        assert relay.status()["stream_differs"] == {}
+    finally:
+        await other.stop()
+    assert "max_age 600.0 (not 3600" in caplog.text
+
+
+async def records(url: str) -> list[tuple[str, str]]:
+    """(kind, Shoal-Seq) of every record in the stream, in its order."""
+    nc = await nats.connect(url)
+    try:
+        info = await nc.jetstream().stream_info(STREAM)
+        sub = await nc.jetstream().subscribe(
+            f"{layout.SUBJECT_PREFIX}.>", stream=STREAM, ordered_consumer=True
+        )
+        got = []
+        for _ in range(info.state.messages):
+            msg = await sub.next_msg(timeout=5)
+            headers = msg.headers or {}
+            got.append((headers.get(layout.KIND, ""), headers.get(layout.SEQ, "")))
+        return got
+    finally:
+        await nc.close()
+
+
+async def test_an_instance_back_under_the_same_id_is_published_after_its_left(
+    relay: KvRelay, nats_server: NatsServer
+) -> None:
+    """A worker restarted with the same instance id (its KV endpoint changed: left, joined
+    again in one view): the new run's records go to the subject after everything the old
+    run had queued and its `left`, never among them."""
+    old = fed(relay, 1, buffer=1000)
+    for seq in range(400):  # more than a window: the old run is still sending
+        old.apply(seq, batch(100.0 + seq))
+    relay._leave(relay.members.pop(old.key))
+    new = fed(relay, 1)
+    for seq in range(3):
+        new.apply(seq, batch(1000.0 + seq))
+    await wait_for(lambda: relay.stats.relayed == 403, timeout=10)
+    kinds = [kind for kind, _ in await records(nats_server.url)]
+    assert kinds.index("left") == 401, kinds  # joined, 400 batches, left
+    assert kinds[402:] == ["batch"] * 3  # (the new run's joined: a duplicate of the first)
+
+
+async def test_a_reader_whose_stream_is_deleted_and_made_again_reads_the_new_one(
+    relay: KvRelay, nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream deleted and made again (by the relay; or a NATS server back without its
+    storage) numbers its records from 1: a frontend reading it goes on from the new stream's
+    start (what it held of every instance dropped), not from its old place."""
+    monkeypatch.setattr(kv_stream, "STREAM_CHECK", 0.2, raising=False)
+    reader = KvStreamReader(nats_server.url, STREAM)
+    applied: list[float] = []
+    purges: list[int] = []
+    reader.follow(("ns", 1), lambda b: applied.append(b.ts), lambda: purges.append(1))
+    reader.start()
+    try:
+        member = fed(relay, 1)
+        for seq in range(50):
+            member.apply(seq, batch(100.0 + seq))
+        await wait_for(lambda: len(applied) == 50, timeout=10)
+        nc = await nats.connect(nats_server.url)
+        try:
+            await nc.jetstream().delete_stream(STREAM)
+        finally:
+            await nc.close()
+        for seq in range(50, 60):  # the first finds no stream: the relay makes it again
+            member.apply(seq, batch(100.0 + seq))
+        await wait_for(lambda: applied[-1:] == [159.0], timeout=10)
+        assert purges  # what it held may be wrong: dropped
+        assert reader.describe()["last_record"] == 10
+    finally:
+        await reader.close()
+
+
+async def test_a_relay_follows_more_instances_than_zmqs_default_socket_bound(
+    relay: KvRelay,
+) -> None:
+    """1,100 members: one SUB socket each (and a DEALER while one replays), past libzmq's
+    default of 1,023 sockets a context, every subscription runs."""
+    for instance_id in range(1, 1101):
+        fed(relay, instance_id)
+    tasks = [m.subscription.task for m in relay.members.values() if m.subscription]
+    assert len(tasks) == 1100 and None not in tasks
+    await asyncio.sleep(0)  # (one turn of the loop: each subscription's first step, its socket)
+    failed = [task for task in tasks if task is not None and task.done()]
+    assert not failed, f"{len(failed)} subscriptions died"
