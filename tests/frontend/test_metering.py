@@ -89,3 +89,11 @@ def test_nothing_is_looked_for_when_no_tpm_and_no_usage_book_need_it() -> None:
     metered.finish()
     assert gate.ends == [(GRANT, "alias", 200, 0, 0, "")]
     conn.loop.close()
+
+
+def test_a_request_whose_client_left_before_an_answer_costs_no_tokens() -> None:
+    conn, gate = Conn(), Gate()
+    metered = Metered(conn, 4000, gate, GRANT, "alias")
+    metered.finish()  # the connection ended before the upstream's first byte
+    assert gate.ends == [(GRANT, "alias", 499, 0, 0, "")]
+    conn.loop.close()

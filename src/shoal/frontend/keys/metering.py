@@ -137,6 +137,7 @@ class Metered:
         if self._done:
             return
         self._done = True
+        status = status or 499  # (0: the client left before an answer began)
         gate, grant = self.gate, self.grant
         prompt = completion = 0  # a refused or failed request is charged no tokens
         served = ""  # (and what nobody reads is not looked for: tpm, or usage recorded)
@@ -144,5 +145,5 @@ class Metered:
             prompt, completion = usage_of(self.tail, self.events, self.request_bytes)
         if gate.records_usage:
             found = _MODEL.search(self.head) or _MODEL.search(self.tail)
-            served = found.group(1).decode() if found else ""
-        gate.done(grant, self.model, status or 499, prompt, completion, served)
+            served = found.group(1).decode(errors="replace") if found else ""
+        gate.done(grant, self.model, status, prompt, completion, served)
