@@ -27,10 +27,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import re
 import shlex
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +45,7 @@ from typing import Any
 import aiohttp
 
 from bench.gateway_targets import (
+    CLK_TCK,
     ROOT,
     SHOAL,
     Proc,
@@ -95,6 +100,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="runs per target (interleaved); medians")
     p.add_argument("--quick", action="store_true", help="a small run: a smoke test")
     p.add_argument("--report", type=Path, help="also write the markdown report here")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="sample each shoal frontend with py-spy during its run: collapsed stacks in DIR",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.conversations, args.turns, args.system_prompts = 16, 2, 8
@@ -293,6 +304,37 @@ def start_target(
     return proc, url, version
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """User+system CPU seconds of `pid`'s main thread ("main") and of its other threads
+    ("threads": the tokenizer's, the store's, ZMQ's), from /proc."""
+    out = {"main": 0.0, "threads": 0.0}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            stat = (task / "stat").read_bytes()
+            fields = stat[stat.rindex(b")") + 2 :].split()
+            out["main" if task.name == str(pid) else "threads"] += (
+                int(fields[11]) + int(fields[12])
+            ) / CLK_TCK
+    return out
+
+
+def start_profile(
+    session: Session, name: str, proc: Proc, out: Path | None
+) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling `proc` (and its threads) until interrupted, into `out`/<target>-<n>.txt."""
+    if out is None:
+        return None
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(list(out.glob(f"{name.replace(':', '-')}-*.txt")))
+    target = out / f"{name.replace(':', '-')}-{n}.txt"
+    argv = [spy, "record", "--pid", str(proc.pid), "--rate", "1000", "--format", "raw"]
+    argv += ["--output", str(target), "--nonblocking", "--threads"]
+    spy_proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached before the load starts
+    return spy_proc
+
+
 def cache_figures(workers: list[Worker]) -> tuple[float, float]:
     hits = queries = 0.0
     for w in workers:
@@ -326,9 +368,14 @@ def run_target(
         proc, url, version = start_target(session, name, workers, store, args)
         # The readiness probe went through one worker; count from here on.
         hits0, queries0 = cache_figures(workers)
-        cpu0 = tree_cpu_seconds(proc.pid)
+        spy = start_profile(session, name, proc, args.profile) if gateway == "shoal" else None
+        cpu0, threads0 = tree_cpu_seconds(proc.pid), thread_cpu_seconds(proc.pid)
         run = asyncio.run(drive(url, convs, args))
         cpu = tree_cpu_seconds(proc.pid) - cpu0
+        threads = thread_cpu_seconds(proc.pid)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
+            spy.wait(30)
         hits, queries = cache_figures(workers)
         served = len(run.ttfts)
         return {
@@ -341,6 +388,11 @@ def run_target(
             "ttft_p99_ms": percentile(run.ttfts, 0.99) * 1000,
             "rps": served / run.seconds if run.seconds else 0.0,
             "cpu_us_per_request": cpu / max(served, 1) * 1e6,
+            "thread_cpu_us_per_request": {
+                thread: round((seconds - threads0.get(thread, 0.0)) / max(served, 1) * 1e6)
+                for thread, seconds in threads.items()
+                if seconds - threads0.get(thread, 0.0) > 0
+            },
         }
     except StartError as exc:
         return {"target": name, "skipped": f"did not run: {str(exc).splitlines()[0]}"}

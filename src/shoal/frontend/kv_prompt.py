@@ -23,11 +23,12 @@ Only what can be hashed is tokenized: the text is cut to a size that holds the t
 asked for (`chat`/`completion` with `wanted`, doubling the cut in the rare case it did
 not), `CUT_MARGIN` more tokens kept past them so the cut cannot change the ones hashed.
 
-Chats repeat themselves (a system prompt, a growing history), so a rendered chat is split
-at the tokenizer's special tokens and each piece between them is tokenized once and kept
-(`PIECE_CACHE_BYTES` in all, least recently used out): the tokenizer itself tokenizes
-those pieces independently (special tokens are matched first), so the ids are the same,
-at a fraction of the cost.
+Chats repeat themselves (a system prompt, a growing history), so a rendered chat is cut at
+the tokenizer's special tokens and each segment, after the same segments, is tokenized and
+hashed once and kept (`PromptChain`, `CHAIN_CACHE_BYTES` in all, least recently used out):
+the tokenizer itself tokenizes the text between special tokens independently (they are
+matched first), so the ids are the same, at a fraction of the cost. Whether a tokenizer
+does is checked when it is loaded (`_splits_cleanly`); one that does not tokenizes whole.
 """
 
 from __future__ import annotations
@@ -36,10 +37,8 @@ import ctypes
 import functools
 import json
 import re
-import sys
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -51,15 +50,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from shoal.bounds import check_json_depth
+from shoal.frontend.kv_chain import CHARS_PER_TOKEN, CUT_MARGIN, PromptChain
+from shoal.kv import token_block_hashes
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 RENDER_SECONDS = 0.5  # a template's time budget for one chat
 RENDER_SECONDS_PER_MB = 1.0  # and more for a long chat: a client's long chat is no overrun
 MAX_TEXT = 1 << 20  # characters: what a render keeps, and (beyond the chat's own) any string
-PIECE_CACHE_BYTES = 64 << 20  # tokenized pieces of chats kept per tokenizer
-CHARS_PER_TOKEN = 8  # the first cut: text for this many characters per token wanted
-CUT_MARGIN = 128  # tokens past those wanted, so the cut cannot change the ones kept
+CHAIN_CACHE_BYTES = 64 << 20  # tokenized segments of chats kept per tokenizer
 
 
 class TemplateOverrun(jinja2.TemplateError):
@@ -71,8 +70,10 @@ class PromptTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, config: dict[str, Any]) -> None:
         self.tokenizer = tokenizer
-        self.pieces = PieceCache(PIECE_CACHE_BYTES)
-        self._split, self._special_ids = _special_split(tokenizer)
+        split, special_ids = _special_split(tokenizer)
+        self.chain: PromptChain | None = None
+        if split is not None and _splits_cleanly(tokenizer, special_ids):
+            self.chain = PromptChain(CHAIN_CACHE_BYTES, split, special_ids, self._plain)
         self.specials = {
             name: _token_text(config.get(name))
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -156,7 +157,23 @@ class PromptTokenizer:
         if not self.renders:
             return None
         text = self.render(messages)
+        if self.chain is not None:
+            return self.chain.tokens(text, wanted)
         return self._cut_and_encode(text, wanted, special_tokens=False)
+
+    def chat_hashes(
+        self, messages: list[Any], sizes: Iterable[int], max_blocks: int
+    ) -> dict[int, list[int]] | None:
+        """The block hashes of the chat's first `max_blocks` blocks, per block size; None
+        without a usable template. Raises as `chat` does."""
+        if not self.renders:
+            return None
+        text = self.render(messages)
+        chain = self.chain
+        if chain is None:
+            tokens = self._cut_and_encode(text, max_blocks * max(sizes), special_tokens=False)
+            return {size: token_block_hashes(tokens, size, limit=max_blocks) for size in sizes}
+        return {size: chain.hashes(text, size, max_blocks) for size in sizes}
 
     def render(self, messages: list[Any]) -> str:
         """The template's text for `messages` (its first `MAX_TEXT` characters)."""
@@ -207,9 +224,9 @@ class PromptTokenizer:
             cut *= 2  # tokens longer than CHARS_PER_TOKEN on average: cut further out
 
     def _encode_all(self, text: str, special_tokens: bool) -> list[int]:
-        if special_tokens or self._split is None:
+        if special_tokens or self.chain is None:
             return self._encode(text, special_tokens=special_tokens)
-        return self._by_pieces(text, self._split)
+        return self.chain.tokens(text)
 
     def _encode(self, text: str, *, special_tokens: bool) -> list[int]:
         """`text`'s ids; without the offsets `encode` also computes (three times faster)."""
@@ -217,65 +234,9 @@ class PromptTokenizer:
             self.tokenizer.encode_batch_fast([text], add_special_tokens=special_tokens)[0].ids
         )
 
-    def _by_pieces(self, text: str, split: re.Pattern[str]) -> list[int]:
-        """`text`'s ids, from the ids of its pieces between special tokens (kept)."""
-        ids: list[int] = []
-        pieces = self.pieces
-        special = self._special_ids
-        for i, piece in enumerate(split.split(text)):
-            if i % 2:  # a special token (the pattern's one group)
-                ids.append(special[piece])
-                continue
-            if not piece:
-                continue
-            known = pieces.get(piece)
-            if known is None:
-                encoded = self._encode(piece, special_tokens=False)
-                pieces.put(piece, encoded)
-                ids.extend(encoded)
-            else:
-                ids.extend(known)
-        return ids
-
-
-class PieceCache:
-    """Tokenized pieces of text, bounded in bytes (the text and the ids, stored compactly);
-    least recently used out. Used from one thread at a time, but safe from several."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.bytes = 0
-        self._pieces: dict[str, array[int]] = {}
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._pieces)
-
-    def get(self, piece: str) -> array[int] | None:
-        with self._lock:
-            known = self._pieces.pop(piece, None)
-            if known is not None:
-                self._pieces[piece] = known  # most recently used last
-            return known
-
-    def put(self, piece: str, ids: list[int]) -> None:
-        stored = array("I", ids)
-        cost = _cost(piece, stored)
-        if cost > self.capacity // 8:
-            return  # a piece this large would push out most others
-        with self._lock:
-            pieces = self._pieces
-            if piece in pieces:
-                return
-            while pieces and self.bytes + cost > self.capacity:
-                oldest = next(iter(pieces))
-                self.bytes -= _cost(oldest, pieces.pop(oldest))
-            pieces[piece] = stored
-            self.bytes += cost
-
-
-def _cost(piece: str, ids: array[int]) -> int:
-    return sys.getsizeof(piece) + ids.itemsize * len(ids) + 200  # + the entry and array headers
+    def _plain(self, text: str) -> list[int]:
+        """The ids of `text` holding no special token (a piece of a chat)."""
+        return self._encode(text, special_tokens=False)
 
 
 class BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -456,6 +417,28 @@ def _special_split(tokenizer: Tokenizer) -> tuple[re.Pattern[str] | None, dict[s
         return None, {}
     longest_first = sorted(specials, key=len, reverse=True)
     return re.compile("(" + "|".join(map(re.escape, longest_first)) + ")"), specials
+
+
+def _splits_cleanly(tokenizer: Tokenizer, special_ids: dict[str, int]) -> bool:
+    """Whether `tokenizer` gives a text the ids of its pieces between special tokens, each
+    tokenized alone (what `PromptChain` relies on): tried on a few texts. Not so for, e.g., a
+    pre-tokenizer that marks only the start of the whole text."""
+    for special in sorted(special_ids)[:3]:
+        for text in (
+            f"a{special}b",
+            f"Hello there{special}\n world {special}  x",
+            f"{special}\n\nThe end.\n{special}",
+        ):
+            pieces = text.split(special)
+            expected: list[int] = []
+            for i, piece in enumerate(pieces):
+                if i:
+                    expected.append(special_ids[special])
+                if piece:
+                    expected += tokenizer.encode(piece, add_special_tokens=False).ids
+            if tokenizer.encode(text, add_special_tokens=False).ids != expected:
+                return False
+    return True
 
 
 def _token_text(value: Any) -> str:

@@ -102,9 +102,17 @@ class KvPrompt(str):
         """Tokenize (the start of) the prompt and hash its first `max_blocks` blocks for
         each of `block_sizes`. Runs in the tokenizer's thread, or inline when small."""
         sizes = sorted(set(block_sizes))
+        if self.messages is not None:
+            hashes = tokenizer.chat_hashes(self.messages, sizes, max_blocks)
+            if hashes is None:
+                self.failure = "no chat template"
+                return
+            for size, block_hashes in hashes.items():
+                self.hashes[(tokenizer, size)] = block_hashes
+            return
         tokens = self.tokens(tokenizer, max_blocks * sizes[-1])
         if tokens is None:
-            self.failure = "no chat template" if self.messages is not None else "no text prompt"
+            self.failure = "no text prompt"
             return
         for size in sizes:
             self.hashes[(tokenizer, size)] = token_block_hashes(tokens, size, limit=max_blocks)
@@ -401,8 +409,8 @@ class KvCollector(Collector):
         tokenizers = {s.tokenizer for s in router.tracker.sets.values() if s.tokenizer is not None}
         yield GaugeMetricFamily(
             "shoal_frontend_kv_piece_cache_bytes",
-            "Bytes held by the tokenized-piece caches of chat prompts.",
-            value=sum(t.pieces.bytes for t in tokenizers),
+            "Bytes held by the caches of tokenized and hashed segments of chat prompts.",
+            value=sum(t.chain.bytes for t in tokenizers if t.chain is not None),
         )
         yield GaugeMetricFamily(
             "shoal_frontend_kv_disabled_templates",

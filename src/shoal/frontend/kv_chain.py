@@ -1,0 +1,229 @@
+"""`PromptChain`: the token ids and block hashes of rendered chats, by the segments seen before.
+
+A chat grows turn by turn: each request's rendered prompt repeats the previous one's text and
+adds a little. The tokenizer matches its special tokens before anything else, so the text
+between two of them is tokenized on its own, whatever surrounds it; a rendered prompt is
+therefore cut into segments, each a piece of plain text and the special token that ends it,
+and the ids of the whole prompt are the ids of its segments, one after the other.
+
+Each segment is kept, keyed by (the segment before it, its text), with its ids and, per block
+size, the block hashes completed in it and the ids left over for the next block: a prompt
+walks its segments from the first, finds the ones seen before by one dictionary lookup each,
+and tokenizes and hashes only the rest. The key holds the whole text of the segment and the
+identity of the path before it, so a hit is the same text after the same text: the ids and
+hashes are those of tokenizing the whole prompt (`PromptTokenizer` checks at load time that
+its tokenizer splits at special tokens like this, and does not use a chain otherwise).
+
+Bounded in bytes (the texts, ids and hashes kept, with their containers), least recently
+used out; a segment larger than an eighth of the capacity is used once and not kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+from shoal.kv import ROOT_HASH
+
+CHARS_PER_TOKEN = 8  # the first cut of a long piece: text for this many characters per token
+CUT_MARGIN = 128  # tokens past those wanted, so the cut cannot change the ones kept
+ENTRY_BYTES = 240  # an entry's own objects: the key tuple, the entry, the dictionary slot
+INT_BYTES = 40  # a hash or id kept as a Python int in a tuple: the pointer and the int
+MAX_FIRST_CHARS = 4  # more distinct first characters of special tokens: scan with the regex
+
+
+class _Segment:
+    """One segment after one path: its ids, and per block size the hashing state after it."""
+
+    __slots__ = ("cost", "id", "ids", "key", "states", "total")
+
+    def __init__(self, key: tuple[int, str], ident: int, ids: array[int], total: int) -> None:
+        self.key = key
+        self.id = ident
+        self.ids = ids
+        self.total = total  # ids from the start of the prompt to the end of this segment
+        # block size -> (hashes of the blocks completed in this segment, the chain's last
+        # hash, the ids after the last full block)
+        self.states: dict[int, tuple[tuple[int, ...], int, tuple[int, ...]]] = {}
+        self.cost = sys.getsizeof(key[1]) + ids.itemsize * len(ids) + ENTRY_BYTES
+
+
+class PromptChain:
+    """Segments of rendered prompts, with their ids and block hashes (see the module)."""
+
+    def __init__(
+        self,
+        capacity: int,
+        split: re.Pattern[str],
+        special_ids: dict[str, int],
+        encode: Callable[[str], list[int]],
+    ) -> None:
+        self.capacity = capacity
+        self.bytes = 0
+        self._split = split
+        self._special_ids = special_ids
+        self._encode = encode
+        firsts = {token[0] for token in special_ids}
+        self._firsts = sorted(firsts) if len(firsts) <= MAX_FIRST_CHARS else None
+        self._segments: OrderedDict[tuple[int, str], _Segment] = OrderedDict()
+        self._ids = itertools.count(1)  # 0 is the start of every prompt
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._segments)
+
+    def tokens(self, text: str, wanted: int | None = None) -> list[int]:
+        """The ids of `text` (the first `wanted` of them, and then some, when given)."""
+        path, rest = self._path(text, wanted)
+        ids: list[int] = []
+        for segment in path:
+            ids.extend(segment.ids)
+        ids.extend(rest)
+        return ids
+
+    def hashes(self, text: str, block_size: int, max_blocks: int) -> list[int]:
+        """The chained hashes (`shoal.kv.token_block_hashes`) of the first `max_blocks` full
+        blocks of `text`'s ids."""
+        path, rest = self._path(text, max_blocks * block_size)
+        out: list[int] = []
+        last = ROOT_HASH
+        tail: tuple[int, ...] = ()
+        for segment in path:
+            state = segment.states.get(block_size)
+            if state is None:
+                state = _hash_blocks(last, tail, segment.ids, block_size)
+                self._add_state(segment, block_size, state)
+            out.extend(state[0])
+            last, tail = state[1], state[2]
+            if len(out) >= max_blocks:
+                return out[:max_blocks]
+        if rest:
+            out.extend(_hash_blocks(last, tail, rest, block_size)[0])
+        return out[:max_blocks]
+
+    # -- the walk -----------------------------------------------------------------------------
+
+    def _path(self, text: str, wanted: int | None) -> tuple[list[_Segment], list[int]]:
+        """The segments of `text` from its start (kept or made), until `wanted` ids are
+        covered; and the ids of a piece cut short (not kept), if one was."""
+        path: list[_Segment] = []
+        parent, total = 0, 0
+        # Whether the path so far is kept: a segment after one that is not would never be
+        # found again, so it is not kept either.
+        kept = True
+        with self._lock:
+            segments = self._segments
+            for start, piece_end, end, special in self._cuts(text):
+                if wanted is not None and total >= wanted:
+                    break
+                key = (parent, text[start:end])
+                segment = segments.get(key)
+                if segment is not None:
+                    segments.move_to_end(key)
+                else:
+                    need = None if wanted is None else wanted + CUT_MARGIN - total
+                    ids, whole = self._encode_piece(text[start:piece_end], need)
+                    if not whole:
+                        return path, ids
+                    if special is not None:
+                        ids.append(special)
+                    segment = _Segment(key, next(self._ids), array("I", ids), total + len(ids))
+                    kept = kept and self._keep(segment)
+                path.append(segment)
+                parent, total = segment.id, segment.total
+        return path, []
+
+    def _cuts(self, text: str) -> Iterator[tuple[int, int, int, int | None]]:
+        """(start, end of its plain text, end, the special token's id or None) of each
+        segment of `text`; the last one may end without a special token."""
+        pos = 0
+        for match_start, match_end in self._specials(text):
+            yield pos, match_start, match_end, self._special_ids[text[match_start:match_end]]
+            pos = match_end
+        if pos < len(text):
+            yield pos, len(text), len(text), None
+
+    def _specials(self, text: str) -> Iterator[tuple[int, int]]:
+        """Where the special tokens are in `text`, left to right, as the split pattern finds
+        them; by `str.find` of their first characters when they have few (a scan in C),
+        else by the pattern."""
+        pattern = self._split
+        if self._firsts is None:
+            for found in pattern.finditer(text):
+                yield found.start(), found.end()
+            return
+        nexts = {c: text.find(c) for c in self._firsts}
+        while True:
+            at = min((i for i in nexts.values() if i >= 0), default=-1)
+            if at < 0:
+                return
+            match = pattern.match(text, at)
+            pos = at + 1
+            if match is not None:
+                yield at, match.end()
+                pos = match.end()
+            for c, i in nexts.items():
+                if 0 <= i < pos:
+                    nexts[c] = text.find(c, pos)
+
+    def _encode_piece(self, piece: str, need: int | None) -> tuple[list[int], bool]:
+        """The ids of `piece`, or of a cut of it holding at least `need` of them (then the
+        ids past `need` near the cut may differ: dropped); and whether it was whole."""
+        if need is None:
+            return self._encode(piece), True
+        cut = max(need, 1) * CHARS_PER_TOKEN
+        while True:
+            if cut >= len(piece):
+                return self._encode(piece), True
+            ids = self._encode(piece[:cut])
+            if len(ids) >= need:
+                return ids[: max(need - CUT_MARGIN, 0)], False
+            cut *= 2  # tokens longer than CHARS_PER_TOKEN on average: cut further out
+
+    # -- bounds ---------------------------------------------------------------------------------
+
+    def _keep(self, segment: _Segment) -> bool:
+        """Keep `segment`, unless it is too large (it would push out most others)."""
+        if segment.cost > self.capacity // 8:
+            return False
+        self._segments[segment.key] = segment
+        self.bytes += segment.cost
+        self._evict()
+        return True
+
+    def _add_state(
+        self, segment: _Segment, size: int, state: tuple[tuple[int, ...], int, tuple[int, ...]]
+    ) -> None:
+        with self._lock:
+            if self._segments.get(segment.key) is not segment or size in segment.states:
+                return  # not kept (too large, or evicted since): nothing to account
+            segment.states[size] = state
+            cost = INT_BYTES * (len(state[0]) + len(state[2]) + 1) + 120
+            segment.cost += cost
+            self.bytes += cost
+            self._evict()
+
+    def _evict(self) -> None:
+        segments = self._segments
+        while self.bytes > self.capacity and segments:
+            _, oldest = segments.popitem(last=False)
+            self.bytes -= oldest.cost
+
+
+def _hash_blocks(
+    last: int, tail: tuple[int, ...], ids: array[int] | list[int], size: int
+) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    """Hash the full blocks of `tail` + `ids` after the block hashed `last`: their hashes,
+    the last one, and the ids left over."""
+    buf = (*tail, *ids)
+    full = len(buf) - len(buf) % size
+    hashes = []
+    for i in range(0, full, size):
+        last = hash((last, *buf[i : i + size]))
+        hashes.append(last)
+    return tuple(hashes), last, buf[full:]
