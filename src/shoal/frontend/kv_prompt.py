@@ -421,17 +421,17 @@ def _special_split(tokenizer: Tokenizer) -> tuple[re.Pattern[str] | None, dict[s
 
 def _splits_cleanly(tokenizer: Tokenizer, special_ids: dict[str, int]) -> bool:
     """Whether `tokenizer` gives a text the ids of its pieces between special tokens, each
-    tokenized alone (what `PromptChain` relies on): tried on a few texts. Not so for, e.g., a
-    pre-tokenizer that marks only the start of the whole text."""
+    tokenized alone (what `PromptChain` relies on): tried on a few texts of its own words.
+    Not so for, e.g., a pre-tokenizer that marks only the start of the whole text."""
+    a, b, c = _words(tokenizer, set(special_ids.values()))
     for special in sorted(special_ids)[:3]:
         for text in (
-            f"a{special}b",
-            f"Hello there{special}\n world {special}  x",
-            f"{special}\n\nThe end.\n{special}",
+            f"{a}{special}{b}",
+            f"{a} {b}{special}\n {c} {special}  {a}",
+            f"{special}\n\n{b}.\n{special}{c}",
         ):
-            pieces = text.split(special)
             expected: list[int] = []
-            for i, piece in enumerate(pieces):
+            for i, piece in enumerate(text.split(special)):
                 if i:
                     expected.append(special_ids[special])
                 if piece:
@@ -439,6 +439,19 @@ def _splits_cleanly(tokenizer: Tokenizer, special_ids: dict[str, int]) -> bool:
             if tokenizer.encode(text, add_special_tokens=False).ids != expected:
                 return False
     return True
+
+
+def _words(tokenizer: Tokenizer, special: set[int]) -> tuple[str, str, str]:
+    """Three words of the tokenizer's vocabulary (so no probe is only unknown tokens)."""
+    words: list[str] = []
+    for token_id in sorted(tokenizer.get_vocab().values()):
+        if token_id not in special:
+            word = tokenizer.decode([token_id]).strip()
+            if len(word) >= 2 and word.isalpha() and word not in words:
+                words.append(word)
+                if len(words) == 3:
+                    return words[0], words[1], words[2]
+    return "Hello", "there", "world"
 
 
 def _token_text(value: Any) -> str:
