@@ -37,6 +37,10 @@ INT_BYTES = 40  # a hash or id kept as a Python int in a tuple: the pointer and 
 MAX_FIRST_CHARS = 4  # more distinct first characters of special tokens: scan with the regex
 
 
+class Deferred(Exception):
+    """Work too large for the event loop, left to the tokenizer's thread."""
+
+
 class _Segment:
     """One segment after one path: its ids, and per block size the hashing state after it."""
 
@@ -86,10 +90,13 @@ class PromptChain:
         ids.extend(rest)
         return ids
 
-    def hashes(self, text: str, block_size: int, max_blocks: int) -> list[int]:
+    def hashes(
+        self, text: str, block_size: int, max_blocks: int, budget: int | None = None
+    ) -> list[int]:
         """The chained hashes (`shoal.kv.token_block_hashes`) of the first `max_blocks` full
-        blocks of `text`'s ids."""
-        path, rest = self._path(text, max_blocks * block_size)
+        blocks of `text`'s ids. With a `budget` (on the event loop): `Deferred` rather than
+        tokenize more than `budget` characters of new text, or wait for another thread."""
+        path, rest = self._path(text, max_blocks * block_size, budget)
         out: list[int] = []
         last = ROOT_HASH
         tail: tuple[int, ...] = ()
@@ -97,7 +104,7 @@ class PromptChain:
             state = segment.states.get(block_size)
             if state is None:
                 state = _hash_blocks(last, tail, segment.ids, block_size)
-                self._add_state(segment, block_size, state)
+                self._add_state(segment, block_size, state, wait=budget is None)
             out.extend(state[0])
             last, tail = state[1], state[2]
             if len(out) >= max_blocks:
@@ -108,15 +115,20 @@ class PromptChain:
 
     # -- the walk -----------------------------------------------------------------------------
 
-    def _path(self, text: str, wanted: int | None) -> tuple[list[_Segment], list[int]]:
+    def _path(
+        self, text: str, wanted: int | None, budget: int | None = None
+    ) -> tuple[list[_Segment], list[int]]:
         """The segments of `text` from its start (kept or made), until `wanted` ids are
-        covered; and the ids of a piece cut short (not kept), if one was."""
+        covered; and the ids of a piece cut short (not kept), if one was. `Deferred` past
+        `budget` characters of new text, or if another thread holds the segments."""
         path: list[_Segment] = []
         parent, total = 0, 0
         # Whether the path so far is kept: a segment after one that is not would never be
         # found again, so it is not kept either.
         kept = True
-        with self._lock:
+        if not self._lock.acquire(blocking=budget is None):
+            raise Deferred
+        try:
             segments = self._segments
             for start, piece_end, end, special in self._cuts(text):
                 if wanted is not None and total >= wanted:
@@ -126,6 +138,10 @@ class PromptChain:
                 if segment is not None:
                     segments.move_to_end(key)
                 else:
+                    if budget is not None:
+                        budget -= piece_end - start
+                        if budget < 0:
+                            raise Deferred
                     need = None if wanted is None else wanted + CUT_MARGIN - total
                     ids, whole = self._encode_piece(text[start:piece_end], need)
                     if not whole:
@@ -136,6 +152,8 @@ class PromptChain:
                     kept = kept and self._keep(segment)
                 path.append(segment)
                 parent, total = segment.id, segment.total
+        finally:
+            self._lock.release()
         return path, []
 
     def _cuts(self, text: str) -> Iterator[tuple[int, int, int, int | None]]:
@@ -197,9 +215,18 @@ class PromptChain:
         return True
 
     def _add_state(
-        self, segment: _Segment, size: int, state: tuple[tuple[int, ...], int, tuple[int, ...]]
+        self,
+        segment: _Segment,
+        size: int,
+        state: tuple[tuple[int, ...], int, tuple[int, ...]],
+        *,
+        wait: bool = True,
     ) -> None:
-        with self._lock:
+        """Keep `state` with `segment` (not when another thread holds the lock and `wait` is
+        false: it is computed again next time)."""
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
             if self._segments.get(segment.key) is not segment or size in segment.states:
                 return  # not kept (too large, or evicted since): nothing to account
             segment.states[size] = state
@@ -207,6 +234,8 @@ class PromptChain:
             segment.cost += cost
             self.bytes += cost
             self._evict()
+        finally:
+            self._lock.release()
 
     def _evict(self) -> None:
         segments = self._segments

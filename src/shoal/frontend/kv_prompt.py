@@ -50,7 +50,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from shoal.bounds import check_json_depth
-from shoal.frontend.kv_chain import CHARS_PER_TOKEN, CUT_MARGIN, PromptChain
+from shoal.frontend.kv_chain import CHARS_PER_TOKEN, CUT_MARGIN, Deferred, PromptChain
+
+__all__ = ["Deferred", "PromptTokenizer", "TemplateOverrun"]
 from shoal.kv import token_block_hashes
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -59,6 +61,56 @@ RENDER_SECONDS = 0.5  # a template's time budget for one chat
 RENDER_SECONDS_PER_MB = 1.0  # and more for a long chat: a client's long chat is no overrun
 MAX_TEXT = 1 << 20  # characters: what a render keeps, and (beyond the chat's own) any string
 CHAIN_CACHE_BYTES = 64 << 20  # tokenized segments of chats kept per tokenizer
+INLINE_CHAT = 32_768  # characters: a chat this small is first prepared on the event loop,
+INLINE_SECONDS = 0.002  # a render there gets this budget,
+INLINE_TEXT = 65_536  # builds no string longer than the chat and this,
+INLINE_OP = 4096  # runs a filter or method not known linear and quick on nothing longer,
+INLINE_NEW = 8192  # and tokenizes at most this much new text; else all of it is left to
+# the tokenizer's thread (`Deferred`), where the full budgets apply
+QUICK_OPS = frozenset(
+    [
+        "strip",
+        "lstrip",
+        "rstrip",
+        "startswith",
+        "endswith",
+        "lower",
+        "upper",
+        "split",
+        "rsplit",
+        "splitlines",
+        "replace",
+        "join",
+        "find",
+        "rfind",
+        "count",
+        "capitalize",
+        "partition",
+        "rpartition",
+        "items",
+        "keys",
+        "values",
+        "get",
+        "append",
+        "extend",
+        "trim",
+        "length",
+        "string",
+        "default",
+        "d",
+        "first",
+        "last",
+        "list",
+        "tojson",
+        "safe",
+        "escape",
+        "e",
+        "int",
+        "float",
+        "abs",
+    ]
+)
+"""Methods and filters that run in C, in time linear in their input (or less)."""
 
 
 class TemplateOverrun(jinja2.TemplateError):
@@ -162,24 +214,45 @@ class PromptTokenizer:
         return self._cut_and_encode(text, wanted, special_tokens=False)
 
     def chat_hashes(
-        self, messages: list[Any], sizes: Iterable[int], max_blocks: int
+        self, messages: list[Any], sizes: Iterable[int], max_blocks: int, *, inline: bool = False
     ) -> dict[int, list[int]] | None:
         """The block hashes of the chat's first `max_blocks` blocks, per block size; None
-        without a usable template. Raises as `chat` does."""
+        without a usable template. Raises as `chat` does; `inline` (on the event loop),
+        `Deferred` for a chat that needs more work than the loop may do (`INLINE_*`)."""
         if not self.renders:
             return None
-        text = self.render(messages)
+        text = self.render(messages, inline=inline)
         chain = self.chain
+        budget = INLINE_NEW if inline else None
         if chain is None:
+            if budget is not None and len(text) > budget:
+                raise Deferred
             tokens = self._cut_and_encode(text, max_blocks * max(sizes), special_tokens=False)
             return {size: token_block_hashes(tokens, size, limit=max_blocks) for size in sizes}
-        return {size: chain.hashes(text, size, max_blocks) for size in sizes}
+        return {size: chain.hashes(text, size, max_blocks, budget) for size in sizes}
 
-    def render(self, messages: list[Any]) -> str:
-        """The template's text for `messages` (its first `MAX_TEXT` characters)."""
+    def render(self, messages: list[Any], *, inline: bool = False) -> str:
+        """The template's text for `messages` (its first `MAX_TEXT` characters). `inline`:
+        on the event loop, within the `INLINE_*` bounds, else `Deferred` (and the template
+        is judged by a render in the thread, never disabled by this one)."""
         assert self.template is not None
         plain = [_message(m) for m in messages]
         size = sum(_size(m) for m in plain)
+        if inline:
+            if size > INLINE_CHAT:
+                raise Deferred
+            try:
+                return self.env.render(
+                    self.template,
+                    time.monotonic() + INLINE_SECONDS,
+                    size + INLINE_TEXT,
+                    True,
+                    messages=plain,
+                    add_generation_prompt=True,
+                    **self.specials,
+                )
+            except TemplateOverrun:
+                raise Deferred from None
         deadline = time.monotonic() + RENDER_SECONDS + RENDER_SECONDS_PER_MB * size / 1e6
         with self._lock:
             self._rendering = (threading.get_ident(), deadline)
@@ -257,23 +330,37 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         for name, fn in list(self.filters.items()):
             self.filters[name] = self._bounded_filter(fn)
 
-    def render(self, template: jinja2.Template, deadline: float, limit: int, **context: Any) -> str:
+    def render(
+        self,
+        template: jinja2.Template,
+        deadline: float,
+        limit: int,
+        inline: bool = False,
+        /,
+        **context: Any,
+    ) -> str:
         """`template` rendered with `context`: at most `MAX_TEXT` characters are kept (the
-        render stops there), `TemplateOverrun` past `deadline` or a string over `limit`."""
+        render stops there), `TemplateOverrun` past `deadline` or a string over `limit`.
+        `inline`: also `Deferred` for a slow method or filter on a long value, and
+        `TemplateOverrun` for an output over `limit` (the caller defers it)."""
         self._local.deadline = deadline
         self._local.limit = limit
+        self._local.inline = inline
         out: list[str] = []
         size = 0
         try:
             for chunk in template.generate(**context):
                 out.append(chunk)
                 size += len(chunk)
-                if size >= MAX_TEXT:
+                if size >= MAX_TEXT or (inline and size > limit):
+                    if inline:
+                        raise TemplateOverrun("an inline render's output is too long")
                     break
                 self.check()
         finally:
             self._local.deadline = None
             self._local.limit = MAX_TEXT
+            self._local.inline = False
         return "".join(out)[:MAX_TEXT]
 
     @property
@@ -287,13 +374,23 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         if deadline is not None and time.monotonic() > deadline:
             raise TemplateOverrun(f"the chat template ran past {RENDER_SECONDS:g}s")
 
+    def _check_inline(self, name: str, args: Iterable[Any]) -> None:
+        """In an inline render: `Deferred` for an operation not known quick on a long value."""
+        if getattr(self._local, "inline", False) and name not in QUICK_OPS:
+            for value in args:
+                if isinstance(value, str | list | tuple | dict) and len(value) > INLINE_OP:
+                    raise Deferred
+
     # -- hooks every template's code goes through -------------------------------------
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         __self.check()
         target = getattr(__obj, "__self__", None)
         limit = __self.limit
-        _check_growth(getattr(__obj, "__name__", ""), (target, *args), kwargs, limit)
+        name = getattr(__obj, "__name__", "")
+        _check_growth(name, (target, *args), kwargs, limit)
+        if not isinstance(__obj, jinja2.runtime.Macro):  # (a macro's own steps are checked)
+            __self._check_inline(name, (target, *args, *kwargs.values()))
         return _bounded(super().call(__context, __obj, *args, **kwargs), limit)
 
     def getattr(self, obj: Any, attribute: str) -> Any:
@@ -341,6 +438,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             text = [i for i, a in enumerate(args) if isinstance(a, str)][:1]  # the filtered value
             limit = self.limit
             _check_growth(name, args[text[0] :] if text else (None, *args), kwargs, limit)
+            self._check_inline(name, (*args, *kwargs.values()))
             return _bounded(fn(*args, **kwargs), limit)
 
         return bounded

@@ -28,7 +28,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from shoal.frontend.kv_prompt import RENDER_SECONDS, PromptTokenizer, TemplateOverrun
+from shoal.frontend.kv_prompt import RENDER_SECONDS, Deferred, PromptTokenizer, TemplateOverrun
 from shoal.frontend.kv_tracker import KvSet, KvTracker
 from shoal.frontend.metadata import MetadataCache
 from shoal.frontend.metrics import FrontendMetrics, Histogram
@@ -97,13 +97,20 @@ class KvPrompt(str):
         return tokenizer.completion(self.prompt, wanted) if self.prompt is not None else None
 
     def prepare(
-        self, tokenizer: PromptTokenizer, block_sizes: Iterable[int], max_blocks: int
+        self,
+        tokenizer: PromptTokenizer,
+        block_sizes: Iterable[int],
+        max_blocks: int,
+        *,
+        inline: bool = False,
     ) -> None:
         """Tokenize (the start of) the prompt and hash its first `max_blocks` blocks for
-        each of `block_sizes`. Runs in the tokenizer's thread, or inline when small."""
+        each of `block_sizes`. Runs in the tokenizer's thread, or on the event loop
+        (`inline`: a chat then raises `Deferred` when it needs more work than the loop may do;
+        a completion prompt is only prepared there when `small`)."""
         sizes = sorted(set(block_sizes))
         if self.messages is not None:
-            hashes = tokenizer.chat_hashes(self.messages, sizes, max_blocks)
+            hashes = tokenizer.chat_hashes(self.messages, sizes, max_blocks, inline=inline)
             if hashes is None:
                 self.failure = "no chat template"
                 return
@@ -129,10 +136,19 @@ def _line(message: Any) -> str:
 class KvStatsView:
     """Per-pick figures for `/metrics`."""
 
-    __slots__ = ("blocks", "fallbacks", "matched", "overlap", "picks", "slow_prepares")
+    __slots__ = (
+        "blocks",
+        "deferred",
+        "fallbacks",
+        "matched",
+        "overlap",
+        "picks",
+        "slow_prepares",
+    )
 
     def __init__(self) -> None:
         self.picks = 0
+        self.deferred = 0  # chats tried on the event loop, left to the tokenizer's thread
         self.fallbacks = 0  # requests routed by prefix as their prompt could not be tokenized
         self.slow_prepares = 0  # of them, because tokenizing took longer than PREPARE_WAIT
         self.blocks = 0
@@ -200,17 +216,24 @@ class KvRouter(Router):
                     work.setdefault(tokenizer, set()).add(state.index.block_size)  # type: ignore[union-attr]
         if not work:
             return None
-        if prompt.small:
-            for tokenizer, sizes in work.items():
-                self._prepare_now(prompt, tokenizer, sizes)
-            return None
+        if prompt.small or prompt.messages is not None:
+            # A chat is tried on the event loop first, within tight bounds (`Deferred`
+            # past them): a thread's hand-off costs more than most chats' tokenizing.
+            work = {t: s for t, s in work.items() if not self._prepare_now(prompt, t, s)}
+            if not work:
+                return None
         return self._prepare_in_threads(prompt, work)
 
-    def _prepare_now(self, prompt: KvPrompt, tokenizer: PromptTokenizer, sizes: set[int]) -> None:
+    def _prepare_now(self, prompt: KvPrompt, tokenizer: PromptTokenizer, sizes: set[int]) -> bool:
+        """Prepare `prompt` for `tokenizer` on the event loop; False if it was deferred."""
         try:
-            prompt.prepare(tokenizer, sizes, self.max_blocks)
+            prompt.prepare(tokenizer, sizes, self.max_blocks, inline=True)
+        except Deferred:
+            self.figures.deferred += 1
+            return False
         except Exception as exc:
             prompt.failure = f"{type(exc).__name__}: {exc}"
+        return True
 
     def _prepare_in_threads(
         self, prompt: KvPrompt, work: dict[PromptTokenizer, set[int]]
@@ -395,6 +418,12 @@ class KvCollector(Collector):
             "Picks routed by prefix because the prompt could not be tokenized (template "
             "error or overrun, tokenizing failed or took too long).",
             value=figures.fallbacks,
+        )
+        yield CounterMetricFamily(
+            "shoal_frontend_kv_deferred_prompts",
+            "Chats too large or slow to render and tokenize on the event loop, prepared in "
+            "the tokenizer's thread.",
+            value=figures.deferred,
         )
         yield CounterMetricFamily(
             "shoal_frontend_kv_slow_prompts",
