@@ -66,12 +66,14 @@ class PromptChain:
         split: re.Pattern[str],
         special_ids: dict[str, int],
         encode: Callable[[str], list[int]],
+        encode_many: Callable[[list[str]], list[list[int]]],
     ) -> None:
         self.capacity = capacity
         self.bytes = 0
         self._split = split
         self._special_ids = special_ids
         self._encode = encode
+        self._encode_many = encode_many
         firsts = {token[0] for token in special_ids}
         self._firsts = sorted(firsts) if len(firsts) <= MAX_FIRST_CHARS else None
         self._segments: OrderedDict[tuple[int, str], _Segment] = OrderedDict()
@@ -123,37 +125,63 @@ class PromptChain:
         `budget` characters of new text, or if another thread holds the segments."""
         path: list[_Segment] = []
         parent, total = 0, 0
-        # Whether the path so far is kept: a segment after one that is not would never be
-        # found again, so it is not kept either.
-        kept = True
         if not self._lock.acquire(blocking=budget is None):
             raise Deferred
         try:
             segments = self._segments
-            for start, piece_end, end, special in self._cuts(text):
+            cuts = self._cuts(text)
+            for cut in cuts:
                 if wanted is not None and total >= wanted:
                     break
-                key = (parent, text[start:end])
+                key = (parent, text[cut[0] : cut[2]])
                 segment = segments.get(key)
-                if segment is not None:
-                    segments.move_to_end(key)
-                else:
-                    if budget is not None:
-                        budget -= piece_end - start
-                        if budget < 0:
-                            raise Deferred
-                    need = None if wanted is None else wanted + CUT_MARGIN - total
-                    ids, whole = self._encode_piece(text[start:piece_end], need)
-                    if not whole:
-                        return path, ids
-                    if special is not None:
-                        ids.append(special)
-                    segment = _Segment(key, next(self._ids), array("I", ids), total + len(ids))
-                    kept = kept and self._keep(segment)
+                if segment is None:
+                    return self._make(text, [cut, *cuts], path, wanted, budget)
+                segments.move_to_end(key)
                 path.append(segment)
                 parent, total = segment.id, segment.total
         finally:
             self._lock.release()
+        return path, []
+
+    def _make(
+        self,
+        text: str,
+        cuts: list[tuple[int, int, int, int | None]],
+        path: list[_Segment],
+        wanted: int | None,
+        budget: int | None,
+    ) -> tuple[list[_Segment], list[int]]:
+        """Tokenize the segments `cuts` of `text`, all new (the one before them is), after
+        `path`, and keep them: in one call when short enough to need no cut, else one by
+        one, the last one cut (and not kept) once `wanted` ids are covered."""
+        parent, total = (path[-1].id, path[-1].total) if path else (0, 0)
+        chars = sum(cut[1] - cut[0] for cut in cuts)
+        if budget is not None and chars > budget:
+            raise Deferred
+        batch = wanted is None or chars <= (wanted - total) * CHARS_PER_TOKEN
+        if batch:
+            encoded = self._encode_many([text[cut[0] : cut[1]] for cut in cuts])
+        kept = all(self._segments.get(s.key) is s for s in path[-1:])
+        for i, (start, piece_end, end, special) in enumerate(cuts):
+            if batch:
+                ids = encoded[i]
+            else:
+                assert wanted is not None
+                if total >= wanted:
+                    break
+                ids, whole = self._encode_piece(text[start:piece_end], wanted + CUT_MARGIN - total)
+                if not whole:
+                    return path, ids
+            if special is not None:
+                ids.append(special)
+            segment = _Segment(
+                (parent, text[start:end]), next(self._ids), array("I", ids), total + len(ids)
+            )
+            # A segment after one that is not kept would never be found again: not kept.
+            kept = kept and self._keep(segment)
+            path.append(segment)
+            parent, total = segment.id, segment.total
         return path, []
 
     def _cuts(self, text: str) -> Iterator[tuple[int, int, int, int | None]]:

@@ -62,7 +62,7 @@ RENDER_SECONDS_PER_MB = 1.0  # and more for a long chat: a client's long chat is
 MAX_TEXT = 1 << 20  # characters: what a render keeps, and (beyond the chat's own) any string
 CHAIN_CACHE_BYTES = 64 << 20  # tokenized segments of chats kept per tokenizer
 INLINE_CHAT = 32_768  # characters: a chat this small is first prepared on the event loop,
-INLINE_SECONDS = 0.002  # a render there gets this budget,
+INLINE_SECONDS = 0.002  # a render there gets this much CPU time,
 INLINE_TEXT = 65_536  # builds no string longer than the chat and this,
 INLINE_OP = 4096  # runs a filter or method not known linear and quick on nothing longer,
 INLINE_NEW = 8192  # and tokenizes at most this much new text; else all of it is left to
@@ -125,7 +125,9 @@ class PromptTokenizer:
         split, special_ids = _special_split(tokenizer)
         self.chain: PromptChain | None = None
         if split is not None and _splits_cleanly(tokenizer, special_ids):
-            self.chain = PromptChain(CHAIN_CACHE_BYTES, split, special_ids, self._plain)
+            self.chain = PromptChain(
+                CHAIN_CACHE_BYTES, split, special_ids, self._plain, self._plain_many
+            )
         self.specials = {
             name: _token_text(config.get(name))
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -244,7 +246,7 @@ class PromptTokenizer:
             try:
                 return self.env.render(
                     self.template,
-                    time.monotonic() + INLINE_SECONDS,
+                    0.0,  # (inline: its own budget)
                     size + INLINE_TEXT,
                     True,
                     messages=plain,
@@ -311,6 +313,11 @@ class PromptTokenizer:
         """The ids of `text` holding no special token (a piece of a chat)."""
         return self._encode(text, special_tokens=False)
 
+    def _plain_many(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each of `texts` (pieces of a chat), in one call."""
+        encoded = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        return [list(e.ids) for e in encoded]
+
 
 class BoundedSandbox(ImmutableSandboxedEnvironment):
     """A sandbox that bounds work, not only access: each `render` has a deadline, checked
@@ -341,11 +348,16 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     ) -> str:
         """`template` rendered with `context`: at most `MAX_TEXT` characters are kept (the
         render stops there), `TemplateOverrun` past `deadline` or a string over `limit`.
-        `inline`: also `Deferred` for a slow method or filter on a long value, and
-        `TemplateOverrun` for an output over `limit` (the caller defers it)."""
-        self._local.deadline = deadline
+        `inline`: `INLINE_SECONDS` of CPU time instead of `deadline`, `Deferred` for a slow
+        method or filter on a long value, `TemplateOverrun` for an output over `limit` (the
+        caller defers it)."""
         self._local.limit = limit
         self._local.inline = inline
+        if inline:  # the budget is the loop thread's CPU time, checked when the clock's is out
+            self._local.deadline = time.monotonic() + INLINE_SECONDS
+            self._local.cpu_deadline = time.thread_time() + INLINE_SECONDS
+        else:
+            self._local.deadline = deadline
         out: list[str] = []
         size = 0
         try:
@@ -356,11 +368,13 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                     if inline:
                         raise TemplateOverrun("an inline render's output is too long")
                     break
-                self.check()
+                if not len(out) % 32:  # (every loop, call and lookup checks too)
+                    self.check()
         finally:
             self._local.deadline = None
             self._local.limit = MAX_TEXT
             self._local.inline = False
+            self._local.cpu_deadline = None
         return "".join(out)[:MAX_TEXT]
 
     @property
@@ -372,6 +386,11 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def check(self) -> None:
         deadline = getattr(self._local, "deadline", None)
         if deadline is not None and time.monotonic() > deadline:
+            cpu = getattr(self._local, "cpu_deadline", None)
+            if cpu is not None and (spent := time.thread_time()) < cpu:
+                # Inline: the process was preempted, the template did not use the time.
+                self._local.deadline = time.monotonic() + cpu - spent
+                return
             raise TemplateOverrun(f"the chat template ran past {RENDER_SECONDS:g}s")
 
     def _check_inline(self, name: str, args: Iterable[Any]) -> None:
