@@ -362,6 +362,17 @@ def start_profile(
     return spy_proc
 
 
+def kv_figures(url: str) -> dict[str, float]:
+    """A shoal kv frontend's own counts: prompts prepared in its tokenizer's thread instead
+    of inline, and routed by prefix instead of by blocks (and of those, too slow)."""
+    text = http("GET", f"{url}/metrics").decode()
+    out = {}
+    for name in ("deferred_prompts", "prefix_fallbacks", "slow_prompts", "picks"):
+        found = re.search(rf"^shoal_frontend_kv_{name}_total (\S+)$", text, re.M)
+        out[f"kv_{name}"] = float(found.group(1)) if found else float("nan")
+    return out
+
+
 def cache_figures(workers: list[Worker]) -> tuple[float, float]:
     hits = queries = 0.0
     for w in workers:
@@ -405,6 +416,7 @@ def run_target(
             spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
             spy.wait(30)
         hits, queries = cache_figures(workers)
+        kv = kv_figures(url) if shoal and name.endswith(":kv") else {}
         served = len(run.ttfts)
         return {
             "target": name,
@@ -417,6 +429,7 @@ def run_target(
             "rps": served / run.seconds if run.seconds else 0.0,
             "cpu_us_per_request": cpu / max(served, 1) * 1e6,
             "main_cpu_us_per_request": (threads["main"] - threads0["main"]) / max(served, 1) * 1e6,
+            **kv,
         }
     except StartError as exc:
         return {"target": name, "skipped": f"did not run: {str(exc).splitlines()[0]}"}
