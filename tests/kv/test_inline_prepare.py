@@ -54,6 +54,7 @@ def test_a_short_chat_is_prepared_inline_and_hashed_as_in_the_thread() -> None:
         (URLIZED, [{"role": "user", "content": words(3000)}]),
         (MANY_SPLITS, [{"role": "user", "content": "a " * 6000}]),
         ("{{ 'x' * 5000000 }}", [{"role": "user", "content": "hi"}]),
+        (CHAT_TEMPLATE, [{"role": "user", "content": "hi"}] * 300_000),
     ],
     ids=[
         "long-chat",
@@ -63,6 +64,7 @@ def test_a_short_chat_is_prepared_inline_and_hashed_as_in_the_thread() -> None:
         "urlize",
         "loop",
         "huge-string",
+        "many-messages",
     ],
 )
 def test_work_that_could_hold_the_loop_is_deferred_quickly(

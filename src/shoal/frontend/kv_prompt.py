@@ -67,6 +67,7 @@ RENDER_SECONDS_PER_MB = 1.0  # and more for a long chat: a client's long chat is
 MAX_TEXT = 1 << 20  # characters: what a render keeps, and (beyond the chat's own) any string
 CHAIN_CACHE_BYTES = 64 << 20  # tokenized segments of chats kept per tokenizer
 INLINE_CHAT = 32_768  # characters: a chat this small is first prepared on the event loop,
+INLINE_MESSAGES = 256  # of this many messages at most,
 INLINE_SECONDS = 0.002  # a render there gets this much CPU time,
 INLINE_TEXT = 65_536  # builds no string longer than the chat and this,
 INLINE_OP = 4096  # runs a filter or method not known linear and quick on nothing longer,
@@ -243,6 +244,8 @@ class PromptTokenizer:
         on the event loop, within the `INLINE_*` bounds, else `Deferred` (and the template
         is judged by a render in the thread, never disabled by this one)."""
         assert self.template is not None
+        if inline and len(messages) > INLINE_MESSAGES:
+            raise Deferred  # (before looking at each)
         plain = [_message(m) for m in messages]
         size = sum(_size(m) for m in plain)
         if inline:
