@@ -3,6 +3,15 @@
     .venv/bin/python -m bench.kv_path                 # CPU per request, by step
     .venv/bin/python -m bench.kv_path --profile 25    # one pass under cProfile: top 25
     .venv/bin/python -m bench.kv_path --repeat 9      # the least of 9 passes (default 5)
+    .venv/bin/python -m bench.kv_path --record T      # one pass, its requests and events kept in T
+    PYTHONHASHSEED=0 valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file=/dev/null \
+        .venv/bin/python -m bench.kv_path --replay T [--null | --upto STEP]
+
+`--replay` runs only the kv steps over a recorded pass (each batch of events applied to the
+instance it came from then), so that two source trees do the same work; `--null` reads the
+recording and does none of them. Under valgrind, the difference of the two counts of
+instructions (divided by the requests) is the kv path's work per request, whatever the load
+of the machine: timings on a shared machine move with it, instruction counts do not.
 
 Replays `bench/kv_routing.py`'s workload (the same options and seed) through the steps the
 frontend takes for a chat request under `--router kv`, without sockets: decode the request's
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import sys
@@ -26,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from bench.kv_routing import conversations, parse_args
 from shoal.frontend.kv_index import KvIndex
@@ -99,6 +111,7 @@ def run(
     spent = dict.fromkeys(STEPS, 0.0)
     hits = queries = 0
     reqs = requests(args)
+    trace: list[tuple[bytes, int, bytes]] = []
     clock = time.process_time
     for messages in reqs:
         body = json.dumps(
@@ -127,6 +140,7 @@ def run(
         queries += len(tokens)
         payload = encode_batch(KVEventBatch(time.time(), list(worker.events)))
         worker.events.clear()
+        trace.append((body, picked.instance_id, payload))
         if profile is not None:
             profile.enable()
         t5 = clock()
@@ -139,7 +153,39 @@ def run(
         for step, seconds in zip(STEPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t6 - t5), strict=True):
             spent[step] += seconds
     tokenizer.close()
+    if args.record is not None:
+        args.record.write_bytes(msgspec.msgpack.encode(trace))
     return {step: seconds / len(reqs) for step, seconds in spent.items()}, hits / queries
+
+
+def replay(args: argparse.Namespace, model_dir: Path, trace: Path, null: bool) -> int:
+    """The kv steps of a recorded pass (none of them with `null`); the requests replayed."""
+    gc.disable()  # (its passes fall where allocations cross a threshold: counts would move)
+    recorded = msgspec.msgpack.decode(trace.read_bytes(), type=list[tuple[bytes, int, bytes]])
+    write_model_files(model_dir, context_length=1 << 16, hidden_size=64, kv_block_size=16)
+    tokenizer = PromptTokenizer.load(
+        model_dir / "tokenizer.json", model_dir / "tokenizer_config.json"
+    )
+    router = KvRouter()
+    state = KvSet(KvIndex(args.block_size), tokenizer, "")
+    ws = Set("set", tuple(Target(i + 1) for i in range(args.workers)))
+    router.tracker.sets[ws.id] = state  # type: ignore[index]
+    steps = STEPS[: args.upto + 1] if args.upto is not None else STEPS
+    for body, instance_id, payload in recorded:
+        if null:
+            continue
+        fields = decode_fields(body, with_prompt=True)
+        if "prompt" in steps:
+            prompt = KvPrompt.of(fields)
+        if "prepare" in steps:
+            prompt.prepare(tokenizer, (args.block_size,), router.max_blocks)
+        if "pick" in steps:
+            assert router.pick(ws, prompt) is not None, prompt.failure  # type: ignore[arg-type]
+        if "events" in steps:
+            for event in decode_batch(payload).events:
+                state.index.apply(instance_id, event)
+    tokenizer.close()
+    return len(recorded)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,7 +200,30 @@ def main(argv: list[str] | None = None) -> int:
         at = argv.index("--repeat")
         repeat = int(argv[at + 1])
         del argv[at : at + 2]
+    flags = {}
+    for flag in ("--record", "--replay"):
+        if flag in argv:
+            at = argv.index(flag)
+            flags[flag] = Path(argv[at + 1])
+            del argv[at : at + 2]
+    upto = None
+    if "--upto" in argv:  # replay the steps up to this one only
+        at = argv.index("--upto")
+        upto = STEPS.index(argv[at + 1])
+        del argv[at : at + 2]
+    null = "--null" in argv
+    if null:
+        argv.remove("--null")
     args: Any = parse_args(argv)
+    args.record = flags.get("--record")
+    args.upto = upto
+    if "--replay" in flags:
+        with tempfile.TemporaryDirectory(prefix="shoal-kv-path-") as tmp:
+            n = replay(args, Path(tmp), flags["--replay"], null)
+        print(f"{n} requests replayed{' (null)' if null else ''}")
+        return 0
+    if args.record is not None:
+        repeat = 1
     profile = cProfile.Profile() if top else None
     passes = []
     for i in range(1 if top else repeat):
