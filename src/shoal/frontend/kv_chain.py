@@ -11,8 +11,10 @@ size, the block hashes completed in it and the ids left over for the next block:
 walks its segments from the first, finds the ones seen before by one dictionary lookup each,
 and tokenizes and hashes only the rest. The key holds the whole text of the segment and the
 identity of the path before it, so a hit is the same text after the same text: the ids and
-hashes are those of tokenizing the whole prompt (`PromptTokenizer` checks at load time that
-its tokenizer splits at special tokens like this, and does not use a chain otherwise).
+hashes are those of tokenizing the whole prompt. `special_split` makes the pattern that cuts
+at a tokenizer's special tokens, and `splits_cleanly` checks (when a tokenizer is loaded) that
+it tokenizes the text between them alone as within the whole: `PromptTokenizer` uses no chain
+otherwise.
 
 Bounded in bytes (the texts, ids and hashes kept, with their containers), least recently
 used out; a segment larger than an eighth of the capacity is used once and not kept.
@@ -27,6 +29,8 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+
+from tokenizers import Tokenizer
 
 from shoal.kv import ROOT_HASH
 
@@ -284,3 +288,53 @@ def _hash_blocks(
         last = hash((last, *buf[i : i + size]))
         hashes.append(last)
     return tuple(hashes), last, buf[full:]
+
+
+def special_split(tokenizer: Tokenizer) -> tuple[re.Pattern[str] | None, dict[str, int]]:
+    """A pattern splitting text at the special tokens, and their ids; no pattern when some
+    added token is matched in a way a plain split would not reproduce (stripping, word
+    boundaries, normalized matching)."""
+    specials: dict[str, int] = {}
+    for token_id, token in tokenizer.get_added_tokens_decoder().items():
+        if token.lstrip or token.rstrip or token.single_word or token.normalized:
+            return None, {}
+        specials[token.content] = token_id
+    if not specials:
+        return None, {}
+    longest_first = sorted(specials, key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, longest_first)) + ")"), specials
+
+
+def splits_cleanly(tokenizer: Tokenizer, special_ids: dict[str, int]) -> bool:
+    """Whether `tokenizer` gives a text the ids of its pieces between special tokens, each
+    tokenized alone (what `PromptChain` relies on): tried on a few texts of its own words.
+    Not so for, e.g., a pre-tokenizer that marks only the start of the whole text."""
+    a, b, c = _words(tokenizer, set(special_ids.values()))
+    for special in sorted(special_ids)[:3]:
+        for text in (
+            f"{a}{special}{b}",
+            f"{a} {b}{special}\n {c} {special}  {a}",
+            f"{special}\n\n{b}.\n{special}{c}",
+        ):
+            expected: list[int] = []
+            for i, piece in enumerate(text.split(special)):
+                if i:
+                    expected.append(special_ids[special])
+                if piece:
+                    expected += tokenizer.encode(piece, add_special_tokens=False).ids
+            if tokenizer.encode(text, add_special_tokens=False).ids != expected:
+                return False
+    return True
+
+
+def _words(tokenizer: Tokenizer, special: set[int]) -> tuple[str, str, str]:
+    """Three words of the tokenizer's vocabulary (so no probe is only unknown tokens)."""
+    words: list[str] = []
+    for token_id in sorted(tokenizer.get_vocab().values()):
+        if token_id not in special:
+            word = tokenizer.decode([token_id]).strip()
+            if len(word) >= 2 and word.isalpha() and word not in words:
+                words.append(word)
+                if len(words) == 3:
+                    return words[0], words[1], words[2]
+    return "Hello", "there", "world"

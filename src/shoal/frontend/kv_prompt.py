@@ -28,7 +28,7 @@ the tokenizer's special tokens and each segment, after the same segments, is tok
 hashed once and kept (`PromptChain`, `CHAIN_CACHE_BYTES` in all, least recently used out):
 the tokenizer itself tokenizes the text between special tokens independently (they are
 matched first), so the ids are the same, at a fraction of the cost. Whether a tokenizer
-does is checked when it is loaded (`_splits_cleanly`); one that does not tokenizes whole.
+does is checked when it is loaded (`splits_cleanly`); one that does not tokenizes whole.
 """
 
 from __future__ import annotations
@@ -51,7 +51,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from shoal.bounds import check_json_depth
-from shoal.frontend.kv_chain import CHARS_PER_TOKEN, CUT_MARGIN, Deferred, PromptChain
+from shoal.frontend.kv_chain import (
+    CHARS_PER_TOKEN,
+    CUT_MARGIN,
+    Deferred,
+    PromptChain,
+    special_split,
+    splits_cleanly,
+)
 
 __all__ = ["Deferred", "PromptTokenizer", "TemplateOverrun"]
 from shoal.kv import token_block_hashes
@@ -128,9 +135,9 @@ class PromptTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, config: dict[str, Any]) -> None:
         self.tokenizer = tokenizer
-        split, special_ids = _special_split(tokenizer)
+        split, special_ids = special_split(tokenizer)
         self.chain: PromptChain | None = None
-        if split is not None and _splits_cleanly(tokenizer, special_ids):
+        if split is not None and splits_cleanly(tokenizer, special_ids):
             self.chain = PromptChain(
                 CHAIN_CACHE_BYTES, split, special_ids, self._plain, self._plain_many
             )
@@ -527,56 +534,6 @@ def _bounded(value: Any, limit: int) -> Any:
     if isinstance(value, str | list | tuple) and len(value) > limit:
         raise TemplateOverrun("the chat template built too large a sequence")
     return value
-
-
-def _special_split(tokenizer: Tokenizer) -> tuple[re.Pattern[str] | None, dict[str, int]]:
-    """A pattern splitting text at the special tokens, and their ids; no pattern when some
-    added token is matched in a way a plain split would not reproduce (stripping, word
-    boundaries, normalized matching)."""
-    specials: dict[str, int] = {}
-    for token_id, token in tokenizer.get_added_tokens_decoder().items():
-        if token.lstrip or token.rstrip or token.single_word or token.normalized:
-            return None, {}
-        specials[token.content] = token_id
-    if not specials:
-        return None, {}
-    longest_first = sorted(specials, key=len, reverse=True)
-    return re.compile("(" + "|".join(map(re.escape, longest_first)) + ")"), specials
-
-
-def _splits_cleanly(tokenizer: Tokenizer, special_ids: dict[str, int]) -> bool:
-    """Whether `tokenizer` gives a text the ids of its pieces between special tokens, each
-    tokenized alone (what `PromptChain` relies on): tried on a few texts of its own words.
-    Not so for, e.g., a pre-tokenizer that marks only the start of the whole text."""
-    a, b, c = _words(tokenizer, set(special_ids.values()))
-    for special in sorted(special_ids)[:3]:
-        for text in (
-            f"{a}{special}{b}",
-            f"{a} {b}{special}\n {c} {special}  {a}",
-            f"{special}\n\n{b}.\n{special}{c}",
-        ):
-            expected: list[int] = []
-            for i, piece in enumerate(text.split(special)):
-                if i:
-                    expected.append(special_ids[special])
-                if piece:
-                    expected += tokenizer.encode(piece, add_special_tokens=False).ids
-            if tokenizer.encode(text, add_special_tokens=False).ids != expected:
-                return False
-    return True
-
-
-def _words(tokenizer: Tokenizer, special: set[int]) -> tuple[str, str, str]:
-    """Three words of the tokenizer's vocabulary (so no probe is only unknown tokens)."""
-    words: list[str] = []
-    for token_id in sorted(tokenizer.get_vocab().values()):
-        if token_id not in special:
-            word = tokenizer.decode([token_id]).strip()
-            if len(word) >= 2 and word.isalpha() and word not in words:
-                words.append(word)
-                if len(words) == 3:
-                    return words[0], words[1], words[2]
-    return "Hello", "there", "world"
 
 
 def _token_text(value: Any) -> str:
