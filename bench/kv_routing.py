@@ -27,10 +27,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
 import re
 import shlex
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +46,7 @@ from typing import Any
 import aiohttp
 
 from bench.gateway_targets import (
+    CLK_TCK,
     ROOT,
     SHOAL,
     Proc,
@@ -50,6 +56,7 @@ from bench.gateway_targets import (
     free_port,
     git_version,
     http,
+    machine_busy,
     peer_missing,
     peer_version,
     tree_cpu_seconds,
@@ -94,8 +101,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-overlap-weight", type=float, help="shoal's --router kv (default: its own)")
     p.add_argument("--rounds", type=int, default=1, help="runs per target (interleaved); medians")
     p.add_argument("--quick", action="store_true", help="a small run: a smoke test")
+    p.add_argument(
+        "--workload",
+        choices=("default", "wide"),
+        default="default",
+        help="wide: more system prompts and longer chats than the four caches hold at 1,024 "
+        "blocks (96 system prompts, 256 conversations of 6 turns): no router reaches the "
+        "ceiling of compulsory misses (sets the sizes it names; other options still apply)",
+    )
+    p.add_argument(
+        "--base-src",
+        type=Path,
+        metavar="DIR",
+        help="run targets named base:<policy> as a shoal frontend from this source tree (its "
+        "src/ directory), e.g. an export of main: a before/after in one run",
+    )
     p.add_argument("--report", type=Path, help="also write the markdown report here")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="sample each shoal frontend with py-spy during its run: collapsed stacks in DIR",
+    )
     args = p.parse_args(argv)
+    if args.workload == "wide":
+        args.system_prompts, args.conversations, args.turns = 96, 256, 6
+        if "--kv-blocks" not in (argv or sys.argv[1:]):
+            args.kv_blocks = 1024
     if args.quick:
         args.conversations, args.turns, args.system_prompts = 16, 2, 8
     return args
@@ -248,7 +280,8 @@ def start_target(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     urls = [w.url for w in workers]
-    if gateway == "shoal":
+    env = None
+    if gateway in ("shoal", "base"):
         argv = [
             *SHOAL, "frontend", "--store", store, "--host", "127.0.0.1", "--port", str(port),
             "--router", policy, "--cache-dir", str(session.workdir / "cache"),
@@ -256,6 +289,11 @@ def start_target(
         if args.kv_overlap_weight is not None:
             argv += ["--kv-overlap-weight", str(args.kv_overlap_weight)]
         version = git_version()
+        if gateway == "base":
+            if args.base_src is None:
+                raise StartError("base:<policy> targets need --base-src")
+            env = {"PYTHONPATH": str(args.base_src.resolve() / "src")}
+            version = f"base ({args.base_src.name})"
     elif gateway == "vllm-router":
         argv = [
             str(PEERS / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
@@ -276,10 +314,10 @@ def start_target(
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
         ]  # fmt: skip
         version = peer_version(PEERS, "sglang-router")
-    proc = session.start(name.replace(":", "-"), argv)
+    proc = session.start(name.replace(":", "-"), argv, env)
 
     def ready() -> bool:
-        if gateway == "shoal":
+        if gateway in ("shoal", "base"):
             models = json.loads(http("GET", f"{url}/v1/models"))
             health = json.loads(http("GET", f"{url}/health"))
             live = health.get("models", {}).get(MODEL, {}).get("instances", 0)
@@ -291,6 +329,48 @@ def start_target(
 
     wait_until(f"{len(workers)} workers behind it and a chat completion", ready, 90, proc)
     return proc, url, version
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """User+system CPU seconds of `pid`'s main thread ("main": the event loop's, in shoal)
+    and of its other threads ("threads": the tokenizer's, the store's, ZMQ's), from /proc."""
+    out = {"main": 0.0, "threads": 0.0}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            stat = (task / "stat").read_bytes()
+            fields = stat[stat.rindex(b")") + 2 :].split()
+            out["main" if task.name == str(pid) else "threads"] += (
+                int(fields[11]) + int(fields[12])
+            ) / CLK_TCK
+    return out  # (threads that ended meanwhile are left out: the tree's total has them)
+
+
+def start_profile(
+    session: Session, name: str, proc: Proc, out: Path | None
+) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling `proc` (and its threads) until interrupted, into `out`/<target>-<n>.txt."""
+    if out is None:
+        return None
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(list(out.glob(f"{name.replace(':', '-')}-*.txt")))
+    target = out / f"{name.replace(':', '-')}-{n}.txt"
+    argv = [spy, "record", "--pid", str(proc.pid), "--rate", "1000", "--format", "raw"]
+    argv += ["--output", str(target), "--nonblocking", "--threads"]
+    spy_proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached before the load starts
+    return spy_proc
+
+
+def kv_figures(url: str) -> dict[str, float]:
+    """A shoal kv frontend's own counts: prompts prepared in its tokenizer's thread instead
+    of inline, and routed by prefix instead of by blocks (and of those, too slow)."""
+    text = http("GET", f"{url}/metrics").decode()
+    out = {}
+    for name in ("deferred_prompts", "prefix_fallbacks", "slow_prompts", "picks"):
+        found = re.search(rf"^shoal_frontend_kv_{name}_total (\S+)$", text, re.M)
+        out[f"kv_{name}"] = float(found.group(1)) if found else float("nan")
+    return out
 
 
 def cache_figures(workers: list[Worker]) -> tuple[float, float]:
@@ -316,7 +396,7 @@ def run_target(
     name: str, args: argparse.Namespace, convs: list[Any], workdir: Path
 ) -> dict[str, Any]:
     gateway = name.split(":")[0]
-    if gateway != "shoal" and (why := peer_missing(gateway, PEERS)):
+    if gateway not in ("shoal", "base") and (why := peer_missing(gateway, PEERS)):
         return {"target": name, "skipped": why}
     tdir = Path(tempfile.mkdtemp(dir=workdir, prefix=name.replace(":", "-") + "-"))
     session = Session(tdir, pin=False)
@@ -326,10 +406,17 @@ def run_target(
         proc, url, version = start_target(session, name, workers, store, args)
         # The readiness probe went through one worker; count from here on.
         hits0, queries0 = cache_figures(workers)
-        cpu0 = tree_cpu_seconds(proc.pid)
+        shoal = gateway in ("shoal", "base")
+        spy = start_profile(session, name, proc, args.profile) if shoal else None
+        cpu0, threads0 = tree_cpu_seconds(proc.pid), thread_cpu_seconds(proc.pid)
         run = asyncio.run(drive(url, convs, args))
         cpu = tree_cpu_seconds(proc.pid) - cpu0
+        threads = thread_cpu_seconds(proc.pid)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
+            spy.wait(30)
         hits, queries = cache_figures(workers)
+        kv = kv_figures(url) if shoal and name.endswith(":kv") else {}
         served = len(run.ttfts)
         return {
             "target": name,
@@ -341,11 +428,19 @@ def run_target(
             "ttft_p99_ms": percentile(run.ttfts, 0.99) * 1000,
             "rps": served / run.seconds if run.seconds else 0.0,
             "cpu_us_per_request": cpu / max(served, 1) * 1e6,
+            "main_cpu_us_per_request": (threads["main"] - threads0["main"]) / max(served, 1) * 1e6,
+            **kv,
         }
     except StartError as exc:
         return {"target": name, "skipped": f"did not run: {str(exc).splitlines()[0]}"}
     finally:
         session.stop_all()
+
+
+def main_thread(result: dict[str, Any]) -> str:
+    """The event loop's share of a shoal gateway's CPU (a peer's threads are its own)."""
+    shoal = result["target"].split(":")[0] in ("shoal", "base")
+    return f"{result['main_cpu_us_per_request']:.0f}" if shoal else "-"
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
@@ -359,8 +454,11 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str
         f"per turn), concurrency {args.concurrency}, streaming, max_tokens {args.max_tokens}; "
         f"medians of {args.rounds} interleaved round(s), fresh workers for every run.",
         "",
-        "| target | version | hit rate | TTFT p50 ms | TTFT p99 ms | req/s | gateway CPU us/req | errors |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"Machine: {args.machine}.",
+        "",
+        "| target | version | hit rate | TTFT p50 ms | TTFT p99 ms | req/s | gateway CPU us/req "
+        "| of which main thread | errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     notes = []
     for r in results:
@@ -369,7 +467,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str
             continue
         lines.append(
             f"| {r['target']} | {r['version']} | {r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | "
-            f"{r['ttft_p99_ms']:.0f} | {r['rps']:.1f} | {r['cpu_us_per_request']:.0f} | {r['errors']} |"
+            f"{r['ttft_p99_ms']:.0f} | {r['rps']:.1f} | {r['cpu_us_per_request']:.0f} | "
+            f"{main_thread(r)} | {r['errors']} |"
         )
     return "\n".join([*lines, "", *notes])
 
@@ -385,13 +484,26 @@ def main(argv: list[str] | None = None) -> int:
         ]
     )
     convs = conversations(args)
+    busy0, total0 = machine_busy()
     with tempfile.TemporaryDirectory(prefix="shoal-kv-bench-") as tmp:
         results = run_rounds(
             args.targets.split(","),
             args.rounds,
             lambda name: run_target(name, args, convs, Path(tmp)),
         )
-    figures = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "rps", "cpu_us_per_request")
+    busy1, total1 = machine_busy()
+    args.machine = (
+        f"{os.cpu_count()} cores, {(busy1 - busy0) / max(total1 - total0, 1):.0%} busy over the "
+        f"run (every process on the machine), load average {os.getloadavg()[0]:.1f} at the end"
+    )
+    figures = (
+        "hit_rate",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "rps",
+        "cpu_us_per_request",
+        "main_cpu_us_per_request",
+    )
     publish(
         report(medians(results, "target", figures), args, command),
         results,

@@ -97,3 +97,32 @@ async def test_completion_tokens_match_the_mockers(
     assert answer.usage is not None and answer.usage.prompt_tokens == len(tokens)
     blocks = len(tokens) // BS
     await wait_for(lambda: cached_blocks(index, tokens) == blocks, message="every block matched")
+
+
+async def test_a_growing_chats_hashes_from_kept_segments_match_the_mockers_blocks(
+    mocker: tuple[MockerEngine, Server, KvIndex],
+) -> None:
+    """Turn after turn, the frontend hashes a chat from the segments it kept from the turns
+    before (tokenizing only the new text), and the mocker's own events hold every block."""
+    engine, server, index = mocker
+    assert engine._dir is not None
+    base = engine._dir / "base"
+    tokenizer = PromptTokenizer.load(base / "tokenizer.json", base / "tokenizer_config.json")
+    assert tokenizer.chain is not None
+    chat: list[dict[str, Any]] = [{"role": "system", "content": "Be brief. " + LONG}]
+    for turn in range(4):
+        chat += [{"role": "user", "content": f"Question {turn}: (Ünï) {LONG[: 40 * turn + 7]}"}]
+        body = {"model": "parity", "messages": chat, "max_tokens": 1}
+        prompt = KvPrompt.of(decode_fields(msgspec.json.encode(body), with_prompt=True))
+        kept = len(tokenizer.chain)
+        prompt.prepare(tokenizer, [BS], 1024)
+        if turn:  # the earlier turns' segments were found, only the new ones added
+            assert len(tokenizer.chain) - kept <= 3
+        hashes = prompt.hashes[(tokenizer, BS)]
+        answer = await client_for(server).chat.completions.create(**body)  # type: ignore[call-overload]
+        assert answer.usage.prompt_tokens // BS == len(hashes)
+        await wait_for(
+            lambda h=hashes: index.overlaps(h).get(1, 0) == len(h),  # type: ignore[misc]
+            message=f"every block of turn {turn} matched",
+        )
+        chat += [{"role": "assistant", "content": answer.choices[0].message.content or ""}]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import tracemalloc
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -191,17 +192,30 @@ async def test_a_template_error_routes_that_request_by_prefix(front: Frontend) -
     assert 'shoal_frontend_inflight_requests{model="kv-untrusted"} 0.0' in metrics
 
 
-def test_the_piece_cache_is_bounded_in_bytes() -> None:
+def test_the_segment_cache_is_bounded_in_the_bytes_it_really_holds() -> None:
     tokenizer = PromptTokenizer(
         Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": CHAT_TEMPLATE}
     )
-    capacity = tokenizer.pieces.capacity = 16 << 20
-    for i in range(12):  # distinct ~1 MB messages: ~14 MB each as lists of ints
-        text = f"{i} " + " ".join(VOCAB[(i + j) % 40] for j in range(200_000))
-        tokens = tokenizer.chat([{"role": "user", "content": text}])
-        assert tokens is not None and len(tokens) > 200_000
-        assert tokenizer.pieces.bytes <= capacity
-    assert tokenizer.pieces.bytes > capacity // 2  # (it does keep pieces)
+    chain = tokenizer.chain
+    assert chain is not None
+    capacity = chain.capacity = 16 << 20
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(12):  # distinct ~1 MB messages, tokenized and hashed
+            text = f"{i} " + " ".join(VOCAB[(i + j) % 40] for j in range(200_000))
+            chat = [{"role": "user", "content": text}]
+            tokens = tokenizer.chat(chat)
+            hashes = tokenizer.chat_hashes(chat, [16], 1 << 20)
+            assert tokens is not None and len(tokens) > 200_000
+            assert hashes is not None and len(hashes[16]) == len(tokens) // 16
+            assert chain.bytes <= capacity
+            del text, chat, tokens, hashes
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert chain.bytes > capacity // 2  # (it does keep segments)
+    assert held <= capacity * 1.1, f"{held} bytes held for {chain.bytes} counted"
 
 
 async def test_a_render_that_ignores_its_budget_is_interrupted(

@@ -14,7 +14,7 @@ indexed: a guess would route prompts to a cache that may not hold their prefix.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
 from collections.abc import Iterable
 
 from shoal.kv import ROOT_HASH, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, chain_hash
@@ -112,20 +112,30 @@ class KvIndex:
         """For each instance holding the prompt's first block: how many leading blocks it holds.
 
         Walks the prompt's blocks while some instance still holds every block so far: the
-        work is bounded by the longest cached prefix, not by the prompt or the index.
+        work is bounded by the longest cached prefix, not by the prompt or the index. Each
+        block costs a lookup and a subset test; an instance's depth is written once, when
+        it drops out or at the end.
         """
         matched: dict[int, int] = {}
         holders = self.holders
         alive: set[int] | None = None
-        for depth, h in enumerate(hashes, 1):
+        depth = 0
+        for h in hashes:
             holding = holders.get(h)
             if not holding:
                 break
-            alive = set(holding) if alive is None else alive & holding
-            if not alive:
-                break
-            for instance_id in alive:
-                matched[instance_id] = depth
+            if alive is None:
+                alive = set(holding)
+            elif not alive <= holding:
+                still = alive & holding
+                if not still:
+                    break
+                for instance_id in alive - still:
+                    matched[instance_id] = depth
+                alive = still
+            depth += 1
+        for instance_id in alive or ():
+            matched[instance_id] = depth
         return matched
 
 
@@ -134,22 +144,25 @@ class RecentPicks:
 
     The instance's events confirm (or deny, by evicting) within milliseconds; until then a
     burst of prompts sharing a prefix would otherwise all see an empty index and be spread
-    over every instance. Each block remembers only its latest pick; bounded, oldest out.
+    over every instance. Each block remembers only its latest pick. Bounded: past
+    `capacity` blocks, the expired ones are dropped, and if that is not enough, the oldest
+    recorded until half the capacity is left (a pass over all, once per capacity / 2 new).
     """
 
     def __init__(self, ttl: float = 2.0, capacity: int = 65_536) -> None:
         self.ttl = ttl
         self.capacity = capacity
-        self._picks: OrderedDict[int, tuple[int, float]] = OrderedDict()
+        self._picks: dict[int, tuple[int, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._picks)
 
     def record(self, hashes: list[int], instance_id: int, now: float) -> None:
         picks = self._picks
-        entry = (instance_id, now + self.ttl)
-        for h in hashes:
-            picks[h] = entry
-            picks.move_to_end(h)
-        while len(picks) > self.capacity:
-            picks.popitem(last=False)
+        picks.update(zip(hashes, itertools.repeat((instance_id, now + self.ttl))))
+        if len(picks) > self.capacity:
+            kept = [(h, e) for h, e in picks.items() if e[1] >= now]
+            self._picks = dict(kept[max(len(kept) - self.capacity // 2, 0) :])
 
     def forget(self, block_hash: int, instance_id: int) -> None:
         """`instance_id` no longer holds the block (it evicted it): not a prediction either."""

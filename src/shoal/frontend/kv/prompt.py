@@ -23,11 +23,12 @@ Only what can be hashed is tokenized: the text is cut to a size that holds the t
 asked for (`chat`/`completion` with `wanted`, doubling the cut in the rare case it did
 not), `CUT_MARGIN` more tokens kept past them so the cut cannot change the ones hashed.
 
-Chats repeat themselves (a system prompt, a growing history), so a rendered chat is split
-at the tokenizer's special tokens and each piece between them is tokenized once and kept
-(`PIECE_CACHE_BYTES` in all, least recently used out): the tokenizer itself tokenizes
-those pieces independently (special tokens are matched first), so the ids are the same,
-at a fraction of the cost.
+Chats repeat themselves (a system prompt, a growing history), so a rendered chat is cut at
+the tokenizer's special tokens and each segment, after the same segments, is tokenized and
+hashed once and kept (`PromptChain`, `CHAIN_CACHE_BYTES` in all, least recently used out):
+the tokenizer itself tokenizes the text between special tokens independently (they are
+matched first), so the ids are the same, at a fraction of the cost. Whether a tokenizer
+does is checked when it is loaded (`splits_cleanly`); one that does not tokenizes whole.
 """
 
 from __future__ import annotations
@@ -35,11 +36,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import os
 import re
-import sys
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -51,15 +51,79 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from shoal.bounds import check_json_depth
+from shoal.frontend.kv.chain import (
+    CHARS_PER_TOKEN,
+    CUT_MARGIN,
+    Deferred,
+    PromptChain,
+    special_split,
+    splits_cleanly,
+)
+
+__all__ = ["Deferred", "PromptTokenizer", "TemplateOverrun"]
+from shoal.kv import token_block_hashes
+
+# Tokenizing runs on the event loop or in one thread per tokenizer: `tokenizers`' own thread
+# pool would only spin on the other cores (measured: 1.5 times the CPU for a chat's pieces).
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 RENDER_SECONDS = 0.5  # a template's time budget for one chat
 RENDER_SECONDS_PER_MB = 1.0  # and more for a long chat: a client's long chat is no overrun
 MAX_TEXT = 1 << 20  # characters: what a render keeps, and (beyond the chat's own) any string
-PIECE_CACHE_BYTES = 64 << 20  # tokenized pieces of chats kept per tokenizer
-CHARS_PER_TOKEN = 8  # the first cut: text for this many characters per token wanted
-CUT_MARGIN = 128  # tokens past those wanted, so the cut cannot change the ones kept
+CHAIN_CACHE_BYTES = 64 << 20  # tokenized segments of chats kept per tokenizer
+INLINE_CHAT = 32_768  # characters: a chat this small is first prepared on the event loop,
+INLINE_MESSAGES = 256  # of this many messages at most,
+INLINE_SECONDS = 0.002  # a render there gets this much CPU time,
+INLINE_TEXT = 65_536  # builds no string longer than the chat and this,
+INLINE_OP = 4096  # runs a filter or method not known linear and quick on nothing longer,
+INLINE_NEW = 8192  # and tokenizes at most this much new text; else all of it is left to
+# the tokenizer's thread (`Deferred`), where the full budgets apply
+QUICK_OPS = frozenset(
+    [
+        "strip",
+        "lstrip",
+        "rstrip",
+        "startswith",
+        "endswith",
+        "lower",
+        "upper",
+        "split",
+        "rsplit",
+        "splitlines",
+        "replace",
+        "join",
+        "find",
+        "rfind",
+        "count",
+        "capitalize",
+        "partition",
+        "rpartition",
+        "items",
+        "keys",
+        "values",
+        "get",
+        "append",
+        "extend",
+        "trim",
+        "length",
+        "string",
+        "default",
+        "d",
+        "first",
+        "last",
+        "list",
+        "tojson",
+        "safe",
+        "escape",
+        "e",
+        "int",
+        "float",
+        "abs",
+    ]
+)
+"""Methods and filters that run in C, in time linear in their input (or less)."""
 
 
 class TemplateOverrun(jinja2.TemplateError):
@@ -71,8 +135,12 @@ class PromptTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, config: dict[str, Any]) -> None:
         self.tokenizer = tokenizer
-        self.pieces = PieceCache(PIECE_CACHE_BYTES)
-        self._split, self._special_ids = _special_split(tokenizer)
+        split, special_ids = special_split(tokenizer)
+        self.chain: PromptChain | None = None
+        if split is not None and splits_cleanly(tokenizer, special_ids):
+            self.chain = PromptChain(
+                CHAIN_CACHE_BYTES, split, special_ids, self._plain, self._plain_many
+            )
         self.specials = {
             name: _token_text(config.get(name))
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -156,13 +224,52 @@ class PromptTokenizer:
         if not self.renders:
             return None
         text = self.render(messages)
+        if self.chain is not None:
+            return self.chain.tokens(text, wanted)
         return self._cut_and_encode(text, wanted, special_tokens=False)
 
-    def render(self, messages: list[Any]) -> str:
-        """The template's text for `messages` (its first `MAX_TEXT` characters)."""
+    def chat_hashes(
+        self, messages: list[Any], sizes: Iterable[int], max_blocks: int, *, inline: bool = False
+    ) -> dict[int, list[int]] | None:
+        """The block hashes of the chat's first `max_blocks` blocks, per block size; None
+        without a usable template. Raises as `chat` does; `inline` (on the event loop),
+        `Deferred` for a chat that needs more work than the loop may do (`INLINE_*`)."""
+        if not self.renders:
+            return None
+        text = self.render(messages, inline=inline)
+        chain = self.chain
+        budget = INLINE_NEW if inline else None
+        if chain is None:
+            if budget is not None and len(text) > budget:
+                raise Deferred
+            tokens = self._cut_and_encode(text, max_blocks * max(sizes), special_tokens=False)
+            return {size: token_block_hashes(tokens, size, limit=max_blocks) for size in sizes}
+        return {size: chain.hashes(text, size, max_blocks, budget) for size in sizes}
+
+    def render(self, messages: list[Any], *, inline: bool = False) -> str:
+        """The template's text for `messages` (its first `MAX_TEXT` characters). `inline`:
+        on the event loop, within the `INLINE_*` bounds, else `Deferred` (and the template
+        is judged by a render in the thread, never disabled by this one)."""
         assert self.template is not None
+        if inline and len(messages) > INLINE_MESSAGES:
+            raise Deferred  # (before looking at each)
         plain = [_message(m) for m in messages]
         size = sum(_size(m) for m in plain)
+        if inline:
+            if size > INLINE_CHAT:
+                raise Deferred
+            try:
+                return self.env.render(
+                    self.template,
+                    0.0,  # (inline: its own budget)
+                    size + INLINE_TEXT,
+                    True,
+                    messages=plain,
+                    add_generation_prompt=True,
+                    **self.specials,
+                )
+            except TemplateOverrun:
+                raise Deferred from None
         deadline = time.monotonic() + RENDER_SECONDS + RENDER_SECONDS_PER_MB * size / 1e6
         with self._lock:
             self._rendering = (threading.get_ident(), deadline)
@@ -207,9 +314,9 @@ class PromptTokenizer:
             cut *= 2  # tokens longer than CHARS_PER_TOKEN on average: cut further out
 
     def _encode_all(self, text: str, special_tokens: bool) -> list[int]:
-        if special_tokens or self._split is None:
+        if special_tokens or self.chain is None:
             return self._encode(text, special_tokens=special_tokens)
-        return self._by_pieces(text, self._split)
+        return self.chain.tokens(text)
 
     def _encode(self, text: str, *, special_tokens: bool) -> list[int]:
         """`text`'s ids; without the offsets `encode` also computes (three times faster)."""
@@ -217,65 +324,14 @@ class PromptTokenizer:
             self.tokenizer.encode_batch_fast([text], add_special_tokens=special_tokens)[0].ids
         )
 
-    def _by_pieces(self, text: str, split: re.Pattern[str]) -> list[int]:
-        """`text`'s ids, from the ids of its pieces between special tokens (kept)."""
-        ids: list[int] = []
-        pieces = self.pieces
-        special = self._special_ids
-        for i, piece in enumerate(split.split(text)):
-            if i % 2:  # a special token (the pattern's one group)
-                ids.append(special[piece])
-                continue
-            if not piece:
-                continue
-            known = pieces.get(piece)
-            if known is None:
-                encoded = self._encode(piece, special_tokens=False)
-                pieces.put(piece, encoded)
-                ids.extend(encoded)
-            else:
-                ids.extend(known)
-        return ids
+    def _plain(self, text: str) -> list[int]:
+        """The ids of `text` holding no special token (a piece of a chat)."""
+        return self._encode(text, special_tokens=False)
 
-
-class PieceCache:
-    """Tokenized pieces of text, bounded in bytes (the text and the ids, stored compactly);
-    least recently used out. Used from one thread at a time, but safe from several."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.bytes = 0
-        self._pieces: dict[str, array[int]] = {}
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._pieces)
-
-    def get(self, piece: str) -> array[int] | None:
-        with self._lock:
-            known = self._pieces.pop(piece, None)
-            if known is not None:
-                self._pieces[piece] = known  # most recently used last
-            return known
-
-    def put(self, piece: str, ids: list[int]) -> None:
-        stored = array("I", ids)
-        cost = _cost(piece, stored)
-        if cost > self.capacity // 8:
-            return  # a piece this large would push out most others
-        with self._lock:
-            pieces = self._pieces
-            if piece in pieces:
-                return
-            while pieces and self.bytes + cost > self.capacity:
-                oldest = next(iter(pieces))
-                self.bytes -= _cost(oldest, pieces.pop(oldest))
-            pieces[piece] = stored
-            self.bytes += cost
-
-
-def _cost(piece: str, ids: array[int]) -> int:
-    return sys.getsizeof(piece) + ids.itemsize * len(ids) + 200  # + the entry and array headers
+    def _plain_many(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each of `texts` (pieces of a chat), in one call."""
+        encoded = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        return [list(e.ids) for e in encoded]
 
 
 class BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -296,23 +352,44 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         for name, fn in list(self.filters.items()):
             self.filters[name] = self._bounded_filter(fn)
 
-    def render(self, template: jinja2.Template, deadline: float, limit: int, **context: Any) -> str:
+    def render(
+        self,
+        template: jinja2.Template,
+        deadline: float,
+        limit: int,
+        inline: bool = False,
+        /,
+        **context: Any,
+    ) -> str:
         """`template` rendered with `context`: at most `MAX_TEXT` characters are kept (the
-        render stops there), `TemplateOverrun` past `deadline` or a string over `limit`."""
-        self._local.deadline = deadline
+        render stops there), `TemplateOverrun` past `deadline` or a string over `limit`.
+        `inline`: `INLINE_SECONDS` of CPU time instead of `deadline`, `Deferred` for a slow
+        method or filter on a long value, `TemplateOverrun` for an output over `limit` (the
+        caller defers it)."""
         self._local.limit = limit
+        self._local.inline = inline
+        if inline:  # the budget is the loop thread's CPU time, checked when the clock's is out
+            self._local.deadline = time.monotonic() + INLINE_SECONDS
+            self._local.cpu_deadline = time.thread_time() + INLINE_SECONDS
+        else:
+            self._local.deadline = deadline
         out: list[str] = []
         size = 0
         try:
             for chunk in template.generate(**context):
                 out.append(chunk)
                 size += len(chunk)
-                if size >= MAX_TEXT:
+                if size >= MAX_TEXT or (inline and size > limit):
+                    if inline:
+                        raise TemplateOverrun("an inline render's output is too long")
                     break
-                self.check()
+                if not len(out) % 32:  # (every loop, call and lookup checks too)
+                    self.check()
         finally:
             self._local.deadline = None
             self._local.limit = MAX_TEXT
+            self._local.inline = False
+            self._local.cpu_deadline = None
         return "".join(out)[:MAX_TEXT]
 
     @property
@@ -324,7 +401,19 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def check(self) -> None:
         deadline = getattr(self._local, "deadline", None)
         if deadline is not None and time.monotonic() > deadline:
+            cpu = getattr(self._local, "cpu_deadline", None)
+            if cpu is not None and (spent := time.thread_time()) < cpu:
+                # Inline: the process was preempted, the template did not use the time.
+                self._local.deadline = time.monotonic() + cpu - spent
+                return
             raise TemplateOverrun(f"the chat template ran past {RENDER_SECONDS:g}s")
+
+    def _check_inline(self, name: str, args: Iterable[Any]) -> None:
+        """In an inline render: `Deferred` for an operation not known quick on a long value."""
+        if getattr(self._local, "inline", False) and name not in QUICK_OPS:
+            for value in args:
+                if isinstance(value, str | list | tuple | dict) and len(value) > INLINE_OP:
+                    raise Deferred
 
     # -- hooks every template's code goes through -------------------------------------
 
@@ -332,7 +421,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         __self.check()
         target = getattr(__obj, "__self__", None)
         limit = __self.limit
-        _check_growth(getattr(__obj, "__name__", ""), (target, *args), kwargs, limit)
+        name = getattr(__obj, "__name__", "")
+        _check_growth(name, (target, *args), kwargs, limit)
+        if not isinstance(__obj, jinja2.runtime.Macro):  # (a macro's own steps are checked)
+            __self._check_inline(name, (target, *args, *kwargs.values()))
         return _bounded(super().call(__context, __obj, *args, **kwargs), limit)
 
     def getattr(self, obj: Any, attribute: str) -> Any:
@@ -380,6 +472,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             text = [i for i, a in enumerate(args) if isinstance(a, str)][:1]  # the filtered value
             limit = self.limit
             _check_growth(name, args[text[0] :] if text else (None, *args), kwargs, limit)
+            self._check_inline(name, (*args, *kwargs.values()))
             return _bounded(fn(*args, **kwargs), limit)
 
         return bounded
@@ -441,21 +534,6 @@ def _bounded(value: Any, limit: int) -> Any:
     if isinstance(value, str | list | tuple) and len(value) > limit:
         raise TemplateOverrun("the chat template built too large a sequence")
     return value
-
-
-def _special_split(tokenizer: Tokenizer) -> tuple[re.Pattern[str] | None, dict[str, int]]:
-    """A pattern splitting text at the special tokens, and their ids; no pattern when some
-    added token is matched in a way a plain split would not reproduce (stripping, word
-    boundaries, normalized matching)."""
-    specials: dict[str, int] = {}
-    for token_id, token in tokenizer.get_added_tokens_decoder().items():
-        if token.lstrip or token.rstrip or token.single_word or token.normalized:
-            return None, {}
-        specials[token.content] = token_id
-    if not specials:
-        return None, {}
-    longest_first = sorted(specials, key=len, reverse=True)
-    return re.compile("(" + "|".join(map(re.escape, longest_first)) + ")"), specials
 
 
 def _token_text(value: Any) -> str:

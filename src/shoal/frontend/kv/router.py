@@ -29,7 +29,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from shoal.frontend.http.upstream import Upstream
-from shoal.frontend.kv.prompt import RENDER_SECONDS, PromptTokenizer, TemplateOverrun
+from shoal.frontend.kv.prompt import RENDER_SECONDS, Deferred, PromptTokenizer, TemplateOverrun
 from shoal.frontend.kv.tracker import KvSet, KvTracker
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.metrics import FrontendMetrics, Histogram
@@ -97,14 +97,29 @@ class KvPrompt(str):
         return tokenizer.completion(self.prompt, wanted) if self.prompt is not None else None
 
     def prepare(
-        self, tokenizer: PromptTokenizer, block_sizes: Iterable[int], max_blocks: int
+        self,
+        tokenizer: PromptTokenizer,
+        block_sizes: Iterable[int],
+        max_blocks: int,
+        *,
+        inline: bool = False,
     ) -> None:
         """Tokenize (the start of) the prompt and hash its first `max_blocks` blocks for
-        each of `block_sizes`. Runs in the tokenizer's thread, or inline when small."""
+        each of `block_sizes`. Runs in the tokenizer's thread, or on the event loop
+        (`inline`: a chat then raises `Deferred` when it needs more work than the loop may do;
+        a completion prompt is only prepared there when `small`)."""
         sizes = sorted(set(block_sizes))
+        if self.messages is not None:
+            hashes = tokenizer.chat_hashes(self.messages, sizes, max_blocks, inline=inline)
+            if hashes is None:
+                self.failure = "no chat template"
+                return
+            for size, block_hashes in hashes.items():
+                self.hashes[(tokenizer, size)] = block_hashes
+            return
         tokens = self.tokens(tokenizer, max_blocks * sizes[-1])
         if tokens is None:
-            self.failure = "no chat template" if self.messages is not None else "no text prompt"
+            self.failure = "no text prompt"
             return
         for size in sizes:
             self.hashes[(tokenizer, size)] = token_block_hashes(tokens, size, limit=max_blocks)
@@ -121,10 +136,19 @@ def _line(message: Any) -> str:
 class KvStatsView:
     """Per-pick figures for `/metrics`."""
 
-    __slots__ = ("blocks", "fallbacks", "matched", "overlap", "picks", "slow_prepares")
+    __slots__ = (
+        "blocks",
+        "deferred",
+        "fallbacks",
+        "matched",
+        "overlap",
+        "picks",
+        "slow_prepares",
+    )
 
     def __init__(self) -> None:
         self.picks = 0
+        self.deferred = 0  # chats tried on the event loop, left to the tokenizer's thread
         self.fallbacks = 0  # requests routed by prefix as their prompt could not be tokenized
         self.slow_prepares = 0  # of them, because tokenizing took longer than PREPARE_WAIT
         self.blocks = 0
@@ -192,17 +216,24 @@ class KvRouter(Router):
                     work.setdefault(tokenizer, set()).add(state.index.block_size)  # type: ignore[union-attr]
         if not work:
             return None
-        if prompt.small:
-            for tokenizer, sizes in work.items():
-                self._prepare_now(prompt, tokenizer, sizes)
-            return None
+        if prompt.small or prompt.messages is not None:
+            # A chat is tried on the event loop first, within tight bounds (`Deferred`
+            # past them): a thread's hand-off costs more than most chats' tokenizing.
+            work = {t: s for t, s in work.items() if not self._prepare_now(prompt, t, s)}
+            if not work:
+                return None
         return self._prepare_in_threads(prompt, work)
 
-    def _prepare_now(self, prompt: KvPrompt, tokenizer: PromptTokenizer, sizes: set[int]) -> None:
+    def _prepare_now(self, prompt: KvPrompt, tokenizer: PromptTokenizer, sizes: set[int]) -> bool:
+        """Prepare `prompt` for `tokenizer` on the event loop; False if it was deferred."""
         try:
-            prompt.prepare(tokenizer, sizes, self.max_blocks)
+            prompt.prepare(tokenizer, sizes, self.max_blocks, inline=True)
+        except Deferred:
+            self.figures.deferred += 1
+            return False
         except Exception as exc:
             prompt.failure = f"{type(exc).__name__}: {exc}"
+        return True
 
     def _prepare_in_threads(
         self, prompt: KvPrompt, work: dict[PromptTokenizer, set[int]]
@@ -389,6 +420,12 @@ class KvCollector(Collector):
             value=figures.fallbacks,
         )
         yield CounterMetricFamily(
+            "shoal_frontend_kv_deferred_prompts",
+            "Chats too large or slow to render and tokenize on the event loop, prepared in "
+            "the tokenizer's thread.",
+            value=figures.deferred,
+        )
+        yield CounterMetricFamily(
             "shoal_frontend_kv_slow_prompts",
             "Requests whose prompt was not tokenized within the wait, routed by prefix.",
             value=figures.slow_prepares,
@@ -401,8 +438,8 @@ class KvCollector(Collector):
         tokenizers = {s.tokenizer for s in router.tracker.sets.values() if s.tokenizer is not None}
         yield GaugeMetricFamily(
             "shoal_frontend_kv_piece_cache_bytes",
-            "Bytes held by the tokenized-piece caches of chat prompts.",
-            value=sum(t.pieces.bytes for t in tokenizers),
+            "Bytes held by the caches of tokenized and hashed segments of chat prompts.",
+            value=sum(t.chain.bytes for t in tokenizers if t.chain is not None),
         )
         yield GaugeMetricFamily(
             "shoal_frontend_kv_disabled_templates",
