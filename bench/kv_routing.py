@@ -35,6 +35,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -273,6 +274,36 @@ def _replay_endpoint(store: str, url: str) -> str:
     return asyncio.run(find())
 
 
+def start_relay(session: Session, store: str) -> str:
+    """A `nats-server -js` of its own and a `shoal kv-relay` following every namespace of the
+    store into it: the URL a frontend's `--kv-events` reads (issue 25's comparison)."""
+    nats_port = free_port()
+    url = f"nats://127.0.0.1:{nats_port}"
+    binary = shutil.which("nats-server") or "/usr/sbin/nats-server"
+    data = session.workdir / f"jetstream-{nats_port}"
+    nats = session.start(
+        f"nats-{nats_port}",
+        [binary, "-js", "-a", "127.0.0.1", "-p", str(nats_port), "-sd", str(data)],
+    )
+    wait_until("nats-server", lambda: _listens(nats_port), 30, nats)
+    status = free_port()
+    relay = session.start(
+        f"relay-{nats_port}",
+        [*SHOAL, "kv-relay", "--store", store, "--namespaces-from-discovery", "--nats", url,
+         "--host", "127.0.0.1", "--status-port", str(status)],
+    )  # fmt: skip
+    wait_until("the relay's status port", lambda: _listens(status), 60, relay)
+    return url
+
+
+def _listens(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 def start_target(
     session: Session, name: str, workers: list[Worker], store: str, args: argparse.Namespace
 ) -> tuple[Proc, str, str]:
@@ -281,11 +312,13 @@ def start_target(
     url = f"http://127.0.0.1:{port}"
     urls = [w.url for w in workers]
     env = None
-    if gateway in ("shoal", "base"):
+    if gateway in ("shoal", "base", "shoal-nats"):
         argv = [
             *SHOAL, "frontend", "--store", store, "--host", "127.0.0.1", "--port", str(port),
             "--router", policy, "--cache-dir", str(session.workdir / "cache"),
         ]  # fmt: skip
+        if gateway == "shoal-nats":  # the workers' events through a relay and JetStream
+            argv += ["--kv-events", start_relay(session, store)]
         if args.kv_overlap_weight is not None:
             argv += ["--kv-overlap-weight", str(args.kv_overlap_weight)]
         version = git_version()
@@ -317,7 +350,7 @@ def start_target(
     proc = session.start(name.replace(":", "-"), argv, env)
 
     def ready() -> bool:
-        if gateway in ("shoal", "base"):
+        if gateway in ("shoal", "base", "shoal-nats"):
             models = json.loads(http("GET", f"{url}/v1/models"))
             health = json.loads(http("GET", f"{url}/health"))
             live = health.get("models", {}).get(MODEL, {}).get("instances", 0)
@@ -396,7 +429,7 @@ def run_target(
     name: str, args: argparse.Namespace, convs: list[Any], workdir: Path
 ) -> dict[str, Any]:
     gateway = name.split(":")[0]
-    if gateway not in ("shoal", "base") and (why := peer_missing(gateway, PEERS)):
+    if gateway not in ("shoal", "base", "shoal-nats") and (why := peer_missing(gateway, PEERS)):
         return {"target": name, "skipped": why}
     tdir = Path(tempfile.mkdtemp(dir=workdir, prefix=name.replace(":", "-") + "-"))
     session = Session(tdir, pin=False)
@@ -406,7 +439,7 @@ def run_target(
         proc, url, version = start_target(session, name, workers, store, args)
         # The readiness probe went through one worker; count from here on.
         hits0, queries0 = cache_figures(workers)
-        shoal = gateway in ("shoal", "base")
+        shoal = gateway in ("shoal", "base", "shoal-nats")
         spy = start_profile(session, name, proc, args.profile) if shoal else None
         cpu0, threads0 = tree_cpu_seconds(proc.pid), thread_cpu_seconds(proc.pid)
         run = asyncio.run(drive(url, convs, args))
@@ -439,7 +472,7 @@ def run_target(
 
 def main_thread(result: dict[str, Any]) -> str:
     """The event loop's share of a shoal gateway's CPU (a peer's threads are its own)."""
-    shoal = result["target"].split(":")[0] in ("shoal", "base")
+    shoal = result["target"].split(":")[0] in ("shoal", "base", "shoal-nats")
     return f"{result['main_cpu_us_per_request']:.0f}" if shoal else "-"
 
 
