@@ -189,7 +189,9 @@ async def start_frontend(
     if profile := os.environ.get("SHOAL_BENCH_PROFILE"):
         # cProfile of the frontend, written when it exits (`python -m pstats FILE`).
         args = ["-m", "cProfile", "-o", f"{profile}.{interval:g}", *args]
-    return await spawn(args, "frontend", log)
+    # A frontend prints its ready line once its fleet is loaded: minutes at 100,000 instances
+    # on a busy machine.
+    return await spawn(args, "frontend", log, timeout=900)
 
 
 # -- measurements ----------------------------------------------------------------------------
@@ -218,7 +220,7 @@ async def served_models(http: aiohttp.ClientSession, url: str) -> list[str]:
 
 
 async def wait_all_served(http: aiohttp.ClientSession, url: str, models: int) -> None:
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         ids = await served_models(http, url)
         if sum(1 for m in ids if m.startswith("model-")) >= models:
@@ -239,7 +241,7 @@ async def live_instances(http: aiohttp.ClientSession, url: str) -> int:
 
 
 async def wait_all_joined(http: aiohttp.ClientSession, url: str, instances: int) -> None:
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if await live_instances(http, url) >= instances:
             return
@@ -535,18 +537,18 @@ async def bench_backend(backend: str, args: argparse.Namespace, work: Path) -> d
 ROWS: list[tuple[str, str, str]] = [
     ("setup: register N instances (concurrent, s)", "", "{setup_s:.1f}"),
     ("frontend ready line (s)", "", "{ready_s:.2f}"),
-    ("cold start to all models in /v1/models (s)", "< 10", "{cold_start_s:.2f}"),
-    ("cold start to all N instances routable (s)", "", "{all_joined_s:.2f}"),
+    ("cold start to all models in /v1/models (s)", "", "{cold_start_s:.2f}"),
+    ("cold start to all N instances routable (s)", "< 10", "{all_joined_s:.2f}"),
     ("cold start CPU of the frontend, to all routable (s)", "", "{cold_cpu_s:.2f}"),
     ("warm start (metadata cached) to all models (s)", "", "{warm_start_s:.2f}"),
     ("new registration listed p50 / max (ms)", "", "{listed_p50_ms:.0f} / {listed_max_ms:.0f}"),
-    ("new registration routed p50 / max (ms)", "< 200", "{routed_p50_ms:.0f} / {routed_max_ms:.0f}"),
+    ("new registration routed p50 / max (ms)", "< 100", "{routed_p50_ms:.0f} / {routed_max_ms:.0f}"),
     ("/v1/models p50 / p99 (ms)", "< 5", "{models_p50_ms:.2f} / {models_p99_ms:.2f}"),
     ("/v1/models p50 / p99, reconciling every 1 s (ms)", "< 5", "{rmodels_p50_ms:.2f} / {rmodels_p99_ms:.2f}"),
     ("frontend RSS after load / after tries (MiB)", "", "{rss_mib:.0f} / {rss_after_mib:.0f}"),
     ("frontend RSS with no instance (MiB)", "", "{empty_rss_mib:.0f}"),
     ("RSS per instance over the empty frontend (KB)", "≤ 5", "{rss_per_instance_kb:.1f}"),
-    ("reconciliation pass wall mean / max bucket (ms)", "< 1000", "{pass_mean_ms:.0f} / ≤{pass_max_ms:.0f}"),
+    ("reconciliation pass wall mean / max bucket (ms)", "< 300", "{pass_mean_ms:.0f} / ≤{pass_max_ms:.0f}"),
     ("reconciliation pass CPU (ms)", "", "{cpu_per_pass_ms:.0f}"),
     ("idle CPU, interval 3600 s / 1 s (%)", "", "{idle_cpu_pct:.1f} / {idle_cpu_reconciling_pct:.1f}"),
     ("chat p50 / p99 / max, interval 3600 s (ms)", "", "{chat_p50_ms:.2f} / {chat_p99_ms:.2f} / {chat_max_ms:.1f}"),

@@ -23,8 +23,8 @@ from shoal.cards import CardError, ModelCard
 from shoal.catalog.apply import ApplyError, parse_documents
 from shoal.cli.catalog import apply as cli_apply
 from shoal.discovery import RouteError, decode_route, route_key
+from shoal.discovery.join import CardsAndInstances, parse_instance
 from shoal.discovery.keys import MODELS, EndpointId, ModelKey, instance_key
-from shoal.discovery.service import CardsAndInstances, _parse_instance
 from shoal.frontend.dashboard.dashboard import login_key
 from shoal.frontend.kv.prompt import PromptTokenizer
 from shoal.frontend.proxy.fields import decode_fields, rewrite_model
@@ -113,7 +113,7 @@ def test_cards(shape: list[bool], field: str) -> None:
 def test_endpoint_instances(shape: list[bool]) -> None:
     key = instance_key(ENDPOINT, 7)
     data = with_field(INSTANCE, "extra", nested(shape))
-    too_deep(shape, outcome(lambda: _parse_instance(key, data), ValueError))
+    too_deep(shape, outcome(lambda: parse_instance(key, data), ValueError))
     join = CardsAndInstances({})
     join.put(key, data, 1, 1)
     assert (key in join.skipped) == (len(shape) > MAX_DEPTH)

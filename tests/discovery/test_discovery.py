@@ -6,7 +6,7 @@ import asyncio
 import gc
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
 import msgspec
 import pytest
@@ -23,9 +23,10 @@ from shoal.discovery import (
     Query,
     Removed,
     TaintsUpdated,
+    join,
     service,
 )
-from shoal.discovery.service import MALFORMED
+from shoal.discovery.join import MALFORMED
 from shoal.store import Event, Snapshot, Store, memory, open_store
 from tests.helpers import Collector, StallProbe, wait_for
 from tests.store.conftest import Backend
@@ -551,7 +552,7 @@ async def test_a_listing_parses_only_what_changed_since_the_last_one(
             return msgspec.json.decode(data, type=InstanceInfo)
 
     monkeypatch.setattr(ModelCard, "from_json", counting_from_json)
-    monkeypatch.setattr(service, "_instance_decoder", CountingDecoder())
+    monkeypatch.setattr(join, "_instance_decoder", CountingDecoder())
     again = await disc.list()
     assert parsed == []
     assert all(a is b for a, b in zip(again, first, strict=True))
@@ -611,12 +612,14 @@ async def test_many_streams_started_at_once_list_with_bounded_concurrency() -> N
     in_flight = [0, 0]  # now, most
 
     class SlowStore(memory.MemoryStore):
-        async def get_prefixes(self, prefixes: Sequence[str]) -> Snapshot:
+        async def get_prefixes(
+            self, prefixes: Sequence[str], *, on_answer: Callable[[], None] | None = None
+        ) -> Snapshot:
             in_flight[0] += 1
             in_flight[1] = max(in_flight[1], in_flight[0])
             try:
                 await asyncio.sleep(0.002)
-                return await inner.get_prefixes(prefixes)
+                return await inner.get_prefixes(prefixes, on_answer=on_answer)
             finally:
                 in_flight[0] -= 1
 

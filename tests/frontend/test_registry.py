@@ -245,7 +245,7 @@ def test_election_depends_on_the_cards_not_on_the_order_they_arrived() -> None:
     assert winners == {"v1"}  # v3 is older, but only tainted: v1's oldest untainted card wins
     versions.put("set", "v1", "a", 40, True)  # a drains: v1's oldest untainted is c (30) > b
     assert versions.elected("set") == "v2"
-    versions.drop("b")
+    versions.drop("set", "v2", "b")
     assert versions.elected("set") == "v1"  # c is v1's only untainted card left
     versions.put("set", "v1", "c", 50, True)
     assert versions.elected("set") == "v3"  # all tainted: the oldest card overall

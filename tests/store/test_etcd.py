@@ -14,6 +14,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import aetcd
 import pytest
@@ -156,6 +157,45 @@ async def _reachable(store: Store, prefix: str) -> bool:
 
 async def _unreachable(store: Store, prefix: str) -> bool:
     return not await _reachable(store, prefix)
+
+
+# -- listings ---------------------------------------------------------------------------
+
+
+async def test_a_listing_longer_than_a_page_is_read_whole_at_its_first_revision(
+    store: Store, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hundred thousand keys are read a page at a time (`PAGE_KEYS`), every page at the
+    first one's revision: a key written between two pages is not in the listing, and the
+    listing is whole and in key order."""
+    monkeypatch.setattr(etcd_module, "PAGE_KEYS", 3)
+    written = [f"{prefix}a/{i:02d}" for i in range(10)] + [f"{prefix}b/{i:02d}" for i in range(7)]
+    for key in written:
+        await store.put(key, b"v")
+    assert isinstance(store, EtcdStore)
+    call = store._call
+    calls = 0
+
+    async def write_after_the_first_page(what: str, fn: Any) -> Any:
+        nonlocal calls
+        answer = await call(what, fn)
+        if not what.startswith("get_prefixes"):
+            return answer
+        calls += 1
+        if calls == 1:
+            await store.put(f"{prefix}a/05x", b"late")
+        return answer
+
+    monkeypatch.setattr(store, "_call", write_after_the_first_page)
+    answered: list[int] = []  # the store answered after its first page, not its last
+    snap = await store.get_prefixes(
+        (f"{prefix}b/", f"{prefix}a/"), on_answer=lambda: answered.append(calls)
+    )
+    assert [kv.key for kv in snap.items] == written
+    assert calls >= 4  # (a page at a time: the ten keys of a/ take four)
+    assert answered == [1]
+    late = await store.get(f"{prefix}a/05x")
+    assert late is not None and late.mod_revision > snap.revision
 
 
 # -- errors and leases ------------------------------------------------------------------

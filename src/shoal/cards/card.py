@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import re
-from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -44,23 +43,26 @@ class WorkerRole(enum.StrEnum):
     DECODE = "decode"
 
 
-class MetadataFile(msgspec.Struct, frozen=True):
-    """A non-weight file of the model (config, tokenizer, chat template), hosted by the worker."""
+class MetadataFile(msgspec.Struct, frozen=True, gc=False):
+    """A non-weight file of the model (config, tokenizer, chat template), hosted by the worker.
+    (It holds strings and a number only: the collector need not track the many a fleet has.)"""
 
     url: NonEmpty
     checksum: Checksum
     size: Annotated[int, msgspec.Meta(ge=0)]
 
 
-class Lora(msgspec.Struct, frozen=True):
+class Lora(msgspec.Struct, frozen=True, gc=False):
     """A LoRA adapter card names its base model and the adapter."""
 
     base_model: NonEmpty
     adapter: NonEmpty
 
 
-class ModelCard(msgspec.Struct, frozen=True, kw_only=True, dict=True):
-    """What a worker serves. Immutable; `with_taints` returns a copy.
+class ModelCard(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What a worker serves. Immutable; `with_taints` returns a copy. It holds decoded JSON
+    values only, which cannot refer back to it: the collector need not track the hundred
+    thousand cards a frontend may hold (`gc=False`).
 
     Reading a card (`from_json`) ignores fields this version does not know, at every level,
     so a newer worker's card stays readable by an older frontend; the fields it knows are
@@ -102,16 +104,18 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             self, runtime_config={**self.runtime_config, "taints": sorted(set(taints))}
         )
 
-    @cached_property
+    @property
     def mdcsum(self) -> str:
-        """A stable hash of the identity fields; runtime config and taints are excluded."""
+        """A stable hash of the identity fields; runtime config and taints are excluded.
+        Computed on every call (a cache would cost every card a dict): what holds many cards
+        keeps it beside them (`shoal.discovery.ModelInstance.mdcsum`)."""
         return self._identity_sum(with_role=True)
 
-    @cached_property
+    @property
     def pairsum(self) -> str:
         """The identity's hash without the role: a `prefill` and a `decode` worker set of the
         same model (same weights, files, context, block size) have equal `pairsum`, so they
-        pair up to serve it in two stages."""
+        pair up to serve it in two stages. Computed on every call, as `mdcsum`."""
         return self._identity_sum(with_role=False)
 
     def _identity_sum(self, *, with_role: bool) -> str:

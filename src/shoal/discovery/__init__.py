@@ -1,6 +1,14 @@
 """Layer 3: endpoint instances, model cards and taints kept in the store."""
 
 from shoal.discovery.keys import EndpointId, ModelKey, Query
+from shoal.discovery.records import (
+    Added,
+    DiscoveryEvent,
+    InstanceInfo,
+    ModelInstance,
+    Removed,
+    TaintsUpdated,
+)
 from shoal.discovery.routes import (
     ROUTES,
     FleetTarget,
@@ -13,16 +21,7 @@ from shoal.discovery.routes import (
     publish_route,
     route_key,
 )
-from shoal.discovery.service import (
-    Added,
-    Discovery,
-    DiscoveryEvent,
-    InstanceInfo,
-    ModelConflictError,
-    ModelInstance,
-    Removed,
-    TaintsUpdated,
-)
+from shoal.discovery.service import Discovery, ModelConflictError
 
 __all__ = [
     "ROUTES",

@@ -64,38 +64,36 @@ class EndpointId:
 class ModelKey:
     """One model served by one endpoint instance: the base model (suffix None) or an adapter.
 
-    Keys sort in store order (the base model before its adapters), so passes over them are
-    deterministic.
+    `key` is its store key, made once: readers index a fleet's cards by it, and keys sort
+    in store order (the base model before its adapters), so passes over them are
+    deterministic. It hashes as its store key (a string caches its hash).
     """
 
     endpoint: EndpointId
     instance_id: int
     suffix: str | None = None
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
+    key: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # Hashed once: keys are looked up in ten-thousand-entry dicts many times per pass.
-        object.__setattr__(self, "_hash", hash((self.endpoint, self.instance_id, self.suffix)))
+        key = f"{MODELS}{self.endpoint.path}/{self.instance_id:x}"
+        object.__setattr__(self, "key", key if self.suffix is None else f"{key}/{self.suffix}")
 
     def __hash__(self) -> int:
-        return self._hash
+        return hash(self.key)
 
     def __lt__(self, other: ModelKey) -> bool:
-        return self.sort_key() < other.sort_key()
+        return self.key < other.key
 
-    def sort_key(self) -> tuple[str, str, str, int, str]:
-        """The order of keys as a plain tuple: `sorted(keys, key=ModelKey.sort_key)` is fast."""
-        ep = self.endpoint
-        return (ep.namespace, ep.component, ep.endpoint, self.instance_id, self.suffix or "")
-
-    @property
-    def key(self) -> str:
-        base = f"{MODELS}{self.endpoint.path}/{self.instance_id:x}"
-        return base if self.suffix is None else f"{base}/{self.suffix}"
+    def sort_key(self) -> str:
+        """The order of keys (their store keys): `sorted(keys, key=ModelKey.sort_key)`."""
+        return self.key
 
     @property
     def instance_key(self) -> str:
-        return instance_key(self.endpoint, self.instance_id)
+        """The store key of its endpoint instance."""
+        key = self.key
+        end = len(key) if self.suffix is None else len(key) - len(self.suffix) - 1
+        return INSTANCES + key[len(MODELS) : end]
 
     def __str__(self) -> str:
         s = f"{self.endpoint}/{self.instance_id:x}"

@@ -44,7 +44,7 @@ class EndpointView:
             "endpoint": self.endpoint.endpoint,
             "instance_id": f"{self.instance_id:x}",
             "models": [
-                {"name": m.card.display_name, "suffix": m.key.suffix, "mdcsum": m.card.mdcsum}
+                {"name": m.card.display_name, "suffix": m.key.suffix, "mdcsum": m.mdcsum}
                 for m in self.models
             ],
             "roles": list(self.roles),

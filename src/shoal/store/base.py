@@ -32,7 +32,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -244,8 +244,13 @@ class Store(abc.ABC):
         """All keys under `prefix`, sorted by key, with the revision they were read at."""
 
     @abc.abstractmethod
-    async def get_prefixes(self, prefixes: Sequence[str]) -> Snapshot:
-        """All keys under any of `prefixes`, each once, sorted by key, read at one revision."""
+    async def get_prefixes(
+        self, prefixes: Sequence[str], *, on_answer: Callable[[], None] | None = None
+    ) -> Snapshot:
+        """All keys under any of `prefixes`, each once, sorted by key, read at one revision.
+        `on_answer` is called once the store has answered (the first page of a listing
+        read a page at a time): a deadline on the store's answer need not cover the size
+        of what it lists."""
 
     async def get(self, key: str) -> KeyValue | None:
         """One key, or None."""

@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from shoal.store.base import (
@@ -122,10 +122,15 @@ class MemoryStore(Store):
         check_prefix(prefix)
         return await self.get_prefixes((prefix,))
 
-    async def get_prefixes(self, prefixes: Sequence[str]) -> Snapshot:
+    async def get_prefixes(
+        self, prefixes: Sequence[str], *, on_answer: Callable[[], None] | None = None
+    ) -> Snapshot:
         self._check_open()
         self._reap()
-        return Snapshot(self._items(distinct_prefixes(prefixes)), self._d.revision)
+        snap = Snapshot(self._items(distinct_prefixes(prefixes)), self._d.revision)
+        if on_answer is not None:
+            on_answer()
+        return snap
 
     def _items(self, prefixes: tuple[str, ...]) -> list[KeyValue]:
         items = (kv for k, kv in self._d.items.items() if k.startswith(prefixes))

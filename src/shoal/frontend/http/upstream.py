@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import ssl
+import sys
 import time
 import urllib.parse
 from typing import ClassVar, Protocol, cast
@@ -74,6 +75,27 @@ class Upstream:
 
     inhibitions_end: ClassVar[float] = 0.0
 
+    # A frontend holds one per instance of its fleet: slots, not a dict per instance.
+    __slots__ = (
+        "address",
+        "authorization",
+        "closed",
+        "connect_timeout",
+        "host",
+        "host_header",
+        "idle",
+        "in_flight",
+        "inhibited_until",
+        "instance_id",
+        "label",
+        "path_prefix",
+        "path_skip",
+        "port",
+        "provider",
+        "tls",
+        "url",
+    )
+
     def __init__(
         self,
         instance_id: int,
@@ -94,12 +116,13 @@ class Upstream:
             raise ValueError(f"URL {url!r}: only {wanted} URLs are supported")
         self.instance_id = instance_id
         self.url = url  # as announced (identity for the registry; may hold credentials)
-        self.host = parts.hostname
+        self.host = sys.intern(parts.hostname)  # (one copy per machine, not per instance)
         self.tls = tls if parts.scheme == "https" else None
         self.port = parts.port or (443 if self.tls is not None else 80)
         # Credentials in the URL are sent as Basic auth, never in `Host` nor in messages.
         hostport = parts.netloc.rpartition("@")[2]
-        self.address = urllib.parse.urlunsplit(parts._replace(netloc=hostport))
+        address = urllib.parse.urlunsplit(parts._replace(netloc=hostport))
+        self.address = url if address == url else address  # (one string, when they are one)
         self.authorization: bytes | None = None
         self.provider = provider
         if parts.username is not None:

@@ -150,10 +150,21 @@ class MetadataCache:
         }
 
     async def fetch(self, card: ModelCard) -> None:
-        """Fetch and verify every file of `card` not cached yet; `MetadataError` on any failure."""
+        """Fetch and verify every file of `card` not cached yet; `MetadataError` on any failure.
+
+        The downloads start at once and the card waits for them one after the other, with
+        no task per file: at a fleet's cold start a hundred thousand cards wait at once."""
         missing = self.missing(card)
-        if missing:
-            await asyncio.gather(*(self._fetch_one(name, f) for name, f in missing.items()))
+        if len(missing) > 1:
+            for name, file in missing.items():
+                shared = self._shared.get(file.checksum)
+                if file.size <= self.max_file_bytes and (shared is None or shared.task is None):
+                    if shared is None:
+                        shared = self._shared[file.checksum] = _SharedDownload()
+                    if file.url not in shared.failed:
+                        self._start(name, file, shared)
+        for name, file in missing.items():
+            await self._fetch_one(name, file)
 
     async def _fetch_one(self, name: str, file: MetadataFile) -> None:
         """Download `file`, or wait for the download of its checksum already in flight.
@@ -177,10 +188,7 @@ class MetadataCache:
                 if task is None:
                     if file.url in shared.failed:
                         raise MetadataError(shared.failed[file.url])
-                    task = asyncio.create_task(self._download(name, file), name=f"metadata:{name}")
-                    shared.task, shared.url = task, file.url
-                    task.add_done_callback(functools.partial(self._download_done, file, shared))
-                    self.downloads += 1
+                    task = self._start(name, file, shared)
                 mine = shared.url == file.url
                 try:
                     await asyncio.shield(task)
@@ -194,6 +202,14 @@ class MetadataCache:
         finally:
             shared.waiters -= 1
             self._end_round(file.checksum, shared)
+
+    def _start(self, name: str, file: MetadataFile, shared: _SharedDownload) -> asyncio.Task[None]:
+        """Start the download of `file` from its URL, shared by its checksum's waiters."""
+        task = asyncio.create_task(self._download(name, file), name=f"metadata:{name}")
+        shared.task, shared.url = task, file.url
+        task.add_done_callback(functools.partial(self._download_done, file, shared))
+        self.downloads += 1
+        return task
 
     def _download_done(
         self, file: MetadataFile, shared: _SharedDownload, task: asyncio.Task[None]

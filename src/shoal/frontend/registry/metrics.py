@@ -23,7 +23,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from shoal.discovery.service import IGNORED_CHANGES, MALFORMED
+from shoal.discovery.join import IGNORED_CHANGES, MALFORMED
 from shoal.frontend.registry.metadata import MetadataCache
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

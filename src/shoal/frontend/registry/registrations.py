@@ -32,7 +32,8 @@ class State(enum.Enum):
 
 @dataclass(eq=False, slots=True)
 class Registration:
-    """What this frontend knows of one `ModelKey`, and how far its registration got."""
+    """What this frontend knows of one `ModelKey`, and how far its registration got, and its
+    key's generation (watcher.py: the generation fence)."""
 
     model: ModelInstance
     generation: int
@@ -52,7 +53,9 @@ class Registrations:
     registrations: dict[ModelKey, Registration]
     versions: Versions[SetId, ModelKey]
     _refused: dict[SetId, dict[ModelKey, Registration]]
-    _generations: dict[ModelKey, int]
+    _generations: dict[
+        ModelKey, int
+    ]  # of keys with no registration (removed, or about to be added)
     _clock: int
     _epochs: list[int]
 
@@ -60,18 +63,19 @@ class Registrations:
 
     def _bump(self, key: ModelKey) -> int:
         self._clock += 1
-        self._generations[key] = self._clock
+        registration = self.registrations.get(key)
+        if registration is not None:
+            registration.generation = self._clock
+        else:
+            self._generations[key] = self._clock
         return self._clock
 
-    def _changed_since(self, key: ModelKey, epoch: int) -> bool:
-        return self._generations.get(key, 0) > epoch
-
     def _prune_generations(self) -> None:
-        """Forget removed keys that no listing being applied can still be older than."""
+        """Forget removed keys that no listing being applied can still be older than (only
+        keys without a registration are here: a pass over a fleet does not walk it)."""
         floor = min(self._epochs, default=self._clock)
-        for key in self._generations.keys() - self.registrations.keys():
-            if self._generations[key] <= floor:
-                del self._generations[key]
+        for key in [k for k, generation in self._generations.items() if generation <= floor]:
+            del self._generations[key]
 
     # -- the moves ------------------------------------------------------------------------
 
@@ -87,7 +91,7 @@ class Registrations:
                 self._set_taints(key, model.card.taints, model.revision)
                 return current
             self._remove(key)
-        registration = Registration(model, self._generations.get(key, self._clock))
+        registration = Registration(model, self._generations.pop(key, self._clock))
         self.registrations[key] = registration
         set_id = self._track(model)
         self._try_join(registration)
@@ -99,12 +103,13 @@ class Registrations:
         if registration is None:
             self.registry.leave(key)
             return
+        self._generations[key] = registration.generation  # (what a stale listing is older than)
         if registration.task is not None:
             registration.task.cancel()
         model = registration.model
         set_id = SetId.of(key, model.card)
         self._refused.get(set_id, {}).pop(key, None)
-        self.versions.drop(key)
+        self.versions.drop(set_id, model.mdcsum, key)
         self.registry.leave(key)
         self._settle(set_id)
 
@@ -124,9 +129,7 @@ class Registrations:
     def _track(self, model: ModelInstance) -> SetId:
         """Enter the card in its worker set's election; returns the set's id."""
         set_id = SetId.of(model.key, model.card)
-        self.versions.put(
-            set_id, model.card.mdcsum, model.key, model.revision, bool(model.card.taints)
-        )
+        self.versions.put(set_id, model.mdcsum, model.key, model.revision, bool(model.card.taints))
         return set_id
 
     def _settle(self, set_id: SetId) -> None:
@@ -148,7 +151,7 @@ class Registrations:
             ws = None
         if ws is None and elected is not None:
             for registration in list(self._refused.get(set_id, {}).values()):
-                if registration.model.card.mdcsum == elected:
+                if registration.model.mdcsum == elected:
                     self._try_join(registration)
 
     def _refuse(self, registration: Registration, error: str) -> None:
@@ -163,7 +166,7 @@ class Registrations:
     @staticmethod
     def _not_elected(model: ModelInstance, elected: str | None) -> str:
         return (
-            f"card {model.key} of {model.card.display_name!r} has checksum {model.card.mdcsum}, "
+            f"card {model.key} of {model.card.display_name!r} has checksum {model.mdcsum}, "
             f"but its worker set in {model.key.endpoint.namespace}/"
             f"{model.key.endpoint.component} ({model.card.role}) runs {elected} (the checksum "
             "of its oldest untainted card): refused until that version drains or leaves"
@@ -203,11 +206,11 @@ class Registrations:
         model = registration.model
         set_id = SetId.of(model.key, model.card)
         elected = self.versions.elected(set_id)
-        if elected != model.card.mdcsum:
+        if elected != model.mdcsum:
             self._refuse(registration, self._not_elected(model, elected))
             return False
         try:
-            self.registry.join(model)
+            ws = self.registry.join(model)
         except RefusedError as exc:
             self._refuse(registration, str(exc))
             return False
@@ -216,11 +219,15 @@ class Registrations:
             return False
         self._refused.get(set_id, {}).pop(model.key, None)
         registration.state, registration.error = State.JOINED, None
-        log.info(
-            "model %r: instance %x joined (%s)",
+        # The first instance of a worker set at INFO, the others at DEBUG: a fleet's cold
+        # start would write a line per instance (100,000 lines, a second of CPU).
+        log.log(
+            logging.INFO if len(ws.members) == 1 else logging.DEBUG,
+            "model %r: instance %x joined (%s; %d in its worker set)",
             model.card.display_name,
             model.instance_id,
             model.key.endpoint,
+            len(ws.members),
         )
         return True
 

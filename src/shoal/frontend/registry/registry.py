@@ -23,6 +23,7 @@ import bisect
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import NamedTuple, Protocol
 
 from shoal.cards import ModelCard, ModelType, WorkerRole
@@ -55,11 +56,12 @@ _TYPES: dict[tuple[ModelType, ...], frozenset[ModelType]] = {}
 
 @dataclass(eq=False, slots=True)
 class Member:
-    """A card that joined its worker set, and the instance that serves it."""
+    """A card that joined its worker set (`set_id`), and the instance that serves it."""
 
     key: ModelKey
     card: ModelCard
     upstream: Upstream
+    set_id: SetId
     model_types: frozenset[ModelType] = field(init=False)  # the request kinds it declares
 
     def __post_init__(self) -> None:
@@ -104,6 +106,24 @@ class WorkerSet:
             view.model_types = frozenset({kind})
             view.routable = _routable(view.members.values())
 
+    def add(self, member: Member) -> bool:
+        """`member` was just added to `members`: update `routable` for it, in place of a
+        `refresh` (which goes through every member: a set of ten thousand instances would
+        take ten thousand steps per join). False, and nothing done, when its kinds differ
+        from the set's: then a `refresh` is needed."""
+        if self.kinds or member.model_types is not self.model_types:
+            return False
+        if not member.tainted:
+            upstream, routable = member.upstream, self.routable
+            i = bisect.bisect_left(routable, upstream.instance_id, key=_instance_id)
+            for other in routable[i:]:
+                if other.instance_id != upstream.instance_id:
+                    break
+                if other is upstream:
+                    return True  # (another card of the same instance)
+            self.routable = (*routable[:i], upstream, *routable[i:])
+        return True
+
     def for_kind(self, kind: ModelType) -> WorkerSet | None:
         """The members whose cards declare `kind` (this set itself when all of them do)."""
         if kind not in self.model_types:
@@ -113,7 +133,10 @@ class WorkerSet:
 
 def _routable(members: Iterable[Member]) -> tuple[Upstream, ...]:
     live = {m.upstream for m in members if not m.tainted}
-    return tuple(sorted(live, key=lambda u: u.instance_id))
+    return tuple(sorted(live, key=_instance_id))
+
+
+_instance_id = attrgetter("instance_id")
 
 
 class Stages(NamedTuple):
@@ -185,11 +208,25 @@ class Model:
         None when no card of the model declares `kind`."""
         return self._kinds.get(kind)
 
-    def refresh(self) -> None:
-        for ws in self.sets.values():
-            ws.refresh()
+    def refresh(self, changed: WorkerSet | None = None, joined: Member | None = None) -> None:
+        """Recompute what requests read after a change to the set `changed` (to every set
+        when None); when the change is `joined` joining it, only what that adds."""
+        if changed is None:
+            for ws in self.sets.values():
+                ws.refresh()
+        elif joined is None or not changed.add(joined):
+            changed.refresh()
         self._route()
         self._refresh_kinds()
+        if joined is not None:
+            card = joined.card
+            if not joined.model_types <= self.model_types:
+                self.model_types = self.model_types | joined.model_types
+            if card.created and (not self.created or card.created < self.created):
+                self.created = card.created
+            if card.lora is not None:
+                self.parent = card.lora.base_model
+            return
         types: set[ModelType] = set()
         self.parent = None
         created = 0
@@ -303,8 +340,11 @@ class Registry:
     def __init__(self, *, connect_timeout: float = 5.0) -> None:
         self.models: dict[str, Model] = {}
         self.connect_timeout = connect_timeout
-        self._members: dict[ModelKey, SetId] = {}
-        self._upstreams: dict[tuple[EndpointId, int], tuple[Upstream, int]] = {}
+        self._members: dict[ModelKey, Member] = {}
+        # The `Upstream` of each joined instance, by endpoint and instance id, and how many
+        # cards use it when more than one does (an instance serving adapters).
+        self._upstreams: dict[EndpointId, dict[int, Upstream]] = {}
+        self._upstream_users: dict[tuple[EndpointId, int], int] = {}
         self.version = 0  # bumped by every change: what is derived from the registry compares it
         self.observers: list[RegistryObserver] = []
 
@@ -316,14 +356,13 @@ class Registry:
         return len(self._members)
 
     def member(self, key: ModelKey) -> Member | None:
-        set_id = self._members.get(key)
-        if set_id is None:
-            return None
-        return self.models[set_id.model].sets[set_id].members.get(key)
+        return self._members.get(key)
 
     def worker_set(self, key: ModelKey) -> WorkerSet | None:
-        set_id = self._members.get(key)
-        return None if set_id is None else self.models[set_id.model].sets.get(set_id)
+        member = self._members.get(key)
+        if member is None:
+            return None
+        return self.models[member.set_id.model].sets.get(member.set_id)
 
     def join(self, model: ModelInstance) -> WorkerSet:
         """Add a card whose metadata is verified to its worker set; `RefusedError` on a checksum clash."""
@@ -333,19 +372,20 @@ class Registry:
         set_id = SetId.of(key, card)
         entry = self.models.get(set_id.model)
         ws = entry.sets.get(set_id) if entry is not None else None
-        if ws is not None and ws.mdcsum != card.mdcsum:
+        if ws is not None and ws.mdcsum != model.mdcsum:
             raise RefusedError(
-                f"card {key} of {card.display_name!r} has checksum {card.mdcsum}, but its "
+                f"card {key} of {card.display_name!r} has checksum {model.mdcsum}, but its "
                 f"worker set in {set_id.namespace}/{set_id.component} ({set_id.role}) runs "
                 f"{ws.mdcsum}: refused (upgrade in another namespace, or stop the old workers)"
             )
         if entry is None:
             entry = self.models[set_id.model] = Model(set_id.model)
         if ws is None:
-            ws = entry.sets[set_id] = WorkerSet(set_id, card.mdcsum, card.pairsum)
-        ws.members[key] = Member(key, card, self._acquire_upstream(model))
-        self._members[key] = ws.id  # (one id per set, not one per member)
-        entry.refresh()
+            pairsum = card.pairsum
+            ws = entry.sets[set_id] = WorkerSet(set_id, model.mdcsum, pairsum)
+        member = Member(key, card, self._acquire_upstream(model), ws.id)  # (one id per set)
+        ws.members[key] = self._members[key] = member
+        entry.refresh(ws, member)
         self.version += 1
         for observer in self.observers:
             observer.joined(model, ws)
@@ -353,9 +393,10 @@ class Registry:
 
     def leave(self, key: ModelKey) -> SetId | None:
         """Remove a card; returns its set's id, or None if it was not joined."""
-        set_id = self._members.pop(key, None)
-        if set_id is None:
+        left = self._members.pop(key, None)
+        if left is None:
             return None
+        set_id = left.set_id
         entry = self.models[set_id.model]
         ws = entry.sets[set_id]
         member = ws.members.pop(key)
@@ -363,7 +404,7 @@ class Registry:
         if not ws.members:
             del entry.sets[set_id]
         if entry.sets:
-            entry.refresh()
+            entry.refresh(ws)  # (an empty set that left: nothing to refresh in it)
         else:
             del self.models[set_id.model]
         self.version += 1
@@ -372,13 +413,12 @@ class Registry:
         return set_id
 
     def set_taints(self, key: ModelKey, taints: tuple[str, ...]) -> None:
-        set_id = self._members.get(key)
-        if set_id is None:
+        member = self._members.get(key)
+        if member is None:
             return
-        entry = self.models[set_id.model]
-        member = entry.sets[set_id].members[key]
+        entry = self.models[member.set_id.model]
         member.card = member.card.with_taints(list(taints))
-        entry.refresh()
+        entry.refresh(entry.sets[member.set_id])
         self.version += 1
 
     def serving(self) -> list[Model]:
@@ -393,30 +433,39 @@ class Registry:
         return {name: m.live_instances for name, m in self.models.items()}
 
     def close(self) -> None:
-        for upstream, _ in self._upstreams.values():
-            upstream.close()
+        for upstreams in self._upstreams.values():
+            for upstream in upstreams.values():
+                upstream.close()
         self._upstreams.clear()
+        self._upstream_users.clear()
 
     def _acquire_upstream(self, model: ModelInstance) -> Upstream:
-        ident = (model.key.endpoint, model.key.instance_id)
-        held = self._upstreams.get(ident)
-        if held is not None and held[0].url == model.url:
-            self._upstreams[ident] = (held[0], held[1] + 1)
-            return held[0]
+        endpoint, instance_id = model.key.endpoint, model.key.instance_id
+        upstreams = self._upstreams.setdefault(endpoint, {})
+        held = upstreams.get(instance_id)
+        if held is not None and held.url == model.url:
+            ident = (endpoint, instance_id)
+            self._upstream_users[ident] = self._upstream_users.get(ident, 1) + 1
+            return held
         upstream = Upstream(model.instance_id, model.url, connect_timeout=self.connect_timeout)
         if held is not None:  # the instance moved: new cards go to the new address
-            held[0].close()
-        self._upstreams[ident] = (upstream, 1)
+            held.close()
+            self._upstream_users.pop((endpoint, instance_id), None)
+        upstreams[instance_id] = upstream
         return upstream
 
     def _release_upstream(self, key: ModelKey, upstream: Upstream) -> None:
-        ident = (key.endpoint, key.instance_id)
-        held = self._upstreams.get(ident)
-        if held is None or held[0] is not upstream:
+        endpoint, instance_id = key.endpoint, key.instance_id
+        upstreams = self._upstreams.get(endpoint)
+        if upstreams is None or upstreams.get(instance_id) is not upstream:
             upstream.close()
             return
-        if held[1] <= 1:
-            del self._upstreams[ident]
+        ident = (endpoint, instance_id)
+        users = self._upstream_users.pop(ident, 1)
+        if users > 2:
+            self._upstream_users[ident] = users - 1
+        elif users <= 1:
+            del upstreams[instance_id]
+            if not upstreams:
+                del self._upstreams[endpoint]
             upstream.close()
-        else:
-            self._upstreams[ident] = (upstream, held[1] - 1)

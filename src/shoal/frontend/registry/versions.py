@@ -17,7 +17,7 @@ Store revisions are the same for every reader, so two frontends elect the same c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 K = TypeVar("K")
 S = TypeVar("S")
@@ -27,82 +27,81 @@ _Oldest = tuple[int, str] | None  # (revision, str(key)) of the oldest card, Non
 
 @dataclass(eq=False, slots=True)
 class _Version(Generic[K]):
-    """The cards of one checksum in one worker set: key -> (revision, tainted)."""
+    """The cards of one checksum in one worker set: key -> revision, and which are tainted."""
 
-    where: tuple[Any, str] = (None, "")  # (its set's id, its checksum)
-    cards: dict[K, tuple[int, bool]] = field(default_factory=dict)
-    untainted: int = 0
+    cards: dict[K, int] = field(default_factory=dict)
+    tainted: set[K] = field(default_factory=set)  # (a few at a time: those draining)
     oldest_untainted: _Oldest = None
     oldest: _Oldest = None
+
+    @property
+    def untainted(self) -> int:
+        return len(self.cards) - len(self.tainted)
 
     def rank(self) -> tuple[bool, int, str]:
         """Lower ranks win: (all tainted, revision of the oldest card that counts, its key)."""
         if self.untainted:
             if self.oldest_untainted is None:
                 self.oldest_untainted = min(
-                    (rev, str(key)) for key, (rev, tainted) in self.cards.items() if not tainted
+                    (rev, str(key)) for key, rev in self.cards.items() if key not in self.tainted
                 )
             return (False, *self.oldest_untainted)
         if self.oldest is None:
-            self.oldest = min((rev, str(key)) for key, (rev, _) in self.cards.items())
+            self.oldest = min((rev, str(key)) for key, rev in self.cards.items())
         return (True, *self.oldest)
 
     def put(self, key: K, revision: int, tainted: bool) -> None:
         self.drop(key)
-        self.cards[key] = (revision, tainted)
+        self.cards[key] = revision
         entry = (revision, str(key))
         # A cached minimum that is None was invalidated: it is recomputed when next needed.
         if len(self.cards) == 1:
             self.oldest = entry
         elif self.oldest is not None:
             self.oldest = min(self.oldest, entry)
-        if not tainted:
-            self.untainted += 1
-            if self.untainted == 1:
-                self.oldest_untainted = entry
-            elif self.oldest_untainted is not None:
-                self.oldest_untainted = min(self.oldest_untainted, entry)
+        if tainted:
+            self.tainted.add(key)
+        elif self.untainted == 1:
+            self.oldest_untainted = entry
+        elif self.oldest_untainted is not None:
+            self.oldest_untainted = min(self.oldest_untainted, entry)
 
     def drop(self, key: K) -> None:
-        held = self.cards.pop(key, None)
-        if held is None:
+        revision = self.cards.pop(key, None)
+        if revision is None:
             return
-        entry = (held[0], str(key))
+        entry = (revision, str(key))
         if self.oldest == entry:
             self.oldest = None
-        if not held[1]:
-            self.untainted -= 1
-            if self.oldest_untainted == entry:
-                self.oldest_untainted = None
+        if key in self.tainted:
+            self.tainted.discard(key)
+        elif self.oldest_untainted == entry:
+            self.oldest_untainted = None
 
 
 class Versions(Generic[S, K]):
-    """The cards of each worker set by checksum, and the checksum each set elects."""
+    """The cards of each worker set by checksum, and the checksum each set elects.
+
+    A card is named by its set, checksum and key in every call (the caller holds them):
+    a card that moves to another set or checksum is dropped from the old one first."""
 
     def __init__(self) -> None:
         self._sets: dict[S, dict[str, _Version[K]]] = {}
-        self._where: dict[K, tuple[S, str]] = {}
 
     def put(self, set_id: S, checksum: str, key: K, revision: int, tainted: bool) -> None:
         """Record (or update) the card at `key`."""
-        where = self._where.get(key)
-        if where is not None and where != (set_id, checksum):
-            self.drop(key)
         versions = self._sets.setdefault(set_id, {})
         version = versions.get(checksum)
         if version is None:
-            version = versions[checksum] = _Version(where=(set_id, checksum))
+            version = versions[checksum] = _Version()
         version.put(key, revision, tainted)
-        self._where[key] = version.where  # (one tuple per version, not one per card)
 
-    def drop(self, key: K) -> None:
-        """Forget the card at `key`, if known."""
-        where = self._where.pop(key, None)
-        if where is None:
+    def drop(self, set_id: S, checksum: str, key: K) -> None:
+        """Forget the card at `key` (of `set_id` and `checksum`), if known."""
+        versions = self._sets.get(set_id)
+        version = None if versions is None else versions.get(checksum)
+        if versions is None or version is None:
             return
-        set_id, checksum = where
-        versions = self._sets[set_id]
-        version = versions[checksum]
         version.drop(key)
         if not version.cards:
             del versions[checksum]

@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 APPLY_BATCH = 64
 """Keys a reconciliation pass repairs between two yields to the event loop."""
+SCAN_SLICE = 4096
+"""Keys a pass goes through in one comprehension (a lookup each) between two yields."""
 PROGRESS_INTERVAL = 5.0
 """Seconds between two log lines of the first snapshot's progress while it loads."""
 
@@ -356,33 +358,40 @@ class ModelWatcher(Registrations):
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
-    async def _list(self) -> dict[ModelKey, ModelInstance]:
-        """Every query's models; the outcome also tells whether the store is reachable."""
-        listed: dict[ModelKey, ModelInstance] = {}
+    async def _list(self) -> list[ModelInstance]:
+        """Every query's models, each once; the outcome also tells whether the store is
+        reachable."""
+        listings: list[list[ModelInstance]] = []
         for query in self.queries:
             try:
-                models = await self.discovery.list(query, on_answer=self.store_answered.set)
+                listings.append(await self.discovery.list(query, on_answer=self.store_answered.set))
             except Exception as exc:
                 self.store.failed(exc)
                 raise
-            for i, model in enumerate(models, 1):
-                listed[model.key] = model
-                if i % APPLY_BATCH == 0:
-                    await asyncio.sleep(0)
         self.store.answered()
         self.store_answered.set()  # (also with no query: nothing to wait for)
+        if len(listings) == 1:
+            listed = listings[0]
+        else:  # (the queries of one namespace may overlap)
+            unique: dict[ModelKey, ModelInstance] = {}
+            for models in listings:
+                for start in range(0, len(models), SCAN_SLICE):
+                    unique.update({m.key: m for m in models[start : start + SCAN_SLICE]})
+                    await asyncio.sleep(0)
+            listed = list(unique.values())
         self.listed = len(listed)
         return listed
 
     async def _apply(
         self,
-        listed: dict[ModelKey, ModelInstance],
+        listed: list[ModelInstance],
         epoch: int,
         emit_heartbeat: Callable[[], None],
         *,
         repairing: bool,
     ) -> tuple[Counter[str], list[asyncio.Task[None]]]:
-        """Repair each key, in key order, that no event has touched since the listing.
+        """Repair each key that no event has touched since the listing: the listed ones in
+        key order (per query), then the registered ones no longer listed.
 
         Yields to the event loop every `APPLY_BATCH` keys, so requests and events are served
         during a long pass; a key an event changed meanwhile is newer than the listing: skipped.
@@ -391,35 +400,77 @@ class ModelWatcher(Registrations):
         """
         repairs: Counter[str] = Counter()
         fetches: list[asyncio.Task[None]] = []
-        keys = list(listed)  # in key order already, if there is one query
-        for i, key in enumerate(list(self.registrations), 1):
-            if key not in listed:
-                keys.append(key)
-            if i % APPLY_BATCH == 0:
-                await asyncio.sleep(0)
-        if len(keys) > len(listed) or len(self.queries) > 1:
-            keys.sort(key=ModelKey.sort_key)
-        for i, key in enumerate(keys, 1):
-            if i % APPLY_BATCH == 0:
-                await asyncio.sleep(0)
-            if self._changed_since(key, epoch):
-                continue
+        registrations = self.registrations
+        registered = 0  # listed keys registered before they were repaired
+
+        def repair(key: ModelKey, model: ModelInstance | None) -> None:
             try:
-                action = self._repair(key, listed.get(key))
+                action = self._repair(key, model)
             except Exception:
                 log.exception("reconciliation of %s failed; retried next pass", key)
                 self.metrics.reconcile_failures.labels("entry").inc()
-                action = None
-            if action is not None:
-                repairs[action] += 1
-                if repairing:
-                    self.metrics.reconcile_repairs.labels(action).inc()
-                    log.info("reconciliation repaired %s: %s", key, action)
-                registration = self.registrations.get(key)
-                if registration is not None and registration.task is not None:
-                    fetches.append(registration.task)
-            emit_heartbeat()
+                return
+            if action is None:
+                return
+            repairs[action] += 1
+            if repairing:
+                self.metrics.reconcile_repairs.labels(action).inc()
+                log.info("reconciliation repaired %s: %s", key, action)
+            registration = registrations.get(key)
+            if registration is not None and registration.task is not None:
+                fetches.append(registration.task)
+
+        for i, model in enumerate(listed, 1):
+            if i % APPLY_BATCH == 0:
+                emit_heartbeat()
+                await asyncio.sleep(0)
+            key = model.key
+            registration = registrations.get(key)
+            if registration is None:
+                if self._generations.get(key, 0) <= epoch:
+                    repair(key, model)
+                registered += key in registrations
+                continue
+            registered += 1
+            if registration.generation > epoch:
+                continue  # changed since the listing: the listing is the stale view
+            if (  # the common case, in short: joined with the very card listed
+                model is registration.model
+                and registration.state is State.JOINED
+                and (member := self.registry.member(key)) is not None
+                and member.card is model.card
+                and (not self.follows_membership or self._in_scope(key))
+            ):
+                continue
+            repair(key, model)
+        if registered < len(registrations):  # some registered keys were not listed
+            for i, key in enumerate(await self._unlisted(listed), 1):
+                if i % APPLY_BATCH == 0:
+                    emit_heartbeat()
+                    await asyncio.sleep(0)
+                if not self._changed_since(key, epoch):
+                    repair(key, None)
+        emit_heartbeat()
         return repairs, fetches
+
+    async def _unlisted(self, listed: list[ModelInstance]) -> list[ModelKey]:
+        """The registered keys not in `listed`, in key order (found a slice at a time)."""
+        keys: set[ModelKey] = set()
+        for start in range(0, len(listed), SCAN_SLICE):
+            keys.update(m.key for m in listed[start : start + SCAN_SLICE])
+            await asyncio.sleep(0)
+        registered = list(self.registrations)
+        unlisted: list[ModelKey] = []
+        for start in range(0, len(registered), SCAN_SLICE):
+            unlisted.extend(k for k in registered[start : start + SCAN_SLICE] if k not in keys)
+            await asyncio.sleep(0)
+        return sorted(unlisted, key=ModelKey.sort_key)
+
+    def _changed_since(self, key: ModelKey, epoch: int) -> bool:
+        registration = self.registrations.get(key)
+        if registration is not None:
+            return registration.generation > epoch
+        return self._generations.get(key, 0) > epoch
 
     def _repair(self, key: ModelKey, model: ModelInstance | None) -> str | None:
         """Make the registration of `key` match discovery; the action taken, or None."""
@@ -442,7 +493,7 @@ class ModelWatcher(Registrations):
             or current.instance != model.instance
             or current.revision != model.revision
         ):
-            if current.instance != model.instance or current.card.mdcsum != model.card.mdcsum:
+            if current.instance != model.instance or current.mdcsum != model.mdcsum:
                 self._bump(key)
                 self._remove(key)
                 self._add(model)
@@ -470,14 +521,11 @@ class ModelWatcher(Registrations):
         member = self.registry.member(key)
         if member is not None and member.card is model.card:
             return True  # joined with this very card: in the set it names, with its checksum
-        ws = self.registry.worker_set(key)
-        member = None if ws is None else ws.members.get(key)
-        checksum = model.card.mdcsum
+        ws = self.registry.worker_set(key)  # (a set's members all have its checksum)
         return (
-            member is not None
-            and ws is not None
-            and member.card.mdcsum == checksum
-            and ws.mdcsum == checksum
+            ws is not None
+            and key in ws.members
+            and ws.mdcsum == model.mdcsum
             and ws.id == SetId.of(key, model.card)
         )
 
