@@ -158,4 +158,7 @@ async def test_a_response_head_without_end_fails_the_attempt_within_a_bound(
     assert received.startswith(b"HTTP/1.1 502 ")
     assert b"response head" in received
     await wait_for(lambda: sent, message="the upstream connection closed")
-    assert sent[0] < 4 << 20
+    # What the upstream managed to write before the frontend closed: the frontend's bounded
+    # head, plus what the kernel's loopback buffers absorbed meanwhile (they autotune up to
+    # tcp_rmem's maximum, 32 MiB on Debian); unbounded, the whole 256 MiB would go.
+    assert sent[0] < 64 << 20
