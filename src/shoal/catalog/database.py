@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import os
+import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,18 @@ def open_engine(url: str) -> AsyncEngine:
 def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.isolation_level = None  # transactions begin in `_sqlite_begin`, not the driver
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
+    # Turning a fresh file to WAL wants it alone, and SQLite answers "locked" at once (no busy
+    # wait) while another connection does the same: replicas starting together retry, in the
+    # driver's thread, for as long as the busy timeout.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
 
