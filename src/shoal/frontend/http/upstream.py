@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import ssl
 import sys
 import time
@@ -26,6 +27,12 @@ from typing import ClassVar, Protocol, cast
 
 import httptools
 
+_PLAIN_URL = re.compile(
+    r"http://(?P<hostport>(?P<host>[A-Za-z0-9][A-Za-z0-9.-]*):(?P<port>[0-9]{1,5}))"
+    r"(?P<path>(?:/[A-Za-z0-9._~/-]*)?)"
+)
+"""An instance URL as workers announce it, `http://host:port[/path]`: no credentials, no
+IPv6 brackets, no query; other URLs take `urllib.parse`."""
 MAX_IDLE = 256  # idle keep-alive connections kept per instance
 MAX_RESPONSE_HEAD = 64 * 1024  # bytes of header lines in a response, its interim ones included
 
@@ -96,6 +103,19 @@ class Upstream:
         "url",
     )
 
+    instance_id: int
+    url: str
+    address: str
+    host: str
+    tls: ssl.SSLContext | None
+    port: int
+    authorization: bytes | None
+    provider: bool
+    path_prefix: bytes
+    path_skip: int
+    host_header: bytes
+    label: bytes
+
     def __init__(
         self,
         instance_id: int,
@@ -104,6 +124,37 @@ class Upstream:
         connect_timeout: float = 5.0,
         tls: ssl.SSLContext | None = None,
         provider: bool = False,
+    ) -> None:
+        plain = _PLAIN_URL.fullmatch(url)
+        if plain is not None and 0 < int(plain["port"]) < 65536:
+            # The common form, `http://host:port[/path]`, in one match: a fleet's cold start
+            # makes one `Upstream` per instance, and `urlsplit` and its properties cost more.
+            self._plain(instance_id, url, plain, provider)
+        else:
+            self._parse(instance_id, url, tls, provider)
+        self.connect_timeout = connect_timeout
+        self.idle: list[UpstreamConnection] = []
+        self.in_flight = 0
+        self.inhibited_until = 0.0
+        self.closed = False
+
+    def _plain(self, instance_id: int, url: str, plain: re.Match[str], provider: bool) -> None:
+        """What `_parse` makes of a plain `http://host:port[/path]` URL, without it."""
+        self.instance_id = instance_id
+        self.url = self.address = url
+        self.host = sys.intern(plain["host"].lower())
+        self.tls = None
+        self.port = int(plain["port"])
+        self.authorization = None
+        self.provider = provider
+        prefix = plain["path"].rstrip("/")
+        self.path_prefix = (prefix[:-3] if prefix.endswith("/v1") else prefix).encode()
+        self.path_skip = 3 if provider and not prefix.endswith("/v1") else 0
+        self.host_header = plain["hostport"].encode()
+        self.label = f"{instance_id:x}".encode()  # the `x-shoal-instance` of its answers
+
+    def _parse(
+        self, instance_id: int, url: str, tls: ssl.SSLContext | None, provider: bool
     ) -> None:
         parts = urllib.parse.urlsplit(url)
         schemes = ("http", "https") if tls is not None else ("http",)
@@ -123,7 +174,7 @@ class Upstream:
         hostport = parts.netloc.rpartition("@")[2]
         address = urllib.parse.urlunsplit(parts._replace(netloc=hostport))
         self.address = url if address == url else address  # (one string, when they are one)
-        self.authorization: bytes | None = None
+        self.authorization = None
         self.provider = provider
         if parts.username is not None:
             user = urllib.parse.unquote(parts.username)
@@ -137,11 +188,6 @@ class Upstream:
         self.path_skip = 3 if provider and not prefix.endswith("/v1") else 0
         self.host_header = (hostport or f"{self.host}:{self.port}").encode()
         self.label = f"{instance_id:x}".encode()  # the `x-shoal-instance` of its answers
-        self.connect_timeout = connect_timeout
-        self.idle: list[UpstreamConnection] = []
-        self.in_flight = 0
-        self.inhibited_until = 0.0
-        self.closed = False
 
     def __repr__(self) -> str:
         return f"<Upstream {self.instance_id:x} {self.address}>"
