@@ -17,10 +17,14 @@ conversations one turn at a time, streaming. The default sizes the caches so tha
 workers together hold the working set but none alone does.
 
 Targets: shoal `round-robin`, `prefix` and `kv`; vllm-router `cache_aware` and `kv_aware`
-(fed the workers' ZMQ events); sglang-router `cache_aware` (peers from
+(fed the workers' ZMQ events, which its workers publish as tagged maps, `--kv-events-format
+map`, the form it decodes; it gets each prompt's token ids from the worker's
+`/v1/chat/completions/render`, as from vLLM); sglang-router `cache_aware` (peers from
 bench/install-peers.sh; a peer that is missing or does not run is skipped with a note).
 Figures: prefix cache hit rate (from the workers' metrics), TTFT p50/p99, requests/s, and
-the gateway's CPU time per request (its process tree, from /proc).
+the gateway's CPU time per request (its process tree, from /proc). For vllm-router `kv_aware`,
+what shows it is fed: its own counts of prompts rendered, KV lookups that hit, and event
+batches it refused (its log's warnings).
 """
 
 from __future__ import annotations
@@ -229,7 +233,10 @@ class Worker:
 READY = re.compile(r"shoal worker ready: .*url=(\S+) status=(\S+)")
 
 
-def start_workers(session: Session, args: argparse.Namespace, store: str) -> list[Worker]:
+def start_workers(
+    session: Session, args: argparse.Namespace, store: str, kv_format: str = "array"
+) -> list[Worker]:
+    """Fresh mocker workers publishing KV events in `kv_format` (`--kv-events-format`)."""
     workers = []
     for i in range(args.workers):
         port, kv_port = free_port(), free_port()
@@ -238,7 +245,7 @@ def start_workers(session: Session, args: argparse.Namespace, store: str) -> lis
             "--host", "127.0.0.1", "--port", str(port), "--status-port", str(free_port()),
             "--block-size", str(args.block_size), "--kv-blocks", str(args.kv_blocks),
             "--prefill-us-per-token", str(args.prefill_us_per_token), "--itl-ms", str(args.itl_ms),
-            "--kv-events-port", str(kv_port), "--max-seqs", "64",
+            "--kv-events-port", str(kv_port), "--kv-events-format", kv_format, "--max-seqs", "64",
         ]  # fmt: skip
         proc = session.start(f"worker-{i}", argv)
         found: list[re.Match[str]] = []
@@ -306,9 +313,12 @@ def _listens(port: int) -> bool:
 
 def start_target(
     session: Session, name: str, workers: list[Worker], store: str, args: argparse.Namespace
-) -> tuple[Proc, str, str]:
+) -> tuple[Proc, str, str, str]:
+    """The gateway `name` in front of `workers`: its process, URL, version, and the URL of a
+    peer's Prometheus metrics ("" for shoal, whose metrics are on its own port)."""
     gateway, policy = name.split(":")
     port = free_port()
+    metrics = ""
     url = f"http://127.0.0.1:{port}"
     urls = [w.url for w in workers]
     env = None
@@ -328,10 +338,12 @@ def start_target(
             env = {"PYTHONPATH": str(args.base_src.resolve() / "src")}
             version = f"base ({args.base_src.name})"
     elif gateway == "vllm-router":
+        prometheus = free_port()
+        metrics = f"http://127.0.0.1:{prometheus}/metrics"
         argv = [
             str(PEERS / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
             "--worker-urls", *urls, "--policy", policy, "--log-level", "warning",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus),
         ]  # fmt: skip
         if policy == "kv_aware":
             for w in workers:
@@ -361,7 +373,7 @@ def start_target(
         return chat_ok(url, MODEL)
 
     wait_until(f"{len(workers)} workers behind it and a chat completion", ready, 90, proc)
-    return proc, url, version
+    return proc, url, version, metrics
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
@@ -406,6 +418,29 @@ def kv_figures(url: str) -> dict[str, float]:
     return out
 
 
+VLLM_REFUSED = re.compile(r"kv_index decode batch|dense batch rejected|invalid KV event")
+
+
+def vllm_kv_figures(metrics: str, log: Path) -> dict[str, float]:
+    """What shows vllm-router's `kv_aware` is fed: prompts the workers rendered for it (and
+    preparations that found no tokens), KV placement lookups that hit or missed, and the
+    event batches it refused (its log's warnings: it logs each one)."""
+    text = http("GET", metrics).decode()
+    out = {"vllm_rendered": 0.0, "vllm_no_tokens": 0.0, "vllm_hits": 0.0, "vllm_misses": 0.0}
+    for labels, value in re.findall(
+        r"^vllm_router_kv_routing_inputs_total\{([^}]*)\} (\S+)$", text, re.M
+    ):
+        key = "vllm_rendered" if 'result="render"' in labels else "vllm_no_tokens"
+        out[key] += float(value)
+    for labels, value in re.findall(
+        r"^vllm_router_kv_placement_lookups_total\{([^}]*)\} (\S+)$", text, re.M
+    ):
+        key = "vllm_hits" if 'result="hit"' in labels else "vllm_misses"
+        out[key] += float(value)
+    out["vllm_refused_batches"] = float(len(VLLM_REFUSED.findall(log.read_text(errors="replace"))))
+    return out
+
+
 def cache_figures(workers: list[Worker]) -> tuple[float, float]:
     hits = queries = 0.0
     for w in workers:
@@ -435,8 +470,10 @@ def run_target(
     session = Session(tdir, pin=False)
     store = f"sqlite:///{tdir / 'store.db'}"
     try:
-        workers = start_workers(session, args, store)
-        proc, url, version = start_target(session, name, workers, store, args)
+        # vllm-router 0.1.17's kv_aware decodes only the tagged-map form of the events.
+        kv_format = "map" if name == "vllm-router:kv_aware" else "array"
+        workers = start_workers(session, args, store, kv_format)
+        proc, url, version, metrics = start_target(session, name, workers, store, args)
         # The readiness probe went through one worker; count from here on.
         hits0, queries0 = cache_figures(workers)
         shoal = gateway in ("shoal", "base", "shoal-nats")
@@ -450,6 +487,8 @@ def run_target(
             spy.wait(30)
         hits, queries = cache_figures(workers)
         kv = kv_figures(url) if shoal and name.endswith(":kv") else {}
+        if name == "vllm-router:kv_aware":
+            kv = vllm_kv_figures(metrics, proc.log)
         served = len(run.ttfts)
         return {
             "target": name,
@@ -498,6 +537,13 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, command: str
         if "skipped" in r:
             notes.append(f"- {r['target']}: skipped, {r['skipped']}")
             continue
+        if "vllm_rendered" in r:
+            notes.append(
+                f"- {r['target']}: {r['vllm_rendered']:.0f} prompts rendered by the workers, "
+                f"{r['vllm_no_tokens']:.0f} without tokens; KV lookups {r['vllm_hits']:.0f} hit, "
+                f"{r['vllm_misses']:.0f} missed; {r['vllm_refused_batches']:.0f} event batches "
+                "refused (the first round's counts)"
+            )
         lines.append(
             f"| {r['target']} | {r['version']} | {r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | "
             f"{r['ttft_p99_ms']:.0f} | {r['rps']:.1f} | {r['cpu_us_per_request']:.0f} | "

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from shoal.kv import (
+    WIRE_FORMATS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -14,9 +15,12 @@ from shoal.kv import (
     decode_batch,
     decode_seq,
     encode_batch,
+    encode_batch_map,
     encode_seq,
     token_block_hashes,
+    wire_hash,
 )
+from shoal.worker.engines.mocker.prefix_cache import PrefixCache
 from tests.kv import vllm_fixtures as vllm
 
 
@@ -99,3 +103,106 @@ def test_chained_hashes_name_prefixes() -> None:
     assert token_block_hashes([3, 4], 2) != [a[1]]  # same block, other prefix: another name
     assert a[1] == chain_hash(chain_hash(0, [1, 2]), [3, 4])
     assert token_block_hashes(list(range(100)), 2, limit=3) == token_block_hashes(list(range(6)), 2)
+
+
+# -- the tagged-map form (vLLM 0.28 on; vllm-router's kv_aware) ---------------------------------
+
+# What vllm-router 0.1.17 admits (its `kv_events` decoder and dense-GPU admission): the keys
+# each event type may carry, and those it must.
+ROUTER_ALLOWED = {
+    "BlockStored": {
+        "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+        "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
+    },
+    "BlockRemoved": {"type", "block_hashes", "medium", "group_idx", "locality", "ownership"},
+    "AllBlocksCleared": {"type"},
+}  # fmt: skip
+ROUTER_REQUIRED = {
+    "BlockStored": {
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+        "lora_name",
+    },
+    "BlockRemoved": {"block_hashes", "medium"},
+    "AllBlocksCleared": set(),
+}  # fmt: skip
+
+
+def cache_events() -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+    """A mocker prefix cache's events over prompts that share a prefix and evict."""
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    cache = PrefixCache(6, 4, events.append)
+    for prompt in (list(range(17)), [*range(8), *range(100, 113)], list(range(200, 216))):
+        cache.admit(cache.block_hashes(prompt), prompt)
+    cache.clear()
+    return events
+
+
+def test_the_map_form_decodes_to_the_same_blocks_as_the_array_form() -> None:
+    events = cache_events()
+    kinds = [type(e) for e in events]
+    assert {BlockStored, BlockRemoved, AllBlocksCleared} <= set(kinds)
+    batch = KVEventBatch(ts=5.25, events=events)
+    as_array, as_map = decode_batch(encode_batch(batch)), decode_batch(encode_batch_map(batch))
+    assert as_map.ts == as_array.ts and [type(e) for e in as_map.events] == kinds
+    for a, m in zip(as_array.events, as_map.events, strict=True):
+        if isinstance(a, BlockStored):
+            assert isinstance(m, BlockStored)
+            assert m.token_ids == a.token_ids and m.block_size == a.block_size
+            assert m.block_hashes == [wire_hash(h) for h in a.block_hashes]
+            parent = a.parent_block_hash
+            assert m.parent_block_hash == (None if parent is None else wire_hash(parent))
+            assert m.medium == "GPU"
+        elif isinstance(a, BlockRemoved):
+            assert isinstance(m, BlockRemoved)
+            assert m.block_hashes == [wire_hash(h) for h in a.block_hashes]
+    # The 32-byte names are one-to-one: distinct blocks stay distinct, negative hashes too.
+    hashes = [h for e in as_array.events if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert len({wire_hash(h) for h in hashes}) == len(set(hashes))
+    assert wire_hash(-1) != wire_hash(1) and wire_hash(2**63 - 1) != wire_hash(-(2**63))
+
+
+def test_the_map_form_is_what_vllm_router_admits() -> None:
+    raw = msgspec.msgpack.decode(encode_batch_map(KVEventBatch(ts=1.0, events=cache_events())))
+    assert isinstance(raw, list) and 2 <= len(raw) <= 3 and raw[0] == 1.0
+    for event in raw[1]:
+        assert isinstance(event, dict)
+        kind = event["type"]
+        assert ROUTER_REQUIRED[kind] <= set(event) <= ROUTER_ALLOWED[kind]
+        if kind == "AllBlocksCleared":
+            continue
+        assert event["medium"] == "GPU"
+        hashes = [*event["block_hashes"], event.get("parent_block_hash") or b"\0" * 32]
+        assert hashes and all(isinstance(h, bytes) and len(h) == 32 for h in hashes)
+        if kind == "BlockStored":
+            assert len(event["token_ids"]) == len(event["block_hashes"]) * event["block_size"]
+            assert event["lora_id"] is None and event["lora_name"] is None
+
+
+def test_a_vllm_map_batch_decodes_with_the_fields_shoal_does_not_know() -> None:
+    stored = {
+        "type": "BlockStored", "block_hashes": [2**64 - 1, 7], "parent_block_hash": None,
+        "token_ids": list(range(8)), "block_size": 4, "lora_id": None, "medium": "GPU",
+        "lora_name": None, "group_idx": 0, "extra_keys": [None, ["salt"]],
+        "kv_cache_spec_kind": "full_attention",
+    }  # fmt: skip
+    removed = {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 0}
+    payload = msgspec.msgpack.encode([2.5, [stored, removed, {"type": "AllBlocksCleared"}], 0])
+    batch = decode_batch(payload)
+    assert batch.data_parallel_rank == 0
+    assert batch.events == [
+        BlockStored(
+            block_hashes=[2**64 - 1, 7], parent_block_hash=None, token_ids=list(range(8)),
+            block_size=4, medium="GPU",
+        ),
+        BlockRemoved(block_hashes=[7], medium="GPU"),
+        AllBlocksCleared(),
+    ]  # fmt: skip
+
+
+def test_a_batch_in_neither_form_is_still_refused_naming_the_array_form() -> None:
+    with pytest.raises(msgspec.ValidationError, match="array"):
+        decode_batch(msgspec.msgpack.encode([1.0, [{"type": "Nope"}], 0]))
+    with pytest.raises(msgspec.ValidationError):
+        decode_batch(msgspec.msgpack.encode([1.0, [42], 0]))
+    assert WIRE_FORMATS == ("array", "map")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import zmq.asyncio
 
@@ -102,3 +103,31 @@ async def test_a_restarted_publisher_is_resnapshotted_not_ignored(
         lambda: index.overlaps(token_block_hashes([70, 71], BS)) == {7: 1}, message="new blocks"
     )
     assert cached(index) == 0  # the old cache's blocks are gone
+
+
+def tagged(*events: dict[str, object]) -> bytes:
+    """A batch of events in the tagged-map form newer vLLMs publish (and vllm-router reads)."""
+    return msgspec.msgpack.encode([1_700_000_000.5, list(events), 0])
+
+
+def stored_map(i: int) -> dict[str, object]:
+    return {
+        "type": "BlockStored", "block_hashes": [100 + i],
+        "parent_block_hash": None if i == 0 else 100 + i - 1,
+        "token_ids": PROMPT[i * BS : (i + 1) * BS], "block_size": BS, "lora_id": None,
+        "medium": "GPU", "lora_name": None, "group_idx": 0,
+    }  # fmt: skip
+
+
+async def test_events_in_the_tagged_map_form_are_indexed_as_the_array_form_is(
+    publisher: FakeVllmPublisher, subscribe: tuple[KvIndex, KvStats]
+) -> None:
+    index, stats = subscribe
+    await wait_for(lambda: cached(index) == 2, message="blocks 0-1 (array form) replayed")
+    await publisher.send(2, tagged(stored_map(2), stored_map(3)))
+    await wait_for(lambda: cached(index) == 4, message="blocks 2-3 (map form) indexed")
+    await publisher.send(
+        3, tagged({"type": "BlockRemoved", "block_hashes": [102], "medium": "GPU"})
+    )
+    await wait_for(lambda: cached(index) == 2, message="block 2's eviction (map form) applied")
+    assert stats.decode_errors == 0 and stats.resnapshots == 0

@@ -29,7 +29,7 @@ from shoal.cli.common import (
     print_ready,
     run_event_loop,
 )
-from shoal.kv import check_zmq_endpoint
+from shoal.kv import WIRE_FORMATS, check_zmq_endpoint
 from shoal.store import StoreUnavailableError, default_store_url
 from shoal.worker.engine import Engine
 from shoal.worker.engines import ENGINES, engine_class
@@ -139,6 +139,14 @@ def add_parser(sub: Any) -> None:
         help="mocker and llamacpp engines: publish KV cache events (vLLM's format) on this "
         "port; 0: a free port; unset: off",
     )
+    mocker(
+        "--kv-events-format",
+        "array",
+        choices=WIRE_FORMATS,
+        help="mocker and llamacpp engines: how KV events are encoded: array (vLLM's tagged "
+        "arrays, what shoal's frontend and relay read; the default) or map (tagged maps, as "
+        "vLLM 0.28 on publishes them and vllm-router's kv_aware reads them)",
+    )
 
 
 def read_text(path: str) -> str:
@@ -167,6 +175,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
             prefill_us_per_token=args.prefill_us_per_token,
             kv_events_port=args.kv_events_port,
             kv_events_host=args.host,
+            kv_events_format=args.kv_events_format,
             chat_template=None if args.chat_template is None else read_text(args.chat_template),
             die_after_tokens=args.die_after_tokens,
             role=args.role,
@@ -194,6 +203,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
             name=args.model,
             kv_events_port=args.kv_events_port,
             kv_events_host=args.host,
+            kv_events_format=args.kv_events_format,
         )
     return engine
 

@@ -11,6 +11,7 @@ from `shoal.kv.subscription`, not from this package, so readers of the pure data
 
 from shoal.kv.events import (
     END_OF_REPLAY,
+    WIRE_FORMATS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -21,13 +22,16 @@ from shoal.kv.events import (
     decode_batch,
     decode_seq,
     encode_batch,
+    encode_batch_map,
     encode_seq,
+    wire_hash,
 )
 from shoal.kv.hashing import ROOT_HASH, chain_hash, token_block_hashes
 
 __all__ = [
     "END_OF_REPLAY",
     "ROOT_HASH",
+    "WIRE_FORMATS",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -39,6 +43,8 @@ __all__ = [
     "decode_batch",
     "decode_seq",
     "encode_batch",
+    "encode_batch_map",
     "encode_seq",
     "token_block_hashes",
+    "wire_hash",
 ]

@@ -13,6 +13,12 @@ The wire format (vLLM's `vllm.distributed.kv_events`, read from its published sc
   with every buffered `[seq, payload]` from there on, then `[-1 as 8 signed bytes, b""]`.
 
 Block hashes are opaque engine values (an int or bytes): only equality matters.
+
+The tagged-map form (vLLM 0.28 on, and what vllm-router's `kv_aware` decodes): the batch is the
+same array, but each event is a msgpack map, its type under `"type"` and each field under its
+name (`lora_id`, `medium` and `lora_name` always present, possibly nil). `encode_batch_map`
+writes it for such readers: block hashes as 32 bytes (vllm-router admits only the size of
+vLLM's sha256 digests), `medium` `"GPU"` when unset. `decode_batch` reads both forms.
 """
 
 from __future__ import annotations
@@ -96,12 +102,105 @@ def check_zmq_endpoint(endpoint: str) -> str:
     return endpoint
 
 
+WIRE_FORMATS = ("array", "map")
+"""How a publisher encodes its events: `array` (vLLM's tagged arrays, shoal's own default),
+`map` (tagged maps: vLLM 0.28 on, vllm-router)."""
+MEDIUM_GPU = "GPU"
+
+
+class TaggedBlockStored(msgspec.Struct, tag="BlockStored", gc=False):
+    """`BlockStored` in the tagged-map form (fields vLLM declares without a default are
+    always written, as vLLM writes them)."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class TaggedBlockRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+
+
+class TaggedAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class TaggedKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A batch whose events are tagged maps; the batch itself is the same array."""
+
+    ts: float
+    events: list[TaggedBlockStored | TaggedBlockRemoved | TaggedAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def wire_hash(block_hash: BlockHash) -> bytes:
+    """`block_hash` as the 32 bytes the tagged-map form carries: bytes as they are, an int
+    by its 64 bits (two's complement), big-endian, zero-padded. One-to-one on 64-bit ints,
+    so equal hashes stay equal and different ones different."""
+    if isinstance(block_hash, bytes):
+        return block_hash
+    return (block_hash & _MASK64).to_bytes(32, "big")
+
+
+def _tagged(
+    event: BlockStored | BlockRemoved | AllBlocksCleared,
+) -> TaggedBlockStored | TaggedBlockRemoved | TaggedAllBlocksCleared:
+    if isinstance(event, BlockStored):
+        parent = event.parent_block_hash
+        return TaggedBlockStored(
+            block_hashes=[wire_hash(h) for h in event.block_hashes],
+            parent_block_hash=None if parent is None else wire_hash(parent),
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=event.medium or MEDIUM_GPU,
+        )
+    if isinstance(event, BlockRemoved):
+        return TaggedBlockRemoved(
+            block_hashes=[wire_hash(h) for h in event.block_hashes],
+            medium=event.medium or MEDIUM_GPU,
+        )
+    return TaggedAllBlocksCleared()
+
+
+def _untagged(
+    event: TaggedBlockStored | TaggedBlockRemoved | TaggedAllBlocksCleared,
+) -> BlockStored | BlockRemoved | AllBlocksCleared:
+    if isinstance(event, TaggedBlockStored):
+        return BlockStored(
+            block_hashes=event.block_hashes,
+            parent_block_hash=event.parent_block_hash,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=event.medium,
+        )
+    if isinstance(event, TaggedBlockRemoved):
+        return BlockRemoved(block_hashes=event.block_hashes, medium=event.medium)
+    return AllBlocksCleared()
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_map_decoder = msgspec.msgpack.Decoder(TaggedKVEventBatch)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
     return _encoder.encode(batch)
+
+
+def encode_batch_map(batch: KVEventBatch) -> bytes:
+    """`batch` in the tagged-map form (see the module's docstring)."""
+    events = [_tagged(e) for e in batch.events]
+    return _encoder.encode(TaggedKVEventBatch(batch.ts, events, batch.data_parallel_rank))
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
@@ -112,9 +211,21 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     skipped whatever they hold. Binary msgpack has no brackets for `shoal.bounds` to count,
     so a payload nested past the interpreter's recursion limit there (called from the same
     shallow frame of the subscriber every time) is answered as the `DecodeError` it is.
+
+    The tagged-map form is tried only when the array form does not fit (a map where an
+    event's array is expected fails on the first event), so array batches cost what they did.
     """
     try:
-        return _decoder.decode(payload)
+        try:
+            return _decoder.decode(payload)
+        except msgspec.ValidationError as exc:
+            try:
+                tagged = _map_decoder.decode(payload)
+            except msgspec.ValidationError:
+                raise exc from None
+        return KVEventBatch(
+            tagged.ts, [_untagged(e) for e in tagged.events], tagged.data_parallel_rank
+        )
     except RecursionError:
         raise msgspec.DecodeError("KV event batch: values nested too deeply") from None
 

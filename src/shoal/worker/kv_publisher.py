@@ -8,6 +8,10 @@ end-of-replay marker, at the pace it reads them (nothing is dropped: a full sock
 makes the replay wait). A subscriber asking for batches older than the buffer gets them
 from the oldest one kept: the first number it gets shows what it missed.
 
+`wire_format` `map` encodes the events as tagged maps (`shoal.kv.events`) for readers of
+vLLM's newer form such as vllm-router; the default, `array`, is what shoal's frontend and
+relay read.
+
 Publishing never blocks the engine: PUB drops messages for a subscriber that does not
 keep up (its next sequence number shows the gap).
 """
@@ -27,12 +31,14 @@ import zmq.asyncio
 
 from shoal.kv import (
     END_OF_REPLAY,
+    WIRE_FORMATS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KvEndpoint,
     KVEventBatch,
     encode_batch,
+    encode_batch_map,
     encode_seq,
 )
 from shoal.worker.endpoint import advertised_host
@@ -56,7 +62,12 @@ class KvEventPublisher:
         replay_port: int = 0,
         topic: str = "",
         buffer: int = DEFAULT_BUFFER,
+        wire_format: str = "array",
     ) -> None:
+        if wire_format not in WIRE_FORMATS:
+            raise ValueError(f"wire_format must be one of {', '.join(WIRE_FORMATS)}")
+        self.wire_format = wire_format
+        self._encode = encode_batch if wire_format == "array" else encode_batch_map
         self.host = host
         self.port = port
         self.replay_port = replay_port
@@ -124,7 +135,7 @@ class KvEventPublisher:
             return
         batch = KVEventBatch(ts=time.time(), events=self._pending)
         self._pending = []
-        seq, payload = self.next_seq, encode_batch(batch)
+        seq, payload = self.next_seq, self._encode(batch)
         self.next_seq += 1
         self.buffer.append((seq, payload))
         with contextlib.suppress(zmq.Again):

@@ -333,6 +333,7 @@ class LlamaCppEngine(Engine):
         n_threads: int | None = None,
         kv_events_port: int | None = None,
         kv_events_host: str = "127.0.0.1",
+        kv_events_format: str = "array",
         kv_block_size: int = 16,
     ) -> None:
         self.model_path = Path(model_path) if model_path else None
@@ -352,7 +353,9 @@ class LlamaCppEngine(Engine):
         self.kv_block_size = kv_block_size
         self.publisher: KvEventPublisher | None = None
         if kv_events_port is not None:
-            self.publisher = KvEventPublisher(kv_events_host, kv_events_port)
+            self.publisher = KvEventPublisher(
+                kv_events_host, kv_events_port, wire_format=kv_events_format
+            )
         self._cached_blocks: list[int] = []  # chained hashes of the context's full blocks
         self._snapshots: set[asyncio.Task[None]] = set()
 

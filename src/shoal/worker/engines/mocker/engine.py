@@ -15,6 +15,9 @@ prefill answers `kv_transfer_params.do_remote_decode` with the params of the blo
 for the decode; a decode given `do_remote_prefill` params fetches those blocks first and
 spends no prefill on the tokens they cover.
 
+It also answers vLLM's render endpoints (`render`): a request's token ids, the ones its
+prefix cache and KV events use, for routers that hash them (vllm-router's `kv_aware`).
+
 A client disconnect cancels the handler (the runtime serves with handler cancellation),
 which ends the sequence and frees its slot: `active_sequences` and the metrics show it.
 """
@@ -87,6 +90,7 @@ from shoal.worker.engines.mocker.plan import (
 )
 from shoal.worker.engines.mocker.prefix_cache import PrefixCache
 from shoal.worker.engines.mocker.prompts import chat_echo, prompt_ids, prompt_size, single_prompt
+from shoal.worker.engines.mocker.render import generate_request, render_max_tokens
 from shoal.worker.engines.mocker.tokenizer import (
     INLINE_CHARS,
     check_length,
@@ -124,6 +128,7 @@ class MockerEngine(Engine):
         prefill_us_per_token: float = 0.0,
         kv_events_port: int | None = None,
         kv_events_host: str = "127.0.0.1",
+        kv_events_format: str = "array",
         chat_template: str | None = None,
         die_after_tokens: int | None = None,
         role: WorkerRole | str = WorkerRole.AGGREGATED,
@@ -166,7 +171,9 @@ class MockerEngine(Engine):
         self._no_prefill.set()
         self.publisher: KvEventPublisher | None = None
         if kv_events_port is not None:
-            self.publisher = KvEventPublisher(kv_events_host, kv_events_port)
+            self.publisher = KvEventPublisher(
+                kv_events_host, kv_events_port, wire_format=kv_events_format
+            )
         sink = None if self.publisher is None else self.publisher.record
         self.cache = PrefixCache(kv_blocks, block_size, sink)
         self.adapters: dict[str, str] = {}  # adapter name -> path it was loaded from
@@ -209,7 +216,9 @@ class MockerEngine(Engine):
     def app(self) -> web.Application:
         app = web.Application(middlewares=[openai_errors], client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/chat/completions/render", self.render_chat_completion)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/completions/render", self.render_completion)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
@@ -302,6 +311,22 @@ class MockerEngine(Engine):
         req = decode_request(await request.read(), _chat_decoder)
         model = self._check_model(req.model)
         check_request(req)
+        prompt, carried, tokens = await self._chat_prompt(req)
+        # As vLLM: `max_completion_tokens` (OpenAI's newer name) wins over `max_tokens`.
+        max_tokens = (
+            req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        )
+        plan = self._plan(req, model, prompt, tokens, max_tokens, chat_echo(req), carried)
+        handoff = self._hands_off(req)
+        plan = await self._remote_prefill(req, plan)
+        self.requests["chat"] += 1
+        return await self._answer(
+            request, plan, CHAT, stream=req.stream, usage=req.include_usage, handoff=handoff
+        )
+
+    async def _chat_prompt(self, req: ChatRequest) -> tuple[str, str, list[int]]:
+        """The prompt a chat renders to, the text of the message it continues (or ""), and
+        the token ids of both: what the prefix cache and the KV events of its answer use."""
         carried = continued_message(req)
         messages = req.messages[:-1] if req.continue_final_message else req.messages
         render = functools.partial(
@@ -314,17 +339,41 @@ class MockerEngine(Engine):
         prompt = await asyncio.to_thread(render) if many else render()
         # The template leaves the continued message open: it ends the prompt, unterminated.
         tokens = await tokenize(prompt + carried, self.context_length, "messages")
-        # As vLLM: `max_completion_tokens` (OpenAI's newer name) wins over `max_tokens`.
-        max_tokens = (
-            req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        return prompt, carried, tokens
+
+    async def render_chat_completion(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's `POST /v1/chat/completions/render`: the chat's token ids, not answered."""
+        req = decode_request(await request.read(), _chat_decoder)
+        model = self._check_model(req.model)
+        check_request(req)
+        _, _, tokens = await self._chat_prompt(req)
+        asked = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        max_tokens = render_max_tokens(asked, len(tokens), self.context_length, "messages")
+        return json_response(
+            generate_request(self._ids("chatcmpl"), req, model, tokens, max_tokens)
         )
-        plan = self._plan(req, model, prompt, tokens, max_tokens, chat_echo(req), carried)
-        handoff = self._hands_off(req)
-        plan = await self._remote_prefill(req, plan)
-        self.requests["chat"] += 1
-        return await self._answer(
-            request, plan, CHAT, stream=req.stream, usage=req.include_usage, handoff=handoff
-        )
+
+    async def render_completion(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's `POST /v1/completions/render`: a list of one request per prompt (the mocker
+        takes one prompt per request), with its token ids."""
+        req = decode_request(await request.read(), _completion_decoder)
+        model = self._check_model(req.model)
+        check_request(req)
+        tokens = await self._completion_ids(req.prompt)
+        max_tokens = render_max_tokens(req.max_tokens, len(tokens), self.context_length, "prompt")
+        rendered = generate_request(self._ids("cmpl"), req, model, tokens, max_tokens)
+        return json_response([rendered])
+
+    async def _completion_ids(self, prompt: str | list[Any]) -> list[int]:
+        """The token ids of a completions prompt: given as ids, or its text tokenized."""
+        if prompt_size(prompt) > self.context_length:  # before looking at each id
+            raise context_exceeded(self.context_length, prompt_size(prompt), "prompt")
+        token_ids = prompt_ids(prompt)
+        if token_ids is None:
+            return await tokenize(single_prompt(prompt), self.context_length, "prompt")
+        if len(token_ids) > self.context_length:
+            raise context_exceeded(self.context_length, len(token_ids), "prompt")
+        return token_ids
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = decode_request(await request.read(), _completion_decoder)

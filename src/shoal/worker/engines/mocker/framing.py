@@ -128,6 +128,6 @@ def whole_answer(
     )
 
 
-def json_response(body: dict[str, Any]) -> web.Response:
+def json_response(body: dict[str, Any] | list[Any]) -> web.Response:
     """`body` as a JSON response."""
     return web.Response(body=_encode(body), content_type="application/json")
