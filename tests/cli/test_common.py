@@ -159,3 +159,24 @@ def test_number_names_what_it_wants() -> None:
     for bad, said in (("nan", "finite"), ("inf", "finite"), ("0", "more than 0")):
         with pytest.raises(argparse.ArgumentTypeError, match=said):
             seconds(bad)
+
+
+def test_a_subcommand_imports_only_its_own_module() -> None:
+    """`shoal frontend` builds only the frontend's parser: the catalog's modules (its
+    database and web framework) are not imported on the way to serving."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from shoal.cli.main import build_parser; "
+        "args = build_parser(['--log-level', 'DEBUG', 'frontend']).parse_args("
+        "['--log-level', 'DEBUG', 'frontend']); "
+        "print(args.command, 'shoal.cli.catalog' in sys.modules, 'shoal.cli.up' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["frontend", "False", "False"]
+    # With no subcommand named (`shoal --help`), every subcommand is there.
+    from shoal.cli.main import COMMANDS, build_parser
+
+    help_text = build_parser([]).format_help()
+    assert all(command in help_text for command in COMMANDS)

@@ -26,12 +26,13 @@ import urllib.parse
 import uuid
 from collections import deque
 from datetime import UTC, datetime
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from shoal.discovery.grants import Grant
 from shoal.urls import redact_url
+
+if TYPE_CHECKING:  # (aiohttp is imported when usage is first flushed: most frontends never)
+    import aiohttp
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ class UsageBook:
             counts[2] += completion
 
     async def start(self) -> None:
+        import aiohttp
+
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
         self._task = asyncio.create_task(self._flushes(), name="usage:flush")
 
@@ -181,6 +184,8 @@ class UsageBook:
 
     async def flush(self) -> None:
         """Seal, then send the waiting batches in order until one fails."""
+        import aiohttp  # (loaded by `start`)
+
         async with self._flushing:
             self.seal()
             while self.pending and self._session is not None:

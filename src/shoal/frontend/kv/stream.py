@@ -36,15 +36,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import msgspec
-import nats
-from nats.aio.client import Client
-from nats.js import JetStreamContext, api
 
 from shoal.kv import AllBlocksCleared, KVEventBatch, decode_batch
 from shoal.kv import stream as layout
 from shoal.kv.subscription import APPLY_SLICE, MAX_BATCH_BYTES, KvStats, Pace, slices
+
+if TYPE_CHECKING:  # (nats is imported when a stream is first read: most frontends read none)
+    from nats.aio.client import Client
+    from nats.js import JetStreamContext, api
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +177,9 @@ class KvStreamReader:
     # -- the stream ---------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        import nats
+        from nats.js import api
+
         delay = 0.1
         while True:
             nc: Client | None = None

@@ -25,13 +25,15 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-import aiohttp
 import platformdirs
 
 from shoal.cards import MetadataFile, ModelCard
 from shoal.frontend.http.fetch import Fetcher, FetchError
+
+if TYPE_CHECKING:
+    import aiohttp
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +259,8 @@ class MetadataCache:
             kept = await asyncio.to_thread(self._write_whole, file.checksum, data)
             self._kept(file.checksum, len(data), kept)
             return
+        import aiohttp  # (imported when first needed: most fleets never need it here)
+
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
         digest = hashlib.sha256()
