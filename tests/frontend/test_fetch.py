@@ -205,3 +205,15 @@ async def test_the_cache_keeps_a_file_fetched_by_its_own_client(
     file: MetadataFile = card.metadata_files["tokenizer.json"]
     assert cache.path(file.checksum).read_bytes() == BODY
     assert len(raw_host.requests) == 1
+
+
+async def test_files_verified_together_are_written_in_few_thread_wake_ups(tmp_path: Path) -> None:
+    cache = MetadataCache(tmp_path)
+    files = {f"sha256:{i:064x}": b"%d" % i for i in range(200)}
+    try:
+        kept = await asyncio.gather(*(cache._writer.write(c, data) for c, data in files.items()))
+    finally:
+        await cache.close()
+    assert kept == [True] * 200
+    assert all(cache.path(c).read_bytes() == data for c, data in files.items())
+    assert cache._writer.batches < 20  # (one wake-up per file was the thread hop's way)
