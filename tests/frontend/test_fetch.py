@@ -28,6 +28,7 @@ class RawHost:
 
     def __init__(self, mode: str = "ok") -> None:
         self.mode = mode
+        self.delay = 0.01  # before each answer of "ok" (so that requests overlap)
         self.connections = 0
         self.open = 0
         self.most_open = 0
@@ -69,7 +70,7 @@ class RawHost:
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
                     writer.write(body)
                 else:
-                    await asyncio.sleep(0.01)  # (so that requests overlap)
+                    await asyncio.sleep(self.delay)
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY))
                     writer.write(BODY)
                 await writer.drain()
@@ -92,7 +93,7 @@ async def test_fetches_reuse_one_keep_alive_connection(raw_host: RawHost) -> Non
     fetcher = Fetcher()
     try:
         for _ in range(5):
-            assert await fetcher.get(raw_host.url(), 1000) == BODY
+            assert await fetcher.get(raw_host.url(), 1000, 5) == BODY
     finally:
         fetcher.close()
     assert raw_host.connections == 1
@@ -108,7 +109,7 @@ async def test_a_connection_the_server_closed_is_tried_once_more_on_a_new_one(
     fetcher = Fetcher()
     try:
         for _ in range(3):
-            assert await fetcher.get(raw_host.url(), 1000) == BODY
+            assert await fetcher.get(raw_host.url(), 1000, 5) == BODY
     finally:
         fetcher.close()
     # Each connection answered once and dropped the next request, which went to a new one.
@@ -123,9 +124,9 @@ async def test_a_body_over_its_bound_is_refused_and_its_connection_not_reused(
     fetcher = Fetcher()
     try:
         with pytest.raises(FetchError, match="larger than 1000 bytes"):
-            await fetcher.get(raw_host.url(), 1000)
+            await fetcher.get(raw_host.url(), 1000, 5)
         raw_host.mode = "ok"
-        assert await fetcher.get(raw_host.url(), 1000) == BODY
+        assert await fetcher.get(raw_host.url(), 1000, 5) == BODY
     finally:
         fetcher.close()
     assert raw_host.connections == 2
@@ -136,7 +137,7 @@ async def test_a_status_other_than_200_is_an_error_naming_it(raw_host: RawHost) 
     fetcher = Fetcher()
     try:
         with pytest.raises(FetchError, match="answered 404"):
-            await fetcher.get(raw_host.url(), 1000)
+            await fetcher.get(raw_host.url(), 1000, 5)
     finally:
         fetcher.close()
 
@@ -145,7 +146,7 @@ async def test_at_most_per_host_connections_to_one_host(raw_host: RawHost) -> No
     fetcher = Fetcher(per_host=3)
     try:
         bodies = await asyncio.gather(
-            *(fetcher.get(raw_host.url(f"/w{i}/f"), 1000) for i in range(30))
+            *(fetcher.get(raw_host.url(f"/w{i}/f"), 1000, 5) for i in range(30))
         )
     finally:
         fetcher.close()
@@ -217,3 +218,20 @@ async def test_files_verified_together_are_written_in_few_thread_wake_ups(tmp_pa
     assert kept == [True] * 200
     assert all(cache.path(c).read_bytes() == data for c, data in files.items())
     assert cache._writer.batches < 20  # (one wake-up per file was the thread hop's way)
+
+
+async def test_the_timeout_bounds_a_request_not_its_wait_for_a_turn_at_its_host(
+    raw_host: RawHost,
+) -> None:
+    """Twenty files queued for one host two at a time, each answered in 50 ms: the last
+    waits ~0.5 s for its turn, and none of them is late by a 0.2 s timeout."""
+    raw_host.delay = 0.05
+    fetcher = Fetcher(per_host=2)
+    try:
+        bodies = await asyncio.gather(
+            *(fetcher.get(raw_host.url(f"/w{i}/f"), 1000, 0.2) for i in range(20))
+        )
+    finally:
+        fetcher.close()
+    assert bodies == [BODY] * 20
+    assert raw_host.most_open == 2

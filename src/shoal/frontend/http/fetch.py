@@ -91,7 +91,7 @@ class _Host:
 class Fetcher:
     """GETs of small files over pooled keep-alive HTTP/1.1 connections, `per_host` at a time."""
 
-    def __init__(self, *, connect_timeout: float = 5.0, per_host: int = 8) -> None:
+    def __init__(self, *, connect_timeout: float = 5.0, per_host: int = 32) -> None:
         self.connect_timeout = connect_timeout
         self.per_host = per_host
         self._hosts: OrderedDict[str, _Host] = OrderedDict()
@@ -109,9 +109,12 @@ class Fetcher:
             return False
         return bool(parts.hostname) and _PLAIN_TARGET.fullmatch(target or "/") is not None
 
-    async def get(self, url: str, max_bytes: int) -> bytes:
-        """The body of `url` (answered 200, at most `max_bytes`); `FetchError` otherwise. The
-        caller bounds the time (a cancellation drops the connection in use)."""
+    async def get(self, url: str, max_bytes: int, timeout: float) -> bytes:
+        """The body of `url` (answered 200, at most `max_bytes`); `FetchError` otherwise.
+
+        `timeout` bounds the request once it has its turn among the host's `per_host`, not
+        the wait for that turn: a cold start queues thousands of files for one host, and the
+        last of them is not late. A cancellation drops the connection in use."""
         parts = urllib.parse.urlsplit(url)
         target = (parts.path or "/") + ("?" + parts.query if parts.query else "")
         host = self._host(f"http://{parts.netloc}")
@@ -127,28 +130,38 @@ class Fetcher:
             auth,
         )
         async with host.slots:
-            for attempt in (0, 1):
-                conn = upstream.take_idle()
-                reused = conn is not None
-                if conn is None:
-                    try:
-                        conn = await upstream.connect()
-                    except UpstreamError as exc:  # (refused, reset, timed out)
-                        raise FetchError(str(exc)) from None
-                body = _Body(asyncio.get_running_loop().create_future(), max_bytes)
-                conn.send(head, b"", body)
+            try:
+                async with asyncio.timeout(timeout):
+                    return await self._exchange(upstream, head, max_bytes)
+            except TimeoutError:
+                raise FetchError(f"timed out after {timeout:g}s") from None
+
+    @staticmethod
+    async def _exchange(upstream: Upstream, head: bytes, max_bytes: int) -> bytes:
+        """Send `head` on a pooled connection and read the answer (once more on a new
+        connection when a pooled one turns out closed)."""
+        for attempt in (0, 1):
+            conn = upstream.take_idle()
+            reused = conn is not None
+            if conn is None:
                 try:
-                    await body.done
-                except FetchError:
-                    raise
-                except UpstreamError as exc:
-                    if reused and attempt == 0 and body.status == 0 and not body.chunks:
-                        continue  # a keep-alive connection the server had closed: once more
+                    conn = await upstream.connect()
+                except UpstreamError as exc:  # (refused, reset, timed out)
                     raise FetchError(str(exc)) from None
-                except BaseException:
-                    _drop(conn)
-                    raise
-                return b"".join(body.chunks)
+            body = _Body(asyncio.get_running_loop().create_future(), max_bytes)
+            conn.send(head, b"", body)
+            try:
+                await body.done
+            except FetchError:
+                raise
+            except UpstreamError as exc:
+                if reused and attempt == 0 and body.status == 0 and not body.chunks:
+                    continue  # a keep-alive connection the server had closed: once more
+                raise FetchError(str(exc)) from None
+            except BaseException:
+                _drop(conn)
+                raise
+            return b"".join(body.chunks)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _host(self, base: str) -> _Host:

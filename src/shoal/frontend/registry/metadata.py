@@ -301,14 +301,9 @@ class MetadataCache:
         """
         if file.size <= SMALL_FILE_BYTES and Fetcher.handles(file.url):
             try:
-                async with asyncio.timeout(self.timeout):
-                    data = await self._fetcher.get(file.url, file.size)
+                data = await self._fetcher.get(file.url, file.size, self.timeout)
             except FetchError as exc:
                 raise MetadataError(f"{name}: GET {file.url} {_failed(exc)}") from None
-            except TimeoutError:
-                raise MetadataError(
-                    f"{name}: GET {file.url} failed: timed out after {self.timeout:g}s"
-                ) from None
             self._verify(name, file, hashlib.sha256(data).hexdigest(), len(data))
             kept = await self._writer.write(file.checksum, data)
             self._kept(file.checksum, len(data), kept)
