@@ -163,6 +163,9 @@ def test_only_plain_http_urls_are_taken() -> None:
     assert not Fetcher.handles("http://worker/caf\u00e9")
     assert not Fetcher.handles("http://worker:notaport/x")
     assert not Fetcher.handles("ftp://worker/x")
+    assert not Fetcher.handles("http://wo rker:80/x")
+    assert Fetcher.handles("http://[::1]:8081/x")
+    assert Fetcher.handles("http://user:secret@worker:8081/x")
 
 
 def _card(url: str) -> ModelCard:
@@ -235,3 +238,19 @@ async def test_the_timeout_bounds_a_request_not_its_wait_for_a_turn_at_its_host(
         fetcher.close()
     assert bodies == [BODY] * 20
     assert raw_host.most_open == 2
+
+
+async def test_a_failed_download_names_its_url_without_credentials(
+    raw_host: RawHost, tmp_path: Path
+) -> None:
+    raw_host.mode = "404"
+    cache = MetadataCache(tmp_path)
+    url = f"http://user:hunter2@127.0.0.1:{raw_host.port}/w0/tokenizer.json"
+    try:
+        with pytest.raises(MetadataError) as failure:
+            await cache.fetch(_card(url))
+    finally:
+        await cache.close()
+    assert "answered 404" in str(failure.value)
+    assert "hunter2" not in str(failure.value)
+    assert b"Authorization: Basic " in raw_host.requests[0]  # (sent, as the URL asked)

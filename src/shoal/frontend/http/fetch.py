@@ -23,6 +23,9 @@ from collections import OrderedDict
 from shoal.frontend.http.upstream import Upstream, UpstreamConnection, UpstreamError
 
 _PLAIN_TARGET = re.compile(r"/[\x21-\x7e]*")
+_PLAIN_NETLOC = re.compile(
+    r"(?:[^@/?#\s]+@)?(?:[A-Za-z0-9][A-Za-z0-9.-]*|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?"
+)
 """A request target sent as it is: printable ASCII, no space (anything else is a general
 client's to encode)."""
 MAX_HOSTS = 1024
@@ -107,7 +110,10 @@ class Fetcher:
             parts.port  # noqa: B018 (raises for a port that is not a number)
         except ValueError:
             return False
-        return bool(parts.hostname) and _PLAIN_TARGET.fullmatch(target or "/") is not None
+        return (
+            _PLAIN_NETLOC.fullmatch(parts.netloc) is not None
+            and _PLAIN_TARGET.fullmatch(target or "/") is not None
+        )
 
     async def get(self, url: str, max_bytes: int, timeout: float) -> bytes:
         """The body of `url` (answered 200, at most `max_bytes`); `FetchError` otherwise.

@@ -33,6 +33,7 @@ import platformdirs
 
 from shoal.cards import MetadataFile, ModelCard
 from shoal.frontend.http.fetch import Fetcher, FetchError
+from shoal.urls import redact_url
 
 if TYPE_CHECKING:
     import aiohttp
@@ -44,6 +45,11 @@ DEFAULT_MAX_FILE_BYTES = 64 << 20  # one metadata file; a card declaring more is
 STALE_TMP_SECONDS = 3600.0  # a temporary file this old belongs to a process that died
 CHUNK = 1 << 16
 SMALL_FILE_BYTES = 1 << 20  # a file up to this size is held in memory and written in one go
+
+
+def shown(file: MetadataFile) -> str:
+    """The URL of `file` as messages and logs show it: without credentials or query."""
+    return redact_url(file.url)
 
 
 def _failed(exc: FetchError) -> str:
@@ -303,7 +309,7 @@ class MetadataCache:
             try:
                 data = await self._fetcher.get(file.url, file.size, self.timeout)
             except FetchError as exc:
-                raise MetadataError(f"{name}: GET {file.url} {_failed(exc)}") from None
+                raise MetadataError(f"{name}: GET {shown(file)} {_failed(exc)}") from None
             self._verify(name, file, hashlib.sha256(data).hexdigest(), len(data))
             kept = await self._writer.write(file.checksum, data)
             self._kept(file.checksum, len(data), kept)
@@ -321,12 +327,12 @@ class MetadataCache:
             try:
                 async with self._session.get(file.url, allow_redirects=False) as response:
                     if response.status != 200:
-                        raise MetadataError(f"{name}: GET {file.url} answered {response.status}")
+                        raise MetadataError(f"{name}: GET {shown(file)} answered {response.status}")
                     async for chunk in response.content.iter_chunked(CHUNK):
                         size += len(chunk)
                         if size > file.size:
                             raise MetadataError(
-                                f"{name}: {file.url} is larger than {file.size} bytes"
+                                f"{name}: {shown(file)} is larger than {file.size} bytes"
                             )
                         digest.update(chunk)
                         if small:
@@ -340,7 +346,7 @@ class MetadataCache:
                     if isinstance(exc, TimeoutError)
                     else type(exc).__name__
                 )
-                raise MetadataError(f"{name}: GET {file.url} failed: {reason}") from exc
+                raise MetadataError(f"{name}: GET {shown(file)} failed: {reason}") from exc
             self._verify(name, file, digest.hexdigest(), size)
             if small:
                 kept = await self._writer.write(file.checksum, b"".join(chunks))
@@ -360,7 +366,7 @@ class MetadataCache:
         checksum = f"sha256:{sha256}"
         if checksum != file.checksum or size != file.size:
             raise MetadataError(
-                f"{name}: {file.url} has checksum {checksum} ({size} bytes), "
+                f"{name}: {shown(file)} has checksum {checksum} ({size} bytes), "
                 f"the card says {file.checksum} ({file.size} bytes)"
             )
 
