@@ -21,6 +21,7 @@ from shoal.cards import ModelType
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request
 from shoal.frontend.http.upstream import Upstream
+from shoal.frontend.proxy.deadlines import Deadlines
 from shoal.frontend.proxy.fields import Fields, decode_fields
 from shoal.frontend.proxy.forward import Forward, VirtualForward
 from shoal.frontend.proxy.headers import (
@@ -81,10 +82,9 @@ class Proxy:
         self.first_byte_timeout = first_byte_timeout  # 0: no limit
         self.upstream_idle_timeout = upstream_idle_timeout  # 0: no limit
         self.migration_limit = migration_limit  # continuations per stream (migration.py); 0: off
-        # The first-byte timer fires within `first_byte_timeout` <= the idle timeout of any
-        # head, so it can check idleness itself: one timer per attempt, nothing to do at the
-        # head (the default). Otherwise the head re-arms or cancels it.
-        self.first_timer_checks_idle = 0 < first_byte_timeout <= upstream_idle_timeout
+        # Both timeouts, swept for every attempt in flight by one timer (deadlines.py).
+        timeouts = (first_byte_timeout, upstream_idle_timeout)
+        self.deadlines = Deadlines(*timeouts) if max(timeouts) > 0 else None
         dropped = set(REQUEST_HEADERS_DROPPED)
         if strip_authorization:
             dropped.add(b"authorization")  # the gateway's own key is not the worker's business
