@@ -37,7 +37,11 @@ from shoal.frontend.http.upstream import ConnectRefused, Upstream, UpstreamConne
 from shoal.frontend.proxy import migration
 from shoal.frontend.proxy.deadlines import Deadlines
 from shoal.frontend.proxy.fields import Fields, prompt_hint, rewrite_model
-from shoal.frontend.proxy.headers import CORS_PREFIX, RESPONSE_HEADERS_DROPPED, hop_by_hop
+from shoal.frontend.proxy.headers import (
+    RESPONSE_HEADER_RELAYED,
+    hop_by_hop,
+    response_header_relayed,
+)
 from shoal.frontend.proxy.migration import ContinuationRefused, Migration, StreamCutShort
 from shoal.frontend.registry.metrics import FrontendMetrics, ModelStats
 from shoal.frontend.registry.registry import Model
@@ -157,7 +161,7 @@ class Forward:
         if self.stream and self.model is not None:
             self.migration = migration.prepare(self, self.model, self.proxy.migration_limit)
         self.client.produce_later(self)
-        ready = self._prepare()
+        ready = None if self.prompt is None else self._prepare()
         if ready is None:
             self._attempt(None)
         else:  # the router works on the prompt off the event loop: pick when it is done
@@ -376,20 +380,19 @@ class Forward:
         self.status = status
         parts = [status_line(status)]
         listed: bytes | None = None  # the upstream's `Connection:` value
+        verdicts = RESPONSE_HEADER_RELAYED
         for name, value in headers:
-            lname = name.lower()
-            if lname not in RESPONSE_HEADERS_DROPPED and not lname.startswith(CORS_PREFIX):
+            relayed = verdicts.get(name)
+            if relayed is None:
+                relayed = response_header_relayed(name)
+            if relayed:
                 parts += (name, b": ", value, b"\r\n")
-            elif lname == b"connection":
+            elif name.lower() == b"connection":
                 listed = value
         if listed is not None and (hop := hop_by_hop(listed)):
             parts = [status_line(status)]
             for name, value in headers:
-                lname = name.lower()
-                relayed = lname not in RESPONSE_HEADERS_DROPPED and not lname.startswith(
-                    CORS_PREFIX
-                )
-                if relayed and lname not in hop:
+                if response_header_relayed(name) and name.lower() not in hop:
                     parts += (name, b": ", value, b"\r\n")
         if chunked:
             if self.request.http11:
@@ -414,7 +417,7 @@ class Forward:
             if not data:
                 return
         if self.chunked:
-            self.out += (b"%x\r\n" % len(data), data, b"\r\n")
+            self.out.append(b"%x\r\n%s\r\n" % (len(data), data))  # (one copy, not three pieces)
         else:
             self.out.append(data)
 
@@ -423,10 +426,11 @@ class Forward:
         byte (or the end): a worker dying between its head and its first token fails before
         anything reached the client, so the request is retried elsewhere."""
         self.progress = True
-        if not self.out or not (self.body_seen or final):
+        out = self.out
+        if not out or not (self.body_seen or final):
             return
-        data = self.out[0] if len(self.out) == 1 else b"".join(self.out)
-        self.out = []
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
         if self.client.writable:
             self.started = True
             self.client.write(data)
