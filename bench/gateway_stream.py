@@ -61,6 +61,7 @@ class Response:
         self.first_content: float | None = None
         self.done = False
         self.error_body = b""
+        self.keep_alive = False  # read when the message completes: httptools forgets it after
 
     def on_header(self, name: bytes, value: bytes) -> None:
         lname = name.lower()
@@ -89,6 +90,10 @@ class Response:
 
     def on_message_complete(self) -> None:
         self.complete = True
+        # After `feed_data` returns, `should_keep_alive()` answers False whatever the response
+        # said (llhttp resets its flags once the message is complete): asked then, every stream
+        # would open a new connection.
+        self.keep_alive = bool(self.parser.should_keep_alive())
 
 
 async def connection(
@@ -129,7 +134,7 @@ async def connection(
                         totals.ttft.append(response.first_content - response.sent)
                     if not response.done:
                         totals.incomplete += 1
-            if eof or not response.parser.should_keep_alive():
+            if eof or not response.keep_alive:
                 writer.close()
                 reader = writer = None
     except OSError as exc:

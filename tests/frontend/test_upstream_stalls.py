@@ -189,3 +189,40 @@ async def test_a_worker_dying_between_its_head_and_its_first_token_is_retried_el
             body = await response.read()
             assert b"data: [DONE]" in body and b"error" not in body
     assert dying.requests == 1  # tried once, then inhibited
+
+
+async def test_a_stuck_instance_is_left_at_the_first_byte_timeout_within_one_sweep(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    # The timeout is swept, not timed per request (deadlines.py): never early, and late by
+    # at most one sweep (a tenth of the timeout here), plus this machine's scheduling.
+    stalled = await start_raw(half_a_head)
+    frontend = await started(start_frontend, stalled, first_byte_timeout=1.0)
+    assert frontend.proxy.deadlines is not None and frontend.proxy.deadlines.every == 0.1
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+        began = loop.time()
+        response = await session.post(f"{frontend.url}/v1/chat/completions", json=BODY)
+        waited = loop.time() - began
+        assert response.status == 504
+    assert 1.0 <= waited < 1.0 + 0.1 + 0.4, waited
+
+
+async def test_a_silent_stream_is_ended_at_the_idle_timeout_within_two_sweeps(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    # A packet's arrival is dated by the next sweep: late by at most two sweeps, never early.
+    stalled = await start_raw(one_event_then_silence)
+    frontend = await started(start_frontend, stalled, upstream_idle_timeout=1.0)
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+        response = await session.post(
+            f"{frontend.url}/v1/chat/completions", json={**BODY, "stream": True}
+        )
+        assert response.status == 200
+        await response.content.readuntil(b"\n\n")  # the one event
+        began = loop.time()
+        rest = await response.read()
+        waited = loop.time() - began
+    assert b'"upstream_error"' in rest
+    assert 0.95 <= waited < 1.0 + 2 * 0.1 + 0.4, waited

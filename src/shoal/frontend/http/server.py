@@ -99,7 +99,7 @@ class HttpConnection(asyncio.Protocol):
         self.writing_paused = False
         self.flow: FlowListener | None = None  # told to pause while our send buffer is full
         self.closed = False
-        self.idle_since = server.loop.time()
+        self.idle_since = server.loop.time()  # 0.0: since the next sweep
         self._reading_paused = False
         self._stopped = False  # no more requests are parsed (see the class invariant)
         self._final: ApiError | None = None  # answered after the requests owed, then close
@@ -377,7 +377,7 @@ class HttpConnection(asyncio.Protocol):
         elif self._stopped:
             self._finish()
         else:
-            self.idle_since = self.server.loop.time()
+            self.idle_since = 0.0  # dated by the next sweep: no clock read per request
 
     def _schedule_next(self) -> None:
         if not self._next_scheduled:
@@ -458,8 +458,9 @@ class HttpConnection(asyncio.Protocol):
 
     def check_deadlines(self, now: float) -> None:
         """Close or answer 408 if the client took too long (called by the server's sweep,
-        which also dates what the request path only flags: a deadline is late by at most
-        one sweep, never early)."""
+        which also dates what the request path only flags, without a clock read: the start
+        of an idle wait or of a head, the last bytes of a body. A deadline is late by at most
+        two sweeps, never early)."""
         if self._progress:
             self._progress = False
             self._last_progress = now
@@ -467,7 +468,9 @@ class HttpConnection(asyncio.Protocol):
             return
         server = self.server
         if self._phase == IDLE:
-            if now - self.idle_since > server.keepalive_timeout:
+            if not self.idle_since:
+                self.idle_since = now
+            elif now - self.idle_since > server.keepalive_timeout:
                 self.transport.close()
         elif self._reading_paused:
             return  # we are not reading: the time is not the client's

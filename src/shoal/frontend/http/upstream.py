@@ -276,6 +276,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.sink: ResponseSink | None = None
         self.reused = False  # carried a response before this one
         self._headers: list[tuple[bytes, bytes]] = []
+        self._chunked = False  # the head being read says `Transfer-Encoding: chunked`
+        self._has_length = False  # it has a `Content-Length`
         self._until_eof = False  # the response has no length: it ends when the connection does
         self._interim = False  # parsing a 1xx response
         self._head_bytes = 0  # of the response being read, interim responses included
@@ -295,6 +297,7 @@ class UpstreamConnection(asyncio.Protocol):
         assert self.transport is not None
         self.sink = sink
         self._headers = []
+        self._chunked = self._has_length = False
         self._until_eof = False
         self._interim = False
         self._head_bytes = 0
@@ -374,24 +377,24 @@ class UpstreamConnection(asyncio.Protocol):
         if self._head_bytes > MAX_RESPONSE_HEAD:
             raise ValueError("response head too large")  # (the parser stops: see data_received)
         self._headers.append((name, value))
+        size = len(name)
+        if size == 17 or size == 14:  # (only these two names are read here: no other lowered)
+            lname = name.lower()
+            if lname == b"transfer-encoding":
+                self._chunked = b"chunked" in value.lower()
+            elif lname == b"content-length":
+                self._has_length = True
 
     def on_headers_complete(self) -> None:
         sink = self.sink
         if sink is None:
             return
-        chunked = False
-        has_length = False
-        for name, value in self._headers:
-            lname = name.lower()
-            if lname == b"transfer-encoding":
-                chunked = b"chunked" in value.lower()
-            elif lname == b"content-length":
-                has_length = True
+        chunked = self._chunked
         status = self.parser.get_status_code()
         if status < 200:
             self._interim_head(sink, status)
             return
-        self._until_eof = not chunked and not has_length and status not in (204, 304)
+        self._until_eof = not chunked and not self._has_length and status not in (204, 304)
         if not sink.on_head(status, self._headers, chunked or self._until_eof):
             self.abort()
 
@@ -401,6 +404,7 @@ class UpstreamConnection(asyncio.Protocol):
         101 Switching Protocols is never asked for (`Upgrade` is not forwarded), so it is a
         failure, and the connection is closed rather than pooled in an unknown state."""
         self._headers = []
+        self._chunked = self._has_length = False
         if status == 101:
             self.abort()
             sink.on_failure(UpstreamError(f"{self.upstream.address} switched protocols unasked"))
@@ -408,8 +412,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._interim = True
 
     def on_body(self, body: bytes) -> None:
-        if self.sink is not None:
-            self.sink.on_body(body)
+        sink = self.sink
+        if sink is not None:
+            sink.on_body(body)
 
     def on_message_complete(self) -> None:
         if self._interim:  # the end of a 1xx response: the same sink awaits the final one

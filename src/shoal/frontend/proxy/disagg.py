@@ -471,7 +471,7 @@ class TwoStageForward(Forward):
 
     def flush(self, final: bool = False) -> None:
         if self.peek is not None and not final:
-            self.last_read = time.monotonic()
+            self.progress = True
             return  # held until the whole refusal is read
         super().flush(final)
 

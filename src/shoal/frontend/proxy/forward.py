@@ -11,9 +11,9 @@ byte reached the client marks the instance down for `inhibit_seconds` and tries 
 (up to `retries` more attempts). So does an instance that sends no complete response head
 within `first_byte_timeout` of the request (it hangs, is stuck, or stalls mid-head); when
 no instance answers in time the client gets 504. Once the head is in, the gap between
-packets of the body is bounded by `upstream_idle_timeout`; one timer handle per attempt
-covers both. A refused or reset connect costs no attempt: dead instances are skipped, each
-inhibited, until one answers or none is left (within the first-byte timeout counted from
+packets of the body is bounded by `upstream_idle_timeout`. Both are enforced by one sweep for
+all requests (`deadlines.py`, which says how late they may fire), not a timer per request.
+A refused or reset connect costs no attempt: dead instances are skipped, each inhibited, until one answers or none is left (within the first-byte timeout counted from
 the request's arrival). A failure before the first byte is retried even if the worker had
 started generating: there is no idempotency key, and a completion has no side effect but
 the compute spent. After the first byte, a failure (an idle timeout included) moves a
@@ -35,8 +35,13 @@ from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request, status_line
 from shoal.frontend.http.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
 from shoal.frontend.proxy import migration
+from shoal.frontend.proxy.deadlines import Deadlines
 from shoal.frontend.proxy.fields import Fields, prompt_hint, rewrite_model
-from shoal.frontend.proxy.headers import CORS_PREFIX, RESPONSE_HEADERS_DROPPED, hop_by_hop
+from shoal.frontend.proxy.headers import (
+    RESPONSE_HEADER_RELAYED,
+    hop_by_hop,
+    response_header_relayed,
+)
 from shoal.frontend.proxy.migration import ContinuationRefused, Migration, StreamCutShort
 from shoal.frontend.registry.metrics import FrontendMetrics, ModelStats
 from shoal.frontend.registry.registry import Model
@@ -56,7 +61,7 @@ class Gateway(Protocol):
     inhibit_seconds: float
     first_byte_timeout: float
     upstream_idle_timeout: float
-    first_timer_checks_idle: bool
+    deadlines: Deadlines | None  # None: neither timeout is set
     migration_limit: int
 
     def request_head(self, request: Request, target: Upstream, body: bytes) -> bytes: ...
@@ -99,15 +104,16 @@ class Forward:
         "model",
         "name",
         "out",
+        "progress",
         "prompt",
         "proxy",
         "request",
+        "since",
         "started",
         "stats",
         "status",
         "stream",
         "target",
-        "timer",
         "tried",
     )
 
@@ -136,8 +142,11 @@ class Forward:
         self.target: Upstream | None = None
         self.conn: UpstreamConnection | None = None
         self.connecting: asyncio.Task[None] | None = None
-        self.timer: asyncio.TimerHandle | None = None  # the first-byte, then idle, timeout
-        self.last_read = 0.0  # monotonic time the last packet of the response arrived
+        # Deadlines (`check_deadline`, perf_counter seconds): when the attempt was sent, and
+        # when the last packet of its response came (dated by the sweep that saw `progress`).
+        self.since = 0.0
+        self.last_read = 0.0
+        self.progress = False  # a packet of the response came since the last sweep
         self.out: list[bytes] = []
         self.status = 0
         self.chunked = False
@@ -152,7 +161,7 @@ class Forward:
         if self.stream and self.model is not None:
             self.migration = migration.prepare(self, self.model, self.proxy.migration_limit)
         self.client.produce_later(self)
-        ready = self._prepare()
+        ready = None if self.prompt is None else self._prepare()
         if ready is None:
             self._attempt(None)
         else:  # the router works on the prompt off the event loop: pick when it is done
@@ -267,71 +276,50 @@ class Forward:
         self.client.follow(conn)
         body = self.body
         conn.send(self._head(self.target, body), body, self)
-        if self.proxy.first_byte_timeout > 0:
-            self.timer = self.client.loop.call_later(
-                self.proxy.first_byte_timeout, self._timer_fired
-            )
+        deadlines = self.proxy.deadlines
+        if deadlines is not None:
+            self.since = self.last_read = time.perf_counter()
+            deadlines.watch(self)
 
-    def _timer_fired(self) -> None:
-        """The attempt's one timer: the first-byte timeout until the head is complete, then
-        the idle timeout between packets of the body. A paused connection (the client is
-        not keeping up) is never the instance's fault: it waits on."""
-        self.timer = None
+    def check_deadline(self, now: float) -> None:
+        """The first-byte timeout until the head is complete, then the idle timeout between
+        packets of the body (called by the sweep, `Deadlines`). A paused connection (the
+        client is not keeping up) is never the instance's fault: the wait starts again."""
         conn = self.conn
         if self.done or conn is None:
+            self._disarm()
             return
-        if self.head_seen:
-            self._check_idle(conn)
-            return
-        seconds = self.proxy.first_byte_timeout
+        proxy = self.proxy
         if conn.paused:
-            self.timer = self.client.loop.call_later(seconds, self._timer_fired)
-            return
-        assert self.target is not None
-        self.conn = None  # (not mistaken for an idle connection the worker had closed)
-        conn.abort()
-        self._attempt_failed(
-            FirstByteTimeout(
-                f"instance {self.target.address} sent no complete response head within {seconds:g}s"
-            )
-        )
-
-    def _arm_idle_timer(self) -> None:
-        """The head is in: from now on the timer bounds the gaps in the body (if at all)."""
-        idle = self.proxy.upstream_idle_timeout
-        timer = self.timer
-        if idle <= 0:
-            if timer is not None:
-                timer.cancel()
-                self.timer = None
-        elif timer is None or timer.when() - self.client.loop.time() > idle:
-            if timer is not None:
-                timer.cancel()
-            self.timer = self.client.loop.call_later(idle, self._timer_fired)
-
-    def _check_idle(self, conn: UpstreamConnection) -> None:
-        """End the response if the instance has sent nothing for the idle timeout."""
-        seconds = self.proxy.upstream_idle_timeout
-        if seconds <= 0:
-            return
-        now = time.monotonic()
-        if conn.paused:
+            self.since = self.last_read = now
+            self.progress = False
+        elif not self.head_seen:
+            seconds = proxy.first_byte_timeout
+            if seconds > 0 and now - self.since > seconds:
+                assert self.target is not None
+                self.conn = None  # (not mistaken for an idle connection the worker had closed)
+                conn.abort()
+                address = self.target.address
+                self._attempt_failed(
+                    FirstByteTimeout(
+                        f"instance {address} sent no complete response head within {seconds:g}s"
+                    )
+                )
+        elif self.progress:
+            self.progress = False
             self.last_read = now
-        remaining = self.last_read + seconds - now
-        if remaining > 0:
-            self.timer = self.client.loop.call_later(remaining, self._timer_fired)
-            return
-        assert self.target is not None
-        self.conn = None
-        conn.abort()
-        self.on_failure(
-            UpstreamIdleTimeout(f"instance {self.target.address} sent nothing for {seconds:g}s")
-        )
+        elif (seconds := proxy.upstream_idle_timeout) > 0 and now - self.last_read > seconds:
+            assert self.target is not None
+            self.conn = None
+            conn.abort()
+            self.on_failure(
+                UpstreamIdleTimeout(f"instance {self.target.address} sent nothing for {seconds:g}s")
+            )
 
     def _disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        deadlines = self.proxy.deadlines
+        if deadlines is not None:
+            deadlines.unwatch(self)
 
     def _attempt_failed(self, failure: Exception) -> None:
         """The attempt failed before any byte reached the client: try elsewhere."""
@@ -374,9 +362,7 @@ class Forward:
     # -- ResponseSink ------------------------------------------------------------------------
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
-        self.head_seen = True  # (`flush`, right after this packet is parsed, sets `last_read`)
-        if not self.proxy.first_timer_checks_idle:
-            self._arm_idle_timer()
+        self.head_seen = True  # (`flush`, right after this packet is parsed, sets `progress`)
         if self.started:  # a migrated stream's continuation: the client has its head
             if status == 200:
                 return True
@@ -394,20 +380,19 @@ class Forward:
         self.status = status
         parts = [status_line(status)]
         listed: bytes | None = None  # the upstream's `Connection:` value
+        verdicts = RESPONSE_HEADER_RELAYED
         for name, value in headers:
-            lname = name.lower()
-            if lname not in RESPONSE_HEADERS_DROPPED and not lname.startswith(CORS_PREFIX):
+            relayed = verdicts.get(name)
+            if relayed is None:
+                relayed = response_header_relayed(name)
+            if relayed:
                 parts += (name, b": ", value, b"\r\n")
-            elif lname == b"connection":
+            elif name.lower() == b"connection":
                 listed = value
         if listed is not None and (hop := hop_by_hop(listed)):
             parts = [status_line(status)]
             for name, value in headers:
-                lname = name.lower()
-                relayed = lname not in RESPONSE_HEADERS_DROPPED and not lname.startswith(
-                    CORS_PREFIX
-                )
-                if relayed and lname not in hop:
+                if response_header_relayed(name) and name.lower() not in hop:
                     parts += (name, b": ", value, b"\r\n")
         if chunked:
             if self.request.http11:
@@ -432,7 +417,7 @@ class Forward:
             if not data:
                 return
         if self.chunked:
-            self.out += (b"%x\r\n" % len(data), data, b"\r\n")
+            self.out.append(b"%x\r\n%s\r\n" % (len(data), data))  # (one copy, not three pieces)
         else:
             self.out.append(data)
 
@@ -440,11 +425,12 @@ class Forward:
         """Write what this packet produced. A response head is held until the first body
         byte (or the end): a worker dying between its head and its first token fails before
         anything reached the client, so the request is retried elsewhere."""
-        self.last_read = time.monotonic()
-        if not self.out or not (self.body_seen or final):
+        self.progress = True
+        out = self.out
+        if not out or not (self.body_seen or final):
             return
-        data = self.out[0] if len(self.out) == 1 else b"".join(self.out)
-        self.out = []
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
         if self.client.writable:
             self.started = True
             self.client.write(data)

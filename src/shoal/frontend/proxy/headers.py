@@ -63,6 +63,24 @@ RESPONSE_HEADERS_DROPPED = frozenset(
 
 CORS_PREFIX = b"access-control-"  # an upstream's CORS headers: the gateway's policy alone decides
 
+MAX_VERDICTS = 1024  # response header names (as sent) whose verdict is kept
+
+
+RESPONSE_HEADER_RELAYED: dict[bytes, bool] = {}
+"""Whether a response header name, as the upstream spelled it, is relayed to the client (but
+for one its `Connection:` lists): the verdicts so far, looked up before `response_header_relayed`
+works one out (one lookup per header instead of lowering and matching it each time)."""
+
+
+def response_header_relayed(name: bytes) -> bool:
+    """Whether a response header goes to the client: not hop-by-hop, not one the gateway sets,
+    not an upstream's CORS header. Remembered for the first `MAX_VERDICTS` names."""
+    lname = name.lower()
+    relayed = lname not in RESPONSE_HEADERS_DROPPED and not lname.startswith(CORS_PREFIX)
+    if len(RESPONSE_HEADER_RELAYED) < MAX_VERDICTS:
+        RESPONSE_HEADER_RELAYED[name] = relayed
+    return relayed
+
 
 def hop_by_hop(connection: bytes) -> frozenset[bytes]:
     """The header names a `Connection:` value lists, beyond the usual `keep-alive`/`close`:

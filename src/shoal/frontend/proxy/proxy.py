@@ -21,7 +21,8 @@ from shoal.cards import ModelType
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request
 from shoal.frontend.http.upstream import Upstream
-from shoal.frontend.proxy.fields import Fields, decode_fields
+from shoal.frontend.proxy.deadlines import Deadlines
+from shoal.frontend.proxy.fields import NO_KV_TRANSFER_PARAMS, Fields, decode_fields
 from shoal.frontend.proxy.forward import Forward, VirtualForward
 from shoal.frontend.proxy.headers import (
     MAX_GATEWAY_HOPS,
@@ -81,10 +82,9 @@ class Proxy:
         self.first_byte_timeout = first_byte_timeout  # 0: no limit
         self.upstream_idle_timeout = upstream_idle_timeout  # 0: no limit
         self.migration_limit = migration_limit  # continuations per stream (migration.py); 0: off
-        # The first-byte timer fires within `first_byte_timeout` <= the idle timeout of any
-        # head, so it can check idleness itself: one timer per attempt, nothing to do at the
-        # head (the default). Otherwise the head re-arms or cancels it.
-        self.first_timer_checks_idle = 0 < first_byte_timeout <= upstream_idle_timeout
+        # Both timeouts, swept for every attempt in flight by one timer (deadlines.py).
+        timeouts = (first_byte_timeout, upstream_idle_timeout)
+        self.deadlines = Deadlines(*timeouts) if max(timeouts) > 0 else None
         dropped = set(REQUEST_HEADERS_DROPPED)
         if strip_authorization:
             dropped.add(b"authorization")  # the gateway's own key is not the worker's business
@@ -103,30 +103,49 @@ class Proxy:
         raises out of here: a bug answers 500 in the OpenAI format, counted like any answer
         (a `Forward` once started answers for itself)."""
         try:
-            self._handle(request, client, kind)
+            try:
+                fields = decode_fields(request.body, with_prompt=self.router.needs_prompt)
+            except ApiError as exc:
+                self._refuse(client, exc, UNKNOWN_MODEL)
+                return
+            name = fields.model or ""
+            params = fields.kv_transfer_params
+            if params is not NO_KV_TRANSFER_PARAMS and bytes(params) != b"null":
+                self._refuse(client, errors.client_kv_transfer_params(), UNKNOWN_MODEL)
+                return
+            if (looped := self._looped(request)) is not None:
+                known = name in self.virtual or name in self.registry.models
+                self._refuse(client, looped, name if known else UNKNOWN_MODEL)
+                return
+            virtual = self.virtual.get(name)
+            if virtual is not None:
+                self._route(request, client, kind, fields, virtual)
+                return
+            model = self.registry.models.get(name)
+            if (
+                model is not None
+                and kind in model.model_types
+                and (narrowed := model.for_kind(kind)) is not None
+                and narrowed.routable_sets
+                and narrowed.stages is None
+            ):  # the common case, in fewer steps: what `_start` concludes for it
+                Forward(self, request, client, narrowed, fields, self.metrics.model(name)).start()
+            else:
+                self._start(request, client, kind, fields, name, model)
         except Exception:
             log.exception("request %s failed in the gateway", request.path.decode("latin-1"))
             self._refuse(client, errors.internal_error(), UNKNOWN_MODEL)
 
-    def _handle(self, request: Request, client: ClientConnection, kind: ModelType) -> None:
-        try:
-            fields = decode_fields(request.body, with_prompt=self.router.needs_prompt)
-        except ApiError as exc:
-            self._refuse(client, exc, UNKNOWN_MODEL)
-            return
-        name = fields.model or ""
-        if bytes(fields.kv_transfer_params) != b"null":
-            self._refuse(client, errors.client_kv_transfer_params(), UNKNOWN_MODEL)
-            return
-        if (looped := self._looped(request)) is not None:
-            known = name in self.virtual or name in self.registry.models
-            self._refuse(client, looped, name if known else UNKNOWN_MODEL)
-            return
-        virtual = self.virtual.get(name)
-        if virtual is not None:
-            self._route(request, client, kind, fields, virtual)
-            return
-        model = self.registry.models.get(name)
+    def _start(
+        self,
+        request: Request,
+        client: ClientConnection,
+        kind: ModelType,
+        fields: Fields,
+        name: str,
+        model: Model | None,
+    ) -> None:
+        """Refuse what `model` cannot serve, start the rest."""
         if model is None:
             self._refuse(client, errors.model_not_found(name), UNKNOWN_MODEL)
         elif not model.serving:
@@ -202,7 +221,7 @@ class Proxy:
             b" HTTP/1.1\r\nhost: ",
             target.host_header,
             b"\r\ncontent-length: ",
-            str(len(body)).encode(),
+            b"%d" % len(body),
             b"\r\n",
         )
         if target.authorization is not None:  # the instance URL's credentials, a provider's secret

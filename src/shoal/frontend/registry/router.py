@@ -55,7 +55,7 @@ class Router:
         if len(sets) > 1 and Upstream.any_inhibited():
             return self._choose_around_inhibited(model, prompt, exclude)
         # The common case: one set, or nothing inhibited, so the registry's set weights hold.
-        ws = model.pick_set()
+        ws = sets[0] if len(sets) == 1 else model.pick_set()
         if ws is None:
             return None
         target = self.pick(ws, prompt, exclude)
@@ -112,6 +112,9 @@ class RoundRobin(Router):
         self, ws: WorkerSet, prompt: str | None = None, exclude: Collection[Upstream] = ()
     ) -> Upstream | None:
         ws.cursor += 1
+        targets = ws.routable
+        if targets and not exclude and not (Upstream.inhibitions_end and Upstream.any_inhibited()):
+            return targets[ws.cursor % len(targets)]  # nothing to skip: no scan
         return _scan(ws, ws.cursor, exclude)
 
 

@@ -1,0 +1,68 @@
+"""`Deadlines`: the first-byte and idle timeouts of every attempt in flight, enforced by one
+periodic timer (a sweep) rather than a timer per request.
+
+A timer per request costs a timer handle made, queued and cancelled for every request, and a
+clock read for every packet of a stream; the sweep costs a set insertion and removal per
+attempt, and one clock read per sweep for all of them. What it costs in precision: each sweep
+checks every attempt it watches against the time it reads, every `every` seconds (a tenth of
+the shortest timeout, between `MIN_SWEEP` and `MAX_SWEEP`), so a deadline is late by at most
+one sweep for the first byte (the attempt's start is read from the clock) and two for the
+idle timeout (a packet's arrival is dated by the next sweep, not read per packet); never early.
+With the defaults (60 s each) a stuck instance is left within 60-61 s, a silent one within
+60-62 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+MIN_SWEEP = 0.01  # seconds between sweeps, at least (timeouts of a few tenths, in tests)
+MAX_SWEEP = 1.0  # and at most (the defaults: 60 s)
+
+
+class Watched(Protocol):
+    """An attempt in flight, as the sweep sees it (`Forward`)."""
+
+    def check_deadline(self, now: float) -> None:
+        """Fail the attempt if it is past a deadline at `now` (`time.perf_counter()`)."""
+        ...
+
+
+class Deadlines:
+    """The attempts in flight with a deadline, and the one timer that checks them.
+
+    Invariant: while `watched` is not empty a sweep is scheduled; it stops itself at the
+    first sweep that finds nothing to watch, and `watch` starts it again.
+    """
+
+    def __init__(self, *timeouts: float) -> None:
+        shortest = min((t for t in timeouts if t > 0), default=MAX_SWEEP * 10)
+        self.every = min(max(shortest / 10, MIN_SWEEP), MAX_SWEEP)
+        self.watched: set[Watched] = set()
+        self.unwatch = self.watched.discard  # (an attempt that ends: one call, no lookup)
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, attempt: Watched) -> None:
+        """Check `attempt` at each sweep from now on, until `unwatch(attempt)`."""
+        self.watched.add(attempt)
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.every, self._sweep)
+
+    def _sweep(self) -> None:
+        """Check every attempt watched; one that fails its check affects only itself."""
+        now = time.perf_counter()
+        for attempt in list(self.watched):
+            try:
+                attempt.check_deadline(now)
+            except Exception:
+                log.exception("checking the deadline of %r failed", attempt)
+                self.watched.discard(attempt)
+        if self.watched:
+            self._timer = asyncio.get_running_loop().call_later(self.every, self._sweep)
+        else:
+            self._timer = None
