@@ -6,14 +6,16 @@ again whole."""
 from __future__ import annotations
 
 import uuid
+import weakref
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import pytest
 
 from shoal.cards import MetadataFile, ModelCard
 from shoal.discovery import Discovery, EndpointId, ModelKey, Query, join
-from shoal.store import Store, open_store
+from shoal.store import KeyRevision, Store, open_store
 from tests.discovery.test_discovery import EP, Watch, info, make_card, register
 from tests.helpers import wait_for
 
@@ -116,3 +118,157 @@ async def test_an_instance_record_holds_its_names_once_for_the_fleet(store: Stor
         await store.put(f"shoal/v1/instances/{EP.path}/{0x60 + i:x}", raw)
     first, second = await disc.list_instances()
     assert first.namespace is second.namespace and first.component is second.component
+
+
+# -- listings that leave out the values unchanged since the last one -------------------------
+
+
+class Reads:
+    """The reads asked of a store, by method (`get_prefixes_changed` with its `since`; not
+    the calls a backend makes of its own methods)."""
+
+    def __init__(self, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self._depth = 0
+        for name in ("get", "get_prefixes", "get_prefixes_changed"):
+            method = getattr(store, name)
+
+            async def counted(
+                *args: Any, _method: Any = method, _name: str = name, **kwargs: Any
+            ) -> Any:
+                if not self._depth:
+                    since = _name == "get_prefixes_changed"
+                    self.calls.append((_name, args[1] if since else args[0]))
+                self._depth += 1
+                try:
+                    return await _method(*args, **kwargs)
+                finally:
+                    self._depth -= 1
+
+            monkeypatch.setattr(store, name, counted)
+
+    def take(self) -> list[tuple[str, object]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+async def test_a_listing_reads_only_the_values_changed_since_the_last_one(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disc = Discovery(store)
+    keys = [await register(disc, EP, 0x60 + i, card_at(i)) for i in range(3)]
+    reads = Reads(store, monkeypatch)
+    first = await disc.list()
+    assert reads.take() == [("get_prefixes_changed", 0)]  # a first listing: every value
+    revision = disc._listed_at[Query()]
+    tainted = await disc.update_taints(keys[1], ["draining"])
+    reads.take()
+    second = await disc.list()
+    assert reads.take() == [("get_prefixes_changed", revision)]  # nothing read one by one
+    assert [m.card for m in second] == [first[0].card, tainted, first[2].card]
+    assert second[0] is first[0] and second[2] is first[2]
+    assert second == await Discovery(store).list()  # what a reader reading everything lists
+
+
+async def test_a_malformed_value_left_out_of_a_listing_is_read_and_reported_again(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value skipped as malformed is not held: a listing that leaves it out (unchanged)
+    reads it again, so it is reported and counted on every listing as before, and listed
+    as skipped; once fixed it is listed."""
+    disc = Discovery(store)
+    good = await register(disc, EP, 0x70, card_at(0))
+    bad = ModelKey(EP, 0x71)
+    await disc.register_instance(info(EP, 0x71), lease=0)
+    await store.put(bad.key, b"{not json")
+    assert [m.key for m in await disc.list()] == [good]
+    reads = Reads(store, monkeypatch)
+    counted = join.MALFORMED.labels("model")._value.get()
+    assert [m.key for m in await disc.list()] == [good]
+    assert reads.take() == [("get_prefixes_changed", disc._listed_at[Query()]), ("get", bad.key)]
+    assert join.MALFORMED.labels("model")._value.get() == counted + 1
+    assert bad.key in disc.skipped
+    await store.put(bad.key, card_at(1).to_json())
+    assert [m.key for m in await disc.list()] == [good, bad]
+    assert bad.key not in disc.skipped
+
+
+async def test_an_ignored_change_left_out_of_a_listing_keeps_the_registered_card(
+    store: Store,
+) -> None:
+    """A change ignored is held as the card it changed (at an older revision): a listing
+    that leaves the changed value out reads it, ignores it again, and keeps the card."""
+    disc = Discovery(store)
+    key = await register(disc, EP, 0x80, card_at(0))
+    await disc.list()
+    await store.put(key.key, card_at(0, name="another").to_json())
+    for _ in range(2):  # the value sent, then left out
+        [listed] = await disc.list()
+        assert listed.card.display_name == "shared"
+        assert disc.skipped.get(key.key) == join.IGNORED
+
+
+async def test_a_value_left_out_that_changed_before_it_was_read_is_listed_again_whole(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value read alone is the listed one only if its key still has the listed revision;
+    if it moved on meanwhile, the query is listed again with every value, at one revision."""
+    disc = Discovery(store)
+    good = await register(disc, EP, 0x90, card_at(0))
+    bad = ModelKey(EP, 0x91)
+    await disc.register_instance(info(EP, 0x91), lease=0)
+    await store.put(bad.key, b"{not json")
+    await disc.list()
+    get = store.get
+
+    async def changed_first(key: str) -> Any:
+        if key == bad.key:  # the key is written between the listing and this read
+            await store.put(bad.key, card_at(1).to_json())
+        return await get(key)
+
+    monkeypatch.setattr(store, "get", changed_first)
+    reads = Reads(store, monkeypatch)
+    assert [m.key for m in await disc.list()] == [good, bad]
+    assert [name for name, _ in reads.take()] == ["get_prefixes_changed", "get", "get_prefixes"]
+    assert bad.key not in disc.skipped
+    assert disc._listed_at[Query()] == (await store.get_prefix("")).revision
+
+
+async def test_a_reader_takes_a_value_left_out_from_a_peer_at_its_revision_or_asks_for_it(
+    store: Store,
+) -> None:
+    """A key listed without its value is taken as held only from a reader (itself or a
+    peer) that holds it at exactly the listed revisions; any other is returned as needed,
+    and nothing held is dropped because its value was left out."""
+    disc = Discovery(store)
+    keys = [await register(disc, EP, 0xA0 + i, card_at(i)) for i in range(2)]
+    full = await store.get_prefixes((Query().instances_prefix, Query().models_prefix))
+    peers: weakref.WeakSet[join.CardsAndInstances] = weakref.WeakSet()
+    reading = join.CardsAndInstances({}, peers)
+    await reading.replace_all(Query(), full.items)
+    listing = await store.get_prefixes_changed(
+        (Query().instances_prefix, Query().models_prefix), full.revision
+    )
+    assert all(isinstance(kv, KeyRevision) for kv in listing.items)
+    # A peer of `reading` shares what it holds, never parsing a value.
+    peer = join.CardsAndInstances({}, peers)
+    needed: list[KeyRevision] = []
+    touched = await peer.replace_all(Query(), listing.items, needed=needed)
+    assert needed == []
+    assert peer.held.keys() == reading.held.keys()
+    assert all(peer.held[k] is reading.held[k] for k in reading.held)
+    await peer.catch_up(touched)
+    assert [m.key for m in peer.listing()] == keys
+    # A reader with no peer, which never read these values, asks for every one.
+    alone = join.CardsAndInstances({})
+    assert await alone.replace_all(Query(), listing.items, needed=needed) == []
+    assert [kv.key for kv in needed] == [kv.key for kv in listing.items]
+    # A reader holding a key at another revision keeps it until the value comes.
+    await disc.update_taints(keys[0], ["draining"])
+    later = await store.get_prefixes_changed(
+        (Query().instances_prefix, Query().models_prefix), (await store.get_prefix("")).revision
+    )
+    needed = []
+    assert await reading.replace_all(Query(), later.items, needed=needed) == []
+    assert [kv.key for kv in needed] == [keys[0].key]
+    assert not reading.held[keys[0].key].card.taints  # (not dropped, not changed)

@@ -104,7 +104,7 @@ async def test_a_store_that_never_answers_still_fails_the_start_within_the_setup
 ) -> None:
     never = asyncio.Event()
 
-    async def no_answer(prefixes: Any) -> Any:
+    async def no_answer(prefixes: Any, *args: Any, **kwargs: Any) -> Any:
         await never.wait()
 
     discovery.store = _Silent(store, no_answer)  # type: ignore[assignment]
@@ -126,7 +126,7 @@ class _Silent:
 
     def __init__(self, store: Store, get_prefixes: Any) -> None:
         self._store = store
-        self.get_prefixes = get_prefixes
+        self.get_prefixes = self.get_prefixes_changed = get_prefixes
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)

@@ -16,6 +16,8 @@ from shoal.store import (
     MAX_VALUE_BYTES,
     Delete,
     InvalidKeyError,
+    KeyRevision,
+    KeyValue,
     Lease,
     LeaseKeeper,
     Resync,
@@ -505,6 +507,52 @@ async def test_several_prefixes_are_read_at_one_revision(backend: Backend, prefi
     finally:
         await reader.close()
         await writer.close()
+
+
+async def test_a_listing_of_what_changed_lists_every_key_and_leaves_out_only_older_values(
+    store: Store, prefix: str
+) -> None:
+    """`get_prefixes_changed(prefixes, since)` lists what `get_prefixes` does, with the same
+    revisions and leases; a value may be left out only where its key's `mod_revision` is at
+    or below `since`, and every value written after `since` is sent."""
+    a, b = prefix + "a/", prefix + "b/"
+    lease = await store.grant(60.0, keepalive=False)
+    await store.put(a + "kept", b"1")
+    await store.put(a + "changed", b"2")
+    await store.put(a + "recreated", b"3")
+    await store.put(b + "leased", b"4", lease=lease.id)
+    await store.put(prefix + "c/outside", b"5")
+    since = (await store.get_prefixes((a, b))).revision
+    await store.put(a + "changed", b"2'")
+    await store.delete(a + "recreated")
+    await store.put(a + "recreated", b"3'")
+    await store.put(b + "new", b"6")
+    answered: list[bool] = []
+    listing = await store.get_prefixes_changed(
+        (b, a), since, on_answer=lambda: answered.append(True)
+    )
+    full = await store.get_prefixes((a, b))
+    assert answered == [True]
+    assert listing.revision == full.revision  # (nothing written between the two)
+
+    def revisions(kv: KeyValue | KeyRevision) -> tuple[str, int, int, int]:
+        return kv.key, kv.mod_revision, kv.lease, kv.create_revision
+
+    assert [revisions(kv) for kv in listing.items] == [revisions(kv) for kv in full.items]
+    for kv, whole in zip(listing.items, full.items, strict=True):
+        if isinstance(kv, KeyValue):
+            assert kv.value == whole.value
+        else:
+            assert isinstance(kv, KeyRevision) and kv.mod_revision <= since, kv
+    sent = {kv.key for kv in listing.items if isinstance(kv, KeyValue)}
+    assert {a + "changed", a + "recreated", b + "new"} <= sent
+    # Since revision 0 every value is sent; since the latest, none need be.
+    everything = await store.get_prefixes_changed((a, b), 0)
+    assert all(isinstance(kv, KeyValue) for kv in everything.items)
+    assert [revisions(kv) for kv in everything.items] == [revisions(kv) for kv in full.items]
+    latest = await store.get_prefixes_changed((a, b), full.revision)
+    assert [revisions(kv) for kv in latest.items] == [revisions(kv) for kv in full.items]
+    await lease.revoke()
 
 
 async def test_a_watch_of_several_prefixes_follows_them_as_one(

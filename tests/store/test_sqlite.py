@@ -17,6 +17,8 @@ import pytest
 
 from shoal.store import (
     Delete,
+    KeyRevision,
+    KeyValue,
     LeaseNotFoundError,
     Put,
     Resync,
@@ -24,7 +26,7 @@ from shoal.store import (
     StoreUnavailableError,
     open_store,
 )
-from shoal.store.sqlite import BOOT_ID, RETAIN_CHANGES, SQLiteStore
+from shoal.store.sqlite import BOOT_ID, LISTING_INDEX, RETAIN_CHANGES, SQLiteStore
 from tests.helpers import StallProbe, wait_for
 from tests.store.support import Recorder
 
@@ -580,6 +582,66 @@ async def test_a_version_2_file_without_lease_expiry_is_migrated(tmp_path: Path)
         ]
     finally:
         await again.close()
+
+
+async def test_a_listing_of_what_changed_reads_only_the_values_written_since(
+    store: SQLiteStore,
+) -> None:
+    await store.put("k/old", b"1")
+    since = await store.put("k/older", b"2")
+    await store.put("k/new", b"3")
+    listing = await store.get_prefixes_changed(("k/",), since)
+    assert listing.items == [
+        KeyValue("k/new", b"3", since + 1, 0, since + 1),
+        KeyRevision("k/old", since - 1, 0, since - 1),
+        KeyRevision("k/older", since, 0, since),
+    ]
+    # The plan reads the listing index alone for a key whose value is left out.
+    plan = store._conn.execute(
+        "EXPLAIN QUERY PLAN SELECT key, mod_revision, lease, create_revision"
+        f" FROM kv INDEXED BY {LISTING_INDEX} WHERE key >= 'k/' AND key < 'k0'"
+    ).fetchall()
+    assert "COVERING INDEX" in str(plan), plan
+
+
+async def test_a_file_from_before_the_listing_index_gets_it_and_old_writers_keep_it_current(
+    tmp_path: Path,
+) -> None:
+    """The listing index is created at open in a version-2 file without it; a process of
+    the earlier build, which neither creates nor reads it, goes on writing (SQLite keeps
+    every index current), and a read-only client of a file without it lists all the same."""
+    path = tmp_path / "before-index.db"
+    store = await SQLiteStore.open(f"sqlite:///{path}")
+    await store.put("k/a", b"1")
+    await store.close()
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"DROP INDEX {LISTING_INDEX}")  # the file as the earlier build left it
+    reader = await SQLiteStore.open(f"sqlite:///{path}?mode=ro")
+    try:
+        listing = await reader.get_prefixes_changed(("k/",), 1)
+        assert listing.items == [KeyRevision("k/a", 1, 0, 1)]
+    finally:
+        await reader.close()
+    store = await SQLiteStore.open(f"sqlite:///{path}")
+    try:
+        with sqlite3.connect(path) as conn:
+            names = [n for (n,) in conn.execute("SELECT name FROM sqlite_master")]
+            assert LISTING_INDEX in names
+            # An earlier build's put, as it wrote one (it knows nothing of the index).
+            conn.execute("UPDATE meta SET revision = revision + 1 WHERE id = 0")
+            conn.execute(
+                "INSERT INTO kv (key, value, mod_revision, lease, create_revision)"
+                " VALUES ('k/b', x'32', 2, 0, 2)"
+            )
+            conn.execute("INSERT INTO changes (revision, key, value) VALUES (2, 'k/b', x'32')")
+            conn.execute("UPDATE kv SET value = x'31', mod_revision = 3 WHERE key = 'k/a'")
+            conn.execute("INSERT INTO changes (revision, key, value) VALUES (3, 'k/a', x'31')")
+            conn.execute("UPDATE meta SET revision = 3 WHERE id = 0")
+        listing = await store.get_prefixes_changed(("k/",), 2)
+        assert listing.items == [KeyValue("k/a", b"1", 3, 0, 1), KeyRevision("k/b", 2, 0, 2)]
+        assert (await store.get_prefixes(("k/",))).revision == 3
+    finally:
+        await store.close()
 
 
 async def test_a_version_2_file_of_an_unknown_layout_is_refused_in_one_line(

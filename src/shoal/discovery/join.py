@@ -47,7 +47,7 @@ from shoal.discovery.records import (
     Removed,
     TaintsUpdated,
 )
-from shoal.store import KeyValue
+from shoal.store import KeyRevision, KeyValue
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -204,7 +204,9 @@ def _either(value: T, shared: T) -> T:
     return shared if value == shared else value
 
 
-async def release(items: list[KeyValue], pause_every: int = LIST_BATCH) -> None:
+async def release(
+    items: list[KeyValue] | list[KeyValue | KeyRevision], pause_every: int = LIST_BATCH
+) -> None:
     """Empty `items` (a listing, or a `Resync`, once applied: each is a list of its own) a
     slice at a time, yielding to the event loop between slices: the values of a hundred
     thousand keys, freed at once when the last reference goes, held the loop ~20 ms."""
@@ -318,6 +320,24 @@ class CardsAndInstances:
         else:
             touched.extend(self._put_card(kv_key, value, read_at, others))
 
+    def _take_from_peer(
+        self,
+        held: _HeldInstance | _HeldCard | None,
+        kv_key: str,
+        read_at: tuple[int, int],
+        touched: list[ModelKey],
+        others: list[CardsAndInstances],
+    ) -> bool:
+        """Take the value at `kv_key`, read at `read_at` but not sent, from a peer that
+        holds it at exactly `read_at`; False if no peer does."""
+        for peer in others:
+            theirs = peer.held.get(kv_key)
+            if theirs is not None and (theirs.create_revision, theirs.mod_revision) == read_at:
+                # `_put` takes the peer's record, as for a value sent: it never parses this one
+                self._put(held, kv_key, b"", read_at, touched, others)
+                return True
+        return False
+
     def _put_instance(
         self, kv_key: str, value: bytes, read_at: tuple[int, int], others: list[CardsAndInstances]
     ) -> Iterable[ModelKey]:
@@ -395,7 +415,12 @@ class CardsAndInstances:
         return (key,)
 
     async def replace_all(
-        self, query: Query, items: Sequence[KeyValue], pause_every: int = LIST_BATCH
+        self,
+        query: Query,
+        items: Sequence[KeyValue | KeyRevision],
+        pause_every: int = LIST_BATCH,
+        *,
+        needed: list[KeyRevision] | None = None,
     ) -> list[ModelKey]:
         """The whole of `query`'s two prefixes, read at one revision (a listing, or a
         `Resync`): every held key it lacks is gone. Yields to the event loop every
@@ -403,7 +428,14 @@ class CardsAndInstances:
 
         A value is held if its `mod_revision` is (every write to the store has its own
         revision): a slice of a listing is checked against what is held in a few C loops,
-        not a Python step per key, and only the values not held go through `_put`."""
+        not a Python step per key, and only the values not held go through `_put`.
+
+        A key listed without its value (`KeyRevision`, from `Store.get_prefixes_changed`) is
+        taken as it is held only when this reader, or a peer, holds it at exactly the
+        listed revisions; any other (a value skipped as malformed, a change ignored, a key
+        this reader never read) is added to `needed`, for the caller to read its value
+        and `put` it. Such a key is listed, so it is not gone: what is held for it stays
+        until its value comes."""
         touched: list[ModelKey] = []
         others = self._others()
         held = self.held
@@ -417,6 +449,12 @@ class CardsAndInstances:
             for kv, was in compress(zip(chunk, helds, strict=True), changed):
                 read_at = _held_revisions(kv.create_revision, kv.mod_revision)
                 held_now = was if isinstance(was, _HeldCard | _HeldInstance) else None
+                if isinstance(kv, KeyRevision):
+                    if not self._take_from_peer(held_now, kv.key, read_at, touched, others):
+                        if needed is None:
+                            raise ValueError(f"{kv.key} listed without its value")
+                        needed.append(kv)
+                    continue
                 self._put(held_now, kv.key, kv.value, read_at, touched, others)
                 parsed += 1
                 if pause_every and parsed % pause_every == 0:

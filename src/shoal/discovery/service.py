@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, MutableSequence, Sequence
 
 import msgspec
 
@@ -51,7 +51,7 @@ from shoal.discovery.records import (
     Removed,
     TaintsUpdated,
 )
-from shoal.store import Put, Resync, Store
+from shoal.store import KeyRevision, Put, Resync, Store
 
 __all__ = [
     "Added",
@@ -65,6 +65,9 @@ __all__ = [
     "TaintsUpdated",
 ]
 
+MAX_VALUE_READS = 64
+"""Values a listing reads one key at a time, when what it left out is not held (malformed,
+a change ignored); past that many it lists the query again, every value included."""
 MAX_LISTINGS = 32
 """Listings of one `Discovery` in flight at once (`list`, and the first listing of each
 `list_and_watch`): a frontend that starts thousands of streams together does not send
@@ -95,8 +98,10 @@ class Discovery:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        # What the last complete `list` of each query read, for the next one to start from.
+        # What the last complete `list` of each query read, and the revision it is up to
+        # date with, for the next one to start from (and list only the values changed since).
         self._listed: dict[Query, CardsAndInstances] = {}
+        self._listed_at: dict[Query, int] = {}
         # Every reader of each query (its listing, its streams), sharing what they parsed.
         self._readers: dict[Query, weakref.WeakSet[CardsAndInstances]] = {}
         # Listings in flight by query, and the queries forgotten while one was: not kept.
@@ -166,32 +171,75 @@ class Discovery:
         `on_answer` is called once the store has answered, before the values are parsed.
 
         Each listing starts from what the last one of the same query read (one
-        `CardsAndInstances` per query): a value at the revisions it was read at is not
-        parsed again, and a model that did not move is the same `ModelInstance`. Parsing
+        `CardsAndInstances` per query): the store sends only the values changed since that
+        listing's revision (`Store.get_prefixes_changed`), a value at the revisions it was
+        read at is not parsed again, and a model that did not move is the same
+        `ModelInstance`. A value left out that the join does not hold at the listed
+        revision (malformed, a change ignored) is read again (`_read_needed`). Parsing
         yields to the event loop every `LIST_BATCH` values: a listing of ten thousand
         instances must not hold up the requests a frontend serves meanwhile.
         """
         query = query or Query()
+        prefixes = (query.instances_prefix, query.models_prefix)
         self._listing[query] = self._listing.get(query, 0) + 1
         try:
             # Taken out while it is updated: a listing that fails or is cancelled half-way,
             # or runs beside another of the same query, never leaves a half-updated join.
             join = self._listed.pop(query, None) or self._reader(query)
+            since = self._listed_at.pop(query, 0)
             async with self._listing_slots:
-                snap = await self.store.get_prefixes(
-                    (query.instances_prefix, query.models_prefix), on_answer=on_answer
+                listing = await self.store.get_prefixes_changed(
+                    prefixes, since, on_answer=on_answer
                 )
-            touched = await join.replace_all(query, snap.items)
-            await release(snap.items)
+            needed: list[KeyRevision] = []
+            touched = await join.replace_all(query, listing.items, needed=needed)
+            revision = listing.revision
+            await release(listing.items)
+            del listing
+            if needed:
+                revision = await self._read_needed(query, join, needed, revision, touched)
             await join.catch_up(touched)
             if query not in self._forgotten:
                 self._listed[query] = join
+                self._listed_at[query] = revision
             return join.listing()
         finally:
             self._listing[query] -= 1
             if not self._listing[query]:
                 del self._listing[query]
                 self._forgotten.discard(query)
+
+    async def _read_needed(
+        self,
+        query: Query,
+        join: CardsAndInstances,
+        needed: Sequence[KeyRevision],
+        revision: int,
+        touched: MutableSequence[ModelKey],
+    ) -> int:
+        """Give `join` the values a listing at `revision` left out and it does not hold at
+        the listed revisions; the revision `join` is then up to date with. A value read
+        alone is the listed one if its key still has the listed revisions (every write has
+        its own); if not (it changed since, or there are over `MAX_VALUE_READS`), the query
+        is listed again with every value: one consistent listing, never a mix."""
+        if len(needed) <= MAX_VALUE_READS:
+            kvs = [await self.store.get(kv.key) for kv in needed]
+            if all(
+                got is not None
+                and (got.mod_revision, got.create_revision) == (kv.mod_revision, kv.create_revision)
+                for got, kv in zip(kvs, needed, strict=True)
+            ):
+                for got in kvs:
+                    assert got is not None
+                    touched.extend(
+                        join.put(got.key, got.value, got.create_revision, got.mod_revision)
+                    )
+                return revision
+        async with self._listing_slots:
+            snap = await self.store.get_prefixes((query.instances_prefix, query.models_prefix))
+        touched.extend(await join.replace_all(query, snap.items))
+        await release(snap.items)
+        return snap.revision
 
     def _reader(self, query: Query) -> CardsAndInstances:
         """A new reader of `query`, sharing what the others parse."""
@@ -205,6 +253,7 @@ class Discovery:
         listings would otherwise stay in memory for good. A listing of `query` in flight
         now does not keep what it read either."""
         self._listed.pop(query, None)
+        self._listed_at.pop(query, None)
         self._readers.pop(query, None)
         if query in self._listing:
             self._forgotten.add(query)

@@ -23,6 +23,12 @@ suite in `tests/store/` proves on each backend:
   any of them in revision order, and its `Resync` carries all of them at one revision. A
   reader joining keys of two prefixes (discovery: instances and cards) never holds one
   prefix's state from a later revision than the other's.
+- A listing of what changed since a revision (`get_prefixes_changed(prefixes, since)`)
+  lists every key `get_prefixes` would, at one revision, with the same revisions and
+  lease; only a key whose `mod_revision <= since` may come without its value (a
+  `KeyRevision`). Every write has its own revision, so a reader that holds a key's value
+  read at exactly that `mod_revision` holds the value the listing left out; any other
+  reader must read it (a backend may send every value: a `KeyValue` is always correct).
 """
 
 from __future__ import annotations
@@ -79,11 +85,30 @@ class KeyValue(msgspec.Struct, frozen=True, gc=False):
     create_revision: int = 0
 
 
+class KeyRevision(msgspec.Struct, frozen=True, gc=False):
+    """A listed key whose value was left out (`Store.get_prefixes_changed`): it was last
+    modified at `mod_revision`, at or before the revision the reader said it holds."""
+
+    key: str
+    mod_revision: int
+    lease: int = 0
+    create_revision: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """The items under a prefix and the store revision they were read at."""
 
     items: list[KeyValue]
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """The keys under prefixes and the revision they were read at, where the values of the
+    keys not changed since the reader's revision may be left out (`KeyRevision`)."""
+
+    items: list[KeyValue | KeyRevision]
     revision: int
 
 
@@ -251,6 +276,22 @@ class Store(abc.ABC):
         `on_answer` is called once the store has answered (the first page of a listing
         read a page at a time): a deadline on the store's answer need not cover the size
         of what it lists."""
+
+    async def get_prefixes_changed(
+        self,
+        prefixes: Sequence[str],
+        since: int,
+        *,
+        on_answer: Callable[[], None] | None = None,
+    ) -> Listing:
+        """`get_prefixes`, where a key whose `mod_revision <= since` may come as a
+        `KeyRevision`, without its value: a reader that holds the values of the keys it
+        listed at `since` reads only what changed since. Every key is listed, whether its
+        value is left out or not. This default sends every value (a correct superset); a
+        backend that can skip the unchanged ones overrides it."""
+        snap = await self.get_prefixes(prefixes, on_answer=on_answer)
+        items: list[KeyValue | KeyRevision] = list(snap.items)
+        return Listing(items, snap.revision)
 
     async def get(self, key: str) -> KeyValue | None:
         """One key, or None."""

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from shoal.store.base import (
     Delete,
     Event,
+    KeyRevision,
     KeyValue,
     LeaseNotFoundError,
+    Listing,
     Put,
     Resync,
     Snapshot,
@@ -131,6 +133,22 @@ class MemoryStore(Store):
         if on_answer is not None:
             on_answer()
         return snap
+
+    async def get_prefixes_changed(
+        self,
+        prefixes: Sequence[str],
+        since: int,
+        *,
+        on_answer: Callable[[], None] | None = None,
+    ) -> Listing:
+        snap = await self.get_prefixes(prefixes, on_answer=on_answer)
+        items: list[KeyValue | KeyRevision] = [
+            kv
+            if kv.mod_revision > since
+            else KeyRevision(kv.key, kv.mod_revision, kv.lease, kv.create_revision)
+            for kv in snap.items
+        ]
+        return Listing(items, snap.revision)
 
     def _items(self, prefixes: tuple[str, ...]) -> list[KeyValue]:
         items = (kv for k, kv in self._d.items.items() if k.startswith(prefixes))

@@ -16,7 +16,8 @@ Layout:
 - `meta`: one row with the current store `revision` and the `compact_revision` up to
   which the change log has been trimmed.
 - `kv`: the keys, each with its value, the revisions that created and last wrote it and
-  its lease.
+  its lease; indexed by lease, and by key with everything but the value (`LISTING_INDEX`:
+  a listing of what changed since a revision reads the values of those keys only).
 - `leases`: id, TTL, the `boot` that granted or last renewed it and its deadline on that
   boot's monotonic clock (`expires`; see "Lease clock" below). `deadline` is a wall-clock
   deadline: for the leases of version-1 processes still running during an upgrade (`boot`
@@ -94,9 +95,10 @@ import random
 import secrets
 import sqlite3
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import compress
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import quote, unquote
@@ -104,8 +106,10 @@ from urllib.parse import quote, unquote
 from shoal.store.base import (
     Delete,
     Event,
+    KeyRevision,
     KeyValue,
     LeaseNotFoundError,
+    Listing,
     Put,
     Resync,
     Snapshot,
@@ -138,6 +142,14 @@ MAX_QUEUED = 10_000
 """Events queued for a watch that is not being read before it is dropped for a `Resync`."""
 SCHEMA_VERSION = 2
 
+LISTING_INDEX = "kv_listing"
+"""The index of `kv` that holds everything a listing reads but the values: a listing of
+what changed since a revision (`get_prefixes_changed`) reads the table row of a key only
+for a value it sends. Created at open where missing (it changes nothing else: processes of
+the same layout without it maintain it as they write, and never read it)."""
+_LISTING_INDEX = (
+    f"CREATE INDEX IF NOT EXISTS {LISTING_INDEX} ON kv (key, mod_revision, lease, create_revision)"
+)
 _SCHEMA = (
     "CREATE TABLE meta (id INTEGER PRIMARY KEY CHECK (id = 0),"
     " revision INTEGER NOT NULL, compact_revision INTEGER NOT NULL)",
@@ -146,6 +158,7 @@ _SCHEMA = (
     " mod_revision INTEGER NOT NULL, lease INTEGER NOT NULL DEFAULT 0,"
     " create_revision INTEGER NOT NULL DEFAULT 0)",
     "CREATE INDEX kv_by_lease ON kv (lease)",
+    _LISTING_INDEX,
     "CREATE TABLE leases (id INTEGER PRIMARY KEY, ttl REAL NOT NULL, deadline REAL NOT NULL,"
     " boot TEXT NOT NULL DEFAULT '', expires REAL NOT NULL DEFAULT 0)",
     "CREATE INDEX leases_by_deadline ON leases (deadline)",
@@ -358,6 +371,8 @@ def _check_layout(conn: sqlite3.Connection, read_only: bool) -> None:
             f"schema version {version} is not the supported {SCHEMA_VERSION}"
         )
     if not migration:
+        if not read_only:
+            conn.execute(_LISTING_INDEX)  # (a file from before the index: built once)
         return
     if read_only:
         raise sqlite3.DatabaseError(
@@ -366,6 +381,7 @@ def _check_layout(conn: sqlite3.Connection, read_only: bool) -> None:
     params = {"wall": time.time(), "slack": WALL_CLOCK_SLACK}
     for statement in migration:
         conn.execute(statement, params if ":wall" in statement else ())
+    conn.execute(_LISTING_INDEX)
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
@@ -415,6 +431,56 @@ def _items(conn: sqlite3.Connection, prefix: str, now: float) -> list[KeyValue]:
 
 
 _VALUE = operator.attrgetter("value")
+_SECOND = operator.itemgetter(1)
+_ALL_BUT_VALUE = operator.itemgetter(0, 2, 3, 4)
+
+
+def _has_listing_index(conn: sqlite3.Connection) -> bool:
+    row = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = ?", (LISTING_INDEX,)
+    ).fetchone()
+    return row is not None
+
+
+def _changed_items(
+    conn: sqlite3.Connection, prefix: str, since: int, now: float, indexed: bool
+) -> list[KeyValue | KeyRevision]:
+    """`_items`, where a key not modified after `since` comes as a `KeyRevision`: with the
+    listing index, its table row (its value) is not read at all."""
+    params: dict[str, object] = {**_expired_at(now), "since": since}
+    where = _LIVE
+    if prefix:
+        params.update(low=prefix, high=prefix[:-1] + chr(ord(prefix[-1]) + 1))
+        where = f"key >= :low AND key < :high AND {_LIVE}"
+    # SQLite reads a table row only for a column the index lacks, and only when it
+    # evaluates it: here, for a value changed after `since`.
+    index = f" INDEXED BY {LISTING_INDEX}" if indexed else ""
+    rows = conn.execute(
+        "SELECT key, CASE WHEN mod_revision > :since THEN value END, mod_revision, lease,"
+        f" create_revision FROM kv{index} WHERE {where} ORDER BY key",
+        params,
+    ).fetchall()
+    # Built in C loops, as `_items`: each row becomes a `KeyRevision` (no value) or a
+    # `KeyValue`, taken in key order from the two.
+    omitted = list(map(operator.is_, map(_SECOND, rows), itertools.repeat(None)))
+    sent = list(compress(rows, map(operator.not_, omitted)))
+    if not all(map(isinstance, map(_SECOND, sent), itertools.repeat(bytes))):
+        return [kv for row in rows if (kv := _listed(row)) is not None]
+    if not sent:
+        return list(itertools.starmap(KeyRevision, map(_ALL_BUT_VALUE, rows)))
+    take: dict[bool, Iterator[KeyValue | KeyRevision]] = {
+        True: itertools.starmap(KeyRevision, map(_ALL_BUT_VALUE, compress(rows, omitted))),
+        False: itertools.starmap(KeyValue, sent),
+    }
+    return list(map(next, map(take.__getitem__, omitted)))
+
+
+def _listed(row: tuple[str, object, int, int, int]) -> KeyValue | KeyRevision | None:
+    """A row of `_changed_items`: its value left out (None), or `_kv`."""
+    key, value, mod_revision, lease, create_revision = row
+    if value is None:
+        return KeyRevision(key, mod_revision, lease, create_revision)
+    return _kv(row)
 
 
 def _items_under(conn: sqlite3.Connection, prefixes: tuple[str, ...], now: float) -> list[KeyValue]:
@@ -596,6 +662,8 @@ class SQLiteStore(Store):
         # Expired leases this instance found and could not reap (see `_reap_forever`).
         self._unreaped: frozenset[int] = frozenset()
         self._conn = conn
+        # Whether the file has `LISTING_INDEX` (looked up by the first listing that uses it).
+        self._listing_index: bool | None = None
         self._executor = executor
         self._closed = False
         self._unreachable = False
@@ -708,6 +776,34 @@ class SQLiteStore(Store):
         if on_answer is not None:
             on_answer()
         return snap
+
+    async def get_prefixes_changed(
+        self,
+        prefixes: Sequence[str],
+        since: int,
+        *,
+        on_answer: Callable[[], None] | None = None,
+    ) -> Listing:
+        if since <= 0:  # (every value: no revision is below 1)
+            snap = await self.get_prefixes(prefixes, on_answer=on_answer)
+            return Listing(list(snap.items), snap.revision)
+        distinct = distinct_prefixes(prefixes)
+
+        def read(conn: sqlite3.Connection) -> Listing:
+            if self._listing_index is None:
+                self._listing_index = _has_listing_index(conn)
+            revision, now = _revision(conn), lease_clock()
+            items = [
+                kv
+                for prefix in distinct
+                for kv in _changed_items(conn, prefix, since, now, self._listing_index)
+            ]
+            return Listing(items, revision)
+
+        listing = await self._call(functools.partial(self._read_live, read))
+        if on_answer is not None:
+            on_answer()
+        return listing
 
     async def get(self, key: str) -> KeyValue | None:
         check_key(key)

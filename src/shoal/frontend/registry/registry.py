@@ -358,6 +358,10 @@ class Registry:
     def member(self, key: ModelKey) -> Member | None:
         return self._members.get(key)
 
+    def members_of(self, keys: Iterable[ModelKey]) -> list[Member | None]:
+        """`member` of each of `keys`, looked up in a C loop (a pass checks a whole fleet)."""
+        return list(map(self._members.get, keys))
+
     def worker_set(self, key: ModelKey) -> WorkerSet | None:
         member = self._members.get(key)
         if member is None:

@@ -32,6 +32,8 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from itertools import compress, repeat
+from operator import and_, attrgetter, is_, not_
 from typing import Any
 
 from shoal.controllers import Controller, HeartbeatMixin
@@ -56,8 +58,15 @@ APPLY_BATCH = 64
 """Keys a reconciliation pass repairs between two yields to the event loop."""
 SCAN_SLICE = 4096
 """Keys a pass goes through in one comprehension (a lookup each) between two yields."""
+SETTLED_SLICE = 1024
+"""Listed keys a pass checks in C loops for the common case (joined with the very card
+listed) between two yields."""
 PROGRESS_INTERVAL = 5.0
 """Seconds between two log lines of the first snapshot's progress while it loads."""
+
+
+_key = attrgetter("key")
+_card = attrgetter("card")
 
 
 def _nothing() -> None:
@@ -396,7 +405,9 @@ class ModelWatcher(Registrations):
         """Repair each key that no event has touched since the listing: the listed ones in
         key order (per query), then the registered ones no longer listed.
 
-        Yields to the event loop every `APPLY_BATCH` keys, so requests and events are served
+        The listed keys already joined with the very card listed are found a `SETTLED_SLICE` at a
+        time in C loops; the others are checked one by one. Yields to the event loop after
+        every slice and every `APPLY_BATCH` keys checked, so requests and events are served
         during a long pass; a key an event changed meanwhile is newer than the listing: skipped.
         `repairing` is False when loading a snapshot (at start, after a stream restart):
         then the changes are not counted or logged as repairs.
@@ -423,29 +434,68 @@ class ModelWatcher(Registrations):
             if registration is not None and registration.task is not None:
                 fetches.append(registration.task)
 
-        for i, model in enumerate(listed, 1):
-            if i % APPLY_BATCH == 0:
-                emit_heartbeat()
-                await asyncio.sleep(0)
-            key = model.key
-            registration = registrations.get(key)
-            if registration is None:
-                if self._generations.get(key, 0) <= epoch:
-                    repair(key, model)
-                registered += key in registrations
-                continue
-            registered += 1
-            if registration.generation > epoch:
-                continue  # changed since the listing: the listing is the stale view
-            if (  # the common case, in short: joined with the very card listed
-                model is registration.model
-                and registration.state is State.JOINED
-                and (member := self.registry.member(key)) is not None
-                and member.card is model.card
-                and (not self.follows_membership or self._in_scope(key))
-            ):
-                continue
-            repair(key, model)
+        checked = 0
+        for start in range(0, len(listed), SETTLED_SLICE):
+            chunk = listed[start : start + SETTLED_SLICE]
+            todo: Iterable[ModelInstance] = chunk
+            if not self.follows_membership:
+                # The common case, a slice at a time in C loops: joined with the very card
+                # listed (the registered model is the listed one, and so is its member's
+                # card). Those need nothing, whatever their generation.
+                keys = list(map(_key, chunk))
+                regs = list(map(registrations.get, keys))
+                settled = list(
+                    map(
+                        and_,
+                        map(
+                            and_,
+                            map(is_, map(getattr, regs, repeat("model"), repeat(None)), chunk),
+                            map(
+                                is_,
+                                map(getattr, regs, repeat("state"), repeat(None)),
+                                repeat(State.JOINED),
+                            ),
+                        ),
+                        map(
+                            is_,
+                            map(
+                                getattr,
+                                self.registry.members_of(keys),
+                                repeat("card"),
+                                repeat(None),
+                            ),
+                            map(_card, chunk),
+                        ),
+                    )
+                )
+                registered += sum(settled)
+                todo = compress(chunk, map(not_, settled))
+            for model in todo:
+                checked += 1
+                if checked % APPLY_BATCH == 0:
+                    emit_heartbeat()
+                    await asyncio.sleep(0)
+                key = model.key
+                registration = registrations.get(key)
+                if registration is None:
+                    if self._generations.get(key, 0) <= epoch:
+                        repair(key, model)
+                    registered += key in registrations
+                    continue
+                registered += 1
+                if registration.generation > epoch:
+                    continue  # changed since the listing: the listing is the stale view
+                if (  # the common case, in short: joined with the very card listed
+                    model is registration.model
+                    and registration.state is State.JOINED
+                    and (member := self.registry.member(key)) is not None
+                    and member.card is model.card
+                    and (not self.follows_membership or self._in_scope(key))
+                ):
+                    continue
+                repair(key, model)
+            emit_heartbeat()
+            await asyncio.sleep(0)
         if registered < len(registrations):  # some registered keys were not listed
             for i, key in enumerate(await self._unlisted(listed), 1):
                 if i % APPLY_BATCH == 0:
