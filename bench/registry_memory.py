@@ -180,10 +180,6 @@ async def main() -> None:
         "--frames", type=int, default=1, help="frames per allocation: >1 groups by traceback"
     )
     parser.add_argument("--profile", help="write a cProfile of the passes to this file")
-    parser.add_argument(
-        "--cli-gc", action="store_true",
-        help="the collector as `shoal frontend` runs it (full collections paused while loading, then frozen)",
-    )  # fmt: skip
     parser.add_argument("--profile-load", help="write a cProfile of the load to this file")
     parser.add_argument(
         "--trim", action="store_true", help="also the RSS after glibc's malloc_trim(0)"
@@ -219,18 +215,9 @@ async def main() -> None:
     load_profile = cProfile.Profile() if args.profile_load else None
     if load_profile is not None:
         load_profile.enable()
-    thresholds = None
-    if args.cli_gc:
-        from shoal.cli.frontend import freeze_once_loaded, pause_full_collections
-
-        thresholds = pause_full_collections()
     await frontend.start()
     while len(frontend.registry._members) < args.instances:  # noqa: ASYNC110 (no event)
         await asyncio.sleep(0.05)
-    if thresholds is not None:  # what `gc.freeze` would keep for good: garbage found now
-        cyclic = gc.collect()
-        print(f"after the load with full collections paused: {cyclic} objects were garbage")
-        await freeze_once_loaded(frontend, thresholds)
     if load_profile is not None:
         load_profile.disable()
         load_profile.dump_stats(args.profile_load)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import sys
 from collections.abc import Callable
@@ -542,35 +541,9 @@ async def start_frontend(config: FrontendConfig, failed: str) -> Frontend | None
     return frontend
 
 
-def pause_full_collections() -> tuple[int, int, int]:
-    """Stop the collector's full (oldest-generation) passes; the thresholds to restore.
-
-    A cold start allocates a fleet's registrations, members and upstreams (eight tracked
-    objects per instance), and CPython runs a full collection over all of them at every 25%
-    of growth: two seconds of CPU and holds of 0.4-0.6 s at 100,000 instances, for nothing,
-    since they all stay alive. Young collections go on, so short-lived cycles are still freed.
-    """
-    thresholds = gc.get_threshold()
-    gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
-    return thresholds  # type: ignore[return-value]
-
-
-async def freeze_once_loaded(frontend: Frontend, thresholds: tuple[int, int, int]) -> None:
-    """Once the fleet is loaded and no metadata fetch is in flight: move what is alive now
-    out of the collector's way (`gc.freeze`: it is the registry, which lives as long as its
-    instances, and is freed by reference counts when they leave), then collect as before."""
-    try:
-        if frontend.watcher is not None:
-            await frontend.watcher.no_fetches.wait()
-        gc.freeze()
-    finally:
-        gc.set_threshold(*thresholds)
-
-
 async def serve(config: FrontendConfig) -> int:
     stop = asyncio.Event()
     on_stop_signals(stop)
-    thresholds = pause_full_collections()
     # A stop signal while discovery loads (a large fleet takes its time) ends the start.
     starting = asyncio.create_task(start_frontend(config, "shoal frontend"))
     stopping = asyncio.create_task(stop.wait())
@@ -586,9 +559,7 @@ async def serve(config: FrontendConfig) -> int:
     if frontend is None:
         return 1
     print_ready("frontend", url=frontend.url)
-    freezing = asyncio.create_task(freeze_once_loaded(frontend, thresholds), name="gc:freeze")
     await stop.wait()
-    freezing.cancel()
     log.info("stopping: draining requests in flight")
     await frontend.stop()
     return 0
