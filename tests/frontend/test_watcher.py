@@ -362,3 +362,21 @@ async def test_failing_streams_run_one_resync_at_a_time(store: Store, tmp_path: 
         assert discovery.most_listing == 1
     finally:
         await watcher.stop()
+
+
+async def test_a_pass_rejoins_a_joined_key_the_registry_lost_among_settled_ones(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """The pass skips the keys joined with the very card listed a slice at a time; a
+    registration still marked joined whose member is gone is not one of them: it rejoins."""
+    frontend = await start_frontend(reconcile_interval=3600)
+    await start_worker()
+    await wait_for(lambda: serving(frontend))
+    assert frontend.watcher is not None
+    [key] = list(frontend.registry._members)
+    frontend.registry.leave(key)  # (the registration still says joined)
+    assert frontend.watcher.registrations[key].state is State.JOINED
+    repaired = await frontend.watcher.reconcile()
+    assert repaired == {"rejoin": 1}
+    assert frontend.registry.member(key) is not None
+    assert await frontend.watcher.reconcile() == {}  # settled now: nothing to do
