@@ -58,6 +58,8 @@ class Registrations:
     ]  # of keys with no registration (removed, or about to be added)
     _clock: int
     _epochs: list[int]
+    fetching: int  # registrations with a metadata fetch in flight
+    no_fetches: asyncio.Event  # set while `fetching` is 0
 
     # -- the generation fence ----------------------------------------------------------------
 
@@ -179,9 +181,12 @@ class Registrations:
         if registration.task is not None:
             return
         if self.cache.missing(registration.model.card):
-            registration.task = asyncio.create_task(
+            registration.task = task = asyncio.create_task(
                 self._fetch_and_join(registration), name=f"fetch:{registration.model.key}"
             )
+            self.fetching += 1
+            self.no_fetches.clear()
+            task.add_done_callback(self._fetch_ended)  # (also when cancelled before it ran)
         else:
             self._join(registration)
 
@@ -200,6 +205,11 @@ class Registrations:
             log.debug("fetch for %s finished after a newer change; dropped", key)
             return
         self._join(registration)
+
+    def _fetch_ended(self, task: asyncio.Task[None]) -> None:
+        self.fetching -= 1
+        if not self.fetching:
+            self.no_fetches.set()
 
     def _join(self, registration: Registration) -> bool:
         """Add the card to its worker set; False (and logged once) if it is refused."""

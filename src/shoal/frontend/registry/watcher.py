@@ -140,6 +140,9 @@ class ModelWatcher(Registrations):
         self.listed: int | None = None  # keys in the last listing, once it is read
         self._generations: dict[ModelKey, int] = {}
         self._clock = 0
+        self.fetching = 0
+        self.no_fetches = asyncio.Event()
+        self.no_fetches.set()
         self._epochs: list[int] = []  # of the listings being applied now
         self._tasks: set[asyncio.Task[None]] = set()
         # With `follow_membership` the scope starts empty and follows `follow(scopes)`.
