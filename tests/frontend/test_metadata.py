@@ -215,6 +215,7 @@ async def test_card_removed_mid_download_does_not_cancel_the_download_for_the_ot
     await wait_for(lambda: host.by_worker["w0"] == len(FILES), message="w0 downloads started")
     rest = [await cards.register(f"w{i}") for i in range(1, 4)]
     await wait_for(lambda: fetching(watcher, [first, *rest]), message="all cards waiting")
+    assert watcher.fetching == 4 and not watcher.no_fetches.is_set()
     gone = "w0" if removed == "card-that-started-the-download" else "w1"
     gone_key = cards.keys[gone]
     fetch = watcher.registrations[gone_key].task
@@ -230,6 +231,8 @@ async def test_card_removed_mid_download_does_not_cancel_the_download_for_the_ot
     assert gone_key not in frontend.registry
     assert host.requests == Counter(dict.fromkeys(FILES, 1))  # not restarted by anyone
     assert watcher.incomplete() == []
+    # Every fetch is counted out, the cancelled one too (what the heap trim waits for).
+    assert watcher.fetching == 0 and watcher.no_fetches.is_set()
 
 
 async def test_failed_shared_download_is_taken_over_by_one_waiter_not_forty(
