@@ -10,9 +10,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from shoal.discovery import DiscoveryEvent, Query
 from shoal.frontend import Frontend, FrontendConfig
+from shoal.frontend.registry import watcher as watcher_module
 from shoal.frontend.registry.watcher import APPLY_BATCH, ModelWatcher
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
@@ -109,10 +111,13 @@ async def test_a_pass_lists_each_scope_once_and_opens_no_watch(
 
 
 async def test_a_long_pass_beats_the_heartbeat_as_it_goes(
-    discovery: FilteringDiscovery, start_frontend: StartFrontend
+    discovery: FilteringDiscovery, start_frontend: StartFrontend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A pass over thousands of entries stays healthy: it beats after every batch of
-    entries it went through (`APPLY_BATCH`), not once at its end."""
+    entries it went through (`APPLY_BATCH` checked one by one, a `SETTLED_SLICE` of those
+    found settled in C loops; the slice is made as small as a batch here), not once at its
+    end."""
+    monkeypatch.setattr(watcher_module, "SETTLED_SLICE", APPLY_BATCH)
     frontend = await start_frontend(reconcile_interval=60)
     entries = 4 * APPLY_BATCH + 1
     for i in range(entries):
