@@ -32,6 +32,13 @@ from tests.kv.probes import LoopProbe
 
 BS = 256  # tokens a block: ~1.2 KB a batch with ids of 5 bytes
 BATCHES = 20_000
+STALL_BOUND = 0.04
+"""The longest the loop's thread may run without yielding while batches are applied, in its
+CPU time: up to three slices of `APPLY_SLICE` blocks (the probe's timer waits for the slice
+running when it fell due, and the next one). 20 ms held on a quiet machine; with the suite's
+other worker beside it on this 2-core VM, whose Python ran half as fast on 2026-12-02 as the
+day before, a slice's CPU time doubles (21-22 ms seen). Unsliced, the flood holds it for
+seconds, so the bound still tells the two apart."""
 
 
 def block_tokens(i: int) -> list[int]:
@@ -86,7 +93,7 @@ async def test_a_busy_workers_whole_history_is_replayed_without_stalling_the_loo
         worst = await probe.stop()
         assert index.instance_blocks(7) == BATCHES  # every block indexed
         assert stats.resnapshots == 0
-        assert worst < 0.02, f"the loop was held {worst * 1000:.0f} ms"
+        assert worst < STALL_BOUND, f"the loop was held {worst * 1000:.0f} ms"
     finally:
         await sub.stop()
         ctx.destroy(linger=0)
@@ -107,7 +114,7 @@ async def test_a_live_flood_is_applied_in_slices(publisher: KvEventPublisher) ->
         await wait_for(lambda: sub.last_seq == BATCHES, timeout=60, message="applied")
         worst = await probe.stop()
         assert index.instance_blocks(7) == BATCHES + 1
-        assert worst < 0.02, f"the loop was held {worst * 1000:.0f} ms"
+        assert worst < STALL_BOUND, f"the loop was held {worst * 1000:.0f} ms"
     finally:
         await sub.stop()
         ctx.destroy(linger=0)
@@ -189,7 +196,8 @@ async def test_a_replay_cut_short_by_a_dropping_publisher_is_kept_and_resumed(
     # the end marker included: what did arrive is applied, the rest asked for again.
     monkeypatch.setattr(subscription, "REPLAY_TIMEOUT", 0.5)
     fake = FakeVllmPublisher()
-    count = 5_000
+    count = 20_000  # ~24 MB: more than loopback's buffers and the subscriber's queue hold,
+    # however fast the subscriber reads on a busy machine (5,000 were, at times, not cut)
     for i in range(count):
         event = ["BlockStored", [i], None if i == 0 else i - 1, block_tokens(i), BS, None]
         await fake.send(i, vllm.batch(event), live=False)
@@ -197,7 +205,7 @@ async def test_a_replay_cut_short_by_a_dropping_publisher_is_kept_and_resumed(
     endpoint = KvEndpoint(publisher=fake.endpoint, replay=fake.replay_endpoint)
     sub = subscribe(ctx, endpoint, index, stats)
     try:
-        await wait_for(lambda: sub.last_seq == count - 1, timeout=30, message="replayed")
+        await wait_for(lambda: sub.last_seq == count - 1, timeout=90, message="replayed")
         assert index.instance_blocks(7) == count
         assert len(fake.replay_requests) > 1  # (it was cut short, then resumed)
         assert stats.resnapshots == 0
