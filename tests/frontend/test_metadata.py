@@ -220,9 +220,11 @@ async def test_card_removed_mid_download_does_not_cancel_the_download_for_the_ot
     gone_key = cards.keys[gone]
     fetch = watcher.registrations[gone_key].task
     assert fetch is not None
-    await cards.unregister(gone)  # its Removed event cancels its fetch
-    await wait_for(lambda: gone_key not in watcher.registrations and fetch.done())
-    assert fetch.cancelled()
+    # The four cards wait on one fetch (not a task each), whoever started the downloads.
+    assert {watcher.registrations[key].task for key in (first, *rest)} == {fetch}
+    await cards.unregister(gone)  # its Removed event ends its wait, not the others' fetch
+    await wait_for(lambda: gone_key not in watcher.registrations and watcher.fetching == 3)
+    assert not fetch.done()
     assert host.held == len(FILES)  # the shared downloads are still waiting on the server
     host.release.set()
     staying = [key for key in (first, *rest) if key != gone_key]
@@ -233,6 +235,25 @@ async def test_card_removed_mid_download_does_not_cancel_the_download_for_the_ot
     assert watcher.incomplete() == []
     # Every fetch is counted out, the cancelled one too (what the heap trim waits for).
     assert watcher.fetching == 0 and watcher.no_fetches.is_set()
+
+
+async def test_a_fetch_nobody_waits_for_any_more_is_cancelled_and_counted_out(
+    host: MetadataHost, cards: Cards, start_frontend: StartFrontend
+) -> None:
+    frontend = await start_frontend(reconcile_interval=60)
+    watcher = watcher_of(frontend)
+    host.release.clear()
+    keys = [await cards.register(f"w{i}") for i in range(2)]
+    await wait_for(lambda: fetching(watcher, keys), message="both cards waiting")
+    fetch = watcher.registrations[keys[0]].task
+    assert fetch is not None and watcher.fetching == 2
+    for name in ("w0", "w1"):
+        await cards.unregister(name)
+    await wait_for(lambda: fetch.done(), message="the fetch ended")
+    assert fetch.cancelled()
+    assert watcher.fetching == 0 and watcher.no_fetches.is_set()
+    assert not watcher.registrations and MODEL not in frontend.registry.models
+    host.release.set()
 
 
 async def test_failed_shared_download_is_taken_over_by_one_waiter_not_forty(

@@ -23,6 +23,9 @@ from shoal.frontend.registry.versions import Versions
 
 log = logging.getLogger(__name__)
 
+JOIN_BATCH = 64
+"""Cards a finished metadata fetch joins between two yields to the event loop."""
+
 
 class State(enum.Enum):
     PENDING = "pending"  # metadata files not fetched and verified yet
@@ -38,8 +41,25 @@ class Registration:
     model: ModelInstance
     generation: int
     state: State = State.PENDING
-    task: asyncio.Task[None] | None = None  # the metadata fetch in flight
+    waiters: Waiters | None = None  # the cards it waits with for its metadata files
     error: str | None = None
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The metadata fetch it waits on (its waiters'), None when it waits for none."""
+        return None if self.waiters is None else self.waiters.task
+
+
+@dataclass(eq=False, slots=True)
+class Waiters:
+    """The registrations waiting for one set of metadata files (by checksum), and the one
+    task that fetches them: a fleet's cold start has a hundred thousand cards waiting on the
+    files of ten thousand models, and a task each cost more CPU and memory than the joins.
+    The oldest waiter's URLs are tried; when they fail, the next waiter's, and so on."""
+
+    files: tuple[str, ...]  # the checksums missing, sorted
+    members: dict[ModelKey, Registration]
+    task: asyncio.Task[None] | None = None
 
 
 class Registrations:
@@ -60,6 +80,7 @@ class Registrations:
     _epochs: list[int]
     fetching: int  # registrations with a metadata fetch in flight
     no_fetches: asyncio.Event  # set while `fetching` is 0
+    _waiting: dict[tuple[str, ...], Waiters]  # by the checksums they wait for
 
     # -- the generation fence ----------------------------------------------------------------
 
@@ -106,8 +127,7 @@ class Registrations:
             self.registry.leave(key)
             return
         self._generations[key] = registration.generation  # (what a stale listing is older than)
-        if registration.task is not None:
-            registration.task.cancel()
+        self._stop_waiting(registration)
         model = registration.model
         set_id = SetId.of(key, model.card)
         self._refused.get(set_id, {}).pop(key, None)
@@ -177,39 +197,79 @@ class Registrations:
     # -- joining -----------------------------------------------------------------------------
 
     def _try_join(self, registration: Registration) -> None:
-        """Join now if the metadata is cached, else fetch it in the background first."""
-        if registration.task is not None:
+        """Join now if the metadata is cached, else wait with the other cards missing the
+        same files for the one fetch of them (started here for the first)."""
+        if registration.waiters is not None:
             return
-        if self.cache.missing(registration.model.card):
-            registration.task = task = asyncio.create_task(
-                self._fetch_and_join(registration), name=f"fetch:{registration.model.key}"
-            )
-            self.fetching += 1
-            self.no_fetches.clear()
-            task.add_done_callback(self._fetch_ended)  # (also when cancelled before it ran)
-        else:
+        missing = self.cache.missing(registration.model.card)
+        if not missing:
             self._join(registration)
-
-    async def _fetch_and_join(self, registration: Registration) -> None:
-        key = registration.model.key
-        try:
-            await self.cache.fetch(registration.model.card)
-        except Exception as exc:
-            registration.error = str(exc)
-            self.metrics.metadata_fetch_failures.inc()
-            log.warning("metadata of %s not fetched (retried by reconciliation): %s", key, exc)
             return
-        finally:
-            registration.task = None
-        if self.registrations.get(key) is not registration:
-            log.debug("fetch for %s finished after a newer change; dropped", key)
-            return
-        self._join(registration)
+        files = tuple(sorted(file.checksum for file in missing.values()))
+        waiters = self._waiting.get(files)
+        if waiters is None:
+            waiters = self._waiting[files] = Waiters(files, {})
+            waiters.task = asyncio.create_task(
+                self._fetch_and_join(waiters), name=f"fetch:{registration.model.key}"
+            )
+        waiters.members[registration.model.key] = registration
+        registration.waiters = waiters
+        self.fetching += 1
+        self.no_fetches.clear()
 
-    def _fetch_ended(self, task: asyncio.Task[None]) -> None:
+    def _stop_waiting(self, registration: Registration) -> None:
+        """`registration` no longer waits for its fetch (joined, failed, or removed); the
+        fetch is cancelled when nobody waits for it any more (the downloads themselves are
+        shared by checksum, and go on for whoever else needs them)."""
+        waiters = registration.waiters
+        if waiters is None:
+            return
+        registration.waiters = None
         self.fetching -= 1
         if not self.fetching:
             self.no_fetches.set()
+        key = registration.model.key
+        if waiters.members.get(key) is registration:
+            del waiters.members[key]
+            task = waiters.task
+            if not waiters.members and task is not None and task is not asyncio.current_task():
+                task.cancel()
+
+    async def _fetch_and_join(self, waiters: Waiters) -> None:
+        """Fetch the files `waiters` miss with the oldest waiter's URLs (the next waiter's
+        when those fail: that card stays pending, with the error, for reconciliation to
+        retry), then join every waiter, yielding every `JOIN_BATCH` joins."""
+        try:
+            while waiters.members:
+                registration = next(iter(waiters.members.values()))
+                try:
+                    await self.cache.fetch(registration.model.card)
+                except Exception as exc:
+                    if waiters.members.get(registration.model.key) is registration:
+                        registration.error = str(exc)
+                        self._stop_waiting(registration)
+                        self.metrics.metadata_fetch_failures.inc()
+                        log.warning(
+                            "metadata of %s not fetched (retried by reconciliation): %s",
+                            registration.model.key, exc,
+                        )  # fmt: skip
+                    continue
+                break
+            joined = 0
+            while waiters.members:  # (more may come while it yields)
+                for registration in list(waiters.members.values()):
+                    if registration.waiters is not waiters:
+                        continue  # removed meanwhile
+                    self._stop_waiting(registration)
+                    self._join(registration)
+                    joined += 1
+                    if joined % JOIN_BATCH == 0:
+                        await asyncio.sleep(0)
+        finally:
+            if self._waiting.get(waiters.files) is waiters:
+                del self._waiting[waiters.files]
+            for registration in list(waiters.members.values()):  # (cancelled: nobody waits)
+                self._stop_waiting(registration)
 
     def _join(self, registration: Registration) -> bool:
         """Add the card to its worker set; False (and logged once) if it is refused."""

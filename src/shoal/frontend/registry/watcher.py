@@ -141,6 +141,7 @@ class ModelWatcher(Registrations):
         self._generations: dict[ModelKey, int] = {}
         self._clock = 0
         self.fetching = 0
+        self._waiting = {}
         self.no_fetches = asyncio.Event()
         self.no_fetches.set()
         self._epochs: list[int] = []  # of the listings being applied now
@@ -193,7 +194,7 @@ class ModelWatcher(Registrations):
 
     async def stop(self) -> None:
         tasks = list(self._tasks)
-        tasks += [r.task for r in self.registrations.values() if r.task is not None]
+        tasks += [w.task for w in self._waiting.values() if w.task is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
