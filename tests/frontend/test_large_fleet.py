@@ -130,3 +130,64 @@ class _Silent:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
+
+
+BUSY_LISTING = 1.0  # how long the store is busy with each listing after the first
+
+
+class _OneThread:
+    """A store that serves one call at a time, busy `BUSY_LISTING` s with every listing of
+    the fleet after the first: SQLite's one thread reading the watch stream's listing of
+    200,000 keys while the loop parses the first one."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._turn = asyncio.Lock()
+        self.listings = 0
+
+    async def _listing(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        async with self._turn:
+            answer = await getattr(self._store, name)(*args, **kwargs)
+            self.listings += 1
+            if self.listings > 1:
+                await asyncio.sleep(BUSY_LISTING)  # (the store's thread at work, not a wait)
+            return answer
+
+    async def get_prefixes(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._listing("get_prefixes", *args, **kwargs)
+
+    async def get_prefixes_changed(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._listing("get_prefixes_changed", *args, **kwargs)
+
+    async def get_prefix(self, *args: Any, **kwargs: Any) -> Any:
+        async with self._turn:
+            return await self._store.get_prefix(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+async def test_the_routes_are_read_before_the_fleets_listings_keep_the_store_busy(
+    start_worker: StartWorker, store: Store, discovery: FilteringDiscovery, tmp_path: Path
+) -> None:
+    worker = await start_worker(register=False)
+    card = msgspec.structs.replace(worker.card(), metadata_files={})
+    await register_fleet(store, worker.url, card)
+    busy = _OneThread(store)
+    discovery.store = busy  # type: ignore[assignment]
+    config = FrontendConfig(
+        port=0,
+        cache_dir=tmp_path / "cache",
+        setup_timeout=BUSY_LISTING / 2,
+        reconcile_interval=3600,
+    )
+    frontend = Frontend(config, discovery=discovery)
+    try:
+        # The store answers every call within the setup timeout; only its listings after
+        # the first keep it busy longer, and reading the routes must not wait behind them.
+        await frontend.start()
+        assert busy.listings >= 2  # (else this test proves nothing)
+        assert len(frontend.registry) == FLEET
+        assert frontend.route_watcher is not None and frontend.route_watcher.loaded.is_set()
+    finally:
+        await frontend.stop()

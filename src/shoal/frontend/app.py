@@ -233,14 +233,9 @@ class Frontend(Endpoints):
             self.metrics_server = HttpServer(self._serve_metrics, max_body=0, max_connections=64)
             await self.metrics_server.start(config.host, config.metrics_port)
         self.dashboard.start()
-        self._loading = asyncio.create_task(self.watcher.start(), name="discovery:load")
-        answered = asyncio.create_task(self.watcher.store_answered.wait())
-        try:
-            await asyncio.wait((self._loading, answered), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            answered.cancel()
-        if self._loading.done():
-            self._loading.result()  # (raises what loading raised)
+        # Routes and keys first: their reads are small, and behind the fleet's listings (a
+        # store with one thread reading 200,000 keys for the watch stream while the loop
+        # parses the first listing) they waited past the setup timeout at 100,000 instances.
         self.route_watcher = RouteWatcher(
             self.discovery.store, self.routes, secrets_interval=config.reconcile_interval
         )
@@ -251,6 +246,14 @@ class Frontend(Endpoints):
             await self.limits.start()
             if self.usage is not None:
                 await self.usage.start()
+        self._loading = asyncio.create_task(self.watcher.start(), name="discovery:load")
+        answered = asyncio.create_task(self.watcher.store_answered.wait())
+        try:
+            await asyncio.wait((self._loading, answered), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            answered.cancel()
+        if self._loading.done():
+            self._loading.result()  # (raises what loading raised)
 
     async def stop(self) -> None:
         """Drain: refuse new work, let requests in flight finish, then stop everything."""
