@@ -13,7 +13,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import IO
 
 import pytest
 from aiohttp import web
@@ -324,11 +323,11 @@ class FullDiskCache(MetadataCache):
     """A cache whose temporary files sit on a full disk: every write fails with ENOSPC
     (the kernel's `/dev/full`), as on a real full disk, after the temporary file exists."""
 
-    def _open_tmp(self, checksum: str) -> tuple[Path, IO[bytes] | None]:
-        tmp, out = super()._open_tmp(checksum)
-        assert out is not None
-        out.close()
-        return tmp, open("/dev/full", "wb")
+    def _create_tmp(self, checksum: str) -> tuple[str, int | None]:
+        tmp, fd = super()._create_tmp(checksum)
+        assert fd is not None
+        os.close(fd)
+        return tmp, os.open("/dev/full", os.O_WRONLY)
 
 
 async def test_full_disk_leaves_no_temporary_files_and_the_card_joins(
