@@ -255,6 +255,23 @@ async def test_a_fetch_nobody_waits_for_any_more_is_cancelled_and_counted_out(
     host.release.set()
 
 
+async def test_files_another_frontend_put_in_a_shared_cache_directory_are_used_not_fetched(
+    host: MetadataHost, cards: Cards, start_frontend: StartFrontend, tmp_path: Path
+) -> None:
+    shared = tmp_path / "shared-cache"
+    frontend = await start_frontend(reconcile_interval=60, cache_dir=shared)
+    cache = watcher_of(frontend).cache
+    # Written after this frontend indexed the directory, as another frontend would.
+    shared.mkdir(exist_ok=True)
+    for data in FILES.values():
+        cache.path("sha256:" + hashlib.sha256(data).hexdigest()).write_bytes(data)
+    key = await cards.register("w0")
+    await wait_for(lambda: serving(frontend, MODEL, instances=1))
+    assert key in frontend.registry
+    assert host.requests == Counter()  # found on disk: nothing downloaded
+    assert cache.downloads == 0
+
+
 async def test_failed_shared_download_is_taken_over_by_one_waiter_not_forty(
     host: MetadataHost, cards: Cards, start_frontend: StartFrontend
 ) -> None:
