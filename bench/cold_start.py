@@ -1,0 +1,135 @@
+"""Cold starts of `shoal frontend` from several source trees over one fleet (not a test).
+
+    .venv/bin/python -m bench.cold_start --db /tmp/shoal-bench-registry-XXXX/sqlite.db \
+        --instances 30000 [--rounds 3] [--profile PREFIX] TREE [TREE ...]
+
+The fleet is a SQLite file that `bench.registry` left in its directory (its synthetic
+instances and cards; their metadata files are served again here, at the port the cards
+name). For each round and each TREE in turn (its `src` on `PYTHONPATH`), a frontend starts
+with an empty metadata cache; reported: its ready line, the time until `--instances`
+instances are routable (`shoal_frontend_live_instances`, polled every 0.25 s), its CPU
+seconds by then, and its RSS. Trees alternate within a round, so a machine that slows down
+meanwhile slows both. `--profile PREFIX` samples each frontend with `py-spy` (if installed)
+into `PREFIX.N.txt` (raw, every thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from bench.registry import live_instances, metadata_file, process_cpu_seconds
+from shoal.cli.common import parse_ready_line
+
+
+def metadata_port(db: str) -> int:
+    """The port of the metadata server the fleet's cards name."""
+    row = (
+        sqlite3.connect(db)
+        .execute("SELECT value FROM kv WHERE key LIKE 'shoal/v1/models/bench/%' LIMIT 1")
+        .fetchone()
+    )
+    found = re.search(rb"127\.0\.0\.1:(\d+)/meta/", row[0]) if row else None
+    if found is None:
+        raise SystemExit(f"{db}: no card of bench.registry's fleet")
+    return int(found.group(1))
+
+
+async def serve_metadata(port: int) -> web.AppRunner:
+    async def get(request: web.Request) -> web.Response:
+        info = request.match_info
+        return web.Response(body=metadata_file(info["model"], info["file"]))
+
+    app = web.Application()
+    app.router.add_get("/meta/{instance}/{model}/{file}", get)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def cold_start(tree: str, db: str, instances: int, profile: str | None) -> str:
+    cache = tempfile.mkdtemp(prefix="shoal-cold-start-")
+    env = {**os.environ, "PYTHONPATH": f"{tree}/src", "SHOAL_SETUP_TIMEOUT": "300"}
+    env.pop("SHOAL_STORE", None)
+    args = ["-m", "shoal.cli.main", "frontend", "--store", f"sqlite:///{db}", "--port", "0"]
+    args += ["--cache-dir", cache, "--reconcile-interval", "3600"]
+    started = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *args, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+    spy = None
+    if profile is not None and shutil.which("py-spy"):
+        spy = await asyncio.create_subprocess_exec(
+            "py-spy", "record", "--pid", str(proc.pid), "--format", "raw", "--threads",
+            "--nonblocking", "-r", "100", "-o", profile,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        while (
+            ready := parse_ready_line((await proc.stdout.readline()).decode(), "frontend")
+        ) is None:
+            if proc.returncode is not None:
+                raise RuntimeError(f"the frontend of {tree} exited before it was ready")
+        ready_s = time.perf_counter() - started
+        async with aiohttp.ClientSession() as http:
+            while await live_instances(http, ready["url"]) < instances:  # noqa: ASYNC110
+                await asyncio.sleep(0.25)  # (another process's state: polled)
+        routable_s = time.perf_counter() - started
+        cpu, rss = process_cpu_seconds(proc.pid), rss_mib(proc.pid)
+    finally:
+        if spy is not None:
+            spy.send_signal(2)
+            await spy.wait()
+        proc.terminate()
+        await proc.wait()
+        shutil.rmtree(cache, ignore_errors=True)
+    return (
+        f"ready {ready_s:.1f} s, all routable {routable_s:.1f} s, "
+        f"CPU {cpu:.1f} s, RSS {rss:.0f} MiB"
+    )
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--db", required=True, help="a SQLite file bench.registry left")
+    parser.add_argument("--instances", type=int, required=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", help="py-spy raw samples to PREFIX.N.txt")
+    parser.add_argument("trees", nargs="+")
+    args = parser.parse_args()
+    runner = await serve_metadata(metadata_port(args.db))
+    try:
+        n = 0
+        for _ in range(args.rounds):
+            for tree in args.trees:
+                n += 1
+                profile = f"{args.profile}.{n}.txt" if args.profile else None
+                result = await cold_start(tree, args.db, args.instances, profile)
+                print(f"{tree}: {result}", flush=True)
+    finally:
+        await runner.cleanup()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
