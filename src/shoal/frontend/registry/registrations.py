@@ -240,6 +240,7 @@ class Registrations:
         when those fail: that card stays pending, with the error, for reconciliation to
         retry), then join every waiter, yielding every `JOIN_BATCH` joins."""
         try:
+            failed = 0
             while waiters.members:
                 registration = next(iter(waiters.members.values()))
                 try:
@@ -253,6 +254,9 @@ class Registrations:
                             "metadata of %s not fetched (retried by reconciliation): %s",
                             registration.model.key, exc,
                         )  # fmt: skip
+                    failed += 1
+                    if failed % JOIN_BATCH == 0:  # (a refusal can come without a download)
+                        await asyncio.sleep(0)
                     continue
                 break
             joined = 0
