@@ -188,14 +188,17 @@ class MetadataCache:
             self._files[checksum] = size
             self._bytes += size
 
-    def has(self, file: MetadataFile) -> bool:
+    def has(self, file: MetadataFile, *, on_disk: bool = True) -> bool:
+        """Whether `file` is cached (or verified and used uncached). A checksum this cache does
+        not know of is looked for on disk (another frontend may share the directory), unless
+        `on_disk` is False: then it is missing, and the fetch looks on disk first."""
         checksum = file.checksum
         if checksum in self._files:
             self._files.move_to_end(checksum)
             return True
         if checksum in self._uncached:
             return True
-        if checksum in self._shared:
+        if checksum in self._shared or not on_disk:
             return False  # being downloaded here: its end settles it, no need to look on disk
         try:
             size = os.stat(self._path(checksum)).st_size  # put there by another frontend
@@ -204,8 +207,10 @@ class MetadataCache:
         self._remember(checksum, size)
         return True
 
-    def missing(self, card: ModelCard) -> dict[str, MetadataFile]:
-        return {name: f for name, f in card.metadata_files.items() if not self.has(f)}
+    def missing(self, card: ModelCard, *, on_disk: bool = True) -> dict[str, MetadataFile]:
+        """The files of `card` not cached (`has`)."""
+        files = card.metadata_files
+        return {name: f for name, f in files.items() if not self.has(f, on_disk=on_disk)}
 
     def status(self) -> dict[str, Any]:
         """What `/health` shows of the cache: its size, and its trouble if any."""

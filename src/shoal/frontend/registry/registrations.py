@@ -7,6 +7,7 @@ paths, events and reconciliation, that make the moves).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import enum
 import logging
@@ -81,6 +82,8 @@ class Registrations:
     fetching: int  # registrations with a metadata fetch in flight
     no_fetches: asyncio.Event  # set while `fetching` is 0
     _waiting: dict[tuple[str, ...], Waiters]  # by the checksums they wait for
+    _joinable: collections.deque[tuple[Waiters, asyncio.Future[None]]]  # fetched: to join
+    _joiner: asyncio.Task[None] | None  # joins them (`_join_ready`), while there are some
 
     # -- the generation fence ----------------------------------------------------------------
 
@@ -201,7 +204,10 @@ class Registrations:
         same files for the one fetch of them (started here for the first)."""
         if registration.waiters is not None:
             return
-        missing = self.cache.missing(registration.model.card)
+        # Not looked for on disk here: a reconciliation pass registers 64 cards between two
+        # yields, and a `stat` each, with the GIL to take back from the threads busy in a cold
+        # start (the store's, the cache writer's), held the loop 0.3 s. The fetch looks once.
+        missing = self.cache.missing(registration.model.card, on_disk=False)
         if not missing:
             self._join(registration)
             return
@@ -217,10 +223,10 @@ class Registrations:
         self.fetching += 1
         self.no_fetches.clear()
 
-    def _stop_waiting(self, registration: Registration) -> None:
-        """`registration` no longer waits for its fetch (joined, failed, or removed); the
-        fetch is cancelled when nobody waits for it any more (the downloads themselves are
-        shared by checksum, and go on for whoever else needs them)."""
+    def _stop_waiting(self, registration: Registration, *, joining: bool = False) -> None:
+        """`registration` no longer waits for its fetch (joined, failed, or removed); unless
+        it is `joining`, the fetch is cancelled when nobody waits for it any more (the
+        downloads themselves are shared by checksum, and go on for whoever else needs them)."""
         waiters = registration.waiters
         if waiters is None:
             return
@@ -232,13 +238,18 @@ class Registrations:
         if waiters.members.get(key) is registration:
             del waiters.members[key]
             task = waiters.task
-            if not waiters.members and task is not None and task is not asyncio.current_task():
+            if (
+                not waiters.members
+                and not joining
+                and task is not None
+                and task is not asyncio.current_task()
+            ):
                 task.cancel()
 
     async def _fetch_and_join(self, waiters: Waiters) -> None:
         """Fetch the files `waiters` miss with the oldest waiter's URLs (the next waiter's
         when those fail: that card stays pending, with the error, for reconciliation to
-        retry), then join every waiter, yielding every `JOIN_BATCH` joins."""
+        retry), then have every waiter joined (`_join_ready`) before it ends."""
         try:
             failed = 0
             while waiters.members:
@@ -259,21 +270,44 @@ class Registrations:
                         await asyncio.sleep(0)
                     continue
                 break
-            joined = 0
-            while waiters.members:  # (more may come while it yields)
-                for registration in list(waiters.members.values()):
-                    if registration.waiters is not waiters:
-                        continue  # removed meanwhile
-                    self._stop_waiting(registration)
-                    self._join(registration)
-                    joined += 1
-                    if joined % JOIN_BATCH == 0:
-                        await asyncio.sleep(0)
+            if waiters.members:
+                # Joined by the one joiner: the fetches of thousands of models end in one
+                # wake-up of the loop (the cache writer answers a batch at once), and each
+                # joining its own cards then held it for all of them.
+                joined = asyncio.get_running_loop().create_future()
+                self._joinable.append((waiters, joined))
+                if self._joiner is None:
+                    self._joiner = asyncio.create_task(self._join_ready(), name="metadata:join")
+                await joined
         finally:
             if self._waiting.get(waiters.files) is waiters:
                 del self._waiting[waiters.files]
             for registration in list(waiters.members.values()):  # (cancelled: nobody waits)
                 self._stop_waiting(registration)
+
+    async def _join_ready(self) -> None:
+        """Join the waiters of every fetch that ended, `JOIN_BATCH` cards between two yields
+        (whichever fetches they came from); each fetch's task ends once its cards joined."""
+        count = 0
+        try:
+            while self._joinable:
+                waiters, joined = self._joinable.popleft()
+                while waiters.members:  # (more may come while it yields)
+                    for registration in list(waiters.members.values()):
+                        if registration.waiters is not waiters:
+                            continue  # removed meanwhile
+                        self._stop_waiting(registration, joining=True)
+                        try:
+                            self._join(registration)
+                        except Exception:
+                            log.exception("joining %s failed", registration.model.key)
+                        count += 1
+                        if count % JOIN_BATCH == 0:
+                            await asyncio.sleep(0)
+                if not joined.done():
+                    joined.set_result(None)
+        finally:
+            self._joiner = None
 
     def _join(self, registration: Registration) -> bool:
         """Add the card to its worker set; False (and logged once) if it is refused."""

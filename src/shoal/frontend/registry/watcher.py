@@ -26,6 +26,7 @@ slow registration that finishes after a newer removal never resurrects it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime
 import logging
@@ -142,6 +143,8 @@ class ModelWatcher(Registrations):
         self._clock = 0
         self.fetching = 0
         self._waiting = {}
+        self._joinable = collections.deque()
+        self._joiner = None
         self.no_fetches = asyncio.Event()
         self.no_fetches.set()
         self._epochs: list[int] = []  # of the listings being applied now
@@ -195,6 +198,7 @@ class ModelWatcher(Registrations):
     async def stop(self) -> None:
         tasks = list(self._tasks)
         tasks += [w.task for w in self._waiting.values() if w.task is not None]
+        tasks += [self._joiner] if self._joiner is not None else []
         for task in tasks:
             task.cancel()
         for task in tasks:
