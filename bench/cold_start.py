@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from bench.registry import live_instances, metadata_file, process_cpu_seconds
+from bench.registry import live_instances, metadata_app, process_cpu_seconds
 from shoal.cli.common import parse_ready_line
 
 
@@ -47,13 +47,7 @@ def metadata_port(db: str) -> int:
 
 
 async def serve_metadata(port: int) -> web.AppRunner:
-    async def get(request: web.Request) -> web.Response:
-        info = request.match_info
-        return web.Response(body=metadata_file(info["model"], info["file"]))
-
-    app = web.Application()
-    app.router.add_get("/meta/{instance}/{model}/{file}", get)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(metadata_app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner

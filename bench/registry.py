@@ -108,8 +108,8 @@ def card_for(model: str, metadata_url: str, instance_id: int) -> ModelCard:
     )
 
 
-async def serve_metadata() -> None:
-    """The metadata server subprocess: `GET /meta/{instance}/{model}/{file}`."""
+def metadata_app() -> web.Application:
+    """What the metadata server serves: `GET /meta/{instance}/{model}/{file}`."""
 
     async def get(request: web.Request) -> web.Response:
         info = request.match_info
@@ -119,7 +119,12 @@ async def serve_metadata() -> None:
 
     app = web.Application()
     app.router.add_get("/meta/{instance}/{model}/{file}", get)
-    runner = web.AppRunner(app, access_log=None)
+    return app
+
+
+async def serve_metadata() -> None:
+    """The metadata server subprocess (`metadata_app`)."""
+    runner = web.AppRunner(metadata_app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
