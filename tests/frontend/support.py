@@ -314,8 +314,10 @@ class FilteringDiscovery(Discovery):
         self.list_calls = 0
         self.hold_listings: asyncio.Event | None = None  # listings return once it is set
 
-    async def list_and_watch(self, query: Query | None = None) -> AsyncIterator[DiscoveryEvent]:
-        async for event in super().list_and_watch(query):
+    async def list_and_watch(
+        self, query: Query | None = None, *, after_listing: bool = False
+    ) -> AsyncIterator[DiscoveryEvent]:
+        async for event in super().list_and_watch(query, after_listing=after_listing):
             if self.drop(event):
                 self.dropped.append(event)
                 continue

@@ -82,11 +82,13 @@ class CountingDiscovery(FilteringDiscovery):
         self.streams = 0
         self.end_after: int | None = None
 
-    async def list_and_watch(self, query: Query | None = None) -> AsyncIterator[DiscoveryEvent]:
+    async def list_and_watch(
+        self, query: Query | None = None, *, after_listing: bool = False
+    ) -> AsyncIterator[DiscoveryEvent]:
         self.streams += 1
         first = self.streams == 1
         seen = 0
-        async for event in super().list_and_watch(query):
+        async for event in super().list_and_watch(query, after_listing=after_listing):
             yield event
             seen += 1
             if first and self.end_after is not None and seen >= self.end_after:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -32,6 +33,7 @@ from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import FilteringDiscovery, serving
 from tests.helpers import StallProbe, wait_for
+from tests.membership.support import add_endpoint, remove_endpoint
 
 INTERVAL = 0.4  # the reconcile interval of these tests
 
@@ -340,7 +342,9 @@ class BrokenStreams(FilteringDiscovery):
         self.listing = 0
         self.most_listing = 0
 
-    async def list_and_watch(self, query: Query | None = None) -> AsyncIterator[DiscoveryEvent]:
+    async def list_and_watch(
+        self, query: Query | None = None, *, after_listing: bool = False
+    ) -> AsyncIterator[DiscoveryEvent]:
         self.stream_failures += 1
         raise ConnectionError("injected stream failure")
         yield  # pragma: no cover - makes this an async generator
@@ -443,3 +447,56 @@ async def test_two_thousand_fetches_ending_at_once_join_their_cards_in_slices(
     assert worst < 0.05, f"the loop was held {worst * 1000:.0f} ms"
     assert watcher.fetching == 0 and watcher.no_fetches.is_set()
     await watcher.stop()
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_the_start_lists_the_store_once_and_its_streams_miss_nothing_written_meanwhile(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The streams start from the listing the start applied: the fleet is listed once (at
+    100,000 instances a second listing was 200,000 keys read, parsed and reported for
+    nothing), and what was written while the listing was applied still arrives."""
+    discovery = FilteringDiscovery(store)
+    keys = [await add_endpoint(discovery, "default", 0x100 + i) for i in range(3)]
+    listings = 0
+    listing: set[asyncio.Task[Any] | None] = set()  # (a store's listing may call another)
+
+    def counted(method: Callable[..., Any]) -> Callable[..., Any]:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal listings
+            task = asyncio.current_task()
+            if task in listing:
+                return await method(*args, **kwargs)
+            listings += 1
+            listing.add(task)
+            try:
+                return await method(*args, **kwargs)
+            finally:
+                listing.discard(task)
+
+        return call
+
+    for name in ("get_prefixes", "get_prefixes_changed"):
+        monkeypatch.setattr(store, name, counted(getattr(store, name)))
+    discovery.hold_listings = asyncio.Event()  # the listing goes stale before it is applied
+    watcher = ModelWatcher(
+        discovery, Registry(), MetadataCache(tmp_path / "cache"), FrontendMetrics()
+    )
+    starting = asyncio.create_task(watcher.start())
+    try:
+        await wait_for(lambda: discovery.list_calls == 1, message="the first listing")
+        await remove_endpoint(discovery, keys[0])
+        new = await add_endpoint(discovery, "default", 0x200)
+        discovery.hold_listings.set()
+        await starting
+        await wait_for(
+            lambda: set(watcher.registrations) == {keys[1], keys[2], new},
+            message="the changes written while the listing was applied",
+        )
+        assert listings == 1
+        assert discovery.list_calls == 1
+        later = await add_endpoint(discovery, "default", 0x201)
+        await wait_for(lambda: later in watcher.registrations, message="a later change")
+    finally:
+        await watcher.stop()
+        starting.cancel()

@@ -285,6 +285,16 @@ class CardsAndInstances:
         self._listing: list[ModelInstance] | None = None  # `reported`, in key order
         self._moved: set[ModelKey] = set()  # in `reported` since `_listing` was sorted
 
+    def copy(self) -> CardsAndInstances:
+        """A new reader holding what this one holds, and a peer of the same readers: what a
+        stream that starts from a listing begins with (its records are shared, its dicts
+        its own)."""
+        other = CardsAndInstances(self.skipped, self.peers)
+        other.held = dict(self.held)
+        other.adapters = {key: list(keys) for key, keys in self.adapters.items()}
+        other.reported = dict(self.reported)
+        return other
+
     def _others(self) -> list[CardsAndInstances]:
         return [peer for peer in self.peers if peer is not self]
 

@@ -163,16 +163,21 @@ class ModelWatcher(Registrations):
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the event streams, then load the first snapshot (retrying until it works).
-        `store_answered` is set once the store answered; until the snapshot is loaded, a log
-        line tells the progress every `PROGRESS_INTERVAL` seconds."""
-        for query in self.queries:
-            self._spawn(self._watch(query), f"watch:{query.models_prefix}")
+        """Load the first snapshot (retrying until it works), then start the event streams
+        from it. `store_answered` is set once the store answered; until the snapshot is
+        loaded, a log line tells the progress every `PROGRESS_INTERVAL` seconds.
+
+        Each stream starts from its query's listing just applied (`after_listing`): the
+        fleet is listed once, not once more by every stream (at 100,000 instances a second
+        listing of 200,000 keys, parsed and reported as 100,000 `Added` events that changed
+        nothing), and what changed while it was applied comes first."""
         reporter = self._spawn(self._report_progress(), "discovery:progress")
         try:
             await self._resync()
         finally:
             reporter.cancel()
+        for query in self.queries:
+            self._spawn(self._watch(query, after_listing=True), f"watch:{query.models_prefix}")
         self.snapshot_loaded.set()
         log.info("discovery loaded: %s", self._progress_line())
 
@@ -265,12 +270,15 @@ class ModelWatcher(Registrations):
 
     # -- events ------------------------------------------------------------------------------
 
-    async def _watch(self, query: Query) -> None:
-        """Consume one `list_and_watch` stream for ever, restarting it after a failure."""
+    async def _watch(self, query: Query, *, after_listing: bool = False) -> None:
+        """Consume one `list_and_watch` stream for ever, restarting it after a failure (a
+        restarted stream lists its query: `after_listing` is for the first one only)."""
         backoff = 0.1
         while True:
             try:
-                async for event in self.discovery.list_and_watch(query):
+                stream = self.discovery.list_and_watch(query, after_listing=after_listing)
+                after_listing = False
+                async for event in stream:
                     self.handle(event)
                     backoff = 0.1
                 log.warning("discovery stream of %s ended; restarting", query.models_prefix)
