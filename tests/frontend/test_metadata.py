@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -20,13 +21,13 @@ from aiohttp import web
 from shoal.cards import MetadataFile, ModelCard
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
 from shoal.frontend import Frontend
-from shoal.frontend.registry.metadata import MetadataCache, MetadataError
+from shoal.frontend.registry.metadata import MetadataCache, MetadataError, _Writer
 from shoal.frontend.registry.registrations import State
 from shoal.frontend.registry.watcher import ModelWatcher
 from shoal.store import Lease, Store
 from tests.frontend.conftest import StartFrontend
 from tests.frontend.support import serving
-from tests.helpers import Server, wait_for
+from tests.helpers import Server, StallProbe, wait_for
 
 MODEL = "shared-llm"
 FILES = {
@@ -441,3 +442,33 @@ async def test_a_card_arriving_as_a_shared_download_fails_takes_over_without_spi
         signal.signal(signal.SIGALRM, previous)
     assert [type(r) for r in results] == [MetadataError, MetadataError], results
     assert downloads == ["http://a/config.json", "http://b/config.json"]
+
+
+async def test_thousands_of_writes_answered_at_once_wake_their_fetches_in_slices() -> None:
+    """The cache's writer thread answers every file of a wake-up in one call back to the
+    loop: at a cold start thousands at once, each waking a fetch that goes on with its
+    card. Those wake-ups are spread over turns of the loop, a slice at a time, never all
+    in one turn."""
+    fetches = 4000
+    gate = threading.Event()
+
+    def write(checksum: str, data: bytes) -> bool:
+        return gate.wait(30)
+
+    writer = _Writer(write)
+    asked = 0
+
+    async def fetch(i: int) -> None:
+        nonlocal asked
+        asked += 1
+        assert await writer.write(f"sha256:{i:064x}", b"{}")
+        hashlib.sha256(b"x" * 20_000).digest()  # what a fetch does next, in short
+
+    tasks = [asyncio.create_task(fetch(i)) for i in range(fetches)]
+    await wait_for(lambda: asked == fetches, message="every file queued")
+    probe = StallProbe()
+    gate.set()  # (the first file's wake-up held the thread: the others come in one batch)
+    await asyncio.gather(*tasks)
+    worst = await probe.stop()
+    assert writer.batches <= 3
+    assert worst < 0.02, f"the loop was held {worst * 1000:.0f} ms"

@@ -80,6 +80,10 @@ class _SharedDownload:
     failed: dict[str, str] = field(default_factory=dict)
 
 
+RESOLVE_SLICE = 64
+"""Writes the cache's writer thread answers in one turn of the event loop."""
+
+
 class _Writer:
     """Writes small verified files in one thread: every file queued by the time it wakes
     goes in that wake-up, and their results come back to the loop in one call. A cold start
@@ -125,10 +129,16 @@ class _Writer:
             return False
 
 
-def _resolve(results: list[tuple[asyncio.Future[bool], bool]]) -> None:
-    for done, kept in results:
+def _resolve(results: list[tuple[asyncio.Future[bool], bool]], start: int = 0) -> None:
+    """Answer the writes of one batch, `RESOLVE_SLICE` per turn of the loop: each answer
+    wakes a fetch that goes on with its card, and thousands of them woken in one turn held
+    the loop for all of them (58 ms for 4,000 in the test that proves it)."""
+    end = start + RESOLVE_SLICE
+    for done, kept in results[start:end]:
         if not done.done():  # (a waiter cancelled meanwhile)
             done.set_result(kept)
+    if end < len(results):
+        asyncio.get_running_loop().call_soon(_resolve, results, end)
 
 
 class MetadataCache:
