@@ -6,8 +6,12 @@ Inside the frontend, its subpackages are layered the same way (docs/architecture
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grimp
 import pytest
+
+import shoal.frontend
 
 LAYERS = {
     "shoal.bounds": 0,
@@ -127,3 +131,18 @@ def test_frontend_subpackages_import_down_and_same_layer_ones_stay_apart(
                     f"(layer {FRONTEND_LAYERS[source]} -> {FRONTEND_LAYERS[target]})"
                 )
     assert wrong == []
+
+
+MAX_FRONTEND_MODULE_LINES = 600
+
+
+def test_no_frontend_module_is_over_600_lines() -> None:
+    """The frontend stays split along its seams: a module that grows past 600 lines holds
+    more than one thing (issue 30; `registry/watcher.py` grew to 615 before it was caught)."""
+    root = Path(shoal.frontend.__file__).parent
+    long = {
+        str(path.relative_to(root)): lines
+        for path in sorted(root.rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > MAX_FRONTEND_MODULE_LINES
+    }
+    assert long == {}
