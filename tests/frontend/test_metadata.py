@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -21,6 +22,7 @@ from aiohttp import web
 from shoal.cards import MetadataFile, ModelCard
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
 from shoal.frontend import Frontend
+from shoal.frontend.registry import metadata as metadata_module
 from shoal.frontend.registry.metadata import MetadataCache, MetadataError, _Writer
 from shoal.frontend.registry.registrations import State
 from shoal.frontend.registry.watcher import ModelWatcher
@@ -35,6 +37,7 @@ FILES = {
     "tokenizer.json": b'{"vocab": {"a": 0, "b": 1}}',
     "chat_template.jinja": b"{{ messages }}",
 }
+FILES_BY_CHECKSUM = {f"sha256:{hashlib.sha256(data).hexdigest()}": data for data in FILES.values()}
 
 
 class MetadataHost:
@@ -325,6 +328,7 @@ async def test_unwritable_cache_still_joins_reports_trouble_and_downloads_once(
     key = await cards.register("w0")
     await wait_for(lambda: serving(frontend, MODEL, instances=1))
     assert key in frontend.registry
+    await watcher_of(frontend).cache.flush()
     status, health = frontend.health()
     assert status == 200
     problem = health["metadata_cache"]["problem"]
@@ -358,6 +362,7 @@ async def test_full_disk_leaves_no_temporary_files_and_the_card_joins(
     key = await cards.register("w0")
     await wait_for(lambda: serving(frontend, MODEL, instances=1))
     assert key in frontend.registry
+    await watcher.cache.flush()
     assert list(directory.iterdir()) == []  # every temporary file removed
     assert watcher.cache.problem is not None and "No space left" in watcher.cache.problem
     await watcher.cache.close()
@@ -375,8 +380,10 @@ async def test_cache_is_bounded_least_recently_used_file_leaves_first(
     try:
         await cache._fetch_one(names[0], files[names[0]])
         await cache._fetch_one(names[1], files[names[1]])
+        await cache.flush()  # (on disk: verified files are written after their fetch)
         assert cache.has(files[names[0]])  # names[0] is now the most recently used
         await cache._fetch_one(names[2], files[names[2]])
+        await cache.flush()
         on_disk = {p.name for p in (tmp_path / "lru").iterdir()}
         assert cache.path(files[names[1]].checksum).name not in on_disk  # evicted
         assert cache.path(files[names[0]].checksum).name in on_disk
@@ -472,3 +479,73 @@ async def test_thousands_of_writes_answered_at_once_wake_their_fetches_in_slices
     worst = await probe.stop()
     assert writer.batches <= 3
     assert worst < 0.02, f"the loop was held {worst * 1000:.0f} ms"
+
+
+class SlowDiskCache(MetadataCache):
+    """A cache whose disk takes every write only once `disk` is set."""
+
+    def __init__(self, directory: Path, **kwargs: Any) -> None:
+        super().__init__(directory, **kwargs)
+        self.disk = threading.Event()
+
+    def _write_whole(self, checksum: str, data: bytes) -> bool:
+        assert self.disk.wait(30), "the test never let the disk take the write"
+        return super()._write_whole(checksum, data)
+
+
+async def test_a_card_joins_while_its_verified_files_wait_for_a_slow_disk(
+    host: MetadataHost, cards: Cards, start_frontend: StartFrontend, tmp_path: Path
+) -> None:
+    """A file is usable once verified: its card joins while the disk is still behind (a
+    cold start's 20,000 file creations, one after the other, held every join), and the
+    files reach the disk after."""
+    frontend = await start_frontend(reconcile_interval=60)
+    watcher = watcher_of(frontend)
+    directory = tmp_path / "slow"
+    cache = watcher.cache = SlowDiskCache(directory)
+    try:
+        key = await cards.register("w0")
+        await wait_for(lambda: serving(frontend, MODEL, instances=1))
+        assert key in frontend.registry
+        _, health = frontend.health()
+        assert health["metadata_cache"]["unwritten_files"] == len(FILES)
+        assert not directory.exists() or not any(
+            p.name.startswith("sha256-") for p in directory.iterdir()
+        )
+        cache.disk.set()
+        await wait_for(lambda: cache.status()["files"] == len(FILES), message="written")
+        for file in host.card("w0").metadata_files.values():
+            assert cache.path(file.checksum).read_bytes() == FILES_BY_CHECKSUM[file.checksum]
+        assert cache.status()["unwritten_files"] == 0
+    finally:
+        cache.disk.set()
+        await cache.close()
+
+
+async def test_a_disk_that_hangs_holds_at_most_the_bound_of_files_in_memory(
+    host: MetadataHost,
+    cards: Cards,
+    start_frontend: StartFrontend,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over `MAX_PENDING_BYTES` of verified files held for a disk that does not take them,
+    a download waits for its own write: the card joins when the disk answers, and memory
+    stays bounded."""
+    monkeypatch.setattr(metadata_module, "MAX_PENDING_BYTES", 1)
+    frontend = await start_frontend(reconcile_interval=60)
+    watcher = watcher_of(frontend)
+    cache = watcher.cache = SlowDiskCache(tmp_path / "hung")
+    try:
+        key = await cards.register("w0")
+        await wait_for(lambda: host.requests == Counter(dict.fromkeys(FILES, 1)))
+        await wait_for(lambda: cache._writer._queue != [] or cache._writer._draining)
+        assert not serving(frontend, MODEL, instances=1)
+        assert cache.status()["unwritten_files"] == 0  # none held: each waits for its write
+        cache.disk.set()
+        await wait_for(lambda: serving(frontend, MODEL, instances=1))
+        assert key in frontend.registry
+        assert cache.status()["files"] == len(FILES)
+    finally:
+        cache.disk.set()
+        await cache.close()

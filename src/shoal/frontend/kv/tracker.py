@@ -241,12 +241,17 @@ class KvTracker:
         path = self.cache.path(tokenizer.checksum)
         config = card.metadata_files.get(CONFIG_FILE)
         config_path = None if config is None else self.cache.path(config.checksum)
-        task = asyncio.ensure_future(self._load(state, ws.id, path, config_path))
+        checksums = [f.checksum for f in (tokenizer, config) if f is not None]
+        task = asyncio.ensure_future(self._load(state, ws.id, path, config_path, checksums))
         self._loads.add(task)
         task.add_done_callback(self._loads.discard)
 
-    async def _load(self, state: KvSet, set_id: SetId, path: Path, config: Path | None) -> None:
+    async def _load(
+        self, state: KvSet, set_id: SetId, path: Path, config: Path | None, checksums: list[str]
+    ) -> None:
         try:
+            if self.cache is not None:
+                await self.cache.written(*checksums)  # (a card joins before its files are on disk)
             state.tokenizer = await asyncio.to_thread(PromptTokenizer.load, path, config)
             state.no_tokenizer = ""
         except Exception as exc:  # any unusable file: the set routes by prefix instead
