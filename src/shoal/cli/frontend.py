@@ -439,6 +439,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         metadata_max_file_bytes=args.metadata_max_file_bytes,
         drain_timeout=args.drain_timeout,
         setup_timeout=setup_timeout,
+        freeze_loading=True,  # (this process is the frontend's own)
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
         max_connections=args.max_connections,

@@ -212,6 +212,7 @@ class Frontend(Endpoints):
             self.metrics,
             config.namespaces,
             follow_membership=self._membership_factory is not None,
+            freeze_loading=config.freeze_loading,
         )
         store = self.watcher.store
         self.metrics.watch_store(lambda: store.unreachable_since)

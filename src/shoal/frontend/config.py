@@ -47,6 +47,8 @@ class FrontendConfig:
     public_health: bool = False  # with API keys, `/health` details without the key too
     metrics_port: int | None = None  # serve `/metrics` on this port (same host) instead
     setup_timeout: float = 10.0  # seconds for the store to answer the first listing
+    # `gc.freeze()` what the first load builds (process-wide: `shoal frontend` sets it).
+    freeze_loading: bool = False
     # The scope follows a membership watch (built by `shoal.cli`) instead of `namespaces`:
     namespace_sources: Path | None = None
     namespaces_from_discovery: bool = False

@@ -337,6 +337,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.upstream.forget(self)
+        # The parser holds this protocol's methods: a reference cycle, left to the garbage
+        # collector for every closed connection (and for good in a frozen registry).
+        del self.parser
+        self.transport = None
         sink, self.sink = self.sink, None
         if sink is None:
             return
