@@ -81,10 +81,10 @@ class _SharedDownload:
 
 
 RESOLVE_SLICE = 64
+"""Writes the cache's writer thread answers in one turn of the event loop."""
 MAX_PENDING_BYTES = 64 << 20
 """Verified small files held in memory while the disk is behind, before a download waits
 for its own write."""
-"""Writes the cache's writer thread answers in one turn of the event loop."""
 
 
 class _Writer:
