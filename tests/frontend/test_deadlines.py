@@ -54,3 +54,15 @@ async def test_one_attempt_whose_check_fails_does_not_stop_the_others() -> None:
     await wait_for(lambda: len(sound.checks) >= 3, message="swept")
     assert len(broken.checks) == 1  # dropped after its failure
     assert deadlines.watched == {sound}
+
+
+async def test_closed_deadlines_sweep_no_more_and_hold_no_timer() -> None:
+    deadlines = Deadlines(0.1)
+    attempt = Attempt(deadlines)
+    deadlines.watch(attempt)
+    await wait_for(lambda: len(attempt.checks) >= 1, message="swept")
+    timer = deadlines._timer
+    assert timer is not None
+    deadlines.close()
+    assert deadlines._timer is None and timer.cancelled()
+    assert deadlines.watched == set()

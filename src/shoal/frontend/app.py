@@ -283,6 +283,8 @@ class Frontend(Endpoints):
             await self.usage.stop()
         self.routes.close()
         self.registry.close()
+        if self.proxy.deadlines is not None:
+            self.proxy.deadlines.close()
         if self._own_store is not None:
             await self._own_store.close()
 

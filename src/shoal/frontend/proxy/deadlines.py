@@ -66,3 +66,11 @@ class Deadlines:
             self._timer = asyncio.get_running_loop().call_later(self.every, self._sweep)
         else:
             self._timer = None
+
+    def close(self) -> None:
+        """Stop sweeping (the frontend stops): the pending timer holds this object, and this
+        object the timer, a reference cycle that outlives a stopped frontend otherwise."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.watched.clear()
