@@ -5,9 +5,11 @@ again whole."""
 
 from __future__ import annotations
 
+import sqlite3
 import uuid
 import weakref
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -16,6 +18,7 @@ import pytest
 from shoal.cards import MetadataFile, ModelCard
 from shoal.discovery import Discovery, EndpointId, ModelKey, Query, join
 from shoal.store import KeyRevision, Store, open_store
+from shoal.store.sqlite import SQLiteStore
 from tests.discovery.test_discovery import EP, Watch, info, make_card, register
 from tests.helpers import wait_for
 
@@ -272,3 +275,43 @@ async def test_a_reader_takes_a_value_left_out_from_a_peer_at_its_revision_or_as
     assert await reading.replace_all(Query(), later.items, needed=needed) == []
     assert [kv.key for kv in needed] == [keys[0].key]
     assert not reading.held[keys[0].key].card.taints  # (not dropped, not changed)
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "sqlite, its log trimmed"])
+async def test_a_listing_since_the_last_one_lists_what_a_new_reader_lists(
+    kind: str, tmp_path: Path
+) -> None:
+    """Whole (memory; SQLite past its change log) or a delta from the change log (SQLite),
+    a listing that starts from the last one ends where a reader reading everything does:
+    through new cards and instances, taints, a card gone, an instance gone with its cards,
+    a registration made again under a new lease, one that ended with its lease."""
+    url = f"memory://{uuid.uuid4().hex}" if kind == "memory" else f"sqlite:///{tmp_path}/d.db"
+    store = await open_store(url)
+    try:
+        disc = Discovery(store)
+        keys = [await register(disc, EP, 0xB0 + i, card_at(i)) for i in range(6)]
+        lease = await store.grant(60.0, keepalive=False)
+        leased = ModelKey(EP, 0xC0)
+        await disc.register_instance(info(EP, 0xC0), lease=lease.id)
+        await disc.register_model(leased, card_at(0xC0), lease=lease.id)
+        assert len(await disc.list()) == 7
+        await disc.update_taints(keys[0], ["draining"])
+        await disc.unregister_model(keys[1])
+        await disc.unregister_instance(EP, keys[2].instance_id)  # (its card stays, unjoined)
+        await disc.unregister_model(keys[3])
+        await disc.register_model(keys[3], card_at(3, name="again"), lease=0)
+        await lease.revoke()
+        keys.append(await register(disc, EP, 0xD0, card_at(0xD0)))
+        if kind == "sqlite, its log trimmed":
+            assert isinstance(store, SQLiteStore)
+            with sqlite3.connect(store.path) as conn:
+                conn.execute("DELETE FROM changes")
+                conn.execute("UPDATE meta SET compact_revision = revision WHERE id = 0")
+        listed = await disc.list()
+        assert listed == await Discovery(store).list()
+        assert [m.key for m in listed] == [keys[0], keys[3], keys[4], keys[5], keys[6]]
+        assert listed[0].card.taints == ("draining",)
+        assert listed[1].card.display_name == "again"
+        assert await disc.list() == listed  # and again, with nothing changed
+    finally:
+        await store.close()

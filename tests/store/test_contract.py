@@ -20,7 +20,9 @@ from shoal.store import (
     KeyValue,
     Lease,
     LeaseKeeper,
+    Listing,
     Resync,
+    Snapshot,
     Store,
     StoreError,
     StoreUnavailableError,
@@ -509,24 +511,61 @@ async def test_several_prefixes_are_read_at_one_revision(backend: Backend, prefi
         await writer.close()
 
 
-async def test_a_listing_of_what_changed_lists_every_key_and_leaves_out_only_older_values(
+def held_after(
+    held: dict[str, KeyValue], listing: Listing, since: int
+) -> dict[str, tuple[int, int, int, bytes]]:
+    """What a reader that held `held` (read at `since`) holds once it applies `listing`:
+    each key's revisions, lease and value. Checks what the contract allows of each item."""
+    if listing.removed is None:  # every key listed; an older value may be left out
+        now: dict[str, KeyValue] = {}
+        for kv in listing.items:
+            if isinstance(kv, KeyRevision):
+                assert kv.mod_revision <= since, kv
+                assert held[kv.key].mod_revision == kv.mod_revision, kv
+                now[kv.key] = held[kv.key]
+            else:
+                now[kv.key] = kv
+    else:  # a delta: only what was written since, and what is gone since
+        now = dict(held)
+        for kv in listing.items:
+            assert isinstance(kv, KeyValue) and kv.mod_revision > since, kv
+            now[kv.key] = kv
+        for key in listing.removed:
+            now.pop(key, None)
+    return {k: (kv.mod_revision, kv.create_revision, kv.lease, kv.value) for k, kv in now.items()}
+
+
+def as_held(snap: Snapshot) -> dict[str, tuple[int, int, int, bytes]]:
+    return {kv.key: (kv.mod_revision, kv.create_revision, kv.lease, kv.value) for kv in snap.items}
+
+
+async def test_a_listing_of_what_changed_brings_a_reader_at_since_to_the_whole_listing(
     store: Store, prefix: str
 ) -> None:
-    """`get_prefixes_changed(prefixes, since)` lists what `get_prefixes` does, with the same
-    revisions and leases; a value may be left out only where its key's `mod_revision` is at
-    or below `since`, and every value written after `since` is sent."""
+    """`get_prefixes_changed(prefixes, since)` gives a reader that holds the keys at `since`
+    what `get_prefixes` would: every key with its revisions, lease and value. Whole (a value
+    left out only at or below `since`) or a delta (the keys written since, and the keys
+    gone since: deleted, recreated, or their lease ended)."""
     a, b = prefix + "a/", prefix + "b/"
     lease = await store.grant(60.0, keepalive=False)
+    ending = await store.grant(60.0, keepalive=False)
     await store.put(a + "kept", b"1")
     await store.put(a + "changed", b"2")
     await store.put(a + "recreated", b"3")
+    await store.put(a + "deleted", b"4")
     await store.put(b + "leased", b"4", lease=lease.id)
+    await store.put(b + "ended", b"5", lease=ending.id)
     await store.put(prefix + "c/outside", b"5")
-    since = (await store.get_prefixes((a, b))).revision
+    at_since = await store.get_prefixes((a, b))
+    since = at_since.revision
     await store.put(a + "changed", b"2'")
     await store.delete(a + "recreated")
     await store.put(a + "recreated", b"3'")
+    await store.delete(a + "deleted")
     await store.put(b + "new", b"6")
+    await ending.revoke()
+    await store.put(prefix + "c/outside", b"5'")
+    await store.put(prefix + "c/new", b"7")
     answered: list[bool] = []
     listing = await store.get_prefixes_changed(
         (b, a), since, on_answer=lambda: answered.append(True)
@@ -534,24 +573,17 @@ async def test_a_listing_of_what_changed_lists_every_key_and_leaves_out_only_old
     full = await store.get_prefixes((a, b))
     assert answered == [True]
     assert listing.revision == full.revision  # (nothing written between the two)
-
-    def revisions(kv: KeyValue | KeyRevision) -> tuple[str, int, int, int]:
-        return kv.key, kv.mod_revision, kv.lease, kv.create_revision
-
-    assert [revisions(kv) for kv in listing.items] == [revisions(kv) for kv in full.items]
-    for kv, whole in zip(listing.items, full.items, strict=True):
-        if isinstance(kv, KeyValue):
-            assert kv.value == whole.value
-        else:
-            assert isinstance(kv, KeyRevision) and kv.mod_revision <= since, kv
-    sent = {kv.key for kv in listing.items if isinstance(kv, KeyValue)}
-    assert {a + "changed", a + "recreated", b + "new"} <= sent
+    held = {kv.key: kv for kv in at_since.items}
+    assert held_after(held, listing, since) == as_held(full)
+    if listing.removed is not None:
+        assert set(listing.removed) <= {a + "deleted", b + "ended"} | set(held)
     # Since revision 0 every value is sent; since the latest, none need be.
     everything = await store.get_prefixes_changed((a, b), 0)
+    assert everything.removed is None
     assert all(isinstance(kv, KeyValue) for kv in everything.items)
-    assert [revisions(kv) for kv in everything.items] == [revisions(kv) for kv in full.items]
+    assert held_after({}, everything, 0) == as_held(full)
     latest = await store.get_prefixes_changed((a, b), full.revision)
-    assert [revisions(kv) for kv in latest.items] == [revisions(kv) for kv in full.items]
+    assert held_after({kv.key: kv for kv in full.items}, latest, full.revision) == as_held(full)
     await lease.revoke()
 
 

@@ -452,7 +452,14 @@ async def test_a_read_only_reader_reads_without_keys_of_an_expired_lease(url: st
         assert await reader.get("shoal/v1/instances/ns/c/e/11fe") is not None
         keys = [kv.key for kv in (await reader.get_prefix("shoal/v1/")).items]
         assert keys == ["shoal/v1/instances/ns/c/e/11fe", "shoal/v1/models/ns/c/e/11fe"]
-        assert [m.key.instance_id for m in await Discovery(reader).list()] == [0x11FE]
+        disc = Discovery(reader)
+        assert [m.key.instance_id for m in await disc.list()] == [0x11FE]
+        # A delta from the file's revision (nothing written since) still leaves them out.
+        revision = (await reader.get_prefix("shoal/v1/")).revision
+        delta = await reader.get_prefixes_changed(("shoal/v1/",), revision)
+        assert delta.items == []
+        assert delta.removed == ["shoal/v1/instances/ns/c/e/dead", "shoal/v1/models/ns/c/e/dead"]
+        assert [m.key.instance_id for m in await disc.list()] == [0x11FE]
         with pytest.raises(StoreError, match="read-only"):
             await reader.put("k", b"v")
     finally:
@@ -584,13 +591,51 @@ async def test_a_version_2_file_without_lease_expiry_is_migrated(tmp_path: Path)
         await again.close()
 
 
-async def test_a_listing_of_what_changed_reads_only_the_values_written_since(
+def forget_the_change_log(path: Path, *, past: int = 0) -> None:
+    """Trim the change log up to the file's revision, as a long run of writes does (and
+    mark it trimmed `past` revisions beyond: a listing since the file's revision is then
+    whole too)."""
+    with sqlite3.connect(path) as conn:
+        conn.execute("DELETE FROM changes")
+        conn.execute("UPDATE meta SET compact_revision = revision + ? WHERE id = 0", (past,))
+
+
+async def test_a_listing_of_what_changed_is_a_delta_read_from_the_change_log(
     store: SQLiteStore,
 ) -> None:
+    """While the log reaches back to `since`, only what it names is read: the keys written
+    since, as they are, and the keys gone since; whatever the number of keys unchanged."""
+    lease = await store.grant(60.0, keepalive=False)
+    for i in range(50):
+        await store.put(f"k/unchanged/{i:02}", b"0")
+    await store.put("k/deleted", b"1")
+    await store.put("k/leased", b"2", lease=lease.id)
+    since = await store.put("k/changed", b"3")
+    await store.put("k/changed", b"3'")
+    await store.delete("k/deleted")
+    await store.put("k/new", b"4")
+    await store.put("other/new", b"5")
+    await lease.revoke()
+    listing = await store.get_prefixes_changed(("k/",), since)
+    assert listing.items == [
+        KeyValue("k/changed", b"3'", since + 1, 0, since),
+        KeyValue("k/new", b"4", since + 3, 0, since + 3),
+    ]
+    assert listing.removed == ["k/deleted", "k/leased"]
+    assert listing.revision == since + 5
+
+
+async def test_a_listing_of_what_changed_past_the_change_log_lists_every_key(
+    store: SQLiteStore,
+) -> None:
+    """Once the log is trimmed past `since` the listing is whole: every key, the values
+    written since, and the others without theirs."""
     await store.put("k/old", b"1")
     since = await store.put("k/older", b"2")
     await store.put("k/new", b"3")
+    forget_the_change_log(store.path)
     listing = await store.get_prefixes_changed(("k/",), since)
+    assert listing.removed is None
     assert listing.items == [
         KeyValue("k/new", b"3", since + 1, 0, since + 1),
         KeyRevision("k/old", since - 1, 0, since - 1),
@@ -616,6 +661,7 @@ async def test_a_file_from_before_the_listing_index_gets_it_and_old_writers_keep
     await store.close()
     with sqlite3.connect(path) as conn:
         conn.execute(f"DROP INDEX {LISTING_INDEX}")  # the file as the earlier build left it
+    forget_the_change_log(path, past=1)  # (a whole listing, which reads the index)
     reader = await SQLiteStore.open(f"sqlite:///{path}?mode=ro")
     try:
         listing = await reader.get_prefixes_changed(("k/",), 1)
@@ -628,7 +674,7 @@ async def test_a_file_from_before_the_listing_index_gets_it_and_old_writers_keep
             names = [n for (n,) in conn.execute("SELECT name FROM sqlite_master")]
             assert LISTING_INDEX in names
             # An earlier build's put, as it wrote one (it knows nothing of the index).
-            conn.execute("UPDATE meta SET revision = revision + 1 WHERE id = 0")
+            conn.execute("UPDATE meta SET revision = 2, compact_revision = 0 WHERE id = 0")
             conn.execute(
                 "INSERT INTO kv (key, value, mod_revision, lease, create_revision)"
                 " VALUES ('k/b', x'32', 2, 0, 2)"
@@ -636,7 +682,7 @@ async def test_a_file_from_before_the_listing_index_gets_it_and_old_writers_keep
             conn.execute("INSERT INTO changes (revision, key, value) VALUES (2, 'k/b', x'32')")
             conn.execute("UPDATE kv SET value = x'31', mod_revision = 3 WHERE key = 'k/a'")
             conn.execute("INSERT INTO changes (revision, key, value) VALUES (3, 'k/a', x'31')")
-            conn.execute("UPDATE meta SET revision = 3 WHERE id = 0")
+            conn.execute("UPDATE meta SET revision = 3, compact_revision = 3 WHERE id = 0")
         listing = await store.get_prefixes_changed(("k/",), 2)
         assert listing.items == [KeyValue("k/a", b"1", 3, 0, 1), KeyRevision("k/b", 2, 0, 2)]
         assert (await store.get_prefixes(("k/",))).revision == 3

@@ -489,6 +489,31 @@ class CardsAndInstances:
                     self.skipped.pop(kv_key, None)  # no longer in the store
         return touched
 
+    async def apply_changes(
+        self, items: Sequence[KeyValue | KeyRevision], removed: Sequence[str]
+    ) -> list[ModelKey]:
+        """A delta listing (`Listing.removed`) from the revision this reader holds: `items`
+        were written since, `removed` are gone since; every other key is as held. Yields
+        to the event loop every `LIST_BATCH` values parsed."""
+        touched: list[ModelKey] = []
+        others = self._others()
+        held = self.held
+        parsed = 0
+        for kv in items:
+            was = held.get(kv.key)
+            if was is not None and was.mod_revision == kv.mod_revision:
+                continue  # (held already: a peer's value, or one read since)
+            if isinstance(kv, KeyRevision):
+                raise ValueError(f"{kv.key} listed as changed without its value")
+            read_at = _held_revisions(kv.create_revision, kv.mod_revision)
+            self._put(was, kv.key, kv.value, read_at, touched, others)
+            parsed += 1
+            if parsed % LIST_BATCH == 0:
+                await asyncio.sleep(0)
+        for kv_key in removed:
+            touched.extend(self.delete(kv_key))
+        return touched
+
     async def report(
         self, keys: Iterable[ModelKey], pause_every: int = LIST_BATCH
     ) -> list[DiscoveryEvent]:

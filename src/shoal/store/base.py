@@ -29,6 +29,9 @@ suite in `tests/store/` proves on each backend:
   `KeyRevision`). Every write has its own revision, so a reader that holds a key's value
   read at exactly that `mod_revision` holds the value the listing left out; any other
   reader must read it (a backend may send every value: a `KeyValue` is always correct).
+  A backend whose change log covers `since` may answer with a delta instead (`Listing.
+  removed`): only the keys written since, and the keys gone since. What a reader holds at
+  `since` plus the delta is what a whole listing would have given.
 """
 
 from __future__ import annotations
@@ -106,10 +109,16 @@ class Snapshot:
 @dataclass(frozen=True, slots=True)
 class Listing:
     """The keys under prefixes and the revision they were read at, where the values of the
-    keys not changed since the reader's revision may be left out (`KeyRevision`)."""
+    keys not changed since the reader's revision may be left out (`KeyRevision`).
+
+    `removed` None: `items` are every key. A list: the listing is a delta from the
+    reader's revision (`since`): `items` are only the keys written since, as they are now
+    (`KeyValue`), and `removed` the keys gone since (deleted, or their lease expired); a
+    key in neither is as the reader holds it at `since`."""
 
     items: list[KeyValue | KeyRevision]
     revision: int
+    removed: list[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,7 +77,10 @@ or a newer version, is refused at open in one line naming what is missing.
 
 Compaction: the change log keeps the last `RETAIN_CHANGES` (1000) revisions, trimmed
 every `TRIM_EVERY` writes, so its size is bounded whatever the write rate; a watcher that
-falls further behind than that gets a `Resync`. The WAL is checkpointed automatically
+falls further behind than that gets a `Resync`, and a listing of what changed since a
+revision the log still reaches is read from it (`_changes_since`: a delta, the keys the
+log names, whatever the number of keys unchanged; a reconciliation pass over a quiet fleet
+of 100,000 reads nothing per instance). The WAL is checkpointed automatically
 every `WAL_AUTOCHECKPOINT_PAGES` pages and truncated to `JOURNAL_SIZE_LIMIT` afterwards.
 """
 
@@ -475,6 +478,54 @@ def _changed_items(
     return list(map(next, map(take.__getitem__, omitted)))
 
 
+def _changes_since(
+    conn: sqlite3.Connection, prefixes: Sequence[str], since: int, now: float
+) -> Listing | None:
+    """What changed under `prefixes` (`distinct_prefixes`) since `since`, as a delta
+    (`Listing.removed`), read from the change log; None when the log does not reach back
+    to `since` (trimmed past it, or a file whose revision is behind it: another file).
+
+    Read: the keys the log names after `since` (at most `RETAIN_CHANGES` + `TRIM_EVERY`
+    revisions: a bounded read whatever the fleet's size), the live rows of those, and the
+    keys whose lease has expired but that are not reaped yet (a client that cannot write).
+    A reader that held every key at `since` holds every key now once it applies them."""
+    revision, compacted = conn.execute(
+        "SELECT revision, compact_revision FROM meta WHERE id = 0"
+    ).fetchone()
+    if since < compacted or since > revision:
+        return None
+    items: list[KeyValue | KeyRevision] = []
+    gone: set[str] = set()
+    for prefix in prefixes:
+        params: dict[str, object] = {**_expired_at(now), "since": since}
+        where = "1"
+        if prefix:
+            params.update(low=prefix, high=prefix[:-1] + chr(ord(prefix[-1]) + 1))
+            where = "key >= :low AND key < :high"
+        written = conn.execute(
+            f"SELECT DISTINCT key FROM changes WHERE revision > :since AND {where}", params
+        ).fetchall()
+        if not written:
+            continue
+        rows = conn.execute(
+            f"{_KV_COLUMNS} WHERE {where} AND {_LIVE} AND key IN"
+            f" (SELECT key FROM changes WHERE revision > :since AND {where}) ORDER BY key",
+            params,
+        ).fetchall()
+        live = [kv for row in rows if (kv := _kv(row)) is not None]
+        items.extend(live)
+        gone.update(key for (key,) in written)
+        gone.difference_update(kv.key for kv in live)
+    for prefix in prefixes:  # (the keys of expired leases not reaped: gone)
+        params = _expired_at(now)
+        where = f"lease != 0 AND lease IN (SELECT id FROM leases WHERE {_EXPIRED})"
+        if prefix:
+            params.update(low=prefix, high=prefix[:-1] + chr(ord(prefix[-1]) + 1))
+            where += " AND key >= :low AND key < :high"
+        gone.update(key for (key,) in conn.execute(f"SELECT key FROM kv WHERE {where}", params))
+    return Listing(items, revision, removed=sorted(gone))
+
+
 def _listed(row: tuple[str, object, int, int, int]) -> KeyValue | KeyRevision | None:
     """A row of `_changed_items`: its value left out (None), or `_kv`."""
     key, value, mod_revision, lease, create_revision = row
@@ -790,9 +841,12 @@ class SQLiteStore(Store):
         distinct = distinct_prefixes(prefixes)
 
         def read(conn: sqlite3.Connection) -> Listing:
+            now = lease_clock()
+            if (delta := _changes_since(conn, distinct, since, now)) is not None:
+                return delta
             if self._listing_index is None:
                 self._listing_index = _has_listing_index(conn)
-            revision, now = _revision(conn), lease_clock()
+            revision = _revision(conn)
             items = [
                 kv
                 for prefix in distinct
