@@ -209,10 +209,8 @@ class Endpoints:
             else:
                 conn.send(200, _json(self.membership.status.to_dict()))
         elif path == b"/metrics" and self.metrics_server is None:
-            if self.metrics_source is None:
-                conn.send(200, self.metrics.render(), _METRICS_TYPE)
-            else:
-                _MetricsLater(conn, self.metrics_source())
+            source = self.metrics_source or self.metrics.render_sliced
+            _MetricsLater(conn, source())
         else:
             raise errors.not_found(path.decode())
 
@@ -225,7 +223,7 @@ class Endpoints:
                 request.method.decode(), "/metrics", (b"GET", b"HEAD")
             )
         else:
-            conn.send(200, self.metrics.render(), _METRICS_TYPE)
+            _MetricsLater(conn, self.metrics.render_sliced())
             return
         conn.send(error.status, error.body(), headers=error.headers)
 
@@ -355,8 +353,9 @@ class Endpoints:
 
 
 class _MetricsLater:
-    """A `/metrics` answer produced by an awaitable (the merged metrics of several
-    processes); cancelled if the client goes away, 503 if the awaitable fails."""
+    """A `/metrics` answer produced by an awaitable (written a slice of models at a time,
+    or the merged metrics of several processes); cancelled if the client goes away, 503 if
+    the awaitable fails."""
 
     def __init__(self, conn: HttpConnection, body: Awaitable[bytes]) -> None:
         self.task = asyncio.ensure_future(self._answer(conn, body))
