@@ -9,6 +9,8 @@ freed by its reference count: an instance that leaves must leave no reference cy
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 from collections import Counter
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ import pytest
 from shoal.discovery import Discovery, InstanceInfo, ModelKey
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.http.upstream import Upstream
+from shoal.frontend.registry.freeze import freeze_while_loading
 from shoal.store import Store
 from tests.frontend.conftest import StartWorker
 from tests.helpers import wait_for
@@ -149,3 +152,23 @@ async def test_an_instance_that_leaves_leaves_no_reference_cycle(
         gc.garbage.clear()
         gc.enable()
         await frontend.stop()
+
+
+async def test_no_full_collection_runs_while_loading_and_the_thresholds_come_back() -> None:
+    """While it freezes, the oldest generation is never collected (its threshold lifted);
+    once loaded and fetched the thresholds are what they were, also when cancelled."""
+    before = gc.get_threshold()
+    loaded, fetched = asyncio.Event(), asyncio.Event()
+    freezing = asyncio.create_task(freeze_while_loading(loaded, fetched))
+    await wait_for(lambda: gc.get_threshold()[2] > 10**6, message="lifted while loading")
+    assert gc.get_threshold()[:2] == before[:2]
+    loaded.set()
+    fetched.set()
+    await asyncio.wait_for(freezing, 5)
+    assert gc.get_threshold() == before
+    cancelled = asyncio.create_task(freeze_while_loading(asyncio.Event(), asyncio.Event()))
+    await wait_for(lambda: gc.get_threshold()[2] > 10**6, message="lifted again")
+    cancelled.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await cancelled
+    assert gc.get_threshold() == before

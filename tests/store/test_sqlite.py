@@ -26,7 +26,13 @@ from shoal.store import (
     StoreUnavailableError,
     open_store,
 )
-from shoal.store.sqlite import BOOT_ID, LISTING_INDEX, RETAIN_CHANGES, SQLiteStore
+from shoal.store.sqlite import (
+    BOOT_ID,
+    BUILD_SLICE,
+    LISTING_INDEX,
+    RETAIN_CHANGES,
+    SQLiteStore,
+)
 from tests.helpers import StallProbe, wait_for
 from tests.store.support import Recorder
 
@@ -647,6 +653,26 @@ async def test_a_listing_of_what_changed_past_the_change_log_lists_every_key(
         f" FROM kv INDEXED BY {LISTING_INDEX} WHERE key >= 'k/' AND key < 'k0'"
     ).fetchall()
     assert "COVERING INDEX" in str(plan), plan
+
+
+async def test_a_listing_larger_than_a_build_slice_keeps_key_order_across_slices(
+    store: SQLiteStore,
+) -> None:
+    """Rows are built a `BUILD_SLICE` at a time: a listing of several slices is the one a
+    single pass would give, values and omissions in key order."""
+    n = BUILD_SLICE * 2 + 7
+    for i in range(n):
+        await store.put(f"k/{i:06}", b"v")
+    since = (await store.get_prefix("k/")).revision
+    for i in range(0, n, 3):
+        await store.put(f"k/{i:06}", b"w")
+    forget_the_change_log(store.path)
+    listing = await store.get_prefixes_changed(("k/",), since)
+    assert [kv.key for kv in listing.items] == [f"k/{i:06}" for i in range(n)]
+    assert [isinstance(kv, KeyValue) for kv in listing.items] == [i % 3 == 0 for i in range(n)]
+    whole = await store.get_prefix("k/")
+    assert [kv.key for kv in whole.items] == [f"k/{i:06}" for i in range(n)]
+    assert [kv.value for kv in whole.items] == [b"w" if i % 3 == 0 else b"v" for i in range(n)]
 
 
 async def test_a_file_from_before_the_listing_index_gets_it_and_old_writers_keep_it_current(

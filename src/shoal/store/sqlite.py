@@ -425,12 +425,23 @@ def _items(conn: sqlite3.Connection, prefix: str, now: float) -> list[KeyValue]:
         params.update(low=prefix, high=prefix[:-1] + chr(ord(prefix[-1]) + 1))
         where = f"key >= :low AND key < :high AND {_LIVE}"
     rows = conn.execute(f"{_KV_COLUMNS} WHERE {where} ORDER BY key", params).fetchall()
-    # Built in C loops (a listing of 200,000 keys holds the GIL while it is built), and
-    # checked in one: a value that is not a BLOB only comes from a hand edit of the file.
-    items = list(itertools.starmap(KeyValue, rows))
+    return [kv for start in range(0, len(rows), BUILD_SLICE) for kv in _built(rows, start)]
+
+
+def _built(rows: list[tuple[str, object, int, int, int]], start: int) -> list[KeyValue]:
+    """The `KeyValue`s of `BUILD_SLICE` rows from `start`, built in C loops, and checked in
+    one: a value that is not a BLOB only comes from a hand edit of the file."""
+    chunk = rows[start : start + BUILD_SLICE]
+    items = list(itertools.starmap(KeyValue, chunk))
     if all(map(isinstance, map(_VALUE, items), itertools.repeat(bytes))):
         return items
-    return [kv for row in rows if (kv := _kv(row)) is not None]
+    return [kv for row in chunk if (kv := _kv(row)) is not None]
+
+
+BUILD_SLICE = 4096
+"""Rows of a listing built into records by one C loop. A C loop holds the GIL to its end:
+200,000 of them held it 15-20 ms, the event loop's thread waiting; between two slices the
+interpreter may hand it over."""
 
 
 _VALUE = operator.attrgetter("value")
@@ -463,8 +474,15 @@ def _changed_items(
         f" create_revision FROM kv{index} WHERE {where} ORDER BY key",
         params,
     ).fetchall()
-    # Built in C loops, as `_items`: each row becomes a `KeyRevision` (no value) or a
-    # `KeyValue`, taken in key order from the two.
+    return [kv for start in range(0, len(rows), BUILD_SLICE) for kv in _changed_built(rows, start)]
+
+
+def _changed_built(
+    rows: list[tuple[str, object, int, int, int]], start: int
+) -> list[KeyValue | KeyRevision]:
+    """`_built`, for `_changed_items`: each row becomes a `KeyRevision` (no value) or a
+    `KeyValue`, taken in key order from the two."""
+    rows = rows[start : start + BUILD_SLICE]
     omitted = list(map(operator.is_, map(_SECOND, rows), itertools.repeat(None)))
     sent = list(compress(rows, map(operator.not_, omitted)))
     if not all(map(isinstance, map(_SECOND, sent), itertools.repeat(bytes))):

@@ -216,9 +216,10 @@ class FrontendMetrics:
 
     def _render_per_model(self, text: _PerModel) -> Iterator[None]:
         """Write the per-model series into `text`; a step per slice of models."""
-        self.drop_departed()
+        present = self.live_instances()
+        self.drop_departed(present)
         models = sorted(self.models.items())
-        live = sorted(self.live_instances().items())
+        live = sorted(present.items())
         for start in range(0, len(models), RENDER_SLICE):
             text.add_stats(models[start : start + RENDER_SLICE])
             yield
@@ -226,9 +227,11 @@ class FrontendMetrics:
             text.add_live(live[start : start + RENDER_SLICE * 8])
             yield
 
-    def drop_departed(self) -> None:
-        """Drop the series of models gone from the registry for longer than `departed_ttl`."""
-        present = self.live_instances()
+    def drop_departed(self, present: dict[str, int] | None = None) -> None:
+        """Drop the series of models gone from the registry for longer than `departed_ttl`
+        (`present`: the models live now, by their `live_instances`, when already known)."""
+        if present is None:
+            present = self.live_instances()
         now = self.clock()
         departed = self._departed
         for name in departed.keys() & present.keys():

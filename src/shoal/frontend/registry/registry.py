@@ -190,7 +190,7 @@ class Model:
 
     @property
     def live_instances(self) -> int:
-        live = sum(len(ws.routable) for ws in self.routable_sets)
+        live = self._cum_weights[-1] if self._cum_weights else 0  # (the routable sets' sizes)
         if self.stages is not None:
             live += self.stages.prefill.live_instances + self.stages.decode.live_instances
         return live

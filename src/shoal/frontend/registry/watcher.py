@@ -28,9 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import gc
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from itertools import compress, repeat
@@ -47,6 +45,7 @@ from shoal.discovery import (
     Query,
     Removed,
 )
+from shoal.frontend.registry.freeze import freeze_while_loading
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.metrics import FrontendMetrics
 from shoal.frontend.registry.registrations import Registration, Registrations, State
@@ -65,8 +64,6 @@ SETTLED_SLICE = 1024
 listed) between two yields."""
 PROGRESS_INTERVAL = 5.0
 """Seconds between two log lines of the first snapshot's progress while it loads."""
-FREEZE_INTERVAL = 0.25  # seconds between two `gc.freeze()` while loading (`freeze_loading`)
-FREEZE_WINDOW = 120.0  # seconds after loaded that freezing goes on while fetches are in flight
 
 
 _key = attrgetter("key")
@@ -141,7 +138,9 @@ class ModelWatcher(Registrations):
         nothing), and what changed while it was applied comes first."""
         reporter = self._spawn(self._report_progress(), "discovery:progress")
         if self.freeze_loading:
-            self._spawn(self._freeze_while_loading(), "discovery:gc-freeze")
+            self._spawn(
+                freeze_while_loading(self.snapshot_loaded, self.no_fetches), "discovery:gc-freeze"
+            )
         try:
             await self._resync()
         finally:
@@ -169,21 +168,6 @@ class ModelWatcher(Registrations):
         while True:
             await asyncio.sleep(PROGRESS_INTERVAL)
             log.info("loading discovery: %s", self._progress_line())
-
-    async def _freeze_while_loading(self) -> None:
-        """`gc.freeze()` what the first load builds, every `FREEZE_INTERVAL` until it is
-        loaded and its fetches ended (at most `FREEZE_WINDOW` after): a fleet's registry is
-        all live, and full collections over it held the loop 500-700 ms at 100,000
-        instances. Only a cycle among frozen objects that dies later is kept for good; an
-        instance that leaves leaves none (tested). Process-wide: `shoal frontend` asks."""
-        loaded_at: float | None = None
-        while True:
-            gc.freeze()
-            if self.snapshot_loaded.is_set():
-                loaded_at = loaded_at or time.monotonic()
-                if self.no_fetches.is_set() or time.monotonic() - loaded_at > FREEZE_WINDOW:
-                    return
-            await asyncio.sleep(FREEZE_INTERVAL)
 
     async def stop(self) -> None:
         tasks = list(self._tasks)
