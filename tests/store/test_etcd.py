@@ -20,6 +20,8 @@ import aetcd
 import pytest
 
 from shoal.store import (
+    KeyRevision,
+    KeyValue,
     LeaseNotFoundError,
     Put,
     Resync,
@@ -196,6 +198,45 @@ async def test_a_listing_longer_than_a_page_is_read_whole_at_its_first_revision(
     assert answered == [1]
     late = await store.get(f"{prefix}a/05x")
     assert late is not None and late.mod_revision > snap.revision
+
+
+async def test_a_listing_of_what_changed_moves_only_the_changed_values(
+    store: Store, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every key comes from a `keys_only` read, a page at a time; only the values written
+    after `since` are read (`min_mod_revision`), at the same revision, also when a write
+    lands between the two reads."""
+    monkeypatch.setattr(etcd_module, "PAGE_KEYS", 3)
+    written = [f"{prefix}a/{i:02d}" for i in range(10)]
+    for key in written:
+        await store.put(key, b"v")
+    since = (await store.get_prefix(prefix)).revision
+    for key in written[::4]:
+        await store.put(key, b"w")
+    assert isinstance(store, EtcdStore)
+    call = store._call
+    calls = 0
+
+    async def write_between_the_reads(what: str, fn: Any) -> Any:
+        nonlocal calls
+        answer = await call(what, fn)
+        calls += 1
+        if calls == 1:
+            await store.put(written[1], b"late")
+        return answer
+
+    monkeypatch.setattr(store, "_call", write_between_the_reads)
+    listing = await store.get_prefixes_changed((prefix,), since)
+    monkeypatch.setattr(store, "_call", call)
+    assert listing.removed is None
+    assert [kv.key for kv in listing.items] == written
+    values = {kv.key: kv.value for kv in listing.items if isinstance(kv, KeyValue)}
+    assert values == {key: b"w" for key in written[::4]}  # not the late write
+    assert all(
+        isinstance(kv, KeyRevision) and kv.mod_revision <= since
+        for kv in listing.items
+        if kv.key not in values
+    )
 
 
 # -- errors and leases ------------------------------------------------------------------

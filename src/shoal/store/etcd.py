@@ -53,8 +53,10 @@ import aetcd.utils
 from shoal.store.base import (
     Delete,
     Event,
+    KeyRevision,
     KeyValue,
     LeaseNotFoundError,
+    Listing,
     Put,
     Resync,
     Snapshot,
@@ -365,18 +367,70 @@ class EtcdStore(Store):
         """One revision for every range: the first transaction's, which the later ones (past
         `MAX_TXN_OPS` prefixes) and the later pages (past `PAGE_KEYS` keys in a range) read
         at. Each response is converted a slice at a time, yielding to the event loop."""
+        items, revision = await self._ranges(prefixes, self._kv, on_answer=on_answer)
+        return Snapshot(items, revision)
+
+    async def get_prefixes_changed(
+        self,
+        prefixes: Sequence[str],
+        since: int,
+        *,
+        on_answer: Callable[[], None] | None = None,
+    ) -> Listing:
+        """Every key without its value (`keys_only`), then at the same revision the values
+        written after `since` (`min_mod_revision`): a pass over a quiet fleet moves the keys
+        and their revisions, not 100,000 cards. Past etcd's compaction of that revision (it
+        compacted between the two reads), every value is read again."""
+        if since <= 0:
+            snap = await self.get_prefixes(prefixes, on_answer=on_answer)
+            return Listing(list(snap.items), snap.revision)
+        keys, revision = await self._ranges(
+            prefixes, self._key_revision, keys_only=True, on_answer=on_answer
+        )
+        try:
+            changed, _ = await self._ranges(
+                prefixes, self._kv, revision=revision, min_mod_revision=since + 1
+            )
+        except StoreError as exc:
+            if isinstance(exc, StoreUnavailableError) or "compacted" not in str(exc):
+                raise
+            snap = await self.get_prefixes(prefixes)
+            return Listing(list(snap.items), snap.revision)
+        values = {kv.key: kv for kv in changed}
+        items: list[KeyValue | KeyRevision] = []
+        for first in range(0, len(keys), CONVERT_SLICE * 16):
+            items.extend(
+                values.get(kv.key, kv) if kv.mod_revision > since else kv
+                for kv in keys[first : first + CONVERT_SLICE * 16]
+            )
+            await asyncio.sleep(0)
+        return Listing(items, revision)
+
+    async def _ranges(
+        self,
+        prefixes: Sequence[str],
+        convert: Callable[[Any], T],
+        *,
+        revision: int = 0,
+        keys_only: bool = False,
+        min_mod_revision: int = 0,
+        on_answer: Callable[[], None] | None = None,
+    ) -> tuple[list[T], int]:
+        """The keys under `prefixes`, each converted, in key order, at one revision (the
+        first transaction's when `revision` is 0), and that revision."""
         distinct = distinct_prefixes(prefixes)
         what = f"get_prefixes {', '.join(distinct)}"[:200]
         # The prefixes are sorted and none is inside another, and each range is read in key
         # order: the ranges' items, one after the other, are in key order.
-        read: list[list[KeyValue]] = [[] for _ in distinct]
-        revision = 0
+        read: list[list[T]] = [[] for _ in distinct]
         for i in range(0, len(distinct), MAX_TXN_OPS):
             # (each range with keys left to read: its index, and from where to its end)
             ranges = [(i + j, *_range_of(p)) for j, p in enumerate(distinct[i : i + MAX_TXN_OPS])]
             while ranges:
                 requests = [
-                    aetcd.rpc.RequestOp(request_range=self._range(start, end, revision))
+                    aetcd.rpc.RequestOp(
+                        request_range=self._range(start, end, revision, keys_only, min_mod_revision)
+                    )
                     for _, start, end in ranges
                 ]
 
@@ -396,20 +450,38 @@ class EtcdStore(Store):
                 for (index, _, end), op in zip(ranges, resp.responses, strict=True):
                     kvs = op.response_range.kvs
                     for first in range(0, len(kvs), CONVERT_SLICE):
-                        read[index].extend(map(self._kv, kvs[first : first + CONVERT_SLICE]))
+                        read[index].extend(map(convert, kvs[first : first + CONVERT_SLICE]))
                         await asyncio.sleep(0)
                     if op.response_range.more and len(kvs):
                         more.append((index, kvs[len(kvs) - 1].key + b"\0", end))
                 ranges = more
         items = read[0] if len(read) == 1 else list(itertools.chain.from_iterable(read))
-        return Snapshot(items, revision)
+        return items, revision
 
     @staticmethod
-    def _range(start: bytes, end: bytes, revision: int) -> Any:
+    def _key_revision(kv: Any) -> KeyRevision:
+        return KeyRevision(
+            kv.key.decode("utf-8", "replace"),
+            int(kv.mod_revision),
+            int(kv.lease),
+            int(kv.create_revision),
+        )
+
+    @staticmethod
+    def _range(
+        start: bytes, end: bytes, revision: int, keys_only: bool = False, min_mod: int = 0
+    ) -> Any:
         # No `sort_order`: etcd returns a range in key order as it is, and a sorted request
         # makes it read the whole rest of the range for every page ("fetch everything; sort
         # and truncate afterwards", etcd 3.4's `applierV3backend.Range`).
-        return aetcd.rpc.RangeRequest(key=start, range_end=end, revision=revision, limit=PAGE_KEYS)
+        return aetcd.rpc.RangeRequest(
+            key=start,
+            range_end=end,
+            revision=revision,
+            limit=PAGE_KEYS,
+            keys_only=keys_only,
+            min_mod_revision=min_mod,
+        )
 
     async def get(self, key: str) -> KeyValue | None:
         check_key(key)
