@@ -60,3 +60,17 @@ async def test_a_scrape_of_many_models_lets_the_event_loop_run_between_slices() 
         await asyncio.sleep(0)
     assert turns >= len(names) // RENDER_SLICE
     assert sorted(rendering.result().splitlines()) == sorted(metrics.render().splitlines())
+
+
+def test_a_collector_another_layer_registers_is_rendered_too() -> None:
+    """What the KV router or the control loops register on the frontend's registry is in
+    `/metrics`, beside the per-model series written as text."""
+    from prometheus_client import Gauge
+
+    metrics = metrics_with_traffic(NAMES)
+    Gauge(
+        "shoal_test_registered_later", "A collector of another layer.", registry=metrics.registry
+    ).set(3)
+    text = metrics.render().decode()
+    assert "shoal_test_registered_later 3.0" in text
+    assert text.count("# TYPE shoal_frontend_live_instances gauge") == 1

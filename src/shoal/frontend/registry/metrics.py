@@ -105,10 +105,10 @@ class FrontendMetrics:
         self.departed_ttl = departed_ttl
         self.clock = clock
         self._departed: dict[str, float] = {}  # model name -> when it was first seen gone
+        # True while `render` writes the registry: the per-model series are its own text.
+        self.rendering = False
         self.registry.register(_RequestCollector(self))
-        # What `render` writes through `prometheus_client`: all but the per-model series.
-        self._rendered = CollectorRegistry(auto_describe=True)
-        self._register(_DiscoveryCollector())
+        self.registry.register(_DiscoveryCollector())
         self.reconcile_runs = Counter(
             "shoal_frontend_reconcile_runs",
             "Reconciliation passes that listed discovery and compared it with the registry.",
@@ -166,31 +166,14 @@ class FrontendMetrics:
             registry=self.registry,
         )
 
-        for collector in (
-            self.reconcile_runs,
-            self.reconcile_duration,
-            self.reconcile_repairs,
-            self.reconcile_failures,
-            self.cards_refused,
-            self.metadata_fetch_failures,
-            self.instances_inhibited,
-            self.migrations,
-            self.migration_splice,
-        ):
-            self._rendered.register(collector)
-
-    def _register(self, collector: Collector) -> None:
-        self.registry.register(collector)
-        self._rendered.register(collector)
-
     def watch_metadata_cache(self, cache: MetadataCache) -> None:
         """Show `cache`'s size and write errors on `/metrics`."""
-        self._register(_MetadataCacheCollector(cache))
+        self.registry.register(_MetadataCacheCollector(cache))
 
     def watch_store(self, unreachable_since: Callable[[], float | None]) -> None:
         """Show whether the store answers: `unreachable_since` gives the wall-clock time of
         the first failed call of the current outage, or None while it answers."""
-        self._register(_StoreCollector(unreachable_since))
+        self.registry.register(_StoreCollector(unreachable_since))
 
     def model(self, name: str) -> ModelStats:
         stats = self.models.get(name)
@@ -203,7 +186,7 @@ class FrontendMetrics:
         text = _PerModel()
         for _ in self._render_per_model(text):
             pass
-        return text.render(generate_latest(self._rendered))
+        return text.render(self._rest())
 
     async def render_sliced(self) -> bytes:
         """`render`, yielding to the event loop after each `RENDER_SLICE` of models. Each
@@ -212,7 +195,15 @@ class FrontendMetrics:
         text = _PerModel()
         for _ in self._render_per_model(text):
             await asyncio.sleep(0)
-        return text.render(generate_latest(self._rendered))
+        return text.render(self._rest())
+
+    def _rest(self) -> bytes:
+        """Everything registered (any layer's collectors too) but the per-model series."""
+        self.rendering = True
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self.rendering = False
 
     def _render_per_model(self, text: _PerModel) -> Iterator[None]:
         """Write the per-model series into `text`; a step per slice of models."""
@@ -252,6 +243,8 @@ class _RequestCollector(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
+        if self.metrics.rendering:
+            return  # (`render` writes these as text itself)
         requests = CounterMetricFamily(
             "shoal_frontend_requests",
             "Requests answered, by model and HTTP status.",
