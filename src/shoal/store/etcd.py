@@ -381,9 +381,8 @@ class EtcdStore(Store):
         written after `since` (`min_mod_revision`): a pass over a quiet fleet moves the keys
         and their revisions, not 100,000 cards. Past etcd's compaction of that revision (it
         compacted between the two reads), every value is read again."""
-        if since <= 0:
-            snap = await self.get_prefixes(prefixes, on_answer=on_answer)
-            return Listing(list(snap.items), snap.revision)
+        if since <= 0:  # (every value: the default)
+            return await super().get_prefixes_changed(prefixes, since, on_answer=on_answer)
         keys, revision = await self._ranges(
             prefixes, self._key_revision, keys_only=True, on_answer=on_answer
         )
@@ -394,8 +393,7 @@ class EtcdStore(Store):
         except StoreError as exc:
             if isinstance(exc, StoreUnavailableError) or "compacted" not in str(exc):
                 raise
-            snap = await self.get_prefixes(prefixes)
-            return Listing(list(snap.items), snap.revision)
+            return await super().get_prefixes_changed(prefixes, since)
         values = {kv.key: kv for kv in changed}
         items: list[KeyValue | KeyRevision] = []
         for first in range(0, len(keys), CONVERT_SLICE * 16):

@@ -853,9 +853,8 @@ class SQLiteStore(Store):
         *,
         on_answer: Callable[[], None] | None = None,
     ) -> Listing:
-        if since <= 0:  # (every value: no revision is below 1)
-            snap = await self.get_prefixes(prefixes, on_answer=on_answer)
-            return Listing(list(snap.items), snap.revision)
+        if since <= 0:  # (every value, the default: no revision is below 1)
+            return await super().get_prefixes_changed(prefixes, since, on_answer=on_answer)
         distinct = distinct_prefixes(prefixes)
 
         def read(conn: sqlite3.Connection) -> Listing:
