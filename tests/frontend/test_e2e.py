@@ -199,7 +199,11 @@ async def test_worker_killed_under_load_fails_no_request_that_had_not_started_st
         # Its lease (TTL 2 s) ends, and with it the registration.
         await wait_for(lambda: victim.instance_id not in _instances(frontend), timeout=2 + 3)
     assert load.failed_before_first_byte == []
-    assert frontend.metrics.models["mock-llm"].retries >= 1  # the failure path was taken
+    # The failure path was taken: a request sent to the dead worker was retried, or its
+    # streams in flight were migrated and it was taken out of routing before any was sent
+    # (which of the two depends on where the kill lands: a retry alone is a race).
+    inhibited = frontend.metrics.instances_inhibited._value.get()
+    assert frontend.metrics.models["mock-llm"].retries + inhibited >= 1
     assert serving(frontend, 2)
 
 
