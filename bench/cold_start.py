@@ -9,7 +9,9 @@ name). For each round and each TREE in turn (its `src` on `PYTHONPATH`), a front
 with an empty metadata cache; reported: its ready line, the time until `--instances`
 instances are routable (`shoal_frontend_live_instances`, polled every 0.25 s), its CPU
 seconds by then, and its RSS. Trees alternate within a round, so a machine that slows down
-meanwhile slows both. `--profile PREFIX` samples each frontend with `py-spy` (if installed)
+meanwhile slows both. `--stalls` asks `/live` every 5 ms from the ready line until every
+instance is routable (as `../shared/tools/stall_probe.py` does, in a thread) and reports the
+longest answer, the longest gap between two answers and the p99. `--profile PREFIX` samples each frontend with `py-spy` (if installed)
 into `PREFIX.N.txt` (raw, every thread).
 """
 
@@ -17,14 +19,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import os
 import re
 import shutil
 import sqlite3
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -53,6 +58,43 @@ async def serve_metadata(port: int) -> web.AppRunner:
     return runner
 
 
+class Probe(threading.Thread):
+    """`GET /live` every `interval` until stopped: each answer's latency and the gaps."""
+
+    def __init__(self, url: str, interval: float = 0.005) -> None:
+        super().__init__(daemon=True)
+        self.url, self.interval = urlsplit(url), interval
+        self.latencies: list[float] = []
+        self.gaps: list[float] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        conn = http.client.HTTPConnection(self.url.hostname or "", self.url.port, timeout=60)
+        last = time.monotonic()
+        while not self.stop.is_set():
+            began = time.monotonic()
+            try:
+                conn.request("GET", "/live")
+                conn.getresponse().read()
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                conn = http.client.HTTPConnection(self.url.hostname or "", self.url.port)
+            now = time.monotonic()
+            self.latencies.append((now - began) * 1000)
+            self.gaps.append((now - last) * 1000)
+            last = now
+            time.sleep(max(0.0, self.interval - (time.monotonic() - began)))
+        conn.close()
+
+    def report(self) -> str:
+        lat = sorted(self.latencies)
+        p99 = lat[int(len(lat) * 0.99)] if lat else 0.0
+        return (
+            f"/live x{len(lat)}: max {max(lat, default=0):.1f} ms, "
+            f"gap {max(self.gaps, default=0):.1f} ms, p99 {p99:.1f} ms"
+        )
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -60,7 +102,9 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-async def cold_start(tree: str, db: str, instances: int, profile: str | None) -> str:
+async def cold_start(
+    tree: str, db: str, instances: int, profile: str | None, stalls: bool = False
+) -> str:
     cache = tempfile.mkdtemp(prefix="shoal-cold-start-")
     env = {**os.environ, "PYTHONPATH": f"{tree}/src", "SHOAL_SETUP_TIMEOUT": "300"}
     env.pop("SHOAL_STORE", None)
@@ -86,10 +130,16 @@ async def cold_start(tree: str, db: str, instances: int, profile: str | None) ->
             if proc.returncode is not None:
                 raise RuntimeError(f"the frontend of {tree} exited before it was ready")
         ready_s = time.perf_counter() - started
-        async with aiohttp.ClientSession() as http:
-            while await live_instances(http, ready["url"]) < instances:  # noqa: ASYNC110
+        probe = Probe(ready["url"]) if stalls else None
+        if probe is not None:
+            probe.start()
+        async with aiohttp.ClientSession() as session:
+            while await live_instances(session, ready["url"]) < instances:  # noqa: ASYNC110
                 await asyncio.sleep(0.25)  # (another process's state: polled)
         routable_s = time.perf_counter() - started
+        if probe is not None:
+            probe.stop.set()
+            await asyncio.to_thread(probe.join)
         cpu, rss = process_cpu_seconds(proc.pid), rss_mib(proc.pid)
     finally:
         if spy is not None:
@@ -100,7 +150,7 @@ async def cold_start(tree: str, db: str, instances: int, profile: str | None) ->
         shutil.rmtree(cache, ignore_errors=True)
     return (
         f"ready {ready_s:.1f} s, all routable {routable_s:.1f} s, "
-        f"CPU {cpu:.1f} s, RSS {rss:.0f} MiB"
+        f"CPU {cpu:.1f} s, RSS {rss:.0f} MiB" + (f", {probe.report()}" if probe else "")
     )
 
 
@@ -110,6 +160,7 @@ async def main() -> None:
     parser.add_argument("--instances", type=int, required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", help="py-spy raw samples to PREFIX.N.txt")
+    parser.add_argument("--stalls", action="store_true", help="probe /live every 5 ms")
     parser.add_argument("trees", nargs="+")
     args = parser.parse_args()
     runner = await serve_metadata(metadata_port(args.db))
@@ -119,7 +170,7 @@ async def main() -> None:
             for tree in args.trees:
                 n += 1
                 profile = f"{args.profile}.{n}.txt" if args.profile else None
-                result = await cold_start(tree, args.db, args.instances, profile)
+                result = await cold_start(tree, args.db, args.instances, profile, args.stalls)
                 print(f"{tree}: {result}", flush=True)
     finally:
         await runner.cleanup()

@@ -221,7 +221,7 @@ async def test_a_listing_of_what_changed_moves_only_the_changed_values(
         nonlocal calls
         answer = await call(what, fn)
         calls += 1
-        if calls == 1:
+        if calls == 2:  # (the first: etcd's revision, which moved since `since`)
             await store.put(written[1], b"late")
         return answer
 
@@ -237,6 +237,48 @@ async def test_a_listing_of_what_changed_moves_only_the_changed_values(
         for kv in listing.items
         if kv.key not in values
     )
+
+
+async def test_a_listing_of_what_changed_when_etcd_did_not_move_is_one_index_read(
+    own_etcd: EtcdServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No write anywhere since `since`: an empty delta from one count of one key, not a
+    read of every key. One write, even outside the prefixes, and the keys are read. (An
+    etcd of its own: another test's write would move the revision.)"""
+    store = await open_store(own_etcd.url)
+    assert isinstance(store, EtcdStore)
+    try:
+        await _listings_when_etcd_did_and_did_not_move(store, prefix, monkeypatch)
+    finally:
+        await store.close()
+
+
+async def _listings_when_etcd_did_and_did_not_move(
+    store: EtcdStore, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for i in range(5):
+        await store.put(f"{prefix}a/{i}", b"v")
+    since = (await store.get_prefix(prefix)).revision
+    call = store._call
+    whats: list[str] = []
+
+    async def counted(what: str, fn: Any) -> Any:
+        whats.append(what)
+        return await call(what, fn)
+
+    monkeypatch.setattr(store, "_call", counted)
+    answered: list[bool] = []
+    quiet = await store.get_prefixes_changed(
+        (prefix,), since, on_answer=lambda: answered.append(True)
+    )
+    assert (quiet.items, quiet.removed, quiet.revision) == ([], [], since)
+    assert len(whats) == 1 and answered == [True]
+    await store.put(prefix + "elsewhere", b"x")  # (a prefix of its own, not listed)
+    whats.clear()
+    moved = await store.get_prefixes_changed((prefix + "a/",), since)
+    assert moved.removed is None and moved.revision == since + 1
+    assert [kv.key for kv in moved.items] == [f"{prefix}a/{i}" for i in range(5)]
+    assert len(whats) == 3  # the revision, the keys, the values written since
 
 
 # -- errors and leases ------------------------------------------------------------------
