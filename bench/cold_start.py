@@ -9,8 +9,8 @@ name). For each round and each TREE in turn (its `src` on `PYTHONPATH`), a front
 with an empty metadata cache; reported: its ready line, the time until `--instances`
 instances are routable (`shoal_frontend_live_instances`, polled every 0.25 s), its CPU
 seconds by then, and its RSS. Trees alternate within a round, so a machine that slows down
-meanwhile slows both. `--stalls` asks `/live` every 5 ms from the ready line until every
-instance is routable (as `../shared/tools/stall_probe.py` does, in a thread) and reports the
+meanwhile slows both. `--stalls` asks `/live` every 5 ms from the frontend's first answer (it
+listens before it is loaded) until every instance is routable (as `../shared/tools/stall_probe.py` does, in a thread) and reports the
 longest answer, the longest gap between two answers and the p99. `--profile PREFIX` samples each frontend with `py-spy` (if installed)
 into `PREFIX.N.txt` (raw, every thread).
 """
@@ -23,6 +23,7 @@ import http.client
 import os
 import re
 import shutil
+import socket
 import sqlite3
 import sys
 import tempfile
@@ -69,8 +70,9 @@ class Probe(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        conn = http.client.HTTPConnection(self.url.hostname or "", self.url.port, timeout=60)
-        last = time.monotonic()
+        host, port = self.url.hostname or "", self.url.port
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        last: float | None = None  # (the first answer: the frontend is listening)
         while not self.stop.is_set():
             began = time.monotonic()
             try:
@@ -78,11 +80,13 @@ class Probe(threading.Thread):
                 conn.getresponse().read()
             except (OSError, http.client.HTTPException):
                 conn.close()
-                conn = http.client.HTTPConnection(self.url.hostname or "", self.url.port)
-            now = time.monotonic()
-            self.latencies.append((now - began) * 1000)
-            self.gaps.append((now - last) * 1000)
-            last = now
+                conn = http.client.HTTPConnection(host, port, timeout=60)
+            else:
+                now = time.monotonic()
+                self.latencies.append((now - began) * 1000)
+                if last is not None:
+                    self.gaps.append((now - last) * 1000)
+                last = now
             time.sleep(max(0.0, self.interval - (time.monotonic() - began)))
         conn.close()
 
@@ -93,6 +97,12 @@ class Probe(threading.Thread):
             f"/live x{len(lat)}: max {max(lat, default=0):.1f} ms, "
             f"gap {max(self.gaps, default=0):.1f} ms, p99 {p99:.1f} ms"
         )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def rss_mib(pid: int) -> float:
@@ -108,7 +118,11 @@ async def cold_start(
     cache = tempfile.mkdtemp(prefix="shoal-cold-start-")
     env = {**os.environ, "PYTHONPATH": f"{tree}/src", "SHOAL_SETUP_TIMEOUT": "300"}
     env.pop("SHOAL_STORE", None)
-    args = ["-m", "shoal.cli.main", "frontend", "--store", f"sqlite:///{db}", "--port", "0"]
+    # (with `stalls`, a port known before the ready line: probed from the first answer)
+    port = free_port() if stalls else 0
+    url = f"http://127.0.0.1:{port}"
+    args = ["-m", "shoal.cli.main", "frontend", "--store", f"sqlite:///{db}"]
+    args += ["--host", "127.0.0.1", "--port", str(port)]
     args += ["--cache-dir", cache, "--reconcile-interval", "3600"]
     started = time.perf_counter()
     proc = await asyncio.create_subprocess_exec(
@@ -123,6 +137,9 @@ async def cold_start(
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
     assert proc.stdout is not None
+    probe = Probe(url) if stalls else None
+    if probe is not None:
+        probe.start()
     try:
         while (
             ready := parse_ready_line((await proc.stdout.readline()).decode(), "frontend")
@@ -130,9 +147,6 @@ async def cold_start(
             if proc.returncode is not None:
                 raise RuntimeError(f"the frontend of {tree} exited before it was ready")
         ready_s = time.perf_counter() - started
-        probe = Probe(ready["url"]) if stalls else None
-        if probe is not None:
-            probe.start()
         async with aiohttp.ClientSession() as session:
             while await live_instances(session, ready["url"]) < instances:  # noqa: ASYNC110
                 await asyncio.sleep(0.25)  # (another process's state: polled)
@@ -142,6 +156,8 @@ async def cold_start(
             await asyncio.to_thread(probe.join)
         cpu, rss = process_cpu_seconds(proc.pid), rss_mib(proc.pid)
     finally:
+        if probe is not None:
+            probe.stop.set()
         if spy is not None:
             spy.send_signal(2)
             await spy.wait()
