@@ -556,6 +556,8 @@ async def test_a_listing_of_what_changed_brings_a_reader_at_since_to_the_whole_l
     await store.put(b + "leased", b"4", lease=lease.id)
     await store.put(b + "ended", b"5", lease=ending.id)
     await store.put(prefix + "c/outside", b"5")
+    for i in range(10):  # (etcd: more keys than revisions since, so it replays its history)
+        await store.put(f"{a}filler{i}", b"f")
     at_since = await store.get_prefixes((a, b))
     since = at_since.revision
     await store.put(a + "changed", b"2'")

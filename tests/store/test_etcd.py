@@ -171,6 +171,7 @@ async def test_a_listing_longer_than_a_page_is_read_whole_at_its_first_revision(
     first one's revision: a key written between two pages is not in the listing, and the
     listing is whole and in key order."""
     monkeypatch.setattr(etcd_module, "PAGE_KEYS", 3)
+    monkeypatch.setattr(etcd_module, "HISTORY_REVISIONS", 0)  # (no replay: the keys)
     written = [f"{prefix}a/{i:02d}" for i in range(10)] + [f"{prefix}b/{i:02d}" for i in range(7)]
     for key in written:
         await store.put(key, b"v")
@@ -207,6 +208,7 @@ async def test_a_listing_of_what_changed_moves_only_the_changed_values(
     after `since` are read (`min_mod_revision`), at the same revision, also when a write
     lands between the two reads."""
     monkeypatch.setattr(etcd_module, "PAGE_KEYS", 3)
+    monkeypatch.setattr(etcd_module, "HISTORY_REVISIONS", 0)  # (no replay: the keys)
     written = [f"{prefix}a/{i:02d}" for i in range(10)]
     for key in written:
         await store.put(key, b"v")
@@ -243,42 +245,120 @@ async def test_a_listing_of_what_changed_when_etcd_did_not_move_is_one_index_rea
     own_etcd: EtcdServer, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No write anywhere since `since`: an empty delta from one count of one key, not a
-    read of every key. One write, even outside the prefixes, and the keys are read. (An
-    etcd of its own: another test's write would move the revision.)"""
+    read of every key. (An etcd of its own: another test's write would move the revision.)"""
     store = await open_store(own_etcd.url)
     assert isinstance(store, EtcdStore)
     try:
-        await _listings_when_etcd_did_and_did_not_move(store, prefix, monkeypatch)
+        for i in range(5):
+            await store.put(f"{prefix}a/{i}", b"v")
+        since = (await store.get_prefix(prefix)).revision
+        call = store._call
+        whats: list[str] = []
+
+        async def counted(what: str, fn: Any) -> Any:
+            whats.append(what)
+            return await call(what, fn)
+
+        monkeypatch.setattr(store, "_call", counted)
+        answered: list[bool] = []
+        quiet = await store.get_prefixes_changed(
+            (prefix,), since, on_answer=lambda: answered.append(True)
+        )
+        assert (quiet.items, quiet.removed, quiet.revision) == ([], [], since)
+        assert len(whats) == 1 and answered == [True]
     finally:
         await store.close()
 
 
-async def _listings_when_etcd_did_and_did_not_move(
-    store: EtcdStore, prefix: str, monkeypatch: pytest.MonkeyPatch
+def _as_held(items: Any) -> dict[str, tuple[int, int, int, bytes]]:
+    return {kv.key: (kv.mod_revision, kv.create_revision, kv.lease, kv.value) for kv in items}
+
+
+async def test_a_listing_of_what_changed_is_replayed_from_etcds_history(
+    store: Store, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A recent `since`: the writes after it, replayed from etcd's history, up to the
+    revision read first (a write after it is the next listing's). Applied to what a reader
+    held at `since`, the delta gives what every key read at that revision gives."""
+    assert isinstance(store, EtcdStore)
+    a = prefix + "a/"
+    lease = await store.grant(60.0, keepalive=False)
     for i in range(5):
-        await store.put(f"{prefix}a/{i}", b"v")
-    since = (await store.get_prefix(prefix)).revision
-    call = store._call
-    whats: list[str] = []
+        await store.put(f"{a}{i}", b"v", lease=lease.id if i == 4 else 0)
+    for i in range(20):  # (more keys than the revisions to replay: a replay is cheaper)
+        await store.put(f"{a}k{i:02d}", b"v")
+    at_since = await store.get_prefix(a)
+    since = at_since.revision
+    await store.put(a + "0", b"changed")
+    await store.delete(a + "1")
+    await store.put(a + "1", b"again")
+    await store.delete(a + "2")
+    await store.put(a + "9", b"new")
+    await store.delete(a + "9")
+    await store.put(prefix + "b/outside", b"x")
+    await lease.revoke()  # (a + "4" ends with its lease)
+    revision_now = store._revision_now
 
-    async def counted(what: str, fn: Any) -> Any:
-        whats.append(what)
-        return await call(what, fn)
+    async def then_a_late_write(prefixes: Any, *, count: bool = False) -> tuple[int, int]:
+        now = await revision_now(prefixes, count=count)
+        if count:  # (the revision the listing is at)
+            await store.put(a + "3", b"late")
+        return now
 
-    monkeypatch.setattr(store, "_call", counted)
-    answered: list[bool] = []
-    quiet = await store.get_prefixes_changed(
-        (prefix,), since, on_answer=lambda: answered.append(True)
-    )
-    assert (quiet.items, quiet.removed, quiet.revision) == ([], [], since)
-    assert len(whats) == 1 and answered == [True]
-    await store.put(prefix + "elsewhere", b"x")  # (a prefix of its own, not listed)
-    whats.clear()
-    moved = await store.get_prefixes_changed((prefix + "a/",), since)
-    assert moved.removed is None and moved.revision == since + 1
-    assert [kv.key for kv in moved.items] == [f"{prefix}a/{i}" for i in range(5)]
-    assert len(whats) == 3  # the revision, the keys, the values written since
+    monkeypatch.setattr(store, "_revision_now", then_a_late_write)
+    listing = await store.get_prefixes_changed((a,), since)
+    assert listing.removed == [a + "2", a + "4", a + "9"]
+    assert [(kv.key, kv.value) for kv in listing.items if isinstance(kv, KeyValue)] == [
+        (a + "0", b"changed"),
+        (a + "1", b"again"),
+    ]
+    assert len(listing.items) == 2
+    held = {kv.key: kv for kv in at_since.items}
+    for key in listing.removed:
+        held.pop(key, None)
+    held.update({kv.key: kv for kv in listing.items if isinstance(kv, KeyValue)})
+    whole, _ = await store._ranges((a,), store._kv, revision=listing.revision)
+    assert _as_held(held.values()) == _as_held(whole)
+    assert (await store.get(a + "3")) is not None  # (the late write: after the listing)
+    assert all(kv.value == b"v" for kv in whole if kv.key == a + "3")
+
+
+@pytest.mark.parametrize("why", ["too far back", "fewer keys", "compacted", "too many bytes"])
+async def test_a_listing_of_what_changed_reads_the_keys_when_the_history_will_not_do(
+    own_etcd: EtcdServer, prefix: str, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    """Further back than `HISTORY_REVISIONS` or than the keys listed, past a compaction,
+    or more than `HISTORY_BYTES` of writes anywhere since: every key (without the values
+    not written since), and still right."""
+    store = await open_store(own_etcd.url)
+    assert isinstance(store, EtcdStore)
+    try:
+        a = prefix + "a/"
+        # (more keys than revisions since, but where the keys are fewer)
+        filler = [] if why == "fewer keys" else [f"{a}k{i}" for i in range(10)]
+        for key in [f"{a}{i}" for i in range(3)] + filler:
+            await store.put(key, b"v")
+        since = (await store.get_prefix(a)).revision
+        await store.put(a + "0", b"changed")
+        await store.delete(a + "1")
+        if why == "too far back":
+            monkeypatch.setattr(etcd_module, "HISTORY_REVISIONS", 1)
+            await store.put(prefix + "b/outside", b"x")
+        elif why == "fewer keys":  # (2 keys listed, 3 revisions since)
+            await store.put(prefix + "b/outside", b"x")
+        elif why == "compacted":
+            client, _ = await store._current()
+            await client.compact((await store.get_prefix(a)).revision, physical=True)
+        else:
+            monkeypatch.setattr(etcd_module, "HISTORY_BYTES", 1000)
+            await store.put(prefix + "b/outside", b"x" * 2000)
+        listing = await store.get_prefixes_changed((a,), since)
+        assert listing.removed is None
+        assert [kv.key for kv in listing.items] == [a + "0", a + "2", *filler]
+        values = {kv.key: kv.value for kv in listing.items if isinstance(kv, KeyValue)}
+        assert values == {a + "0": b"changed"}
+    finally:
+        await store.close()
 
 
 # -- errors and leases ------------------------------------------------------------------
