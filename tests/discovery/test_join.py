@@ -5,6 +5,7 @@ again whole."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import uuid
 import weakref
@@ -275,6 +276,32 @@ async def test_a_reader_takes_a_value_left_out_from_a_peer_at_its_revision_or_as
     assert await reading.replace_all(Query(), later.items, needed=needed) == []
     assert [kv.key for kv in needed] == [keys[0].key]
     assert not reading.held[keys[0].key].card.taints  # (not dropped, not changed)
+
+
+async def test_a_delta_that_removes_a_whole_fleet_lets_the_event_loop_run(store: Store) -> None:
+    """Every key of a fleet gone in one delta (its lease expired, seen by a reader that
+    cannot reap it): removed `LIST_BATCH` keys at a time, the loop running between."""
+    disc = Discovery(store)
+    for i in range(3 * join.LIST_BATCH):
+        await register(disc, EP, 0x1000 + i, card_at(i % 250))
+    full = await store.get_prefixes((Query().instances_prefix, Query().models_prefix))
+    reading = join.CardsAndInstances({})
+    await reading.replace_all(Query(), full.items)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)
+    before = ticks
+    await reading.apply_changes([], [kv.key for kv in full.items])
+    ticker.cancel()
+    assert reading.held == {}
+    assert ticks - before >= len(full.items) // join.LIST_BATCH
 
 
 @pytest.mark.parametrize("kind", ["memory", "sqlite", "sqlite, its log trimmed"])

@@ -494,7 +494,7 @@ class CardsAndInstances:
     ) -> list[ModelKey]:
         """A delta listing (`Listing.removed`) from the revision this reader holds: `items`
         were written since, `removed` are gone since; every other key is as held. Yields
-        to the event loop every `LIST_BATCH` values parsed."""
+        to the event loop every `LIST_BATCH` values parsed and keys removed."""
         touched: list[ModelKey] = []
         others = self._others()
         held = self.held
@@ -510,8 +510,12 @@ class CardsAndInstances:
             parsed += 1
             if parsed % LIST_BATCH == 0:
                 await asyncio.sleep(0)
-        for kv_key in removed:
+        for i, kv_key in enumerate(removed, 1):
             touched.extend(self.delete(kv_key))
+            if (
+                i % LIST_BATCH == 0
+            ):  # (a whole fleet gone with its lease: a reader that cannot reap)
+                await asyncio.sleep(0)
         return touched
 
     async def report(

@@ -51,7 +51,8 @@ from shoal.discovery.records import (
     Removed,
     TaintsUpdated,
 )
-from shoal.store import KeyRevision, Put, Resync, Store
+from shoal.store import InvalidKeyError, KeyRevision, Put, Resync, Store
+from shoal.store.base import check_key
 
 __all__ = [
     "Added",
@@ -229,6 +230,23 @@ class Discovery:
         alone is the listed one if its key still has the listed revisions (every write has
         its own); if not (it changed since, or there are over `MAX_VALUE_READS`), the query
         is listed again with every value: one consistent listing, never a mix."""
+        readable = []
+        for kv in needed:
+            try:
+                check_key(kv.key)
+            except InvalidKeyError as exc:
+                # (a key an outside writer put, which no reader can read alone; it never
+                # parses either: skipped, as its first listing found it)
+                if kv.key not in join.skipped:
+                    _report_malformed(
+                        "model" if kv.key.startswith(query.models_prefix) else "instance",
+                        kv.key,
+                        exc,
+                        join.skipped,
+                    )
+                continue
+            readable.append(kv)
+        needed = readable
         if len(needed) <= MAX_VALUE_READS:
             kvs = [await self.store.get(kv.key) for kv in needed]
             if all(
