@@ -86,17 +86,18 @@ async def _lease_lost(http: aiohttp.ClientSession, status_url: str) -> bool:
 
 
 async def test_a_key_only_an_outside_writer_could_put_never_fails_a_listing(
-    etcd_server: EtcdServer,
+    own_etcd: EtcdServer,
 ) -> None:
     """A key under discovery's prefix that the store itself refuses (a space in it, put
     with etcdctl): skipped as malformed in the first listing, and in every pass after,
     also when a pass lists it without its value (it cannot be read alone): never a pass
-    that fails, nor one that lists the fleet again from nothing."""
-    store = await open_store(etcd_server.url)
+    that fails, nor one that lists the fleet again from nothing. (An etcd of its own:
+    the namespace's keys are the test's alone.)"""
+    store = await open_store(own_etcd.url)
     disc = Discovery(store)
     try:
         first = await register(disc, EP, 0x10, make_card())
-        host, port = etcd_server.url.removeprefix("etcd://").split(":")
+        host, port = own_etcd.url.removeprefix("etcd://").split(":")
         async with aetcd.Client(host=host, port=int(port)) as raw:
             await raw.put(b"shoal/v1/models/prod/backend/generate/10 copy", b"{}")
         assert [m.key for m in await disc.list()] == [first]
