@@ -172,3 +172,22 @@ async def test_no_full_collection_runs_while_loading_and_the_thresholds_come_bac
     with contextlib.suppress(asyncio.CancelledError):
         await cancelled
     assert gc.get_threshold() == before
+
+
+async def test_two_loads_in_one_process_put_the_thresholds_back_once_both_end() -> None:
+    """Two frontends loading in one process: the thresholds stay lifted until the second
+    ends, whichever ends first, and are then what they were before the first."""
+    before = gc.get_threshold()
+    events = [(asyncio.Event(), asyncio.Event()) for _ in range(2)]
+    loads = [asyncio.create_task(freeze_while_loading(*pair)) for pair in events]
+    await wait_for(lambda: gc.get_threshold()[2] > 10**6, message="lifted while loading")
+    for loaded, fetched in events[:1]:
+        loaded.set()
+        fetched.set()
+    await asyncio.wait_for(loads[0], 5)
+    assert gc.get_threshold()[2] > 10**6  # (the second still loads)
+    for loaded, fetched in events[1:]:
+        loaded.set()
+        fetched.set()
+    await asyncio.wait_for(loads[1], 5)
+    assert gc.get_threshold() == before

@@ -241,6 +241,35 @@ async def test_a_listing_of_what_changed_moves_only_the_changed_values(
     )
 
 
+async def test_a_listing_of_what_changed_reads_every_value_when_most_changed(
+    store: Store, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Most values written since: every value a page at a time (etcd reads a
+    `min_mod_revision` range whole), still at the keys' revision."""
+    monkeypatch.setattr(etcd_module, "PAGE_KEYS", 3)
+    monkeypatch.setattr(etcd_module, "HISTORY_REVISIONS", 0)
+    assert isinstance(store, EtcdStore)
+    written = [f"{prefix}a/{i:02d}" for i in range(10)]
+    for key in written:
+        await store.put(key, b"v")
+    since = (await store.get_prefix(prefix)).revision
+    for key in written[:8]:
+        await store.put(key, b"w")
+    ranges = store._ranges
+    asked: list[int] = []
+
+    async def recorded(*args: Any, min_mod_revision: int = 0, **kwargs: Any) -> Any:
+        asked.append(min_mod_revision)
+        return await ranges(*args, min_mod_revision=min_mod_revision, **kwargs)
+
+    monkeypatch.setattr(store, "_ranges", recorded)
+    listing = await store.get_prefixes_changed((prefix,), since)
+    assert asked == [0, 0]  # (the keys, then every value)
+    assert [kv.key for kv in listing.items] == written
+    values = {kv.key: kv.value for kv in listing.items if isinstance(kv, KeyValue)}
+    assert values == {key: b"w" for key in written[:8]}
+
+
 async def test_a_listing_of_what_changed_when_etcd_did_not_move_is_one_index_read(
     own_etcd: EtcdServer, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,6 +18,9 @@ import time
 FREEZE_INTERVAL = 0.25  # seconds between two `gc.freeze()` while loading
 FREEZE_WINDOW = 120.0  # seconds after loaded that freezing goes on while fetches are in flight
 
+_loading = 0  # loads freezing now, in this process
+_saved: tuple[int, int, int] | None = None  # the thresholds before the first of them
+
 
 async def freeze_while_loading(loaded: asyncio.Event, fetched: asyncio.Event) -> None:
     """`gc.freeze()` every `FREEZE_INTERVAL` until `loaded` and `fetched` (the first load's
@@ -25,9 +28,12 @@ async def freeze_while_loading(loaded: asyncio.Event, fetched: asyncio.Event) ->
     collection runs (the oldest generation's threshold is lifted, and put back after):
     what it would go through is what the next freeze takes, and each one went through a
     quarter second of the load, 10-17 ms of the loop."""
+    global _loading, _saved
     loaded_at: float | None = None
-    young, middle, old = gc.get_threshold()
-    gc.set_threshold(young, middle, 2**30)
+    if _loading == 0:  # (the first of several loads in one process lifts it, the last puts it back)
+        _saved = gc.get_threshold()
+        gc.set_threshold(_saved[0], _saved[1], 2**30)
+    _loading += 1
     try:
         while True:
             gc.freeze()
@@ -37,4 +43,6 @@ async def freeze_while_loading(loaded: asyncio.Event, fetched: asyncio.Event) ->
                     return
             await asyncio.sleep(FREEZE_INTERVAL)
     finally:
-        gc.set_threshold(young, middle, old)
+        _loading -= 1
+        if _loading == 0 and _saved is not None:
+            gc.set_threshold(*_saved)
