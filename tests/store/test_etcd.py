@@ -142,8 +142,9 @@ async def test_frozen_server_breaks_the_watch_by_keepalive(
             )
         finally:
             own_etcd.proc.send_signal(signal.SIGCONT)
-        await wait_for(lambda: watch.of(Resync), timeout=20)
-        assert watch.ordered_state() == {prefix + "a": b"1"}
+        await store.put(prefix + "b", b"2")  # (through the watch once it is back)
+        expected = {prefix + "a": b"1", prefix + "b": b"2"}
+        await wait_for(lambda: watch.ordered_state() == expected, timeout=20)
     finally:
         await watch.close()
         await store.close()
@@ -495,8 +496,8 @@ async def test_watch_resumes_after_etcd_restart(own_etcd: EtcdServer, prefix: st
         await writer.delete(prefix + "gone")
         await writer.put(prefix + "b", b"2")
         expected = {prefix + "a": b"1", prefix + "b": b"2"}
+        # (caught up by the changes it missed, replayed in order, or by a `Resync`)
         await wait_for(lambda: watch.ordered_state() == expected, timeout=20, message="caught up")
-        assert watch.of(Resync), "the watch resynced after the restart"
         # And it is live again: a later change arrives as an event.
         rev = await writer.put(prefix + "c", b"3")
         await wait_for(lambda: any(e.revision == rev for e in watch.of(Put)), timeout=10)
@@ -506,20 +507,22 @@ async def test_watch_resumes_after_etcd_restart(own_etcd: EtcdServer, prefix: st
         await writer.close()
 
 
-async def test_watch_started_while_etcd_is_down_resyncs_when_it_returns(
+async def test_watch_started_while_etcd_is_down_follows_when_it_returns(
     own_etcd: EtcdServer, prefix: str
 ) -> None:
+    """Nothing written while etcd was down: once back, the watch follows from where it
+    was asked to start, with nothing to read again."""
     store = await open_store(own_etcd.url)
     try:
         await store.put(prefix + "a", b"1")
         snap = await store.get_prefix(prefix)
         own_etcd.stop()
-        watch = Recorder(store.watch(prefix, snap.revision + 1))
+        watch = Recorder(store.watch(prefix, snap.revision + 1), {prefix + "a": b"1"})
         await asyncio.to_thread(own_etcd.start)
-        await wait_for(lambda: watch.of(Resync), timeout=20)
-        first = watch.events[0]
-        assert isinstance(first, Resync)
-        assert [kv.key for kv in first.items] == [prefix + "a"]
+        rev = await store.put(prefix + "b", b"2")
+        await wait_for(lambda: any(e.revision == rev for e in watch.of(Put)), timeout=20)
+        assert watch.ordered_state() == {prefix + "a": b"1", prefix + "b": b"2"}
+        assert not watch.of(Resync)
         rev = await store.put(prefix + "b", b"2")
         await wait_for(lambda: any(e.revision == rev for e in watch.of(Put)), timeout=10)
         await watch.close()
@@ -625,6 +628,77 @@ async def test_a_watch_of_several_prefixes_started_late_is_in_revision_order(
         await watch.close()
 
 
+async def test_a_watch_of_several_prefixes_started_late_replays_what_came_since(
+    store: Store, prefix: str
+) -> None:
+    """The same, over more keys than changes since: the changes are replayed from etcd's
+    history in revision order, every one of them once, and nothing is read again."""
+    a, b = prefix + "a/", prefix + "b/"
+    for i in range(40):
+        await store.put(f"{a}filler{i:02d}", b"f")
+    snap = await store.get_prefixes((a, b))
+    written: list[int] = []
+    for n in range(10):
+        written.append(await store.put(a + "k", str(n).encode()))
+        written.append(await store.put(b + "k", str(n).encode()))
+        await store.delete(a + "k")
+        written.append(written[-1] + 1)
+    watch = Recorder(store.watch_prefixes((a, b), snap.revision + 1), as_state(snap))
+    try:
+        rev = await store.put(a + "k", b"last")
+        await wait_for(lambda: any(e.revision == rev for e in watch.events), message="caught up")
+        assert not watch.of(Resync)
+        assert [e.revision for e in watch.events] == [*written, rev]
+        assert watch.ordered_state() == {**as_state(snap), a + "k": b"last", b + "k": b"9"}
+    finally:
+        await watch.close()
+
+
+async def test_a_broken_watch_of_several_prefixes_replays_what_it_missed(
+    store: Store, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream breaks and changes land before it is back: they come replayed, in
+    revision order, none twice, none read again; then it goes on live."""
+    assert isinstance(store, EtcdStore)
+    a, b = prefix + "a/", prefix + "b/"
+    for i in range(40):
+        await store.put(f"{b}filler{i:02d}", b"f")
+    snap = await store.get_prefixes((a, b))
+    watch = Recorder(store.watch_prefixes((a, b), snap.revision + 1), as_state(snap))
+    back = asyncio.Event()
+    pause = store._pause
+
+    async def held(delay: float) -> None:
+        await back.wait()
+        await pause(0)
+
+    monkeypatch.setattr(store, "_pause", held)
+    writer = await open_store(store.url)
+    try:
+        first = await writer.put(a + "1", b"1")
+        await wait_for(lambda: [e.revision for e in watch.events] == [first])
+        for call in list(store._watch_calls):
+            call.cancel()  # (the stream breaks, as when the connection goes)
+        await wait_for(lambda: not store._watch_calls, message="the stream broke")
+        missed = [await writer.put(b + "1", b"1")]
+        await writer.delete(a + "1")
+        missed += [missed[-1] + 1, await writer.put(a + "2", b"2")]
+        back.set()
+        live = await writer.put(b + "2", b"2")
+        await wait_for(lambda: any(e.revision == live for e in watch.events), message="live")
+        assert not watch.of(Resync)
+        assert [e.revision for e in watch.events] == [first, *missed, live]
+        expected = {**as_state(snap), b + "1": b"1", a + "2": b"2", b + "2": b"2"}
+        assert watch.ordered_state() == expected
+    finally:
+        await watch.close()
+        await writer.close()
+
+
+def as_state(snap: Any) -> dict[str, bytes]:
+    return {kv.key: kv.value for kv in snap.items}
+
+
 def _stream_open(store: Store) -> bool:
     assert isinstance(store, EtcdStore)
     return bool(store._watch_calls)
@@ -708,7 +782,7 @@ async def test_failover_to_another_member_keeps_calls_and_watches_going(
     try:
         await store.put(prefix + "a", b"1")
         snap = await store.get_prefix(prefix)
-        watch = Recorder(store.watch(prefix, snap.revision + 1))
+        watch = Recorder(store.watch(prefix, snap.revision + 1), {prefix + "a": b"1"})
         await store.put(prefix + "b", b"2")
         await wait_for(lambda: watch.of(Put))
         assert store._index == 0
@@ -725,7 +799,6 @@ async def test_failover_to_another_member_keeps_calls_and_watches_going(
         assert store._index != 0
         expected = {prefix + "a": b"1", prefix + "b": b"2", prefix + "c": b"3"}
         await wait_for(lambda: watch.ordered_state() == expected, timeout=20, message="caught up")
-        assert watch.of(Resync), "the watch resynced on the new member"
         rev = await store.put(prefix + "d", b"4")
         await wait_for(lambda: any(e.revision == rev for e in watch.of(Put)), timeout=10)
         await watch.close()

@@ -87,8 +87,8 @@ CONVERT_SLICE = 1024
 """Keys of a response converted between two yields to the event loop."""
 HISTORY_REVISIONS = 2000
 """A listing of what changed replays etcd's history when `since` is at most this many
-revisions back, and fewer than the keys it lists (`EtcdStore._replayed`); else it reads
-every key."""
+revisions back, and fewer than the keys it lists (`EtcdStore._replay`); else it reads
+every key. A watch of several prefixes catches up the same way."""
 HISTORY_BYTES = 16 * 1024 * 1024
 """Bytes of keys and values a replay receives, of any key, before it gives up."""
 HISTORY_TIMEOUT = 2.0
@@ -390,7 +390,7 @@ class EtcdStore(Store):
         """What changed since `since`, from etcd's history when it is recent: nothing when
         etcd's revision is still `since` (one index lookup: no write at all since, so none
         under `prefixes`), else the writes of the revisions after it replayed by a watcher
-        (`_replayed`). Failing that, every key without its value (`keys_only`), then at the
+        (`_replay`). Failing that, every key without its value (`keys_only`), then at the
         same revision the values written after `since` (`min_mod_revision`): a pass over a
         quiet fleet moves the keys and their revisions, not 100,000 cards. Past etcd's
         compaction of that revision (it compacted between the two reads), every value is
@@ -403,14 +403,10 @@ class EtcdStore(Store):
             on_answer = None
         if now == since:
             return Listing([], since, removed=[])
-        if since < now <= since + HISTORY_REVISIONS and self._replay_allowed:
-            # A replay receives the writes since of every key: for prefixes of few keys in
-            # a busy etcd, reading those keys is less.
-            now, count = await self._revision_now(prefixes, count=True)
-            if since < now <= since + min(HISTORY_REVISIONS, count):
-                replayed = await self._replayed(prefixes, since, now)
-                if replayed is not None:
-                    return replayed
+        if await self._worth_replaying(prefixes, since, now):
+            replayed = await self._replay(prefixes, since, now)
+            if replayed is not None:
+                return self._delta(replayed, now)
         keys, revision = await self._ranges(
             prefixes, self._key_revision, keys_only=True, on_answer=on_answer
         )
@@ -435,9 +431,9 @@ class EtcdStore(Store):
             await asyncio.sleep(0)
         return Listing(items, revision)
 
-    async def _replayed(self, prefixes: Sequence[str], since: int, now: int) -> Listing | None:
-        """The delta from `since` to `now` under `prefixes`, from etcd's history: one
-        watcher over the whole keyspace from `since + 1`. It must see every key, not only
+    async def _replay(self, prefixes: Sequence[str], since: int, now: int) -> list[Any] | None:
+        """The changes after `since` up to `now` under `prefixes`, in revision order (etcd's
+        events), from etcd's history: one watcher over the whole keyspace from `since + 1`. It must see every key, not only
         the prefixes: the write at revision `now` (every revision is a write of some key) is
         the sign that the replay is complete, since etcd 3.4 does not say when a catching-up
         watcher is done (before 3.4.25 its progress notification may come before the
@@ -445,7 +441,7 @@ class EtcdStore(Store):
         the watch is refused (a user who may read only some prefixes: not tried again), or
         the replay passes `HISTORY_BYTES` or `HISTORY_TIMEOUT`."""
         ranges = [_range_of(p) for p in distinct_prefixes(prefixes)]
-        latest: dict[bytes, Any] = {}
+        replayed: list[Any] = []
         received = 0
         client, generation = await self._current()
         call: Any = None
@@ -480,7 +476,7 @@ class EtcdStore(Store):
                             key = kv.key
                             received += len(key) + len(kv.value)
                             if any(start <= key < end for start, end in ranges):
-                                latest[key] = event
+                                replayed.append(event)
                         if received > HISTORY_BYTES:
                             return None
                         await asyncio.sleep(0)
@@ -501,6 +497,21 @@ class EtcdStore(Store):
             if call is not None:
                 self._watch_calls.discard(call)
                 call.cancel()
+        return replayed
+
+    async def _worth_replaying(self, prefixes: Sequence[str], since: int, now: int) -> bool:
+        """Whether a replay from `since` to `now` is allowed, and moves less than reading
+        the keys: at most `HISTORY_REVISIONS` back, and fewer revisions than keys (a replay
+        receives the writes of every key: for prefixes of few keys in a busy etcd, reading
+        those keys is less). Counting the keys is one more read (from etcd's index)."""
+        if not (since < now <= since + HISTORY_REVISIONS and self._replay_allowed):
+            return False
+        _, count = await self._revision_now(prefixes, count=True)
+        return now - since <= count
+
+    def _delta(self, events: list[Any], now: int) -> Listing:
+        """A delta listing at `now` from the replayed `events`: each key as its last one left it."""
+        latest = {event.kv.key: event for event in events}
         items: list[KeyValue | KeyRevision] = []
         removed: list[str] = []
         for key in sorted(latest):
@@ -765,26 +776,40 @@ class EtcdStore(Store):
         prefix = ", ".join(prefixes)  # for the log
         ranges = [_range_of(p) for p in prefixes]
         several = len(prefixes) > 1
-        floor = start_revision  # events below it are already known to the consumer
-        resync = False
+        # Every change at or below `delivered` is the consumer's (yielded, or held by a
+        # `Resync`), except, at `delivered` itself, those of keys not in `at_delivered`: a
+        # transaction's changes under two prefixes come from two watchers, and a stream may
+        # break between them.
+        delivered = start_revision - 1
+        at_delivered: set[str] | None = None  # None: every change at `delivered` is
+        broken = False  # the last stream broke: changes after `delivered` may be lost
+        whole = False  # what was yielded is out of order: only a read of every key will do
         backoff = BACKOFF_START
         while not self._closed:
-            # A resync starts its watchers at etcd's current revision, then reads: every
-            # change after the read comes through the watchers, none is lost between.
-            stream = self._watch_stream(ranges, prefix, 0 if resync else floor)
+            # A single watcher from `delivered + 1` gets the history in order from etcd. Else
+            # the watchers start at etcd's current revision, and what came before it is
+            # replayed (`_replay`: in revision order) or read (a `Resync`): every change
+            # after that comes through the watchers, none is lost between.
+            from_history = not (several or broken or whole)
+            floor = delivered + 1
+            stream = self._watch_stream(ranges, prefix, floor if from_history else 0)
             try:
                 try:
                     created = await anext(stream)
                 except StopAsyncIteration:
                     raise _StreamBroken("watch stream ended") from None
                 backoff = BACKOFF_START
-                if several and not resync and created >= floor:
-                    # The store moved since `floor - 1`: watchers that catch up on history
-                    # send each one's share in turn, out of revision order. Read instead.
-                    resync = True
-                if resync:
+                if not from_history and created < delivered:
+                    whole = True  # (etcd's revision went back: restored from a backup)
+                # (from the revision before `delivered` when a change at it may be lost)
+                since = delivered if at_delivered is None else delivered - 1
+                if whole or (not from_history and created > since):
                     try:
-                        snap = await self.get_prefixes(prefixes)
+                        replayed = None
+                        if not whole and await self._worth_replaying(prefixes, since, created):
+                            replayed = await self._replay(prefixes, since, created)
+                        if replayed is None:
+                            snap = await self.get_prefixes(prefixes)
                     except StoreError as exc:
                         level = (
                             logging.DEBUG
@@ -793,10 +818,21 @@ class EtcdStore(Store):
                         )
                         log.log(level, "watch %r: resync read failed: %s", prefix, exc)
                         raise _StreamBroken(f"resync read failed: {exc}") from exc
-                    yield Resync(snap.items, snap.revision)
-                    floor = snap.revision + 1
-                    resync = False
-                last = floor - 1
+                    if replayed is None:
+                        yield Resync(snap.items, snap.revision)
+                        delivered, at_delivered = snap.revision, None
+                    else:
+                        for e in replayed:
+                            event = self._event(e)
+                            if event.revision == delivered and (
+                                at_delivered is None or event.key in at_delivered
+                            ):
+                                continue  # (the consumer's already)
+                            yield event
+                        delivered, at_delivered = created, None
+                    whole = False
+                broken = False
+                floor = delivered + 1
                 while True:
                     try:
                         batch = await anext(stream)
@@ -804,24 +840,29 @@ class EtcdStore(Store):
                         raise _StreamBroken("watch stream ended") from None
                     for event in batch:
                         if event.revision < floor:
-                            continue  # held by the Resync already
-                        if event.revision < last:
+                            continue  # the consumer's already
+                        if event.revision < delivered:
                             # Another prefix's watcher is ahead of this one (it caught up
                             # on history): what was yielded is out of order. Read again.
-                            raise _OutOfOrder(f"revision {event.revision} after {last}; resyncing")
-                        last = event.revision
+                            raise _OutOfOrder(
+                                f"revision {event.revision} after {delivered}; resyncing"
+                            )
+                        if event.revision > delivered:
+                            delivered, at_delivered = event.revision, set()
+                        if at_delivered is not None:
+                            at_delivered.add(event.key)
                         yield event
             except _OutOfOrder as exc:
                 log.info("watch %r: %s", prefix, exc)
-                resync = True
+                whole = True
             except _Compacted as exc:
-                log.info("watch %r from %s: %s; resyncing", prefix, floor, exc)
-                resync = True
+                log.info("watch %r from %s: %s; resyncing", prefix, delivered + 1, exc)
+                whole = True
             except (_StreamBroken, StoreError) as exc:
                 if self._closed:
                     return
-                log.info("watch %r broke (%s); resyncing", prefix, exc)
-                resync = True
+                log.info("watch %r broke (%s); catching up", prefix, exc)
+                broken = True
                 await self._pause(_jitter(backoff))
                 backoff = min(backoff * 2, BACKOFF_CAP)
             finally:
