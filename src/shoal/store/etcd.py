@@ -10,23 +10,35 @@ Failure handling:
   own with a short backoff, and with several endpoints a transport failure moves the
   client to the next one.
 - A watch runs on its own gRPC stream. When the stream breaks (etcd died, restarted,
-  lost its leader) or etcd reports the start revision compacted, the watch backs off
-  (50 ms doubling to 2 s, with jitter), opens a new stream watching from etcd's current
-  revision, reads the prefix, yields a `Resync` with it and passes on the changes after
-  that read's revision.
+  lost its leader), the watch backs off (50 ms doubling to 2 s, with jitter), opens a new
+  stream watching from etcd's current revision and catches up on what came between:
+  replayed from etcd's history when that is recent and moves less than the keys (the
+  changes, in revision order: see "History" below), else it reads the prefix and yields a
+  `Resync` with it (also when etcd reports the start revision compacted, or its revision
+  went back); then it passes on the changes after that.
 - Several prefixes as one (`get_prefixes`, `watch_prefixes`): the listing is one read-only
   transaction with a range per prefix, so all are read at one revision (past `MAX_TXN_OPS`
   prefixes, several transactions, the later ones at the first one's revision). The watch
   has one etcd watcher per prefix, all on one gRPC stream: etcd sends a stream's live
   changes in revision order whichever watcher they belong to, and the stream breaks (and
-  resyncs) as one. Only a watcher catching up on history sends its share alone, out of order with the
-  others'; so a watch of several prefixes never catches up: when the store moved since its
-  start revision it starts its watchers at etcd's current revision, reads every prefix
-  (one transaction) and yields that as a `Resync`, as it does after every break. A change
-  older than one already yielded (a watcher that raced its creation) is caught and
-  resynced the same way. No other key's change travels to the watcher (a range covering
+  catches up) as one. Only a watcher catching up on history sends its share alone, out of
+  order with the others'; so the watchers of several prefixes never catch up themselves:
+  when the store moved since the start revision they start at etcd's current revision,
+  and what came before is replayed (below) or read (a `Resync`), as after every break. A
+  change older than one already yielded (a watcher that raced its creation) is caught and
+  resynced by a read. No other key's change travels to the watcher (a range covering
   the prefixes would carry, for discovery's instances and cards of one namespace, those of
   every namespace sorted between them: with N namespaces each change reached N/2 watches).
+- History: etcd keeps every revision until compacted, and a watcher from a past revision
+  replays it; but 3.4 does not say when a watcher catching up is done (before 3.4.25 its
+  progress notification may come before the events), and several watchers catching up
+  send each one's share in turn. So a replay (`_replay`) is one watcher over the whole
+  keyspace, read up to the revision it must reach: that revision is some key's write.
+  It serves `get_prefixes_changed` (a delta since the reader's revision: a reconcile
+  pass) and the watch's catch-up; it is used at most `HISTORY_REVISIONS` back and when
+  fewer revisions than keys are to be replayed (counted from etcd's index), and it gives
+  up past `HISTORY_BYTES` or `HISTORY_TIMEOUT`, or for good when etcd refuses to let this
+  user watch the whole keyspace: then the keys are read, as before.
 - etcd raises lease TTLs to a minimum (2 s with the default election timing). For a
   lease granted with a shorter TTL, the store that granted it revokes it itself once that
   TTL passes without a renewal, so a living holder that stops renewing loses its keys on
