@@ -542,6 +542,16 @@ class HttpConnection(asyncio.Protocol):
                     data = data[:line_end] + self.extra_headers + data[line_end:]
             self.transport.write(data)
 
+    def write_if_open(self, data: bytes) -> bool:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return False
+        if self.response_started:
+            transport.write(data)
+        else:
+            self.write(data)
+        return True
+
     @property
     def writable(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()

@@ -125,6 +125,12 @@ class Metered:
         self.tail = data[-TAIL:] if len(data) >= TAIL else (self.tail + data)[-TAIL:]
         self.conn.write(data)
 
+    def write_if_open(self, data: bytes) -> bool:
+        if not self.conn.writable:
+            return False
+        self.write(data)
+        return True
+
     def finish(self, error: ApiError | None = None) -> None:
         self.conn.finish(error)
         self._end(error.status if error is not None and not self.status else self.status)

@@ -431,9 +431,8 @@ class Forward:
             return
         data = out[0] if len(out) == 1 else b"".join(out)
         out.clear()
-        if self.client.writable:
+        if self.client.write_if_open(data):
             self.started = True
-            self.client.write(data)
 
     def on_complete(self) -> None:
         if self.migration is not None and not self.migration.complete():
