@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from shoal.cards import MetadataFile, ModelCard
-from shoal.discovery import Discovery, EndpointId, ModelKey, Query, join
+from shoal.discovery import Discovery, EndpointId, ModelKey, Query, join, service
 from shoal.store import KeyRevision, Store, open_store
 from shoal.store.sqlite import SQLiteStore
 from tests.discovery.test_discovery import EP, Watch, info, make_card, register
@@ -276,6 +276,26 @@ async def test_a_reader_takes_a_value_left_out_from_a_peer_at_its_revision_or_as
     assert await reading.replace_all(Query(), later.items, needed=needed) == []
     assert [kv.key for kv in needed] == [keys[0].key]
     assert not reading.held[keys[0].key].card.taints  # (not dropped, not changed)
+
+
+async def test_a_listing_reads_every_value_again_once_in_a_while(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past `WHOLE_LISTING_EVERY` since the last listing of every value, the next one
+    lists every value again (what a delta cannot see: a store restored from a backup)."""
+    disc = Discovery(store)
+    await register(disc, EP, 0x70, card_at(0))
+    reads = Reads(store, monkeypatch)
+    await disc.list()
+    assert reads.take() == [("get_prefixes_changed", 0)]
+    await disc.list()
+    assert reads.take() == [("get_prefixes_changed", disc._listed_at[Query()])]
+    monkeypatch.setattr(service, "WHOLE_LISTING_EVERY", 0.0)
+    await disc.list()
+    assert reads.take() == [("get_prefixes_changed", 0)]
+    monkeypatch.setattr(service, "WHOLE_LISTING_EVERY", 3600.0)
+    await disc.list()
+    assert reads.take() == [("get_prefixes_changed", disc._listed_at[Query()])]
 
 
 async def test_a_delta_that_removes_a_whole_fleet_lets_the_event_loop_run(store: Store) -> None:

@@ -699,6 +699,62 @@ def as_state(snap: Any) -> dict[str, bytes]:
     return {kv.key: kv.value for kv in snap.items}
 
 
+@pytest.mark.parametrize("reader", ["a listing of what changed", "a watch of two prefixes"])
+async def test_a_delete_at_the_compacted_revision_is_not_lost(
+    own_etcd: EtcdServer, prefix: str, reader: str
+) -> None:
+    """etcd compacted at the revision just after the reader's, which drops that revision's
+    deletes, and calls compacted only a watch that starts below it: the replay starts at
+    the reader's revision, so it is told, and every key is read instead."""
+    store = await open_store(own_etcd.url)
+    assert isinstance(store, EtcdStore)
+    try:
+        a, b = prefix + "a/", prefix + "b/"
+        for i in range(10):
+            await store.put(f"{a}{i}", b"v")
+        snap = await store.get_prefixes((a, b))
+        await store.delete(a + "0")  # at snap.revision + 1
+        client, _ = await store._current()
+        await client.compact(snap.revision + 1, physical=True)
+        last = await store.put(b + "x", b"x")
+        state = as_state(snap)
+        if reader == "a listing of what changed":
+            listing = await store.get_prefixes_changed((a, b), snap.revision)
+            assert listing.removed is None  # (every key, not a delta)
+            held = as_state(snap)
+            state = {
+                kv.key: kv.value if isinstance(kv, KeyValue) else held[kv.key]
+                for kv in listing.items
+            }
+        else:
+            watch = Recorder(store.watch_prefixes((a, b), snap.revision + 1), state)
+            await wait_for(lambda: any(e.revision >= last for e in watch.events))
+            await watch.close()
+            state = watch.state
+        assert state == as_state(await store.get_prefixes((a, b)))
+    finally:
+        await store.close()
+
+
+async def test_the_prefix_of_every_key_is_replayed_too(own_etcd: EtcdServer) -> None:
+    """The prefix "" (every key; etcd's range end b"\0", no end): a delta of everything."""
+    store = await open_store(own_etcd.url)
+    assert isinstance(store, EtcdStore)
+    try:
+        for i in range(10):
+            await store.put(f"k/{i}", b"v")
+        since = (await store.get_prefix("")).revision
+        await store.put("k/0", b"w")
+        await store.delete("k/1")
+        listing = await store.get_prefixes_changed(("",), since)
+        assert listing.removed == ["k/1"]
+        assert [(kv.key, kv.value) for kv in listing.items if isinstance(kv, KeyValue)] == [
+            ("k/0", b"w")
+        ]
+    finally:
+        await store.close()
+
+
 def _stream_open(store: Store) -> bool:
     assert isinstance(store, EtcdStore)
     return bool(store._watch_calls)

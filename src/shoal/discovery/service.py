@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, MutableSequence, Sequence
 
@@ -69,6 +70,10 @@ __all__ = [
 MAX_VALUE_READS = 64
 """Values a listing reads one key at a time, when what it left out is not held (malformed,
 a change ignored); past that many it lists the query again, every value included."""
+WHOLE_LISTING_EVERY = 300.0
+"""Seconds after which `list` reads every value again rather than what changed since its
+last listing: a backstop for what a delta cannot see (a store restored from a backup to a
+history that diverged from the one the reader followed, which reused its revisions)."""
 MAX_LISTINGS = 32
 """Listings of one `Discovery` in flight at once (`list`, and the first listing of each
 `list_and_watch`): a frontend that starts thousands of streams together does not send
@@ -103,6 +108,7 @@ class Discovery:
         # date with, for the next one to start from (and list only the values changed since).
         self._listed: dict[Query, CardsAndInstances] = {}
         self._listed_at: dict[Query, int] = {}
+        self._whole_at: dict[Query, float] = {}  # (when the last listing of every value ran)
         # Every reader of each query (its listing, its streams), sharing what they parsed.
         self._readers: dict[Query, weakref.WeakSet[CardsAndInstances]] = {}
         # Listings in flight by query, and the queries forgotten while one was: not kept.
@@ -192,6 +198,9 @@ class Discovery:
             # or runs beside another of the same query, never leaves a half-updated join.
             join = self._listed.pop(query, None) or self._reader(query)
             since = self._listed_at.pop(query, 0)
+            now = time.monotonic()
+            if now - self._whole_at.get(query, now - WHOLE_LISTING_EVERY) >= WHOLE_LISTING_EVERY:
+                since = 0
             async with self._listing_slots:
                 listing = await self.store.get_prefixes_changed(
                     prefixes, since, on_answer=on_answer
@@ -210,6 +219,8 @@ class Discovery:
             if query not in self._forgotten:
                 self._listed[query] = join
                 self._listed_at[query] = revision
+                if not since:
+                    self._whole_at[query] = now
             return join.listing()
         finally:
             self._listing[query] -= 1
@@ -279,6 +290,7 @@ class Discovery:
         now does not keep what it read either."""
         self._listed.pop(query, None)
         self._listed_at.pop(query, None)
+        self._whole_at.pop(query, None)
         self._readers.pop(query, None)
         if query in self._listing:
             self._forgotten.add(query)

@@ -464,7 +464,12 @@ class EtcdStore(Store):
                 await call.write(
                     aetcd.rpc.WatchRequest(
                         create_request=aetcd.rpc.WatchCreateRequest(
-                            key=b"\0", range_end=b"\0", start_revision=since + 1
+                            # From `since`, not after it: etcd calls a watch compacted
+                            # only when it starts below the compaction, whose deletes it
+                            # dropped (the changes at `since` are the reader's already).
+                            key=b"\0",
+                            range_end=b"\0",
+                            start_revision=max(since, 1),
                         )
                     )
                 )
@@ -482,12 +487,16 @@ class EtcdStore(Store):
                         for event in events[first : first + CONVERT_SLICE]:
                             kv = event.kv
                             revision = kv.mod_revision
-                            if revision > now:
-                                continue  # (after the listing's revision: the next one's)
+                            if revision > now or revision <= since:
+                                continue  # (the next listing's, or the reader's)
                             seen = max(seen, revision)
                             key = kv.key
                             received += len(key) + len(kv.value)
-                            if any(start <= key < end for start, end in ranges):
+                            # (an end of b"\0": no end, the prefix "")
+                            if any(
+                                start <= key and (key < end or end == b"\0")
+                                for start, end in ranges
+                            ):
                                 replayed.append(event)
                         if received > HISTORY_BYTES:
                             return None
@@ -542,7 +551,10 @@ class EtcdStore(Store):
         (no value read; 20 ms for 100,000 keys, one key otherwise)."""
         distinct = distinct_prefixes(prefixes)
         what = f"get_prefixes {', '.join(distinct)}"[:200]
-        ranges = map(_range_of, distinct[:MAX_TXN_OPS]) if count else [(distinct[0].encode(), b"")]
+        # (without `count`, one key: the first prefix itself, which a user allowed only that
+        # prefix may read; b"\0" for the prefix "")
+        one = distinct[0].encode() or b"\0"
+        ranges = map(_range_of, distinct[:MAX_TXN_OPS]) if count else [(one, b"")]
         requests = [
             aetcd.rpc.RequestOp(
                 request_range=aetcd.rpc.RangeRequest(key=start, range_end=end, count_only=True)
@@ -804,7 +816,9 @@ class EtcdStore(Store):
             # after that comes through the watchers, none is lost between.
             from_history = not (several or broken or whole)
             floor = delivered + 1
-            stream = self._watch_stream(ranges, prefix, floor if from_history else 0)
+            # (from the revision before `floor`: a compaction at `floor` itself dropped
+            # its deletes, and etcd says so only of a watch that starts below it)
+            stream = self._watch_stream(ranges, prefix, max(floor - 1, 1) if from_history else 0)
             try:
                 try:
                     created = await anext(stream)
