@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -500,3 +501,31 @@ async def test_the_start_lists_the_store_once_and_its_streams_miss_nothing_writt
     finally:
         await watcher.stop()
         starting.cancel()
+
+
+async def test_the_first_load_logs_its_joins_at_debug_and_later_ones_at_info(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cold start does not write a line per model (10,000 models: 0.3 s of the loop):
+    its joins at DEBUG, one line once its metadata is fetched; a model that comes later
+    is named at INFO."""
+    caplog.set_level(logging.INFO, logger="shoal.frontend.registry.registrations")
+    discovery = FilteringDiscovery(store)
+    keys = [await add_endpoint(discovery, "default", 0x100 + i, model=f"m{i}") for i in range(3)]
+    watcher = ModelWatcher(
+        discovery, Registry(), MetadataCache(tmp_path / "cache"), FrontendMetrics()
+    )
+    try:
+        await watcher.start()
+        await wait_for(lambda: len(watcher.registry) == len(keys), message="joined")
+
+        def lines(text: str) -> list[str]:
+            return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+        await wait_for(lambda: lines("first load"), message="the load's line")
+        assert lines("joined (") == []
+        await add_endpoint(discovery, "default", 0x200, model="later")
+        await wait_for(lambda: lines("joined ("), message="a later model at INFO")
+        assert [line.split("'")[1] for line in lines("joined (")] == ["later"]
+    finally:
+        await watcher.stop()
