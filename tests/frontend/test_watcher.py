@@ -529,3 +529,22 @@ async def test_the_first_load_logs_its_joins_at_debug_and_later_ones_at_info(
         assert [line.split("'")[1] for line in lines("joined (")] == ["later"]
     finally:
         await watcher.stop()
+
+
+async def test_a_first_load_whose_fetches_outlast_the_window_says_so(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fetches still in flight when the quiet window ends: joins are named again, and the
+    line says the metadata is still fetching, not that it is fetched."""
+    caplog.set_level(logging.INFO, logger="shoal.frontend.registry.registrations")
+    watcher = ModelWatcher(
+        Discovery(store), Registry(), MetadataCache(tmp_path / "cache"), FrontendMetrics()
+    )
+    watcher.no_fetches.clear()
+    watcher.fetching = 1  # (a fetch of the first load that does not end)
+    loaded = asyncio.Event()
+    loaded.set()
+    await watcher._quiet_while_loading(loaded, 0.05)
+    assert not watcher.quiet_joins
+    lines = [r.getMessage() for r in caplog.records if "first load" in r.getMessage()]
+    assert len(lines) == 1 and "still fetching after 0.05s" in lines[0], lines

@@ -346,14 +346,27 @@ class Registrations:
         """`quiet_joins` until `loaded` and the first load's fetches ended (at most `window`
         seconds after `loaded`), then a line of where loading got."""
         self.quiet_joins = True
+        fetched = False
         try:
             await loaded.wait()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(window):
                     await self.no_fetches.wait()
+                    fetched = True
         finally:
             self.quiet_joins = False
-        log.info("discovery: the first load's metadata is fetched: %d joined", len(self.registry))
+        if fetched:
+            log.info(
+                "discovery: the first load's metadata is fetched: %d joined", len(self.registry)
+            )
+        else:
+            log.info(
+                "discovery: the first load's metadata is still fetching after %gs: "
+                "%d joined, %d fetching",
+                window,
+                len(self.registry),
+                self.fetching,
+            )
 
     # -- reading -----------------------------------------------------------------------------
 

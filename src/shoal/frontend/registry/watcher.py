@@ -137,13 +137,16 @@ class ModelWatcher(Registrations):
         listing of 200,000 keys, parsed and reported as 100,000 `Added` events that changed
         nothing), and what changed while it was applied comes first."""
         reporter = self._spawn(self._report_progress(), "discovery:progress")
-        self._spawn(self._quiet_while_loading(self.snapshot_loaded, 120.0), "discovery:quiet")
+        quiet = self._spawn(self._quiet_while_loading(self.snapshot_loaded, 120.0), "d:quiet")
         if self.freeze_loading:
             self._spawn(
                 freeze_while_loading(self.snapshot_loaded, self.no_fetches), "discovery:gc-freeze"
             )
         try:
             await self._resync()
+        except BaseException:
+            quiet.cancel()  # (a start that failed: later joins are logged as they come)
+            raise
         finally:
             reporter.cancel()
         for query in self.queries:
