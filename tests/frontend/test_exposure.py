@@ -211,6 +211,30 @@ async def test_metrics_port_serves_metrics_alone_and_the_api_port_no_longer_does
         assert (await session.get(f"{frontend.url}/metrics")).status == 404
 
 
+async def test_a_scrape_written_in_pieces_has_its_length_and_a_head_request_none_of_it(
+    start_frontend: StartFrontend,
+) -> None:
+    """`/metrics` goes out in the pieces it was written in (`send_pieces`): its
+    Content-Length is the body's, the text parses, and HEAD gets the same head, no body."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    frontend = await start_frontend(metrics_port=0)
+    assert frontend.metrics_server is not None
+    scrape = f"http://127.0.0.1:{frontend.metrics_server.port}/metrics"
+    async with aiohttp.ClientSession() as session:
+        got = await session.get(scrape)
+        body = await got.read()
+        assert int(got.headers["Content-Length"]) == len(body) > 0
+        names = {f.name for f in text_string_to_metric_families(body.decode())}
+        assert "shoal_frontend_live_instances" in names
+        head = await session.head(scrape)
+        assert head.status == 200
+        assert int(head.headers["Content-Length"]) > 0
+        assert await head.read() == b""
+        again = await session.get(scrape)  # (the connection is still in step)
+        assert again.status == 200 and len(await again.read()) > 0
+
+
 def test_the_metrics_port_flag_reaches_the_config() -> None:
     args = build_parser().parse_args(["frontend", "--metrics-port", "9101", "--public-health"])
     config = config_from_args(args)

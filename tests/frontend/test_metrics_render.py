@@ -59,7 +59,8 @@ async def test_a_scrape_of_many_models_lets_the_event_loop_run_between_slices() 
         turns += 1
         await asyncio.sleep(0)
     assert turns >= len(names) // RENDER_SLICE
-    assert sorted(rendering.result().splitlines()) == sorted(metrics.render().splitlines())
+    text = b"".join(rendering.result())
+    assert sorted(text.splitlines()) == sorted(metrics.render().splitlines())
 
 
 def test_a_collector_another_layer_registers_is_rendered_too() -> None:

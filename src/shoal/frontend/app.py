@@ -121,7 +121,7 @@ class Frontend(Endpoints):
         self.metrics_server: HttpServer | None = None  # `/metrics` alone, on `metrics_port`
         self._tls: ssl.SSLContext | None = None
         # One process of several: `/metrics` on the API port answers the whole frontend's.
-        self.metrics_source: Callable[[], Awaitable[bytes]] | None = None
+        self.metrics_source: Callable[[], Awaitable[bytes | list[bytes]]] | None = None
         self.draining = False
         self.started_at = time.time()
         # ((registry version, route table version), body)

@@ -80,7 +80,7 @@ class Endpoints:
     _membership_factory: Callable[[Discovery], MembershipFollower] | None
     metrics: FrontendMetrics
     metrics_server: HttpServer | None  # `/metrics` alone, on `metrics_port`
-    metrics_source: Callable[[], Awaitable[bytes]] | None
+    metrics_source: Callable[[], Awaitable[bytes | list[bytes]]] | None
     draining: bool
     _models_body: tuple[tuple[int, int], bytes] | None
 
@@ -357,19 +357,22 @@ class _MetricsLater:
     or the merged metrics of several processes); cancelled if the client goes away, 503 if
     the awaitable fails."""
 
-    def __init__(self, conn: HttpConnection, body: Awaitable[bytes]) -> None:
+    def __init__(self, conn: HttpConnection, body: Awaitable[bytes | list[bytes]]) -> None:
         self.task = asyncio.ensure_future(self._answer(conn, body))
         conn.produce_later(self)
 
     @staticmethod
-    async def _answer(conn: HttpConnection, body: Awaitable[bytes]) -> None:
+    async def _answer(conn: HttpConnection, body: Awaitable[bytes | list[bytes]]) -> None:
         try:
             data = await body
         except Exception as exc:
             error = errors.unavailable(f"the frontend's metrics could not be gathered: {exc}")
             conn.send(error.status, error.body(), headers=error.headers)
         else:
-            conn.send(200, data, _METRICS_TYPE)
+            if isinstance(data, bytes):
+                conn.send(200, data, _METRICS_TYPE)
+            else:  # (the pieces, as written: never joined)
+                conn.send_pieces(200, data, _METRICS_TYPE)
 
     def cancel(self) -> None:
         self.task.cancel()

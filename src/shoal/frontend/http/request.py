@@ -120,12 +120,14 @@ def encode_response(
     keep_alive: bool = True,
     extra: bytes = b"",
     head_only: bool = False,
+    length: int | None = None,
 ) -> bytes:
     """A whole response. `extra`: encoded header lines added as they are; `head_only`: the
-    answer to HEAD (the head a GET would get, without its body)."""
+    answer to HEAD (the head a GET would get, without its body); `length`: the body's, when
+    it is written apart (`body` empty)."""
     if status != 204:
-        length = str(len(body)).encode()
-        parts = [status_line(status), b"content-type: ", content_type, b"\r\ncontent-length: ", length, b"\r\n"]  # fmt: skip
+        length_text = str(len(body) if length is None else length).encode()
+        parts = [status_line(status), b"content-type: ", content_type, b"\r\ncontent-length: ", length_text, b"\r\n"]  # fmt: skip
     else:
         parts = [status_line(status)]  # no content (RFC 9110 §8.6)
     for name, value in headers:

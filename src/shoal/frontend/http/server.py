@@ -502,6 +502,17 @@ class HttpConnection(asyncio.Protocol):
             )  # fmt: skip
         self.end()
 
+    def send_pieces(self, status: int, pieces: Sequence[bytes], content_type: bytes) -> None:
+        """`send` of a body in pieces, written as they are (one `writelines`), never joined."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.response_started = True
+            head = encode_response(
+                status, b"", content_type, (), self.keep_alive, self.extra_headers,
+                length=sum(map(len, pieces)),
+            )  # fmt: skip
+            self.transport.writelines([head] if self.head_only else [head, *pieces])
+        self.end()
+
     def send_error(self, error: ApiError) -> None:
         self.send(error.status, error.body(), headers=error.headers)
 

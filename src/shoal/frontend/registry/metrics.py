@@ -188,14 +188,15 @@ class FrontendMetrics:
             pass
         return text.render(self._rest())
 
-    async def render_sliced(self) -> bytes:
-        """`render`, yielding to the event loop after each `RENDER_SLICE` of models. Each
+    async def render_sliced(self) -> list[bytes]:
+        """`render` in pieces (written as they are, never joined: 30 MB at 10,000 models
+        with traffic), yielding to the event loop after each `RENDER_SLICE` of models. Each
         model's series are read as they are when its slice is written (counters only grow:
         a scrape mid-way through a burst shows some models a little later than others)."""
         text = _PerModel()
         for _ in self._render_per_model(text):
             await asyncio.sleep(0)
-        return text.render(self._rest())
+        return text.pieces_after(self._rest())
 
     def _rest(self) -> bytes:
         """Everything registered (any layer's collectors too) but the per-model series."""
@@ -370,12 +371,16 @@ class _PerModel:
 
     def render(self, before: bytes = b"") -> bytes:
         """The text, after `before` (one copy of it all: 30 MB at 10,000 models)."""
+        return b"".join(self.pieces_after(before))
+
+    def pieces_after(self, before: bytes) -> list[bytes]:
+        """The text after `before`, in the pieces it was written in."""
         parts: list[bytes] = [before]
         for (name, kind, help_text), pieces in zip(_FAMILIES, self.pieces, strict=True):
             parts.append(f"# HELP {name} {help_text.translate(_HELP_ESCAPES)}\n".encode())
             parts.append(f"# TYPE {name} {kind}\n".encode())
             parts.extend(pieces)
-        return b"".join(parts)
+        return parts
 
 
 class _MetadataCacheCollector(Collector):
