@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from shoal.store import Delete, Event, Put
+from shoal.store import Delete, Event, KeyRevision, KeyValue, Listing, Put, Snapshot
 from tests.helpers import Collector
 
 
@@ -34,3 +34,31 @@ class Recorder(Collector[Event]):
             assert e.revision >= last, f"events out of revision order: {self.events}"
             last = e.revision
         return self.state
+
+
+def held_after(
+    held: dict[str, KeyValue], listing: Listing, since: int
+) -> dict[str, tuple[int, int, int, bytes]]:
+    """What a reader that held `held` (read at `since`) holds once it applies `listing`:
+    each key's revisions, lease and value. Checks what the contract allows of each item."""
+    if listing.removed is None:  # every key listed; an older value may be left out
+        now: dict[str, KeyValue] = {}
+        for kv in listing.items:
+            if isinstance(kv, KeyRevision):
+                assert kv.mod_revision <= since, kv
+                assert held[kv.key].mod_revision == kv.mod_revision, kv
+                now[kv.key] = held[kv.key]
+            else:
+                now[kv.key] = kv
+    else:  # a delta: only what was written since, and what is gone since
+        now = dict(held)
+        for kv in listing.items:
+            assert isinstance(kv, KeyValue) and kv.mod_revision > since, kv
+            now[kv.key] = kv
+        for key in listing.removed:
+            now.pop(key, None)
+    return {k: (kv.mod_revision, kv.create_revision, kv.lease, kv.value) for k, kv in now.items()}
+
+
+def as_held(snap: Snapshot) -> dict[str, tuple[int, int, int, bytes]]:
+    return {kv.key: (kv.mod_revision, kv.create_revision, kv.lease, kv.value) for kv in snap.items}

@@ -16,13 +16,10 @@ from shoal.store import (
     MAX_VALUE_BYTES,
     Delete,
     InvalidKeyError,
-    KeyRevision,
     KeyValue,
     Lease,
     LeaseKeeper,
-    Listing,
     Resync,
-    Snapshot,
     Store,
     StoreError,
     StoreUnavailableError,
@@ -31,7 +28,7 @@ from shoal.store import (
 )
 from tests.helpers import free_port, wait_for
 from tests.store.conftest import Backend
-from tests.store.support import Recorder
+from tests.store.support import Recorder, as_held, held_after
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -509,34 +506,6 @@ async def test_several_prefixes_are_read_at_one_revision(backend: Backend, prefi
     finally:
         await reader.close()
         await writer.close()
-
-
-def held_after(
-    held: dict[str, KeyValue], listing: Listing, since: int
-) -> dict[str, tuple[int, int, int, bytes]]:
-    """What a reader that held `held` (read at `since`) holds once it applies `listing`:
-    each key's revisions, lease and value. Checks what the contract allows of each item."""
-    if listing.removed is None:  # every key listed; an older value may be left out
-        now: dict[str, KeyValue] = {}
-        for kv in listing.items:
-            if isinstance(kv, KeyRevision):
-                assert kv.mod_revision <= since, kv
-                assert held[kv.key].mod_revision == kv.mod_revision, kv
-                now[kv.key] = held[kv.key]
-            else:
-                now[kv.key] = kv
-    else:  # a delta: only what was written since, and what is gone since
-        now = dict(held)
-        for kv in listing.items:
-            assert isinstance(kv, KeyValue) and kv.mod_revision > since, kv
-            now[kv.key] = kv
-        for key in listing.removed:
-            now.pop(key, None)
-    return {k: (kv.mod_revision, kv.create_revision, kv.lease, kv.value) for k, kv in now.items()}
-
-
-def as_held(snap: Snapshot) -> dict[str, tuple[int, int, int, bytes]]:
-    return {kv.key: (kv.mod_revision, kv.create_revision, kv.lease, kv.value) for kv in snap.items}
 
 
 async def test_a_listing_of_what_changed_brings_a_reader_at_since_to_the_whole_listing(

@@ -25,6 +25,7 @@ from shoal.store import (
     LeaseNotFoundError,
     Put,
     Resync,
+    Snapshot,
     Store,
     StoreUnavailableError,
     open_store,
@@ -33,7 +34,7 @@ from shoal.store import etcd as etcd_module
 from shoal.store.etcd import EtcdStore, parse_url
 from tests.etcd_server import EtcdServer
 from tests.helpers import free_port, wait_for
-from tests.store.support import Recorder
+from tests.store.support import Recorder, as_held, held_after
 
 pytestmark = pytest.mark.etcd
 
@@ -300,10 +301,6 @@ async def test_a_listing_of_what_changed_when_etcd_did_not_move_is_one_index_rea
         await store.close()
 
 
-def _as_held(items: Any) -> dict[str, tuple[int, int, int, bytes]]:
-    return {kv.key: (kv.mod_revision, kv.create_revision, kv.lease, kv.value) for kv in items}
-
-
 async def test_a_listing_of_what_changed_is_replayed_from_etcds_history(
     store: Store, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -344,11 +341,8 @@ async def test_a_listing_of_what_changed_is_replayed_from_etcds_history(
     ]
     assert len(listing.items) == 2
     held = {kv.key: kv for kv in at_since.items}
-    for key in listing.removed:
-        held.pop(key, None)
-    held.update({kv.key: kv for kv in listing.items if isinstance(kv, KeyValue)})
     whole, _ = await store._ranges((a,), store._kv, revision=listing.revision)
-    assert _as_held(held.values()) == _as_held(whole)
+    assert held_after(held, listing, since) == as_held(Snapshot(whole, listing.revision))
     assert (await store.get(a + "3")) is not None  # (the late write: after the listing)
     assert all(kv.value == b"v" for kv in whole if kv.key == a + "3")
 

@@ -512,9 +512,8 @@ class CardsAndInstances:
                 await asyncio.sleep(0)
         for i, kv_key in enumerate(removed, 1):
             touched.extend(self.delete(kv_key))
-            if (
-                i % LIST_BATCH == 0
-            ):  # (a whole fleet gone with its lease: a reader that cannot reap)
+            # (a whole fleet may go at once: its lease ended, seen by a reader that cannot reap)
+            if i % LIST_BATCH == 0:
                 await asyncio.sleep(0)
         return touched
 

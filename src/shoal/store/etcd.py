@@ -445,9 +445,9 @@ class EtcdStore(Store):
 
     async def _replay(self, prefixes: Sequence[str], since: int, now: int) -> list[Any] | None:
         """The changes after `since` up to `now` under `prefixes`, in revision order (etcd's
-        events), from etcd's history: one watcher over the whole keyspace from `since + 1`. It must see every key, not only
-        the prefixes: the write at revision `now` (every revision is a write of some key) is
-        the sign that the replay is complete, since etcd 3.4 does not say when a catching-up
+        events), from etcd's history: one watcher over the whole keyspace. It must see every
+        key, not only the prefixes: the write at revision `now` (every revision is a write
+        of some key) is the sign that the replay is complete, since etcd 3.4 does not say when a catching-up
         watcher is done (before 3.4.25 its progress notification may come before the
         events). None (the caller reads the keys instead) when the history is compacted,
         the watch is refused (a user who may read only some prefixes: not tried again), or
@@ -506,7 +506,7 @@ class EtcdStore(Store):
                 else:
                     return None
         except TimeoutError:
-            log.debug("etcd replay from %d to %d took over %ss", since, now, HISTORY_TIMEOUT)
+            log.debug("etcd replay from %d to %d ran out of time", since, now)
             return None
         except (Exception, asyncio.CancelledError) as exc:
             err = self._failure(exc, "replay", generation)  # (re-raises a cancellation)
@@ -848,11 +848,10 @@ class EtcdStore(Store):
                         yield Resync(snap.items, snap.revision)
                         delivered, at_delivered = snap.revision, None
                     else:
-                        for e in replayed:
+                        for e in replayed:  # (after `since`: at `delivered`, some may be)
                             event = self._event(e)
-                            if event.revision == delivered and (
-                                at_delivered is None or event.key in at_delivered
-                            ):
+                            held = at_delivered is not None and event.key in at_delivered
+                            if held and event.revision == delivered:
                                 continue  # (the consumer's already)
                             yield event
                         delivered, at_delivered = created, None

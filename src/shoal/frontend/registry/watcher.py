@@ -45,7 +45,7 @@ from shoal.discovery import (
     Query,
     Removed,
 )
-from shoal.frontend.registry.freeze import freeze_while_loading
+from shoal.frontend.registry.freeze import FREEZE_WINDOW, freeze_while_loading
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.metrics import FrontendMetrics
 from shoal.frontend.registry.registrations import Registration, Registrations, State
@@ -137,7 +137,9 @@ class ModelWatcher(Registrations):
         listing of 200,000 keys, parsed and reported as 100,000 `Added` events that changed
         nothing), and what changed while it was applied comes first."""
         reporter = self._spawn(self._report_progress(), "discovery:progress")
-        quiet = self._spawn(self._quiet_while_loading(self.snapshot_loaded, 120.0), "d:quiet")
+        quiet = self._spawn(
+            self._quiet_while_loading(self.snapshot_loaded, FREEZE_WINDOW), "discovery:quiet"
+        )
         if self.freeze_loading:
             self._spawn(
                 freeze_while_loading(self.snapshot_loaded, self.no_fetches), "discovery:gc-freeze"
