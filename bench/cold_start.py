@@ -1,18 +1,22 @@
 """Cold starts of `shoal frontend` from several source trees over one fleet (not a test).
 
     .venv/bin/python -m bench.cold_start --db /tmp/shoal-bench-registry-XXXX/sqlite.db \
-        --instances 30000 [--rounds 3] [--profile PREFIX] TREE [TREE ...]
+        --instances 30000 [--rounds 3] [--stalls] [--poll S] [--profile PREFIX] TREE [TREE ...]
 
 The fleet is a SQLite file that `bench.registry` left in its directory (its synthetic
-instances and cards; their metadata files are served again here, at the port the cards
-name). For each round and each TREE in turn (its `src` on `PYTHONPATH`), a frontend starts
-with an empty metadata cache; reported: its ready line, the time until `--instances`
-instances are routable (`shoal_frontend_live_instances`, polled every 0.25 s), its CPU
-seconds by then, and its RSS. Trees alternate within a round, so a machine that slows down
-meanwhile slows both. `--stalls` asks `/live` every 5 ms from the frontend's first answer (it
-listens before it is loaded) until every instance is routable (as `../shared/tools/stall_probe.py` does, in a thread) and reports the
-longest answer, the longest gap between two answers and the p99. `--profile PREFIX` samples each frontend with `py-spy` (if installed)
-into `PREFIX.N.txt` (raw, every thread).
+instances and cards; their metadata files are served again, at the port the cards name, by
+a process of their own). For each round and each TREE in turn (its `src` on `PYTHONPATH`), a
+frontend starts with an empty metadata cache; reported: its ready line, the time until
+`--instances` instances are routable (`shoal_frontend_live_instances`, read every `--poll`
+seconds, 0.25 by default), its CPU seconds by then, and its RSS. Trees alternate within a
+round, so a machine that slows down meanwhile slows both. `--stalls` asks `/live` every 5 ms
+from the frontend's first answer (it listens before it is loaded) until every instance is
+routable, from a process of its own (as `../shared/tools/stall_probe.py` does: a thread here
+would share this process's interpreter and time it too), and reports the longest answer,
+the longest gap between two answers and the p99. Each read of `/metrics` is work for the
+frontend too (10,000 models: megabytes of text); a Prometheus reads it every 15-30 s, so
+`--poll 5` judges the load's own holds. `--profile PREFIX` samples each frontend with
+`py-spy` (if installed) into `PREFIX.N.txt` (raw, every thread).
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.client
+import json
 import os
 import re
 import shutil
 import socket
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import threading
@@ -59,44 +65,77 @@ async def serve_metadata(port: int) -> web.AppRunner:
     return runner
 
 
-class Probe(threading.Thread):
-    """`GET /live` every `interval` until stopped: each answer's latency and the gaps."""
+class Probe:
+    """`GET /live` every `interval` from a process of its own (`--probe URL`), as
+    `../shared/tools/stall_probe.py` does: a thread of this process would share its
+    interpreter with the metadata server's loop and time that too."""
 
     def __init__(self, url: str, interval: float = 0.005) -> None:
-        super().__init__(daemon=True)
-        self.url, self.interval = urlsplit(url), interval
-        self.latencies: list[float] = []
-        self.gaps: list[float] = []
-        self.stop = threading.Event()
+        self.url, self.interval = url, interval
+        self.proc: subprocess.Popen[str] | None = None
+        self.result: dict[str, float] = {}
 
-    def run(self) -> None:
-        host, port = self.url.hostname or "", self.url.port
-        conn = http.client.HTTPConnection(host, port, timeout=60)
-        last: float | None = None  # (the first answer: the frontend is listening)
-        while not self.stop.is_set():
-            began = time.monotonic()
-            try:
-                conn.request("GET", "/live")
-                conn.getresponse().read()
-            except (OSError, http.client.HTTPException):
-                conn.close()
-                conn = http.client.HTTPConnection(host, port, timeout=60)
-            else:
-                now = time.monotonic()
-                self.latencies.append((now - began) * 1000)
-                if last is not None:
-                    self.gaps.append((now - last) * 1000)
-                last = now
-            time.sleep(max(0.0, self.interval - (time.monotonic() - began)))
-        conn.close()
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "bench.cold_start", "--probe", self.url]
+        argv += ["--probe-interval", str(self.interval)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def stop(self) -> None:
+        """End the probe (its stdin closed) and read its figures."""
+        if self.proc is None:
+            return
+        out, _ = self.proc.communicate("", timeout=30)
+        self.proc = None
+        if out.strip():
+            self.result = json.loads(out.strip().splitlines()[-1])
 
     def report(self) -> str:
-        lat = sorted(self.latencies)
-        p99 = lat[int(len(lat) * 0.99)] if lat else 0.0
+        r = self.result
+        if not r:
+            return "/live: no answer"
         return (
-            f"/live x{len(lat)}: max {max(lat, default=0):.1f} ms, "
-            f"gap {max(self.gaps, default=0):.1f} ms, p99 {p99:.1f} ms"
+            f"/live x{r['n']:.0f}: max {r['max']:.1f} ms, "
+            f"gap {r['gap']:.1f} ms, p99 {r['p99']:.1f} ms"
         )
+
+
+def probe_main(url: str, interval: float) -> None:
+    """The probe's process: `GET /live` every `interval` until stdin closes, from the
+    first answer on; then one JSON line of figures (ms) on stdout."""
+    split = urlsplit(url)
+    host, port = split.hostname or "", split.port
+    stop = threading.Event()
+
+    def wait_for_eof() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=wait_for_eof, daemon=True).start()
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    latencies: list[float] = []
+    gaps: list[float] = []
+    last: float | None = None  # (the first answer: the frontend is listening)
+    while not stop.is_set():
+        began = time.monotonic()
+        try:
+            conn.request("GET", "/live")
+            conn.getresponse().read()
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            conn = http.client.HTTPConnection(host, port, timeout=60)
+        else:
+            now = time.monotonic()
+            latencies.append((now - began) * 1000)
+            if last is not None:
+                gaps.append((now - last) * 1000)
+            last = now
+        time.sleep(max(0.0, interval - (time.monotonic() - began)))
+    conn.close()
+    latencies.sort()
+    p99 = latencies[int(len(latencies) * 0.99)] if latencies else 0.0
+    figures = {"n": len(latencies), "max": max(latencies, default=0.0)}
+    figures.update(gap=max(gaps, default=0.0), p99=p99)
+    print(json.dumps(figures), flush=True)
 
 
 def free_port() -> int:
@@ -113,7 +152,12 @@ def rss_mib(pid: int) -> float:
 
 
 async def cold_start(
-    tree: str, db: str, instances: int, profile: str | None, stalls: bool = False
+    tree: str,
+    db: str,
+    instances: int,
+    profile: str | None,
+    stalls: bool = False,
+    poll: float = 0.25,
 ) -> str:
     cache = tempfile.mkdtemp(prefix="shoal-cold-start-")
     env = {**os.environ, "PYTHONPATH": f"{tree}/src", "SHOAL_SETUP_TIMEOUT": "300"}
@@ -149,15 +193,14 @@ async def cold_start(
         ready_s = time.perf_counter() - started
         async with aiohttp.ClientSession() as session:
             while await live_instances(session, ready["url"]) < instances:  # noqa: ASYNC110
-                await asyncio.sleep(0.25)  # (another process's state: polled)
+                await asyncio.sleep(poll)  # (another process's state: polled)
         routable_s = time.perf_counter() - started
         if probe is not None:
-            probe.stop.set()
-            await asyncio.to_thread(probe.join)
+            await asyncio.to_thread(probe.stop)
         cpu, rss = process_cpu_seconds(proc.pid), rss_mib(proc.pid)
     finally:
         if probe is not None:
-            probe.stop.set()
+            await asyncio.to_thread(probe.stop)
         if spy is not None:
             spy.send_signal(2)
             await spy.wait()
@@ -170,27 +213,69 @@ async def cold_start(
     )
 
 
-async def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--db", required=True, help="a SQLite file bench.registry left")
-    parser.add_argument("--instances", type=int, required=True)
+    parser.add_argument("--db", help="a SQLite file bench.registry left")
+    parser.add_argument("--instances", type=int)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", help="py-spy raw samples to PREFIX.N.txt")
     parser.add_argument("--stalls", action="store_true", help="probe /live every 5 ms")
-    parser.add_argument("trees", nargs="+")
+    parser.add_argument(
+        "--poll",
+        type=float,
+        default=0.25,
+        help="seconds between two reads of /metrics to tell when all are routable",
+    )
+    parser.add_argument("--probe", metavar="URL", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-interval", type=float, default=0.005, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-metadata", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("trees", nargs="*")
     args = parser.parse_args()
-    runner = await serve_metadata(metadata_port(args.db))
+    helper = args.probe is not None or args.serve_metadata is not None
+    if not helper and (args.db is None or args.instances is None or not args.trees):
+        parser.error("--db, --instances and at least one TREE are required")
+    return args
+
+
+async def serve_metadata_forever(port: int) -> None:
+    """The metadata server's process (`--serve-metadata PORT`): the fleet's files, served
+    apart from the probe and this benchmark's polls."""
+    runner = await serve_metadata(port)
+    print("serving", flush=True)
+    try:
+        await asyncio.to_thread(sys.stdin.read)  # until the benchmark closes it
+    finally:
+        await runner.cleanup()
+
+
+async def main(args: argparse.Namespace) -> None:
+    argv = [sys.executable, "-m", "bench.cold_start", "--serve-metadata"]
+    server = await asyncio.create_subprocess_exec(
+        *argv, str(metadata_port(args.db)), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert server.stdout is not None and server.stdin is not None
+    await server.stdout.readline()  # "serving"
     try:
         n = 0
         for _ in range(args.rounds):
             for tree in args.trees:
                 n += 1
                 profile = f"{args.profile}.{n}.txt" if args.profile else None
-                result = await cold_start(tree, args.db, args.instances, profile, args.stalls)
+                result = await cold_start(
+                    tree, args.db, args.instances, profile, args.stalls, args.poll
+                )
                 print(f"{tree}: {result}", flush=True)
     finally:
-        await runner.cleanup()
+        server.stdin.close()
+        await server.wait()
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    arguments = parse_args()
+    if arguments.probe is not None:
+        probe_main(arguments.probe, arguments.probe_interval)
+    elif arguments.serve_metadata is not None:
+        asyncio.run(serve_metadata_forever(arguments.serve_metadata))
+    else:
+        asyncio.run(main(arguments))

@@ -276,6 +276,62 @@ async def test_files_another_frontend_put_in_a_shared_cache_directory_are_used_n
     assert cache.downloads == 0
 
 
+async def test_fetches_started_together_look_on_disk_in_one_thread_hop_not_on_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Looking for a file another frontend put in the shared directory is a `stat`: a cold
+    start's thousands of fetches begin in the same turns of the loop, and a `stat` each on
+    the loop held it 30-60 ms at a time (the cache writer creating files in the same
+    directory). They look in one batch, in a thread; what they find is used, not fetched."""
+    cache = MetadataCache(tmp_path / "shared")
+    (tmp_path / "shared").mkdir()
+    cards = []
+    for i in range(200):  # 200 models' files, put there after the cache indexed the directory
+        data = f'{{"model": {i}}}'.encode()
+        checksum = "sha256:" + hashlib.sha256(data).hexdigest()
+        cache.path(checksum).write_bytes(data)
+        files = {"config.json": {"url": "http://127.0.0.1:9/x", "checksum": checksum}}
+        files["config.json"]["size"] = len(data)  # type: ignore[assignment]
+        cards.append(
+            ModelCard.build(
+                display_name=f"m{i}",
+                slug=f"m{i}",
+                source="test",
+                model_types=["chat"],
+                context_length=4096,
+                metadata_files=files,
+            )
+        )
+    stats_on_loop = 0
+    loop_thread = threading.get_ident()
+    real_stat = os.stat
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        nonlocal stats_on_loop
+        if threading.get_ident() == loop_thread and "shared" in str(path):
+            stats_on_loop += 1
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    hops = 0
+    real_sizes = cache._sizes_on_disk
+
+    def sizes_on_disk(checksums: list[str]) -> dict[str, int]:
+        nonlocal hops
+        hops += 1
+        return real_sizes(checksums)
+
+    monkeypatch.setattr(cache, "_sizes_on_disk", sizes_on_disk)
+    try:
+        await asyncio.gather(*(cache.fetch(card) for card in cards))
+        assert stats_on_loop == 0
+        assert hops == 1
+        assert cache.downloads == 0  # every file found on disk (its URL answers nothing)
+        assert all(not cache.missing(card, on_disk=False) for card in cards)
+    finally:
+        await cache.close()
+
+
 async def test_failed_shared_download_is_taken_over_by_one_waiter_not_forty(
     host: MetadataHost, cards: Cards, start_frontend: StartFrontend
 ) -> None:
@@ -549,3 +605,31 @@ async def test_a_disk_that_hangs_holds_at_most_the_bound_of_files_in_memory(
     finally:
         cache.disk.set()
         await cache.close()
+
+
+@pytest.mark.parametrize("size", [0, 1, 2046, 2047, 2048, 4095, 20_000, 1 << 20])
+def test_a_small_file_is_hashed_in_pieces_hashlib_hashes_without_letting_go_of_the_gil(
+    size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the event loop, hashlib would let go of the GIL for 2,048 bytes or more, and the
+    loop then waited for a busy thread (the store's, the cache writer's) to give it back:
+    the digest is the same, from pieces that never let it go."""
+    data = os.urandom(size)
+    pieces: list[int] = []
+    real = hashlib.sha256
+
+    class Recording:
+        def __init__(self) -> None:
+            self.digest = real()
+
+        def update(self, piece: memoryview) -> None:
+            pieces.append(len(piece))
+            self.digest.update(piece)
+
+        def hexdigest(self) -> str:
+            return self.digest.hexdigest()
+
+    monkeypatch.setattr(metadata_module.hashlib, "sha256", Recording)
+    assert metadata_module.sha256_holding_the_gil(data) == real(data).hexdigest()
+    assert sum(pieces) == size
+    assert all(n < metadata_module.GIL_FREE_HASH_BYTES for n in pieces)
