@@ -327,7 +327,7 @@ async def test_fetches_started_together_look_on_disk_in_one_thread_hop_not_on_th
         assert stats_on_loop == 0
         assert hops == 1
         assert cache.downloads == 0  # every file found on disk (its URL answers nothing)
-        assert all(not cache.missing(card, on_disk=False) for card in cards)
+        assert all(not cache.missing(card) for card in cards)
     finally:
         await cache.close()
 

@@ -408,7 +408,7 @@ class HeldFetches(MetadataCache):
         self.release = asyncio.Event()
         self.fetched: set[str] = set()
 
-    def has(self, file: MetadataFile, *, on_disk: bool = True) -> bool:
+    def has(self, file: MetadataFile) -> bool:
         return file.checksum in self.fetched
 
     async def fetch(self, card: ModelCard) -> None:

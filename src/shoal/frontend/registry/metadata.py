@@ -229,29 +229,20 @@ class MetadataCache:
             self._files[checksum] = size
             self._bytes += size
 
-    def has(self, file: MetadataFile, *, on_disk: bool = True) -> bool:
-        """Whether `file` is cached (or verified and used uncached). A checksum this cache does
-        not know of is looked for on disk (another frontend may share the directory), unless
-        `on_disk` is False: then it is missing, and the fetch looks on disk first."""
+    def has(self, file: MetadataFile) -> bool:
+        """Whether `file` is cached (or verified and used uncached), as far as this cache
+        knows: a file another frontend sharing the directory put there since it was indexed
+        is found by `fetch`, which looks on disk off the event loop."""
         checksum = file.checksum
         if checksum in self._files:
             self._files.move_to_end(checksum)
             return True
-        if checksum in self._uncached or checksum in self._pending:
-            return True
-        if checksum in self._shared or not on_disk:
-            return False  # being downloaded here: its end settles it, no need to look on disk
-        try:
-            size = os.stat(self._path(checksum)).st_size  # put there by another frontend
-        except OSError:
-            return False
-        self._remember(checksum, size)
-        return True
+        return checksum in self._uncached or checksum in self._pending
 
-    def missing(self, card: ModelCard, *, on_disk: bool = True) -> dict[str, MetadataFile]:
+    def missing(self, card: ModelCard) -> dict[str, MetadataFile]:
         """The files of `card` not cached (`has`)."""
         files = card.metadata_files
-        return {name: f for name, f in files.items() if not self.has(f, on_disk=on_disk)}
+        return {name: f for name, f in files.items() if not self.has(f)}
 
     def status(self) -> dict[str, Any]:
         """What `/health` shows of the cache: its size, and its trouble if any."""
@@ -271,11 +262,11 @@ class MetadataCache:
 
         The downloads start at once and the card waits for them one after the other, with
         no task per file: at a fleet's cold start a hundred thousand cards wait at once."""
-        missing = self.missing(card, on_disk=False)
+        missing = self.missing(card)
         unseen = [f.checksum for f in missing.values() if f.checksum not in self._shared]
         if unseen:  # (put on disk by another frontend sharing the directory, maybe)
             await self._look_on_disk(unseen)
-            missing = self.missing(card, on_disk=False)
+            missing = self.missing(card)
         if len(missing) > 1:
             for name, file in missing.items():
                 shared = self._shared.get(file.checksum)
@@ -304,7 +295,7 @@ class MetadataCache:
             shared = self._shared[file.checksum] = _SharedDownload()
         shared.waiters += 1
         try:
-            while not self.has(file, on_disk=False):  # (`fetch` looked on disk)
+            while not self.has(file):  # (`fetch` looked on disk)
                 task = shared.task
                 if task is None:
                     if file.url in shared.failed:
@@ -360,7 +351,7 @@ class MetadataCache:
     def _sizes_on_disk(self, checksums: list[str]) -> dict[str, int]:
         """In a thread: the size of each of `checksums` found on disk."""
         found: dict[str, int] = {}
-        for checksum in checksums:
+        for checksum in dict.fromkeys(checksums):  # (two fetches may ask for one file)
             with contextlib.suppress(OSError):
                 found[checksum] = os.stat(self._path(checksum)).st_size
         return found

@@ -209,7 +209,7 @@ class Registrations:
         # Not looked for on disk here: a reconciliation pass registers 64 cards between two
         # yields, and a `stat` each, with the GIL to take back from the threads busy in a cold
         # start (the store's, the cache writer's), held the loop 0.3 s. The fetch looks, in a thread.
-        missing = self.cache.missing(registration.model.card, on_disk=False)
+        missing = self.cache.missing(registration.model.card)
         if not missing:
             self._join(registration)
             return
