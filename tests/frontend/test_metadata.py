@@ -22,8 +22,10 @@ from aiohttp import web
 from shoal.cards import MetadataFile, ModelCard
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
 from shoal.frontend import Frontend
+from shoal.frontend.registry import cache_io
 from shoal.frontend.registry import metadata as metadata_module
-from shoal.frontend.registry.metadata import MetadataCache, MetadataError, _Writer
+from shoal.frontend.registry.cache_io import Writer
+from shoal.frontend.registry.metadata import MetadataCache, MetadataError
 from shoal.frontend.registry.registrations import State
 from shoal.frontend.registry.watcher import ModelWatcher
 from shoal.store import Lease, Store
@@ -518,7 +520,7 @@ async def test_thousands_of_writes_answered_at_once_wake_their_fetches_in_slices
     def write(checksum: str, data: bytes) -> bool:
         return gate.wait(30)
 
-    writer = _Writer(write)
+    writer = Writer(write)
     asked = 0
 
     async def fetch(i: int) -> None:
@@ -629,7 +631,7 @@ def test_a_small_file_is_hashed_in_pieces_hashlib_hashes_without_letting_go_of_t
         def hexdigest(self) -> str:
             return self.digest.hexdigest()
 
-    monkeypatch.setattr(metadata_module.hashlib, "sha256", Recording)
-    assert metadata_module.sha256_holding_the_gil(data) == real(data).hexdigest()
+    monkeypatch.setattr(cache_io.hashlib, "sha256", Recording)
+    assert cache_io.sha256_holding_the_gil(data) == real(data).hexdigest()
     assert sum(pieces) == size
-    assert all(n < metadata_module.GIL_FREE_HASH_BYTES for n in pieces)
+    assert all(n < cache_io.GIL_FREE_HASH_BYTES for n in pieces)

@@ -21,10 +21,8 @@ import functools
 import hashlib
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -33,6 +31,7 @@ import platformdirs
 
 from shoal.cards import MetadataFile, ModelCard
 from shoal.frontend.http.fetch import Fetcher, FetchError
+from shoal.frontend.registry.cache_io import Writer, resolve_in_slices, sha256_holding_the_gil
 from shoal.urls import redact_url
 
 if TYPE_CHECKING:
@@ -45,24 +44,6 @@ DEFAULT_MAX_FILE_BYTES = 64 << 20  # one metadata file; a card declaring more is
 STALE_TMP_SECONDS = 3600.0  # a temporary file this old belongs to a process that died
 CHUNK = 1 << 16
 SMALL_FILE_BYTES = 1 << 20  # a file up to this size is held in memory and written in one go
-
-
-GIL_FREE_HASH_BYTES = 2048
-"""hashlib lets go of the GIL to hash this many bytes or more at once; the event loop then
-waits to take it back from a busy thread (a cold start's store reader and cache writer),
-up to the interpreter's switch interval (5 ms) each time."""
-
-
-def sha256_holding_the_gil(data: bytes) -> str:
-    """The hex SHA-256 of `data` (a small file, on the event loop), fed to hashlib in pieces
-    under `GIL_FREE_HASH_BYTES` so the loop keeps the GIL: at a cold start 20,000 files
-    hashed with the GIL let go made holds of 20-40 ms out of microseconds of work."""
-    digest = hashlib.sha256()
-    view = memoryview(data)
-    step = GIL_FREE_HASH_BYTES - 1
-    for start in range(0, len(view), step):
-        digest.update(view[start : start + step])
-    return digest.hexdigest()
 
 
 def shown(file: MetadataFile) -> str:
@@ -98,73 +79,9 @@ class _SharedDownload:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-RESOLVE_SLICE = 64
-"""Writes the cache's writer thread answers in one turn of the event loop."""
 MAX_PENDING_BYTES = 64 << 20
 """Verified small files held in memory while the disk is behind, before a download waits
 for its own write."""
-
-
-class _Writer:
-    """Writes small verified files in one thread: every file queued by the time it wakes
-    goes in that wake-up, and their results come back to the loop in one call. A cold start
-    writes 20,000 files; a thread hop each, and the GIL handed back and forth each time,
-    cost more than the writes."""
-
-    def __init__(self, write: Callable[[str, bytes], bool]) -> None:
-        self._write = write
-        self._lock = threading.Lock()
-        self._queue: list[tuple[str, bytes, asyncio.Future[bool]]] = []
-        self._draining = False
-        self.batches = 0  # wake-ups of the thread that wrote something
-
-    def submit(self, checksum: str, data: bytes) -> asyncio.Future[bool]:
-        """Queue the file; the future says whether the disk took it (see
-        `MetadataCache._write_whole`)."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[bool] = loop.create_future()
-        with self._lock:
-            self._queue.append((checksum, data, done))
-            start, self._draining = not self._draining, True
-        if start:
-            loop.run_in_executor(None, self._drain, loop)
-        return done
-
-    async def write(self, checksum: str, data: bytes) -> bool:
-        """Whether the disk took the file."""
-        return await self.submit(checksum, data)
-
-    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
-        """In the thread: write until the queue is empty (results handed back per batch)."""
-        while True:
-            with self._lock:
-                batch, self._queue = self._queue, []
-                if not batch:
-                    self._draining = False
-                    return
-            self.batches += 1
-            results = [(done, self._write_one(checksum, data)) for checksum, data, done in batch]
-            with contextlib.suppress(RuntimeError):  # (the loop closed: nobody waits any more)
-                loop.call_soon_threadsafe(_resolve, results)
-
-    def _write_one(self, checksum: str, data: bytes) -> bool:
-        try:
-            return self._write(checksum, data)
-        except Exception:  # (it records its trouble and never raises; if it did: not kept)
-            log.exception("metadata cache: writing %s failed", checksum)
-            return False
-
-
-def _resolve(results: list[tuple[asyncio.Future[bool], bool]], start: int = 0) -> None:
-    """Answer the writes of one batch, `RESOLVE_SLICE` per turn of the loop: each answer
-    wakes a fetch that goes on with its card, and thousands of them woken in one turn held
-    the loop for all of them (58 ms for 4,000 in the test that proves it)."""
-    end = start + RESOLVE_SLICE
-    for done, kept in results[start:end]:
-        if not done.done():  # (a waiter cancelled meanwhile)
-            done.set_result(kept)
-    if end < len(results):
-        asyncio.get_running_loop().call_soon(_resolve, results, end)
 
 
 class MetadataCache:
@@ -190,7 +107,7 @@ class MetadataCache:
         self._shared: dict[str, _SharedDownload] = {}  # by checksum
         self._session: aiohttp.ClientSession | None = None  # HTTPS, odd URLs, large files
         self._fetcher = Fetcher(connect_timeout=timeout)
-        self._writer = _Writer(self._write_whole)
+        self._writer = Writer(self._write_whole)
         # Checksums to look for on disk at the next turn of the loop, and when it is done.
         self._lookup: tuple[list[str], list[asyncio.Future[bool]]] | None = None
         self._lookups: set[asyncio.Task[None]] = set()
@@ -346,7 +263,7 @@ class MetadataCache:
         except Exception:  # (an executor shut down at close: not found, downloaded instead)
             log.debug("metadata cache: looking on disk failed", exc_info=True)
         finally:
-            _resolve([(asker, True) for asker in askers])
+            resolve_in_slices([(asker, True) for asker in askers])
 
     def _sizes_on_disk(self, checksums: list[str]) -> dict[str, int]:
         """In a thread: the size of each of `checksums` found on disk."""
