@@ -13,6 +13,7 @@ import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from shoal.controllers import ControllerManager, Loop, LoopCollector
 from shoal.discovery import Discovery, Query
@@ -126,6 +127,7 @@ class Frontend(Endpoints):
         self.started_at = time.time()
         # ((registry version, route table version), body)
         self._models_body: tuple[tuple[int, int], bytes] | None = None
+        self._health_body: tuple[int, dict[str, Any]] | None = None
 
     @property
     def port(self) -> int:

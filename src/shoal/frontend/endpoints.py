@@ -18,14 +18,16 @@ HTTP, for a scraper), not on the API's port.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import hmac
+import operator
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
-from shoal.bounds import first_listed
+from shoal.bounds import MAX_LISTED, first_listed
 from shoal.cards import ModelType
 from shoal.controllers import ControllerManager, readiness
 from shoal.discovery import Discovery
@@ -55,7 +57,9 @@ PROXY_ROUTES = {
     b"/v1/completions": ModelType.COMPLETIONS,
     b"/v1/embeddings": ModelType.EMBEDDINGS,
 }
+HEALTH_MODELS = 100  # models `/health` describes (it counts them all; `/ui` shows more)
 _json = msgspec.json.encode
+_instance_id = operator.attrgetter("instance_id")
 
 
 class Endpoints:
@@ -83,6 +87,7 @@ class Endpoints:
     metrics_source: Callable[[], Awaitable[bytes | list[bytes]]] | None
     draining: bool
     _models_body: tuple[tuple[int, int], bytes] | None
+    _health_body: tuple[int, dict[str, Any]] | None
 
     def handle(self, request: Request, conn: HttpConnection) -> None:
         path = request.path
@@ -214,6 +219,33 @@ class Endpoints:
         else:
             raise errors.not_found(path.decode())
 
+    def _health_fleet(self) -> dict[str, Any]:
+        """`/health`'s models and instances, bounded at any fleet size and encoded again only
+        after the registry changed: at most `HEALTH_MODELS` models (those not serving or
+        incomplete first, then by name), each worker set naming at most `MAX_LISTED` of its
+        routable instances (the smallest ids); the totals count them all."""
+        cached = self._health_body
+        version = self.registry.version
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        models = self.registry.models
+        trouble = [name for name, m in models.items() if not m.serving or m.incomplete]
+        names = heapq.nsmallest(HEALTH_MODELS, trouble)
+        if len(names) < HEALTH_MODELS:
+            chosen = set(names)
+            rest = (name for name in models if name not in chosen)
+            names += heapq.nsmallest(HEALTH_MODELS - len(names), rest)
+        # (an instance is one upstream, shared by the sets of every model it serves)
+        instances = set().union(*[ws.routable for m in models.values() for ws in m.sets.values()])
+        fleet = {
+            "models_total": len(models),
+            "models_not_serving": len(trouble),
+            "models": {name: _health_model(models[name]) for name in sorted(names)},
+            "instances": len(instances),
+        }
+        self._health_body = (version, fleet)
+        return fleet
+
     def _serve_metrics(self, request: Request, conn: HttpConnection) -> None:
         """The `metrics_port` server's one route."""
         if request.path != b"/metrics":
@@ -279,39 +311,17 @@ class Endpoints:
             return 503, {"status": "starting"}
         if not self.watcher.snapshot_loaded.is_set():
             return 503, {"status": "starting", "loading": self.watcher.progress()}
-        models = {
-            name: {
-                "serving": model.serving,
-                "disaggregated": model.stages is not None,
-                "incomplete": model.incomplete,
-                "instances": model.live_instances,
-                "worker_sets": [
-                    {
-                        "namespace": ws.id.namespace,
-                        "component": ws.id.component,
-                        "role": str(ws.id.role),
-                        "mdcsum": ws.mdcsum,
-                        "instances": sorted(f"{u.instance_id:x}" for u in ws.routable),
-                        "members": len(ws.members),
-                    }
-                    for ws in model.sets.values()
-                ],
-            }
-            for name, model in sorted(self.registry.models.items())
-        }
-        incomplete = [
-            {"key": str(r.model.key), "state": r.state.value, "error": r.error}
-            for r in self.watcher.incomplete()
-        ]
-        instances = len(
-            {u.instance_id for m in self.registry.models.values() for ws in m.sets.values() for u in ws.routable}
-        )  # fmt: skip
+        fleet = self._health_fleet()
+        incomplete = self.watcher.incomplete()
+        listed = heapq.nsmallest(MAX_LISTED, incomplete, key=lambda r: r.model.key.key)
         return 200, {
             "status": "ok",
             "store": self.watcher.store.report(),
-            "models": models,
-            "instances": instances,
-            "incomplete": incomplete,
+            **fleet,
+            "incomplete_total": len(incomplete),
+            "incomplete": [
+                {"key": str(r.model.key), "state": r.state.value, "error": r.error} for r in listed
+            ],
             "metadata_cache": self.watcher.cache.status(),
             "routing": self.router.describe(),
             "skipped_total": len(self.watcher.discovery.skipped),
@@ -386,3 +396,26 @@ _CONTROL_PATHS = frozenset(
     {b"/live", b"/ready", b"/health", b"/health/controllers", b"/metrics"}
     | {b"/v1/membership", b"/v1/membership/status"}
 )
+
+
+def _health_model(model: Model) -> dict[str, Any]:
+    return {
+        "serving": model.serving,
+        "disaggregated": model.stages is not None,
+        "incomplete": model.incomplete,
+        "instances": model.live_instances,
+        "worker_sets": [
+            {
+                "namespace": ws.id.namespace,
+                "component": ws.id.component,
+                "role": str(ws.id.role),
+                "mdcsum": ws.mdcsum,
+                "routable": len(ws.routable),
+                "instances": [
+                    f"{i:x}" for i in heapq.nsmallest(MAX_LISTED, map(_instance_id, ws.routable))
+                ],
+                "members": len(ws.members),
+            }
+            for ws in model.sets.values()
+        ],
+    }

@@ -50,7 +50,8 @@ from shoal.frontend.http.server import HttpConnection
 
 log = logging.getLogger(__name__)
 
-TICK_SECONDS = 0.5  # how often open pages are sent what changed
+TICK_SECONDS = 0.5  # how often open pages are sent what changed (at most)
+BUSY_SHARE = 20  # between two reads, the timer waits at least this many times the last's time
 PING_SECONDS = 5.0  # an event at least this often, so a page can tell a dead frontend
 COOKIE = b"shoal_ui"
 SESSION_SECONDS = 12 * 3600  # a dashboard session ends this long after its login
@@ -148,6 +149,9 @@ class Dashboard:
         self._tls = frontend.config.tls_certfile is not None  # cookies are `Secure`
         self._sent: Sections | None = None  # what open streams were last sent
         self._task: asyncio.Task[None] | None = None
+        self._reading: asyncio.Future[Sections] | None = None  # the read in flight
+        self._ticking = asyncio.Lock()
+        self._first_read: asyncio.Future[None] | None = None  # a new page's read, if any
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -160,46 +164,60 @@ class Dashboard:
         """End every event stream (so the server's drain does not wait for them), stop the timer."""
         for stream in list(self.streams):
             stream.end()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._first_read, self._reading):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _run(self) -> None:
         next_sample = time.monotonic() + self.history.period
         while True:
-            await asyncio.sleep(TICK_SECONDS)
+            # A large fleet's read takes longer: the timer waits `BUSY_SHARE` times as long
+            # (a page open costs the event loop 1/BUSY_SHARE of its time at most).
+            await asyncio.sleep(max(TICK_SECONDS, BUSY_SHARE * self.reader.busy))
             try:
                 point = None
                 now = time.monotonic()
                 if now >= next_sample:
                     next_sample = max(next_sample + self.history.period, now)
                     point = self.history.sample()
-                self.tick(point)
+                await self.tick(point)
             except Exception:
                 log.exception("dashboard: reading the fleet failed (the page shows the last read)")
 
-    def tick(self, point: dict[str, Any] | None = None) -> None:
+    async def read(self) -> Sections:
+        """A read of the fleet; callers at the same time share one (reads never overlap)."""
+        reading = self._reading
+        if reading is None or reading.done():
+            reading = self._reading = asyncio.ensure_future(self.reader.read())
+        return await asyncio.shield(reading)
+
+    async def tick(self, point: dict[str, Any] | None = None) -> None:
         """Send open streams what changed since the last tick (and `point`, a new chart sample)."""
-        if not self.streams:
-            self._sent = None  # the next page starts from a fresh read
-            return
-        before = self._sent
-        after = self._sent = self.reader.read()
-        change = diff(before, after) if before is not None else {}
-        if point is not None:
-            change["series"] = [point]
-        data = _encode({"server_time": time.time(), **change}) if change else None
-        now = time.monotonic()
-        for stream in list(self.streams):
-            if stream.stale:
-                if not stream.conn.writing_paused:
-                    stream.stale = False
-                    stream.send(b"snapshot", self._snapshot_body(after))
-            elif data is not None:
-                stream.send(b"change", data)
-            elif now - stream.last_sent >= PING_SECONDS:
-                stream.send(b"ping", b"{}")
+        async with self._ticking:
+            if not self.streams:
+                self._sent = None  # the next page starts from a fresh read
+                return
+            before = self._sent
+            after = await self.read()
+            if not self.streams:
+                return
+            self._sent = after
+            change = diff(before, after) if before is not None else {}
+            if point is not None:
+                change["series"] = [point]
+            data = _encode({"server_time": time.time(), **change}) if change else None
+            now = time.monotonic()
+            for stream in list(self.streams):
+                if stream.stale:
+                    if not stream.conn.writing_paused:
+                        stream.stale = False
+                        stream.send(b"snapshot", self._snapshot_body(after))
+                elif data is not None:
+                    stream.send(b"change", data)
+                elif now - stream.last_sent >= PING_SECONDS:
+                    stream.send(b"ping", b"{}")
 
     def _snapshot_body(self, sections: Sections) -> bytes:
         history = {"period": self.history.period, "points": list(self.history.points)}
@@ -240,8 +258,7 @@ class Dashboard:
         else:
             self._authorize(request)
             if route == b"snapshot":
-                body = self._snapshot_body(self.reader.read())
-                conn.send(200, body, headers=((b"cache-control", b"no-store"),))
+                _SnapshotLater(self, conn)
             else:
                 self._open_stream(conn)
 
@@ -288,11 +305,35 @@ class Dashboard:
             b"cache-control: no-store\r\nx-accel-buffering: no\r\nconnection: close\r\n\r\n"
             b"retry: 1000\n\n"
         )
-        if self._sent is None or not self.streams:
-            self._sent = self.reader.read()
+        if self._sent is not None and self.streams:
+            # The base of the next diff, so this page and the others stay in step.
+            stream.send(b"snapshot", self._snapshot_body(self._sent))
+        else:
+            stream.stale = True  # its snapshot comes with a read started now
+            self._first_read = asyncio.ensure_future(self.tick())
         self.streams.add(stream)
-        # The base of the next diff, so this page and the others stay in step.
-        stream.send(b"snapshot", self._snapshot_body(self._sent))
+
+
+class _SnapshotLater:
+    """A `/ui/api/snapshot` answer, written once a read of the fleet is done (a large fleet's
+    read takes several turns of the event loop); cancelled if the client goes away."""
+
+    def __init__(self, dashboard: Dashboard, conn: HttpConnection) -> None:
+        self.task = asyncio.ensure_future(self._answer(dashboard, conn))
+        conn.produce_later(self)
+
+    @staticmethod
+    async def _answer(dashboard: Dashboard, conn: HttpConnection) -> None:
+        try:
+            body = dashboard._snapshot_body(await dashboard.read())
+        except Exception:
+            log.exception("dashboard: reading the fleet failed")
+            conn.send_error(errors.internal_error())
+        else:
+            conn.send(200, body, headers=((b"cache-control", b"no-store"),))
+
+    def cancel(self) -> None:
+        self.task.cancel()
 
 
 class Sessions:

@@ -15,6 +15,8 @@ Neither runs on the request path: the dashboard's timer calls them.
 
 from __future__ import annotations
 
+import asyncio
+import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -26,9 +28,12 @@ import msgspec
 
 from shoal import __version__
 from shoal.controllers import ControllerManager
+from shoal.discovery import ModelKey
+from shoal.discovery.keys import MODELS
 from shoal.frontend.http.upstream import Upstream
 from shoal.frontend.registry.metrics import TTFT_BUCKETS, FrontendMetrics
-from shoal.frontend.registry.registry import Registry
+from shoal.frontend.registry.registrations import Registration
+from shoal.frontend.registry.registry import Member, Model, Registry
 from shoal.frontend.registry.watcher import ModelWatcher
 from shoal.urls import redact_url
 
@@ -73,7 +78,14 @@ class Fleet(Protocol):
 DRAINING = "draining"  # the taint a worker sets while it drains
 ERROR_WINDOW = 300.0  # seconds of failures counted as an instance's "recent errors"
 KEYED = ("models", "instances", "incomplete", "routes")  # sections diffed item by item
-WHOLE = ("frontend", "membership", "loops")  # small sections sent whole when they change
+WHOLE = ("frontend", "membership", "loops", "totals")  # small sections sent whole on change
+STATES = ("draining", "tainted", "refused", "pending", "inhibited", "ready")  # most severe first
+MAX_ROWS = 1000
+"""The items a keyed section holds (models, instances, incomplete registrations): the most
+severe first, then by key; `totals` counts them all. A page does not read a hundred thousand
+rows, and a read of them held the event loop for seconds."""
+SLICE = 2000  # items a read handles in one turn of the event loop
+ROW_COST = 10  # a row built and encoded costs about this many items
 
 _encode = msgspec.json.encode
 
@@ -103,8 +115,42 @@ class _Failures:
     times: deque[float] = field(default_factory=deque)
 
 
+class _Turns:
+    """A read's work in the current turn of the event loop: `spent` yields to the loop once
+    `SLICE` items were handled since the last yield, and `busy` sums the read's own time."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.busy = 0.0
+        self._since = time.perf_counter()
+
+    async def spent(self, items: int) -> None:
+        self.done += items
+        if self.done >= SLICE:
+            await self.pause()
+
+    async def pause(self) -> None:
+        self.done = 0
+        self.busy += time.perf_counter() - self._since
+        await asyncio.sleep(0)
+        self._since = time.perf_counter()
+
+    def end(self) -> float:
+        self.busy += time.perf_counter() - self._since
+        return self.busy
+
+
+_Source = Member | Registration  # what an instance row is read from: joined, or not yet
+_PREFIX = len(MODELS)
+
+
 class FleetReader:
     """Reads one frontend for the dashboard; keeps only what sampling needs between reads.
+
+    A read is bounded at any fleet size: each keyed section holds at most `MAX_ROWS` items,
+    the most severe first (`STATES`; models not serving), then by key, and `totals` counts
+    everything; the read yields to the event loop every `SLICE` items and notes in `busy`
+    the time it took of the loop. Reads must not overlap (`Dashboard` shares one).
 
     `routes` and `kv_hit_rates` are filled by whoever has the data: the frontend's routes
     follower (virtual models and providers from the catalog's models controller) and the
@@ -115,20 +161,35 @@ class FleetReader:
         self.frontend = frontend
         self.routes: RoutesSource = no_routes
         self.kv_hit_rates: KvHitRates = no_hit_rates
-        self._failures: dict[str, _Failures] = {}
+        self.busy = 0.0  # seconds of the event loop the last read took
+        self._failures: dict[str, _Failures] = {}  # (instances that failed at least once)
 
-    def read(self) -> Sections:
+    async def read(self) -> Sections:
         """Every section, as of now."""
         now = time.monotonic()
+        turns = _Turns()
+        instances, by_state = await self._instances(now, turns)
+        models, not_serving = await self._models(turns)
+        incomplete, incomplete_total = await self._incomplete(turns)
+        totals = {
+            "instances": sum(by_state.values()),
+            "by_state": by_state,
+            "models": len(self.frontend.registry.models),
+            "models_not_serving": not_serving,
+            "incomplete": incomplete_total,
+            "rows_max": MAX_ROWS,
+        }
         sections: Sections = {
             "frontend": {"": _encode(self._frontend())},
             "membership": {"": _encode(self._membership())},
             "loops": {"": _encode(self._loops())},
-            "models": self._models(),
-            "instances": self._instances(now),
-            "incomplete": self._incomplete(),
+            "totals": {"": _encode(totals)},
+            "models": models,
+            "instances": instances,
+            "incomplete": incomplete,
             "routes": self._routes(),
         }
+        self.busy = turns.end()
         return sections
 
     def _frontend(self) -> dict[str, Any]:
@@ -172,98 +233,158 @@ class FleetReader:
             )
         return loops
 
-    def _models(self) -> dict[str, bytes]:
+    async def _models(self, turns: _Turns) -> tuple[dict[str, bytes], int]:
+        """At most `MAX_ROWS` models, those not serving first; and how many are not serving."""
+        models = self.frontend.registry.models
+        names = list(models)
+        trouble: list[str] = []
+        for start in range(0, len(names), SLICE):
+            for name in names[start : start + SLICE]:
+                model = models.get(name)
+                if model is not None and (not model.serving or model.incomplete):
+                    trouble.append(name)
+            await turns.pause()
+        chosen = await _first_rows([trouble, names], turns)
         out: dict[str, bytes] = {}
-        for name, model in sorted(self.frontend.registry.models.items()):
-            sets = [
-                {
-                    "namespace": ws.id.namespace,
-                    "component": ws.id.component,
-                    "role": str(ws.id.role),
-                    "mdcsum": ws.mdcsum,
-                    "members": len(ws.members),
-                    "routable": len(ws.routable),
-                }
-                for ws in sorted(model.sets.values(), key=lambda ws: ws.id)
-            ]
-            out[name] = _encode(
-                {
-                    "key": name,
-                    "name": name,
-                    "serving": model.serving,
-                    "disaggregated": model.stages is not None,
-                    "incomplete": model.incomplete,
-                    "live_instances": model.live_instances,
-                    "types": sorted(str(t) for t in model.model_types),
-                    "parent": model.parent,
-                    "sets": sets,
-                }
-            )
-        return out
+        for name in chosen:
+            model = models.get(name)
+            if model is not None:
+                out[name] = _encode(_model_row(name, model))
+            await turns.spent(ROW_COST)
+        return out, len(trouble)
 
-    def _instances(self, now: float) -> dict[str, bytes]:
-        """Endpoint instances: joined ones from the registry, the rest from the watcher."""
-        rows: dict[str, dict[str, Any]] = {}
-        upstreams: dict[str, Upstream] = {}
-        for model in self.frontend.registry.models.values():
-            for ws in model.sets.values():
-                for member in ws.members.values():
-                    key = member.key
-                    row = _row(rows, key.endpoint.path, key.instance_id, member.upstream.url)
-                    row["models"].add(member.card.display_name)
-                    row["roles"].add(str(member.card.role))
-                    row["taints"].update(member.card.taints)
-                    row["joined"] = True
-                    upstreams[row["key"]] = member.upstream
+    async def _instances(
+        self, now: float, turns: _Turns
+    ) -> tuple[dict[str, bytes], dict[str, int]]:
+        """At most `MAX_ROWS` endpoint instances, the most severe state first (joined ones
+        from the registry, the rest from the watcher); and how many are in each state."""
+        sources: dict[str, list[_Source]] = {}
+        states: dict[str, str] = {}
+        sets = [ws for model in list(self.frontend.registry.models.values()) for ws in list(model.sets.values())]  # fmt: skip
+        failures = self._failures
+        for ws in sets:
+            members = list(ws.members.values())
+            for member in members:
+                key = member.key
+                row_key = key.key[_PREFIX:] if key.suffix is None else _row_key(key)
+                upstream = member.upstream
+                if upstream.inhibited_until != 0.0 or row_key in failures:
+                    self._count_failures(row_key, upstream, now)
+                found = sources.get(row_key)
+                if found is None:
+                    sources[row_key] = [member]
+                    taints = member.card.taints
+                    if taints:
+                        states[row_key] = "draining" if DRAINING in taints else "tainted"
+                    elif upstream.inhibited_until > now:
+                        states[row_key] = "inhibited"
+                    else:
+                        states[row_key] = "ready"
+                else:
+                    found.append(member)
+                    states[row_key] = ""  # several sources: decided below
+            await turns.spent(len(members))
         watcher = self.frontend.watcher
-        if watcher is not None:
-            for registration in watcher.incomplete():
-                model_instance = registration.model
-                key = model_instance.key
-                row = _row(rows, key.endpoint.path, key.instance_id, model_instance.url)
-                row["models"].add(model_instance.card.display_name)
-                row["roles"].add(str(model_instance.card.role))
-                row["taints"].update(model_instance.card.taints)
-                row["incomplete"].add(registration.state.value)
+        registrations = watcher.incomplete() if watcher is not None else []
+        for start in range(0, len(registrations), SLICE):
+            for registration in registrations[start : start + SLICE]:
+                row_key = _row_key(registration.model.key)
+                found = sources.get(row_key)
+                if found is None:
+                    sources[row_key] = [registration]
+                states[row_key] = ""
+                if found is not None:
+                    found.append(registration)
+            await turns.pause()
+        for gone in self._failures.keys() - sources.keys():
+            del self._failures[gone]
+        by_state = dict.fromkeys(STATES, 0)
+        buckets: dict[str, list[str]] = {state: [] for state in STATES}
+        keys = list(states.items())
+        for start in range(0, len(keys), SLICE):
+            for row_key, state in keys[start : start + SLICE]:
+                if not state:
+                    state = states[row_key] = _state_of(sources[row_key], now)
+                by_state[state] += 1
+                buckets[state].append(row_key)
+            await turns.pause()
+        chosen = await _first_rows([buckets[state] for state in STATES], turns)
         hit_rates = self.kv_hit_rates()
         out: dict[str, bytes] = {}
-        for row_key, row in sorted(rows.items()):
-            upstream = upstreams.get(row_key)
-            row["errors"] = self._count_failures(row_key, upstream, now)
-            row["in_flight"] = upstream.in_flight if upstream is not None else 0
-            row["inhibited"] = upstream is not None and upstream.inhibited_until > now
-            row["kv_hit_rate"] = hit_rates.get(row["instance_id"])
-            row["state"] = _state(row)
-            for name in ("models", "roles", "taints", "incomplete"):
-                row[name] = sorted(row[name])
-            row["instance_id"] = f"{row['instance_id']:x}"
-            del row["joined"]
+        for row_key in chosen:
+            row = self._instance_row(row_key, sources[row_key], states[row_key], now)
+            row["kv_hit_rate"] = hit_rates.get(row.pop("iid"))
             out[row_key] = _encode(row)
-        for gone in self._failures.keys() - rows.keys():
-            del self._failures[gone]
-        return out
+            await turns.spent(ROW_COST)
+        return out, by_state
 
-    def _count_failures(self, key: str, upstream: Upstream | None, now: float) -> int:
+    def _instance_row(
+        self, row_key: str, sources: list[_Source], state: str, now: float
+    ) -> dict[str, Any]:
+        models: set[str] = set()
+        roles: set[str] = set()
+        taints: set[str] = set()
+        incomplete: set[str] = set()
+        upstream: Upstream | None = None
+        url = ""
+        for source in sources:
+            if isinstance(source, Member):
+                card, upstream, url = source.card, source.upstream, source.upstream.url
+            else:
+                card = source.model.card
+                incomplete.add(source.state.value)
+                url = url or source.model.url
+            models.add(card.display_name)
+            roles.add(str(card.role))
+            taints.update(card.taints)
+        path, _, iid = row_key.rpartition("/")
+        namespace, component, endpoint = path.split("/")
+        failures = self._failures.get(row_key)
+        return {
+            "key": row_key,
+            "iid": int(iid, 16),
+            "instance_id": iid,
+            "namespace": namespace,
+            "component": component,
+            "endpoint": endpoint,
+            "url": redact_url(url),  # (any client with a key reads this: not the credentials)
+            "models": sorted(models),
+            "roles": sorted(roles),
+            "taints": sorted(taints),
+            "incomplete": sorted(incomplete),
+            "errors": len(failures.times) if failures is not None else 0,
+            "in_flight": upstream.in_flight if upstream is not None else 0,
+            "inhibited": upstream is not None and upstream.inhibited_until > now,
+            "state": state,
+        }
+
+    def _count_failures(self, key: str, upstream: Upstream, now: float) -> None:
         """Failures in the last `ERROR_WINDOW` s: each new `inhibited_until` is one (or more)."""
         failures = self._failures.get(key)
         if failures is None:
             failures = self._failures[key] = _Failures()
-        if upstream is not None:
-            until = upstream.inhibited_until
-            if until != 0.0 and until != failures.seen_until:
-                failures.times.append(now)
-            failures.seen_until = until
+        until = upstream.inhibited_until
+        if until != 0.0 and until != failures.seen_until:
+            failures.times.append(now)
+        failures.seen_until = until
         while failures.times and failures.times[0] < now - ERROR_WINDOW:
             failures.times.popleft()
-        return len(failures.times)
 
-    def _incomplete(self) -> dict[str, bytes]:
+    async def _incomplete(self, turns: _Turns) -> tuple[dict[str, bytes], int]:
+        """At most `MAX_ROWS` registrations not joined, by key; and how many there are."""
         watcher = self.frontend.watcher
         if watcher is None:
-            return {}
+            return {}, 0
+        registrations = watcher.incomplete()
+        by_key: dict[str, Registration] = {}
+        for start in range(0, len(registrations), SLICE):
+            for registration in registrations[start : start + SLICE]:
+                by_key[str(registration.model.key)] = registration
+            await turns.pause()
+        chosen = await _first_rows([list(by_key)], turns)
         out: dict[str, bytes] = {}
-        for registration in watcher.incomplete():
-            key = str(registration.model.key)
+        for key in chosen:
+            registration = by_key[key]
             out[key] = _encode(
                 {
                     "key": key,
@@ -273,7 +394,8 @@ class FleetReader:
                     "error": registration.error,
                 }
             )
-        return dict(sorted(out.items()))
+            await turns.spent(ROW_COST)
+        return out, len(registrations)
 
     def _routes(self) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
@@ -283,38 +405,73 @@ class FleetReader:
         return out
 
 
-def _row(rows: dict[str, dict[str, Any]], path: str, instance_id: int, url: str) -> dict[str, Any]:
-    key = f"{path}/{instance_id:x}"
-    row = rows.get(key)
-    if row is None:
-        namespace, component, endpoint = path.split("/")
-        row = rows[key] = {
-            "key": key,
-            "instance_id": instance_id,
-            "namespace": namespace,
-            "component": component,
-            "endpoint": endpoint,
-            "url": redact_url(url),  # (any client with a key reads this: not the credentials)
-            "models": set(),
-            "roles": set(),
-            "taints": set(),
-            "incomplete": set(),
-            "joined": False,
-        }
-    return row
+async def _first_rows(groups: list[list[str]], turns: _Turns) -> list[str]:
+    """The first `MAX_ROWS` keys of `groups`, a group before the next, by key within each
+    (a key in two groups counts once: the first's)."""
+    chosen: list[str] = []
+    seen: set[str] = set()
+    for group in groups:
+        left = MAX_ROWS - len(chosen)
+        if left <= 0:
+            break
+        fresh = [key for key in group if key not in seen] if seen else group
+        first = sorted(fresh) if len(fresh) <= left else heapq.nsmallest(left, fresh)
+        await turns.spent(len(fresh))
+        chosen += first
+        seen.update(first)
+    return sorted(chosen)
 
 
-def _state(row: Mapping[str, Any]) -> str:
+def _row_key(key: ModelKey) -> str:
+    """An instance row's key: its endpoint's path and its id (the model key without the
+    store's prefix and the adapter's suffix)."""
+    return f"{key.endpoint.path}/{key.instance_id:x}"
+
+
+def _state_of(sources: list[_Source], now: float) -> str:
     """One word for the instance: what routing does with it, the most severe first."""
-    if DRAINING in row["taints"]:
+    taints: set[str] = set()
+    joined = inhibited = refused = False
+    for source in sources:
+        if isinstance(source, Member):
+            joined = True
+            taints.update(source.card.taints)
+            inhibited = inhibited or source.upstream.inhibited_until > now
+        else:
+            taints.update(source.model.card.taints)
+            refused = refused or source.state.value == "refused"
+    if DRAINING in taints:
         return "draining"
-    if row["taints"]:
+    if taints:
         return "tainted"
-    if not row["joined"]:
-        return "refused" if "refused" in row["incomplete"] else "pending"
-    if row["inhibited"]:
-        return "inhibited"
-    return "ready"
+    if not joined:
+        return "refused" if refused else "pending"
+    return "inhibited" if inhibited else "ready"
+
+
+def _model_row(name: str, model: Model) -> dict[str, Any]:
+    sets = [
+        {
+            "namespace": ws.id.namespace,
+            "component": ws.id.component,
+            "role": str(ws.id.role),
+            "mdcsum": ws.mdcsum,
+            "members": len(ws.members),
+            "routable": len(ws.routable),
+        }
+        for ws in sorted(model.sets.values(), key=lambda ws: ws.id)
+    ]
+    return {
+        "key": name,
+        "name": name,
+        "serving": model.serving,
+        "disaggregated": model.stages is not None,
+        "incomplete": model.incomplete,
+        "live_instances": model.live_instances,
+        "types": sorted(str(t) for t in model.model_types),
+        "parent": model.parent,
+        "sets": sets,
+    }
 
 
 def diff(before: Sections, after: Sections) -> dict[str, Any]:

@@ -7,7 +7,7 @@ const STALE_AFTER_MS = 8000; // the server sends something at least every 5 s
 const $ = (sel) => document.querySelector(sel);
 
 const state = {
-  frontend: null, membership: null, loops: [],
+  frontend: null, membership: null, loops: [], totals: null,
   models: new Map(), instances: new Map(), incomplete: new Map(), routes: new Map(),
   series: { period: 2, points: [] },
 };
@@ -29,6 +29,7 @@ function loadSnapshot(snap) {
   state.frontend = snap.frontend;
   state.membership = snap.membership;
   state.loops = snap.loops;
+  state.totals = snap.totals || null;
   for (const name of ["models", "instances", "incomplete", "routes"]) {
     state[name] = new Map();
     keyed(state[name], snap[name]);
@@ -201,14 +202,18 @@ function render() {
   const scope = f.follows_membership ? "membership" : (f.namespaces.length ? f.namespaces.join(", ") : "all namespaces");
   $("#frontend-info").textContent = `v${f.version} · router ${f.router} · scope: ${scope}` +
     (f.draining ? " · DRAINING" : "") + (f.loaded ? "" : " · loading discovery…");
-  const counts = {};
-  for (const inst of state.instances.values()) counts[inst.state] = (counts[inst.state] || 0) + 1;
-  $("#summary").textContent = `${state.instances.size} instances` +
-    Object.entries(counts).map(([s, n]) => ` · ${n} ${s}`).join("");
+  // The server sends at most `rows_max` rows a table (the most severe first) and counts all.
+  const t = state.totals;
+  const counts = t ? t.by_state : {};
+  if (!t) for (const inst of state.instances.values()) counts[inst.state] = (counts[inst.state] || 0) + 1;
+  const total = t ? t.instances : state.instances.size;
+  $("#summary").textContent = `${total} instances` +
+    Object.entries(counts).filter(([, n]) => n).map(([s, n]) => ` · ${n} ${s}`).join("") +
+    (total > state.instances.size ? ` · ${state.instances.size} shown, the most severe first` : "");
   renderModels();
-  renderTable("instances", [...state.instances.values()], instanceRow);
+  renderTable("instances", [...state.instances.values()], instanceRow, t ? t.instances : undefined);
   renderTable("incomplete", [...state.incomplete.values()], (r) =>
-    `<td class="mono">${esc(r.key)}</td><td>${esc(r.model)}</td><td>${badge(r.state)}</td><td class="wrap">${esc(r.error || "metadata files not fetched yet")}</td>`);
+    `<td class="mono">${esc(r.key)}</td><td>${esc(r.model)}</td><td>${badge(r.state)}</td><td class="wrap">${esc(r.error || "metadata files not fetched yet")}</td>`, t ? t.incomplete : undefined);
   renderTable("routes", [...state.routes.values()], (r) =>
     `<td>${esc(r.workspace)}</td><td>${esc(r.name)}</td><td class="wrap">${(r.targets || []).map(target).join("<br>") || "nowhere (no target)"}</td>`);
   renderLoops();
@@ -242,7 +247,7 @@ function renderModels() {
     `<td>${esc(model.name)}${model.parent ? ` <span class="count">(adapter of ${esc(model.parent)})</span>` : ""}</td>` +
     `<td${model.incomplete ? ` title="${esc(model.incomplete)}"` : ""}>${badge(servingWord(model))}</td><td>${esc(ws.namespace)}</td><td>${esc(ws.component)}</td>` +
     `<td>${esc(ws.role)}</td><td class="mono" title="${esc(ws.mdcsum)}">${esc(ws.mdcsum.slice(0, 12))}</td>` +
-    `<td>${ws.routable} / ${ws.members}</td>`, state.models.size);
+    `<td>${ws.routable} / ${ws.members}</td>`, state.totals ? state.totals.models : state.models.size);
 }
 
 function instanceRow(r) {
@@ -266,7 +271,12 @@ function renderTable(id, rows, cells, total) {
     `<tr data-key="${esc(r.key)}"${r.state ? ` data-state="${esc(r.state)}"` : ""}>${cells(r)}</tr>`).join("");
   const count = section.querySelector(".count");
   const all = total ?? rows.length;
-  if (count) count.textContent = needle ? `(${shown.length} of ${rows.length} match)` : `(${all})`;
+  const cut = all > rows.length; // the server sent the first rows only
+  if (count) {
+    count.textContent = needle
+      ? `(${shown.length} of ${rows.length}${cut ? " shown" : ""} match)`
+      : `(${cut ? `${rows.length} shown of ${all}` : all})`;
+  }
   const empty = section.querySelector(".empty");
   empty.dataset.text ??= empty.innerHTML;
   empty.innerHTML = needle && rows.length ? "Nothing matches the filter." : empty.dataset.text;
