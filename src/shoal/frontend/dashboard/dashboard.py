@@ -17,8 +17,10 @@ does, `X-Forwarded-Proto: https`). The session lives on this frontend only, for
 `SESSION_SECONDS` at most, until log out; the browser never holds the key nor anything
 derived from it, so a stolen cookie tells nothing about the key.
 
-One timer per frontend reads the fleet every `TICK_SECONDS` while a page is open (and
-samples the request history every period regardless): nothing here is on the request path.
+One timer per frontend reads the fleet every `TICK_SECONDS` while a page is open, or less
+often when a read takes long (`BUSY_SHARE`), and samples the request history every period
+regardless: nothing here is on the request path. Reads asked at once (the timer, a new
+page, `/ui/api/snapshot`) share one.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 `FleetReader.read()` walks the registry, the watcher's registrations, the control loops and
 the membership through their public attributes and returns `Sections`: each section is a
 mapping from a stable key to one JSON-encoded item, so that two reads can be diffed item by
-item (`diff`) and a page of 1,000 instances receives only the rows that changed.
+item (`diff`) and a page of 1,000 instances receives only the rows that changed. A read is
+bounded at any fleet size: at most `MAX_ROWS` rows a section, the most severe first, and
+`totals` counting all; it yields to the event loop every `SLICE` items.
 
 `RequestHistory` is the ring buffer behind the page's charts: every `period` seconds it turns
 the per-model request counters of `FrontendMetrics` into one point (requests/s, client and
