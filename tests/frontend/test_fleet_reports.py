@@ -14,7 +14,7 @@ from shoal.cards import ModelCard, slugify
 from shoal.discovery import InstanceInfo, ModelInstance, ModelKey
 from shoal.frontend import Frontend
 from shoal.frontend import endpoints as frontend_endpoints
-from shoal.frontend.dashboard import snapshot
+from shoal.frontend.dashboard import dashboard, snapshot
 from tests.frontend.conftest import StartFrontend
 
 FIRST_ID = 0x10000
@@ -153,6 +153,7 @@ async def test_reads_asked_at_once_share_one_read_of_the_fleet(
     start_frontend: StartFrontend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(snapshot, "SLICE", 100)
+    monkeypatch.setattr(dashboard, "SPACED_FROM", float("inf"))  # (spacing: test_..._edges)
     frontend = await start_frontend(reconcile_interval=3600)
     for i in range(1000):
         join(frontend, FIRST_ID + i, card("m"))

@@ -230,6 +230,7 @@ class Endpoints:
             return cached[1]
         models = self.registry.models
         trouble = [name for name, m in models.items() if not m.serving or m.incomplete]
+        not_serving = sum(1 for name in trouble if not models[name].serving)
         names = heapq.nsmallest(HEALTH_MODELS, trouble)
         if len(names) < HEALTH_MODELS:
             chosen = set(names)
@@ -239,7 +240,8 @@ class Endpoints:
         instances = set().union(*[ws.routable for m in models.values() for ws in m.sets.values()])
         fleet = {
             "models_total": len(models),
-            "models_not_serving": len(trouble),
+            "models_not_serving": not_serving,
+            "models_incomplete": len(trouble) - not_serving,  # serving, a worker set waits
             "models": {name: _health_model(models[name]) for name in sorted(names)},
             "instances": len(instances),
         }

@@ -20,7 +20,9 @@ derived from it, so a stolen cookie tells nothing about the key.
 One timer per frontend reads the fleet every `TICK_SECONDS` while a page is open, or less
 often when a read takes long (`BUSY_SHARE`), and samples the request history every period
 regardless: nothing here is on the request path. Reads asked at once (the timer, a new
-page, `/ui/api/snapshot`) share one.
+page, `/ui/api/snapshot`) share one, and however often they are asked, a read that took
+the loop `SPACED_FROM` or more is followed by none for `BUSY_SHARE` times its time (until
+then an unchanged registry's last read is the answer).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import importlib.resources
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -49,11 +51,13 @@ from shoal.frontend.dashboard.snapshot import (
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import Request, bearer_token, status_line
 from shoal.frontend.http.server import HttpConnection
+from shoal.openai import ApiError
 
 log = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.5  # how often open pages are sent what changed (at most)
 BUSY_SHARE = 20  # between two reads, the timer waits at least this many times the last's time
+SPACED_FROM = 0.005  # (s) reads that took the loop this long are spaced by BUSY_SHARE for all
 PING_SECONDS = 5.0  # an event at least this often, so a page can tell a dead frontend
 COOKIE = b"shoal_ui"
 SESSION_SECONDS = 12 * 3600  # a dashboard session ends this long after its login
@@ -152,8 +156,11 @@ class Dashboard:
         self._sent: Sections | None = None  # what open streams were last sent
         self._task: asyncio.Task[None] | None = None
         self._reading: asyncio.Future[Sections] | None = None  # the read in flight
+        self._last: tuple[int, Sections] | None = None  # the last read, registry version
+        self._next_read = 0.0  # (monotonic) no read starts before
         self._ticking = asyncio.Lock()
-        self._first_read: asyncio.Future[None] | None = None  # a new page's read, if any
+        self._tasks: set[asyncio.Task[None]] = set()  # new pages' reads, snapshot answers
+        self._stopping = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -163,14 +170,28 @@ class Dashboard:
         self._task = asyncio.create_task(self._run(), name="dashboard")
 
     async def close(self) -> None:
-        """End every event stream (so the server's drain does not wait for them), stop the timer."""
+        """End every event stream (so the server's drain does not wait for them), stop the
+        timer and the read in flight; a snapshot waiting on it is answered 503."""
+        self._stopping = True
         for stream in list(self.streams):
             stream.end()
-        for task in (self._task, self._first_read, self._reading):
+        for task in (self._task, self._reading, *self._tasks):
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """A task of this dashboard: cancelled by `close`, its failure logged."""
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._reap)
+        return task
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("dashboard: %s failed", task.get_name(), exc_info=task.exception())
 
     async def _run(self) -> None:
         next_sample = time.monotonic() + self.history.period
@@ -185,15 +206,38 @@ class Dashboard:
                     next_sample = max(next_sample + self.history.period, now)
                     point = self.history.sample()
                 await self.tick(point)
+            except ApiError:  # stopping
+                return
             except Exception:
                 log.exception("dashboard: reading the fleet failed (the page shows the last read)")
 
     async def read(self) -> Sections:
-        """A read of the fleet; callers at the same time share one (reads never overlap)."""
-        reading = self._reading
-        if reading is None or reading.done():
-            reading = self._reading = asyncio.ensure_future(self.reader.read())
+        """A read of the fleet; callers at the same time share one (reads never overlap), and
+        a read starts `BUSY_SHARE` times the last one's time after it at the earliest (until
+        then the last one answers if the registry did not change since, else the caller
+        waits): asked back to back, reads take 1/`BUSY_SHARE` of the event loop at most."""
+        while True:
+            if self._stopping:
+                raise errors.unavailable("The frontend is stopping: ask another replica.")
+            reading = self._reading
+            if reading is not None and not reading.done():
+                return await asyncio.shield(reading)
+            wait = self._next_read - time.monotonic()
+            if wait <= 0 or self._last is None:
+                break
+            if self._last[0] == self.frontend.registry.version:
+                return self._last[1]
+            await asyncio.sleep(wait)
+        reading = self._reading = asyncio.ensure_future(self._read_now())
         return await asyncio.shield(reading)
+
+    async def _read_now(self) -> Sections:
+        version = self.frontend.registry.version
+        sections = await self.reader.read()
+        self._last = (version, sections)
+        busy = self.reader.busy  # (a shorter read costs about what the request asking it does)
+        self._next_read = time.monotonic() + BUSY_SHARE * busy if busy >= SPACED_FROM else 0.0
+        return sections
 
     async def tick(self, point: dict[str, Any] | None = None) -> None:
         """Send open streams what changed since the last tick (and `point`, a new chart sample)."""
@@ -211,11 +255,13 @@ class Dashboard:
                 change["series"] = [point]
             data = _encode({"server_time": time.time(), **change}) if change else None
             now = time.monotonic()
+            snapshot = None  # (encoded once, for every stream that missed a change)
             for stream in list(self.streams):
                 if stream.stale:
                     if not stream.conn.writing_paused:
                         stream.stale = False
-                        stream.send(b"snapshot", self._snapshot_body(after))
+                        snapshot = snapshot or self._snapshot_body(after)
+                        stream.send(b"snapshot", snapshot)
                 elif data is not None:
                     stream.send(b"change", data)
                 elif now - stream.last_sent >= PING_SECONDS:
@@ -312,7 +358,7 @@ class Dashboard:
             stream.send(b"snapshot", self._snapshot_body(self._sent))
         else:
             stream.stale = True  # its snapshot comes with a read started now
-            self._first_read = asyncio.ensure_future(self.tick())
+            self._spawn(self.tick(), "a new page's first read")
         self.streams.add(stream)
 
 
@@ -321,13 +367,21 @@ class _SnapshotLater:
     read takes several turns of the event loop); cancelled if the client goes away."""
 
     def __init__(self, dashboard: Dashboard, conn: HttpConnection) -> None:
-        self.task = asyncio.ensure_future(self._answer(dashboard, conn))
+        self.gone = False  # the client went away
+        self.task = dashboard._spawn(self._answer(dashboard, conn), "a snapshot's answer")
         conn.produce_later(self)
 
-    @staticmethod
-    async def _answer(dashboard: Dashboard, conn: HttpConnection) -> None:
+    async def _answer(self, dashboard: Dashboard, conn: HttpConnection) -> None:
         try:
             body = dashboard._snapshot_body(await dashboard.read())
+        except ApiError as error:
+            conn.send_error(error)
+        except asyncio.CancelledError:  # the read was stopped, or the client went away
+            if not self.gone:
+                conn.send_error(
+                    errors.unavailable("The frontend is stopping: ask another replica.")
+                )
+            raise
         except Exception:
             log.exception("dashboard: reading the fleet failed")
             conn.send_error(errors.internal_error())
@@ -335,6 +389,7 @@ class _SnapshotLater:
             conn.send(200, body, headers=((b"cache-control", b"no-store"),))
 
     def cancel(self) -> None:
+        self.gone = True
         self.task.cancel()
 
 

@@ -239,12 +239,14 @@ class FleetReader:
         """At most `MAX_ROWS` models, those not serving first; and how many are not serving."""
         models = self.frontend.registry.models
         names = list(models)
-        trouble: list[str] = []
+        trouble: list[str] = []  # not serving, or serving with a worker set incomplete
+        not_serving = 0
         for start in range(0, len(names), SLICE):
             for name in names[start : start + SLICE]:
                 model = models.get(name)
                 if model is not None and (not model.serving or model.incomplete):
                     trouble.append(name)
+                    not_serving += not model.serving
             await turns.pause()
         chosen = await _first_rows([trouble, names], turns)
         out: dict[str, bytes] = {}
@@ -253,7 +255,7 @@ class FleetReader:
             if model is not None:
                 out[name] = _encode(_model_row(name, model))
             await turns.spent(ROW_COST)
-        return out, len(trouble)
+        return out, not_serving
 
     async def _instances(
         self, now: float, turns: _Turns
@@ -328,11 +330,12 @@ class FleetReader:
         roles: set[str] = set()
         taints: set[str] = set()
         incomplete: set[str] = set()
-        upstream: Upstream | None = None
+        upstreams: dict[int, Upstream] = {}  # (an instance's cards may share one, or not)
         url = ""
         for source in sources:
             if isinstance(source, Member):
-                card, upstream, url = source.card, source.upstream, source.upstream.url
+                card, url = source.card, source.upstream.url
+                upstreams[id(source.upstream)] = source.upstream
             else:
                 card = source.model.card
                 incomplete.add(source.state.value)
@@ -356,20 +359,22 @@ class FleetReader:
             "taints": sorted(taints),
             "incomplete": sorted(incomplete),
             "errors": len(failures.times) if failures is not None else 0,
-            "in_flight": upstream.in_flight if upstream is not None else 0,
-            "inhibited": upstream is not None and upstream.inhibited_until > now,
+            "in_flight": sum(u.in_flight for u in upstreams.values()),
+            "inhibited": any(u.inhibited_until > now for u in upstreams.values()),
             "state": state,
         }
 
     def _count_failures(self, key: str, upstream: Upstream, now: float) -> None:
-        """Failures in the last `ERROR_WINDOW` s: each new `inhibited_until` is one (or more)."""
+        """Failures in the last `ERROR_WINDOW` s: each later `inhibited_until` than any seen is
+        one (a failure inhibits until a later time; an instance's upstreams, one a URL, are
+        sampled one after the other in a read, so only a newer time counts, whichever's)."""
         failures = self._failures.get(key)
         if failures is None:
             failures = self._failures[key] = _Failures()
         until = upstream.inhibited_until
-        if until != 0.0 and until != failures.seen_until:
+        if until > failures.seen_until:
             failures.times.append(now)
-        failures.seen_until = until
+            failures.seen_until = until
         while failures.times and failures.times[0] < now - ERROR_WINDOW:
             failures.times.popleft()
 
