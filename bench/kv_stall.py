@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     store = f"sqlite:///{tmp / 'store.db'}"
     try:
         workers = k.start_workers(session, args, store)
-        _, url, _ = k.start_target(session, target, workers, store, args)
+        _, url, _, _ = k.start_target(session, target, workers, store, args)
         argv_probe = [sys.executable, str(PROBE), f"{url}/live", "--seconds", "14"]
         spy = subprocess.Popen(argv_probe, stdout=subprocess.PIPE, text=True)
         time.sleep(1)

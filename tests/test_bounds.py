@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shoal.bounds import MAX_DEPTH, TooDeep, check_json_depth, json_depth_exceeds
+from shoal.bounds import MAX_DEPTH, DepthMeter, TooDeep, check_json_depth, json_depth_exceeds
 
 
 def depth_of(value: Any) -> int:
@@ -43,6 +43,66 @@ json_values = st.recursive(
 @given(json_values, st.integers(min_value=0, max_value=12))
 def test_depth_check_agrees_with_the_parsed_depth_of_any_value(value: Any, limit: int) -> None:
     assert json_depth_exceeds(json.dumps(value).encode(), limit) == (depth_of(value) > limit)
+
+
+def metered(text: bytes, cuts: list[int], limit: int) -> bool:
+    meter = DepthMeter(limit)
+    exceeded = False
+    start = 0
+    for cut in [*sorted({min(c, len(text)) for c in cuts}), len(text)]:
+        exceeded = meter.feed(text[start:cut])
+        start = cut
+    return exceeded
+
+
+@given(
+    json_values,
+    st.integers(min_value=0, max_value=12),
+    st.lists(st.integers(min_value=0, max_value=400), max_size=12),
+)
+def test_depth_judged_in_pieces_agrees_with_the_whole_text_wherever_it_is_cut(
+    value: Any, limit: int, cuts: list[int]
+) -> None:
+    text = json.dumps(value).encode()
+    assert (
+        metered(text, cuts, limit) == json_depth_exceeds(text, limit) == (depth_of(value) > limit)
+    )
+
+
+@given(st.text(alphabet='[]{}"\\a', max_size=80), st.lists(st.integers(0, 80), max_size=8))
+def test_depth_judged_in_pieces_of_any_text_agrees_with_the_whole_text(
+    text: str, cuts: list[int]
+) -> None:
+    """Not JSON too: the same verdict as the whole-text check wherever that one is exact
+    (no stray closer: after one, a decoder stops and depth no longer matters; nothing left
+    open: the whole-text check may judge an opener never closed deeper than it is)."""
+    raw = text.encode()
+    stripped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside = b"".join(stripped.split(b'"')[::2]).translate(bytes.maketrans(b"{}", b"[]"))
+    depth, deepest, stray = 0, 0, False
+    for byte in outside:
+        if byte == ord("["):
+            depth += 1
+            deepest = max(deepest, depth) if not stray else deepest
+        elif byte == ord("]"):
+            stray = stray or depth == 0
+            depth -= 1
+    if not stray:  # (exact: the deepest point, whatever is left open at the end)
+        assert metered(raw, cuts, 3) == (deepest > 3)
+        if depth == 0 and stripped.count(b'"') % 2 == 0:
+            assert metered(raw, cuts, 3) == json_depth_exceeds(raw, 3)
+
+
+def test_a_chat_fed_as_a_socket_delivers_it_is_judged_a_piece_at_a_time() -> None:
+    message = {"role": "user", "content": 'a "quoted" \\ [bracket] {brace}\n' * 8}
+    body = json.dumps({"model": "m", "messages": [message] * 20_000}).encode()
+    deep = body[:-2] + b"," + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + body[-2:]
+    for text, expected in ((body, False), (deep, True)):
+        meter = DepthMeter()
+        verdicts = [meter.feed(text[i : i + 65536]) for i in range(0, len(text), 65536)]
+        assert verdicts[-1] is expected and json_depth_exceeds(text) is expected
+        if not expected:  # (all read: nothing open, nothing carried)
+            assert meter.depth == 0 and not meter.in_string and meter.carry == b""
 
 
 @pytest.mark.parametrize("kind", ["list", "dict"])

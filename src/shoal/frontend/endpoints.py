@@ -103,7 +103,7 @@ class Endpoints:
                 # (no key configured, the default: nothing to check, and no call to say so)
                 grant = None if self.keys is None and not self._keys else self._authorize(request)
                 if grant is not None:
-                    model = decode_fields(request.body).model or ""
+                    model = decode_fields(request.body, too_deep=request.too_deep).model or ""
                     KeyRing.admit(grant, model)  # 403 before the model is looked up
                     self.gate.handle(request, conn, kind, grant, model)
                     return

@@ -26,6 +26,7 @@ class Request:
         "path",
         "query",
         "received",
+        "too_deep",
     )
 
     def __init__(
@@ -47,6 +48,10 @@ class Request:
         self.keep_alive = keep_alive
         self.http11 = http11
         self.received = time.perf_counter()
+        # A large body's nesting, judged as it arrived (`bounds.DepthMeter`): whether it is
+        # deeper than `bounds.MAX_DEPTH`; None when not judged (a small body: the decoder's
+        # caller checks it, at little cost).
+        self.too_deep: bool | None = None
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header `name` (lower-case), or None."""

@@ -32,6 +32,7 @@ from typing import Protocol, cast
 
 import httptools
 
+from shoal.bounds import DepthMeter
 from shoal.frontend.http import errors
 from shoal.frontend.http.errors import bad_request, body_too_large
 from shoal.frontend.http.request import FlowListener, InFlight, Request, encode_response
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 MAX_PIPELINED = 16  # parsed requests waiting behind the current one before parsing stops
 FEED_SLICE = 8192  # a larger read is parsed this much at a time, so the bound above holds
 LINGER_SECONDS = 2.0  # how long bytes are read and dropped after the last answer, before closing
+METER_FROM = 256 << 10  # a body past this many bytes has its nesting judged as it arrives
 LINGER_BYTES = 1 << 20  # and how many at least (twice `max_body` if more: see `_finish`)
 
 # The request headers the server itself reads (the handler reads the others).
@@ -122,6 +124,7 @@ class HttpConnection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._body_size = 0
+        self._meter: DepthMeter | None = None  # a large body's nesting, judged as it arrives
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -270,6 +273,7 @@ class HttpConnection(asyncio.Protocol):
         self._headers = []
         self._body = []
         self._body_size = 0
+        self._meter = None
         if self._phase == IDLE:
             self._phase = HEAD
             self._phase_since = 0.0  # set by the next sweep: no clock read per request
@@ -315,6 +319,13 @@ class HttpConnection(asyncio.Protocol):
         if self._body_size > self.server.max_body:
             self._refuse(body_too_large(self.server.max_body))
         self._body.append(body)
+        if self._body_size > METER_FROM:
+            meter = self._meter
+            if meter is None:
+                meter = self._meter = DepthMeter()
+                for earlier in self._body[:-1]:
+                    meter.feed(earlier)
+            meter.feed(body)
 
     def on_message_complete(self) -> None:
         self._phase = IDLE
@@ -329,6 +340,8 @@ class HttpConnection(asyncio.Protocol):
             keep_alive=bool(self.parser.should_keep_alive()),
             http11=self.parser.get_http_version() == "1.1",
         )
+        if self._meter is not None:
+            request.too_deep = self._meter.exceeded
         if self.busy or self.pending or self.writing_paused or self._answered_in_read:
             self.pending.append(request)  # answered in its turn, on a later loop iteration
             if not self.busy:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import msgspec
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -253,6 +254,8 @@ class PromptTokenizer:
         assert self.template is not None
         if inline and len(messages) > INLINE_MESSAGES:
             raise Deferred  # (before looking at each)
+        if inline and sum(len(m) for m in messages if isinstance(m, msgspec.Raw)) > 2 * INLINE_CHAT:
+            raise Deferred  # (a large body's messages: before decoding them)
         plain = [_message(m) for m in messages]
         size = sum(_size(m) for m in plain)
         if inline:
@@ -545,7 +548,10 @@ def _token_text(value: Any) -> str:
 
 def _message(message: Any) -> Any:
     """A message as the template sees it: whole, its content parts joined as text, None
-    as empty (as engines do for text-only templates)."""
+    as empty (as engines do for text-only templates). A large body's message comes as
+    its JSON text (`msgspec.Raw`), decoded here one at a time."""
+    if isinstance(message, msgspec.Raw):
+        message = msgspec.json.decode(message)
     if not isinstance(message, dict):
         return message
     content = message.get("content")

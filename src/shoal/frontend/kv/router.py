@@ -34,7 +34,7 @@ from shoal.frontend.kv.tracker import KvSet, KvTracker
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.metrics import FrontendMetrics, Histogram
 from shoal.frontend.registry.registry import Registry, WorkerSet
-from shoal.frontend.registry.router import PrefixAware, Router
+from shoal.frontend.registry.router import PrefixAware, Router, prefix_message
 from shoal.kv import token_block_hashes
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,7 @@ class KvPrompt(str):
 
 def _line(message: Any) -> str:
     """A message as the prefix fallback reads it."""
+    message = prefix_message(message, PROMPT_CHARS)
     if not isinstance(message, dict):
         return ""
     content = message.get("content")

@@ -13,10 +13,12 @@ import msgspec
 
 from shoal.bounds import MAX_DEPTH, TooDeep, check_json_depth
 from shoal.frontend.http import errors
+from shoal.frontend.registry.router import prefix_message
 
 log = logging.getLogger(__name__)
 
 PROMPT_CHARS = 8192  # how much of the prompt prefix-aware routing looks at
+RAW_MESSAGES_FROM = 256 << 10  # a body this large keeps its messages undecoded (`msgspec.Raw`)
 
 
 NO_KV_TRANSFER_PARAMS = msgspec.Raw(b"null")
@@ -35,13 +37,23 @@ class Fields(msgspec.Struct):
 class PromptFields(Fields):
     """`Fields` and the prompt, for prefix-aware routing."""
 
-    messages: list[dict[str, Any]] | None = None  # whole: a chat template reads every field
+    messages: list[Any] | None = None  # whole: a chat template reads every field
     prompt: Any = None
     input: Any = None
 
 
+class LargePromptFields(PromptFields):
+    """`PromptFields` of a large body: each message is kept as its JSON text, decoded when
+    read (the prefix looks at the first few; a template's render, in the tokenizer's
+    thread, at all of them one by one): decoding 40,000 messages at once held the event
+    loop 45 ms."""
+
+    messages: list[msgspec.Raw] | None = None
+
+
 _decode_fields = msgspec.json.Decoder(Fields).decode
 _decode_prompt_fields = msgspec.json.Decoder(PromptFields).decode
+_decode_large_prompt_fields = msgspec.json.Decoder(LargePromptFields).decode
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _encode = msgspec.json.encode
 
@@ -55,19 +67,31 @@ def rewrite_model(body: bytes, model: str) -> bytes:
     return _encode(members)
 
 
-def decode_fields(body: bytes, *, with_prompt: bool = False) -> Fields:
+def decode_fields(
+    body: bytes, *, with_prompt: bool = False, too_deep: bool | None = None
+) -> Fields:
     """The routing fields of a body; `ApiError` 400 if it is not a JSON object with a `model`,
-    or nests deeper than `shoal.bounds.MAX_DEPTH` (checked before any decoder sees it)."""
+    or nests deeper than `shoal.bounds.MAX_DEPTH` (checked before any decoder sees it, here
+    unless `too_deep` says already: `Request.too_deep`, judged as a large body arrived)."""
     # (`check_json_depth`'s first step inline: a body with fewer openers than the bound is
     # within it, which is nearly every body)
-    if body.count(b"[") + body.count(b"{") > MAX_DEPTH:
+    if too_deep is None and body.count(b"[") + body.count(b"{") > MAX_DEPTH:
         try:
             check_json_depth(body)
-        except TooDeep as exc:
-            raise errors.bad_request(f"The request body is not accepted: {exc}.") from None
+        except TooDeep:
+            too_deep = True
+    if too_deep:
+        raise errors.bad_request(
+            f"The request body is not accepted: {TooDeep(MAX_DEPTH)}."
+        ) from None
     try:
         try:
-            fields = _decode_prompt_fields(body) if with_prompt else _decode_fields(body)
+            if not with_prompt:
+                fields = _decode_fields(body)
+            elif len(body) < RAW_MESSAGES_FROM:
+                fields = _decode_prompt_fields(body)
+            else:
+                fields = _decode_large_prompt_fields(body)
         except msgspec.ValidationError:
             if not with_prompt:
                 raise
@@ -91,6 +115,9 @@ def prompt_text(fields: Fields, limit: int = PROMPT_CHARS) -> str:
     size = 0
     if fields.messages:
         for message in fields.messages:
+            message = prefix_message(message, limit)  # (a large body's: `msgspec.Raw`)
+            if not isinstance(message, dict):
+                continue
             content = message.get("content")
             if isinstance(content, list):
                 content = "".join(

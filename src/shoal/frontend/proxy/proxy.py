@@ -104,7 +104,9 @@ class Proxy:
         (a `Forward` once started answers for itself)."""
         try:
             try:
-                fields = decode_fields(request.body, with_prompt=self.router.needs_prompt)
+                fields = decode_fields(
+                    request.body, with_prompt=self.router.needs_prompt, too_deep=request.too_deep
+                )
             except ApiError as exc:
                 self._refuse(client, exc, UNKNOWN_MODEL)
                 return
