@@ -44,6 +44,7 @@ MAX_PIPELINED = 16  # parsed requests waiting behind the current one before pars
 FEED_SLICE = 8192  # a larger read is parsed this much at a time, so the bound above holds
 LINGER_SECONDS = 2.0  # how long bytes are read and dropped after the last answer, before closing
 METER_FROM = 256 << 10  # a body past this many bytes has its nesting judged as it arrives
+TURN_BYTES = 256 << 10  # after reading this many bytes, a connection lets the loop turn once
 LINGER_BYTES = 1 << 20  # and how many at least (twice `max_body` if more: see `_finish`)
 
 # The request headers the server itself reads (the handler reads the others).
@@ -125,6 +126,8 @@ class HttpConnection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_size = 0
         self._meter: DepthMeter | None = None  # a large body's nesting, judged as it arrives
+        self._read_bytes = 0  # since the last turn given (`TURN_BYTES`)
+        self._giving_way = False
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -160,6 +163,9 @@ class HttpConnection(asyncio.Protocol):
             return
         self._progress = True
         self._answered_in_read = False
+        self._read_bytes += len(data)
+        if self._read_bytes > TURN_BYTES:
+            self._give_way()
         if self._held or len(data) > FEED_SLICE or len(self.pending) >= MAX_PIPELINED:
             self._hold(data)
             self._parse_held()
@@ -168,6 +174,18 @@ class HttpConnection(asyncio.Protocol):
         if offset >= 0:  # an ignored upgrade: the fresh parser reads the rest
             self._hold(data[offset:])
             self._parse_held()
+
+    def _give_way(self) -> None:
+        """Read no more until the loop's next turn: libuv reads a fast sender's socket up to
+        32 times in one go (8 MB, and each read's parsing), every other connection waiting."""
+        self._read_bytes = 0
+        self._giving_way = True
+        self._update_reading()
+        self.server.loop.call_soon(self._take_turn)
+
+    def _take_turn(self) -> None:
+        self._giving_way = False
+        self._update_reading()
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -415,6 +433,7 @@ class HttpConnection(asyncio.Protocol):
         owed = self.busy or bool(self.pending)
         paused = (
             self.writing_paused
+            or self._giving_way
             or len(self.pending) >= MAX_PIPELINED
             or bool(self._held)
             or (self._stopped and owed)
