@@ -163,10 +163,11 @@ class HttpConnection(asyncio.Protocol):
             return
         self._progress = True
         self._answered_in_read = False
-        self._read_bytes += len(data)
-        if self._read_bytes > TURN_BYTES:
-            self._give_way()
         if self._held or len(data) > FEED_SLICE or len(self.pending) >= MAX_PIPELINED:
+            # (only a read of a full buffer makes libuv read again at once: a large one)
+            self._read_bytes += len(data)
+            if self._read_bytes > TURN_BYTES:
+                self._give_way()
             self._hold(data)
             self._parse_held()
             return
