@@ -115,7 +115,8 @@ class DepthMeter:
         opens = brackets.count(b"[")
         if self.depth + opens > self.limit:
             # Closed at the end (that adds no depth), the peeling of `json_depth_exceeds`.
-            closed = b"[" * self.depth + brackets + b"]" * (self.depth + opens)
+            left_open = max(0, self.depth + 2 * opens - len(brackets))
+            closed = b"[" * self.depth + brackets + b"]" * left_open
             if _peel_exceeds(closed, self.limit):
                 self.exceeded = True
                 return True

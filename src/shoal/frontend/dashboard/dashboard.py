@@ -190,8 +190,9 @@ class Dashboard:
 
     def _reap(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("dashboard: %s failed", task.get_name(), exc_info=task.exception())
+        error = None if task.cancelled() else task.exception()
+        if error is not None and not isinstance(error, ApiError):  # (503: stopping)
+            log.error("dashboard: %s failed", task.get_name(), exc_info=error)
 
     async def _run(self) -> None:
         next_sample = time.monotonic() + self.history.period
@@ -345,6 +346,8 @@ class Dashboard:
         return b"set-cookie", b"; ".join(attributes)
 
     def _open_stream(self, conn: HttpConnection) -> None:
+        if self._stopping:  # (a page reconnecting while the frontend drains: to another)
+            raise errors.unavailable("The frontend is stopping: ask another replica.")
         stream = EventStream(self, conn)
         conn.keep_alive = False  # the stream ends with the connection
         conn.current = stream
