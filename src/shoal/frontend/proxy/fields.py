@@ -37,18 +37,20 @@ class Fields(msgspec.Struct):
 class PromptFields(Fields):
     """`Fields` and the prompt, for prefix-aware routing."""
 
-    messages: list[Any] | None = None  # whole: a chat template reads every field
+    messages: list[dict[str, Any]] | None = None  # whole: a chat template reads every field
     prompt: Any = None
     input: Any = None
 
 
-class LargePromptFields(PromptFields):
+class LargePromptFields(Fields):
     """`PromptFields` of a large body: each message is kept as its JSON text, decoded when
     read (the prefix looks at the first few; a template's render, in the tokenizer's
     thread, at all of them one by one): decoding 40,000 messages at once held the event
     loop 45 ms."""
 
     messages: list[msgspec.Raw] | None = None
+    prompt: Any = None
+    input: Any = None
 
 
 _decode_fields = msgspec.json.Decoder(Fields).decode
@@ -109,7 +111,7 @@ def decode_fields(
 
 def prompt_text(fields: Fields, limit: int = PROMPT_CHARS) -> str:
     """The start of the prompt as text: chat messages, a completion prompt or embedding input."""
-    if not isinstance(fields, PromptFields):
+    if not isinstance(fields, PromptFields | LargePromptFields):
         return ""
     parts: list[str] = []
     size = 0
