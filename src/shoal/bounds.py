@@ -80,7 +80,7 @@ class DepthMeter:
     first syntax error it may judge less deep than the text is, which no decoder reaches
     (they stop at that error)."""
 
-    __slots__ = ("carry", "depth", "exceeded", "in_string", "limit")
+    __slots__ = ("carry", "depth", "exceeded", "fed", "in_string", "limit", "pieces_fed")
 
     def __init__(self, limit: int = MAX_DEPTH) -> None:
         self.limit = limit
@@ -88,9 +88,21 @@ class DepthMeter:
         self.in_string = False
         self.carry = b""
         self.exceeded = False
+        self.fed = 0  # bytes
+        self.pieces_fed = 0  # of the list `feed_new` is given
+
+    def feed_new(self, pieces: list[bytes]) -> bool:
+        """Add the pieces of `pieces` (a list that only grows) not added yet, in one `feed`
+        (a few kB each, the steps of a `feed` cost more than its passes over the bytes)."""
+        fresh = pieces[self.pieces_fed :]
+        self.pieces_fed = len(pieces)
+        if not fresh:
+            return self.exceeded
+        return self.feed(fresh[0] if len(fresh) == 1 else b"".join(fresh))
 
     def feed(self, piece: bytes) -> bool:
         """Add `piece`; whether what was fed so far nests deeper than `limit` (for good)."""
+        self.fed += len(piece)
         if self.exceeded:
             return True
         raw = self.carry + piece if self.carry else piece

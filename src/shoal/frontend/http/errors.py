@@ -154,5 +154,13 @@ def too_many_hops(hops: int, limit: int) -> ApiError:
     )
 
 
+def unsupported_coding(value: bytes) -> ApiError:
+    coding = value.decode("latin-1")
+    return not_implemented(
+        f"Transfer-Encoding {coding!r} is not supported: send the body with Content-Length "
+        "or `Transfer-Encoding: chunked` alone."
+    )
+
+
 def internal_error() -> ApiError:
     return ApiError(500, "Internal error in the gateway.", type="server_error")

@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 MAX_PIPELINED = 16  # parsed requests waiting behind the current one before parsing stops
 FEED_SLICE = 8192  # a larger read is parsed this much at a time, so the bound above holds
 LINGER_SECONDS = 2.0  # how long bytes are read and dropped after the last answer, before closing
-METER_FROM = 256 << 10  # a body past this many bytes has its nesting judged as it arrives
-TURN_BYTES = 256 << 10  # after reading this many bytes, a connection lets the loop turn once
+METER_FROM = 256 << 10  # a body this large has its nesting judged as it comes, so much at a time
+TURN_BYTES = 256 << 10  # after reading this many bytes, a connection lets the loop turn
 LINGER_BYTES = 1 << 20  # and how many at least (twice `max_body` if more: see `_finish`)
 
 # The request headers the server itself reads (the handler reads the others).
@@ -126,8 +126,7 @@ class HttpConnection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_size = 0
         self._meter: DepthMeter | None = None  # a large body's nesting, judged as it arrives
-        self._read_bytes = 0  # since the last turn given (`TURN_BYTES`)
-        self._giving_way = False
+        self._read_bytes = 0  # of large reads since the last turn given (`TURN_BYTES`)
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -164,29 +163,22 @@ class HttpConnection(asyncio.Protocol):
         self._progress = True
         self._answered_in_read = False
         if self._held or len(data) > FEED_SLICE or len(self.pending) >= MAX_PIPELINED:
-            # (only a read of a full buffer makes libuv read again at once: a large one)
+            self._hold(data)
+            # libuv reads a fast sender's socket up to 32 times in one go (8 MB, and each
+            # read's parsing) while every other connection waits: past `TURN_BYTES` of large
+            # reads, the bytes are parsed in the loop's next turn (held bytes stop reading).
             self._read_bytes += len(data)
             if self._read_bytes > TURN_BYTES:
-                self._give_way()
-            self._hold(data)
-            self._parse_held()
+                self._read_bytes = 0
+                self._update_reading()
+                self.loop.call_soon(self._parse_held)
+            else:
+                self._parse_held()
             return
         offset = self._feed(data)
         if offset >= 0:  # an ignored upgrade: the fresh parser reads the rest
             self._hold(data[offset:])
             self._parse_held()
-
-    def _give_way(self) -> None:
-        """Read no more until the loop's next turn: libuv reads a fast sender's socket up to
-        32 times in one go (8 MB, and each read's parsing), every other connection waiting."""
-        self._read_bytes = 0
-        self._giving_way = True
-        self._update_reading()
-        self.server.loop.call_soon(self._take_turn)
-
-    def _take_turn(self) -> None:
-        self._giving_way = False
-        self._update_reading()
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -320,7 +312,7 @@ class HttpConnection(asyncio.Protocol):
                         self._refuse(body_too_large(server.max_body))
                 elif name == b"transfer-encoding":
                     if value.strip().lower() != b"chunked":
-                        self._refuse(unsupported_coding(value))
+                        self._refuse(errors.unsupported_coding(value))
                 elif name == b"expect":
                     expect_continue = value.lower() == b"100-continue"
                 elif self.parser.should_upgrade():  # upgrade
@@ -338,13 +330,14 @@ class HttpConnection(asyncio.Protocol):
         if self._body_size > self.server.max_body:
             self._refuse(body_too_large(self.server.max_body))
         self._body.append(body)
-        if self._body_size > METER_FROM:
-            meter = self._meter
-            if meter is None:
-                meter = self._meter = DepthMeter()
-                for earlier in self._body[:-1]:
-                    meter.feed(earlier)
-            meter.feed(body)
+        if self._body_size >= METER_FROM:  # (judged `METER_FROM` bytes at a time)
+            meter = self._meter or self._new_meter()
+            if self._body_size - meter.fed >= METER_FROM:
+                meter.feed_new(self._body)
+
+    def _new_meter(self) -> DepthMeter:
+        self._meter = DepthMeter()
+        return self._meter
 
     def on_message_complete(self) -> None:
         self._phase = IDLE
@@ -360,7 +353,7 @@ class HttpConnection(asyncio.Protocol):
             http11=self.parser.get_http_version() == "1.1",
         )
         if self._meter is not None:
-            request.too_deep = self._meter.exceeded
+            request.too_deep = self._meter.feed_new(self._body)
         if self.busy or self.pending or self.writing_paused or self._answered_in_read:
             self.pending.append(request)  # answered in its turn, on a later loop iteration
             if not self.busy:
@@ -434,7 +427,6 @@ class HttpConnection(asyncio.Protocol):
         owed = self.busy or bool(self.pending)
         paused = (
             self.writing_paused
-            or self._giving_way
             or len(self.pending) >= MAX_PIPELINED
             or bool(self._held)
             or (self._stopped and owed)
@@ -603,11 +595,3 @@ class HttpConnection(asyncio.Protocol):
     @property
     def idle(self) -> bool:
         return not self.busy and not self.pending
-
-
-def unsupported_coding(value: bytes) -> ApiError:
-    coding = value.decode("latin-1")
-    return errors.not_implemented(
-        f"Transfer-Encoding {coding!r} is not supported: send the body with Content-Length "
-        "or `Transfer-Encoding: chunked` alone."
-    )
