@@ -117,6 +117,7 @@ class Frontend(Endpoints):
         self.dashboard.reader.routes = lambda: self.routes.describe()["models"]
         self.watcher: ModelWatcher | None = None
         self._loading: asyncio.Task[None] | None = None  # the first discovery snapshot
+        self._lag: asyncio.Task[None] | None = None  # samples the event loop's lag
         self.reconciler: Reconciler | None = None
         self.server: HttpServer | None = None
         self.metrics_server: HttpServer | None = None  # `/metrics` alone, on `metrics_port`
@@ -238,6 +239,7 @@ class Frontend(Endpoints):
             self.metrics_server = HttpServer(self._serve_metrics, max_body=0, max_connections=64)
             await self.metrics_server.start(config.host, config.metrics_port)
         self.dashboard.start()
+        self._lag = asyncio.create_task(self.metrics.sample_loop_lag(), name="loop-lag")
         # Routes and keys first: their reads are small, and behind the fleet's listings (a
         # store with one thread reading 200,000 keys for the watch stream while the loop
         # parses the first listing) they waited past the setup timeout at 100,000 instances.
@@ -269,6 +271,9 @@ class Frontend(Endpoints):
         if self.metrics_server is not None:
             await self.metrics_server.close(0)
         await self.manager.stop_all()
+        if self._lag is not None:
+            self._lag.cancel()
+            await asyncio.gather(self._lag, return_exceptions=True)
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
             await asyncio.gather(self._loading, return_exceptions=True)

@@ -38,6 +38,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # fmt: skip
 
+LAG_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LAG_INTERVAL = 0.025  # seconds between two samples of the event loop's lag
 SPLICE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 UNKNOWN_MODEL = "_unknown"  # the label of requests for models we do not serve
 DEPARTED_TTL = 600.0
@@ -165,6 +167,23 @@ class FrontendMetrics:
             buckets=SPLICE_BUCKETS,
             registry=self.registry,
         )
+
+        self.loop_lag = PromHistogram(
+            "shoal_frontend_event_loop_lag_seconds",
+            f"How late the event loop ran a timer due every {LAG_INTERVAL:g} s: a callback that "
+            "held the loop this long delayed every request and answer of this process.",
+            buckets=LAG_BUCKETS,
+            registry=self.registry,
+        )
+
+    async def sample_loop_lag(self, interval: float = LAG_INTERVAL) -> None:
+        """Observe `loop_lag` every `interval` s, for ever (a hold longer than `interval`
+        is always seen; a shorter one with a chance of its length over `interval`)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + interval
+            await asyncio.sleep(interval)
+            self.loop_lag.observe(max(0.0, loop.time() - due))
 
     def watch_metadata_cache(self, cache: MetadataCache) -> None:
         """Show `cache`'s size and write errors on `/metrics`."""
