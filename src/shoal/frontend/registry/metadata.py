@@ -111,6 +111,7 @@ class MetadataCache:
         # Checksums to look for on disk at the next turn of the loop, and when it is done.
         self._lookup: tuple[list[str], list[asyncio.Future[bool]]] | None = None
         self._lookups: set[asyncio.Task[None]] = set()
+        self._last_lookup: asyncio.Task[None] | None = None  # batches answer in order
         self.downloads = 0  # downloads started
         self.errors = 0  # cache writes the disk refused
         self.evictions = 0
@@ -251,17 +252,29 @@ class MetadataCache:
         if self._lookup is not None:
             wanted, askers = self._lookup
             self._lookup = None
-            self._lookups.add(task := asyncio.create_task(self._lookup_batch(wanted, askers)))
+            batch = self._lookup_batch(wanted, askers, self._last_lookup)
+            self._lookups.add(task := asyncio.create_task(batch))
             task.add_done_callback(self._lookups.discard)
+            self._last_lookup = task
 
-    async def _lookup_batch(self, wanted: list[str], askers: list[asyncio.Future[bool]]) -> None:
+    async def _lookup_batch(
+        self,
+        wanted: list[str],
+        askers: list[asyncio.Future[bool]],
+        previous: asyncio.Task[None] | None,
+    ) -> None:
         try:
-            found = await asyncio.to_thread(self._sizes_on_disk, wanted)
-            for checksum, size in found.items():
-                if checksum not in self._files:
-                    self._remember(checksum, size)
-        except Exception:  # (an executor shut down at close: not found, downloaded instead)
-            log.debug("metadata cache: looking on disk failed", exc_info=True)
+            try:
+                found = await asyncio.to_thread(self._sizes_on_disk, wanted)
+                for checksum, size in found.items():
+                    if checksum not in self._files:
+                        self._remember(checksum, size)
+            except Exception:  # (an executor shut down at close: not found, downloaded instead)
+                log.debug("metadata cache: looking on disk failed", exc_info=True)
+            if previous is not None and not previous.done():
+                # Answered in the order asked (two thread hops may end the other way round):
+                # a card that came first is not overtaken by one that came a turn later.
+                await asyncio.wait((previous,))
         finally:
             resolve_in_slices([(asker, True) for asker in askers])
 
