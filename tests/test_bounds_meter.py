@@ -11,16 +11,9 @@ from typing import Any
 import pytest
 
 from shoal.bounds import MAX_DEPTH, DepthMeter, json_depth_exceeds
+from tests.test_bounds import depth_of
 
 TRICKY = ["\\", '"', "[", "]", "{", "}", "é", "\u005c", "\\u005c", '\\"', "\\\\", "€", "𝄞"]
-
-
-def depth_of(value: Any) -> int:
-    if isinstance(value, list):
-        return 1 + max((depth_of(v) for v in value), default=0)
-    if isinstance(value, dict):
-        return 1 + max((depth_of(v) for v in value.values()), default=0)
-    return 0
 
 
 def nested(levels: int, kind: str) -> Any:

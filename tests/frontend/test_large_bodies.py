@@ -13,9 +13,8 @@ import pytest
 
 from shoal.frontend.http import server
 from shoal.frontend.proxy import fields
-from shoal.frontend.registry.metrics import UNKNOWN_MODEL
 from tests.frontend.conftest import StartFrontend, StartWorker
-from tests.frontend.test_proxy import ready
+from tests.frontend.test_proxy import assert_refused_too_deep, ready
 
 
 def chat(messages: int) -> list[dict[str, str]]:
@@ -41,14 +40,7 @@ async def test_a_large_body_nested_past_the_bound_is_400_wherever_the_depth_is(
     if deep_at == "end":
         members.reverse()
     body = ('{"model":"mock-llm",' + ",".join(members) + "}").encode()
-    async with aiohttp.ClientSession() as session:
-        response = await session.post(f"{frontend.url}/v1/chat/completions", data=body)
-        assert response.status == 400
-        error = (await response.json())["error"]
-    assert error["type"] == "invalid_request_error"
-    assert "nested deeper than 64 levels" in error["message"]
-    assert worker.requests == 0
-    assert frontend.metrics.models[UNKNOWN_MODEL].requests == {400: 1}
+    await assert_refused_too_deep(frontend, worker, body)
 
 
 @pytest.mark.parametrize("router", ["round-robin", "prefix", "kv"])

@@ -27,6 +27,7 @@ from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import count_responses, raw_exchange
 from tests.frontend.test_fleet_reports import FIRST_ID, card, join
 from tests.frontend.test_proxy import ready
+from tests.frontend.test_server import post
 from tests.helpers import wait_for
 
 
@@ -40,17 +41,6 @@ def event_loop_policy(request: pytest.FixtureRequest) -> Iterator[asyncio.Abstra
 
 
 DEEP = '{"a":' * 80 + "1" + "}" * 80
-
-
-def post(body: bytes, *extra: str) -> bytes:
-    head = [
-        "POST /v1/chat/completions HTTP/1.1",
-        "Host: test",
-        "Content-Type: application/json",
-        f"Content-Length: {len(body)}",
-        *extra,
-    ]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
 def chunked(body: bytes, size: int = 5000) -> bytes:

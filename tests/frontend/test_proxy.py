@@ -468,6 +468,18 @@ async def test_a_slow_instance_that_answers_within_the_timeout_is_kept(
     assert frontend.metrics.models["mock-llm"].retries == 1
 
 
+async def assert_refused_too_deep(frontend: Frontend, worker: FakeWorker, body: bytes) -> None:
+    """`body` is answered 400 for its nesting, in the OpenAI format, and reaches no worker."""
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{frontend.url}/v1/chat/completions", data=body)
+        assert response.status == 400
+        error = (await response.json())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "nested deeper than 64 levels" in error["message"]
+    assert worker.requests == 0
+    assert frontend.metrics.models[UNKNOWN_MODEL].requests == {400: 1}
+
+
 @pytest.mark.parametrize("router", ["round-robin", "prefix"])
 @pytest.mark.parametrize("where", ["messages", "prompt", "tools"])
 async def test_a_deeply_nested_body_is_400_saying_why(
@@ -477,14 +489,7 @@ async def test_a_deeply_nested_body_is_400_saying_why(
     frontend = await ready(start_frontend, worker, router=router)
     nested = b"[" * 100_000 + b"]" * 100_000
     body = b'{"model":"mock-llm","' + where.encode() + b'":' + nested + b"}"
-    async with aiohttp.ClientSession() as session:
-        response = await session.post(f"{frontend.url}/v1/chat/completions", data=body)
-        assert response.status == 400
-        error = (await response.json())["error"]
-    assert error["type"] == "invalid_request_error"
-    assert "nested deeper than 64 levels" in error["message"]
-    assert worker.requests == 0
-    assert frontend.metrics.models[UNKNOWN_MODEL].requests == {400: 1}
+    await assert_refused_too_deep(frontend, worker, body)
 
 
 @pytest.mark.parametrize("depth", [65, 985, 1_000, 1_500])
