@@ -171,6 +171,26 @@ def stage_card(name: str, role: WorkerRole, context: int = 4096) -> ModelCard:
     )  # fmt: skip
 
 
+async def test_health_counts_an_instance_with_an_adapter_on_another_url_once(
+    start_frontend: StartFrontend,
+) -> None:
+    """`instances` counts instance ids: one worker whose adapter card names another URL is
+    one instance with two upstreams, not two instances."""
+    frontend = await start_frontend(reconcile_interval=3600)
+    frontend.registry.join(instance(FIRST_ID, card("a"), "http://127.0.0.1:9/v1"))
+    adapter = instance(FIRST_ID, card("b"), "http://127.0.0.1:10/v1")
+    info = adapter.instance
+    frontend.registry.join(
+        ModelInstance(ModelKey(info.endpoint_id, FIRST_ID, "lora-b"), adapter.card, info)
+    )
+    frontend.registry.join(instance(FIRST_ID + 1, card("a"), "http://127.0.0.1:11/v1"))
+    status, body, _ = await get_json(f"{frontend.url}/health")
+    assert status == 200, body
+    assert body["models"]["a"]["instances"] == 2
+    assert body["models"]["b"]["instances"] == 1
+    assert body["instances"] == 2, body["instances"]
+
+
 async def test_a_serving_model_with_a_lone_stage_set_is_not_counted_as_not_serving(
     start_frontend: StartFrontend,
 ) -> None:

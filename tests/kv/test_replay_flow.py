@@ -230,16 +230,16 @@ async def test_one_batch_of_many_blocks_is_applied_in_slices(publisher: KvEventP
         event = BlockStored(hashes, None, [j % 100 for j in range(blocks)], 1)
         expected = KvIndex(1)
         expected.stored(7, event)
-        probe = LoopProbe()
         publisher.record(event)
-        publisher.flush()
+        publisher.flush()  # (the publisher's encoding is not the subscriber's hold)
+        probe = LoopProbe()
         await wait_for(lambda: sub.last_seq == 0, timeout=30, message="applied")
         assert index.instance_blocks(7) == blocks
         stored_worst = await probe.stop()
         assert index.holders == expected.holders  # the same chain of hashes as in one go
-        probe = LoopProbe()
         publisher.record(BlockRemoved(block_hashes=hashes[1:]))
         publisher.flush()
+        probe = LoopProbe()
         await wait_for(lambda: sub.last_seq == 1, timeout=30, message="removed")
         assert index.instance_blocks(7) == 1
         worst = max(stored_worst, await probe.stop())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import hmac
+import itertools
 import operator
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -236,8 +237,10 @@ class Endpoints:
             chosen = set(names)
             rest = (name for name in models if name not in chosen)
             names += heapq.nsmallest(HEALTH_MODELS - len(names), rest)
-        # (an instance is one upstream, shared by the sets of every model it serves)
-        instances = set().union(*[ws.routable for m in models.values() for ws in m.sets.values()])
+        # An instance is one id, in the sets of every model it serves; an adapter card may
+        # give it a second upstream (another URL), which is still the same instance.
+        sets = (ws.routable for m in models.values() for ws in m.sets.values())
+        instances = set(map(_instance_id, itertools.chain.from_iterable(sets)))
         fleet = {
             "models_total": len(models),
             "models_not_serving": not_serving,
