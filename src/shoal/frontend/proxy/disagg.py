@@ -139,21 +139,25 @@ def prefill_handle(answer: bytes, address: str) -> msgspec.Raw | None:
     return params
 
 
+def _error_detail(body: bytes) -> _ErrorDetail | None:
+    """The `error` of an instance's error answer, or None when it has no readable one (no
+    JSON, another shape, or nested deeper than `MAX_DEPTH`: never a `RecursionError`)."""
+    try:
+        check_json_depth(body)
+        return _decode_error(body).error
+    except (TooDeep, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 def refuses_handle(body: bytes) -> bool:
     """Whether a decode's 400 refuses the KV handle (its `param` names `kv_transfer_params`)."""
-    try:
-        error = _decode_error(body).error
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return False
+    error = _error_detail(body)
     return error is not None and str(error.param or "").startswith("kv_transfer_params")
 
 
 def api_error(status: int, body: bytes) -> ApiError:
     """A prefill's refusal (4xx), relayed to the client with its message, param and code."""
-    try:
-        detail = _decode_error(body).error
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        detail = None
+    detail = _error_detail(body)
     if detail is None:
         return ApiError(status, f"The prefill instance refused the request ({status}).")
     code = None if detail.code is None else str(detail.code)
