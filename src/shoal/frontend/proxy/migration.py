@@ -10,11 +10,11 @@ chunks) and the stream's `id` and `created` are kept. Every other request keeps 
 pass-through.
 
 When the instance fails (reset, an end before `[DONE]` and before the finish reason, the
-idle timeout), `resume` re-issues the
-request to another instance of the set, never one inhibited, tainted or tried: chat with
-the text as a final assistant message, `continue_final_message: true` and
-`add_generation_prompt: false` (vLLM's and SGLang's parameters); completions with the text
-appended to the prompt; `max_tokens`/`max_completion_tokens` less the tokens received.
+idle timeout), `resume` re-issues the request to another instance of the set, never one
+inhibited, tainted or tried: chat with the text as a final assistant message,
+`continue_final_message: true` and `add_generation_prompt: false` (vLLM's and SGLang's);
+completions with the text appended to the prompt; `max_tokens`/`max_completion_tokens`
+less the tokens received.
 The continuation's events are rewritten into the client's stream: its `id` and `created`,
 the role chunk dropped, and the usage chunk counting every token the client received
 (the continuation's prompt holds the carried tokens: they move back to the completion).
@@ -24,8 +24,8 @@ into other tokens than it was generated as.
 Not migrated (the stream ends with the error event as before, and
 `shoal_frontend_migrations_total{outcome="refused"}` says why): `n` > 1, `logprobs`,
 `echo`, a prompt that is not one string, tool calls in the stream, a card that says so
-(`migration_limit: 0`), no other instance, the limit reached, more text than `MAX_CARRIED`.
-"""
+(`migration_limit: 0`), no other instance, the limit reached, more text than `MAX_CARRIED`,
+a body framed by its `Content-Length` (the client has the length: `sized`)."""
 
 from __future__ import annotations
 
@@ -185,16 +185,13 @@ def _prepare(forward: Forward, model: Model, default_limit: int) -> Migration | 
 
 def _refusal(members: dict[str, msgspec.Raw], chat: bool) -> str | None:
     """Why a request's stream cannot be continued elsewhere, or None."""
-
-    def asked(key: str) -> Any:
-        raw = members.get(key)
-        return None if raw is None else _decode_any(raw)
-
-    if asked("n") not in (None, 1):
+    keys = ("n", "logprobs", "top_logprobs", "echo")
+    asked = {key: _decode_any(members[key]) for key in keys if key in members}
+    if asked.get("n") not in (None, 1):
         return "n"
-    if asked("logprobs") not in (None, False) or asked("top_logprobs"):
+    if asked.get("logprobs") not in (None, False) or asked.get("top_logprobs"):
         return "logprobs"
-    if asked("echo"):
+    if asked.get("echo"):
         return "echo"
     if not chat:
         prompt = members.get("prompt")
@@ -307,6 +304,9 @@ class Migration:
             self.forward.proxy.metrics.migration_splice.observe(elapsed)
             self.failed_at = 0.0
         return out
+
+    def sized(self) -> None:  # (the response has a `Content-Length`, which the client gets)
+        self._give_up(b"", "framing")
 
     def _hold(self, data: bytes) -> bytes:
         """Keep `data`, a part of an event whose end has not come (nothing for the client
