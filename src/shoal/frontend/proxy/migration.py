@@ -294,8 +294,9 @@ class Migration:
         complete = data[: end + 2]
         if not self.resuming:
             for event in complete.split(b"\n\n")[:-1]:
-                self._read(event)
-            self.delivered = self.opened = True
+                if self._read(event) is not None:
+                    self.opened = True  # (a chunk, not a comment: the client's stream began)
+            self.delivered = True
             return complete
         out = b"".join([self._rewrite(event) for event in complete.split(b"\n\n")[:-1]])
         self.delivered = True
