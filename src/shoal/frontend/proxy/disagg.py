@@ -488,9 +488,13 @@ class TwoStageForward(Forward):
 
     def _handle_refused(self) -> None:
         """The decode could not fetch the prefill's blocks: that prefill failed; again with
-        a new one (the decode is not at fault, and not inhibited)."""
+        a new one (the decode is not inhibited), on another decode when there is one: a
+        decode that refuses every handle is idle, so least-loaded would pick it again."""
         self.out = []
         self.body_seen = False  # (nothing reached the client: the next head is held again)
+        decode = self.target
+        if decode is not None and self._may_retry():  # (another decode is left untried)
+            self.tried.append(decode)
         self._end_attempt()
         prefill, self.prefilled_by = self.prefilled_by, None
         self.stages.stats.failures["prefill"] += 1
