@@ -105,3 +105,43 @@ def test_a_completion_continuation_appends_to_the_prompt() -> None:
         body = migration._continuation()
         assert body is not None
         assert json.loads(body) == {"model": "m", "prompt": continued, "max_tokens": 4}
+
+
+def test_a_continuation_spliced_as_text_is_the_json_of_the_continued_request() -> None:
+    """The splice joins JSON text (strings with escapes, arrays spaced any way) and decodes
+    nothing: what it makes is the same request as one decoded, continued and encoded."""
+    text = 'é "q" \\ \n'
+    cases: list[tuple[bool, dict[str, Any]]] = [
+        (True, {"messages": []}),
+        (True, {"messages": [{"role": "user", "content": 'a "b"\\'}]}),
+        (True, {"continue_final_message": True, "messages": [{"role": "assistant", "content": "x"}]}),
+        (True, {"continue_final_message": True, "messages": [{"role": "user", "content": "x"}]}),
+        (False, {"prompt": 'say "\\u00e9'}),
+        (False, {"prompt": ["é\\"]}),
+    ]  # fmt: skip
+    for chat, request in cases:
+        for indent in (None, 3):
+            origin = json.dumps({"model": "m", **request, "max_tokens": 5}, indent=indent)
+            forward: Any = SimpleNamespace(status=200, target=None, model=None)
+            forward.origin = origin.encode() + b" " * 100
+            migration = Migration(forward, chat, 1, None)
+            piece = {"delta": {"content": text}} if chat else {"text": text}
+            chunk = {"id": "c", "created": 1, "choices": [piece]}
+            migration.feed(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            body = migration._continuation()
+            assert body is not None, request
+            expected = json.loads(origin)
+            expected["max_tokens"] = 4
+            if not chat:
+                prompt = expected["prompt"]
+                expected["prompt"] = (
+                    prompt + text if isinstance(prompt, str) else [prompt[0] + text]
+                )
+            else:
+                expected["continue_final_message"], expected["add_generation_prompt"] = True, False
+                messages = expected["messages"]
+                if request.get("continue_final_message") and messages[-1]["role"] == "assistant":
+                    messages[-1]["content"] += text
+                else:
+                    messages.append({"role": "assistant", "content": text})
+            assert json.loads(body) == expected, (request, indent)

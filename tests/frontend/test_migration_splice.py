@@ -185,3 +185,79 @@ async def test_a_stream_that_finished_without_done_is_not_continued(
         received = await response.read()
     assert received == finished  # as the instance sent it: no error event, no continuation
     assert len(requests) == 1
+
+
+async def test_a_stream_framed_by_its_content_length_is_cut_short_not_spliced(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """The client was told the body's length: a continuation of another length would
+    overrun it (bytes read as the next response) or leave it waiting. Such a stream is not
+    migrated; it ends, as a cut-short body does, with the connection."""
+    bodies: list[bytes] = []
+
+    async def sized(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        bodies.append(request)
+        if len(bodies) > 1:
+            writer.write(CHUNKED + b"%x\r\n%s\r\n0\r\n\r\n" % (len(CONTINUATION), CONTINUATION))
+            return
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(FIRST) + 500, FIRST)
+        )
+        await writer.drain()
+        writer.transport.abort()
+
+    await start_raw(sized)
+    await start_raw(sized)
+    frontend = await _started(start_frontend)
+    body = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+    ):
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.read()
+    assert len(bodies) == 1
+    refused = frontend.metrics.registry.get_sample_value(
+        "shoal_frontend_migrations_total", {"outcome": "refused", "reason": "framing"}
+    )
+    assert refused == 1
+
+
+async def test_a_stream_that_sent_only_a_comment_before_failing_gets_the_continuation_whole(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """An SSE comment (a keep-alive) opens no message and names no stream: the continuation
+    keeps its role chunk, its `id` and its `created` (never null ones)."""
+    bodies: list[bytes] = []
+
+    async def ping_then_die(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        bodies.append(request)
+        if len(bodies) > 1:
+            writer.write(CHUNKED + b"%x\r\n%s\r\n0\r\n\r\n" % (len(CONTINUATION), CONTINUATION))
+            return
+        ping = b": keep-alive\n\n"
+        writer.write(CHUNKED + b"%x\r\n%s\r\n" % (len(ping), ping))
+        await writer.drain()
+        writer.transport.abort()
+
+    await start_raw(ping_then_die)
+    await start_raw(ping_then_die)
+    frontend = await _started(start_frontend)
+    body = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+    ):
+        received = await response.read()
+    events = [e for e in received.split(b"\n\n") if e.startswith(b"data: ")]
+    chunks = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
+    assert {(c["id"], c["created"]) for c in chunks} == {("chatcmpl-second", 222)}
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert len(bodies) == 2

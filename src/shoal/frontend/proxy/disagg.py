@@ -139,21 +139,25 @@ def prefill_handle(answer: bytes, address: str) -> msgspec.Raw | None:
     return params
 
 
+def _error_detail(body: bytes) -> _ErrorDetail | None:
+    """The `error` of an instance's error answer, or None when it has no readable one (no
+    JSON, another shape, or nested deeper than `MAX_DEPTH`: never a `RecursionError`)."""
+    try:
+        check_json_depth(body)
+        return _decode_error(body).error
+    except (TooDeep, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 def refuses_handle(body: bytes) -> bool:
     """Whether a decode's 400 refuses the KV handle (its `param` names `kv_transfer_params`)."""
-    try:
-        error = _decode_error(body).error
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return False
+    error = _error_detail(body)
     return error is not None and str(error.param or "").startswith("kv_transfer_params")
 
 
 def api_error(status: int, body: bytes) -> ApiError:
     """A prefill's refusal (4xx), relayed to the client with its message, param and code."""
-    try:
-        detail = _decode_error(body).error
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        detail = None
+    detail = _error_detail(body)
     if detail is None:
         return ApiError(status, f"The prefill instance refused the request ({status}).")
     code = None if detail.code is None else str(detail.code)
@@ -484,9 +488,13 @@ class TwoStageForward(Forward):
 
     def _handle_refused(self) -> None:
         """The decode could not fetch the prefill's blocks: that prefill failed; again with
-        a new one (the decode is not at fault, and not inhibited)."""
+        a new one (the decode is not inhibited), on another decode when there is one: a
+        decode that refuses every handle is idle, so least-loaded would pick it again."""
         self.out = []
         self.body_seen = False  # (nothing reached the client: the next head is held again)
+        decode = self.target
+        if decode is not None and self._may_retry():  # (another decode is left untried)
+            self.tried.append(decode)
         self._end_attempt()
         prefill, self.prefilled_by = self.prefilled_by, None
         self.stages.stats.failures["prefill"] += 1

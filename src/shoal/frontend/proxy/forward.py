@@ -376,6 +376,8 @@ class Forward:
             assert self.target is not None
             self._attempt_failed(UpstreamError(f"instance {self.target.address} answered {status}"))
             return False
+        if not chunked and self.migration is not None:
+            self.migration.sized()  # (the client is told the length: nothing is spliced in)
         client = self.client
         self.status = status
         parts = [status_line(status)]

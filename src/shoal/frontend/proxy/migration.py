@@ -10,11 +10,11 @@ chunks) and the stream's `id` and `created` are kept. Every other request keeps 
 pass-through.
 
 When the instance fails (reset, an end before `[DONE]` and before the finish reason, the
-idle timeout), `resume` re-issues the
-request to another instance of the set, never one inhibited, tainted or tried: chat with
-the text as a final assistant message, `continue_final_message: true` and
-`add_generation_prompt: false` (vLLM's and SGLang's parameters); completions with the text
-appended to the prompt; `max_tokens`/`max_completion_tokens` less the tokens received.
+idle timeout), `resume` re-issues the request to another instance of the set, never one
+inhibited, tainted or tried: chat with the text as a final assistant message,
+`continue_final_message: true` and `add_generation_prompt: false` (vLLM's and SGLang's);
+completions with the text appended to the prompt; `max_tokens`/`max_completion_tokens`
+less the tokens received.
 The continuation's events are rewritten into the client's stream: its `id` and `created`,
 the role chunk dropped, and the usage chunk counting every token the client received
 (the continuation's prompt holds the carried tokens: they move back to the completion).
@@ -24,8 +24,8 @@ into other tokens than it was generated as.
 Not migrated (the stream ends with the error event as before, and
 `shoal_frontend_migrations_total{outcome="refused"}` says why): `n` > 1, `logprobs`,
 `echo`, a prompt that is not one string, tool calls in the stream, a card that says so
-(`migration_limit: 0`), no other instance, the limit reached, more text than `MAX_CARRIED`.
-"""
+(`migration_limit: 0`), no other instance, the limit reached, more text than `MAX_CARRIED`,
+a body framed by its `Content-Length` (the client has the length: `sized`)."""
 
 from __future__ import annotations
 
@@ -103,16 +103,6 @@ class ContinuationRefused(UpstreamError):
     """The instance answered the continuation with an error status (it cannot continue)."""
 
 
-class _Asked(msgspec.Struct):
-    """What of the request decides whether its stream may migrate."""
-
-    n: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
-    prompt: msgspec.Raw = msgspec.Raw(b"")
-
-
 class _Delta(msgspec.Struct):
     content: Any = None
     tool_calls: Any = None
@@ -132,7 +122,6 @@ class _Chunk(msgspec.Struct):
     usage: Any = None
 
 
-_decode_asked = msgspec.json.Decoder(_Asked).decode
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 _decode_any = msgspec.json.Decoder().decode
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
@@ -180,30 +169,34 @@ def _prepare(forward: Forward, model: Model, default_limit: int) -> Migration | 
         return None
     limit = limit_of(model, default_limit)
     refused: str | None = None
+    members = None
     if limit <= 0:
         refused = "disabled" if default_limit <= 0 else "card"
     elif model.live_instances < 2:
         refused = "no_instance"
     else:
-        refused = _refusal(forward.body, chat)
-    return Migration(forward, chat, limit, refused)
+        try:  # (read once: a continuation is made of these members, views of the body)
+            members = _decode_members(forward.origin)
+            refused = _refusal(members, chat)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            refused = "body"
+    return Migration(forward, chat, limit, refused, members)
 
 
-def _refusal(body: bytes, chat: bool) -> str | None:
+def _refusal(members: dict[str, msgspec.Raw], chat: bool) -> str | None:
     """Why a request's stream cannot be continued elsewhere, or None."""
-    try:
-        asked = _decode_asked(body)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return "body"
-    if asked.n not in (None, 1):
+    keys = ("n", "logprobs", "top_logprobs", "echo")
+    asked = {key: _decode_any(members[key]) for key in keys if key in members}
+    if asked.get("n") not in (None, 1):
         return "n"
-    if asked.logprobs not in (None, False) or asked.top_logprobs:
+    if asked.get("logprobs") not in (None, False) or asked.get("top_logprobs"):
         return "logprobs"
-    if asked.echo:
+    if asked.get("echo"):
         return "echo"
     if not chat:
-        raw = bytes(asked.prompt).lstrip(b" \t\r\n[")
-        if not raw.startswith(b'"'):
+        prompt = members.get("prompt")
+        start = b"" if prompt is None else bytes(memoryview(prompt)[:64]).lstrip(b" \t\r\n[")
+        if not start.startswith(b'"'):
             return "prompt"  # token ids, or no prompt: only text is continued
     return None
 
@@ -222,6 +215,7 @@ class Migration:
         "forward",
         "id",
         "limit",
+        "members",
         "migrations",
         "opened",
         "parsing",
@@ -237,8 +231,16 @@ class Migration:
         "ws",
     )
 
-    def __init__(self, forward: Forward, chat: bool, limit: int, refused: str | None) -> None:
+    def __init__(
+        self,
+        forward: Forward,
+        chat: bool,
+        limit: int,
+        refused: str | None,
+        members: dict[str, msgspec.Raw] | None = None,
+    ) -> None:
         self.forward = forward
+        self.members = members  # the members of the request's body (read once, as they came)
         self.chat = chat
         self.limit = limit
         self.refused = refused  # why the stream cannot migrate (now), or None
@@ -292,8 +294,9 @@ class Migration:
         complete = data[: end + 2]
         if not self.resuming:
             for event in complete.split(b"\n\n")[:-1]:
-                self._read(event)
-            self.delivered = self.opened = True
+                if self._read(event) is not None:
+                    self.opened = True  # (a chunk, not a comment: the client's stream began)
+            self.delivered = True
             return complete
         out = b"".join([self._rewrite(event) for event in complete.split(b"\n\n")[:-1]])
         self.delivered = True
@@ -302,6 +305,9 @@ class Migration:
             self.forward.proxy.metrics.migration_splice.observe(elapsed)
             self.failed_at = 0.0
         return out
+
+    def sized(self) -> None:  # (the response has a `Content-Length`, which the client gets)
+        self._give_up(b"", "framing")
 
     def _hold(self, data: bytes) -> bytes:
         """Keep `data`, a part of an event whose end has not come (nothing for the client
@@ -467,37 +473,35 @@ class Migration:
 
     def _continuation(self) -> bytes | None:
         """The request asking an instance to continue the text so far. The client's body is
-        read one level deep: its messages are spliced as they came, never decoded (a 16 MB
-        chat decoded and encoded again held the event loop for ~150 ms)."""
+        read one level deep, and its messages or prompt are spliced as they came, never
+        decoded: the body is joined once (a 14 MB prompt decoded and encoded again held the
+        event loop for ~50 ms)."""
         if not self.size:
             return self.forward.origin  # nothing to continue: the request afresh
         try:
-            body = _decode_members(self.forward.origin)
-            text = self.text.getvalue()
+            members = self.members or _decode_members(self.forward.origin)
+            text = _encode(self.text.getvalue())  # (a JSON string: `"..."`)
+            body: dict[str, msgspec.Raw | tuple[Any, ...]] = dict(members)
             if self.chat:
-                messages = _continued_messages(body, text)
+                messages = _continued_messages(members, text)
                 if messages is None:
                     return None
                 body["messages"] = messages
                 body["continue_final_message"] = _TRUE
                 body["add_generation_prompt"] = _FALSE
             else:
-                raw = body.get("prompt")
-                prompt = None if raw is None else _decode_any(raw)
-                if isinstance(prompt, str):
-                    body["prompt"] = msgspec.Raw(_encode(prompt + text))
-                elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                    body["prompt"] = msgspec.Raw(_encode([prompt[0] + text]))
-                else:
+                prompt = _continued_prompt(members.get("prompt"), text)
+                if prompt is None:
                     return None
+                body["prompt"] = prompt
             for key in ("max_tokens", "max_completion_tokens"):
-                raw = body.get(key)
+                raw = members.get(key)
                 value = None if raw is None or len(raw) > 20 else _decode_any(raw)
                 if isinstance(value, int) and not isinstance(value, bool):
                     body[key] = msgspec.Raw(b"%d" % max(value - self.tokens, 1))
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             return None
-        return _encode(body)
+        return _joined(body)
 
     def _find_set(self) -> WorkerSet | None:
         """The worker set of the instance answering the first attempt."""
@@ -514,27 +518,59 @@ class Migration:
         self.forward.proxy.metrics.migrations.labels(outcome=outcome, reason=reason).inc()
 
 
-def _continued_messages(body: dict[str, msgspec.Raw], text: str) -> msgspec.Raw | None:
-    """The client's messages with `text` as the assistant's: a new final message, or the end
-    of the client's own final assistant message when it asked to continue that one."""
-    raw = body.get("messages")
-    messages = b"" if raw is None else bytes(raw)
-    if not messages.startswith(b"["):
+def _continued_messages(members: dict[str, msgspec.Raw], text: bytes) -> tuple[Any, ...] | None:
+    """The pieces of the client's messages with `text` (JSON) as the assistant's: a new final
+    message, or the end of the client's own final assistant message when it asked to
+    continue that one."""
+    raw = members.get("messages")
+    if raw is None or _first(raw) != b"[":
         return None
-    if bytes(body.get("continue_final_message", b"")) == b"true":
-        items = _decode_list(messages)  # (the client's own continuation: rare)
-        last = _decode_any(items[-1]) if items else None
-        if (
-            isinstance(last, dict)
-            and last.get("role") == "assistant"
-            and isinstance(last.get("content"), str)
-        ):
-            last["content"] += text
-            items[-1] = msgspec.Raw(_encode(last))
-            return msgspec.Raw(b"[" + b",".join(items) + b"]")
-    inner = messages[1:-1].strip()
-    added = _encode({"role": "assistant", "content": text})
-    return msgspec.Raw(b"[" + inner + (b"," if inner else b"") + added + b"]")
+    if bytes(members.get("continue_final_message", b"")) == b"true":
+        items = _decode_list(raw)  # (the client's own continuation: rare)
+        last = _decode_members(items[-1]) if items and _first(items[-1]) == b"{" else {}
+        content = last.get("content")
+        if _decode_any(last.get("role", b"null")) == "assistant" and _first(content) == b'"':
+            last["content"] = msgspec.Raw(_joined_string(content, text))
+            items[-1] = msgspec.Raw(_joined(last))
+            return (b"[", *[p for item in items for p in (b",", item)][1:], b"]")
+    head = memoryview(raw)[:-1]  # (the added message goes before the `]`, spaces before it cut)
+    tail = bytes(head[-64:])
+    cut = len(tail) - len(tail.rstrip())
+    head = head[: len(head) - cut] if cut < 64 else memoryview(bytes(head).rstrip())
+    added = b'{"role":"assistant","content":' + text + b"}"
+    return (head, b"," if len(head) > 1 else b"", added, b"]")
+
+
+def _continued_prompt(raw: msgspec.Raw | None, text: bytes) -> tuple[Any, ...] | None:
+    """A completion's prompt (one string, or a list of one) with `text` (JSON) appended."""
+    if raw is None:
+        return None
+    if _first(raw) == b'"':
+        return (_joined_string(raw, text),)
+    if _first(raw) == b"[":
+        items = _decode_list(raw)
+        if len(items) == 1 and _first(items[0]) == b'"':
+            return (b"[", _joined_string(items[0], text), b"]")
+    return None
+
+
+def _first(raw: msgspec.Raw | None) -> bytes:
+    """The first byte of a JSON value (b"" for none): its kind, without copying it."""
+    return b"" if raw is None else bytes(memoryview(raw)[:1])
+
+
+def _joined_string(string: Any, text: bytes) -> bytes:
+    """Two JSON strings as one: `"ab"` and `"cd"` make `"abcd"` (no decoding)."""
+    return b"".join((memoryview(string)[:-1], memoryview(text)[1:]))
+
+
+def _joined(members: dict[str, Any]) -> bytes:
+    """A JSON object of `members` (each JSON text, or a tuple of its pieces), joined once."""
+    parts: list[Any] = []
+    for key, value in members.items():
+        parts += (b",", _encode(key), b":", *(value if isinstance(value, tuple) else (value,)))
+    parts[:1] = [b"{"]
+    return b"".join([*parts, b"}"]) if parts else b"{}"
 
 
 def _sse_start(data: bytes) -> bool:

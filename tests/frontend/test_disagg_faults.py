@@ -1,0 +1,147 @@
+"""A stage instance that answers garbage fails only its own request, which is answered (a
+relayed refusal, or another instance), and every in-flight count returns to zero."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from shoal.cards import WorkerRole
+from shoal.frontend import Frontend
+from shoal.store import Store
+from tests.frontend.conftest import StartFrontend, StartWorker
+from tests.frontend.raw_upstream import Behaviour, RawUpstream
+from tests.helpers import wait_for
+
+DEEP = b"[" * 30_000 + b"]" * 30_000  # (within the 64 KiB a decode's 400 is read for)
+
+
+async def _raw_stage(store: Store, behaviour: Behaviour, role: WorkerRole) -> RawUpstream:
+    upstream = RawUpstream(behaviour)
+    upstream.role, upstream.component = role, role.value
+    await upstream.start()
+    await upstream.register(store)
+    return upstream
+
+
+async def _two_stages(frontend: Frontend) -> None:
+    def served() -> bool:
+        model = frontend.registry.models.get("mock-llm")
+        return model is not None and model.stages is not None
+
+    await wait_for(served, timeout=20, message="served in two stages")
+
+
+def _in_flight(frontend: Frontend) -> list[int]:
+    model = frontend.registry.models["mock-llm"]
+    assert model.stages is not None
+    sets = model.stages.prefill.routable_sets + model.stages.decode.routable_sets
+    return [u.in_flight for ws in sets for u in ws.routable]
+
+
+async def test_a_decodes_400_nested_too_deep_to_read_is_relayed_not_left_hanging(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    async def refuse(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        body = b'{"error":{"message":"no","param":"kv_transfer_params","x":' + DEEP + b"}}"
+        writer.write(
+            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+
+    await start_worker(component="prefill", role=WorkerRole.PREFILL)
+    decode = await _raw_stage(store, refuse, WorkerRole.DECODE)
+    try:
+        frontend = await start_frontend()
+        await _two_stages(frontend)
+        body = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}]}
+        async with (
+            aiohttp.ClientSession() as session,
+            asyncio.timeout(10),
+            session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+        ):
+            assert response.status == 400
+            assert (await response.read()).startswith(b'{"error":{"message":"no"')
+        await wait_for(lambda: _in_flight(frontend) == [0, 0], message="in flight back to 0")
+    finally:
+        await decode.stop()
+
+
+async def test_a_prefills_4xx_nested_too_deep_to_read_is_relayed_with_its_status(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    async def refuse(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        body = b'{"error":{"message":"no","x":' + DEEP + b"}}"
+        writer.write(
+            b"HTTP/1.1 422 Unprocessable\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+
+    prefill = await _raw_stage(store, refuse, WorkerRole.PREFILL)
+    await start_worker(component="decode", role=WorkerRole.DECODE)
+    try:
+        frontend = await start_frontend()
+        await _two_stages(frontend)
+        body = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}]}
+        async with (
+            aiohttp.ClientSession() as session,
+            asyncio.timeout(10),
+            session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+        ):
+            assert response.status == 422, await response.text()
+            error = (await response.json())["error"]
+        assert "422" in error["message"]
+        assert _in_flight(frontend) == [0, 0]
+    finally:
+        await prefill.stop()
+
+
+async def test_a_decode_that_refuses_every_handle_is_not_picked_again_while_another_can_serve(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """A decode that answers every handle "400 kv_transfer_params" (broken, not the prefill's
+    fault) is idle, so least-loaded would pick it at every attempt while the healthy decode
+    is busy: after its refusal, the new prefill's decode goes to another decode instance."""
+
+    async def refuse(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        body = b'{"error":{"message":"no such blocks","param":"kv_transfer_params"}}'
+        writer.write(
+            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+
+    await start_worker(component="prefill", role=WorkerRole.PREFILL)
+    good = await start_worker(component="decode", role=WorkerRole.DECODE)
+    good.stream_delay = 0.05
+    bad = await _raw_stage(store, refuse, WorkerRole.DECODE)
+    try:
+        frontend = await start_frontend()
+
+        def both_decodes() -> bool:
+            model = frontend.registry.models.get("mock-llm")
+            return (
+                model is not None
+                and model.stages is not None
+                and model.stages.decode.live_instances == 2
+            )
+
+        await wait_for(both_decodes, timeout=20, message="two decodes")
+        url = f"{frontend.url}/v1/chat/completions"
+        body = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}]}
+        async with aiohttp.ClientSession() as session, asyncio.timeout(20):
+            good.stream_chunks = 100  # a long stream keeps the healthy decode busy
+            busy = asyncio.create_task(session.post(url, json={**body, "stream": True}))
+            await wait_for(lambda: good.in_flight == 1, message="the healthy decode busy")
+            good.stream_chunks = 3
+            async with session.post(url, json=body) as response:
+                assert response.status == 200, await response.text()
+            busy.cancel()
+    finally:
+        await bad.stop()
