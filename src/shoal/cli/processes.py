@@ -326,12 +326,17 @@ class _Families:
 
 def merge(texts: dict[int, str], own: list[Metric]) -> list[Metric]:
     """The families of every child's metrics text, each sample labelled with its child's
-    slot (`process`), then `own`. Counts are not summed here: a gauge such as the instances
+    slot (`process`), then `own`; a child whose text cannot be read is left out (logged). Counts are not summed here: a gauge such as the instances
     a process knows is the same fleet seen N times; `sum without (process)` where a total
     is meant."""
     families: dict[str, Metric] = {}
     for slot, text in sorted(texts.items()):
-        for family in text_string_to_metric_families(text):
+        try:  # read whole first: a child whose text is not the format is left out whole
+            parsed = list(text_string_to_metric_families(text))
+        except Exception as exc:  # (the parser raises ValueError, and IndexError too)
+            log.warning("frontend process slot %d: its /metrics are left out: %s", slot, exc)
+            continue
+        for family in parsed:
             merged = families.get(family.name)
             if merged is None:
                 merged = families[family.name] = Metric(
