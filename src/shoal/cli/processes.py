@@ -27,6 +27,7 @@ import ctypes
 import logging
 import os
 import pickle
+import re
 import signal
 import socket
 import ssl
@@ -39,8 +40,6 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 
 from shoal.cli.common import on_stop_signals, parse_ready_line, print_ready
 from shoal.frontend import FrontendConfig
@@ -53,6 +52,8 @@ CHILD = "frontend-process"
 BACKOFF_FIRST = 0.5
 BACKOFF_MAX = 30.0
 SCRAPE_TIMEOUT = 5.0
+MAX_CHILD_METRICS_BYTES = 64 * 1024 * 1024
+"""The largest `/metrics` answer of a child that is merged (30 MB at 10,000 models)."""
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -277,24 +278,38 @@ class Supervisor:
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     async def _render(self) -> bytes:
-        texts = await self.scrape()
-        return generate_latest(registry_of(merge(texts, self._own_metrics())))
+        bodies = await self.scrape()
+        own = generate_latest(registry_of(self._own_metrics()))
+        return await asyncio.to_thread(merge_bodies, bodies, own)  # (seconds at 10,000 models)
 
-    async def scrape(self) -> dict[int, str]:
-        """Each ready child's metrics text, by slot (a child down now is left out)."""
+    async def scrape(self) -> dict[int, list[bytes]]:
+        """Each ready child's metrics body, in pieces, by slot (a child down now, or whose
+        answer is over `MAX_CHILD_METRICS_BYTES`, is left out: logged)."""
         timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT)
         async with aiohttp.ClientSession(timeout=timeout) as session:
 
-            async def one(url: str) -> str | None:
+            async def one(slot: int, url: str) -> list[bytes] | None:
                 try:
                     async with session.get(url) as response:
-                        return await response.text() if response.status == 200 else None
+                        if response.status != 200:
+                            return None
+                        pieces, size = [], 0
+                        async for piece in response.content.iter_any():
+                            size += len(piece)
+                            if size > MAX_CHILD_METRICS_BYTES:
+                                log.warning(
+                                    "frontend process slot %d: its /metrics are left out: "
+                                    "over %d bytes", slot, MAX_CHILD_METRICS_BYTES,
+                                )  # fmt: skip
+                                return None
+                            pieces.append(piece)
+                        return pieces
                 except (aiohttp.ClientError, TimeoutError):
                     return None
 
             wanted = [(c.slot, c.metrics_url) for c in self.children if c.metrics_url]
-            texts = await asyncio.gather(*(one(url) for _, url in wanted))
-        return {slot: text for (slot, _), text in zip(wanted, texts, strict=True) if text}
+            bodies = await asyncio.gather(*(one(slot, url) for slot, url in wanted))
+        return {slot: b for (slot, _), b in zip(wanted, bodies, strict=True) if b is not None}
 
     def _own_metrics(self) -> list[Metric]:
         up = GaugeMetricFamily(
@@ -314,6 +329,90 @@ class Supervisor:
         return [up, restarts]
 
 
+_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_VALUE = r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|Inf|NaN)"
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*(?:\\.[^"\\\n]*)*"'
+_SAMPLE = re.compile(
+    rf"({_NAME})(?:\{{((?:{_LABEL}(?:,{_LABEL})*,?)?)\}})?( {_VALUE}(?: -?[0-9]+)?)"
+)
+_HEADER = re.compile(rf"# (HELP|TYPE) ({_NAME})(?: (.*))?")
+_TYPES = frozenset(("counter", "gauge", "histogram", "summary", "untyped"))
+_PROCESS_LABEL = re.compile(r'(?:^|,)process="[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+class Unreadable(ValueError):
+    """A child's `/metrics` text that is not Prometheus' text format."""
+
+
+def relabel(slot: int, text: str) -> dict[str, tuple[list[str], list[str]]]:
+    """The families of one child's metrics text, by name, in their order: each one's
+    header lines (`# HELP`, `# TYPE`) and its sample lines with `process="slot"` added (a
+    `process` label of the child's own is replaced). Lines are checked, never parsed into
+    objects: a large fleet's text is 30 MB. `Unreadable` names the first bad line."""
+    process = f'process="{slot}"'
+    families: dict[str, tuple[list[str], list[str]]] = {}
+    current = families[""] = ([], [])  # samples before any header
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line:
+            continue
+        if line[0] == "#":
+            header = _HEADER.fullmatch(line)
+            if header is None:
+                continue  # a comment
+            kind, name, rest = header.groups()
+            if kind == "TYPE" and rest not in _TYPES:
+                raise Unreadable(f"line {number}: {line[:200]!r}")
+            current = families.setdefault(name, ([], []))
+            current[0].append(line)
+            continue
+        sample = _SAMPLE.fullmatch(line)
+        if sample is None:
+            raise Unreadable(f"line {number}: {line[:200]!r}")
+        name, labels, value = sample.groups()
+        if labels and 'process="' in labels:
+            labels = _PROCESS_LABEL.sub("", labels).lstrip(",")
+        if labels:
+            current[1].append(f"{name}{{{labels.rstrip(',')},{process}}}{value}")
+        else:
+            current[1].append(f"{name}{{{process}}}{value}")
+    return families
+
+
+def merge_bodies(bodies: dict[int, list[bytes]], own: bytes) -> bytes:
+    """`merge` of the children's bodies as they were read (in pieces, UTF-8)."""
+    return merge(
+        {slot: b"".join(body).decode(errors="replace") for slot, body in bodies.items()}, own
+    )
+
+
+def merge(texts: dict[int, str], own: bytes = b"") -> bytes:
+    """One metrics text of every child's (by slot), each sample labelled with its child's
+    slot (`process`), then `own`; a child whose text cannot be read is left out (logged).
+    Each family is written once, with the first child's header, then every child's samples.
+    Counts are not summed here: a gauge such as the instances a process knows is the same
+    fleet seen N times; `sum without (process)` where a total is meant. CPU-heavy: run it
+    in a thread."""
+    families: dict[str, tuple[list[str], list[list[str]]]] = {}
+    for slot, text in sorted(texts.items()):
+        try:
+            relabelled = relabel(slot, text)
+        except Unreadable as exc:
+            log.warning("frontend process slot %d: its /metrics are left out: %s", slot, exc)
+            continue
+        for name, (header, samples) in relabelled.items():
+            merged = families.get(name)
+            if merged is None:
+                merged = families[name] = (header, [])
+            elif not merged[0]:
+                merged[0].extend(header)
+            merged[1].append(samples)
+    lines = [
+        line for header, parts in families.values() for part in (header, *parts) for line in part
+    ]
+    lines.append("")
+    return "\n".join(lines).encode() + own
+
+
 class _Families:
     """A collector of ready-made metric families, for `generate_latest`."""
 
@@ -322,31 +421,6 @@ class _Families:
 
     def collect(self) -> Iterable[Metric]:
         return self.families
-
-
-def merge(texts: dict[int, str], own: list[Metric]) -> list[Metric]:
-    """The families of every child's metrics text, each sample labelled with its child's
-    slot (`process`), then `own`; a child whose text cannot be read is left out (logged). Counts are not summed here: a gauge such as the instances
-    a process knows is the same fleet seen N times; `sum without (process)` where a total
-    is meant."""
-    families: dict[str, Metric] = {}
-    for slot, text in sorted(texts.items()):
-        try:  # read whole first: a child whose text is not the format is left out whole
-            parsed = list(text_string_to_metric_families(text))
-        except Exception as exc:  # (the parser raises ValueError, and IndexError too)
-            log.warning("frontend process slot %d: its /metrics are left out: %s", slot, exc)
-            continue
-        for family in parsed:
-            merged = families.get(family.name)
-            if merged is None:
-                merged = families[family.name] = Metric(
-                    family.name, family.documentation, family.type, family.unit
-                )
-            merged.samples.extend(
-                Sample(s.name, {**s.labels, "process": str(slot)}, s.value, s.timestamp)
-                for s in family.samples
-            )
-    return [*families.values(), *own]
 
 
 def registry_of(families: list[Metric]) -> CollectorRegistry:
