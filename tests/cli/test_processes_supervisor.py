@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from shoal.cli import processes
 from shoal.cli.processes import CHILD, Child, Supervisor
 from shoal.frontend import FrontendConfig
 from tests.helpers import wait_for
@@ -19,12 +20,12 @@ from tests.helpers import wait_for
 READY = f"shoal {CHILD} ready: url=http://127.0.0.1:1 metrics=http://127.0.0.1:1/metrics"
 
 
-def stand_in(*lines: str) -> tuple[str, ...]:
+def stand_in(*lines: str, on_sigterm: str = "lambda *_: sys.exit(0)") -> tuple[str, ...]:
     """A child that reads its settings, prints `lines`, and serves until SIGTERM."""
     script = (
         "import signal, sys, time\n"
         "sys.stdin.buffer.read()\n"
-        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+        f"signal.signal(signal.SIGTERM, {on_sigterm})\n"
         f"for line in {list(lines)!r}:\n"
         "    print(line, flush=True)\n"
         "while True:\n"
@@ -33,8 +34,10 @@ def stand_in(*lines: str) -> tuple[str, ...]:
     return (sys.executable, "-c", script)
 
 
-def supervisor(command: tuple[str, ...], cls: type[Supervisor] = Supervisor) -> Supervisor:
-    config = FrontendConfig(host="127.0.0.1", port=0)
+def supervisor(
+    command: tuple[str, ...], cls: type[Supervisor] = Supervisor, drain_timeout: float = 30
+) -> Supervisor:
+    config = FrontendConfig(host="127.0.0.1", port=0, drain_timeout=drain_timeout)
     running = cls(config, 1)
     running.child_command = command
     return running
@@ -111,3 +114,20 @@ async def test_a_slot_whose_supervision_fails_is_logged_and_started_again(
     finally:
         code = await stopped(running, supervised)
     assert "injected supervisor fault" in caplog.text and code == 0
+
+
+async def test_a_stop_during_a_restart_backoff_ends_at_once_and_exits_0(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGTERM while a slot waited out its backoff made the parent exit 1 after a clean
+    drain: the exit code of the child that had died before (and was being replaced) was
+    counted as the drain's."""
+    monkeypatch.setattr(processes, "BACKOFF_FIRST", 60.0)
+    supervised = supervisor(stand_in(READY))
+    running = asyncio.create_task(supervised.run())
+    child = supervised.children[0]
+    await wait_for(lambda: child.ready.is_set(), timeout=20, message="child ready")
+    assert child.proc is not None
+    child.proc.kill()
+    await wait_for(lambda: child.metrics_url is None, timeout=20, message="in its backoff")
+    assert await stopped(running, supervised) == 0

@@ -83,6 +83,7 @@ class Child:
         self.metrics_url: str | None = None
         self.url: str | None = None
         self.restarts = 0
+        self.stopped_with: int | str | None = None  # the exit of the child the stop ended
 
 
 class Supervisor:
@@ -93,6 +94,7 @@ class Supervisor:
         self.children = [Child(slot) for slot in range(processes)]
         self.stopping = False
         self.failed = asyncio.Event()  # a child exited before its first ready line
+        self._stop_requested = asyncio.Event()  # ends a slot's backoff
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics_runner: web.AppRunner | None = None
         self.child_command = (sys.executable, "-m", "shoal.cli.frontend_child")
@@ -163,6 +165,7 @@ class Supervisor:
                 code = f"a supervision error ({type(exc).__name__})"
                 await self._end(child)
             if self.stopping:
+                child.stopped_with = code
                 return
             if not child.ready.is_set():
                 self.failed.set()
@@ -177,7 +180,10 @@ class Supervisor:
                 backoff,
             )
             child.metrics_url = None
-            await asyncio.sleep(backoff)
+            with contextlib.suppress(TimeoutError):  # a stop ends the backoff: none to start
+                await asyncio.wait_for(self._stop_requested.wait(), backoff)
+            if self.stopping:
+                return
             backoff = min(backoff * 2, BACKOFF_MAX)
             child.restarts += 1
 
@@ -217,7 +223,8 @@ class Supervisor:
             await proc.stdin.drain()
         proc.stdin.close()
         if self.stopping:  # a stop signal came while it started: it never saw it
-            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
         while line := await _read_line(proc.stdout):
             text = line.decode(errors="replace")
             fields = parse_ready_line(text, CHILD) if line.endswith(b"\n") else None
@@ -231,18 +238,17 @@ class Supervisor:
         return await proc.wait()
 
     async def _stop(self) -> bool:
-        """Drain every child (SIGTERM); whether all exited 0."""
+        """Drain every child (SIGTERM); whether every child running at the stop exited 0 (a
+        slot waiting out its backoff has none)."""
         self.stopping = True
+        self._stop_requested.set()
         for child in self.children:
             if child.proc is not None and child.proc.returncode is None:
-                child.proc.send_signal(signal.SIGTERM)
-        drained = True
-        for child in self.children:
-            if child.proc is not None:
-                drained &= await child.proc.wait() == 0
-        for task in self._tasks:
-            task.cancel()
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGTERM)
+        # Each slot's task ends once its child exited (one starting now is sent SIGTERM).
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        drained = all(c.stopped_with in (None, 0) for c in self.children)
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
         return drained
