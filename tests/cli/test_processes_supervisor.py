@@ -116,6 +116,21 @@ async def test_a_slot_whose_supervision_fails_is_logged_and_started_again(
     assert "injected supervisor fault" in caplog.text and code == 0
 
 
+async def test_a_child_that_never_exits_on_sigterm_is_killed_once_its_drain_is_overdue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The parent waited for every child without a bound: one child hung (stopped, stuck
+    in a lock) kept `shoal frontend` from ever exiting after SIGTERM, and kept the port."""
+    monkeypatch.setattr(processes, "STOP_GRACE", 0.5)
+    supervised = supervisor(stand_in(READY, on_sigterm="signal.SIG_IGN"), drain_timeout=0.5)
+    running = asyncio.create_task(supervised.run())
+    child = supervised.children[0]
+    await wait_for(lambda: child.ready.is_set(), timeout=20, message="child ready")
+    code = await stopped(running, supervised)
+    assert code == 1  # (not drained: killed)
+    assert child.proc is not None and child.proc.returncode == -signal.SIGKILL
+
+
 async def test_a_stop_during_a_restart_backoff_ends_at_once_and_exits_0(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -12,7 +12,7 @@ each child builds its own TLS context from the files. A child also serves its ow
 The parent prints the one `shoal frontend ready:` line once every child is ready; restarts
 a child that dies, after a backoff (0.5 s doubling to 30 s, back to 0.5 s once a child has
 lived 30 s); forwards SIGINT and SIGTERM to every child, which drain, and exits 0 when all
-drained. A child that fails before its first ready line fails the start (exit 1; its
+drained (a child still running `STOP_GRACE` after its drain timeout is killed: exit 1). A child that fails before its first ready line fails the start (exit 1; its
 error is on the shared stderr). `/metrics` is the parent's: the children's metrics merged,
 each sample labelled `process="K"` (the child's slot, kept across restarts), plus the
 parent's own `shoal_frontend_process*` series; served on `--metrics-port` when given, else
@@ -52,6 +52,9 @@ CHILD = "frontend-process"
 BACKOFF_FIRST = 0.5
 BACKOFF_MAX = 30.0
 SCRAPE_TIMEOUT = 5.0
+STOP_GRACE = 10.0
+"""Seconds a child may take to exit after its `--drain-timeout`, once sent SIGTERM, before
+it is killed (a child stopped or stuck must not keep the parent, and the port, for ever)."""
 MAX_CHILD_METRICS_BYTES = 64 * 1024 * 1024
 """The largest `/metrics` answer of a child that is merged (30 MB at 10,000 models)."""
 
@@ -238,8 +241,9 @@ class Supervisor:
         return await proc.wait()
 
     async def _stop(self) -> bool:
-        """Drain every child (SIGTERM); whether every child running at the stop exited 0 (a
-        slot waiting out its backoff has none)."""
+        """Drain every child (SIGTERM), killing one still running `--drain-timeout` plus
+        `STOP_GRACE` later; whether every child running at the stop exited 0 (a slot waiting
+        out its backoff has none)."""
         self.stopping = True
         self._stop_requested.set()
         for child in self.children:
@@ -247,8 +251,24 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     child.proc.send_signal(signal.SIGTERM)
         # Each slot's task ends once its child exited (one starting now is sent SIGTERM).
+        pending: set[asyncio.Task[None]] = set(self._tasks)
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=self.config.drain_timeout + STOP_GRACE)
+        if pending:
+            for child in self.children:
+                proc = child.proc
+                if proc is not None and proc.returncode is None:
+                    log.error(
+                        "frontend process %d (slot %d) still runs %gs after SIGTERM: killed",
+                        proc.pid, child.slot, self.config.drain_timeout + STOP_GRACE,
+                    )  # fmt: skip
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+            _, pending = await asyncio.wait(pending, timeout=STOP_GRACE)
+        for task in pending:
+            task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        drained = all(c.stopped_with in (None, 0) for c in self.children)
+        drained = not pending and all(c.stopped_with in (None, 0) for c in self.children)
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
         return drained
