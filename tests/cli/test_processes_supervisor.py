@@ -146,3 +146,33 @@ async def test_a_stop_during_a_restart_backoff_ends_at_once_and_exits_0(
     child.proc.kill()
     await wait_for(lambda: child.metrics_url is None, timeout=20, message="in its backoff")
     assert await stopped(running, supervised) == 0
+
+
+async def test_a_child_whose_metrics_do_not_answer_is_not_counted_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`shoal_frontend_processes_up` said 1 for a child that was running but did not answer
+    (stopped, its loop stuck): its series were missing from the very answer that said so."""
+    monkeypatch.setattr(processes, "SCRAPE_TIMEOUT", 0.5)
+    hung: list[asyncio.StreamWriter] = []
+
+    async def never_answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hung.append(writer)  # (kept open, never written to)
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    ready = f"shoal {CHILD} ready: url=http://127.0.0.1:1 metrics=http://127.0.0.1:{port}/metrics"
+    supervised = supervisor(stand_in(ready))
+    running = asyncio.create_task(supervised.run())
+    child = supervised.children[0]
+    try:
+        await wait_for(lambda: child.ready.is_set(), timeout=20, message="child ready")
+        request: Any = None
+        body = (await supervised._metrics(request)).body
+    finally:
+        await stopped(running, supervised)
+        for writer in hung:
+            writer.close()
+        server.close()
+    assert isinstance(body, bytes)
+    assert b'shoal_frontend_processes_up{process="0"} 0.0' in body, body

@@ -33,7 +33,7 @@ import socket
 import ssl
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import aiohttp
@@ -305,8 +305,9 @@ class Supervisor:
 
     async def _render(self) -> bytes:
         bodies = await self.scrape()
-        own = generate_latest(registry_of(self._own_metrics()))
-        return await asyncio.to_thread(merge_bodies, bodies, own)  # (seconds at 10,000 models)
+        return await asyncio.to_thread(  # (seconds at 10,000 models)
+            merge_bodies, bodies, lambda shown: generate_latest(registry_of(self._own(shown)))
+        )
 
     async def scrape(self) -> dict[int, list[bytes]]:
         """Each ready child's metrics body, in pieces, by slot (a child down now, or whose
@@ -337,10 +338,12 @@ class Supervisor:
             bodies = await asyncio.gather(*(one(slot, url) for slot, url in wanted))
         return {slot: b for (slot, _), b in zip(wanted, bodies, strict=True) if b is not None}
 
-    def _own_metrics(self) -> list[Metric]:
+    def _own(self, shown: set[int]) -> list[Metric]:
+        """The parent's own series; `shown`: the slots whose metrics are in this answer (a
+        child that is running but did not answer is not up)."""
         up = GaugeMetricFamily(
             "shoal_frontend_processes_up",
-            "Frontend processes running and ready, by slot",
+            "Frontend processes running, ready and answering (their metrics shown), by slot",
             labels=["process"],
         )
         restarts = CounterMetricFamily(
@@ -350,7 +353,7 @@ class Supervisor:
         )
         for child in self.children:
             alive = child.proc is not None and child.proc.returncode is None
-            up.add_metric([str(child.slot)], 1.0 if alive and child.metrics_url else 0.0)
+            up.add_metric([str(child.slot)], 1.0 if alive and child.slot in shown else 0.0)
             restarts.add_metric([str(child.slot)], child.restarts)
         return [up, restarts]
 
@@ -404,16 +407,21 @@ def relabel(slot: int, text: str) -> dict[str, tuple[list[str], list[str]]]:
     return families
 
 
-def merge_bodies(bodies: dict[int, list[bytes]], own: bytes) -> bytes:
-    """`merge` of the children's bodies as they were read (in pieces, UTF-8)."""
-    return merge(
-        {slot: b"".join(body).decode(errors="replace") for slot, body in bodies.items()}, own
-    )
+def merge_bodies(
+    bodies: dict[int, list[bytes]], own: Callable[[set[int]], bytes] = lambda _: b""
+) -> bytes:
+    """`merge` of the children's bodies as they were read (in pieces, UTF-8), then `own` of
+    the slots it merged."""
+    shown: set[int] = set()
+    texts = {slot: b"".join(body).decode(errors="replace") for slot, body in bodies.items()}
+    merged = merge(texts, shown)
+    return merged + own(shown)
 
 
-def merge(texts: dict[int, str], own: bytes = b"") -> bytes:
+def merge(texts: dict[int, str], shown: set[int] | None = None) -> bytes:
     """One metrics text of every child's (by slot), each sample labelled with its child's
-    slot (`process`), then `own`; a child whose text cannot be read is left out (logged).
+    slot (`process`); a child whose text cannot be read is left out (logged), the others
+    added to `shown`.
     Each family is written once, with the first child's header, then every child's samples.
     Counts are not summed here: a gauge such as the instances a process knows is the same
     fleet seen N times; `sum without (process)` where a total is meant. CPU-heavy: run it
@@ -425,6 +433,8 @@ def merge(texts: dict[int, str], own: bytes = b"") -> bytes:
         except Unreadable as exc:
             log.warning("frontend process slot %d: its /metrics are left out: %s", slot, exc)
             continue
+        if shown is not None:
+            shown.add(slot)
         for name, (header, samples) in relabelled.items():
             merged = families.get(name)
             if merged is None:
@@ -436,7 +446,7 @@ def merge(texts: dict[int, str], own: bytes = b"") -> bytes:
         line for header, parts in families.values() for part in (header, *parts) for line in part
     ]
     lines.append("")
-    return "\n".join(lines).encode() + own
+    return "\n".join(lines).encode()
 
 
 class _Families:
