@@ -8,11 +8,13 @@ import asyncio
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from shoal.cli import processes
+from shoal.cli import common, processes
+from shoal.cli.common import cpu_quota
 from shoal.cli.processes import CHILD, Child, Supervisor
 from shoal.frontend import FrontendConfig
 from tests.helpers import wait_for
@@ -176,3 +178,33 @@ async def test_a_child_whose_metrics_do_not_answer_is_not_counted_up(
         server.close()
     assert isinstance(body, bytes)
     assert b'shoal_frontend_processes_up{process="0"} 0.0' in body, body
+
+
+def test_auto_processes_follow_the_cgroups_cpu_quota_and_the_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--processes auto` counted the cores the process may run on, not the CPU time its
+    container may use: a pod limited to 2 CPUs on a 96-core node started 96 frontends
+    (each with its own fleet in memory and store watches), and past `MAX_PROCESSES` no cap."""
+    v2 = tmp_path / "v2"
+    (v2 / "kubepods" / "pod" / "ctr").mkdir(parents=True)
+    (v2 / "kubepods" / "pod" / "cpu.max").write_text("250000 100000\n")
+    (v2 / "kubepods" / "pod" / "ctr" / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "v2.cgroup").write_text("0::/kubepods/pod/ctr\n")
+    assert cpu_quota(v2, tmp_path / "v2.cgroup") == 3  # 2.5 CPUs: 3 processes
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct" / "docker" / "abc").mkdir(parents=True)
+    (v1 / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("200000\n")
+    (v1 / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "v1.cgroup").write_text("4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n")
+    assert cpu_quota(v1, tmp_path / "v1.cgroup") == 2
+    (tmp_path / "none.cgroup").write_text("0::/\n")
+    assert cpu_quota(v2, tmp_path / "none.cgroup") is None
+    assert cpu_quota(v2, tmp_path / "absent") is None
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(96)))
+    monkeypatch.setattr(common, "cpu_quota", lambda: 2)
+    assert common.processes("auto") == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(4096)))
+    monkeypatch.setattr(common, "cpu_quota", lambda: None)
+    assert common.processes("auto") == common.MAX_PROCESSES
