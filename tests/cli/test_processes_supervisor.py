@@ -208,3 +208,51 @@ def test_auto_processes_follow_the_cgroups_cpu_quota_and_the_cap(
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(4096)))
     monkeypatch.setattr(common, "cpu_quota", lambda: None)
     assert common.processes("auto") == common.MAX_PROCESSES
+
+
+def serving_stand_in() -> tuple[str, ...]:
+    """A child that serves HTTP on a private port (any path: 404) and names it as its
+    metrics URL in its ready line, as a frontend child does."""
+    script = (
+        "import http.server, signal, sys, threading\n"
+        "sys.stdin.buffer.read()\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+        "server = http.server.HTTPServer(('127.0.0.1', 0), http.server.BaseHTTPRequestHandler)\n"
+        "port = server.server_address[1]\n"
+        f"print('shoal {CHILD} ready: url=http://127.0.0.1:1 '\n"
+        "      f'metrics=http://127.0.0.1:{port}/metrics', flush=True)\n"
+        "server.serve_forever()\n"
+    )
+    return (sys.executable, "-c", script)
+
+
+async def test_a_child_that_stops_answering_is_killed_and_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child stopped (SIGSTOP) or stuck in a loop that never yields still holds its share
+    of new connections on the port: each one hung, and the parent, which only watched for
+    exits, never replaced it. Nor did the orphan die with a parent SIGKILLed meanwhile (a
+    stopped process does not act on the SIGTERM of PR_SET_PDEATHSIG)."""
+    monkeypatch.setattr(processes, "WATCH_INTERVAL", 0.2)
+    supervised = supervisor(serving_stand_in())
+    running = asyncio.create_task(supervised.run())
+    child = supervised.children[0]
+    try:
+        await wait_for(lambda: child.ready.is_set(), timeout=20, message="child ready")
+        assert child.proc is not None
+        first = child.proc
+        await wait_for(lambda: child.answered >= 3, timeout=20, message="probes answered")
+        assert first.returncode is None and child.restarts == 0  # a live child is left alone
+        os.kill(first.pid, signal.SIGSTOP)
+        await wait_for(lambda: first.returncode == -signal.SIGKILL, timeout=20,
+                       message="the stopped child is killed")  # fmt: skip
+
+        def replaced() -> bool:
+            proc = child.proc
+            return proc is not first and proc is not None and child.metrics_url is not None
+
+        await wait_for(replaced, timeout=20, message="a new child serves in the slot")
+        assert child.restarts == 1
+    finally:
+        code = await stopped(running, supervised)
+    assert code == 0

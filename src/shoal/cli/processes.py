@@ -11,7 +11,7 @@ each child builds its own TLS context from the files. A child also serves its ow
 
 The parent prints the one `shoal frontend ready:` line once every child is ready; restarts
 a child that dies, after a backoff (0.5 s doubling to 30 s, back to 0.5 s once a child has
-lived 30 s); forwards SIGINT and SIGTERM to every child, which drain, and exits 0 when all
+lived 30 s), and kills one whose private port stops answering (`_watch`); forwards SIGINT and SIGTERM to every child, which drain, and exits 0 when all
 drained (a child still running `STOP_GRACE` after its drain timeout is killed: exit 1). A child that fails before its first ready line fails the start (exit 1; its
 error is on the shared stderr). `/metrics` is the parent's: the children's metrics merged,
 each sample labelled `process="K"` (the child's slot, kept across restarts), plus the
@@ -52,6 +52,10 @@ CHILD = "frontend-process"
 BACKOFF_FIRST = 0.5
 BACKOFF_MAX = 30.0
 SCRAPE_TIMEOUT = 5.0
+WATCH_INTERVAL = 5.0
+"""Seconds between two probes of a ready child's private server (each bounded as long)."""
+WATCH_MISSES = 3
+"""Probes in a row a child may leave unanswered before it is killed (and started again)."""
 STOP_GRACE = 10.0
 """Seconds a child may take to exit after its `--drain-timeout`, once sent SIGTERM, before
 it is killed (a child stopped or stuck must not keep the parent, and the port, for ever)."""
@@ -86,6 +90,7 @@ class Child:
         self.metrics_url: str | None = None
         self.url: str | None = None
         self.restarts = 0
+        self.answered = 0  # probes its current process answered (`Supervisor._watch`)
         self.stopped_with: int | str | None = None  # the exit of the child the stop ended
 
 
@@ -228,17 +233,50 @@ class Supervisor:
         if self.stopping:  # a stop signal came while it started: it never saw it
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
-        while line := await _read_line(proc.stdout):
-            text = line.decode(errors="replace")
-            fields = parse_ready_line(text, CHILD) if line.endswith(b"\n") else None
-            if fields is None:
-                with contextlib.suppress(OSError, ValueError):  # our stdout is gone: dropped
-                    sys.stdout.write(text)
-                    sys.stdout.flush()
-                continue
-            child.url, child.metrics_url = fields["url"], fields["metrics"]
-            child.ready.set()
-        return await proc.wait()
+        watch: asyncio.Task[None] | None = None
+        try:
+            while line := await _read_line(proc.stdout):
+                text = line.decode(errors="replace")
+                fields = parse_ready_line(text, CHILD) if line.endswith(b"\n") else None
+                if fields is None:
+                    with contextlib.suppress(OSError, ValueError):  # our stdout is gone: dropped
+                        sys.stdout.write(text)
+                        sys.stdout.flush()
+                    continue
+                child.url, child.metrics_url = fields["url"], fields["metrics"]
+                child.ready.set()
+                if watch is None:
+                    watch = asyncio.create_task(self._watch(child, proc, child.metrics_url))
+            return await proc.wait()
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _watch(self, child: Child, proc: asyncio.subprocess.Process, url: str) -> None:
+        """Kill the child once its private server leaves `WATCH_MISSES` probes in a row
+        unanswered (stopped, or its loop stuck): it would keep its share of the port's new
+        connections, each left hanging, and exits are all `_keep` sees. Any HTTP answer
+        will do (the server answers 404 but for `/metrics`, which is not asked: a render)."""
+        probe = url.rsplit("/", 1)[0] + "/live"
+        child.answered, misses, last = 0, 0, time.monotonic()
+        timeout = aiohttp.ClientTimeout(total=WATCH_INTERVAL)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while proc.returncode is None and not self.stopping:
+                await asyncio.sleep(WATCH_INTERVAL)
+                try:
+                    async with session.get(probe) as response:
+                        await response.read()
+                    child.answered, misses, last = child.answered + 1, 0, time.monotonic()
+                except (aiohttp.ClientError, TimeoutError):
+                    misses += 1
+                if misses >= WATCH_MISSES and proc.returncode is None and not self.stopping:
+                    log.error(
+                        "frontend process %d (slot %d) has not answered for %.0fs: killed",
+                        proc.pid, child.slot, time.monotonic() - last,
+                    )  # fmt: skip
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    return
 
     async def _stop(self) -> bool:
         """Drain every child (SIGTERM), killing one still running `--drain-timeout` plus
