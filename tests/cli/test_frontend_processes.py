@@ -18,6 +18,7 @@ import pytest
 import trustme
 from prometheus_client.parser import text_string_to_metric_families
 
+from shoal.cli.common import cpu_quota
 from shoal.cli.common import processes as processes_flag
 from shoal.cli.main import build_parser
 from shoal.frontend import Frontend, FrontendConfig
@@ -79,7 +80,8 @@ async def chat(url: str) -> None:
 
 
 def test_processes_flag_takes_a_count_or_auto() -> None:
-    assert processes_flag("auto") == len(os.sched_getaffinity(0))
+    cores, quota = len(os.sched_getaffinity(0)), cpu_quota()
+    assert processes_flag("auto") == min(cores, cores if quota is None else quota)
     assert build_parser().parse_args(["frontend", "--processes", "3"]).processes == 3
     assert build_parser().parse_args(["frontend"]).processes == 1
     with pytest.raises(SystemExit):

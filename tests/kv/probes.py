@@ -22,6 +22,8 @@ class LoopProbe:
         self.worst = 0.0
         self._gc = 0.0
         self._gc_start = 0.0
+        self._t0 = time.thread_time()
+        self._gc0 = 0.0
         gc.callbacks.append(self._collected)
         self._task = asyncio.create_task(self._run())
 
@@ -33,11 +35,17 @@ class LoopProbe:
 
     async def _run(self) -> None:
         while True:
-            t0, gc0 = time.thread_time(), self._gc
+            self._t0, self._gc0 = time.thread_time(), self._gc
             await asyncio.sleep(0.001)
-            self.worst = max(self.worst, time.thread_time() - t0 - (self._gc - gc0))
+            self._tick()
+
+    def _tick(self) -> None:
+        self.worst = max(self.worst, time.thread_time() - self._t0 - (self._gc - self._gc0))
 
     async def stop(self) -> float:
+        """The worst hold, the one that ends now included (a hold just before `stop` is
+        otherwise never seen: its timer has not run yet)."""
+        self._tick()
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         gc.callbacks.remove(self._collected)

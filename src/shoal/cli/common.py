@@ -16,6 +16,7 @@ import os
 import re
 import signal
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -86,10 +87,50 @@ MAX_PROCESSES = 1024
 
 def processes(text: str) -> int:
     """A number of processes (1 to `MAX_PROCESSES`), or `auto`: the cores this process may
-    run on (`os.sched_getaffinity`, which a cgroup's or taskset's limit narrows)."""
+    run on (`os.sched_getaffinity`, which a cgroup's cpuset or taskset narrows), fewer when
+    its cgroups' CPU quota allows less (`cpu_quota`: a container's CPU limit)."""
     if text.strip().lower() == "auto":
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
+        quota = cpu_quota()
+        return max(1, min(cores, quota if quota is not None else cores, MAX_PROCESSES))
     return _PROCESS_COUNT(text)
+
+
+def cpu_quota(
+    cgroup_fs: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")
+) -> int | None:
+    """The CPUs the CPU quota of this process's cgroups allows, rounded up: the tightest of
+    its cgroup's and its ancestors' (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`); None
+    without a quota, or where none can be read."""
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas: list[float] = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        files: tuple[str, ...]
+        if controllers == "":  # v2: one hierarchy
+            base, files = cgroup_fs, ("cpu.max",)
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's hierarchy
+            base, files = cgroup_fs / controllers, ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        group = base / path.strip("/")
+        for directory in (group, *group.parents):
+            try:
+                values = " ".join(directory.joinpath(f).read_text() for f in files).split()
+                quota, period = values
+                if quota not in ("max", "-1") and float(period) > 0:
+                    quotas.append(float(quota) / float(period))
+            except (OSError, ValueError):
+                pass
+            if directory == base:
+                break
+    return math.ceil(min(quotas)) if quotas else None
 
 
 _PROCESS_COUNT = number(int, low=1, high=MAX_PROCESSES)

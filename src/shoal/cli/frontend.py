@@ -82,8 +82,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=PROCESSES,
         metavar="N",
         help="frontend processes sharing the port, each with its own event loop, supervised by "
-        "one parent (auto: one per core this process may use; default 1); see "
-        "docs/operations.md",
+        "one parent (auto: one per core this process may use, within its CPU quota; default "
+        "1); see docs/operations.md",
     )
     add_membership_flags(parser)
     add_flag(

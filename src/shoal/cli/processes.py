@@ -11,8 +11,8 @@ each child builds its own TLS context from the files. A child also serves its ow
 
 The parent prints the one `shoal frontend ready:` line once every child is ready; restarts
 a child that dies, after a backoff (0.5 s doubling to 30 s, back to 0.5 s once a child has
-lived 30 s); forwards SIGINT and SIGTERM to every child, which drain, and exits 0 when all
-drained. A child that fails before its first ready line fails the start (exit 1; its
+lived 30 s), and kills one whose private port stops answering (`_watch`); forwards SIGINT and SIGTERM to every child, which drain, and exits 0 when all
+drained (a child still running `STOP_GRACE` after its drain timeout is killed: exit 1). A child that fails before its first ready line fails the start (exit 1; its
 error is on the shared stderr). `/metrics` is the parent's: the children's metrics merged,
 each sample labelled `process="K"` (the child's slot, kept across restarts), plus the
 parent's own `shoal_frontend_process*` series; served on `--metrics-port` when given, else
@@ -27,20 +27,19 @@ import ctypes
 import logging
 import os
 import pickle
+import re
 import signal
 import socket
 import ssl
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 
 from shoal.cli.common import on_stop_signals, parse_ready_line, print_ready
 from shoal.frontend import FrontendConfig
@@ -53,6 +52,15 @@ CHILD = "frontend-process"
 BACKOFF_FIRST = 0.5
 BACKOFF_MAX = 30.0
 SCRAPE_TIMEOUT = 5.0
+WATCH_INTERVAL = 5.0
+"""Seconds between two probes of a ready child's private server (each bounded as long)."""
+WATCH_MISSES = 3
+"""Probes in a row a child may leave unanswered before it is killed (and started again)."""
+STOP_GRACE = 10.0
+"""Seconds a child may take to exit after its `--drain-timeout`, once sent SIGTERM, before
+it is killed (a child stopped or stuck must not keep the parent, and the port, for ever)."""
+MAX_CHILD_METRICS_BYTES = 64 * 1024 * 1024
+"""The largest `/metrics` answer of a child that is merged (30 MB at 10,000 models)."""
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -82,6 +90,8 @@ class Child:
         self.metrics_url: str | None = None
         self.url: str | None = None
         self.restarts = 0
+        self.answered = 0  # probes its current process answered (`Supervisor._watch`)
+        self.stopped_with: int | str | None = None  # the exit of the child the stop ended
 
 
 class Supervisor:
@@ -92,6 +102,7 @@ class Supervisor:
         self.children = [Child(slot) for slot in range(processes)]
         self.stopping = False
         self.failed = asyncio.Event()  # a child exited before its first ready line
+        self._stop_requested = asyncio.Event()  # ends a slot's backoff
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics_runner: web.AppRunner | None = None
         self.child_command = (sys.executable, "-m", "shoal.cli.frontend_child")
@@ -162,6 +173,7 @@ class Supervisor:
                 code = f"a supervision error ({type(exc).__name__})"
                 await self._end(child)
             if self.stopping:
+                child.stopped_with = code
                 return
             if not child.ready.is_set():
                 self.failed.set()
@@ -176,7 +188,10 @@ class Supervisor:
                 backoff,
             )
             child.metrics_url = None
-            await asyncio.sleep(backoff)
+            with contextlib.suppress(TimeoutError):  # a stop ends the backoff: none to start
+                await asyncio.wait_for(self._stop_requested.wait(), backoff)
+            if self.stopping:
+                return
             backoff = min(backoff * 2, BACKOFF_MAX)
             child.restarts += 1
 
@@ -216,32 +231,82 @@ class Supervisor:
             await proc.stdin.drain()
         proc.stdin.close()
         if self.stopping:  # a stop signal came while it started: it never saw it
-            proc.send_signal(signal.SIGTERM)
-        while line := await _read_line(proc.stdout):
-            text = line.decode(errors="replace")
-            fields = parse_ready_line(text, CHILD) if line.endswith(b"\n") else None
-            if fields is None:
-                with contextlib.suppress(OSError, ValueError):  # our stdout is gone: dropped
-                    sys.stdout.write(text)
-                    sys.stdout.flush()
-                continue
-            child.url, child.metrics_url = fields["url"], fields["metrics"]
-            child.ready.set()
-        return await proc.wait()
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        watch: asyncio.Task[None] | None = None
+        try:
+            while line := await _read_line(proc.stdout):
+                text = line.decode(errors="replace")
+                fields = parse_ready_line(text, CHILD) if line.endswith(b"\n") else None
+                if fields is None:
+                    with contextlib.suppress(OSError, ValueError):  # our stdout is gone: dropped
+                        sys.stdout.write(text)
+                        sys.stdout.flush()
+                    continue
+                child.url, child.metrics_url = fields["url"], fields["metrics"]
+                child.ready.set()
+                if watch is None:
+                    watch = asyncio.create_task(self._watch(child, proc, child.metrics_url))
+            return await proc.wait()
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _watch(self, child: Child, proc: asyncio.subprocess.Process, url: str) -> None:
+        """Kill the child once its private server leaves `WATCH_MISSES` probes in a row
+        unanswered (stopped, or its loop stuck): it would keep its share of the port's new
+        connections, each left hanging, and exits are all `_keep` sees. Any HTTP answer
+        will do (the server answers 404 but for `/metrics`, which is not asked: a render)."""
+        probe = url.rsplit("/", 1)[0] + "/live"
+        child.answered, misses, last = 0, 0, time.monotonic()
+        timeout = aiohttp.ClientTimeout(total=WATCH_INTERVAL)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while proc.returncode is None and not self.stopping:
+                await asyncio.sleep(WATCH_INTERVAL)
+                try:
+                    async with session.get(probe) as response:
+                        await response.read()
+                    child.answered, misses, last = child.answered + 1, 0, time.monotonic()
+                except (aiohttp.ClientError, TimeoutError):
+                    misses += 1
+                if misses >= WATCH_MISSES and proc.returncode is None and not self.stopping:
+                    log.error(
+                        "frontend process %d (slot %d) has not answered for %.0fs: killed",
+                        proc.pid, child.slot, time.monotonic() - last,
+                    )  # fmt: skip
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    return
 
     async def _stop(self) -> bool:
-        """Drain every child (SIGTERM); whether all exited 0."""
+        """Drain every child (SIGTERM), killing one still running `--drain-timeout` plus
+        `STOP_GRACE` later; whether every child running at the stop exited 0 (a slot waiting
+        out its backoff has none)."""
         self.stopping = True
+        self._stop_requested.set()
         for child in self.children:
             if child.proc is not None and child.proc.returncode is None:
-                child.proc.send_signal(signal.SIGTERM)
-        drained = True
-        for child in self.children:
-            if child.proc is not None:
-                drained &= await child.proc.wait() == 0
-        for task in self._tasks:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGTERM)
+        # Each slot's task ends once its child exited (one starting now is sent SIGTERM).
+        pending: set[asyncio.Task[None]] = set(self._tasks)
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=self.config.drain_timeout + STOP_GRACE)
+        if pending:
+            for child in self.children:
+                proc = child.proc
+                if proc is not None and proc.returncode is None:
+                    log.error(
+                        "frontend process %d (slot %d) still runs %gs after SIGTERM: killed",
+                        proc.pid, child.slot, self.config.drain_timeout + STOP_GRACE,
+                    )  # fmt: skip
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+            _, pending = await asyncio.wait(pending, timeout=STOP_GRACE)
+        for task in pending:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        drained = not pending and all(c.stopped_with in (None, 0) for c in self.children)
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
         return drained
@@ -277,29 +342,46 @@ class Supervisor:
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     async def _render(self) -> bytes:
-        texts = await self.scrape()
-        return generate_latest(registry_of(merge(texts, self._own_metrics())))
+        bodies = await self.scrape()
+        return await asyncio.to_thread(  # (seconds at 10,000 models)
+            merge_bodies, bodies, lambda shown: generate_latest(registry_of(self._own(shown)))
+        )
 
-    async def scrape(self) -> dict[int, str]:
-        """Each ready child's metrics text, by slot (a child down now is left out)."""
+    async def scrape(self) -> dict[int, list[bytes]]:
+        """Each ready child's metrics body, in pieces, by slot (a child down now, or whose
+        answer is over `MAX_CHILD_METRICS_BYTES`, is left out: logged)."""
         timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT)
         async with aiohttp.ClientSession(timeout=timeout) as session:
 
-            async def one(url: str) -> str | None:
+            async def one(slot: int, url: str) -> list[bytes] | None:
                 try:
                     async with session.get(url) as response:
-                        return await response.text() if response.status == 200 else None
+                        if response.status != 200:
+                            return None
+                        pieces, size = [], 0
+                        async for piece in response.content.iter_any():
+                            size += len(piece)
+                            if size > MAX_CHILD_METRICS_BYTES:
+                                log.warning(
+                                    "frontend process slot %d: its /metrics are left out: "
+                                    "over %d bytes", slot, MAX_CHILD_METRICS_BYTES,
+                                )  # fmt: skip
+                                return None
+                            pieces.append(piece)
+                        return pieces
                 except (aiohttp.ClientError, TimeoutError):
                     return None
 
             wanted = [(c.slot, c.metrics_url) for c in self.children if c.metrics_url]
-            texts = await asyncio.gather(*(one(url) for _, url in wanted))
-        return {slot: text for (slot, _), text in zip(wanted, texts, strict=True) if text}
+            bodies = await asyncio.gather(*(one(slot, url) for slot, url in wanted))
+        return {slot: b for (slot, _), b in zip(wanted, bodies, strict=True) if b is not None}
 
-    def _own_metrics(self) -> list[Metric]:
+    def _own(self, shown: set[int]) -> list[Metric]:
+        """The parent's own series; `shown`: the slots whose metrics are in this answer (a
+        child that is running but did not answer is not up)."""
         up = GaugeMetricFamily(
             "shoal_frontend_processes_up",
-            "Frontend processes running and ready, by slot",
+            "Frontend processes running, ready and answering (their metrics shown), by slot",
             labels=["process"],
         )
         restarts = CounterMetricFamily(
@@ -309,9 +391,100 @@ class Supervisor:
         )
         for child in self.children:
             alive = child.proc is not None and child.proc.returncode is None
-            up.add_metric([str(child.slot)], 1.0 if alive and child.metrics_url else 0.0)
+            up.add_metric([str(child.slot)], 1.0 if alive and child.slot in shown else 0.0)
             restarts.add_metric([str(child.slot)], child.restarts)
         return [up, restarts]
+
+
+_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_VALUE = r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|Inf|NaN)"
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*(?:\\.[^"\\\n]*)*"'
+_SAMPLE = re.compile(
+    rf"({_NAME})(?:\{{((?:{_LABEL}(?:,{_LABEL})*,?)?)\}})?( {_VALUE}(?: -?[0-9]+)?)"
+)
+_HEADER = re.compile(rf"# (HELP|TYPE) ({_NAME})(?: (.*))?")
+_TYPES = frozenset(("counter", "gauge", "histogram", "summary", "untyped"))
+_PROCESS_LABEL = re.compile(r'(?:^|,)process="[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+class Unreadable(ValueError):
+    """A child's `/metrics` text that is not Prometheus' text format."""
+
+
+def relabel(slot: int, text: str) -> dict[str, tuple[list[str], list[str]]]:
+    """The families of one child's metrics text, by name, in their order: each one's
+    header lines (`# HELP`, `# TYPE`) and its sample lines with `process="slot"` added (a
+    `process` label of the child's own is replaced). Lines are checked, never parsed into
+    objects: a large fleet's text is 30 MB. `Unreadable` names the first bad line."""
+    process = f'process="{slot}"'
+    families: dict[str, tuple[list[str], list[str]]] = {}
+    current = families[""] = ([], [])  # samples before any header
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line:
+            continue
+        if line[0] == "#":
+            header = _HEADER.fullmatch(line)
+            if header is None:
+                continue  # a comment
+            kind, name, rest = header.groups()
+            if kind == "TYPE" and rest not in _TYPES:
+                raise Unreadable(f"line {number}: {line[:200]!r}")
+            current = families.setdefault(name, ([], []))
+            current[0].append(line)
+            continue
+        sample = _SAMPLE.fullmatch(line)
+        if sample is None:
+            raise Unreadable(f"line {number}: {line[:200]!r}")
+        name, labels, value = sample.groups()
+        if labels and 'process="' in labels:
+            labels = _PROCESS_LABEL.sub("", labels).lstrip(",")
+        if labels:
+            current[1].append(f"{name}{{{labels.rstrip(',')},{process}}}{value}")
+        else:
+            current[1].append(f"{name}{{{process}}}{value}")
+    return families
+
+
+def merge_bodies(
+    bodies: dict[int, list[bytes]], own: Callable[[set[int]], bytes] = lambda _: b""
+) -> bytes:
+    """`merge` of the children's bodies as they were read (in pieces, UTF-8), then `own` of
+    the slots it merged."""
+    shown: set[int] = set()
+    texts = {slot: b"".join(body).decode(errors="replace") for slot, body in bodies.items()}
+    merged = merge(texts, shown)
+    return merged + own(shown)
+
+
+def merge(texts: dict[int, str], shown: set[int] | None = None) -> bytes:
+    """One metrics text of every child's (by slot), each sample labelled with its child's
+    slot (`process`); a child whose text cannot be read is left out (logged), the others
+    added to `shown`.
+    Each family is written once, with the first child's header, then every child's samples.
+    Counts are not summed here: a gauge such as the instances a process knows is the same
+    fleet seen N times; `sum without (process)` where a total is meant. CPU-heavy: run it
+    in a thread."""
+    families: dict[str, tuple[list[str], list[list[str]]]] = {}
+    for slot, text in sorted(texts.items()):
+        try:
+            relabelled = relabel(slot, text)
+        except Unreadable as exc:
+            log.warning("frontend process slot %d: its /metrics are left out: %s", slot, exc)
+            continue
+        if shown is not None:
+            shown.add(slot)
+        for name, (header, samples) in relabelled.items():
+            merged = families.get(name)
+            if merged is None:
+                merged = families[name] = (header, [])
+            elif not merged[0]:
+                merged[0].extend(header)
+            merged[1].append(samples)
+    lines = [
+        line for header, parts in families.values() for part in (header, *parts) for line in part
+    ]
+    lines.append("")
+    return "\n".join(lines).encode()
 
 
 class _Families:
@@ -322,26 +495,6 @@ class _Families:
 
     def collect(self) -> Iterable[Metric]:
         return self.families
-
-
-def merge(texts: dict[int, str], own: list[Metric]) -> list[Metric]:
-    """The families of every child's metrics text, each sample labelled with its child's
-    slot (`process`), then `own`. Counts are not summed here: a gauge such as the instances
-    a process knows is the same fleet seen N times; `sum without (process)` where a total
-    is meant."""
-    families: dict[str, Metric] = {}
-    for slot, text in sorted(texts.items()):
-        for family in text_string_to_metric_families(text):
-            merged = families.get(family.name)
-            if merged is None:
-                merged = families[family.name] = Metric(
-                    family.name, family.documentation, family.type, family.unit
-                )
-            merged.samples.extend(
-                Sample(s.name, {**s.labels, "process": str(slot)}, s.value, s.timestamp)
-                for s in family.samples
-            )
-    return [*families.values(), *own]
 
 
 def registry_of(families: list[Metric]) -> CollectorRegistry:
