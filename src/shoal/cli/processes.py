@@ -11,11 +11,13 @@ each child builds its own TLS context from the files. A child also serves its ow
 
 The parent prints the one `shoal frontend ready:` line once every child is ready; restarts
 a child that dies, after a backoff (0.5 s doubling to 30 s, back to 0.5 s once a child has
-lived 30 s), and kills one whose private port stops answering (`_watch`); forwards SIGINT and SIGTERM to every child, which drain, and exits 0 when all
-drained (a child still running `STOP_GRACE` after its drain timeout is killed: exit 1). A child that fails before its first ready line fails the start (exit 1; its
-error is on the shared stderr). `/metrics` is the parent's: the children's metrics merged,
-each sample labelled `process="K"` (the child's slot, kept across restarts), plus the
-parent's own `shoal_frontend_process*` series; served on `--metrics-port` when given, else
+lived 30 s), and kills one whose private port stops answering (`_watch`); forwards SIGINT
+and SIGTERM to every child, which drain, and exits 0 when all drained (a child still
+running `STOP_GRACE` after its drain timeout is killed: exit 1). A child that fails before
+its first ready line fails the start (exit 1; its error is on the shared stderr).
+`/metrics` is the parent's: the children's metrics merged, each sample labelled
+`process="K"` (the child's slot, kept across restarts), plus the parent's own
+`shoal_frontend_process*` series; served on `--metrics-port` when given, else
 on a loopback port the children fetch it from to answer `/metrics` on the API port.
 """
 
