@@ -20,6 +20,7 @@ from typing import Annotated
 
 import msgspec
 
+from shoal.bounds import TooDeep, check_json_depth
 from shoal.discovery.keys import ROOT
 from shoal.discovery.routes import _quote
 
@@ -30,6 +31,8 @@ HASH_PREFIX_CHARS = 32  # of the 64 hex digits: the store key; the value holds t
 Limit = Annotated[int, msgspec.Meta(ge=1, le=10**12)]
 Hash = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1, max_length=400)]
+MAX_MODELS = 1000  # a key's allow-list at most (the catalog's bound): scanned per request
+Models = Annotated[tuple[NonEmpty, ...], msgspec.Meta(max_length=MAX_MODELS)]
 
 
 class GrantError(ValueError):
@@ -47,7 +50,7 @@ class Grant(msgspec.Struct, frozen=True):
     workspace: NonEmpty
     name: NonEmpty
     hash: Hash
-    models: tuple[str, ...] = ()
+    models: Models = ()
     rpm: Limit | None = None
     tpm: Limit | None = None
     max_parallel: Limit | None = None
@@ -86,8 +89,9 @@ def decode_grant(key: str, value: bytes) -> Grant:
     if not key.startswith(KEYS) or key.count("/") != KEYS.count("/") + 1:
         raise GrantError(f"malformed key grant {key!r}: expected {KEYS}WORKSPACE/HASH_PREFIX")
     try:
+        check_json_depth(value)  # before the decoder: its recursion limit is the caller's
         grant = _decoder.decode(value)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, TooDeep) as exc:
         raise GrantError(f"invalid key grant at {key}: {exc}") from None
     if grant.key != key:  # a value copied to another key grants nothing
         raise GrantError(f"key grant at {key} is for {grant.workspace}/{grant.hash[:12]}...")

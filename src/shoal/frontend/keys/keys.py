@@ -177,12 +177,14 @@ class KeyWatcher:
         while True:
             try:
                 snapshot = await self.store.get_prefix(grants_prefix(workspace))
+                # (inside the retry: whatever a value makes it raise must not end the
+                # workspace's watch task, nor the frontend's start)
+                self.ring.replace(workspace, snapshot.items)
             except Exception as exc:
                 log.warning("reading the keys of %r failed: %s; retrying", workspace, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            self.ring.replace(workspace, snapshot.items)
             return snapshot.revision
 
     async def _watch(self, workspace: str, start_revision: int) -> None:

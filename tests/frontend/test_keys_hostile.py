@@ -1,0 +1,56 @@
+"""`--auth keys` against hostile grants in the store: one bad value affects only itself."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from shoal.discovery.grants import Grant, grant_key, hash_secret
+from shoal.store import Store
+from tests.frontend.conftest import StartFrontend, StartWorker
+from tests.frontend.test_keys import OTHER, SECRET, chat, grant
+from tests.helpers import wait_for
+
+
+def deep_grant(hash_: str, depth: int = 1_000) -> bytes:
+    """A grant whose unknown field nests `depth` deep (by hand: encoders refuse)."""
+    head = Grant(workspace="default", name="deep", hash=hash_).to_json()[:-1]
+    return head + b',"extra":' + b"[" * depth + b"]" * depth + b"}"
+
+
+async def test_a_grant_nested_1000_deep_neither_stops_the_start_nor_the_watch(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    await start_worker("mock-llm")
+    await grant(store, SECRET)
+    deep = grant_key("default", "c" * 64)
+    await store.put(deep, deep_grant("c" * 64))
+    async with asyncio.timeout(10):
+        frontend = await start_frontend(auth="keys")
+    await wait_for(lambda: "mock-llm" in frontend.registry.models)
+    assert await chat(frontend, SECRET)
+    assert frontend.keys is not None and "nested deeper" in frontend.keys.skipped[deep]
+    await store.put(deep, deep_grant("c" * 64))  # arrives on the watch, too
+    await grant(store, OTHER)  # and the watch goes on
+    await wait_for(lambda: hash_secret(OTHER) in frontend.keys.by_hash)  # type: ignore[union-attr]
+    assert await chat(frontend, OTHER)
+
+
+async def test_a_grant_with_100000_models_is_skipped_not_held(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """The catalog allows 1,000 models a key; a grant naming more is refused by the
+    frontend (every request of the key would scan them)."""
+    await start_worker("mock-llm")
+    await grant(store, SECRET)
+    wide = Grant(
+        workspace="default", name="wide", hash=hash_secret(OTHER),
+        models=tuple(f"m{n}" for n in range(100_000)),
+    )  # fmt: skip
+    await store.put(wide.key, msgspec.json.encode(wide))
+    frontend = await start_frontend(auth="keys")
+    await wait_for(lambda: "mock-llm" in frontend.registry.models)
+    assert frontend.keys is not None and wide.key in frontend.keys.skipped
+    assert hash_secret(OTHER) not in frontend.keys.by_hash
+    assert await chat(frontend, SECRET)
