@@ -19,9 +19,11 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import TypeVar
 
 import msgspec
 
@@ -32,6 +34,17 @@ from shoal.openai import ApiError
 from shoal.store import Delete, KeyValue, Put, Store
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SLICE = 256  # grants decoded between two yields to the loop (~10 µs each)
+
+
+async def _slices(items: Iterable[T]) -> AsyncIterator[list[T]]:
+    """`items` in lists of `SLICE`, the loop given a turn after each."""
+    rest = iter(items)
+    while chunk := list(itertools.islice(rest, SLICE)):
+        yield chunk
+        await asyncio.sleep(0)
 
 
 def invalid_key() -> ApiError:
@@ -127,16 +140,25 @@ class KeyRing:
                 del self.by_hash[old.hash]
             self.version += 1
 
-    def replace(self, workspace: str, items: Iterable[KeyValue]) -> None:
-        """The grants of `workspace` become exactly `items`."""
+    async def replace(self, workspace: str, items: Iterable[KeyValue]) -> None:
+        """The grants of `workspace` become exactly `items`, `SLICE` of them between two
+        yields to the loop (100,000 grants held it 0.9 s in one go). Meanwhile each key keeps
+        its old grant until its new value replaces it, and one gone is refused at once."""
         prefix = grants_prefix(workspace)
-        fresh = {kv.key: kv.value for kv in items if kv.key.startswith(prefix)}
-        for key in [k for k in self._held if k.startswith(prefix) and k not in fresh]:
-            self.delete(key)
-        for key in [k for k in self.skipped if k.startswith(prefix) and k not in fresh]:
-            del self.skipped[key]
-        for key, value in fresh.items():
-            self.put(key, value)
+        fresh: dict[str, bytes] = {}
+        async for values in _slices(items):
+            fresh.update((kv.key, kv.value) for kv in values if kv.key.startswith(prefix))
+        async for keys in _slices(list(self._held)):
+            for key in keys:
+                if key.startswith(prefix) and key not in fresh:
+                    self.delete(key)
+        async for keys in _slices(list(self.skipped)):
+            for key in keys:
+                if key.startswith(prefix) and key not in fresh:
+                    self.skipped.pop(key, None)
+        async for pairs in _slices(fresh.items()):
+            for key, value in pairs:
+                self.put(key, value)
 
     def describe(self) -> dict[str, object]:
         """For `/health`: how many grants are held, how many values are refused, and the
@@ -179,7 +201,7 @@ class KeyWatcher:
                 snapshot = await self.store.get_prefix(grants_prefix(workspace))
                 # (inside the retry: whatever a value makes it raise must not end the
                 # workspace's watch task, nor the frontend's start)
-                self.ring.replace(workspace, snapshot.items)
+                await self.ring.replace(workspace, snapshot.items)
             except Exception as exc:
                 log.warning("reading the keys of %r failed: %s; retrying", workspace, exc)
                 await asyncio.sleep(backoff)
@@ -198,7 +220,7 @@ class KeyWatcher:
                     elif isinstance(event, Delete):
                         self.ring.delete(event.key)
                     else:
-                        self.ring.replace(workspace, event.items)
+                        await self.ring.replace(workspace, event.items)
                     backoff = 0.1
                 log.warning("key watch of %r ended; restarting", workspace)
             except asyncio.CancelledError:
