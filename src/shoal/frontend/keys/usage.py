@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import urllib.parse
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +43,7 @@ LABEL_CHARS = 400  # the catalog's bound on a row's model and served model
 MAX_TOKENS = 10**9  # a request's tokens as counted (an engine's claim beyond is cut here)
 BATCH_BYTES = 256 * 1024  # a batch's JSON at most (well under the catalog's 1 MiB bound)
 ROW_BYTES = 256  # a row's JSON but its names: keys, minute, counts (each at most 16 digits)
+SEAL_SLICE = 2048  # rows made into batches between two yields to the loop (~3 ms)
 REFUSED = frozenset((400, 413, 422))  # the catalog will never take this batch
 
 
@@ -152,14 +155,28 @@ class UsageBook:
             except Exception:
                 log.exception("flushing usage failed")
 
-    def seal(self) -> None:
+    async def seal(self) -> None:
         """The rows counted so far become batches of their own (each at most `BATCH_BYTES`
-        of JSON), waiting to be sent."""
+        of JSON), waiting to be sent: `SEAL_SLICE` rows between two yields to the loop
+        (100,000 rows held it 0.13 s in one go); rows recorded meanwhile go in the next seal."""
         if not self.rows:
             return
+        counted, self.rows = self.rows, {}
+        left = iter(counted.items())
+        try:
+            more = self._seal(left, SEAL_SLICE)
+            while more:
+                await asyncio.sleep(0)  # (a turn for the loop, not a wait)
+                more = self._seal(left, SEAL_SLICE)
+        finally:  # (cancelled: the frontend stops) what is left is sealed all the same
+            self._seal(left, None)
+
+    def _seal(self, left: Iterator[tuple[Row, list[int]]], count: int | None) -> bool:
+        """`count` rows of `left` (all: None) made into batches; whether it took `count`."""
         rows: list[dict[str, Any]] = []
-        size = 0
-        for (w, k, m, s, c, minute), (n, p, t) in self.rows.items():
+        size = taken = 0
+        for (w, k, m, s, c, minute), (n, p, t) in itertools.islice(left, count):
+            taken += 1
             rows.append(
                 {"workspace": w, "key": k, "model": m, "served_model": s, "status_class": c,
                  "minute": minute, "requests": n, "prompt_tokens": p, "completion_tokens": t}
@@ -169,7 +186,7 @@ class UsageBook:
                 self._batch(rows)
                 rows, size = [], 0
         self._batch(rows)
-        self.rows = {}
+        return taken == count
 
     def _batch(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
@@ -187,7 +204,7 @@ class UsageBook:
         import aiohttp  # (loaded by `start`)
 
         async with self._flushing:
-            self.seal()
+            await self.seal()
             while self.pending and self._session is not None:
                 batch = self.pending[0]
                 try:
