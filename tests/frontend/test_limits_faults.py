@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio
 
 from shoal.discovery.grants import Grant, hash_secret
-from shoal.frontend.keys import limits, redis_link
+from shoal.frontend.keys import limits, redis_link, windows
 from shoal.frontend.keys.limits import Limits
 from shoal.frontend.keys.redis_link import RedisLink
 from tests.helpers import wait_for
@@ -72,7 +72,7 @@ class Told:
     def admitted(self, headers: bytes) -> None:
         self.verdicts.append(headers)
 
-    def refused(self, refusal: limits.Refusal) -> None:
+    def refused(self, refusal: windows.Refusal) -> None:
         self.verdicts.append(refusal)
 
 
@@ -95,7 +95,7 @@ async def test_scripts_flushed_in_redis_are_sent_again_and_the_limits_stay_share
     second = Told()
     shared.wait(grant(0, rpm=1), second)  # counted in Redis: the second of rpm 1 is refused
     await wait_for(lambda: second.verdicts)
-    assert isinstance(second.verdicts[0], limits.Refusal)
+    assert isinstance(second.verdicts[0], windows.Refusal)
 
 
 async def test_a_link_sends_many_calls_in_bounded_batches(redis_server: RedisServer) -> None:
@@ -148,7 +148,7 @@ async def test_redis_hanging_answers_every_waiting_request_from_the_fallback_the
     again = Told()
     shared.wait(grant(99, rpm=1), again)  # Redis counts again: the second of rpm 1 refused
     await wait_for(lambda: again.verdicts)
-    assert isinstance(again.verdicts[0], limits.Refusal)
+    assert isinstance(again.verdicts[0], windows.Refusal)
 
 
 async def test_a_lowered_limit_takes_effect_at_once_on_a_key_holding_an_allowance(
@@ -165,7 +165,7 @@ async def test_a_lowered_limit_takes_effect_at_once_on_a_key_holding_an_allowanc
     told = Told()
     shared.wait(lowered, told)
     await wait_for(lambda: told.verdicts)
-    assert isinstance(told.verdicts[0], limits.Refusal) and told.verdicts[0].what == "requests"
+    assert isinstance(told.verdicts[0], windows.Refusal) and told.verdicts[0].what == "requests"
 
 
 def test_the_state_of_many_keys_is_small() -> None:

@@ -21,8 +21,9 @@ from shoal.cards import ModelType
 from shoal.discovery.grants import Grant
 from shoal.frontend.http.request import ClientConnection, Request
 from shoal.frontend.http.server import HttpConnection
-from shoal.frontend.keys.limits import Limits, Refusal, rate_limited
+from shoal.frontend.keys.limits import Limits, rate_limited
 from shoal.frontend.keys.metering import Metered
+from shoal.frontend.keys.windows import Refusal
 
 Forward = Callable[[Request, ClientConnection, ModelType], None]
 # grant, model, served model, status, prompt tokens, completion tokens

@@ -31,6 +31,9 @@ local windows at 1/N of each limit, N being the frontends that reported to Redis
 puts the shared windows back in force. `/health` says which are in force (`describe`).
 Without `--limits`, every frontend applies the limits alone, as if N were 1.
 
+Limits are a key's, whichever of its live secrets a request bears (a rotation's overlap does
+not multiply them): they are counted per (workspace, name), never per secret.
+
 `max_parallel` is counted here, per frontend, at ceil(max_parallel / N): a count in Redis
 would need a lease per request to survive a frontend that dies mid-request, and a round trip
 at the end of every request; per frontend it costs nothing and cannot leak.
@@ -41,22 +44,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shoal.discovery.grants import Grant
 from shoal.frontend.keys.redis_link import RedisLink
+from shoal.frontend.keys.windows import MAX_KEYS, WINDOW, LocalWindows, Refusal, headers_of
 from shoal.openai import ApiError
 from shoal.urls import redact_url
 
 log = logging.getLogger(__name__)
 
-WINDOW = 60  # seconds: limits are per minute
+Ident = tuple[str, str]  # (workspace, name): a key's limits are shared by all its secrets
+
 BEAT = 1.0  # seconds between two reports of this frontend to Redis (and probes when down)
 FRONTENDS_TTL = 10.0  # a frontend not heard of for this long is not counted in N
 TIMEOUT = 0.5  # seconds for a Redis call before it counts as down
@@ -65,7 +70,6 @@ LEASE_SHARE = 32  # an allowance is at most 1/(LEASE_SHARE x N) of a key's limit
 MAX_LEASE = 100_000  # requests in one allowance, whatever the limit
 FLUSH = 0.25  # seconds between two flushes of what idle keys owe Redis
 FLUSH_BATCH = 1000  # keys settled by one flush at most (the loop is not held long)
-MAX_KEYS = 100_000  # keys' states held here (beyond, idle ones are forgotten)
 
 # KEYS[1]: the key's prefix. ARGV: window, rpm, tpm (0: none), requests wanted (0: only
 # settle), tokens reserved per request, tokens owed, then an allowance given back: requests,
@@ -132,15 +136,6 @@ return redis.call('ZCARD', KEYS[1])
 """
 
 
-@dataclass(slots=True)
-class Refusal:
-    """A request refused by rpm or tpm: its `x-ratelimit-*` header lines, and when to retry."""
-
-    headers: bytes
-    retry_after: int
-    what: str  # "requests" or "tokens": the limit that refused
-
-
 class Waiter(Protocol):
     """A request waiting for Redis' answer about its key (the gate's)."""
 
@@ -172,90 +167,6 @@ def too_many_parallel(grant: Grant, limit: int) -> ApiError:
         code="rate_limit_exceeded",
         headers=((b"retry-after", b"1"),),
     )
-
-
-_REQUESTS = (
-    b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n"
-    b"x-ratelimit-reset-requests: %ds\r\n"
-)
-_TOKENS = (
-    b"x-ratelimit-limit-tokens: %d\r\nx-ratelimit-remaining-tokens: %d\r\n"
-    b"x-ratelimit-reset-tokens: %ds\r\n"
-)
-_BOTH = _REQUESTS + _TOKENS
-
-
-def _headers(grant: Grant, left_requests: float, left_tokens: float, reset: int) -> bytes:
-    rpm, tpm = grant.rpm, grant.tpm
-    if rpm is not None:
-        if tpm is not None:
-            left_t = left_tokens if left_tokens > 0 else 0
-            left_r = left_requests if left_requests > 0 else 0
-            return _BOTH % (rpm, left_r, reset, tpm, left_t, reset)
-        return _REQUESTS % (rpm, left_requests if left_requests > 0 else 0, reset)
-    if tpm is not None:
-        return _TOKENS % (tpm, left_tokens if left_tokens > 0 else 0, reset)
-    return b""
-
-
-class _Window:
-    """One key's two fixed windows here: this minute's and the one before."""
-
-    __slots__ = ("minute", "prev_requests", "prev_tokens", "requests", "tokens")
-
-    def __init__(self, minute: int) -> None:
-        self.minute = minute
-        self.requests = self.tokens = self.prev_requests = self.prev_tokens = 0
-
-
-class LocalWindows:
-    """The same sliding windows as `LEASE`, in this process (the fallback, or no Redis)."""
-
-    def __init__(self) -> None:
-        self._windows: dict[str, _Window] = {}
-        self._swept = 0  # the minute windows were last swept (at most once a minute)
-
-    def _at(self, key: str, minute: int) -> _Window:
-        window = self._windows.get(key)
-        if window is None:
-            if len(self._windows) >= MAX_KEYS and self._swept != minute:
-                self._swept = minute  # bounded: windows of keys idle for a minute go
-                self._forget(minute)
-            window = self._windows[key] = _Window(minute)
-        elif window.minute != minute:
-            if window.minute == minute - 1:
-                window.prev_requests, window.prev_tokens = window.requests, window.tokens
-            else:
-                window.prev_requests = window.prev_tokens = 0
-            window.requests = window.tokens = 0
-            window.minute = minute
-        return window
-
-    def admit(self, grant: Grant, share: int, now: float | None = None) -> bytes | Refusal:
-        """The header lines of an admitted request, or its `Refusal`."""
-        now = time.time() if now is None else now
-        minute = int(now // WINDOW)
-        keep = 1 - (now - minute * WINDOW) / WINDOW
-        turn = math.ceil(keep * WINDOW)
-        window = self._at(grant.hash, minute)
-        r = window.prev_requests * keep + window.requests
-        tk = window.prev_tokens * keep + window.tokens
-        rpm = -(-grant.rpm // share) if grant.rpm else 0
-        tpm = -(-grant.tpm // share) if grant.tpm else 0
-        if rpm and r + 1 > rpm:
-            return Refusal(_headers(grant, 0, tpm - tk, turn), turn, "requests")
-        if tpm and tk >= tpm:
-            return Refusal(_headers(grant, rpm - r, 0, turn), turn, "tokens")
-        window.requests += 1
-        return _headers(grant, rpm - r - 1, tpm - tk, turn)
-
-    def charge(self, grant: Grant, tokens: int, now: float | None = None) -> None:
-        now = time.time() if now is None else now
-        self._at(grant.hash, int(now // WINDOW)).tokens += tokens
-
-    def _forget(self, minute: int) -> None:
-        for key in [k for k, w in self._windows.items() if w.minute < minute - 1]:
-            del self._windows[key]
 
 
 class _Key:
@@ -299,11 +210,14 @@ class Limits:
         self.frontends = 1  # N: the frontends that reported to Redis lately
         self.down_since: float | None = None
         self.last_error = ""
-        self.in_flight: dict[str, int] = {}
+        self.in_flight: dict[Ident, int] = {}
         self.link: RedisLink | None = None
         self.leases = self.settles = 0  # LEASEs sent to admit requests, and to settle only
-        self._keys: dict[str, _Key] = {}
-        self._unsettled: set[str] = set()  # keys that owe Redis tokens or an allowance
+        # workspace -> name -> state: keyed by the grant's own strings (a tuple a key cost
+        # 130 bytes more, at 100,000 keys)
+        self._keys: dict[str, dict[str, _Key]] = {}
+        self._held = 0  # states in `_keys`
+        self._unsettled: set[_Key] = set()  # keys that owe Redis tokens or an allowance
         self._tasks: list[asyncio.Task[None]] = []
         self._lease = self._beat_sha = ""
 
@@ -341,20 +255,22 @@ class Limits:
         if grant.max_parallel is None:
             return None
         limit = math.ceil(grant.max_parallel / self.frontends)
-        held = self.in_flight.get(grant.hash, 0)
+        ident = (grant.workspace, grant.name)
+        held = self.in_flight.get(ident, 0)
         if held >= limit:
             return too_many_parallel(grant, limit)
-        self.in_flight[grant.hash] = held + 1
+        self.in_flight[ident] = held + 1
         return None
 
     def leave(self, grant: Grant) -> None:
         if grant.max_parallel is None:
             return
-        held = self.in_flight.get(grant.hash, 0) - 1
+        ident = (grant.workspace, grant.name)
+        held = self.in_flight.get(ident, 0) - 1
         if held > 0:
-            self.in_flight[grant.hash] = held
+            self.in_flight[ident] = held
         else:
-            self.in_flight.pop(grant.hash, None)
+            self.in_flight.pop(ident, None)
 
     def admit(self, grant: Grant) -> bytes | Refusal | None:
         """One request's verdict, decided here: its `x-ratelimit-*` header lines (admitted),
@@ -363,12 +279,16 @@ class Limits:
             return b""
         if not self.shared:
             return self.local.admit(grant, self.frontends if self.url else 1)
-        key = self._keys.get(grant.hash)
+        named = self._keys.get(grant.workspace)
+        key = named.get(grant.name) if named is not None else None
         if key is None or key.units <= 0 or key.owed > key.units * key.per:
             return None  # no allowance, or its reserved tokens no longer cover what is owed
         now = time.monotonic()
-        if now >= key.until or key.grant is not grant:
+        if now >= key.until:
             return None
+        held = key.grant
+        if held is not grant and (held.rpm != grant.rpm or held.tpm != grant.tpm):
+            return None  # the limits changed: the allowance was not leased for them
         return self._take(key, now)
 
     def wait(self, grant: Grant, waiter: Waiter) -> None:
@@ -386,12 +306,12 @@ class Limits:
             if tokens > 0:
                 self.local.charge(grant, tokens)
             return
-        key = self._keys.get(grant.hash) or self._key(grant)
+        key = self._key(grant)
         if tokens > 0:
             key.avg = tokens if not key.avg else key.avg + (tokens - key.avg) / 8
         key.owed += tokens
         if key.owed:
-            self._unsettled.add(grant.hash)
+            self._unsettled.add(key)
 
     def _take(self, key: _Key, now: float) -> bytes:
         """One request of the key's allowance: its header lines."""
@@ -400,7 +320,7 @@ class Limits:
         per = key.per
         key.owed -= per
         reset = math.ceil(key.reset_at - now)
-        return _headers(
+        return headers_of(
             key.grant,
             key.left_requests + units,
             key.left_tokens + units * per,
@@ -408,14 +328,20 @@ class Limits:
         )
 
     def _key(self, grant: Grant) -> _Key:
-        key = self._keys.get(grant.hash)
+        named = self._keys.get(grant.workspace)
+        if named is None:
+            named = self._keys[grant.workspace] = {}
+        key = named.get(grant.name)
         if key is not None:
             key.grant = grant
             return key
-        if len(self._keys) >= MAX_KEYS:  # bounded: idle keys are forgotten
-            for idle in [h for h, k in self._keys.items() if k.idle]:
-                del self._keys[idle]
-        key = self._keys[grant.hash] = _Key(grant)
+        if self._held >= MAX_KEYS:  # bounded: idle keys are forgotten
+            for states in self._keys.values():
+                for idle in [n for n, k in states.items() if k.idle]:
+                    del states[idle]
+            self._held = sum(map(len, self._keys.values()))
+        key = named[grant.name] = _Key(grant)
+        self._held += 1
         return key
 
     def _allowance(self, key: _Key, now: float, per: int) -> int:
@@ -449,7 +375,7 @@ class Limits:
         owed, key.owed, key.units = key.owed, 0, key.units - back
         key.asking = True
         future = self.link.call(
-            "EVALSHA", self._lease, 1, f"{self.prefix}rl:{grant.hash[:32]}",
+            "EVALSHA", self._lease, 1, f"{self.prefix}rl:{_redis_id(grant)}",
             WINDOW, grant.rpm or 0, grant.tpm or 0, want, per, owed,
             back, back * key.per, key.window,
         )  # fmt: skip
@@ -478,7 +404,7 @@ class Limits:
         elif not admitted:
             key.left_requests, key.left_tokens, key.reset_at = left_r, left_t, now + turn
             refusal = Refusal(
-                _headers(grant, left_r, left_t, turn),
+                headers_of(grant, left_r, left_t, turn),
                 max(int(wait), 1),
                 "requests" if which == 1 else "tokens",
             )
@@ -496,7 +422,7 @@ class Limits:
                     waiter.admitted(self._take(key, now))
             del key.waiting[:told]
         if key.units > 0 or key.owed:
-            self._unsettled.add(grant.hash)  # owes tokens, or an allowance to give back
+            self._unsettled.add(key)  # owes tokens, or an allowance to give back
         if any(not waiter.cancelled for waiter in key.waiting):
             self._ask(key, now)  # came while it was asked, more than were granted
         else:
@@ -515,21 +441,17 @@ class Limits:
             return
         now = time.monotonic()
         sent: list[asyncio.Future[Any]] = []
-        for hash_ in list(self._unsettled):
+        for key in list(self._unsettled):
             if len(sent) >= FLUSH_BATCH and not final:
                 break  # the rest stay unsettled: the next flush
-            key = self._keys.get(hash_)
-            if key is None:
-                self._unsettled.discard(hash_)
-                continue
             if key.asking:
                 continue  # its answer puts it back if need be
             ended = key.units > 0 and (final or now >= key.until)
             if key.owed or ended:
-                self._unsettled.discard(hash_)
+                self._unsettled.discard(key)
                 sent.append(self._ask(key, now, give_back=ended))
             elif key.units == 0:
-                self._unsettled.discard(hash_)
+                self._unsettled.discard(key)
         if final and sent:
             await asyncio.wait(sent, timeout=TIMEOUT)
 
@@ -542,8 +464,9 @@ class Limits:
                 self.shown, exc, self.frontends,
             )  # fmt: skip
             self.down_since = time.time()
-            for key in self._keys.values():  # allowances are void: nothing is admitted on them
-                key.units = 0
+            for states in self._keys.values():  # allowances are void: nothing is admitted
+                for key in states.values():  # on them
+                    key.units = 0
         self.shared = False
         self.last_error = f"{type(exc).__name__}: {exc}"
 
@@ -587,6 +510,12 @@ class Limits:
             "frontends": self.frontends,
             "since": self.down_since,
         }
+
+
+def _redis_id(grant: Grant) -> str:
+    """The key's name in Redis: the same for each of its live secrets, on every frontend."""
+    ident = f"{grant.workspace}\0{grant.name}".encode()
+    return hashlib.sha256(ident).hexdigest()[:32]
 
 
 def _tell(waiter: Waiter, verdict: bytes | Refusal) -> None:
