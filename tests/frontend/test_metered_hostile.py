@@ -69,3 +69,49 @@ async def answered_three_times(
         received = await raw_exchange(frontend.port, POST, responses=1)
         assert received.startswith(b"HTTP/1.1 200 "), received[:200]
     assert not frontend.limits.in_flight
+
+
+async def test_a_usage_followed_by_prompt_logprobs_is_charged_in_full(
+    store: Store, start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """vLLM answers `usage` before its own fields (`prompt_logprobs`, `prompt_token_ids`,
+    `kv_transfer_params`): a client asking for the logprobs of a long prompt pushed the usage
+    out of the last 4 kB looked at, and its answers were charged no completion tokens."""
+    import openai
+
+    from tests.frontend.conftest import openai_client
+
+    logprobs = b"[null," + b",".join(
+        b'{"%d":{"logprob":-1.25,"rank":1,"decoded_token":"tok"}}' % n for n in range(300)
+    ) + b"]"  # fmt: skip
+
+    async def answer(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        body = (
+            b'{"id":"x","object":"chat.completion","created":1,"model":"mock-llm",'
+            b'"choices":[{"index":0,"message":{"role":"assistant","content":"hi"},'
+            b'"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"total_tokens":100,'
+            b'"completion_tokens":90},"prompt_logprobs":' + logprobs + b"}"
+        )
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body) + body
+        )
+
+    await start_raw(answer)
+    grant = Grant(workspace="default", name="team", hash=hash_secret(SECRET), tpm=150)
+    await store.put(grant.key, grant.to_json())
+    frontend = await start_frontend(auth="keys")
+    await wait_for(lambda: serving(frontend) and frontend.keys and frontend.keys.by_hash)
+    seen = []
+    async with openai_client(frontend, api_key=SECRET) as client:
+        for _ in range(3):  # 100 tokens each: the third finds the window over 150
+            try:
+                await client.chat.completions.create(
+                    model="mock-llm", messages=[{"role": "user", "content": "hi"}]
+                )
+                seen.append(200)
+            except openai.RateLimitError:
+                seen.append(429)
+    assert seen == [200, 200, 429]

@@ -97,3 +97,23 @@ def test_a_request_whose_client_left_before_an_answer_costs_no_tokens() -> None:
     metered.finish()  # the connection ended before the upstream's first byte
     assert gate.ends == [(GRANT, "alias", 499, 0, 0, "")]
     conn.loop.close()
+
+
+def test_a_usage_followed_by_more_than_the_tail_is_found_even_split_across_writes() -> None:
+    """The usage of an answer that goes on for more than `TAIL` bytes after it (vLLM's
+    `prompt_logprobs`) is found after its `"usage"` key, wherever the writes cut it."""
+    from shoal.frontend.keys.metering import TAIL
+
+    usage = b'"usage":{"prompt_tokens":10,"total_tokens":100,"completion_tokens":90}'
+    body = b'{"model":"m","choices":[],' + usage + b',"prompt_logprobs":"' + b"x" * 2 * TAIL + b'"}'
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body)
+    start = body.index(usage)
+    for cut in (start + 3, start + 20, start + len(usage) - 5, start + len(usage) + 9):
+        conn, gate = Conn(), Gate()
+        metered = Metered(conn, 40, gate, GRANT, "alias")
+        metered.write(head + body[:cut])
+        metered.write(body[cut : cut + 5])
+        metered.write(body[cut + 5 :])
+        metered.finish()
+        assert gate.ends == [(GRANT, "alias", 200, 10, 90, "m")], cut
+        conn.loop.close()

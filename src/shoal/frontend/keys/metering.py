@@ -4,12 +4,15 @@ It stands between the proxy and the client's `HttpConnection` for a request made
 key, passing everything through and keeping only what the end needs: the status (from the
 first write's status line, or the error answered) and the last `TAIL` bytes of the body,
 where an OpenAI response carries its `usage` (the JSON body's, or a stream's last event with
-`stream_options.include_usage`). When the engine gives no usage, the gateway counts: one
+`stream_options.include_usage`), and the `USAGE` bytes from the last `"usage"` key written: an
+engine may answer more after it (vLLM's `prompt_logprobs`, asked for by the client, can be
+far longer than the tail), and the tail alone then charged no completion tokens. When the engine gives no usage, the gateway counts: one
 completion token per streamed event, and the prompt as its body bytes / 4. The gate's
 `done(grant, model, status, prompt_tokens, completion_tokens, served_model)` is called once,
 when the response is finished or refused; the served model is the `model` the answer names
-("" if none). Per write: a count of `data:` and two slices, no regular expression; the usage
-is looked for once, at the end, from the last `"usage"` of the tail.
+("" if none). Per write: a count of `data:`, a `rfind` of `"usage"` and two slices, no
+regular expression; the usage is looked for once, at the end: in the tail, else after the
+last `"usage"`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from shoal.frontend.http.request import ClientConnection, FlowListener, InFlight
 from shoal.openai import ApiError
 
 TAIL = 4096
+USAGE = 512  # bytes kept from the last `"usage"` key: the object's counts come first
+_USAGE_KEY = b'"usage"'
 MAX_TOKENS = 10**9  # an engine's claim of usage beyond is cut here (it is charged and counted)
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
@@ -73,7 +78,7 @@ class Metered:
 
     __slots__ = (
         "_done", "conn", "events", "gate", "grant", "head", "loop", "model", "request_bytes",
-        "status", "tail",
+        "status", "tail", "usage",
     )  # fmt: skip
 
     def __init__(
@@ -93,6 +98,7 @@ class Metered:
         self.status = 0
         self.tail = b""
         self.head = b""  # the first bytes: where a JSON answer names its `model`
+        self.usage = b""  # from the last `"usage"` key written, at most `USAGE` bytes
         self.events = 0
         self._done = False
 
@@ -122,6 +128,12 @@ class Metered:
             self.head = data[:TAIL]
         elif len(self.head) < TAIL:
             self.head += data[: TAIL - len(self.head)]
+        if (at := data.rfind(_USAGE_KEY)) >= 0:
+            self.usage = data[at : at + USAGE]
+        elif 0 < len(self.usage) < USAGE:  # the object goes on in this write
+            self.usage += data[: USAGE - len(self.usage)]
+        elif _USAGE_KEY in (edge := self.tail[-6:] + data[:6]):  # the key across two writes
+            self.usage = (edge[edge.index(_USAGE_KEY) : 6] + data)[:USAGE]
         self.tail = data[-TAIL:] if len(data) >= TAIL else (self.tail + data)[-TAIL:]
         self.conn.write(data)
 
@@ -148,7 +160,9 @@ class Metered:
         prompt = completion = 0  # a refused or failed request is charged no tokens
         served = ""  # (and what nobody reads is not looked for: tpm, or usage recorded)
         if status < 400 and (gate.records_usage or grant.tpm is not None):
-            prompt, completion = usage_of(self.tail, self.events, self.request_bytes)
+            tail = self.tail  # (the usage after the last `"usage"`, when the tail has none)
+            text = tail if b'"prompt_tokens"' in tail or not self.usage else self.usage
+            prompt, completion = usage_of(text, self.events, self.request_bytes)
         if gate.records_usage:
             found = _MODEL.search(self.head) or _MODEL.search(self.tail)
             served = found.group(1).decode(errors="replace") if found else ""
