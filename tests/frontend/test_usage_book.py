@@ -8,10 +8,14 @@ import json
 import pytest
 
 from shoal.discovery.grants import Grant
-from shoal.frontend.keys.usage import UsageBook, status_class
+from shoal.frontend.keys.usage import OTHER_MODELS, UsageBook, status_class
 from tests.helpers import free_port
 
 GRANT = Grant(workspace="w", name="team", hash="a" * 64)
+
+
+def key_number(n: int) -> Grant:
+    return Grant(workspace="w", name=f"k{n}", hash="a" * 64)
 
 
 async def test_a_catalog_that_cannot_be_reached_keeps_a_bounded_backlog() -> None:
@@ -104,8 +108,8 @@ async def test_sealing_100000_rows_never_holds_the_loop_20ms() -> None:
     book = UsageBook(f"http://127.0.0.1:{free_port()}", interval=3600)
     await book.start()
     try:
-        for n in range(100_000):
-            book.record(GRANT, f"m{n}", f"m{n}", 200, 1, 1)
+        for n in range(100_000):  # (keys of their own: a key's rows are bounded)
+            book.record(key_number(n), f"m{n}", f"m{n}", 200, 1, 1)
         probe = StallProbe()
         flushing = asyncio.ensure_future(book.flush())  # (the catalog is not there)
         await asyncio.sleep(0)
@@ -126,7 +130,7 @@ async def test_a_seal_cancelled_midway_loses_no_row() -> None:
     the rows not yet sealed are sealed all the same, for the last flush to send."""
     book = UsageBook(f"http://127.0.0.1:{free_port()}", interval=3600)
     for n in range(10_000):
-        book.record(GRANT, f"m{n}", f"m{n}", 200, 1, 1)
+        book.record(key_number(n), f"m{n}", f"m{n}", 200, 1, 1)
     sealing = asyncio.ensure_future(book.seal())
     await asyncio.sleep(0)
     await asyncio.sleep(0)
@@ -134,3 +138,19 @@ async def test_a_seal_cancelled_midway_loses_no_row() -> None:
     await asyncio.gather(sealing, return_exceptions=True)
     assert sealing.cancelled() and not book.rows
     assert book.pending_rows == 10_000 and book.dropped_rows == 0
+
+
+async def test_one_keys_flood_of_model_names_leaves_room_for_the_other_keys() -> None:
+    """A key with no allow-list may name any model, and a model that does not exist is
+    answered 404 and recorded under the name asked for: one key naming 100,000 models
+    filled the rows between two flushes, and every other key's usage was dropped."""
+    book = UsageBook(f"http://127.0.0.1:{free_port()}", interval=3600)
+    flood = Grant(workspace="w", name="flood", hash="b" * 64)
+    for n in range(100_000):
+        book.record(flood, f"no-such-{n}", "", 404, 0, 0)
+    book.record(GRANT, "chat", "chat", 200, 3, 4)
+    assert [1, 3, 4] in book.rows.values()  # the other key's usage is counted
+    assert len(book.rows) < 1_010 and book.dropped_rows == 0
+    # the flood is counted all the same: beyond its rows, under one name
+    assert sum(n for (_, key, *_), (n, _, _) in book.rows.items() if key == "flood") == 100_000
+    assert any(row[2] == OTHER_MODELS for row in book.rows)

@@ -10,7 +10,10 @@ twice. While the catalog cannot be reached the batches wait, at most `max_rows` 
 
 What a client chose is bounded before it makes a row: a model name is cut to the catalog's
 `LABEL_CHARS` (NULs replaced), a request's tokens to `MAX_TOKENS`, and at most `max_rows`
-distinct rows are counted between two flushes (a request beyond adds to `dropped_rows`). A
+distinct rows are counted between two flushes (a request beyond adds to `dropped_rows`), and at
+most `MAX_KEY_ROWS` of one key: a key without an allow-list may name any model (one that does not
+exist is answered 404 and counted under its name), and one naming thousands would take the
+room of every other key's usage; beyond, its requests are counted under `OTHER_MODELS`. A
 batch goes in parts of at most `BATCH_BYTES` of JSON (under the catalog's 1 MiB body bound).
 A part the catalog refuses for good (400, 413, 422) is dropped and counted, never retried
 ahead of the others.
@@ -44,6 +47,8 @@ MAX_TOKENS = 10**9  # a request's tokens as counted (an engine's claim beyond is
 BATCH_BYTES = 256 * 1024  # a batch's JSON at most (well under the catalog's 1 MiB bound)
 ROW_BYTES = 256  # a row's JSON but its names: keys, minute, counts (each at most 16 digits)
 SEAL_SLICE = 2048  # rows made into batches between two yields to the loop (~3 ms)
+MAX_KEY_ROWS = 1000  # rows of one key between two flushes; beyond, under `OTHER_MODELS`
+OTHER_MODELS = "(other models)"  # (parentheses and a space: no catalog name has them)
 REFUSED = frozenset((400, 413, 422))  # the catalog will never take this batch
 
 
@@ -95,6 +100,7 @@ class UsageBook:
         self.interval = interval
         self.max_rows = max_rows
         self.rows: dict[Row, list[int]] = {}
+        self._key_rows: dict[tuple[str, str], int] = {}  # rows of each key in `rows`
         self.pending: deque[dict[str, Any]] = deque()
         self.pending_rows = 0
         self.dropped_rows = 0
@@ -121,10 +127,16 @@ class UsageBook:
         prompt, completion = min(prompt, MAX_TOKENS), min(completion, MAX_TOKENS)
         counts = self.rows.get(key)
         if counts is None:
+            held = self._key_rows.get(key[:2], 0)
+            if held >= MAX_KEY_ROWS:  # one key naming models by the thousand: folded
+                key = (*key[:2], OTHER_MODELS, OTHER_MODELS, *key[4:])
+                counts = self.rows.get(key)
+        if counts is None:
             if len(self.rows) >= self.max_rows:  # bounded between two flushes too
                 self.dropped_rows += 1
                 return
             self.rows[key] = [1, prompt, completion]
+            self._key_rows[key[:2]] = held + 1
         else:
             counts[0] += 1
             counts[1] += prompt
@@ -161,7 +173,7 @@ class UsageBook:
         (100,000 rows held it 0.13 s in one go); rows recorded meanwhile go in the next seal."""
         if not self.rows:
             return
-        counted, self.rows = self.rows, {}
+        counted, self.rows, self._key_rows = self.rows, {}, {}
         left = iter(counted.items())
         try:
             more = self._seal(left, SEAL_SLICE)
