@@ -24,6 +24,7 @@ from shoal.relay.member import DUPLICATE, FAILED, STORED, Member, Record
 log = logging.getLogger(__name__)
 
 NO_RESPONDERS = "503"
+TOO_LARGE = 10054  # JetStream's "message size exceeds maximum allowed" (the stream's max_msg_size)
 YIELD_EVERY = 256  # answers handled before yielding to the event loop
 
 
@@ -92,6 +93,13 @@ class AckInbox:
             return
         if ack.error is not None:
             why = f"{ack.error.description} (code {ack.error.code}/{ack.error.err_code})"
+            if ack.error.err_code == TOO_LARGE:  # this record, ever: a resnapshot instead
+                log.warning(
+                    "kv relay: the stream refuses a record of %s as too large: a resnapshot "
+                    "in its place", member.subject,
+                )  # fmt: skip
+                member.too_large(record, why)
+                return
             member.acknowledged(record, FAILED, why)
             return
         member.acknowledged(record, DUPLICATE if ack.duplicate else STORED)

@@ -1,0 +1,95 @@
+"""`KvRelay` against a stream made by someone else with limits of its own (a real
+`nats-server -js`): a record the stream refuses for good, a stream that refuses every record."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+import nats
+import pytest
+
+from shoal.kv import AllBlocksCleared, BlockStored, KvEndpoint, KVEventBatch
+from shoal.kv import stream as layout
+from shoal.relay.member import Member
+from shoal.relay.relay import KvRelay, RelayConfig
+from tests.helpers import wait_for
+from tests.nats_server import NatsServer
+
+STREAM = "shoal-kv-limits"
+
+
+async def make_stream(url: str, **limits: object) -> None:
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().add_stream(
+            name=STREAM, subjects=[f"{layout.SUBJECT_PREFIX}.>"], **limits
+        )
+    finally:
+        await nc.close()
+
+
+async def kinds(url: str) -> list[tuple[str, str]]:
+    """(kind, Shoal-Seq) of every record in the stream, in its order."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(STREAM)
+        sub = await js.subscribe(f"{layout.SUBJECT_PREFIX}.>", stream=STREAM, ordered_consumer=True)
+        got = []
+        for _ in range(info.state.messages):
+            msg = await sub.next_msg(timeout=5)
+            headers = msg.headers or {}
+            got.append((headers.get(layout.KIND, ""), headers.get(layout.SEQ, "")))
+        return got
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+async def relay(nats_server: NatsServer) -> AsyncIterator[KvRelay]:
+    made = KvRelay(RelayConfig(nats_urls=(nats_server.url,), stream=STREAM, publish_timeout=1))
+    yield made
+    await made.stop()
+
+
+def fed(relay: KvRelay, instance_id: int) -> Member:
+    """A member joined as a view would join it; its batches are `apply`d by the test."""
+    key = ("ns", instance_id)
+    card = SimpleNamespace(kv_block_size=4, display_name="m", role="aggregated", mdcsum="x")
+    instance = SimpleNamespace(namespace="ns", component="c", endpoint="e")
+    relay._join(key, KvEndpoint("tcp://127.0.0.1:1"), SimpleNamespace(card=card, instance=instance))  # type: ignore[arg-type]
+    return relay.members[key]
+
+
+def small(ts: float) -> KVEventBatch:
+    return KVEventBatch(ts, [AllBlocksCleared()])
+
+
+def large(ts: float, blocks: int = 64) -> KVEventBatch:
+    return KVEventBatch(ts, [BlockStored(list(range(blocks)), None, [7] * (4 * blocks), 4)])
+
+
+async def test_a_batch_over_the_streams_max_message_size_is_a_resnapshot_not_a_stuck_member(
+    relay: KvRelay, nats_server: NatsServer
+) -> None:
+    """The stream (made by an operator) takes messages of 256 bytes at most: a batch larger
+    than that is refused for good. The member publishes a resnapshot in its place and goes
+    on with its next batches; another member is not held either."""
+    await make_stream(nats_server.url, max_msg_size=256)
+    await relay.start()
+    member, other = fed(relay, 1), fed(relay, 2)
+    member.apply(0, small(100.0))
+    member.apply(1, large(101.0))
+    member.apply(2, small(102.0))
+    other.apply(0, small(100.0))
+
+    def done() -> bool:
+        return not (member.pending or member.inflight or other.pending or other.inflight)
+
+    await wait_for(done, timeout=10, message="every record answered, none left to send")
+    records = await kinds(nats_server.url)
+    mine = [r for r in records if r[0] != layout.JOINED]
+    assert ("resnapshot", "2") in mine and ("batch", "2") in mine, records
+    assert ("batch", "1") not in mine
+    assert relay.stats.dropped == 1 and relay.stats.resnapshots == 1
