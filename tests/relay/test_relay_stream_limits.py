@@ -8,11 +8,14 @@ from types import SimpleNamespace
 
 import nats
 import pytest
+from nats.js import api
 
 from shoal.kv import AllBlocksCleared, BlockStored, KvEndpoint, KVEventBatch
 from shoal.kv import stream as layout
+from shoal.membership import MembershipStatus
 from shoal.relay.member import Member
 from shoal.relay.relay import KvRelay, RelayConfig
+from shoal.relay.status import StatusServer
 from tests.helpers import wait_for
 from tests.nats_server import NatsServer
 
@@ -93,3 +96,33 @@ async def test_a_batch_over_the_streams_max_message_size_is_a_resnapshot_not_a_s
     assert ("resnapshot", "2") in mine and ("batch", "2") in mine, records
     assert ("batch", "1") not in mine
     assert relay.stats.dropped == 1 and relay.stats.resnapshots == 1
+
+
+async def test_health_says_so_while_the_stream_refuses_every_record(
+    relay: KvRelay, nats_server: NatsServer
+) -> None:
+    """A stream full with `discard: new` refuses every record: NATS is connected but takes
+    nothing, and `/health` says so (503) instead of 200."""
+    await make_stream(nats_server.url, max_msgs=2, discard=api.DiscardPolicy.NEW)
+    await relay.start()
+    watch = SimpleNamespace(status=MembershipStatus(applied_revision="r1"))
+    status = StatusServer(relay, watch)  # type: ignore[arg-type]
+    member = fed(relay, 1)  # its joined: the first message
+    member.apply(0, small(100.0))  # the second: the stream is full now
+    await wait_for(lambda: relay.stats.relayed == 1, timeout=10)
+    assert status.health()[0] == 200
+    member.apply(1, small(101.0))  # refused, and refused again
+    await wait_for(lambda: relay.stats.publish_errors >= 1, timeout=10)
+
+    def unhealthy() -> bool:
+        code, body = status.health()
+        return code == 503 and "maximum messages exceeded" in str(body)
+
+    await wait_for(unhealthy, timeout=10, message="health tells the stream refuses records")
+    nc = await nats.connect(nats_server.url)
+    try:
+        await nc.jetstream().purge_stream(STREAM)  # room again: the record goes in
+    finally:
+        await nc.close()
+    await wait_for(lambda: relay.stats.relayed == 2, timeout=15)
+    await wait_for(lambda: status.health()[0] == 200, timeout=10, message="healthy again")

@@ -52,6 +52,7 @@ class AckInbox:
         self.no_stream = no_stream  # told when no stream takes a record's subject
         self.prefix = nc.new_inbox() + "."
         self.waiting: dict[str, tuple[Member, Record]] = {}
+        self.refusing: str | None = None  # why the stream refused the last record answered
         self._count = 0
         self._answers = 0
 
@@ -83,13 +84,15 @@ class AckInbox:
         record.token = ""
         headers = msg.headers
         if headers and headers.get("Status") == NO_RESPONDERS:
-            member.acknowledged(record, FAILED, "no stream takes the subject")
+            self.refusing = "no stream takes the records"
+            member.acknowledged(record, FAILED, self.refusing)
             self.no_stream()
             return
         try:
             ack = _decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            member.acknowledged(record, FAILED, f"unreadable acknowledgement: {exc}")
+            self.refusing = f"unreadable acknowledgement: {exc}"
+            member.acknowledged(record, FAILED, self.refusing)
             return
         if ack.error is not None:
             why = f"{ack.error.description} (code {ack.error.code}/{ack.error.err_code})"
@@ -100,6 +103,8 @@ class AckInbox:
                 )  # fmt: skip
                 member.too_large(record, why)
                 return
+            self.refusing = f"the stream refuses records: {why}"
             member.acknowledged(record, FAILED, why)
             return
+        self.refusing = None
         member.acknowledged(record, DUPLICATE if ack.duplicate else STORED)

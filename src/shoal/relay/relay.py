@@ -490,11 +490,24 @@ class KvRelay:
 
     # -- status ------------------------------------------------------------------------------
 
+    @property
+    def refusing(self) -> str | None:
+        """Why the stream refused the last record answered (connected, yet it stores
+        nothing: full with `discard: new`, gone...); None while it takes them."""
+        acks = self._acks
+        return None if acks is None else acks.refusing
+
+    @property
+    def taking(self) -> bool:
+        """Whether NATS takes records: connected, and the stream stores them."""
+        return self.connected.is_set() and self.refusing is None
+
     def status(self) -> dict[str, Any]:
         return {
             "nats": {
                 "state": self.nats_state,
                 "error": self.nats_error,
+                "refusing": self.refusing,
                 "connections": self.connections,
             },
             "stream": self.config.stream,

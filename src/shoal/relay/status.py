@@ -58,6 +58,8 @@ class StatusServer:
             reasons["membership"] = status.last_error
         if not self.relay.connected.is_set():
             reasons["nats"] = self.relay.nats_error or self.relay.nats_state
+        elif self.relay.refusing is not None:
+            reasons["nats"] = self.relay.refusing
         body: dict[str, Any] = {"status": "unavailable" if reasons else "ok"}
         if reasons:
             body["unhealthy"] = reasons
@@ -115,7 +117,7 @@ class _RelayCollector(Collector):
         yield GaugeMetricFamily(
             "shoal_relay_connected",
             "1 while NATS takes records",
-            value=self.relay.connected.is_set(),
+            value=self.relay.taking,
         )
         lag = GaugeMetricFamily(
             "shoal_relay_lag_ms",
