@@ -20,8 +20,9 @@ a worker's own numbering:
 - a large batch is applied in slices of `APPLY_SLICE` blocks, yielding between them, as a
   subscription does; an instance whose queue of batches to apply fills up is resnapshotted.
 
-A consumer that resumes past records the stream no longer holds (retention) has lost some:
-every instance followed is dropped and rebuilt from what follows. So with a stream deleted and
+A reader that gets past records the stream no longer holds (removed by retention before it
+read them: after a reconnection, or once nats-py made its ordered consumer again) has lost
+some: every instance followed is dropped and rebuilt from what follows. So with a stream deleted and
 made again (numbered from 1; a NATS server back without its storage), seen when the reader
 connects and every `STREAM_CHECK` seconds: it is read from its start. NATS unreachable: retried
 with backoff, the index kept as it is meanwhile.
@@ -202,7 +203,7 @@ class KvStreamReader:
                 )
                 self.connected, self.error, delay = True, None, 0.1
                 log.info("kv stream: reading %s from record %d", self.stream, start)
-                reading = asyncio.ensure_future(self._read(sub, start))
+                reading = asyncio.ensure_future(self._read(sub, js))
                 try:  # the stream itself looked at now and then: deleted, made again?
                     while not (await asyncio.wait({reading}, timeout=STREAM_CHECK))[0]:
                         if self._made_again(await js.stream_info(self.stream)):
@@ -228,21 +229,28 @@ class KvStreamReader:
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX)
 
-    async def _read(self, sub: JetStreamContext.PushSubscription, start: int) -> None:
+    async def _read(self, sub: JetStreamContext.PushSubscription, js: JetStreamContext) -> None:
         pace = Pace()
         async for msg in sub.messages:
-            seq = msg.metadata.sequence.stream
-            if self.last_stream_seq and seq > self.last_stream_seq + 1 and start > 1:
+            seq, last = msg.metadata.sequence.stream, self.last_stream_seq
+            if last and seq > last + 1 and await self._gone(js, last + 1):
+                # (read again after a reconnection, or by the ordered consumer made again
+                # after a lost one: either starts at the first record the stream still has)
                 log.info(
                     "kv stream: records %d..%d gone, dropping every instance's blocks",
-                    self.last_stream_seq + 1,
+                    last + 1,
                     seq - 1,
                 )
                 self._lose_all()
-            start = 0
             self.last_stream_seq = seq
             self.record(msg.subject, msg.headers or {}, msg.data)
             await pace.step()
+
+    async def _gone(self, js: JetStreamContext, seq: int) -> bool:
+        """Whether the stream no longer holds record `seq` (retention and purges remove
+        records from its head; a skip over records still there is of other subjects)."""
+        info = await js.stream_info(self.stream)
+        return bool(info.state.first_seq > seq)
 
     def _made_again(self, info: api.StreamInfo) -> bool:
         """Whether the stream is not the one read so far (made again since: numbered from
