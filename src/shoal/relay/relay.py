@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 BUFFER = 10_000  # records queued per member while NATS does not take them
 BACKOFF_MAX = 5.0  # seconds between two tries to reach NATS, at most
 YIELD_SECONDS = 0.005  # the sender yields to the event loop after sending this long
+CHANGES_PER_TURN = 16  # members joined or left before yielding (their sockets made or closed next)
 
 
 @dataclass
@@ -104,6 +105,8 @@ class KvRelay:
         self.connections = 0  # connections made to NATS (a new connection_revision: one more)
         self._connection_revision: str | None = None
         self._seen_view = False
+        self._view: Membership | None = None  # the newest view, not applied yet
+        self._applying: asyncio.Task[None] | None = None
         self._checking: asyncio.Task[None] | None = None  # the stream, after one went missing
         self.stream_differs: dict[str, dict[str, float | None]] = {}  # its settings, not ours
 
@@ -116,6 +119,10 @@ class KvRelay:
         self._watch_acks()
 
     async def stop(self) -> None:
+        if self._applying is not None:  # (no member joins while the others stop)
+            self._applying.cancel()
+            with contextlib.suppress(BaseException):
+                await self._applying
         tasks = [t for t in (self._connector, self._sender, self._checking) if t is not None]
         for timer in (self._watchdog, self._retry):
             if timer is not None:
@@ -139,7 +146,9 @@ class KvRelay:
 
     def on_view(self, view: Membership) -> None:
         """Follow every instance of `view` that publishes KV events; leave the others; connect
-        to NATS again when its `connection_revision` changed."""
+        to NATS again when its `connection_revision` changed. The members change in a task
+        that yields every `YIELD_SECONDS` (a view of 10,000 instances is not applied in one
+        turn of the event loop); a newer view arriving meanwhile is applied instead."""
         if self._seen_view and view.connection_revision != self._connection_revision:
             log.info(
                 "kv relay: connection revision %s: connecting to NATS again",
@@ -149,17 +158,56 @@ class KvRelay:
             self._leaving.add(task)
             task.add_done_callback(self._leaving.discard)
         self._seen_view, self._connection_revision = True, view.connection_revision
+        self._view = view
+        if self._applying is None or self._applying.done():
+            self._applying = asyncio.create_task(self._apply_views(), name="kv-relay-view")
+
+    async def _apply_views(self) -> None:
+        while self._view is not None:
+            view, self._view = self._view, None
+            try:
+                await self._apply(view)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: the next view is applied all the same
+                log.exception("kv relay: applying a membership view failed")
+
+    async def _apply(self, view: Membership) -> None:
+        """Leave the members `view` no longer has, join its new ones; given up for a newer
+        view as soon as there is one (the members are the truth either way)."""
+        loop = asyncio.get_running_loop()
+        started, changes = loop.time(), 0
+
+        async def turn(changed: bool = False) -> bool:
+            """Whether to go on (after yielding, when this turn has run long enough or changed
+            `CHANGES_PER_TURN` members: their subscriptions' sockets are made or closed next)."""
+            nonlocal started, changes
+            changes += changed
+            if changes >= CHANGES_PER_TURN or loop.time() - started > YIELD_SECONDS:
+                await asyncio.sleep(0)
+                started, changes = loop.time(), 0
+            return self._view is None
+
         wanted: dict[MemberKey, tuple[KvEndpoint, ModelInstance]] = {}
         for endpoint in view.endpoints.values():
             for model in endpoint.models:
                 kv = model.instance.kv_events
                 if kv is not None and model.card.lora is None:
                     wanted.setdefault((endpoint.namespace, endpoint.instance_id), (kv, model))
+            if not await turn():
+                return
         for key in [k for k, m in self.members.items() if wanted.get(k, (None,))[0] != m.endpoint]:
-            self._leave(self.members.pop(key))
+            member = self.members.pop(key, None)
+            if member is not None:
+                self._leave(member)
+            if not await turn(member is not None):
+                return
         for key, (kv, model) in wanted.items():
-            if key not in self.members:
+            joining = key not in self.members
+            if joining:
                 self._join(key, kv, model)
+            if not await turn(joining):
+                return
 
     def _join(self, key: MemberKey, kv: KvEndpoint, model: ModelInstance) -> None:
         card, instance = model.card, model.instance
