@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import nats
 import pytest
@@ -126,3 +128,38 @@ async def test_health_says_so_while_the_stream_refuses_every_record(
         await nc.close()
     await wait_for(lambda: relay.stats.relayed == 2, timeout=15)
     await wait_for(lambda: status.health()[0] == 200, timeout=10, message="healthy again")
+
+
+def view_of(connection_revision: str) -> Any:
+    """A membership view holding instance 1 of "ns" (its publisher is not there: idle)."""
+    card = SimpleNamespace(
+        kv_block_size=4, display_name="m", role="aggregated", mdcsum="x", lora=None
+    )
+    kv = KvEndpoint("tcp://127.0.0.1:1")
+    instance = SimpleNamespace(namespace="ns", component="c", endpoint="e", kv_events=kv)
+    endpoint = SimpleNamespace(
+        namespace="ns", instance_id=1, models=(SimpleNamespace(card=card, instance=instance),)
+    )
+    return SimpleNamespace(endpoints={1: endpoint}, connection_revision=connection_revision)
+
+
+async def test_a_new_connection_revision_that_cannot_connect_keeps_the_connection_in_use(
+    relay: KvRelay, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Make before break: a sources file's new `connection_revision` has the relay connect
+    again (its credentials read again). While the new connection cannot be made (the
+    credentials file is not there yet), the one in use keeps relaying, and the status says
+    why the new one is not made."""
+    await make_stream(nats_server.url)
+    await relay.start()
+    relay.on_view(view_of("c1"))
+    await wait_for(lambda: ("ns", 1) in relay.members and relay.connected.is_set())
+    member = relay.members[("ns", 1)]
+    member.apply(0, small(100.0))
+    await wait_for(lambda: relay.stats.relayed == 1, timeout=10)
+    relay.config.creds = tmp_path / "rotated.creds"  # (not written yet)
+    relay.on_view(view_of("c2"))
+    await wait_for(lambda: "cannot connect" in str(relay.nats_error), message="the attempt told")
+    member.apply(1, small(101.0))
+    await wait_for(lambda: relay.stats.relayed == 2, timeout=10, message="the old one relays")
+    assert relay.connected.is_set() and relay.connections == 1

@@ -270,50 +270,85 @@ class KvRelay:
     # -- NATS --------------------------------------------------------------------------------
 
     async def _reconnect(self) -> None:
-        """Drop the connection and make a new one (new credentials are read then); records
-        not acknowledged are sent again, with the same ids."""
-        self.connected.clear()
+        """Make a new connection (new credentials are read then) and use it once it is made:
+        the one in use goes on meanwhile, and for as long as the new one cannot be made
+        (make before break); records not acknowledged are then sent again, same ids."""
         if self._connector is not None:
-            self._connector.cancel()
+            self._connector.cancel()  # (an attempt with the configuration before)
             with contextlib.suppress(BaseException):
                 await self._connector
-        nc, self._nc, self._acks = self._nc, None, None
-        if nc is not None:
-            with contextlib.suppress(Exception):
-                await nc.close()
         self._connector = asyncio.create_task(self._connect(), name="kv-relay-nats")
 
     async def _connect(self) -> None:
         """Connect (retrying with backoff), then make sure the stream exists; nats-py
-        reconnects by itself after that, and the stream is checked again each time."""
+        reconnects by itself after that, and the stream is checked again each time. A
+        connection in use is closed once the new one is made, not before."""
         delay = 0.1
         while True:
             try:
-                creds = self.config.creds
-                self._nc = await nats.connect(
-                    list(self.config.nats_urls),
-                    user_credentials=str(creds) if creds is not None else None,
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,  # type: ignore[arg-type]
-                    connect_timeout=2,
-                    skip_subject_validation=True,  # subjects built here, tokens checked
-                    disconnected_cb=self._disconnected,
-                    reconnected_cb=self._reconnected,
-                    error_cb=self._error,
-                )
-                acks = AckInbox(self._nc, self._no_stream)
-                await acks.start()
-                self.connections += 1
+                nc, acks = await self._open()
                 break
             except Exception as exc:
-                self._note_down(f"cannot connect: {exc or type(exc).__name__}")
+                why = f"cannot connect: {exc or type(exc).__name__}"
+                if self._nc is not None and self.connected.is_set():  # the one in use goes on
+                    if self.nats_error != why:
+                        log.warning("kv relay: NATS %s (the connection in use is kept)", why)
+                    self.nats_error = why
+                else:
+                    self._note_down(why)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
-        self._js = self._nc.jetstream(timeout=self.config.publish_timeout)
-        self._acks = acks
+        old, self._nc, self._acks = self._nc, nc, acks
+        self._js = nc.jetstream(timeout=self.config.publish_timeout)
+        self.connections += 1
+        if old is not None:  # (its callbacks are not heard any more: not the one in use)
+            with contextlib.suppress(Exception):
+                await old.close()
         self._resend("a new connection")  # what was in flight on the last one: sent again
         await self._reconnected()
+
+    async def _open(self) -> tuple[Client, AckInbox]:
+        """A new connection and its acknowledgements' subscription; its callbacks act only
+        while it is the connection in use."""
+        made: list[Client] = []
+
+        def current() -> bool:
+            return bool(made) and made[0] is self._nc
+
+        async def disconnected() -> None:
+            if current():
+                await self._disconnected()
+
+        async def reconnected() -> None:
+            if current():
+                await self._reconnected()
+
+        async def error(exc: Exception) -> None:
+            if current():
+                await self._error(exc)
+
+        creds = self.config.creds
+        nc = await nats.connect(
+            list(self.config.nats_urls),
+            user_credentials=str(creds) if creds is not None else None,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]
+            connect_timeout=2,
+            skip_subject_validation=True,  # subjects built here, tokens checked
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
+            error_cb=error,
+        )
+        made.append(nc)
+        try:
+            acks = AckInbox(nc, self._no_stream)
+            await acks.start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await nc.close()
+            raise
+        return nc, acks
 
     async def _disconnected(self) -> None:
         self.connected.clear()
