@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from shoal.frontend.kv import stream as kv_stream
 from shoal.frontend.kv.stream import KvStreamReader
 from shoal.kv import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
@@ -128,3 +130,26 @@ async def test_a_batch_of_many_blocks_is_applied_in_slices_and_a_loss_stops_its_
     control(reader, layout.RESNAPSHOT, seq=3)  # ... and then the instance is lost
     await wait_for(lambda: reader.instances[(NS, INSTANCE)].flushing is None)
     assert parts == [APPLY_SLICE]  # the rest of the batch was dropped with it
+
+
+async def test_records_kept_for_instances_not_followed_are_bounded_in_bytes_oldest_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every namespace's records are in the stream, and a frontend follows a few: what it
+    keeps of the others (until the registry follows them) is bounded in bytes across all of
+    them, not only in batches per instance (4,096 batches of up to 4 MiB each, per instance
+    of every namespace). The oldest go first; an instance followed later gets the newest."""
+    monkeypatch.setattr(kv_stream, "PENDING_BYTES", 1 << 20, raising=False)
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    blocks = 4096  # ~16 KiB of token ids a batch
+    event = BlockStored(list(range(blocks)), None, [1] * blocks, 1)
+    for seq in range(20):
+        payload = encode_batch(KVEventBatch(float(seq), [event]))
+        for instance_id in range(1, 41):  # 40 instances x 20 batches: ~13 MiB
+            headers = {layout.KIND: layout.BATCH, layout.SEQ: str(seq), layout.TS: f"{seq}.0"}
+            reader.record(layout.subject(NS, instance_id), headers, payload)
+    kept = sum(len(i.pending) for i in reader.instances.values())
+    assert kept * len(payload) <= (1 << 20) + len(payload), f"{kept} batches kept"
+    applied: list[float] = []
+    reader.follow((NS, 40), lambda b: applied.append(b.ts), lambda: None)
+    await wait_for(lambda: applied[-1:] == [19.0], message="the newest batch kept, applied")

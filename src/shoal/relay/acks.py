@@ -24,6 +24,7 @@ from shoal.relay.member import DUPLICATE, FAILED, STORED, Member, Record
 log = logging.getLogger(__name__)
 
 NO_RESPONDERS = "503"
+TOO_LARGE = 10054  # JetStream's "message size exceeds maximum allowed" (the stream's max_msg_size)
 YIELD_EVERY = 256  # answers handled before yielding to the event loop
 
 
@@ -51,6 +52,7 @@ class AckInbox:
         self.no_stream = no_stream  # told when no stream takes a record's subject
         self.prefix = nc.new_inbox() + "."
         self.waiting: dict[str, tuple[Member, Record]] = {}
+        self.refusing: str | None = None  # why the stream refused the last record answered
         self._count = 0
         self._answers = 0
 
@@ -82,16 +84,27 @@ class AckInbox:
         record.token = ""
         headers = msg.headers
         if headers and headers.get("Status") == NO_RESPONDERS:
-            member.acknowledged(record, FAILED, "no stream takes the subject")
+            self.refusing = "no stream takes the records"
+            member.acknowledged(record, FAILED, self.refusing)
             self.no_stream()
             return
         try:
             ack = _decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            member.acknowledged(record, FAILED, f"unreadable acknowledgement: {exc}")
+            self.refusing = f"unreadable acknowledgement: {exc}"
+            member.acknowledged(record, FAILED, self.refusing)
             return
         if ack.error is not None:
             why = f"{ack.error.description} (code {ack.error.code}/{ack.error.err_code})"
+            if ack.error.err_code == TOO_LARGE:  # this record, ever: a resnapshot instead
+                log.warning(
+                    "kv relay: the stream refuses a record of %s as too large: a resnapshot "
+                    "in its place", member.subject,
+                )  # fmt: skip
+                member.too_large(record, why)
+                return
+            self.refusing = f"the stream refuses records: {why}"
             member.acknowledged(record, FAILED, why)
             return
+        self.refusing = None
         member.acknowledged(record, DUPLICATE if ack.duplicate else STORED)

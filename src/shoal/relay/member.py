@@ -210,6 +210,17 @@ class Member:
         if was_full or (self.leaving and not inflight):
             self.notify(self)
 
+    def too_large(self, record: Record, why: str) -> None:
+        """The stream refuses `record` for good (over its `max_msg_size`): a `resnapshot`
+        (from the batch that follows) takes its place, a loss told as one, and is sent again
+        with the records after it."""
+        if record.kind == layout.BATCH:
+            self.stats.dropped += 1
+        self.stats.resnapshots += 1
+        self._freed(len(record.payload))
+        record.kind, record.seq, record.payload = layout.RESNAPSHOT, record.seq + 1, b""
+        self.acknowledged(record, FAILED, why)
+
     def expired(self, now: float, timeout: float) -> bool:
         return bool(self.inflight) and now - self.inflight[0].sent > timeout
 

@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 BUFFER = 10_000  # records queued per member while NATS does not take them
 BACKOFF_MAX = 5.0  # seconds between two tries to reach NATS, at most
 YIELD_SECONDS = 0.005  # the sender yields to the event loop after sending this long
+CHANGES_PER_TURN = 16  # members joined or left before yielding (their sockets made or closed next)
 
 
 @dataclass
@@ -104,6 +105,8 @@ class KvRelay:
         self.connections = 0  # connections made to NATS (a new connection_revision: one more)
         self._connection_revision: str | None = None
         self._seen_view = False
+        self._view: Membership | None = None  # the newest view, not applied yet
+        self._applying: asyncio.Task[None] | None = None
         self._checking: asyncio.Task[None] | None = None  # the stream, after one went missing
         self.stream_differs: dict[str, dict[str, float | None]] = {}  # its settings, not ours
 
@@ -116,6 +119,10 @@ class KvRelay:
         self._watch_acks()
 
     async def stop(self) -> None:
+        if self._applying is not None:  # (no member joins while the others stop)
+            self._applying.cancel()
+            with contextlib.suppress(BaseException):
+                await self._applying
         tasks = [t for t in (self._connector, self._sender, self._checking) if t is not None]
         for timer in (self._watchdog, self._retry):
             if timer is not None:
@@ -139,7 +146,9 @@ class KvRelay:
 
     def on_view(self, view: Membership) -> None:
         """Follow every instance of `view` that publishes KV events; leave the others; connect
-        to NATS again when its `connection_revision` changed."""
+        to NATS again when its `connection_revision` changed. The members change in a task
+        that yields every `YIELD_SECONDS` (a view of 10,000 instances is not applied in one
+        turn of the event loop); a newer view arriving meanwhile is applied instead."""
         if self._seen_view and view.connection_revision != self._connection_revision:
             log.info(
                 "kv relay: connection revision %s: connecting to NATS again",
@@ -149,17 +158,56 @@ class KvRelay:
             self._leaving.add(task)
             task.add_done_callback(self._leaving.discard)
         self._seen_view, self._connection_revision = True, view.connection_revision
+        self._view = view
+        if self._applying is None or self._applying.done():
+            self._applying = asyncio.create_task(self._apply_views(), name="kv-relay-view")
+
+    async def _apply_views(self) -> None:
+        while self._view is not None:
+            view, self._view = self._view, None
+            try:
+                await self._apply(view)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: the next view is applied all the same
+                log.exception("kv relay: applying a membership view failed")
+
+    async def _apply(self, view: Membership) -> None:
+        """Leave the members `view` no longer has, join its new ones; given up for a newer
+        view as soon as there is one (the members are the truth either way)."""
+        loop = asyncio.get_running_loop()
+        started, changes = loop.time(), 0
+
+        async def turn(changed: bool = False) -> bool:
+            """Whether to go on (after yielding, when this turn has run long enough or changed
+            `CHANGES_PER_TURN` members: their subscriptions' sockets are made or closed next)."""
+            nonlocal started, changes
+            changes += changed
+            if changes >= CHANGES_PER_TURN or loop.time() - started > YIELD_SECONDS:
+                await asyncio.sleep(0)
+                started, changes = loop.time(), 0
+            return self._view is None
+
         wanted: dict[MemberKey, tuple[KvEndpoint, ModelInstance]] = {}
         for endpoint in view.endpoints.values():
             for model in endpoint.models:
                 kv = model.instance.kv_events
                 if kv is not None and model.card.lora is None:
                     wanted.setdefault((endpoint.namespace, endpoint.instance_id), (kv, model))
+            if not await turn():
+                return
         for key in [k for k, m in self.members.items() if wanted.get(k, (None,))[0] != m.endpoint]:
-            self._leave(self.members.pop(key))
+            member = self.members.pop(key, None)
+            if member is not None:
+                self._leave(member)
+            if not await turn(member is not None):
+                return
         for key, (kv, model) in wanted.items():
-            if key not in self.members:
+            joining = key not in self.members
+            if joining:
                 self._join(key, kv, model)
+            if not await turn(joining):
+                return
 
     def _join(self, key: MemberKey, kv: KvEndpoint, model: ModelInstance) -> None:
         card, instance = model.card, model.instance
@@ -222,50 +270,85 @@ class KvRelay:
     # -- NATS --------------------------------------------------------------------------------
 
     async def _reconnect(self) -> None:
-        """Drop the connection and make a new one (new credentials are read then); records
-        not acknowledged are sent again, with the same ids."""
-        self.connected.clear()
+        """Make a new connection (new credentials are read then) and use it once it is made:
+        the one in use goes on meanwhile, and for as long as the new one cannot be made
+        (make before break); records not acknowledged are then sent again, same ids."""
         if self._connector is not None:
-            self._connector.cancel()
+            self._connector.cancel()  # (an attempt with the configuration before)
             with contextlib.suppress(BaseException):
                 await self._connector
-        nc, self._nc, self._acks = self._nc, None, None
-        if nc is not None:
-            with contextlib.suppress(Exception):
-                await nc.close()
         self._connector = asyncio.create_task(self._connect(), name="kv-relay-nats")
 
     async def _connect(self) -> None:
         """Connect (retrying with backoff), then make sure the stream exists; nats-py
-        reconnects by itself after that, and the stream is checked again each time."""
+        reconnects by itself after that, and the stream is checked again each time. A
+        connection in use is closed once the new one is made, not before."""
         delay = 0.1
         while True:
             try:
-                creds = self.config.creds
-                self._nc = await nats.connect(
-                    list(self.config.nats_urls),
-                    user_credentials=str(creds) if creds is not None else None,
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,  # type: ignore[arg-type]
-                    connect_timeout=2,
-                    skip_subject_validation=True,  # subjects built here, tokens checked
-                    disconnected_cb=self._disconnected,
-                    reconnected_cb=self._reconnected,
-                    error_cb=self._error,
-                )
-                acks = AckInbox(self._nc, self._no_stream)
-                await acks.start()
-                self.connections += 1
+                nc, acks = await self._open()
                 break
             except Exception as exc:
-                self._note_down(f"cannot connect: {exc or type(exc).__name__}")
+                why = f"cannot connect: {exc or type(exc).__name__}"
+                if self._nc is not None and self.connected.is_set():  # the one in use goes on
+                    if self.nats_error != why:
+                        log.warning("kv relay: NATS %s (the connection in use is kept)", why)
+                    self.nats_error = why
+                else:
+                    self._note_down(why)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
-        self._js = self._nc.jetstream(timeout=self.config.publish_timeout)
-        self._acks = acks
+        old, self._nc, self._acks = self._nc, nc, acks
+        self._js = nc.jetstream(timeout=self.config.publish_timeout)
+        self.connections += 1
+        if old is not None:  # (its callbacks are not heard any more: not the one in use)
+            with contextlib.suppress(Exception):
+                await old.close()
         self._resend("a new connection")  # what was in flight on the last one: sent again
         await self._reconnected()
+
+    async def _open(self) -> tuple[Client, AckInbox]:
+        """A new connection and its acknowledgements' subscription; its callbacks act only
+        while it is the connection in use."""
+        made: list[Client] = []
+
+        def current() -> bool:
+            return bool(made) and made[0] is self._nc
+
+        async def disconnected() -> None:
+            if current():
+                await self._disconnected()
+
+        async def reconnected() -> None:
+            if current():
+                await self._reconnected()
+
+        async def error(exc: Exception) -> None:
+            if current():
+                await self._error(exc)
+
+        creds = self.config.creds
+        nc = await nats.connect(
+            list(self.config.nats_urls),
+            user_credentials=str(creds) if creds is not None else None,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]
+            connect_timeout=2,
+            skip_subject_validation=True,  # subjects built here, tokens checked
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
+            error_cb=error,
+        )
+        made.append(nc)
+        try:
+            acks = AckInbox(nc, self._no_stream)
+            await acks.start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await nc.close()
+            raise
+        return nc, acks
 
     async def _disconnected(self) -> None:
         self.connected.clear()
@@ -490,11 +573,24 @@ class KvRelay:
 
     # -- status ------------------------------------------------------------------------------
 
+    @property
+    def refusing(self) -> str | None:
+        """Why the stream refused the last record answered (connected, yet it stores
+        nothing: full with `discard: new`, gone...); None while it takes them."""
+        acks = self._acks
+        return None if acks is None else acks.refusing
+
+    @property
+    def taking(self) -> bool:
+        """Whether NATS takes records: connected, and the stream stores them."""
+        return self.connected.is_set() and self.refusing is None
+
     def status(self) -> dict[str, Any]:
         return {
             "nats": {
                 "state": self.nats_state,
                 "error": self.nats_error,
+                "refusing": self.refusing,
                 "connections": self.connections,
             },
             "stream": self.config.stream,

@@ -14,14 +14,15 @@ a worker's own numbering:
   it is for batches this reader did get (another relay delivered them): the index may forget
   blocks, never keep evicted ones;
 - the records of an instance no `follow` asked for yet (the registry has not verified its
-  card, or routes elsewhere) are kept, at most `PENDING_BATCHES` of them from its last loss on
-  (older ones leave first: forgetting is safe), and applied when it is followed, so a frontend
+  card, or routes elsewhere) are kept, at most `PENDING_BATCHES` of them from its last loss on,
+  `PENDING_BYTES` of payload for all instances (older ones leave first: forgetting is safe), and applied when it is followed, so a frontend
   started late is caught up from the stream; a `left` record drops them;
 - a large batch is applied in slices of `APPLY_SLICE` blocks, yielding between them, as a
   subscription does; an instance whose queue of batches to apply fills up is resnapshotted.
 
-A consumer that resumes past records the stream no longer holds (retention) has lost some:
-every instance followed is dropped and rebuilt from what follows. So with a stream deleted and
+A reader that gets past records the stream no longer holds (removed by retention before it
+read them: after a reconnection, or once nats-py made its ordered consumer again) has lost
+some: every instance followed is dropped and rebuilt from what follows. So with a stream deleted and
 made again (numbered from 1; a NATS server back without its storage), seen when the reader
 connects and every `STREAM_CHECK` seconds: it is read from its start. NATS unreachable: retried
 with backoff, the index kept as it is meanwhile.
@@ -51,27 +52,73 @@ if TYPE_CHECKING:  # (nats is imported when a stream is first read: most fronten
 log = logging.getLogger(__name__)
 
 PENDING_BATCHES = 4096  # kept per instance not yet followed
+PENDING_BYTES = 64 << 20  # payload bytes of the batches kept for all instances at once
 STREAM_CHECK = 5.0  # seconds between two looks at the stream read (deleted, made again?)
 BACKOFF_MAX = 5.0
 StreamKey = tuple[str, int]  # (namespace, instance id)
+
+
+@dataclass(eq=False, slots=True)
+class _Kept:
+    """A batch kept until it is applied, and its payload's size."""
+
+    batch: KVEventBatch
+    size: int
+    live: bool = True
+
+
+class _Ledger:
+    """Every instance's kept batches in the order they came, and their bytes: past
+    `PENDING_BYTES` the oldest go first (`KvStreamReader._trim`)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.live = 0
+        self.order: deque[tuple[_Instance, _Kept]] = deque()  # (and some no longer kept)
+
+    def gone(self, kept: _Kept) -> None:
+        if kept.live:
+            kept.live = False
+            self.bytes -= kept.size
+            self.live -= 1
 
 
 @dataclass(eq=False)
 class _Instance:
     """One instance's place in the stream, and where its batches go."""
 
+    ledger: _Ledger
     last_seq: int = -1  # the worker's number of the last batch applied (-1: none known)
     last_ts: float = 0.0  # and its timestamp
-    pending: deque[KVEventBatch] = field(default_factory=deque)
+    pending: deque[_Kept] = field(default_factory=deque)
     apply: Callable[[KVEventBatch], None] | None = None
     purge: Callable[[], None] | None = None
     flushing: asyncio.Task[None] | None = None
     losses: int = 0  # a batch being applied in slices stops when this moves
 
+    def keep(self, batch: KVEventBatch, size: int) -> None:
+        kept = _Kept(batch, size)
+        self.pending.append(kept)
+        ledger = self.ledger
+        ledger.bytes += size
+        ledger.live += 1
+        ledger.order.append((self, kept))
+
+    def take(self) -> KVEventBatch:
+        """The oldest batch kept, no longer kept."""
+        kept = self.pending.popleft()
+        self.ledger.gone(kept)
+        return kept.batch
+
+    def clear(self) -> None:
+        for kept in self.pending:
+            self.ledger.gone(kept)
+        self.pending.clear()
+
     def lose(self) -> None:
         """What is held of this instance may be wrong: drop it."""
         self.losses += 1
-        self.pending.clear()
+        self.clear()
         if self.purge is not None:
             self.purge()
 
@@ -90,6 +137,7 @@ class KvStreamReader:
         self.stream = stream
         self.stats = stats or KvStats()
         self.instances: dict[StreamKey, _Instance] = {}
+        self.ledger = _Ledger()  # the batches kept, of every instance
         self.last_stream_seq = 0  # the stream sequence of the last record read
         self.connected = False
         self.error: str | None = None
@@ -116,6 +164,7 @@ class KvStreamReader:
             "error": self.error,
             "last_record": self.last_stream_seq,
             "instances": len(self.instances),
+            "kept_bytes": self.ledger.bytes,
         }
 
     # -- the tracker's side -------------------------------------------------------------------
@@ -124,7 +173,9 @@ class KvStreamReader:
         self, key: StreamKey, apply: Callable[[KVEventBatch], None], purge: Callable[[], None]
     ) -> None:
         """Send `key`'s batches to `apply` (those kept so far first, yielding as it goes)."""
-        instance = self.instances.setdefault(key, _Instance())
+        instance = self.instances.get(key)
+        if instance is None:
+            instance = self.instances[key] = _Instance(self.ledger)
         instance.apply, instance.purge = apply, purge
         if instance.pending:
             self._start_flush(instance)
@@ -137,23 +188,41 @@ class KvStreamReader:
             instance.flushing.cancel()
             instance.flushing = None
         instance.apply = instance.purge = None
-        instance.pending.clear()
+        instance.clear()
 
-    def _deliver(self, instance: _Instance, batch: KVEventBatch) -> None:
+    def _deliver(self, instance: _Instance, batch: KVEventBatch, size: int) -> None:
         """Apply `batch` now when it is small and nothing waits before it; else queue it for
         the instance's flush task, which applies it in slices, yielding between them."""
         if instance.apply is None:
             if len(instance.pending) >= PENDING_BATCHES:
-                instance.pending.popleft()  # nothing applied yet: forgetting the oldest is safe
-            instance.pending.append(batch)
+                instance.take()  # nothing applied yet: forgetting the oldest is safe
+            instance.keep(batch, size)
+            self._trim()
             return
         if instance.flushing is None and _blocks(batch) <= APPLY_SLICE:
             instance.apply(batch)
             return
         if len(instance.pending) >= PENDING_BATCHES:
             self._resnapshot(instance)  # applying does not keep up: a loss, told as one
-        instance.pending.append(batch)
+        instance.keep(batch, size)
         self._start_flush(instance)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Past `PENDING_BYTES` kept, the oldest batches kept go first: one not followed yet
+        is forgotten (safe: nothing of it applied yet), one waiting to be applied is a loss
+        (its instance resnapshotted)."""
+        ledger = self.ledger
+        while ledger.bytes > PENDING_BYTES and ledger.order:
+            instance, kept = ledger.order.popleft()
+            if not kept.live:
+                continue  # applied or dropped since
+            if instance.apply is None:
+                instance.take()  # (the oldest kept of all: the first of its instance's)
+            else:
+                self._resnapshot(instance)
+        if len(ledger.order) > 2 * ledger.live + 1024:  # most of them gone: made again
+            ledger.order = deque(entry for entry in ledger.order if entry[1].live)
 
     def _start_flush(self, instance: _Instance) -> None:
         if instance.flushing is None:
@@ -163,7 +232,7 @@ class KvStreamReader:
         pace = Pace()
         try:
             while instance.pending and instance.apply is not None:
-                batch, losses = instance.pending.popleft(), instance.losses
+                batch, losses = instance.take(), instance.losses
                 for i, part in enumerate(slices(batch)):
                     if i:
                         await asyncio.sleep(0)
@@ -202,7 +271,7 @@ class KvStreamReader:
                 )
                 self.connected, self.error, delay = True, None, 0.1
                 log.info("kv stream: reading %s from record %d", self.stream, start)
-                reading = asyncio.ensure_future(self._read(sub, start))
+                reading = asyncio.ensure_future(self._read(sub, js))
                 try:  # the stream itself looked at now and then: deleted, made again?
                     while not (await asyncio.wait({reading}, timeout=STREAM_CHECK))[0]:
                         if self._made_again(await js.stream_info(self.stream)):
@@ -228,21 +297,28 @@ class KvStreamReader:
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX)
 
-    async def _read(self, sub: JetStreamContext.PushSubscription, start: int) -> None:
+    async def _read(self, sub: JetStreamContext.PushSubscription, js: JetStreamContext) -> None:
         pace = Pace()
         async for msg in sub.messages:
-            seq = msg.metadata.sequence.stream
-            if self.last_stream_seq and seq > self.last_stream_seq + 1 and start > 1:
+            seq, last = msg.metadata.sequence.stream, self.last_stream_seq
+            if last and seq > last + 1 and await self._gone(js, last + 1):
+                # (read again after a reconnection, or by the ordered consumer made again
+                # after a lost one: either starts at the first record the stream still has)
                 log.info(
                     "kv stream: records %d..%d gone, dropping every instance's blocks",
-                    self.last_stream_seq + 1,
+                    last + 1,
                     seq - 1,
                 )
                 self._lose_all()
-            start = 0
             self.last_stream_seq = seq
             self.record(msg.subject, msg.headers or {}, msg.data)
             await pace.step()
+
+    async def _gone(self, js: JetStreamContext, seq: int) -> bool:
+        """Whether the stream no longer holds record `seq` (retention and purges remove
+        records from its head; a skip over records still there is of other subjects)."""
+        info = await js.stream_info(self.stream)
+        return bool(info.state.first_seq > seq)
 
     def _made_again(self, info: api.StreamInfo) -> bool:
         """Whether the stream is not the one read so far (made again since: numbered from
@@ -276,10 +352,11 @@ class KvStreamReader:
         instance = self.instances.get(key)
         if kind == layout.LEFT:
             if instance is not None and instance.apply is None:
+                instance.clear()
                 del self.instances[key]
             return
         if instance is None:
-            instance = self.instances[key] = _Instance()
+            instance = self.instances[key] = _Instance(self.ledger)
         try:
             seq, ts = int(headers[layout.SEQ]), float(headers[layout.TS])
         except (KeyError, ValueError):
@@ -308,7 +385,7 @@ class KvStreamReader:
             return
         self.stats.batches += 1
         self.stats.events += len(batch.events)
-        self._deliver(instance, batch)
+        self._deliver(instance, batch, len(payload))
 
     def _resnapshot(self, instance: _Instance) -> None:
         self.stats.resnapshots += 1

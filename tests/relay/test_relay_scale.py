@@ -1,0 +1,76 @@
+"""A relay following 10,000 instances (one a namespace): joining them all, leaving them all and
+its `/metrics` never hold the event loop more than a few milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from types import SimpleNamespace
+from typing import Any
+
+from shoal.kv import KvEndpoint
+from shoal.relay.relay import KvRelay, RelayConfig
+from shoal.relay.status import StatusServer
+from tests.helpers import wait_for
+from tests.kv.probes import LoopProbe
+
+MEMBERS = 10_000
+
+
+def view(count: int) -> Any:
+    """A membership view of `count` endpoints, one namespace each, each with a KV publisher
+    (that is not there: each subscription waits, idle)."""
+    endpoints = {}
+    for i in range(count):
+        card = SimpleNamespace(
+            kv_block_size=4, display_name="m", role="aggregated", mdcsum="x", lora=None
+        )
+        kv = KvEndpoint("tcp://127.0.0.1:1")
+        instance = SimpleNamespace(namespace=f"ns{i}", component="c", endpoint="e", kv_events=kv)
+        model = SimpleNamespace(card=card, instance=instance)
+        endpoints[i] = SimpleNamespace(namespace=f"ns{i}", instance_id=i + 1, models=(model,))
+    return SimpleNamespace(endpoints=endpoints, connection_revision=None)
+
+
+async def test_a_view_of_ten_thousand_members_joins_and_leaves_without_holding_the_loop() -> None:
+    relay = KvRelay(RelayConfig(nats_urls=("nats://127.0.0.1:1",)))  # (NATS never answers)
+    await relay.start()
+    full, empty = view(MEMBERS), view(0)
+    probe = LoopProbe()
+    try:
+        relay.on_view(full)
+        await wait_for(lambda: len(relay.members) == MEMBERS, timeout=60, message="all joined")
+        relay.on_view(empty)
+        await wait_for(lambda: not relay.members and not relay._leaving, timeout=60)
+        held = await probe.stop()
+    finally:
+        await relay.stop()
+    assert held < 0.02, f"the event loop was held {held * 1000:.0f} ms"
+
+
+async def test_metrics_of_ten_thousand_members_are_rendered_without_holding_the_loop() -> None:
+    """`/metrics` carries a lag per member: rendering 10,000 of them (each scrape) is not
+    done on the event loop."""
+    relay = KvRelay(RelayConfig(nats_urls=("nats://127.0.0.1:1",)))
+    await relay.start()
+    relay.on_view(view(MEMBERS))
+    await wait_for(lambda: len(relay.members) == MEMBERS, timeout=60)
+    for member in relay.members.values():
+        member.lag_ms = 12.5
+    status = StatusServer(relay, SimpleNamespace())  # type: ignore[arg-type]
+    await status.start("127.0.0.1", 0)
+    url = f"{status.url}/metrics"
+
+    def scrape() -> str:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return str(resp.read().decode())
+
+    try:
+        probe = LoopProbe()
+        body = await asyncio.to_thread(scrape)  # (the client in a thread: not on the loop)
+        held = await probe.stop()
+    finally:
+        await status.stop()
+        await relay.stop()
+    assert body.count("shoal_relay_lag_ms{") == MEMBERS
+    assert held < 0.02, f"the event loop was held {held * 1000:.0f} ms"

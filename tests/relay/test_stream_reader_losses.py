@@ -1,0 +1,66 @@
+"""`KvStreamReader` against a real `nats-server -js`: records the stream no longer holds when
+the reader gets to them (retention, a purge) are a loss, wherever the reader is: what it holds
+of the instances is dropped, not routed on."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from shoal.frontend.kv.stream import KvStreamReader
+from shoal.kv import AllBlocksCleared, KVEventBatch, encode_batch
+from shoal.kv import stream as layout
+from tests.helpers import wait_for
+from tests.nats_server import NatsServer
+
+STREAM = "shoal-kv-losses"
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
+    client = await nats.connect(nats_server.url)
+    await client.jetstream().add_stream(name=STREAM, subjects=[f"{layout.SUBJECT_PREFIX}.>"])
+    yield client
+    await client.close()
+
+
+async def publish(nc: Client, instance_id: int, seq: int) -> None:
+    ts = 100.0 + seq
+    headers = {layout.KIND: layout.BATCH, layout.SEQ: str(seq), layout.TS: repr(ts)}
+    await nc.jetstream().publish(
+        layout.subject("ns", instance_id),
+        encode_batch(KVEventBatch(ts, [AllBlocksCleared()])),
+        headers=headers,
+    )
+
+
+async def test_records_removed_before_a_reader_read_them_drop_what_it_holds(
+    nats_server: NatsServer, nc: Client
+) -> None:
+    """The reader read record 1 (instance 1's batch 0); its consumer is lost (a server
+    restarted, a consumer deleted) and records 2 (instance 1's batch 1: evictions, say) is
+    removed before it reads again (retention). Its ordered consumer starts again at the first
+    record there is, 3: record 2 is lost, and the reader drops instance 1's blocks rather than
+    keep what batch 1 evicted."""
+    reader = KvStreamReader(nats_server.url, STREAM)
+    applied: list[float] = []
+    purges: list[int] = []
+    reader.follow(("ns", 1), lambda b: applied.append(b.ts), lambda: purges.append(1))
+    reader.start()
+    try:
+        await publish(nc, 1, 0)
+        await wait_for(lambda: applied == [100.0], message="batch 0 applied")
+        js = nc.jetstream()
+        for consumer in await js.consumers_info(STREAM):
+            await js.delete_consumer(STREAM, consumer.name)
+        await publish(nc, 1, 1)  # record 2
+        await publish(nc, 2, 0)  # record 3 (another instance)
+        await js.purge_stream(STREAM, seq=3)  # records before 3 are gone
+        await wait_for(lambda: reader.describe()["last_record"] == 3, timeout=20)
+        assert applied == [100.0]
+        assert purges, "instance 1's blocks kept though its batch 1 was never read"
+    finally:
+        await reader.close()
