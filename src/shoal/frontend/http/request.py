@@ -53,6 +53,14 @@ class Request:
         # caller checks it, at little cost).
         self.too_deep: bool | None = None
 
+    def with_headers(self, headers: list[tuple[bytes, bytes]]) -> Request:
+        """This request with other header lines (made field by field: a compiled build's
+        classes do not go through `copy.copy`)."""
+        other = Request(self.method, self.path, headers, self.body, keep_alive=False, http11=False)
+        other.query, other.keep_alive, other.http11 = self.query, self.keep_alive, self.http11
+        other.received, other.too_deep = self.received, self.too_deep
+        return other
+
     def header(self, name: bytes) -> bytes | None:
         """The first value of header `name` (lower-case), or None."""
         for key, value in self.headers:

@@ -70,9 +70,15 @@ class Listener(Protocol):
     max_header_size: int
     max_headers: int
     max_connections: int
-    keepalive_timeout: float
-    header_timeout: float
-    body_timeout: float
+
+    # (read-only properties, not attributes: a compiled build reads a protocol's float
+    # attributes wrongly, mypyc 1.20)
+    @property
+    def keepalive_timeout(self) -> float: ...
+    @property
+    def header_timeout(self) -> float: ...
+    @property
+    def body_timeout(self) -> float: ...
 
 
 class StopParsing(Exception):

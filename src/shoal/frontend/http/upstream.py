@@ -26,6 +26,7 @@ import urllib.parse
 from typing import ClassVar, Protocol, cast
 
 import httptools
+from mypy_extensions import mypyc_attr
 
 _PLAIN_URL = re.compile(
     r"http://(?P<hostport>(?P<host>[A-Za-z0-9][A-Za-z0-9.-]*):(?P<port>[0-9]{1,5}))"
@@ -37,10 +38,12 @@ MAX_IDLE = 256  # idle keep-alive connections kept per instance
 MAX_RESPONSE_HEAD = 64 * 1024  # bytes of header lines in a response, its interim ones included
 
 
+@mypyc_attr(native_class=False)  # (a compiled build: a builtin exception's subclass)
 class UpstreamError(ConnectionError):
     """The connection to an instance failed or returned something unusable."""
 
 
+@mypyc_attr(native_class=False)
 class ConnectRefused(UpstreamError):
     """The instance refused or reset the connection: nothing was sent, little time was spent,
     so trying another instance costs nothing (a dead worker, not a slow one)."""
@@ -268,6 +271,8 @@ class Upstream:
 
 class UpstreamConnection(asyncio.Protocol):
     """One HTTP/1.1 connection to an instance, carrying one exchange at a time."""
+
+    __deletable__ = ("parser",)  # (a compiled build allows `del` of these only)
 
     def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream

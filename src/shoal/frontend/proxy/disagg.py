@@ -28,7 +28,6 @@ apply to both stages, since both pick from the registry's routable instances.
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import logging
 import os
@@ -298,10 +297,9 @@ class TwoStageForward(Forward):
     def _new_stage_id(self) -> None:
         """A new `X-Request-Id` for the next prefill and the decodes of its handle."""
         request = self.request
-        stage = copy.copy(request)
-        stage.headers = [(k, v) for k, v in request.headers if k != b"x-request-id"]
-        stage.headers.append((b"x-request-id", self.stages.request_id()))
-        self.stage_request = stage
+        headers = [(k, v) for k, v in request.headers if k != b"x-request-id"]
+        headers.append((b"x-request-id", self.stages.request_id()))
+        self.stage_request = request.with_headers(headers)
 
     def _head(self, target: Upstream, body: bytes) -> bytes:
         return self.proxy.request_head(self.stage_request, target, body)

@@ -30,6 +30,8 @@ import logging
 import time
 from typing import Protocol
 
+from mypy_extensions import mypyc_attr
+
 from shoal.cards import ModelType
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request, status_line
@@ -58,25 +60,34 @@ class Gateway(Protocol):
     router: Router
     metrics: FrontendMetrics
     retries: int
-    inhibit_seconds: float
-    first_byte_timeout: float
-    upstream_idle_timeout: float
     deadlines: Deadlines | None  # None: neither timeout is set
     migration_limit: int
+
+    # (read-only properties, not attributes: a compiled build reads a protocol's float
+    # attributes wrongly, mypyc 1.20)
+    @property
+    def inhibit_seconds(self) -> float: ...
+    @property
+    def first_byte_timeout(self) -> float: ...
+    @property
+    def upstream_idle_timeout(self) -> float: ...
 
     def request_head(self, request: Request, target: Upstream, body: bytes) -> bytes: ...
 
 
+@mypyc_attr(native_class=False)
 class FirstByteTimeout(UpstreamError):
     """An instance sent no complete response head within the first-byte timeout."""
 
 
+@mypyc_attr(native_class=False)
 class UpstreamIdleTimeout(UpstreamError):
     """An instance sent nothing for the idle timeout in the middle of a response body."""
 
     reason = "idle_timeout"  # (its label in the migration metric)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # (disagg.TwoStageForward)
 class Forward:
     """One request on its way: pick an instance, send, stream the answer back, retry early failures.
 
