@@ -60,7 +60,7 @@ Handler = Callable[[Request, "HttpConnection"], None]
 
 
 class Listener(Protocol):
-    """What a connection reads of the server that accepted it (`HttpServer`)."""
+    """What a connection reads of its `HttpServer` (floats as properties: `forward.Gateway`)."""
 
     handler: Handler
     loop: asyncio.AbstractEventLoop
@@ -71,8 +71,6 @@ class Listener(Protocol):
     max_headers: int
     max_connections: int
 
-    # (read-only properties, not attributes: a compiled build reads a protocol's float
-    # attributes wrongly, mypyc 1.20)
     @property
     def keepalive_timeout(self) -> float: ...
     @property
@@ -488,10 +486,9 @@ class HttpConnection(asyncio.Protocol):
         self.server.loop.call_later(LINGER_SECONDS, transport.close)
 
     def check_deadlines(self, now: float) -> None:
-        """Close or answer 408 if the client took too long (called by the server's sweep,
-        which also dates what the request path only flags, without a clock read: the start
-        of an idle wait or of a head, the last bytes of a body. A deadline is late by at most
-        two sweeps, never early)."""
+        """Close or answer 408 if the client took too long (called by the server's sweep, which
+        also dates what the request path only flags, without a clock read: the start of an
+        idle wait or of a head, the last bytes of a body; two sweeps late at most, never early)."""
         if self._progress:
             self._progress = False
             self._last_progress = now
