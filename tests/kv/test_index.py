@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from shoal.frontend.kv.index import KvIndex
+from shoal.frontend.kv.index import MAX_INSTANCE_BLOCKS, PURGE_SLICE, KvIndex
 from shoal.kv import AllBlocksCleared, BlockRemoved, BlockStored, token_block_hashes
+from tests.helpers import wait_for
+from tests.kv.probes import LoopProbe
 
 BS = 2
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -75,3 +77,44 @@ def test_a_recent_pick_counts_until_an_eviction_cancels_it() -> None:
     index.recent.record(hashes, 1, now=200.0)
     index.apply(1, BlockRemoved(block_hashes=[102]))
     assert index.recent.matched(hashes, now=200.5) == (1, 1)  # block 1 evicted: cut there
+
+
+def chain(instance: int, blocks: int, first_token: int = 0) -> BlockStored:
+    """One event storing `blocks` chained blocks (engine hashes `instance * 10**7 + i`)."""
+    tokens = list(range(first_token, first_token + blocks * BS))
+    return stored([instance * 10**7 + i for i in range(blocks)], None, tokens)
+
+
+async def test_purging_an_instance_at_the_block_cap_never_holds_the_loop_20ms() -> None:
+    """An instance at `MAX_INSTANCE_BLOCKS` released in one go held the loop ~120 ms (it
+    leaves, clears its cache, or its stream lost records). Its blocks now leave a slice per
+    turn, and count for nothing from the purge on."""
+    index = KvIndex(BS)
+    index.apply(1, chain(1, MAX_INSTANCE_BLOCKS))
+    index.apply(2, chain(2, 4))
+    prompt = list(range(8))
+    assert index.overlaps(token_block_hashes(prompt, BS)) == {1: 4, 2: 4}
+    probe = LoopProbe()  # (its clock runs from here: the purge's own turn counts)
+    index.purge(1)
+    assert index.overlaps(token_block_hashes(prompt, BS)) == {2: 4}  # at once
+    assert index.instance_blocks(1) == 0
+    await wait_for(lambda: len(index.holders) == 4, 10)  # (a cheap check: it runs on the loop)
+    worst = await probe.stop()
+    assert all(holding == {2} for holding in index.holders.values())
+    assert index.overlaps(token_block_hashes(prompt, BS)) == {2: 4}
+    assert worst < 0.02, f"the loop was held {worst * 1000:.0f} ms"
+
+
+async def test_blocks_stored_again_while_a_purge_runs_are_kept_and_counted_once_it_ends() -> None:
+    index = KvIndex(BS)
+    index.apply(1, chain(1, 3 * PURGE_SLICE))
+    index.purge(1)  # (cleared its cache: its next blocks come)
+    index.apply(1, chain(1, 4))  # the same first blocks, stored again
+    index.apply(1, stored([555], None, [90, 91]))
+    index.apply(1, BlockRemoved(block_hashes=[555]))  # stored and evicted while dying
+    await wait_for(lambda: not index._dying, 10)
+    assert index.overlaps(token_block_hashes(list(range(8)), BS)) == {1: 4}
+    assert index.overlaps(token_block_hashes([90, 91], BS)) == {}
+    assert len(index.holders) == 4 and index.instance_blocks(1) == 4
+    index.purge(1)
+    assert not index.holders

@@ -7,13 +7,16 @@ tree over prompts, flattened. Engines name blocks with hashes of their own, whic
 use for parents and removals: each instance's `engine hash -> our hash` map translates.
 
 Invariant, both ways: an instance is in `holders[h]` exactly when its last applied events
-stored block `h` and neither removed it, cleared its cache, nor was it purged. A stored
+stored block `h` and neither removed it, cleared its cache, nor was it purged; but the
+blocks of a large purge leave `holders` a slice per turn of the event loop (`PURGE_SLICE`),
+and meanwhile `overlaps` counts that instance nowhere. A stored
 block whose parent the index does not know (an event was lost and not replayed) is not
 indexed: a guess would route prompts to a cache that may not hold their prefix.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Iterable
 
@@ -23,6 +26,11 @@ from shoal.kv.events import BlockHash
 MAX_INSTANCE_BLOCKS = 1 << 18
 """Blocks indexed per instance at most (4M tokens at 16 a block, more than any engine's
 cache): an instance past it is purged and counted in `over_cap`, as for a lost event."""
+
+PURGE_SLICE = 4096
+"""Blocks of a purged instance released per turn of the event loop (~2 ms): an instance at
+the cap released in one go held the loop ~120 ms. A purge of more goes on in the next turns
+(at once where no loop runs)."""
 
 
 class KvIndex:
@@ -37,6 +45,11 @@ class KvIndex:
         self._blocks: dict[int, dict[BlockHash, int]] = {}  # instance -> engine hash -> ours
         self.orphan_blocks = 0  # stored blocks dropped because their parent was unknown
         self.mismatched_events = 0  # events whose block size is not the set's
+        # instance -> its purged blocks still held (taken out one by one: freed a slice at a
+        # time too, a quarter million ints freed at once held the loop ~15 ms)
+        self._dying: dict[int, list[dict[BlockHash, int]]] = {}
+        self._restored: dict[int, set[int]] = {}  # instance -> stored again while dying
+        self._releasing: asyncio.Handle | None = None
 
     def __len__(self) -> int:
         """Blocks indexed, counting each (block, instance) once."""
@@ -77,6 +90,8 @@ class KvIndex:
             if previous is not None and previous != parent:
                 self._release(previous, instance_id)
             blocks[engine_hash] = parent
+            if instance_id in self._dying:  # (not released with its purged blocks)
+                self._restored.setdefault(instance_id, set()).add(parent)
             holding = holders.get(parent)
             if holding is None:
                 holders[parent] = {instance_id}
@@ -96,11 +111,62 @@ class KvIndex:
                 self._release(ours, instance_id)
 
     def purge(self, instance_id: int) -> None:
-        """Forget every block of `instance_id` (it left, cleared its cache, or lost events)."""
-        for ours in self._blocks.pop(instance_id, {}).values():
-            self._release(ours, instance_id)
+        """Forget every block of `instance_id` (it left, cleared its cache, or lost events):
+        at once up to `PURGE_SLICE` blocks, else a slice per turn of the event loop."""
+        blocks = self._blocks.pop(instance_id, None)
+        if not blocks:
+            return
+        dying = self._dying.get(instance_id)
+        if dying is None and len(blocks) <= PURGE_SLICE:
+            for ours in blocks.values():
+                self._release(ours, instance_id)
+            return
+        if dying is None:
+            self._dying[instance_id] = [blocks]
+        else:  # purged again while dying: what it stored since dies too
+            dying.append(blocks)
+            self._restored.pop(instance_id, None)
+        if self._releasing is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # (no loop: a plain call, all at once)
+                while self._dying:
+                    self._release_dying()
+            else:
+                self._releasing = loop.call_soon(self._release_turn, loop)
+
+    def _release_turn(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._releasing = None
+        self._release_dying()
+        if self._dying:
+            self._releasing = loop.call_soon(self._release_turn, loop)
+
+    def _release_dying(self) -> None:
+        """Release `PURGE_SLICE` blocks of purged instances."""
+        budget = PURGE_SLICE
+        for instance_id, dying in list(self._dying.items()):
+            restored = self._restored.get(instance_id, ())
+            while dying and budget > 0:
+                blocks = dying[-1]
+                taken = min(budget, len(blocks))
+                pop = blocks.popitem
+                for _ in range(taken):
+                    ours = pop()[1]
+                    if ours not in restored:
+                        self._release(ours, instance_id)
+                budget -= taken
+                if not blocks:
+                    dying.pop()
+            if not dying:
+                del self._dying[instance_id]
+                self._restored.pop(instance_id, None)
+            if budget <= 0:
+                break
 
     def _release(self, ours: int, instance_id: int) -> None:
+        restored = self._restored.get(instance_id)
+        if restored:
+            restored.discard(ours)
         self.recent.forget(ours, instance_id)
         holding = self.holders.get(ours)
         if holding is not None:
@@ -136,6 +202,8 @@ class KvIndex:
             depth += 1
         for instance_id in alive or ():
             matched[instance_id] = depth
+        for instance_id in self._dying:  # (purged: its blocks leave a slice at a time)
+            matched.pop(instance_id, None)
         return matched
 
 
