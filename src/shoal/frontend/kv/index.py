@@ -50,6 +50,7 @@ class KvIndex:
         self._dying: dict[int, list[dict[BlockHash, int]]] = {}
         self._restored: dict[int, set[int]] = {}  # instance -> stored again while dying
         self._releasing: asyncio.Handle | None = None
+        self._released_now = 0  # blocks purged at once in this turn of the loop
 
     def __len__(self) -> int:
         """Blocks indexed, counting each (block, instance) once."""
@@ -116,8 +117,20 @@ class KvIndex:
         blocks = self._blocks.pop(instance_id, None)
         if not blocks:
             return
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # (no loop: a plain call, all at once)
+            loop = None
         dying = self._dying.get(instance_id)
-        if dying is None and len(blocks) <= PURGE_SLICE:
+        # At once while this turn's purges stay within a slice (many instances purged
+        # together, a stream lost, count as one).
+        if loop is None or (
+            dying is None and not self._dying and self._released_now + len(blocks) <= PURGE_SLICE
+        ):
+            if loop is not None:
+                if not self._released_now:
+                    loop.call_soon(self._new_turn)
+                self._released_now += len(blocks)
             for ours in blocks.values():
                 self._release(ours, instance_id)
             return
@@ -127,13 +140,10 @@ class KvIndex:
             dying.append(blocks)
             self._restored.pop(instance_id, None)
         if self._releasing is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # (no loop: a plain call, all at once)
-                while self._dying:
-                    self._release_dying()
-            else:
-                self._releasing = loop.call_soon(self._release_turn, loop)
+            self._releasing = loop.call_soon(self._release_turn, loop)
+
+    def _new_turn(self) -> None:
+        self._released_now = 0
 
     def _release_turn(self, loop: asyncio.AbstractEventLoop) -> None:
         self._releasing = None
