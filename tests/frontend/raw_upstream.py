@@ -106,6 +106,21 @@ def completion(text: str = "hi", *, extra_headers: bytes = b"") -> bytes:
     )
 
 
+def json_answer(status: bytes, body: bytes) -> Behaviour:
+    """A behaviour answering every request `status` (e.g. b"400 Bad Request") with the JSON
+    `body`, keep-alive."""
+
+    async def answer(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(
+            b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, len(body), body)
+        )
+
+    return answer
+
+
 StartRaw = Callable[..., Awaitable[RawUpstream]]
 
 

@@ -11,7 +11,7 @@ from shoal.cards import WorkerRole
 from shoal.frontend import Frontend
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
-from tests.frontend.raw_upstream import Behaviour, RawUpstream
+from tests.frontend.raw_upstream import Behaviour, RawUpstream, json_answer
 from tests.helpers import wait_for
 
 DEEP = b"[" * 30_000 + b"]" * 30_000  # (within the 64 KiB a decode's 400 is read for)
@@ -43,14 +43,10 @@ def _in_flight(frontend: Frontend) -> list[int]:
 async def test_a_decodes_400_nested_too_deep_to_read_is_relayed_not_left_hanging(
     store: Store, start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:
-    async def refuse(
-        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        body = b'{"error":{"message":"no","param":"kv_transfer_params","x":' + DEEP + b"}}"
-        writer.write(
-            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body)
-        )
+    refuse = json_answer(
+        b"400 Bad Request",
+        b'{"error":{"message":"no","param":"kv_transfer_params","x":' + DEEP + b"}}",
+    )
 
     await start_worker(component="prefill", role=WorkerRole.PREFILL)
     decode = await _raw_stage(store, refuse, WorkerRole.DECODE)
@@ -73,14 +69,7 @@ async def test_a_decodes_400_nested_too_deep_to_read_is_relayed_not_left_hanging
 async def test_a_prefills_4xx_nested_too_deep_to_read_is_relayed_with_its_status(
     store: Store, start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:
-    async def refuse(
-        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        body = b'{"error":{"message":"no","x":' + DEEP + b"}}"
-        writer.write(
-            b"HTTP/1.1 422 Unprocessable\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body)
-        )
+    refuse = json_answer(b"422 Unprocessable", b'{"error":{"message":"no","x":' + DEEP + b"}}")
 
     prefill = await _raw_stage(store, refuse, WorkerRole.PREFILL)
     await start_worker(component="decode", role=WorkerRole.DECODE)
@@ -108,14 +97,9 @@ async def test_a_decode_that_refuses_every_handle_is_not_picked_again_while_anot
     fault) is idle, so least-loaded would pick it at every attempt while the healthy decode
     is busy: after its refusal, the new prefill's decode goes to another decode instance."""
 
-    async def refuse(
-        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        body = b'{"error":{"message":"no such blocks","param":"kv_transfer_params"}}'
-        writer.write(
-            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body)
-        )
+    refuse = json_answer(
+        b"400 Bad Request", b'{"error":{"message":"no such blocks","param":"kv_transfer_params"}}'
+    )
 
     await start_worker(component="prefill", role=WorkerRole.PREFILL)
     good = await start_worker(component="decode", role=WorkerRole.DECODE)

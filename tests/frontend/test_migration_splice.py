@@ -67,10 +67,19 @@ class Script:
             await writer.drain()
             writer.close()
             return
-        first = FIRST[:20] if self.how == "partial" else FIRST  # (partial: half an event)
+        if self.how == "sized":  # framed by a Content-Length, then cut short
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(FIRST) + 500, FIRST)
+            )
+            await writer.drain()
+            writer.transport.abort()
+            return
+        # (partial: half an event; ping: a keep-alive comment, no event)
+        first = {"partial": FIRST[:20], "ping": b": keep-alive\n\n"}.get(self.how, FIRST)
         writer.write(CHUNKED + b"%x\r\n%s\r\n" % (len(first), first))
         await writer.drain()
-        if self.how in ("lost", "partial"):
+        if self.how in ("lost", "partial", "ping"):
             writer.transport.abort()
             return
         await until_closed(reader)  # idle_timeout: silence
@@ -193,24 +202,9 @@ async def test_a_stream_framed_by_its_content_length_is_cut_short_not_spliced(
     """The client was told the body's length: a continuation of another length would
     overrun it (bytes read as the next response) or leave it waiting. Such a stream is not
     migrated; it ends, as a cut-short body does, with the connection."""
-    bodies: list[bytes] = []
-
-    async def sized(
-        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        bodies.append(request)
-        if len(bodies) > 1:
-            writer.write(CHUNKED + b"%x\r\n%s\r\n0\r\n\r\n" % (len(CONTINUATION), CONTINUATION))
-            return
-        writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(FIRST) + 500, FIRST)
-        )
-        await writer.drain()
-        writer.transport.abort()
-
-    await start_raw(sized)
-    await start_raw(sized)
+    script = Script("sized")
+    await start_raw(script)
+    await start_raw(script)
     frontend = await _started(start_frontend)
     body = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     async with (
@@ -220,7 +214,7 @@ async def test_a_stream_framed_by_its_content_length_is_cut_short_not_spliced(
     ):
         with pytest.raises(aiohttp.ClientPayloadError):
             await response.read()
-    assert len(bodies) == 1
+    assert len(script.bodies) == 1
     refused = frontend.metrics.registry.get_sample_value(
         "shoal_frontend_migrations_total", {"outcome": "refused", "reason": "framing"}
     )
@@ -232,22 +226,9 @@ async def test_a_stream_that_sent_only_a_comment_before_failing_gets_the_continu
 ) -> None:
     """An SSE comment (a keep-alive) opens no message and names no stream: the continuation
     keeps its role chunk, its `id` and its `created` (never null ones)."""
-    bodies: list[bytes] = []
-
-    async def ping_then_die(
-        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        bodies.append(request)
-        if len(bodies) > 1:
-            writer.write(CHUNKED + b"%x\r\n%s\r\n0\r\n\r\n" % (len(CONTINUATION), CONTINUATION))
-            return
-        ping = b": keep-alive\n\n"
-        writer.write(CHUNKED + b"%x\r\n%s\r\n" % (len(ping), ping))
-        await writer.drain()
-        writer.transport.abort()
-
-    await start_raw(ping_then_die)
-    await start_raw(ping_then_die)
+    script = Script("ping")
+    await start_raw(script)
+    await start_raw(script)
     frontend = await _started(start_frontend)
     body = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     async with (
@@ -260,4 +241,4 @@ async def test_a_stream_that_sent_only_a_comment_before_failing_gets_the_continu
     chunks = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
     assert {(c["id"], c["created"]) for c in chunks} == {("chatcmpl-second", 222)}
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert len(bodies) == 2
+    assert len(script.bodies) == 2

@@ -34,10 +34,12 @@ async def relay(nats_server: NatsServer) -> AsyncIterator[KvRelay]:
         await made.stop()
 
 
-def fed(relay: KvRelay, instance_id: int, buffer: int = 100) -> Member:
+def fed(relay: KvRelay, instance_id: int, buffer: int | None = 100) -> Member:
     """A member joined as a view would join it (its subscription to a worker that is not
-    there waits, idle): its batches are `apply`d by the test."""
-    relay.config.buffer = buffer
+    there waits, idle): its batches are `apply`d by the test. `buffer`: the relay's
+    records queued per member from then on (None: as configured)."""
+    if buffer is not None:
+        relay.config.buffer = buffer
     key = ("ns", instance_id)
     card = SimpleNamespace(kv_block_size=4, display_name="m", role="aggregated", mdcsum="x")
     instance = SimpleNamespace(namespace="ns", component="c", endpoint="e")

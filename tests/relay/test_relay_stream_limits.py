@@ -12,7 +12,7 @@ import nats
 import pytest
 from nats.js import api
 
-from shoal.kv import AllBlocksCleared, BlockStored, KvEndpoint, KVEventBatch
+from shoal.kv import BlockStored, KvEndpoint, KVEventBatch
 from shoal.kv import stream as layout
 from shoal.membership import MembershipStatus
 from shoal.relay.member import Member
@@ -20,6 +20,8 @@ from shoal.relay.relay import KvRelay, RelayConfig
 from shoal.relay.status import StatusServer
 from tests.helpers import wait_for
 from tests.nats_server import NatsServer
+from tests.relay import test_relay_faults as relay_faults
+from tests.relay.test_relay_faults import batch
 
 STREAM = "shoal-kv-limits"
 
@@ -59,16 +61,8 @@ async def relay(nats_server: NatsServer) -> AsyncIterator[KvRelay]:
 
 
 def fed(relay: KvRelay, instance_id: int) -> Member:
-    """A member joined as a view would join it; its batches are `apply`d by the test."""
-    key = ("ns", instance_id)
-    card = SimpleNamespace(kv_block_size=4, display_name="m", role="aggregated", mdcsum="x")
-    instance = SimpleNamespace(namespace="ns", component="c", endpoint="e")
-    relay._join(key, KvEndpoint("tcp://127.0.0.1:1"), SimpleNamespace(card=card, instance=instance))  # type: ignore[arg-type]
-    return relay.members[key]
-
-
-def small(ts: float) -> KVEventBatch:
-    return KVEventBatch(ts, [AllBlocksCleared()])
+    """`test_relay_faults.fed`, the relay's buffer as configured."""
+    return relay_faults.fed(relay, instance_id, buffer=None)
 
 
 def large(ts: float, blocks: int = 64) -> KVEventBatch:
@@ -84,10 +78,10 @@ async def test_a_batch_over_the_streams_max_message_size_is_a_resnapshot_not_a_s
     await make_stream(nats_server.url, max_msg_size=256)
     await relay.start()
     member, other = fed(relay, 1), fed(relay, 2)
-    member.apply(0, small(100.0))
+    member.apply(0, batch(100.0))
     member.apply(1, large(101.0))
-    member.apply(2, small(102.0))
-    other.apply(0, small(100.0))
+    member.apply(2, batch(102.0))
+    other.apply(0, batch(100.0))
 
     def done() -> bool:
         return not (member.pending or member.inflight or other.pending or other.inflight)
@@ -110,10 +104,10 @@ async def test_health_says_so_while_the_stream_refuses_every_record(
     watch = SimpleNamespace(status=MembershipStatus(applied_revision="r1"))
     status = StatusServer(relay, watch)  # type: ignore[arg-type]
     member = fed(relay, 1)  # its joined: the first message
-    member.apply(0, small(100.0))  # the second: the stream is full now
+    member.apply(0, batch(100.0))  # the second: the stream is full now
     await wait_for(lambda: relay.stats.relayed == 1, timeout=10)
     assert status.health()[0] == 200
-    member.apply(1, small(101.0))  # refused, and refused again
+    member.apply(1, batch(101.0))  # refused, and refused again
     await wait_for(lambda: relay.stats.publish_errors >= 1, timeout=10)
 
     def unhealthy() -> bool:
@@ -155,11 +149,11 @@ async def test_a_new_connection_revision_that_cannot_connect_keeps_the_connectio
     relay.on_view(view_of("c1"))
     await wait_for(lambda: ("ns", 1) in relay.members and relay.connected.is_set())
     member = relay.members[("ns", 1)]
-    member.apply(0, small(100.0))
+    member.apply(0, batch(100.0))
     await wait_for(lambda: relay.stats.relayed == 1, timeout=10)
     relay.config.creds = tmp_path / "rotated.creds"  # (not written yet)
     relay.on_view(view_of("c2"))
     await wait_for(lambda: "cannot connect" in str(relay.nats_error), message="the attempt told")
-    member.apply(1, small(101.0))
+    member.apply(1, batch(101.0))
     await wait_for(lambda: relay.stats.relayed == 2, timeout=10, message="the old one relays")
     assert relay.connected.is_set() and relay.connections == 1

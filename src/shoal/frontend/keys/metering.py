@@ -4,10 +4,11 @@ It stands between the proxy and the client's `HttpConnection` for a request made
 key, passing everything through and keeping only what the end needs: the status (from the
 first write's status line, or the error answered) and the last `TAIL` bytes of the body,
 where an OpenAI response carries its `usage` (the JSON body's, or a stream's last event with
-`stream_options.include_usage`), and the `USAGE` bytes from the last `"usage"` key written: an
-engine may answer more after it (vLLM's `prompt_logprobs`, asked for by the client, can be
-far longer than the tail), and the tail alone then charged no completion tokens. When the engine gives no usage, the gateway counts: one
-completion token per streamed event, and the prompt as its body bytes / 4. The gate's
+`stream_options.include_usage`), and the `USAGE` bytes from the last `"usage"` key
+written: an engine may answer more after it (vLLM's `prompt_logprobs`, asked for by the
+client, can be far longer than the tail), and the tail alone then charged no completion
+tokens. When the engine gives no usage, the gateway counts: one completion token per
+streamed event, and the prompt as its body bytes / 4. The gate's
 `done(grant, model, status, prompt_tokens, completion_tokens, served_model)` is called once,
 when the response is finished or refused; the served model is the `model` the answer names
 ("" if none). Per write: a count of `data:`, a `rfind` of `"usage"` and two slices, no
