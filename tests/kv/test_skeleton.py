@@ -198,3 +198,21 @@ def test_smollm2s_own_template_is_filled_from_skeletons_and_renders_the_same() -
     for chat in chats:
         assert prompts.render(chat) == whole(template, chat)
     assert prompts.skeletons.filled == 4 and len(prompts.skeletons) == 2
+
+
+def test_a_chat_longer_than_any_shape_worth_keeping_is_rendered_whole_once() -> None:
+    """A shape of 40,000 messages would not be kept (over an eighth of the bytes): making its
+    skeleton anyway doubled the Python work of such a chat in the tokenizer's thread, and
+    the event loop's waits for the GIL with it (the probe's p99 went from 1.4 to 5.4 ms)."""
+    from shoal.frontend.kv.skeleton import MAX_MESSAGES
+
+    skeletons = Skeletons(8 << 20)
+    calls: list[int] = []
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        calls.append(len(messages))
+        return "".join(f"{m['content']}" for m in messages)
+
+    chat = [{"role": "user", "content": str(i)} for i in range(MAX_MESSAGES + 1)]
+    assert skeletons.render(chat, render) == render(chat)
+    assert calls == [MAX_MESSAGES + 1] * 2 and len(skeletons) == 0

@@ -41,6 +41,7 @@ PART_BYTES = 60  # a part of a skeleton (its slot and a short string or an int)
 DERIVING = frozenset({"strip", "lstrip", "rstrip"})
 OBSERVING = frozenset({"startswith", "endswith"})
 _CONTENT = "\x00content"  # a content's place in a shape
+MAX_MESSAGES = 1024  # a longer chat is rendered whole: its shape is worth no more than its render
 
 
 class Inspected(Exception):
@@ -235,6 +236,8 @@ class Skeletons:
     def render(self, messages: list[Any], render: Callable[[list[Any]], str]) -> str:
         """`render(messages)`'s text (the messages as `_message` makes them), from the
         skeleton of their shape when it stands for them."""
+        if len(messages) > MAX_MESSAGES:
+            return render(messages)
         key = _shape(messages)
         if key is None:
             return render(messages)
