@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -102,6 +103,7 @@ def main(argv: list[str]) -> int:
         print("\n".join(re.findall(r"^shoal_frontend_kv_\w+_total \S+$", metrics, re.M)))
     finally:
         session.stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
