@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shoal.catalog.api import create_app
 from shoal.catalog.database import migrate, open_engine
+from shoal.catalog.usage import UsageRetention
 from shoal.controllers import ControllerManager, readiness
 
 
@@ -31,6 +32,8 @@ class CatalogConfig:
     admin_token: str | None = None
     public_read: bool = False
     key_pepper: str = ""  # hashed with API key secrets; the frontends checking keys share it
+    usage_retention_days: float = 90.0  # usage older is deleted (0: kept for ever)
+    usage_prune_interval: float = 3600.0  # seconds between two passes of the retention
 
 
 class _Server(uvicorn.Server):
@@ -62,6 +65,8 @@ class CatalogServer:
         self._task: asyncio.Task[None] | None = None
         self.port = config.port
         self.controllers: ControllerManager | None = None  # the loops /health/controllers reports
+        self.retention: UsageRetention | None = None
+        self._retention_task: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
@@ -98,6 +103,13 @@ class CatalogServer:
         if not self._server.started:
             await self.stop()
             raise RuntimeError("the catalog API did not start (see the log)")
+        if self.config.usage_retention_days > 0:
+            self.retention = UsageRetention(
+                self.engine, self.config.usage_retention_days, self.config.usage_prune_interval
+            )
+            self._retention_task = asyncio.create_task(
+                self.retention.run(), name="catalog-usage-retention"
+            )
 
     def _health_routes(self, app: FastAPI) -> None:
         """The probes and the report, unauthenticated. `GET /live`: 200 while the API serves.
@@ -120,12 +132,17 @@ class CatalogServer:
 
         @app.get("/health/controllers", include_in_schema=False)
         async def controllers(request: Request) -> JSONResponse:
-            if self.controllers is None:
-                return JSONResponse({"status": "ok", "unhealthy": {}, "loops": []})
-            status, body = readiness(self.controllers)
-            if not self._may_read(request):
-                body["unhealthy"] = dict.fromkeys(body["unhealthy"], "unhealthy")
-            body["loops"] = sorted(self.controllers.loops)
+            status, body = 200, {"status": "ok", "unhealthy": {}, "loops": []}
+            if self.controllers is not None:
+                status, body = readiness(self.controllers)
+                if not self._may_read(request):
+                    body["unhealthy"] = dict.fromkeys(body["unhealthy"], "unhealthy")
+                body["loops"] = sorted(self.controllers.loops)
+            if self.retention is not None:  # (its failures are the shared database's: no 503)
+                report = self.retention.report()
+                if report["error"] and not self._may_read(request):
+                    report["error"] = "failed"
+                body["usage_retention"] = report
             return JSONResponse(body, status_code=status)
 
     def _may_read(self, request: Request) -> bool:
@@ -139,6 +156,11 @@ class CatalogServer:
         )
 
     async def stop(self) -> None:
+        if self._retention_task is not None:
+            self._retention_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retention_task
+            self._retention_task = None
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             with contextlib.suppress(asyncio.CancelledError):

@@ -66,10 +66,12 @@ usage = sa.Table(
         name="uq_usage_row",
     ),
     sa.Index("ix_usage_workspace_minute", "workspace", "minute"),
+    sa.Index("ix_usage_minute", "minute"),  # (the retention's deletes)
 )  # fmt: skip
 usage_batches = sa.Table(
     "usage_batches",
     metadata,
     sa.Column("batch_id", sa.String(64), primary_key=True),
     sa.Column("received_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Index("ix_usage_batches_received_at", "received_at"),
 )

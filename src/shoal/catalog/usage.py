@@ -9,8 +9,9 @@ No `from __future__ import annotations` here: FastAPI reads the routes' annotati
 """
 
 import asyncio
+import logging
 import pathlib
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -22,6 +23,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shoal.catalog import tables
 from shoal.catalog.resources import WORKSPACE_PATTERN, Strict, Time
+
+log = logging.getLogger(__name__)
 
 Count = Annotated[int, Field(ge=0, le=10**15, strict=True)]
 Label = Annotated[str, Field(max_length=400, pattern=r"^[^\x00]*$")]
@@ -187,6 +190,69 @@ def _items(rows: list[Any], group_by: str) -> list[dict[str, Any]]:
         item["total_tokens"] = prompt + completion
         items.append(item)
     return items
+
+
+PRUNE_SLICE = 5000  # rows deleted per statement (and transaction): no long lock, the loop free
+
+
+async def prune_usage(engine: AsyncEngine, before: datetime) -> int:
+    """Delete the usage rows of minutes before `before`, and the ids of batches received
+    before it, `PRUNE_SLICE` at a time, each slice its own transaction; the count deleted.
+    Two catalogs pruning at once delete each slice once between them."""
+    deleted = 0
+    before = _aware(before)
+    for table, column in (
+        (tables.usage, tables.usage.c.minute),
+        (tables.usage_batches, tables.usage_batches.c.received_at),
+    ):
+        key = next(iter(table.primary_key.columns))
+        oldest = sa.select(key).where(column < before).order_by(column).limit(PRUNE_SLICE)
+        while True:
+            async with engine.connect() as conn:
+                await conn.execution_options(shoal_write=True)
+                async with conn.begin():
+                    result = await conn.execute(sa.delete(table).where(key.in_(oldest)))
+            deleted += result.rowcount
+            if result.rowcount < PRUNE_SLICE:
+                break
+    return deleted
+
+
+class UsageRetention:
+    """Prunes usage older than `days` every `interval` seconds (the first pass at once), for
+    as long as it runs; a failed pass is logged and reported, and the next one tries again."""
+
+    def __init__(self, engine: AsyncEngine, days: float, interval: float = 3600.0) -> None:
+        self.engine = engine
+        self.days = days
+        self.interval = interval
+        self.deleted = 0  # rows and batch ids deleted since the start
+        self.last_pass: datetime | None = None  # the end of the last pass that succeeded
+        self.error = ""  # why the last pass failed ("" when it did not)
+
+    async def run(self) -> None:
+        while True:
+            await self.prune_once()
+            await asyncio.sleep(self.interval)
+
+    async def prune_once(self) -> None:
+        before = datetime.now(UTC) - timedelta(days=self.days)
+        try:
+            deleted = await prune_usage(self.engine, before)
+        except Exception as exc:  # the database is down or refuses: the next pass tries again
+            self.error = f"{type(exc).__name__}: {exc}"[:300]
+            log.warning("usage retention: pruning failed, next pass in %gs: %s",
+                        self.interval, self.error)  # fmt: skip
+            return
+        self.deleted += deleted
+        self.last_pass, self.error = datetime.now(UTC), ""
+        if deleted:
+            log.info("usage retention: %d rows and batch ids before %s deleted", deleted,
+                     before.strftime("%Y-%m-%dT%H:%M:%SZ"))  # fmt: skip
+
+    def report(self) -> dict[str, Any]:
+        last = self.last_pass.strftime("%Y-%m-%dT%H:%M:%SZ") if self.last_pass else None
+        return {"days": self.days, "deleted": self.deleted, "last_pass": last, "error": self.error}
 
 
 def _aware(moment: datetime) -> datetime:

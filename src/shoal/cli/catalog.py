@@ -71,6 +71,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="reads need no admin token (SHOAL_PUBLIC_READ=1)",
     )
     add_controller_flags(serve)
+    add_flag(
+        serve,
+        "--usage-retention-days",
+        90.0,
+        type=number(float, low=0),
+        help="days of API key usage kept: older rows, and the ids of batches received before, "
+        "are deleted every hour (default 90; 0: kept for ever)",
+    )
 
     migrate = commands.add_parser("migrate", help="bring the database schema up to date")
     add_database_flag(migrate)
@@ -220,6 +228,7 @@ async def serve(args: argparse.Namespace) -> int:
         admin_token=args.admin_token,
         public_read=args.public_read,
         key_pepper=args.key_pepper,
+        usage_retention_days=args.usage_retention_days,
     )
     server = CatalogServer(config)
     try:
