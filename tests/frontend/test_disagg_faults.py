@@ -129,3 +129,37 @@ async def test_a_decode_that_refuses_every_handle_is_not_picked_again_while_anot
             busy.cancel()
     finally:
         await bad.stop()
+
+
+async def test_a_prefill_that_stalls_after_its_head_is_bounded_without_a_first_byte_timeout(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """With `--first-byte-timeout 0` a prefill was bounded by nothing: one that sent its head
+    and then nothing held the request (and the instance's in-flight count) for ever. The idle
+    timeout bounds a prefill's answer after its head as it does any answer's body."""
+
+    async def head_then_silence(
+        _: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"content-length: 100\r\n\r\n{")  # fmt: skip
+        await writer.drain()
+        await reader.read()  # (until the gateway gives up and closes)
+
+    prefill = await _raw_stage(store, head_then_silence, WorkerRole.PREFILL)
+    await start_worker(component="decode", role=WorkerRole.DECODE)
+    try:
+        frontend = await start_frontend(first_byte_timeout=0.0, upstream_idle_timeout=0.5)
+        await _two_stages(frontend)
+        body = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}]}
+        async with (
+            aiohttp.ClientSession() as session,
+            asyncio.timeout(10),
+            session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+        ):
+            assert response.status in (502, 504), await response.text()
+            error = (await response.json())["error"]
+        assert "stalled for 0.5s" in error["message"]
+        await wait_for(lambda: _in_flight(frontend) == [0, 0], message="in flight back to 0")
+    finally:
+        await prefill.stop()

@@ -33,6 +33,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -227,17 +228,38 @@ class PrefillSink:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.done: asyncio.Future[tuple[int, bytes]] = loop.create_future()
+        self.head: asyncio.Future[None] = loop.create_future()
         self.status = 0
         self.parts: list[bytes] = []
         self.size = 0
         self.head_seen = False
+        self.last_read = time.monotonic()  # (the send, until a byte of the answer)
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
         self.head_seen = True
+        self.last_read = time.monotonic()
         self.status = status
+        if not self.head.done():
+            self.head.set_result(None)
         return True
 
+    async def answer(self, address: str, first_byte: float, idle: float) -> tuple[int, bytes]:
+        """The whole answer: its head within `first_byte` seconds of the send, then no more
+        than `idle` seconds without a byte (0: no bound), else `UpstreamError`."""
+        while not self.done.done():
+            limit = idle if self.head_seen else first_byte
+            left = self.last_read + limit - time.monotonic() if limit > 0 else None
+            if left is not None and left <= 0:
+                what = "stalled for" if self.head_seen else "sent no answer within"
+                raise UpstreamError(f"prefill instance {address} {what} {limit:g}s")
+            waits: set[asyncio.Future[Any]] = {self.done}
+            if not self.head_seen:
+                waits.add(self.head)  # (the bound changes with the head)
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        return self.done.result()
+
     def on_body(self, data: bytes) -> None:
+        self.last_read = time.monotonic()
         self.size += len(data)
         if self.size > MAX_PREFILL_ANSWER:
             self.on_failure(UpstreamError(f"prefill answer over {MAX_PREFILL_ANSWER} bytes"))
@@ -364,19 +386,16 @@ class TwoStageForward(Forward):
         body = stage_one_body(self.source)
         self._new_stage_id()
         head = self._head(target, body)
-        limit = self.proxy.first_byte_timeout
+        limits = (self.proxy.first_byte_timeout, self.proxy.upstream_idle_timeout)
         started = time.perf_counter()
         target.in_flight += 1
         try:
-            async with asyncio.timeout(limit or None):
-                try:
-                    status, answer = await self._exchange(target, head, body, target.take_idle())
-                except StaleConnection:
-                    status, answer = await self._exchange(target, head, body, None)
-        except TimeoutError:
-            raise UpstreamError(
-                f"prefill instance {target.address} sent no answer within {limit:g}s"
-            ) from None
+            try:
+                status, answer = await self._exchange(
+                    target, head, body, target.take_idle(), *limits
+                )
+            except StaleConnection:
+                status, answer = await self._exchange(target, head, body, None, *limits)
         finally:
             target.in_flight -= 1
         if status >= 500:
@@ -388,17 +407,23 @@ class TwoStageForward(Forward):
 
     @staticmethod
     async def _exchange(
-        target: Upstream, head: bytes, body: bytes, conn: UpstreamConnection | None
+        target: Upstream,
+        head: bytes,
+        body: bytes,
+        conn: UpstreamConnection | None,
+        first_byte: float,
+        idle: float,
     ) -> tuple[int, bytes]:
-        """One request on `conn` (a new connection if None); the status and whole body.
+        """One request on `conn` (a new connection if None); the status and whole body, the
+        head within `first_byte` seconds and no pause in it over `idle` (0: unbounded).
         `StaleConnection` when a pooled connection had been closed by the instance."""
         reused = conn is not None
         if conn is None:
-            conn = await target.connect()
+            conn = await target.connect()  # (within its own connect timeout)
         sink = PrefillSink(asyncio.get_running_loop())
         conn.send(head, body, sink)
         try:
-            return await sink.done
+            return await sink.answer(target.address, first_byte, idle)
         except UpstreamError:
             conn.abort()
             if reused and not sink.head_seen:
