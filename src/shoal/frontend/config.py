@@ -84,6 +84,10 @@ class MembershipView(Protocol):
 
     def to_dict(self) -> dict[str, Any]: ...
 
+    async def json(self) -> bytes:
+        """`to_dict()` as JSON, made off the event loop."""
+        ...
+
 
 class MembershipStatusView(Protocol):
     @property

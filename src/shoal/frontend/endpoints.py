@@ -211,12 +211,12 @@ class Endpoints:
             if self.membership is None:
                 raise errors.not_found(path.decode())
             if path == b"/v1/membership":
-                conn.send(200, _json(self.membership.view.to_dict()))
+                _AnswerLater(conn, self.membership.view.json(), _JSON_TYPE)
             else:
                 conn.send(200, _json(self.membership.status.to_dict()))
         elif path == b"/metrics" and self.metrics_server is None:
             source = self.metrics_source or self.metrics.render_sliced
-            _MetricsLater(conn, source())
+            _AnswerLater(conn, source())
         else:
             raise errors.not_found(path.decode())
 
@@ -260,7 +260,7 @@ class Endpoints:
                 request.method.decode(), "/metrics", (b"GET", b"HEAD")
             )
         else:
-            _MetricsLater(conn, self.metrics.render_sliced())
+            _AnswerLater(conn, self.metrics.render_sliced())
             return
         conn.send(error.status, error.body(), headers=error.headers)
 
@@ -367,33 +367,38 @@ class Endpoints:
         return {"id": virtual.name, "object": "model", "created": created, "owned_by": "shoal"}
 
 
-class _MetricsLater:
-    """A `/metrics` answer produced by an awaitable (written a slice of models at a time,
-    or the merged metrics of several processes); cancelled if the client goes away, 503 if
-    the awaitable fails."""
+class _AnswerLater:
+    """An answer produced by an awaitable (`/metrics` written a slice of models at a time, or
+    the merged metrics of several processes; `/v1/membership` encoded in a thread); cancelled
+    if the client goes away, 503 if the awaitable fails."""
 
-    def __init__(self, conn: HttpConnection, body: Awaitable[bytes | list[bytes]]) -> None:
-        self.task = asyncio.ensure_future(self._answer(conn, body))
+    def __init__(
+        self, conn: HttpConnection, body: Awaitable[bytes | list[bytes]], kind: bytes | None = None
+    ) -> None:
+        self.task = asyncio.ensure_future(self._answer(conn, body, kind or _METRICS_TYPE))
         conn.produce_later(self)
 
     @staticmethod
-    async def _answer(conn: HttpConnection, body: Awaitable[bytes | list[bytes]]) -> None:
+    async def _answer(
+        conn: HttpConnection, body: Awaitable[bytes | list[bytes]], kind: bytes
+    ) -> None:
         try:
             data = await body
         except Exception as exc:
-            error = errors.unavailable(f"the frontend's metrics could not be gathered: {exc}")
+            error = errors.unavailable(f"the frontend's answer could not be made: {exc}")
             conn.send(error.status, error.body(), headers=error.headers)
         else:
             if isinstance(data, bytes):
-                conn.send(200, data, _METRICS_TYPE)
+                conn.send(200, data, kind)
             else:  # (the pieces, as written: never joined)
-                conn.send_pieces(200, data, _METRICS_TYPE)
+                conn.send_pieces(200, data, kind)
 
     def cancel(self) -> None:
         self.task.cancel()
 
 
 _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+_JSON_TYPE = b"application/json"
 _PUBLIC_HEALTH = frozenset({"status", "reasons"})
 """What `/health` tells a caller without the API key (unless `--public-health`)."""
 

@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from shoal.membership import MembershipWatch
 from shoal.relay.member import MemberKey
-from shoal.relay.relay import KvRelay
+from shoal.relay.relay import STATUS_MEMBERS, KvRelay, parse_member_cursor
 
 
 class StatusServer:
@@ -74,10 +74,21 @@ class StatusServer:
         return web.json_response(body, status=code)
 
     async def get_status(self, request: web.Request) -> web.Response:
-        return web.json_response({**self.membership.status.to_dict(), **self.relay.status()})
+        """`?limit=N` (1 to 1,000, the default) members after `?after=namespace/instance_id`."""
+        query = request.query
+        text = query.get("limit", str(STATUS_MEMBERS))
+        if not text.isdigit() or not 1 <= int(text) <= STATUS_MEMBERS:
+            return _invalid("limit", f"limit: {text[:20]!r} is not within 1 and {STATUS_MEMBERS}")
+        try:
+            after = parse_member_cursor(query["after"]) if "after" in query else None
+        except ValueError as exc:
+            return _invalid("after", str(exc))
+        relay = self.relay.status(int(text), after)
+        return web.json_response({**self.membership.status.to_dict(), **relay})
 
     async def get_membership(self, request: web.Request) -> web.Response:
-        return web.json_response(self.membership.view.to_dict())
+        body = await self.membership.view.json()
+        return web.Response(body=body, content_type="application/json")
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         # The figures are read here, on the event loop; rendered in a thread (a lag per
@@ -148,3 +159,10 @@ class _RelayCollector(Collector):
         for (namespace, instance_id), ms in figures.lag.items():
             lag.add_metric([namespace, f"{instance_id:x}"], ms)
         yield lag
+
+
+def _invalid(param: str, message: str) -> web.Response:
+    """A 400 in the OpenAI error format, naming the query parameter."""
+    error = {"message": message, "type": "invalid_request_error", "param": param,
+             "code": "invalid_value"}  # fmt: skip
+    return web.json_response({"error": error}, status=400)
