@@ -61,6 +61,18 @@ async def test_duplicates_are_skipped_and_a_gap_drops_what_is_held() -> None:
     assert reader.stats.resnapshots == 3
 
 
+async def test_a_record_stored_after_later_ones_reads_as_a_gap_then_a_copy() -> None:
+    """A relay sends up to 128 records ahead of their acknowledgements; when the stream refuses
+    one (2) and stores the next (3), 2 is sent again after 3: the stream holds 3 before 2. The
+    reader sees the gap at 3 (forgets the instance's blocks: never keeps an evicted one), then
+    skips 2 and the copy of 3, and goes on from 4."""
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    follower = Follower(reader)
+    for seq in (0, 1, 3, 2, 3, 4):
+        batch(reader, seq)
+    assert (follower.applied, follower.purges) == ([0, 1, 3, 4], 1)
+
+
 async def test_a_new_run_that_numbers_past_the_last_batch_read_is_told_by_its_timestamps() -> None:
     reader = KvStreamReader("nats://127.0.0.1:1")
     follower = Follower(reader)
