@@ -66,9 +66,17 @@ TEMPLATES = {
                 "{% for ch in m.content %}{{ ch }},{% endfor %}",
                 "{{ 'hi there'.startswith(m.content) }}",
                 "{{ m.content | wordcount }}",
+                "{{ m | tojson }}",
+                "{{ messages | tojson }}",
+                "{{ m | string }}",
+                "{{ m.items() | list }}",
             ]
         )
     },
+    "joins-contents": (
+        "{{ messages | map(attribute='content') | join('|') }}"
+        "{% for m in messages %}{{ [m.role, m.content] | join(': ') }}{% endfor %}"
+    ),
     "named-and-flagged": (
         "{% for m in messages %}{{ m.role }}{% if m.name %}({{ m.name }}){% endif %}"
         "{% if m.get('weight') is number %}#{{ m.weight }}{% endif %}: {{ m.content }}\n"
@@ -77,7 +85,18 @@ TEMPLATES = {
 }
 TEXTS = st.one_of(
     st.sampled_from(
-        ["", " ", "hi", "  hi  ", "/cmd", "a secret", "x</think>\n\ny", '\x00<0&">\x00', "é🙂"]
+        [
+            "",
+            " ",
+            "hi",
+            "  hi  ",
+            "/cmd",
+            "a secret",
+            "x</think>\n\ny",
+            '\x00<shoal-ph-0&">\x00',
+            "shoal-ph-1",
+            "é🙂",
+        ]
     ),
     st.text(max_size=40),
 )

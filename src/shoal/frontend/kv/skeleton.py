@@ -14,6 +14,9 @@ of its own (derived, filled with the real content stripped), and refuses everyth
 (slicing, iterating, splitting, any other method or filter, formatting with a width): the
 render stops and the shape is rendered whole from then on. A skeleton is used for a chat only
 when every observation holds for the chat's contents, else the shape is made again from it.
+A content that reaches the output other than copied (a message or the messages given to
+`tojson` or printed as a whole) leaves its marker escaped: its name is still there, so the
+output is not cut into a skeleton and the shape is rendered whole.
 
 Exact for what passes through the sandbox's hooks and the placeholder's own methods. Not
 seen: a template computing on a copy of a content (a concatenation tested for its length),
@@ -33,8 +36,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-MARK = '\x00<%d&">\x00'  # changed by any escaping (HTML, JSON, URL): an escaped marker is no marker
-_MARKS = re.compile(r"\x00<(\d+)&\">\x00")
+MARK = '\x00<shoal-ph-%d&">\x00'  # changed by any escaping (HTML, JSON, URL): no marker then,
+_MARKS = re.compile(r"\x00<shoal-ph-(\d+)&\">\x00")
+_MANGLED = re.compile(r"\x00|shoal-ph-", re.IGNORECASE)  # but its name is still there
 _PLAIN_FORMAT = re.compile(r"(?:[^%]|%%|%s)*")
 ENTRY_BYTES = 400  # an entry's own objects
 PART_BYTES = 60  # a part of a skeleton (its slot and a short string or an int)
@@ -324,7 +328,7 @@ def _skeleton(out: str, recorder: _Recorder) -> _Entry:
         if i % 2:
             parts.append(int(piece))
         elif piece:
-            if "\x00" in piece:  # (a marker the template changed: cannot be filled)
+            if _MANGLED.search(piece):  # (a marker the template changed: cannot be filled)
                 return _WHOLE
             parts.append(piece)
     if any(type(p) is int and p >= len(recorder.values) for p in parts):
