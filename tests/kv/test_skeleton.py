@@ -77,6 +77,11 @@ TEMPLATES = {
         "{{ messages | map(attribute='content') | join('|') }}"
         "{% for m in messages %}{{ [m.role, m.content] | join(': ') }}{% endfor %}"
     ),
+    "raises-quoting-a-content": (
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+        "{{ raise_exception('a late system message: ' + m.content) }}{% endif %}"
+        "{{ m.content }}{% endfor %}"
+    ),
     "named-and-flagged": (
         "{% for m in messages %}{{ m.role }}{% if m.name %}({{ m.name }}){% endif %}"
         "{% if m.get('weight') is number %}#{{ m.weight }}{% endif %}: {{ m.content }}\n"

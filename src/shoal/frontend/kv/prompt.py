@@ -158,7 +158,7 @@ class PromptTokenizer:
         self.env = BoundedSandbox()
         if isinstance(template, str):
             self.template = self.env.from_string(template)
-        self.skeletons = Skeletons(SKELETON_BYTES)
+        self.skeletons = Skeletons(SKELETON_BYTES, (TemplateOverrun, Deferred))
         self.disabled = ""  # why the template is no longer rendered ("" while it is)
         self._worker: ThreadPoolExecutor | None = None
         self._rendering: tuple[int, float] | None = None  # (thread, deadline) of a render

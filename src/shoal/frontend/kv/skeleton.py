@@ -227,8 +227,9 @@ _WHOLE = _Entry([], [], [], ENTRY_BYTES)  # a shape its template inspects: rende
 class Skeletons:
     """Skeletons of one template's renders by the shape of the chat (see the module)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, passed: tuple[type[Exception], ...] = ()) -> None:
         self.capacity = capacity
+        self.passed = passed  # errors of a skeleton render raised as they are (its budgets)
         self.bytes = 0
         self.filled = 0  # chats made from a skeleton (for the tests and benchmarks)
         self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
@@ -261,11 +262,12 @@ class Skeletons:
             out: str | None = render(marked)
         except Inspected:
             out = None
+        except self.passed:
+            raise  # (the render's budgets: the whole render would spend as much)
         except Exception:
-            if recorder.inspected:
-                out = None
-            else:
-                raise  # (the template's own error, or its budget: as the whole render's)
+            # The template's own error (its message may quote a content), or a refusal it
+            # turned into another error: the whole render says which.
+            out = None
         entry = _WHOLE if out is None or recorder.inspected else _skeleton(out, recorder)
         self._keep(key, entry, _cost(key))
         if entry is _WHOLE:
