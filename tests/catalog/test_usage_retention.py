@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shoal.catalog import CatalogClient, CatalogConfig, CatalogServer, migrate, open_engine, tables
 from shoal.catalog import usage as usage_module
-from shoal.catalog.usage import prune_usage
+from shoal.catalog.usage import UsageRetention, prune_usage
 from tests.catalog.test_usage import row
 from tests.helpers import wait_for
 
@@ -142,3 +142,12 @@ async def test_a_catalog_prunes_as_it_runs_and_reports_the_pruning(database_url:
         assert report["last_pass"] is not None
     finally:
         await server.stop()
+
+
+async def test_a_retention_longer_than_the_calendar_deletes_nothing_and_reports_no_error(
+    engine: AsyncEngine,
+) -> None:
+    await old_rows(engine, 2, days_ago=100)
+    retention = UsageRetention(engine, days=1e9)  # (a cutoff before year 1: OverflowError)
+    await retention.prune_once()
+    assert retention.error == "" and await counts(engine) == (2, 2)

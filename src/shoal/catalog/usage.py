@@ -236,8 +236,11 @@ class UsageRetention:
             await asyncio.sleep(self.interval)
 
     async def prune_once(self) -> None:
-        before = datetime.now(UTC) - timedelta(days=self.days)
         try:
+            try:
+                before = datetime.now(UTC) - timedelta(days=self.days)
+            except OverflowError:  # (more days than the calendar holds: nothing is that old)
+                return
             deleted = await prune_usage(self.engine, before)
         except Exception as exc:  # the database is down or refuses: the next pass tries again
             self.error = f"{type(exc).__name__}: {exc}"[:300]

@@ -75,9 +75,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         serve,
         "--usage-retention-days",
         90.0,
-        type=number(float, low=0),
+        type=number(float, low=0, high=MAX_RETENTION_DAYS),
         help="days of API key usage kept: older rows, and the ids of batches received before, "
-        "are deleted every hour (default 90; 0: kept for ever)",
+        "are deleted every hour (default 90, at most 36500; 0: kept for ever)",
     )
 
     migrate = commands.add_parser("migrate", help="bring the database schema up to date")
@@ -142,6 +142,9 @@ def add_database_flag(parser: argparse.ArgumentParser) -> None:
         help="database URL: sqlite:///path or postgresql://user@host/db "
         "(default: catalog.db in the user state dir)",
     )
+
+
+MAX_RETENTION_DAYS = 36_500.0  # a century: `--usage-retention-days` at most
 
 
 def add_controller_flags(parser: argparse.ArgumentParser) -> None:
