@@ -112,7 +112,8 @@ async def test_the_status_of_ten_thousand_members_is_paged_without_holding_the_l
             cursor = page["members_next"]
         assert len(seen) == len(set(seen)) == MEMBERS and seen == sorted(seen)
         for query, param in [("?limit=0", "limit"), ("?limit=1001", "limit"),
-                             ("?limit=x", "limit"), ("?after=ns1", "after"),
+                             ("?limit=x", "limit"), ("?limit=%C2%B2", "limit"),
+                             ("?limit=" + "9" * 5000, "limit"), ("?after=ns1", "after"),
                              ("?after=ns1/zz", "after")]:  # fmt: skip
             code, body = await asyncio.to_thread(get, query)
             assert code == 400 and body["error"]["param"] == param, (query, body)

@@ -77,7 +77,8 @@ class StatusServer:
         """`?limit=N` (1 to 1,000, the default) members after `?after=namespace/instance_id`."""
         query = request.query
         text = query.get("limit", str(STATUS_MEMBERS))
-        if not text.isdigit() or not 1 <= int(text) <= STATUS_MEMBERS:
+        plain = text.isascii() and text.isdigit() and len(text) <= 6  # ("²", 5,000 digits)
+        if not plain or not 1 <= int(text) <= STATUS_MEMBERS:
             return _invalid("limit", f"limit: {text[:20]!r} is not within 1 and {STATUS_MEMBERS}")
         try:
             after = parse_member_cursor(query["after"]) if "after" in query else None
