@@ -251,6 +251,7 @@ class PrefillSink:
             left = self.last_read + limit - time.monotonic() if limit > 0 else None
             if left is not None and left <= 0:
                 what = "stalled for" if self.head_seen else "sent no answer within"
+                self.done.cancel()  # (the connection's end is nobody's to read)
                 raise UpstreamError(f"prefill instance {address} {what} {limit:g}s")
             waits: set[asyncio.Future[Any]] = {self.done}
             if not self.head_seen:
