@@ -11,7 +11,13 @@ from shoal.cards import WorkerRole
 from shoal.frontend import Frontend
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
-from tests.frontend.raw_upstream import Behaviour, RawUpstream, json_answer
+from tests.frontend.raw_upstream import (
+    Behaviour,
+    RawUpstream,
+    completion,
+    json_answer,
+    until_closed,
+)
 from tests.helpers import wait_for
 
 DEEP = b"[" * 30_000 + b"]" * 30_000  # (within the 64 KiB a decode's 400 is read for)
@@ -157,9 +163,58 @@ async def test_a_prefill_that_stalls_after_its_head_is_bounded_without_a_first_b
             asyncio.timeout(10),
             session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
         ):
-            assert response.status in (502, 504), await response.text()
+            assert response.status == 504, await response.text()
             error = (await response.json())["error"]
+        assert error["code"] == "upstream_timeout"
         assert "stalled for 0.5s" in error["message"]
         await wait_for(lambda: _in_flight(frontend) == [0, 0], message="in flight back to 0")
     finally:
         await prefill.stop()
+
+
+async def test_a_prefill_timed_out_on_a_pooled_connection_is_not_sent_again_as_if_stale(
+    store: Store, start_frontend: StartFrontend
+) -> None:
+    """A pooled connection that fails before its head is taken for one the instance had
+    closed, and the request is sent again on a new one. A timeout is no such failure: the
+    instance got the prefill and sat on it. Re-sending it doubled the wait and the prefill."""
+    handle = b'{"id":"p","choices":[],"kv_transfer_params":{"remote_block_ids":[1]}}'
+    answered: list[int] = []
+
+    async def answers_once_then_sits(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        if not answered:
+            answered.append(1)
+            await json_answer(b"200 OK", handle)(request, reader, writer)
+            return
+        await until_closed(reader)
+
+    async def answers(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(completion())
+
+    prefill = await _raw_stage(store, answers_once_then_sits, WorkerRole.PREFILL)
+    decode = await _raw_stage(store, answers, WorkerRole.DECODE)
+    try:
+        frontend = await start_frontend(first_byte_timeout=1.0)
+        await _two_stages(frontend)
+        body = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}]}
+        url = f"{frontend.url}/v1/chat/completions"
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+            async with session.post(url, json=body) as response:
+                assert response.status == 200, await response.text()
+            began = loop.time()
+            async with session.post(url, json=body) as response:
+                assert response.status == 504, await response.text()
+                error = (await response.json())["error"]
+            waited = loop.time() - began
+        assert error["code"] == "upstream_timeout"
+        assert len(prefill.raw_requests) == 2  # (three when the timeout was sent again)
+        assert waited < 1.8  # one first-byte timeout (and a sweep), not two
+        await wait_for(lambda: _in_flight(frontend) == [0, 0], message="in flight back to 0")
+    finally:
+        await prefill.stop()
+        await decode.stop()

@@ -226,3 +226,28 @@ async def test_a_silent_stream_is_ended_at_the_idle_timeout_within_two_sweeps(
         waited = loop.time() - began
     assert b'"upstream_error"' in rest
     assert 0.95 <= waited < 1.0 + 2 * 0.1 + 0.4, waited
+
+
+async def head_then_silence(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+    )
+    await until_closed(reader)
+
+
+async def test_a_head_then_silence_on_the_last_attempt_is_504_upstream_timeout_naming_the_wait(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """The head is held until the first body byte, so nothing reached the client: a wait
+    that timed out is a gateway timeout (504), not a failed instance (502)."""
+    stalled = await start_raw(head_then_silence)
+    frontend = await started(start_frontend, stalled, upstream_idle_timeout=0.5)
+    async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+        response = await session.post(f"{frontend.url}/v1/chat/completions", json=BODY)
+        assert response.status == 504, await response.text()
+        error = (await response.json())["error"]
+    assert error["code"] == "upstream_timeout"
+    assert "sent nothing for 0.5s" in error["message"]
+    assert "first-byte" not in error["message"]

@@ -37,11 +37,11 @@ def upstream_failed(model: str, reason: str) -> ApiError:
     )
 
 
-def upstream_timeout(model: str, seconds: float) -> ApiError:
+def upstream_timeout(model: str, reason: str) -> ApiError:
+    """No instance answered in time; `reason` says which wait ran out."""
     return ApiError(
         504,
-        f"No instance of `{model}` started answering within the first-byte timeout "
-        f"of {seconds:g}s.",
+        f"No instance of `{model}` answered in time: {reason}",
         type="server_error",
         code="upstream_timeout",
     )

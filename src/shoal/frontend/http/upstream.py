@@ -44,6 +44,12 @@ class UpstreamError(ConnectionError):
 
 
 @mypyc_attr(native_class=False)
+class UpstreamTimeout(UpstreamError):
+    """An instance took the request and then sent nothing for longer than a timeout allows:
+    no stale connection (it was read), and answered 504 when no instance is left."""
+
+
+@mypyc_attr(native_class=False)
 class ConnectRefused(UpstreamError):
     """The instance refused or reset the connection: nothing was sent, little time was spent,
     so trying another instance costs nothing (a dead worker, not a slow one)."""

@@ -42,7 +42,13 @@ from prometheus_client.registry import Collector
 from shoal.bounds import TooDeep, check_json_depth
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request
-from shoal.frontend.http.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
+from shoal.frontend.http.upstream import (
+    ConnectRefused,
+    Upstream,
+    UpstreamConnection,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from shoal.frontend.proxy.fields import Fields, rewrite_model
 from shoal.frontend.proxy.forward import Forward
 from shoal.frontend.proxy.proxy import Proxy
@@ -252,7 +258,7 @@ class PrefillSink:
             if left is not None and left <= 0:
                 what = "stalled for" if self.head_seen else "sent no answer within"
                 self.done.cancel()  # (the connection's end is nobody's to read)
-                raise UpstreamError(f"prefill instance {address} {what} {limit:g}s")
+                raise UpstreamTimeout(f"prefill instance {address} {what} {limit:g}s")
             waits: set[asyncio.Future[Any]] = {self.done}
             if not self.head_seen:
                 waits.add(self.head)  # (the bound changes with the head)
@@ -417,7 +423,8 @@ class TwoStageForward(Forward):
     ) -> tuple[int, bytes]:
         """One request on `conn` (a new connection if None); the status and whole body, the
         head within `first_byte` seconds and no pause in it over `idle` (0: unbounded).
-        `StaleConnection` when a pooled connection had been closed by the instance."""
+        `StaleConnection` when a pooled connection had been closed by the instance (a pooled
+        connection that timed out was not: the instance has the request, it is not re-sent)."""
         reused = conn is not None
         if conn is None:
             conn = await target.connect()  # (within its own connect timeout)
@@ -425,9 +432,9 @@ class TwoStageForward(Forward):
         conn.send(head, body, sink)
         try:
             return await sink.answer(target.address, first_byte, idle)
-        except UpstreamError:
+        except UpstreamError as exc:
             conn.abort()
-            if reused and not sink.head_seen:
+            if reused and not sink.head_seen and not isinstance(exc, UpstreamTimeout):
                 raise StaleConnection() from None
             raise
         except BaseException:

@@ -35,7 +35,13 @@ from mypy_extensions import mypyc_attr
 from shoal.cards import ModelType
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request, status_line
-from shoal.frontend.http.upstream import ConnectRefused, Upstream, UpstreamConnection, UpstreamError
+from shoal.frontend.http.upstream import (
+    ConnectRefused,
+    Upstream,
+    UpstreamConnection,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from shoal.frontend.proxy import migration
 from shoal.frontend.proxy.deadlines import Deadlines
 from shoal.frontend.proxy.fields import Fields, prompt_hint, rewrite_model
@@ -76,12 +82,12 @@ class Gateway(Protocol):
 
 
 @mypyc_attr(native_class=False)
-class FirstByteTimeout(UpstreamError):
+class FirstByteTimeout(UpstreamTimeout):
     """An instance sent no complete response head within the first-byte timeout."""
 
 
 @mypyc_attr(native_class=False)
-class UpstreamIdleTimeout(UpstreamError):
+class UpstreamIdleTimeout(UpstreamTimeout):
     """An instance sent nothing for the idle timeout in the middle of a response body."""
 
     reason = "idle_timeout"  # (its label in the migration metric)
@@ -219,8 +225,8 @@ class Forward:
             name = self.name
             if failure is None:
                 error = errors.no_ready_instance(name)
-            elif isinstance(failure, FirstByteTimeout):
-                error = errors.upstream_timeout(name, self.proxy.first_byte_timeout)
+            elif isinstance(failure, UpstreamTimeout):  # (the first-byte or the idle wait)
+                error = errors.upstream_timeout(name, str(failure))
             else:
                 error = errors.upstream_failed(name, str(failure))
             self._finish(error)
