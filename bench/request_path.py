@@ -130,7 +130,7 @@ class Transport:
 class Bench:
     """One frontend's request path wired to fake transports, ready to serve requests."""
 
-    def __init__(self, chunks: int) -> None:
+    def __init__(self, chunks: int, instances: int = 1) -> None:
         from shoal.cards import ModelType, WorkerRole
         from shoal.frontend.endpoints import Endpoints
         from shoal.frontend.http.listener import HttpServer
@@ -143,13 +143,14 @@ class Bench:
 
         registry = Registry()
         ws = WorkerSet(SetId("bench-model", "ns", "backend", WorkerRole.AGGREGATED), "sum")
-        self.upstream = Upstream(1, "http://127.0.0.1:9")
-        ws.routable = (self.upstream,)
+        # Two instances or more: a chat stream may migrate, so the gateway reads its events.
+        upstreams = [Upstream(i + 1, f"http://127.0.0.{i + 1}:9") for i in range(instances)]
+        ws.routable = tuple(upstreams)
         model = Model(
             "bench-model",
             routable_sets=(ws,),
             model_types=frozenset({ModelType.CHAT}),
-            _cum_weights=(1,),
+            _cum_weights=(instances,),
         )
         model._kinds[ModelType.CHAT] = model
         registry.models["bench-model"] = model
@@ -163,10 +164,13 @@ class Bench:
         self.client = HttpConnection(self.server)
         self.client_transport = Transport()
         self.client.connection_made(self.client_transport)  # type: ignore[arg-type]
-        self.worker = UpstreamConnection(self.upstream)
-        self.worker_transport = Transport()
-        self.worker.connection_made(self.worker_transport)  # type: ignore[arg-type]
-        self.upstream.idle.append(self.worker)
+        self.workers: list[tuple[Upstream, UpstreamConnection, Transport]] = []
+        for upstream in upstreams:
+            worker = UpstreamConnection(upstream)
+            transport = Transport()
+            worker.connection_made(transport)  # type: ignore[arg-type]
+            upstream.idle.append(worker)
+            self.workers.append((upstream, worker, transport))
         self.requests = {"plain": client_request(BODY), "stream": client_request(STREAM_BODY)}
         self.responses = {"plain": worker_response(), "stream": worker_stream(chunks)}
 
@@ -175,16 +179,27 @@ class Bench:
         request = self.requests[mode]
         packets = self.responses[mode]
         client_received = self.client.data_received
-        worker_received = self.worker.data_received
-        worker_sent = self.worker_transport
-        for _ in range(n):
-            writes = worker_sent.writes
-            client_received(request)
-            assert worker_sent.writes == writes + 1, "the request did not reach the worker"
-            for packet in packets:
-                worker_received(packet)
+        workers = self.workers
+        if len(workers) == 1:
+            _, worker, worker_sent = workers[0]
+            worker_received = worker.data_received
+            for _ in range(n):
+                writes = worker_sent.writes
+                client_received(request)
+                assert worker_sent.writes == writes + 1, "the request did not reach the worker"
+                for packet in packets:
+                    worker_received(packet)
+        else:
+            for _ in range(n):
+                before = [sent.writes for _, _, sent in workers]
+                client_received(request)
+                (chosen,) = [w for w, b in zip(workers, before, strict=True) if w[2].writes > b]
+                worker_received = chosen[1].data_received
+                for packet in packets:
+                    worker_received(packet)
         assert self.client.idle and not self.client.closed, "the client connection broke"
-        assert self.upstream.idle == [self.worker], "the worker connection was not pooled"
+        for upstream, worker, _ in workers:
+            assert upstream.idle == [worker], "a worker connection was not pooled"
 
     def check(self) -> None:
         stats = self.proxy.metrics.models["bench-model"].requests
@@ -192,7 +207,7 @@ class Bench:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, float]:
-    bench = Bench(args.chunks)
+    bench = Bench(args.chunks, args.instances)
     for mode in args.modes:  # one request each, `--null` too: what is done once is not counted
         bench.serve(mode, 1)
     await asyncio.sleep(0)
@@ -250,7 +265,8 @@ def instructions(
                     "valgrind", "--tool=cachegrind", "--cache-sim=no",
                     "--cachegrind-out-file=/dev/null", sys.executable, "-m", "bench.request_path",
                     "--json", "--repeat", "1", "--requests", str(args.requests),
-                    "--chunks", str(args.chunks), "--modes", mode,
+                    "--chunks", str(args.chunks), "--instances", str(args.instances),
+                    "--modes", mode,
                 ] + (["--null"] if null else [])  # fmt: skip
                 runs[name, mode, null] = subprocess.Popen(
                     argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -276,6 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.request_path", description=__doc__)
     p.add_argument("--requests", type=int, default=20_000, help="per run of plain (default 20,000)")
     p.add_argument("--chunks", type=int, default=128, help="SSE events per stream (default 128)")
+    p.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        help="instances of the model (default 1); 2 or more: a chat stream may migrate, so the "
+        "gateway reads each of its events (as in any fleet of two or more)",
+    )
     p.add_argument("--repeat", type=int, default=5, help="runs per mode; the best counts")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     p.add_argument("--base", type=Path, help="also run on DIR/src (a worktree of the base)")
@@ -299,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.base is not None:
             argv2 = [sys.executable, "-m", "bench.request_path", "--json",
                      "--requests", str(args.requests), "--repeat", str(args.repeat),
-                     "--chunks", str(args.chunks), "--modes", ",".join(args.modes)]  # fmt: skip
+                     "--chunks", str(args.chunks), "--instances", str(args.instances),
+                     "--modes", ",".join(args.modes)]  # fmt: skip
             env = {
                 **os.environ,
                 "PYTHONPATH": f"{args.base.resolve() / 'src'}{os.pathsep}{HERE}",
@@ -311,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(ours))
         return 0
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"{unit}; stream: {args.chunks} events. Load average: {load}")
+    print(
+        f"{unit}; stream: {args.chunks} events; {args.instances} instance(s). Load average: {load}"
+    )
     head = "| mode | this tree |" + (" base | this ÷ base |" if base else "")
     print(head)
     print("| --- " * (head.count("|") - 1) + "|")

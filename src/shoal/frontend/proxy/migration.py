@@ -6,8 +6,8 @@ when the model may migrate (`--migration-limit`, or the card's `runtime_config`
 `migration_limit`) and has another instance. Only then are the stream's SSE events parsed
 (`feed`): whole events pass to the client (a partial one waits for its end, so the client
 never holds half an event when the instance dies), and the text, the tokens (content
-chunks) and the stream's `id` and `created` are kept. Every other request keeps the byte
-pass-through.
+chunks) and the stream's `id` and `created` are kept, read in batches (`catch_up`: a decode
+per event cost more than the rest of the request path). Others keep the byte pass-through.
 
 When the instance fails (reset, an end before `[DONE]` and before the finish reason, the
 idle timeout), `resume` re-issues the request to another instance of the set, never one
@@ -38,6 +38,7 @@ import msgspec
 
 from shoal.frontend.http.request import Request
 from shoal.frontend.http.upstream import Upstream, UpstreamError
+from shoal.frontend.proxy import continuation
 from shoal.frontend.registry.metrics import FrontendMetrics
 from shoal.frontend.registry.registry import Model, WorkerSet
 from shoal.frontend.registry.router import Router
@@ -89,6 +90,9 @@ MAX_CARRIED = 1 << 20
 """Characters of generated text a stream keeps for a continuation; past them it cannot migrate."""
 MAX_EVENT = 1 << 20
 """Bytes of one SSE event held until its end; a longer one ends parsing (no migration)."""
+READ_BATCH = 64 * 1024
+"""Bytes of whole events passed to the client before they are read (`catch_up`): in one
+decode, not one per event; what a migration needs is read before it is needed."""
 CARD_KEY = "migration_limit"
 """The card's `runtime_config` key: its own limit (0: its model cannot continue text)."""
 
@@ -103,19 +107,19 @@ class ContinuationRefused(UpstreamError):
     """The instance answered the continuation with an error status (it cannot continue)."""
 
 
-class _Delta(msgspec.Struct):
+class _Delta(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
     content: Any = None
     tool_calls: Any = None
     function_call: Any = None
 
 
-class _Choice(msgspec.Struct):
+class _Choice(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
     delta: _Delta | None = None
     text: Any = None
     finish_reason: Any = None
 
 
-class _Chunk(msgspec.Struct):
+class _Chunk(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
     id: Any = None
     created: Any = None
     choices: list[_Choice] | None = None
@@ -123,10 +127,11 @@ class _Chunk(msgspec.Struct):
 
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
+_decode_chunks = msgspec.json.Decoder(list[_Chunk]).decode
+_DONE = b"data: [DONE]\n\n"
+_AFTER_DONE = b"\n\n" + _DONE
 _decode_any = msgspec.json.Decoder().decode
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
-_decode_list = msgspec.json.Decoder(list[msgspec.Raw]).decode
-_TRUE, _FALSE = msgspec.Raw(b"true"), msgspec.Raw(b"false")
 _encode = msgspec.json.encode
 
 
@@ -205,6 +210,7 @@ class Migration:
     """The state of one stream that may move to another instance (see the module doc)."""
 
     __slots__ = (
+        "began",
         "carried",
         "chat",
         "created",
@@ -228,6 +234,8 @@ class Migration:
         "size",
         "text",
         "tokens",
+        "unread",
+        "unread_size",
         "ws",
     )
 
@@ -249,6 +257,9 @@ class Migration:
         # the end comes: an event dripped in small reads is not copied at each one).
         self.pending: list[bytes] = []
         self.pending_size = 0
+        self.began = False  # a whole `data:` event went to the client
+        self.unread: list[bytes] = []  # whole events the client has, not read yet
+        self.unread_size = 0
         self.text = io.StringIO()  # (no string object per chunk: a chunk may be one character)
         self.size = 0
         self.tokens = 0  # content chunks the client received: the tokens generated
@@ -273,7 +284,13 @@ class Migration:
         events, rewritten when the attempt is a continuation."""
         if not self.parsing or not data:
             return data
-        if not self.opened and not self.resuming and not self.pending:  # the first packet
+        if data[-2:] == b"\n\n" and self.began and not self.pending and not self.resuming:
+            self.unread.append(data)  # (the common packet: whole events, kept to read later)
+            self.unread_size += len(data)
+            if self.unread_size >= READ_BATCH:
+                self.catch_up()
+            return data
+        if not self.began and not self.resuming and not self.pending:  # the first packet
             if self.forward.status != 200 or not _sse_start(data):
                 return self._give_up(data, "not_sse")  # an error, or not a stream at all
             self.ws = self._find_set()
@@ -292,10 +309,13 @@ class Migration:
         if rest:
             self.pending, self.pending_size = [rest], len(rest)
         complete = data[: end + 2]
-        if not self.resuming:
-            for event in complete.split(b"\n\n")[:-1]:
-                if self._read(event) is not None:
-                    self.opened = True  # (a chunk, not a comment: the client's stream began)
+        if not self.resuming:  # (read later, many at once: `catch_up`)
+            if not self.began:
+                self.began = b"data:" in complete
+            self.unread.append(complete)
+            self.unread_size += len(complete)
+            if self.unread_size >= READ_BATCH:
+                self.catch_up()
             self.delivered = True
             return complete
         out = b"".join([self._rewrite(event) for event in complete.split(b"\n\n")[:-1]])
@@ -329,6 +349,58 @@ class Migration:
         self.pending, self.pending_size = [], 0
         return data
 
+    def catch_up(self) -> None:
+        """Read the whole events passed to the client since the last time. Events that are
+        each one `data:` line are read as one JSON array (their payloads joined by commas,
+        one decode for all); else, or when one of them is no chunk, one by one."""
+        unread = self.unread
+        if not unread:
+            return
+        data = unread[0] if len(unread) == 1 else b"".join(unread)
+        self.unread, self.unread_size = [], 0
+        if data.endswith(_DONE) and (len(data) == len(_DONE) or data.endswith(_AFTER_DONE)):
+            self.done = True
+            data = data[: -len(_DONE)]
+        if not data:
+            return
+        if data.startswith(b"data:"):
+            payloads = data[5:-2]
+            joined = payloads.replace(b"\n\ndata:", b",")
+            try:
+                chunks = _decode_chunks(b"[%s]" % joined)
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                chunks = None  # (an event that is not one `data:` line, or no chunk)
+            # One chunk per `data:` event (each replacement took 6 bytes), none spanning two.
+            if chunks is not None and len(chunks) == (len(payloads) - len(joined)) // 6 + 1:
+                self._keep_all(chunks)
+                self.opened = True
+                return
+        for event in data.split(b"\n\n")[:-1]:
+            if self._read(event) is not None:
+                self.opened = True  # (a chunk, not a comment: the client's stream began)
+
+    def _keep_all(self, chunks: list[_Chunk]) -> None:
+        """`_keep` of each of `chunks`, a comprehension per step rather than Python per chunk."""
+        if self.id is None:
+            self.id, self.created = chunks[0].id, chunks[0].created
+        choices = [choice for chunk in chunks if chunk.choices for choice in chunk.choices]
+        deltas = [c.delta for c in choices if c.delta is not None]
+        pieces = [d.content for d in deltas] if len(deltas) == len(choices) else None
+        if pieces is None:  # (a completion's choices: their text)
+            pieces = [c.text if c.delta is None else c.delta.content for c in choices]
+        if [d for d in deltas if d.tool_calls or d.function_call]:
+            self.refused = self.refused or "tool_calls"
+        if [c for c in choices if c.finish_reason is not None]:
+            self.finished = True
+        texts = [p for p in pieces if p and isinstance(p, str)]
+        self.tokens += len(texts)
+        text = "".join(texts)
+        if self.size + len(text) > MAX_CARRIED:
+            self.refused = self.refused or "too_long"  # (it cannot migrate: the text is moot)
+        else:
+            self.text.write(text)
+            self.size += len(text)
+
     def _read(self, event: bytes) -> _Chunk | None:
         """Keep what a migration needs of one event of the instance's."""
         if not event.startswith(b"data:"):
@@ -342,6 +414,11 @@ class Migration:
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             self.refused = self.refused or "unreadable"
             return None
+        self._keep(chunk)
+        return chunk
+
+    def _keep(self, chunk: _Chunk) -> None:
+        """Keep what a migration needs of one chunk: its id, its text and tokens, the end."""
         if self.id is None:
             self.id, self.created = chunk.id, chunk.created
         for choice in chunk.choices or ():
@@ -358,7 +435,6 @@ class Migration:
                     self.size += len(piece)
             if choice.finish_reason is not None:
                 self.finished = True
-        return chunk
 
     def _rewrite(self, event: bytes) -> bytes:
         """One event of a continuation as the client's stream has it: its `id` and
@@ -394,6 +470,7 @@ class Migration:
         """Whether a response that ended normally ended the stream (its `[DONE]` came, or
         at least its finish reason: an engine may send no `[DONE]`); counts a migrated
         stream that completed."""
+        self.catch_up()
         if not self.parsing or self.done or self.finished:
             if self.migrations:
                 self._count("succeeded", self.reason)
@@ -405,6 +482,7 @@ class Migration:
     def resume(self, failure: Exception, failed: Upstream | None) -> bool:
         """The instance failed after the client got the first byte: go on elsewhere if the
         stream may. False when it may not (counted, and the caller ends the stream)."""
+        self.catch_up()
         forward = self.forward
         reason = _failure_kind(failure)
         if not self.failed_at:
@@ -472,36 +550,13 @@ class Migration:
         return True
 
     def _continuation(self) -> bytes | None:
-        """The request asking an instance to continue the text so far. The client's body is
-        read one level deep, and its messages or prompt are spliced as they came, never
-        decoded: the body is joined once (a 14 MB prompt decoded and encoded again held the
-        event loop for ~50 ms)."""
+        """The request asking an instance to continue the text so far (`continuation.body`)."""
+        self.catch_up()
         if not self.size:
             return self.forward.origin  # nothing to continue: the request afresh
-        try:
-            members = self.members or _decode_members(self.forward.origin)
-            text = _encode(self.text.getvalue())  # (a JSON string: `"..."`)
-            body: dict[str, msgspec.Raw | tuple[Any, ...]] = dict(members)
-            if self.chat:
-                messages = _continued_messages(members, text)
-                if messages is None:
-                    return None
-                body["messages"] = messages
-                body["continue_final_message"] = _TRUE
-                body["add_generation_prompt"] = _FALSE
-            else:
-                prompt = _continued_prompt(members.get("prompt"), text)
-                if prompt is None:
-                    return None
-                body["prompt"] = prompt
-            for key in ("max_tokens", "max_completion_tokens"):
-                raw = members.get(key)
-                value = None if raw is None or len(raw) > 20 else _decode_any(raw)
-                if isinstance(value, int) and not isinstance(value, bool):
-                    body[key] = msgspec.Raw(b"%d" % max(value - self.tokens, 1))
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-            return None
-        return _joined(body)
+        return continuation.body(
+            self.forward.origin, self.members, self.chat, self.text.getvalue(), self.tokens
+        )
 
     def _find_set(self) -> WorkerSet | None:
         """The worker set of the instance answering the first attempt."""
@@ -516,61 +571,6 @@ class Migration:
 
     def _count(self, outcome: str, reason: str) -> None:
         self.forward.proxy.metrics.migrations.labels(outcome=outcome, reason=reason).inc()
-
-
-def _continued_messages(members: dict[str, msgspec.Raw], text: bytes) -> tuple[Any, ...] | None:
-    """The pieces of the client's messages with `text` (JSON) as the assistant's: a new final
-    message, or the end of the client's own final assistant message when it asked to
-    continue that one."""
-    raw = members.get("messages")
-    if raw is None or _first(raw) != b"[":
-        return None
-    if bytes(members.get("continue_final_message", b"")) == b"true":
-        items = _decode_list(raw)  # (the client's own continuation: rare)
-        last = _decode_members(items[-1]) if items and _first(items[-1]) == b"{" else {}
-        content = last.get("content")
-        if _decode_any(last.get("role", b"null")) == "assistant" and _first(content) == b'"':
-            last["content"] = msgspec.Raw(_joined_string(content, text))
-            items[-1] = msgspec.Raw(_joined(last))
-            return (b"[", *[p for item in items for p in (b",", item)][1:], b"]")
-    head = memoryview(raw)[:-1]  # (the added message goes before the `]`, spaces before it cut)
-    tail = bytes(head[-64:])
-    cut = len(tail) - len(tail.rstrip())
-    head = head[: len(head) - cut] if cut < 64 else memoryview(bytes(head).rstrip())
-    added = b'{"role":"assistant","content":' + text + b"}"
-    return (head, b"," if len(head) > 1 else b"", added, b"]")
-
-
-def _continued_prompt(raw: msgspec.Raw | None, text: bytes) -> tuple[Any, ...] | None:
-    """A completion's prompt (one string, or a list of one) with `text` (JSON) appended."""
-    if raw is None:
-        return None
-    if _first(raw) == b'"':
-        return (_joined_string(raw, text),)
-    if _first(raw) == b"[":
-        items = _decode_list(raw)
-        if len(items) == 1 and _first(items[0]) == b'"':
-            return (b"[", _joined_string(items[0], text), b"]")
-    return None
-
-
-def _first(raw: msgspec.Raw | None) -> bytes:
-    """The first byte of a JSON value (b"" for none): its kind, without copying it."""
-    return b"" if raw is None else bytes(memoryview(raw)[:1])
-
-
-def _joined_string(string: Any, text: bytes) -> bytes:
-    """Two JSON strings as one: `"ab"` and `"cd"` make `"abcd"` (no decoding)."""
-    return b"".join((memoryview(string)[:-1], memoryview(text)[1:]))
-
-
-def _joined(members: dict[str, Any]) -> bytes:
-    """A JSON object of `members` (each JSON text, or a tuple of its pieces), joined once."""
-    parts: list[Any] = []
-    for key, value in members.items():
-        parts += (b",", _encode(key), b":", *(value if isinstance(value, tuple) else (value,)))
-    parts[:1] = [b"{"]
-    return b"".join([*parts, b"}"]) if parts else b"{}"
 
 
 def _sse_start(data: bytes) -> bool:

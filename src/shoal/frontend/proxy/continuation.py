@@ -1,0 +1,106 @@
+"""The request that continues a migrated stream (migration.py): the client's body with the
+text so far spliced in, as JSON text.
+
+The client's body is read one level deep, and its messages or prompt are spliced as they
+came, never decoded: the body is joined once (a 14 MB prompt decoded and encoded again held
+the event loop for ~50 ms at the failure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+_decode_any = msgspec.json.Decoder().decode
+_decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_list = msgspec.json.Decoder(list[msgspec.Raw]).decode
+_TRUE, _FALSE = msgspec.Raw(b"true"), msgspec.Raw(b"false")
+_encode = msgspec.json.encode
+
+
+def body(
+    origin: bytes, members: dict[str, msgspec.Raw] | None, chat: bool, text: str, tokens: int
+) -> bytes | None:
+    """The continuation of `origin` (the client's body; `members`, its members if already
+    read) after `text`, the `tokens` generated so far: chat with the text as a final
+    assistant message, a completion with it appended to the prompt, `max_tokens` and
+    `max_completion_tokens` less the tokens. None when the body cannot be continued."""
+    try:
+        members = members or _decode_members(origin)
+        encoded = _encode(text)  # (a JSON string: `"..."`)
+        spliced: dict[str, msgspec.Raw | tuple[Any, ...]] = dict(members)
+        if chat:
+            messages = _continued_messages(members, encoded)
+            if messages is None:
+                return None
+            spliced["messages"] = messages
+            spliced["continue_final_message"] = _TRUE
+            spliced["add_generation_prompt"] = _FALSE
+        else:
+            prompt = _continued_prompt(members.get("prompt"), encoded)
+            if prompt is None:
+                return None
+            spliced["prompt"] = prompt
+        for key in ("max_tokens", "max_completion_tokens"):
+            raw = members.get(key)
+            value = None if raw is None or len(raw) > 20 else _decode_any(raw)
+            if isinstance(value, int) and not isinstance(value, bool):
+                spliced[key] = msgspec.Raw(b"%d" % max(value - tokens, 1))
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    return _joined(spliced)
+
+
+def _continued_messages(members: dict[str, msgspec.Raw], text: bytes) -> tuple[Any, ...] | None:
+    """The pieces of the client's messages with `text` (JSON) as the assistant's: a new final
+    message, or the end of the client's own final assistant message when it asked to
+    continue that one."""
+    raw = members.get("messages")
+    if raw is None or _first(raw) != b"[":
+        return None
+    if bytes(members.get("continue_final_message", b"")) == b"true":
+        items = _decode_list(raw)  # (the client's own continuation: rare)
+        last = _decode_members(items[-1]) if items and _first(items[-1]) == b"{" else {}
+        content = last.get("content")
+        if _decode_any(last.get("role", b"null")) == "assistant" and _first(content) == b'"':
+            last["content"] = msgspec.Raw(_joined_string(content, text))
+            items[-1] = msgspec.Raw(_joined(last))
+            return (b"[", *[p for item in items for p in (b",", item)][1:], b"]")
+    head = memoryview(raw)[:-1]  # (the added message goes before the `]`, spaces before it cut)
+    tail = bytes(head[-64:])
+    cut = len(tail) - len(tail.rstrip())
+    head = head[: len(head) - cut] if cut < 64 else memoryview(bytes(head).rstrip())
+    added = b'{"role":"assistant","content":' + text + b"}"
+    return (head, b"," if len(head) > 1 else b"", added, b"]")
+
+
+def _continued_prompt(raw: msgspec.Raw | None, text: bytes) -> tuple[Any, ...] | None:
+    """A completion's prompt (one string, or a list of one) with `text` (JSON) appended."""
+    if raw is None:
+        return None
+    if _first(raw) == b'"':
+        return (_joined_string(raw, text),)
+    if _first(raw) == b"[":
+        items = _decode_list(raw)
+        if len(items) == 1 and _first(items[0]) == b'"':
+            return (b"[", _joined_string(items[0], text), b"]")
+    return None
+
+
+def _first(raw: msgspec.Raw | None) -> bytes:
+    """The first byte of a JSON value (b"" for none): its kind, without copying it."""
+    return b"" if raw is None else bytes(memoryview(raw)[:1])
+
+
+def _joined_string(string: Any, text: bytes) -> bytes:
+    """Two JSON strings as one: `"ab"` and `"cd"` make `"abcd"` (no decoding)."""
+    return b"".join((memoryview(string)[:-1], memoryview(text)[1:]))
+
+
+def _joined(members: dict[str, Any]) -> bytes:
+    """A JSON object of `members` (each JSON text, or a tuple of its pieces), joined once."""
+    parts: list[Any] = []
+    for key, value in members.items():
+        parts += (b",", _encode(key), b":", *(value if isinstance(value, tuple) else (value,)))
+    parts[:1] = [b"{"]
+    return b"".join([*parts, b"}"]) if parts else b"{}"
