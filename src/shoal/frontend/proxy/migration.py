@@ -90,7 +90,7 @@ MAX_CARRIED = 1 << 20
 """Characters of generated text a stream keeps for a continuation; past them it cannot migrate."""
 MAX_EVENT = 1 << 20
 """Bytes of one SSE event held until its end; a longer one ends parsing (no migration)."""
-READ_BATCH = 64 * 1024
+READ_BATCH = 16 * 1024
 """Bytes of whole events passed to the client before they are read (`catch_up`): in one
 decode, not one per event; what a migration needs is read before it is needed."""
 CARD_KEY = "migration_limit"
