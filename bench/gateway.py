@@ -122,6 +122,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="DIR",
         help="a source tree (a git worktree of the base branch) for the targets NAME@base",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="mocker workers (default 1); with 2 or more a chat stream through shoal may "
+        "migrate, so shoal reads its events, as in any fleet of two or more",
+    )
+    p.add_argument(
+        "--worker-speedup",
+        type=float,
+        default=0.0,
+        help="the mockers' --speedup (default 0: each answer at once, a stream in one write "
+        "with its length); above 0 a stream comes chunked, an event at a time, as from an "
+        "engine (e.g. 100: 50 us between tokens)",
+    )
     p.add_argument("--model", default="bench-model", help="the model the mocker serves")
     p.add_argument(
         "--max-tokens", type=int, default=16, help="non-streaming max_tokens (default 16)"
@@ -210,21 +225,33 @@ def main(argv: list[str] | None = None) -> int:
     profile: dict[str, Any] | None = None
     try:
         store = f"sqlite:///{workdir / 'store.db'}"
-        worker: Proc | None = None
+        workers: list[Proc] = []
         if args.worker_url:
-            worker_url = args.worker_url.rstrip("/")
-            notes.append(f"backend: the server at {worker_url}, not a shoal mocker worker")
+            worker_urls = [args.worker_url.rstrip("/")]
+            notes.append(f"backend: the server at {worker_urls[0]}, not a shoal mocker worker")
         elif importlib.util.find_spec("shoal.cli.worker") is None:
             say("shoal worker is not available (src/shoal/cli/worker.py): nothing to measure")
             return 1
         else:
+            worker_urls = []
             try:
-                worker, worker_url = start_worker(session, args.model, store)
+                for i in range(args.workers):
+                    worker, worker_url = start_worker(
+                        session, args.model, store, i, args.worker_speedup
+                    )
+                    workers.append(worker)
+                    worker_urls.append(worker_url)
             except StartError as exc:
                 say(f"the mocker worker did not start: {exc}")
                 return 1
-            say(f"worker ready at {worker_url}")
-        targets = start_targets(session, args, worker_url, store, notes)
+            say(f"workers ready at {', '.join(worker_urls)}")
+            if args.workers > 1:
+                notes.append(
+                    f"{args.workers} mocker workers: shoal finds them in the store (a chat stream "
+                    "may migrate, so it reads the events), vllm-router and sglang-router get "
+                    "them all (round robin); direct and litellm use the first"
+                )
+        targets = start_targets(session, args, worker_urls, store, notes)
         wrk_script = write_wrk_script(workdir / "chat.lua", chat_body(args.model, args.max_tokens))
         # Warm-up, not measured: connection pools, caches, lazy imports.
         for target in list(targets):
@@ -244,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     try:
                         result = quiet_run(
-                            session, args, target, targets, worker, workload, wrk_script
+                            session, args, target, targets, workers, workload, wrk_script
                         )
                     except (RuntimeError, ValueError, StartError, subprocess.TimeoutExpired) as exc:
                         failed.add(target.name)
@@ -305,10 +332,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def start_targets(
-    session: Session, args: argparse.Namespace, worker_url: str, store: str, notes: list[str]
+    session: Session, args: argparse.Namespace, worker_urls: list[str], store: str, notes: list[str]
 ) -> list[Target]:
     """Start the wanted targets; one that is missing or does not start is skipped with a note."""
     peers, model = args.peers_venv, args.model
+    worker_url = worker_urls[0]
     base = args.base
     starters: dict[str, Callable[[], Target]] = {
         "direct": lambda: Target("direct", worker_url, None, version=git_version()),
@@ -319,8 +347,8 @@ def start_targets(
         "shoal@base": lambda: start_shoal(session, model, store, base=base),
         "shoal-keys@base": lambda: start_shoal(session, model, store, auth="keys", base=base),
         "shoal-limits@base": lambda: start_shoal(session, model, store, auth="limits", base=base),
-        "vllm-router": lambda: start_vllm_router(session, peers, worker_url, model),
-        "sglang-router": lambda: start_sglang_router(session, peers, worker_url, model),
+        "vllm-router": lambda: start_vllm_router(session, peers, worker_urls, model),
+        "sglang-router": lambda: start_sglang_router(session, peers, worker_urls, model),
         "litellm": lambda: start_litellm(session, peers, worker_url, model, args.litellm_scale),
     }
     targets = []
@@ -357,7 +385,7 @@ def quiet_run(
     args: argparse.Namespace,
     target: Target,
     targets: list[Target],
-    worker: Proc | None,
+    workers: list[Proc],
     workload: str,
     wrk_script: Path,
 ) -> dict[str, Any]:
@@ -365,14 +393,14 @@ def quiet_run(
     twice more) while other processes took more than NOISY_PCT of a core; keep the quietest."""
     duration = args.stream_duration if workload == "stream" else args.duration
     idle = [t.proc for t in targets if t.proc and t is not target]
-    ours = [p for p in (worker, *(t.proc for t in targets)) if p]
+    ours = [p for p in (*workers, *(t.proc for t in targets)) if p]
     best: dict[str, Any] | None = None
     for attempt in range(1, 4 if args.quiet_wait > 0 else 2):
         waited = wait_for_quiet(ours, args.quiet_wait) if args.quiet_wait > 0 else 0.0
         result = measure(
             session,
             target,
-            worker,
+            workers,
             idle,
             workload,
             duration,

@@ -125,7 +125,7 @@ def children_cpu() -> float:
 def measure(
     session: Session,
     target: Target,
-    worker: Proc | None,
+    workers: list[Proc],
     idle: list[Proc],
     workload: str,
     duration: float,
@@ -140,7 +140,7 @@ def measure(
     """
     duration = max(1.0, duration * target.scale)
     gw0 = tree_cpu_seconds(target.proc.pid) if target.proc else 0.0
-    wk0 = tree_cpu_seconds(worker.pid) if worker else 0.0
+    wk0 = sum(tree_cpu_seconds(w.pid) for w in workers)
     idle0 = sum(tree_cpu_seconds(p.pid) for p in idle)
     cl0 = children_cpu()
     busy0, total0 = machine_busy()
@@ -159,9 +159,10 @@ def measure(
         target.proc.check_alive()
         gateway = tree_cpu_seconds(target.proc.pid) - gw0
         result["gateway_cpu_us_per_req"] = gateway / served * 1e6
-    if worker:
-        worker.check_alive()
-        worker_cpu = tree_cpu_seconds(worker.pid) - wk0
+    if workers:
+        for worker in workers:
+            worker.check_alive()
+        worker_cpu = sum(tree_cpu_seconds(w.pid) for w in workers) - wk0
         result["worker_cpu_us_per_req"] = worker_cpu / served * 1e6
     busy = (busy1 - busy0) / CLK_TCK
     result["gateway_cpu_pct"] = gateway / wall * 100

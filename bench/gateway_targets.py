@@ -257,16 +257,18 @@ class Target:
     scale: float = 1.0  # multiplies run durations
 
 
-def start_worker(session: Session, model: str, store: str) -> tuple[Proc, str]:
-    """`shoal worker --engine mocker --speedup 0`; returns it and its request URL."""
+def start_worker(
+    session: Session, model: str, store: str, index: int = 0, speedup: float = 0.0
+) -> tuple[Proc, str]:
+    """`shoal worker --engine mocker --speedup 0` (or `speedup`); returns it and its URL."""
     argv = [
         *SHOAL,
         "worker",
-        *("--engine", "mocker", "--model", model, "--store", store, "--speedup", "0"),
+        *("--engine", "mocker", "--model", model, "--store", store, "--speedup", f"{speedup:g}"),
         *("--host", "127.0.0.1", "--port", str(free_port())),
         *("--status-port", str(free_port())),
     ]
-    proc = session.start("worker", argv)
+    proc = session.start("worker" if index == 0 else f"worker-{index + 1}", argv)
     found: list[str] = []
 
     def printed_ready() -> bool:
@@ -373,22 +375,22 @@ def start_shoal(
     return Target(name, url, proc, version=git_version(base or ROOT))
 
 
-def start_vllm_router(session: Session, peers: Path, worker: str, model: str) -> Target:
+def start_vllm_router(session: Session, peers: Path, workers: list[str], model: str) -> Target:
     argv = [
         str(peers / "bin" / "vllm-router"),
         *("--host", "127.0.0.1", "--port", str(free_port())),
-        *("--worker-urls", worker, "--policy", "round_robin", "--log-level", "warning"),
+        *("--worker-urls", *workers, "--policy", "round_robin", "--log-level", "warning"),
         # Metrics stay on, as in shoal; each router gets its own port (29000 by default).
         *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
     ]
     return _start_router(session, "vllm-router", argv, model, peers)
 
 
-def start_sglang_router(session: Session, peers: Path, worker: str, model: str) -> Target:
+def start_sglang_router(session: Session, peers: Path, workers: list[str], model: str) -> Target:
     argv = [
         *(str(peers / "bin" / "python"), "-m", "sglang_router.launch_router"),
         *("--host", "127.0.0.1", "--port", str(free_port())),
-        *("--worker-urls", worker, "--policy", "round_robin", "--log-level", "warn"),
+        *("--worker-urls", *workers, "--policy", "round_robin", "--log-level", "warn"),
         *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
     ]
     return _start_router(session, "sglang-router", argv, model, peers)
