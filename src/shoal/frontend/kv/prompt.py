@@ -29,8 +29,6 @@ hashed once and kept (`PromptChain`, `CHAIN_CACHE_BYTES` in all, least recently 
 the tokenizer itself tokenizes the text between special tokens independently (they are
 matched first), so the ids are the same, at a fraction of the cost. Whether a tokenizer
 does is checked when it is loaded (`splits_cleanly`); one that does not tokenizes whole.
-Renders themselves are made from the skeleton of the chat's shape when one stands for it
-(`Skeletons`, `SKELETON_BYTES` per tokenizer).
 """
 
 from __future__ import annotations
@@ -62,7 +60,6 @@ from shoal.frontend.kv.chain import (
     special_split,
     splits_cleanly,
 )
-from shoal.frontend.kv.skeleton import Placeholder, Skeletons, checked_binop, filtered
 
 __all__ = ["Deferred", "PromptTokenizer", "TemplateOverrun"]
 from shoal.kv import token_block_hashes
@@ -77,7 +74,6 @@ RENDER_SECONDS = 0.5  # a template's time budget for one chat
 RENDER_SECONDS_PER_MB = 1.0  # and more for a long chat: a client's long chat is no overrun
 MAX_TEXT = 1 << 20  # characters: what a render keeps, and (beyond the chat's own) any string
 CHAIN_CACHE_BYTES = 64 << 20  # tokenized segments of chats kept per tokenizer
-SKELETON_BYTES = 8 << 20  # skeletons of renders by the chat's shape kept per tokenizer
 INLINE_CHAT = 32_768  # characters: a chat this small is first prepared on the event loop,
 INLINE_MESSAGES = 256  # of this many messages at most,
 INLINE_SECONDS = 0.002  # a render there gets this much CPU time,
@@ -158,7 +154,6 @@ class PromptTokenizer:
         self.env = BoundedSandbox()
         if isinstance(template, str):
             self.template = self.env.from_string(template)
-        self.skeletons = Skeletons(SKELETON_BYTES, (TemplateOverrun, Deferred))
         self.disabled = ""  # why the template is no longer rendered ("" while it is)
         self._worker: ThreadPoolExecutor | None = None
         self._rendering: tuple[int, float] | None = None  # (thread, deadline) of a render
@@ -267,31 +262,35 @@ class PromptTokenizer:
             if size > INLINE_CHAT:
                 raise Deferred
             try:
-                return self._render(plain, 0.0, size + INLINE_TEXT, True)  # (its own budget)
+                return self.env.render(
+                    self.template,
+                    0.0,  # (inline: its own budget)
+                    size + INLINE_TEXT,
+                    True,
+                    messages=plain,
+                    add_generation_prompt=True,
+                    **self.specials,
+                )
             except TemplateOverrun:
                 raise Deferred from None
         deadline = time.monotonic() + RENDER_SECONDS + RENDER_SECONDS_PER_MB * size / 1e6
         with self._lock:
             self._rendering = (threading.get_ident(), deadline)
         try:
-            return self._render(plain, deadline, MAX_TEXT + size, False)
+            return self.env.render(
+                self.template,
+                deadline,
+                MAX_TEXT + size,
+                messages=plain,
+                add_generation_prompt=True,
+                **self.specials,
+            )
         except TemplateOverrun as exc:
             self.disable(str(exc) or f"the chat template ran past {RENDER_SECONDS:g}s")
             raise
         finally:
             with self._lock:
                 self._rendering = None
-
-    def _render(self, messages: list[Any], deadline: float, limit: int, inline: bool) -> str:
-        template = self.template
-        assert template is not None
-        return self.skeletons.render(
-            messages,
-            lambda chat: self.env.render(
-                template, deadline, limit, inline, messages=chat, add_generation_prompt=True,
-                **self.specials,
-            ),
-        )  # fmt: skip
 
     def completion(self, prompt: Any, wanted: int | None = None) -> list[int] | None:
         """The ids of a completions prompt: text is tokenized, token ids are taken as they are."""
@@ -416,9 +415,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         """In an inline render: `Deferred` for an operation not known quick on a long value."""
         if getattr(self._local, "inline", False) and name not in QUICK_OPS:
             for value in args:
-                if isinstance(value, list | tuple | dict) and len(value) > INLINE_OP:
-                    raise Deferred
-                if isinstance(value, str) and str.__len__(value) > INLINE_OP:
+                if isinstance(value, str | list | tuple | dict) and len(value) > INLINE_OP:
                     raise Deferred
 
     # -- hooks every template's code goes through -------------------------------------
@@ -426,10 +423,6 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         __self.check()
         target = getattr(__obj, "__self__", None)
-        if type(target) is str and __obj.__name__ not in ("join", "format"):
-            for value in (*args, *kwargs.values()):
-                if isinstance(value, Placeholder):  # (a constant's method reading a content)
-                    value.refuse()
         limit = __self.limit
         name = getattr(__obj, "__name__", "")
         _check_growth(name, (target, *args), kwargs, limit)
@@ -439,21 +432,16 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         self.check()
-        if type(obj) is Placeholder:
-            return obj.attribute(attribute)
         if attribute in ("format", "format_map") and isinstance(obj, str) and _WIDE.search(obj):
             raise TemplateOverrun("the chat template asked for too wide a format")
         return super().getattr(obj, attribute)
 
     def getitem(self, obj: Any, argument: Any) -> Any:
         self.check()
-        if type(obj) is Placeholder:
-            obj.refuse()
         return super().getitem(obj, argument)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         self.check()
-        checked_binop(operator, left, right)
         if operator == "**" and isinstance(right, int) and abs(right) > 64:
             raise TemplateOverrun("the chat template raised a number to a large power")
         if operator == "%" and isinstance(left, str) and _WIDE.search(left):
@@ -484,9 +472,6 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         @functools.wraps(fn)
         def bounded(*args: Any, **kwargs: Any) -> Any:
             self.check()
-            done, value = filtered(name, args, kwargs)
-            if done:
-                return value
             text = [i for i, a in enumerate(args) if isinstance(a, str)][:1]  # the filtered value
             limit = self.limit
             _check_growth(name, args[text[0] :] if text else (None, *args), kwargs, limit)
@@ -525,7 +510,7 @@ def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limi
     target, rest = args[0], args[1:]
     if not isinstance(target, str):
         return
-    size = str.__len__(target)  # (a `Placeholder`'s own length, not its content's)
+    size = len(target)
     if (
         name == "replace"
         and len(rest) >= 2
@@ -533,7 +518,7 @@ def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limi
         and isinstance(rest[1], str)
     ):
         old, new = rest[0], rest[1]
-        count = size + 1 if not old else str.count(target, old)
+        count = size + 1 if not old else target.count(old)
         size += count * max(0, len(new) - len(old))
     elif name == "expandtabs":
         tab = rest[0] if rest and isinstance(rest[0], int) else kwargs.get("tabsize", 8)
@@ -549,10 +534,7 @@ def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limi
 
 
 def _bounded(value: Any, limit: int) -> Any:
-    if isinstance(value, list | tuple) or type(value) is str:
-        if len(value) > limit:
-            raise TemplateOverrun("the chat template built too large a sequence")
-    elif isinstance(value, str) and str.__len__(value) > limit:
+    if isinstance(value, str | list | tuple) and len(value) > limit:
         raise TemplateOverrun("the chat template built too large a sequence")
     return value
 
