@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -10,8 +13,9 @@ import pytest
 from shoal.cli.frontend import config_from_args
 from shoal.cli.main import build_parser
 from shoal.frontend import Frontend
+from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
-from tests.frontend.raw_upstream import StartRaw, start_raw, until_closed
+from tests.frontend.raw_upstream import RawUpstream, StartRaw, start_raw, until_closed
 from tests.frontend.support import serving
 from tests.helpers import wait_for
 
@@ -251,3 +255,57 @@ async def test_a_head_then_silence_on_the_last_attempt_is_504_upstream_timeout_n
     assert error["code"] == "upstream_timeout"
     assert "sent nothing for 0.5s" in error["message"]
     assert "first-byte" not in error["message"]
+
+
+@contextlib.contextmanager
+def unanswered_port() -> Iterator[int]:
+    """A loopback port whose connects never complete: a listener with a full accept queue
+    that accepts nothing (Linux drops the SYNs), as a host that is down drops them."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        yield port
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+
+
+class Unanswered(RawUpstream):
+    """A worker whose announced request URL points at a port no connect completes on."""
+
+    dead_port = 0
+
+    @property
+    def raw_port(self) -> int:
+        return self.dead_port
+
+
+async def test_an_instance_whose_connect_times_out_is_a_504_upstream_timeout(
+    store: Store, start_frontend: StartFrontend
+) -> None:
+    """A connect that never completes (the host is down, a firewall drops the SYNs) is a
+    wait that ran out, as at the first byte: 504, not 502 (the instance failed)."""
+    with unanswered_port() as port:
+        down = Unanswered(half_a_head)
+        down.dead_port = port
+        await down.start()
+        await down.register(store)
+        try:
+            frontend = await started(start_frontend, down, connect_timeout=0.5)
+            async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+                response = await session.post(f"{frontend.url}/v1/chat/completions", json=BODY)
+                assert response.status == 504, await response.text()
+                error = (await response.json())["error"]
+            assert error["code"] == "upstream_timeout"
+            assert "cannot connect" in error["message"] and "timed out" in error["message"]
+        finally:
+            await down.stop()

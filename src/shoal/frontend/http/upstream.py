@@ -45,8 +45,8 @@ class UpstreamError(ConnectionError):
 
 @mypyc_attr(native_class=False)
 class UpstreamTimeout(UpstreamError):
-    """An instance took the request and then sent nothing for longer than a timeout allows:
-    no stale connection (it was read), and answered 504 when no instance is left."""
+    """A wait on an instance ran out: its connect, or its answer after it took the request
+    (then no stale connection: it was read). 504 when no instance is left."""
 
 
 @mypyc_attr(native_class=False)
@@ -251,7 +251,7 @@ class Upstream:
                     server_hostname=self.host if self.tls is not None else None,
                 )
         except TimeoutError as exc:
-            raise UpstreamError(f"cannot connect to {self.address}: timed out") from exc
+            raise UpstreamTimeout(f"cannot connect to {self.address}: timed out") from exc
         except OSError as exc:
             raise ConnectRefused(f"cannot connect to {self.address}: {exc}") from exc
         return conn
