@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
+import socket
 import ssl
 import sys
 import uuid
@@ -21,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shoal.cli.common import cpu_quota
 from shoal.cli.common import processes as processes_flag
 from shoal.cli.main import build_parser
+from shoal.cli.processes import reserve_port
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.registry.watcher import ModelWatcher
 from tests.helpers import free_port, wait_for
@@ -324,3 +327,64 @@ async def test_a_stop_signal_ends_a_process_of_several_still_loading_discovery(
             await serving
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+async def test_a_second_process_group_on_the_same_port_is_refused(
+    processes: Processes, tmp_path: Path
+) -> None:
+    """`SO_REUSEPORT` let a second `--processes` frontend join the port of a running one
+    and take half of its connections (a stale instance, a port typed twice): it is refused
+    as a single process is, with the port named."""
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    first = await processes.start(
+        "frontend", "--store", store_url, "--port", "0", "--processes", "2",
+        "--cache-dir", str(tmp_path / "cache-1"), ready="frontend",
+    )  # fmt: skip
+    port = first.url.rsplit(":", 1)[1]
+    with pytest.raises(AssertionError, match="exited with 1"):
+        await processes.start(
+            "frontend", "--store", store_url, "--port", port, "--processes", "2",
+            "--cache-dir", str(tmp_path / "cache-2"), ready="frontend", timeout=30,
+        )  # fmt: skip
+    assert f"cannot listen on 127.0.0.1:{port}" in processes.started[1].stderr()
+    assert first.proc.returncode is None  # (the first serves on)
+
+
+def test_the_reserved_port_refuses_a_plain_server_while_no_child_listens() -> None:
+    """While every child restarts, only the parent's reservation holds the port: a server
+    that binds with `SO_REUSEADDR` (most do) took it, and the children then failed to
+    start for ever. It is refused; a child (`SO_REUSEPORT`) still joins."""
+    reserved = reserve_port("127.0.0.1", 0)
+    port = reserved.getsockname()[1]
+    try:
+        intruder = socket.socket()
+        intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with intruder, pytest.raises(OSError) as refused:
+            intruder.bind(("127.0.0.1", port))
+            intruder.listen()
+        assert refused.value.errno == errno.EADDRINUSE
+        child = socket.socket()
+        child.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        child.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        with child:
+            child.bind(("127.0.0.1", port))
+            child.listen()
+        with pytest.raises(OSError, match="in use"):
+            reserve_port("127.0.0.1", port)  # (another group's reservation: refused too)
+    finally:
+        reserved.close()
+
+
+async def test_processes_serve_metrics_on_an_ipv6_host(
+    processes: Processes, tmp_path: Path
+) -> None:
+    """`--host ::1` with `--metrics-port`: the parent's metrics server took the default
+    family (IPv4) and failed to start where one process starts."""
+    front = await processes.start(
+        "frontend", "--store", f"sqlite:///{tmp_path / 'store.db'}", "--host", "::1",
+        "--port", "0", "--metrics-port", "0", "--processes", "2",
+        "--cache-dir", str(tmp_path / "cache"), ready="frontend",
+    )  # fmt: skip
+    metrics = front.ready["metrics"]
+    assert "[::1]" in metrics, metrics
+    assert "shoal_frontend_processes_up" in await scrape(metrics)

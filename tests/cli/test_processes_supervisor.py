@@ -256,3 +256,37 @@ async def test_a_child_that_stops_answering_is_killed_and_replaced(
     finally:
         code = await stopped(running, supervised)
     assert code == 0
+
+
+async def test_a_stop_while_a_restarted_child_is_starting_exits_0(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """SIGTERM while a slot's new child was still starting (importing: no handler yet) ended
+    that child by the signal, and the parent counted it as a failed drain (exit 1). A child
+    that never served had nothing to drain."""
+    monkeypatch.setattr(processes, "BACKOFF_FIRST", 0.05)
+    mark = tmp_path / "served"
+    script = (
+        "import os, signal, sys, time\n"
+        "sys.stdin.buffer.read()\n"
+        f"if not os.path.exists({str(mark)!r}):\n"
+        f"    open({str(mark)!r}, 'w').close()\n"
+        "    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+        f"    print({READY!r}, flush=True)\n"
+        "while True:\n"  # (the next one never gets as far as its handler)
+        "    time.sleep(1)\n"
+    )
+    supervised = supervisor((sys.executable, "-c", script))
+    running = asyncio.create_task(supervised.run())
+    child = supervised.children[0]
+    await wait_for(lambda: child.ready.is_set(), timeout=20, message="child ready")
+    assert child.proc is not None
+    first = child.proc
+    first.kill()
+    await wait_for(
+        lambda: child.proc is not first and child.proc is not None and child.restarts == 1,
+        timeout=20,
+        message="its replacement starting",
+    )
+    assert await stopped(running, supervised) == 0
+    assert child.proc is not None and child.proc.returncode == -signal.SIGTERM

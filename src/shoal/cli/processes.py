@@ -45,7 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from shoal.cli.common import on_stop_signals, parse_ready_line, print_ready
 from shoal.frontend import FrontendConfig
-from shoal.frontend.config import server_tls
+from shoal.frontend.config import server_tls, url_host
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +67,26 @@ MAX_CHILD_METRICS_BYTES = 64 * 1024 * 1024
 
 def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound to `host:port` with `SO_REUSEPORT` and not listening: it holds the
-    port (resolving 0) for the children, and no connection is ever queued on it."""
+    port (resolving 0) for the children, and no connection is ever queued on it.
+
+    `OSError` (address in use) when a server or another group of processes holds the
+    port: `SO_REUSEPORT` alone would let a second group join this one's and take half its
+    connections. Once bound it keeps `SO_REUSEPORT` only: a server binding with
+    `SO_REUSEADDR`, as most do, is refused even while no child listens (all restarting),
+    and the children (`SO_REUSEPORT`, this user) still join."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
+    if port:  # (a port of its own, 0, is nobody's)
+        with socket.socket(family, kind, proto) as probe:  # (refused by any holder)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (TIME_WAIT is none)
+            probe.bind(address)
     sock = socket.socket(family, kind, proto)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (the bind, as above)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
     except OSError:
         sock.close()
         raise
@@ -94,6 +105,7 @@ class Child:
         self.restarts = 0
         self.answered = 0  # probes its current process answered (`Supervisor._watch`)
         self.stopped_with: int | str | None = None  # the exit of the child the stop ended
+        self.serving = False  # its current process printed its ready line
 
 
 class Supervisor:
@@ -175,7 +187,10 @@ class Supervisor:
                 code = f"a supervision error ({type(exc).__name__})"
                 await self._end(child)
             if self.stopping:
-                child.stopped_with = code
+                # A child still starting had nothing to drain: the stop's SIGTERM may find
+                # it before its handler (importing) and end it, which is no failed drain.
+                starting = not child.serving and code == -signal.SIGTERM
+                child.stopped_with = 0 if starting else code
                 return
             if not child.ready.is_set():
                 self.failed.set()
@@ -217,7 +232,7 @@ class Supervisor:
         except OSError as exc:  # no process, no memory: as if it died at once
             log.error("cannot start a frontend process (slot %d): %s", child.slot, exc)
             return -1
-        child.proc = proc
+        child.proc, child.serving = proc, False
         assert proc.stdin is not None and proc.stdout is not None
         with contextlib.suppress(OSError):  # it died at once: its exit code says so
             proc.stdin.write(
@@ -246,6 +261,7 @@ class Supervisor:
                         sys.stdout.flush()
                     continue
                 child.url, child.metrics_url = fields["url"], fields["metrics"]
+                child.serving = True
                 child.ready.set()
                 if watch is None:
                     watch = asyncio.create_task(self._watch(child, proc, child.metrics_url))
@@ -323,11 +339,10 @@ class Supervisor:
         self._metrics_runner = runner
         given = self.config.metrics_port
         host = self.config.host if given is not None else "127.0.0.1"
-        sock = socket.create_server((host, given or 0), backlog=64)
+        family = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, given or 0), family=family, backlog=64)
         await web.SockSite(runner, sock).start()
-        if host in ("0.0.0.0", "::", ""):
-            host = "127.0.0.1"
-        return f"http://{host}:{sock.getsockname()[1]}/metrics"
+        return f"http://{url_host(host)}:{sock.getsockname()[1]}/metrics"
 
     def _child_role(self, merged: str) -> str | None:
         """What a child's API port does for `/metrics`: None (404: the parent serves it on

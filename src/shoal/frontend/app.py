@@ -23,6 +23,7 @@ from shoal.frontend.config import (
     MembershipView,
     provider_tls,
     server_tls,
+    url_host,
 )
 from shoal.frontend.dashboard.dashboard import Dashboard
 from shoal.frontend.endpoints import Endpoints
@@ -137,11 +138,8 @@ class Frontend(Endpoints):
 
     @property
     def url(self) -> str:
-        host = self.config.host
-        if host in ("0.0.0.0", "::", ""):
-            host = "127.0.0.1"
         scheme = "https" if self.config.tls_certfile is not None else "http"
-        return f"{scheme}://{host}:{self.port}"
+        return f"{scheme}://{url_host(self.config.host)}:{self.port}"
 
     async def start(self) -> None:
         """Serve at once (health says 503 until the first snapshot), then load discovery,

@@ -145,3 +145,11 @@ def server_tls(certfile: Path | None, keyfile: Path | None) -> ssl.SSLContext | 
         ) from None
     context.set_alpn_protocols(["http/1.1"])
     return context
+
+
+def url_host(host: str) -> str:
+    """`host` as a URL on this machine names a server bound to it: a wildcard becomes
+    127.0.0.1, an IPv6 address is bracketed (`http://[::1]:8000`)."""
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
