@@ -20,7 +20,8 @@ _text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_si
 def _event(draw: st.DrawFn) -> bytes:
     kinds = ["content", "content", "content", "role", "finish", "tool", "completion", "comment",
              "blank", "done", "done-tight", "unreadable", "two-lines", "number", "spaced",
-             "usage", "two-objects", "a-line-then-done"]  # fmt: skip
+             "usage", "two-objects", "a-line-then-done", "fields-first", "blank-first",
+             "no-id"]  # fmt: skip
     kind = draw(st.sampled_from(kinds))
     piece = draw(_text)
     chunk: dict[str, Any] = {"id": "c-1", "object": "chat.completion.chunk", "created": 7}
@@ -50,6 +51,14 @@ def _event(draw: st.DrawFn) -> bytes:
         return b'data: {"id": "c-1",\ndata: "choices": []}\n\n'
     elif kind == "number":
         return b"data: 12\n\n"
+    elif kind == "no-id":
+        chunk = {"choices": [{"index": 0, "delta": {"content": piece}}]}
+    elif kind == "fields-first":  # (SSE: other fields and comments before the data)
+        chunk["choices"] = [{"index": 0, "delta": {"content": piece}}]
+        return b"event: message\nid: 4\n: note\ndata: " + json.dumps(chunk).encode() + b"\n\n"
+    elif kind == "blank-first":  # (an empty line more: `\n\n\n` after the last event)
+        chunk["choices"] = [{"index": 0, "delta": {"content": piece}}]
+        return b"\ndata: " + json.dumps(chunk).encode() + b"\n\n"
     elif kind == "a-line-then-done":  # (one event of two lines: unreadable, not the end)
         return b'data: {"choices":[]}\ndata: [DONE]\n\n'
     elif kind == "two-objects":  # (one event, no chunk: unless read as part of an array)
@@ -65,10 +74,11 @@ def _expected(events: list[bytes]) -> dict[str, Any]:
     kept: dict[str, Any] = {"text": "", "tokens": 0, "done": False, "finished": False,
                             "refused": None, "opened": False, "id": None}  # fmt: skip
     for event in events:
-        event = event[:-2]
-        if not event.startswith(b"data:"):
+        lines = event[:-2].split(b"\n")  # (SSE: the data lines' values, joined by newlines)
+        values = [line[5:] for line in lines if line.startswith(b"data:")]
+        if not values:
             continue
-        payload = event[5:].strip()
+        payload = b"\n".join(v[1:] if v.startswith(b" ") else v for v in values).strip()
         if payload == b"[DONE]":
             kept["done"] = True
             continue
@@ -80,7 +90,7 @@ def _expected(events: list[bytes]) -> dict[str, Any]:
             continue
         kept["opened"] = True
         if kept["id"] is None:
-            kept["id"] = chunk.get("id")
+            kept["id"] = chunk.get("id")  # (the first chunk that has one)
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta")
             piece = choice.get("text") if delta is None else delta.get("content")

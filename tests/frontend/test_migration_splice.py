@@ -242,3 +242,28 @@ async def test_a_stream_that_sent_only_a_comment_before_failing_gets_the_continu
     assert {(c["id"], c["created"]) for c in chunks} == {("chatcmpl-second", 222)}
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert len(script.bodies) == 2
+
+
+@pytest.mark.parametrize("tail", [b"data: [DONE]\n", b"data: [DONE]"])
+async def test_a_last_event_without_its_blank_line_reaches_the_client_at_a_normal_end(
+    start_raw: StartRaw, start_frontend: StartFrontend, tail: bytes
+) -> None:
+    """The held start of an event the end cut short was dropped at a normal end (the stream
+    had its finish reason): a model of one instance, which reads nothing, passes it on."""
+    finished = CONTINUATION[: CONTINUATION.index(b"data: [DONE]")] + tail
+
+    async def answer(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(CHUNKED + b"%x\r\n%s\r\n0\r\n\r\n" % (len(finished), finished))
+
+    await start_raw(answer)
+    await start_raw(answer)
+    frontend = await _started(start_frontend)
+    body = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+    ):
+        assert await response.read() == finished

@@ -460,6 +460,8 @@ class Forward:
                 StreamCutShort(f"instance {self.target.address} ended the stream early")
             )
             return
+        if self.migration is not None and (rest := self.migration.rest()):
+            self.out.append(b"%x\r\n%s\r\n" % (len(rest), rest) if self.chunked else rest)
         if self.chunked:
             self.out.append(b"0\r\n\r\n")
         self.flush(final=True)

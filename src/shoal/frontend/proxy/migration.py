@@ -38,7 +38,7 @@ import msgspec
 
 from shoal.frontend.http.request import Request
 from shoal.frontend.http.upstream import Upstream, UpstreamError
-from shoal.frontend.proxy import continuation
+from shoal.frontend.proxy import continuation, sse
 from shoal.frontend.registry.metrics import FrontendMetrics
 from shoal.frontend.registry.registry import Model, WorkerSet
 from shoal.frontend.registry.router import Router
@@ -107,29 +107,6 @@ class ContinuationRefused(UpstreamError):
     """The instance answered the continuation with an error status (it cannot continue)."""
 
 
-class _Delta(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
-    content: Any = None
-    tool_calls: Any = None
-    function_call: Any = None
-
-
-class _Choice(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
-    delta: _Delta | None = None
-    text: Any = None
-    finish_reason: Any = None
-
-
-class _Chunk(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
-    id: Any = None
-    created: Any = None
-    choices: list[_Choice] | None = None
-    usage: Any = None
-
-
-_decode_chunk = msgspec.json.Decoder(_Chunk).decode
-_decode_chunks = msgspec.json.Decoder(list[_Chunk]).decode
-_DONE = b"data: [DONE]\n\n"
-_AFTER_DONE = b"\n\n" + _DONE
 _decode_any = msgspec.json.Decoder().decode
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _encode = msgspec.json.encode
@@ -194,7 +171,8 @@ def _refusal(members: dict[str, msgspec.Raw], chat: bool) -> str | None:
     asked = {key: _decode_any(members[key]) for key in keys if key in members}
     if asked.get("n") not in (None, 1):
         return "n"
-    if asked.get("logprobs") not in (None, False) or asked.get("top_logprobs"):
+    logprobs = asked.get("logprobs")  # (0 asks too: `0 in (None, False)` said it did not)
+    if (logprobs is not None and logprobs is not False) or asked.get("top_logprobs"):
         return "logprobs"
     if asked.get("echo"):
         return "echo"
@@ -291,7 +269,7 @@ class Migration:
                 self.catch_up()
             return data
         if not self.began and not self.resuming and not self.pending:  # the first packet
-            if self.forward.status != 200 or not _sse_start(data):
+            if self.forward.status != 200 or not sse.sse_start(data):
                 return self._give_up(data, "not_sse")  # an error, or not a stream at all
             self.ws = self._find_set()
         pending = self.pending
@@ -331,14 +309,12 @@ class Migration:
 
     def _hold(self, data: bytes) -> bytes:
         """Keep `data`, a part of an event whose end has not come (nothing for the client
-        now); an event over `MAX_EVENT` or framed with CRLF ends parsing."""
+        now); an event over `MAX_EVENT` or framed with CR (CRLF, or a bare CR: no JSON holds
+        a raw CR) ends parsing."""
         pending = self.pending
-        crlf = b"\r\n" in data or (
-            data[:1] == b"\n" and bool(pending) and pending[-1][-1:] == b"\r"
-        )
         pending.append(data)
         self.pending_size += len(data)
-        if crlf or self.pending_size > MAX_EVENT:
+        if b"\r" in data or self.pending_size > MAX_EVENT:
             return self._give_up(b"".join(pending), "framing")
         return b""
 
@@ -358,20 +334,30 @@ class Migration:
             return
         data = unread[0] if len(unread) == 1 else b"".join(unread)
         self.unread, self.unread_size = [], 0
-        if data.endswith(_DONE) and (len(data) == len(_DONE) or data.endswith(_AFTER_DONE)):
+        if data.endswith(sse.DONE) and (
+            len(data) == len(sse.DONE) or data.endswith(sse.AFTER_DONE)
+        ):
             self.done = True
-            data = data[: -len(_DONE)]
+            data = data[: -len(sse.DONE)]
         if not data:
             return
         if data.startswith(b"data:"):
             payloads = data[5:-2]
             joined = payloads.replace(b"\n\ndata:", b",")
             try:
-                chunks = _decode_chunks(b"[%s]" % joined)
+                chunks = sse.decode_chunks(b"[%s]" % joined)
             except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 chunks = None  # (an event that is not one `data:` line, or no chunk)
-            # One chunk per `data:` event (each replacement took 6 bytes), none spanning two.
-            if chunks is not None and len(chunks) == (len(payloads) - len(joined)) // 6 + 1:
+            # One chunk per `data:` event (each replacement took 6 bytes), every event but the
+            # last ending with its object's `}`: a cut event spliced to the next is no chunk.
+            # (Payloads that are no JSON text each may still join into as many chunks: that
+            # changes only how that worker's own stream is continued.)
+            between = (len(payloads) - len(joined)) // 6
+            if (
+                chunks is not None
+                and len(chunks) == between + 1
+                and payloads.count(b"}\n\ndata:") == between
+            ):
                 self._keep_all(chunks)
                 self.opened = True
                 return
@@ -379,10 +365,13 @@ class Migration:
             if self._read(event) is not None:
                 self.opened = True  # (a chunk, not a comment: the client's stream began)
 
-    def _keep_all(self, chunks: list[_Chunk]) -> None:
+    def _keep_all(self, chunks: list[sse.Chunk]) -> None:
         """`_keep` of each of `chunks`, a comprehension per step rather than Python per chunk."""
         if self.id is None:
-            self.id, self.created = chunks[0].id, chunks[0].created
+            for chunk in chunks:
+                if chunk.id is not None:
+                    self.id, self.created = chunk.id, chunk.created
+                    break
         choices = [choice for chunk in chunks if chunk.choices for choice in chunk.choices]
         deltas = [c.delta for c in choices if c.delta is not None]
         pieces = [d.content for d in deltas] if len(deltas) == len(choices) else None
@@ -401,25 +390,25 @@ class Migration:
             self.text.write(text)
             self.size += len(text)
 
-    def _read(self, event: bytes) -> _Chunk | None:
+    def _read(self, event: bytes) -> sse.Chunk | None:
         """Keep what a migration needs of one event of the instance's."""
-        if not event.startswith(b"data:"):
+        payload = sse.payload(event)
+        if payload is None:
             return None
-        payload = event[5:].strip()
         if payload == b"[DONE]":
             self.done = True
             return None
         try:
-            chunk = _decode_chunk(payload)
+            chunk = sse.decode_chunk(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             self.refused = self.refused or "unreadable"
             return None
         self._keep(chunk)
         return chunk
 
-    def _keep(self, chunk: _Chunk) -> None:
+    def _keep(self, chunk: sse.Chunk) -> None:
         """Keep what a migration needs of one chunk: its id, its text and tokens, the end."""
-        if self.id is None:
+        if self.id is None and chunk.id is not None:
             self.id, self.created = chunk.id, chunk.created
         for choice in chunk.choices or ():
             delta = choice.delta
@@ -442,7 +431,10 @@ class Migration:
         chunk = self._read(event)
         if chunk is None:
             return event + b"\n\n"
-        obj = _decode_any(event[5:].strip())
+        try:  # (a member the chunk skipped may not decode: `1e400`)
+            obj = _decode_any(sse.payload(event) or b"")
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return event + b"\n\n"
         if not isinstance(obj, dict):
             return event + b"\n\n"
         choices = obj.get("choices") or []
@@ -451,7 +443,7 @@ class Migration:
             and self.chat
             and chunk.usage is None
             and choices
-            and all(_opening(c) for c in choices)
+            and all(sse.opening(c) for c in choices)
         ):
             return b""  # the continuation's role chunk: the client had one
         self.opened = True
@@ -477,6 +469,13 @@ class Migration:
             return True
         return False
 
+    def rest(self) -> bytes:
+        """At a normal end, what is held of an event the end cut short (`data: [DONE]`
+        without its blank line): the client gets it as a stream of one instance would."""
+        rest = b"".join(self.pending)
+        self.pending, self.pending_size = [], 0
+        return rest
+
     # -- the failure -----------------------------------------------------------------------
 
     def resume(self, failure: Exception, failed: Upstream | None) -> bool:
@@ -492,7 +491,7 @@ class Migration:
         refused = self.refused
         if refused is None and isinstance(failure, ContinuationRefused):
             refused = "continuation_refused"
-        if refused is None and self.finished:
+        if refused is None and (self.finished or self.done):  # (nothing is left to continue)
             refused = "finished"
         if refused is None and not self.delivered and self.resuming:
             # The continuation failed before its first event: another try, not a migration.
@@ -571,22 +570,6 @@ class Migration:
 
     def _count(self, outcome: str, reason: str) -> None:
         self.forward.proxy.metrics.migrations.labels(outcome=outcome, reason=reason).inc()
-
-
-def _sse_start(data: bytes) -> bool:
-    """Whether `data`, the first bytes of a response body, may start an SSE stream (a read
-    may end inside the first `data:`)."""
-    return data.startswith((b"data:", b":")) or (len(data) < 5 and b"data:".startswith(data))
-
-
-def _opening(choice: Any) -> bool:
-    """A chat choice that only opens the message (`role`, empty content)."""
-    if not isinstance(choice, dict) or choice.get("finish_reason") is not None:
-        return False
-    delta = choice.get("delta")
-    if not isinstance(delta, dict):
-        return False
-    return not delta.get("content") and not delta.get("tool_calls") and "role" in delta
 
 
 def _failure_kind(failure: Exception) -> str:

@@ -1,0 +1,158 @@
+"""What a stream that may migrate reads of SSE as engines and proxies frame it, and when it
+is not continued: each rule on a `Migration` over a stand-in forward (the splice itself is
+tested end to end in test_migration_splice.py)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from shoal.frontend.proxy import continuation
+from shoal.frontend.proxy.migration import Migration, _refusal
+
+CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":50,"stream":true}'
+
+
+class _Counter:
+    def labels(self, **_: Any) -> _Counter:
+        return self
+
+    def inc(self, *_: Any) -> None:
+        pass
+
+    observe = inc
+
+
+def _migration(origin: bytes = CHAT, chat: bool = True) -> Migration:
+    """A migration whose `resume` records the continuation body it would send."""
+    sent: list[bytes] = []
+    counter = _Counter()
+    forward: Any = SimpleNamespace(
+        status=200, target=None, model=None, origin=origin, body=origin, name="m", tried=[],
+        prompt=None, sent=sent, request=SimpleNamespace(header=lambda _: None),
+        proxy=SimpleNamespace(
+            router=SimpleNamespace(pick=lambda *_: SimpleNamespace(instance_id=11)),
+            metrics=SimpleNamespace(
+                migrations=counter, migration_splice=counter, instances_inhibited=counter
+            ),
+            retries=2, inhibit_seconds=1.0,
+        ),
+    )  # fmt: skip
+    forward.launch = lambda _: sent.append(forward.body)
+    return Migration(forward, chat, 3, None)
+
+
+def _event(content: str | None = None, finish: str | None = None, **chunk: Any) -> bytes:
+    delta = {} if content is None else {"content": content}
+    chunk.setdefault("choices", [{"index": 0, "delta": delta, "finish_reason": finish}])
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def _resumed(migration: Migration) -> bytes | None:
+    failed = SimpleNamespace(instance_id=10, inhibit=lambda _: None)
+    migration.ws = object()  # type: ignore[assignment]  # (the set `_find_set` finds)
+    if not migration.resume(Exception("lost"), failed):  # type: ignore[arg-type]
+        return None
+    return migration.forward.sent[-1]  # type: ignore[attr-defined, no-any-return]
+
+
+def test_the_id_kept_is_the_first_chunk_that_has_one_in_a_batch_as_one_by_one() -> None:
+    stream = _event("") + _event("Once", id="c-1", created=111) + _event(" upon", id="c-2")
+    batch, single = _migration(), _migration()
+    batch.feed(stream)
+    batch.catch_up()
+    for event in stream.split(b"\n\n")[:-1]:
+        single._read(event)
+    assert (batch.id, batch.created) == (single.id, single.created) == ("c-1", 111)
+
+
+def test_events_after_a_blank_line_or_with_other_fields_are_read() -> None:
+    """SSE lets a `data:` line follow `event:`, `id:` or a comment, and events be apart by
+    more than one blank line: each was skipped (its text left out of the continuation)."""
+    stream = (
+        _event("Once", id="c")
+        + b"\n"  # (`\n\n\n`: an empty line more)
+        + _event(" upon")
+        + b"event: message\nid: 7\n: note\n"
+        + _event(" a")
+        + b'data: {"choices":\ndata: [{"delta": {"content": " time"}}]}\n\n'
+    )
+    for size in (len(stream), 1, 7):
+        migration = _migration()
+        out = [migration.feed(stream[i : i + size]) for i in range(0, len(stream), size)]
+        migration.catch_up()
+        assert b"".join(out) == stream
+        assert migration.text.getvalue() == "Once upon a time" and migration.tokens == 4
+        assert migration.refused is None
+
+
+def test_a_stream_after_its_done_is_not_continued() -> None:
+    migration = _migration()
+    migration.feed(_event("Once", id="c") + b"data: [DONE]\n\n")
+    assert _resumed(migration) is None
+    assert migration.refused is None and migration.done  # (the reason counted: finished)
+
+
+def test_a_stream_framed_with_a_bare_cr_passes_through_unread() -> None:
+    """Events ending `\\r\\r` (legal SSE) hold no `\\n\\n`: all of them were held, the client got
+    nothing, and at the end the request was sent again from the start."""
+    stream = b'data: {"id":"c","choices":[{"delta":{"content":"Once"}}]}\r\r' * 3
+    migration = _migration()
+    assert migration.feed(stream) == stream
+    assert not migration.parsing and migration.refused == "framing"
+
+
+def test_a_continuation_event_with_a_number_out_of_range_is_passed_not_raised() -> None:
+    migration = _migration()
+    migration.feed(_event("Once", id="c", created=1))
+    assert _resumed(migration) is not None
+    event = b'data: {"id":"x","x":1e400,"choices":[{"delta":{"content":" upon"}}]}\n\n'
+    assert migration.feed(event) == event  # (as it came: the rest of it is readable)
+    assert migration.text.getvalue() == "Once upon"
+
+
+def test_logprobs_of_zero_is_asked_for_and_refuses_migration() -> None:
+    for value in (b"0", b"1", b"true", b"5"):
+        assert _refusal({"logprobs": value, "prompt": b'"x"'}, False) == "logprobs"  # type: ignore[dict-item]
+    assert _refusal({"logprobs": b"false"}, True) is None  # type: ignore[dict-item]
+    assert _refusal({"logprobs": b"null"}, True) is None  # type: ignore[dict-item]
+
+
+def test_a_continuation_reduces_max_tokens_written_as_a_float() -> None:
+    for written in (b"10.0", b"1e1"):
+        origin = CHAT.replace(b'"max_tokens":50', b'"max_tokens":' + written)
+        body = continuation.body(origin, None, True, "Once", 4)
+        assert body is not None and json.loads(body)["max_tokens"] == 6
+
+
+def test_continue_final_message_is_read_as_engines_read_a_boolean() -> None:
+    for flag in (b"true", b"1", b'"true"', b'"yes"'):
+        origin = (
+            b'{"model":"m","continue_final_message":' + flag + b',"messages":'
+            b'[{"role":"user","content":"hi"},{"role":"assistant","content":"Once"}]}'
+        )
+        body = continuation.body(origin, None, True, " upon", 1)
+        assert body is not None
+        assert json.loads(body)["messages"][-1] == {"role": "assistant", "content": "Once upon"}
+
+
+def test_a_long_chat_continuing_its_own_last_message_is_refused_not_decoded_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """200,000 messages decoded and joined again to extend the last: 40-65 ms of the event
+    loop at the failure. Past `MAX_DECODED` bytes that stream does not migrate."""
+
+    def decoded(_: Any) -> list[Any]:
+        raise AssertionError("the messages were decoded")
+
+    monkeypatch.setattr(continuation, "_decode_list", decoded)
+    messages = b'[{"role":"user","content":"hi"}' + b',{"role":"user","content":"x"}' * 200_000
+    origin = (
+        b'{"model":"m","continue_final_message":true,"messages":'
+        + messages
+        + b',{"role":"assistant","content":"Once"}]}'
+    )
+    assert continuation.body(origin, None, True, " upon", 1) is None
