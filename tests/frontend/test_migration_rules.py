@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from shoal.frontend.proxy import continuation
+from shoal.frontend.proxy import migration as migration_module
 from shoal.frontend.proxy.migration import Migration, _refusal
 
 CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":50,"stream":true}'
@@ -156,3 +157,25 @@ def test_a_long_chat_continuing_its_own_last_message_is_refused_not_decoded_whol
         + b',{"role":"assistant","content":"Once"}]}'
     )
     assert continuation.body(origin, None, True, " upon", 1) is None
+
+
+def test_the_body_is_read_at_the_first_failure_not_for_every_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every stream of a fleet of two or more decoded its whole body a second time for what
+    it asked (`n`, `logprobs`, ...), though most never fail: 10 ms of the event loop for a
+    10 MB chat. It is read when a failure needs it, and still refuses what it must."""
+    reads: list[bytes] = []
+    decode = migration_module._decode_members
+    monkeypatch.setattr(
+        migration_module, "_decode_members", lambda body: reads.append(body) or decode(body)
+    )
+    stream = _event("Once", id="c") + _event(" upon", finish="stop") + b"data: [DONE]\n\n"
+    whole = _migration()
+    whole.feed(stream)
+    assert whole.complete() and reads == []
+    asks_two = CHAT.replace(b'"stream":true', b'"stream":true,"n":2')
+    failed = _migration(asks_two)
+    failed.feed(_event("Once", id="c"))
+    assert _resumed(failed) is None and failed.refused == "n"
+    assert reads == [asks_two]

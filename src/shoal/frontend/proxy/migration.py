@@ -151,18 +151,13 @@ def _prepare(forward: Forward, model: Model, default_limit: int) -> Migration | 
         return None
     limit = limit_of(model, default_limit)
     refused: str | None = None
-    members = None
     if limit <= 0:
         refused = "disabled" if default_limit <= 0 else "card"
     elif model.live_instances < 2:
         refused = "no_instance"
-    else:
-        try:  # (read once: a continuation is made of these members, views of the body)
-            members = _decode_members(forward.origin)
-            refused = _refusal(members, chat)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-            refused = "body"
-    return Migration(forward, chat, limit, refused, members)
+    # (the body is read for what it asks at the first failure, `_read_body`: not a second
+    # decode of every stream's body, most of which never fail)
+    return Migration(forward, chat, limit, refused)
 
 
 def _refusal(members: dict[str, msgspec.Raw], chat: bool) -> str | None:
@@ -482,6 +477,8 @@ class Migration:
         """The instance failed after the client got the first byte: go on elsewhere if the
         stream may. False when it may not (counted, and the caller ends the stream)."""
         self.catch_up()
+        if self.refused is None and self.members is None:
+            self.refused = self._read_body()
         forward = self.forward
         reason = _failure_kind(failure)
         if not self.failed_at:
@@ -556,6 +553,15 @@ class Migration:
         return continuation.body(
             self.forward.origin, self.members, self.chat, self.text.getvalue(), self.tokens
         )
+
+    def _read_body(self) -> str | None:
+        """Read the client's body (its members, views of it: a continuation is made of them);
+        why it cannot be continued, or None."""
+        try:
+            self.members = _decode_members(self.forward.origin)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return "body"
+        return _refusal(self.members, self.chat)
 
     def _find_set(self) -> WorkerSet | None:
         """The worker set of the instance answering the first attempt."""
