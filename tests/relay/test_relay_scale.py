@@ -10,8 +10,10 @@ import urllib.request
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from shoal.kv import KvEndpoint
-from shoal.relay.relay import KvRelay, RelayConfig
+from shoal.relay.relay import KvRelay, RelayConfig, member_cursor, parse_member_cursor
 from shoal.relay.status import StatusServer
 from tests.helpers import wait_for
 from tests.kv.probes import LoopProbe
@@ -121,3 +123,13 @@ async def test_the_status_of_ten_thousand_members_is_paged_without_holding_the_l
         await status.stop()
         await relay.stop()
     assert held < 0.02, f"the event loop was held {held * 1000:.0f} ms"
+
+
+def test_every_cursor_the_status_gives_is_one_it_takes() -> None:
+    """An instance id of more than 16 hex digits (keys allow any) was given as the cursor
+    after it and then refused (400): a walk could not get past that member."""
+    for key in [("ns", 1), ("ns/b", 0xFF), ("ns-b", 1 << 64), ("é", (1 << 200) + 7)]:
+        assert parse_member_cursor(member_cursor(key)) == key
+    for bad in ["ns", "ns/", "/1", "ns/zz", "ns/" + "f" * 65, "ns/-1", "ns/\uff11"]:
+        with pytest.raises(ValueError, match="after"):
+            parse_member_cursor(bad)

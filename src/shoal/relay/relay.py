@@ -91,7 +91,9 @@ def member_cursor(key: MemberKey) -> str:
 def parse_member_cursor(text: str) -> MemberKey:
     """The member a cursor names; `ValueError` for one that names none."""
     namespace, _, instance = text.rpartition("/")
-    if not namespace or not instance or len(instance) > 16 or instance.strip("0123456789abcdef"):
+    # (any id keys may hold, up to 256 bits: more than 16 digits is no 64-bit lease id, but
+    # a member's all the same, and the cursor after it must be taken)
+    if not namespace or not instance or len(instance) > 64 or instance.strip("0123456789abcdef"):
         raise ValueError(f"after: {text[:100]!r} is not namespace/instance_id (in hex)")
     return namespace, int(instance, 16)
 
