@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shoal.catalog import CatalogClient, CatalogConfig, CatalogServer, migrate, open_engine, tables
 from shoal.catalog import usage as usage_module
-from shoal.catalog.usage import UsageRetention, prune_usage
+from shoal.catalog.usage import UsageBatch, UsageRetention, prune_usage, record_batch
 from tests.catalog.test_usage import row
 from tests.helpers import wait_for
 
@@ -151,3 +151,67 @@ async def test_a_retention_longer_than_the_calendar_deletes_nothing_and_reports_
     retention = UsageRetention(engine, days=1e9)  # (a cutoff before year 1: OverflowError)
     await retention.prune_once()
     assert retention.error == "" and await counts(engine) == (2, 2)
+
+
+class FailingEngine:
+    """An engine whose `connect` fails from the `fail_at`-th call on (the database went
+    away in the middle of a pass), or raises `once` at that call only."""
+
+    def __init__(self, engine: AsyncEngine, fail_at: int, once: Exception | None = None) -> None:
+        self.engine, self.fail_at, self.once, self.calls = engine, fail_at, once, 0
+
+    def connect(self) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_at and self.once is not None:
+            raise self.once
+        if self.calls >= self.fail_at and self.once is None:
+            raise ConnectionError("the database went away")
+        return self.engine.connect()
+
+
+async def test_a_pass_that_fails_part_way_reports_the_slices_it_deleted(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each slice commits on its own, but the report added a pass's count only when the
+    whole pass ended: a pass that failed after 20,000 of 40,000 reported none of them."""
+    monkeypatch.setattr(usage_module, "PRUNE_SLICE", 100)
+    await old_rows(engine, 350, days_ago=100)
+    retention = UsageRetention(FailingEngine(engine, fail_at=3), days=90)  # type: ignore[arg-type]
+    await retention.prune_once()
+    assert "went away" in retention.report()["error"]
+    left = await counts(engine)
+    assert retention.report()["deleted"] == 350 - left[0] == 200
+
+
+class Deadlock(Exception):
+    sqlstate = "40P01"
+
+
+async def test_a_slice_that_loses_a_deadlock_runs_again_and_the_pass_goes_on(
+    engine: AsyncEngine,
+) -> None:
+    """On PostgreSQL a pass deadlocked with a batch adding to old rows (other lock orders):
+    the whole pass was given up for an hour. A deadlock's victim runs again."""
+    await old_rows(engine, 30, days_ago=100)
+    lost = sa.exc.OperationalError("DELETE ...", {}, Deadlock("deadlock detected"))
+    retention = UsageRetention(FailingEngine(engine, fail_at=1, once=lost), days=90)  # type: ignore[arg-type]
+    await retention.prune_once()
+    assert retention.report()["error"] == ""
+    assert await counts(engine) == (0, 0) and retention.report()["deleted"] == 60
+
+
+async def test_batches_sharing_rows_in_other_orders_are_all_counted(
+    engine: AsyncEngine,
+) -> None:
+    """Two frontends' batches adding to the same rows, listed in other orders, deadlocked on
+    PostgreSQL (25 of 60 failed): rows are written in one order, and a victim runs again."""
+    minutes = [minute(0, n) for n in range(300)]
+    batches = []
+    for i in range(12):
+        rows = [row("k", "m", m, 1) for m in (minutes if i % 2 else minutes[::-1])]
+        batches.append(UsageBatch.model_validate({"batch_id": f"batch-{i:04d}", "rows": rows}))
+    counted = await asyncio.gather(*(record_batch(engine, batch) for batch in batches))
+    assert all(counted)
+    async with engine.connect() as conn:
+        total = await conn.execute(sa.select(sa.func.sum(tables.usage.c.requests)))
+        assert total.scalar() == 12 * 300

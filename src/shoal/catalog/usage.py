@@ -9,8 +9,11 @@ No `from __future__ import annotations` here: FastAPI reads the routes' annotati
 """
 
 import asyncio
+import functools
 import logging
 import pathlib
+import random
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
@@ -75,8 +78,39 @@ class UsageReport(BaseModel):
     items: list[UsageItem]
 
 
+DEADLOCK_ATTEMPTS = 5
+"""Times a transaction PostgreSQL rolled back as a deadlock (or serialization failure) is
+run: two writers of the same rows in other orders (a frontend's late batch and the
+retention's delete) lose one of them, whose work is whole to run again."""
+
+
+def _deadlocked(exc: BaseException) -> bool:
+    code = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    return code in ("40P01", "40001")
+
+
+async def _again_if_deadlocked(write: Callable[[], Awaitable[Any]]) -> Any:
+    """`write()` (one transaction), again after a short random wait if it was the victim of
+    a deadlock, up to `DEADLOCK_ATTEMPTS` times."""
+    for attempt in range(1, DEADLOCK_ATTEMPTS + 1):
+        try:
+            return await write()
+        except sa.exc.DBAPIError as exc:
+            if not _deadlocked(exc) or attempt == DEADLOCK_ATTEMPTS:
+                raise
+            log.info("usage: a transaction lost a deadlock, again (attempt %d)", attempt + 1)
+            await asyncio.sleep(random.uniform(0.01, 0.05) * attempt)
+    raise AssertionError("unreachable")
+
+
 async def record_batch(engine: AsyncEngine, batch: UsageBatch) -> bool:
     """Add `batch`'s rows unless its id was counted before; True if counted now."""
+    rows = await asyncio.to_thread(_merged, batch.rows)  # ~4,500 rows in 1 MiB
+    result: bool = await _again_if_deadlocked(lambda: _record(engine, batch.batch_id, rows))
+    return result
+
+
+async def _record(engine: AsyncEngine, batch_id: str, rows: list[dict[str, Any]]) -> bool:
     insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
     u = tables.usage
     async with engine.connect() as conn:
@@ -84,12 +118,11 @@ async def record_batch(engine: AsyncEngine, batch: UsageBatch) -> bool:
         async with conn.begin():
             taken = await conn.execute(
                 insert(tables.usage_batches)
-                .values(batch_id=batch.batch_id, received_at=datetime.now(UTC))
+                .values(batch_id=batch_id, received_at=datetime.now(UTC))
                 .on_conflict_do_nothing(index_elements=["batch_id"])
             )
             if taken.rowcount != 1:
                 return False
-            rows = await asyncio.to_thread(_merged, batch.rows)  # ~4,500 rows in 1 MiB
             if not rows:
                 return True
             stmt = insert(u)
@@ -112,7 +145,9 @@ WRITE_SLICE = 500  # rows bound per statement (a 1 MiB batch is ~4,500 rows)
 
 
 def _merged(rows: list[UsageRow]) -> list[dict[str, Any]]:
-    """The rows with one per identity (a batch may repeat one: they add up)."""
+    """The rows with one per identity (a batch may repeat one: they add up), in the order of
+    their identities: batches that share rows lock them in one order (in theirs, two
+    frontends' batches deadlocked on PostgreSQL)."""
     merged: dict[tuple[Any, ...], dict[str, Any]] = {}
     for row in rows:
         data = row.model_dump()
@@ -124,7 +159,7 @@ def _merged(rows: list[UsageRow]) -> list[dict[str, Any]]:
         else:
             for count in ("requests", "prompt_tokens", "completion_tokens"):
                 held[count] += data[count]
-    return list(merged.values())
+    return [merged[ident] for ident in sorted(merged, key=lambda i: tuple(map(str, i)))]
 
 
 async def query_usage(
@@ -195,10 +230,13 @@ def _items(rows: list[Any], group_by: str) -> list[dict[str, Any]]:
 PRUNE_SLICE = 5000  # rows deleted per statement (and transaction): no long lock, the loop free
 
 
-async def prune_usage(engine: AsyncEngine, before: datetime) -> int:
+async def prune_usage(
+    engine: AsyncEngine, before: datetime, counted: Callable[[int], None] = lambda _: None
+) -> int:
     """Delete the usage rows of minutes before `before`, and the ids of batches received
-    before it, `PRUNE_SLICE` at a time, each slice its own transaction; the count deleted.
-    Two catalogs pruning at once delete each slice once between them."""
+    before it, `PRUNE_SLICE` at a time, each slice its own transaction (again if it lost a
+    deadlock to a batch being written), told to `counted` once committed; the count
+    deleted. Two catalogs pruning at once delete each slice once between them."""
     deleted = 0
     before = _aware(before)
     for table, column in (
@@ -207,15 +245,22 @@ async def prune_usage(engine: AsyncEngine, before: datetime) -> int:
     ):
         key = next(iter(table.primary_key.columns))
         oldest = sa.select(key).where(column < before).order_by(column).limit(PRUNE_SLICE)
+        statement = sa.delete(table).where(key.in_(oldest))
         while True:
-            async with engine.connect() as conn:
-                await conn.execution_options(shoal_write=True)
-                async with conn.begin():
-                    result = await conn.execute(sa.delete(table).where(key.in_(oldest)))
-            deleted += result.rowcount
-            if result.rowcount < PRUNE_SLICE:
+            done: int = await _again_if_deadlocked(functools.partial(_delete, engine, statement))
+            deleted += done
+            counted(done)
+            if done < PRUNE_SLICE:
                 break
     return deleted
+
+
+async def _delete(engine: AsyncEngine, statement: sa.Delete) -> int:
+    async with engine.connect() as conn:
+        await conn.execution_options(shoal_write=True)
+        async with conn.begin():
+            result = await conn.execute(statement)
+    return int(result.rowcount)
 
 
 class UsageRetention:
@@ -241,17 +286,19 @@ class UsageRetention:
                 before = datetime.now(UTC) - timedelta(days=self.days)
             except OverflowError:  # (more days than the calendar holds: nothing is that old)
                 return
-            deleted = await prune_usage(self.engine, before)
+            deleted = await prune_usage(self.engine, before, self._counted)
         except Exception as exc:  # the database is down or refuses: the next pass tries again
             self.error = f"{type(exc).__name__}: {exc}"[:300]
             log.warning("usage retention: pruning failed, next pass in %gs: %s",
                         self.interval, self.error)  # fmt: skip
             return
-        self.deleted += deleted
         self.last_pass, self.error = datetime.now(UTC), ""
         if deleted:
             log.info("usage retention: %d rows and batch ids before %s deleted", deleted,
                      before.strftime("%Y-%m-%dT%H:%M:%SZ"))  # fmt: skip
+
+    def _counted(self, deleted: int) -> None:
+        self.deleted += deleted  # (each slice as it commits: a pass that fails keeps its own)
 
     def report(self) -> dict[str, Any]:
         last = self.last_pass.strftime("%Y-%m-%dT%H:%M:%SZ") if self.last_pass else None
