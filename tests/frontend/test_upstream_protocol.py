@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 
+import aiohttp
 import pytest
 
 from shoal.frontend import Frontend
@@ -162,3 +163,37 @@ async def test_a_response_head_without_end_fails_the_attempt_within_a_bound(
     # head, plus what the kernel's loopback buffers absorbed meanwhile (they autotune up to
     # tcp_rmem's maximum, 32 MiB on Debian); unbounded, the whole 256 MiB would go.
     assert sent[0] < 64 << 20
+
+
+async def test_bytes_after_a_response_in_its_packet_never_reach_the_next_request(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """A worker that sent more than its answer in the same packet (the start of another
+    response): the connection was pooled while the parser went on into the extra bytes, and
+    the next request on it got them as its answer (or hung)."""
+    leak = b'{"secret-of-request-A":"' + b"x" * 40 + b'"}'
+    answered: list[int] = []
+
+    async def answer(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        answered.append(1)
+        if len(answered) == 1:
+            extra = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(leak) + 400, leak)
+            writer.write(completion("A") + extra)
+        else:
+            writer.write(completion("B"))
+
+    await start_raw(answer)
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend), message="served")
+    body = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+        async with session.post(f"{frontend.url}/v1/chat/completions", json=body) as first:
+            assert first.status == 200 and b'"content":"A"' in await first.read()
+        for _ in range(2):
+            async with session.post(f"{frontend.url}/v1/chat/completions", json=body) as later:
+                received = await later.read()
+                assert later.status == 200 and b'"content":"B"' in received, received
+                assert b"secret-of-request-A" not in received
+                assert later.headers.get("x-shoal-instance") is not None

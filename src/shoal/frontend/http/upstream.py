@@ -400,6 +400,13 @@ class UpstreamConnection(asyncio.Protocol):
             elif lname == b"content-length":
                 self._has_length = True
 
+    def on_message_begin(self) -> None:
+        if self.sink is None and self.transport is not None:
+            # A response nobody asked for, in the packet of the last one: the connection is
+            # out of step (its next request would get these bytes), never to be reused.
+            self.upstream.forget(self)
+            self.transport.close()
+
     def on_headers_complete(self) -> None:
         sink = self.sink
         if sink is None:
