@@ -126,9 +126,23 @@ def test_reading_in_batches_keeps_what_reading_each_event_keeps(
         at += size
     out.append(migration.feed(stream[at:]))
     migration.catch_up()
+    out.append(migration.rest())  # (at a normal end: `Forward.on_complete` sends it)
     assert b"".join(out) == stream  # (whole events: all of them reached the client)
     expected = _expected([stream[: stream.index(b"\n\n") + 2], *events])
     assert _kept(migration) == expected
+
+
+def test_a_last_blank_line_that_comes_alone_reaches_the_client_at_the_end() -> None:
+    """An extra newline after the last event, in a packet of its own, is held as the start
+    of an event; at a normal end `rest` gives it back (the client gets every byte)."""
+    event = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    forward: Any = SimpleNamespace(status=200, target=None, model=None)
+    migration = Migration(forward, True, 1, None)
+    out = [migration.feed(event + b"\n"), migration.feed(b"\n"), migration.feed(b"\n")]
+    migration.catch_up()
+    out.append(migration.rest())
+    assert b"".join(out) == event + b"\n\n\n"
+    assert migration.text.getvalue() == "a"
 
 
 def test_a_long_stream_is_read_as_it_goes_not_held_unread() -> None:
