@@ -47,6 +47,11 @@ class RawUpstream(FakeWorker):
         self._raw = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return self
 
+    def stop_listening(self) -> None:
+        """Refuse new connections from now on (the process died), the open ones kept."""
+        if self._raw is not None:
+            self._raw.close()
+
     async def stop(self) -> None:
         for writer in list(self._writers):
             writer.transport.abort()

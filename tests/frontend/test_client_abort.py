@@ -1,16 +1,19 @@
-"""A client that leaves while its request's upstream connection is being opened."""
+"""A client that leaves while its request is being answered: the instance's request stops
+(its connection is dropped, as a worker sees a client go) and nothing leaks."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import socket
+import struct
 from typing import Any
 
 import pytest
 
 from shoal.frontend.http.upstream import Upstream, UpstreamConnection
 from tests.frontend.conftest import StartFrontend
-from tests.frontend.raw_upstream import StartRaw, completion, start_raw
+from tests.frontend.raw_upstream import StartRaw, completion, start_raw, until_closed
 from tests.frontend.support import serving
 from tests.helpers import wait_for
 
@@ -64,3 +67,49 @@ async def test_a_client_leaving_as_the_upstream_connect_completes_leaks_nothing(
     assert target.in_flight == 0
     assert errors == []
     assert frontend.metrics.models["mock-llm"].in_flight == 0
+
+
+async def sit(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await until_closed(reader)  # (a long generation: nothing until the gateway lets go)
+
+
+@pytest.mark.parametrize(
+    ("version", "connection", "leaves"),
+    [
+        ("1.1", "keep-alive", "fin"),  # (what httpx, aiohttp and the openai client do)
+        ("1.1", "close", "fin"),
+        ("1.0", "close", "fin"),
+        ("1.1", "close", "rst"),
+        ("1.1", "keep-alive", "rst"),
+    ],
+)
+async def test_a_client_that_leaves_while_its_answer_is_awaited_stops_the_instances_request(
+    start_raw: StartRaw, start_frontend: StartFrontend, version: str, connection: str, leaves: str
+) -> None:
+    """A FIN from a client whose answer is awaited is taken as the client gone, as vLLM's own
+    server and nginx take it: a half-closed client's generation ran on to its end. After a
+    request that ends the connection (`Connection: close`, HTTP/1.0), the socket is still
+    read, so its FIN or reset is seen: reading had stopped, and the work ran on unseen."""
+    upstream = await start_raw(sit)
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend), message="model served")
+    request = REQUEST.replace(b"HTTP/1.1", f"HTTP/{version}".encode()).replace(
+        b"host: gateway\r\n", f"host: gateway\r\nconnection: {connection}\r\n".encode()
+    )
+    sock = socket.create_connection(("127.0.0.1", frontend.port))
+    try:
+        sock.sendall(request)
+        await wait_for(lambda: upstream.open_connections == 1, message="the request reached it")
+        if leaves == "rst":
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        else:
+            sock.shutdown(socket.SHUT_WR)
+        await wait_for(lambda: upstream.open_connections == 0, message="the request stopped")
+        await wait_for(
+            lambda: frontend.metrics.models["mock-llm"].in_flight == 0, message="in flight 0"
+        )
+    finally:
+        sock.close()
+    (target,) = frontend.registry.models["mock-llm"].routable_sets[0].routable
+    assert target.in_flight == 0

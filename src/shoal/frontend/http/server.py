@@ -152,17 +152,21 @@ class HttpConnection(asyncio.Protocol):
             current.cancel()  # the client went away: stop the work done for it
 
     def eof_received(self) -> bool | None:
+        if self.current is not None:  # the client left (a FIN, as vLLM's server and nginx
+            return None  # take it) while its answer is produced: close, which stops the work
         if self.busy or self.pending:
             self._stop(None)  # a half-closed client still gets the answers it asked for
             return True
         return None  # close
 
     def data_received(self, data: bytes) -> None:
-        if self._stopped:  # after the last request: dropped while the answer is being read
-            if self._lingering:
-                self._linger_left -= len(data)
-                if self._linger_left < 0 and self.transport is not None:
+        if self._stopped:  # after the last request: dropped (read to see the client leave)
+            self._linger_left -= len(data)
+            if self._linger_left < 0:
+                if self._lingering and self.transport is not None:
                     self.transport.close()  # the client pushes on: enough was dropped
+                else:
+                    self._update_reading()  # (answers are owed: read no more)
             return
         self._progress = True
         self._answered_in_read = False
@@ -213,8 +217,9 @@ class HttpConnection(asyncio.Protocol):
             if self._upgraded():
                 return int(exc.args[0])
         else:
-            if self._phase == HEAD and self._head_bytes > self.server.max_header_size:
-                self._head_too_large()
+            # (checked on each read: a head that grows without end is not buffered)
+            if self._phase == HEAD and (size := self.server.max_header_size) < self._head_bytes:
+                self._stop(errors.headers_too_large(f"over {size} bytes"))
         return -1
 
     def _upgraded(self) -> bool:
@@ -225,11 +230,6 @@ class HttpConnection(asyncio.Protocol):
             return True
         self._stop(None)  # CONNECT: what follows is a tunnel, which this server is not
         return False
-
-    def _head_too_large(self) -> None:
-        """A head still incomplete after more bytes than the limit (checked on each read, so
-        that a header growing without end is not buffered)."""
-        self._stop(errors.headers_too_large(f"over {self.server.max_header_size} bytes"))
 
     def _parse_failed(self, exc: httptools.HttpParserError) -> None:
         if self._stopped:
@@ -335,13 +335,9 @@ class HttpConnection(asyncio.Protocol):
             self._refuse(body_too_large(self.server.max_body))
         self._body.append(body)
         if self._body_size >= METER_FROM:  # (judged `METER_FROM` bytes at a time)
-            meter = self._meter or self._new_meter()
+            meter = self._meter = self._meter or DepthMeter()
             if self._body_size - meter.fed >= METER_FROM:
                 meter.feed_new(self._body)
-
-    def _new_meter(self) -> DepthMeter:
-        self._meter = DepthMeter()
-        return self._meter
 
     def on_message_complete(self) -> None:
         self._phase = IDLE
@@ -427,13 +423,14 @@ class HttpConnection(asyncio.Protocol):
 
     def _update_reading(self) -> None:
         """Read the socket unless the client is not reading its answers, the pipeline is
-        full, or answers are owed after reading stopped (idempotent)."""
+        full, or answers are owed after reading stopped and the bytes dropped since passed
+        `_linger_left` (before, the reads see the client leave: idempotent)."""
         owed = self.busy or bool(self.pending)
         paused = (
             self.writing_paused
             or len(self.pending) >= MAX_PIPELINED
             or bool(self._held)
-            or (self._stopped and owed)
+            or (self._stopped and owed and self._linger_left < 0)
         )
         if paused == self._reading_paused:
             return
@@ -453,6 +450,7 @@ class HttpConnection(asyncio.Protocol):
         self._stopped = True
         self._final = error
         self._held = b""
+        self._linger_left = max(LINGER_BYTES, 2 * self.server.max_body)  # (dropped, then paused)
         if self.busy or self.pending:
             self._update_reading()
         else:

@@ -286,6 +286,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.sink: ResponseSink | None = None
         self.reused = False  # carried a response before this one
+        self.answered = False  # a byte of the current exchange's response arrived
         self._headers: list[tuple[bytes, bytes]] = []
         self._chunked = False  # the head being read says `Transfer-Encoding: chunked`
         self._has_length = False  # it has a `Content-Length`
@@ -300,6 +301,12 @@ class UpstreamConnection(asyncio.Protocol):
         return self._paused
 
     @property
+    def maybe_stale(self) -> bool:
+        """Failed as one the instance had closed while it sat idle in the pool: pooled, and
+        not a byte of the answer came. (Any byte says the instance had the request.)"""
+        return self.reused and not self.answered
+
+    @property
     def usable(self) -> bool:
         return self.transport is not None and not self.transport.is_closing() and self.sink is None
 
@@ -307,6 +314,7 @@ class UpstreamConnection(asyncio.Protocol):
         """Write a request (head, then body) and deliver its response to `sink`."""
         assert self.transport is not None
         self.sink = sink
+        self.answered = False
         self._headers = []
         self._chunked = self._has_length = False
         self._until_eof = False
@@ -367,6 +375,7 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
+        self.answered = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:

@@ -402,7 +402,11 @@ class TwoStageForward(Forward):
                     target, head, body, target.take_idle(), *limits
                 )
             except StaleConnection:
-                status, answer = await self._exchange(target, head, body, None, *limits)
+                try:
+                    status, answer = await self._exchange(target, head, body, None, *limits)
+                except ConnectRefused as exc:  # (it died of the prefill: that costs an attempt)
+                    what = f"{exc}, after it dropped a connection with the prefill"
+                    raise UpstreamError(what) from None
         finally:
             target.in_flight -= 1
         if status >= 500:
@@ -434,7 +438,7 @@ class TwoStageForward(Forward):
             return await sink.answer(target.address, first_byte, idle)
         except UpstreamError as exc:
             conn.abort()
-            if reused and not sink.head_seen and not isinstance(exc, UpstreamTimeout):
+            if reused and not conn.answered and not isinstance(exc, UpstreamTimeout):
                 raise StaleConnection() from None
             raise
         except BaseException:
@@ -469,7 +473,7 @@ class TwoStageForward(Forward):
         """A decode failed before its first byte: the next decode gets a new prefill, unless
         this one never got the handle (a refused connect, a pooled connection found closed)."""
         conn = self.conn
-        if not (conn is not None and conn.reused and not self.head_seen):  # (stale: no failure)
+        if not (conn is not None and conn.maybe_stale):  # (sent again: no failure yet)
             self.stages.stats.failures["decode"] += 1
             if not isinstance(failure, ConnectRefused):
                 self.prefilled_by = None

@@ -262,15 +262,17 @@ class Forward:
         assert model is not None
         return self.proxy.router.choose(model, self.prompt, self.tried)
 
-    async def _connect(self, target: Upstream) -> None:
-        """The only await of the request path: opening a connection when none is idle.
-
-        The client may leave as the connect completes, and the result may still arrive
-        despite the cancellation: the new connection then goes to the pool, not astray."""
+    async def _connect(self, target: Upstream, resent: bool = False) -> None:
+        """The only await of the request path: opening a connection when none is idle, or
+        (`resent`) after a pooled one failed unanswered: refused then, the instance died of
+        the request (an attempt spent). The client may leave as the connect completes, and
+        the connection may still arrive despite the cancellation: it goes to the pool."""
         try:
             conn = await target.connect()
         except Exception as exc:
             self.connecting = None
+            if resent and isinstance(exc, ConnectRefused):
+                exc = UpstreamError(f"{exc}, after it dropped a connection with the request")
             if not self.done:
                 self._attempt_failed(exc)
             return
@@ -345,9 +347,8 @@ class Forward:
         assert target is not None
         self.conn = None
         self.client.follow(None)
-        if conn is not None and conn.reused and not self.head_seen:
-            # An idle connection the worker had closed: not the instance's fault.
-            self.connecting = asyncio.create_task(self._connect(target))
+        if conn is not None and conn.maybe_stale:  # (closed while idle? sent again, once)
+            self.connecting = asyncio.create_task(self._connect(target, True))
             return
         target.in_flight -= 1
         self.target = None
