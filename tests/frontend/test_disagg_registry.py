@@ -115,3 +115,26 @@ def test_a_drained_pair_stays_listed_and_answers_503() -> None:
         assert not model.serving and model.listed and model.incomplete is None
     finally:
         registry.close()
+
+
+def test_of_two_ready_pairs_the_one_with_more_decode_instances_serves() -> None:
+    """A rolling upgrade: a pair of another checksum joins beside the serving one. The pair
+    with the most decode instances serves, its own prefills with its own decodes; the model
+    never stops serving (comparing the pairs raised, and left it without stages: 503s)."""
+    registry = Registry()
+    try:
+        registry.join(instance(1, WorkerRole.PREFILL, component="prefill"))
+        registry.join(instance(2, WorkerRole.DECODE, component="decode"))
+        registry.join(instance(3, WorkerRole.PREFILL, component="prefill-v2", source="v2"))
+        model = registry.models["m"]
+        assert model.serving and model.stages is not None  # (v2 has no decode yet)
+        assert ids(model.stages.prefill) == [1] and ids(model.stages.decode) == [2]
+        registry.join(instance(4, WorkerRole.DECODE, component="decode-v2", source="v2"))
+        # As many decodes in each: the pair serving goes on serving (no flapping).
+        assert model.serving and model.stages is not None
+        assert ids(model.stages.prefill) == [1] and ids(model.stages.decode) == [2]
+        registry.join(instance(5, WorkerRole.DECODE, component="decode-v2", source="v2"))
+        assert model.stages is not None
+        assert ids(model.stages.prefill) == [3] and ids(model.stages.decode) == [4, 5]
+    finally:
+        registry.close()

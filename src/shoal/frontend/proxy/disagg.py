@@ -13,16 +13,11 @@
    The client's own `X-Request-Id` names the request in the logs, and an answer's
    `X-Request-Id` (an engine echoing the stage's) is given back as the client's.
 
-Failover: a prefill that fails (connect, 5xx, no answer within the first-byte timeout) is
-inhibited and another prefill instance is tried (a refused connect costs no attempt). A
-decode that fails before the first byte is retried on another decode instance with a new
-prefill (the handle names blocks a decode may have started to fetch), except when the decode
-was never reached (a refused connect): then the same handle goes to the next decode. A
-decode that refuses the handle (a 400 naming `kv_transfer_params`: the prefill instance
-died before the decode fetched its blocks) counts as that prefill's failure: a new prefill,
-and the decode tried again. After the first byte, as for aggregated answers. A client that
-leaves during stage one cancels it, and no decode starts. Taints, draining and inhibition
-apply to both stages, since both pick from the registry's routable instances.
+Failover (docs/gateway.md): a failed prefill is inhibited and another tried. A decode that
+fails before the first byte is retried on another decode with a new prefill, unless it was
+never reached (a refused connect): then the same handle goes to the next decode. A decode
+that refuses the handle (a 400 naming `kv_transfer_params`) counts as that prefill's
+failure. A client that leaves during stage one cancels it. Embeddings go whole to a prefill.
 """
 
 from __future__ import annotations
@@ -40,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 
 from shoal.bounds import TooDeep, check_json_depth
+from shoal.cards import ModelType
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request
 from shoal.frontend.http.upstream import (
@@ -218,12 +214,21 @@ class TwoStages:
         model: Model,
         fields: Fields,
         stats: ModelStats,
+        kind: ModelType,
         *,
         served: str | None = None,
     ) -> None:
         """Start a request for `model`; `served`: the name the workers serve it as, when the
-        request names a virtual model (an alias) of it."""
-        TwoStageForward(self, request, client, model, fields, stats, served).start()
+        request names a virtual model (an alias) of it. An embeddings request has nothing to
+        decode: it goes whole to a prefill instance (the one pass over its prompt)."""
+        if kind is not ModelType.EMBEDDINGS:
+            TwoStageForward(self, request, client, model, fields, stats, served).start()
+            return
+        assert model.stages is not None
+        forward = Forward(self.proxy, request, client, model.stages.prefill, fields, stats)
+        if served is not None and served != fields.model:
+            forward.body = rewrite_model(request.body, served)
+        forward.start()
 
     def request_id(self) -> bytes:
         return f"shoal-{self._prefix}-{next(self._ids):x}".encode()
@@ -291,7 +296,9 @@ class TwoStageForward(Forward):
 
     __slots__ = (
         "handle",
+        "pairsum",
         "peek",
+        "peeked",
         "prefilled_by",
         "sent_at",
         "served",
@@ -319,7 +326,9 @@ class TwoStageForward(Forward):
         self.staging: asyncio.Task[None] | None = None
         self.handle: msgspec.Raw | None = None  # the prefill's kv_transfer_params
         self.prefilled_by: Upstream | None = None  # None: the next decode needs a new prefill
+        self.pairsum = ""  # the checksum of the pair that prefilled: its decodes only take it
         self.peek: list[bytes] | None = None  # a decode's 400, read before it is relayed
+        self.peeked: tuple[list[tuple[bytes, bytes]], bool] = ([], False)  # and its head
         self.sent_at = 0.0
         self.stage_request = request  # the client's request under the prefill's request id
 
@@ -330,12 +339,23 @@ class TwoStageForward(Forward):
         headers.append((b"x-request-id", self.stages.request_id()))
         self.stage_request = request.with_headers(headers)
 
+    def _prefill_head(self, target: Upstream, body: bytes) -> bytes:
+        """Stage one's head: the stage's, asking for an answer as it is (it is read here, not
+        relayed: a client's `Accept-Encoding: gzip` would have it compressed)."""
+        request = self.stage_request
+        headers = [(k, v) for k, v in request.headers if k != b"accept-encoding"]
+        headers.append((b"accept-encoding", b"identity"))
+        return self.proxy.request_head(request.with_headers(headers), target, body)
+
     def _head(self, target: Upstream, body: bytes) -> bytes:
         return self.proxy.request_head(self.stage_request, target, body)
 
     # -- attempts: a prefill, then the decode --------------------------------------------------
 
     def _attempt(self, failure: Exception | None) -> None:
+        stages = self.model.stages if self.model is not None else None
+        if stages is None or stages.pairsum != self.pairsum:
+            self.prefilled_by = None  # (the pair serving changed: prefilled again in the new)
         if self.prefilled_by is not None or self.attempt > self.proxy.retries:
             super()._attempt(failure)  # a handle to send, or no attempt left (answers)
             return
@@ -368,11 +388,21 @@ class TwoStageForward(Forward):
                     if not (isinstance(exc, ConnectRefused) and self._within_deadline()):
                         failed += 1
                     continue
+                now = served.stages
+                if now is None or now.pairsum != stages.pairsum:
+                    failed += 1  # another pair serves now: its decodes cannot take this handle
+                    failure = UpstreamError("the pair serving changed during the prefill")
+                    continue
                 self.handle, self.prefilled_by = handle, target
+                self.pairsum = stages.pairsum
                 break
         except ApiError as exc:  # the prefill refused the request: so would a decode
             if not self.done:
                 self._finish(exc)
+            return
+        except msgspec.DecodeError as exc:  # (a member's name not UTF-8: JSON must be)
+            if not self.done:
+                self._finish(errors.bad_request(f"The request body is not valid JSON: {exc}"))
             return
         except Exception as exc:  # a fault of ours: this request fails, and only it
             log.exception("the prefill stage of a request for %s failed", self.name)
@@ -392,7 +422,7 @@ class TwoStageForward(Forward):
         `ApiError` when it refused the request (4xx), `UpstreamError` when it failed."""
         body = stage_one_body(self.source)
         self._new_stage_id()
-        head = self._head(target, body)
+        head = self._prefill_head(target, body)
         limits = (self.proxy.first_byte_timeout, self.proxy.upstream_idle_timeout)
         started = time.perf_counter()
         target.in_flight += 1
@@ -491,22 +521,33 @@ class TwoStageForward(Forward):
     # -- the decode's answer -------------------------------------------------------------------
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
-        if status == 400 and not self.started and self.attempt <= self.proxy.retries:
-            self.peek = []  # a refused handle is retried: read the body before relaying it
-        given = self.request.header(b"x-request-id")
-        if given is not None:  # the client's id, never the stage's an engine echoes
+        given = self.request.header(b"x-request-id")  # the client's id, never the stage's
+        if given is not None:
             headers = [(k, given if k.lower() == b"x-request-id" else v) for k, v in headers]
+        elif any(k.lower() == b"x-request-id" for k, _ in headers):  # (an engine's echo)
+            headers = [(k, v) for k, v in headers if k.lower() != b"x-request-id"]
+        if status == 400 and not self.started:  # a refused handle? read it whole first
+            self.head_seen = True
+            self.peek, self.peeked = [], (headers, chunked)
+            return True
         return super().on_head(status, headers, chunked)
 
     def on_body(self, data: bytes) -> None:
+        peek = self.peek
+        if peek is not None:  # (nothing of it reached the migration or the figures yet)
+            peek.append(data)
+            if sum(map(len, peek)) > MAX_PEEK:  # too long for a refusal: relayed
+                self._relay_peeked()
+            return
         if not self.body_seen:
             self.stages.stats.decode_ttft.observe(time.perf_counter() - self.sent_at)
-        peek = self.peek
-        if peek is not None:
-            peek.append(data)
-            if sum(map(len, peek)) > MAX_PEEK:
-                self.peek = None  # too long for a refusal: relayed as it comes
         super().on_body(data)
+
+    def _relay_peeked(self) -> None:
+        peek, self.peek = self.peek or [], None
+        headers, chunked = self.peeked
+        if super().on_head(400, headers, chunked):
+            self.on_body(b"".join(peek))
 
     def flush(self, final: bool = False) -> None:
         if self.peek is not None and not final:
@@ -515,10 +556,12 @@ class TwoStageForward(Forward):
         super().flush(final)
 
     def on_complete(self) -> None:
-        peek, self.peek = self.peek, None
-        if peek is not None and refuses_handle(b"".join(peek)):
-            self._handle_refused()
-            return
+        if self.peek is not None:
+            if refuses_handle(b"".join(self.peek)):
+                self.peek = None
+                self._handle_refused()
+                return
+            self._relay_peeked()
         super().on_complete()
 
     def _handle_refused(self) -> None:

@@ -49,6 +49,7 @@ class TwoStageStarter(Protocol):
         model: Model,
         fields: Fields,
         stats: ModelStats,
+        kind: ModelType,
         *,
         served: str | None = None,
     ) -> None: ...
@@ -159,7 +160,7 @@ class Proxy:
             # instances that serve the model, but none of them declares this kind
             self._refuse(client, errors.no_ready_instance(name), name)
         elif narrowed.stages is not None and self.two_stages is not None:  # disaggregated
-            self.two_stages.start(request, client, narrowed, fields, self.metrics.model(name))
+            self.two_stages.start(request, client, narrowed, fields, self.metrics.model(name), kind)
         else:
             Forward(self, request, client, narrowed, fields, self.metrics.model(name)).start()
 
@@ -179,7 +180,7 @@ class Proxy:
         if staged is not None and self.two_stages is not None:  # an alias of a disaggregated model
             model, served = staged
             stats = self.metrics.model(name)
-            self.two_stages.start(request, client, model, fields, stats, served=served)
+            self.two_stages.start(request, client, model, fields, stats, kind, served=served)
         elif virtual.accepts(kind):  # (with no instance now, the first pick answers 503)
             stats = self.metrics.model(name)
             VirtualForward(self, request, client, virtual, kind, fields, stats).start()

@@ -145,6 +145,7 @@ class Stages(NamedTuple):
 
     prefill: Model
     decode: Model
+    pairsum: str = ""  # the checksum the two stages share
 
 
 @dataclass(eq=False)
@@ -244,12 +245,19 @@ class Model:
         """Routable sets and their cumulative weights, from the sets' `routable` tuples; the
         stages when a prefill and a decode set of one `pairsum` both have routable instances."""
         self._weigh(ws for ws in self.sets.values() if ws.routable and ws.id.role in ENTRY_ROLES)
-        self.stages = None
         pairs = _paired(self.sets.values(), routable=True)
+        serving = self.stages.pairsum if self.stages is not None else None
+        stages = None
         if pairs:
-            # One pair serves (the most decode instances): requests never mix checksums.
-            pairsum = max(pairs, key=lambda p: (pairs[p][1], p))
-            self.stages = Stages(*(self._stage(sets) for sets in pairs[pairsum]))
+            # One pair serves: the most decode instances, then the one serving (no flapping
+            # between equals), then the greater checksum. Requests never mix checksums.
+            def rank(p: str) -> tuple[int, bool, str]:
+                return (sum(len(ws.routable) for ws in pairs[p][1]), p == serving, p)
+
+            pairsum = max(pairs, key=rank)
+            prefill, decode = pairs[pairsum]
+            stages = Stages(self._stage(prefill), self._stage(decode), pairsum)
+        self.stages = stages
         self.incomplete = _incomplete(self.sets.values())
 
     def _stage(self, sets: list[WorkerSet]) -> Model:
