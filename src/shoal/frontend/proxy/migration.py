@@ -112,6 +112,10 @@ _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _encode = msgspec.json.encode
 
 
+def _raw(value: Any) -> msgspec.Raw:
+    return msgspec.Raw(_encode(value))
+
+
 def limit_of(model: Model, default: int) -> int:
     """The migration limit of `model`: `default` (the frontend's), unless its card's
     `runtime_config` sets its own; 0 from either turns migration off. A disaggregated
@@ -426,24 +430,19 @@ class Migration:
         chunk = self._read(event)
         if chunk is None:
             return event + b"\n\n"
-        try:  # (a member the chunk skipped may not decode: `1e400`)
-            obj = _decode_any(sse.payload(event) or b"")
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-            return event + b"\n\n"
-        if not isinstance(obj, dict):
-            return event + b"\n\n"
-        choices = obj.get("choices") or []
-        if (
-            self.opened
-            and self.chat
-            and chunk.usage is None
-            and choices
-            and all(sse.opening(c) for c in choices)
-        ):
+        choices = chunk.choices
+        opened, chat = self.opened, self.chat
+        if opened and chat and chunk.usage is None and choices and all(map(sse.opening, choices)):
             return b""  # the continuation's role chunk: the client had one
+        # Its members as they came (only the top level read: the chunk is decoded already),
+        # then `id`, `created` and the usage replaced.
+        try:
+            members = _decode_members(sse.payload(event) or b"")
+        except (msgspec.DecodeError, RecursionError):
+            return event + b"\n\n"
         self.opened = True
-        obj["id"], obj["created"] = self.id, self.created
-        usage = obj.get("usage")
+        members["id"], members["created"] = _raw(self.id), _raw(self.created)
+        usage = chunk.usage
         if isinstance(usage, dict) and self.carried:
             completion = usage.get("completion_tokens")
             prompt = usage.get("prompt_tokens")
@@ -451,7 +450,8 @@ class Migration:
                 usage["completion_tokens"] = completion + self.carried
             if isinstance(prompt, int):
                 usage["prompt_tokens"] = max(prompt - self.carried, 0)
-        return b"data: " + _encode(obj) + b"\n\n"
+            members["usage"] = _raw(usage)
+        return b"data: " + _encode(members) + b"\n\n"
 
     def complete(self) -> bool:
         """Whether a response that ended normally ended the stream (its `[DONE]` came, or

@@ -13,6 +13,7 @@ class Delta(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
     content: Any = None
     tool_calls: Any = None
     function_call: Any = None
+    role: Any = msgspec.UNSET  # (UNSET: not there at all)
 
 
 class Choice(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
@@ -51,11 +52,9 @@ def sse_start(data: bytes) -> bool:
     return data.startswith((b"data:", b":")) or (len(data) < 5 and b"data:".startswith(data))
 
 
-def opening(choice: Any) -> bool:
+def opening(choice: Choice) -> bool:
     """A chat choice that only opens the message (`role`, empty content)."""
-    if not isinstance(choice, dict) or choice.get("finish_reason") is not None:
+    delta = choice.delta
+    if delta is None or choice.finish_reason is not None or delta.role is msgspec.UNSET:
         return False
-    delta = choice.get("delta")
-    if not isinstance(delta, dict):
-        return False
-    return not delta.get("content") and not delta.get("tool_calls") and "role" in delta
+    return not delta.content and not delta.tool_calls
