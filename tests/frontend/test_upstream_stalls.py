@@ -71,6 +71,22 @@ async def test_a_head_cut_short_is_timed_out_like_no_head_at_all(
     assert loop.time() - began < 5
 
 
+async def test_a_head_cut_short_without_a_first_byte_timeout_is_bounded_by_the_idle_timeout(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """`--first-byte-timeout 0` lets an instance think as long as it likes before it answers;
+    once its answer began, a pause in it is the idle timeout's (the request hung for good)."""
+    stalled = await start_raw(half_a_head)
+    frontend = await started(
+        start_frontend, stalled, first_byte_timeout=0, upstream_idle_timeout=0.5
+    )
+    async with aiohttp.ClientSession() as session, asyncio.timeout(10):
+        response = await session.post(f"{frontend.url}/v1/chat/completions", json=BODY)
+        assert response.status == 504
+        error = (await response.json())["error"]
+    assert error["code"] == "upstream_timeout" and "sent nothing for 0.5s" in error["message"]
+
+
 async def test_a_head_cut_short_is_retried_on_another_instance(
     start_raw: StartRaw, start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:

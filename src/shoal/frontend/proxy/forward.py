@@ -312,8 +312,8 @@ class Forward:
         if conn.paused:
             self.since = self.last_read = now
             self.progress = False
-        elif not self.head_seen:
-            seconds = proxy.first_byte_timeout
+        elif not self.head_seen and (proxy.first_byte_timeout > 0 or not conn.answered):
+            seconds = proxy.first_byte_timeout  # (0, once the head began: the idle timeout's)
             if seconds > 0 and now - self.since > seconds:
                 assert self.target is not None
                 self.conn = None  # (not mistaken for an idle connection the worker had closed)
