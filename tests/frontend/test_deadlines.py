@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from shoal.frontend.proxy.deadlines import MAX_SWEEP, MIN_SWEEP, Deadlines
+from shoal.frontend.proxy.deadlines import MAX_SWEEP, MIN_SWEEP, TURN_SECONDS, Deadlines
 from tests.helpers import wait_for
 
 
@@ -66,3 +67,38 @@ async def test_closed_deadlines_sweep_no_more_and_hold_no_timer() -> None:
     deadlines.close()
     assert deadlines._timer is None and timer.cancelled()
     assert deadlines.watched == set()
+
+
+async def test_a_sweep_with_many_attempts_to_fail_lets_the_event_loop_turn_between_slices() -> None:
+    """Each attempt past its deadline is failed in its check (a log line, a retry's pick and
+    connect): 1,000 at once held the loop ~43 ms. The sweep gives the loop a turn after each
+    slice of `TURN_SECONDS`, so other connections are served meanwhile."""
+    loop = asyncio.get_running_loop()
+    turns = 0
+
+    def tick() -> None:  # (one increment per turn of the loop)
+        nonlocal turns
+        turns += 1
+        loop.call_soon(tick)
+
+    seen: list[int] = []
+
+    class Slow(Attempt):
+        def check_deadline(self, now: float) -> None:
+            super().check_deadline(now)
+            seen.append(turns)
+            self.deadlines.unwatch(self)  # (failed: no longer watched)
+            end = time.perf_counter() + 0.0005  # (a failure's work: half a millisecond)
+            while time.perf_counter() < end:
+                pass
+
+    deadlines = Deadlines(0.1)
+    attempts = [Slow(deadlines) for _ in range(200)]  # 100 ms of work in all
+    for attempt in attempts:
+        deadlines.watch(attempt)
+    loop.call_soon(tick)
+    await wait_for(lambda: all(a.checks for a in attempts), message="all checked")
+    per_turn = max(seen.count(t) for t in set(seen))
+    assert per_turn <= TURN_SECONDS / 0.0005 + 32, per_turn  # (checked in steps of 32)
+    assert len(set(seen)) >= 3
+    assert all(len(a.checks) == 1 for a in attempts)  # each once: none lost, none twice

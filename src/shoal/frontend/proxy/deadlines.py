@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 MIN_SWEEP = 0.01  # seconds between sweeps, at least (timeouts of a few tenths, in tests)
 MAX_SWEEP = 1.0  # and at most (the defaults: 60 s)
+TURN_SECONDS = 0.005  # a sweep's slice: then the loop turns (failing 1,000 at once took 43 ms)
 
 
 class Watched(Protocol):
@@ -45,7 +46,7 @@ class Deadlines:
         self.every = min(max(shortest / 10, MIN_SWEEP), MAX_SWEEP)
         self.watched: set[Watched] = set()
         self.unwatch = self.watched.discard  # (an attempt that ends: one call, no lookup)
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None  # the next sweep, or the rest of this one
 
     def watch(self, attempt: Watched) -> None:
         """Check `attempt` at each sweep from now on, until `unwatch(attempt)`."""
@@ -54,15 +55,27 @@ class Deadlines:
             self._timer = asyncio.get_running_loop().call_later(self.every, self._sweep)
 
     def _sweep(self) -> None:
-        """Check every attempt watched; one that fails its check affects only itself."""
-        now = time.perf_counter()
-        for attempt in list(self.watched):
-            try:
-                attempt.check_deadline(now)
-            except Exception:
-                log.exception("checking the deadline of %r failed", attempt)
-                self.watched.discard(attempt)
-        if self.watched:
+        self._check(list(self.watched), time.perf_counter())
+
+    def _check(self, attempts: list[Watched], now: float) -> None:
+        """Check `attempts` (those watched at the sweep of `now`); one that fails its check
+        affects only itself. Past `TURN_SECONDS`, the rest in the loop's next turn."""
+        watched = self.watched
+        began = time.perf_counter()
+        for i, attempt in enumerate(attempts):
+            if attempt in watched:  # (not ended since)
+                try:
+                    attempt.check_deadline(now)
+                except Exception:
+                    log.exception("checking the deadline of %r failed", attempt)
+                    watched.discard(attempt)
+            if i & 31 == 31 and time.perf_counter() - began > TURN_SECONDS:
+                # (the sweep goes on: `watch` starts no other meanwhile)
+                self._timer = asyncio.get_running_loop().call_soon(
+                    self._check, attempts[i + 1 :], now
+                )
+                return
+        if watched:
             self._timer = asyncio.get_running_loop().call_later(self.every, self._sweep)
         else:
             self._timer = None
