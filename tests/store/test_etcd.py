@@ -54,6 +54,18 @@ def prefix() -> str:
 # -- URLs and connecting ----------------------------------------------------------------
 
 
+async def test_a_refused_store_url_is_reported_without_its_credentials() -> None:
+    """A store URL given with a password (refused: etcd:// takes none) names what is wrong,
+    never the password: the message goes to stderr and the logs."""
+    for url in ("etcd://alice:SECRET@h:2379", "etcd://h:2379?password=SECRET",
+                "etcd://alice:SECRET@h:port", "sqlite:///x.db?password=SECRET",
+                "nope://alice:SECRET@h")  :  # fmt: skip
+        with pytest.raises(ValueError) as refused:
+            await open_store(url)
+        assert "SECRET" not in str(refused.value), str(refused.value)
+        assert "***" in str(refused.value)
+
+
 def test_parse_url() -> None:
     assert parse_url("etcd://a:1") == [("a", 1)]
     assert parse_url("etcd://a:1,b:2/") == [("a", 1), ("b", 2)]

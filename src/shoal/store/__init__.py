@@ -27,6 +27,7 @@ from shoal.store.base import (
     ValueTooLargeError,
 )
 from shoal.store.lease import LeaseKeeper
+from shoal.urls import redact_url
 
 __all__ = [
     "MAX_VALUE_BYTES",
@@ -71,7 +72,7 @@ async def open_store(url: str | None = None, *, connect_timeout: float = 5.0) ->
     scheme, sep, _ = url.partition("://")
     if not sep:
         raise ValueError(
-            f"store URL {url!r} has no scheme: use memory://, sqlite:///path or etcd://host:port"
+            f"store URL {redact_url(url)!r} has no scheme: use memory://, sqlite:///path or etcd://host:port"
         )
     if scheme == "memory":
         from shoal.store.memory import MemoryStore
@@ -85,4 +86,6 @@ async def open_store(url: str | None = None, *, connect_timeout: float = 5.0) ->
         from shoal.store.etcd import EtcdStore
 
         return await EtcdStore.open(url, connect_timeout=connect_timeout)
-    raise ValueError(f"store URL {url!r}: unknown scheme {scheme!r} (memory, sqlite, etcd)")
+    raise ValueError(
+        f"store URL {redact_url(url)!r}: unknown scheme {scheme!r} (memory, sqlite, etcd)"
+    )

@@ -81,6 +81,7 @@ from shoal.store.base import (
     check_value,
     distinct_prefixes,
 )
+from shoal.urls import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +135,12 @@ def parse_url(url: str) -> list[tuple[str, int]]:
     """The endpoints of `etcd://host:port[,host:port...]`, in order; the port defaults to 2379."""
     scheme, sep, rest = url.partition("://")
     if scheme != "etcd" or not sep:
-        raise ValueError(f"not an etcd store URL: {url!r}")
+        raise ValueError(f"not an etcd store URL: {redact_url(url)!r}")
     rest = rest.rstrip("/")
     if not rest or "/" in rest or "?" in rest or "@" in rest:
-        raise ValueError(f"etcd store URL {url!r}: expected etcd://host:port[,host:port]")
+        raise ValueError(
+            f"etcd store URL {redact_url(url)!r}: expected etcd://host:port[,host:port]"
+        )
     endpoints: list[tuple[str, int]] = []
     for part in rest.split(","):
         part = part.strip()
@@ -152,9 +155,9 @@ def parse_url(url: str) -> list[tuple[str, int]]:
         try:
             port = int(port_s) if port_s else DEFAULT_PORT
         except ValueError:
-            raise ValueError(f"etcd store URL {url!r}: bad port in {part!r}") from None
+            raise ValueError(f"etcd store URL {redact_url(url)!r}: bad port in {part!r}") from None
         if not host or not 0 < port < 65536:
-            raise ValueError(f"etcd store URL {url!r}: bad endpoint {part!r}")
+            raise ValueError(f"etcd store URL {redact_url(url)!r}: bad endpoint {part!r}")
         endpoints.append((host, port))
     return endpoints
 

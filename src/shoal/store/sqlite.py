@@ -124,6 +124,7 @@ from shoal.store.base import (
     check_value,
     distinct_prefixes,
 )
+from shoal.urls import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -259,26 +260,30 @@ def _parse_url(url: str) -> tuple[Path, bool]:
     """
     scheme, sep, rest = url.partition("://")
     if scheme != "sqlite" or not sep:
-        raise ValueError(f"store URL {url!r}: {_URL_USAGE}")
+        raise ValueError(f"store URL {redact_url(url)!r}: {_URL_USAGE}")
     if "#" in rest:
-        raise ValueError(f"store URL {url!r}: a '#' fragment means nothing here; {_URL_USAGE}")
+        raise ValueError(
+            f"store URL {redact_url(url)!r}: a '#' fragment means nothing here; {_URL_USAGE}"
+        )
     rest, _, query = rest.partition("?")
     read_only = False
     for param in query.split("&") if query else ():
         name, _, value = param.partition("=")
         if name != "mode" or value not in ("ro", "rw"):
             raise ValueError(
-                f"store URL {url!r}: unsupported parameter {param!r} (only mode=ro or mode=rw)"
+                f"store URL {redact_url(url)!r}: unsupported parameter {name!r} (only mode=ro or mode=rw)"
             )
         read_only = value == "ro"
     try:
         raw = unquote(rest, errors="strict")
     except UnicodeDecodeError:
-        raise ValueError(f"store URL {url!r}: an escape in the path is not UTF-8") from None
+        raise ValueError(
+            f"store URL {redact_url(url)!r}: an escape in the path is not UTF-8"
+        ) from None
     if "\0" in raw:
-        raise ValueError(f"store URL {url!r}: the path holds a NUL character (%00)")
+        raise ValueError(f"store URL {redact_url(url)!r}: the path holds a NUL character (%00)")
     if not raw.startswith("/") or not raw.strip("/"):
-        raise ValueError(f"store URL {url!r}: {_URL_USAGE}")
+        raise ValueError(f"store URL {redact_url(url)!r}: {_URL_USAGE}")
     path = raw[1:]
     if path.startswith(("./", "../")):
         return Path(os.path.abspath(path)), read_only
