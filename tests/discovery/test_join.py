@@ -362,3 +362,26 @@ async def test_a_listing_since_the_last_one_lists_what_a_new_reader_lists(
         assert await disc.list() == listed  # and again, with nothing changed
     finally:
         await store.close()
+
+
+async def test_a_value_over_the_stores_bound_written_by_an_outside_writer_is_skipped_unread(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store takes values of at most `MAX_VALUE_BYTES`; another writer (another language's
+    worker, an etcd with a larger request limit) may put more. Such a card or instance is
+    skipped and counted before it is parsed (a 40 MB card was decoded on the event loop,
+    510 ms, and served)."""
+    from shoal.store import base
+
+    disc = Discovery(store)
+    good = await register(disc, EP, 0x80, card_at(0))
+    big = ModelKey(EP, 0x81)
+    await disc.register_instance(info(EP, 0x81), lease=0)
+    card = msgspec.json.decode(card_at(1).to_json())
+    card["padding"] = "x" * base.MAX_VALUE_BYTES  # (valid, but for its size)
+    monkeypatch.setattr(base, "MAX_VALUE_BYTES", 4 * base.MAX_VALUE_BYTES)  # (the outsider)
+    await store.put(big.key, msgspec.json.encode(card))
+    counted = join.MALFORMED.labels("model")._value.get()
+    assert [m.key for m in await disc.list()] == [good]
+    assert join.MALFORMED.labels("model")._value.get() == counted + 1
+    assert "bytes" in disc.skipped[big.key]

@@ -47,7 +47,7 @@ from shoal.discovery.records import (
     Removed,
     TaintsUpdated,
 )
-from shoal.store import KeyRevision, KeyValue
+from shoal.store import MAX_VALUE_BYTES, KeyRevision, KeyValue
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -110,12 +110,20 @@ def _report_malformed(kind: str, kv_key: str, error: Exception, skipped: Skipped
         skipped[kv_key] = reason
 
 
+def check_size(value: bytes) -> None:
+    """ValueError for a value over the stores' bound (`MAX_VALUE_BYTES`): another writer's
+    (a store takes no larger one), left unread: it would be parsed on the event loop."""
+    if len(value) > MAX_VALUE_BYTES:
+        raise ValueError(f"{len(value)} bytes, over the {MAX_VALUE_BYTES}-byte bound of values")
+
+
 def parse_instance(kv_key: str, value: bytes) -> InstanceInfo:
     """The endpoint instance stored at `kv_key`; ValueError if key or value does not fit
     (`TooDeep` if it nests deeper than `shoal.bounds.MAX_DEPTH`). It holds the name strings
     of its key's `EndpointId` (one copy for the fleet), and its URL twice when its status
     URL is the same."""
     endpoint, instance_id = parse_instance_key(kv_key)
+    check_size(value)
     check_json_depth(value)
     try:
         info = _instance_decoder.decode(value)
@@ -392,6 +400,7 @@ class CardsAndInstances:
         else:
             try:
                 key = parse_model_key(kv_key)
+                check_size(value)
                 card, mdcsum = _compact(ModelCard.from_json(value))
             except (ValueError, CardError) as exc:
                 _report_malformed("model", kv_key, exc, self.skipped)

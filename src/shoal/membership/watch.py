@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from shoal.cards import CardError, ModelCard
 from shoal.discovery import Discovery, EndpointId, ModelInstance, ModelKey, Query
+from shoal.discovery.join import check_size
 from shoal.discovery.keys import MODELS, parse_model_key
 from shoal.membership.discovery_source import EndpointPrefix
 from shoal.membership.errors import MembershipError, SourceError
@@ -420,6 +421,7 @@ class MembershipWatch:
         is not a taint update of a known card."""
         try:
             key = parse_model_key(change.key)
+            check_size(change.value)
             card = ModelCard.from_json(change.value)
         except (ValueError, CardError):
             return None
