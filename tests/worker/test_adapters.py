@@ -153,3 +153,34 @@ async def test_an_adapter_whose_unload_fails_answers_409_and_stays_announced(
             assert after["sql"].card == before["sql"].card
             async with http.get(runtime.status_url + "/v1/loras") as resp:
                 assert [a["name"] for a in (await resp.json())["data"]] == ["sql"]
+
+
+async def test_two_unloads_of_one_adapter_at_once_unload_it_once_and_never_announce_it_again(
+    store_url: str, store: Store
+) -> None:
+    """Both find the adapter before either holds the endpoint's lock (a load or the models
+    loop holds it): the second then found it gone from the engine, answered 409 "not
+    unloaded" and announced it again, a card for an adapter nobody serves."""
+    from tests.helpers import wait_for
+
+    engine = MockerEngine("mock-model", speedup=0)
+    async with Runtime(store_url) as runtime:
+        ep = runtime.endpoint("default.backend.generate")
+        await ep.serve(engine)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                runtime.status_url + "/v1/loras", json={"name": "sql", "path": "/p"}
+            ) as resp:
+                assert resp.status == 200
+
+            async def unload() -> int:
+                async with http.delete(runtime.status_url + "/v1/loras/sql") as resp:
+                    return resp.status
+
+            async with ep.sync_lock:  # (busy: both wait behind it)
+                both = [asyncio.ensure_future(unload()) for _ in range(2)]
+                await wait_for(lambda: len(ep.sync_lock._waiters or ()) == 2, message="waiting")
+            assert sorted(await asyncio.gather(*both)) == [200, 404]
+            assert "sql" not in await cards(store)
+            async with http.get(runtime.status_url + "/v1/loras") as resp:
+                assert (await resp.json())["data"] == []

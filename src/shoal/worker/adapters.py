@@ -175,6 +175,8 @@ class AdapterRoutes:
                     param="name",
                 )
             async with ep.sync_lock:
+                if ep.models.get(suffix) is not att:  # (unloaded while this one waited)
+                    raise ApiError(404, f"no adapter {name!r} is loaded", param="name")
                 await ep.detach_model(suffix)  # discovery first, then metadata
                 try:
                     await ep.engine.unload_adapter(name)
