@@ -9,9 +9,10 @@ written: an engine may answer more after it (vLLM's `prompt_logprobs`, asked for
 client, can be far longer than the tail), and the tail alone then charged no completion
 tokens. When the engine gives no usage, the gateway counts: one completion token per
 streamed event, and the prompt as its body bytes / 4. The gate's
-`done(grant, model, status, prompt_tokens, completion_tokens, served_model)` is called once,
-when the response is finished or refused; the served model is the `model` the answer names
-("" if none). Per write: a count of `data:`, a `rfind` of `"usage"` and two slices, no
+`done(grant, model, status, prompt_tokens, completion_tokens, served_model, reserved, shared)`
+is called once, when the response is finished or refused; the served model is the `model` the
+answer names ("" if none), `reserved` the tokens `Limits` reserved for it when it was admitted
+(`shared`: in Redis). Per write: a count of `data:`, a `rfind` of `"usage"` and two slices, no
 regular expression; the usage is looked for once, at the end: in the tail, else after the
 last `"usage"`.
 """
@@ -41,7 +42,15 @@ class EndListener(Protocol):
     records_usage: bool  # the served model is looked for only then
 
     def done(
-        self, grant: Grant, model: str, status: int, prompt: int, completion: int, served: str
+        self,
+        grant: Grant,
+        model: str,
+        status: int,
+        prompt: int,
+        completion: int,
+        served: str,
+        reserved: int = 0,
+        shared: bool = False,
     ) -> None: ...
 
 
@@ -79,7 +88,7 @@ class Metered:
 
     __slots__ = (
         "_done", "conn", "events", "gate", "grant", "head", "loop", "model", "request_bytes",
-        "status", "tail", "usage",
+        "reserved", "shared", "status", "tail", "usage",
     )  # fmt: skip
 
     def __init__(
@@ -101,6 +110,8 @@ class Metered:
         self.head = b""  # the first bytes: where a JSON answer names its `model`
         self.usage = b""  # from the last `"usage"` key written, at most `USAGE` bytes
         self.events = 0
+        self.reserved = 0  # tokens reserved for it when admitted (`Limits.admit`)...
+        self.shared = False  # ... in Redis, or in the local windows
         self._done = False
 
     @property
@@ -167,4 +178,4 @@ class Metered:
         if gate.records_usage:
             found = _MODEL.search(self.head) or _MODEL.search(self.tail)
             served = found.group(1).decode(errors="replace") if found else ""
-        gate.done(grant, self.model, status, prompt, completion, served)
+        gate.done(grant, self.model, status, prompt, completion, served, self.reserved, self.shared)
