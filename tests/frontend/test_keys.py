@@ -3,7 +3,9 @@ checked by in-process frontends with the official `openai` client."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -208,3 +210,43 @@ def test_health_counts_every_refused_grant_and_lists_only_the_first() -> None:
     listed = described["skipped"]
     assert isinstance(listed, list) and len(listed) == MAX_LISTED
     assert listed[0]["key"] == grant_key("default", "0" * 64)
+
+
+async def test_a_team_key_reads_no_membership_view_an_operator_does(
+    store: Store, tmp_path: Path
+) -> None:
+    """`/v1/membership` names every model, namespace and instance in the frontend's scope:
+    it is an operator's route (`--api-key`), like the fleet page; a team's key, even one that
+    may use a model there, is refused as if it were no key."""
+    from shoal.cli.frontend import membership_for
+    from shoal.discovery import Discovery
+    from shoal.frontend import FrontendConfig
+    from tests.frontend.support import FakeWorker, serving
+
+    workers = [await FakeWorker(m, namespace="team-a").start() for m in ("mock-llm", "secret")]
+    for worker in workers:
+        await worker.register(store)
+    await grant(store, SECRET, models=("mock-llm",))
+    sources = tmp_path / "sources.json"
+    sources.write_text(json.dumps({"version": 1, "sources": [{"namespace": "team-a"}]}))
+    config = FrontendConfig(port=0, cache_dir=tmp_path / "cache", namespace_sources=sources,
+                            auth="keys", api_keys=("operator",))  # fmt: skip
+    front = Frontend(config, discovery=Discovery(store), membership=membership_for(config))
+    await front.start()
+    try:
+        await wait_for(lambda: serving(front, "secret") and front.keys and front.keys.by_hash)
+        async with aiohttp.ClientSession() as session:
+            for path in ("/v1/membership", "/v1/membership/status"):
+                for key, status in ((SECRET, 401), (None, 401), ("operator", 200)):
+                    headers = {"authorization": f"Bearer {key}"} if key else {}
+                    async with session.get(front.url + path, headers=headers) as response:
+                        text = await response.text()
+                        assert response.status == status, (path, key, text)
+                        assert ("secret" in text) == (path == "/v1/membership" and status == 200)
+            team = {"authorization": f"Bearer {SECRET}"}
+            async with session.get(f"{front.url}/v1/models", headers=team) as response:
+                assert "secret" not in await response.text()  # the key's own view: its models
+    finally:
+        await front.stop()
+        for worker in workers:
+            await worker.stop()

@@ -8,7 +8,8 @@ for the store or a worker, which every replica shares), and `/health` a report f
 (200 once started, whatever the store's state). `/health/controllers` reports every loop in
 trouble and the store's outage.
 `/v1/membership` and `/v1/membership/status` are served when the scope follows a membership
-watch.
+watch, to an operator only (they name the whole scope): a team's key (`--auth keys`) is
+refused there.
 
 Exposure: with API keys, `/health` shows its details only to a caller with a key (or to
 anyone with `public_health`); with `metrics_port`, `/metrics` is served there alone (plain
@@ -207,7 +208,8 @@ class Endpoints:
                 body["unhealthy"] = dict.fromkeys(body["unhealthy"], "unhealthy")
             conn.send(status, _json(body))
         elif path in (b"/v1/membership", b"/v1/membership/status"):
-            self._authorize(request)
+            if not self._authorized(request):  # an operator's: it names the whole fleet,
+                raise errors.unauthorized()  # not a route for a team's key (`--auth keys`)
             if self.membership is None:
                 raise errors.not_found(path.decode())
             if path == b"/v1/membership":
