@@ -318,3 +318,64 @@ async def test_tpm_holds_against_a_burst_of_requests_in_flight(
         second = await burst()  # now 4 reserved each, held while in flight
         assert 4 * first.count(200) + 4 * (second.count(200) - 1) < 20, second
         await wait_for(lambda: _equals(tokens(), 4 * (first + second).count(200)), timeout=5)
+
+
+def test_retry_after_is_when_the_sliding_window_admits_again() -> None:
+    """A 429's `Retry-After` (and `x-ratelimit-reset-*`) is when the sliding estimate has
+    faded below the limit: a client that waits exactly that long is admitted, one that
+    waits 1.5 s less is not. Many windows on an injected clock: the previous minute full
+    or empty, this minute's own count under the limit or over it alone."""
+    import copy
+    import random
+
+    from shoal.frontend.keys.windows import LocalWindows, Refusal
+
+    rng = random.Random(7)
+    for case in range(300):
+        rpm, tpm = rng.choice([(rng.randint(1, 30), None), (None, rng.randint(5, 200))])
+        key = Grant(workspace="default", name="team", hash=hash_secret(SECRET), rpm=rpm, tpm=tpm)
+        local, minute = LocalWindows(), 6000 * 60.0
+        for at in sorted(rng.uniform(0, 119.9) for _ in range(rng.randint(0, 40))):
+            if isinstance(local.admit(key, 1, now=minute + at), bytes) and tpm:
+                local.charge(key, rng.randint(0, 30), now=minute + at)
+        now = minute + 120 + rng.uniform(0, 59.9)
+        while not isinstance(refused := local.admit(key, 1, now=now), Refusal):
+            if tpm:
+                local.charge(key, rng.randint(1, 30), now=now)
+        wait = refused.retry_after
+        assert b"-%s: %ds" % (refused.what.encode(), wait) in refused.headers, case
+        early = copy.deepcopy(local)
+        assert isinstance(local.admit(key, 1, now=now + wait), bytes), (case, wait)
+        if wait > 1:  # and not needlessly late
+            assert isinstance(early.admit(key, 1, now=now + wait - 1.5), Refusal), case
+
+
+async def test_the_lease_script_waits_as_long_as_the_local_windows(
+    redis_server: RedisServer,
+) -> None:
+    """`LEASE`'s `wait` (Lua, on Redis' clock) is the local windows' `fade`, to the second."""
+    import random
+    import re
+
+    from shoal.frontend.keys.windows import WINDOW, fade
+
+    function = re.search(r"local function wait\(.*?\nend\n", limits.LEASE, re.S)
+    assert function is not None
+    script = (
+        "local W, keep = tonumber(ARGV[1]), tonumber(ARGV[2])\n" + function.group(0)
+        + "return wait(tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]))"
+    )  # fmt: skip
+    rng = random.Random(3)
+    cases = [
+        (rng.randint(0, 300), rng.randint(0, 300), rng.randint(0, 200), rng.uniform(0.001, 1))
+        for _ in range(500)
+    ]
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        for prev, cur, bound, keep in cases:
+            if prev * keep + cur < bound:
+                continue  # admitted: no wait asked
+            lua = await client.eval(script, 0, WINDOW, repr(keep), prev, cur, bound)  # type: ignore[misc]
+            assert lua == fade(prev, cur, bound, keep), (prev, cur, bound, keep)
+    finally:
+        await client.aclose()

@@ -114,9 +114,11 @@ local rp = tonumber(redis.call('GET', p .. ':r:' .. (cur - 1)) or '0')
 local tc = tonumber(redis.call('GET', p .. ':t:' .. cur) or '0')
 local tp = tonumber(redis.call('GET', p .. ':t:' .. (cur - 1)) or '0')
 local r, tk = rp * keep + rc, tp * keep + tc
-local function wait(prev, c, over)
-  if prev > 0 and c < over then return math.ceil((prev * keep + c - over) / prev * W) end
-  return turn
+local function wait(prev, c, bound)
+  local at = keep * W
+  if prev > 0 and c < bound then at = (prev * keep + c - bound) / prev * W
+  elseif c > 0 then at = keep * W + W * (1 - bound / c) end
+  return math.floor(at) + 1
 end
 if rpm > 0 and r + 1 > rpm then
   return {0, 0, 0, math.max(tpm - tk, 0), wait(rp, rc, rpm - 1), turn, cur, 1}
@@ -429,9 +431,10 @@ class Limits:
             pass
         elif not admitted:
             key.left_requests, key.left_tokens, key.reset_at = left_r, left_t, now + turn
+            wait = max(int(wait), 1)
             refusal = Refusal(
-                headers_of(grant, left_r, left_t, turn),
-                max(int(wait), 1),
+                headers_of(grant, left_r, left_t, wait),
+                wait,
                 "requests" if which == 1 else "tokens",
             )
             for waiter in self._waiters(key):
@@ -445,7 +448,8 @@ class Limits:
                 waiter = key.waiting[told]
                 told += 1
                 if not waiter.cancelled:
-                    waiter.admitted(self._take(key, now, waiter.ticket))
+                    ticket = waiter.ticket if grant.tpm is not None else None
+                    waiter.admitted(self._take(key, now, ticket))
             del key.waiting[:told]
         if key.units > 0 or key.owed:
             self._unsettled.add(key)  # owes tokens, or an allowance to give back

@@ -30,6 +30,22 @@ _MAX_OUT = re.compile(rb"\s*:\s*(\d{1,9})(?!\d)")
 _MAX_NAMES = (b'"max_completion_tokens"', b'"max_tokens"')
 
 
+def fade(prev: float, cur: float, bound: float, keep: float) -> int:
+    """Seconds to wait (`Retry-After`) until the sliding estimate `prev x keep + cur` is
+    below `bound`, nothing more being counted: before the minute turns if this minute's own
+    `cur` is under it (the previous minute's `prev` fades linearly until then), else once the
+    turn made `cur` the fading previous minute. The first whole second past that time: a
+    client waiting exactly this long is admitted. `LEASE`'s `wait` (`limits.py`) is the same
+    in Lua."""
+    if prev > 0 and cur < bound:
+        at = (prev * keep + cur - bound) / prev * WINDOW
+    elif cur > 0:
+        at = keep * WINDOW + WINDOW * (1 - bound / cur)
+    else:
+        at = keep * WINDOW
+    return math.floor(at) + 1
+
+
 def estimate(body: bytes) -> int:
     """A request's tokens before its answer (OpenAI's own estimate): its prompt as its body
     bytes / 4, plus the completion it allows (`max_completion_tokens`, else `max_tokens`) when
@@ -148,9 +164,11 @@ class LocalWindows:
         rpm = -(-grant.rpm // share) if grant.rpm else 0
         tpm = -(-grant.tpm // share) if grant.tpm else 0
         if rpm and r + 1 > rpm:
-            return Refusal(headers_of(grant, 0, tpm - tk, turn), turn, "requests")
+            wait = fade(window.prev_requests, window.requests, rpm - 1, keep)
+            return Refusal(headers_of(grant, 0, tpm - tk, wait), wait, "requests")
         if tpm and tk >= tpm:
-            return Refusal(headers_of(grant, rpm - r, 0, turn), turn, "tokens")
+            wait = fade(window.prev_tokens, window.tokens, tpm, keep)
+            return Refusal(headers_of(grant, rpm - r, 0, wait), wait, "tokens")
         window.requests += 1
         if tpm:
             per = math.ceil(window.avg) if window.avg else estimate(body)
