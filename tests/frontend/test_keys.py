@@ -250,3 +250,36 @@ async def test_a_team_key_reads_no_membership_view_an_operator_does(
         await front.stop()
         for worker in workers:
             await worker.stop()
+
+
+def test_a_keys_model_listing_is_looked_up_by_its_allow_list_never_decoded() -> None:
+    """A keyed `/v1/models` takes the objects of its allow-list's names from the listing of
+    the registry's version (at most 1,000 look-ups), in the listing's order: the whole body
+    (30,000 models: 20-45 ms to decode) is never read again."""
+    from shoal.frontend.keys.keys import ModelListing, models_for
+
+    data = [{"id": f"m-{i:05d}", "object": "model", "created": i, "owned_by": "shoal"}
+            for i in range(3000)]  # fmt: skip
+    listing = ModelListing(data)
+    assert json.loads(listing.body) == {"object": "list", "data": data}
+    assert models_for(listing, None) is listing.body  # the operator's: as it is
+    listing.body = b"never decoded"  # a keyed listing does not read it
+    key = Grant(workspace="w", name="k", hash="a" * 64,
+                models=("m-02000", "absent", "m-00007", "m-02000"))  # fmt: skip
+    assert json.loads(models_for(listing, key)) == {"object": "list", "data": [data[7], data[2000]]}
+
+
+async def test_a_keys_model_listing_follows_the_registry(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    await start_worker("mock-llm")
+    await grant(store, SECRET, models=("mock-llm", "later", "aaa"))
+    frontend = await start_frontend(auth="keys")
+    await wait_for(lambda: "mock-llm" in frontend.registry.models and frontend.keys.by_hash)
+    async with openai_client(frontend, api_key=SECRET) as client:
+        assert [m.id async for m in client.models.list()] == ["mock-llm"]
+        await start_worker("later")
+        await start_worker("aaa")
+        await start_worker("not-allowed")
+        await wait_for(lambda: len(frontend.registry.models) == 4)
+        assert [m.id async for m in client.models.list()] == ["aaa", "later", "mock-llm"]

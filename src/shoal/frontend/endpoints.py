@@ -42,7 +42,7 @@ from shoal.frontend.http.listener import HttpServer
 from shoal.frontend.http.request import Request, bearer_token
 from shoal.frontend.http.server import HttpConnection
 from shoal.frontend.keys.gate import Gate
-from shoal.frontend.keys.keys import KeyRing, models_for
+from shoal.frontend.keys.keys import KeyRing, ModelListing, models_for
 from shoal.frontend.keys.limits import Limits
 from shoal.frontend.keys.usage import UsageBook
 from shoal.frontend.proxy.fields import decode_fields
@@ -88,7 +88,7 @@ class Endpoints:
     metrics_server: HttpServer | None  # `/metrics` alone, on `metrics_port`
     metrics_source: Callable[[], Awaitable[bytes | list[bytes]]] | None
     draining: bool
-    _models_body: tuple[tuple[int, int], bytes] | None
+    _models_body: tuple[tuple[int, int], ModelListing] | None
     _health_body: tuple[int, dict[str, Any]] | None
 
     def handle(self, request: Request, conn: HttpConnection) -> None:
@@ -266,8 +266,8 @@ class Endpoints:
             return
         conn.send(error.status, error.body(), headers=error.headers)
 
-    def _models_list(self) -> bytes:
-        """The `/v1/models` body, encoded again only after the registry or the routes changed:
+    def _models_list(self) -> ModelListing:
+        """The `/v1/models` listing, made again only after the registry or the routes changed:
         discovered models and the virtual models with a serving target, by name (a virtual
         model hides a discovered one of its name)."""
         cached = self._models_body
@@ -279,7 +279,7 @@ class Endpoints:
             ]
             data += [self._virtual_object(v) for v in routes.models.values() if v.serving]
             data.sort(key=lambda obj: str(obj["id"]))
-            cached = self._models_body = (version, _json({"object": "list", "data": data}))
+            cached = self._models_body = (version, ModelListing(data))
         return cached[1]
 
     def _live_instances(self) -> dict[str, int]:
