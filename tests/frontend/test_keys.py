@@ -3,7 +3,9 @@ checked by in-process frontends with the official `openai` client."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -208,3 +210,76 @@ def test_health_counts_every_refused_grant_and_lists_only_the_first() -> None:
     listed = described["skipped"]
     assert isinstance(listed, list) and len(listed) == MAX_LISTED
     assert listed[0]["key"] == grant_key("default", "0" * 64)
+
+
+async def test_a_team_key_reads_no_membership_view_an_operator_does(
+    store: Store, tmp_path: Path
+) -> None:
+    """`/v1/membership` names every model, namespace and instance in the frontend's scope:
+    it is an operator's route (`--api-key`), like the fleet page; a team's key, even one that
+    may use a model there, is refused as if it were no key."""
+    from shoal.cli.frontend import membership_for
+    from shoal.discovery import Discovery
+    from shoal.frontend import FrontendConfig
+    from tests.frontend.support import FakeWorker, serving
+
+    workers = [await FakeWorker(m, namespace="team-a").start() for m in ("mock-llm", "secret")]
+    for worker in workers:
+        await worker.register(store)
+    await grant(store, SECRET, models=("mock-llm",))
+    sources = tmp_path / "sources.json"
+    sources.write_text(json.dumps({"version": 1, "sources": [{"namespace": "team-a"}]}))
+    config = FrontendConfig(port=0, cache_dir=tmp_path / "cache", namespace_sources=sources,
+                            auth="keys", api_keys=("operator",))  # fmt: skip
+    front = Frontend(config, discovery=Discovery(store), membership=membership_for(config))
+    await front.start()
+    try:
+        await wait_for(lambda: serving(front, "secret") and front.keys and front.keys.by_hash)
+        async with aiohttp.ClientSession() as session:
+            for path in ("/v1/membership", "/v1/membership/status"):
+                for key, status in ((SECRET, 401), (None, 401), ("operator", 200)):
+                    headers = {"authorization": f"Bearer {key}"} if key else {}
+                    async with session.get(front.url + path, headers=headers) as response:
+                        text = await response.text()
+                        assert response.status == status, (path, key, text)
+                        assert ("secret" in text) == (path == "/v1/membership" and status == 200)
+            team = {"authorization": f"Bearer {SECRET}"}
+            async with session.get(f"{front.url}/v1/models", headers=team) as response:
+                assert "secret" not in await response.text()  # the key's own view: its models
+    finally:
+        await front.stop()
+        for worker in workers:
+            await worker.stop()
+
+
+def test_a_keys_model_listing_is_looked_up_by_its_allow_list_never_decoded() -> None:
+    """A keyed `/v1/models` takes the objects of its allow-list's names from the listing of
+    the registry's version (at most 1,000 look-ups), in the listing's order: the whole body
+    (30,000 models: 20-45 ms to decode) is never read again."""
+    from shoal.frontend.keys.keys import ModelListing, models_for
+
+    data = [{"id": f"m-{i:05d}", "object": "model", "created": i, "owned_by": "shoal"}
+            for i in range(3000)]  # fmt: skip
+    listing = ModelListing(data)
+    assert json.loads(listing.body) == {"object": "list", "data": data}
+    assert models_for(listing, None) is listing.body  # the operator's: as it is
+    listing.body = b"never decoded"  # a keyed listing does not read it
+    key = Grant(workspace="w", name="k", hash="a" * 64,
+                models=("m-02000", "absent", "m-00007", "m-02000"))  # fmt: skip
+    assert json.loads(models_for(listing, key)) == {"object": "list", "data": [data[7], data[2000]]}
+
+
+async def test_a_keys_model_listing_follows_the_registry(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    await start_worker("mock-llm")
+    await grant(store, SECRET, models=("mock-llm", "later", "aaa"))
+    frontend = await start_frontend(auth="keys")
+    await wait_for(lambda: "mock-llm" in frontend.registry.models and frontend.keys.by_hash)
+    async with openai_client(frontend, api_key=SECRET) as client:
+        assert [m.id async for m in client.models.list()] == ["mock-llm"]
+        await start_worker("later")
+        await start_worker("aaa")
+        await start_worker("not-allowed")
+        await wait_for(lambda: len(frontend.registry.models) == 4)
+        assert [m.id async for m in client.models.list()] == ["aaa", "later", "mock-llm"]

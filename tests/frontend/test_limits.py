@@ -172,8 +172,9 @@ async def test_tokens_an_idle_key_owes_reach_redis_without_a_request(
     front = await one(store, start_worker, start_frontend, redis_server.url, tpm=10_000)
     async with aiohttp.ClientSession() as session:
         assert (await post(session, front))[0] == 200
-    await wait_for(lambda: counted(redis_server, "t"), timeout=2)  # the flush, every 0.25 s
-    assert await counted(redis_server, "t") == 4
+    # reserved when admitted (its estimate: no answer yet), then settled to the answer's 4 by
+    # the flush, every 0.25 s
+    await wait_for(lambda: _equals(counted(redis_server, "t"), 4), timeout=2)
     assert front.limits.leases == 1
 
 
@@ -252,3 +253,129 @@ async def test_a_client_that_leaves_while_redis_answers_is_never_forwarded(
     finally:
         redis_server.proc.send_signal(signal.SIGCONT)
     assert worker.requests == 1
+
+
+def test_local_windows_reserve_the_tokens_of_requests_in_flight() -> None:
+    """Without Redis (or while it is down) a request admitted reserves its tokens at once: a
+    burst in flight cannot pass tpm by more than its last request; its end charges what its
+    answer used instead of the reservation."""
+    from shoal.frontend.keys.windows import LocalWindows, Refusal, estimate
+
+    class Ticket:
+        reserved, shared = 0, False
+
+    key = Grant(workspace="default", name="team", hash=hash_secret(SECRET), tpm=20)
+    local, now = LocalWindows(), 600.0  # the start of a minute: nothing fades
+    assert estimate(BODY.encode()) == len(BODY) // 4
+    first = Ticket()
+    assert isinstance(local.admit(key, 1, BODY.encode(), first, now=now), bytes)
+    assert first.reserved == len(BODY) // 4  # no answer yet: the request's estimate
+    local.charge(key, 4, first.reserved, now=now)  # the answer used 4 tokens
+    burst = [Ticket() for _ in range(40)]
+    verdicts = [local.admit(key, 1, BODY.encode(), ticket, now=now) for ticket in burst]
+    admitted = [t for t, v in zip(burst, verdicts, strict=True) if isinstance(v, bytes)]
+    assert all(t.reserved == 4 for t in admitted)  # then the key's tokens per answer
+    assert 4 + 4 * len(admitted) - 4 < 20 <= 4 + 4 * len(admitted), len(admitted)
+    assert all(isinstance(v, Refusal) and v.what == "tokens" for v in verdicts[len(admitted) :])
+    for ticket in admitted:  # the answers end: failed ones cost nothing, the rest 4 each
+        local.charge(key, 0, ticket.reserved, now=now)
+    assert isinstance(local.admit(key, 1, BODY.encode(), Ticket(), now=now), bytes)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["local", "redis"])
+async def test_tpm_holds_against_a_burst_of_requests_in_flight(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend,
+    redis_server: RedisServer, shared: bool,
+) -> None:  # fmt: skip
+    """40 requests at once on a key with tpm 20 (4 tokens an answer), all in flight together:
+    before the first answer each reserves the request's estimate (its body / 4 here, 19
+    tokens), after it the key's 4, held until its answer ends; Redis or not, tpm is passed by
+    one request at most."""
+    worker = await start_worker("mock-llm")
+    worker.stream_delay = 0.1  # each answer takes 0.3 s: the burst is in flight together
+    await grant(store, tpm=20)
+    front = await start_frontend(auth="keys", limits_url=redis_server.url if shared else None)
+    await wait_for(
+        lambda: "mock-llm" in front.registry.models and front.keys and front.keys.by_hash
+    )
+    await wait_for(lambda: front.limits.shared == shared)
+
+    async def tokens() -> int:  # what the key's window holds
+        if shared:
+            return await counted(redis_server, "t")
+        return front.limits.local._windows["default"]["team"].tokens  # type: ignore[no-any-return]
+
+    async with aiohttp.ClientSession() as session:
+
+        async def burst() -> list[int]:
+            return [s for s, _ in await asyncio.gather(*(post(session, front) for _ in range(40)))]
+
+        first = await burst()
+        assert set(first) == {200, 429}
+        assert first.count(200) <= 2, first  # 19 + 19 reserved: the second passes 20
+        # the answers ended: 4 tokens each charged, the reservations given back
+        await wait_for(lambda: _equals(tokens(), 4 * first.count(200)), timeout=5)
+        second = await burst()  # now 4 reserved each, held while in flight
+        assert 4 * first.count(200) + 4 * (second.count(200) - 1) < 20, second
+        await wait_for(lambda: _equals(tokens(), 4 * (first + second).count(200)), timeout=5)
+
+
+def test_retry_after_is_when_the_sliding_window_admits_again() -> None:
+    """A 429's `Retry-After` (and `x-ratelimit-reset-*`) is when the sliding estimate has
+    faded below the limit: a client that waits exactly that long is admitted, one that
+    waits 1.5 s less is not. Many windows on an injected clock: the previous minute full
+    or empty, this minute's own count under the limit or over it alone."""
+    import copy
+    import random
+
+    from shoal.frontend.keys.windows import LocalWindows, Refusal
+
+    rng = random.Random(7)
+    for case in range(300):
+        rpm, tpm = rng.choice([(rng.randint(1, 30), None), (None, rng.randint(5, 200))])
+        key = Grant(workspace="default", name="team", hash=hash_secret(SECRET), rpm=rpm, tpm=tpm)
+        local, minute = LocalWindows(), 6000 * 60.0
+        for at in sorted(rng.uniform(0, 119.9) for _ in range(rng.randint(0, 40))):
+            if isinstance(local.admit(key, 1, now=minute + at), bytes) and tpm:
+                local.charge(key, rng.randint(0, 30), now=minute + at)
+        now = minute + 120 + rng.uniform(0, 59.9)
+        while not isinstance(refused := local.admit(key, 1, now=now), Refusal):
+            if tpm:
+                local.charge(key, rng.randint(1, 30), now=now)
+        wait = refused.retry_after
+        assert b"-%s: %ds" % (refused.what.encode(), wait) in refused.headers, case
+        early = copy.deepcopy(local)
+        assert isinstance(local.admit(key, 1, now=now + wait), bytes), (case, wait)
+        if wait > 1:  # and not needlessly late
+            assert isinstance(early.admit(key, 1, now=now + wait - 1.5), Refusal), case
+
+
+async def test_the_lease_script_waits_as_long_as_the_local_windows(
+    redis_server: RedisServer,
+) -> None:
+    """`LEASE`'s `wait` (Lua, on Redis' clock) is the local windows' `fade`, to the second."""
+    import random
+    import re
+
+    from shoal.frontend.keys.windows import WINDOW, fade
+
+    function = re.search(r"local function wait\(.*?\nend\n", limits.LEASE, re.S)
+    assert function is not None
+    script = (
+        "local W, keep = tonumber(ARGV[1]), tonumber(ARGV[2])\n" + function.group(0)
+        + "return wait(tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]))"
+    )  # fmt: skip
+    rng = random.Random(3)
+    cases = [
+        (rng.randint(0, 300), rng.randint(0, 300), rng.randint(0, 200), rng.uniform(0.001, 1))
+        for _ in range(500)
+    ]
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        for prev, cur, bound, keep in cases:
+            if prev * keep + cur < bound:
+                continue  # admitted: no wait asked
+            lua = await client.eval(script, 0, WINDOW, repr(keep), prev, cur, bound)  # type: ignore[misc]
+            assert lua == fade(prev, cur, bound, keep), (prev, cur, bound, keep)
+    finally:
+        await client.aclose()

@@ -68,6 +68,10 @@ class Told:
     def __init__(self) -> None:
         self.cancelled = False
         self.verdicts: list[object] = []
+        self.body = b""
+        self.ticket = self
+        self.reserved = 0  # tokens reserved for it when admitted
+        self.shared = False
 
     def admitted(self, headers: bytes) -> None:
         self.verdicts.append(headers)

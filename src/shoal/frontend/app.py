@@ -30,7 +30,7 @@ from shoal.frontend.endpoints import Endpoints
 from shoal.frontend.http.cors import Cors
 from shoal.frontend.http.listener import HttpServer
 from shoal.frontend.keys.gate import Gate
-from shoal.frontend.keys.keys import KeyRing, KeyWatcher
+from shoal.frontend.keys.keys import KeyRing, KeyWatcher, ModelListing
 from shoal.frontend.keys.limits import Limits
 from shoal.frontend.keys.usage import UsageBook
 from shoal.frontend.kv.router import KvRouter
@@ -127,8 +127,8 @@ class Frontend(Endpoints):
         self.metrics_source: Callable[[], Awaitable[bytes | list[bytes]]] | None = None
         self.draining = False
         self.started_at = time.time()
-        # ((registry version, route table version), body)
-        self._models_body: tuple[tuple[int, int], bytes] | None = None
+        # ((registry version, route table version), the /v1/models listing)
+        self._models_body: tuple[tuple[int, int], ModelListing] | None = None
         self._health_body: tuple[int, dict[str, Any]] | None = None
 
     @property

@@ -8,7 +8,8 @@ for the store or a worker, which every replica shares), and `/health` a report f
 (200 once started, whatever the store's state). `/health/controllers` reports every loop in
 trouble and the store's outage.
 `/v1/membership` and `/v1/membership/status` are served when the scope follows a membership
-watch.
+watch, to an operator only (they name the whole scope): a team's key (`--auth keys`) is
+refused there.
 
 Exposure: with API keys, `/health` shows its details only to a caller with a key (or to
 anyone with `public_health`); with `metrics_port`, `/metrics` is served there alone (plain
@@ -41,7 +42,7 @@ from shoal.frontend.http.listener import HttpServer
 from shoal.frontend.http.request import Request, bearer_token
 from shoal.frontend.http.server import HttpConnection
 from shoal.frontend.keys.gate import Gate
-from shoal.frontend.keys.keys import KeyRing, models_for
+from shoal.frontend.keys.keys import KeyRing, ModelListing, models_for
 from shoal.frontend.keys.limits import Limits
 from shoal.frontend.keys.usage import UsageBook
 from shoal.frontend.proxy.fields import decode_fields
@@ -87,7 +88,7 @@ class Endpoints:
     metrics_server: HttpServer | None  # `/metrics` alone, on `metrics_port`
     metrics_source: Callable[[], Awaitable[bytes | list[bytes]]] | None
     draining: bool
-    _models_body: tuple[tuple[int, int], bytes] | None
+    _models_body: tuple[tuple[int, int], ModelListing] | None
     _health_body: tuple[int, dict[str, Any]] | None
 
     def handle(self, request: Request, conn: HttpConnection) -> None:
@@ -207,7 +208,8 @@ class Endpoints:
                 body["unhealthy"] = dict.fromkeys(body["unhealthy"], "unhealthy")
             conn.send(status, _json(body))
         elif path in (b"/v1/membership", b"/v1/membership/status"):
-            self._authorize(request)
+            if not self._authorized(request):  # an operator's: it names the whole fleet,
+                raise errors.unauthorized()  # not a route for a team's key (`--auth keys`)
             if self.membership is None:
                 raise errors.not_found(path.decode())
             if path == b"/v1/membership":
@@ -264,8 +266,8 @@ class Endpoints:
             return
         conn.send(error.status, error.body(), headers=error.headers)
 
-    def _models_list(self) -> bytes:
-        """The `/v1/models` body, encoded again only after the registry or the routes changed:
+    def _models_list(self) -> ModelListing:
+        """The `/v1/models` listing, made again only after the registry or the routes changed:
         discovered models and the virtual models with a serving target, by name (a virtual
         model hides a discovered one of its name)."""
         cached = self._models_body
@@ -277,7 +279,7 @@ class Endpoints:
             ]
             data += [self._virtual_object(v) for v in routes.models.values() if v.serving]
             data.sort(key=lambda obj: str(obj["id"]))
-            cached = self._models_body = (version, _json({"object": "list", "data": data}))
+            cached = self._models_body = (version, ModelListing(data))
         return cached[1]
 
     def _live_instances(self) -> dict[str, int]:

@@ -45,6 +45,14 @@ class _Waiting:
         self.kind = kind
         self.cancelled = False
 
+    @property
+    def body(self) -> bytes:
+        return self.request.body
+
+    @property
+    def ticket(self) -> Metered:
+        return self.metered
+
     def cancel(self) -> None:
         """The client left while Redis answered."""
         if not self.cancelled:
@@ -79,7 +87,7 @@ class Gate:
                     self.record(grant, model, model, refused.status, 0, 0)
                 return
         metered = Metered(conn, len(request.body), self, grant, model)
-        verdict = limits.admit(grant)
+        verdict = limits.admit(grant, request.body, metered)
         if verdict is None:
             waiting = _Waiting(self, request, conn, metered, kind)
             conn.produce_later(waiting)
@@ -93,13 +101,22 @@ class Gate:
             metered.send_error(rate_limited(grant, verdict))
 
     def done(
-        self, grant: Grant, model: str, status: int, prompt: int, completion: int, served: str
+        self,
+        grant: Grant,
+        model: str,
+        status: int,
+        prompt: int,
+        completion: int,
+        served: str,
+        reserved: int = 0,
+        shared: bool = False,
     ) -> None:
-        """The end of a request that passed max_parallel (`Metered` tells it, once)."""
+        """The end of a request that passed max_parallel (`Metered` tells it, once), with
+        the tokens reserved for it when admitted (`shared`: in Redis)."""
         limits = self.limits
         if grant.max_parallel is not None:
             limits.leave(grant)
         if grant.tpm is not None:
-            limits.charge(grant, prompt + completion)
+            limits.charge(grant, prompt + completion, reserved, shared)
         if self.record is not None:
             self.record(grant, model, served or model, status, prompt, completion)

@@ -23,7 +23,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -232,16 +232,23 @@ class KeyWatcher:
             start_revision = await self._read(workspace) + 1
 
 
-_models = msgspec.json.Decoder(dict[str, object])
+class ModelListing:
+    """The `/v1/models` listing of one version of the registry and routes: its `body`, and
+    each model's object by id, so that a key's listing is made by looking up its allow-list
+    (at most 1,000 names), never by decoding the body (30,000 models: 20-45 ms of the loop)."""
+
+    __slots__ = ("body", "by_id")
+
+    def __init__(self, data: list[dict[str, Any]]) -> None:
+        """`data`: the models' objects, sorted by id."""
+        self.body = msgspec.json.encode({"object": "list", "data": data})
+        self.by_id = {str(obj["id"]): obj for obj in data}
 
 
-def models_for(body: bytes, grant: Grant | None) -> bytes:
-    """The `/v1/models` body with only the models `grant` may use."""
+def models_for(listing: ModelListing, grant: Grant | None) -> bytes:
+    """The `/v1/models` body with only the models `grant` may use (in the listing's order)."""
     if grant is None or not grant.models:
-        return body
-    listing = _models.decode(body)
-    data = listing.get("data")
-    allowed = set(grant.models)
-    if isinstance(data, list):
-        listing["data"] = [m for m in data if isinstance(m, dict) and m.get("id") in allowed]
-    return msgspec.json.encode(listing)
+        return listing.body
+    by_id = listing.by_id
+    names = sorted(name for name in set(grant.models) if name in by_id)
+    return msgspec.json.encode({"object": "list", "data": [by_id[name] for name in names]})

@@ -15,12 +15,13 @@ request: while allowances are out, a key may be refused up to 1/`LEASE_SHARE` of
 early, never admitted over it. A key with a small limit (rpm < `LEASE_SHARE` x N) gets no
 allowance: one round trip per request, exact. Requests that wait while a lease is asked join it.
 
-Tokens: each request admitted reserves the key's tokens per request (its average here) in the
-tpm window; once answered, what it used beyond (or short of) that is owed, and carried to Redis
-by the key's next `LEASE`, or by the flush every `FLUSH` seconds for a key that asks nothing
-more: no round trip of its own. An allowance is used only while its reserved tokens cover what
-is owed. A request is admitted while the key's token estimate is under `tpm`, so the last one
-admitted may overshoot by its own size.
+Tokens: each request admitted reserves the key's tokens per request (its average here; before
+the key's first answer here, the largest `windows.estimate` of the requests waiting) in the
+tpm window, and holds them while it is in flight; once answered, what it used beyond (or short
+of) its reservation is owed, and carried to Redis by the key's next `LEASE`, or by the flush
+every `FLUSH` seconds for a key that asks nothing more: no round trip of its own. An allowance
+is used only while its reserved tokens cover what is owed. A request is admitted while the
+key's token estimate is under `tpm`, so the last one admitted may overshoot by its own size.
 
 Redis is reached through one dedicated connection, calls pipelined (`RedisLink`).
 
@@ -54,7 +55,15 @@ from typing import Any, Protocol
 
 from shoal.discovery.grants import Grant
 from shoal.frontend.keys.redis_link import RedisLink
-from shoal.frontend.keys.windows import MAX_KEYS, WINDOW, LocalWindows, Refusal, headers_of
+from shoal.frontend.keys.windows import (
+    MAX_KEYS,
+    WINDOW,
+    LocalWindows,
+    Refusal,
+    Ticket,
+    estimate,
+    headers_of,
+)
 from shoal.openai import ApiError
 from shoal.urls import redact_url
 
@@ -105,9 +114,11 @@ local rp = tonumber(redis.call('GET', p .. ':r:' .. (cur - 1)) or '0')
 local tc = tonumber(redis.call('GET', p .. ':t:' .. cur) or '0')
 local tp = tonumber(redis.call('GET', p .. ':t:' .. (cur - 1)) or '0')
 local r, tk = rp * keep + rc, tp * keep + tc
-local function wait(prev, c, over)
-  if prev > 0 and c < over then return math.ceil((prev * keep + c - over) / prev * W) end
-  return turn
+local function wait(prev, c, bound)
+  local at = keep * W
+  if prev > 0 and c < bound then at = (prev * keep + c - bound) / prev * W
+  elseif c > 0 then at = keep * W + W * (1 - bound / c) end
+  return math.floor(at) + 1
 end
 if rpm > 0 and r + 1 > rpm then
   return {0, 0, 0, math.max(tpm - tk, 0), wait(rp, rc, rpm - 1), turn, cur, 1}
@@ -141,6 +152,11 @@ class Waiter(Protocol):
 
     cancelled: bool
 
+    @property
+    def body(self) -> bytes: ...  # the request's: its tokens' `estimate`
+    @property
+    def ticket(self) -> Ticket: ...  # told the tokens reserved for it in the local windows
+
     def admitted(self, headers: bytes) -> None: ...
     def refused(self, refusal: Refusal) -> None: ...
 
@@ -173,7 +189,7 @@ class _Key:
     """One key's state here while the windows are shared (see the module's docstring)."""
 
     __slots__ = (
-        "asking", "avg", "grant", "left_requests", "left_tokens", "owed", "per", "reset_at",
+        "asking", "avg", "grant", "guess", "left_requests", "left_tokens", "owed", "per", "reset_at",
         "since", "units", "until", "used", "waiting", "window",
     )  # fmt: skip
 
@@ -187,6 +203,7 @@ class _Key:
         self.used = 0  # requests admitted since the last lease...
         self.since = 0.0  # ... which was then (monotonic): the rate
         self.avg = 0.0  # tokens per answer (0: none seen yet)
+        self.guess = 0  # until then: the largest `estimate` of the requests that waited
         self.left_requests = self.left_tokens = 0  # Redis' last answer, for the headers
         self.reset_at = 0.0
         self.waiting: list[Waiter] = []  # (a deque is 760 bytes empty, for 100,000 keys)
@@ -272,13 +289,16 @@ class Limits:
         else:
             self.in_flight.pop(ident, None)
 
-    def admit(self, grant: Grant) -> bytes | Refusal | None:
+    def admit(
+        self, grant: Grant, body: bytes = b"", ticket: Ticket | None = None
+    ) -> bytes | Refusal | None:
         """One request's verdict, decided here: its `x-ratelimit-*` header lines (admitted),
-        its `Refusal`, or None: Redis decides, the request `wait`s for it."""
+        its `Refusal`, or None: Redis decides, the request `wait`s for it. The tokens it
+        reserves in the local windows are told to its `ticket` (and `charge`d back)."""
         if grant.rpm is None and grant.tpm is None:
             return b""
         if not self.shared:
-            return self.local.admit(grant, self.frontends if self.url else 1)
+            return self.local.admit(grant, self.frontends if self.url else 1, body, ticket)
         named = self._keys.get(grant.workspace)
         key = named.get(grant.name) if named is not None else None
         if key is None or key.units <= 0 or key.owed > key.units * key.per:
@@ -289,36 +309,44 @@ class Limits:
         held = key.grant
         if held is not grant and (held.rpm != grant.rpm or held.tpm != grant.tpm):
             return None  # the limits changed: the allowance was not leased for them
-        return self._take(key, now)
+        return self._take(key, now, ticket)
 
     def wait(self, grant: Grant, waiter: Waiter) -> None:
         """Queue `waiter` for Redis' answer about its key; it is told, unless cancelled."""
         key = self._key(grant)
+        if grant.tpm is not None and not key.avg:  # no answer yet: reserve its estimate
+            key.guess = max(key.guess, estimate(waiter.body))
         key.waiting.append(waiter)
         if not key.asking:
             self._ask(key, time.monotonic())
 
-    def charge(self, grant: Grant, tokens: int) -> None:
-        """Charge an answer's `tokens` to the key's tpm (after the fact; nothing awaits it)."""
+    def charge(self, grant: Grant, tokens: int, reserved: int = 0, shared: bool = False) -> None:
+        """Charge an answer's `tokens` to the key's tpm (after the fact; nothing awaits it)
+        instead of the tokens `reserved` for it when admitted: in Redis (`shared`), or in the
+        local windows. (A request admitted before Redis failed or came back: its reservation
+        is left where it is, to fade with its window.)"""
         if grant.tpm is None:
             return
         if not self.shared:
-            if tokens > 0:
-                self.local.charge(grant, tokens)
+            if tokens > 0 or (reserved and not shared):
+                self.local.charge(grant, tokens, 0 if shared else reserved)
             return
         key = self._key(grant)
         if tokens > 0:
             key.avg = tokens if not key.avg else key.avg + (tokens - key.avg) / 8
-        key.owed += tokens
+        key.owed += tokens - reserved if shared else tokens
         if key.owed:
             self._unsettled.add(key)
 
-    def _take(self, key: _Key, now: float) -> bytes:
-        """One request of the key's allowance: its header lines."""
+    def _take(self, key: _Key, now: float, ticket: Ticket | None) -> bytes:
+        """One request of the key's allowance: its header lines. The tokens it reserved in
+        Redis are told to its `ticket`: its end owes what its answer used beyond (or short of)
+        them, not before (it holds them while it is in flight)."""
         key.units = units = key.units - 1
         key.used += 1
         per = key.per
-        key.owed -= per
+        if ticket is not None:
+            ticket.reserved, ticket.shared = per, True
         reset = math.ceil(key.reset_at - now)
         return headers_of(
             key.grant,
@@ -364,7 +392,7 @@ class Limits:
         owed and the allowance left (given back); only settle when nobody waits."""
         assert self.link is not None
         grant = key.grant
-        per = math.ceil(key.avg) if grant.tpm is not None else 0
+        per = (math.ceil(key.avg) or key.guess) if grant.tpm is not None else 0
         want = len(key.waiting)
         if want:
             want += self._allowance(key, now, per)
@@ -393,9 +421,9 @@ class Limits:
         if exc is not None:  # Redis down: fail open onto the local windows
             self._down(exc)
             if owed > 0:
-                self.local.charge(grant, owed)
+                self.local.charge(grant, owed, answer=False)
             for waiter in self._waiters(key):
-                _tell(waiter, self.local.admit(grant, self.frontends))
+                _tell(waiter, self.local.admit(grant, self.frontends, waiter.body, waiter.ticket))
             return
         admitted, granted, left_r, left_t, wait, turn, window, which = future.result()
         now = time.monotonic()
@@ -403,9 +431,10 @@ class Limits:
             pass
         elif not admitted:
             key.left_requests, key.left_tokens, key.reset_at = left_r, left_t, now + turn
+            wait = max(int(wait), 1)
             refusal = Refusal(
-                headers_of(grant, left_r, left_t, turn),
-                max(int(wait), 1),
+                headers_of(grant, left_r, left_t, wait),
+                wait,
                 "requests" if which == 1 else "tokens",
             )
             for waiter in self._waiters(key):
@@ -419,7 +448,8 @@ class Limits:
                 waiter = key.waiting[told]
                 told += 1
                 if not waiter.cancelled:
-                    waiter.admitted(self._take(key, now))
+                    ticket = waiter.ticket if grant.tpm is not None else None
+                    waiter.admitted(self._take(key, now, ticket))
             del key.waiting[:told]
         if key.units > 0 or key.owed:
             self._unsettled.add(key)  # owes tokens, or an allowance to give back

@@ -9,11 +9,15 @@ written: an engine may answer more after it (vLLM's `prompt_logprobs`, asked for
 client, can be far longer than the tail), and the tail alone then charged no completion
 tokens. When the engine gives no usage, the gateway counts: one completion token per
 streamed event, and the prompt as its body bytes / 4. The gate's
-`done(grant, model, status, prompt_tokens, completion_tokens, served_model)` is called once,
-when the response is finished or refused; the served model is the `model` the answer names
-("" if none). Per write: a count of `data:`, a `rfind` of `"usage"` and two slices, no
+`done(grant, model, status, prompt_tokens, completion_tokens, served_model, reserved, shared)`
+is called once, when the response is finished or refused; the served model is the `model` the
+answer names ("" if none), `reserved` the tokens `Limits` reserved for it when it was admitted
+(`shared`: in Redis). Per write: a count of `data:`, a `rfind` of `"usage"` and two slices, no
 regular expression; the usage is looked for once, at the end: in the tail, else after the
-last `"usage"`.
+last `"usage"`. A `"usage"` counts only as a key: followed by `:` and an object (whitespace
+between); the same text in a string (a prompt's token echoed in `prompt_logprobs`, a client's
+own words) is skipped, so it cannot hide the real usage written before it. One whose `:` is
+not written yet waits for the next write to say.
 """
 
 from __future__ import annotations
@@ -41,7 +45,15 @@ class EndListener(Protocol):
     records_usage: bool  # the served model is looked for only then
 
     def done(
-        self, grant: Grant, model: str, status: int, prompt: int, completion: int, served: str
+        self,
+        grant: Grant,
+        model: str,
+        status: int,
+        prompt: int,
+        completion: int,
+        served: str,
+        reserved: int = 0,
+        shared: bool = False,
     ) -> None: ...
 
 
@@ -69,6 +81,31 @@ def _last(pattern: re.Pattern[bytes], name: bytes, tail: bytes) -> int:
     return -1
 
 
+def _last_key(data: bytes, end: int) -> int:
+    """Where the last `"usage"` of `data` before `end` that may be a key starts (-1 if
+    none)."""
+    while (at := data.rfind(_USAGE_KEY, 0, end)) >= 0:
+        if _is_key(data[at : at + 64]) is not False:
+            return at
+        end = at
+    return -1
+
+
+def _is_key(text: bytes) -> bool | None:
+    """Whether `text`, starting with `"usage"`, is the key of an object (`"usage": {`);
+    None when it ends before that can be told."""
+    at = len(_USAGE_KEY)
+    for wanted in b":{":
+        while at < len(text) and text[at] in b" \t\r\n":
+            at += 1
+        if at == len(text):
+            return None
+        if text[at] != wanted:
+            return False
+        at += 1
+    return True
+
+
 def _tokens(digits: bytes) -> int:
     """A count an engine claims, at most `MAX_TOKENS` (never a thousand-digit int)."""
     return int(digits) if len(digits) < 10 else MAX_TOKENS
@@ -79,7 +116,7 @@ class Metered:
 
     __slots__ = (
         "_done", "conn", "events", "gate", "grant", "head", "loop", "model", "request_bytes",
-        "status", "tail", "usage",
+        "reserved", "shared", "status", "tail", "unsure", "usage",
     )  # fmt: skip
 
     def __init__(
@@ -100,7 +137,10 @@ class Metered:
         self.tail = b""
         self.head = b""  # the first bytes: where a JSON answer names its `model`
         self.usage = b""  # from the last `"usage"` key written, at most `USAGE` bytes
+        self.unsure = b""  # the `usage` before, while the last is not known to be a key
         self.events = 0
+        self.reserved = 0  # tokens reserved for it when admitted (`Limits.admit`)...
+        self.shared = False  # ... in Redis, or in the local windows
         self._done = False
 
     @property
@@ -129,14 +169,30 @@ class Metered:
             self.head = data[:TAIL]
         elif len(self.head) < TAIL:
             self.head += data[: TAIL - len(self.head)]
-        if (at := data.rfind(_USAGE_KEY)) >= 0:
-            self.usage = data[at : at + USAGE]
+        if (at := _last_key(data, len(data))) >= 0:
+            usage = data[at : at + USAGE]
+            if _is_key(usage) is None and (sure := _last_key(data, at)) >= 0:
+                self.usage = data[sure : sure + USAGE]  # stands unless the last is a key
+            self._found(usage)
         elif 0 < len(self.usage) < USAGE:  # the object goes on in this write
             self.usage += data[: USAGE - len(self.usage)]
+            if self.unsure:
+                self._found(self.usage, self.unsure)
         elif _USAGE_KEY in (edge := self.tail[-6:] + data[:6]):  # the key across two writes
-            self.usage = (edge[edge.index(_USAGE_KEY) : 6] + data)[:USAGE]
+            self._found((edge[edge.index(_USAGE_KEY) : 6] + data)[:USAGE])
         self.tail = data[-TAIL:] if len(data) >= TAIL else (self.tail + data)[-TAIL:]
         self.conn.write(data)
+
+    def _found(self, usage: bytes, before: bytes | None = None) -> None:
+        """`usage` starts with `"usage"`: kept if a key, or until the next write tells."""
+        verdict = _is_key(usage)
+        if verdict is None:  # its `:` (or its object) is not written yet
+            self.unsure = self.usage if before is None else before
+            self.usage = usage
+        elif verdict:
+            self.usage, self.unsure = usage, b""
+        elif before is not None:  # the text of a string after all: the usage before stands
+            self.usage, self.unsure = before, b""
 
     def write_if_open(self, data: bytes) -> bool:
         if not self.conn.writable:
@@ -161,10 +217,12 @@ class Metered:
         prompt = completion = 0  # a refused or failed request is charged no tokens
         served = ""  # (and what nobody reads is not looked for: tpm, or usage recorded)
         if status < 400 and (gate.records_usage or grant.tpm is not None):
+            if self.unsure:  # the last `"usage"` was never followed by its `:`
+                self.usage, self.unsure = self.unsure, b""
             tail = self.tail  # (the usage after the last `"usage"`, when the tail has none)
-            text = tail if b'"prompt_tokens"' in tail or not self.usage else self.usage
+            text = tail if _PROMPT.search(tail) or not self.usage else self.usage
             prompt, completion = usage_of(text, self.events, self.request_bytes)
         if gate.records_usage:
             found = _MODEL.search(self.head) or _MODEL.search(self.tail)
             served = found.group(1).decode(errors="replace") if found else ""
-        gate.done(grant, self.model, status, prompt, completion, served)
+        gate.done(grant, self.model, status, prompt, completion, served, self.reserved, self.shared)

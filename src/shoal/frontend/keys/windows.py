@@ -5,18 +5,69 @@ each limit) and the limits of a frontend without `--limits`; the same sliding-wi
 as `limits.LEASE` (the previous minute weighted by the part of it still inside the last 60 s,
 plus this minute's). `Refusal` and `headers_of` (OpenAI's `x-ratelimit-*` lines) are shared
 with the Redis path. A key is its (workspace, name): its live secrets share its windows.
+
+Tokens, as in Redis: each request admitted reserves the key's tokens per request (the running
+average of its answers here; before the first answer, the request's `estimate`) in the tpm
+window, and its end charges what its answer used beyond (or short of) that: the requests in
+flight count, so a burst overshoots tpm by at most the last one admitted.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from shoal.discovery.grants import Grant
 
 WINDOW = 60  # seconds: limits are per minute
 MAX_KEYS = 100_000  # keys' states held here (beyond, idle ones are forgotten)
+
+
+_MAX_OUT = re.compile(rb"\s*:\s*(\d{1,9})(?!\d)")
+_MAX_NAMES = (b'"max_completion_tokens"', b'"max_tokens"')
+
+
+def fade(prev: float, cur: float, bound: float, keep: float) -> int:
+    """Seconds to wait (`Retry-After`) until the sliding estimate `prev x keep + cur` is
+    below `bound`, nothing more being counted: before the minute turns if this minute's own
+    `cur` is under it (the previous minute's `prev` fades linearly until then), else once the
+    turn made `cur` the fading previous minute. The first whole second past that time: a
+    client waiting exactly this long is admitted. `LEASE`'s `wait` (`limits.py`) is the same
+    in Lua."""
+    if prev > 0 and cur < bound:
+        at = (prev * keep + cur - bound) / prev * WINDOW
+    elif cur > 0:
+        at = keep * WINDOW + WINDOW * (1 - bound / cur)
+    else:
+        at = keep * WINDOW
+    return math.floor(at) + 1
+
+
+def estimate(body: bytes) -> int:
+    """A request's tokens before its answer (OpenAI's own estimate): its prompt as its body
+    bytes / 4, plus the completion it allows (`max_completion_tokens`, else `max_tokens`) when
+    it names one. Two `find`s of the body, no JSON decoded."""
+    tokens = len(body) // 4
+    for name in _MAX_NAMES:
+        at = body.find(name)
+        while at >= 0:
+            at += len(name)
+            if (found := _MAX_OUT.match(body, at)) is not None:
+                return tokens + int(found.group(1))
+            at = body.find(name, at)  # (the name as a string value: not the key)
+    return tokens
+
+
+class Ticket(Protocol):
+    """A request as the limits see it: the tokens reserved for it when admitted (given back,
+    and its answer's charged instead, at its end), and where: in Redis (`shared`), or in
+    these windows."""
+
+    reserved: int
+    shared: bool
 
 
 @dataclass(slots=True)
@@ -55,11 +106,12 @@ def headers_of(grant: Grant, left_requests: float, left_tokens: float, reset: in
 class _Window:
     """One key's two fixed windows here: this minute's and the one before."""
 
-    __slots__ = ("minute", "prev_requests", "prev_tokens", "requests", "tokens")
+    __slots__ = ("avg", "minute", "prev_requests", "prev_tokens", "requests", "tokens")
 
     def __init__(self, minute: int) -> None:
         self.minute = minute
         self.requests = self.tokens = self.prev_requests = self.prev_tokens = 0
+        self.avg = 0.0  # tokens per answer here (0: none seen yet)
 
 
 class LocalWindows:
@@ -91,8 +143,17 @@ class LocalWindows:
             window.minute = minute
         return window
 
-    def admit(self, grant: Grant, share: int, now: float | None = None) -> bytes | Refusal:
-        """The header lines of an admitted request, or its `Refusal`."""
+    def admit(
+        self,
+        grant: Grant,
+        share: int,
+        body: bytes = b"",
+        ticket: Ticket | None = None,
+        now: float | None = None,
+    ) -> bytes | Refusal:
+        """The header lines of an admitted request, or its `Refusal`. An admitted request
+        reserves the key's tokens per request (its `estimate(body)` before the first answer)
+        in the tpm window, told to its `ticket` (its end gives them back: `charge`)."""
         now = time.time() if now is None else now
         minute = int(now // WINDOW)
         keep = 1 - (now - minute * WINDOW) / WINDOW
@@ -103,15 +164,35 @@ class LocalWindows:
         rpm = -(-grant.rpm // share) if grant.rpm else 0
         tpm = -(-grant.tpm // share) if grant.tpm else 0
         if rpm and r + 1 > rpm:
-            return Refusal(headers_of(grant, 0, tpm - tk, turn), turn, "requests")
+            wait = fade(window.prev_requests, window.requests, rpm - 1, keep)
+            return Refusal(headers_of(grant, 0, tpm - tk, wait), wait, "requests")
         if tpm and tk >= tpm:
-            return Refusal(headers_of(grant, rpm - r, 0, turn), turn, "tokens")
+            wait = fade(window.prev_tokens, window.tokens, tpm, keep)
+            return Refusal(headers_of(grant, rpm - r, 0, wait), wait, "tokens")
         window.requests += 1
+        if tpm:
+            per = math.ceil(window.avg) if window.avg else estimate(body)
+            window.tokens += per
+            tk += per
+            if ticket is not None:
+                ticket.reserved, ticket.shared = per, False
         return headers_of(grant, rpm - r - 1, tpm - tk, turn)
 
-    def charge(self, grant: Grant, tokens: int, now: float | None = None) -> None:
+    def charge(
+        self,
+        grant: Grant,
+        tokens: int,
+        reserved: int = 0,
+        now: float | None = None,
+        answer: bool = True,
+    ) -> None:
+        """An `answer`'s `tokens` charged to the key's tpm, instead of the `reserved` ones (not
+        an `answer`: tokens owed to Redis, charged here while it is down)."""
         now = time.time() if now is None else now
-        self._at(grant, int(now // WINDOW)).tokens += tokens
+        window = self._at(grant, int(now // WINDOW))
+        if tokens > 0 and answer:
+            window.avg = tokens if not window.avg else window.avg + (tokens - window.avg) / 8
+        window.tokens = max(window.tokens + tokens - reserved, 0)
 
     def _forget(self, minute: int) -> None:
         for named in self._windows.values():
