@@ -603,3 +603,27 @@ async def test_a_watch_of_several_prefixes_follows_them_as_one(
     finally:
         await watcher.close()
         await writer.close()
+
+
+async def test_a_replaced_lease_retired_now_ends_what_it_held_at_once(
+    store: Store, prefix: str
+) -> None:
+    """A lease believed lost but alive on the server (etcd restores leases after a restart)
+    is replaced, and ended one TTL after the re-put. `retire_now` (a drain) ends it at once:
+    the drain's taints reach only the new registrations, so none may stay under the old."""
+    leases: list[int] = []
+
+    async def put_owned(lease: Lease) -> None:
+        leases.append(lease.id)
+        await store.put(f"{prefix}owned-{len(leases)}", b"mine", lease=lease.id)
+
+    keeper = LeaseKeeper(store, ttl=30.0, on_granted=put_owned)
+    first = await keeper.start()
+    first.lost.set()  # (lost as far as the keeper knows; the store still has it)
+    await keeper.tick()
+    assert keeper.lease is not None and keeper.lease.id != first.id
+    assert await store.get(prefix + "owned-1") is not None  # (kept one TTL: make before break)
+    await keeper.retire_now()
+    assert await store.get(prefix + "owned-1") is None
+    assert await store.get(prefix + "owned-2") is not None
+    await keeper.revoke()

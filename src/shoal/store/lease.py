@@ -120,6 +120,15 @@ class LeaseKeeper:
         with contextlib.suppress(Exception):
             await self.store.revoke(lease_id)
 
+    async def retire_now(self) -> None:
+        """End the leases this one replaced now, not one TTL after the re-put: what they hold
+        is superseded, and a holder that drains must not leave copies of its registration
+        that the drain's changes (taints) never reach."""
+        retiring, self._retiring = self._retiring, {}
+        for lease_id, timer in retiring.items():
+            timer.cancel()
+            await self._revoke_quietly(lease_id)
+
     async def run(self) -> None:
         """Tick with backoff on outages until cancelled or revoked."""
         backoff = 0.1
@@ -137,9 +146,6 @@ class LeaseKeeper:
         """Stop for good and end the lease (and any replaced one not yet retired): the
         holder's keys are deleted at once."""
         self._revoked = True
-        retiring, self._retiring = self._retiring, {}
-        for lease_id, timer in retiring.items():
-            timer.cancel()
-            await self._revoke_quietly(lease_id)
+        await self.retire_now()
         if self.lease is not None:
             await self.lease.revoke()

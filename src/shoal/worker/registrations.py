@@ -165,6 +165,11 @@ class Registrations:
         """Revoke the lease: the store deletes every key still under it."""
         await self._keeper.revoke()
 
+    async def retire_replaced(self) -> None:
+        """End the leases the current one replaced now (a drain: their copies of this
+        process's registrations would stay untainted until they expire)."""
+        await self._keeper.retire_now()
+
     async def _on_granted(self, lease: Lease) -> None:
         """A new lease: re-register everything this process owns under its id."""
         old = self._lease_id

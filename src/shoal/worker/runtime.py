@@ -330,6 +330,8 @@ class Runtime:
         budget = _CleanupBudget(CLEANUP_BUDGET)
         await self.manager.loops["models"].stop(timeout=LOOP_STOP_TIMEOUT)
         serving = [ep for ep in self.endpoints.values() if ep.serving]
+        if self._registrations is not None:  # (copies under a replaced lease: not tainted)
+            await budget.spend("ending replaced leases", self._registrations.retire_replaced())
         untainted = [
             ep
             for ep in serving
