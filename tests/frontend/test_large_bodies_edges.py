@@ -19,6 +19,7 @@ import uvloop
 from tokenizers import Tokenizer
 
 from shoal.frontend.http import server
+from shoal.frontend.http.request import BodyPieces
 from shoal.frontend.kv.prompt import PromptTokenizer
 from shoal.frontend.kv.router import KvPrompt
 from shoal.frontend.proxy import fields
@@ -84,6 +85,32 @@ async def test_pipelined_large_bodies_deep_and_not_chunked_or_not_are_each_judge
     received = await raw_exchange(frontend.port, data, responses=5, timeout=20)
     assert statuses(received) == [400, 200, 400, 200, 200]
     assert worker.bodies[:2] == [ok, ok]
+
+
+async def test_a_body_of_one_byte_chunks_is_gathered_judged_and_forwarded_whole(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """Each chunk of a body is a piece: 10 MB of 1-byte chunks were 10 million objects (900
+    MB) joined in one go (a second of the loop). Small pieces are gathered as they come."""
+    worker = await start_worker()
+    frontend = await ready(start_frontend, worker)
+    ok, deep = large_body(), large_body(deep=True)
+    data = chunked(ok, size=1) + chunked(deep, size=1)
+    received = await raw_exchange(frontend.port, data, responses=2, timeout=30)
+    assert statuses(received)[:2] == [200, 400]
+    assert worker.bodies[0] == ok
+
+
+def test_small_pieces_of_a_body_are_gathered_in_order_among_large_ones() -> None:
+    body = BodyPieces()
+    for i in range(200_000):
+        body.add(b"%d" % (i % 10))
+        if i % 50_000 == 0:
+            body.add(b"L" * 4096)
+    assert len(body.pieces) < 20
+    expected = b"".join(b"%d" % (i % 10) + (b"L" * 4096 if i % 50_000 == 0 else b"")
+                        for i in range(200_000))  # fmt: skip
+    assert body.joined() == expected
 
 
 @pytest.mark.parametrize("extra", [0, 1])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import socket
+import struct
 
 import aiohttp
 import pytest
@@ -96,6 +98,26 @@ async def test_headers_named_in_connection_are_not_forwarded_either_way(
     ]
 
 
+async def answer_with_two_connection_lines(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(completion(extra_headers=b"connection: x-up-hop\r\nx-up-hop: secret\r\n"
+                            b"connection: keep-alive\r\n"))  # fmt: skip
+
+
+async def test_every_connection_line_names_headers_not_forwarded_either_way(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """RFC 9110 7.6.1: the `Connection` field is every line of it (the last alone was read)."""
+    upstream = await start_raw(answer_with_two_connection_lines)
+    frontend = await started(start_frontend)
+    request = post(b"Connection: X-Hop", b"x-hop: secret", b"Connection: keep-alive")
+    received = await raw_exchange(frontend.port, request)
+    assert not [line for line in head_of(upstream.raw_requests[-1]) if line.startswith("x-hop")]
+    assert head_of(received)[0] == "http/1.1 200 ok"
+    assert not [line for line in head_of(received) if line.startswith("x-up-hop")]
+
+
 async def test_instance_url_credentials_are_sent_as_basic_auth_never_in_host(
     start_raw: StartRaw, start_frontend: StartFrontend
 ) -> None:
@@ -129,8 +151,10 @@ ENDLESS_PAD = b"x-pad: " + b"p" * 1000 + b"\r\n"
     [
         (b"HTTP/1.1 200 OK\r\n", ENDLESS_PAD),
         (b"", b"HTTP/1.1 103 Early Hints\r\n" + ENDLESS_PAD + b"\r\n"),
+        (b"HTTP/1.1 200 OK\r\nx-big: ", b"v" * 1000),  # (one line: the parser holds it)
+        (b"", b"HTTP/1.1 100 Continue\r\n\r\n"),  # (heads of no header line)
     ],
-    ids=["header lines", "interim responses"],
+    ids=["header lines", "interim responses", "a header value", "bare interim heads"],
 )
 async def test_a_response_head_without_end_fails_the_attempt_within_a_bound(
     start_raw: StartRaw, start_frontend: StartFrontend, start: bytes, line: bytes
@@ -163,6 +187,30 @@ async def test_a_response_head_without_end_fails_the_attempt_within_a_bound(
     # head, plus what the kernel's loopback buffers absorbed meanwhile (they autotune up to
     # tcp_rmem's maximum, 32 MiB on Debian); unbounded, the whole 256 MiB would go.
     assert sent[0] < 64 << 20
+
+
+async def reset_mid_body(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    # No length, no chunks: the body ends when the connection does, but not by a reset.
+    writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{"id":"x",')
+    await writer.drain()
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()  # (a crash: RST)
+
+
+async def test_a_close_delimited_answer_cut_by_a_reset_is_a_failure_not_a_clean_end(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """A reset is no end: the client got half a JSON document with a clean chunked end, on a
+    connection kept alive. Now it is the instance's failure: retried before the first byte
+    reached the client (here: the head is relayed with the first body byte), else cut."""
+    await start_raw(reset_mid_body)
+    frontend = await started(start_frontend)
+    received = await asyncio.wait_for(raw_exchange(frontend.port, post()), 10)
+    assert received.startswith(b"HTTP/1.1 200 OK\r\n")  # (the client had the head)
+    assert not received.endswith(b"\r\n0\r\n\r\n")  # (the chunked end of a complete answer)
 
 
 async def test_bytes_after_a_response_in_its_packet_never_reach_the_next_request(

@@ -35,7 +35,13 @@ import httptools
 from shoal.bounds import DepthMeter
 from shoal.frontend.http import errors
 from shoal.frontend.http.errors import bad_request, body_too_large
-from shoal.frontend.http.request import FlowListener, InFlight, Request, encode_response
+from shoal.frontend.http.request import (
+    BodyPieces,
+    FlowListener,
+    InFlight,
+    Request,
+    encode_response,
+)
 from shoal.openai import ApiError
 
 log = logging.getLogger(__name__)
@@ -118,16 +124,14 @@ class HttpConnection(asyncio.Protocol):
         self._upgrade_method = b""
         self._lingering = False  # the last answer is written: closing soon
         self._linger_left = 0  # bytes still dropped while lingering, then the connection closes
-        # Deadlines: what is being read since when (checked by the server's sweep).
-        self._phase = HEAD  # a new connection owes its first request head
+        self._phase = HEAD  # what is read since when (the sweep's deadlines): a request head
         self._phase_since = self.idle_since  # 0.0: since the next sweep
         self._progress = False  # bytes arrived since the last sweep
         self._last_progress = 0.0  # when a sweep last saw bytes arrive (0.0: never)
         self._head_bytes = 0  # bytes read while in a request head
-        # The message being parsed.
-        self._url = b""
+        self._url = b""  # (the message being parsed)
         self._headers: list[tuple[bytes, bytes]] = []
-        self._body: list[bytes] = []
+        self._body = BodyPieces()
         self._body_size = 0
         self._meter: DepthMeter | None = None  # a large body's nesting, judged as it arrives
         self._read_bytes = 0  # of large reads since the last turn given (`TURN_BYTES`)
@@ -172,9 +176,8 @@ class HttpConnection(asyncio.Protocol):
         self._answered_in_read = False
         if self._held or len(data) > FEED_SLICE or len(self.pending) >= MAX_PIPELINED:
             self._hold(data)
-            # libuv reads a fast sender's socket up to 32 times in one go (8 MB, and each
-            # read's parsing) while every other connection waits: past `TURN_BYTES` of large
-            # reads, the bytes are parsed in the loop's next turn (held bytes stop reading).
+            # libuv reads a fast sender up to 32 times in one go (8 MB, each read parsed):
+            # past `TURN_BYTES` of large reads, bytes are parsed in the loop's next turn.
             self._read_bytes += len(data)
             if self._read_bytes > TURN_BYTES:
                 self._read_bytes = 0
@@ -286,7 +289,7 @@ class HttpConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
-        self._body = []
+        self._body = BodyPieces()
         self._body_size = 0
         self._meter = None
         if self._phase == IDLE:
@@ -325,25 +328,24 @@ class HttpConnection(asyncio.Protocol):
         if size > server.max_header_size:  # (names: bounded by the check on each read)
             self._refuse(errors.headers_too_large(f"over {server.max_header_size} bytes"))
         if expect_continue and not self._upgrading and self.idle and self.transport is not None:
-            # (Behind a request being answered, an interim 100 would land inside its response:
-            # the client then sends the body after its own short wait.)
+            # (not behind an answer: a 100 would land in it; the client sends after a wait)
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
         if self._body_size > self.server.max_body:
             self._refuse(body_too_large(self.server.max_body))
-        self._body.append(body)
+        self._body.add(body)
         if self._body_size >= METER_FROM:  # (judged `METER_FROM` bytes at a time)
             meter = self._meter = self._meter or DepthMeter()
             if self._body_size - meter.fed >= METER_FROM:
-                meter.feed_new(self._body)
+                meter.feed_new(self._body.pieces)
 
     def on_message_complete(self) -> None:
         self._phase = IDLE
         if self._upgrading:
             return  # the body is still unread: parsed again once the upgrade is ignored
-        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        body = self._body.joined()
         request = Request(
             self.parser.get_method(),
             self._url,
@@ -353,7 +355,7 @@ class HttpConnection(asyncio.Protocol):
             http11=self.parser.get_http_version() == "1.1",
         )
         if self._meter is not None:
-            request.too_deep = self._meter.feed_new(self._body)
+            request.too_deep = self._meter.feed_new(self._body.pieces)
         if self.busy or self.pending or self.writing_paused or self._answered_in_read:
             self.pending.append(request)  # answered in its turn, on a later loop iteration
             if not self.busy:
@@ -396,8 +398,7 @@ class HttpConnection(asyncio.Protocol):
         if not self.keep_alive or self.server.closing:
             self._finish()
         elif self.pending:
-            # Pipelined requests wait for the next loop iteration: never re-enter a handler
-            # from the callback that finished the previous response.
+            # (the next loop iteration: no handler entered from the previous one's callback)
             self._schedule_next()
         elif self._stopped:
             self._finish()

@@ -293,6 +293,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._until_eof = False  # the response has no length: it ends when the connection does
         self._interim = False  # parsing a 1xx response
         self._head_bytes = 0  # of the response being read, interim responses included
+        self._head_read = 0  # bytes read while its final head is incomplete (the same bound)
+        self._in_head = False  # its final head is not complete yet
         self._paused = False
 
     @property
@@ -319,7 +321,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._chunked = self._has_length = False
         self._until_eof = False
         self._interim = False
-        self._head_bytes = 0
+        self._head_bytes = self._head_read = 0
+        self._in_head = True
         if len(body) < 65536:
             self.transport.write(data + body)
         else:
@@ -363,7 +366,7 @@ class UpstreamConnection(asyncio.Protocol):
         sink, self.sink = self.sink, None
         if sink is None:
             return
-        if self._until_eof:
+        if self._until_eof and exc is None:  # (a reset is no end: the answer was cut)
             sink.on_complete()
         else:
             reason = f": {exc}" if exc else ""
@@ -379,19 +382,28 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            sink, self.sink = self.sink, None
-            if self.transport is not None:
-                self.transport.abort()
-            if sink is not None:
-                address = self.upstream.address
-                if self._head_bytes > MAX_RESPONSE_HEAD:
-                    reason = f"response head from {address} over {MAX_RESPONSE_HEAD} bytes"
-                else:
-                    reason = f"malformed response from {address}: {exc}"
-                sink.on_failure(UpstreamError(reason))
+            self._failed(None if self._head_bytes > MAX_RESPONSE_HEAD else exc)
             return
+        if self._in_head:  # (a header line without end grows in the parser: bounded by reads)
+            self._head_read += len(data)
+            if self._head_read > MAX_RESPONSE_HEAD:
+                self._failed(None)
+                return
         if self.sink is not None:
             self.sink.flush()
+
+    def _failed(self, exc: Exception | None) -> None:
+        """The response cannot be read: malformed (`exc`), or a head over the bound (None)."""
+        sink, self.sink = self.sink, None
+        if self.transport is not None:
+            self.transport.abort()
+        if sink is not None:
+            address = self.upstream.address
+            if exc is None:
+                reason = f"response head from {address} over {MAX_RESPONSE_HEAD} bytes"
+            else:
+                reason = f"malformed response from {address}: {exc}"
+            sink.on_failure(UpstreamError(reason))
 
     # -- httptools callbacks -----------------------------------------------------------------
 
@@ -425,6 +437,7 @@ class UpstreamConnection(asyncio.Protocol):
         if status < 200:
             self._interim_head(sink, status)
             return
+        self._in_head = False
         self._until_eof = not chunked and not self._has_length and status not in (204, 304)
         if not sink.on_head(status, self._headers, chunked or self._until_eof):
             self.abort()

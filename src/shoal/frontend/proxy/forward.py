@@ -408,7 +408,7 @@ class Forward:
             if relayed:
                 parts += (name, b": ", value, b"\r\n")
             elif name.lower() == b"connection":
-                listed = value
+                listed = value if listed is None else listed + b"," + value
         if listed is not None and (hop := hop_by_hop(listed)):
             parts = [status_line(status)]
             for name, value in headers:

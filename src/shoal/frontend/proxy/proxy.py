@@ -230,7 +230,7 @@ class Proxy:
         if target.authorization is not None:  # the instance URL's credentials, a provider's secret
             parts += (b"authorization: ", target.authorization, b"\r\n")
         if target.provider:
-            hop = hop_by_hop(request.header(b"connection") or b"")
+            hop = hop_by_hop(b",".join(v for k, v in request.headers if k == b"connection"))
             for name, value in request.headers:
                 if name in PROVIDER_HEADERS and name not in hop:
                     parts += (name, b": ", value, b"\r\n")
@@ -246,7 +246,7 @@ class Proxy:
             if name not in dropped:
                 parts += (name, b": ", value, b"\r\n")
             elif name == b"connection":
-                listed = value
+                listed = value if listed is None else listed + b"," + value
         if listed is not None and (hop := hop_by_hop(listed)):
             del parts[mark:]
             for name, value in request.headers:
