@@ -113,3 +113,37 @@ async def test_a_client_that_leaves_while_its_answer_is_awaited_stops_the_instan
         sock.close()
     (target,) = frontend.registry.models["mock-llm"].routable_sets[0].routable
     assert target.in_flight == 0
+
+
+async def endless_stream(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 8000 + b'"}}]}\n\n'
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    while True:  # (until the gateway lets go: the drain raises)
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+
+
+async def test_a_client_that_reads_nothing_of_its_answer_is_cut_at_the_send_timeout(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """Its send buffer full, the instance's answer is paused, never its fault: without a
+    bound the request held the instance (its KV cache, its batch slot) for good."""
+    upstream = await start_raw(endless_stream)
+    frontend = await start_frontend(send_timeout=0.5)
+    await wait_for(lambda: serving(frontend), message="model served")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", frontend.port))
+    try:
+        sock.sendall(REQUEST)  # (and never reads a byte of the answer)
+        await wait_for(lambda: upstream.open_connections == 1, message="streaming")
+        await wait_for(lambda: upstream.open_connections == 0, message="the request stopped")
+        await wait_for(
+            lambda: frontend.metrics.models["mock-llm"].in_flight == 0, message="in flight 0"
+        )
+    finally:
+        sock.close()

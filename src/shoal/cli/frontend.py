@@ -362,6 +362,16 @@ def add_client_limit_flags(parser: argparse.ArgumentParser) -> None:
     )
     add_flag(
         parser,
+        "--send-timeout",
+        60,
+        type=SECONDS_OR_ZERO,
+        metavar="SECONDS",
+        help="longest a client may read nothing of its answer while it waits to be sent (its "
+        "connection closes and the instance's request stops, as nginx's send_timeout); "
+        "0: no limit (default 60)",
+    )
+    add_flag(
+        parser,
         "--max-connections",
         10_000,
         type=POSITIVE,
@@ -442,6 +452,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         freeze_loading=True,  # (this process is the frontend's own)
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
+        send_timeout=args.send_timeout,
         max_connections=args.max_connections,
         max_header_size=args.max_header_size,
         max_headers=args.max_headers,

@@ -223,6 +223,7 @@ class Frontend(Endpoints):
             keepalive_timeout=config.keepalive_timeout,
             header_timeout=config.header_timeout,
             body_timeout=config.body_timeout,
+            send_timeout=config.send_timeout,
             max_header_size=config.max_header_size,
             max_headers=config.max_headers,
             max_connections=config.max_connections,

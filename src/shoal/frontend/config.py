@@ -40,6 +40,7 @@ class FrontendConfig:
     keepalive_timeout: float = 75.0
     header_timeout: float = 10.0  # seconds to receive a request head; 0: no limit
     body_timeout: float = 30.0  # seconds between request body bytes; 0: no limit
+    send_timeout: float = 60.0  # seconds a client may read nothing of its answer; 0: no limit
     max_connections: int = 10_000
     max_header_size: int = 64 * 1024  # bytes of request line and headers
     max_headers: int = 100

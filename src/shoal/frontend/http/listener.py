@@ -29,6 +29,7 @@ class HttpServer:
         keepalive_timeout: float = 75.0,
         header_timeout: float = 10.0,
         body_timeout: float = 30.0,
+        send_timeout: float = 60.0,
         max_header_size: int = 64 * 1024,
         max_headers: int = 100,
         max_connections: int = 10_000,
@@ -38,6 +39,7 @@ class HttpServer:
         self.keepalive_timeout = keepalive_timeout
         self.header_timeout = header_timeout
         self.body_timeout = body_timeout
+        self.send_timeout = send_timeout
         self.max_header_size = max_header_size
         self.max_headers = max_headers
         self.max_connections = max_connections
@@ -65,7 +67,9 @@ class HttpServer:
 
     @property
     def _sweep_every(self) -> float:
-        timeouts = (self.keepalive_timeout, self.header_timeout, self.body_timeout)
+        timeouts = (
+            self.keepalive_timeout, self.header_timeout, self.body_timeout, self.send_timeout
+        )  # fmt: skip
         return max(min(t for t in timeouts if t > 0) / 4, 0.05)
 
     def _sweep(self) -> None:

@@ -1,25 +1,22 @@
 """The gateway's HTTP/1.1 server: one `asyncio.Protocol` per connection, parsed by httptools.
 This module is the connection (`HttpConnection`); `listener.py` listens and sweeps deadlines,
-`request.py` holds what a handler sees.
+`request.py` holds what a handler sees. A web framework costs more CPU per request than the
+whole proxy path should: this is the minimum that is correct (keep-alive, pipelining, length
+and chunked bodies, `Expect: 100-continue`, limits, timeouts, write-side flow control passed
+on to the upstream connection: `ClientConnection.follow`).
 
-A web framework costs more CPU per request than the whole proxy path should, so the server
-is the minimum that is correct: keep-alive, pipelining, Content-Length and chunked request
-bodies, `Expect: 100-continue`, limits, timeouts, and write-side flow control that the proxy
-passes on to the upstream connection (`ClientConnection.follow`).
-
-Each complete request is handed to the server's handler as a `Request` with its whole body,
-straight from the parser's callback: no task per request. The handler answers through the
-`HttpConnection`: `send()` for a whole response, or, for one produced later (the proxy's),
-through the few methods of `ClientConnection`: `produce_later()` so that a client that goes
-away cancels it, `follow()` to pass flow control on, `write()`s, then `finish()`.
+Each complete request goes to the handler as a `Request` with its whole body, from the
+parser's callback (no task per request). The handler answers with `send()`, or later through
+`ClientConnection`: `produce_later()` (a client that goes away cancels it), `follow()`,
+`write()`s, then `finish()`.
 
 What a connection owes its client, in order (RFC 9112 §9.3): an answer to every complete
 request, one at a time, then (if reading stopped on an error) that error, then the close.
 Pipelined requests are answered one per loop iteration, never while the client's send
-buffer is full, and at most `MAX_PIPELINED` wait (plus those in one `FEED_SLICE` of bytes):
-beyond that the bytes stay unparsed and the socket is not read. Bounds a client cannot
-stretch: the request head (size, header count, `header_timeout` from its first byte), the
-body (`max_body`, `body_timeout` between its bytes) and the number of connections.
+buffer is full, and at most `MAX_PIPELINED` wait (plus those in one `FEED_SLICE` of bytes).
+Bounds a client cannot stretch: the request head (size, header count, `header_timeout`), the
+body (`max_body`, `body_timeout` between its bytes), an answer it does not read
+(`send_timeout`) and the number of connections.
 """
 
 from __future__ import annotations
@@ -83,6 +80,8 @@ class Listener(Protocol):
     def header_timeout(self) -> float: ...
     @property
     def body_timeout(self) -> float: ...
+    @property
+    def send_timeout(self) -> float: ...
 
 
 class StopParsing(Exception):
@@ -128,6 +127,7 @@ class HttpConnection(asyncio.Protocol):
         self._phase_since = self.idle_since  # 0.0: since the next sweep
         self._progress = False  # bytes arrived since the last sweep
         self._last_progress = 0.0  # when a sweep last saw bytes arrive (0.0: never)
+        self._paused_since = 0.0  # when a sweep first saw writing paused (0.0: not paused)
         self._head_bytes = 0  # bytes read while in a request head
         self._url = b""  # (the message being parsed)
         self._headers: list[tuple[bytes, bytes]] = []
@@ -279,8 +279,7 @@ class HttpConnection(asyncio.Protocol):
         self._held_pos = 0
         self._phase = IDLE
 
-    def _refuse(self, error: ApiError) -> None:
-        """Read nothing more: answer what is owed, then `error`, then close."""
+    def _refuse(self, error: ApiError) -> None:  # (what is owed, then `error`, then close)
         self._stop(error)
         raise StopParsing
 
@@ -397,8 +396,7 @@ class HttpConnection(asyncio.Protocol):
             return
         if not self.keep_alive or self.server.closing:
             self._finish()
-        elif self.pending:
-            # (the next loop iteration: no handler entered from the previous one's callback)
+        elif self.pending:  # (next iteration: no handler entered from the previous callback)
             self._schedule_next()
         elif self._stopped:
             self._finish()
@@ -448,9 +446,7 @@ class HttpConnection(asyncio.Protocol):
         """Parse nothing more; answer what is owed, then `error` if any, then close."""
         if self._stopped:
             return
-        self._stopped = True
-        self._final = error
-        self._held = b""
+        self._stopped, self._final, self._held = True, error, b""
         self._linger_left = max(LINGER_BYTES, 2 * self.server.max_body)  # (dropped, then paused)
         if self.busy or self.pending:
             self._update_reading()
@@ -458,13 +454,10 @@ class HttpConnection(asyncio.Protocol):
             self._finish()
 
     def _finish(self) -> None:
-        """Write the final error if one is owed, then close the way nginx does: shut down our
-        side (the client reads the answer, then EOF), read and drop what still arrives, and
-        close after `LINGER_SECONDS` or once the dropped bytes pass the budget, whichever
-        comes first. Without it, a client that writes its whole body before reading (httpx,
-        requests) would get a reset instead of its 413: closing with unread bytes sends RST,
-        which discards the answer. The budget, `LINGER_BYTES` or twice `max_body`, lets a
-        body over the limit be read to its end, and bounds what a client can push."""
+        """Write the final error if one is owed, then close as nginx does: shut down our side,
+        read and drop what still arrives, close after `LINGER_SECONDS` or past the budget
+        (`LINGER_BYTES` or twice `max_body`). A client that writes its whole body before
+        reading (httpx, requests) gets its 413, not the reset of a close with unread bytes."""
         self._stopped = True
         transport = self.transport
         if self._lingering or transport is None or transport.is_closing():
@@ -485,15 +478,22 @@ class HttpConnection(asyncio.Protocol):
         self.server.loop.call_later(LINGER_SECONDS, transport.close)
 
     def check_deadlines(self, now: float) -> None:
-        """Close or answer 408 if the client took too long (called by the server's sweep, which
-        also dates what the request path only flags, without a clock read: the start of an
-        idle wait or of a head, the last bytes of a body; two sweeps late at most, never early)."""
+        """Close or answer 408 if the client took too long (the server's sweep, which dates
+        what the request path only flags: two sweeps late at most, never early)."""
         if self._progress:
             self._progress = False
             self._last_progress = now
+        server = self.server
+        if not self.writing_paused:
+            self._paused_since = 0.0
+        elif not self._paused_since:  # (the client reads nothing of its answer: since when)
+            self._paused_since = now
+        elif server.send_timeout and now - self._paused_since > server.send_timeout:
+            if self.transport is not None:  # gone as far as its answer goes: the work stops
+                self.transport.abort()
+            return
         if self._stopped or self.busy or self.pending or self.transport is None:
             return
-        server = self.server
         if self._phase == IDLE:
             if not self.idle_since:
                 self.idle_since = now
