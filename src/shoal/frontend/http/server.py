@@ -198,7 +198,7 @@ class HttpConnection(asyncio.Protocol):
         self._update_reading()
 
     def resume_writing(self) -> None:
-        self.writing_paused = False
+        self.writing_paused, self._paused_since = False, 0.0  # (the client read: a new wait)
         if self.flow is not None:
             self.flow.resume_reading()
         self._update_reading()
