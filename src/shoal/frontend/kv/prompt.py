@@ -60,6 +60,7 @@ from shoal.frontend.kv.chain import (
     special_split,
     splits_cleanly,
 )
+from shoal.frontend.kv.sizes import built
 
 __all__ = ["Deferred", "PromptTokenizer", "TemplateOverrun"]
 from shoal.kv import token_block_hashes
@@ -446,11 +447,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             raise TemplateOverrun("the chat template raised a number to a large power")
         if operator == "%" and isinstance(left, str) and _WIDE.search(left):
             raise TemplateOverrun("the chat template asked for too wide a format")
-        if operator == "*":
-            for seq, times in ((left, right), (right, left)):
-                sized = isinstance(seq, str | list | tuple) and isinstance(times, int)
-                if sized and len(seq) * times > self.limit:
-                    raise TemplateOverrun("the chat template built too large a sequence")
+        if built(operator, left, right, self.limit) > self.limit:
+            raise TemplateOverrun("the chat template would build too large a sequence")
         return _bounded(super().call_binop(context, operator, left, right), self.limit)
 
     def _range(self, *args: int) -> Iterator[int]:
