@@ -312,3 +312,28 @@ def test_a_list_of_long_strings_repeated_is_refused_before_it_is_built(
     template = "{% set s = 'a' * 60000 %}{% set x = " + build + " %}" + use
     peak = peak_while_rendering(template)
     assert peak < kv_prompt.MAX_TEXT, f"{peak} bytes built before the template was refused"
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ '%*s' % (5000000, 'x') }}",
+        "{{ '%-*s|' % (5000000, 'x') }}",
+        "{{ '%.*f' % (5000000, 1.5) }}",
+        "{{ '%%%*s' % (5000000, 'x') }}",
+        "{{ '{0:{1}}'.format('x', '5000000') }}",
+        "{{ '{:>{}}'.format('x', '5000000') }}",
+        "{{ '{0[0]:>{0[1]}}'.format(['x', 5000000]) }}",
+        "{{ '{x:{w}}'.format_map({'x': 'x', 'w': 5000000}) }}",
+        "{{ '{0:{1}}'['format']('x', '5000000') }}",
+    ],
+)
+def test_a_format_width_from_the_arguments_is_refused_before_it_is_built(template: str) -> None:
+    peak = peak_while_rendering(template)
+    assert peak < kv_prompt.MAX_TEXT, f"{peak} bytes built before the template was refused"
+
+
+def test_formats_of_a_foreseeable_width_still_render() -> None:
+    template = "{{ '%5s|%-3d|%%*|%.2f' % ('ab', 7, 1.5) }}{{ '{0:>4}{1:03d}'.format('x', 1) }}"
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    assert tokenizer.render([{"role": "user", "content": "hi"}]) == "   ab|7  |%*|1.50   x001"

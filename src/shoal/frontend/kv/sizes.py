@@ -1,9 +1,28 @@
 """What a template's operation would build, foreseen before it is built (`BoundedSandbox`
-checks them against its size limit): a sequence's printed characters."""
+checks them against its size limit): a format's width, a sequence's printed characters."""
 
 from __future__ import annotations
 
+import re
+import string
 from typing import Any
+
+_WIDE = re.compile(r"[%:.<>^=]\s*[-+ #0]*\d{7,}")  # a format field a million wide
+_STAR = re.compile(r"%%|%(?:\([^)]*\))?[-+ #0]*(?:\*|\d*\.\*)")  # `%*s`: width from arguments
+
+
+def wide(form: str, style: str) -> bool:
+    """Whether format string `form` (`style` "%" or "{") asks for a field a million wide or
+    one whose width or precision comes from the arguments (`%*s`, `{0:{1}}`): refused, as
+    the size of what it builds is not known before it is built."""
+    if _WIDE.search(form):
+        return True
+    if style == "%":
+        return any(m.group() != "%%" for m in _STAR.finditer(form))
+    try:
+        return any(spec and "{" in spec for _, _, spec, _ in string.Formatter().parse(form))
+    except ValueError:
+        return False  # (`format` raises it)
 
 
 def chars(value: Any, budget: int, depth: int = 0) -> int:
