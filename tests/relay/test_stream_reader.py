@@ -11,7 +11,7 @@ import pytest
 
 from shoal.frontend.kv import stream as kv_stream
 from shoal.frontend.kv.stream import KvStreamReader
-from shoal.kv import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
+from shoal.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from shoal.kv import stream as layout
 from shoal.kv.subscription import APPLY_SLICE
 from tests.helpers import wait_for
@@ -165,3 +165,16 @@ async def test_records_kept_for_instances_not_followed_are_bounded_in_bytes_olde
     applied: list[float] = []
     reader.follow((NS, 40), lambda b: applied.append(b.ts), lambda: None)
     await wait_for(lambda: applied[-1:] == [19.0], message="the newest batch kept, applied")
+
+
+async def test_a_record_of_too_many_events_is_a_loss_counted_not_decoded() -> None:
+    """250,000 events of no block fit in a 4 MiB record and took 70-230 ms to decode on the
+    event loop: refused by their count, a loss like an unreadable record."""
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    follower = Follower(reader)
+    batch(reader, 0)
+    headers = {layout.KIND: layout.BATCH, layout.SEQ: "1", layout.TS: "1.0"}
+    reader.record(SUBJECT, headers, encode_batch(KVEventBatch(1.0, [BlockRemoved([])] * 250_000)))
+    batch(reader, 2)
+    await wait_for(lambda: follower.applied == [0, 2])
+    assert (reader.stats.decode_errors, follower.purges) == (1, 1)
