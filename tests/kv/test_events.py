@@ -229,3 +229,24 @@ def test_a_batch_of_more_events_than_the_bound_is_refused_before_it_is_decoded(
     events = msgspec.msgpack.encode([["AllBlocksCleared"]] * (bound + 1))
     with pytest.raises(msgspec.DecodeError, match="events, over"):
         decode_batch(b"\xdc\x00\x03" + msgspec.msgpack.encode(-7) + events + b"\xc0")
+
+
+@pytest.mark.parametrize("encode", [encode_batch, encode_batch_map])
+@pytest.mark.parametrize("where", ["stored", "parent", "removed"])
+def test_an_engine_hash_over_64_bytes_makes_its_batch_unreadable(
+    encode: Callable[[KVEventBatch], bytes], where: str
+) -> None:
+    """Hashes are the index's keys and the index is bounded in blocks: 4 KB hashes held ~1 GiB
+    an instance at its cap. vLLM's are 32 bytes; 64 are read, more refused."""
+
+    def event(block_hash: bytes) -> BlockStored | BlockRemoved:
+        if where == "removed":
+            return BlockRemoved([block_hash])
+        if where == "parent":
+            return BlockStored([1], block_hash, [1, 2], 2)
+        return BlockStored([block_hash], None, [1, 2], 2)
+
+    fits = decode_batch(encode(KVEventBatch(0.0, [event(b"h" * 64)])))
+    assert len(fits.events) == 1
+    with pytest.raises(msgspec.ValidationError):
+        decode_batch(encode(KVEventBatch(0.0, [event(b"h" * 4096)])))

@@ -178,3 +178,17 @@ async def test_a_record_of_too_many_events_is_a_loss_counted_not_decoded() -> No
     batch(reader, 2)
     await wait_for(lambda: follower.applied == [0, 2])
     assert (reader.stats.decode_errors, follower.purges) == (1, 1)
+
+
+async def test_a_record_naming_a_block_with_a_huge_hash_is_a_loss_counted() -> None:
+    """An engine hash over 64 bytes (the index keeps hashes as keys, bounded by count only)
+    makes the record unreadable: a loss, as it is for a subscription."""
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    follower = Follower(reader)
+    batch(reader, 0)
+    event = BlockStored([bytes(4096)], None, [1], 1)
+    headers = {layout.KIND: layout.BATCH, layout.SEQ: "1", layout.TS: "1.0"}
+    reader.record(SUBJECT, headers, encode_batch(KVEventBatch(1.0, [event])))
+    batch(reader, 2)
+    await wait_for(lambda: follower.applied == [0, 2])
+    assert (reader.stats.decode_errors, follower.purges) == (1, 1)

@@ -12,7 +12,8 @@ The wire format (vLLM's `vllm.distributed.kv_events`, read from its published sc
 - a ZMQ ROUTER replay socket answers a request holding an 8-byte start sequence number
   with every buffered `[seq, payload]` from there on, then `[-1 as 8 signed bytes, b""]`.
 
-Block hashes are opaque engine values (an int or bytes): only equality matters.
+Block hashes are opaque engine values (an int or bytes, at most `MAX_HASH_BYTES`): only
+equality matters.
 
 The tagged-map form (vLLM 0.28 on, and what vllm-router's `kv_aware` decodes): the batch is the
 same array, but each event is a msgpack map, its type under `"type"` and each field under its
@@ -24,10 +25,15 @@ vLLM's sha256 digests), `medium` `"GPU"` when unset. `decode_batch` reads both f
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 import msgspec
 
-BlockHash = int | bytes
+MAX_HASH_BYTES = 64
+"""The longest engine block hash read (vLLM's are 32 bytes): hashes are index keys, and the
+index is bounded in blocks, so 4 KB hashes made ~1 GiB an instance. A longer one makes its
+batch unreadable (a `ValidationError`: a loss)."""
+BlockHash = int | Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)]
 MAX_BATCH_EVENTS = 8192
 """The most events a batch may hold: decoding is one step on the event loop, ~0.2-1.5 us an
 event (8,192 take 1.5-12 ms); vLLM reports an evicted block an event, so this is a step
