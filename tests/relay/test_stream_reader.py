@@ -6,7 +6,9 @@ batches this reader did get is ignored), records of an instance not followed yet
 from __future__ import annotations
 
 import asyncio
+import logging
 
+import nats
 import pytest
 
 from shoal.frontend.kv import stream as kv_stream
@@ -15,6 +17,7 @@ from shoal.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, 
 from shoal.kv import stream as layout
 from shoal.kv.subscription import APPLY_SLICE
 from tests.helpers import wait_for
+from tests.nats_server import NatsServer
 
 NS, INSTANCE = "ns", 0xAB
 SUBJECT = layout.subject(NS, INSTANCE)
@@ -192,3 +195,46 @@ async def test_a_record_naming_a_block_with_a_huge_hash_is_a_loss_counted() -> N
     batch(reader, 2)
     await wait_for(lambda: follower.applied == [0, 2])
     assert (reader.stats.decode_errors, follower.purges) == (1, 1)
+
+
+async def test_the_state_shown_follows_the_nats_connection_and_errors_are_logged_once(
+    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NATS down: `/health` said connected until a look at the stream timed out (~10 s), and
+    nats-py logged a traceback at every attempt to reconnect. Now the reader's state follows
+    the connection's callbacks, and each error is logged once, without a traceback."""
+    monkeypatch.setattr(kv_stream, "STREAM_CHECK", 3600.0)  # only the connection can tell
+    nc = await nats.connect(nats_server.url)
+    await nc.jetstream().add_stream(name="kvs", subjects=[f"{layout.SUBJECT_PREFIX}.>"])
+    await nc.close()
+    attempts: list[Exception] = []  # nats-py's errors, one an attempt to reconnect
+    told = getattr(KvStreamReader, "_error", None)
+
+    async def error(self: KvStreamReader, exc: Exception) -> None:
+        attempts.append(exc)
+        if told is not None:
+            await told(self, exc)
+
+    monkeypatch.setattr(KvStreamReader, "_error", error, raising=False)
+    caplog.set_level(logging.INFO)
+    reader = KvStreamReader(nats_server.url, "kvs")
+    reader.start()
+    try:
+        await wait_for(lambda: reader.describe()["connected"], message="connected")
+        nats_server.stop()
+        await wait_for(lambda: not reader.describe()["connected"], message="seen down")
+        assert reader.describe()["error"]
+        await wait_for(lambda: len(attempts) >= 3, timeout=30, message="reconnections tried")
+        nats_server.start()
+        await wait_for(lambda: reader.describe()["connected"], timeout=30, message="back")
+        assert reader.describe()["error"] is None
+    finally:
+        await reader.close()
+    tracebacks = [r for r in caplog.records if r.name.startswith("nats") and r.exc_info]
+    assert tracebacks == []
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == kv_stream.log.name and r.levelno >= logging.WARNING
+    ]
+    assert warned and len(warned) == len(set(warned)), warned
