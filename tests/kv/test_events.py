@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 import pytest
 
@@ -20,6 +22,7 @@ from shoal.kv import (
     token_block_hashes,
     wire_hash,
 )
+from shoal.kv import events as events_module
 from shoal.worker.engines.mocker.prefix_cache import PrefixCache
 from tests.kv import vllm_fixtures as vllm
 
@@ -206,3 +209,44 @@ def test_a_batch_in_neither_form_is_still_refused_naming_the_array_form() -> Non
     with pytest.raises(msgspec.ValidationError):
         decode_batch(msgspec.msgpack.encode([1.0, [42], 0]))
     assert WIRE_FORMATS == ("array", "map")
+
+
+@pytest.mark.parametrize("encode", [encode_batch, encode_batch_map])
+def test_a_batch_of_more_events_than_the_bound_is_refused_before_it_is_decoded(
+    encode: Callable[[KVEventBatch], bytes],
+) -> None:
+    """250,000 events of no block fit in 4 MiB and took 70-230 ms to decode, on the event
+    loop: a batch is read by its header's count of events first."""
+    with pytest.raises(msgspec.DecodeError, match="250000 events"):
+        decode_batch(encode(KVEventBatch(1.5, [BlockRemoved([])] * 250_000)))
+    bound = events_module.MAX_BATCH_EVENTS
+    assert (
+        len(decode_batch(encode(KVEventBatch(1.5, [AllBlocksCleared()] * bound))).events) == bound
+    )
+    with pytest.raises(msgspec.DecodeError, match="events, over"):
+        decode_batch(encode(KVEventBatch(2**40, [AllBlocksCleared()] * (bound + 1))))
+    # The batch's array in a longer form than needed says the same.
+    events = msgspec.msgpack.encode([["AllBlocksCleared"]] * (bound + 1))
+    with pytest.raises(msgspec.DecodeError, match="events, over"):
+        decode_batch(b"\xdc\x00\x03" + msgspec.msgpack.encode(-7) + events + b"\xc0")
+
+
+@pytest.mark.parametrize("encode", [encode_batch, encode_batch_map])
+@pytest.mark.parametrize("where", ["stored", "parent", "removed"])
+def test_an_engine_hash_over_64_bytes_makes_its_batch_unreadable(
+    encode: Callable[[KVEventBatch], bytes], where: str
+) -> None:
+    """Hashes are the index's keys and the index is bounded in blocks: 4 KB hashes held ~1 GiB
+    an instance at its cap. vLLM's are 32 bytes; 64 are read, more refused."""
+
+    def event(block_hash: bytes) -> BlockStored | BlockRemoved:
+        if where == "removed":
+            return BlockRemoved([block_hash])
+        if where == "parent":
+            return BlockStored([1], block_hash, [1, 2], 2)
+        return BlockStored([block_hash], None, [1, 2], 2)
+
+    fits = decode_batch(encode(KVEventBatch(0.0, [event(b"h" * 64)])))
+    assert len(fits.events) == 1
+    with pytest.raises(msgspec.ValidationError):
+        decode_batch(encode(KVEventBatch(0.0, [event(b"h" * 4096)])))

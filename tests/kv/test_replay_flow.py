@@ -274,3 +274,67 @@ async def test_a_batch_over_the_size_bound_is_refused_unread_and_counted_as_a_lo
     finally:
         await sub.stop()
         ctx.destroy(linger=0)
+
+
+def test_events_of_no_block_count_in_a_slice() -> None:
+    """An event storing or removing no block is still work to apply: 250,000 of them were
+    applied in one slice."""
+    events: list[BlockStored | BlockRemoved] = [BlockRemoved([])] * 3000
+    parts = list(subscription.slices(KVEventBatch(0.0, events)))
+    assert [len(p.events) for p in parts] == [1024, 1024, 952]
+
+
+async def test_a_batch_of_too_many_events_is_refused_unread_and_counted_as_a_loss(
+    publisher: KvEventPublisher,
+) -> None:
+    """250,000 events of no block are 3.7 MB, under the size bound, and took 70-230 ms to
+    decode on the event loop: a batch over `MAX_BATCH_EVENTS` is a loss like an unreadable
+    one (the instance's blocks dropped), and the stream goes on."""
+    assert publisher.endpoint is not None
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
+    sub = subscribe(ctx, publisher.endpoint, index, stats)
+    try:
+        await wait_for(lambda: stats.replays == 1, message="subscribed")
+        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        store(publisher, 0)
+        await wait_for(lambda: sub.last_seq == 0, message="first batch")
+        assert index.instance_blocks(7) == 1
+        for _ in range(250_000):
+            publisher.record(BlockRemoved(block_hashes=[]))
+        publisher.flush()
+        store(publisher, 2)
+        await wait_for(lambda: sub.last_seq == 2, timeout=30, message="went on")
+        assert (stats.batches, stats.decode_errors, stats.resnapshots) == (2, 1, 1)
+        assert index.instance_blocks(7) == 0  # block 0 dropped; block 2's parent with it
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)
+
+
+async def test_a_batch_naming_a_block_with_a_huge_hash_is_a_loss_counted(
+    publisher: KvEventPublisher,
+) -> None:
+    """Engine hashes are kept as the index's keys: a worker naming its blocks with 4 KB hashes
+    (1,000 blocks a batch, within every other bound) made ~1 GiB an instance at the block
+    cap. A batch holding a hash over 64 bytes is unreadable: a loss, never indexed."""
+    assert publisher.endpoint is not None
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(1), KvStats()
+    sub = subscribe(ctx, publisher.endpoint, index, stats)
+    try:
+        await wait_for(lambda: stats.replays == 1, message="subscribed")
+        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        publisher.record(BlockStored([b"a" * 32], None, [1], 1))
+        publisher.flush()
+        await wait_for(lambda: sub.last_seq == 0, message="first batch")
+        assert index.instance_blocks(7) == 1
+        hashes: list[int | bytes] = [i.to_bytes(4, "big") + bytes(4092) for i in range(1000)]
+        publisher.record(BlockStored(hashes, None, [7] * 1000, 1))
+        publisher.flush()
+        publisher.record(BlockStored([b"b" * 32], None, [2], 1))
+        publisher.flush()
+        await wait_for(lambda: sub.last_seq == 2, timeout=30, message="went on")
+        assert (stats.batches, stats.decode_errors, stats.resnapshots) == (2, 1, 1)
+        assert index.instance_blocks(7) == 1  # the block stored after the loss, alone
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)

@@ -282,3 +282,58 @@ def test_a_template_that_builds_without_bound_is_stopped_and_disabled(template: 
         tokenizer.chat([{"role": "user", "content": "hi"}])
     assert time.monotonic() - t0 < 3 * kv_prompt.RENDER_SECONDS
     assert not tokenizer.renders and tokenizer.disabled
+
+
+def peak_while_rendering(template: str) -> int:
+    """The template's render (in the thread's budgets) refused; the most memory it held."""
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    tracemalloc.start()
+    try:
+        with pytest.raises(TemplateOverrun):
+            tokenizer.chat([{"role": "user", "content": "hi"}])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not tokenizer.renders and tokenizer.disabled
+    return peak
+
+
+@pytest.mark.parametrize(
+    "build", ["[s] * 100", "100 * [s]", "[[s] * 10] * 10", "([s] * 16) + ([s] * 16)"]
+)
+@pytest.mark.parametrize(
+    "use", ["{{ x }}", "{{ x | join }}", "{{ ''.join(x) }}", "{{ x | tojson }}", "{{ '%s' % x }}"]
+)
+def test_a_list_of_long_strings_repeated_is_refused_before_it_is_built(
+    build: str, use: str
+) -> None:
+    # `[s] * 100` is 100 items (under the limit) holding 6 MB: printed, joined or encoded
+    # whole by C, in one operation no check runs inside, had it been allowed.
+    template = "{% set s = 'a' * 60000 %}{% set x = " + build + " %}" + use
+    peak = peak_while_rendering(template)
+    assert peak < kv_prompt.MAX_TEXT, f"{peak} bytes built before the template was refused"
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ '%*s' % (5000000, 'x') }}",
+        "{{ '%-*s|' % (5000000, 'x') }}",
+        "{{ '%.*f' % (5000000, 1.5) }}",
+        "{{ '%%%*s' % (5000000, 'x') }}",
+        "{{ '{0:{1}}'.format('x', '5000000') }}",
+        "{{ '{:>{}}'.format('x', '5000000') }}",
+        "{{ '{0[0]:>{0[1]}}'.format(['x', 5000000]) }}",
+        "{{ '{x:{w}}'.format_map({'x': 'x', 'w': 5000000}) }}",
+        "{{ '{0:{1}}'['format']('x', '5000000') }}",
+    ],
+)
+def test_a_format_width_from_the_arguments_is_refused_before_it_is_built(template: str) -> None:
+    peak = peak_while_rendering(template)
+    assert peak < kv_prompt.MAX_TEXT, f"{peak} bytes built before the template was refused"
+
+
+def test_formats_of_a_foreseeable_width_still_render() -> None:
+    template = "{{ '%5s|%-3d|%%*|%.2f' % ('ab', 7, 1.5) }}{{ '{0:>4}{1:03d}'.format('x', 1) }}"
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    assert tokenizer.render([{"role": "user", "content": "hi"}]) == "   ab|7  |%*|1.50   x001"

@@ -6,15 +6,18 @@ batches this reader did get is ignored), records of an instance not followed yet
 from __future__ import annotations
 
 import asyncio
+import logging
 
+import nats
 import pytest
 
 from shoal.frontend.kv import stream as kv_stream
 from shoal.frontend.kv.stream import KvStreamReader
-from shoal.kv import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
+from shoal.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from shoal.kv import stream as layout
 from shoal.kv.subscription import APPLY_SLICE
 from tests.helpers import wait_for
+from tests.nats_server import NatsServer
 
 NS, INSTANCE = "ns", 0xAB
 SUBJECT = layout.subject(NS, INSTANCE)
@@ -165,3 +168,73 @@ async def test_records_kept_for_instances_not_followed_are_bounded_in_bytes_olde
     applied: list[float] = []
     reader.follow((NS, 40), lambda b: applied.append(b.ts), lambda: None)
     await wait_for(lambda: applied[-1:] == [19.0], message="the newest batch kept, applied")
+
+
+async def test_a_record_of_too_many_events_is_a_loss_counted_not_decoded() -> None:
+    """250,000 events of no block fit in a 4 MiB record and took 70-230 ms to decode on the
+    event loop: refused by their count, a loss like an unreadable record."""
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    follower = Follower(reader)
+    batch(reader, 0)
+    headers = {layout.KIND: layout.BATCH, layout.SEQ: "1", layout.TS: "1.0"}
+    reader.record(SUBJECT, headers, encode_batch(KVEventBatch(1.0, [BlockRemoved([])] * 250_000)))
+    batch(reader, 2)
+    await wait_for(lambda: follower.applied == [0, 2])
+    assert (reader.stats.decode_errors, follower.purges) == (1, 1)
+
+
+async def test_a_record_naming_a_block_with_a_huge_hash_is_a_loss_counted() -> None:
+    """An engine hash over 64 bytes (the index keeps hashes as keys, bounded by count only)
+    makes the record unreadable: a loss, as it is for a subscription."""
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    follower = Follower(reader)
+    batch(reader, 0)
+    event = BlockStored([bytes(4096)], None, [1], 1)
+    headers = {layout.KIND: layout.BATCH, layout.SEQ: "1", layout.TS: "1.0"}
+    reader.record(SUBJECT, headers, encode_batch(KVEventBatch(1.0, [event])))
+    batch(reader, 2)
+    await wait_for(lambda: follower.applied == [0, 2])
+    assert (reader.stats.decode_errors, follower.purges) == (1, 1)
+
+
+async def test_the_state_shown_follows_the_nats_connection_and_errors_are_logged_once(
+    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NATS down: `/health` said connected until a look at the stream timed out (~10 s), and
+    nats-py logged a traceback at every attempt to reconnect. Now the reader's state follows
+    the connection's callbacks, and each error is logged once, without a traceback."""
+    monkeypatch.setattr(kv_stream, "STREAM_CHECK", 3600.0)  # only the connection can tell
+    nc = await nats.connect(nats_server.url)
+    await nc.jetstream().add_stream(name="kvs", subjects=[f"{layout.SUBJECT_PREFIX}.>"])
+    await nc.close()
+    attempts: list[Exception] = []  # nats-py's errors, one an attempt to reconnect
+    told = getattr(KvStreamReader, "_error", None)
+
+    async def error(self: KvStreamReader, exc: Exception) -> None:
+        attempts.append(exc)
+        if told is not None:
+            await told(self, exc)
+
+    monkeypatch.setattr(KvStreamReader, "_error", error, raising=False)
+    caplog.set_level(logging.INFO)
+    reader = KvStreamReader(nats_server.url, "kvs")
+    reader.start()
+    try:
+        await wait_for(lambda: reader.describe()["connected"], message="connected")
+        nats_server.stop()
+        await wait_for(lambda: not reader.describe()["connected"], message="seen down")
+        assert reader.describe()["error"]
+        await wait_for(lambda: len(attempts) >= 3, timeout=30, message="reconnections tried")
+        nats_server.start()
+        await wait_for(lambda: reader.describe()["connected"], timeout=30, message="back")
+        assert reader.describe()["error"] is None
+    finally:
+        await reader.close()
+    tracebacks = [r for r in caplog.records if r.name.startswith("nats") and r.exc_info]
+    assert tracebacks == []
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == kv_stream.log.name and r.levelno >= logging.WARNING
+    ]
+    assert warned and len(warned) == len(set(warned)), warned

@@ -12,7 +12,8 @@ The wire format (vLLM's `vllm.distributed.kv_events`, read from its published sc
 - a ZMQ ROUTER replay socket answers a request holding an 8-byte start sequence number
   with every buffered `[seq, payload]` from there on, then `[-1 as 8 signed bytes, b""]`.
 
-Block hashes are opaque engine values (an int or bytes): only equality matters.
+Block hashes are opaque engine values (an int or bytes, at most `MAX_HASH_BYTES`): only
+equality matters.
 
 The tagged-map form (vLLM 0.28 on, and what vllm-router's `kv_aware` decodes): the batch is the
 same array, but each event is a msgpack map, its type under `"type"` and each field under its
@@ -24,10 +25,20 @@ vLLM's sha256 digests), `medium` `"GPU"` when unset. `decode_batch` reads both f
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 import msgspec
 
-BlockHash = int | bytes
+MAX_HASH_BYTES = 64
+"""The longest engine block hash read (vLLM's are 32 bytes): hashes are index keys, and the
+index is bounded in blocks, so 4 KB hashes made ~1 GiB an instance. A longer one makes its
+batch unreadable (a `ValidationError`: a loss)."""
+BlockHash = int | Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)]
+MAX_BATCH_EVENTS = 8192
+"""The most events a batch may hold: decoding is one step on the event loop, ~0.2-1.5 us an
+event (8,192 take 1.5-12 ms); vLLM reports an evicted block an event, so this is a step
+evicting 128K tokens in blocks of 16. A batch declaring more is refused before it is decoded
+(250,000 empty events fit in 4 MiB: 70-230 ms)."""
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame of the last message of a replay (its payload is empty)."""
 
@@ -215,6 +226,9 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     The tagged-map form is tried only when the array form does not fit (a map where an
     event's array is expected fails on the first event), so array batches cost what they did.
     """
+    events = declared_events(payload)
+    if events > MAX_BATCH_EVENTS:
+        raise msgspec.DecodeError(f"KV event batch: {events} events, over {MAX_BATCH_EVENTS}")
     try:
         try:
             return _decoder.decode(payload)
@@ -228,6 +242,44 @@ def decode_batch(payload: bytes) -> KVEventBatch:
         )
     except RecursionError:
         raise msgspec.DecodeError("KV event batch: values nested too deeply") from None
+
+
+# msgpack: the bytes a number takes after its type byte (the types a float field accepts).
+_NUMBER_SIZE = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2}
+_NUMBER_SIZE |= {0xD2: 4, 0xD3: 8}
+
+
+def declared_events(payload: bytes) -> int:
+    """How many events batch `payload` says it holds (the length of its events array, read
+    from the header, before anything is decoded); 0 when the header is not a batch's (the
+    decoder refuses it)."""
+    at, head = 0, payload[:1]
+    if not head:
+        return 0
+    if 0x90 <= head[0] <= 0x9F:  # the batch: an array, of its length's every form
+        at = 1
+    elif head[0] in (0xDC, 0xDD):
+        at = 3 if head[0] == 0xDC else 5
+    else:
+        return 0
+    ts = payload[at : at + 1]  # ts: a number
+    if not ts:
+        return 0
+    if ts[0] < 0x80 or ts[0] >= 0xE0:  # (a fixint: the type byte is the number)
+        at += 1
+    elif ts[0] in _NUMBER_SIZE:
+        at += 1 + _NUMBER_SIZE[ts[0]]
+    else:
+        return 0
+    if at >= len(payload):
+        return 0
+    kind = payload[at]  # events: an array
+    if 0x90 <= kind <= 0x9F:
+        return kind & 0x0F
+    if kind in (0xDC, 0xDD):
+        width = 2 if kind == 0xDC else 4
+        return int.from_bytes(payload[at + 1 : at + 1 + width], "big")
+    return 0
 
 
 def encode_seq(seq: int) -> bytes:

@@ -56,7 +56,7 @@ YIELD_SECONDS = 0.005  # or this long
 # events weigh far less (16,384 tokens of prefill: ~100 KB). A larger one is a loss like an
 # unreadable one. (ZMQ's own MAXMSGSIZE would do it before reading, but libzmq 4.3 never
 # reconnects a peer it dropped for it: the subscription would go deaf.)
-MAX_BATCH_BYTES = 4 << 20
+MAX_BATCH_BYTES = 4 << 20  # (and `decode_batch` refuses over `MAX_BATCH_EVENTS` events)
 APPLY_SLICE = 1024  # blocks of one batch applied before yielding to the event loop
 # Sockets of one context: a SUB per instance followed, a DEALER while one replays (libzmq's
 # default, 1,023, was ~500 instances catching up at once: the rest failed, unseen).
@@ -365,7 +365,8 @@ def slices(batch: KVEventBatch, limit: int = APPLY_SLICE) -> Iterator[KVEventBat
     for event in batch.events:
         for piece in _pieces(event, limit):
             part.append(piece)
-            size += 1 if isinstance(piece, AllBlocksCleared) else len(piece.block_hashes)
+            # (every event counts: 250,000 of no block were applied in one slice)
+            size += 1 if isinstance(piece, AllBlocksCleared) else max(1, len(piece.block_hashes))
             if size >= limit:
                 yield KVEventBatch(batch.ts, part, batch.data_parallel_rank)
                 part, size = [], 0

@@ -37,7 +37,6 @@ import ctypes
 import functools
 import json
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -60,6 +59,7 @@ from shoal.frontend.kv.chain import (
     special_split,
     splits_cleanly,
 )
+from shoal.frontend.kv.sizes import built, wide
 
 __all__ = ["Deferred", "PromptTokenizer", "TemplateOverrun"]
 from shoal.kv import token_block_hashes
@@ -432,9 +432,14 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         self.check()
-        if attribute in ("format", "format_map") and isinstance(obj, str) and _WIDE.search(obj):
-            raise TemplateOverrun("the chat template asked for too wide a format")
         return super().getattr(obj, attribute)
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        """`str.format`/`format_map`, as read (`s.format`, `s['format']`): refused when wide."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None and wide(value.__self__, "{"):
+            raise TemplateOverrun("the chat template asked for too wide a format")
+        return wrapped
 
     def getitem(self, obj: Any, argument: Any) -> Any:
         self.check()
@@ -444,13 +449,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         self.check()
         if operator == "**" and isinstance(right, int) and abs(right) > 64:
             raise TemplateOverrun("the chat template raised a number to a large power")
-        if operator == "%" and isinstance(left, str) and _WIDE.search(left):
+        if operator == "%" and isinstance(left, str) and wide(left, "%"):
             raise TemplateOverrun("the chat template asked for too wide a format")
-        if operator == "*":
-            for seq, times in ((left, right), (right, left)):
-                sized = isinstance(seq, str | list | tuple) and isinstance(times, int)
-                if sized and len(seq) * times > self.limit:
-                    raise TemplateOverrun("the chat template built too large a sequence")
+        if built(operator, left, right, self.limit) > self.limit:
+            raise TemplateOverrun("the chat template would build too large a sequence")
         return _bounded(super().call_binop(context, operator, left, right), self.limit)
 
     def _range(self, *args: int) -> Iterator[int]:
@@ -498,9 +500,6 @@ def _call(name: str, node: nodes.Expr) -> nodes.Expr:
     return call
 
 
-_WIDE = re.compile(r"[%:.<>^=]\s*[-+ #0]*\d{7,}")  # a format field a million wide
-
-
 def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> None:
     """Refuse, before it runs, a call that would build more than `limit` characters: any
     count above it, or a string method (or filter) `name` on `args[0]` growing it past it."""
@@ -527,7 +526,7 @@ def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limi
         width = rest[0] if rest else kwargs.get("width", 4)
         width = len(width) if isinstance(width, str) else width
         size += (target.count("\n") + 1) * width if isinstance(width, int) else 0
-    elif name == "format" and _WIDE.search(target):
+    elif name == "format" and wide(target, "%"):
         size = limit + 1
     if size > limit:
         raise TemplateOverrun(f"the chat template would build {size} characters with {name}")

@@ -25,7 +25,8 @@ read them: after a reconnection, or once nats-py made its ordered consumer again
 some: every instance followed is dropped and rebuilt from what follows. So with a stream deleted and
 made again (numbered from 1; a NATS server back without its storage), seen when the reader
 connects and every `STREAM_CHECK` seconds: it is read from its start. NATS unreachable: retried
-with backoff, the index kept as it is meanwhile.
+with backoff, the index kept as it is meanwhile; `connected` and `error` (`/health`) follow
+nats-py's callbacks, so they say so at once, and each error is logged once per outage.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ class KvStreamReader:
         self.last_stream_seq = 0  # the stream sequence of the last record read
         self.connected = False
         self.error: str | None = None
+        self._told: set[str] = set()  # the errors logged since the last connection
         self._task: asyncio.Task[None] | None = None
         self._created: datetime | None = None  # when the stream read was made
 
@@ -253,7 +255,14 @@ class KvStreamReader:
         while True:
             nc: Client | None = None
             try:
-                nc = await nats.connect(self.urls, connect_timeout=2, max_reconnect_attempts=-1)
+                nc = await nats.connect(
+                    self.urls,
+                    connect_timeout=2,
+                    max_reconnect_attempts=-1,
+                    disconnected_cb=self._disconnected,
+                    reconnected_cb=self._reconnected,
+                    error_cb=self._error,
+                )
                 js = nc.jetstream()
                 self._made_again(await js.stream_info(self.stream))
                 start = self.last_stream_seq + 1
@@ -270,6 +279,7 @@ class KvStreamReader:
                     idle_heartbeat=2.0,
                 )
                 self.connected, self.error, delay = True, None, 0.1
+                self._told.clear()
                 log.info("kv stream: reading %s from record %d", self.stream, start)
                 reading = asyncio.ensure_future(self._read(sub, js))
                 try:  # the stream itself looked at now and then: deleted, made again?
@@ -292,10 +302,33 @@ class KvStreamReader:
                 self.error = why
             finally:
                 if nc is not None:
+                    self.connected = False  # (before its callbacks: this one is let go)
                     with contextlib.suppress(Exception):
                         await nc.close()
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX)
+
+    # nats-py's callbacks: the state shown follows the connection at once (nats-py reconnects
+    # on its own, so the reading above only noticed with its next look at the stream), and
+    # each change is logged once (its own error callback logged a traceback per attempt).
+
+    async def _disconnected(self) -> None:
+        if self.connected:
+            self.connected, self.error = False, "disconnected from NATS; reconnecting"
+            log.warning("kv stream %s: %s", self.stream, self.error)
+
+    async def _reconnected(self) -> None:
+        self.connected, self.error = True, None
+        self._told.clear()
+        log.info("kv stream %s: reconnected to NATS", self.stream)
+
+    async def _error(self, exc: Exception) -> None:
+        why = str(exc) or type(exc).__name__
+        if why not in self._told and len(self._told) < 16:  # (until connected again)
+            self._told.add(why)
+            log.warning("kv stream %s: %s", self.stream, why)
+        if not self.connected:
+            self.error = why
 
     async def _read(self, sub: JetStreamContext.PushSubscription, js: JetStreamContext) -> None:
         pace = Pace()

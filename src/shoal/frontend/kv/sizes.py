@@ -1,0 +1,57 @@
+"""What a template's operation would build, foreseen before it is built (`BoundedSandbox`
+checks them against its size limit): a format's width, a sequence's printed characters."""
+
+from __future__ import annotations
+
+import re
+import string
+from typing import Any
+
+_WIDE = re.compile(r"[%:.<>^=]\s*[-+ #0]*\d{7,}")  # a format field a million wide
+_STAR = re.compile(r"%%|%(?:\([^)]*\))?[-+ #0]*(?:\*|\d*\.\*)")  # `%*s`: width from arguments
+
+
+def wide(form: str, style: str) -> bool:
+    """Whether format string `form` (`style` "%" or "{") asks for a field a million wide or
+    one whose width or precision comes from the arguments (`%*s`, `{0:{1}}`): refused, as
+    the size of what it builds is not known before it is built."""
+    if _WIDE.search(form):
+        return True
+    if style == "%":
+        return any(m.group() != "%%" for m in _STAR.finditer(form))
+    try:
+        return any(spec and "{" in spec for _, _, spec, _ in string.Formatter().parse(form))
+    except ValueError:
+        return False  # (`format` raises it)
+
+
+def chars(value: Any, budget: int, depth: int = 0) -> int:
+    """About how many characters `value` makes printed, joined or encoded (its strings'
+    lengths, 4 more per item, through lists, tuples and dicts), counted up to `budget` (past
+    it, or 32 containers deep, more than `budget`)."""
+    if depth > 32:
+        return budget + 1
+    if isinstance(value, str):
+        return len(value)
+    if not isinstance(value, list | tuple | dict):
+        return 1
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    total = 0
+    for item in items:
+        total += 4 + chars(item, budget - total, depth + 1)
+        if total > budget:
+            break
+    return total
+
+
+def built(operator: str, left: Any, right: Any, budget: int) -> int:
+    """About how many characters `left operator right` (`*`, `+`) holds, counted up to
+    `budget`: a list by the characters of its items (`[s] * n` prints, joins, encodes n
+    times `s`), not by their count."""
+    if operator == "*":
+        for seq, times in ((left, right), (right, left)):
+            if isinstance(seq, str | list | tuple) and type(times) is int and times > 0:
+                return chars(seq, budget // times + 1) * times
+    if operator == "+" and isinstance(left, list | tuple) and isinstance(right, list | tuple):
+        return chars(left, budget) + chars(right, budget)
+    return 0
