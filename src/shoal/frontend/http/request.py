@@ -71,6 +71,7 @@ class Request:
 
 SMALL_PIECE = 512  # a piece of a body smaller than this is gathered with the next ones
 GATHERED = 64 * 1024  # into one piece of about this size
+GATHER_FROM = 64  # once a body has this many pieces
 
 
 class BodyPieces:
@@ -81,11 +82,20 @@ class BodyPieces:
     __slots__ = ("_tail", "pieces")
 
     def __init__(self) -> None:
-        self.pieces: list[bytes] = []  # (small ones not yet among them: see `settled`)
+        self.pieces: list[bytes] = []  # (small ones not yet among them: see `joined`)
         self._tail = bytearray()
+
+    def reset(self) -> None:
+        """Empty, for the next body (one per connection: none made per request)."""
+        self.pieces = []
+        if self._tail:
+            self._tail.clear()
 
     def add(self, piece: bytes) -> None:
         tail = self._tail
+        if not tail and (len(self.pieces) < GATHER_FROM or len(piece) >= SMALL_PIECE):
+            self.pieces.append(piece)  # (the usual body: a piece or a few, as they came)
+            return
         if len(piece) < SMALL_PIECE:
             tail += piece
             if len(tail) < GATHERED:

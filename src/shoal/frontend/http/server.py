@@ -288,7 +288,7 @@ class HttpConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
-        self._body = BodyPieces()
+        self._body.reset()
         self._body_size = 0
         self._meter = None
         if self._phase == IDLE:

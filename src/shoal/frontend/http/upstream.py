@@ -286,7 +286,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.sink: ResponseSink | None = None
         self.reused = False  # carried a response before this one
-        self.answered = False  # a byte of the current exchange's response arrived
+        self.answered = False  # a byte of the current exchange's response head arrived
         self._headers: list[tuple[bytes, bytes]] = []
         self._chunked = False  # the head being read says `Transfer-Encoding: chunked`
         self._has_length = False  # it has a `Content-Length`
@@ -378,13 +378,15 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
-        self.answered = True
+        in_head = self._in_head
+        if in_head:
+            self.answered = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._failed(None if self._head_bytes > MAX_RESPONSE_HEAD else exc)
             return
-        if self._in_head:  # (a header line without end grows in the parser: bounded by reads)
+        if in_head and self._in_head:  # (a header line without end grows in the parser)
             self._head_read += len(data)
             if self._head_read > MAX_RESPONSE_HEAD:
                 self._failed(None)
