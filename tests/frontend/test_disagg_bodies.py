@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from shoal.frontend.http.upstream import UpstreamError
-from shoal.frontend.proxy.disagg import (
+from shoal.frontend.proxy.stages import (
     prefill_handle,
     refuses_handle,
     stage_one_body,
@@ -94,3 +94,12 @@ def test_stage_two_never_carries_the_clients_own_kv_transfer_params() -> None:
     assert json.loads(stage_two_body(raw, msgspec.Raw(handle)))["kv_transfer_params"] == {
         "remote_engine_id": "p", "remote_host": "h", "remote_port": 7
     }  # fmt: skip
+
+
+def test_stage_one_leaves_out_min_tokens_which_its_one_token_cannot_meet() -> None:
+    """vLLM refuses `min_tokens` over `max_tokens`: a client's `min_tokens: 5` made every
+    prefill a 400 naming a limit the client never set. The decode keeps it."""
+    client = json.dumps({"model": "m", "prompt": "x", "max_tokens": 20, "min_tokens": 5})
+    one = json.loads(stage_one_body(client.encode()))
+    assert "min_tokens" not in one and one["max_tokens"] == 1
+    assert json.loads(stage_two_body(client.encode(), None))["min_tokens"] == 5

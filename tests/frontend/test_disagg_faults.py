@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 
 from shoal.cards import WorkerRole
 from shoal.frontend import Frontend
@@ -137,18 +138,25 @@ async def test_a_decode_that_refuses_every_handle_is_not_picked_again_while_anot
         await bad.stop()
 
 
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{",
+        b"HTTP/1.1 200 OK\r\ncontent-type: appl",  # (half a head: its first byte counts)
+    ],
+    ids=["a head", "half a head"],
+)
 async def test_a_prefill_that_stalls_after_its_head_is_bounded_without_a_first_byte_timeout(
-    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend, sent: bytes
 ) -> None:
     """With `--first-byte-timeout 0` a prefill was bounded by nothing: one that sent its head
-    and then nothing held the request (and the instance's in-flight count) for ever. The idle
-    timeout bounds a prefill's answer after its head as it does any answer's body."""
+    (or half of it) and then nothing held the request (and the instance's in-flight count)
+    for ever. The idle timeout bounds a prefill's answer from its first byte."""
 
     async def head_then_silence(
         _: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                     b"content-length: 100\r\n\r\n{")  # fmt: skip
+        writer.write(sent)
         await writer.drain()
         await reader.read()  # (until the gateway gives up and closes)
 

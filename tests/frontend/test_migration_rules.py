@@ -12,7 +12,8 @@ import pytest
 
 from shoal.frontend.proxy import continuation
 from shoal.frontend.proxy import migration as migration_module
-from shoal.frontend.proxy.migration import Migration, _refusal
+from shoal.frontend.proxy.continuation import refusal
+from shoal.frontend.proxy.migration import Migration
 
 CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":50,"stream":true}'
 
@@ -134,9 +135,9 @@ def test_a_continuation_event_of_thousands_of_choices_is_rewritten_reading_them_
 
 def test_logprobs_of_zero_is_asked_for_and_refuses_migration() -> None:
     for value in (b"0", b"1", b"true", b"5"):
-        assert _refusal({"logprobs": value, "prompt": b'"x"'}, False) == "logprobs"  # type: ignore[dict-item]
-    assert _refusal({"logprobs": b"false"}, True) is None  # type: ignore[dict-item]
-    assert _refusal({"logprobs": b"null"}, True) is None  # type: ignore[dict-item]
+        assert refusal({"logprobs": value, "prompt": b'"x"'}, False) == "logprobs"  # type: ignore[dict-item]
+    assert refusal({"logprobs": b"false"}, True) is None  # type: ignore[dict-item]
+    assert refusal({"logprobs": b"null"}, True) is None  # type: ignore[dict-item]
 
 
 def test_a_continuation_reduces_max_tokens_written_as_a_float() -> None:
@@ -196,3 +197,76 @@ def test_the_body_is_read_at_the_first_failure_not_for_every_stream(
     failed.feed(_event("Once", id="c"))
     assert _resumed(failed) is None and failed.refused == "n"
     assert reads == [asks_two]
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_a_stream_of_reasoning_is_not_continued(field: str) -> None:
+    """A reasoning parser's deltas are no text of the message: a continuation would think
+    again from nothing, or repeat the reasoning the client had (read one by one and in
+    batches alike)."""
+    reasoning = {"choices": [{"index": 0, "delta": {field: "Let me think"}}]}
+    for batched in (False, True):
+        migration = _migration()
+        migration.feed(_event("", id="c", created=1) + _event(**reasoning))
+        if batched:
+            migration.catch_up()
+        assert _resumed(migration) is None
+        assert migration.refused == "reasoning"
+
+
+@pytest.mark.parametrize(
+    ("member", "value", "refused"),
+    [
+        ("response_format", {"type": "json_object"}, "structured"),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}, "structured"),
+        ("response_format", {"type": "text"}, None),
+        ("guided_json", {"type": "object"}, "structured"),
+        ("guided_choice", ["a", "b"], "structured"),
+        ("structured_outputs", {"regex": "a+"}, "structured"),
+        ("guided_json", None, None),
+    ],
+)
+def test_a_stream_the_engine_constrains_from_its_start_is_not_continued(
+    member: str, value: Any, refused: str | None
+) -> None:
+    """A grammar is applied again from its root to a continuation: a second JSON document
+    would begin after the half-sent one."""
+    members = {"messages": b"[]", member: json.dumps(value).encode()}
+    assert refusal(members, True) == refused  # type: ignore[arg-type]
+
+
+def test_a_continuation_asks_for_min_tokens_less_the_tokens_sent() -> None:
+    body = b'{"messages":[],"max_tokens":20,"min_tokens":8}'
+    sent = json.loads(continuation.body(body, None, True, "abc", 5) or b"")
+    assert (sent["max_tokens"], sent["min_tokens"]) == (15, 3)
+    sent = json.loads(continuation.body(body, None, True, "abc", 12) or b"")
+    assert (sent["max_tokens"], sent["min_tokens"]) == (8, 0)
+
+
+def test_a_completion_that_named_no_max_tokens_continues_within_the_engines_default() -> None:
+    """Engines give a completion 16 tokens when it names none: the continuation, sent without
+    one too, got 16 more."""
+    sent = json.loads(continuation.body(b'{"prompt":"Once"}', None, False, " upon", 10) or b"")
+    assert sent["max_tokens"] == continuation.COMPLETION_DEFAULT - 10
+    chat = json.loads(continuation.body(b'{"messages":[]}', None, True, "x", 10) or b"")
+    assert "max_tokens" not in chat  # (a chat's default is the context's rest)
+
+
+@pytest.mark.parametrize(
+    "delta",
+    [{"role": "assistant", "content": " upon"}, {"role": "assistant", "content": ""}],
+)
+def test_a_continuations_role_never_reaches_the_client_whatever_comes_with_it(
+    delta: dict[str, str],
+) -> None:
+    migration = _migration()
+    migration.feed(_event("Once", id="c", created=1))
+    assert _resumed(migration) is not None
+    usage = {"prompt_tokens": 9, "completion_tokens": 0, "total_tokens": 9}  # (continuous)
+    event = b"data: " + json.dumps({"id": "x", "created": 9, "usage": usage,
+                                    "choices": [{"index": 0, "delta": delta}]}).encode() + b"\n\n"  # fmt: skip
+    out = migration.feed(event)
+    assert b'"role"' not in out
+    sent = json.loads(out[len(b"data: ") :])
+    assert sent["choices"][0]["delta"] == {"content": delta["content"]}
+    assert sent["usage"]["completion_tokens"] == 1  # (the token carried, counted)

@@ -16,6 +16,7 @@ _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _decode_list = msgspec.json.Decoder(list[msgspec.Raw]).decode
 _TRUE, _FALSE = msgspec.Raw(b"true"), msgspec.Raw(b"false")
 _encode = msgspec.json.encode
+COMPLETION_DEFAULT = 16  # `max_tokens` of a completion that names none (vLLM, SGLang, OpenAI)
 MAX_DECODED = 1 << 20
 """Bytes of messages a continuation of the client's own continuation decodes to extend its
 last message (13 MB took 40-65 ms); past them the stream does not migrate."""
@@ -26,8 +27,9 @@ def body(
 ) -> bytes | None:
     """The continuation of `origin` (the client's body; `members`, its members if already
     read) after `text`, the `tokens` generated so far: chat with the text as a final
-    assistant message, a completion with it appended to the prompt, `max_tokens` and
-    `max_completion_tokens` less the tokens. None when the body cannot be continued."""
+    assistant message, a completion with it appended to the prompt, `max_tokens`,
+    `max_completion_tokens` and `min_tokens` less the tokens (a completion that names no
+    `max_tokens`: the engines' default, less them). None when it cannot be continued."""
     try:
         members = members or _decode_members(origin)
         encoded = _encode(text)  # (a JSON string: `"..."`)
@@ -44,13 +46,15 @@ def body(
             if prompt is None:
                 return None
             spliced["prompt"] = prompt
-        for key in ("max_tokens", "max_completion_tokens"):
+        if not chat and "max_tokens" not in members:  # (engines' default for completions)
+            spliced["max_tokens"] = msgspec.Raw(b"%d" % max(COMPLETION_DEFAULT - tokens, 1))
+        for key, least in (("max_tokens", 1), ("max_completion_tokens", 1), ("min_tokens", 0)):
             raw = members.get(key)
             value = None if raw is None or len(raw) > 20 else _decode_any(raw)
             if isinstance(value, float) and value.is_integer():  # (`10.0`: read as 10)
                 value = int(value)
             if isinstance(value, int) and not isinstance(value, bool):
-                spliced[key] = msgspec.Raw(b"%d" % max(value - tokens, 1))
+                spliced[key] = msgspec.Raw(b"%d" % max(value - tokens, least))
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
     return _joined(spliced)
@@ -125,3 +129,40 @@ def _joined(members: dict[str, Any]) -> bytes:
         parts += (b",", _encode(key), b":", *(value if isinstance(value, tuple) else (value,)))
     parts[:1] = [b"{"]
     return b"".join([*parts, b"}"]) if parts else b"{}"
+
+
+class _Format(msgspec.Struct):
+    type: Any = None
+
+
+_decode_format = msgspec.json.Decoder(_Format).decode
+
+
+# Members that constrain what the engine generates from the start of its answer: a grammar
+# applied again to a continuation starts a new document after the half-sent one.
+STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+              "structured_outputs", "json_schema", "regex", "ebnf")  # fmt: skip
+
+
+def refusal(members: dict[str, msgspec.Raw], chat: bool) -> str | None:
+    """Why a request's stream cannot be continued elsewhere, or None."""
+    keys = ("n", "logprobs", "top_logprobs", "echo")
+    asked = {key: _decode_any(members[key]) for key in keys if key in members}
+    if asked.get("n") not in (None, 1):
+        return "n"
+    logprobs = asked.get("logprobs")  # (0 asks too: `0 in (None, False)` said it did not)
+    if (logprobs is not None and logprobs is not False) or asked.get("top_logprobs"):
+        return "logprobs"
+    if asked.get("echo"):
+        return "echo"
+    if any(bytes(members[k]).strip() != b"null" for k in STRUCTURED if k in members):
+        return "structured"
+    form = members.get("response_format")  # (its schema skipped, unread)
+    if _first(form) == b"{" and _decode_format(form or b"{}").type not in (None, "text"):
+        return "structured"
+    if not chat:
+        prompt = members.get("prompt")
+        start = b"" if prompt is None else bytes(memoryview(prompt)[:64]).lstrip(b" \t\r\n[")
+        if not start.startswith(b'"'):
+            return "prompt"  # token ids, or no prompt: only text is continued
+    return None

@@ -34,7 +34,6 @@ import msgspec
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shoal.bounds import TooDeep, check_json_depth
 from shoal.cards import ModelType
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request
@@ -48,6 +47,13 @@ from shoal.frontend.http.upstream import (
 from shoal.frontend.proxy.fields import Fields, rewrite_model
 from shoal.frontend.proxy.forward import Forward
 from shoal.frontend.proxy.proxy import Proxy
+from shoal.frontend.proxy.stages import (
+    api_error,
+    prefill_handle,
+    refuses_handle,
+    stage_one_body,
+    stage_two_body,
+)
 from shoal.frontend.registry.metrics import TTFT_BUCKETS, Histogram, ModelStats
 from shoal.frontend.registry.registry import Model
 from shoal.frontend.registry.router import LeastLoaded
@@ -57,113 +63,6 @@ log = logging.getLogger(__name__)
 
 MAX_PREFILL_ANSWER = 1 << 20  # bytes of a stage-one answer read (one token and the params)
 MAX_PEEK = 64 * 1024  # bytes of a decode's 400 read to see whether it refuses the KV handle
-
-STAGE_ONE_PARAMS = msgspec.Raw(
-    msgspec.json.encode(
-        {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
-    )
-)
-_ONE = msgspec.Raw(b"1")
-_FALSE = msgspec.Raw(b"false")
-
-_decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
-
-
-class _Answer(msgspec.Struct):
-    kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")  # kept as it came
-
-
-class _ErrorDetail(msgspec.Struct):
-    message: str = ""
-    type: str | None = None
-    param: str | None = None
-    code: str | int | None = None
-
-
-class _ErrorBody(msgspec.Struct):
-    error: _ErrorDetail | None = None
-
-
-_decode_answer = msgspec.json.Decoder(_Answer).decode
-_decode_error = msgspec.json.Decoder(_ErrorBody).decode
-
-
-def stage_one_body(body: bytes) -> bytes:
-    """The prefill's body: the client's, asking for one token, whole, and a remote decode."""
-    members = _decode_members(body)
-    members["max_tokens"] = _ONE
-    if "max_completion_tokens" in members:
-        members["max_completion_tokens"] = _ONE
-    members["stream"] = _FALSE
-    members.pop("stream_options", None)
-    members["kv_transfer_params"] = STAGE_ONE_PARAMS
-    return msgspec.json.encode(members)
-
-
-def stage_two_body(body: bytes, params: msgspec.Raw | None) -> bytes:
-    """The decode's body: the client's, with the prefill's `kv_transfer_params` (none: the
-    prefill gave none, and the decode computes the prompt itself, as vLLM's proxy does).
-    Params the client sent never reach a decode: they would name blocks and a host to fetch
-    them from (another request's KV, or any address) that no prefill of this request made."""
-    if params is None and b"kv_transfer_params" not in body and b"\\u" not in body:
-        return body  # (no such member, not even spelled with escapes)
-    members = _decode_members(body)
-    if params is None:
-        members.pop("kv_transfer_params", None)
-    else:
-        members["kv_transfer_params"] = params
-    return msgspec.json.encode(members)
-
-
-def prefill_handle(answer: bytes, address: str) -> msgspec.Raw | None:
-    """The `kv_transfer_params` of a prefill's whole answer (None if it gave none), as they
-    came; `UpstreamError` when the answer is no JSON object, nests deeper than `MAX_DEPTH`,
-    or its params are no object: nothing else is put into a decode's body."""
-    try:
-        check_json_depth(answer)
-        params = _decode_answer(answer).kv_transfer_params
-    except (TooDeep, msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise UpstreamError(f"prefill instance {address} answered no usable JSON: {exc}") from None
-    raw = bytes(params)
-    if raw == b"null":
-        return None
-    if not raw.startswith(b"{"):
-        raise UpstreamError(
-            f"prefill instance {address} answered kv_transfer_params that are no object"
-        )
-    return params
-
-
-def _error_detail(body: bytes) -> _ErrorDetail | None:
-    """The `error` of an instance's error answer, or None when it has no readable one (no
-    JSON, another shape, or nested deeper than `MAX_DEPTH`: never a `RecursionError`)."""
-    try:
-        check_json_depth(body)
-        return _decode_error(body).error
-    except (TooDeep, msgspec.DecodeError, msgspec.ValidationError):
-        return None
-
-
-def refuses_handle(body: bytes) -> bool:
-    """Whether a decode's 400 refuses the KV handle (its `param` names `kv_transfer_params`)."""
-    error = _error_detail(body)
-    return error is not None and str(error.param or "").startswith("kv_transfer_params")
-
-
-def api_error(status: int, body: bytes) -> ApiError:
-    """A prefill's refusal (4xx), relayed to the client with its message, param and code."""
-    detail = _error_detail(body)
-    if detail is None:
-        return ApiError(status, f"The prefill instance refused the request ({status}).")
-    code = None if detail.code is None else str(detail.code)
-    return ApiError(status, detail.message, type=detail.type, param=detail.param, code=code)
 
 
 class StageStats(Collector):
@@ -244,7 +143,8 @@ class PrefillSink:
         self.parts: list[bytes] = []
         self.size = 0
         self.head_seen = False
-        self.last_read = time.monotonic()  # (the send, until a byte of the answer)
+        self.sent = self.last_read = time.monotonic()  # (last_read: of the last byte)
+        self.begun: asyncio.Future[None] = loop.create_future()  # a byte of the answer came
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
         self.head_seen = True
@@ -256,17 +156,22 @@ class PrefillSink:
 
     async def answer(self, address: str, first_byte: float, idle: float) -> tuple[int, bytes]:
         """The whole answer: its head within `first_byte` seconds of the send, then no more
-        than `idle` seconds without a byte (0: no bound), else `UpstreamError`."""
+        than `idle` seconds without a byte (0: no bound), else `UpstreamError`. With no
+        `first_byte` bound, the idle one holds from the answer's first byte."""
         while not self.done.done():
-            limit = idle if self.head_seen else first_byte
-            left = self.last_read + limit - time.monotonic() if limit > 0 else None
+            idling = self.head_seen or (first_byte <= 0 and self.begun.done())
+            limit = idle if idling else first_byte
+            since = self.last_read if idling else self.sent
+            left = since + limit - time.monotonic() if limit > 0 else None
             if left is not None and left <= 0:
-                what = "stalled for" if self.head_seen else "sent no answer within"
+                what = "stalled for" if idling else "sent no answer within"
                 self.done.cancel()  # (the connection's end is nobody's to read)
                 raise UpstreamTimeout(f"prefill instance {address} {what} {limit:g}s")
             waits: set[asyncio.Future[Any]] = {self.done}
-            if not self.head_seen:
-                waits.add(self.head)  # (the bound changes with the head)
+            if not self.head_seen:  # (the bound changes with the head, or its first byte)
+                waits.add(self.head)
+                if not self.begun.done():
+                    waits.add(self.begun)
             await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
         return self.done.result()
 
@@ -278,8 +183,10 @@ class PrefillSink:
         else:
             self.parts.append(data)
 
-    def flush(self) -> None:
-        pass
+    def flush(self) -> None:  # (after each packet of the answer)
+        self.last_read = time.monotonic()
+        if not self.begun.done():
+            self.begun.set_result(None)
 
     def on_complete(self) -> None:
         if not self.done.done():

@@ -112,6 +112,16 @@ _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _encode = msgspec.json.encode
 
 
+def _roleless(choices: msgspec.Raw) -> Any:
+    """A continuation's choices without the `role` of their deltas (the client had one)."""
+    decoded = _decode_any(choices)
+    for choice in decoded if isinstance(decoded, list) else ():
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if isinstance(delta, dict):
+            delta.pop("role", None)
+    return decoded
+
+
 def _raw(value: Any) -> msgspec.Raw:
     return msgspec.Raw(_encode(value))
 
@@ -164,23 +174,10 @@ def _prepare(forward: Forward, model: Model, default_limit: int) -> Migration | 
     return Migration(forward, chat, limit, refused)
 
 
-def _refusal(members: dict[str, msgspec.Raw], chat: bool) -> str | None:
-    """Why a request's stream cannot be continued elsewhere, or None."""
-    keys = ("n", "logprobs", "top_logprobs", "echo")
-    asked = {key: _decode_any(members[key]) for key in keys if key in members}
-    if asked.get("n") not in (None, 1):
-        return "n"
-    logprobs = asked.get("logprobs")  # (0 asks too: `0 in (None, False)` said it did not)
-    if (logprobs is not None and logprobs is not False) or asked.get("top_logprobs"):
-        return "logprobs"
-    if asked.get("echo"):
-        return "echo"
-    if not chat:
-        prompt = members.get("prompt")
-        start = b"" if prompt is None else bytes(memoryview(prompt)[:64]).lstrip(b" \t\r\n[")
-        if not start.startswith(b'"'):
-            return "prompt"  # token ids, or no prompt: only text is continued
-    return None
+def _odd(delta: sse.Delta) -> str:
+    """Why a delta with more than text cannot be continued: a tool call is not carried, nor
+    reasoning (a continuation would start its message again, or think again from nothing)."""
+    return "tool_calls" if delta.tool_calls or delta.function_call else "reasoning"
 
 
 class Migration:
@@ -376,8 +373,10 @@ class Migration:
         pieces = [d.content for d in deltas] if len(deltas) == len(choices) else None
         if pieces is None:  # (a completion's choices: their text)
             pieces = [c.text if c.delta is None else c.delta.content for c in choices]
-        if [d for d in deltas if d.tool_calls or d.function_call]:
-            self.refused = self.refused or "tool_calls"
+        odd = [d for d in deltas if d.tool_calls or d.function_call or d.reasoning_content
+               or d.reasoning]  # fmt: skip
+        if odd:
+            self.refused = self.refused or _odd(odd[0])
         if [c for c in choices if c.finish_reason is not None]:
             self.finished = True
         texts = [p for p in pieces if p and isinstance(p, str)]
@@ -412,8 +411,9 @@ class Migration:
         for choice in chunk.choices or ():
             delta = choice.delta
             piece = choice.text if delta is None else delta.content
-            if delta is not None and (delta.tool_calls or delta.function_call):
-                self.refused = self.refused or "tool_calls"
+            if delta is not None and (delta.tool_calls or delta.function_call or
+                                      delta.reasoning_content or delta.reasoning):  # fmt: skip
+                self.refused = self.refused or _odd(delta)
             if isinstance(piece, str) and piece:
                 self.tokens += 1
                 if self.size + len(piece) > MAX_CARRIED:
@@ -426,7 +426,8 @@ class Migration:
 
     def _rewrite(self, event: bytes) -> bytes:
         """One event of a continuation as the client's stream has it: its `id` and
-        `created`, the role chunk dropped, the usage counting every token sent."""
+        `created`, the role chunk dropped (a role beside content or usage: the role only),
+        the usage counting every token sent."""
         chunk = self._read(event)
         if chunk is None:
             return event + b"\n\n"
@@ -440,6 +441,8 @@ class Migration:
             members = _decode_members(sse.payload(event) or b"")
         except (msgspec.DecodeError, RecursionError):
             return event + b"\n\n"
+        if opened and chat and choices and any(sse.has_role(c) for c in choices):
+            members["choices"] = _raw(_roleless(members["choices"]))  # (usage, or content)
         self.opened = True
         members["id"], members["created"] = _raw(self.id), _raw(self.created)
         usage = chunk.usage
@@ -561,7 +564,7 @@ class Migration:
             self.members = _decode_members(self.forward.origin)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             return "body"
-        return _refusal(self.members, self.chat)
+        return continuation.refusal(self.members, self.chat)
 
     def _find_set(self) -> WorkerSet | None:
         """The worker set of the instance answering the first attempt."""

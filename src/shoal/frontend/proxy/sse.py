@@ -14,6 +14,8 @@ class Delta(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
     tool_calls: Any = None
     function_call: Any = None
     role: Any = msgspec.UNSET  # (UNSET: not there at all)
+    reasoning_content: Any = None  # (a reasoning parser's: vLLM, SGLang)
+    reasoning: Any = None  # (newer vLLM's name for it)
 
 
 class Choice(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
@@ -58,3 +60,7 @@ def opening(choice: Choice) -> bool:
     if delta is None or choice.finish_reason is not None or delta.role is msgspec.UNSET:
         return False
     return not delta.content and not delta.tool_calls
+
+
+def has_role(choice: Choice) -> bool:
+    return choice.delta is not None and choice.delta.role is not msgspec.UNSET
