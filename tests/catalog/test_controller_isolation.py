@@ -13,13 +13,16 @@ from typing import Any
 
 import aiohttp
 import pytest
+import sqlalchemy.exc
+from aiohttp import web
 
 from shoal.catalog import DEPLOYMENTS, MODELS, PROVIDERS, VIRTUAL_MODELS, CatalogServer
 from shoal.catalog.backends import LocalBackend
-from shoal.catalog.client import read_items
+from shoal.catalog.client import CatalogClient, read_items
 from shoal.catalog.controller import ControllerConfig, ModelsControllerService
 from shoal.catalog.database import open_engine
 from shoal.catalog.errors import CatalogError, InvalidError, NotFoundError
+from shoal.catalog.repository import Repository
 from shoal.catalog.resources import Model
 from shoal.catalog.routing import routes_prefix
 from shoal.catalog.tables import workspaces
@@ -36,7 +39,7 @@ from tests.catalog.controller_fixtures import (
     seed_converged,
 )
 from tests.catalog.test_cli import catalog_cli
-from tests.helpers import wait_for
+from tests.helpers import Server, wait_for
 
 
 def nested(depth: int) -> dict[str, Any]:
@@ -316,3 +319,122 @@ def test_a_page_nested_past_what_the_decoder_follows_is_a_catalog_error() -> Non
                       b'"created_at":"2026-01-01T00:00:00Z","updated_at":"2026-01-01T00:00:00Z"}],'
                       b'"total":2}')  # fmt: skip
     assert [m.name for m in page.items] == ["y"] and list(page.invalid) == ["x"]
+
+
+def _database_blip(monkeypatch: pytest.MonkeyPatch, method: str, kind_plural: str) -> list[str]:
+    """`Repository.<method>` of `kind_plural` fails once as a database restart does (the
+    pooled connection reset); the list returned records each failure."""
+    real = getattr(Repository, method)
+    failures: list[str] = []
+
+    async def blip(self: Repository, kind: Any, *args: Any, **kwargs: Any) -> Any:
+        if kind.plural == kind_plural and not failures:
+            failures.append(kind_plural)
+            raise sqlalchemy.exc.OperationalError(
+                "UPDATE ...", {}, ConnectionResetError("connection was closed (test)")
+            )
+        return await real(self, kind, *args, **kwargs)
+
+    monkeypatch.setattr(Repository, method, blip)
+    return failures
+
+
+async def test_a_database_blip_is_a_503_and_never_stops_a_deployment(
+    catalog: CatalogServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database restart while the controller writes a deployment's status: the API answers
+    503 in the OpenAI format (not a plain-text 500), the client raises it as a CatalogError,
+    and the controller leaves the deployment and its workers to the next pass, which
+    writes READY (before, the undecodable 500 stopped the workers and wrote ERROR)."""
+    backend = FakeBackend()
+    async with controller_on(catalog.url, workspaces=[WS], backend=backend) as (ctl, client, _):
+        await client.create(DEPLOYMENTS, {"name": "mock", "model": "m", "engine": "mocker"})
+        await ctl.step()
+        assert (await client.get(DEPLOYMENTS, "mock")).status == "PENDING"
+        failures = _database_blip(monkeypatch, "update", "deployments")
+        await ctl.step()  # all ready: READY is written... the database restarts meanwhile
+        assert failures == ["deployments"]
+        assert backend.stopped == [] and backend.running() == {(WS, "mock")}
+        assert (await client.get(DEPLOYMENTS, "mock")).status == "PENDING"
+        assert ctl.last is not None and ctl.last.failed == {}
+        await ctl.step()  # the database is back
+        assert (await client.get(DEPLOYMENTS, "mock")).status == "READY"
+        assert backend.stopped == []
+
+
+async def test_a_database_error_answers_503_in_the_openai_format(
+    catalog: CatalogServer, client: CatalogClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await client.create(MODELS, {"name": "m"})
+    _database_blip(monkeypatch, "get", "models")
+    url = f"{catalog.url}/v1/workspaces/{WS}/models/m"
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        body = await resp.json()
+        assert resp.status == 503, body
+    assert body["error"]["code"] == "database_unavailable"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    _database_blip(monkeypatch, "get", "models")
+    with pytest.raises(CatalogError) as caught:
+        await client.get(MODELS, "m")
+    assert (caught.value.status, caught.value.code) == (503, "database_unavailable")
+
+
+async def test_an_error_body_that_is_not_json_is_the_status_catalog_error() -> None:
+    """A plain-text error (a proxy's, Starlette's 500) raises the status's CatalogError,
+    never a JSONDecodeError, so every caller's `except CatalogError` holds."""
+
+    async def plain(request: web.Request) -> web.Response:
+        status = int(request.match_info["name"])
+        return web.Response(status=status, text="Internal Server Error")
+
+    app = web.Application()
+    app.router.add_route("*", "/v1/workspaces/{ws}/models/{name}", plain)
+    server = Server(app, port=0)
+    await server.start()
+    try:
+        async with CatalogClient(server.url, workspace=WS) as plain_client:
+            with pytest.raises(CatalogError) as caught:
+                await plain_client.get(MODELS, "500")
+            assert caught.value.status == 500 and "Internal Server Error" in caught.value.message
+            with pytest.raises(NotFoundError):
+                await plain_client.update(MODELS, "404", {"description": "x"})
+            with pytest.raises(CatalogError) as not_json:
+                await plain_client.get(MODELS, "200")
+            assert "not JSON" in not_json.value.message
+    finally:
+        await server.stop()
+
+
+async def test_only_a_failure_of_the_backend_stops_a_deployment(
+    catalog: CatalogServer,
+) -> None:
+    """Any failure around the backend (here: the client raises a ValueError, as an answer
+    it could not decode once did) leaves the deployment's workers running; a backend call
+    that fails makes it ERROR with its workers stopped."""
+
+    class PollFails(FakeBackend):
+        async def poll(self, deployment: Any) -> Any:
+            if deployment.name == "broken":
+                raise OSError(7, "Argument list too long")
+            return await super().poll(deployment)
+
+    backend = PollFails()
+    async with controller_on(catalog.url, workspaces=[WS], backend=backend) as (ctl, client, _):
+        for name in ("mock", "broken"):
+            await client.create(DEPLOYMENTS, {"name": name, "model": "m", "engine": "mocker"})
+        await ctl.step()
+
+        async def garbage(call: str, params: Any) -> None:
+            if call == f"PATCH /v1/workspaces/{WS}/deployments/mock":
+                raise ValueError("Expecting value: line 1 column 1 (char 0)")
+
+        client.before = garbage
+        await ctl.step()
+        assert backend.stopped == ["broken"]
+        assert (await client.get(DEPLOYMENTS, "mock")).status == "PENDING"
+        broken = await client.get(DEPLOYMENTS, "broken")
+        assert broken.status == "ERROR" and "Argument list too long" in broken.status_message
+        client.before = None
+        await ctl.step()
+        assert (await client.get(DEPLOYMENTS, "mock")).status == "READY"
+        assert backend.stopped == ["broken"]
