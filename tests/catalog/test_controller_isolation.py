@@ -438,3 +438,41 @@ async def test_only_a_failure_of_the_backend_stops_a_deployment(
         await ctl.step()
         assert (await client.get(DEPLOYMENTS, "mock")).status == "READY"
         assert backend.stopped == ["broken"]
+
+
+async def test_a_provider_serving_more_than_its_patch_can_carry_is_error_naming_the_bound(
+    catalog: CatalogServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The served_models PATCH of a provider serving thousands of long names was over the
+    API's 1 MiB body bound: a 413 only logged, the provider CREATED with no reason and its
+    routes without targets. Over `SERVED_MODELS_BYTES` (made small here) it is ERROR naming
+    the bound; the other providers are READY."""
+    from shoal.catalog import providers as providers_module
+
+    monkeypatch.setattr(providers_module, "SERVED_MODELS_BYTES", 2000, raising=False)
+    many = [f"model-{i:03d}-" + "x" * 30 for i in range(60)]  # ~7 KB of served_models
+    async with (
+        openai_servers(many, ["small"]) as (big, small),
+        controller_on(catalog.url, workspaces=[WS]) as (ctl, client, _),
+    ):
+        for name, server in (("big", big), ("small", small)):
+            await client.create(PROVIDERS, {"name": name, "type": "url",
+                                            "base_url": server.base_url})  # fmt: skip
+        await ctl.step()
+        assert ctl.last is not None and ctl.last.failed == {}
+        over = await client.get(PROVIDERS, "big")
+        assert over.status == "ERROR", over.status_message
+        assert "SERVED_MODELS_BYTES" in over.status_message and "2000" in over.status_message
+        assert over.served_models in (None, [])
+        assert (await client.get(PROVIDERS, "small")).status == "READY"
+
+
+def test_served_models_at_their_bound_fit_the_apis_body_bound() -> None:
+    from shoal.catalog.api import MAX_BODY_BYTES
+    from shoal.catalog.providers import SERVED_MODELS_BYTES
+
+    entry = {"model_entity": "m" * 200, "served_model_name": "m" * 200}
+    count = SERVED_MODELS_BYTES // len(json.dumps(entry, separators=(",", ":")))
+    body = {"status": "ERROR", "status_message": "\u00e9" * 4000, "version": 2**62,
+            "served_models": [entry] * count}  # fmt: skip
+    assert len(json.dumps(body).encode()) < MAX_BODY_BYTES

@@ -12,7 +12,9 @@ For each provider, its failure isolated from the others:
    and unlink the entities it no longer serves;
 3. write its `served_models`, `status` and `status_message` if they differ.
 
-A provider whose listing fails is marked ERROR and keeps its persisted `served_models`
+A provider whose listing fails, or that serves more than `SERVED_MODELS_BYTES` of
+`served_models` (its PATCH would be over the API's body bound), is marked ERROR with the
+reason and keeps its persisted `served_models`
 (cleanup below uses them); its links are left as they are. Links to providers of this
 workspace that no longer exist are removed. The cache is flushed in a `finally`.
 
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from shoal.catalog.cache import EntityCache
 from shoal.catalog.calls import Calls, each
@@ -46,6 +49,12 @@ log = logging.getLogger(__name__)
 
 ENTITY_NAME = re.compile(NAME_PATTERN)
 LISTINGS_AT_ONCE = 16  # providers listed concurrently
+SERVED_MODELS_BYTES = 768 << 10
+"""A provider's `served_models` as JSON, at most: the controller's PATCH carrying them (with
+a `status_message` of at most 4,000 characters) stays under the API's 1 MiB body bound
+(`api.MAX_BODY_BYTES`), so it is never refused. About 1,700 names of 200 characters, or
+10,000 of 20; a provider serving more is ERROR, naming the bound (`enabled_models` narrows
+it)."""
 Lister = Callable[[Provider], Awaitable[list[str]]]
 
 
@@ -204,6 +213,16 @@ class ProvidersPhase:
         allowed = set(provider.enabled_models) if provider.enabled_models is not None else None
         served = sorted(n for n in set(names) if allowed is None or n in allowed)
         valid = [n for n in served if len(n) <= 200 and ENTITY_NAME.match(n)]
+        served_models = [{"model_entity": n, "served_model_name": n} for n in valid]
+        size = len(msgspec.json.encode(served_models))
+        if size > SERVED_MODELS_BYTES:  # its PATCH would be refused: ERROR, saying why
+            over = ListingError(
+                f"serves {len(valid)} models: their served_models would be {size} bytes of "
+                f"JSON, over the bound of {SERVED_MODELS_BYTES} (SERVED_MODELS_BYTES); "
+                "narrow it with enabled_models"
+            )
+            await self._provider(workspace, provider, over, cache, result)
+            return
         for name in valid:
             if cache.peek(name) is None:
                 cache.stage_create(
@@ -220,7 +239,7 @@ class ProvidersPhase:
                                               if skipped else "")  # fmt: skip
         await self._write_status(workspace, ref, result, {
             "status": "READY", "status_message": message,
-            "served_models": [{"model_entity": n, "served_model_name": n} for n in valid],
+            "served_models": served_models,
         })  # fmt: skip
 
     async def _write_status(
