@@ -27,7 +27,7 @@ from shoal.catalog.resources import Model
 from shoal.catalog.routing import routes_prefix
 from shoal.catalog.tables import workspaces
 from shoal.controllers import ControllerManager, Loop
-from shoal.discovery import route_key
+from shoal.discovery import decode_route, route_key
 from shoal.store import Delete, Put, Resync
 from tests.catalog.controller_fixtures import (
     WS,
@@ -476,3 +476,29 @@ def test_served_models_at_their_bound_fit_the_apis_body_bound() -> None:
     body = {"status": "ERROR", "status_message": "\u00e9" * 4000, "version": 2**62,
             "served_models": [entry] * count}  # fmt: skip
     assert len(json.dumps(body).encode()) < MAX_BODY_BYTES
+
+
+async def test_a_served_name_with_a_trailing_newline_is_skipped_and_the_provider_is_ready(
+    catalog: CatalogServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`re.match` with `$` took "bad\\n" for a valid entity name; the API refused it, so the
+    provider's PATCH was a 422 every pass and its good models had routes without targets.
+    Now it is skipped, counted in the status and logged once."""
+    async with (
+        openai_servers(["good-1", "good-2", "bad\n"]) as (server,),
+        controller_on(catalog.url, workspaces=[WS]) as (ctl, client, store),
+    ):
+        await client.create(PROVIDERS, {"name": "p", "type": "url",
+                                        "base_url": server.base_url})  # fmt: skip
+        with caplog.at_level("WARNING", logger="shoal.catalog.providers"):
+            await ctl.step()
+            await ctl.step()
+        provider = await client.get(PROVIDERS, "p")
+        assert provider.status == "READY", provider.status_message
+        assert "1 name(s) not valid entity names" in provider.status_message
+        assert [s.model_entity for s in provider.served_models or ()] == ["good-1", "good-2"]
+        route = await store.get(route_key(WS, "good-1"))
+        assert route is not None
+        assert [t.model for t in decode_route(route.key, route.value).targets] == ["good-1"]
+        skipped = [r for r in caplog.records if "not valid entity names" in r.getMessage()]
+        assert len(skipped) == 1 and "bad" in skipped[0].getMessage()

@@ -47,7 +47,9 @@ from shoal.discovery import Discovery, Query
 
 log = logging.getLogger(__name__)
 
-ENTITY_NAME = re.compile(NAME_PATTERN)
+ENTITY_NAME = re.compile(NAME_PATTERN.removeprefix("^").removesuffix("$"))
+"""A valid entity name, used with `fullmatch` only: `$` with `re.match` also matches before
+a final "\n" (which the API, validating with pydantic's regex, refuses)."""
 LISTINGS_AT_ONCE = 16  # providers listed concurrently
 SERVED_MODELS_BYTES = 768 << 10
 """A provider's `served_models` as JSON, at most: the controller's PATCH carrying them (with
@@ -140,6 +142,7 @@ class ProvidersPhase:
         self.listers: dict[str, Lister] = {"url": url_lister, "fleet": fleet_lister}
         self.fleet = fleet_lister
         self.timeout = timeout
+        self._invalid_logged: set[tuple[str, str]] = set()  # (provider ref, name) logged
 
     async def run(self, workspace: str) -> ProvidersResult:
         self.fleet.new_pass()
@@ -212,7 +215,8 @@ class ProvidersPhase:
             return
         allowed = set(provider.enabled_models) if provider.enabled_models is not None else None
         served = sorted(n for n in set(names) if allowed is None or n in allowed)
-        valid = [n for n in served if len(n) <= 200 and ENTITY_NAME.match(n)]
+        valid = [n for n in served if len(n) <= 200 and ENTITY_NAME.fullmatch(n)]
+        self._report_invalid(ref, set(served) - set(valid))
         served_models = [{"model_entity": n, "served_model_name": n} for n in valid]
         size = len(msgspec.json.encode(served_models))
         if size > SERVED_MODELS_BYTES:  # its PATCH would be refused: ERROR, saying why
@@ -241,6 +245,18 @@ class ProvidersPhase:
             "status": "READY", "status_message": message,
             "served_models": served_models,
         })  # fmt: skip
+
+    def _report_invalid(self, ref: str, invalid: set[str]) -> None:
+        """Log the served names that are not valid entity names, each once per provider (they
+        are skipped every pass, and counted in its status_message)."""
+        new = {name for name in invalid if (ref, name) not in self._invalid_logged}
+        if new:
+            if len(self._invalid_logged) > 100_000:  # bounded: at worst some are logged again
+                self._invalid_logged.clear()
+            self._invalid_logged |= {(ref, name) for name in new}
+            shown = ", ".join(repr(name[:100]) for name in sorted(new)[:10])
+            log.warning("provider %s: %d served name(s) skipped, not valid entity names: %s%s",
+                        ref, len(new), shown, ", ..." if len(new) > 10 else "")  # fmt: skip
 
     async def _write_status(
         self, workspace: str, ref: str, result: ProvidersResult, desired: dict[str, Any]
