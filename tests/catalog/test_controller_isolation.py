@@ -502,3 +502,46 @@ async def test_a_served_name_with_a_trailing_newline_is_skipped_and_the_provider
         assert [t.model for t in decode_route(route.key, route.value).targets] == ["good-1"]
         skipped = [r for r in caplog.records if "not valid entity names" in r.getMessage()]
         assert len(skipped) == 1 and "bad" in skipped[0].getMessage()
+
+
+async def test_a_providers_listing_is_bounded_and_decoded_off_the_loop(
+    catalog: CatalogServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`GET /models` was read whole and decoded on the event loop, however large. Now: over
+    `LISTING_BYTES` or `LISTING_MODELS` (made small here) the provider is ERROR naming the
+    bound; a listing over `LISTING_OFF_LOOP_BYTES` is decoded in another thread."""
+    import threading
+
+    from shoal.catalog import providers as providers_module
+
+    decoded_in: list[str] = []
+    real = getattr(providers_module, "listed_ids", None)
+
+    def recording(raw: bytes, url: str) -> list[str]:
+        decoded_in.append(threading.current_thread().name)
+        assert real is not None
+        return real(raw, url)
+
+    monkeypatch.setattr(providers_module, "listed_ids", recording, raising=False)
+    async with (
+        openai_servers([f"model-{i:03d}" for i in range(100)]) as (server,),
+        controller_on(catalog.url, workspaces=[WS]) as (ctl, client, _),
+    ):
+        await client.create(PROVIDERS, {"name": "p", "type": "url",
+                                        "base_url": server.base_url})  # fmt: skip
+        monkeypatch.setattr(providers_module, "LISTING_BYTES", 1000, raising=False)
+        await ctl.step()
+        provider = await client.get(PROVIDERS, "p")
+        assert provider.status == "ERROR" and "LISTING_BYTES" in provider.status_message
+        monkeypatch.setattr(providers_module, "LISTING_BYTES", 8 << 20)
+        monkeypatch.setattr(providers_module, "LISTING_MODELS", 50, raising=False)
+        await ctl.step()
+        provider = await client.get(PROVIDERS, "p")
+        assert provider.status == "ERROR" and "LISTING_MODELS" in provider.status_message
+        assert "100 models" in provider.status_message
+        monkeypatch.setattr(providers_module, "LISTING_MODELS", 100_000)
+        monkeypatch.setattr(providers_module, "LISTING_OFF_LOOP_BYTES", 0, raising=False)
+        decoded_in.clear()
+        await ctl.step()
+        assert (await client.get(PROVIDERS, "p")).status == "READY"
+        assert decoded_in and threading.main_thread().name not in decoded_in

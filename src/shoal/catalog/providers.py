@@ -28,6 +28,7 @@ snapshot, one changed meanwhile answers 409 and is kept, one deleted meanwhile i
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -82,8 +83,20 @@ def secret_value(name: str | None) -> str | None:
     return os.environ.get(f"SHOAL_SECRET_{name.upper()}") if name else None
 
 
+LISTING_BYTES = 8 << 20
+"""A `GET {base_url}/models` answer, at most (its declared length, else as it comes): a
+provider answering more is ERROR, never buffered whole."""
+LISTING_MODELS = 100_000
+"""The ids a listing may hold (what a provider's `served_models` may); over it, ERROR."""
+LISTING_OFF_LOOP_BYTES = 64 << 10
+"""A listing over this is decoded in a thread: the event loop (the catalog API beside the
+controller) is never held by a large one (10 MB held it about a second)."""
+
+
 class UrlLister:
-    """`GET {base_url}/models` of an OpenAI-compatible server: the ids it lists."""
+    """`GET {base_url}/models` of an OpenAI-compatible server: the ids it lists, read up to
+    `LISTING_BYTES` and `LISTING_MODELS` (over either: `ListingError` naming the bound),
+    decoded off the event loop when over `LISTING_OFF_LOOP_BYTES`."""
 
     def __init__(self, session: aiohttp.ClientSession, timeout: float = 10.0) -> None:
         self.session = session
@@ -98,15 +111,45 @@ class UrlLister:
             async with self.session.get(url, headers=headers, timeout=self.timeout) as resp:
                 if resp.status != 200:
                     raise ListingError(f"GET {url}: HTTP {resp.status}")
-                body = await resp.json(content_type=None)
+                raw = await _bounded_read(resp, url)
         except TimeoutError as exc:
             raise ListingError(f"GET {url}: no answer within {self.timeout.total:g}s") from exc
-        except (aiohttp.ClientError, ValueError) as exc:
+        except aiohttp.ClientError as exc:
             raise ListingError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
-        data = body.get("data") if isinstance(body, dict) else None
-        if not isinstance(data, list):
-            raise ListingError(f"GET {url}: no `data` list in the answer")
-        return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
+        if len(raw) > LISTING_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(listed_ids, raw, url)
+        return listed_ids(raw, url)
+
+
+async def _bounded_read(resp: aiohttp.ClientResponse, url: str) -> bytes:
+    over = ListingError(f"GET {url}: answer over {LISTING_BYTES} bytes (LISTING_BYTES)")
+    if resp.content_length is not None and resp.content_length > LISTING_BYTES:
+        raise over
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_chunked(64 << 10):
+        size += len(chunk)
+        if size > LISTING_BYTES:
+            raise over
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def listed_ids(raw: bytes, url: str) -> list[str]:
+    """The model ids of a `/models` answer; `ListingError` if it is not one, or lists more
+    than `LISTING_MODELS`."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, too deep
+        raise ListingError(f"GET {url}: {type(exc).__name__}: {exc}"[:1000]) from exc
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        raise ListingError(f"GET {url}: no `data` list in the answer")
+    if len(data) > LISTING_MODELS:
+        raise ListingError(
+            f"GET {url}: lists {len(data)} models, over {LISTING_MODELS} (LISTING_MODELS)"
+        )
+    return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
 
 
 class FleetLister:
