@@ -30,6 +30,10 @@ from shoal.catalog.resources import WORKSPACE_PATTERN, Strict, Time
 log = logging.getLogger(__name__)
 
 Count = Annotated[int, Field(ge=0, le=10**15, strict=True)]
+COUNT_MAX = 2**63 - 1
+"""A stored counter's bound (the column is a BIGINT): sums that would pass it (a batch
+repeating one row thousands of times, batches adding to one minute) stay at it. Refusing
+them would refuse the whole batch, every other key's rows in it too."""
 Label = Annotated[str, Field(max_length=400, pattern=r"^[^\x00]*$")]
 
 
@@ -130,9 +134,8 @@ async def _record(engine: AsyncEngine, batch_id: str, rows: list[dict[str, Any]]
                 index_elements=["workspace", "key", "model", "served_model", "status_class",
                                 "minute"],
                 set_={
-                    "requests": u.c.requests + stmt.excluded.requests,
-                    "prompt_tokens": u.c.prompt_tokens + stmt.excluded.prompt_tokens,
-                    "completion_tokens": u.c.completion_tokens + stmt.excluded.completion_tokens,
+                    name: _added(u.c[name], stmt.excluded[name])
+                    for name in ("requests", "prompt_tokens", "completion_tokens")
                 },
             )  # fmt: skip
             # executemany in slices: their parameters are bound on the loop, free between
@@ -142,6 +145,13 @@ async def _record(engine: AsyncEngine, batch_id: str, rows: list[dict[str, Any]]
 
 
 WRITE_SLICE = 500  # rows bound per statement (a 1 MiB batch is ~4,500 rows)
+
+
+def _added(held: sa.ColumnElement[int], more: sa.ColumnElement[int]) -> sa.ColumnElement[int]:
+    """`held + more`, at most `COUNT_MAX`, never computing past it (PostgreSQL's BIGINT
+    raises "out of range", SQLite's integer turns REAL)."""
+    bound = sa.literal(COUNT_MAX, sa.BigInteger)
+    return sa.case((held > bound - more, bound), else_=held + more)
 
 
 def _merged(rows: list[UsageRow]) -> list[dict[str, Any]]:
@@ -158,7 +168,7 @@ def _merged(rows: list[UsageRow]) -> list[dict[str, Any]]:
             merged[ident] = data
         else:
             for count in ("requests", "prompt_tokens", "completion_tokens"):
-                held[count] += data[count]
+                held[count] = min(held[count] + data[count], COUNT_MAX)
     return [merged[ident] for ident in sorted(merged, key=lambda i: tuple(map(str, i)))]
 
 
