@@ -228,3 +228,16 @@ def test_a_batch_repeating_one_row_sums_at_most_the_bound() -> None:
     assert len(merged) == 1
     assert (merged[0]["requests"], merged[0]["prompt_tokens"]) == (2**63 - 1, 2**63 - 1)
     assert merged[0]["completion_tokens"] == 0
+
+
+async def test_a_minute_out_of_range_in_utc_refuses_the_batch_naming_it(
+    client: CatalogClient,
+) -> None:
+    """ "0001-01-01T00:00:00+01:00" is before year 1 in UTC: an OverflowError was a 500."""
+    for minute in ("0001-01-01T00:00:00+01:00", "9999-12-31T23:59:00-01:00"):
+        bad = {"batch_id": "batch-0200", "rows": [row("a", "chat", minute, 1)]}
+        with pytest.raises(InvalidError) as caught:
+            await client.record_usage(bad)
+        assert caught.value.param == "rows.0.minute"
+    good = {"batch_id": "batch-0200", "rows": [row("a", "chat", "2030-01-01T00:00:00Z", 1)]}
+    assert await client.record_usage(good)

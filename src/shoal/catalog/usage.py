@@ -52,7 +52,10 @@ class UsageRow(Strict):
     @classmethod
     def _whole_minute(cls, value: datetime) -> datetime:
         value = value if value.tzinfo else value.replace(tzinfo=UTC)
-        return value.astimezone(UTC).replace(second=0, microsecond=0)
+        try:
+            return value.astimezone(UTC).replace(second=0, microsecond=0)
+        except OverflowError as exc:  # "0001-01-01T00:00:00+01:00": before year 1 in UTC
+            raise ValueError(f"{value.isoformat()} is out of range in UTC") from exc
 
 
 class UsageBatch(Strict):
