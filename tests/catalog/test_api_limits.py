@@ -195,6 +195,44 @@ async def test_rows_older_than_a_bound_stay_readable_alone_and_in_pages(
     assert fixed.version == 3
 
 
+async def test_a_provider_older_than_the_base_url_bound_is_read_and_patched(
+    catalog: CatalogServer, client: CatalogClient
+) -> None:
+    """A provider row with a base_url over 2048 characters (from before the bound) answered
+    500 on GET and PATCH (its read model kept the bound; the PATCH was committed first).
+    Now it is read as stored and a patch of its other fields is taken; a patch of base_url
+    must bring it within."""
+    await client.create(MODELS, {"name": "first"})  # makes the workspace
+    long_url = "https://llm.example.com/v1?" + "q" * 3000
+    assert catalog.engine is not None
+    now = datetime.now(UTC)
+    async with catalog.engine.begin() as conn:
+        await conn.execute(PROVIDERS.table.insert().values(
+            workspace="team-a", name="old", version=1, created_at=now, updated_at=now,
+            data={"type": "url", "base_url": long_url},
+        ))  # fmt: skip
+    assert (await client.get(PROVIDERS, "old")).base_url == long_url
+    assert "old" in [p.name for p in await client.list_all(PROVIDERS)]
+    patched = await client.update(PROVIDERS, "old", {"status": "READY", "status_message": "ok"})
+    assert (patched.version, patched.status, patched.base_url) == (2, "READY", long_url)
+    with pytest.raises(InvalidError) as caught:
+        await client.update(PROVIDERS, "old", {"base_url": long_url + "x"})
+    assert caught.value.param == "base_url"
+
+
+def test_a_stored_row_that_cannot_be_read_is_an_openai_error_not_a_bare_500() -> None:
+    from shoal.catalog.errors import CatalogError
+    from shoal.catalog.repository import read_as
+
+    with pytest.raises(CatalogError) as caught:
+        read_as(PROVIDERS, {"name": "x", "workspace": "w", "version": 1, "type": "nope",
+                            "created_at": "2030-01-01T00:00:00Z",
+                            "updated_at": "2030-01-01T00:00:00Z"})  # fmt: skip
+    assert (caught.value.status, caught.value.code, caught.value.param) == (
+        500, "stored_row_unreadable", "type",
+    )  # fmt: skip
+
+
 async def test_engine_args_are_bounded_in_bytes_and_count(client: CatalogClient) -> None:
     base = {"name": "d", "model": "m", "engine": "mocker"}
     for engine_args in (

@@ -261,3 +261,22 @@ def test_files_nested_past_the_bound_are_refused_not_crashed(depth: int) -> None
     for text, json_only in ((flow, False), (block, False), (flow.replace("a:", '"a":'), True)):
         with pytest.raises(ApplyError, match="nested"):
             parse_documents(text, workspace="w", json_only=json_only)
+
+
+def test_yaml_aliases_and_files_over_the_byte_bound_are_refused() -> None:
+    """A 497-byte file of nested aliases expanded to 10**8 nodes (MemoryError): aliases are
+    refused as they are met, and a file over `MAX_FILE_BYTES` before it is parsed."""
+    from shoal.catalog.apply import MAX_FILE_BYTES
+
+    bomb = "kind: Model\nname: bomb\nspec:\n  a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n"
+    for i in range(1, 8):
+        bomb += f"  a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]\n"
+    simple = "kind: Model\nname: m\nspec: {a: &one [1], b: *one}\n"
+    for text in (bomb, simple):
+        with pytest.raises(ApplyError, match=r"alias \*a0|alias \*one"):
+            parse_documents(text, workspace="w")
+    anchored = "kind: Model\nname: m\nspec: {a: &one [1]}\n"  # an anchor alone is fine
+    assert parse_documents(anchored, workspace="w")[0].label
+    big = "kind: Model\nname: m\ndescription: x\n" + "#" * MAX_FILE_BYTES
+    with pytest.raises(ApplyError, match=f"over {MAX_FILE_BYTES} bytes"):
+        parse_documents(big, workspace="w")

@@ -13,18 +13,21 @@ from typing import Any
 
 import aiohttp
 import pytest
+import sqlalchemy.exc
+from aiohttp import web
 
 from shoal.catalog import DEPLOYMENTS, MODELS, PROVIDERS, VIRTUAL_MODELS, CatalogServer
 from shoal.catalog.backends import LocalBackend
-from shoal.catalog.client import read_items
+from shoal.catalog.client import CatalogClient, read_items
 from shoal.catalog.controller import ControllerConfig, ModelsControllerService
 from shoal.catalog.database import open_engine
 from shoal.catalog.errors import CatalogError, InvalidError, NotFoundError
+from shoal.catalog.repository import Repository
 from shoal.catalog.resources import Model
 from shoal.catalog.routing import routes_prefix
 from shoal.catalog.tables import workspaces
 from shoal.controllers import ControllerManager, Loop
-from shoal.discovery import route_key
+from shoal.discovery import decode_route, route_key
 from shoal.store import Delete, Put, Resync
 from tests.catalog.controller_fixtures import (
     WS,
@@ -36,7 +39,7 @@ from tests.catalog.controller_fixtures import (
     seed_converged,
 )
 from tests.catalog.test_cli import catalog_cli
-from tests.helpers import wait_for
+from tests.helpers import Server, wait_for
 
 
 def nested(depth: int) -> dict[str, Any]:
@@ -316,3 +319,229 @@ def test_a_page_nested_past_what_the_decoder_follows_is_a_catalog_error() -> Non
                       b'"created_at":"2026-01-01T00:00:00Z","updated_at":"2026-01-01T00:00:00Z"}],'
                       b'"total":2}')  # fmt: skip
     assert [m.name for m in page.items] == ["y"] and list(page.invalid) == ["x"]
+
+
+def _database_blip(monkeypatch: pytest.MonkeyPatch, method: str, kind_plural: str) -> list[str]:
+    """`Repository.<method>` of `kind_plural` fails once as a database restart does (the
+    pooled connection reset); the list returned records each failure."""
+    real = getattr(Repository, method)
+    failures: list[str] = []
+
+    async def blip(self: Repository, kind: Any, *args: Any, **kwargs: Any) -> Any:
+        if kind.plural == kind_plural and not failures:
+            failures.append(kind_plural)
+            raise sqlalchemy.exc.OperationalError(
+                "UPDATE ...", {}, ConnectionResetError("connection was closed (test)")
+            )
+        return await real(self, kind, *args, **kwargs)
+
+    monkeypatch.setattr(Repository, method, blip)
+    return failures
+
+
+async def test_a_database_blip_is_a_503_and_never_stops_a_deployment(
+    catalog: CatalogServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database restart while the controller writes a deployment's status: the API answers
+    503 in the OpenAI format (not a plain-text 500), the client raises it as a CatalogError,
+    and the controller leaves the deployment and its workers to the next pass, which
+    writes READY (before, the undecodable 500 stopped the workers and wrote ERROR)."""
+    backend = FakeBackend()
+    async with controller_on(catalog.url, workspaces=[WS], backend=backend) as (ctl, client, _):
+        await client.create(DEPLOYMENTS, {"name": "mock", "model": "m", "engine": "mocker"})
+        await ctl.step()
+        assert (await client.get(DEPLOYMENTS, "mock")).status == "PENDING"
+        failures = _database_blip(monkeypatch, "update", "deployments")
+        await ctl.step()  # all ready: READY is written... the database restarts meanwhile
+        assert failures == ["deployments"]
+        assert backend.stopped == [] and backend.running() == {(WS, "mock")}
+        assert (await client.get(DEPLOYMENTS, "mock")).status == "PENDING"
+        assert ctl.last is not None and ctl.last.failed == {}
+        await ctl.step()  # the database is back
+        assert (await client.get(DEPLOYMENTS, "mock")).status == "READY"
+        assert backend.stopped == []
+
+
+async def test_a_database_error_answers_503_in_the_openai_format(
+    catalog: CatalogServer, client: CatalogClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await client.create(MODELS, {"name": "m"})
+    _database_blip(monkeypatch, "get", "models")
+    url = f"{catalog.url}/v1/workspaces/{WS}/models/m"
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        body = await resp.json()
+        assert resp.status == 503, body
+    assert body["error"]["code"] == "database_unavailable"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    _database_blip(monkeypatch, "get", "models")
+    with pytest.raises(CatalogError) as caught:
+        await client.get(MODELS, "m")
+    assert (caught.value.status, caught.value.code) == (503, "database_unavailable")
+
+
+async def test_an_error_body_that_is_not_json_is_the_status_catalog_error() -> None:
+    """A plain-text error (a proxy's, Starlette's 500) raises the status's CatalogError,
+    never a JSONDecodeError, so every caller's `except CatalogError` holds."""
+
+    async def plain(request: web.Request) -> web.Response:
+        status = int(request.match_info["name"])
+        return web.Response(status=status, text="Internal Server Error")
+
+    app = web.Application()
+    app.router.add_route("*", "/v1/workspaces/{ws}/models/{name}", plain)
+    server = Server(app, port=0)
+    await server.start()
+    try:
+        async with CatalogClient(server.url, workspace=WS) as plain_client:
+            with pytest.raises(CatalogError) as caught:
+                await plain_client.get(MODELS, "500")
+            assert caught.value.status == 500 and "Internal Server Error" in caught.value.message
+            with pytest.raises(NotFoundError):
+                await plain_client.update(MODELS, "404", {"description": "x"})
+            with pytest.raises(CatalogError) as not_json:
+                await plain_client.get(MODELS, "200")
+            assert "not JSON" in not_json.value.message
+    finally:
+        await server.stop()
+
+
+async def test_only_a_failure_of_the_backend_stops_a_deployment(
+    catalog: CatalogServer,
+) -> None:
+    """Any failure around the backend (here: the client raises a ValueError, as an answer
+    it could not decode once did) leaves the deployment's workers running; a backend call
+    that fails makes it ERROR with its workers stopped."""
+
+    class PollFails(FakeBackend):
+        async def poll(self, deployment: Any) -> Any:
+            if deployment.name == "broken":
+                raise OSError(7, "Argument list too long")
+            return await super().poll(deployment)
+
+    backend = PollFails()
+    async with controller_on(catalog.url, workspaces=[WS], backend=backend) as (ctl, client, _):
+        for name in ("mock", "broken"):
+            await client.create(DEPLOYMENTS, {"name": name, "model": "m", "engine": "mocker"})
+        await ctl.step()
+
+        async def garbage(call: str, params: Any) -> None:
+            if call == f"PATCH /v1/workspaces/{WS}/deployments/mock":
+                raise ValueError("Expecting value: line 1 column 1 (char 0)")
+
+        client.before = garbage
+        await ctl.step()
+        assert backend.stopped == ["broken"]
+        assert (await client.get(DEPLOYMENTS, "mock")).status == "PENDING"
+        broken = await client.get(DEPLOYMENTS, "broken")
+        assert broken.status == "ERROR" and "Argument list too long" in broken.status_message
+        client.before = None
+        await ctl.step()
+        assert (await client.get(DEPLOYMENTS, "mock")).status == "READY"
+        assert backend.stopped == ["broken"]
+
+
+async def test_a_provider_serving_more_than_its_patch_can_carry_is_error_naming_the_bound(
+    catalog: CatalogServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The served_models PATCH of a provider serving thousands of long names was over the
+    API's 1 MiB body bound: a 413 only logged, the provider CREATED with no reason and its
+    routes without targets. Over `SERVED_MODELS_BYTES` (made small here) it is ERROR naming
+    the bound; the other providers are READY."""
+    from shoal.catalog import providers as providers_module
+
+    monkeypatch.setattr(providers_module, "SERVED_MODELS_BYTES", 2000, raising=False)
+    many = [f"model-{i:03d}-" + "x" * 30 for i in range(60)]  # ~7 KB of served_models
+    async with (
+        openai_servers(many, ["small"]) as (big, small),
+        controller_on(catalog.url, workspaces=[WS]) as (ctl, client, _),
+    ):
+        for name, server in (("big", big), ("small", small)):
+            await client.create(PROVIDERS, {"name": name, "type": "url",
+                                            "base_url": server.base_url})  # fmt: skip
+        await ctl.step()
+        assert ctl.last is not None and ctl.last.failed == {}
+        over = await client.get(PROVIDERS, "big")
+        assert over.status == "ERROR", over.status_message
+        assert "SERVED_MODELS_BYTES" in over.status_message and "2000" in over.status_message
+        assert over.served_models in (None, [])
+        assert (await client.get(PROVIDERS, "small")).status == "READY"
+
+
+def test_served_models_at_their_bound_fit_the_apis_body_bound() -> None:
+    from shoal.catalog.api import MAX_BODY_BYTES
+    from shoal.catalog.providers import SERVED_MODELS_BYTES
+
+    entry = {"model_entity": "m" * 200, "served_model_name": "m" * 200}
+    count = SERVED_MODELS_BYTES // len(json.dumps(entry, separators=(",", ":")))
+    body = {"status": "ERROR", "status_message": "\u00e9" * 4000, "version": 2**62,
+            "served_models": [entry] * count}  # fmt: skip
+    assert len(json.dumps(body).encode()) < MAX_BODY_BYTES
+
+
+async def test_a_served_name_with_a_trailing_newline_is_skipped_and_the_provider_is_ready(
+    catalog: CatalogServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`re.match` with `$` took "bad\\n" for a valid entity name; the API refused it, so the
+    provider's PATCH was a 422 every pass and its good models had routes without targets.
+    Now it is skipped, counted in the status and logged once."""
+    async with (
+        openai_servers(["good-1", "good-2", "bad\n"]) as (server,),
+        controller_on(catalog.url, workspaces=[WS]) as (ctl, client, store),
+    ):
+        await client.create(PROVIDERS, {"name": "p", "type": "url",
+                                        "base_url": server.base_url})  # fmt: skip
+        with caplog.at_level("WARNING", logger="shoal.catalog.providers"):
+            await ctl.step()
+            await ctl.step()
+        provider = await client.get(PROVIDERS, "p")
+        assert provider.status == "READY", provider.status_message
+        assert "1 name(s) not valid entity names" in provider.status_message
+        assert [s.model_entity for s in provider.served_models or ()] == ["good-1", "good-2"]
+        route = await store.get(route_key(WS, "good-1"))
+        assert route is not None
+        assert [t.model for t in decode_route(route.key, route.value).targets] == ["good-1"]
+        skipped = [r for r in caplog.records if "not valid entity names" in r.getMessage()]
+        assert len(skipped) == 1 and "bad" in skipped[0].getMessage()
+
+
+async def test_a_providers_listing_is_bounded_and_decoded_off_the_loop(
+    catalog: CatalogServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`GET /models` was read whole and decoded on the event loop, however large. Now: over
+    `LISTING_BYTES` or `LISTING_MODELS` (made small here) the provider is ERROR naming the
+    bound; a listing over `LISTING_OFF_LOOP_BYTES` is decoded in another thread."""
+    import threading
+
+    from shoal.catalog import providers as providers_module
+
+    decoded_in: list[str] = []
+    real = getattr(providers_module, "listed_ids", None)
+
+    def recording(raw: bytes, url: str) -> list[str]:
+        decoded_in.append(threading.current_thread().name)
+        assert real is not None
+        return real(raw, url)
+
+    monkeypatch.setattr(providers_module, "listed_ids", recording, raising=False)
+    async with (
+        openai_servers([f"model-{i:03d}" for i in range(100)]) as (server,),
+        controller_on(catalog.url, workspaces=[WS]) as (ctl, client, _),
+    ):
+        await client.create(PROVIDERS, {"name": "p", "type": "url",
+                                        "base_url": server.base_url})  # fmt: skip
+        monkeypatch.setattr(providers_module, "LISTING_BYTES", 1000, raising=False)
+        await ctl.step()
+        provider = await client.get(PROVIDERS, "p")
+        assert provider.status == "ERROR" and "LISTING_BYTES" in provider.status_message
+        monkeypatch.setattr(providers_module, "LISTING_BYTES", 8 << 20)
+        monkeypatch.setattr(providers_module, "LISTING_MODELS", 50, raising=False)
+        await ctl.step()
+        provider = await client.get(PROVIDERS, "p")
+        assert provider.status == "ERROR" and "LISTING_MODELS" in provider.status_message
+        assert "100 models" in provider.status_message
+        monkeypatch.setattr(providers_module, "LISTING_MODELS", 100_000)
+        monkeypatch.setattr(providers_module, "LISTING_OFF_LOOP_BYTES", 0, raising=False)
+        decoded_in.clear()
+        await ctl.step()
+        assert (await client.get(PROVIDERS, "p")).status == "READY"
+        assert decoded_in and threading.main_thread().name not in decoded_in

@@ -76,3 +76,39 @@ async def test_keys_are_published_even_when_an_earlier_phase_fails(
         with pytest.raises(PassError, match="providers phase failed"):
             await ctl.step()
         assert await store.get(grant_key(WS, hash_secret(made.secret))) is not None
+
+
+async def test_a_key_row_the_client_cannot_read_keeps_its_grants(
+    catalog: CatalogServer, database_url: str
+) -> None:
+    """A key row over today's bounds (1,001 models, as an older catalog let in) is left out
+    of the listing; its grants were then deleted as if the key were gone, revoking it on
+    every frontend. Now they stay, and the key is named in keys_failed."""
+    import sqlalchemy as sa
+
+    from shoal.catalog.database import open_engine
+    from shoal.catalog.tables import keys as keys_table
+
+    async with controller_on(catalog.url) as (ctl, client, store):
+        made = await client.create_key("k", {"models": ["m"]})
+        await client.create_key("other")
+        await ctl.step()
+        held = {kv.key for kv in (await store.get_prefix(grants_prefix(WS))).items}
+        assert grant_key(WS, hash_secret(made.secret)) in held and len(held) == 2
+        engine = open_engine(database_url)
+        try:
+            async with engine.begin() as conn:
+                row = (
+                    await conn.execute(sa.select(keys_table).where(keys_table.c.name == "k"))
+                ).one()
+                data = {**row.data, "models": [f"m{i}" for i in range(1001)]}
+                await conn.execute(
+                    keys_table.update().where(keys_table.c.id == row.id).values(data=data)
+                )
+        finally:
+            await engine.dispose()
+        await client.delete(KEYS, "other")
+        await ctl.step()
+        after = {kv.key for kv in (await store.get_prefix(grants_prefix(WS))).items}
+        assert after == {grant_key(WS, hash_secret(made.secret))}  # other's went, k's stayed
+        assert ctl.last is not None and f"{WS}/k" in ctl.last.keys_failed

@@ -187,3 +187,57 @@ async def test_a_usage_batch_of_a_mebibyte_is_decoded_and_validated_off_the_even
     assert answer == {"batch_id": "batch-big1", "counted": True, "rows": len(rows)}
     assert sum(i["requests"] for i in await client.usage(group_by="key")) == len(rows)
     assert held < 0.02, f"the loop was held {held * 1000:.0f} ms ({probe.longest_wall:.3f}s)"
+
+
+async def test_counters_stay_at_the_bigint_bound_and_the_batch_is_counted(
+    client: CatalogClient, database_url: str
+) -> None:
+    """Sums past 2**63-1 failed the upsert on PostgreSQL ("bigint out of range": a 500, the
+    whole batch refused, every other key's rows with it) and turned REAL on SQLite. Now a
+    stored counter stays at the bound, and the batch's other rows are counted."""
+
+    from shoal.catalog import tables
+    from shoal.catalog.database import open_engine
+
+    top = 2**63 - 1
+    minute = "2030-01-01T00:00:00Z"
+    assert await client.record_usage(
+        {"batch_id": "batch-0100", "rows": [row("a", "chat", minute, 1)]}
+    )
+    engine = open_engine(database_url)
+    try:
+        async with engine.begin() as conn:  # a counter close to the bound
+            await conn.execute(tables.usage.update().values(requests=top - 10, prompt_tokens=top))
+    finally:
+        await engine.dispose()
+    batch = {"batch_id": "batch-0101", "rows": [
+        row("a", "chat", minute, 10**15, 10**15), row("b", "chat", minute, 2, 3),
+    ]}  # fmt: skip
+    assert await client.record_usage(batch)
+    by_key = {i["key"]: i for i in await client.usage(group_by="key")}
+    assert (by_key["a"]["requests"], by_key["a"]["prompt_tokens"]) == (top, top)
+    assert type(by_key["a"]["requests"]) is int
+    assert (by_key["b"]["requests"], by_key["b"]["prompt_tokens"]) == (2, 3)
+
+
+def test_a_batch_repeating_one_row_sums_at_most_the_bound() -> None:
+    from shoal.catalog.usage import UsageRow, _merged
+
+    one = UsageRow.model_validate(row("a", "chat", "2030-01-01T00:00:00Z", 10**15, 10**15))
+    merged = _merged([one] * 10_000)  # 10**19 requests: over 2**63-1
+    assert len(merged) == 1
+    assert (merged[0]["requests"], merged[0]["prompt_tokens"]) == (2**63 - 1, 2**63 - 1)
+    assert merged[0]["completion_tokens"] == 0
+
+
+async def test_a_minute_out_of_range_in_utc_refuses_the_batch_naming_it(
+    client: CatalogClient,
+) -> None:
+    """ "0001-01-01T00:00:00+01:00" is before year 1 in UTC: an OverflowError was a 500."""
+    for minute in ("0001-01-01T00:00:00+01:00", "9999-12-31T23:59:00-01:00"):
+        bad = {"batch_id": "batch-0200", "rows": [row("a", "chat", minute, 1)]}
+        with pytest.raises(InvalidError) as caught:
+            await client.record_usage(bad)
+        assert caught.value.param == "rows.0.minute"
+    good = {"batch_id": "batch-0200", "rows": [row("a", "chat", "2030-01-01T00:00:00Z", 1)]}
+    assert await client.record_usage(good)

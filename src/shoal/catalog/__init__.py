@@ -20,6 +20,7 @@ from shoal.catalog.errors import (
     InvalidError,
     NotFoundError,
     UnauthorizedError,
+    UnavailableError,
 )
 from shoal.catalog.kinds import (
     DEPLOYMENTS,
@@ -50,6 +51,7 @@ __all__ = [
     "ListPage",
     "NotFoundError",
     "UnauthorizedError",
+    "UnavailableError",
     "default_database_url",
     "kind_named",
     "migrate",

@@ -11,11 +11,13 @@ import concurrent.futures
 import email.message
 import hmac
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
+import sqlalchemy.exc
 from fastapi import Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -29,7 +31,13 @@ from starlette.routing import Match
 
 from shoal.bounds import MAX_DEPTH, json_depth_exceeds
 from shoal.catalog.database import migrate
-from shoal.catalog.errors import CatalogError, InvalidError, TooLargeError, UnauthorizedError
+from shoal.catalog.errors import (
+    CatalogError,
+    InvalidError,
+    TooLargeError,
+    UnauthorizedError,
+    UnavailableError,
+)
 from shoal.catalog.keys import key_routes
 from shoal.catalog.kinds import KEYS, KINDS, Kind
 from shoal.catalog.repository import MAX_PAGE_SIZE, Page, Repository
@@ -45,6 +53,7 @@ from shoal.catalog.resources import (
 from shoal.catalog.usage import usage_routes
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20  # a request body's bound: several times the largest valid resource
 OFF_LOOP_BYTES = 32 << 10  # a JSON body over this is decoded and validated in a thread
 # ... this one thread, one body at a time: decoding holds the interpreter, so more threads
@@ -60,6 +69,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (409, "a stale version, or the name exists"),
         (413, f"the body is over {MAX_BODY_BYTES} bytes"),
         (422, "a field is invalid; `param` names it"),
+        (503, "the database failed (a restart, a lost connection): try again"),
     )
 }
 
@@ -262,6 +272,23 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     return response
 
 
+# What a failing database raises (a restart resets the pooled connections; a pool times out;
+# asyncpg cannot connect): the request is answered 503, never a plain-text 500.
+DATABASE_ERRORS: tuple[type[Exception], ...] = (
+    sqlalchemy.exc.DBAPIError,  # OperationalError, InterfaceError, ...
+    sqlalchemy.exc.TimeoutError,  # the pool's
+    sqlalchemy.exc.ResourceClosedError,
+    ConnectionError,
+    TimeoutError,
+)
+
+
+async def _on_database_error(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("%s %s: database error: %s", request.method, request.url.path, exc)
+    reason = type(getattr(exc, "orig", None) or exc).__name__
+    return _error(UnavailableError(f"the catalog's database failed ({reason}); try again"))
+
+
 _BEARER = HTTPBearer(auto_error=False, description="the admin token")
 
 
@@ -318,6 +345,8 @@ def create_app(
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(CatalogError, _on_catalog_error)
     app.add_exception_handler(HTTPException, _on_http_error)
+    for database_error in DATABASE_ERRORS:
+        app.add_exception_handler(database_error, _on_database_error)
     repo = Repository(engine)
     app.state.repository = repo
     guard: Callable[..., Awaitable[None]] = (

@@ -26,6 +26,25 @@ from shoal.catalog.kinds import KINDS, Kind, kind_named
 READ_ONLY = frozenset(
     {"version", "created_at", "updated_at", "status_history", "credentials", "secret"}
 )  # a key's secrets are never applied: `shoal catalog key create` / `rotate` make them
+MAX_FILE_BYTES = 16 << 20
+"""An apply file's bytes, at most (read no further): any valid file is far smaller."""
+
+
+class NoAliasLoader(yaml.SafeLoader):
+    """YAML's safe loader refusing aliases (`*name`): an alias copies a node, and nested
+    aliases expand exponentially (a 497-byte file became millions of nodes, MemoryError).
+    Anchors alone are harmless; a file that needs a value twice writes it twice."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()  # type: ignore[no-untyped-call]
+            raise yaml.composer.ComposerError(
+                None, None, f"alias *{event.anchor} refused: write the value out instead",
+                event.start_mark,
+            )  # fmt: skip
+        return super().compose_node(parent, index)
+
+
 ATTEMPTS = 5  # reads and writes of one resource before a race it keeps losing is an error
 
 
@@ -57,10 +76,15 @@ class Change:
 
 def parse_documents(text: str, *, workspace: str, json_only: bool = False) -> list[Document]:
     """The resources in `text`, checked against their kind's schema; a file nesting deeper
-    than `MAX_DEPTH` is refused before it is parsed (YAML's block style: while it is)."""
+    than `MAX_DEPTH` is refused before it is parsed (YAML's block style: while it is), one
+    over `MAX_FILE_BYTES` before anything, and YAML aliases as they are met."""
+    if len(text) > MAX_FILE_BYTES or len(text.encode("utf-8", "replace")) > MAX_FILE_BYTES:
+        raise ApplyError(f"the file is over {MAX_FILE_BYTES} bytes")
     try:
         check_json_depth(text)  # JSON, and YAML's flow style: [..] and {..}
-        raw: list[Any] = [json.loads(text)] if json_only else list(yaml.safe_load_all(text))
+        raw: list[Any] = (
+            [json.loads(text)] if json_only else list(yaml.load_all(text, Loader=NoAliasLoader))
+        )
     except TooDeep as exc:
         raise ApplyError(f"nested too deep: {exc}") from exc
     except RecursionError as exc:

@@ -18,6 +18,7 @@ the server ended early at its byte budget.
 from __future__ import annotations
 
 import builtins
+import json as jsonlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -93,6 +94,26 @@ def _why(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
+def _status_error(status: int, data: bytes) -> CatalogError:
+    """The error class of `status`, with the message and param of an OpenAI-format body; a
+    body that is not one (a proxy's page, a plain-text 500) still gives the status's class."""
+    try:
+        body = jsonlib.loads(data)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    error = error if isinstance(error, dict) else {}
+    message, param = error.get("message"), error.get("param")
+    if not isinstance(message, str) or not message:
+        text = data[:200].decode("utf-8", "replace").strip()
+        message = f"HTTP {status}" + (f": {text}" if text else "")
+    exc = BY_STATUS.get(status, CatalogError)(
+        message, param=param if isinstance(param, str) else None
+    )
+    exc.status = status
+    return exc
+
+
 class CatalogClient:
     """Talks to one catalog at `base_url`, in `workspace` unless a call names another."""
 
@@ -149,14 +170,15 @@ class CatalogClient:
                 return None
             if raw and resp.status < 400:
                 return await resp.read()
-            body = await resp.json(content_type=None)
+            data = await resp.read()
             if resp.status >= 400:
-                error = (body or {}).get("error", {}) if isinstance(body, dict) else {}
-                cls = BY_STATUS.get(resp.status, CatalogError)
-                exc = cls(error.get("message") or f"HTTP {resp.status}", param=error.get("param"))
-                exc.status = resp.status
-                raise exc
-            return body
+                raise _status_error(resp.status, data)
+            try:
+                return jsonlib.loads(data)
+            except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8
+                raise CatalogError(
+                    f"the catalog's answer (HTTP {resp.status}) is not JSON: {exc}"
+                ) from exc
 
     async def list(
         self,

@@ -46,7 +46,7 @@ from shoal.catalog.kinds import VIRTUAL_MODELS
 from shoal.catalog.leader import Leadership, LeadershipLost
 from shoal.catalog.providers import FleetLister, ProvidersPhase, UrlLister
 from shoal.catalog.resources import VirtualModel
-from shoal.catalog.routing import publish, resolve
+from shoal.catalog.routing import SLICE, pause, publish, resolve
 from shoal.controllers import Controller, ControllerManager, HeartbeatMixin, Loop
 from shoal.discovery import Discovery
 from shoal.store import Store, open_store
@@ -162,12 +162,14 @@ class ModelsController(Controller, HeartbeatMixin):
             return
         unreadable = result.unreadable_entities
         judged = [vm for vm in result.virtual_models if not _names(vm) & unreadable]
-        routes = resolve(workspace, judged, result.entities.get, result.providers)
+        routes = await resolve(
+            workspace, judged, result.entities.get, result.providers, beat=self.emit_heartbeat
+        )
 
         async def gone(name: str) -> bool:
             return await self._virtual_model_gone(workspace, name)
 
-        published = await publish(self.store, workspace, routes, gone)
+        published = await publish(self.store, workspace, routes, gone, beat=self.emit_heartbeat)
         report.routes_written += published.written
         report.routes_deleted += published.deleted
         await self._route_statuses(workspace, result.virtual_models, published.failed)
@@ -187,7 +189,9 @@ class ModelsController(Controller, HeartbeatMixin):
         self, workspace: str, virtual_models: list[VirtualModel], failed: dict[str, str]
     ) -> None:
         """Each virtual model's `status_message`: why its route is not published, or empty."""
-        for vm in virtual_models:
+        for count, vm in enumerate(virtual_models, 1):
+            if count % SLICE == 0:
+                await pause(self.emit_heartbeat)
             message = failed.get(vm.name, "")[:4000]
             if vm.status_message == message:
                 continue

@@ -7,9 +7,10 @@
     ERROR             → replicas stopped
     DELETED / ERROR   → the row deleted once unchanged for `ttl` seconds
 
-Each deployment is isolated: one that cannot start at all (errno 7, a command line too long;
-a file that cannot be made) is ERROR with the reason and its workers stopped; a catalog
-error leaves it to the next pass; the others go on either way. A row the client cannot read
+Each deployment is isolated: one whose backend call fails (it cannot start at all: errno 7,
+a command line too long; a file that cannot be made) is ERROR with the reason and its
+workers stopped; any other failure (a catalog error, an answer that is not JSON, a timeout)
+leaves it and its workers as they are, for the next pass; the others go on either way. A row the client cannot read
 is left as it is: its workers keep running and its provider stays.
 
 A READY deployment has a `fleet` provider, `deployment-{name}` (autoprovisioned, serving the
@@ -26,9 +27,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
-
-import aiohttp
+from typing import Any, TypeVar
 
 from shoal.catalog.backends import Backend, Observed
 from shoal.catalog.cache import EntityCache
@@ -41,6 +40,7 @@ from shoal.catalog.resources import Deployment, DeploymentStatus, Provider
 log = logging.getLogger(__name__)
 
 S = DeploymentStatus
+T = TypeVar("T")
 PROVIDER_PREFIX = "deployment-"
 
 
@@ -58,6 +58,25 @@ def fleet_provider(deployment: Deployment) -> dict[str, Any]:
         "autoprovisioned": True,
         "description": f"the workers of deployment {deployment.name}",
     }
+
+
+class BackendFailed(Exception):
+    """The backend itself failed (`cause`): the deployment cannot run, as opposed to a
+    failure of the catalog around it, which is retried next pass."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+async def _backend(call: Awaitable[T]) -> T:
+    """`call` to the backend, its failure (other than the leadership's) as `BackendFailed`."""
+    try:
+        return await call
+    except LeadershipLost:
+        raise
+    except Exception as exc:
+        raise BackendFailed(exc) from exc
 
 
 class DeploymentsPhase:
@@ -104,12 +123,12 @@ class DeploymentsPhase:
         """One deployment's step; the status it is left in, or None if it has none yet."""
         workspace, name = deployment.workspace, deployment.name
         if deployment.status is S.CREATED:
-            await self.backend.start(deployment)
+            await _backend(self.backend.start(deployment))
             await self._set(deployment, S.PENDING, f"starting {deployment.replicas} worker(s)")
             return S.PENDING
         if deployment.status in (S.PENDING, S.READY):
-            return await self._poll(deployment, await self.backend.poll(deployment))
-        await self.backend.stop(workspace, name)
+            return await self._poll(deployment, await _backend(self.backend.poll(deployment)))
+        await _backend(self.backend.stop(workspace, name))
         if deployment.status is S.DELETING:
             await self._set(deployment, S.DELETED, "stopped")
             return S.DELETED
@@ -117,17 +136,17 @@ class DeploymentsPhase:
         return deployment.status
 
     async def _isolated(self, deployment: Deployment, step: Awaitable[S | None]) -> S | None:
-        """Run one deployment's step; a failure is that deployment's ERROR (its workers
-        stopped, the reason in its status), never its workspace's."""
+        """Run one deployment's step. A failure of the backend itself (it cannot run: errno
+        7, 36, ...) is that deployment's ERROR, its workers stopped and the reason in its
+        status; any other failure (the catalog answered an error, or garbage, or not at all)
+        leaves the deployment and its workers as they are, for the next pass. Neither is
+        ever its workspace's."""
         try:
             return await step
         except LeadershipLost:  # not this deployment's fault: the pass ends here
             raise
-        except (CatalogError, aiohttp.ClientError, TimeoutError) as exc:  # the catalog: retried
-            log.warning("deployment %s/%s: %s (next pass)", deployment.workspace,
-                        deployment.name, exc)  # fmt: skip
-            return None
-        except Exception as exc:  # it cannot run (errno 7, 36, ...): ERROR, with the reason
+        except BackendFailed as failed:  # it cannot run: ERROR, with the reason
+            exc = failed.cause
             log.warning("deployment %s/%s cannot run: %s", deployment.workspace,
                         deployment.name, exc, exc_info=exc)  # fmt: skip
             with contextlib.suppress(Exception):
@@ -135,14 +154,18 @@ class DeploymentsPhase:
             message = f"cannot start: {type(exc).__name__}: {exc}"[:4000]
             try:
                 await self._set(deployment, S.ERROR, message)
-            except (CatalogError, aiohttp.ClientError, TimeoutError) as write_error:
+            except Exception as write_error:  # the catalog: next pass
                 log.warning("deployment %s/%s: status not written (next pass): %s",
                             deployment.workspace, deployment.name, write_error)  # fmt: skip
             return S.ERROR
+        except Exception as exc:  # the catalog, not the workers: next pass
+            log.warning("deployment %s/%s: %s: %s (next pass)", deployment.workspace,
+                        deployment.name, type(exc).__name__, exc)  # fmt: skip
+            return None
 
     async def _poll(self, deployment: Deployment, observed: Observed) -> S:
         if observed.failed:
-            await self.backend.stop(deployment.workspace, deployment.name)
+            await _backend(self.backend.stop(deployment.workspace, deployment.name))
             await self._set(deployment, S.ERROR, observed.message)
             return S.ERROR
         status = S.READY if observed.all_ready or deployment.status is S.READY else S.PENDING

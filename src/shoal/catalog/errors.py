@@ -5,7 +5,8 @@
     ├── NotFoundError         404: no such workspace or resource
     ├── ConflictError         409: a stale version, or a create of a name that exists
     ├── TooLargeError         413: the request body is over the API's byte bound
-    └── InvalidError          422: a field failed validation; `param` names it
+    ├── InvalidError          422: a field failed validation; `param` names it
+    └── UnavailableError      503: the catalog's database failed (retry later)
 
 The repository raises them, the API answers them in the OpenAI error format, and the client
 raises the same classes from those answers, so callers handle one hierarchy everywhere.
@@ -53,7 +54,18 @@ class InvalidError(CatalogError):
     code = "invalid_value"
 
 
+class UnavailableError(CatalogError):
+    """The catalog cannot answer now (its database failed): nothing was refused, try again."""
+
+    status = 503
+    type = "server_error"
+    code = "database_unavailable"
+
+
 BY_STATUS: dict[int, type[CatalogError]] = {
     cls.status: cls
-    for cls in (UnauthorizedError, NotFoundError, ConflictError, TooLargeError, InvalidError)
-}
+    for cls in (
+        UnauthorizedError, NotFoundError, ConflictError, TooLargeError, InvalidError,
+        UnavailableError,
+    )
+}  # fmt: skip

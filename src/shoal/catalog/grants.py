@@ -4,8 +4,8 @@ For one workspace: list its keys (one list), turn each live secret of each key i
 (its hash, the key's allow-list and limits, and when it ends), and make
 `shoal/v1/keys/{workspace}/` hold exactly those (`publish_grants` writes only what differs).
 A secret whose rotation already ended it is not published, so it is deleted. One key that
-cannot be turned into grants is reported and its grants in the store are kept as they are;
-it never stops the others. Secrets never reach this phase: the catalog keeps only hashes.
+cannot be turned into grants, or whose row cannot be read (left out of the listing), is
+reported and its grants in the store are kept as they are; it never stops the others. Secrets never reach this phase: the catalog keeps only hashes.
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ class KeysPhase:
     async def run(self, workspace: str) -> KeysResult:
         keys = await self.calls.list_all(KEYS, workspace)
         result = KeysResult()
+        for name, why in keys.invalid.items():  # a row not read: its grants left as they are
+            result.failed[name] = f"cannot be read: {why}"
         now = datetime.now(UTC)
         wanted: dict[str, Grant] = {}
         for key in keys:

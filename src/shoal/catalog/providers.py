@@ -12,7 +12,9 @@ For each provider, its failure isolated from the others:
    and unlink the entities it no longer serves;
 3. write its `served_models`, `status` and `status_message` if they differ.
 
-A provider whose listing fails is marked ERROR and keeps its persisted `served_models`
+A provider whose listing fails, or that serves more than `SERVED_MODELS_BYTES` of
+`served_models` (its PATCH would be over the API's body bound), is marked ERROR with the
+reason and keeps its persisted `served_models`
 (cleanup below uses them); its links are left as they are. Links to providers of this
 workspace that no longer exist are removed. The cache is flushed in a `finally`.
 
@@ -26,6 +28,7 @@ snapshot, one changed meanwhile answers 409 and is kept, one deleted meanwhile i
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from shoal.catalog.cache import EntityCache
 from shoal.catalog.calls import Calls, each
@@ -44,8 +48,16 @@ from shoal.discovery import Discovery, Query
 
 log = logging.getLogger(__name__)
 
-ENTITY_NAME = re.compile(NAME_PATTERN)
+ENTITY_NAME = re.compile(NAME_PATTERN.removeprefix("^").removesuffix("$"))
+"""A valid entity name, used with `fullmatch` only: `$` with `re.match` also matches before
+a final "\n" (which the API, validating with pydantic's regex, refuses)."""
 LISTINGS_AT_ONCE = 16  # providers listed concurrently
+SERVED_MODELS_BYTES = 768 << 10
+"""A provider's `served_models` as JSON, at most: the controller's PATCH carrying them (with
+a `status_message` of at most 4,000 characters) stays under the API's 1 MiB body bound
+(`api.MAX_BODY_BYTES`), so it is never refused. About 1,700 names of 200 characters, or
+10,000 of 20; a provider serving more is ERROR, naming the bound (`enabled_models` narrows
+it)."""
 Lister = Callable[[Provider], Awaitable[list[str]]]
 
 
@@ -71,8 +83,20 @@ def secret_value(name: str | None) -> str | None:
     return os.environ.get(f"SHOAL_SECRET_{name.upper()}") if name else None
 
 
+LISTING_BYTES = 8 << 20
+"""A `GET {base_url}/models` answer, at most (its declared length, else as it comes): a
+provider answering more is ERROR, never buffered whole."""
+LISTING_MODELS = 100_000
+"""The ids a listing may hold (what a provider's `served_models` may); over it, ERROR."""
+LISTING_OFF_LOOP_BYTES = 64 << 10
+"""A listing over this is decoded in a thread: the event loop (the catalog API beside the
+controller) is never held by a large one (10 MB held it about a second)."""
+
+
 class UrlLister:
-    """`GET {base_url}/models` of an OpenAI-compatible server: the ids it lists."""
+    """`GET {base_url}/models` of an OpenAI-compatible server: the ids it lists, read up to
+    `LISTING_BYTES` and `LISTING_MODELS` (over either: `ListingError` naming the bound),
+    decoded off the event loop when over `LISTING_OFF_LOOP_BYTES`."""
 
     def __init__(self, session: aiohttp.ClientSession, timeout: float = 10.0) -> None:
         self.session = session
@@ -87,15 +111,45 @@ class UrlLister:
             async with self.session.get(url, headers=headers, timeout=self.timeout) as resp:
                 if resp.status != 200:
                     raise ListingError(f"GET {url}: HTTP {resp.status}")
-                body = await resp.json(content_type=None)
+                raw = await _bounded_read(resp, url)
         except TimeoutError as exc:
             raise ListingError(f"GET {url}: no answer within {self.timeout.total:g}s") from exc
-        except (aiohttp.ClientError, ValueError) as exc:
+        except aiohttp.ClientError as exc:
             raise ListingError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
-        data = body.get("data") if isinstance(body, dict) else None
-        if not isinstance(data, list):
-            raise ListingError(f"GET {url}: no `data` list in the answer")
-        return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
+        if len(raw) > LISTING_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(listed_ids, raw, url)
+        return listed_ids(raw, url)
+
+
+async def _bounded_read(resp: aiohttp.ClientResponse, url: str) -> bytes:
+    over = ListingError(f"GET {url}: answer over {LISTING_BYTES} bytes (LISTING_BYTES)")
+    if resp.content_length is not None and resp.content_length > LISTING_BYTES:
+        raise over
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_chunked(64 << 10):
+        size += len(chunk)
+        if size > LISTING_BYTES:
+            raise over
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def listed_ids(raw: bytes, url: str) -> list[str]:
+    """The model ids of a `/models` answer; `ListingError` if it is not one, or lists more
+    than `LISTING_MODELS`."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, too deep
+        raise ListingError(f"GET {url}: {type(exc).__name__}: {exc}"[:1000]) from exc
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        raise ListingError(f"GET {url}: no `data` list in the answer")
+    if len(data) > LISTING_MODELS:
+        raise ListingError(
+            f"GET {url}: lists {len(data)} models, over {LISTING_MODELS} (LISTING_MODELS)"
+        )
+    return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
 
 
 class FleetLister:
@@ -131,6 +185,7 @@ class ProvidersPhase:
         self.listers: dict[str, Lister] = {"url": url_lister, "fleet": fleet_lister}
         self.fleet = fleet_lister
         self.timeout = timeout
+        self._invalid_logged: set[tuple[str, str]] = set()  # (provider ref, name) logged
 
     async def run(self, workspace: str) -> ProvidersResult:
         self.fleet.new_pass()
@@ -203,7 +258,18 @@ class ProvidersPhase:
             return
         allowed = set(provider.enabled_models) if provider.enabled_models is not None else None
         served = sorted(n for n in set(names) if allowed is None or n in allowed)
-        valid = [n for n in served if len(n) <= 200 and ENTITY_NAME.match(n)]
+        valid = [n for n in served if len(n) <= 200 and ENTITY_NAME.fullmatch(n)]
+        self._report_invalid(ref, set(served) - set(valid))
+        served_models = [{"model_entity": n, "served_model_name": n} for n in valid]
+        size = len(msgspec.json.encode(served_models))
+        if size > SERVED_MODELS_BYTES:  # its PATCH would be refused: ERROR, saying why
+            over = ListingError(
+                f"serves {len(valid)} models: their served_models would be {size} bytes of "
+                f"JSON, over the bound of {SERVED_MODELS_BYTES} (SERVED_MODELS_BYTES); "
+                "narrow it with enabled_models"
+            )
+            await self._provider(workspace, provider, over, cache, result)
+            return
         for name in valid:
             if cache.peek(name) is None:
                 cache.stage_create(
@@ -220,8 +286,20 @@ class ProvidersPhase:
                                               if skipped else "")  # fmt: skip
         await self._write_status(workspace, ref, result, {
             "status": "READY", "status_message": message,
-            "served_models": [{"model_entity": n, "served_model_name": n} for n in valid],
+            "served_models": served_models,
         })  # fmt: skip
+
+    def _report_invalid(self, ref: str, invalid: set[str]) -> None:
+        """Log the served names that are not valid entity names, each once per provider (they
+        are skipped every pass, and counted in its status_message)."""
+        new = {name for name in invalid if (ref, name) not in self._invalid_logged}
+        if new:
+            if len(self._invalid_logged) > 100_000:  # bounded: at worst some are logged again
+                self._invalid_logged.clear()
+            self._invalid_logged |= {(ref, name) for name in new}
+            shown = ", ".join(repr(name[:100]) for name in sorted(new)[:10])
+            log.warning("provider %s: %d served name(s) skipped, not valid entity names: %s%s",
+                        ref, len(new), shown, ", ..." if len(new) > 10 else "")  # fmt: skip
 
     async def _write_status(
         self, workspace: str, ref: str, result: ProvidersResult, desired: dict[str, Any]

@@ -10,6 +10,7 @@ Invariants, both ways:
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,9 +26,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from shoal.catalog import tables
-from shoal.catalog.errors import ConflictError, InvalidError, NotFoundError
+from shoal.catalog.errors import CatalogError, ConflictError, InvalidError, NotFoundError
 from shoal.catalog.kinds import DEPLOYMENTS, Kind
 from shoal.catalog.resources import Meta, Patch, Workspace
+
+log = logging.getLogger(__name__)
 
 SORTABLE = ("name", "created_at", "updated_at", "version")
 MAX_PAGE_SIZE = 1000
@@ -157,7 +160,7 @@ class Repository:
         self._insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
 
     def _read(self, kind: Kind[M], row: sa.Row[Any]) -> M:
-        return kind.read.model_validate(_document(row))
+        return read_as(kind, _document(row))
 
     async def list(
         self,
@@ -263,7 +266,7 @@ class Repository:
             raise ConflictError(
                 f"{kind.singular} {name!r} already exists in workspace {workspace!r}", param="name"
             ) from exc
-        return kind.read.model_validate({**data, **values, "created_at": now, "updated_at": now})
+        return read_as(kind, {**data, **values, "created_at": now, "updated_at": now})
 
     async def update(self, kind: Kind[M], workspace: str, name: str, patch: Patch) -> M:
         """Apply `patch` over the row; 409 if `patch.version` is set and not the row's."""
@@ -295,6 +298,10 @@ class Repository:
                 if (new["status"], new["status_message"]) != (old["status"], old["status_message"]):
                     history = [*history, _change(new, now)][-HISTORY_LIMIT:]
                 new["status_history"] = history
+            # read as answered before it is written: a row that cannot be is not changed
+            updated = read_as(kind, {**new, "name": name, "workspace": workspace,
+                "version": row.version + 1, "created_at": _utc(row.created_at),
+                "updated_at": now})  # fmt: skip
             done = await conn.execute(
                 t.update()
                 .where(t.c.id == row.id, t.c.version == row.version)
@@ -302,10 +309,7 @@ class Repository:
             )
             if done.rowcount != 1:
                 raise ConflictError(f"{kind.singular} {name!r} changed meanwhile; read it again")
-        return kind.read.model_validate(
-            {**new, "name": name, "workspace": workspace, "version": row.version + 1,
-             "created_at": _utc(row.created_at), "updated_at": now}
-        )  # fmt: skip
+        return updated
 
     async def delete(self, kind: Kind[Any], workspace: str, name: str, version: int | None) -> None:
         """Delete the row; 409 if `version` is set and not the row's, 404 if there is none."""
@@ -360,7 +364,7 @@ class Repository:
                 .where(t.c.id == row.id)
                 .values(data=data, version=row.version + 1, updated_at=now)
             )
-        return kind.read.model_validate(
+        return read_as(kind,
             {**data, "name": name, "workspace": workspace, "version": row.version + 1,
              "created_at": _utc(row.created_at), "updated_at": now}
         )  # fmt: skip
@@ -409,6 +413,25 @@ class Repository:
         w = tables.workspaces
         if (await conn.execute(sa.select(w.c.name).where(w.c.name == name))).first() is None:
             raise NotFoundError(f"no workspace {name!r}", param="workspace")
+
+
+def read_as(kind: Kind[M], document: dict[str, Any]) -> M:
+    """A stored row as its read model; one that is not (a row no bound of today's read
+    models foresaw) is an OpenAI-format 500 naming the field, never a bare one."""
+    try:
+        return kind.read.model_validate(document)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "row"
+        name = document.get("name")
+        log.error("%s %r cannot be read as stored: %s: %s", kind.singular, name, where,
+                  first["msg"])  # fmt: skip
+        error = CatalogError(
+            f"{kind.singular} {name!r} cannot be read as stored: {where}: {first['msg']}",
+            param=where,
+        )
+        error.status, error.type, error.code = 500, "server_error", "stored_row_unreadable"
+        raise error from exc
 
 
 def _over_before(

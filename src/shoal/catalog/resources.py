@@ -328,6 +328,9 @@ KeyPatch = patch_of(KeySpec)
 class Provider(ProviderSpec, Meta):
     model_config = ConfigDict(extra="ignore")
 
+    # as stored: a row from before the 2048-character bound stays readable and patchable
+    base_url: str | None = Field(None, validate_default=True, description="as stored")
+
 
 # Read models take rows as stored: a row written before a bound was added (more targets, a
 # deeper spec) stays readable, alone and in a page; an update of it must bring it within.

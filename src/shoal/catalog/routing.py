@@ -14,6 +14,7 @@ route of the listing replaces is deleted only once its virtual model is known to
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,32 +36,64 @@ from shoal.store import Store, StoreError
 log = logging.getLogger(__name__)
 
 
-def resolve(
+SLICE = 500
+"""Routes resolved, compared or reported between two yields to the event loop (and beats of
+the controller's heartbeat): a pass over 10,000 virtual models never holds the loop for
+all of them at once."""
+
+
+def _nothing() -> None:
+    return None
+
+
+async def pause(beat: Callable[[], None] = _nothing) -> None:
+    """Between two slices: beat, and let the event loop run everything else."""
+    beat()
+    await asyncio.sleep(0)
+
+
+async def resolve(
     workspace: str,
     virtual_models: Iterable[VirtualModel],
     entity: Callable[[str], Model | None],
     providers: dict[str, Provider],
+    *,
+    beat: Callable[[], None] = _nothing,
 ) -> list[Route]:
-    """The route of each virtual model; `providers` by `"workspace/name"`."""
+    """The route of each virtual model; `providers` by `"workspace/name"`. Linear in the
+    routes and served models: each provider's served names are looked up in a dict made once
+    (not scanned per route), and every `SLICE` routes the loop runs (`pause(beat)`)."""
+    served: dict[str, dict[str, str]] = {}  # provider ref -> {entity: served name}
     routes: list[Route] = []
-    for vm in virtual_models:
+    for count, vm in enumerate(virtual_models, 1):
         wanted = [(t.model_entity, t.weight) for t in vm.targets] or [(vm.default_model, 1)]
         targets: list[Target] = []
         for name, weight in wanted:
             found = entity(name)
             for ref in found.providers if found is not None else ():
                 provider = providers.get(ref)
-                if provider is not None and (target := _target(provider, ref, name, weight)):
+                if provider is None:
+                    continue
+                names = served.get(ref)
+                if names is None:
+                    names = served[ref] = _served_names(provider)
+                if (target := _target(provider, ref, names.get(name), weight)) is not None:
                     targets.append(target)
         routes.append(Route(workspace, vm.name, tuple(targets)))
+        if count % SLICE == 0:
+            await pause(beat)
     return routes
 
 
-def _target(provider: Provider, ref: str, entity: str, weight: int) -> Target | None:
-    served = next(
-        (s.served_model_name for s in provider.served_models or () if s.model_entity == entity),
-        None,
-    )
+def _served_names(provider: Provider) -> dict[str, str]:
+    """{entity: served name} of a provider; the first listed wins, as a scan would find."""
+    names: dict[str, str] = {}
+    for s in provider.served_models or ():
+        names.setdefault(s.model_entity, s.served_model_name)
+    return names
+
+
+def _target(provider: Provider, ref: str, served: str | None, weight: int) -> Target | None:
     if served is None:
         return None
     if provider.type == "fleet":
@@ -87,13 +120,18 @@ async def publish(
     workspace: str,
     routes: list[Route],
     gone: Callable[[str], Awaitable[bool]],
+    *,
+    beat: Callable[[], None] = _nothing,
 ) -> Published:
     """Make the store hold `routes` for `workspace`, and no route of a virtual model that
-    `gone(name)` confirms is gone; one route's failure is in `failed`, not raised."""
+    `gone(name)` confirms is gone; one route's failure is in `failed`, not raised. The loop
+    runs (`pause(beat)`) every `SLICE` routes compared, written or not."""
     held = await store.get_prefix(routes_prefix(workspace))
     held_values = {kv.key: kv.value for kv in held.items}
     done = Published()
-    for route in routes:
+    for count, route in enumerate(routes, 1):
+        if count % SLICE == 0:
+            await pause(beat)
         try:
             data = route.to_json()
             if held_values.get(route.key) != data and await publish_route(store, route):

@@ -30,6 +30,10 @@ from shoal.catalog.resources import WORKSPACE_PATTERN, Strict, Time
 log = logging.getLogger(__name__)
 
 Count = Annotated[int, Field(ge=0, le=10**15, strict=True)]
+COUNT_MAX = 2**63 - 1
+"""A stored counter's bound (the column is a BIGINT): sums that would pass it (a batch
+repeating one row thousands of times, batches adding to one minute) stay at it. Refusing
+them would refuse the whole batch, every other key's rows in it too."""
 Label = Annotated[str, Field(max_length=400, pattern=r"^[^\x00]*$")]
 
 
@@ -48,7 +52,10 @@ class UsageRow(Strict):
     @classmethod
     def _whole_minute(cls, value: datetime) -> datetime:
         value = value if value.tzinfo else value.replace(tzinfo=UTC)
-        return value.astimezone(UTC).replace(second=0, microsecond=0)
+        try:
+            return value.astimezone(UTC).replace(second=0, microsecond=0)
+        except OverflowError as exc:  # "0001-01-01T00:00:00+01:00": before year 1 in UTC
+            raise ValueError(f"{value.isoformat()} is out of range in UTC") from exc
 
 
 class UsageBatch(Strict):
@@ -130,9 +137,8 @@ async def _record(engine: AsyncEngine, batch_id: str, rows: list[dict[str, Any]]
                 index_elements=["workspace", "key", "model", "served_model", "status_class",
                                 "minute"],
                 set_={
-                    "requests": u.c.requests + stmt.excluded.requests,
-                    "prompt_tokens": u.c.prompt_tokens + stmt.excluded.prompt_tokens,
-                    "completion_tokens": u.c.completion_tokens + stmt.excluded.completion_tokens,
+                    name: _added(u.c[name], stmt.excluded[name])
+                    for name in ("requests", "prompt_tokens", "completion_tokens")
                 },
             )  # fmt: skip
             # executemany in slices: their parameters are bound on the loop, free between
@@ -142,6 +148,13 @@ async def _record(engine: AsyncEngine, batch_id: str, rows: list[dict[str, Any]]
 
 
 WRITE_SLICE = 500  # rows bound per statement (a 1 MiB batch is ~4,500 rows)
+
+
+def _added(held: sa.ColumnElement[int], more: sa.ColumnElement[int]) -> sa.ColumnElement[int]:
+    """`held + more`, at most `COUNT_MAX`, never computing past it (PostgreSQL's BIGINT
+    raises "out of range", SQLite's integer turns REAL)."""
+    bound = sa.literal(COUNT_MAX, sa.BigInteger)
+    return sa.case((held > bound - more, bound), else_=held + more)
 
 
 def _merged(rows: list[UsageRow]) -> list[dict[str, Any]]:
@@ -158,7 +171,7 @@ def _merged(rows: list[UsageRow]) -> list[dict[str, Any]]:
             merged[ident] = data
         else:
             for count in ("requests", "prompt_tokens", "completion_tokens"):
-                held[count] += data[count]
+                held[count] = min(held[count] + data[count], COUNT_MAX)
     return [merged[ident] for ident in sorted(merged, key=lambda i: tuple(map(str, i)))]
 
 

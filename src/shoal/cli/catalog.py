@@ -210,10 +210,25 @@ def run(args: argparse.Namespace) -> int:
     if command == "migrate":
         return run_event_loop(migrate(args))
     if command == "apply":
+        from shoal.catalog.apply import MAX_FILE_BYTES
+
         try:
-            args.text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+            if args.file == "-":
+                data = sys.stdin.buffer.read(MAX_FILE_BYTES + 1)
+            else:
+                with Path(args.file).open("rb") as file:
+                    data = file.read(MAX_FILE_BYTES + 1)
         except OSError as exc:
             print(f"shoal catalog apply: {args.file}: {exc.strerror}", file=sys.stderr)
+            return 1
+        if len(data) > MAX_FILE_BYTES:
+            print(f"shoal catalog apply: {args.file}: over {MAX_FILE_BYTES} bytes",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        try:
+            args.text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            print(f"shoal catalog apply: {args.file}: not UTF-8: {exc}", file=sys.stderr)
             return 1
     return run_event_loop(client_command(args))
 

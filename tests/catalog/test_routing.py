@@ -1,0 +1,101 @@
+"""Route resolution and publishing at scale: linear in the routes, and yielding to the event
+loop (beating the controller's heartbeat) every `SLICE` routes; asserted by counts, never
+by timing."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from shoal.catalog.resources import Model, Provider, ServedModel, VirtualModel
+from shoal.catalog.routing import SLICE, publish, resolve
+from shoal.discovery import UrlTarget
+from shoal.store import open_store
+
+NOW = datetime.now(UTC).isoformat()
+META: dict[str, Any] = {"workspace": "w", "version": 1, "created_at": NOW, "updated_at": NOW}
+
+
+class CountingList(list[ServedModel]):
+    """A provider's `served_models` that counts how often it is scanned."""
+
+    scans = 0
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        CountingList.scans += 1
+        return super().__iter__()
+
+
+def fleet_of(n: int) -> tuple[list[VirtualModel], dict[str, Model], dict[str, Provider]]:
+    """One url provider serving `n` models, each with its passthrough virtual model."""
+    names = [f"m{i}" for i in range(n)]
+    served = [{"model_entity": m, "served_model_name": f"served-{m}"} for m in names]
+    provider = Provider.model_validate(
+        {"name": "p", "type": "url", "base_url": "http://x/v1", "served_models": served, **META}
+    )
+    entities = {m: Model.model_validate({"name": m, "providers": ["w/p"], **META}) for m in names}
+    vms = [VirtualModel.model_validate({"name": m, "default_model": m, **META}) for m in names]
+    return vms, entities, {"w/p": provider}
+
+
+@asynccontextmanager
+async def ticker() -> AsyncIterator[list[int]]:
+    """A task counting its turns on the event loop: ticks[0] grows only while others yield."""
+    ticks = [0]
+
+    async def run() -> None:
+        while True:
+            ticks[0] += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(run())
+    await asyncio.sleep(0)
+    try:
+        yield ticks
+    finally:
+        task.cancel()
+
+
+async def test_resolve_reads_each_providers_served_models_once() -> None:
+    """Each provider's served names are looked up in a map made once, not scanned per
+    (virtual model, provider): resolution is linear (10,000 models were 3.5 s)."""
+    vms, entities, providers = fleet_of(2000)
+    provider = providers["w/p"]
+    provider.__dict__["served_models"] = CountingList(provider.served_models or [])
+    CountingList.scans = 0
+    routes = await resolve("w", vms, entities.get, providers)
+    assert CountingList.scans == 1
+    assert len(routes) == 2000
+    assert routes[1234].targets == (UrlTarget("http://x/v1", "served-m1234", 1, None, "w/p"),)
+
+
+async def test_resolve_and_publish_yield_and_beat_every_slice() -> None:
+    n = 3 * SLICE + 1
+    vms, entities, providers = fleet_of(n)
+    beats: list[int] = []
+    async with ticker() as ticks:
+        before = ticks[0]
+        routes = await resolve(
+            "w", vms, entities.get, providers, beat=lambda: beats.append(ticks[0])
+        )
+        assert ticks[0] - before >= 3  # the loop ran between slices
+        assert len(beats) >= 3 and len(routes) == n
+        store = await open_store(f"memory://{uuid.uuid4().hex}")
+
+        async def gone(name: str) -> bool:
+            return False
+
+        try:
+            first = await publish(store, "w", routes, gone)
+            assert first.written == n
+            beats.clear()
+            before = ticks[0]
+            again = await publish(store, "w", routes, gone, beat=lambda: beats.append(1))
+            assert again.written == 0  # converged: nothing to await but the slices
+            assert ticks[0] - before >= 3 and len(beats) >= 3
+        finally:
+            await store.close()
