@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -126,8 +125,9 @@ class FrontendMetrics:
     """Everything `/metrics` shows for one frontend.
 
     The series of a model that left the registry (`live_instances` no longer names it) are
-    kept `departed_ttl` seconds, then dropped, so departed models (adapters come and go) do
-    not grow `/metrics` for ever; a model with requests in flight is never dropped.
+    kept `departed_ttl` seconds, then dropped (its request series and its `cards_refused`
+    one, requested here or not), so departed models (adapters come and go) do not grow
+    `/metrics` for ever; a model with requests in flight is never dropped.
     """
 
     def __init__(
@@ -142,6 +142,13 @@ class FrontendMetrics:
         self._departed: dict[str, float] = {}  # model name -> when it was first seen gone
         # True while `render` writes the registry: the per-model series are its own text.
         self.rendering = False
+        # (made before `_RequestCollector` is registered: its `drop_departed` reads it)
+        self.cards_refused = Counter(
+            "shoal_frontend_cards_refused",
+            "Model cards refused because their checksum differs from their worker set's.",
+            ["model"],
+            registry=None,
+        )
         self.registry.register(_RequestCollector(self))
         self.registry.register(_DiscoveryCollector())
         self.reconcile_runs = Counter(
@@ -168,12 +175,7 @@ class FrontendMetrics:
             ["stage"],
             registry=self.registry,
         )
-        self.cards_refused = Counter(
-            "shoal_frontend_cards_refused",
-            "Model cards refused because their checksum differs from their worker set's.",
-            ["model"],
-            registry=self.registry,
-        )
+        self.registry.register(self.cards_refused)  # (in its place in the text)
         self.metadata_fetch_failures = Counter(
             "shoal_frontend_metadata_fetch_failures",
             "Fetches of a card's metadata files that failed or did not match their checksum.",
@@ -280,13 +282,28 @@ class FrontendMetrics:
         departed = self._departed
         for name in departed.keys() & present.keys():
             del departed[name]
-        for name in self.models.keys() - present.keys() - {UNKNOWN_MODEL}:
+        # (a model with a refused card may have had no request here: no `ModelStats`)
+        refused = self._refused_models()
+        gone = self.models.keys() - present.keys()
+        if refused:
+            gone |= refused - present.keys()
+        gone.discard(UNKNOWN_MODEL)
+        for name in gone:
             since = departed.setdefault(name, now)
-            if now - since > self.departed_ttl and not self.models[name].in_flight:
-                del self.models[name]
+            stats = self.models.get(name)
+            if now - since > self.departed_ttl and (stats is None or not stats.in_flight):
+                self.models.pop(name, None)
                 del departed[name]
-                with contextlib.suppress(KeyError):
+                if name in refused:
                     self.cards_refused.remove(name)
+
+    def _refused_models(self) -> set[str]:
+        """The models `cards_refused` has a series of (a few: refusals are rare)."""
+        return {
+            sample.labels["model"]
+            for family in self.cards_refused.collect()
+            for sample in family.samples
+        }
 
 
 class _RequestCollector(Collector):
