@@ -162,3 +162,31 @@ async def test_a_child_metrics_answer_over_the_bound_is_left_out_unread(
     assert isinstance(body, bytes) and b'up{process="0"} 1.0' in body
     assert b"endless" not in body
     assert sent < 32 << 20  # the bound, and what the sockets' buffers took
+
+
+def test_merge_replaces_only_a_real_process_label_never_edits_a_label_value() -> None:
+    """`relabel` stripped `,process="..."` wherever it appeared, inside a quoted value too:
+    a model named `x,process=` lost its status label into its model label."""
+    child = FrontendMetrics()
+    child.live_instances = lambda: {"x,process=": 1}
+    stats = child.model("x,process=")
+    stats.count(200)
+    stats.count(500)
+    text = child.render().decode()
+    text += '# TYPE own gauge\nown{a="1",process="9",b="process=\\"2\\""} 1.0\n'
+    got: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    for family in text_string_to_metric_families(processes.merge({0: text}).decode()):
+        for s in family.samples:
+            if s.name in ("shoal_frontend_requests_total", "own"):
+                got.add((s.name, tuple(sorted(s.labels.items()))))
+    assert got == {
+        (
+            "shoal_frontend_requests_total",
+            (("model", "x,process="), ("process", "0"), ("status", "200")),
+        ),
+        (
+            "shoal_frontend_requests_total",
+            (("model", "x,process="), ("process", "0"), ("status", "500")),
+        ),
+        ("own", (("a", "1"), ("b", 'process="2"'), ("process", "0"))),
+    }

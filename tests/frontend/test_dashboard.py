@@ -21,7 +21,7 @@ from shoal.discovery import Discovery
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.dashboard.dashboard import StaticFiles
 from shoal.frontend.dashboard.snapshot import RequestHistory, percentile
-from shoal.frontend.registry.metrics import FrontendMetrics
+from shoal.frontend.registry.metrics import FrontendMetrics, ModelStats
 from shoal.membership import parse_sources
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
@@ -330,6 +330,60 @@ def test_request_history_turns_counters_into_rates_and_ttft_percentiles() -> Non
     history.sample(now=106.0)
     history.sample(now=108.0)
     assert [p["t"] for p in history.points] == [104.0, 106.0, 108.0]  # a ring of `size`
+
+
+class _Unwalkable(dict[str, ModelStats]):
+    """Per-model stats that fail the test if anything walks them all."""
+
+    def values(self) -> Any:
+        raise AssertionError("walked every model's stats")
+
+    def items(self) -> Any:
+        raise AssertionError("walked every model's stats")
+
+    def __iter__(self) -> Any:
+        raise AssertionError("walked every model's stats")
+
+
+def test_request_history_reads_process_totals_not_every_model() -> None:
+    metrics = FrontendMetrics()
+    history = RequestHistory(metrics, period=2.0)
+    for name in ("a", "b", "c"):
+        stats = metrics.model(name)
+        stats.count(200)
+        stats.count(503)
+        stats.ttft.observe(0.02)
+    assert metrics.totals.requests == {200: 3, 503: 3}  # bumped with each model's counters
+    assert sum(metrics.totals.ttft) == 3
+    history.sample(now=100.0)
+    metrics.models = _Unwalkable(metrics.models)  # a sample's work must not grow with models
+    metrics.model("a").count(404)
+    metrics.model("b").ttft.observe(0.4)
+    point = history.sample(now=102.0)
+    assert point is not None
+    assert (point["rps"], point["client_errors"], point["server_errors"]) == (0.5, 0.5, 0.0)
+    assert point["ttft_p50"] is not None and 0.25 < point["ttft_p50"] <= 0.5
+
+
+def test_request_history_keeps_counting_when_a_departed_models_series_are_dropped() -> None:
+    clock = [0.0]
+    metrics = FrontendMetrics(departed_ttl=600.0, clock=lambda: clock[0])
+    present = {"old": 1, "live": 1}
+    metrics.live_instances = lambda: dict(present)
+    for _ in range(1_000):
+        metrics.model("old").count(200)  # its past traffic
+    history = RequestHistory(metrics, period=2.0)
+    del present["old"]
+    metrics.drop_departed()
+    history.sample(now=1000.0)
+    clock[0] += 601.0
+    for status in [200] * 8 + [503] * 2:
+        metrics.model("live").count(status)
+    metrics.drop_departed()  # the departed model's series go from /metrics...
+    assert "old" not in metrics.models
+    point = history.sample(now=1002.0)
+    assert point is not None  # ...but not from the chart: 10 requests in 2 s, 2 of them 5xx
+    assert (point["rps"], point["server_errors"]) == (5.0, 1.0)
 
 
 def test_percentile_of_an_empty_histogram_is_unknown() -> None:

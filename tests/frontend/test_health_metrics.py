@@ -397,6 +397,28 @@ async def test_series_of_a_model_gone_for_a_while_are_dropped(
     assert stay.requests == 1
 
 
+async def test_refused_cards_series_of_a_model_gone_for_a_while_is_dropped_without_requests(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """`cards_refused` was dropped only with a model's request series: a model that had a
+    refused card but no request here kept its series for ever."""
+    await start_worker()
+    old = await start_worker("gone-llm", version="1")
+    frontend = await start_frontend()
+    frontend.metrics.departed_ttl = 0.3  # seconds a departed model's series are kept
+    await wait_for(lambda: serving(frontend) and serving(frontend, "gone-llm"))
+    new = await start_worker("gone-llm", version="2")  # another checksum: refused
+    registry = frontend.metrics.registry
+    refused = "shoal_frontend_cards_refused_total"
+    await wait_for(lambda: registry.get_sample_value(refused, {"model": "gone-llm"}) == 1)
+    assert "gone-llm" not in frontend.metrics.models  # no request for it here
+    await new.unregister()
+    await old.unregister()
+    await wait_for(lambda: "gone-llm" not in frontend.registry.models)
+    await wait_for(lambda: registry.get_sample_value(refused, {"model": "gone-llm"}) is None)
+    assert serving(frontend)  # the model that stays is untouched
+
+
 async def test_health_counts_every_spoiled_discovery_value_and_names_only_the_first(
     store: Store, start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:

@@ -421,7 +421,7 @@ _SAMPLE = re.compile(
 )
 _HEADER = re.compile(rf"# (HELP|TYPE) ({_NAME})(?: (.*))?")
 _TYPES = frozenset(("counter", "gauge", "histogram", "summary", "untyped"))
-_PROCESS_LABEL = re.compile(r'(?:^|,)process="[^"\\]*(?:\\.[^"\\]*)*"')
+_LABELS = re.compile(_LABEL)  # one label of a sample's labels (`_SAMPLE` checked them all)
 
 
 class Unreadable(ValueError):
@@ -453,8 +453,10 @@ def relabel(slot: int, text: str) -> dict[str, tuple[list[str], list[str]]]:
         if sample is None:
             raise Unreadable(f"line {number}: {line[:200]!r}")
         name, labels, value = sample.groups()
-        if labels and 'process="' in labels:
-            labels = _PROCESS_LABEL.sub("", labels).lstrip(",")
+        if labels and 'process="' in labels:  # (maybe only in a value: split to be sure)
+            labels = ",".join(
+                label for label in _LABELS.findall(labels) if not label.startswith('process="')
+            )
         if labels:
             current[1].append(f"{name}{{{labels.rstrip(',')},{process}}}{value}")
         else:

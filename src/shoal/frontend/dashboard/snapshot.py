@@ -8,9 +8,11 @@ bounded at any fleet size: at most `MAX_ROWS` rows a section, the most severe fi
 `totals` counting all; it yields to the event loop every `SLICE` items.
 
 `RequestHistory` is the ring buffer behind the page's charts: every `period` seconds it turns
-the per-model request counters of `FrontendMetrics` into one point (requests/s, client and
-server errors/s, TTFT percentiles of that period). It reads counters the request path keeps
-anyway, so the request path pays nothing for it.
+the process-wide request totals of `FrontendMetrics` into one point (requests/s, client and
+server errors/s, TTFT percentiles of that period). The request path bumps those totals next
+to the per-model counters (a dict and a list increment), so a sample reads about 20 numbers
+whatever the number of models, and totals that never decrease chart no false drop when a
+departed model's series are dropped.
 
 Neither runs on the request path: the dashboard's timer calls them.
 """
@@ -523,19 +525,20 @@ class RequestHistory:
         self._last: tuple[float, int, int, int, list[int]] | None = None
 
     def sample(self, now: float | None = None) -> dict[str, Any] | None:
-        """Add the point for the period that just ended (None on the first call: no baseline)."""
+        """Add the point for the period that just ended (None on the first call: no baseline).
+
+        Reads the process-wide `FrontendMetrics.totals` (a few numbers, whatever the number
+        of models), which never decrease: a departed model's dropped series do not dent it."""
         now = time.time() if now is None else now
+        totals = self.metrics.totals
         total = client = server = 0
-        ttft = [0] * (len(TTFT_BUCKETS) + 1)
-        for stats in list(self.metrics.models.values()):
-            for status, count in list(stats.requests.items()):
-                total += count
-                if status >= 500:
-                    server += count
-                elif status >= 400:
-                    client += count
-            for i, count in enumerate(stats.ttft.counts):
-                ttft[i] += count
+        for status, count in list(totals.requests.items()):
+            total += count
+            if status >= 500:
+                server += count
+            elif status >= 400:
+                client += count
+        ttft = list(totals.ttft)
         last, self._last = self._last, (now, total, client, server, ttft)
         if last is None or now <= last[0]:
             return None
