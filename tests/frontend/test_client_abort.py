@@ -7,6 +7,7 @@ import asyncio
 import gc
 import socket
 import struct
+import time
 from typing import Any
 
 import pytest
@@ -147,3 +148,38 @@ async def test_a_client_that_reads_nothing_of_its_answer_is_cut_at_the_send_time
         )
     finally:
         sock.close()
+
+
+async def test_a_client_reading_a_large_answer_slowly_is_never_cut_by_the_send_timeout() -> None:
+    """The send timeout is the time between two reads of the client (nginx's `send_timeout`),
+    not the time until its buffer drains below the low-water mark: a client that read 64 KB
+    every 10 ms of an 8 MB answer (more than the kernel's buffers hold) was cut."""
+    from shoal.frontend.http.listener import HttpServer
+
+    body = b"x" * (8 << 20)
+    server = HttpServer(lambda _, conn: conn.send(200, body, b"text/plain"), max_body=1 << 20,
+                        send_timeout=0.3)  # fmt: skip
+    await server.start("127.0.0.1", 0)
+
+    def read_slowly() -> int:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n")
+            got = 0
+            while got < len(body):
+                time.sleep(0.01)  # (a slow reader's pace, not a wait for anything)
+                try:
+                    data = sock.recv(65536)
+                except ConnectionResetError:
+                    break
+                if not data:
+                    break
+                got += len(data)
+            return got
+
+    try:
+        got = await asyncio.get_running_loop().run_in_executor(None, read_slowly)
+    finally:
+        await server.close(0.1)
+    assert got >= len(body)  # (the head too: more than the body)

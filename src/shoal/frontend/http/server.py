@@ -50,15 +50,13 @@ METER_FROM = 256 << 10  # a body this large has its nesting judged as it comes, 
 TURN_BYTES = 256 << 10  # after reading this many bytes, a connection lets the loop turn
 LINGER_BYTES = 1 << 20  # and how many at least (twice `max_body` if more: see `_finish`)
 
-# The request headers the server itself reads (the handler reads the others).
+# The request headers the server itself reads (the handler reads the others), and what a
+# connection is reading: nothing yet of the next request, its head, or its body.
 _READ_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
-
-# What a connection is reading: nothing yet of the next request, its head, or its body.
 IDLE, HEAD, BODY = 0, 1, 2
 
 
-# A handler answers with `send()` (a whole response), or with `produce_later()`, `write()`s
-# and `finish()` later. It is called in the parser's callback: no task.
+# A handler answers with `send()`, or `produce_later()`, `write()`s and `finish()` later.
 Handler = Callable[[Request, "HttpConnection"], None]
 
 
@@ -127,7 +125,8 @@ class HttpConnection(asyncio.Protocol):
         self._phase_since = self.idle_since  # 0.0: since the next sweep
         self._progress = False  # bytes arrived since the last sweep
         self._last_progress = 0.0  # when a sweep last saw bytes arrive (0.0: never)
-        self._paused_since = 0.0  # when a sweep first saw writing paused (0.0: not paused)
+        self._paused_since = 0.0  # since when the client read nothing (0.0: not paused)
+        self._unsent = 0  # bytes waiting to be sent at the last sweep (read since: fewer)
         self._head_bytes = 0  # bytes read while in a request head
         self._url = b""  # (the message being parsed)
         self._headers: list[tuple[bytes, bytes]] = []
@@ -483,15 +482,17 @@ class HttpConnection(asyncio.Protocol):
         if self._progress:
             self._progress = False
             self._last_progress = now
-        server = self.server
-        if not self.writing_paused:
+        server, transport = self.server, self.transport
+        if not self.writing_paused or transport is None:
             self._paused_since = 0.0
-        elif not self._paused_since:  # (the client reads nothing of its answer: since when)
-            self._paused_since = now
+        elif not self._paused_since or (unsent := transport.get_write_buffer_size()) < self._unsent:
+            # Paused now, or the client read since the last sweep: a new wait from now.
+            self._paused_since, self._unsent = now, transport.get_write_buffer_size()
         elif server.send_timeout and now - self._paused_since > server.send_timeout:
-            if self.transport is not None:  # gone as far as its answer goes: the work stops
-                self.transport.abort()
+            transport.abort()  # it reads nothing of its answer: gone, and the work stops
             return
+        else:
+            self._unsent = unsent
         if self._stopped or self.busy or self.pending or self.transport is None:
             return
         if self._phase == IDLE:
