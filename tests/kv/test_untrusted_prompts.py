@@ -337,3 +337,17 @@ def test_formats_of_a_foreseeable_width_still_render() -> None:
     template = "{{ '%5s|%-3d|%%*|%.2f' % ('ab', 7, 1.5) }}{{ '{0:>4}{1:03d}'.format('x', 1) }}"
     tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
     assert tokenizer.render([{"role": "user", "content": "hi"}]) == "   ab|7  |%*|1.50   x001"
+
+
+def test_a_system_message_put_before_a_long_chat_of_short_messages_still_renders() -> None:
+    """`[system] + messages` builds no text: it is held to the text its items hold, as the
+    render's limit counts a chat's, not to their keys and items too (a chat of 40,000 short
+    messages was refused, and its template disabled for the model)."""
+    template = (
+        "{% set msgs = [{'role': 'system', 'content': 'Be brief.'}] + messages %}"
+        "{% for m in msgs %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    )
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    chat = [{"role": "user" if i % 2 else "assistant", "content": "ok"} for i in range(40_000)]
+    assert tokenizer.render(chat).startswith("<|system|>Be brief.\n<|assistant|>ok\n")
+    assert not tokenizer.disabled

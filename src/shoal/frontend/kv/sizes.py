@@ -25,20 +25,22 @@ def wide(form: str, style: str) -> bool:
         return False  # (`format` raises it)
 
 
-def chars(value: Any, budget: int, depth: int = 0) -> int:
+def chars(value: Any, budget: int, depth: int = 0, extra: int = 4) -> int:
     """About how many characters `value` makes printed, joined or encoded (its strings'
-    lengths, 4 more per item, through lists, tuples and dicts), counted up to `budget` (past
-    it, or 32 containers deep, more than `budget`)."""
+    lengths, `extra` more per item and a dict's keys too unless `extra` is 0, through lists,
+    tuples and dicts), counted up to `budget` (past it, or 32 containers deep, more)."""
     if depth > 32:
         return budget + 1
     if isinstance(value, str):
         return len(value)
     if not isinstance(value, list | tuple | dict):
-        return 1
-    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        return 1 if extra else 0
+    items: list[Any] | tuple[Any, ...] = value if not isinstance(value, dict) else (
+        [*value.keys(), *value.values()] if extra else [*value.values()]
+    )  # fmt: skip
     total = 0
     for item in items:
-        total += 4 + chars(item, budget - total, depth + 1)
+        total += extra + chars(item, budget - total, depth + 1, extra)
         if total > budget:
             break
     return total
@@ -53,5 +55,7 @@ def built(operator: str, left: Any, right: Any, budget: int) -> int:
             if isinstance(seq, str | list | tuple) and type(times) is int and times > 0:
                 return chars(seq, budget // times + 1) * times
     if operator == "+" and isinstance(left, list | tuple) and isinstance(right, list | tuple):
-        return chars(left, budget) + chars(right, budget)
+        # (the text its items hold, as the render's limit counts a chat's: `[system] +
+        # messages` of a long chat is within it; a list doubled again and again is not)
+        return chars(left, budget, extra=0) + chars(right, budget, extra=0)
     return 0
