@@ -72,6 +72,7 @@ class Told:
         self.ticket = self
         self.reserved = 0  # tokens reserved for it when admitted
         self.shared = False
+        self.minute = 0
 
     def admitted(self, headers: bytes) -> None:
         self.verdicts.append(headers)

@@ -63,7 +63,7 @@ def test_a_response_is_told_once_with_its_status_tokens_and_served_model() -> No
     metered.write(body[10:].encode())
     metered.finish()
     metered.finish()  # told once
-    assert gate.ends == [(GRANT, "alias", 201, 3, 4, "served-1", 0, False)]
+    assert gate.ends == [(GRANT, "alias", 201, 3, 4, "served-1", 0, False, 0)]
     assert b"".join(conn.written) == head + body.encode()
     conn.loop.close()
 
@@ -72,12 +72,12 @@ def test_a_refused_request_costs_no_tokens_and_a_cut_stream_what_it_sent() -> No
     conn, gate = Conn(), Gate()
     metered = Metered(conn, 40, gate, GRANT, "alias")
     metered.send_error(ApiError(503, "no instance"))
-    assert gate.ends == [(GRANT, "alias", 503, 0, 0, "", 0, False)]
+    assert gate.ends == [(GRANT, "alias", 503, 0, 0, "", 0, False, 0)]
     metered = Metered(conn, 40, gate, GRANT, "alias")
     metered.write(b'HTTP/1.1 200 OK\r\n\r\ndata: {"model":"m","usage":{"prompt_tokens":3}}\n\n')
     metered.write(b'data: {"x":1}\n\ndata: {"x":2}\n\n')
     metered.finish(ApiError(502, "cut"))  # after the first byte: the status stays 200
-    assert gate.ends[-1] == (GRANT, "alias", 200, 3, 2, "m", 0, False)
+    assert gate.ends[-1] == (GRANT, "alias", 200, 3, 2, "m", 0, False, 0)
     conn.loop.close()
 
 
@@ -87,7 +87,7 @@ def test_nothing_is_looked_for_when_no_tpm_and_no_usage_book_need_it() -> None:
     metered = Metered(conn, 40, gate, GRANT, "alias")
     metered.write(b'HTTP/1.1 200 OK\r\n\r\n{"model":"m","usage":{"prompt_tokens":3}}')
     metered.finish()
-    assert gate.ends == [(GRANT, "alias", 200, 0, 0, "", 0, False)]
+    assert gate.ends == [(GRANT, "alias", 200, 0, 0, "", 0, False, 0)]
     conn.loop.close()
 
 
@@ -95,7 +95,7 @@ def test_a_request_whose_client_left_before_an_answer_costs_no_tokens() -> None:
     conn, gate = Conn(), Gate()
     metered = Metered(conn, 4000, gate, GRANT, "alias")
     metered.finish()  # the connection ended before the upstream's first byte
-    assert gate.ends == [(GRANT, "alias", 499, 0, 0, "", 0, False)]
+    assert gate.ends == [(GRANT, "alias", 499, 0, 0, "", 0, False, 0)]
     conn.loop.close()
 
 
@@ -115,7 +115,7 @@ def test_a_usage_followed_by_more_than_the_tail_is_found_even_split_across_write
         metered.write(body[cut : cut + 5])
         metered.write(body[cut + 5 :])
         metered.finish()
-        assert gate.ends == [(GRANT, "alias", 200, 10, 90, "m", 0, False)], cut
+        assert gate.ends == [(GRANT, "alias", 200, 10, 90, "m", 0, False, 0)], cut
         conn.loop.close()
 
 
@@ -141,7 +141,7 @@ def test_a_usage_string_after_the_usage_never_hides_it_wherever_the_writes_cut()
         metered.write(head + body[:cut])
         metered.write(body[cut:])
         metered.finish()
-        assert gate.ends == [(GRANT, "alias", 200, 10, 90, "m", 0, False)], cut
+        assert gate.ends == [(GRANT, "alias", 200, 10, 90, "m", 0, False, 0)], cut
         conn.loop.close()
     later = b'"usage" : {"prompt_tokens":3,"completion_tokens":4}'
     again = body[:-2] + b"]," + later + b',"x":"' + b"y" * 2 * TAIL + b'"}'
@@ -151,7 +151,7 @@ def test_a_usage_string_after_the_usage_never_hides_it_wherever_the_writes_cut()
     metered.write(head + again[:at])
     metered.write(again[at:])
     metered.finish()
-    assert gate.ends == [(GRANT, "alias", 200, 3, 4, "m", 0, False)]
+    assert gate.ends == [(GRANT, "alias", 200, 3, 4, "m", 0, False, 0)]
     conn.loop.close()
 
 
@@ -169,5 +169,5 @@ def test_a_prompt_tokens_string_in_the_tail_never_hides_the_usage_before_it() ->
     metered = Metered(conn, 40, gate, GRANT, "alias")
     metered.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
     metered.finish()
-    assert gate.ends == [(GRANT, "alias", 200, 10, 90, "m", 0, False)]
+    assert gate.ends == [(GRANT, "alias", 200, 10, 90, "m", 0, False, 0)]
     conn.loop.close()

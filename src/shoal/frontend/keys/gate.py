@@ -110,13 +110,14 @@ class Gate:
         served: str,
         reserved: int = 0,
         shared: bool = False,
+        minute: int = 0,
     ) -> None:
         """The end of a request that passed max_parallel (`Metered` tells it, once), with
-        the tokens reserved for it when admitted (`shared`: in Redis)."""
+        the tokens reserved for it when admitted (`shared`: in Redis), in `minute`."""
         limits = self.limits
         if grant.max_parallel is not None:
             limits.leave(grant)
         if grant.tpm is not None:
-            limits.charge(grant, prompt + completion, reserved, shared)
+            limits.charge(grant, prompt + completion, reserved, shared, minute)
         if self.record is not None:
             self.record(grant, model, served or model, status, prompt, completion)

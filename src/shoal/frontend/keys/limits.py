@@ -17,10 +17,12 @@ allowance: one round trip per request, exact. Requests that wait while a lease i
 
 Tokens: each request admitted reserves the key's tokens per request (its average here; before
 the key's first answer here, the largest `windows.estimate` of the requests waiting) in the
-tpm window, and holds them while it is in flight; once answered, what it used beyond (or short
-of) its reservation is owed, and carried to Redis by the key's next `LEASE`, or by the flush
-every `FLUSH` seconds for a key that asks nothing more: no round trip of its own. An allowance
-is used only while its reserved tokens cover what is owed. A request is admitted while the
+tpm window, and holds them while it is in flight; once answered, its tokens are owed to the
+current minute and its reservation given back to the minute it was made in (Redis' window,
+told to the request when admitted; nothing if that minute left the sliding window), both
+carried to Redis by the key's next `LEASE`, or by the flush every `FLUSH` seconds for a key
+that asks nothing more: no round trip of its own. An allowance is used only while its
+reserved tokens cover what is owed beyond the reservations given back. A request is admitted while the
 key's token estimate is under `tpm`, so the last one admitted may overshoot by its own size.
 
 Redis is reached through one dedicated connection, calls pipelined (`RedisLink`).
@@ -46,6 +48,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import itertools
 import logging
 import math
 import time
@@ -81,9 +84,10 @@ FLUSH = 0.25  # seconds between two flushes of what idle keys owe Redis
 FLUSH_BATCH = 1000  # keys settled by one flush at most (the loop is not held long)
 
 # KEYS[1]: the key's prefix. ARGV: window, rpm, tpm (0: none), requests wanted (0: only
-# settle), tokens reserved per request, tokens owed, then an allowance given back: requests,
-# tokens, its window. Answers {admitted, requests granted, requests left, tokens left, wait
-# (s), reset (s), window, refused by (1 requests, 2 tokens)}.
+# settle), tokens reserved per request, tokens owed (to this minute), then an allowance given
+# back: requests, tokens, its window; then reservations given back: pairs of (window, tokens).
+# Answers {admitted, requests granted, requests left, tokens left, wait (s), reset (s), window,
+# refused by (1 requests, 2 tokens), the other limit's reset when refused (s)}.
 LEASE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -108,7 +112,11 @@ if back > 0 then
   add(p .. ':r:' .. ARGV[9], -back)
   add(p .. ':t:' .. ARGV[9], -tonumber(ARGV[8]))
 end
-if want == 0 then return {1, 0, 0, 0, 0, turn, cur, 0} end
+for i = 10, #ARGV - 1, 2 do
+  local w = tonumber(ARGV[i])
+  if w >= cur - 1 and w <= cur then add(p .. ':t:' .. w, -tonumber(ARGV[i + 1])) end
+end
+if want == 0 then return {1, 0, 0, 0, 0, turn, cur, 0, 0} end
 local rc = tonumber(redis.call('GET', p .. ':r:' .. cur) or '0')
 local rp = tonumber(redis.call('GET', p .. ':r:' .. (cur - 1)) or '0')
 local tc = tonumber(redis.call('GET', p .. ':t:' .. cur) or '0')
@@ -121,10 +129,12 @@ local function wait(prev, c, bound)
   return math.floor(at) + 1
 end
 if rpm > 0 and r + 1 > rpm then
-  return {0, 0, 0, math.max(tpm - tk, 0), wait(rp, rc, rpm - 1), turn, cur, 1}
+  local reset_t = turn
+  if tpm > 0 and tk >= tpm then reset_t = wait(tp, tc, tpm) end
+  return {0, 0, 0, math.max(tpm - tk, 0), wait(rp, rc, rpm - 1), turn, cur, 1, reset_t}
 end
 if tpm > 0 and tk >= tpm then
-  return {0, 0, math.max(rpm - r, 0), 0, wait(tp, tc, tpm), turn, cur, 2}
+  return {0, 0, math.max(rpm - r, 0), 0, wait(tp, tc, tpm), turn, cur, 2, turn}
 end
 local n = want
 if rpm > 0 then n = math.min(n, math.floor(rpm - r)) end
@@ -132,7 +142,7 @@ if tpm > 0 and per > 0 then n = math.min(n, math.ceil((tpm - tk) / per)) end
 n = math.max(n, 1)
 add(p .. ':r:' .. cur, n)
 add(p .. ':t:' .. cur, n * per)
-return {1, n, math.max(rpm - r - n, 0), math.max(tpm - tk - n * per, 0), 0, turn, cur, 0}
+return {1, n, math.max(rpm - r - n, 0), math.max(tpm - tk - n * per, 0), 0, turn, cur, 0, 0}
 """
 
 # KEYS[1]: the sorted set of frontends. ARGV: this frontend's id, FRONTENDS_TTL. Answers N.
@@ -189,8 +199,8 @@ class _Key:
     """One key's state here while the windows are shared (see the module's docstring)."""
 
     __slots__ = (
-        "asking", "avg", "grant", "guess", "left_requests", "left_tokens", "owed", "per", "reset_at",
-        "since", "units", "until", "used", "waiting", "window",
+        "asking", "avg", "given", "giving", "grant", "guess", "left_requests", "left_tokens",
+        "owed", "per", "reset_at", "since", "units", "until", "used", "waiting", "window",
     )  # fmt: skip
 
     def __init__(self, grant: Grant) -> None:
@@ -199,7 +209,9 @@ class _Key:
         self.until = 0.0  # monotonic time the allowance ends
         self.window = 0  # the Redis window it was counted in
         self.per = 0  # tokens it reserved per request
-        self.owed = 0  # tokens owed to Redis: answers' tokens - reservations (may be < 0)
+        self.owed = 0  # tokens owed to Redis' current minute: answers' tokens
+        self.given: dict[int, int] | None = None  # reservations to give back, per window...
+        self.giving = 0  # ... in all
         self.used = 0  # requests admitted since the last lease...
         self.since = 0.0  # ... which was then (monotonic): the rate
         self.avg = 0.0  # tokens per answer (0: none seen yet)
@@ -211,7 +223,7 @@ class _Key:
 
     @property
     def idle(self) -> bool:
-        return not (self.units or self.owed or self.asking or self.waiting)
+        return not (self.units or self.owed or self.given or self.asking or self.waiting)
 
 
 class Limits:
@@ -301,7 +313,7 @@ class Limits:
             return self.local.admit(grant, self.frontends if self.url else 1, body, ticket)
         named = self._keys.get(grant.workspace)
         key = named.get(grant.name) if named is not None else None
-        if key is None or key.units <= 0 or key.owed > key.units * key.per:
+        if key is None or key.units <= 0 or key.owed - key.giving > key.units * key.per:
             return None  # no allowance, or its reserved tokens no longer cover what is owed
         now = time.monotonic()
         if now >= key.until:
@@ -320,22 +332,32 @@ class Limits:
         if not key.asking:
             self._ask(key, time.monotonic())
 
-    def charge(self, grant: Grant, tokens: int, reserved: int = 0, shared: bool = False) -> None:
+    def charge(
+        self, grant: Grant, tokens: int, reserved: int = 0, shared: bool = False, minute: int = 0
+    ) -> None:
         """Charge an answer's `tokens` to the key's tpm (after the fact; nothing awaits it)
-        instead of the tokens `reserved` for it when admitted: in Redis (`shared`), or in the
-        local windows. (A request admitted before Redis failed or came back: its reservation
-        is left where it is, to fade with its window.)"""
+        instead of the tokens `reserved` for it when admitted in `minute`: in Redis (`shared`),
+        or in the local windows; the reservation is given back to its own minute, the tokens
+        charged to the current one. (A request admitted before Redis failed or came back: its
+        reservation is left where it is, to fade with its window.)"""
         if grant.tpm is None:
             return
         if not self.shared:
             if tokens > 0 or (reserved and not shared):
-                self.local.charge(grant, tokens, 0 if shared else reserved)
+                self.local.charge(grant, tokens, 0 if shared else reserved, minute=minute)
             return
         key = self._key(grant)
         if tokens > 0:
             key.avg = tokens if not key.avg else key.avg + (tokens - key.avg) / 8
-        key.owed += tokens - reserved if shared else tokens
-        if key.owed:
+            key.owed += tokens
+        if shared and reserved:
+            given = key.given
+            if given is None:
+                key.given = {minute: reserved}
+            else:
+                given[minute] = given.get(minute, 0) + reserved
+            key.giving += reserved
+        if key.owed or key.given:
             self._unsettled.add(key)
 
     def _take(self, key: _Key, now: float, ticket: Ticket | None) -> bytes:
@@ -346,7 +368,7 @@ class Limits:
         key.used += 1
         per = key.per
         if ticket is not None:
-            ticket.reserved, ticket.shared = per, True
+            ticket.reserved, ticket.shared, ticket.minute = per, True, key.window
         reset = math.ceil(key.reset_at - now)
         return headers_of(
             key.grant,
@@ -401,11 +423,13 @@ class Limits:
             self.settles += 1
         back = key.units if give_back else 0  # the allowance left, given back
         owed, key.owed, key.units = key.owed, 0, key.units - back
+        given, key.given, key.giving = key.given, None, 0  # reservations, to their windows
         key.asking = True
         future = self.link.call(
             "EVALSHA", self._lease, 1, f"{self.prefix}rl:{_redis_id(grant)}",
             WINDOW, grant.rpm or 0, grant.tpm or 0, want, per, owed,
             back, back * key.per, key.window,
+            *(() if given is None else itertools.chain.from_iterable(given.items())),
         )  # fmt: skip
         future.add_done_callback(functools.partial(self._answered, key, want, per, owed))
         return future
@@ -425,18 +449,18 @@ class Limits:
             for waiter in self._waiters(key):
                 _tell(waiter, self.local.admit(grant, self.frontends, waiter.body, waiter.ticket))
             return
-        admitted, granted, left_r, left_t, wait, turn, window, which = future.result()
+        admitted, granted, left_r, left_t, wait, turn, window, which, other = future.result()
         now = time.monotonic()
         if not want:  # settled only: its answer says nothing of the windows
             pass
         elif not admitted:
             key.left_requests, key.left_tokens, key.reset_at = left_r, left_t, now + turn
-            wait = max(int(wait), 1)
-            refusal = Refusal(
-                headers_of(grant, left_r, left_t, wait),
-                wait,
-                "requests" if which == 1 else "tokens",
-            )
+            wait, other = max(int(wait), 1), max(int(other), 1)
+            if which == 1:  # each limit's own reset
+                headers = headers_of(grant, left_r, left_t, wait, other)
+            else:
+                headers = headers_of(grant, left_r, left_t, other, wait)
+            refusal = Refusal(headers, wait, "requests" if which == 1 else "tokens")
             for waiter in self._waiters(key):
                 waiter.refused(refusal)
         else:
@@ -451,7 +475,7 @@ class Limits:
                     ticket = waiter.ticket if grant.tpm is not None else None
                     waiter.admitted(self._take(key, now, ticket))
             del key.waiting[:told]
-        if key.units > 0 or key.owed:
+        if key.units > 0 or key.owed or key.given:
             self._unsettled.add(key)  # owes tokens, or an allowance to give back
         if any(not waiter.cancelled for waiter in key.waiting):
             self._ask(key, now)  # came while it was asked, more than were granted
@@ -477,7 +501,7 @@ class Limits:
             if key.asking:
                 continue  # its answer puts it back if need be
             ended = key.units > 0 and (final or now >= key.until)
-            if key.owed or ended:
+            if key.owed or key.given or ended:
                 self._unsettled.discard(key)
                 sent.append(self._ask(key, now, give_back=ended))
             elif key.units == 0:

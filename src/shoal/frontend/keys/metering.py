@@ -9,10 +9,11 @@ written: an engine may answer more after it (vLLM's `prompt_logprobs`, asked for
 client, can be far longer than the tail), and the tail alone then charged no completion
 tokens. When the engine gives no usage, the gateway counts: one completion token per
 streamed event, and the prompt as its body bytes / 4. The gate's
-`done(grant, model, status, prompt_tokens, completion_tokens, served_model, reserved, shared)`
+`done(grant, model, status, prompt_tokens, completion_tokens, served_model, reserved, shared,
+minute)`
 is called once, when the response is finished or refused; the served model is the `model` the
 answer names ("" if none), `reserved` the tokens `Limits` reserved for it when it was admitted
-(`shared`: in Redis). Per write: a count of `data:`, a `rfind` of `"usage"` and two slices, no
+(`shared`: in Redis) in `minute`. Per write: a count of `data:`, a `rfind` of `"usage"` and two slices, no
 regular expression; the usage is looked for once, at the end: in the tail, else after the
 last `"usage"`. A `"usage"` counts only as a key: followed by `:` and an object (whitespace
 between); the same text in a string (a prompt's token echoed in `prompt_logprobs`, a client's
@@ -54,6 +55,7 @@ class EndListener(Protocol):
         served: str,
         reserved: int = 0,
         shared: bool = False,
+        minute: int = 0,
     ) -> None: ...
 
 
@@ -115,8 +117,8 @@ class Metered:
     """`conn` as the proxy sees it, reporting the end to `on_done` (see the module)."""
 
     __slots__ = (
-        "_done", "conn", "events", "gate", "grant", "head", "loop", "model", "request_bytes",
-        "reserved", "shared", "status", "tail", "unsure", "usage",
+        "_done", "conn", "events", "gate", "grant", "head", "loop", "minute", "model",
+        "request_bytes", "reserved", "shared", "status", "tail", "unsure", "usage",
     )  # fmt: skip
 
     def __init__(
@@ -140,7 +142,8 @@ class Metered:
         self.unsure = b""  # the `usage` before, while the last is not known to be a key
         self.events = 0
         self.reserved = 0  # tokens reserved for it when admitted (`Limits.admit`)...
-        self.shared = False  # ... in Redis, or in the local windows
+        self.shared = False  # ... in Redis, or in the local windows...
+        self.minute = 0  # ... in this minute (Redis' window, or the local one)
         self._done = False
 
     @property
@@ -225,4 +228,7 @@ class Metered:
         if gate.records_usage:
             found = _MODEL.search(self.head) or _MODEL.search(self.tail)
             served = found.group(1).decode(errors="replace") if found else ""
-        gate.done(grant, self.model, status, prompt, completion, served, self.reserved, self.shared)
+        gate.done(
+            grant, self.model, status, prompt, completion, served,
+            self.reserved, self.shared, self.minute,
+        )  # fmt: skip

@@ -9,7 +9,10 @@ with the Redis path. A key is its (workspace, name): its live secrets share its 
 Tokens, as in Redis: each request admitted reserves the key's tokens per request (the running
 average of its answers here; before the first answer, the request's `estimate`) in the tpm
 window, and its end charges what its answer used beyond (or short of) that: the requests in
-flight count, so a burst overshoots tpm by at most the last one admitted.
+flight count, so a burst overshoots tpm by at most the last one admitted. A request that ends
+in a later minute than it was admitted in gives its reservation back to that minute's window
+(the previous minute's, or nothing once it left the sliding window) and charges its answer's
+tokens to the current minute whole.
 """
 
 from __future__ import annotations
@@ -63,11 +66,12 @@ def estimate(body: bytes) -> int:
 
 class Ticket(Protocol):
     """A request as the limits see it: the tokens reserved for it when admitted (given back,
-    and its answer's charged instead, at its end), and where: in Redis (`shared`), or in
-    these windows."""
+    and its answer's charged instead, at its end), where: in Redis (`shared`), or in these
+    windows, and in which `minute` (Redis' window, or `now // WINDOW` here)."""
 
     reserved: int
     shared: bool
+    minute: int
 
 
 @dataclass(slots=True)
@@ -90,16 +94,25 @@ _TOKENS = (
 _BOTH = _REQUESTS + _TOKENS
 
 
-def headers_of(grant: Grant, left_requests: float, left_tokens: float, reset: int) -> bytes:
+def headers_of(
+    grant: Grant,
+    left_requests: float,
+    left_tokens: float,
+    reset: int,
+    reset_tokens: int | None = None,
+) -> bytes:
+    """The `x-ratelimit-*` lines: `reset` the requests' (and the tokens', unless
+    `reset_tokens` says otherwise: a refusal's limits each reset when they do)."""
     rpm, tpm = grant.rpm, grant.tpm
+    reset_t = reset if reset_tokens is None else reset_tokens
     if rpm is not None:
         if tpm is not None:
             left_t = left_tokens if left_tokens > 0 else 0
             left_r = left_requests if left_requests > 0 else 0
-            return _BOTH % (rpm, left_r, reset, tpm, left_t, reset)
+            return _BOTH % (rpm, left_r, reset, tpm, left_t, reset_t)
         return _REQUESTS % (rpm, left_requests if left_requests > 0 else 0, reset)
     if tpm is not None:
-        return _TOKENS % (tpm, left_tokens if left_tokens > 0 else 0, reset)
+        return _TOKENS % (tpm, left_tokens if left_tokens > 0 else 0, reset_t)
     return b""
 
 
@@ -163,19 +176,21 @@ class LocalWindows:
         tk = window.prev_tokens * keep + window.tokens
         rpm = -(-grant.rpm // share) if grant.rpm else 0
         tpm = -(-grant.tpm // share) if grant.tpm else 0
-        if rpm and r + 1 > rpm:
+        if rpm and r + 1 > rpm:  # (each limit's reset: its own wait, or the turn if not out)
             wait = fade(window.prev_requests, window.requests, rpm - 1, keep)
-            return Refusal(headers_of(grant, 0, tpm - tk, wait), wait, "requests")
+            out = tpm and tk >= tpm
+            tokens = fade(window.prev_tokens, window.tokens, tpm, keep) if out else turn
+            return Refusal(headers_of(grant, 0, tpm - tk, wait, tokens), wait, "requests")
         if tpm and tk >= tpm:
             wait = fade(window.prev_tokens, window.tokens, tpm, keep)
-            return Refusal(headers_of(grant, rpm - r, 0, wait), wait, "tokens")
+            return Refusal(headers_of(grant, rpm - r, 0, turn, wait), wait, "tokens")
         window.requests += 1
         if tpm:
             per = math.ceil(window.avg) if window.avg else estimate(body)
             window.tokens += per
             tk += per
             if ticket is not None:
-                ticket.reserved, ticket.shared = per, False
+                ticket.reserved, ticket.shared, ticket.minute = per, False, minute
         return headers_of(grant, rpm - r - 1, tpm - tk, turn)
 
     def charge(
@@ -185,13 +200,20 @@ class LocalWindows:
         reserved: int = 0,
         now: float | None = None,
         answer: bool = True,
+        minute: int | None = None,
     ) -> None:
         """An `answer`'s `tokens` charged to the key's tpm, instead of the `reserved` ones (not
-        an `answer`: tokens owed to Redis, charged here while it is down)."""
+        an `answer`: tokens owed to Redis, charged here while it is down). The reservation was
+        made in `minute` (None: this one): given back there, the tokens charged to this one."""
         now = time.time() if now is None else now
-        window = self._at(grant, int(now // WINDOW))
+        current = int(now // WINDOW)
+        window = self._at(grant, current)
         if tokens > 0 and answer:
             window.avg = tokens if not window.avg else window.avg + (tokens - window.avg) / 8
+        if reserved and minute is not None and minute != current:
+            if minute == current - 1:
+                window.prev_tokens = max(window.prev_tokens - reserved, 0)
+            reserved = 0  # (older: it left the sliding window already)
         window.tokens = max(window.tokens + tokens - reserved, 0)
 
     def _forget(self, minute: int) -> None:
