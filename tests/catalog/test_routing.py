@@ -99,3 +99,37 @@ async def test_resolve_and_publish_yield_and_beat_every_slice() -> None:
             assert ticks[0] - before >= 3 and len(beats) >= 3
         finally:
             await store.close()
+
+
+async def test_a_converged_publish_makes_each_routes_key_within_its_slice(
+    monkeypatch: Any,
+) -> None:
+    """The keys of the routes wanted were made all at once after the slices (10,000 of them,
+    each quoted twice, held the loop ~100 ms): each is made once, in its route's slice."""
+    from shoal.discovery import routes as routes_module
+
+    n = 3 * SLICE + 1
+    vms, entities, providers = fleet_of(n)
+    routes = await resolve("w", vms, entities.get, providers)
+    store = await open_store(f"memory://{uuid.uuid4().hex}")
+
+    async def gone(name: str) -> bool:
+        return False
+
+    try:
+        await publish(store, "w", routes, gone)
+        made: list[int] = []
+        real = routes_module.route_key
+        async with ticker() as ticks:
+
+            def counted(workspace: str, name: str) -> str:
+                made.append(ticks[0])
+                return real(workspace, name)
+
+            monkeypatch.setattr(routes_module, "route_key", counted)
+            again = await publish(store, "w", routes, gone)
+        assert again.written == 0 and again.deleted == 0
+        assert len(made) == n  # once per route
+        assert max(made.count(tick) for tick in set(made)) <= SLICE
+    finally:
+        await store.close()

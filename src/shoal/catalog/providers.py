@@ -44,6 +44,7 @@ from shoal.catalog.calls import Calls, each
 from shoal.catalog.errors import CatalogError, ConflictError, NotFoundError
 from shoal.catalog.kinds import PROVIDERS, VIRTUAL_MODELS
 from shoal.catalog.resources import NAME_PATTERN, Model, Provider, VirtualModel
+from shoal.catalog.routing import SLICE, pause
 from shoal.discovery import Discovery, Query
 
 log = logging.getLogger(__name__)
@@ -270,7 +271,9 @@ class ProvidersPhase:
             )
             await self._provider(workspace, provider, over, cache, result)
             return
-        for name in valid:
+        for count, name in enumerate(valid, 1):
+            if count % SLICE == 0:  # (10,000 names staged at once held the loop ~160 ms)
+                await pause(self.calls.beat)
             if cache.peek(name) is None:
                 cache.stage_create(
                     name, {"autoprovisioned": True, "description": f"served by {ref}"}
