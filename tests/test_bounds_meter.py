@@ -80,4 +80,6 @@ def test_meter_costs_a_few_passes_a_piece_even_just_under_the_bound(piece: int) 
 
     whole = best_of(5, lambda: json_depth_exceeds(text))  # (5: the least of a busy machine's)
     metered = best_of(5, meter)
-    assert metered < 2.5 * whole, f"meter {metered * 1e3:.0f} ms, whole text {whole * 1e3:.0f} ms"
+    # (a few passes: 2-3.2 times the whole text's one pass, on quiet and busy machines alike;
+    # the 63 passes of a quadratic peel were ~30 times)
+    assert metered < 4 * whole, f"meter {metered * 1e3:.0f} ms, whole text {whole * 1e3:.0f} ms"
