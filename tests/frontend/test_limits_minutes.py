@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import types
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio
@@ -15,9 +14,11 @@ from shoal.discovery.grants import Grant, hash_secret
 from shoal.frontend.keys import limits, windows
 from shoal.frontend.keys.limits import Limits
 from shoal.frontend.keys.windows import LocalWindows, Refusal
-from tests.frontend.test_limits_faults import Told
+from tests.frontend.test_limits_faults import Told, redis_server, shared
 from tests.helpers import wait_for
 from tests.redis_server import RedisServer
+
+__all__ = ["redis_server", "shared"]  # the fixtures
 
 KEY = Grant(workspace="w", name="k", hash=hash_secret("sk-shoal-" + "d" * 43), tpm=100_000)
 LONG = b'{"model":"m","prompt":"hi","max_tokens":50000}'  # reserves its estimate, ~50,000
@@ -25,23 +26,6 @@ LONG = b'{"model":"m","prompt":"hi","max_tokens":50000}'  # reserves its estimat
 
 class Ticket:
     reserved, shared, minute = 0, False, -1
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
-async def shared(redis_server: RedisServer) -> AsyncIterator[Limits]:
-    made = Limits(redis_server.url)
-    await made.start()
-    await wait_for(lambda: made.shared)
-    try:
-        yield made
-    finally:
-        await made.stop()
 
 
 def test_a_request_ending_minutes_later_gives_its_reservation_back_to_its_own_minute(
