@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from typing import Any
 
 import pytest
 
+from shoal import bounds
 from shoal.bounds import MAX_DEPTH, DepthMeter, json_depth_exceeds
 from tests.test_bounds import depth_of
 
@@ -55,31 +55,40 @@ def test_meter_agrees_with_the_whole_text_at_every_pair_of_cuts() -> None:
             assert meter.feed(text[j:]) is want, (text, i, j)
 
 
-def best_of(runs: int, work: Any) -> float:
-    best = float("inf")
-    for _ in range(runs):
-        started = time.thread_time()
-        work()
-        best = min(best, time.thread_time() - started)
-    return best
+def peel_work(brackets: bytes, limit: int) -> int:
+    """The bytes `_peel_exceeds(brackets, limit)` goes over: each of its passes reads what the
+    pass before it left (the cost model of its loop, counted instead of timed)."""
+    work = 0
+    for level in range(limit + 1):
+        work += len(brackets)
+        if b"[" * (limit - level + 1) in brackets:
+            return work
+        brackets = brackets.replace(b"[]", b"")
+        if b"[" not in brackets:
+            return work
+    return work
 
 
 @pytest.mark.parametrize("piece", [8192, 1 << 22])
-def test_meter_costs_a_few_passes_a_piece_even_just_under_the_bound(piece: int) -> None:
+def test_meter_peels_a_few_times_its_bytes_even_just_under_the_bound(
+    piece: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A value held at depth 63 whose pieces are full of closed pairs (`[],` ...): every
-    piece is peeled (depth + openers > limit), and the closers appended to the piece are
-    `depth + opens` (every opener of the piece, closed in it or not), so each of the 63
-    peeling passes copies the whole tail of surplus closers again. The whole-text check
-    of the same text makes one long pass and then peels 126 brackets."""
+    piece is peeled (depth + openers > limit). Were the closers appended to a piece
+    `depth + opens` (every opener of the piece, closed in it or not) instead of the openers
+    left open, each of the 63 peeling passes would go over that tail of surplus closers
+    again: ~30 times the text. Counted in bytes peeled, not timed."""
     text = b"[" * 63 + b"[]," * 1_000_000 + b"0" + b"]" * 63
+    peeled: list[int] = []
+    real = bounds._peel_exceeds
 
-    def meter() -> None:
-        m = DepthMeter()
-        for i in range(0, len(text), piece):
-            assert not m.feed(text[i : i + piece])
+    def counting(brackets: bytes, limit: int) -> bool:
+        peeled.append(peel_work(brackets, limit))
+        return real(brackets, limit)
 
-    whole = best_of(5, lambda: json_depth_exceeds(text))  # (5: the least of a busy machine's)
-    metered = best_of(5, meter)
-    # (a few passes: 2-3.2 times the whole text's one pass, on quiet and busy machines alike;
-    # the 63 passes of a quadratic peel were ~30 times)
-    assert metered < 4 * whole, f"meter {metered * 1e3:.0f} ms, whole text {whole * 1e3:.0f} ms"
+    monkeypatch.setattr(bounds, "_peel_exceeds", counting)
+    meter = DepthMeter()
+    for i in range(0, len(text), piece):
+        assert not meter.feed(text[i : i + piece])
+    assert peeled, "every piece over the bound is peeled"
+    assert sum(peeled) < 2 * len(text), f"peeled {sum(peeled):,} bytes of a {len(text):,}-byte text"
