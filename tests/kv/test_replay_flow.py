@@ -23,6 +23,7 @@ from shoal.kv import (
     subscription,
     token_block_hashes,
 )
+from shoal.kv.events import MAX_BATCH_EVENTS
 from shoal.kv.subscription import KvStats, KvSubscription
 from shoal.worker.kv_publisher import KvEventPublisher
 from tests.helpers import wait_for
@@ -306,6 +307,36 @@ async def test_a_batch_of_too_many_events_is_refused_unread_and_counted_as_a_los
         await wait_for(lambda: sub.last_seq == 2, timeout=30, message="went on")
         assert (stats.batches, stats.decode_errors, stats.resnapshots) == (2, 1, 1)
         assert index.instance_blocks(7) == 0  # block 0 dropped; block 2's parent with it
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)
+
+
+async def test_a_flood_of_unreadable_batches_is_logged_once_and_counted_each(
+    publisher: KvEventPublisher, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A broken or hostile publisher sends unreadable batches as fast as it likes: each is a
+    loss counted in `decode_errors`, but the log says so once a minute per instance, not
+    once per batch (20 a second filled an operator's log)."""
+    assert publisher.endpoint is not None
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
+    sub = subscribe(ctx, publisher.endpoint, index, stats)
+    try:
+        await wait_for(lambda: stats.replays == 1, message="subscribed")
+        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        store(publisher, 0)
+        await wait_for(lambda: sub.last_seq == 0, message="first batch")
+        caplog.set_level("WARNING", logger="shoal.kv.subscription")
+        for _ in range(5):
+            for _ in range(MAX_BATCH_EVENTS + 1):
+                publisher.record(BlockRemoved(block_hashes=[]))
+            publisher.flush()
+        store(publisher, 6)
+        await wait_for(lambda: sub.last_seq == 6, timeout=30, message="went on")
+        assert (stats.batches, stats.decode_errors, stats.resnapshots) == (2, 5, 5)
+        said = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+        assert len(said) == 1, said
+        assert "batch 1 unreadable" in said[0]
     finally:
         await sub.stop()
         ctx.destroy(linger=0)

@@ -49,6 +49,8 @@ from shoal.kv.events import (
 
 log = logging.getLogger(__name__)
 
+UNREADABLE_SAID_EVERY = 60.0  # seconds: an instance's unreadable batches, one log line per
+
 REPLAY_TIMEOUT = 2.0  # seconds to wait for each message of a replay
 YIELD_EVERY = 64  # messages read before yielding to the event loop
 YIELD_SECONDS = 0.005  # or this long
@@ -119,6 +121,8 @@ class KvSubscription:
         self.last_seq = -1  # the last batch applied
         self._replayed: dict[int, int] = {}  # seq -> payload hash, of batches just replayed
         self.replay_broken = False  # its replay endpoint cannot be used: follow without it
+        self._unsaid = 0  # unreadable batches not logged since the last said
+        self._quiet_until = 0.0  # (monotonic) the next unreadable batch logged from then
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -188,9 +192,7 @@ class KvSubscription:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             # A batch we cannot read is a loss like any other: the index must not drift.
             self.stats.decode_errors += 1
-            log.warning(
-                "KV events of instance %x: batch %d unreadable: %s", self.instance_id, seq, exc
-            )
+            self._say_unreadable(seq, exc)
             self._resnapshot()
         else:
             # One event can store a whole context's blocks: applied a slice at a time (one
@@ -203,6 +205,19 @@ class KvSubscription:
             self.stats.batches += 1
             self.stats.events += len(batch.events)
         self.last_seq = seq
+
+    def _say_unreadable(self, seq: int, exc: Exception) -> None:
+        """Log an unreadable batch, at most one line a minute per instance (a hostile or
+        broken publisher sends them as fast as it likes; the count is in `decode_errors`)."""
+        now = time.monotonic()
+        if now < self._quiet_until:
+            self._unsaid += 1
+            return
+        more = f" ({self._unsaid} more since the last said)" if self._unsaid else ""
+        log.warning(
+            "KV events of instance %x: batch %d unreadable: %s%s", self.instance_id, seq, exc, more
+        )
+        self._unsaid, self._quiet_until = 0, now + UNREADABLE_SAID_EVERY
 
     def _restarted(self) -> None:
         log.info("KV events of instance %x: the publisher restarted", self.instance_id)
