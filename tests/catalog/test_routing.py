@@ -133,3 +133,52 @@ async def test_a_converged_publish_makes_each_routes_key_within_its_slice(
         assert max(made.count(tick) for tick in set(made)) <= SLICE
     finally:
         await store.close()
+
+
+class StagingCache:
+    """An `EntityCache` stand-in for `ProvidersPhase._provider`: records on which turn of
+    the event loop each name was staged."""
+
+    def __init__(self, ticks: list[int]) -> None:
+        self.ticks = ticks
+        self.staged: list[int] = []
+
+    def peek(self, name: str) -> None:
+        return None
+
+    def stage_create(self, name: str, fields: dict[str, Any]) -> None:
+        pass
+
+    def stage_provider_link(self, name: str, ref: str) -> None:
+        self.staged.append(self.ticks[0])
+
+    def linked_to(self, ref: str) -> list[str]:
+        return []
+
+
+async def test_the_providers_phase_stages_a_providers_names_a_slice_at_a_time() -> None:
+    """A provider serving 10,000 models had them all staged in one hold of the loop (~160
+    ms): the phase yields, and beats the controller's heartbeat, every `SLICE` names."""
+    from shoal.catalog.providers import ProvidersPhase, ProvidersResult
+
+    n = 3 * SLICE + 1
+    _, _, providers = fleet_of(0)
+    beats: list[int] = []
+
+    class Calls:
+        def beat(self) -> None:
+            beats.append(1)
+
+        async def update(self, *args: Any) -> Provider:
+            return providers["w/p"]
+
+    phase = ProvidersPhase(Calls(), None, None)  # type: ignore[arg-type]
+    result = ProvidersResult(None, dict(providers))
+    async with ticker() as ticks:
+        cache = StagingCache(ticks)
+        names = [f"m{i}" for i in range(n)]
+        await phase._provider("w", providers["w/p"], names, cache, result)  # type: ignore[arg-type]
+    assert len(cache.staged) == n
+    assert max(cache.staged.count(tick) for tick in set(cache.staged)) <= SLICE
+    assert len(beats) >= 3
+    assert result.served == set(names)
