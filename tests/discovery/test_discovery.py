@@ -24,6 +24,7 @@ from shoal.discovery import (
     Removed,
     TaintsUpdated,
     join,
+    keys,
     service,
 )
 from shoal.discovery.join import MALFORMED
@@ -748,3 +749,26 @@ async def test_a_stream_after_a_listing_lists_its_query_when_no_listing_is_held(
         assert isinstance(added, Added) and added.model.key == key
     finally:
         await watch.close()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: EndpointId("ns\n", "backend", "generate"),
+        lambda: EndpointId("ns", "backend", "generate\n"),
+        lambda: ModelKey(EP, 1, keys.check_suffix("lora\n")),
+        lambda: keys.parse_model_key(f"shoal/v1/models/{EP.path}/2a/lora\n"),
+    ],
+    ids=["namespace", "endpoint", "suffix", "key"],
+)
+def test_a_name_with_a_trailing_newline_is_refused(make: Callable[[], object]) -> None:
+    """`re.match` with `^...$` let "ns\\n" through (`$` matches before a final newline)."""
+    with pytest.raises(ValueError, match=r"invalid|malformed"):
+        make()
+
+
+def test_an_invalid_name_is_quoted_at_most_64_characters_and_its_length() -> None:
+    """A 1 MB name was quoted whole in the error (then in status, health and logs)."""
+    with pytest.raises(ValueError) as caught:
+        keys.check_name("namespace", "x " * 500_000)
+    assert len(str(caught.value)) < 200 and "(1,000,000 characters)" in str(caught.value)

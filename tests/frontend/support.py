@@ -315,9 +315,14 @@ class FilteringDiscovery(Discovery):
         self.hold_listings: asyncio.Event | None = None  # listings return once it is set
 
     async def list_and_watch(
-        self, query: Query | None = None, *, after_listing: bool = False
+        self,
+        query: Query | None = None,
+        *,
+        after_listing: bool = False,
+        on_listed: Callable[[], None] | None = None,
     ) -> AsyncIterator[DiscoveryEvent]:
-        async for event in super().list_and_watch(query, after_listing=after_listing):
+        stream = super().list_and_watch(query, after_listing=after_listing, on_listed=on_listed)
+        async for event in stream:
             if self.drop(event):
                 self.dropped.append(event)
                 continue

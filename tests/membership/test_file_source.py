@@ -3,15 +3,24 @@ watched file whose atomic replacement is applied while invalid content changes n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from shoal.discovery import Discovery
-from shoal.membership import MAX_FILE_BYTES, MAX_SOURCES, FileSource, SourceError, parse_sources
+from shoal.membership import (
+    MAX_FILE_BYTES,
+    MAX_SOURCES,
+    FileSource,
+    SourceError,
+    file_source,
+    parse_sources,
+)
 from tests.helpers import wait_for
 from tests.membership.conftest import StartWatch
 from tests.membership.support import add_endpoint
@@ -123,3 +132,92 @@ async def test_a_missing_file_keeps_the_selection_and_the_poll_finds_it_again(
     await wait_for(lambda: watch.status.applied_revision == empty, timeout=4)
     assert watch.status.last_error is None
     assert watch.view.namespaces == set() and watch.status.count == 0
+
+
+async def test_a_sources_file_replaced_by_a_fifo_is_refused_and_never_blocks_the_loop(
+    start_watch: StartWatch, discovery: Discovery, tmp_path: Path
+) -> None:
+    """open(2) of a FIFO with no writer waits for ever, and the file was opened on the event
+    loop: the whole process stopped. Now it is opened without blocking and refused as not a
+    regular file; the selection in force stays."""
+    await add_endpoint(discovery, "a", 1)
+    path = tmp_path / "sources.json"
+    path.write_bytes(sources("a"))
+    watch = await start_watch(FileSource(path, poll_interval=0.02))
+    applied = watch.status.applied_revision
+    done = threading.Event()
+
+    def rescue() -> None:  # (on the tree before the fix: lets a blocked open return, so the
+        while not done.wait(0.5):  # test fails instead of hanging)
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    os.replace(fifo, path)
+    rescuer = threading.Thread(target=rescue, daemon=True)
+    rescuer.start()
+    try:
+        await wait_for(lambda: "not a regular file" in (watch.status.last_error or ""), timeout=4)
+        assert watch.status.applied_revision == applied and watch.view.namespaces == {"a"}
+    finally:
+        done.set()
+        rescuer.join()
+
+
+async def test_a_read_that_hangs_is_bounded_and_never_started_twice(
+    start_watch: StartWatch, discovery: Discovery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file on a hung network mount: its read (in a thread) is awaited `read_timeout`
+    seconds, then reported; the selection stays, and the hung read is awaited again rather
+    than one more thread started at every poll."""
+    await add_endpoint(discovery, "a", 1)
+    path = tmp_path / "sources.json"
+    path.write_bytes(sources("a"))
+    source = FileSource(path, poll_interval=0.01, read_timeout=0.05)
+    watch = await start_watch(source)
+    applied = watch.status.applied_revision
+    release, calls = threading.Event(), []
+    real_read = file_source.read_bytes
+
+    def hung_read(at: Path) -> bytes:
+        calls.append(at)
+        release.wait(30)
+        return real_read(at)
+
+    monkeypatch.setattr(file_source, "read_bytes", hung_read)
+    try:
+        await wait_for(lambda: "not read within 0.05s" in (watch.status.last_error or ""))
+        await wait_for(lambda: source.timeouts >= 3)
+        assert len(calls) == 1 and watch.status.applied_revision == applied
+    finally:
+        release.set()
+    await wait_for(lambda: watch.status.last_error is None)
+
+
+async def test_an_unchanged_sources_file_is_read_but_not_parsed_again(
+    start_watch: StartWatch, discovery: Discovery, tmp_path: Path
+) -> None:
+    """Every poll parsed the file again, on the loop (4,096 names: 20-70 ms each). Now bytes
+    identical to the last ones read are not parsed; new content is."""
+    path = tmp_path / "sources.json"
+    names = [f"n{i:05d}".ljust(64, "x") for i in range(MAX_SOURCES)]
+    path.write_bytes(sources(*names))
+    source = FileSource(path, poll_interval=0.01)
+    watch = await start_watch(source)
+    await wait_for(lambda: source.reads >= 10)
+    assert source.parses == 1
+    replace_atomically(path, sources(*names[1:]))
+    changed = parse_sources(sources(*names[1:])).revision
+    await wait_for(lambda: watch.status.applied_revision == changed, timeout=10)
+    assert source.parses == 2
+
+
+def test_an_error_about_a_huge_namespace_quotes_only_its_start_and_length() -> None:
+    """A 1 MB namespace name was quoted whole into the error, hence into the status, the
+    health report and the log. Now at most its first 64 characters and its length."""
+    for name in ("a" * (MAX_FILE_BYTES - 100), "a " * ((MAX_FILE_BYTES - 100) // 2)):
+        with pytest.raises(SourceError) as caught:
+            parse_sources(sources(name))
+        message = str(caught.value)
+        assert len(message) < 300 and f"({len(name):,} characters)" in message, message

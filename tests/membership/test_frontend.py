@@ -4,6 +4,7 @@ restart, the view and status are served, and a membership error shows in the hea
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import uuid
@@ -16,12 +17,13 @@ import pytest
 from shoal.cli.frontend import membership_for, start_frontend
 from shoal.discovery import Added, Discovery
 from shoal.frontend import Frontend, FrontendConfig
+from shoal.frontend.registry.scope import FOLLOW_SLICE
 from shoal.membership import MembershipWatch, Selection, parse_sources
 from shoal.store import Store, open_store
 from tests.etcd_server import EtcdServer
 from tests.frontend.support import FakeWorker, FilteringDiscovery, serving
 from tests.helpers import wait_for
-from tests.membership.support import DrivenSource
+from tests.membership.support import DrivenSource, add_endpoint
 
 
 def write_sources(path: Path, *names: str) -> str:
@@ -294,3 +296,85 @@ async def test_listings_of_namespaces_that_left_are_dropped(
         await wait_for(lambda: listed() == {"team-b"})
     finally:
         await frontend.stop()
+
+
+async def test_a_large_selection_swap_is_made_before_broken_a_slice_per_turn_of_the_loop(
+    store: Store, tmp_path: Path
+) -> None:
+    """Swapping N namespaces for N others ran in one callback, each leaving namespace
+    rebuilding the query list and scanning every registration: 4,096 for 4,096 held the loop
+    2-3 s. Now the new namespaces all join before any old one leaves, and at most
+    `FOLLOW_SLICE` namespaces move between two turns of the event loop."""
+    n = FOLLOW_SLICE * 2 + 10
+    discovery = Discovery(store)
+    for i in range(0, n, 50):  # registrations to drop, and to make
+        await add_endpoint(discovery, f"a{i}", i + 1)
+        await add_endpoint(discovery, f"b{i}", n + i + 1)
+    source = DrivenSource()
+    source.push(Selection.of([f"a{i}" for i in range(n)]))
+    frontend = Frontend(
+        FrontendConfig(port=0, cache_dir=tmp_path / "cache"),
+        discovery=discovery,
+        membership=lambda d: MembershipWatch(d, source),
+    )
+    await frontend.start()
+    watcher = frontend.watcher
+    assert watcher is not None
+    sizes: list[int] = []
+
+    async def sample() -> None:
+        while True:
+            sizes.append(len(watcher.queries))
+            await asyncio.sleep(0)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        assert {k.endpoint.namespace for k in watcher.registrations} == {
+            f"a{i}" for i in range(0, n, 50)
+        }
+        source.push(Selection.of([f"b{i}" for i in range(n)]))
+        await wait_for(lambda: sizes[-1] == n and max(sizes) == 2 * n, timeout=20)
+        await wait_for(
+            lambda: (
+                {k.endpoint.namespace for k in watcher.registrations}
+                == {f"b{i}" for i in range(0, n, 50)}
+            )
+        )
+        assert max(abs(b - a) for a, b in itertools.pairwise(sizes)) <= FOLLOW_SLICE
+        assert {q.namespace for q in watcher.queries} == {f"b{i}" for i in range(n)}
+    finally:
+        sampler.cancel()
+        await frontend.stop()
+
+
+async def test_start_returns_and_ready_says_200_only_once_every_namespace_is_listed(
+    tmp_path: Path,
+) -> None:
+    """The watcher started with no query; the first selection's namespaces were listed by
+    their streams after `start()` returned: /ready said 200 (and the ready line was printed)
+    with 32 of 500 namespaces' models registered. Now `start()` returns once each namespace's
+    first listing is applied."""
+    store = await open_store(f"sqlite:///{tmp_path / 'store.db'}")
+    names = [f"ns{i:03d}" for i in range(200)]
+    try:
+        discovery = Discovery(store)
+        for i, name in enumerate(names):
+            await add_endpoint(discovery, name, i + 1)
+        source = DrivenSource()
+        source.push(Selection.of(names))
+        frontend = Frontend(
+            FrontendConfig(port=0, cache_dir=tmp_path / "cache"),
+            discovery=discovery,
+            membership=lambda d: MembershipWatch(d, source),
+        )
+        await frontend.start()
+        try:
+            watcher = frontend.watcher
+            assert watcher is not None and watcher.loading() == 0
+            assert {k.endpoint.namespace for k in watcher.registrations} == set(names)
+            status, body = await get(f"{frontend.url}/ready")
+            assert status == 200, body
+        finally:
+            await frontend.stop()
+    finally:
+        await store.close()

@@ -15,20 +15,35 @@ ROOT = "shoal/v1/"
 INSTANCES = ROOT + "instances/"
 MODELS = ROOT + "models/"
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-_SUFFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# (`fullmatch`: `$` would also match before a trailing newline, letting "abc\n" through.)
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_SUFFIX_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+QUOTED_CHARS = 64
+"""The most characters of an outside value an error message quotes (then its length)."""
+
+
+def quoted(value: str, limit: int = QUOTED_CHARS) -> str:
+    """`value` as `repr` shows it, cut to its first `limit` characters and its length when
+    longer: an error about a 1 MB value must not carry it into status, health and logs."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value):,} characters)"
 
 
 def check_name(kind: str, value: str) -> str:
     """Namespaces, components and endpoints: letters, digits, `_` and `-`."""
-    if not _NAME_RE.match(value):
-        raise ValueError(f"invalid {kind} {value!r}: use letters, digits, '_' and '-' (max 64)")
+    if not _NAME_RE.fullmatch(value):
+        raise ValueError(
+            f"invalid {kind} {quoted(value)}: use letters, digits, '_' and '-' (max 64)"
+        )
     return value
 
 
 def check_suffix(value: str) -> str:
-    if not _SUFFIX_RE.match(value):
-        raise ValueError(f"invalid adapter suffix {value!r}: use letters, digits, '.', '_' and '-'")
+    if not _SUFFIX_RE.fullmatch(value):
+        raise ValueError(
+            f"invalid adapter suffix {quoted(value)}: use letters, digits, '.', '_' and '-'"
+        )
     return value
 
 

@@ -296,9 +296,15 @@ class Discovery:
             self._forgotten.add(query)
 
     async def list_and_watch(
-        self, query: Query | None = None, *, after_listing: bool = False
+        self,
+        query: Query | None = None,
+        *,
+        after_listing: bool = False,
+        on_listed: Callable[[], None] | None = None,
     ) -> AsyncIterator[DiscoveryEvent]:
         """The models in scope as `Added` events, then every change, with no gap.
+        `on_listed` is called once the consumer has taken the listing's last event (it has
+        applied the listing when it applies each event as it comes), before any change.
 
         `after_listing`: the consumer applies the last `list(query)` itself (a frontend's
         start lists every query, then watches): the stream starts from that listing, at its
@@ -340,6 +346,8 @@ class Discovery:
             async for event in _paced(await join.report(touched)):
                 yield event
             del touched
+        if on_listed is not None:
+            on_listed()
         watch = self.store.watch_prefixes(prefixes, revision + 1)
         async with contextlib.aclosing(watch):
             async for ev in watch:

@@ -70,6 +70,7 @@ class Frontend(Endpoints):
         self._membership_factory = membership
         self.membership: MembershipFollower | None = None
         self._followed: Mapping[str, tuple[Query, ...]] | None = None  # the scopes in force
+        self.scope_loaded = False  # (with a membership) its first scope listed: see `start`
         self._own_store: Store | None = None
         self.metrics = FrontendMetrics()
         self.registry = Registry(connect_timeout=config.connect_timeout)
@@ -143,7 +144,9 @@ class Frontend(Endpoints):
 
     async def start(self) -> None:
         """Serve at once (health says 503 until the first snapshot), then load discovery,
-        then put the first membership selection in force (when the scope follows one).
+        then put the first membership selection in force (when the scope follows one) and
+        apply the first listing of each of its namespaces: not ready, and not on a shared
+        port, with a registry that lists only some of them.
 
         `StoreUnavailableError`, naming the store, if it does not answer the first listing
         within `setup_timeout` seconds (the fleet it lists then loads as long as its size
@@ -178,6 +181,7 @@ class Frontend(Endpoints):
             # Bounded by the membership's own setup timeout, not the store's above: its
             # error (a bad sources file, a namespace not opened) is the one reported.
             await self._follow_membership(self._membership_factory(self.discovery))
+            await self._load_scope()
         self.reconciler = Reconciler(self.watcher)
         self.manager.register(
             Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
@@ -316,6 +320,22 @@ class Frontend(Endpoints):
         self.membership = membership
         membership.subscribe(self._in_force)
         await membership.start()
+
+    async def _load_scope(self) -> None:
+        """Wait until the first selection's namespaces have had their first listing applied
+        (not ready before: a replica would answer 404 for models its fleet serves), within
+        `setup_timeout`; `StoreUnavailableError` saying how many are not listed if not."""
+        assert self.watcher is not None
+        try:
+            async with asyncio.timeout(self.config.setup_timeout):
+                await self.watcher.scope_loaded.wait()
+        except TimeoutError:
+            assert self.discovery is not None
+            raise StoreUnavailableError(
+                f"store {self.discovery.store.url}: {self.watcher.loading()} namespaces in "
+                f"scope not listed within {self.config.setup_timeout:g}s (--setup-timeout)"
+            ) from None
+        self.scope_loaded = True
 
     async def __aenter__(self) -> Frontend:
         await self.start()

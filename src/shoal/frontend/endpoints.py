@@ -84,6 +84,7 @@ class Endpoints:
     watcher: ModelWatcher | None
     membership: MembershipFollower | None
     _membership_factory: Callable[[Discovery], MembershipFollower] | None
+    scope_loaded: bool  # the first selection's namespaces have had their first listing
     metrics: FrontendMetrics
     metrics_server: HttpServer | None  # `/metrics` alone, on `metrics_port`
     metrics_source: Callable[[], Awaitable[bytes | list[bytes]]] | None
@@ -305,6 +306,8 @@ class Endpoints:
             self.membership is None or self.membership.status.applied_revision is None
         ):
             reasons["membership"] = "starting: no namespace selection is in force yet"
+        elif self._membership_factory is not None and not self.scope_loaded:
+            reasons["membership"] = f"loading {self.watcher.loading()} namespaces"
         reasons.update(self.manager.stuck())
         if reasons:
             return 503, {"status": "not ready", "reasons": reasons}

@@ -129,6 +129,15 @@ class MembershipWatch:
         self._in_view: Counter[str] = Counter()
         self._seen: Counter[str] = Counter()
         self._view_scopes: Mapping[str, tuple[Query, ...]] = EMPTY.scopes
+        # What `_view_scopes` is a copy of, changed by namespace as they move; the queries
+        # of the namespaces the endpoint prefixes restrict.
+        self._scope_map: dict[str, tuple[Query, ...]] = {}
+        self._restricted: dict[str, tuple[Query, ...]] = {}
+        for prefix in self.endpoint_prefixes:
+            self._restricted[prefix.namespace] = (
+                *self._restricted.get(prefix.namespace, ()),
+                prefix.query,
+            )
         self._rescope = False  # the view's namespaces are derived again (watch-all)
         self._publishing = asyncio.Lock()
         self._publisher: asyncio.Task[None] | None = None
@@ -293,7 +302,7 @@ class MembershipWatch:
         if selection.watch_all:
             self._rescope = True
         else:
-            self._view_scopes = self._scopes_of(n for n in scopes if n is not None)
+            self._view_scopes = self._scopes_of([n for n in scopes if n is not None])
         self._clear("update")
         await self._publish()
         self._first_applied.set()
@@ -437,12 +446,21 @@ class MembershipWatch:
 
     # -- publishing --------------------------------------------------------------------------
 
-    def _scopes_of(self, names: Iterable[str]) -> Mapping[str, tuple[Query, ...]]:
-        scopes: dict[str, tuple[Query, ...]] = {}
-        for name in sorted(names):
-            inside = tuple(p.query for p in self.endpoint_prefixes if p.namespace == name)
-            scopes[name] = inside or (Query(namespace=name),)
-        return types.MappingProxyType(scopes)
+    def _scopes_of(
+        self,
+        names: Iterable[str],
+        fresh: Mapping[str, tuple[Query, ...]] = types.MappingProxyType({}),
+    ) -> Mapping[str, tuple[Query, ...]]:
+        """The scopes of exactly `names`: a namespace kept keeps its very queries (a consumer
+        compares them by identity); the others take those made ahead (`fresh`), or new ones."""
+        old = self._scope_map
+        self._scope_map = {
+            name: old.get(name) or fresh.get(name) or self._queries_of(name) for name in names
+        }
+        return types.MappingProxyType(dict(self._scope_map))
+
+    def _queries_of(self, name: str) -> tuple[Query, ...]:
+        return self._restricted.get(name) or (Query(namespace=name),)
 
     def _admitted(self, endpoint: EndpointId) -> bool:
         prefixes = self.endpoint_prefixes
@@ -473,6 +491,7 @@ class MembershipWatch:
         async with self._publishing:
             changed, self._changed = self._changed, set()
             updates: dict[EndpointRef, EndpointView | None] = {}
+            fresh: dict[str, tuple[Query, ...]] = {}  # queries made ahead for watch-all
             for i, ref in enumerate(changed, 1):
                 if i % YIELD_EVERY == 0:
                     await asyncio.sleep(0)
@@ -486,9 +505,12 @@ class MembershipWatch:
                 ordered = tuple(sorted(models.values(), key=lambda m: m.key.sort_key()))
                 if before is None or before.models != ordered:
                     updates[ref] = EndpointView(ref[0], ref[1], ordered, next(self._generations))
+                namespace = ref[0].namespace
+                if namespace not in self._scope_map and namespace not in fresh:
+                    fresh[namespace] = self._queries_of(namespace)
             # From here to the end nothing awaits: the view changes in one step.
             endpoints = self._endpoints
-            namespaces_moved = False
+            moved: set[str] = set()  # namespaces that joined or left the view
             for ref, endpoint in updates.items():
                 namespace = ref[0].namespace
                 if endpoint is None:
@@ -496,15 +518,25 @@ class MembershipWatch:
                     self._in_view[namespace] -= 1
                     if not self._in_view[namespace]:
                         del self._in_view[namespace]
-                        namespaces_moved = True
+                        moved.add(namespace)
                 else:
                     if ref not in endpoints:
                         self._in_view[namespace] += 1
-                        namespaces_moved = namespaces_moved or self._in_view[namespace] == 1
+                        if self._in_view[namespace] == 1:
+                            moved.add(namespace)
                     endpoints[ref] = endpoint
             watch_all = None in self._scopes
-            if watch_all and (namespaces_moved or self._rescope):
-                self._view_scopes, self._rescope = self._scopes_of(self._in_view), False
+            if watch_all and self._rescope:
+                self._view_scopes, self._rescope = self._scopes_of(self._in_view, fresh), False
+            elif watch_all and moved:  # (only what moved: 10,000 namespaces, one joins)
+                scope_map = self._scope_map
+                for namespace in moved:
+                    if namespace in self._in_view:
+                        queries = fresh.get(namespace) or self._queries_of(namespace)
+                        scope_map[namespace] = scope_map.get(namespace) or queries
+                    else:
+                        scope_map.pop(namespace, None)
+                self._view_scopes = types.MappingProxyType(dict(scope_map))
             revision = self._applied.revision if self._applied is not None else None
             connection = self._applied.connection_revision if self._applied is not None else None
             self.status.count = len(self._seen) if watch_all else len(self._view_scopes)

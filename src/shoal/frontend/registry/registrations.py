@@ -73,6 +73,9 @@ class Registrations:
     cache: MetadataCache
     metrics: FrontendMetrics
     registrations: dict[ModelKey, Registration]
+    # The registered keys by namespace, when the scope follows a membership (else None): a
+    # namespace that leaves drops its own keys without a scan of every registration.
+    _by_namespace: dict[str, set[ModelKey]] | None
     versions: Versions[SetId, ModelKey]
     _refused: dict[SetId, dict[ModelKey, Registration]]
     _generations: dict[
@@ -121,6 +124,8 @@ class Registrations:
             self._remove(key)
         registration = Registration(model, self._generations.pop(key, self._clock))
         self.registrations[key] = registration
+        if self._by_namespace is not None:
+            self._by_namespace.setdefault(key.endpoint.namespace, set()).add(key)
         set_id = self._track(model)
         self._try_join(registration)
         self._settle(set_id)
@@ -132,6 +137,12 @@ class Registrations:
             self.registry.leave(key)
             return
         self._generations[key] = registration.generation  # (what a stale listing is older than)
+        if self._by_namespace is not None:
+            keys = self._by_namespace.get(key.endpoint.namespace)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_namespace[key.endpoint.namespace]
         self._stop_waiting(registration)
         model = registration.model
         set_id = SetId.of(key, model.card)

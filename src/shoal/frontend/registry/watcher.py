@@ -30,7 +30,7 @@ import collections
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable
 from itertools import compress, repeat
 from operator import and_, attrgetter, is_, not_
 from typing import Any
@@ -48,8 +48,9 @@ from shoal.discovery import (
 from shoal.frontend.registry.freeze import FREEZE_WINDOW, freeze_while_loading
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.metrics import FrontendMetrics
-from shoal.frontend.registry.registrations import Registration, Registrations, State
+from shoal.frontend.registry.registrations import Registration, State
 from shoal.frontend.registry.registry import Registry, SetId
+from shoal.frontend.registry.scope import FollowedScope
 from shoal.frontend.registry.store_state import StoreState
 from shoal.frontend.registry.versions import Versions
 
@@ -78,8 +79,9 @@ def _unwatched(what: str) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
-class ModelWatcher(Registrations):
-    """Applies discovery to the registry: events as they come, and reconciliation passes."""
+class ModelWatcher(FollowedScope):
+    """Applies discovery to the registry: events as they come, and reconciliation passes
+    (and, with `follow_membership`, follows a membership's scope: `FollowedScope`)."""
 
     def __init__(
         self,
@@ -119,6 +121,12 @@ class ModelWatcher(Registrations):
         if follow_membership:
             self.queries = []
         self._namespaces: dict[str, tuple[tuple[Query, ...], list[asyncio.Task[None]]]] = {}
+        self._by_namespace = {} if follow_membership else None
+        self._loading, self._joining = {}, 0
+        self._wanted, self._follower = None, None
+        self.scope_loaded = asyncio.Event()
+        if not follow_membership:
+            self.scope_loaded.set()  # (the scope is the namespaces given)
         self._resync_task: asyncio.Task[None] | None = None  # at most one resync runs
         self._resync_wanted = False  # a stream restarted since the running resync listed
         self.store = StoreState()
@@ -192,66 +200,23 @@ class ModelWatcher(Registrations):
         task.add_done_callback(self._tasks.discard)
         return task
 
-    # -- membership: namespaces joining and leaving the scope ---------------------------------
-
-    def follow(self, scopes: Mapping[str, Sequence[Query]]) -> None:
-        """Serve exactly `scopes` (namespace -> its discovery queries): a namespace that left
-        is removed, a new one added, one whose queries changed restarted; the rest untouched."""
-        for namespace, (current, _) in list(self._namespaces.items()):
-            if tuple(scopes.get(namespace, ())) != current:
-                self.remove_namespace(namespace)
-        for namespace, wanted in scopes.items():
-            self.add_namespace(namespace, wanted)
-
-    def add_namespace(self, namespace: str, queries: Sequence[Query] | None = None) -> None:
-        """Start the event streams of `namespace` (or of `queries` inside it); their first
-        listings register what it serves. Adding a namespace already in scope does nothing."""
-        if namespace in self._namespaces:
-            return
-        scoped = tuple(queries) if queries else (Query(namespace=namespace),)
-        self.queries.extend(scoped)
-        tasks = [self._spawn(self._watch(q), f"watch:{q.models_prefix}") for q in scoped]
-        self._namespaces[namespace] = (scoped, tasks)
-        log.info("namespace %r joined the scope", namespace)
-
-    def _in_scope(self, key: ModelKey) -> bool:
-        """`key` is inside a query of a namespace in scope (when the scope follows membership)."""
-        entry = self._namespaces.get(key.endpoint.namespace)
-        if entry is None:
-            return False
-        endpoint = key.endpoint
-        return any(
-            q.component in (None, endpoint.component) and q.endpoint in (None, endpoint.endpoint)
-            for q in entry[0]
-        )
-
-    def remove_namespace(self, namespace: str) -> None:
-        """Stop the streams of `namespace` and drop its registrations now: its models stop
-        being served at once. Each dropped key takes a new generation, so a reconciliation
-        pass that listed the namespace before does not bring them back."""
-        entry = self._namespaces.pop(namespace, None)
-        if entry is None:
-            return
-        scoped, tasks = entry
-        for task in tasks:
-            task.cancel()
-        self.queries = [q for q in self.queries if q not in scoped]
-        for query in scoped:
-            self.discovery.forget(query)  # its listings are not needed any more
-        for key in [k for k in self.registrations if k.endpoint.namespace == namespace]:
-            self._bump(key)
-            self._remove(key)
-        log.info("namespace %r left the scope", namespace)
-
     # -- events ------------------------------------------------------------------------------
 
-    async def _watch(self, query: Query, *, after_listing: bool = False) -> None:
+    async def _watch(
+        self,
+        query: Query,
+        *,
+        after_listing: bool = False,
+        on_listed: Callable[[], None] | None = None,
+    ) -> None:
         """Consume one `list_and_watch` stream for ever, restarting it after a failure (a
-        restarted stream lists its query: `after_listing` is for the first one only)."""
+        restarted stream lists its query: `after_listing` is for the first one only).
+        `on_listed` is called each time a listing of the stream has been applied."""
         backoff = 0.1
+        listed = {} if on_listed is None else {"on_listed": on_listed}
         while True:
             try:
-                stream = self.discovery.list_and_watch(query, after_listing=after_listing)
+                stream = self.discovery.list_and_watch(query, after_listing=after_listing, **listed)
                 after_listing = False
                 async for event in stream:
                     self.handle(event)
