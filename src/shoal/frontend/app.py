@@ -49,6 +49,7 @@ from shoal.store import Store, StoreUnavailableError, default_store_url, open_st
 
 log = logging.getLogger(__name__)
 RECONCILER = "model-reconciler"
+LOAD_PROGRESS_SECONDS = 10.0  # a large scope loading: how far it got, said this often
 
 
 class Frontend(Endpoints):
@@ -323,18 +324,18 @@ class Frontend(Endpoints):
 
     async def _load_scope(self) -> None:
         """Wait until the first selection's namespaces have had their first listing applied
-        (not ready before: a replica would answer 404 for models its fleet serves), within
-        `setup_timeout`; `StoreUnavailableError` saying how many are not listed if not."""
+        (not ready before: a replica would answer 404 for models its fleet serves). Not
+        bounded by `setup_timeout`, which bounds the store's answer (the membership's setup
+        opened every namespace), not the fleet's size: a large fleet loads as long as it
+        needs, saying how far it got every `LOAD_PROGRESS_SECONDS`."""
         assert self.watcher is not None
-        try:
-            async with asyncio.timeout(self.config.setup_timeout):
-                await self.watcher.scope_loaded.wait()
-        except TimeoutError:
-            assert self.discovery is not None
-            raise StoreUnavailableError(
-                f"store {self.discovery.store.url}: {self.watcher.loading()} namespaces in "
-                f"scope not listed within {self.config.setup_timeout:g}s (--setup-timeout)"
-            ) from None
+        while True:
+            try:
+                async with asyncio.timeout(LOAD_PROGRESS_SECONDS):
+                    await self.watcher.scope_loaded.wait()
+                break
+            except TimeoutError:
+                log.info("loading: %d namespaces in scope not listed yet", self.watcher.loading())
         self.scope_loaded = True
 
     async def __aenter__(self) -> Frontend:
