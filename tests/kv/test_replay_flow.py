@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -307,6 +308,42 @@ async def test_a_batch_of_too_many_events_is_refused_unread_and_counted_as_a_los
         await wait_for(lambda: sub.last_seq == 2, timeout=30, message="went on")
         assert (stats.batches, stats.decode_errors, stats.resnapshots) == (2, 1, 1)
         assert index.instance_blocks(7) == 0  # block 0 dropped; block 2's parent with it
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)
+
+
+async def test_a_large_batch_is_decoded_off_the_event_loops_thread(
+    publisher: KvEventPublisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch within every bound (4 MiB of token ids) took 30-90 ms to decode, all of it on
+    the event loop: one over `THREAD_DECODE_BYTES` is decoded in a thread; small ones, most
+    of them, stay on the loop (a thread hop costs more than they do). Applied in order."""
+    assert publisher.endpoint is not None
+    decoded_on: list[tuple[int, bool]] = []
+    real = subscription.decode_batch
+
+    def decode(payload: bytes) -> KVEventBatch:
+        decoded_on.append((len(payload), threading.current_thread() is threading.main_thread()))
+        return real(payload)
+
+    monkeypatch.setattr(subscription, "decode_batch", decode)
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
+    sub = subscribe(ctx, publisher.endpoint, index, stats)
+    try:
+        await wait_for(lambda: stats.replays == 1, message="subscribed")
+        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        store(publisher, 0)
+        await wait_for(lambda: sub.last_seq == 0, message="first batch")
+        tokens = subscription.THREAD_DECODE_BYTES  # (a token id packs in 1-5 bytes)
+        publisher.record(BlockStored([11], 0, [1000] * tokens, tokens))
+        publisher.flush()
+        store(publisher, 2)
+        await wait_for(lambda: sub.last_seq == 2, timeout=30, message="went on")
+        assert stats.decode_errors == 0 and stats.batches == 3
+        big = [on_loop for size, on_loop in decoded_on if size > subscription.THREAD_DECODE_BYTES]
+        small = [on_loop for size, on_loop in decoded_on if size <= 4096]
+        assert big == [False] and small and all(small)
     finally:
         await sub.stop()
         ctx.destroy(linger=0)

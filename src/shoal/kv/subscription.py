@@ -59,6 +59,9 @@ YIELD_SECONDS = 0.005  # or this long
 # unreadable one. (ZMQ's own MAXMSGSIZE would do it before reading, but libzmq 4.3 never
 # reconnects a peer it dropped for it: the subscription would go deaf.)
 MAX_BATCH_BYTES = 4 << 20  # (and `decode_batch` refuses over `MAX_BATCH_EVENTS` events)
+# A batch over this is decoded in a thread: 4 MiB of token ids took 30-90 ms of CPU, which
+# there the event loop's thread interrupts every switch interval (msgspec holds the GIL).
+THREAD_DECODE_BYTES = 256 << 10
 APPLY_SLICE = 1024  # blocks of one batch applied before yielding to the event loop
 # Sockets of one context: a SUB per instance followed, a DEALER while one replays (libzmq's
 # default, 1,023, was ~500 instances catching up at once: the rest failed, unseen).
@@ -188,7 +191,10 @@ class KvSubscription:
         try:
             if len(payload) > MAX_BATCH_BYTES:
                 raise msgspec.DecodeError(f"{len(payload)} bytes, over {MAX_BATCH_BYTES}")
-            batch = decode_batch(payload)
+            if len(payload) > THREAD_DECODE_BYTES:
+                batch = await asyncio.to_thread(decode_batch, payload)
+            else:
+                batch = decode_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             # A batch we cannot read is a loss like any other: the index must not drift.
             self.stats.decode_errors += 1
