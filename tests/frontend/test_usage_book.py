@@ -33,9 +33,56 @@ async def test_a_catalog_that_cannot_be_reached_keeps_a_bounded_backlog() -> Non
             book.record(GRANT, model, model, 200, 1, 1)
             await book.flush()  # each flush seals a batch, and fails again
         described = book.describe()
-        assert (described["pending_batches"], described["pending_rows"]) == (2, 2)
-        assert described["dropped_rows"] == 2  # over 3 rows: the oldest batch went first
-        assert [batch["rows"][0]["model"] for batch in book.pending] == ["a", "b"]
+        # over 3 rows: the batches not sent yet ("a", "b") are folded into one row of the
+        # key (the first may have reached the catalog: kept as it is); nothing dropped
+        assert (described["pending_batches"], described["pending_rows"]) == (2, 3)
+        assert (described["dropped_rows"], described["folded_rows"]) == (0, 1)
+        assert [[r["model"] for r in batch["rows"]] for batch in book.pending] == [
+            ["chat", "chat"], [OTHER_MODELS]
+        ]  # fmt: skip
+        assert book.pending[1]["rows"][0]["requests"] == 2
+        for model in ("c", "d"):  # more keys than rows: the oldest batch goes after all
+            book.record(key_number(ord(model)), model, model, 200, 1, 1)
+            await book.flush()
+        assert book.describe()["pending_rows"] <= 3 and book.dropped_rows == 2
+    finally:
+        await book.stop()
+
+
+@pytest.mark.parametrize(("max_rows", "models_kept"), [(50, True), (30, False)])
+async def test_a_backlog_over_its_bound_loses_resolution_never_another_keys_counts(
+    max_rows: int, models_kept: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """During a catalog outage one key naming many models filled the backlog, and the
+    oldest batches, every key's usage in them, were dropped. Now the batches not sent yet
+    are folded: rows of one hour into one (enough at 50 rows: models kept), then each key's
+    models into one (needed at 30); every key's requests and tokens are all still there."""
+    from shoal.frontend.keys import usage as usage_module
+
+    clock = [1_800_000_000.0]  # (on the hour)
+    monkeypatch.setattr(usage_module.time, "time", lambda: clock[0])
+    flood = Grant(workspace="w", name="flood", hash="b" * 64)
+    book = UsageBook(f"http://127.0.0.1:{free_port()}", max_rows=max_rows, interval=3600)
+    await book.start()
+    try:
+        for minute in range(6):
+            clock[0] = 1_800_000_000.0 + 60 * minute
+            for n in range(20):
+                book.record(flood, f"m{n}", "", 200, 10, 1)
+            book.record(GRANT, "chat", "chat", 200, 3, 4)
+            await book.flush()  # fails: sealed, waiting
+        rows = [row for batch in book.pending for row in batch["rows"]]
+        assert book.pending_rows == len(rows) <= max_rows and book.dropped_rows == 0
+
+        def total(key: str) -> list[int]:
+            mine = [r for r in rows if r["key"] == key]
+            return [sum(r[c] for r in mine) for c in ("requests", "prompt_tokens",
+                                                      "completion_tokens")]  # fmt: skip
+
+        assert total("flood") == [120, 1200, 120] and total("team") == [6, 18, 24]
+        assert book.pending[0]["rows"][0]["minute"].endswith(":00:00+00:00")
+        assert any(r["model"] == "chat" for r in rows[21:]) is models_kept
+        assert book.folded_rows == 105 - (len(rows) - 21)
     finally:
         await book.stop()
 
