@@ -2,7 +2,9 @@
 
 What crosses: a worker gets the client's headers but hop-by-hop ones; a provider (a virtual
 model's `url` target, outside the fleet) only those of `PROVIDER_HEADERS`. Every forwarded
-request carries this gateway's `Via` entry (`1.1 shoal-<random id>`): a request whose `Via`
+request asks for its answer uncompressed (`ACCEPT_IDENTITY`, whatever the client accepts): the
+gateway reads answers (a key's usage, a stream that may migrate), and compressed bytes have
+no `usage` to charge. Every forwarded request carries this gateway's `Via` entry (`1.1 shoal-<random id>`): a request whose `Via`
 names this gateway, or already `MAX_GATEWAY_HOPS` shoal gateways, went round a loop of url
 targets and is answered 508. Upstream `Access-Control-*` headers are dropped: the gateway's
 own CORS policy alone decides what a browser may read.
@@ -21,7 +23,6 @@ PROVIDER_HEADERS = frozenset(
     {
         b"content-type",
         b"accept",
-        b"accept-encoding",
         b"user-agent",
         b"x-request-id",
         b"openai-beta",
@@ -31,11 +32,14 @@ PROVIDER_HEADERS = frozenset(
     }
 )
 
+ACCEPT_IDENTITY = b"accept-encoding: identity\r\n"  # sent upstream instead of the client's
+
 # Not forwarded upstream: hop-by-hop headers, and those the proxy sets itself.
 REQUEST_HEADERS_DROPPED = frozenset(
     {
         b"host",
         b"content-length",
+        b"accept-encoding",
         b"transfer-encoding",
         b"connection",
         b"keep-alive",

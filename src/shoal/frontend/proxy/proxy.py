@@ -25,6 +25,7 @@ from shoal.frontend.proxy.deadlines import Deadlines
 from shoal.frontend.proxy.fields import NO_KV_TRANSFER_PARAMS, Fields, decode_fields
 from shoal.frontend.proxy.forward import Forward, VirtualForward
 from shoal.frontend.proxy.headers import (
+    ACCEPT_IDENTITY,
     MAX_GATEWAY_HOPS,
     PROVIDER_HEADERS,
     REQUEST_HEADERS_DROPPED,
@@ -212,8 +213,8 @@ class Proxy:
 
     def request_head(self, request: Request, target: Upstream, body: bytes) -> bytes:
         """The request line and headers for `target` and `body`: hop-by-hop headers dropped,
-        length set, this gateway's `Via` added. A provider gets only `PROVIDER_HEADERS` of
-        the client's, never its `Authorization`, only its own."""
+        length set, the answer asked for uncompressed, this gateway's `Via` added. A provider
+        gets only `PROVIDER_HEADERS` of the client's, never its `Authorization`, only its own."""
         path = request.path
         if target.path_skip:
             path = path[target.path_skip :]
@@ -226,6 +227,7 @@ class Proxy:
             b"\r\ncontent-length: ",
             b"%d" % len(body),
             b"\r\n",
+            ACCEPT_IDENTITY,
         )
         if target.authorization is not None:  # the instance URL's credentials, a provider's secret
             parts += (b"authorization: ", target.authorization, b"\r\n")
