@@ -7,7 +7,8 @@ gateway reads answers (a key's usage, a stream that may migrate), and compressed
 no `usage` to charge. Every forwarded request carries this gateway's `Via` entry (`1.1 shoal-<random id>`): a request whose `Via`
 names this gateway, or already `MAX_GATEWAY_HOPS` shoal gateways, went round a loop of url
 targets and is answered 508. Upstream `Access-Control-*` headers are dropped: the gateway's
-own CORS policy alone decides what a browser may read.
+own CORS policy alone decides what a browser may read; a provider's cookies, account headers
+and rate limits are dropped too (`provider_response_headers`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,26 @@ RESPONSE_HEADERS_DROPPED = frozenset(
 
 
 CORS_PREFIX = b"access-control-"  # an upstream's CORS headers: the gateway's policy alone decides
+
+# Dropped from a provider's answers besides: what describes or binds the operator's account
+# with the provider (its cookies, organization and project, and its rate limits, which would
+# also pass for the gateway's own `x-ratelimit-*` under `--auth keys`).
+PROVIDER_RESPONSE_DROPPED = frozenset(
+    {b"set-cookie", b"set-cookie2", b"openai-organization", b"openai-project"}
+)
+PROVIDER_RATELIMIT_PREFIX = b"x-ratelimit-"
+
+
+def provider_response_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """A provider's response headers without `PROVIDER_RESPONSE_DROPPED` and its
+    `x-ratelimit-*` (the rest then goes as any upstream's does)."""
+    return [
+        (name, value)
+        for name, value in headers
+        if (lname := name.lower()) not in PROVIDER_RESPONSE_DROPPED
+        and not lname.startswith(PROVIDER_RATELIMIT_PREFIX)
+    ]
+
 
 MAX_VERDICTS = 1024  # response header names (as sent) whose verdict is kept
 

@@ -7,8 +7,8 @@ The response is streamed to the client as it arrives, re-framed as chunked when 
 sent it chunked, without parsing SSE (but for a stream that may migrate, see `migration`).
 
 `Proxy.handle` is the entry point: it refuses what cannot be served and starts a `Forward`
-(forward.py) for the rest; the fields it reads of the body are `fields.py`'s, the headers it
-passes on `headers.py`'s.
+(forward.py; `VirtualForward`, routed.py, for a virtual model) for the rest; the fields it
+reads of the body are `fields.py`'s, the headers it passes on `headers.py`'s.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from shoal.frontend.http.request import ClientConnection, Request
 from shoal.frontend.http.upstream import Upstream
 from shoal.frontend.proxy.deadlines import Deadlines
 from shoal.frontend.proxy.fields import NO_KV_TRANSFER_PARAMS, Fields, decode_fields
-from shoal.frontend.proxy.forward import Forward, VirtualForward
+from shoal.frontend.proxy.forward import Forward
 from shoal.frontend.proxy.headers import (
     ACCEPT_IDENTITY,
     MAX_GATEWAY_HOPS,
@@ -31,6 +31,7 @@ from shoal.frontend.proxy.headers import (
     REQUEST_HEADERS_DROPPED,
     hop_by_hop,
 )
+from shoal.frontend.proxy.routed import VirtualForward
 from shoal.frontend.registry.metrics import UNKNOWN_MODEL, FrontendMetrics, ModelStats
 from shoal.frontend.registry.registry import Model, Registry
 from shoal.frontend.registry.router import Router
