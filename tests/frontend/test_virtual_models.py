@@ -602,3 +602,53 @@ async def test_credentials_in_a_url_target_of_the_wrong_form_reach_neither_healt
     assert "not a plain ASCII URL" in errors[1]
     assert "hunter2" not in json.dumps(frontend.routes.describe())
     assert "hunter2" not in caplog.text
+
+
+async def test_a_base_url_with_a_query_is_refused_and_its_query_never_shown(
+    store: Store,
+    start_worker: StartWorker,
+    start_frontend: StartFrontend,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A base URL's query was silently dropped from every request (`?api-version=` never
+    reached the provider) yet quoted whole in a client's 502 ("cannot connect to
+    http://...?key=SECRET") and the logs. A route with one is now skipped as malformed, and
+    reported with the query as `?***`; the valid route held at the key is kept."""
+    await start_worker("mock-llm")
+    frontend = await start_frontend()
+    await publish_route(store, route("q", FleetTarget("mock-llm")))
+    await wait_for(lambda: serving(frontend) and routed(frontend, "q"))
+    leaky = UrlTarget(base_url=f"http://127.0.0.1:{free_port()}/v1?key=QUERYSECRET", model="m")
+    await publish_route(store, route("q", leaky))
+    key = route_key("default", "q")
+    await wait_for(lambda: key in frontend.routes.skipped)
+    assert "has a query" in frontend.routes.skipped[key] and "?***" in frontend.routes.skipped[key]
+    status, body, _ = await post(frontend, {"model": "q", "messages": CHAT})
+    assert (status, body["model"]) == (200, "mock-llm")  # the valid route still serves
+    assert "QUERYSECRET" not in json.dumps(frontend.routes.describe())
+    assert "QUERYSECRET" not in caplog.text
+
+
+def test_an_upstreams_address_never_shows_its_query() -> None:
+    """`address` (in every error message and log line about an instance) kept the query."""
+    upstream = Upstream(7, "http://u:pw@127.0.0.1:9/v1?key=QUERYSECRET")
+    assert upstream.address == "http://127.0.0.1:9/v1?***"
+    with pytest.raises(ValueError, match=r"\?\*\*\*") as refused:
+        Upstream(8, "ftp://u:pw@h.example.com/v1?key=QUERYSECRET")
+    assert "QUERYSECRET" not in str(refused.value) and "pw" not in str(refused.value)
+
+
+async def test_a_route_of_more_than_max_targets_is_skipped_and_reported(store: Store) -> None:
+    """A route's targets had no bound: one 1 MB value of 8,500 url targets held the event
+    loop 316 ms while the frontend made a connection pool for each. Over `MAX_TARGETS` it is
+    skipped like any malformed route; at the bound it is served."""
+    from shoal.discovery.routes import MAX_TARGETS
+
+    table = RouteTable(Registry())
+    at_bound = route("wide", *(FleetTarget(f"m{i}") for i in range(MAX_TARGETS)))
+    table.put(at_bound.key, at_bound.to_json())
+    assert len(table.models["wide"].choices) == MAX_TARGETS
+    over = route("wide", *(FleetTarget(f"m{i}") for i in range(MAX_TARGETS + 1)))
+    table.put(over.key, over.to_json())
+    assert f"length <= {MAX_TARGETS}" in table.skipped[over.key]
+    assert len(table.models["wide"].choices) == MAX_TARGETS  # the valid one is kept
