@@ -740,7 +740,7 @@ async def test_a_replace_of_many_routes_lets_the_loop_run_between_slices() -> No
 
 async def test_health_describes_at_most_a_hundred_virtual_models_and_counts_them_all() -> None:
     """`describe` (`/health`, the dashboard) listed every route and target: 10,000 routes
-    built 1.4 MB on the loop per call. Now at most `DESCRIBED`, those not serving first."""
+    built 1.4 MB on the loop per call. Now the first `DESCRIBED` by name, and a total."""
     from shoal.frontend.virtual.virtual import DESCRIBED
 
     table = RouteTable(Registry())

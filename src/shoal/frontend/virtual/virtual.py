@@ -408,14 +408,11 @@ class RouteTable:
         return {name: vm.live_instances for name, vm in self.models.items()}
 
     def describe(self, limit: int = DESCRIBED) -> dict[str, Any]:
-        """The table for people and dashboards: at most `limit` virtual models (those not
-        serving first, then by name; `models_total` counts them all), and skipped routes."""
+        """The table for people and dashboards: the first `limit` virtual models by name
+        (`models_total` counts them all: 10,000 described held the loop 111 ms), and skipped
+        routes."""
         models = self.models
-        trouble = heapq.nsmallest(limit, (n for n, vm in models.items() if not vm.serving))
-        names = trouble
-        if len(names) < limit:
-            shown = set(trouble)
-            names += heapq.nsmallest(limit - len(names), (n for n in models if n not in shown))
+        names = heapq.nsmallest(limit, models)
         return {
             "workspaces": list(self.workspaces),
             "models_total": len(models),
