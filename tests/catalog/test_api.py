@@ -143,6 +143,19 @@ async def test_secret_is_only_a_name_and_a_value_is_refused(client: CatalogClien
     assert "HOSTED_KEY" in text and "sk-123" not in text
 
 
+async def test_a_base_url_with_a_query_is_refused_without_repeating_it(
+    client: CatalogClient,
+) -> None:
+    """A query in a provider's base URL was accepted, then dropped from every request the
+    gateway made (and shown whole in its errors): now refused with 422, the value not echoed."""
+    for url in ("https://api.example/v1?key=QUERYSECRET", "https://api.example/v1#QUERYSECRET"):
+        with pytest.raises(InvalidError) as caught:
+            await client.create(PROVIDERS, {"name": "q", "type": "url", "base_url": url})
+        assert caught.value.param == "base_url"
+        assert "query or fragment" in str(caught.value)
+        assert "QUERYSECRET" not in str(caught.value)
+
+
 async def test_list_pages_sorts_filters_and_counts(client: CatalogClient) -> None:
     for i in range(25):
         await client.create(

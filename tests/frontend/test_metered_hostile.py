@@ -5,6 +5,9 @@ or a usage claim of a thousand digits never breaks the request's end, so the key
 from __future__ import annotations
 
 import asyncio
+import gzip
+
+import pytest
 
 from shoal.discovery.grants import Grant, hash_secret
 from shoal.store import Store
@@ -115,3 +118,65 @@ async def test_a_usage_followed_by_prompt_logprobs_is_charged_in_full(
             except openai.RateLimitError:
                 seen.append(429)
     assert seen == [200, 200, 429]
+
+
+@pytest.mark.parametrize("upstream", ["worker", "provider"])
+async def test_an_answer_is_asked_for_uncompressed_so_a_gzip_client_is_charged_its_usage(
+    store: Store, start_raw: StartRaw, start_frontend: StartFrontend, upstream: str
+) -> None:
+    """The client's `Accept-Encoding: gzip` was forwarded (to a provider by its allow-list, to
+    a worker with the rest of its headers); the upstream compressed its answer, the key's meter
+    found no `usage` in the compressed bytes and charged the body / 4 as prompt and no
+    completion token: tpm was never reached. Every forwarded request now asks for
+    `Accept-Encoding: identity`, so the usage is read and charged in full."""
+    import openai
+
+    from shoal.discovery import Route, UrlTarget, publish_route
+    from tests.frontend.conftest import openai_client
+
+    async def answer(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        body = (
+            b'{"id":"x","object":"chat.completion","created":1,"model":"mock-llm",'
+            b'"choices":[{"index":0,"message":{"role":"assistant","content":"hi"},'
+            b'"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":90,'
+            b'"total_tokens":100}}'
+        )
+        head = request.split(b"\r\n\r\n")[0].lower()
+        encoding = b""
+        if b"gzip" in head.partition(b"accept-encoding:")[2].split(b"\r\n")[0]:
+            body, encoding = gzip.compress(body), b"content-encoding: gzip\r\n"
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + encoding
+            + b"content-length: %d\r\n\r\n" % len(body) + body
+        )  # fmt: skip
+
+    raw = await start_raw(answer)
+    grant = Grant(workspace="default", name="team", hash=hash_secret(SECRET), tpm=150)
+    await store.put(grant.key, grant.to_json())
+    frontend = await start_frontend(auth="keys")
+    model = "mock-llm"
+    if upstream == "provider":
+        model = "remote"
+        target = UrlTarget(base_url=f"{raw.raw_url}/v1", model="mock-llm")
+        await publish_route(store, Route(workspace="default", name=model, targets=(target,)))
+    await wait_for(
+        lambda: (model in frontend.routes.models if upstream == "provider" else serving(frontend))
+        and frontend.keys is not None and bool(frontend.keys.by_hash)
+    )  # fmt: skip
+    seen = []
+    async with openai_client(
+        frontend, api_key=SECRET, default_headers={"Accept-Encoding": "gzip"}
+    ) as client:
+        for _ in range(3):  # 100 tokens each: the third finds the window over 150
+            try:
+                await client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "hi"}]
+                )
+                seen.append(200)
+            except openai.RateLimitError:
+                seen.append(429)
+    assert seen == [200, 200, 429]
+    heads = [r.split(b"\r\n\r\n")[0].lower() for r in raw.raw_requests]
+    assert heads and all(b"accept-encoding: identity" in h and b"gzip" not in h for h in heads)

@@ -116,12 +116,12 @@ async def test_the_route_watcher_survives_a_read_whose_values_make_the_table_rai
     failures = 1
     replace = table.replace
 
-    def failing_replace(*args: Any) -> None:
+    async def failing_replace(*args: Any) -> None:
         nonlocal failures
         if failures:
             failures -= 1
             raise RecursionError("a value the table could not take")
-        replace(*args)
+        await replace(*args)
 
     table.replace = failing_replace  # type: ignore[method-assign]
     watcher = RouteWatcher(store, table)

@@ -93,7 +93,8 @@ async def test_a_provider_gets_only_the_allowed_client_headers(
         assert reply.model == "remote-model"
         seen = remote.headers[-1]
         names = {name.lower() for name in seen}
-        allowed = {name.decode() for name in PROVIDER_HEADERS} | {"host", "content-length"}
+        allowed = {name.decode() for name in PROVIDER_HEADERS}
+        allowed |= {"host", "content-length", "accept-encoding"}  # (the gateway's own)
         assert names <= allowed, names - allowed
         for leak in ("cookie", "x-forwarded-user", "x-forwarded-for", "origin", "referer"):
             assert leak not in names
@@ -104,6 +105,7 @@ async def test_a_provider_gets_only_the_allowed_client_headers(
         assert seen["content-type"] == "application/json"
         assert seen["user-agent"].startswith("AsyncOpenAI/Python")
         assert seen["via"] == f"1.1 {frontend.proxy.gateway}"
+        assert seen["accept-encoding"] == "identity"  # (the client's `gzip` is not asked for)
     finally:
         await remote.stop()
 
@@ -232,3 +234,116 @@ async def test_targets_sharing_a_base_url_and_secret_fail_over_to_each_other(
         assert healthy is not None and not healthy.inhibited
     finally:
         await remote.stop()
+
+
+KEY = "sk-PROVIDER-SECRET-0123456789abcdef"
+ACCOUNT_HEADERS = {
+    "Set-Cookie": "provider_session=abc; Path=/",
+    "OpenAI-Organization": "org-of-the-operator",
+    "OpenAI-Project": "proj-of-the-operator",
+    "X-RateLimit-Remaining-Tokens": "12345",
+}
+
+
+async def echoing_provider(status: int) -> tuple[web.AppRunner, str]:
+    """A provider that answers `status` quoting the bearer it was given (as OpenAI's
+    "Incorrect API key provided: sk-..." does), with the operator's account headers."""
+
+    async def answer(request: web.Request) -> web.Response:
+        given = request.headers.get("Authorization", "")[len("Bearer ") :]
+        error = {"message": f"Incorrect API key provided: {given}.", "code": "invalid_api_key"}
+        return web.json_response({"error": error}, status=status, headers=ACCOUNT_HEADERS)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+async def post(frontend: Frontend, model: str) -> tuple[int, str, aiohttp.typedefs.LooseHeaders]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{frontend.url}/v1/chat/completions", json={"model": model, "messages": CHAT}
+        ) as response,
+    ):
+        return response.status, await response.text(), response.headers
+
+
+async def test_a_provider_refusing_the_gateways_key_is_a_502_that_never_shows_the_key(
+    store: Store, start_frontend: StartFrontend, monkeypatch: Any
+) -> None:
+    """A provider's 401 quoting the operator's key ("Incorrect API key provided: sk-...") went
+    to the client verbatim: the key, the provider's cookie, and a 401 that has the client's SDK
+    blame its own gateway key. Now a provider's 401/403 is a failed attempt (another target
+    serves), and with none left a 502 `provider_auth_failed` naming the provider and the
+    virtual model; the provider's body is not relayed."""
+    monkeypatch.setenv("SHOAL_SECRET_PKEY", KEY)
+    refusing, refusing_url = await echoing_provider(401)
+    good = await provider("remote-model")
+    try:
+        frontend = await start_frontend()
+        refused = url_target(refusing_url, "m", secret="pkey", provider="default/acme")
+        await serve_route(store, frontend, "alone", refused)
+        status, text, headers = await post(frontend, "alone")
+        assert status == 502, text
+        error = json.loads(text)["error"]
+        assert (error["type"], error["code"]) == ("server_error", "provider_auth_failed")
+        assert "`default/acme`" in error["message"] and "`alone`" in error["message"]
+        assert KEY not in text and "Incorrect API key" not in text
+        assert "set-cookie" not in headers
+        try:
+            await openai_client(frontend).chat.completions.create(model="alone", messages=CHAT)  # type: ignore[arg-type]
+            raise AssertionError("a refused provider answered")
+        except openai.AuthenticationError as exc:
+            raise AssertionError("the client was told its own key is bad") from exc
+        except openai.InternalServerError as exc:
+            assert exc.status_code == 502
+        await serve_route(
+            store, frontend, "pair", refused, url_target(good.url, "remote-model", weight=1)
+        )
+        for _ in range(5):  # the refusing target is inhibited after its first refusal
+            status, text, _ = await post(frontend, "pair")
+            assert status == 200 and KEY not in text, text
+    finally:
+        await refusing.cleanup()
+        await good.stop()
+
+
+async def test_a_providers_error_body_is_relayed_with_the_key_masked_and_no_account_headers(
+    store: Store, start_frontend: StartFrontend, monkeypatch: Any
+) -> None:
+    """Any other error of a provider is relayed (the client's request may be at fault), with
+    the operator's key masked and without the provider's `Set-Cookie`, `OpenAI-Organization`,
+    `OpenAI-Project` and `x-ratelimit-*` (the operator's account, not the client's)."""
+    monkeypatch.setenv("SHOAL_SECRET_PKEY", KEY)
+    runner, url = await echoing_provider(400)
+    try:
+        frontend = await start_frontend()
+        await serve_route(store, frontend, "v", url_target(url, "m", secret="pkey"))
+        status, text, headers = await post(frontend, "v")
+        assert status == 400
+        message = json.loads(text)["error"]["message"]
+        assert message == f"Incorrect API key provided: {'*' * len(KEY)}."
+        for name in ACCOUNT_HEADERS:
+            assert name not in headers, name
+    finally:
+        await runner.cleanup()
+
+
+def test_a_key_is_masked_wherever_the_packets_cut_it() -> None:
+    """The key may straddle two packets of the body: every cut of it is masked, and the body
+    keeps its length (a `Content-Length` still holds)."""
+    from shoal.frontend.proxy.routed import Masked
+
+    secret = b"sk-0123456789"
+    body = b'{"error":"key sk-0123456789 and sk-0123456789sk-0123456789 end"}'
+    for first in range(len(body) + 1):
+        for second in range(first, len(body) + 1):
+            masked = Masked(secret)
+            pieces = (body[:first], body[first:second], body[second:])
+            out = b"".join(masked.feed(p) for p in pieces) + masked.rest()
+            assert out == body.replace(secret, b"*" * len(secret)), (first, second)

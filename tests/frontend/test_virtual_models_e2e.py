@@ -148,9 +148,11 @@ async def test_a_url_target_is_another_frontend_over_https_with_its_api_key(
         model="remote", messages=CHAT, max_tokens=4, stream=True
     )
     assert len([c async for c in stream if c.choices and c.choices[0].delta.content]) == 4
-    # Without the secret the provider refuses: its 401 reaches the client as it came.
-    with pytest.raises(openai.AuthenticationError):
+    # Without the secret the provider refuses: the gateway's credentials, not the client's key
+    # (a 502 `provider_auth_failed`, never the provider's 401).
+    with pytest.raises(openai.InternalServerError) as refused:
         await client.chat.completions.create(model="no-key", messages=CHAT, max_tokens=4)
+    assert refused.value.code == "provider_auth_failed"
 
 
 async def listed_tls(url: str, ca: Path, name: str, key: str) -> bool:

@@ -81,6 +81,17 @@ def _no_credentials(url: str | None) -> str | None:
     return url
 
 
+def _no_query(url: str | None) -> str | None:
+    """Refuse a query or a fragment in a base URL: the gateway never sends them to the
+    provider (requests go to `{base_url}/chat/completions`), and a `?key=` is a secret."""
+    if url is not None and ("?" in url or "#" in url):
+        raise ValueError(
+            "a query or fragment in base_url is refused: it is never sent to the provider "
+            "(name the secret holding a key in auth_secret)"
+        )
+    return url
+
+
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=NAME_PATTERN)]
 ResourceName = Annotated[Name, AfterValidator(_no_dot_segments)]  # a new resource's own name
 DeploymentName = Annotated[
@@ -134,6 +145,7 @@ class ProviderSpec(Strict):
             str,
             Field(max_length=BASE_URL_LENGTH, pattern=r"^https?://\S+$"),
             AfterValidator(_no_credentials),
+            AfterValidator(_no_query),
         ]
         | None
     ) = Field(

@@ -23,8 +23,13 @@ import msgspec
 from shoal.bounds import TooDeep, check_json_depth
 from shoal.discovery.keys import ROOT
 from shoal.store import Store
+from shoal.urls import redact_url
 
 ROUTES = ROOT + "routes/"
+
+MAX_TARGETS = 256
+"""Targets of one route, at most: a frontend resolves a route's targets in one turn of its
+event loop (a provider's connection pool each), so a longer one is refused as malformed."""
 
 Weight = Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
@@ -47,7 +52,7 @@ class UrlTarget(msgspec.Struct, frozen=True, tag="url", tag_field="kind"):
     names the bearer token the frontend resolves from `SHOAL_SECRET_<NAME>` or its secrets
     directory."""
 
-    base_url: NonEmpty
+    base_url: NonEmpty  # no query: refused by `decode_route` (a key belongs in a secret)
     model: NonEmpty
     weight: Weight = 1
     secret: str | None = None
@@ -63,7 +68,7 @@ class Route(msgspec.Struct, frozen=True):
 
     workspace: NonEmpty
     name: NonEmpty
-    targets: tuple[Target, ...] = ()
+    targets: Annotated[tuple[Target, ...], msgspec.Meta(max_length=MAX_TARGETS)] = ()
 
     @property
     def key(self) -> str:
@@ -96,7 +101,8 @@ def parse_route_key(key: str) -> tuple[str, str]:
 
 def decode_route(key: str, value: bytes) -> Route:
     """The route stored at `key`; `RouteError` naming the problem if it does not fit (nested
-    deeper than `shoal.bounds.MAX_DEPTH` included)."""
+    deeper than `shoal.bounds.MAX_DEPTH`, more than `MAX_TARGETS` targets, or a `url` target
+    whose base URL has a query or a fragment, included)."""
     workspace, name = parse_route_key(key)
     try:
         check_json_depth(value)
@@ -105,6 +111,12 @@ def decode_route(key: str, value: bytes) -> Route:
         raise RouteError(f"invalid route at {key}: {exc}") from None
     if (route.workspace, route.name) != (workspace, name):
         raise RouteError(f"route at {key} names {route.workspace}/{route.name}")
+    for target in route.targets:
+        if isinstance(target, UrlTarget) and ("?" in target.base_url or "#" in target.base_url):
+            raise RouteError(
+                f"invalid route at {key}: base URL {redact_url(target.base_url)!r} has a query "
+                "or a fragment, which is never sent to a provider (a key belongs in a secret)"
+            )
     return route
 
 

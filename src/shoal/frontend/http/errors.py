@@ -37,6 +37,18 @@ def upstream_failed(model: str, reason: str) -> ApiError:
     )
 
 
+def provider_refused(model: str, provider: str, status: int) -> ApiError:
+    """A provider answered 401/403 to the gateway's own credentials for it: the operator's
+    secret, never the client's key (a 401 would have the client's SDK say its key is bad)."""
+    return ApiError(
+        502,
+        f"The provider {provider} of `{model}` refused the gateway's credentials for it "
+        f"(HTTP {status}); the operator's secret for it is missing, wrong or not allowed.",
+        type="server_error",
+        code="provider_auth_failed",
+    )
+
+
 def upstream_timeout(model: str, reason: str) -> ApiError:
     """No instance answered in time; `reason` says which wait ran out."""
     return ApiError(

@@ -28,6 +28,8 @@ from typing import ClassVar, Protocol, cast
 import httptools
 from mypy_extensions import mypyc_attr
 
+from shoal.urls import redact_url
+
 _PLAIN_URL = re.compile(
     r"http://(?P<hostport>(?P<host>[A-Za-z0-9][A-Za-z0-9.-]*):(?P<port>[0-9]{1,5}))"
     r"(?P<path>(?:/[A-Za-z0-9._~/-]*)?)"
@@ -169,19 +171,17 @@ class Upstream:
         schemes = ("http", "https") if tls is not None else ("http",)
         if parts.scheme not in schemes or not parts.hostname:
             wanted = " or ".join(f"{s}://host:port" for s in schemes)
-            if "@" in parts.netloc:  # credentials never go into messages
-                url = urllib.parse.urlunsplit(
-                    parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2])
-                )
-            raise ValueError(f"URL {url!r}: only {wanted} URLs are supported")
+            # (credentials and a query never go into messages)
+            raise ValueError(f"URL {redact_url(url)!r}: only {wanted} URLs are supported")
         self.instance_id = instance_id
         self.url = url  # as announced (identity for the registry; may hold credentials)
         self.host = sys.intern(parts.hostname)  # (one copy per machine, not per instance)
         self.tls = tls if parts.scheme == "https" else None
         self.port = parts.port or (443 if self.tls is not None else 80)
-        # Credentials in the URL are sent as Basic auth, never in `Host` nor in messages.
+        # Credentials in the URL are sent as Basic auth, never in `Host` nor in messages; a
+        # query (never sent: refused in routes) is not shown either.
         hostport = parts.netloc.rpartition("@")[2]
-        address = urllib.parse.urlunsplit(parts._replace(netloc=hostport))
+        address = redact_url(urllib.parse.urlunsplit(parts._replace(netloc=hostport)))
         self.address = url if address == url else address  # (one string, when they are one)
         self.authorization = None
         self.provider = provider

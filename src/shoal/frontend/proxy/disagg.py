@@ -246,15 +246,9 @@ class TwoStageForward(Forward):
         headers.append((b"x-request-id", self.stages.request_id()))
         self.stage_request = request.with_headers(headers)
 
-    def _prefill_head(self, target: Upstream, body: bytes) -> bytes:
-        """Stage one's head: the stage's, asking for an answer as it is (it is read here, not
-        relayed: a client's `Accept-Encoding: gzip` would have it compressed)."""
-        request = self.stage_request
-        headers = [(k, v) for k, v in request.headers if k != b"accept-encoding"]
-        headers.append((b"accept-encoding", b"identity"))
-        return self.proxy.request_head(request.with_headers(headers), target, body)
-
     def _head(self, target: Upstream, body: bytes) -> bytes:
+        """A stage's head (asking, as every forwarded request does, for an answer as it is:
+        stage one's is read here, and a compressed one could not be)."""
         return self.proxy.request_head(self.stage_request, target, body)
 
     # -- attempts: a prefill, then the decode --------------------------------------------------
@@ -329,7 +323,7 @@ class TwoStageForward(Forward):
         `ApiError` when it refused the request (4xx), `UpstreamError` when it failed."""
         body = stage_one_body(self.source)
         self._new_stage_id()
-        head = self._prefill_head(target, body)
+        head = self._head(target, body)
         limits = (self.proxy.first_byte_timeout, self.proxy.upstream_idle_timeout)
         started = time.perf_counter()
         target.in_flight += 1

@@ -32,7 +32,6 @@ from typing import Protocol
 
 from mypy_extensions import mypyc_attr
 
-from shoal.cards import ModelType
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request, status_line
 from shoal.frontend.http.upstream import (
@@ -44,7 +43,7 @@ from shoal.frontend.http.upstream import (
 )
 from shoal.frontend.proxy import migration
 from shoal.frontend.proxy.deadlines import Deadlines
-from shoal.frontend.proxy.fields import Fields, prompt_hint, rewrite_model
+from shoal.frontend.proxy.fields import Fields, prompt_hint
 from shoal.frontend.proxy.headers import (
     RESPONSE_HEADER_RELAYED,
     hop_by_hop,
@@ -54,7 +53,6 @@ from shoal.frontend.proxy.migration import ContinuationRefused, Migration, Strea
 from shoal.frontend.registry.metrics import FrontendMetrics, ModelStats
 from shoal.frontend.registry.registry import Model
 from shoal.frontend.registry.router import Router
-from shoal.frontend.virtual.virtual import FleetChoice, VirtualModel
 from shoal.openai import ApiError, error_body, sse_event
 
 log = logging.getLogger(__name__)
@@ -227,6 +225,8 @@ class Forward:
                 error = errors.no_ready_instance(name)
             elif isinstance(failure, UpstreamTimeout):  # (the first-byte or the idle wait)
                 error = errors.upstream_timeout(name, str(failure))
+            elif isinstance(failure, ApiError):  # an answer the failure carries (routed.py)
+                error = failure
             else:
                 error = errors.upstream_failed(name, str(failure))
             self._finish(error)
@@ -554,46 +554,3 @@ class Forward:
         stats.count(error.status if error is not None else self.status)
         stats.duration.observe(time.perf_counter() - self.request.received)
         self.client.finish(error)
-
-
-class VirtualForward(Forward):
-    """A request for a virtual model: each attempt picks one of its targets by weight, and
-    sends the body naming the model as that target serves it (re-encoded only then)."""
-
-    __slots__ = ("kind", "served", "virtual")
-
-    def __init__(
-        self,
-        proxy: Gateway,
-        request: Request,
-        client: ClientConnection,
-        virtual: VirtualModel,
-        kind: ModelType,
-        fields: Fields,
-        stats: ModelStats,
-    ) -> None:
-        super().__init__(proxy, request, client, None, fields, stats)
-        self.virtual = virtual
-        self.kind = kind
-        self.served = self.name  # the model the body names now
-
-    def _models(self) -> tuple[str, ...]:
-        return tuple(c.served for c in self.virtual.weighted if isinstance(c, FleetChoice))
-
-    def _pick(self) -> Upstream | None:
-        picked = self.virtual.choose(self.kind, self.proxy.router, self.prompt, self.tried)
-        if picked is None:
-            return None
-        target, served = picked
-        if served != self.served:
-            self.served = served
-            body = self.request.body
-            self.body = body if served == self.name else rewrite_model(body, served)
-        return target
-
-    def _may_retry(self) -> bool:
-        if self.attempt > self.proxy.retries:
-            return False
-        target = self.target
-        tried = self.tried if target is None else [*self.tried, target]
-        return self.virtual.untried(self.kind, tried)

@@ -2,10 +2,13 @@
 
 What crosses: a worker gets the client's headers but hop-by-hop ones; a provider (a virtual
 model's `url` target, outside the fleet) only those of `PROVIDER_HEADERS`. Every forwarded
-request carries this gateway's `Via` entry (`1.1 shoal-<random id>`): a request whose `Via`
+request asks for its answer uncompressed (`ACCEPT_IDENTITY`, whatever the client accepts): the
+gateway reads answers (a key's usage, a stream that may migrate), and compressed bytes have
+no `usage` to charge. Every forwarded request carries this gateway's `Via` entry (`1.1 shoal-<random id>`): a request whose `Via`
 names this gateway, or already `MAX_GATEWAY_HOPS` shoal gateways, went round a loop of url
 targets and is answered 508. Upstream `Access-Control-*` headers are dropped: the gateway's
-own CORS policy alone decides what a browser may read.
+own CORS policy alone decides what a browser may read; a provider's cookies, account headers
+and rate limits are dropped too (`provider_response_headers`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ PROVIDER_HEADERS = frozenset(
     {
         b"content-type",
         b"accept",
-        b"accept-encoding",
         b"user-agent",
         b"x-request-id",
         b"openai-beta",
@@ -31,11 +33,14 @@ PROVIDER_HEADERS = frozenset(
     }
 )
 
+ACCEPT_IDENTITY = b"accept-encoding: identity\r\n"  # sent upstream instead of the client's
+
 # Not forwarded upstream: hop-by-hop headers, and those the proxy sets itself.
 REQUEST_HEADERS_DROPPED = frozenset(
     {
         b"host",
         b"content-length",
+        b"accept-encoding",
         b"transfer-encoding",
         b"connection",
         b"keep-alive",
@@ -62,6 +67,26 @@ RESPONSE_HEADERS_DROPPED = frozenset(
 
 
 CORS_PREFIX = b"access-control-"  # an upstream's CORS headers: the gateway's policy alone decides
+
+# Dropped from a provider's answers besides: what describes or binds the operator's account
+# with the provider (its cookies, organization and project, and its rate limits, which would
+# also pass for the gateway's own `x-ratelimit-*` under `--auth keys`).
+PROVIDER_RESPONSE_DROPPED = frozenset(
+    {b"set-cookie", b"set-cookie2", b"openai-organization", b"openai-project"}
+)
+PROVIDER_RATELIMIT_PREFIX = b"x-ratelimit-"
+
+
+def provider_response_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """A provider's response headers without `PROVIDER_RESPONSE_DROPPED` and its
+    `x-ratelimit-*` (the rest then goes as any upstream's does)."""
+    return [
+        (name, value)
+        for name, value in headers
+        if (lname := name.lower()) not in PROVIDER_RESPONSE_DROPPED
+        and not lname.startswith(PROVIDER_RATELIMIT_PREFIX)
+    ]
+
 
 MAX_VERDICTS = 1024  # response header names (as sent) whose verdict is kept
 

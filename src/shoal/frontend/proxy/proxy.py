@@ -7,8 +7,8 @@ The response is streamed to the client as it arrives, re-framed as chunked when 
 sent it chunked, without parsing SSE (but for a stream that may migrate, see `migration`).
 
 `Proxy.handle` is the entry point: it refuses what cannot be served and starts a `Forward`
-(forward.py) for the rest; the fields it reads of the body are `fields.py`'s, the headers it
-passes on `headers.py`'s.
+(forward.py; `VirtualForward`, routed.py, for a virtual model) for the rest; the fields it
+reads of the body are `fields.py`'s, the headers it passes on `headers.py`'s.
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ from shoal.frontend.http.request import ClientConnection, Request
 from shoal.frontend.http.upstream import Upstream
 from shoal.frontend.proxy.deadlines import Deadlines
 from shoal.frontend.proxy.fields import NO_KV_TRANSFER_PARAMS, Fields, decode_fields
-from shoal.frontend.proxy.forward import Forward, VirtualForward
+from shoal.frontend.proxy.forward import Forward
 from shoal.frontend.proxy.headers import (
+    ACCEPT_IDENTITY,
     MAX_GATEWAY_HOPS,
     PROVIDER_HEADERS,
     REQUEST_HEADERS_DROPPED,
     hop_by_hop,
 )
+from shoal.frontend.proxy.routed import VirtualForward
 from shoal.frontend.registry.metrics import UNKNOWN_MODEL, FrontendMetrics, ModelStats
 from shoal.frontend.registry.registry import Model, Registry
 from shoal.frontend.registry.router import Router
@@ -212,8 +214,8 @@ class Proxy:
 
     def request_head(self, request: Request, target: Upstream, body: bytes) -> bytes:
         """The request line and headers for `target` and `body`: hop-by-hop headers dropped,
-        length set, this gateway's `Via` added. A provider gets only `PROVIDER_HEADERS` of
-        the client's, never its `Authorization`, only its own."""
+        length set, the answer asked for uncompressed, this gateway's `Via` added. A provider
+        gets only `PROVIDER_HEADERS` of the client's, never its `Authorization`, only its own."""
         path = request.path
         if target.path_skip:
             path = path[target.path_skip :]
@@ -226,6 +228,7 @@ class Proxy:
             b"\r\ncontent-length: ",
             b"%d" % len(body),
             b"\r\n",
+            ACCEPT_IDENTITY,
         )
         if target.authorization is not None:  # the instance URL's credentials, a provider's secret
             parts += (b"authorization: ", target.authorization, b"\r\n")

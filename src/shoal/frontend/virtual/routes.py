@@ -61,7 +61,7 @@ class RouteWatcher:
                 snapshot = await self.store.get_prefix(prefix)
                 # (inside the retry: whatever a value makes it raise must not end the
                 # workspace's watch task, nor the frontend's start)
-                self.table.replace(workspace, snapshot.items)
+                await self.table.replace(workspace, snapshot.items)
             except Exception as exc:
                 log.warning(
                     "reading routes of %r failed: %s; retrying in %.1fs", workspace, exc, backoff
@@ -78,7 +78,7 @@ class RouteWatcher:
         while True:
             try:
                 async for event in self.store.watch(prefix, start_revision):
-                    self._apply(workspace, event)
+                    await self._apply(workspace, event)
                     backoff = 0.1
                 log.warning("route watch of %r ended; restarting", workspace)
             except asyncio.CancelledError:
@@ -93,17 +93,17 @@ class RouteWatcher:
         while True:
             await asyncio.sleep(self.secrets_interval)
             try:
-                self.table.refresh_secrets()
+                await self.table.refresh_secrets()
             except Exception:
                 log.exception("refreshing providers' secrets failed")
 
-    def _apply(self, workspace: str, event: Put | Delete | Resync) -> None:
+    async def _apply(self, workspace: str, event: Put | Delete | Resync) -> None:
         try:
             if isinstance(event, Put):
                 self.table.put(event.key, event.value)
             elif isinstance(event, Delete):
                 self.table.delete(event.key)
             else:
-                self.table.replace(workspace, event.items)
+                await self.table.replace(workspace, event.items)
         except Exception:
             log.exception("failed to apply route event %s", event)

@@ -3,7 +3,8 @@
 A `url` route target names its secret (`openai-key`); the frontend looks up the environment
 variable `SHOAL_SECRET_<NAME>` (the name upper-cased, every character other than a letter or
 digit turned into `_`: `SHOAL_SECRET_OPENAI_KEY`), then the file `<secrets dir>/<name>` (one
-file per secret, as a Kubernetes secret mounts them; surrounding whitespace is dropped).
+file per secret, as a Kubernetes secret mounts them; surrounding whitespace is dropped; at most
+64 KiB of UTF-8).
 Names come from the store, so they are checked before they touch the file system, and values
 are checked before they go into a header.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 ENV_PREFIX = "SHOAL_SECRET_"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 _VALUE = re.compile(r"^[\x21-\x7e]+$")  # visible ASCII: nothing that could split a header
+MAX_SECRET_FILE = 64 * 1024  # bytes read of a secret file; a longer one is refused
 
 
 class SecretError(LookupError):
@@ -49,12 +51,7 @@ class Secrets:
         if value is None and self.directory is not None:
             path = self.directory / name
             where = str(path)
-            try:
-                value = path.read_text()
-            except FileNotFoundError:
-                value = None
-            except OSError as exc:
-                raise SecretError(f"secret {name!r}: cannot read {path}: {exc}") from None
+            value = _read(name, path)
         if value is None:
             places = (
                 variable if self.directory is None else f"{variable} or {self.directory / name}"
@@ -67,3 +64,21 @@ class Secrets:
                 "visible ASCII"
             )
         return value
+
+
+def _read(name: str, path: Path) -> str | None:
+    """The text of secret file `path` (None if there is none); `SecretError` if it cannot be
+    read, is over `MAX_SECRET_FILE` bytes, or is not UTF-8 (a binary key, a latin-1 file)."""
+    try:
+        with path.open("rb") as file:
+            data = file.read(MAX_SECRET_FILE + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise SecretError(f"secret {name!r}: cannot read {path}: {exc}") from None
+    if len(data) > MAX_SECRET_FILE:
+        raise SecretError(f"secret {name!r}: {path} is over {MAX_SECRET_FILE} bytes")
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise SecretError(f"secret {name!r}: {path} is not UTF-8 text") from None

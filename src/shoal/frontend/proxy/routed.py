@@ -1,0 +1,134 @@
+"""`VirtualForward`: a request for a virtual model, and what a provider's answer may carry back.
+
+Each attempt picks one of the virtual model's targets by weight; a `url` target is an external
+provider reached with the operator's credentials, so its answer is the operator's business
+before it is the client's:
+
+- a 401 or 403 refuses the gateway's secret, never the client's key: it is a failed attempt
+  (another target is tried) and, when none is left, a 502 `provider_auth_failed` naming the
+  provider and the virtual model; the provider's body (which may quote the key) is not relayed;
+- any other error body is relayed with the secret's value masked (`Masked`, same length, so a
+  `Content-Length` still holds);
+- its cookies, account headers and rate limits are dropped (`provider_response_headers`).
+"""
+
+from __future__ import annotations
+
+from shoal.cards import ModelType
+from shoal.frontend.http import errors
+from shoal.frontend.http.request import ClientConnection, Request
+from shoal.frontend.http.upstream import Upstream
+from shoal.frontend.proxy.fields import Fields, rewrite_model
+from shoal.frontend.proxy.forward import Forward, Gateway
+from shoal.frontend.proxy.headers import provider_response_headers
+from shoal.frontend.registry.metrics import ModelStats
+from shoal.frontend.virtual.virtual import FleetChoice, UrlChoice, VirtualModel
+from shoal.urls import redact_url
+
+BEARER = b"Bearer "
+
+
+class Masked:
+    """A body with every occurrence of `secret` replaced by as many `*`, wherever packets cut
+    it: the last `len(secret) - 1` bytes wait for the next packet (or the end)."""
+
+    __slots__ = ("held", "mask", "secret")
+
+    def __init__(self, secret: bytes) -> None:
+        self.secret = secret
+        self.mask = b"*" * len(secret)
+        self.held = b""
+
+    def feed(self, data: bytes) -> bytes:
+        """What of `data` (and the bytes held before it) can go now, masked."""
+        data = (self.held + data).replace(self.secret, self.mask)
+        cut = max(len(data) - len(self.secret) + 1, 0)
+        self.held = data[cut:]
+        return data[:cut]
+
+    def rest(self) -> bytes:
+        """The bytes held at the end of the body (too short to hold the secret)."""
+        held, self.held = self.held, b""
+        return held
+
+
+class VirtualForward(Forward):
+    """A request for a virtual model: each attempt picks one of its targets by weight, and
+    sends the body naming the model as that target serves it (re-encoded only then)."""
+
+    __slots__ = ("kind", "masked", "served", "virtual")
+
+    def __init__(
+        self,
+        proxy: Gateway,
+        request: Request,
+        client: ClientConnection,
+        virtual: VirtualModel,
+        kind: ModelType,
+        fields: Fields,
+        stats: ModelStats,
+    ) -> None:
+        super().__init__(proxy, request, client, None, fields, stats)
+        self.virtual = virtual
+        self.kind = kind
+        self.served = self.name  # the model the body names now
+        self.masked: Masked | None = None  # a provider's error body, its secret masked
+
+    def _models(self) -> tuple[str, ...]:
+        return tuple(c.served for c in self.virtual.weighted if isinstance(c, FleetChoice))
+
+    def _pick(self) -> Upstream | None:
+        picked = self.virtual.choose(self.kind, self.proxy.router, self.prompt, self.tried)
+        if picked is None:
+            return None
+        target, served = picked
+        if served != self.served:
+            self.served = served
+            body = self.request.body
+            self.body = body if served == self.name else rewrite_model(body, served)
+        return target
+
+    def _may_retry(self) -> bool:
+        if self.attempt > self.proxy.retries:
+            return False
+        target = self.target
+        tried = self.tried if target is None else [*self.tried, target]
+        return self.virtual.untried(self.kind, tried)
+
+    # -- a provider's answer (see the module) -------------------------------------------------
+
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
+        self.masked = None
+        target = self.target
+        if target is None or not target.provider or self.started:
+            return super().on_head(status, headers, chunked)
+        if status == 401 or status == 403:
+            self._attempt_failed(errors.provider_refused(self.name, self._provider(target), status))
+            return False
+        secret = target.authorization
+        if status >= 400 and secret is not None and secret.startswith(BEARER):
+            self.masked = Masked(secret[len(BEARER) :])
+        return super().on_head(status, provider_response_headers(headers), chunked)
+
+    def on_body(self, data: bytes) -> None:
+        masked = self.masked
+        if masked is not None:
+            data = masked.feed(data)
+            if not data:  # (an empty piece would end a chunked body)
+                return
+        super().on_body(data)
+
+    def on_complete(self) -> None:
+        masked = self.masked
+        if masked is not None and (rest := masked.rest()):
+            super().on_body(rest)
+        super().on_complete()
+
+    def _provider(self, target: Upstream) -> str:
+        """How the provider behind `target` is named to clients: its catalog name and URL."""
+        for choice in self.virtual.choices:
+            if isinstance(choice, UrlChoice) and choice.upstream is target:
+                url = redact_url(choice.target.base_url)
+                name = choice.target.provider
+                return f"`{name}` ({url})" if name else url
+        return redact_url(target.address)
