@@ -13,7 +13,7 @@ from typing import Any
 
 from shoal.catalog.resources import Model, Provider, ServedModel, VirtualModel
 from shoal.catalog.routing import SLICE, publish, resolve
-from shoal.discovery import UrlTarget
+from shoal.discovery import Route, UrlTarget
 from shoal.store import open_store
 
 NOW = datetime.now(UTC).isoformat()
@@ -182,3 +182,31 @@ async def test_the_providers_phase_stages_a_providers_names_a_slice_at_a_time() 
     assert max(cache.staged.count(tick) for tick in set(cache.staged)) <= SLICE
     assert len(beats) >= 3
     assert result.served == set(names)
+
+
+async def test_a_route_of_more_targets_than_a_frontend_reads_is_not_published_and_says_why() -> (
+    None
+):
+    """A virtual model of 100 targets whose entities have several providers each resolved to
+    a route of more than `MAX_TARGETS` targets: published, then skipped by every frontend as
+    malformed. Now it is not published (the route held stays in force) and its failure names
+    the bound; the other routes are published."""
+    from shoal.discovery.routes import MAX_TARGETS
+
+    many = Route(
+        "w", "many", tuple(UrlTarget("http://x/v1", f"m{i}", 1) for i in range(MAX_TARGETS + 1))
+    )
+    few = Route("w", "few", (UrlTarget("http://x/v1", "m0", 1),))
+    store = await open_store(f"memory://{uuid.uuid4().hex}")
+
+    async def gone(name: str) -> bool:
+        return False
+
+    try:
+        done = await publish(store, "w", [many, few], gone)
+        assert done.written == 1 and list(done.failed) == ["many"]
+        assert f"over {MAX_TARGETS}" in done.failed["many"]
+        held = await store.get_prefix("shoal/v1/routes/w/")
+        assert [kv.key.rsplit("/", 1)[1] for kv in held.items] == ["few"]
+    finally:
+        await store.close()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from shoal.catalog.resources import Model, Provider, VirtualModel
 from shoal.discovery.routes import (
+    MAX_TARGETS,
     FleetTarget,
     Route,
     RouteError,
@@ -136,6 +137,11 @@ async def publish(
         try:
             key = route.key
             wanted.add(key)
+            if len(route.targets) > MAX_TARGETS:  # frontends would skip it as malformed
+                raise RouteError(
+                    f"{len(route.targets)} targets (its entities' providers), over "
+                    f"{MAX_TARGETS}: give it fewer targets or its entities fewer providers"
+                )
             data = route.to_json()
             if held_values.get(key) != data and await publish_route(store, route):
                 done.written += 1
