@@ -4,14 +4,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 import struct
+import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
+from shoal.frontend.http.server import HttpConnection
+from shoal.frontend.http.unread import Unread, socket_unsent
 from shoal.frontend.http.upstream import Upstream, UpstreamConnection
 from tests.frontend.conftest import StartFrontend
 from tests.frontend.raw_upstream import StartRaw, completion, start_raw, until_closed
@@ -183,3 +187,129 @@ async def test_a_client_reading_a_large_answer_slowly_is_never_cut_by_the_send_t
     finally:
         await server.close(0.1)
     assert got >= len(body)  # (the head too: more than the body)
+
+
+@pytest.mark.parametrize(
+    ("request_line", "keepalive_timeout"),
+    [
+        (b"GET /short HTTP/1.1\r\nhost: x\r\n\r\n", 60.0),  # the connection stays open
+        (b"GET /short HTTP/1.1\r\nhost: x\r\n\r\n", 0.2),  # the keep-alive close
+        (b"GET /short HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", 60.0),  # linger close
+    ],
+)
+async def test_a_client_that_reads_nothing_of_a_short_answer_is_dropped_at_the_send_timeout(
+    request_line: bytes, keepalive_timeout: float
+) -> None:
+    """The send timeout counted only while writing was paused (over 64 KiB unsent): a client
+    that read nothing of a shorter answer, the kernel's buffers full, kept its connection
+    (and its slot of `max_connections`) for good, the keep-alive and linger closes waiting
+    for the bytes to go. Bytes unsent and not shrinking are timed whatever the connection's
+    state: the connection is dropped."""
+    from shoal.frontend.http.listener import HttpServer
+
+    body = b"x" * 40_000  # (under the 64 KiB mark: writing is never paused)
+
+    def handler(_: object, conn: HttpConnection) -> None:
+        assert conn.transport is not None
+        sock = conn.transport.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # (the kernel holds little)
+        conn.send(200, body, b"text/plain")
+
+    server = HttpServer(handler, max_body=1 << 20, keepalive_timeout=keepalive_timeout,
+                        send_timeout=0.3)  # fmt: skip
+    await server.start("127.0.0.1", 0)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+        await asyncio.get_running_loop().sock_sendall(sock, request_line)  # (never reads)
+        conn = await wait_for(lambda: next(iter(server.connections), None), message="accepted")
+        await wait_for(lambda: conn.response_started and conn.idle, message="answered")
+        assert conn.transport is not None
+        assert conn.transport.get_write_buffer_size() > 0 and not conn.writing_paused
+        await wait_for(lambda: conn not in server.connections, message="dropped")
+        assert conn.closed
+    finally:
+        sock.close()
+        await server.close(0.1)
+
+
+class Buffered:
+    """A transport as `Unread` sees it: the bytes in its write buffer, no socket."""
+
+    def __init__(self) -> None:
+        self.unsent = 0
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+
+def test_an_unread_wait_is_timed_while_bytes_wait_and_none_leave() -> None:
+    """`Unread`, the send timeout's bookkeeping: bytes waiting that did not shrink between two
+    sweeps are a wait (writing paused or not); fewer (the client read), none, or more below
+    the mark (the client may have read meanwhile) start it again."""
+    buffered = Buffered()
+    transport = cast(asyncio.Transport, buffered)
+
+    def overdue(unread: Unread, unsent: int, paused: bool, now: float, timeout: float) -> bool:
+        buffered.unsent = unsent
+        return unread.overdue(transport, paused, now, timeout)
+
+    unread = Unread()
+    assert not overdue(unread, 1000, False, 10.0, 1.0)  # a wait starts
+    assert not overdue(unread, 1000, False, 10.5, 1.0)
+    assert overdue(unread, 1000, False, 11.5, 1.0)  # unchanged past the timeout
+    unread = Unread()
+    assert not overdue(unread, 1000, False, 10.0, 1.0)
+    assert not overdue(unread, 900, False, 10.9, 1.0)  # it read: a new wait from 10.9
+    assert not overdue(unread, 900, False, 11.5, 1.0)
+    assert overdue(unread, 900, False, 12.0, 1.0)
+    unread = Unread()
+    assert not overdue(unread, 1000, False, 10.0, 1.0)
+    assert not overdue(unread, 2000, False, 10.9, 1.0)  # more, below the mark: a new wait
+    assert not overdue(unread, 2000, False, 11.5, 1.0)
+    assert not overdue(unread, 0, False, 12.5, 1.0)  # all sent: no wait
+    assert not overdue(unread, 70_000, True, 13.0, 1.0)  # paused: a wait starts
+    assert not overdue(unread, 80_000, True, 13.5, 1.0)  # more while paused: the same wait
+    assert overdue(unread, 80_000, True, 14.5, 1.0)
+    unread = Unread()
+    assert not overdue(unread, 1000, False, 10.0, 0.0)
+    assert not overdue(unread, 1000, False, 1e9, 0.0)  # 0: no limit
+
+
+async def test_the_bytes_a_socket_holds_unacknowledged_count_as_unread() -> None:
+    """While the write buffer waits for the kernel's room, the client's reads show only in
+    what its socket holds (Linux: `SIOCOUTQ`), which the kernel takes in bursts: a client
+    reading a large answer slowly would be cut, its buffer unchanged between two bursts."""
+    if sys.platform != "linux":
+        pytest.skip("the socket's count is read on Linux only")
+
+    class Sock:
+        def __init__(self, sock: socket.socket) -> None:
+            self.sock = sock
+
+        def get_extra_info(self, name: str) -> socket.socket:
+            return self.sock
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(listener.getsockname())
+            server_side, _ = listener.accept()
+            with server_side:
+                server_side.setblocking(False)
+                sent = 0
+                with contextlib.suppress(BlockingIOError):
+                    while True:  # (until the kernel holds no more)
+                        sent += server_side.send(b"x" * 65536)
+                transport = cast(asyncio.Transport, Sock(server_side))
+                held = socket_unsent(transport)
+                assert 0 < held <= sent
+                assert client.recv(65536)
+                await wait_for(lambda: socket_unsent(transport) < held, message="acknowledged")

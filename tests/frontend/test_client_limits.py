@@ -8,8 +8,9 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
+from shoal.frontend.http.server import HttpConnection
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import raw_exchange, serving
 from tests.helpers import wait_for
@@ -185,3 +186,48 @@ async def test_slow_loris_connections_neither_delay_others_nor_stay_open(
             task.cancel()
     timed_out = sum(1 for a in answers if a.startswith(b"HTTP/1.1 408 "))
     assert timed_out == SLOW_CLIENTS, {a[:40] for a in answers}
+
+
+async def test_a_sweep_over_many_connections_lets_the_event_loop_turn_between_slices() -> None:
+    """The sweep checked every connection in one callback: 4,000 slow heads timing out at
+    once (each answered 408 in its check) held the loop ~150 ms. It checks a slice of
+    `TURN_SECONDS` at a time, the rest in the loop's next turns, each connection once."""
+    from shoal.frontend.http.listener import TURN_SECONDS, HttpServer
+
+    loop = asyncio.get_running_loop()
+    turns = 0
+
+    def tick() -> None:  # (one increment per turn of the loop)
+        nonlocal turns
+        turns += 1
+        loop.call_soon(tick)
+
+    seen: list[int] = []
+    times: set[float] = set()
+
+    class Slow:
+        """A connection whose check costs half a millisecond (a 408 written and closed)."""
+
+        idle, transport = True, None
+
+        def check_deadlines(self, now: float) -> None:
+            seen.append(turns)
+            times.add(now)
+            end = time.perf_counter() + 0.0005
+            while time.perf_counter() < end:
+                pass
+
+    server = HttpServer(lambda _, conn: None, max_body=1000)
+    slow = [Slow() for _ in range(200)]  # 100 ms of work in all
+    server.connections.update(cast(list[HttpConnection], slow))
+    loop.call_soon(tick)
+    try:
+        server._sweep()
+        await wait_for(lambda: len(seen) >= len(slow), message="all checked")
+        per_turn = max(seen.count(t) for t in set(seen))
+        assert per_turn <= TURN_SECONDS / 0.0005 + 32, per_turn  # (checked in steps of 32)
+        assert len(set(seen)) >= 3
+        assert len(seen) == len(slow) and len(times) == 1  # each once, all against one time
+    finally:
+        server.connections.clear()
+        await server.close(0)

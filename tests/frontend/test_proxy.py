@@ -13,8 +13,11 @@ from openai.types.chat import ChatCompletionMessageParam
 from shoal.frontend import Frontend
 from shoal.frontend.registry.metrics import UNKNOWN_MODEL
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
+from tests.frontend.raw_upstream import StartRaw, start_raw
 from tests.frontend.support import FakeWorker, serving
 from tests.helpers import wait_for
+
+__all__ = ["start_raw"]  # the fixture
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
@@ -287,6 +290,44 @@ async def test_failure_after_the_first_byte_ends_the_stream_with_an_error_event(
             pieces.append(chunk.choices[0].delta.content)
     assert len(pieces) == 2
     assert "failed while streaming" in caught.value.message
+
+
+async def cut_mid_event(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    whole = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[]}\n\n'
+    body = whole + b'data: {"id":"c1","object":"chat.co'  # (and the worker dies)
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+        b"\r\n%x\r\n%s\r\n" % (len(body), body)
+    )
+    await writer.drain()
+    writer.transport.abort()
+
+
+async def test_a_stream_cut_mid_event_ends_that_event_before_the_error_event(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """The gateway's error event was written right after the partial bytes of an event the
+    worker left unfinished: one event to the client's SSE parser, whose data is not JSON, and
+    the error never seen. The unfinished event is ended first: the error is an event."""
+    await start_raw(cut_mid_event)
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend), message="model served")
+    body = {"model": "mock-llm", "messages": CHAT, "stream": True}
+    url = f"{frontend.url}/v1/chat/completions"
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(url, json=body) as response,
+    ):
+        raw = await response.read()
+    events = [event for event in raw.decode().split("\n\n") if event.strip()]
+    assert events[0].startswith('data: {"id":"c1"')
+    assert events[-1].startswith("data: ")
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert "failed while streaming" in error["message"]
+    assert len(events) == 3  # (the whole one, the one cut short, the error)
 
 
 async def test_client_disconnect_cancels_the_upstream_request(

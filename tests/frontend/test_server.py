@@ -403,3 +403,81 @@ async def test_the_official_client_sending_a_body_over_the_limit_reads_its_413(
         assert refused.value.status_code == 413
         assert str(4 << 20) in refused.value.message
     assert worker.requests == 0
+
+
+def chunked_with_trailers(trailers: bytes, *extra: bytes) -> bytes:
+    """`BODY` as one chunk, then the last chunk and `trailers` (header lines) and the end."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n"
+    return (
+        head + b"".join(line + b"\r\n" for line in extra) + b"\r\n"
+        + b"%x\r\n%s\r\n0\r\n" % (len(BODY), BODY) + trailers + b"\r\n"
+    )  # fmt: skip
+
+
+async def test_trailer_fields_never_reach_the_worker_as_headers(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """httptools reports a chunked body's trailer fields as headers after the body: they
+    were merged into the request's headers and forwarded as such (past every check of the
+    head). They are dropped (RFC 9110 §6.5.1); the request is served as without them."""
+    worker, frontend = await served(start_worker, start_frontend)
+    trailers = b"x-injected-by-trailer: yes\r\nx-forwarded-for: 6.6.6.6\r\n"
+    data = chunked_with_trailers(trailers) * 2  # (and the next request is read in step)
+    received = await raw_exchange(frontend.port, data, responses=2)
+    assert received.count(b"HTTP/1.1 200 OK") == 2
+    assert worker.bodies == [BODY, BODY]
+    for headers in worker.headers:
+        assert "x-injected-by-trailer" not in headers
+        assert "x-forwarded-for" not in headers
+
+
+async def test_trailer_fields_over_the_header_limits_are_431_and_closed(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """The trailer section was bounded by nothing: 5,000 fields passed `max_headers`, and one
+    without end (sent for ever) grew the gateway's memory without bound. Trailers are held to
+    the head's limits: `max_headers` fields, `max_header_size` bytes."""
+    worker, frontend = await served(
+        start_worker, start_frontend, max_headers=10, max_header_size=4096
+    )
+    many = b"".join(b"x-t%d: v\r\n" % i for i in range(11))
+    one_long = b"x-long: " + b"a" * 5000 + b"\r\n"
+    for trailers, why in ((many, "more than 10 trailer fields"), (one_long, "over 4096 bytes")):
+        received = await raw_exchange(frontend.port, chunked_with_trailers(trailers))
+        assert received.startswith(b"HTTP/1.1 431 "), received[:200]
+        assert b"connection: close" in received
+        error = json.loads(received.partition(b"\r\n\r\n")[2])["error"]
+        assert error["code"] == "request_header_fields_too_large"
+        assert why in error["message"]
+    # A trailer field without end is refused once over the bound, not buffered until it ends.
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    try:
+        writer.write(chunked_with_trailers(b"")[:-2] + b"x-endless: " + b"a" * (64 << 10))
+        async with asyncio.timeout(5):
+            received = await reader.read(65536)
+    finally:
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 431 ")
+    assert worker.requests == 0
+
+
+async def test_an_http10_request_with_transfer_encoding_is_400_and_closed(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing (a front
+    proxy speaking HTTP/1.0 frames it otherwise). It was decoded as chunked and the connection
+    kept alive, the bytes after it answered as a request: it is refused, and what follows is
+    never read."""
+    worker, frontend = await served(start_worker, start_frontend)
+    data = (
+        b"POST /v1/chat/completions HTTP/1.0\r\nHost: t\r\nConnection: keep-alive\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
+        + b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n"
+    )  # fmt: skip
+    received = await raw_exchange(frontend.port, data, responses=2)
+    assert count_responses(received) == 1
+    assert received.startswith(b"HTTP/1.1 400 ")
+    assert b"connection: close" in received
+    error = json.loads(received.partition(b"\r\n\r\n")[2])["error"]
+    assert "Transfer-Encoding in an HTTP/1.0 request" in error["message"]
+    assert worker.requests == 0

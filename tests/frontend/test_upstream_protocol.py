@@ -8,6 +8,7 @@ import asyncio
 import base64
 import socket
 import struct
+from typing import Any
 
 import aiohttp
 import pytest
@@ -245,3 +246,58 @@ async def test_bytes_after_a_response_in_its_packet_never_reach_the_next_request
                 assert later.status == 200 and b'"content":"B"' in received, received
                 assert b"secret-of-request-A" not in received
                 assert later.headers.get("x-shoal-instance") is not None
+
+
+async def answer_with_framing_listed_in_connection(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(completion(extra_headers=b"connection: keep-alive, content-length\r\n"))
+
+
+async def test_framing_headers_named_in_connection_still_frame_the_message_either_way(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """An upstream whose `Connection:` listed `content-length` had it dropped as hop-by-hop,
+    its body relayed unframed on a kept-alive client connection (the next answer read as
+    part of it). Each hop frames its own message: the framing headers are never hop-by-hop."""
+    upstream = await start_raw(answer_with_framing_listed_in_connection)
+    frontend = await started(start_frontend)
+    request = post(b"Connection: keep-alive, content-length, transfer-encoding")
+    received = await raw_exchange(frontend.port, request * 2, responses=2)
+    assert count_responses(received) == 2
+    first = head_of(received)
+    assert first[0] == "http/1.1 200 ok"
+    assert [line for line in first if line.startswith("content-length: ")]
+    assert received.count(b'"content":"hi"') == 2
+    for sent in upstream.raw_requests:
+        assert f"content-length: {len(BODY)}" in head_of(sent)
+        assert sent.endswith(BODY)
+
+
+async def switching_protocols(
+    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n"
+        b"\x81\x05hello"
+    )
+
+
+async def test_an_upstream_switching_protocols_fails_its_attempt_with_no_error_from_the_loop(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """A `101` (never asked for) made httptools raise `HttpParserUpgrade` out of the upstream
+    connection's `data_received`: asyncio logged "Fatal error: protocol.data_received() call
+    failed" with a traceback. It is that upstream's protocol error: the client gets 502."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    try:
+        await start_raw(switching_protocols)
+        frontend = await started(start_frontend)
+        received = await asyncio.wait_for(raw_exchange(frontend.port, post()), 10)
+        assert received.startswith(b"HTTP/1.1 502 ")
+        assert b"switched protocols" in received
+        assert errors == []
+    finally:
+        loop.set_exception_handler(None)

@@ -14,9 +14,9 @@ What a connection owes its client, in order (RFC 9112 §9.3): an answer to every
 request, one at a time, then (if reading stopped on an error) that error, then the close.
 Pipelined requests are answered one per loop iteration, never while the client's send
 buffer is full, and at most `MAX_PIPELINED` wait (plus those in one `FEED_SLICE` of bytes).
-Bounds a client cannot stretch: the request head (size, header count, `header_timeout`), the
-body (`max_body`, `body_timeout` between its bytes), an answer it does not read
-(`send_timeout`) and the number of connections.
+Bounds a client cannot stretch: the request head and trailers (size, count, `header_timeout`:
+head.py), the body (`max_body`, `body_timeout` between its bytes, `TURN_CALLS`), an answer it
+does not read (`send_timeout`: unread.py) and the number of connections.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Protocol, cast
 import httptools
 
 from shoal.bounds import DepthMeter
-from shoal.frontend.http import errors
+from shoal.frontend.http import errors, head
 from shoal.frontend.http.errors import bad_request, body_too_large
 from shoal.frontend.http.request import (
     BodyPieces,
@@ -39,6 +39,7 @@ from shoal.frontend.http.request import (
     Request,
     encode_response,
 )
+from shoal.frontend.http.unread import Unread
 from shoal.openai import ApiError
 
 log = logging.getLogger(__name__)
@@ -48,11 +49,10 @@ FEED_SLICE = 8192  # a larger read is parsed this much at a time, so the bound a
 LINGER_SECONDS = 2.0  # how long bytes are read and dropped after the last answer, before closing
 METER_FROM = 256 << 10  # a body this large has its nesting judged as it comes, so much at a time
 TURN_BYTES = 256 << 10  # after reading this many bytes, a connection lets the loop turn
+TURN_CALLS = 4096  # and after parsing this many body pieces (a body in 1-byte chunks)
 LINGER_BYTES = 1 << 20  # and how many at least (twice `max_body` if more: see `_finish`)
 
-# The request headers the server itself reads (the handler reads the others), and what a
-# connection is reading: nothing yet of the next request, its head, or its body.
-_READ_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
+# What a connection is reading: nothing yet of the next request, its head, or its body.
 IDLE, HEAD, BODY = 0, 1, 2
 
 
@@ -60,16 +60,13 @@ IDLE, HEAD, BODY = 0, 1, 2
 Handler = Callable[[Request, "HttpConnection"], None]
 
 
-class Listener(Protocol):
+class Listener(head.Limits, Protocol):
     """What a connection reads of its `HttpServer` (floats as properties: `forward.Gateway`)."""
 
     handler: Handler
     loop: asyncio.AbstractEventLoop
     connections: set[HttpConnection]
     closing: bool
-    max_body: int
-    max_header_size: int
-    max_headers: int
     max_connections: int
 
     @property
@@ -118,16 +115,16 @@ class HttpConnection(asyncio.Protocol):
         self._answered_in_read = False  # one request answered per read: the others wait a turn
         self._next_scheduled = False
         self._upgrading = False  # the request asked for an Upgrade, which is ignored
-        self._upgrade_method = b""
         self._lingering = False  # the last answer is written: closing soon
         self._linger_left = 0  # bytes still dropped while lingering, then the connection closes
         self._phase = HEAD  # what is read since when (the sweep's deadlines): a request head
         self._phase_since = self.idle_since  # 0.0: since the next sweep
         self._progress = False  # bytes arrived since the last sweep
         self._last_progress = 0.0  # when a sweep last saw bytes arrive (0.0: never)
-        self._paused_since = 0.0  # since when the client read nothing (0.0: not paused)
-        self._unsent = 0  # bytes waiting to be sent at the last sweep (read since: fewer)
-        self._head_bytes = 0  # bytes read while in a request head
+        self._unread = Unread()  # how long the client read nothing of its answer
+        self._head_bytes = 0  # bytes read in a request head, or since a body's last byte
+        self._trailers = self._trailer_bytes = 0  # the request's trailer fields (dropped)
+        self._calls = 0  # body pieces parsed since the last turn given (`TURN_CALLS`)
         self._url = b""  # (the message being parsed)
         self._headers: list[tuple[bytes, bytes]] = []
         self._body = BodyPieces()
@@ -173,15 +170,15 @@ class HttpConnection(asyncio.Protocol):
             return
         self._progress = True
         self._answered_in_read = False
-        if self._held or len(data) > FEED_SLICE or len(self.pending) >= MAX_PIPELINED:
+        calls = self._calls >= TURN_CALLS
+        if self._held or len(data) > FEED_SLICE or len(self.pending) >= MAX_PIPELINED or calls:
             self._hold(data)
             # libuv reads a fast sender up to 32 times in one go (8 MB, each read parsed):
-            # past `TURN_BYTES` of large reads, bytes are parsed in the loop's next turn.
+            # past `TURN_BYTES` of large reads, or `TURN_CALLS` parser callbacks (a body in
+            # 1-byte chunks: 44,000 in 256 KiB), bytes are parsed in the loop's next turn.
             self._read_bytes += len(data)
-            if self._read_bytes > TURN_BYTES:
-                self._read_bytes = 0
-                self._update_reading()
-                self.loop.call_soon(self._parse_held)
+            if self._read_bytes >= TURN_BYTES or calls:
+                self._give_turn()
             else:
                 self._parse_held()
             return
@@ -197,7 +194,7 @@ class HttpConnection(asyncio.Protocol):
         self._update_reading()
 
     def resume_writing(self) -> None:
-        self.writing_paused, self._paused_since = False, 0.0  # (the client read: a new wait)
+        self.writing_paused, self._unread.since = False, 0.0  # (the client read: a new wait)
         if self.flow is not None:
             self.flow.resume_reading()
         self._update_reading()
@@ -209,8 +206,7 @@ class HttpConnection(asyncio.Protocol):
     def _feed(self, data: bytes | memoryview) -> int:
         """Parse `data` (as `data_received` does); -1, or the offset of the bytes after an
         ignored upgrade request."""
-        if self._phase != BODY:
-            self._head_bytes += len(data)
+        self._head_bytes += len(data)  # (`on_body` sets it to 0)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -219,9 +215,12 @@ class HttpConnection(asyncio.Protocol):
             if self._upgraded():
                 return int(exc.args[0])
         else:
-            # (checked on each read: a head that grows without end is not buffered)
-            if self._phase == HEAD and (size := self.server.max_header_size) < self._head_bytes:
-                self._stop(errors.headers_too_large(f"over {size} bytes"))
+            # (checked on each read: a head, or trailers, growing without end is not buffered)
+            if self._phase != IDLE and (size := self.server.max_header_size) < self._head_bytes:
+                if self._phase == HEAD:
+                    self._stop(errors.headers_too_large(f"over {size} bytes"))
+                else:
+                    self._stop(head.framing_too_large(self.server))
         return -1
 
     def _upgraded(self) -> bool:
@@ -247,12 +246,21 @@ class HttpConnection(asyncio.Protocol):
         self._held = rest + data if rest else bytes(data)
         self._held_pos = 0
 
+    def _give_turn(self) -> None:
+        """Parse the held bytes in the loop's next turn (reading paused meanwhile)."""
+        self._read_bytes = self._calls = 0
+        self._update_reading()
+        self.loop.call_soon(self._parse_held)
+
     def _parse_held(self) -> None:
-        """Parse held bytes a slice at a time while the pipeline has room."""
+        """Parse held bytes a slice at a time while the pipeline has room, the rest in the
+        loop's next turn past `TURN_CALLS` parser callbacks."""
         data = self._held
         view = memoryview(data)
         pos = self._held_pos
         while pos < len(data) and not self._stopped and len(self.pending) < MAX_PIPELINED:
+            if self._calls >= TURN_CALLS:
+                break
             piece = view[pos : pos + FEED_SLICE]
             pos += len(piece)
             offset = self._feed(piece)
@@ -261,20 +269,19 @@ class HttpConnection(asyncio.Protocol):
                 view = memoryview(data)
                 pos = 0
         self._held, self._held_pos = (b"", 0) if pos >= len(data) or self._stopped else (data, pos)
-        self._update_reading()
+        if self._held and self._calls >= TURN_CALLS:
+            self._give_turn()
+        else:
+            self._update_reading()
 
     def _restart_parser(self) -> None:
         """Ignore an `Upgrade` (RFC 9110 §7.8 allows it): a fresh parser reads the request
         again without it, body included, and the connection carries on as HTTP/1.1."""
         self._upgrading = False
+        method = self.parser.get_method()  # (the upgrade request's: the parser stopped at it)
         self.parser = httptools.HttpRequestParser(self)
-        method = self._upgrade_method
-        lines = [method, b" ", self._url, b" HTTP/1.1\r\n"]
-        for name, value in self._headers:
-            if name != b"upgrade":
-                lines += (name, b": ", value, b"\r\n")
-        lines.append(b"\r\n")
-        self._held = b"".join(lines)  # parsed before the bytes that followed the head
+        # (parsed before the bytes that followed the head)
+        self._held = head.without_upgrade(method, self._url, self._headers)
         self._held_pos = 0
         self._phase = IDLE
 
@@ -290,6 +297,7 @@ class HttpConnection(asyncio.Protocol):
         self._body.reset()
         self._body_size = 0
         self._meter = None
+        self._trailers = self._trailer_bytes = 0
         if self._phase == IDLE:
             self._phase = HEAD
             self._phase_since = 0.0  # set by the next sweep: no clock read per request
@@ -298,38 +306,28 @@ class HttpConnection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
+        if self._phase != BODY:
+            self._headers.append((name.lower(), value))
+            return
+        self._trailers += 1  # a trailer field: never a header, dropped (head.py)
+        self._trailer_bytes += len(name) + len(value)
+        if error := head.refused_trailers(self._trailers, self._trailer_bytes, self.server):
+            self._refuse(error)
 
     def on_headers_complete(self) -> None:
         self._phase = BODY
         self._head_bytes = 0
-        server = self.server
-        headers = self._headers
-        if len(headers) > server.max_headers:
-            self._refuse(errors.headers_too_large(f"more than {server.max_headers} headers"))
-        size = len(self._url)
-        expect_continue = False
-        for name, value in headers:
-            size += len(value)
-            if name in _READ_HEADERS:
-                if name == b"content-length":
-                    if int(value) > server.max_body:
-                        self._refuse(body_too_large(server.max_body))
-                elif name == b"transfer-encoding":
-                    if value.strip().lower() != b"chunked":
-                        self._refuse(errors.unsupported_coding(value))
-                elif name == b"expect":
-                    expect_continue = value.lower() == b"100-continue"
-                elif self.parser.should_upgrade():  # upgrade
-                    self._upgrading = True
-                    self._upgrade_method = self.parser.get_method()
-        if size > server.max_header_size:  # (names: bounded by the check on each read)
-            self._refuse(errors.headers_too_large(f"over {server.max_header_size} bytes"))
-        if expect_continue and not self._upgrading and self.idle and self.transport is not None:
+        judged = head.judge_head(self.parser, self._url, self._headers, self.server)
+        if judged.error is not None:
+            self._refuse(judged.error)
+        self._upgrading = judged.upgrade
+        if judged.expect_continue and not self._upgrading and self.idle and self.transport:
             # (not behind an answer: a 100 would land in it; the client sends after a wait)
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
+        self._head_bytes = 0  # (bytes of chunk framing since: bounded as a head is)
+        self._calls += 1
         self._body_size += len(body)
         if self._body_size > self.server.max_body:
             self._refuse(body_too_large(self.server.max_body))
@@ -483,16 +481,11 @@ class HttpConnection(asyncio.Protocol):
             self._progress = False
             self._last_progress = now
         server, transport = self.server, self.transport
-        if not self.writing_paused or transport is None:
-            self._paused_since = 0.0
-        elif not self._paused_since or (unsent := transport.get_write_buffer_size()) < self._unsent:
-            # Paused now, or the client read since the last sweep: a new wait from now.
-            self._paused_since, self._unsent = now, transport.get_write_buffer_size()
-        elif server.send_timeout and now - self._paused_since > server.send_timeout:
-            transport.abort()  # it reads nothing of its answer: gone, and the work stops
+        if transport is not None and self._unread.overdue(
+            transport, self.writing_paused, now, server.send_timeout
+        ):  # it reads nothing of its answer (a `close()` waits for it): gone, the work stops
+            transport.abort()
             return
-        else:
-            self._unsent = unsent
         if self._stopped or self.busy or self.pending or self.transport is None:
             return
         if self._phase == IDLE:

@@ -386,6 +386,9 @@ class UpstreamConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._failed(None if self._head_bytes > MAX_RESPONSE_HEAD else exc)
             return
+        except httptools.HttpParserUpgrade:  # (a 101: failed in its head, `_interim_head`)
+            self._failed(ValueError("it switched protocols"))
+            return
         if in_head and self._in_head:  # (a header line without end grows in the parser)
             self._head_read += len(data)
             if self._head_read > MAX_RESPONSE_HEAD:

@@ -44,11 +44,7 @@ from shoal.frontend.http.upstream import (
 from shoal.frontend.proxy import migration
 from shoal.frontend.proxy.deadlines import Deadlines
 from shoal.frontend.proxy.fields import Fields, prompt_hint
-from shoal.frontend.proxy.headers import (
-    RESPONSE_HEADER_RELAYED,
-    hop_by_hop,
-    response_header_relayed,
-)
+from shoal.frontend.proxy.headers import relay_response_headers
 from shoal.frontend.proxy.migration import ContinuationRefused, Migration, StreamCutShort
 from shoal.frontend.registry.metrics import FrontendMetrics, ModelStats
 from shoal.frontend.registry.registry import Model
@@ -128,6 +124,7 @@ class Forward:
         "stats",
         "status",
         "stream",
+        "tail",
         "target",
         "tried",
     )
@@ -165,6 +162,7 @@ class Forward:
         self.out: list[bytes] = []
         self.status = 0
         self.chunked = False
+        self.tail = b""  # the last bytes of the body relayed (a stream's: `_break_off`)
         self.head_seen = False
         self.body_seen = False
         self.started = False
@@ -399,21 +397,7 @@ class Forward:
         client = self.client
         self.status = status
         parts = [status_line(status)]
-        listed: bytes | None = None  # the upstream's `Connection:` value
-        verdicts = RESPONSE_HEADER_RELAYED
-        for name, value in headers:
-            relayed = verdicts.get(name)
-            if relayed is None:
-                relayed = response_header_relayed(name)
-            if relayed:
-                parts += (name, b": ", value, b"\r\n")
-            elif name.lower() == b"connection":
-                listed = value if listed is None else listed + b"," + value
-        if listed is not None and (hop := hop_by_hop(listed)):
-            parts = [status_line(status)]
-            for name, value in headers:
-                if response_header_relayed(name) and name.lower() not in hop:
-                    parts += (name, b": ", value, b"\r\n")
+        relay_response_headers(headers, parts)
         if chunked:
             if self.request.http11:
                 self.chunked = True
@@ -436,6 +420,8 @@ class Forward:
             data = self.migration.feed(data)
             if not data:
                 return
+        if self.stream:
+            self.tail = (self.tail + data[-4:])[-4:]
         if self.chunked:
             self.out.append(b"%x\r\n%s\r\n" % (len(data), data))  # (one copy, not three pieces)
         else:
@@ -530,7 +516,8 @@ class Forward:
         self.client.follow(None)
 
     def _break_off(self, failure: Exception) -> None:
-        """A response failed after its first byte reached the client."""
+        """A response failed after its first byte reached the client. A stream cut in the
+        middle of an event has it ended first: the error event would be part of it."""
         log.warning("response for %s broke off: %s", self.name, failure)
         if self.chunked and self.stream and self.client.writable:
             event = sse_event(
@@ -540,6 +527,8 @@ class Forward:
                     code="upstream_error",
                 )
             )
+            if self.tail and not self.tail.endswith((b"\n\n", b"\r\n\r\n")):
+                event = b"\n\n" + event
             self.client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
         else:
             self.client.close_after_response()  # the body is cut short: only closing tells

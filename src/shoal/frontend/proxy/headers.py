@@ -107,12 +107,37 @@ def response_header_relayed(name: bytes) -> bool:
     return relayed
 
 
+def relay_response_headers(headers: list[tuple[bytes, bytes]], parts: list[bytes]) -> None:
+    """Add to `parts` the lines of the response headers the client gets: those
+    `response_header_relayed` lets through, but for those the upstream's `Connection:` lists."""
+    mark = len(parts)
+    listed: bytes | None = None  # the upstream's `Connection:` value
+    verdicts = RESPONSE_HEADER_RELAYED
+    for name, value in headers:
+        relayed = verdicts.get(name)
+        if relayed is None:
+            relayed = response_header_relayed(name)
+        if relayed:
+            parts += (name, b": ", value, b"\r\n")
+        elif name.lower() == b"connection":
+            listed = value if listed is None else listed + b"," + value
+    if listed is not None and (hop := hop_by_hop(listed)):
+        del parts[mark:]
+        for name, value in headers:
+            if response_header_relayed(name) and name.lower() not in hop:
+                parts += (name, b": ", value, b"\r\n")
+
+
 def hop_by_hop(connection: bytes) -> frozenset[bytes]:
     """The header names a `Connection:` value lists, beyond the usual `keep-alive`/`close`:
-    they are for this hop only (RFC 9110, 7.6.1), so neither direction forwards them."""
+    they are for this hop only (RFC 9110, 7.6.1), so neither direction forwards them. Never
+    the framing headers: each hop frames its own message (a response's `Content-Length`
+    dropped left its body unframed on a kept-alive client connection)."""
     names = {token.strip().lower() for token in connection.split(b",")}
-    names -= _CONNECTION_OPTIONS
+    names -= _NEVER_HOP_BY_HOP
     return frozenset(names)
 
 
-_CONNECTION_OPTIONS = frozenset({b"", b"keep-alive", b"close"})
+_NEVER_HOP_BY_HOP = frozenset(
+    {b"", b"keep-alive", b"close", b"content-length", b"transfer-encoding"}
+)

@@ -1,0 +1,102 @@
+"""What the gateway's HTTP server holds a request head to (`HttpConnection`, server.py): its
+size and header count (431), a declared body over `max_body` (413), a framing it cannot trust
+(Transfer-Encoding other than chunked: 501; on HTTP/1.0: 400, RFC 9112 §6.1), and what the
+server itself acts on (`Expect: 100-continue`, `Upgrade`).
+
+Trailer fields (after a chunked body) are never merged into the head: they are dropped, as
+RFC 9110 §6.5.1 allows, and bounded like a head: `max_headers` fields, and `max_header_size`
+bytes of chunk framing and trailer section between two body bytes (`HttpConnection._feed`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import httptools
+
+from shoal.frontend.http import errors
+from shoal.openai import ApiError
+
+# The request headers the server itself reads (the handler reads the others).
+_READ_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
+
+
+class Limits(Protocol):
+    """What a head is held to (`HttpServer`'s settings)."""
+
+    max_body: int
+    max_header_size: int
+    max_headers: int
+
+
+class Verdict(NamedTuple):
+    """A request head judged (`judge_head`)."""
+
+    error: ApiError | None  # what it is refused with, if it is
+    expect_continue: bool  # it asks for `100 Continue`
+    upgrade: bool  # it asks for an `Upgrade` (ignored: `without_upgrade`)
+
+
+def judge_head(
+    parser: httptools.HttpRequestParser,
+    url: bytes,
+    headers: list[tuple[bytes, bytes]],
+    limits: Limits,
+) -> Verdict:
+    """The complete request head `parser` read (names lower-cased) judged."""
+    if len(headers) > limits.max_headers:
+        return Verdict(
+            errors.headers_too_large(f"more than {limits.max_headers} headers"), False, False
+        )
+    size = len(url)
+    expect_continue = upgrade = False
+    for name, value in headers:
+        size += len(value)
+        if name in _READ_HEADERS:
+            if name == b"content-length":
+                if int(value) > limits.max_body:
+                    return Verdict(errors.body_too_large(limits.max_body), False, False)
+            elif name == b"transfer-encoding":
+                if parser.get_http_version() == "1.0":  # (a front proxy would frame it otherwise)
+                    why = "Transfer-Encoding in an HTTP/1.0 request: its framing is not trusted."
+                    return Verdict(errors.bad_request(why), False, False)
+                if value.strip().lower() != b"chunked":
+                    return Verdict(errors.unsupported_coding(value), False, False)
+            elif name == b"expect":
+                expect_continue = value.lower() == b"100-continue"
+            else:
+                upgrade = bool(parser.should_upgrade())
+    if size > limits.max_header_size:  # (names: bounded by the check on each read)
+        return Verdict(
+            errors.headers_too_large(f"over {limits.max_header_size} bytes"), False, False
+        )
+    return Verdict(None, expect_continue, upgrade)
+
+
+def refused_trailers(count: int, size: int, limits: Limits) -> ApiError | None:
+    """What a request is refused with once it sent `count` trailer fields of `size` bytes
+    (names and values), if anything."""
+    if count > limits.max_headers:
+        return errors.headers_too_large(f"more than {limits.max_headers} trailer fields")
+    if size > limits.max_header_size:
+        return errors.headers_too_large(f"trailer section over {limits.max_header_size} bytes")
+    return None
+
+
+def framing_too_large(limits: Limits) -> ApiError:
+    """A chunked body's framing (chunk lines, trailer section) over `max_header_size` bytes
+    between two of its body bytes."""
+    return errors.headers_too_large(
+        f"chunk framing or trailer section over {limits.max_header_size} bytes"
+    )
+
+
+def without_upgrade(method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """A request head asking for an `Upgrade`, again without it: the server ignores it (RFC
+    9110 §7.8 allows it) and a fresh parser reads the request as HTTP/1.1."""
+    lines = [method, b" ", url, b" HTTP/1.1\r\n"]
+    for name, value in headers:
+        if name != b"upgrade":
+            lines += (name, b": ", value, b"\r\n")
+    lines.append(b"\r\n")
+    return b"".join(lines)
