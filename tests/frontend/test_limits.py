@@ -391,6 +391,43 @@ async def test_tpm_holds_against_a_burst_of_requests_in_flight(
         await wait_for(lambda: _equals(tokens(), 4 * (first + second).count(200)), timeout=5)
 
 
+async def test_a_client_leaving_before_its_answer_is_charged_its_prompt(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """A request forwarded to an instance whose client left before the answer began (499)
+    was charged 0 tokens to tpm and usage: a client could spend an engine's work for free by
+    leaving early. Its prompt (the gateway's count: body bytes / 4) is charged now."""
+    worker = await start_worker("mock-llm")
+    worker.answering.clear()  # it reads the request and answers nothing
+    await grant(store, tpm=1_000_000)
+    front = await start_frontend(auth="keys")
+    await wait_for(
+        lambda: "mock-llm" in front.registry.models and front.keys and front.keys.by_hash
+    )
+    records: list[tuple[Any, ...]] = []
+    front.gate.record = lambda *record: records.append(record)
+    front.gate.records_usage = True
+    body = json.dumps({"model": "mock-llm", "prompt": "word " * 4000})
+    async with aiohttp.ClientSession() as session:
+
+        async def ask() -> None:
+            async with session.post(
+                f"{front.url}/v1/completions",
+                data=body,
+                headers={"authorization": f"Bearer {SECRET}", "content-type": "application/json"},
+            ) as response:
+                await response.read()
+
+        asking = asyncio.create_task(ask())
+        await wait_for(lambda: worker.requests == 1)  # the instance has it
+        asking.cancel()  # the client leaves
+        await wait_for(lambda: records)
+    worker.answering.set()
+    _, _, _, status, prompt, completion = records[0]
+    assert (status, prompt, completion) == (499, len(body) // 4, 0)
+    assert front.limits.local._windows["default"]["team"].tokens == len(body) // 4
+
+
 def test_retry_after_is_when_the_sliding_window_admits_again() -> None:
     """A 429's `Retry-After` (and `x-ratelimit-reset-*`) is when the sliding estimate has
     faded below the limit: a client that waits exactly that long is admitted, one that
