@@ -5,13 +5,17 @@ or disable it, and a converged pass writes nothing."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
 from shoal.catalog import KEYS, CatalogError, CatalogServer
 from shoal.catalog.controller import PassError
+from shoal.catalog.grants import KeysResult
+from shoal.catalog.leader import Leadership, LeadershipLost
 from shoal.discovery.grants import decode_grant, grant_key, grants_prefix, hash_secret
 from tests.catalog.controller_fixtures import WS, controller_on
+from tests.helpers import wait_for
 
 
 async def test_each_live_secret_is_published_as_a_grant_and_never_the_secret(
@@ -112,3 +116,139 @@ async def test_a_key_row_the_client_cannot_read_keeps_its_grants(
         after = {kv.key for kv in (await store.get_prefix(grants_prefix(WS))).items}
         assert after == {grant_key(WS, hash_secret(made.secret))}  # other's went, k's stayed
         assert ctl.last is not None and f"{WS}/k" in ctl.last.keys_failed
+
+
+async def test_every_workspaces_keys_are_published_before_any_other_phase(
+    catalog: CatalogServer,
+) -> None:
+    """Each workspace's keys waited behind the phases of every workspace before it (a revoked
+    key kept working ~47 s at 1,001 workspaces): a pass publishes every workspace's keys
+    first, then runs the other phases, each workspace on its own still."""
+    names = ["ws-a", "ws-b", "ws-c"]
+    async with controller_on(catalog.url, workspaces=names) as (ctl, client, store):
+        for workspace in names:
+            await client.create_key("team", workspace=workspace)
+        order: list[tuple[str, str]] = []
+        keys_run, deployments_run = ctl.keys.run, ctl.deployments.run
+
+        async def keys(workspace: str, *rest: Any) -> KeysResult:
+            order.append(("keys", workspace))
+            return await keys_run(workspace, *rest)
+
+        async def deployments(workspace: str) -> None:
+            order.append(("deployments", workspace))
+            if workspace == "ws-b":
+                raise CatalogError("the deployments phase failed")
+            await deployments_run(workspace)
+
+        ctl.keys.run = keys  # type: ignore[method-assign]
+        ctl.deployments.run = deployments  # type: ignore[method-assign]
+        await ctl.step()
+        assert order == [("keys", w) for w in names] + [("deployments", w) for w in names]
+        for workspace in names:
+            assert len((await store.get_prefix(grants_prefix(workspace))).items) == 1
+        assert ctl.last is not None and list(ctl.last.failed) == ["ws-b"]  # its own only
+
+
+async def test_a_replica_whose_leadership_lapsed_mid_pass_publishes_nothing_more(
+    catalog: CatalogServer,
+) -> None:
+    """Leadership was checked only when a pass began: a replica whose lease lapsed while it
+    listed a workspace's keys went on publishing grants, routes and catalog writes from its
+    listings while another replica led. It is checked before each workspace's phases and
+    before grants and routes are written: the pass stops with `LeadershipLost`."""
+    async with controller_on(catalog.url, workspaces=["ws-a", "ws-b"]) as (ctl, client, store):
+        for workspace in ("ws-a", "ws-b"):
+            await client.create_key("team", workspace=workspace)
+        leadership = ctl.leadership = Leadership(store, "models-controller", ttl=0.2)
+        await wait_for(leadership.hold)
+        other = Leadership(store, "models-controller", ttl=0.2)
+
+        async def lapse(call: str, params: Any) -> None:
+            if call == "GET /v1/workspaces/ws-a/keys" and leadership.in_force():
+                assert leadership.lease is not None
+                await leadership.lease.revoke()  # its lease ends; another replica leads
+                await wait_for(other.hold)
+
+        client.before = lapse
+        phases: list[str] = []
+        deployments_run = ctl.deployments.run
+
+        async def deployments(workspace: str) -> None:
+            phases.append(workspace)
+            await deployments_run(workspace)
+
+        ctl.deployments.run = deployments  # type: ignore[method-assign]
+        with pytest.raises(LeadershipLost):
+            await ctl.step()
+        for workspace in ("ws-a", "ws-b"):
+            assert (await store.get_prefix(grants_prefix(workspace))).items == []
+        assert phases == []
+
+
+async def test_the_keys_phase_turns_the_loop_every_slice_of_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """10,000 keys were turned into grants, and their grants compared with the store's, in
+    one hold of the event loop (~50 ms): the phase yields, and beats the controller's
+    heartbeat, every `SLICE` keys and grants, a converged pass too."""
+    import hashlib
+    import uuid
+
+    from shoal.catalog import grants as grants_module
+    from shoal.catalog.calls import Listing
+    from shoal.catalog.grants import KeysPhase
+    from shoal.catalog.resources import Key
+    from shoal.catalog.routing import SLICE
+    from shoal.discovery.grants import Grant
+    from shoal.store import open_store
+    from tests.catalog.test_routing import ticker
+
+    now = datetime.now(UTC).isoformat()
+    n = 3 * SLICE + 1
+    keys = Listing(
+        Key.model_validate({
+            "name": f"k{i:05d}", "workspace": WS, "version": 1, "created_at": now,
+            "updated_at": now, "credentials": [
+                {"hash": hashlib.sha256(b"%d" % i).hexdigest(), "created_at": now}
+            ],
+        })
+        for i in range(n)
+    )  # fmt: skip
+    beats: list[int] = []
+
+    class Calls:
+        def beat(self) -> None:
+            beats.append(1)
+
+        async def list_all(self, kind: Any, workspace: str) -> Listing[Key]:
+            return keys
+
+    store = await open_store(f"memory://{uuid.uuid4().hex}")
+    try:
+        phase = KeysPhase(Calls(), store)  # type: ignore[arg-type]
+        assert (await phase.run(WS)).written == n
+        async with ticker() as ticks:
+            made: list[int] = []
+            compared: list[int] = []
+            real_grants_of, real_to_json = grants_module.grants_of, Grant.to_json
+
+            def grants_of(key: Key, at: datetime) -> list[Grant]:
+                made.append(ticks[0])
+                return real_grants_of(key, at)
+
+            def to_json(grant: Grant) -> bytes:
+                compared.append(ticks[0])
+                return real_to_json(grant)
+
+            monkeypatch.setattr(grants_module, "grants_of", grants_of)
+            monkeypatch.setattr(Grant, "to_json", to_json)
+            beats.clear()
+            converged = await phase.run(WS)
+        assert converged.written == converged.deleted == 0
+        assert len(made) == len(compared) == n
+        for turns in (made, compared):
+            assert max(turns.count(tick) for tick in set(turns)) <= SLICE
+        assert len(beats) >= 6
+    finally:
+        await store.close()

@@ -11,6 +11,9 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
+import pytest
+
 from shoal.catalog.resources import Model, Provider, ServedModel, VirtualModel
 from shoal.catalog.routing import SLICE, publish, resolve
 from shoal.discovery import Route, UrlTarget
@@ -210,3 +213,53 @@ async def test_a_route_of_more_targets_than_a_frontend_reads_is_not_published_an
         assert [kv.key.rsplit("/", 1)[1] for kv in held.items] == ["few"]
     finally:
         await store.close()
+
+
+async def test_an_oversized_listing_is_judged_a_slice_at_a_time_and_never_encoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A provider listing 100,000 names had them deduplicated, sorted, checked, built into
+    `served_models` and encoded in one hold of the loop (~280 ms), only to find them over
+    `SERVED_MODELS_BYTES`: names are checked a `SLICE` at a time now, the size counted as
+    they are, and an oversized listing's `served_models` are never built."""
+    from shoal.catalog import providers as providers_module
+    from shoal.catalog.providers import SERVED_MODELS_BYTES, ProvidersPhase, ProvidersResult
+
+    names = [f"org/model-name-{i:06d}" for i in range(12_000)]  # 85 bytes each as JSON
+    assert 85 * len(names) > SERVED_MODELS_BYTES
+    _, _, providers = fleet_of(0)
+    written: list[dict[str, Any]] = []
+
+    class Calls:
+        def beat(self) -> None:
+            pass
+
+        async def update(self, kind: Any, ws: str, name: str, changes: dict[str, Any],
+                         version: int) -> Provider:  # fmt: skip
+            written.append(changes)
+            return providers["w/p"]
+
+    async with ticker() as ticks:
+        checked: list[int] = []
+        real = providers_module.ENTITY_NAME
+
+        class Checking:
+            def fullmatch(self, name: str) -> Any:
+                checked.append(ticks[0])
+                return real.fullmatch(name)
+
+        monkeypatch.setattr(providers_module, "ENTITY_NAME", Checking())
+        phase = ProvidersPhase(Calls(), None, None)  # type: ignore[arg-type]
+        result = ProvidersResult(None, dict(providers))
+        cache = StagingCache(ticks)
+        await phase._provider("w", providers["w/p"], names, cache, result)  # type: ignore[arg-type]
+    assert len(checked) == len(names)
+    assert max(checked.count(tick) for tick in set(checked)) <= SLICE
+    assert cache.staged == []  # nothing staged, nothing built
+    assert (
+        written[-1]["status"] == "ERROR" and "SERVED_MODELS_BYTES" in written[-1]["status_message"]
+    )
+    served_models = [{"model_entity": n, "served_model_name": n} for n in names]
+    assert (
+        f"would be {len(msgspec.json.encode(served_models))} bytes" in written[-1]["status_message"]
+    )  # counted exactly

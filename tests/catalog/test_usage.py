@@ -47,6 +47,24 @@ async def test_batches_add_up_and_a_retried_batch_counts_once(client: CatalogCli
     assert await client.usage(workspace="other") == []
 
 
+async def test_a_report_query_no_row_can_match_is_refused_naming_it(
+    client: CatalogClient,
+) -> None:
+    """`key`/`model` with NUL, and `from`/`to` out of range once in UTC, reached the database,
+    whose failure answered 503 `database_unavailable` (clients retry it as an outage): they
+    are 422 naming the parameter now, on SQLite and PostgreSQL."""
+    for query, param in (
+        ({"key": "a\x00b"}, "key"),
+        ({"model": "\x00"}, "model"),
+        ({"start": "0001-01-01T00:00:00+01:00"}, "from"),
+        ({"end": "9999-12-31T23:59:59-01:00"}, "to"),
+    ):
+        with pytest.raises(InvalidError) as caught:
+            await client.usage(**query)
+        assert caught.value.param == param
+    assert await client.usage(key="a", start="0001-01-01T00:00:00Z") == []  # in range: read
+
+
 async def test_a_bad_row_refuses_the_batch_naming_it(client: CatalogClient) -> None:
     bad = {"batch_id": "batch-0003", "rows": [row("a", "chat", "2030-01-01T00:00:00Z", -1)]}
     with pytest.raises(InvalidError) as caught:

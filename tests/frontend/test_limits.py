@@ -19,13 +19,17 @@ import redis.asyncio
 from shoal.discovery.grants import Grant, hash_secret
 from shoal.frontend import Frontend
 from shoal.frontend.keys import limits
+from shoal.frontend.keys.limits import Limits
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
+from tests.frontend.test_limits_faults import Told, shared
 from tests.helpers import wait_for
 from tests.redis_server import RedisServer
 
 SECRET = "sk-shoal-" + "c" * 43
 BODY = json.dumps({"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}]})
+
+__all__ = ["shared"]  # the fixture
 
 
 @pytest.fixture
@@ -159,9 +163,10 @@ async def test_a_request_costs_one_round_trip_and_its_tokens_ride_on_the_next(
         for _ in range(10):
             assert (await post(session, front))[0] == 200
     assert (front.limits.leases, front.limits.settles) == (10, 0)  # no round trip to charge
-    # each answer's 4 tokens: the first carried by the second request, the others reserved
-    # at admission (the key's tokens per request) and then owing nothing
-    assert await counted(redis_server, "t") == 40
+    # each request reserves its own estimate (19: larger than the key's 4 per answer); its
+    # answer's 4 tokens, its reservation given back, ride on the next request's LEASE: 9
+    # answers settled, the last one's reservation still held
+    assert await counted(redis_server, "t") == 9 * 4 + len(BODY) // 4
     assert await counted(redis_server, "r") == 10
 
 
@@ -274,12 +279,78 @@ def test_local_windows_reserve_the_tokens_of_requests_in_flight() -> None:
     burst = [Ticket() for _ in range(40)]
     verdicts = [local.admit(key, 1, BODY.encode(), ticket, now=now) for ticket in burst]
     admitted = [t for t, v in zip(burst, verdicts, strict=True) if isinstance(v, bytes)]
-    assert all(t.reserved == 4 for t in admitted)  # then the key's tokens per answer
-    assert 4 + 4 * len(admitted) - 4 < 20 <= 4 + 4 * len(admitted), len(admitted)
+    per = len(BODY) // 4  # each its own estimate still: larger than the key's 4 per answer
+    assert all(t.reserved == per for t in admitted)
+    assert 4 + per * len(admitted) - per < 20 <= 4 + per * len(admitted), len(admitted)
     assert all(isinstance(v, Refusal) and v.what == "tokens" for v in verdicts[len(admitted) :])
     for ticket in admitted:  # the answers end: failed ones cost nothing, the rest 4 each
         local.charge(key, 0, ticket.reserved, now=now)
     assert isinstance(local.admit(key, 1, BODY.encode(), Ticket(), now=now), bytes)
+
+
+class Ticket:
+    reserved, shared, minute = 0, False, 0
+
+
+LARGE = json.dumps({"model": "mock-llm", "max_tokens": 50_000, "prompt": "hi"}).encode()
+SMALL = b'{"model":"mock-llm","max_tokens":1}'
+
+
+def test_a_keys_small_answers_never_let_larger_requests_in_at_their_average() -> None:
+    """After answers of 1 token, each request of a burst declaring max_tokens 50,000 reserved
+    the key's average (1 token): 99,997 of them were admitted against tpm 100,000. Each
+    reserves its own estimate now: tpm is passed by one request at most (local windows)."""
+    from shoal.frontend.keys.windows import LocalWindows, estimate
+
+    key = Grant(workspace="default", name="team", hash=hash_secret(SECRET), tpm=100_000)
+    local, now = LocalWindows(), 600.0  # the start of a minute: nothing fades
+    for _ in range(3):  # the key's answers: 1 token each
+        ticket = Ticket()
+        assert isinstance(local.admit(key, 1, SMALL, ticket, now=now), bytes)
+        local.charge(key, 1, ticket.reserved, now=now)
+    burst = [Ticket() for _ in range(1000)]
+    verdicts = [local.admit(key, 1, LARGE, ticket, now=now) for ticket in burst]
+    admitted = [t for t, v in zip(burst, verdicts, strict=True) if isinstance(v, bytes)]
+    assert all(t.reserved == estimate(LARGE) for t in admitted)
+    assert len(admitted) == 2  # 3 + 50,004 under 100,000: a second one, and no more
+    assert 3 + sum(t.reserved for t in admitted[:-1]) < 100_000
+
+
+async def test_redis_never_admits_larger_requests_at_a_keys_small_average(
+    shared: Limits,
+) -> None:
+    """In Redis: after answers of 1 token, a request declaring max_tokens 50,000 reserved the
+    key's average (1 token), on an allowance leased at that size or in a LEASE asked at it:
+    500 of 500 were admitted against tpm 100,000. Each reserves its own estimate at least now:
+    one declaring more than an allowance reserves asks Redis, and a LEASE is asked at the
+    largest estimate of its waiters, even of one that came while it was asked."""
+    from shoal.frontend.keys.windows import estimate
+
+    key = Grant(workspace="default", name="team", hash=hash_secret(SECRET), tpm=100_000)
+    for _ in range(3):  # a busy key answering 1 token: the next LEASE brings an allowance
+        told = Told()
+        told.body = SMALL
+        shared.wait(key, told)
+        await wait_for(lambda told=told: told.verdicts)
+        shared.charge(key, 1, told.reserved, told.shared, told.minute)
+    small, large = Told(), Told()
+    small.body, large.body = SMALL, LARGE
+    shared.wait(key, small)  # a LEASE asked at the small size, with an allowance...
+    shared.wait(key, large)  # ... and a large request joins it while it is asked
+    await wait_for(lambda: small.verdicts and large.verdicts)
+    assert isinstance(large.verdicts[0], bytes) and large.reserved >= estimate(LARGE)
+    burst = [Told() for _ in range(500)]
+    for told in burst:
+        told.body = LARGE
+        verdict = shared.admit(key, LARGE, told)  # on the allowance (leased for 1 token)?
+        if verdict is None:
+            shared.wait(key, told)
+        else:
+            told.verdicts.append(verdict)
+    await wait_for(lambda: all(told.verdicts for told in burst))
+    admitted = [told for told in burst if isinstance(told.verdicts[0], bytes)]
+    assert all(told.reserved >= estimate(LARGE) for told in admitted)
+    assert len(admitted) <= 1  # the large one before holds ~50,000 of the 100,000 already
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["local", "redis"])
@@ -288,9 +359,9 @@ async def test_tpm_holds_against_a_burst_of_requests_in_flight(
     redis_server: RedisServer, shared: bool,
 ) -> None:  # fmt: skip
     """40 requests at once on a key with tpm 20 (4 tokens an answer), all in flight together:
-    before the first answer each reserves the request's estimate (its body / 4 here, 19
-    tokens), after it the key's 4, held until its answer ends; Redis or not, tpm is passed by
-    one request at most."""
+    each reserves the request's estimate (its body / 4 here, 19 tokens; the key's average
+    answer only when larger), held until its answer ends; Redis or not, tpm is passed by one
+    request at most."""
     worker = await start_worker("mock-llm")
     worker.stream_delay = 0.1  # each answer takes 0.3 s: the burst is in flight together
     await grant(store, tpm=20)
@@ -315,9 +386,46 @@ async def test_tpm_holds_against_a_burst_of_requests_in_flight(
         assert first.count(200) <= 2, first  # 19 + 19 reserved: the second passes 20
         # the answers ended: 4 tokens each charged, the reservations given back
         await wait_for(lambda: _equals(tokens(), 4 * first.count(200)), timeout=5)
-        second = await burst()  # now 4 reserved each, held while in flight
+        second = await burst()  # 19 reserved each again, held while in flight
         assert 4 * first.count(200) + 4 * (second.count(200) - 1) < 20, second
         await wait_for(lambda: _equals(tokens(), 4 * (first + second).count(200)), timeout=5)
+
+
+async def test_a_client_leaving_before_its_answer_is_charged_its_prompt(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """A request forwarded to an instance whose client left before the answer began (499)
+    was charged 0 tokens to tpm and usage: a client could spend an engine's work for free by
+    leaving early. Its prompt (the gateway's count: body bytes / 4) is charged now."""
+    worker = await start_worker("mock-llm")
+    worker.answering.clear()  # it reads the request and answers nothing
+    await grant(store, tpm=1_000_000)
+    front = await start_frontend(auth="keys")
+    await wait_for(
+        lambda: "mock-llm" in front.registry.models and front.keys and front.keys.by_hash
+    )
+    records: list[tuple[Any, ...]] = []
+    front.gate.record = lambda *record: records.append(record)
+    front.gate.records_usage = True
+    body = json.dumps({"model": "mock-llm", "prompt": "word " * 4000})
+    async with aiohttp.ClientSession() as session:
+
+        async def ask() -> None:
+            async with session.post(
+                f"{front.url}/v1/completions",
+                data=body,
+                headers={"authorization": f"Bearer {SECRET}", "content-type": "application/json"},
+            ) as response:
+                await response.read()
+
+        asking = asyncio.create_task(ask())
+        await wait_for(lambda: worker.requests == 1)  # the instance has it
+        asking.cancel()  # the client leaves
+        await wait_for(lambda: records)
+    worker.answering.set()
+    _, _, _, status, prompt, completion = records[0]
+    assert (status, prompt, completion) == (499, len(body) // 4, 0)
+    assert front.limits.local._windows["default"]["team"].tokens == len(body) // 4
 
 
 def test_retry_after_is_when_the_sliding_window_admits_again() -> None:

@@ -91,11 +91,21 @@ def test_nothing_is_looked_for_when_no_tpm_and_no_usage_book_need_it() -> None:
     conn.loop.close()
 
 
-def test_a_request_whose_client_left_before_an_answer_costs_no_tokens() -> None:
+def test_a_request_whose_client_left_before_its_answer_costs_its_prompt() -> None:
+    """A client that left after its request was forwarded, before the first byte of the
+    answer, was charged 0 tokens (tpm and usage): any request could be made free by leaving
+    early. It costs its prompt as the gateway counts it (bytes / 4) now; a refusal stays free."""
     conn, gate = Conn(), Gate()
     metered = Metered(conn, 4000, gate, GRANT, "alias")
     metered.finish()  # the connection ended before the upstream's first byte
-    assert gate.ends == [(GRANT, "alias", 499, 0, 0, "", 0, False, 0)]
+    assert gate.ends == [(GRANT, "alias", 499, 1000, 0, "", 0, False, 0)]
+    gate.records_usage = False  # (counted for tpm alone too)
+    metered = Metered(conn, 4000, gate, GRANT, "alias")
+    metered.finish()
+    assert gate.ends[-1] == (GRANT, "alias", 499, 1000, 0, "", 0, False, 0)
+    metered = Metered(conn, 4000, gate, GRANT, "alias")
+    metered.send_error(ApiError(429, "over tpm"))  # refused before it was forwarded
+    assert gate.ends[-1] == (GRANT, "alias", 429, 0, 0, "", 0, False, 0)
     conn.loop.close()
 
 

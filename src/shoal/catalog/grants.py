@@ -5,18 +5,24 @@ For one workspace: list its keys (one list), turn each live secret of each key i
 `shoal/v1/keys/{workspace}/` hold exactly those (`publish_grants` writes only what differs).
 A secret whose rotation already ended it is not published, so it is deleted. One key that
 cannot be turned into grants, or whose row cannot be read (left out of the listing), is
-reported and its grants in the store are kept as they are; it never stops the others. Secrets never reach this phase: the catalog keeps only hashes.
+reported and its grants in the store are kept as they are; it never stops the others. Secrets
+never reach this phase: the catalog keeps only hashes. The loop runs (and the controller's
+heartbeat beats) every `routing.SLICE` keys turned into grants and grants compared: 10,000
+keys held it ~50 ms in one go. `guard` (the controller's leadership check) is called before
+anything is written, and again every slice: it raises to stop the phase.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from shoal.catalog.calls import Calls
 from shoal.catalog.kinds import KEYS
 from shoal.catalog.resources import Key
+from shoal.catalog.routing import SLICE, pause
 from shoal.discovery.grants import Grant, decode_grant, grants_prefix
 from shoal.store import Store
 
@@ -61,14 +67,17 @@ class KeysPhase:
         self.calls = calls
         self.store = store
 
-    async def run(self, workspace: str) -> KeysResult:
+    async def run(self, workspace: str, guard: Callable[[], None] = lambda: None) -> KeysResult:
         keys = await self.calls.list_all(KEYS, workspace)
         result = KeysResult()
         for name, why in keys.invalid.items():  # a row not read: its grants left as they are
             result.failed[name] = f"cannot be read: {why}"
         now = datetime.now(UTC)
         wanted: dict[str, Grant] = {}
-        for key in keys:
+        beat = self.calls.beat
+        for count, key in enumerate(keys, 1):
+            if count % SLICE == 0:
+                await pause(beat)
             try:
                 for grant in grants_of(key, now):
                     wanted[grant.key] = grant
@@ -78,11 +87,18 @@ class KeysPhase:
         held = {
             kv.key: kv.value for kv in (await self.store.get_prefix(grants_prefix(workspace))).items
         }
-        for name, grant in wanted.items():
+        guard()  # (the listings took their time: still the leader?)
+        for count, (name, grant) in enumerate(wanted.items(), 1):
+            if count % SLICE == 0:
+                await pause(beat)
+                guard()
             if held.get(name) != (data := grant.to_json()):
                 await self.store.put(name, data)
                 result.written += 1
-        for name in sorted(held.keys() - wanted.keys()):
+        for count, name in enumerate(sorted(held.keys() - wanted.keys()), 1):
+            if count % SLICE == 0:
+                await pause(beat)
+                guard()
             if result.failed and _held_by(name, held[name], result.failed):
                 continue
             await self.store.delete(name)

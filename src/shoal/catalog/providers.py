@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import msgspec
 
 from shoal.catalog.cache import EntityCache
 from shoal.catalog.calls import Calls, each
@@ -257,12 +256,7 @@ class ProvidersPhase:
             await self._write_status(workspace, ref, result, {"status": "ERROR",
                                      "status_message": message[:4000]})  # fmt: skip
             return
-        allowed = set(provider.enabled_models) if provider.enabled_models is not None else None
-        served = sorted(n for n in set(names) if allowed is None or n in allowed)
-        valid = [n for n in served if len(n) <= 200 and ENTITY_NAME.fullmatch(n)]
-        self._report_invalid(ref, set(served) - set(valid))
-        served_models = [{"model_entity": n, "served_model_name": n} for n in valid]
-        size = len(msgspec.json.encode(served_models))
+        served, valid, served_models, size = await self._judge(ref, provider, names)
         if size > SERVED_MODELS_BYTES:  # its PATCH would be refused: ERROR, saying why
             over = ListingError(
                 f"serves {len(valid)} models: their served_models would be {size} bytes of "
@@ -284,7 +278,7 @@ class ProvidersPhase:
             if name not in kept:
                 cache.stage_provider_unlink(name, ref)
         result.served |= kept
-        skipped = len(served) - len(valid)
+        skipped = served - len(valid)
         message = f"{len(valid)} model(s)" + (f"; {skipped} name(s) not valid entity names"
                                               if skipped else "")  # fmt: skip
         await self._write_status(workspace, ref, result, {
@@ -292,15 +286,62 @@ class ProvidersPhase:
             "served_models": served_models,
         })  # fmt: skip
 
-    def _report_invalid(self, ref: str, invalid: set[str]) -> None:
-        """Log the served names that are not valid entity names, each once per provider (they
-        are skipped every pass, and counted in its status_message)."""
-        new = {name for name in invalid if (ref, name) not in self._invalid_logged}
+    async def _judge(
+        self, ref: str, provider: Provider, names: list[str]
+    ) -> tuple[int, list[str], list[dict[str, str]], int]:
+        """A listing's names as the provider serves them: how many `enabled_models` allows
+        (once each), the valid entity names among them (sorted; the others logged), the size
+        of their `served_models` as JSON, and those `served_models`, made only when that size
+        is within `SERVED_MODELS_BYTES` (else empty): the size is counted as the names are
+        judged, not encoded after (a valid name needs no escape in JSON), so an oversized
+        listing is never sorted or encoded whole. The loop runs (and the heartbeat beats)
+        every `SLICE` names: 100,000 were deduplicated, sorted, checked and encoded in one
+        hold of it (~280 ms), only to be found over the bound."""
+        allowed = set(provider.enabled_models) if provider.enabled_models is not None else None
+        seen: set[str] = set()
+        valid: list[str] = []
+        invalid: list[str] = []
+        served = 0
+        size = 1  # [{"model_entity":"N","served_model_name":"N"},...]: 43 bytes, N twice
+        for count, name in enumerate(names, 1):
+            if count % SLICE == 0:
+                await pause(self.calls.beat)
+            if name in seen or (allowed is not None and name not in allowed):
+                continue
+            seen.add(name)
+            served += 1
+            if len(name) <= 200 and ENTITY_NAME.fullmatch(name):
+                valid.append(name)
+                size += 43 + 2 * len(name)
+            else:
+                invalid.append(name)
+        await self._report_invalid(ref, invalid)
+        if not valid:
+            return served, valid, [], 2
+        if size > SERVED_MODELS_BYTES:
+            return served, valid, [], size
+        valid.sort()
+        return served, valid, [{"model_entity": n, "served_model_name": n} for n in valid], size
+
+    async def _report_invalid(self, ref: str, invalid: list[str]) -> None:
+        """Log the served names that are not valid entity names (once each), each once per
+        provider (they are skipped every pass, and counted in its status_message); the first
+        ten as examples. A slice at a time, as the names are judged."""
+        logged = self._invalid_logged
+        new: list[str] = []
+        for count, name in enumerate(invalid, 1):
+            if count % SLICE == 0:
+                await pause(self.calls.beat)
+            if (ref, name) not in logged:
+                new.append(name)
         if new:
-            if len(self._invalid_logged) > 100_000:  # bounded: at worst some are logged again
-                self._invalid_logged.clear()
-            self._invalid_logged |= {(ref, name) for name in new}
-            shown = ", ".join(repr(name[:100]) for name in sorted(new)[:10])
+            if len(logged) > 100_000:  # bounded: at worst some are logged again
+                logged.clear()
+            for count, name in enumerate(new, 1):
+                if count % SLICE == 0:
+                    await pause(self.calls.beat)
+                logged.add((ref, name))
+            shown = ", ".join(repr(name[:100]) for name in sorted(new[:10]))
             log.warning("provider %s: %d served name(s) skipped, not valid entity names: %s%s",
                         ref, len(new), shown, ", ..." if len(new) > 10 else "")  # fmt: skip
 

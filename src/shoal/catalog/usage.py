@@ -25,6 +25,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shoal.catalog import tables
+from shoal.catalog.errors import InvalidError
+from shoal.catalog.repository import check_storable
 from shoal.catalog.resources import WORKSPACE_PATTERN, Strict, Time
 
 log = logging.getLogger(__name__)
@@ -187,7 +189,11 @@ async def query_usage(
 ) -> list[dict[str, Any]]:
     """Sums per `group_by` (key, model or minute) of the rows matching the filters, in order,
     as `UsageItem`s read (`start` inclusive, `end` exclusive). Rows are read in partitions,
-    the loop free between them, and made into items in a thread."""
+    the loop free between them, and made into items in a thread. A value no row can hold
+    (NUL in `key` or `model`, a time out of range once in UTC) is `InvalidError` (422),
+    never sent to the database (which would fail, answered as its outage)."""
+    check_storable(key, "key")
+    check_storable(model, "model")
     u = tables.usage
     where: list[sa.ColumnElement[bool]] = [u.c.workspace == workspace]
     if key is not None:
@@ -195,9 +201,9 @@ async def query_usage(
     if model is not None:
         where.append(u.c.model == model)
     if start is not None:
-        where.append(u.c.minute >= _aware(start))
+        where.append(u.c.minute >= _in_utc(start, "from"))
     if end is not None:
-        where.append(u.c.minute < _aware(end))
+        where.append(u.c.minute < _in_utc(end, "to"))
     column = {"key": u.c.key, "model": u.c.model, "minute": u.c.minute}[group_by]
     query = (
         sa.select(
@@ -320,6 +326,17 @@ class UsageRetention:
 
 def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _in_utc(moment: datetime, param: str) -> datetime:
+    """`moment` in UTC (naive: taken as UTC); `InvalidError` naming `param` when it is out
+    of range there ("0001-01-01T00:00:00+01:00" is before year 1, as `UsageRow` refuses)."""
+    try:
+        return _aware(moment).astimezone(UTC)
+    except OverflowError:
+        raise InvalidError(
+            f"{param}: {moment.isoformat()} is out of range in UTC", param=param
+        ) from None
 
 
 def usage_routes(

@@ -15,15 +15,18 @@ request: while allowances are out, a key may be refused up to 1/`LEASE_SHARE` of
 early, never admitted over it. A key with a small limit (rpm < `LEASE_SHARE` x N) gets no
 allowance: one round trip per request, exact. Requests that wait while a lease is asked join it.
 
-Tokens: each request admitted reserves the key's tokens per request (its average here; before
-the key's first answer here, the largest `windows.estimate` of the requests waiting) in the
-tpm window, and holds them while it is in flight; once answered, its tokens are owed to the
+Tokens: each request admitted reserves the key's tokens per request (the largest
+`windows.estimate` of the requests waiting, or the key's average answer here when that is
+larger) in the tpm window, and holds them while it is in flight; once answered, its tokens are owed to the
 current minute and its reservation given back to the minute it was made in (Redis' window,
 told to the request when admitted; nothing if that minute left the sliding window), both
 carried to Redis by the key's next `LEASE`, or by the flush every `FLUSH` seconds for a key
 that asks nothing more: no round trip of its own. An allowance is used only while its
-reserved tokens cover what is owed beyond the reservations given back. A request is admitted while the
-key's token estimate is under `tpm`, so the last one admitted may overshoot by its own size.
+reserved tokens cover what is owed beyond the reservations given back, and only by a request
+whose own estimate it covers: one declaring more asks Redis (the allowance is given back and
+leased again at its size), so a key's small answers never let large requests in at their
+average. A request is admitted while the key's token estimate is under `tpm`, so the last
+one admitted may overshoot by its own size.
 
 Redis is reached through one dedicated connection, calls pipelined (`RedisLink`).
 
@@ -215,7 +218,7 @@ class _Key:
         self.used = 0  # requests admitted since the last lease...
         self.since = 0.0  # ... which was then (monotonic): the rate
         self.avg = 0.0  # tokens per answer (0: none seen yet)
-        self.guess = 0  # until then: the largest `estimate` of the requests that waited
+        self.guess = 0  # the largest `estimate` of the requests waiting since none waited
         self.left_requests = self.left_tokens = 0  # Redis' last answer, for the headers
         self.reset_at = 0.0
         self.waiting: list[Waiter] = []  # (a deque is 760 bytes empty, for 100,000 keys)
@@ -315,6 +318,8 @@ class Limits:
         key = named.get(grant.name) if named is not None else None
         if key is None or key.units <= 0 or key.owed - key.giving > key.units * key.per:
             return None  # no allowance, or its reserved tokens no longer cover what is owed
+        if grant.tpm is not None and estimate(body) > key.per:
+            return None  # it declares more than the allowance reserves per request: Redis
         now = time.monotonic()
         if now >= key.until:
             return None
@@ -326,7 +331,7 @@ class Limits:
     def wait(self, grant: Grant, waiter: Waiter) -> None:
         """Queue `waiter` for Redis' answer about its key; it is told, unless cancelled."""
         key = self._key(grant)
-        if grant.tpm is not None and not key.avg:  # no answer yet: reserve its estimate
+        if grant.tpm is not None:  # reserved at its own size at least, whatever the average
             key.guess = max(key.guess, estimate(waiter.body))
         key.waiting.append(waiter)
         if not key.asking:
@@ -414,7 +419,7 @@ class Limits:
         owed and the allowance left (given back); only settle when nobody waits."""
         assert self.link is not None
         grant = key.grant
-        per = (math.ceil(key.avg) or key.guess) if grant.tpm is not None else 0
+        per = max(math.ceil(key.avg), key.guess) if grant.tpm is not None else 0
         want = len(key.waiting)
         if want:
             want += self._allowance(key, now, per)
@@ -470,6 +475,8 @@ class Limits:
             told = 0
             while told < len(key.waiting) and key.units > 0:
                 waiter = key.waiting[told]
+                if per and not waiter.cancelled and estimate(waiter.body) > per:
+                    break  # came while asked, larger than leased for: the next `LEASE`
                 told += 1
                 if not waiter.cancelled:
                     ticket = waiter.ticket if grant.tpm is not None else None
@@ -481,11 +488,13 @@ class Limits:
             self._ask(key, now)  # came while it was asked, more than were granted
         else:
             key.waiting.clear()
+            key.guess = 0  # (nobody waits: the next ones' own sizes)
 
     @staticmethod
     def _waiters(key: _Key) -> list[Waiter]:
         waiting = [waiter for waiter in key.waiting if not waiter.cancelled]
         key.waiting.clear()
+        key.guess = 0
         return waiting
 
     async def _flush(self, final: bool = False) -> None:

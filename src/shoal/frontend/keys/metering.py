@@ -8,10 +8,11 @@ where an OpenAI response carries its `usage` (the JSON body's, or a stream's las
 written: an engine may answer more after it (vLLM's `prompt_logprobs`, asked for by the
 client, can be far longer than the tail), and the tail alone then charged no completion
 tokens. When the engine gives no usage, the gateway counts: one completion token per
-streamed event, and the prompt as its body bytes / 4. The gate's
-`done(grant, model, status, prompt_tokens, completion_tokens, served_model, reserved, shared,
-minute)`
-is called once, when the response is finished or refused; the served model is the `model` the
+streamed event, and the prompt as its body bytes / 4. A request refused or failed costs no
+tokens; one whose client left after it was forwarded, before its answer began (499), costs
+its prompt as the gateway counts it: leaving early never makes the work asked for free.
+The gate's `done(grant, model, status, prompt_tokens, completion_tokens, served_model,
+reserved, shared, minute)` is called once, when the response is finished or refused; the served model is the `model` the
 answer names ("" if none), `reserved` the tokens `Limits` reserved for it when it was admitted
 (`shared`: in Redis) in `minute`. Per write: a count of `data:`, a `rfind` of `"usage"` and two slices, no
 regular expression; the usage is looked for once, at the end: in the tail, else after the
@@ -215,11 +216,13 @@ class Metered:
         if self._done:
             return
         self._done = True
-        status = status or 499  # (0: the client left before an answer began)
         gate, grant = self.gate, self.grant
         prompt = completion = 0  # a refused or failed request is charged no tokens
         served = ""  # (and what nobody reads is not looked for: tpm, or usage recorded)
-        if status < 400 and (gate.records_usage or grant.tpm is not None):
+        if not status:  # the client left before an answer began: the proxy had it (a
+            status = 499  # refusal has its status), its prompt is charged as the gateway
+            prompt = self.request_bytes // 4  # counts it (the instance may have read it)
+        elif status < 400 and (gate.records_usage or grant.tpm is not None):
             if self.unsure:  # the last `"usage"` was never followed by its `:`
                 self.usage, self.unsure = self.unsure, b""
             tail = self.tail  # (the usage after the last `"usage"`, when the tail has none)

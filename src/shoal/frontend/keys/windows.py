@@ -6,10 +6,10 @@ as `limits.LEASE` (the previous minute weighted by the part of it still inside t
 plus this minute's). `Refusal` and `headers_of` (OpenAI's `x-ratelimit-*` lines) are shared
 with the Redis path. A key is its (workspace, name): its live secrets share its windows.
 
-Tokens, as in Redis: each request admitted reserves the key's tokens per request (the running
-average of its answers here; before the first answer, the request's `estimate`) in the tpm
-window, and its end charges what its answer used beyond (or short of) that: the requests in
-flight count, so a burst overshoots tpm by at most the last one admitted. A request that ends
+Tokens, as in Redis: each request admitted reserves its tokens (its own `estimate`, or the
+running average of the key's answers here when that is larger) in the tpm window, and its
+end charges what its answer used beyond (or short of) that: the requests in flight count,
+so a burst overshoots tpm by at most the last one admitted. A request that ends
 in a later minute than it was admitted in gives its reservation back to that minute's window
 (the previous minute's, or nothing once it left the sliding window) and charges its answer's
 tokens to the current minute whole.
@@ -165,8 +165,9 @@ class LocalWindows:
         now: float | None = None,
     ) -> bytes | Refusal:
         """The header lines of an admitted request, or its `Refusal`. An admitted request
-        reserves the key's tokens per request (its `estimate(body)` before the first answer)
-        in the tpm window, told to its `ticket` (its end gives them back: `charge`)."""
+        reserves its tokens (its `estimate(body)`, or the key's average answer if larger: a
+        key's small answers never let a request declaring more reserve less) in the tpm
+        window, told to its `ticket` (its end gives them back: `charge`)."""
         now = time.time() if now is None else now
         minute = int(now // WINDOW)
         keep = 1 - (now - minute * WINDOW) / WINDOW
@@ -186,7 +187,7 @@ class LocalWindows:
             return Refusal(headers_of(grant, rpm - r, 0, turn, wait), wait, "tokens")
         window.requests += 1
         if tpm:
-            per = math.ceil(window.avg) if window.avg else estimate(body)
+            per = max(math.ceil(window.avg), estimate(body))  # (its own size, at least)
             window.tokens += per
             tk += per
             if ticket is not None:
