@@ -18,9 +18,10 @@ keys.
   keeps one copy of what two relays both publish (within its duplicate window);
   `{namespace}:{instance:x}:left:{seq}:{ts in us:x}` for a `left` after batch `seq` (two
   relays that saw the same last batch agree), `{namespace}:{instance:x}:{kind}:{run}` for a
-  `joined`, and a `left` after no batch, `run` being the relay's own for that run of the
-  instance (`control_id`): an instance back under the same id (a restarted worker), or the
-  same id in another namespace, is never refused as a duplicate of another run.
+  `joined`, and a `left` after no batch, `run` naming that run of the instance (`r` and the
+  card's store revision in hex, the same for every relay; else a relay's own token)
+  (`control_id`): an instance back under the same id (a restarted worker), or the same id
+  in another namespace, is never refused as a duplicate of another run.
 """
 
 from __future__ import annotations

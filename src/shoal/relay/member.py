@@ -96,7 +96,9 @@ class Member:
     notify: Callable[[Member], None] = lambda member: None
     last_seq: int = -1  # the worker's number of the last batch queued
     last_ts: float = 0.0  # and its timestamp
-    run: str = field(default_factory=lambda: uuid.uuid4().hex[:16])  # (message ids)
+    # names this run of the instance in message ids: the card's store revision (`r...`, the
+    # same for every relay) when known, else a token of this relay's own
+    run: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     owed: bool = False  # a resnapshot goes before the next batch
     lag_ms: float | None = None
     leaving: bool = False

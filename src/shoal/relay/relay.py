@@ -249,6 +249,9 @@ class KvRelay:
             self.config.buffer_bytes,
         )
         member.notify = self._notify
+        revision = getattr(model, "revision", 0)  # (of the card in the store; 0: not known)
+        if revision:  # the same for every relay: its `joined` stored once
+            member.run = f"r{revision:x}"
         member.follows = self._last_left.get(key)
         member.push(Record(layout.JOINED, payload=msgspec.json.encode(joined)))
         member.subscription = KvSubscription(
