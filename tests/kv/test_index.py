@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from shoal.frontend.kv.index import MAX_INSTANCE_BLOCKS, PURGE_SLICE, KvIndex
 from shoal.kv import AllBlocksCleared, BlockRemoved, BlockStored, token_block_hashes
 from tests.helpers import wait_for
@@ -135,3 +137,76 @@ async def test_many_instances_purged_at_once_are_released_a_slice_per_turn() -> 
     await wait_for(lambda: not index.holders, 10)
     worst = await probe.stop()
     assert worst < 0.02, f"the loop was held {worst * 1000:.0f} ms"
+
+
+def naive_overlaps(index: KvIndex, hashes: list[int]) -> dict[int, int]:
+    """Each instance holding the first block: how many leading blocks it holds (no shortcut)."""
+    first = index.holders.get(hashes[0], set()) if hashes else set()
+    depths = {}
+    for instance_id in first:
+        depth = 0
+        while depth < len(hashes) and instance_id in index.holders.get(hashes[depth], ()):
+            depth += 1
+        depths[instance_id] = depth
+    return depths
+
+
+def test_a_prefix_every_instance_holds_costs_the_instances_once_a_pick_not_once_a_block() -> None:
+    """`overlaps` ran a full subset test of the instances still in against each block's
+    holders: a 1,024-block prefix held by 2,500 instances cost 25 ms a pick, on the event
+    loop. Each block's step (who drops out there) is now kept while nothing it depends on
+    changes: after the first pick, a pick looks up no instance in a subset test (only its
+    first block's holders are copied); after a change, one pick pays for the blocks after
+    it. So also when the instances drop out one a block."""
+    instances, blocks = 300, 256
+    index = KvIndex(BS)
+    for instance_id in range(1, instances + 1):
+        index.apply(instance_id, chain(instance_id, blocks))
+    prompt = token_block_hashes(list(range(blocks * BS)), BS)
+    everyone = dict.fromkeys(range(1, instances + 1), blocks)
+    assert index.overlaps(prompt) == everyone
+    assert index.compared <= instances * blocks  # (the first pick: new sets)
+    before = index.compared
+    for _ in range(10):
+        assert index.overlaps(prompt) == everyone
+    assert index.compared == before  # ten picks, no instance looked up
+    index.apply(7, BlockRemoved(block_hashes=[7 * 10**7 + 100]))  # evicted in the middle
+    assert index.overlaps(prompt) == {**everyone, 7: 100}
+    before = index.compared
+    for _ in range(10):
+        assert index.overlaps(prompt) == {**everyone, 7: 100}
+    assert index.compared == before
+    stairs = KvIndex(BS)  # instance i holds the first i blocks: one drops out at each block
+    for instance_id in range(1, blocks + 1):
+        stairs.apply(instance_id, chain(instance_id, instance_id))
+    expected = {i: i for i in range(1, blocks + 1)}
+    assert stairs.overlaps(prompt) == expected
+    before = stairs.compared
+    for _ in range(10):
+        assert stairs.overlaps(prompt) == expected
+    assert stairs.compared == before
+
+
+def test_overlaps_stay_exact_as_holders_change_between_picks() -> None:
+    """The subset tests kept are forgotten when a set changes: every pick equals a walk
+    without shortcuts, through stores, evictions and purges between picks."""
+    rng = random.Random(7)
+    index = KvIndex(BS)
+    prompts = [token_block_hashes(list(range(n * BS)), BS) for n in (8, 16, 32)]
+    prompts.append(token_block_hashes([99, 98, *range(30)], BS))
+    for step in range(600):
+        instance_id = rng.randint(1, 12)
+        action = rng.random()
+        if action < 0.45:
+            first = rng.choice([0, 99])
+            tokens = [99, 98, *range(30)] if first == 99 else list(range(32))
+            n = rng.randint(1, 16)
+            base = instance_id * 10**7 + (first * 1000)
+            index.apply(instance_id, stored([base + i for i in range(n)], None, tokens[: n * BS]))
+        elif action < 0.9:
+            victim = instance_id * 10**7 + rng.choice([0, 99_000]) + rng.randint(0, 15)
+            index.apply(instance_id, BlockRemoved(block_hashes=[victim]))
+        else:
+            index.purge(instance_id)
+        for prompt in prompts:
+            assert index.overlaps(prompt) == naive_overlaps(index, prompt), step

@@ -351,3 +351,136 @@ def test_a_system_message_put_before_a_long_chat_of_short_messages_still_renders
     chat = [{"role": "user" if i % 2 else "assistant", "content": "ok"} for i in range(40_000)]
     assert tokenizer.render(chat).startswith("<|system|>Be brief.\n<|assistant|>ok\n")
     assert not tokenizer.disabled
+
+
+HERMES_LIKE = (
+    "{%- for m in messages %}<|user|>{{ m.content }}"
+    "{%- if m.tool_calls %}{%- for tc in m.tool_calls %}"
+    '{{- \'<tool_call>{"name": "\' ~ tc.function.name ~ \'", "arguments": \' ~ '
+    "tc.function.arguments ~ '}</tool_call>' }}"
+    "{%- endfor %}{%- endif %}{%- endfor %}<|assistant|>"
+)
+QWEN_LIKE = HERMES_LIKE.replace("~ tc.function.arguments ~", "~ (tc.function.arguments|tojson) ~")
+
+
+def tool_chat(arguments: str) -> list[dict[str, Any]]:
+    """A chat whose assistant called a tool with `arguments`."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "write", "arguments": arguments},
+    }
+    return [
+        {"role": "user", "content": "write the file"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
+    ]
+
+
+@pytest.mark.parametrize("template", [HERMES_LIKE, QWEN_LIKE], ids=["concat", "tojson"])
+def test_one_clients_long_tool_call_arguments_never_disable_the_template(template: str) -> None:
+    """A message's text was counted as its strings, 64 characters for anything else: 1.5 MB
+    of tool-call arguments (legal input) printed by a Hermes/Qwen-like template overran the
+    render's limit and disabled the template for every client. Now the limit counts the
+    chat's nested strings, and the chat renders."""
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    arguments = '{"path": "a.py", "text": "' + "print(1)\\n" * 150_000 + '"}'
+    assert len(arguments) > 1.4 * kv_prompt.MAX_TEXT
+    text = tokenizer.render(tool_chat(arguments))
+    assert text.startswith('<|user|>write the file<|user|><tool_call>{"name": "write"')
+    assert len(text) == kv_prompt.MAX_TEXT  # (what a render keeps)
+    hashes = tokenizer.chat_hashes(tool_chat(arguments), [16], 1024)
+    assert hashes is not None and len(hashes[16]) == 1024
+    assert tokenizer.renders, tokenizer.disabled
+    assert tokenizer.chat_hashes(tool_chat("{}"), [16], 8) is not None
+
+
+async def test_a_clients_long_tool_call_keeps_kv_routing_on_for_everyone(front: Frontend) -> None:
+    """The same through a frontend: a 1.5 MB tool call (the official client) is answered,
+    and the next client's chat is still routed by its KV blocks, not by prefix."""
+    tokenizer = publish_template(front, QWEN_LIKE)
+    client = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
+    arguments = '{"text": "' + "print(1)\\n" * 150_000 + '"}'
+    chat: Any = tool_chat(arguments)
+    long = await client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1)
+    assert long.choices and tokenizer.renders, tokenizer.disabled
+    picks = figures(front).picks
+    answer = await client.chat.completions.create(model=MODEL, messages=TOOL_CHAT, max_tokens=1)  # type: ignore[arg-type]
+    assert answer.choices and figures(front).picks == picks + 1
+    async with aiohttp.ClientSession() as session, session.get(f"{front.url}/health") as r:
+        assert not (await r.json())["routing"].get("routed_by_prefix"), "a template disabled"
+
+
+def test_an_overrun_a_long_chat_may_explain_fails_that_chat_only() -> None:
+    """An overrun disabled the template whatever the chat: one client's long chat turned
+    KV routing off for the model for good. Now an overrun on a chat over `SMALL_CHAT` fails
+    that request (routed by prefix); the same template overrunning on a small chat is
+    disabled."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{{ 'a' * 100000000 }}"
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    long_chat = tool_chat("x" * (kv_prompt.SMALL_CHAT + 1))
+    for _ in range(2):
+        with pytest.raises(TemplateOverrun):
+            tokenizer.chat(long_chat)
+        assert tokenizer.renders, tokenizer.disabled
+    with pytest.raises(TemplateOverrun):
+        tokenizer.chat(tool_chat("{}"))
+    assert not tokenizer.renders and "would build" in tokenizer.disabled
+
+
+@pytest.mark.parametrize(
+    ("template", "name"),
+    [
+        ("{{ ('a ' * 500000) | wordcount }}", "wordcount"),
+        ("{{ ('a ' * 500000) | wordwrap(10) }}", "wordwrap"),
+        ("{{ ('a ' * 500000) | title }}", "title"),
+        ("{{ ([0] * 200000) | tojson }}", "tojson"),
+        ("{{ ([0] * 200000) | sort | first }}", "sort"),
+        ("{{ ([0] * 200000) | join }}", "join"),
+        ("{{ ([0] * 200000) | string }}", "string"),
+        ("{{ range(200000) | list | unique | list | length }}", "unique"),
+        ("{{ [0] * 200000 }}", None),
+        ("{{ 'x' ~ [0] * 200000 }}", None),
+        ("{{ '%s' % ([0] * 200000,) }}", None),
+        ("{{ ([0] * 200000) is lower }}", None),
+    ],
+)
+def test_a_slow_operation_on_a_million_characters_or_items_is_refused_before_it_runs(
+    template: str, name: str | None
+) -> None:
+    """A template built a value within its limit (~1M characters or items) and gave it to
+    one C-level operation (`wordcount`, `wordwrap`, `tojson` of a list, `sort`, printing a
+    list): the call ran to its end holding the GIL, so the frontend's event loop, 60-190 ms
+    a request, and the time budget, checked between calls, never saw it. Now an operation
+    not known quick is given nothing over `OP_BOUND`: refused before it runs, and the
+    template (overrunning on a small chat) is disabled."""
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    given: list[int] = []
+    if name is not None:
+        real = tokenizer.env.filters[name].__wrapped__  # type: ignore[attr-defined]
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            given.extend(len(a) for a in args if isinstance(a, str | list | tuple))
+            return real(*args, **kwargs)
+
+        spy.__name__ = f"do_{name}"
+        tokenizer.env.filters[name] = tokenizer.env._bounded_filter(spy)
+    with pytest.raises(TemplateOverrun):
+        tokenizer.chat([{"role": "user", "content": "hi"}])
+    assert not tokenizer.renders and tokenizer.disabled
+    assert all(size <= kv_prompt.OP_BOUND for size in given), given
+
+
+def test_quick_operations_on_a_clients_long_message_still_render() -> None:
+    """What real templates do to a message (`trim`, `split`, `replace`, `tojson` of a
+    string, `~`, tests) is linear C: a client's long message is given to them whole."""
+    template = (
+        "{% for m in messages %}{% if m.content is string and m.content is not none %}"
+        "{{ '<|user|>' ~ (m.content | trim).split('</think>')[-1].replace('x', 'y') }}"
+        "{{ m.content | tojson | length }}{% endif %}{% endfor %}"
+    )
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    text = " ".join(VOCAB[i % 40] for i in range(200_000))
+    assert len(text) > 10 * kv_prompt.OP_BOUND
+    assert tokenizer.render([{"role": "user", "content": text}]).startswith("<|user|>")
+    assert tokenizer.renders, tokenizer.disabled

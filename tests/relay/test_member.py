@@ -87,14 +87,12 @@ def test_a_publisher_restart_queues_a_resnapshot_before_its_first_batch() -> Non
     m.resnapshot()  # what the subscription calls when the numbering starts again
     m.apply(0, batch(200.0))
     assert queued(m)[-2:] == [("resnapshot", 0), ("batch", 0)]
-    assert ids(m)[0] != m.pending[0].headers(1)[layout.MSG_ID]  # not batch 0 of the first run
+    assert ids(m)[0] != m.pending[0].headers(m)[layout.MSG_ID]  # not batch 0 of the first run
 
 
 def ids(m: Member) -> dict[int, str]:
     """Seq -> message id of the batches queued."""
-    return {
-        r.seq: r.headers(m.instance_id)[layout.MSG_ID] for r in m.pending if r.kind == layout.BATCH
-    }
+    return {r.seq: r.headers(m)[layout.MSG_ID] for r in m.pending if r.kind == layout.BATCH}
 
 
 def test_two_relays_that_joined_a_run_at_different_points_give_each_batch_the_same_id() -> None:

@@ -34,15 +34,17 @@ async def relay(nats_server: NatsServer) -> AsyncIterator[KvRelay]:
         await made.stop()
 
 
-def fed(relay: KvRelay, instance_id: int, buffer: int | None = 100) -> Member:
+def fed(
+    relay: KvRelay, instance_id: int, buffer: int | None = 100, namespace: str = "ns"
+) -> Member:
     """A member joined as a view would join it (its subscription to a worker that is not
     there waits, idle): its batches are `apply`d by the test. `buffer`: the relay's
     records queued per member from then on (None: as configured)."""
     if buffer is not None:
         relay.config.buffer = buffer
-    key = ("ns", instance_id)
+    key = (namespace, instance_id)
     card = SimpleNamespace(kv_block_size=4, display_name="m", role="aggregated", mdcsum="x")
-    instance = SimpleNamespace(namespace="ns", component="c", endpoint="e")
+    instance = SimpleNamespace(namespace=namespace, component="c", endpoint="e")
     relay._join(key, KvEndpoint("tcp://127.0.0.1:1"), SimpleNamespace(card=card, instance=instance))  # type: ignore[arg-type]
     return relay.members[key]
 
@@ -131,7 +133,37 @@ async def test_an_instance_back_under_the_same_id_is_published_after_its_left(
     await wait_for(lambda: relay.stats.relayed == 403, timeout=10)
     kinds = [kind for kind, _ in await records(nats_server.url)]
     assert kinds.index("left") == 401, kinds  # joined, 400 batches, left
-    assert kinds[402:] == ["batch"] * 3  # (the new run's joined: a duplicate of the first)
+    assert kinds[402:] == ["joined"] + ["batch"] * 3  # (the new run's own)
+
+
+async def test_every_run_and_namespace_of_an_instance_id_has_its_left_stored(
+    relay: KvRelay, nats_server: NatsServer
+) -> None:
+    """`joined` and `left` had the message id `{instance}:{kind}`: a worker back under the
+    same id that left again within the stream's duplicate window, or the same id in another
+    namespace, had its `left` refused as a duplicate, and a reader not following it kept its
+    batches for good. Now control ids name the namespace and the run (and batch ids the
+    namespace): every `left` is stored and a reader keeps nothing of the three runs."""
+    for namespace, first in (("ns", 0.0), ("ns", 1000.0), ("other", 2000.0)):
+        member = fed(relay, 1, namespace=namespace)
+        member.apply(0, batch(first + 100.0))  # (batch 0 of each: ids apart by ts, namespace)
+        relay._leave(relay.members.pop(member.key))
+    await wait_for(lambda: relay.stats.relayed == 3 and not relay._departing, timeout=10)
+    nc = await nats.connect(nats_server.url)
+    reader = KvStreamReader(nats_server.url, STREAM)
+    kinds: list[str] = []
+    try:
+        js = nc.jetstream()
+        total = (await js.stream_info(STREAM)).state.messages
+        sub = await js.subscribe(f"{layout.SUBJECT_PREFIX}.>", stream=STREAM, ordered_consumer=True)
+        for _ in range(total):
+            msg = await sub.next_msg(timeout=5)
+            kinds.append((msg.headers or {}).get(layout.KIND, ""))
+            reader.record(msg.subject, msg.headers or {}, msg.data)
+    finally:
+        await nc.close()
+    assert kinds == ["joined", "batch", "left"] * 3
+    assert not reader.instances and reader.ledger.bytes == 0
 
 
 async def test_a_reader_whose_stream_is_deleted_and_made_again_reads_the_new_one(

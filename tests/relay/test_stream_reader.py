@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tracemalloc
 
 import nats
 import pytest
@@ -168,6 +169,60 @@ async def test_records_kept_for_instances_not_followed_are_bounded_in_bytes_olde
     applied: list[float] = []
     reader.follow((NS, 40), lambda b: applied.append(b.ts), lambda: None)
     await wait_for(lambda: applied[-1:] == [19.0], message="the newest batch kept, applied")
+
+
+async def test_the_bytes_kept_for_instances_not_followed_are_what_the_reader_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bound on what is kept for instances not followed counted payload bytes but kept
+    batches decoded: a 3-byte batch held ~250 bytes of objects, so the reader held ~83
+    times `PENDING_BYTES` (and /health `kept_bytes` said the payload's figure). Batches are
+    now kept as they came and counted with the objects keeping them: what the reader holds
+    is within its bound, and `kept_bytes` says so; a batch kept is still applied."""
+    monkeypatch.setattr(kv_stream, "PENDING_BYTES", 1 << 20, raising=False)
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for instance_id in range(1, 41):  # 40 instances x 1,000 batches of 3 bytes
+            subject = layout.subject("other", instance_id)
+            for seq in range(1000):
+                payload = bytes(encode_batch(KVEventBatch(float(seq), [])))  # (its own object)
+                headers = {layout.KIND: layout.BATCH, layout.SEQ: str(seq), layout.TS: f"{seq}.0"}
+                reader.record(subject, headers, payload)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert reader.ledger.live > 1000  # (it does keep some)
+    shown = reader.describe()["kept_bytes"]
+    assert isinstance(shown, int) and shown <= kv_stream.PENDING_BYTES
+    assert held <= 1.25 * kv_stream.PENDING_BYTES, f"{held} bytes held, {shown} shown"
+    assert held <= 1.25 * shown, f"{held} bytes held, {shown} shown"
+    applied: list[float] = []
+    reader.follow(("other", 40), lambda b: applied.append(b.ts), lambda: None)
+    await wait_for(lambda: applied[-1:] == [999.0], message="the batches kept, applied")
+
+
+async def test_an_instance_that_left_while_followed_is_forgotten_when_unfollowed() -> None:
+    """A `left` for an instance still followed was ignored (the registry drops it a moment
+    later) and `unfollow` kept its entry: with worker churn `instances` (and /health's
+    count) grew without bound. The `left` is now remembered and the entry goes at
+    `unfollow`; an instance unfollowed without one keeps its place in the stream."""
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    for instance_id in range(1, 1001):
+        key, subject = ("ns", instance_id), layout.subject("ns", instance_id)
+        reader.follow(key, lambda b: None, lambda: None)
+        headers = {layout.KIND: layout.BATCH, layout.SEQ: "0", layout.TS: "1.0"}
+        reader.record(subject, {layout.KIND: layout.JOINED}, b"{}")
+        reader.record(subject, headers, encode_batch(KVEventBatch(1.0, [AllBlocksCleared()])))
+        reader.record(subject, {layout.KIND: layout.LEFT}, b"")  # (the relay saw it first)
+        reader.unfollow(key)  # (then the frontend's registry)
+    assert not reader.instances and reader.describe()["instances"] == 0
+    follower = Follower(reader)
+    batch(reader, 0)
+    reader.unfollow((NS, INSTANCE))  # (no `left`: routed elsewhere for now)
+    assert reader.instances[(NS, INSTANCE)].last_seq == 0
+    assert follower.applied == [0]
 
 
 async def test_a_record_of_too_many_events_is_a_loss_counted_not_decoded() -> None:

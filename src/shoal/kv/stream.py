@@ -13,10 +13,15 @@ keys.
   restarts numbers from 0 again, later. A reader's next batch is numbered one more than its
   last one and not older; a batch numbered at or below the last one and not newer is one it
   has; anything else is a loss (a gap, a new run of the numbering).
-- `Nats-Msg-Id` is `{instance:x}:{seq}:{ts in us:x}` for a batch (`batch_id`),
-  `{instance:x}:resnapshot:{seq}:{ts in us:x}` for a resnapshot, `{instance:x}:{kind}` for
-  the others, so the stream keeps one copy of what two relays both publish (within its
-  duplicate window).
+- `Nats-Msg-Id` is `{namespace}:{instance:x}:{seq}:{ts in us:x}` for a batch (`batch_id`),
+  `{namespace}:{instance:x}:resnapshot:{seq}:{ts in us:x}` for a resnapshot, so the stream
+  keeps one copy of what two relays both publish (within its duplicate window);
+  `{namespace}:{instance:x}:left:{seq}:{ts in us:x}` for a `left` after batch `seq` (two
+  relays that saw the same last batch agree), `{namespace}:{instance:x}:{kind}:{run}` for a
+  `joined`, and a `left` after no batch, `run` naming that run of the instance (`r` and the
+  card's store revision in hex, the same for every relay; else a relay's own token)
+  (`control_id`): an instance back under the same id (a restarted worker), or the same id
+  in another namespace, is never refused as a duplicate of another run.
 """
 
 from __future__ import annotations
@@ -75,14 +80,23 @@ def parse_subject(text: str) -> tuple[str, int] | None:
         return None
 
 
-def batch_id(instance_id: int, seq: int, ts: float) -> str:
+def batch_id(namespace: str, instance_id: int, seq: int, ts: float) -> str:
     """The de-duplication id of a batch: the same from every relay that publishes it."""
-    return f"{instance_id:x}:{seq}:{_micros(ts):x}"
+    return f"{namespace}:{instance_id:x}:{seq}:{_micros(ts):x}"
 
 
-def resnapshot_id(instance_id: int, seq: int, ts: float) -> str:
+def resnapshot_id(namespace: str, instance_id: int, seq: int, ts: float) -> str:
     """The id of a resnapshot before batch `seq` (timestamped `ts`)."""
-    return f"{instance_id:x}:{RESNAPSHOT}:{seq}:{_micros(ts):x}"
+    return f"{namespace}:{instance_id:x}:{RESNAPSHOT}:{seq}:{_micros(ts):x}"
+
+
+def control_id(namespace: str, instance_id: int, kind: str, run: str, seq: int, ts: float) -> str:
+    """The id of a `joined` or `left` record of one run of an instance (`run`: the relay's
+    own name for it); a `left` after batch `seq` (not -1) is named by it instead, as every
+    relay that saw that batch last names it."""
+    if kind == LEFT and seq >= 0:
+        return f"{namespace}:{instance_id:x}:{LEFT}:{seq}:{_micros(ts):x}"
+    return f"{namespace}:{instance_id:x}:{kind}:{run}"
 
 
 def _micros(ts: float) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,14 +63,15 @@ class Record:
     sent: float = 0.0  # when it was sent (the event loop's clock)
     outcome: int = WAITING
 
-    def headers(self, instance_id: int) -> dict[str, str]:
-        kind = self.kind
+    def headers(self, member: Member) -> dict[str, str]:
+        kind, (namespace, instance_id) = self.kind, member.key
         if kind == layout.BATCH:
-            msg_id = layout.batch_id(instance_id, self.seq, self.ts)
+            msg_id = layout.batch_id(namespace, instance_id, self.seq, self.ts)
         elif kind == layout.RESNAPSHOT:
-            msg_id = layout.resnapshot_id(instance_id, self.seq, self.ts)
-        else:
-            return {layout.KIND: kind, layout.MSG_ID: f"{instance_id:x}:{kind}"}
+            msg_id = layout.resnapshot_id(namespace, instance_id, self.seq, self.ts)
+        else:  # (a `left` carries the last batch's seq and ts: -1 and 0 after none)
+            msg_id = layout.control_id(namespace, instance_id, kind, member.run, self.seq, self.ts)
+            return {layout.KIND: kind, layout.MSG_ID: msg_id}
         return {
             layout.KIND: kind,
             layout.SEQ: str(self.seq),
@@ -92,7 +94,11 @@ class Member:
     pending: deque[Record] = field(default_factory=deque)
     inflight: deque[Record] = field(default_factory=deque)
     notify: Callable[[Member], None] = lambda member: None
-    last_seq: int = -1
+    last_seq: int = -1  # the worker's number of the last batch queued
+    last_ts: float = 0.0  # and its timestamp
+    # names this run of the instance in message ids: the card's store revision (`r...`, the
+    # same for every relay) when known, else a token of this relay's own
+    run: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     owed: bool = False  # a resnapshot goes before the next batch
     lag_ms: float | None = None
     leaving: bool = False
@@ -115,7 +121,7 @@ class Member:
             self.owed = False
             self.push(Record(layout.RESNAPSHOT, seq, ts))
         self.push(Record(layout.BATCH, seq, ts, encode_batch(batch)))
-        self.last_seq = seq
+        self.last_seq, self.last_ts = seq, ts
 
     def resnapshot(self) -> None:
         self.owed = True
@@ -152,7 +158,7 @@ class Member:
 
     def leave(self) -> None:
         self.leaving = True
-        self.pending.append(Record(layout.LEFT))
+        self.pending.append(Record(layout.LEFT, self.last_seq, self.last_ts))
         self.notify(self)
 
     def push(self, record: Record) -> None:

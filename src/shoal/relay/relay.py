@@ -18,7 +18,7 @@ The invariants, both ways:
 - Per subject, the stream stores records in the order of the worker's batches: they are sent
   in order on one connection, and after a failure sent again from the first one not
   acknowledged (what the stream stored meanwhile it refuses as duplicates).
-- Every batch has the message id `{instance}:{seq}:{ts}` (`shoal.kv.stream.batch_id`): the
+- Every batch has the message id `{namespace}:{instance}:{seq}:{ts}` (`batch_id`): the
   worker's own number and timestamp of it, the same from every relay that publishes it,
   whenever each started following the worker, so the stream keeps one copy when two run.
 - A member that leaves the view is unsubscribed at once and its `left` record published
@@ -249,6 +249,9 @@ class KvRelay:
             self.config.buffer_bytes,
         )
         member.notify = self._notify
+        revision = getattr(model, "revision", 0)  # (of the card in the store; 0: not known)
+        if revision:  # the same for every relay: its `joined` stored once
+            member.run = f"r{revision:x}"
         member.follows = self._last_left.get(key)
         member.push(Record(layout.JOINED, payload=msgspec.json.encode(joined)))
         member.subscription = KvSubscription(
@@ -532,7 +535,7 @@ class KvRelay:
             self._notify(member)
             return
         pending, inflight = member.pending, member.inflight
-        subject, instance_id = member.subject, member.instance_id
+        subject = member.subject
         for _ in range(room):
             if not pending:
                 break
@@ -542,7 +545,7 @@ class KvRelay:
                     subject,
                     record.payload,
                     reply=acks.reply(member, record),
-                    headers=record.headers(instance_id),
+                    headers=record.headers(member),
                 )
             except nats.errors.MaxPayloadError:
                 acks.forget(record)

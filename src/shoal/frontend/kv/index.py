@@ -41,6 +41,13 @@ class KvIndex:
         self.max_instance_blocks = max_instance_blocks
         self.over_cap: dict[int, int] = {}  # instance -> times it was purged for it
         self.holders: dict[int, set[int]] = {}
+        # `overlaps`' steps: block -> (the stamp of the step before, the block's version,
+        # the instances still in that do not hold it, its own stamp); a block in one has a
+        # version, new with every change of its holders
+        self._steps: dict[int, tuple[int, int, tuple[int, ...], int]] = {}
+        self._version: dict[int, int] = {}
+        self._versions = itertools.count(1)
+        self.compared = 0  # instances looked up by `overlaps`' subset tests (a cost figure)
         self.recent = RecentPicks()  # predictions: an eviction or purge cancels them
         self._blocks: dict[int, dict[BlockHash, int]] = {}  # instance -> engine hash -> ours
         self.orphan_blocks = 0  # stored blocks dropped because their parent was unknown
@@ -84,7 +91,7 @@ class KvIndex:
                 return
             parent = known
         tokens = event.token_ids
-        holders = self.holders
+        holders, version = self.holders, self._version
         for i, engine_hash in enumerate(event.block_hashes):
             parent = chain_hash(parent, tokens[i * size : (i + 1) * size])
             previous = blocks.get(engine_hash)
@@ -98,6 +105,8 @@ class KvIndex:
                 holders[parent] = {instance_id}
             else:
                 holding.add(instance_id)
+                if parent in version:
+                    version[parent] = next(self._versions)
         if len(blocks) > self.max_instance_blocks:
             self.purge(instance_id)
             self.over_cap[instance_id] = self.over_cap.get(instance_id, 0) + 1
@@ -183,34 +192,55 @@ class KvIndex:
             holding.discard(instance_id)
             if not holding:
                 del self.holders[ours]
+                if self._version.pop(ours, None) is not None:
+                    self._steps.pop(ours, None)
+            elif ours in self._version:
+                self._version[ours] = next(self._versions)
 
     def overlaps(self, hashes: list[int]) -> dict[int, int]:
         """For each instance holding the prompt's first block: how many leading blocks it holds.
 
         Walks the prompt's blocks while some instance still holds every block so far: the
-        work is bounded by the longest cached prefix, not by the prompt or the index. Each
-        block costs a lookup and a subset test; an instance's depth is written once, when
-        it drops out or at the end.
+        work is bounded by the longest cached prefix, not by the prompt or the index. A
+        block's step (which instances still in do not hold it?) costs a subset test of
+        them; it is kept (`_steps`, one per block: a block's hash names the blocks before
+        it) and taken again while neither its holders nor any step before it changed. So a
+        prefix many instances hold costs them once a pick (and those dropping out), not once
+        a block, but in the first pick after its holders changed (`compared` counts). An
+        instance's depth is written once, when it drops out or at the end.
         """
         matched: dict[int, int] = {}
-        holders = self.holders
-        alive: set[int] | None = None
+        holders, steps, version = self.holders, self._steps, self._version
+        alive: set[int] = set()
+        before = 0  # the stamp of the step before (0: none yet)
         depth = 0
         for h in hashes:
             holding = holders.get(h)
             if not holding:
                 break
-            if alive is None:
-                alive = set(holding)
-            elif not alive <= holding:
-                still = alive & holding
-                if not still:
-                    break
-                for instance_id in alive - still:
+            step = steps.get(h)
+            if step is not None and step[0] == before and step[1] == version.get(h):
+                dropped = step[2]
+                if not depth:
+                    alive = set(holding)
+            else:
+                if not depth:
+                    alive, dropped = set(holding), ()
+                else:
+                    self.compared += len(alive)
+                    dropped = () if alive <= holding else tuple(alive - holding)
+                if h not in version:
+                    version[h] = next(self._versions)
+                step = steps[h] = (before, version[h], dropped, next(self._versions))
+            before = step[3]
+            if dropped:
+                if len(dropped) == len(alive):
+                    break  # (none holds it: every one still in stops here)
+                for instance_id in dropped:
                     matched[instance_id] = depth
-                alive = still
+                alive.difference_update(dropped)
             depth += 1
-        for instance_id in alive or ():
+        for instance_id in alive:
             matched[instance_id] = depth
         for instance_id in self._dying:  # (purged: its blocks leave a slice at a time)
             matched.pop(instance_id, None)

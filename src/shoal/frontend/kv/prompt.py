@@ -7,17 +7,19 @@ vLLM does, a chat is rendered with the generation prompt and tokenized without s
 tokens added; a completion prompt is tokenized with them. Messages reach the template whole
 (tool calls, their ids, names), as the engine passes them.
 
-A template is untrusted work, so rendering is bounded (`BoundedSandbox`): every loop
-iteration, call and attribute read checks a time budget (`RENDER_SECONDS`, and
+A template is untrusted work, so rendering is bounded (`BoundedSandbox`, in `sandbox`):
+every loop iteration, call and attribute read checks a time budget (`RENDER_SECONDS`, and
 `RENDER_SECONDS_PER_MB` of chat: a client's long chat is not the template's fault), every
 string built (`*`, `+`, `~`, string methods and filters) is checked against a size limit
-(the chat's size plus `MAX_TEXT`), before it is built where its size can be foreseen, and
-the output stops at `MAX_TEXT`. Rendering and tokenizing run in the tokenizer's own thread
-(`submit`, one per tokenizer: a bad template occupies at most one thread). A template that
-overruns is disabled for good (`disabled` says why: the set is routed by prefix, `/health`
-shows it); a render still running past its deadline (stuck where no check runs) is
-interrupted from the event loop (`overran`: an exception raised in its thread) and the
-tokenizer gets a fresh thread.
+(the text the chat holds, tool calls' arguments included, plus `MAX_TEXT`), before it is
+built where its size can be foreseen, an operation not known quick is given nothing over
+`OP_BOUND`, and the output stops at `MAX_TEXT`. Rendering and tokenizing run in the
+tokenizer's own thread (`submit`, one per tokenizer: a bad template occupies at most one
+thread). A template that overruns on a small chat (`SMALL_CHAT`) is disabled for good
+(`disabled` says why: the set is routed by prefix, `/health` shows it); on a larger chat,
+whose size may explain it, only that request is routed by prefix. A render still running
+past its deadline (stuck where no check runs) is interrupted from the event loop
+(`overran`: an exception raised in its thread) and the tokenizer gets a fresh thread.
 
 Only what can be hashed is tokenized: the text is cut to a size that holds the tokens
 asked for (`chat`/`completion` with `wanted`, doubling the cut in the rare case it did
@@ -34,20 +36,17 @@ does is checked when it is loaded (`splits_cleanly`); one that does not tokenize
 from __future__ import annotations
 
 import ctypes
-import functools
 import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import msgspec
-from jinja2 import nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from shoal.bounds import check_json_depth
@@ -59,10 +58,17 @@ from shoal.frontend.kv.chain import (
     special_split,
     splits_cleanly,
 )
-from shoal.frontend.kv.sizes import built, wide
-
-__all__ = ["Deferred", "PromptTokenizer", "TemplateOverrun"]
+from shoal.frontend.kv.sandbox import (
+    MAX_TEXT,
+    OP_BOUND,
+    RENDER_SECONDS,
+    BoundedSandbox,
+    TemplateOverrun,
+)
+from shoal.frontend.kv.sizes import chars, text_size
 from shoal.kv import token_block_hashes
+
+__all__ = ["MAX_TEXT", "RENDER_SECONDS", "Deferred", "PromptTokenizer", "TemplateOverrun"]
 
 # Tokenizing runs on the event loop or in one thread per tokenizer: `tokenizers`' own thread
 # pool would only spin on the other cores (measured: 1.5 times the CPU for a chat's pieces).
@@ -70,65 +76,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
-RENDER_SECONDS = 0.5  # a template's time budget for one chat
-RENDER_SECONDS_PER_MB = 1.0  # and more for a long chat: a client's long chat is no overrun
-MAX_TEXT = 1 << 20  # characters: what a render keeps, and (beyond the chat's own) any string
+RENDER_SECONDS_PER_MB = 1.0  # beyond `RENDER_SECONDS`: a client's long chat is no overrun
 CHAIN_CACHE_BYTES = 64 << 20  # tokenized segments of chats kept per tokenizer
 INLINE_CHAT = 32_768  # characters: a chat this small is first prepared on the event loop,
 INLINE_MESSAGES = 256  # of this many messages at most,
-INLINE_SECONDS = 0.002  # a render there gets this much CPU time,
+# (gets `INLINE_SECONDS` of CPU time, gives no operation not known quick more than `INLINE_OP`)
 INLINE_TEXT = 65_536  # builds no string longer than the chat and this,
-INLINE_OP = 4096  # runs a filter or method not known linear and quick on nothing longer,
+SMALL_CHAT = OP_BOUND // 2  # characters and items: a template that overruns on a chat this
+# small is disabled (on a larger one, the request is routed by prefix: the chat may explain it)
 INLINE_NEW = 8192  # and tokenizes at most this much new text; else all of it is left to
 # the tokenizer's thread (`Deferred`), where the full budgets apply
-QUICK_OPS = frozenset(
-    [
-        "strip",
-        "lstrip",
-        "rstrip",
-        "startswith",
-        "endswith",
-        "lower",
-        "upper",
-        "split",
-        "rsplit",
-        "splitlines",
-        "replace",
-        "join",
-        "find",
-        "rfind",
-        "count",
-        "capitalize",
-        "partition",
-        "rpartition",
-        "items",
-        "keys",
-        "values",
-        "get",
-        "append",
-        "extend",
-        "trim",
-        "length",
-        "string",
-        "default",
-        "d",
-        "first",
-        "last",
-        "list",
-        "tojson",
-        "safe",
-        "escape",
-        "e",
-        "int",
-        "float",
-        "abs",
-    ]
-)
-"""Methods and filters that run in C, in time linear in their input (or less)."""
-
-
-class TemplateOverrun(jinja2.TemplateError):
-    """A template exceeded its time or size budget: it is disabled for its model."""
 
 
 class PromptTokenizer:
@@ -250,14 +207,15 @@ class PromptTokenizer:
     def render(self, messages: list[Any], *, inline: bool = False) -> str:
         """The template's text for `messages` (its first `MAX_TEXT` characters). `inline`:
         on the event loop, within the `INLINE_*` bounds, else `Deferred` (and the template
-        is judged by a render in the thread, never disabled by this one)."""
+        is judged by a render in the thread, never disabled by this one). `TemplateOverrun`
+        disables the template when the chat is small (`SMALL_CHAT`), else fails this chat."""
         assert self.template is not None
         if inline and len(messages) > INLINE_MESSAGES:
             raise Deferred  # (before looking at each)
         if inline and sum(len(m) for m in messages if isinstance(m, msgspec.Raw)) > 2 * INLINE_CHAT:
             raise Deferred  # (a large body's messages: before decoding them)
         plain = [_message(m) for m in messages]
-        size = sum(_size(m) for m in plain)
+        size = sum(text_size(m) for m in plain)  # (nested too: a tool call's arguments)
         if inline:
             if size > INLINE_CHAT:
                 raise Deferred
@@ -286,7 +244,8 @@ class PromptTokenizer:
                 **self.specials,
             )
         except TemplateOverrun as exc:
-            self.disable(str(exc) or f"the chat template ran past {RENDER_SECONDS:g}s")
+            if chars(plain, SMALL_CHAT) <= SMALL_CHAT:  # else the chat's size may explain it
+                self.disable(str(exc) or f"the chat template ran past {RENDER_SECONDS:g}s")
             raise
         finally:
             with self._lock:
@@ -337,207 +296,6 @@ class PromptTokenizer:
         return [list(e.ids) for e in encoded]
 
 
-class BoundedSandbox(ImmutableSandboxedEnvironment):
-    """A sandbox that bounds work, not only access: each `render` has a deadline, checked
-    at every loop iteration, call and attribute read, and a size limit no string it builds
-    may pass (the chat's own size and `MAX_TEXT` more); its output is cut at `MAX_TEXT`."""
-
-    intercepted_binops = frozenset({"*", "**", "+", "%"})
-
-    def __init__(self) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True)
-        self._local = threading.local()
-        self.globals.pop("lipsum", None)  # builds as much text as asked
-        self.globals["range"] = self._range
-        self.globals["raise_exception"] = _raise
-        self.globals["__bounded_iter"] = self._iter
-        self.globals["__bounded_text"] = self._text
-        for name, fn in list(self.filters.items()):
-            self.filters[name] = self._bounded_filter(fn)
-
-    def render(
-        self,
-        template: jinja2.Template,
-        deadline: float,
-        limit: int,
-        inline: bool = False,
-        /,
-        **context: Any,
-    ) -> str:
-        """`template` rendered with `context`: at most `MAX_TEXT` characters are kept (the
-        render stops there), `TemplateOverrun` past `deadline` or a string over `limit`.
-        `inline`: `INLINE_SECONDS` of CPU time instead of `deadline`, `Deferred` for a slow
-        method or filter on a long value, `TemplateOverrun` for an output over `limit` (the
-        caller defers it)."""
-        self._local.limit = limit
-        self._local.inline = inline
-        if inline:  # the budget is the loop thread's CPU time, checked when the clock's is out
-            self._local.deadline = time.monotonic() + INLINE_SECONDS
-            self._local.cpu_deadline = time.thread_time() + INLINE_SECONDS
-        else:
-            self._local.deadline = deadline
-        out: list[str] = []
-        size = 0
-        try:
-            for chunk in template.generate(**context):
-                out.append(chunk)
-                size += len(chunk)
-                if size >= MAX_TEXT or (inline and size > limit):
-                    if inline:
-                        raise TemplateOverrun("an inline render's output is too long")
-                    break
-                if not len(out) % 32:  # (every loop, call and lookup checks too)
-                    self.check()
-        finally:
-            self._local.deadline = None
-            self._local.limit = MAX_TEXT
-            self._local.inline = False
-            self._local.cpu_deadline = None
-        return "".join(out)[:MAX_TEXT]
-
-    @property
-    def limit(self) -> int:
-        """No string the render in progress builds may be longer."""
-        limit: int = getattr(self._local, "limit", MAX_TEXT)
-        return limit
-
-    def check(self) -> None:
-        deadline = getattr(self._local, "deadline", None)
-        if deadline is not None and time.monotonic() > deadline:
-            cpu = getattr(self._local, "cpu_deadline", None)
-            if cpu is not None and (spent := time.thread_time()) < cpu:
-                # Inline: the process was preempted, the template did not use the time.
-                self._local.deadline = time.monotonic() + cpu - spent
-                return
-            raise TemplateOverrun(f"the chat template ran past {RENDER_SECONDS:g}s")
-
-    def _check_inline(self, name: str, args: Iterable[Any]) -> None:
-        """In an inline render: `Deferred` for an operation not known quick on a long value."""
-        if getattr(self._local, "inline", False) and name not in QUICK_OPS:
-            for value in args:
-                if isinstance(value, str | list | tuple | dict) and len(value) > INLINE_OP:
-                    raise Deferred
-
-    # -- hooks every template's code goes through -------------------------------------
-
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
-        __self.check()
-        target = getattr(__obj, "__self__", None)
-        limit = __self.limit
-        name = getattr(__obj, "__name__", "")
-        _check_growth(name, (target, *args), kwargs, limit)
-        if not isinstance(__obj, jinja2.runtime.Macro):  # (a macro's own steps are checked)
-            __self._check_inline(name, (target, *args, *kwargs.values()))
-        return _bounded(super().call(__context, __obj, *args, **kwargs), limit)
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        self.check()
-        return super().getattr(obj, attribute)
-
-    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
-        """`str.format`/`format_map`, as read (`s.format`, `s['format']`): refused when wide."""
-        wrapped = super().wrap_str_format(value)
-        if wrapped is not None and wide(value.__self__, "{"):
-            raise TemplateOverrun("the chat template asked for too wide a format")
-        return wrapped
-
-    def getitem(self, obj: Any, argument: Any) -> Any:
-        self.check()
-        return super().getitem(obj, argument)
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        self.check()
-        if operator == "**" and isinstance(right, int) and abs(right) > 64:
-            raise TemplateOverrun("the chat template raised a number to a large power")
-        if operator == "%" and isinstance(left, str) and wide(left, "%"):
-            raise TemplateOverrun("the chat template asked for too wide a format")
-        if built(operator, left, right, self.limit) > self.limit:
-            raise TemplateOverrun("the chat template would build too large a sequence")
-        return _bounded(super().call_binop(context, operator, left, right), self.limit)
-
-    def _range(self, *args: int) -> Iterator[int]:
-        if len(range(*args)) > MAX_TEXT:
-            raise TemplateOverrun("the chat template asked for too large a range")
-        return self._iter(range(*args))
-
-    def _iter(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        for item in iterable:
-            self.check()
-            yield item
-
-    def _text(self, value: Any) -> Any:
-        return _bounded(value, self.limit)
-
-    def _bounded_filter(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        name = fn.__name__.removeprefix("do_")
-
-        @functools.wraps(fn)
-        def bounded(*args: Any, **kwargs: Any) -> Any:
-            self.check()
-            text = [i for i, a in enumerate(args) if isinstance(a, str)][:1]  # the filtered value
-            limit = self.limit
-            _check_growth(name, args[text[0] :] if text else (None, *args), kwargs, limit)
-            self._check_inline(name, (*args, *kwargs.values()))
-            return _bounded(fn(*args, **kwargs), limit)
-
-        return bounded
-
-    # -- every loop and concatenation goes through the hooks above ----------------------
-
-    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
-        tree = super()._parse(source, name, filename)
-        for loop in tree.find_all(nodes.For):
-            loop.iter = _call("__bounded_iter", loop.iter)  # type: ignore[arg-type]
-        for concat in list(tree.find_all(nodes.Concat)):
-            concat.nodes = [_call("__bounded_text", n) for n in concat.nodes]  # type: ignore[arg-type]
-        return tree
-
-
-def _call(name: str, node: nodes.Expr) -> nodes.Expr:
-    """`name(node)` as a template expression."""
-    call = nodes.Call(nodes.Name(name, "load"), [node], [], None, None)
-    call.set_lineno(node.lineno)
-    return call
-
-
-def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> None:
-    """Refuse, before it runs, a call that would build more than `limit` characters: any
-    count above it, or a string method (or filter) `name` on `args[0]` growing it past it."""
-    for value in (*args, *kwargs.values()):
-        if type(value) is int and value > limit:
-            raise TemplateOverrun(f"the chat template asked for {value} of something")
-    target, rest = args[0], args[1:]
-    if not isinstance(target, str):
-        return
-    size = len(target)
-    if (
-        name == "replace"
-        and len(rest) >= 2
-        and isinstance(rest[0], str)
-        and isinstance(rest[1], str)
-    ):
-        old, new = rest[0], rest[1]
-        count = size + 1 if not old else target.count(old)
-        size += count * max(0, len(new) - len(old))
-    elif name == "expandtabs":
-        tab = rest[0] if rest and isinstance(rest[0], int) else kwargs.get("tabsize", 8)
-        size += target.count("\t") * tab if isinstance(tab, int) else 0
-    elif name == "indent":
-        width = rest[0] if rest else kwargs.get("width", 4)
-        width = len(width) if isinstance(width, str) else width
-        size += (target.count("\n") + 1) * width if isinstance(width, int) else 0
-    elif name == "format" and wide(target, "%"):
-        size = limit + 1
-    if size > limit:
-        raise TemplateOverrun(f"the chat template would build {size} characters with {name}")
-
-
-def _bounded(value: Any, limit: int) -> Any:
-    if isinstance(value, str | list | tuple) and len(value) > limit:
-        raise TemplateOverrun("the chat template built too large a sequence")
-    return value
-
-
 def _token_text(value: Any) -> str:
     """A special token from the config: a string, or an `AddedToken`-like dict."""
     if isinstance(value, dict):
@@ -559,20 +317,9 @@ def _message(message: Any) -> Any:
     return {**message, "content": _content_text(content)}
 
 
-def _size(message: Any) -> int:
-    """Roughly how many characters `message` holds (its strings, 64 for anything else)."""
-    if not isinstance(message, dict):
-        return 64
-    return sum(len(v) if isinstance(v, str) else 64 for v in message.values())
-
-
 def _content_text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(
             str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("text")
         )
     return content if isinstance(content, str) else ""
-
-
-def _raise(message: str) -> None:
-    raise jinja2.TemplateError(message)

@@ -247,7 +247,7 @@ class KvRouter(Router):
             pending.discard(tokenizer)
             if not job.cancelled() and (exc := job.exception()) is not None:
                 prompt.failure = f"{type(exc).__name__}: {exc}"
-                if isinstance(exc, TemplateOverrun):
+                if isinstance(exc, TemplateOverrun) and tokenizer.disabled:
                     log.warning("kv router: a chat template is disabled: %s", tokenizer.disabled)
             if not pending and not done.done():
                 timer.cancel()

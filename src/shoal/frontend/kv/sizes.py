@@ -3,9 +3,13 @@ checks them against its size limit): a format's width, a sequence's printed char
 
 from __future__ import annotations
 
+import itertools
 import re
 import string
+from collections.abc import Iterable
 from typing import Any
+
+from shoal.bounds import MAX_DEPTH
 
 _WIDE = re.compile(r"[%:.<>^=]\s*[-+ #0]*\d{7,}")  # a format field a million wide
 _STAR = re.compile(r"%%|%(?:\([^)]*\))?[-+ #0]*(?:\*|\d*\.\*)")  # `%*s`: width from arguments
@@ -35,8 +39,8 @@ def chars(value: Any, budget: int, depth: int = 0, extra: int = 4) -> int:
         return len(value)
     if not isinstance(value, list | tuple | dict):
         return 1 if extra else 0
-    items: list[Any] | tuple[Any, ...] = value if not isinstance(value, dict) else (
-        [*value.keys(), *value.values()] if extra else [*value.values()]
+    items: Iterable[Any] = value if not isinstance(value, dict) else (
+        itertools.chain(value.keys(), value.values()) if extra else value.values()
     )  # fmt: skip
     total = 0
     for item in items:
@@ -44,6 +48,19 @@ def chars(value: Any, budget: int, depth: int = 0, extra: int = 4) -> int:
         if total > budget:
             break
     return total
+
+
+def text_size(value: Any, depth: int = 0) -> int:
+    """How many characters the strings in `value` hold, through lists, tuples and dicts
+    (keys too): a message's text, its tool calls' arguments included. (An outside value
+    nests at most `MAX_DEPTH` levels; past them nothing is counted.)"""
+    if isinstance(value, str):
+        return len(value)
+    if depth > MAX_DEPTH or not isinstance(value, list | tuple | dict):
+        return 0
+    if isinstance(value, dict):
+        return sum(text_size(k, depth + 1) + text_size(v, depth + 1) for k, v in value.items())
+    return sum(text_size(item, depth + 1) for item in value)
 
 
 def built(operator: str, left: Any, right: Any, budget: int) -> int:

@@ -14,9 +14,12 @@ a worker's own numbering:
   it is for batches this reader did get (another relay delivered them): the index may forget
   blocks, never keep evicted ones;
 - the records of an instance no `follow` asked for yet (the registry has not verified its
-  card, or routes elsewhere) are kept, at most `PENDING_BATCHES` of them from its last loss on,
-  `PENDING_BYTES` of payload for all instances (older ones leave first: forgetting is safe), and applied when it is followed, so a frontend
-  started late is caught up from the stream; a `left` record drops them;
+  card, or routes elsewhere) are kept as they came (their payload, decoded when applied), at
+  most `PENDING_BATCHES` of them from its last loss on, `PENDING_BYTES` for all instances
+  (each counted as its payload and `KEPT_COST` for the objects keeping it: older ones leave
+  first, forgetting is safe), and applied when it is followed, so a frontend started late is
+  caught up from the stream; a `left` record drops them (one that comes while the instance
+  is followed is remembered: it is forgotten when the registry unfollows it);
 - a large batch is applied in slices of `APPLY_SLICE` blocks, yielding between them, as a
   subscription does; an instance whose queue of batches to apply fills up is resnapshotted.
 
@@ -53,7 +56,9 @@ if TYPE_CHECKING:  # (nats is imported when a stream is first read: most fronten
 log = logging.getLogger(__name__)
 
 PENDING_BATCHES = 4096  # kept per instance not yet followed
-PENDING_BYTES = 64 << 20  # payload bytes of the batches kept for all instances at once
+PENDING_BYTES = 64 << 20  # bytes of the batches kept for all instances at once
+KEPT_COST = 224  # bytes a kept batch holds beyond its payload (measured: ~200)
+DECODED_COST = 16  # and per byte of its payload, kept decoded (measured: 5-9, 80 for tiny ones)
 STREAM_CHECK = 5.0  # seconds between two looks at the stream read (deleted, made again?)
 BACKOFF_MAX = 5.0
 StreamKey = tuple[str, int]  # (namespace, instance id)
@@ -61,9 +66,11 @@ StreamKey = tuple[str, int]  # (namespace, instance id)
 
 @dataclass(eq=False, slots=True)
 class _Kept:
-    """A batch kept until it is applied, and its payload's size."""
+    """A batch kept until it is applied: its payload (`batch` when it is kept decoded), and
+    what it is counted for."""
 
-    batch: KVEventBatch
+    payload: bytes
+    batch: KVEventBatch | None
     size: int
     live: bool = True
 
@@ -96,25 +103,29 @@ class _Instance:
     purge: Callable[[], None] | None = None
     flushing: asyncio.Task[None] | None = None
     losses: int = 0  # a batch being applied in slices stops when this moves
+    left: bool = False  # a `left` came while it was followed: forgotten when unfollowed
 
-    def keep(self, batch: KVEventBatch, size: int) -> None:
-        kept = _Kept(batch, size)
+    def keep(self, payload: bytes, batch: KVEventBatch | None = None) -> None:
+        size = KEPT_COST + len(payload) * (1 if batch is None else DECODED_COST)
+        kept = _Kept(payload, batch, size)
         self.pending.append(kept)
         ledger = self.ledger
         ledger.bytes += size
         ledger.live += 1
         ledger.order.append((self, kept))
 
-    def take(self) -> KVEventBatch:
+    def take(self) -> _Kept:
         """The oldest batch kept, no longer kept."""
         kept = self.pending.popleft()
         self.ledger.gone(kept)
-        return kept.batch
+        if not self.pending:
+            self.pending = deque()  # (an emptied deque keeps 16 blocks of 64 for reuse: 8 KB)
+        return kept
 
     def clear(self) -> None:
         for kept in self.pending:
             self.ledger.gone(kept)
-        self.pending.clear()
+        self.pending = deque()
 
     def lose(self) -> None:
         """What is held of this instance may be wrong: drop it."""
@@ -191,24 +202,44 @@ class KvStreamReader:
             instance.flushing = None
         instance.apply = instance.purge = None
         instance.clear()
+        if instance.left:  # (its `left` came while it was followed)
+            del self.instances[key]
 
-    def _deliver(self, instance: _Instance, batch: KVEventBatch, size: int) -> None:
-        """Apply `batch` now when it is small and nothing waits before it; else queue it for
-        the instance's flush task, which applies it in slices, yielding between them."""
+    def _deliver(self, instance: _Instance, payload: bytes) -> None:
+        """Apply the batch now when it is small and nothing waits before it; else queue it
+        for the instance's flush task, which applies it in slices, yielding between them.
+        Kept for an instance not followed, or behind others: its payload, decoded later."""
         if instance.apply is None:
             if len(instance.pending) >= PENDING_BATCHES:
                 instance.take()  # nothing applied yet: forgetting the oldest is safe
-            instance.keep(batch, size)
+            instance.keep(payload)
             self._trim()
             return
-        if instance.flushing is None and _blocks(batch) <= APPLY_SLICE:
-            instance.apply(batch)
-            return
+        batch = None
+        if instance.flushing is None:
+            batch = self._decode(instance, payload)
+            if batch is None:
+                return
+            if _blocks(batch) <= APPLY_SLICE:
+                instance.apply(batch)
+                return
         if len(instance.pending) >= PENDING_BATCHES:
             self._resnapshot(instance)  # applying does not keep up: a loss, told as one
-        instance.keep(batch, size)
+        instance.keep(payload, batch)
         self._start_flush(instance)
         self._trim()
+
+    def _decode(self, instance: _Instance, payload: bytes) -> KVEventBatch | None:
+        """The batch in `payload`; None for one that cannot be read (a loss: the instance
+        is resnapshotted)."""
+        try:
+            batch = decode_batch(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.stats.decode_errors += 1
+            self._resnapshot(instance)
+            return None
+        self.stats.events += len(batch.events)
+        return batch
 
     def _trim(self) -> None:
         """Past `PENDING_BYTES` kept, the oldest batches kept go first: one not followed yet
@@ -234,7 +265,10 @@ class KvStreamReader:
         pace = Pace()
         try:
             while instance.pending and instance.apply is not None:
-                batch, losses = instance.take(), instance.losses
+                kept, losses = instance.take(), instance.losses
+                batch = kept.batch or self._decode(instance, kept.payload)
+                if batch is None:
+                    continue  # (unreadable: the instance was resnapshotted)
                 for i, part in enumerate(slices(batch)):
                     if i:
                         await asyncio.sleep(0)
@@ -387,6 +421,8 @@ class KvStreamReader:
             if instance is not None and instance.apply is None:
                 instance.clear()
                 del self.instances[key]
+            elif instance is not None:
+                instance.left = True  # (the registry unfollows it soon: forgotten then)
             return
         if instance is None:
             instance = self.instances[key] = _Instance(self.ledger)
@@ -395,6 +431,7 @@ class KvStreamReader:
         except (KeyError, ValueError):
             self.stats.decode_errors += 1
             return
+        instance.left = False  # (batches after a `left`: a run back under the same id)
         last, last_ts = instance.last_seq, instance.last_ts
         seen = last >= 0 and seq <= last and ts <= last_ts
         following = last >= 0 and seq == last + 1 and ts >= last_ts
@@ -408,17 +445,12 @@ class KvStreamReader:
         if last >= 0 and not following:
             self._resnapshot(instance)
         instance.last_seq, instance.last_ts = seq, ts
-        try:
-            if len(payload) > MAX_BATCH_BYTES:
-                raise msgspec.DecodeError(f"{len(payload)} bytes, over {MAX_BATCH_BYTES}")
-            batch = decode_batch(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        if len(payload) > MAX_BATCH_BYTES:
             self.stats.decode_errors += 1
             self._resnapshot(instance)
             return
         self.stats.batches += 1
-        self.stats.events += len(batch.events)
-        self._deliver(instance, batch, len(payload))
+        self._deliver(instance, bytes(payload))
 
     def _resnapshot(self, instance: _Instance) -> None:
         self.stats.resnapshots += 1
