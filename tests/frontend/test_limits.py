@@ -353,6 +353,55 @@ async def test_redis_never_admits_larger_requests_at_a_keys_small_average(
     assert len(admitted) <= 1  # the large one before holds ~50,000 of the 100,000 already
 
 
+async def test_one_large_request_never_makes_the_small_ones_queued_before_it_reserve_its_size(
+    shared: Limits,
+) -> None:
+    """A LEASE was asked at the largest estimate of every request waiting: 9 small requests
+    (40 tokens) and then one of max_tokens 5,000 on a key of tpm 1,000 had the small ones
+    reserve 5,020 each, and 8 of the 10 were refused (the local windows admit all 10). A
+    LEASE is asked at its first waiter's size: the small ones are admitted at theirs, the
+    large one waits for the next, asked at its own."""
+    from shoal.frontend.keys.windows import estimate
+
+    key = Grant(workspace="default", name="team", hash=hash_secret(SECRET), tpm=1000)
+    small = json.dumps({"model": "m", "max_tokens": 20, "prompt": "hi"}).encode()
+    large = json.dumps({"model": "m", "max_tokens": 5000, "prompt": "hi"}).encode()
+    waiting = [Told() for _ in range(10)]
+    for told, body in zip(waiting, [small] * 9 + [large], strict=True):
+        told.body = body
+        verdict = shared.admit(key, body, told)
+        if verdict is None:
+            shared.wait(key, told)
+        else:
+            told.verdicts.append(verdict)
+    await wait_for(lambda: all(told.verdicts for told in waiting))
+    admitted = [isinstance(told.verdicts[0], bytes) for told in waiting]
+    assert admitted == [True] * 10
+    assert [told.reserved for told in waiting] == [estimate(small)] * 9 + [estimate(large)]
+
+
+async def test_a_waiter_queued_before_its_key_gained_a_tpm_is_told_after_one_more_lease(
+    shared: Limits,
+) -> None:
+    """A request queued while its key had no tpm, then the key's grant gained one: every
+    LEASE answer stopped at it as larger than leased for and asked again at the same size,
+    8,000 LEASEs in 2 s and the request never told. A LEASE is now asked at its first
+    waiter's own size: it is told."""
+    old = Grant(workspace="default", name="team", hash=hash_secret(SECRET), rpm=100_000)
+    new = Grant(workspace="default", name="team", hash=hash_secret(SECRET), rpm=100_000,
+                tpm=100_000)  # fmt: skip
+    first, queued, later = Told(), Told(), Told()
+    first.body = later.body = json.dumps({"model": "m", "max_tokens": 5}).encode()
+    queued.body = json.dumps({"model": "m", "max_tokens": 500}).encode()
+    before = shared.leases
+    shared.wait(old, first)
+    shared.wait(old, queued)
+    shared.wait(new, later)
+    await wait_for(lambda: first.verdicts and queued.verdicts and later.verdicts)
+    assert all(isinstance(told.verdicts[0], bytes) for told in (first, queued, later))
+    assert shared.leases - before <= 3
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["local", "redis"])
 async def test_tpm_holds_against_a_burst_of_requests_in_flight(
     store: Store, start_worker: StartWorker, start_frontend: StartFrontend,

@@ -15,9 +15,9 @@ request: while allowances are out, a key may be refused up to 1/`LEASE_SHARE` of
 early, never admitted over it. A key with a small limit (rpm < `LEASE_SHARE` x N) gets no
 allowance: one round trip per request, exact. Requests that wait while a lease is asked join it.
 
-Tokens: each request admitted reserves the key's tokens per request (the largest
-`windows.estimate` of the requests waiting, or the key's average answer here when that is
-larger) in the tpm window, and holds them while it is in flight; once answered, its tokens are owed to the
+Tokens: each request admitted reserves the key's tokens per request (the `windows.estimate`
+of the first request waiting, or the key's average answer here when that is larger; the
+first larger request waiting waits for the next `LEASE`, asked at its size) in the tpm window, and holds them while it is in flight; once answered, its tokens are owed to the
 current minute and its reservation given back to the minute it was made in (Redis' window,
 told to the request when admitted; nothing if that minute left the sliding window), both
 carried to Redis by the key's next `LEASE`, or by the flush every `FLUSH` seconds for a key
@@ -202,7 +202,7 @@ class _Key:
     """One key's state here while the windows are shared (see the module's docstring)."""
 
     __slots__ = (
-        "asking", "avg", "given", "giving", "grant", "guess", "left_requests", "left_tokens",
+        "asking", "avg", "given", "giving", "grant", "left_requests", "left_tokens",
         "owed", "per", "reset_at", "since", "units", "until", "used", "waiting", "window",
     )  # fmt: skip
 
@@ -218,7 +218,6 @@ class _Key:
         self.used = 0  # requests admitted since the last lease...
         self.since = 0.0  # ... which was then (monotonic): the rate
         self.avg = 0.0  # tokens per answer (0: none seen yet)
-        self.guess = 0  # the largest `estimate` of the requests waiting since none waited
         self.left_requests = self.left_tokens = 0  # Redis' last answer, for the headers
         self.reset_at = 0.0
         self.waiting: list[Waiter] = []  # (a deque is 760 bytes empty, for 100,000 keys)
@@ -227,6 +226,18 @@ class _Key:
     @property
     def idle(self) -> bool:
         return not (self.units or self.owed or self.given or self.asking or self.waiting)
+
+
+def _head_estimate(key: _Key) -> int:
+    """The `estimate` of the first request waiting (not cancelled): a `LEASE` reserves that
+    much per request, so the requests after it as large or smaller are admitted with it and
+    the first larger one waits for the next `LEASE`, asked at its own size. (The largest of
+    all waiting made one large request turn every small one queued with it large, and
+    refused; a size known only to the queue's head never leaves a larger waiter unasked.)"""
+    for waiter in key.waiting:
+        if not waiter.cancelled:
+            return estimate(waiter.body)
+    return 0
 
 
 class Limits:
@@ -331,8 +342,6 @@ class Limits:
     def wait(self, grant: Grant, waiter: Waiter) -> None:
         """Queue `waiter` for Redis' answer about its key; it is told, unless cancelled."""
         key = self._key(grant)
-        if grant.tpm is not None:  # reserved at its own size at least, whatever the average
-            key.guess = max(key.guess, estimate(waiter.body))
         key.waiting.append(waiter)
         if not key.asking:
             self._ask(key, time.monotonic())
@@ -419,7 +428,7 @@ class Limits:
         owed and the allowance left (given back); only settle when nobody waits."""
         assert self.link is not None
         grant = key.grant
-        per = max(math.ceil(key.avg), key.guess) if grant.tpm is not None else 0
+        per = max(math.ceil(key.avg), _head_estimate(key)) if grant.tpm is not None else 0
         want = len(key.waiting)
         if want:
             want += self._allowance(key, now, per)
@@ -488,13 +497,11 @@ class Limits:
             self._ask(key, now)  # came while it was asked, more than were granted
         else:
             key.waiting.clear()
-            key.guess = 0  # (nobody waits: the next ones' own sizes)
 
     @staticmethod
     def _waiters(key: _Key) -> list[Waiter]:
         waiting = [waiter for waiter in key.waiting if not waiter.cancelled]
         key.waiting.clear()
-        key.guess = 0
         return waiting
 
     async def _flush(self, final: bool = False) -> None:
