@@ -15,7 +15,7 @@ from aiohttp import web
 
 from shoal.cards import ModelCard, ModelType
 from shoal.discovery import Discovery, EndpointId, ModelKey
-from shoal.store import Store
+from shoal.store import Store, open_store
 from shoal.worker import Engine, Runtime, ServedModel
 from shoal.worker.engines.mocker import MockerEngine
 from shoal.worker.metadata import MetadataKey
@@ -442,3 +442,51 @@ async def test_a_drain_whose_taint_the_store_refused_taints_again_and_still_with
     await drain
     assert runtime.cleanup_cut_short is False
     assert (await observer.get_prefix("shoal/v1/")).items == []
+
+
+async def test_a_re_registration_longer_than_the_lease_ttl_keeps_its_new_lease_and_finishes(
+    tmp_path: Path,
+) -> None:
+    """What was wrong: after a lost lease the re-put of every key ran in one lease-loop step
+    with no keepalive of the new lease until it finished; a re-put longer than the TTL (a
+    worker with thousands of adapters) lost the new lease half-way, and the next one, for
+    ever. What holds now: the new lease is kept alive beside the re-put, so a re-put of
+    more than two TTLs (a slow store, on real SQLite) finishes and every key is back."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    observer = await open_store(url)
+    runtime = Runtime(url, lease_ttl=0.6, drain_timeout=0)
+    await runtime.start()
+    try:
+        engine = await serve_mocker(runtime, speedup=0)
+        endpoint = runtime.endpoint(EP)
+        adapters = 30
+        for i in range(adapters):
+            async with endpoint.sync_lock:
+                await endpoint.attach_served(await engine.load_adapter(f"lora-{i}", "/a"))
+        registrations = runtime.registrations
+        first = registrations.lease_id
+        assert first is not None
+        discovery = registrations.discovery
+        put = discovery.register_model
+
+        async def slow_put(key: ModelKey, card: ModelCard, *, lease: int) -> None:
+            if lease != first:  # the re-put: 30 x 0.05 s, two and a half TTLs
+                await asyncio.sleep(0.05)
+            await put(key, card, lease=lease)
+
+        discovery.register_model = slow_put  # type: ignore[method-assign]
+        await observer.revoke(first)
+
+        await wait_for(
+            lambda: registrations.grants > 1 and registrations.lease_problem() is None,
+            timeout=30,
+            message="re-registered under a new lease",
+        )
+        new = registrations.lease_id
+        assert new is not None and new != first
+        snap = await observer.get_prefix(ModelKey(EndpointId.parse(EP), new).key)
+        assert len(snap.items) == adapters + 1
+        assert len(await Discovery(observer).list()) == adapters + 1
+    finally:
+        await runtime.drain(timeout=0)
+        await observer.close()
