@@ -15,8 +15,9 @@ from aiohttp import web
 
 from shoal.cards import ModelCard, ModelType
 from shoal.discovery import Discovery, EndpointId, ModelKey
-from shoal.store import Store
+from shoal.store import Store, open_store
 from shoal.worker import Engine, Runtime, ServedModel
+from shoal.worker import endpoint as endpoint_module
 from shoal.worker.engines.mocker import MockerEngine
 from shoal.worker.metadata import MetadataKey
 from tests.helpers import wait_for
@@ -442,3 +443,202 @@ async def test_a_drain_whose_taint_the_store_refused_taints_again_and_still_with
     await drain
     assert runtime.cleanup_cut_short is False
     assert (await observer.get_prefix("shoal/v1/")).items == []
+
+
+async def test_a_re_registration_longer_than_the_lease_ttl_keeps_its_new_lease_and_finishes(
+    tmp_path: Path,
+) -> None:
+    """What was wrong: after a lost lease the re-put of every key ran in one lease-loop step
+    with no keepalive of the new lease until it finished; a re-put longer than the TTL (a
+    worker with thousands of adapters) lost the new lease half-way, and the next one, for
+    ever. What holds now: the new lease is kept alive beside the re-put, so a re-put of
+    more than two TTLs (a slow store, on real SQLite) finishes and every key is back."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    observer = await open_store(url)
+    runtime = Runtime(url, lease_ttl=0.6, drain_timeout=0)
+    await runtime.start()
+    try:
+        engine = await serve_mocker(runtime, speedup=0)
+        endpoint = runtime.endpoint(EP)
+        adapters = 30
+        for i in range(adapters):
+            async with endpoint.sync_lock:
+                await endpoint.attach_served(await engine.load_adapter(f"lora-{i}", "/a"))
+        registrations = runtime.registrations
+        first = registrations.lease_id
+        assert first is not None
+        discovery = registrations.discovery
+        put = discovery.register_model
+
+        async def slow_put(key: ModelKey, card: ModelCard, *, lease: int) -> None:
+            if lease != first:  # the re-put: 30 x 0.05 s, two and a half TTLs
+                await asyncio.sleep(0.05)
+            await put(key, card, lease=lease)
+
+        discovery.register_model = slow_put  # type: ignore[method-assign]
+        await observer.revoke(first)
+
+        await wait_for(
+            lambda: registrations.grants > 1 and registrations.lease_problem() is None,
+            timeout=30,
+            message="re-registered under a new lease",
+        )
+        new = registrations.lease_id
+        assert new is not None and new != first
+        snap = await observer.get_prefix(ModelKey(EndpointId.parse(EP), new).key)
+        assert len(snap.items) == adapters + 1
+        assert len(await Discovery(observer).list()) == adapters + 1
+    finally:
+        await runtime.drain(timeout=0)
+        await observer.close()
+
+
+def _adapter(name: str) -> ServedModel:
+    return ServedModel(name=name, source=f"test://{name}", adapter=name, base_model="a")
+
+
+async def test_the_models_loop_refuses_a_bad_adapter_alone_logs_it_once_and_announces_the_rest(
+    runtime: Runtime, observer: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What was wrong: a listed adapter whose card cannot be built made every sync raise
+    before the adapters listed after it (logged as a failed sync each second). What holds
+    now: it is refused alone, logged once and counted while listed unchanged (not retried
+    each second), and dropped from `refused` once the engine stops listing it."""
+    engine = Switchable()
+    endpoint = runtime.endpoint(EP)
+    await endpoint.serve(engine)
+    bad = "y" * 600
+    engine.models = [*engine.models, _adapter(bad), _adapter("good-lora")]
+    await wait_for(lambda: _names(observer, {"a", "good-lora"}), timeout=5)
+    for _ in range(3):
+        await endpoint.sync_models()
+
+    assert list(endpoint.refused) == [bad] and endpoint.refusals == 1
+    warnings = [r for r in caplog.records if "not announcing" in r.getMessage()]
+    assert len(warnings) == 1 and bad not in warnings[0].getMessage()
+    assert (
+        runtime.metrics_registry.get_sample_value("shoal_worker_models_refused", {"endpoint": EP})
+        == 1
+    )
+    engine.models = [m for m in engine.models if m.name != bad]
+    await endpoint.sync_models()
+    assert endpoint.refused == {}
+
+
+async def test_a_sync_of_an_unchanged_list_does_nothing_and_a_long_one_yields_to_the_loop(
+    runtime: Runtime,
+) -> None:
+    """What was wrong: every second the models loop rebuilt and compared every adapter's
+    model and suffix, with no yield (3,000 adapters held the loop 55-125 ms each second).
+    What holds now: the mocker lists the very same objects while nothing changes and a sync
+    of an unchanged list computes no suffix; a sync that compares them all yields to the
+    event loop every `SYNC_BATCH` models, attaching and detaching nothing."""
+    engine = await serve_mocker(runtime, speedup=0)
+    endpoint = runtime.endpoint(EP)
+    adapters = 600
+    for i in range(adapters):
+        async with endpoint.sync_lock:
+            await endpoint.attach_served(await engine.load_adapter(f"lora-{i}", "/a"))
+    await endpoint.sync_models()  # the first sync after the loads compares them all
+    first, second = await engine.served_models(), await engine.served_models()
+    assert all(a is b for a, b in zip(first, second, strict=True))
+
+    calls = 0
+    real = endpoint_module.suffix_for
+
+    def counting(model: ServedModel) -> str | None:
+        nonlocal calls
+        calls += 1
+        return real(model)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(endpoint_module, "suffix_for", counting)
+        for _ in range(5):
+            await endpoint.sync_models()
+        assert calls == 0
+
+        attached = dict(endpoint.models)
+        engine._served.clear()  # equal models, new objects: compared one by one
+        turns = 0
+        done = False
+
+        async def ticker() -> None:
+            nonlocal turns
+            while not done:
+                await asyncio.sleep(0)
+                turns += 1
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        before = turns
+        await endpoint.sync_models()
+        during = turns - before
+        done = True
+        await task
+    assert calls == adapters + 1
+    assert during >= (adapters + 1) // endpoint_module.SYNC_BATCH
+    assert all(endpoint.models[s] is att for s, att in attached.items())
+
+
+async def test_the_several_base_models_warning_is_bounded_and_so_is_what_it_remembers(
+    runtime: Runtime, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What was wrong: an engine listing several base models got a warning naming every one
+    of them, and every distinct list was remembered for ever. What holds now: the warning
+    gives a count and the first few names, and at most `WARNED_KEPT` lists are remembered."""
+    engine = Switchable()
+    engine.models = [ServedModel(name=f"base-{i}", source="test://b") for i in range(500)]
+    endpoint = runtime.endpoint(EP)
+    await endpoint.serve(engine)
+    (warning,) = [r.getMessage() for r in caplog.records if "base models" in r.getMessage()]
+    assert "500 base models" in warning and "and 496 more" in warning
+    assert "base-499" not in warning and len(warning) < 400
+    for n in range(2, 300):
+        engine.models = [ServedModel(name=f"base-{i}", source="test://b") for i in range(n)]
+        await endpoint.sync_models()
+    assert len(endpoint._warned) <= endpoint_module.WARNED_KEPT
+
+
+async def test_a_drain_whose_taints_spend_the_budget_still_revokes_and_leaves_no_key(
+    tmp_path: Path,
+) -> None:
+    """What was wrong: a drain made one store call per model to taint and one to withdraw,
+    all in the shared 2 s cleanup budget, and revoked the lease last: with many adapters
+    the budget ran out first, the revoke was skipped and the worker exited with its keys in
+    the store until the TTL. What holds now: part of the budget is the revoke's, and with
+    many models the revoke is their withdrawal (one call): on a real SQLite store that
+    takes 60 ms per write, every key is gone when the drain returns."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    observer = await open_store(url)
+    runtime = Runtime(url, lease_ttl=30, drain_timeout=0)
+    await runtime.start()
+    try:
+        engine = await serve_mocker(runtime, speedup=0)
+        endpoint = runtime.endpoint(EP)
+        adapters = 40
+        for i in range(adapters):
+            async with endpoint.sync_lock:
+                await endpoint.attach_served(await engine.load_adapter(f"lora-{i}", "/a"))
+        assert len((await observer.get_prefix("shoal/v1/")).items) == adapters + 2
+        store = runtime.store
+        assert store is not None
+        put, delete = store.put, store.delete
+
+        async def slow_put(key: str, value: bytes, *, lease: int = 0) -> int:
+            await asyncio.sleep(0.06)  # a slow store: 40 taints alone outlast the budget
+            return await put(key, value, lease=lease)
+
+        async def slow_delete(key: str) -> bool:
+            await asyncio.sleep(0.06)
+            return await delete(key)
+
+        store.put = slow_put  # type: ignore[method-assign]
+        store.delete = slow_delete  # type: ignore[method-assign]
+        await runtime.drain(timeout=0)
+    finally:
+        await runtime.drain(timeout=0)
+    try:
+        assert (await observer.get_prefix("shoal/v1/")).items == []
+        assert len(runtime.metadata) == 0 and len(endpoint.models) == 0
+    finally:
+        await observer.close()

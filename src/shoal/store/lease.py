@@ -3,7 +3,7 @@
 A holder whose lease was lost (the store was unreachable past the TTL, or the lease was
 revoked behind its back) must not die: it grants a new lease and re-puts what it owns.
 The keeper does the first part and calls `on_granted` for the second, again on every tick
-until it succeeds; the replaced lease is revoked one TTL after that. `revoke()` means stop: no tick
+until it succeeds, keeping the new lease alive while it runs; the replaced lease is revoked one TTL after that. `revoke()` means stop: no tick
 after it grants or re-puts anything.
 """
 
@@ -93,11 +93,16 @@ class LeaseKeeper:
         lease = self.lease
         if not self._reput_due or lease is None or self._revoked:
             return
+        # The re-put may take longer than the TTL (thousands of keys): the new lease is kept
+        # alive beside it, or it would expire mid re-put, and the next one too, for ever.
+        lease.start_keepalive()
         try:
             await self.on_granted(lease)
         except LeaseNotFoundError:
             lease.lost.set()  # expired before the re-put: the next tick grants another
             raise StoreUnavailableError(f"lease {lease.id:x} ended during the re-put") from None
+        finally:
+            lease.stop_keepalive()
         self._reput_due = False
         old, self._replaced = self._replaced, None
         if old is not None:

@@ -10,8 +10,10 @@ discovery first, so no frontend fetches a file that is already gone.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
+import operator
 import re
 import socket
 import time
@@ -24,7 +26,8 @@ from aiohttp import web
 
 from shoal.cards import MetadataFile, ModelCard, slugify
 from shoal.discovery import EndpointId, ModelKey
-from shoal.discovery.keys import check_suffix
+from shoal.discovery.keys import check_suffix, quoted
+from shoal.store import LeaseNotFoundError, StoreUnavailableError
 from shoal.worker.engine import Engine, ServedModel
 from shoal.worker.metadata import MAX_METADATA_FILE, MetadataKey, Snapshot
 from shoal.worker.registrations import Attached, Registrations
@@ -48,6 +51,17 @@ METADATA_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py")
 SHUTDOWN_GRACE = 0.1
 """Seconds a server gives requests still in flight when it stops (twice: to finish, then to
 end once cancelled). Drain waits for them before, so this only cuts what outlived it."""
+SYNC_BATCH = 256
+"""Models a sync of an engine's list handles between two yields to the event loop."""
+REFUSED_REASON = 300
+"""Characters of the reason a model was refused that are kept (logs, `/health`)."""
+WARNED_KEPT = 64
+"""Distinct "several base models" warnings remembered (not repeated) per endpoint."""
+CACHED_NAME = 512
+"""Characters of the longest adapter name whose suffix is cached (a card's bound)."""
+OUTAGES = (StoreUnavailableError, LeaseNotFoundError, TimeoutError, ConnectionError)
+"""What an attach raises when the store is out: the whole sync is retried, not one model
+refused."""
 
 
 def metadata_files_in(directory: Path) -> dict[str, Path]:
@@ -72,6 +86,7 @@ _HASHED = re.compile(r"-[0-9a-f]{8}$")
 """How a hashed suffix ends: a name that ends so is hashed too, so no name spells another's."""
 
 
+@functools.lru_cache(maxsize=16384)  # a sync computes every adapter's, once a second
 def adapter_suffix(name: str) -> str:
     """The discovery suffix of adapter `name`: distinct names get distinct suffixes.
 
@@ -90,8 +105,12 @@ def adapter_suffix(name: str) -> str:
 
 
 def suffix_for(model: ServedModel) -> str | None:
-    """The discovery suffix of a served model: None for a base model, else from the adapter name."""
-    return None if model.adapter is None else adapter_suffix(model.adapter)
+    """The discovery suffix of a served model: None for a base model, else from the adapter
+    name (cached, unless the name is longer than a card allows: it is refused anyway)."""
+    name = model.adapter
+    if name is None:
+        return None
+    return adapter_suffix(name) if len(name) <= CACHED_NAME else adapter_suffix.__wrapped__(name)
 
 
 def card_for(model: ServedModel) -> tuple[ModelCard, dict[str, Path]]:
@@ -151,8 +170,15 @@ class Endpoint:
         self.preferred_model: str | None = None
         self.sync_lock = asyncio.Lock()  # engine-driven attach/detach vs adapter calls
         self._registrations = registrations
+        self.refused: dict[str, tuple[ServedModel, str]] = {}
+        """Models the engine lists that could not be announced (a bad card, a file too
+        large), by name: the model as listed and why. Logged once each, shown by `/health`;
+        tried again when the engine lists it anew (changed, or dropped and listed again)."""
+        self.refusals = 0
+        """Times a model the engine listed was refused."""
         self._runner: web.AppRunner | None = None
-        self._warned: set[str] = set()
+        self._warned: set[tuple[str, int, tuple[str, ...]]] = set()
+        self._synced: tuple[list[ServedModel], list[Attached]] | None = None
 
     def __repr__(self) -> str:
         return f"<Endpoint {self.id} url={self.url}>"
@@ -301,21 +327,84 @@ class Endpoint:
         await self._registrations.set_taints(self.id, taints)
 
     async def sync_models(self) -> None:
-        """Attach what the engine serves and is not attached; detach what it no longer serves."""
+        """Attach what the engine serves and is not attached; detach what it no longer serves.
+
+        A model that cannot be announced (its card or files refused) is refused alone, in
+        `refused`: the others are announced. A store outage fails the whole sync (retried).
+        Nothing is done while the engine lists the very same models as at the last sync and
+        nothing was attached or detached since; a sync yields every `SYNC_BATCH` models.
+        """
         if self.engine is None:
             return
         async with self.sync_lock:
-            wanted = self._wanted(await self.engine.served_models())
-            for suffix, att in list(self.models.items()):
-                if att.served is not None and wanted.get(suffix) != att.served:
+            served = await self.engine.served_models()
+            if self._in_step(served):
+                return
+            self._synced = None
+            wanted = await self._wanted(served)
+            for i, (suffix, att) in enumerate(list(self.models.items()), 1):
+                if i % SYNC_BATCH == 0:
+                    await asyncio.sleep(0)
+                model = wanted.get(suffix)
+                if att.served is not None and model is not att.served and model != att.served:
                     await self.detach_model(suffix)
-            for suffix, model in wanted.items():
-                if suffix not in self.models:
-                    await self.attach_served(model)
+            for i, (suffix, model) in enumerate(wanted.items(), 1):
+                if i % SYNC_BATCH == 0:
+                    await asyncio.sleep(0)
+                if suffix in self.models:
+                    if self.refused:
+                        self.refused.pop(model.name, None)
+                    continue
+                held = self.refused.get(model.name)
+                if held is None or (held[0] is not model and held[0] != model):
+                    await self._attach_alone(model)
+            if self.refused:
+                listed = {m.name for m in served}
+                self.refused = {k: v for k, v in self.refused.items() if k in listed}
+            self._synced = (served, list(self.models.values()))
 
-    def _wanted(self, served: list[ServedModel]) -> dict[str | None, ServedModel]:
+    def _in_step(self, served: list[ServedModel]) -> bool:
+        """Whether the last sync saw these very model objects and left the models attached
+        now (identity only: a few microseconds per thousand models)."""
+        if self._synced is None:
+            return False
+        last_served, last_attached = self._synced
+        attached = self.models.values()
+        return (
+            len(served) == len(last_served)
+            and len(attached) == len(last_attached)
+            and all(map(operator.is_, served, last_served))
+            and all(map(operator.is_, attached, last_attached))
+        )
+
+    async def _attach_alone(self, model: ServedModel) -> None:
+        """Attach `model`; a failure that is its own (not a store outage) refuses it alone."""
+        try:
+            await self.attach_served(model)
+        except OUTAGES:
+            raise
+        except Exception as exc:
+            self._refuse(model, exc)
+        else:
+            self.refused.pop(model.name, None)
+
+    def _refuse(self, model: ServedModel, exc: Exception) -> None:
+        reason = f"{type(exc).__name__}: {exc}"[:REFUSED_REASON]
+        held = self.refused.get(model.name)
+        if held is None or held[1] != reason:
+            log.warning(
+                "endpoint %s: not announcing %s (the others are): %s",
+                self.id,
+                quoted(model.name),
+                reason,
+            )
+        self.refused[model.name] = (model, reason)
+        self.refusals += 1
+
+    async def _wanted(self, served: list[ServedModel]) -> dict[str | None, ServedModel]:
         wanted: dict[str | None, ServedModel] = {}
         bases = [m for m in served if m.adapter is None]
+        chosen = bases[0] if bases else None
         if len(bases) > 1:
             # The model named, else the one announced now while it is still served (an
             # upstream reordering its list must not swap it), else the first.
@@ -323,20 +412,41 @@ class Endpoint:
             current = None if held is None or held.served is None else held.served.name
             chosen = next((m for m in bases if m.name == self.preferred_model), None)
             chosen = chosen or next((m for m in bases if m.name == current), bases[0])
-            names = ", ".join(sorted(m.name for m in bases if m is not chosen))
-            if names not in self._warned:
-                self._warned.add(names)
-                log.warning(
-                    "endpoint %s: engine serves several base models; announcing %r, not %s "
-                    "(serve each on its own endpoint)",
-                    self.id,
-                    chosen.name,
-                    names,
-                )
-            served = [m for m in served if m.adapter is not None or m is chosen]
-        for model in served:
-            wanted[suffix_for(model)] = model
+            self._warn_bases(chosen, bases)
+        for i, model in enumerate(served, 1):
+            if i % SYNC_BATCH == 0:
+                await asyncio.sleep(0)
+            if model.adapter is None and model is not chosen:
+                continue
+            try:
+                suffix = suffix_for(model)
+            except ValueError as exc:
+                self._refuse(model, exc)
+                continue
+            wanted[suffix] = model
         return wanted
+
+    def _warn_bases(self, chosen: ServedModel, bases: list[ServedModel]) -> None:
+        """Warn once that only `chosen` of several base models is announced (a count and the
+        first few names, however many there are)."""
+        first = tuple(m.name for m in bases[:4] if m is not chosen)[:3]
+        key = (chosen.name, len(bases) - 1, first)
+        if key in self._warned:
+            return
+        if len(self._warned) >= WARNED_KEPT:
+            self._warned.clear()
+        self._warned.add(key)
+        names = ", ".join(quoted(name) for name in first)
+        more = len(bases) - 1 - len(first)
+        log.warning(
+            "endpoint %s: engine serves %d base models; announcing %s, not %s%s "
+            "(serve each on its own endpoint)",
+            self.id,
+            len(bases),
+            quoted(chosen.name),
+            names,
+            f" and {more} more" if more else "",
+        )
 
     async def _with_metadata(
         self, card: ModelCard, suffix: str | None, files: Mapping[str, Path]

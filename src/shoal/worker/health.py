@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
 from shoal.controllers import ControllerManager
 from shoal.discovery import EndpointId
+from shoal.discovery.keys import quoted
 from shoal.worker.endpoint import Endpoint
 from shoal.worker.registrations import Registrations
 
 ENGINE_CHECK_TIMEOUT = 5.0
 """Seconds an engine's `check_health()` gets before the endpoint counts as unhealthy."""
+REFUSED_SHOWN = 5
+"""Models an endpoint refused that `/health` names (with why); the rest are counted."""
 
 
 class Health:
@@ -66,11 +70,16 @@ class Health:
 
 
 def _endpoint_body(ep: Endpoint) -> dict[str, Any]:
-    """What `/health` says of a serving endpoint: its URL, requests in flight, its models."""
+    """What `/health` says of a serving endpoint: its URL, requests in flight, its models,
+    and the models its engine lists that could not be announced (not a reason to be
+    unhealthy: the others are announced)."""
+    refused = itertools.islice(ep.refused.items(), REFUSED_SHOWN)
     return {
         "endpoint": str(ep.id),
         "url": ep.url,
         "in_flight": ep.in_flight,
+        "models_refused": len(ep.refused),
+        "refused": [{"name": quoted(name), "reason": why} for name, (_, why) in refused],
         "models": [
             {
                 "name": att.card.display_name,

@@ -86,10 +86,16 @@ class Snapshot(NamedTuple):
 
 
 class MetadataRegistry:
-    """Maps metadata keys to (file bytes, owner). Changes are all-or-nothing."""
+    """Maps metadata keys to (file bytes, owner). Changes are all-or-nothing.
+
+    An index by owner keeps every call linear in what it touches: detaching, re-attaching
+    or re-registering one model costs its own files, not every model's (a worker with
+    thousands of adapters detaches or re-registers all of them in linear time).
+    """
 
     def __init__(self) -> None:
         self._entries: dict[MetadataKey, tuple[bytes, Owner]] = {}
+        self._by_owner: dict[Owner, set[MetadataKey]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -112,16 +118,21 @@ class MetadataRegistry:
         Raises `CollisionError` naming both owners if any key is held by another owner;
         then nothing is registered.
         """
-        batch = self._check(owner, files)
-        for key, data in batch:
-            self._entries[key] = (data, owner)
+        self._put(owner, self._check(owner, files))
 
     def replace(self, owner: Owner, files: Iterable[tuple[MetadataKey, bytes]]) -> None:
         """Make `files` exactly what `owner` hosts (a re-attached model); all or nothing."""
         batch = self._check(owner, files)
         self.unregister_for_owner(owner)
+        self._put(owner, batch)
+
+    def _put(self, owner: Owner, batch: list[tuple[MetadataKey, bytes]]) -> None:
+        if not batch:
+            return
+        keys = self._by_owner.setdefault(owner, set())
         for key, data in batch:
             self._entries[key] = (data, owner)
+            keys.add(key)
 
     def _check(
         self, owner: Owner, files: Iterable[tuple[MetadataKey, bytes]]
@@ -138,7 +149,7 @@ class MetadataRegistry:
 
     def unregister_for_owner(self, owner: Owner) -> int:
         """Remove every entry of `owner` and no other; returns how many. Idempotent."""
-        keys = [key for key, (_, held) in self._entries.items() if held == owner]
+        keys = self._by_owner.pop(owner, ())
         for key in keys:
             del self._entries[key]
         return len(keys)
@@ -147,13 +158,14 @@ class MetadataRegistry:
         """Hand every entry of `old` to `new` (a re-granted lease renames the instance)."""
         if old == new:
             return 0
-        moved = 0
-        for key, (data, held) in list(self._entries.items()):
-            if held == old:
-                self._entries[key] = (data, new)
-                moved += 1
-        return moved
+        keys = self._by_owner.pop(old, None)
+        if not keys:
+            return 0
+        for key in keys:
+            self._entries[key] = (self._entries[key][0], new)
+        self._by_owner.setdefault(new, set()).update(keys)
+        return len(keys)
 
     def files_of(self, owner: Owner) -> list[tuple[MetadataKey, bytes]]:
         """What `owner` hosts, as `(key, bytes)` pairs."""
-        return [(key, data) for key, (data, held) in self._entries.items() if held == owner]
+        return [(key, self._entries[key][0]) for key in self._by_owner.get(owner, ())]

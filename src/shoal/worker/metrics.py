@@ -44,6 +44,11 @@ class WorkerCollector:
         models = GaugeMetricFamily(
             "shoal_worker_models_attached", "Models announced in discovery.", labels=["endpoint"]
         )
+        refused = GaugeMetricFamily(
+            "shoal_worker_models_refused",
+            "Models the engine lists that could not be announced (a bad card or file).",
+            labels=["endpoint"],
+        )
         engine_metrics: dict[str, Metric] = {}
         for ep in self.endpoints.values():
             name = str(ep.id)
@@ -51,11 +56,13 @@ class WorkerCollector:
                 requests.add_metric([name, route, str(status)], n)
             in_flight.add_metric([name], ep.in_flight)
             models.add_metric([name], len(ep.models))
+            refused.add_metric([name], len(ep.refused))
             if ep.engine is not None:
                 _merge(engine_metrics, ep.engine.collect_metrics(), name)
         yield requests
         yield in_flight
         yield models
+        yield refused
         yield from self._process_metrics()
         yield from engine_metrics.values()
 

@@ -22,7 +22,7 @@ from shoal.cards import ModelCard
 from shoal.discovery import Discovery, EndpointId, InstanceInfo, ModelKey
 from shoal.discovery.keys import instance_key
 from shoal.kv import KvEndpoint
-from shoal.store import Lease, LeaseKeeper, Store, StoreError
+from shoal.store import Lease, LeaseKeeper, LeaseNotFoundError, Store, StoreError
 from shoal.worker.engine import ServedModel
 from shoal.worker.metadata import MetadataKey, MetadataRegistry
 
@@ -349,9 +349,23 @@ class Registrations:
                 self.metadata.unregister_for_owner(att.key)
 
     async def set_taints(self, endpoint: EndpointId, taints: list[str]) -> None:
-        """Replace the taints of every model attached to `endpoint`."""
+        """Replace the taints of every model attached to `endpoint`: one put of each card
+        as registered, under the lease it was put under (a card of a lease being replaced
+        is put with its taints by the re-registration)."""
         async with self._lock:
-            for att in self._models.get(endpoint, {}).values():
+            for att in list(self._models.get(endpoint, {}).values()):
                 att.card = att.card.with_taints(taints)
-                with contextlib.suppress(KeyError):
-                    await self.discovery.update_taints(att.key, taints)
+                if att.key.instance_id != self._lease_id:
+                    continue
+                with contextlib.suppress(LeaseNotFoundError):  # lost: re-put with its taints
+                    await self.store.put(att.key.key, att.card.to_json(), lease=self._lease_id)
+
+    def forget(self, endpoint: EndpointId) -> None:
+        """Forget `endpoint`'s instance and models and stop hosting their metadata files,
+        with no store call: their keys went with the revoked lease (a drain)."""
+        self._instances.pop(endpoint, None)
+        models = self._models.get(endpoint, {})
+        for att in models.values():
+            self.metadata.unregister_for_owner(att.key)
+            self.missing.discard(att.key.key)
+        models.clear()  # (in place: `models_of` gave a view of it)

@@ -13,7 +13,9 @@ both started in `start()`, keep the store true to the process:
 
 Drain (`drain()`, on SIGTERM): taint every model `draining`, let in-flight requests
 finish (up to the drain timeout; a second signal ends the wait), cut what is left, detach
-(discovery first, then metadata), revoke the lease; the store calls share `CLEANUP_BUDGET`.
+(discovery first, then metadata), revoke the lease; the store calls share `CLEANUP_BUDGET`,
+of which `REVOKE_RESERVE` is the revoke's. With more than `WITHDRAW_ONE_BY_ONE` models the
+revoke is their withdrawal from discovery (one call, not one per model).
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ CLEANUP_BUDGET = 2.0
 """Seconds a drain may spend past its timeout on the store: every store call of the drain
 (taints, withdrawals, revoke, close) shares it, so a frozen store delays exit by this much
 at most. Stopping the servers adds about `2 * SHUTDOWN_GRACE`."""
+REVOKE_RESERVE = 0.5
+"""Seconds of `CLEANUP_BUDGET` kept for the lease revoke (which alone deletes every key of
+the process): the taints and withdrawals before it never spend them."""
+WITHDRAW_ONE_BY_ONE = 32
+"""Models a drain withdraws one store call each before the revoke; with more, the revoke
+withdraws them all in one call (discovery first), then their metadata files go."""
 MODELS_INTERVAL = 1.0
 """Seconds between two checks of what each engine serves."""
 
@@ -64,17 +72,19 @@ class _CleanupBudget:
         self.left = seconds
         self.cut_short = False  # a call was abandoned (or skipped) when the budget ran out
 
-    async def spend(self, what: str, call: Coroutine[Any, Any, object]) -> bool:
-        """Run `call` until it ends or the budget does; True if it succeeded. A failure is
-        logged, not raised."""
-        if self.left <= 0:
+    async def spend(
+        self, what: str, call: Coroutine[Any, Any, object], *, keep: float = 0.0
+    ) -> bool:
+        """Run `call` until it ends or the budget does (but for `keep` seconds, kept for
+        the calls after it); True if it succeeded. A failure is logged, not raised."""
+        if self.left - keep <= 0:
             call.close()
             self.cut_short = True
             log.warning("drain: skipped %s: the %.1fs cleanup budget is spent", what, self.seconds)
             return False
         started = time.monotonic()
         try:
-            async with asyncio.timeout(self.left):
+            async with asyncio.timeout(self.left - keep):
                 await call
             return True
         except TimeoutError:
@@ -335,16 +345,24 @@ class Runtime:
         untainted = [
             ep
             for ep in serving
-            if not await budget.spend(f"tainting {ep.id} draining", ep.set_taints([DRAINING]))
+            if not await budget.spend(
+                f"tainting {ep.id} draining", ep.set_taints([DRAINING]), keep=REVOKE_RESERVE
+            )
         ]
         await self._wait_idle(serving, timeout, untainted)
         for ep in serving:
             await ep.stop_serving()  # cuts what is still in flight
         await self.manager.stop_all(timeout=LOOP_STOP_TIMEOUT)
-        for ep in serving:
-            await budget.spend(f"withdrawing {ep.id}", ep.withdraw())
+        # Discovery first, then metadata. A few models are withdrawn one store call each;
+        # more would not fit the budget, and the revoke deletes every key of the lease at
+        # once anyway: then it is their withdrawal, and always gets its try.
+        if sum(len(ep.models) for ep in serving) <= WITHDRAW_ONE_BY_ONE:
+            for ep in serving:
+                await budget.spend(f"withdrawing {ep.id}", ep.withdraw(), keep=REVOKE_RESERVE)
         if self._registrations is not None:
             await budget.spend("revoking the lease", self._registrations.revoke())
+            for ep in serving:
+                self._registrations.forget(ep.id)  # (their keys went with the lease)
         if self._status is not None:
             await self._status.stop()
         if self.store is not None and not isinstance(self._store_arg, Store):

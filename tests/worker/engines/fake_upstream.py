@@ -46,7 +46,8 @@ class FakeUpstream:
     def __init__(self, *, health_status: int = 200, api_key: str | None = None) -> None:
         self.health_status = health_status
         self.api_key = api_key  # when set, every route needs `Authorization: Bearer <api_key>`
-        self.model_ids = [MODEL]  # base models listed, besides the adapter `sql-lora`
+        self.model_ids = [MODEL]  # base models listed, besides the adapters
+        self.adapter_ids = ["sql-lora"]  # adapters listed on `MODEL`
         self.requests: list[tuple[str, str]] = []
         self.bodies: list[bytes] = []  # the body of each chat request, as received
         self.authorizations: list[str | None] = []
@@ -86,7 +87,10 @@ class FakeUpstream:
                         {"id": name, "object": "model", "max_model_len": 8192, "parent": None}
                         for name in self.model_ids
                     ),
-                    {"id": "sql-lora", "object": "model", "parent": MODEL},
+                    *(
+                        {"id": name, "object": "model", "parent": MODEL}
+                        for name in self.adapter_ids
+                    ),
                 ],
             }
         )

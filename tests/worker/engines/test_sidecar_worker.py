@@ -139,3 +139,25 @@ async def test_deleting_an_adapter_the_sidecar_cannot_unload_answers_501_and_wit
     assert [(m.key, m.card) for m in await models_of(store, worker)] == [
         (m.key, m.card) for m in before
     ]
+
+
+async def test_one_adapter_with_a_bad_card_is_refused_alone_and_the_others_are_announced(
+    fake: FakeUpstream, processes: Processes, store_url: str, store: Store
+) -> None:
+    """What was wrong: one adapter the upstream listed with a card the worker cannot build
+    (an id over the card's 512 characters) made the sync raise: the sidecar worker did not
+    start, and the adapters listed after it were never announced. What holds now: that
+    adapter alone is refused (logged, counted, named in `/health`), the others announced."""
+    bad = "x" * 600
+    fake.adapter_ids = [bad, "sql-lora", "good-lora"]
+    worker = await sidecar_worker(processes, store_url, fake)
+
+    names = [m.card.display_name for m in await models_of(store, worker)]
+    assert sorted(names) == sorted([MODEL, "sql-lora", "good-lora"])
+    async with aiohttp.ClientSession() as http, http.get(worker.status_url + "/health") as resp:
+        assert resp.status == 200
+        (endpoint,) = (await resp.json())["endpoints"]
+    assert endpoint["models_refused"] == 1
+    (refused,) = endpoint["refused"]
+    assert refused["name"].startswith("'xxx") and "600 characters" in refused["name"]
+    assert "512" in refused["reason"] and bad not in refused["reason"]

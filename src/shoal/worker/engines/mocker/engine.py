@@ -203,6 +203,7 @@ class MockerEngine(Engine):
         self._slots = asyncio.Semaphore(max_seqs)
         self._ids = IdMaker()
         self._dir: Path | None = None
+        self._served: dict[str | None, ServedModel] = {}  # as last listed, by adapter name
         self.chat_template = chat_template  # published instead of the mocker's own
         # A test hook: the process dies (SIGKILL) once a response has streamed this many tokens.
         self.die_after_tokens = die_after_tokens
@@ -245,8 +246,26 @@ class MockerEngine(Engine):
         return app
 
     async def served_models(self) -> list[ServedModel]:
+        # The same objects while nothing changed: the runtime skips an unchanged list by
+        # identity, not by comparing thousands of adapters every second.
         base = self._base_model()
-        return [base, *(self._adapter_model(name) for name in self.adapters)]
+        if base != self._served.get(None):
+            self._served = {None: base}
+        elif len(self._served) > len(self.adapters) + 1:  # unloaded ones
+            self._served = {
+                k: v for k, v in self._served.items() if k is None or k in self.adapters
+            }
+        served = [self._served[None]]
+        built = 0
+        for name, path in list(self.adapters.items()):
+            model = self._served.get(name)
+            if model is None or model.source != path:
+                model = self._served[name] = self._adapter_model(name)
+                built += 1
+                if built % 256 == 0:  # the first listing of thousands: yield now and then
+                    await asyncio.sleep(0)
+            served.append(model)
+        return served
 
     @property
     def in_flight(self) -> int:
