@@ -525,6 +525,36 @@ async def test_the_models_loop_refuses_a_bad_adapter_alone_logs_it_once_and_anno
     assert endpoint.refused == {}
 
 
+async def test_a_model_refused_for_a_passing_reason_is_announced_once_it_is_tried_again(
+    runtime: Runtime, observer: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model refused (say its metadata file could not be read for a moment) stayed
+    unannounced for as long as the engine listed it unchanged: a live model forgotten. The
+    refused are tried again every `REFUSED_RETRY` seconds (0 here), listed the same or not."""
+    engine = Switchable()
+    endpoint = runtime.endpoint(EP)
+    await endpoint.serve(engine)
+    await wait_for(lambda: _names(observer, {"a"}), timeout=5)
+    real = endpoint.attach_served
+    failures = [1]
+
+    async def flaky(model: ServedModel) -> None:
+        if model.name == "flaky-lora" and failures:
+            failures.pop()
+            raise ValueError("metadata file unreadable for a moment")
+        await real(model)
+
+    monkeypatch.setattr(endpoint, "attach_served", flaky)
+    engine.models = [*engine.models, _adapter("flaky-lora")]
+    await endpoint.sync_models()
+    assert list(endpoint.refused) == ["flaky-lora"]
+    monkeypatch.setattr(endpoint_module, "REFUSED_RETRY", 0.0)
+    endpoint._retry_at = 0.0  # (the retry's time has come)
+    await endpoint.sync_models()
+    assert endpoint.refused == {}
+    await wait_for(lambda: _names(observer, {"a", "flaky-lora"}), timeout=5)
+
+
 async def test_a_sync_of_an_unchanged_list_does_nothing_and_a_long_one_yields_to_the_loop(
     runtime: Runtime,
 ) -> None:

@@ -54,6 +54,9 @@ end once cancelled). Drain waits for them before, so this only cuts what outlive
 SYNC_BATCH = 256
 """Models a sync of an engine's list handles between two yields to the event loop."""
 REFUSED_REASON = 300
+REFUSED_RETRY = 30.0
+"""Seconds after which a refused model is tried again though the engine lists it the same
+(a metadata file unreadable for a moment must not keep a live model unannounced for good)."""
 """Characters of the reason a model was refused that are kept (logs, `/health`)."""
 WARNED_KEPT = 64
 """Distinct "several base models" warnings remembered (not repeated) per endpoint."""
@@ -173,7 +176,9 @@ class Endpoint:
         self.refused: dict[str, tuple[ServedModel, str]] = {}
         """Models the engine lists that could not be announced (a bad card, a file too
         large), by name: the model as listed and why. Logged once each, shown by `/health`;
-        tried again when the engine lists it anew (changed, or dropped and listed again)."""
+        tried again when the engine lists it anew (changed, or dropped and listed again), and
+        every `REFUSED_RETRY` seconds."""
+        self._retry_at = 0.0  # (monotonic) the refused are tried again from then
         self.refusals = 0
         """Times a model the engine listed was refused."""
         self._runner: web.AppRunner | None = None
@@ -338,7 +343,10 @@ class Endpoint:
             return
         async with self.sync_lock:
             served = await self.engine.served_models()
-            if self._in_step(served):
+            retry = bool(self.refused) and time.monotonic() >= self._retry_at
+            if retry:
+                self._retry_at = time.monotonic() + REFUSED_RETRY
+            elif self._in_step(served):
                 return
             self._synced = None
             wanted = await self._wanted(served)
@@ -356,7 +364,7 @@ class Endpoint:
                         self.refused.pop(model.name, None)
                     continue
                 held = self.refused.get(model.name)
-                if held is None or (held[0] is not model and held[0] != model):
+                if held is None or retry or (held[0] is not model and held[0] != model):
                     await self._attach_alone(model)
             if self.refused:
                 listed = {m.name for m in served}
@@ -398,6 +406,8 @@ class Endpoint:
                 quoted(model.name),
                 reason,
             )
+        if not self.refused:
+            self._retry_at = time.monotonic() + REFUSED_RETRY
         self.refused[model.name] = (model, reason)
         self.refusals += 1
 
