@@ -24,7 +24,7 @@ from aiohttp import web
 
 from shoal.cards import MetadataFile, ModelCard, slugify
 from shoal.discovery import EndpointId, ModelKey
-from shoal.discovery.keys import check_suffix
+from shoal.discovery.keys import check_suffix, quoted
 from shoal.worker.engine import Engine, ServedModel
 from shoal.worker.http_server import request_port_max_connections, start_server
 from shoal.worker.metadata import MAX_METADATA_FILE, MetadataKey, Snapshot
@@ -327,7 +327,10 @@ class Endpoint:
             current = None if held is None or held.served is None else held.served.name
             chosen = next((m for m in bases if m.name == self.preferred_model), None)
             chosen = chosen or next((m for m in bases if m.name == current), bases[0])
-            names = ", ".join(sorted(m.name for m in bases if m is not chosen))
+            others = sorted(m.name for m in bases if m is not chosen)
+            names = ", ".join(quoted(name) for name in others[:10]) + (
+                f" and {len(others) - 10:,} more" if len(others) > 10 else ""
+            )  # (a log line naming every one of 30,000 was megabytes)
             if names not in self._warned:
                 self._warned.add(names)
                 log.warning(
