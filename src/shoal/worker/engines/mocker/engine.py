@@ -55,6 +55,7 @@ from shoal.openai import (
     missing_parameter,
     model_not_found,
 )
+from shoal.urls import redact_url
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
 from shoal.worker.engines.mocker.conformance import check_request
 from shoal.worker.engines.mocker.embeddings import (
@@ -193,7 +194,7 @@ class MockerEngine(Engine):
             )
         sink = None if self.publisher is None else self.publisher.record
         self.cache = PrefixCache(kv_blocks, block_size, sink)
-        self.adapters: dict[str, str] = {}  # adapter name -> path it was loaded from
+        self.adapters: dict[str, str] = {}  # adapter name -> path it was loaded from, redacted
         self.active_sequences = 0
         self.waiting_requests = 0
         self.cancelled_sequences = 0
@@ -257,7 +258,7 @@ class MockerEngine(Engine):
             raise ValueError(f"invalid adapter name {name!r}")
         if self._dir is None:
             raise EngineUnavailableError("the mocker is not started")
-        self.adapters[name] = path
+        self.adapters[name] = redact_url(path)  # (its card's source: credentials never shown)
         target = self._dir / "adapters" / slugify(name)
         self._write_model_files(target)
         write_adapter_config(target, base_model=self.model, source=path)
