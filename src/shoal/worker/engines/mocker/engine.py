@@ -32,7 +32,6 @@ import math
 import os
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import AsyncGenerator, Iterable
 from pathlib import Path
@@ -100,6 +99,7 @@ from shoal.worker.engines.mocker.tokenizer import (
     render_chat_content,
     tokenize,
 )
+from shoal.worker.engines.scratch import owned_temp_dir
 from shoal.worker.kv_publisher import KvEventPublisher
 from shoal.worker.protocol import IdMaker, openai_errors
 
@@ -112,20 +112,6 @@ _embedding_decoder = msgspec.json.Decoder(EmbeddingRequest)
 
 
 FILES_PREFIX = "shoal-mocker-"  # a mocker's published files, in the temporary directory
-OWNER_FILE = "owner.pid"
-
-
-def sweep_files_of_dead_mockers(directory: Path) -> None:
-    """Remove the files of mockers that died without stopping (SIGKILL, a crash): a directory
-    whose owner's process is gone. One whose owner is unknown or alive is left."""
-    for path in directory.glob(f"{FILES_PREFIX}*"):
-        try:
-            pid = int((path / OWNER_FILE).read_text())
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except (OSError, ValueError):
-            continue  # (no owner written, another user's, or alive)
 
 
 class MockerEngine(Engine):
@@ -211,9 +197,7 @@ class MockerEngine(Engine):
     # -- Engine interface ---------------------------------------------------------------
 
     async def start(self) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix=FILES_PREFIX))
-        (self._dir / OWNER_FILE).write_text(str(os.getpid()))
-        sweep_files_of_dead_mockers(self._dir.parent)
+        self._dir = owned_temp_dir(FILES_PREFIX)  # (and those of dead mockers swept)
         self._write_model_files(self._dir / "base")
         if self.publisher is not None:
             await self.publisher.start()
