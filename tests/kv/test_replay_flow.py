@@ -406,3 +406,36 @@ async def test_a_batch_naming_a_block_with_a_huge_hash_is_a_loss_counted(
     finally:
         await sub.stop()
         ctx.destroy(linger=0)
+
+
+async def test_a_replay_peer_sending_an_oversized_frame_is_disconnected_unread(
+    publisher: KvEventPublisher,
+) -> None:
+    """The replay socket took a message of any size (one 600 MB frame grew the worker by
+    600 MB before `_serve_replays` saw it). Now a frame over 4 KiB (`MAX_INBOUND_BYTES`)
+    disconnects its peer unread, and a well-formed request still gets its replay."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    from shoal.kv.events import encode_seq
+
+    store(publisher, 0)
+    assert publisher.endpoint is not None
+    ctx = zmq.asyncio.Context()
+    big = ctx.socket(zmq.DEALER)
+    good = ctx.socket(zmq.DEALER)
+    try:
+        for sock in (big, good):
+            sock.setsockopt(zmq.LINGER, 0)
+        monitor = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        big.connect(publisher.endpoint.replay)
+        # A replay request but for a 100 KB frame (a request is a few bytes): read, it
+        # would be answered.
+        await big.send_multipart([b"", b"x" * 100_000, encode_seq(0)])
+        event = await asyncio.wait_for(monitor.recv_multipart(), 10)
+        assert parse_monitor_message(event)["event"] == zmq.EVENT_DISCONNECTED
+        good.connect(publisher.endpoint.replay)
+        await good.send_multipart([b"", encode_seq(0)])
+        first = await asyncio.wait_for(good.recv_multipart(), 10)
+        assert first[0] == b"" and len(first) > 1, first
+    finally:
+        ctx.destroy(linger=0)

@@ -184,3 +184,45 @@ async def test_two_unloads_of_one_adapter_at_once_unload_it_once_and_never_annou
             assert "sql" not in await cards(store)
             async with http.get(runtime.status_url + "/v1/loras") as resp:
                 assert (await resp.json())["data"] == []
+
+
+async def test_an_adapter_paths_credentials_are_never_listed_published_or_hosted(
+    start_worker: StartWorker, store: Store
+) -> None:
+    """A LoRA `path` with credentials (`https://user:TOKEN@host/...`, a presigned `?sig=`)
+    was echoed by `GET /v1/loras`, which needs no token, and written by the mocker into its
+    card's `source` and its hosted `adapter_config.json`. They are redacted everywhere now;
+    the identical load is still idempotent and another path's 409 names neither secret."""
+    secret, signature = "hf_SECRETTOKEN123", "SIGNATURE456"
+    path = f"https://user:{secret}@huggingface.co/org/lora?sig={signature}"
+    worker = await start_worker("--speedup", "0", "--admin-token", "admintok")
+    auth = {"Authorization": "Bearer admintok"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            worker.status_url + "/v1/loras", json={"name": "my-lora", "path": path}, headers=auth
+        ) as resp:
+            loaded = await resp.text()
+            assert resp.status == 200, loaded
+        async with http.get(worker.status_url + "/v1/loras") as resp:  # no token
+            listing = await resp.text()
+        card = (await cards(store))["my-lora"].card
+        hosted = []
+        for meta in card.metadata_files.values():
+            async with http.get(meta.url) as resp:
+                hosted.append(await resp.text())
+        async with http.post(
+            worker.status_url + "/v1/loras", json={"name": "my-lora", "path": path}, headers=auth
+        ) as resp:
+            assert resp.status == 200, "the identical load is idempotent"
+        async with http.post(
+            worker.status_url + "/v1/loras",
+            json={"name": "my-lora", "path": path.replace("org", "other")},
+            headers=auth,
+        ) as resp:
+            refused = await resp.text()
+            assert resp.status == 409, refused
+    assert "https://***@huggingface.co/org/lora?***" in listing, listing
+    assert card.source == "https://***@huggingface.co/org/lora?***", card.source
+    assert any("huggingface.co/org/lora" in text for text in hosted), hosted
+    for shown in (loaded, listing, card.source, refused, *hosted):
+        assert secret not in shown and signature not in shown, shown

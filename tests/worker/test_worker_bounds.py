@@ -9,6 +9,7 @@ import aiohttp
 import msgspec
 
 from shoal.worker.engines.mocker.text import VOCAB
+from tests.helpers import wait_for
 from tests.worker.conftest import StartWorker
 
 
@@ -52,3 +53,42 @@ async def test_a_16_mb_chat_leaves_live_answering_and_the_worker_keeps_its_lease
             health = await response.json()
     assert slowest < 1.0, f"/live took {slowest:.2f}s while the big prompt was handled"
     assert int(health["instance_id"], 16) == worker.instance_id, health
+
+
+async def test_silent_connections_past_the_status_servers_limit_are_refused_and_chats_still_answer(
+    start_worker: StartWorker,
+) -> None:
+    """The status server took any number of connections that never send a byte, each kept
+    for aiohttp's keep-alive of 3,630 s: 1,100 of them used up a 1,024-fd worker and its chats
+    failed. Now past its 128 it answers 503 `too_many_connections` and closes; the worker
+    still serves chats and probes once they go."""
+    worker = await start_worker("--speedup", "0")
+    host, port = worker.status_url.removeprefix("http://").rsplit(":", 1)
+    held = [await asyncio.open_connection(host, int(port)) for _ in range(128)]
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        answer = await asyncio.wait_for(reader.read(), 10)  # to the close
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+        assert b"too_many_connections" in answer, answer
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                worker.url + "/v1/chat/completions",
+                json={
+                    "model": "mock-model",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                },
+            ) as response,
+        ):
+            assert response.status == 200, await response.text()
+    finally:
+        for _, held_writer in held:
+            held_writer.close()
+
+    async def live() -> bool:
+        async with aiohttp.ClientSession() as http, http.get(worker.status_url + "/live") as r:
+            return r.status == 200
+
+    await wait_for(live, message="/live never answered once the silent connections went")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import stat
 import sys
 from functools import partial
 from typing import Any
@@ -33,6 +34,7 @@ from shoal.kv import WIRE_FORMATS, check_zmq_endpoint
 from shoal.store import StoreUnavailableError, default_store_url
 from shoal.worker.engine import Engine
 from shoal.worker.engines import ENGINES, engine_class
+from shoal.worker.metadata import MAX_METADATA_FILE
 
 log = logging.getLogger(__name__)
 
@@ -149,13 +151,21 @@ def add_parser(sub: Any) -> None:
     )
 
 
-def read_text(path: str) -> str:
-    """The text of the file at `path`; SystemExit naming it when it cannot be read."""
+def read_text(path: str, flag: str, limit: int = MAX_METADATA_FILE) -> str:
+    """The text of the regular file at `path`, of at most `limit` bytes; SystemExit naming
+    `flag` and the file otherwise (a device such as /dev/zero, a FIFO, a larger file: read
+    whole, /dev/zero took the worker to 1.7 GB)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO with no writer: no wait)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SystemExit(f"shoal worker: {flag} {path}: not a regular file")
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise SystemExit(f"shoal worker: {flag} {path}: larger than {limit:,} bytes")
+        return data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise SystemExit(f"shoal worker: cannot read {path}: {exc}") from None
+        raise SystemExit(f"shoal worker: {flag} {path}: cannot read: {exc}") from None
 
 
 def make_engine(args: argparse.Namespace) -> Engine:
@@ -176,7 +186,9 @@ def make_engine(args: argparse.Namespace) -> Engine:
             kv_events_port=args.kv_events_port,
             kv_events_host=args.host,
             kv_events_format=args.kv_events_format,
-            chat_template=None if args.chat_template is None else read_text(args.chat_template),
+            chat_template=None
+            if args.chat_template is None
+            else read_text(args.chat_template, "--chat-template"),
             die_after_tokens=args.die_after_tokens,
             role=args.role,
             kv_transfer_us_per_block=args.kv_transfer_us_per_block,

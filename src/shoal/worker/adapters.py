@@ -24,6 +24,7 @@ from aiohttp import web
 from shoal.discovery import EndpointId, ModelConflictError
 from shoal.openai import ApiError, decode_request
 from shoal.store import StoreError
+from shoal.urls import redact_url
 from shoal.worker.endpoint import Endpoint, adapter_suffix
 from shoal.worker.engine import EngineUnavailableError
 from shoal.worker.metadata import CollisionError
@@ -146,11 +147,11 @@ class AdapterRoutes:
                 param="name",
             )
         if path != body.path:
-            loaded = "by its engine" if path is None else f"from {path!r}"
+            loaded = "by its engine" if path is None else f"from {redact_url(path)!r}"
             raise ApiError(
                 409,
                 f"adapter {body.name!r} is already loaded {loaded}: unload it before "
-                f"loading it from {body.path!r}",
+                f"loading it from {redact_url(body.path)!r}",
                 param="name",
             )
         return web.json_response(_lora_body(ep, body.name, suffix, path=path))
@@ -212,6 +213,6 @@ def _lora_body(
         "base_model": att.card.lora.base_model if att and att.card.lora else None,
         "mdcsum": att.card.mdcsum if att else None,
     }
-    if path is not None:
-        body["path"] = path
+    if path is not None:  # (listed without a token: a URL's credentials never shown)
+        body["path"] = redact_url(path)
     return body

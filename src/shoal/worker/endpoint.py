@@ -29,6 +29,7 @@ from shoal.discovery import EndpointId, ModelKey
 from shoal.discovery.keys import check_suffix, quoted
 from shoal.store import LeaseNotFoundError, StoreUnavailableError
 from shoal.worker.engine import Engine, ServedModel
+from shoal.worker.http_server import request_port_max_connections, start_server
 from shoal.worker.metadata import MAX_METADATA_FILE, MetadataKey, Snapshot
 from shoal.worker.registrations import Attached, Registrations
 
@@ -226,12 +227,15 @@ class Endpoint:
             await engine.start()
             app = engine.app()
             app.middlewares.insert(0, self._track)
-            runner = web.AppRunner(
-                app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE
+            runner = await start_server(
+                app,
+                host,
+                port,
+                max_connections=request_port_max_connections(),
+                handler_cancellation=True,
+                access_log=None,
+                shutdown_timeout=SHUTDOWN_GRACE,
             )
-            await runner.setup()
-            site = web.TCPSite(runner, host, port)
-            await site.start()
             bound = runner.addresses[0][1]
             self._runner = runner
             self.url = f"http://{advertised_host(host)}:{bound}"

@@ -49,6 +49,10 @@ DEFAULT_BUFFER = 10_000  # batches kept for replay
 MAX_REPLAYS = 16  # replays served at once
 REPLAY_SEND_TIMEOUT = 10.0  # seconds a replay waits for its subscriber to read
 YIELD_EVERY = 64  # replayed messages sent before yielding to the event loop
+MAX_INBOUND_BYTES = 4096
+"""The largest frame either socket takes from a peer (ZMQ_MAXMSGSIZE): a replay request is
+a few bytes, a subscription its topic. A peer sending more is disconnected before it is
+read (one 600 MB frame grew the worker by 600 MB)."""
 
 
 class KvEventPublisher:
@@ -88,8 +92,10 @@ class KvEventPublisher:
         self._ctx = ctx = zmq.asyncio.Context()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)  # (subscriptions come in)
         self._replay = ctx.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
+        self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
         self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue waits, never drops
         pub_port = _bind(self._pub, self.host, self.port)
         replay_port = _bind(self._replay, self.host, self.replay_port)

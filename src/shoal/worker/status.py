@@ -8,6 +8,9 @@
   model's metadata file, as its card lists it (suffix `_` for the base model).
 - `GET|POST /v1/loras`, `DELETE /v1/loras/{name}`: list, load and unload LoRA adapters
   at run time (`AdapterRoutes`; Bearer `admin_token` required for changes when one is set).
+
+It holds `STATUS_MAX_CONNECTIONS` connections at once, heads and idle keep-alive timed
+(`http_server`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from shoal.openai import ApiError
 from shoal.worker.adapters import AdapterRoutes
 from shoal.worker.endpoint import SHUTDOWN_GRACE, advertised_host
 from shoal.worker.health import Health
+from shoal.worker.http_server import STATUS_MAX_CONNECTIONS, start_server
 from shoal.worker.metadata import MetadataKey, MetadataRegistry
 from shoal.worker.protocol import openai_errors
 
@@ -60,10 +64,14 @@ class StatusServer:
         return app
 
     async def start(self, host: str, port: int) -> None:
-        runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
+        runner = await start_server(
+            self.app(),
+            host,
+            port,
+            max_connections=STATUS_MAX_CONNECTIONS,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_GRACE,
+        )
         self._runner = runner
         self.url = f"http://{advertised_host(host)}:{runner.addresses[0][1]}"
 

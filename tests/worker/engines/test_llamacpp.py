@@ -9,8 +9,12 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -19,7 +23,8 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from shoal.cards import ModelType
 from shoal.worker.engine import EngineUnavailableError
-from shoal.worker.engines.llamacpp import DEFAULT_MODEL_NAME, LlamaCppEngine
+from shoal.worker.engines.llamacpp import DEFAULT_MODEL_NAME, FILES_PREFIX, LlamaCppEngine
+from shoal.worker.engines.scratch import OWNER_FILE
 from tests.helpers import Server, wait_for
 from tests.worker.engines.support import client_for, engine_served
 
@@ -401,3 +406,42 @@ async def test_a_continuation_goes_on_from_the_final_assistant_message_as_the_wh
             )
     [model] = await engine.served_models()
     assert "migration_limit" not in model.runtime_config
+
+
+def leave_dirs(directory: Path) -> set[str]:
+    """Directories as dead engines leave them: one whose process is gone, one alive (pid 1),
+    one unknown; the names of those to keep."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    for name, owner in [("dead", dead.stdout.strip()), ("alive", "1"), ("unknown", None)]:
+        left = directory / f"{FILES_PREFIX}{name}"
+        left.mkdir()
+        if owner is not None:
+            (left / OWNER_FILE).write_text(owner)
+    return {f"{FILES_PREFIX}alive", f"{FILES_PREFIX}unknown"}
+
+
+def names(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+@pytest.mark.llamacpp
+@needs_model
+async def test_metadata_files_of_a_dead_llamacpp_worker_are_swept_and_a_live_ones_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's `shoal-llamacpp-*` directory was removed by `stop()` only: every worker
+    SIGKILLed (the OOM killer, a crash) leaked one for good. Like the mocker's, it now has an
+    owner pid file and the next engine to start removes those whose owner is gone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    kept = leave_dirs(tmp_path)
+    engine = LlamaCppEngine(n_threads=1)
+    await engine.start()
+    try:
+        left = names(tmp_path)
+        assert f"{FILES_PREFIX}dead" not in left and kept <= left
+        (own,) = left - kept
+        assert (tmp_path / own / OWNER_FILE).read_text() == str(os.getpid())
+    finally:
+        await engine.stop()
+    assert names(tmp_path) == kept

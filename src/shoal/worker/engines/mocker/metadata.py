@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shoal.urls import redact_url
 from shoal.worker.engines.mocker.text import VOCAB
 from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, tokenizer_json
 
@@ -47,13 +48,14 @@ def write_model_files(
 
 
 def write_adapter_config(target: Path, *, base_model: str, source: str) -> None:
-    """Write a LoRA adapter's `adapter_config.json` into `target`."""
+    """Write a LoRA adapter's `adapter_config.json` into `target` (hosted without a token:
+    `source` without a URL's credentials)."""
     config = {
         "base_model_name_or_path": base_model,
         "peft_type": "LORA",
         "r": 8,
         "lora_alpha": 16,
         "target_modules": ["q_proj", "v_proj"],
-        "source": source,
+        "source": redact_url(source),
     }
     (target / "adapter_config.json").write_text(json.dumps(config, indent=2))
