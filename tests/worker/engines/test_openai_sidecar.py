@@ -554,3 +554,35 @@ async def test_a_model_missing_upstream_names_ten_listed_models_and_the_count_no
     assert "it lists 10,000 models: 'm-000000-" in reason, reason
     assert "and 9,990 more" in reason, reason
     assert "m-000009-" in reason and "m-000010-" not in reason, reason
+
+
+async def test_an_unchanged_listing_is_served_as_the_very_same_models_so_a_sync_skips_it() -> None:
+    """Each probe of `/v1/models` made new `ServedModel`s, so the endpoint's sync (which skips
+    a list of the same objects as its last one) compared 3,000 adapters in full every 2 s.
+    A model listed as before is served as the object held; a changed one is new."""
+    state = {"body": listing(50)}
+
+    async def models(request: web.Request) -> web.Response:
+        return web.Response(body=state["body"], content_type="application/json")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    async with serving(app) as upstream:
+        engine = OpenAISidecarEngine(upstream.url, health_interval=0.0)
+        await engine.start()
+        try:
+            first = await engine.served_models()
+            again = await engine.served_models()
+            assert len(first) == 50 and all(a is b for a, b in zip(first, again, strict=True))
+            data = json.loads(state["body"])
+            data["data"][7]["max_model_len"] = 1234
+            state["body"] = json.dumps(data).encode()
+            changed = await engine.served_models()
+            assert changed[7] is not first[7] and changed[7].context_length == 1234
+            assert all(changed[i] is first[i] for i in range(50) if i != 7)
+        finally:
+            await engine.stop()

@@ -199,7 +199,7 @@ class OpenAISidecarEngine(Engine):
             if time.monotonic() - self._probed_at < max_age:
                 return
             try:
-                self._models = await self._probe()
+                self._models = _same_objects(self._models, await self._probe())
                 if self._unavailable is not None:
                     log.info("upstream %s is healthy", self.upstream)
                 self._unavailable = None
@@ -479,3 +479,14 @@ def normalize_upstream(url: str) -> str:
     path = parts.path.rstrip("/")
     path = path.removesuffix("/v1")
     return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def _same_objects(held: list[ServedModel], listed: list[ServedModel]) -> list[ServedModel]:
+    """`listed`, each model equal to one held as that very object: the endpoint's sync skips
+    a list of the same objects as its last one (a listing of 3,000 adapters compared in full
+    every probe cost ~90 ms of CPU each 2 s)."""
+    if not held:
+        return listed
+    by_name = {model.name: model for model in held}
+    same = [by_name.get(model.name) for model in listed]
+    return [old if old == new else new for old, new in zip(same, listed, strict=True)]
