@@ -190,8 +190,9 @@ class FrontendMetrics:
             "shoal_frontend_migrations",
             "Streams whose instance failed after the first token: a continuation sent to "
             "another instance (outcome attempted; reason: lost, eof, idle_timeout), a migrated "
-            "stream that completed (succeeded), or a stream ended with an error event "
-            "(refused; reason: why it could not migrate).",
+            "stream that completed (succeeded), one with no tokens left ended by the gateway "
+            "(ended), or a stream ended with an error event (refused; reason: why it could not "
+            "migrate).",
             ["outcome", "reason"],
             registry=self.registry,
         )
