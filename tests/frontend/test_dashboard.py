@@ -434,3 +434,32 @@ async def test_instance_urls_show_without_their_credentials(
         await worker.stop()
         if worker.lease is not None:
             await worker.lease.revoke()
+
+
+async def test_the_routes_section_lets_the_loop_run_between_wide_routes() -> None:
+    """The routes section was encoded in one turn of the loop, whatever its size (100 routes
+    of 256 targets: 68-81 ms, 7 MB, at every read). Now a route costs a row per target and
+    the read yields every `SLICE` of that: counted here in turns of the loop."""
+    from shoal.frontend.dashboard.snapshot import ROW_COST, SLICE, FleetReader, _Turns
+
+    targets = [{"kind": "url", "model": f"m{i}", "base_url": "https://p.example.com/v1"}
+               for i in range(16)]  # fmt: skip
+    routes = [{"workspace": "w", "name": f"vm{i:03d}", "targets": targets} for i in range(100)]
+    reader = FleetReader(None)  # type: ignore[arg-type]  # (only `routes` is read)
+    reader.routes = lambda: routes
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)  # (the ticker runs)
+    before = ticks
+    shown = await reader._routes(_Turns())
+    turns = ticks - before
+    ticker.cancel()
+    assert sorted(shown) == [f"w/vm{i:03d}" for i in range(100)]
+    assert turns >= len(routes) * (1 + len(targets)) * ROW_COST // SLICE - 1

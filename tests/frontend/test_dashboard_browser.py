@@ -215,12 +215,14 @@ async def test_page_asks_for_the_api_key_and_refuses_without_it(
             {"kind": "fleet", "model": "mock-llm", "weight": 3},
             {"kind": "url", "base_url": "https://api.example.com/v1", "model": "big", "weight": 1},
         ],
+        "targets_total": 5,  # (the frontend describes the first few)
     }
     frontend.dashboard.reader.routes = lambda: [route]  # what the routes follower will fill
     cell = page.locator('#routes tbody tr[data-key="team-a/fast"] td:nth-child(3)')
     await cell.wait_for(timeout=UPDATE_MS)
     assert "fleet model mock-llm weight 3" in await cell.inner_text()
     assert "https://api.example.com/v1" in await cell.inner_text()
+    assert "and 3 more" in await cell.inner_text()
     await page.reload()  # the session survives a reload
     await page.wait_for_selector(row(worker.instance_id), timeout=UPDATE_MS)
     await page.click("#logout")

@@ -8,7 +8,10 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from shoal.frontend.proxy import continuation
 from shoal.frontend.proxy import migration as migration_module
@@ -44,6 +47,7 @@ def _migration(origin: bytes = CHAT, chat: bool = True) -> Migration:
         ),
     )  # fmt: skip
     forward.launch = lambda _: sent.append(forward.body)
+    forward.end = sent.append  # (the end the gateway writes itself)
     return Migration(forward, chat, 3, None)
 
 
@@ -270,3 +274,41 @@ def test_a_continuations_role_never_reaches_the_client_whatever_comes_with_it(
     sent = json.loads(out[len(b"data: ") :])
     assert sent["choices"][0]["delta"] == {"content": delta["content"]}
     assert sent["usage"]["completion_tokens"] == 1  # (the token carried, counted)
+
+
+def test_the_end_written_at_max_tokens_counts_the_prompt_the_stream_carried() -> None:
+    """A stream with continuous usage (vLLM's `continuous_usage_stats`) that dies at its
+    `max_tokens` is ended by the gateway: its usage chunk has the prompt's tokens the
+    engine counted, not an estimate."""
+    body = b'{"messages":[],"max_tokens":2,"stream":true,"stream_options":{"include_usage":1}}'
+    migration = _migration(body)
+    usage = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    migration.feed(_event("a", id="c", created=5, model="m") + _event("b", usage=usage))
+    ended = _resumed(migration) or b""
+    events = [json.loads(e[len(b"data: ") :]) for e in ended.split(b"\n\n")[:-2]]
+    assert ended.endswith(b"data: [DONE]\n\n")
+    assert [e["choices"] for e in events] == [
+        [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}],
+        [],
+    ]
+    assert events[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    assert {(e["id"], e["created"], e["model"]) for e in events} == {("c", 5, "m")}
+
+
+@given(st.text("abE", max_size=12), st.lists(st.text("abE", min_size=1, max_size=6), max_size=3))
+def test_a_stop_string_cut_at_the_splice_is_found_whatever_its_repeats(
+    text: str, stops: list[str]
+) -> None:
+    """`halt` says "stop" exactly when the text ends with a proper prefix of a stop string
+    (the first characters it finds in the text's end are checked, not every length)."""
+    members = {"stop": msgspec.Raw(json.dumps(stops).encode())}
+    cut = any(text.endswith(s[:k]) for s in stops for k in range(1, len(s)) if text)
+    assert (continuation.halt(members, True, text, 0) == "stop") == cut
+
+
+def test_a_stop_member_too_long_to_compare_refuses_migration() -> None:
+    """A `stop` over `MAX_STOP` bytes is not compared character by character (a string of
+    one repeated character made that quadratic): the stream is not continued."""
+    stop = msgspec.Raw(json.dumps(["a" * continuation.MAX_STOP]).encode())
+    assert continuation.halt({"stop": stop}, True, "b", 0) == "stop"
+    assert continuation.halt({"stop": msgspec.Raw(b'"ab"')}, True, "b", 0) is None

@@ -10,9 +10,11 @@ import json
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from shoal.frontend import Frontend
+from shoal.frontend.proxy import continuation
 from tests.frontend.conftest import StartFrontend
 from tests.frontend.raw_upstream import StartRaw, start_raw, until_closed
 from tests.frontend.support import serving
@@ -267,3 +269,166 @@ async def test_a_last_event_without_its_blank_line_reaches_the_client_at_a_norma
         session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
     ):
         assert await response.read() == finished
+
+
+def _sse(chunk: dict[str, Any]) -> bytes:
+    """One SSE event of `chunk` as a chunk of a chunked body."""
+    data = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class DiesAfter:
+    """An engine whose first answer sends `pieces` (one token each) and dies before its
+    finish reason; later answers send `rest` as one piece, then finish and `[DONE]`."""
+
+    def __init__(self, chat: bool, pieces: list[str], rest: str = " more") -> None:
+        self.chat, self.pieces, self.rest = chat, pieces, rest
+        self.bodies: list[dict[str, Any]] = []
+
+    def _chunk(self, piece: str | None, finish: str | None = None) -> dict[str, Any]:
+        if self.chat:
+            delta = {} if piece is None else {"content": piece}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": piece or "", "finish_reason": finish}
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        cid = f"cmpl-{len(self.bodies)}"
+        return {"id": cid, "object": kind, "created": 100 + len(self.bodies),
+                "model": "served-name", "choices": [choice]}  # fmt: skip
+
+    async def __call__(
+        self, request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.bodies.append(json.loads(request.split(b"\r\n\r\n", 1)[1]))
+        out = CHUNKED
+        if len(self.bodies) > 1:
+            out += _sse(self._chunk(self.rest)) + _sse(self._chunk(None, "length"))
+            writer.write(out + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+            return
+        for piece in self.pieces:
+            out += _sse(self._chunk(piece))
+        writer.write(out)
+        await writer.drain()
+        writer.transport.abort()  # (before its finish reason)
+
+
+@pytest.mark.parametrize(
+    ("chat", "limit", "tokens"),
+    [
+        (True, {"max_tokens": 3}, 3),
+        (True, {"max_completion_tokens": 3}, 3),
+        (False, {}, continuation.COMPLETION_DEFAULT),  # (no max_tokens: the engines' 16)
+        (False, {"max_tokens": 4}, 4),
+    ],
+)
+async def test_a_stream_whose_instance_dies_at_its_max_tokens_ends_there_not_past_it(
+    start_raw: StartRaw,
+    start_frontend: StartFrontend,
+    chat: bool,
+    limit: dict[str, int],
+    tokens: int,
+) -> None:
+    """A stream whose instance died after its last allowed token, before its finish reason,
+    was continued with `max_tokens` max(limit - tokens, 1) = 1: the client got one token past
+    its limit, and a usage that said so. Now nothing is asked of another instance: the
+    gateway ends the stream as the engine would have, a finish reason "length" under the
+    stream's id, created and model, the usage asked for, `[DONE]`."""
+    engine = DiesAfter(chat, [f" t{i}" for i in range(tokens)])
+    await start_raw(engine)
+    await start_raw(engine)
+    frontend = await _started(start_frontend)
+    client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="-", max_retries=0)
+    options: Any = {"include_usage": True}
+    async with asyncio.timeout(10):
+        if chat:
+            messages: Any = [{"role": "user", "content": "count"}]
+            stream: Any = await client.chat.completions.create(
+                model="mock-llm", messages=messages, stream=True, stream_options=options, **limit
+            )
+        else:
+            stream = await client.completions.create(
+                model="mock-llm", prompt="count", stream=True, stream_options=options, **limit
+            )
+        chunks = [chunk async for chunk in stream]
+    await client.close()
+    choices = [c.choices[0] for c in chunks if c.choices]
+    pieces = [(c.delta.content if chat else c.text) for c in choices]
+    assert [p for p in pieces if p] == [f" t{i}" for i in range(tokens)]
+    assert choices[-1].finish_reason == "length"
+    assert {(c.id, c.created, c.model) for c in chunks} == {("cmpl-1", 101, "served-name")}
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == tokens
+    assert usage.total_tokens == usage.prompt_tokens + tokens
+    assert len(engine.bodies) == 1  # no continuation asked for
+    ended = frontend.metrics.registry.get_sample_value(
+        "shoal_frontend_migrations_total", {"outcome": "ended", "reason": "lost"}
+    )
+    assert ended == 1
+
+
+async def test_a_stream_without_usage_asked_ends_at_its_max_tokens_with_no_usage_chunk(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """The end the gateway writes has a usage chunk only when the client asked for one."""
+    engine = DiesAfter(True, ["a", "b"])
+    await start_raw(engine)
+    await start_raw(engine)
+    frontend = await _started(start_frontend)
+    body = {"model": "mock-llm", "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2, "stream": True}  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+    ):
+        received = await response.read()
+    events = [e[len(b"data: ") :] for e in received.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert not any("usage" in c for c in chunks)
+
+
+@pytest.mark.parametrize(
+    ("stop", "pieces", "migrated"),
+    [
+        (["END"], ["The", " E"], False),  # "E" may begin "END": the rest would pass
+        ("END", ["The", " EN"], False),
+        (["\n\n", "END"], ["The", "\n"], False),
+        (["END"], ["The", " N"], True),  # nothing of a stop string at the end
+        (["END"], ["The", " EX"], True),  # ("E" found in the end, not what ends it)
+    ],
+)
+async def test_a_stream_whose_text_ends_with_the_start_of_a_stop_string_is_not_continued(
+    start_raw: StartRaw,
+    start_frontend: StartFrontend,
+    stop: Any,
+    pieces: list[str],
+    migrated: bool,
+) -> None:
+    """Engines look for stop strings in the text they generate, never in the text they are
+    asked to continue: a stream cut after "The E" was continued with "ND more", and the
+    client got the stop string "END" and text after it, which no undisturbed run sends.
+    Now such a stream is not migrated (reason `stop`): it ends with the error event."""
+    engine = DiesAfter(True, pieces, rest="ND more")
+    await start_raw(engine)
+    await start_raw(engine)
+    frontend = await _started(start_frontend)
+    body = {"model": "mock-llm", "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 20, "stop": stop, "stream": True}  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+    ):
+        received = await response.read()
+    chunks = [json.loads(e[6:]) for e in received.split(b"\n\n") if e.startswith(b"data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if "choices" in c)
+    assert text == "".join(pieces) + ("ND more" if migrated else "")
+    assert len(engine.bodies) == (2 if migrated else 1)
+    refused = frontend.metrics.registry.get_sample_value(
+        "shoal_frontend_migrations_total", {"outcome": "refused", "reason": "stop"}
+    )
+    assert (refused or 0) == (0 if migrated else 1)
+    if not migrated:
+        assert b"failed while streaming" in received

@@ -193,3 +193,48 @@ async def test_a_flood_of_prefills_never_fetched_holds_only_unexpired_blocks(
     for _ in range(20):
         await prefill(client)
     assert engine.held.count <= blocks
+
+
+async def test_a_fetch_naming_a_block_twice_is_refused_and_takes_nothing(
+    make_mocker: Make,
+) -> None:
+    """A fetch of [id, id] passed the "all held" check, the second pop raised KeyError: the
+    side channel's handler died without an answer and the first block was released unserved.
+    Now it is answered with an error naming the field, nothing is taken, and the blocks are
+    still there for the right fetch."""
+    p_engine, p_client = await make_mocker(role="prefill", speedup=0)
+    d_engine, d_client = await make_mocker(role="decode", speedup=0)
+    params = (await prefill(p_client))["kv_transfer_params"]
+    held = p_engine.held.count
+    first = params["remote_block_ids"][0]
+    twice = params | {"remote_block_ids": [first, first]}
+    resp = await d_client.post("/v1/chat/completions", json=chat(PROMPT, kv_transfer_params=twice))
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["param"] == "kv_transfer_params.remote_block_ids"
+    assert "named twice" in error["message"]
+    assert p_engine.held.count == held and p_engine.held.served_blocks == 0
+    resp = await d_client.post("/v1/chat/completions", json=chat(PROMPT, kv_transfer_params=params))
+    assert resp.status == 200, await resp.text()
+    assert d_engine.kv_received_blocks == len(params["remote_block_ids"])
+
+
+async def test_a_fetch_that_fails_in_the_side_channel_is_answered_and_the_channel_goes_on(
+    make_mocker: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any error answering a fetch (not only a peer gone) killed the handler: the decode got
+    no answer at all. Now it gets the error answer, and the next fetch is served."""
+    from shoal.worker.engines.mocker import kv_transfer
+
+    p_engine, p_client = await make_mocker(role="prefill", speedup=0)
+    _, d_client = await make_mocker(role="decode", speedup=0)
+    params = (await prefill(p_client))["kv_transfer_params"]
+    take = kv_transfer.HeldBlocks.take
+    monkeypatch.setattr(kv_transfer.HeldBlocks, "take", lambda *_: 1 // 0)
+    resp = await d_client.post("/v1/chat/completions", json=chat(PROMPT, kv_transfer_params=params))
+    assert resp.status == 400
+    assert "failed in the prefill engine" in (await resp.json())["error"]["message"]
+    monkeypatch.setattr(kv_transfer.HeldBlocks, "take", take)
+    resp = await d_client.post("/v1/chat/completions", json=chat(PROMPT, kv_transfer_params=params))
+    assert resp.status == 200, await resp.text()
+    assert p_engine.held.served_blocks == len(params["remote_block_ids"])

@@ -191,7 +191,7 @@ class FleetReader:
             "models": models,
             "instances": instances,
             "incomplete": incomplete,
-            "routes": self._routes(),
+            "routes": await self._routes(turns),
         }
         self.busy = turns.end()
         return sections
@@ -407,11 +407,13 @@ class FleetReader:
             await turns.spent(ROW_COST)
         return out, len(registrations)
 
-    def _routes(self) -> dict[str, bytes]:
+    async def _routes(self, turns: _Turns) -> dict[str, bytes]:
+        """The routes, a row per virtual model (each target costs a row's encoding)."""
         out: dict[str, bytes] = {}
         for i, route in enumerate(self.routes()):
             key = f"{route.get('workspace', '')}/{route.get('name', i)}"
             out[key] = _encode({"key": key, **route})
+            await turns.spent(ROW_COST * (1 + len(route.get("targets") or ())))
         return out
 
 

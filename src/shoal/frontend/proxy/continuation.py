@@ -1,5 +1,8 @@
 """The request that continues a migrated stream (migration.py): the client's body with the
-text so far spliced in, as JSON text.
+text so far spliced in, as JSON text; the continuation's events as the client's stream has
+them (`event`); and what decides, at a failure, that the stream is not continued: what its
+body asks (`refusal`), a stop string cut at the splice, or no tokens left (`halt`: the
+gateway then ends the stream itself, `ending`).
 
 The client's body is read one level deep, and its messages or prompt are spliced as they
 came, never decoded: the body is joined once (a 14 MB prompt decoded and encoded again held
@@ -10,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
+from shoal.frontend.proxy import sse
 
 _decode_any = msgspec.json.Decoder().decode
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
@@ -48,16 +53,26 @@ def body(
             spliced["prompt"] = prompt
         if not chat and "max_tokens" not in members:  # (engines' default for completions)
             spliced["max_tokens"] = msgspec.Raw(b"%d" % max(COMPLETION_DEFAULT - tokens, 1))
+        limits = _limits(members)
         for key, least in (("max_tokens", 1), ("max_completion_tokens", 1), ("min_tokens", 0)):
-            raw = members.get(key)
-            value = None if raw is None or len(raw) > 20 else _decode_any(raw)
-            if isinstance(value, float) and value.is_integer():  # (`10.0`: read as 10)
-                value = int(value)
-            if isinstance(value, int) and not isinstance(value, bool):
-                spliced[key] = msgspec.Raw(b"%d" % max(value - tokens, least))
+            if key in limits:
+                spliced[key] = msgspec.Raw(b"%d" % max(limits[key] - tokens, least))
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
     return _joined(spliced)
+
+
+def _limits(members: dict[str, msgspec.Raw]) -> dict[str, int]:
+    """The integer `max_tokens`, `max_completion_tokens` and `min_tokens` of a body."""
+    limits: dict[str, int] = {}
+    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        raw = members.get(key)
+        value = None if raw is None or len(raw) > 20 else _decode_any(raw)
+        if isinstance(value, float) and value.is_integer():  # (`10.0`: read as 10)
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            limits[key] = value
+    return limits
 
 
 def _continued_messages(members: dict[str, msgspec.Raw], text: bytes) -> tuple[Any, ...] | None:
@@ -166,3 +181,108 @@ def refusal(members: dict[str, msgspec.Raw], chat: bool) -> str | None:
         if not start.startswith(b'"'):
             return "prompt"  # token ids, or no prompt: only text is continued
     return None
+
+
+def event(payload: bytes, roleless: bool, ident: tuple[Any, Any], usage: Any, carried: int) -> (
+    bytes | None
+):  # fmt: skip
+    """A continuation's event (its data, `payload`) as the client's stream has it: the
+    stream's `id` and `created` (`ident`), without the `role` of its deltas (`roleless`: the
+    client had one), its `usage` (decoded) with the `carried` tokens moved from the prompt
+    back to the completion. Its other members as they came (only the top level is read).
+    None when it is no JSON object."""
+    try:
+        members = _decode_members(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    if roleless and "choices" in members:  # (usage, or content, beside the role)
+        members["choices"] = _raw(_roleless(members["choices"]))
+    members["id"], members["created"] = _raw(ident[0]), _raw(ident[1])
+    if isinstance(usage, dict) and carried:
+        completion = usage.get("completion_tokens")
+        prompt = usage.get("prompt_tokens")
+        if isinstance(completion, int):
+            usage["completion_tokens"] = completion + carried
+        if isinstance(prompt, int):
+            usage["prompt_tokens"] = max(prompt - carried, 0)
+        members["usage"] = _raw(usage)
+    return b"data: " + _encode(members) + b"\n\n"
+
+
+def _roleless(choices: msgspec.Raw) -> Any:
+    """A continuation's choices without the `role` of their deltas (the client had one)."""
+    decoded = _decode_any(choices)
+    for choice in decoded if isinstance(decoded, list) else ():
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if isinstance(delta, dict):
+            delta.pop("role", None)
+    return decoded
+
+
+def _raw(value: Any) -> msgspec.Raw:
+    return msgspec.Raw(_encode(value))
+
+
+MAX_STOP = 4096
+"""Bytes of a body's `stop` compared with the end of the text at a failure; a longer `stop`
+is taken as cut at the splice (the stream is not continued)."""
+
+
+def halt(members: dict[str, msgspec.Raw], chat: bool, text: str, tokens: int) -> str | None:
+    """Why a stream with `text`, `tokens`, generated so far is not continued though its body
+    allows it: "length" when it has no tokens left (the gateway ends it: `ending`), "stop"
+    when the text ends with the start of one of its stop strings (engines look for them in
+    the text they generate, never in the text they continue: the rest of one would pass);
+    else None."""
+    limits = _limits(members)
+    if chat:  # (vLLM and SGLang: `max_completion_tokens` first)
+        limit = limits.get("max_completion_tokens") or limits.get("max_tokens")
+    else:
+        default = None if "max_tokens" in members else COMPLETION_DEFAULT
+        limit = limits.get("max_tokens", default)
+    if limit is not None and tokens >= limit:
+        return "length"
+    raw = members.get("stop")
+    if raw is None or not text:
+        return None
+    if len(raw) > MAX_STOP:
+        return "stop"
+    stop = _decode_any(raw)
+    for string in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else ():
+        if isinstance(string, str) and string and _cut(text, string):
+            return "stop"
+    return None
+
+
+def _cut(text: str, stop: str) -> bool:
+    """Whether `text` ends with a proper prefix of `stop` (its first character found from
+    each candidate start: a few comparisons, not one per length)."""
+    tail = text[-(len(stop) - 1) :] if len(stop) > 1 else ""
+    at = tail.find(stop[0])
+    while at >= 0:
+        if stop.startswith(tail[at:]):
+            return True
+        at = tail.find(stop[0], at + 1)
+    return False
+
+
+def ending(
+    members: dict[str, msgspec.Raw], chat: bool, ident: tuple[Any, Any, Any], tokens: int,
+    usage: Any, size: int,
+) -> bytes:  # fmt: skip
+    """The end of a stream whose instance failed with no tokens left to generate, as the
+    engine would have sent it: a chunk with finish reason "length" under the stream's `id`,
+    `created` and `model` (`ident`), the usage chunk if the client asked for one (the
+    `tokens` it received; the prompt's tokens from the `usage` the stream carried, else the
+    body's `size` / 4, as the gate counts a stream without usage), then `[DONE]`."""
+    head = {"id": ident[0], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": ident[1], "model": ident[2]}  # fmt: skip
+    choice = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+    events = [{**head, "choices": [{**choice, "logprobs": None, "finish_reason": "length"}]}]
+    options = members.get("stream_options")
+    if _first(options) == b"{" and _asked(_decode_members(options or b"{}").get("include_usage")):
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        prompt = prompt if isinstance(prompt, int) and prompt >= 0 else size // 4
+        counts = {"prompt_tokens": prompt, "completion_tokens": tokens}
+        events.append({**head, "choices": [], "usage": {**counts, "total_tokens": prompt + tokens}})
+    return b"".join([b"data: %s\n\n" % _encode(e) for e in events]) + sse.DONE

@@ -455,6 +455,15 @@ class Forward:
         self._end_attempt()
         self._finish(None)
 
+    def end(self, events: bytes) -> None:
+        """End a stream that failed with nothing left to generate with `events`, the end the
+        gateway writes itself (migration.py: `Migration.resume`)."""
+        self.out.append(
+            b"%x\r\n%s\r\n0\r\n\r\n" % (len(events), events) if self.chunked else events
+        )
+        self.flush(final=True)
+        self._finish(None)
+
     def on_failure(self, exc: Exception) -> None:
         if not self.started:
             self._attempt_failed(exc)

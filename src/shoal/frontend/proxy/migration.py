@@ -25,7 +25,9 @@ Not migrated (the stream ends with the error event as before, and
 `shoal_frontend_migrations_total{outcome="refused"}` says why): `n` > 1, `logprobs`,
 `echo`, a prompt that is not one string, tool calls in the stream, a card that says so
 (`migration_limit: 0`), no other instance, the limit reached, more text than `MAX_CARRIED`,
-a body framed by its `Content-Length` (the client has the length: `sized`)."""
+a body framed by its `Content-Length` (the client has the length: `sized`), text that ends
+with the start of a stop string (`continuation.halt`). A stream that failed with no tokens
+left to generate is ended by the gateway (`continuation.ending`), not continued."""
 
 from __future__ import annotations
 
@@ -83,6 +85,10 @@ class Forward(Protocol):
         """Send `body` to `target`."""
         ...
 
+    def end(self, events: bytes) -> None:
+        """End the client's stream with `events` (no instance is asked)."""
+        ...
+
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
@@ -107,23 +113,7 @@ class ContinuationRefused(UpstreamError):
     """The instance answered the continuation with an error status (it cannot continue)."""
 
 
-_decode_any = msgspec.json.Decoder().decode
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
-_encode = msgspec.json.encode
-
-
-def _roleless(choices: msgspec.Raw) -> Any:
-    """A continuation's choices without the `role` of their deltas (the client had one)."""
-    decoded = _decode_any(choices)
-    for choice in decoded if isinstance(decoded, list) else ():
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        if isinstance(delta, dict):
-            delta.pop("role", None)
-    return decoded
-
-
-def _raw(value: Any) -> msgspec.Raw:
-    return msgspec.Raw(_encode(value))
 
 
 def limit_of(model: Model, default: int) -> int:
@@ -197,6 +187,7 @@ class Migration:
         "limit",
         "members",
         "migrations",
+        "model",
         "opened",
         "parsing",
         "pending",
@@ -210,6 +201,7 @@ class Migration:
         "tokens",
         "unread",
         "unread_size",
+        "usage",
         "ws",
     )
 
@@ -240,6 +232,8 @@ class Migration:
         self.carried = 0  # of those, the ones before the current attempt's continuation
         self.id: Any = None
         self.created: Any = None
+        self.model: Any = None  # (the stream's first `model`, and the first attempt's `usage`)
+        self.usage: Any = None
         self.finished = False  # a finish reason was seen
         self.done = False  # `data: [DONE]` was seen
         self.ws: WorkerSet | None = None
@@ -366,8 +360,10 @@ class Migration:
         if self.id is None:
             for chunk in chunks:
                 if chunk.id is not None:
-                    self.id, self.created = chunk.id, chunk.created
+                    self.id, self.created, self.model = chunk.id, chunk.created, chunk.model
                     break
+        if usages := [chunk.usage for chunk in chunks if chunk.usage is not None]:
+            self.usage = usages[-1]
         choices = [choice for chunk in chunks if chunk.choices for choice in chunk.choices]
         deltas = [c.delta for c in choices if c.delta is not None]
         pieces = [d.content for d in deltas] if len(deltas) == len(choices) else None
@@ -407,7 +403,9 @@ class Migration:
     def _keep(self, chunk: sse.Chunk) -> None:
         """Keep what a migration needs of one chunk: its id, its text and tokens, the end."""
         if self.id is None and chunk.id is not None:
-            self.id, self.created = chunk.id, chunk.created
+            self.id, self.created, self.model = chunk.id, chunk.created, chunk.model
+        if chunk.usage is not None and not self.resuming:
+            self.usage = chunk.usage
         for choice in chunk.choices or ():
             delta = choice.delta
             piece = choice.text if delta is None else delta.content
@@ -435,26 +433,15 @@ class Migration:
         opened, chat = self.opened, self.chat
         if opened and chat and chunk.usage is None and choices and all(map(sse.opening, choices)):
             return b""  # the continuation's role chunk: the client had one
-        # Its members as they came (only the top level read: the chunk is decoded already),
-        # then `id`, `created` and the usage replaced.
-        try:
-            members = _decode_members(sse.payload(event) or b"")
-        except (msgspec.DecodeError, RecursionError):
+        roleless = opened and chat and any(sse.has_role(c) for c in choices or ())
+        ident = (self.id, self.created)
+        out = continuation.event(
+            sse.payload(event) or b"", roleless, ident, chunk.usage, self.carried
+        )
+        if out is None:
             return event + b"\n\n"
-        if opened and chat and choices and any(sse.has_role(c) for c in choices):
-            members["choices"] = _raw(_roleless(members["choices"]))  # (usage, or content)
         self.opened = True
-        members["id"], members["created"] = _raw(self.id), _raw(self.created)
-        usage = chunk.usage
-        if isinstance(usage, dict) and self.carried:
-            completion = usage.get("completion_tokens")
-            prompt = usage.get("prompt_tokens")
-            if isinstance(completion, int):
-                usage["completion_tokens"] = completion + self.carried
-            if isinstance(prompt, int):
-                usage["prompt_tokens"] = max(prompt - self.carried, 0)
-            members["usage"] = _raw(usage)
-        return b"data: " + _encode(members) + b"\n\n"
+        return out
 
     def complete(self) -> bool:
         """Whether a response that ended normally ended the stream (its `[DONE]` came, or
@@ -493,6 +480,11 @@ class Migration:
             refused = "continuation_refused"
         if refused is None and (self.finished or self.done):  # (nothing is left to continue)
             refused = "finished"
+        if refused is None:  # (no tokens left: the end; a stop string cut at the splice)
+            text = self.text.getvalue()
+            refused = continuation.halt(self.members or {}, self.chat, text, self.tokens)
+            if refused == "length":
+                return self._end(reason)
         if refused is None and not self.delivered and self.resuming:
             # The continuation failed before its first event: another try, not a migration.
             self.retries += 1
@@ -546,6 +538,17 @@ class Migration:
         self.carried = self.tokens
         forward.body = body
         forward.launch(target)
+        return True
+
+    def _end(self, reason: str) -> bool:
+        """The instance failed with no tokens left: the stream ends as the engine ends it."""
+        forward, ident = self.forward, (self.id, self.created, self.model)
+        log.warning(
+            "request %s (stream %s): ended at its max_tokens", _request_id(forward), self.id
+        )
+        self._count("ended", reason)
+        members, size = self.members or {}, len(forward.origin)
+        forward.end(continuation.ending(members, self.chat, ident, self.tokens, self.usage, size))
         return True
 
     def _continuation(self) -> bytes | None:

@@ -27,6 +27,7 @@ class Choice(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
 class Chunk(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
     id: Any = None
     created: Any = None
+    model: Any = None
     choices: list[Choice] | None = None
     usage: Any = None
 

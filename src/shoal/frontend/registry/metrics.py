@@ -2,14 +2,17 @@
 
 Request metrics are plain counters kept per model (`ModelStats`) and turned into Prometheus
 families only when `/metrics` is scraped: the request path pays a dict increment, not a
-lock and a label lookup (and one more into the process-wide `Totals` the dashboard charts). Control-plane metrics (reconciliation, refused cards) are ordinary
-`prometheus_client` counters and a histogram: they change a few times a minute.
+lock and a label lookup (and one more into the process-wide `Totals` the dashboard charts). Control-plane metrics (reconciliation) are ordinary
+`prometheus_client` counters and a histogram: they change a few times a minute. Refused
+cards are counted per model name too (`card_refused`), written with the per-model series:
+a rolling upgrade or hostile workers may have thousands of them refused.
 
 The per-model series are written as text by `_PerModel`, not through `prometheus_client`'s
 families (the same text, tested against it): a fleet of 10,000 models with traffic has
 380,000 of those lines, which `generate_latest` took 2.1 s to write, in one piece. `render`
 writes them at about a third of that cost, and `render_sliced` a `RENDER_SLICE` of models at a
-time with the event loop served in between: a scrape never holds up the requests.
+time with the event loop served in between (2,000 refused cards written in one piece held it
+97 ms): a scrape never holds up the requests.
 """
 
 from __future__ import annotations
@@ -142,13 +145,7 @@ class FrontendMetrics:
         self._departed: dict[str, float] = {}  # model name -> when it was first seen gone
         # True while `render` writes the registry: the per-model series are its own text.
         self.rendering = False
-        # (made before `_RequestCollector` is registered: its `drop_departed` reads it)
-        self.cards_refused = Counter(
-            "shoal_frontend_cards_refused",
-            "Model cards refused because their checksum differs from their worker set's.",
-            ["model"],
-            registry=None,
-        )
+        self.refused: dict[str, int] = {}  # model name -> its cards refused (`card_refused`)
         self.registry.register(_RequestCollector(self))
         self.registry.register(_DiscoveryCollector())
         self.reconcile_runs = Counter(
@@ -175,7 +172,6 @@ class FrontendMetrics:
             ["stage"],
             registry=self.registry,
         )
-        self.registry.register(self.cards_refused)  # (in its place in the text)
         self.metadata_fetch_failures = Counter(
             "shoal_frontend_metadata_fetch_failures",
             "Fetches of a card's metadata files that failed or did not match their checksum.",
@@ -190,8 +186,9 @@ class FrontendMetrics:
             "shoal_frontend_migrations",
             "Streams whose instance failed after the first token: a continuation sent to "
             "another instance (outcome attempted; reason: lost, eof, idle_timeout), a migrated "
-            "stream that completed (succeeded), or a stream ended with an error event "
-            "(refused; reason: why it could not migrate).",
+            "stream that completed (succeeded), one with no tokens left ended by the gateway "
+            "(ended), or a stream ended with an error event (refused; reason: why it could not "
+            "migrate).",
             ["outcome", "reason"],
             registry=self.registry,
         )
@@ -235,6 +232,10 @@ class FrontendMetrics:
             stats = self.models[name] = ModelStats(self.totals)
         return stats
 
+    def card_refused(self, name: str) -> None:
+        """Count a card of model `name` refused (`shoal_frontend_cards_refused_total`)."""
+        self.refused[name] = self.refused.get(name, 0) + 1
+
     def render(self) -> bytes:
         """The `/metrics` text, in one piece (`render_sliced` on the event loop)."""
         text = _PerModel()
@@ -265,13 +266,14 @@ class FrontendMetrics:
         present = self.live_instances()
         self.drop_departed(present)
         models = sorted(self.models.items())
-        live = sorted(present.items())
         for start in range(0, len(models), RENDER_SLICE):
             text.add_stats(models[start : start + RENDER_SLICE])
             yield
-        for start in range(0, len(live), RENDER_SLICE * 8):
-            text.add_live(live[start : start + RENDER_SLICE * 8])
-            yield
+        # (one line per model; the refused in the order they were first refused)
+        for family, lines in ((-2, sorted(present.items())), (-1, list(self.refused.items()))):
+            for start in range(0, len(lines), RENDER_SLICE * 8):
+                text.add_counts(family, lines[start : start + RENDER_SLICE * 8])
+                yield
 
     def drop_departed(self, present: dict[str, int] | None = None) -> None:
         """Drop the series of models gone from the registry for longer than `departed_ttl`
@@ -283,27 +285,24 @@ class FrontendMetrics:
         for name in departed.keys() & present.keys():
             del departed[name]
         # (a model with a refused card may have had no request here: no `ModelStats`)
-        refused = self._refused_models()
+        refused = self.refused
         gone = self.models.keys() - present.keys()
         if refused:
-            gone |= refused - present.keys()
+            gone |= refused.keys() - present.keys()
         gone.discard(UNKNOWN_MODEL)
-        for name in gone:
-            since = departed.setdefault(name, now)
+        for name in gone - departed.keys():  # (the newly gone: the others are dated)
+            departed[name] = now
+        expired = []
+        for name, since in departed.items():  # (in the order they left: the expired first)
+            if now - since <= self.departed_ttl:
+                break
+            expired.append(name)
+        for name in expired:
             stats = self.models.get(name)
-            if now - since > self.departed_ttl and (stats is None or not stats.in_flight):
+            if stats is None or not stats.in_flight:
                 self.models.pop(name, None)
                 del departed[name]
-                if name in refused:
-                    self.cards_refused.remove(name)
-
-    def _refused_models(self) -> set[str]:
-        """The models `cards_refused` has a series of (a few: refusals are rare)."""
-        return {
-            sample.labels["model"]
-            for family in self.cards_refused.collect()
-            for sample in family.samples
-        }
+                refused.pop(name, None)
 
 
 class _RequestCollector(Collector):
@@ -355,7 +354,14 @@ class _RequestCollector(Collector):
         )
         for name, count in sorted(self.metrics.live_instances().items()):
             live.add_metric([name], count)
-        yield from (requests, in_flight, retries, ttft, duration, live)
+        refused = CounterMetricFamily(
+            "shoal_frontend_cards_refused",
+            "Model cards refused because their checksum differs from their worker set's.",
+            labels=["model"],
+        )
+        for name, count in sorted(self.metrics.refused.items()):
+            refused.add_metric([name], count)
+        yield from (requests, in_flight, retries, ttft, duration, live, refused)
 
 
 _LABEL_ESCAPES = str.maketrans({"\\": r"\\", "\n": r"\n", '"': r"\""})
@@ -385,6 +391,11 @@ _FAMILIES = (
         "gauge",
         "Instances that can take requests (joined, untainted), by model.",
     ),
+    (
+        "shoal_frontend_cards_refused_total",
+        "counter",
+        "Model cards refused because their checksum differs from their worker set's.",
+    ),
 )
 
 
@@ -400,7 +411,7 @@ class _PerModel:
 
     def add_stats(self, models: Sequence[tuple[str, ModelStats]]) -> None:
         lines: list[list[str]] = [[] for _ in _FAMILIES]
-        requests, in_flight, retries, ttft, duration, _ = lines
+        requests, in_flight, retries, ttft, duration, _, _ = lines
         fmt = _fmt
         for name, stats in models:
             model = 'model="' + name.translate(_LABEL_ESCAPES) + '"'
@@ -424,12 +435,12 @@ class _PerModel:
                 into.append(f"{family}_sum{{{model}}} {fmt(histogram.sum)}\n")
         self._keep(lines)
 
-    def add_live(self, live: Sequence[tuple[str, int]]) -> None:
-        fmt = _fmt
+    def add_counts(self, family: int, counts: Sequence[tuple[str, int]]) -> None:
+        """The lines of a family of one number per model (`_FAMILIES[family]`)."""
+        fmt, name = _fmt, _FAMILIES[family][0]
         lines: list[list[str]] = [[] for _ in _FAMILIES]
-        lines[-1].extend(
-            f'shoal_frontend_live_instances{{model="{name.translate(_LABEL_ESCAPES)}"}} {fmt(n)}\n'
-            for name, n in live
+        lines[family].extend(
+            f'{name}{{model="{model.translate(_LABEL_ESCAPES)}"}} {fmt(n)}\n' for model, n in counts
         )
         self._keep(lines)
 

@@ -196,7 +196,7 @@ class Registrations:
         model = registration.model
         if registration.state is not State.REFUSED:
             log.error("%s", error)
-            self.metrics.cards_refused.labels(model.card.display_name).inc()
+            self.metrics.card_refused(model.card.display_name)
         registration.state, registration.error = State.REFUSED, error
         refused = self._refused.setdefault(SetId.of(model.key, model.card), {})
         refused[model.key] = registration

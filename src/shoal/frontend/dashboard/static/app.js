@@ -215,7 +215,7 @@ function render() {
   renderTable("incomplete", [...state.incomplete.values()], (r) =>
     `<td class="mono">${esc(r.key)}</td><td>${esc(r.model)}</td><td>${badge(r.state)}</td><td class="wrap">${esc(r.error || "metadata files not fetched yet")}</td>`, t ? t.incomplete : undefined);
   renderTable("routes", [...state.routes.values()], (r) =>
-    `<td>${esc(r.workspace)}</td><td>${esc(r.name)}</td><td class="wrap">${(r.targets || []).map(target).join("<br>") || "nowhere (no target)"}</td>`);
+    `<td>${esc(r.workspace)}</td><td>${esc(r.name)}</td><td class="wrap">${(r.targets || []).map(target).join("<br>") || "nowhere (no target)"}${more(r)}</td>`);
   renderLoops();
   renderMembership();
   renderCharts();
@@ -227,6 +227,12 @@ function target(t) {
   if (t.kind === "fleet") return `fleet model ${esc(t.model)} ${weight}`;
   if (t.kind === "url") return `${esc(t.provider || t.base_url)}: ${esc(t.model)} <span class="mono">${esc(t.base_url)}</span> ${weight}`;
   return `<span class="mono">${esc(JSON.stringify(t))}</span>`;
+}
+
+function more(route) {
+  // The targets the frontend did not describe (it describes the first few of a route).
+  const rest = (route.targets_total ?? 0) - (route.targets || []).length;
+  return rest > 0 ? `<br><span class="count">and ${esc(rest)} more</span>` : "";
 }
 
 function servingWord(model) {

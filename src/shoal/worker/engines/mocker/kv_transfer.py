@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import socket
 import time
 import uuid
@@ -25,6 +26,8 @@ import msgspec
 
 from shoal.kv import chain_hash
 from shoal.openai import ApiError
+
+log = logging.getLogger(__name__)
 
 HOLD_SECONDS = 120.0  # blocks never fetched are dropped after this (vLLM's abort timeout)
 MAX_HELD = 1_000_000  # blocks held at once; the oldest go first beyond it
@@ -134,10 +137,11 @@ class HeldBlocks:
         return ids
 
     def take(self, block_ids: list[int]) -> list[int] | None:
-        """The hashes of `block_ids`, released; None if any of them is not held (nothing then)."""
+        """The hashes of `block_ids`, released; None if any of them is not held, or named
+        twice (nothing is taken then)."""
         self._expire()
         held = self._held
-        if any(b not in held for b in block_ids):
+        if len(set(block_ids)) != len(block_ids) or any(b not in held for b in block_ids):
             return None
         hashes = [held.pop(b)[1] for b in block_ids]
         self.served_blocks += len(hashes)
@@ -180,7 +184,12 @@ class KvSideChannel:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while line := await reader.readline():
-                writer.write(msgspec.json.encode(self._answer(line)) + b"\n")
+                try:
+                    answer = self._answer(line)
+                except Exception:  # (a bug here: the peer is told, the channel goes on)
+                    log.exception("answering a KV fetch failed")
+                    answer = _Answer(error="the fetch failed in the prefill engine")
+                writer.write(msgspec.json.encode(answer) + b"\n")
                 await writer.drain()
         except (OSError, ValueError):  # a peer gone, or a line over the limit
             pass
@@ -194,6 +203,8 @@ class KvSideChannel:
             return _Answer(error="unreadable fetch", field="remote_block_ids")
         if fetch.engine_id != self.blocks.engine_id:
             return _Answer(error=f"no engine {fetch.engine_id!r} here", field="remote_engine_id")
+        if len(set(fetch.block_ids)) != len(fetch.block_ids):
+            return _Answer(error="a block id named twice", field="remote_block_ids")
         hashes = self.blocks.take(fetch.block_ids)
         if hashes is None:
             return _Answer(
