@@ -868,7 +868,9 @@ class EtcdStore(Store):
                                 await asyncio.sleep(0)
                         delivered, at_delivered = created, None
                     whole = False
-                broken = False
+                if broken:
+                    broken = False
+                    self._watch_state(None)
                 floor = delivered + 1
                 while True:
                     try:
@@ -903,6 +905,10 @@ class EtcdStore(Store):
                     return
                 log.info("watch %r broke (%s); catching up", prefix, exc)
                 broken = True
+                why = str(exc) if self.url in str(exc) else f"etcd store {self.url}: {exc}"
+                self._watch_state(
+                    exc if isinstance(exc, StoreError) else StoreUnavailableError(why)
+                )
                 await self._pause(_jitter(backoff))
                 backoff = min(backoff * 2, BACKOFF_CAP)
             finally:
