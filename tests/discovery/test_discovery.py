@@ -183,6 +183,28 @@ async def test_malformed_values_are_skipped_and_never_hide_valid_ones(
         await watch.close()
 
 
+async def test_a_card_of_thousands_of_metadata_files_is_skipped_as_malformed(
+    store: Store,
+) -> None:
+    """A foreign writer's card of 6,300 metadata files (1 MB) was joined: a download of
+    each for every frontend. Now it is skipped and counted as malformed, and the instance's
+    valid card beside it is listed."""
+    disc = Discovery(store)
+    good = await register(disc, EP, 0x60, make_card())
+    raw = msgspec.json.decode(make_card("big").to_json())
+    sha = "sha256:" + "ab" * 32
+    raw["metadata_files"] = {
+        f"f{i}.json": {"url": f"http://w/f{i}.json", "checksum": sha, "size": 1}
+        for i in range(6300)
+    }
+    before = MALFORMED.labels("model")._value.get()
+    big = ModelKey(EP, 0x60, "big")
+    await store.put(big.key, msgspec.json.encode(raw))
+    assert [m.key for m in await disc.list()] == [good]
+    assert MALFORMED.labels("model")._value.get() == before + 1
+    assert big.key in disc.skipped
+
+
 async def test_registering_a_different_model_on_a_served_instance_is_refused(store: Store) -> None:
     disc = Discovery(store)
     key = await register(disc, EP, 0x60, make_card("llama"))
