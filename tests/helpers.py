@@ -4,6 +4,7 @@ app on one, and collecting what an async stream yields."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import inspect
 import socket
@@ -145,3 +146,30 @@ class StallProbe:
         await asyncio.gather(self._task, return_exceptions=True)
         gc.unfreeze()
         return self.longest
+
+
+class LoopTurns:
+    """Counts the event loop's turns: a task that asks to run again at once, every turn.
+    `note()` in a consumer records the turn each item arrived in; `most_per_turn` is the
+    largest number of items one turn handled (what a consumer did without a yield)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.per_turn: collections.Counter[int] = collections.Counter()
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(0)
+            self.count += 1
+
+    def note(self) -> None:
+        self.per_turn[self.count] += 1
+
+    @property
+    def most_per_turn(self) -> int:
+        return max(self.per_turn.values(), default=0)
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from shoal.cards import CardError, Lora, MetadataFile, ModelCard, file_checksum, slugify
+from shoal.cards.card import MAX_ENTRIES, MAX_METADATA_FILES
 
 SHA = "sha256:" + "ab" * 32
 
@@ -94,6 +95,46 @@ def test_mdcsum_ignores_where_metadata_files_are_hosted() -> None:
 def test_validation_is_strict_and_names_the_field(change: dict[str, object], field: str) -> None:
     with pytest.raises(CardError, match=field):
         card(**change)
+
+
+def files(count: int) -> dict[str, object]:
+    return {
+        f"f{i}.json": {"url": f"http://w/f{i}.json", "checksum": SHA, "size": 1}
+        for i in range(count)
+    }
+
+
+@pytest.mark.parametrize(
+    ("field", "at_bound", "over"),
+    [
+        ("metadata_files", files(MAX_METADATA_FILES), files(MAX_METADATA_FILES + 1)),
+        ("model_types", ["chat"] * MAX_ENTRIES, ["chat"] * (MAX_ENTRIES + 1)),
+        (
+            "runtime_config",
+            {f"k{i}": i for i in range(MAX_ENTRIES)},
+            {f"k{i}": i for i in range(MAX_ENTRIES + 1)},
+        ),
+        (
+            "taints",
+            {"taints": [f"t{i}" for i in range(MAX_ENTRIES)]},
+            {"taints": [f"t{i}" for i in range(MAX_ENTRIES + 1)]},
+        ),
+    ],
+)
+def test_a_card_listing_more_than_its_bound_of_files_kinds_or_settings_is_refused(
+    field: str, at_bound: object, over: object
+) -> None:
+    """A card's mappings and lists had no count bound: a 1 MB card from another writer
+    declared 6,300 metadata files (6,300 downloads for every frontend, 31-56 ms of its loop
+    to join). Now past its bound a card is refused naming the field (a frontend skips and
+    counts it as malformed); at the bound it is read."""
+    name = "runtime_config" if field == "taints" else field
+    data = msgspec.json.decode(card().to_json())
+    data[name] = at_bound
+    assert ModelCard.from_json(msgspec.json.encode(data)) == card(**{name: at_bound})
+    data[name] = over
+    with pytest.raises(CardError, match=field):
+        ModelCard.from_json(msgspec.json.encode(data))
 
 
 def test_malformed_json_is_a_card_error() -> None:

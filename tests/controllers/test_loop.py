@@ -9,6 +9,7 @@ import time
 import pytest
 
 from shoal.controllers import Controller, HeartbeatMixin, Loop, LoopHealth
+from shoal.controllers.loop import _FailureStreak
 from tests.controllers.support import FakeClock
 from tests.helpers import wait_for
 
@@ -352,6 +353,41 @@ async def test_steps_failing_past_the_deadline_make_the_loop_unhealthy_with_the_
         assert health.reason.endswith("ConnectionError: store unreachable")
         controller.failing = False
         await wait_for(lambda: loop.health().healthy, message="recovery after a successful step")
+    finally:
+        await loop.stop()
+
+
+async def test_a_failed_step_is_tried_again_after_a_short_rest_doubling_to_the_interval() -> None:
+    """A failed step waited a whole interval for the next: a frontend's reconciler (30 s)
+    whose store came back went on reporting it failing for up to 30 s. With `retry` the
+    rest after a failure starts short and doubles with each failure in a row, up to the
+    interval; after a success it is the interval again."""
+    controller = Failing()
+    loop = Loop(controller, interval=3600.0, retry=0.01)
+    await loop.start()
+    try:
+        await wait_for(lambda: controller.steps >= 4, message="steps retried, not an hour apart")
+        assert loop.rest() == min(0.01 * 2 ** (controller.steps - 1), 3600.0)
+        controller.failing = False
+        await wait_for(lambda: loop.health().healthy and loop.rest() == 3600.0)
+    finally:
+        await loop.stop()
+    for failures, rest in [(1, 0.01), (2, 0.02), (3, 0.04), (20, 3600.0), (10**6, 3600.0)]:
+        loop._failure = _FailureStreak(0.0, "x", failures)
+        assert loop.rest() == pytest.approx(rest)
+
+
+async def test_retry_now_ends_the_rest_after_a_failed_step() -> None:
+    """What a step failed on is back (a store watch saw it): the next step runs now."""
+    controller = Failing()
+    loop = Loop(controller, interval=3600.0, retry=3600.0)
+    await loop.start()
+    try:
+        await wait_for(lambda: controller.steps == 1, message="the first step, failed")
+        controller.failing = False
+        loop.retry_now()
+        await wait_for(lambda: controller.steps == 2, message="the next step at once")
+        await wait_for(lambda: loop.health().healthy, message="recovered")
     finally:
         await loop.stop()
 

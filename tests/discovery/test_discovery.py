@@ -29,7 +29,7 @@ from shoal.discovery import (
 )
 from shoal.discovery.join import MALFORMED
 from shoal.store import Event, Snapshot, Store, memory, open_store
-from tests.helpers import Collector, StallProbe, wait_for
+from tests.helpers import Collector, LoopTurns, StallProbe, wait_for
 from tests.store.conftest import Backend
 
 EP = EndpointId("prod", "backend", "generate")
@@ -181,6 +181,28 @@ async def test_malformed_values_are_skipped_and_never_hide_valid_ones(
         assert good in watch.live()
     finally:
         await watch.close()
+
+
+async def test_a_card_of_thousands_of_metadata_files_is_skipped_as_malformed(
+    store: Store,
+) -> None:
+    """A foreign writer's card of 6,300 metadata files (1 MB) was joined: a download of
+    each for every frontend. Now it is skipped and counted as malformed, and the instance's
+    valid card beside it is listed."""
+    disc = Discovery(store)
+    good = await register(disc, EP, 0x60, make_card())
+    raw = msgspec.json.decode(make_card("big").to_json())
+    sha = "sha256:" + "ab" * 32
+    raw["metadata_files"] = {
+        f"f{i}.json": {"url": f"http://w/f{i}.json", "checksum": sha, "size": 1}
+        for i in range(6300)
+    }
+    before = MALFORMED.labels("model")._value.get()
+    big = ModelKey(EP, 0x60, "big")
+    await store.put(big.key, msgspec.json.encode(raw))
+    assert [m.key for m in await disc.list()] == [good]
+    assert MALFORMED.labels("model")._value.get() == before + 1
+    assert big.key in disc.skipped
 
 
 async def test_registering_a_different_model_on_a_served_instance_is_refused(store: Store) -> None:
@@ -676,6 +698,41 @@ async def test_the_first_listing_of_a_stream_of_10000_models_never_holds_the_eve
         assert longest < 0.05, f"the loop was held {longest * 1000:.0f} ms"
     finally:
         await store.close()
+
+
+async def test_a_burst_of_store_changes_reaches_the_consumer_a_batch_per_loop_turn(
+    store: Store,
+) -> None:
+    """A store hands a watch's backlog over without a turn of the event loop between its
+    events (etcd's catch-up after a cut, one large transaction, a memory or SQLite queue),
+    and `list_and_watch` yielded to the loop only within one store event's report: 4,000
+    cards re-tainted during a cut held a frontend's loop 340-608 ms. Now store events and
+    the events they report are counted across store events, and every `LIST_BATCH` of
+    them is a turn of the loop."""
+    disc = Discovery(store)
+    keys = [await register(disc, EP, i, make_card()) for i in range(1, 301)]
+    turns = LoopTurns()
+    taints: list[TaintsUpdated] = []
+
+    async def follow() -> None:
+        async for event in disc.list_and_watch():
+            turns.note()
+            if isinstance(event, TaintsUpdated):
+                taints.append(event)
+
+    task = asyncio.create_task(follow())
+    try:
+        await wait_for(lambda: sum(turns.per_turn.values()) == 300, message="listed")
+        turns.per_turn.clear()
+        for key in keys:  # (no turn of the loop between them: the watch's queue fills)
+            await disc.update_taints(key, ["draining"])
+        await wait_for(lambda: len(taints) == 300, message="every change reported")
+        assert [e.key for e in taints] == keys
+        assert 0 < turns.most_per_turn <= join.LIST_BATCH
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await turns.stop()
 
 
 class CountingListings:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import openai
+import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from shoal.discovery import ModelKey
@@ -209,6 +211,48 @@ async def test_store_outage_shows_in_health_and_health_controllers_but_not_in_re
         await wait_for(lambda: _get_when(f"{frontend.url}/health/controllers", 200), timeout=30)
         status, body = await get(f"{frontend.url}/health")
         assert body["store"] == {"reachable": True}
+    finally:
+        await frontend.stop()
+
+
+@pytest.mark.parametrize("fault", ["stopped", "paused"])
+async def test_health_tells_a_store_outage_and_its_end_as_the_store_watch_sees_them(
+    own_etcd: EtcdServer, tmp_path: Path, fault: str
+) -> None:
+    """`/health` learnt the store's state only from reconciliation listings, one an
+    interval (30 s by default), as the store's watch retries on its own and never raises:
+    it said the store reachable 29 s into an outage, and unreachable 29 s after it ended
+    (`/health/controllers` 503 meanwhile). Now the watch tells it when it loses the store
+    and when it has it back: with an interval of an hour, both show in `/health` and
+    `/health/controllers` within the deadlines. `/ready` stays 200 throughout."""
+    etcd = own_etcd
+    assert etcd.proc is not None
+    frontend = Frontend(
+        FrontendConfig(
+            store_url=etcd.url, port=0, cache_dir=tmp_path / "c", reconcile_interval=3600.0
+        )
+    )
+    ready: set[int] = set()
+
+    async def store_reachable(reachable: bool) -> bool:
+        ready.add((await get(f"{frontend.url}/ready"))[0])
+        status, body = await get(f"{frontend.url}/health")
+        return status == 200 and body["store"]["reachable"] is reachable
+
+    try:
+        await frontend.start()
+        assert await store_reachable(True)
+        etcd.stop() if fault == "stopped" else etcd.proc.send_signal(signal.SIGSTOP)
+        try:
+            # (a paused etcd keeps its connections: the watch notices by keepalive, ~15 s)
+            await wait_for(lambda: store_reachable(False), timeout=30, message="outage shown")
+            status, body = await get(f"{frontend.url}/health/controllers")
+            assert status == 503 and body["unhealthy"]["store"].startswith("unreachable since")
+        finally:
+            etcd.start() if fault == "stopped" else etcd.proc.send_signal(signal.SIGCONT)
+        await wait_for(lambda: store_reachable(True), timeout=20, message="its end shown")
+        await wait_for(lambda: _get_when(f"{frontend.url}/health/controllers", 200), timeout=5)
+        assert ready == {200}
     finally:
         await frontend.stop()
 

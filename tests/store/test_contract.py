@@ -208,6 +208,32 @@ async def test_watch_resyncs_after_outage_and_loses_no_delete(
         await writer.close()
 
 
+async def test_a_watch_tells_the_stores_listeners_when_it_loses_the_store_and_has_it_back(
+    backend: Backend, prefix: str
+) -> None:
+    """A watch catches up on its own and never raises when the store goes out: its reader
+    learnt of an outage, and of its end, only at its next read of its own (a frontend's
+    `/health`, up to a reconcile interval late). Now the store's `watch_listeners` are
+    told: the error when a watch loses the store, None when it has it back."""
+    store = await backend.open()
+    told: list[StoreError | None] = []
+    store.watch_listeners.append(told.append)
+    try:
+        mirror = Recorder(store.watch(prefix, (await store.get_prefix(prefix)).revision + 1))
+        try:
+            await store.put(prefix + "a", b"1")
+            await wait_for(lambda: mirror.events, message="the watch is live")
+            assert told == []
+            async with backend.outage(store):
+                await wait_for(lambda: told, timeout=20, message="told of the loss")
+                assert isinstance(told[0], StoreError), told
+            await wait_for(lambda: told[-1] is None, timeout=30, message="told it is back")
+        finally:
+            await mirror.close()
+    finally:
+        await store.close()
+
+
 async def _reachable(store: Store, prefix: str) -> bool:
     try:
         await store.get_prefix(prefix)

@@ -21,6 +21,13 @@ from shoal.bounds import TooDeep, check_json_depth
 _SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 _CHECKSUM_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
+MAX_METADATA_FILES = 64
+"""Metadata files a card may list (a model directory has ~10 besides its weights): each is
+a download for every frontend, and a card of thousands (1 MB holds 6,300) cost a frontend's
+loop 31-56 ms to join. A card over it is skipped as malformed."""
+MAX_ENTRIES = 64
+"""Keys of `runtime_config`, taints, and request kinds a card may list."""
+
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Slug = Annotated[str, msgspec.Meta(pattern=_SLUG_RE.pattern)]
@@ -73,12 +80,16 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     display_name: NonEmpty
     slug: Slug
     source: NonEmpty
-    model_types: Annotated[list[ModelType], msgspec.Meta(min_length=1)]
+    model_types: Annotated[list[ModelType], msgspec.Meta(min_length=1, max_length=MAX_ENTRIES)]
     context_length: Positive
     kv_block_size: Positive = 16
     role: WorkerRole = WorkerRole.AGGREGATED
-    runtime_config: dict[str, Any] = msgspec.field(default_factory=dict)
-    metadata_files: dict[str, MetadataFile] = msgspec.field(default_factory=dict)
+    runtime_config: Annotated[dict[str, Any], msgspec.Meta(max_length=MAX_ENTRIES)] = msgspec.field(
+        default_factory=dict
+    )
+    metadata_files: Annotated[
+        dict[str, MetadataFile], msgspec.Meta(max_length=MAX_METADATA_FILES)
+    ] = msgspec.field(default_factory=dict)
     lora: Lora | None = None
     # Unix time the worker registered the model (0: not said). Not identity: frontends show
     # the earliest of a model's cards as its `created`, the same on each of them.
@@ -88,6 +99,8 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         taints = self.runtime_config.get("taints", [])
         if not isinstance(taints, list) or not all(isinstance(t, str) and t for t in taints):
             raise CardError("runtime_config.taints: must be a list of non-empty strings")
+        if len(taints) > MAX_ENTRIES:
+            raise CardError(f"runtime_config.taints: more than {MAX_ENTRIES} taints")
         for name in self.metadata_files:
             if not name or "/" in name or name in (".", "..") or "\x00" in name:
                 raise CardError(f"metadata_files: invalid file name {name!r}")

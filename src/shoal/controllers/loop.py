@@ -85,7 +85,9 @@ class Loop:
 
     The gap is fixed-delay, not fixed-rate: a step that overruns its interval is still
     followed by a full `interval` of rest, so a struggling store is never hammered by
-    back-to-back steps. The loop is unhealthy after `max_silence` seconds without progress
+    back-to-back steps. With `retry`, a failed step is followed by `retry` seconds only,
+    doubling with each failure in a row up to `interval`, and `retry_now` ends that rest:
+    a loop whose store came back finds out within seconds, not an interval later. The loop is unhealthy after `max_silence` seconds without progress
     (by default `unhealthy_after` (3) intervals), and when its steps have kept failing for
     longer than `max_silence`: a failed step is not progress. A failure is logged with its
     traceback when it first occurs or changes; repeats are counted, and the count is logged
@@ -101,10 +103,13 @@ class Loop:
         name: str | None = None,
         unhealthy_after: float | None = None,
         max_silence: float | None = None,
+        retry: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"interval must be positive, got {interval}")
+        if retry is not None and retry <= 0:
+            raise ValueError(f"retry must be positive, got {retry}")
         if unhealthy_after is not None and max_silence is not None:
             raise ValueError(
                 "give unhealthy_after (a multiple of interval) or max_silence, not both"
@@ -120,6 +125,7 @@ class Loop:
         self.controller = self.monitored.controller
         self.name = name or type(self.controller).__name__
         self.interval = interval
+        self.retry = retry
         self.max_silence = max_silence
         self.clock = clock
         self._stop_requested = threading.Event()  # read by the thread runner
@@ -220,6 +226,20 @@ class Loop:
             )
         return LoopHealth(True)
 
+    def retry_now(self) -> None:
+        """After a failed step, run the next one now rather than after its rest: what it
+        failed on is back (its store). Nothing after a step that succeeded, nor for a loop
+        run in a thread."""
+        if self._failure is not None and self._task is not None:
+            self._wake.set()
+
+    def rest(self) -> float:
+        """Seconds to wait before the next step: `interval`, or less after a failure."""
+        failure = self._failure
+        if failure is None or self.retry is None:
+            return self.interval
+        return min(self.retry * 2.0 ** min(failure.count - 1, 32), self.interval)
+
     def _succeeded(self) -> None:
         failure, self._failure = self._failure, None
         if failure is not None:
@@ -266,7 +286,8 @@ class Loop:
             except Exception as exc:
                 self._failed(exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval)
+                await asyncio.wait_for(self._wake.wait(), self.rest())
+            self._wake.clear()  # (a stop ends the loop above; `retry_now` wakes it once)
 
     def _run_thread(
         self, event_loop: asyncio.AbstractEventLoop, done: asyncio.Future[None]
@@ -282,7 +303,7 @@ class Loop:
                     self._succeeded()
                 except Exception as exc:
                     self._failed(exc)
-                self._stop_requested.wait(self.interval)
+                self._stop_requested.wait(self.rest())
         finally:
             # A closed event loop raises RuntimeError: then nobody is waiting.
             with contextlib.suppress(RuntimeError):

@@ -349,6 +349,9 @@ class Discovery:
         if on_listed is not None:
             on_listed()
         watch = self.store.watch_prefixes(prefixes, revision + 1)
+        # Store events and the events they report, since the last yield to the event loop:
+        # a store hands a burst (a catch-up after a cut: thousands of changes) without one.
+        handled = 0
         async with contextlib.aclosing(watch):
             async for ev in watch:
                 if isinstance(ev, Resync):
@@ -359,5 +362,13 @@ class Discovery:
                 else:
                     keys = list(join.delete(ev.key))
                 del ev  # (nor the last `Resync`'s)
-                async for event in _paced(await join.report(keys)):
+                handled += 1
+                for event in await join.report(keys):
+                    if handled >= LIST_BATCH:
+                        handled = 0
+                        await asyncio.sleep(0)
+                    handled += 1
                     yield event
+                if handled >= LIST_BATCH:
+                    handled = 0
+                    await asyncio.sleep(0)

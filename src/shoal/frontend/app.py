@@ -49,6 +49,8 @@ from shoal.store import Store, StoreUnavailableError, default_store_url, open_st
 
 log = logging.getLogger(__name__)
 RECONCILER = "model-reconciler"
+RECONCILE_RETRY = 2.0
+"""Seconds after a failed reconciliation pass before the next, doubling to the interval."""
 LOAD_PROGRESS_SECONDS = 10.0  # a large scope loading: how far it got, said this often
 
 
@@ -184,9 +186,14 @@ class Frontend(Endpoints):
             await self._follow_membership(self._membership_factory(self.discovery))
             await self._load_scope()
         self.reconciler = Reconciler(self.watcher)
-        self.manager.register(
-            Loop(self.reconciler, interval=config.reconcile_interval, name=RECONCILER)
+        reconciling = Loop(
+            self.reconciler,
+            interval=config.reconcile_interval,
+            name=RECONCILER,
+            retry=RECONCILE_RETRY,  # (a failed listing: the store may be back soon)
         )
+        self.watcher.on_store_back = reconciling.retry_now
+        self.manager.register(reconciling)
         await self.manager.start_all()
         if config.reuse_port:
             # One of several processes on the port: it joins once loaded, so no connection

@@ -17,6 +17,11 @@ suite in `tests/store/` proves on each backend:
   died lasts that long there; see `shoal.store.etcd`.)
 - `close()` ends every watch of the instance (its iterator stops) and stops the keepalive
   of every lease it granted; leases themselves are not revoked.
+- A watch does not raise when the store goes out: it catches up on its own once it is
+  back. It tells the instance's `watch_listeners` instead: each is called with the error
+  when a watch loses the store (at each failed attempt to get it back), and with None
+  when a watch that lost it has it back, so a reader reports the store's state as its
+  watch sees it, not at its next read.
 - A watch yields nothing at or below the revision of a `Resync` it has yielded.
 - Several prefixes read or watched as one (`get_prefixes`, `watch_prefixes`) share one
   revision: a listing reads them all at one revision, a watch delivers the changes under
@@ -267,6 +272,16 @@ class Store(abc.ABC):
     def __init__(self) -> None:
         # Leases granted here whose keepalive runs in the background: `close()` stops them.
         self._kept_alive: set[Lease] = set()
+        # Told when a watch of this instance loses the store (why) and has it back (None).
+        self.watch_listeners: list[Callable[[StoreError | None], None]] = []
+
+    def _watch_state(self, lost: StoreError | None) -> None:
+        """Tell `watch_listeners` a watch lost the store (`lost`), or has it back (None)."""
+        for listener in list(self.watch_listeners):
+            try:
+                listener(lost)
+            except Exception:
+                log.exception("store %s: a watch listener failed", self.url)
 
     def _stop_keepalives(self) -> None:
         """Stop the keepalive of every lease this instance renews (part of `close()`)."""

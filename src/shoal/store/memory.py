@@ -82,6 +82,9 @@ class MemoryStore(Store):
             for _, queue, owner in self._d.watchers:
                 if owner is self:
                     queue.put_nowait(_RESYNC)
+        self._watch_state(
+            StoreUnavailableError(f"store {self.url} is unreachable") if unreachable else None
+        )
 
     def _emit(self, event: Put | Delete) -> None:
         self._d.history.append(event)

@@ -791,6 +791,9 @@ class SQLiteStore(Store):
         self._unreachable = unreachable
         if not unreachable:
             self._wake.set()
+        self._watch_state(
+            StoreUnavailableError(f"store {self.url} is unreachable") if unreachable else None
+        )
 
     async def _call(self, fn: Callable[[], T]) -> T:
         """Run `fn` in the store thread."""
@@ -1077,14 +1080,19 @@ class SQLiteStore(Store):
         """Poll until closed. A failed poll is reported (a traceback for the first of a run
         of unexpected failures) and its watches resync on the next one: the poller that
         serves every watch of this instance never stops because of one bad read."""
-        failing = False
+        failing = lost = False
         while not self._closed:
             if not self._unreachable:
                 try:
                     await self._poll_once()
                     failing = False
+                    if lost:
+                        lost = False
+                        self._watch_state(None)
                 except StoreUnavailableError as exc:
                     log.debug("watch poll failed: %s", exc)
+                    lost = True
+                    self._watch_state(exc)
                 except Exception:
                     log.log(
                         logging.DEBUG if failing else logging.ERROR,

@@ -87,9 +87,13 @@ class WorkerSet:
     model_types: frozenset[ModelType] = frozenset()  # declared by every member's card
     # When members declare different kinds: per kind, a set of the members declaring it.
     kinds: dict[ModelType, WorkerSet] = field(default_factory=dict)
+    # How many untainted members use each routable upstream (more than one: cards of one
+    # instance), so a change updates `routable` without going through the members.
+    _live: dict[Upstream, int] = field(default_factory=dict, repr=False)
 
     def refresh(self) -> None:
-        self.routable = _routable(self.members.values())
+        """Recompute from every member (after a change `add`/`remove` cannot make in place)."""
+        self._live, self.routable = _routable(self.members.values())
         declared = {m.model_types for m in self.members.values()}
         if len(declared) <= 1:
             self.model_types = next(iter(declared), frozenset())
@@ -104,7 +108,7 @@ class WorkerSet:
                 view = self.kinds[kind] = WorkerSet(self.id, self.mdcsum, self.pairsum)
             view.members = {k: m for k, m in self.members.items() if kind in m.model_types}
             view.model_types = frozenset({kind})
-            view.routable = _routable(view.members.values())
+            view._live, view.routable = _routable(view.members.values())
 
     def add(self, member: Member) -> bool:
         """`member` was just added to `members`: update `routable` for it, in place of a
@@ -114,15 +118,50 @@ class WorkerSet:
         if self.kinds or member.model_types is not self.model_types:
             return False
         if not member.tainted:
-            upstream, routable = member.upstream, self.routable
-            i = bisect.bisect_left(routable, upstream.instance_id, key=_instance_id)
-            for other in routable[i:]:
-                if other.instance_id != upstream.instance_id:
-                    break
-                if other is upstream:
-                    return True  # (another card of the same instance)
-            self.routable = (*routable[:i], upstream, *routable[i:])
+            self._route_in(member.upstream)
         return True
+
+    def remove(self, member: Member) -> bool:
+        """`member` was just removed from `members`: as `add`, for a departure. False, and
+        nothing done, when the set's members declare different kinds (a `refresh` then)."""
+        if self.kinds:
+            return False
+        if not member.tainted:
+            self._route_out(member.upstream)
+        return True
+
+    def retaint(self, member: Member, was_tainted: bool) -> None:
+        """`member`'s taints changed (not its kinds: taints are all that can change)."""
+        if member.tainted is was_tainted:
+            return
+        for ws in (self, *(self.kinds[kind] for kind in member.model_types if self.kinds)):
+            if was_tainted:
+                ws._route_in(member.upstream)
+            else:
+                ws._route_out(member.upstream)
+
+    def _route_in(self, upstream: Upstream) -> None:
+        """One more untainted member on `upstream`; routable from its first."""
+        users = self._live.get(upstream, 0)
+        self._live[upstream] = users + 1
+        if not users:
+            routable = self.routable
+            i = bisect.bisect_left(routable, upstream.instance_id, key=_instance_id)
+            self.routable = (*routable[:i], upstream, *routable[i:])
+
+    def _route_out(self, upstream: Upstream) -> None:
+        """One untainted member fewer on `upstream`; not routable once none is left (cards
+        of one instance share its `Upstream`: an adapter's, or a card replaced)."""
+        users = self._live.pop(upstream, 0)
+        if users > 1:
+            self._live[upstream] = users - 1
+            return
+        routable = self.routable
+        i = bisect.bisect_left(routable, upstream.instance_id, key=_instance_id)
+        while i < len(routable) and routable[i] is not upstream:
+            i += 1  # (another upstream of the same instance id: one that moved)
+        if i < len(routable):
+            self.routable = (*routable[:i], *routable[i + 1 :])
 
     def for_kind(self, kind: ModelType) -> WorkerSet | None:
         """The members whose cards declare `kind` (this set itself when all of them do)."""
@@ -131,9 +170,13 @@ class WorkerSet:
         return self.kinds.get(kind, self)
 
 
-def _routable(members: Iterable[Member]) -> tuple[Upstream, ...]:
-    live = {m.upstream for m in members if not m.tainted}
-    return tuple(sorted(live, key=_instance_id))
+def _routable(members: Iterable[Member]) -> tuple[dict[Upstream, int], tuple[Upstream, ...]]:
+    """The untainted members per upstream, and those upstreams by instance id."""
+    live: dict[Upstream, int] = {}
+    for m in members:
+        if not m.tainted:
+            live[m.upstream] = live.get(m.upstream, 0) + 1
+    return live, tuple(sorted(live, key=_instance_id))
 
 
 _instance_id = attrgetter("instance_id")
@@ -164,6 +207,11 @@ class Model:
     # Per request kind, the model restricted to instances declaring it (itself when every
     # set's members all declare the kinds the model serves: the common case).
     _kinds: dict[ModelType, Model] = field(default_factory=dict)
+    # Of its members: how many declare each kind, registered at each `created`, and are
+    # adapters of each base model (what `model_types`, `created` and `parent` derive from).
+    _types: dict[ModelType, int] = field(default_factory=dict)
+    _created: dict[int, int] = field(default_factory=dict)
+    _parents: dict[str, int] = field(default_factory=dict)
 
     @property
     def serving(self) -> bool:
@@ -209,37 +257,61 @@ class Model:
         None when no card of the model declares `kind`."""
         return self._kinds.get(kind)
 
-    def refresh(self, changed: WorkerSet | None = None, joined: Member | None = None) -> None:
-        """Recompute what requests read after a change to the set `changed` (to every set
-        when None); when the change is `joined` joining it, only what that adds."""
-        if changed is None:
-            for ws in self.sets.values():
-                ws.refresh()
-        elif joined is None or not changed.add(joined):
-            changed.refresh()
+    def joined(self, ws: WorkerSet, member: Member) -> None:
+        """`member` joined `ws` (one of `sets`): recompute what requests read, by what it adds."""
+        if not ws.add(member):
+            ws.refresh()
+        self._count(member, 1)
+        if member.card.lora is not None:
+            self.parent = member.card.lora.base_model
         self._route()
         self._refresh_kinds()
-        if joined is not None:
-            card = joined.card
-            if not joined.model_types <= self.model_types:
-                self.model_types = self.model_types | joined.model_types
-            if card.created and (not self.created or card.created < self.created):
+
+    def left(self, ws: WorkerSet, member: Member) -> None:
+        """`member` left `ws` (still in `sets` unless it was its last): as `joined`."""
+        if not ws.remove(member):
+            ws.refresh()
+        self._count(member, -1)
+        self._route()
+        self._refresh_kinds()
+
+    def retainted(self, ws: WorkerSet, member: Member, was_tainted: bool) -> None:
+        """`member`'s taints changed: its routability only (not kinds, `created`, parent)."""
+        ws.retaint(member, was_tainted)
+        self._route()
+        self._refresh_kinds()
+
+    def _count(self, member: Member, step: int) -> None:
+        """Count `member`'s kinds, `created` and parent in or out (`step` 1 or -1), and
+        derive the model's from the counts: a change never goes through the members."""
+        card, types = member.card, self._types
+        for kind in member.model_types:
+            count = types.get(kind, 0) + step
+            if count:
+                types[kind] = count
+            else:
+                del types[kind]
+            if count == 0 or (count == 1 and step > 0):  # (a kind's first card, or its last)
+                self.model_types = frozenset(types)
+        if card.created:
+            count = self._created.get(card.created, 0) + step
+            if count:
+                self._created[card.created] = count
+            else:
+                del self._created[card.created]
+            if step > 0 and (not self.created or card.created < self.created):
                 self.created = card.created
-            if card.lora is not None:
-                self.parent = card.lora.base_model
-            return
-        types: set[ModelType] = set()
-        self.parent = None
-        created = 0
-        for ws in self.sets.values():
-            for member in ws.members.values():
-                types.update(member.card.model_types)
-                if member.card.created and (not created or member.card.created < created):
-                    created = member.card.created
-                if member.card.lora is not None:
-                    self.parent = member.card.lora.base_model
-        self.model_types = frozenset(types)
-        self.created = created
+            elif not count and card.created == self.created:
+                self.created = min(self._created, default=0)  # (distinct times, not members)
+        if card.lora is not None:
+            base = card.lora.base_model
+            count = self._parents.get(base, 0) + step
+            if count:
+                self._parents[base] = count
+            else:
+                del self._parents[base]
+                if self.parent == base:
+                    self.parent = next(reversed(self._parents), None)
 
     def _route(self) -> None:
         """Routable sets and their cumulative weights, from the sets' `routable` tuples; the
@@ -397,7 +469,7 @@ class Registry:
             ws = entry.sets[set_id] = WorkerSet(set_id, model.mdcsum, pairsum)
         member = Member(key, card, self._acquire_upstream(model), ws.id)  # (one id per set)
         ws.members[key] = self._members[key] = member
-        entry.refresh(ws, member)
+        entry.joined(ws, member)
         self.version += 1
         for observer in self.observers:
             observer.joined(model, ws)
@@ -416,7 +488,7 @@ class Registry:
         if not ws.members:
             del entry.sets[set_id]
         if entry.sets:
-            entry.refresh(ws)  # (an empty set that left: nothing to refresh in it)
+            entry.left(ws, member)
         else:
             del self.models[set_id.model]
         self.version += 1
@@ -429,8 +501,9 @@ class Registry:
         if member is None:
             return
         entry = self.models[member.set_id.model]
+        was_tainted = member.tainted
         member.card = member.card.with_taints(list(taints))
-        entry.refresh(entry.sets[member.set_id])
+        entry.retainted(entry.sets[member.set_id], member, was_tainted)
         self.version += 1
 
     def serving(self) -> list[Model]:

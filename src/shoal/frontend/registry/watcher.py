@@ -53,6 +53,7 @@ from shoal.frontend.registry.registry import Registry, SetId
 from shoal.frontend.registry.scope import FollowedScope
 from shoal.frontend.registry.store_state import StoreState
 from shoal.frontend.registry.versions import Versions
+from shoal.store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class ModelWatcher(FollowedScope):
         self._resync_task: asyncio.Task[None] | None = None  # at most one resync runs
         self._resync_wanted = False  # a stream restarted since the running resync listed
         self.store = StoreState()
+        self.on_store_back: Callable[[], None] = _nothing  # a store watch has it back
         self.versions: Versions[SetId, ModelKey] = Versions()  # every card, joined or not
         self._refused: dict[SetId, dict[ModelKey, Registration]] = {}
 
@@ -144,6 +146,7 @@ class ModelWatcher(FollowedScope):
         fleet is listed once, not once more by every stream (at 100,000 instances a second
         listing of 200,000 keys, parsed and reported as 100,000 `Added` events that changed
         nothing), and what changed while it was applied comes first."""
+        self.discovery.store.watch_listeners.append(self._watch_saw)
         reporter = self._spawn(self._report_progress(), "discovery:progress")
         quiet = self._spawn(
             self._quiet_while_loading(self.snapshot_loaded, FREEZE_WINDOW), "discovery:quiet"
@@ -183,7 +186,18 @@ class ModelWatcher(FollowedScope):
             await asyncio.sleep(PROGRESS_INTERVAL)
             log.info("loading discovery: %s", self._progress_line())
 
+    def _watch_saw(self, lost: StoreError | None) -> None:
+        """A store watch lost the store, or has it back: the store's watch retries on its
+        own and never raises, so without this `/health` learnt of it at the next listing."""
+        if lost is None:
+            self.store.answered()
+            self.on_store_back()
+        else:
+            self.store.failed(lost)
+
     async def stop(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.discovery.store.watch_listeners.remove(self._watch_saw)
         tasks = list(self._tasks)
         tasks += [w.task for w in self._waiting.values() if w.task is not None]
         tasks += [self._joiner] if self._joiner is not None else []
