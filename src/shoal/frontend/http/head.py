@@ -37,6 +37,9 @@ class Verdict(NamedTuple):
     upgrade: bool  # it asks for an `Upgrade` (ignored: `without_upgrade`)
 
 
+_PLAIN = Verdict(None, False, False)  # (most heads: made once, not per request)
+
+
 def judge_head(
     parser: httptools.HttpRequestParser,
     url: bytes,
@@ -70,7 +73,7 @@ def judge_head(
         return Verdict(
             errors.headers_too_large(f"over {limits.max_header_size} bytes"), False, False
         )
-    return Verdict(None, expect_continue, upgrade)
+    return Verdict(None, expect_continue, upgrade) if expect_continue or upgrade else _PLAIN
 
 
 def refused_trailers(count: int, size: int, limits: Limits) -> ApiError | None:
