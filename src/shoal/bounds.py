@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (imported by those who read answers: not every user of this module)
+    import aiohttp
 
 MAX_DEPTH = 64
 """The deepest nesting of arrays and objects shoal accepts in any outside JSON value."""
@@ -150,3 +154,18 @@ def first_listed(skipped: Mapping[str, str], limit: int = MAX_LISTED) -> list[di
     """The first `limit` of `skipped` (key → why), by key, as `/health` lists them: a
     report stays small however many values an outside writer spoils."""
     return [{"key": k, "reason": r} for k, r in heapq.nsmallest(limit, skipped.items())]
+
+
+async def read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The body of `response`, or None when it is over `limit` bytes: said by its
+    `Content-Length` before anything is read, else found as it is read (64 KiB at a time)."""
+    if (response.content_length or 0) > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_chunked(64 << 10):
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -38,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from shoal.bounds import read_at_most
 from shoal.catalog.cache import EntityCache
 from shoal.catalog.calls import Calls, each
 from shoal.catalog.errors import CatalogError, ConflictError, NotFoundError
@@ -122,17 +123,10 @@ class UrlLister:
 
 
 async def _bounded_read(resp: aiohttp.ClientResponse, url: str) -> bytes:
-    over = ListingError(f"GET {url}: answer over {LISTING_BYTES} bytes (LISTING_BYTES)")
-    if resp.content_length is not None and resp.content_length > LISTING_BYTES:
-        raise over
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in resp.content.iter_chunked(64 << 10):
-        size += len(chunk)
-        if size > LISTING_BYTES:
-            raise over
-        chunks.append(chunk)
-    return b"".join(chunks)
+    raw = await read_at_most(resp, LISTING_BYTES)
+    if raw is None:
+        raise ListingError(f"GET {url}: answer over {LISTING_BYTES} bytes (LISTING_BYTES)")
+    return raw
 
 
 def listed_ids(raw: bytes, url: str) -> list[str]:

@@ -27,7 +27,7 @@ import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
 
-from shoal.bounds import check_json_depth
+from shoal.bounds import check_json_depth, read_at_most
 from shoal.cards import WorkerRole
 from shoal.discovery.keys import quoted
 from shoal.kv import KvEndpoint
@@ -424,19 +424,12 @@ _listing_decoder = msgspec.json.Decoder(_Listing)
 
 async def _read_bounded(response: aiohttp.ClientResponse, url: str) -> bytes:
     """The reply's body, refused (the upstream unhealthy) past `MAX_MODELS_BODY` bytes."""
-    too_long = EngineUnavailableError(
-        f"GET {url} answered more than {MAX_MODELS_BODY:,} bytes: too many models listed"
-    )
-    if (response.content_length or 0) > MAX_MODELS_BODY:
-        raise too_long
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.content.iter_chunked(64 << 10):
-        size += len(chunk)
-        if size > MAX_MODELS_BODY:
-            raise too_long
-        chunks.append(chunk)
-    return b"".join(chunks)
+    raw = await read_at_most(response, MAX_MODELS_BODY)
+    if raw is None:
+        raise EngineUnavailableError(
+            f"GET {url} answered more than {MAX_MODELS_BODY:,} bytes: too many models listed"
+        )
+    return raw
 
 
 def _some_names(models: dict[str, ServedModel]) -> str:
