@@ -13,6 +13,8 @@ once, its response fed to the upstream connection as packets. Modes:
 
   plain    a non-streaming chat completion: one packet each way
   stream   a streaming one of `--chunks` SSE events (128), one packet per event, then [DONE]
+  whole    the same stream written at once with its `Content-Length`, one packet, as the
+           mocker at `--speedup 0` sends it (`bench.gateway`'s default stream workload)
 
 Figures: user+system CPU time of this process over `--requests` requests (after a warm-up),
 per request, the best of `--repeat` runs. `--instructions` counts instructions instead, under
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODES = ("plain", "stream")
+MODES = ("plain", "stream", "whole")
 HERE = Path(__file__).resolve().parent.parent  # (this bench, run on another tree's src)
 BODY = json.dumps(
     {"model": "bench-model", "messages": [{"role": "user", "content": "Hello! " * 8}],
@@ -71,8 +73,8 @@ def worker_response() -> list[bytes]:
     ]
 
 
-def worker_stream(chunks: int) -> list[bytes]:
-    """A streamed answer: the head with the first event, then one packet per event."""
+def stream_events(chunks: int) -> list[bytes]:
+    """The SSE events of a streamed answer of `chunks` pieces, then [DONE]."""
     events = []
     for i in range(chunks):
         delta = json.dumps(
@@ -83,7 +85,12 @@ def worker_stream(chunks: int) -> list[bytes]:
         ).encode()  # fmt: skip
         events.append(b"data: " + delta + b"\n\n")
     events.append(b"data: [DONE]\n\n")
-    packets = [b"%x\r\n%s\r\n" % (len(e), e) for e in events]
+    return events
+
+
+def worker_stream(chunks: int) -> list[bytes]:
+    """A streamed answer: the head with the first event, then one packet per event."""
+    packets = [b"%x\r\n%s\r\n" % (len(e), e) for e in stream_events(chunks)]
     packets[-1] += b"0\r\n\r\n"
     head = (
         b"HTTP/1.1 200 OK\r\ndate: Tue, 01 Dec 2026 12:00:00 GMT\r\nserver: uvicorn\r\n"
@@ -92,6 +99,17 @@ def worker_stream(chunks: int) -> list[bytes]:
     )
     packets[0] = head + packets[0]
     return packets
+
+
+def worker_whole(chunks: int) -> list[bytes]:
+    """The same events in one body with its length, in one packet (the mocker at speedup 0)."""
+    body = b"".join(stream_events(chunks))
+    head = (
+        b"HTTP/1.1 200 OK\r\ndate: Tue, 01 Dec 2026 12:00:00 GMT\r\n"
+        b"server: Python/3.11 aiohttp/3.13\r\ncontent-type: text/event-stream\r\n"
+        b"cache-control: no-cache\r\ncontent-length: %d\r\n\r\n" % len(body)
+    )
+    return [head + body]
 
 
 class Transport:
@@ -171,8 +189,13 @@ class Bench:
             worker.connection_made(transport)  # type: ignore[arg-type]
             upstream.idle.append(worker)
             self.workers.append((upstream, worker, transport))
-        self.requests = {"plain": client_request(BODY), "stream": client_request(STREAM_BODY)}
-        self.responses = {"plain": worker_response(), "stream": worker_stream(chunks)}
+        stream = client_request(STREAM_BODY)
+        self.requests = {"plain": client_request(BODY), "stream": stream, "whole": stream}
+        self.responses = {
+            "plain": worker_response(),
+            "stream": worker_stream(chunks),
+            "whole": worker_whole(chunks),
+        }
 
     def serve(self, mode: str, n: int) -> None:
         """`n` requests, one after the other on one keep-alive connection, as wrk -c1 does."""
@@ -183,7 +206,11 @@ class Bench:
         if len(workers) == 1:
             _, worker, worker_sent = workers[0]
             worker_received = worker.data_received
+            client = self.client
             for _ in range(n):
+                # Each request of wrk -c1 comes in a turn of its own; the connection counts
+                # body pieces until it gives a turn (`TURN_CALLS`), which this loop never runs.
+                client._calls = 0
                 writes = worker_sent.writes
                 client_received(request)
                 assert worker_sent.writes == writes + 1, "the request did not reach the worker"
@@ -191,6 +218,7 @@ class Bench:
                     worker_received(packet)
         else:
             for _ in range(n):
+                self.client._calls = 0  # (as above)
                 before = [sent.writes for _, _, sent in workers]
                 client_received(request)
                 (chosen,) = [w for w, b in zip(workers, before, strict=True) if w[2].writes > b]
@@ -213,7 +241,7 @@ async def measure(args: argparse.Namespace) -> dict[str, float]:
     await asyncio.sleep(0)
     out: dict[str, float] = {}
     for mode in args.modes:
-        n = args.requests if mode == "plain" else max(1, args.requests // args.chunks * 4)
+        n = args.requests if mode != "stream" else max(1, args.requests // args.chunks * 4)
         if args.null:
             out[mode] = float(n)
             continue

@@ -555,3 +555,7 @@ class Forward:
         stats.count(error.status if error is not None else self.status)
         stats.duration.observe(time.perf_counter() - self.request.received)
         self.client.finish(error)
+        # A migration and its forward refer to each other: without this the pair, and the
+        # stream's last packet (`tail`), waited for the garbage collector (a stream of 170 KB
+        # at c1 paid ~50 page faults of the heap's top grown and trimmed again).
+        self.migration = None
