@@ -21,6 +21,7 @@ from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.kv import prompt as kv_prompt
 from shoal.frontend.kv.prompt import PromptTokenizer, TemplateOverrun
 from shoal.frontend.kv.router import KvRouter
+from shoal.frontend.kv.sandbox import INT_BITS
 from shoal.frontend.kv.tracker import KvSet
 from shoal.worker.engines.mocker.text import VOCAB
 from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, TOKENIZER
@@ -438,6 +439,7 @@ def test_an_overrun_a_long_chat_may_explain_fails_that_chat_only() -> None:
         ("{{ ([0] * 200000) | sort | first }}", "sort"),
         ("{{ ([0] * 200000) | join }}", "join"),
         ("{{ ([0] * 200000) | string }}", "string"),
+        ("{% set n = ((2 ** 64) ** 64) ** 2 %}{{ ([n] * 100) | string }}", "string"),
         ("{{ range(200000) | list | unique | list | length }}", "unique"),
         ("{{ [0] * 200000 }}", None),
         ("{{ 'x' ~ [0] * 200000 }}", None),
@@ -483,4 +485,56 @@ def test_quick_operations_on_a_clients_long_message_still_render() -> None:
     text = " ".join(VOCAB[i % 40] for i in range(200_000))
     assert len(text) > 10 * kv_prompt.OP_BOUND
     assert tokenizer.render([{"role": "user", "content": text}]).startswith("<|user|>")
+    assert tokenizer.renders, tokenizer.disabled
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% set a = ((10 ** 60) ** 60) ** 60 %}{% set b = a ** 8 %}{{ 'x' }}",
+        "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
+        "{% endfor %}",
+        "{% set x = ('f' * 100000) | int(base=16) %}{{ x // (x - 1) }}",
+        "{% set x = ('f' * 100000) | int(base=16) %}{{ '%x' % x }}",
+        "{% set ns = namespace() %}{% set ns.x = ((2 ** 64) ** 64) ** 7 %}"
+        "{% for i in range(10000) %}{% set ns.x = ns.x + ns.x %}{% endfor %}",
+    ],
+)
+def test_integer_arithmetic_past_a_bound_is_refused_before_it_runs(template: str) -> None:
+    """`a ** 8` of `a = ((10 ** 60) ** 60) ** 60` is one C multiplication of ~1 s, holding
+    the GIL (so the frontend's event loop, whichever thread renders): sequences were held to
+    a size, integers were not. Now no operation is given or makes an integer over
+    `INT_BITS`: refused before it runs (counted by the arithmetic's operands and results),
+    and the template, overrunning on a small chat, is disabled."""
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    widest: list[int] = []
+
+    def spied(real: Any) -> Any:
+        def spy(left: Any, right: Any) -> Any:
+            widest.extend(v.bit_length() for v in (left, right) if isinstance(v, int))
+            result = real(left, right)
+            widest.extend([result.bit_length()] if isinstance(result, int) else [])
+            return result
+
+        return spy
+
+    env = tokenizer.env
+    env.binop_table = {op: spied(fn) for op, fn in env.binop_table.items()}
+    with pytest.raises(TemplateOverrun, match="integer"):
+        tokenizer.chat([{"role": "user", "content": "hi"}])
+    assert not tokenizer.renders and "integer" in tokenizer.disabled
+    assert max(widest, default=0) <= INT_BITS, max(widest)
+
+
+def test_a_templates_ordinary_arithmetic_still_renders() -> None:
+    """What real templates compute (parities, lengths less one, small powers) is well within
+    `INT_BITS`, `-`, `//` and `/` now checked too."""
+    template = (
+        "{% for m in messages %}{{ loop.index0 % 2 }}{{ messages | length - 1 }}"
+        "{{ (loop.index * 3) // 2 }}{{ 10 / 4 }}{{ 2 ** 64 }}|{{ [7 ** 40, 1] | tojson }}"
+        "{% endfor %}"
+    )
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    text = tokenizer.render([{"role": "user", "content": "hi"}])
+    assert text == f"0012.5{2**64}|[{7**40}, 1]"
     assert tokenizer.renders, tokenizer.disabled

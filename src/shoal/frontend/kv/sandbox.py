@@ -7,7 +7,10 @@ its size can be foreseen. One C-level call runs to its end holding the GIL (and 
 frontend's event loop, whichever thread renders), so a method, filter or test not known
 linear and quick in C on a string (`QUICK_OPS`), or not taking a list or dict a step at a
 time (`ITEM_OPS`), is given no value over `OP_BOUND` characters or items: `wordcount`,
-`wordwrap`, `sort` or `tojson` of a million of them are refused before they run.
+`wordwrap`, `sort` or `tojson` of a million of them are refused before they run. Likewise no
+integer over `INT_BITS` is made or used, refused before the arithmetic that would make it:
+`a ** 8` of `a = ((10 ** 60) ** 60) ** 60` is one C multiplication of a second, and
+arithmetic on, or printing, such numbers is quadratic in their digits.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from shoal.frontend.kv.chain import Deferred
-from shoal.frontend.kv.sizes import built, chars, wide
+from shoal.frontend.kv.sizes import built, chars, int_bits, wide
 
 RENDER_SECONDS = 0.5  # a template's time budget for one chat
 MAX_TEXT = 1 << 20  # characters: what a render keeps, and (beyond the chat's own) any string
 OP_BOUND = 1 << 16  # characters or items: the most an operation not known quick is given
 INLINE_SECONDS = 0.002  # CPU time of a render on the event loop
 INLINE_OP = 4096  # and the most an operation not known quick is given there
+INT_BITS = 1 << 15  # bits: the largest integer a template makes or uses (~9,900 digits)
 QUICK_OPS = frozenset(
     [
         "strip",
@@ -109,9 +113,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     at every loop iteration, call and attribute read, and a size limit no string it builds
     may pass (the chat's own size and `MAX_TEXT` more); its output is cut at `MAX_TEXT`. An
     operation not known quick on a long value (`QUICK_OPS`, `ITEM_OPS`) is not given one over
-    `OP_BOUND` (`INLINE_OP` inline), printing a list or dict included."""
+    `OP_BOUND` (`INLINE_OP` inline), printing a list or dict included; no integer over
+    `INT_BITS` is made or used (arithmetic on them is quadratic, printing them too)."""
 
-    intercepted_binops = frozenset({"*", "**", "+", "%"})
+    intercepted_binops = frozenset({"*", "**", "+", "%", "-", "//", "/"})
 
     def __init__(self) -> None:
         super().__init__(trim_blocks=True, lstrip_blocks=True, finalize=self._printed)
@@ -199,6 +204,9 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                 size = 0 if text_ok else len(value)
             elif isinstance(value, list | tuple | dict):
                 size = 0 if items_ok else chars(value, bound)
+            elif isinstance(value, int):
+                _check_int(value.bit_length())
+                continue
             else:
                 continue
             if size > bound:
@@ -241,6 +249,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         self.check()
         if operator == "**" and isinstance(right, int) and abs(right) > 64:
             raise TemplateOverrun("the chat template raised a number to a large power")
+        if isinstance(left, int) or isinstance(right, int):
+            _check_int(int_bits(operator, left, right))
         if operator == "%" and isinstance(left, str):
             if wide(left, "%"):
                 raise TemplateOverrun("the chat template asked for too wide a format")
@@ -317,7 +327,7 @@ def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limi
     count above it, or a string method (or filter) `name` on `args[0]` growing it past it."""
     for value in (*args, *kwargs.values()):
         if type(value) is int and value > limit:
-            raise TemplateOverrun(f"the chat template asked for {value} of something")
+            raise TemplateOverrun(f"the chat template asked for over {limit} of something")
     target, rest = args[0], args[1:]
     if not isinstance(target, str):
         return
@@ -344,9 +354,19 @@ def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limi
         raise TemplateOverrun(f"the chat template would build {size} characters with {name}")
 
 
+def _check_int(bits: int) -> None:
+    """Refuse an integer of `bits` (made or used): over `INT_BITS`, one C-level operation
+    on it (`*`, `//`, `str`) would hold the GIL, so the event loop, too long."""
+    if bits > INT_BITS:
+        raise TemplateOverrun(f"the chat template would use an integer of {bits} bits")
+
+
 def _bounded(value: Any, limit: int) -> Any:
-    if isinstance(value, str | list | tuple) and len(value) > limit:
-        raise TemplateOverrun("the chat template built too large a sequence")
+    if isinstance(value, str | list | tuple):
+        if len(value) > limit:
+            raise TemplateOverrun("the chat template built too large a sequence")
+    elif isinstance(value, int):
+        _check_int(value.bit_length())
     return value
 
 

@@ -1,5 +1,6 @@
 """What a template's operation would build, foreseen before it is built (`BoundedSandbox`
-checks them against its size limit): a format's width, a sequence's printed characters."""
+checks them against its size limits): a format's width, a sequence's printed characters,
+an integer's bits."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def chars(value: Any, budget: int, depth: int = 0, extra: int = 4) -> int:
     if isinstance(value, str):
         return len(value)
     if not isinstance(value, list | tuple | dict):
+        if isinstance(value, int) and extra:  # (its digits, about: ~0.3 a bit)
+            return value.bit_length() // 3 + 1
         return 1 if extra else 0
     items: Iterable[Any] = value if not isinstance(value, dict) else (
         itertools.chain(value.keys(), value.values()) if extra else value.values()
@@ -61,6 +64,21 @@ def text_size(value: Any, depth: int = 0) -> int:
     if isinstance(value, dict):
         return sum(text_size(k, depth + 1) + text_size(v, depth + 1) for k, v in value.items())
     return sum(text_size(item, depth + 1) for item in value)
+
+
+def int_bits(operator: str, left: Any, right: Any) -> int:
+    """About how many bits the largest integer in `left operator right` holds, its result
+    (foreseen: `*` adds its operands' bits, `**` multiplies them by the power, `+` and `-`
+    one more) or an operand (a number that is no integer counts 0)."""
+    a = left.bit_length() if isinstance(left, int) else 0
+    b = right.bit_length() if isinstance(right, int) else 0
+    if operator == "*" and a and b:
+        return a + b
+    if operator in ("+", "-") and a and b:
+        return max(a, b) + 1
+    if operator == "**" and a and isinstance(right, int) and right > 0:
+        return max(a * right, b)
+    return max(a, b)
 
 
 def built(operator: str, left: Any, right: Any, budget: int) -> int:
