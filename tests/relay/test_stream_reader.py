@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import tracemalloc
 
 import nats
@@ -16,7 +17,7 @@ from shoal.frontend.kv import stream as kv_stream
 from shoal.frontend.kv.stream import KvStreamReader
 from shoal.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from shoal.kv import stream as layout
-from shoal.kv.subscription import APPLY_SLICE
+from shoal.kv.subscription import APPLY_SLICE, THREAD_DECODE_BYTES
 from tests.helpers import wait_for
 from tests.nats_server import NatsServer
 
@@ -146,6 +147,37 @@ async def test_a_batch_of_many_blocks_is_applied_in_slices_and_a_loss_stops_its_
     control(reader, layout.RESNAPSHOT, seq=3)  # ... and then the instance is lost
     await wait_for(lambda: reader.instances[(NS, INSTANCE)].flushing is None)
     assert parts == [APPLY_SLICE]  # the rest of the batch was dropped with it
+
+
+async def test_a_large_batch_is_decoded_in_a_thread_and_the_batches_stay_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch of up to 4 MiB was decoded on the event loop (2.8 MB: 119 ms held), where a
+    worker's own subscription decodes one over `THREAD_DECODE_BYTES` in a thread. Now the
+    stream's are too, by the instance's flush task: the batches after it wait for it."""
+    decoded: list[tuple[int, int]] = []  # (thread, payload bytes) of each batch decoded
+    real = kv_stream.decode_batch
+
+    def spy(payload: bytes) -> KVEventBatch:
+        decoded.append((threading.get_ident(), len(payload)))
+        return real(payload)
+
+    monkeypatch.setattr(kv_stream, "decode_batch", spy)
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    follower = Follower(reader)
+    blocks, size = APPLY_SLICE, 64  # token ids over 2**16: 5 bytes each
+    event = BlockStored(list(range(blocks)), None, [1 << 16] * (blocks * size), size)
+    large = encode_batch(KVEventBatch(1.0, [event]))
+    assert len(large) > THREAD_DECODE_BYTES
+    batch(reader, 0)
+    reader.record(SUBJECT, {layout.KIND: layout.BATCH, layout.SEQ: "1", layout.TS: "1.0"}, large)
+    assert [n for _, n in decoded if n == len(large)] == []  # not on the reading path
+    batch(reader, 2)
+    batch(reader, 3)
+    await wait_for(lambda: follower.applied == [0, 1, 2, 3])
+    threads = {n: thread for thread, n in decoded}
+    assert threads[len(large)] != threading.get_ident()
+    assert (reader.stats.decode_errors, follower.purges) == (0, 0)
 
 
 async def test_records_kept_for_instances_not_followed_are_bounded_in_bytes_oldest_out(

@@ -20,8 +20,10 @@ a worker's own numbering:
   first, forgetting is safe), and applied when it is followed, so a frontend started late is
   caught up from the stream; a `left` record drops them (one that comes while the instance
   is followed is remembered: it is forgotten when the registry unfollows it);
-- a large batch is applied in slices of `APPLY_SLICE` blocks, yielding between them, as a
-  subscription does; an instance whose queue of batches to apply fills up is resnapshotted.
+- a large batch is applied in slices of `APPLY_SLICE` blocks, yielding between them, and a
+  payload over `THREAD_DECODE_BYTES` is decoded in a thread, as a subscription does (both by
+  the instance's flush task, so its batches are applied in the order they came); an instance
+  whose queue of batches to apply fills up is resnapshotted.
 
 A reader that gets past records the stream no longer holds (removed by retention before it
 read them: after a reconnection, or once nats-py made its ordered consumer again) has lost
@@ -47,7 +49,14 @@ import msgspec
 
 from shoal.kv import AllBlocksCleared, KVEventBatch, decode_batch
 from shoal.kv import stream as layout
-from shoal.kv.subscription import APPLY_SLICE, MAX_BATCH_BYTES, KvStats, Pace, slices
+from shoal.kv.subscription import (
+    APPLY_SLICE,
+    MAX_BATCH_BYTES,
+    THREAD_DECODE_BYTES,
+    KvStats,
+    Pace,
+    slices,
+)
 
 if TYPE_CHECKING:  # (nats is imported when a stream is first read: most frontends read none)
     from nats.aio.client import Client
@@ -127,10 +136,12 @@ class _Instance:
             self.ledger.gone(kept)
         self.pending = deque()
 
-    def lose(self) -> None:
-        """What is held of this instance may be wrong: drop it."""
+    def lose(self, after: bool = False) -> None:
+        """What is held of this instance may be wrong: drop it, and the batches kept
+        unless they came `after` what was lost (an unreadable batch its flush task took)."""
         self.losses += 1
-        self.clear()
+        if not after:
+            self.clear()
         if self.purge is not None:
             self.purge()
 
@@ -207,8 +218,9 @@ class KvStreamReader:
 
     def _deliver(self, instance: _Instance, payload: bytes) -> None:
         """Apply the batch now when it is small and nothing waits before it; else queue it
-        for the instance's flush task, which applies it in slices, yielding between them.
-        Kept for an instance not followed, or behind others: its payload, decoded later."""
+        for the instance's flush task, which applies it in slices, yielding between them
+        (and decodes it in a thread when its payload is over `THREAD_DECODE_BYTES`). Kept
+        for an instance not followed, or behind others: its payload, decoded later."""
         if instance.apply is None:
             if len(instance.pending) >= PENDING_BATCHES:
                 instance.take()  # nothing applied yet: forgetting the oldest is safe
@@ -216,7 +228,7 @@ class KvStreamReader:
             self._trim()
             return
         batch = None
-        if instance.flushing is None:
+        if instance.flushing is None and len(payload) <= THREAD_DECODE_BYTES:
             batch = self._decode(instance, payload)
             if batch is None:
                 return
@@ -233,10 +245,34 @@ class KvStreamReader:
         """The batch in `payload`; None for one that cannot be read (a loss: the instance
         is resnapshotted)."""
         try:
-            batch = decode_batch(payload)
+            return self._decoded(instance, decode_batch(payload))
         except (msgspec.DecodeError, msgspec.ValidationError):
+            return self._decoded(instance, None)
+
+    async def _batch(self, instance: _Instance, kept: _Kept) -> KVEventBatch | None:
+        """`kept`'s batch, taken by the flush task, as `_decode` gives it (those kept after
+        it are kept on a loss): decoded in a thread when its payload is over
+        `THREAD_DECODE_BYTES` (4 MiB of token ids: 30-120 ms of CPU, which there the event
+        loop's thread interrupts every switch interval)."""
+        if kept.batch is not None:
+            return kept.batch
+        try:
+            if len(kept.payload) <= THREAD_DECODE_BYTES:
+                return self._decoded(instance, decode_batch(kept.payload), True)
+            return self._decoded(
+                instance, await asyncio.to_thread(decode_batch, kept.payload), True
+            )
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return self._decoded(instance, None, True)
+
+    def _decoded(
+        self, instance: _Instance, batch: KVEventBatch | None, taken: bool = False
+    ) -> KVEventBatch | None:
+        """`batch` counted; None (unreadable) a loss: the instance is resnapshotted (the
+        batches kept after it stay when it was `taken` by the flush task)."""
+        if batch is None:
             self.stats.decode_errors += 1
-            self._resnapshot(instance)
+            self._resnapshot(instance, after=taken)
             return None
         self.stats.events += len(batch.events)
         return batch
@@ -266,7 +302,7 @@ class KvStreamReader:
         try:
             while instance.pending and instance.apply is not None:
                 kept, losses = instance.take(), instance.losses
-                batch = kept.batch or self._decode(instance, kept.payload)
+                batch = await self._batch(instance, kept)
                 if batch is None:
                     continue  # (unreadable: the instance was resnapshotted)
                 for i, part in enumerate(slices(batch)):
@@ -277,7 +313,8 @@ class KvStreamReader:
                     instance.apply(part)
                 await pace.step()
         finally:
-            instance.flushing = None
+            if instance.flushing is asyncio.current_task():  # (not a flush started since)
+                instance.flushing = None
 
     # -- the stream ---------------------------------------------------------------------------
 
@@ -452,6 +489,6 @@ class KvStreamReader:
         self.stats.batches += 1
         self._deliver(instance, bytes(payload))
 
-    def _resnapshot(self, instance: _Instance) -> None:
+    def _resnapshot(self, instance: _Instance, after: bool = False) -> None:
         self.stats.resnapshots += 1
-        instance.lose()
+        instance.lose(after)
