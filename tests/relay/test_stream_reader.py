@@ -257,6 +257,36 @@ async def test_an_instance_that_left_while_followed_is_forgotten_when_unfollowed
     assert follower.applied == [0]
 
 
+async def test_instances_not_followed_are_forgotten_when_they_hold_nothing_and_bounded_in_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An instance not followed stayed known after its batches were all forgotten to keep
+    within `PENDING_BYTES`, and after `unfollow` without a `left` (its relay killed): 200,000
+    instances of other namespaces held ~227 MB. Now one whose batches are forgotten goes
+    with them, and at most `MAX_UNFOLLOWED` are known, the one read least recently out
+    (a followed one never is); the newest keep their place in the stream."""
+    monkeypatch.setattr(kv_stream, "PENDING_BYTES", 1 << 20, raising=False)
+    monkeypatch.setattr(kv_stream, "MAX_UNFOLLOWED", 1000, raising=False)
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    follower = Follower(reader)
+    payload = encode_batch(KVEventBatch(1.0, [AllBlocksCleared()]))
+    headers = {layout.KIND: layout.BATCH, layout.SEQ: "0", layout.TS: "1.0"}
+    for instance_id in range(1, 20_001):  # of namespaces this frontend does not serve
+        reader.record(layout.subject("other", instance_id), headers, payload)
+    assert all(i.pending for k, i in reader.instances.items() if k != (NS, INSTANCE))
+    assert len(reader.instances) <= 1001 and reader.ledger.live <= 1000
+    assert ("other", 20_000) in reader.instances
+    for instance_id in range(1, 5001):  # followed, then not (no `left`: relays killed)
+        key = ("churn", instance_id)
+        reader.follow(key, lambda b: None, lambda: None)
+        reader.record(layout.subject(*key), headers, payload)
+        reader.unfollow(key)
+    assert len(reader.instances) <= 1001 and len(reader.unfollowed) <= 1000
+    assert reader.instances[("churn", 5000)].last_seq == 0  # (its place kept)
+    batch(reader, 0)
+    assert follower.applied == [0]  # (followed: never forgotten)
+
+
 async def test_a_record_of_too_many_events_is_a_loss_counted_not_decoded() -> None:
     """250,000 events of no block fit in a 4 MiB record and took 70-230 ms to decode on the
     event loop: refused by their count, a loss like an unreadable record."""

@@ -17,9 +17,12 @@ a worker's own numbering:
   card, or routes elsewhere) are kept as they came (their payload, decoded when applied), at
   most `PENDING_BATCHES` of them from its last loss on, `PENDING_BYTES` for all instances
   (each counted as its payload and `KEPT_COST` for the objects keeping it: older ones leave
-  first, forgetting is safe), and applied when it is followed, so a frontend started late is
-  caught up from the stream; a `left` record drops them (one that comes while the instance
-  is followed is remembered: it is forgotten when the registry unfollows it);
+  first, forgetting is safe, and an instance left with none and not followed is forgotten
+  too), and applied when it is followed, so a frontend started late is caught up from the
+  stream; a `left` record drops them (one that comes while the instance is followed is
+  remembered: it is forgotten when the registry unfollows it); at most `MAX_UNFOLLOWED`
+  instances not followed are known (their batches and place in the stream), the one read
+  least recently forgotten past it;
 - a large batch is applied in slices of `APPLY_SLICE` blocks, yielding between them, and a
   payload over `THREAD_DECODE_BYTES` is decoded in a thread, as a subscription does (both by
   the instance's flush task, so its batches are applied in the order they came); an instance
@@ -67,6 +70,7 @@ log = logging.getLogger(__name__)
 PENDING_BATCHES = 4096  # kept per instance not yet followed
 PENDING_BYTES = 64 << 20  # bytes of the batches kept for all instances at once
 KEPT_COST = 224  # bytes a kept batch holds beyond its payload (measured: ~200)
+MAX_UNFOLLOWED = 16_384  # instances not followed known at once (~400 bytes each, and batches)
 DECODED_COST = 16  # and per byte of its payload, kept decoded (measured: 5-9, 80 for tiny ones)
 STREAM_CHECK = 5.0  # seconds between two looks at the stream read (deleted, made again?)
 BACKOFF_MAX = 5.0
@@ -100,14 +104,18 @@ class _Ledger:
             self.live -= 1
 
 
-@dataclass(eq=False)
+_NO_BATCHES: deque[_Kept] = deque(maxlen=0)  # every instance's with none kept (760 bytes)
+
+
+@dataclass(eq=False, slots=True)
 class _Instance:
     """One instance's place in the stream, and where its batches go."""
 
     ledger: _Ledger
+    key: StreamKey
     last_seq: int = -1  # the worker's number of the last batch applied (-1: none known)
     last_ts: float = 0.0  # and its timestamp
-    pending: deque[_Kept] = field(default_factory=deque)
+    pending: deque[_Kept] = field(default_factory=lambda: _NO_BATCHES)
     apply: Callable[[KVEventBatch], None] | None = None
     purge: Callable[[], None] | None = None
     flushing: asyncio.Task[None] | None = None
@@ -117,6 +125,8 @@ class _Instance:
     def keep(self, payload: bytes, batch: KVEventBatch | None = None) -> None:
         size = KEPT_COST + len(payload) * (1 if batch is None else DECODED_COST)
         kept = _Kept(payload, batch, size)
+        if self.pending is _NO_BATCHES:
+            self.pending = deque()
         self.pending.append(kept)
         ledger = self.ledger
         ledger.bytes += size
@@ -128,13 +138,13 @@ class _Instance:
         kept = self.pending.popleft()
         self.ledger.gone(kept)
         if not self.pending:
-            self.pending = deque()  # (an emptied deque keeps 16 blocks of 64 for reuse: 8 KB)
+            self.pending = _NO_BATCHES  # (an emptied deque keeps 16 blocks of 64 for reuse: 8 KB)
         return kept
 
     def clear(self) -> None:
         for kept in self.pending:
             self.ledger.gone(kept)
-        self.pending = deque()
+        self.pending = _NO_BATCHES
 
     def lose(self, after: bool = False) -> None:
         """What is held of this instance may be wrong: drop it, and the batches kept
@@ -160,6 +170,7 @@ class KvStreamReader:
         self.stream = stream
         self.stats = stats or KvStats()
         self.instances: dict[StreamKey, _Instance] = {}
+        self.unfollowed: dict[StreamKey, None] = {}  # those not followed, read least recently first
         self.ledger = _Ledger()  # the batches kept, of every instance
         self.last_stream_seq = 0  # the stream sequence of the last record read
         self.connected = False
@@ -199,7 +210,8 @@ class KvStreamReader:
         """Send `key`'s batches to `apply` (those kept so far first, yielding as it goes)."""
         instance = self.instances.get(key)
         if instance is None:
-            instance = self.instances[key] = _Instance(self.ledger)
+            instance = self.instances[key] = _Instance(self.ledger, key)
+        self.unfollowed.pop(key, None)
         instance.apply, instance.purge = apply, purge
         if instance.pending:
             self._start_flush(instance)
@@ -215,6 +227,24 @@ class KvStreamReader:
         instance.clear()
         if instance.left:  # (its `left` came while it was followed)
             del self.instances[key]
+        else:  # (its place in the stream kept: copies of batches applied are still skipped)
+            self._not_followed(key)
+
+    def _not_followed(self, key: StreamKey) -> None:
+        """`key`, not followed, read now: past `MAX_UNFOLLOWED` such instances, the one read
+        least recently is forgotten (its batches kept, safe to forget, and its place)."""
+        unfollowed = self.unfollowed
+        unfollowed.pop(key, None)
+        unfollowed[key] = None
+        while len(unfollowed) > MAX_UNFOLLOWED:
+            self._forget(next(iter(unfollowed)))
+
+    def _forget(self, key: StreamKey) -> None:
+        """Forget `key`, not followed: its batches kept and its place in the stream."""
+        instance = self.instances.pop(key, None)
+        if instance is not None:
+            instance.clear()
+        self.unfollowed.pop(key, None)
 
     def _deliver(self, instance: _Instance, payload: bytes) -> None:
         """Apply the batch now when it is small and nothing waits before it; else queue it
@@ -288,6 +318,8 @@ class KvStreamReader:
                 continue  # applied or dropped since
             if instance.apply is None:
                 instance.take()  # (the oldest kept of all: the first of its instance's)
+                if not instance.pending:  # (its place is worth less than its entry's bytes)
+                    self._forget(instance.key)
             else:
                 self._resnapshot(instance)
         if len(ledger.order) > 2 * ledger.live + 1024:  # most of them gone: made again
@@ -456,13 +488,14 @@ class KvStreamReader:
         instance = self.instances.get(key)
         if kind == layout.LEFT:
             if instance is not None and instance.apply is None:
-                instance.clear()
-                del self.instances[key]
+                self._forget(key)
             elif instance is not None:
                 instance.left = True  # (the registry unfollows it soon: forgotten then)
             return
         if instance is None:
-            instance = self.instances[key] = _Instance(self.ledger)
+            instance = self.instances[key] = _Instance(self.ledger, key)
+        if instance.apply is None:
+            self._not_followed(key)
         try:
             seq, ts = int(headers[layout.SEQ]), float(headers[layout.TS])
         except (KeyError, ValueError):
