@@ -7,9 +7,11 @@ before it is the client's:
 - a 401 or 403 refuses the gateway's secret, never the client's key: it is a failed attempt
   (another target is tried) and, when none is left, a 502 `provider_auth_failed` naming the
   provider and the virtual model; the provider's body (which may quote the key) is not relayed;
-- any other error body is relayed with the secret's value masked (`Masked`, same length, so a
-  `Content-Length` still holds);
-- its cookies, account headers and rate limits are dropped (`provider_response_headers`).
+- any other error body is relayed with the secret's value masked in every form it may be
+  written in, JSON-escaped, URL-encoded, HTML-escaped (`virtual.masking.Masked`, same length,
+  so a `Content-Length` still holds);
+- its cookies, account headers and rate limits are dropped (`provider_response_headers`), and
+  any other header (of any answer) quoting the secret, in any form, has it masked.
 """
 
 from __future__ import annotations
@@ -22,34 +24,11 @@ from shoal.frontend.proxy.fields import Fields, rewrite_model
 from shoal.frontend.proxy.forward import Forward, Gateway
 from shoal.frontend.proxy.headers import provider_response_headers
 from shoal.frontend.registry.metrics import ModelStats
+from shoal.frontend.virtual.masking import Masked
 from shoal.frontend.virtual.virtual import FleetChoice, UrlChoice, VirtualModel
 from shoal.urls import redact_url
 
 BEARER = b"Bearer "
-
-
-class Masked:
-    """A body with every occurrence of `secret` replaced by as many `*`, wherever packets cut
-    it: the last `len(secret) - 1` bytes wait for the next packet (or the end)."""
-
-    __slots__ = ("held", "mask", "secret")
-
-    def __init__(self, secret: bytes) -> None:
-        self.secret = secret
-        self.mask = b"*" * len(secret)
-        self.held = b""
-
-    def feed(self, data: bytes) -> bytes:
-        """What of `data` (and the bytes held before it) can go now, masked."""
-        data = (self.held + data).replace(self.secret, self.mask)
-        cut = max(len(data) - len(self.secret) + 1, 0)
-        self.held = data[cut:]
-        return data[:cut]
-
-    def rest(self) -> bytes:
-        """The bytes held at the end of the body (too short to hold the secret)."""
-        held, self.held = self.held, b""
-        return held
 
 
 class VirtualForward(Forward):
@@ -105,10 +84,14 @@ class VirtualForward(Forward):
         if status == 401 or status == 403:
             self._attempt_failed(errors.provider_refused(self.name, self._provider(target), status))
             return False
+        headers = provider_response_headers(headers)
         secret = target.authorization
-        if status >= 400 and secret is not None and secret.startswith(BEARER):
-            self.masked = Masked(secret[len(BEARER) :])
-        return super().on_head(status, provider_response_headers(headers), chunked)
+        if secret is not None and secret.startswith(BEARER):
+            masked = Masked(secret[len(BEARER) :])
+            headers = masked.headers(headers)
+            if status >= 400:
+                self.masked = masked
+        return super().on_head(status, headers, chunked)
 
     def on_body(self, data: bytes) -> None:
         masked = self.masked
