@@ -5,6 +5,7 @@ form reached the client."""
 
 from __future__ import annotations
 
+import asyncio
 import html
 import re
 import urllib.parse
@@ -138,3 +139,45 @@ def test_every_form_of_the_key_is_masked_wherever_the_packets_cut_it() -> None:
             pieces = (body[:first], body[first:second], body[second:])
             out = b"".join(masked.feed(p) for p in pieces) + masked.rest()
             assert out == expected, (first, second)
+
+
+async def test_the_key_a_request_was_sent_with_is_masked_after_the_secret_rotated(
+    store: Store, start_frontend: StartFrontend, monkeypatch: Any
+) -> None:
+    """The secret rotated (`refresh_secrets`) while a request was at the provider: its answer
+    quotes the key it was sent with, the old one (still valid at the provider during the
+    overlap), and only the key in force when the answer came, the new one, was masked."""
+    old, new = "sk-OLD-PROVIDER-SECRET-0123456789", "sk-NEW-PROVIDER-SECRET-9876543210"
+    monkeypatch.setenv("SHOAL_SECRET_PKEY", old)
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    async def answer(request: web.Request) -> web.Response:
+        given = request.headers.get("Authorization", "")[len("Bearer ") :]
+        arrived.set()
+        await release.wait()
+        error = {"message": f"Bad request with key {given} ({FORMS['url'](given)})"}
+        return web.json_response({"error": error}, status=400, headers={"X-Key": given})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        frontend = await start_frontend()
+        await serve_route(store, frontend, "v", url_target(url, "m", secret="pkey"))
+        asked = asyncio.create_task(ask(frontend.url))
+        await asyncio.wait_for(arrived.wait(), 10)
+        monkeypatch.setenv("SHOAL_SECRET_PKEY", new)  # the operator rotates the key
+        await frontend.routes.refresh_secrets()
+        (choice,) = frontend.routes.models["v"].choices
+        assert choice.upstream.authorization == b"Bearer " + new.encode()  # type: ignore[union-attr]
+        release.set()
+        status, text, headers = await asyncio.wait_for(asked, 10)
+        assert status == 400
+        assert "0123456789" not in revealed(text), text
+        assert dict(headers)["X-Key"] == "*" * len(old)
+    finally:
+        await runner.cleanup()

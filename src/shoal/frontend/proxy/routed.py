@@ -9,7 +9,8 @@ before it is the client's:
   provider and the virtual model; the provider's body (which may quote the key) is not relayed;
 - any other error body is relayed with the secret's value masked in every form it may be
   written in, JSON-escaped, URL-encoded, HTML-escaped (`virtual.masking.Masked`, same length,
-  so a `Content-Length` still holds);
+  so a `Content-Length` still holds): the value the request was written with, and the one in
+  force when the answer comes (a rotation in between leaves the old one valid at the provider);
 - its cookies, account headers and rate limits are dropped (`provider_response_headers`), and
   any other header (of any answer) quoting the secret, in any form, has it masked.
 """
@@ -35,7 +36,7 @@ class VirtualForward(Forward):
     """A request for a virtual model: each attempt picks one of its targets by weight, and
     sends the body naming the model as that target serves it (re-encoded only then)."""
 
-    __slots__ = ("kind", "masked", "served", "virtual")
+    __slots__ = ("kind", "masked", "sent", "served", "virtual")
 
     def __init__(
         self,
@@ -52,6 +53,7 @@ class VirtualForward(Forward):
         self.kind = kind
         self.served = self.name  # the model the body names now
         self.masked: Masked | None = None  # a provider's error body, its secret masked
+        self.sent: bytes | None = None  # the `Authorization` the attempt was written with
 
     def _models(self) -> tuple[str, ...]:
         return tuple(c.served for c in self.virtual.weighted if isinstance(c, FleetChoice))
@@ -66,6 +68,12 @@ class VirtualForward(Forward):
             body = self.request.body
             self.body = body if served == self.name else rewrite_model(body, served)
         return target
+
+    def _head(self, target: Upstream, body: bytes) -> bytes:
+        # The secret as written now: a rotation (`RouteTable.refresh_secrets`) may replace the
+        # target's before the answer comes, and the provider may quote this one, still valid.
+        self.sent = target.authorization
+        return super()._head(target, body)
 
     def _may_retry(self) -> bool:
         if self.attempt > self.proxy.retries:
@@ -85,9 +93,10 @@ class VirtualForward(Forward):
             self._attempt_failed(errors.provider_refused(self.name, self._provider(target), status))
             return False
         headers = provider_response_headers(headers)
-        secret = target.authorization
-        if secret is not None and secret.startswith(BEARER):
-            masked = Masked(secret[len(BEARER) :])
+        sent, now = self.sent, target.authorization  # (the key sent, and the one in force)
+        secrets = [a[len(BEARER) :] for a in (sent, now) if a is not None and a.startswith(BEARER)]
+        if secrets:
+            masked = Masked(*secrets)
             headers = masked.headers(headers)
             if status >= 400:
                 self.masked = masked
