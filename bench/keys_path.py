@@ -121,13 +121,27 @@ async def measure(mode: str, requests: int, repeat: int, redis_url: str | None) 
     await limits.start()
     gate = Gate(limits, forward, UsageBook("http://127.0.0.1:9").record)  # type: ignore[arg-type]
 
+    from shoal.frontend.keys import windows
+
+    # A tree whose request path reads `max_tokens` with the other fields and tells the gate
+    # the request's estimate (made once); an older one estimates in the limits, of the body.
+    with_tokens = hasattr(windows, "MAX_DECLARED")
+
     async def one() -> None:
         grant = ring.check(request.header(b"authorization"))
         assert grant is not None
-        model = decode_fields(request.body).model or ""
-        KeyRing.admit(grant, model)
+        body = request.body
         ended = conn.ended = loop.create_future()
-        gate.handle(request, conn, "chat", grant, model)  # type: ignore[arg-type]
+        if with_tokens:  # (as `Endpoints.handle`)
+            fields = decode_fields(body, too_deep=request.too_deep, with_tokens=True)  # type: ignore[call-overload]
+            model = fields.model or ""
+            KeyRing.admit(grant, model)
+            tokens = windows.estimate(len(body), fields.max_completion_tokens, fields.max_tokens)
+            gate.handle(request, conn, "chat", grant, model, tokens)  # type: ignore[arg-type]
+        else:
+            model = decode_fields(body).model or ""
+            KeyRing.admit(grant, model)
+            gate.handle(request, conn, "chat", grant, model)  # type: ignore[arg-type]
         if conn.ended is not None:
             await ended  # Redis decides: its answer comes in another turn of the loop
 

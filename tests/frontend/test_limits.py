@@ -22,7 +22,7 @@ from shoal.frontend.keys import limits
 from shoal.frontend.keys.limits import Limits
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
-from tests.frontend.test_limits_faults import Told, shared
+from tests.frontend.test_limits_faults import Told, shared, tokens_of
 from tests.helpers import wait_for
 from tests.redis_server import RedisServer
 
@@ -264,20 +264,20 @@ def test_local_windows_reserve_the_tokens_of_requests_in_flight() -> None:
     """Without Redis (or while it is down) a request admitted reserves its tokens at once: a
     burst in flight cannot pass tpm by more than its last request; its end charges what its
     answer used instead of the reservation."""
-    from shoal.frontend.keys.windows import LocalWindows, Refusal, estimate
+    from shoal.frontend.keys.windows import LocalWindows, Refusal
 
     class Ticket:
         reserved, shared = 0, False
 
     key = Grant(workspace="default", name="team", hash=hash_secret(SECRET), tpm=20)
     local, now = LocalWindows(), 600.0  # the start of a minute: nothing fades
-    assert estimate(BODY.encode()) == len(BODY) // 4
+    assert tokens_of(BODY.encode()) == len(BODY) // 4
     first = Ticket()
-    assert isinstance(local.admit(key, 1, BODY.encode(), first, now=now), bytes)
+    assert isinstance(local.admit(key, 1, tokens_of(BODY.encode()), first, now=now), bytes)
     assert first.reserved == len(BODY) // 4  # no answer yet: the request's estimate
     local.charge(key, 4, first.reserved, now=now)  # the answer used 4 tokens
     burst = [Ticket() for _ in range(40)]
-    verdicts = [local.admit(key, 1, BODY.encode(), ticket, now=now) for ticket in burst]
+    verdicts = [local.admit(key, 1, tokens_of(BODY.encode()), ticket, now=now) for ticket in burst]
     admitted = [t for t, v in zip(burst, verdicts, strict=True) if isinstance(v, bytes)]
     per = len(BODY) // 4  # each its own estimate still: larger than the key's 4 per answer
     assert all(t.reserved == per for t in admitted)
@@ -285,7 +285,7 @@ def test_local_windows_reserve_the_tokens_of_requests_in_flight() -> None:
     assert all(isinstance(v, Refusal) and v.what == "tokens" for v in verdicts[len(admitted) :])
     for ticket in admitted:  # the answers end: failed ones cost nothing, the rest 4 each
         local.charge(key, 0, ticket.reserved, now=now)
-    assert isinstance(local.admit(key, 1, BODY.encode(), Ticket(), now=now), bytes)
+    assert isinstance(local.admit(key, 1, tokens_of(BODY.encode()), Ticket(), now=now), bytes)
 
 
 class Ticket:
@@ -300,18 +300,18 @@ def test_a_keys_small_answers_never_let_larger_requests_in_at_their_average() ->
     """After answers of 1 token, each request of a burst declaring max_tokens 50,000 reserved
     the key's average (1 token): 99,997 of them were admitted against tpm 100,000. Each
     reserves its own estimate now: tpm is passed by one request at most (local windows)."""
-    from shoal.frontend.keys.windows import LocalWindows, estimate
+    from shoal.frontend.keys.windows import LocalWindows
 
     key = Grant(workspace="default", name="team", hash=hash_secret(SECRET), tpm=100_000)
     local, now = LocalWindows(), 600.0  # the start of a minute: nothing fades
     for _ in range(3):  # the key's answers: 1 token each
         ticket = Ticket()
-        assert isinstance(local.admit(key, 1, SMALL, ticket, now=now), bytes)
+        assert isinstance(local.admit(key, 1, tokens_of(SMALL), ticket, now=now), bytes)
         local.charge(key, 1, ticket.reserved, now=now)
     burst = [Ticket() for _ in range(1000)]
-    verdicts = [local.admit(key, 1, LARGE, ticket, now=now) for ticket in burst]
+    verdicts = [local.admit(key, 1, tokens_of(LARGE), ticket, now=now) for ticket in burst]
     admitted = [t for t, v in zip(burst, verdicts, strict=True) if isinstance(v, bytes)]
-    assert all(t.reserved == estimate(LARGE) for t in admitted)
+    assert all(t.reserved == tokens_of(LARGE) for t in admitted)
     assert len(admitted) == 2  # 3 + 50,004 under 100,000: a second one, and no more
     assert 3 + sum(t.reserved for t in admitted[:-1]) < 100_000
 
@@ -324,32 +324,30 @@ async def test_redis_never_admits_larger_requests_at_a_keys_small_average(
     500 of 500 were admitted against tpm 100,000. Each reserves its own estimate at least now:
     one declaring more than an allowance reserves asks Redis, and a LEASE is asked at the
     largest estimate of its waiters, even of one that came while it was asked."""
-    from shoal.frontend.keys.windows import estimate
-
     key = Grant(workspace="default", name="team", hash=hash_secret(SECRET), tpm=100_000)
     for _ in range(3):  # a busy key answering 1 token: the next LEASE brings an allowance
         told = Told()
-        told.body = SMALL
+        told.tokens = tokens_of(SMALL)
         shared.wait(key, told)
         await wait_for(lambda told=told: told.verdicts)
         shared.charge(key, 1, told.reserved, told.shared, told.minute)
     small, large = Told(), Told()
-    small.body, large.body = SMALL, LARGE
+    small.tokens, large.tokens = tokens_of(SMALL), tokens_of(LARGE)
     shared.wait(key, small)  # a LEASE asked at the small size, with an allowance...
     shared.wait(key, large)  # ... and a large request joins it while it is asked
     await wait_for(lambda: small.verdicts and large.verdicts)
-    assert isinstance(large.verdicts[0], bytes) and large.reserved >= estimate(LARGE)
+    assert isinstance(large.verdicts[0], bytes) and large.reserved >= tokens_of(LARGE)
     burst = [Told() for _ in range(500)]
     for told in burst:
-        told.body = LARGE
-        verdict = shared.admit(key, LARGE, told)  # on the allowance (leased for 1 token)?
+        told.tokens = tokens_of(LARGE)
+        verdict = shared.admit(key, told.tokens, told)  # on the allowance (leased for 1 token)?
         if verdict is None:
             shared.wait(key, told)
         else:
             told.verdicts.append(verdict)
     await wait_for(lambda: all(told.verdicts for told in burst))
     admitted = [told for told in burst if isinstance(told.verdicts[0], bytes)]
-    assert all(told.reserved >= estimate(LARGE) for told in admitted)
+    assert all(told.reserved >= tokens_of(LARGE) for told in admitted)
     assert len(admitted) <= 1  # the large one before holds ~50,000 of the 100,000 already
 
 
@@ -361,15 +359,13 @@ async def test_one_large_request_never_makes_the_small_ones_queued_before_it_res
     reserve 5,020 each, and 8 of the 10 were refused (the local windows admit all 10). A
     LEASE is asked at its first waiter's size: the small ones are admitted at theirs, the
     large one waits for the next, asked at its own."""
-    from shoal.frontend.keys.windows import estimate
-
     key = Grant(workspace="default", name="team", hash=hash_secret(SECRET), tpm=1000)
     small = json.dumps({"model": "m", "max_tokens": 20, "prompt": "hi"}).encode()
     large = json.dumps({"model": "m", "max_tokens": 5000, "prompt": "hi"}).encode()
     waiting = [Told() for _ in range(10)]
     for told, body in zip(waiting, [small] * 9 + [large], strict=True):
-        told.body = body
-        verdict = shared.admit(key, body, told)
+        told.tokens = tokens_of(body)
+        verdict = shared.admit(key, told.tokens, told)
         if verdict is None:
             shared.wait(key, told)
         else:
@@ -377,7 +373,7 @@ async def test_one_large_request_never_makes_the_small_ones_queued_before_it_res
     await wait_for(lambda: all(told.verdicts for told in waiting))
     admitted = [isinstance(told.verdicts[0], bytes) for told in waiting]
     assert admitted == [True] * 10
-    assert [told.reserved for told in waiting] == [estimate(small)] * 9 + [estimate(large)]
+    assert [told.reserved for told in waiting] == [tokens_of(small)] * 9 + [tokens_of(large)]
 
 
 async def test_a_waiter_queued_before_its_key_gained_a_tpm_is_told_after_one_more_lease(
@@ -391,8 +387,8 @@ async def test_a_waiter_queued_before_its_key_gained_a_tpm_is_told_after_one_mor
     new = Grant(workspace="default", name="team", hash=hash_secret(SECRET), rpm=100_000,
                 tpm=100_000)  # fmt: skip
     first, queued, later = Told(), Told(), Told()
-    first.body = later.body = json.dumps({"model": "m", "max_tokens": 5}).encode()
-    queued.body = json.dumps({"model": "m", "max_tokens": 500}).encode()
+    first.tokens = later.tokens = tokens_of(json.dumps({"model": "m", "max_tokens": 5}).encode())
+    queued.tokens = tokens_of(json.dumps({"model": "m", "max_tokens": 500}).encode())
     before = shared.leases
     shared.wait(old, first)
     shared.wait(old, queued)

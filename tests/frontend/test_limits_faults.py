@@ -14,6 +14,7 @@ from shoal.discovery.grants import Grant, hash_secret
 from shoal.frontend.keys import limits, redis_link, windows
 from shoal.frontend.keys.limits import Limits
 from shoal.frontend.keys.redis_link import RedisLink
+from shoal.frontend.proxy.fields import decode_fields
 from tests.helpers import wait_for
 from tests.redis_server import RedisServer
 
@@ -62,13 +63,19 @@ async def test_tokens_owed_by_more_keys_than_one_flush_settles_all_reach_redis(
     await wait_for(all_charged, timeout=5)
 
 
+def tokens_of(body: bytes) -> int:
+    """A request's `windows.estimate`, as the request path makes it of its body."""
+    fields = decode_fields(body, with_tokens=True)
+    return windows.estimate(len(body), fields.max_completion_tokens, fields.max_tokens)
+
+
 class Told:
     """A request waiting for Redis' answer (`limits.Waiter`): what it was told."""
 
     def __init__(self) -> None:
         self.cancelled = False
         self.verdicts: list[object] = []
-        self.body = b""
+        self.tokens = 0  # its estimate
         self.ticket = self
         self.reserved = 0  # tokens reserved for it when admitted
         self.shared = False

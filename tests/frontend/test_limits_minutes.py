@@ -14,7 +14,7 @@ from shoal.discovery.grants import Grant, hash_secret
 from shoal.frontend.keys import limits, windows
 from shoal.frontend.keys.limits import Limits
 from shoal.frontend.keys.windows import LocalWindows, Refusal
-from tests.frontend.test_limits_faults import Told, redis_server, shared
+from tests.frontend.test_limits_faults import Told, redis_server, shared, tokens_of
 from tests.helpers import wait_for
 from tests.redis_server import RedisServer
 
@@ -38,10 +38,10 @@ def test_a_request_ending_minutes_later_gives_its_reservation_back_to_its_own_mi
     monkeypatch.setattr(windows, "time", types.SimpleNamespace(time=lambda: clock[0]))
     made = Limits()
     a, b = Ticket(), Ticket()
-    assert isinstance(made.admit(KEY, LONG, a), bytes)
+    assert isinstance(made.admit(KEY, tokens_of(LONG), a), bytes)
     assert (a.reserved, a.minute) == (len(LONG) // 4 + 50_000, 0)
     clock[0] = 150.0
-    assert isinstance(made.admit(KEY, b'{"model":"m"}', b), bytes)
+    assert isinstance(made.admit(KEY, tokens_of(b'{"model":"m"}'), b), bytes)
     made.charge(KEY, 30_000, b.reserved, b.shared, b.minute)
     clock[0] = 151.0
     made.charge(KEY, 20_000, a.reserved, a.shared, a.minute)
@@ -52,15 +52,15 @@ def test_a_request_ending_minutes_later_gives_its_reservation_back_to_its_own_mi
 def test_a_reservation_of_the_previous_minute_is_given_back_there() -> None:
     local = LocalWindows()
     other, a = Ticket(), Ticket()
-    assert isinstance(local.admit(KEY, 1, LONG, a, now=50.0), bytes)  # minute 0
-    assert isinstance(local.admit(KEY, 1, b"{}", other, now=55.0), bytes)
+    assert isinstance(local.admit(KEY, 1, tokens_of(LONG), a, now=50.0), bytes)  # minute 0
+    assert isinstance(local.admit(KEY, 1, 0, other, now=55.0), bytes)
     local.charge(KEY, 10_000, other.reserved, now=55.0, minute=other.minute)
     local.charge(KEY, 20_000, a.reserved, now=70.0, minute=a.minute)  # ends in minute 1
     window = local._at(KEY, 1)
     assert (window.prev_tokens, window.tokens) == (10_000, 20_000)
     # the same minute: what the answer used beyond (or short of) its reservation, as ever
     same = Ticket()
-    assert isinstance(local.admit(KEY, 1, b"{}", same, now=71.0), bytes)
+    assert isinstance(local.admit(KEY, 1, 0, same, now=71.0), bytes)
     local.charge(KEY, 5, same.reserved, now=80.0, minute=same.minute)
     assert (window.prev_tokens, window.tokens) == (10_000, 20_005)
 
@@ -69,16 +69,16 @@ def test_a_local_refusal_tells_each_limit_its_own_reset() -> None:
     local = LocalWindows()
     key = Grant(workspace="w", name="k", hash=KEY.hash, rpm=100, tpm=10)
     now = 600.0 + 15  # a quarter into the minute: it turns in 45 s
-    assert isinstance(local.admit(key, 1, b"{}", Ticket(), now=now), bytes)
+    assert isinstance(local.admit(key, 1, 0, Ticket(), now=now), bytes)
     local.charge(key, 100, now=now)  # tpm spent ten times over
-    refused = local.admit(key, 1, b"{}", Ticket(), now=now)
+    refused = local.admit(key, 1, 0, Ticket(), now=now)
     assert isinstance(refused, Refusal) and refused.what == "tokens"
     assert refused.retry_after > 60
     assert b"x-ratelimit-reset-requests: 45s\r\n" in refused.headers
     assert b"x-ratelimit-reset-tokens: %ds\r\n" % refused.retry_after in refused.headers
     key = Grant(workspace="w", name="k2", hash=KEY.hash, rpm=1, tpm=10_000)
-    assert isinstance(local.admit(key, 1, b"{}", Ticket(), now=now), bytes)
-    refused = local.admit(key, 1, b"{}", Ticket(), now=now)
+    assert isinstance(local.admit(key, 1, 0, Ticket(), now=now), bytes)
+    refused = local.admit(key, 1, 0, Ticket(), now=now)
     assert isinstance(refused, Refusal) and refused.what == "requests"
     assert b"x-ratelimit-reset-requests: %ds\r\n" % refused.retry_after in refused.headers
     assert b"x-ratelimit-reset-tokens: 45s\r\n" in refused.headers
@@ -111,7 +111,7 @@ async def test_redis_is_given_each_reservation_back_in_its_own_window(
     for attempt in range(3):
         key = Grant(workspace="w", name=f"k{attempt}", hash=KEY.hash, tpm=1_000_000)
         b = Told()
-        b.body = b'{"model":"m","prompt":"hi"}'
+        b.tokens = tokens_of(b'{"model":"m","prompt":"hi"}')
         shared.wait(key, b)
         await wait_for(lambda b=b: b.verdicts)  # type: ignore[misc]
         assert isinstance(b.verdicts[0], bytes) and b.shared

@@ -45,6 +45,7 @@ from shoal.frontend.keys.gate import Gate
 from shoal.frontend.keys.keys import KeyRing, ModelListing, models_for
 from shoal.frontend.keys.limits import Limits
 from shoal.frontend.keys.usage import UsageBook
+from shoal.frontend.keys.windows import estimate
 from shoal.frontend.proxy.fields import decode_fields
 from shoal.frontend.proxy.proxy import Proxy
 from shoal.frontend.registry.metrics import FrontendMetrics
@@ -106,9 +107,13 @@ class Endpoints:
                 # (no key configured, the default: nothing to check, and no call to say so)
                 grant = None if self.keys is None and not self._keys else self._authorize(request)
                 if grant is not None:
-                    model = decode_fields(request.body, too_deep=request.too_deep).model or ""
+                    body = request.body
+                    fields = decode_fields(body, too_deep=request.too_deep, with_tokens=True)
+                    model = fields.model or ""
                     KeyRing.admit(grant, model)  # 403 before the model is looked up
-                    self.gate.handle(request, conn, kind, grant, model)
+                    # its tpm estimate, once, of the members just decoded (a few bytes)
+                    tokens = estimate(len(body), fields.max_completion_tokens, fields.max_tokens)
+                    self.gate.handle(request, conn, kind, grant, model, tokens)
                     return
                 self.proxy.handle(request, conn, kind)
                 return

@@ -33,21 +33,24 @@ Record = Callable[[Grant, str, str, int, int, int], None]
 class _Waiting:
     """A request waiting for Redis' answer: the connection's response until it comes."""
 
-    __slots__ = ("cancelled", "conn", "gate", "kind", "metered", "request")
+    __slots__ = ("cancelled", "conn", "gate", "kind", "metered", "request", "tokens")
 
     def __init__(
-        self, gate: Gate, request: Request, conn: HttpConnection, metered: Metered, kind: ModelType
+        self,
+        gate: Gate,
+        request: Request,
+        conn: HttpConnection,
+        metered: Metered,
+        kind: ModelType,
+        tokens: int,
     ) -> None:
         self.gate = gate
         self.request = request
         self.conn = conn
         self.metered = metered
         self.kind = kind
+        self.tokens = tokens  # its estimate, made once (`Limits` reads it at every answer)
         self.cancelled = False
-
-    @property
-    def body(self) -> bytes:
-        return self.request.body
 
     @property
     def ticket(self) -> Metered:
@@ -76,8 +79,16 @@ class Gate:
         self.records_usage = record is not None
 
     def handle(
-        self, request: Request, conn: HttpConnection, kind: ModelType, grant: Grant, model: str
+        self,
+        request: Request,
+        conn: HttpConnection,
+        kind: ModelType,
+        grant: Grant,
+        model: str,
+        tokens: int = 0,
     ) -> None:
+        """A request of `grant`'s key for `model`; `tokens`: its `windows.estimate`, made
+        once by the caller that decoded its fields."""
         limits = self.limits
         if grant.max_parallel is not None:
             refused = limits.enter(grant)
@@ -87,9 +98,9 @@ class Gate:
                     self.record(grant, model, model, refused.status, 0, 0)
                 return
         metered = Metered(conn, len(request.body), self, grant, model)
-        verdict = limits.admit(grant, request.body, metered)
+        verdict = limits.admit(grant, tokens, metered)
         if verdict is None:
-            waiting = _Waiting(self, request, conn, metered, kind)
+            waiting = _Waiting(self, request, conn, metered, kind, tokens)
             conn.produce_later(waiting)
             limits.wait(grant, waiting)
         elif isinstance(verdict, bytes):

@@ -16,8 +16,9 @@ early, never admitted over it. A key with a small limit (rpm < `LEASE_SHARE` x N
 allowance: one round trip per request, exact. Requests that wait while a lease is asked join it.
 
 Tokens: each request admitted reserves the key's tokens per request (the `windows.estimate`
-of the first request waiting, or the key's average answer here when that is larger; the
-first larger request waiting waits for the next `LEASE`, asked at its size) in the tpm window, and holds them while it is in flight; once answered, its tokens are owed to the
+of the first request waiting, made once when it came, or the key's average answer here when
+that is larger; the first larger request waiting waits for the next `LEASE`, asked at its
+size) in the tpm window, and holds them while it is in flight; once answered, its tokens are owed to the
 current minute and its reservation given back to the minute it was made in (Redis' window,
 told to the request when admitted; nothing if that minute left the sliding window), both
 carried to Redis by the key's next `LEASE`, or by the flush every `FLUSH` seconds for a key
@@ -67,7 +68,6 @@ from shoal.frontend.keys.windows import (
     LocalWindows,
     Refusal,
     Ticket,
-    estimate,
     headers_of,
 )
 from shoal.openai import ApiError
@@ -165,8 +165,8 @@ class Waiter(Protocol):
 
     cancelled: bool
 
-    @property
-    def body(self) -> bytes: ...  # the request's: its tokens' `estimate`
+    tokens: int  # the request's `estimate`, made once when it came
+
     @property
     def ticket(self) -> Ticket: ...  # told the tokens reserved for it in the local windows
 
@@ -229,14 +229,14 @@ class _Key:
 
 
 def _head_estimate(key: _Key) -> int:
-    """The `estimate` of the first request waiting (not cancelled): a `LEASE` reserves that
+    """The tokens of the first request waiting (not cancelled): a `LEASE` reserves that
     much per request, so the requests after it as large or smaller are admitted with it and
     the first larger one waits for the next `LEASE`, asked at its own size. (The largest of
     all waiting made one large request turn every small one queued with it large, and
     refused; a size known only to the queue's head never leaves a larger waiter unasked.)"""
     for waiter in key.waiting:
         if not waiter.cancelled:
-            return estimate(waiter.body)
+            return waiter.tokens
     return 0
 
 
@@ -316,20 +316,20 @@ class Limits:
             self.in_flight.pop(ident, None)
 
     def admit(
-        self, grant: Grant, body: bytes = b"", ticket: Ticket | None = None
+        self, grant: Grant, tokens: int = 0, ticket: Ticket | None = None
     ) -> bytes | Refusal | None:
         """One request's verdict, decided here: its `x-ratelimit-*` header lines (admitted),
-        its `Refusal`, or None: Redis decides, the request `wait`s for it. The tokens it
-        reserves in the local windows are told to its `ticket` (and `charge`d back)."""
+        its `Refusal`, or None: Redis decides, the request `wait`s for it. `tokens`: its
+        `estimate`; what it reserves is told to its `ticket` (and `charge`d back)."""
         if grant.rpm is None and grant.tpm is None:
             return b""
         if not self.shared:
-            return self.local.admit(grant, self.frontends if self.url else 1, body, ticket)
+            return self.local.admit(grant, self.frontends if self.url else 1, tokens, ticket)
         named = self._keys.get(grant.workspace)
         key = named.get(grant.name) if named is not None else None
         if key is None or key.units <= 0 or key.owed - key.giving > key.units * key.per:
             return None  # no allowance, or its reserved tokens no longer cover what is owed
-        if grant.tpm is not None and estimate(body) > key.per:
+        if grant.tpm is not None and tokens > key.per:
             return None  # it declares more than the allowance reserves per request: Redis
         now = time.monotonic()
         if now >= key.until:
@@ -461,7 +461,7 @@ class Limits:
             if owed > 0:
                 self.local.charge(grant, owed, answer=False)
             for waiter in self._waiters(key):
-                _tell(waiter, self.local.admit(grant, self.frontends, waiter.body, waiter.ticket))
+                _tell(waiter, self.local.admit(grant, self.frontends, waiter.tokens, waiter.ticket))
             return
         admitted, granted, left_r, left_t, wait, turn, window, which, other = future.result()
         now = time.monotonic()
@@ -484,7 +484,7 @@ class Limits:
             told = 0
             while told < len(key.waiting) and key.units > 0:
                 waiter = key.waiting[told]
-                if per and not waiter.cancelled and estimate(waiter.body) > per:
+                if per and not waiter.cancelled and waiter.tokens > per:
                     break  # came while asked, larger than leased for: the next `LEASE`
                 told += 1
                 if not waiter.cancelled:

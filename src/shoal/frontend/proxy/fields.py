@@ -1,13 +1,14 @@
-"""The only parts of a request body the gateway reads (`Fields`: `model`, `stream`, and for
-prefix-aware routing the prompt), decoded with a depth bound, and the one rewrite it makes
-(`rewrite_model`, for a virtual model's target that names the model otherwise).
+"""The only parts of a request body the gateway reads (`Fields`: `model`, `stream`, for
+prefix-aware routing the prompt, and for a key's tpm the completion it allows), decoded with a
+depth bound, and the one rewrite it makes (`rewrite_model`, for a virtual model's target that
+names the model otherwise).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 import msgspec
 
@@ -23,6 +24,8 @@ RAW_MESSAGES_FROM = 256 << 10  # a body this large keeps its messages undecoded 
 
 NO_KV_TRANSFER_PARAMS = msgspec.Raw(b"null")
 """`Fields.kv_transfer_params` of a body without them (this very object)."""
+ABSENT = msgspec.Raw()
+"""`TokenFields`' value of a member the body does not have (empty)."""
 
 
 class Fields(msgspec.Struct):
@@ -53,7 +56,17 @@ class LargePromptFields(Fields):
     input: Any = None
 
 
+class TokenFields(Fields):
+    """`Fields` and the completion a request allows, which a key's tpm reserves when it is
+    admitted (`keys.windows.estimate`): its top-level members as their JSON text, whatever
+    they hold (judged by the estimate; the worker judges the request)."""
+
+    max_tokens: msgspec.Raw = ABSENT
+    max_completion_tokens: msgspec.Raw = ABSENT
+
+
 _decode_fields = msgspec.json.Decoder(Fields).decode
+_decode_token_fields = msgspec.json.Decoder(TokenFields).decode
 _decode_prompt_fields = msgspec.json.Decoder(PromptFields).decode
 _decode_large_prompt_fields = msgspec.json.Decoder(LargePromptFields).decode
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
@@ -69,12 +82,29 @@ def rewrite_model(body: bytes, model: str) -> bytes:
     return _encode(members)
 
 
+@overload
 def decode_fields(
-    body: bytes, *, with_prompt: bool = False, too_deep: bool | None = None
+    body: bytes, *, too_deep: bool | None = None, with_tokens: Literal[True]
+) -> TokenFields: ...
+@overload
+def decode_fields(
+    body: bytes,
+    *,
+    with_prompt: bool = False,
+    too_deep: bool | None = None,
+    with_tokens: Literal[False] = False,
+) -> Fields: ...
+def decode_fields(
+    body: bytes,
+    *,
+    with_prompt: bool = False,
+    too_deep: bool | None = None,
+    with_tokens: bool = False,
 ) -> Fields:
-    """The routing fields of a body; `ApiError` 400 if it is not a JSON object with a `model`,
-    or nests deeper than `shoal.bounds.MAX_DEPTH` (checked before any decoder sees it, here
-    unless `too_deep` says already: `Request.too_deep`, judged as a large body arrived)."""
+    """The routing fields of a body (`with_tokens`: and those of a key's tpm, `TokenFields`);
+    `ApiError` 400 if it is not a JSON object with a `model`, or nests deeper than
+    `shoal.bounds.MAX_DEPTH` (checked before any decoder sees it, here unless `too_deep` says
+    already: `Request.too_deep`, judged as a large body arrived)."""
     # (`check_json_depth`'s first step inline: a body with fewer openers than the bound is
     # within it, which is nearly every body)
     if too_deep is None and body.count(b"[") + body.count(b"{") > MAX_DEPTH:
@@ -86,9 +116,12 @@ def decode_fields(
         raise errors.bad_request(
             f"The request body is not accepted: {TooDeep(MAX_DEPTH)}."
         ) from None
+    fields: Fields
     try:
         try:
-            if not with_prompt:
+            if with_tokens:
+                fields = _decode_token_fields(body)
+            elif not with_prompt:
                 fields = _decode_fields(body)
             elif len(body) < RAW_MESSAGES_FROM:
                 fields = _decode_prompt_fields(body)

@@ -7,9 +7,12 @@ before it is the client's:
 - a 401 or 403 refuses the gateway's secret, never the client's key: it is a failed attempt
   (another target is tried) and, when none is left, a 502 `provider_auth_failed` naming the
   provider and the virtual model; the provider's body (which may quote the key) is not relayed;
-- any other error body is relayed with the secret's value masked (`Masked`, same length, so a
-  `Content-Length` still holds);
-- its cookies, account headers and rate limits are dropped (`provider_response_headers`).
+- any other error body is relayed with the secret's value masked in every form it may be
+  written in, JSON-escaped, URL-encoded, HTML-escaped (`virtual.masking.Masked`, same length,
+  so a `Content-Length` still holds): the value the request was written with, and the one in
+  force when the answer comes (a rotation in between leaves the old one valid at the provider);
+- its cookies, account headers and rate limits are dropped (`provider_response_headers`), and
+  any other header (of any answer) quoting the secret, in any form, has it masked.
 """
 
 from __future__ import annotations
@@ -22,41 +25,18 @@ from shoal.frontend.proxy.fields import Fields, rewrite_model
 from shoal.frontend.proxy.forward import Forward, Gateway
 from shoal.frontend.proxy.headers import provider_response_headers
 from shoal.frontend.registry.metrics import ModelStats
+from shoal.frontend.virtual.masking import Masked
 from shoal.frontend.virtual.virtual import FleetChoice, UrlChoice, VirtualModel
 from shoal.urls import redact_url
 
 BEARER = b"Bearer "
 
 
-class Masked:
-    """A body with every occurrence of `secret` replaced by as many `*`, wherever packets cut
-    it: the last `len(secret) - 1` bytes wait for the next packet (or the end)."""
-
-    __slots__ = ("held", "mask", "secret")
-
-    def __init__(self, secret: bytes) -> None:
-        self.secret = secret
-        self.mask = b"*" * len(secret)
-        self.held = b""
-
-    def feed(self, data: bytes) -> bytes:
-        """What of `data` (and the bytes held before it) can go now, masked."""
-        data = (self.held + data).replace(self.secret, self.mask)
-        cut = max(len(data) - len(self.secret) + 1, 0)
-        self.held = data[cut:]
-        return data[:cut]
-
-    def rest(self) -> bytes:
-        """The bytes held at the end of the body (too short to hold the secret)."""
-        held, self.held = self.held, b""
-        return held
-
-
 class VirtualForward(Forward):
     """A request for a virtual model: each attempt picks one of its targets by weight, and
     sends the body naming the model as that target serves it (re-encoded only then)."""
 
-    __slots__ = ("kind", "masked", "served", "virtual")
+    __slots__ = ("kind", "masked", "sent", "served", "virtual")
 
     def __init__(
         self,
@@ -73,6 +53,7 @@ class VirtualForward(Forward):
         self.kind = kind
         self.served = self.name  # the model the body names now
         self.masked: Masked | None = None  # a provider's error body, its secret masked
+        self.sent: bytes | None = None  # the `Authorization` the attempt was written with
 
     def _models(self) -> tuple[str, ...]:
         return tuple(c.served for c in self.virtual.weighted if isinstance(c, FleetChoice))
@@ -87,6 +68,12 @@ class VirtualForward(Forward):
             body = self.request.body
             self.body = body if served == self.name else rewrite_model(body, served)
         return target
+
+    def _head(self, target: Upstream, body: bytes) -> bytes:
+        # The secret as written now: a rotation (`RouteTable.refresh_secrets`) may replace the
+        # target's before the answer comes, and the provider may quote this one, still valid.
+        self.sent = target.authorization
+        return super()._head(target, body)
 
     def _may_retry(self) -> bool:
         if self.attempt > self.proxy.retries:
@@ -105,10 +92,15 @@ class VirtualForward(Forward):
         if status == 401 or status == 403:
             self._attempt_failed(errors.provider_refused(self.name, self._provider(target), status))
             return False
-        secret = target.authorization
-        if status >= 400 and secret is not None and secret.startswith(BEARER):
-            self.masked = Masked(secret[len(BEARER) :])
-        return super().on_head(status, provider_response_headers(headers), chunked)
+        headers = provider_response_headers(headers)
+        sent, now = self.sent, target.authorization  # (the key sent, and the one in force)
+        secrets = [a[len(BEARER) :] for a in (sent, now) if a is not None and a.startswith(BEARER)]
+        if secrets:
+            masked = Masked(*secrets)
+            headers = masked.headers(headers)
+            if status >= 400:
+                self.masked = masked
+        return super().on_head(status, headers, chunked)
 
     def on_body(self, data: bytes) -> None:
         masked = self.masked

@@ -41,6 +41,7 @@ from shoal.discovery.routes import parse_route_key
 from shoal.frontend.http.upstream import Upstream
 from shoal.frontend.registry.registry import Model, Registry
 from shoal.frontend.registry.router import Router
+from shoal.frontend.virtual import masking
 from shoal.frontend.virtual.secrets import SecretError, Secrets
 from shoal.store import KeyValue
 from shoal.urls import redact_url
@@ -375,11 +376,13 @@ class RouteTable:
                 await asyncio.sleep(0)
 
     def _resolve_all(self, names: Iterable[str]) -> dict[str, str | None]:
-        """Each secret's value, None for one that does not resolve (in a thread)."""
+        """Each secret's value, None for one that does not resolve (in a thread, which also
+        makes the pattern that masks it in answers: the request path finds it made)."""
         values: dict[str, str | None] = {}
         for name in names:
             try:
-                values[name] = self.secrets.resolve(name)
+                values[name] = value = self.secrets.resolve(name)
+                masking.pattern(value.encode())
             except SecretError:
                 values[name] = None
             except Exception:  # (one secret's surprise never stops the refresh of the others)
@@ -479,6 +482,8 @@ class RouteTable:
             return UrlChoice(target.model, target.weight, target, None, str(exc), True)
         if token is not None:
             upstream.authorization = b"Bearer " + token.encode()
+            with contextlib.suppress(RuntimeError):  # (no loop running: made when first used)
+                asyncio.get_running_loop().run_in_executor(None, masking.pattern, token.encode())
         self._upstreams[key] = (upstream, 1)
         return UrlChoice(target.model, target.weight, target, upstream)
 
