@@ -74,7 +74,7 @@ async def _at_least(front: Process, instances: int) -> bool:
 
 async def models_of(worker: Process) -> int:
     health = await get_json(f"{worker.status_url}/health")
-    return sum(len(ep["models"]) for ep in health.get("endpoints", []))
+    return sum(int(ep["models_announced"]) for ep in health.get("endpoints", []))
 
 
 class Soak:

@@ -1,14 +1,21 @@
-"""The worker's aiohttp servers bound their connections: their number, a head's time, idle."""
+"""The worker's aiohttp servers bound their connections: their number, a head's time, a
+body's time between its bytes, idle."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 from collections.abc import AsyncIterator
 
+import pytest
 from aiohttp import web
 
+from shoal.worker import http_server
+from shoal.worker.engines.mocker import MockerEngine
 from shoal.worker.http_server import BoundedRunner, start_server
+from shoal.worker.runtime import Runtime
 from tests.helpers import wait_for
 
 GET = b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -18,10 +25,24 @@ async def _ok(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
+async def _echo(request: web.Request) -> web.Response:
+    return web.Response(body=await request.read())
+
+
+async def _answer_then_read(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse()
+    await response.prepare(request)
+    await response.write(b"begun")
+    await response.write(await request.read())
+    return response
+
+
 @contextlib.asynccontextmanager
 async def serving(**limits: float) -> AsyncIterator[tuple[BoundedRunner, int]]:
     app = web.Application()
     app.router.add_get("/ok", _ok)
+    app.router.add_post("/echo", _echo)
+    app.router.add_post("/answer-then-read", _answer_then_read)
     runner = await start_server(app, "127.0.0.1", 0, access_log=None, **limits)  # type: ignore[arg-type]
     try:
         yield runner, runner.addresses[0][1]
@@ -91,3 +112,96 @@ async def test_a_connection_past_the_limit_is_answered_503_and_closed_and_the_re
         writer.write(GET)
         assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
         writer.close()
+
+
+def post_head(path: str, length: int) -> bytes:
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode()
+
+
+def openai_error(answer: bytes) -> tuple[bytes, dict[str, str]]:
+    """The status line and the error object of a whole answer (read to the close)."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0], json.loads(body)["error"]
+
+
+async def test_a_body_that_stops_coming_is_answered_408_and_its_connection_place_freed() -> None:
+    """Only the head and an idle keep-alive were timed: a body that stopped coming held its
+    connection for ever. Past the body timeout with no byte of it (whatever was sent before:
+    here 50 bytes, 50 s of allowance at 1 byte/s), the request is answered 408 (OpenAI
+    format) and closed, and its place is free."""
+    limits = {"head_timeout": 60, "body_timeout": 0.2, "body_min_rate": 1}
+    async with serving(max_connections=1, **limits) as (runner, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post_head("/echo", 100) + b"x" * 50)
+        status, error = openai_error(await asyncio.wait_for(reader.read(), 10))
+        assert status == b"HTTP/1.1 408 Request Timeout", status
+        assert error["code"] == "request_timeout" and "body" in error["message"], error
+        writer.close()
+        server = runner.server
+        await wait_for(lambda: server is not None and not server.connections)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # its place, free
+        writer.write(post_head("/echo", 2) + b"hi")
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        writer.close()
+
+
+async def test_a_body_sent_a_byte_at_a_time_slower_than_the_minimum_rate_is_answered_408() -> None:
+    """A body a byte every few seconds (every gap under the body timeout) held a place as
+    long as it lasted: 64 of them kept a request port answering 503. Past the body timeout
+    a body must come at the minimum rate on average; this one (a byte per 20 ms against
+    1,000 bytes/s) is cut long before its 2,000 bytes are sent."""
+    limits = {"head_timeout": 60, "body_timeout": 0.5, "body_min_rate": 1000}
+    async with serving(max_connections=4, **limits) as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post_head("/echo", 2000))
+        answer = asyncio.ensure_future(reader.read())  # to the close
+        sent = 0
+        while sent < 2000 and not answer.done():
+            writer.write(b"x")
+            sent += 1
+            await asyncio.sleep(0.02)  # (the slow client itself, not a synchronisation)
+        status, error = openai_error(await asyncio.wait_for(answer, 10))
+        assert status == b"HTTP/1.1 408 Request Timeout", (status, sent)
+        assert error["code"] == "request_timeout", error
+        assert sent < 2000
+        writer.close()
+
+
+async def test_a_body_that_stops_coming_after_the_answer_began_is_closed_with_no_second_answer() -> (
+    None
+):
+    """An answer already begun is not followed by a 408 (it would be read as its end): the
+    connection is only closed."""
+    async with serving(max_connections=4, head_timeout=60, body_timeout=0.2) as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post_head("/answer-then-read", 100) + b"{")
+        answer = await asyncio.wait_for(reader.read(), 10)  # to the close
+        assert answer.startswith(b"HTTP/1.1 200") and b"begun" in answer, answer
+        assert b"408" not in answer and b"request_timeout" not in answer, answer
+        writer.close()
+
+
+async def test_adapter_loads_and_chats_whose_bodies_stop_coming_are_answered_408(
+    store_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Both servers of a worker time bodies: the status server's adapter loads (an admin
+    route, no handler cancellation there) and an endpoint's request port, with nothing
+    logged as an error for the client's slowness."""
+    monkeypatch.setattr(http_server, "BODY_TIMEOUT", 0.2, raising=False)
+    caplog.set_level(logging.ERROR)
+    async with Runtime(store_url) as runtime:
+        endpoint = runtime.endpoint("default.backend.generate")
+        await endpoint.serve(MockerEngine("mock-model", speedup=0))
+        assert endpoint.url is not None
+        for url, path in (
+            (runtime.status_url, "/v1/loras"),
+            (endpoint.url, "/v1/chat/completions"),
+        ):
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(post_head(path, 100) + b'{"name": ')
+            status, error = openai_error(await asyncio.wait_for(reader.read(), 10))
+            assert status == b"HTTP/1.1 408 Request Timeout", (path, status)
+            assert error["code"] == "request_timeout", (path, error)
+            writer.close()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

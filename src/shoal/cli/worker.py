@@ -18,7 +18,7 @@ import os
 import stat
 import sys
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.cli.common import (
     NON_NEGATIVE,
@@ -35,6 +35,9 @@ from shoal.store import StoreUnavailableError, default_store_url
 from shoal.worker.engine import Engine
 from shoal.worker.engines import ENGINES, engine_class
 from shoal.worker.metadata import MAX_METADATA_FILE
+
+if TYPE_CHECKING:
+    from shoal.worker.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -256,10 +259,9 @@ async def serve(args: argparse.Namespace) -> int:
             return _fail(f"cannot serve: {exc}", 1)
         raise
     if started:
-        names = ",".join(att.card.display_name for att in endpoint.models.values())
         print_ready(
             "worker",
-            model=names or "-",
+            model=await _models_named(endpoint),
             url=endpoint.url,
             status=runtime.status_url,
             instance=f"{runtime.instance_id:x}",
@@ -268,6 +270,18 @@ async def serve(args: argparse.Namespace) -> int:
     if runtime.cleanup_cut_short:
         _exit_now(0)
     return 0
+
+
+async def _models_named(endpoint: Endpoint) -> str:
+    """The ready line's `model`: the base model, then the first adapters by name, up to
+    `MODELS_SHOWN`, and how many more (a sidecar may announce 65,536)."""
+    from shoal.worker.health import MODELS_SHOWN, first_by_name
+
+    models = endpoint.models
+    shown = await first_by_name(models, MODELS_SHOWN)
+    names = ",".join(models[s].card.display_name for s in shown if s in models) or "-"
+    more = len(models) - len(shown)
+    return f"{names} (+{more} more)" if more > 0 else names
 
 
 def _exit_now(code: int) -> None:

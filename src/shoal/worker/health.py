@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from shoal.controllers import ControllerManager
 from shoal.discovery import EndpointId
@@ -17,6 +18,40 @@ ENGINE_CHECK_TIMEOUT = 5.0
 """Seconds an engine's `check_health()` gets before the endpoint counts as unhealthy."""
 REFUSED_SHOWN = 5
 """Models an endpoint refused that `/health` names (with why); the rest are counted."""
+MODELS_SHOWN = 10
+"""Models of an endpoint that `/health` and the ready line name (its base model, then its
+adapters by name); the rest are counted. A sidecar may announce 65,536."""
+NAMES_PER_TURN = 4096
+"""Models the choice of those shown looks at in one turn of the event loop."""
+
+
+class _Named(Protocol):
+    @property
+    def display_name(self) -> str: ...
+
+
+class _HasCard(Protocol):
+    @property
+    def card(self) -> _Named: ...
+
+
+async def first_by_name(models: Mapping[str | None, _HasCard], n: int) -> list[str | None]:
+    """The suffixes of `models`' first `n`: the base model's (None), then its adapters' by
+    name. A snapshot is looked at `NAMES_PER_TURN` models per turn of the event loop, so a
+    suffix may be gone when the answer comes."""
+    items = list(models.items())  # (the models may change while this yields)
+    base: list[str | None] = [None] if None in models else []
+    smallest: list[tuple[str, str]] = []  # (name, suffix) of the adapters' first, so far
+    for start in range(0, len(items), NAMES_PER_TURN):
+        if start:
+            await asyncio.sleep(0)
+        names = (
+            (att.card.display_name, suffix)
+            for suffix, att in items[start : start + NAMES_PER_TURN]
+            if suffix is not None
+        )
+        smallest = heapq.nsmallest(n - len(base), itertools.chain(smallest, names))
+    return [*base, *(suffix for _, suffix in smallest)][:n]
 
 
 class Health:
@@ -34,6 +69,9 @@ class Health:
         self.loops = loops
         self.registrations = registrations
         self.draining = draining
+        # The suffixes `/health` shows of each endpoint's models, with the count of changes
+        # to the attached models they were chosen at (chosen again once that moves on).
+        self._shown: dict[EndpointId, tuple[int, list[str | None]]] = {}
 
     @property
     def live(self) -> bool:
@@ -58,7 +96,7 @@ class Health:
                 await asyncio.wait_for(ep.engine.check_health(), ENGINE_CHECK_TIMEOUT)
             except Exception as exc:
                 reasons.append(f"endpoint {ep.id}: engine {ep.engine.name} unhealthy: {exc}")
-            endpoints.append(_endpoint_body(ep))
+            endpoints.append(_endpoint_body(ep, await self._models_shown(ep)))
         lease = self.registrations.lease
         body = {
             "status": "unavailable" if reasons else "ok",
@@ -68,18 +106,28 @@ class Health:
         }
         return not reasons, body
 
+    async def _models_shown(self, ep: Endpoint) -> list[str | None]:
+        changes = self.registrations.models_changed
+        shown = self._shown.get(ep.id)
+        if shown is None or shown[0] != changes:
+            shown = (changes, await first_by_name(ep.models, MODELS_SHOWN))
+            self._shown[ep.id] = shown
+        return shown[1]
 
-def _endpoint_body(ep: Endpoint) -> dict[str, Any]:
-    """What `/health` says of a serving endpoint: its URL, requests in flight, its models,
-    and the models its engine lists that could not be announced (not a reason to be
-    unhealthy: the others are announced)."""
+
+def _endpoint_body(ep: Endpoint, shown: list[str | None]) -> dict[str, Any]:
+    """What `/health` says of a serving endpoint: its URL, requests in flight, how many
+    models it announces and the `shown` ones, and the models its engine lists that could
+    not be announced (not a reason to be unhealthy: the others are announced)."""
     refused = itertools.islice(ep.refused.items(), REFUSED_SHOWN)
+    models = [(suffix, ep.models.get(suffix)) for suffix in shown]
     return {
         "endpoint": str(ep.id),
         "url": ep.url,
         "in_flight": ep.in_flight,
         "models_refused": len(ep.refused),
         "refused": [{"name": quoted(name), "reason": why} for name, (_, why) in refused],
+        "models_announced": len(ep.models),
         "models": [
             {
                 "name": att.card.display_name,
@@ -87,6 +135,7 @@ def _endpoint_body(ep: Endpoint) -> dict[str, Any]:
                 "mdcsum": att.card.mdcsum,
                 "taints": list(att.card.taints),
             }
-            for suffix, att in ep.models.items()
+            for suffix, att in models
+            if att is not None
         ],
     }

@@ -85,6 +85,9 @@ class Registrations:
         self._lease_id: int | None = None
         self._instances: dict[EndpointId, InstanceInfo] = {}  # as last put
         self._models: dict[EndpointId, dict[str | None, Attached]] = {}
+        self.models_changed = 0
+        """Changes to the models attached (one more at each attach, detach or forget): what
+        is derived from them stays current while this count does."""
         self._pending_deletes: dict[str, int] = {}  # key -> lease it was put under
         self.missing: set[str] = set()
         """Keys of ours found missing from the store and not put back yet."""
@@ -328,6 +331,7 @@ class Registrations:
                 self.metadata.replace(key, before)
                 raise
             models[suffix] = Attached(key, card, dict(files), served)
+            self.models_changed += 1
 
     async def detach(self, endpoint: EndpointId, suffix: str | None) -> None:
         """Withdraw the model at `suffix` from discovery, then stop hosting its files.
@@ -338,6 +342,7 @@ class Registrations:
             att = self._models.get(endpoint, {}).pop(suffix, None)
             if att is None:
                 return
+            self.models_changed += 1
             self.missing.discard(att.key.key)
             try:
                 await self.discovery.unregister_model(att.key)
@@ -369,3 +374,4 @@ class Registrations:
             self.metadata.unregister_for_owner(att.key)
             self.missing.discard(att.key.key)
         models.clear()  # (in place: `models_of` gave a view of it)
+        self.models_changed += 1

@@ -586,3 +586,67 @@ async def test_an_unchanged_listing_is_served_as_the_very_same_models_so_a_sync_
             assert all(changed[i] is first[i] for i in range(50) if i != 7)
         finally:
             await engine.stop()
+
+
+async def test_an_unchanged_listing_is_not_decoded_again_and_a_changed_one_is_compared_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After the decode in a thread, every listed model was compared with the one held on
+    the event loop: 60,000 adapters held it ~175 ms each 2 s probe. A listing of the very
+    bytes of the last one is neither decoded nor compared now (its models are the ones
+    held), and a changed large one is compared in the decode's thread."""
+    import threading
+
+    from shoal.worker.engine import ServedModel
+
+    loop_thread = threading.get_ident()
+    compared_on_loop = 0
+    real_eq = ServedModel.__eq__
+
+    def counted_eq(self: ServedModel, other: object) -> bool:
+        nonlocal compared_on_loop
+        if threading.get_ident() == loop_thread:
+            compared_on_loop += 1
+        return bool(real_eq(self, other))
+
+    monkeypatch.setattr(ServedModel, "__eq__", counted_eq)
+    state = {"body": listing(5_000)}
+
+    async def models(request: web.Request) -> web.Response:
+        return web.Response(body=state["body"], content_type="application/json")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    async with serving(app) as upstream:
+        engine = OpenAISidecarEngine(upstream.url, health_interval=0.0)
+        decoded = 0
+        decode = engine._decode_models
+
+        def counted_decode(*args: Any) -> Any:
+            nonlocal decoded
+            decoded += 1
+            return decode(*args)
+
+        engine._decode_models = counted_decode  # type: ignore[method-assign]
+        await engine.start()
+        try:
+            first = await engine.served_models()
+            assert decoded == 1 and len(first) == 5_000
+            for _ in range(3):
+                again = await engine.served_models()
+                assert all(a is b for a, b in zip(first, again, strict=True))
+            assert (decoded, compared_on_loop) == (1, 0)
+
+            data = json.loads(state["body"])
+            data["data"][7]["max_model_len"] = 1234
+            state["body"] = json.dumps(data).encode()
+            changed = await engine.served_models()
+            assert decoded == 2 and compared_on_loop == 0
+            assert changed[7] is not first[7] and changed[7].context_length == 1234
+            assert all(changed[i] is first[i] for i in range(5_000) if i != 7)
+        finally:
+            await engine.stop()

@@ -161,3 +161,27 @@ async def test_one_adapter_with_a_bad_card_is_refused_alone_and_the_others_are_a
     (refused,) = endpoint["refused"]
     assert refused["name"].startswith("'xxx") and "600 characters" in refused["name"]
     assert "512" in refused["reason"] and bad not in refused["reason"]
+
+
+async def test_health_and_the_ready_line_name_the_first_models_by_name_and_count_the_rest(
+    fake: FakeUpstream, processes: Processes, store_url: str, store: Store
+) -> None:
+    """What was wrong: `/health` (the readiness probe) and the ready line named every model,
+    so a sidecar in front of 20,000 adapters answered each probe with 1.8 MB of JSON built
+    on the event loop. What holds now: both name the base model, then the first adapters by
+    name, up to `MODELS_SHOWN`, and count all of them."""
+    from shoal.worker import health
+
+    adapters = [f"lora-{i:03d}" for i in reversed(range(30))]  # listed out of name order
+    fake.adapter_ids = adapters
+    worker = await sidecar_worker(processes, store_url, fake)
+    assert len(await models_of(store, worker)) == 31  # every one announced
+
+    shown = [MODEL, *sorted(adapters)[: health.MODELS_SHOWN - 1]]
+    assert worker.ready["model"] == ",".join(shown) + f" (+{31 - len(shown)} more)"
+    async with aiohttp.ClientSession() as http, http.get(worker.status_url + "/health") as resp:
+        assert resp.status == 200
+        (endpoint,) = (await resp.json())["endpoints"]
+    assert endpoint["models_announced"] == 31
+    assert [m["name"] for m in endpoint["models"]] == shown
+    assert [m["suffix"] for m in endpoint["models"]][:2] == [None, "lora-000"]
