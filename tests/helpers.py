@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import gc
 import inspect
 import socket
 import threading
@@ -119,35 +118,6 @@ class Collector(Generic[T]):
     async def close(self) -> None:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
-
-
-class StallProbe:
-    """Measures the longest time the event loop was held: a task that asks to wake every
-    millisecond and records how late it woke. The hold is counted in this thread's CPU time,
-    so a loaded machine that leaves the process waiting for a core does not count as work
-    on the loop (the wall-clock figure is kept for the message)."""
-
-    def __init__(self) -> None:
-        self.longest = self.longest_wall = 0.0
-        # What the test session allocated before (other tests' objects, in this xdist worker)
-        # is left out of the collector's full passes while probing: a pass over that heap is
-        # no work of the code under test. What the code allocates is collected as ever.
-        gc.collect()
-        gc.freeze()
-        self._task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            wall, cpu = time.perf_counter(), time.thread_time()
-            await asyncio.sleep(0.001)
-            self.longest = max(self.longest, time.thread_time() - cpu)
-            self.longest_wall = max(self.longest_wall, time.perf_counter() - wall)
-
-    async def stop(self) -> float:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        gc.unfreeze()
-        return self.longest
 
 
 class LoopTurns:
