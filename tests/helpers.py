@@ -1,13 +1,14 @@
 """Shared test helpers: waiting on conditions with a deadline, free ports, serving an aiohttp
-app on one, and collecting what an async stream yields."""
+app on one, collecting what an async stream yields, and counting the work done per turn of
+the event loop (`LoopTurns`: how long a turn holds the loop, counted, not timed)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import gc
 import inspect
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -119,57 +120,81 @@ class Collector(Generic[T]):
         await asyncio.gather(self.task, return_exceptions=True)
 
 
-class StallProbe:
-    """Measures the longest time the event loop was held: a task that asks to wake every
-    millisecond and records how late it woke. The hold is counted in this thread's CPU time,
-    so a loaded machine that leaves the process waiting for a core does not count as work
-    on the loop (the wall-clock figure is kept for the message)."""
-
-    def __init__(self) -> None:
-        self.longest = self.longest_wall = 0.0
-        # What the test session allocated before (other tests' objects, in this xdist worker)
-        # is left out of the collector's full passes while probing: a pass over that heap is
-        # no work of the code under test. What the code allocates is collected as ever.
-        gc.collect()
-        gc.freeze()
-        self._task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            wall, cpu = time.perf_counter(), time.thread_time()
-            await asyncio.sleep(0.001)
-            self.longest = max(self.longest, time.thread_time() - cpu)
-            self.longest_wall = max(self.longest_wall, time.perf_counter() - wall)
-
-    async def stop(self) -> float:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        gc.unfreeze()
-        return self.longest
-
-
 class LoopTurns:
-    """Counts the event loop's turns: a task that asks to run again at once, every turn.
-    `note()` in a consumer records the turn each item arrived in; `most_per_turn` is the
-    largest number of items one turn handled (what a consumer did without a yield)."""
+    """Counts the work done per turn of the event loop: a turn is one pass of the loop (its
+    wait for I/O, then every callback ready: what runs without a yield between, one hold of
+    the loop). `note(units)` in a consumer, or each call of a function `wrap` replaced, adds
+    work to the turn it runs in; `most_per_turn` is the most work one turn did: the loop's
+    hold, counted, not timed. Work done in another thread is not the loop's: it counts in
+    `off_loop`, and its threads in `threads`. `stop()` puts back what `wrap` replaced."""
 
     def __init__(self) -> None:
-        self.count = 0
         self.per_turn: collections.Counter[int] = collections.Counter()
-        self._task = asyncio.create_task(self._run())
+        self.off_loop = 0
+        self.threads: set[int] = set()  # the threads other than the loop's that did work
+        self.loop_thread = threading.get_ident()
+        self._turns = _turns_of(asyncio.get_running_loop())
+        self._replaced: list[tuple[Any, str, Any]] = []
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(0)
-            self.count += 1
+    @property
+    def count(self) -> int:
+        """The loop's turns so far (any thread may read it)."""
+        return self._turns[0]
 
-    def note(self) -> None:
-        self.per_turn[self.count] += 1
+    def note(self, units: int = 1) -> None:
+        thread = threading.get_ident()
+        if thread == self.loop_thread:
+            self.per_turn[self._turns[0]] += units
+        else:
+            self.off_loop += units
+            self.threads.add(thread)
+
+    def wrap(self, owner: Any, name: str, units: Callable[..., int] | None = None) -> LoopTurns:
+        """Count every call of `owner.name` (a function, method or a module's global): as
+        `units(*args, **kwargs)` of work, else one."""
+        real = getattr(owner, name)
+        self._replaced.append((owner, name, vars(owner).get(name, _ABSENT)))
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.note(1 if units is None else units(*args, **kwargs))
+            return real(*args, **kwargs)
+
+        setattr(owner, name, counted)
+        return self
 
     @property
     def most_per_turn(self) -> int:
         return max(self.per_turn.values(), default=0)
 
+    @property
+    def on_loop(self) -> int:
+        """The work done on the loop's thread, in all."""
+        return sum(self.per_turn.values())
+
     async def stop(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        while self._replaced:
+            owner, name, was = self._replaced.pop()
+            if was is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, was)
+
+
+_ABSENT = object()
+
+
+def _turns_of(loop: asyncio.AbstractEventLoop) -> list[int]:
+    """The turns `loop` made since they were first asked for: its `_run_once` (asyncio's
+    pass of the loop) counts them, from then on, for as long as the loop runs."""
+    turns: list[int] | None = getattr(loop, "_counted_turns", None)
+    if turns is None:
+        turns = [0]
+        run_once = loop._run_once  # type: ignore[attr-defined]
+
+        def counted() -> None:
+            turns[0] += 1
+            run_once()
+
+        loop._run_once = counted  # type: ignore[attr-defined]
+        loop._counted_turns = turns  # type: ignore[attr-defined]
+    return turns

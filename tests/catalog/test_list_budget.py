@@ -1,6 +1,8 @@
 """A list page is bounded in bytes, not only in items: it ends early at
 `repository.PAGE_BYTES` of encoded items (at least one item), the listing goes on by
-`next_after`, and serving it never holds the catalog's event loop; on SQLite and PostgreSQL."""
+`next_after`, and serving it never holds the catalog's event loop (its rows are encoded
+`repository.FETCH_ROWS` at most a turn, their data never decoded: counted, not timed); on
+SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 
 from shoal.catalog import MODELS, CatalogClient, CatalogServer, repository
 from shoal.catalog.errors import InvalidError
-from tests.helpers import StallProbe
+from tests.helpers import LoopTurns
 
 MODEL_COUNT = 100
 TEXT_SPEC = {"text": "x" * 60_000}  # ~60 KiB: within the API's 64 KiB bound
@@ -82,10 +84,18 @@ async def test_serving_a_page_of_large_items_does_not_hold_the_event_loop(
 ) -> None:
     await make_models(catalog, client, TINY_SPEC)
     await get_page(client, page_size="10")  # warm the connection pool
-    probe = StallProbe()  # the catalog serves on this very loop
-    await get_page(client, page_size="1000")  # raw bytes: the client reads nothing here
-    held = await probe.stop()
-    assert held < 0.05, f"the loop was held {held * 1000:.0f} ms ({probe.longest_wall:.3f}s)"
+    listed = LoopTurns().wrap(repository, "_listed")  # the catalog serves on this very loop
+    decoded = LoopTurns().wrap(repository, "_document")
+    try:
+        _, page = await get_page(client, page_size="1000")
+    finally:
+        await listed.stop()
+        await decoded.stop()
+    assert 1 < len(page["items"]) < MODEL_COUNT  # (a page cut at its bytes)
+    assert len(page["items"]) <= listed.on_loop <= len(page["items"]) + repository.FETCH_ROWS
+    most = listed.most_per_turn
+    assert most <= repository.FETCH_ROWS, f"{most} rows encoded in one turn of the loop"
+    assert decoded.on_loop == decoded.off_loop == 0
 
 
 async def test_an_item_over_the_budget_is_a_page_of_its_own(

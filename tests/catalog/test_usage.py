@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from shoal.catalog import CatalogClient, CatalogConfig, CatalogServer, InvalidError
+from tests.helpers import LoopTurns
 
 
 def row(key: str, model: str, minute: str, requests: int, prompt: int = 0, completion: int = 0,
@@ -136,17 +137,34 @@ async def test_the_usage_page_shows_the_sums_per_key_then_per_minute(
             await context.close()
 
 
+def count_rows_read(monkeypatch: pytest.MonkeyPatch, turns: LoopTurns) -> None:
+    """Note in `turns` the rows each partition of a streamed result brings (SQLAlchemy's
+    `AsyncResult.partitions`: its rows are made on the loop, in the turn they arrive)."""
+    from sqlalchemy.ext.asyncio import AsyncResult
+
+    real = AsyncResult.partitions
+
+    async def partitions(self: AsyncResult[Any], size: int | None = None) -> Any:
+        async for part in real(self, size):
+            turns.note(len(part))
+            yield part
+
+    monkeypatch.setattr(AsyncResult, "partitions", partitions)
+
+
 async def test_a_usage_report_of_many_minutes_does_not_hold_the_event_loop(
-    catalog: CatalogServer, client: CatalogClient
+    catalog: CatalogServer, client: CatalogClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A month of one key's minutes is 43,200 items: building and encoding them item by item
-    held the catalog's loop (its controller's included) for about a second."""
+    held the catalog's loop (its controller's included) for about a second. Counted, not
+    timed: the rows come `PARTITION` at most a turn, the items are made and encoded in a
+    thread."""
     from datetime import UTC, datetime, timedelta
 
     import aiohttp
+    import msgspec
 
-    from shoal.catalog import tables
-    from tests.helpers import StallProbe
+    from shoal.catalog import tables, usage
 
     start = datetime(2030, 1, 1, tzinfo=UTC)
     rows = [
@@ -162,28 +180,42 @@ async def test_a_usage_report_of_many_minutes_does_not_hold_the_event_loop(
     async with aiohttp.ClientSession() as session:
         async with session.get(url, params={"group_by": "key"}) as resp:  # warm the pool
             assert resp.status == 200
-        probe = StallProbe()  # the catalog serves on this very loop
-        async with session.get(url, params={"group_by": "minute"}) as resp:
-            assert resp.status == 200
-            body = await resp.read()
-        held = await probe.stop()
-    items = __import__("json").loads(body)["items"]
+        read = LoopTurns()  # the catalog serves on this very loop
+        count_rows_read(monkeypatch, read)
+        made = LoopTurns().wrap(usage, "_items")
+        encoded = LoopTurns().wrap(
+            msgspec.json, "encode", lambda value, *_, **__: int(isinstance(value, dict))
+        )
+        try:
+            async with session.get(url, params={"group_by": "minute"}) as resp:
+                assert resp.status == 200
+                body = await resp.read()
+        finally:
+            for turns in (read, made, encoded):
+                await turns.stop()
+    items = json.loads(body)["items"]
     assert len(items) == 43_200
     assert items[1] == {"key": None, "model": None, "minute": "2030-01-01T00:01:00Z",
                         "requests": 1, "prompt_tokens": 2, "completion_tokens": 3,
                         "total_tokens": 5}  # fmt: skip
-    assert held < 0.05, f"the loop was held {held * 1000:.0f} ms ({probe.longest_wall:.3f}s)"
+    assert read.on_loop == 43_200
+    assert read.most_per_turn <= usage.PARTITION, f"{read.most_per_turn} rows in one turn"
+    assert made.on_loop == 0 and made.off_loop == 1
+    assert encoded.on_loop == 0 and encoded.off_loop == 1
 
 
 async def test_a_usage_batch_of_a_mebibyte_is_decoded_and_validated_off_the_event_loop(
-    catalog: CatalogServer, client: CatalogClient
+    catalog: CatalogServer, client: CatalogClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch just under the body bound (~4,500 rows) was decoded, validated, merged and
-    dumped on the catalog's loop (its models controller's too): ~70 ms held per batch."""
+    dumped on the catalog's loop (its models controller's too): ~70 ms held per batch.
+    Counted, not timed: decoded and validated, then merged, in threads, and its rows bound
+    to statements `WRITE_SLICE` at most a turn."""
     import aiohttp
+    from sqlalchemy.ext.asyncio import AsyncConnection
 
+    from shoal.catalog import api, usage
     from shoal.catalog.api import MAX_BODY_BYTES
-    from tests.helpers import StallProbe
 
     one = row("key-00", "model-0", "2030-01-01T00:00:00Z", 1, 10, 20)
     count = (MAX_BODY_BYTES - 100) // (len(json.dumps(one)) + 2)
@@ -197,14 +229,27 @@ async def test_a_usage_batch_of_a_mebibyte_is_decoded_and_validated_off_the_even
     async with aiohttp.ClientSession() as session:
         async with session.post(url, data=b"{}", headers=headers) as resp:  # warm the pool
             assert resp.status == 422
-        probe = StallProbe()  # the catalog serves on this very loop
-        async with session.post(url, data=body, headers=headers) as resp:
-            answer = await resp.json()
-        held = await probe.stop()
+        decoded = LoopTurns().wrap(api, "_decoded")  # the catalog serves on this very loop
+        merged = LoopTurns().wrap(usage, "_merged")
+
+        def rows_bound(conn: Any, statement: Any, parameters: Any = None, **_: Any) -> int:
+            return len(parameters) if isinstance(parameters, list) else 0
+
+        bound = LoopTurns().wrap(AsyncConnection, "execute", rows_bound)
+        try:
+            async with session.post(url, data=body, headers=headers) as resp:
+                answer = await resp.json()
+        finally:
+            for turns in (decoded, merged, bound):
+                await turns.stop()
     assert resp.status == 200, answer
     assert answer == {"batch_id": "batch-big1", "counted": True, "rows": len(rows)}
     assert sum(i["requests"] for i in await client.usage(group_by="key")) == len(rows)
-    assert held < 0.02, f"the loop was held {held * 1000:.0f} ms ({probe.longest_wall:.3f}s)"
+    assert decoded.on_loop == 0 and decoded.off_loop == 1
+    assert merged.on_loop == 0 and merged.off_loop == 1
+    assert bound.on_loop > 4 * usage.WRITE_SLICE  # (distinct rows: ~4,500 in one batch)
+    most = bound.most_per_turn
+    assert most <= usage.WRITE_SLICE, f"{most} rows bound to statements in one turn"
 
 
 async def test_counters_stay_at_the_bigint_bound_and_the_batch_is_counted(

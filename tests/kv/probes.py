@@ -1,79 +1,78 @@
-"""Probes of how long an event loop is held: from inside (CPU time between two runs of a
-timer) and from outside (`/live` asked from another thread, as
-../shared/tools/stall_probe.py does)."""
+"""Counting the work a prompt's preparation does, and where: the characters a tokenizer
+encodes and the steps a chat template takes, per turn of the event loop or in the thread
+they ran in (`tests.helpers.LoopTurns`), and the sandbox's clocks turned by its own readings,
+so that its inline time budget is a count of them."""
 
 from __future__ import annotations
 
-import asyncio
-import gc
-import http.client
-import statistics
-import threading
-import time
+import itertools
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer
+
+from shoal.frontend.kv import sandbox
+from shoal.frontend.kv.prompt import PromptTokenizer
+from tests.helpers import LoopTurns
+
+BUDGET_READINGS = 100
+"""An inline render's time budget (`sandbox.INLINE_SECONDS`), in readings of the sandbox's
+clocks once `clock_by_readings` turns them (each reading `TICK` past the last): a render
+that checks its budget at every step is deferred within about this many steps."""
+TICK = sandbox.INLINE_SECONDS / BUDGET_READINGS
 
 
-class LoopProbe:
-    """The longest the event loop was held between two runs of a 1 ms timer, in CPU time
-    of its thread (what other processes on a shared machine take does not count), less
-    the time the garbage collector took meanwhile (a pause of the whole process, whatever
-    runs: the test process's heap makes it far longer than a frontend's)."""
+def clock_by_readings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sandbox's clocks (wall and CPU) advance `TICK` at each reading, and only then:
+    how much a render does within its time budget no longer depends on the machine."""
+    readings = itertools.count()
 
-    def __init__(self) -> None:
-        self.worst = 0.0
-        self._gc = 0.0
-        self._gc_start = 0.0
-        self._t0 = time.thread_time()
-        self._gc0 = 0.0
-        gc.callbacks.append(self._collected)
-        self._task = asyncio.create_task(self._run())
+    def now() -> float:
+        return next(readings) * TICK
 
-    def _collected(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._gc_start = time.thread_time()
-        else:
-            self._gc += time.thread_time() - self._gc_start
-
-    async def _run(self) -> None:
-        while True:
-            self._t0, self._gc0 = time.thread_time(), self._gc
-            await asyncio.sleep(0.001)
-            self._tick()
-
-    def _tick(self) -> None:
-        self.worst = max(self.worst, time.thread_time() - self._t0 - (self._gc - self._gc0))
-
-    async def stop(self) -> float:
-        """The worst hold, the one that ends now included (a hold just before `stop` is
-        otherwise never seen: its timer has not run yet)."""
-        self._tick()
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        gc.callbacks.remove(self._collected)
-        return self.worst
+    monkeypatch.setattr(sandbox, "time", SimpleNamespace(monotonic=now, thread_time=now))
 
 
-class LiveProbe:
-    """Asks `/live` every 5 ms from another thread, as ../shared/tools/stall_probe.py does."""
+class CountedTokenizer:
+    """A `tokenizers.Tokenizer` that notes in `turns` the characters it encodes (on the
+    event loop per turn, or in the thread encoding them); anything else as the real one."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.latencies: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+    def __init__(self, tokenizer: Tokenizer, turns: LoopTurns) -> None:
+        self._tokenizer = tokenizer
+        self._turns = turns
 
-    def _run(self) -> None:
-        host, port = self.url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            conn.request("GET", "/live")
-            conn.getresponse().read()
-            self.latencies.append(time.perf_counter() - t0)
-            time.sleep(0.005)
+    def encode_batch_fast(self, texts: list[str], *args: Any, **kwargs: Any) -> Any:
+        self._turns.note(sum(len(text) for text in texts))
+        return self._tokenizer.encode_batch_fast(texts, *args, **kwargs)
 
-    def stop(self) -> float:
-        """The median latency."""
-        self._stop.set()
-        self._thread.join()
-        return statistics.median(self.latencies)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def count_tokenized(prompts: PromptTokenizer) -> LoopTurns:
+    """The characters `prompts` tokenizes from now on, per turn of the loop (`on_loop`,
+    `most_per_turn`) or in its thread (`off_loop`)."""
+    turns = LoopTurns()
+    prompts.tokenizer = CountedTokenizer(prompts.tokenizer, turns)  # type: ignore[assignment]
+    return turns
+
+
+def count_steps(prompts: PromptTokenizer) -> LoopTurns:
+    """The steps `prompts`' templates take from now on (each loop iteration, call, attribute
+    or item read the sandbox checks), per turn of the loop or in the tokenizer's thread."""
+    return LoopTurns().wrap(prompts.env, "check")
+
+
+def spy_filter(prompts: PromptTokenizer, name: str, turns: LoopTurns) -> None:
+    """Note in `turns` each run of the template filter `name` (bounded as the sandbox
+    bounds its own: the check before it runs is not a run)."""
+    real: Callable[..., Any] = prompts.env.filters[name]
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        turns.note()
+        return real(*args, **kwargs)
+
+    spy.__name__ = f"do_{name}"
+    prompts.env.filters[name] = prompts.env._bounded_filter(spy)

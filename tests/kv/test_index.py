@@ -2,40 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 from shoal.frontend.kv.index import MAX_INSTANCE_BLOCKS, PURGE_SLICE, KvIndex
 from shoal.kv import AllBlocksCleared, BlockRemoved, BlockStored, token_block_hashes
-from tests.helpers import wait_for
-
-
-class ReleaseTurns:
-    """Counts, per turn of the event loop, the blocks `index` releases (a task counting its
-    turns runs beside): the work one turn holds the loop for, counted, not timed."""
-
-    def __init__(self, index: KvIndex) -> None:
-        self.turn = 0
-        self.per_turn: dict[int, int] = {}
-        real = index._release
-
-        def counted(ours: int, instance_id: int) -> None:
-            self.per_turn[self.turn] = self.per_turn.get(self.turn, 0) + 1
-            real(ours, instance_id)
-
-        index._release = counted  # type: ignore[method-assign]
-        self._task = asyncio.create_task(self._count())
-
-    async def _count(self) -> None:
-        while True:
-            self.turn += 1
-            await asyncio.sleep(0)
-
-    def stop(self) -> int:
-        """The most blocks released in one turn."""
-        self._task.cancel()
-        return max(self.per_turn.values(), default=0)
-
+from tests.helpers import LoopTurns, wait_for
 
 BS = 2
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -124,15 +95,16 @@ async def test_purging_an_instance_at_the_block_cap_releases_a_slice_per_turn_of
     index.apply(2, chain(2, 4))
     prompt = list(range(8))
     assert index.overlaps(token_block_hashes(prompt, BS)) == {1: 4, 2: 4}
-    turns = ReleaseTurns(index)
+    turns = LoopTurns().wrap(index, "_release")  # blocks released, per turn of the loop
     index.purge(1)
     assert index.overlaps(token_block_hashes(prompt, BS)) == {2: 4}  # at once
     assert index.instance_blocks(1) == 0
     await wait_for(lambda: len(index.holders) == 4, 10)  # (a cheap check: it runs on the loop)
-    most = turns.stop()
+    await turns.stop()
+    most = turns.most_per_turn
     assert all(holding == {2} for holding in index.holders.values())
     assert index.overlaps(token_block_hashes(prompt, BS)) == {2: 4}
-    assert sum(turns.per_turn.values()) == MAX_INSTANCE_BLOCKS
+    assert turns.on_loop == MAX_INSTANCE_BLOCKS
     assert most <= PURGE_SLICE, f"{most} blocks released in one turn of the loop"
 
 
@@ -159,13 +131,14 @@ async def test_many_instances_purged_at_once_are_released_a_slice_per_turn() -> 
     for instance in range(1, 101):
         index.apply(instance, chain(instance, 2000))
     prompt = list(range(8))
-    turns = ReleaseTurns(index)
+    turns = LoopTurns().wrap(index, "_release")  # blocks released, per turn of the loop
     for instance in range(1, 101):
         index.purge(instance)
     assert index.overlaps(token_block_hashes(prompt, BS)) == {}  # at once
     await wait_for(lambda: not index.holders, 10)
-    most = turns.stop()
-    assert sum(turns.per_turn.values()) == 100 * 2000
+    await turns.stop()
+    most = turns.most_per_turn
+    assert turns.on_loop == 100 * 2000
     assert most <= PURGE_SLICE, f"{most} blocks released in one turn of the loop"
 
 

@@ -5,7 +5,6 @@ filter on a long value, much new text to tokenize, or the segments busy in the t
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,10 +13,24 @@ import pytest
 from tokenizers import Tokenizer
 
 from shoal.frontend import Frontend
-from shoal.frontend.kv.prompt import INLINE_CHAT, INLINE_NEW, Deferred, PromptTokenizer
+from shoal.frontend.kv import prompt as kv_prompt
+from shoal.frontend.kv.prompt import (
+    INLINE_CHAT,
+    INLINE_MESSAGES,
+    INLINE_NEW,
+    Deferred,
+    PromptTokenizer,
+)
 from shoal.worker.engines.mocker.text import VOCAB
 from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, TOKENIZER
-from tests.kv.probes import LoopProbe
+from tests.helpers import LoopTurns
+from tests.kv.probes import (
+    BUDGET_READINGS,
+    clock_by_readings,
+    count_steps,
+    count_tokenized,
+    spy_filter,
+)
 from tests.kv.test_untrusted_prompts import MODEL, NESTED_LOOPS, figures, kv_set, start_front
 from tests.processes import Processes
 
@@ -67,14 +80,26 @@ def test_a_short_chat_is_prepared_inline_and_hashed_as_in_the_thread() -> None:
         "many-messages",
     ],
 )
-def test_work_that_could_hold_the_loop_is_deferred_quickly(
-    template: str, chat: list[dict[str, str]]
+async def test_work_that_could_hold_the_loop_is_deferred_quickly(
+    template: str, chat: list[dict[str, str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Counted, not timed: before `Deferred`, no more than `INLINE_MESSAGES` messages are
+    looked at, the template's steps stay within the inline time budget, as readings of the
+    sandbox's clocks (`clock_by_readings`), and no more than `INLINE_NEW` characters are
+    tokenized."""
     prompts = tokenizer(template)
-    start = time.thread_time()
-    with pytest.raises(Deferred):
-        prompts.chat_hashes(chat, [16], 1024, inline=True)
-    assert time.thread_time() - start < 0.02
+    clock_by_readings(monkeypatch)
+    steps, tokenized = count_steps(prompts), count_tokenized(prompts)
+    looked = LoopTurns().wrap(kv_prompt, "_message")
+    try:
+        with pytest.raises(Deferred):
+            prompts.chat_hashes(chat, [16], 1024, inline=True)
+    finally:
+        for turns in (steps, tokenized, looked):
+            await turns.stop()
+    assert looked.on_loop <= INLINE_MESSAGES, f"{looked.on_loop} messages looked at"
+    assert steps.on_loop <= BUDGET_READINGS, f"{steps.on_loop} steps of the template"
+    assert tokenized.on_loop <= INLINE_NEW, f"{tokenized.on_loop} characters tokenized"
     assert prompts.renders  # an inline render never disables a template: the thread judges
 
 
@@ -126,7 +151,8 @@ async def test_chats_go_inline_or_to_the_thread_and_the_loop_is_never_held(
         "{% else %}<|user|>{{ m['content'] }}{% endif %}{% endfor %}<|assistant|>"
     )
     client = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
-    loop = LoopProbe()
+    tokenized, wrapped = count_tokenized(state.tokenizer), LoopTurns()
+    spy_filter(state.tokenizer, "wordwrap", wrapped)
     short = [{"role": "user", "content": words(200)}]
     await client.chat.completions.create(model=MODEL, messages=short, max_tokens=1)  # type: ignore[arg-type]
     assert state.tokenizer._worker is None  # no thread was needed
@@ -141,4 +167,10 @@ async def test_chats_go_inline_or_to_the_thread_and_the_loop_is_never_held(
     assert all(a.choices for a in answers)
     assert figures(front).deferred == 2 and figures(front).picks == 3
     assert figures(front).fallbacks == 0  # prepared in the thread, routed by their blocks
-    assert await loop.stop() < 0.02
+    await tokenized.stop()
+    await wrapped.stop()
+    # Counted, not timed: the loop tokenized at most `INLINE_NEW` characters a turn, the
+    # long chat was tokenized in the thread, and the slow filter ran there only.
+    assert 0 < tokenized.most_per_turn <= INLINE_NEW, tokenized.per_turn
+    assert tokenized.off_loop >= len(words(2500)), tokenized.off_loop
+    assert wrapped.on_loop == 0 and wrapped.off_loop == 1

@@ -5,6 +5,7 @@ into a 500: a real frontend, real mocker workers, the official openai client."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import tracemalloc
 import uuid
@@ -19,14 +20,14 @@ from tokenizers import Tokenizer
 
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.kv import prompt as kv_prompt
-from shoal.frontend.kv.prompt import PromptTokenizer, TemplateOverrun
+from shoal.frontend.kv.prompt import INLINE_NEW, PromptTokenizer, TemplateOverrun
 from shoal.frontend.kv.router import KvRouter
 from shoal.frontend.kv.sandbox import INT_BITS
 from shoal.frontend.kv.tracker import KvSet
 from shoal.worker.engines.mocker.text import VOCAB
 from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, TOKENIZER
-from tests.helpers import wait_for
-from tests.kv.probes import LiveProbe, LoopProbe
+from tests.helpers import LoopTurns, wait_for
+from tests.kv.probes import count_steps, count_tokenized
 from tests.processes import Processes
 
 MODEL = "kv-untrusted"
@@ -125,11 +126,32 @@ def figures(front: Frontend) -> Any:
 async def test_a_hostile_template_is_disabled_and_never_stops_live(
     hostile_front: Frontend,
 ) -> None:
+    """Counted, not timed: the template's steps run in the tokenizer's thread (on the loop,
+    only the inline try's first, refused at its `range`), and the loop goes on turning, so
+    answering `/live`, while they run."""
     front = hostile_front
     tokenizer = kv_set(front).tokenizer
     assert tokenizer is not None and tokenizer.renders
     client = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="x", max_retries=0)
-    live, loop = LiveProbe(front.url), LoopProbe()
+    turns, steps = LoopTurns(), count_steps(tokenizer)
+    renders: list[tuple[bool, int, int]] = []  # (on the loop's thread, turns before, after)
+    render = tokenizer.env.render
+
+    def counted(*args: Any, **kwargs: Any) -> str:
+        before = turns.count
+        try:
+            return render(*args, **kwargs)
+        finally:
+            renders.append((threading.get_ident() == turns.loop_thread, before, turns.count))
+
+    tokenizer.env.render = counted  # type: ignore[method-assign]
+
+    loop, ticking = asyncio.get_running_loop(), []
+
+    def tick() -> None:  # (asks for every turn: the loop turns whenever it is free)
+        ticking[:] = [loop.call_soon(tick)]
+
+    tick()
     chats = [
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=1
@@ -137,12 +159,17 @@ async def test_a_hostile_template_is_disabled_and_never_stops_live(
         for i in range(4)
     ]
     answers = await asyncio.gather(*chats)
-    await asyncio.sleep(0.3)  # (for the probes: a few more answers after the overrun)
-    worst, median = await loop.stop(), live.stop()
+    in_thread = lambda: [(b, a) for on_loop, b, a in renders if not on_loop]  # noqa: E731
+    await wait_for(in_thread, message="the render in the thread ended")
+    ticking[0].cancel()
+    await turns.stop()
+    await steps.stop()
     assert all(a.choices for a in answers)  # routed by prefix
     assert "ran past" in tokenizer.disabled
-    assert worst < 0.02, f"the loop was held {worst * 1000:.0f} ms"
-    assert median < 0.05, f"/live answered in {median * 1000:.0f} ms (median)"
+    assert all(after > before for before, after in in_thread()), renders
+    assert steps.on_loop <= len(chats) < steps.off_loop, (steps.on_loop, steps.off_loop)
+    async with aiohttp.ClientSession() as session, session.get(f"{front.url}/live") as r:
+        assert r.status == 200
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{front.url}/health") as r:
             health = await r.json()
@@ -159,15 +186,21 @@ async def test_a_4mb_chat_is_tokenized_off_the_event_loop(front: Frontend) -> No
     text = " ".join(VOCAB[i % 40] for i in range(1_000_000))  # ~4 MB
     assert len(text) > 4_000_000
     body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
-    loop, picks = LoopProbe(), figures(front).picks
+    tokenizer = kv_set(front).tokenizer
+    assert tokenizer is not None
+    picks, tokenized = figures(front).picks, count_tokenized(tokenizer)
+    rendered = LoopTurns().wrap(tokenizer.env, "render")
     async with (
         aiohttp.ClientSession() as session,
         session.post(f"{front.url}/v1/chat/completions", json=body) as r,
     ):
         await r.read()
-    worst = await loop.stop()
+    await tokenized.stop()
+    await rendered.stop()
     assert figures(front).picks == picks + 1  # routed by its KV blocks, not by prefix
-    assert worst < 0.02, f"the loop was held {worst * 1000:.0f} ms"
+    # Counted, not timed: rendered and tokenized in the thread, never on the loop.
+    assert rendered.on_loop == 0 and rendered.off_loop == 1
+    assert tokenized.on_loop == 0 and tokenized.off_loop > INLINE_NEW, tokenized.off_loop
 
 
 async def test_tool_messages_reach_the_template_whole(front: Frontend) -> None:
