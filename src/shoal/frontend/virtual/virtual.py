@@ -30,7 +30,7 @@ import itertools
 import logging
 import random
 import ssl
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,6 +268,39 @@ class VirtualModel:
         }
 
 
+class LiveInstances(Mapping[str, int]):
+    """Per model name, discovered (`models`) and virtual (`virtual`: a virtual model wins a
+    name), the instances and providers it can send requests to now, each counted when read:
+    `/metrics` reads them a slice at a time (all of them at once, a set per virtual model
+    over its targets' instances, took 16-18 ms at 10,000 routes)."""
+
+    __slots__ = ("models", "virtual")
+
+    def __init__(self, models: Mapping[str, Model], virtual: Mapping[str, VirtualModel]) -> None:
+        self.models = models
+        self.virtual = virtual
+
+    def __getitem__(self, name: str) -> int:
+        vm = self.virtual.get(name)
+        return self.models[name].live_instances if vm is None else vm.live_instances
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.virtual or name in self.models
+
+    def __iter__(self) -> Iterator[str]:
+        virtual = self.virtual
+        return itertools.chain(virtual, itertools.filterfalse(virtual.__contains__, self.models))
+
+    def names(self) -> list[str]:
+        """Every name as one copy of each table's keys, in C, where a name in both is listed
+        twice (`/metrics` drops the second as it sorts them a slice at a time): a third of
+        the cost of a unique listing (30,000 + 30,000 names: 3-5 ms against 13-17 ms)."""
+        return [*self.virtual, *self.models]
+
+    def __len__(self) -> int:
+        return len(self.virtual) + len(self.models) - len(self.virtual.keys() & self.models.keys())
+
+
 class RouteTable:
     """The virtual models of this frontend's workspaces, by name, as the proxy reads them.
 
@@ -407,9 +440,10 @@ class RouteTable:
             )  # fmt: skip
         return True
 
-    def live_instances(self) -> dict[str, int]:
-        """Per virtual model, the instances and providers it can send requests to now."""
-        return {name: vm.live_instances for name, vm in self.models.items()}
+    def live_instances(self) -> LiveInstances:
+        """Per model name, discovered and virtual, the instances and providers it can send
+        requests to now, each counted when read."""
+        return LiveInstances(self.registry.models, self.models)
 
     def describe(self, limit: int = DESCRIBED) -> dict[str, Any]:
         """The table for people and dashboards: the first `limit` virtual models by name
