@@ -8,7 +8,9 @@ up. A request picks one target by weight. A `fleet` target is a model of the reg
 `url` target is an external provider behind one pooled `Upstream` (HTTPS or HTTP), whose
 bearer token comes from the frontend's own secrets. Targets that differ only in the model
 they name (gpt-4o and gpt-4o-mini on one key) have an `Upstream` each: a failure excludes
-and inhibits the target that failed, not its neighbour at the same base URL.
+and inhibits the target that failed, not its neighbour at the same base URL (a 403 too: the
+key denied that model); but a 401 refuses the key itself, and inhibits every target on it
+(`UrlChoice.on_key`: the same base URL and secret).
 
 Names: a virtual model wins over a discovered model of the same name (logged once per name):
 the route is what an operator declared, and the controller's passthrough virtual models are
@@ -119,6 +121,9 @@ class UrlChoice:
     upstream: Upstream | None
     error: str | None = None
     secret_missing: bool = False  # the only reason it cannot be used: resolved again later
+    # The upstreams of every target on its key (its base URL and secret), its own too: a 401
+    # refuses them all (`RouteTable._keys`, shared).
+    on_key: Collection[Upstream] = ()
 
     def pick(
         self, kind: ModelType, router: Router, prompt: str | None, exclude: Collection[Upstream]
@@ -329,6 +334,8 @@ class RouteTable:
         self.version = 0
         # (base URL, secret, model) -> the target's upstream and how many choices hold it
         self._upstreams: dict[tuple[str, str | None, str], tuple[Upstream, int]] = {}
+        # (base URL, secret) -> the upstreams of the targets on that key
+        self._keys: dict[tuple[str, str | None], set[Upstream]] = {}
         self._clashes_logged: set[str] = set()
 
     # -- changes (from the route watcher) ----------------------------------------------------
@@ -424,6 +431,7 @@ class RouteTable:
         for upstream, _ in self._upstreams.values():
             upstream.close()
         self._upstreams.clear()
+        self._keys.clear()
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -495,7 +503,8 @@ class RouteTable:
         held = self._upstreams.get(key)
         if held is not None:
             self._upstreams[key] = (held[0], held[1] + 1)
-            return UrlChoice(target.model, target.weight, target, held[0])
+            on_key = self._keys[target.base_url, target.secret]
+            return UrlChoice(target.model, target.weight, target, held[0], on_key=on_key)
         try:
             upstream = self._provider(target.base_url)
         except ValueError as exc:
@@ -514,7 +523,9 @@ class RouteTable:
         if token is not None:
             upstream.authorization = b"Bearer " + token.encode()
         self._upstreams[key] = (upstream, 1)
-        return UrlChoice(target.model, target.weight, target, upstream)
+        on_key = self._keys.setdefault((target.base_url, target.secret), set())
+        on_key.add(upstream)
+        return UrlChoice(target.model, target.weight, target, upstream, on_key=on_key)
 
     def _provider(self, base_url: str) -> Upstream:
         if not base_url.isascii() or any(ch.isspace() or ord(ch) < 32 for ch in base_url):
@@ -543,6 +554,11 @@ class RouteTable:
                 if held[1] <= 1:
                     del self._upstreams[key]
                     held[0].close()
+                    on_key = self._keys.get(key[:2])
+                    if on_key is not None:
+                        on_key.discard(held[0])
+                        if not on_key:
+                            del self._keys[key[:2]]
                 else:
                     self._upstreams[key] = (held[0], held[1] - 1)
 
