@@ -31,11 +31,15 @@ class Provider(FakeWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.failing_models: set[str] = set()
+        self.refusing: dict[str, int] = {}  # model -> the 401 or 403 it is answered
         self.extra_headers: dict[str, str] = {}
         self.served: list[str] = []
 
     def _failing(self) -> web.Response | None:
         model = json.loads(self.bodies[-1])["model"]
+        if model in self.refusing:
+            error = {"message": f"access to model {model} denied", "type": "permission_error"}
+            return web.json_response({"error": error}, status=self.refusing[model])
         if model in self.failing_models:
             return web.json_response(
                 {"error": {"message": "down", "type": "server_error"}}, status=500
@@ -347,3 +351,74 @@ def test_a_key_is_masked_wherever_the_packets_cut_it() -> None:
             pieces = (body[:first], body[first:second], body[second:])
             out = b"".join(masked.feed(p) for p in pieces) + masked.rest()
             assert out == body.replace(secret, b"*" * len(secret)), (first, second)
+
+
+async def test_a_provider_denying_one_model_still_serves_the_others_on_its_key(
+    store: Store, start_frontend: StartFrontend, monkeypatch: Any
+) -> None:
+    """A 403 is the provider denying the key one model ("access to model X denied"): only
+    that model's target is taken out, the provider's other models on the key serve on."""
+    remote = await provider("gpt-4o")
+    monkeypatch.setenv("SHOAL_SECRET_SHARED_KEY", "sk-shared")
+    try:
+        frontend = await start_frontend(inhibit_seconds=30)
+        denied = url_target(remote.url, "o1-pro", secret="shared-key", provider="default/acme")
+        allowed = url_target(remote.url, "gpt-4o", secret="shared-key", provider="default/acme")
+        await serve_route(store, frontend, "premium", denied)
+        await serve_route(store, frontend, "standard", allowed)
+        remote.refusing = {"o1-pro": 403}
+        status, text, _ = await post(frontend, "premium")
+        assert status == 502 and "HTTP 403" in text, text
+        assert upstream_of(frontend, "premium").inhibited
+        assert not upstream_of(frontend, "standard").inhibited
+        for _ in range(3):
+            assert (await post(frontend, "standard"))[0] == 200
+        assert remote.served == ["gpt-4o"] * 3
+    finally:
+        await remote.stop()
+
+
+async def test_a_provider_refusing_the_key_takes_every_model_on_that_key_out_at_once(
+    store: Store, start_frontend: StartFrontend, monkeypatch: Any
+) -> None:
+    """A 401 refuses the key itself: it took out only the target that got it, so each other
+    model on the key cost a request a refusal (and a round trip) before its turn. Now every
+    target on the key (the provider's base URL and the secret) is taken out at once; targets
+    on another key of the same provider are not."""
+    remote = await provider("gpt-4o")
+    other = await provider("gpt-4o")
+    monkeypatch.setenv("SHOAL_SECRET_SHARED_KEY", "sk-shared")
+    monkeypatch.setenv("SHOAL_SECRET_OTHER_KEY", "sk-other")
+    try:
+        frontend = await start_frontend(inhibit_seconds=30)
+        on_key = {"secret": "shared-key", "provider": "default/acme"}
+        await serve_route(store, frontend, "premium", url_target(remote.url, "o1-pro", **on_key))
+        await serve_route(
+            store,
+            frontend,
+            "standard",
+            url_target(remote.url, "gpt-4o", weight=1000, **on_key),
+            url_target(other.url, "gpt-4o", weight=1),
+        )
+        await serve_route(
+            store, frontend, "team", url_target(remote.url, "gpt-4o", secret="other-key")
+        )
+        remote.refusing = {"o1-pro": 401, "gpt-4o": 401}
+        status, text, _ = await post(frontend, "premium")
+        assert status == 502 and "HTTP 401" in text, text
+        assert upstream_of(frontend, "standard").inhibited
+        assert not upstream_of(frontend, "team").inhibited  # (another key)
+        for _ in range(3):
+            assert (await post(frontend, "standard"))[0] == 200
+        assert [json.loads(b)["model"] for b in remote.bodies] == ["o1-pro"]
+        assert other.served == ["gpt-4o"] * 3
+    finally:
+        await remote.stop()
+        await other.stop()
+
+
+def upstream_of(frontend: Frontend, name: str) -> Any:
+    """The upstream of the first target of virtual model `name` (a `url` target)."""
+    upstream = frontend.routes.models[name].choices[0].upstream  # type: ignore[union-attr]
+    assert upstream is not None
+    return upstream

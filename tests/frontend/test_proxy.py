@@ -11,9 +11,10 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from shoal.frontend import Frontend
+from shoal.frontend.proxy import sse
 from shoal.frontend.registry.metrics import UNKNOWN_MODEL
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
-from tests.frontend.raw_upstream import StartRaw, start_raw
+from tests.frontend.raw_upstream import Behaviour, StartRaw, start_raw
 from tests.frontend.support import FakeWorker, serving
 from tests.helpers import wait_for
 
@@ -292,28 +293,80 @@ async def test_failure_after_the_first_byte_ends_the_stream_with_an_error_event(
     assert "failed while streaming" in caught.value.message
 
 
-async def cut_mid_event(
-    request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+def chunk_event(text: str, newline: bytes = b"\n") -> bytes:
+    data = json.dumps(
+        {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "mock-llm",
+         "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    )  # fmt: skip
+    return b"data: " + data.encode() + newline * 2
+
+
+def cut_mid_event(*packets: bytes) -> Behaviour:
+    """An upstream streaming `packets` (a chunk each, written and drained one by one: the
+    gateway may still read several at once, `sse.Unfinished`'s own tests split them every
+    way), then dying."""
+
+    async def answer(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        for packet in packets:
+            writer.write(b"%x\r\n%s\r\n" % (len(packet), packet))
+            await writer.drain()
+        writer.transport.abort()
+
+    return answer
+
+
+CUT = chunk_event("c")[:40]  # (`data: {"id": "c1", "object": "chat.compl`)
+
+
+@pytest.mark.parametrize(
+    "packets",
+    [
+        pytest.param(
+            (chunk_event("a") + chunk_event("b") + CUT,), id="in-the-write-of-whole-events"
+        ),
+        pytest.param((chunk_event("a"), chunk_event("b"), CUT), id="in-a-write-of-its-own"),
+        pytest.param(
+            (chunk_event("a"), chunk_event("b") + CUT[:20], CUT[20:]), id="over-two-writes"
+        ),
+        pytest.param(
+            (chunk_event("a", b"\r\n"), chunk_event("b", b"\r\n") + CUT), id="crlf-framed"
+        ),
+        pytest.param((chunk_event("a"), chunk_event("b")[:-1]), id="after-a-whole-line"),
+    ],
+)
+async def test_a_stream_cut_mid_event_gives_the_official_client_its_events_then_the_error(
+    start_raw: StartRaw, start_frontend: StartFrontend, packets: tuple[bytes, ...]
 ) -> None:
-    whole = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[]}\n\n'
-    body = whole + b'data: {"id":"c1","object":"chat.co'  # (and the worker dies)
-    writer.write(
-        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
-        b"\r\n%x\r\n%s\r\n" % (len(body), body)
-    )
-    await writer.drain()
-    writer.transport.abort()
+    """A stream of one instance (nothing to migrate to) whose worker died in the middle of
+    an event: the gateway relayed the event's start, ended it and wrote its error event, and
+    the official client raised a JSON decode error on the cut event's data, the gateway's
+    error never seen. Now the start of an event is held until its end, and dropped if the
+    stream breaks: the client gets every whole event, then the error naming the break."""
+    await start_raw(cut_mid_event(*packets))
+    client = openai_client(await ready(start_frontend))
+    pieces: list[str | None] = []
+    async with asyncio.timeout(10):
+        stream = await client.chat.completions.create(model="mock-llm", messages=CHAT, stream=True)
+        with pytest.raises(openai.APIError) as caught:
+            async for chunk in stream:
+                pieces.append(chunk.choices[0].delta.content)
+    assert pieces == ["a", "b"]
+    assert "failed while streaming" in caught.value.message
 
 
-async def test_a_stream_cut_mid_event_ends_that_event_before_the_error_event(
+async def test_a_stream_cut_mid_event_ends_with_whole_events_and_the_error_event(
     start_raw: StartRaw, start_frontend: StartFrontend
 ) -> None:
-    """The gateway's error event was written right after the partial bytes of an event the
-    worker left unfinished: one event to the client's SSE parser, whose data is not JSON, and
-    the error never seen. The unfinished event is ended first: the error is an event."""
-    await start_raw(cut_mid_event)
-    frontend = await start_frontend()
-    await wait_for(lambda: serving(frontend), message="model served")
+    """What the client's SSE parser reads: the whole event, then the error event, each
+    whole; nothing of the event the worker left unfinished."""
+    await start_raw(cut_mid_event(chunk_event("a") + CUT))
+    frontend = await ready(start_frontend)
     body = {"model": "mock-llm", "messages": CHAT, "stream": True}
     url = f"{frontend.url}/v1/chat/completions"
     async with (
@@ -322,12 +375,84 @@ async def test_a_stream_cut_mid_event_ends_that_event_before_the_error_event(
         session.post(url, json=body) as response,
     ):
         raw = await response.read()
-    events = [event for event in raw.decode().split("\n\n") if event.strip()]
-    assert events[0].startswith('data: {"id":"c1"')
-    assert events[-1].startswith("data: ")
-    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    events = raw.decode().split("\n\n")
+    assert len(events) == 3 and events[-1] == ""  # (two events, each ended by a blank line)
+    assert events[0] == chunk_event("a").decode().strip()
+    error = json.loads(events[1].removeprefix("data: "))["error"]
     assert "failed while streaming" in error["message"]
-    assert len(events) == 3  # (the whole one, the one cut short, the error)
+
+
+def test_the_start_of_an_event_is_held_until_its_end_whatever_the_reads() -> None:
+    """`sse.Unfinished`: each read's whole events go at once; an event's start waits for its
+    blank line, found across two reads too, in LF, CRLF or CR lines."""
+    held = sse.Unfinished()
+    assert held.take(b"data: a\n\ndata: b") == b"data: a\n\n"
+    assert held.take(b"b") == b""
+    assert held.take(b"\n") == b""
+    assert held.take(b"\ndata: c\r\n\r\nda") == b"data: bb\n\ndata: c\r\n\r\n"
+    assert held.take(b"ta: d\r\r") == b"data: d\r\r"
+    assert (held.size, held.pieces) == (0, [])
+    assert held.take(b"data: [DONE]") == b""
+    assert held.release() == b"data: [DONE]"  # (a normal end: as it came)
+
+
+def test_an_event_over_the_bound_goes_as_it_came(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An event over `MAX_HELD` is not held for ever: it goes as it came, in one read or
+    over several (a break then ends it before the error event: the next test)."""
+    monkeypatch.setattr(sse, "MAX_HELD", 16)
+    held = sse.Unfinished()
+    assert held.take(b"data: 0123456789") == b""
+    assert held.take(b"abcdef") == b"data: 0123456789abcdef"
+    assert held.take(b"\n\ndata: x\n\n") == b"\n\ndata: x\n\n"
+    assert held.take(b"data: 0123456789abcdefgh") == b"data: 0123456789abcdefgh"
+    assert (held.size, held.pieces) == (0, [])
+
+
+async def test_an_event_over_the_bound_cut_by_a_break_is_ended_before_the_error_event(
+    start_raw: StartRaw, start_frontend: StartFrontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sse, "MAX_HELD", 16)
+    await start_raw(cut_mid_event(chunk_event("a") + CUT))
+    frontend = await ready(start_frontend)
+    body = {"model": "mock-llm", "messages": CHAT, "stream": True}
+    url = f"{frontend.url}/v1/chat/completions"
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(url, json=body) as response,
+    ):
+        raw = await response.read()
+    events = raw.decode().split("\n\n")
+    assert events[:2] == [chunk_event("a").decode().strip(), CUT.decode()]
+    assert (
+        "failed while streaming" in json.loads(events[2].removeprefix("data: "))["error"]["message"]
+    )
+
+
+async def test_a_stream_ended_normally_in_the_middle_of_an_event_keeps_its_last_bytes(
+    start_raw: StartRaw, start_frontend: StartFrontend
+) -> None:
+    """An upstream that ends its stream cleanly with an event not ended by a blank line
+    (`data: [DONE]` alone): what was held goes to the client at the end, as it came."""
+    stream = chunk_event("a") + b"data: [DONE]"
+
+    async def answer(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(stream), stream)
+        )
+
+    await start_raw(answer)
+    frontend = await ready(start_frontend)
+    body = {"model": "mock-llm", "messages": CHAT, "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+    ):
+        assert await response.read() == stream
 
 
 async def test_client_disconnect_cancels_the_upstream_request(

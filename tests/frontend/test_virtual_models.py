@@ -24,7 +24,7 @@ from shoal.frontend.registry.registry import Registry
 from shoal.frontend.registry.router import make_router
 from shoal.frontend.virtual.routes import RouteWatcher
 from shoal.frontend.virtual.secrets import SecretError, Secrets, env_name
-from shoal.frontend.virtual.virtual import RouteTable
+from shoal.frontend.virtual.virtual import RouteTable, UrlChoice
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import FakeWorker, serving
@@ -796,4 +796,32 @@ async def test_secret_files_are_read_off_the_event_loop_when_refreshed(tmp_path:
     readers.clear()
     await table.refresh_secrets()
     assert len(readers) == 20 and loop_thread not in readers
+    table.close()
+
+
+def test_targets_on_one_key_share_it_and_routes_deleted_leave_no_key_behind() -> None:
+    """A 401 inhibits every target on the refused key (`UrlChoice.on_key`): the targets at
+    one base URL with one secret share one set of upstreams, whatever model or route they
+    serve; another secret or another base URL is another key; a deleted route takes its
+    upstreams out of the set, and the last one the key."""
+    table = RouteTable(Registry(), secrets=Secrets(None, environ={"SHOAL_SECRET_K": "sk-k",
+                                                                 "SHOAL_SECRET_J": "sk-j"}))  # fmt: skip
+
+    def at(base: str, model: str, secret: str) -> UrlTarget:
+        return UrlTarget(base_url=f"https://{base}.example.com/v1", model=model, secret=secret)
+
+    first = route("first", at("p", "m1", "k"), at("p", "m2", "k"))
+    second = route("second", at("p", "m1", "k"), at("p", "m3", "j"), at("q", "m1", "k"))
+    for value in (first, second):
+        table.put(value.key, value.to_json())
+    a, b = table.models["first"].choices
+    c, d, e = table.models["second"].choices
+    assert isinstance(a, UrlChoice) and isinstance(c, UrlChoice)
+    assert a.on_key is b.on_key is c.on_key and a.upstream is c.upstream
+    assert set(a.on_key) == {a.upstream, b.upstream}  # type: ignore[union-attr]
+    assert set(d.on_key) == {d.upstream} and set(e.on_key) == {e.upstream}  # type: ignore[union-attr]
+    table.delete(first.key)
+    assert set(c.on_key) == {c.upstream}
+    table.delete(second.key)
+    assert table._keys == {} and table._upstreams == {}
     table.close()

@@ -52,7 +52,7 @@ from shoal.frontend.registry.metrics import FrontendMetrics
 from shoal.frontend.registry.registry import Model, Registry
 from shoal.frontend.registry.router import Router
 from shoal.frontend.registry.watcher import ModelWatcher
-from shoal.frontend.virtual.virtual import FleetChoice, RouteTable, VirtualModel
+from shoal.frontend.virtual.virtual import FleetChoice, LiveInstances, RouteTable, VirtualModel
 from shoal.openai import ApiError
 
 PROXY_ROUTES = {
@@ -288,12 +288,10 @@ class Endpoints:
             cached = self._models_body = (version, ModelListing(data))
         return cached[1]
 
-    def _live_instances(self) -> dict[str, int]:
-        """Instances by model name, discovered and virtual (a virtual model wins a name)."""
-        live = self.registry.live_instances()
-        if self.routes.models:
-            live.update(self.routes.live_instances())
-        return live
+    def _live_instances(self) -> LiveInstances:
+        """Instances by model name, discovered and virtual (a virtual model wins a name),
+        each counted when read."""
+        return self.routes.live_instances()
 
     def readiness(self) -> tuple[int, dict[str, Any]]:
         """200 when this frontend should get traffic; else 503 with every reason, by source.

@@ -470,7 +470,7 @@ class TwoStageForward(Forward):
         a new one (the decode is not inhibited), on another decode when there is one: a
         decode that refuses every handle is idle, so least-loaded would pick it again."""
         self.out = []
-        self.body_seen = False  # (nothing reached the client: the next head is held again)
+        self.body_seen = self.whole = False  # (nothing reached the client: held again)
         decode = self.target
         if decode is not None and self._may_retry():  # (another decode is left untried)
             self.tried.append(decode)

@@ -19,8 +19,10 @@ started generating: there is no idempotency key, and a completion has no side ef
 the compute spent. After the first byte, a failure (an idle timeout included) moves a
 stream that may migrate to another instance (`migration`), else ends an SSE
 stream with an error event, and any other response by closing the client connection. A
-client that disconnects cancels the handler, which drops the upstream connection so the
-worker stops generating.
+stream's client gets whole events only (the start of one is held until its end, and dropped
+at a break: `sse.Unfinished`), so its error event never ends half an event. A client that
+disconnects cancels the handler, which drops the upstream connection so the worker stops
+generating.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from shoal.frontend.http.upstream import (
     UpstreamError,
     UpstreamTimeout,
 )
-from shoal.frontend.proxy import migration
+from shoal.frontend.proxy import migration, sse
 from shoal.frontend.proxy.deadlines import Deadlines
 from shoal.frontend.proxy.fields import Fields, prompt_hint
 from shoal.frontend.proxy.headers import relay_response_headers
@@ -110,6 +112,7 @@ class Forward:
         "done",
         "fields",
         "head_seen",
+        "held",
         "last_read",
         "migration",
         "model",
@@ -125,9 +128,9 @@ class Forward:
         "status",
         "stream",
         "tail",
-        "tail_before",
         "target",
         "tried",
+        "whole",
     )
 
     def __init__(
@@ -163,9 +166,11 @@ class Forward:
         self.out: list[bytes] = []
         self.status = 0
         self.chunked = False
-        # The last two pieces of the body relayed (for `_break_off`: references only, a
-        # stream's per-event work; keeping its last bytes cost ~15% of a stream's CPU).
-        self.tail = self.tail_before = b""
+        # A stream whose events the migration does not read is checked packet by packet
+        # (`whole`): the start of an event whose end has not come is `held` from the client.
+        self.whole = False
+        self.held: sse.Unfinished | None = None
+        self.tail = b""  # (the last piece of such a stream relayed: `_break_off`)
         self.head_seen = False
         self.body_seen = False
         self.started = False
@@ -415,19 +420,41 @@ class Forward:
         return True
 
     def on_body(self, data: bytes) -> None:
-        if not self.body_seen:
-            self.body_seen = True
-            if self.stream:
-                self.stats.ttft.observe(time.perf_counter() - self.request.received)
-        if self.migration is not None and self.migration.parsing:
-            data = self.migration.feed(data)
+        if self.whole:  # (a stream the migration does not read: the usual packet ends an event)
+            if data[-1] == 10:  # (a newline: whole lines, no more work than that; never empty:
+                self.tail = data  # a transport's read, and a parser error if it were)
+            elif not (data := self._whole_events(data)):
+                return
+        else:
+            if not self.body_seen:
+                self.body_seen = True
+                if self.stream:
+                    self.stats.ttft.observe(time.perf_counter() - self.request.received)
+                    migration = self.migration
+                    self.whole = migration is None or not migration.parsing
+            if self.migration is not None and self.migration.parsing:  # (whole events out)
+                data = self.migration.feed(data)
+                if data and not self.migration.parsing:  # (it gave up: this packet as it came)
+                    data = self._whole_events(data)
+            elif self.whole or self.held is not None:
+                data = self._whole_events(data)
             if not data:
                 return
-        self.tail_before, self.tail = self.tail, data
         if self.chunked:
             self.out.append(b"%x\r\n%s\r\n" % (len(data), data))  # (one copy, not three pieces)
         else:
             self.out.append(data)
+
+    def _whole_events(self, data: bytes) -> bytes:
+        """What of a stream's `data` ends with whole events, for the client now; the rest is
+        held until its event ends, every packet coming here meanwhile (not `whole`)."""
+        held = self.held or sse.Unfinished()
+        data = held.take(data)
+        self.held = held if held.size else None
+        self.whole = self.held is None
+        if data:
+            self.tail = data
+        return data
 
     def flush(self, final: bool = False) -> None:
         """Write what this packet produced. A response head is held until the first body
@@ -449,6 +476,8 @@ class Forward:
                 StreamCutShort(f"instance {self.target.address} ended the stream early")
             )
             return
+        if self.held is not None and (rest := self.held.release()):  # (as they came)
+            self.out.append(b"%x\r\n%s\r\n" % (len(rest), rest) if self.chunked else rest)
         if self.migration is not None and (rest := self.migration.rest()):
             self.out.append(b"%x\r\n%s\r\n" % (len(rest), rest) if self.chunked else rest)
         if self.chunked:
@@ -477,7 +506,9 @@ class Forward:
 
     def _failed_after_start(self, exc: Exception, target: Upstream | None) -> None:
         """The response failed after its first byte reached the client: a stream that may
-        migrate goes on at another instance (`Migration.resume`), any other ends."""
+        migrate goes on at another instance (`Migration.resume`), any other ends. The start
+        of an event held never reaches the client."""
+        self.held = None
         try:
             if self.migration is not None and self.migration.resume(exc, target):
                 return
@@ -527,8 +558,10 @@ class Forward:
         self.client.follow(None)
 
     def _break_off(self, failure: Exception) -> None:
-        """A response failed after its first byte reached the client. A stream cut in the
-        middle of an event has it ended first: the error event would be part of it."""
+        """A response failed after its first byte reached the client. A stream's client has
+        whole events (the start of one held was dropped), or a packet's whole lines (ending
+        with a newline), or an event over `sse.MAX_HELD` as it came: those are ended first,
+        the error event would be part of them."""
         log.warning("response for %s broke off: %s", self.name, failure)
         if self.chunked and self.stream and self.client.writable:
             event = sse_event(
@@ -538,9 +571,9 @@ class Forward:
                     code="upstream_error",
                 )
             )
-            tail = (self.tail_before[-4:] + self.tail)[-4:]
-            if tail and not tail.endswith((b"\n\n", b"\r\n\r\n")):
-                event = b"\n\n" + event
+            tail = self.tail
+            if tail and not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+                event = (b"\n" if tail.endswith(b"\n") else b"\n\n") + event
             self.client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
         else:
             self.client.close_after_response()  # the body is cut short: only closing tells

@@ -6,7 +6,9 @@ before it is the client's:
 
 - a 401 or 403 refuses the gateway's secret, never the client's key: it is a failed attempt
   (another target is tried) and, when none is left, a 502 `provider_auth_failed` naming the
-  provider and the virtual model; the provider's body (which may quote the key) is not relayed;
+  provider and the virtual model; the provider's body (which may quote the key) is not relayed.
+  A 403 denies the key this model: that target is inhibited. A 401 refuses the key itself:
+  every target on it (the same base URL and secret) is inhibited at once;
 - any other error body is relayed with the secret's value masked in every form it may be
   written in, JSON-escaped, URL-encoded, HTML-escaped (`virtual.masking.Masked`, same length,
   so a `Content-Length` still holds): the value the request was written with, and the one in
@@ -90,7 +92,10 @@ class VirtualForward(Forward):
         if target is None or not target.provider or self.started:
             return super().on_head(status, headers, chunked)
         if status == 401 or status == 403:
-            self._attempt_failed(errors.provider_refused(self.name, self._provider(target), status))
+            refused = errors.provider_refused(self.name, self._provider(target), status)
+            if status == 401:  # (the key: every model on it; a 403, this model: `_attempt_failed`)
+                self._refuse_key(target)
+            self._attempt_failed(refused)
             return False
         headers = provider_response_headers(headers)
         sent, now = self.sent, target.authorization  # (the key sent, and the one in force)
@@ -116,11 +121,27 @@ class VirtualForward(Forward):
             super().on_body(rest)
         super().on_complete()
 
-    def _provider(self, target: Upstream) -> str:
-        """How the provider behind `target` is named to clients: its catalog name and URL."""
+    def _choice(self, target: Upstream) -> UrlChoice | None:
         for choice in self.virtual.choices:
             if isinstance(choice, UrlChoice) and choice.upstream is target:
-                url = redact_url(choice.target.base_url)
-                name = choice.target.provider
-                return f"`{name}` ({url})" if name else url
-        return redact_url(target.address)
+                return choice
+        return None
+
+    def _provider(self, target: Upstream) -> str:
+        """How the provider behind `target` is named to clients: its catalog name and URL."""
+        choice = self._choice(target)
+        if choice is None:
+            return redact_url(target.address)
+        url = redact_url(choice.target.base_url)
+        name = choice.target.provider
+        return f"`{name}` ({url})" if name else url
+
+    def _refuse_key(self, target: Upstream) -> None:
+        """The provider refused the key `target` sends (401): inhibit every other target on
+        it (`target` itself is, as a failed attempt)."""
+        choice = self._choice(target)
+        seconds = self.proxy.inhibit_seconds
+        for upstream in () if choice is None else choice.on_key:
+            if upstream is not target and not upstream.inhibited:
+                upstream.inhibit(seconds)
+                self.proxy.metrics.instances_inhibited.inc()

@@ -1,6 +1,7 @@
 """Server-sent events as a stream that may migrate reads them (migration.py): what of an
 OpenAI chunk it keeps (`Chunk`), the data of one event (`payload`), whether a body may start
-a stream (`sse_start`), and a chat choice that only opens the message (`opening`)."""
+a stream (`sse_start`), and a chat choice that only opens the message (`opening`); and the
+start of an event held from the client until its end (`Unfinished`, forward.py)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,61 @@ def opening(choice: Choice) -> bool:
 
 def has_role(choice: Choice) -> bool:
     return choice.delta is not None and choice.delta.role is not msgspec.UNSET
+
+
+MAX_HELD = 1 << 20
+"""Bytes of a stream's unfinished event held until its end (a migration holds as many, its
+`MAX_EVENT`); past them they go to the client as they came."""
+_BLANK_LINES = (b"\n\n", b"\r\n\r\n", b"\r\r")  # (an event's end: LF, CRLF or CR lines)
+
+
+def whole_events(data: bytes) -> int:
+    """The length of `data`'s whole events: to the end of its last blank line, 0 for none."""
+    end = 0
+    for blank in _BLANK_LINES:
+        at = data.rfind(blank)
+        if at >= 0 and at + len(blank) > end:
+            end = at + len(blank)
+    return end
+
+
+class Unfinished:
+    """The start of a stream's event whose end has not come, held from the client: a client
+    that got half an event when the stream broke read the gateway's error event as its end,
+    and failed decoding it (the official client: a JSON decode error, the error unread).
+    Held in pieces, joined only when the event ends (an event dripped in small reads is not
+    copied at each); past `MAX_HELD` it goes as it came (the client then has half an event)."""
+
+    __slots__ = ("pieces", "size")
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self.size = 0
+
+    def take(self, data: bytes) -> bytes:
+        """What of `data`, after the pieces held, goes to the client now; the rest is held."""
+        pieces = self.pieces
+        if pieces:
+            joint = pieces[-1][-3:] + data[:3]  # (a blank line across two reads)
+            if not any(blank in data or blank in joint for blank in _BLANK_LINES):
+                pieces.append(data)
+                self.size += len(data)
+                return self.release() if self.size > MAX_HELD else b""
+            data = b"".join([*pieces, data])
+            pieces.clear()
+        end = whole_events(data)
+        self.size = len(data) - end
+        if not self.size:
+            return data
+        if self.size > MAX_HELD:  # (all of it goes)
+            self.size = 0
+            return data
+        pieces.append(data[end:] if end else data)
+        return data[:end]
+
+    def release(self) -> bytes:
+        """Every piece held, for the client (at the stream's end, or over the bound)."""
+        data = b"".join(self.pieces)
+        self.pieces.clear()
+        self.size = 0
+        return data

@@ -12,7 +12,10 @@ families (the same text, tested against it): a fleet of 10,000 models with traff
 380,000 of those lines, which `generate_latest` took 2.1 s to write, in one piece. `render`
 writes them at about a third of that cost, and `render_sliced` a `RENDER_SLICE` of models at a
 time with the event loop served in between (2,000 refused cards written in one piece held it
-97 ms): a scrape never holds up the requests.
+97 ms): a scrape never holds up the requests. Its other work over every model is sliced too:
+the names are sorted a `SORT_SLICE` at a time (`sorted_in_steps`), each model's live instances
+counted when its line is written (`live_instances` is a mapping that counts when read), and
+the departed found a `SORT_SLICE` of names at a time.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client import Histogram as PromHistogram
@@ -35,6 +38,7 @@ from prometheus_client.utils import floatToGoString as _go_float
 
 from shoal.discovery.join import IGNORED_CHANGES, MALFORMED
 from shoal.frontend.registry.metadata import MetadataCache
+from shoal.frontend.registry.names import SORT_SLICE, live_names, sorted_in_steps
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -50,7 +54,8 @@ _fmt: Callable[[float], str] = _go_float  # (untyped there) a value as `generate
 
 RENDER_SLICE = 128
 """Models whose series `render_sliced` writes between two yields to the event loop (about
-40 lines each with traffic: a few milliseconds)."""
+40 lines each with traffic: a few milliseconds), or whose live instances it counts (a virtual
+model's are a set over its targets' instances)."""
 
 
 class Histogram:
@@ -127,10 +132,12 @@ class ModelStats:
 class FrontendMetrics:
     """Everything `/metrics` shows for one frontend.
 
-    The series of a model that left the registry (`live_instances` no longer names it) are
-    kept `departed_ttl` seconds, then dropped (its request series and its `cards_refused`
-    one, requested here or not), so departed models (adapters come and go) do not grow
-    `/metrics` for ever; a model with requests in flight is never dropped.
+    `live_instances` gives the models live now, each with its live instances: a mapping
+    whose counts are read when their lines are written (the frontend's counts each when
+    read). The series of a model it no longer names are kept `departed_ttl` seconds, then
+    dropped (its request series and its `cards_refused` one, requested here or not), so
+    departed models (adapters come and go) do not grow `/metrics` for ever; a model with
+    requests in flight is never dropped.
     """
 
     def __init__(
@@ -139,7 +146,7 @@ class FrontendMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.models: dict[str, ModelStats] = {}
         self.totals = Totals()  # every model's, departed ones' too (the dashboard's charts)
-        self.live_instances: Callable[[], dict[str, int]] = dict
+        self.live_instances: Callable[[], Mapping[str, int]] = dict
         self.departed_ttl = departed_ttl
         self.clock = clock
         self._departed: dict[str, float] = {}  # model name -> when it was first seen gone
@@ -262,47 +269,75 @@ class FrontendMetrics:
             self.rendering = False
 
     def _render_per_model(self, text: _PerModel) -> Iterator[None]:
-        """Write the per-model series into `text`; a step per slice of models."""
+        """Write the per-model series into `text`; a step per slice of models. A model
+        dropped or gone while earlier slices were written is left out of its family."""
         present = self.live_instances()
-        self.drop_departed(present)
-        models = sorted(self.models.items())
-        for start in range(0, len(models), RENDER_SLICE):
-            text.add_stats(models[start : start + RENDER_SLICE])
+        yield from self._dropping(present)
+        models = self.models
+        names = yield from sorted_in_steps(list(models))
+        for start in range(0, len(names), RENDER_SLICE):
+            chosen = names[start : start + RENDER_SLICE]
+            text.add_stats([(n, s) for n in chosen if (s := models.get(n)) is not None])
             yield
-        # (one line per model; the refused in the order they were first refused)
-        for family, lines in ((-2, sorted(present.items())), (-1, list(self.refused.items()))):
-            for start in range(0, len(lines), RENDER_SLICE * 8):
-                text.add_counts(family, lines[start : start + RENDER_SLICE * 8])
-                yield
+        live = yield from sorted_in_steps(live_names(present))
+        for start in range(0, len(live), RENDER_SLICE):
+            chosen = live[start : start + RENDER_SLICE]
+            text.add_counts(-2, [(n, c) for n in chosen if (c := present.get(n)) is not None])
+            yield
+        # (one line per model, in the order they were first refused)
+        refused = list(self.refused.items())
+        for start in range(0, len(refused), SORT_SLICE):
+            text.add_counts(-1, refused[start : start + SORT_SLICE])
+            yield
 
-    def drop_departed(self, present: dict[str, int] | None = None) -> None:
+    def drop_departed(self, present: Mapping[str, int] | None = None) -> None:
         """Drop the series of models gone from the registry for longer than `departed_ttl`
-        (`present`: the models live now, by their `live_instances`, when already known)."""
-        if present is None:
-            present = self.live_instances()
-        now = self.clock()
-        departed = self._departed
-        for name in departed.keys() & present.keys():
-            del departed[name]
-        # (a model with a refused card may have had no request here: no `ModelStats`)
-        refused = self.refused
-        gone = self.models.keys() - present.keys()
-        if refused:
-            gone |= refused.keys() - present.keys()
-        gone.discard(UNKNOWN_MODEL)
-        for name in gone - departed.keys():  # (the newly gone: the others are dated)
-            departed[name] = now
-        expired = []
-        for name, since in departed.items():  # (in the order they left: the expired first)
-            if now - since <= self.departed_ttl:
-                break
-            expired.append(name)
-        for name in expired:
-            stats = self.models.get(name)
-            if stats is None or not stats.in_flight:
-                self.models.pop(name, None)
-                del departed[name]
-                refused.pop(name, None)
+        (`present`: the models live now, by their `live_instances`, when already known), in
+        one piece (`drop_departed_sliced` on the event loop)."""
+        for _ in self._dropping(self.live_instances() if present is None else present):
+            pass
+
+    async def drop_departed_sliced(self) -> None:
+        """`drop_departed`, yielding to the event loop after each `SORT_SLICE` of names."""
+        for _ in self._dropping(self.live_instances()):
+            await asyncio.sleep(0)
+
+    def _dropping(self, present: Mapping[str, int]) -> Iterator[None]:
+        """`drop_departed`'s work, a step per `SORT_SLICE` names (a name only: no count of
+        live instances is read)."""
+        now, step = self.clock(), SORT_SLICE
+        departed, models, refused = self._departed, self.models, self.refused
+        back = list(departed)
+        for start in range(0, len(back), step):
+            for name in back[start : start + step]:
+                if name in present:
+                    departed.pop(name, None)
+            yield
+        # The newly gone (the others are dated); a model with a refused card may have had no
+        # request here: no `ModelStats`.
+        names = list(models) + list(refused)
+        for start in range(0, len(names), step):
+            for name in names[start : start + step]:
+                if (
+                    name not in departed
+                    and name != UNKNOWN_MODEL
+                    and (name in models or name in refused)
+                    and name not in present
+                ):
+                    departed[name] = now
+            yield
+        gone = list(departed.items())  # (in the order they left: the expired first)
+        for start in range(0, len(gone), step):
+            for name, since in gone[start : start + step]:
+                if now - since <= self.departed_ttl:
+                    return
+                stats = models.get(name)
+                if departed.get(name) == since and (stats is None or not stats.in_flight):
+                    if name not in present:  # (not back since it was last seen gone)
+                        models.pop(name, None)
+                        refused.pop(name, None)
+                    del departed[name]
+            yield
 
 
 class _RequestCollector(Collector):

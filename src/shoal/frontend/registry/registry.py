@@ -514,9 +514,6 @@ class Registry:
         """Models `/v1/models` shows (serving, or draining for now), by name."""
         return [m for _, m in sorted(self.models.items()) if m.listed]
 
-    def live_instances(self) -> dict[str, int]:
-        return {name: m.live_instances for name, m in self.models.items()}
-
     def close(self) -> None:
         for upstreams in self._upstreams.values():
             for upstream in upstreams.values():

@@ -566,4 +566,4 @@ class Reconciler(HeartbeatMixin, Controller):
         self.last_repairs = await self.watcher.reconcile(
             self.emit_heartbeat, waiting_on=self.waiting_on, wait_for_fetches=False
         )
-        self.watcher.metrics.drop_departed()  # also when nobody scrapes /metrics
+        await self.watcher.metrics.drop_departed_sliced()  # also when nobody scrapes /metrics

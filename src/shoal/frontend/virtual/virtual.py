@@ -8,7 +8,9 @@ up. A request picks one target by weight. A `fleet` target is a model of the reg
 `url` target is an external provider behind one pooled `Upstream` (HTTPS or HTTP), whose
 bearer token comes from the frontend's own secrets. Targets that differ only in the model
 they name (gpt-4o and gpt-4o-mini on one key) have an `Upstream` each: a failure excludes
-and inhibits the target that failed, not its neighbour at the same base URL.
+and inhibits the target that failed, not its neighbour at the same base URL (a 403 too: the
+key denied that model); but a 401 refuses the key itself, and inhibits every target on it
+(`UrlChoice.on_key`: the same base URL and secret).
 
 Names: a virtual model wins over a discovered model of the same name (logged once per name):
 the route is what an operator declared, and the controller's passthrough virtual models are
@@ -30,7 +32,7 @@ import itertools
 import logging
 import random
 import ssl
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +122,9 @@ class UrlChoice:
     upstream: Upstream | None
     error: str | None = None
     secret_missing: bool = False  # the only reason it cannot be used: resolved again later
+    # The upstreams of every target on its key (its base URL and secret), its own too: a 401
+    # refuses them all (`RouteTable._keys`, shared).
+    on_key: Collection[Upstream] = ()
 
     def pick(
         self, kind: ModelType, router: Router, prompt: str | None, exclude: Collection[Upstream]
@@ -269,6 +274,39 @@ class VirtualModel:
         }
 
 
+class LiveInstances(Mapping[str, int]):
+    """Per model name, discovered (`models`) and virtual (`virtual`: a virtual model wins a
+    name), the instances and providers it can send requests to now, each counted when read:
+    `/metrics` reads them a slice at a time (all of them at once, a set per virtual model
+    over its targets' instances, took 16-18 ms at 10,000 routes)."""
+
+    __slots__ = ("models", "virtual")
+
+    def __init__(self, models: Mapping[str, Model], virtual: Mapping[str, VirtualModel]) -> None:
+        self.models = models
+        self.virtual = virtual
+
+    def __getitem__(self, name: str) -> int:
+        vm = self.virtual.get(name)
+        return self.models[name].live_instances if vm is None else vm.live_instances
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.virtual or name in self.models
+
+    def __iter__(self) -> Iterator[str]:
+        virtual = self.virtual
+        return itertools.chain(virtual, itertools.filterfalse(virtual.__contains__, self.models))
+
+    def names(self) -> list[str]:
+        """Every name as one copy of each table's keys, in C, where a name in both is listed
+        twice (`/metrics` drops the second as it sorts them a slice at a time): a third of
+        the cost of a unique listing (30,000 + 30,000 names: 3-5 ms against 13-17 ms)."""
+        return [*self.virtual, *self.models]
+
+    def __len__(self) -> int:
+        return len(self.virtual) + len(self.models) - len(self.virtual.keys() & self.models.keys())
+
+
 class RouteTable:
     """The virtual models of this frontend's workspaces, by name, as the proxy reads them.
 
@@ -297,6 +335,8 @@ class RouteTable:
         self.version = 0
         # (base URL, secret, model) -> the target's upstream and how many choices hold it
         self._upstreams: dict[tuple[str, str | None, str], tuple[Upstream, int]] = {}
+        # (base URL, secret) -> the upstreams of the targets on that key
+        self._keys: dict[tuple[str, str | None], set[Upstream]] = {}
         self._clashes_logged: set[str] = set()
 
     # -- changes (from the route watcher) ----------------------------------------------------
@@ -394,6 +434,7 @@ class RouteTable:
         for upstream, _ in self._upstreams.values():
             upstream.close()
         self._upstreams.clear()
+        self._keys.clear()
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -410,9 +451,10 @@ class RouteTable:
             )  # fmt: skip
         return True
 
-    def live_instances(self) -> dict[str, int]:
-        """Per virtual model, the instances and providers it can send requests to now."""
-        return {name: vm.live_instances for name, vm in self.models.items()}
+    def live_instances(self) -> LiveInstances:
+        """Per model name, discovered and virtual, the instances and providers it can send
+        requests to now, each counted when read."""
+        return LiveInstances(self.registry.models, self.models)
 
     def describe(self, limit: int = DESCRIBED) -> dict[str, Any]:
         """The table for people and dashboards: the first `limit` virtual models by name
@@ -464,7 +506,8 @@ class RouteTable:
         held = self._upstreams.get(key)
         if held is not None:
             self._upstreams[key] = (held[0], held[1] + 1)
-            return UrlChoice(target.model, target.weight, target, held[0])
+            on_key = self._keys[target.base_url, target.secret]
+            return UrlChoice(target.model, target.weight, target, held[0], on_key=on_key)
         try:
             upstream = self._provider(target.base_url)
         except ValueError as exc:
@@ -485,7 +528,9 @@ class RouteTable:
             with contextlib.suppress(RuntimeError):  # (no loop running: made when first used)
                 asyncio.get_running_loop().run_in_executor(None, masking.pattern, token.encode())
         self._upstreams[key] = (upstream, 1)
-        return UrlChoice(target.model, target.weight, target, upstream)
+        on_key = self._keys.setdefault((target.base_url, target.secret), set())
+        on_key.add(upstream)
+        return UrlChoice(target.model, target.weight, target, upstream, on_key=on_key)
 
     def _provider(self, base_url: str) -> Upstream:
         if not base_url.isascii() or any(ch.isspace() or ord(ch) < 32 for ch in base_url):
@@ -514,6 +559,11 @@ class RouteTable:
                 if held[1] <= 1:
                     del self._upstreams[key]
                     held[0].close()
+                    on_key = self._keys.get(key[:2])
+                    if on_key is not None:
+                        on_key.discard(held[0])
+                        if not on_key:
+                            del self._keys[key[:2]]
                 else:
                     self._upstreams[key] = (held[0], held[1] - 1)
 
