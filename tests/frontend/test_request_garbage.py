@@ -12,7 +12,9 @@ import gc
 from collections.abc import Iterator
 
 import pytest
-from bench.request_path import Bench
+from bench.request_path import Bench, Transport
+
+from shoal.frontend.http.server import HttpConnection
 
 REQUESTS = 20
 
@@ -39,3 +41,24 @@ async def test_a_request_leaves_no_cycle_for_the_collector(
     left = gc.collect()
     bench.check()
     assert left == 0, f"{REQUESTS} {mode} requests left {left} objects in cycles"
+
+
+async def test_a_client_connection_that_closes_leaves_no_cycle(collector_off: None) -> None:
+    """A client that sends one request per connection (`Connection: close`, a client
+    without a pool, or one that left): each closed connection is freed by its reference
+    count. Its parser calls the connection's methods, a cycle until the connection breaks it."""
+    bench = Bench(chunks=16)
+
+    def one_connection() -> None:
+        bench.client = HttpConnection(bench.server)
+        bench.client.connection_made(Transport())  # type: ignore[arg-type]
+        bench.serve("plain", 1)
+        bench.client.connection_lost(None)
+
+    one_connection()
+    gc.collect()
+    for _ in range(REQUESTS):
+        one_connection()
+    left = gc.collect()
+    bench.check()
+    assert left == 0, f"{REQUESTS} closed connections left {left} objects in cycles"
