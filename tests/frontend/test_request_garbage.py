@@ -8,6 +8,7 @@ walk. Served through the frontend's real request path over fake transports
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from collections.abc import Iterator
 
@@ -15,6 +16,7 @@ import pytest
 from bench.request_path import Bench, Transport
 
 from shoal.frontend.http.server import HttpConnection
+from tests.helpers import wait_for
 
 REQUESTS = 20
 
@@ -62,3 +64,38 @@ async def test_a_client_connection_that_closes_leaves_no_cycle(collector_off: No
     left = gc.collect()
     bench.check()
     assert left == 0, f"{REQUESTS} closed connections left {left} objects in cycles"
+
+
+async def test_a_client_leaving_while_its_connect_is_under_way_leaves_no_cycle(
+    collector_off: None,
+) -> None:
+    """The client goes away while the gateway opens a connection to the worker (none was
+    idle): the connect is cancelled, and the request's objects freed by their counts."""
+    bench = Bench(chunks=16)
+    upstream, _, _ = bench.workers[0]
+    upstream.idle.clear()  # (the next request connects)
+    request = bench.requests["plain"]
+
+    async def one_request() -> None:
+        client = HttpConnection(bench.server)
+        client.connection_made(Transport())  # type: ignore[arg-type]
+        client.data_received(request)
+        (connecting,) = connects()
+        client.connection_lost(None)  # the client left: the connect is cancelled
+        del connecting
+        await wait_for(lambda: not connects(), message="the connect ended")
+
+    await one_request()
+    gc.collect()
+    for _ in range(REQUESTS):
+        await one_request()
+    left = gc.collect()
+    stats = bench.proxy.metrics.models["bench-model"].requests
+    assert set(stats) == {499} and upstream.in_flight == 0, (stats, upstream.in_flight)
+    assert left == 0, f"{REQUESTS} requests left while connecting left {left} objects in cycles"
+
+
+def connects() -> list[asyncio.Task[None]]:
+    """The request path's connects under way (`Forward._connect`)."""
+    current = asyncio.current_task()
+    return [t for t in asyncio.all_tasks() if t is not current and "_connect" in repr(t.get_coro())]
