@@ -280,7 +280,9 @@ class TwoStageForward(Forward):
                 try:
                     handle = await self._stage_one(target)
                 except UpstreamError as exc:
-                    failure = exc
+                    # (kept for its type and message; its traceback holds this frame, which
+                    # holds it: a reference cycle for each failed prefill)
+                    failure = exc.with_traceback(None)
                     self.stages.stats.failures["prefill"] += 1
                     log.warning("prefill failed: %s; trying another prefill instance", exc)
                     target.inhibit(proxy.inhibit_seconds)
