@@ -28,6 +28,7 @@ from tests.helpers import wait_for
 
 REQUESTS = 10
 CHAT = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}]}
+HANDLE = b'{"id":"p","choices":[],"kv_transfer_params":{"remote_block_ids":[1]}}'
 
 
 @pytest.fixture
@@ -134,3 +135,26 @@ async def test_a_failed_prefill_leaves_no_cycle(
     with shoal_cycles() as left:
         await serve(frontend, REQUESTS, status)
     assert not left, f"{REQUESTS} requests whose prefill failed ({failure}) left {left}"
+
+
+async def test_a_prefill_connection_found_closed_leaves_no_cycle(
+    start_frontend: StartFrontend, start_stage: StartStage, quiet: None
+) -> None:
+    """A pooled connection the prefill instance had closed fails unanswered, and the prefill
+    is sent again on a new one: the failure it read was the answer's future's exception,
+    whose traceback holds the frame that reads the future."""
+    answered: set[asyncio.StreamWriter] = set()
+
+    async def once(request: bytes, reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        if w in answered:  # (the second request on a connection: it was closed meanwhile)
+            w.transport.abort()
+            return
+        answered.add(w)
+        await json_answer(b"200 OK", HANDLE)(request, reader, w)
+
+    frontend = await two_stages(start_frontend, start_stage, once)
+    await serve(frontend, 2, 200)
+    with shoal_cycles() as left:
+        await serve(frontend, REQUESTS, 200)
+    assert not left, f"{REQUESTS} prefills sent again on a new connection left {left}"
+    assert len(answered) >= REQUESTS  # (each on a connection of its own: the path was taken)
