@@ -10,11 +10,8 @@ gateway's are not made here (`quiet`), or they would keep alive what they name."
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
-import gc
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
@@ -24,6 +21,7 @@ from shoal.frontend import Frontend
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend
 from tests.frontend.raw_upstream import Behaviour, RawUpstream, completion, json_answer
+from tests.frontend.support import shoal_cycles
 from tests.helpers import wait_for
 
 REQUESTS = 10
@@ -34,27 +32,6 @@ HANDLE = b'{"id":"p","choices":[],"kv_transfer_params":{"remote_block_ids":[1]}}
 @pytest.fixture
 def quiet(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.CRITICAL, logger="shoal")
-
-
-@contextlib.contextmanager
-def shoal_cycles() -> Iterator[collections.Counter[str]]:
-    """The types of shoal's objects left in reference cycles while the block ran (the
-    collector off meanwhile)."""
-    found: collections.Counter[str] = collections.Counter()
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        yield found
-        gc.collect()
-        for obj in gc.garbage:
-            kind = type(obj)
-            if kind.__module__.startswith("shoal."):
-                found[kind.__qualname__] += 1
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
 
 
 StartStage = Callable[[Behaviour, WorkerRole], Awaitable[RawUpstream]]
