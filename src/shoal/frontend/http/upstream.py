@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import re
 import ssl
 import sys
@@ -29,6 +30,7 @@ from typing import ClassVar, Protocol, cast
 import httptools
 from mypy_extensions import mypyc_attr
 
+from shoal.frontend.http.opening import open_within
 from shoal.urls import redact_url
 
 _PLAIN_URL = re.compile(
@@ -241,24 +243,14 @@ class Upstream:
         """Open a new connection; raises `UpstreamError` if it cannot within the timeout."""
         loop = asyncio.get_running_loop()
         made: list[UpstreamConnection] = []
-
-        def protocol() -> UpstreamConnection:
-            made.append(UpstreamConnection(self))
-            return made[-1]
-
+        # (a partial, not a closure: a compiled build's closure and the frame it closes over
+        # hold each other, a reference cycle per connect)
+        protocol = functools.partial(_made, self, made)
         try:
-            try:
-                # `asyncio.timeout`, not `wait_for`: on 3.11 `wait_for` can swallow a
-                # cancellation that arrives as the connect completes (and runs the connect in
-                # a task of its own).
-                async with asyncio.timeout(self.connect_timeout):
-                    _, conn = await loop.create_connection(
-                        protocol,
-                        self.host,
-                        self.port,
-                        ssl=self.tls,
-                        server_hostname=self.host if self.tls is not None else None,
-                    )
+            try:  # (the timeout is entered in `opening`: see there)
+                conn = await open_within(
+                    loop, protocol, self.host, self.port, self.tls, self.connect_timeout
+                )
             except BaseException:
                 # uvloop makes the connection before it connects, and tells it nothing (no
                 # `connection_lost`) when the connect fails or is cancelled: its reference
@@ -289,6 +281,12 @@ class Upstream:
         idle, self.idle = self.idle, []
         for conn in idle:
             conn.close()
+
+
+def _made(upstream: Upstream, made: list[UpstreamConnection]) -> UpstreamConnection:
+    """A connection to `upstream` for `Upstream.connect`, kept in `made` too."""
+    made.append(UpstreamConnection(upstream))
+    return made[-1]
 
 
 class UpstreamConnection(asyncio.Protocol):
