@@ -4,11 +4,14 @@ and helpers to start a frontend in-process."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import gc
 import hashlib
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -394,3 +397,25 @@ def serving(frontend: Any, model: str = "mock-llm", instances: int = 1) -> bool:
     """True once `model` is served with at least `instances` live instances."""
     entry = frontend.registry.models.get(model)
     return entry is not None and entry.serving and entry.live_instances >= instances
+
+
+@contextlib.contextmanager
+def shoal_cycles() -> Iterator[collections.Counter[str]]:
+    """The types of shoal's objects left in reference cycles while the block ran (the
+    collector off meanwhile): only shoal's, the event loop's own (the selector loop's closed
+    transports) are not the request path's to break."""
+    found: collections.Counter[str] = collections.Counter()
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        yield found
+        gc.collect()
+        for obj in gc.garbage:
+            kind = type(obj)
+            if kind.__module__.startswith("shoal."):
+                found[kind.__qualname__] += 1
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()

@@ -8,11 +8,19 @@ walk. Served through the frontend's real request path over fake transports
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import socket
 from collections.abc import Iterator
 
 import pytest
-from bench.request_path import Bench
+import uvloop
+from bench.request_path import Bench, Transport
+
+from shoal.frontend.http.server import HttpConnection
+from shoal.frontend.http.upstream import ConnectRefused, Upstream, UpstreamConnection
+from tests.frontend.support import shoal_cycles
+from tests.helpers import free_port, wait_for
 
 REQUESTS = 20
 
@@ -39,3 +47,106 @@ async def test_a_request_leaves_no_cycle_for_the_collector(
     left = gc.collect()
     bench.check()
     assert left == 0, f"{REQUESTS} {mode} requests left {left} objects in cycles"
+
+
+async def test_a_client_connection_that_closes_leaves_no_cycle(collector_off: None) -> None:
+    """A client that sends one request per connection (`Connection: close`, a client
+    without a pool, or one that left): each closed connection is freed by its reference
+    count. Its parser calls the connection's methods, a cycle until the connection breaks it."""
+    bench = Bench(chunks=16)
+
+    def one_connection() -> None:
+        bench.client = HttpConnection(bench.server)
+        bench.client.connection_made(Transport())  # type: ignore[arg-type]
+        bench.serve("plain", 1)
+        bench.client.connection_lost(None)
+
+    one_connection()
+    gc.collect()
+    for _ in range(REQUESTS):
+        one_connection()
+    left = gc.collect()
+    bench.check()
+    assert left == 0, f"{REQUESTS} closed connections left {left} objects in cycles"
+
+
+async def test_a_client_leaving_while_its_connect_is_under_way_leaves_no_cycle(
+    collector_off: None,
+) -> None:
+    """The client goes away while the gateway opens a connection to the worker (none was
+    idle): the connect is cancelled, and the request's objects freed by their counts."""
+    bench = Bench(chunks=16)
+    upstream, _, _ = bench.workers[0]
+    upstream.idle.clear()  # (the next request connects)
+    request = bench.requests["plain"]
+
+    async def one_request() -> None:
+        client = HttpConnection(bench.server)
+        client.connection_made(Transport())  # type: ignore[arg-type]
+        client.data_received(request)
+        (connecting,) = connects()
+        client.connection_lost(None)  # the client left: the connect is cancelled
+        del connecting
+        await wait_for(lambda: not connects(), message="the connect ended")
+
+    await one_request()
+    gc.collect()
+    for _ in range(REQUESTS):
+        await one_request()
+    left = gc.collect()
+    stats = bench.proxy.metrics.models["bench-model"].requests
+    assert set(stats) == {499} and upstream.in_flight == 0, (stats, upstream.in_flight)
+    assert left == 0, f"{REQUESTS} requests left while connecting left {left} objects in cycles"
+
+
+def connects() -> list[asyncio.Task[None]]:
+    """The request path's connects under way (`Forward._connect`)."""
+    current = asyncio.current_task()
+    return [t for t in asyncio.all_tasks() if t is not current and "_connect" in repr(t.get_coro())]
+
+
+@pytest.fixture
+def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
+    """The standard library's loop, unless a test asks for uvloop (`indirect`)."""
+    if getattr(request, "param", "asyncio") == "uvloop":
+        return uvloop.EventLoopPolicy()
+    return asyncio.DefaultEventLoopPolicy()
+
+
+@pytest.mark.parametrize("event_loop_policy", ["asyncio", "uvloop"], indirect=True)
+async def test_a_connect_that_fails_or_is_cancelled_leaves_no_cycle() -> None:
+    """A connection to an instance that refuses it, or whose connect is cancelled (the client
+    left) at any step, is freed by its reference count. uvloop (`shoal frontend`'s loop)
+    makes the connection before it connects, and tells it nothing (no `connection_lost`)
+    when the connect fails or is cancelled: its parser, which holds its methods, and its
+    transport, which holds it, were reference cycles, one per connect given up. (Counted
+    over real sockets: shoal's objects only, see `shoal_cycles`.)"""
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(128)  # (never accepted: the kernel completes the connects)
+    host, port = listening.getsockname()
+    refusing = Upstream(1, f"http://127.0.0.1:{free_port()}")
+    accepting = Upstream(2, f"http://{host}:{port}")
+
+    async def attempts() -> None:
+        with pytest.raises(ConnectRefused):
+            await refusing.connect()
+        for turns in range(6):  # cancelled at each step of the connect, and once it is made
+            connecting = asyncio.ensure_future(accepting.connect())
+            for _ in range(turns):
+                await asyncio.sleep(0)  # (a turn of the loop: the connect goes a step on)
+            connecting.cancel()
+            (made,) = await asyncio.gather(connecting, return_exceptions=True)
+            if isinstance(made, UpstreamConnection):  # (it was done before it was cancelled)
+                made.close()
+                await wait_for(lambda m=made: m.transport is None, message="closed")  # type: ignore[misc]
+            del connecting, made
+
+    try:
+        await attempts()
+        with shoal_cycles() as left:
+            for _ in range(REQUESTS // 4):
+                await attempts()
+    finally:
+        listening.close()
+    assert not left, f"connects given up left {left}"

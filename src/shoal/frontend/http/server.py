@@ -91,6 +91,8 @@ class HttpConnection(asyncio.Protocol):
     without closing, and while it is not stopped every complete request gets an answer.
     """
 
+    __deletable__ = ("parser",)  # (a compiled build allows `del` of these only)
+
     def __init__(self, server: Listener) -> None:
         self.server = server
         self.loop = server.loop
@@ -145,6 +147,9 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
+        # The parser holds this connection's methods: a reference cycle, left to the garbage
+        # collector for every closed connection (a client without keep-alive: every request).
+        del self.parser
         self.pending.clear()
         self._held = b""
         current, self.current = self.current, None

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import functools
 import re
 import ssl
 import sys
@@ -28,6 +30,7 @@ from typing import ClassVar, Protocol, cast
 import httptools
 from mypy_extensions import mypyc_attr
 
+from shoal.frontend.http.opening import open_within
 from shoal.urls import redact_url
 
 _PLAIN_URL = re.compile(
@@ -239,17 +242,22 @@ class Upstream:
     async def connect(self) -> UpstreamConnection:
         """Open a new connection; raises `UpstreamError` if it cannot within the timeout."""
         loop = asyncio.get_running_loop()
+        made: list[UpstreamConnection] = []
+        # (a partial, not a closure: a compiled build's closure and the frame it closes over
+        # hold each other, a reference cycle per connect)
+        protocol = functools.partial(_made, self, made)
         try:
-            # `asyncio.timeout`, not `wait_for`: on 3.11 `wait_for` can swallow a cancellation
-            # that arrives as the connect completes (and runs the connect in a task of its own).
-            async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(
-                    lambda: UpstreamConnection(self),
-                    self.host,
-                    self.port,
-                    ssl=self.tls,
-                    server_hostname=self.host if self.tls is not None else None,
+            try:  # (the timeout is entered in `opening`: see there)
+                conn = await open_within(
+                    loop, protocol, self.host, self.port, self.tls, self.connect_timeout
                 )
+            except BaseException:
+                # uvloop makes the connection before it connects, and tells it nothing (no
+                # `connection_lost`) when the connect fails or is cancelled: its reference
+                # cycles (its parser, its transport) would wait for the garbage collector.
+                for each in made:
+                    each.given_up()
+                raise
         except TimeoutError as exc:
             raise UpstreamTimeout(f"cannot connect to {self.address}: timed out") from exc
         except OSError as exc:
@@ -273,6 +281,12 @@ class Upstream:
         idle, self.idle = self.idle, []
         for conn in idle:
             conn.close()
+
+
+def _made(upstream: Upstream, made: list[UpstreamConnection]) -> UpstreamConnection:
+    """A connection to `upstream` for `Upstream.connect`, kept in `made` too."""
+    made.append(UpstreamConnection(upstream))
+    return made[-1]
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -340,6 +354,19 @@ class UpstreamConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def given_up(self) -> None:
+        """Its connect failed or was cancelled (`Upstream.connect`): closed, and what refers
+        back to it dropped now, as `connection_lost` would (which may never come)."""
+        self.abort()
+        self.transport = None
+        self._drop_parser()
+
+    def _drop_parser(self) -> None:
+        """The parser holds this protocol's methods: a reference cycle, left to the garbage
+        collector for every closed connection (and for good in a frozen registry)."""
+        with contextlib.suppress(AttributeError):  # (dropped already: `given_up`)
+            del self.parser
+
     # FlowListener: the client's send buffer is full, or has drained.
 
     def pause_reading(self) -> None:
@@ -359,9 +386,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.upstream.forget(self)
-        # The parser holds this protocol's methods: a reference cycle, left to the garbage
-        # collector for every closed connection (and for good in a frozen registry).
-        del self.parser
+        self._drop_parser()
         self.transport = None
         sink, self.sink = self.sink, None
         if sink is None:

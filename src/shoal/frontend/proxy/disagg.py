@@ -134,10 +134,14 @@ class TwoStages:
 
 
 class PrefillSink:
-    """Receives a stage-one answer whole (it is small) into a future."""
+    """Receives a stage-one answer whole (it is small) into a future, or its failure."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.done: asyncio.Future[tuple[int, bytes]] = loop.create_future()
+        # A failure is kept here, not as the future's exception: raised from the future, its
+        # traceback holds `answer`'s frame, which holds this sink and so the future, a
+        # reference cycle (`_failure` hands it over as it is raised).
+        self.failure: Exception | None = None
         self.head: asyncio.Future[None] = loop.create_future()
         self.status = 0
         self.parts: list[bytes] = []
@@ -173,7 +177,15 @@ class PrefillSink:
                 if not self.begun.done():
                     waits.add(self.begun)
             await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        if self.failure is not None:
+            raise self._failure()
         return self.done.result()
+
+    def _failure(self) -> Exception:
+        """The failure, no longer held here (see `__init__`)."""
+        failure, self.failure = self.failure, None
+        assert failure is not None
+        return failure
 
     def on_body(self, data: bytes) -> None:
         self.last_read = time.monotonic()
@@ -194,7 +206,8 @@ class PrefillSink:
 
     def on_failure(self, exc: Exception) -> None:
         if not self.done.done():
-            self.done.set_exception(exc)
+            self.failure = exc
+            self.done.set_result((0, b""))
 
 
 class TwoStageForward(Forward):
@@ -280,7 +293,9 @@ class TwoStageForward(Forward):
                 try:
                     handle = await self._stage_one(target)
                 except UpstreamError as exc:
-                    failure = exc
+                    # (kept for its type and message; its traceback holds this frame, which
+                    # holds it: a reference cycle for each failed prefill)
+                    failure = exc.with_traceback(None)
                     self.stages.stats.failures["prefill"] += 1
                     log.warning("prefill failed: %s; trying another prefill instance", exc)
                     target.inhibit(proxy.inhibit_seconds)

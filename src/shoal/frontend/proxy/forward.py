@@ -525,7 +525,10 @@ class Forward:
         if self.done:
             return
         if self.connecting is not None:
+            # (dropped: the cancelled task keeps its `CancelledError`, whose traceback holds
+            # this forward, a reference cycle until the garbage collector's next pass)
             self.connecting.cancel()
+            self.connecting = None
         if self.conn is not None:
             self.conn.abort()
         self._end_attempt()
