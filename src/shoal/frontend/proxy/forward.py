@@ -431,7 +431,9 @@ class Forward:
                 if self.stream:
                     self.stats.ttft.observe(time.perf_counter() - self.request.received)
                     migration = self.migration
-                    self.whole = migration is None or not migration.parsing
+                    # (only a chunked answer can end with the gateway's error event: a sized
+                    # one cut short is closed, so it need not be held back an event at a time)
+                    self.whole = self.chunked and (migration is None or not migration.parsing)
             if self.migration is not None and self.migration.parsing:  # (whole events out)
                 data = self.migration.feed(data)
                 if data and not self.migration.parsing:  # (it gave up: this packet as it came)

@@ -76,9 +76,11 @@ _BLANK_LINES = (b"\n\n", b"\r\n\r\n", b"\r\r")  # (an event's end: LF, CRLF or C
 
 def whole_events(data: bytes) -> int:
     """The length of `data`'s whole events: to the end of its last blank line, 0 for none."""
+    if data.endswith(_BLANK_LINES):  # (the usual packet: no search)
+        return len(data)
     end = 0
-    for blank in _BLANK_LINES:
-        at = data.rfind(blank)
+    for blank in _BLANK_LINES:  # (one found, the others are looked for only after it)
+        at = data.rfind(blank, max(end - 3, 0))
         if at >= 0 and at + len(blank) > end:
             end = at + len(blank)
     return end
