@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
+import random
 import socket
 import threading
 import time
@@ -46,9 +47,24 @@ async def wait_for(
         await asyncio.sleep(interval)
 
 
+# Below Linux's ephemeral range (32768-60999): a port the system hands out for a bind to 0
+# or an outgoing connection's end may be taken between `free_port` and a server's bind, or
+# while a server stopped for an outage is down ("bind: address already in use" for etcd).
+_SERVER_PORTS = range(20_000, 32_768)
+_pick = random.SystemRandom()  # (not `random`: pytest-randomly seeds it alike in every worker)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
+    """A TCP port on 127.0.0.1 that was free a moment ago, outside the ephemeral range."""
+    for _ in range(200):
+        port = _pick.choice(_SERVER_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # (every pick taken: whatever the system gives)
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 

@@ -525,6 +525,8 @@ async def test_watch_started_while_etcd_is_down_follows_when_it_returns(
         own_etcd.stop()
         watch = Recorder(store.watch(prefix, snap.revision + 1), {prefix + "a": b"1"})
         await asyncio.to_thread(own_etcd.start)
+        # (the client's channel may wait out a reconnect backoff before it sees etcd back)
+        await wait_for(lambda: _reachable(store, prefix), timeout=20)
         rev = await store.put(prefix + "b", b"2")
         await wait_for(lambda: any(e.revision == rev for e in watch.of(Put)), timeout=20)
         assert watch.ordered_state() == {prefix + "a": b"1", prefix + "b": b"2"}
