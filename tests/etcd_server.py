@@ -20,8 +20,14 @@ class EtcdServer(ThrowawayServer):
 
     def __init__(self) -> None:
         super().__init__()
+        self.pick_ports()
+
+    def pick_ports(self) -> None:
         self.client_port = free_port()
         self.peer_port = free_port()
+
+    def ports(self) -> list[int]:
+        return [self.client_port, self.peer_port]
 
     @property
     def endpoint(self) -> str:

@@ -19,7 +19,13 @@ class RedisServer(ThrowawayServer):
 
     def __init__(self) -> None:
         super().__init__()
+        self.pick_ports()
+
+    def pick_ports(self) -> None:
         self.port = free_port()
+
+    def ports(self) -> list[int]:
+        return [self.port]
 
     @property
     def url(self) -> str:
