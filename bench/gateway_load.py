@@ -24,6 +24,7 @@ from bench.gateway_targets import (
     Target,
     machine_busy,
     tree_cpu_seconds,
+    tree_cpu_split,
 )
 
 WRK_SCRIPT = """\
@@ -139,7 +140,7 @@ def measure(
     so is the CPU time that none of the benchmark's processes used (`foreign_cpu_pct`).
     """
     duration = max(1.0, duration * target.scale)
-    gw0 = tree_cpu_seconds(target.proc.pid) if target.proc else 0.0
+    gw0, gws0 = tree_cpu_split(target.proc.pid) if target.proc else (0.0, 0.0)
     wk0 = sum(tree_cpu_seconds(w.pid) for w in workers)
     idle0 = sum(tree_cpu_seconds(p.pid) for p in idle)
     cl0 = children_cpu()
@@ -157,8 +158,10 @@ def measure(
     served = max(1, result["requests"])
     if target.proc:
         target.proc.check_alive()
-        gateway = tree_cpu_seconds(target.proc.pid) - gw0
+        gw1, gws1 = tree_cpu_split(target.proc.pid)
+        gateway = gw1 + gws1 - gw0 - gws0
         result["gateway_cpu_us_per_req"] = gateway / served * 1e6
+        result["gateway_sys_us_per_req"] = (gws1 - gws0) / served * 1e6
     if workers:
         for worker in workers:
             worker.check_alive()

@@ -25,6 +25,7 @@ SUMMARY_KEYS = (
     "ttft_p99_ms",
     "tokens_per_s",
     "gateway_cpu_us_per_req",
+    "gateway_sys_us_per_req",
     "worker_cpu_us_per_req",
     "gateway_cpu_pct",
     "client_cpu_pct",
@@ -76,7 +77,7 @@ def fmt(value: float | None, spec: str = ",.0f", suffix: str = "") -> str:
 
 
 def table(workload: str, per: dict[str, Any]) -> list[str]:
-    cpu = "gateway CPU/req | worker CPU/req | errors"
+    cpu = "gateway CPU/req (of which system) | worker CPU/req | errors"
     if workload == "stream":
         head = f"| target | req/s | tokens/s | ÷ direct | TTFT p50 | TTFT p99 | {cpu} |"
     else:
@@ -100,7 +101,12 @@ def table(workload: str, per: dict[str, Any]) -> list[str]:
                 fmt(r["added_p50_ms"], "+.2f", " ms"),
             ]
         figures += [
-            fmt(r["gateway_cpu_us_per_req"], ",.0f", " µs"),
+            fmt(r["gateway_cpu_us_per_req"], ",.0f", " µs")
+            + (
+                f" ({fmt(r['gateway_sys_us_per_req'], ',.0f')})"
+                if r["gateway_sys_us_per_req"]
+                else ""
+            ),
             fmt(r["worker_cpu_us_per_req"], ",.0f", " µs"),
             str(r["errors"]),
         ]

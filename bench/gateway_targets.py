@@ -177,12 +177,20 @@ def tree_pids(root: int) -> list[int]:
 
 def tree_cpu_seconds(root: int) -> float:
     """User+system CPU seconds of a process tree: all threads, and children it has reaped."""
-    total = 0
+    return sum(tree_cpu_split(root))
+
+
+def tree_cpu_split(root: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process tree: all threads, and children it has reaped.
+    System time is the kernel's work for the tree (system calls, and the loopback's TCP
+    processing a sender runs), the floor no user-space change removes."""
+    user = system = 0
     for pid in tree_pids(root):
         if fields := _stat_fields(pid):
             # stat(5) fields 14-17: utime, stime, cutime, cstime.
-            total += sum(int(x) for x in fields[11:15])
-    return total / CLK_TCK
+            user += int(fields[11]) + int(fields[13])
+            system += int(fields[12]) + int(fields[14])
+    return user / CLK_TCK, system / CLK_TCK
 
 
 def machine_busy() -> tuple[int, int]:
