@@ -188,8 +188,15 @@ async def test_routes_section_is_empty_until_a_routes_source_fills_it(
         "targets": [{"kind": "fleet", "model": "mock-llm", "weight": 1}],
     }
     frontend.dashboard.reader.routes = lambda: [route]
-    (shown,) = (await snapshot(frontend))["routes"]
-    assert shown == {"key": "team-a/fast", **route}
+    # Reads are spaced by BUSY_SHARE times the last one's time, and a routes source has no
+    # version the dashboard could compare: the next read after that space shows the route.
+
+    async def routes() -> list[dict[str, Any]]:
+        shown: list[dict[str, Any]] = (await snapshot(frontend))["routes"]
+        return shown
+
+    shown = await wait_for(routes, message="the route shown")
+    assert shown == [{"key": "team-a/fast", **route}]
 
 
 async def test_event_stream_sends_a_snapshot_then_each_change_within_two_seconds(
