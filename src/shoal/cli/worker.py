@@ -244,6 +244,7 @@ async def serve(args: argparse.Namespace) -> int:
             status_port=args.status_port,
             admin_token=args.admin_token,
             drain_timeout=args.drain_timeout,
+            freeze_collector=True,  # (the process is the worker's own)
         )
     except ValueError as exc:
         return _fail(exc, 2)
