@@ -221,3 +221,38 @@ async def _metric_started(front: Process) -> bool:
     async with aiohttp.ClientSession() as session, session.get(f"{front.url}/metrics") as resp:
         text = await resp.text()
     return 'shoal_frontend_time_to_first_token_seconds_count{model="mock-llm"} 4.0' in text
+
+
+async def test_a_stream_of_several_tokens_a_chunk_continues_with_the_tokens_its_usage_counts(
+    fleet: Fleet, reference: openai.AsyncOpenAI
+) -> None:
+    """What was wrong: a migration counted one token per chunk it had passed on, so a worker
+    sending several tokens a chunk (`--stream-interval`, as engines batch their output) had
+    its stream continued with more tokens asked than were left: 3 tokens a chunk, killed
+    after 9, the continuation asked for 27 more and the client got 36 tokens of its
+    `max_tokens` 30. What holds now: the usage in the stream (vLLM's
+    `continuous_usage_stats`) counts the tokens, and the client gets 30: the text of an
+    undisturbed run."""
+    healthy = await fleet.worker("--stream-interval", "3")
+    dying = await fleet.worker("--stream-interval", "3", "--die-after-tokens", "9")
+    front = await fleet.frontend("--router", "round-robin")
+    await _probe_until(front, healthy)  # the stream starts on the dying worker
+    stream = await _client(front).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me story 1."}],
+        seed=1,
+        temperature=0,
+        max_tokens=30,
+        stream=True,
+        extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )
+    text, usages = "", []
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usages.append(chunk.usage.completion_tokens)
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+    assert await dying.wait(10) != 0  # it did die (SIGKILL)
+    assert await _metric(front, "attempted") == 1
+    assert text == await _reference_text(reference, 1, 30)
+    assert usages[-1] == 30 and usages[:3] == [3, 6, 9]

@@ -101,6 +101,9 @@ def _expected(events: list[bytes]) -> dict[str, Any]:
                 kept["text"] += piece
             if choice.get("finish_reason") is not None:
                 kept["finished"] = True
+        completion = (chunk.get("usage") or {}).get("completion_tokens")
+        if isinstance(completion, int):  # (the engine's count: a chunk may carry several)
+            kept["tokens"] = max(kept["tokens"], completion)
     return kept
 
 

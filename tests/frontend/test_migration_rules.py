@@ -247,6 +247,24 @@ def test_a_continuation_asks_for_min_tokens_less_the_tokens_sent() -> None:
     assert (sent["max_tokens"], sent["min_tokens"]) == (8, 0)
 
 
+def test_a_continuation_asks_max_tokens_less_the_tokens_the_usage_counts_not_the_chunks() -> None:
+    """An engine may put several tokens in a chunk (`--stream-interval`): two chunks of
+    three tokens, their usage counting them (`continuous_usage_stats`), leave 50 - 6, not
+    50 - 2. At a second failure the continuation's usage counts its own tokens, after the
+    6 its prompt carried."""
+
+    def usage(tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": 4, "completion_tokens": tokens, "total_tokens": 4 + tokens}
+
+    migration = _migration()
+    migration.feed(_event("a b c", id="c", created=1, usage=usage(3)))
+    migration.feed(_event(" d e f", usage=usage(6)))
+    assert json.loads(_resumed(migration) or b"")["max_tokens"] == 44
+    out = migration.feed(_event(" g h", usage=usage(2)))
+    assert json.loads(out[len(b"data: ") :])["usage"]["completion_tokens"] == 8
+    assert json.loads(_resumed(migration) or b"")["max_tokens"] == 42
+
+
 def test_a_completion_that_named_no_max_tokens_continues_within_the_engines_default() -> None:
     """Engines give a completion 16 tokens when it names none: the continuation, sent without
     one too, got 16 more."""

@@ -126,6 +126,12 @@ def add_parser(sub: Any) -> None:
         "this many tokens; unset: off",
     )
     mocker(
+        "--stream-interval",
+        "1",
+        type=POSITIVE,
+        help="tokens per streamed chunk (as vLLM's and SGLang's --stream-interval)",
+    )
+    mocker(
         "--prefill-stalls-decode",
         action="store_true",
         help="with --prefill-us-per-token: a prefill stalls the worker's decode steps for its "
@@ -196,6 +202,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
             role=args.role,
             kv_transfer_us_per_block=args.kv_transfer_us_per_block,
             prefill_stalls_decode=args.prefill_stalls_decode,
+            stream_interval=args.stream_interval,
         )
     elif args.engine == "openai":
         if not args.upstream:
@@ -237,6 +244,7 @@ async def serve(args: argparse.Namespace) -> int:
             status_port=args.status_port,
             admin_token=args.admin_token,
             drain_timeout=args.drain_timeout,
+            freeze_collector=True,  # (the process is the worker's own)
         )
     except ValueError as exc:
         return _fail(exc, 2)

@@ -26,6 +26,8 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's extension: with `include_usage`, every chunk carries the usage so far."""
 
 
 class ChatMessage(msgspec.Struct, omit_defaults=True):
@@ -80,6 +82,13 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk (`stream_options.include_usage`)."""
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk of a stream carries the usage so far (vLLM's
+        `stream_options.continuous_usage_stats`, with `include_usage`)."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 class ChatRequest(SamplingRequest, kw_only=True):

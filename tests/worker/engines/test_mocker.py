@@ -154,6 +154,28 @@ async def test_streaming_completions_without_usage_has_no_usage_field(make_mocke
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("speedup", [0, 1])
+async def test_a_stream_interval_puts_that_many_tokens_in_a_chunk_and_usage_counts_them(
+    make_mocker: Make, speedup: float
+) -> None:
+    """`--stream-interval 3` sends 3 tokens a chunk (the last chunk what is left), the text
+    of a chunk a token; with `continuous_usage_stats` each chunk carries the tokens so far."""
+    _, client = await make_mocker(ttft_ms=1, itl_ms=1, speedup=speedup, stream_interval=3)
+    plain = await (await client.post("/v1/chat/completions", json=chat("s", max_tokens=8))).json()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    resp = await client.post(
+        "/v1/chat/completions",
+        json=chat("s", max_tokens=8, stream=True, stream_options=options),
+    )
+    chunks = (await sse_events(resp))[:-1]
+    pieces = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    text = "".join(c["choices"][0]["delta"]["content"] for c in pieces)
+    assert text == plain["choices"][0]["message"]["content"]
+    assert [c["usage"]["completion_tokens"] for c in pieces] == [3, 6, 8]
+    assert all(c["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] for c in pieces)
+    assert chunks[-1]["usage"] == plain["usage"]
+
+
 async def test_cached_prefix_shortens_time_to_first_token(make_mocker: Make) -> None:
     engine, client = await make_mocker(ttft_ms=600, itl_ms=1, block_size=16)
     prompt = " ".join(f"w{i}" for i in range(512))

@@ -62,6 +62,29 @@ def body(
     return _joined(spliced)
 
 
+def counted(usage: Any, carried: int) -> int:
+    """The tokens generated so far by the count of a stream's `usage` (decoded; engines send
+    it in every chunk with `stream_options.continuous_usage_stats`), plus the `carried` ones
+    a continuation's prompt holds; 0 when it counts none. Without it the chunks are counted,
+    one token each: a lower bound, as an engine may put several tokens in a chunk."""
+    completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if isinstance(completion, int) and not isinstance(completion, bool) and completion >= 0:
+        return carried + completion
+    return 0
+
+
+def tokens_of(chunks: list[sse.Chunk], tokens: int, carried: int) -> int:
+    """The tokens generated after `chunks`, `tokens` before them: one per piece of text,
+    unless a chunk's usage counts more (`counted`), as reading each chunk alone counts."""
+    for chunk in chunks:
+        for choice in chunk.choices or ():
+            piece = choice.text if choice.delta is None else choice.delta.content
+            tokens += 1 if piece and isinstance(piece, str) else 0
+        if chunk.usage is not None:
+            tokens = max(tokens, counted(chunk.usage, carried))
+    return tokens
+
+
 def _limits(members: dict[str, msgspec.Raw]) -> dict[str, int]:
     """The integer `max_tokens`, `max_completion_tokens` and `min_tokens` of a body."""
     limits: dict[str, int] = {}

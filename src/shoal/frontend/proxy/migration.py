@@ -5,8 +5,9 @@ A `Migration` rides along a `Forward` (forward.py) of a streamed chat or text co
 when the model may migrate (`--migration-limit`, or the card's `runtime_config`
 `migration_limit`) and has another instance. Only then are the stream's SSE events parsed
 (`feed`): whole events pass to the client (a partial one waits for its end, so the client
-never holds half an event when the instance dies), and the text, the tokens (content
-chunks) and the stream's `id` and `created` are kept, read in batches (`catch_up`: a decode
+never holds half an event when the instance dies), and the text, the tokens (the usage's
+count when chunks carry one, `continuous_usage_stats`; else one per content chunk, a lower
+bound) and the stream's `id` and `created` are kept, read in batches (`catch_up`: a decode
 per event cost more than the rest of the request path). Others keep the byte pass-through.
 
 When the instance fails (reset, an end before `[DONE]` and before the finish reason, the
@@ -376,7 +377,8 @@ class Migration:
         if [c for c in choices if c.finish_reason is not None]:
             self.finished = True
         texts = [p for p in pieces if p and isinstance(p, str)]
-        self.tokens += len(texts)
+        counted = continuation.tokens_of(chunks, self.tokens, self.carried) if usages else None
+        self.tokens = self.tokens + len(texts) if counted is None else counted
         text = "".join(texts)
         if self.size + len(text) > MAX_CARRIED:
             self.refused = self.refused or "too_long"  # (it cannot migrate: the text is moot)
@@ -421,6 +423,8 @@ class Migration:
                     self.size += len(piece)
             if choice.finish_reason is not None:
                 self.finished = True
+        if chunk.usage is not None:  # (the engine's count: a chunk may carry several tokens)
+            self.tokens = max(self.tokens, continuation.counted(chunk.usage, self.carried))
 
     def _rewrite(self, event: bytes) -> bytes:
         """One event of a continuation as the client's stream has it: its `id` and

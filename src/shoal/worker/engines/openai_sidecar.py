@@ -19,6 +19,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -235,9 +236,9 @@ class OpenAISidecarEngine(Engine):
         """The models `body` lists, each equal to one `held` as that very object (compared
         here, in the decode's thread for a large listing: 60,000 compared on the event loop
         held it ~175 ms)."""
-        return _same_objects(held, self._decode_models(body))
+        return self._decode_models(body, held)
 
-    def _decode_models(self, body: bytes) -> list[ServedModel]:
+    def _decode_models(self, body: bytes, held: Sequence[ServedModel] = ()) -> list[ServedModel]:
         """The models a `/v1/models` reply lists. Only `id`, `max_model_len` and `parent`
         of an entry are decoded (msgspec skips the rest: a 5 MB listing in ~10 ms, not
         json.loads's ~70 ms holding the GIL)."""
@@ -248,7 +249,7 @@ class OpenAISidecarEngine(Engine):
             raise EngineUnavailableError(
                 f"GET {self.upstream}/v1/models failed: {str(exc) or type(exc).__name__}"
             ) from None
-        return self._parse_models(listing)
+        return self._parse_models(listing, {model.name: model for model in held})
 
     async def _get(self, path: str) -> tuple[int, bytes]:
         if self._session is None:
@@ -279,7 +280,10 @@ class OpenAISidecarEngine(Engine):
                 f"GET {url} failed: {str(exc) or type(exc).__name__}"
             ) from None
 
-    def _parse_models(self, listing: _Listing) -> list[ServedModel]:
+    def _parse_models(self, listing: _Listing, held: dict[str, ServedModel]) -> list[ServedModel]:
+        """The models of `listing`; one listed as `held` is that very object, not a new
+        one (20,000 made anew and dropped at each change of the listing were what the
+        garbage collector scanned, holding the GIL: 90-150 ms)."""
         data = listing.data
         if data is None:
             raise EngineUnavailableError(f"GET {self.upstream}/v1/models has no `data` list")
@@ -304,12 +308,23 @@ class OpenAISidecarEngine(Engine):
             # vLLM lists a LoRA adapter with `parent` naming its base model.
             parent = entry.parent
             is_adapter = isinstance(parent, str) and parent and parent != model_id
+            adapter, base = (model_id, parent) if is_adapter else (None, None)
+            old = held.get(model_id)
+            if (
+                old is not None
+                and old.context_length == context_length
+                and old.adapter == adapter
+                and old.base_model == base
+                and old.role is self.role
+            ):
+                models[model_id] = old  # (the other fields are this parser's, as made)
+                continue
             models[model_id] = ServedModel(
                 name=model_id,
                 source=f"openai:{model_id}",
                 context_length=context_length,
-                adapter=model_id if is_adapter else None,
-                base_model=parent if is_adapter else None,
+                adapter=adapter,
+                base_model=base,
                 role=self.role,
             )
         return self._select(models)
@@ -417,7 +432,7 @@ class OpenAISidecarEngine(Engine):
                 upstream.close()
 
 
-class _ListedModel(msgspec.Struct):
+class _ListedModel(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
     """What the sidecar reads of a `/v1/models` entry (any JSON value each)."""
 
     id: Any = None
@@ -483,14 +498,3 @@ def normalize_upstream(url: str) -> str:
     path = parts.path.rstrip("/")
     path = path.removesuffix("/v1")
     return f"{parts.scheme}://{parts.netloc}{path}"
-
-
-def _same_objects(held: list[ServedModel], listed: list[ServedModel]) -> list[ServedModel]:
-    """`listed`, each model equal to one held as that very object: the endpoint's sync skips
-    a list of the same objects as its last one (a listing of 3,000 adapters compared in full
-    every probe cost ~90 ms of CPU each 2 s)."""
-    if not held:
-        return listed
-    by_name = {model.name: model for model in held}
-    same = [by_name.get(model.name) for model in listed]
-    return [old if old == new else new for old, new in zip(same, listed, strict=True)]

@@ -138,7 +138,10 @@ class MockerEngine(Engine):
         role: WorkerRole | str = WorkerRole.AGGREGATED,
         kv_transfer_us_per_block: float = 0.0,
         prefill_stalls_decode: bool = False,
+        stream_interval: int = 1,
     ) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         if die_after_tokens is not None and (die_after_tokens < 1 or speedup == 0):
             raise ValueError("die_after_tokens must be at least 1, and needs a speedup above 0")
         if speedup < 0 or ttft_ms < 0 or itl_ms < 0 or prefill_us_per_token < 0:
@@ -194,6 +197,9 @@ class MockerEngine(Engine):
         self.chat_template = chat_template  # published instead of the mocker's own
         # A test hook: the process dies (SIGKILL) once a response has streamed this many tokens.
         self.die_after_tokens = die_after_tokens
+        self.stream_interval = stream_interval
+        """Tokens per streamed chunk (vLLM's and SGLang's `--stream-interval`): a chunk
+        goes out when its last token is produced."""
 
     # -- Engine interface ---------------------------------------------------------------
 
@@ -344,8 +350,9 @@ class MockerEngine(Engine):
         plan = await self._remote_prefill(req, plan)
         self.requests["chat"] += 1
         return await self._answer(
-            request, plan, CHAT, stream=req.stream, usage=req.include_usage, handoff=handoff
-        )
+            request, plan, CHAT, stream=req.stream, usage=req.include_usage,
+            continuous=req.continuous_usage, handoff=handoff,
+        )  # fmt: skip
 
     async def _chat_prompt(self, req: ChatRequest) -> tuple[str, str, list[int]]:
         """The prompt a chat renders to, the text of the message it continues (or ""), and
@@ -420,8 +427,9 @@ class MockerEngine(Engine):
         plan = await self._remote_prefill(req, plan)
         self.requests["completions"] += 1
         return await self._answer(
-            request, plan, COMPLETION, stream=req.stream, usage=req.include_usage, handoff=handoff
-        )
+            request, plan, COMPLETION, stream=req.stream, usage=req.include_usage,
+            continuous=req.continuous_usage, handoff=handoff,
+        )  # fmt: skip
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         req = decode_request(await request.read(), _embedding_decoder)
@@ -550,11 +558,13 @@ class MockerEngine(Engine):
         *,
         stream: bool,
         usage: bool,
+        continuous: bool = False,
         handoff: bool = False,
     ) -> web.StreamResponse:
-        """Simulate `plan` and answer it, streamed or whole (with the handoff's params)."""
+        """Simulate `plan` and answer it, streamed (every chunk with the usage so far when
+        `continuous`) or whole (with the handoff's params)."""
         if stream:
-            return await self._stream(request, plan, kind, usage)
+            return await self._stream(request, plan, kind, usage, continuous)
         await self._run_to_end(plan)
         extra = {"kv_transfer_params": self._handoff_params(plan)} if handoff else None
         return whole_answer(
@@ -643,14 +653,19 @@ class MockerEngine(Engine):
                 self._no_prefill.set()
 
     async def _stream(
-        self, request: web.Request, plan: Plan, kind: AnswerKind, usage: bool
+        self, request: web.Request, plan: Plan, kind: AnswerKind, usage: bool, continuous: bool
     ) -> web.StreamResponse:
-        chunks = Chunks(kind, self._ids, plan.model, usage)
+        chunks = Chunks(kind, self._ids, plan.model, usage, len(plan.prompt_tokens))
+        interval = self.stream_interval
         if self.speedup == 0:
             # Every event at once, in one plain response: the cheapest stream to send.
             self._count(plan)
             body = [chunks.first()]
-            body.extend(chunks.piece(p) for p in plan.streamed_pieces())
+            streamed = plan.streamed_pieces()
+            for at in range(0, len(streamed), interval):
+                text = "".join(streamed[at : at + interval])
+                sent = min(at + interval, len(streamed))
+                body.append(chunks.piece(text, sent if continuous else None))
             body.append(chunks.last(plan.finish_reason))
             if usage:
                 body.append(chunks.usage(plan.usage))
@@ -660,18 +675,23 @@ class MockerEngine(Engine):
         await response.prepare(request)
         if first := chunks.first():
             await response.write(first)
-        echo = plan.echo  # sent with the first piece, as vLLM sends the prompt
+        text = plan.echo  # sent with the first piece, as vLLM sends the prompt
         die = self.die_after_tokens
+        held = sent = 0  # tokens produced and not sent yet; tokens sent
         async with contextlib.aclosing(self._produce(plan, stream=True)) as pieces:
             async for piece in pieces:
-                await response.write(chunks.piece(echo + piece if echo else piece))
-                echo = ""
-                if die is not None:
-                    die -= 1
-                    if die == 0:
-                        _die()
-        if echo:
-            await response.write(chunks.piece(echo))
+                text += piece
+                held += 1
+                if held < interval:
+                    continue
+                sent += held
+                await response.write(chunks.piece(text, sent if continuous else None))
+                text, held = "", 0
+                if die is not None and sent >= die:
+                    _die()
+        if text or held:
+            sent += held
+            await response.write(chunks.piece(text, sent if continuous else None))
         await response.write(chunks.last(plan.finish_reason))
         if usage:
             await response.write(chunks.usage(plan.usage))

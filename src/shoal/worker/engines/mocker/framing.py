@@ -17,6 +17,7 @@ from shoal.openai import SSE_EVENT_END, SSE_EVENT_START
 from shoal.worker.protocol import IdMaker, now
 
 _encode = msgspec.json.Encoder().encode
+_CLOSE = b"}" + SSE_EVENT_END
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,9 @@ COMPLETION = AnswerKind(
 class Chunks:
     """The `data: {...}` events of one streamed answer, built from parts encoded once."""
 
-    def __init__(self, kind: AnswerKind, ids: IdMaker, model: str, usage: bool) -> None:
+    def __init__(
+        self, kind: AnswerKind, ids: IdMaker, model: str, usage: bool, prompt_tokens: int = 0
+    ) -> None:
         head = {
             "id": ids(kind.id_prefix),
             "object": kind.chunk_object,
@@ -79,14 +82,21 @@ class Chunks:
         self._finish_close = b'"}' + tail
         self._opening = self._head + kind.opening + tail if kind.opening else b""
         self._usage_head = start + b',"choices":[],"usage":'
+        self._prompt_tokens = prompt_tokens
+        self._counted_close = kind.text_close + b'],"usage":'
 
     def first(self) -> bytes:
         """The event before any text (chat's role), or b"" where the kind has none."""
         return self._opening
 
-    def piece(self, text: str) -> bytes:
-        """The event carrying `text`."""
-        return self._text_open + _encode(text) + self._text_close
+    def piece(self, text: str, tokens: int | None = None) -> bytes:
+        """The event carrying `text`; with `tokens`, the usage so far (the stream's
+        `continuous_usage_stats`): the prompt's tokens and the `tokens` generated."""
+        if tokens is None:
+            return self._text_open + _encode(text) + self._text_close
+        p = self._prompt_tokens
+        usage = {"prompt_tokens": p, "completion_tokens": tokens, "total_tokens": p + tokens}
+        return self._text_open + _encode(text) + self._counted_close + _encode(usage) + _CLOSE
 
     def last(self, finish_reason: str) -> bytes:
         """The event carrying the finish reason."""

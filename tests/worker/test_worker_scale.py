@@ -1,0 +1,128 @@
+"""A worker announcing many models holds its event loop a slice of them at a time: its
+control loops (`lease`, `models`) count their work per turn of the loop against the code's
+own slice constants, with the constant made small so a few hundred models span many turns."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from shoal.discovery import Discovery, EndpointId, ModelKey
+from shoal.store import Store, open_store
+from shoal.worker import Engine, Runtime, ServedModel
+from shoal.worker import registrations as registrations_module
+from shoal.worker import runtime as runtime_module
+from tests.helpers import LoopTurns, wait_for
+
+EP = "ns.backend.generate"
+SLICE = 64
+
+
+class ManyAdapters(Engine):
+    """An engine listing a base model and `count` adapters on it."""
+
+    name = "many"
+
+    def __init__(self, count: int) -> None:
+        base = ServedModel(name="base", source="test://base")
+        self.models = [base, *(_adapter(f"lora-{i:04d}") for i in range(count))]
+
+    def app(self) -> web.Application:
+        return web.Application()
+
+    async def served_models(self) -> list[ServedModel]:
+        return self.models
+
+
+def _adapter(name: str) -> ServedModel:
+    return ServedModel(name=name, source=f"test://{name}", adapter=name, base_model="base")
+
+
+@pytest.fixture
+async def observer(tmp_path: Path) -> AsyncIterator[Store]:
+    store = await open_store(f"sqlite:///{tmp_path / 'store.db'}")
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+async def runtime(tmp_path: Path, observer: Store) -> AsyncIterator[Runtime]:
+    rt = Runtime(f"sqlite:///{tmp_path / 'store.db'}", lease_ttl=30, drain_timeout=0)
+    await rt.start()
+    yield rt
+    await rt.drain(timeout=0)
+
+
+async def _announced(observer: Store, count: int) -> bool:
+    return len(await Discovery(observer).list()) == count
+
+
+async def test_a_lease_loop_turn_compares_the_keys_it_holds_with_the_store_a_slice_per_turn(
+    runtime: Runtime, observer: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What was wrong: each turn of the lease loop (every TTL/3) compared every key of the
+    process with its listing of the store in one turn of the event loop (20,000 adapters:
+    one pass over all of them, every 3 s at the default TTL). What holds now: it compares
+    `KEYS_PER_TURN` keys per turn, and a key deleted behind the worker's back is still put
+    back."""
+    monkeypatch.setattr(registrations_module, "KEYS_PER_TURN", SLICE, raising=False)
+    adapters = 3 * SLICE + 7
+    await runtime.endpoint(EP).serve(ManyAdapters(adapters))
+    await wait_for(lambda: _announced(observer, adapters + 1), timeout=30, message="announced")
+    registrations = runtime.registrations
+    held = ModelKey(EndpointId.parse(EP), runtime.instance_id).key
+    gone = (await observer.get_prefix(held + "/")).items[100].key
+    await observer.delete(gone)
+
+    compared = LoopTurns().wrap(registrations, "_is_missing")
+    try:
+        await registrations.renew()
+    finally:
+        await compared.stop()
+    assert compared.on_loop >= adapters + 2  # every key: the instance's, the base's, adapters'
+    assert compared.most_per_turn <= SLICE
+    assert registrations.repairs == 1
+    assert await observer.get(gone) is not None
+
+
+async def test_the_collector_is_kept_off_what_the_worker_holds_after_a_large_change(
+    tmp_path: Path, observer: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What was wrong: a worker's 20,000 models are ~130,000 objects, and a full garbage
+    collection over them, set off by the allocations of a change (an upstream listing
+    1,000 adapters more or fewer, a store outage and re-registration), held the event loop
+    90-210 ms (probed from outside). What holds now: with `freeze_collector` (what `shoal
+    worker` sets) the runtime freezes what it holds out of full collections
+    (`gc.freeze()`) after its first models, after `FREEZE_AFTER` models attached or
+    detached, and after a re-registration under a new lease; not after a smaller change."""
+    monkeypatch.setattr(runtime_module, "FREEZE_AFTER", SLICE, raising=False)
+    frozen: list[int] = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(len(frozen)))
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    runtime = Runtime(url, lease_ttl=30, drain_timeout=0, freeze_collector=True)
+    await runtime.start()
+    try:
+        engine = ManyAdapters(0)
+        await runtime.endpoint(EP).serve(engine)
+        engine.models = [*engine.models, *(_adapter(f"lora-{i}") for i in range(3 * SLICE))]
+        await wait_for(lambda: frozen, timeout=10, message="frozen after a large change")
+        assert len(frozen) == 1
+        await wait_for(lambda: _announced(observer, 3 * SLICE + 1), timeout=10)
+
+        engine.models = [*engine.models, *(_adapter(f"more-{i}") for i in range(SLICE // 2))]
+        await wait_for(lambda: _announced(observer, 3 * SLICE + SLICE // 2 + 1), timeout=10)
+        assert len(frozen) == 1  # (fewer than FREEZE_AFTER changes since)
+
+        registrations = runtime.registrations
+        first = registrations.lease_id
+        assert first is not None
+        await observer.revoke(first)
+        await registrations.renew()  # (the lease loop's step, now: a new lease, every key put)
+        assert registrations.lease_id not in (None, first)
+        await wait_for(lambda: len(frozen) == 2, timeout=10, message="after re-registering")
+    finally:
+        await runtime.drain(timeout=0)
