@@ -42,7 +42,7 @@ from shoal.kv.events import (
     BlockStored,
     KvEndpoint,
     KVEventBatch,
-    decode_batch,
+    decode_batch_in_slices,
     decode_seq,
     encode_seq,
 )
@@ -59,9 +59,6 @@ YIELD_SECONDS = 0.005  # or this long
 # unreadable one. (ZMQ's own MAXMSGSIZE would do it before reading, but libzmq 4.3 never
 # reconnects a peer it dropped for it: the subscription would go deaf.)
 MAX_BATCH_BYTES = 4 << 20  # (and `decode_batch` refuses over `MAX_BATCH_EVENTS` events)
-# A batch over this is decoded in a thread: 4 MiB of token ids took 30-90 ms of CPU, which
-# there the event loop's thread interrupts every switch interval (msgspec holds the GIL).
-THREAD_DECODE_BYTES = 256 << 10
 APPLY_SLICE = 1024  # blocks of one batch applied before yielding to the event loop
 # Sockets of one context: a SUB per instance followed, a DEALER while one replays (libzmq's
 # default, 1,023, was ~500 instances catching up at once: the rest failed, unseen).
@@ -191,10 +188,9 @@ class KvSubscription:
         try:
             if len(payload) > MAX_BATCH_BYTES:
                 raise msgspec.DecodeError(f"{len(payload)} bytes, over {MAX_BATCH_BYTES}")
-            if len(payload) > THREAD_DECODE_BYTES:
-                batch = await asyncio.to_thread(decode_batch, payload)
-            else:
-                batch = decode_batch(payload)
+            # (4 MiB of token ids: 30-90 ms of CPU in one call holding the GIL, whichever
+            # thread made it: decoded in slices of `DECODE_SLICE_BYTES`, yielding between.)
+            batch = await decode_batch_in_slices(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             # A batch we cannot read is a loss like any other: the index must not drift.
             self.stats.decode_errors += 1
