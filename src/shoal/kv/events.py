@@ -41,8 +41,8 @@ event (8,192 take 1.5-12 ms); vLLM reports an evicted block an event, so this is
 evicting 128K tokens in blocks of 16. A batch declaring more is refused before it is decoded
 (250,000 empty events fit in 4 MiB: 70-230 ms)."""
 DECODE_SLICE_BYTES = 512 << 10
-"""The most bytes of a batch decoded in one step on the event loop (~10 ms a MiB of token
-ids: this is ~5 ms). msgspec decodes in one C call holding the GIL, so a thread would not
+"""The most bytes of a batch decoded in one step on the event loop (4-10 ms of CPU a MiB of
+token ids: this is 2-5 ms). msgspec decodes in one C call holding the GIL, so a thread would not
 spare the loop: a larger batch is decoded by `decode_batch_in_slices`, a slice of events at a
 time, and one event larger than this (a single engine step storing over ~100,000 tokens for
 one request) makes its batch unreadable (a loss, resnapshotted)."""
