@@ -24,9 +24,10 @@ a worker's own numbering:
   instances not followed are known (their batches and place in the stream), the one read
   least recently forgotten past it;
 - a large batch is applied in slices of `APPLY_SLICE` blocks, yielding between them, and a
-  payload over `DECODE_SLICE_BYTES` is decoded in slices of events of that many bytes, as a
-  subscription does (both by the instance's flush task, so its batches are applied in the order they came); an instance
-  whose queue of batches to apply fills up is resnapshotted.
+  payload over `DECODE_SLICE_BYTES` is decoded in slices of events of that many bytes, and
+  freed in slices once applied (`let_go`), as a subscription does (all by the instance's
+  flush task, so its batches are applied in the order they came); an instance whose queue
+  of batches to apply fills up is resnapshotted.
 
 A reader that gets past records the stream no longer holds (removed by retention before it
 read them: after a reconnection, or once nats-py made its ordered consumer again) has lost
@@ -58,6 +59,7 @@ from shoal.kv.subscription import (
     MAX_BATCH_BYTES,
     KvStats,
     Pace,
+    let_go,
     slices,
 )
 
@@ -339,6 +341,8 @@ class KvStreamReader:
                     if instance.apply is None or instance.losses != losses:
                         break  # dropped meanwhile: the rest of this batch is dropped too
                     instance.apply(part)
+                if kept.batch is None:  # (decoded by this task: no one else holds it)
+                    await let_go(batch)
                 await pace.step()
         finally:
             if instance.flushing is asyncio.current_task():  # (not a flush started since)
