@@ -6,7 +6,9 @@ form reached the client."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import html
+import json
 import re
 import urllib.parse
 from collections.abc import Callable
@@ -17,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from shoal.frontend.proxy.routed import Masked
+from shoal.frontend.virtual import masking
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend
 from tests.frontend.test_providers import serve_route, url_target
@@ -40,13 +43,23 @@ FORMS: dict[str, Callable[[str], str]] = {
     "html-hex": _each(lambda c: f"&#x{ord(c):X};"),
     "html-decimal": _each(lambda c: f"&#{ord(c)};"),
     "mixed": lambda key: key.replace("/", "\\/").replace("+", "%2b").replace("=", "\\u003D"),
+    # (one more level: leading zeros, URL-encoded twice, a JSON string inside a JSON string)
+    "html-zeros": _each(lambda c: f"&#x000{ord(c):X};"),
+    "html-decimal-zeros": _each(lambda c: f"&#00000{ord(c)};"),
+    "url-twice": lambda key: urllib.parse.quote(urllib.parse.quote(key, safe=""), safe=""),
+    "json-in-json": lambda key: key.replace("/", "\\\\/"),
+    "json-in-json-twice": lambda key: key.replace("/", "\\\\\\\\/"),  # (`\\/` quoted twice)
+    "json-in-json-unicode": _each(lambda c: f"\\\\u{ord(c):04x}"),
 }
 
 
 def revealed(text: str) -> str:
-    """`text` with every form undone: what a reader of it learns."""
-    text = re.sub(r"\\u([0-9a-fA-F]{4})", lambda m: chr(int(m.group(1), 16)), text)
-    return html.unescape(urllib.parse.unquote(text.replace("\\/", "/")))
+    """`text` with every form undone, twice: what a reader of it learns."""
+    for _ in range(2):
+        text = text.replace("\\\\", "\\")
+        text = re.sub(r"\\u([0-9a-fA-F]{4})", lambda m: chr(int(m.group(1), 16)), text)
+        text = html.unescape(urllib.parse.unquote(text.replace("\\/", "/")))
+    return text
 
 
 async def provider(
@@ -181,3 +194,159 @@ async def test_the_key_a_request_was_sent_with_is_masked_after_the_secret_rotate
         assert dict(headers)["X-Key"] == "*" * len(old)
     finally:
         await runner.cleanup()
+
+
+KEY_HTML = "sk-live&PROVIDER\"SECRET<0123456789>x'y"  # (visible ASCII: a secret may hold & " < > ')
+
+
+@pytest.mark.parametrize("escape", ["html.escape", "named-upper"])
+async def test_a_key_holding_html_specials_written_as_named_entities_reaches_the_client_masked(
+    store: Store, start_frontend: StartFrontend, monkeypatch: Any, escape: str
+) -> None:
+    """`html.escape` writes `&amp;` `&quot;` `&lt;` `&gt;` `&#x27;`: only numeric entities were
+    among the forms, so a key holding any of `& " < > '` reached the client readable."""
+    monkeypatch.setenv("SHOAL_SECRET_PKEY", KEY_HTML)
+    upper = {"&": "&AMP;", '"': "&QUOT;", "<": "&LT;", ">": "&GT;", "'": "&apos;"}
+    form = html.escape if escape == "html.escape" else _each(lambda c: upper.get(c, c))
+    runner, url = await provider(400, form, in_header=False)
+    try:
+        frontend = await start_frontend()
+        await serve_route(store, frontend, "v", url_target(url, "m", secret="pkey"))
+        status, text, _ = await ask(frontend.url)
+        assert status == 400
+        assert text == '{"error":{"message":"Invalid key: ' + "*" * len(form(KEY_HTML)) + '"}}'
+    finally:
+        await runner.cleanup()
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+async def test_a_provider_body_of_any_status_quoting_the_key_reaches_the_client_masked(
+    store: Store, start_frontend: StartFrontend, monkeypatch: Any
+) -> None:
+    """Only bodies of a status of 400 or more were masked: a redirect's page and a 200 that
+    echoes the `Authorization` it got (a debug field, a streamed event) carried the key
+    through. Every provider body is masked now; a stream's events are not held back behind
+    the next one (the provider sends its second event only once the client has the first)."""
+    monkeypatch.setenv("SHOAL_SECRET_PKEY", KEY)
+    got_first = asyncio.Event()
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        given = request.headers["Authorization"][len("Bearer ") :]
+        model = (await request.json())["model"]
+        if model == "redirect":
+            location = f"https://login.example/?key={FORMS['url'](given)}"
+            page = f'<a href="{location}">moved</a> {given}'
+            return web.Response(status=302, headers={"Location": location}, text=page)
+        if model == "echo":
+            return web.json_response({"id": "x", "debug": {"auth": f"Bearer {given}"}})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(f'data: {{"n":1,"auth":"{given}","tail":"sk"}}\n\n'.encode())
+        await asyncio.wait_for(got_first.wait(), 10)  # (held back: the client never gets it)
+        await response.write(f'data: {{"n":2,"auth":"{FORMS["json-slash"](given)}"}}\n\n'.encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner, url = await serve(app)
+    try:
+        frontend = await start_frontend()
+        for name in ("redirect", "echo", "stream"):
+            await serve_route(store, frontend, name, url_target(url, name, secret="pkey"))
+        async with aiohttp.ClientSession() as session:
+            chat = f"{frontend.url}/v1/chat/completions"
+            for name in ("redirect", "echo"):
+                body = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+                async with session.post(chat, json=body, allow_redirects=False) as response:
+                    text = await response.text()
+                    assert response.status == (302 if name == "redirect" else 200)
+                    assert "0123456789" not in revealed(text), text
+                    assert "*" * len(KEY) in text, text
+                    location = response.headers.get("Location", "")
+                    assert "0123456789" not in revealed(location), location
+            body = {"model": "stream", "messages": [{"role": "user", "content": "hi"}]}
+            events = []
+            async with session.post(chat, json=body) as response:
+                assert response.status == 200
+                async for line in response.content:
+                    if line.startswith(b"data: "):
+                        events.append(line.decode())
+                        got_first.set()
+        assert len(events) == 3, events
+        first = json.loads(events[0][len("data: ") :])
+        assert first == {"n": 1, "auth": "*" * len(KEY), "tail": "sk"}
+        assert "0123456789" not in revealed("".join(events)), events
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_compressed_provider_body_is_dropped_for_a_502_naming_the_provider_and_encoding(
+    store: Store, start_frontend: StartFrontend, monkeypatch: Any
+) -> None:
+    """The gateway asks a provider for identity; one that gzips its error anyway had its
+    compressed bytes searched for the key (never found there), and the client decompressed
+    the key. Now such a body is not relayed: a 502 `provider_encoding` names both."""
+    monkeypatch.setenv("SHOAL_SECRET_PKEY", KEY)
+
+    async def answer(request: web.Request) -> web.Response:
+        given = request.headers["Authorization"][len("Bearer ") :]
+        data = gzip.compress(('{"error":{"message":"bad key ' + given + '"}}').encode())
+        headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        return web.Response(status=400, headers=headers, body=data)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner, url = await serve(app)
+    try:
+        frontend = await start_frontend()
+        await serve_route(store, frontend, "v", url_target(url, "m", secret="pkey"))
+        status, text, headers = await ask(frontend.url)
+        assert status == 502
+        error = json.loads(text)["error"]
+        assert error["code"] == "provider_encoding"
+        assert "gzip" in error["message"] and "127.0.0.1" in error["message"], error
+        assert "0123456789" not in revealed(text)
+        assert "content-encoding" not in {name.lower() for name, _ in headers}
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("piece", [1, 7, 64 << 10])
+def test_masking_a_body_full_of_near_matches_searches_each_byte_a_bounded_number_of_times(
+    piece: int,
+) -> None:
+    """A body of the key less its last character, again and again, in every form: each packet
+    is searched with at most the bytes held before it (fewer than the longest form), so the
+    work grows with the body, never with its square; the body goes out as it came, but for
+    the key itself, written in every form at its end."""
+    secret = KEY.encode()
+    near = [f(KEY[:-1]).encode() for f in FORMS.values()] + [secret[:-1]]
+    whole = [f(KEY).encode() for f in FORMS.values()]
+    body = b" ".join(near * 40 + whole)
+    expected = b" ".join(near * 40 + [b"*" * len(w) for w in whole])
+    searched = 0
+    real = masking.mask
+
+    def counted(data: bytes, patterns: Any) -> bytes:
+        nonlocal searched
+        searched += len(data)
+        return real(data, patterns)
+
+    masking.mask = counted  # type: ignore[assignment]
+    try:
+        masked = Masked(secret)
+        pieces = [body[i : i + piece] for i in range(0, len(body), piece)]
+        out = b"".join(masked.feed(p) for p in pieces) + masked.rest()
+    finally:
+        masking.mask = real  # type: ignore[assignment]
+    assert out == expected
+    assert searched <= len(body) + len(pieces) * masked.keep
+    assert searched <= 2 * len(body) or piece < masked.keep  # (large packets: about once)

@@ -5,9 +5,9 @@ replay endpoint is refused where it enters and never kills a live subscription."
 from __future__ import annotations
 
 import asyncio
+import itertools
 import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -21,11 +21,12 @@ from shoal.kv import (
     BlockStored,
     KvEndpoint,
     KVEventBatch,
+    encode_batch,
     subscription,
     token_block_hashes,
 )
-from shoal.kv import subscription as kv_subscription
-from shoal.kv.events import MAX_BATCH_EVENTS
+from shoal.kv import events as kv_events
+from shoal.kv.events import DECODE_SLICE_BYTES, MAX_BATCH_EVENTS
 from shoal.kv.subscription import APPLY_SLICE, YIELD_EVERY, KvStats, KvSubscription
 from shoal.worker.kv_publisher import KvEventPublisher
 from tests.helpers import LoopTurns, wait_for
@@ -222,14 +223,14 @@ async def test_a_replay_cut_short_by_a_dropping_publisher_is_kept_and_resumed(
 
 
 async def test_one_batch_of_many_blocks_is_applied_in_slices(publisher: KvEventPublisher) -> None:
-    """A batch is one message, and a single event in it can store 200,000 blocks (0.8 MB with
-    one-token blocks): applied in one go it held the loop ~0.2 s; now in slices, to the
-    same index, and a removal of as many blocks likewise."""
+    """A batch is one message, and a single event in it can store 100,000 blocks (0.5 MB with
+    one-token blocks, within `DECODE_SLICE_BYTES`): applied in one go 200,000 held the loop
+    ~0.2 s; now in slices, to the same index, and a removal of as many blocks likewise."""
     assert publisher.endpoint is not None
-    blocks = 200_000
+    blocks = 100_000
     ctx, index, stats = zmq.asyncio.Context(), KvIndex(1), KvStats()
     blocks_applied = LoopTurns().wrap(index, "apply", lambda _, event: len(event.block_hashes))
-    decoded = LoopTurns().wrap(kv_subscription, "decode_batch")  # where each batch is decoded
+    decoded = decoded_bytes(LoopTurns())
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
@@ -250,8 +251,8 @@ async def test_one_batch_of_many_blocks_is_applied_in_slices(publisher: KvEventP
         assert blocks_applied.on_loop == 2 * blocks - 1
         most = blocks_applied.most_per_turn
         assert most <= APPLY_SLICE, f"{most} blocks applied in one turn of the loop"
-        # (each message, about 1 MB, is decoded in one step that cannot be cut: in a thread)
-        assert decoded.on_loop == 0 and decoded.off_loop == 2
+        # (each message, about 0.5 MB, is decoded in one step: one event; on the loop)
+        assert decoded.off_loop == 0 and decoded.most_per_turn <= DECODE_SLICE_BYTES
     finally:
         await blocks_applied.stop()
         await decoded.stop()
@@ -320,21 +321,22 @@ async def test_a_batch_of_too_many_events_is_refused_unread_and_counted_as_a_los
         ctx.destroy(linger=0)
 
 
-async def test_a_large_batch_is_decoded_off_the_event_loops_thread(
-    publisher: KvEventPublisher, monkeypatch: pytest.MonkeyPatch
+def decoded_bytes(turns: LoopTurns) -> LoopTurns:
+    """`turns` counting the bytes of KV events decoded per turn of the event loop: a whole
+    batch's payload (`decode_batch`) or a slice of its events (`decode_events`)."""
+    turns.wrap(kv_events, "decode_batch", len)
+    return turns.wrap(kv_events, "decode_events", lambda raws, *_: sum(map(len, raws)))
+
+
+async def test_a_large_batch_is_decoded_a_slice_of_bytes_a_turn_on_the_loop(
+    publisher: KvEventPublisher,
 ) -> None:
-    """A batch within every bound (4 MiB of token ids) took 30-90 ms to decode, all of it on
-    the event loop: one over `THREAD_DECODE_BYTES` is decoded in a thread; small ones, most
-    of them, stay on the loop (a thread hop costs more than they do). Applied in order."""
+    """A batch within every bound (4 MiB of token ids) took 30-90 ms to decode, on the event
+    loop, then in a thread that held the loop as long (msgspec holds the GIL for its one C
+    call). Now at most `DECODE_SLICE_BYTES` of its events are decoded a turn of the loop,
+    applied in order and as written; one event alone over it is refused, a loss."""
     assert publisher.endpoint is not None
-    decoded_on: list[tuple[int, bool]] = []
-    real = subscription.decode_batch
-
-    def decode(payload: bytes) -> KVEventBatch:
-        decoded_on.append((len(payload), threading.current_thread() is threading.main_thread()))
-        return real(payload)
-
-    monkeypatch.setattr(subscription, "decode_batch", decode)
+    turns = decoded_bytes(LoopTurns())
     ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
@@ -342,16 +344,36 @@ async def test_a_large_batch_is_decoded_off_the_event_loops_thread(
         await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
         store(publisher, 0)
         await wait_for(lambda: sub.last_seq == 0, message="first batch")
-        tokens = subscription.THREAD_DECODE_BYTES  # (a token id packs in 1-5 bytes)
-        publisher.record(BlockStored([11], 0, [1000] * tokens, tokens))
+        blocks = 300  # (~380 KB an event: ids of 5 bytes)
+        events = [
+            BlockStored(
+                list(range(1 + i * blocks, 1 + (i + 1) * blocks)),
+                i * blocks or 0,
+                [t for b in range(i * blocks + 1, (i + 1) * blocks + 1) for t in block_tokens(b)],
+                BS,
+            )
+            for i in range(8)
+        ]
+        payload = encode_batch(KVEventBatch(1.0, events))
+        assert subscription.MAX_BATCH_BYTES >= len(payload) > 2 * DECODE_SLICE_BYTES
+        for event in events:
+            publisher.record(event)
         publisher.flush()
-        store(publisher, 2)
+        store(publisher, 2400 + 1)
         await wait_for(lambda: sub.last_seq == 2, timeout=30, message="went on")
-        assert stats.decode_errors == 0 and stats.batches == 3
-        big = [on_loop for size, on_loop in decoded_on if size > subscription.THREAD_DECODE_BYTES]
-        small = [on_loop for size, on_loop in decoded_on if size <= 4096]
-        assert big == [False] and small and all(small)
+        assert stats.decode_errors == 0 and stats.batches == 3 and stats.resnapshots == 0
+        assert index.instance_blocks(7) == 8 * blocks + 2
+        assert turns.off_loop == 0 and turns.on_loop >= len(payload) - 100
+        assert turns.most_per_turn <= DECODE_SLICE_BYTES, f"{turns.most_per_turn} bytes a turn"
+        tokens = DECODE_SLICE_BYTES // 5 + 1  # one event over the bound: refused
+        publisher.record(BlockStored([99_999], None, [1 << 20] * tokens, tokens))
+        publisher.flush()
+        store(publisher, 3)
+        await wait_for(lambda: sub.last_seq == 4, timeout=30, message="after the loss")
+        assert (stats.decode_errors, stats.resnapshots) == (1, 1)
+        assert turns.most_per_turn <= DECODE_SLICE_BYTES, f"{turns.most_per_turn} bytes a turn"
     finally:
+        await turns.stop()
         await sub.stop()
         ctx.destroy(linger=0)
 
@@ -446,3 +468,26 @@ async def test_a_replay_peer_sending_an_oversized_frame_is_disconnected_unread(
         assert first[0] == b"" and len(first) > 1, first
     finally:
         ctx.destroy(linger=0)
+
+
+async def test_a_large_batch_applied_is_freed_a_slice_a_turn() -> None:
+    """A decoded 4 MB batch freed at once held the loop 6-10 ms (a million ints): once applied,
+    its events are freed `FREE_SLICE` token ids and hashes a turn of the loop at most."""
+    events = [BlockStored(list(range(i, i + 64)), None, list(range(4096)), 64) for i in range(64)]
+    batch = KVEventBatch(1.0, list(events))
+    weight = 64 + 4096  # (of each event)
+    del events
+    left: list[int] = []  # the events left at each turn of the loop
+
+    def watch() -> None:
+        left.append(len(batch.events))
+        if batch.events:
+            asyncio.get_running_loop().call_soon(watch)
+
+    watch()
+    await subscription.let_go(batch)
+    assert batch.events == []
+    left.append(0)
+    freed = [a - b for a, b in itertools.pairwise(left)]
+    assert max(freed) * weight <= subscription.FREE_SLICE + weight, freed
+    assert len([f for f in freed if f]) > 1  # (in several turns)

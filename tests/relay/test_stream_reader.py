@@ -7,18 +7,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import tracemalloc
+from typing import Any
 
 import nats
 import pytest
 
 from shoal.frontend.kv import stream as kv_stream
 from shoal.frontend.kv.stream import KvStreamReader
-from shoal.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from shoal.kv import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
+from shoal.kv import events as kv_events
 from shoal.kv import stream as layout
-from shoal.kv.subscription import APPLY_SLICE, THREAD_DECODE_BYTES
-from tests.helpers import wait_for
+from shoal.kv.events import DECODE_SLICE_BYTES
+from shoal.kv.subscription import APPLY_SLICE, MAX_BATCH_BYTES
+from tests.helpers import LoopTurns, wait_for
 from tests.nats_server import NatsServer
 
 NS, INSTANCE = "ns", 0xAB
@@ -149,35 +158,62 @@ async def test_a_batch_of_many_blocks_is_applied_in_slices_and_a_loss_stops_its_
     assert parts == [APPLY_SLICE]  # the rest of the batch was dropped with it
 
 
-async def test_a_large_batch_is_decoded_in_a_thread_and_the_batches_stay_in_order(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A batch of up to 4 MiB was decoded on the event loop (2.8 MB: 119 ms held), where a
-    worker's own subscription decodes one over `THREAD_DECODE_BYTES` in a thread. Now the
-    stream's are too, by the instance's flush task: the batches after it wait for it."""
-    decoded: list[tuple[int, int]] = []  # (thread, payload bytes) of each batch decoded
-    real = kv_stream.decode_batch
+def blocks_of(events: list[Any]) -> list[tuple[Any, ...]]:
+    """`events` block by block (a batch applied in slices of blocks splits its events)."""
+    out: list[tuple[Any, ...]] = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            n = e.block_size
+            out += [
+                ("stored", h, e.token_ids[i * n : i * n + n]) for i, h in enumerate(e.block_hashes)
+            ]
+        elif isinstance(e, BlockRemoved):
+            out += [("removed", h) for h in e.block_hashes]
+        else:
+            out.append(("cleared",))
+    return out
 
-    def spy(payload: bytes) -> KVEventBatch:
-        decoded.append((threading.get_ident(), len(payload)))
-        return real(payload)
 
-    monkeypatch.setattr(kv_stream, "decode_batch", spy)
+def decoded_bytes(turns: LoopTurns) -> LoopTurns:
+    """`turns` counting the bytes of KV events decoded per turn of the event loop: a whole
+    batch's payload (`decode_batch`, wherever it is called from) or a slice of its events."""
+    turns.wrap(kv_stream, "decode_batch", len)
+    turns.wrap(kv_events, "decode_batch", len)
+    return turns.wrap(kv_events, "decode_events", lambda raws, *_: sum(map(len, raws)))
+
+
+async def test_a_large_batch_is_decoded_a_slice_of_bytes_a_turn_and_the_batches_stay_in_order() -> (
+    None
+):
+    """A batch of up to 4 MiB was decoded on the event loop (2.8 MB: 119 ms held), then in a
+    thread, which held the loop as long (msgspec decodes in one C call holding the GIL: loop
+    gaps of 29-157 ms). Now it is decoded a slice of at most `DECODE_SLICE_BYTES` of events
+    a turn of the loop, all on it, by the instance's flush task: the batches after it wait for
+    it, and it is applied as it was written."""
+    turns = decoded_bytes(LoopTurns())
     reader = KvStreamReader("nats://127.0.0.1:1")
-    follower = Follower(reader)
-    blocks, size = APPLY_SLICE, 64  # token ids over 2**16: 5 bytes each
-    event = BlockStored(list(range(blocks)), None, [1 << 16] * (blocks * size), size)
-    large = encode_batch(KVEventBatch(1.0, [event]))
-    assert len(large) > THREAD_DECODE_BYTES
+    got: list[KVEventBatch] = []
+    reader.follow((NS, INSTANCE), got.append, lambda: None)
+    size = 16  # ids over 2**16: 5 bytes each, ~330 KB an event
+    events = [
+        BlockStored(list(range(i, i + 4096)), i or None, [(1 << 16) + i] * (4096 * size), size)
+        for i in range(12)
+    ]
+    large = encode_batch(KVEventBatch(1.0, [AllBlocksCleared(), *events, BlockRemoved([3])]))
+    assert DECODE_SLICE_BYTES < len(large) <= MAX_BATCH_BYTES
     batch(reader, 0)
     reader.record(SUBJECT, {layout.KIND: layout.BATCH, layout.SEQ: "1", layout.TS: "1.0"}, large)
-    assert [n for _, n in decoded if n == len(large)] == []  # not on the reading path
     batch(reader, 2)
     batch(reader, 3)
-    await wait_for(lambda: follower.applied == [0, 1, 2, 3])
-    threads = {n: thread for thread, n in decoded}
-    assert threads[len(large)] != threading.get_ident()
-    assert (reader.stats.decode_errors, follower.purges) == (0, 0)
+    await wait_for(lambda: [int(b.ts) for b in got][-1:] == [3])
+    await turns.stop()
+    assert sorted({int(b.ts) for b in got}) == [0, 1, 2, 3]
+    assert [int(b.ts) for b in got] == sorted(int(b.ts) for b in got)  # in order
+    whole = [e for b in got if b.ts == 1.0 for e in b.events]
+    assert blocks_of(whole) == blocks_of(decode_batch(large).events)  # (applied in slices)
+    assert turns.off_loop == 0 and turns.on_loop >= len(large) - 100
+    assert turns.most_per_turn <= DECODE_SLICE_BYTES, f"{turns.most_per_turn} bytes in a turn"
+    assert (reader.stats.decode_errors, reader.stats.resnapshots) == (0, 0)
 
 
 async def test_records_kept_for_instances_not_followed_are_bounded_in_bytes_oldest_out(

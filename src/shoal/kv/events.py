@@ -24,6 +24,7 @@ vLLM's sha256 digests), `medium` `"GPU"` when unset. `decode_batch` reads both f
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Annotated
 
@@ -39,6 +40,12 @@ MAX_BATCH_EVENTS = 8192
 event (8,192 take 1.5-12 ms); vLLM reports an evicted block an event, so this is a step
 evicting 128K tokens in blocks of 16. A batch declaring more is refused before it is decoded
 (250,000 empty events fit in 4 MiB: 70-230 ms)."""
+DECODE_SLICE_BYTES = 512 << 10
+"""The most bytes of a batch decoded in one step on the event loop (4-10 ms of CPU a MiB of
+token ids: this is 2-5 ms). msgspec decodes in one C call holding the GIL, so a thread would not
+spare the loop: a larger batch is decoded by `decode_batch_in_slices`, a slice of events at a
+time, and one event larger than this (a single engine step storing over ~100,000 tokens for
+one request) makes its batch unreadable (a loss, resnapshotted)."""
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame of the last message of a replay (its payload is empty)."""
 
@@ -204,6 +211,21 @@ _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _map_decoder = msgspec.msgpack.Decoder(TaggedKVEventBatch)
 
 
+class _RawBatch(msgspec.Struct, array_like=True, gc=False):
+    """A batch with its events left encoded (each a view of the payload: nothing copied)."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_raw_decoder = msgspec.msgpack.Decoder(_RawBatch)
+_event_decoder = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
+_map_event_decoder = msgspec.msgpack.Decoder(
+    TaggedBlockStored | TaggedBlockRemoved | TaggedAllBlocksCleared
+)
+
+
 def encode_batch(batch: KVEventBatch) -> bytes:
     return _encoder.encode(batch)
 
@@ -242,6 +264,82 @@ def decode_batch(payload: bytes) -> KVEventBatch:
         )
     except RecursionError:
         raise msgspec.DecodeError("KV event batch: values nested too deeply") from None
+
+
+async def decode_batch_in_slices(payload: bytes) -> KVEventBatch:
+    """`decode_batch(payload)`, yielding to the event loop between slices of events of at most
+    `DECODE_SLICE_BYTES`: the batch's array is read first with its events left encoded (one
+    pass that skips them), then its events are decoded a slice at a time (`decode_events`).
+    An event over `DECODE_SLICE_BYTES` is a `DecodeError` (see there)."""
+    if len(payload) <= DECODE_SLICE_BYTES:
+        return decode_batch(payload)
+    events = declared_events(payload)
+    if events > MAX_BATCH_EVENTS:
+        raise msgspec.DecodeError(f"KV event batch: {events} events, over {MAX_BATCH_EVENTS}")
+    try:
+        raw = _raw_decoder.decode(payload)
+    except RecursionError:
+        raise msgspec.DecodeError("KV event batch: values nested too deeply") from None
+    await asyncio.sleep(0)  # (that pass: ~1 ms a MiB)
+    decoded: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    tagged: bool | None = None  # (the form, as the first event shows it)
+    piece: list[msgspec.Raw] = []
+    held = 0
+    for event in raw.events:
+        size = len(event)
+        if size > DECODE_SLICE_BYTES:
+            raise msgspec.DecodeError(
+                f"KV event batch: an event of {size} bytes, over {DECODE_SLICE_BYTES}"
+            )
+        if held + size > DECODE_SLICE_BYTES:
+            tagged = _decode_piece(piece, decoded, tagged)
+            piece, held = [], 0
+            await asyncio.sleep(0)
+        piece.append(event)
+        held += size
+    _decode_piece(piece, decoded, tagged)
+    return KVEventBatch(raw.ts, decoded, raw.data_parallel_rank)
+
+
+def _decode_piece(
+    piece: list[msgspec.Raw],
+    into: list[BlockStored | BlockRemoved | AllBlocksCleared],
+    tagged: bool | None,
+) -> bool | None:
+    """Decode `piece` onto `into`; the batch's form (None: not known yet)."""
+    if piece:
+        events, tagged = decode_events(piece, tagged)
+        into.extend(events)
+    return tagged
+
+
+def decode_events(
+    events: list[msgspec.Raw], tagged: bool | None = None
+) -> tuple[list[BlockStored | BlockRemoved | AllBlocksCleared], bool]:
+    """`events` decoded, in the batch's form: `tagged` maps or arrays (None: as the first
+    event shows, the array form tried first as `decode_batch` does); and that form."""
+    out = []
+    try:
+        for event in events:
+            if tagged is None:
+                try:
+                    out.append(_event_decoder.decode(event))
+                    tagged = False
+                    continue
+                except msgspec.ValidationError as exc:
+                    try:
+                        out.append(_untagged(_map_event_decoder.decode(event)))
+                    except msgspec.ValidationError:
+                        raise exc from None
+                    tagged = True
+                    continue
+            if tagged:
+                out.append(_untagged(_map_event_decoder.decode(event)))
+            else:
+                out.append(_event_decoder.decode(event))
+    except RecursionError:
+        raise msgspec.DecodeError("KV event batch: values nested too deeply") from None
+    return out, bool(tagged)
 
 
 # msgpack: the bytes a number takes after its type byte (the types a float field accepts).

@@ -36,13 +36,14 @@ import zmq
 import zmq.asyncio
 
 from shoal.kv.events import (
+    DECODE_SLICE_BYTES,
     END_OF_REPLAY,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KvEndpoint,
     KVEventBatch,
-    decode_batch,
+    decode_batch_in_slices,
     decode_seq,
     encode_seq,
 )
@@ -59,10 +60,8 @@ YIELD_SECONDS = 0.005  # or this long
 # unreadable one. (ZMQ's own MAXMSGSIZE would do it before reading, but libzmq 4.3 never
 # reconnects a peer it dropped for it: the subscription would go deaf.)
 MAX_BATCH_BYTES = 4 << 20  # (and `decode_batch` refuses over `MAX_BATCH_EVENTS` events)
-# A batch over this is decoded in a thread: 4 MiB of token ids took 30-90 ms of CPU, which
-# there the event loop's thread interrupts every switch interval (msgspec holds the GIL).
-THREAD_DECODE_BYTES = 256 << 10
 APPLY_SLICE = 1024  # blocks of one batch applied before yielding to the event loop
+FREE_SLICE = 1 << 16  # token ids and hashes of a batch applied freed before yielding
 # Sockets of one context: a SUB per instance followed, a DEALER while one replays (libzmq's
 # default, 1,023, was ~500 instances catching up at once: the rest failed, unseen).
 MAX_SOCKETS = 65_536
@@ -191,10 +190,9 @@ class KvSubscription:
         try:
             if len(payload) > MAX_BATCH_BYTES:
                 raise msgspec.DecodeError(f"{len(payload)} bytes, over {MAX_BATCH_BYTES}")
-            if len(payload) > THREAD_DECODE_BYTES:
-                batch = await asyncio.to_thread(decode_batch, payload)
-            else:
-                batch = decode_batch(payload)
+            # (4 MiB of token ids: 30-90 ms of CPU in one call holding the GIL, whichever
+            # thread made it: decoded in slices of `DECODE_SLICE_BYTES`, yielding between.)
+            batch = await decode_batch_in_slices(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             # A batch we cannot read is a loss like any other: the index must not drift.
             self.stats.decode_errors += 1
@@ -210,6 +208,8 @@ class KvSubscription:
                 self.apply(seq, part)
             self.stats.batches += 1
             self.stats.events += len(batch.events)
+            if not self.whole_batches and len(payload) > DECODE_SLICE_BYTES:
+                await let_go(batch)  # (the relay's `apply` may keep its batch: not there)
         self.last_seq = seq
 
     def _say_unreadable(self, seq: int, exc: Exception) -> None:
@@ -375,6 +375,23 @@ class _Reader:
 def _expire(waiter: asyncio.Future[bool]) -> None:
     if not waiter.done():
         waiter.set_result(False)
+
+
+async def let_go(batch: KVEventBatch) -> None:
+    """Free the events of `batch`, applied, a slice of `FREE_SLICE` token ids and hashes at a
+    time, yielding between (a decoded 4 MB batch freed at once held the loop 6-10 ms: a
+    million ints). `batch` is left empty: only for a batch no one else holds."""
+    events = batch.events
+    while events:
+        weight, cut = 0, len(events)
+        while cut and weight < FREE_SLICE:
+            cut -= 1
+            event = events[cut]
+            if not isinstance(event, AllBlocksCleared):
+                weight += len(event.block_hashes) + len(getattr(event, "token_ids", ()))
+        del events[cut:]
+        if events:
+            await asyncio.sleep(0)
 
 
 def slices(batch: KVEventBatch, limit: int = APPLY_SLICE) -> Iterator[KVEventBatch]:

@@ -504,33 +504,28 @@ async def test_a_model_listing_over_4_mib_makes_the_upstream_unhealthy_naming_th
             await engine.stop()
 
 
-async def test_a_large_model_listing_is_decoded_off_the_event_loop_and_a_small_one_on_it() -> None:
-    """A listing was decoded and parsed on the event loop whatever its size. One over
-    `THREAD_PARSE_BYTES` is decoded in a thread now; a small one stays on the loop."""
-    import threading
+async def test_a_large_model_listing_is_decoded_a_slice_of_bytes_a_turn_on_the_loop() -> None:
+    """A listing over 64 KiB was decoded in a thread, which held the event loop as long:
+    msgspec decodes in one C call holding the GIL. Now its entries are decoded at most
+    `PARSE_SLICE_BYTES` a turn of the loop, all on it, and the models are those listed."""
+    from shoal.worker.engines import openai_sidecar
 
-    from shoal.worker.engines.openai_sidecar import THREAD_PARSE_BYTES
-
-    large, small = listing(20_000), listing(3)
-    assert len(small) < THREAD_PARSE_BYTES < len(large)
-    for body, on_loop in ((large, False), (small, True)):
-        async with serving(listing_app(body)) as upstream:
-            engine = OpenAISidecarEngine(upstream.url, health_interval=0.0)
-            threads: list[int] = []
-            decode = engine._decode_models
-
-            def recorded(*args: Any, decode: Any = decode, threads: list[int] = threads) -> Any:
-                threads.append(threading.get_ident())
-                return decode(*args)
-
-            engine._decode_models = recorded  # type: ignore[method-assign]
-            await engine.start()
-            try:
-                assert len(await engine.served_models()) == (20_000 if not on_loop else 3)
-            finally:
-                await engine.stop()
-            assert threads, "the listing was never decoded"
-            assert all((t == threading.get_ident()) is on_loop for t in threads), threads
+    limit = openai_sidecar.PARSE_SLICE_BYTES
+    large = listing(20_000)
+    assert len(large) > 10 * limit
+    async with serving(listing_app(large)) as upstream:
+        engine = OpenAISidecarEngine(upstream.url, health_interval=0.0)
+        turns = LoopTurns()
+        turns.wrap(openai_sidecar, "decode_entries", lambda raws: sum(map(len, raws)))
+        await engine.start()
+        try:
+            models = await engine.served_models()
+        finally:
+            await engine.stop()
+            await turns.stop()
+    assert [m.name for m in models] == [e["id"] for e in json.loads(large)["data"]]
+    assert turns.off_loop == 0 and turns.on_loop > len(large) // 2
+    assert turns.most_per_turn <= limit, f"{turns.most_per_turn} bytes decoded in one turn"
 
 
 async def test_a_model_missing_upstream_names_ten_listed_models_and_the_count_not_every_one() -> (
@@ -588,28 +583,15 @@ async def test_an_unchanged_listing_is_served_as_the_very_same_models_so_a_sync_
             await engine.stop()
 
 
-async def test_an_unchanged_listing_is_not_decoded_again_and_a_changed_one_is_compared_off_the_loop(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_an_unchanged_listing_is_not_decoded_again_and_a_changed_one_is_compared_in_slices() -> (
+    None
+):
     """After the decode in a thread, every listed model was compared with the one held on
     the event loop: 60,000 adapters held it ~175 ms each 2 s probe. A listing of the very
     bytes of the last one is neither decoded nor compared now (its models are the ones
-    held), and a changed large one is compared in the decode's thread."""
-    import threading
+    held), and a changed large one is compared `PARSE_SLICE_ENTRIES` models a turn."""
+    from shoal.worker.engines.openai_sidecar import PARSE_SLICE_ENTRIES
 
-    from shoal.worker.engine import ServedModel
-
-    loop_thread = threading.get_ident()
-    compared_on_loop = 0
-    real_eq = ServedModel.__eq__
-
-    def counted_eq(self: ServedModel, other: object) -> bool:
-        nonlocal compared_on_loop
-        if threading.get_ident() == loop_thread:
-            compared_on_loop += 1
-        return bool(real_eq(self, other))
-
-    monkeypatch.setattr(ServedModel, "__eq__", counted_eq)
     state = {"body": listing(5_000)}
 
     async def models(request: web.Request) -> web.Response:
@@ -631,25 +613,29 @@ async def test_an_unchanged_listing_is_not_decoded_again_and_a_changed_one_is_co
             decoded += 1
             return decode(*args)
 
-        engine._decode_models = counted_decode  # type: ignore[method-assign]
+        engine._decode_models = counted_decode  # type: ignore[method-assign,assignment]
+        # (each entry parsed is compared with the model held under its name)
+        compared = LoopTurns().wrap(engine, "_parse_models", lambda data, *_: len(data))
         await engine.start()
         try:
             first = await engine.served_models()
-            assert decoded == 1 and len(first) == 5_000
+            assert decoded == 1 and len(first) == 5_000 and compared.on_loop == 5_000
             for _ in range(3):
                 again = await engine.served_models()
                 assert all(a is b for a, b in zip(first, again, strict=True))
-            assert (decoded, compared_on_loop) == (1, 0)
+            assert (decoded, compared.on_loop) == (1, 5_000)
 
             data = json.loads(state["body"])
             data["data"][7]["max_model_len"] = 1234
             state["body"] = json.dumps(data).encode()
             changed = await engine.served_models()
-            assert decoded == 2 and compared_on_loop == 0
+            assert decoded == 2 and compared.on_loop == 10_000
+            assert compared.most_per_turn <= PARSE_SLICE_ENTRIES
             assert changed[7] is not first[7] and changed[7].context_length == 1234
             assert all(changed[i] is first[i] for i in range(5_000) if i != 7)
         finally:
             await engine.stop()
+            await compared.stop()
 
 
 async def test_a_changed_listing_makes_new_model_objects_only_for_the_models_that_changed(

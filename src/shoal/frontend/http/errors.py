@@ -49,6 +49,18 @@ def provider_refused(model: str, provider: str, status: int) -> ApiError:
     )
 
 
+def provider_encoded(model: str, provider: str, encoding: str) -> ApiError:
+    """A provider answered with a `Content-Encoding` the gateway did not ask for (it asks for
+    identity): its body is dropped, not relayed, as the key it may quote could not be masked."""
+    return ApiError(
+        502,
+        f"The provider {provider} of `{model}` answered with Content-Encoding {encoding!r}, "
+        "though the gateway asked for none; its answer was dropped.",
+        type="server_error",
+        code="provider_encoding",
+    )
+
+
 def upstream_timeout(model: str, reason: str) -> ApiError:
     """No instance answered in time; `reason` says which wait ran out."""
     return ApiError(

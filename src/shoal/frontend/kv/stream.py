@@ -24,9 +24,10 @@ a worker's own numbering:
   instances not followed are known (their batches and place in the stream), the one read
   least recently forgotten past it;
 - a large batch is applied in slices of `APPLY_SLICE` blocks, yielding between them, and a
-  payload over `THREAD_DECODE_BYTES` is decoded in a thread, as a subscription does (both by
-  the instance's flush task, so its batches are applied in the order they came); an instance
-  whose queue of batches to apply fills up is resnapshotted.
+  payload over `DECODE_SLICE_BYTES` is decoded in slices of events of that many bytes, and
+  freed in slices once applied (`let_go`), as a subscription does (all by the instance's
+  flush task, so its batches are applied in the order they came); an instance whose queue
+  of batches to apply fills up is resnapshotted.
 
 A reader that gets past records the stream no longer holds (removed by retention before it
 read them: after a reconnection, or once nats-py made its ordered consumer again) has lost
@@ -52,12 +53,13 @@ import msgspec
 
 from shoal.kv import AllBlocksCleared, KVEventBatch, decode_batch
 from shoal.kv import stream as layout
+from shoal.kv.events import DECODE_SLICE_BYTES, decode_batch_in_slices
 from shoal.kv.subscription import (
     APPLY_SLICE,
     MAX_BATCH_BYTES,
-    THREAD_DECODE_BYTES,
     KvStats,
     Pace,
+    let_go,
     slices,
 )
 
@@ -249,7 +251,7 @@ class KvStreamReader:
     def _deliver(self, instance: _Instance, payload: bytes) -> None:
         """Apply the batch now when it is small and nothing waits before it; else queue it
         for the instance's flush task, which applies it in slices, yielding between them
-        (and decodes it in a thread when its payload is over `THREAD_DECODE_BYTES`). Kept
+        (and decodes it in slices when its payload is over `DECODE_SLICE_BYTES`). Kept
         for an instance not followed, or behind others: its payload, decoded later."""
         if instance.apply is None:
             if len(instance.pending) >= PENDING_BATCHES:
@@ -258,7 +260,7 @@ class KvStreamReader:
             self._trim()
             return
         batch = None
-        if instance.flushing is None and len(payload) <= THREAD_DECODE_BYTES:
+        if instance.flushing is None and len(payload) <= DECODE_SLICE_BYTES:
             batch = self._decode(instance, payload)
             if batch is None:
                 return
@@ -281,17 +283,13 @@ class KvStreamReader:
 
     async def _batch(self, instance: _Instance, kept: _Kept) -> KVEventBatch | None:
         """`kept`'s batch, taken by the flush task, as `_decode` gives it (those kept after
-        it are kept on a loss): decoded in a thread when its payload is over
-        `THREAD_DECODE_BYTES` (4 MiB of token ids: 30-120 ms of CPU, which there the event
-        loop's thread interrupts every switch interval)."""
+        it are kept on a loss): decoded in slices of `DECODE_SLICE_BYTES`, yielding between
+        them (4 MiB of token ids: 30-120 ms of CPU in one call holding the GIL, so a thread
+        would not spare the loop)."""
         if kept.batch is not None:
             return kept.batch
         try:
-            if len(kept.payload) <= THREAD_DECODE_BYTES:
-                return self._decoded(instance, decode_batch(kept.payload), True)
-            return self._decoded(
-                instance, await asyncio.to_thread(decode_batch, kept.payload), True
-            )
+            return self._decoded(instance, await decode_batch_in_slices(kept.payload), True)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return self._decoded(instance, None, True)
 
@@ -343,6 +341,8 @@ class KvStreamReader:
                     if instance.apply is None or instance.losses != losses:
                         break  # dropped meanwhile: the rest of this batch is dropped too
                     instance.apply(part)
+                if kept.batch is None:  # (decoded by this task: no one else holds it)
+                    await let_go(batch)
                 await pace.step()
         finally:
             if instance.flushing is asyncio.current_task():  # (not a flush started since)

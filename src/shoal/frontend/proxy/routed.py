@@ -9,10 +9,14 @@ before it is the client's:
   provider and the virtual model; the provider's body (which may quote the key) is not relayed.
   A 403 denies the key this model: that target is inhibited. A 401 refuses the key itself:
   every target on it (the same base URL and secret) is inhibited at once;
-- any other error body is relayed with the secret's value masked in every form it may be
+- any other body, whatever its status (an error, a redirect's page, a 200 echoing the
+  `Authorization` it got), is relayed with the secret's value masked in every form it may be
   written in, JSON-escaped, URL-encoded, HTML-escaped (`virtual.masking.Masked`, same length,
   so a `Content-Length` still holds): the value the request was written with, and the one in
   force when the answer comes (a rotation in between leaves the old one valid at the provider);
+- a body with a `Content-Encoding` (the gateway asks for identity: a compressed body could
+  not be masked) is not relayed: a failed attempt, and when none is left a 502
+  `provider_encoding` naming the provider and the encoding;
 - its cookies, account headers and rate limits are dropped (`provider_response_headers`), and
   any other header (of any answer) quoting the secret, in any form, has it masked.
 """
@@ -32,13 +36,24 @@ from shoal.frontend.virtual.virtual import FleetChoice, UrlChoice, VirtualModel
 from shoal.urls import redact_url
 
 BEARER = b"Bearer "
+CONTENT_ENCODING = b"content-encoding"
+
+
+def _encoding(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The `Content-Encoding` of an answer when it is not identity (None: none, or identity)."""
+    for name, value in headers:
+        if len(name) == len(CONTENT_ENCODING) and name.lower() == CONTENT_ENCODING:
+            coding = value.strip().lower()
+            if coding and coding != b"identity":
+                return value.decode("latin-1")[:64]
+    return None
 
 
 class VirtualForward(Forward):
     """A request for a virtual model: each attempt picks one of its targets by weight, and
     sends the body naming the model as that target serves it (re-encoded only then)."""
 
-    __slots__ = ("kind", "masked", "sent", "served", "virtual")
+    __slots__ = ("kind", "masked", "pieces", "sent", "served", "virtual")
 
     def __init__(
         self,
@@ -54,7 +69,8 @@ class VirtualForward(Forward):
         self.virtual = virtual
         self.kind = kind
         self.served = self.name  # the model the body names now
-        self.masked: Masked | None = None  # a provider's error body, its secret masked
+        self.masked: Masked | None = None  # a provider's body, its secret masked
+        self.pieces: list[bytes] = []  # the pieces of a provider's body of this read, to mask
         self.sent: bytes | None = None  # the `Authorization` the attempt was written with
 
     def _models(self) -> tuple[str, ...]:
@@ -88,6 +104,7 @@ class VirtualForward(Forward):
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
         self.masked = None
+        self.pieces.clear()
         target = self.target
         if target is None or not target.provider or self.started:
             return super().on_head(status, headers, chunked)
@@ -97,28 +114,46 @@ class VirtualForward(Forward):
                 self._refuse_key(target)
             self._attempt_failed(refused)
             return False
+        encoding = _encoding(headers)
+        if encoding is not None:
+            provider = self._provider(target)
+            self._attempt_failed(errors.provider_encoded(self.name, provider, encoding))
+            return False
         headers = provider_response_headers(headers)
         sent, now = self.sent, target.authorization  # (the key sent, and the one in force)
         secrets = [a[len(BEARER) :] for a in (sent, now) if a is not None and a.startswith(BEARER)]
         if secrets:
             masked = Masked(*secrets)
             headers = masked.headers(headers)
-            if status >= 400:
-                self.masked = masked
+            self.masked = masked
         return super().on_head(status, headers, chunked)
 
     def on_body(self, data: bytes) -> None:
-        masked = self.masked
-        if masked is not None:
-            data = masked.feed(data)
-            if not data:  # (an empty piece would end a chunked body)
-                return
+        if self.masked is not None:  # (masked once a read, in `flush`: not once a chunk)
+            self.pieces.append(data)
+            return
         super().on_body(data)
+
+    def _masked_pieces(self, masked: Masked) -> None:
+        pieces = self.pieces
+        data = masked.feed(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        pieces.clear()
+        if data:  # (an empty piece would end a chunked body)
+            super().on_body(data)
+
+    def flush(self, final: bool = False) -> None:
+        masked = self.masked
+        if masked is not None and self.pieces:
+            self._masked_pieces(masked)
+        super().flush(final)
 
     def on_complete(self) -> None:
         masked = self.masked
-        if masked is not None and (rest := masked.rest()):
-            super().on_body(rest)
+        if masked is not None:
+            if self.pieces:
+                self._masked_pieces(masked)
+            if rest := masked.rest():
+                super().on_body(rest)
         super().on_complete()
 
     def _choice(self, target: Upstream) -> UrlChoice | None:

@@ -19,8 +19,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
@@ -28,7 +27,7 @@ import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
 
-from shoal.bounds import check_json_depth, read_at_most
+from shoal.bounds import MAX_DEPTH, TooDeep, check_json_depth, read_at_most
 from shoal.cards import WorkerRole
 from shoal.discovery.keys import quoted
 from shoal.kv import KvEndpoint
@@ -50,9 +49,14 @@ MAX_MODELS_BODY = 4 << 20
 event loop ~600 ms)."""
 MAX_MODELS_ENTRIES = 65_536
 """Entries of a `/v1/models` reply's `data` taken at most; more makes the upstream unhealthy."""
-THREAD_PARSE_BYTES = 64 << 10
-"""A `/v1/models` reply over this is decoded and parsed in a thread, off the event loop
-(64 KiB is ~6,000 short entries: a few ms)."""
+PARSE_SLICE_BYTES = 64 << 10
+"""Bytes of a `/v1/models` reply's entries decoded in one step on the event loop (64 KiB is
+~6,000 short entries: a few ms). msgspec decodes in one C call holding the GIL, so a thread
+would not spare the loop: a larger reply is read with its entries left encoded (one pass that
+skips them), then decoded a slice at a time, yielding between. One entry over this makes the
+upstream unhealthy."""
+PARSE_SLICE_ENTRIES = 1024
+"""Entries parsed, and models compared with those held, in one step on the event loop."""
 NAMED_IN_ERRORS = 10
 """Model names an unhealthy reason names at most (then how many more)."""
 
@@ -227,29 +231,75 @@ class OpenAISidecarEngine(Engine):
             raise EngineUnavailableError(f"GET {self.upstream}/v1/models answered {status}")
         if body == self._listing:  # the very bytes of the last reply: the very same models
             return self._models, body
-        held = self._models
-        if len(body) > THREAD_PARSE_BYTES:
-            return await asyncio.to_thread(self._models_of, body, held), body
-        return self._models_of(body, held), body
+        return await self._models_of(body, self._models), body
 
-    def _models_of(self, body: bytes, held: list[ServedModel]) -> list[ServedModel]:
-        """The models `body` lists, each equal to one `held` as that very object (compared
-        here, in the decode's thread for a large listing: 60,000 compared on the event loop
-        held it ~175 ms)."""
-        return self._decode_models(body, held)
+    async def _models_of(self, body: bytes, held: list[ServedModel]) -> list[ServedModel]:
+        """The models `body` lists, decoded and parsed a slice at a time (`PARSE_SLICE_BYTES`,
+        `PARSE_SLICE_ENTRIES`), yielding between (60,000 in one go held the loop ~175 ms); one
+        listed as `held` is that very object, not a new one (20,000 made anew and dropped at
+        each change were what the garbage collector scanned, holding the GIL: 90-150 ms)."""
+        data = await self._decode_models(body)
+        by_name = {model.name: model for model in held}
+        models: dict[str, ServedModel] = {}
+        for start in range(0, len(data), PARSE_SLICE_ENTRIES):
+            if start:
+                await asyncio.sleep(0)
+            self._parse_models(data[start : start + PARSE_SLICE_ENTRIES], models, by_name)
+        return self._select(models)
 
-    def _decode_models(self, body: bytes, held: Sequence[ServedModel] = ()) -> list[ServedModel]:
-        """The models a `/v1/models` reply lists. Only `id`, `max_model_len` and `parent`
-        of an entry are decoded (msgspec skips the rest: a 5 MB listing in ~10 ms, not
-        json.loads's ~70 ms holding the GIL)."""
+    async def _decode_models(self, body: bytes) -> list[_Entry]:
+        """The entries of a `/v1/models` reply. Only `id`, `max_model_len` and `parent` of an
+        entry are decoded (msgspec skips the rest: a 5 MB listing in ~10 ms, not json.loads's
+        ~70 ms), a slice of `PARSE_SLICE_BYTES` at a time."""
         try:
-            check_json_depth(body)  # (a deeper reply raised RecursionError)
-            listing = _listing_decoder.decode(body)
+            if len(body) <= PARSE_SLICE_BYTES:
+                check_json_depth(body)  # (a deeper reply raised RecursionError)
+                data = _listing_decoder.decode(body).data
+            else:
+                data = await self._decode_in_slices(body)
         except (ValueError, msgspec.DecodeError) as exc:
             raise EngineUnavailableError(
                 f"GET {self.upstream}/v1/models failed: {str(exc) or type(exc).__name__}"
             ) from None
-        return self._parse_models(listing, {model.name: model for model in held})
+        if data is None:
+            raise EngineUnavailableError(f"GET {self.upstream}/v1/models has no `data` list")
+        if len(data) > MAX_MODELS_ENTRIES:
+            self._too_many(len(data))
+        return data
+
+    def _too_many(self, entries: int) -> NoReturn:
+        raise EngineUnavailableError(
+            f"GET {self.upstream}/v1/models lists {entries:,} entries, more than the "
+            f"{MAX_MODELS_ENTRIES:,} the sidecar takes"
+        )
+
+    async def _decode_in_slices(self, body: bytes) -> list[_Entry] | None:
+        """(Each slice's depth is checked as it is decoded: the whole reply's, 4 MiB of
+        brackets, took ~12 ms; the pass skipping the entries stops at the interpreter's
+        recursion limit, said as the error it is.)"""
+        try:
+            raws = _raw_listing_decoder.decode(body).data
+        except RecursionError:
+            raise TooDeep(MAX_DEPTH) from None
+        if raws is None:
+            return None
+        if len(raws) > MAX_MODELS_ENTRIES:
+            self._too_many(len(raws))  # (refused undecoded)
+        await asyncio.sleep(0)
+        data: list[_Entry] = []
+        piece: list[msgspec.Raw] = []
+        held = 0
+        for raw in raws:
+            if len(raw) > PARSE_SLICE_BYTES:
+                raise ValueError(f"an entry of {len(raw):,} bytes, over {PARSE_SLICE_BYTES:,}")
+            if held + len(raw) > PARSE_SLICE_BYTES:
+                data += decode_entries(piece)
+                piece, held = [], 0
+                await asyncio.sleep(0)
+            piece.append(raw)
+            held += len(raw)
+        data += decode_entries(piece)
+        return data
 
     async def _get(self, path: str) -> tuple[int, bytes]:
         if self._session is None:
@@ -280,19 +330,11 @@ class OpenAISidecarEngine(Engine):
                 f"GET {url} failed: {str(exc) or type(exc).__name__}"
             ) from None
 
-    def _parse_models(self, listing: _Listing, held: dict[str, ServedModel]) -> list[ServedModel]:
-        """The models of `listing`; one listed as `held` is that very object, not a new
-        one (20,000 made anew and dropped at each change of the listing were what the
-        garbage collector scanned, holding the GIL: 90-150 ms)."""
-        data = listing.data
-        if data is None:
-            raise EngineUnavailableError(f"GET {self.upstream}/v1/models has no `data` list")
-        if len(data) > MAX_MODELS_ENTRIES:
-            raise EngineUnavailableError(
-                f"GET {self.upstream}/v1/models lists {len(data):,} entries, more than the "
-                f"{MAX_MODELS_ENTRIES:,} the sidecar takes"
-            )
-        models: dict[str, ServedModel] = {}
+    def _parse_models(
+        self, data: list[_Entry], models: dict[str, ServedModel], held: dict[str, ServedModel]
+    ) -> None:
+        """Add the models `data` lists to `models` (the first of each name); one listed as
+        `held` is that very object."""
         for entry in data:
             if not isinstance(entry, _ListedModel):
                 continue
@@ -327,7 +369,6 @@ class OpenAISidecarEngine(Engine):
                 base_model=base,
                 role=self.role,
             )
-        return self._select(models)
 
     def _select(self, models: dict[str, ServedModel]) -> list[ServedModel]:
         """All `models`, or with `self.model` that one and its adapters (unhealthy if absent)."""
@@ -440,12 +481,31 @@ class _ListedModel(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
     parent: Any = None
 
 
+# (an entry that is no object is skipped, as one without a string `id`)
+_Entry = _ListedModel | str | int | float | bool | None
+
+
 class _Listing(msgspec.Struct):
-    # (an entry that is no object is skipped, as one without a string `id`)
-    data: list[_ListedModel | str | int | float | bool | None] | None = None
+    data: list[_Entry] | None = None
+
+
+class _RawListing(msgspec.Struct):
+    data: list[msgspec.Raw] | None = None
 
 
 _listing_decoder = msgspec.json.Decoder(_Listing)
+_raw_listing_decoder = msgspec.json.Decoder(_RawListing)
+_entries_decoder = msgspec.json.Decoder(list[_Entry])
+
+
+def decode_entries(raws: list[msgspec.Raw]) -> list[_Entry]:
+    """Entries of a listing, left encoded, decoded in one call (copied into one array), their
+    depth checked first (`check_json_depth`)."""
+    if not raws:
+        return []
+    entries = b"[" + b",".join(raws) + b"]"
+    check_json_depth(entries)
+    return _entries_decoder.decode(entries)
 
 
 async def _read_bounded(response: aiohttp.ClientResponse, url: str) -> bytes:
