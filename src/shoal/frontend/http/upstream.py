@@ -428,7 +428,23 @@ class UpstreamConnection(asyncio.Protocol):
             elif not self._waiting:
                 self._parse_held()
             return
-        if self._feed(data) and self.sink is not None:
+        in_head = self._in_head  # (as `_feed`, inline: a stream's every event comes here)
+        if in_head:
+            self.answered = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._failed(None if self._head_bytes > MAX_RESPONSE_HEAD else exc)
+            return
+        except httptools.HttpParserUpgrade:  # (a 101: failed in its head, `_interim_head`)
+            self._failed(ValueError("it switched protocols"))
+            return
+        if in_head and self._in_head:  # (a header line without end grows in the parser)
+            self._head_read += len(data)
+            if self._head_read > MAX_RESPONSE_HEAD:
+                self._failed(None)
+                return
+        if self.sink is not None:
             self.sink.flush()
 
     def _feed(self, data: bytes | memoryview) -> bool:
