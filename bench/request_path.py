@@ -207,10 +207,13 @@ class Bench:
             _, worker, worker_sent = workers[0]
             worker_received = worker.data_received
             client = self.client
+            counts = hasattr(worker, "_calls")  # (the upstream's count: since the 8th session)
             for _ in range(n):
-                # Each request of wrk -c1 comes in a turn of its own; the connection counts
-                # body pieces until it gives a turn (`TURN_CALLS`), which this loop never runs.
+                # Each request of wrk -c1 comes in a turn of its own; the connections count
+                # body pieces until they give a turn (`TURN_CALLS`), which this loop never runs.
                 client._calls = 0
+                if counts:
+                    worker._calls = 0
                 writes = worker_sent.writes
                 client_received(request)
                 assert worker_sent.writes == writes + 1, "the request did not reach the worker"
@@ -219,6 +222,9 @@ class Bench:
         else:
             for _ in range(n):
                 self.client._calls = 0  # (as above)
+                for _, connection, _ in workers:
+                    if hasattr(connection, "_calls"):
+                        connection._calls = 0
                 before = [sent.writes for _, _, sent in workers]
                 client_received(request)
                 (chosen,) = [w for w, b in zip(workers, before, strict=True) if w[2].writes > b]

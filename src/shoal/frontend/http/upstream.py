@@ -5,6 +5,11 @@ An `UpstreamConnection` carries one exchange at a time: the proxy writes a reque
 the head, then each piece of body as it arrives (chunked framing removed), then the end.
 Nothing is buffered here; a sink that cannot keep up pauses the connection's reading.
 
+A response is parsed at most `TURN_CALLS` body pieces per turn of the event loop (a worker
+or provider sending its body in 1-byte chunks would otherwise hold the loop for seconds: libuv
+reads a fast sender up to 32 times per turn): a read larger than `FEED_SLICE` is parsed a
+slice at a time, and past the bound the rest waits, reading paused, for the loop's next turn.
+
 A connection goes back to its `Upstream`'s idle list when a response ends and both sides
 allow keep-alive; it is closed on any error, and removed from the idle list when the worker
 closes it.
@@ -41,6 +46,8 @@ _PLAIN_URL = re.compile(
 IPv6 brackets, no query; other URLs take `urllib.parse`."""
 MAX_IDLE = 256  # idle keep-alive connections kept per instance
 MAX_RESPONSE_HEAD = 64 * 1024  # bytes of header lines in a response, its interim ones included
+FEED_SLICE = 8192  # a larger read is parsed this much at a time, so the bound below holds
+TURN_CALLS = 2048  # body pieces parsed per turn of the loop at most (and one slice's more)
 
 
 @mypyc_attr(native_class=False)  # (a compiled build: a builtin exception's subclass)
@@ -309,7 +316,11 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_bytes = 0  # of the response being read, interim responses included
         self._head_read = 0  # bytes read while its final head is incomplete (the same bound)
         self._in_head = False  # its final head is not complete yet
-        self._paused = False
+        self._paused = False  # by the client's flow (`pause_reading`)
+        self._calls = 0  # body pieces parsed since the last turn given (`TURN_CALLS`)
+        self._held = b""  # read, not parsed yet: waiting for the loop's next turn
+        self._held_pos = 0
+        self._waiting = False  # reading paused until the loop's next turn parses `_held`
 
     @property
     def paused(self) -> bool:
@@ -377,7 +388,8 @@ class UpstreamConnection(asyncio.Protocol):
     def resume_reading(self) -> None:
         if self._paused and self.transport is not None and not self.transport.is_closing():
             self._paused = False
-            self.transport.resume_reading()
+            if not self._waiting:
+                self.transport.resume_reading()
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -385,6 +397,12 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._held and self.sink is not None:  # (read before the end: parsed first)
+            held, self._held = self._held[self._held_pos :], b""
+            self._held_pos = 0
+            if self._feed(held) and self.sink is not None:
+                self.sink.flush()
+        self._held, self._held_pos = b"", 0
         self.upstream.forget(self)
         self._drop_parser()
         self.transport = None
@@ -398,12 +416,19 @@ class UpstreamConnection(asyncio.Protocol):
             sink.on_failure(UpstreamError(f"connection to {self.upstream.address} lost{reason}"))
 
     def data_received(self, data: bytes) -> None:
-        if self.sink is None:
+        if self.sink is None and not self._held:
             # Nothing was asked: a late byte of an abandoned response, or a protocol error.
             if self.transport is not None:
                 self.transport.close()
             return
-        in_head = self._in_head
+        if self._held or self._calls >= TURN_CALLS or len(data) > FEED_SLICE:
+            self._hold(data)
+            if self._calls >= TURN_CALLS:
+                self._give_turn()
+            elif not self._waiting:
+                self._parse_held()
+            return
+        in_head = self._in_head  # (as `_feed`, inline: a stream's every event comes here)
         if in_head:
             self.answered = True
         try:
@@ -421,6 +446,66 @@ class UpstreamConnection(asyncio.Protocol):
                 return
         if self.sink is not None:
             self.sink.flush()
+
+    def _feed(self, data: bytes | memoryview) -> bool:
+        """Parse `data`; False if the response cannot be read (the sink was told)."""
+        in_head = self._in_head
+        if in_head:
+            self.answered = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._failed(None if self._head_bytes > MAX_RESPONSE_HEAD else exc)
+            return False
+        except httptools.HttpParserUpgrade:  # (a 101: failed in its head, `_interim_head`)
+            self._failed(ValueError("it switched protocols"))
+            return False
+        if in_head and self._in_head:  # (a header line without end grows in the parser)
+            self._head_read += len(data)
+            if self._head_read > MAX_RESPONSE_HEAD:
+                self._failed(None)
+                return False
+        return True
+
+    def _hold(self, data: bytes) -> None:
+        rest = self._held[self._held_pos :]
+        self._held = rest + data if rest else data
+        self._held_pos = 0
+
+    def _give_turn(self) -> None:
+        """Parse the held bytes in the loop's next turn, reading paused meanwhile."""
+        if self._waiting:
+            return
+        self._waiting = True
+        transport = self.transport
+        if transport is not None and not transport.is_closing() and not self._paused:
+            transport.pause_reading()
+        asyncio.get_running_loop().call_soon(self._parse_held)
+
+    def _parse_held(self) -> None:
+        """Parse the held bytes a slice at a time, up to `TURN_CALLS` body pieces this turn;
+        the rest in the loop's next turn."""
+        resumed, self._waiting = self._waiting, False
+        self._calls = 0
+        data = self._held
+        view = memoryview(data)
+        while self._held_pos < len(data) and self._calls < TURN_CALLS:
+            if self.transport is None or self.transport.is_closing():
+                break  # failed, or closed by a callback: what is left is dropped
+            piece = view[self._held_pos : self._held_pos + FEED_SLICE]
+            self._held_pos += len(piece)
+            if not self._feed(piece):
+                break
+        view.release()
+        transport = self.transport
+        if transport is None or transport.is_closing() or self._held_pos >= len(data):
+            self._held, self._held_pos = b"", 0  # (all parsed, or what is left is dropped)
+        if self.sink is not None:
+            self.sink.flush()
+        if self._held:
+            self._give_turn()
+        elif resumed and not self._paused and transport is not None and not transport.is_closing():
+            transport.resume_reading()
 
     def _failed(self, exc: Exception | None) -> None:
         """The response cannot be read: malformed (`exc`), or a head over the bound (None)."""
@@ -486,6 +571,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._interim = True
 
     def on_body(self, body: bytes) -> None:
+        self._calls += 1
         sink = self.sink
         if sink is not None:
             sink.on_body(body)
@@ -498,7 +584,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._until_eof = False
         if sink is None:
             return
-        keep_alive = self.parser.should_keep_alive()
+        keep_alive = self.parser.should_keep_alive() and self._held_pos >= len(self._held)
         sink.on_complete()
         if keep_alive and self.transport is not None and not self.transport.is_closing():
             self.reused = True

@@ -451,7 +451,7 @@ class Forward:
         """What of a stream's `data` ends with whole events, for the client now; the rest is
         held until its event ends, every packet coming here meanwhile (not `whole`)."""
         held = self.held or sse.Unfinished()
-        data = held.take(data)
+        data = held.take(data, self.tail[-2:])
         self.held = held if held.size else None
         self.whole = self.held is None
         if data:
@@ -577,7 +577,7 @@ class Forward:
                 )
             )
             tail = self.tail
-            if tail and not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+            if tail and not tail.endswith(sse.ENDED):
                 event = (b"\n" if tail.endswith(b"\n") else b"\n\n") + event
             self.client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
         else:

@@ -71,19 +71,28 @@ def has_role(choice: Choice) -> bool:
 MAX_HELD = 1 << 20
 """Bytes of a stream's unfinished event held until its end (a migration holds as many, its
 `MAX_EVENT`); past them they go to the client as they came."""
-_BLANK_LINES = (b"\n\n", b"\r\n\r\n", b"\r\r")  # (an event's end: LF, CRLF or CR lines)
+_BLANK_LINES = (b"\n\n", b"\r\r", b"\n\r")
+"""An empty line, which ends an event: a line's end (LF, CR, or the LF of a CRLF) right after
+another (any "\n\r" is one: CRLF CRLF, LF CRLF, CRLF CR; SSE allows every mix)."""
+ENDED = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n")  # (a packet ending an event: no search)
 
 
 def whole_events(data: bytes) -> int:
     """The length of `data`'s whole events: to the end of its last blank line, 0 for none."""
-    if data.endswith(_BLANK_LINES):  # (the usual packet: no search)
+    if data.endswith(ENDED):  # (the usual packet: no search)
         return len(data)
     end = 0
     for blank in _BLANK_LINES:  # (one found, the others are looked for only after it)
-        at = data.rfind(blank, max(end - 3, 0))
-        if at >= 0 and at + len(blank) > end:
-            end = at + len(blank)
+        at = data.rfind(blank, max(end - 1, 0))
+        if at >= 0 and at + 2 > end:
+            end = at + 2
+    if end and data[end - 1] == 13 and data[end : end + 1] == b"\n":
+        end += 1  # (the blank line's CRLF)
     return end
+
+
+def _ends_event(data: bytes) -> bool:
+    return any(blank in data for blank in _BLANK_LINES)
 
 
 class Unfinished:
@@ -91,26 +100,37 @@ class Unfinished:
     that got half an event when the stream broke read the gateway's error event as its end,
     and failed decoding it (the official client: a JSON decode error, the error unread).
     Held in pieces, joined only when the event ends (an event dripped in small reads is not
-    copied at each); past `MAX_HELD` it goes as it came (the client then has half an event)."""
+    copied at each); past `MAX_HELD` it goes as it came (the client then has half an event).
+    A blank line may be cut anywhere between reads, the relayed bytes before the first piece
+    held included (`before`): the last two bytes seen (`tail`) are checked with each read."""
 
-    __slots__ = ("pieces", "size")
+    __slots__ = ("pieces", "size", "tail")
 
     def __init__(self) -> None:
         self.pieces: list[bytes] = []
         self.size = 0
+        self.tail = b""  # the last two bytes taken (held or relayed)
 
-    def take(self, data: bytes) -> bytes:
-        """What of `data`, after the pieces held, goes to the client now; the rest is held."""
+    def take(self, data: bytes, before: bytes = b"") -> bytes:
+        """What of `data`, after the pieces held (or after `before`, the last bytes relayed,
+        when none is), goes to the client now; the rest is held."""
         pieces = self.pieces
         if pieces:
-            joint = pieces[-1][-3:] + data[:3]  # (a blank line across two reads)
-            if not any(blank in data or blank in joint for blank in _BLANK_LINES):
+            tail, self.tail = self.tail, (self.tail + data[-2:])[-2:]
+            if (b"\n" not in data and b"\r" not in data) or not (
+                _ends_event(data) or _ends_event(tail + data[:2])
+            ):  # (no line ends here: the event goes on)
                 pieces.append(data)
                 self.size += len(data)
                 return self.release() if self.size > MAX_HELD else b""
             data = b"".join([*pieces, data])
             pieces.clear()
+            before = b""
+        else:
+            self.tail = (before + data[-2:])[-2:]
         end = whole_events(data)
+        if not end and before:  # (an event ended across the last bytes relayed and these)
+            end = max(whole_events(before[-2:] + data[:2]) - len(before[-2:]), 0)
         self.size = len(data) - end
         if not self.size:
             return data
