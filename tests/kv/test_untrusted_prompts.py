@@ -571,3 +571,16 @@ def test_a_templates_ordinary_arithmetic_still_renders() -> None:
     text = tokenizer.render([{"role": "user", "content": "hi"}])
     assert text == f"0012.5{2**64}|[{7**40}, 1]"
     assert tokenizer.renders, tokenizer.disabled
+
+
+def test_strings_joined_with_plus_are_held_to_the_limit() -> None:
+    """`+` of two strings (the sandbox's quick path for it) is refused past the render's
+    limit, as every other way of building a string is, and the template is disabled."""
+    template = (
+        "{% set ns = namespace(x='ab') %}{% for i in range(40) %}{% set ns.x = ns.x + ns.x %}"
+        "{% endfor %}{{ ns.x | length }}"
+    )
+    tokenizer = PromptTokenizer(Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template})
+    with pytest.raises(TemplateOverrun, match="too large"):
+        tokenizer.render([{"role": "user", "content": "hi"}])
+    assert not tokenizer.renders

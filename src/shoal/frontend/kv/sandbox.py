@@ -18,7 +18,8 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from types import BuiltinMethodType
 from typing import Any, cast
 
 import jinja2
@@ -101,6 +102,10 @@ C. Every test is quick on a string, and on a list or dict but those comparing or
 it (`COMPARING_TESTS`)."""
 COMPARING_TESTS = frozenset(["in", "lower", "upper", "eq", "equalto", "ne", "gt", "ge", "lt", "le"])
 COMPARING_TESTS |= {"==", "!=", ">", ">=", "<", "<=", "greaterthan", "lessthan"}
+BOUNDED_ITER = "__bounded_iter"  # the filter every loop's iterable goes through
+BOUNDED_TEXT = "__bounded_text"  # and every piece of a `~` concatenation
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+_STR_METHODS = frozenset(n for n in dir(str) if not n.startswith("_")) - {"format", "format_map"}
 
 
 class TemplateOverrun(jinja2.TemplateError):
@@ -124,10 +129,11 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         self.globals.pop("lipsum", None)  # builds as much text as asked
         self.globals["range"] = self._range
         self.globals["raise_exception"] = _raise
-        self.globals["__bounded_iter"] = self._iter
-        self.globals["__bounded_text"] = self._text
         for name, fn in list(self.filters.items()):
             self.filters[name] = self._bounded_filter(fn, name)
+        # (filters, not globals: a filter is called directly, a global through `call`)
+        self.filters[BOUNDED_ITER] = self._iter
+        self.filters[BOUNDED_TEXT] = self._text
         for name, fn in list(self.tests.items()):
             test = cast(Callable[..., Any], fn)
             self.tests[name] = self._bounded_filter(test, name, True, name not in COMPARING_TESTS)
@@ -157,7 +163,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         out: list[str] = []
         size = 0
         try:
-            for chunk in template.generate(**context):
+            # (`template.generate` but for its second generator and traceback rewriting)
+            for chunk in template.root_render_func(template.new_context(context)):
                 out.append(chunk)
                 size += len(chunk)
                 if size >= MAX_TEXT or (inline and size > limit):
@@ -228,10 +235,21 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             # (this sandbox's own hooks and a macro's steps are checked themselves)
             values = (target, *args, *kwargs.values())
             __self._check_op(name, values, name in QUICK_OPS, name in ITEM_OPS)
+        if type(target) is str and type(__obj) is BuiltinMethodType:
+            # A string's own method (`strip`): safe to call, given no context (what
+            # `Context.call` does for it, but for the lookups that find it needs none).
+            kwargs.pop("_block_vars", None)
+            kwargs.pop("_loop_vars", None)
+            return _bounded(__obj(*args, **kwargs), limit)
         return _bounded(super().call(__context, __obj, *args, **kwargs), limit)
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         self.check()
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES and attribute in obj:
+            # (what the sandbox gives, without its failed `getattr` first: a message's key)
+            return obj[attribute]
+        if type(obj) is str and attribute in _STR_METHODS:  # (what the sandbox gives too)
+            return getattr(obj, attribute)
         return super().getattr(obj, attribute)
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
@@ -247,6 +265,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         self.check()
+        if operator == "+" and type(left) is str and type(right) is str:  # (the usual one)
+            if len(left) + len(right) > self.limit:
+                raise TemplateOverrun("the chat template built too large a sequence")
+            return left + right
         if operator == "**" and isinstance(right, int) and abs(right) > 64:
             raise TemplateOverrun("the chat template raised a number to a large power")
         if isinstance(left, int) or isinstance(right, int):
@@ -265,18 +287,21 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return self._iter(range(*args))
 
     def _iter(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        self.check()
         for item in iterable:
             self.check()
             yield item
 
     def _text(self, value: Any) -> Any:
         """A piece of a `~` concatenation (printed there)."""
+        self.check()
         self._check_op("~", (value,), True)
         return _bounded(value, self.limit)
 
     def _printed(self, value: Any) -> Any:
         """What `{{ ... }}` prints (`finalize`)."""
-        self._check_op("print", (value,), True)
+        if type(value) is not str:  # (a string is printed in time linear in it)
+            self._check_op("print", (value,), True)
         return value
 
     def _bounded_filter(
@@ -304,22 +329,28 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
         return bounded
 
+    def make_globals(self, d: MutableMapping[str, Any] | None) -> MutableMapping[str, Any]:
+        """A template's globals as one plain dict (jinja's `ChainMap` is walked twice per
+        render): this environment's are set once, in `__init__`, and a template cannot
+        change either."""
+        return {**self.globals, **(d or {})}
+
     # -- every loop and concatenation goes through the hooks above ----------------------
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
         tree = super()._parse(source, name, filename)
         for loop in tree.find_all(nodes.For):
-            loop.iter = _call("__bounded_iter", loop.iter)  # type: ignore[arg-type]
+            loop.iter = _filter(BOUNDED_ITER, loop.iter)
         for concat in list(tree.find_all(nodes.Concat)):
-            concat.nodes = [_call("__bounded_text", n) for n in concat.nodes]  # type: ignore[arg-type]
+            concat.nodes = [_filter(BOUNDED_TEXT, n) for n in concat.nodes]
         return tree
 
 
-def _call(name: str, node: nodes.Expr) -> nodes.Expr:
-    """`name(node)` as a template expression."""
-    call = nodes.Call(nodes.Name(name, "load"), [node], [], None, None)
-    call.set_lineno(node.lineno)
-    return call
+def _filter(name: str, node: nodes.Expr) -> nodes.Expr:
+    """`node|name` as a template expression."""
+    expr = nodes.Filter(node, name, [], [], None, None)
+    expr.set_lineno(node.lineno)
+    return expr
 
 
 def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> None:
