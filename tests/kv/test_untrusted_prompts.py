@@ -584,3 +584,27 @@ def test_strings_joined_with_plus_are_held_to_the_limit() -> None:
     with pytest.raises(TemplateOverrun, match="too large"):
         tokenizer.render([{"role": "user", "content": "hi"}])
     assert not tokenizer.renders
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ('a' * 60000).translate({97: 'b' * 20000}) | length }}",
+        "{{ ('a' * 60000) | attr('translate') }}",  # (read, not called: nothing built)
+        "{{ ('ab' * 30000).translate({97: 'c' * 9000, 98: 'd' * 9000}) }}",
+    ],
+)
+def test_a_translation_that_would_build_without_bound_is_refused_before_it_runs(
+    template: str,
+) -> None:
+    """`str.translate` built its whole text in one C call before its size was checked:
+    60,000 characters each made 20,000 long held the GIL, so the event loop, 1.5 s for
+    1.2 G characters (65,536 of 65,536: out of memory)."""
+    if "attr(" in template:  # (control: reading the method is no build)
+        tokenizer = PromptTokenizer(
+            Tokenizer.from_str(TOKENIZER.to_str()), {"chat_template": template}
+        )
+        assert tokenizer.chat([{"role": "user", "content": "hi"}]) is not None
+        return
+    peak = peak_while_rendering(template)
+    assert peak < kv_prompt.MAX_TEXT, f"{peak} bytes built before the template was refused"

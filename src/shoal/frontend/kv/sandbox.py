@@ -381,6 +381,14 @@ def _check_growth(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], limi
         size += (target.count("\n") + 1) * width if isinstance(width, int) else 0
     elif name == "format" and wide(target, "%"):
         size = limit + 1
+    elif name == "translate" and rest:  # (each character may become the longest value)
+        table = rest[0]
+        values = table.values() if isinstance(table, dict) else table
+        if isinstance(values, str) or not isinstance(values, Iterable):
+            longest = 1
+        else:
+            longest = max((len(v) for v in values if isinstance(v, str)), default=1)
+        size *= max(1, longest)
     if size > limit:
         raise TemplateOverrun(f"the chat template would build {size} characters with {name}")
 
