@@ -5,7 +5,7 @@
 Starts a mocker worker and `shoal frontend --auth keys` (a grant for the bench's bearer in the
 store, as `gateway_targets.start_shoal` writes it; `--base DIR`: the frontend from that source
 tree), runs ../shared/tools/stall_probe.py on its `/live` (a request every 5 ms) and
-meanwhile sends, with the key, `--rounds` rounds of: a 9 MB chat of 36,000 messages and a
+meanwhile sends, with the key, `--rounds` rounds of: a 9 MB chat of 31,000 messages and a
 9 MB chat of one message, `--clients` at a time. The bodies are encoded before the probe
 starts. The worker may refuse them (its context length): what is judged is the frontend's
 work before that. Prints each round's answers and the probe's line (its max is the longest
@@ -37,10 +37,10 @@ def bodies() -> dict[str, bytes]:
     text = " ".join(WORDS[i % len(WORDS)] for i in range(2_000_000))[:9_000_000]
     many = [
         {"role": "user" if i % 2 else "assistant", "content": text[i * 250 : i * 250 + 250]}
-        for i in range(36_000)
+        for i in range(31_000)
     ]
     return {
-        "9 MB chat, 36,000 messages": json.dumps(
+        "9 MB chat, 31,000 messages": json.dumps(
             {"model": MODEL, "max_tokens": 1, "messages": many}
         ).encode(),
         "9 MB chat, one message": json.dumps(
@@ -49,7 +49,8 @@ def bodies() -> dict[str, bytes]:
     }
 
 
-def post(url: str, data: bytes) -> int:
+def post(url: str, data: bytes) -> str:
+    """The answer's status, and the start of its error message if any."""
     request = urllib.request.Request(
         url + "/v1/chat/completions",
         data=data,
@@ -59,10 +60,10 @@ def post(url: str, data: bytes) -> int:
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             response.read()
-            return int(response.status)
+            return str(response.status)
     except urllib.error.HTTPError as exc:
-        exc.read()
-        return exc.code
+        message = json.loads(exc.read() or b"{}").get("error", {}).get("message", "")
+        return f"{exc.code} {message[:60]!r}"
 
 
 def main(argv: list[str]) -> int:
@@ -88,9 +89,9 @@ def main(argv: list[str]) -> int:
         time.sleep(1)
         for round_ in range(args.rounds):
             for name, data in encoded.items():
-                answers: list[int] = []
+                answers: list[str] = []
 
-                def send(data: bytes = data, answers: list[int] = answers) -> None:
+                def send(data: bytes = data, answers: list[str] = answers) -> None:
                     answers.append(post(target.url, data))
 
                 sending = [threading.Thread(target=send) for _ in range(args.clients)]
