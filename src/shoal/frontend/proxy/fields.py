@@ -3,8 +3,8 @@ prefix-aware routing the prompt, and for a key's tpm the completion it allows), 
 depth bound, once per request (a key's request too: the gate hands its fields to the proxy),
 and the one rewrite it makes (`rewrite_model`, for a virtual model's target that names the
 model otherwise). A body of `LARGE_BODY` bytes or more is decoded in a thread of its own
-(`fields_later`): one decode of 9 MB holds the interpreter 5-25 ms, which the event loop's
-callback then does not add to the rest of the request's start.
+(`fields_later`): one decode of 9 MB holds the interpreter 3-5 ms (more under load), which
+the event loop's callback then does not add to the rest of the request's start.
 """
 
 from __future__ import annotations
