@@ -19,6 +19,8 @@ before it is the client's:
 
 from __future__ import annotations
 
+import logging
+
 from shoal.cards import ModelType
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request
@@ -37,6 +39,8 @@ from shoal.frontend.virtual.masking import Masked
 from shoal.frontend.virtual.virtual import FleetChoice, UrlChoice, VirtualModel
 from shoal.openai import ApiError
 from shoal.urls import redact_url
+
+log = logging.getLogger(__name__)
 
 BEARER = b"Bearer "
 
@@ -75,8 +79,12 @@ class VirtualForward(Forward):
             super().start()
 
     def _with_members(self, members: Members | ApiError) -> None:
-        self.members = None if isinstance(members, ApiError) else members
-        super().start()
+        self.members = None if isinstance(members, ApiError) else members  # (else: parsed again)
+        try:
+            super().start()
+        except Exception:  # (as `Proxy.handle` answers a bug: this request's alone)
+            log.exception("request %s failed in the gateway", self.name)
+            self.client.send_error(errors.internal_error())
 
     def _models(self) -> tuple[str, ...]:
         return tuple(c.served for c in self.virtual.weighted if isinstance(c, FleetChoice))
