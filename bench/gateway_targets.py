@@ -333,6 +333,7 @@ def start_shoal(
     processes: int = 1,
     auth: str = "",
     base: Path | None = None,
+    router: str = "round-robin",
 ) -> Target:
     """`shoal frontend`; with `processes` > 1, that many processes on the port (target
     `shoal-pN`), ready once its one ready line is printed (every process loaded).
@@ -342,7 +343,7 @@ def start_shoal(
     `shoal-limits`): that and `--limits` on a throwaway redis-server of its own. The load
     generators send the same bearer to every target: the requests are byte for byte the same.
 
-    `base`: run the frontend from that source tree instead (`PYTHONPATH=BASE/src`, target
+    `router`: its `--router` policy. `base`: run the frontend from that source tree instead (`PYTHONPATH=BASE/src`, target
     `NAME@base`), to compare a change with what it changes in one session.
     """
     port = free_port()
@@ -351,7 +352,7 @@ def start_shoal(
         *SHOAL,
         "frontend",
         *("--store", store, "--host", "127.0.0.1", "--port", str(port)),
-        *("--router", "round-robin", "--cache-dir", str(session.workdir / "cache")),
+        *("--router", router, "--cache-dir", str(session.workdir / "cache")),
         *("--processes", str(processes)),
     ]
     if auth:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import subprocess
@@ -88,7 +89,7 @@ class Conn:
             self.ended = None
 
 
-def forward(request: Any, client: Any, kind: Any) -> None:
+def forward(request: Any, client: Any, kind: Any, fields: Any = None) -> None:
     client.write(RESPONSE)
     client.finish()
 
@@ -126,6 +127,8 @@ async def measure(mode: str, requests: int, repeat: int, redis_url: str | None) 
     # A tree whose request path reads `max_tokens` with the other fields and tells the gate
     # the request's estimate (made once); an older one estimates in the limits, of the body.
     with_tokens = hasattr(windows, "MAX_DECLARED")
+    # A tree whose gate hands the fields decoded with the estimate's to the proxy.
+    with_fields = "fields" in inspect.signature(Gate.handle).parameters
 
     async def one() -> None:
         grant = ring.check(request.header(b"authorization"))
@@ -137,11 +140,14 @@ async def measure(mode: str, requests: int, repeat: int, redis_url: str | None) 
             model = fields.model or ""
             KeyRing.admit(grant, model)
             tokens = windows.estimate(len(body), fields.max_completion_tokens, fields.max_tokens)
-            gate.handle(request, conn, "chat", grant, model, tokens)  # type: ignore[arg-type]
+            if with_fields:
+                gate.handle(request, conn, "chat", grant, model, tokens, fields)  # type: ignore[arg-type]
+            else:
+                gate.handle(request, conn, "chat", grant, model, tokens)  # type: ignore[arg-type,call-arg]
         else:
             model = decode_fields(body).model or ""
             KeyRing.admit(grant, model)
-            gate.handle(request, conn, "chat", grant, model)  # type: ignore[arg-type]
+            gate.handle(request, conn, "chat", grant, model)  # type: ignore[arg-type,call-arg]
         if conn.ended is not None:
             await ended  # Redis decides: its answer comes in another turn of the loop
 

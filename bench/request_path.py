@@ -15,6 +15,8 @@ once, its response fed to the upstream connection as packets. Modes:
   stream   a streaming one of `--chunks` SSE events (128), one packet per event, then [DONE]
   whole    the same stream written at once with its `Content-Length`, one packet, as the
            mocker at `--speedup 0` sends it (`bench.gateway`'s default stream workload)
+  keys     `plain` with `--auth keys`: the bearer checked, the key's allow-list and its rpm
+           and tpm on local windows (never reached), `Gate` (no usage recorded)
 
 Figures: user+system CPU time of this process over `--requests` requests (after a warm-up),
 per request, the best of `--repeat` runs. `--instructions` counts instructions instead, under
@@ -38,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODES = ("plain", "stream", "whole")
+MODES = ("plain", "stream", "whole", "keys")
 HERE = Path(__file__).resolve().parent.parent  # (this bench, run on another tree's src)
 BODY = json.dumps(
     {"model": "bench-model", "messages": [{"role": "user", "content": "Hello! " * 8}],
@@ -148,12 +150,16 @@ class Transport:
 class Bench:
     """One frontend's request path wired to fake transports, ready to serve requests."""
 
-    def __init__(self, chunks: int, instances: int = 1) -> None:
+    def __init__(self, chunks: int, instances: int = 1, keys: bool = False) -> None:
         from shoal.cards import ModelType, WorkerRole
+        from shoal.discovery.grants import Grant, hash_secret
         from shoal.frontend.endpoints import Endpoints
         from shoal.frontend.http.listener import HttpServer
         from shoal.frontend.http.server import HttpConnection
         from shoal.frontend.http.upstream import Upstream, UpstreamConnection
+        from shoal.frontend.keys.gate import Gate
+        from shoal.frontend.keys.keys import KeyRing
+        from shoal.frontend.keys.limits import Limits
         from shoal.frontend.proxy.proxy import Proxy
         from shoal.frontend.registry.metrics import FrontendMetrics
         from shoal.frontend.registry.registry import Model, Registry, SetId, WorkerSet
@@ -178,6 +184,14 @@ class Bench:
         endpoints.keys = None
         endpoints._keys = ()
         endpoints.proxy = self.proxy
+        endpoints.router = self.proxy.router
+        if keys:  # (as `Frontend` wires them, with a grant for the bearer the client sends)
+            endpoints.keys = ring = KeyRing(["default"])
+            grant = Grant(workspace="default", name="bench", hash=hash_secret("sk-bench"),
+                          rpm=10**11, tpm=10**11)  # fmt: skip
+            ring.put(grant.key, grant.to_json())
+            endpoints.limits = Limits(None)
+            endpoints.gate = Gate(endpoints.limits, self.proxy.handle, None)
         self.server = HttpServer(endpoints.handle, max_body=1 << 20)
         self.client = HttpConnection(self.server)
         self.client_transport = Transport()
@@ -190,11 +204,13 @@ class Bench:
             upstream.idle.append(worker)
             self.workers.append((upstream, worker, transport))
         stream = client_request(STREAM_BODY)
-        self.requests = {"plain": client_request(BODY), "stream": stream, "whole": stream}
+        plain = client_request(BODY)
+        self.requests = {"plain": plain, "stream": stream, "whole": stream, "keys": plain}
         self.responses = {
             "plain": worker_response(),
             "stream": worker_stream(chunks),
             "whole": worker_whole(chunks),
+            "keys": worker_response(),
         }
 
     def serve(self, mode: str, n: int) -> None:
@@ -241,9 +257,11 @@ class Bench:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, float]:
-    bench = Bench(args.chunks, args.instances)
+    plain = Bench(args.chunks, args.instances)
+    keyed = Bench(args.chunks, args.instances, keys=True) if "keys" in args.modes else plain
+    benches = {mode: keyed if mode == "keys" else plain for mode in args.modes}
     for mode in args.modes:  # one request each, `--null` too: what is done once is not counted
-        bench.serve(mode, 1)
+        benches[mode].serve(mode, 1)
     await asyncio.sleep(0)
     out: dict[str, float] = {}
     for mode in args.modes:
@@ -251,6 +269,7 @@ async def measure(args: argparse.Namespace) -> dict[str, float]:
         if args.null:
             out[mode] = float(n)
             continue
+        bench = benches[mode]
         if args.profile:
             bench.serve(mode, n)
             profile = cProfile.Profile()
@@ -268,7 +287,8 @@ async def measure(args: argparse.Namespace) -> dict[str, float]:
             await asyncio.sleep(0)  # the loop runs its timers (the server's sweep, ...)
         out[mode] = best
     if not args.null:
-        bench.check()
+        for bench in {id(b): b for b in benches.values()}.values():
+            bench.check()
     return out
 
 

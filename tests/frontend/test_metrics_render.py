@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 from pathlib import Path
 from typing import Any, ClassVar
-from unittest.mock import patch
 
 from prometheus_client import generate_latest
 
@@ -16,6 +14,7 @@ from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.registry.metrics import RENDER_SLICE, FrontendMetrics, _PerModel
 from shoal.frontend.registry.registry import Model
 from shoal.frontend.virtual.virtual import VirtualModel
+from tests.helpers import LoopTurns
 
 NAMES = ["plain", 'a "quoted" one', "back\\slash", "new\nline", "ünïcode", "no traffic"]
 
@@ -63,16 +62,18 @@ def test_each_family_is_written_in_one_piece() -> None:
 
 async def test_a_scrape_of_many_models_lets_the_event_loop_run_between_slices() -> None:
     """`render_sliced` yields after every `RENDER_SLICE` models: the loop runs other work
-    while 10,000 models' series are written, and the text is what `render` writes."""
+    while 10,000 models' series are written (counted: the models written per turn of the
+    loop), and the text is what `render` writes."""
     names = [f"model-{i:05d}" for i in range(10_000)]
     metrics = metrics_with_traffic(names)
-    turns = 0
-    rendering = asyncio.ensure_future(metrics.render_sliced())
-    while not rendering.done():
-        turns += 1
-        await asyncio.sleep(0)
-    assert turns >= len(names) // RENDER_SLICE
-    text = b"".join(rendering.result())
+    written = LoopTurns().wrap(_PerModel, "add_stats", lambda text, models: len(models))
+    try:
+        pieces = await metrics.render_sliced()
+    finally:
+        await written.stop()
+    assert written.on_loop == len(names) - 1  # (the models with traffic: all but the last)
+    assert written.most_per_turn <= RENDER_SLICE, f"{written.most_per_turn} models in one turn"
+    text = b"".join(pieces)
     assert sorted(text.splitlines()) == sorted(metrics.render().splitlines())
 
 
@@ -99,37 +100,30 @@ async def test_refused_cards_are_written_a_slice_at_a_time_not_in_one_piece() ->
     metrics = FrontendMetrics()
     for name in names:
         metrics.card_refused(name)
-    written: dict[int, int] = {}  # turn of the loop -> refused series written in it
-    turns = 0
-    add_counts = _PerModel.add_counts
-
-    def counted(text: _PerModel, family: int, counts: Any) -> None:
-        if family == -1:
-            written[turns] = written.get(turns, 0) + len(counts)
-        add_counts(text, family, counts)
-
-    with patch.object(_PerModel, "add_counts", counted):
-        rendering = asyncio.ensure_future(metrics.render_sliced())
-        while not rendering.done():
-            turns += 1
-            await asyncio.sleep(0)
-    pieces = rendering.result()
+    # (the refused series written per turn of the loop: `add_counts` of family -1)
+    written = LoopTurns().wrap(
+        _PerModel, "add_counts", lambda text, family, counts: len(counts) if family == -1 else 0
+    )
+    try:
+        pieces = await metrics.render_sliced()
+    finally:
+        await written.stop()
     assert b"cards_refused_total{" not in pieces[0]  # (not in the registry's text)
-    assert sum(written.values()) == len(names)
-    assert max(written.values()) <= RENDER_SLICE * 8
+    assert written.on_loop == len(names)
+    assert written.most_per_turn <= RENDER_SLICE * 8, f"{written.most_per_turn} in one turn"
     text = b"".join(pieces).decode()
     assert text.count("\nshoal_frontend_cards_refused_total{") == len(names)
 
 
 class Name(str):
-    """A model name that counts its comparisons, per turn of the event loop (`turn`): the
+    """A model name that counts its comparisons, per turn of the event loop (`turns`): the
     work sorting names holds the loop for, counted, not timed."""
 
-    turn = 0
-    per_turn: ClassVar[dict[int, int]] = {}
+    turns: ClassVar[LoopTurns | None] = None
 
     def __lt__(self, other: str) -> bool:
-        Name.per_turn[Name.turn] = Name.per_turn.get(Name.turn, 0) + 1
+        if Name.turns is not None:
+            Name.turns.note()
         return str.__lt__(self, other)
 
 
@@ -149,15 +143,15 @@ async def test_a_scrape_sorts_the_names_of_a_large_fleet_a_slice_per_turn() -> N
     rng = random.Random(7)
     names = [Name(f"org/adapter-{rng.getrandbits(40):012x}") for _ in range(20_000)]
     metrics = metrics_with_traffic(names)  # (live: all of them; traffic: all but the last)
-    Name.per_turn.clear()
-    rendering = asyncio.ensure_future(metrics.render_sliced())
-    while not rendering.done():
-        Name.turn += 1
-        await asyncio.sleep(0)
-    worst = max(Name.per_turn.values())
+    Name.turns = compared = LoopTurns()
+    try:
+        pieces = await metrics.render_sliced()
+    finally:
+        Name.turns = None
+    worst = compared.most_per_turn
     # (a run of RENDER_SLICE * 8 names sorted: ~10 comparisons a name; all 20,000: ~14 each)
     assert worst <= RENDER_SLICE * 8 * 16, f"{worst:,} comparisons of names in one turn"
-    text = b"".join(rendering.result()).decode()
+    text = b"".join(pieces).decode()
     assert labels(text, "shoal_frontend_live_instances") == sorted(names)
     assert labels(text, "shoal_frontend_inflight_requests") == sorted(names[:-1])
     assert text == metrics.render().decode()
@@ -177,38 +171,31 @@ def fleet_instance(instance_id: int, model: str) -> ModelInstance:
 
 
 class CountedPerTurn:
-    """Counts, per turn of the event loop, the reads of a property of some classes (a task
-    counting its turns runs beside)."""
+    """Counts the reads of a property of some classes per turn of the event loop
+    (`LoopTurns`: a property is read through the class, which `LoopTurns.wrap` does not
+    replace)."""
 
     def __init__(self, *owners: type, name: str) -> None:
-        self.turn = 0
-        self.per_turn: dict[int, int] = {}
+        self.turns = LoopTurns()
         self._undo: list[tuple[type, Any]] = []
         for owner in owners:
             real = owner.__dict__[name]
             self._undo.append((owner, real))
             setattr(owner, name, property(self._counted(real.fget)))
         self.name = name
-        self._task = asyncio.create_task(self._count())
 
     def _counted(self, read: Any) -> Any:
         def counted(obj: Any) -> Any:
-            self.per_turn[self.turn] = self.per_turn.get(self.turn, 0) + 1
+            self.turns.note()
             return read(obj)
 
         return counted
 
-    async def _count(self) -> None:
-        while True:
-            self.turn += 1
-            await asyncio.sleep(0)
-
     def stop(self) -> int:
         """The most reads in one turn."""
-        self._task.cancel()
         for owner, real in self._undo:
             setattr(owner, self.name, real)
-        return max(self.per_turn.values(), default=0)
+        return self.turns.most_per_turn
 
 
 async def test_the_live_instances_of_models_and_routes_are_counted_a_slice_per_turn(

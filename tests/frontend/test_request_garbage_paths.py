@@ -34,6 +34,8 @@ TEAM = "sk-shoal-" + "t" * 43
 OPERATOR = "sk-operator"
 CHAT = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}]}
 STREAM = {**CHAT, "stream": True, "max_tokens": 50}
+# (past `fields.LARGE_BODY`: its fields, and an alias' members, decoded in a thread)
+LARGE = {**CHAT, "messages": [{"role": "user", "content": "hi"}] * 12_000}
 
 
 @pytest.fixture
@@ -201,6 +203,10 @@ async def test_no_request_path_leaves_a_cycle(
         ),
         "unknown model": (posts(chat, {**CHAT, "model": "none"}), 404),
         "not JSON": (posts(chat, b"{"), 400),
+        "large chat": (posts(chat, LARGE), 200),
+        "team key large chat": (posts(chat, LARGE, TEAM), 200),
+        "large alias": (posts(chat, {**LARGE, "model": "alias"}), 200),
+        "team key large, not JSON": (posts(chat, json.dumps(LARGE).encode()[:-1], TEAM), 400),
         "worker 4xx": (lambda: failing(400), 400),
         # (round-robin: every other request is retried on the instance that did not fail)
         "worker 5xx, retried": (lambda: failing(500, workers=(one,)), 200),

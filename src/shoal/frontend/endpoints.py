@@ -19,13 +19,15 @@ HTTP, for a scraper), not on the API's port.
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import hmac
 import itertools
+import logging
 import operator
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -46,7 +48,13 @@ from shoal.frontend.keys.keys import KeyRing, ModelListing, models_for
 from shoal.frontend.keys.limits import Limits
 from shoal.frontend.keys.usage import UsageBook
 from shoal.frontend.keys.windows import estimate
-from shoal.frontend.proxy.fields import decode_fields
+from shoal.frontend.proxy.fields import (
+    LARGE_BODY,
+    Fields,
+    WithTokens,
+    decode_fields,
+    fields_later,
+)
 from shoal.frontend.proxy.proxy import Proxy
 from shoal.frontend.registry.metrics import FrontendMetrics
 from shoal.frontend.registry.registry import Model, Registry
@@ -54,6 +62,8 @@ from shoal.frontend.registry.router import Router
 from shoal.frontend.registry.watcher import ModelWatcher
 from shoal.frontend.virtual.virtual import FleetChoice, LiveInstances, RouteTable, VirtualModel
 from shoal.openai import ApiError
+
+log = logging.getLogger(__name__)
 
 PROXY_ROUTES = {
     b"/v1/chat/completions": ModelType.CHAT,
@@ -107,13 +117,18 @@ class Endpoints:
                 # (no key configured, the default: nothing to check, and no call to say so)
                 grant = None if self.keys is None and not self._keys else self._authorize(request)
                 if grant is not None:
+                    # Its fields, decoded once for the gate and the proxy: a large body in
+                    # a thread, then admitted from there (`_admit_later`).
+                    prompt = self.router.needs_prompt
                     body = request.body
-                    fields = decode_fields(body, too_deep=request.too_deep, with_tokens=True)
-                    model = fields.model or ""
-                    KeyRing.admit(grant, model)  # 403 before the model is looked up
-                    # its tpm estimate, once, of the members just decoded (a few bytes)
-                    tokens = estimate(len(body), fields.max_completion_tokens, fields.max_tokens)
-                    self.gate.handle(request, conn, kind, grant, model, tokens)
+                    if len(body) >= LARGE_BODY:
+                        done = functools.partial(self._admit_later, request, conn, kind, grant)
+                        fields_later(request, conn, done, with_prompt=prompt, with_tokens=True)
+                        return
+                    fields = decode_fields(
+                        body, with_prompt=prompt, too_deep=request.too_deep, with_tokens=True
+                    )
+                    self._admit(request, conn, kind, grant, fields)
                     return
                 self.proxy.handle(request, conn, kind)
                 return
@@ -130,6 +145,44 @@ class Endpoints:
             self._control(request, conn)
         except ApiError as exc:
             conn.send(exc.status, exc.body(), headers=exc.headers)
+
+    def _admit(
+        self,
+        request: Request,
+        conn: HttpConnection,
+        kind: ModelType,
+        grant: Grant,
+        fields: WithTokens,
+    ) -> None:
+        """A key's request, its `fields` decoded: to the gate (`ApiError` 403 for a model
+        the key may not use, before the model is looked up)."""
+        model = fields.model or ""
+        KeyRing.admit(grant, model)
+        # its tpm estimate, once, of the members just decoded (a few bytes)
+        tokens = estimate(len(request.body), fields.max_completion_tokens, fields.max_tokens)
+        self.gate.handle(request, conn, kind, grant, model, tokens, fields)
+
+    def _admit_later(
+        self,
+        request: Request,
+        conn: HttpConnection,
+        kind: ModelType,
+        grant: Grant,
+        fields: Fields | ApiError,
+    ) -> None:
+        """`_admit` of a large body's fields, decoded in a thread (`fields_later`); answers
+        what `handle` would have (a bug: 500, as the server answers one in `handle`)."""
+        try:
+            if isinstance(fields, ApiError):
+                conn.send_error(fields)
+            else:
+                self._admit(request, conn, kind, grant, cast(WithTokens, fields))
+        except ApiError as exc:
+            conn.send_error(exc)
+        except Exception:
+            log.exception("request %s failed", request.path.decode("latin-1"))
+            conn.keep_alive = False
+            conn.send_error(errors.internal_error())
 
     def _cross_origin(self, request: Request, conn: HttpConnection) -> bool:
         """Add CORS headers for an allowed origin; True once a preflight is answered."""

@@ -16,6 +16,7 @@ decides).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from shoal.cards import ModelType
 from shoal.discovery.grants import Grant
@@ -25,7 +26,9 @@ from shoal.frontend.keys.limits import Limits, rate_limited
 from shoal.frontend.keys.metering import Metered
 from shoal.frontend.keys.windows import Refusal
 
-Forward = Callable[[Request, ClientConnection, ModelType], None]
+# request, connection, kind, and its body's fields as the caller decoded them (the proxy's
+# `Fields`, opaque here: passed on as they are, so the body is decoded once)
+Forward = Callable[[Request, ClientConnection, ModelType, Any], None]
 # grant, model, served model, status, prompt tokens, completion tokens
 Record = Callable[[Grant, str, str, int, int, int], None]
 
@@ -33,7 +36,7 @@ Record = Callable[[Grant, str, str, int, int, int], None]
 class _Waiting:
     """A request waiting for Redis' answer: the connection's response until it comes."""
 
-    __slots__ = ("cancelled", "conn", "gate", "kind", "metered", "request", "tokens")
+    __slots__ = ("cancelled", "conn", "fields", "gate", "kind", "metered", "request", "tokens")
 
     def __init__(
         self,
@@ -43,6 +46,7 @@ class _Waiting:
         metered: Metered,
         kind: ModelType,
         tokens: int,
+        fields: Any,
     ) -> None:
         self.gate = gate
         self.request = request
@@ -50,6 +54,7 @@ class _Waiting:
         self.metered = metered
         self.kind = kind
         self.tokens = tokens  # its estimate, made once (`Limits` reads it at every answer)
+        self.fields = fields  # its body's, decoded once: the proxy's too
         self.cancelled = False
 
     @property
@@ -64,7 +69,7 @@ class _Waiting:
 
     def admitted(self, headers: bytes) -> None:
         self.conn.extra_headers += headers
-        self.gate.forward(self.request, self.metered, self.kind)
+        self.gate.forward(self.request, self.metered, self.kind, self.fields)
 
     def refused(self, refusal: Refusal) -> None:
         self.conn.extra_headers += refusal.headers
@@ -85,10 +90,12 @@ class Gate:
         kind: ModelType,
         grant: Grant,
         model: str,
-        tokens: int = 0,
+        tokens: int,
+        fields: Any,
     ) -> None:
         """A request of `grant`'s key for `model`; `tokens`: its `windows.estimate`, made
-        once by the caller that decoded its fields."""
+        once by the caller that decoded its `fields` (once: the proxy is given them, and
+        never decodes the body again)."""
         limits = self.limits
         if grant.max_parallel is not None:
             refused = limits.enter(grant)
@@ -100,13 +107,13 @@ class Gate:
         metered = Metered(conn, len(request.body), self, grant, model)
         verdict = limits.admit(grant, tokens, metered)
         if verdict is None:
-            waiting = _Waiting(self, request, conn, metered, kind, tokens)
+            waiting = _Waiting(self, request, conn, metered, kind, tokens, fields)
             conn.produce_later(waiting)
             limits.wait(grant, waiting)
         elif isinstance(verdict, bytes):
             if verdict:
                 conn.extra_headers += verdict
-            self.forward(request, metered, kind)
+            self.forward(request, metered, kind, fields)
         else:
             conn.extra_headers += verdict.headers
             metered.send_error(rate_limited(grant, verdict))

@@ -340,7 +340,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
         tree = super()._parse(source, name, filename)
         for loop in tree.find_all(nodes.For):
-            loop.iter = _filter(BOUNDED_ITER, loop.iter)
+            loop.iter = _filter(BOUNDED_ITER, cast(nodes.Expr, loop.iter))
         for concat in list(tree.find_all(nodes.Concat)):
             concat.nodes = [_filter(BOUNDED_TEXT, n) for n in concat.nodes]
         return tree

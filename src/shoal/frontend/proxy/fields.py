@@ -1,25 +1,40 @@
 """The only parts of a request body the gateway reads (`Fields`: `model`, `stream`, for
 prefix-aware routing the prompt, and for a key's tpm the completion it allows), decoded with a
-depth bound, and the one rewrite it makes (`rewrite_model`, for a virtual model's target that
-names the model otherwise).
+depth bound, once per request (a key's request too: the gate hands its fields to the proxy),
+and the one rewrite it makes (`rewrite_model`, for a virtual model's target that names the
+model otherwise). A body of `LARGE_BODY` bytes or more is decoded in a thread of its own
+(`fields_later`): one decode of 9 MB holds the interpreter 3-5 ms (more under load), which
+the event loop's callback then does not add to the rest of the request's start.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import logging
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
 from shoal.bounds import MAX_DEPTH, TooDeep, check_json_depth
 from shoal.frontend.http import errors
+from shoal.frontend.http.request import ClientConnection, Request
 from shoal.frontend.registry.router import prefix_message
+from shoal.openai import ApiError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PROMPT_CHARS = 8192  # how much of the prompt prefix-aware routing looks at
-RAW_MESSAGES_FROM = 256 << 10  # a body this large keeps its messages undecoded (`msgspec.Raw`)
+LARGE_BODY = 256 << 10  # (the server's `METER_FROM`: a body it judged piece by piece as it came)
+"""A body this large is decoded in `_DECODER`'s thread (`fields_later`), and keeps its
+messages undecoded (`msgspec.Raw`); a smaller one is decoded on the event loop, at once."""
+RAW_MESSAGES_FROM = LARGE_BODY
+# One thread, one body at a time: decoding holds the interpreter, so more threads decode no
+# faster and leave the event loop a smaller share of it (as the catalog's `_DECODER`).
+_DECODER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="body-fields")
 
 
 NO_KV_TRANSFER_PARAMS = msgspec.Raw(b"null")
@@ -65,27 +80,55 @@ class TokenFields(Fields):
     max_completion_tokens: msgspec.Raw = ABSENT
 
 
+class PromptTokenFields(PromptFields):
+    """`PromptFields` and `TokenFields`' members: a key's request to a prefix-aware router,
+    decoded once for both."""
+
+    max_tokens: msgspec.Raw = ABSENT
+    max_completion_tokens: msgspec.Raw = ABSENT
+
+
+class LargePromptTokenFields(LargePromptFields):
+    """`LargePromptFields` and `TokenFields`' members."""
+
+    max_tokens: msgspec.Raw = ABSENT
+    max_completion_tokens: msgspec.Raw = ABSENT
+
+
+WithTokens = TokenFields | PromptTokenFields | LargePromptTokenFields
+"""The fields of a key's request: what the router reads, and what its tpm estimate reads."""
+
+
 _decode_fields = msgspec.json.Decoder(Fields).decode
 _decode_token_fields = msgspec.json.Decoder(TokenFields).decode
 _decode_prompt_fields = msgspec.json.Decoder(PromptFields).decode
 _decode_large_prompt_fields = msgspec.json.Decoder(LargePromptFields).decode
-_decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_prompt_token_fields = msgspec.json.Decoder(PromptTokenFields).decode
+_decode_large_prompt_token_fields = msgspec.json.Decoder(LargePromptTokenFields).decode
+Members = dict[str, msgspec.Raw]
+"""A JSON object's top-level members, each as its JSON text."""
+_decode_members = msgspec.json.Decoder(Members).decode
 _encode = msgspec.json.encode
 
 
-def rewrite_model(body: bytes, model: str) -> bytes:
+def rewrite_model(body: bytes, model: str, members: Members | None = None) -> bytes:
     """`body` (a JSON object that passed `decode_fields`, so within the depth bound) with its
     `model` set to `model`; every other top-level member is kept byte for byte (decoded only
-    as far as the top level)."""
-    members = _decode_members(body)
+    as far as the top level, unless its `members` are given: a large body's, decoded in a
+    thread by `members_later`, which this only encodes)."""
+    members = _decode_members(body) if members is None else dict(members)
     members["model"] = msgspec.Raw(_encode(model))
     return _encode(members)
 
 
 @overload
 def decode_fields(
-    body: bytes, *, too_deep: bool | None = None, with_tokens: Literal[True]
-) -> TokenFields: ...
+    body: bytes,
+    *,
+    with_prompt: bool = False,
+    too_deep: bool | None = None,
+    with_tokens: Literal[True],
+) -> WithTokens: ...
 @overload
 def decode_fields(
     body: bytes,
@@ -101,10 +144,11 @@ def decode_fields(
     too_deep: bool | None = None,
     with_tokens: bool = False,
 ) -> Fields:
-    """The routing fields of a body (`with_tokens`: and those of a key's tpm, `TokenFields`);
-    `ApiError` 400 if it is not a JSON object with a `model`, or nests deeper than
-    `shoal.bounds.MAX_DEPTH` (checked before any decoder sees it, here unless `too_deep` says
-    already: `Request.too_deep`, judged as a large body arrived)."""
+    """The routing fields of a body (`with_prompt`: the prompt too; `with_tokens`: and those
+    of a key's tpm, `TokenFields`' members); `ApiError` 400 if it is not a JSON object with a
+    `model`, or nests deeper than `shoal.bounds.MAX_DEPTH` (checked before any decoder sees
+    it, here unless `too_deep` says already: `Request.too_deep`, judged as a large body
+    arrived)."""
     # (`check_json_depth`'s first step inline: a body with fewer openers than the bound is
     # within it, which is nearly every body)
     if too_deep is None and body.count(b"[") + body.count(b"{") > MAX_DEPTH:
@@ -119,12 +163,15 @@ def decode_fields(
     fields: Fields
     try:
         try:
-            if with_tokens:
-                fields = _decode_token_fields(body)
-            elif not with_prompt:
-                fields = _decode_fields(body)
+            if not with_prompt:
+                fields = _decode_token_fields(body) if with_tokens else _decode_fields(body)
             elif len(body) < RAW_MESSAGES_FROM:
-                fields = _decode_prompt_fields(body)
+                if with_tokens:
+                    fields = _decode_prompt_token_fields(body)
+                else:
+                    fields = _decode_prompt_fields(body)
+            elif with_tokens:
+                fields = _decode_large_prompt_token_fields(body)
             else:
                 fields = _decode_large_prompt_fields(body)
         except msgspec.ValidationError:
@@ -132,7 +179,7 @@ def decode_fields(
                 raise
             # An odd prompt is no reason to refuse: route without a prefix hint, and let the
             # worker judge it (the error, if any, is about `model` or `stream`).
-            fields = _decode_fields(body)
+            fields = _decode_token_fields(body) if with_tokens else _decode_fields(body)
     except msgspec.ValidationError as exc:
         raise errors.bad_request(f"Invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
@@ -140,6 +187,65 @@ def decode_fields(
     if not fields.model:
         raise errors.bad_request("You must provide a model parameter.", param="model")
     return fields
+
+
+class InThread(Generic[T]):
+    """`work()` run in `_DECODER`'s thread (a large body's decode), then `done(its result)`,
+    or `done(error)`: the `ApiError` to answer, on the event loop. Until then it is the
+    connection's response in progress: a client that leaves cancels it, and `done` is not
+    called."""
+
+    __slots__ = ("done", "future")
+
+    def __init__(
+        self, client: ClientConnection, work: Callable[[], T], done: Callable[[T | ApiError], None]
+    ) -> None:
+        self.done = done
+        self.future = client.loop.run_in_executor(_DECODER, work)
+        client.produce_later(self)
+        self.future.add_done_callback(self._finished)
+
+    def cancel(self) -> None:
+        self.future.cancel()
+
+    def _finished(self, future: asyncio.Future[T]) -> None:
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is None:
+            self.done(future.result())
+        elif isinstance(exc, ApiError):
+            self.done(exc)
+        else:  # a bug: the request's alone
+            log.error("decoding a request body failed", exc_info=exc)
+            self.done(errors.internal_error())
+
+
+def fields_later(
+    request: Request,
+    client: ClientConnection,
+    done: Callable[[Fields | ApiError], None],
+    *,
+    with_prompt: bool = False,
+    with_tokens: bool = False,
+) -> InThread[Fields]:
+    """`decode_fields` of a large body (`LARGE_BODY`), in the decoder's thread (`InThread`)."""
+    decode: Callable[[], Fields] = functools.partial(
+        decode_fields,
+        request.body,
+        with_prompt=with_prompt,
+        too_deep=request.too_deep,
+        with_tokens=with_tokens,
+    )
+    return InThread(client, decode, done)
+
+
+def members_later(
+    body: bytes, client: ClientConnection, done: Callable[[Members | ApiError], None]
+) -> InThread[Members]:
+    """The top-level members of a large body that passed `decode_fields`, for
+    `rewrite_model`, in the decoder's thread (`InThread`)."""
+    return InThread(client, functools.partial(_decode_members, body), done)
 
 
 def prompt_text(fields: Fields, limit: int = PROMPT_CHARS) -> str:

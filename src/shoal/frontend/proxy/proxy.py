@@ -13,6 +13,7 @@ reads of the body are `fields.py`'s, the headers it passes on `headers.py`'s.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 from typing import Protocol
@@ -22,7 +23,13 @@ from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request
 from shoal.frontend.http.upstream import Upstream
 from shoal.frontend.proxy.deadlines import Deadlines
-from shoal.frontend.proxy.fields import NO_KV_TRANSFER_PARAMS, Fields, decode_fields
+from shoal.frontend.proxy.fields import (
+    LARGE_BODY,
+    NO_KV_TRANSFER_PARAMS,
+    Fields,
+    decode_fields,
+    fields_later,
+)
 from shoal.frontend.proxy.forward import Forward
 from shoal.frontend.proxy.headers import (
     ACCEPT_IDENTITY,
@@ -101,18 +108,33 @@ class Proxy:
         # which builds on this module, set by the frontend.
         self.two_stages: TwoStageStarter | None = None
 
-    def handle(self, request: Request, client: ClientConnection, kind: ModelType) -> None:
-        """Start answering one request of `kind` (chat, completions, embeddings). Nothing
-        raises out of here: a bug answers 500 in the OpenAI format, counted like any answer
-        (a `Forward` once started answers for itself)."""
+    def handle(
+        self,
+        request: Request,
+        client: ClientConnection,
+        kind: ModelType,
+        fields: Fields | None = None,
+    ) -> None:
+        """Start answering one request of `kind` (chat, completions, embeddings); `fields`:
+        its body's, when the caller decoded them (a key's request: `decode_fields` with the
+        router's `needs_prompt`). A body of `LARGE_BODY` or more is decoded in a thread
+        (`fields_later`), and answered from here when that is done. Nothing raises out of
+        here: a bug answers 500 in the OpenAI format, counted like any answer (a `Forward`
+        once started answers for itself)."""
         try:
-            try:
-                fields = decode_fields(
-                    request.body, with_prompt=self.router.needs_prompt, too_deep=request.too_deep
-                )
-            except ApiError as exc:
-                self._refuse(client, exc, UNKNOWN_MODEL)
-                return
+            if fields is None:
+                body = request.body
+                if len(body) >= LARGE_BODY:
+                    done = functools.partial(self._decoded, request, client, kind)
+                    fields_later(request, client, done, with_prompt=self.router.needs_prompt)
+                    return
+                try:
+                    fields = decode_fields(
+                        body, with_prompt=self.router.needs_prompt, too_deep=request.too_deep
+                    )
+                except ApiError as exc:
+                    self._refuse(client, exc, UNKNOWN_MODEL)
+                    return
             name = fields.model or ""
             params = fields.kv_transfer_params
             if params is not NO_KV_TRANSFER_PARAMS and bytes(params) != b"null":
@@ -140,6 +162,19 @@ class Proxy:
         except Exception:
             log.exception("request %s failed in the gateway", request.path.decode("latin-1"))
             self._refuse(client, errors.internal_error(), UNKNOWN_MODEL)
+
+    def _decoded(
+        self,
+        request: Request,
+        client: ClientConnection,
+        kind: ModelType,
+        fields: Fields | ApiError,
+    ) -> None:
+        """A large body's fields, decoded in a thread (`fields_later`): answer as `handle`."""
+        if isinstance(fields, ApiError):
+            self._refuse(client, fields, UNKNOWN_MODEL)
+        else:
+            self.handle(request, client, kind, fields)
 
     def _start(
         self,

@@ -23,17 +23,28 @@ before it is the client's:
 
 from __future__ import annotations
 
+import logging
+
 from shoal.cards import ModelType
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request
 from shoal.frontend.http.upstream import Upstream
-from shoal.frontend.proxy.fields import Fields, rewrite_model
+from shoal.frontend.proxy.fields import (
+    LARGE_BODY,
+    Fields,
+    Members,
+    members_later,
+    rewrite_model,
+)
 from shoal.frontend.proxy.forward import Forward, Gateway
 from shoal.frontend.proxy.headers import provider_response_headers
 from shoal.frontend.registry.metrics import ModelStats
 from shoal.frontend.virtual.masking import Masked
 from shoal.frontend.virtual.virtual import FleetChoice, UrlChoice, VirtualModel
+from shoal.openai import ApiError
 from shoal.urls import redact_url
+
+log = logging.getLogger(__name__)
 
 BEARER = b"Bearer "
 CONTENT_ENCODING = b"content-encoding"
@@ -53,7 +64,7 @@ class VirtualForward(Forward):
     """A request for a virtual model: each attempt picks one of its targets by weight, and
     sends the body naming the model as that target serves it (re-encoded only then)."""
 
-    __slots__ = ("kind", "masked", "pieces", "sent", "served", "virtual")
+    __slots__ = ("kind", "masked", "members", "pieces", "sent", "served", "virtual")
 
     def __init__(
         self,
@@ -72,6 +83,24 @@ class VirtualForward(Forward):
         self.masked: Masked | None = None  # a provider's body, its secret masked
         self.pieces: list[bytes] = []  # the pieces of a provider's body of this read, to mask
         self.sent: bytes | None = None  # the `Authorization` the attempt was written with
+        self.members: Members | None = None  # a large body's, for `rewrite_model` (`start`)
+
+    def start(self) -> None:
+        """A large body that a target may be sent renamed has its top-level members decoded
+        first, in the decoder's thread (`members_later`): a rewrite then only encodes them,
+        on the event loop (parsing 9 MB there again held it as long as the first decode)."""
+        if self.virtual.renames and len(self.request.body) >= LARGE_BODY:
+            members_later(self.request.body, self.client, self._with_members)
+        else:
+            super().start()
+
+    def _with_members(self, members: Members | ApiError) -> None:
+        self.members = None if isinstance(members, ApiError) else members  # (else: parsed again)
+        try:
+            super().start()
+        except Exception:  # (as `Proxy.handle` answers a bug: this request's alone)
+            log.exception("request %s failed in the gateway", self.name)
+            self.client.send_error(errors.internal_error())
 
     def _models(self) -> tuple[str, ...]:
         return tuple(c.served for c in self.virtual.weighted if isinstance(c, FleetChoice))
@@ -84,7 +113,10 @@ class VirtualForward(Forward):
         if served != self.served:
             self.served = served
             body = self.request.body
-            self.body = body if served == self.name else rewrite_model(body, served)
+            if served == self.name:
+                self.body = body
+            else:
+                self.body = rewrite_model(body, served, self.members)
         return target
 
     def _head(self, target: Upstream, body: bytes) -> bytes:

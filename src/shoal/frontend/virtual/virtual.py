@@ -172,6 +172,8 @@ class VirtualModel:
         self.workspace = route.workspace
         self.choices = tuple(choices)
         self.weighted = tuple(c for c in self.choices if c.weight > 0)
+        # a target serves it under another name: a request's body is rewritten for it
+        self.renames = any(c.served != self.name for c in self.weighted)
         self._cum: list[int] = list(itertools.accumulate(c.weight for c in self.weighted))
 
     @property
