@@ -19,23 +19,11 @@ import logging
 import time
 from typing import Protocol
 
-from shoal.frontend.http.upstream import UpstreamTimeout
-
 log = logging.getLogger(__name__)
 
 MIN_SWEEP = 0.01  # seconds between sweeps, at least (timeouts of a few tenths, in tests)
 MAX_SWEEP = 1.0  # and at most (the defaults: 60 s)
 TURN_SECONDS = 0.005  # a sweep's slice: then the loop turns (failing 1,000 at once took 43 ms)
-
-
-class FirstByteTimeout(UpstreamTimeout):
-    """An instance sent no complete response head within the first-byte timeout."""
-
-
-class UpstreamIdleTimeout(UpstreamTimeout):
-    """An instance sent nothing for the idle timeout in the middle of a response body."""
-
-    reason = "idle_timeout"  # (its label in the migration metric)
 
 
 class Watched(Protocol):

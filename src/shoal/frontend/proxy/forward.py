@@ -44,7 +44,7 @@ from shoal.frontend.http.upstream import (
     UpstreamTimeout,
 )
 from shoal.frontend.proxy import migration, sse
-from shoal.frontend.proxy.deadlines import Deadlines, FirstByteTimeout, UpstreamIdleTimeout
+from shoal.frontend.proxy.deadlines import Deadlines
 from shoal.frontend.proxy.fields import Fields, prompt_hint
 from shoal.frontend.proxy.headers import relay_response_headers
 from shoal.frontend.proxy.migration import ContinuationRefused, Migration, StreamCutShort
@@ -65,8 +65,7 @@ class Gateway(Protocol):
     deadlines: Deadlines | None  # None: neither timeout is set
     migration_limit: int
 
-    # (read-only properties, not attributes: a compiled build reads a protocol's float
-    # attributes wrongly, mypyc 1.20)
+    # (properties: a compiled build reads a protocol's float attributes wrongly, mypyc 1.20)
     @property
     def inhibit_seconds(self) -> float: ...
     @property
@@ -77,16 +76,27 @@ class Gateway(Protocol):
     def request_head(self, request: Request, target: Upstream, body: bytes) -> bytes: ...
 
 
+@mypyc_attr(native_class=False)
+class FirstByteTimeout(UpstreamTimeout):
+    """An instance sent no complete response head within the first-byte timeout."""
+
+
+@mypyc_attr(native_class=False)
+class UpstreamIdleTimeout(UpstreamTimeout):
+    """An instance sent nothing for the idle timeout in the middle of a response body."""
+
+    reason = "idle_timeout"  # (its label in the migration metric)
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)  # (disagg.TwoStageForward)
 class Forward:
     """One request on its way: pick an instance, send, stream the answer back, retry early failures.
 
-    It is the `ResponseSink` of the upstream connection carrying the current attempt, and
-    the work the client connection waits on (`produce_later`), cancelled if the client goes
-    away. It touches the client only through `ClientConnection`.
-    Output is gathered while one packet from the worker is parsed and written once (`flush`).
-    `started` turns True when the first byte reached the client: from then on a failure
-    cannot be retried, and a stream ends with an SSE error event instead.
+    It is the `ResponseSink` of the upstream connection carrying the current attempt, and the
+    work the client connection waits on (`produce_later`), cancelled if the client goes away.
+    It touches the client only through `ClientConnection`. A packet from the worker is written
+    once (`on_packet`). `started` turns True when the first byte reached the client: from then
+    on a failure cannot be retried, and a stream ends with an SSE error event instead.
     """
 
     __slots__ = (
@@ -296,8 +306,7 @@ class Forward:
 
     def check_deadline(self, now: float) -> None:
         """The first-byte timeout until the head is complete, then the idle timeout between
-        packets of the body (called by the sweep, `Deadlines`). A paused connection (the
-        client is not keeping up) is never the instance's fault: the wait starts again."""
+        packets (the sweep's call): a paused connection (a slow client) starts the wait again."""
         conn = self.conn
         if self.done or conn is None:
             self._disarm()
@@ -456,8 +465,8 @@ class Forward:
             self.out.append(data)
 
     def _whole_events(self, data: bytes) -> bytes:
-        """What of a stream's `data` ends with whole events, for the client now; the rest is
-        held until its event ends, every packet coming here meanwhile (not `whole`)."""
+        """What of `data` ends whole events, for the client now; the rest is `held` (`whole`
+        off until its event ends)."""
         held = self.held or sse.Unfinished()
         data = held.take(data)
         self.held = held if held.size else None
@@ -496,8 +505,7 @@ class Forward:
         self._finish(None)
 
     def end(self, events: bytes) -> None:
-        """End a stream that failed with nothing left to generate with `events`, the end the
-        gateway writes itself (migration.py: `Migration.resume`)."""
+        """End a failed stream with nothing left to generate with `events` (`Migration`)."""
         self.out.append(
             b"%x\r\n%s\r\n0\r\n\r\n" % (len(events), events) if self.chunked else events
         )
@@ -515,8 +523,7 @@ class Forward:
 
     def _failed_after_start(self, exc: Exception, target: Upstream | None) -> None:
         """The response failed after its first byte reached the client: a stream that may
-        migrate goes on at another instance (`Migration.resume`), any other ends. The start
-        of an event held never reaches the client."""
+        migrate goes on elsewhere (`Migration.resume`), any other ends (nothing held sent)."""
         self.held = None
         try:
             if self.migration is not None and self.migration.resume(exc, target):
@@ -545,9 +552,8 @@ class Forward:
         self._finish(None)
 
     def _broken(self) -> None:
-        """A bug on the request path (called from an `except`): logged, the attempt dropped,
-        the client answered 500 (or cut off, if bytes went out), and the request counted and
-        taken off the in-flight gauge like any other."""
+        """A bug on the request path (in an `except`): logged, the attempt dropped, the client
+        answered 500 (or cut off), the request counted and off the in-flight gauge as any."""
         log.exception("request for %s failed in the gateway", self.name)
         if self.done:
             return
