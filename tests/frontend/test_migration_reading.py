@@ -133,6 +133,11 @@ def test_reading_in_batches_keeps_what_reading_each_event_keeps(
     assert b"".join(out) == stream  # (whole events: all of them reached the client)
     expected = _expected([stream[: stream.index(b"\n\n") + 2], *events])
     assert _kept(migration) == expected
+    # At the end, whether the stream ended is what reading each event says, read or not
+    # (`complete` does not read events that end with `[DONE]`).
+    again = Migration(forward, True, 1, None)
+    again.feed(stream)
+    assert again.complete() == (expected["done"] or expected["finished"])
 
 
 def test_a_last_blank_line_that_comes_alone_reaches_the_client_at_the_end() -> None:
@@ -162,3 +167,23 @@ def test_a_long_stream_is_read_as_it_goes_not_held_unread() -> None:
     assert migration.tokens > 99_000  # (read as it went: all but the last batch)
     migration.catch_up()
     assert migration.tokens == 100_000 and migration.size == 200_000
+
+
+def test_a_stream_that_ends_with_its_done_is_never_read() -> None:
+    """Most streams never fail: one that ends with `data: [DONE]` before `READ_BATCH` bytes
+    is complete without a decode of its events (they were kept, not read)."""
+    event = b'data: {"id":"c","created":1,"choices":[{"index":0,"delta":{"content":"ab"}}]}\n\n'
+    forward: Any = SimpleNamespace(status=200, target=None, model=None)
+    migration = Migration(forward, True, 1, None)
+    for _ in range(READ_BATCH // len(event) - 2):
+        assert migration.feed(event) == event
+    assert migration.feed(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+    assert migration.complete()
+    assert migration.done and migration.tokens == 0 and migration.unread == []
+    # Without its `[DONE]`, the end is read for a finish reason.
+    unfinished = Migration(forward, True, 1, None)
+    for _ in range(3):
+        unfinished.feed(event)
+    assert not unfinished.complete() and unfinished.tokens == 3
+    unfinished.feed(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n')
+    assert unfinished.complete() and unfinished.finished

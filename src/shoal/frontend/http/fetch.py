@@ -63,8 +63,9 @@ class _Body:
             raise ValueError("body too large")  # the parser stops; on_failure follows
         self.chunks.append(data)
 
-    def flush(self) -> None:
-        pass
+    def on_packet(self, bodies: list[bytes]) -> None:
+        for data in bodies:
+            self.on_body(data)
 
     def on_complete(self) -> None:
         self._end(None)

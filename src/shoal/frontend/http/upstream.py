@@ -2,7 +2,8 @@
 
 An `UpstreamConnection` carries one exchange at a time: the proxy writes a request with
 `send()` and the connection hands the response to a `ResponseSink` as httptools parses it:
-the head, then each piece of body as it arrives (chunked framing removed), then the end.
+the head, then each packet's pieces of body as they arrive (chunked framing removed), in one
+call per packet, then the end.
 Nothing is buffered here; a sink that cannot keep up pauses the connection's reading.
 
 A response is parsed at most `TURN_CALLS` body pieces per turn of the event loop (a worker
@@ -30,6 +31,7 @@ import ssl
 import sys
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import ClassVar, Protocol, cast
 
 import httptools
@@ -74,10 +76,15 @@ class ResponseSink(Protocol):
         """The status and headers; return False to abandon the response (the connection closes)."""
         ...
 
-    def on_body(self, data: bytes) -> None: ...
+    def on_body(self, data: bytes) -> None:
+        """A piece of body, before the end (`on_complete`) or a failure in its packet."""
+        ...
 
-    def flush(self) -> None:
-        """A packet from the worker was parsed: pass on what it held."""
+    def on_packet(self, bodies: list[bytes]) -> None:
+        """A packet from the worker was parsed: its pieces of body (none for a packet of the
+        head alone), to pass on now. The list is the connection's, emptied after the call:
+        a sink keeps its pieces, never the list. (One call per packet, not one per piece:
+        a stream's every event is a packet.) Raising fails the response (`on_failure`)."""
         ...
 
     def on_complete(self) -> None: ...
@@ -296,6 +303,33 @@ def _made(upstream: Upstream, made: list[UpstreamConnection]) -> UpstreamConnect
     return made[-1]
 
 
+class _Callbacks:
+    """What the parser calls (it reads these names once, when it is made): the connection's
+    methods, and for the body a list's `append`."""
+
+    __slots__ = (
+        "on_body",
+        "on_header",
+        "on_headers_complete",
+        "on_message_begin",
+        "on_message_complete",
+    )
+
+    def __init__(
+        self,
+        on_header: Callable[[bytes, bytes], None],
+        on_headers_complete: Callable[[], None],
+        on_body: Callable[[bytes], None],
+        on_message_begin: Callable[[], None],
+        on_message_complete: Callable[[], None],
+    ) -> None:
+        self.on_header = on_header
+        self.on_headers_complete = on_headers_complete
+        self.on_body = on_body
+        self.on_message_begin = on_message_begin
+        self.on_message_complete = on_message_complete
+
+
 class UpstreamConnection(asyncio.Protocol):
     """One HTTP/1.1 connection to an instance, carrying one exchange at a time."""
 
@@ -303,7 +337,19 @@ class UpstreamConnection(asyncio.Protocol):
 
     def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
-        self.parser = httptools.HttpResponseParser(self)
+        # The pieces of body of the packet being parsed: the parser appends them itself (a
+        # list's `append` as its `on_body`, no Python frame per piece), the sink gets them
+        # once the packet is parsed (`on_packet`), or before the end (`on_message_complete`).
+        self._bodies: list[bytes] = []
+        self.parser = httptools.HttpResponseParser(
+            _Callbacks(
+                self.on_header,
+                self.on_headers_complete,
+                self._bodies.append,
+                self.on_message_begin,
+                self.on_message_complete,
+            )
+        )
         self.transport: asyncio.Transport | None = None
         self.sink: ResponseSink | None = None
         self.reused = False  # carried a response before this one
@@ -400,8 +446,8 @@ class UpstreamConnection(asyncio.Protocol):
         if self._held and self.sink is not None:  # (read before the end: parsed first)
             held, self._held = self._held[self._held_pos :], b""
             self._held_pos = 0
-            if self._feed(held) and self.sink is not None:
-                self.sink.flush()
+            if self._feed(held):
+                self._deliver()
         self._held, self._held_pos = b"", 0
         self.upstream.forget(self)
         self._drop_parser()
@@ -444,8 +490,22 @@ class UpstreamConnection(asyncio.Protocol):
             if self._head_read > MAX_RESPONSE_HEAD:
                 self._failed(None)
                 return
-        if self.sink is not None:
-            self.sink.flush()
+        self._calls += len(self._bodies)
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """The pieces of body parsed go to the sink, in one call (`on_packet`)."""
+        sink, bodies = self.sink, self._bodies
+        if sink is None:  # (it ended in this packet; pieces after its end are of a response
+            bodies.clear()  # nobody asked for, and the connection is closed: `on_message_begin`)
+            return
+        try:
+            sink.on_packet(bodies)
+        except Exception as exc:  # (as a parser's callback raising: the response fails)
+            bodies.clear()
+            self._failed(exc)
+            return
+        bodies.clear()
 
     def _feed(self, data: bytes | memoryview) -> bool:
         """Parse `data`; False if the response cannot be read (the sink was told)."""
@@ -494,22 +554,30 @@ class UpstreamConnection(asyncio.Protocol):
                 break  # failed, or closed by a callback: what is left is dropped
             piece = view[self._held_pos : self._held_pos + FEED_SLICE]
             self._held_pos += len(piece)
+            before = len(self._bodies)
             if not self._feed(piece):
                 break
+            self._calls += max(0, len(self._bodies) - before)  # (an end delivers them)
         view.release()
         transport = self.transport
         if transport is None or transport.is_closing() or self._held_pos >= len(data):
             self._held, self._held_pos = b"", 0  # (all parsed, or what is left is dropped)
-        if self.sink is not None:
-            self.sink.flush()
+        self._deliver()  # (the turn's pieces in one call: one write to the client)
         if self._held:
             self._give_turn()
         elif resumed and not self._paused and transport is not None and not transport.is_closing():
             transport.resume_reading()
 
     def _failed(self, exc: Exception | None) -> None:
-        """The response cannot be read: malformed (`exc`), or a head over the bound (None)."""
+        """The response cannot be read: malformed (`exc`), or a head over the bound (None).
+        The pieces of body parsed before the fault go to the sink first, as they came."""
         sink, self.sink = self.sink, None
+        bodies = self._bodies
+        if bodies:
+            if sink is not None:
+                for body in bodies:
+                    sink.on_body(body)
+            bodies.clear()
         if self.transport is not None:
             self.transport.abort()
         if sink is not None:
@@ -570,12 +638,6 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self._interim = True
 
-    def on_body(self, body: bytes) -> None:
-        self._calls += 1
-        sink = self.sink
-        if sink is not None:
-            sink.on_body(body)
-
     def on_message_complete(self) -> None:
         if self._interim:  # the end of a 1xx response: the same sink awaits the final one
             self._interim = False
@@ -584,6 +646,11 @@ class UpstreamConnection(asyncio.Protocol):
         self._until_eof = False
         if sink is None:
             return
+        bodies = self._bodies
+        if bodies:  # (the last pieces, in the packet of the end: written with it)
+            for body in bodies:
+                sink.on_body(body)
+            bodies.clear()
         keep_alive = self.parser.should_keep_alive() and self._held_pos >= len(self._held)
         sink.on_complete()
         if keep_alive and self.transport is not None and not self.transport.is_closing():

@@ -195,7 +195,9 @@ class PrefillSink:
         else:
             self.parts.append(data)
 
-    def flush(self) -> None:  # (after each packet of the answer)
+    def on_packet(self, bodies: list[bytes]) -> None:
+        for data in bodies:
+            self.on_body(data)
         self.last_read = time.monotonic()
         if not self.begun.done():
             self.begun.set_result(None)

@@ -6,23 +6,23 @@ worker's answer it creates no task and no future (only opening a new upstream co
 awaits, and a policy's work on the prompt off the event loop, `Router.prepare`). Per request:
 one small JSON decode, one routing pick, one write each way, a few counter increments.
 
-Failure handling: a connect error, a transport error or a 5xx before the first response
-byte reached the client marks the instance down for `inhibit_seconds` and tries another
-(up to `retries` more attempts). So does an instance that sends no complete response head
-within `first_byte_timeout` of the request (it hangs, is stuck, or stalls mid-head); when
-no instance answers in time the client gets 504. Once the head is in, the gap between
-packets of the body is bounded by `upstream_idle_timeout`. Both are enforced by one sweep for
-all requests (`deadlines.py`, which says how late they may fire), not a timer per request.
-A refused or reset connect costs no attempt: dead instances are skipped, each inhibited, until one answers or none is left (within the first-byte timeout counted from
-the request's arrival). A failure before the first byte is retried even if the worker had
-started generating: there is no idempotency key, and a completion has no side effect but
-the compute spent. After the first byte, a failure (an idle timeout included) moves a
-stream that may migrate to another instance (`migration`), else ends an SSE
-stream with an error event, and any other response by closing the client connection. A
-stream's client gets whole events only (the start of one is held until its end, and dropped
-at a break: `sse.Unfinished`), so its error event never ends half an event. A client that
-disconnects cancels the handler, which drops the upstream connection so the worker stops
-generating.
+Failure handling: a connect error, a transport error or a 5xx before the first response byte
+reached the client marks the instance down for `inhibit_seconds` and tries another (up to
+`retries` more attempts). So does an instance that sends no complete response head within
+`first_byte_timeout` of the request (it hangs, is stuck, or stalls mid-head); when no
+instance answers in time the client gets 504. Once the head is in, the gap between packets
+of the body is bounded by `upstream_idle_timeout`. Both are enforced by one sweep for all
+requests (`deadlines.py`, which says how late they may fire), not a timer per request. A
+refused or reset connect costs no attempt: dead instances are skipped, each inhibited, until
+one answers or none is left (within the first-byte timeout counted from the request's
+arrival). A failure before the first byte is retried even if the worker had started
+generating: there is no idempotency key, and a completion has no side effect but the compute
+spent. After the first byte, a failure (an idle timeout included) moves a stream that may
+migrate to another instance (`migration`), else ends an SSE stream with an error event, and
+any other response by closing the client connection. A stream's client gets whole events
+only (the start of one is held until its end, and dropped at a break: `sse.Unfinished`), so
+its error event never ends half an event. A client that disconnects cancels the handler,
+which drops the upstream connection so the worker stops generating.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from shoal.frontend.proxy.migration import ContinuationRefused, Migration, Strea
 from shoal.frontend.registry.metrics import FrontendMetrics, ModelStats
 from shoal.frontend.registry.registry import Model
 from shoal.frontend.registry.router import Router
-from shoal.openai import ApiError, error_body, sse_event
+from shoal.openai import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,7 @@ class Gateway(Protocol):
     deadlines: Deadlines | None  # None: neither timeout is set
     migration_limit: int
 
-    # (read-only properties, not attributes: a compiled build reads a protocol's float
-    # attributes wrongly, mypyc 1.20)
+    # (properties: a compiled build reads a protocol's float attributes wrongly, mypyc 1.20)
     @property
     def inhibit_seconds(self) -> float: ...
     @property
@@ -93,12 +92,11 @@ class UpstreamIdleTimeout(UpstreamTimeout):
 class Forward:
     """One request on its way: pick an instance, send, stream the answer back, retry early failures.
 
-    It is the `ResponseSink` of the upstream connection carrying the current attempt, and
-    the work the client connection waits on (`produce_later`), cancelled if the client goes
-    away. It touches the client only through `ClientConnection`.
-    Output is gathered while one packet from the worker is parsed and written once (`flush`).
-    `started` turns True when the first byte reached the client: from then on a failure
-    cannot be retried, and a stream ends with an SSE error event instead.
+    It is the `ResponseSink` of the upstream connection carrying the current attempt, and the
+    work the client connection waits on (`produce_later`), cancelled if the client goes away.
+    It touches the client only through `ClientConnection`. A packet from the worker is written
+    once (`on_packet`). `started` turns True when the first byte reached the client: from then
+    on a failure cannot be retried, and a stream ends with an SSE error event instead.
     """
 
     __slots__ = (
@@ -166,8 +164,8 @@ class Forward:
         self.out: list[bytes] = []
         self.status = 0
         self.chunked = False
-        # A stream whose events the migration does not read is checked packet by packet
-        # (`whole`): the start of an event whose end has not come is `held` from the client.
+        # A stream the migration does not read is checked packet by packet (`whole`): the
+        # start of an event whose end has not come is `held` from the client.
         self.whole = False
         self.held: sse.Unfinished | None = None
         self.tail = b""  # (the last piece of such a stream relayed: `_break_off`)
@@ -308,8 +306,7 @@ class Forward:
 
     def check_deadline(self, now: float) -> None:
         """The first-byte timeout until the head is complete, then the idle timeout between
-        packets of the body (called by the sweep, `Deadlines`). A paused connection (the
-        client is not keeping up) is never the instance's fault: the wait starts again."""
+        packets (the sweep's call): a paused connection (a slow client) starts the wait again."""
         conn = self.conn
         if self.done or conn is None:
             self._disarm()
@@ -419,24 +416,44 @@ class Forward:
         self.out.append(b"".join(parts))
         return True
 
-    def on_body(self, data: bytes) -> None:
-        if self.whole:  # (a stream the migration does not read: the usual packet ends an event)
-            if data[-1] == 10:  # (a newline: whole lines, no more work than that; never empty:
-                self.tail = data  # a transport's read, and a parser error if it were)
-            elif not (data := self._whole_events(data)):
+    def on_packet(self, bodies: list[bytes]) -> None:
+        """A packet of the answer: its pieces (`on_body` each), then `flush`. A stream's usual
+        packet, one piece after the first, goes the short way (`out` is empty then)."""
+        if len(bodies) != 1 or not self.body_seen:
+            for data in bodies:
+                self.on_body(data)
+            self.flush()
+            return
+        self.progress = True
+        data = bodies[0]
+        if self.whole and data[-1] == 10:  # (as in `on_body`)
+            self.tail = data
+        elif (migration := self.migration) is not None and migration.parsing:
+            data = migration.feed(data)  # (as in `on_body`)
+            if data and not migration.parsing:
+                data = self._whole_events(data)
+            if not data:
                 return
-        else:
+        elif (self.whole or self.held is not None) and not (data := self._whole_events(data)):
+            return
+        if self.client.write_if_open(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data):
+            self.started = True
+
+    def on_body(self, data: bytes) -> None:
+        if self.whole and data[-1] == 10:  # (a stream the migration does not read: a newline
+            self.tail = data  # ends whole lines, no more work than that; never empty: a
+        else:  # transport's read, and a parser error if it were)
             if not self.body_seen:
                 self.body_seen = True
                 if self.stream:
                     self.stats.ttft.observe(time.perf_counter() - self.request.received)
                     migration = self.migration
-                    # (only a chunked answer can end with the gateway's error event: a sized
-                    # one cut short is closed, so it need not be held back an event at a time)
+                    # (a sized answer cut short is closed: it never ends with an error event)
                     self.whole = self.chunked and (migration is None or not migration.parsing)
-            if self.migration is not None and self.migration.parsing:  # (whole events out)
-                data = self.migration.feed(data)
-                if data and not self.migration.parsing:  # (it gave up: this packet as it came)
+            migration = self.migration
+            if migration is not None and migration.parsing:  # (whole events out)
+                data = migration.feed(data)
+                if data and not migration.parsing:  # (it gave up: this packet as it came)
                     data = self._whole_events(data)
             elif self.whole or self.held is not None:
                 data = self._whole_events(data)
@@ -448,8 +465,8 @@ class Forward:
             self.out.append(data)
 
     def _whole_events(self, data: bytes) -> bytes:
-        """What of a stream's `data` ends with whole events, for the client now; the rest is
-        held until its event ends, every packet coming here meanwhile (not `whole`)."""
+        """What of `data` ends whole events, for the client now; the rest is `held` (`whole`
+        off until its event ends)."""
         held = self.held or sse.Unfinished()
         data = held.take(data, self.tail[-2:])
         self.held = held if held.size else None
@@ -459,9 +476,8 @@ class Forward:
         return data
 
     def flush(self, final: bool = False) -> None:
-        """Write what this packet produced. A response head is held until the first body
-        byte (or the end): a worker dying between its head and its first token fails before
-        anything reached the client, so the request is retried elsewhere."""
+        """Write what a packet produced. The response head waits for the first body byte (or
+        the end): a worker dying before its first token is retried elsewhere, nothing sent."""
         self.progress = True
         out = self.out
         if not out or not (self.body_seen or final):
@@ -489,8 +505,7 @@ class Forward:
         self._finish(None)
 
     def end(self, events: bytes) -> None:
-        """End a stream that failed with nothing left to generate with `events`, the end the
-        gateway writes itself (migration.py: `Migration.resume`)."""
+        """End a failed stream with nothing left to generate with `events` (`Migration`)."""
         self.out.append(
             b"%x\r\n%s\r\n0\r\n\r\n" % (len(events), events) if self.chunked else events
         )
@@ -508,8 +523,7 @@ class Forward:
 
     def _failed_after_start(self, exc: Exception, target: Upstream | None) -> None:
         """The response failed after its first byte reached the client: a stream that may
-        migrate goes on at another instance (`Migration.resume`), any other ends. The start
-        of an event held never reaches the client."""
+        migrate goes on elsewhere (`Migration.resume`), any other ends (nothing held sent)."""
         self.held = None
         try:
             if self.migration is not None and self.migration.resume(exc, target):
@@ -538,9 +552,8 @@ class Forward:
         self._finish(None)
 
     def _broken(self) -> None:
-        """A bug on the request path (called from an `except`): logged, the attempt dropped,
-        the client answered 500 (or cut off, if bytes went out), and the request counted and
-        taken off the in-flight gauge like any other."""
+        """A bug on the request path (in an `except`): logged, the attempt dropped, the client
+        answered 500 (or cut off), the request counted and off the in-flight gauge as any."""
         log.exception("request for %s failed in the gateway", self.name)
         if self.done:
             return
@@ -563,22 +576,11 @@ class Forward:
         self.client.follow(None)
 
     def _break_off(self, failure: Exception) -> None:
-        """A response failed after its first byte reached the client. A stream's client has
-        whole events (the start of one held was dropped), or a packet's whole lines (ending
-        with a newline), or an event over `sse.MAX_HELD` as it came: those are ended first,
-        the error event would be part of them."""
+        """A response failed after its first byte reached the client. A stream ends with the
+        gateway's error event (`sse.break_event`: after whole lines, the event is ended first)."""
         log.warning("response for %s broke off: %s", self.name, failure)
         if self.chunked and self.stream and self.client.writable:
-            event = sse_event(
-                error_body(
-                    f"The model instance failed while streaming: {failure}",
-                    type="server_error",
-                    code="upstream_error",
-                )
-            )
-            tail = self.tail
-            if tail and not tail.endswith(sse.ENDED):
-                event = (b"\n" if tail.endswith(b"\n") else b"\n\n") + event
+            event = sse.break_event(failure, self.tail)
             self.client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
         else:
             self.client.close_after_response()  # the body is cut short: only closing tells
@@ -593,7 +595,6 @@ class Forward:
         stats.count(error.status if error is not None else self.status)
         stats.duration.observe(time.perf_counter() - self.request.received)
         self.client.finish(error)
-        # A migration and its forward refer to each other: without this the pair, and the
-        # stream's last packet (`tail`), waited for the garbage collector (a stream of 170 KB
-        # at c1 paid ~50 page faults of the heap's top grown and trimmed again).
+        # A migration and its forward refer to each other: else the pair and the stream's last
+        # packet waited for the garbage collector (170 KB at c1: ~50 page faults of the heap).
         self.migration = None

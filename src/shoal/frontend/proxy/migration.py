@@ -97,9 +97,12 @@ MAX_CARRIED = 1 << 20
 """Characters of generated text a stream keeps for a continuation; past them it cannot migrate."""
 MAX_EVENT = 1 << 20
 """Bytes of one SSE event held until its end; a longer one ends parsing (no migration)."""
-READ_BATCH = 16 * 1024
+READ_BATCH = 64 * 1024
 """Bytes of whole events passed to the client before they are read (`catch_up`): in one
-decode, not one per event; what a migration needs is read before it is needed."""
+decode, not one per event; what a migration needs is read before it is needed. A stream
+that ends with its `[DONE]` before that is never read (`complete`): most never fail. (The
+events are kept as they came, references to the pieces relayed: at most this per stream,
+as much as a client's send buffer holds.)"""
 CARD_KEY = "migration_limit"
 """The card's `runtime_config` key: its own limit (0: its model cannot continue text)."""
 
@@ -325,9 +328,7 @@ class Migration:
             return
         data = unread[0] if len(unread) == 1 else b"".join(unread)
         self.unread, self.unread_size = [], 0
-        if data.endswith(sse.DONE) and (
-            len(data) == len(sse.DONE) or data.endswith(sse.AFTER_DONE)
-        ):
+        if sse.ends_done(data):
             self.done = True
             data = data[: -len(sse.DONE)]
         if not data:
@@ -450,7 +451,10 @@ class Migration:
     def complete(self) -> bool:
         """Whether a response that ended normally ended the stream (its `[DONE]` came, or
         at least its finish reason: an engine may send no `[DONE]`); counts a migrated
-        stream that completed."""
+        stream that completed. Events ending with `[DONE]` need no reading."""
+        if self.unread and sse.ends_done(self.unread[-1]):  # (each piece is whole events)
+            self.done = True
+            self.unread, self.unread_size = [], 0
         self.catch_up()
         if not self.parsing or self.done or self.finished:
             if self.migrations:

@@ -179,6 +179,14 @@ class VirtualForward(Forward):
             self._masked_pieces(masked)
         super().flush(final)
 
+    def on_packet(self, bodies: list[bytes]) -> None:
+        if self.masked is None:
+            super().on_packet(bodies)
+            return
+        for data in bodies:  # (every piece masked: never the short way)
+            self.on_body(data)
+        self.flush()
+
     def on_complete(self) -> None:
         masked = self.masked
         if masked is not None:

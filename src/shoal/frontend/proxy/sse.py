@@ -1,13 +1,16 @@
 """Server-sent events as a stream that may migrate reads them (migration.py): what of an
 OpenAI chunk it keeps (`Chunk`), the data of one event (`payload`), whether a body may start
-a stream (`sse_start`), and a chat choice that only opens the message (`opening`); and the
-start of an event held from the client until its end (`Unfinished`, forward.py)."""
+a stream (`sse_start`), and a chat choice that only opens the message (`opening`); the
+start of an event held from the client until its end (`Unfinished`, forward.py), and the
+error event that ends a stream whose instance failed (`break_event`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import msgspec
+
+from shoal.openai import error_body, sse_event
 
 
 class Delta(msgspec.Struct, gc=False):  # (decoded JSON: no cycles)
@@ -37,6 +40,11 @@ decode_chunk = msgspec.json.Decoder(Chunk).decode
 decode_chunks = msgspec.json.Decoder(list[Chunk]).decode
 DONE = b"data: [DONE]\n\n"
 AFTER_DONE = b"\n\n" + DONE
+
+
+def ends_done(events: bytes) -> bool:
+    """Whether `events`, whole events, end with the event `data: [DONE]`."""
+    return events.endswith(DONE) and (len(events) == len(DONE) or events.endswith(AFTER_DONE))
 
 
 def payload(event: bytes) -> bytes | None:
@@ -146,3 +154,20 @@ class Unfinished:
         self.pieces.clear()
         self.size = 0
         return data
+
+
+def break_event(failure: Exception, tail: bytes) -> bytes:
+    """The gateway's error event ending a stream whose instance failed, after `tail`, the
+    last piece the client has. The client has whole events (the start of one held was
+    dropped), or a packet's whole lines (ending with a newline), or an event over `MAX_HELD`
+    as it came: those are ended first, the error event would be part of them."""
+    event = sse_event(
+        error_body(
+            f"The model instance failed while streaming: {failure}",
+            type="server_error",
+            code="upstream_error",
+        )
+    )
+    if tail and not tail.endswith(ENDED):
+        event = (b"\n" if tail.endswith(b"\n") else b"\n\n") + event
+    return event
