@@ -215,6 +215,8 @@ class Bench:
 
     def serve(self, mode: str, n: int) -> None:
         """`n` requests, one after the other on one keep-alive connection, as wrk -c1 does."""
+        import shoal.frontend.http.upstream as upstream_module
+
         request = self.requests[mode]
         packets = self.responses[mode]
         client_received = self.client.data_received
@@ -223,24 +225,30 @@ class Bench:
             _, worker, worker_sent = workers[0]
             worker_received = worker.data_received
             client = self.client
-            counts = hasattr(worker, "_calls")  # (the upstream's count: since the 8th session)
+            counts = hasattr(worker, "_room")  # (the upstream's room: since the 8th session)
+            room = getattr(upstream_module, "FEED_SLICE", 0)  # (a turn's room, whole)
             for _ in range(n):
                 # Each request of wrk -c1 comes in a turn of its own; the connections count
-                # body pieces until they give a turn (`TURN_CALLS`), which this loop never runs.
+                # body pieces until they give a turn (`TURN_CALLS`, the upstream's `_room`),
+                # which this loop never runs.
                 client._calls = 0
                 if counts:
-                    worker._calls = 0
+                    worker._room = room
                 writes = worker_sent.writes
                 client_received(request)
                 assert worker_sent.writes == writes + 1, "the request did not reach the worker"
                 for packet in packets:
                     worker_received(packet)
         else:
+            rooms = [
+                getattr(upstream_module, "FEED_SLICE", 0) if hasattr(c, "_room") else None
+                for _, c, _ in workers
+            ]
             for _ in range(n):
                 self.client._calls = 0  # (as above)
-                for _, connection, _ in workers:
-                    if hasattr(connection, "_calls"):
-                        connection._calls = 0
+                for (_, connection, _), room in zip(workers, rooms, strict=True):
+                    if room is not None:
+                        connection._room = room
                 before = [sent.writes for _, _, sent in workers]
                 client_received(request)
                 (chosen,) = [w for w, b in zip(workers, before, strict=True) if w[2].writes > b]

@@ -399,13 +399,21 @@ def serving(frontend: Any, model: str = "mock-llm", instances: int = 1) -> bool:
     return entry is not None and entry.serving and entry.live_instances >= instances
 
 
+def _shoals(obj: object) -> bool:
+    module = getattr(type(obj), "__module__", None)  # (a descriptor on some built-in types)
+    return isinstance(module, str) and module.startswith("shoal.")
+
+
 @contextlib.contextmanager
 def shoal_cycles() -> Iterator[collections.Counter[str]]:
     """The types of shoal's objects left in reference cycles while the block ran (the
     collector off meanwhile): only shoal's, the event loop's own (the selector loop's closed
-    transports) are not the request path's to break."""
+    transports) are not the request path's to break. Objects alive before the block are not
+    its own: an earlier test's (its event loop, closed and let go while this block ran, and
+    the connections it held) were counted when that test's order put them here."""
     found: collections.Counter[str] = collections.Counter()
     gc.collect()
+    earlier = {id(o) for o in gc.get_objects() if _shoals(o)}
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
@@ -413,7 +421,7 @@ def shoal_cycles() -> Iterator[collections.Counter[str]]:
         gc.collect()
         for obj in gc.garbage:
             kind = type(obj)
-            if kind.__module__.startswith("shoal."):
+            if _shoals(obj) and id(obj) not in earlier:
                 found[kind.__qualname__] += 1
     finally:
         gc.set_debug(0)

@@ -363,7 +363,11 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_read = 0  # bytes read while its final head is incomplete (the same bound)
         self._in_head = False  # its final head is not complete yet
         self._paused = False  # by the client's flow (`pause_reading`)
-        self._calls = 0  # body pieces parsed since the last turn given (`TURN_CALLS`)
+        self._calls = 0  # body pieces parsed by `_parse_held` in this turn (`TURN_CALLS`)
+        # A read of at most this many bytes is parsed whole, at once; each piece of body it
+        # holds takes 4 from it (a 1-byte chunk is 6 bytes: the reads of one turn give at most
+        # `FEED_SLICE` / 4 pieces so), and a held read sets it to -1. Past it, `_held_read`.
+        self._room = FEED_SLICE
         self._held = b""  # read, not parsed yet: waiting for the loop's next turn
         self._held_pos = 0
         self._waiting = False  # reading paused until the loop's next turn parses `_held`
@@ -462,17 +466,13 @@ class UpstreamConnection(asyncio.Protocol):
             sink.on_failure(UpstreamError(f"connection to {self.upstream.address} lost{reason}"))
 
     def data_received(self, data: bytes) -> None:
-        if self.sink is None and not self._held:
+        if len(data) > self._room:  # (bytes held, a large read, or the pieces' room spent)
+            self._held_read(data)
+            return
+        if self.sink is None:
             # Nothing was asked: a late byte of an abandoned response, or a protocol error.
             if self.transport is not None:
                 self.transport.close()
-            return
-        if self._held or self._calls >= TURN_CALLS or len(data) > FEED_SLICE:
-            self._hold(data)
-            if self._calls >= TURN_CALLS:
-                self._give_turn()
-            elif not self._waiting:
-                self._parse_held()
             return
         in_head = self._in_head  # (as `_feed`, inline: a stream's every event comes here)
         if in_head:
@@ -490,8 +490,18 @@ class UpstreamConnection(asyncio.Protocol):
             if self._head_read > MAX_RESPONSE_HEAD:
                 self._failed(None)
                 return
-        self._calls += len(self._bodies)
-        self._deliver()
+        sink, bodies = self.sink, self._bodies  # (as `_deliver`, inline)
+        if sink is None:  # (it ended in this packet; pieces after its end are of a response
+            bodies.clear()  # nobody asked for, and the connection is closed: `on_message_begin`)
+            return
+        self._room -= len(bodies) << 2  # (one compare a read, not two: see `_room`)
+        try:
+            sink.on_packet(bodies)
+        except Exception as exc:  # (as a parser's callback raising: the response fails)
+            bodies.clear()
+            self._failed(exc)
+            return
+        bodies.clear()
 
     def _deliver(self) -> None:
         """The pieces of body parsed go to the sink, in one call (`on_packet`)."""
@@ -527,10 +537,27 @@ class UpstreamConnection(asyncio.Protocol):
                 return False
         return True
 
+    def _held_read(self, data: bytes) -> None:
+        """A read past `_room`: held, then parsed a slice at a time now, or in the loop's next
+        turn when reads parsed whole spent this turn's room for pieces."""
+        if self.sink is None and not self._held:
+            if self.transport is not None:  # (as in `data_received`)
+                self.transport.close()
+            return
+        spent = not self._held and self._room < FEED_SLICE
+        self._hold(data)
+        if self._waiting:
+            return
+        if spent:
+            self._give_turn()
+        else:
+            self._parse_held()
+
     def _hold(self, data: bytes) -> None:
         rest = self._held[self._held_pos :]
         self._held = rest + data if rest else data
         self._held_pos = 0
+        self._room = -1  # (every read is held behind these)
 
     def _give_turn(self) -> None:
         """Parse the held bytes in the loop's next turn, reading paused meanwhile."""
@@ -565,7 +592,10 @@ class UpstreamConnection(asyncio.Protocol):
         self._deliver()  # (the turn's pieces in one call: one write to the client)
         if self._held:
             self._give_turn()
-        elif resumed and not self._paused and transport is not None and not transport.is_closing():
+            return
+        # (reads parsed whole until the turn's room for pieces is spent: 4 bytes a piece)
+        self._room = min(FEED_SLICE, max(0, TURN_CALLS - self._calls) << 2)
+        if resumed and not self._paused and transport is not None and not transport.is_closing():
             transport.resume_reading()
 
     def _failed(self, exc: Exception | None) -> None:
