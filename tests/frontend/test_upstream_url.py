@@ -6,23 +6,24 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shoal.frontend.http.target import Target, parse_with_urllib
 from shoal.frontend.http.upstream import Upstream
 
 FIELDS = ("instance_id", "url", "address", "host", "tls", "port", "authorization", "provider",
           "path_prefix", "path_skip", "host_header", "label")  # fmt: skip
 
 
-def parsed_by_urllib(instance_id: int, url: str, provider: bool) -> Upstream:
-    upstream = Upstream.__new__(Upstream)
-    upstream._parse(instance_id, url, None, provider)
-    return upstream
+def parsed_by_urllib(instance_id: int, url: str, provider: bool) -> Target:
+    return parse_with_urllib(instance_id, url, None, provider)
+
+
+def fields(upstream: Upstream) -> Target:
+    return tuple(getattr(upstream, name) for name in FIELDS)  # type: ignore[return-value]
 
 
 def assert_same(url: str, provider: bool = False) -> None:
     fast = Upstream(0x2A, url, provider=provider)
-    slow = parsed_by_urllib(0x2A, url, provider)
-    for name in FIELDS:
-        assert getattr(fast, name) == getattr(slow, name), (url, name)
+    assert fields(fast) == parsed_by_urllib(0x2A, url, provider), url
 
 
 def test_plain_urls_read_as_urllib_reads_them() -> None:
@@ -57,8 +58,7 @@ def test_any_plain_url_reads_as_urllib_reads_it(
             return
         raise AssertionError(f"{url} was taken, urllib refuses it") from None
     fast = Upstream(1, url, provider=provider)
-    for name in FIELDS:
-        assert getattr(fast, name) == getattr(slow, name), (url, name)
+    assert fields(fast) == slow, url
 
 
 def test_other_urls_still_take_urllib() -> None:

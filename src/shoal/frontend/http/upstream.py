@@ -3,13 +3,9 @@
 An `UpstreamConnection` carries one exchange at a time: the proxy writes a request with
 `send()` and the connection hands the response to a `ResponseSink` as httptools parses it:
 the head, then each packet's pieces of body as they arrive (chunked framing removed), in one
-call per packet, then the end.
-Nothing is buffered here; a sink that cannot keep up pauses the connection's reading.
-
-A response is parsed at most `TURN_CALLS` body pieces per turn of the event loop (a worker
-or provider sending its body in 1-byte chunks would otherwise hold the loop for seconds: libuv
-reads a fast sender up to 32 times per turn): a read larger than `FEED_SLICE` is parsed a
-slice at a time, and past the bound the rest waits, reading paused, for the loop's next turn.
+call per packet, then the end. A sink that cannot keep up pauses the connection's reading.
+At most `TURN_CALLS` body pieces are parsed a turn of the loop (1-byte chunks held it for
+seconds): a read over `FEED_SLICE` a slice at a time, the rest after a turn, reading paused.
 
 A connection goes back to its `Upstream`'s idle list when a response ends and both sides
 allow keep-alive; it is closed on any error, and removed from the idle list when the worker
@@ -23,29 +19,19 @@ verification as the context says).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import functools
-import re
 import ssl
-import sys
 import time
-import urllib.parse
-from collections.abc import Callable
+from types import SimpleNamespace
 from typing import ClassVar, Protocol, cast
 
 import httptools
 from mypy_extensions import mypyc_attr
 
 from shoal.frontend.http.opening import open_within
-from shoal.urls import redact_url
+from shoal.frontend.http.target import parse_target
 
-_PLAIN_URL = re.compile(
-    r"http://(?P<hostport>(?P<host>[A-Za-z0-9][A-Za-z0-9.-]*):(?P<port>[0-9]{1,5}))"
-    r"(?P<path>(?:/[A-Za-z0-9._~/-]*)?)"
-)
-"""An instance URL as workers announce it, `http://host:port[/path]`: no credentials, no
-IPv6 brackets, no query; other URLs take `urllib.parse`."""
 MAX_IDLE = 256  # idle keep-alive connections kept per instance
 MAX_RESPONSE_HEAD = 64 * 1024  # bytes of header lines in a response, its interim ones included
 FEED_SLICE = 8192  # a larger read is parsed this much at a time, so the bound below holds
@@ -153,67 +139,16 @@ class Upstream:
         tls: ssl.SSLContext | None = None,
         provider: bool = False,
     ) -> None:
-        plain = _PLAIN_URL.fullmatch(url)
-        if plain is not None and 0 < int(plain["port"]) < 65536:
-            # The common form, `http://host:port[/path]`, in one match: a fleet's cold start
-            # makes one `Upstream` per instance, and `urlsplit` and its properties cost more.
-            self._plain(instance_id, url, plain, provider)
-        else:
-            self._parse(instance_id, url, tls, provider)
+        (
+            self.instance_id, self.url, self.address, self.host, self.tls, self.port,
+            self.authorization, self.provider, self.path_prefix, self.path_skip,
+            self.host_header, self.label,
+        ) = parse_target(instance_id, url, tls, provider)  # fmt: skip
         self.connect_timeout = connect_timeout
         self.idle: list[UpstreamConnection] = []
         self.in_flight = 0
         self.inhibited_until = 0.0
         self.closed = False
-
-    def _plain(self, instance_id: int, url: str, plain: re.Match[str], provider: bool) -> None:
-        """What `_parse` makes of a plain `http://host:port[/path]` URL, without it."""
-        self.instance_id = instance_id
-        self.url = self.address = url
-        self.host = sys.intern(plain["host"].lower())
-        self.tls = None
-        self.port = int(plain["port"])
-        self.authorization = None
-        self.provider = provider
-        prefix = plain["path"].rstrip("/")
-        self.path_prefix = (prefix[:-3] if prefix.endswith("/v1") else prefix).encode()
-        self.path_skip = 3 if provider and not prefix.endswith("/v1") else 0
-        self.host_header = plain["hostport"].encode()
-        self.label = f"{instance_id:x}".encode()  # the `x-shoal-instance` of its answers
-
-    def _parse(
-        self, instance_id: int, url: str, tls: ssl.SSLContext | None, provider: bool
-    ) -> None:
-        parts = urllib.parse.urlsplit(url)
-        schemes = ("http", "https") if tls is not None else ("http",)
-        if parts.scheme not in schemes or not parts.hostname:
-            wanted = " or ".join(f"{s}://host:port" for s in schemes)
-            # (credentials and a query never go into messages)
-            raise ValueError(f"URL {redact_url(url)!r}: only {wanted} URLs are supported")
-        self.instance_id = instance_id
-        self.url = url  # as announced (identity for the registry; may hold credentials)
-        self.host = sys.intern(parts.hostname)  # (one copy per machine, not per instance)
-        self.tls = tls if parts.scheme == "https" else None
-        self.port = parts.port or (443 if self.tls is not None else 80)
-        # Credentials in the URL are sent as Basic auth, never in `Host` nor in messages; a
-        # query (never sent: refused in routes) is not shown either.
-        hostport = parts.netloc.rpartition("@")[2]
-        address = redact_url(urllib.parse.urlunsplit(parts._replace(netloc=hostport)))
-        self.address = url if address == url else address  # (one string, when they are one)
-        self.authorization = None
-        self.provider = provider
-        if parts.username is not None:
-            user = urllib.parse.unquote(parts.username)
-            password = urllib.parse.unquote(parts.password or "")
-            self.authorization = b"Basic " + base64.b64encode(f"{user}:{password}".encode())
-        # Requests carry OpenAI paths (/v1/...): a URL ending in /v1 names the same root.
-        # A provider's `base_url` ends where `/chat/completions` starts: another base path
-        # (`https://host/v1beta/openai`) replaces the `/v1` of requests (`path_skip`).
-        prefix = parts.path.rstrip("/")
-        self.path_prefix = (prefix[:-3] if prefix.endswith("/v1") else prefix).encode()
-        self.path_skip = 3 if provider and not prefix.endswith("/v1") else 0
-        self.host_header = (hostport or f"{self.host}:{self.port}").encode()
-        self.label = f"{instance_id:x}".encode()  # the `x-shoal-instance` of its answers
 
     def __repr__(self) -> str:
         return f"<Upstream {self.instance_id:x} {self.address}>"
@@ -303,33 +238,6 @@ def _made(upstream: Upstream, made: list[UpstreamConnection]) -> UpstreamConnect
     return made[-1]
 
 
-class _Callbacks:
-    """What the parser calls (it reads these names once, when it is made): the connection's
-    methods, and for the body a list's `append`."""
-
-    __slots__ = (
-        "on_body",
-        "on_header",
-        "on_headers_complete",
-        "on_message_begin",
-        "on_message_complete",
-    )
-
-    def __init__(
-        self,
-        on_header: Callable[[bytes, bytes], None],
-        on_headers_complete: Callable[[], None],
-        on_body: Callable[[bytes], None],
-        on_message_begin: Callable[[], None],
-        on_message_complete: Callable[[], None],
-    ) -> None:
-        self.on_header = on_header
-        self.on_headers_complete = on_headers_complete
-        self.on_body = on_body
-        self.on_message_begin = on_message_begin
-        self.on_message_complete = on_message_complete
-
-
 class UpstreamConnection(asyncio.Protocol):
     """One HTTP/1.1 connection to an instance, carrying one exchange at a time."""
 
@@ -342,12 +250,12 @@ class UpstreamConnection(asyncio.Protocol):
         # once the packet is parsed (`on_packet`), or before the end (`on_message_complete`).
         self._bodies: list[bytes] = []
         self.parser = httptools.HttpResponseParser(
-            _Callbacks(
-                self.on_header,
-                self.on_headers_complete,
-                self._bodies.append,
-                self.on_message_begin,
-                self.on_message_complete,
+            SimpleNamespace(  # (what the parser calls: it reads these names once, when made)
+                on_header=self.on_header,
+                on_headers_complete=self.on_headers_complete,
+                on_body=self._bodies.append,
+                on_message_begin=self.on_message_begin,
+                on_message_complete=self.on_message_complete,
             )
         )
         self.transport: asyncio.Transport | None = None

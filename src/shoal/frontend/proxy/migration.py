@@ -4,19 +4,17 @@ goes on at another instance of the same worker set, which continues the text so 
 A `Migration` rides along a `Forward` (forward.py) of a streamed chat or text completion
 when the model may migrate (`--migration-limit`, or the card's `runtime_config`
 `migration_limit`) and has another instance. Only then are the stream's SSE events parsed
-(`feed`): whole events pass to the client (a partial one waits for its end, so the client
-never holds half an event when the instance dies), and the text, the tokens (the usage's
-count when chunks carry one, `continuous_usage_stats`; else one per content chunk, a lower
-bound) and the stream's `id` and `created` are kept, read in batches (`catch_up`: a decode
-per event cost more than the rest of the request path). Others keep the byte pass-through.
+(`feed`): whole events pass to the client (a partial one waits for its end: no half event
+when the instance dies), and the text, the tokens (the usage's count when chunks carry one,
+`continuous_usage_stats`; else one a content chunk, a lower bound), the stream's `id` and
+`created` are kept, read in batches (`catch_up`). Others keep the byte pass-through.
 
 When the instance fails (reset, an end before `[DONE]` and before the finish reason, the
 idle timeout), `resume` re-issues the request to another instance of the set, never one
 inhibited, tainted or tried: chat with the text as a final assistant message,
 `continue_final_message: true` and `add_generation_prompt: false` (vLLM's and SGLang's);
 completions with the text appended to the prompt; `max_tokens`/`max_completion_tokens`
-less the tokens received.
-The continuation's events are rewritten into the client's stream: its `id` and `created`,
+less the tokens received. The continuation's events are rewritten into the client's stream: its `id` and `created`,
 the role chunk dropped, and the usage chunk counting every token the client received
 (the continuation's prompt holds the carried tokens: they move back to the completion).
 Text continuation: the next instance re-tokenizes the text, so a real engine may split it
