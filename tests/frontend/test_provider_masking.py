@@ -319,6 +319,65 @@ async def test_a_compressed_provider_body_is_dropped_for_a_502_naming_the_provid
         await runner.cleanup()
 
 
+async def raw_provider(head: Callable[[str], bytes]) -> tuple[asyncio.Server, str]:
+    """A provider written on sockets (aiohttp would not send a `Transfer-Encoding` of gzip):
+    to each request, the bytes `head(bearer)` and a gzipped body quoting the bearer."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = await reader.readuntil(b"\r\n\r\n")
+        found = re.search(rb"(?i)\r\nauthorization: bearer ([^\r]*)", request)
+        given = found.group(1).decode() if found else ""
+        length = re.search(rb"(?i)\r\ncontent-length: (\d+)", request)
+        await reader.readexactly(int(length.group(1)) if length else 0)
+        body = gzip.compress(('{"error":{"message":"bad key ' + given + '"}}').encode())
+        writer.write(head(given) + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+CODED_HEADS: dict[str, Callable[[str], bytes]] = {
+    # a coding of the transfer, not of the content: the body reached the client gzipped
+    "te-gzip": lambda key: b"HTTP/1.1 400 Bad\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: gzip, chunked\r\n\r\n",
+    # a coding that quotes the key: the 502 and the log quoted it unmasked
+    "ce-quoting-key": lambda key: b"HTTP/1.1 400 Bad\r\nContent-Type: application/json\r\n"
+    b"Content-Encoding: x-" + key.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("head", CODED_HEADS, ids=list(CODED_HEADS))
+async def test_a_provider_coding_other_than_chunked_is_refused_and_its_value_masked(
+    store: Store,
+    start_frontend: StartFrontend,
+    monkeypatch: Any,
+    caplog: pytest.LogCaptureFixture,
+    head: str,
+) -> None:
+    """Only `Content-Encoding` was checked: a `Transfer-Encoding: gzip, chunked` body went to
+    the client compressed, the key inside it unmasked; and a coding quoting the key was
+    quoted in the 502 as it came. Now any coding but identity and chunked is refused, and the
+    502 names the header with the key masked in its value."""
+    monkeypatch.setenv("SHOAL_SECRET_PKEY", KEY)
+    caplog.set_level("DEBUG")
+    server, url = await raw_provider(CODED_HEADS[head])
+    try:
+        frontend = await start_frontend()
+        await serve_route(store, frontend, "v", url_target(url, "m", secret="pkey"))
+        status, text, _ = await ask(frontend.url)
+        assert status == 502, text
+        error = json.loads(text)["error"]
+        assert error["code"] == "provider_encoding", error
+        assert "Encoding" in error["message"] and "127.0.0.1" in error["message"], error
+        assert "0123456789" not in revealed(text), text
+        assert "0123456789" not in revealed(caplog.text), caplog.text
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 @pytest.mark.parametrize("piece", [1, 7, 64 << 10])
 def test_masking_a_body_full_of_near_matches_searches_each_byte_a_bounded_number_of_times(
     piece: int,

@@ -50,11 +50,12 @@ def provider_refused(model: str, provider: str, status: int) -> ApiError:
 
 
 def provider_encoded(model: str, provider: str, encoding: str) -> ApiError:
-    """A provider answered with a `Content-Encoding` the gateway did not ask for (it asks for
-    identity): its body is dropped, not relayed, as the key it may quote could not be masked."""
+    """A provider answered under a coding the gateway did not ask for (it asks for identity):
+    `encoding` is the header, as `Header 'value'`. Its body is dropped, not relayed, as the key
+    it may quote could not be masked."""
     return ApiError(
         502,
-        f"The provider {provider} of `{model}` answered with Content-Encoding {encoding!r}, "
+        f"The provider {provider} of `{model}` answered with {encoding}, "
         "though the gateway asked for none; its answer was dropped.",
         type="server_error",
         code="provider_encoding",

@@ -14,9 +14,10 @@ before it is the client's:
   written in, JSON-escaped, URL-encoded, HTML-escaped (`virtual.masking.Masked`, same length,
   so a `Content-Length` still holds): the value the request was written with, and the one in
   force when the answer comes (a rotation in between leaves the old one valid at the provider);
-- a body with a `Content-Encoding` (the gateway asks for identity: a compressed body could
-  not be masked) is not relayed: a failed attempt, and when none is left a 502
-  `provider_encoding` naming the provider and the encoding;
+- a body under any coding but identity (a `Content-Encoding`, or a `Transfer-Encoding` other
+  than chunked: the gateway asks for identity, and a compressed body could not be masked) is
+  not relayed: a failed attempt, and when none is left a 502 `provider_encoding` naming the
+  provider and the header (its value masked);
 - its cookies, account headers and rate limits are dropped (`provider_response_headers`), and
   any other header (of any answer) quoting the secret, in any form, has it masked.
 """
@@ -47,16 +48,24 @@ from shoal.urls import redact_url
 log = logging.getLogger(__name__)
 
 BEARER = b"Bearer "
-CONTENT_ENCODING = b"content-encoding"
+CODINGS = {b"content-encoding": ("Content-Encoding", (b"identity",)),
+           b"transfer-encoding": ("Transfer-Encoding", (b"chunked", b"identity"))}  # fmt: skip
+"""The headers that name a coding, and the codings under which a body can be masked."""
 
 
 def _encoding(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """The `Content-Encoding` of an answer when it is not identity (None: none, or identity)."""
+    """A coding the body is under that is not identity (or chunked, for `Transfer-Encoding`),
+    as `Header 'value'` (None: none). Any other coding (gzip, a quoted or unknown token) hides
+    the body's bytes from masking."""
     for name, value in headers:
-        if len(name) == len(CONTENT_ENCODING) and name.lower() == CONTENT_ENCODING:
-            coding = value.strip().lower()
-            if coding and coding != b"identity":
-                return value.decode("latin-1")[:64]
+        known = CODINGS.get(name.lower()) if len(name) in (16, 17) else None
+        if known is None:
+            continue
+        header, plain = known
+        for coding in value.split(b","):
+            coding = coding.strip().lower()
+            if coding and coding not in plain:
+                return f"{header} {value.decode('latin-1')[:64]!r}"
     return None
 
 
@@ -146,19 +155,18 @@ class VirtualForward(Forward):
                 self._refuse_key(target)
             self._attempt_failed(refused)
             return False
+        sent, now = self.sent, target.authorization  # (the key sent, and the one in force)
+        secrets = [a[len(BEARER) :] for a in (sent, now) if a is not None and a.startswith(BEARER)]
+        masked = Masked(*secrets) if secrets else None
+        if masked is not None:  # (first: the 502 and the log below quote a header's value)
+            headers = masked.headers(headers)
         encoding = _encoding(headers)
         if encoding is not None:
             provider = self._provider(target)
             self._attempt_failed(errors.provider_encoded(self.name, provider, encoding))
             return False
-        headers = provider_response_headers(headers)
-        sent, now = self.sent, target.authorization  # (the key sent, and the one in force)
-        secrets = [a[len(BEARER) :] for a in (sent, now) if a is not None and a.startswith(BEARER)]
-        if secrets:
-            masked = Masked(*secrets)
-            headers = masked.headers(headers)
-            self.masked = masked
-        return super().on_head(status, headers, chunked)
+        self.masked = masked
+        return super().on_head(status, provider_response_headers(headers), chunked)
 
     def on_body(self, data: bytes) -> None:
         if self.masked is not None:  # (masked once a read, in `flush`: not once a chunk)
