@@ -340,11 +340,15 @@ async def raw_provider(head: Callable[[str], bytes]) -> tuple[asyncio.Server, st
 
 CODED_HEADS: dict[str, Callable[[str], bytes]] = {
     # a coding of the transfer, not of the content: the body reached the client gzipped
-    "te-gzip": lambda key: b"HTTP/1.1 400 Bad\r\nContent-Type: application/json\r\n"
-    b"Transfer-Encoding: gzip, chunked\r\n\r\n",
+    "te-gzip": lambda key: (
+        b"HTTP/1.1 400 Bad\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: gzip, chunked\r\n\r\n"
+    ),
     # a coding that quotes the key: the 502 and the log quoted it unmasked
-    "ce-quoting-key": lambda key: b"HTTP/1.1 400 Bad\r\nContent-Type: application/json\r\n"
-    b"Content-Encoding: x-" + key.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n",
+    "ce-quoting-key": lambda key: (
+        b"HTTP/1.1 400 Bad\r\nContent-Type: application/json\r\n"
+        b"Content-Encoding: x-" + key.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ),
 }
 
 
