@@ -32,13 +32,7 @@ import httptools
 from shoal.bounds import DepthMeter
 from shoal.frontend.http import errors, head
 from shoal.frontend.http.errors import bad_request, body_too_large
-from shoal.frontend.http.request import (
-    BodyPieces,
-    FlowListener,
-    InFlight,
-    Request,
-    encode_response,
-)
+from shoal.frontend.http.request import BodyPieces, FlowListener, InFlight, Request, encode_response
 from shoal.frontend.http.unread import Unread
 from shoal.openai import ApiError
 
@@ -52,8 +46,7 @@ TURN_BYTES = 256 << 10  # after reading this many bytes, a connection lets the l
 TURN_CALLS = 4096  # and after parsing this many body pieces (a body in 1-byte chunks)
 LINGER_BYTES = 1 << 20  # and how many at least (twice `max_body` if more: see `_finish`)
 
-# What a connection is reading: nothing yet of the next request, its head, or its body.
-IDLE, HEAD, BODY = 0, 1, 2
+IDLE, HEAD, BODY = 0, 1, 2  # what a connection reads: nothing yet of a request, a head, a body
 
 
 # A handler answers with `send()`, or `produce_later()`, `write()`s and `finish()` later.
@@ -91,6 +84,15 @@ class HttpConnection(asyncio.Protocol):
     without closing, and while it is not stopped every complete request gets an answer.
     """
 
+    # Slots: a connection has 40 attributes, past the 30 keys CPython 3.11 shares among the
+    # instances of a class, so its attributes would live in an ordinary dict, slower to read.
+    __slots__ = ("_answered_in_read", "_body", "_body_size", "_calls", "_final",
+        "_head_bytes", "_headers", "_held", "_held_pos", "_last_progress", "_linger_left",
+        "_lingering", "_meter", "_next_scheduled", "_phase", "_phase_since", "_progress",
+        "_read_bytes", "_reading_paused", "_stopped", "_trailer_bytes", "_trailers",
+        "_unread", "_upgrading", "_url", "busy", "closed", "current", "extra_headers", "flow",
+        "head_only", "idle_since", "keep_alive", "loop", "parser", "pending",
+        "response_started", "server", "transport", "writing_paused")  # fmt: skip
     __deletable__ = ("parser",)  # (a compiled build allows `del` of these only)
 
     def __init__(self, server: Listener) -> None:

@@ -60,24 +60,20 @@ class ResponseSink(Protocol):
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
         """The status and headers; return False to abandon the response (the connection closes)."""
-        ...
 
     def on_body(self, data: bytes) -> None:
         """A piece of body, before the end (`on_complete`) or a failure in its packet."""
-        ...
 
     def on_packet(self, bodies: list[bytes]) -> None:
         """A packet from the worker was parsed: its pieces of body (none for a packet of the
         head alone), to pass on now. The list is the connection's, emptied after the call:
         a sink keeps its pieces, never the list. (One call per packet, not one per piece:
         a stream's every event is a packet.) Raising fails the response (`on_failure`)."""
-        ...
 
     def on_complete(self) -> None: ...
 
     def on_failure(self, exc: Exception) -> None:
         """The connection failed before the response was complete."""
-        ...
 
 
 class Upstream:
@@ -272,9 +268,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._in_head = False  # its final head is not complete yet
         self._paused = False  # by the client's flow (`pause_reading`)
         self._calls = 0  # body pieces parsed by `_parse_held` in this turn (`TURN_CALLS`)
-        # A read of at most this many bytes is parsed whole, at once; each piece of body it
-        # holds takes 4 from it (a 1-byte chunk is 6 bytes: the reads of one turn give at most
-        # `FEED_SLICE` / 4 pieces so), and a held read sets it to -1. Past it, `_held_read`.
+        # A read of at most this many bytes is parsed whole (a loop reads again in one turn
+        # only after a full buffer); a held read sets it to -1, a turn that parsed held bytes
+        # to what is left of the turn, 4 bytes a piece (a 1-byte chunk is 6). Else `_held_read`.
         self._room = FEED_SLICE
         self._held = b""  # read, not parsed yet: waiting for the loop's next turn
         self._held_pos = 0
@@ -402,7 +398,6 @@ class UpstreamConnection(asyncio.Protocol):
         if sink is None:  # (it ended in this packet; pieces after its end are of a response
             bodies.clear()  # nobody asked for, and the connection is closed: `on_message_begin`)
             return
-        self._room -= len(bodies) << 2  # (one compare a read, not two: see `_room`)
         try:
             sink.on_packet(bodies)
         except Exception as exc:  # (as a parser's callback raising: the response fails)
@@ -501,10 +496,15 @@ class UpstreamConnection(asyncio.Protocol):
         if self._held:
             self._give_turn()
             return
-        # (reads parsed whole until the turn's room for pieces is spent: 4 bytes a piece)
+        # (a read later in this turn gets what is left of it; the next turn's, all: `_room`)
         self._room = min(FEED_SLICE, max(0, TURN_CALLS - self._calls) << 2)
+        asyncio.get_running_loop().call_soon(self._turn_over)
         if resumed and not self._paused and transport is not None and not transport.is_closing():
             transport.resume_reading()
+
+    def _turn_over(self) -> None:
+        if self._room >= 0:  # (-1: bytes are held)
+            self._room = FEED_SLICE
 
     def _failed(self, exc: Exception | None) -> None:
         """The response cannot be read: malformed (`exc`), or a head over the bound (None).
