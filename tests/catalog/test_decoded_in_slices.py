@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
 
@@ -229,3 +230,13 @@ async def test_an_answer_that_is_not_a_page_is_refused_as_a_plain_decode_refuses
         read_items(Model, raw)
     with pytest.raises(CatalogError, match="not a page"):
         await read_items_sliced(Model, raw)
+
+
+@pytest.mark.parametrize("count", [0, 1, 999, 1000, 1001, 2500])
+async def test_an_array_encoded_in_slices_is_the_bytes_of_one_encode(count: int) -> None:
+    """(A usage report's items are encoded `ENCODED_PER_SLICE` a turn: the same bytes.)"""
+    items = [{"key": f"k{i}", "minute": None, "requests": i, "name": 'ü\n"'} for i in range(count)]
+    turns = LoopTurns()
+    first = turns.count
+    assert await slices.encode_in_slices(items) == msgspec.json.encode(items)
+    assert turns.count - first >= (count - 1) // slices.ENCODED_PER_SLICE

@@ -28,6 +28,7 @@ from shoal.catalog import tables
 from shoal.catalog.errors import InvalidError
 from shoal.catalog.repository import check_storable
 from shoal.catalog.resources import WORKSPACE_PATTERN, Strict, Time
+from shoal.slices import encode_in_slices
 
 log = logging.getLogger(__name__)
 
@@ -385,8 +386,9 @@ def usage_routes(
         items = await query_usage(
             engine, workspace, key=key, model=model, start=start, end=end, group_by=group_by
         )
-        report = {"workspace": workspace, "group_by": group_by, "items": items}
-        # Encoded off the loop, as the items are already what `UsageReport` says (a
-        # response model would validate and encode 100,000 items on it).
-        body = await asyncio.to_thread(msgspec.json.encode, report)
-        return Response(body, media_type="application/json")
+        # Encoded as they are, already what `UsageReport` says (a response model would validate
+        # and encode 100,000 items on the loop), a slice at a time: msgspec encodes in one C
+        # call holding the GIL, so in a thread 100,000 items held the loop ~20 ms all the same.
+        encoded = msgspec.Raw(await encode_in_slices(items))
+        report = {"workspace": workspace, "group_by": group_by, "items": encoded}
+        return Response(msgspec.json.encode(report), media_type="application/json")
