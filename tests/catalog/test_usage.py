@@ -288,6 +288,25 @@ async def test_counters_stay_at_the_bigint_bound_and_the_batch_is_counted(
     assert (by_key["b"]["requests"], by_key["b"]["prompt_tokens"]) == (2, 3)
 
 
+def test_a_batch_is_merged_in_the_order_of_its_identities_whatever_their_prefixes() -> None:
+    """Rows are written (and locked) in the order of their identities field by field: a
+    field that is a prefix of another's comes first, whatever follows it."""
+    import random
+
+    from shoal.catalog.usage import UsageRow, _merged
+
+    labels = ["a", "ab", "a-b", "a b", "a~", "é", "A", "0"]
+    rows = [row(key, model, f"2030-01-01T00:0{i % 3}:00Z", 1, workspace=space)
+            for i, (key, model, space) in enumerate(
+                (k, m, w) for k in labels for m in ["", *labels] for w in ["t", "t-a", "ta"])
+            ]  # fmt: skip
+    random.Random(7).shuffle(rows)
+    merged = _merged([UsageRow.model_validate(r) for r in rows])
+    fields = ("workspace", "key", "model", "served_model", "status_class", "minute")
+    idents = [tuple(str(m[f]) for f in fields) for m in merged]
+    assert len(idents) == len(rows) and idents == sorted(idents)
+
+
 def test_a_batch_repeating_one_row_sums_at_most_the_bound() -> None:
     from shoal.catalog.usage import UsageRow, _merged
 
