@@ -543,25 +543,14 @@ async def test_a_served_name_with_a_trailing_newline_is_skipped_and_the_provider
         assert len(skipped) == 1 and "bad" in skipped[0].getMessage()
 
 
-async def test_a_providers_listing_is_bounded_and_decoded_off_the_loop(
+async def test_a_providers_listing_is_bounded(
     catalog: CatalogServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`GET /models` was read whole and decoded on the event loop, however large. Now: over
     `LISTING_BYTES` or `LISTING_MODELS` (made small here) the provider is ERROR naming the
-    bound; a listing over `LISTING_OFF_LOOP_BYTES` is decoded in another thread."""
-    import threading
-
+    bound (how a large listing is decoded: tests/catalog/test_decoded_in_slices.py)."""
     from shoal.catalog import providers as providers_module
 
-    decoded_in: list[str] = []
-    real = getattr(providers_module, "listed_ids", None)
-
-    def recording(raw: bytes, url: str) -> list[str]:
-        decoded_in.append(threading.current_thread().name)
-        assert real is not None
-        return real(raw, url)
-
-    monkeypatch.setattr(providers_module, "listed_ids", recording, raising=False)
     async with (
         openai_servers([f"model-{i:03d}" for i in range(100)]) as (server,),
         controller_on(catalog.url, workspaces=[WS]) as (ctl, client, _),
@@ -579,8 +568,5 @@ async def test_a_providers_listing_is_bounded_and_decoded_off_the_loop(
         assert provider.status == "ERROR" and "LISTING_MODELS" in provider.status_message
         assert "100 models" in provider.status_message
         monkeypatch.setattr(providers_module, "LISTING_MODELS", 100_000)
-        monkeypatch.setattr(providers_module, "LISTING_OFF_LOOP_BYTES", 0, raising=False)
-        decoded_in.clear()
         await ctl.step()
         assert (await client.get(PROVIDERS, "p")).status == "READY"
-        assert decoded_in and threading.main_thread().name not in decoded_in

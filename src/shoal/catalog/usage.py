@@ -28,6 +28,7 @@ from shoal.catalog import tables
 from shoal.catalog.errors import InvalidError
 from shoal.catalog.repository import check_storable
 from shoal.catalog.resources import WORKSPACE_PATTERN, Strict, Time
+from shoal.slices import encode_in_slices
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,10 @@ def _added(held: sa.ColumnElement[int], more: sa.ColumnElement[int]) -> sa.Colum
 def _merged(rows: list[UsageRow]) -> list[dict[str, Any]]:
     """The rows with one per identity (a batch may repeat one: they add up), in the order of
     their identities: batches that share rows lock them in one order (in theirs, two
-    frontends' batches deadlocked on PostgreSQL)."""
+    frontends' batches deadlocked on PostgreSQL). Called in a thread: its Python loop lets
+    the event loop take the GIL back, but the sort is one C call that holds it, so it sorts
+    strings (no field holds a NUL, so joined at NULs they sort as the identities do): 10,000
+    identities as tuples took 9-25 ms, as strings ~1.5 ms."""
     merged: dict[tuple[Any, ...], dict[str, Any]] = {}
     for row in rows:
         data = row.model_dump()
@@ -174,7 +178,7 @@ def _merged(rows: list[UsageRow]) -> list[dict[str, Any]]:
         else:
             for count in ("requests", "prompt_tokens", "completion_tokens"):
                 held[count] = min(held[count] + data[count], COUNT_MAX)
-    return [merged[ident] for ident in sorted(merged, key=lambda i: tuple(map(str, i)))]
+    return [merged[ident] for ident in sorted(merged, key=lambda i: "\x00".join(map(str, i)))]
 
 
 async def query_usage(
@@ -385,8 +389,9 @@ def usage_routes(
         items = await query_usage(
             engine, workspace, key=key, model=model, start=start, end=end, group_by=group_by
         )
-        report = {"workspace": workspace, "group_by": group_by, "items": items}
-        # Encoded off the loop, as the items are already what `UsageReport` says (a
-        # response model would validate and encode 100,000 items on it).
-        body = await asyncio.to_thread(msgspec.json.encode, report)
-        return Response(body, media_type="application/json")
+        # Encoded as they are, already what `UsageReport` says (a response model would validate
+        # and encode 100,000 items on the loop), a slice at a time: msgspec encodes in one C
+        # call holding the GIL, so in a thread 100,000 items held the loop ~20 ms all the same.
+        encoded = msgspec.Raw(await encode_in_slices(items))
+        report = {"workspace": workspace, "group_by": group_by, "items": encoded}
+        return Response(msgspec.json.encode(report), media_type="application/json")

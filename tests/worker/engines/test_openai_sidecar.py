@@ -508,6 +508,7 @@ async def test_a_large_model_listing_is_decoded_a_slice_of_bytes_a_turn_on_the_l
     """A listing over 64 KiB was decoded in a thread, which held the event loop as long:
     msgspec decodes in one C call holding the GIL. Now its entries are decoded at most
     `PARSE_SLICE_BYTES` a turn of the loop, all on it, and the models are those listed."""
+    from shoal import slices
     from shoal.worker.engines import openai_sidecar
 
     limit = openai_sidecar.PARSE_SLICE_BYTES
@@ -516,7 +517,7 @@ async def test_a_large_model_listing_is_decoded_a_slice_of_bytes_a_turn_on_the_l
     async with serving(listing_app(large)) as upstream:
         engine = OpenAISidecarEngine(upstream.url, health_interval=0.0)
         turns = LoopTurns()
-        turns.wrap(openai_sidecar, "decode_entries", lambda raws: sum(map(len, raws)))
+        turns.wrap(slices, "decode_slice", lambda raws, *_: sum(map(len, raws)))
         await engine.start()
         try:
             models = await engine.served_models()

@@ -32,6 +32,7 @@ from shoal.cards import WorkerRole
 from shoal.discovery.keys import quoted
 from shoal.kv import KvEndpoint
 from shoal.openai import ApiError
+from shoal.slices import decoded_slices
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
 from shoal.worker.protocol import openai_errors
 
@@ -53,8 +54,8 @@ PARSE_SLICE_BYTES = 64 << 10
 """Bytes of a `/v1/models` reply's entries decoded in one step on the event loop (64 KiB is
 ~6,000 short entries: a few ms). msgspec decodes in one C call holding the GIL, so a thread
 would not spare the loop: a larger reply is read with its entries left encoded (one pass that
-skips them), then decoded a slice at a time, yielding between. One entry over this makes the
-upstream unhealthy."""
+skips them), then decoded a slice at a time, yielding between (`shoal.slices`). One entry over
+this makes the upstream unhealthy."""
 PARSE_SLICE_ENTRIES = 1024
 """Entries parsed, and models compared with those held, in one step on the event loop."""
 NAMED_IN_ERRORS = 10
@@ -285,20 +286,12 @@ class OpenAISidecarEngine(Engine):
             return None
         if len(raws) > MAX_MODELS_ENTRIES:
             self._too_many(len(raws))  # (refused undecoded)
-        await asyncio.sleep(0)
         data: list[_Entry] = []
-        piece: list[msgspec.Raw] = []
-        held = 0
-        for raw in raws:
-            if len(raw) > PARSE_SLICE_BYTES:
-                raise ValueError(f"an entry of {len(raw):,} bytes, over {PARSE_SLICE_BYTES:,}")
-            if held + len(raw) > PARSE_SLICE_BYTES:
-                data += decode_entries(piece)
-                piece, held = [], 0
-                await asyncio.sleep(0)
-            piece.append(raw)
-            held += len(raw)
-        data += decode_entries(piece)
+        limit = PARSE_SLICE_BYTES
+        async for entries in decoded_slices(
+            raws, _entries_decoder, slice_bytes=limit, item_bytes=limit
+        ):
+            data += entries
         return data
 
     async def _get(self, path: str) -> tuple[int, bytes]:
@@ -496,16 +489,6 @@ class _RawListing(msgspec.Struct):
 _listing_decoder = msgspec.json.Decoder(_Listing)
 _raw_listing_decoder = msgspec.json.Decoder(_RawListing)
 _entries_decoder = msgspec.json.Decoder(list[_Entry])
-
-
-def decode_entries(raws: list[msgspec.Raw]) -> list[_Entry]:
-    """Entries of a listing, left encoded, decoded in one call (copied into one array), their
-    depth checked first (`check_json_depth`)."""
-    if not raws:
-        return []
-    entries = b"[" + b",".join(raws) + b"]"
-    check_json_depth(entries)
-    return _entries_decoder.decode(entries)
 
 
 async def _read_bounded(response: aiohttp.ClientResponse, url: str) -> bytes:
