@@ -248,6 +248,23 @@ def members_later(
     return InThread(client, functools.partial(_decode_members, body), done)
 
 
+async def members_of(body: bytes) -> Members:
+    """The top-level members of a body that passed `decode_fields`, for a body rebuilt from
+    them (disagg.py's stages): a large one's (`LARGE_BODY`) decoded in the decoder's thread,
+    awaited (`members_later` answers a connection instead), a smaller one's at once."""
+    if len(body) < LARGE_BODY:
+        return _decode_members(body)
+    return await asyncio.get_running_loop().run_in_executor(_DECODER, _decode_members, body)
+
+
+async def encode_members(members: Members) -> bytes:
+    """The JSON text of a body rebuilt from `members` (`members_of`): a large one encoded in
+    the decoder's thread, awaited (10 MB of them: a copy of 1-2 ms), a smaller one at once."""
+    if sum(map(len, members.values())) < LARGE_BODY:
+        return _encode(members)
+    return await asyncio.get_running_loop().run_in_executor(_DECODER, _encode, members)
+
+
 def prompt_text(fields: Fields, limit: int = PROMPT_CHARS) -> str:
     """The start of the prompt as text: chat messages, a completion prompt or embedding input."""
     if not isinstance(fields, PromptFields | LargePromptFields):
