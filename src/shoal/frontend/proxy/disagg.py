@@ -137,7 +137,7 @@ class TwoStages:
         assert model.stages is not None
         forward = Forward(self.proxy, request, client, model.stages.prefill, fields, stats)
         if served is not None and served != fields.model:
-            forward.body = rewrite_model(request.body, served)
+            forward.body = rewrite_model(request.body, served, request.members)
         forward.start()
 
     def request_id(self) -> bytes:
@@ -286,10 +286,13 @@ class TwoStageForward(Forward):
 
     async def _members(self) -> Members:
         """The client's top-level members, naming the model as the workers serve it: decoded
-        once (a large body's in the decoder's thread, `members_of`)."""
+        once (a large body's in the decoder's thread: with its fields, `Request.members`,
+        else here, `members_of`)."""
         members = self.members
         if members is None:
-            members = await members_of(self.request.body)
+            members = self.request.members
+            if members is None:
+                members = await members_of(self.request.body)
             if self.served != self.name:
                 members = {**members, "model": msgspec.Raw(msgspec.json.encode(self.served))}
             self.members = members
