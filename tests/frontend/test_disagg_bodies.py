@@ -103,3 +103,12 @@ def test_stage_one_leaves_out_min_tokens_which_its_one_token_cannot_meet() -> No
     one = json.loads(stage_one_body(client.encode()))
     assert "min_tokens" not in one and one["max_tokens"] == 1
     assert json.loads(stage_two_body(client.encode(), None))["min_tokens"] == 5
+
+
+def test_stage_one_leaves_out_echo_whose_prompt_its_answer_need_not_carry() -> None:
+    """The prefill's answer is read for its handle alone, within `MAX_PREFILL_ANSWER`: an
+    echoed 1 MB prompt made it too long, a 502 for a request the decode serves. The decode
+    keeps it."""
+    client = json.dumps({"model": "m", "prompt": "x", "max_tokens": 20, "echo": True})
+    assert "echo" not in json.loads(stage_one_body(client.encode()))
+    assert json.loads(stage_two_body(client.encode(), None))["echo"] is True

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
@@ -18,6 +19,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from shoal.discovery import FleetTarget, Route, publish_route
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.store import open_store
+from tests.frontend.test_disagg_large_bodies import count_large_work
 from tests.helpers import wait_for
 from tests.processes import Process, Processes
 
@@ -382,3 +384,46 @@ async def test_a_virtual_model_of_several_targets_serves_its_disaggregated_one_i
     async with aiohttp.ClientSession() as http:
         assert (await counters(http, prefill))["remote_prefills"] == 3
         assert (await counters(http, decode))["remote_decodes"] == 3
+
+
+async def test_a_1_mb_prompt_reaches_both_stages_exactly_and_is_rebuilt_off_the_loop(
+    processes: Processes, frontend: Frontend
+) -> None:
+    """The prefill computes the prompt, the decode takes every block of it and echoes the
+    prompt it got: the client's, character for character; the gateway parsed the body once,
+    in its decoder, and built neither stage's body on the loop."""
+    store_url = frontend.config.store_url
+    assert store_url is not None
+    room = ("--context-length", "1000000", "--kv-blocks", "131072")
+    prefill, decode = await asyncio.gather(
+        processes.worker(store_url, "--role", "prefill", "--component", "prefill", *FAST, *room),
+        processes.worker(store_url, "--role", "decode", "--component", "decode", *FAST, *room),
+    )
+    await wait_for(lambda: stages_ready(frontend, 1, 1), timeout=20, message="1P+1D serve")
+    words = 'The keeper\'s "lamp" burns over the sea; caf\u00e9 na\u00efve\ttide. '
+    prompt = (words * (1_000_000 // len(words) + 1))[:1_000_000]
+    body = msgspec.json.encode(
+        {"model": "mock-llm", "prompt": prompt, "max_tokens": 3, "echo": True}
+    )
+    whole, large = count_large_work(body)
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(f"{frontend.url}/v1/completions", data=body) as resp,
+        ):
+            assert resp.status == 200, await resp.text()
+            answer = await resp.json()
+    finally:
+        await whole.stop()
+        await large.stop()
+    assert (whole.on_loop, whole.off_loop) == (0, 1)
+    assert large.on_loop == 0, large.per_turn
+    text = answer["choices"][0]["text"]
+    assert text.startswith(prompt) and len(text) > len(prompt)  # the prompt the decode got
+    usage = answer["usage"]
+    async with aiohttp.ClientSession() as http:
+        prefilled, decoded = await counters(http, prefill), await counters(http, decode)
+    assert prefilled["remote_prefills"] == 1 and decoded["remote_decodes"] == 1
+    assert prefilled["computed_prompt_tokens"] == usage["prompt_tokens"] > 100_000
+    assert decoded["computed_prompt_tokens"] == 0  # every block of its prompt came over
+    assert decoded["kv_received_blocks"] == -(-usage["prompt_tokens"] // 16)

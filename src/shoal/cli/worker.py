@@ -102,6 +102,7 @@ def add_parser(sub: Any) -> None:
     mocker("--max-seqs", "256", type=POSITIVE, help="concurrent sequences (excess requests queue)")
     mocker("--block-size", "16", type=POSITIVE, help="KV block tokens")
     mocker("--kv-blocks", "16384", type=POSITIVE, help="simulated KV cache blocks")
+    mocker("--context-length", "8192", type=POSITIVE, help="the model's context, in tokens")
     mocker(
         "--speedup", "1", type=NON_NEGATIVE, help="divide all latencies by this; 0 answers at once"
     )
@@ -190,6 +191,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
             max_seqs=args.max_seqs,
             block_size=args.block_size,
             kv_blocks=args.kv_blocks,
+            context_length=args.context_length,
             speedup=args.speedup,
             prefill_us_per_token=args.prefill_us_per_token,
             kv_events_port=args.kv_events_port,

@@ -123,7 +123,15 @@ class Endpoints:
                     body = request.body
                     if len(body) >= LARGE_BODY:
                         done = functools.partial(self._admit_later, request, conn, kind, grant)
-                        fields_later(request, conn, done, with_prompt=prompt, with_tokens=True)
+                        members = self.proxy.may_rebuild()  # (decoded in the same pass)
+                        fields_later(
+                            request,
+                            conn,
+                            done,
+                            with_prompt=prompt,
+                            with_tokens=True,
+                            with_members=members,
+                        )
                         return
                     fields = decode_fields(
                         body, with_prompt=prompt, too_deep=request.too_deep, with_tokens=True

@@ -11,6 +11,8 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+import msgspec
+
 from shoal.openai import ApiError
 
 
@@ -22,6 +24,7 @@ class Request:
         "headers",
         "http11",
         "keep_alive",
+        "members",
         "method",
         "path",
         "query",
@@ -52,6 +55,10 @@ class Request:
         # deeper than `bounds.MAX_DEPTH`; None when not judged (a small body: the decoder's
         # caller checks it, at little cost).
         self.too_deep: bool | None = None
+        # A large body's top-level members, each as its JSON text, when they were decoded
+        # with its fields (`proxy.fields.fields_later`): a body rebuilt from them (a virtual
+        # model's rename, a disaggregated request's stages) is not parsed again.
+        self.members: dict[str, msgspec.Raw] | None = None
 
     def with_headers(self, headers: list[tuple[bytes, bytes]]) -> Request:
         """This request with other header lines (made field by field: a compiled build's
@@ -59,6 +66,7 @@ class Request:
         other = Request(self.method, self.path, headers, self.body, keep_alive=False, http11=False)
         other.query, other.keep_alive, other.http11 = self.query, self.keep_alive, self.http11
         other.received, other.too_deep = self.received, self.too_deep
+        other.members = self.members
         return other
 
     def header(self, name: bytes) -> bytes | None:

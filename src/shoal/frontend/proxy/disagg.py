@@ -18,6 +18,11 @@ fails before the first byte is retried on another decode with a new prefill, unl
 never reached (a refused connect): then the same handle goes to the next decode. A decode
 that refuses the handle (a 400 naming `kv_transfer_params`) counts as that prefill's
 failure. A client that leaves during stage one cancels it. Embeddings go whole to a prefill.
+
+Both stages' bodies are made of the client's top-level members (`msgspec.Raw`: its messages
+stay the bytes it sent), decoded once; a large body's (`fields.LARGE_BODY`) are decoded, and
+each stage's body encoded from them, in the decoder's thread, never on the event loop
+(`fields.members_of`, `fields.encode_members`).
 """
 
 from __future__ import annotations
@@ -44,15 +49,21 @@ from shoal.frontend.http.upstream import (
     UpstreamError,
     UpstreamTimeout,
 )
-from shoal.frontend.proxy.fields import Fields, rewrite_model
+from shoal.frontend.proxy.fields import (
+    Fields,
+    Members,
+    encode_members,
+    members_of,
+    rewrite_model,
+)
 from shoal.frontend.proxy.forward import Forward
 from shoal.frontend.proxy.proxy import Proxy
 from shoal.frontend.proxy.stages import (
     api_error,
     prefill_handle,
     refuses_handle,
-    stage_one_body,
-    stage_two_body,
+    stage_one,
+    stage_two,
 )
 from shoal.frontend.registry.metrics import TTFT_BUCKETS, Histogram, ModelStats
 from shoal.frontend.registry.registry import Model
@@ -126,7 +137,7 @@ class TwoStages:
         assert model.stages is not None
         forward = Forward(self.proxy, request, client, model.stages.prefill, fields, stats)
         if served is not None and served != fields.model:
-            forward.body = rewrite_model(request.body, served)
+            forward.body = rewrite_model(request.body, served, request.members)
         forward.start()
 
     def request_id(self) -> bytes:
@@ -217,10 +228,12 @@ class TwoStageForward(Forward):
     one place this path awaits more than a connect), then the decode, relayed by `Forward`."""
 
     __slots__ = (
-        "handle",
+        "decode_body",
+        "members",
         "pairsum",
         "peek",
         "peeked",
+        "prefill_body",
         "prefilled_by",
         "sent_at",
         "served",
@@ -243,10 +256,13 @@ class TwoStageForward(Forward):
         super().__init__(stages.proxy, request, client, model, fields, stats)
         self.stages = stages
         self.served = served or self.name  # the model's name on the workers
-        body = request.body  # what both stages are made from: the client's body, or the
-        self.source = body if self.served == self.name else rewrite_model(body, self.served)
+        # What both stages are made of: the client's top-level members, naming the model as
+        # the workers serve it (`_members`, decoded once); the body they are, when known.
+        self.members: Members | None = None
+        self.source: bytes | None = request.body if self.served == self.name else None
+        self.prefill_body: bytes | None = None  # stage one's, the same for every prefill
+        self.decode_body = request.body  # stage two's, for the handle in hand
         self.staging: asyncio.Task[None] | None = None
-        self.handle: msgspec.Raw | None = None  # the prefill's kv_transfer_params
         self.prefilled_by: Upstream | None = None  # None: the next decode needs a new prefill
         self.pairsum = ""  # the checksum of the pair that prefilled: its decodes only take it
         self.peek: list[bytes] | None = None  # a decode's 400, read before it is relayed
@@ -265,6 +281,32 @@ class TwoStageForward(Forward):
         """A stage's head (asking, as every forwarded request does, for an answer as it is:
         stage one's is read here, and a compressed one could not be)."""
         return self.proxy.request_head(self.stage_request, target, body)
+
+    # -- the stages' bodies ---------------------------------------------------------------------
+
+    async def _members(self) -> Members:
+        """The client's top-level members, naming the model as the workers serve it: decoded
+        once (a large body's in the decoder's thread: with its fields, `Request.members`,
+        else here, `members_of`)."""
+        members = self.members
+        if members is None:
+            members = self.request.members
+            if members is None:
+                members = await members_of(self.request.body)
+            if self.served != self.name:
+                members = {**members, "model": msgspec.Raw(msgspec.json.encode(self.served))}
+            self.members = members
+        return members
+
+    async def _body(self, members: Members) -> bytes:
+        """The body of `members` (a large one encoded in the decoder's thread): the client's
+        own when they are its members unchanged."""
+        if members is self.members and self.source is not None:
+            return self.source
+        body = await encode_members(members)
+        if members is self.members:
+            self.source = body
+        return body
 
     # -- attempts: a prefill, then the decode --------------------------------------------------
 
@@ -285,6 +327,8 @@ class TwoStageForward(Forward):
         tried: list[Upstream] = []
         failed = 0  # failures that cost an attempt (a refused connect costs none)
         try:
+            if self.prefill_body is None:
+                self.prefill_body = await self._body(stage_one(await self._members()))
             while failed <= proxy.retries:
                 stages = served.stages
                 if stages is None:
@@ -306,12 +350,13 @@ class TwoStageForward(Forward):
                     if not (isinstance(exc, ConnectRefused) and self._within_deadline()):
                         failed += 1
                     continue
+                decode_body = await self._body(stage_two(await self._members(), handle))
                 now = served.stages
                 if now is None or now.pairsum != stages.pairsum:
                     failed += 1  # another pair serves now: its decodes cannot take this handle
                     failure = UpstreamError("the pair serving changed during the prefill")
                     continue
-                self.handle, self.prefilled_by = handle, target
+                self.decode_body, self.prefilled_by = decode_body, target
                 self.pairsum = stages.pairsum
                 break
         except ApiError as exc:  # the prefill refused the request: so would a decode
@@ -338,7 +383,8 @@ class TwoStageForward(Forward):
     async def _stage_one(self, target: Upstream) -> msgspec.Raw | None:
         """Send stage one to `target`; the `kv_transfer_params` it answered (None if none).
         `ApiError` when it refused the request (4xx), `UpstreamError` when it failed."""
-        body = stage_one_body(self.source)
+        body = self.prefill_body
+        assert body is not None
         self._new_stage_id()
         head = self._head(target, body)
         limits = (self.proxy.first_byte_timeout, self.proxy.upstream_idle_timeout)
@@ -402,7 +448,7 @@ class TwoStageForward(Forward):
             return None
         target = self.stages.decode_router.choose(stages.decode, None, self.tried)
         if target is not None:
-            self.body = stage_two_body(self.source, self.handle)
+            self.body = self.decode_body
         return target
 
     def _models(self) -> tuple[str, ...]:
@@ -410,7 +456,12 @@ class TwoStageForward(Forward):
 
     @property
     def origin(self) -> bytes:
-        return self.source  # (an alias's request names the model as the decodes serve it)
+        """The client's body naming the model as the decodes serve it (an alias's, encoded
+        here if no stage needed it whole: a migration's, rare)."""
+        source = self.source
+        if source is None:
+            source = self.source = rewrite_model(self.request.body, self.served, self.members)
+        return source
 
     def _send(self, conn: UpstreamConnection) -> None:
         self.sent_at = time.perf_counter()

@@ -4,7 +4,9 @@ depth bound, once per request (a key's request too: the gate hands its fields to
 and the one rewrite it makes (`rewrite_model`, for a virtual model's target that names the
 model otherwise). A body of `LARGE_BODY` bytes or more is decoded in a thread of its own
 (`fields_later`): one decode of 9 MB holds the interpreter 3-5 ms (more under load), which
-the event loop's callback then does not add to the rest of the request's start.
+the event loop's callback then does not add to the rest of the request's start. A large
+body the gateway may rebuild (a rename, disagg.py's stages) is decoded as its top-level
+members, its fields read from those (`decode_with_members`): one pass over it, not two.
 """
 
 from __future__ import annotations
@@ -149,17 +151,7 @@ def decode_fields(
     `model`, or nests deeper than `shoal.bounds.MAX_DEPTH` (checked before any decoder sees
     it, here unless `too_deep` says already: `Request.too_deep`, judged as a large body
     arrived)."""
-    # (`check_json_depth`'s first step inline: a body with fewer openers than the bound is
-    # within it, which is nearly every body)
-    if too_deep is None and body.count(b"[") + body.count(b"{") > MAX_DEPTH:
-        try:
-            check_json_depth(body)
-        except TooDeep:
-            too_deep = True
-    if too_deep:
-        raise errors.bad_request(
-            f"The request body is not accepted: {TooDeep(MAX_DEPTH)}."
-        ) from None
+    _refuse_too_deep(body, too_deep)
     fields: Fields
     try:
         try:
@@ -187,6 +179,54 @@ def decode_fields(
     if not fields.model:
         raise errors.bad_request("You must provide a model parameter.", param="model")
     return fields
+
+
+def _refuse_too_deep(body: bytes, too_deep: bool | None) -> None:
+    """`ApiError` 400 when `body` nests deeper than `MAX_DEPTH` (`too_deep`: already judged)."""
+    # (`check_json_depth`'s first step inline: a body with fewer openers than the bound is
+    # within it, which is nearly every body)
+    if too_deep is None and body.count(b"[") + body.count(b"{") > MAX_DEPTH:
+        try:
+            check_json_depth(body)
+        except TooDeep:
+            too_deep = True
+    if too_deep:
+        raise errors.bad_request(
+            f"The request body is not accepted: {TooDeep(MAX_DEPTH)}."
+        ) from None
+
+
+_READ = frozenset(LargePromptTokenFields.__struct_fields__)  # every member `Fields` read
+_PROMPT = frozenset(("messages", "prompt", "input"))
+
+
+def decode_with_members(
+    body: bytes,
+    *,
+    with_prompt: bool = False,
+    too_deep: bool | None = None,
+    with_tokens: bool = False,
+) -> tuple[Fields, Members]:
+    """`decode_fields` of a body, and its top-level members, in one pass over it: the members,
+    then the fields of the few that hold them (a body rebuilt from its members, by a rename
+    or disagg.py's stages, is not parsed once for its fields and again for its members).
+    Without the prompt, that costs what the fields alone do; with it, its members are read
+    again (a list of messages, from their text)."""
+    _refuse_too_deep(body, too_deep)
+    try:
+        members = _decode_members(body)
+    except msgspec.ValidationError as exc:
+        raise errors.bad_request(f"Invalid request body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise errors.bad_request(f"The request body is not valid JSON: {exc}") from None
+    read = _READ if with_prompt else _READ - _PROMPT
+    wanted = _encode({name: value for name, value in members.items() if name in read})
+    fields: Fields
+    if with_tokens:
+        fields = decode_fields(wanted, with_prompt=with_prompt, too_deep=False, with_tokens=True)
+    else:
+        fields = decode_fields(wanted, with_prompt=with_prompt, too_deep=False)
+    return fields, members
 
 
 class InThread(Generic[T]):
@@ -228,8 +268,28 @@ def fields_later(
     *,
     with_prompt: bool = False,
     with_tokens: bool = False,
-) -> InThread[Fields]:
-    """`decode_fields` of a large body (`LARGE_BODY`), in the decoder's thread (`InThread`)."""
+    with_members: bool = False,
+) -> InThread[Fields] | InThread[tuple[Fields, Members]]:
+    """`decode_fields` of a large body (`LARGE_BODY`), in the decoder's thread (`InThread`);
+    `with_members`: of its top-level members, in one pass (`decode_with_members`), which
+    are kept as `request.members` for a body rebuilt from them."""
+    if with_members:
+
+        def kept(decoded: tuple[Fields, Members] | ApiError) -> None:
+            if isinstance(decoded, ApiError):
+                done(decoded)
+            else:
+                fields, request.members = decoded
+                done(fields)
+
+        both = functools.partial(
+            decode_with_members,
+            request.body,
+            with_prompt=with_prompt,
+            too_deep=request.too_deep,
+            with_tokens=with_tokens,
+        )
+        return InThread(client, both, kept)
     decode: Callable[[], Fields] = functools.partial(
         decode_fields,
         request.body,
@@ -246,6 +306,23 @@ def members_later(
     """The top-level members of a large body that passed `decode_fields`, for
     `rewrite_model`, in the decoder's thread (`InThread`)."""
     return InThread(client, functools.partial(_decode_members, body), done)
+
+
+async def members_of(body: bytes) -> Members:
+    """The top-level members of a body that passed `decode_fields`, for a body rebuilt from
+    them (disagg.py's stages): a large one's (`LARGE_BODY`) decoded in the decoder's thread,
+    awaited (`members_later` answers a connection instead), a smaller one's at once."""
+    if len(body) < LARGE_BODY:
+        return _decode_members(body)
+    return await asyncio.get_running_loop().run_in_executor(_DECODER, _decode_members, body)
+
+
+async def encode_members(members: Members) -> bytes:
+    """The JSON text of a body rebuilt from `members` (`members_of`): a large one encoded in
+    the decoder's thread, awaited (10 MB of them: a copy of 1-2 ms), a smaller one at once."""
+    if sum(map(len, members.values())) < LARGE_BODY:
+        return _encode(members)
+    return await asyncio.get_running_loop().run_in_executor(_DECODER, _encode, members)
 
 
 def prompt_text(fields: Fields, limit: int = PROMPT_CHARS) -> str:

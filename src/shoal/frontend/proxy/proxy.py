@@ -126,7 +126,8 @@ class Proxy:
                 body = request.body
                 if len(body) >= LARGE_BODY:
                     done = functools.partial(self._decoded, request, client, kind)
-                    fields_later(request, client, done, with_prompt=self.router.needs_prompt)
+                    prompt, members = self.router.needs_prompt, self.may_rebuild()
+                    fields_later(request, client, done, with_prompt=prompt, with_members=members)
                     return
                 try:
                     fields = decode_fields(
@@ -226,6 +227,17 @@ class Proxy:
         else:
             message = f"The model `{name}` does not serve {kind} requests."
             self._refuse(client, errors.bad_request(message, param="model"), name)
+
+    def may_rebuild(self) -> bool:
+        """Whether a request's body may be sent rebuilt from its top-level members: a virtual
+        model renames the model for a target (`VirtualForward`), or a model is served in two
+        stages (disagg.py). A large body's members are then decoded with its fields, in one
+        pass (`fields_later`); else not: with a prompt for the router, they cost a second
+        pass over its messages."""
+        if any(virtual.renames for virtual in self.virtual.values()):
+            return True
+        models = self.registry.models.values()
+        return self.two_stages is not None and any(m.stages is not None for m in models)
 
     def _looped(self, request: Request) -> ApiError | None:
         """508 when the request's `Via` names this gateway, or `MAX_GATEWAY_HOPS` shoal ones."""

@@ -1,5 +1,6 @@
 """What the two stages of a disaggregated request send and read, in vLLM's NixlConnector
-protocol (disagg.py carries the requests): the prefill's body and the decode's, the handle
+protocol (disagg.py carries the requests): the prefill's body and the decode's (as top-level
+members, `stage_one` and `stage_two`: made of the client's, decoded once), the handle
 (`kv_transfer_params`) in a prefill's answer, and a decode's refusal of it."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import msgspec
 
 from shoal.bounds import TooDeep, check_json_depth
 from shoal.frontend.http.upstream import UpstreamError
+from shoal.frontend.proxy.fields import Members
 from shoal.openai import ApiError
 
 STAGE_ONE_PARAMS = msgspec.Raw(
@@ -25,7 +27,8 @@ STAGE_ONE_PARAMS = msgspec.Raw(
 _ONE = msgspec.Raw(b"1")
 _FALSE = msgspec.Raw(b"false")
 
-_decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_members = msgspec.json.Decoder(Members).decode
+_encode = msgspec.json.encode
 
 
 class _Answer(msgspec.Struct):
@@ -47,32 +50,48 @@ _decode_answer = msgspec.json.Decoder(_Answer).decode
 _decode_error = msgspec.json.Decoder(_ErrorBody).decode
 
 
-def stage_one_body(body: bytes) -> bytes:
-    """The prefill's body: the client's, asking for one token, whole, and a remote decode."""
-    members = _decode_members(body)
+def stage_one(members: Members) -> Members:
+    """The prefill's members (a copy): the client's, asking for one token, whole, and a
+    remote decode. Its answer is read for the handle alone: what would only make it longer
+    (an `echo` of the prompt, 1 MB of it past `MAX_PREFILL_ANSWER`) is left out."""
+    members = dict(members)
     members["max_tokens"] = _ONE
     if "max_completion_tokens" in members:
         members["max_completion_tokens"] = _ONE
     members["stream"] = _FALSE
     members.pop("stream_options", None)
     members.pop("min_tokens", None)  # (more than 1 is refused against `max_tokens: 1`)
+    members.pop("echo", None)
     members["kv_transfer_params"] = STAGE_ONE_PARAMS
-    return msgspec.json.encode(members)
+    return members
+
+
+def stage_two(members: Members, params: msgspec.Raw | None) -> Members:
+    """The decode's members: the client's, with the prefill's `kv_transfer_params` (none: the
+    prefill gave none, and the decode computes the prompt itself, as vLLM's proxy does);
+    `members` themselves when that changes nothing. Params the client sent never reach a
+    decode: they would name blocks and a host to fetch them from (another request's KV, or
+    any address) that no prefill of this request made."""
+    if params is not None:
+        return {**members, "kv_transfer_params": params}
+    if "kv_transfer_params" not in members:
+        return members
+    members = dict(members)
+    del members["kv_transfer_params"]
+    return members
+
+
+def stage_one_body(body: bytes) -> bytes:
+    """The prefill's body (`stage_one`) of the client's."""
+    return _encode(stage_one(_decode_members(body)))
 
 
 def stage_two_body(body: bytes, params: msgspec.Raw | None) -> bytes:
-    """The decode's body: the client's, with the prefill's `kv_transfer_params` (none: the
-    prefill gave none, and the decode computes the prompt itself, as vLLM's proxy does).
-    Params the client sent never reach a decode: they would name blocks and a host to fetch
-    them from (another request's KV, or any address) that no prefill of this request made."""
+    """The decode's body (`stage_two`) of the client's: that body itself when it has no
+    `kv_transfer_params` and there are none to add."""
     if params is None and b"kv_transfer_params" not in body and b"\\u" not in body:
         return body  # (no such member, not even spelled with escapes)
-    members = _decode_members(body)
-    if params is None:
-        members.pop("kv_transfer_params", None)
-    else:
-        members["kv_transfer_params"] = params
-    return msgspec.json.encode(members)
+    return _encode(stage_two(_decode_members(body), params))
 
 
 def prefill_handle(answer: bytes, address: str) -> msgspec.Raw | None:
