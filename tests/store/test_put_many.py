@@ -79,6 +79,17 @@ async def test_a_put_many_splits_into_transactions_etcd_takes(store: Store, pref
     assert max(keys_at.values()) <= 128
 
 
+async def test_a_put_many_larger_than_one_etcd_request_is_written_whole(
+    store: Store, prefix: str
+) -> None:
+    """etcd refuses a request over 1.5 MiB by default: 2 MiB of values in one call are
+    split into transactions under it."""
+    items = [(f"{prefix}big{i}", bytes([65 + i]) * (512 * 1024)) for i in range(4)]
+    await store.put_many(items)
+    snap = await store.get_prefix(prefix)
+    assert [(kv.key, kv.value) for kv in snap.items] == items
+
+
 async def test_keys_of_a_put_many_vanish_with_their_lease(store: Store, prefix: str) -> None:
     lease = await store.grant(1.0, keepalive=False)
     items = _items(prefix, MANY)
