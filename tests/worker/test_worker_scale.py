@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from shoal.discovery import Discovery, EndpointId, ModelKey
-from shoal.store import Store, open_store
+from shoal.store import MAX_VALUE_BYTES, Store, open_store
 from shoal.store import sqlite as sqlite_module
 from shoal.worker import Engine, Runtime, ServedModel
 from shoal.worker import registrations as registrations_module
@@ -168,3 +168,35 @@ async def test_a_re_registration_after_a_lost_lease_puts_the_cards_in_batches(
     listed = await Discovery(observer).list()
     assert len(listed) == cards
     assert {model.key.instance_id for model in listed} == {new}
+
+
+async def test_a_first_attach_of_many_adapters_puts_their_cards_in_batches(
+    runtime: Runtime, observer: Store
+) -> None:
+    """What was wrong: a worker's first attach of its engine's models made a store call
+    (and a SQLite transaction) per card. What holds now: the cards of the models not yet
+    attached go in `put_many` calls of `PUT_BATCH`; a card the store refuses (over its
+    bound on a value) is refused alone, every other model is announced."""
+    adapters = 2000
+    engine = ManyAdapters(adapters)
+    big = _adapter("lora-big")
+    big.runtime_config["blob"] = "x" * MAX_VALUE_BYTES
+    engine.models.insert(1500, big)
+    store = runtime.registrations.store
+    calls = LoopTurns()
+    for name in ("put", "create", "put_many"):
+        calls.wrap(store, name)
+    batches = LoopTurns().wrap(store, "put_many")
+    try:
+        endpoint = runtime.endpoint(EP)
+        await endpoint.serve(engine)
+    finally:
+        for turns in (calls, batches):
+            await turns.stop()
+    cards = adapters + 1
+    assert batches.on_loop == -(-(cards + 1) // registrations_module.PUT_BATCH)
+    assert calls.on_loop == batches.on_loop + 1  # (and the instance's own key)
+    assert list(endpoint.refused) == ["lora-big"]
+    assert "ValueTooLargeError" in endpoint.refused["lora-big"][1]
+    assert len(endpoint.models) == cards
+    assert await _announced(observer, cards)

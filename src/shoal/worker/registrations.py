@@ -13,7 +13,7 @@ import contextlib
 import logging
 import operator
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -26,7 +26,7 @@ from shoal.kv import KvEndpoint
 from shoal.store import Lease, LeaseKeeper, LeaseNotFoundError, Store, StoreError
 from shoal.store.base import check_key, check_value
 from shoal.worker.engine import ServedModel
-from shoal.worker.metadata import MetadataKey, MetadataRegistry
+from shoal.worker.metadata import CollisionError, MetadataKey, MetadataRegistry
 
 log = logging.getLogger(__name__)
 _KEY = operator.attrgetter("key")
@@ -50,6 +50,10 @@ loop. One store call (and SQLite transaction) per card took 8-27 s for 20,000.""
 
 STORE_ERRORS = (StoreError, OSError, TimeoutError)
 """What a store call raises when the store is unreachable or refuses: retried, not fatal."""
+
+
+Entry = tuple[ModelCard, str | None, Mapping[str, bytes], ServedModel | None]
+"""A model to attach: its card, suffix, metadata files and the engine's model (if any)."""
 
 
 @dataclass
@@ -373,6 +377,56 @@ class Registrations:
                 raise
             models[suffix] = Attached(key, card, dict(files), served)
             self.models_changed += 1
+
+    async def attach_many(
+        self, endpoint: EndpointId, entries: Sequence[Entry]
+    ) -> tuple[dict[str | None, Exception], set[str | None]]:
+        """`attach` of each entry (card, suffix, files, served), whose suffixes are distinct
+        and not attached: the cards in one `Store.put_many` (give at most `PUT_BATCH`; a
+        worker's first 20,000 adapters were a store call and a SQLite transaction each).
+
+        Returns the suffixes refused, each alone, with why (its key or card refused by the
+        store's bounds), and those left for `attach` one at a time (a withdrawal of that key
+        is pending: it may hold another model, which `attach` refuses). The others are
+        attached. If the store fails, the files hosted before are restored, nothing of
+        `entries` is attached, and the error is raised (cards of the slices written before
+        it stay under the lease until put again, or the lease ends)."""
+        refused: dict[str | None, Exception] = {}
+        alone: set[str | None] = set()
+        ready: list[tuple[ModelKey, Entry, bytes, list[tuple[MetadataKey, bytes]]]] = []
+        async with self._lock:
+            lease_id = self.instance_id
+            models = self._models.setdefault(endpoint, {})
+            for card, suffix, files, served in entries:
+                key = ModelKey(endpoint, lease_id, suffix)
+                if suffix in models or key.key in self._pending_deletes:
+                    alone.add(suffix)
+                    continue
+                if self.draining.is_set():
+                    card = card.with_taints([*card.taints, DRAINING])
+                data = card.to_json()
+                before = self.metadata.files_of(key)
+                slug = card.slug
+                hosted = [(MetadataKey.of(endpoint, slug, suffix, n), d) for n, d in files.items()]
+                try:
+                    check_key(key.key)
+                    check_value(key.key, data)
+                    self.metadata.replace(key, hosted)
+                except (ValueError, CollisionError) as exc:
+                    refused[suffix] = exc
+                    continue
+                ready.append((key, (card, suffix, files, served), data, before))
+            try:
+                items = [(key.key, data) for key, _, data, _ in ready]
+                await self.store.put_many(items, lease=lease_id)
+            except BaseException:
+                for key, _, _, before in ready:
+                    self.metadata.replace(key, before)
+                raise
+            for key, (card, suffix, files, served), _, _ in ready:
+                models[suffix] = Attached(key, card, dict(files), served)
+            self.models_changed += len(ready)
+        return refused, alone
 
     async def detach(self, endpoint: EndpointId, suffix: str | None) -> None:
         """Withdraw the model at `suffix` from discovery, then stop hosting its files.
