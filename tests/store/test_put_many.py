@@ -168,3 +168,27 @@ async def test_sqlite_puts_many_keys_in_few_transactions_off_the_loop(
     slices = -(-MANY // sqlite_module.PUT_MANY_KEYS)
     assert turns.off_loop == slices and turns.on_loop == 0
     assert len((await store.get_prefix(prefix)).items) == MANY
+
+
+async def test_sqlite_paces_a_put_many_longer_than_its_change_log_so_a_watch_gets_every_key(
+    backend: Backend, store: Store, prefix: str
+) -> None:
+    """SQLite's change log keeps `RETAIN_CHANGES` revisions and a watch reads it every
+    `POLL_INTERVAL`: written as fast as it can, a put_many of 20,000 keys (0.5 s) trimmed
+    each key from the log before a watch of another process read it, which got a `Resync`
+    of its whole prefix per poll instead (6 for 20,000 keys). Paced, each key is a `Put`."""
+    if backend.name != "sqlite":
+        pytest.skip("SQLite's change log")
+    many = 3 * sqlite_module.RETAIN_CHANGES
+    watcher = await backend.open()
+    snap = await watcher.get_prefix(prefix)
+    mirror = Recorder(watcher.watch(prefix, snap.revision + 1))
+    try:
+        items = _items(prefix, many)
+        await store.put_many(items)
+        await wait_for(lambda: len(mirror.state) == many, timeout=30)
+        assert not any(isinstance(e, Resync) for e in mirror.events)
+        assert [e.key for e in mirror.events if isinstance(e, Put)] == [k for k, _ in items]
+    finally:
+        await mirror.close()
+        await watcher.close()
