@@ -27,7 +27,10 @@ Layout:
 
 Each write bumps `meta.revision` and appends its change in the same transaction, so
 revisions strictly increase across processes and every change is logged exactly once.
-Deleting N keys (revoking a lease) takes N revisions, as in the memory backend.
+Deleting N keys (revoking a lease) takes N revisions, as in the memory backend, and so does
+putting N keys with `put_many`: `PUT_MANY_KEYS` per transaction, at most one transaction per
+`PUT_MANY_PACE`, so the change log (below) holds two polls' worth of them and the watches of
+other processes read each key as its own change, not a `Resync`.
 
 Each store instance owns one connection, used only by a dedicated thread; a whole
 transaction runs in one hop to that thread. Background work per instance:
