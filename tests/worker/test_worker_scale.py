@@ -200,3 +200,30 @@ async def test_a_first_attach_of_many_adapters_puts_their_cards_in_batches(
     assert "ValueTooLargeError" in endpoint.refused["lora-big"][1]
     assert len(endpoint.models) == cards
     assert await _announced(observer, cards)
+
+
+async def test_tainting_many_models_puts_their_cards_in_batches(
+    runtime: Runtime, observer: Store
+) -> None:
+    """What was wrong: a drain tainted each of a worker's cards with a store call (and a
+    SQLite transaction) of its own, 20,000 for a sidecar's adapters. What holds now: the
+    tainted cards go in `put_many` calls of `PUT_BATCH`; every card carries the taint."""
+    adapters = 2000
+    await runtime.endpoint(EP).serve(ManyAdapters(adapters))
+    await wait_for(lambda: _announced(observer, adapters + 1), timeout=60, message="announced")
+    store = runtime.registrations.store
+    calls = LoopTurns()
+    for name in ("put", "create", "put_many"):
+        calls.wrap(store, name)
+    batches = LoopTurns().wrap(store, "put_many")
+    try:
+        await runtime.endpoint(EP).set_taints(["maintenance"])
+    finally:
+        for turns in (calls, batches):
+            await turns.stop()
+    cards = adapters + 1
+    assert batches.on_loop == -(-cards // registrations_module.PUT_BATCH)
+    assert calls.on_loop == batches.on_loop
+    listed = await Discovery(observer).list()
+    assert len(listed) == cards
+    assert {tuple(model.card.taints) for model in listed} == {("maintenance",)}

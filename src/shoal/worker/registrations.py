@@ -9,7 +9,6 @@ lease is repaired in one place: a new lease, then every key put again under its 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import operator
 import time
@@ -449,16 +448,24 @@ class Registrations:
                 self.metadata.unregister_for_owner(att.key)
 
     async def set_taints(self, endpoint: EndpointId, taints: list[str]) -> None:
-        """Replace the taints of every model attached to `endpoint`: one put of each card
-        as registered, under the lease it was put under (a card of a lease being replaced
-        is put with its taints by the re-registration)."""
+        """Replace the taints of every model attached to `endpoint`: a put of each card as
+        registered, under the lease it was put under, `PUT_BATCH` per `Store.put_many` (a
+        card of a lease being replaced is put with its taints by the re-registration)."""
         async with self._lock:
-            for att in list(self._models.get(endpoint, {}).values()):
-                att.card = att.card.with_taints(taints)
-                if att.key.instance_id != self._lease_id:
-                    continue
-                with contextlib.suppress(LeaseNotFoundError):  # lost: re-put with its taints
-                    await self.store.put(att.key.key, att.card.to_json(), lease=self._lease_id)
+            models = list(self._models.get(endpoint, {}).values())
+            lost = False
+            for start in range(0, len(models), PUT_BATCH):
+                cards: list[tuple[str, bytes]] = []
+                for att in models[start : start + PUT_BATCH]:
+                    att.card = att.card.with_taints(taints)
+                    if att.key.instance_id == self._lease_id:
+                        cards.append((att.key.key, att.card.to_json()))
+                if cards and not lost and self._lease_id is not None:
+                    try:
+                        await self._put_cards(cards, self._lease_id)
+                    except LeaseNotFoundError:  # lost: re-put with its taints
+                        lost = True
+                await asyncio.sleep(0)
 
     def forget(self, endpoint: EndpointId) -> None:
         """Forget `endpoint`'s instance and models and stop hosting their metadata files,
