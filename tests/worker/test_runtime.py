@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -467,15 +467,15 @@ async def test_a_re_registration_longer_than_the_lease_ttl_keeps_its_new_lease_a
         registrations = runtime.registrations
         first = registrations.lease_id
         assert first is not None
-        discovery = registrations.discovery
-        put = discovery.register_model
+        store = registrations.store
+        put_many = store.put_many
 
-        async def slow_put(key: ModelKey, card: ModelCard, *, lease: int) -> None:
+        async def slow_put(items: Sequence[tuple[str, bytes]], *, lease: int = 0) -> int:
             if lease != first:  # the re-put: 30 x 0.05 s, two and a half TTLs
-                await asyncio.sleep(0.05)
-            await put(key, card, lease=lease)
+                await asyncio.sleep(0.05 * len(items))
+            return await put_many(items, lease=lease)
 
-        discovery.register_model = slow_put  # type: ignore[method-assign]
+        store.put_many = slow_put  # type: ignore[method-assign]
         await observer.revoke(first)
 
         await wait_for(
@@ -535,16 +535,16 @@ async def test_a_model_refused_for_a_passing_reason_is_announced_once_it_is_trie
     endpoint = runtime.endpoint(EP)
     await endpoint.serve(engine)
     await wait_for(lambda: _names(observer, {"a"}), timeout=5)
-    real = endpoint.attach_served
+    real = endpoint.card_of
     failures = [1]
 
-    async def flaky(model: ServedModel) -> None:
+    async def flaky(model: ServedModel) -> tuple[ModelCard, str | None, dict[str, bytes]]:
         if model.name == "flaky-lora" and failures:
             failures.pop()
             raise ValueError("metadata file unreadable for a moment")
-        await real(model)
+        return await real(model)
 
-    monkeypatch.setattr(endpoint, "attach_served", flaky)
+    monkeypatch.setattr(endpoint, "card_of", flaky)
     engine.models = [*engine.models, _adapter("flaky-lora")]
     await endpoint.sync_models()
     assert list(endpoint.refused) == ["flaky-lora"]

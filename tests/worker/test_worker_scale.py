@@ -12,7 +12,8 @@ import pytest
 from aiohttp import web
 
 from shoal.discovery import Discovery, EndpointId, ModelKey
-from shoal.store import Store, open_store
+from shoal.store import MAX_VALUE_BYTES, Store, open_store
+from shoal.store import sqlite as sqlite_module
 from shoal.worker import Engine, Runtime, ServedModel
 from shoal.worker import registrations as registrations_module
 from shoal.worker import runtime as runtime_module
@@ -126,3 +127,103 @@ async def test_the_collector_is_kept_off_what_the_worker_holds_after_a_large_cha
         await wait_for(lambda: len(frozen) == 2, timeout=10, message="after re-registering")
     finally:
         await runtime.drain(timeout=0)
+
+
+async def test_a_re_registration_after_a_lost_lease_puts_the_cards_in_batches(
+    runtime: Runtime, observer: Store
+) -> None:
+    """What was wrong: a worker whose lease was lost put each of its cards back in a store
+    call (and a SQLite transaction) of its own: 20,000 cards took 8-27 s, every model gone
+    from the fleet meanwhile. What holds now: the cards go in `put_many` calls of
+    `PUT_BATCH`, SQLite writing `PUT_MANY_KEYS` of them per transaction, one batch per turn
+    of the event loop; every card is announced under the new lease."""
+    adapters = 2000
+    await runtime.endpoint(EP).serve(ManyAdapters(adapters))
+    await wait_for(lambda: _announced(observer, adapters + 1), timeout=60, message="announced")
+    registrations = runtime.registrations
+    store = registrations.store
+    first = registrations.lease_id
+    assert first is not None
+    await observer.revoke(first)
+
+    calls = LoopTurns()
+    for name in ("put", "create", "put_many"):
+        calls.wrap(store, name)
+    batches = LoopTurns().wrap(store, "put_many")
+    moved = LoopTurns().wrap(registrations.metadata, "reassign")
+    transactions = LoopTurns().wrap(sqlite_module, "_put_many")
+    try:
+        await registrations.renew()  # (the lease loop's step: a new lease, every key put)
+    finally:
+        for turns in (calls, batches, moved, transactions):
+            await turns.stop()
+    new = registrations.lease_id
+    assert new not in (None, first)
+    cards = adapters + 1
+    per_batch = registrations_module.PUT_BATCH
+    assert batches.on_loop == -(-cards // per_batch)
+    assert calls.on_loop == batches.on_loop + 1  # (and the instance's own key)
+    assert moved.on_loop == cards and moved.most_per_turn <= per_batch
+    assert transactions.off_loop <= -(-cards // sqlite_module.PUT_MANY_KEYS) + 1
+    listed = await Discovery(observer).list()
+    assert len(listed) == cards
+    assert {model.key.instance_id for model in listed} == {new}
+
+
+async def test_a_first_attach_of_many_adapters_puts_their_cards_in_batches(
+    runtime: Runtime, observer: Store
+) -> None:
+    """What was wrong: a worker's first attach of its engine's models made a store call
+    (and a SQLite transaction) per card. What holds now: the cards of the models not yet
+    attached go in `put_many` calls of `PUT_BATCH`; a card the store refuses (over its
+    bound on a value) is refused alone, every other model is announced."""
+    adapters = 2000
+    engine = ManyAdapters(adapters)
+    big = _adapter("lora-big")
+    big.runtime_config["blob"] = "x" * MAX_VALUE_BYTES
+    engine.models.insert(1500, big)
+    store = runtime.registrations.store
+    calls = LoopTurns()
+    for name in ("put", "create", "put_many"):
+        calls.wrap(store, name)
+    batches = LoopTurns().wrap(store, "put_many")
+    try:
+        endpoint = runtime.endpoint(EP)
+        await endpoint.serve(engine)
+    finally:
+        for turns in (calls, batches):
+            await turns.stop()
+    cards = adapters + 1
+    assert batches.on_loop == -(-(cards + 1) // registrations_module.PUT_BATCH)
+    assert calls.on_loop == batches.on_loop + 1  # (and the instance's own key)
+    assert list(endpoint.refused) == ["lora-big"]
+    assert "ValueTooLargeError" in endpoint.refused["lora-big"][1]
+    assert len(endpoint.models) == cards
+    assert await _announced(observer, cards)
+
+
+async def test_tainting_many_models_puts_their_cards_in_batches(
+    runtime: Runtime, observer: Store
+) -> None:
+    """What was wrong: a drain tainted each of a worker's cards with a store call (and a
+    SQLite transaction) of its own, 20,000 for a sidecar's adapters. What holds now: the
+    tainted cards go in `put_many` calls of `PUT_BATCH`; every card carries the taint."""
+    adapters = 2000
+    await runtime.endpoint(EP).serve(ManyAdapters(adapters))
+    await wait_for(lambda: _announced(observer, adapters + 1), timeout=60, message="announced")
+    store = runtime.registrations.store
+    calls = LoopTurns()
+    for name in ("put", "create", "put_many"):
+        calls.wrap(store, name)
+    batches = LoopTurns().wrap(store, "put_many")
+    try:
+        await runtime.endpoint(EP).set_taints(["maintenance"])
+    finally:
+        for turns in (calls, batches):
+            await turns.stop()
+    cards = adapters + 1
+    assert batches.on_loop == -(-cards // registrations_module.PUT_BATCH)
+    assert calls.on_loop == batches.on_loop
+    listed = await Discovery(observer).list()
+    assert len(listed) == cards
+    assert {tuple(model.card.taints) for model in listed} == {("maintenance",)}

@@ -31,12 +31,16 @@ suite in `tests/store/` proves on each backend:
 - A listing of what changed since a revision (`get_prefixes_changed(prefixes, since)`)
   lists every key `get_prefixes` would, at one revision, with the same revisions and
   lease; only a key whose `mod_revision <= since` may come without its value (a
-  `KeyRevision`). Every write has its own revision, so a reader that holds a key's value
-  read at exactly that `mod_revision` holds the value the listing left out; any other
+  `KeyRevision`). A key is written at most once per revision, so a reader that holds a
+  key's value read at exactly that `mod_revision` holds the value the listing left out; any other
   reader must read it (a backend may send every value: a `KeyValue` is always correct).
   A backend whose change log covers `since` may answer with a delta instead (`Listing.
   removed`): only the keys written since, and the keys gone since. What a reader holds at
   `since` plus the delta is what a whole listing would have given.
+- `put_many` writes many keys in few transactions (a worker putting back 20,000 cards
+  after a lost lease), and each is still a change of its own: a watch gets one `Put` per
+  key. Keys written by one transaction may share its revision (etcd's), so a consumer
+  tells changes apart by key and revision, never by revision alone.
 """
 
 from __future__ import annotations
@@ -185,6 +189,17 @@ def distinct_prefixes(prefixes: Sequence[str]) -> tuple[str, ...]:
     return tuple(kept)
 
 
+def checked_items(items: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """`items` with each key and value checked as `put` checks them (the first refused
+    raises), each value as `bytes`: what `put_many` writes, checked before it writes any."""
+    checked: list[tuple[str, bytes]] = []
+    for key, value in items:
+        check_key(key)
+        check_value(key, value)
+        checked.append((key, bytes(value)))
+    return checked
+
+
 def check_value(key: str, value: bytes) -> None:
     if not isinstance(value, bytes | bytearray | memoryview):
         raise TypeError(f"value for {key!r} must be bytes, not {type(value).__name__}")
@@ -329,6 +344,22 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         """Create or replace `key`; returns the new store revision."""
+
+    async def put_many(self, items: Sequence[tuple[str, bytes]], *, lease: int = 0) -> int:
+        """Create or replace each key of `items` with its value, all under `lease` (a key
+        given twice ends with its last value); returns the store revision of the last write
+        (0 for no items).
+
+        Every key and value is checked first, as `put` checks them: one refused raises
+        before anything is written (a caller that wants the others written checks its items
+        first, with `check_key` and `check_value`). The backend writes a bounded slice of
+        keys per transaction, so one call may take several: a failure (the lease gone, the
+        store out) may leave the earlier slices written. A watch gets one `Put` per key.
+        This default puts them one at a time; each backend writes a slice per transaction."""
+        revision = 0
+        for key, value in checked_items(items):
+            revision = await self.put(key, value, lease=lease)
+        return revision
 
     @abc.abstractmethod
     async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:

@@ -54,7 +54,14 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    Sequence,
+)
 from typing import Any, TypeVar
 
 import aetcd
@@ -79,6 +86,7 @@ from shoal.store.base import (
     check_key,
     check_prefix,
     check_value,
+    checked_items,
     distinct_prefixes,
 )
 from shoal.urls import redact_url
@@ -91,6 +99,9 @@ DEFAULT_PORT = 2379
 MAX_TXN_OPS = 128
 """Operations etcd takes in one transaction (its `--max-txn-ops` default): a listing of more
 prefixes reads them in several transactions, the later ones at the first one's revision."""
+TXN_BYTES = 1024 * 1024
+"""Bytes of keys and values a `put_many` sends in one transaction: etcd refuses a request
+over 1.5 MiB by default (`--max-request-bytes`)."""
 PAGE_KEYS = 16384
 """Keys a range reads per request: a listing of 200,000 keys is not one 80 MB message parsed
 in one piece on the event loop (~0.3 s). (Pages of 4,096 keys once made a pass take 4.5 s
@@ -173,6 +184,25 @@ def _range_of(prefix: str) -> tuple[bytes, bytes]:
         return b"\0", b"\0"
     start = prefix.encode()
     return start, aetcd.utils.prefix_range_end(start)
+
+
+def _transactions(items: list[tuple[str, bytes]]) -> Iterator[list[tuple[bytes, bytes]]]:
+    """`items` in the transactions of a `put_many`: at most `MAX_TXN_OPS` keys and
+    `TXN_BYTES` of keys and values each (a larger item alone), no key twice in one."""
+    txn: list[tuple[bytes, bytes]] = []
+    keys: set[bytes] = set()
+    size = 0
+    for key, value in items:
+        raw = key.encode()
+        cost = len(raw) + len(value)
+        if txn and (len(txn) >= MAX_TXN_OPS or size + cost > TXN_BYTES or raw in keys):
+            yield txn
+            txn, keys, size = [], set(), 0
+        txn.append((raw, value))
+        keys.add(raw)
+        size += cost
+    if txn:
+        yield txn
 
 
 def _grpc_code(exc: BaseException) -> tuple[str | None, str]:
@@ -677,6 +707,30 @@ class EtcdStore(Store):
 
         resp = await self._call(f"put {key!r}", fn)
         return int(resp.header.revision)
+
+    async def put_many(self, items: Sequence[tuple[str, bytes]], *, lease: int = 0) -> int:
+        """One transaction of puts per `MAX_TXN_OPS` keys (fewer past `TXN_BYTES`, and a key
+        given twice starts the next: etcd refuses both), one after the other. The keys of a
+        transaction share its revision; a watch gets a `Put` for each."""
+        revision = 0
+        for txn in _transactions(checked_items(items)):
+            requests = [
+                aetcd.rpc.RequestOp(
+                    request_put=aetcd.rpc.PutRequest(key=raw, value=data, lease=lease)
+                )
+                for raw, data in txn
+            ]
+
+            async def fn(client: Any, requests: list[Any] = requests) -> Any:
+                return await client.kvstub.Txn(
+                    aetcd.rpc.TxnRequest(success=requests),
+                    timeout=self._call_timeout,
+                    metadata=client.metadata,
+                )
+
+            what = f"put_many of {len(txn)} keys from {txn[0][0].decode()!r}"
+            revision = int((await self._call(what, fn)).header.revision)
+        return revision
 
     async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
         check_key(key)

@@ -28,12 +28,15 @@ from shoal.store.base import (
     check_key,
     check_prefix,
     check_value,
+    checked_items,
     distinct_prefixes,
 )
 
 HISTORY = 100_000
 MAX_QUEUED = 10_000
 """Events queued for a watch that is not being read before they are dropped for a `Resync`."""
+PUT_MANY_KEYS = 1024
+"""Keys a `put_many` writes in one step, between two yields to the event loop."""
 
 _RESYNC = object()  # queued for a watch that must resync (its client was cut off, or lagged)
 _CLOSED = object()  # queued for a watch whose store was closed: the watch ends
@@ -164,15 +167,36 @@ class MemoryStore(Store):
         self._reap()
         if lease and lease not in self._d.leases:
             raise LeaseNotFoundError(f"lease {lease:x} does not exist (put {key!r})")
+        return self._put_now(key, bytes(value), lease)
+
+    async def put_many(self, items: Sequence[tuple[str, bytes]], *, lease: int = 0) -> int:
+        """Each key at a revision of its own, `PUT_MANY_KEYS` keys per step (with no await
+        between: one transaction), yielding to the event loop between steps, so a watch
+        reads its queue before it holds more than `MAX_QUEUED` events."""
+        self._check_open()
+        checked = checked_items(items)
+        revision = 0
+        for start in range(0, len(checked), PUT_MANY_KEYS):
+            if start:
+                await asyncio.sleep(0)
+                self._check_open()
+            self._reap()
+            if lease and lease not in self._d.leases:
+                raise LeaseNotFoundError(f"lease {lease:x} does not exist (put_many)")
+            for key, value in checked[start : start + PUT_MANY_KEYS]:
+                revision = self._put_now(key, value, lease)
+        return revision
+
+    def _put_now(self, key: str, value: bytes, lease: int) -> int:
         old = self._d.items.get(key)
         if old is not None and old.lease and old.lease != lease:
             self._d.lease_keys.get(old.lease, set()).discard(key)
         self._d.revision += 1
         created = self._d.revision if old is None else old.create_revision
-        self._d.items[key] = KeyValue(key, bytes(value), self._d.revision, lease, created)
+        self._d.items[key] = KeyValue(key, value, self._d.revision, lease, created)
         if lease:
             self._d.lease_keys.setdefault(lease, set()).add(key)
-        self._emit(Put(key, bytes(value), self._d.revision))
+        self._emit(Put(key, value, self._d.revision))
         return self._d.revision
 
     async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:

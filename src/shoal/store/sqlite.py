@@ -27,7 +27,10 @@ Layout:
 
 Each write bumps `meta.revision` and appends its change in the same transaction, so
 revisions strictly increase across processes and every change is logged exactly once.
-Deleting N keys (revoking a lease) takes N revisions, as in the memory backend.
+Deleting N keys (revoking a lease) takes N revisions, as in the memory backend, and so does
+putting N keys with `put_many`: `PUT_MANY_KEYS` per transaction, at most one transaction per
+`PUT_MANY_PACE`, so the change log (below) holds two polls' worth of them and the watches of
+other processes read each key as its own change, not a `Resync`.
 
 Each store instance owns one connection, used only by a dedicated thread; a whole
 transaction runs in one hop to that thread. Background work per instance:
@@ -122,6 +125,7 @@ from shoal.store.base import (
     check_key,
     check_prefix,
     check_value,
+    checked_items,
     distinct_prefixes,
 )
 from shoal.urls import redact_url
@@ -138,6 +142,13 @@ RETAIN_CHANGES = 1000
 """Revisions kept in the change log; older watchers get a `Resync`."""
 TRIM_EVERY = 64
 """The change log is trimmed on every `TRIM_EVERY`-th revision."""
+PUT_MANY_KEYS = RETAIN_CHANGES // 4
+"""Keys a `put_many` writes per transaction (a few milliseconds of the store thread)."""
+PUT_MANY_PACE = POLL_INTERVAL / 2
+"""Seconds at least from one transaction of a `put_many` to its next: at most
+`PUT_MANY_KEYS` revisions per half poll, so the change log (`RETAIN_CHANGES` revisions) holds
+two polls' worth of them, and the watch of another process that polls on time reads every
+key as its own change, not a `Resync` of its whole prefix (20,000 keys: 2 s)."""
 BUSY_TIMEOUT = 5.0
 """Seconds a statement waits for another process's lock before failing."""
 WAL_AUTOCHECKPOINT_PAGES = 256
@@ -575,14 +586,20 @@ def _append(conn: sqlite3.Connection, key: str, value: bytes | None) -> int:
     conn.execute(
         "INSERT INTO changes (revision, key, value) VALUES (?, ?, ?)", (revision, key, value)
     )
-    if revision % TRIM_EVERY == 0 and revision > RETAIN_CHANGES:
+    if revision % TRIM_EVERY == 0:
+        _trim(conn, revision)
+    return revision
+
+
+def _trim(conn: sqlite3.Connection, revision: int) -> None:
+    """Trim the change log to the last `RETAIN_CHANGES` revisions up to `revision`."""
+    if revision > RETAIN_CHANGES:
         cutoff = revision - RETAIN_CHANGES
         conn.execute("DELETE FROM changes WHERE revision <= ?", (cutoff,))
         conn.execute(
             "UPDATE meta SET compact_revision = ? WHERE id = 0 AND compact_revision < ?",
             (cutoff, cutoff),
         )
-    return revision
 
 
 def _delete_key(conn: sqlite3.Connection, key: str) -> int | None:
@@ -615,13 +632,36 @@ def _put(conn: sqlite3.Connection, now: float, key: str, value: bytes, lease: in
     if lease and not _lease_exists(conn, lease):
         return None
     revision = _append(conn, key, value)
-    conn.execute(
-        "INSERT INTO kv (key, value, mod_revision, lease, create_revision) VALUES (?, ?, ?, ?, ?)"
-        " ON CONFLICT (key) DO UPDATE SET value = excluded.value,"
-        " mod_revision = excluded.mod_revision, lease = excluded.lease",
-        (key, value, revision, lease, revision),
-    )
+    conn.execute(_UPSERT, (key, value, revision, lease, revision))
     return revision
+
+
+_UPSERT = (
+    "INSERT INTO kv (key, value, mod_revision, lease, create_revision) VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT (key) DO UPDATE SET value = excluded.value,"
+    " mod_revision = excluded.mod_revision, lease = excluded.lease"
+)
+
+
+def _put_many(
+    conn: sqlite3.Connection, now: float, items: list[tuple[str, bytes]], lease: int
+) -> int | None:
+    """`_put` of each of `items` (at most `PUT_MANY_KEYS`), each at a revision of its own,
+    in three statements: the revisions taken at once, then the log and the keys written by
+    `executemany`. The log is trimmed as `_append` would have, past the last revision."""
+    if lease and not _lease_exists(conn, lease):
+        return None
+    first = _revision(conn) + 1
+    last = first + len(items) - 1
+    conn.execute("UPDATE meta SET revision = ? WHERE id = 0", (last,))
+    logged = [(first + i, key, value) for i, (key, value) in enumerate(items)]
+    conn.executemany("INSERT INTO changes (revision, key, value) VALUES (?, ?, ?)", logged)
+    conn.executemany(
+        _UPSERT, [(key, value, revision, lease, revision) for revision, key, value in logged]
+    )
+    if last // TRIM_EVERY > (first - 1) // TRIM_EVERY:
+        _trim(conn, last)
+    return last
 
 
 def _create(
@@ -904,6 +944,27 @@ class SQLiteStore(Store):
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         return await self._write_key(_put, "put", key, value, lease)
+
+    async def put_many(self, items: Sequence[tuple[str, bytes]], *, lease: int = 0) -> int:
+        """`PUT_MANY_KEYS` keys per write transaction, in the store thread, each key at a
+        revision of its own (the change log has a row per revision), and at most one
+        transaction per `PUT_MANY_PACE` seconds: the change log holds two polls' worth of
+        them, so the watches of other processes get each key, not a `Resync`."""
+        checked = checked_items(items)
+        revision = 0
+        next_at = 0.0
+        for start in range(0, len(checked), PUT_MANY_KEYS):
+            if (wait := next_at - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+            next_at = time.monotonic() + PUT_MANY_PACE
+            write = functools.partial(
+                _put_many, items=checked[start : start + PUT_MANY_KEYS], lease=lease
+            )
+            written = await self._call(functools.partial(self._write, write))
+            if written is None:
+                raise LeaseNotFoundError(f"lease {lease:x} does not exist (put_many)")
+            revision = written
+        return revision
 
     async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
         return await self._write_key(_create, "create", key, value, lease)

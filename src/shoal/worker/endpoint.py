@@ -31,7 +31,7 @@ from shoal.store import LeaseNotFoundError, StoreUnavailableError
 from shoal.worker.engine import Engine, ServedModel
 from shoal.worker.http_server import request_port_max_connections, start_server
 from shoal.worker.metadata import MAX_METADATA_FILE, MetadataKey, Snapshot
-from shoal.worker.registrations import Attached, Registrations
+from shoal.worker.registrations import PUT_BATCH, Attached, Entry, Registrations
 
 log = logging.getLogger(__name__)
 
@@ -311,8 +311,17 @@ class Endpoint:
 
     async def attach_served(self, model: ServedModel) -> ModelCard:
         """Attach a model an engine serves, hosting the metadata files found beside it."""
+        card, suffix, snapshots = await self.card_of(model)
+        await self._registrations.attach(self.id, card, suffix, snapshots, model)
+        return card
+
+    async def card_of(self, model: ServedModel) -> tuple[ModelCard, str | None, dict[str, bytes]]:
+        """The card announcing a model an engine serves, its suffix, and the bytes of the
+        metadata files found beside it (read once, now). Raises if any is refused."""
         card, files = card_for(model)
-        return await self._attach(card, suffix_for(model), files, served=model)
+        suffix = suffix_for(model)
+        card, snapshots = await self._prepared(card, suffix, files)
+        return card, suffix, snapshots
 
     async def _attach(
         self,
@@ -321,13 +330,20 @@ class Endpoint:
         files: Mapping[str, Path] | None,
         served: ServedModel | None = None,
     ) -> ModelCard:
+        card, snapshots = await self._prepared(card, suffix, files)
+        await self._registrations.attach(self.id, card, suffix, snapshots, served)
+        return card
+
+    async def _prepared(
+        self, card: ModelCard, suffix: str | None, files: Mapping[str, Path] | None
+    ) -> tuple[ModelCard, dict[str, bytes]]:
+        """The card to announce at `suffix` (checked) and the bytes of its `files`."""
         if suffix is not None:
             check_suffix(suffix)
         snapshots: dict[str, bytes] = {}
         if files:
             card, snapshots = await self._with_metadata(card, suffix, files)
-        await self._registrations.attach(self.id, card, suffix, snapshots, served)
-        return card
+        return card, snapshots
 
     async def reattach(self, suffix: str | None, att: Attached) -> None:
         """Announce again a model detached from this endpoint, as it was (`att`)."""
@@ -362,6 +378,7 @@ class Endpoint:
                 model = wanted.get(suffix)
                 if att.served is not None and model is not att.served and model != att.served:
                     await self.detach_model(suffix)
+            fresh: list[ServedModel] = []
             for i, (suffix, model) in enumerate(wanted.items(), 1):
                 if i % SYNC_BATCH == 0:
                     await asyncio.sleep(0)
@@ -371,7 +388,12 @@ class Endpoint:
                     continue
                 held = self.refused.get(model.name)
                 if held is None or retry or (held[0] is not model and held[0] != model):
-                    await self._attach_alone(model)
+                    fresh.append(model)
+                if len(fresh) == PUT_BATCH:
+                    await self._attach_batch(fresh)
+                    fresh = []
+            if fresh:
+                await self._attach_batch(fresh)
             if self.refused:
                 listed = {m.name for m in served}
                 self.refused = {k: v for k, v in self.refused.items() if k in listed}
@@ -390,6 +412,33 @@ class Endpoint:
             and all(map(operator.is_, served, last_served))
             and all(map(operator.is_, attached, last_attached))
         )
+
+    async def _attach_batch(self, models: list[ServedModel]) -> None:
+        """Attach `models` (at most `PUT_BATCH`, with distinct suffixes not attached) with
+        one put of their cards (`Registrations.attach_many`). A model that cannot be
+        announced (its card or files refused) is refused alone; a store outage raises."""
+        entries: list[Entry] = []
+        by_suffix: dict[str | None, ServedModel] = {}
+        for i, model in enumerate(models, 1):
+            if i % SYNC_BATCH == 0:
+                await asyncio.sleep(0)
+            try:
+                card, suffix, snapshots = await self.card_of(model)
+            except OUTAGES:
+                raise
+            except Exception as exc:
+                self._refuse(model, exc)
+                continue
+            entries.append((card, suffix, snapshots, model))
+            by_suffix[suffix] = model
+        refused, alone = await self._registrations.attach_many(self.id, entries)
+        for suffix, model in by_suffix.items():
+            if suffix in refused:
+                self._refuse(model, refused[suffix])
+            elif suffix in alone:
+                await self._attach_alone(model)
+            elif self.refused:
+                self.refused.pop(model.name, None)
 
     async def _attach_alone(self, model: ServedModel) -> None:
         """Attach `model`; a failure that is its own (not a store outage) refuses it alone."""
