@@ -334,7 +334,7 @@ async def test_a_large_batch_is_decoded_a_slice_of_bytes_a_turn_on_the_loop(
     """A batch within every bound (4 MiB of token ids) took 30-90 ms to decode, on the event
     loop, then in a thread that held the loop as long (msgspec holds the GIL for its one C
     call). Now at most `DECODE_SLICE_BYTES` of its events are decoded a turn of the loop,
-    applied in order and as written; one event alone over it is refused, a loss."""
+    applied in order and as written."""
     assert publisher.endpoint is not None
     turns = decoded_bytes(LoopTurns())
     ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
@@ -365,15 +365,71 @@ async def test_a_large_batch_is_decoded_a_slice_of_bytes_a_turn_on_the_loop(
         assert index.instance_blocks(7) == 8 * blocks + 2
         assert turns.off_loop == 0 and turns.on_loop >= len(payload) - 100
         assert turns.most_per_turn <= DECODE_SLICE_BYTES, f"{turns.most_per_turn} bytes a turn"
-        tokens = DECODE_SLICE_BYTES // 5 + 1  # one event over the bound: refused
-        publisher.record(BlockStored([99_999], None, [1 << 20] * tokens, tokens))
-        publisher.flush()
-        store(publisher, 3)
-        await wait_for(lambda: sub.last_seq == 4, timeout=30, message="after the loss")
-        assert (stats.decode_errors, stats.resnapshots) == (1, 1)
-        assert turns.most_per_turn <= DECODE_SLICE_BYTES, f"{turns.most_per_turn} bytes a turn"
     finally:
         await turns.stop()
+        await sub.stop()
+        ctx.destroy(linger=0)
+
+
+async def test_a_kv_event_over_512_kib_is_applied_not_refused(publisher: KvEventPublisher) -> None:
+    """vLLM publishes one `BlockStored` per prefill: a 128k-token prompt's is ~680 KB (its
+    token ids alone ~650 KB), over `DECODE_SLICE_BYTES`. It was refused as unreadable (a loss,
+    the instance resnapshotted, every long prompt again): long-context workloads got no
+    KV-aware routing. Now its arrays are decoded `DECODE_SLICE_ELEMENTS` elements a turn of
+    the loop, and its blocks are indexed: a prompt starting with those tokens finds them."""
+    assert publisher.endpoint is not None
+    size = 16
+    tokens = [100_000 + (j * 7_919) % 28_000 for j in range(131_072)]  # (5 bytes an id)
+    event = BlockStored(list(range(1, len(tokens) // size + 1)), None, tokens, size)
+    payload = encode_batch(KVEventBatch(1.0, [event]))
+    assert DECODE_SLICE_BYTES < len(payload) <= subscription.MAX_BATCH_BYTES
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(size), KvStats()
+    elements = LoopTurns().wrap(kv_events, "decode_elements", lambda _, count, *__: count)
+    sub = subscribe(ctx, publisher.endpoint, index, stats)
+    try:
+        await wait_for(lambda: stats.replays == 1, message="subscribed")
+        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        publisher.record(event)
+        publisher.flush()
+        await wait_for(lambda: sub.last_seq == 0, timeout=30, message="read")
+        assert (stats.batches, stats.decode_errors, stats.resnapshots) == (1, 0, 0)
+        assert index.instance_blocks(7) == len(tokens) // size
+        routable = token_block_hashes(tokens, size)
+        assert all(index.holders.get(h) == {7} for h in routable)  # a prompt's blocks found
+        assert elements.on_loop == len(tokens) + len(tokens) // size
+        assert elements.most_per_turn <= kv_events.DECODE_SLICE_ELEMENTS
+    finally:
+        await elements.stop()
+        await sub.stop()
+        ctx.destroy(linger=0)
+
+
+async def test_a_batch_of_many_tiny_events_is_decoded_a_bounded_count_of_events_a_turn(
+    publisher: KvEventPublisher,
+) -> None:
+    """8,192 removals of one block are ~170 KB, under `DECODE_SLICE_BYTES`: decoded in one
+    call, far more objects than a slice of large events makes. Now at most
+    `DECODE_SLICE_EVENTS` events are decoded a turn of the loop, applied in order."""
+    assert publisher.endpoint is not None
+    ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
+    decoded = LoopTurns().wrap(kv_events, "decode_batch", kv_events.declared_events)
+    decoded.wrap(kv_events, "decode_events", lambda raws, *_: len(raws))
+    sub = subscribe(ctx, publisher.endpoint, index, stats)
+    try:
+        await wait_for(lambda: stats.replays == 1, message="subscribed")
+        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        for i in range(3):
+            store(publisher, i)
+        for i in range(MAX_BATCH_EVENTS):  # (the first removes block 1; the others no block)
+            publisher.record(BlockRemoved(block_hashes=[1 + i * 1_000]))
+        publisher.flush()
+        await wait_for(lambda: sub.last_seq == 3, timeout=30, message="read")
+        assert (stats.batches, stats.decode_errors, stats.resnapshots) == (4, 0, 0)
+        assert index.instance_blocks(7) == 2
+        assert decoded.on_loop == 3 + MAX_BATCH_EVENTS
+        assert decoded.most_per_turn <= kv_events.DECODE_SLICE_EVENTS < MAX_BATCH_EVENTS
+    finally:
+        await decoded.stop()
         await sub.stop()
         ctx.destroy(linger=0)
 
