@@ -547,3 +547,24 @@ async def test_a_large_batch_applied_is_freed_a_slice_a_turn() -> None:
     freed = [a - b for a, b in itertools.pairwise(left)]
     assert max(freed) * weight <= subscription.FREE_SLICE + weight, freed
     assert len([f for f in freed if f]) > 1  # (in several turns)
+
+
+async def test_one_large_event_applied_is_freed_a_slice_a_turn() -> None:
+    """One event can hold a 4 MB batch's ids (a long prefill's `BlockStored`): it is freed its
+    arrays' `FREE_SLICE` ids at a time, not in one go with the event."""
+    tokens = 5 * subscription.FREE_SLICE
+    batch = KVEventBatch(1.0, [BlockStored(list(range(tokens)), None, list(range(tokens)), 1)])
+    left: list[int] = []  # the ids and hashes left at each turn of the loop
+
+    def watch() -> None:
+        event = batch.events[0] if batch.events else None
+        left.append(0 if event is None else len(event.block_hashes) + len(event.token_ids))
+        if batch.events:
+            asyncio.get_running_loop().call_soon(watch)
+
+    watch()
+    await subscription.let_go(batch)
+    assert batch.events == []
+    freed = [a - b for a, b in itertools.pairwise([*left, 0])]
+    assert max(freed) <= subscription.FREE_SLICE, freed
+    assert sum(freed) == 2 * tokens
