@@ -224,13 +224,14 @@ async def test_a_replay_cut_short_by_a_dropping_publisher_is_kept_and_resumed(
 
 async def test_one_batch_of_many_blocks_is_applied_in_slices(publisher: KvEventPublisher) -> None:
     """A batch is one message, and a single event in it can store 100,000 blocks (0.5 MB with
-    one-token blocks, within `DECODE_SLICE_BYTES`): applied in one go 200,000 held the loop
-    ~0.2 s; now in slices, to the same index, and a removal of as many blocks likewise."""
+    one-token blocks): applied in one go 200,000 held the loop ~0.2 s; now in slices, to the
+    same index, and a removal of as many blocks likewise."""
     assert publisher.endpoint is not None
     blocks = 100_000
     ctx, index, stats = zmq.asyncio.Context(), KvIndex(1), KvStats()
     blocks_applied = LoopTurns().wrap(index, "apply", lambda _, event: len(event.block_hashes))
     decoded = decoded_bytes(LoopTurns())
+    elements = LoopTurns().wrap(kv_events, "decode_elements", lambda _, count, *__: count)
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
@@ -251,11 +252,15 @@ async def test_one_batch_of_many_blocks_is_applied_in_slices(publisher: KvEventP
         assert blocks_applied.on_loop == 2 * blocks - 1
         most = blocks_applied.most_per_turn
         assert most <= APPLY_SLICE, f"{most} blocks applied in one turn of the loop"
-        # (each message, about 0.5 MB, is decoded in one step: one event; on the loop)
+        # (each message, about 0.5 MB, is one event over `DECODE_SLICE_BYTES`: its arrays are
+        # decoded a slice of elements a turn, on the loop)
         assert decoded.off_loop == 0 and decoded.most_per_turn <= DECODE_SLICE_BYTES
+        assert elements.on_loop == 3 * blocks - 1 and elements.off_loop == 0
+        assert elements.most_per_turn <= kv_events.DECODE_SLICE_ELEMENTS
     finally:
         await blocks_applied.stop()
         await decoded.stop()
+        await elements.stop()
         await sub.stop()
         ctx.destroy(linger=0)
 
@@ -344,7 +349,7 @@ async def test_a_large_batch_is_decoded_a_slice_of_bytes_a_turn_on_the_loop(
         await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
         store(publisher, 0)
         await wait_for(lambda: sub.last_seq == 0, message="first batch")
-        blocks = 300  # (~380 KB an event: ids of 5 bytes)
+        blocks = 150  # (~190 KB an event, under `DECODE_SLICE_BYTES`: ids of 5 bytes)
         events = [
             BlockStored(
                 list(range(1 + i * blocks, 1 + (i + 1) * blocks)),
@@ -352,7 +357,7 @@ async def test_a_large_batch_is_decoded_a_slice_of_bytes_a_turn_on_the_loop(
                 [t for b in range(i * blocks + 1, (i + 1) * blocks + 1) for t in block_tokens(b)],
                 BS,
             )
-            for i in range(8)
+            for i in range(16)
         ]
         payload = encode_batch(KVEventBatch(1.0, events))
         assert subscription.MAX_BATCH_BYTES >= len(payload) > 2 * DECODE_SLICE_BYTES
@@ -362,7 +367,7 @@ async def test_a_large_batch_is_decoded_a_slice_of_bytes_a_turn_on_the_loop(
         store(publisher, 2400 + 1)
         await wait_for(lambda: sub.last_seq == 2, timeout=30, message="went on")
         assert stats.decode_errors == 0 and stats.batches == 3 and stats.resnapshots == 0
-        assert index.instance_blocks(7) == 8 * blocks + 2
+        assert index.instance_blocks(7) == 16 * blocks + 2
         assert turns.off_loop == 0 and turns.on_loop >= len(payload) - 100
         assert turns.most_per_turn <= DECODE_SLICE_BYTES, f"{turns.most_per_turn} bytes a turn"
     finally:

@@ -194,9 +194,9 @@ async def test_a_large_batch_is_decoded_a_slice_of_bytes_a_turn_and_the_batches_
     reader = KvStreamReader("nats://127.0.0.1:1")
     got: list[KVEventBatch] = []
     reader.follow((NS, INSTANCE), got.append, lambda: None)
-    size = 16  # ids over 2**16: 5 bytes each, ~330 KB an event
+    size = 16  # ids over 2**16: 5 bytes each, ~165 KB an event (under `DECODE_SLICE_BYTES`)
     events = [
-        BlockStored(list(range(i, i + 4096)), i or None, [(1 << 16) + i] * (4096 * size), size)
+        BlockStored(list(range(i, i + 2048)), i or None, [(1 << 16) + i] * (2048 * size), size)
         for i in range(12)
     ]
     large = encode_batch(KVEventBatch(1.0, [AllBlocksCleared(), *events, BlockRemoved([3])]))

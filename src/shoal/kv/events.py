@@ -41,19 +41,21 @@ MAX_BATCH_EVENTS = 8192
 event (8,192 take 1.5-12 ms); vLLM reports an evicted block an event, so this is a step
 evicting 128K tokens in blocks of 16. A batch declaring more is refused before it is decoded
 (250,000 empty events fit in 4 MiB: 70-230 ms)."""
-DECODE_SLICE_BYTES = 512 << 10
-"""The most bytes of a batch decoded in one step on the event loop (4-10 ms of CPU a MiB of
-token ids: this is 2-5 ms). msgspec decodes in one C call holding the GIL, so a thread would not
-spare the loop: a larger batch is decoded by `decode_batch_in_slices`, a slice of events at a
-time, and one event larger than this (vLLM publishes one `BlockStored` a prefill: a 128k-token
-prompt's is ~680 KB) a slice of its arrays' elements at a time."""
+DECODE_SLICE_BYTES = 256 << 10
+"""The most bytes of a batch decoded in one step on the event loop: ~1 ms of ids of 5 bytes, 2
+of 3 bytes (those under 65,536: 512 KiB of them took 4-6 ms), 3.7 of the densest ints msgpack
+has (2 bytes, not cached by Python), on a busy 2-core machine. msgspec decodes in one C call
+holding the GIL, so a thread would not spare the loop: a larger batch is decoded by
+`decode_batch_in_slices`, a slice of events at a time, and one event larger than this (vLLM
+publishes one `BlockStored` a prefill: a 128k-token prompt's is ~680 KB) a slice of its
+arrays' elements at a time."""
 DECODE_SLICE_EVENTS = 1024
 """And the most events decoded in one step: each is a Python call and a few objects, so a slice
-of tiny ones does more work than one of token ids (8,192 removals of one block: ~170 KB, 2-6
-ms in one call); 1,024 of the largest under `DECODE_SLICE_BYTES` take ~1 ms."""
+of tiny ones does more work than its bytes say (8,192 removals of one block: ~170 KB, 1.5-2 ms
+in one call); 1,024 events of 16 token ids take ~0.6 ms."""
 DECODE_SLICE_ELEMENTS = 32_768
 """The most elements (token ids, block hashes) of one event's array decoded in one step, for an
-event alone over `DECODE_SLICE_BYTES`: ~1 ms, and as long again to find where they end."""
+event alone over `DECODE_SLICE_BYTES`: ~0.5 ms, and as long again to find where they end."""
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame of the last message of a replay (its payload is empty)."""
 
