@@ -7,6 +7,9 @@ fall between two ticks), and the CPU of the longest step (one callback: one hold
 counted, not kept. Runs on trees that decode in a thread (before) and in slices (after).
 `--single-mb N`: batches of one `BlockStored` of N MB instead (a long prefill's; a tree that
 refuses it counts it unreadable); `--tiny`: batches of 8,192 removals of one block each.
+`--decode-only`: the decoding alone, the garbage collector off (its passes are the process's,
+not the decoder's): the CPU of one `decode_batch` call, and the steps and longest step of
+`decode_batch_in_slices` (best of the runs).
 
     PYTHONPATH=$PWD/src:$PWD .venv/bin/python -m bench.kv_decode_hold [--small-ids] [--runs 3]
     PYTHONPATH=$PWD/src:$PWD .venv/bin/python -m bench.kv_decode_hold --single-mb 4 | --tiny
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import random
 import time
+from collections.abc import Callable
 
 from shoal.frontend.kv.stream import KvStreamReader
 from shoal.kv import BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
@@ -107,17 +112,58 @@ async def run(data: bytes, blocks: int) -> tuple[float, float, float, int]:
     return max(g for g, _ in gaps), max(c for _, c in gaps), longest[0], unreadable
 
 
+async def decode_only(data: bytes, runs: int) -> str:
+    from shoal.kv.events import decode_batch_in_slices
+
+    held: list[float] = []
+    run = asyncio.events.Handle._run
+
+    def timed(handle: asyncio.events.Handle) -> None:
+        held.append(_cpu(lambda: run(handle)))
+
+    gc.disable()
+    try:
+        one = min(_cpu(lambda: decode_batch(data)) for _ in range(runs))
+        longest, steps = 1e9, 0
+        for _ in range(runs):
+            held.clear()
+            asyncio.events.Handle._run = timed  # type: ignore[method-assign]
+            try:
+                await asyncio.create_task(decode_batch_in_slices(data))
+            except ValueError as exc:  # (msgspec's errors are ValueErrors)
+                return f"{len(data):,} bytes: one call {one * 1e3:.1f} ms; sliced: {exc}"
+            finally:
+                asyncio.events.Handle._run = run  # type: ignore[method-assign]
+            longest, steps = min(longest, max(held)), len(held)
+    finally:
+        gc.enable()
+    return (
+        f"{len(data):,} bytes: one decode_batch call {one * 1e3:.1f} ms of CPU; sliced: "
+        f"{steps} steps, the longest {longest * 1e3:.2f} ms"
+    )
+
+
+def _cpu(work: Callable[[], object]) -> float:
+    start = time.process_time()
+    work()
+    return time.process_time() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small-ids", action="store_true")
     parser.add_argument("--single-mb", type=float, default=0.0)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     if args.tiny:
         data = tiny()
     else:
         data = single(args.single_mb) if args.single_mb else payload(args.small_ids)
+    if args.decode_only:
+        print(asyncio.run(decode_only(data, args.runs)))
+        return
     blocks = sum(len(e.block_hashes) for e in decode_batch(data).events)  # (each batch's)
     for _ in range(args.runs):
         gap, cpu, step, unreadable = asyncio.run(run(data, blocks))
