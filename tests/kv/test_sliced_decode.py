@@ -93,8 +93,8 @@ async def test_a_batch_of_many_tiny_events_is_decoded_a_bounded_count_of_events_
     encode: Callable[[KVEventBatch], bytes],
 ) -> None:
     """8,192 removals of one block each fit in ~170 KB, one slice of bytes: decoded in one call
-    (2-6 ms, as many objects as 512 KiB of token ids make). Now a slice holds at most
-    `DECODE_SLICE_EVENTS` events too."""
+    (1-2 ms on a busy machine: a Python call and a few objects an event). Now a slice holds at
+    most `DECODE_SLICE_EVENTS` events too."""
     tiny = [BlockRemoved([i]) for i in range(kv_events.MAX_BATCH_EVENTS)]
     payload = encode(KVEventBatch(1.0, tiny))
     assert len(payload) < DECODE_SLICE_BYTES or encode is encode_batch_map  # (32-byte hashes)
