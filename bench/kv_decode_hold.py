@@ -5,19 +5,27 @@ two ticks and the most CPU the process used between two ticks (robust on a loade
 where a gap also counts the time the process was not scheduled; two steps of the loop can
 fall between two ticks), and the CPU of the longest step (one callback: one hold of the loop). The applied batches are
 counted, not kept. Runs on trees that decode in a thread (before) and in slices (after).
+`--single-mb N`: batches of one `BlockStored` of N MB instead (a long prefill's; a tree that
+refuses it counts it unreadable); `--tiny`: batches of 8,192 removals of one block each.
+`--decode-only`: the decoding alone, the garbage collector off (its passes are the process's,
+not the decoder's): the CPU of one `decode_batch` call, and the steps and longest step of
+`decode_batch_in_slices` (best of the runs).
 
     PYTHONPATH=$PWD/src:$PWD .venv/bin/python -m bench.kv_decode_hold [--small-ids] [--runs 3]
+    PYTHONPATH=$PWD/src:$PWD .venv/bin/python -m bench.kv_decode_hold --single-mb 4 | --tiny
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import random
 import time
+from collections.abc import Callable
 
 from shoal.frontend.kv.stream import KvStreamReader
-from shoal.kv import BlockStored, KVEventBatch, encode_batch
+from shoal.kv import BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
 from shoal.kv.subscription import MAX_BATCH_BYTES
 
 
@@ -35,6 +43,23 @@ def payload(small_ids: bool) -> bytes:
     return data
 
 
+def single(megabytes: float) -> bytes:
+    """One `BlockStored` of `megabytes` MB: ids over 65,535 (5 bytes each), blocks of 16."""
+    rnd = random.Random(1)
+    ids = [100_000 + rnd.randrange(50_000) for _ in range(int(megabytes * 1e6 / 5.6))]
+    hashes = [rnd.getrandbits(63) for _ in range(len(ids) // 16)]
+    data = encode_batch(KVEventBatch(time.time(), [BlockStored(hashes, None, ids, 16)]))
+    assert len(data) <= MAX_BATCH_BYTES
+    return data
+
+
+def tiny() -> bytes:
+    """8,192 removals of one block each (~170 KB): the most events a batch may hold."""
+    rnd = random.Random(1)
+    events = [BlockRemoved([rnd.getrandbits(20)]) for _ in range(8_192)]
+    return encode_batch(KVEventBatch(time.time(), events))
+
+
 def longest_callbacks() -> list[float]:
     """The CPU of the longest callback the loop runs (one step of a task: one hold of the
     loop), measured from now on: `Handle._run` timed."""
@@ -50,7 +75,7 @@ def longest_callbacks() -> list[float]:
     return longest
 
 
-async def run(data: bytes) -> tuple[float, float, float]:
+async def run(data: bytes, blocks: int) -> tuple[float, float, float, int]:
     gaps: list[tuple[float, float]] = []
     stop = False
 
@@ -69,7 +94,7 @@ async def run(data: bytes) -> tuple[float, float, float]:
 
     def apply(batch: KVEventBatch) -> None:
         nonlocal applied
-        applied += len(batch.events)
+        applied += sum(len(e.block_hashes) for e in batch.events)
 
     key = ("default", 0x1234)
     reader.follow(key, apply, lambda: None)
@@ -82,21 +107,69 @@ async def run(data: bytes) -> tuple[float, float, float]:
             await flushing
     stop = True
     await tick
-    assert applied >= 5 * 50 and reader.stats.decode_errors == 0
-    return max(g for g, _ in gaps), max(c for _, c in gaps), longest[0]
+    unreadable = reader.stats.decode_errors
+    assert applied == blocks * (5 - unreadable)  # (every block of each batch read)
+    return max(g for g, _ in gaps), max(c for _, c in gaps), longest[0], unreadable
+
+
+async def decode_only(data: bytes, runs: int) -> str:
+    from shoal.kv.events import decode_batch_in_slices
+
+    held: list[float] = []
+    run = asyncio.events.Handle._run
+
+    def timed(handle: asyncio.events.Handle) -> None:
+        held.append(_cpu(lambda: run(handle)))
+
+    gc.disable()
+    try:
+        one = min(_cpu(lambda: decode_batch(data)) for _ in range(runs))
+        longest, steps = 1e9, 0
+        for _ in range(runs):
+            held.clear()
+            asyncio.events.Handle._run = timed  # type: ignore[method-assign]
+            try:
+                await asyncio.create_task(decode_batch_in_slices(data))
+            except ValueError as exc:  # (msgspec's errors are ValueErrors)
+                return f"{len(data):,} bytes: one call {one * 1e3:.1f} ms; sliced: {exc}"
+            finally:
+                asyncio.events.Handle._run = run  # type: ignore[method-assign]
+            longest, steps = min(longest, max(held)), len(held)
+    finally:
+        gc.enable()
+    return (
+        f"{len(data):,} bytes: one decode_batch call {one * 1e3:.1f} ms of CPU; sliced: "
+        f"{steps} steps, the longest {longest * 1e3:.2f} ms"
+    )
+
+
+def _cpu(work: Callable[[], object]) -> float:
+    start = time.process_time()
+    work()
+    return time.process_time() - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small-ids", action="store_true")
+    parser.add_argument("--single-mb", type=float, default=0.0)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    data = payload(args.small_ids)
+    if args.tiny:
+        data = tiny()
+    else:
+        data = single(args.single_mb) if args.single_mb else payload(args.small_ids)
+    if args.decode_only:
+        print(asyncio.run(decode_only(data, args.runs)))
+        return
+    blocks = sum(len(e.block_hashes) for e in decode_batch(data).events)  # (each batch's)
     for _ in range(args.runs):
-        gap, cpu, step = asyncio.run(run(data))
+        gap, cpu, step, unreadable = asyncio.run(run(data, blocks))
         print(f"{len(data):,} bytes x5: longest loop gap {gap * 1e3:.1f} ms, "
               f"most process CPU between two ticks {cpu * 1e3:.1f} ms, "
-              f"longest step {step * 1e3:.1f} ms of CPU")  # fmt: skip
+              f"longest step {step * 1e3:.1f} ms of CPU, unreadable {unreadable}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -194,9 +194,9 @@ async def test_a_large_batch_is_decoded_a_slice_of_bytes_a_turn_and_the_batches_
     reader = KvStreamReader("nats://127.0.0.1:1")
     got: list[KVEventBatch] = []
     reader.follow((NS, INSTANCE), got.append, lambda: None)
-    size = 16  # ids over 2**16: 5 bytes each, ~330 KB an event
+    size = 16  # ids over 2**16: 5 bytes each, ~165 KB an event (under `DECODE_SLICE_BYTES`)
     events = [
-        BlockStored(list(range(i, i + 4096)), i or None, [(1 << 16) + i] * (4096 * size), size)
+        BlockStored(list(range(i, i + 2048)), i or None, [(1 << 16) + i] * (2048 * size), size)
         for i in range(12)
     ]
     large = encode_batch(KVEventBatch(1.0, [AllBlocksCleared(), *events, BlockRemoved([3])]))
@@ -213,6 +213,57 @@ async def test_a_large_batch_is_decoded_a_slice_of_bytes_a_turn_and_the_batches_
     assert blocks_of(whole) == blocks_of(decode_batch(large).events)  # (applied in slices)
     assert turns.off_loop == 0 and turns.on_loop >= len(large) - 100
     assert turns.most_per_turn <= DECODE_SLICE_BYTES, f"{turns.most_per_turn} bytes in a turn"
+    assert (reader.stats.decode_errors, reader.stats.resnapshots) == (0, 0)
+
+
+async def test_a_record_of_one_event_over_512_kib_is_applied_in_order_not_a_loss() -> None:
+    """One `BlockStored` of a 128k-token prefill (~680 KB, over `DECODE_SLICE_BYTES`) was an
+    unreadable record: a loss, the instance resnapshotted, so long prompts were never routed
+    by their cache. Now it is decoded `DECODE_SLICE_ELEMENTS` elements a turn, by the flush
+    task, and applied whole between the records around it."""
+    elements = LoopTurns().wrap(kv_events, "decode_elements", lambda _, count, *__: count)
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    got: list[KVEventBatch] = []
+    reader.follow((NS, INSTANCE), got.append, lambda: None)
+    tokens = [100_000 + (j * 7_919) % 28_000 for j in range(131_072)]
+    event = BlockStored(list(range(1, 8_193)), None, tokens, 16)
+    large = encode_batch(KVEventBatch(1.0, [BlockRemoved([5]), event, AllBlocksCleared()]))
+    assert DECODE_SLICE_BYTES < len(large) <= MAX_BATCH_BYTES
+    batch(reader, 0)
+    reader.record(SUBJECT, {layout.KIND: layout.BATCH, layout.SEQ: "1", layout.TS: "1.0"}, large)
+    batch(reader, 2)
+    await wait_for(lambda: [int(b.ts) for b in got][-1:] == [2])
+    await elements.stop()
+    assert [int(b.ts) for b in got] == sorted(int(b.ts) for b in got)  # in order
+    whole = [e for b in got if b.ts == 1.0 for e in b.events]
+    assert blocks_of(whole) == blocks_of(decode_batch(large).events)  # (applied in slices)
+    assert (reader.stats.decode_errors, reader.stats.resnapshots) == (0, 0)
+    assert elements.on_loop == len(tokens) + 8_192
+    assert elements.most_per_turn <= kv_events.DECODE_SLICE_ELEMENTS
+
+
+async def test_a_record_of_many_tiny_events_is_decoded_a_bounded_count_of_events_a_turn() -> None:
+    """8,192 removals of one block (~170 KB, under `DECODE_SLICE_BYTES`) were decoded in one
+    call, on the reading path. Now a record of more than `DECODE_SLICE_EVENTS` events goes to
+    the flush task, decoded that many events a turn, and the records after it wait for it."""
+    decoded = LoopTurns().wrap(kv_stream, "decode_batch", kv_events.declared_events)
+    decoded.wrap(kv_events, "decode_batch", kv_events.declared_events)
+    decoded.wrap(kv_events, "decode_events", lambda raws, *_: len(raws))
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    got: list[KVEventBatch] = []
+    reader.follow((NS, INSTANCE), got.append, lambda: None)
+    tiny = [BlockRemoved([i]) for i in range(kv_events.MAX_BATCH_EVENTS)]
+    payload = encode_batch(KVEventBatch(1.0, tiny))
+    assert len(payload) < DECODE_SLICE_BYTES
+    batch(reader, 0)
+    reader.record(SUBJECT, {layout.KIND: layout.BATCH, layout.SEQ: "1", layout.TS: "1.0"}, payload)
+    batch(reader, 2)
+    await wait_for(lambda: [int(b.ts) for b in got][-1:] == [2])
+    await decoded.stop()
+    assert [int(b.ts) for b in got] == sorted(int(b.ts) for b in got)  # in order
+    assert blocks_of([e for b in got if b.ts == 1.0 for e in b.events]) == blocks_of(tiny)
+    assert decoded.on_loop == 2 + len(tiny)
+    assert decoded.most_per_turn <= kv_events.DECODE_SLICE_EVENTS < len(tiny)
     assert (reader.stats.decode_errors, reader.stats.resnapshots) == (0, 0)
 
 

@@ -36,7 +36,6 @@ import zmq
 import zmq.asyncio
 
 from shoal.kv.events import (
-    DECODE_SLICE_BYTES,
     END_OF_REPLAY,
     AllBlocksCleared,
     BlockRemoved,
@@ -45,6 +44,7 @@ from shoal.kv.events import (
     KVEventBatch,
     decode_batch_in_slices,
     decode_seq,
+    decoded_at_once,
     encode_seq,
 )
 
@@ -191,7 +191,7 @@ class KvSubscription:
             if len(payload) > MAX_BATCH_BYTES:
                 raise msgspec.DecodeError(f"{len(payload)} bytes, over {MAX_BATCH_BYTES}")
             # (4 MiB of token ids: 30-90 ms of CPU in one call holding the GIL, whichever
-            # thread made it: decoded in slices of `DECODE_SLICE_BYTES`, yielding between.)
+            # thread made it: decoded in slices of bytes, events or elements, yielding between.)
             batch = await decode_batch_in_slices(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             # A batch we cannot read is a loss like any other: the index must not drift.
@@ -208,7 +208,7 @@ class KvSubscription:
                 self.apply(seq, part)
             self.stats.batches += 1
             self.stats.events += len(batch.events)
-            if not self.whole_batches and len(payload) > DECODE_SLICE_BYTES:
+            if not self.whole_batches and not decoded_at_once(payload):
                 await let_go(batch)  # (the relay's `apply` may keep its batch: not there)
         self.last_seq = seq
 
@@ -380,9 +380,17 @@ def _expire(waiter: asyncio.Future[bool]) -> None:
 async def let_go(batch: KVEventBatch) -> None:
     """Free the events of `batch`, applied, a slice of `FREE_SLICE` token ids and hashes at a
     time, yielding between (a decoded 4 MB batch freed at once held the loop 6-10 ms: a
-    million ints). `batch` is left empty: only for a batch no one else holds."""
+    million ints), an event's own arrays a slice at a time when it holds more. `batch` is left
+    empty: only for a batch no one else holds."""
     events = batch.events
     while events:
+        last = events[-1]
+        if not isinstance(last, AllBlocksCleared):
+            arrays: tuple[list[Any], ...] = (last.block_hashes, getattr(last, "token_ids", []))
+            if sum(map(len, arrays)) > FREE_SLICE:
+                del max(arrays, key=len)[-FREE_SLICE:]
+                await asyncio.sleep(0)
+                continue
         weight, cut = 0, len(events)
         while cut and weight < FREE_SLICE:
             cut -= 1

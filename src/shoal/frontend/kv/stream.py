@@ -24,8 +24,9 @@ a worker's own numbering:
   instances not followed are known (their batches and place in the stream), the one read
   least recently forgotten past it;
 - a large batch is applied in slices of `APPLY_SLICE` blocks, yielding between them, and a
-  payload over `DECODE_SLICE_BYTES` is decoded in slices of events of that many bytes, and
-  freed in slices once applied (`let_go`), as a subscription does (all by the instance's
+  payload over `DECODE_SLICE_BYTES` or `DECODE_SLICE_EVENTS` events is decoded in slices of
+  events (one event over the bytes, a slice of its arrays' elements at a time), and freed in
+  slices once applied (`let_go`), as a subscription does (all by the instance's
   flush task, so its batches are applied in the order they came); an instance whose queue
   of batches to apply fills up is resnapshotted.
 
@@ -53,7 +54,7 @@ import msgspec
 
 from shoal.kv import AllBlocksCleared, KVEventBatch, decode_batch
 from shoal.kv import stream as layout
-from shoal.kv.events import DECODE_SLICE_BYTES, decode_batch_in_slices
+from shoal.kv.events import decode_batch_in_slices, decoded_at_once
 from shoal.kv.subscription import (
     APPLY_SLICE,
     MAX_BATCH_BYTES,
@@ -251,7 +252,7 @@ class KvStreamReader:
     def _deliver(self, instance: _Instance, payload: bytes) -> None:
         """Apply the batch now when it is small and nothing waits before it; else queue it
         for the instance's flush task, which applies it in slices, yielding between them
-        (and decodes it in slices when its payload is over `DECODE_SLICE_BYTES`). Kept
+        (and decodes it in slices when it is more than one: `decoded_at_once`). Kept
         for an instance not followed, or behind others: its payload, decoded later."""
         if instance.apply is None:
             if len(instance.pending) >= PENDING_BATCHES:
@@ -260,7 +261,7 @@ class KvStreamReader:
             self._trim()
             return
         batch = None
-        if instance.flushing is None and len(payload) <= DECODE_SLICE_BYTES:
+        if instance.flushing is None and decoded_at_once(payload):
             batch = self._decode(instance, payload)
             if batch is None:
                 return
@@ -283,7 +284,7 @@ class KvStreamReader:
 
     async def _batch(self, instance: _Instance, kept: _Kept) -> KVEventBatch | None:
         """`kept`'s batch, taken by the flush task, as `_decode` gives it (those kept after
-        it are kept on a loss): decoded in slices of `DECODE_SLICE_BYTES`, yielding between
+        it are kept on a loss): decoded in slices (`decode_batch_in_slices`), yielding between
         them (4 MiB of token ids: 30-120 ms of CPU in one call holding the GIL, so a thread
         would not spare the loop)."""
         if kept.batch is not None:
