@@ -3,9 +3,10 @@
 With API keys the frontend decoded a body for the key's model and tpm estimate, then the
 proxy decoded it again for routing: a 9 MB body twice in one callback of the event loop
 (41-64 ms of it under load). The fields are now decoded once, with both sets of members, and
-handed from the gate to the proxy; a body of `LARGE_BODY` bytes or more is decoded in a
-thread (`fields_later`), a smaller one on the loop at once (the hot path). Counted: the
-decoder's calls on the body, on the loop's thread and off it (`LoopTurns`), never timed.
+handed from the gate to the proxy; a body of `LARGE_BODY` bytes or more is decoded in the
+decoder process (`fields_later`: called from a thread), a smaller one on the loop at once (the
+hot path). Counted: the decoder's calls on the body, and the decoder process' calls with it,
+on the loop's thread and off it (`LoopTurns`), never timed.
 """
 
 from __future__ import annotations
@@ -50,13 +51,18 @@ def chat_body(size: int, model: str = "mock-llm") -> bytes:
     return json.dumps(body).encode()
 
 
-def count_decodes(body: bytes) -> LoopTurns:
-    """Every call of a decoder of `fields` on `body` (or the top-level members of it), one
-    unit each, on the loop's thread or off it."""
+def count_decodes(body: bytes, *, elsewhere: bool = True) -> LoopTurns:
+    """Every call of a decoder of `fields` on `body` (or the top-level members of it), and
+    (`elsewhere`) of the decoder process with it, one unit each, on the loop's thread or off
+    it."""
     turns = LoopTurns()
     for name in dir(fields_module):
         if name.startswith("_decode_") and callable(getattr(fields_module, name)):
             turns.wrap(fields_module, name, lambda data, *_, **__: int(len(data) == len(body)))
+    if elsewhere:
+        turns.wrap(
+            fields_module.DECODER_PROCESS, "call", lambda _, data, *__: int(len(data) == len(body))
+        )
     return turns
 
 
@@ -111,7 +117,7 @@ async def test_a_keyed_request_is_decoded_once_and_a_large_one_off_the_loop(
         await decodes.stop()
     assert decodes.on_loop + decodes.off_loop == 1, (decodes.on_loop, decodes.off_loop)
     if len(body) >= LARGE:
-        assert decodes.on_loop == 0  # (in the decoder's one thread)
+        assert decodes.on_loop == 0  # (in the decoder process, called from its one thread)
     else:
         assert decodes.off_loop == 0  # a small body stays on the loop's fast path
 

@@ -74,7 +74,9 @@ async def decoded(
     it comes), and the probe's runs when the answer came."""
     request = Request(b"POST", b"/v1/chat/completions", [], body, keep_alive=True, http11=True)
     request.too_deep = False
-    answer: asyncio.Future[tuple[Fields | ApiError, int]] = asyncio.get_running_loop().create_future()
+    answer: asyncio.Future[tuple[Fields | ApiError, int]] = (
+        asyncio.get_running_loop().create_future()
+    )
 
     def done(fields: Fields | ApiError) -> None:
         answer.set_result((fields, probe.runs if probe is not None else 0))
@@ -106,7 +108,9 @@ def plain(fields: Fields | ApiError) -> Any:
 
 def inline(body: bytes, *, with_prompt: bool, with_tokens: bool) -> Any:
     try:
-        fields = decode_fields(body, with_prompt=with_prompt, too_deep=False, with_tokens=with_tokens)
+        fields = decode_fields(
+            body, with_prompt=with_prompt, too_deep=False, with_tokens=with_tokens
+        )
     except ApiError as exc:
         return plain(exc)
     return plain(fields)
@@ -115,7 +119,7 @@ def inline(body: bytes, *, with_prompt: bool, with_tokens: bool) -> Any:
 async def test_the_event_loop_keeps_turning_while_a_20_mb_body_is_decoded() -> None:
     await decoded(chat_body(300_000))  # (the decoder's start, once, is not what is judged)
     body = chat_body(20_000_000)  # ~425,000 short messages: the costly kind to decode
-    decodes = count_decodes(body)
+    decodes = count_decodes(body, elsewhere=False)
     probe = Probe()
     try:
         start = probe.runs
@@ -147,7 +151,9 @@ BODIES = {
     "kv transfer params": json.dumps(
         {"model": "m", "kv_transfer_params": {"a": [1, 2]}, "messages": [{"c": "w" * 300_000}]}
     ).encode(),
-    "spaced": b'{ "model" : "m" ,\n "messages" : [ {"a": 1} ,\t"s" , 2 , "' + b"q" * 300_000 + b'" ] , "max_tokens" : 4 }',
+    "spaced": b'{ "model" : "m" ,\n "messages" : [ {"a": 1} ,\t"s" , 2 , "'
+    + b"q" * 300_000
+    + b'" ] , "max_tokens" : 4 }',
     "duplicate members": b'{"model":"a","max_tokens":1,"model":"b","max_tokens":2,"pad":"'
     + b"p" * 300_000
     + b'"}',
@@ -180,7 +186,10 @@ async def test_a_large_bodys_fields_are_those_decoded_here(
 async def test_a_huge_prompt_is_handed_over_cut_to_what_routing_reads() -> None:
     text = "word " * 700_000  # 3.5 M characters
     ids = list(range(200_000))
-    for prompt, cut in ((text, text[: fields_module.PROMPT_CUT_CHARS]), (ids, ids[: fields_module.PROMPT_CUT_ITEMS])):
+    for prompt, cut in (
+        (text, text[: fields_module.PROMPT_CUT_CHARS]),
+        (ids, ids[: fields_module.PROMPT_CUT_ITEMS]),
+    ):
         body = json.dumps({"model": "m", "prompt": prompt}).encode()
         fields, _ = await decoded(body)
         here = decode_fields(body, with_prompt=True, too_deep=False)
