@@ -29,7 +29,7 @@ from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.test_body_decoded_once import chat_body, count_decodes
 from tests.frontend.test_large_bodies_edges import ODD
 from tests.frontend.test_proxy import ready
-from tests.helpers import wait_for
+from tests.helpers import LoopTurns, wait_for
 
 TURNS_WHILE_DECODED = 10
 """Runs of a 1 ms callback the loop must give while a 20 MB chat is decoded (a decode in a
@@ -257,6 +257,33 @@ async def test_a_body_the_decoder_dies_of_twice_is_answered_500_not_hung() -> No
     assert isinstance(answers[0], ApiError) and answers[0].status == 500
     fields, _ = await decoded(chat_body(300_000))  # (and the next body is decoded)
     assert isinstance(fields, fields_module.LargePromptFields)
+
+
+async def test_a_large_body_that_came_in_pieces_is_joined_off_the_loop_and_forwarded_whole(
+    start_worker: StartWorker, start_frontend: StartFrontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server hands a large body over as the pieces it came in (`BodyPieces.whole`), and
+    the decoder's thread joins them when it reads the body first: `bytes.join` lets go of the
+    GIL for its copy there, where 20-30 MB held the loop 4-50 ms (the copy, and the faults of
+    its fresh pages)."""
+    worker = await start_worker(max_body=64 << 20)
+    front = await ready(start_frontend, worker, router="prefix", max_body=64 << 20)
+    body = chat_body(20_000_000)
+    joins = LoopTurns()
+    read = Request.body.fget
+    assert read is not None
+
+    def joining(request: Request) -> bytes:
+        if request._body is None:
+            joins.note()
+        return read(request)
+
+    monkeypatch.setattr(Request, "body", property(joining))
+    async with aiohttp.ClientSession() as session:
+        answer = await session.post(f"{front.url}/v1/chat/completions", data=body)
+        assert answer.status == 200, await answer.text()
+    assert (joins.on_loop, joins.off_loop) == (0, 1)
+    assert worker.bodies == [body]
 
 
 async def test_the_decoder_process_ends_with_the_frontend(

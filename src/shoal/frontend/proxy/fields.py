@@ -244,10 +244,9 @@ def fields_later(
     with_prompt: bool = False,
     with_tokens: bool = False,
 ) -> InThread[Fields]:
-    """`decode_fields` of a large body (`LARGE_BODY`), in the decoder process (`InThread`)."""
-    decode = functools.partial(
-        _fields_elsewhere, request.body, with_prompt, request.too_deep, with_tokens
-    )
+    """`decode_fields` of a large body (`LARGE_BODY`), in the decoder process (`InThread`;
+    the request's body is read there first: if it came in pieces, joined there)."""
+    decode = functools.partial(_fields_elsewhere, request, with_prompt, with_tokens)
     return InThread(client, decode, done)
 
 
@@ -328,11 +327,10 @@ _KINDS = {
 _SPANNED = ("kv_transfer_params", "max_tokens", "max_completion_tokens")
 
 
-def _fields_elsewhere(
-    body: bytes, with_prompt: bool, too_deep: bool | None, with_tokens: bool
-) -> Fields:
-    """`decode_fields` of `body`, in the decoder process (in `_DECODER`'s thread)."""
-    handed = DECODER_PROCESS.call(_handed, body, with_prompt, too_deep, with_tokens)
+def _fields_elsewhere(request: Request, with_prompt: bool, with_tokens: bool) -> Fields:
+    """`decode_fields` of `request`'s body, in the decoder process (in `_DECODER`'s thread)."""
+    body = request.body
+    handed = DECODER_PROCESS.call(_handed, body, with_prompt, request.too_deep, with_tokens)
     if isinstance(handed, _Refused):
         raise errors.bad_request(handed.message, param=handed.param)
     view = memoryview(body)
