@@ -54,8 +54,10 @@ class FakeWorker:
         lora_of: str | None = None,
         model_types: tuple[str, ...] = ("chat", "completions", "embeddings"),
         role: WorkerRole = WorkerRole.AGGREGATED,
+        max_body: int = 1 << 20,
     ) -> None:
         self.model = model
+        self.max_body = max_body  # bytes of a request body it reads (more: 413)
         self.role = role
         self.echo_request_id = False
         self.namespace = namespace
@@ -104,7 +106,7 @@ class FakeWorker:
         return ModelKey(self.endpoint, self.instance_id)
 
     async def start(self) -> FakeWorker:
-        app = web.Application()
+        app = web.Application(client_max_size=self.max_body)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/embeddings", self._embeddings)

@@ -3,9 +3,10 @@
 With API keys the frontend decoded a body for the key's model and tpm estimate, then the
 proxy decoded it again for routing: a 9 MB body twice in one callback of the event loop
 (41-64 ms of it under load). The fields are now decoded once, with both sets of members, and
-handed from the gate to the proxy; a body of `LARGE_BODY` bytes or more is decoded in a
-thread (`fields_later`), a smaller one on the loop at once (the hot path). Counted: the
-decoder's calls on the body, on the loop's thread and off it (`LoopTurns`), never timed.
+handed from the gate to the proxy; a body of `LARGE_BODY` bytes or more is decoded in the
+decoder process (`fields_later`: called from a thread), a smaller one on the loop at once (the
+hot path). Counted: the decoder's calls on the body, and the decoder process' calls with it,
+on the loop's thread and off it (`LoopTurns`), never timed.
 """
 
 from __future__ import annotations
@@ -50,13 +51,18 @@ def chat_body(size: int, model: str = "mock-llm") -> bytes:
     return json.dumps(body).encode()
 
 
-def count_decodes(body: bytes) -> LoopTurns:
-    """Every call of a decoder of `fields` on `body` (or the top-level members of it), one
-    unit each, on the loop's thread or off it."""
+def count_decodes(body: bytes, *, elsewhere: bool = True) -> LoopTurns:
+    """Every call of a decoder of `fields` on `body` (or the top-level members of it), and
+    (`elsewhere`) of the decoder process with it, one unit each, on the loop's thread or off
+    it."""
     turns = LoopTurns()
     for name in dir(fields_module):
         if name.startswith("_decode_") and callable(getattr(fields_module, name)):
             turns.wrap(fields_module, name, lambda data, *_, **__: int(len(data) == len(body)))
+    if elsewhere:
+        turns.wrap(
+            fields_module.DECODER_PROCESS, "call", lambda _, data, *__: int(len(data) == len(body))
+        )
     return turns
 
 
@@ -111,7 +117,7 @@ async def test_a_keyed_request_is_decoded_once_and_a_large_one_off_the_loop(
         await decodes.stop()
     assert decodes.on_loop + decodes.off_loop == 1, (decodes.on_loop, decodes.off_loop)
     if len(body) >= LARGE:
-        assert decodes.on_loop == 0  # (in the decoder's one thread)
+        assert decodes.on_loop == 0  # (in the decoder process, called from its one thread)
     else:
         assert decodes.off_loop == 0  # a small body stays on the loop's fast path
 
@@ -244,3 +250,43 @@ async def test_a_client_that_leaves_while_its_body_is_decoded_is_never_answered(
     assert gone.current.future.cancelled()
     assert len(answers) == 1 and not isinstance(answers[0], ApiError)
     assert answers[0].model == "mock-llm"
+
+
+async def test_a_large_body_of_too_many_members_is_refused_only_where_it_is_rebuilt(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """A body of 1.5 million top-level members (`,"<hex>":0`) sent to a renaming alias was
+    decoded as members in a thread (2-3.5 s of the interpreter lock, so of the loop), and
+    with any such alias in the fleet, every large body was. Its members are now counted in
+    the decoder process: past `MAX_MEMBERS` a rebuild answers 400, and a request that is not
+    rebuilt (the model itself) is served as it came."""
+    worker = await start_worker("mock-llm")
+    front = await start_frontend()
+    await publish_route(store, Route(workspace="default", name="alias", targets=(FleetTarget("mock-llm"),)))  # fmt: skip
+    await wait_for(lambda: "alias" in front.routes.models and front.routes.models["alias"].serving)
+    many = fields_module.MAX_MEMBERS + 1
+    filler = b"".join(b',"k%06x":"%s"' % (i, b"x" * 300) for i in range(many))
+    for model in (b"alias", b"mock-llm"):
+        body = b'{"model":"' + model + b'","messages":[{"role":"user","content":"hi"}]' + filler
+        body += b"}"
+        assert len(body) >= LARGE
+        decodes = count_decodes(body)
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"{front.url}/v1/chat/completions", data=body) as answer,
+            ):
+                status, text = answer.status, await answer.text()
+        finally:
+            await decodes.stop()
+        assert decodes.on_loop == 0, model  # (never parsed on the loop, refused or not)
+        if model == b"alias":
+            assert status == 400, text
+            error = json.loads(text)["error"]
+            assert f"{many + 2:,} top-level members" in error["message"], (
+                error
+            )  # (+model, messages)
+            assert error["type"] == "invalid_request_error"
+        else:
+            assert status == 200, text
+            assert worker.bodies[-1] == body  # byte for byte

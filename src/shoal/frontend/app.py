@@ -36,6 +36,7 @@ from shoal.frontend.keys.usage import UsageBook
 from shoal.frontend.kv.router import KvRouter
 from shoal.frontend.kv.stream import KvStreamReader
 from shoal.frontend.proxy.disagg import TwoStages
+from shoal.frontend.proxy.fields import stop_decoder
 from shoal.frontend.proxy.proxy import Proxy
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.metrics import FrontendMetrics
@@ -281,6 +282,7 @@ class Frontend(Endpoints):
             await self.server.close(self.config.drain_timeout)
         if self.metrics_server is not None:
             await self.metrics_server.close(0)
+        await stop_decoder()  # (the large bodies' decoder process: no request needs it now)
         await self.manager.stop_all()
         if self._lag is not None:
             self._lag.cancel()

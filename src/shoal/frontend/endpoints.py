@@ -118,10 +118,9 @@ class Endpoints:
                 grant = None if self.keys is None and not self._keys else self._authorize(request)
                 if grant is not None:
                     # Its fields, decoded once for the gate and the proxy: a large body in
-                    # a thread, then admitted from there (`_admit_later`).
+                    # the decoder process, then admitted from there (`_admit_later`).
                     prompt = self.router.needs_prompt
-                    body = request.body
-                    if len(body) >= LARGE_BODY:
+                    if request.size >= LARGE_BODY:  # (its pieces joined there too)
                         done = functools.partial(self._admit_later, request, conn, kind, grant)
                         members = self.proxy.may_rebuild()  # (decoded in the same pass)
                         fields_later(
@@ -134,7 +133,10 @@ class Endpoints:
                         )
                         return
                     fields = decode_fields(
-                        body, with_prompt=prompt, too_deep=request.too_deep, with_tokens=True
+                        request.body,
+                        with_prompt=prompt,
+                        too_deep=request.too_deep,
+                        with_tokens=True,
                     )
                     self._admit(request, conn, kind, grant, fields)
                     return
@@ -167,7 +169,7 @@ class Endpoints:
         model = fields.model or ""
         KeyRing.admit(grant, model)
         # its tpm estimate, once, of the members just decoded (a few bytes)
-        tokens = estimate(len(request.body), fields.max_completion_tokens, fields.max_tokens)
+        tokens = estimate(request.size, fields.max_completion_tokens, fields.max_tokens)
         self.gate.handle(request, conn, kind, grant, model, tokens, fields)
 
     def _admit_later(

@@ -348,7 +348,7 @@ class HttpConnection(asyncio.Protocol):
         self._phase = IDLE
         if self._upgrading:
             return  # the body is still unread: parsed again once the upgrade is ignored
-        body = self._body.joined()
+        body = self._body.whole(METER_FROM)  # (a large one joined when read: off the loop)
         request = Request(
             self.parser.get_method(),
             self._url,

@@ -2,20 +2,25 @@
 prefix-aware routing the prompt, and for a key's tpm the completion it allows), decoded with a
 depth bound, once per request (a key's request too: the gate hands its fields to the proxy),
 and the one rewrite it makes (`rewrite_model`, for a virtual model's target that names the
-model otherwise). A body of `LARGE_BODY` bytes or more is decoded in a thread of its own
-(`fields_later`): one decode of 9 MB holds the interpreter 3-5 ms (more under load), which
-the event loop's callback then does not add to the rest of the request's start. A large
-body the gateway may rebuild (a rename, disagg.py's stages) is decoded as its top-level
-members, its fields read from those (`decode_with_members`): one pass over it, not two.
+model otherwise). A body of `LARGE_BODY` bytes or more is decoded in the decoder process
+(`fields_later`, `decoder_process.py`): a decode holds the interpreter lock from start to end
+(a 20 MB chat: 20-50 ms), and the event loop with it when it runs in this process, in a thread
+or not. The process hands back the small fields, and where the rest lies in the body. A large
+body the gateway may rebuild (a rename, disagg.py's stages) is handed back with its top-level
+members too (`with_members`), in the same pass; a body of more than `MAX_MEMBERS` top-level
+members is refused (an OpenAI body has a few dozen; a million held this process seconds).
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import concurrent.futures
 import functools
+import itertools
 import logging
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, Literal, TypeVar, overload
 
 import msgspec
@@ -23,6 +28,7 @@ import msgspec
 from shoal.bounds import MAX_DEPTH, TooDeep, check_json_depth
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request
+from shoal.frontend.proxy.decoder_process import DecoderProcess
 from shoal.frontend.registry.router import prefix_message
 from shoal.openai import ApiError
 
@@ -31,12 +37,21 @@ T = TypeVar("T")
 
 PROMPT_CHARS = 8192  # how much of the prompt prefix-aware routing looks at
 LARGE_BODY = 256 << 10  # (the server's `METER_FROM`: a body it judged piece by piece as it came)
-"""A body this large is decoded in `_DECODER`'s thread (`fields_later`), and keeps its
+"""A body this large is decoded in the decoder process (`fields_later`), and keeps its
 messages undecoded (`msgspec.Raw`); a smaller one is decoded on the event loop, at once."""
 RAW_MESSAGES_FROM = LARGE_BODY
-# One thread, one body at a time: decoding holds the interpreter, so more threads decode no
-# faster and leave the event loop a smaller share of it (as the catalog's `_DECODER`).
+MAX_MEMBERS = 1024
+"""Top-level members of a large body the gateway rebuilds (a rename, disagg.py's stages) at
+most: past them, a 400."""
+PROMPT_CUT_CHARS = 1 << 20
+PROMPT_CUT_ITEMS = 1 << 16
+"""A large body's `prompt` or `input` is handed over cut to its first this many characters
+of text and list items in all: routing reads its start (the kv policy at most 1,024 blocks of
+tokens: 64 Ki ids of 64-token blocks, some 512 K characters), and taking in millions of
+decoded ids would hold this process' interpreter as the decode did."""
+# The thread that drives the decoder process: one body at a time, in the order they came.
 _DECODER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="body-fields")
+DECODER_PROCESS = DecoderProcess()
 
 
 NO_KV_TRANSFER_PARAMS = msgspec.Raw(b"null")
@@ -68,7 +83,7 @@ class LargePromptFields(Fields):
     thread, at all of them one by one): decoding 40,000 messages at once held the event
     loop 45 ms."""
 
-    messages: list[msgspec.Raw] | None = None
+    messages: Sequence[msgspec.Raw] | None = None  # (handed over: `RawMessages`)
     prompt: Any = None
     input: Any = None
 
@@ -139,6 +154,10 @@ def decode_fields(
     too_deep: bool | None = None,
     with_tokens: Literal[False] = False,
 ) -> Fields: ...
+@overload
+def decode_fields(
+    body: bytes, *, with_prompt: bool = False, too_deep: bool | None = None, with_tokens: bool
+) -> Fields: ...
 def decode_fields(
     body: bytes,
     *,
@@ -196,43 +215,10 @@ def _refuse_too_deep(body: bytes, too_deep: bool | None) -> None:
         ) from None
 
 
-_READ = frozenset(LargePromptTokenFields.__struct_fields__)  # every member `Fields` read
-_PROMPT = frozenset(("messages", "prompt", "input"))
-
-
-def decode_with_members(
-    body: bytes,
-    *,
-    with_prompt: bool = False,
-    too_deep: bool | None = None,
-    with_tokens: bool = False,
-) -> tuple[Fields, Members]:
-    """`decode_fields` of a body, and its top-level members, in one pass over it: the members,
-    then the fields of the few that hold them (a body rebuilt from its members, by a rename
-    or disagg.py's stages, is not parsed once for its fields and again for its members).
-    Without the prompt, that costs what the fields alone do; with it, its members are read
-    again (a list of messages, from their text)."""
-    _refuse_too_deep(body, too_deep)
-    try:
-        members = _decode_members(body)
-    except msgspec.ValidationError as exc:
-        raise errors.bad_request(f"Invalid request body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise errors.bad_request(f"The request body is not valid JSON: {exc}") from None
-    read = _READ if with_prompt else _READ - _PROMPT
-    wanted = _encode({name: value for name, value in members.items() if name in read})
-    fields: Fields
-    if with_tokens:
-        fields = decode_fields(wanted, with_prompt=with_prompt, too_deep=False, with_tokens=True)
-    else:
-        fields = decode_fields(wanted, with_prompt=with_prompt, too_deep=False)
-    return fields, members
-
-
 class InThread(Generic[T]):
-    """`work()` run in `_DECODER`'s thread (a large body's decode), then `done(its result)`,
-    or `done(error)`: the `ApiError` to answer, on the event loop. Until then it is the
-    connection's response in progress: a client that leaves cancels it, and `done` is not
+    """`work()` run in `_DECODER`'s thread (a call of the decoder process), then `done(its
+    result)`, or `done(error)`: the `ApiError` to answer, on the event loop. Until then it is
+    the connection's response in progress: a client that leaves cancels it, and `done` is not
     called."""
 
     __slots__ = ("done", "future")
@@ -256,7 +242,7 @@ class InThread(Generic[T]):
             self.done(future.result())
         elif isinstance(exc, ApiError):
             self.done(exc)
-        else:  # a bug: the request's alone
+        else:  # a bug, or the decoder process failed twice: the request's alone
             log.error("decoding a request body failed", exc_info=exc)
             self.done(errors.internal_error())
 
@@ -269,34 +255,12 @@ def fields_later(
     with_prompt: bool = False,
     with_tokens: bool = False,
     with_members: bool = False,
-) -> InThread[Fields] | InThread[tuple[Fields, Members]]:
-    """`decode_fields` of a large body (`LARGE_BODY`), in the decoder's thread (`InThread`);
-    `with_members`: of its top-level members, in one pass (`decode_with_members`), which
-    are kept as `request.members` for a body rebuilt from them."""
-    if with_members:
-
-        def kept(decoded: tuple[Fields, Members] | ApiError) -> None:
-            if isinstance(decoded, ApiError):
-                done(decoded)
-            else:
-                fields, request.members = decoded
-                done(fields)
-
-        both = functools.partial(
-            decode_with_members,
-            request.body,
-            with_prompt=with_prompt,
-            too_deep=request.too_deep,
-            with_tokens=with_tokens,
-        )
-        return InThread(client, both, kept)
-    decode: Callable[[], Fields] = functools.partial(
-        decode_fields,
-        request.body,
-        with_prompt=with_prompt,
-        too_deep=request.too_deep,
-        with_tokens=with_tokens,
-    )
+) -> InThread[Fields]:
+    """`decode_fields` of a large body (`LARGE_BODY`), in the decoder process (`InThread`;
+    the request's body is read there first: if it came in pieces, joined there);
+    `with_members`: its top-level members too, in the same pass, kept as `request.members`
+    for a body rebuilt from them."""
+    decode = functools.partial(_fields_elsewhere, request, with_prompt, with_tokens, with_members)
     return InThread(client, decode, done)
 
 
@@ -304,17 +268,212 @@ def members_later(
     body: bytes, client: ClientConnection, done: Callable[[Members | ApiError], None]
 ) -> InThread[Members]:
     """The top-level members of a large body that passed `decode_fields`, for
-    `rewrite_model`, in the decoder's thread (`InThread`)."""
-    return InThread(client, functools.partial(_decode_members, body), done)
+    `rewrite_model`, decoded in the decoder process (`InThread`)."""
+    return InThread(client, functools.partial(_members_elsewhere, body), done)
+
+
+async def stop_decoder() -> None:
+    """End the decoder process (a frontend's stop), once the bodies given before are decoded;
+    a body given after starts another."""
+    await asyncio.get_running_loop().run_in_executor(_DECODER, DECODER_PROCESS.stop)
+
+
+# -- handing fields over from the decoder process ------------------------------------------
+
+
+class RawMessages(Sequence[msgspec.Raw]):
+    """A large body's messages as the decoder process hands them over: where each lies in the
+    body (`starts`, `ends`), made a `msgspec.Raw` of the body's bytes (no copy) when read.
+    Taking in a list of 400,000 of them at once would hold the interpreter ~40 ms."""
+
+    __slots__ = ("_ends", "_starts", "_view")
+
+    def __init__(self, body: bytes, starts: array.array[int], ends: array.array[int]) -> None:
+        self._view = memoryview(body)
+        self._starts = starts
+        self._ends = ends
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    @overload
+    def __getitem__(self, index: int) -> msgspec.Raw: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[msgspec.Raw]: ...
+    def __getitem__(self, index: int | slice) -> msgspec.Raw | list[msgspec.Raw]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return msgspec.Raw(self._view[self._starts[index] : self._ends[index]])
+
+    def __iter__(self) -> Iterator[msgspec.Raw]:
+        view = self._view
+        for start, end in zip(self._starts, self._ends, strict=True):
+            yield msgspec.Raw(view[start:end])
+
+
+Spans = tuple["array.array[int]", "array.array[int]"]
+"""Where values lie in a body: their starts, and their ends."""
+
+
+class _Handed(msgspec.Struct):
+    """`Fields` as the decoder process hands them over: the small ones as they are, the
+    members kept as JSON text as where they lie in the body (`start, end`), a prompt cut."""
+
+    kind: str  # the class of the fields
+    model: str | None
+    stream: bool | None
+    raws: dict[str, tuple[int, int]]  # each present `msgspec.Raw` member
+    messages: Any  # `Spans` of a `RawMessages`, or None
+    prompt: Any
+    input: Any
+    members: Any = None  # `with_members`: the top-level members' names and `Spans`
+
+
+class _Refused(msgspec.Struct):
+    """`decode_fields`' `ApiError` (a 400) as the decoder process hands it over."""
+
+    message: str
+    param: str | None
+
+
+_KINDS = {
+    kind.__name__: kind for kind in (Fields, TokenFields, LargePromptFields, LargePromptTokenFields)
+}
+_SPANNED = ("kv_transfer_params", "max_tokens", "max_completion_tokens")
+
+
+def _fields_elsewhere(
+    request: Request, with_prompt: bool, with_tokens: bool, with_members: bool = False
+) -> Fields:
+    """`decode_fields` of `request`'s body, in the decoder process (in `_DECODER`'s thread);
+    `with_members`: its top-level members too, set as `request.members`."""
+    body = request.body
+    handed = DECODER_PROCESS.call(
+        _handed, body, with_prompt, request.too_deep, with_tokens, with_members
+    )
+    if isinstance(handed, _Refused):
+        raise errors.bad_request(handed.message, param=handed.param)
+    view = memoryview(body)
+    members: dict[str, Any] = {k: msgspec.Raw(view[a:b]) for k, (a, b) in handed.raws.items()}
+    kind = _KINDS[handed.kind]
+    if kind is LargePromptFields or kind is LargePromptTokenFields:
+        if handed.messages is not None:
+            members["messages"] = RawMessages(body, *handed.messages)
+        members["prompt"], members["input"] = handed.prompt, handed.input
+    if handed.members is not None:
+        request.members = _members_at(view, *handed.members)
+    return kind(model=handed.model, stream=handed.stream, **members)
+
+
+def _members_elsewhere(body: bytes) -> Members:
+    """`_decode_members` of `body`, in the decoder process (in `_DECODER`'s thread)."""
+    spans = DECODER_PROCESS.call(_member_spans, body)
+    if isinstance(spans, _Refused):
+        raise errors.bad_request(spans.message, param=spans.param)
+    return _members_at(memoryview(body), *spans)
+
+
+def _members_at(view: memoryview, names: list[str], spans: Spans) -> Members:
+    starts, ends = spans
+    return {name: msgspec.Raw(view[a:b]) for name, a, b in zip(names, starts, ends, strict=True)}
+
+
+def _handed(
+    body: bytes, with_prompt: bool, too_deep: bool | None, with_tokens: bool, with_members: bool
+) -> _Handed | _Refused:
+    """(In the decoder process.) `decode_fields` of `body`, to hand over."""
+    try:
+        fields = decode_fields(
+            body, with_prompt=with_prompt, too_deep=too_deep, with_tokens=with_tokens
+        )
+    except ApiError as exc:
+        return _Refused(exc.message, exc.param)
+    spans = _member_spans(body) if with_members else None
+    if isinstance(spans, _Refused):  # (refused only if a rebuild asks for them: `members_of`)
+        spans = None
+    raws: dict[str, tuple[int, int]] = {}
+    for name in _SPANNED:  # (those absent: the class' own default, the very object)
+        raw = getattr(fields, name, ABSENT)
+        if raw is not NO_KV_TRANSFER_PARAMS and raw is not ABSENT:
+            (start,), (end,) = _spans(body, [raw])
+            raws[name] = (start, end)
+    messages = getattr(fields, "messages", None)
+    room = [PROMPT_CUT_CHARS, PROMPT_CUT_ITEMS]
+    return _Handed(
+        type(fields).__name__,
+        fields.model,
+        fields.stream,
+        raws,
+        None if messages is None else _spans(body, messages),
+        _cut(getattr(fields, "prompt", None), room),
+        _cut(getattr(fields, "input", None), room),
+        spans,
+    )
+
+
+def _member_spans(body: bytes) -> tuple[list[str], Spans] | _Refused:
+    """(In the decoder process.) `_decode_members` of a body that passed `decode_fields`:
+    names, and where values lie; refused past `MAX_MEMBERS` (taking in a million spans would
+    hold this process' interpreter as their decode did)."""
+    members = _decode_members(body)
+    if len(members) > MAX_MEMBERS:
+        message = (
+            f"The request body has {len(members):,} top-level members, over the "
+            f"{MAX_MEMBERS:,} a request rebuilt by the gateway may have."
+        )
+        return _Refused(message, None)
+    return list(members), _spans(body, list(members.values()))
+
+
+def _spans(body: bytes, raws: Sequence[msgspec.Raw]) -> Spans:
+    """Where each of `raws` (JSON text decoded from `body`, in the body's order) lies in
+    `body`. A value's bytes found elsewhere in the body are as good as its own: the same
+    text. Usually found at C speed: the items of an array written with one separator (as
+    `json.dumps` or `JSON.stringify` write them) lie end to end; else one by one (~0.3 us
+    each), each from where the one before ended."""
+    kind = "I" if len(body) < 1 << 32 else "Q"
+    lengths = array.array(kind, map(len, raws))
+    first = body.find(raws[0]) if raws else -1  # type: ignore[arg-type]
+    for sep in (b", ", b","):
+        if first >= 0 and body.startswith(sep.join(raws), first):  # type: ignore[arg-type]
+            steps = map(operator.add, lengths, itertools.repeat(len(sep)))
+            starts = array.array(kind, itertools.accumulate(steps, initial=first))
+            starts.pop()
+            return starts, array.array(kind, map(operator.add, starts, lengths))
+    starts, at = array.array(kind), 0
+    for raw in raws:
+        start = body.find(raw, at)  # type: ignore[arg-type]
+        if start < 0:  # (a member that came again: its first place is earlier)
+            start = body.find(raw)  # type: ignore[arg-type]
+        starts.append(start)
+        at = start + len(raw)
+    return starts, array.array(kind, map(operator.add, starts, lengths))
+
+
+def _cut(value: Any, room: list[int]) -> Any:
+    """`value` (a prompt, or an input) with at most `room`'s characters of text and items of
+    lists and objects (used up as they are kept): its start (`PROMPT_CUT_CHARS`)."""
+    if isinstance(value, str):
+        value = value[: room[0]]
+        room[0] -= len(value)
+    elif isinstance(value, list):
+        kept = value[: max(0, room[1])]
+        room[1] -= len(kept)
+        value = [_cut(item, room) for item in kept]
+    elif isinstance(value, dict):
+        pairs = list(itertools.islice(value.items(), max(0, room[1])))
+        room[1] -= len(pairs)
+        value = {key: _cut(item, room) for key, item in pairs}
+    return value
 
 
 async def members_of(body: bytes) -> Members:
     """The top-level members of a body that passed `decode_fields`, for a body rebuilt from
-    them (disagg.py's stages): a large one's (`LARGE_BODY`) decoded in the decoder's thread,
+    them (disagg.py's stages): a large one's (`LARGE_BODY`) decoded in the decoder process,
     awaited (`members_later` answers a connection instead), a smaller one's at once."""
     if len(body) < LARGE_BODY:
         return _decode_members(body)
-    return await asyncio.get_running_loop().run_in_executor(_DECODER, _decode_members, body)
+    return await asyncio.get_running_loop().run_in_executor(_DECODER, _members_elsewhere, body)
 
 
 async def encode_members(members: Members) -> bytes:

@@ -117,21 +117,22 @@ class Proxy:
     ) -> None:
         """Start answering one request of `kind` (chat, completions, embeddings); `fields`:
         its body's, when the caller decoded them (a key's request: `decode_fields` with the
-        router's `needs_prompt`). A body of `LARGE_BODY` or more is decoded in a thread
-        (`fields_later`), and answered from here when that is done. Nothing raises out of
+        router's `needs_prompt`). A body of `LARGE_BODY` or more is decoded in the decoder
+        process (`fields_later`), and answered from here when that is done. Nothing raises out of
         here: a bug answers 500 in the OpenAI format, counted like any answer (a `Forward`
         once started answers for itself)."""
         try:
             if fields is None:
-                body = request.body
-                if len(body) >= LARGE_BODY:
+                if request.size >= LARGE_BODY:  # (its pieces joined in the decoder's thread)
                     done = functools.partial(self._decoded, request, client, kind)
                     prompt, members = self.router.needs_prompt, self.may_rebuild()
                     fields_later(request, client, done, with_prompt=prompt, with_members=members)
                     return
                 try:
                     fields = decode_fields(
-                        body, with_prompt=self.router.needs_prompt, too_deep=request.too_deep
+                        request.body,
+                        with_prompt=self.router.needs_prompt,
+                        too_deep=request.too_deep,
                     )
                 except ApiError as exc:
                     self._refuse(client, exc, UNKNOWN_MODEL)

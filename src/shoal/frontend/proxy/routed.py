@@ -109,7 +109,10 @@ class VirtualForward(Forward):
             super().start()
 
     def _with_members(self, members: Members | ApiError) -> None:
-        self.members = None if isinstance(members, ApiError) else members  # (else: parsed again)
+        if isinstance(members, ApiError):  # (too many members to rebuild it: a 400)
+            self.client.send_error(members)
+            return
+        self.members = members
         try:
             super().start()
         except Exception:  # (as `Proxy.handle` answers a bug: this request's alone)
