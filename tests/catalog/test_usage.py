@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from shoal.catalog import CatalogClient, CatalogConfig, CatalogServer, InvalidError
+from tests.catalog.test_api_limits import nested
 from tests.helpers import LoopTurns
 
 
@@ -210,11 +211,12 @@ async def test_a_usage_report_of_many_minutes_does_not_hold_the_event_loop(
 
 
 def big_batch(batch_id: str = "batch-big1") -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """A batch just under the body bound (~5,000 rows, ~1,000 identities), and its rows."""
+    """A batch just under the body bound (~5,000 rows, ~1,000 identities; 2 KiB to spare for
+    what a test spoils), and its rows."""
     from shoal.catalog.api import MAX_BODY_BYTES
 
     one = row("key-00", "model-0", "2030-01-01T00:00:00Z", 1, 10, 20)
-    count = (MAX_BODY_BYTES - 100) // (len(json.dumps(one)) + 2)
+    count = (MAX_BODY_BYTES - 2048) // (len(json.dumps(one)) + 2)
     rows = [row(f"key-{i % 50:02}", f"model-{i % 7}",
                 f"2030-01-01T{i // 60 % 24:02}:{i % 60:02}:00Z", 1, 10, 20)
             for i in range(count)]  # fmt: skip
@@ -283,7 +285,9 @@ def bad_row(index: int, **fields: Any) -> Any:
         bad_row(4000, extra=1),
         lambda batch: batch["rows"][10].pop("minute"),
         bad_row(2000, minute="0001-01-01T00:00:00+01:00"),
-        bad_row(1000, key="k" * 70_000),  # (a row over a slice's bytes)
+        lambda batch: (  # a row over a slice's bytes
+            batch["rows"][1000].update(key="k" * 70_000), batch["rows"].__delitem__(slice(500))
+        ),
         lambda batch: batch.update(batch_id="x"),
         lambda batch: batch.update(junk={"a": 1}),
         lambda batch: batch.update(rows={"a": 1}),
@@ -292,13 +296,14 @@ def bad_row(index: int, **fields: Any) -> Any:
         lambda text: text.replace('"requests": 1,', '"requests": 1,,', 1),  # not JSON
         lambda text: text.replace('"requests": 1', '"requests": NaN', 1),  # (msgspec refuses)
         lambda text: text.replace('"key-00"', '"key-\\ud800"', 1),  # (msgspec refuses)
-        lambda text: text.replace('"rows": [', '"rows": ' + "[" * 63, 1) + "]" * 62,
+        lambda batch: batch["rows"].__setitem__(5, nested(63)),  # 65 levels in the body
+        lambda batch: batch.update(spec=nested(64)),
         lambda text: text + "x",
         lambda text: "[" + text + "]",
     ],
     ids=["bad-count", "unknown-row-field", "missing-row-field", "minute-out-of-range",
          "large-row", "bad-batch-id", "unknown-field", "rows-not-a-list", "no-rows",
-         "too-many-rows", "not-json", "nan", "lone-surrogate", "too-deep", "trailing",
+         "too-many-rows", "not-json", "nan", "lone-surrogate", "too-deep-row", "too-deep-member", "trailing",
          "not-an-object"],
 )  # fmt: skip
 async def test_a_large_bad_usage_batch_is_answered_as_when_it_was_decoded_whole(
@@ -335,6 +340,39 @@ async def test_a_large_bad_usage_batch_is_answered_as_when_it_was_decoded_whole(
 
 async def none_of(*_: Any) -> None:
     return None
+
+
+async def test_a_batch_validated_in_slices_is_the_batch_validated_whole(tmp_path: Path) -> None:
+    """Rows decoded by msgspec a slice at a time, the rest by `json.loads`, give the model
+    the whole body's `json.loads` and validation give: escapes, offsets, defaults, a key
+    given twice (the last counts), numbers past 64 bits left to refuse."""
+    from shoal.catalog import api, body_slices
+    from shoal.catalog.database import open_engine
+
+    engine = open_engine(f"sqlite:///{tmp_path / 'catalog.db'}")  # (never connected)
+    app = api.create_app(engine, migrate_on_start=False)
+    field = next(r for r in app.routes if getattr(r, "path", "") == "/v1/usage").body_field
+    minutes = ("2030-01-01T00:00:30", "2030-01-01T02:00:00+02:00", "2030-01-01T00:01Z")
+    texts = []
+    for i in range(3000):
+        one = row(f'k\u00e9y-{i % 9}"\\', f"mod\u00e8le-{i % 4}", minutes[i % 3], i, 10**15, i)
+        if i % 5 == 0:
+            del one["served_model"], one["completion_tokens"]
+        text = json.dumps(one)  # (as ASCII: é is an escape)
+        if i % 7 == 0:
+            text = text[:-1] + ', "requests": 99}'
+        texts.append(text)
+    body = ('{"rows": [' + ", ".join(texts) + '], "batch_id": "batch-edge"}').encode()
+    whole = api._decoded(body, field)
+    sliced = await body_slices.validated_in_slices(body, field, "rows")
+    assert sliced is not None
+    assert sliced == whole
+    assert sliced.model_fields_set == whole.model_fields_set
+    assert [r.model_fields_set for r in sliced.rows] == [r.model_fields_set for r in whole.rows]
+    assert whole.rows[7].requests == 99 and whole.rows[1].key == 'kéy-1"\\'
+    big = body.replace(b'"requests": 99}', b'"requests": 123456789012345678901234567890}', 1)
+    assert await body_slices.validated_in_slices(big, field, "rows") is None
+    await engine.dispose()
 
 
 async def test_counters_stay_at_the_bigint_bound_and_the_batch_is_counted(
