@@ -84,10 +84,13 @@ async def decoded_slices(
 
 async def encode_in_slices(items: Sequence[Any], per_slice: int = ENCODED_PER_SLICE) -> bytes:
     """`items` as one JSON array, the same bytes as `msgspec.json.encode(list(items))`, encoded
-    `per_slice` items a step on the event loop, yielding between steps."""
-    parts: list[bytes] = []
+    `per_slice` items a step on the event loop, yielding between steps. The slices are put
+    together in one join (`b"[" + b",".join(...) + b"]"` copied 10 MB three times: ~15 ms)."""
+    parts: list[bytes] = [b"["]
     for start in range(0, len(items), per_slice):
         if start:
             await asyncio.sleep(0)
+            parts.append(b",")
         parts.append(msgspec.json.encode(items[start : start + per_slice])[1:-1])
-    return b"[" + b",".join(parts) + b"]"
+    parts.append(b"]")
+    return b"".join(parts)

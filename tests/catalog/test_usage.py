@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from shoal.catalog import CatalogClient, CatalogConfig, CatalogServer, InvalidError
+from tests.catalog.test_api_limits import nested
 from tests.helpers import LoopTurns
 
 
@@ -209,25 +210,36 @@ async def test_a_usage_report_of_many_minutes_does_not_hold_the_event_loop(
     assert most <= slices.ENCODED_PER_SLICE, f"{most} items encoded in one turn"
 
 
-async def test_a_usage_batch_of_a_mebibyte_is_decoded_and_validated_off_the_event_loop(
-    catalog: CatalogServer, client: CatalogClient, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A batch just under the body bound (~4,500 rows) was decoded, validated, merged and
-    dumped on the catalog's loop (its models controller's too): ~70 ms held per batch.
-    Counted, not timed: decoded and validated, then merged, in threads, and its rows bound
-    to statements `WRITE_SLICE` at most a turn."""
-    import aiohttp
-    from sqlalchemy.ext.asyncio import AsyncConnection
-
-    from shoal.catalog import api, usage
+def big_batch(batch_id: str = "batch-big1") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A batch just under the body bound (~5,000 rows, ~1,000 identities; 2 KiB to spare for
+    what a test spoils), and its rows."""
     from shoal.catalog.api import MAX_BODY_BYTES
 
     one = row("key-00", "model-0", "2030-01-01T00:00:00Z", 1, 10, 20)
-    count = (MAX_BODY_BYTES - 100) // (len(json.dumps(one)) + 2)
+    count = (MAX_BODY_BYTES - 2048) // (len(json.dumps(one)) + 2)
     rows = [row(f"key-{i % 50:02}", f"model-{i % 7}",
                 f"2030-01-01T{i // 60 % 24:02}:{i % 60:02}:00Z", 1, 10, 20)
             for i in range(count)]  # fmt: skip
-    body = json.dumps({"batch_id": "batch-big1", "rows": rows})
+    return rows, {"batch_id": batch_id, "rows": rows}
+
+
+async def test_a_usage_batch_of_a_mebibyte_is_validated_on_the_loop_a_slice_at_a_time(
+    catalog: CatalogServer, client: CatalogClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch just under the body bound was decoded and validated on the catalog's loop
+    (~70 ms), then in a thread: `json.loads` is one C call holding the GIL, so the loop was
+    held ~6-10 ms a batch all the same. Counted, not timed: its rows are decoded and
+    validated `body_slices.SLICE_BYTES` at most a turn (never the whole body at once: no
+    `_decoded`), merged in a thread (Python code: the loop takes the GIL back every switch
+    interval), and bound to statements `WRITE_SLICE` at most a turn."""
+    import aiohttp
+    from sqlalchemy.ext.asyncio import AsyncConnection
+
+    from shoal.catalog import api, body_slices, usage
+    from shoal.catalog.api import MAX_BODY_BYTES
+
+    rows, batch = big_batch()
+    body = json.dumps(batch)
     assert MAX_BODY_BYTES * 0.95 < len(body) <= MAX_BODY_BYTES
     url = f"{client.base_url}/v1/usage"
     headers = {"Content-Type": "application/json"}
@@ -235,6 +247,7 @@ async def test_a_usage_batch_of_a_mebibyte_is_decoded_and_validated_off_the_even
         async with session.post(url, data=b"{}", headers=headers) as resp:  # warm the pool
             assert resp.status == 422
         decoded = LoopTurns().wrap(api, "_decoded")  # the catalog serves on this very loop
+        validated = LoopTurns().wrap(body_slices, "_validated", lambda _, items: len(items))
         merged = LoopTurns().wrap(usage, "_merged")
 
         def rows_bound(conn: Any, statement: Any, parameters: Any = None, **_: Any) -> int:
@@ -245,16 +258,121 @@ async def test_a_usage_batch_of_a_mebibyte_is_decoded_and_validated_off_the_even
             async with session.post(url, data=body, headers=headers) as resp:
                 answer = await resp.json()
         finally:
-            for turns in (decoded, merged, bound):
+            for turns in (decoded, validated, merged, bound):
                 await turns.stop()
     assert resp.status == 200, answer
     assert answer == {"batch_id": "batch-big1", "counted": True, "rows": len(rows)}
     assert sum(i["requests"] for i in await client.usage(group_by="key")) == len(rows)
-    assert decoded.on_loop == 0 and decoded.off_loop == 1
+    assert decoded.on_loop == decoded.off_loop == 0
+    assert validated.on_loop == len(rows) and validated.off_loop == 0
+    most = validated.most_per_turn
+    row_bytes = len(json.dumps(rows[0])) + 1
+    assert most <= body_slices.SLICE_BYTES // row_bytes, f"{most} rows validated in one turn"
     assert merged.on_loop == 0 and merged.off_loop == 1
-    assert bound.on_loop > 4 * usage.WRITE_SLICE  # (distinct rows: ~4,500 in one batch)
+    assert bound.on_loop > 4 * usage.WRITE_SLICE  # (distinct rows: ~1,000 in one batch)
     most = bound.most_per_turn
     assert most <= usage.WRITE_SLICE, f"{most} rows bound to statements in one turn"
+
+
+def bad_row(index: int, **fields: Any) -> Any:
+    return lambda batch: batch["rows"][index].update(fields)
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        bad_row(3000, requests=-1),
+        bad_row(4000, extra=1),
+        lambda batch: batch["rows"][10].pop("minute"),
+        bad_row(2000, minute="0001-01-01T00:00:00+01:00"),
+        lambda batch: (  # a row over a slice's bytes
+            batch["rows"][1000].update(key="k" * 70_000), batch["rows"].__delitem__(slice(500))
+        ),
+        lambda batch: batch.update(batch_id="x"),
+        lambda batch: batch.update(junk={"a": 1}),
+        lambda batch: batch.update(rows={"a": 1}),
+        lambda batch: batch.pop("rows"),
+        lambda batch: batch.update(rows=[1] * 100_001),
+        lambda text: text.replace('"requests": 1,', '"requests": 1,,', 1),  # not JSON
+        lambda text: text.replace('"requests": 1', '"requests": NaN', 1),  # (msgspec refuses)
+        lambda text: text.replace('"key-00"', '"key-\\ud800"', 1),  # (msgspec refuses)
+        lambda batch: batch["rows"].__setitem__(5, nested(63)),  # 65 levels in the body
+        lambda batch: batch.update(spec=nested(64)),
+        lambda text: text + "x",
+        lambda text: "[" + text + "]",
+    ],
+    ids=["bad-count", "unknown-row-field", "missing-row-field", "minute-out-of-range",
+         "large-row", "bad-batch-id", "unknown-field", "rows-not-a-list", "no-rows",
+         "too-many-rows", "not-json", "nan", "lone-surrogate", "too-deep-row", "too-deep-member", "trailing",
+         "not-an-object"],
+)  # fmt: skip
+async def test_a_large_bad_usage_batch_is_answered_as_when_it_was_decoded_whole(
+    client: CatalogClient, monkeypatch: pytest.MonkeyPatch, spoil: Any
+) -> None:
+    """Validated a slice at a time, a bad batch over `api.OFF_LOOP_BYTES` gets the very answer
+    it got decoded and validated whole (the same status, message and field), and takes no
+    batch id: what the slices cannot tell is decoded whole."""
+    import aiohttp
+
+    from shoal.catalog import body_slices
+
+    _, batch = big_batch("batch-bad1")
+    text = json.dumps(batch)
+    if spoil.__code__.co_varnames[0] == "text":
+        text = spoil(text)
+    else:
+        spoil(batch)
+        text = json.dumps(batch)
+    url = f"{client.base_url}/v1/usage"
+    headers = {"Content-Type": "application/json"}
+    answers = []
+    async with aiohttp.ClientSession() as session:
+        for sliced in (True, False):
+            if not sliced:  # as before: the whole body in `_decoded`
+                monkeypatch.setattr(body_slices, "validated_in_slices", none_of)
+            async with session.post(url, data=text, headers=headers) as resp:
+                answers.append((resp.status, await resp.json()))
+    assert answers[0][0] in (400, 422), answers[0]
+    assert answers[0] == answers[1]
+    _, good = big_batch("batch-bad1")
+    assert await client.record_usage(good)  # the refused batch did not take its id
+
+
+async def none_of(*_: Any) -> None:
+    return None
+
+
+async def test_a_batch_validated_in_slices_is_the_batch_validated_whole(tmp_path: Path) -> None:
+    """Rows decoded by msgspec a slice at a time, the rest by `json.loads`, give the model
+    the whole body's `json.loads` and validation give: escapes, offsets, defaults, a key
+    given twice (the last counts), numbers past 64 bits left to refuse."""
+    from shoal.catalog import api, body_slices
+    from shoal.catalog.database import open_engine
+
+    engine = open_engine(f"sqlite:///{tmp_path / 'catalog.db'}")  # (never connected)
+    app = api.create_app(engine, migrate_on_start=False)
+    field = next(r for r in app.routes if getattr(r, "path", "") == "/v1/usage").body_field
+    minutes = ("2030-01-01T00:00:30", "2030-01-01T02:00:00+02:00", "2030-01-01T00:01Z")
+    texts = []
+    for i in range(3000):
+        one = row(f'k\u00e9y-{i % 9}"\\', f"mod\u00e8le-{i % 4}", minutes[i % 3], i, 10**15, i)
+        if i % 5 == 0:
+            del one["served_model"], one["completion_tokens"]
+        text = json.dumps(one)  # (as ASCII: é is an escape)
+        if i % 7 == 0:
+            text = text[:-1] + ', "requests": 99}'
+        texts.append(text)
+    body = ('{"rows": [' + ", ".join(texts) + '], "batch_id": "batch-edge"}').encode()
+    whole = api._decoded(body, field)
+    sliced = await body_slices.validated_in_slices(body, field, "rows")
+    assert sliced is not None
+    assert sliced == whole
+    assert sliced.model_fields_set == whole.model_fields_set
+    assert [r.model_fields_set for r in sliced.rows] == [r.model_fields_set for r in whole.rows]
+    assert whole.rows[7].requests == 99 and whole.rows[1].key == 'kéy-1"\\'
+    big = body.replace(b'"requests": 99}', b'"requests": 123456789012345678901234567890}', 1)
+    assert await body_slices.validated_in_slices(big, field, "rows") is None
+    await engine.dispose()
 
 
 async def test_counters_stay_at_the_bigint_bound_and_the_batch_is_counted(

@@ -175,6 +175,48 @@ async def test_sealing_100000_rows_makes_a_slice_of_them_per_turn_of_the_loop() 
         await book.stop()
 
 
+async def test_a_backlog_folded_lets_go_of_its_rows_a_slice_per_turn_of_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rows of a backlog over its bound are folded in threads (Python code: the loop
+    takes the GIL back every switch interval), but the 200,000 rows they replace were freed
+    on the loop at once (freeing is one C call: ~15-30 ms held). Counted, not timed: the rows
+    freed in one turn of the loop are a `SEAL_SLICE` at most, and none is freed in a thread
+    (all at once there, it would hold the GIL as long)."""
+    from shoal.frontend.keys import usage as usage_module
+    from shoal.frontend.keys.usage import SEAL_SLICE
+    from tests.helpers import LoopTurns
+
+    freed = LoopTurns()
+
+    class Noted(dict):  # type: ignore[type-arg]
+        """A row that counts its freeing in the turn (or thread) it happens in."""
+
+        def __del__(self) -> None:
+            freed.note()
+
+    fold = usage_module._fold
+    monkeypatch.setattr(
+        usage_module, "_fold", lambda rows, level: [Noted(r) for r in fold(rows, level)]
+    )
+    book = UsageBook(f"http://127.0.0.1:{free_port()}", max_rows=100_000, interval=3600)
+    for b in range(200):  # 200,000 rows, each of its own model: only folding keys fits them
+        book._batch([Noted(workspace="w", key=f"k{i % 100}", model=f"m{i}", served_model="",
+                           status_class="2xx", minute="2030-01-01T00:01:00+00:00", requests=1,
+                           prompt_tokens=2, completion_tokens=3)
+                     for i in range(b * 1000, (b + 1) * 1000)])  # fmt: skip
+    try:
+        await book._fit()
+        assert book.pending_rows == 1000 + 100 and book.dropped_rows == 0
+        assert book.folded_rows == 199_000 - 100
+        assert sum(r["requests"] for b in book.pending for r in b["rows"]) == 200_000
+        assert freed.on_loop == 2 * 199_000 and freed.off_loop == 0  # (the originals, hours)
+        most = freed.most_per_turn
+        assert most <= SEAL_SLICE, f"{most} rows freed in one turn"
+    finally:
+        await freed.stop()
+
+
 async def test_a_seal_cancelled_midway_loses_no_row() -> None:
     """The frontend stops (its flush task cancelled) while a seal is between two slices:
     the rows not yet sealed are sealed all the same, for the last flush to send."""

@@ -15,7 +15,7 @@ import pathlib
 import random
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import sqlalchemy as sa
@@ -64,6 +64,10 @@ class UsageRow(Strict):
 class UsageBatch(Strict):
     batch_id: Annotated[str, Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     rows: list[UsageRow] = Field(max_length=100_000)
+
+    validated_in_slices: ClassVar[str] = "rows"
+    """A large batch's rows are decoded and validated on the loop a slice at a time
+    (`shoal.catalog.body_slices`): no validator here reads `rows` beside another field."""
 
 
 class BatchResult(BaseModel):

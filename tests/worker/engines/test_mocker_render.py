@@ -3,6 +3,7 @@ the ids a router hashes are the ids the mocker caches and reports, and bad input
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -191,3 +192,46 @@ async def test_bad_render_requests_get_an_openai_error(
     error = (await resp.json())["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"] and error["param"] == param
+
+
+async def test_a_long_prompt_is_tokenized_with_the_gil_let_go() -> None:
+    """A long prompt is tokenized in a thread, but `Tokenizer.encode` keeps the GIL for its
+    whole call: 60,000 words held the mocker's loop (its answers, its lease's renewal)
+    ~50-75 ms all the same. Its batch call lets the GIL go while it works. Counted, not
+    timed: the loop's turns while the thread is inside `encode` (the switch interval made
+    long, so only a call that lets the GIL go lets the loop turn), and the ids are the same."""
+    import sys
+
+    from shoal.worker.engines.mocker import tokenizer
+
+    words = sorted(VOCAB)
+    text = " ".join(words[i % len(words)] for i in range(60_000)) + " héllo ☃ <|user|>"
+    inside = [False]
+    turns_inside = 0
+    spinning = True
+
+    async def spin() -> None:  # (a turn of the loop whenever it may have one)
+        nonlocal turns_inside
+        while spinning:
+            turns_inside += inside[0]
+            await asyncio.sleep(0)
+
+    def tokenized() -> list[int]:
+        inside[0] = True
+        try:
+            return encode(text)
+        finally:
+            inside[0] = False
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(2.0)
+    spinner = asyncio.create_task(spin())
+    try:
+        ids = await asyncio.to_thread(tokenized)
+    finally:
+        sys.setswitchinterval(interval)
+        spinning = False
+        await spinner
+    assert ids == tokenizer.TOKENIZER.encode(text, add_special_tokens=False).ids
+    assert len(ids) > 60_000
+    assert turns_inside >= 10, f"the loop turned {turns_inside} times while the thread tokenized"
