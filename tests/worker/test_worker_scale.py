@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
+from shoal.cards import ModelCard, slugify
 from shoal.discovery import Discovery, EndpointId, ModelKey
-from shoal.store import MAX_VALUE_BYTES, Store, open_store
+from shoal.store import MAX_VALUE_BYTES, Store, StoreUnavailableError, open_store
 from shoal.store import sqlite as sqlite_module
 from shoal.worker import Engine, Runtime, ServedModel
 from shoal.worker import registrations as registrations_module
@@ -275,3 +277,51 @@ async def test_a_taint_cut_short_goes_on_where_it_stopped_when_tried_again(
     listed = await Discovery(observer).list()
     assert len(listed) == cards
     assert {tuple(model.card.taints) for model in listed} == {(DRAINING,)}
+
+
+async def test_cards_an_attach_many_wrote_before_the_store_failed_are_withdrawn(
+    runtime: Runtime, observer: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What was wrong: when the store failed half-way through an `attach_many` (SQLite's
+    "database is locked" on its 2nd transaction), the cards of the transactions before
+    stayed announced under the live lease, while the worker held none of those models and
+    `lease_problem()` said nothing, until the lease ended. What holds now: their keys are
+    withdrawals pending, so the next lease-loop turn withdraws them (and a retry attaches
+    each model again)."""
+    registrations = runtime.registrations
+    endpoint = EndpointId.parse("ns.other.generate")  # (not served: no models loop)
+    await registrations.register_instance(endpoint, "http://127.0.0.1:9", "http://127.0.0.1:9")
+    per_transaction = sqlite_module.PUT_MANY_KEYS
+    entries = [(_card(f"lora-{i}"), f"lora-{i}", {}, None) for i in range(2 * per_transaction + 10)]
+    put_many = sqlite_module._put_many
+    transactions: list[int] = []
+
+    def locked_at_the_second(*args: object, **kwargs: object) -> object:
+        transactions.append(1)
+        if len(transactions) == 2:
+            raise sqlite3.OperationalError("database is locked")
+        return put_many(*args, **kwargs)
+
+    monkeypatch.setattr(sqlite_module, "_put_many", locked_at_the_second)
+    with pytest.raises(StoreUnavailableError):
+        await registrations.attach_many(endpoint, entries)
+    monkeypatch.setattr(sqlite_module, "_put_many", put_many)
+    cards = ModelKey(endpoint, registrations.instance_id).key + "/"
+    assert len((await observer.get_prefix(cards)).items) == per_transaction  # (written)
+
+    await registrations.renew()
+    assert registrations.models_of(endpoint) == {}
+    assert (await observer.get_prefix(cards)).items == []
+    assert registrations.lease_problem() is None
+    assert await registrations.attach_many(endpoint, entries) == ({}, set())  # (tried again)
+    assert len((await observer.get_prefix(cards)).items) == len(entries)
+
+
+def _card(name: str) -> ModelCard:
+    return ModelCard.build(
+        display_name=name,
+        slug=slugify(name),
+        source="test://x",
+        model_types=["chat"],
+        context_length=4096,
+    )
