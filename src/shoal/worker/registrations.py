@@ -398,8 +398,9 @@ class Registrations:
         store's bounds), and those left for `attach` one at a time (a withdrawal of that key
         is pending: it may hold another model, which `attach` refuses). The others are
         attached. If the store fails, the files hosted before are restored, nothing of
-        `entries` is attached, and the error is raised (cards of the slices written before
-        it stay under the lease until put again, or the lease ends)."""
+        `entries` is attached, and the error is raised. The cards of the slices written
+        before it are not known: every key of the call becomes a withdrawal pending, which
+        `renew()` makes (a retry before it attaches each model `alone`)."""
         refused: dict[str | None, Exception] = {}
         alone: set[str | None] = set()
         ready: list[tuple[ModelKey, Entry, bytes, list[tuple[MetadataKey, bytes]]]] = []
@@ -431,6 +432,7 @@ class Registrations:
             except BaseException:
                 for key, _, _, before in ready:
                     self.metadata.replace(key, before)
+                    self._pending_deletes[key.key] = lease_id
                 raise
             for key, (card, suffix, files, served), _, _ in ready:
                 models[suffix] = Attached(key, card, dict(files), served, stored=card)
