@@ -174,7 +174,8 @@ class MemoryStore(Store):
         between: one transaction), yielding to the event loop between steps, so a watch
         reads its queue before it holds more than `MAX_QUEUED` events."""
         self._check_open()
-        checked = checked_items(items)
+        checked = await checked_items(items)
+        self._check_open()  # (closed while the items were checked)
         revision = 0
         for start in range(0, len(checked), PUT_MANY_KEYS):
             if start:
