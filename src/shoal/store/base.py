@@ -39,7 +39,7 @@ suite in `tests/store/` proves on each backend:
   `since` plus the delta is what a whole listing would have given.
 - `put_many` writes many keys in few transactions (a worker putting back 20,000 cards
   after a lost lease), and each is still a change of its own: a watch gets one `Put` per
-  key. Keys written by one transaction may share its revision (etcd's), so a consumer
+  key (one whose reader falls too far behind gets a `Resync`, as after any gap). Keys written by one transaction may share its revision (etcd's), so a consumer
   tells changes apart by key and revision, never by revision alone.
 """
 
