@@ -39,8 +39,9 @@ suite in `tests/store/` proves on each backend:
   `since` plus the delta is what a whole listing would have given.
 - `put_many` writes many keys in few transactions (a worker putting back 20,000 cards
   after a lost lease), and each is still a change of its own: a watch gets one `Put` per
-  key (one whose reader falls too far behind gets a `Resync`, as after any gap). Keys written by one transaction may share its revision (etcd's), so a consumer
-  tells changes apart by key and revision, never by revision alone.
+  key (one whose reader falls too far behind gets a `Resync`, as after any gap). Keys
+  written by one transaction may share its revision (etcd's), so a consumer tells changes
+  apart by key and revision, never by revision alone.
 """
 
 from __future__ import annotations
@@ -358,11 +359,12 @@ class Store(abc.ABC):
         (0 for no items).
 
         Every key and value is checked first, as `put` checks them (`CHECK_SLICE` per turn
-        of the event loop): one refused raises before anything is written (a caller that wants the others written checks its items
-        first, with `check_key` and `check_value`). The backend writes a bounded slice of
-        keys per transaction, so one call may take several: a failure (the lease gone, the
-        store out) may leave the earlier slices written. A watch gets one `Put` per key.
-        This default puts them one at a time; each backend writes a slice per transaction."""
+        of the event loop): one refused raises before anything is written (a caller that
+        wants the others written checks its items first, with `check_key` and
+        `check_value`). The backend writes a bounded slice of keys per transaction, so one
+        call may take several: a failure (the lease gone, the store out) may leave the
+        earlier slices written. A watch gets one `Put` per key. This default puts them one
+        at a time; each backend writes a slice per transaction."""
         revision = 0
         for key, value in await checked_items(items):
             revision = await self.put(key, value, lease=lease)
