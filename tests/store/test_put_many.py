@@ -15,6 +15,7 @@ from shoal.store import (
     Store,
     ValueTooLargeError,
 )
+from shoal.store import base as base_module
 from shoal.store import sqlite as sqlite_module
 from tests.helpers import LoopTurns, wait_for
 from tests.store.conftest import Backend
@@ -136,6 +137,24 @@ async def test_a_put_many_refuses_an_invalid_item_before_it_writes_any(
     with pytest.raises((InvalidKeyError, ValueTooLargeError)):
         await store.put_many(items)
     assert (await store.get_prefix(prefix)).items == []
+
+
+async def test_a_put_many_checks_its_items_a_slice_per_turn_of_the_loop(
+    store: Store, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What was wrong: `put_many` checked every item (key, value) in one turn of the event
+    loop before its first write: 20,000 items held the loop 25-43 ms on every backend. What
+    holds now: it checks `CHECK_SLICE` items per turn, every item still before the first
+    write (an invalid one still refuses the call with nothing written)."""
+    monkeypatch.setattr(base_module, "CHECK_SLICE", 64, raising=False)
+    checks = LoopTurns().wrap(base_module, "check_key")
+    try:
+        await store.put_many(_items(prefix, MANY))
+    finally:
+        await checks.stop()
+    assert checks.on_loop == MANY
+    assert checks.most_per_turn <= 64
+    assert len((await store.get_prefix(prefix)).items) == MANY
 
 
 async def test_a_key_given_twice_to_a_put_many_ends_with_its_last_value(

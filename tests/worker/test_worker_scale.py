@@ -4,19 +4,23 @@ own slice constants, with the constant made small so a few hundred models span m
 
 from __future__ import annotations
 
+import asyncio
 import gc
-from collections.abc import AsyncIterator
+import sqlite3
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
+from shoal.cards import ModelCard, slugify
 from shoal.discovery import Discovery, EndpointId, ModelKey
-from shoal.store import MAX_VALUE_BYTES, Store, open_store
+from shoal.store import MAX_VALUE_BYTES, Store, StoreUnavailableError, open_store
 from shoal.store import sqlite as sqlite_module
 from shoal.worker import Engine, Runtime, ServedModel
 from shoal.worker import registrations as registrations_module
 from shoal.worker import runtime as runtime_module
+from shoal.worker.registrations import DRAINING
 from tests.helpers import LoopTurns, wait_for
 
 EP = "ns.backend.generate"
@@ -227,3 +231,97 @@ async def test_tainting_many_models_puts_their_cards_in_batches(
     listed = await Discovery(observer).list()
     assert len(listed) == cards
     assert {tuple(model.card.taints) for model in listed} == {("maintenance",)}
+
+
+async def test_a_taint_cut_short_goes_on_where_it_stopped_when_tried_again(
+    runtime: Runtime, observer: Store
+) -> None:
+    """What was wrong: a drain gives `set_taints` 1.5 s, then 1 s per retry, and every try
+    put every card again from the first: SQLite writing ~10,000 keys/s, 20,000 cards never
+    all carried `draining` (stuck at 12,788) and frontends kept routing to the others. What
+    holds now: a try puts only the cards not yet put with those taints, so a retry goes on
+    where the try cut short stopped, and a try with nothing left to taint puts nothing."""
+    adapters = 2000
+    endpoint = runtime.endpoint(EP)
+    await endpoint.serve(ManyAdapters(adapters))
+    await wait_for(lambda: _announced(observer, adapters + 1), timeout=60, message="announced")
+    store = runtime.registrations.store
+    put_many = store.put_many
+    calls: list[int] = []
+    never = asyncio.Event()
+
+    async def held_at_the_second_batch(
+        items: Sequence[tuple[str, bytes]], *, lease: int = 0
+    ) -> int:
+        calls.append(len(items))
+        if len(calls) == 2:
+            await never.wait()  # (the drain's timeout cuts the try here)
+        return await put_many(items, lease=lease)
+
+    store.put_many = held_at_the_second_batch  # type: ignore[method-assign]
+    tainting = asyncio.create_task(endpoint.set_taints([DRAINING]))
+    await wait_for(lambda: len(calls) == 2, timeout=30, message="the second batch begun")
+    tainting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await tainting
+    store.put_many = put_many  # type: ignore[method-assign]
+
+    cards = adapters + 1
+    for left in (cards - registrations_module.PUT_BATCH, 0):
+        keys = LoopTurns().wrap(store, "put_many", lambda items, **_: len(items))
+        try:
+            await endpoint.set_taints([DRAINING])
+        finally:
+            await keys.stop()
+        assert keys.on_loop == left
+    listed = await Discovery(observer).list()
+    assert len(listed) == cards
+    assert {tuple(model.card.taints) for model in listed} == {(DRAINING,)}
+
+
+async def test_cards_an_attach_many_wrote_before_the_store_failed_are_withdrawn(
+    runtime: Runtime, observer: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What was wrong: when the store failed half-way through an `attach_many` (SQLite's
+    "database is locked" on its 2nd transaction), the cards of the transactions before
+    stayed announced under the live lease, while the worker held none of those models and
+    `lease_problem()` said nothing, until the lease ended. What holds now: their keys are
+    withdrawals pending, so the next lease-loop turn withdraws them (and a retry attaches
+    each model again)."""
+    registrations = runtime.registrations
+    endpoint = EndpointId.parse("ns.other.generate")  # (not served: no models loop)
+    await registrations.register_instance(endpoint, "http://127.0.0.1:9", "http://127.0.0.1:9")
+    per_transaction = sqlite_module.PUT_MANY_KEYS
+    entries = [(_card(f"lora-{i}"), f"lora-{i}", {}, None) for i in range(2 * per_transaction + 10)]
+    put_many = sqlite_module._put_many
+    transactions: list[int] = []
+
+    def locked_at_the_second(*args: object, **kwargs: object) -> object:
+        transactions.append(1)
+        if len(transactions) == 2:
+            raise sqlite3.OperationalError("database is locked")
+        return put_many(*args, **kwargs)
+
+    monkeypatch.setattr(sqlite_module, "_put_many", locked_at_the_second)
+    with pytest.raises(StoreUnavailableError):
+        await registrations.attach_many(endpoint, entries)
+    monkeypatch.setattr(sqlite_module, "_put_many", put_many)
+    cards = ModelKey(endpoint, registrations.instance_id).key + "/"
+    assert len((await observer.get_prefix(cards)).items) == per_transaction  # (written)
+
+    await registrations.renew()
+    assert registrations.models_of(endpoint) == {}
+    assert (await observer.get_prefix(cards)).items == []
+    assert registrations.lease_problem() is None
+    assert await registrations.attach_many(endpoint, entries) == ({}, set())  # (tried again)
+    assert len((await observer.get_prefix(cards)).items) == len(entries)
+
+
+def _card(name: str) -> ModelCard:
+    return ModelCard.build(
+        display_name=name,
+        slug=slugify(name),
+        source="test://x",
+        model_types=["chat"],
+        context_length=4096,
+    )

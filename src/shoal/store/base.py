@@ -39,8 +39,9 @@ suite in `tests/store/` proves on each backend:
   `since` plus the delta is what a whole listing would have given.
 - `put_many` writes many keys in few transactions (a worker putting back 20,000 cards
   after a lost lease), and each is still a change of its own: a watch gets one `Put` per
-  key. Keys written by one transaction may share its revision (etcd's), so a consumer
-  tells changes apart by key and revision, never by revision alone.
+  key (one whose reader falls too far behind gets a `Resync`, as after any gap). Keys
+  written by one transaction may share its revision (etcd's), so a consumer tells changes
+  apart by key and revision, never by revision alone.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ log = logging.getLogger(__name__)
 MAX_VALUE_BYTES = 1024 * 1024
 MAX_KEY_BYTES = 1024
 _KEY_RE = re.compile(r"^[A-Za-z0-9._\-/:@+=]+$")
+CHECK_SLICE = 1024
+"""Items `put_many` checks between two yields to the event loop (about 1-3 ms of it)."""
 
 
 class StoreError(Exception):
@@ -189,14 +192,19 @@ def distinct_prefixes(prefixes: Sequence[str]) -> tuple[str, ...]:
     return tuple(kept)
 
 
-def checked_items(items: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+async def checked_items(items: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
     """`items` with each key and value checked as `put` checks them (the first refused
-    raises), each value as `bytes`: what `put_many` writes, checked before it writes any."""
+    raises), each value as `bytes`: what `put_many` writes, checked before it writes any.
+    `CHECK_SLICE` items per turn of the event loop: 20,000 checked at once held it 25-43 ms."""
+    items = list(items)  # (as given now: a caller's list may change while this yields)
     checked: list[tuple[str, bytes]] = []
-    for key, value in items:
-        check_key(key)
-        check_value(key, value)
-        checked.append((key, bytes(value)))
+    for start in range(0, len(items), CHECK_SLICE):
+        if start:
+            await asyncio.sleep(0)
+        for key, value in items[start : start + CHECK_SLICE]:
+            check_key(key)
+            check_value(key, value)
+            checked.append((key, bytes(value)))
     return checked
 
 
@@ -350,14 +358,15 @@ class Store(abc.ABC):
         given twice ends with its last value); returns the store revision of the last write
         (0 for no items).
 
-        Every key and value is checked first, as `put` checks them: one refused raises
-        before anything is written (a caller that wants the others written checks its items
-        first, with `check_key` and `check_value`). The backend writes a bounded slice of
-        keys per transaction, so one call may take several: a failure (the lease gone, the
-        store out) may leave the earlier slices written. A watch gets one `Put` per key.
-        This default puts them one at a time; each backend writes a slice per transaction."""
+        Every key and value is checked first, as `put` checks them (`CHECK_SLICE` per turn
+        of the event loop): one refused raises before anything is written (a caller that
+        wants the others written checks its items first, with `check_key` and
+        `check_value`). The backend writes a bounded slice of keys per transaction, so one
+        call may take several: a failure (the lease gone, the store out) may leave the
+        earlier slices written. A watch gets one `Put` per key. This default puts them one
+        at a time; each backend writes a slice per transaction."""
         revision = 0
-        for key, value in checked_items(items):
+        for key, value in await checked_items(items):
             revision = await self.put(key, value, lease=lease)
         return revision
 

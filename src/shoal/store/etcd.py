@@ -713,7 +713,7 @@ class EtcdStore(Store):
         given twice starts the next: etcd refuses both), one after the other. The keys of a
         transaction share its revision; a watch gets a `Put` for each."""
         revision = 0
-        for txn in _transactions(checked_items(items)):
+        for txn in _transactions(await checked_items(items)):
             requests = [
                 aetcd.rpc.RequestOp(
                     request_put=aetcd.rpc.PutRequest(key=raw, value=data, lease=lease)

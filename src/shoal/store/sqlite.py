@@ -950,7 +950,7 @@ class SQLiteStore(Store):
         revision of its own (the change log has a row per revision), and at most one
         transaction per `PUT_MANY_PACE` seconds: the change log holds two polls' worth of
         them, so the watches of other processes get each key, not a `Resync`."""
-        checked = checked_items(items)
+        checked = await checked_items(items)
         revision = 0
         next_at = 0.0
         for start in range(0, len(checked), PUT_MANY_KEYS):

@@ -57,12 +57,17 @@ Entry = tuple[ModelCard, str | None, Mapping[str, bytes], ServedModel | None]
 
 @dataclass
 class Attached:
-    """A model attached to an endpoint: its current registration key, card and hosted files."""
+    """A model attached to an endpoint: its current registration key, card and hosted files.
+
+    `card` is the card as it should be announced; `stored` is the card last given to the
+    store at `key` (None: not yet, or not known). `set_taints` puts only the cards whose
+    `stored` is not `card`, so a try cut short is continued, not started again."""
 
     key: ModelKey
     card: ModelCard
     files: dict[str, bytes]  # the metadata files as registered (what the card's checksums say)
     served: ServedModel | None = None  # set when the model came from the engine
+    stored: ModelCard | None = None
 
 
 class Registrations:
@@ -212,12 +217,15 @@ class Registrations:
                 models = list(self._models.get(endpoint, {}).items())
                 for start in range(0, len(models), PUT_BATCH):
                     cards: list[tuple[str, bytes]] = []
-                    for suffix, att in models[start : start + PUT_BATCH]:
+                    batch = models[start : start + PUT_BATCH]
+                    for suffix, att in batch:
                         key = ModelKey(endpoint, lease.id, suffix)
                         self.metadata.reassign(att.key, key)
-                        att.key = key
+                        att.key, att.stored = key, None
                         cards.append((key.key, att.card.to_json()))
                     await self._put_cards(cards, lease.id)
+                    for _, att in batch:
+                        att.stored = att.card
                     await asyncio.sleep(0)  # (a batch a turn, whatever the store)
             self._lease_id = lease.id
             self.missing.clear()  # every key was just put
@@ -288,7 +296,9 @@ class Registrations:
                     if checked % KEYS_PER_TURN == 0:
                         await asyncio.sleep(0)
                     if self._is_missing(att.key.key, present):
-                        await self.discovery.register_model(att.key, att.card, lease=lease_id)
+                        card = att.card
+                        await self.discovery.register_model(att.key, card, lease=lease_id)
+                        att.stored = card
                         self._put_back(att.key.key)
 
     def _is_missing(self, key: str, present: set[str]) -> bool:
@@ -374,7 +384,7 @@ class Registrations:
             except BaseException:
                 self.metadata.replace(key, before)
                 raise
-            models[suffix] = Attached(key, card, dict(files), served)
+            models[suffix] = Attached(key, card, dict(files), served, stored=card)
             self.models_changed += 1
 
     async def attach_many(
@@ -388,8 +398,9 @@ class Registrations:
         store's bounds), and those left for `attach` one at a time (a withdrawal of that key
         is pending: it may hold another model, which `attach` refuses). The others are
         attached. If the store fails, the files hosted before are restored, nothing of
-        `entries` is attached, and the error is raised (cards of the slices written before
-        it stay under the lease until put again, or the lease ends)."""
+        `entries` is attached, and the error is raised. The cards of the slices written
+        before it are not known: every key of the call becomes a withdrawal pending, which
+        `renew()` makes (a retry before it attaches each model `alone`)."""
         refused: dict[str | None, Exception] = {}
         alone: set[str | None] = set()
         ready: list[tuple[ModelKey, Entry, bytes, list[tuple[MetadataKey, bytes]]]] = []
@@ -421,9 +432,10 @@ class Registrations:
             except BaseException:
                 for key, _, _, before in ready:
                     self.metadata.replace(key, before)
+                    self._pending_deletes[key.key] = lease_id
                 raise
             for key, (card, suffix, files, served), _, _ in ready:
-                models[suffix] = Attached(key, card, dict(files), served)
+                models[suffix] = Attached(key, card, dict(files), served, stored=card)
             self.models_changed += len(ready)
         return refused, alone
 
@@ -450,21 +462,31 @@ class Registrations:
     async def set_taints(self, endpoint: EndpointId, taints: list[str]) -> None:
         """Replace the taints of every model attached to `endpoint`: a put of each card as
         registered, under the lease it was put under, `PUT_BATCH` per `Store.put_many` (a
-        card of a lease being replaced is put with its taints by the re-registration)."""
+        card of a lease being replaced is put with its taints by the re-registration).
+
+        Only the cards not yet given to the store with these taints are put: a try cut short
+        (a drain gives it 1.5 s, then 1 s per retry; SQLite writes ~10,000 keys/s) is
+        continued by the next from where it stopped, never started again from the first."""
+        wanted = tuple(sorted(set(taints)))
         async with self._lock:
             models = list(self._models.get(endpoint, {}).values())
             lost = False
             for start in range(0, len(models), PUT_BATCH):
-                cards: list[tuple[str, bytes]] = []
+                batch: list[Attached] = []
                 for att in models[start : start + PUT_BATCH]:
-                    att.card = att.card.with_taints(taints)
-                    if att.key.instance_id == self._lease_id:
-                        cards.append((att.key.key, att.card.to_json()))
-                if cards and not lost and self._lease_id is not None:
+                    if att.card.taints != wanted:
+                        att.card = att.card.with_taints(wanted)
+                    if att.stored is not att.card and att.key.instance_id == self._lease_id:
+                        batch.append(att)
+                if batch and not lost and self._lease_id is not None:
+                    cards = [(att.key.key, att.card.to_json()) for att in batch]
                     try:
                         await self._put_cards(cards, self._lease_id)
                     except LeaseNotFoundError:  # lost: re-put with its taints
                         lost = True
+                    else:
+                        for att in batch:
+                            att.stored = att.card
                 await asyncio.sleep(0)
 
     def forget(self, endpoint: EndpointId) -> None:
