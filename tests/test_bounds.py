@@ -143,6 +143,19 @@ def test_brackets_counted_after_a_few_passes_are_judged_as_peeled_to_the_end(
     assert bounds._peel_exceeds(brackets, limit) == peeled_exceeds(brackets, limit)
 
 
+@pytest.mark.parametrize("closed", [True, False], ids=["closed", "left open"])
+def test_brackets_over_255_levels_left_after_a_few_passes_are_judged_as_peeled(
+    closed: bool,
+) -> None:
+    """(Running depths are counted in bytes: a deeper one is too deep for any bound under 255,
+    and one past a stray closer is left to peeling.)"""
+    short_subtree = b"[" * (bounds.PEELED + 1) + b"]" * (bounds.PEELED + 1)
+    chain = (b"[" + short_subtree) * 300 + b"]" * (300 if closed else 0)
+    for brackets in (chain, b"]" + chain, chain + b"]]"):
+        for limit in (64, 254, 400):
+            assert bounds._peel_exceeds(brackets, limit) == peeled_exceeds(brackets, limit)
+
+
 def test_a_value_dense_in_deep_nests_is_judged_in_a_few_passes_not_one_a_level(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
