@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shoal import bounds
 from shoal.bounds import MAX_DEPTH, DepthMeter, TooDeep, check_json_depth, json_depth_exceeds
 
 
@@ -120,6 +121,61 @@ def test_brackets_inside_strings_do_not_count() -> None:
 def test_a_thousand_levels_are_refused_without_recursion() -> None:
     assert json_depth_exceeds(b"[" * 100_000 + b"]" * 100_000)
     assert json_depth_exceeds(b'{"a":' * 1000)  # truncated input is judged too
+
+
+def peeled_exceeds(brackets: bytes, limit: int) -> bool:
+    """Whether `brackets` nests deeper than `limit`, peeled a level a pass to the end: the
+    reference the check's shortcuts must agree with, on any brackets, balanced or not."""
+    for level in range(limit + 1):
+        if b"[" * (limit - level + 1) in brackets:
+            return True
+        brackets = brackets.replace(b"[]", b"")
+        if b"[" not in brackets:
+            return False
+    return True
+
+
+@given(st.text(alphabet="[]", max_size=80), st.integers(min_value=0, max_value=24))
+def test_brackets_counted_after_a_few_passes_are_judged_as_peeled_to_the_end(
+    text: str, limit: int
+) -> None:
+    brackets = text.encode()
+    assert bounds._peel_exceeds(brackets, limit) == peeled_exceeds(brackets, limit)
+
+
+@pytest.mark.parametrize("closed", [True, False], ids=["closed", "left open"])
+def test_brackets_over_255_levels_left_after_a_few_passes_are_judged_as_peeled(
+    closed: bool,
+) -> None:
+    """(Running depths are counted in bytes: a deeper one is too deep for any bound under 255,
+    and one past a stray closer is left to peeling.)"""
+    short_subtree = b"[" * (bounds.PEELED + 1) + b"]" * (bounds.PEELED + 1)
+    chain = (b"[" + short_subtree) * 300 + b"]" * (300 if closed else 0)
+    for brackets in (chain, b"]" + chain, chain + b"]]"):
+        for limit in (64, 254, 400):
+            assert bounds._peel_exceeds(brackets, limit) == peeled_exceeds(brackets, limit)
+
+
+def test_a_value_dense_in_deep_nests_is_judged_in_a_few_passes_not_one_a_level(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """64 KiB of arrays nested 62 deep (a provider's listing within every bound) was peeled a
+    level a pass, 62 passes over its bytes: 10-28 ms of the event loop for each slice of it.
+    After a few passes, what is left is judged by its running depth, in one. Counted as the
+    passes made before counting (`MAX_DEPTH` - the budget left), not timed."""
+    budgets: list[int] = []
+    real = bounds._running_exceeds
+
+    def counted(brackets: bytes, budget: int) -> bool | None:
+        budgets.append(budget)
+        return real(brackets, budget)
+
+    monkeypatch.setattr(bounds, "_running_exceeds", counted)
+    for depth in (MAX_DEPTH - 1, MAX_DEPTH, MAX_DEPTH + 1):
+        value = [nested(MAX_DEPTH - 2)] * 500 + [nested(depth - 1)]
+        budgets.clear()
+        assert json_depth_exceeds(json.dumps(value)) is (depth > MAX_DEPTH)
+        assert budgets and MAX_DEPTH - budgets[0] <= 8, f"{MAX_DEPTH - budgets[0]} passes"
 
 
 def allocated(work: Callable[[], object]) -> int:

@@ -12,7 +12,9 @@ skipped and counted, a client body over it is answered 400, a file over it is re
 
 from __future__ import annotations
 
+import array
 import heapq
+import itertools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -61,6 +63,15 @@ def json_depth_exceeds(data: bytes | bytearray | memoryview | str, limit: int = 
     return _peel_exceeds(brackets, limit)
 
 
+PEELED = 4
+"""Passes that peel a level before what is left is judged by its running depth: a few passes
+decide most values (each drops every innermost pair, and most values are shallow), but one
+dense in deep nests needs a pass a level: 64 KiB of arrays 62 deep took 10-28 ms, where the
+running depth of what is left takes ~1 ms."""
+_STEPS = bytes.maketrans(b"[]", b"\x01\xff")  # as signed bytes: an opener +1, a closer -1
+_LEVELS = bytes(range(256))
+
+
 def _peel_exceeds(brackets: bytes, limit: int) -> bool:
     """Whether `brackets` (only `[` and `]`, every opener closed) nests deeper than `limit`."""
     for level in range(limit + 1):
@@ -68,10 +79,26 @@ def _peel_exceeds(brackets: bytes, limit: int) -> bool:
         # openers longer than what remains of the budget proves the value too deep.
         if b"[" * (limit - level + 1) in brackets:
             return True
+        if level == PEELED and (verdict := _running_exceeds(brackets, limit - level)) is not None:
+            return verdict
         brackets = brackets.replace(b"[]", b"")
         if b"[" not in brackets:
             return False  # nothing left but stray closers: malformed, for the decoder to say
     return True
+
+
+def _running_exceeds(brackets: bytes, budget: int) -> bool | None:
+    """Whether `brackets` nest deeper than `budget` (under 255), by their running depth in one
+    C-speed pass, the verdict peeling to the end gives: an opener left open is never peeled
+    (too deep). None when a closer closes nothing (malformed: left to peeling)."""
+    steps = array.array("b", brackets.translate(_STEPS))
+    try:
+        levels = bytes(itertools.accumulate(steps))  # each 0-255, else ValueError
+    except ValueError:  # a level below 0 (a stray closer) or over 255 (too deep)
+        return None if min(itertools.accumulate(steps)) < 0 or budget >= 255 else True
+    if levels and levels[-1]:  # openers left open
+        return True
+    return bool(levels.translate(None, _LEVELS[: budget + 1]))  # a level over the budget
 
 
 class DepthMeter:

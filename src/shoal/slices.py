@@ -39,15 +39,24 @@ class ItemTooLarge(ValueError):
 
 
 def decode_slice(
-    items: Sequence[msgspec.Raw], decoder: msgspec.json.Decoder[list[T]], depth: int | None
+    items: Sequence[msgspec.Raw],
+    decoder: msgspec.json.Decoder[list[T]],
+    depth: int | None,
+    utf8: bool = False,
 ) -> list[T]:
     """`items` decoded in one call (copied into one array), its depth (the array counts one
-    level) checked first unless `depth` is None (`TooDeep`)."""
+    level) checked first unless `depth` is None (`TooDeep`), and its UTF-8 if `utf8` (what a
+    decoder skips, a Struct's unknown fields, it does not check: `msgspec.DecodeError`)."""
     if not items:
         return []
     joined = b"[" + b",".join(items) + b"]"
     if depth is not None:
         check_json_depth(joined, depth)
+    if utf8 and not joined.isascii():
+        try:
+            joined.decode()
+        except UnicodeDecodeError:
+            raise msgspec.DecodeError("Invalid UTF-8 encoded string") from None
     return decoder.decode(joined)
 
 
@@ -58,13 +67,15 @@ async def decoded_slices(
     slice_bytes: int = SLICE_BYTES,
     item_bytes: int | None = SLICE_BYTES,
     depth: int | None = MAX_DEPTH,
+    utf8: bool = False,
 ) -> AsyncIterator[list[T]]:
     """`items` decoded by `decoder`, in order, a slice of at most `slice_bytes` at a time,
     after a yield to the event loop before each (the caller's work on a slice, done before it
     asks for the next, shares its step). An item over `item_bytes` is `ItemTooLarge` (None:
     one over `slice_bytes` is a slice of its own); a slice nesting deeper than `depth` is
     `TooDeep` (None: unchecked, and a value past the interpreter's recursion limit is the
-    decoder's `RecursionError`); what the decoder refuses is its `msgspec.DecodeError`."""
+    decoder's `RecursionError`); what the decoder refuses is its `msgspec.DecodeError`, and
+    with `utf8` so is a slice that is not UTF-8 (checked for what the decoder skips)."""
     piece: list[msgspec.Raw] = []
     held = 0
     for item in items:
@@ -73,13 +84,13 @@ async def decoded_slices(
             raise ItemTooLarge(size, item_bytes)
         if piece and held + size > slice_bytes:
             await asyncio.sleep(0)
-            yield decode_slice(piece, decoder, depth)
+            yield decode_slice(piece, decoder, depth, utf8)
             piece, held = [], 0
         piece.append(item)
         held += size
     if piece:
         await asyncio.sleep(0)
-        yield decode_slice(piece, decoder, depth)
+        yield decode_slice(piece, decoder, depth, utf8)
 
 
 async def encode_in_slices(items: Sequence[Any], per_slice: int = ENCODED_PER_SLICE) -> bytes:

@@ -6,6 +6,7 @@ the whole answer gives: the same ids in the same order, the same items, the same
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -112,6 +113,56 @@ async def test_a_listing_decoded_in_slices_lists_the_ids_of_a_plain_decode(
         assert await lister(provider) == plain_ids(body)
 
 
+def nests(levels: int) -> Any:
+    value: Any = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+DENSE_ENTRIES = [
+    # entries within every bound, their bytes nearly all nesting the catalog does not read
+    *({"id": f"m{i:05d}", "x": [nests(61)] * 2} for i in range(1500)),
+    *({"object": "model", "x": nests(62)} for _ in range(500)),
+    *([nests(60), {"id": "inside an array"}] for _ in range(10)),
+    {"id": "last", "x": [[] for _ in range(3000)]},
+]
+
+
+async def test_a_listing_dense_in_nesting_builds_nothing_of_what_it_does_not_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A listing within every bound but dense in nesting (vLLM entries carrying arrays 62 deep)
+    held the catalog's loop hundreds of ms a slice: each slice was decoded whole, ~30,000
+    lists and dicts, enough to set off full collections of the catalog's heap (~175 ms each).
+    Only an entry's `id` is decoded now: counted as the objects the collector tracks that a
+    slice's decode leaves (`gc.get_count`), not timed. The ids are a plain decode's."""
+    body = listing(DENSE_ENTRIES)
+    assert len(body) <= providers_module.LISTING_BYTES
+    built: list[int] = []
+    real = slices.decode_slice
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        before = gc.get_count()[0]
+        decoded = real(*args, **kwargs)
+        built.append(gc.get_count()[0] - before)
+        return decoded
+
+    monkeypatch.setattr(slices, "decode_slice", counted)
+    collecting = gc.isenabled()
+    gc.disable()  # (a collection between the two counts would reset them)
+    try:
+        async with lister_of({"body": body}) as (lister, provider):
+            ids = await lister(provider)
+    finally:
+        if collecting:
+            gc.enable()
+    assert ids == plain_ids(body) and len(ids) == 1501
+    assert len(built) >= len(body) // slices.SLICE_BYTES
+    # the list of a slice, and one per entry that is an array (its items left encoded)
+    assert max(built) <= 1 + 10, f"{max(built):,} objects tracked after a slice's decode"
+
+
 def deep(levels: int) -> Any:
     value: Any = "x"
     for _ in range(levels):
@@ -130,6 +181,10 @@ NOT_LISTINGS = {  # (the answer, made around entries that pad it; what the error
     "a bad entry": (
         lambda pad: listing(padded(["BAD"])).replace(b'"BAD"', b'{"id": "b",}'),
         None,
+    ),
+    "not UTF-8 where not read": (
+        lambda pad: listing(padded(["BAD"])).replace(b'"BAD"', b'{"id": "b", "x": "\xff"}'),
+        "Invalid UTF-8",
     ),
 }
 
