@@ -25,6 +25,7 @@ from shoal.kv import events as kv_events
 from shoal.kv.events import DECODE_SLICE_BYTES, decode_batch_in_slices
 from shoal.kv.subscription import MAX_BATCH_BYTES
 from tests.helpers import LoopTurns
+from tests.kv import hostile_batches
 
 FORMS = [encode_batch, encode_batch_map]
 
@@ -203,5 +204,70 @@ async def test_a_bad_element_deep_in_a_large_event_makes_its_batch_unreadable(
     assert len(payload) > DECODE_SLICE_BYTES
     with pytest.raises(msgspec.ValidationError):
         decode_batch(payload)
-    with pytest.raises(msgspec.ValidationError):
+    with pytest.raises((msgspec.ValidationError, msgspec.DecodeError)):  # (a loss either way)
         await decode_batch_in_slices(payload)
+
+
+async def _read_both(data: bytes) -> tuple[Any, Any]:
+    """(what `decode_batch` makes of `data`, what `decode_batch_in_slices` does): a batch, or
+    "refused"."""
+    try:
+        want: Any = decode_batch(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        want = "refused"
+    try:
+        got: Any = await decode_batch_in_slices(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        got = "refused"
+    return want, got
+
+
+def _text(value: str) -> bytes:
+    return bytes([0xA0 | len(value)]) + value.encode()
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "read"),
+    [("bad", "good", "refused"), ("good", "bad", "refused"), ("good", "good", "the second")],
+)
+async def test_a_map_event_over_a_slice_with_token_ids_twice_reads_as_one_call_reads_it(
+    first: str, second: str, read: str
+) -> None:
+    """A tagged-map `BlockStored` over `DECODE_SLICE_BYTES` with `token_ids` twice, one of them
+    `[1.5]`: one `decode_batch` call refuses it (msgspec checks every value of a field it
+    knows, the last one wins). The sliced read took the first as bytes it did not check and
+    applied the second (the hunt of 7 Dec 2026). Now every one is read, as one call reads it."""
+    good = [100_000 + i for i in range(70_000)]  # (ids of 5 bytes: ~350 KB)
+    values = {"good": msgspec.msgpack.encode(good), "bad": msgspec.msgpack.encode([1.5])}
+    event = (
+        b"\x88" + _text("type") + _text("BlockStored")
+        + _text("token_ids") + values[first]
+        + _text("block_hashes") + b"\x91\x07" + _text("parent_block_hash") + b"\xc0"
+        + _text("token_ids") + values[second]
+        + _text("block_size") + b"\x10" + _text("lora_id") + b"\xc0" + _text("medium") + _text("GPU")
+    )  # fmt: skip
+    payload = b"\x93\xcb" + b"\0" * 8 + b"\x91" + event + b"\xc0"
+    assert len(payload) > DECODE_SLICE_BYTES
+    want, got = await _read_both(payload)
+    assert got == want
+    if read == "refused":
+        assert got == "refused"
+    else:
+        assert got.events[0].token_ids == good
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_hostile_random_batches_read_in_slices_as_one_call_reads_them(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches written byte by byte (`tests.kv.hostile_batches`: every form msgpack allows and
+    some it refuses, fields twice, headers that lie), read in slices of every size: each reads
+    as one `decode_batch` call reads it, or both refuse it."""
+    rnd = random.Random(seed)
+    for _ in range(60):
+        monkeypatch.setattr(kv_events, "DECODE_SLICE_BYTES", rnd.choice([16, 64, 300, 1000]))
+        monkeypatch.setattr(kv_events, "DECODE_SLICE_EVENTS", rnd.choice([1, 2, 3, 1024]))
+        monkeypatch.setattr(kv_events, "DECODE_SLICE_ELEMENTS", rnd.choice([1, 2, 3, 7, 64]))
+        payload = hostile_batches.a_batch(rnd)
+        want, got = await _read_both(payload)
+        assert got == want, payload

@@ -25,11 +25,12 @@ vLLM's sha256 digests), `medium` `"GPU"` when unset. `decode_batch` reads both f
 from __future__ import annotations
 
 import asyncio
-import functools
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import msgspec
+
+from shoal.kv import framing
 
 MAX_HASH_BYTES = 64
 """The longest engine block hash read (vLLM's are 32 bytes): hashes are index keys, and the
@@ -56,6 +57,14 @@ in one call); 1,024 events of 16 token ids take ~0.6 ms."""
 DECODE_SLICE_ELEMENTS = 32_768
 """The most elements (token ids, block hashes) of one event's array decoded in one step, for an
 event alone over `DECODE_SLICE_BYTES`: ~0.5 ms, and as long again to find where they end."""
+MAX_IGNORED_BYTES = 64 << 10
+"""The most bytes of an event over `DECODE_SLICE_BYTES` besides its arrays of hashes and token
+ids: its other fields, each read whole (vLLM's take a few bytes). Skipping a value costs per
+value it holds, not per byte (4 MiB of empty arrays in a field no reader knows: 10-22 ms in one
+call), so such an event with more is refused (a loss)."""
+MAX_LARGE_FIELDS = 64
+"""The most fields (items of its array, pairs of its map) of an event over `DECODE_SLICE_BYTES`:
+each is looked at by hand (vLLM's have 7 or 8)."""
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame of the last message of a replay (its payload is empty)."""
 
@@ -309,7 +318,10 @@ async def decode_batch_in_slices(payload: bytes) -> KVEventBatch:
             piece, held = [], 0
             await asyncio.sleep(0)
         if size > DECODE_SLICE_BYTES:  # (it yields after each of its steps)
-            large, tagged = await _decode_large(event, tagged)
+            try:
+                large, _, tagged = await _decode_large(memoryview(event), 0, tagged)
+            except RecursionError:
+                raise msgspec.DecodeError("KV event batch: values nested too deeply") from None
             decoded.append(large)
             continue
         piece.append(event)
@@ -359,107 +371,98 @@ def decode_events(
     return out, bool(tagged)
 
 
-class _LargeStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
-    """A `BlockStored` with its arrays left encoded (views of the payload: nothing copied)."""
-
-    block_hashes: msgspec.Raw
-    parent_block_hash: BlockHash | None
-    token_ids: msgspec.Raw
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-
-
-class _LargeRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
-    block_hashes: msgspec.Raw
-    medium: str | None = None
-
-
-class _LargeTaggedStored(msgspec.Struct, tag="BlockStored", gc=False):
-    """`_LargeStored` in the tagged-map form."""
-
-    block_hashes: msgspec.Raw
-    parent_block_hash: BlockHash | None
-    token_ids: msgspec.Raw
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-
-
-class _LargeTaggedRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
-    block_hashes: msgspec.Raw
-    medium: str | None = None
-
-
-_large_decoder = msgspec.msgpack.Decoder(_LargeStored | _LargeRemoved | AllBlocksCleared)
-_map_large_decoder = msgspec.msgpack.Decoder(
-    _LargeTaggedStored | _LargeTaggedRemoved | TaggedAllBlocksCleared
-)
 _ids_decoder = msgspec.msgpack.Decoder(list[int])
 _hashes_decoder = msgspec.msgpack.Decoder(list[BlockHash])
+_HASH = framing.bin_of(MAX_HASH_BYTES) + b"|" + framing.INT
+"""A block hash (`BlockHash`): an int or at most `MAX_HASH_BYTES` bytes, in any of their forms."""
+_Elements = tuple[bytes, msgspec.msgpack.Decoder[list[Any]]]
+_HASHES: _Elements = (_HASH, _hashes_decoder)
+_IDS: _Elements = (framing.INT, _ids_decoder)
+_ARRAY_AT = {1: _HASHES, 3: _IDS}
+"""Where an event in the array form has its arrays (`BlockStored`'s, `BlockRemoved`'s first)."""
+_ARRAY_NAMED = {"block_hashes": _HASHES, "token_ids": _IDS}
 
 
 async def _decode_large(
-    event: msgspec.Raw, tagged: bool | None
-) -> tuple[BlockStored | BlockRemoved | AllBlocksCleared, bool]:
-    """An event alone over `DECODE_SLICE_BYTES` (in the batch's form, as `decode_events` reads
-    it), yielding after each step: its fields with its arrays left encoded (one pass that skips
-    them), then each array `DECODE_SLICE_ELEMENTS` elements at a time (`_decode_array`)."""
-    try:
-        if tagged:
-            outer: Any = _map_large_decoder.decode(event)
-        else:
-            try:
-                outer = _large_decoder.decode(event)
-                tagged = False
-            except msgspec.ValidationError as exc:
-                if tagged is not None:
-                    raise
-                try:
-                    outer = _map_large_decoder.decode(event)
-                except msgspec.ValidationError:
-                    raise exc from None
-                tagged = True
-    except RecursionError:
-        raise msgspec.DecodeError("KV event batch: values nested too deeply") from None
-    await asyncio.sleep(0)
-    if isinstance(outer, AllBlocksCleared | TaggedAllBlocksCleared):
-        return AllBlocksCleared(), bool(tagged)
-    hashes = await _decode_array(outer.block_hashes, _hashes_decoder, _HASH)
-    if isinstance(outer, _LargeRemoved | _LargeTaggedRemoved):
-        return BlockRemoved(hashes, outer.medium), bool(tagged)
-    ids = await _decode_array(outer.token_ids, _ids_decoder, _INT)
-    stored = BlockStored(hashes, outer.parent_block_hash, ids, outer.block_size)
-    stored.lora_id, stored.medium = outer.lora_id, outer.medium
-    return stored, bool(tagged)
+    data: memoryview, at: int, tagged: bool | None
+) -> tuple[BlockStored | BlockRemoved | AllBlocksCleared, int, bool]:
+    """The event alone over `DECODE_SLICE_BYTES` at `at` of `data` (in the batch's form, as
+    `decode_events` reads it) and where it ends, walked by hand, yielding after each step.
+
+    Its arrays of hashes and token ids, wherever they may be (items 1 and 3 of an array,
+    `block_hashes` and `token_ids` of a map, each time one is given), are read a slice of
+    elements at a time (`_decode_array`). Every other field, `MAX_IGNORED_BYTES` at most in
+    all, is copied into a stand-in of the event where each of those arrays is `[its number]`,
+    which `decode_events` decodes: so msgspec judges the event's type, its fields, and which
+    value of a field given twice counts, as one call judges them; only the arrays are read
+    here (an element matches `_HASH` or `framing.INT` exactly when their decoder takes it)."""
+    head = framing.container(data, at)
+    if head is None:
+        raise msgspec.ValidationError("KV event batch: an event is neither an array nor a map")
+    is_map, fields, inside = head
+    if fields > MAX_LARGE_FIELDS:
+        raise msgspec.DecodeError(
+            f"KV event batch: an event over {DECODE_SLICE_BYTES} bytes of {fields} fields,"
+            f" over {MAX_LARGE_FIELDS}"
+        )
+    stand_in, arrays = [bytes(data[at:inside])], []
+    at, left = inside, MAX_IGNORED_BYTES
+    for field in range(fields):
+        array = _ARRAY_AT.get(field)
+        if is_map:
+            key, at, left = _other_field(data, at, left)
+            stand_in.append(key)
+            name = msgspec.msgpack.decode(key)
+            array = _ARRAY_NAMED.get(name) if isinstance(name, str) else None
+        read = await _decode_array(data, at, *array) if array else None
+        if read is None:
+            value, at, left = _other_field(data, at, left)
+            stand_in.append(value)
+            continue
+        arrays.append(read[0])
+        stand_in.append(b"\x91\xce" + (len(arrays) - 1).to_bytes(4, "big"))
+        at = read[1]
+    [event], tagged = decode_events([msgspec.Raw(b"".join(stand_in))], tagged)
+    if isinstance(event, BlockStored | BlockRemoved):
+        event.block_hashes = arrays[cast(int, event.block_hashes[0])]
+    if isinstance(event, BlockStored):
+        event.token_ids = arrays[event.token_ids[0]]
+    return event, at, tagged
+
+
+def _other_field(data: memoryview, at: int, left: int) -> tuple[bytes, int, int]:
+    """(the value at `at`, where it ends, the bytes `left` for others after it) for a field of a
+    large event besides its arrays; refused (a `DecodeError`) when it is over `left`."""
+    end = framing.values_end(data, at, 1, left)
+    if end is None:
+        raise msgspec.DecodeError(
+            f"KV event batch: an event over {DECODE_SLICE_BYTES} bytes with {MAX_IGNORED_BYTES}"
+            " bytes of fields besides its arrays, or an element of them that is not one"
+        )
+    return bytes(data[at:end]), end, left - (end - at)
 
 
 async def _decode_array(
-    raw: msgspec.Raw, decoder: msgspec.msgpack.Decoder[list[Any]], element: bytes
-) -> list[Any]:
-    """The msgpack array `raw` decoded `DECODE_SLICE_ELEMENTS` elements at a time, yielding after
-    each slice. msgspec decodes a whole value or nothing, so where a slice ends is found by
-    `element`, a pattern matching each form its elements may take (a C loop of `re`, ~15 ns
-    an element); an element it does not match is decoded with all those after it, in one
-    step, and the decoder refuses it there (it matches every form the decoder accepts)."""
-    data = memoryview(raw)
-    count, at = _array_header(data)
-    if at == 0:  # (not an array: the decoder says so)
-        return decoder.decode(data)
+    data: memoryview, at: int, element: bytes, decoder: msgspec.msgpack.Decoder[list[Any]]
+) -> tuple[list[Any], int] | None:
+    """(the msgpack array at `at`, where it ends), decoded `DECODE_SLICE_ELEMENTS` elements at a
+    time, yielding after each slice; None if it is not an array of `element`s (a pattern of
+    each form its elements may take). msgspec decodes a whole value or nothing, so where a
+    slice ends is found by `element` (`framing.elements_end`)."""
+    head = framing.container(data, at)
+    if head is None or head[0]:
+        return None
+    _, count, at = head
     out: list[Any] = []
-    step = DECODE_SLICE_ELEMENTS
-    run = _run_of(element, step)
-    while count > step:
-        match = run.match(data, at)
-        if match is None:
-            break
-        out += decode_elements(decoder, step, data[at : match.end()])
-        count, at = count - step, match.end()
+    while count:
+        step = min(count, DECODE_SLICE_ELEMENTS)
+        end = framing.elements_end(element, data, at, step)
+        if end is None:
+            return None
+        out += decode_elements(decoder, step, data[at:end])
+        count, at = count - step, end
         await asyncio.sleep(0)
-    out += decode_elements(decoder, count, data[at:])
-    await asyncio.sleep(0)
-    return out
+    return out, at
 
 
 def decode_elements(
@@ -468,38 +471,6 @@ def decode_elements(
     """The `count` msgpack values written one after the other in `body` (a slice of an array's
     elements), decoded by `decoder` as the array they are."""
     return decoder.decode(b"\xdd" + count.to_bytes(4, "big") + body)
-
-
-def _array_header(data: memoryview) -> tuple[int, int]:
-    """(elements, where the first one starts) of the msgpack array `data`; (0, 0) if it is
-    not one."""
-    head = data[0] if data else 0
-    if 0x90 <= head <= 0x9F:
-        return head & 0x0F, 1
-    if head in (0xDC, 0xDD) and len(data) >= (width := 2 if head == 0xDC else 4) + 1:
-        return int.from_bytes(data[1 : 1 + width], "big"), 1 + width
-    return 0, 0
-
-
-_INT = rb"\xce....|\xcd..|[\x00-\x7f\xe0-\xff]|\xcc.|\xcf.{8}|\xd0.|\xd1..|\xd2.{4}|\xd3.{8}"
-"""A msgpack int in any of its forms (the most frequent token ids' first)."""
-
-
-def _bin(kind: int, width: int) -> bytes:
-    """A msgpack bin of type byte `kind` and a length of `width` bytes, at most `MAX_HASH_BYTES`
-    long (vLLM's 32 first)."""
-    lengths = [32, *(n for n in range(MAX_HASH_BYTES + 1) if n != 32)]
-    each = b"|".join(re.escape(n.to_bytes(width, "big")) + b".{%d}" % n for n in lengths)
-    return re.escape(bytes([kind])) + b"(?:" + each + b")"
-
-
-_HASH = b"|".join([_bin(0xC4, 1), _INT, _bin(0xC5, 2), _bin(0xC6, 4)])
-"""A block hash (`BlockHash`): an int or at most `MAX_HASH_BYTES` bytes, in any of their forms."""
-
-
-@functools.cache
-def _run_of(element: bytes, count: int) -> re.Pattern[bytes]:
-    return re.compile(b"(?:%s){%d}+" % (element, count), re.DOTALL)
 
 
 # msgpack: the bytes a number takes after its type byte (the types a float field accepts).
