@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Iterable
 from typing import Annotated, Any, cast
 
 import msgspec
@@ -56,7 +57,9 @@ of tiny ones does more work than its bytes say (8,192 removals of one block: ~17
 in one call); 1,024 events of 16 token ids take ~0.6 ms."""
 DECODE_SLICE_ELEMENTS = 32_768
 """The most elements (token ids, block hashes) of one event's array decoded in one step, for an
-event alone over `DECODE_SLICE_BYTES`: ~0.5 ms, and as long again to find where they end."""
+event alone over `DECODE_SLICE_BYTES`: ~0.5 ms, and as long again to find where they end; and
+no more than fit in `DECODE_SLICE_BYTES` at their widest (a hash of 64 bytes takes 69: 3,799
+of them; 32,768 such were 2.2 MB, 5-6 ms a step)."""
 MAX_IGNORED_BYTES = 64 << 10
 """The most bytes of an event over `DECODE_SLICE_BYTES` besides its arrays of hashes and token
 ids: its other fields, each read whole (vLLM's take a few bytes). Skipping a value costs per
@@ -239,6 +242,7 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 _raw_decoder = msgspec.msgpack.Decoder(_RawBatch)
+_raws_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _event_decoder = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
 _map_event_decoder = msgspec.msgpack.Decoder(
     TaggedBlockStored | TaggedBlockRemoved | TaggedAllBlocksCleared
@@ -292,53 +296,80 @@ def decoded_at_once(payload: bytes) -> bool:
 
 
 async def decode_batch_in_slices(payload: bytes) -> KVEventBatch:
-    """`decode_batch(payload)`, yielding to the event loop between slices of at most
-    `DECODE_SLICE_BYTES` and `DECODE_SLICE_EVENTS` events: the batch's array is read first with
-    its events left encoded (one pass that skips them), then its events are decoded a slice at
-    a time (`decode_events`), and an event alone over `DECODE_SLICE_BYTES` a slice of its
-    arrays' elements at a time (`_decode_large`)."""
+    """`decode_batch(payload)`, yielding to the event loop between steps that each skip or
+    decode at most `DECODE_SLICE_BYTES` (and `DECODE_SLICE_EVENTS` events, or
+    `DECODE_SLICE_ELEMENTS` elements of an array). msgspec skips a value at a cost per value
+    it holds, not per byte (one pass over 4 MiB of 1-byte ids or empty arrays held the loop
+    9-18 ms), so a batch more than one slice is walked by hand along its fixed schema: its
+    events a slice at a time (`_decode_slice`), an event alone over a slice by
+    `_decode_large`, then its fields after the events (`data_parallel_rank` and any a reader
+    ignores), at most `MAX_IGNORED_BYTES`, with its `ts`."""
     if decoded_at_once(payload):
         return decode_batch(payload)
-    events = declared_events(payload)
+    head = _batch_head(payload)
+    if head is None:
+        raise msgspec.DecodeError("KV event batch: not an array of a time and events")
+    events, events_at, at = head
     if events > MAX_BATCH_EVENTS:
         raise msgspec.DecodeError(f"KV event batch: {events} events, over {MAX_BATCH_EVENTS}")
-    try:
-        raw = _raw_decoder.decode(payload)
-    except RecursionError:
-        raise msgspec.DecodeError("KV event batch: values nested too deeply") from None
-    await asyncio.sleep(0)  # (that pass: ~1 ms a MiB)
+    data = memoryview(payload)
     decoded: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    try:
+        at = await _decode_all(data, at, events, decoded)
+        if len(data) - at > MAX_IGNORED_BYTES:
+            raise msgspec.DecodeError(
+                f"KV event batch: {len(data) - at} bytes after its events, over {MAX_IGNORED_BYTES}"
+            )
+        fields = _raw_decoder.decode(payload[:events_at] + b"\x90" + payload[at:])
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        await _let_go(a for e in decoded if not isinstance(e, AllBlocksCleared) for a in _arrays(e))
+        if isinstance(exc, RecursionError):
+            raise msgspec.DecodeError("KV event batch: values nested too deeply") from None
+        raise
+    return KVEventBatch(fields.ts, decoded, fields.data_parallel_rank)
+
+
+async def _decode_all(
+    data: memoryview,
+    at: int,
+    events: int,
+    into: list[BlockStored | BlockRemoved | AllBlocksCleared],
+) -> int:
+    """Decode the `events` events from `at` onto `into`, a slice at a time; where they end. How
+    many events fit in a slice is known once they are read: a slice of as many as the last
+    (twice as many when they fit), half as many when they do not fit in its bytes."""
     tagged: bool | None = None  # (the form, as the first event shows it)
-    piece: list[msgspec.Raw] = []
-    held = 0
-    for event in raw.events:
-        size = len(event)
-        if piece and (held + size > DECODE_SLICE_BYTES or len(piece) >= DECODE_SLICE_EVENTS):
-            tagged = _decode_piece(piece, decoded, tagged)
-            piece, held = [], 0
+    group = DECODE_SLICE_EVENTS
+    while len(into) < events:
+        group = min(group, events - len(into))
+        end = framing.values_end(data, at, group, DECODE_SLICE_BYTES)
+        await asyncio.sleep(0)
+        if end is None and at + DECODE_SLICE_BYTES >= len(data):
+            raise msgspec.DecodeError("KV event batch: truncated")
+        if end is None and group > 1:
+            group //= 2
+        elif end is None:  # (it yields after each of its steps)
+            large, at, tagged = await _decode_large(data, at, tagged)
+            into.append(large)
             await asyncio.sleep(0)
-        if size > DECODE_SLICE_BYTES:  # (it yields after each of its steps)
-            try:
-                large, _, tagged = await _decode_large(memoryview(event), 0, tagged)
-            except RecursionError:
-                raise msgspec.DecodeError("KV event batch: values nested too deeply") from None
-            decoded.append(large)
-            continue
-        piece.append(event)
-        held += size
-    _decode_piece(piece, decoded, tagged)
-    return KVEventBatch(raw.ts, decoded, raw.data_parallel_rank)
+        else:
+            tagged = _decode_slice(data[at:end], group, into, tagged)
+            group, at = min(2 * group, DECODE_SLICE_EVENTS), end
+            await asyncio.sleep(0)
+    return at
 
 
-def _decode_piece(
-    piece: list[msgspec.Raw],
+def _decode_slice(
+    body: memoryview,
+    count: int,
     into: list[BlockStored | BlockRemoved | AllBlocksCleared],
     tagged: bool | None,
 ) -> bool | None:
-    """Decode `piece` onto `into`; the batch's form (None: not known yet)."""
-    if piece:
-        events, tagged = decode_events(piece, tagged)
-        into.extend(events)
+    """Decode the `count` events written one after the other in `body` onto `into`; the
+    batch's form (None: not known yet)."""
+    raws = _raws_decoder.decode(b"\xdd" + count.to_bytes(4, "big") + body)
+    events, tagged = decode_events(raws, tagged)
+    into.extend(events)
     return tagged
 
 
@@ -375,9 +406,10 @@ _ids_decoder = msgspec.msgpack.Decoder(list[int])
 _hashes_decoder = msgspec.msgpack.Decoder(list[BlockHash])
 _HASH = framing.bin_of(MAX_HASH_BYTES) + b"|" + framing.INT
 """A block hash (`BlockHash`): an int or at most `MAX_HASH_BYTES` bytes, in any of their forms."""
-_Elements = tuple[bytes, msgspec.msgpack.Decoder[list[Any]]]
-_HASHES: _Elements = (_HASH, _hashes_decoder)
-_IDS: _Elements = (framing.INT, _ids_decoder)
+_Elements = tuple[bytes, msgspec.msgpack.Decoder[list[Any]], int]
+"""An array's elements: the pattern of their forms, their decoder, the bytes of the widest."""
+_HASHES: _Elements = (_HASH, _hashes_decoder, 5 + MAX_HASH_BYTES)
+_IDS: _Elements = (framing.INT, _ids_decoder, 9)
 _ARRAY_AT = {1: _HASHES, 3: _IDS}
 """Where an event in the array form has its arrays (`BlockStored`'s, `BlockRemoved`'s first)."""
 _ARRAY_NAMED = {"block_hashes": _HASHES, "token_ids": _IDS}
@@ -405,8 +437,26 @@ async def _decode_large(
             f"KV event batch: an event over {DECODE_SLICE_BYTES} bytes of {fields} fields,"
             f" over {MAX_LARGE_FIELDS}"
         )
-    stand_in, arrays = [bytes(data[at:inside])], []
-    at, left = inside, MAX_IGNORED_BYTES
+    stand_in, arrays = [bytes(data[at:inside])], list[list[Any]]()
+    try:
+        return await _walk_large(data, inside, fields, is_map, stand_in, arrays, tagged)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        await _let_go(arrays)
+        raise
+
+
+async def _walk_large(
+    data: memoryview,
+    at: int,
+    fields: int,
+    is_map: bool,
+    stand_in: list[bytes],
+    arrays: list[list[Any]],
+    tagged: bool | None,
+) -> tuple[BlockStored | BlockRemoved | AllBlocksCleared, int, bool]:
+    """`_decode_large`'s walk of the `fields` of an event from `at`: its arrays decoded onto
+    `arrays`, the rest onto `stand_in`."""
+    left = MAX_IGNORED_BYTES
     for field in range(fields):
         array = _ARRAY_AT.get(field)
         if is_map:
@@ -443,26 +493,54 @@ def _other_field(data: memoryview, at: int, left: int) -> tuple[bytes, int, int]
 
 
 async def _decode_array(
-    data: memoryview, at: int, element: bytes, decoder: msgspec.msgpack.Decoder[list[Any]]
+    data: memoryview,
+    at: int,
+    element: bytes,
+    decoder: msgspec.msgpack.Decoder[list[Any]],
+    widest: int,
 ) -> tuple[list[Any], int] | None:
     """(the msgpack array at `at`, where it ends), decoded `DECODE_SLICE_ELEMENTS` elements at a
-    time, yielding after each slice; None if it is not an array of `element`s (a pattern of
-    each form its elements may take). msgspec decodes a whole value or nothing, so where a
-    slice ends is found by `element` (`framing.elements_end`)."""
+    time, and no more than fit in `DECODE_SLICE_BYTES` at their `widest`, yielding after each
+    slice; None if it is not an array of `element`s (a pattern of each form its elements may
+    take). msgspec decodes a whole value or nothing, so where a slice ends is found by
+    `element` (`framing.elements_end`)."""
     head = framing.container(data, at)
     if head is None or head[0]:
         return None
     _, count, at = head
+    most = min(DECODE_SLICE_ELEMENTS, max(1, DECODE_SLICE_BYTES // widest))
     out: list[Any] = []
     while count:
-        step = min(count, DECODE_SLICE_ELEMENTS)
+        step = min(count, most)
         end = framing.elements_end(element, data, at, step)
         if end is None:
+            await _let_go([out])
             return None
         out += decode_elements(decoder, step, data[at:end])
         count, at = count - step, end
         await asyncio.sleep(0)
     return out, at
+
+
+def _arrays(event: BlockStored | BlockRemoved) -> tuple[list[Any], ...]:
+    return (
+        (event.block_hashes, event.token_ids)
+        if isinstance(event, BlockStored)
+        else (event.block_hashes,)
+    )
+
+
+async def _let_go(arrays: Iterable[list[Any]]) -> None:
+    """Empty `arrays` (decoded, then refused) `DECODE_SLICE_ELEMENTS` elements a step, yielding
+    between: 4 million ints freed at once held the loop 5-9 ms."""
+    held = 0
+    for array in arrays:
+        while array:
+            held += min(len(array), DECODE_SLICE_ELEMENTS)
+            del array[-DECODE_SLICE_ELEMENTS:]
+            if held >= DECODE_SLICE_ELEMENTS:
+                held = 0
+                await asyncio.sleep(0)
 
 
 def decode_elements(
@@ -482,33 +560,31 @@ def declared_events(payload: bytes) -> int:
     """How many events batch `payload` says it holds (the length of its events array, read
     from the header, before anything is decoded); 0 when the header is not a batch's (the
     decoder refuses it)."""
-    at, head = 0, payload[:1]
-    if not head:
-        return 0
-    if 0x90 <= head[0] <= 0x9F:  # the batch: an array, of its length's every form
-        at = 1
-    elif head[0] in (0xDC, 0xDD):
-        at = 3 if head[0] == 0xDC else 5
-    else:
-        return 0
+    head = _batch_head(payload)
+    return 0 if head is None else head[0]
+
+
+def _batch_head(payload: bytes) -> tuple[int, int, int] | None:
+    """(events, where their array starts, where the first one starts) of batch `payload`, read
+    from its header; None when the header is not a batch's."""
+    data = memoryview(payload)
+    batch = framing.container(data, 0)  # the batch: an array, of its length's every form
+    if batch is None or batch[0]:
+        return None
+    at = batch[2]
     ts = payload[at : at + 1]  # ts: a number
     if not ts:
-        return 0
+        return None
     if ts[0] < 0x80 or ts[0] >= 0xE0:  # (a fixint: the type byte is the number)
         at += 1
     elif ts[0] in _NUMBER_SIZE:
         at += 1 + _NUMBER_SIZE[ts[0]]
     else:
-        return 0
-    if at >= len(payload):
-        return 0
-    kind = payload[at]  # events: an array
-    if 0x90 <= kind <= 0x9F:
-        return kind & 0x0F
-    if kind in (0xDC, 0xDD):
-        width = 2 if kind == 0xDC else 4
-        return int.from_bytes(payload[at + 1 : at + 1 + width], "big")
-    return 0
+        return None
+    events = framing.container(data, at)  # events: an array
+    if events is None or events[0]:
+        return None
+    return events[1], at, events[2]
 
 
 def encode_seq(seq: int) -> bytes:
