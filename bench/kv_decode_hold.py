@@ -113,7 +113,7 @@ async def run(data: bytes, blocks: int) -> tuple[float, float, float, int]:
 
 
 async def decode_only(data: bytes, runs: int) -> str:
-    from shoal.kv.events import decode_batch_in_slices
+    from shoal.kv.sliced import decode_batch_in_slices
 
     held: list[float] = []
     run = asyncio.events.Handle._run

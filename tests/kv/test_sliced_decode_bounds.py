@@ -23,7 +23,8 @@ from shoal.kv import (
     framing,
 )
 from shoal.kv import events as kv_events
-from shoal.kv.events import DECODE_SLICE_BYTES, MAX_IGNORED_BYTES, decode_batch_in_slices
+from shoal.kv import sliced as kv_sliced
+from shoal.kv.sliced import DECODE_SLICE_BYTES, MAX_IGNORED_BYTES, decode_batch_in_slices
 from shoal.kv.subscription import MAX_BATCH_BYTES
 from tests.helpers import LoopTurns
 
@@ -53,9 +54,9 @@ def msgpack_read_per_turn(monkeypatch: pytest.MonkeyPatch) -> LoopTurns:
         return end
 
     monkeypatch.setattr(framing, "values_end", values_end)
-    turns.wrap(kv_events, "decode_events", lambda raws, *_: sum(map(len, raws)))
-    turns.wrap(kv_events, "decode_elements", lambda _, __, body: len(body))
-    monkeypatch.setattr(kv_events, "_raw_decoder", _CountedDecoder(kv_events._raw_decoder, turns))
+    turns.wrap(kv_sliced, "decode_events", lambda raws, *_: sum(map(len, raws)))
+    turns.wrap(kv_sliced, "decode_elements", lambda _, __, body: len(body))
+    monkeypatch.setattr(kv_sliced, "_raw_decoder", _CountedDecoder(kv_sliced._raw_decoder, turns))
     return turns
 
 

@@ -1,5 +1,5 @@
 """Where msgpack values end, found a bounded piece of work at a time: what the sliced KV decode
-(`shoal.kv.events.decode_batch_in_slices`) walks a large batch with.
+(`shoal.kv.sliced.decode_batch_in_slices`) walks a large batch with.
 
 msgspec decodes a whole value or nothing, and skipping one costs per value it holds, not per
 byte (4 MiB of 1-byte ints: 9-17 ms in one call, 3.5 for ids of 5 bytes). So a large batch is
