@@ -9,10 +9,12 @@ counted, not kept. Runs on trees that decode in a thread (before) and in slices 
 refuses it counts it unreadable); `--tiny`: batches of 8,192 removals of one block each.
 `--decode-only`: the decoding alone, the garbage collector off (its passes are the process's,
 not the decoder's): the CPU of one `decode_batch` call, and the steps and longest step of
-`decode_batch_in_slices` (best of the runs).
+`decode_batch_in_slices` (best of the runs). `--hostile SHAPE`: a batch of ~4 MiB written to
+cost msgspec the most per byte (`HOSTILE`: one value a byte), with `--decode-only`.
 
     PYTHONPATH=$PWD/src:$PWD .venv/bin/python -m bench.kv_decode_hold [--small-ids] [--runs 3]
     PYTHONPATH=$PWD/src:$PWD .venv/bin/python -m bench.kv_decode_hold --single-mb 4 | --tiny
+    PYTHONPATH=$PWD/src:$PWD .venv/bin/python -m bench.kv_decode_hold --decode-only --hostile ids
 """
 
 from __future__ import annotations
@@ -58,6 +60,26 @@ def tiny() -> bytes:
     rnd = random.Random(1)
     events = [BlockRemoved([rnd.getrandbits(20)]) for _ in range(8_192)]
     return encode_batch(KVEventBatch(time.time(), events))
+
+
+def _fill(unit: bytes) -> bytes:
+    """An array of as many `unit`s as fill a batch."""
+    count = (MAX_BATCH_BYTES - 4096) // len(unit)
+    return b"\xdd" + count.to_bytes(4, "big") + unit * count
+
+
+_HEAD = b"\x93\xcb" + bytes(8) + b"\x91"  # ([ts, [one event], ...)
+_STORED = b"\xabBlockStored\x90\xc0"  # (its tag, no blocks, no parent)
+HOSTILE = {
+    "ids": _HEAD + b"\x95" + _STORED + _fill(b"\x01") + b"\x10\xc0",
+    "hashes-64": _HEAD + b"\x92\xacBlockRemoved" + _fill(b"\xc4\x40" + bytes(64)) + b"\xc0",
+    "ignored-empty-arrays": _HEAD + b"\x98" + _STORED + b"\x90\x10\xc0\xc0" + _fill(b"\x90")
+    + b"\xc0",
+    "batch-field-of-[[]]": b"\x94\xcb" + bytes(8) + b"\x91\x92\xacBlockRemoved\x91\x07\xc0"
+    + _fill(b"\x91\x90"),
+}  # fmt: skip
+"""Shapes of a batch that cost msgspec the most per byte: one event of 1-byte token ids, or of
+64-byte hashes; 4 MiB of empty arrays in an event's field no reader knows, or in the batch's."""
 
 
 def longest_callbacks() -> list[float]:
@@ -113,7 +135,7 @@ async def run(data: bytes, blocks: int) -> tuple[float, float, float, int]:
 
 
 async def decode_only(data: bytes, runs: int) -> str:
-    from shoal.kv.events import decode_batch_in_slices
+    from shoal.kv.sliced import decode_batch_in_slices
 
     held: list[float] = []
     run = asyncio.events.Handle._run
@@ -124,22 +146,22 @@ async def decode_only(data: bytes, runs: int) -> str:
     gc.disable()
     try:
         one = min(_cpu(lambda: decode_batch(data)) for _ in range(runs))
-        longest, steps = 1e9, 0
+        longest, steps, total, refused = 1e9, 0, 1e9, ""
         for _ in range(runs):
             held.clear()
             asyncio.events.Handle._run = timed  # type: ignore[method-assign]
             try:
                 await asyncio.create_task(decode_batch_in_slices(data))
             except ValueError as exc:  # (msgspec's errors are ValueErrors)
-                return f"{len(data):,} bytes: one call {one * 1e3:.1f} ms; sliced: {exc}"
+                refused = f", refused: {exc}"
             finally:
                 asyncio.events.Handle._run = run  # type: ignore[method-assign]
-            longest, steps = min(longest, max(held)), len(held)
+            longest, steps, total = min(longest, max(held)), len(held), min(total, sum(held))
     finally:
         gc.enable()
     return (
         f"{len(data):,} bytes: one decode_batch call {one * 1e3:.1f} ms of CPU; sliced: "
-        f"{steps} steps, the longest {longest * 1e3:.2f} ms"
+        f"{steps} steps, {total * 1e3:.1f} ms in all, the longest {longest * 1e3:.2f} ms{refused}"
     )
 
 
@@ -155,9 +177,12 @@ def main() -> None:
     parser.add_argument("--single-mb", type=float, default=0.0)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--decode-only", action="store_true")
+    parser.add_argument("--hostile", choices=HOSTILE)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    if args.tiny:
+    if args.hostile:
+        data = HOSTILE[args.hostile]
+    elif args.tiny:
         data = tiny()
     else:
         data = single(args.single_mb) if args.single_mb else payload(args.small_ids)

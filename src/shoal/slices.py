@@ -6,7 +6,7 @@ thread held it ~60-90 ms all the same. Instead, a large answer is read once with
 left encoded (a struct whose array is `list[msgspec.Raw]`: views of the answer, one pass that
 only skips them, ~1 ms a MiB), and its items are then decoded here a slice of at most
 `SLICE_BYTES` at a time, yielding to the loop before each slice. The KV events' msgpack
-batches are read the same way (`shoal.kv.events.decode_batch_in_slices`). A large array is
+batches are read the same way (`shoal.kv.sliced.decode_batch_in_slices`). A large array is
 encoded likewise, `ENCODED_PER_SLICE` items a step (`encode_in_slices`).
 """
 

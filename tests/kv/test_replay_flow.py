@@ -26,7 +26,9 @@ from shoal.kv import (
     token_block_hashes,
 )
 from shoal.kv import events as kv_events
-from shoal.kv.events import DECODE_SLICE_BYTES, MAX_BATCH_EVENTS
+from shoal.kv import sliced as kv_sliced
+from shoal.kv.events import MAX_BATCH_EVENTS
+from shoal.kv.sliced import DECODE_SLICE_BYTES
 from shoal.kv.subscription import APPLY_SLICE, YIELD_EVERY, KvStats, KvSubscription
 from shoal.worker.kv_publisher import KvEventPublisher
 from tests.helpers import LoopTurns, wait_for
@@ -231,7 +233,7 @@ async def test_one_batch_of_many_blocks_is_applied_in_slices(publisher: KvEventP
     ctx, index, stats = zmq.asyncio.Context(), KvIndex(1), KvStats()
     blocks_applied = LoopTurns().wrap(index, "apply", lambda _, event: len(event.block_hashes))
     decoded = decoded_bytes(LoopTurns())
-    elements = LoopTurns().wrap(kv_events, "decode_elements", lambda _, count, *__: count)
+    elements = LoopTurns().wrap(kv_sliced, "decode_elements", lambda _, count, *__: count)
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
@@ -256,7 +258,7 @@ async def test_one_batch_of_many_blocks_is_applied_in_slices(publisher: KvEventP
         # decoded a slice of elements a turn, on the loop)
         assert decoded.off_loop == 0 and decoded.most_per_turn <= DECODE_SLICE_BYTES
         assert elements.on_loop == 3 * blocks - 1 and elements.off_loop == 0
-        assert elements.most_per_turn <= kv_events.DECODE_SLICE_ELEMENTS
+        assert elements.most_per_turn <= kv_sliced.DECODE_SLICE_ELEMENTS
     finally:
         await blocks_applied.stop()
         await decoded.stop()
@@ -329,8 +331,8 @@ async def test_a_batch_of_too_many_events_is_refused_unread_and_counted_as_a_los
 def decoded_bytes(turns: LoopTurns) -> LoopTurns:
     """`turns` counting the bytes of KV events decoded per turn of the event loop: a whole
     batch's payload (`decode_batch`) or a slice of its events (`decode_events`)."""
-    turns.wrap(kv_events, "decode_batch", len)
-    return turns.wrap(kv_events, "decode_events", lambda raws, *_: sum(map(len, raws)))
+    turns.wrap(kv_sliced, "decode_batch", len)
+    return turns.wrap(kv_sliced, "decode_events", lambda raws, *_: sum(map(len, raws)))
 
 
 async def test_a_large_batch_is_decoded_a_slice_of_bytes_a_turn_on_the_loop(
@@ -389,7 +391,7 @@ async def test_a_kv_event_over_512_kib_is_applied_not_refused(publisher: KvEvent
     payload = encode_batch(KVEventBatch(1.0, [event]))
     assert DECODE_SLICE_BYTES < len(payload) <= subscription.MAX_BATCH_BYTES
     ctx, index, stats = zmq.asyncio.Context(), KvIndex(size), KvStats()
-    elements = LoopTurns().wrap(kv_events, "decode_elements", lambda _, count, *__: count)
+    elements = LoopTurns().wrap(kv_sliced, "decode_elements", lambda _, count, *__: count)
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
@@ -402,7 +404,7 @@ async def test_a_kv_event_over_512_kib_is_applied_not_refused(publisher: KvEvent
         routable = token_block_hashes(tokens, size)
         assert all(index.holders.get(h) == {7} for h in routable)  # a prompt's blocks found
         assert elements.on_loop == len(tokens) + len(tokens) // size
-        assert elements.most_per_turn <= kv_events.DECODE_SLICE_ELEMENTS
+        assert elements.most_per_turn <= kv_sliced.DECODE_SLICE_ELEMENTS
     finally:
         await elements.stop()
         await sub.stop()
@@ -417,8 +419,8 @@ async def test_a_batch_of_many_tiny_events_is_decoded_a_bounded_count_of_events_
     `DECODE_SLICE_EVENTS` events are decoded a turn of the loop, applied in order."""
     assert publisher.endpoint is not None
     ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
-    decoded = LoopTurns().wrap(kv_events, "decode_batch", kv_events.declared_events)
-    decoded.wrap(kv_events, "decode_events", lambda raws, *_: len(raws))
+    decoded = LoopTurns().wrap(kv_sliced, "decode_batch", kv_events.declared_events)
+    decoded.wrap(kv_sliced, "decode_events", lambda raws, *_: len(raws))
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
@@ -432,7 +434,7 @@ async def test_a_batch_of_many_tiny_events_is_decoded_a_bounded_count_of_events_
         assert (stats.batches, stats.decode_errors, stats.resnapshots) == (4, 0, 0)
         assert index.instance_blocks(7) == 2
         assert decoded.on_loop == 3 + MAX_BATCH_EVENTS
-        assert decoded.most_per_turn <= kv_events.DECODE_SLICE_EVENTS < MAX_BATCH_EVENTS
+        assert decoded.most_per_turn <= kv_sliced.DECODE_SLICE_EVENTS < MAX_BATCH_EVENTS
     finally:
         await decoded.stop()
         await sub.stop()

@@ -22,9 +22,11 @@ from shoal.kv import (
     encode_batch_map,
 )
 from shoal.kv import events as kv_events
-from shoal.kv.events import DECODE_SLICE_BYTES, decode_batch_in_slices
+from shoal.kv import sliced as kv_sliced
+from shoal.kv.sliced import DECODE_SLICE_BYTES, decode_batch_in_slices
 from shoal.kv.subscription import MAX_BATCH_BYTES
 from tests.helpers import LoopTurns
+from tests.kv import hostile_batches
 
 FORMS = [encode_batch, encode_batch_map]
 
@@ -39,9 +41,9 @@ def prefill(tokens: int, hashes: str = "int", block_size: int = 16) -> BlockStor
 
 def work_per_turn() -> tuple[LoopTurns, LoopTurns]:
     """(events decoded a turn of the loop, elements of one event's arrays decoded a turn)."""
-    events = LoopTurns().wrap(kv_events, "decode_batch", kv_events.declared_events)
-    events.wrap(kv_events, "decode_events", lambda raws, *_: len(raws))
-    elements = LoopTurns().wrap(kv_events, "decode_elements", lambda _, count, *__: count)
+    events = LoopTurns().wrap(kv_sliced, "decode_batch", kv_events.declared_events)
+    events.wrap(kv_sliced, "decode_events", lambda raws, *_: len(raws))
+    elements = LoopTurns().wrap(kv_sliced, "decode_elements", lambda _, count, *__: count)
     return events, elements
 
 
@@ -67,7 +69,7 @@ async def test_a_128k_token_prefill_event_decodes_as_one_call_reads_it(
     assert got == decode_batch(payload)
     assert got.events[1].token_ids == big.token_ids
     assert elements.on_loop == len(big.token_ids) + len(big.block_hashes)
-    assert elements.most_per_turn <= kv_events.DECODE_SLICE_ELEMENTS
+    assert elements.most_per_turn <= kv_sliced.DECODE_SLICE_ELEMENTS
     assert elements.off_loop == events.off_loop == 0
 
 
@@ -85,7 +87,7 @@ async def test_a_4_mb_event_of_one_token_blocks_is_decoded_a_slice_of_elements_a
         await elements.stop()
     assert got == decode_batch(payload)
     assert elements.on_loop == 2 * 380_000
-    assert elements.most_per_turn <= kv_events.DECODE_SLICE_ELEMENTS
+    assert elements.most_per_turn <= kv_sliced.DECODE_SLICE_ELEMENTS
 
 
 @pytest.mark.parametrize("encode", FORMS)
@@ -106,8 +108,8 @@ async def test_a_batch_of_many_tiny_events_is_decoded_a_bounded_count_of_events_
         await elements.stop()
     assert got == decode_batch(payload)
     assert events.on_loop == len(tiny)
-    assert events.most_per_turn <= kv_events.DECODE_SLICE_EVENTS, events.per_turn
-    assert len(tiny) > kv_events.DECODE_SLICE_EVENTS
+    assert events.most_per_turn <= kv_sliced.DECODE_SLICE_EVENTS, events.per_turn
+    assert len(tiny) > kv_sliced.DECODE_SLICE_EVENTS
 
 
 def _raw_int(value: int, kind: int, width: int) -> msgspec.Raw:
@@ -158,9 +160,9 @@ async def test_random_batches_read_in_small_slices_as_one_call_reads_them(
     """Slices of a few bytes, events and elements (so every event is "over a slice" and every
     array cut): every batch decodes to what `decode_batch` makes of it, a corrupted one is
     refused when `decode_batch` refuses it."""
-    monkeypatch.setattr(kv_events, "DECODE_SLICE_BYTES", 64)
-    monkeypatch.setattr(kv_events, "DECODE_SLICE_EVENTS", 3)
-    monkeypatch.setattr(kv_events, "DECODE_SLICE_ELEMENTS", 4)
+    monkeypatch.setattr(kv_sliced, "DECODE_SLICE_BYTES", 64)
+    monkeypatch.setattr(kv_sliced, "DECODE_SLICE_EVENTS", 3)
+    monkeypatch.setattr(kv_sliced, "DECODE_SLICE_ELEMENTS", 4)
     rnd = random.Random(seed)
     tagged = seed % 2 == 1
     events = [_random_event(rnd, tagged) for _ in range(rnd.randrange(1, 12))]
@@ -203,5 +205,70 @@ async def test_a_bad_element_deep_in_a_large_event_makes_its_batch_unreadable(
     assert len(payload) > DECODE_SLICE_BYTES
     with pytest.raises(msgspec.ValidationError):
         decode_batch(payload)
-    with pytest.raises(msgspec.ValidationError):
+    with pytest.raises((msgspec.ValidationError, msgspec.DecodeError)):  # (a loss either way)
         await decode_batch_in_slices(payload)
+
+
+async def _read_both(data: bytes) -> tuple[Any, Any]:
+    """(what `decode_batch` makes of `data`, what `decode_batch_in_slices` does): a batch, or
+    "refused"."""
+    try:
+        want: Any = decode_batch(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        want = "refused"
+    try:
+        got: Any = await decode_batch_in_slices(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        got = "refused"
+    return want, got
+
+
+def _text(value: str) -> bytes:
+    return bytes([0xA0 | len(value)]) + value.encode()
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "read"),
+    [("bad", "good", "refused"), ("good", "bad", "refused"), ("good", "good", "the second")],
+)
+async def test_a_map_event_over_a_slice_with_token_ids_twice_reads_as_one_call_reads_it(
+    first: str, second: str, read: str
+) -> None:
+    """A tagged-map `BlockStored` over `DECODE_SLICE_BYTES` with `token_ids` twice, one of them
+    `[1.5]`: one `decode_batch` call refuses it (msgspec checks every value of a field it
+    knows, the last one wins). The sliced read took the first as bytes it did not check and
+    applied the second (the hunt of 7 Dec 2026). Now every one is read, as one call reads it."""
+    good = [100_000 + i for i in range(70_000)]  # (ids of 5 bytes: ~350 KB)
+    values = {"good": msgspec.msgpack.encode(good), "bad": msgspec.msgpack.encode([1.5])}
+    event = (
+        b"\x88" + _text("type") + _text("BlockStored")
+        + _text("token_ids") + values[first]
+        + _text("block_hashes") + b"\x91\x07" + _text("parent_block_hash") + b"\xc0"
+        + _text("token_ids") + values[second]
+        + _text("block_size") + b"\x10" + _text("lora_id") + b"\xc0" + _text("medium") + _text("GPU")
+    )  # fmt: skip
+    payload = b"\x93\xcb" + b"\0" * 8 + b"\x91" + event + b"\xc0"
+    assert len(payload) > DECODE_SLICE_BYTES
+    want, got = await _read_both(payload)
+    assert got == want
+    if read == "refused":
+        assert got == "refused"
+    else:
+        assert got.events[0].token_ids == good
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_hostile_random_batches_read_in_slices_as_one_call_reads_them(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches written byte by byte (`tests.kv.hostile_batches`: every form msgpack allows and
+    some it refuses, fields twice, headers that lie), read in slices of every size: each reads
+    as one `decode_batch` call reads it, or both refuse it."""
+    rnd = random.Random(seed)
+    for _ in range(60):
+        monkeypatch.setattr(kv_sliced, "DECODE_SLICE_BYTES", rnd.choice([16, 64, 300, 1000]))
+        monkeypatch.setattr(kv_sliced, "DECODE_SLICE_EVENTS", rnd.choice([1, 2, 3, 1024]))
+        monkeypatch.setattr(kv_sliced, "DECODE_SLICE_ELEMENTS", rnd.choice([1, 2, 3, 7, 64]))
+        payload = hostile_batches.a_batch(rnd)
+        want, got = await _read_both(payload)
+        assert got == want, payload

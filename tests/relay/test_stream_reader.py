@@ -24,8 +24,9 @@ from shoal.kv import (
     encode_batch,
 )
 from shoal.kv import events as kv_events
+from shoal.kv import sliced as kv_sliced
 from shoal.kv import stream as layout
-from shoal.kv.events import DECODE_SLICE_BYTES
+from shoal.kv.sliced import DECODE_SLICE_BYTES
 from shoal.kv.subscription import APPLY_SLICE, MAX_BATCH_BYTES
 from tests.helpers import LoopTurns, wait_for
 from tests.nats_server import NatsServer
@@ -178,8 +179,8 @@ def decoded_bytes(turns: LoopTurns) -> LoopTurns:
     """`turns` counting the bytes of KV events decoded per turn of the event loop: a whole
     batch's payload (`decode_batch`, wherever it is called from) or a slice of its events."""
     turns.wrap(kv_stream, "decode_batch", len)
-    turns.wrap(kv_events, "decode_batch", len)
-    return turns.wrap(kv_events, "decode_events", lambda raws, *_: sum(map(len, raws)))
+    turns.wrap(kv_sliced, "decode_batch", len)
+    return turns.wrap(kv_sliced, "decode_events", lambda raws, *_: sum(map(len, raws)))
 
 
 async def test_a_large_batch_is_decoded_a_slice_of_bytes_a_turn_and_the_batches_stay_in_order() -> (
@@ -221,7 +222,7 @@ async def test_a_record_of_one_event_over_512_kib_is_applied_in_order_not_a_loss
     unreadable record: a loss, the instance resnapshotted, so long prompts were never routed
     by their cache. Now it is decoded `DECODE_SLICE_ELEMENTS` elements a turn, by the flush
     task, and applied whole between the records around it."""
-    elements = LoopTurns().wrap(kv_events, "decode_elements", lambda _, count, *__: count)
+    elements = LoopTurns().wrap(kv_sliced, "decode_elements", lambda _, count, *__: count)
     reader = KvStreamReader("nats://127.0.0.1:1")
     got: list[KVEventBatch] = []
     reader.follow((NS, INSTANCE), got.append, lambda: None)
@@ -239,7 +240,7 @@ async def test_a_record_of_one_event_over_512_kib_is_applied_in_order_not_a_loss
     assert blocks_of(whole) == blocks_of(decode_batch(large).events)  # (applied in slices)
     assert (reader.stats.decode_errors, reader.stats.resnapshots) == (0, 0)
     assert elements.on_loop == len(tokens) + 8_192
-    assert elements.most_per_turn <= kv_events.DECODE_SLICE_ELEMENTS
+    assert elements.most_per_turn <= kv_sliced.DECODE_SLICE_ELEMENTS
 
 
 async def test_a_record_of_many_tiny_events_is_decoded_a_bounded_count_of_events_a_turn() -> None:
@@ -247,8 +248,8 @@ async def test_a_record_of_many_tiny_events_is_decoded_a_bounded_count_of_events
     call, on the reading path. Now a record of more than `DECODE_SLICE_EVENTS` events goes to
     the flush task, decoded that many events a turn, and the records after it wait for it."""
     decoded = LoopTurns().wrap(kv_stream, "decode_batch", kv_events.declared_events)
-    decoded.wrap(kv_events, "decode_batch", kv_events.declared_events)
-    decoded.wrap(kv_events, "decode_events", lambda raws, *_: len(raws))
+    decoded.wrap(kv_sliced, "decode_batch", kv_events.declared_events)
+    decoded.wrap(kv_sliced, "decode_events", lambda raws, *_: len(raws))
     reader = KvStreamReader("nats://127.0.0.1:1")
     got: list[KVEventBatch] = []
     reader.follow((NS, INSTANCE), got.append, lambda: None)
@@ -263,7 +264,7 @@ async def test_a_record_of_many_tiny_events_is_decoded_a_bounded_count_of_events
     assert [int(b.ts) for b in got] == sorted(int(b.ts) for b in got)  # in order
     assert blocks_of([e for b in got if b.ts == 1.0 for e in b.events]) == blocks_of(tiny)
     assert decoded.on_loop == 2 + len(tiny)
-    assert decoded.most_per_turn <= kv_events.DECODE_SLICE_EVENTS < len(tiny)
+    assert decoded.most_per_turn <= kv_sliced.DECODE_SLICE_EVENTS < len(tiny)
     assert (reader.stats.decode_errors, reader.stats.resnapshots) == (0, 0)
 
 

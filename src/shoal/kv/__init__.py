@@ -1,7 +1,8 @@
 """Layer 2: KV cache events in vLLM's wire format, chained token-block hashing, and the
 per-instance subscription to a worker's KV publisher.
 
-Engines publish which KV blocks they store and evict (`events`); the frontend's indexer
+Engines publish which KV blocks they store and evict (`events`; a large batch is decoded a
+bounded step at a time by `sliced`, along msgpack's framing, `framing`); the frontend's indexer
 hashes token blocks itself (`hashing`), so it never depends on an engine's hash function.
 `subscription` (`KvSubscription`: replay on connect and on gap, resnapshot when history is
 gone, publisher restarts) is the one reader of a worker's stream, shared by the frontend and

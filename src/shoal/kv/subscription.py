@@ -42,11 +42,10 @@ from shoal.kv.events import (
     BlockStored,
     KvEndpoint,
     KVEventBatch,
-    decode_batch_in_slices,
     decode_seq,
-    decoded_at_once,
     encode_seq,
 )
+from shoal.kv.sliced import decode_batch_in_slices, decoded_at_once
 
 log = logging.getLogger(__name__)
 

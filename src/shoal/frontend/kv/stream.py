@@ -54,7 +54,7 @@ import msgspec
 
 from shoal.kv import AllBlocksCleared, KVEventBatch, decode_batch
 from shoal.kv import stream as layout
-from shoal.kv.events import decode_batch_in_slices, decoded_at_once
+from shoal.kv.sliced import decode_batch_in_slices, decoded_at_once
 from shoal.kv.subscription import (
     APPLY_SLICE,
     MAX_BATCH_BYTES,
