@@ -8,12 +8,23 @@ import msgspec
 import pytest
 
 from shoal.frontend.http.upstream import UpstreamError
-from shoal.frontend.proxy.stages import (
-    prefill_handle,
-    refuses_handle,
-    stage_one_body,
-    stage_two_body,
-)
+from shoal.frontend.proxy.stages import prefill_handle, refuses_handle, stage_one, stage_two
+
+_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+
+
+def stage_one_body(body: bytes) -> bytes:
+    """The prefill's body of the client's, as disagg.py makes it (`stage_one`)."""
+    return msgspec.json.encode(stage_one(_members(body)))
+
+
+def stage_two_body(body: bytes, params: msgspec.Raw | None) -> bytes:
+    """The decode's body of the client's, as disagg.py makes it: the client's own when
+    `stage_two` leaves its members as they are."""
+    members = _members(body)
+    two = stage_two(members, params)
+    return body if two is members else msgspec.json.encode(two)
+
 
 CLIENT = {
     "model": "m",

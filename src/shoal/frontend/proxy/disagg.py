@@ -20,9 +20,9 @@ that refuses the handle (a 400 naming `kv_transfer_params`) counts as that prefi
 failure. A client that leaves during stage one cancels it. Embeddings go whole to a prefill.
 
 Both stages' bodies are made of the client's top-level members (`msgspec.Raw`: its messages
-stay the bytes it sent), decoded once; a large body's (`fields.LARGE_BODY`) are decoded, and
-each stage's body encoded from them, in the decoder's thread, never on the event loop
-(`fields.members_of`, `fields.encode_members`).
+stay the bytes it sent), decoded once; a large body's (`fields.LARGE_BODY`) are decoded in the
+decoder process and each stage's body encoded from them in the decoder's thread, never on the
+event loop (`fields.members_of`, `fields.encode_members`).
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ class TwoStageForward(Forward):
 
     async def _members(self) -> Members:
         """The client's top-level members, naming the model as the workers serve it: decoded
-        once (a large body's in the decoder's thread: with its fields, `Request.members`,
+        once (a large body's in the decoder process: with its fields, `Request.members`,
         else here, `members_of`)."""
         members = self.members
         if members is None:

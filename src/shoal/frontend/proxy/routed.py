@@ -96,14 +96,14 @@ class VirtualForward(Forward):
 
     def start(self) -> None:
         """A large body that a target may be sent renamed has its top-level members decoded
-        before the first attempt, in the decoder's thread: with its fields, as a rule
+        before the first attempt, in the decoder process: with its fields, as a rule
         (`Request.members`), else now (`members_later`). A rewrite then only encodes them, on
         the event loop (parsing 9 MB there again held it as long as the first decode)."""
         members = self.request.members
         if members is not None:
             self.members = members
             super().start()
-        elif self.virtual.renames and len(self.request.body) >= LARGE_BODY:
+        elif self.virtual.renames and self.request.size >= LARGE_BODY:
             members_later(self.request.body, self.client, self._with_members)
         else:
             super().start()

@@ -27,9 +27,6 @@ STAGE_ONE_PARAMS = msgspec.Raw(
 _ONE = msgspec.Raw(b"1")
 _FALSE = msgspec.Raw(b"false")
 
-_decode_members = msgspec.json.Decoder(Members).decode
-_encode = msgspec.json.encode
-
 
 class _Answer(msgspec.Struct):
     kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")  # kept as it came
@@ -79,19 +76,6 @@ def stage_two(members: Members, params: msgspec.Raw | None) -> Members:
     members = dict(members)
     del members["kv_transfer_params"]
     return members
-
-
-def stage_one_body(body: bytes) -> bytes:
-    """The prefill's body (`stage_one`) of the client's."""
-    return _encode(stage_one(_decode_members(body)))
-
-
-def stage_two_body(body: bytes, params: msgspec.Raw | None) -> bytes:
-    """The decode's body (`stage_two`) of the client's: that body itself when it has no
-    `kv_transfer_params` and there are none to add."""
-    if params is None and b"kv_transfer_params" not in body and b"\\u" not in body:
-        return body  # (no such member, not even spelled with escapes)
-    return _encode(stage_two(_decode_members(body), params))
 
 
 def prefill_handle(answer: bytes, address: str) -> msgspec.Raw | None:
