@@ -290,3 +290,40 @@ async def test_a_large_body_of_too_many_members_is_refused_only_where_it_is_rebu
         else:
             assert status == 200, text
             assert worker.bodies[-1] == body  # byte for byte
+
+
+async def test_a_large_body_naming_a_member_twice_is_refused_only_where_it_is_rebuilt(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """1,000 members written as 0, then again in reverse with 14 KB values: a member named
+    twice keeps its first place and its last value, so the decoder process searched the body
+    from its start for each (15 MB: 10-20 s, every large body of every model queued behind
+    it, then a 500). Values out of the body's order are now refused where the body would be
+    rebuilt (a 400 naming why), and a body not rebuilt is served as it came."""
+    worker = await start_worker("mock-llm")
+    front = await start_frontend()
+    await publish_route(store, Route(workspace="default", name="alias", targets=(FleetTarget("mock-llm"),)))  # fmt: skip
+    await wait_for(lambda: "alias" in front.routes.models and front.routes.models["alias"].serving)
+    keys = range(300)
+    once = b"".join(b',"k%d":0' % i for i in keys)
+    again = b"".join(b',"k%d":"%d%s"' % (i, i, b"x" * 2_000) for i in reversed(keys))
+    spans = LoopTurns().wrap(fields_module, "_spans")
+    try:
+        for model in (b"alias", b"mock-llm"):
+            chat = b',"messages":[{"role":"user","content":"hi"}]'
+            body = b'{"model":"' + model + b'"' + chat + once + again + b"}"
+            assert len(body) >= LARGE
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"{front.url}/v1/chat/completions", data=body) as answer,
+            ):
+                status, text = answer.status, await answer.text()
+            if model == b"alias":
+                assert status == 400, text
+                assert "more than once" in json.loads(text)["error"]["message"], text
+            else:
+                assert status == 200, text
+                assert worker.bodies[-1] == body  # byte for byte
+    finally:
+        await spans.stop()
+    assert spans.on_loop == 0  # (the spans are found in the decoder process alone)
