@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvloop
 
 from shoal.discovery import FleetTarget, Route, UrlTarget, publish_route
 from shoal.discovery.grants import Grant, hash_secret
@@ -38,9 +37,7 @@ STREAM = {**CHAT, "stream": True, "max_tokens": 50}
 LARGE = {**CHAT, "messages": [{"role": "user", "content": "hi"}] * 12_000}
 
 
-@pytest.fixture
-def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
-    return uvloop.EventLoopPolicy()
+pytestmark = pytest.mark.asyncio(loop_factories=["uvloop"])  # as `shoal frontend` runs
 
 
 @pytest.fixture
