@@ -17,6 +17,7 @@ from shoal.store import (
 )
 from shoal.store import base as base_module
 from shoal.store import sqlite as sqlite_module
+from shoal.store import sqlite_log
 from tests.helpers import LoopTurns, wait_for
 from tests.store.conftest import Backend
 from tests.store.support import Recorder
@@ -184,7 +185,7 @@ async def test_sqlite_puts_many_keys_in_few_transactions_off_the_loop(
         await store.put_many(_items(prefix, MANY))
     finally:
         await turns.stop()
-    slices = -(-MANY // sqlite_module.PUT_MANY_KEYS)
+    slices = -(-MANY // sqlite_log.PUT_MANY_KEYS)
     assert turns.off_loop == slices and turns.on_loop == 0
     assert len((await store.get_prefix(prefix)).items) == MANY
 
@@ -198,7 +199,7 @@ async def test_sqlite_paces_a_put_many_longer_than_its_change_log_so_a_watch_get
     of its whole prefix per poll instead (6 for 20,000 keys). Paced, each key is a `Put`."""
     if backend.name != "sqlite":
         pytest.skip("SQLite's change log")
-    many = 3 * sqlite_module.RETAIN_CHANGES
+    many = 3 * sqlite_log.RETAIN_CHANGES
     watcher = await backend.open()
     snap = await watcher.get_prefix(prefix)
     mirror = Recorder(watcher.watch(prefix, snap.revision + 1))

@@ -28,13 +28,14 @@ from shoal.store import (
     StoreUnavailableError,
     open_store,
 )
+from shoal.store import sqlite_log
 from shoal.store.sqlite import (
     BOOT_ID,
     BUILD_SLICE,
     LISTING_INDEX,
-    RETAIN_CHANGES,
     SQLiteStore,
 )
+from shoal.store.sqlite_log import RETAIN_CHANGES
 from tests.helpers import LoopTurns, wait_for
 from tests.store.support import Recorder
 
@@ -66,8 +67,11 @@ def _file_size(path: Path) -> int:
 
 
 async def test_churn_keeps_the_file_bounded_and_a_far_behind_watch_resyncs(
-    store: SQLiteStore, url: str
+    store: SQLiteStore, url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # (Changes kept by number alone: the caps, which bound the log whatever the time kept,
+    # are proved in test_sqlite_log.py.)
+    monkeypatch.setattr(sqlite_log, "RETAIN_SECONDS", 0.0)
     await store.put("churn/gone", b"soon deleted")
     await store.put("churn/kept", b"stays")
     start = await store.get_prefix("churn/")
@@ -345,7 +349,9 @@ async def test_a_value_stored_as_text_is_skipped_and_watches_go_on(
         with sqlite3.connect(store.path) as conn:  # a hand edit: TEXT in the log and the table
             conn.execute("UPDATE meta SET revision = revision + 1")
             (rev,) = conn.execute("SELECT revision FROM meta").fetchone()
-            conn.execute("INSERT INTO changes VALUES (?, 'bad/k', 'text')", (rev,))
+            conn.execute(
+                "INSERT INTO changes (revision, key, value) VALUES (?, 'bad/k', 'text')", (rev,)
+            )
             conn.execute(
                 "UPDATE kv SET value = 'text', mod_revision = ? WHERE key = 'bad/k'", (rev,)
             )
