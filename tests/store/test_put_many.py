@@ -14,10 +14,10 @@ from shoal.store import (
     Resync,
     Store,
     ValueTooLargeError,
+    sqlite_log,
 )
 from shoal.store import base as base_module
 from shoal.store import sqlite as sqlite_module
-from shoal.store import sqlite_log
 from tests.helpers import LoopTurns, wait_for
 from tests.store.conftest import Backend
 from tests.store.support import Recorder

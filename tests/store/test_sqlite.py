@@ -27,8 +27,8 @@ from shoal.store import (
     StoreError,
     StoreUnavailableError,
     open_store,
+    sqlite_log,
 )
-from shoal.store import sqlite_log
 from shoal.store.sqlite import (
     BOOT_ID,
     BUILD_SLICE,

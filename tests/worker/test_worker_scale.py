@@ -15,9 +15,8 @@ from aiohttp import web
 
 from shoal.cards import ModelCard, slugify
 from shoal.discovery import Discovery, EndpointId, ModelKey
-from shoal.store import MAX_VALUE_BYTES, Store, StoreUnavailableError, open_store
+from shoal.store import MAX_VALUE_BYTES, Store, StoreUnavailableError, open_store, sqlite_log
 from shoal.store import sqlite as sqlite_module
-from shoal.store import sqlite_log
 from shoal.worker import Engine, Runtime, ServedModel
 from shoal.worker import registrations as registrations_module
 from shoal.worker import runtime as runtime_module
