@@ -128,13 +128,14 @@ async def run(keys: int, writers: int, mode: str, frontend: bool, cards: bool) -
             sys.executable, "-c", WATCHER, url, str(total),
             "shoal/v1/models/bench/" if cards else "bench/", stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
-        procs = [
-            await asyncio.create_subprocess_exec(
-                sys.executable, "-c", WRITER, url, "cards" if cards else f"bench/w{n}/", str(keys),
+        procs = []
+        for n in range(writers if mode == "children" else 0):
+            prefix = "cards" if cards else f"bench/w{n}/"
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", WRITER, url, prefix, str(keys),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             )  # fmt: skip
-            for n in range(writers if mode == "children" else 0)
-        ]
+            procs.append(proc)
         try:
             assert watcher.stdout is not None
             await watcher.stdout.readline()

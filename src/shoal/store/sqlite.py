@@ -13,8 +13,9 @@ parent directories are created (read-write only).
 
 Layout:
 
-- `meta`: one row with the current store `revision` and the `compact_revision` up to
-  which the change log has been trimmed.
+- `meta`: one row with the current store `revision`, the `compact_revision` up to which
+  the change log has been trimmed, and `log_bytes`, the bytes the log holds (kept by
+  triggers on `changes`).
 - `kv`: the keys, each with its value, the revisions that created and last wrote it and
   its lease; indexed by lease, and by key with everything but the value (`LISTING_INDEX`:
   a listing of what changed since a revision reads the values of those keys only).
@@ -23,21 +24,25 @@ Layout:
   deadline: for the leases of version-1 processes still running during an upgrade (`boot`
   empty, judged on it as they were), the generous bound of a lease whose boot is unknown,
   and out of reach for the others, so a version-1 process never reaps them.
-- `changes`: one row per revision (key, value, NULL for a delete): the log watches read.
+- `changes`: one row per revision (key, value, NULL for a delete, and `at`, when it was
+  written): the log watches read (`shoal.store.sqlite_log`).
 
 Each write bumps `meta.revision` and appends its change in the same transaction, so
 revisions strictly increase across processes and every change is logged exactly once.
 Deleting N keys (revoking a lease) takes N revisions, as in the memory backend, and so does
-putting N keys with `put_many`: `PUT_MANY_KEYS` per transaction, at most one transaction per
-`PUT_MANY_PACE`, so the change log (below) holds two polls' worth of them and the watches of
-other processes read each key as its own change, not a `Resync`.
+putting N keys with `put_many`: `PUT_MANY_KEYS` per transaction, paced by the file (a
+transaction waits while the change log has no room for it without cutting a change younger
+than `RETAIN_SECONDS`; see "Compaction"), and leaving the write lock free between two of
+them as long as it held it (`PUT_MANY_SHARE`), so other processes' keepalives get in.
 
 Each store instance owns one connection, used only by a dedicated thread; a whole
 transaction runs in one hop to that thread. Background work per instance:
 
 - a watch poller: every `POLL_INTERVAL` (50 ms) it reads `meta` and, only if some watcher
-  is behind, the new change rows, in one read transaction, and fans them out to all of
-  this instance's watches. A watch whose next revision was trimmed, whose read failed, or
+  is behind, the new change rows (`POLL_MAX_CHANGES` at most: a watch further behind gets
+  the next slice at once), in one read transaction, and fans them out to all of this
+  instance's watches; a watch whose consumer has a slice's worth unread waits for it to
+  catch up, then reads on from the log. A watch whose next revision was trimmed, whose read failed, or
   whose client was cut off (`set_unreachable`) gets a `Resync` read in that same snapshot.
 - a lease reaper: every `REAP_INTERVAL` (200 ms) it looks for an expired lease (a read,
   no lock) and only then deletes expired leases and their keys with delete events. Every
@@ -78,12 +83,16 @@ builds wrote, with no `leases.expires` (`_MIGRATE_FROM_DEV_2`; stop processes of
 builds first: they judge leases differently). A version-2 file lacking any other column,
 or a newer version, is refused at open in one line naming what is missing.
 
-Compaction: the change log keeps the last `RETAIN_CHANGES` (1000) revisions, trimmed
-every `TRIM_EVERY` writes, so its size is bounded whatever the write rate; a watcher that
-falls further behind than that gets a `Resync`, and a listing of what changed since a
-revision the log still reaches is read from it (`_changes_since`: a delta, the keys the
-log names, whatever the number of keys unchanged; a reconciliation pass over a quiet fleet
-of 100,000 reads nothing per instance). The WAL is checkpointed automatically
+Compaction (`shoal.store.sqlite_log`): the change log keeps every change of the last
+`RETAIN_SECONDS` (5 s) and the last `RETAIN_CHANGES` (1,000) revisions however old, within
+hard caps of `MAX_LOG_CHANGES` (100,000) rows and `MAX_LOG_BYTES` (64 MiB), trimmed every
+`TRIM_EVERY` revisions, so its size is bounded whatever the write rate, and writers in
+several processes at once (workers re-putting their cards after losing their leases
+together) do not write it through before another process's watch reads it. A watcher that
+falls behind what it keeps gets a `Resync`, and a listing of what changed since a revision
+the log still reaches is read from it (`_changes_since`: a delta, the keys the log names,
+whatever the number of keys unchanged; a reconciliation pass over a quiet fleet of 100,000
+reads nothing per instance). The WAL is checkpointed automatically
 every `WAL_AUTOCHECKPOINT_PAGES` pages and truncated to `JOURNAL_SIZE_LIMIT` afterwards.
 """
 
@@ -541,8 +550,8 @@ def _changes_since(
     (`Listing.removed`), read from the change log; None when the log does not reach back
     to `since` (trimmed past it, or a file whose revision is behind it: another file).
 
-    Read: the keys the log names after `since` (at most `RETAIN_CHANGES` + `TRIM_EVERY`
-    revisions: a bounded read whatever the fleet's size), the live rows of those, and the
+    Read: the keys the log names after `since` (at most `MAX_LOG_CHANGES` revisions: a
+    bounded read whatever the fleet's size), the live rows of those, and the
     keys whose lease has expired but that are not reaped yet (a client that cannot write).
     A reader that held every key at `since` holds every key now once it applies them."""
     revision, compacted = conn.execute(
