@@ -135,13 +135,17 @@ async def test_the_caps_bound_the_log_even_when_every_change_is_young(
         await store.close()
 
 
+@pytest.mark.parametrize("cap", ["rows", "bytes"])
 async def test_writers_of_one_file_wait_for_room_rather_than_cut_a_young_change(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cap: str
 ) -> None:
     """The pace is the file's: two writers (two connections) each putting 1,500 keys at once
-    into a log capped at 1,000 rows wait, together, until the oldest change is
-    `RETAIN_SECONDS` old before they cut it, and a watch gets every key as a `Put`."""
-    monkeypatch.setattr(sqlite_log, "MAX_LOG_CHANGES", 1000)
+    into a log capped at 1,000 rows (or their bytes) wait, together, until the oldest change
+    is `RETAIN_SECONDS` old before they cut it, and a watch gets every key as a `Put`."""
+    if cap == "rows":
+        monkeypatch.setattr(sqlite_log, "MAX_LOG_CHANGES", 1000)
+    else:
+        monkeypatch.setattr(sqlite_log, "MAX_LOG_BYTES", 1000 * len("cards/w0/00000" + "c" * 100))
     monkeypatch.setattr(sqlite_log, "RETAIN_SECONDS", 0.5)
     url = f"sqlite:///{tmp_path / 'store.db'}"
     writers = [await SQLiteStore.open(url) for _ in range(2)]
@@ -162,8 +166,8 @@ async def test_writers_of_one_file_wait_for_room_rather_than_cut_a_young_change(
         assert len(mirror.of(Put)) == 3000
         # 3,000 changes through a log of 1,000 kept 0.5 s each: at least two waits.
         assert took >= 2 * 0.5 * 0.9, took
-        rows, _, _ = _log(writers[0].path)
-        assert rows <= 1000
+        rows, counted, summed = _log(writers[0].path)
+        assert rows <= 1000 and counted == summed <= 114_000
     finally:
         await mirror.close()
         for s in (*writers, watcher):

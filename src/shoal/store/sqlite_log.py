@@ -153,7 +153,8 @@ def trim(conn: sqlite3.Connection, revision: int, now: float) -> None:
 
 
 def _cut_for_bytes(conn: sqlite3.Connection, after: int, excess: int) -> int:
-    """The revision up to which the oldest changes after `after` hold `excess` bytes."""
+    """The revision up to which the oldest changes after `after` hold `excess` bytes (the
+    last change, if all of them hold fewer)."""
     rows = conn.execute(
         f"SELECT revision, {_BYTES} FROM changes WHERE revision > ? ORDER BY revision", (after,)
     )
@@ -174,13 +175,16 @@ def wait_for_room(conn: sqlite3.Connection, now: float, count: int, size: int) -
         "SELECT revision, compact_revision, log_bytes FROM meta WHERE id = 0"
     ).fetchone()
     over_rows = revision - compacted + count - MAX_LOG_CHANGES
-    if over_rows <= 0 and held + size <= MAX_LOG_BYTES:
+    over_bytes = held + size - MAX_LOG_BYTES
+    if over_rows <= 0 and over_bytes <= 0:
         return 0.0
-    # The newest change the row cap would cut (for the byte cap: at least the oldest). The
-    # log may have a gap an older version trimmed: the first row from there.
+    # The newest change the caps would cut (the log may have a gap an older version
+    # trimmed: the first row from there). Found by bytes, the rows read are those cut.
+    cut = compacted + max(1, over_rows)
+    if over_bytes > 0:
+        cut = max(cut, _cut_for_bytes(conn, compacted, over_bytes))
     row = conn.execute(
-        "SELECT at FROM changes WHERE revision >= ? ORDER BY revision LIMIT 1",
-        (compacted + max(1, over_rows),),
+        "SELECT at FROM changes WHERE revision >= ? ORDER BY revision LIMIT 1", (cut,)
     ).fetchone()
     if row is None or not now - RETAIN_SECONDS <= row[0] <= now:
         return 0.0
