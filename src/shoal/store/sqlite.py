@@ -42,8 +42,9 @@ transaction runs in one hop to that thread. Background work per instance:
   is behind, the new change rows (`POLL_MAX_CHANGES` at most: a watch further behind gets
   the next slice at once), in one read transaction, and fans them out to all of this
   instance's watches; a watch whose consumer has a slice's worth unread waits for it to
-  catch up, then reads on from the log. A watch whose next revision was trimmed, whose read failed, or
-  whose client was cut off (`set_unreachable`) gets a `Resync` read in that same snapshot.
+  catch up, then reads on from the log. A watch whose next revision was trimmed, whose
+  read failed, or whose client was cut off (`set_unreachable`) gets a `Resync` read in
+  that same snapshot.
 - a lease reaper: every `REAP_INTERVAL` (200 ms) it looks for an expired lease (a read,
   no lock) and only then deletes expired leases and their keys with delete events. Every
   client reaps, so a holder killed by SIGKILL loses its keys within TTL + ~0.25 s. Each
@@ -81,7 +82,9 @@ Layouts: a new file gets the current one (`SCHEMA_VERSION` 2). A version-1 file 
 migrated at open (see `_MIGRATE_FROM_1`), and so is the version-2 layout two development
 builds wrote, with no `leases.expires` (`_MIGRATE_FROM_DEV_2`; stop processes of those
 builds first: they judge leases differently). A version-2 file lacking any other column,
-or a newer version, is refused at open in one line naming what is missing.
+or a newer version, is refused at open in one line naming what is missing. The change
+log's retention adds `changes.at`, `meta.log_bytes` and two triggers to a version-2 file at
+open where missing (`sqlite_log.LOG_LAYOUT`; a read-only client needs none of them).
 
 Compaction (`shoal.store.sqlite_log`): the change log keeps every change of the last
 `RETAIN_SECONDS` (5 s) and the last `RETAIN_CHANGES` (1,000) revisions however old, within
