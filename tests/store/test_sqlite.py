@@ -32,6 +32,7 @@ from shoal.store import (
 from shoal.store.sqlite import (
     BOOT_ID,
     BUILD_SLICE,
+    DELTA_CHANGES,
     LISTING_INDEX,
     SQLiteStore,
 )
@@ -687,6 +688,25 @@ async def test_a_listing_of_what_changed_past_the_change_log_lists_every_key(
         f" FROM kv INDEXED BY {LISTING_INDEX} WHERE key >= 'k/' AND key < 'k0'"
     ).fetchall()
     assert "COVERING INDEX" in str(plan), plan
+
+
+async def test_a_listing_of_what_changed_reads_no_more_of_the_log_than_a_delta_takes(
+    store: SQLiteStore,
+) -> None:
+    """The log keeps every change of the last `RETAIN_SECONDS`, up to 100,000 of them; a
+    delta reads them once per prefix (a frontend following 4,096 namespaces lists 8,192), so
+    it is read only from the last `DELTA_CHANGES` revisions, as when the log kept no more:
+    further back the listing is whole, though the log still reaches `since`."""
+    since = await store.put("k/old", b"1")
+    await store.put_many([(f"k/{i:05d}", b"v") for i in range(DELTA_CHANGES + 1)])
+    with sqlite3.connect(store.path) as conn:
+        (compacted,) = conn.execute("SELECT compact_revision FROM meta").fetchone()
+    assert compacted < since  # (the log reaches `since`)
+    listing = await store.get_prefixes_changed(("k/",), since)
+    assert listing.removed is None
+    assert len(listing.items) == DELTA_CHANGES + 2
+    near = await store.get_prefixes_changed(("k/",), listing.revision - DELTA_CHANGES)
+    assert near.removed == [] and len(near.items) == DELTA_CHANGES
 
 
 async def test_a_listing_larger_than_a_build_slice_keeps_key_order_across_slices(

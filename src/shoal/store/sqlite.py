@@ -93,7 +93,8 @@ hard caps of `MAX_LOG_CHANGES` (100,000) rows and `MAX_LOG_BYTES` (64 MiB), trim
 several processes at once (workers re-putting their cards after losing their leases
 together) do not write it through before another process's watch reads it. A watcher that
 falls behind what it keeps gets a `Resync`, and a listing of what changed since a revision
-the log still reaches is read from it (`_changes_since`: a delta, the keys the log names,
+the log still reaches, `DELTA_CHANGES` back at most, is read from it (`_changes_since`: a
+delta, the keys the log names,
 whatever the number of keys unchanged; a reconciliation pass over a quiet fleet of 100,000
 reads nothing per instance). The WAL is checkpointed automatically
 every `WAL_AUTOCHECKPOINT_PAGES` pages and truncated to `JOURNAL_SIZE_LIMIT` afterwards.
@@ -142,7 +143,9 @@ from shoal.store.base import (
 )
 from shoal.store.sqlite_log import (
     LOG_TRIGGERS,
+    RETAIN_CHANGES,
     RETAIN_SECONDS,
+    TRIM_EVERY,
     add_log_layout,
     append,
     append_many,
@@ -184,6 +187,10 @@ the same layout without it maintain it as they write, and never read it)."""
 _LISTING_INDEX = (
     f"CREATE INDEX IF NOT EXISTS {LISTING_INDEX} ON kv (key, mod_revision, lease, create_revision)"
 )
+DELTA_CHANGES = RETAIN_CHANGES + TRIM_EVERY
+"""Revisions back a listing of what changed is read from the change log at most, as a delta
+(`_changes_since`): it scans them once per prefix. The log may keep up to `MAX_LOG_CHANGES`
+(every change of the last `RETAIN_SECONDS`); further back, the listing is whole."""
 _SCHEMA = (
     "CREATE TABLE meta (id INTEGER PRIMARY KEY CHECK (id = 0),"
     " revision INTEGER NOT NULL, compact_revision INTEGER NOT NULL,"
@@ -551,16 +558,17 @@ def _changes_since(
 ) -> Listing | None:
     """What changed under `prefixes` (`distinct_prefixes`) since `since`, as a delta
     (`Listing.removed`), read from the change log; None when the log does not reach back
-    to `since` (trimmed past it, or a file whose revision is behind it: another file).
+    to `since` (trimmed past it, or a file whose revision is behind it: another file), or
+    `since` is more than `DELTA_CHANGES` revisions back.
 
-    Read: the keys the log names after `since` (at most `MAX_LOG_CHANGES` revisions: a
+    Read: the keys the log names after `since` (at most `DELTA_CHANGES` revisions: a
     bounded read whatever the fleet's size), the live rows of those, and the
     keys whose lease has expired but that are not reaped yet (a client that cannot write).
     A reader that held every key at `since` holds every key now once it applies them."""
     revision, compacted = conn.execute(
         "SELECT revision, compact_revision FROM meta WHERE id = 0"
     ).fetchone()
-    if since < compacted or since > revision:
+    if since < compacted or since > revision or revision - since > DELTA_CHANGES:
         return None
     items: list[KeyValue | KeyRevision] = []
     gone: set[str] = set()
