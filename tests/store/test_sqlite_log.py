@@ -294,3 +294,28 @@ async def test_a_change_stamped_ahead_of_the_clock_counts_as_old(tmp_path: Path)
         assert rows == sqlite_log.RETAIN_CHANGES
     finally:
         await store.close()
+
+
+async def test_changes_that_come_of_age_are_trimmed_a_bounded_number_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of young changes, once old, is not deleted in one transaction (100,000 rows
+    and their triggers held the write lock 0.5 s): `TRIM_OLD` per trim at most, until the
+    log is back to its last `RETAIN_CHANGES` revisions."""
+    path = tmp_path / "store.db"
+    store = await SQLiteStore.open(f"sqlite:///{path}")
+    try:
+        await store.put_many([(f"k/{i:05d}", b"v") for i in range(3000)])
+    finally:
+        await store.close()
+    monkeypatch.setattr(sqlite_log, "RETAIN_SECONDS", 0.0)  # (every change is old now)
+    monkeypatch.setattr(sqlite_log, "TRIM_OLD", 500)
+    with sqlite3.connect(path, isolation_level=None) as conn:
+        (revision,) = conn.execute("SELECT revision FROM meta").fetchone()
+        held = [_log(path)[0]]
+        while held[-1] > sqlite_log.RETAIN_CHANGES:
+            sqlite_log.trim(conn, revision, sqlite_module.lease_clock())
+            held.append(_log(path)[0])
+            assert held[-2] - held[-1] == min(500, held[-2] - sqlite_log.RETAIN_CHANGES)
+        assert held == [3000, 2500, 2000, 1500, 1000]
+        assert _log(path)[1] == _log(path)[2]

@@ -50,6 +50,11 @@ MAX_LOG_BYTES = 64 * 1024 * 1024
 """Bytes of keys and values the log never exceeds (a hard cap): its oldest go first."""
 TRIM_EVERY = 64
 """The log is trimmed on every `TRIM_EVERY`-th revision."""
+TRIM_OLD = 4096
+"""Changes one trim deletes at most for their age (about 20 ms of the write lock, the two
+triggers included): after a burst of 100,000 they go over the next writes, not in one
+transaction of half a second that every other process's writes wait for. The caps are
+kept whatever this deletes."""
 PUT_MANY_KEYS = 250
 """Keys a `put_many` writes per transaction (a few milliseconds of the store thread)."""
 PUT_MANY_BYTES = 4 * 1024 * 1024
@@ -125,11 +130,11 @@ def append_many(
 
 def trim(conn: sqlite3.Connection, revision: int, now: float) -> None:
     """Trim the log to what it keeps at `revision` (see the module's docstring): changes older
-    than `RETAIN_SECONDS` beyond the last `RETAIN_CHANGES`, then the oldest past the caps.
-    Reads the rows it deletes and one more, never the log's whole length."""
+    than `RETAIN_SECONDS` beyond the last `RETAIN_CHANGES` (`TRIM_OLD` at most), then the
+    oldest past the caps. Reads the rows it deletes and one more, never the log's length."""
     (compacted,) = conn.execute("SELECT compact_revision FROM meta WHERE id = 0").fetchone()
     cut = compacted
-    floor = revision - RETAIN_CHANGES
+    floor = min(revision - RETAIN_CHANGES, compacted + TRIM_OLD)
     if floor > cut:
         # `at` never decreases with the revision: the old ones are a run from the start.
         young = conn.execute(
