@@ -14,6 +14,9 @@ Watches read the log every `POLL_INTERVAL`; a watch whose next revision was trim
   and values): past them the oldest changes go, young or not, and the file stays bounded
   whatever is written.
 
+Changes that come of age go `TRIM_OLD` per trim at most, so no write pays for deleting a
+whole burst at once.
+
 Each change row records when it was written (`at`, on the lease clock: the monotonic clock
 every process of the host shares, read under the write lock, so `at` never decreases with
 the revision; a row from another boot, ahead of this clock, counts as old). The bytes the
