@@ -48,9 +48,11 @@ RETAIN_SECONDS = 5.0
 """Seconds the log keeps each change (within the caps); a `put_many` waits rather than cut one
 younger."""
 MAX_LOG_CHANGES = 100_000
-"""Rows the log never exceeds (a hard cap): its oldest go first."""
+"""Rows the log holds at most, give or take the `TRIM_EVERY` written between two trims (a
+hard cap): its oldest go first."""
 MAX_LOG_BYTES = 64 * 1024 * 1024
-"""Bytes of keys and values the log never exceeds (a hard cap): its oldest go first."""
+"""Bytes of keys and values the log holds at most, give or take what is written between two
+trims (a hard cap): its oldest go first."""
 TRIM_EVERY = 64
 """The log is trimmed on every `TRIM_EVERY`-th revision."""
 TRIM_OLD = 4096
