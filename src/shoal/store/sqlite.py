@@ -974,8 +974,10 @@ class SQLiteStore(Store):
         revision = 0
         held = 0.0
         for batch in batches(checked):
-            if held:
-                await asyncio.sleep(held * (1 - PUT_MANY_SHARE) / PUT_MANY_SHARE)
+            if held:  # (a transaction that waited long for the lock: a poll's rest at most)
+                await asyncio.sleep(
+                    min(held, POLL_INTERVAL) * (1 - PUT_MANY_SHARE) / PUT_MANY_SHARE
+                )
             write = functools.partial(_put_many, items=batch, lease=lease)
             while True:
                 started = time.monotonic()
