@@ -45,7 +45,7 @@ from shoal.discovery import (
     Query,
     Removed,
 )
-from shoal.frontend.registry.freeze import FREEZE_WINDOW, freeze_while_loading
+from shoal.frontend.registry.freeze import FREEZE_WINDOW, freeze_bursts, freeze_while_loading
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.metrics import FrontendMetrics
 from shoal.frontend.registry.registrations import Registration, State
@@ -165,6 +165,9 @@ class ModelWatcher(FollowedScope):
         for query in self.queries:
             self._spawn(self._watch(query, after_listing=True), f"watch:{query.models_prefix}")
         self.snapshot_loaded.set()
+        if self.freeze_loading:
+            registry = self.registry
+            self._spawn(freeze_bursts(lambda: registry.version), "discovery:gc-freeze-bursts")
         log.info("discovery loaded: %s", self._progress_line())
 
     def progress(self) -> dict[str, int | None]:
