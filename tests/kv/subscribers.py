@@ -47,7 +47,12 @@ async def subscribed(publisher: KvEventPublisher, timeout: float = 10.0) -> None
     before): from then on, what it publishes reaches that subscriber while its queue has room."""
     sock = publisher._pub
     assert sock is not None and sock.type == zmq.XPUB, "start_seeing_subscribers first"
-    wanted = b"\x01" + publisher.topic
+    await subscription_reached(sock, publisher.topic, timeout)
+
+
+async def subscription_reached(sock: zmq.asyncio.Socket, topic: bytes, timeout: float) -> None:
+    """Until the XPUB `sock` hands over a subscription to `topic` (`XPUB_VERBOSE`: each one)."""
+    wanted = b"\x01" + topic
     deadline = time.monotonic() + timeout
     got: list[bytes] = []
     while True:
@@ -56,8 +61,8 @@ async def subscribed(publisher: KvEventPublisher, timeout: float = 10.0) -> None
             frame = await asyncio.wait_for(sock.recv(), max(left, 0.0))
         except TimeoutError:
             raise AssertionError(
-                f"no subscription to {publisher.topic!r} reached the publisher within "
-                f"{timeout}s (got: {got!r})"
+                f"no subscription to {topic!r} reached the publisher within {timeout}s "
+                f"(got: {got!r})"
             ) from None
         if frame == wanted:
             return
