@@ -48,6 +48,18 @@ async def wait_for(
         await asyncio.sleep(interval)
 
 
+async def turns_until(condition: Callable[[], Any], most: int = 10_000) -> int:
+    """Let the event loop turn, one turn at a time, until `condition()` holds; fail after
+    `most` turns. For a state that lasts a turn or two (a task between two slices of its
+    work), which a poll every few milliseconds would miss, and that a count of turns taken
+    on trust would miss when the task takes one more step to get there. Returns the turns."""
+    for turns in range(most + 1):
+        if condition():
+            return turns
+        await asyncio.sleep(0)  # (one turn of the loop: the unit counted here)
+    raise AssertionError(f"condition not met within {most} turns of the loop: {condition}")
+
+
 async def timers_due_within(seconds: float) -> None:
     """Return once every timer of the running loop due within `seconds` from now has run.
 
