@@ -407,11 +407,13 @@ class HeldFetches(MetadataCache):
         super().__init__(directory)
         self.release = asyncio.Event()
         self.fetched: set[str] = set()
+        self.waiting = 0  # fetches waiting for `release`
 
     def has(self, file: MetadataFile) -> bool:
         return file.checksum in self.fetched
 
     async def fetch(self, card: ModelCard) -> None:
+        self.waiting += 1
         await self.release.wait()
         self.fetched.update(f.checksum for f in card.metadata_files.values())
 
@@ -436,7 +438,7 @@ async def test_two_thousand_fetches_ending_at_once_join_their_cards_in_slices(
         info = InstanceInfo("default", "backend", "generate", 0x100 + i, f"{url}/v1", url)
         watcher.handle(Added(ModelInstance(ModelKey(endpoint, 0x100 + i), card, info)))
     assert watcher.fetching == models and len(watcher.registry) == 0
-    await asyncio.sleep(0)  # (every fetch waits)
+    await wait_for(lambda: cache.waiting == models, message="every fetch waits")
     joined = LoopTurns().wrap(watcher.registry, "join")
     cache.release.set()
     try:

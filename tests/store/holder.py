@@ -25,6 +25,7 @@ async def main(url: str, action: str, *args: str) -> None:
         await asyncio.Event().wait()
     elif action == "create":
         key, value, start_at = args[0], args[1], float(args[2])
+        # every contender starts at `start_at`: the race under test
         await asyncio.sleep(max(0.0, start_at - time.time()))
         won = await store.create(key, value.encode())
         print("won" if won else "lost", flush=True)
