@@ -94,10 +94,13 @@ def framing_too_large(limits: Limits) -> ApiError:
     )
 
 
-def without_upgrade(method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+def without_upgrade(
+    method: bytes, url: bytes, headers: list[tuple[bytes, bytes]], version: str = "1.1"
+) -> bytes:
     """A request head asking for an `Upgrade`, again without it: the server ignores it (RFC
-    9110 §7.8 allows it) and a fresh parser reads the request as HTTP/1.1."""
-    lines = [method, b" ", url, b" HTTP/1.1\r\n"]
+    9110 §7.8 allows it) and a fresh parser reads the request, in its own HTTP `version` (an
+    HTTP/1.0 client read as HTTP/1.1 got chunks, and its connection kept alive)."""
+    lines = [method, b" ", url, b" HTTP/1.0\r\n" if version == "1.0" else b" HTTP/1.1\r\n"]
     for name, value in headers:
         if name != b"upgrade":
             lines += (name, b": ", value, b"\r\n")
