@@ -60,7 +60,10 @@ class HttpServer:
         self, host: str, port: int, tls: ssl.SSLContext | None = None, *, reuse_port: bool = False
     ) -> None:
         """Listen on `host:port`; over TLS (HTTPS) when given a server context; with
-        `reuse_port`, beside the other processes listening there (`SO_REUSEPORT`)."""
+        `reuse_port`, beside the other processes listening there (`SO_REUSEPORT`). A TLS
+        handshake has `header_timeout` (a connection is one of `connections`, and its head
+        timed, once its handshake is done: asyncio's own 60 s let sockets that never finish
+        one outlive any head)."""
         self._server = await self.loop.create_server(
             lambda: HttpConnection(self),
             host,
@@ -69,6 +72,7 @@ class HttpServer:
             reuse_address=True,
             reuse_port=reuse_port or None,
             ssl=tls,
+            ssl_handshake_timeout=(self.header_timeout or None) if tls is not None else None,
         )
         self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
 
