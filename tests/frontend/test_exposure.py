@@ -5,7 +5,6 @@ allowed, and a dashboard session is a random id that expires and ends at log out
 from __future__ import annotations
 
 import asyncio
-
 import json
 import ssl
 from pathlib import Path
