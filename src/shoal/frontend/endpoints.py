@@ -212,6 +212,24 @@ class Endpoints:
             conn.extra_headers = self.cors.response_headers(origin)
         return False
 
+    def check_head(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> ApiError | None:
+        """The 401 a request to a proxied route gets, told from its head alone (the server
+        asks before it reads the body: buffering `max_body` for anyone cost 16 MiB a
+        connection), with the CORS lines an allowed page needs to read it; None: go on."""
+        if method != b"POST" or target.partition(b"?")[0] not in PROXY_ROUTES:
+            return None
+        request = Request(method, target, headers, b"", keep_alive=False, http11=True)
+        try:
+            self._authorize(request)
+        except ApiError as exc:
+            origin = request.header(b"origin")
+            if self.cors is not None and origin is not None and self.cors.allows(origin):
+                exc.headers += _cors_lines(self.cors.response_headers(origin))
+            return exc
+        return None
+
     def _authorize(self, request: Request) -> Grant | None:
         """The key's grant with `--auth keys` (None for an `--api-key`); 401 if refused."""
         if self.keys is not None:
@@ -477,6 +495,12 @@ _CONTROL_PATHS = frozenset(
     {b"/live", b"/ready", b"/health", b"/health/controllers", b"/metrics"}
     | {b"/v1/membership", b"/v1/membership/status"}
 )
+
+
+def _cors_lines(lines: bytes) -> tuple[tuple[bytes, bytes], ...]:
+    """Encoded header lines (`Cors.response_headers`) as (name, value) pairs."""
+    pairs = (line.partition(b": ") for line in lines.split(b"\r\n") if line)
+    return tuple((name, value) for name, _, value in pairs)
 
 
 def _health_model(model: Model) -> dict[str, Any]:

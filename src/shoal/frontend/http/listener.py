@@ -14,6 +14,7 @@ import contextlib
 import ssl
 import time
 
+from shoal.frontend.http.head import HeadCheck
 from shoal.frontend.http.server import Handler, HttpConnection
 
 TURN_SECONDS = 0.005  # a sweep's slice: then the loop turns (as `proxy.deadlines`)
@@ -40,8 +41,10 @@ class HttpServer:
         max_header_size: int = 64 * 1024,
         max_headers: int = 100,
         max_connections: int = 10_000,
+        head_check: HeadCheck | None = None,
     ) -> None:
         self.handler = handler
+        self.head_check = head_check  # the handler's verdict on a head, before its body
         self.max_body = max_body
         self.keepalive_timeout = keepalive_timeout
         self.header_timeout = header_timeout

@@ -470,8 +470,8 @@ class HttpConnection(asyncio.Protocol):
         self._linger_left = max(LINGER_BYTES, 2 * self.server.max_body)
         self.pending.clear()  # (when the response cut the connection short)
         error, self._final = self._final, None
-        if error is not None:
-            transport.write(encode_response(error.status, error.body(), keep_alive=False))
+        if error is not None:  # (its header lines too: a refused head's CORS lines)
+            transport.write(encode_response(error.status, error.body(), headers=error.headers, keep_alive=False))  # fmt: skip
         self._update_reading()
         if transport.can_write_eof():
             try:
