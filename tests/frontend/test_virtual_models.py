@@ -604,6 +604,48 @@ async def test_credentials_in_a_url_target_of_the_wrong_form_reach_neither_healt
     assert "hunter2" not in caplog.text
 
 
+LOOSE_CREDENTIALS = [
+    "http:/svc:hunter2@api.example.com/v1",  # one slash
+    "http:svc:hunter2@api.example.com/v1",  # none
+    "http:///svc:hunter2@api.example.com/v1",  # three
+    "http:\\\\svc:hunter2@api.example.com/v1",  # backslashes
+    "//svc:hunter2@api.example.com/v1",  # no scheme
+    "https://svc:hun/ter2@api.example.com/v1",  # a password's "/" not percent-encoded
+    "https://svc:hun?ter2@api.example.com/v1",  # its "?"
+    "https://svc:hun#ter2@api.example.com/v1",  # its "#"
+]
+
+
+async def test_credentials_in_a_url_no_parser_reads_as_such_reach_neither_health_nor_logs(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`redact_url` hid credentials only after `scheme://` and before the first `/`: a URL
+    with one slash, none, three, backslashes or no scheme (each refused: no host), or a
+    password holding a raw `/`, `?` or `#` (which ends the authority early), was shown with
+    its password in the target's error (`/health`) and the log."""
+    from shoal.urls import redact_url
+
+    for url in LOOSE_CREDENTIALS:
+        assert "hunter2" not in redact_url(url) and "ter2" not in redact_url(url), url
+    assert redact_url("http://h:8080/v1/@team") == "http://h:8080/v1/@team"
+    table = RouteTable(Registry())
+    watcher = RouteWatcher(store, table)
+    await watcher.start()
+    try:
+        for n, url in enumerate(LOOSE_CREDENTIALS):
+            await publish_route(store, route(f"loose{n}", UrlTarget(base_url=url, model="m")))
+        names = {f"loose{n}" for n in range(len(LOOSE_CREDENTIALS))}
+        await wait_for(
+            lambda: names <= set(table.models) | {k.rpartition("/")[2] for k in table.skipped}
+        )
+        shown = json.dumps([table.describe(), table.skipped])
+        assert "hunter2" not in shown and "ter2" not in shown, shown
+        assert "hunter2" not in caplog.text and "ter2" not in caplog.text
+    finally:
+        await watcher.stop()
+        table.close()
+
+
 async def test_a_base_url_with_a_query_is_refused_and_its_query_never_shown(
     store: Store,
     start_worker: StartWorker,
