@@ -227,7 +227,7 @@ class Endpoints:
             origin = request.header(b"origin")
             if self.cors is not None and origin is not None and self.cors.allows(origin):
                 exc.headers += _cors_lines(self.cors.response_headers(origin))
-            return exc
+            return exc.with_traceback(None)  # (its frames hold the request, and it: a cycle)
         return None
 
     def _authorize(self, request: Request) -> Grant | None:
