@@ -929,3 +929,31 @@ async def test_a_models_listing_of_many_virtual_models_is_made_a_slice_per_turn_
     if (frontend.registry.version, frontend.routes.version) == versions:  # (nothing moved)
         assert sum(made.per_turn.values()) == count  # (one listing made for the three callers)
     assert made.most_per_turn <= endpoints.LISTING_SLICE, made.most_per_turn
+
+
+async def test_a_models_listing_that_failed_is_made_anew_by_the_next_caller(
+    start_worker: StartWorker, start_frontend: StartFrontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listing is made once for every caller of a version: one that failed (a bug) must
+    not answer every later caller of that version with its error."""
+    from shoal.frontend import endpoints
+
+    await start_worker("mock-llm")
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend))
+    real = endpoints.Endpoints._model_object
+    failures = [1]
+
+    def failing_once(self: endpoints.Endpoints, model: Any) -> dict[str, Any]:
+        if failures:
+            failures.pop()
+            raise RuntimeError("a bug")
+        return real(self, model)
+
+    monkeypatch.setattr(endpoints.Endpoints, "_model_object", failing_once)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{frontend.url}/v1/models") as first:
+            assert first.status == 503
+        async with session.get(f"{frontend.url}/v1/models") as second:
+            assert second.status == 200
+            assert [m["id"] for m in (await second.json())["data"]] == ["mock-llm"]

@@ -362,8 +362,8 @@ class Endpoints:
     async def _listing_later(self, version: tuple[int, int], grant: Grant | None) -> bytes:
         """The `/v1/models` body for `grant`, once the listing of `version` is made (one for
         every caller meanwhile: a caller that leaves does not stop it)."""
-        making = self._listing
-        if making is None or making[0] != version:
+        making = self._listing  # (one that failed is made anew, not awaited again)
+        if making is None or making[0] != version or _failed(making[1]):
             making = self._listing = (version, asyncio.ensure_future(self._make_listing(version)))
         return models_for(await asyncio.shield(making[1]), grant)
 
@@ -514,6 +514,10 @@ _CONTROL_PATHS = frozenset(
     {b"/live", b"/ready", b"/health", b"/health/controllers", b"/metrics"}
     | {b"/v1/membership", b"/v1/membership/status"}
 )
+
+
+def _failed(future: asyncio.Future[Any]) -> bool:
+    return future.done() and (future.cancelled() or future.exception() is not None)
 
 
 def _cors_lines(lines: bytes) -> tuple[tuple[bytes, bytes], ...]:
