@@ -20,8 +20,10 @@ from tests.helpers import wait_for
 BODY = json.dumps({"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
-def head(authorization: bytes | None, length: int, *extra: bytes) -> bytes:
-    lines = [b"POST /v1/chat/completions HTTP/1.1", b"Host: t", *extra]
+def head(
+    authorization: bytes | None, length: int, *extra: bytes, target: bytes = b"/v1/chat/completions"
+) -> bytes:
+    lines = [b"POST " + target + b" HTTP/1.1", b"Host: t", *extra]
     if authorization is not None:
         lines.append(b"Authorization: " + authorization)
     lines.append(b"Content-Length: %d" % length)
@@ -60,6 +62,8 @@ async def test_a_request_without_a_valid_key_is_401_before_its_body_is_read(
     await wait_for(lambda: serving(frontend), message="served")
     received = await answer_to_head_alone(frontend.port, head(authorization, 8 << 20))
     assert received.startswith(b"HTTP/1.1 401 ")
+    absolute = head(authorization, 8 << 20, target=b"http://gateway/v1/chat/completions")
+    assert (await answer_to_head_alone(frontend.port, absolute)).startswith(b"HTTP/1.1 401 ")
     assert b"connection: close" in received.partition(b"\r\n\r\n")[0]
     assert error_of(received)["code"] == "invalid_api_key"
     assert worker.requests == 0

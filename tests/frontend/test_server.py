@@ -292,6 +292,24 @@ async def test_an_http10_request_asking_for_an_upgrade_stays_an_http10_request(
     assert payload.rstrip().endswith(b"data: [DONE]")
 
 
+async def test_a_request_target_in_absolute_form_is_served_as_its_path(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """RFC 9112 §3.2.2: a server MUST accept the absolute-form (`POST http://host/v1/...`),
+    which a client sends through a proxy, or to a gateway it takes for one. It was answered
+    404 `Unknown path 'http://host/v1/chat/completions'`."""
+    worker, frontend = await served(start_worker, start_frontend)
+    absolute = (
+        b"POST http://gateway.example:8000/v1/chat/completions?x=1 HTTP/1.1\r\nHost: t\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+    )
+    live = b"GET HTTP://gateway.example/live HTTP/1.1\r\nHost: t\r\n\r\n"
+    received = await raw_exchange(frontend.port, absolute + live, responses=2)
+    assert count_responses(received) == 2
+    assert received.startswith(b"HTTP/1.1 200 OK") and worker.bodies == [BODY]
+    assert received.endswith(b'{"status":"ok"}')
+
+
 async def test_complete_request_before_garbage_is_answered_then_400_then_close(
     start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:

@@ -220,9 +220,11 @@ class Endpoints:
         """The 401 a request to a proxied route gets, told from its head alone (the server
         asks before it reads the body: buffering `max_body` for anyone cost 16 MiB a
         connection), with the CORS lines an allowed page needs to read it; None: go on."""
-        if method != b"POST" or target.partition(b"?")[0] not in PROXY_ROUTES:
+        if method != b"POST":
             return None
         request = Request(method, target, headers, b"", keep_alive=False, http11=True)
+        if request.path not in PROXY_ROUTES:  # (its path: an absolute-form target's too)
+            return None
         try:
             self._authorize(request)
         except ApiError as exc:
