@@ -65,6 +65,9 @@ class Client:
                 data = await self.reader.read(65536)
                 assert data, f"the connection closed: {received!r}"
                 received += data
+        if b"\r\nconnection: close\r\n" in received.partition(b"\r\n\r\n")[0] + b"\r\n":
+            self.close()  # (a request refused on its head: its body unread, the connection ends)
+            self.writer = None
         return int(received[9:12])
 
     async def leave_mid_stream(self, body: Any) -> None:
