@@ -229,6 +229,8 @@ class Frontend(Endpoints):
             follow_membership=self._membership_factory is not None,
             freeze_loading=config.freeze_loading,
         )
+        routes = self.routes
+        self.watcher.other_changes.append(lambda: routes.version)
         store = self.watcher.store
         self.metrics.watch_store(lambda: store.unreachable_since)
         self.server = HttpServer(

@@ -134,6 +134,9 @@ class ModelWatcher(FollowedScope):
         self.on_store_back: Callable[[], None] = _nothing  # a store watch has it back
         self.versions: Versions[SetId, ModelKey] = Versions()  # every card, joined or not
         self.join_lines = JoinLines()
+        # Counts of other changes (the route table's) whose bursts are frozen out of the
+        # collector with the registry's (`freeze_bursts`).
+        self.other_changes: list[Callable[[], int]] = []
         self._refused: dict[SetId, dict[ModelKey, Registration]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -167,8 +170,12 @@ class ModelWatcher(FollowedScope):
             self._spawn(self._watch(query, after_listing=True), f"watch:{query.models_prefix}")
         self.snapshot_loaded.set()
         if self.freeze_loading:
-            registry = self.registry
-            self._spawn(freeze_bursts(lambda: registry.version), "discovery:gc-freeze-bursts")
+            registry, others = self.registry, self.other_changes
+
+            def changes() -> int:
+                return registry.version + sum(count() for count in others)
+
+            self._spawn(freeze_bursts(changes), "discovery:gc-freeze-bursts")
         log.info("discovery loaded: %s", self._progress_line())
 
     def progress(self) -> dict[str, int | None]:
