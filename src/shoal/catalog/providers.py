@@ -15,8 +15,11 @@ For each provider, its failure isolated from the others:
 A provider whose listing fails, or that serves more than `SERVED_MODELS_BYTES` of
 `served_models` (its PATCH would be over the API's body bound), is marked ERROR with the
 reason and keeps its persisted `served_models`
-(cleanup below uses them); its links are left as they are. Links to providers of this
-workspace that no longer exist are removed. The cache is flushed in a `finally`.
+(cleanup below uses them); its links are left as they are. A provider whose row cannot be
+read is left as it is, and so is all it serves: its entities are unjudged
+(`unreadable_entities`), so their links, passthrough virtual models and routes stay (once,
+they were deleted). Links to providers of this workspace that no longer exist are removed.
+The cache is flushed in a `finally`.
 
 Then, if the virtual-model listing succeeded: a passthrough virtual model (autoprovisioned)
 for each served name no virtual model holds (a user-managed one is never touched), and the
@@ -232,7 +235,12 @@ class ProvidersPhase:
         finally:
             await cache.flush()
         result.entities = {name: e for name in cache.names() if (e := cache.peek(name))}
-        result.unreadable_entities = set(cache.unreadable)
+        # An entity served by a provider whose row cannot be read is not judged either: what
+        # that provider serves is unknown, so its routes and passthroughs stay as they are.
+        result.unreadable_entities = set(cache.unreadable) | {
+            name for name, entity in result.entities.items()
+            if not result.unreadable.isdisjoint(entity.providers)
+        }  # fmt: skip
         if virtual_models is not None:
             await self._passthrough(workspace, result)
             await self._cleanup(workspace, result)
@@ -421,8 +429,9 @@ class ProvidersPhase:
         """Delete autoprovisioned virtual models whose entity nobody serves any more."""
         assert result.virtual_models is not None
         kept: list[VirtualModel] = []
+        served, unjudged = result.served, result.unreadable_entities
         for vm in result.virtual_models:
-            if not vm.autoprovisioned or vm.default_model in result.served:
+            if not vm.autoprovisioned or vm.default_model in served or vm.default_model in unjudged:
                 kept.append(vm)
                 continue
             try:
