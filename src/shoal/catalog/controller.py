@@ -15,9 +15,9 @@
                            on its own (a failure is that virtual model's status_message)
 
 Leadership is checked again (`in_force`, a clock read) before each workspace's keys, before
-each of its phases, and before grants and routes are published: a replica whose leadership
-lapsed mid-pass stops the pass (`LeadershipLost`) instead of publishing from its listings
-while another leads.
+each of its phases, and before grants and routes are published, then every slice of them and
+before each delete: a replica whose leadership lapsed mid-pass stops the pass
+(`LeadershipLost`) instead of publishing from its listings while another leads.
 
 Failures are isolated to what they come from: a row the client cannot read is left out of
 its listing and left as it is; a deployment that cannot start is ERROR; a provider that
@@ -176,8 +176,9 @@ class ModelsController(Controller, HeartbeatMixin):
         async def gone(name: str) -> bool:
             return await self._virtual_model_gone(workspace, name)
 
-        self._in_force()
-        published = await publish(self.store, workspace, routes, gone, beat=self.emit_heartbeat)
+        published = await publish(
+            self.store, workspace, routes, gone, beat=self.emit_heartbeat, guard=self._in_force
+        )
         report.routes_written += published.written
         report.routes_deleted += published.deleted
         await self._route_statuses(workspace, result.virtual_models, published.failed)

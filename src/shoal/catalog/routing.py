@@ -123,17 +123,23 @@ async def publish(
     gone: Callable[[str], Awaitable[bool]],
     *,
     beat: Callable[[], None] = _nothing,
+    guard: Callable[[], None] = _nothing,
 ) -> Published:
     """Make the store hold `routes` for `workspace`, and no route of a virtual model that
     `gone(name)` confirms is gone; one route's failure is in `failed`, not raised. The loop
-    runs (`pause(beat)`) every `SLICE` routes compared, written or not."""
+    runs (`pause(beat)`) every `SLICE` routes compared, written or not. `guard` (the
+    controller's leadership check, which raises to stop) is called before the first write,
+    every `SLICE` routes and before each delete: 10,000 writes, or deletes each after a read
+    of the catalog, outlast a leader's TTL."""
     held = await store.get_prefix(routes_prefix(workspace))
     held_values = {kv.key: kv.value for kv in held.items}
     done = Published()
     wanted: set[str] = set()  # (each route's key made once, in the slices: 10,000 at once
+    guard()
     for count, route in enumerate(routes, 1):  # held the loop ~100 ms)
         if count % SLICE == 0:
             await pause(beat)
+            guard()
         try:
             key = route.key
             wanted.add(key)
@@ -149,6 +155,7 @@ async def publish(
             done.failed[route.name] = f"route not published: {exc}"
             log.warning("route %s/%s not published: %s", workspace, route.name, exc)
     for key in sorted(held_values.keys() - wanted):
+        guard()
         try:
             _, name = parse_route_key(key)
         except RouteError:  # not a route key: not ours to judge, but in our prefix all the same
@@ -156,6 +163,7 @@ async def publish(
             done.deleted += 1
             continue
         if await gone(name):
+            guard()  # (the read took its time)
             await delete_route(store, workspace, name)
             done.deleted += 1
     return done
