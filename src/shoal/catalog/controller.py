@@ -113,12 +113,12 @@ class ModelsController(Controller, HeartbeatMixin):
             self.calls, UrlLister(session, provider_timeout), FleetLister(Discovery(store)),
             timeout=provider_timeout,
         )  # fmt: skip
-        self.keys = KeysPhase(self.calls, store)
+        self.keys = KeysPhase(self.calls, store, self.waiting_on)
         self.last: PassReport | None = None
         self.passes = 0
 
     async def step(self) -> None:
-        if self.leadership is not None and not await self.leadership.hold():
+        if self.leadership is not None and not await self._hold():
             await stop_local_work(self.backend, self.emit_heartbeat)  # nothing runs here
             return  # another replica leads, or this one waits out the last leader's lease
         self.emit_heartbeat()
@@ -147,6 +147,12 @@ class ModelsController(Controller, HeartbeatMixin):
             raise PassError(f"{len(failed)} workspace(s) failed: " + "; ".join(
                 f"{workspace}: {why}" for workspace, why in sorted(failed.items())
             ))  # fmt: skip
+
+    async def _hold(self) -> bool:
+        """`Leadership.hold`, its store calls a wait on the store every replica shares."""
+        assert self.leadership is not None
+        with self.waiting_on("the store"):
+            return await self.leadership.hold()
 
     def _in_force(self) -> None:
         """`LeadershipLost` unless this replica's leadership is in force (a clock read)."""
@@ -177,8 +183,9 @@ class ModelsController(Controller, HeartbeatMixin):
             return await self._virtual_model_gone(workspace, name)
 
         published = await publish(
-            self.store, workspace, routes, gone, beat=self.emit_heartbeat, guard=self._in_force
-        )
+            self.store, workspace, routes, gone, beat=self.emit_heartbeat, guard=self._in_force,
+            waiting_on=self.waiting_on,
+        )  # fmt: skip
         report.routes_written += published.written
         report.routes_deleted += published.deleted
         await self._route_statuses(workspace, result.virtual_models, published.failed)
