@@ -356,3 +356,31 @@ async def test_a_failing_workspace_does_not_stop_the_others_nor_fail_the_pass(
         client.fail = lambda call: call.startswith("GET /v1/workspaces/") and "/providers" in call
         with pytest.raises(PassError, match="2 workspace"):  # every workspace failed: it fails
             await ctl.step()
+
+
+async def test_fleet_providers_of_one_namespace_cost_one_discovery_listing_per_pass(
+    catalog: CatalogServer,
+) -> None:
+    """40 fleet providers (a deployment each) in one namespace, listed 16 at once: each of
+    the first 16 listed the whole namespace before any had cached it (16 listings of every
+    card of the fleet per pass, for one). Concurrent listings of a namespace share one."""
+    async with controller_on(catalog.url, workspaces=[WS]) as (ctl, client, store):
+        await announce(store, "prod", "m", 1)
+        for i in range(40):
+            await client.create(PROVIDERS, {"name": f"f{i:02d}", "type": "fleet",
+                                            "namespace": "prod"})  # fmt: skip
+        discovery = ctl.providers.fleet.discovery
+        listings: list[str] = []
+        real_list = discovery.list
+
+        async def listing(query: object) -> object:
+            listings.append(str(query))
+            await asyncio.sleep(0.01)  # a listing takes its time (a turn is not enough)
+            return await real_list(query)  # type: ignore[arg-type]
+
+        discovery.list = listing  # type: ignore[method-assign]
+        await ctl.step()
+        assert len(listings) == 1, listings
+        assert {p.status for p in await client.list_all(PROVIDERS)} == {"READY"}
+        await ctl.step()
+        assert len(listings) == 2

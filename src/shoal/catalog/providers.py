@@ -181,21 +181,36 @@ async def listed_ids(raw: bytes, url: str) -> list[str]:
 
 
 class FleetLister:
-    """The model names announced in a discovery namespace: one listing per namespace per pass."""
+    """The model names announced in a discovery namespace: one listing per namespace per pass,
+    shared by the providers listed meanwhile (16 at once each listed the whole namespace when
+    the cache was filled only once a listing had ended)."""
 
     def __init__(self, discovery: Discovery) -> None:
         self.discovery = discovery
-        self._listed: dict[str, list[str]] = {}
+        self._listed: dict[str, asyncio.Future[list[str]]] = {}
 
     def new_pass(self) -> None:
+        for listing in self._listed.values():
+            listing.cancel()  # (one still running: its callers all timed out)
         self._listed = {}
 
     async def __call__(self, provider: Provider) -> list[str]:
         namespace = provider.namespace or "default"
-        if namespace not in self._listed:
-            models = await self.discovery.list(Query(namespace))
-            self._listed[namespace] = sorted({m.card.display_name for m in models})
-        return self._listed[namespace]
+        listing = self._listed.get(namespace)
+        if listing is None:
+            listing = self._listed[namespace] = asyncio.ensure_future(self._list(namespace))
+            listing.add_done_callback(_retrieved)
+        return await asyncio.shield(listing)  # a caller's timeout is not the others'
+
+    async def _list(self, namespace: str) -> list[str]:
+        models = await self.discovery.list(Query(namespace))
+        return sorted({m.card.display_name for m in models})
+
+
+def _retrieved(listing: asyncio.Future[list[str]]) -> None:
+    """Its failure is read by its callers, or by nobody (they all timed out): not logged."""
+    if not listing.cancelled():
+        listing.exception()
 
 
 class ProvidersPhase:
