@@ -46,6 +46,7 @@ import aiohttp
 from shoal.catalog.backends import STOP_TIMEOUT, Backend, LocalBackend
 from shoal.catalog.calls import Calls
 from shoal.catalog.client import CatalogClient
+from shoal.catalog.collector import PassCollections
 from shoal.catalog.deployments import DeploymentsPhase
 from shoal.catalog.errors import CatalogError, NotFoundError
 from shoal.catalog.grants import KeysPhase
@@ -102,6 +103,7 @@ class ModelsController(Controller, HeartbeatMixin):
         workspaces: list[str] | None = None,
         deployment_ttl: float = 3600.0,
         provider_timeout: float = 10.0,
+        collections: PassCollections | None = None,
     ) -> None:
         self.calls = Calls(client, self.emit_heartbeat)
         self.store = store
@@ -114,6 +116,7 @@ class ModelsController(Controller, HeartbeatMixin):
             timeout=provider_timeout,
         )  # fmt: skip
         self.keys = KeysPhase(self.calls, store, self.waiting_on)
+        self.collections = collections  # full collections kept out of the passes
         self.last: PassReport | None = None
         self.passes = 0
 
@@ -121,6 +124,15 @@ class ModelsController(Controller, HeartbeatMixin):
         if self.leadership is not None and not await self._hold():
             await stop_local_work(self.backend, self.emit_heartbeat)  # nothing runs here
             return  # another replica leads, or this one waits out the last leader's lease
+        if self.collections is None:
+            await self._pass()
+            return
+        with self.collections.deferred():
+            await self._pass()
+        # (not after a failed pass: its traceback holds the listings; the next one collects)
+        self.collections.after_pass()
+
+    async def _pass(self) -> None:
         self.emit_heartbeat()
         report = PassReport()
         started, calls = time.monotonic(), self.calls.requests
@@ -255,6 +267,9 @@ class ControllerConfig:
     deployment_ttl: float = 3600.0
     leader_ttl: float = 10.0
     provider_timeout: float = 10.0  # at most; kept below the loop's max_silence (3 intervals)
+    # Full garbage collections kept out of the passes (`shoal.catalog.collector`): process-wide
+    # settings of the collector, which `shoal catalog serve` makes.
+    defer_full_collections: bool = False
 
 
 class ModelsControllerService:
@@ -284,6 +299,7 @@ class ModelsControllerService:
             self.client, self.store, self.backend, self.session,
             leadership=self.leadership, deployment_ttl=config.deployment_ttl,
             provider_timeout=min(config.provider_timeout, 2 * config.interval),
+            collections=PassCollections() if config.defer_full_collections else None,
         )  # fmt: skip
         self.manager.register(Loop(self.controller, interval=config.interval, name=ROLE))
         fence, every = Fence(self.leadership, self.backend), min(config.leader_ttl / 4, 1.0)
