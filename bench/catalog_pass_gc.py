@@ -92,9 +92,9 @@ async def main(models: int, passes: int, off: bool) -> None:
     for during, ms in full:
         if ms > 20:
             print(f"full collection {'during a pass' if during else 'after a pass'}: {ms:.0f} ms")
-    during = [ms for d, ms in full if d]
-    print(f"{'off' if off else 'on'}: {len(full)} full collections, {len(during)} during passes "
-          f"(longest {max(during, default=0):.0f} ms); after: "
+    in_passes = [ms for d, ms in full if d]
+    print(f"{'off' if off else 'on'}: {len(full)} full collections, {len(in_passes)} during passes "
+          f"(longest {max(in_passes, default=0):.0f} ms); after: "
           f"{[round(ms) for d, ms in full if not d]} ms")  # fmt: skip
 
 
