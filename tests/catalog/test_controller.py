@@ -16,6 +16,7 @@ from tests.catalog.controller_fixtures import (
     FakeBackend,
     announce,
     controller_on,
+    insert_rows,
     openai_servers,
     seed_converged,
 )
@@ -384,3 +385,27 @@ async def test_fleet_providers_of_one_namespace_cost_one_discovery_listing_per_p
         assert {p.status for p in await client.list_all(PROVIDERS)} == {"READY"}
         await ctl.step()
         assert len(listings) == 2
+
+
+async def test_a_deployment_whose_status_no_listing_names_keeps_its_workers_and_provider(
+    catalog: CatalogServer, database_url: str
+) -> None:
+    """Deployments were listed once per known status (filter=status=...): a row whose status
+    none names (a newer catalog's `PAUSED`) was in no listing, not even as unreadable, so its
+    workers were stopped and its provider deleted as if the row were gone (and a row whose
+    status changed between two of the six listings was missed the same way). One listing of
+    every deployment: such a row is unreadable, left as it is."""
+    backend = FakeBackend()
+    await insert_rows(database_url, DEPLOYMENTS, WS, [
+        {"name": "odd", "model": "m", "engine": "mocker", "replicas": 1, "status": "PAUSED"},
+    ])  # fmt: skip
+    async with controller_on(catalog.url, workspaces=[WS], backend=backend) as (ctl, client, _):
+        backend.runs.add((WS, "odd"))  # its workers, started while it was READY
+        await client.create(PROVIDERS, {"name": "deployment-odd", "type": "fleet",
+                                        "autoprovisioned": True})  # fmt: skip
+        await client.create(DEPLOYMENTS, {"name": "d", "model": "m", "engine": "mocker"})
+        await ctl.step()
+        assert ctl.last is not None and ctl.last.failed == {}
+        assert (await client.get(DEPLOYMENTS, "d")).status == "PENDING"  # the others go on
+        assert (WS, "odd") in backend.runs and "odd" not in backend.stopped
+        assert [p.name for p in await client.list_all(PROVIDERS)] == ["deployment-odd"]
