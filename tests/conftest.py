@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+import uvloop
 
 # tests/ is importable as a package for the shared helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -12,6 +14,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.etcd_server import EtcdServer
 from tests.nats_server import NatsServer
 from tests.processes import Processes
+
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,  # as `shoal frontend` and `shoal worker` run
+}
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, object]:
+    """The standard library's loop for every async test, unless it asks for others by name
+    (`@pytest.mark.asyncio(loop_factories=["uvloop"])`): those run once on each."""
+    marker = item.get_closest_marker("asyncio")
+    if marker is not None and marker.kwargs.get("loop_factories"):
+        return LOOPS
+    return {"asyncio": asyncio.new_event_loop}
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
-"""Shared test helpers: waiting on conditions with a deadline, free ports, serving an aiohttp
-app on one, collecting what an async stream yields, and counting the work done per turn of
-the event loop (`LoopTurns`: how long a turn holds the loop, counted, not timed)."""
+"""Shared test helpers: waiting on conditions with a deadline (and for the timers due within
+a while, to see that something did not happen), free ports, serving an aiohttp app on one,
+collecting what an async stream yields, and counting the work done per turn of the event
+loop (`LoopTurns`: how long a turn holds the loop, counted, not timed)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,39 @@ async def wait_for(
                 f"condition not met within {timeout}s: {message or condition} (last: {last!r})"
             )
         await asyncio.sleep(interval)
+
+
+async def turns_until(condition: Callable[[], Any], most: int = 10_000) -> int:
+    """Let the event loop turn, one turn at a time, until `condition()` holds; fail after
+    `most` turns. For a state that lasts a turn or two (a task between two slices of its
+    work), which a poll every few milliseconds would miss, and that a count of turns taken
+    on trust would miss when the task takes one more step to get there. Returns the turns."""
+    for turns in range(most + 1):
+        if condition():
+            return turns
+        await asyncio.sleep(0)  # (one turn of the loop: the unit counted here)
+    raise AssertionError(f"condition not met within {most} turns of the loop: {condition}")
+
+
+async def timers_due_within(seconds: float) -> None:
+    """Return once every timer of the running loop due within `seconds` from now has run.
+
+    For a check that something a timer would do did NOT happen: a timer of ours, due after
+    them, runs after them, as the loop runs its due timers in order of time however late it
+    runs (on a loaded machine too), so the wait is as strong as it can be and as short as the
+    period of the timer in question, not a guessed while."""
+    loop = asyncio.get_running_loop()
+    marker: asyncio.Future[None] = loop.create_future()
+    handle = loop.call_at(loop.time() + seconds, _set_unless_done, marker)
+    try:
+        await marker
+    finally:
+        handle.cancel()
+
+
+def _set_unless_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 # Below Linux's ephemeral range (32768-60999): a port the system hands out for a bind to 0

@@ -30,7 +30,7 @@ def stand_in(*lines: str, on_sigterm: str = "lambda *_: sys.exit(0)") -> tuple[s
         f"signal.signal(signal.SIGTERM, {on_sigterm})\n"
         f"for line in {list(lines)!r}:\n"
         "    print(line, flush=True)\n"
-        "while True:\n"
+        "while True:\n"  # (serving: until signalled)
         "    time.sleep(1)\n"
     )
     return (sys.executable, "-c", script)

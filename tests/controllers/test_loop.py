@@ -304,7 +304,7 @@ class Timed(Controller):
 
     async def step(self) -> None:
         start = time.monotonic()
-        await asyncio.sleep(self.duration)
+        await asyncio.sleep(self.duration)  # the step's length, under test
         self.spans.append((start, time.monotonic()))
 
 

@@ -640,7 +640,7 @@ async def test_many_streams_started_at_once_list_with_bounded_concurrency() -> N
             in_flight[0] += 1
             in_flight[1] = max(in_flight[1], in_flight[0])
             try:
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.002)  # a slow store: listings overlap
                 return await inner.get_prefixes(prefixes, on_answer=on_answer)
             finally:
                 in_flight[0] -= 1
@@ -649,9 +649,10 @@ async def test_many_streams_started_at_once_list_with_bounded_concurrency() -> N
     listed: list[str] = []
 
     async def follow(namespace: str) -> None:
-        stream = discovery.list_and_watch(Query(namespace=namespace))
-        listing = asyncio.ensure_future(anext(stream))
-        await asyncio.sleep(0.5)  # the listing is done long before; no event will come
+        done = asyncio.Event()
+        stream = discovery.list_and_watch(Query(namespace=namespace), on_listed=done.set)
+        listing = asyncio.ensure_future(anext(stream))  # (nothing listed: no event comes)
+        await asyncio.wait_for(done.wait(), 30)
         listed.append(namespace)
         listing.cancel()
         await asyncio.gather(listing, return_exceptions=True)

@@ -64,6 +64,7 @@ async def test_a_live_worker_never_loses_its_model_across_etcd_restarts(
                         timeout=TTL + 5,
                         message="the worker reports its lease lost",
                     )
+                    # the outage's length, under test (OUTAGE in all)
                     await asyncio.sleep(max(0.0, down + OUTAGE - time.monotonic()))
                 finally:
                     await asyncio.to_thread(own_etcd.start)

@@ -218,7 +218,7 @@ class FakeWorker:
         self.bodies.append(body)
         self.headers.append(request.headers.copy())
         if self.head_delay:
-            await asyncio.sleep(self.head_delay)
+            await asyncio.sleep(self.head_delay)  # a slow upstream's head
         await self.answering.wait()
         if (failure := self._failing()) is not None:
             return failure
@@ -230,7 +230,7 @@ class FakeWorker:
         try:
             if data.get("stream"):
                 return await self._stream(request, data["model"], kind, text, headers)
-            await asyncio.sleep(self.stream_delay * self.stream_chunks)
+            await asyncio.sleep(self.stream_delay * self.stream_chunks)  # a slow answer
             return web.json_response(_completion(kind, data["model"], text), headers=headers)
         except (asyncio.CancelledError, ConnectionError):
             self.cancelled += 1
@@ -257,7 +257,7 @@ class FakeWorker:
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             self.chunks_sent += 1
             if self.stream_delay:
-                await asyncio.sleep(self.stream_delay)
+                await asyncio.sleep(self.stream_delay)  # a slow stream's pace
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

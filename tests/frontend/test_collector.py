@@ -96,6 +96,47 @@ async def test_the_first_load_is_frozen_out_of_the_collector_when_asked(
         await frontend.stop()
 
 
+async def test_a_burst_of_joins_after_the_load_is_frozen_out_of_the_collector_too(
+    start_worker: StartWorker, store: Store, tmp_path: Path
+) -> None:
+    """A worker announcing thousands of adapters after the frontend loaded: without a
+    freeze, each full collection went through all of them (20,000 joins: full collections
+    of 30-128 ms, growing, finding nothing). The burst is frozen as the first load is, and
+    the thresholds come back once it is over."""
+    before = gc.get_threshold()
+    frontend, discovery, info = await start_over_a_fleet(start_worker, store, tmp_path, freeze=True)
+    try:
+        watcher = frontend.watcher
+        assert watcher is not None
+        await wait_for(
+            lambda: not any(t.get_name() == "discovery:gc-freeze" for t in watcher._tasks)
+        )
+        assert gc.get_threshold() == before
+        card = msgspec.structs.replace(next(iter(frontend.registry._members.values())).card)
+        burst = 3000
+        lifted = []
+
+        async def watch_thresholds() -> None:
+            while True:
+                lifted.append(gc.get_threshold()[2])
+                await asyncio.sleep(0.01)  # (sampling, not synchronisation)
+
+        sampler = asyncio.create_task(watch_thresholds())
+        for i in range(burst):
+            key = ModelKey(info.endpoint_id, 0x1000 + i % FLEET, f"lora-{i}")
+            await discovery.register_model(key, card, lease=0)
+        await wait_for(lambda: len(frontend.registry) == FLEET + burst, message="the burst joined")
+        await wait_for(lambda: max(lifted) > 10**6, message="full collections held off")
+        await wait_for(lambda: gc.get_threshold() == before, message="thresholds back", timeout=10)
+        sampler.cancel()
+        tracked = tracked_ids()
+        members = list(frontend.registry._members.values())
+        unfrozen = sum(id(m) in tracked for m in members)
+        assert unfrozen < burst // 10, f"{unfrozen} of {len(members)} members still tracked"
+    finally:
+        await frontend.stop()
+
+
 async def test_an_embedded_frontend_leaves_the_collector_alone_by_default(
     start_worker: StartWorker, store: Store, tmp_path: Path
 ) -> None:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from shoal.frontend.proxy.deadlines import MAX_SWEEP, MIN_SWEEP, TURN_SECONDS, Deadlines
-from tests.helpers import wait_for
+from tests.helpers import timers_due_within, wait_for
 
 
 class Attempt:
@@ -41,7 +41,7 @@ async def test_the_sweep_runs_while_something_is_watched_and_stops_when_nothing_
     deadlines.unwatch(attempt)
     await wait_for(lambda: deadlines._timer is None, message="sweep stopped")
     checks = len(attempt.checks)
-    await asyncio.sleep(0.05)
+    await timers_due_within(2 * deadlines.every)  # (a sweep still due ran by then)
     assert len(attempt.checks) == checks
     deadlines.watch(attempt)  # and it starts again
     await wait_for(lambda: len(attempt.checks) > checks, message="swept again")

@@ -4,6 +4,7 @@ allowed, and a dashboard session is a random id that expires and ends at log out
 
 from __future__ import annotations
 
+import asyncio
 import json
 import ssl
 from pathlib import Path
@@ -193,6 +194,27 @@ async def test_the_session_cookie_is_secure_on_an_https_listener(
     async with aiohttp.ClientSession(connector=connector) as session:
         cookie = await login(session, frontend, "s3cret")
     assert "Secure" in cookie.split("; ")
+
+
+async def test_a_tls_client_that_never_finishes_its_handshake_is_closed_by_the_head_timeout(
+    start_frontend: StartFrontend, certificates: dict[str, Path]
+) -> None:
+    """A connection counts against `max_connections` and the head timeout once its TLS
+    handshake is done: before, asyncio's own 60 s handshake timeout alone bounded it, so
+    connections that sent nothing (or half a handshake) held a socket each for a minute
+    whatever `--header-timeout` said. The handshake now has the head's timeout."""
+    frontend = await start_frontend(
+        tls_certfile=certificates["cert"], tls_keyfile=certificates["key"], header_timeout=0.5
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    try:
+        writer.write(b"\x16\x03\x01")  # (the start of a ClientHello, never finished)
+        began = asyncio.get_running_loop().time()
+        async with asyncio.timeout(20):
+            assert await reader.read() == b""  # closed by the server
+        assert asyncio.get_running_loop().time() - began < 5
+    finally:
+        writer.close()
 
 
 async def test_metrics_port_serves_metrics_alone_and_the_api_port_no_longer_does(

@@ -62,7 +62,7 @@ class RawHost:
                     break
                 served += 1
                 if self.mode == "hang":
-                    await asyncio.sleep(3600)
+                    await asyncio.sleep(3600)  # a server that never answers
                 if self.mode == "404":
                     writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
                 elif self.mode == "huge":
@@ -70,7 +70,7 @@ class RawHost:
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
                     writer.write(body)
                 else:
-                    await asyncio.sleep(self.delay)
+                    await asyncio.sleep(self.delay)  # a slow server
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY))
                     writer.write(BODY)
                 await writer.drain()

@@ -374,13 +374,25 @@ async def test_a_read_that_fails_answers_every_sharer_500_and_leaves_no_unretrie
     start_frontend: StartFrontend, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     frontend = await start_frontend(reconcile_interval=3600)
-    reader = frontend.dashboard.reader
+    dashboard = frontend.dashboard
+    asked, reads = [0], [0]  # the dashboard's reads asked for, the fleet's read
+    ask = dashboard.read
+
+    async def counted() -> snapshot.Sections:
+        asked[0] += 1
+        return await ask()
+
+    def shared() -> bool:
+        """Whoever is meant to share the read asked: the three snapshots, then both pages."""
+        return asked[0] >= 3 and (reads[0] == 1 or len(dashboard.streams) == 2)
 
     async def broken() -> snapshot.Sections:
-        await asyncio.sleep(0.05)
+        reads[0] += 1
+        await wait_for(shared, 5, message="every sharer asked")  # (in flight until then)
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(reader, "read", broken)
+    monkeypatch.setattr(dashboard, "read", counted)
+    monkeypatch.setattr(dashboard.reader, "read", broken)
     loop = asyncio.get_running_loop()
     unretrieved: list[dict[str, Any]] = []
     old = loop.get_exception_handler()
@@ -391,6 +403,7 @@ async def test_a_read_that_fails_answers_every_sharer_500_and_leaves_no_unretrie
         )
         statuses = [r[0] if isinstance(r, tuple) else r for r in results]
         assert statuses == [500, 500, 500]
+        assert reads == [1]  # (one read, shared)
         # two pages with no previous read: each starts a tick, the first's is forgotten
         conns = []
         for _ in range(2):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import pytest
 
 from shoal.discovery.grants import Grant, grant_key, hash_secret
 from shoal.store import Store
@@ -78,4 +79,31 @@ async def test_reloading_100000_grants_decodes_a_slice_of_them_per_turn_of_the_l
         await decoded.stop()
     assert len(ring.by_hash) == 99_999 and grants[0].hash not in ring.by_hash
     assert decoded.on_loop == 100_000 + 99_999
+    assert decoded.most_per_turn <= SLICE, f"{decoded.most_per_turn} grants in one turn"
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_a_burst_of_grant_events_decodes_a_slice_of_them_per_turn_of_the_loop(
+    store: Store,
+) -> None:
+    """The key watch applied every event a store handed over in one go (a batch comes
+    without a wait: the controller publishing a workspace's keys at once): 20,000 grants
+    decoded in one turn of the loop. Now a `SLICE` at most, as a re-read does."""
+    from shoal.frontend.keys.keys import SLICE, KeyRing, KeyWatcher
+    from tests.helpers import LoopTurns
+
+    grants = [
+        Grant(workspace="default", name=f"k{n}", hash=hash_secret(f"s{n}"), rpm=100)
+        for n in range(20_000)
+    ]
+    ring = KeyRing(["default"])
+    watcher = KeyWatcher(store, ring)
+    await watcher.start()
+    decoded = LoopTurns().wrap(ring, "put")
+    try:
+        await store.put_many([(g.key, g.to_json()) for g in grants])
+        await wait_for(lambda: len(ring.by_hash) == len(grants), timeout=30)
+    finally:
+        await decoded.stop()
+        await watcher.stop()
     assert decoded.most_per_turn <= SLICE, f"{decoded.most_per_turn} grants in one turn"

@@ -9,13 +9,11 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import msgspec
 import pytest
-import uvloop
 from tokenizers import Tokenizer
 
 from shoal.frontend.http import server
@@ -31,14 +29,9 @@ from tests.frontend.test_proxy import ready
 from tests.frontend.test_server import post
 from tests.helpers import wait_for
 
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def event_loop_policy(request: pytest.FixtureRequest) -> Iterator[asyncio.AbstractEventLoopPolicy]:
-    """Every probe on both loops (`shoal frontend` runs on uvloop, which reads a socket up
-    to 32 times in one go)."""
-    yield (
-        uvloop.EventLoopPolicy() if request.param == "uvloop" else asyncio.DefaultEventLoopPolicy()
-    )
+# Every probe on both loops (`shoal frontend` runs on uvloop, which reads a socket up to 32
+# times in one go).
+BOTH_LOOPS = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
 
 
 DEEP = '{"a":' * 80 + "1" + "}" * 80
@@ -73,6 +66,7 @@ def statuses(received: bytes) -> list[int]:
 # -- 1/2: the meter on the connection ---------------------------------------------------------
 
 
+@BOTH_LOOPS
 async def test_pipelined_large_bodies_deep_and_not_chunked_or_not_are_each_judged_alone(
     start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:
@@ -87,6 +81,7 @@ async def test_pipelined_large_bodies_deep_and_not_chunked_or_not_are_each_judge
     assert worker.bodies[:2] == [ok, ok]
 
 
+@BOTH_LOOPS
 async def test_a_body_of_one_byte_chunks_is_gathered_judged_and_forwarded_whole(
     start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:
@@ -114,6 +109,7 @@ def test_small_pieces_of_a_body_are_gathered_in_order_among_large_ones() -> None
 
 
 @pytest.mark.parametrize("extra", [0, 1])
+@BOTH_LOOPS
 async def test_a_body_ending_at_the_meter_boundary_nested_too_deep_at_its_end_is_400(
     start_worker: StartWorker, start_frontend: StartFrontend, extra: int
 ) -> None:
@@ -129,6 +125,7 @@ async def test_a_body_ending_at_the_meter_boundary_nested_too_deep_at_its_end_is
 
 
 @pytest.mark.parametrize("deep", [True, False])
+@BOTH_LOOPS
 async def test_an_ignored_h2c_upgrade_with_a_large_body_is_judged_once_and_forwarded_whole(
     start_worker: StartWorker, start_frontend: StartFrontend, deep: bool
 ) -> None:
@@ -149,6 +146,7 @@ async def test_an_ignored_h2c_upgrade_with_a_large_body_is_judged_once_and_forwa
     assert worker.bodies == ([] if deep else [body]) + [large_body()]
 
 
+@BOTH_LOOPS
 async def test_many_pipelined_large_bodies_from_a_client_that_reads_late_are_all_answered(
     start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:
@@ -174,6 +172,7 @@ async def test_many_pipelined_large_bodies_from_a_client_that_reads_late_are_all
     assert worker.requests == count
 
 
+@BOTH_LOOPS
 async def test_a_large_body_over_max_body_gets_its_413_after_turns_given(
     start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:
@@ -203,6 +202,7 @@ ODD = [
 
 @pytest.mark.parametrize("router", ["prefix", "kv"])
 @pytest.mark.parametrize("large", [False, True])
+@BOTH_LOOPS
 async def test_odd_messages_are_forwarded_large_body_or_small(
     start_worker: StartWorker, start_frontend: StartFrontend, router: str, large: bool
 ) -> None:
@@ -254,6 +254,7 @@ def test_the_kv_fallback_prefix_is_the_same_whether_the_body_is_small_or_large()
     assert str(KvPrompt.of(large))[:1024] == str(KvPrompt.of(small))[:1024]
 
 
+@BOTH_LOOPS
 async def test_a_conversation_keeps_its_instance_when_its_body_grows_past_the_threshold(
     start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:
@@ -299,6 +300,7 @@ def test_raw_messages_render_as_the_decoded_ones(inline: bool) -> None:
 # -- 4: the dashboard -----------------------------------------------------------------------
 
 
+@BOTH_LOOPS
 async def test_a_snapshot_waiting_out_the_spacing_is_answered_503_at_close(
     start_frontend: StartFrontend,
 ) -> None:
@@ -322,6 +324,7 @@ async def test_a_snapshot_waiting_out_the_spacing_is_answered_503_at_close(
     assert time.monotonic() - started < 1.5
 
 
+@BOTH_LOOPS
 async def test_a_page_opened_after_the_dashboard_stopped_is_refused_503(
     start_frontend: StartFrontend,
 ) -> None:
@@ -346,6 +349,7 @@ async def test_a_page_opened_after_the_dashboard_stopped_is_refused_503(
     assert not frontend.dashboard.streams
 
 
+@BOTH_LOOPS
 async def test_head_snapshot_while_reads_are_spaced(start_frontend: StartFrontend) -> None:
     frontend = await start_frontend(reconcile_interval=3600)
     join(frontend, FIRST_ID, card("m"))
@@ -357,6 +361,7 @@ async def test_head_snapshot_while_reads_are_spaced(start_frontend: StartFronten
             assert await response.read() == b""
 
 
+@BOTH_LOOPS
 async def test_expect_continue_then_a_large_deep_body_then_a_large_good_one(
     start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:
@@ -379,6 +384,7 @@ async def test_expect_continue_then_a_large_deep_body_then_a_large_good_one(
     assert worker.bodies == [ok]
 
 
+@BOTH_LOOPS
 async def test_a_client_gone_while_its_connection_gives_way_leaves_the_server_well(
     start_worker: StartWorker, start_frontend: StartFrontend, caplog: pytest.LogCaptureFixture
 ) -> None:

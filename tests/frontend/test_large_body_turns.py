@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterator
 
 import pytest
 import uvloop
@@ -17,11 +16,7 @@ import uvloop
 from shoal.frontend.http import server
 from tests.frontend.conftest import StartFrontend
 
-
-@pytest.fixture
-def event_loop_policy() -> Iterator[asyncio.AbstractEventLoopPolicy]:
-    # (deprecated in pytest-asyncio 1.x for a hook that would apply to every test)
-    yield uvloop.EventLoopPolicy()
+pytestmark = pytest.mark.asyncio(loop_factories=["uvloop"])  # as `shoal frontend` runs
 
 
 def send_fast(port: int, data: bytes) -> None:

@@ -34,7 +34,7 @@ class SlowJoins:
         self.health_half_way: tuple[int, dict[str, Any]] | None = None
 
     def joined(self, model: ModelInstance, ws: WorkerSet) -> None:
-        time.sleep(JOIN_SECONDS)
+        time.sleep(JOIN_SECONDS)  # a slow join holds the loop: what is under test, not a wait
         self.joins += 1
         if self.joins == FLEET // 2:
             self.health_half_way = self.frontend.health()

@@ -14,7 +14,6 @@ import socket
 from collections.abc import Iterator
 
 import pytest
-import uvloop
 from bench.request_path import Bench, Transport
 
 from shoal.frontend.http.server import HttpConnection
@@ -124,15 +123,7 @@ def connects() -> list[asyncio.Task[None]]:
     return [t for t in asyncio.all_tasks() if t is not current and "_connect" in repr(t.get_coro())]
 
 
-@pytest.fixture
-def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
-    """The standard library's loop, unless a test asks for uvloop (`indirect`)."""
-    if getattr(request, "param", "asyncio") == "uvloop":
-        return uvloop.EventLoopPolicy()
-    return asyncio.DefaultEventLoopPolicy()
-
-
-@pytest.mark.parametrize("event_loop_policy", ["asyncio", "uvloop"], indirect=True)
+@pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
 async def test_a_connect_that_fails_or_is_cancelled_leaves_no_cycle() -> None:
     """A connection to an instance that refuses it, or whose connect is cancelled (the client
     left) at any step, is freed by its reference count. uvloop (`shoal frontend`'s loop)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvloop
 
 from shoal.discovery import FleetTarget, Route, UrlTarget, publish_route
 from shoal.discovery.grants import Grant, hash_secret
@@ -38,9 +37,7 @@ STREAM = {**CHAT, "stream": True, "max_tokens": 50}
 LARGE = {**CHAT, "messages": [{"role": "user", "content": "hi"}] * 12_000}
 
 
-@pytest.fixture
-def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
-    return uvloop.EventLoopPolicy()
+pytestmark = pytest.mark.asyncio(loop_factories=["uvloop"])  # as `shoal frontend` runs
 
 
 @pytest.fixture
@@ -68,6 +65,9 @@ class Client:
                 data = await self.reader.read(65536)
                 assert data, f"the connection closed: {received!r}"
                 received += data
+        if b"\r\nconnection: close\r\n" in received.partition(b"\r\n\r\n")[0] + b"\r\n":
+            self.close()  # (a request refused on its head: its body unread, the connection ends)
+            self.writer = None
         return int(received[9:12])
 
     async def leave_mid_stream(self, body: Any) -> None:

@@ -268,6 +268,48 @@ async def test_h2c_upgrade_is_ignored_and_answered_once(
     assert b" 400 " not in received
 
 
+async def test_an_http10_request_asking_for_an_upgrade_stays_an_http10_request(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """The ignored `Upgrade` was read again as an HTTP/1.1 request: an HTTP/1.0 client (which
+    cannot read chunks, RFC 9112 §6.1) got its stream chunked, and a connection it expected
+    closed after the answer was kept alive until the keep-alive timeout."""
+    _worker, frontend = await served(start_worker, start_frontend)
+    body = b'{"model":"mock-llm","messages":[],"stream":true}'
+    data = (
+        b"POST /v1/chat/completions HTTP/1.0\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    try:
+        writer.write(data)
+        received = await read_until_closed(reader, timeout=3.0)  # (kept alive, it waits 75 s)
+    finally:
+        writer.close()
+    head, _, payload = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK")
+    assert b"transfer-encoding" not in head.lower()
+    assert payload.rstrip().endswith(b"data: [DONE]")
+
+
+async def test_a_request_target_in_absolute_form_is_served_as_its_path(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """RFC 9112 §3.2.2: a server MUST accept the absolute-form (`POST http://host/v1/...`),
+    which a client sends through a proxy, or to a gateway it takes for one. It was answered
+    404 `Unknown path 'http://host/v1/chat/completions'`."""
+    worker, frontend = await served(start_worker, start_frontend)
+    absolute = (
+        b"POST http://gateway.example:8000/v1/chat/completions?x=1 HTTP/1.1\r\nHost: t\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+    )
+    live = b"GET HTTP://gateway.example/live HTTP/1.1\r\nHost: t\r\n\r\n"
+    received = await raw_exchange(frontend.port, absolute + live, responses=2)
+    assert count_responses(received) == 2
+    assert received.startswith(b"HTTP/1.1 200 OK") and worker.bodies == [BODY]
+    assert received.endswith(b'{"status":"ok"}')
+
+
 async def test_complete_request_before_garbage_is_answered_then_400_then_close(
     start_worker: StartWorker, start_frontend: StartFrontend
 ) -> None:

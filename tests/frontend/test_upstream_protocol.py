@@ -301,3 +301,49 @@ async def test_an_upstream_switching_protocols_fails_its_attempt_with_no_error_f
         assert errors == []
     finally:
         loop.set_exception_handler(None)
+
+
+INJECTED = b'HTTP/1.1 200 OK\r\ncontent-length: 18\r\n\r\n{"injected":true}\n'
+"""What a hostile upstream tries to slip into the client's connection as an answer of its own."""
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 099 Odd\r\ncontent-length: %d\r\n\r\n%s" % (len(INJECTED), INJECTED),
+        b"HTTP/1.1 000 Odd\r\n\r\n" + INJECTED,  # (no framing: a body until the close)
+        b"HTTP/1.1 150 Odd\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+        % (len(INJECTED), INJECTED)
+        + completion("final"),
+        b"HTTP/1.1 199 Odd\r\ncontent-length: %d\r\n\r\n%s" % (len(INJECTED), INJECTED)
+        + completion("final"),
+    ],
+    ids=["status under 100", "status 000 until the close", "1xx chunked", "1xx sized"],
+)
+async def test_a_status_under_100_or_an_interim_response_with_a_body_never_reaches_the_client(
+    start_raw: StartRaw, start_frontend: StartFrontend, answer: bytes
+) -> None:
+    """httptools reads a body for a status under 100 (none is valid: RFC 9110 §15) and for a
+    1xx other than 100, 102 and 103 that declares one (a 1xx cannot have content: §15.2).
+    The gateway took the first as interim and the second's body as the final answer's: its
+    bytes went to the client without a status line (then the client waited 60 s), or inside
+    the final answer beyond its `Content-Length` (the client connection out of step: the
+    next answer read after the stray bytes). Now such an answer is that upstream's protocol
+    error: 502 naming it, and the client's kept-alive connection stays in step."""
+
+    async def hostile(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(answer)
+        await writer.drain()
+        if b" 000 " in answer:  # (its body ends with the connection)
+            writer.close()
+
+    await start_raw(hostile)
+    frontend = await started(start_frontend)
+    live = b"GET /live HTTP/1.1\r\nhost: gateway\r\n\r\n"
+    received = await asyncio.wait_for(raw_exchange(frontend.port, post() + live, responses=2), 10)
+    assert received.startswith(b"HTTP/1.1 502 "), received[:200]
+    assert b"injected" not in received
+    assert b"status" in received.split(b"\r\n\r\n", 1)[1]
+    assert count_responses(received) == 2 and received.endswith(b'{"status":"ok"}')

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -29,10 +28,8 @@ EVENTS = 200
 SSE = EVENT * EVENTS + b"data: [DONE]\n\n"
 
 
-@pytest.fixture
-def event_loop_policy() -> Iterator[asyncio.AbstractEventLoopPolicy]:
-    # (uvloop, as `shoal frontend` runs: libuv reads a fast sender many times in one turn)
-    yield uvloop.EventLoopPolicy()
+# uvloop, as `shoal frontend` runs: libuv reads a fast sender many times in one turn.
+pytestmark = pytest.mark.asyncio(loop_factories=["uvloop"])
 
 
 def one_byte_chunks(body: bytes) -> bytes:

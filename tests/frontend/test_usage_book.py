@@ -9,7 +9,7 @@ import pytest
 
 from shoal.discovery.grants import Grant
 from shoal.frontend.keys.usage import OTHER_MODELS, UsageBook, status_class
-from tests.helpers import free_port
+from tests.helpers import free_port, turns_until
 
 GRANT = Grant(workspace="w", name="team", hash="a" * 64)
 
@@ -161,7 +161,7 @@ async def test_sealing_100000_rows_makes_a_slice_of_them_per_turn_of_the_loop() 
         for n in range(100_000):  # (keys of their own: a key's rows are bounded)
             book.record(key_number(n), f"m{n}", f"m{n}", 200, 1, 1)
         flushing = asyncio.ensure_future(book.flush())  # (the catalog is not there)
-        await asyncio.sleep(0)
+        await turns_until(lambda: 0 < book.pending_rows < 100_000)  # (some rows sealed)
         book.record(GRANT, "late", "late", 200, 1, 1)  # while it seals
         await flushing
         assert book.pending_rows == 100_000 and book.dropped_rows == 0
@@ -224,8 +224,7 @@ async def test_a_seal_cancelled_midway_loses_no_row() -> None:
     for n in range(10_000):
         book.record(key_number(n), f"m{n}", f"m{n}", 200, 1, 1)
     sealing = asyncio.ensure_future(book.seal())
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    await turns_until(lambda: 0 < book.pending_rows < 10_000)  # between two slices
     sealing.cancel()
     await asyncio.gather(sealing, return_exceptions=True)
     assert sealing.cancelled() and not book.rows

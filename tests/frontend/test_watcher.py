@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from shoal.discovery import (
 from shoal.frontend import Frontend
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.metrics import FrontendMetrics
-from shoal.frontend.registry.registrations import JOIN_BATCH, State
+from shoal.frontend.registry.registrations import JOIN_BATCH, JOIN_LINES, State
 from shoal.frontend.registry.registry import Registry
 from shoal.frontend.registry.watcher import ModelWatcher
 from shoal.store import Store
@@ -407,11 +408,13 @@ class HeldFetches(MetadataCache):
         super().__init__(directory)
         self.release = asyncio.Event()
         self.fetched: set[str] = set()
+        self.waiting = 0  # fetches waiting for `release`
 
     def has(self, file: MetadataFile) -> bool:
         return file.checksum in self.fetched
 
     async def fetch(self, card: ModelCard) -> None:
+        self.waiting += 1
         await self.release.wait()
         self.fetched.update(f.checksum for f in card.metadata_files.values())
 
@@ -436,7 +439,7 @@ async def test_two_thousand_fetches_ending_at_once_join_their_cards_in_slices(
         info = InstanceInfo("default", "backend", "generate", 0x100 + i, f"{url}/v1", url)
         watcher.handle(Added(ModelInstance(ModelKey(endpoint, 0x100 + i), card, info)))
     assert watcher.fetching == models and len(watcher.registry) == 0
-    await asyncio.sleep(0)  # (every fetch waits)
+    await wait_for(lambda: cache.waiting == models, message="every fetch waits")
     joined = LoopTurns().wrap(watcher.registry, "join")
     cache.release.set()
     try:
@@ -529,6 +532,41 @@ async def test_the_first_load_logs_its_joins_at_debug_and_later_ones_at_info(
         await add_endpoint(discovery, "default", 0x200, model="later")
         await wait_for(lambda: lines("joined ("), message="a later model at INFO")
         assert [line.split("'")[1] for line in lines("joined (")] == ["later"]
+    finally:
+        await watcher.stop()
+
+
+async def test_a_burst_of_new_models_after_the_load_is_named_a_few_lines_a_second_and_counted(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker announcing its 20,000 adapters to a running frontend wrote 20,000 INFO
+    lines (a third of the joins' CPU): the first `JOIN_LINES` new models of a second are
+    named, the rest counted in one line when the second is over (each at DEBUG)."""
+    caplog.set_level(logging.INFO, logger="shoal.frontend.registry.registrations")
+    discovery = FilteringDiscovery(store)
+    watcher = ModelWatcher(
+        discovery, Registry(), MetadataCache(tmp_path / "cache"), FrontendMetrics()
+    )
+    try:
+        await watcher.start()
+
+        def lines(text: str) -> list[str]:
+            return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+        await wait_for(lambda: lines("first load"), message="the load's line")
+        burst = JOIN_LINES * 4
+        for i in range(burst):
+            await add_endpoint(discovery, "default", 0x300 + i, model=f"burst{i}")
+        await wait_for(lambda: len(watcher.registry) == burst, message="the burst joined")
+
+        def counted() -> int:
+            found = (re.search(r"(\d+) more models joined", line) for line in lines("more models"))
+            return sum(int(m[1]) for m in found if m)
+
+        await wait_for(
+            lambda: len(lines("joined (")) + counted() == burst, message="every join told"
+        )
+        assert len(lines("joined (")) <= 2 * JOIN_LINES  # (the burst may span two seconds)
     finally:
         await watcher.stop()
 

@@ -1,7 +1,9 @@
 """A stand-in for vLLM's KV event publisher: a PUB socket sending `[topic, seq, payload]`
 and a ROUTER replay socket answering `[b"", start]` with every kept `[b"", seq, payload]`
 then `[b"", -1, b""]`, as vLLM's `ZmqEventPublisher` does. Tests choose which sequence
-numbers go out live (to make gaps) and which the replay buffer still holds."""
+numbers go out live (to make gaps) and which the replay buffer still holds; `subscribed()`
+waits for a subscriber's subscription to reach the PUB socket (an XPUB: it publishes alike),
+before which what goes out live is not sent to that subscriber (ZMQ's slow joiner)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from tests.helpers import free_port
+from tests.kv.subscribers import subscription_reached
 
 END = (-1).to_bytes(8, "big", signed=True)
 
@@ -20,7 +23,8 @@ class FakeVllmPublisher:
     def __init__(self, topic: bytes = b"") -> None:
         self.topic = topic
         self.ctx = zmq.asyncio.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.router = self.ctx.socket(zmq.ROUTER)
         for sock in (self.pub, self.router):
             sock.setsockopt(zmq.LINGER, 0)
@@ -39,6 +43,11 @@ class FakeVllmPublisher:
     @property
     def replay_endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.replay_port}"
+
+    async def subscribed(self, timeout: float = 10.0) -> None:
+        """Until a subscription to this publisher's topic reached its socket (one not waited
+        for before): from then on, what goes out live reaches that subscriber."""
+        await subscription_reached(self.pub, self.topic, timeout)
 
     async def send(self, seq: int, payload: bytes, *, live: bool = True, keep: bool = True) -> None:
         if keep:

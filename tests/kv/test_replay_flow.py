@@ -8,7 +8,7 @@ import asyncio
 import itertools
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import pytest
@@ -34,6 +34,7 @@ from shoal.worker.kv_publisher import KvEventPublisher
 from tests.helpers import LoopTurns, wait_for
 from tests.kv import vllm_fixtures as vllm
 from tests.kv.fake_vllm import FakeVllmPublisher
+from tests.kv.subscribers import start_seeing_subscribers, subscribed
 
 BS = 256  # tokens a block: ~1.2 KB a batch with ids of 5 bytes
 BATCHES = 20_000
@@ -59,7 +60,7 @@ def store(publisher: KvEventPublisher, i: int) -> None:
 @pytest.fixture
 async def publisher() -> AsyncIterator[KvEventPublisher]:
     pub = KvEventPublisher(buffer=BATCHES + 1)
-    await pub.start()
+    await start_seeing_subscribers(pub)
     yield pub
     await pub.close()
 
@@ -107,6 +108,24 @@ async def test_a_busy_workers_whole_history_is_replayed_without_stalling_the_loo
         ctx.destroy(linger=0)
 
 
+def shown_whole(publisher: KvEventPublisher, sub: KvSubscription) -> Callable[[], bool]:
+    """A condition: `sub` applied every batch `publisher` published. A burst's tail dropped
+    by a full queue shows only by a later batch, and one published while the queue is still
+    full is dropped too: while `sub` applies nothing, each check publishes one more batch
+    (storing the next block), until one gets through."""
+    seen: list[int | None] = [None]  # (the first check publishes nothing: `sub` had no turn)
+
+    def check() -> bool:
+        if sub.last_seq == publisher.next_seq - 1:
+            return True
+        if sub.last_seq == seen[0]:
+            store(publisher, publisher.next_seq)
+        seen[0] = sub.last_seq
+        return False
+
+    return check
+
+
 async def test_a_live_flood_is_applied_in_slices(publisher: KvEventPublisher) -> None:
     assert publisher.endpoint is not None
     ctx, index, stats = zmq.asyncio.Context(), KvIndex(BS), KvStats()
@@ -114,14 +133,14 @@ async def test_a_live_flood_is_applied_in_slices(publisher: KvEventPublisher) ->
     sub = subscribe(ctx, publisher.endpoint, index, stats, turns)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
-        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        await subscribed(publisher)  # (a batch published before it would be lost)
         for i in range(BATCHES):  # a burst: the batches queue up at the subscriber
             store(publisher, i)
-        await asyncio.sleep(0.5)
-        store(publisher, BATCHES)  # (what the burst's queues dropped at the end shows here)
-        await wait_for(lambda: sub.last_seq == BATCHES, timeout=60, message="applied")
-        assert index.instance_blocks(7) == BATCHES + 1
-        assert turns.on_loop == BATCHES + 1  # (each once, live or replayed)
+        await wait_for(shown_whole(publisher, sub), timeout=60, interval=0.1, message="applied")
+        published = publisher.next_seq
+        assert published > BATCHES
+        assert index.instance_blocks(7) == published
+        assert turns.on_loop == published  # (each once, live or replayed)
         assert turns.most_per_turn <= YIELD_EVERY, f"{turns.most_per_turn} batches in one turn"
     finally:
         await turns.stop()
@@ -189,7 +208,7 @@ async def test_a_bad_replay_endpoint_keeps_the_live_stream(
     sub = subscribe(ctx, endpoint, index, stats)
     try:
         await wait_for(lambda: sub.replay_broken, message="the replay endpoint given up")
-        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        await subscribed(publisher)  # (a batch published before it would be lost)
         store(publisher, 0)
         await wait_for(lambda: index.instance_blocks(7) == 1, message="the live batch applied")
         assert sub.task is not None and not sub.task.done()
@@ -237,7 +256,7 @@ async def test_one_batch_of_many_blocks_is_applied_in_slices(publisher: KvEventP
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
-        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        await subscribed(publisher)  # (a batch published before it would be lost)
         hashes = list(range(1, blocks + 1))
         event = BlockStored(hashes, None, [j % 100 for j in range(blocks)], 1)
         expected = KvIndex(1)
@@ -279,7 +298,7 @@ async def test_a_batch_over_the_size_bound_is_refused_unread_and_counted_as_a_lo
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
-        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        await subscribed(publisher)  # (a batch published before it would be lost)
         store(publisher, 0)
         await wait_for(lambda: sub.last_seq == 0, message="first batch")
         huge = 6 << 20
@@ -312,7 +331,7 @@ async def test_a_batch_of_too_many_events_is_refused_unread_and_counted_as_a_los
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
-        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        await subscribed(publisher)  # (a batch published before it would be lost)
         store(publisher, 0)
         await wait_for(lambda: sub.last_seq == 0, message="first batch")
         assert index.instance_blocks(7) == 1
@@ -348,7 +367,7 @@ async def test_a_large_batch_is_decoded_a_slice_of_bytes_a_turn_on_the_loop(
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
-        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        await subscribed(publisher)  # (a batch published before it would be lost)
         store(publisher, 0)
         await wait_for(lambda: sub.last_seq == 0, message="first batch")
         blocks = 150  # (~190 KB an event, under `DECODE_SLICE_BYTES`: ids of 5 bytes)
@@ -395,7 +414,7 @@ async def test_a_kv_event_over_512_kib_is_applied_not_refused(publisher: KvEvent
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
-        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        await subscribed(publisher)  # (a batch published before it would be lost)
         publisher.record(event)
         publisher.flush()
         await wait_for(lambda: sub.last_seq == 0, timeout=30, message="read")
@@ -424,7 +443,7 @@ async def test_a_batch_of_many_tiny_events_is_decoded_a_bounded_count_of_events_
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
-        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        await subscribed(publisher)  # (a batch published before it would be lost)
         for i in range(3):
             store(publisher, i)
         for i in range(MAX_BATCH_EVENTS):  # (the first removes block 1; the others no block)
@@ -452,7 +471,7 @@ async def test_a_flood_of_unreadable_batches_is_logged_once_and_counted_each(
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
-        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        await subscribed(publisher)  # (a batch published before it would be lost)
         store(publisher, 0)
         await wait_for(lambda: sub.last_seq == 0, message="first batch")
         caplog.set_level("WARNING", logger="shoal.kv.subscription")
@@ -482,7 +501,7 @@ async def test_a_batch_naming_a_block_with_a_huge_hash_is_a_loss_counted(
     sub = subscribe(ctx, publisher.endpoint, index, stats)
     try:
         await wait_for(lambda: stats.replays == 1, message="subscribed")
-        await asyncio.sleep(0.2)  # the SUB socket's connection is up (nothing to wait on)
+        await subscribed(publisher)  # (a batch published before it would be lost)
         publisher.record(BlockStored([b"a" * 32], None, [1], 1))
         publisher.flush()
         await wait_for(lambda: sub.last_seq == 0, message="first batch")

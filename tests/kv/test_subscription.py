@@ -47,6 +47,7 @@ async def subscribe(publisher: FakeVllmPublisher) -> AsyncIterator[tuple[KvIndex
     for seq in range(2):  # published before the frontend subscribed
         await publisher.send(seq, stored_block(seq), live=False)
     sub.start()
+    await publisher.subscribed()  # (what is sent live before it would not reach the subscriber)
     yield index, stats
     await sub.stop()
     ctx.term()

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-import msgspec
+import hashlib
+from pathlib import Path
 
-from shoal.cards import ModelCard
+import msgspec
+import pytest
+
+from shoal.cards import MetadataFile, ModelCard
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
+from shoal.frontend.kv.prompt import TOKENIZER_FILE, PromptTokenizer
 from shoal.frontend.kv.tracker import KvTracker
+from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.registry import Registry
 from shoal.kv import KvEndpoint, token_block_hashes
+from shoal.worker.engines.mocker.tokenizer import TOKENIZER
 from tests.helpers import wait_for
 from tests.kv import vllm_fixtures as vllm
 from tests.kv.fake_vllm import FakeVllmPublisher
@@ -59,3 +66,61 @@ async def test_instances_outside_the_membership_view_are_purged_and_unfollowed()
         registry.close()
         for p in publishers:
             await p.close()
+
+
+def _card(slug: str, files: dict[str, MetadataFile]) -> ModelCard:
+    return ModelCard.build(
+        display_name=slug, slug=slug, source=f"test/{slug}", model_types=["chat"],
+        context_length=4096, metadata_files=files,
+    )  # fmt: skip
+
+
+async def test_sets_with_the_same_tokenizer_files_load_and_share_one_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Models (or namespaces) whose cards name the same tokenizer files load it once: each
+    load holds the GIL ~100 ms and keeps its own Rust tables and prompt cache. The shared
+    tokenizer stays usable while any set uses it and is closed with the last one."""
+    cache = MetadataCache(tmp_path / "cache")
+    text = TOKENIZER.to_str().encode()
+    checksum = "sha256:" + hashlib.sha256(text).hexdigest()
+    cache.directory.mkdir(parents=True, exist_ok=True)
+    cache.path(checksum).write_bytes(text)
+    files = {
+        TOKENIZER_FILE: MetadataFile(url="http://127.0.0.1:1/t", checksum=checksum, size=len(text))
+    }
+    loads: list[Path] = []
+    real = PromptTokenizer.load.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type[PromptTokenizer], path: Path, config: Path | None) -> PromptTokenizer:
+        loads.append(path)
+        return real(cls, path, config)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(PromptTokenizer, "load", classmethod(counting))
+    registry, tracker = Registry(), KvTracker(cache)
+    registry.observers.append(tracker)
+    models = []
+    try:
+        for i in range(5):
+            endpoint = EndpointId(f"ns{i % 2}", "backend", "generate")
+            url = f"http://127.0.0.1:{9000 + i}"
+            info = InstanceInfo(f"ns{i % 2}", "backend", "generate", i + 1, url, url)
+            model = ModelInstance(ModelKey(endpoint, i + 1), _card(f"m{i}", files), info)
+            models.append((model, registry.join(model)))
+        states = [tracker.sets[ws.id] for _, ws in models]
+        await wait_for(lambda: all(s.tokenizer is not None for s in states), message="loaded")
+        assert len(loads) == 1, f"{len(loads)} loads of one tokenizer file"
+        shared = states[0].tokenizer
+        assert shared is not None and all(s.tokenizer is shared for s in states)
+        shared.submit(lambda: None).result(timeout=10)  # (its thread runs)
+        for model, _ in models[:4]:
+            registry.leave(model.key)
+        assert shared._worker is not None  # still in use: not closed
+        registry.leave(models[4][0].key)
+        assert shared._worker is None and not tracker._tokenizers  # closed with its last set
+        again = registry.join(models[0][0])  # a set that comes back loads it anew
+        await wait_for(lambda: tracker.sets[again.id].tokenizer is not None, message="reloaded")
+        assert len(loads) == 2
+    finally:
+        await tracker.close()
+        registry.close()

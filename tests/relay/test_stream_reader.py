@@ -5,7 +5,6 @@ batches this reader did get is ignored), records of an instance not followed yet
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import tracemalloc
 from typing import Any
@@ -28,7 +27,7 @@ from shoal.kv import sliced as kv_sliced
 from shoal.kv import stream as layout
 from shoal.kv.sliced import DECODE_SLICE_BYTES
 from shoal.kv.subscription import APPLY_SLICE, MAX_BATCH_BYTES
-from tests.helpers import LoopTurns, wait_for
+from tests.helpers import LoopTurns, turns_until, wait_for
 from tests.nats_server import NatsServer
 
 NS, INSTANCE = "ns", 0xAB
@@ -153,7 +152,7 @@ async def test_a_batch_of_many_blocks_is_applied_in_slices_and_a_loss_stops_its_
     parts.clear()
     headers[layout.SEQ], headers[layout.TS] = "1", "1.0"
     reader.record(SUBJECT, headers, encode_batch(KVEventBatch(1.0, [event])))
-    await asyncio.sleep(0)  # the flush task applied its first slice
+    await turns_until(lambda: parts)  # the flush task applied its first slice
     control(reader, layout.RESNAPSHOT, seq=3)  # ... and then the instance is lost
     await wait_for(lambda: reader.instances[(NS, INSTANCE)].flushing is None)
     assert parts == [APPLY_SLICE]  # the rest of the batch was dropped with it

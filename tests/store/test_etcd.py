@@ -869,7 +869,7 @@ class Cluster:
                     pass
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"etcd cluster not healthy; see {self.log.name}")
-                time.sleep(0.05)
+                time.sleep(0.05)  # (polling the members' health, with a deadline)
 
     def kill(self, i: int) -> None:
         self.procs[i].send_signal(signal.SIGKILL)

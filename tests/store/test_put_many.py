@@ -14,6 +14,7 @@ from shoal.store import (
     Resync,
     Store,
     ValueTooLargeError,
+    sqlite_log,
 )
 from shoal.store import base as base_module
 from shoal.store import sqlite as sqlite_module
@@ -184,21 +185,21 @@ async def test_sqlite_puts_many_keys_in_few_transactions_off_the_loop(
         await store.put_many(_items(prefix, MANY))
     finally:
         await turns.stop()
-    slices = -(-MANY // sqlite_module.PUT_MANY_KEYS)
+    slices = -(-MANY // sqlite_log.PUT_MANY_KEYS)
     assert turns.off_loop == slices and turns.on_loop == 0
     assert len((await store.get_prefix(prefix)).items) == MANY
 
 
-async def test_sqlite_paces_a_put_many_longer_than_its_change_log_so_a_watch_gets_every_key(
+async def test_sqlite_keeps_a_put_many_longer_than_its_change_log_count_so_a_watch_gets_every_key(
     backend: Backend, store: Store, prefix: str
 ) -> None:
-    """SQLite's change log keeps `RETAIN_CHANGES` revisions and a watch reads it every
-    `POLL_INTERVAL`: written as fast as it can, a put_many of 20,000 keys (0.5 s) trimmed
-    each key from the log before a watch of another process read it, which got a `Resync`
-    of its whole prefix per poll instead (6 for 20,000 keys). Paced, each key is a `Put`."""
+    """A watch reads SQLite's change log every `POLL_INTERVAL`: a put_many of more keys than
+    the `RETAIN_CHANGES` revisions it keeps however old, written at full speed, stays in the
+    log (it keeps every change of the last `RETAIN_SECONDS`), so each key is a `Put` to a
+    watch of another client, not a `Resync` of its whole prefix."""
     if backend.name != "sqlite":
         pytest.skip("SQLite's change log")
-    many = 3 * sqlite_module.RETAIN_CHANGES
+    many = 3 * sqlite_log.RETAIN_CHANGES
     watcher = await backend.open()
     snap = await watcher.get_prefix(prefix)
     mirror = Recorder(watcher.watch(prefix, snap.revision + 1))

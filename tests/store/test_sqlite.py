@@ -27,14 +27,16 @@ from shoal.store import (
     StoreError,
     StoreUnavailableError,
     open_store,
+    sqlite_log,
 )
 from shoal.store.sqlite import (
     BOOT_ID,
     BUILD_SLICE,
+    DELTA_CHANGES,
     LISTING_INDEX,
-    RETAIN_CHANGES,
     SQLiteStore,
 )
+from shoal.store.sqlite_log import RETAIN_CHANGES
 from tests.helpers import LoopTurns, wait_for
 from tests.store.support import Recorder
 
@@ -66,8 +68,11 @@ def _file_size(path: Path) -> int:
 
 
 async def test_churn_keeps_the_file_bounded_and_a_far_behind_watch_resyncs(
-    store: SQLiteStore, url: str
+    store: SQLiteStore, url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # (Changes kept by number alone: the caps, which bound the log whatever the time kept,
+    # are proved in test_sqlite_log.py.)
+    monkeypatch.setattr(sqlite_log, "RETAIN_SECONDS", 0.0)
     await store.put("churn/gone", b"soon deleted")
     await store.put("churn/kept", b"stays")
     start = await store.get_prefix("churn/")
@@ -345,7 +350,9 @@ async def test_a_value_stored_as_text_is_skipped_and_watches_go_on(
         with sqlite3.connect(store.path) as conn:  # a hand edit: TEXT in the log and the table
             conn.execute("UPDATE meta SET revision = revision + 1")
             (rev,) = conn.execute("SELECT revision FROM meta").fetchone()
-            conn.execute("INSERT INTO changes VALUES (?, 'bad/k', 'text')", (rev,))
+            conn.execute(
+                "INSERT INTO changes (revision, key, value) VALUES (?, 'bad/k', 'text')", (rev,)
+            )
             conn.execute(
                 "UPDATE kv SET value = 'text', mod_revision = ? WHERE key = 'bad/k'", (rev,)
             )
@@ -681,6 +688,25 @@ async def test_a_listing_of_what_changed_past_the_change_log_lists_every_key(
         f" FROM kv INDEXED BY {LISTING_INDEX} WHERE key >= 'k/' AND key < 'k0'"
     ).fetchall()
     assert "COVERING INDEX" in str(plan), plan
+
+
+async def test_a_listing_of_what_changed_reads_no_more_of_the_log_than_a_delta_takes(
+    store: SQLiteStore,
+) -> None:
+    """The log keeps every change of the last `RETAIN_SECONDS`, up to 100,000 of them; a
+    delta reads them once per prefix (a frontend following 4,096 namespaces lists 8,192), so
+    it is read only from the last `DELTA_CHANGES` revisions, as when the log kept no more:
+    further back the listing is whole, though the log still reaches `since`."""
+    since = await store.put("k/old", b"1")
+    await store.put_many([(f"k/{i:05d}", b"v") for i in range(DELTA_CHANGES + 1)])
+    with sqlite3.connect(store.path) as conn:
+        (compacted,) = conn.execute("SELECT compact_revision FROM meta").fetchone()
+    assert compacted < since  # (the log reaches `since`)
+    listing = await store.get_prefixes_changed(("k/",), since)
+    assert listing.removed is None
+    assert len(listing.items) == DELTA_CHANGES + 2
+    near = await store.get_prefixes_changed(("k/",), listing.revision - DELTA_CHANGES)
+    assert near.removed == [] and len(near.items) == DELTA_CHANGES
 
 
 async def test_a_listing_larger_than_a_build_slice_keeps_key_order_across_slices(

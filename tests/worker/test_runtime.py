@@ -659,7 +659,7 @@ async def test_a_drain_whose_taints_spend_the_budget_still_revokes_and_leaves_no
             return await put(key, value, lease=lease)
 
         async def slow_delete(key: str) -> bool:
-            await asyncio.sleep(0.06)
+            await asyncio.sleep(0.06)  # (as slow to withdraw)
             return await delete(key)
 
         store.put = slow_put  # type: ignore[method-assign]

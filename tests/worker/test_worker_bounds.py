@@ -33,7 +33,7 @@ async def test_a_16_mb_chat_leaves_live_answering_and_the_worker_keeps_its_lease
                 async with http.get(worker.status_url + "/live") as response:
                     assert response.status == 200
                 slowest = max(slowest, time.monotonic() - started)
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # the probe's period, not a synchronisation
 
         done = asyncio.Event()
         probe = asyncio.create_task(probe_live(done))

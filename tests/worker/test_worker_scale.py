@@ -15,7 +15,7 @@ from aiohttp import web
 
 from shoal.cards import ModelCard, slugify
 from shoal.discovery import Discovery, EndpointId, ModelKey
-from shoal.store import MAX_VALUE_BYTES, Store, StoreUnavailableError, open_store
+from shoal.store import MAX_VALUE_BYTES, Store, StoreUnavailableError, open_store, sqlite_log
 from shoal.store import sqlite as sqlite_module
 from shoal.worker import Engine, Runtime, ServedModel
 from shoal.worker import registrations as registrations_module
@@ -168,7 +168,7 @@ async def test_a_re_registration_after_a_lost_lease_puts_the_cards_in_batches(
     assert batches.on_loop == -(-cards // per_batch)
     assert calls.on_loop == batches.on_loop + 1  # (and the instance's own key)
     assert moved.on_loop == cards and moved.most_per_turn <= per_batch
-    assert transactions.off_loop <= -(-cards // sqlite_module.PUT_MANY_KEYS) + 1
+    assert transactions.off_loop <= -(-cards // sqlite_log.PUT_MANY_KEYS) + 1
     listed = await Discovery(observer).list()
     assert len(listed) == cards
     assert {model.key.instance_id for model in listed} == {new}
@@ -291,7 +291,7 @@ async def test_cards_an_attach_many_wrote_before_the_store_failed_are_withdrawn(
     registrations = runtime.registrations
     endpoint = EndpointId.parse("ns.other.generate")  # (not served: no models loop)
     await registrations.register_instance(endpoint, "http://127.0.0.1:9", "http://127.0.0.1:9")
-    per_transaction = sqlite_module.PUT_MANY_KEYS
+    per_transaction = sqlite_log.PUT_MANY_KEYS
     entries = [(_card(f"lora-{i}"), f"lora-{i}", {}, None) for i in range(2 * per_transaction + 10)]
     put_many = sqlite_module._put_many
     transactions: list[int] = []

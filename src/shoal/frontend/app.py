@@ -134,6 +134,7 @@ class Frontend(Endpoints):
         self.started_at = time.time()
         # ((registry version, route table version), the /v1/models listing)
         self._models_body: tuple[tuple[int, int], ModelListing] | None = None
+        self._listing: tuple[tuple[int, int], asyncio.Future[ModelListing]] | None = None
         self._health_body: tuple[int, dict[str, Any]] | None = None
 
     @property
@@ -240,6 +241,8 @@ class Frontend(Endpoints):
             max_header_size=config.max_header_size,
             max_headers=config.max_headers,
             max_connections=config.max_connections,
+            # (a request refused for its key is refused on its head: its body never read)
+            head_check=self.check_head if self.keys is not None or self._keys else None,
         )
         # (Loading the system's CA bundle takes ~40 ms of CPU: off the loop, which is
         # already reading the store.)

@@ -13,8 +13,9 @@ parent directories are created (read-write only).
 
 Layout:
 
-- `meta`: one row with the current store `revision` and the `compact_revision` up to
-  which the change log has been trimmed.
+- `meta`: one row with the current store `revision`, the `compact_revision` up to which
+  the change log has been trimmed, and `log_bytes`, the bytes the log holds (kept by
+  triggers on `changes`).
 - `kv`: the keys, each with its value, the revisions that created and last wrote it and
   its lease; indexed by lease, and by key with everything but the value (`LISTING_INDEX`:
   a listing of what changed since a revision reads the values of those keys only).
@@ -23,22 +24,27 @@ Layout:
   deadline: for the leases of version-1 processes still running during an upgrade (`boot`
   empty, judged on it as they were), the generous bound of a lease whose boot is unknown,
   and out of reach for the others, so a version-1 process never reaps them.
-- `changes`: one row per revision (key, value, NULL for a delete): the log watches read.
+- `changes`: one row per revision (key, value, NULL for a delete, and `at`, when it was
+  written): the log watches read (`shoal.store.sqlite_log`).
 
 Each write bumps `meta.revision` and appends its change in the same transaction, so
 revisions strictly increase across processes and every change is logged exactly once.
 Deleting N keys (revoking a lease) takes N revisions, as in the memory backend, and so does
-putting N keys with `put_many`: `PUT_MANY_KEYS` per transaction, at most one transaction per
-`PUT_MANY_PACE`, so the change log (below) holds two polls' worth of them and the watches of
-other processes read each key as its own change, not a `Resync`.
+putting N keys with `put_many`: `PUT_MANY_KEYS` per transaction, paced by the file (a
+transaction waits while the change log has no room for it without cutting a change younger
+than `RETAIN_SECONDS`; see "Compaction"), and leaving the write lock free between two of
+them as long as it held it (`PUT_MANY_SHARE`), so other processes' keepalives get in.
 
 Each store instance owns one connection, used only by a dedicated thread; a whole
 transaction runs in one hop to that thread. Background work per instance:
 
 - a watch poller: every `POLL_INTERVAL` (50 ms) it reads `meta` and, only if some watcher
-  is behind, the new change rows, in one read transaction, and fans them out to all of
-  this instance's watches. A watch whose next revision was trimmed, whose read failed, or
-  whose client was cut off (`set_unreachable`) gets a `Resync` read in that same snapshot.
+  is behind, the new change rows (`POLL_MAX_CHANGES` at most: a watch further behind gets
+  the next slice at once), in one read transaction, and fans them out to all of this
+  instance's watches; a watch whose consumer has a slice's worth unread waits for it to
+  catch up, then reads on from the log. A watch whose next revision was trimmed, whose
+  read failed, or whose client was cut off (`set_unreachable`) gets a `Resync` read in
+  that same snapshot.
 - a lease reaper: every `REAP_INTERVAL` (200 ms) it looks for an expired lease (a read,
   no lock) and only then deletes expired leases and their keys with delete events. Every
   client reaps, so a holder killed by SIGKILL loses its keys within TTL + ~0.25 s. Each
@@ -76,14 +82,21 @@ Layouts: a new file gets the current one (`SCHEMA_VERSION` 2). A version-1 file 
 migrated at open (see `_MIGRATE_FROM_1`), and so is the version-2 layout two development
 builds wrote, with no `leases.expires` (`_MIGRATE_FROM_DEV_2`; stop processes of those
 builds first: they judge leases differently). A version-2 file lacking any other column,
-or a newer version, is refused at open in one line naming what is missing.
+or a newer version, is refused at open in one line naming what is missing. The change
+log's retention adds `changes.at`, `meta.log_bytes` and two triggers to a version-2 file at
+open where missing (`sqlite_log.LOG_LAYOUT`; a read-only client needs none of them).
 
-Compaction: the change log keeps the last `RETAIN_CHANGES` (1000) revisions, trimmed
-every `TRIM_EVERY` writes, so its size is bounded whatever the write rate; a watcher that
-falls further behind than that gets a `Resync`, and a listing of what changed since a
-revision the log still reaches is read from it (`_changes_since`: a delta, the keys the
-log names, whatever the number of keys unchanged; a reconciliation pass over a quiet fleet
-of 100,000 reads nothing per instance). The WAL is checkpointed automatically
+Compaction (`shoal.store.sqlite_log`): the change log keeps every change of the last
+`RETAIN_SECONDS` (5 s) and the last `RETAIN_CHANGES` (1,000) revisions however old, within
+hard caps of `MAX_LOG_CHANGES` (100,000) rows and `MAX_LOG_BYTES` (64 MiB), trimmed every
+`TRIM_EVERY` revisions, so its size is bounded whatever the write rate, and writers in
+several processes at once (workers re-putting their cards after losing their leases
+together) do not write it through before another process's watch reads it. A watcher that
+falls behind what it keeps gets a `Resync`, and a listing of what changed since a revision
+the log still reaches, `DELTA_CHANGES` back at most, is read from it (`_changes_since`: a
+delta, the keys the log names,
+whatever the number of keys unchanged; a reconciliation pass over a quiet fleet of 100,000
+reads nothing per instance). The WAL is checkpointed automatically
 every `WAL_AUTOCHECKPOINT_PAGES` pages and truncated to `JOURNAL_SIZE_LIMIT` afterwards.
 """
 
@@ -128,6 +141,17 @@ from shoal.store.base import (
     checked_items,
     distinct_prefixes,
 )
+from shoal.store.sqlite_log import (
+    LOG_TRIGGERS,
+    RETAIN_CHANGES,
+    RETAIN_SECONDS,
+    TRIM_EVERY,
+    add_log_layout,
+    append,
+    append_many,
+    batches,
+    wait_for_room,
+)
 from shoal.urls import redact_url
 
 log = logging.getLogger(__name__)
@@ -138,17 +162,15 @@ POLL_INTERVAL = 0.05
 """Seconds between two reads of the change log by an instance's watch poller."""
 REAP_INTERVAL = 0.2
 """Seconds between two looks for expired leases."""
-RETAIN_CHANGES = 1000
-"""Revisions kept in the change log; older watchers get a `Resync`."""
-TRIM_EVERY = 64
-"""The change log is trimmed on every `TRIM_EVERY`-th revision."""
-PUT_MANY_KEYS = RETAIN_CHANGES // 4
-"""Keys a `put_many` writes per transaction (a few milliseconds of the store thread)."""
-PUT_MANY_PACE = POLL_INTERVAL / 2
-"""Seconds at least from one transaction of a `put_many` to its next: at most
-`PUT_MANY_KEYS` revisions per half poll, so the change log (`RETAIN_CHANGES` revisions) holds
-two polls' worth of them, and the watch of another process that polls on time reads every
-key as its own change, not a `Resync` of its whole prefix (20,000 keys: 2 s)."""
+POLL_MAX_CHANGES = 2048
+"""Changes one poll reads at most; a watch further behind is served by the next poll at once
+(a slice each: a burst of 30,000 changes is read and fanned out a slice per turn of the
+event loop, not in one)."""
+PUT_MANY_SHARE = 0.5
+"""The share of the time a `put_many` holds the file's write lock at most: after each of its
+transactions it leaves the lock free as long as it held it, so other processes' keepalives
+and writes get in between (SQLite's busy handler retries by sleeping, and misses a gap that
+is only a turn of the event loop)."""
 BUSY_TIMEOUT = 5.0
 """Seconds a statement waits for another process's lock before failing."""
 WAL_AUTOCHECKPOINT_PAGES = 256
@@ -165,9 +187,14 @@ the same layout without it maintain it as they write, and never read it)."""
 _LISTING_INDEX = (
     f"CREATE INDEX IF NOT EXISTS {LISTING_INDEX} ON kv (key, mod_revision, lease, create_revision)"
 )
+DELTA_CHANGES = RETAIN_CHANGES + TRIM_EVERY
+"""Revisions back a listing of what changed is read from the change log at most, as a delta
+(`_changes_since`): it scans them once per prefix. The log may keep up to `MAX_LOG_CHANGES`
+(every change of the last `RETAIN_SECONDS`); further back, the listing is whole."""
 _SCHEMA = (
     "CREATE TABLE meta (id INTEGER PRIMARY KEY CHECK (id = 0),"
-    " revision INTEGER NOT NULL, compact_revision INTEGER NOT NULL)",
+    " revision INTEGER NOT NULL, compact_revision INTEGER NOT NULL,"
+    " log_bytes INTEGER NOT NULL DEFAULT 0)",
     "INSERT INTO meta (id, revision, compact_revision) VALUES (0, 0, 0)",
     "CREATE TABLE kv (key TEXT PRIMARY KEY, value BLOB NOT NULL,"
     " mod_revision INTEGER NOT NULL, lease INTEGER NOT NULL DEFAULT 0,"
@@ -177,7 +204,9 @@ _SCHEMA = (
     "CREATE TABLE leases (id INTEGER PRIMARY KEY, ttl REAL NOT NULL, deadline REAL NOT NULL,"
     " boot TEXT NOT NULL DEFAULT '', expires REAL NOT NULL DEFAULT 0)",
     "CREATE INDEX leases_by_deadline ON leases (deadline)",
-    "CREATE TABLE changes (revision INTEGER PRIMARY KEY, key TEXT NOT NULL, value BLOB)",
+    "CREATE TABLE changes (revision INTEGER PRIMARY KEY, key TEXT NOT NULL, value BLOB,"
+    " at REAL NOT NULL DEFAULT 0)",
+    *LOG_TRIGGERS,
 )
 _COLUMNS = {
     "meta": ("id", "revision", "compact_revision"),
@@ -185,7 +214,8 @@ _COLUMNS = {
     "leases": ("id", "ttl", "deadline", "boot", "expires"),
     "changes": ("revision", "key", "value"),
 }
-"""The columns of each table in the layout of `SCHEMA_VERSION`, checked at open."""
+"""The columns of each table in the layout of `SCHEMA_VERSION`, checked at open (those of the
+change log's retention, `sqlite_log.LOG_LAYOUT`, are added where missing)."""
 # From version 1: keys get their create revision (their last write, the best known); the
 # leases of version-1 processes keep their wall-clock deadlines until those processes go.
 _MIGRATE_FROM_1 = (
@@ -356,15 +386,24 @@ def _connect(path: Path, busy_timeout: float, read_only: bool) -> sqlite3.Connec
     return conn
 
 
+def _columns(conn: sqlite3.Connection) -> set[str]:
+    """The file's columns of the tables of the layout, as `table.column`."""
+    return {
+        f"{table}.{row[1]}"
+        for table in _COLUMNS
+        for row in conn.execute(f"PRAGMA table_info({table})")
+    }
+
+
 def _missing_columns(conn: sqlite3.Connection) -> list[str]:
     """What the file lacks of the current layout: `table` or `table.column`, in order."""
+    have = _columns(conn)
     missing: list[str] = []
     for table, columns in _COLUMNS.items():
-        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-        if not have:
+        if not any(c.startswith(table + ".") for c in have):
             missing.append(table)
         else:
-            missing.extend(f"{table}.{c}" for c in columns if c not in have)
+            missing.extend(f"{table}.{c}" for c in columns if f"{table}.{c}" not in have)
     return missing
 
 
@@ -392,6 +431,7 @@ def _check_layout(conn: sqlite3.Connection, read_only: bool) -> None:
     if not migration:
         if not read_only:
             conn.execute(_LISTING_INDEX)  # (a file from before the index: built once)
+            add_log_layout(conn, _columns(conn))  # (likewise the log's retention)
         return
     if read_only:
         raise sqlite3.DatabaseError(
@@ -401,6 +441,7 @@ def _check_layout(conn: sqlite3.Connection, read_only: bool) -> None:
     for statement in migration:
         conn.execute(statement, params if ":wall" in statement else ())
     conn.execute(_LISTING_INDEX)
+    add_log_layout(conn, _columns(conn))
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
@@ -517,16 +558,17 @@ def _changes_since(
 ) -> Listing | None:
     """What changed under `prefixes` (`distinct_prefixes`) since `since`, as a delta
     (`Listing.removed`), read from the change log; None when the log does not reach back
-    to `since` (trimmed past it, or a file whose revision is behind it: another file).
+    to `since` (trimmed past it, or a file whose revision is behind it: another file), or
+    `since` is more than `DELTA_CHANGES` revisions back.
 
-    Read: the keys the log names after `since` (at most `RETAIN_CHANGES` + `TRIM_EVERY`
-    revisions: a bounded read whatever the fleet's size), the live rows of those, and the
+    Read: the keys the log names after `since` (at most `DELTA_CHANGES` revisions: a
+    bounded read whatever the fleet's size), the live rows of those, and the
     keys whose lease has expired but that are not reaped yet (a client that cannot write).
     A reader that held every key at `since` holds every key now once it applies them."""
     revision, compacted = conn.execute(
         "SELECT revision, compact_revision FROM meta WHERE id = 0"
     ).fetchone()
-    if since < compacted or since > revision:
+    if since < compacted or since > revision or revision - since > DELTA_CHANGES:
         return None
     items: list[KeyValue | KeyRevision] = []
     gone: set[str] = set()
@@ -579,49 +621,26 @@ def _revision(conn: sqlite3.Connection) -> int:
     return int(revision)
 
 
-def _append(conn: sqlite3.Connection, key: str, value: bytes | None) -> int:
-    """Take the next revision and log the change (`None`: a delete); trim the log now and then."""
-    conn.execute("UPDATE meta SET revision = revision + 1 WHERE id = 0")
-    revision = _revision(conn)
-    conn.execute(
-        "INSERT INTO changes (revision, key, value) VALUES (?, ?, ?)", (revision, key, value)
-    )
-    if revision % TRIM_EVERY == 0:
-        _trim(conn, revision)
-    return revision
-
-
-def _trim(conn: sqlite3.Connection, revision: int) -> None:
-    """Trim the change log to the last `RETAIN_CHANGES` revisions up to `revision`."""
-    if revision > RETAIN_CHANGES:
-        cutoff = revision - RETAIN_CHANGES
-        conn.execute("DELETE FROM changes WHERE revision <= ?", (cutoff,))
-        conn.execute(
-            "UPDATE meta SET compact_revision = ? WHERE id = 0 AND compact_revision < ?",
-            (cutoff, cutoff),
-        )
-
-
-def _delete_key(conn: sqlite3.Connection, key: str) -> int | None:
+def _delete_key(conn: sqlite3.Connection, now: float, key: str) -> int | None:
     if conn.execute("DELETE FROM kv WHERE key = ?", (key,)).rowcount == 0:
         return None
-    return _append(conn, key, None)
+    return append(conn, now, key, None)
 
 
-def _end_lease(conn: sqlite3.Connection, lease_id: int) -> None:
+def _end_lease(conn: sqlite3.Connection, now: float, lease_id: int) -> None:
     if not lease_id:
         return
     conn.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
     keys = conn.execute("SELECT key FROM kv WHERE lease = ? ORDER BY key", (lease_id,)).fetchall()
     for (key,) in keys:
-        _delete_key(conn, key)
+        _delete_key(conn, now, key)
 
 
 def _reap(conn: sqlite3.Connection, now: float) -> None:
     expired = conn.execute(f"SELECT id FROM leases WHERE {_EXPIRED}", _expired_at(now)).fetchall()
     for (lease_id,) in expired:
         log.debug("lease %x expired", lease_id)
-        _end_lease(conn, lease_id)
+        _end_lease(conn, now, lease_id)
 
 
 def _lease_exists(conn: sqlite3.Connection, lease_id: int) -> bool:
@@ -631,7 +650,7 @@ def _lease_exists(conn: sqlite3.Connection, lease_id: int) -> bool:
 def _put(conn: sqlite3.Connection, now: float, key: str, value: bytes, lease: int) -> int | None:
     if lease and not _lease_exists(conn, lease):
         return None
-    revision = _append(conn, key, value)
+    revision = append(conn, now, key, value)
     conn.execute(_UPSERT, (key, value, revision, lease, revision))
     return revision
 
@@ -644,24 +663,22 @@ _UPSERT = (
 
 
 def _put_many(
-    conn: sqlite3.Connection, now: float, items: list[tuple[str, bytes]], lease: int
-) -> int | None:
-    """`_put` of each of `items` (at most `PUT_MANY_KEYS`), each at a revision of its own,
-    in three statements: the revisions taken at once, then the log and the keys written by
-    `executemany`. The log is trimmed as `_append` would have, past the last revision."""
+    conn: sqlite3.Connection, now: float, items: Sequence[tuple[str, bytes]], lease: int
+) -> tuple[int, float] | None:
+    """`_put` of each of `items` (a `sqlite_log.batches` slice), each at a revision of its
+    own, in three statements: the revisions taken at once, then the log and the keys written
+    by `executemany`. Returns the last revision, or (0, seconds to wait) when the change log
+    has no room for them yet (`wait_for_room`): nothing is written."""
     if lease and not _lease_exists(conn, lease):
         return None
-    first = _revision(conn) + 1
-    last = first + len(items) - 1
-    conn.execute("UPDATE meta SET revision = ? WHERE id = 0", (last,))
-    logged = [(first + i, key, value) for i, (key, value) in enumerate(items)]
-    conn.executemany("INSERT INTO changes (revision, key, value) VALUES (?, ?, ?)", logged)
+    size = sum(len(key) + len(value) for key, value in items)
+    if (wait := wait_for_room(conn, now, len(items), size)) > 0:
+        return 0, wait
+    logged = append_many(conn, now, _revision(conn) + 1, items)
     conn.executemany(
         _UPSERT, [(key, value, revision, lease, revision) for revision, key, value in logged]
     )
-    if last // TRIM_EVERY > (first - 1) // TRIM_EVERY:
-        _trim(conn, last)
-    return last
+    return logged[-1][0], 0.0
 
 
 def _create(
@@ -679,12 +696,12 @@ def _create(
     ).rowcount
     if inserted != 1:
         return False
-    _append(conn, key, value)
+    append(conn, now, key, value)
     return True
 
 
 def _delete(conn: sqlite3.Connection, now: float, key: str) -> bool:
-    return _delete_key(conn, key) is not None
+    return _delete_key(conn, now, key) is not None
 
 
 def _grant(conn: sqlite3.Connection, now: float, ttl: float) -> int:
@@ -709,7 +726,7 @@ def _keepalive(conn: sqlite3.Connection, now: float, lease_id: int, ttl: float) 
 
 
 def _revoke(conn: sqlite3.Connection, now: float, lease_id: int) -> None:
-    _end_lease(conn, lease_id)
+    _end_lease(conn, now, lease_id)
 
 
 def _nothing(conn: sqlite3.Connection, now: float) -> None:
@@ -719,6 +736,7 @@ def _nothing(conn: sqlite3.Connection, now: float) -> None:
 @dataclass(frozen=True, slots=True)
 class _PollResult:
     revision: int
+    through: int  # the changes read go up to this revision (`revision`, or a slice's end)
     resyncs: dict[int, list[KeyValue]]
     changes: list[tuple[int, str, bytes | None]]
 
@@ -946,24 +964,31 @@ class SQLiteStore(Store):
         return await self._write_key(_put, "put", key, value, lease)
 
     async def put_many(self, items: Sequence[tuple[str, bytes]], *, lease: int = 0) -> int:
-        """`PUT_MANY_KEYS` keys per write transaction, in the store thread, each key at a
-        revision of its own (the change log has a row per revision), and at most one
-        transaction per `PUT_MANY_PACE` seconds: the change log holds two polls' worth of
-        them, so the watches of other processes get each key, not a `Resync`."""
+        """`PUT_MANY_KEYS` keys per write transaction (`sqlite_log.batches`), in the store
+        thread, each key at a revision of its own (the change log has a row per revision).
+        Paced by the file, not by the call: a transaction waits while the change log has no
+        room for it without cutting a change younger than `RETAIN_SECONDS`, so the watches of
+        other processes get each key, not a `Resync`, whatever the number of writers; and
+        after each, the lock is left free as long as it was held (`PUT_MANY_SHARE`)."""
         checked = await checked_items(items)
         revision = 0
-        next_at = 0.0
-        for start in range(0, len(checked), PUT_MANY_KEYS):
-            if (wait := next_at - time.monotonic()) > 0:
-                await asyncio.sleep(wait)
-            next_at = time.monotonic() + PUT_MANY_PACE
-            write = functools.partial(
-                _put_many, items=checked[start : start + PUT_MANY_KEYS], lease=lease
-            )
-            written = await self._call(functools.partial(self._write, write))
-            if written is None:
-                raise LeaseNotFoundError(f"lease {lease:x} does not exist (put_many)")
-            revision = written
+        held = 0.0
+        for batch in batches(checked):
+            if held:  # (a transaction that waited long for the lock: a poll's rest at most)
+                await asyncio.sleep(
+                    min(held, POLL_INTERVAL) * (1 - PUT_MANY_SHARE) / PUT_MANY_SHARE
+                )
+            write = functools.partial(_put_many, items=batch, lease=lease)
+            while True:
+                started = time.monotonic()
+                written = await self._call(functools.partial(self._write, write))
+                held = time.monotonic() - started
+                if written is None:
+                    raise LeaseNotFoundError(f"lease {lease:x} does not exist (put_many)")
+                revision, wait = written
+                if not wait:
+                    break
+                await asyncio.sleep(min(wait, RETAIN_SECONDS))
         return revision
 
     async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
@@ -1069,7 +1094,9 @@ class SQLiteStore(Store):
             self._watchers.discard(watcher)
 
     def _poll_read(self, plan: list[tuple[tuple[str, ...], int, bool]]) -> _PollResult:
-        """In one read transaction: the revision, the resyncs due, and the new changes."""
+        """In one read transaction: the revision, the resyncs due, and the new changes (at
+        most `POLL_MAX_CHANGES`, from the lowest revision a watch needs: `through` says how
+        far they go)."""
 
         def read(conn: sqlite3.Connection) -> _PollResult:
             now = lease_clock()
@@ -1084,20 +1111,25 @@ class SQLiteStore(Store):
                 elif next_revision <= revision:
                     low = next_revision if low is None else min(low, next_revision)
             changes: list[tuple[int, str, bytes | None]] = []
+            through = revision
             if low is not None:
+                through = min(revision, low + POLL_MAX_CHANGES - 1)
                 changes = conn.execute(
                     "SELECT revision, key, value FROM changes"
                     " WHERE revision >= ? AND revision <= ? ORDER BY revision",
-                    (low, revision),
+                    (low, through),
                 ).fetchall()
-            return _PollResult(int(revision), resyncs, changes)
+            return _PollResult(int(revision), int(through), resyncs, changes)
 
         return self._read(read)
 
-    async def _poll_once(self) -> None:
-        watchers = list(self._watchers)
+    async def _poll_once(self) -> bool:
+        """One poll; True if a watch is left behind the log's end (read a slice only)."""
+        # A watch whose consumer has not read a slice's worth is left out of this poll: it
+        # reads on from the log once it has room (the log keeps what it needs for a while).
+        watchers = [w for w in self._watchers if w.queue.qsize() < MAX_QUEUED - POLL_MAX_CHANGES]
         if not watchers:
-            return
+            return False
         epoch = self._epoch
         plan = [(w.prefixes, w.next_revision, w.resync or w.epoch != epoch) for w in watchers]
         try:
@@ -1107,7 +1139,7 @@ class SQLiteStore(Store):
                 w.resync = True
             raise
         if self._closed or self._unreachable or self._epoch != epoch:
-            return  # cut off while reading: what was read may be stale, resync later
+            return False  # cut off while reading: what was read may be stale, resync later
         revision = result.revision
         changes = _Changes(result.changes)
         for i, w in enumerate(watchers):
@@ -1126,7 +1158,7 @@ class SQLiteStore(Store):
                         w.queue.put_nowait(Delete(key, rev))
                     elif (data := _value(key, value)) is not None:
                         w.queue.put_nowait(Put(key, data, rev))
-            w.next_revision = max(w.next_revision, revision + 1)
+            w.next_revision = max(w.next_revision, result.through + 1)
             if w.queue.qsize() > MAX_QUEUED:
                 log.warning(
                     "watch on %s fell %d events behind; it will resync",
@@ -1136,6 +1168,7 @@ class SQLiteStore(Store):
                 while not w.queue.empty():
                     w.queue.get_nowait()
                 w.resync = True
+        return result.through < revision
 
     async def _poll_forever(self) -> None:
         """Poll until closed. A failed poll is reported (a traceback for the first of a run
@@ -1143,9 +1176,10 @@ class SQLiteStore(Store):
         serves every watch of this instance never stops because of one bad read."""
         failing = lost = False
         while not self._closed:
+            behind = False
             if not self._unreachable:
                 try:
-                    await self._poll_once()
+                    behind = await self._poll_once()
                     failing = False
                     if lost:
                         lost = False
@@ -1164,6 +1198,8 @@ class SQLiteStore(Store):
                     failing = True
                     for w in self._watchers:
                         w.resync = True
+            if behind:
+                continue  # (the next slice at once: reading it yielded to the event loop)
             timeout = POLL_INTERVAL if self._watchers else None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)

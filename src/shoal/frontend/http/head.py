@@ -1,6 +1,7 @@
 """What the gateway's HTTP server holds a request head to (`HttpConnection`, server.py): its
 size and header count (431), a declared body over `max_body` (413), a framing it cannot trust
-(Transfer-Encoding other than chunked: 501; on HTTP/1.0: 400, RFC 9112 §6.1), and what the
+(Transfer-Encoding other than chunked: 501; on HTTP/1.0: 400, RFC 9112 §6.1), the handler's
+`head_check` (a request without a valid key: 401 before its body is buffered), and what the
 server itself acts on (`Expect: 100-continue`, `Upgrade`).
 
 Trailer fields (after a chunked body) are never merged into the head: they are dropped, as
@@ -10,6 +11,7 @@ bytes of chunk framing and trailer section between two body bytes (`HttpConnecti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import httptools
@@ -20,6 +22,10 @@ from shoal.openai import ApiError
 # The request headers the server itself reads (the handler reads the others).
 _READ_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
 
+HeadCheck = Callable[[bytes, bytes, list[tuple[bytes, bytes]]], ApiError | None]
+"""The handler's own verdict on a request head (method, target, headers), before its body is
+read: what it would refuse anyway, whatever the body (a request without a valid key)."""
+
 
 class Limits(Protocol):
     """What a head is held to (`HttpServer`'s settings)."""
@@ -27,6 +33,7 @@ class Limits(Protocol):
     max_body: int
     max_header_size: int
     max_headers: int
+    head_check: HeadCheck | None
 
 
 class Verdict(NamedTuple):
@@ -73,6 +80,9 @@ def judge_head(
         return Verdict(
             errors.headers_too_large(f"over {limits.max_header_size} bytes"), False, False
         )
+    check = limits.head_check
+    if check is not None and (refused := check(parser.get_method(), url, headers)) is not None:
+        return Verdict(refused, False, False)  # (its body is never read: dropped, then close)
     return Verdict(None, expect_continue, upgrade) if expect_continue or upgrade else _PLAIN
 
 
@@ -94,10 +104,13 @@ def framing_too_large(limits: Limits) -> ApiError:
     )
 
 
-def without_upgrade(method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+def without_upgrade(
+    method: bytes, url: bytes, headers: list[tuple[bytes, bytes]], version: str = "1.1"
+) -> bytes:
     """A request head asking for an `Upgrade`, again without it: the server ignores it (RFC
-    9110 §7.8 allows it) and a fresh parser reads the request as HTTP/1.1."""
-    lines = [method, b" ", url, b" HTTP/1.1\r\n"]
+    9110 §7.8 allows it) and a fresh parser reads the request, in its own HTTP `version` (an
+    HTTP/1.0 client read as HTTP/1.1 got chunks, and its connection kept alive)."""
+    lines = [method, b" ", url, b" HTTP/1.0\r\n" if version == "1.0" else b" HTTP/1.1\r\n"]
     for name, value in headers:
         if name != b"upgrade":
             lines += (name, b": ", value, b"\r\n")

@@ -14,6 +14,7 @@ import contextlib
 import ssl
 import time
 
+from shoal.frontend.http.head import HeadCheck
 from shoal.frontend.http.server import Handler, HttpConnection
 
 TURN_SECONDS = 0.005  # a sweep's slice: then the loop turns (as `proxy.deadlines`)
@@ -40,8 +41,10 @@ class HttpServer:
         max_header_size: int = 64 * 1024,
         max_headers: int = 100,
         max_connections: int = 10_000,
+        head_check: HeadCheck | None = None,
     ) -> None:
         self.handler = handler
+        self.head_check = head_check  # the handler's verdict on a head, before its body
         self.max_body = max_body
         self.keepalive_timeout = keepalive_timeout
         self.header_timeout = header_timeout
@@ -60,7 +63,10 @@ class HttpServer:
         self, host: str, port: int, tls: ssl.SSLContext | None = None, *, reuse_port: bool = False
     ) -> None:
         """Listen on `host:port`; over TLS (HTTPS) when given a server context; with
-        `reuse_port`, beside the other processes listening there (`SO_REUSEPORT`)."""
+        `reuse_port`, beside the other processes listening there (`SO_REUSEPORT`). A TLS
+        handshake has `header_timeout` (a connection is one of `connections`, and its head
+        timed, once its handshake is done: asyncio's own 60 s let sockets that never finish
+        one outlive any head)."""
         self._server = await self.loop.create_server(
             lambda: HttpConnection(self),
             host,
@@ -69,6 +75,7 @@ class HttpServer:
             reuse_address=True,
             reuse_port=reuse_port or None,
             ssl=tls,
+            ssl_handshake_timeout=(self.header_timeout or None) if tls is not None else None,
         )
         self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
 

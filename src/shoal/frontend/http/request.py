@@ -46,6 +46,8 @@ class Request:
         keep_alive: bool,
         http11: bool,
     ) -> None:
+        if target[:1] != b"/":  # (absolute-form, RFC 9112 §3.2.2: served as its path)
+            target = origin_form(target)
         path, _, query = target.partition(b"?")
         self.method = method
         self.path = path
@@ -95,6 +97,17 @@ class Request:
             if key == name:
                 return value
         return None
+
+
+def origin_form(target: bytes) -> bytes:
+    """The path and query of a request target in absolute-form (`http://host/path?q`, which
+    a server must accept: RFC 9112 §3.2.2); any other target as it is (`*`, CONNECT's)."""
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return target
+    ends = [i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0]
+    tail = rest[min(ends) :] if ends else b""
+    return tail if tail[:1] == b"/" else b"/" + tail
 
 
 SMALL_PIECE = 512  # a piece of a body smaller than this is gathered with the next ones

@@ -285,10 +285,10 @@ class HttpConnection(asyncio.Protocol):
         """Ignore an `Upgrade` (RFC 9110 §7.8 allows it): a fresh parser reads the request
         again without it, body included, and the connection carries on as HTTP/1.1."""
         self._upgrading = False
-        method = self.parser.get_method()  # (the upgrade request's: the parser stopped at it)
-        self.parser = httptools.HttpRequestParser(self)
-        # (parsed before the bytes that followed the head)
-        self._held = head.without_upgrade(method, self._url, self._headers)
+        parser = self.parser  # (the upgrade request's method and version: it stopped there)
+        method, version = parser.get_method(), parser.get_http_version()
+        self.parser = httptools.HttpRequestParser(self)  # (it reads the head, then the rest)
+        self._held = head.without_upgrade(method, self._url, self._headers, version)
         self._held_pos = 0
         self._phase = IDLE
 
@@ -470,8 +470,8 @@ class HttpConnection(asyncio.Protocol):
         self._linger_left = max(LINGER_BYTES, 2 * self.server.max_body)
         self.pending.clear()  # (when the response cut the connection short)
         error, self._final = self._final, None
-        if error is not None:
-            transport.write(encode_response(error.status, error.body(), keep_alive=False))
+        if error is not None:  # (its header lines too: a refused head's CORS lines)
+            transport.write(encode_response(error.status, error.body(), headers=error.headers, keep_alive=False))  # fmt: skip
         self._update_reading()
         if transport.can_write_eof():
             try:

@@ -56,7 +56,10 @@ def parse_with_urllib(
         raise ValueError(f"URL {redact_url(url)!r}: only {wanted} URLs are supported")
     host = sys.intern(parts.hostname)  # (one copy per machine, not per instance)
     tls = tls if parts.scheme == "https" else None
-    port = parts.port or (443 if tls is not None else 80)
+    try:
+        port = parts.port or (443 if tls is not None else 80)
+    except ValueError:  # (urllib's message quotes the "port": a password's start, cut short)
+        raise ValueError(f"URL {redact_url(url)!r}: its port is no number in 0-65535") from None
     # Credentials in the URL are sent as Basic auth, never in `Host` nor in messages; a
     # query (never sent: refused in routes) is not shown either.
     hostport = parts.netloc.rpartition("@")[2]

@@ -8,8 +8,7 @@ At most `TURN_CALLS` body pieces are parsed a turn of the loop (1-byte chunks he
 seconds): a read over `FEED_SLICE` a slice at a time, the rest after a turn, reading paused.
 
 A connection goes back to its `Upstream`'s idle list when a response ends and both sides
-allow keep-alive; it is closed on any error, and removed from the idle list when the worker
-closes it.
+allow keep-alive; it is closed on any error, and leaves the idle list when the worker closes it.
 
 Workers are reached over plain HTTP; an external provider (a virtual model's `url` target)
 also over HTTPS, when the `Upstream` is given an `ssl.SSLContext` (SNI and certificate
@@ -565,14 +564,15 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _interim_head(self, sink: ResponseSink, status: int) -> None:
         """A 1xx response (100 Continue, 103 Early Hints): not relayed; the final one follows.
-
-        101 Switching Protocols is never asked for (`Upgrade` is not forwarded), so it is a
-        failure, and the connection is closed rather than pooled in an unknown state."""
-        self._headers = []
+        A failure (the connection closed, not pooled in an unknown state): a 101 (`Upgrade` is
+        never forwarded), a status under 100 (invalid), a 1xx declaring a body (it has none:
+        RFC 9110 §15.2; httptools reads it, and its bytes reached the client unframed)."""
+        framed, self._headers = self._chunked or self._has_length, []
         self._chunked = self._has_length = False
-        if status == 101:
+        if status == 101 or status < 100 or framed:
             self.abort()
-            sink.on_failure(UpstreamError(f"{self.upstream.address} switched protocols unasked"))
+            what = "switched protocols unasked" if status == 101 else f"answered status {status}"
+            sink.on_failure(UpstreamError(f"{self.upstream.address} {what}"))
             return
         self._interim = True
 

@@ -210,10 +210,13 @@ class KeyWatcher:
             return snapshot.revision
 
     async def _watch(self, workspace: str, start_revision: int) -> None:
-        """Watch for ever; after a broken watch, read again and watch from that read."""
+        """Watch for ever; after a broken watch, read again and watch from that read. The
+        loop turns every `SLICE` events: a store hands a burst over without a wait (a
+        workspace's keys published at once: 20,000 grants decoded in one turn)."""
         backoff = 0.1
         while True:
             try:
+                events = 0
                 async for event in self.store.watch(grants_prefix(workspace), start_revision):
                     if isinstance(event, Put):
                         self.ring.put(event.key, event.value)
@@ -222,6 +225,10 @@ class KeyWatcher:
                     else:
                         await self.ring.replace(workspace, event.items)
                     backoff = 0.1
+                    events += 1
+                    if events >= SLICE:
+                        events = 0
+                        await asyncio.sleep(0)
                 log.warning("key watch of %r ended; restarting", workspace)
             except asyncio.CancelledError:
                 raise

@@ -13,6 +13,13 @@ tracker tells which instances to follow.
 
 Everything here runs off the request path: subscriptions apply events in their own tasks,
 tokenizers load in a thread; the policy only reads `sets`.
+
+Sets whose cards name the same tokenizer and config files (by checksum: models fine-tuned
+from one base, one model in many namespaces) share one `PromptTokenizer`, loaded once and
+closed with the last set that uses it: a load holds the GIL for ~100 ms (`tokenizers`
+parses the file without letting it go), and each tokenizer keeps its own tables and prompt
+cache (up to `CHAIN_CACHE_BYTES`). Loads run one at a time, so that many new tokenizers
+hold the loop for one load at a time, not for a pile of threads each waiting for the GIL.
 """
 
 from __future__ import annotations
@@ -49,6 +56,17 @@ class KvSet:
     avg_uncached_blocks: float = 1.0  # a moving average: the load term's unit
 
 
+TokenizerKey = tuple[str, str | None]  # the checksums of the tokenizer and config files
+
+
+@dataclass(eq=False)
+class _SharedTokenizer:
+    """One tokenizer loaded for every set whose files are the same, and who uses it."""
+
+    load: asyncio.Task[PromptTokenizer]
+    users: set[SetId] = field(default_factory=set)
+
+
 @dataclass(eq=False)
 class _Tracked:
     """One instance's subscription and the sets its events feed."""
@@ -68,6 +86,9 @@ class KvTracker:
         self._tracked: dict[tuple[EndpointId, int], _Tracked] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._loads: set[asyncio.Task[None]] = set()
+        self._tokenizers: dict[TokenizerKey, _SharedTokenizer] = {}
+        self._set_tokenizer: dict[SetId, TokenizerKey] = {}
+        self._one_load = asyncio.Lock()
         self.stream: KvStreamReader | None = None
         self._by_key: dict[StreamKey, set[tuple[EndpointId, int]]] = {}
 
@@ -78,9 +99,10 @@ class KvTracker:
         reader.start()
 
     async def close(self) -> None:
-        for state in self.sets.values():
-            if state.tokenizer is not None:
-                state.tokenizer.close()
+        loads = [shared.load for shared in self._tokenizers.values()]
+        for set_id in list(self._set_tokenizer):
+            self._release(set_id)
+        await asyncio.gather(*loads, return_exceptions=True)
         for tracked in list(self._tracked.values()):
             if tracked.subscription is not None:
                 await tracked.subscription.stop()
@@ -112,10 +134,8 @@ class KvTracker:
 
     def left(self, key: ModelKey, ws: WorkerSet) -> None:
         self.untrack(key.endpoint, key.instance_id, ws)
-        if not ws.members:
-            state = self.sets.pop(ws.id, None)
-            if state is not None and state.tokenizer is not None:
-                state.tokenizer.close()
+        if not ws.members and self.sets.pop(ws.id, None) is not None:
+            self._release(ws.id)
 
     # -- tracking -----------------------------------------------------------------------------
 
@@ -238,22 +258,51 @@ class KvTracker:
         if self.cache is None:
             state.no_tokenizer = "no metadata cache"
             return
-        path = self.cache.path(tokenizer.checksum)
         config = card.metadata_files.get(CONFIG_FILE)
-        config_path = None if config is None else self.cache.path(config.checksum)
-        checksums = [f.checksum for f in (tokenizer, config) if f is not None]
-        task = asyncio.ensure_future(self._load(state, ws.id, path, config_path, checksums))
+        key: TokenizerKey = (tokenizer.checksum, None if config is None else config.checksum)
+        shared = self._tokenizers.get(key)
+        if shared is None:
+            path = self.cache.path(tokenizer.checksum)
+            config_path = None if config is None else self.cache.path(config.checksum)
+            load = asyncio.ensure_future(self._load(path, config_path, key))
+            shared = self._tokenizers[key] = _SharedTokenizer(load)
+        shared.users.add(ws.id)
+        self._set_tokenizer[ws.id] = key
+        task = asyncio.ensure_future(self._use(state, ws.id, shared.load))
         self._loads.add(task)
         task.add_done_callback(self._loads.discard)
 
-    async def _load(
-        self, state: KvSet, set_id: SetId, path: Path, config: Path | None, checksums: list[str]
-    ) -> None:
-        try:
+    async def _load(self, path: Path, config: Path | None, key: TokenizerKey) -> PromptTokenizer:
+        async with self._one_load:
             if self.cache is not None:
-                await self.cache.written(*checksums)  # (a card joins before its files are on disk)
-            state.tokenizer = await asyncio.to_thread(PromptTokenizer.load, path, config)
-            state.no_tokenizer = ""
+                await self.cache.written(*(c for c in key if c is not None))
+            # (a card joins before its files are on disk)
+            return await asyncio.to_thread(PromptTokenizer.load, path, config)
+
+    async def _use(self, state: KvSet, set_id: SetId, load: asyncio.Task[PromptTokenizer]) -> None:
+        try:
+            tokenizer = await asyncio.shield(load)
+        except asyncio.CancelledError:
+            raise  # (the set left, or the tracker closes)
         except Exception as exc:  # any unusable file: the set routes by prefix instead
             state.no_tokenizer = f"its tokenizer could not be loaded: {exc}"
             log.warning("kv router: %s/%s: %s", set_id.model, set_id.namespace, state.no_tokenizer)
+            return
+        if self.sets.get(set_id) is state:
+            state.tokenizer, state.no_tokenizer = tokenizer, ""
+
+    def _release(self, set_id: SetId) -> None:
+        """`set_id` no longer uses its tokenizer: close it with its last user."""
+        key = self._set_tokenizer.pop(set_id, None)
+        shared = None if key is None else self._tokenizers.get(key)
+        if key is None or shared is None:
+            return
+        shared.users.discard(set_id)
+        if shared.users:
+            return
+        del self._tokenizers[key]
+        load = shared.load
+        if not load.done():
+            load.cancel()
+        elif not load.cancelled() and load.exception() is None:
+            load.result().close()

@@ -7,6 +7,11 @@ sets; process-wide, so an embedded frontend leaves it alone by default) moves wh
 built into the collector's permanent generation as it goes. Only a reference cycle among
 frozen objects that dies later is then kept for good; an instance that leaves leaves none
 (tests/frontend/test_collector.py).
+
+After the first load, `freeze_bursts` does the same for a burst of registry changes (a
+worker announcing its 20,000 adapters at once: unfrozen, each full collection went through
+all that the burst built, 30-128 ms of the loop each, growing with it, and found nothing).
+Between bursts the collector runs as usual.
 """
 
 from __future__ import annotations
@@ -14,12 +19,31 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from collections.abc import Callable
 
 FREEZE_INTERVAL = 0.25  # seconds between two `gc.freeze()` while loading
 FREEZE_WINDOW = 120.0  # seconds after loaded that freezing goes on while fetches are in flight
+BURST_CHANGES = 256  # registry changes within one `FREEZE_INTERVAL` that make a burst
 
 _loading = 0  # loads freezing now, in this process
 _saved: tuple[int, int, int] | None = None  # the thresholds before the first of them
+
+
+def _lift() -> None:
+    """No full collection while some freezing goes on (the first of several lifts it)."""
+    global _loading, _saved
+    if _loading == 0:
+        _saved = gc.get_threshold()
+        gc.set_threshold(_saved[0], _saved[1], 2**30)
+    _loading += 1
+
+
+def _restore() -> None:
+    """The last freezing to end puts the thresholds back."""
+    global _loading
+    _loading -= 1
+    if _loading == 0 and _saved is not None:
+        gc.set_threshold(*_saved)
 
 
 async def freeze_while_loading(loaded: asyncio.Event, fetched: asyncio.Event) -> None:
@@ -28,12 +52,8 @@ async def freeze_while_loading(loaded: asyncio.Event, fetched: asyncio.Event) ->
     collection runs (the oldest generation's threshold is lifted, and put back after):
     what it would go through is what the next freeze takes, and each one went through a
     quarter second of the load, 10-17 ms of the loop."""
-    global _loading, _saved
     loaded_at: float | None = None
-    if _loading == 0:  # (the first of several loads in one process lifts it, the last puts it back)
-        _saved = gc.get_threshold()
-        gc.set_threshold(_saved[0], _saved[1], 2**30)
-    _loading += 1
+    _lift()
     try:
         while True:
             gc.freeze()
@@ -43,6 +63,29 @@ async def freeze_while_loading(loaded: asyncio.Event, fetched: asyncio.Event) ->
                     return
             await asyncio.sleep(FREEZE_INTERVAL)
     finally:
-        _loading -= 1
-        if _loading == 0 and _saved is not None:
-            gc.set_threshold(*_saved)
+        _restore()
+
+
+async def freeze_bursts(changes: Callable[[], int]) -> None:
+    """For ever: while `changes()` (a count that every registry change bumps) grows by
+    `BURST_CHANGES` or more in a `FREEZE_INTERVAL`, freeze as the first load does, with no
+    full collection meanwhile; when an interval has fewer, freeze once more and put the
+    thresholds back. What is frozen is what the burst built; garbage made in the last
+    interval that no younger collection found is kept for good, as with the first load
+    (the request path leaves no cycles: tests/frontend/test_request_garbage*.py)."""
+    last = changes()
+    while True:
+        await asyncio.sleep(FREEZE_INTERVAL)
+        now = changes()
+        if now - last >= BURST_CHANGES:
+            _lift()
+            try:
+                while now - last >= BURST_CHANGES:
+                    gc.freeze()
+                    last = now
+                    await asyncio.sleep(FREEZE_INTERVAL)
+                    now = changes()
+                gc.freeze()
+            finally:
+                _restore()
+        last = now

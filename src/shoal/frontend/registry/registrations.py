@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import time
 from dataclasses import dataclass
 
 from shoal.discovery import (
@@ -64,6 +65,51 @@ class Waiters:
     task: asyncio.Task[None] | None = None
 
 
+JOIN_LINES = 10  # new models named at INFO in a second; the others are counted
+
+
+class JoinLines:
+    """The INFO lines of new models after the first load: the first `JOIN_LINES` of a
+    second are named, the rest counted in one line when the second is over. A worker
+    announcing 20,000 adapters to a running frontend wrote 20,000 lines, a third of the
+    joins' CPU."""
+
+    __slots__ = ("_flush", "_more", "_named", "_since")
+
+    def __init__(self) -> None:
+        self._since = 0.0
+        self._named = 0
+        self._more = 0
+        self._flush: asyncio.TimerHandle | None = None
+
+    def named(self) -> bool:
+        """Whether this new model is named at INFO (otherwise it is counted)."""
+        now = time.monotonic()
+        if now - self._since >= 1.0 and self._more == 0:
+            self._since, self._named = now, 0
+        if self._named < JOIN_LINES:
+            self._named += 1
+            return True
+        self._more += 1
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_at(
+                asyncio.get_running_loop().time() + max(0.0, self._since + 1.0 - now),
+                self._say,
+            )
+        return False
+
+    def _say(self) -> None:
+        self._flush = None
+        if self._more:
+            log.info("%d more models joined in the last second (named at DEBUG)", self._more)
+        self._since, self._named, self._more = time.monotonic(), 0, 0
+
+    def close(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            self._say()
+
+
 class Registrations:
     """The registrations of a `ModelWatcher` and the moves that change them: add, remove,
     retaint, fetch the metadata and join the worker set, or refuse. Each move's caller takes
@@ -89,6 +135,7 @@ class Registrations:
     _joinable: collections.deque[tuple[Waiters, asyncio.Future[None]]]  # fetched: to join
     _joiner: asyncio.Task[None] | None  # joins them (`_join_ready`), while there are some
     quiet_joins = False  # (a first load: joins logged at DEBUG, counted by progress lines)
+    join_lines: JoinLines  # how many new models are named at INFO
 
     # -- the generation fence ----------------------------------------------------------------
 
@@ -343,8 +390,9 @@ class Registrations:
         # The first instance of a worker set at INFO, the others at DEBUG: a fleet's cold
         # start would write a line per instance (100,000 lines, a second of CPU); during
         # the first load, all at DEBUG (10,000 models: 0.3 s), its progress lines at INFO.
+        first = len(ws.members) == 1 and not self.quiet_joins
         log.log(
-            logging.INFO if len(ws.members) == 1 and not self.quiet_joins else logging.DEBUG,
+            logging.INFO if first and self.join_lines.named() else logging.DEBUG,
             "model %r: instance %x joined (%s; %d in its worker set)",
             model.card.display_name,
             model.instance_id,

@@ -45,10 +45,10 @@ from shoal.discovery import (
     Query,
     Removed,
 )
-from shoal.frontend.registry.freeze import FREEZE_WINDOW, freeze_while_loading
+from shoal.frontend.registry.freeze import FREEZE_WINDOW, freeze_bursts, freeze_while_loading
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.metrics import FrontendMetrics
-from shoal.frontend.registry.registrations import Registration, State
+from shoal.frontend.registry.registrations import JoinLines, Registration, State
 from shoal.frontend.registry.registry import Registry, SetId
 from shoal.frontend.registry.scope import FollowedScope
 from shoal.frontend.registry.store_state import StoreState
@@ -133,6 +133,7 @@ class ModelWatcher(FollowedScope):
         self.store = StoreState()
         self.on_store_back: Callable[[], None] = _nothing  # a store watch has it back
         self.versions: Versions[SetId, ModelKey] = Versions()  # every card, joined or not
+        self.join_lines = JoinLines()
         self._refused: dict[SetId, dict[ModelKey, Registration]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -165,6 +166,9 @@ class ModelWatcher(FollowedScope):
         for query in self.queries:
             self._spawn(self._watch(query, after_listing=True), f"watch:{query.models_prefix}")
         self.snapshot_loaded.set()
+        if self.freeze_loading:
+            registry = self.registry
+            self._spawn(freeze_bursts(lambda: registry.version), "discovery:gc-freeze-bursts")
         log.info("discovery loaded: %s", self._progress_line())
 
     def progress(self) -> dict[str, int | None]:
@@ -206,6 +210,7 @@ class ModelWatcher(FollowedScope):
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
+        self.join_lines.close()
         await self.cache.close()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:

@@ -1,0 +1,95 @@
+"""A request without a valid key is refused on its head, before its body is read: a gateway
+that read first buffered `--max-body` (16 MiB) per connection for anyone (20 connections
+held 316 MB of an `--auth keys` frontend), and a byte every `--body-timeout` kept it so."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from shoal.store import Store
+from tests.frontend.conftest import StartFrontend, StartWorker
+from tests.frontend.support import serving
+from tests.frontend.test_client_limits import read_until_closed
+from tests.frontend.test_keys import SECRET, grant
+from tests.helpers import wait_for
+
+BODY = json.dumps({"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def head(
+    authorization: bytes | None, length: int, *extra: bytes, target: bytes = b"/v1/chat/completions"
+) -> bytes:
+    lines = [b"POST " + target + b" HTTP/1.1", b"Host: t", *extra]
+    if authorization is not None:
+        lines.append(b"Authorization: " + authorization)
+    lines.append(b"Content-Length: %d" % length)
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+async def answer_to_head_alone(port: int, data: bytes) -> bytes:
+    """What the server answers a request head whose declared body never comes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        return await read_until_closed(reader, timeout=5.0)  # (the body timeout: 30 s)
+    finally:
+        writer.close()
+
+
+def error_of(received: bytes) -> dict[str, Any]:
+    error: dict[str, Any] = json.loads(received.partition(b"\r\n\r\n")[2])["error"]
+    return error
+
+
+@pytest.mark.parametrize("settings", [{"api_keys": ("s3cret",)}, {"auth": "keys"}])
+@pytest.mark.parametrize(
+    "authorization", [None, b"Bearer wrong", b"Basic czNjcmV0"], ids=["none", "wrong", "basic"]
+)
+async def test_a_request_without_a_valid_key_is_401_before_its_body_is_read(
+    store: Store,
+    start_worker: StartWorker,
+    start_frontend: StartFrontend,
+    settings: dict[str, Any],
+    authorization: bytes | None,
+) -> None:
+    worker = await start_worker("mock-llm")
+    await grant(store, SECRET)
+    frontend = await start_frontend(**settings)
+    await wait_for(lambda: serving(frontend), message="served")
+    received = await answer_to_head_alone(frontend.port, head(authorization, 8 << 20))
+    assert received.startswith(b"HTTP/1.1 401 ")
+    absolute = head(authorization, 8 << 20, target=b"http://gateway/v1/chat/completions")
+    assert (await answer_to_head_alone(frontend.port, absolute)).startswith(b"HTTP/1.1 401 ")
+    assert b"connection: close" in received.partition(b"\r\n\r\n")[0]
+    assert error_of(received)["code"] == "invalid_api_key"
+    assert worker.requests == 0
+
+
+async def test_a_valid_key_still_sends_its_body_and_a_bad_one_is_answered_as_before(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """The head's check refuses only what the handler would: a valid key's large body is
+    read and forwarded; a refused request from an allowed page still carries the CORS
+    headers the page needs to read its 401."""
+    worker = await start_worker("mock-llm")
+    await grant(store, SECRET)
+    frontend = await start_frontend(auth="keys", cors_origins=("https://app.example",))
+    await wait_for(lambda: serving(frontend), message="served")
+    padded = BODY[:-1] + b', "user": "' + b"u" * 600_000 + b'"}'
+    valid = head(b"Bearer " + SECRET.encode(), len(padded), b"Connection: close") + padded
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    try:
+        writer.write(valid)
+        received = await read_until_closed(reader)
+    finally:
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 200 ") and worker.requests == 1
+    origin = b"Origin: https://app.example"
+    refused = await answer_to_head_alone(frontend.port, head(b"Bearer wrong", 1 << 20, origin))
+    refused_head = refused.partition(b"\r\n\r\n")[0].lower()
+    assert refused.startswith(b"HTTP/1.1 401 ")
+    assert b"access-control-allow-origin: https://app.example" in refused_head
