@@ -3,13 +3,19 @@ is restarted, failing starts back off exponentially and end in a failure report.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from shoal.catalog import backends
 from shoal.catalog.backends import GIVE_UP_AFTER, LocalBackend, worker_command
+from shoal.catalog.controller import stop_local_work
+from shoal.catalog.leader import LeadershipLost
 from shoal.catalog.resources import Deployment
 from shoal.discovery import Discovery, Query
 from shoal.store import open_store
@@ -89,3 +95,36 @@ async def test_failing_starts_back_off_exponentially_then_report_failure(tmp_pat
     assert delays == [1.0, 2.0, 4.0, 8.0, 16.0][: len(delays)]
     assert observed.failed and "exited with 2" in observed.message
     await backend.close()
+
+
+async def test_a_worker_being_started_when_the_fence_stops_its_deployment_is_stopped_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leadership lapses while a replica's process is being made, and the fence stops the
+    deployment meanwhile: the process it was making had no handle yet, so it was left
+    running, tracked nowhere (a worker the next leader doubles, until this process ends).
+    It is stopped as soon as it is made, and the start refused (`LeadershipLost`)."""
+    leading = [True]
+    backend = LocalBackend("memory://unused", tmp_path / "logs", may_start=lambda: leading[0])
+    made: list[asyncio.subprocess.Process] = []
+    spawn = asyncio.create_subprocess_exec
+
+    async def spawned(*_command: str, **kwargs: Any) -> asyncio.subprocess.Process:
+        leading[0] = False  # the lease lapses; the fence loop runs meanwhile
+        await stop_local_work(backend)
+        made.append(await spawn("sleep", "600", **kwargs))  # (a worker that is slow to go)
+        return made[-1]
+
+    monkeypatch.setattr(backends.asyncio, "create_subprocess_exec", spawned)
+    try:
+        with pytest.raises(LeadershipLost):
+            await backend.start(deployment(replicas=1))
+        assert len(made) == 1
+        assert made[0].returncode is not None  # stopped, not left behind
+        assert backend.running() == set()
+    finally:
+        await backend.close()
+        for proc in made:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()

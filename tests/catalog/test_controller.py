@@ -16,6 +16,7 @@ from tests.catalog.controller_fixtures import (
     FakeBackend,
     announce,
     controller_on,
+    insert_rows,
     openai_servers,
     seed_converged,
 )
@@ -356,3 +357,55 @@ async def test_a_failing_workspace_does_not_stop_the_others_nor_fail_the_pass(
         client.fail = lambda call: call.startswith("GET /v1/workspaces/") and "/providers" in call
         with pytest.raises(PassError, match="2 workspace"):  # every workspace failed: it fails
             await ctl.step()
+
+
+async def test_fleet_providers_of_one_namespace_cost_one_discovery_listing_per_pass(
+    catalog: CatalogServer,
+) -> None:
+    """40 fleet providers (a deployment each) in one namespace, listed 16 at once: each of
+    the first 16 listed the whole namespace before any had cached it (16 listings of every
+    card of the fleet per pass, for one). Concurrent listings of a namespace share one."""
+    async with controller_on(catalog.url, workspaces=[WS]) as (ctl, client, store):
+        await announce(store, "prod", "m", 1)
+        for i in range(40):
+            await client.create(PROVIDERS, {"name": f"f{i:02d}", "type": "fleet",
+                                            "namespace": "prod"})  # fmt: skip
+        discovery = ctl.providers.fleet.discovery
+        listings: list[str] = []
+        real_list = discovery.list
+
+        async def listing(query: object) -> object:
+            listings.append(str(query))
+            await asyncio.sleep(0.01)  # a listing takes its time (a turn is not enough)
+            return await real_list(query)  # type: ignore[arg-type]
+
+        discovery.list = listing  # type: ignore[method-assign]
+        await ctl.step()
+        assert len(listings) == 1, listings
+        assert {p.status for p in await client.list_all(PROVIDERS)} == {"READY"}
+        await ctl.step()
+        assert len(listings) == 2
+
+
+async def test_a_deployment_whose_status_no_listing_names_keeps_its_workers_and_provider(
+    catalog: CatalogServer, database_url: str
+) -> None:
+    """Deployments were listed once per known status (filter=status=...): a row whose status
+    none names (a newer catalog's `PAUSED`) was in no listing, not even as unreadable, so its
+    workers were stopped and its provider deleted as if the row were gone (and a row whose
+    status changed between two of the six listings was missed the same way). One listing of
+    every deployment: such a row is unreadable, left as it is."""
+    backend = FakeBackend()
+    await insert_rows(database_url, DEPLOYMENTS, WS, [
+        {"name": "odd", "model": "m", "engine": "mocker", "replicas": 1, "status": "PAUSED"},
+    ])  # fmt: skip
+    async with controller_on(catalog.url, workspaces=[WS], backend=backend) as (ctl, client, _):
+        backend.runs.add((WS, "odd"))  # its workers, started while it was READY
+        await client.create(PROVIDERS, {"name": "deployment-odd", "type": "fleet",
+                                        "autoprovisioned": True})  # fmt: skip
+        await client.create(DEPLOYMENTS, {"name": "d", "model": "m", "engine": "mocker"})
+        await ctl.step()
+        assert ctl.last is not None and ctl.last.failed == {}
+        assert (await client.get(DEPLOYMENTS, "d")).status == "PENDING"  # the others go on
+        assert (WS, "odd") in backend.runs and "odd" not in backend.stopped
+        assert [p.name for p in await client.list_all(PROVIDERS)] == ["deployment-odd"]

@@ -570,3 +570,42 @@ async def test_a_providers_listing_is_bounded(
         monkeypatch.setattr(providers_module, "LISTING_MODELS", 100_000)
         await ctl.step()
         assert (await client.get(PROVIDERS, "p")).status == "READY"
+
+
+async def test_a_provider_row_the_client_cannot_read_keeps_its_models_routes(
+    catalog: CatalogServer, database_url: str
+) -> None:
+    """A provider row that no longer validates (left by an older catalog) is left as it is,
+    and so is what it serves: its passthrough virtual models are not deleted and their
+    routes are not rewritten without its targets; the workspace's other provider goes on."""
+    await seed_converged(database_url, {"odd": ["m-odd"], "good": ["m-good"]})
+    async with (
+        openai_servers(["m-odd"], ["m-good"]) as [odd_server, good_server],
+        controller_on(catalog.url, workspaces=[WS]) as (ctl, client, store),
+    ):
+        await client.update(PROVIDERS, "odd", {"base_url": odd_server.base_url})
+        await client.update(PROVIDERS, "good", {"base_url": good_server.base_url})
+        await ctl.step()
+        before = await store.get(route_key(WS, "m-odd"))
+        assert before is not None and decode_route(before.key, before.value).targets
+        engine = open_engine(database_url)  # the row goes bad, as an older catalog left it
+        try:
+            async with engine.begin() as conn:
+                table = PROVIDERS.table
+                row = (await conn.execute(
+                    table.select().where(table.c.workspace == WS, table.c.name == "odd")
+                )).one()  # fmt: skip
+                await conn.execute(
+                    table.update().where(table.c.id == row.id)
+                    .values(data={**row.data, "served_models": "not a list"})
+                )  # fmt: skip
+        finally:
+            await engine.dispose()
+        for _ in range(2):
+            await ctl.step()
+            assert ctl.last is not None and ctl.last.failed == {}
+        assert [vm.name for vm in await client.list_all(VIRTUAL_MODELS)] == ["m-good", "m-odd"]
+        after = await store.get(route_key(WS, "m-odd"))
+        assert after is not None and after.mod_revision == before.mod_revision
+        assert (await client.get(MODELS, "m-odd")).providers == [f"{WS}/odd"]
+        assert (await client.get(PROVIDERS, "good")).status == "READY"

@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 
-from shoal.catalog import KEYS, CatalogError, CatalogServer
+from shoal.catalog import KEYS, CatalogError, CatalogServer, routing
 from shoal.catalog.controller import PassError
 from shoal.catalog.grants import KeysResult
 from shoal.catalog.leader import Leadership, LeadershipLost
+from shoal.catalog.routing import SLICE
+from shoal.discovery import route_key
 from shoal.discovery.grants import decode_grant, grant_key, grants_prefix, hash_secret
-from tests.catalog.controller_fixtures import WS, controller_on
+from tests.catalog.controller_fixtures import WS, controller_on, seed_converged
 from tests.helpers import wait_for
 
 
@@ -252,3 +254,33 @@ async def test_the_keys_phase_turns_the_loop_every_slice_of_keys(
         assert len(beats) >= 6
     finally:
         await store.close()
+
+
+async def test_a_replica_whose_leadership_lapses_while_it_publishes_routes_stops_within_a_slice(
+    catalog: CatalogServer, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leadership was checked once before a workspace's routes were published: a replica
+    whose lease lapsed after its first route went on writing the other 2,000 (and deleting
+    routes, each after a catalog read) while another replica led; at 1-5 ms a write on etcd,
+    10,000 routes outlast a TTL. It is checked again every `SLICE` routes and before each
+    delete: the pass stops with `LeadershipLost` within a slice."""
+    await seed_converged(database_url, {"p": [f"m{i:04d}" for i in range(4 * SLICE + 1)]})
+    async with controller_on(catalog.url, workspaces=[WS]) as (ctl, _, store):
+        await store.put(route_key(WS, "gone-vm"), b"{}")  # a route whose model was deleted
+        leadership = ctl.leadership = Leadership(store, "models-controller", ttl=2.0)
+        await wait_for(leadership.hold, timeout=10)  # (a TTL long enough for a loaded machine)
+        written: list[bool] = []  # whether each route was written while in force
+        real_publish = routing.publish_route
+
+        async def publish_route(to: Any, route: Any) -> bool:
+            written.append(leadership.in_force())
+            if len(written) == 10:
+                assert leadership.lease is not None
+                await leadership.lease.revoke()  # its lease ends; another replica may lead
+            return await real_publish(to, route)
+
+        monkeypatch.setattr(routing, "publish_route", publish_route)
+        with pytest.raises(LeadershipLost):
+            await ctl.step()
+        assert 10 <= len(written) <= SLICE, len(written)
+        assert await store.get(route_key(WS, "gone-vm")) is not None  # nor deleted

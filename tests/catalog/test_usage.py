@@ -446,3 +446,21 @@ async def test_a_minute_out_of_range_in_utc_refuses_the_batch_naming_it(
         assert caught.value.param == "rows.0.minute"
     good = {"batch_id": "batch-0200", "rows": [row("a", "chat", "2030-01-01T00:00:00Z", 1)]}
     assert await client.record_usage(good)
+
+
+async def test_a_report_over_its_item_bound_is_refused_not_cut_short(
+    client: CatalogClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A report was cut at its 100,000th item in silence (90 days of minutes are 129,600): a
+    client summing it (a bill) got a part for the whole, with nothing to say so. Over the
+    bound it is 422 naming it; at the bound it is whole."""
+    from shoal.catalog import usage
+
+    monkeypatch.setattr(usage, "REPORT_ITEMS", 3)
+    rows = [row("a", "chat", f"2030-01-01T00:0{i}:00Z", 1) for i in range(4)]
+    assert await client.record_usage({"batch_id": "batch-many", "rows": rows})
+    with pytest.raises(InvalidError) as caught:
+        await client.usage(group_by="minute")
+    assert "over 3" in caught.value.message and caught.value.param == "group_by"
+    assert len(await client.usage(group_by="minute", end="2030-01-01T00:03:00Z")) == 3
+    assert [i["requests"] for i in await client.usage(group_by="key")] == [4]

@@ -6,7 +6,8 @@ PostgreSQL, Alembic migrations), the REST API over it (FastAPI), the typed clien
 and `apply` (a file of resources made true). The models controller that reconciles all this
 belongs here too: `controller` (the pass, in one file), its phases `deployments` and
 `providers`, the entity `cache` they write through, `calls` (the client, beating), the
-deployment `backends`, `routing` (virtual models to published routes) and `leader`.
+deployment `backends`, `routing` (virtual models to published routes), `leader` and `collector`
+(full garbage collections kept out of the passes).
 Nothing imports the catalog except `shoal.cli`.
 """
 

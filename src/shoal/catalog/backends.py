@@ -126,7 +126,9 @@ class LocalBackend(Backend):
 
     Invariant: every replica slot has a live process, or a restart due at `not_before`
     (backoff doubling from 1 s to 60 s while starts keep failing, reset once a replica has
-    stayed up for 30 s). Workers log to `log_dir/` (`log_file_name`).
+    stayed up for 30 s). Workers log to `log_dir/` (`log_file_name`). A process is started
+    only while `may_start()` (the leadership is in force), and one whose deployment was
+    stopped while it was being made (the fence) is stopped once made: none is left untracked.
     """
 
     def __init__(
@@ -188,6 +190,11 @@ class LocalBackend(Backend):
             self._check(replica, now)
             if not replica.alive and now >= replica.not_before and replica.failures < GIVE_UP_AFTER:
                 await self._launch(key, number, running.command, replica)
+                if not self.may_start() or self._running.get(key) is not running:
+                    # Stopped while its process was being made (the fence, leadership gone):
+                    # that process had no handle to stop yet, and is tracked nowhere now.
+                    await _stop_replica(replica)
+                    raise LeadershipLost(f"{key[0]}/{key[1]}: stopped while a worker started")
         return running
 
     def _check(self, replica: _Replica, now: float) -> None:

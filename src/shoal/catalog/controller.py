@@ -15,9 +15,9 @@
                            on its own (a failure is that virtual model's status_message)
 
 Leadership is checked again (`in_force`, a clock read) before each workspace's keys, before
-each of its phases, and before grants and routes are published: a replica whose leadership
-lapsed mid-pass stops the pass (`LeadershipLost`) instead of publishing from its listings
-while another leads.
+each of its phases, and before grants and routes are published, then every slice of them and
+before each delete: a replica whose leadership lapsed mid-pass stops the pass
+(`LeadershipLost`) instead of publishing from its listings while another leads.
 
 Failures are isolated to what they come from: a row the client cannot read is left out of
 its listing and left as it is; a deployment that cannot start is ERROR; a provider that
@@ -46,6 +46,7 @@ import aiohttp
 from shoal.catalog.backends import STOP_TIMEOUT, Backend, LocalBackend
 from shoal.catalog.calls import Calls
 from shoal.catalog.client import CatalogClient
+from shoal.catalog.collector import PassCollections
 from shoal.catalog.deployments import DeploymentsPhase
 from shoal.catalog.errors import CatalogError, NotFoundError
 from shoal.catalog.grants import KeysPhase
@@ -102,6 +103,7 @@ class ModelsController(Controller, HeartbeatMixin):
         workspaces: list[str] | None = None,
         deployment_ttl: float = 3600.0,
         provider_timeout: float = 10.0,
+        collections: PassCollections | None = None,
     ) -> None:
         self.calls = Calls(client, self.emit_heartbeat)
         self.store = store
@@ -113,14 +115,24 @@ class ModelsController(Controller, HeartbeatMixin):
             self.calls, UrlLister(session, provider_timeout), FleetLister(Discovery(store)),
             timeout=provider_timeout,
         )  # fmt: skip
-        self.keys = KeysPhase(self.calls, store)
+        self.keys = KeysPhase(self.calls, store, self.waiting_on)
+        self.collections = collections  # full collections kept out of the passes
         self.last: PassReport | None = None
         self.passes = 0
 
     async def step(self) -> None:
-        if self.leadership is not None and not await self.leadership.hold():
+        if self.leadership is not None and not await self._hold():
             await stop_local_work(self.backend, self.emit_heartbeat)  # nothing runs here
             return  # another replica leads, or this one waits out the last leader's lease
+        if self.collections is None:
+            await self._pass()
+            return
+        with self.collections.deferred():
+            await self._pass()
+        # (not after a failed pass: its traceback holds the listings; the next one collects)
+        self.collections.after_pass()
+
+    async def _pass(self) -> None:
         self.emit_heartbeat()
         report = PassReport()
         started, calls = time.monotonic(), self.calls.requests
@@ -147,6 +159,12 @@ class ModelsController(Controller, HeartbeatMixin):
             raise PassError(f"{len(failed)} workspace(s) failed: " + "; ".join(
                 f"{workspace}: {why}" for workspace, why in sorted(failed.items())
             ))  # fmt: skip
+
+    async def _hold(self) -> bool:
+        """`Leadership.hold`, its store calls a wait on the store every replica shares."""
+        assert self.leadership is not None
+        with self.waiting_on("the store"):
+            return await self.leadership.hold()
 
     def _in_force(self) -> None:
         """`LeadershipLost` unless this replica's leadership is in force (a clock read)."""
@@ -176,8 +194,10 @@ class ModelsController(Controller, HeartbeatMixin):
         async def gone(name: str) -> bool:
             return await self._virtual_model_gone(workspace, name)
 
-        self._in_force()
-        published = await publish(self.store, workspace, routes, gone, beat=self.emit_heartbeat)
+        published = await publish(
+            self.store, workspace, routes, gone, beat=self.emit_heartbeat, guard=self._in_force,
+            waiting_on=self.waiting_on,
+        )  # fmt: skip
         report.routes_written += published.written
         report.routes_deleted += published.deleted
         await self._route_statuses(workspace, result.virtual_models, published.failed)
@@ -247,6 +267,9 @@ class ControllerConfig:
     deployment_ttl: float = 3600.0
     leader_ttl: float = 10.0
     provider_timeout: float = 10.0  # at most; kept below the loop's max_silence (3 intervals)
+    # Full garbage collections kept out of the passes (`shoal.catalog.collector`): process-wide
+    # settings of the collector, which `shoal catalog serve` makes.
+    defer_full_collections: bool = False
 
 
 class ModelsControllerService:
@@ -276,6 +299,7 @@ class ModelsControllerService:
             self.client, self.store, self.backend, self.session,
             leadership=self.leadership, deployment_ttl=config.deployment_ttl,
             provider_timeout=min(config.provider_timeout, 2 * config.interval),
+            collections=PassCollections() if config.defer_full_collections else None,
         )  # fmt: skip
         self.manager.register(Loop(self.controller, interval=config.interval, name=ROLE))
         fence, every = Fence(self.leadership, self.backend), min(config.leader_ttl / 4, 1.0)

@@ -1,4 +1,4 @@
-"""The deployments phase: each deployment's status made true by a backend, one list per status.
+"""The deployments phase: each deployment's status made true by a backend, from one listing.
 
     CREATED           → start the replicas, go PENDING
     PENDING / READY   → poll (drift repaired by the backend); PENDING → READY once all are
@@ -22,7 +22,6 @@ backend runs for a deployment that is not listed as wanted are stopped.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -97,10 +96,15 @@ class DeploymentsPhase:
         self._had_providers: dict[str, bool] = {}  # workspace -> deployment providers left
 
     async def run(self, workspace: str) -> None:
-        lists = [self.calls.list_all(DEPLOYMENTS, workspace, {"status": s}) for s in S]
-        listed = dict(zip(S, await asyncio.gather(*lists), strict=True))  # one list per status
+        # One listing of every deployment, grouped here: one per status missed a row whose
+        # status none names (a newer catalog's), and a row whose status changed between two
+        # of them, and stopped its workers as if it were gone.
+        everything = await self.calls.list_all(DEPLOYMENTS, workspace)
+        listed: dict[S, list[Deployment]] = {status: [] for status in S}
+        for deployment in everything:
+            listed[deployment.status].append(deployment)
         # Rows this controller cannot read: their workers and providers are left as they are.
-        unreadable = {name for found in listed.values() for name in found.invalid}
+        unreadable = set(everything.invalid)
         ready: list[Deployment] = []
         for status in S:
             for deployment in listed[status]:
@@ -114,9 +118,7 @@ class DeploymentsPhase:
                 await self.backend.stop(workspace, name)
         # Providers are read while deployments exist, or their providers did at the last
         # read: a steady workspace without deployments pays no call for them.
-        if any(listed[s] or listed[s].invalid for s in S) or self._had_providers.get(
-            workspace, True
-        ):
+        if everything or unreadable or self._had_providers.get(workspace, True):
             self._had_providers[workspace] = await self._providers(workspace, ready, unreadable)
 
     async def _one(self, deployment: Deployment) -> S | None:

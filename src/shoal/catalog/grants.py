@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from shoal.catalog.calls import Calls
 from shoal.catalog.kinds import KEYS
 from shoal.catalog.resources import Key
-from shoal.catalog.routing import SLICE, pause
+from shoal.catalog.routing import SLICE, Waiting, pause, unwatched
 from shoal.discovery.grants import Grant, decode_grant, grants_prefix
 from shoal.store import Store
 
@@ -63,9 +63,10 @@ def grants_of(key: Key, now: datetime) -> list[Grant]:
 class KeysPhase:
     """Publishes the grants of one workspace's keys (see the module's docstring)."""
 
-    def __init__(self, calls: Calls, store: Store) -> None:
+    def __init__(self, calls: Calls, store: Store, waiting_on: Waiting = unwatched) -> None:
         self.calls = calls
         self.store = store
+        self.waiting_on = waiting_on  # each store call is a wait on the store
 
     async def run(self, workspace: str, guard: Callable[[], None] = lambda: None) -> KeysResult:
         keys = await self.calls.list_all(KEYS, workspace)
@@ -84,16 +85,17 @@ class KeysPhase:
             except Exception as exc:  # one bad key: reported, its grants left as they are
                 result.failed[key.name] = f"{type(exc).__name__}: {exc}"
                 log.warning("key %s/%s: not published: %s", workspace, key.name, exc)
-        held = {
-            kv.key: kv.value for kv in (await self.store.get_prefix(grants_prefix(workspace))).items
-        }
+        with self.waiting_on("the store"):
+            listed = await self.store.get_prefix(grants_prefix(workspace))
+        held = {kv.key: kv.value for kv in listed.items}
         guard()  # (the listings took their time: still the leader?)
         for count, (name, grant) in enumerate(wanted.items(), 1):
             if count % SLICE == 0:
                 await pause(beat)
                 guard()
             if held.get(name) != (data := grant.to_json()):
-                await self.store.put(name, data)
+                with self.waiting_on("the store"):
+                    await self.store.put(name, data)
                 result.written += 1
         for count, name in enumerate(sorted(held.keys() - wanted.keys()), 1):
             if count % SLICE == 0:
@@ -101,7 +103,8 @@ class KeysPhase:
                 guard()
             if result.failed and _held_by(name, held[name], result.failed):
                 continue
-            await self.store.delete(name)
+            with self.waiting_on("the store"):
+                await self.store.delete(name)
             result.deleted += 1
         return result
 

@@ -15,8 +15,11 @@ For each provider, its failure isolated from the others:
 A provider whose listing fails, or that serves more than `SERVED_MODELS_BYTES` of
 `served_models` (its PATCH would be over the API's body bound), is marked ERROR with the
 reason and keeps its persisted `served_models`
-(cleanup below uses them); its links are left as they are. Links to providers of this
-workspace that no longer exist are removed. The cache is flushed in a `finally`.
+(cleanup below uses them); its links are left as they are. A provider whose row cannot be
+read is left as it is, and so is all it serves: its entities are unjudged
+(`unreadable_entities`), so their links, passthrough virtual models and routes stay (once,
+they were deleted). Links to providers of this workspace that no longer exist are removed.
+The cache is flushed in a `finally`.
 
 Then, if the virtual-model listing succeeded: a passthrough virtual model (autoprovisioned)
 for each served name no virtual model holds (a user-managed one is never touched), and the
@@ -178,21 +181,36 @@ async def listed_ids(raw: bytes, url: str) -> list[str]:
 
 
 class FleetLister:
-    """The model names announced in a discovery namespace: one listing per namespace per pass."""
+    """The model names announced in a discovery namespace: one listing per namespace per pass,
+    shared by the providers listed meanwhile (16 at once each listed the whole namespace when
+    the cache was filled only once a listing had ended)."""
 
     def __init__(self, discovery: Discovery) -> None:
         self.discovery = discovery
-        self._listed: dict[str, list[str]] = {}
+        self._listed: dict[str, asyncio.Future[list[str]]] = {}
 
     def new_pass(self) -> None:
+        for listing in self._listed.values():
+            listing.cancel()  # (one still running: its callers all timed out)
         self._listed = {}
 
     async def __call__(self, provider: Provider) -> list[str]:
         namespace = provider.namespace or "default"
-        if namespace not in self._listed:
-            models = await self.discovery.list(Query(namespace))
-            self._listed[namespace] = sorted({m.card.display_name for m in models})
-        return self._listed[namespace]
+        listing = self._listed.get(namespace)
+        if listing is None:
+            listing = self._listed[namespace] = asyncio.ensure_future(self._list(namespace))
+            listing.add_done_callback(_retrieved)
+        return await asyncio.shield(listing)  # a caller's timeout is not the others'
+
+    async def _list(self, namespace: str) -> list[str]:
+        models = await self.discovery.list(Query(namespace))
+        return sorted({m.card.display_name for m in models})
+
+
+def _retrieved(listing: asyncio.Future[list[str]]) -> None:
+    """Its failure is read by its callers, or by nobody (they all timed out): not logged."""
+    if not listing.cancelled():
+        listing.exception()
 
 
 class ProvidersPhase:
@@ -232,7 +250,12 @@ class ProvidersPhase:
         finally:
             await cache.flush()
         result.entities = {name: e for name in cache.names() if (e := cache.peek(name))}
-        result.unreadable_entities = set(cache.unreadable)
+        # An entity served by a provider whose row cannot be read is not judged either: what
+        # that provider serves is unknown, so its routes and passthroughs stay as they are.
+        result.unreadable_entities = set(cache.unreadable) | {
+            name for name, entity in result.entities.items()
+            if not result.unreadable.isdisjoint(entity.providers)
+        }  # fmt: skip
         if virtual_models is not None:
             await self._passthrough(workspace, result)
             await self._cleanup(workspace, result)
@@ -421,8 +444,9 @@ class ProvidersPhase:
         """Delete autoprovisioned virtual models whose entity nobody serves any more."""
         assert result.virtual_models is not None
         kept: list[VirtualModel] = []
+        served, unjudged = result.served, result.unreadable_entities
         for vm in result.virtual_models:
-            if not vm.autoprovisioned or vm.default_model in result.served:
+            if not vm.autoprovisioned or vm.default_model in served or vm.default_model in unjudged:
                 kept.append(vm)
                 continue
             try:

@@ -15,8 +15,10 @@ route of the listing replaces is deleted only once its virtual model is known to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from shoal.catalog.resources import Model, Provider, VirtualModel
@@ -45,6 +47,16 @@ all of them at once."""
 
 def _nothing() -> None:
     return None
+
+
+def unwatched(_what: str) -> AbstractContextManager[None]:
+    """A `waiting_on` that marks nothing (no loop watches the caller)."""
+    return contextlib.nullcontext()
+
+
+Waiting = Callable[[str], AbstractContextManager[None]]
+"""`HeartbeatMixin.waiting_on`: what a call to the store is made inside, so that a store every
+replica shares, slow or gone, is reported as a wait on it, not as the loop stuck."""
 
 
 async def pause(beat: Callable[[], None] = _nothing) -> None:
@@ -123,17 +135,25 @@ async def publish(
     gone: Callable[[str], Awaitable[bool]],
     *,
     beat: Callable[[], None] = _nothing,
+    guard: Callable[[], None] = _nothing,
+    waiting_on: Waiting = unwatched,
 ) -> Published:
     """Make the store hold `routes` for `workspace`, and no route of a virtual model that
     `gone(name)` confirms is gone; one route's failure is in `failed`, not raised. The loop
-    runs (`pause(beat)`) every `SLICE` routes compared, written or not."""
-    held = await store.get_prefix(routes_prefix(workspace))
+    runs (`pause(beat)`) every `SLICE` routes compared, written or not. `guard` (the
+    controller's leadership check, which raises to stop) is called before the first write,
+    every `SLICE` routes and before each delete: 10,000 writes, or deletes each after a read
+    of the catalog, outlast a leader's TTL. Every store call is made `waiting_on` the store."""
+    with waiting_on("the store"):
+        held = await store.get_prefix(routes_prefix(workspace))
     held_values = {kv.key: kv.value for kv in held.items}
     done = Published()
     wanted: set[str] = set()  # (each route's key made once, in the slices: 10,000 at once
+    guard()
     for count, route in enumerate(routes, 1):  # held the loop ~100 ms)
         if count % SLICE == 0:
             await pause(beat)
+            guard()
         try:
             key = route.key
             wanted.add(key)
@@ -143,19 +163,25 @@ async def publish(
                     f"{MAX_TARGETS}: give it fewer targets or its entities fewer providers"
                 )
             data = route.to_json()
-            if held_values.get(key) != data and await publish_route(store, route):
-                done.written += 1
+            if held_values.get(key) != data:
+                with waiting_on("the store"):
+                    if await publish_route(store, route):
+                        done.written += 1
         except (StoreError, RouteError, ValueError) as exc:  # this route only
             done.failed[route.name] = f"route not published: {exc}"
             log.warning("route %s/%s not published: %s", workspace, route.name, exc)
     for key in sorted(held_values.keys() - wanted):
+        guard()
         try:
             _, name = parse_route_key(key)
         except RouteError:  # not a route key: not ours to judge, but in our prefix all the same
-            await store.delete(key)
+            with waiting_on("the store"):
+                await store.delete(key)
             done.deleted += 1
             continue
         if await gone(name):
-            await delete_route(store, workspace, name)
+            guard()  # (the read took its time)
+            with waiting_on("the store"):
+                await delete_route(store, workspace, name)
             done.deleted += 1
     return done

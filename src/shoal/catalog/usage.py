@@ -223,14 +223,25 @@ async def query_usage(
         .where(*where)
         .group_by(column)
         .order_by(column)
-        .limit(100_000)
+        .limit(REPORT_ITEMS + 1)  # (one more: tells a report over its bound)
     )
     rows: list[Any] = []
     async with engine.connect() as conn:
         result = await conn.stream(query)
         async for part in result.partitions(PARTITION):
             rows += part
+    if len(rows) > REPORT_ITEMS:  # never cut short in silence: a sum of a part is wrong
+        raise InvalidError(
+            f"group_by: the report is over {REPORT_ITEMS} items (REPORT_ITEMS); narrow it "
+            "with from/to, key or model, or group by a coarser field",
+            param="group_by",
+        )
     return await asyncio.to_thread(_items, rows, group_by)
+
+
+REPORT_ITEMS = 100_000
+"""A usage report's items, at most (69 days of minutes); over it, the report is refused
+(422) rather than answered in part."""
 
 
 PARTITION = 250  # rows fetched between two turns of the event loop (SQLite parses their dates)

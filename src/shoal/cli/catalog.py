@@ -258,7 +258,7 @@ async def serve(args: argparse.Namespace) -> int:
     controller = None
     if args.store:
         controller = await start_controller(
-            server, args.store, args.controller_interval, args.leader_ttl
+            server, args.store, args.controller_interval, args.leader_ttl, own_process=True
         )
         if controller is None:
             await server.stop()
@@ -272,10 +272,17 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 async def start_controller(
-    server: Any, store_url: str, interval: float, leader_ttl: float = DEFAULT_LEADER_TTL
+    server: Any,
+    store_url: str,
+    interval: float,
+    leader_ttl: float = DEFAULT_LEADER_TTL,
+    *,
+    own_process: bool = False,
 ) -> Any:
     """The models controller of `server`'s catalog, started on the store at `store_url`;
-    `None` once the reason it cannot start is printed. Its workers log beside the store."""
+    `None` once the reason it cannot start is printed. Its workers log beside the store.
+    `own_process`: the process is the catalog's (`catalog serve`), so the controller may set
+    its garbage collector (`shoal.catalog.collector`); `shoal up` shares it with a frontend."""
     import platformdirs
 
     from shoal.catalog.controller import ControllerConfig, ModelsControllerService
@@ -287,6 +294,7 @@ async def start_controller(
         interval=interval,
         leader_ttl=leader_ttl,
         log_dir=Path(platformdirs.user_log_dir("shoal")) / "deployments",
+        defer_full_collections=own_process,
     )
     controller = ModelsControllerService(config)
     try:
