@@ -18,6 +18,7 @@ from shoal.discovery import Discovery, EndpointId, ModelKey
 from shoal.store import Store, open_store
 from shoal.worker import Engine, Runtime, ServedModel
 from shoal.worker import endpoint as endpoint_module
+from shoal.worker import health as health_module
 from shoal.worker.engines.mocker import MockerEngine
 from shoal.worker.metadata import MetadataKey
 from tests.helpers import wait_for
@@ -345,6 +346,21 @@ async def test_health_is_503_with_the_reason_when_an_engine_is_unhealthy(
     async with http.get(runtime.status_url + "/health") as resp:
         assert resp.status == 503
         assert any("upstream down" in r for r in (await resp.json())["reasons"])
+
+
+async def test_health_names_an_engine_check_that_never_answers(
+    runtime: Runtime, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A health check that hangs is reported as what it is (it read "engine ... unhealthy: ",
+    the empty text of a TimeoutError)."""
+    engine = Switchable()
+    await runtime.endpoint(EP).serve(engine)
+    monkeypatch.setattr(health_module, "ENGINE_CHECK_TIMEOUT", 0.1)
+    monkeypatch.setattr(engine, "check_health", asyncio.Event().wait)
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        reasons = (await resp.json())["reasons"]
+    assert reasons == [f"endpoint {EP}: engine switchable did not answer its check within 0.1s"]
 
 
 async def test_drain_taints_waits_for_in_flight_requests_then_withdraws_everything(

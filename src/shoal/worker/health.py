@@ -92,10 +92,15 @@ class Health:
             if not ep.serving or ep.engine is None:
                 reasons.append(f"endpoint {ep.id} is not serving")
                 continue
+            deadline = asyncio.timeout(ENGINE_CHECK_TIMEOUT)
             try:
-                await asyncio.wait_for(ep.engine.check_health(), ENGINE_CHECK_TIMEOUT)
+                async with deadline:
+                    await ep.engine.check_health()
             except Exception as exc:
-                reasons.append(f"endpoint {ep.id}: engine {ep.engine.name} unhealthy: {exc}")
+                why = f"unhealthy: {exc}"
+                if deadline.expired():  # (a hang: the TimeoutError's text is empty)
+                    why = f"did not answer its check within {ENGINE_CHECK_TIMEOUT:g}s"
+                reasons.append(f"endpoint {ep.id}: engine {ep.engine.name} {why}")
             endpoints.append(_endpoint_body(ep, await self._models_shown(ep)))
         lease = self.registrations.lease
         body = {

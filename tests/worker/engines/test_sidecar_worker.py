@@ -185,3 +185,27 @@ async def test_health_and_the_ready_line_name_the_first_models_by_name_and_count
     assert endpoint["models_announced"] == 31
     assert [m["name"] for m in endpoint["models"]] == shown
     assert [m["suffix"] for m in endpoint["models"]][:2] == [None, "lora-000"]
+
+
+async def test_a_slow_but_answering_upstream_keeps_the_worker_healthy_and_its_health_prompt(
+    fake: FakeUpstream, processes: Processes, store_url: str
+) -> None:
+    """An upstream answering each probe in 1.6 s (within the sidecar's 5 s per GET) is slow,
+    not stuck: the worker's `/health` stays 200 and answers at once (a Kubernetes readiness
+    probe gives it 1 s), instead of reporting its models loop silent or waiting on the probe."""
+    worker = await sidecar_worker(processes, store_url, fake)
+    fake.probe_delay = 1.6
+    answers: list[tuple[int, float, list[str]]] = []
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as http:
+        deadline = loop.time() + 9.0  # (two probes' worth of silence past the loop's 3 s)
+        while loop.time() < deadline:
+            started = loop.time()
+            async with http.get(worker.status_url + "/health") as response:
+                body = await response.json()
+                answers.append((response.status, loop.time() - started, body["reasons"]))
+            await asyncio.sleep(0.25)
+    unhealthy = [(status, reasons) for status, _, reasons in answers if status != 200]
+    assert not unhealthy, unhealthy
+    slowest = max(took for _, took, _ in answers)
+    assert slowest < 1.0, f"/health took {slowest:.2f}s"
