@@ -98,3 +98,28 @@ async def test_ls_never_prints_the_credentials_of_a_url_another_writer_registere
         assert code == 0
         assert "basic-model" in out and "10.0.0.7:9000" in out and "10.0.0.7:9090" in out
         assert "s3cret" not in out, out
+
+
+async def test_ls_shows_control_characters_of_a_registered_value_escaped(store_url: str) -> None:
+    """Any writer of the store names its model: an escape sequence in a name reached the
+    operator's terminal as is (retitling it, clearing it), and a newline forged a row."""
+    endpoint = EndpointId("team-a", "backend", "generate")
+    info = InstanceInfo(
+        namespace="team-a", component="backend", endpoint="generate", instance_id=0x2B,
+        url="http://10.0.0.8:9000", status_url="http://10.0.0.8:9090",
+    )  # fmt: skip
+    card = ModelCard.build(
+        display_name="evil\x1b]0;owned\x07\x1b[2J\nforged-row", slug="evil", source="test",
+        model_types=["chat"], context_length=4096, runtime_config={"taints": ["t\rx"]},
+    )  # fmt: skip
+    store = await open_store(store_url)
+    try:
+        await store.put(instance_key(endpoint, 0x2B), msgspec.json.encode(info))
+        await store.put(ModelKey(endpoint, 0x2B).key, card.to_json())
+    finally:
+        await store.close()
+    code, out, _ = await shoal_ls("--store", store_url)
+    assert code == 0
+    assert "\x1b" not in out and "\x07" not in out and "\r" not in out
+    assert not any(line.startswith("forged-row") for line in out.splitlines())
+    assert "evil\\x1b]0;owned\\x07\\x1b[2J\\nforged-row" in out

@@ -67,10 +67,22 @@ async def collect(store_url: str, namespace: str | None) -> dict[str, Any]:
     }
 
 
+def shown(text: str) -> str:
+    """`text` as a cell shows it: a character that is not printable (an escape sequence of
+    any writer of the store, a newline forging a row) is written as `repr` writes it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     cells = [[c.upper() for c in columns]] + [
         [
-            ", ".join(v) if isinstance(v := r[c], list) else ("-" if v in (None, "") else str(v))
+            shown(
+                ", ".join(v)
+                if isinstance(v := r[c], list)
+                else ("-" if v in (None, "") else str(v))
+            )
             for c in columns
         ]
         for r in rows
