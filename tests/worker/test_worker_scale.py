@@ -10,6 +10,7 @@ import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -18,6 +19,7 @@ from shoal.discovery import Discovery, EndpointId, ModelKey
 from shoal.store import MAX_VALUE_BYTES, Store, StoreUnavailableError, open_store, sqlite_log
 from shoal.store import sqlite as sqlite_module
 from shoal.worker import Engine, Runtime, ServedModel
+from shoal.worker import adapters as adapters_module
 from shoal.worker import registrations as registrations_module
 from shoal.worker import runtime as runtime_module
 from shoal.worker.registrations import DRAINING
@@ -325,3 +327,39 @@ def _card(name: str) -> ModelCard:
         model_types=["chat"],
         context_length=4096,
     )
+
+
+async def test_the_adapter_listing_describes_a_slice_of_them_per_turn_of_the_loop(
+    runtime: Runtime, observer: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What was wrong: `GET /v1/loras` (no token needed) described every adapter, its card's
+    mdcsum computed, and encoded them in one turn of the event loop: 20,000 adapters held a
+    worker's loop 233 ms per call, its requests' streams with it. What holds now: at most
+    `LISTED_PER_TURN` are described per turn, and the listing is whole."""
+    monkeypatch.setattr(adapters_module, "LISTED_PER_TURN", SLICE, raising=False)
+    adapters = 3 * SLICE + 7
+    await runtime.endpoint(EP).serve(ManyAdapters(adapters))
+    described = LoopTurns().wrap(adapters_module, "_lora_body")
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(runtime.status_url + "/v1/loras") as resp,
+        ):
+            assert resp.status == 200
+            listing = await resp.json()
+    finally:
+        await described.stop()
+    assert described.on_loop == adapters
+    assert described.most_per_turn <= SLICE, f"{described.most_per_turn} in one turn"
+    data = listing["data"]
+    assert listing["object"] == "list" and len(data) == adapters
+    first = runtime.endpoint(EP).models["lora-0000"]
+    assert data[0] == {
+        "object": "lora",
+        "name": "lora-0000",
+        "suffix": "lora-0000",
+        "endpoint": EP,
+        "base_model": "base",
+        "mdcsum": first.card.mdcsum,
+    }
+    assert sorted(entry["name"] for entry in data) == [f"lora-{i:04d}" for i in range(adapters)]
