@@ -33,6 +33,7 @@ from shoal.discovery.keys import quoted
 from shoal.kv import KvEndpoint
 from shoal.openai import ApiError
 from shoal.slices import decoded_slices
+from shoal.urls import redact_url
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
 from shoal.worker.protocol import openai_errors
 
@@ -534,11 +535,13 @@ def is_redirect(status: int) -> bool:
 
 
 def redirect_target(response: aiohttp.ClientResponse) -> str:
-    """Where a redirect points, as an absolute URL (or a placeholder when it does not say)."""
+    """Where a redirect points, as an absolute URL (or a placeholder when it does not say),
+    without what may hold a secret (a login proxy's redirect carries credentials, a signed
+    query): it shows in `/health`, the logs and a client's 502."""
     location = response.headers.get("Location")
     if not location:
         return "(no Location header)"
-    return urljoin(str(response.url), location)
+    return redact_url(urljoin(str(response.url), location))
 
 
 def normalize_upstream(url: str) -> str:
