@@ -461,6 +461,56 @@ async def test_a_drain_whose_taint_the_store_refused_taints_again_and_still_with
     assert (await observer.get_prefix("shoal/v1/")).items == []
 
 
+async def test_a_put_back_longer_than_the_lease_ttl_keeps_the_lease_it_puts_back_under(
+    tmp_path: Path,
+) -> None:
+    """What was wrong: cards deleted behind the worker's back (`etcdctl del --prefix`, a store
+    restored from a backup) were put back in the lease loop's step with no keepalive until
+    it finished: 8,000 on etcd took past the 5 s TTL, the lease expired and the whole worker
+    left discovery, instance and every card, before a new lease put it back. What holds now:
+    the lease is kept alive beside the put-back, which ends under the lease it began under."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    observer = await open_store(url)
+    runtime = Runtime(url, lease_ttl=0.6, drain_timeout=0)
+    await runtime.start()
+    try:
+        engine = await serve_mocker(runtime, speedup=0)
+        endpoint = runtime.endpoint(EP)
+        adapters = 30
+        for i in range(adapters):
+            async with endpoint.sync_lock:
+                await endpoint.attach_served(await engine.load_adapter(f"lora-{i}", "/a"))
+        registrations = runtime.registrations
+        lease = registrations.lease_id
+        assert lease is not None
+        store = registrations.store
+        real = {name: getattr(store, name) for name in ("put", "create", "put_many")}
+
+        def slowed(name: str) -> Any:
+            async def slow(key_or_items: Any, *args: Any, **kwargs: Any) -> Any:
+                items = 1 if isinstance(key_or_items, str) else len(key_or_items)
+                await asyncio.sleep(0.05 * items)  # (31 cards: two and a half TTLs)
+                return await real[name](key_or_items, *args, **kwargs)
+
+            return slow
+
+        prefix = ModelKey(EndpointId.parse(EP), lease).key
+        for kv in (await observer.get_prefix(prefix)).items:
+            await observer.delete(kv.key)
+        for name in real:
+            setattr(store, name, slowed(name))
+
+        async def all_back() -> bool:
+            return len((await observer.get_prefix(prefix)).items) == adapters + 1
+
+        await wait_for(all_back, timeout=30, message="every card back under the same lease")
+        assert registrations.grants == 1 and registrations.lease_id == lease
+        await wait_for(lambda: registrations.lease_problem() is None, timeout=5)
+    finally:
+        await runtime.drain(timeout=0)
+        await observer.close()
+
+
 async def test_a_re_registration_longer_than_the_lease_ttl_keeps_its_new_lease_and_finishes(
     tmp_path: Path,
 ) -> None:

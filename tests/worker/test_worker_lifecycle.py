@@ -169,7 +169,7 @@ async def test_health_says_when_a_registration_is_missing_and_cannot_be_put_back
         async def refused(*args: Any, **kwargs: Any) -> None:
             raise StoreError("refused")
 
-        monkeypatch.setattr(registrations.discovery, "register_model", refused)
+        monkeypatch.setattr(registrations.store, "put_many", refused)
         await registrations.renew()
         problem = registrations.lease_problem()
         assert problem is not None and "missing" in problem and key in problem
