@@ -348,6 +348,39 @@ async def test_health_is_503_with_the_reason_when_an_engine_is_unhealthy(
         assert any("upstream down" in r for r in (await resp.json())["reasons"])
 
 
+async def test_health_is_503_until_the_first_models_are_announced(
+    runtime: Runtime, observer: Store, http: aiohttp.ClientSession
+) -> None:
+    """What was wrong: an endpoint counted as serving from the moment its port was open,
+    before its instance and models were in the store: while the first announcement ran (20,000
+    adapters: seconds) /health answered 200, so a rolling update took the new worker as ready
+    and stopped an old one before a frontend could route to the new. What holds now: /health
+    is 503 ("announcing its models") until they are in the store, and (a process serving no
+    endpoint yet) before the first endpoint serves."""
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["reasons"] == ["no endpoint is served yet"]
+    assert runtime.store is not None
+    put_many = runtime.store.put_many
+    release = asyncio.Event()
+
+    async def held(*args: Any, **kwargs: Any) -> int:
+        await release.wait()
+        return await put_many(*args, **kwargs)
+
+    runtime.store.put_many = held  # type: ignore[method-assign]
+    serving = asyncio.create_task(runtime.endpoint(EP).serve(Switchable()))
+    await wait_for(lambda: runtime.endpoint(EP).url is not None, message="port open")
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["reasons"] == [f"endpoint {EP} is announcing its models"]
+    assert not await listed(observer)
+    release.set()
+    await serving
+    await wait_for(lambda: _healthy(http, runtime), timeout=5, message="healthy once announced")
+    assert set(await listed(observer)) == {"a"}
+
+
 async def test_health_names_an_engine_check_that_never_answers(
     runtime: Runtime, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:

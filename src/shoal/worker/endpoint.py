@@ -169,6 +169,10 @@ class Endpoint:
         self.follows_engine = False
         """Set once `serve(attach_models=True)` attached the engine's models: the runtime's
         models loop keeps them in step with the engine from then on, while it serves."""
+        self.announced = False
+        """Set once `serve` has registered the instance (and, with `attach_models`, announced
+        the engine's models): until then the port is open but no frontend can route to it,
+        and `/health` says so."""
         self.in_flight = 0
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
@@ -247,6 +251,7 @@ class Endpoint:
             if attach_models:
                 await self.sync_models()
                 self.follows_engine = True
+            self.announced = True
         except BaseException:
             await self._stop_serving()
             raise
