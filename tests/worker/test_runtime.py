@@ -381,6 +381,30 @@ async def test_health_is_503_until_the_first_models_are_announced(
     assert set(await listed(observer)) == {"a"}
 
 
+async def test_a_store_blink_while_an_endpoint_starts_is_retried_not_fatal(
+    runtime: Runtime, observer: Store, http: aiohttp.ClientSession
+) -> None:
+    """What was wrong: a store outage while an endpoint registered its instance or announced
+    its first models failed `serve` (`shoal worker`: "cannot serve", exit 1), though the
+    lease was held and the loops that repair both were running: a worker started during an
+    etcd leader election died. What holds now: `serve` returns, /health says what is not
+    announced yet, and the lease loop and the models loop put the instance and the models
+    in the store once it answers."""
+    store = runtime.store
+    assert store is not None
+    store.set_unreachable(True)
+    endpoint = runtime.endpoint(EP)
+    await endpoint.serve(Switchable())  # (the store down: no exception)
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        assert f"endpoint {EP} is announcing its models" in (await resp.json())["reasons"]
+    store.set_unreachable(False)
+    await wait_for(lambda: _names(observer, {"a"}), timeout=10, message="announced once back")
+    await wait_for(lambda: _healthy(http, runtime), timeout=10, message="healthy once back")
+    instances = await Discovery(observer).list_instances()
+    assert [i.url for i in instances] == [endpoint.url]
+
+
 async def test_health_names_an_engine_check_that_never_answers(
     runtime: Runtime, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:

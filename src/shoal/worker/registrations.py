@@ -371,6 +371,8 @@ class Registrations:
         publishes them, at `kv_events`) under the lease.
 
         If a re-registration is pending, the instance is put by it instead, under the new id.
+        A put the store refuses is raised, and made by `renew()` once the store answers (the
+        instance is held here from the start, in `missing` until then).
         """
         async with self._lock:
             info = InstanceInfo(
@@ -382,9 +384,13 @@ class Registrations:
                 status_url=status_url,
                 kv_events=kv_events,
             )
+            self._instances[endpoint] = info  # (first: a put the store refuses is put back)
             if self._lease_id == info.instance_id:
-                await self.discovery.register_instance(info, lease=info.instance_id)
-            self._instances[endpoint] = info
+                try:
+                    await self.discovery.register_instance(info, lease=info.instance_id)
+                except STORE_ERRORS:
+                    self.missing.add(instance_key(endpoint, info.instance_id))
+                    raise
 
     async def unregister_instance(self, endpoint: EndpointId) -> None:
         """Withdraw `endpoint`'s instance; it is no longer re-registered after a lease loss."""
