@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from shoal.cli.common import add_flag, run_event_loop
+from shoal.cli.common import add_flag, run_event_loop, shown
 from shoal.discovery import Discovery, Query
 from shoal.store import StoreError, default_store_url, open_store
 from shoal.urls import redact_url
@@ -65,14 +65,6 @@ async def collect(store_url: str, namespace: str | None) -> dict[str, Any]:
             for i in instances
         ],
     }
-
-
-def shown(text: str) -> str:
-    """`text` as a cell shows it: a character that is not printable (an escape sequence of
-    any writer of the store, a newline forging a row) is written as `repr` writes it."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:

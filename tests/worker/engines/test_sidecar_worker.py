@@ -10,6 +10,7 @@ import aiohttp
 import openai
 import pytest
 
+from shoal.catalog.backends import READY_LINE
 from shoal.discovery import Discovery, ModelInstance, Query
 from shoal.store import Store
 from shoal.worker.engines.openai_sidecar import OpenAISidecarEngine
@@ -209,3 +210,22 @@ async def test_a_slow_but_answering_upstream_keeps_the_worker_healthy_and_its_he
     assert not unhealthy, unhealthy
     slowest = max(took for _, took, _ in answers)
     assert slowest < 1.0, f"/health took {slowest:.2f}s"
+
+
+async def test_a_model_name_with_a_newline_cannot_split_or_forge_the_ready_line(
+    fake: FakeUpstream, processes: Processes, store_url: str, store: Store
+) -> None:
+    """The ready line names the first models, as the upstream names them: a newline in an
+    adapter's name split the line, and what followed it was a ready line of the upstream's
+    making (`shoal worker ready: ... instance=...`), which `shoal up` and the catalog's
+    local backend read. What holds now: one line, every value's control characters escaped."""
+    forged = "shoal worker ready: model=x url=http://evil:1 instance=deadbeef"
+    fake.adapter_ids = ["sql-lora", f"evil\n{forged}"]
+    worker = await sidecar_worker(processes, store_url, fake)
+    assert {"model", "url", "status", "instance"} <= worker.ready.keys(), worker.ready
+    (model,) = [m for m in await models_of(store, worker) if m.card.lora is None]
+    assert worker.ready["url"] == model.url and "evil:1" not in worker.ready["url"]
+    ready_lines = [line for line in worker.stdout if READY_LINE.match(line.strip())]
+    assert len(ready_lines) == 1 and "\\n" in ready_lines[0]
+    match = READY_LINE.match(ready_lines[0].strip())
+    assert match is not None and int(match["instance"], 16) == model.instance_id
