@@ -461,6 +461,17 @@ def test_an_upstream_url_with_credentials_is_refused_without_echoing_them() -> N
         normalize_upstream("http://token@gpu-1:8000")
 
 
+@pytest.mark.parametrize(
+    "url", ["http://gpu-1:8000/v1?api-key=s3cret-PW", "ftp://gpu-1/?token=s3cret-PW"]
+)
+def test_an_upstream_url_with_a_query_is_refused_without_echoing_it(url: str) -> None:
+    """A key put in the URL's query was dropped without a word (the upstream then answered
+    401), and a URL refused for its scheme was echoed whole, its query with it, to stderr."""
+    with pytest.raises(ValueError) as caught:
+        normalize_upstream(url)
+    assert "s3cret-PW" not in str(caught.value)
+
+
 async def test_a_deeply_nested_model_list_makes_the_upstream_unhealthy_naming_it() -> None:
     """A reply nested 100,000 deep raised RecursionError out of the probe (only ValueError
     was caught): now the upstream is unhealthy, and the reason names it."""

@@ -547,8 +547,8 @@ def redirect_target(response: aiohttp.ClientResponse) -> str:
 def normalize_upstream(url: str) -> str:
     """`http://host:8000/v1/` -> `http://host:8000`: the server root, without `/v1`.
 
-    A URL with credentials (`http://user:password@host`) is refused, without repeating
-    them: the URL shows in errors, `/health` and logs; the key goes in `api_key`.
+    A URL with credentials (`http://user:password@host`) or a query is refused, without
+    repeating them: the URL shows in errors, `/health` and logs; the key goes in `api_key`.
     """
     parts = urlsplit(url.strip())
     if "@" in parts.netloc:
@@ -557,7 +557,12 @@ def normalize_upstream(url: str) -> str:
             "upstream's key with --upstream-api-key (SHOAL_UPSTREAM_API_KEY) instead"
         )
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"upstream URL must be http(s)://host[:port], got {url!r}")
+        raise ValueError(f"upstream URL must be http(s)://host[:port], got {redact_url(url)!r}")
+    if parts.query or parts.fragment:  # (a key put there would be dropped, and shown)
+        raise ValueError(
+            f"the upstream URL {redact_url(url)!r} must not carry a query or a fragment: give "
+            "the upstream's key with --upstream-api-key (SHOAL_UPSTREAM_API_KEY) instead"
+        )
     path = parts.path.rstrip("/")
     path = path.removesuffix("/v1")
     return f"{parts.scheme}://{parts.netloc}{path}"
