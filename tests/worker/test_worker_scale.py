@@ -21,6 +21,7 @@ from shoal.store import MAX_VALUE_BYTES, Store, StoreUnavailableError, open_stor
 from shoal.store import sqlite as sqlite_module
 from shoal.worker import Engine, Runtime, ServedModel
 from shoal.worker import adapters as adapters_module
+from shoal.worker import endpoint as endpoint_module
 from shoal.worker import registrations as registrations_module
 from shoal.worker import runtime as runtime_module
 from shoal.worker.registrations import DRAINING
@@ -404,3 +405,34 @@ async def test_cards_deleted_behind_the_workers_back_are_put_back_in_batches(
     assert len(listed) == cards and {m.key.instance_id for m in listed} == {lease}
     warnings = [r for r in caplog.records if "missing from the store" in r.getMessage()]
     assert len(warnings) == 1 and f"{cards} registrations" in warnings[0].getMessage()
+
+
+async def test_models_the_engine_no_longer_lists_are_withdrawn_in_batches(
+    runtime: Runtime, observer: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What was wrong: each model the engine stopped listing was withdrawn in a store call
+    (a SQLite transaction) of its own, holding the registrations' lock: an upstream dropping
+    20,000 adapters took 5.0 s from the first withdrawal to the last, the rest announced,
+    routed to and answered 404 meanwhile. What holds now: they go in `Store.delete_many`
+    calls of `PUT_BATCH` (1.3 s), and their metadata files with them."""
+    monkeypatch.setattr(registrations_module, "PUT_BATCH", SLICE)
+    monkeypatch.setattr(endpoint_module, "PUT_BATCH", SLICE)
+    adapters = 3 * SLICE + 7
+    engine = ManyAdapters(adapters)
+    endpoint = runtime.endpoint(EP)
+    await endpoint.serve(engine)
+    await wait_for(lambda: _announced(observer, adapters + 1), timeout=30, message="announced")
+    store = runtime.registrations.store
+    calls = LoopTurns()
+    for name in ("delete", "delete_many"):
+        calls.wrap(store, name)
+    batches = LoopTurns().wrap(store, "delete_many")
+    try:
+        engine.models = engine.models[:1]  # (the base model only)
+        await wait_for(lambda: _announced(observer, 1), timeout=30, message="withdrawn")
+    finally:
+        await calls.stop()
+        await batches.stop()
+    assert batches.on_loop == -(-adapters // SLICE) and calls.on_loop == batches.on_loop
+    assert list(endpoint.models) == [None]
+    assert len(runtime.metadata) == 0  # (ManyAdapters hosts no files: none left either)

@@ -148,6 +148,7 @@ from shoal.store.base import (
     check_prefix,
     check_value,
     checked_items,
+    checked_keys,
     distinct_prefixes,
 )
 from shoal.store.sqlite_log import (
@@ -739,6 +740,21 @@ def _delete(conn: sqlite3.Connection, now: float, key: str) -> bool:
     return _delete_key(conn, now, key) is not None
 
 
+def _delete_many(
+    conn: sqlite3.Connection, now: float, keys: Sequence[str]
+) -> tuple[int, int, float]:
+    """`_delete` of each of `keys` (a `sqlite_log.batches` slice), each at a revision of its
+    own. Returns the keys deleted and the last revision, or (0, 0, seconds to wait) when the
+    change log has no room for them yet (`wait_for_room`): nothing is deleted."""
+    if (wait := wait_for_room(conn, now, len(keys), sum(map(len, keys)))) > 0:
+        return 0, 0, wait
+    deleted = revision = 0
+    for key in keys:
+        if (done := _delete_key(conn, now, key)) is not None:
+            deleted, revision = deleted + 1, done
+    return deleted, revision, 0.0
+
+
 def _grant(conn: sqlite3.Connection, now: float, ttl: float) -> int:
     while True:
         lease_id = secrets.randbits(62) + 1
@@ -1056,6 +1072,28 @@ class SQLiteStore(Store):
                     break
                 await asyncio.sleep(min(wait, RETAIN_SECONDS))
         return revision
+
+    async def delete_many(self, keys: Sequence[str]) -> int:
+        """`PUT_MANY_KEYS` deletes per write transaction (`sqlite_log.batches`), each key at
+        a revision of its own, paced by the file as `put_many` is."""
+        checked = await checked_keys(keys)
+        deleted = 0
+        held = 0.0
+        for batch in batches([(key, b"") for key in checked]):
+            if held:  # (a transaction that waited long for the lock: a poll's rest at most)
+                await asyncio.sleep(
+                    min(held, POLL_INTERVAL) * (1 - PUT_MANY_SHARE) / PUT_MANY_SHARE
+                )
+            write = functools.partial(_delete_many, keys=[key for key, _ in batch])
+            while True:
+                started = time.monotonic()
+                done, _, wait = await self._call(functools.partial(self._write, write))
+                held = time.monotonic() - started
+                if not wait:
+                    break
+                await asyncio.sleep(min(wait, RETAIN_SECONDS))
+            deleted += done
+        return deleted
 
     async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
         return await self._write_key(_create, "create", key, value, lease)

@@ -386,12 +386,15 @@ class Endpoint:
                 return
             self._synced = None
             wanted = await self._wanted(served)
+            gone: list[str | None] = []
             for i, (suffix, att) in enumerate(list(self.models.items()), 1):
                 if i % SYNC_BATCH == 0:
                     await asyncio.sleep(0)
                 model = wanted.get(suffix)
                 if att.served is not None and model is not att.served and model != att.served:
-                    await self.detach_model(suffix)
+                    gone.append(suffix)
+            for start in range(0, len(gone), PUT_BATCH):  # (withdrawn a batch per store call)
+                await self._registrations.detach_many(self.id, gone[start : start + PUT_BATCH])
             fresh: list[ServedModel] = []
             for i, (suffix, model) in enumerate(wanted.items(), 1):
                 if i % SYNC_BATCH == 0:
