@@ -5,6 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 
+import msgspec
+
+from shoal.cards import ModelCard
+from shoal.discovery import EndpointId, InstanceInfo, ModelKey
+from shoal.discovery.keys import instance_key
 from shoal.store import open_store
 from tests.processes import shoal
 from tests.worker.conftest import StartWorker
@@ -61,3 +66,60 @@ async def test_ls_counts_and_names_values_written_by_hand_that_are_not_cards(
     assert all(entry["reason"] for entry in data["skipped"])
     code, out, _ = await shoal_ls("--store", store_url)
     assert "2 value(s) skipped" in out and "/bad" in out
+
+
+async def test_ls_never_prints_the_credentials_of_a_url_another_writer_registered(
+    store_url: str,
+) -> None:
+    """A worker behind Basic auth registers `http://user:password@host:port` (the frontend
+    sends it as Basic credentials and its dashboard shows it redacted): `shoal ls`, whose
+    output is pasted into tickets, shows neither the password nor a query, table or JSON."""
+    endpoint = EndpointId("team-a", "backend", "generate")
+    info = InstanceInfo(
+        namespace="team-a",
+        component="backend",
+        endpoint="generate",
+        instance_id=0x2A,
+        url="http://worker:s3cret-pw@10.0.0.7:9000",
+        status_url="http://10.0.0.7:9090?token=s3cret-token",
+    )
+    card = ModelCard.build(
+        display_name="basic-model", slug="basic-model", source="test", model_types=["chat"],
+        context_length=4096,
+    )  # fmt: skip
+    store = await open_store(store_url)
+    try:
+        await store.put(instance_key(endpoint, 0x2A), msgspec.json.encode(info))
+        await store.put(ModelKey(endpoint, 0x2A).key, card.to_json())
+    finally:
+        await store.close()
+    for args in (("--json",), ()):
+        code, out, _ = await shoal_ls("--store", store_url, *args)
+        assert code == 0
+        assert "basic-model" in out and "10.0.0.7:9000" in out and "10.0.0.7:9090" in out
+        assert "s3cret" not in out, out
+
+
+async def test_ls_shows_control_characters_of_a_registered_value_escaped(store_url: str) -> None:
+    """Any writer of the store names its model: an escape sequence in a name reached the
+    operator's terminal as is (retitling it, clearing it), and a newline forged a row."""
+    endpoint = EndpointId("team-a", "backend", "generate")
+    info = InstanceInfo(
+        namespace="team-a", component="backend", endpoint="generate", instance_id=0x2B,
+        url="http://10.0.0.8:9000", status_url="http://10.0.0.8:9090",
+    )  # fmt: skip
+    card = ModelCard.build(
+        display_name="evil\x1b]0;owned\x07\x1b[2J\nforged-row", slug="evil", source="test",
+        model_types=["chat"], context_length=4096, runtime_config={"taints": ["t\rx"]},
+    )  # fmt: skip
+    store = await open_store(store_url)
+    try:
+        await store.put(instance_key(endpoint, 0x2B), msgspec.json.encode(info))
+        await store.put(ModelKey(endpoint, 0x2B).key, card.to_json())
+    finally:
+        await store.close()
+    code, out, _ = await shoal_ls("--store", store_url)
+    assert code == 0
+    assert "\x1b" not in out and "\x07" not in out and "\r" not in out
+    assert not any(line.startswith("forged-row") for line in out.splitlines())
+    assert "evil\\x1b]0;owned\\x07\\x1b[2J\\nforged-row" in out

@@ -51,7 +51,7 @@ def test_a_key_that_is_not_a_canonical_route_key_is_refused(key: str) -> None:
             b'{"workspace":"team-a","name":"org/chat","targets":[{"kind":"fleet","model":""}]}',
             "model",
         ),
-        (b'{"workspace":"other","name":"org/chat"}', "names other/org/chat"),
+        (b'{"workspace":"other","name":"org/chat"}', "names 'other'/'org/chat'"),
     ],
 )
 def test_an_invalid_route_value_is_refused_naming_the_problem(value: bytes, named: str) -> None:
@@ -77,3 +77,14 @@ async def test_publishing_an_unchanged_route_writes_nothing() -> None:
         assert await store.get(ROUTE.key) is None
     finally:
         await store.close()
+
+
+def test_a_route_copied_to_another_key_is_refused_without_carrying_its_names() -> None:
+    """Any writer of the store may put a route whose names are ~1 MB long at another route's
+    key: the refusal (logged, kept in the frontend's skipped routes) quoted them whole."""
+    long = "n" * 500_000
+    value = Route(workspace="w" * 400_000, name=long).to_json()
+    with pytest.raises(RouteError) as refused:
+        decode_route(ROUTE.key, value)
+    assert len(str(refused.value)) < 400, len(str(refused.value))
+    assert "500,000 characters" in str(refused.value)

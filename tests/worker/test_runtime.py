@@ -18,6 +18,7 @@ from shoal.discovery import Discovery, EndpointId, ModelKey
 from shoal.store import Store, open_store
 from shoal.worker import Engine, Runtime, ServedModel
 from shoal.worker import endpoint as endpoint_module
+from shoal.worker import health as health_module
 from shoal.worker.engines.mocker import MockerEngine
 from shoal.worker.metadata import MetadataKey
 from tests.helpers import wait_for
@@ -347,6 +348,78 @@ async def test_health_is_503_with_the_reason_when_an_engine_is_unhealthy(
         assert any("upstream down" in r for r in (await resp.json())["reasons"])
 
 
+async def test_health_is_503_until_the_first_models_are_announced(
+    runtime: Runtime, observer: Store, http: aiohttp.ClientSession
+) -> None:
+    """What was wrong: an endpoint counted as serving from the moment its port was open,
+    before its instance and models were in the store: while the first announcement ran (20,000
+    adapters: seconds) /health answered 200, so a rolling update took the new worker as ready
+    and stopped an old one before a frontend could route to the new. What holds now: /health
+    is 503 ("announcing its models") until they are in the store, and (a process serving no
+    endpoint yet) before the first endpoint serves."""
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["reasons"] == ["no endpoint is served yet"]
+    assert runtime.store is not None
+    put_many = runtime.store.put_many
+    release = asyncio.Event()
+
+    async def held(*args: Any, **kwargs: Any) -> int:
+        await release.wait()
+        return await put_many(*args, **kwargs)
+
+    runtime.store.put_many = held  # type: ignore[method-assign]
+    serving = asyncio.create_task(runtime.endpoint(EP).serve(Switchable()))
+    await wait_for(lambda: runtime.endpoint(EP).url is not None, message="port open")
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["reasons"] == [f"endpoint {EP} is announcing its models"]
+    assert not await listed(observer)
+    release.set()
+    await serving
+    await wait_for(lambda: _healthy(http, runtime), timeout=5, message="healthy once announced")
+    assert set(await listed(observer)) == {"a"}
+
+
+async def test_a_store_blink_while_an_endpoint_starts_is_retried_not_fatal(
+    runtime: Runtime, observer: Store, http: aiohttp.ClientSession
+) -> None:
+    """What was wrong: a store outage while an endpoint registered its instance or announced
+    its first models failed `serve` (`shoal worker`: "cannot serve", exit 1), though the
+    lease was held and the loops that repair both were running: a worker started during an
+    etcd leader election died. What holds now: `serve` returns, /health says what is not
+    announced yet, and the lease loop and the models loop put the instance and the models
+    in the store once it answers."""
+    store = runtime.store
+    assert store is not None
+    store.set_unreachable(True)
+    endpoint = runtime.endpoint(EP)
+    await endpoint.serve(Switchable())  # (the store down: no exception)
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        assert f"endpoint {EP} is announcing its models" in (await resp.json())["reasons"]
+    store.set_unreachable(False)
+    await wait_for(lambda: _names(observer, {"a"}), timeout=10, message="announced once back")
+    await wait_for(lambda: _healthy(http, runtime), timeout=10, message="healthy once back")
+    instances = await Discovery(observer).list_instances()
+    assert [i.url for i in instances] == [endpoint.url]
+
+
+async def test_health_names_an_engine_check_that_never_answers(
+    runtime: Runtime, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A health check that hangs is reported as what it is (it read "engine ... unhealthy: ",
+    the empty text of a TimeoutError)."""
+    engine = Switchable()
+    await runtime.endpoint(EP).serve(engine)
+    monkeypatch.setattr(health_module, "ENGINE_CHECK_TIMEOUT", 0.1)
+    monkeypatch.setattr(engine, "check_health", asyncio.Event().wait)
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        reasons = (await resp.json())["reasons"]
+    assert reasons == [f"endpoint {EP}: engine switchable did not answer its check within 0.1s"]
+
+
 async def test_drain_taints_waits_for_in_flight_requests_then_withdraws_everything(
     store_url: str, observer: Store, http: aiohttp.ClientSession
 ) -> None:
@@ -443,6 +516,56 @@ async def test_a_drain_whose_taint_the_store_refused_taints_again_and_still_with
     await drain
     assert runtime.cleanup_cut_short is False
     assert (await observer.get_prefix("shoal/v1/")).items == []
+
+
+async def test_a_put_back_longer_than_the_lease_ttl_keeps_the_lease_it_puts_back_under(
+    tmp_path: Path,
+) -> None:
+    """What was wrong: cards deleted behind the worker's back (`etcdctl del --prefix`, a store
+    restored from a backup) were put back in the lease loop's step with no keepalive until
+    it finished: 8,000 on etcd took past the 5 s TTL, the lease expired and the whole worker
+    left discovery, instance and every card, before a new lease put it back. What holds now:
+    the lease is kept alive beside the put-back, which ends under the lease it began under."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    observer = await open_store(url)
+    runtime = Runtime(url, lease_ttl=0.6, drain_timeout=0)
+    await runtime.start()
+    try:
+        engine = await serve_mocker(runtime, speedup=0)
+        endpoint = runtime.endpoint(EP)
+        adapters = 30
+        for i in range(adapters):
+            async with endpoint.sync_lock:
+                await endpoint.attach_served(await engine.load_adapter(f"lora-{i}", "/a"))
+        registrations = runtime.registrations
+        lease = registrations.lease_id
+        assert lease is not None
+        store = registrations.store
+        real = {name: getattr(store, name) for name in ("put", "create", "put_many")}
+
+        def slowed(name: str) -> Any:
+            async def slow(key_or_items: Any, *args: Any, **kwargs: Any) -> Any:
+                items = 1 if isinstance(key_or_items, str) else len(key_or_items)
+                await asyncio.sleep(0.05 * items)  # (31 cards: two and a half TTLs)
+                return await real[name](key_or_items, *args, **kwargs)
+
+            return slow
+
+        prefix = ModelKey(EndpointId.parse(EP), lease).key
+        for kv in (await observer.get_prefix(prefix)).items:
+            await observer.delete(kv.key)
+        for name in real:
+            setattr(store, name, slowed(name))
+
+        async def all_back() -> bool:
+            return len((await observer.get_prefix(prefix)).items) == adapters + 1
+
+        await wait_for(all_back, timeout=30, message="every card back under the same lease")
+        assert registrations.grants == 1 and registrations.lease_id == lease
+        await wait_for(lambda: registrations.lease_problem() is None, timeout=5)
+    finally:
+        await runtime.drain(timeout=0)
+        await observer.close()
 
 
 async def test_a_re_registration_longer_than_the_lease_ttl_keeps_its_new_lease_and_finishes(

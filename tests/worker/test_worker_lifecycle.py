@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import sqlite3
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -12,7 +13,7 @@ import pytest
 
 from shoal.discovery import Discovery
 from shoal.discovery.keys import INSTANCES, MODELS
-from shoal.store import Store, StoreError
+from shoal.store import Store, StoreError, open_store
 from shoal.worker.engines.mocker import MockerEngine
 from shoal.worker.runtime import Runtime
 from tests.helpers import wait_for
@@ -156,6 +157,31 @@ async def test_a_card_deleted_from_the_store_is_put_back_and_reported(
             assert "shoal_worker_registrations_repaired_total 2.0" in await resp.text()
 
 
+async def test_a_worker_whose_store_file_was_deleted_registers_in_the_one_made_there(
+    start_worker: StartWorker, store_url: str, tmp_path: Path
+) -> None:
+    """The embedded store's file deleted under a running worker (its state directory wiped):
+    the worker wrote on in the deleted file, /health 200, while every process opening the
+    path (a frontend, `shoal ls`) saw an empty fleet, for good. Now it re-registers in the
+    file at the path, under a new lease."""
+    worker = await start_worker("--lease-ttl", "2")
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"store.db{suffix}").unlink(missing_ok=True)
+
+    async def listed_in_the_new_file() -> bool:
+        store = await open_store(store_url)
+        try:
+            models = await Discovery(store).list()
+        finally:
+            await store.close()
+        return [m.card.display_name for m in models] == ["mock-model"]
+
+    await wait_for(listed_in_the_new_file, timeout=15, message="the worker in the new file")
+    async with aiohttp.ClientSession() as http:
+        assert await health(http, worker) == 200
+    assert worker.proc.returncode is None
+
+
 async def test_health_says_when_a_registration_is_missing_and_cannot_be_put_back(
     store_url: str, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -169,7 +195,7 @@ async def test_health_says_when_a_registration_is_missing_and_cannot_be_put_back
         async def refused(*args: Any, **kwargs: Any) -> None:
             raise StoreError("refused")
 
-        monkeypatch.setattr(registrations.discovery, "register_model", refused)
+        monkeypatch.setattr(registrations.store, "put_many", refused)
         await registrations.renew()
         problem = registrations.lease_problem()
         assert problem is not None and "missing" in problem and key in problem

@@ -9,7 +9,9 @@ import gc
 import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -18,6 +20,8 @@ from shoal.discovery import Discovery, EndpointId, ModelKey
 from shoal.store import MAX_VALUE_BYTES, Store, StoreUnavailableError, open_store, sqlite_log
 from shoal.store import sqlite as sqlite_module
 from shoal.worker import Engine, Runtime, ServedModel
+from shoal.worker import adapters as adapters_module
+from shoal.worker import endpoint as endpoint_module
 from shoal.worker import registrations as registrations_module
 from shoal.worker import runtime as runtime_module
 from shoal.worker.registrations import DRAINING
@@ -325,3 +329,110 @@ def _card(name: str) -> ModelCard:
         model_types=["chat"],
         context_length=4096,
     )
+
+
+async def test_the_adapter_listing_describes_a_slice_of_them_per_turn_of_the_loop(
+    runtime: Runtime, observer: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What was wrong: `GET /v1/loras` (no token needed) described every adapter, its card's
+    mdcsum computed, and encoded them in one turn of the event loop: 20,000 adapters held a
+    worker's loop 233 ms per call, its requests' streams with it. What holds now: at most
+    `LISTED_PER_TURN` are described per turn, and the listing is whole."""
+    monkeypatch.setattr(adapters_module, "LISTED_PER_TURN", SLICE, raising=False)
+    adapters = 3 * SLICE + 7
+    await runtime.endpoint(EP).serve(ManyAdapters(adapters))
+    described = LoopTurns().wrap(adapters_module, "_lora_body")
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(runtime.status_url + "/v1/loras") as resp,
+        ):
+            assert resp.status == 200
+            listing = await resp.json()
+    finally:
+        await described.stop()
+    assert described.on_loop == adapters
+    assert described.most_per_turn <= SLICE, f"{described.most_per_turn} in one turn"
+    data = listing["data"]
+    assert listing["object"] == "list" and len(data) == adapters
+    first = runtime.endpoint(EP).models["lora-0000"]
+    assert data[0] == {
+        "object": "lora",
+        "name": "lora-0000",
+        "suffix": "lora-0000",
+        "endpoint": EP,
+        "base_model": "base",
+        "mdcsum": first.card.mdcsum,
+    }
+    assert sorted(entry["name"] for entry in data) == [f"lora-{i:04d}" for i in range(adapters)]
+
+
+async def test_cards_deleted_behind_the_workers_back_are_put_back_in_batches(
+    runtime: Runtime, observer: Store, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """What was wrong: cards the store lost (`etcdctl del --prefix`, a restored backup) were
+    put back a store call each (a create, and a read and a put where it failed), logging a
+    warning each: 8,000 took 8 s on etcd, 3,404 warnings. What holds now: they go back in
+    `put_many` calls of `PUT_BATCH`, one warning a turn names how many."""
+    monkeypatch.setattr(registrations_module, "PUT_BATCH", SLICE)
+    adapters = 3 * SLICE + 7
+    await runtime.endpoint(EP).serve(ManyAdapters(adapters))
+    await wait_for(lambda: _announced(observer, adapters + 1), timeout=30, message="announced")
+    registrations = runtime.registrations
+    lease = registrations.lease_id
+    assert lease is not None
+    prefix = ModelKey(EndpointId.parse(EP), lease).key
+    for kv in (await observer.get_prefix(prefix)).items:
+        await observer.delete(kv.key)
+
+    store = registrations.store
+    calls = LoopTurns()
+    for name in ("put", "create", "put_many"):
+        calls.wrap(store, name)
+    batches = LoopTurns().wrap(store, "put_many")
+    caplog.clear()
+    try:
+        await registrations.renew()
+    finally:
+        await calls.stop()
+        await batches.stop()
+    cards = adapters + 1
+    assert batches.on_loop == -(-cards // SLICE) and calls.on_loop == batches.on_loop
+    assert batches.most_per_turn == 1
+    assert registrations.repairs == cards and registrations.lease_problem() is None
+    assert registrations.lease_id == lease
+    listed = await Discovery(observer).list()
+    assert len(listed) == cards and {m.key.instance_id for m in listed} == {lease}
+    warnings = [r for r in caplog.records if "missing from the store" in r.getMessage()]
+    assert len(warnings) == 1 and f"{cards} registrations" in warnings[0].getMessage()
+
+
+async def test_models_the_engine_no_longer_lists_are_withdrawn_in_batches(
+    runtime: Runtime, observer: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What was wrong: each model the engine stopped listing was withdrawn in a store call
+    (a SQLite transaction) of its own, holding the registrations' lock: an upstream dropping
+    20,000 adapters took 5.0 s from the first withdrawal to the last, the rest announced,
+    routed to and answered 404 meanwhile. What holds now: they go in `Store.delete_many`
+    calls of `PUT_BATCH` (1.3 s), and their metadata files with them."""
+    monkeypatch.setattr(registrations_module, "PUT_BATCH", SLICE)
+    monkeypatch.setattr(endpoint_module, "PUT_BATCH", SLICE)
+    adapters = 3 * SLICE + 7
+    engine = ManyAdapters(adapters)
+    endpoint = runtime.endpoint(EP)
+    await endpoint.serve(engine)
+    await wait_for(lambda: _announced(observer, adapters + 1), timeout=30, message="announced")
+    store = runtime.registrations.store
+    calls = LoopTurns()
+    for name in ("delete", "delete_many"):
+        calls.wrap(store, name)
+    batches = LoopTurns().wrap(store, "delete_many")
+    try:
+        engine.models = engine.models[:1]  # (the base model only)
+        await wait_for(lambda: _announced(observer, 1), timeout=30, message="withdrawn")
+    finally:
+        await calls.stop()
+        await batches.stop()
+    assert batches.on_loop == -(-adapters // SLICE) and calls.on_loop == batches.on_loop
+    assert list(endpoint.models) == [None]
+    assert len(runtime.metadata) == 0  # (ManyAdapters hosts no files: none left either)

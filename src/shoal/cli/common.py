@@ -188,9 +188,18 @@ def on_stop_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
+def shown(text: str) -> str:
+    """`text` on one line of a terminal: a character that is not printable (a newline, an
+    escape sequence: names come from engines and the store) is written as `repr` writes it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def ready_line(component: str, **fields: object) -> str:
-    """`shoal COMPONENT ready: KEY=VALUE ...`, the line a process prints once it serves."""
-    return f"shoal {component} ready:" + "".join(f" {k}={v}" for k, v in fields.items())
+    """`shoal COMPONENT ready: KEY=VALUE ...`, the line a process prints once it serves; one
+    line whatever the values hold (`shown`: a model's name is its engine's)."""
+    return f"shoal {component} ready:" + "".join(f" {k}={shown(str(v))}" for k, v in fields.items())
 
 
 def print_ready(component: str, **fields: object) -> None:

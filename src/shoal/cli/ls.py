@@ -8,9 +8,10 @@ from typing import Any
 
 import msgspec
 
-from shoal.cli.common import add_flag, run_event_loop
+from shoal.cli.common import add_flag, run_event_loop, shown
 from shoal.discovery import Discovery, Query
 from shoal.store import StoreError, default_store_url, open_store
+from shoal.urls import redact_url
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -25,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 async def collect(store_url: str, namespace: str | None) -> dict[str, Any]:
+    """What the store holds, as `shoal ls` shows it. URLs are shown without what may hold a
+    secret (`redact_url`): a worker behind Basic auth registers `http://user:password@...`,
+    and this output is pasted into tickets."""
     store = await open_store(store_url)
     try:
         disc = Discovery(store)
@@ -34,7 +38,7 @@ async def collect(store_url: str, namespace: str | None) -> dict[str, Any]:
     finally:
         await store.close()
     return {
-        "store": store_url,
+        "store": redact_url(store_url),
         # values that are not a valid card or instance (written by hand, or by a newer or
         # broken worker): never served, counted and named here
         "skipped": [{"key": k, "reason": r} for k, r in sorted(disc.skipped.items())],
@@ -47,7 +51,7 @@ async def collect(store_url: str, namespace: str | None) -> dict[str, Any]:
                 "role": str(m.card.role),
                 "mdcsum": m.card.mdcsum,
                 "taints": list(m.card.taints),
-                "url": m.url,
+                "url": redact_url(m.url),
             }
             for m in models
         ],
@@ -55,8 +59,8 @@ async def collect(store_url: str, namespace: str | None) -> dict[str, Any]:
             {
                 "endpoint": str(i.endpoint_id),
                 "instance": f"{i.instance_id:x}",
-                "url": i.url,
-                "status_url": i.status_url,
+                "url": redact_url(i.url),
+                "status_url": redact_url(i.status_url),
             }
             for i in instances
         ],
@@ -66,7 +70,11 @@ async def collect(store_url: str, namespace: str | None) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     cells = [[c.upper() for c in columns]] + [
         [
-            ", ".join(v) if isinstance(v := r[c], list) else ("-" if v in (None, "") else str(v))
+            shown(
+                ", ".join(v)
+                if isinstance(v := r[c], list)
+                else ("-" if v in (None, "") else str(v))
+            )
             for c in columns
         ]
         for r in rows
@@ -87,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
         return 0
-    print(f"store: {url}\n")
+    print(f"store: {data['store']}\n")
     if data["models"]:
         print(
             table(

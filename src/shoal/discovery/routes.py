@@ -21,7 +21,7 @@ from typing import Annotated
 import msgspec
 
 from shoal.bounds import TooDeep, check_json_depth
-from shoal.discovery.keys import ROOT
+from shoal.discovery.keys import ROOT, quoted
 from shoal.store import Store
 from shoal.urls import redact_url
 
@@ -110,7 +110,7 @@ def decode_route(key: str, value: bytes) -> Route:
     except (msgspec.ValidationError, msgspec.DecodeError, TooDeep) as exc:
         raise RouteError(f"invalid route at {key}: {exc}") from None
     if (route.workspace, route.name) != (workspace, name):
-        raise RouteError(f"route at {key} names {route.workspace}/{route.name}")
+        raise RouteError(f"route at {key} names {quoted(route.workspace)}/{quoted(route.name)}")
     for target in route.targets:
         if isinstance(target, UrlTarget) and ("?" in target.base_url or "#" in target.base_url):
             raise RouteError(

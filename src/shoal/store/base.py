@@ -208,6 +208,18 @@ async def checked_items(items: Sequence[tuple[str, bytes]]) -> list[tuple[str, b
     return checked
 
 
+async def checked_keys(keys: Sequence[str]) -> list[str]:
+    """`keys` each checked as `delete` checks it (the first refused raises), `CHECK_SLICE`
+    per turn of the event loop: what `delete_many` deletes, checked before it deletes any."""
+    keys = list(keys)  # (as given now: a caller's list may change while this yields)
+    for start in range(0, len(keys), CHECK_SLICE):
+        if start:
+            await asyncio.sleep(0)
+        for key in keys[start : start + CHECK_SLICE]:
+            check_key(key)
+    return keys
+
+
 def check_value(key: str, value: bytes) -> None:
     if not isinstance(value, bytes | bytearray | memoryview):
         raise TypeError(f"value for {key!r} must be bytes, not {type(value).__name__}")
@@ -377,6 +389,19 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def delete(self, key: str) -> bool:
         """Delete `key`; True if it existed."""
+
+    async def delete_many(self, keys: Sequence[str]) -> int:
+        """Delete each of `keys` (one absent is skipped); returns how many existed.
+
+        Every key is checked first, as `delete` checks it (`CHECK_SLICE` per turn of the
+        event loop): one refused raises before anything is deleted. The backend deletes a
+        bounded slice of keys per transaction, so a failure (the store out) may leave the
+        earlier slices deleted. A watch gets one `Delete` per key deleted. This default
+        deletes them one at a time; each backend deletes a slice per transaction."""
+        deleted = 0
+        for key in await checked_keys(keys):
+            deleted += await self.delete(key)
+        return deleted
 
     @abc.abstractmethod
     async def _grant(self, ttl: float) -> int:

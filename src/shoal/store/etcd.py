@@ -87,6 +87,7 @@ from shoal.store.base import (
     check_prefix,
     check_value,
     checked_items,
+    checked_keys,
     distinct_prefixes,
 )
 from shoal.urls import redact_url
@@ -755,6 +756,28 @@ class EtcdStore(Store):
             return await client.delete(key.encode())
 
         return await self._call(f"delete {key!r}", fn) is not None
+
+    async def delete_many(self, keys: Sequence[str]) -> int:
+        """One transaction of deletes per `MAX_TXN_OPS` keys (a key given twice starts the
+        next: etcd refuses both), one after the other; a watch gets a `Delete` for each."""
+        deleted = 0
+        for txn in _transactions([(key, b"") for key in await checked_keys(keys)]):
+            requests = [
+                aetcd.rpc.RequestOp(request_delete_range=aetcd.rpc.DeleteRangeRequest(key=raw))
+                for raw, _ in txn
+            ]
+
+            async def fn(client: Any, requests: list[Any] = requests) -> Any:
+                return await client.kvstub.Txn(
+                    aetcd.rpc.TxnRequest(success=requests),
+                    timeout=self._call_timeout,
+                    metadata=client.metadata,
+                )
+
+            what = f"delete_many of {len(txn)} keys from {txn[0][0].decode()!r}"
+            reply = await self._call(what, fn)
+            deleted += sum(int(r.response_delete_range.deleted) for r in reply.responses)
+        return deleted
 
     # -- leases -------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from shoal.store.base import (
     check_prefix,
     check_value,
     checked_items,
+    checked_keys,
     distinct_prefixes,
 )
 
@@ -220,6 +221,18 @@ class MemoryStore(Store):
         self._check_open()
         check_key(key)
         return self._delete_now(key)
+
+    async def delete_many(self, keys: Sequence[str]) -> int:
+        """`PUT_MANY_KEYS` keys per step, yielding to the event loop between steps."""
+        self._check_open()
+        checked = await checked_keys(keys)
+        deleted = 0
+        for start in range(0, len(checked), PUT_MANY_KEYS):
+            if start:
+                await asyncio.sleep(0)
+            self._check_open()
+            deleted += sum(map(self._delete_now, checked[start : start + PUT_MANY_KEYS]))
+        return deleted
 
     async def _grant(self, ttl: float) -> int:
         self._check_open()

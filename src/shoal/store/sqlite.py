@@ -86,6 +86,15 @@ or a newer version, is refused at open in one line naming what is missing. The c
 log's retention adds `changes.at`, `meta.log_bytes` and two triggers to a version-2 file at
 open where missing (`sqlite_log.LOG_LAYOUT`; a read-only client needs none of them).
 
+The file: an instance follows the file at its path, not the one it opened. If that file is
+deleted (a state directory wiped) or replaced (a backup moved in place, a new store made
+there after a delete), the instance opens the one at the path within `FILE_CHECK_INTERVAL`
+(making it if there is none): what it held in the old file is gone, as from an etcd whose
+data directory was lost (a lease holder finds its lease not found and re-puts what it owns),
+and its watches get a `Resync`. Kept on the old file (whose inode lives on while open), a
+worker renewed its lease and listed its keys to itself for good, while every process
+opening the path saw another store without them.
+
 Compaction (`shoal.store.sqlite_log`): the change log keeps every change of the last
 `RETAIN_SECONDS` (5 s) and the last `RETAIN_CHANGES` (1,000) revisions however old, within
 hard caps of `MAX_LOG_CHANGES` (100,000) rows and `MAX_LOG_BYTES` (64 MiB), trimmed every
@@ -139,6 +148,7 @@ from shoal.store.base import (
     check_prefix,
     check_value,
     checked_items,
+    checked_keys,
     distinct_prefixes,
 )
 from shoal.store.sqlite_log import (
@@ -173,6 +183,10 @@ and writes get in between (SQLite's busy handler retries by sleeping, and misses
 is only a turn of the event loop)."""
 BUSY_TIMEOUT = 5.0
 """Seconds a statement waits for another process's lock before failing."""
+FILE_CHECK_INTERVAL = 1.0
+"""Seconds between two looks (one `stat`, in the store thread, before a read or a write) at
+whether the file at the store's path is still the one this instance has open (see "The
+file" above)."""
 WAL_AUTOCHECKPOINT_PAGES = 256
 JOURNAL_SIZE_LIMIT = 1024 * 1024
 MAX_QUEUED = 10_000
@@ -445,10 +459,32 @@ def _check_layout(conn: sqlite3.Connection, read_only: bool) -> None:
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
-def _close_unused(future: Future[sqlite3.Connection]) -> None:
+def _close_unused(future: Future[tuple[sqlite3.Connection, FileId | None]]) -> None:
     """Close a connection whose open finished after the caller gave up on it."""
     if not future.cancelled() and future.exception() is None:
-        future.result().close()
+        future.result()[0].close()
+
+
+FileId = tuple[int, int]
+"""A file's device and inode: which file a path names now."""
+
+
+def _file_id(path: Path) -> FileId | None:
+    """The file at `path` now (None: there is none)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _open_file(
+    path: Path, busy_timeout: float, read_only: bool
+) -> tuple[sqlite3.Connection, FileId | None]:
+    """`_connect`, and the file it opened (looked at after: a file replaced meanwhile is
+    found at the next look, as the instance reads the one at the path then)."""
+    conn = _connect(path, busy_timeout, read_only)
+    return conn, _file_id(path)
 
 
 # Statements run inside a transaction, in the store thread.
@@ -704,6 +740,21 @@ def _delete(conn: sqlite3.Connection, now: float, key: str) -> bool:
     return _delete_key(conn, now, key) is not None
 
 
+def _delete_many(
+    conn: sqlite3.Connection, now: float, keys: Sequence[str]
+) -> tuple[int, int, float]:
+    """`_delete` of each of `keys` (a `sqlite_log.batches` slice), each at a revision of its
+    own. Returns the keys deleted and the last revision, or (0, 0, seconds to wait) when the
+    change log has no room for them yet (`wait_for_room`): nothing is deleted."""
+    if (wait := wait_for_room(conn, now, len(keys), sum(map(len, keys)))) > 0:
+        return 0, 0, wait
+    deleted = revision = 0
+    for key in keys:
+        if (done := _delete_key(conn, now, key)) is not None:
+            deleted, revision = deleted + 1, done
+    return deleted, revision, 0.0
+
+
 def _grant(conn: sqlite3.Connection, now: float, ttl: float) -> int:
     while True:
         lease_id = secrets.randbits(62) + 1
@@ -794,6 +845,10 @@ class SQLiteStore(Store):
         # Expired leases this instance found and could not reap (see `_reap_forever`).
         self._unreaped: frozenset[int] = frozenset()
         self._conn = conn
+        # The file `_conn` has open, and when the store thread last looked that it is still
+        # the one at `path` (`_follow_file`).
+        self._file: FileId | None = None
+        self._file_checked = time.monotonic()
         # Whether the file has `LISTING_INDEX` (looked up by the first listing that uses it).
         self._listing_index: bool | None = None
         self._executor = executor
@@ -812,9 +867,9 @@ class SQLiteStore(Store):
         path, read_only = _parse_url(url)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-sqlite")
         busy = max(0.05, min(BUSY_TIMEOUT, connect_timeout / 2))
-        future = executor.submit(_connect, path, busy, read_only)
+        future = executor.submit(_open_file, path, busy, read_only)
         try:
-            conn = await asyncio.wait_for(asyncio.wrap_future(future), connect_timeout)
+            conn, file = await asyncio.wait_for(asyncio.wrap_future(future), connect_timeout)
         except TimeoutError:
             future.add_done_callback(_close_unused)
             executor.shutdown(wait=False, cancel_futures=True)
@@ -828,7 +883,9 @@ class SQLiteStore(Store):
             future.add_done_callback(_close_unused)
             executor.shutdown(wait=False)
             raise
-        return cls(url, path, conn, executor, read_only)
+        store = cls(url, path, conn, executor, read_only)
+        store._file = file
+        return store
 
     # Plumbing.
 
@@ -868,6 +925,7 @@ class SQLiteStore(Store):
         """One write transaction (in the store thread): reap expired leases, then `fn`."""
         if self.read_only:
             raise StoreError(f"store {self.url} is read-only (mode=ro): it cannot be written")
+        self._follow_file()
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -883,6 +941,7 @@ class SQLiteStore(Store):
 
     def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """One read transaction (in the store thread): a consistent snapshot."""
+        self._follow_file()
         conn = self._conn
         conn.execute("BEGIN")
         try:
@@ -891,6 +950,29 @@ class SQLiteStore(Store):
             if conn.in_transaction:
                 conn.execute("COMMIT")
         return result
+
+    def _follow_file(self) -> None:
+        """(In the store thread.) Every `FILE_CHECK_INTERVAL`: if the file at `path` is not
+        the one `_conn` has open (deleted, replaced), open the one there (see "The file")."""
+        now = time.monotonic()
+        if now - self._file_checked < FILE_CHECK_INTERVAL:
+            return
+        self._file_checked = now
+        file = _file_id(self.path)
+        if self._file is None or file == self._file:
+            self._file = self._file or file  # (an instance not made by `open`: adopts it)
+            return
+        conn, file = _open_file(self.path, BUSY_TIMEOUT, self.read_only)
+        old, self._conn, self._file = self._conn, conn, file
+        self._listing_index = None
+        self._epoch += 1  # (read by the poller between polls: its watches resync)
+        old.close()
+        log.warning(
+            "store %s: the file at %s is not the one open (deleted or replaced): opened the "
+            "one there now; what this process held in the old one is gone",
+            self.url,
+            self.path,
+        )
 
     # Reads and writes.
 
@@ -990,6 +1072,28 @@ class SQLiteStore(Store):
                     break
                 await asyncio.sleep(min(wait, RETAIN_SECONDS))
         return revision
+
+    async def delete_many(self, keys: Sequence[str]) -> int:
+        """`PUT_MANY_KEYS` deletes per write transaction (`sqlite_log.batches`), each key at
+        a revision of its own, paced by the file as `put_many` is."""
+        checked = await checked_keys(keys)
+        deleted = 0
+        held = 0.0
+        for batch in batches([(key, b"") for key in checked]):
+            if held:  # (a transaction that waited long for the lock: a poll's rest at most)
+                await asyncio.sleep(
+                    min(held, POLL_INTERVAL) * (1 - PUT_MANY_SHARE) / PUT_MANY_SHARE
+                )
+            write = functools.partial(_delete_many, keys=[key for key, _ in batch])
+            while True:
+                started = time.monotonic()
+                done, _, wait = await self._call(functools.partial(self._write, write))
+                held = time.monotonic() - started
+                if not wait:
+                    break
+                await asyncio.sleep(min(wait, RETAIN_SECONDS))
+            deleted += done
+        return deleted
 
     async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
         return await self._write_key(_create, "create", key, value, lease)

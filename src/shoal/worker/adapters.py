@@ -33,6 +33,11 @@ from shoal.worker.registrations import Attached
 log = logging.getLogger(__name__)
 
 
+LISTED_PER_TURN = 512
+"""Adapters `GET /v1/loras` describes (its card's mdcsum computed) and encodes in one turn of
+the event loop: all 20,000 of a worker in one turn held its loop 233 ms per call."""
+
+
 class LoadLora(msgspec.Struct):
     name: str
     path: str
@@ -40,6 +45,7 @@ class LoadLora(msgspec.Struct):
 
 
 _load_lora_decoder = msgspec.json.Decoder(LoadLora)
+_encoder = msgspec.json.Encoder()
 
 
 class AdapterRoutes:
@@ -89,13 +95,30 @@ class AdapterRoutes:
         return serving[0]
 
     async def list_loras(self, request: web.Request) -> web.Response:
-        loras = [
-            _lora_body(ep, att.card.display_name, suffix, path=self._paths.get((ep.id, suffix)))
-            for ep in self.endpoints.values()
-            for suffix, att in ep.models.items()
-            if suffix is not None and att.card.lora is not None
-        ]
-        return web.json_response({"object": "list", "data": loras})
+        """Every adapter attached, described and encoded `LISTED_PER_TURN` per turn of the
+        event loop (of the models attached when it began: one detached meanwhile is listed)."""
+        pieces: list[bytes] = []
+        for ep in list(self.endpoints.values()):
+            models = list(ep.models.items())
+            for start in range(0, len(models), LISTED_PER_TURN):
+                if start:
+                    await asyncio.sleep(0)
+                loras = [
+                    _lora_body(
+                        ep,
+                        att.card.display_name,
+                        suffix,
+                        path=self._paths.get((ep.id, suffix)),
+                        att=att,
+                    )
+                    for suffix, att in models[start : start + LISTED_PER_TURN]
+                    if suffix is not None and att.card.lora is not None
+                ]
+                if loras:
+                    pieces.append(_encoder.encode(loras)[1:-1])  # (the list's items)
+            await asyncio.sleep(0)
+        body = b'{"object":"list","data":[' + b",".join(pieces) + b"]}"
+        return web.Response(body=body, content_type="application/json")
 
     async def load_lora(self, request: web.Request) -> web.Response:
         """Load adapter `name` from `path` and announce it; a refused load changes nothing.
@@ -202,9 +225,14 @@ async def _unload_quietly(ep: Endpoint, name: str) -> None:
 
 
 def _lora_body(
-    ep: Endpoint, name: str, suffix: str | None, path: str | None = None
+    ep: Endpoint,
+    name: str,
+    suffix: str | None,
+    path: str | None = None,
+    att: Attached | None = None,
 ) -> dict[str, Any]:
-    att = ep.models.get(suffix)
+    """An adapter as the routes describe it: `att` attached at `suffix` (else the one there)."""
+    att = att or ep.models.get(suffix)
     body: dict[str, Any] = {
         "object": "lora",
         "name": name,

@@ -169,6 +169,10 @@ class Endpoint:
         self.follows_engine = False
         """Set once `serve(attach_models=True)` attached the engine's models: the runtime's
         models loop keeps them in step with the engine from then on, while it serves."""
+        self.announced = False
+        """Set once `serve` has registered the instance (and, with `attach_models`, once a
+        sync announced the engine's models): until then the port is open but no frontend can
+        route to it, and `/health` says so."""
         self.in_flight = 0
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
@@ -217,7 +221,9 @@ class Endpoint:
         """Start `engine`, serve its app on host:port (0: a free port) and register the instance.
 
         With `attach_models`, the engine's `served_models()` are attached now and kept in
-        step by the runtime's models loop (`follows_engine`). An engine listing several base
+        step by the runtime's models loop (`follows_engine`). A store outage meanwhile is not
+        raised: the lease loop registers the instance and the models loop announces the models
+        once the store answers (`announced` is False until then). An engine listing several base
         models gets the one named `model` announced (else the one announced already, while
         the engine still lists it, else the first): one base model per endpoint instance.
         """
@@ -241,12 +247,20 @@ class Endpoint:
             bound = runner.addresses[0][1]
             self._runner = runner
             self.url = f"http://{advertised_host(host)}:{bound}"
-            await self._registrations.register_instance(
-                self.id, self.url, self.status_url, kv_events=engine.kv_events
-            )
-            if attach_models:
+            try:
+                await self._registrations.register_instance(
+                    self.id, self.url, self.status_url, kv_events=engine.kv_events
+                )
+            except OUTAGES as exc:  # (held: the lease loop puts it in the store)
+                log.warning("endpoint %s: instance not registered yet (retried): %s", self.id, exc)
+            if not attach_models:
+                self.announced = True
+                return
+            self.follows_engine = True
+            try:
                 await self.sync_models()
-                self.follows_engine = True
+            except OUTAGES as exc:  # (the models loop tries again)
+                log.warning("endpoint %s: models not announced yet (retried): %s", self.id, exc)
         except BaseException:
             await self._stop_serving()
             raise
@@ -372,12 +386,15 @@ class Endpoint:
                 return
             self._synced = None
             wanted = await self._wanted(served)
+            gone: list[str | None] = []
             for i, (suffix, att) in enumerate(list(self.models.items()), 1):
                 if i % SYNC_BATCH == 0:
                     await asyncio.sleep(0)
                 model = wanted.get(suffix)
                 if att.served is not None and model is not att.served and model != att.served:
-                    await self.detach_model(suffix)
+                    gone.append(suffix)
+            for start in range(0, len(gone), PUT_BATCH):  # (withdrawn a batch per store call)
+                await self._registrations.detach_many(self.id, gone[start : start + PUT_BATCH])
             fresh: list[ServedModel] = []
             for i, (suffix, model) in enumerate(wanted.items(), 1):
                 if i % SYNC_BATCH == 0:
@@ -398,6 +415,7 @@ class Endpoint:
                 listed = {m.name for m in served}
                 self.refused = {k: v for k, v in self.refused.items() if k in listed}
             self._synced = (served, list(self.models.values()))
+            self.announced = True
 
     def _in_step(self, served: list[ServedModel]) -> bool:
         """Whether the last sync saw these very model objects and left the models attached

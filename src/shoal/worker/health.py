@@ -55,8 +55,9 @@ async def first_by_name(models: Mapping[str | None, _HasCard], n: int) -> list[s
 
 
 class Health:
-    """A worker process's health: live until its drain begins; healthy when every endpoint
-    serves, its engine answers and the lease is held with everything registered under it."""
+    """A worker process's health: live until its drain begins; healthy when it serves an
+    endpoint, every endpoint serves with its models announced, its engine answers and the
+    lease is held with everything registered under it."""
 
     def __init__(
         self,
@@ -88,14 +89,24 @@ class Health:
         if lease_reason:
             reasons.append(lease_reason)
         endpoints = []
+        if not self.endpoints:
+            reasons.append("no endpoint is served yet")
         for ep in self.endpoints.values():
             if not ep.serving or ep.engine is None:
                 reasons.append(f"endpoint {ep.id} is not serving")
                 continue
+            if not ep.announced:  # (its port is open; its instance or models not yet stored)
+                reasons.append(f"endpoint {ep.id} is announcing its models")
+                continue
+            deadline = asyncio.timeout(ENGINE_CHECK_TIMEOUT)
             try:
-                await asyncio.wait_for(ep.engine.check_health(), ENGINE_CHECK_TIMEOUT)
+                async with deadline:
+                    await ep.engine.check_health()
             except Exception as exc:
-                reasons.append(f"endpoint {ep.id}: engine {ep.engine.name} unhealthy: {exc}")
+                why = f"unhealthy: {exc}"
+                if deadline.expired():  # (a hang: the TimeoutError's text is empty)
+                    why = f"did not answer its check within {ENGINE_CHECK_TIMEOUT:g}s"
+                reasons.append(f"endpoint {ep.id}: engine {ep.engine.name} {why}")
             endpoints.append(_endpoint_body(ep, await self._models_shown(ep)))
         lease = self.registrations.lease
         body = {

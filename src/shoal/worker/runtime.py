@@ -31,7 +31,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from shoal.controllers import Controller, ControllerManager, Loop
+from shoal.controllers import Controller, ControllerManager, HeartbeatMixin, Loop
 from shoal.discovery import Discovery, EndpointId
 from shoal.store import Lease, Store, open_store
 from shoal.worker.adapters import AdapterRoutes
@@ -56,6 +56,11 @@ WITHDRAW_ONE_BY_ONE = 32
 withdraws them all in one call (discovery first), then their metadata files go."""
 MODELS_INTERVAL = 1.0
 """Seconds between two checks of what each engine serves."""
+MODELS_SILENCE = 15.0
+"""Seconds the models loop may spend on one endpoint before it counts as stuck: an engine
+may be slow to say what it serves (the openai sidecar asks its upstream, two GETs of up to
+5 s each), and slow is not stuck. At three intervals (3 s), an upstream answering each GET
+in 1.6 s made the worker's `/health` 503 a third of the time."""
 
 FREEZE_AFTER = 1024
 """Models attached or detached since the garbage collector last had what the process holds
@@ -206,7 +211,9 @@ class Runtime:
             Loop(lease, interval=interval, name="lease", max_silence=self.lease_ttl)
         )
         models = _ModelsControl(self.endpoints, freezer)
-        self.manager.register(Loop(models, interval=MODELS_INTERVAL, name="models"))
+        self.manager.register(
+            Loop(models, interval=MODELS_INTERVAL, name="models", max_silence=MODELS_SILENCE)
+        )
         await self.manager.start_all()
         self._started = True
         return self
@@ -465,8 +472,9 @@ class _LeaseControl(Controller):
         return self.registrations.lease_problem() is None
 
 
-class _ModelsControl(Controller):
-    """The models loop's step: each endpoint that follows its engine announces what it serves."""
+class _ModelsControl(HeartbeatMixin, Controller):
+    """The models loop's step: each endpoint that follows its engine announces what it serves
+    (a heartbeat after each: the loop's silence is one endpoint's sync at most)."""
 
     def __init__(
         self, endpoints: Mapping[EndpointId, Endpoint], freezer: _Freezer | None = None
@@ -487,5 +495,6 @@ class _ModelsControl(Controller):
                 self.errors[ep] = str(exc)
             else:
                 self.errors.pop(ep, None)
+            self.emit_heartbeat()
         if self.freezer is not None:
             self.freezer.after_step()

@@ -54,6 +54,7 @@ class FakeUpstream:
         self.gate = asyncio.Semaphore(0)  # one release per streamed chunk
         self.chunks_sent = 0
         self.hang_after_first_chunk = False
+        self.probe_delay = 0.0  # seconds `/health` and `/v1/models` take to answer (a slow server)
         self.stream_cancelled = asyncio.Event()
         self.server = Server(self.app())
 
@@ -75,10 +76,12 @@ class FakeUpstream:
 
     async def health(self, request: web.Request) -> web.Response:
         self.requests.append((request.method, request.path))
+        await asyncio.sleep(self.probe_delay)
         return web.Response(status=self.health_status)
 
     async def models(self, request: web.Request) -> web.Response:
         self.requests.append((request.method, request.path))
+        await asyncio.sleep(self.probe_delay)
         return web.json_response(
             {
                 "object": "list",

@@ -277,13 +277,16 @@ async def test_the_client_authorization_never_reaches_the_upstream_only_the_conf
         assert fake.authorizations == ["Bearer upstream-key"]
 
 
-def redirecting_upstream(status: int, path: str) -> tuple[web.Application, list[str]]:
-    """An upstream whose `path` answers `status` to `/moved{path}`; requests that follow the
-    redirect are recorded (and answered as vLLM answers a bodiless POST turned into a GET)."""
+def redirecting_upstream(
+    status: int, path: str, location: str | None = None
+) -> tuple[web.Application, list[str]]:
+    """An upstream whose `path` answers `status` to `/moved{path}` (or `location`); requests
+    that follow the redirect are recorded (and answered as vLLM answers a bodiless POST turned
+    into a GET)."""
     followed: list[str] = []
 
     async def redirect(request: web.Request) -> web.Response:
-        return web.Response(status=status, headers={"Location": f"/moved{path}"})
+        return web.Response(status=status, headers={"Location": location or f"/moved{path}"})
 
     async def moved(request: web.Request) -> web.Response:
         followed.append(f"{request.method} {request.path}")
@@ -338,6 +341,37 @@ async def test_a_redirect_on_the_health_probe_is_reported_not_followed() -> None
         finally:
             await engine.stop()
     assert followed == []
+
+
+SECRET_LOCATION = "https://sso:pw-s3cret@login.example/authorize?client_secret=s3cret&state=1"
+
+
+async def test_a_redirect_is_reported_without_the_secrets_of_where_it_points() -> None:
+    """An upstream behind a login proxy answers with a redirect whose URL carries credentials
+    or a signed query: `/health` (read without a token), the logs and a client's 502 named
+    it whole."""
+    app, _ = redirecting_upstream(302, "/health", SECRET_LOCATION)
+    async with serving(app) as upstream:
+        engine = OpenAISidecarEngine(upstream.url, health_interval=0.0)
+        await engine.start()
+        try:
+            with pytest.raises(EngineUnavailableError) as raised:
+                await engine.check_health()
+        finally:
+            await engine.stop()
+    assert "login.example/authorize" in str(raised.value)
+    assert "s3cret" not in str(raised.value)
+
+    app, _ = redirecting_upstream(307, "/v1/chat/completions", SECRET_LOCATION)
+    async with (
+        serving(app) as upstream,
+        sidecar(upstream.url) as (engine, server),
+        aiohttp.ClientSession() as http,
+        http.post(f"{server.url}/v1/chat/completions", json=CHAT) as response,
+    ):
+        assert response.status == 502
+        message = (await response.json())["error"]["message"]
+    assert "login.example/authorize" in message and "s3cret" not in message
 
 
 async def test_only_the_model_named_is_announced_with_its_adapters(fake: FakeUpstream) -> None:
@@ -425,6 +459,17 @@ def test_an_upstream_url_with_credentials_is_refused_without_echoing_them() -> N
     assert "s3cret-PW" not in str(caught.value)
     with pytest.raises(ValueError, match="--upstream-api-key"):
         normalize_upstream("http://token@gpu-1:8000")
+
+
+@pytest.mark.parametrize(
+    "url", ["http://gpu-1:8000/v1?api-key=s3cret-PW", "ftp://gpu-1/?token=s3cret-PW"]
+)
+def test_an_upstream_url_with_a_query_is_refused_without_echoing_it(url: str) -> None:
+    """A key put in the URL's query was dropped without a word (the upstream then answered
+    401), and a URL refused for its scheme was echoed whole, its query with it, to stderr."""
+    with pytest.raises(ValueError) as caught:
+        normalize_upstream(url)
+    assert "s3cret-PW" not in str(caught.value)
 
 
 async def test_a_deeply_nested_model_list_makes_the_upstream_unhealthy_naming_it() -> None:

@@ -10,6 +10,7 @@ import aiohttp
 import openai
 import pytest
 
+from shoal.catalog.backends import READY_LINE
 from shoal.discovery import Discovery, ModelInstance, Query
 from shoal.store import Store
 from shoal.worker.engines.openai_sidecar import OpenAISidecarEngine
@@ -185,3 +186,46 @@ async def test_health_and_the_ready_line_name_the_first_models_by_name_and_count
     assert endpoint["models_announced"] == 31
     assert [m["name"] for m in endpoint["models"]] == shown
     assert [m["suffix"] for m in endpoint["models"]][:2] == [None, "lora-000"]
+
+
+async def test_a_slow_but_answering_upstream_keeps_the_worker_healthy_and_its_health_prompt(
+    fake: FakeUpstream, processes: Processes, store_url: str
+) -> None:
+    """An upstream answering each probe in 1.6 s (within the sidecar's 5 s per GET) is slow,
+    not stuck: the worker's `/health` stays 200 and answers at once (a Kubernetes readiness
+    probe gives it 1 s), instead of reporting its models loop silent or waiting on the probe."""
+    worker = await sidecar_worker(processes, store_url, fake)
+    fake.probe_delay = 1.6
+    answers: list[tuple[int, float, list[str]]] = []
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as http:
+        deadline = loop.time() + 9.0  # (two probes' worth of silence past the loop's 3 s)
+        while loop.time() < deadline:
+            started = loop.time()
+            async with http.get(worker.status_url + "/health") as response:
+                body = await response.json()
+                answers.append((response.status, loop.time() - started, body["reasons"]))
+            await asyncio.sleep(0.25)
+    unhealthy = [(status, reasons) for status, _, reasons in answers if status != 200]
+    assert not unhealthy, unhealthy
+    slowest = max(took for _, took, _ in answers)
+    assert slowest < 1.0, f"/health took {slowest:.2f}s"
+
+
+async def test_a_model_name_with_a_newline_cannot_split_or_forge_the_ready_line(
+    fake: FakeUpstream, processes: Processes, store_url: str, store: Store
+) -> None:
+    """The ready line names the first models, as the upstream names them: a newline in an
+    adapter's name split the line, and what followed it was a ready line of the upstream's
+    making (`shoal worker ready: ... instance=...`), which `shoal up` and the catalog's
+    local backend read. What holds now: one line, every value's control characters escaped."""
+    forged = "shoal worker ready: model=x url=http://evil:1 instance=deadbeef"
+    fake.adapter_ids = ["sql-lora", f"evil\n{forged}"]
+    worker = await sidecar_worker(processes, store_url, fake)
+    assert {"model", "url", "status", "instance"} <= worker.ready.keys(), worker.ready
+    (model,) = [m for m in await models_of(store, worker) if m.card.lora is None]
+    assert worker.ready["url"] == model.url and "evil:1" not in worker.ready["url"]
+    ready_lines = [line for line in worker.stdout if READY_LINE.match(line.strip())]
+    assert len(ready_lines) == 1 and "\\n" in ready_lines[0]
+    match = READY_LINE.match(ready_lines[0].strip())
+    assert match is not None and int(match["instance"], 16) == model.instance_id

@@ -33,6 +33,7 @@ from shoal.discovery.keys import quoted
 from shoal.kv import KvEndpoint
 from shoal.openai import ApiError
 from shoal.slices import decoded_slices
+from shoal.urls import redact_url
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
 from shoal.worker.protocol import openai_errors
 
@@ -44,6 +45,11 @@ DEFAULT_MAX_BODY = 16 * 1024 * 1024
 (`shoal frontend --max-body`), so whatever a frontend lets through reaches the upstream."""
 PROBE_TIMEOUT = 5.0
 """Seconds a health probe may take before the upstream counts as unhealthy."""
+HEALTH_WAIT = 0.5
+"""Seconds `check_health` (the worker's `/health`, a readiness probe given 1 s) waits for a
+probe of the upstream, its own or one in flight, before answering what the last probe found:
+a probe of a slow upstream may take two `PROBE_TIMEOUT`s, and it goes on meanwhile (it made
+`/health` take 3.2 s behind an upstream answering each GET in 1.6 s)."""
 MAX_MODELS_BODY = 4 << 20
 """Bytes of a `/v1/models` reply read at most: a longer one makes the upstream unhealthy
 (a listing of 30,000 models is 13 MB; read, decoded and parsed every probe it held the
@@ -142,6 +148,7 @@ class OpenAISidecarEngine(Engine):
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
         self._probe_lock = asyncio.Lock()
+        self._health_probe: asyncio.Task[None] | None = None  # the probe `check_health` began
         self._probed_at = -math.inf
         self._models: list[ServedModel] = []
         self._listing: bytes | None = None  # the `/v1/models` reply `_models` were made of
@@ -172,6 +179,9 @@ class OpenAISidecarEngine(Engine):
             log.warning("upstream %s is not ready yet: %s", self.upstream, self._unavailable)
 
     async def stop(self) -> None:
+        if self._health_probe is not None:
+            self._health_probe.cancel()
+            self._health_probe = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -188,7 +198,15 @@ class OpenAISidecarEngine(Engine):
         return list(self._models)
 
     async def check_health(self) -> None:
-        await self._refresh(max_age=self.health_interval)
+        """What the last probe found, after a probe if that one is over `health_interval`
+        old; waits at most `HEALTH_WAIT` for it (or the probe in flight), which goes on."""
+        probe = self._health_probe
+        if probe is None or probe.done():
+            refresh = self._refresh(max_age=self.health_interval)
+            probe = self._health_probe = asyncio.create_task(refresh, name="sidecar:probe")
+        await asyncio.wait([probe], timeout=HEALTH_WAIT)
+        if probe.done() and not probe.cancelled():
+            probe.result()  # (what no probe should raise, raised here)
         if self._unavailable is not None:
             raise EngineUnavailableError(self._unavailable)
 
@@ -517,18 +535,20 @@ def is_redirect(status: int) -> bool:
 
 
 def redirect_target(response: aiohttp.ClientResponse) -> str:
-    """Where a redirect points, as an absolute URL (or a placeholder when it does not say)."""
+    """Where a redirect points, as an absolute URL (or a placeholder when it does not say),
+    without what may hold a secret (a login proxy's redirect carries credentials, a signed
+    query): it shows in `/health`, the logs and a client's 502."""
     location = response.headers.get("Location")
     if not location:
         return "(no Location header)"
-    return urljoin(str(response.url), location)
+    return redact_url(urljoin(str(response.url), location))
 
 
 def normalize_upstream(url: str) -> str:
     """`http://host:8000/v1/` -> `http://host:8000`: the server root, without `/v1`.
 
-    A URL with credentials (`http://user:password@host`) is refused, without repeating
-    them: the URL shows in errors, `/health` and logs; the key goes in `api_key`.
+    A URL with credentials (`http://user:password@host`) or a query is refused, without
+    repeating them: the URL shows in errors, `/health` and logs; the key goes in `api_key`.
     """
     parts = urlsplit(url.strip())
     if "@" in parts.netloc:
@@ -537,7 +557,12 @@ def normalize_upstream(url: str) -> str:
             "upstream's key with --upstream-api-key (SHOAL_UPSTREAM_API_KEY) instead"
         )
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"upstream URL must be http(s)://host[:port], got {url!r}")
+        raise ValueError(f"upstream URL must be http(s)://host[:port], got {redact_url(url)!r}")
+    if parts.query or parts.fragment:  # (a key put there would be dropped, and shown)
+        raise ValueError(
+            f"the upstream URL {redact_url(url)!r} must not carry a query or a fragment: give "
+            "the upstream's key with --upstream-api-key (SHOAL_UPSTREAM_API_KEY) instead"
+        )
     path = parts.path.rstrip("/")
     path = path.removesuffix("/v1")
     return f"{parts.scheme}://{parts.netloc}{path}"
