@@ -13,7 +13,8 @@
    The client's own `X-Request-Id` names the request in the logs, and an answer's
    `X-Request-Id` (an engine echoing the stage's) is given back as the client's.
 
-Failover (docs/gateway.md): a failed prefill is inhibited and another tried. A decode that
+Failover (docs/gateway.md): a failed prefill is inhibited and another tried; an answer over
+`MAX_PREFILL_ANSWER` (what the request asked for: `n` choices) fails that request alone. A decode that
 fails before the first byte is retried on another decode with a new prefill, unless it was
 never reached (a refused connect): then the same handle goes to the next decode. A decode
 that refuses the handle (a 400 naming `kv_transfer_params`) counts as that prefill's
@@ -202,7 +203,7 @@ class PrefillSink:
         self.last_read = time.monotonic()
         self.size += len(data)
         if self.size > MAX_PREFILL_ANSWER:
-            self.on_failure(UpstreamError(f"prefill answer over {MAX_PREFILL_ANSWER} bytes"))
+            self.on_failure(AnswerTooLong(f"prefill answer over {MAX_PREFILL_ANSWER} bytes"))
         else:
             self.parts.append(data)
 
@@ -343,6 +344,9 @@ class TwoStageForward(Forward):
                     # holds it: a reference cycle for each failed prefill)
                     failure = exc.with_traceback(None)
                     self.stages.stats.failures["prefill"] += 1
+                    if isinstance(exc, AnswerTooLong):  # the request's doing: it alone fails
+                        log.warning("prefill of a request for %s: %s", self.name, exc)
+                        break
                     log.warning("prefill failed: %s; trying another prefill instance", exc)
                     target.inhibit(proxy.inhibit_seconds)
                     proxy.metrics.instances_inhibited.inc()
@@ -560,6 +564,12 @@ class TwoStageForward(Forward):
         if staging is not None:
             staging.cancel()
         super().cancel()
+
+
+class AnswerTooLong(UpstreamError):
+    """A prefill's answer over `MAX_PREFILL_ANSWER`: what the request asked for (`n` choices,
+    logprobs), which every prefill would answer alike. Only the request fails (a 502): no
+    instance is inhibited for it, and no other prefill is asked."""
 
 
 class StaleConnection(UpstreamError):
