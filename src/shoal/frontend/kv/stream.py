@@ -93,7 +93,9 @@ class _Kept:
 
 class _Ledger:
     """Every instance's kept batches in the order they came, and their bytes: past
-    `PENDING_BYTES` the oldest go first (`KvStreamReader._trim`)."""
+    `PENDING_BYTES` the oldest go first (`KvStreamReader._trim`). A batch no longer kept
+    stays in `order` until a trim or a compaction passes it, without its payload or events
+    (else 1,024 applied batches of a long prefill each stayed held there: ~1.5 GB)."""
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -105,6 +107,7 @@ class _Ledger:
             kept.live = False
             self.bytes -= kept.size
             self.live -= 1
+            kept.payload, kept.batch = b"", None  # (`order` may hold it a while yet)
 
 
 _NO_BATCHES: deque[_Kept] = deque(maxlen=0)  # every instance's with none kept (760 bytes)
@@ -136,13 +139,15 @@ class _Instance:
         ledger.live += 1
         ledger.order.append((self, kept))
 
-    def take(self) -> _Kept:
-        """The oldest batch kept, no longer kept."""
+    def take(self) -> tuple[bytes, KVEventBatch | None]:
+        """The oldest batch kept, no longer kept: its payload, and its events when it was
+        kept decoded."""
         kept = self.pending.popleft()
+        taken = kept.payload, kept.batch
         self.ledger.gone(kept)
         if not self.pending:
             self.pending = _NO_BATCHES  # (an emptied deque keeps 16 blocks of 64 for reuse: 8 KB)
-        return kept
+        return taken
 
     def clear(self) -> None:
         for kept in self.pending:
@@ -282,15 +287,17 @@ class KvStreamReader:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return self._decoded(instance, None)
 
-    async def _batch(self, instance: _Instance, kept: _Kept) -> KVEventBatch | None:
-        """`kept`'s batch, taken by the flush task, as `_decode` gives it (those kept after
-        it are kept on a loss): decoded in slices (`decode_batch_in_slices`), yielding between
+    async def _batch(
+        self, instance: _Instance, payload: bytes, decoded: KVEventBatch | None
+    ) -> KVEventBatch | None:
+        """The batch of a `payload` taken by the flush task (`decoded`: kept decoded), as
+        `_decode` gives it (those kept after it are kept on a loss): decoded in slices (`decode_batch_in_slices`), yielding between
         them (4 MiB of token ids: 30-120 ms of CPU in one call holding the GIL, so a thread
         would not spare the loop)."""
-        if kept.batch is not None:
-            return kept.batch
+        if decoded is not None:
+            return decoded
         try:
-            return self._decoded(instance, await decode_batch_in_slices(kept.payload), True)
+            return self._decoded(instance, await decode_batch_in_slices(payload), True)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return self._decoded(instance, None, True)
 
@@ -332,8 +339,9 @@ class KvStreamReader:
         pace = Pace()
         try:
             while instance.pending and instance.apply is not None:
-                kept, losses = instance.take(), instance.losses
-                batch = await self._batch(instance, kept)
+                (payload, decoded), losses = instance.take(), instance.losses
+                batch = await self._batch(instance, payload, decoded)
+                del payload  # (not held while the batch is applied)
                 if batch is None:
                     continue  # (unreadable: the instance was resnapshotted)
                 for i, part in enumerate(slices(batch)):
@@ -342,8 +350,9 @@ class KvStreamReader:
                     if instance.apply is None or instance.losses != losses:
                         break  # dropped meanwhile: the rest of this batch is dropped too
                     instance.apply(part)
-                if kept.batch is None:  # (decoded by this task: no one else holds it)
-                    await let_go(batch)
+                del decoded
+                await let_go(batch)  # (no one else holds it: its entry in the ledger let go)
+                del batch
                 await pace.step()
         finally:
             if instance.flushing is asyncio.current_task():  # (not a flush started since)
