@@ -196,3 +196,17 @@ async def test_one_members_backlog_never_holds_a_member_with_nothing_queued() ->
         assert stats.queued_bytes <= 2_000_000 + 2 * 400_000
     finally:
         flooding.cancel()
+
+
+def test_a_batch_applied_after_the_member_left_is_not_queued_after_its_left() -> None:
+    """The relay stops a leaving member's subscription in a task of its own: a subscription
+    resuming in the same turn of the loop (a large batch decoded a slice a turn) still
+    applied its batch, queued after `left`, and readers took it for a new run of the
+    instance (`left` reset: its entry kept). `left` is now the run's last record."""
+    m = member()
+    m.apply(0, batch(100.0))
+    m.leave()
+    m.apply(1, batch(101.0))  # (the subscription, not cancelled yet)
+    m.resnapshot()
+    m.apply(2, batch(102.0))
+    assert queued(m) == [("batch", 0), ("left", 0)]

@@ -124,6 +124,8 @@ class Member:
     # -- the subscription's side --------------------------------------------------------------
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
+        if self.leaving:  # (its subscription, stopped in a task, not cancelled yet)
+            return  # `left` is the run's last record
         ts = batch.ts
         if self.owed:
             self.owed = False
