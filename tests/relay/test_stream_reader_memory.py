@@ -49,3 +49,23 @@ async def test_batches_applied_by_the_flush_task_are_not_held_after() -> None:
         tracemalloc.stop()
     assert reader.ledger.live == 0 and reader.ledger.bytes == 0
     assert held < size / 10, f"{held} bytes held after {size} bytes of batches were applied"
+
+
+async def test_the_ledger_holds_only_the_batches_kept_and_never_compacts_them_all_at_once() -> None:
+    """Batches no longer kept (an instance's oldest past 4,096, dropped by a `left`) stayed in
+    the ledger's order until they outnumbered the live ones, then the whole order was made
+    again in one step on the event loop: at the 64 MiB bound of tiny batches (~285,000 kept)
+    that pass and the free of the dead entries held the loop ~37 ms. The order now holds
+    exactly the batches kept: each leaves it when it is no longer kept, in O(1)."""
+    reader = KvStreamReader("nats://127.0.0.1:1")
+    ledger = reader.ledger
+    for instance_id in range(1, 21):  # 20 instances not followed, 5,000 tiny batches each
+        subject = layout.subject("other", instance_id)
+        for seq in range(5000):  # (past 4,096 kept: the oldest go as the newest come)
+            headers = {layout.KIND: layout.BATCH, layout.SEQ: str(seq), layout.TS: f"{seq}.0"}
+            reader.record(subject, headers, encode_batch(KVEventBatch(float(seq), [])))
+            assert len(ledger.order) == ledger.live
+        if instance_id % 2:
+            reader.record(subject, {layout.KIND: layout.LEFT}, b"")  # (its batches dropped)
+            assert len(ledger.order) == ledger.live
+    assert ledger.live == 10 * 4096
