@@ -10,10 +10,11 @@ import nats
 import pytest
 from nats.aio.client import Client
 
+from shoal.frontend.kv import stream as kv_stream
 from shoal.frontend.kv.stream import KvStreamReader
 from shoal.kv import AllBlocksCleared, KVEventBatch, encode_batch
 from shoal.kv import stream as layout
-from tests.helpers import wait_for
+from tests.helpers import LoopTurns, wait_for
 from tests.nats_server import NatsServer
 
 STREAM = "shoal-kv-losses"
@@ -64,3 +65,38 @@ async def test_records_removed_before_a_reader_read_them_drop_what_it_holds(
         assert purges, "instance 1's blocks kept though its batch 1 was never read"
     finally:
         await reader.close()
+
+
+async def test_a_loss_drops_a_full_ledger_a_slice_per_turn_of_the_loop(
+    nats_server: NatsServer, nc: Client
+) -> None:
+    """A loss of records drops every instance's kept batches: at the 64 MiB bound of tiny
+    batches (~285,000) that was one step of the loop, 23 ms of it (53 ms once each batch
+    leaves the ledger's order as it goes). It is now done `LOSE_SLICE` batches a turn."""
+    reader = KvStreamReader(nats_server.url, STREAM)
+    for instance_id in range(100, 130):  # 30 instances not followed, 4,096 batches kept each
+        subject = layout.subject("other", instance_id)
+        for seq in range(4096):
+            headers = {layout.KIND: layout.BATCH, layout.SEQ: str(seq), layout.TS: f"{seq}.0"}
+            reader.record(subject, headers, encode_batch(KVEventBatch(float(seq), [])))
+    assert reader.ledger.live == 30 * 4096
+    applied: list[float] = []
+    reader.follow(("ns", 1), lambda b: applied.append(b.ts), lambda: None)
+    turns = LoopTurns().wrap(kv_stream._Ledger, "gone")
+    reader.start()
+    try:
+        await publish(nc, 1, 0)
+        await wait_for(lambda: applied == [100.0], message="batch 0 applied")
+        js = nc.jetstream()
+        for consumer in await js.consumers_info(STREAM):
+            await js.delete_consumer(STREAM, consumer.name)
+        await publish(nc, 1, 1)
+        await publish(nc, 2, 0)
+        await js.purge_stream(STREAM, seq=3)  # record 2 is gone: a loss
+        await wait_for(lambda: reader.describe()["last_record"] == 3, timeout=20)
+        assert reader.ledger.live == 1  # (record 3: instance 2, not followed)
+    finally:
+        await turns.stop()
+        await reader.close()
+    assert turns.on_loop == 30 * 4096
+    assert turns.most_per_turn <= 2 * kv_stream.LOSE_SLICE, turns.most_per_turn

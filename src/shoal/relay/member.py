@@ -5,11 +5,14 @@ the records sent whose acknowledgement is awaited.
   (queued or in flight) hold at most `buffer_bytes` of payload, plus a batch or two a member
   (`RelayStats.queued_bytes`; batches are up to 4 MiB): when either is full, the subscription
   that feeds the member waits (`room`) and the worker keeps what it publishes meanwhile (its
-  replay buffer), so a NATS outage costs no batch the worker can still replay. Past
+  replay buffer), so a NATS outage costs no batch the worker can still replay. A member with
+  nothing queued or in flight takes a batch whatever the others hold: one worker's flood never
+  holds another's subscription. Past
   `buffer + WINDOW` records (never, with a subscription that waits for room) its batches are
   dropped and a `resnapshot` record (from the batch that follows) takes their place, so a
   consumer forgets the instance's blocks rather than keep evicted ones.
-- `inflight` holds the records sent, in the order sent, at most `WINDOW`: each is retired
+- `inflight` holds the records sent, in the order sent, at most `WINDOW` of them and
+  `WINDOW_BYTES` of payload (past it, one record at a time): each is retired
   when the stream acknowledges it and every record before it; one that fails (an error, no
   acknowledgement in time, the connection lost) sends it and every record after it again,
   with the same message ids (the stream refuses what it already stored).
@@ -33,6 +36,9 @@ from shoal.kv.subscription import KvStats, KvSubscription
 
 MemberKey = tuple[str, int]  # (namespace, instance id): one subject
 WINDOW = 128  # records of one member sent and not acknowledged yet, at most
+# and their payload bytes: the stream stores every member's records in one order, so a member
+# flooding 128 large batches ahead put ~64-128 MB before every other member's next record
+WINDOW_BYTES = 4 << 20
 BUFFER_BYTES = 256 << 20  # payload bytes queued by all members at once (batches: <= 4 MiB)
 
 # A record's acknowledgement, once it came.
@@ -105,6 +111,8 @@ class Member:
     failed: str | None = None  # why the records in flight are to be sent again
     delay: float = 0.1  # the pause before sending again after a failure
     retry_at: float = 0.0  # (the event loop's clock) not sent before
+    queued: int = 0  # payload bytes of this member's records, queued or in flight
+    flying: int = 0  # payload bytes of its records in flight
     subscription: KvSubscription | None = None
     follows: Member | None = None  # the same instance's run before, still sending: first
     roomy: asyncio.Event = field(default_factory=asyncio.Event)  # the queue has room again
@@ -116,6 +124,8 @@ class Member:
     # -- the subscription's side --------------------------------------------------------------
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
+        if self.leaving:  # (its subscription, stopped in a task, not cancelled yet)
+            return  # `left` is the run's last record
         ts = batch.ts
         if self.owed:
             self.owed = False
@@ -128,13 +138,13 @@ class Member:
 
     async def room(self) -> None:
         """Until the queue has room for a batch (and a resnapshot before it), and all
-        members' records are within `buffer_bytes`."""
+        members' records are within `buffer_bytes` or none of them is this member's."""
         stats = self.stats
         try:
             while True:
                 if len(self.pending) + 2 > self.buffer:
                     pass  # `taken` wakes it
-                elif stats.queued_bytes > self.buffer_bytes:
+                elif stats.queued_bytes > self.buffer_bytes and self.queued:
                     stats.short.add(self)  # `_freed` wakes it
                 else:
                     return
@@ -151,10 +161,14 @@ class Member:
     def _freed(self, size: int) -> None:
         stats = self.stats
         stats.queued_bytes -= size
+        self.queued -= size
         if stats.short and stats.queued_bytes <= self.buffer_bytes:
             for member in stats.short:
                 member.roomy.set()
             stats.short.clear()
+        elif not self.queued and self in stats.short:  # (nothing of its own held: it goes on)
+            stats.short.discard(self)
+            self.roomy.set()
 
     def leave(self) -> None:
         self.leaving = True
@@ -177,6 +191,7 @@ class Member:
             self.stats.resnapshots += 1
         self.pending.append(record)
         self.stats.queued_bytes += len(record.payload)
+        self.queued += len(record.payload)
         self.notify(self)
 
     def replace_head(self, record: Record) -> None:
@@ -195,13 +210,14 @@ class Member:
             self.notify(self)
             return
         inflight = self.inflight
-        was_full = len(inflight) >= WINDOW
+        was_full = self.window_full
         stats = self.stats
         newest = None
         size = 0
         while inflight and inflight[0].outcome in (STORED, DUPLICATE):
             done = inflight.popleft()
             size += len(done.payload)
+            self.flying -= len(done.payload)
             self.delay = 0.1
             if done.outcome == DUPLICATE:
                 stats.duplicates += 1
@@ -227,6 +243,17 @@ class Member:
         record.kind, record.seq, record.payload = layout.RESNAPSHOT, record.seq + 1, b""
         self.acknowledged(record, FAILED, why)
 
+    @property
+    def window_full(self) -> bool:
+        """Whether no record is sent before an acknowledgement frees room."""
+        return len(self.inflight) >= WINDOW or self.flying >= WINDOW_BYTES
+
+    def sent(self, record: Record) -> None:
+        """`record`, the first queued, was sent: in flight now."""
+        self.pending.popleft()
+        self.inflight.append(record)
+        self.flying += len(record.payload)
+
     def expired(self, now: float, timeout: float) -> bool:
         return bool(self.inflight) and now - self.inflight[0].sent > timeout
 
@@ -238,6 +265,7 @@ class Member:
             record.outcome = WAITING
             self.pending.appendleft(record)
         self.inflight.clear()
+        self.flying = 0
         self.failed = None
         return again
 

@@ -513,7 +513,7 @@ class KvRelay:
                 later = member.retry_at if later is None else min(later, member.retry_at)
                 continue
             room = WINDOW - len(member.inflight)
-            if member.pending and room > 0:
+            if member.pending and not member.window_full:
                 await self._send(member, room, now)
                 if member.failed is not None:
                     self._notify(member)
@@ -529,15 +529,15 @@ class KvRelay:
         self._work.set()
 
     async def _send(self, member: Member, room: int, now: float) -> None:
-        """Send up to `room` records of the member's queue."""
+        """Send up to `room` records of the member's queue, while its window has room."""
         nc, acks = self._nc, self._acks
         if nc is None or acks is None:  # (connecting again: `connected` is clear then)
             self._notify(member)
             return
-        pending, inflight = member.pending, member.inflight
+        pending = member.pending
         subject = member.subject
         for _ in range(room):
-            if not pending:
+            if not pending or member.window_full:
                 break
             record = pending[0]
             try:
@@ -565,8 +565,7 @@ class KvRelay:
                 member.failed = f"not sent: {exc!r}"
                 break
             record.sent = now
-            pending.popleft()
-            inflight.append(record)
+            member.sent(record)
         member.taken()
 
     def _failed(self, member: Member, now: float) -> None:

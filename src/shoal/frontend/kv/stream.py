@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -76,6 +76,7 @@ KEPT_COST = 224  # bytes a kept batch holds beyond its payload (measured: ~200)
 MAX_UNFOLLOWED = 16_384  # instances not followed known at once (~400 bytes each, and batches)
 DECODED_COST = 16  # and per byte of its payload, kept decoded (measured: 5-9, 80 for tiny ones)
 STREAM_CHECK = 5.0  # seconds between two looks at the stream read (deleted, made again?)
+LOSE_SLICE = 4096  # batches kept dropped per turn of the loop at a loss of every instance's
 BACKOFF_MAX = 5.0
 StreamKey = tuple[str, int]  # (namespace, instance id)
 
@@ -93,18 +94,23 @@ class _Kept:
 
 class _Ledger:
     """Every instance's kept batches in the order they came, and their bytes: past
-    `PENDING_BYTES` the oldest go first (`KvStreamReader._trim`)."""
+    `PENDING_BYTES` the oldest go first (`KvStreamReader._trim`). A batch leaves `order` as
+    soon as it is no longer kept, in O(1): entries that stayed until a compaction held their
+    batches (1,024 applied batches of a long prefill: ~1.5 GB), and the compaction made the
+    order again in one step (~285,000 tiny batches kept: ~37 ms of the loop)."""
 
     def __init__(self) -> None:
         self.bytes = 0
         self.live = 0
-        self.order: deque[tuple[_Instance, _Kept]] = deque()  # (and some no longer kept)
+        self.order: OrderedDict[_Kept, _Instance] = OrderedDict()
 
     def gone(self, kept: _Kept) -> None:
         if kept.live:
             kept.live = False
             self.bytes -= kept.size
             self.live -= 1
+            del self.order[kept]
+            kept.payload, kept.batch = b"", None
 
 
 _NO_BATCHES: deque[_Kept] = deque(maxlen=0)  # every instance's with none kept (760 bytes)
@@ -134,15 +140,17 @@ class _Instance:
         ledger = self.ledger
         ledger.bytes += size
         ledger.live += 1
-        ledger.order.append((self, kept))
+        ledger.order[kept] = self
 
-    def take(self) -> _Kept:
-        """The oldest batch kept, no longer kept."""
+    def take(self) -> tuple[bytes, KVEventBatch | None]:
+        """The oldest batch kept, no longer kept: its payload, and its events when it was
+        kept decoded."""
         kept = self.pending.popleft()
+        taken = kept.payload, kept.batch
         self.ledger.gone(kept)
         if not self.pending:
             self.pending = _NO_BATCHES  # (an emptied deque keeps 16 blocks of 64 for reuse: 8 KB)
-        return kept
+        return taken
 
     def clear(self) -> None:
         for kept in self.pending:
@@ -282,15 +290,17 @@ class KvStreamReader:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return self._decoded(instance, None)
 
-    async def _batch(self, instance: _Instance, kept: _Kept) -> KVEventBatch | None:
-        """`kept`'s batch, taken by the flush task, as `_decode` gives it (those kept after
-        it are kept on a loss): decoded in slices (`decode_batch_in_slices`), yielding between
+    async def _batch(
+        self, instance: _Instance, payload: bytes, decoded: KVEventBatch | None
+    ) -> KVEventBatch | None:
+        """The batch of a `payload` taken by the flush task (`decoded`: kept decoded), as
+        `_decode` gives it (those kept after it are kept on a loss): decoded in slices (`decode_batch_in_slices`), yielding between
         them (4 MiB of token ids: 30-120 ms of CPU in one call holding the GIL, so a thread
         would not spare the loop)."""
-        if kept.batch is not None:
-            return kept.batch
+        if decoded is not None:
+            return decoded
         try:
-            return self._decoded(instance, await decode_batch_in_slices(kept.payload), True)
+            return self._decoded(instance, await decode_batch_in_slices(payload), True)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return self._decoded(instance, None, True)
 
@@ -311,18 +321,15 @@ class KvStreamReader:
         is forgotten (safe: nothing of it applied yet), one waiting to be applied is a loss
         (its instance resnapshotted)."""
         ledger = self.ledger
-        while ledger.bytes > PENDING_BYTES and ledger.order:
-            instance, kept = ledger.order.popleft()
-            if not kept.live:
-                continue  # applied or dropped since
+        order = ledger.order
+        while ledger.bytes > PENDING_BYTES and order:
+            instance = order[next(iter(order))]  # (whose batch is the oldest kept of all)
             if instance.apply is None:
                 instance.take()  # (the oldest kept of all: the first of its instance's)
                 if not instance.pending:  # (its place is worth less than its entry's bytes)
                     self._forget(instance.key)
             else:
                 self._resnapshot(instance)
-        if len(ledger.order) > 2 * ledger.live + 1024:  # most of them gone: made again
-            ledger.order = deque(entry for entry in ledger.order if entry[1].live)
 
     def _start_flush(self, instance: _Instance) -> None:
         if instance.flushing is None:
@@ -332,8 +339,9 @@ class KvStreamReader:
         pace = Pace()
         try:
             while instance.pending and instance.apply is not None:
-                kept, losses = instance.take(), instance.losses
-                batch = await self._batch(instance, kept)
+                (payload, decoded), losses = instance.take(), instance.losses
+                batch = await self._batch(instance, payload, decoded)
+                del payload  # (not held while the batch is applied)
                 if batch is None:
                     continue  # (unreadable: the instance was resnapshotted)
                 for i, part in enumerate(slices(batch)):
@@ -342,8 +350,9 @@ class KvStreamReader:
                     if instance.apply is None or instance.losses != losses:
                         break  # dropped meanwhile: the rest of this batch is dropped too
                     instance.apply(part)
-                if kept.batch is None:  # (decoded by this task: no one else holds it)
-                    await let_go(batch)
+                del decoded
+                await let_go(batch)  # (no one else holds it: its entry in the ledger let go)
+                del batch
                 await pace.step()
         finally:
             if instance.flushing is asyncio.current_task():  # (not a flush started since)
@@ -368,7 +377,8 @@ class KvStreamReader:
                     error_cb=self._error,
                 )
                 js = nc.jetstream()
-                self._made_again(await js.stream_info(self.stream))
+                if self._made_again(await js.stream_info(self.stream)):
+                    await self._lose_all()
                 start = self.last_stream_seq + 1
                 sub = await js.subscribe(
                     f"{layout.SUBJECT_PREFIX}.>",
@@ -386,9 +396,10 @@ class KvStreamReader:
                 self._told.clear()
                 log.info("kv stream: reading %s from record %d", self.stream, start)
                 reading = asyncio.ensure_future(self._read(sub, js))
+                made_again = False
                 try:  # the stream itself looked at now and then: deleted, made again?
                     while not (await asyncio.wait({reading}, timeout=STREAM_CHECK))[0]:
-                        if self._made_again(await js.stream_info(self.stream)):
+                        if made_again := self._made_again(await js.stream_info(self.stream)):
                             break  # read again from the new one's start
                     else:
                         reading.result()  # (its failure)
@@ -396,6 +407,8 @@ class KvStreamReader:
                     reading.cancel()
                     with contextlib.suppress(BaseException):
                         await reading
+                if made_again:  # (once nothing is read of the old one)
+                    await self._lose_all()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -446,7 +459,7 @@ class KvStreamReader:
                     last + 1,
                     seq - 1,
                 )
-                self._lose_all()
+                await self._lose_all()
             self.last_stream_seq = seq
             self.record(msg.subject, msg.headers or {}, msg.data)
             await pace.step()
@@ -460,7 +473,7 @@ class KvStreamReader:
     def _made_again(self, info: api.StreamInfo) -> bool:
         """Whether the stream is not the one read so far (made again since: numbered from
         1); if so, it is to be read from its start, and what is held of every instance is
-        dropped."""
+        to be dropped (`_lose_all`)."""
         created, self._created = self._created, info.created
         if self.last_stream_seq == 0 or (
             created == info.created and info.state.last_seq >= self.last_stream_seq
@@ -468,12 +481,18 @@ class KvStreamReader:
             return False
         log.info("kv stream: %s was made again: reading it from its start, dropping every "
                  "instance's blocks", self.stream)  # fmt: skip
-        self._lose_all()
         self.last_stream_seq = 0
         return True
 
-    def _lose_all(self) -> None:
-        for instance in self.instances.values():
+    async def _lose_all(self) -> None:
+        """Drop what is held of every instance, `LOSE_SLICE` batches kept a turn of the loop
+        (64 MiB of tiny batches dropped at once held it 23-53 ms); no record is read meanwhile."""
+        dropped = 0
+        for instance in list(self.instances.values()):
+            if dropped >= LOSE_SLICE:
+                await asyncio.sleep(0)
+                dropped = 0
+            dropped += len(instance.pending)
             instance.lose()
             instance.last_seq = -1
 

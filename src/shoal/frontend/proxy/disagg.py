@@ -13,7 +13,8 @@
    The client's own `X-Request-Id` names the request in the logs, and an answer's
    `X-Request-Id` (an engine echoing the stage's) is given back as the client's.
 
-Failover (docs/gateway.md): a failed prefill is inhibited and another tried. A decode that
+Failover (docs/gateway.md): a failed prefill is inhibited and another tried; an answer over
+`MAX_PREFILL_ANSWER` (what the request asked for: `n` choices) fails that request alone. A decode that
 fails before the first byte is retried on another decode with a new prefill, unless it was
 never reached (a refused connect): then the same handle goes to the next decode. A decode
 that refuses the handle (a 400 naming `kv_transfer_params`) counts as that prefill's
@@ -202,7 +203,7 @@ class PrefillSink:
         self.last_read = time.monotonic()
         self.size += len(data)
         if self.size > MAX_PREFILL_ANSWER:
-            self.on_failure(UpstreamError(f"prefill answer over {MAX_PREFILL_ANSWER} bytes"))
+            self.on_failure(AnswerTooLong(f"prefill answer over {MAX_PREFILL_ANSWER} bytes"))
         else:
             self.parts.append(data)
 
@@ -235,6 +236,7 @@ class TwoStageForward(Forward):
         "peeked",
         "prefill_body",
         "prefilled_by",
+        "refused",
         "sent_at",
         "served",
         "source",
@@ -265,6 +267,7 @@ class TwoStageForward(Forward):
         self.staging: asyncio.Task[None] | None = None
         self.prefilled_by: Upstream | None = None  # None: the next decode needs a new prefill
         self.pairsum = ""  # the checksum of the pair that prefilled: its decodes only take it
+        self.refused: list[Upstream] = []  # decodes that refused a handle: others first
         self.peek: list[bytes] | None = None  # a decode's 400, read before it is relayed
         self.peeked: tuple[list[tuple[bytes, bytes]], bool] = ([], False)  # and its head
         self.sent_at = 0.0
@@ -343,6 +346,9 @@ class TwoStageForward(Forward):
                     # holds it: a reference cycle for each failed prefill)
                     failure = exc.with_traceback(None)
                     self.stages.stats.failures["prefill"] += 1
+                    if isinstance(exc, AnswerTooLong):  # the request's doing: it alone fails
+                        log.warning("prefill of a request for %s: %s", self.name, exc)
+                        break
                     log.warning("prefill failed: %s; trying another prefill instance", exc)
                     target.inhibit(proxy.inhibit_seconds)
                     proxy.metrics.instances_inhibited.inc()
@@ -446,7 +452,12 @@ class TwoStageForward(Forward):
         stages = served.stages
         if stages is None or self.prefilled_by is None:
             return None
-        target = self.stages.decode_router.choose(stages.decode, None, self.tried)
+        router, refused = self.stages.decode_router, self.refused
+        target = router.choose(
+            stages.decode, None, [*self.tried, *refused] if refused else self.tried
+        )
+        if target is None and refused:  # (its refusal was a prefill's fault: a new handle)
+            target = router.choose(stages.decode, None, self.tried)
         if target is not None:
             self.body = self.decode_body
         return target
@@ -536,12 +547,14 @@ class TwoStageForward(Forward):
     def _handle_refused(self) -> None:
         """The decode could not fetch the prefill's blocks: that prefill failed; again with
         a new one (the decode is not inhibited), on another decode when there is one: a
-        decode that refuses every handle is idle, so least-loaded would pick it again."""
+        decode that refuses every handle is idle, so least-loaded would pick it again. It
+        is taken again when no other is left (the refusal was the prefill's fault: a prefill
+        and a decode died together, and the other decode is the dead one)."""
         self.out = []
         self.body_seen = self.whole = False  # (nothing reached the client: held again)
         decode = self.target
-        if decode is not None and self._may_retry():  # (another decode is left untried)
-            self.tried.append(decode)
+        if decode is not None:  # (another decode goes first; it stays a last resort)
+            self.refused.append(decode)
         self._end_attempt()
         prefill, self.prefilled_by = self.prefilled_by, None
         self.stages.stats.failures["prefill"] += 1
@@ -560,6 +573,12 @@ class TwoStageForward(Forward):
         if staging is not None:
             staging.cancel()
         super().cancel()
+
+
+class AnswerTooLong(UpstreamError):
+    """A prefill's answer over `MAX_PREFILL_ANSWER`: what the request asked for (`n` choices,
+    logprobs), which every prefill would answer alike. Only the request fails (a 502): no
+    instance is inhibited for it, and no other prefill is asked."""
 
 
 class StaleConnection(UpstreamError):

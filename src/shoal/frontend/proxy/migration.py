@@ -11,7 +11,7 @@ when the instance dies), and the text, the tokens (the usage's count when chunks
 
 When the instance fails (reset, an end before `[DONE]` and before the finish reason, the
 idle timeout), `resume` re-issues the request to another instance of the set, never one
-inhibited, tainted or tried: chat with the text as a final assistant message,
+tainted or tried (inhibited: when no other is left): chat with the text as a final assistant message,
 `continue_final_message: true` and `add_generation_prompt: false` (vLLM's and SGLang's);
 completions with the text appended to the prompt; `max_tokens`/`max_completion_tokens`
 less the tokens received. The continuation's events are rewritten into the client's stream: its `id` and `created`,
@@ -42,7 +42,7 @@ from shoal.frontend.http.upstream import Upstream, UpstreamError
 from shoal.frontend.proxy import continuation, sse
 from shoal.frontend.registry.metrics import FrontendMetrics
 from shoal.frontend.registry.registry import Model, WorkerSet
-from shoal.frontend.registry.router import Router
+from shoal.frontend.registry.router import Router, last_resort
 
 log = logging.getLogger(__name__)
 
@@ -501,9 +501,9 @@ class Migration:
         target = None
         if refused is None:
             ws = self.ws
-            target = (
-                None if ws is None else forward.proxy.router.pick(ws, forward.prompt, forward.tried)
-            )
+            if ws is not None:  # (an inhibited one when no other is left, as for a request)
+                pick = forward.proxy.router.pick
+                target = pick(ws, forward.prompt, forward.tried) or last_resort([ws], forward.tried)
             if target is None:
                 refused = "no_instance"
         if refused is not None or target is None:
