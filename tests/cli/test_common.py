@@ -4,12 +4,16 @@ line reads back as the fields it was printed with."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import resource
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from shoal.cli.common import add_flag, number, parse_ready_line, ready_line
 from shoal.cli.main import build_parser
+from tests.processes import Processes
 
 
 def parser_with_flags() -> argparse.ArgumentParser:
@@ -180,3 +184,27 @@ def test_a_subcommand_imports_only_its_own_module() -> None:
 
     help_text = build_parser([]).format_help()
     assert all(command in help_text for command in COMMANDS)
+
+
+async def test_a_shoal_process_raises_its_open_file_limit_to_the_hard_one(
+    processes: Processes, tmp_path: Path
+) -> None:
+    """A frontend started under a soft limit of open files below the hard one (1,024 under
+    hundreds of thousands, as distributions start processes) ran out of descriptors at
+    a few thousand clients and KV subscriptions; every shoal command raises it at start."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(soft, 4096, hard - 1) if hard != resource.RLIM_INFINITY else min(soft, 4096)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))  # (the child inherits it)
+    try:
+        front = await processes.start(
+            "frontend", "--store", f"sqlite:///{tmp_path / 'store.db'}", "--port", "0",
+            "--cache-dir", str(tmp_path / "cache"), ready="frontend",
+        )  # fmt: skip
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    limits = (
+        await asyncio.to_thread(Path(f"/proc/{front.proc.pid}/limits").read_text)
+    ).splitlines()
+    (line,) = [line for line in limits if line.startswith("Max open files")]
+    child_soft, child_hard = line.split()[3:5]
+    assert child_soft == child_hard, line

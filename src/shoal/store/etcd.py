@@ -722,16 +722,21 @@ class EtcdStore(Store):
                 for raw, data in txn
             ]
 
-            async def fn(client: Any, requests: list[Any] = requests) -> Any:
-                return await client.kvstub.Txn(
-                    aetcd.rpc.TxnRequest(success=requests),
-                    timeout=self._call_timeout,
-                    metadata=client.metadata,
-                )
-
             what = f"put_many of {len(txn)} keys from {txn[0][0].decode()!r}"
-            revision = int((await self._call(what, fn)).header.revision)
+            revision = int((await self._txn(what, requests)).header.revision)
         return revision
+
+    async def _txn(self, what: str, requests: list[Any]) -> Any:
+        """One transaction of `requests`, all of which must apply (no compare)."""
+
+        async def fn(client: Any) -> Any:
+            return await client.kvstub.Txn(
+                aetcd.rpc.TxnRequest(success=requests),
+                timeout=self._call_timeout,
+                metadata=client.metadata,
+            )
+
+        return await self._call(what, fn)
 
     async def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
         check_key(key)
@@ -767,15 +772,8 @@ class EtcdStore(Store):
                 for raw, _ in txn
             ]
 
-            async def fn(client: Any, requests: list[Any] = requests) -> Any:
-                return await client.kvstub.Txn(
-                    aetcd.rpc.TxnRequest(success=requests),
-                    timeout=self._call_timeout,
-                    metadata=client.metadata,
-                )
-
             what = f"delete_many of {len(txn)} keys from {txn[0][0].decode()!r}"
-            reply = await self._call(what, fn)
+            reply = await self._txn(what, requests)
             deleted += sum(int(r.response_delete_range.deleted) for r in reply.responses)
         return deleted
 
