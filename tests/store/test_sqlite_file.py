@@ -3,12 +3,14 @@ open (a state directory wiped, a backup moved in place) is not written on for ev
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import pytest
 
-from shoal.store import LeaseNotFoundError, Resync
+from shoal.store import LeaseNotFoundError, Resync, StoreUnavailableError
+from shoal.store import sqlite as sqlite_module
 from shoal.store.sqlite import SQLiteStore
 from tests.helpers import wait_for
 from tests.store.support import Recorder
@@ -79,5 +81,73 @@ async def test_a_file_moved_in_place_of_the_store_is_the_one_read(tmp_path: Path
 
         await wait_for(reads_the_restored_file, timeout=5, message="reads the restored file")
         assert await store.get("k/before") is None
+    finally:
+        await store.close()
+
+
+async def test_a_path_that_cannot_be_looked_at_fails_calls_as_a_store_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What was wrong: the look at the path (a `stat`) raised `OSError` past the store's
+    boundary when the path could not be looked at (a symlink loop, a parent that became a
+    file, a directory it may not search): a `put` raised a bare `OSError`, which callers that
+    retry on `StoreError` (registrations, controllers) do not expect, and every watch poll
+    logged a traceback. What holds now: such a call fails as `StoreUnavailableError`, and once
+    the path is a file again the store follows it."""
+    path = tmp_path / "store.db"
+    store = await SQLiteStore.open(f"sqlite:///{path}")
+    try:
+        await store.put("k/a", b"1")
+        remove_store_file(path)
+        path.symlink_to(path)  # (a loop: stat raises ELOOP)
+        monkeypatch.setattr(sqlite_module, "FILE_CHECK_INTERVAL", 0.0)
+        with pytest.raises(StoreUnavailableError):
+            await store.put("k/b", b"2")
+        with pytest.raises(StoreUnavailableError):
+            await store.get("k/a")
+        path.unlink()
+
+        async def writes_the_file_at_the_path() -> bool:
+            with contextlib.suppress(StoreUnavailableError):
+                await store.put("k/c", b"3")
+            return path.is_file() and await store.get("k/c") is not None
+
+        await wait_for(writes_the_file_at_the_path, timeout=5, message="follows the new file")
+    finally:
+        await store.close()
+
+
+async def test_a_file_replaced_while_the_store_opens_it_is_still_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What was wrong: the store looked at which file it had opened after opening it, so a
+    file moved in place between the two (a restore racing a worker's start, or its follow of
+    an earlier replacement) was taken for the one open: the store stayed on the file it had
+    opened, which no longer had a name, for good. What holds now: the file is looked at
+    before it is opened, so a replacement in between is found at the next look."""
+    path = tmp_path / "store.db"
+    other_path = tmp_path / "restored.db"
+    for where, key in ((path, "k/before"), (other_path, "k/restored")):
+        made = await SQLiteStore.open(f"sqlite:///{where}")
+        await made.put(key, b"1")
+        await made.close()
+    connect = sqlite_module._connect
+
+    def connect_then_replace(*args: object, **kwargs: object) -> object:
+        conn = connect(*args, **kwargs)  # type: ignore[arg-type]
+        if other_path.exists():
+            os.replace(other_path, path)
+            remove_store_file(path, ("-wal", "-shm"))
+        return conn
+
+    monkeypatch.setattr(sqlite_module, "_connect", connect_then_replace)
+    store = await SQLiteStore.open(f"sqlite:///{path}")
+    try:
+        assert not other_path.exists()
+
+        async def reads_the_restored_file() -> bool:
+            return await store.get("k/restored") is not None
+
+        await wait_for(reads_the_restored_file, timeout=5, message="reads the file at the path")
     finally:
         await store.close()

@@ -481,10 +481,17 @@ def _file_id(path: Path) -> FileId | None:
 def _open_file(
     path: Path, busy_timeout: float, read_only: bool
 ) -> tuple[sqlite3.Connection, FileId | None]:
-    """`_connect`, and the file it opened (looked at after: a file replaced meanwhile is
-    found at the next look, as the instance reads the one at the path then)."""
-    conn = _connect(path, busy_timeout, read_only)
-    return conn, _file_id(path)
+    """`_connect`, and the file it opened: the one at the path both before and after it
+    (looked at after only, a file moved in place in between was taken for the one open, and
+    never followed). If they differ, it opens the one there now."""
+    for attempt in range(3):
+        before = _file_id(path)
+        conn = _connect(path, busy_timeout, read_only)
+        after = _file_id(path)
+        if (before is not None and before == after) or attempt == 2:
+            return conn, after
+        conn.close()  # (or made by `_connect`: opened again, it is the one looked at before)
+    raise AssertionError("unreachable")
 
 
 # Statements run inside a transaction, in the store thread.
@@ -916,7 +923,7 @@ class SQLiteStore(Store):
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._executor, fn)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:  # (OSError: the path, looked at or made)
             raise StoreUnavailableError(f"store {self.url}: {exc}") from exc
         except RuntimeError as exc:  # the executor was shut down by close()
             raise StoreUnavailableError(f"store {self.url} is closed") from exc
