@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from shoal.store import LeaseNotFoundError, Resync, StoreUnavailableError
+from shoal.store import KeyValue, LeaseNotFoundError, Resync, StoreUnavailableError
 from shoal.store import sqlite as sqlite_module
 from shoal.store.sqlite import SQLiteStore
 from tests.helpers import wait_for
-from tests.store.support import Recorder
+from tests.store.support import Recorder, as_held, held_after
 
 
 def remove_store_file(path: Path, suffixes: tuple[str, ...] = ("", "-wal", "-shm")) -> None:
@@ -149,5 +149,41 @@ async def test_a_file_replaced_while_the_store_opens_it_is_still_followed(
             return await store.get("k/restored") is not None
 
         await wait_for(reads_the_restored_file, timeout=5, message="reads the file at the path")
+    finally:
+        await store.close()
+
+
+async def test_a_listing_since_a_revision_of_the_file_replaced_reads_every_value(
+    tmp_path: Path,
+) -> None:
+    """What was wrong: after the store followed its path to another file (a backup restored,
+    a store made anew), a listing of what changed since a revision read in the old file was
+    answered from the new file's change log, as a delta (its revisions are another history's):
+    a reader kept the keys only the old file had and missed those the new one had (discovery
+    acts on that listing for up to `WHOLE_LISTING_EVERY`, 300 s), and a value at the same
+    revision in both was left out as one the reader held. What holds now: a listing since a
+    revision from before the store followed its file reads every value."""
+    path = tmp_path / "store.db"
+    other_path = tmp_path / "restored.db"
+    store = await SQLiteStore.open(f"sqlite:///{path}")
+    other = await SQLiteStore.open(f"sqlite:///{other_path}")
+    try:
+        await store.put("k/same", b"old")
+        await store.put_many([(f"k/old{i}", b"o") for i in range(9)])
+        listing = await store.get_prefixes_changed(["k/"], 0)
+        held = {kv.key: kv for kv in listing.items if isinstance(kv, KeyValue)}
+        since = listing.revision
+        await other.put("k/same", b"new")  # (the same revision, another value)
+        await other.put_many([(f"k/new{i}", b"n") for i in range(2 * since)])
+        await other.close()
+        os.replace(other_path, path)
+        remove_store_file(path, ("-wal", "-shm"))
+
+        async def reads_the_restored_file() -> bool:
+            return await store.get("k/new0") is not None
+
+        await wait_for(reads_the_restored_file, timeout=5, message="reads the restored file")
+        changed = await store.get_prefixes_changed(["k/"], since)
+        assert held_after(held, changed, since) == as_held(await store.get_prefix("k/"))
     finally:
         await store.close()

@@ -91,7 +91,8 @@ deleted (a state directory wiped) or replaced (a backup moved in place, a new st
 there after a delete), the instance opens the one at the path within `FILE_CHECK_INTERVAL`
 (making it if there is none): what it held in the old file is gone, as from an etcd whose
 data directory was lost (a lease holder finds its lease not found and re-puts what it owns),
-and its watches get a `Resync`. Kept on the old file (whose inode lives on while open), a
+and its watches get a `Resync`; a listing of what changed since a revision read before
+(another history's) reads every value. Kept on the old file (whose inode lives on while open), a
 worker renewed its lease and listed its keys to itself for good, while every process
 opening the path saw another store without them.
 
@@ -856,6 +857,9 @@ class SQLiteStore(Store):
         # the one at `path` (`_follow_file`).
         self._file: FileId | None = None
         self._file_checked = time.monotonic()
+        # The lowest revision a listing of what changed may start from: one read before the
+        # store followed its path to another file is of another history (`_follow_file`).
+        self._since_floor = 0
         # Whether the file has `LISTING_INDEX` (looked up by the first listing that uses it).
         self._listing_index: bool | None = None
         self._executor = executor
@@ -971,6 +975,8 @@ class SQLiteStore(Store):
             return
         conn, file = _open_file(self.path, BUSY_TIMEOUT, self.read_only)
         old, self._conn, self._file = self._conn, conn, file
+        with contextlib.suppress(sqlite3.Error):  # (every revision read there is below this)
+            self._since_floor = max(self._since_floor, _revision(old) + 1)
         self._listing_index = None
         self._epoch += 1  # (read by the poller between polls: its watches resync)
         old.close()
@@ -1014,7 +1020,10 @@ class SQLiteStore(Store):
 
         def read(conn: sqlite3.Connection) -> Listing:
             now = lease_clock()
-            if (delta := _changes_since(conn, distinct, since, now)) is not None:
+            # A revision from before the store followed its path to another file: that
+            # file's history, not this one's (neither a delta nor a value left out).
+            start = since if since >= self._since_floor else 0
+            if start and (delta := _changes_since(conn, distinct, start, now)) is not None:
                 return delta
             if self._listing_index is None:
                 self._listing_index = _has_listing_index(conn)
@@ -1022,7 +1031,7 @@ class SQLiteStore(Store):
             items = [
                 kv
                 for prefix in distinct
-                for kv in _changed_items(conn, prefix, since, now, self._listing_index)
+                for kv in _changed_items(conn, prefix, start, now, self._listing_index)
             ]
             return Listing(items, revision)
 
