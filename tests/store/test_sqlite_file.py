@@ -187,3 +187,41 @@ async def test_a_listing_since_a_revision_of_the_file_replaced_reads_every_value
         assert held_after(held, changed, since) == as_held(await store.get_prefix("k/"))
     finally:
         await store.close()
+
+
+async def test_a_watch_from_a_revision_of_the_file_replaced_resyncs(tmp_path: Path) -> None:
+    """What was wrong: a watch started after the store followed its path to another file,
+    from a revision listed in the old one (list, the file replaced, then watch), was taken as
+    a watch of the new file from that revision: its consumer kept the old file's keys and
+    never got the new file's (a backup restored with fewer revisions: no event at all until
+    the new file reached the old revision). What holds now: such a watch starts with a
+    `Resync` of the new file."""
+    path = tmp_path / "store.db"
+    other_path = tmp_path / "restored.db"
+    store = await SQLiteStore.open(f"sqlite:///{path}")
+    other = await SQLiteStore.open(f"sqlite:///{other_path}")
+    recorder: Recorder | None = None
+    try:
+        await other.put("k/restored", b"2")
+        await other.close()
+        await store.put_many([(f"k/old{i}", b"1") for i in range(20)])
+        snap = await store.get_prefix("k/")
+        os.replace(other_path, path)
+        remove_store_file(path, ("-wal", "-shm"))
+
+        async def reads_the_restored_file() -> bool:
+            return await store.get("k/restored") is not None
+
+        await wait_for(reads_the_restored_file, timeout=5, message="reads the restored file")
+        recorder = Recorder(
+            store.watch("k/", snap.revision + 1), {kv.key: kv.value for kv in snap.items}
+        )
+        await wait_for(
+            lambda: recorder is not None and recorder.state == {"k/restored": b"2"},
+            timeout=5,
+            message="the watch holds the file's keys",
+        )
+    finally:
+        if recorder is not None:
+            await recorder.close()
+        await store.close()

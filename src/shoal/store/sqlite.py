@@ -92,7 +92,8 @@ there after a delete), the instance opens the one at the path within `FILE_CHECK
 (making it if there is none): what it held in the old file is gone, as from an etcd whose
 data directory was lost (a lease holder finds its lease not found and re-puts what it owns),
 and its watches get a `Resync`; a listing of what changed since a revision read before
-(another history's) reads every value. Kept on the old file (whose inode lives on while open), a
+(another history's) reads every value, and a watch from such a revision starts with a
+`Resync`. Kept on the old file (whose inode lives on while open), a
 worker renewed its lease and listed its keys to itself for good, while every process
 opening the path saw another store without them.
 
@@ -857,8 +858,9 @@ class SQLiteStore(Store):
         # the one at `path` (`_follow_file`).
         self._file: FileId | None = None
         self._file_checked = time.monotonic()
-        # The lowest revision a listing of what changed may start from: one read before the
-        # store followed its path to another file is of another history (`_follow_file`).
+        # The lowest revision a listing of what changed may start from, and a watch from
+        # (beyond it): one read before the store followed its path to another file is of
+        # another history (`_follow_file`).
         self._since_floor = 0
         # Whether the file has `LISTING_INDEX` (looked up by the first listing that uses it).
         self._listing_index: bool | None = None
@@ -1200,6 +1202,9 @@ class SQLiteStore(Store):
         if self._poller.done():
             raise StoreError(f"store {self.url}: its watch poller has stopped; reopen the store")
         watcher = _Watcher(distinct, start_revision, self._epoch)
+        # A revision from before the store followed its path to another file (`_follow_file`)
+        # is of another history: the watch starts with a `Resync` of this file.
+        watcher.resync = 0 < start_revision <= self._since_floor
         self._watchers.add(watcher)
         self._wake.set()
         try:
