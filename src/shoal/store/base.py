@@ -393,7 +393,8 @@ class Store(abc.ABC):
         """Delete `key`; True if it existed."""
 
     async def delete_many(self, keys: Sequence[str]) -> int:
-        """Delete each of `keys` (one absent is skipped); returns how many existed.
+        """Delete each of `keys` (one absent is skipped, one given twice deleted once);
+        returns how many existed.
 
         Every key is checked first, as `delete` checks it (`CHECK_SLICE` per turn of the
         event loop): one refused raises before anything is deleted. The backend deletes a
