@@ -210,14 +210,16 @@ async def checked_items(items: Sequence[tuple[str, bytes]]) -> list[tuple[str, b
 
 async def checked_keys(keys: Sequence[str]) -> list[str]:
     """`keys` each checked as `delete` checks it (the first refused raises), `CHECK_SLICE`
-    per turn of the event loop: what `delete_many` deletes, checked before it deletes any."""
+    per turn of the event loop: what `delete_many` deletes, checked before it deletes any,
+    each once (a key given again can delete nothing, and would start another etcd
+    transaction: 2,000 times one key were 2,000 round trips)."""
     keys = list(keys)  # (as given now: a caller's list may change while this yields)
     for start in range(0, len(keys), CHECK_SLICE):
         if start:
             await asyncio.sleep(0)
         for key in keys[start : start + CHECK_SLICE]:
             check_key(key)
-    return keys
+    return list(dict.fromkeys(keys))
 
 
 def check_value(key: str, value: bytes) -> None:
@@ -391,7 +393,8 @@ class Store(abc.ABC):
         """Delete `key`; True if it existed."""
 
     async def delete_many(self, keys: Sequence[str]) -> int:
-        """Delete each of `keys` (one absent is skipped); returns how many existed.
+        """Delete each of `keys` (one absent is skipped, one given twice deleted once);
+        returns how many existed.
 
         Every key is checked first, as `delete` checks it (`CHECK_SLICE` per turn of the
         event loop): one refused raises before anything is deleted. The backend deletes a

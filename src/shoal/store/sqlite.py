@@ -91,7 +91,9 @@ deleted (a state directory wiped) or replaced (a backup moved in place, a new st
 there after a delete), the instance opens the one at the path within `FILE_CHECK_INTERVAL`
 (making it if there is none): what it held in the old file is gone, as from an etcd whose
 data directory was lost (a lease holder finds its lease not found and re-puts what it owns),
-and its watches get a `Resync`. Kept on the old file (whose inode lives on while open), a
+and its watches get a `Resync`; a listing of what changed since a revision read before
+(another history's) reads every value, and a watch from such a revision starts with a
+`Resync`. Kept on the old file (whose inode lives on while open), a
 worker renewed its lease and listed its keys to itself for good, while every process
 opening the path saw another store without them.
 
@@ -481,10 +483,17 @@ def _file_id(path: Path) -> FileId | None:
 def _open_file(
     path: Path, busy_timeout: float, read_only: bool
 ) -> tuple[sqlite3.Connection, FileId | None]:
-    """`_connect`, and the file it opened (looked at after: a file replaced meanwhile is
-    found at the next look, as the instance reads the one at the path then)."""
-    conn = _connect(path, busy_timeout, read_only)
-    return conn, _file_id(path)
+    """`_connect`, and the file it opened: the one at the path both before and after it
+    (looked at after only, a file moved in place in between was taken for the one open, and
+    never followed). If they differ, it opens the one there now."""
+    for attempt in range(3):
+        before = _file_id(path)
+        conn = _connect(path, busy_timeout, read_only)
+        after = _file_id(path)
+        if (before is not None and before == after) or attempt == 2:
+            return conn, after
+        conn.close()  # (or made by `_connect`: opened again, it is the one looked at before)
+    raise AssertionError("unreachable")
 
 
 # Statements run inside a transaction, in the store thread.
@@ -849,6 +858,10 @@ class SQLiteStore(Store):
         # the one at `path` (`_follow_file`).
         self._file: FileId | None = None
         self._file_checked = time.monotonic()
+        # The lowest revision a listing of what changed may start from, and a watch from
+        # (beyond it): one read before the store followed its path to another file is of
+        # another history (`_follow_file`).
+        self._since_floor = 0
         # Whether the file has `LISTING_INDEX` (looked up by the first listing that uses it).
         self._listing_index: bool | None = None
         self._executor = executor
@@ -916,7 +929,7 @@ class SQLiteStore(Store):
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._executor, fn)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:  # (OSError: the path, looked at or made)
             raise StoreUnavailableError(f"store {self.url}: {exc}") from exc
         except RuntimeError as exc:  # the executor was shut down by close()
             raise StoreUnavailableError(f"store {self.url} is closed") from exc
@@ -964,6 +977,8 @@ class SQLiteStore(Store):
             return
         conn, file = _open_file(self.path, BUSY_TIMEOUT, self.read_only)
         old, self._conn, self._file = self._conn, conn, file
+        with contextlib.suppress(sqlite3.Error):  # (every revision read there is below this)
+            self._since_floor = max(self._since_floor, _revision(old) + 1)
         self._listing_index = None
         self._epoch += 1  # (read by the poller between polls: its watches resync)
         old.close()
@@ -1007,7 +1022,10 @@ class SQLiteStore(Store):
 
         def read(conn: sqlite3.Connection) -> Listing:
             now = lease_clock()
-            if (delta := _changes_since(conn, distinct, since, now)) is not None:
+            # A revision from before the store followed its path to another file: that
+            # file's history, not this one's (neither a delta nor a value left out).
+            start = since if since >= self._since_floor else 0
+            if start and (delta := _changes_since(conn, distinct, start, now)) is not None:
                 return delta
             if self._listing_index is None:
                 self._listing_index = _has_listing_index(conn)
@@ -1015,7 +1033,7 @@ class SQLiteStore(Store):
             items = [
                 kv
                 for prefix in distinct
-                for kv in _changed_items(conn, prefix, since, now, self._listing_index)
+                for kv in _changed_items(conn, prefix, start, now, self._listing_index)
             ]
             return Listing(items, revision)
 
@@ -1184,6 +1202,9 @@ class SQLiteStore(Store):
         if self._poller.done():
             raise StoreError(f"store {self.url}: its watch poller has stopped; reopen the store")
         watcher = _Watcher(distinct, start_revision, self._epoch)
+        # A revision from before the store followed its path to another file (`_follow_file`)
+        # is of another history: the watch starts with a `Resync` of this file.
+        watcher.resync = 0 < start_revision <= self._since_floor
         self._watchers.add(watcher)
         self._wake.set()
         try:
