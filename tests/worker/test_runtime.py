@@ -405,6 +405,33 @@ async def test_a_store_blink_while_an_endpoint_starts_is_retried_not_fatal(
     assert [i.url for i in instances] == [endpoint.url]
 
 
+async def test_health_is_503_while_an_endpoint_announces_no_model(
+    runtime: Runtime, observer: Store, http: aiohttp.ClientSession
+) -> None:
+    """What was wrong: an endpoint whose engine listed no model, or only models that were
+    refused, was 200 once its (empty) sync ended: a worker no frontend can route to, taken
+    as ready by a rolling update. What holds now: 503 naming why (none listed, or how many
+    refused) until a model is announced."""
+    engine = Switchable()
+    engine.models = []
+    await runtime.endpoint(EP).serve(engine)
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["reasons"] == [
+            f"endpoint {EP} announces no model (its engine lists none)"
+        ]
+    engine.models = [ServedModel(name="z" * 600, source="test://z")]  # (its card is refused)
+    await wait_for(lambda: bool(runtime.endpoint(EP).refused), timeout=5, message="refused")
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["reasons"] == [
+            f"endpoint {EP} announces no model (the 1 its engine lists were refused)"
+        ]
+    engine.models = [ServedModel(name="a", source="test://a")]
+    await wait_for(lambda: _healthy(http, runtime), timeout=5, message="healthy once announced")
+    assert set(await listed(observer)) == {"a"}
+
+
 async def test_health_names_an_engine_check_that_never_answers(
     runtime: Runtime, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
