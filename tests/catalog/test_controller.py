@@ -409,3 +409,37 @@ async def test_a_deployment_whose_status_no_listing_names_keeps_its_workers_and_
         assert (await client.get(DEPLOYMENTS, "d")).status == "PENDING"  # the others go on
         assert (WS, "odd") in backend.runs and "odd" not in backend.stopped
         assert [p.name for p in await client.list_all(PROVIDERS)] == ["deployment-odd"]
+
+
+async def test_a_ready_deployment_whose_status_write_fails_keeps_its_provider_and_route(
+    catalog: CatalogServer,
+) -> None:
+    """A READY deployment whose step failed on the catalog (its status write answered 500,
+    or timed out) is left as it is for the next pass, its workers too; but it was left out
+    of the READY ones, so its fleet provider was taken for stale: its entity links undone,
+    the provider deleted and the route published without its target, until a later pass
+    made it again. What holds now: its provider, links and route stay."""
+    from shoal.catalog.backends import Observed
+
+    backend = FakeBackend()
+    async with controller_on(catalog.url, workspaces=[WS], backend=backend) as (ctl, client, store):
+        await announce(store, "default", "mock-llm", 1)
+        await client.create(DEPLOYMENTS, {"name": "d", "model": "mock-llm", "engine": "mocker",
+                                          "replicas": 2, "status": "PENDING"})  # fmt: skip
+        await ctl.step()  # READY, its provider made
+        await ctl.step()  # the entity linked to it, the route published
+        assert (await client.get(MODELS, "mock-llm")).providers == [f"{WS}/deployment-d"]
+
+        async def one_of_two(deployment: object) -> Observed:  # its status message changes
+            return Observed(1, 2, False, "1 of 2 ready")
+
+        backend.poll = one_of_two  # type: ignore[method-assign]
+        client.fail = lambda call: call == f"PATCH /v1/workspaces/{WS}/deployments/d"
+        await ctl.step()
+        assert (await client.get(DEPLOYMENTS, "d")).status == "READY"
+        assert "d" not in backend.stopped
+        assert [p.name for p in await client.list_all(PROVIDERS)] == ["deployment-d"]
+        assert (await client.get(MODELS, "mock-llm")).providers == [f"{WS}/deployment-d"]
+        route = await store.get(route_key(WS, "mock-llm"))
+        assert route is not None
+        assert decode_route(route.key, route.value).targets == (FleetTarget("mock-llm", 1),)

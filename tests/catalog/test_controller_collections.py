@@ -74,3 +74,36 @@ async def test_a_failed_pass_puts_the_thresholds_back_and_collects_nothing(
             await ctl.step()
         assert gc.get_threshold() == saved
         assert collections.collections == 0 and not collections.frozen
+
+
+async def test_passes_that_overlap_in_one_process_leave_the_thresholds_as_they_were() -> None:
+    """What was wrong: each holder saved the thresholds it found and put them back when it
+    ended. Two controllers' passes in one process (or a pass beside a frontend's load, which
+    lifts the same threshold), ending in the order they began, left the second's saved copy,
+    the lifted one, in force: no full collection ever again, cyclic garbage kept for the
+    life of the process. What holds now: the last holder to end puts back what the first
+    one found, whatever the order."""
+    import asyncio
+
+    from shoal.frontend.registry.freeze import freeze_while_loading
+
+    saved = (700, 10, 10)
+    gc.set_threshold(*saved)
+    first, second = PassCollections(), PassCollections()
+    for order in ("first ends first", "second ends first"):
+        a, b = first.deferred(), second.deferred()
+        a.__enter__()
+        b.__enter__()
+        assert gc.get_threshold()[2] > 10**6
+        for ending in (a, b) if order == "first ends first" else (b, a):
+            ending.__exit__(None, None, None)
+        assert gc.get_threshold() == saved, order
+
+    loaded, fetched = asyncio.Event(), asyncio.Event()
+    with first.deferred():
+        loading = asyncio.create_task(freeze_while_loading(loaded, fetched))
+        await asyncio.sleep(0)  # (the load lifts the threshold after the pass did)
+    assert gc.get_threshold()[2] > 10**6  # the load goes on: still deferred
+    loaded.set(), fetched.set()
+    await loading
+    assert gc.get_threshold() == saved

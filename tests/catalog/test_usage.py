@@ -406,6 +406,36 @@ async def test_counters_stay_at_the_bigint_bound_and_the_batch_is_counted(
     assert (by_key["b"]["requests"], by_key["b"]["prompt_tokens"]) == (2, 3)
 
 
+async def test_a_report_over_counters_at_the_bound_sums_them_whole(
+    client: CatalogClient, database_url: str
+) -> None:
+    """What was wrong: counters stay at the bigint bound (above), and SQLite's sum() of two
+    of them raised 'integer overflow': the report of every key, model or span holding both
+    answered as a database outage (503, retried for ever) instead of its sums, so a key whose
+    upstream reported absurd token counts hid the whole workspace's bill. What holds now:
+    the sums are exact on SQLite as on PostgreSQL (past 2**63)."""
+    from shoal.catalog import tables
+    from shoal.catalog.database import open_engine
+
+    top = 2**63 - 1
+    minutes = ["2030-01-01T00:00:00Z", "2030-01-01T00:01:00Z", "2030-01-01T00:02:00Z"]
+    rows = [row("a", "chat", minute, 1, 1, 1) for minute in minutes]
+    assert await client.record_usage({"batch_id": "batch-0200", "rows": rows})
+    engine = open_engine(database_url)
+    try:
+        async with engine.begin() as conn:  # three minutes at the bound
+            await conn.execute(
+                tables.usage.update().values(requests=top, prompt_tokens=top, completion_tokens=5)
+            )
+    finally:
+        await engine.dispose()
+    (item,) = await client.usage(group_by="key")
+    assert (item["requests"], item["prompt_tokens"]) == (3 * top, 3 * top)
+    assert (item["completion_tokens"], item["total_tokens"]) == (15, 3 * top + 15)
+    by_minute = await client.usage(group_by="minute")
+    assert [i["requests"] for i in by_minute] == [top] * 3
+
+
 def test_a_batch_is_merged_in_the_order_of_its_identities_whatever_their_prefixes() -> None:
     """Rows are written (and locked) in the order of their identities field by field: a
     field that is a prefix of another's comes first, whatever follows it."""

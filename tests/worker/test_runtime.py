@@ -405,6 +405,62 @@ async def test_a_store_blink_while_an_endpoint_starts_is_retried_not_fatal(
     assert [i.url for i in instances] == [endpoint.url]
 
 
+async def test_health_is_503_while_an_endpoint_announces_no_model(
+    runtime: Runtime, observer: Store, http: aiohttp.ClientSession
+) -> None:
+    """What was wrong: an endpoint whose engine listed no model, or only models that were
+    refused, was 200 once its (empty) sync ended: a worker no frontend can route to, taken
+    as ready by a rolling update. What holds now: 503 naming why (none listed, or how many
+    refused) until a model is announced."""
+    engine = Switchable()
+    engine.models = []
+    await runtime.endpoint(EP).serve(engine)
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["reasons"] == [
+            f"endpoint {EP} announces no model (its engine lists none)"
+        ]
+    engine.models = [ServedModel(name="z" * 600, source="test://z")]  # (its card is refused)
+    await wait_for(lambda: bool(runtime.endpoint(EP).refused), timeout=5, message="refused")
+    async with http.get(runtime.status_url + "/health") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["reasons"] == [
+            f"endpoint {EP} announces no model (the 1 its engine lists were refused)"
+        ]
+    engine.models = [ServedModel(name="a", source="test://a")]
+    await wait_for(lambda: _healthy(http, runtime), timeout=5, message="healthy once announced")
+    assert set(await listed(observer)) == {"a"}
+
+
+async def test_a_card_whose_put_answer_was_lost_is_withdrawn_not_left_announced(
+    runtime: Runtime, observer: Store
+) -> None:
+    """What was wrong: an attach whose put the store applied but whose answer was lost (a
+    timeout, a blink) left the model unattached, the card in the store under the live
+    lease, and nothing to withdraw it (attach_many makes such keys withdrawals pending;
+    attach did not, and dropped one pending for its key): frontends routed to a model the
+    worker did not serve until the process ended. What holds now: it is withdrawn."""
+    from shoal.store import StoreUnavailableError
+
+    engine = Switchable()
+    endpoint = runtime.endpoint(EP)
+    await endpoint.serve(engine)
+    store = runtime.store
+    assert store is not None
+    create = store.create
+
+    async def applied_then_lost(*args: Any, **kwargs: Any) -> bool:
+        await create(*args, **kwargs)
+        raise StoreUnavailableError("the answer was lost (test)")
+
+    store.create = applied_then_lost  # type: ignore[method-assign]
+    with pytest.raises(StoreUnavailableError):
+        await endpoint.attach_served(_adapter("b"))
+    store.create = create  # type: ignore[method-assign]
+    assert "b" not in endpoint.models
+    await wait_for(lambda: _names(observer, {"a"}), timeout=5, message="b withdrawn")
+
+
 async def test_health_names_an_engine_check_that_never_answers(
     runtime: Runtime, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,8 +17,7 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
-DEFERRED = 2**30
-"""The oldest generation's threshold while a pass runs: never reached."""
+from shoal import full_collections
 
 
 class PassCollections:
@@ -30,13 +29,10 @@ class PassCollections:
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
-        """No full collection starts inside (the thresholds are put back after)."""
-        saved = gc.get_threshold()
-        gc.set_threshold(saved[0], saved[1], DEFERRED)
-        try:
+        """No full collection starts inside (the thresholds are put back after, by the last
+        deferral to end: `shoal.full_collections` counts them, process-wide)."""
+        with full_collections.deferred():
             yield
-        finally:
-            gc.set_threshold(*saved)
 
     def after_pass(self) -> None:
         """One full collection, the pass's listings gone; after the first, a freeze of what

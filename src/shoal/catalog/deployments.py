@@ -10,7 +10,8 @@
 Each deployment is isolated: one whose backend call fails (it cannot start at all: errno 7,
 a command line too long; a file that cannot be made) is ERROR with the reason and its
 workers stopped; any other failure (a catalog error, an answer that is not JSON, a timeout)
-leaves it and its workers as they are, for the next pass; the others go on either way. A row the client cannot read
+leaves it, its workers and (READY) its provider as they are, for the next pass; the others
+go on either way. A row the client cannot read
 is left as it is: its workers keep running and its provider stays.
 
 A READY deployment has a `fleet` provider, `deployment-{name}` (autoprovisioned, serving the
@@ -106,10 +107,14 @@ class DeploymentsPhase:
         # Rows this controller cannot read: their workers and providers are left as they are.
         unreadable = set(everything.invalid)
         ready: list[Deployment] = []
+        kept: set[str] = set()  # READY, their step failed on the catalog: left as they are
         for status in S:
             for deployment in listed[status]:
-                if await self._isolated(deployment, self._one(deployment)) is S.READY:
+                now = await self._isolated(deployment, self._one(deployment))
+                if now is S.READY:
                     ready.append(deployment)
+                elif now is None and deployment.status is S.READY:
+                    kept.add(deployment.name)  # (its provider too, not taken for stale)
                 self.calls.beat()
         wanted = {d.name for s in (S.CREATED, S.PENDING, S.READY) for d in listed[s]}
         for running_workspace, name in sorted(self.backend.running()):
@@ -119,7 +124,9 @@ class DeploymentsPhase:
         # Providers are read while deployments exist, or their providers did at the last
         # read: a steady workspace without deployments pays no call for them.
         if everything or unreadable or self._had_providers.get(workspace, True):
-            self._had_providers[workspace] = await self._providers(workspace, ready, unreadable)
+            self._had_providers[workspace] = await self._providers(
+                workspace, ready, unreadable | kept
+            )
 
     async def _one(self, deployment: Deployment) -> S | None:
         """One deployment's step; the status it is left in, or None if it has none yet."""
@@ -203,15 +210,14 @@ class DeploymentsPhase:
             return
         log.info("deployment %s/%s collected", deployment.workspace, deployment.name)
 
-    async def _providers(
-        self, workspace: str, ready: list[Deployment], unreadable: set[str]
-    ) -> bool:
-        """Each READY deployment has its fleet provider; other deployment providers go
-        (not those of deployments that cannot be read). True if deployment providers are left."""
+    async def _providers(self, workspace: str, ready: list[Deployment], unjudged: set[str]) -> bool:
+        """Each READY deployment has its fleet provider; other deployment providers go (not
+        those of `unjudged` deployments: unreadable, or left as they are this pass). True if
+        deployment providers are left."""
         providers = {p.name: p for p in await self.calls.list_all(PROVIDERS, workspace)}
         for deployment in ready:
             await self._ensure_provider(workspace, deployment, providers)
-        wanted = {fleet_provider_name(d) for d in {d.name for d in ready} | unreadable}
+        wanted = {fleet_provider_name(d) for d in {d.name for d in ready} | unjudged}
         stale = [
             p for name, p in providers.items()
             if p.autoprovisioned and name.startswith(PROVIDER_PREFIX) and name not in wanted

@@ -213,13 +213,9 @@ async def query_usage(
     if end is not None:
         where.append(u.c.minute < _in_utc(end, "to"))
     column = {"key": u.c.key, "model": u.c.model, "minute": u.c.minute}[group_by]
+    sums = _exact_sums(u.c.requests, u.c.prompt_tokens, u.c.completion_tokens)
     query = (
-        sa.select(
-            column.label("group"),
-            sa.func.sum(u.c.requests).label("requests"),
-            sa.func.sum(u.c.prompt_tokens).label("prompt_tokens"),
-            sa.func.sum(u.c.completion_tokens).label("completion_tokens"),
-        )
+        sa.select(column.label("group"), *sums)
         .where(*where)
         .group_by(column)
         .order_by(column)
@@ -239,6 +235,30 @@ async def query_usage(
     return await asyncio.to_thread(_items, rows, group_by)
 
 
+def _exact_sums(*counters: sa.Column[Any]) -> list[sa.Label[Any]]:
+    """Each counter's sum as two, of its high and low 32 bits (`_summed` adds them up): a
+    counter may be at the bigint bound (`COUNT_MAX`), and SQLite's sum() of two such raised
+    'integer overflow', failing the whole report as an outage. Each half's sum stays within
+    a bigint up to 2**31 rows, and the total is exact, past 2**63, on every database."""
+    return [
+        part
+        for counter in counters
+        for part in (
+            sa.func.sum(counter.op(">>")(sa.literal_column("32"))).label(f"{counter.name}_high"),
+            sa.func.sum(counter.op("&")(sa.literal_column(str(LOW_BITS)))).label(
+                f"{counter.name}_low"
+            ),
+        )
+    ]
+
+
+LOW_BITS = 2**32 - 1
+
+
+def _summed(row: Any, counter: str) -> int:
+    return (int(getattr(row, f"{counter}_high")) << 32) + int(getattr(row, f"{counter}_low"))
+
+
 REPORT_ITEMS = 100_000
 """A usage report's items, at most (69 days of minutes); over it, the report is refused
 (422) rather than answered in part."""
@@ -255,10 +275,10 @@ def _items(rows: list[Any], group_by: str) -> list[dict[str, Any]]:
         group: Any = row.group
         if group_by == "minute" and isinstance(group, datetime):
             group = _aware(group).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        prompt, completion = int(row.prompt_tokens), int(row.completion_tokens)
+        prompt, completion = _summed(row, "prompt_tokens"), _summed(row, "completion_tokens")
         item: dict[str, Any] = {"key": None, "model": None, "minute": None}
         item[group_by] = group
-        item["requests"] = int(row.requests)
+        item["requests"] = _summed(row, "requests")
         item["prompt_tokens"], item["completion_tokens"] = prompt, completion
         item["total_tokens"] = prompt + completion
         items.append(item)

@@ -56,8 +56,9 @@ async def first_by_name(models: Mapping[str | None, _HasCard], n: int) -> list[s
 
 class Health:
     """A worker process's health: live until its drain begins; healthy when it serves an
-    endpoint, every endpoint serves with its models announced, its engine answers and the
-    lease is held with everything registered under it."""
+    endpoint, every endpoint serves with its models announced (one at least, for one that
+    follows its engine: none is nothing to route to), its engine answers and the lease is
+    held with everything registered under it."""
 
     def __init__(
         self,
@@ -98,6 +99,14 @@ class Health:
             if not ep.announced:  # (its port is open; its instance or models not yet stored)
                 reasons.append(f"endpoint {ep.id} is announcing its models")
                 continue
+            if ep.follows_engine and not ep.models:  # (nothing a frontend can route to)
+                refused = len(ep.refused)
+                why = (
+                    f"the {refused} its engine lists were refused"
+                    if refused
+                    else "its engine lists none"
+                )
+                reasons.append(f"endpoint {ep.id} announces no model ({why})")
             deadline = asyncio.timeout(ENGINE_CHECK_TIMEOUT)
             try:
                 async with deadline:

@@ -420,7 +420,8 @@ class Registrations:
     ) -> None:
         """Host `files` for the model, then put its card under the lease (files first: the
         card points at them). If the store refuses, the files hosted before are restored and
-        nothing new stays attached."""
+        nothing new stays attached; a key that held no attached card becomes a withdrawal
+        pending (the put may have been made), as in `attach_many`."""
         async with self._lock:
             lease_id = self.instance_id
             key = ModelKey(endpoint, lease_id, suffix)
@@ -434,11 +435,14 @@ class Registrations:
             slug = card.slug
             entries = [(MetadataKey.of(endpoint, slug, suffix, n), d) for n, d in files.items()]
             self.metadata.replace(key, entries)
-            self._pending_deletes.pop(key.key, None)
+            pending = self._pending_deletes.pop(key.key, None)
             try:
                 await self.discovery.register_model(key, card, lease=lease_id)
             except BaseException:
                 self.metadata.replace(key, before)
+                if previous is None or pending is not None:  # (its key holds no live card)
+                    # The put may have been made (its answer lost): withdrawn by `renew()`.
+                    self._pending_deletes[key.key] = lease_id
                 raise
             models[suffix] = Attached(key, card, dict(files), served, stored=card)
             self.models_changed += 1

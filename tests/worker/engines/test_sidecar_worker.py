@@ -229,3 +229,31 @@ async def test_a_model_name_with_a_newline_cannot_split_or_forge_the_ready_line(
     assert len(ready_lines) == 1 and "\\n" in ready_lines[0]
     match = READY_LINE.match(ready_lines[0].strip())
     assert match is not None and int(match["instance"], 16) == model.instance_id
+
+
+async def test_health_is_never_200_before_the_models_of_an_upstream_come_up_are_announced(
+    fake: FakeUpstream, processes: Processes, store_url: str, store: Store
+) -> None:
+    """A sidecar started while its upstream loads (503) answers /health 503; once the upstream
+    is up, /health's own probe saw it healthy and answered 200 while the models loop had not
+    announced its models yet (up to a second: a rolling update took the worker as ready
+    with nothing a frontend could route to), and 200 for good if the upstream listed none.
+    What holds now: 200 only with a model announced, in the store."""
+    fake.health_status = 503
+    worker = await sidecar_worker(processes, store_url, fake)
+    answers: list[tuple[int, int, bool]] = []
+    fake.health_status = 200
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as http:
+        deadline = loop.time() + 10.0
+        while loop.time() < deadline:
+            async with http.get(worker.status_url + "/health") as response:
+                body = await response.json()
+            announced = sum(e["models_announced"] for e in body["endpoints"])
+            if response.status == 200:
+                stored = bool(await models_of(store, worker))
+                answers.append((response.status, announced, stored))
+                break
+            await asyncio.sleep(0.01)
+    assert answers, "never healthy"
+    assert answers[0][1:] == (1 + len(fake.adapter_ids), True), answers

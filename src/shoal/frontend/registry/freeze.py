@@ -22,29 +22,11 @@ import gc
 import time
 from collections.abc import Callable
 
+from shoal import full_collections
+
 FREEZE_INTERVAL = 0.25  # seconds between two `gc.freeze()` while loading
 FREEZE_WINDOW = 120.0  # seconds after loaded that freezing goes on while fetches are in flight
 BURST_CHANGES = 256  # registry changes within one `FREEZE_INTERVAL` that make a burst
-
-_loading = 0  # loads freezing now, in this process
-_saved: tuple[int, int, int] | None = None  # the thresholds before the first of them
-
-
-def _lift() -> None:
-    """No full collection while some freezing goes on (the first of several lifts it)."""
-    global _loading, _saved
-    if _loading == 0:
-        _saved = gc.get_threshold()
-        gc.set_threshold(_saved[0], _saved[1], 2**30)
-    _loading += 1
-
-
-def _restore() -> None:
-    """The last freezing to end puts the thresholds back."""
-    global _loading
-    _loading -= 1
-    if _loading == 0 and _saved is not None:
-        gc.set_threshold(*_saved)
 
 
 async def freeze_while_loading(loaded: asyncio.Event, fetched: asyncio.Event) -> None:
@@ -54,7 +36,7 @@ async def freeze_while_loading(loaded: asyncio.Event, fetched: asyncio.Event) ->
     what it would go through is what the next freeze takes, and each one went through a
     quarter second of the load, 10-17 ms of the loop."""
     loaded_at: float | None = None
-    _lift()
+    full_collections.defer()
     try:
         while True:
             gc.freeze()
@@ -64,7 +46,7 @@ async def freeze_while_loading(loaded: asyncio.Event, fetched: asyncio.Event) ->
                     return
             await asyncio.sleep(FREEZE_INTERVAL)
     finally:
-        _restore()
+        full_collections.resume()
 
 
 async def freeze_bursts(changes: Callable[[], int]) -> None:
@@ -79,7 +61,7 @@ async def freeze_bursts(changes: Callable[[], int]) -> None:
         await asyncio.sleep(FREEZE_INTERVAL)
         now = changes()
         if now - last >= BURST_CHANGES:
-            _lift()
+            full_collections.defer()
             try:
                 while now - last >= BURST_CHANGES:
                     gc.freeze()
@@ -88,5 +70,5 @@ async def freeze_bursts(changes: Callable[[], int]) -> None:
                     now = changes()
                 gc.freeze()
             finally:
-                _restore()
+                full_collections.resume()
         last = now
