@@ -252,39 +252,42 @@ class RecentPicks:
 
     The instance's events confirm (or deny, by evicting) within milliseconds; until then a
     burst of prompts sharing a prefix would otherwise all see an empty index and be spread
-    over every instance. Each block remembers only its latest pick. Bounded: past
-    `capacity` blocks, the expired ones are dropped, and if that is not enough, the oldest
-    recorded until half the capacity is left (a pass over all, once per capacity / 2 new).
+    over every instance. Each block remembers only its latest pick. Bounded in two
+    generations of `capacity / 2` blocks: the new one takes the picks, and once full it is
+    the old one (the old one before let go). Never a pass over all: copying the unexpired
+    ones, once per 32,768 new blocks, held the loop 15-37 ms on the pick's request.
     """
 
     def __init__(self, ttl: float = 2.0, capacity: int = 65_536) -> None:
         self.ttl = ttl
         self.capacity = capacity
-        self._picks: dict[int, tuple[int, float]] = {}
+        self._picks: dict[int, tuple[int, float]] = {}  # the new generation
+        self._older: dict[int, tuple[int, float]] = {}  # the one before (what it has not)
 
     def __len__(self) -> int:
-        return len(self._picks)
+        return len(self._picks) + len(self._older)
 
     def record(self, hashes: list[int], instance_id: int, now: float) -> None:
         picks = self._picks
+        if len(picks) + len(hashes) > self.capacity // 2 and picks:
+            self._older, self._picks = picks, {}  # (the generation before let go)
+            picks = self._picks
         picks.update(zip(hashes, itertools.repeat((instance_id, now + self.ttl))))
-        if len(picks) > self.capacity:
-            kept = [(h, e) for h, e in picks.items() if e[1] >= now]
-            self._picks = dict(kept[max(len(kept) - self.capacity // 2, 0) :])
 
     def forget(self, block_hash: int, instance_id: int) -> None:
         """`instance_id` no longer holds the block (it evicted it): not a prediction either."""
-        entry = self._picks.get(block_hash)
-        if entry is not None and entry[0] == instance_id:
-            del self._picks[block_hash]
+        for picks in (self._picks, self._older):
+            entry = picks.get(block_hash)
+            if entry is not None and entry[0] == instance_id:
+                del picks[block_hash]
 
     def matched(self, hashes: list[int], now: float) -> tuple[int, int]:
         """The instance the prompt's leading blocks were last sent to, and how many: (id, 0)
         when none."""
-        picks = self._picks
+        picks, older = self._picks, self._older
         owner, depth = 0, 0
         for h in hashes:
-            entry = picks.get(h)
+            entry = picks.get(h) or older.get(h)
             if entry is None or entry[1] < now or (depth and entry[0] != owner):
                 break
             owner, depth = entry[0], depth + 1
