@@ -267,8 +267,10 @@ async def test_a_replica_whose_leadership_lapses_while_it_publishes_routes_stops
     await seed_converged(database_url, {"p": [f"m{i:04d}" for i in range(4 * SLICE + 1)]})
     async with controller_on(catalog.url, workspaces=[WS]) as (ctl, _, store):
         await store.put(route_key(WS, "gone-vm"), b"{}")  # a route whose model was deleted
-        leadership = ctl.leadership = Leadership(store, "models-controller", ttl=2.0)
-        await wait_for(leadership.hold, timeout=10)  # (a TTL long enough for a loaded machine)
+        # (a TTL that a loaded machine's pass and renewals keep within: at 2 s, with the
+        # suite beside four other jobs on 2 cores, it lapsed before the first write)
+        leadership = ctl.leadership = Leadership(store, "models-controller", ttl=5.0)
+        await wait_for(leadership.hold, timeout=30)
         written: list[bool] = []  # whether each route was written while in force
         real_publish = routing.publish_route
 
