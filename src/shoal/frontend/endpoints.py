@@ -71,6 +71,7 @@ PROXY_ROUTES = {
     b"/v1/embeddings": ModelType.EMBEDDINGS,
 }
 HEALTH_MODELS = 100  # models `/health` describes (it counts them all; `/ui` shows more)
+OTHER_BODY = 64 * 1024  # with keys required: the most body any request but a proxied one sends
 LISTING_SLICE = 1000  # models a `/v1/models` listing makes between two turns of the loop
 _json = msgspec.json.encode
 _instance_id = operator.attrgetter("instance_id")
@@ -216,15 +217,15 @@ class Endpoints:
 
     def check_head(
         self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]
-    ) -> ApiError | None:
+    ) -> ApiError | int:
         """The 401 a request to a proxied route gets, told from its head alone (the server
         asks before it reads the body: buffering `max_body` for anyone cost 16 MiB a
-        connection), with the CORS lines an allowed page needs to read it; None: go on."""
-        if method != b"POST":
-            return None
+        connection), with the CORS lines an allowed page needs to read it; else the most body
+        bytes the request may send: `max_body` to a proxied route, `OTHER_BODY` to any other
+        (none reads more: 16 MiB to /v1/models or an unknown path were buffered for anyone)."""
         request = Request(method, target, headers, b"", keep_alive=False, http11=True)
-        if request.path not in PROXY_ROUTES:  # (its path: an absolute-form target's too)
-            return None
+        if method != b"POST" or request.path not in PROXY_ROUTES:  # (an absolute-form's too)
+            return OTHER_BODY
         try:
             self._authorize(request)
         except ApiError as exc:
@@ -232,7 +233,7 @@ class Endpoints:
             if self.cors is not None and origin is not None and self.cors.allows(origin):
                 exc.headers += _cors_lines(self.cors.response_headers(origin))
             return exc.with_traceback(None)  # (its frames hold the request, and it: a cycle)
-        return None
+        return self.config.max_body
 
     def _authorize(self, request: Request) -> Grant | None:
         """The key's grant with `--auth keys` (None for an `--api-key`); 401 if refused."""
