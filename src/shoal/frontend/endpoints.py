@@ -224,8 +224,10 @@ class Endpoints:
         connection), with the CORS lines an allowed page needs to read it; else the most body
         bytes the request may send: `max_body` to a proxied route, `OTHER_BODY` to any other
         (none reads more: 16 MiB to /v1/models or an unknown path were buffered for anyone)."""
+        if method != b"POST":
+            return OTHER_BODY
         request = Request(method, target, headers, b"", keep_alive=False, http11=True)
-        if method != b"POST" or request.path not in PROXY_ROUTES:  # (an absolute-form's too)
+        if request.path not in PROXY_ROUTES:  # (its path: an absolute-form target's too)
             return OTHER_BODY
         try:
             self._authorize(request)
