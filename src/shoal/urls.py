@@ -15,12 +15,13 @@ def redact_url(url: str) -> str:
     redis-py and libpq take `?password=`); its fragment dropped. Split by hand, as `urlsplit`
     refuses some URLs (`postgresql://u:p@[::1/db`, `http:/u:p@host`) that still carry
     credentials. A password's `/`, `?` or `#` not percent-encoded ends the authority early,
-    in a `user:pass` whose "port" is no number: the userinfo then runs to the last `@`."""
+    in a `user:pass` whose "port" is no number (or digits, an `@` after them): the userinfo
+    then runs to the last `@`."""
     start = _AUTHORITY_START.match(url)
     head, rest = (url[: start.end()], url[start.end() :]) if start else ("", url)
     end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
     at = rest.rfind("@", 0, end)
-    if at < 0 and _cut_short(rest[:end]):
+    if at < 0 and _cut_short(rest[:end], rest[end:]):
         at = rest.rfind("@")
     if at >= 0:
         head, rest = head + "***", rest[at:]
@@ -28,8 +29,15 @@ def redact_url(url: str) -> str:
     return head + rest + ("?***" if query else "")
 
 
-def _cut_short(authority: str) -> bool:
+def _cut_short(authority: str, after: str) -> bool:
     """Whether `authority` (no `@` in it) looks like a `user:pass` cut short: a `:` followed
-    by what is no port (an IPv6 host in brackets aside)."""
+    by what is no port (an IPv6 host in brackets aside), or by digits alone when an `@` comes
+    after it that starts no path segment (`svc:2024/Secret@host`, read as a port and a path;
+    `/v1/@team` stays as it is)."""
     _, colon, port = authority.rpartition(":")
-    return bool(colon) and not port.isdigit() and not authority.endswith("]")
+    if not colon or (authority.endswith("]") and not port.isdigit()):
+        return False
+    if not port.isdigit():
+        return True
+    at = after.rfind("@")
+    return at > 0 and after[at - 1] != "/"

@@ -93,3 +93,63 @@ async def test_a_valid_key_still_sends_its_body_and_a_bad_one_is_answered_as_bef
     refused_head = refused.partition(b"\r\n\r\n")[0].lower()
     assert refused.startswith(b"HTTP/1.1 401 ")
     assert b"access-control-allow-origin: https://app.example" in refused_head
+
+
+@pytest.mark.parametrize(
+    "method, target",
+    [
+        (b"POST", b"/v1/models"),
+        (b"PUT", b"/v1/chat/completions"),
+        (b"OPTIONS", b"/v1/chat/completions"),
+        (b"POST", b"/no/such/route"),
+        (b"GET", b"/live"),
+        (b"POST", b"/ui/api/login"),
+    ],
+)
+async def test_a_request_to_any_other_route_is_not_let_send_max_body_without_a_key(
+    store: Store, start_frontend: StartFrontend, method: bytes, target: bytes
+) -> None:
+    """Only a keyed request to a proxied route may send `--max-body`: any other request's body
+    (a route that reads none, the dashboard's login) is bounded by `OTHER_BODY`. Before, a
+    POST to /v1/models or any unknown path had its 8 MiB buffered for anyone, the head check
+    notwithstanding (10 such connections: +160 MiB RSS)."""
+    frontend = await start_frontend(api_keys=("s3cret",))
+    declared = method + b" " + target + b" HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n"
+    received = await answer_to_head_alone(frontend.port, declared % (8 << 20))
+    assert received.startswith(b"HTTP/1.1 413 "), received[:200]
+    # A chunked body, whose size no head declares, is refused once past the bound.
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    try:
+        writer.write(method + b" " + target + b" HTTP/1.1\r\nHost: t\r\n")
+        writer.write(b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % (1 << 20) + b"x" * (1 << 20))
+        received = await read_until_closed(reader, timeout=5.0)
+    finally:
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 413 "), received[:200]
+
+
+async def test_small_bodies_to_other_routes_are_answered_as_before(
+    store: Store, start_frontend: StartFrontend
+) -> None:
+    """The bound leaves what a client sends alone: a dashboard login, a body on a GET."""
+    frontend = await start_frontend(api_keys=("s3cret",))
+    login = b'{"key": "s3cret"}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    try:
+        writer.write(
+            b"POST /ui/api/login HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n" % len(login)
+        )
+        writer.write(b"Connection: close\r\n\r\n" + login)
+        received = await read_until_closed(reader)
+    finally:
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 200 ") and b"set-cookie" in received.lower()
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    try:
+        writer.write(
+            b"GET /live HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+        )
+        received = await read_until_closed(reader)
+    finally:
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 200 ")

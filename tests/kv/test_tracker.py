@@ -13,7 +13,7 @@ from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
 from shoal.frontend.kv.prompt import TOKENIZER_FILE, PromptTokenizer
 from shoal.frontend.kv.tracker import KvTracker
 from shoal.frontend.registry.metadata import MetadataCache
-from shoal.frontend.registry.registry import Registry
+from shoal.frontend.registry.registry import Registry, WorkerSet
 from shoal.kv import KvEndpoint, token_block_hashes
 from shoal.worker.engines.mocker.tokenizer import TOKENIZER
 from tests.helpers import wait_for
@@ -120,6 +120,50 @@ async def test_sets_with_the_same_tokenizer_files_load_and_share_one_tokenizer(
         assert shared._worker is None and not tracker._tokenizers  # closed with its last set
         again = registry.join(models[0][0])  # a set that comes back loads it anew
         await wait_for(lambda: tracker.sets[again.id].tokenizer is not None, message="reloaded")
+        assert len(loads) == 2
+    finally:
+        await tracker.close()
+        registry.close()
+
+
+async def test_a_failed_shared_load_is_made_anew_by_the_next_set_that_joins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that failed (its file not on disk yet: evicted, or the disk refused it) is not
+    the answer for every later set naming the same files: the next set to join loads it
+    anew, and the sets that joined before get the tokenizer too. Shared as it was, a failed
+    load left every later set of those files routed by prefix while any earlier one lived."""
+    cache = MetadataCache(tmp_path / "cache")
+    text = TOKENIZER.to_str().encode()
+    checksum = "sha256:" + hashlib.sha256(text).hexdigest()
+    cache.directory.mkdir(parents=True, exist_ok=True)
+    files = {
+        TOKENIZER_FILE: MetadataFile(url="http://127.0.0.1:1/t", checksum=checksum, size=len(text))
+    }
+    loads: list[Path] = []
+    real = PromptTokenizer.load.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type[PromptTokenizer], path: Path, config: Path | None) -> PromptTokenizer:
+        loads.append(path)
+        return real(cls, path, config)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(PromptTokenizer, "load", classmethod(counting))
+    registry, tracker = Registry(), KvTracker(cache)
+    registry.observers.append(tracker)
+
+    def joined(i: int) -> WorkerSet:
+        endpoint = EndpointId(f"ns{i}", "backend", "generate")
+        url = f"http://127.0.0.1:{9000 + i}"
+        info = InstanceInfo(f"ns{i}", "backend", "generate", i + 1, url, url)
+        return registry.join(ModelInstance(ModelKey(endpoint, i + 1), _card(f"m{i}", files), info))
+
+    try:
+        first = tracker.sets[joined(0).id]
+        await wait_for(lambda: "could not be loaded" in first.no_tokenizer, message="failed")
+        cache.path(checksum).write_bytes(text)  # (the file is on disk now)
+        second = tracker.sets[joined(1).id]
+        await wait_for(lambda: second.tokenizer is not None, message="the second set's load")
+        await wait_for(lambda: first.tokenizer is second.tokenizer, message="shared with the first")
         assert len(loads) == 2
     finally:
         await tracker.close()

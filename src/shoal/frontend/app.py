@@ -135,6 +135,7 @@ class Frontend(Endpoints):
         # ((registry version, route table version), the /v1/models listing)
         self._models_body: tuple[tuple[int, int], ModelListing] | None = None
         self._listing: tuple[tuple[int, int], asyncio.Future[ModelListing]] | None = None
+        self._next_listing: asyncio.Future[ModelListing] | None = None
         self._health_body: tuple[int, dict[str, Any]] | None = None
 
     @property

@@ -71,6 +71,7 @@ PROXY_ROUTES = {
     b"/v1/embeddings": ModelType.EMBEDDINGS,
 }
 HEALTH_MODELS = 100  # models `/health` describes (it counts them all; `/ui` shows more)
+OTHER_BODY = 64 * 1024  # with keys required: the most body any request but a proxied one sends
 LISTING_SLICE = 1000  # models a `/v1/models` listing makes between two turns of the loop
 _json = msgspec.json.encode
 _instance_id = operator.attrgetter("instance_id")
@@ -103,6 +104,7 @@ class Endpoints:
     draining: bool
     _models_body: tuple[tuple[int, int], ModelListing] | None
     _listing: tuple[tuple[int, int], asyncio.Future[ModelListing]] | None  # being made
+    _next_listing: asyncio.Future[ModelListing] | None  # made once that one ends
     _health_body: tuple[int, dict[str, Any]] | None
 
     def handle(self, request: Request, conn: HttpConnection) -> None:
@@ -216,15 +218,17 @@ class Endpoints:
 
     def check_head(
         self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]
-    ) -> ApiError | None:
+    ) -> ApiError | int:
         """The 401 a request to a proxied route gets, told from its head alone (the server
         asks before it reads the body: buffering `max_body` for anyone cost 16 MiB a
-        connection), with the CORS lines an allowed page needs to read it; None: go on."""
+        connection), with the CORS lines an allowed page needs to read it; else the most body
+        bytes the request may send: `max_body` to a proxied route, `OTHER_BODY` to any other
+        (none reads more: 16 MiB to /v1/models or an unknown path were buffered for anyone)."""
         if method != b"POST":
-            return None
+            return OTHER_BODY
         request = Request(method, target, headers, b"", keep_alive=False, http11=True)
         if request.path not in PROXY_ROUTES:  # (its path: an absolute-form target's too)
-            return None
+            return OTHER_BODY
         try:
             self._authorize(request)
         except ApiError as exc:
@@ -232,7 +236,7 @@ class Endpoints:
             if self.cors is not None and origin is not None and self.cors.allows(origin):
                 exc.headers += _cors_lines(self.cors.response_headers(origin))
             return exc.with_traceback(None)  # (its frames hold the request, and it: a cycle)
-        return None
+        return self.config.max_body
 
     def _authorize(self, request: Request) -> Grant | None:
         """The key's grant with `--auth keys` (None for an `--api-key`); 401 if refused."""
@@ -362,12 +366,36 @@ class Endpoints:
         conn.send(error.status, error.body(), headers=error.headers)
 
     async def _listing_later(self, version: tuple[int, int], grant: Grant | None) -> bytes:
-        """The `/v1/models` body for `grant`, once the listing of `version` is made (one for
-        every caller meanwhile: a caller that leaves does not stop it)."""
-        making = self._listing  # (one that failed is made anew, not awaited again)
-        if making is None or making[0] != version or _failed(making[1]):
-            making = self._listing = (version, asyncio.ensure_future(self._make_listing(version)))
-        return models_for(await asyncio.shield(making[1]), grant)
+        """The `/v1/models` body for `grant`, once a listing as new as `version` is made (one
+        for every caller meanwhile: a caller that leaves does not stop it). One is made at a
+        time: a caller that comes while an older one is made waits for the next, started
+        once that one ends (under a change every millisecond, each caller made its own)."""
+        making, after = self._listing, self._next_listing
+        if making is not None and not _failed(making[1]) and _covers(making[0], version):
+            future = making[1]  # (one that failed is made anew, not awaited again)
+        elif (making is not None and not making[1].done()) or after is not None:
+            if after is None:
+                after = self._next_listing = asyncio.ensure_future(self._listing_after(making))
+            future = after
+        else:
+            future = self._start_listing()
+        return models_for(await asyncio.shield(future), grant)
+
+    def _start_listing(self) -> asyncio.Future[ModelListing]:
+        version = (self.registry.version, self.routes.version)
+        self._listing = (version, asyncio.ensure_future(self._make_listing(version)))
+        return self._listing[1]
+
+    async def _listing_after(
+        self, making: tuple[tuple[int, int], asyncio.Future[ModelListing]] | None
+    ) -> ModelListing:
+        """The listing started once `making` ends, at the versions then."""
+        try:
+            if making is not None:
+                await asyncio.wait([making[1]])
+        finally:
+            self._next_listing = None
+        return await self._start_listing()
 
     async def _make_listing(self, version: tuple[int, int]) -> ModelListing:
         """The `/v1/models` listing, made again only after the registry or the routes changed
@@ -520,6 +548,11 @@ _CONTROL_PATHS = frozenset(
 
 def _failed(future: asyncio.Future[Any]) -> bool:
     return future.done() and (future.cancelled() or future.exception() is not None)
+
+
+def _covers(made: tuple[int, int], asked: tuple[int, int]) -> bool:
+    """Whether a listing made from versions `made` is as new as a caller of `asked` needs."""
+    return made[0] >= asked[0] and made[1] >= asked[1]
 
 
 def _cors_lines(lines: bytes) -> tuple[tuple[bytes, bytes], ...]:

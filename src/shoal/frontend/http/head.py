@@ -1,7 +1,8 @@
 """What the gateway's HTTP server holds a request head to (`HttpConnection`, server.py): its
 size and header count (431), a declared body over `max_body` (413), a framing it cannot trust
 (Transfer-Encoding other than chunked: 501; on HTTP/1.0: 400, RFC 9112 §6.1), the handler's
-`head_check` (a request without a valid key: 401 before its body is buffered), and what the
+`head_check` (a request without a valid key: 401 before its body is buffered; the body bound
+of a request to a route that reads none), and what the
 server itself acts on (`Expect: 100-continue`, `Upgrade`).
 
 Trailer fields (after a chunked body) are never merged into the head: they are dropped, as
@@ -22,9 +23,10 @@ from shoal.openai import ApiError
 # The request headers the server itself reads (the handler reads the others).
 _READ_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
 
-HeadCheck = Callable[[bytes, bytes, list[tuple[bytes, bytes]]], ApiError | None]
+HeadCheck = Callable[[bytes, bytes, list[tuple[bytes, bytes]]], ApiError | int]
 """The handler's own verdict on a request head (method, target, headers), before its body is
-read: what it would refuse anyway, whatever the body (a request without a valid key)."""
+read: what it would refuse anyway, whatever the body (a request without a valid key), or the
+most body bytes it reads of this request (`max_body`, or fewer: a route that reads none)."""
 
 
 class Limits(Protocol):
@@ -42,6 +44,7 @@ class Verdict(NamedTuple):
     error: ApiError | None  # what it is refused with, if it is
     expect_continue: bool  # it asks for `100 Continue`
     upgrade: bool  # it asks for an `Upgrade` (ignored: `without_upgrade`)
+    max_body: int | None = None  # the most body bytes read of it (None: `Limits.max_body`)
 
 
 _PLAIN = Verdict(None, False, False)  # (most heads: made once, not per request)
@@ -60,11 +63,12 @@ def judge_head(
         )
     size = len(url)
     expect_continue = upgrade = False
+    declared = 0
     for name, value in headers:
         size += len(value)
         if name in _READ_HEADERS:
             if name == b"content-length":
-                if int(value) > limits.max_body:
+                if (declared := int(value)) > limits.max_body:
                     return Verdict(errors.body_too_large(limits.max_body), False, False)
             elif name == b"transfer-encoding":
                 if parser.get_http_version() == "1.0":  # (a front proxy would frame it otherwise)
@@ -81,8 +85,14 @@ def judge_head(
             errors.headers_too_large(f"over {limits.max_header_size} bytes"), False, False
         )
     check = limits.head_check
-    if check is not None and (refused := check(parser.get_method(), url, headers)) is not None:
-        return Verdict(refused, False, False)  # (its body is never read: dropped, then close)
+    if check is not None:
+        verdict = check(parser.get_method(), url, headers)
+        if isinstance(verdict, ApiError):
+            return Verdict(verdict, False, False)  # (its body is never read: dropped, then close)
+        if verdict < limits.max_body:  # (a chunked body: held to it as it comes)
+            if declared > verdict:
+                return Verdict(errors.body_too_large(verdict), False, False)
+            return Verdict(None, expect_continue, upgrade, verdict)
     return Verdict(None, expect_continue, upgrade) if expect_continue or upgrade else _PLAIN
 
 

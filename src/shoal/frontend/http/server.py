@@ -15,8 +15,8 @@ request, one at a time, then (if reading stopped on an error) that error, then t
 Pipelined requests are answered one per loop iteration, never while the client's send
 buffer is full, and at most `MAX_PIPELINED` wait (plus those in one `FEED_SLICE` of bytes).
 Bounds a client cannot stretch: the request head and trailers (size, count, `header_timeout`:
-head.py), the body (`max_body`, `body_timeout` between its bytes, `TURN_CALLS`), an answer it
-does not read (`send_timeout`: unread.py) and the number of connections.
+head.py), the body (`max_body` or its head's bound, `body_timeout` between its bytes,
+`TURN_CALLS`), an answer it does not read (`send_timeout`: unread.py), the connections.
 """
 
 from __future__ import annotations
@@ -84,9 +84,8 @@ class HttpConnection(asyncio.Protocol):
     without closing, and while it is not stopped every complete request gets an answer.
     """
 
-    # Slots: a connection has 40 attributes, past the 30 keys CPython 3.11 shares among the
-    # instances of a class, so its attributes would live in an ordinary dict, slower to read.
-    __slots__ = ("_answered_in_read", "_body", "_body_size", "_calls", "_final",
+    # Slots: 41 attributes, past the 30 keys CPython 3.11 shares among a class's instances.
+    __slots__ = ("_answered_in_read", "_body", "_body_limit", "_body_size", "_calls", "_final",
         "_head_bytes", "_headers", "_held", "_held_pos", "_last_progress", "_linger_left",
         "_lingering", "_meter", "_next_scheduled", "_phase", "_phase_since", "_progress",
         "_read_bytes", "_reading_paused", "_stopped", "_trailer_bytes", "_trailers",
@@ -132,7 +131,7 @@ class HttpConnection(asyncio.Protocol):
         self._url = b""  # (the message being parsed)
         self._headers: list[tuple[bytes, bytes]] = []
         self._body = BodyPieces()
-        self._body_size = 0
+        self._body_size, self._body_limit = 0, server.max_body  # (its head's: `Verdict`)
         self._meter: DepthMeter | None = None  # a large body's nesting, judged as it arrives
         self._read_bytes = 0  # of large reads since the last turn given (`TURN_BYTES`)
 
@@ -327,6 +326,7 @@ class HttpConnection(asyncio.Protocol):
         judged = head.judge_head(self.parser, self._url, self._headers, self.server)
         if judged.error is not None:
             self._refuse(judged.error)
+        self._body_limit = self.server.max_body if judged.max_body is None else judged.max_body
         self._upgrading = judged.upgrade
         if judged.expect_continue and not self._upgrading and self.idle and self.transport:
             # (not behind an answer: a 100 would land in it; the client sends after a wait)
@@ -336,8 +336,8 @@ class HttpConnection(asyncio.Protocol):
         self._head_bytes = 0  # (bytes of chunk framing since: bounded as a head is)
         self._calls += 1
         self._body_size += len(body)
-        if self._body_size > self.server.max_body:
-            self._refuse(body_too_large(self.server.max_body))
+        if self._body_size > self._body_limit:
+            self._refuse(body_too_large(self._body_limit))
         self._body.add(body)
         if self._body_size >= METER_FROM:  # (judged `METER_FROM` bytes at a time)
             meter = self._meter = self._meter or DepthMeter()

@@ -261,14 +261,23 @@ class KvTracker:
         config = card.metadata_files.get(CONFIG_FILE)
         key: TokenizerKey = (tokenizer.checksum, None if config is None else config.checksum)
         shared = self._tokenizers.get(key)
-        if shared is None:
+        if shared is None or _failed(shared.load):
             path = self.cache.path(tokenizer.checksum)
             config_path = None if config is None else self.cache.path(config.checksum)
             load = asyncio.ensure_future(self._load(path, config_path, key))
-            shared = self._tokenizers[key] = _SharedTokenizer(load)
+            if shared is None:
+                shared = self._tokenizers[key] = _SharedTokenizer(load)
+            else:  # (one that failed is loaded anew, for the sets that use it too)
+                shared.load = load
+                for user in shared.users:
+                    if (other := self.sets.get(user)) is not None:
+                        self._start_use(other, user, load)
         shared.users.add(ws.id)
         self._set_tokenizer[ws.id] = key
-        task = asyncio.ensure_future(self._use(state, ws.id, shared.load))
+        self._start_use(state, ws.id, shared.load)
+
+    def _start_use(self, state: KvSet, set_id: SetId, load: asyncio.Task[PromptTokenizer]) -> None:
+        task = asyncio.ensure_future(self._use(state, set_id, load))
         self._loads.add(task)
         task.add_done_callback(self._loads.discard)
 
@@ -306,3 +315,8 @@ class KvTracker:
             load.cancel()
         elif not load.cancelled() and load.exception() is None:
             load.result().close()
+
+
+def _failed(load: asyncio.Task[PromptTokenizer]) -> bool:
+    """Whether `load` ended with an error (a set that joins then loads it anew)."""
+    return load.done() and not load.cancelled() and load.exception() is not None
