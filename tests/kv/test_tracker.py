@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
 from shoal.cards import MetadataFile, ModelCard
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
-from shoal.frontend.kv.prompt import TOKENIZER_FILE, PromptTokenizer
+from shoal.frontend.kv import tracker as tracker_module
+from shoal.frontend.kv.prompt import TOKENIZER_FILE
 from shoal.frontend.kv.tracker import KvTracker
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.registry import Registry, WorkerSet
@@ -90,13 +92,13 @@ async def test_sets_with_the_same_tokenizer_files_load_and_share_one_tokenizer(
         TOKENIZER_FILE: MetadataFile(url="http://127.0.0.1:1/t", checksum=checksum, size=len(text))
     }
     loads: list[Path] = []
-    real = PromptTokenizer.load.__func__  # type: ignore[attr-defined]
+    real = tracker_module.read_files
 
-    def counting(cls: type[PromptTokenizer], path: Path, config: Path | None) -> PromptTokenizer:
+    def counting(path: Path, config: Path | None) -> tuple[Any, Any]:
         loads.append(path)
-        return real(cls, path, config)  # type: ignore[no-any-return]
+        return real(path, config)
 
-    monkeypatch.setattr(PromptTokenizer, "load", classmethod(counting))
+    monkeypatch.setattr(tracker_module, "read_files", counting)
     registry, tracker = Registry(), KvTracker(cache)
     registry.observers.append(tracker)
     models = []
@@ -110,14 +112,23 @@ async def test_sets_with_the_same_tokenizer_files_load_and_share_one_tokenizer(
         states = [tracker.sets[ws.id] for _, ws in models]
         await wait_for(lambda: all(s.tokenizer is not None for s in states), message="loaded")
         assert len(loads) == 1, f"{len(loads)} loads of one tokenizer file"
-        shared = states[0].tokenizer
-        assert shared is not None and all(s.tokenizer is shared for s in states)
-        shared.submit(lambda: None).result(timeout=10)  # (its thread runs)
+        prompts = [s.tokenizer for s in states]
+        assert all(p is not None for p in prompts)
+        shared = prompts[0].tokenizer  # type: ignore[union-attr]
+        assert all(p.tokenizer is shared for p in prompts)  # type: ignore[union-attr]
+        # Each set keeps its own template state: one set's template disabled (a chat that
+        # made it overrun) leaves the others rendering.
+        assert len({id(p) for p in prompts}) == len(prompts)
+        prompts[0].disabled = "overran"  # type: ignore[union-attr]
+        assert all(not p.disabled for p in prompts[1:])  # type: ignore[union-attr]
+        last = prompts[4]
+        assert last is not None
+        last.submit(lambda: None).result(timeout=10)  # (its thread runs)
         for model, _ in models[:4]:
             registry.leave(model.key)
-        assert shared._worker is not None  # still in use: not closed
+        assert last._worker is not None and tracker._tokenizers  # still in use
         registry.leave(models[4][0].key)
-        assert shared._worker is None and not tracker._tokenizers  # closed with its last set
+        assert last._worker is None and not tracker._tokenizers  # let go with its last set
         again = registry.join(models[0][0])  # a set that comes back loads it anew
         await wait_for(lambda: tracker.sets[again.id].tokenizer is not None, message="reloaded")
         assert len(loads) == 2
@@ -141,13 +152,13 @@ async def test_a_failed_shared_load_is_made_anew_by_the_next_set_that_joins(
         TOKENIZER_FILE: MetadataFile(url="http://127.0.0.1:1/t", checksum=checksum, size=len(text))
     }
     loads: list[Path] = []
-    real = PromptTokenizer.load.__func__  # type: ignore[attr-defined]
+    real = tracker_module.read_files
 
-    def counting(cls: type[PromptTokenizer], path: Path, config: Path | None) -> PromptTokenizer:
+    def counting(path: Path, config: Path | None) -> tuple[Any, Any]:
         loads.append(path)
-        return real(cls, path, config)  # type: ignore[no-any-return]
+        return real(path, config)
 
-    monkeypatch.setattr(PromptTokenizer, "load", classmethod(counting))
+    monkeypatch.setattr(tracker_module, "read_files", counting)
     registry, tracker = Registry(), KvTracker(cache)
     registry.observers.append(tracker)
 
@@ -163,7 +174,14 @@ async def test_a_failed_shared_load_is_made_anew_by_the_next_set_that_joins(
         cache.path(checksum).write_bytes(text)  # (the file is on disk now)
         second = tracker.sets[joined(1).id]
         await wait_for(lambda: second.tokenizer is not None, message="the second set's load")
-        await wait_for(lambda: first.tokenizer is second.tokenizer, message="shared with the first")
+        await wait_for(
+            lambda: (
+                first.tokenizer is not None
+                and second.tokenizer is not None
+                and first.tokenizer.tokenizer is second.tokenizer.tokenizer
+            ),
+            message="shared with the first",
+        )
         assert len(loads) == 2
     finally:
         await tracker.close()

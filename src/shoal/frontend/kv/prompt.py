@@ -88,6 +88,18 @@ INLINE_NEW = 8192  # and tokenizes at most this much new text; else all of it is
 # the tokenizer's thread (`Deferred`), where the full budgets apply
 
 
+def read_files(tokenizer_file: Path, config_file: Path | None) -> tuple[Tokenizer, dict[str, Any]]:
+    """A tokenizer and its config from the files on disk (`tokenizers` holds the GIL while
+    it parses: ~100 ms for a real model's); raises (OSError, ValueError) if unusable."""
+    config: dict[str, Any] = {}
+    if config_file is not None:
+        text = config_file.read_text()
+        check_json_depth(text)  # (a worker's file: `TooDeep` is a ValueError)
+        loaded = json.loads(text)
+        config = loaded if isinstance(loaded, dict) else {}
+    return Tokenizer.from_file(str(tokenizer_file)), config
+
+
 class PromptTokenizer:
     """Tokenizes chat messages (through the chat template) and completion prompts."""
 
@@ -120,13 +132,7 @@ class PromptTokenizer:
     @classmethod
     def load(cls, tokenizer_file: Path, config_file: Path | None) -> PromptTokenizer:
         """From the files on disk; raises (OSError, ValueError, jinja2 errors) if unusable."""
-        config: dict[str, Any] = {}
-        if config_file is not None:
-            text = config_file.read_text()
-            check_json_depth(text)  # (a worker's file: `TooDeep` is a ValueError)
-            loaded = json.loads(text)
-            config = loaded if isinstance(loaded, dict) else {}
-        return cls(Tokenizer.from_file(str(tokenizer_file)), config)
+        return cls(*read_files(tokenizer_file, config_file))
 
     # -- the worker thread ----------------------------------------------------------------
 

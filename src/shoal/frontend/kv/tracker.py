@@ -15,11 +15,14 @@ Everything here runs off the request path: subscriptions apply events in their o
 tokenizers load in a thread; the policy only reads `sets`.
 
 Sets whose cards name the same tokenizer and config files (by checksum: models fine-tuned
-from one base, one model in many namespaces) share one `PromptTokenizer`, loaded once and
-closed with the last set that uses it: a load holds the GIL for ~100 ms (`tokenizers`
-parses the file without letting it go), and each tokenizer keeps its own tables and prompt
-cache (up to `CHAIN_CACHE_BYTES`). Loads run one at a time, so that many new tokenizers
-hold the loop for one load at a time, not for a pile of threads each waiting for the GIL.
+from one base, one model in many namespaces) share one loaded `tokenizers.Tokenizer`, read
+once and let go with the last set that uses it: a load holds the GIL for ~100 ms
+(`tokenizers` parses the file without letting it go) and the tables are the bulk of a
+tokenizer's memory. Each set still has its own `PromptTokenizer` around it (its template,
+its render thread, its prompt cache): a chat that makes one set's template overrun disables
+that set's template only, as before the sharing. Loads run one at a time, so that many new
+tokenizers hold the loop for one load at a time, not for a pile of threads each waiting for
+the GIL.
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zmq.asyncio
+from tokenizers import Tokenizer
 
 from shoal.cards import ModelCard
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
 from shoal.frontend.kv.index import KvIndex
-from shoal.frontend.kv.prompt import CONFIG_FILE, TOKENIZER_FILE, PromptTokenizer
+from shoal.frontend.kv.prompt import CONFIG_FILE, TOKENIZER_FILE, PromptTokenizer, read_files
 from shoal.frontend.kv.stream import KvStreamReader, StreamKey
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.registry import SetId, WorkerSet
@@ -57,13 +62,14 @@ class KvSet:
 
 
 TokenizerKey = tuple[str, str | None]  # the checksums of the tokenizer and config files
+Files = tuple[Tokenizer, dict[str, Any]]  # what they hold, read (`read_files`)
 
 
 @dataclass(eq=False)
 class _SharedTokenizer:
     """One tokenizer loaded for every set whose files are the same, and who uses it."""
 
-    load: asyncio.Task[PromptTokenizer]
+    load: asyncio.Task[Files]
     users: set[SetId] = field(default_factory=set)
 
 
@@ -100,6 +106,9 @@ class KvTracker:
 
     async def close(self) -> None:
         loads = [shared.load for shared in self._tokenizers.values()]
+        for state in self.sets.values():
+            if state.tokenizer is not None:
+                state.tokenizer.close()
         for set_id in list(self._set_tokenizer):
             self._release(set_id)
         await asyncio.gather(*loads, return_exceptions=True)
@@ -134,7 +143,9 @@ class KvTracker:
 
     def left(self, key: ModelKey, ws: WorkerSet) -> None:
         self.untrack(key.endpoint, key.instance_id, ws)
-        if not ws.members and self.sets.pop(ws.id, None) is not None:
+        if not ws.members and (state := self.sets.pop(ws.id, None)) is not None:
+            if state.tokenizer is not None:
+                state.tokenizer.close()
             self._release(ws.id)
 
     # -- tracking -----------------------------------------------------------------------------
@@ -276,29 +287,32 @@ class KvTracker:
         self._set_tokenizer[ws.id] = key
         self._start_use(state, ws.id, shared.load)
 
-    def _start_use(self, state: KvSet, set_id: SetId, load: asyncio.Task[PromptTokenizer]) -> None:
+    def _start_use(self, state: KvSet, set_id: SetId, load: asyncio.Task[Files]) -> None:
         task = asyncio.ensure_future(self._use(state, set_id, load))
         self._loads.add(task)
         task.add_done_callback(self._loads.discard)
 
-    async def _load(self, path: Path, config: Path | None, key: TokenizerKey) -> PromptTokenizer:
+    async def _load(self, path: Path, config: Path | None, key: TokenizerKey) -> Files:
         async with self._one_load:
             if self.cache is not None:
                 await self.cache.written(*(c for c in key if c is not None))
             # (a card joins before its files are on disk)
-            return await asyncio.to_thread(PromptTokenizer.load, path, config)
+            return await asyncio.to_thread(read_files, path, config)
 
-    async def _use(self, state: KvSet, set_id: SetId, load: asyncio.Task[PromptTokenizer]) -> None:
+    async def _use(self, state: KvSet, set_id: SetId, load: asyncio.Task[Files]) -> None:
         try:
-            tokenizer = await asyncio.shield(load)
+            files = await asyncio.shield(load)
+            tokenizer = await asyncio.to_thread(PromptTokenizer, *files)  # (this set's own)
         except asyncio.CancelledError:
             raise  # (the set left, or the tracker closes)
         except Exception as exc:  # any unusable file: the set routes by prefix instead
             state.no_tokenizer = f"its tokenizer could not be loaded: {exc}"
             log.warning("kv router: %s/%s: %s", set_id.model, set_id.namespace, state.no_tokenizer)
             return
-        if self.sets.get(set_id) is state:
-            state.tokenizer, state.no_tokenizer = tokenizer, ""
+        if self.sets.get(set_id) is not state or state.tokenizer is not None:
+            tokenizer.close()  # (the set left meanwhile, or a load made anew served it first)
+            return
+        state.tokenizer, state.no_tokenizer = tokenizer, ""
 
     def _release(self, set_id: SetId) -> None:
         """`set_id` no longer uses its tokenizer: close it with its last user."""
@@ -310,13 +324,10 @@ class KvTracker:
         if shared.users:
             return
         del self._tokenizers[key]
-        load = shared.load
-        if not load.done():
-            load.cancel()
-        elif not load.cancelled() and load.exception() is None:
-            load.result().close()
+        if not shared.load.done():
+            shared.load.cancel()
 
 
-def _failed(load: asyncio.Task[PromptTokenizer]) -> bool:
+def _failed(load: asyncio.Task[Files]) -> bool:
     """Whether `load` ended with an error (a set that joins then loads it anew)."""
     return load.done() and not load.cancelled() and load.exception() is not None
