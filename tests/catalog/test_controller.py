@@ -387,6 +387,36 @@ async def test_fleet_providers_of_one_namespace_cost_one_discovery_listing_per_p
         assert len(listings) == 2
 
 
+async def test_fleet_providers_of_one_namespace_in_many_workspaces_cost_one_listing_per_pass(
+    catalog: CatalogServer,
+) -> None:
+    """The namespace's listing was made anew for each workspace of a pass: 1,001 workspaces
+    with a fleet provider on one namespace listed every card of it 1,001 times a pass. One
+    listing per namespace per pass, as `FleetLister` says."""
+    others = [f"{WS}-{i}" for i in range(3)]
+    async with controller_on(catalog.url, workspaces=[WS, *others]) as (ctl, client, store):
+        await announce(store, "prod", "m", 1)
+        for workspace in [WS, *others]:
+            await client.create(PROVIDERS, {"name": "f", "type": "fleet", "namespace": "prod"},
+                                workspace=workspace)  # fmt: skip
+        discovery = ctl.providers.fleet.discovery
+        listings: list[str] = []
+        real_list = discovery.list
+
+        async def listing(query: object) -> object:
+            listings.append(str(query))
+            return await real_list(query)  # type: ignore[arg-type]
+
+        discovery.list = listing  # type: ignore[method-assign]
+        await ctl.step()
+        assert len(listings) == 1, listings
+        for workspace in [WS, *others]:
+            statuses = {p.status for p in await client.list_all(PROVIDERS, workspace=workspace)}
+            assert statuses == {"READY"}, (workspace, statuses)
+        await ctl.step()
+        assert len(listings) == 2
+
+
 async def test_a_deployment_whose_status_no_listing_names_keeps_its_workers_and_provider(
     catalog: CatalogServer, database_url: str
 ) -> None:

@@ -134,6 +134,7 @@ class ModelsController(Controller, HeartbeatMixin):
 
     async def _pass(self) -> None:
         self.emit_heartbeat()
+        self.providers.fleet.new_pass()  # (a namespace listed once a pass, for every workspace)
         report = PassReport()
         started, calls = time.monotonic(), self.calls.requests
         names = self.workspaces or [w.name for w in await self.calls.workspaces()]

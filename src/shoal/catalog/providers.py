@@ -231,7 +231,8 @@ class ProvidersPhase:
         self._invalid_logged: set[tuple[str, str]] = set()  # (provider ref, name) logged
 
     async def run(self, workspace: str) -> ProvidersResult:
-        self.fleet.new_pass()
+        """One workspace's providers. (The namespaces' listings are the pass's: the
+        controller starts a pass of `fleet` before its first workspace.)"""
         cache = EntityCache(self.calls, workspace)
         # The three reads of the pass, at once: none depends on another.
         virtual_models, providers, _ = await asyncio.gather(
