@@ -148,6 +148,17 @@ class Load:
                 if attempt + 1 == len(self.clients):
                     self.failed_before_first_byte.append(repr(exc))
                 self.sent -= 1  # never reached a frontend: sent again to the next one
+            except openai.APIStatusError as exc:
+                # A frontend still loading its fleet answers 503 with Retry-After (it is not
+                # ready): retried once at the next one, as a refused connection is.
+                loading = exc.status_code == 503 and "still loading" in str(exc)
+                if loading and not received and attempt + 1 < len(self.clients):
+                    self.sent -= 1
+                    continue
+                (self.failed_mid_stream if received else self.failed_before_first_byte).append(
+                    repr(exc)
+                )
+                return
             except openai.APIError as exc:
                 (self.failed_mid_stream if received else self.failed_before_first_byte).append(
                     repr(exc)

@@ -103,6 +103,7 @@ class Frontend(Endpoints):
             routes=self.routes,
         )
         self.proxy.two_stages = TwoStages(self.proxy)  # models served disaggregated
+        self.proxy.loaded = self._fleet_loaded
         self._keys = tuple(key.encode() for key in config.api_keys)
         self.keys: KeyRing | None = None
         if config.auth == "keys":

@@ -418,6 +418,13 @@ class Endpoints:
         self._models_body = (version, listing)
         return listing
 
+    def _fleet_loaded(self) -> bool:
+        """Whether the registry holds the fleet: the first discovery listing loaded (and,
+        following a membership, its first selection's namespaces)."""
+        if self.watcher is None or not self.watcher.snapshot_loaded.is_set():
+            return False
+        return self._membership_factory is None or self.scope_loaded
+
     def _live_instances(self) -> LiveInstances:
         """Instances by model name, discovered and virtual (a virtual model wins a name),
         each counted when read."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Protocol
 
 from shoal.cards import ModelType
@@ -83,6 +84,10 @@ class Proxy:
         migration_limit: int = 1,
     ) -> None:
         self.registry = registry
+        # Whether what the registry holds is the fleet (the first discovery listing loaded):
+        # until then a model it does not hold yet is 503, retry, not 404 (a frontend
+        # restarted on its port under load answered 404 for live models while it loaded).
+        self.loaded: Callable[[], bool] = _always
         self.routes = routes
         self.virtual: dict[str, VirtualModel] = routes.models if routes is not None else {}
         self.router = router
@@ -189,7 +194,8 @@ class Proxy:
     ) -> None:
         """Refuse what `model` cannot serve, start the rest."""
         if model is None:
-            self._refuse(client, errors.model_not_found(name), UNKNOWN_MODEL)
+            error = errors.model_not_found(name) if self.loaded() else _still_loading(name)
+            self._refuse(client, error, UNKNOWN_MODEL)
         elif not model.serving:
             self._refuse(client, errors.no_ready_instance(name, model.incomplete), name)
         elif kind not in model.model_types:
@@ -305,3 +311,18 @@ class Proxy:
                     parts += (name, b": ", value, b"\r\n")
         parts += (self.via, b"\r\n")
         return b"".join(parts)
+
+
+def _always() -> bool:
+    return True
+
+
+def _still_loading(model: str) -> ApiError:
+    """503 for a model not (yet) held while the first discovery listing loads."""
+    return ApiError(
+        503,
+        f"The gateway is still loading its fleet from discovery; the model `{model}` may be "
+        "served once it has: retry shortly.",
+        code="discovery_loading",
+        headers=((b"retry-after", b"1"),),
+    )
