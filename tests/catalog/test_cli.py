@@ -14,6 +14,7 @@ from alembic.script import ScriptDirectory
 
 from shoal.bounds import MAX_DEPTH
 from shoal.catalog import (
+    KEYS,
     MODELS,
     PROVIDERS,
     CatalogClient,
@@ -78,6 +79,29 @@ async def test_apply_updates_what_differs_and_prune_deletes_what_is_gone(
     assert out.splitlines() == ["model team-a/a updated", "model team-a/b deleted"]
     assert [m.name for m in await client.list_all(MODELS)] == ["a"]
     assert (await client.get(MODELS, "a")).description == ""
+
+
+async def test_prune_keeps_keys_unless_the_file_declares_keys(
+    catalog: CatalogServer, client: CatalogClient, tmp_path: Path
+) -> None:
+    """A key's secret cannot be applied back: a file of models applied with `--prune` must not
+    delete the workspace's keys (every client of them locked out for good); a file that
+    declares keys of a workspace prunes that workspace's other keys."""
+    url = ["--url", catalog.url, "-w", "team-a"]
+    for name in ("ci", "web"):
+        code, _, err = await catalog_cli("key", "create", name, *url)
+        assert code == 0, err
+    file = tmp_path / "models.yaml"
+    file.write_text("kind: Model\nname: a\n")
+    code, out, err = await catalog_cli("apply", "-f", str(file), "--prune", *url)
+    assert code == 0, err
+    assert out.splitlines() == ["model team-a/a created"]
+    assert sorted(k.name for k in await client.list_all(KEYS, workspace="team-a")) == ["ci", "web"]
+    file.write_text("kind: Model\nname: a\n---\nkind: Key\nname: ci\n")
+    code, out, err = await catalog_cli("apply", "-f", str(file), "--prune", *url)
+    assert code == 0, err
+    assert "key team-a/web deleted" in out.splitlines(), out
+    assert [k.name for k in await client.list_all(KEYS, workspace="team-a")] == ["ci"]
 
 
 async def test_get_yaml_output_applies_back_unchanged(

@@ -6,7 +6,10 @@ matches is left alone (no write, same version), so a second apply of the same fi
 every resource `unchanged`, and concurrent applies of one file all succeed (a write that
 loses a race reads the resource again and adopts it). Fields the controller owns (statuses, served models) are left as
 they are unless the file names them. With `prune`, resources of the file's workspaces that the
-file no longer names are deleted, except those the controller made (`autoprovisioned`).
+file no longer names are deleted, except those the controller made (`autoprovisioned`), and
+except API keys when the file declares no key of that workspace: a key's secret is never
+applied, so a key pruned by a file of models could not be put back, and every client of it
+would be locked out for good.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pydantic import ValidationError
 from shoal.bounds import MAX_DEPTH, TooDeep, check_json_depth
 from shoal.catalog.client import CatalogClient
 from shoal.catalog.errors import ConflictError, NotFoundError
-from shoal.catalog.kinds import KINDS, Kind, kind_named
+from shoal.catalog.kinds import KEYS, KINDS, Kind, kind_named
 
 READ_ONLY = frozenset(
     {"version", "created_at", "updated_at", "status_history", "credentials", "secret"}
@@ -177,9 +180,12 @@ async def _apply_one(client: CatalogClient, doc: Document) -> str:
 
 async def _prune(client: CatalogClient, documents: list[Document]) -> list[Change]:
     named = {doc.label for doc in documents}
+    with_keys = {doc.workspace for doc in documents if doc.kind is KEYS}
     changes: list[Change] = []
     for workspace in sorted({doc.workspace for doc in documents}):
         for kind in reversed(KINDS):  # dependents first
+            if kind is KEYS and workspace not in with_keys:
+                continue  # (keys are pruned only by a file that declares keys: see above)
             for item in await client.list_all(kind, workspace=workspace):
                 label = f"{kind.plural.rstrip('s')} {workspace}/{item.name}"
                 if label in named or getattr(item, "autoprovisioned", False):
