@@ -13,7 +13,7 @@ from tests.helpers import free_port
 from tests.processes import shoal
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 async def test_shoal_up_interrupted_during_start_up_stops_without_a_traceback(
     sig: signal.Signals, tmp_path: Path
 ) -> None:

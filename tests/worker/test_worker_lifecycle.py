@@ -58,6 +58,20 @@ async def test_sigterm_lets_an_in_flight_stream_finish_then_withdraws_and_exits_
     assert (await store.get_prefix("shoal/v1/")).items == []
 
 
+@pytest.mark.parametrize("sig", [signal.SIGHUP], ids=["sighup"])
+async def test_a_hangup_drains_like_sigterm_and_leaves_no_key(
+    start_worker: StartWorker, store: Store, sig: signal.Signals
+) -> None:
+    """A closed terminal or a lost ssh session sends SIGHUP: the worker drains and withdraws,
+    rather than dying with its cards announced until its lease runs out."""
+    worker = await start_worker("--lease-ttl", "60")
+    discovery = Discovery(store)
+    assert [m.instance_id for m in await discovery.list()] == [worker.instance_id]
+    worker.signal(sig)
+    assert await worker.wait(15) == 0
+    assert (await store.get_prefix("shoal/v1/")).items == []
+
+
 async def _all_tainted(discovery: Discovery) -> bool:
     models = await discovery.list()
     return bool(models) and all("draining" in m.card.taints for m in models)

@@ -198,10 +198,16 @@ def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops a `shoal` command cleanly (as `shoal.worker.runtime.STOP_SIGNALS` drain a
+worker): SIGHUP too, a closed terminal or a lost ssh session, not a kill."""
+
+
 def on_stop_signals(stop: asyncio.Event) -> None:
-    """Set `stop` on SIGINT or SIGTERM (replacing any handler set before)."""
+    """Set `stop` on SIGINT, SIGTERM or SIGHUP (`STOP_SIGNALS`; replacing any handler set
+    before)."""
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
 
 

@@ -1,7 +1,7 @@
 """`shoal frontend`: the OpenAI-compatible gateway for the models workers announce.
 
 Prints `shoal frontend ready: url=http://HOST:PORT` on stdout once it serves (with
-`--port 0`, the port the system chose); drains on SIGINT or SIGTERM. With `--processes N`
+`--port 0`, the port the system chose); drains on SIGINT, SIGTERM or SIGHUP. With `--processes N`
 above 1, a supervisor runs N frontend processes on the port (`shoal.cli.processes`).
 """
 

@@ -1,7 +1,7 @@
 """`shoal kv-relay`: the KV events of a membership view's workers, republished to NATS JetStream.
 
 Prints `shoal kv-relay ready: status=http://HOST:PORT` (with `--status-port`; `status=none`
-without) once its first membership selection is in force; stops on SIGINT or SIGTERM.
+without) once its first membership selection is in force; stops on SIGINT, SIGTERM or SIGHUP.
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    """Start, print the ready line, serve until SIGTERM/SIGINT, drain. A signal during
+    """Start, print the ready line, serve until SIGTERM, SIGINT or SIGHUP, drain. A signal during
     start-up stops it there: no ready line, exit 0."""
     from shoal.worker.runtime import Runtime
 

@@ -42,6 +42,10 @@ from shoal.worker.metrics import WorkerCollector
 from shoal.worker.registrations import DRAINING, STORE_ERRORS, Registrations
 from shoal.worker.status import StatusServer
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals that drain: SIGHUP too (a closed terminal, a lost ssh session), which would
+otherwise kill the process with its cards announced until its lease runs out."""
+
 log = logging.getLogger(__name__)
 
 CLEANUP_BUDGET = 2.0
@@ -267,7 +271,7 @@ class Runtime:
         return self.endpoints[endpoint_id]
 
     def request_stop(self) -> None:
-        """Ask `run_until_stopped` to drain and return (what SIGTERM and SIGINT do).
+        """Ask `run_until_stopped` to drain and return (what `STOP_SIGNALS` do).
 
         A second request during the drain stops waiting for in-flight requests (they are
         cut); the withdrawals and the lease revoke still run, within `CLEANUP_BUDGET`.
@@ -278,21 +282,21 @@ class Runtime:
         self._stop_requested.set()
 
     def install_signal_handlers(self) -> None:
-        """Make SIGTERM and SIGINT call `request_stop()` (idempotent); do it before announcing.
+        """Make `STOP_SIGNALS` call `request_stop()` (idempotent); do it before announcing.
 
         They stay installed until the drain is over, so a second signal shortens the drain
         instead of killing the process with its keys still in the store.
         """
         if not self._signals_installed:
             loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 loop.add_signal_handler(sig, self.request_stop)
             self._signals_installed = True
 
     def _remove_signal_handlers(self) -> None:
         if self._signals_installed:
             loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
             self._signals_installed = False
 
@@ -321,7 +325,7 @@ class Runtime:
         return not self.stop_requested
 
     async def run_until_stopped(self) -> None:
-        """Serve until SIGTERM/SIGINT (or `request_stop()`), then drain."""
+        """Serve until a stop signal (or `request_stop()`), then drain."""
         self.install_signal_handlers()
         try:
             await self._stop_requested.wait()
