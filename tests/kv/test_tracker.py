@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +184,53 @@ async def test_a_failed_shared_load_is_made_anew_by_the_next_set_that_joins(
             message="shared with the first",
         )
         assert len(loads) == 2
+    finally:
+        await tracker.close()
+        registry.close()
+
+
+async def test_a_tokenizer_file_refused_for_its_content_is_parsed_once_for_every_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file on disk that `tokenizers` refuses (a format this version cannot read, a
+    worker's hostile file) is refused for good: its checksum names its content, so a set
+    that joins later would parse the same bytes to the same error. Loaded anew for each
+    set as a file missing from the disk is, a base model's adapters joining one by one
+    parsed it once each, every parse holding the GIL (the event loop) as long as a good
+    file's does: 85-114 ms for a real model's, up to seconds at the 64 MiB file bound."""
+    cache = MetadataCache(tmp_path / "cache")
+    refused = json.loads(TOKENIZER.to_str())
+    refused["model"]["type"] = "NoSuchModel"  # (a format of a newer `tokenizers`, say)
+    text = json.dumps(refused).encode()
+    checksum = "sha256:" + hashlib.sha256(text).hexdigest()
+    cache.directory.mkdir(parents=True, exist_ok=True)
+    cache.path(checksum).write_bytes(text)
+    files = {
+        TOKENIZER_FILE: MetadataFile(url="http://127.0.0.1:1/t", checksum=checksum, size=len(text))
+    }
+    loads: list[Path] = []
+    real = tracker_module.read_files
+
+    def counting(path: Path, config: Path | None) -> tuple[Any, Any]:
+        loads.append(path)
+        return real(path, config)
+
+    monkeypatch.setattr(tracker_module, "read_files", counting)
+    registry, tracker = Registry(), KvTracker(cache)
+    registry.observers.append(tracker)
+    endpoint = EndpointId("ns", "backend", "generate")
+    url = "http://127.0.0.1:9000"
+    info = InstanceInfo("ns", "backend", "generate", 1, url, url)
+    try:
+        states = []
+        for i in range(20):  # (adapters of one base, joining one after another)
+            key = ModelKey(endpoint, 1, f"lora-{i}" if i else None)
+            ws = registry.join(ModelInstance(key, _card(f"m{i}", files), info))
+            state = tracker.sets[ws.id]
+            states.append(state)
+            await wait_for(lambda s=state: "could not be loaded" in s.no_tokenizer)  # type: ignore[misc]
+        assert len(loads) == 1, f"{len(loads)} parses of one refused file"
+        assert all(s.tokenizer is None for s in states)
     finally:
         await tracker.close()
         registry.close()

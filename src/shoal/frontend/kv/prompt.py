@@ -90,14 +90,16 @@ INLINE_NEW = 8192  # and tokenizes at most this much new text; else all of it is
 
 def read_files(tokenizer_file: Path, config_file: Path | None) -> tuple[Tokenizer, dict[str, Any]]:
     """A tokenizer and its config from the files on disk (`tokenizers` holds the GIL while
-    it parses: ~100 ms for a real model's); raises (OSError, ValueError) if unusable."""
+    it parses: ~100 ms for a real model's); raises OSError if a file cannot be read, and
+    ValueError or `tokenizers`' `Exception` if its content is refused."""
     config: dict[str, Any] = {}
     if config_file is not None:
         text = config_file.read_text()
         check_json_depth(text)  # (a worker's file: `TooDeep` is a ValueError)
         loaded = json.loads(text)
         config = loaded if isinstance(loaded, dict) else {}
-    return Tokenizer.from_file(str(tokenizer_file)), config
+    # (read here: `Tokenizer.from_file` raises a bare `Exception` for a missing file too)
+    return Tokenizer.from_buffer(tokenizer_file.read_bytes()), config
 
 
 class PromptTokenizer:

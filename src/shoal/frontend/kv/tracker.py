@@ -329,5 +329,10 @@ class KvTracker:
 
 
 def _failed(load: asyncio.Task[Files]) -> bool:
-    """Whether `load` ended with an error (a set that joins then loads it anew)."""
-    return load.done() and not load.cancelled() and load.exception() is not None
+    """Whether `load` failed to read its files (an `OSError`: not on disk, evicted, the disk
+    refused them): a set that joins then loads it anew. Files read and refused for their
+    content stay refused: their checksums name that content, so a new parse would only
+    hold the GIL as long again (a 22 MB file refused at its end: 280-400 ms each)."""
+    if not load.done() or load.cancelled():
+        return False
+    return isinstance(load.exception(), OSError)
