@@ -10,6 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from shoal.discovery import FleetTarget, Route
 from shoal.discovery.grants import Grant, grant_key, hash_secret
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.keys.keys import KeyWatcher
@@ -66,29 +67,33 @@ async def test_a_model_looked_up_while_discovery_loads_is_503_retry_then_404_onc
         await asyncio.Event().wait()
 
     monkeypatch.setattr(ModelWatcher, "start", endless_load)
-    frontend = Frontend(
-        FrontendConfig(store_url="memory://loading-lookup", port=0, cache_dir=tmp_path)
-    )
+    url = f"memory://loading-lookup-{tmp_path.name}"
+    store = await open_store(url)  # (an alias of a fleet model, published before the start)
+    alias = Route(workspace="default", name="alias", targets=[FleetTarget("not-yet")])
+    await store.put(alias.key, alias.to_json())
+    frontend = Frontend(FrontendConfig(store_url=url, port=0, cache_dir=tmp_path))
     starting = asyncio.create_task(frontend.start())
     await wait_for(lambda: frontend.server is not None and frontend.server.port > 0)
     try:
         async with aiohttp.ClientSession() as http:
-            url = f"{frontend.url}/v1/models/not-yet"
-            async with http.get(url) as resp:
-                answer = await resp.json()
-                assert resp.status == 503, answer
-                assert resp.headers.get("Retry-After") == "1"
-                assert answer["error"]["code"] == "discovery_loading", answer
+            for name in ("not-yet", "alias"):
+                async with http.get(f"{frontend.url}/v1/models/{name}") as resp:
+                    answer = await resp.json()
+                    assert resp.status == 503, (name, answer)
+                    assert resp.headers.get("Retry-After") == "1"
+                    assert answer["error"]["code"] == "discovery_loading", answer
             assert frontend.watcher is not None
             frontend.watcher.snapshot_loaded.set()
-            async with http.get(url) as resp:
-                answer = await resp.json()
-                assert resp.status == 404, answer
-                assert answer["error"]["code"] == "model_not_found", answer
+            for name in ("not-yet", "alias"):
+                async with http.get(f"{frontend.url}/v1/models/{name}") as resp:
+                    answer = await resp.json()
+                    assert resp.status == 404, (name, answer)
+                    assert answer["error"]["code"] == "model_not_found", answer
     finally:
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
         await frontend.stop()
+        await store.close()
 
 
 async def test_a_valid_key_is_503_retry_while_the_keys_load_never_401(

@@ -271,8 +271,9 @@ class Endpoints:
                 raise errors.model_not_found(name)
             virtual = self.routes.models.get(name)
             if virtual is not None:  # wins over a discovered model of the same name
-                if not virtual.serving:
-                    raise errors.model_not_found(name)
+                if not virtual.serving:  # (while loading, its targets may be live)
+                    loaded = self._fleet_loaded()
+                    raise errors.model_not_found(name) if loaded else errors.discovery_loading(name)
                 conn.send(200, _json(self._virtual_object(virtual)))
                 return
             model = self.registry.models.get(name)
