@@ -5,6 +5,7 @@ so that its inline time budget is a count of them."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
+from shoal.frontend.kv import prompt as kv_prompt
 from shoal.frontend.kv import sandbox
 from shoal.frontend.kv.prompt import PromptTokenizer
 from tests.helpers import LoopTurns
@@ -55,7 +57,11 @@ def count_tokenized(prompts: PromptTokenizer) -> LoopTurns:
     """The characters `prompts` tokenizes from now on, per turn of the loop (`on_loop`,
     `most_per_turn`) or in its thread (`off_loop`)."""
     turns = LoopTurns()
-    prompts.tokenizer = CountedTokenizer(prompts.tokenizer, turns)  # type: ignore[assignment]
+    counted: Any = CountedTokenizer(prompts.tokenizer, turns)
+    prompts.tokenizer = counted
+    if prompts.chain is not None:  # (it encodes with the tokenizer it was made for)
+        prompts.chain._encode = functools.partial(kv_prompt._encode, counted, special_tokens=False)
+        prompts.chain._encode_many = functools.partial(kv_prompt._plain_many, counted)
     return turns
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +12,15 @@ import pytest
 
 from shoal.cards import MetadataFile, ModelCard
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
+from shoal.frontend.kv import prompt as prompt_module
 from shoal.frontend.kv import tracker as tracker_module
-from shoal.frontend.kv.prompt import TOKENIZER_FILE
+from shoal.frontend.kv.prompt import CONFIG_FILE, TOKENIZER_FILE
 from shoal.frontend.kv.tracker import KvTracker
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.registry import Registry, WorkerSet
 from shoal.kv import KvEndpoint, token_block_hashes
-from shoal.worker.engines.mocker.tokenizer import TOKENIZER
+from shoal.worker.engines.mocker.text import VOCAB
+from shoal.worker.engines.mocker.tokenizer import CHAT_TEMPLATE, TOKENIZER
 from tests.helpers import wait_for
 from tests.kv import vllm_fixtures as vllm
 from tests.kv.fake_vllm import FakeVllmPublisher
@@ -183,6 +186,112 @@ async def test_a_failed_shared_load_is_made_anew_by_the_next_set_that_joins(
             message="shared with the first",
         )
         assert len(loads) == 2
+    finally:
+        await tracker.close()
+        registry.close()
+
+
+async def test_a_tokenizer_file_refused_for_its_content_is_parsed_once_for_every_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file on disk that `tokenizers` refuses (a format this version cannot read, a
+    worker's hostile file) is refused for good: its checksum names its content, so a set
+    that joins later would parse the same bytes to the same error. Loaded anew for each
+    set as a file missing from the disk is, a base model's adapters joining one by one
+    parsed it once each, every parse holding the GIL (the event loop) as long as a good
+    file's does: 85-114 ms for a real model's, up to seconds at the 64 MiB file bound."""
+    cache = MetadataCache(tmp_path / "cache")
+    refused = json.loads(TOKENIZER.to_str())
+    refused["model"]["type"] = "NoSuchModel"  # (a format of a newer `tokenizers`, say)
+    text = json.dumps(refused).encode()
+    checksum = "sha256:" + hashlib.sha256(text).hexdigest()
+    cache.directory.mkdir(parents=True, exist_ok=True)
+    cache.path(checksum).write_bytes(text)
+    files = {
+        TOKENIZER_FILE: MetadataFile(url="http://127.0.0.1:1/t", checksum=checksum, size=len(text))
+    }
+    loads: list[Path] = []
+    real = tracker_module.read_files
+
+    def counting(path: Path, config: Path | None) -> tuple[Any, Any]:
+        loads.append(path)
+        return real(path, config)
+
+    monkeypatch.setattr(tracker_module, "read_files", counting)
+    registry, tracker = Registry(), KvTracker(cache)
+    registry.observers.append(tracker)
+    endpoint = EndpointId("ns", "backend", "generate")
+    url = "http://127.0.0.1:9000"
+    info = InstanceInfo("ns", "backend", "generate", 1, url, url)
+    try:
+        states = []
+        for i in range(20):  # (adapters of one base, joining one after another)
+            key = ModelKey(endpoint, 1, f"lora-{i}" if i else None)
+            ws = registry.join(ModelInstance(key, _card(f"m{i}", files), info))
+            state = tracker.sets[ws.id]
+            states.append(state)
+            await wait_for(lambda s=state: "could not be loaded" in s.no_tokenizer)  # type: ignore[misc]
+        assert len(loads) == 1, f"{len(loads)} parses of one refused file"
+        assert all(s.tokenizer is None for s in states)
+    finally:
+        await tracker.close()
+        registry.close()
+
+
+async def test_sets_sharing_a_tokenizer_share_its_segment_cache_and_its_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The segment cache of tokenized chats is a function of the tokenizer alone: sets that
+    share the tokenizer share it, within one bound (`CHAIN_CACHE_BYTES`, 64 MiB per
+    tokenizer), and the probe that makes it (`splits_cleanly`: the whole vocabulary read,
+    80-200 ms of the GIL for a 65,000-token one) runs once per tokenizer, not once per set.
+    Each set still has its own template: disabling one leaves the others rendering."""
+    capacity = 1 << 20
+    monkeypatch.setattr(prompt_module, "CHAIN_CACHE_BYTES", capacity)
+    probes: list[int] = []
+    real_probe = prompt_module.splits_cleanly
+
+    def counting(tokenizer: Any, special_ids: dict[str, int]) -> bool:
+        probes.append(1)
+        return real_probe(tokenizer, special_ids)
+
+    monkeypatch.setattr(prompt_module, "splits_cleanly", counting)
+    cache = MetadataCache(tmp_path / "cache")
+    cache.directory.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, text in (
+        (TOKENIZER_FILE, TOKENIZER.to_str().encode()),
+        (CONFIG_FILE, json.dumps({"chat_template": CHAT_TEMPLATE}).encode()),
+    ):
+        checksum = "sha256:" + hashlib.sha256(text).hexdigest()
+        cache.path(checksum).write_bytes(text)
+        files[name] = MetadataFile(url="http://127.0.0.1:1/t", checksum=checksum, size=len(text))
+    registry, tracker = Registry(), KvTracker(cache)
+    registry.observers.append(tracker)
+    endpoint = EndpointId("ns", "backend", "generate")
+    url = "http://127.0.0.1:9000"
+    info = InstanceInfo("ns", "backend", "generate", 1, url, url)
+    try:
+        states = []
+        for i in range(6):  # (a base and its adapters)
+            key = ModelKey(endpoint, 1, f"lora-{i}" if i else None)
+            states.append(
+                tracker.sets[registry.join(ModelInstance(key, _card(f"m{i}", files), info)).id]
+            )
+        await wait_for(lambda: all(s.tokenizer is not None for s in states), message="loaded")
+        prompts = [s.tokenizer for s in states if s.tokenizer is not None]
+        for n, prompt in enumerate(prompts):
+            for turn in range(8):  # distinct ~80 KB chats to each set
+                text = f"{n} {turn} " + " ".join(
+                    VOCAB[(n * 7 + turn + j) % 40] for j in range(16_000)
+                )
+                assert prompt.chat([{"role": "user", "content": text}]) is not None
+        chains = {id(p.chain): p.chain for p in prompts if p.chain is not None}
+        held = sum(c.bytes for c in chains.values())
+        assert held <= capacity, f"{held} bytes in {len(chains)} caches of one tokenizer"
+        assert len(probes) == 1, f"{len(probes)} probes of one tokenizer"
+        prompts[0].disabled = "overran"
+        assert not prompts[0].renders and all(p.renders for p in prompts[1:])
     finally:
         await tracker.close()
         registry.close()

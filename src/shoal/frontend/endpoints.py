@@ -271,13 +271,15 @@ class Endpoints:
                 raise errors.model_not_found(name)
             virtual = self.routes.models.get(name)
             if virtual is not None:  # wins over a discovered model of the same name
-                if not virtual.serving:
-                    raise errors.model_not_found(name)
+                if not virtual.serving:  # (while loading, its targets may be live)
+                    loaded = self._fleet_loaded()
+                    raise errors.model_not_found(name) if loaded else errors.discovery_loading(name)
                 conn.send(200, _json(self._virtual_object(virtual)))
                 return
             model = self.registry.models.get(name)
-            if model is None or not model.listed:
-                raise errors.model_not_found(name)
+            if model is None or not model.listed:  # (while loading: as a request to it is)
+                loaded = self._fleet_loaded()
+                raise errors.model_not_found(name) if loaded else errors.discovery_loading(name)
             if not model.serving:
                 raise errors.no_ready_instance(name)  # draining: the same 503 as requests
             conn.send(200, _json(self._model_object(model)))

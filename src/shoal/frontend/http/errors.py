@@ -28,6 +28,18 @@ def no_ready_instance(model: str, why: str | None = None) -> ApiError:
     )
 
 
+def discovery_loading(model: str) -> ApiError:
+    """503 for a model not (yet) held while the first discovery listing loads: a request or
+    a lookup then answers 'retry', not a 404 saying a live model does not exist."""
+    return ApiError(
+        503,
+        f"The gateway is still loading its fleet from discovery; the model `{model}` may be "
+        "served once it has: retry shortly.",
+        code="discovery_loading",
+        headers=((b"retry-after", b"1"),),
+    )
+
+
 def upstream_failed(model: str, reason: str) -> ApiError:
     return ApiError(
         502,

@@ -2,7 +2,8 @@
 
 `KeyRing` holds the grants of the frontend's workspaces by the hash of their secret, the one
 lookup a request makes: a bearer is hashed with the pepper (`--key-pepper`, as the catalog's)
-and found, or not, in one dict. Unknown, disabled or expired → 401; a model outside the key's
+and found, or not, in one dict. Unknown, disabled or expired → 401 (unknown → 503
+`keys_loading`, retry, until every workspace's keys were read once); a model outside the key's
 allow-list → 403, answered before the model is looked up, so a key cannot learn whether a model
 it may not use exists. `KeyWatcher` keeps the ring equal to `shoal/v1/keys/{workspace}/` of the
 store: read, then watch from the read's revision + 1; a `Resync` or a broken watch replaces
@@ -56,6 +57,17 @@ def invalid_key() -> ApiError:
     )
 
 
+def keys_loading() -> ApiError:
+    """503 for a key not (yet) held while the store's keys are first read: a frontend that
+    serves before it has read them answered a valid key 401, which clients do not retry."""
+    return ApiError(
+        503,
+        "The gateway is still loading its API keys; retry shortly.",
+        code="keys_loading",
+        headers=((b"retry-after", b"1"),),
+    )
+
+
 def ended_key(why: str) -> ApiError:
     code = "key_" + why.split()[-1]  # key_disabled, key_expired
     return ApiError(401, f"This API key {why}.", type="invalid_request_error", code=code)
@@ -84,12 +96,14 @@ class KeyRing:
         self.by_hash: dict[str, Grant] = {}
         self.skipped: dict[str, str] = {}  # store key -> why its value was refused
         self.version = 0
+        self.loaded = False  # every workspace's keys were read once (`KeyWatcher.start`)
 
     # -- the request path ----------------------------------------------------------------
 
     def check(self, authorization: bytes | None, now: float | None = None) -> Grant | None:
         """The grant of the request's bearer; None for an operator's `--api-key`; `ApiError`
-        (401) for a missing, unknown, disabled or expired key."""
+        (401) for a missing, unknown, disabled or expired key (503 `keys_loading` for an
+        unknown one until the keys are `loaded`)."""
         secret = bearer_token(authorization)
         if secret is None:
             raise invalid_key()
@@ -98,7 +112,7 @@ class KeyRing:
         if grant is None:
             if any(hmac.compare_digest(secret, s) for s in self.static):
                 return None
-            raise invalid_key()
+            raise invalid_key() if self.loaded else keys_loading()
         if grant.disabled:
             raise ended_key("is disabled")
         if grant.expires_at is not None and (now or time.time()) >= grant.expires_at:
@@ -185,6 +199,7 @@ class KeyWatcher:
             self._tasks.append(
                 asyncio.create_task(self._watch(workspace, revision + 1), name=f"keys:{workspace}")
             )
+        self.ring.loaded = True
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -27,7 +27,8 @@ not), `CUT_MARGIN` more tokens kept past them so the cut cannot change the ones 
 
 Chats repeat themselves (a system prompt, a growing history), so a rendered chat is cut at
 the tokenizer's special tokens and each segment, after the same segments, is tokenized and
-hashed once and kept (`PromptChain`, `CHAIN_CACHE_BYTES` in all, least recently used out):
+hashed once and kept (`PromptChain`, `CHAIN_CACHE_BYTES` in all per tokenizer, shared by its
+users, least recently used out):
 the tokenizer itself tokenizes the text between special tokens independently (they are
 matched first), so the ids are the same, at a fraction of the cost. Whether a tokenizer
 does is checked when it is loaded (`splits_cleanly`); one that does not tokenizes whole.
@@ -36,6 +37,7 @@ does is checked when it is loaded (`splits_cleanly`); one that does not tokenize
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import threading
@@ -43,6 +45,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import EllipsisType
 from typing import Any
 
 import jinja2
@@ -77,7 +80,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 RENDER_SECONDS_PER_MB = 1.0  # beyond `RENDER_SECONDS`: a client's long chat is no overrun
-CHAIN_CACHE_BYTES = 64 << 20  # tokenized segments of chats kept per tokenizer
+CHAIN_CACHE_BYTES = 64 << 20  # tokenized segments of chats kept per tokenizer (not per set)
 INLINE_CHAT = 32_768  # characters: a chat this small is first prepared on the event loop,
 INLINE_MESSAGES = 256  # of this many messages at most,
 # (gets `INLINE_SECONDS` of CPU time, gives no operation not known quick more than `INLINE_OP`)
@@ -90,27 +93,46 @@ INLINE_NEW = 8192  # and tokenizes at most this much new text; else all of it is
 
 def read_files(tokenizer_file: Path, config_file: Path | None) -> tuple[Tokenizer, dict[str, Any]]:
     """A tokenizer and its config from the files on disk (`tokenizers` holds the GIL while
-    it parses: ~100 ms for a real model's); raises (OSError, ValueError) if unusable."""
+    it parses: ~100 ms for a real model's); raises OSError if a file cannot be read, and
+    ValueError or `tokenizers`' `Exception` if its content is refused."""
     config: dict[str, Any] = {}
     if config_file is not None:
         text = config_file.read_text()
         check_json_depth(text)  # (a worker's file: `TooDeep` is a ValueError)
         loaded = json.loads(text)
         config = loaded if isinstance(loaded, dict) else {}
-    return Tokenizer.from_file(str(tokenizer_file)), config
+    # (read here: `Tokenizer.from_file` raises a bare `Exception` for a missing file too)
+    return Tokenizer.from_buffer(tokenizer_file.read_bytes()), config
+
+
+def prompt_chain(tokenizer: Tokenizer) -> PromptChain | None:
+    """The cache of chat segments tokenized by `tokenizer`; None if it does not tokenize
+    the text between its special tokens alone (`splits_cleanly`). A function of the
+    tokenizer alone: the worker sets that share a tokenizer share it, one
+    `CHAIN_CACHE_BYTES` for all, and its probe (the whole vocabulary read: 80-200 ms of the
+    GIL for 65,000 tokens) is made once."""
+    split, special_ids = special_split(tokenizer)
+    if split is None or not splits_cleanly(tokenizer, special_ids):
+        return None
+    encode = functools.partial(_encode, tokenizer, special_tokens=False)
+    return PromptChain(
+        CHAIN_CACHE_BYTES, split, special_ids, encode, functools.partial(_plain_many, tokenizer)
+    )
 
 
 class PromptTokenizer:
     """Tokenizes chat messages (through the chat template) and completion prompts."""
 
-    def __init__(self, tokenizer: Tokenizer, config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        config: dict[str, Any],
+        chain: PromptChain | EllipsisType | None = ...,
+    ) -> None:
+        """`chain`: the tokenizer's segment cache (`prompt_chain`), shared with the other
+        users of `tokenizer`; by default one of its own is made."""
         self.tokenizer = tokenizer
-        split, special_ids = special_split(tokenizer)
-        self.chain: PromptChain | None = None
-        if split is not None and splits_cleanly(tokenizer, special_ids):
-            self.chain = PromptChain(
-                CHAIN_CACHE_BYTES, split, special_ids, self._plain, self._plain_many
-            )
+        self.chain = prompt_chain(tokenizer) if isinstance(chain, EllipsisType) else chain
         self.specials = {
             name: _token_text(config.get(name))
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -287,19 +309,18 @@ class PromptTokenizer:
         return self.chain.tokens(text)
 
     def _encode(self, text: str, *, special_tokens: bool) -> list[int]:
-        """`text`'s ids; without the offsets `encode` also computes (three times faster)."""
-        return list(
-            self.tokenizer.encode_batch_fast([text], add_special_tokens=special_tokens)[0].ids
-        )
+        return _encode(self.tokenizer, text, special_tokens=special_tokens)
 
-    def _plain(self, text: str) -> list[int]:
-        """The ids of `text` holding no special token (a piece of a chat)."""
-        return self._encode(text, special_tokens=False)
 
-    def _plain_many(self, texts: list[str]) -> list[list[int]]:
-        """The ids of each of `texts` (pieces of a chat), in one call."""
-        encoded = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-        return [list(e.ids) for e in encoded]
+def _encode(tokenizer: Tokenizer, text: str, *, special_tokens: bool) -> list[int]:
+    """`text`'s ids; without the offsets `encode` also computes (three times faster)."""
+    return list(tokenizer.encode_batch_fast([text], add_special_tokens=special_tokens)[0].ids)
+
+
+def _plain_many(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """The ids of each of `texts` (pieces of a chat, no special token), in one call."""
+    encoded = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    return [list(e.ids) for e in encoded]
 
 
 def _token_text(value: Any) -> str:

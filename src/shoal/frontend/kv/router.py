@@ -440,7 +440,7 @@ class KvCollector(Collector):
         yield GaugeMetricFamily(
             "shoal_frontend_kv_piece_cache_bytes",
             "Bytes held by the caches of tokenized and hashed segments of chat prompts.",
-            value=sum(t.chain.bytes for t in tokenizers if t.chain is not None),
+            value=sum(c.bytes for c in {t.chain for t in tokenizers if t.chain is not None}),
         )
         yield GaugeMetricFamily(
             "shoal_frontend_kv_disabled_templates",

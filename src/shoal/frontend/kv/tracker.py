@@ -18,9 +18,11 @@ Sets whose cards name the same tokenizer and config files (by checksum: models f
 from one base, one model in many namespaces) share one loaded `tokenizers.Tokenizer`, read
 once and let go with the last set that uses it: a load holds the GIL for ~100 ms
 (`tokenizers` parses the file without letting it go) and the tables are the bulk of a
-tokenizer's memory. Each set still has its own `PromptTokenizer` around it (its template,
-its render thread, its prompt cache): a chat that makes one set's template overrun disables
-that set's template only, as before the sharing. Loads run one at a time, so that many new
+tokenizer's memory. They share its cache of tokenized chat segments too (`prompt_chain`, a
+function of the tokenizer alone: one `CHAIN_CACHE_BYTES` for all of them, its probe of the
+vocabulary made once). Each set still has its own `PromptTokenizer` around them (its
+template, its render thread): a chat that makes one set's template overrun disables that
+set's template only, as before the sharing. Loads run one at a time, so that many new
 tokenizers hold the loop for one load at a time, not for a pile of threads each waiting for
 the GIL.
 """
@@ -39,8 +41,15 @@ from tokenizers import Tokenizer
 
 from shoal.cards import ModelCard
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
+from shoal.frontend.kv.chain import PromptChain
 from shoal.frontend.kv.index import KvIndex
-from shoal.frontend.kv.prompt import CONFIG_FILE, TOKENIZER_FILE, PromptTokenizer, read_files
+from shoal.frontend.kv.prompt import (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    PromptTokenizer,
+    prompt_chain,
+    read_files,
+)
 from shoal.frontend.kv.stream import KvStreamReader, StreamKey
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.registry import SetId, WorkerSet
@@ -62,7 +71,9 @@ class KvSet:
 
 
 TokenizerKey = tuple[str, str | None]  # the checksums of the tokenizer and config files
-Files = tuple[Tokenizer, dict[str, Any]]  # what they hold, read (`read_files`)
+# What they hold, read (`read_files`), and the segment cache of chats tokenized with them
+# (`prompt_chain`): shared by the sets that use them, within one bound.
+Files = tuple[Tokenizer, dict[str, Any], PromptChain | None]
 
 
 @dataclass(eq=False)
@@ -297,7 +308,7 @@ class KvTracker:
             if self.cache is not None:
                 await self.cache.written(*(c for c in key if c is not None))
             # (a card joins before its files are on disk)
-            return await asyncio.to_thread(read_files, path, config)
+            return await asyncio.to_thread(_read, path, config)
 
     async def _use(self, state: KvSet, set_id: SetId, load: asyncio.Task[Files]) -> None:
         try:
@@ -328,6 +339,17 @@ class KvTracker:
             shared.load.cancel()
 
 
+def _read(path: Path, config: Path | None) -> Files:
+    """(In a thread.) The files, and the cache of chats tokenized with them."""
+    tokenizer, settings = read_files(path, config)
+    return tokenizer, settings, prompt_chain(tokenizer)
+
+
 def _failed(load: asyncio.Task[Files]) -> bool:
-    """Whether `load` ended with an error (a set that joins then loads it anew)."""
-    return load.done() and not load.cancelled() and load.exception() is not None
+    """Whether `load` failed to read its files (an `OSError`: not on disk, evicted, the disk
+    refused them): a set that joins then loads it anew. Files read and refused for their
+    content stay refused: their checksums name that content, so a new parse would only
+    hold the GIL as long again (a 22 MB file refused at its end: 280-400 ms each)."""
+    if not load.done() or load.cancelled():
+        return False
+    return isinstance(load.exception(), OSError)

@@ -194,7 +194,9 @@ class Proxy:
     ) -> None:
         """Refuse what `model` cannot serve, start the rest."""
         if model is None:
-            error = errors.model_not_found(name) if self.loaded() else _still_loading(name)
+            error = (
+                errors.model_not_found(name) if self.loaded() else errors.discovery_loading(name)
+            )
             self._refuse(client, error, UNKNOWN_MODEL)
         elif not model.serving:
             self._refuse(client, errors.no_ready_instance(name, model.incomplete), name)
@@ -315,14 +317,3 @@ class Proxy:
 
 def _always() -> bool:
     return True
-
-
-def _still_loading(model: str) -> ApiError:
-    """503 for a model not (yet) held while the first discovery listing loads."""
-    return ApiError(
-        503,
-        f"The gateway is still loading its fleet from discovery; the model `{model}` may be "
-        "served once it has: retry shortly.",
-        code="discovery_loading",
-        headers=((b"retry-after", b"1"),),
-    )
