@@ -55,40 +55,26 @@ def test_meter_agrees_with_the_whole_text_at_every_pair_of_cuts() -> None:
             assert meter.feed(text[j:]) is want, (text, i, j)
 
 
-def peel_work(brackets: bytes, limit: int) -> int:
-    """The bytes `_peel_exceeds(brackets, limit)` goes over: each of its passes reads what the
-    pass before it left (the cost model of its loop, counted instead of timed)."""
-    work = 0
-    for level in range(limit + 1):
-        work += len(brackets)
-        if b"[" * (limit - level + 1) in brackets:
-            return work
-        brackets = brackets.replace(b"[]", b"")
-        if b"[" not in brackets:
-            return work
-    return work
-
-
 @pytest.mark.parametrize("piece", [8192, 1 << 22])
-def test_meter_peels_a_few_times_its_bytes_even_just_under_the_bound(
+def test_meter_matches_each_piece_once_even_just_under_the_bound(
     piece: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A value held at depth 63 whose pieces are full of closed pairs (`[],` ...): every
-    piece is peeled (depth + openers > limit). Were the closers appended to a piece
+    piece is matched (depth + openers > limit). Were the closers appended to a piece
     `depth + opens` (every opener of the piece, closed in it or not) instead of the openers
-    left open, each of the 63 peeling passes would go over that tail of surplus closers
-    again: ~30 times the text. Counted in bytes peeled, not timed."""
+    left open, each piece would carry a tail of surplus closers as long as itself. Counted
+    in bytes matched, not timed."""
     text = b"[" * 63 + b"[]," * 1_000_000 + b"0" + b"]" * 63
-    peeled: list[int] = []
-    real = bounds._peel_exceeds
+    matched: list[int] = []
+    real = bounds._nests_deeper
 
     def counting(brackets: bytes, limit: int) -> bool:
-        peeled.append(peel_work(brackets, limit))
+        matched.append(len(brackets))
         return real(brackets, limit)
 
-    monkeypatch.setattr(bounds, "_peel_exceeds", counting)
+    monkeypatch.setattr(bounds, "_nests_deeper", counting)
     meter = DepthMeter()
     for i in range(0, len(text), piece):
         assert not meter.feed(text[i : i + piece])
-    assert peeled, "every piece over the bound is peeled"
-    assert sum(peeled) < 2 * len(text), f"peeled {sum(peeled):,} bytes of a {len(text):,}-byte text"
+    assert matched, "every piece over the bound is matched"
+    assert sum(matched) < len(text), f"matched {sum(matched):,} bytes of a {len(text):,}-byte text"

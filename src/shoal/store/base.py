@@ -53,6 +53,7 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 
@@ -60,6 +61,12 @@ log = logging.getLogger(__name__)
 
 MAX_VALUE_BYTES = 1024 * 1024
 MAX_KEY_BYTES = 1024
+MAX_QUEUED_BYTES = 64 * 1024 * 1024
+"""Bytes of keys and values queued for one watch whose consumer does not read, at most: past
+them it is treated as past its count of events (each backend's `MAX_QUEUED`, 10,000), which
+alone let a watch hold 10,000 values of `MAX_VALUE_BYTES`, 10 GiB. 64 MiB is 64 values of
+the largest size, several thousand cards of a few KiB (the count still governs those), and
+what SQLite's change log holds at most (`sqlite_log.MAX_LOG_BYTES`)."""
 _KEY_RE = re.compile(r"^[A-Za-z0-9._\-/:@+=]+$")
 CHECK_SLICE = 1024
 """Items `put_many` checks between two yields to the event loop (about 1-3 ms of it)."""
@@ -159,6 +166,39 @@ class Resync:
 
 
 Event = Put | Delete | Resync
+
+_T = TypeVar("_T")
+
+
+class WatchQueue(asyncio.Queue[_T]):
+    """The changes queued for one watch, and `bytes`, those of their keys and values (a
+    `Put`'s or a `Delete`'s: a `Resync` is the state itself, not a backlog), kept as items
+    are put and taken, never summed over the queue."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        super().__init__()
+
+    def _put(self, item: _T) -> None:
+        super()._put(item)
+        self.bytes += change_bytes(item)
+
+    def _get(self) -> _T:
+        item = super()._get()
+        self.bytes -= change_bytes(item)
+        return item
+
+    def drop(self) -> None:
+        """Take every item queued and drop it (a backlog given up for a `Resync`)."""
+        while not self.empty():
+            self.get_nowait()
+
+
+def change_bytes(item: object) -> int:
+    """The bytes of a change's key and value (0 for anything else)."""
+    if isinstance(item, Put):
+        return len(item.key) + len(item.value)
+    return len(item.key) if isinstance(item, Delete) else 0
 
 
 def check_key(key: str) -> None:

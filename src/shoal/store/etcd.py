@@ -16,6 +16,12 @@ Failure handling:
   changes, in revision order: see "History" below), else it reads the prefix and yields a
   `Resync` with it (also when etcd reports the start revision compacted, or its revision
   went back); then it passes on the changes after that.
+- A watch holds no queue of its own: what its consumer has not read waits in etcd (and in
+  the stream's HTTP/2 window, a few MiB). Every watcher asks etcd to split a response over
+  its request bound (`--max-request-bytes`, 1.5 MiB by default) into fragments: a watch
+  left unread past etcd's buffer was caught up in one response holding every change it
+  missed (250 values of 1 MiB: 232 MiB held at once, up to the 256 MiB a message may have,
+  past which the stream broke), now a fragment at a time.
 - Several prefixes as one (`get_prefixes`, `watch_prefixes`): the listing is one read-only
   transaction with a range per prefix, so all are read at one revision (past `MAX_TXN_OPS`
   prefixes, several transactions, the later ones at the first one's revision). The watch
@@ -509,6 +515,7 @@ class EtcdStore(Store):
                             key=b"\0",
                             range_end=b"\0",
                             start_revision=max(since, 1),
+                            fragment=True,  # (`HISTORY_BYTES` is checked a slice at a time)
                         )
                     )
                 )
@@ -1021,7 +1028,10 @@ class EtcdStore(Store):
                         await call.write(
                             aetcd.rpc.WatchRequest(
                                 create_request=aetcd.rpc.WatchCreateRequest(
-                                    key=start, range_end=end, start_revision=start_revision
+                                    key=start,
+                                    range_end=end,
+                                    start_revision=start_revision,
+                                    fragment=True,  # (see `_watch`: a response is a slice)
                                 )
                             )
                         )

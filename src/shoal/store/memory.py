@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from shoal.store.base import (
+    MAX_QUEUED_BYTES,
     Delete,
     Event,
     KeyRevision,
@@ -25,6 +26,8 @@ from shoal.store.base import (
     Snapshot,
     Store,
     StoreUnavailableError,
+    WatchQueue,
+    change_bytes,
     check_key,
     check_prefix,
     check_value,
@@ -34,8 +37,13 @@ from shoal.store.base import (
 )
 
 HISTORY = 100_000
+HISTORY_BYTES = 64 * 1024 * 1024
+"""Bytes of keys and values the history (for watches from a past revision) holds at most, its
+oldest changes dropped first: 100,000 changes of values of 1 MiB were 100 GiB. A watch from
+before the oldest change left gets a `Resync`."""
 MAX_QUEUED = 10_000
-"""Events queued for a watch that is not being read before they are dropped for a `Resync`."""
+"""Events queued for a watch that is not being read before they are dropped for a `Resync`;
+likewise past `MAX_QUEUED_BYTES` of their keys and values."""
 PUT_MANY_KEYS = 1024
 """Keys a `put_many` writes in one step, between two yields to the event loop. Nothing waits
 for the watches of the process: one whose reader takes fewer events than this per turn
@@ -54,9 +62,10 @@ class _Data:
     revision: int = 0
     leases: dict[int, float] = field(default_factory=dict)  # id -> deadline (monotonic)
     lease_keys: dict[int, set[str]] = field(default_factory=dict)
-    history: deque[Put | Delete] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    watchers: set[tuple[tuple[str, ...], asyncio.Queue[Put | Delete | object], MemoryStore]] = (
-        field(default_factory=set)
+    history: deque[Put | Delete] = field(default_factory=deque)
+    history_bytes: int = 0
+    watchers: set[tuple[tuple[str, ...], WatchQueue[Put | Delete | object], MemoryStore]] = field(
+        default_factory=set
     )
     lease_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(0x1000))
 
@@ -96,12 +105,16 @@ class MemoryStore(Store):
         )
 
     def _emit(self, event: Put | Delete) -> None:
-        self._d.history.append(event)
+        size = change_bytes(event)
+        history = self._d.history
+        history.append(event)
+        self._d.history_bytes += size
+        while len(history) > HISTORY or self._d.history_bytes > HISTORY_BYTES:
+            self._d.history_bytes -= change_bytes(history.popleft())
         for prefixes, queue, owner in self._d.watchers:
             if event.key.startswith(prefixes) and not owner._unreachable:
-                if queue.qsize() >= MAX_QUEUED:  # not read: drop its backlog for a Resync
-                    while not queue.empty():
-                        queue.get_nowait()
+                if queue.qsize() >= MAX_QUEUED or queue.bytes + size > MAX_QUEUED_BYTES:
+                    queue.drop()  # not read: drop its backlog for a Resync
                     queue.put_nowait(_RESYNC)
                 else:
                     queue.put_nowait(event)
@@ -263,7 +276,7 @@ class MemoryStore(Store):
     ) -> AsyncGenerator[Event, None]:
         self._check_open()
         prefixes = distinct_prefixes(prefixes)
-        queue: asyncio.Queue[Put | Delete | object] = asyncio.Queue()
+        queue: WatchQueue[Put | Delete | object] = WatchQueue()
         entry = (prefixes, queue, self)
         # Replay and subscribe with no await between: nothing can slip through.
         oldest = self._d.history[0].revision if self._d.history else self._d.revision + 1

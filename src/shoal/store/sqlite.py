@@ -134,6 +134,7 @@ from typing import TypeVar
 from urllib.parse import quote, unquote
 
 from shoal.store.base import (
+    MAX_QUEUED_BYTES,
     Delete,
     Event,
     KeyRevision,
@@ -146,6 +147,7 @@ from shoal.store.base import (
     Store,
     StoreError,
     StoreUnavailableError,
+    WatchQueue,
     check_key,
     check_prefix,
     check_value,
@@ -178,6 +180,9 @@ POLL_MAX_CHANGES = 2048
 """Changes one poll reads at most; a watch further behind is served by the next poll at once
 (a slice each: a burst of 30,000 changes is read and fanned out a slice per turn of the
 event loop, not in one)."""
+POLL_BYTES = 8 * 1024 * 1024
+"""Bytes of keys and values one poll reads at most (past them, the rest is the next poll's):
+2,048 changes of values of 1 MiB were 2 GiB in one read."""
 PUT_MANY_SHARE = 0.5
 """The share of the time a `put_many` holds the file's write lock at most: after each of its
 transactions it leaves the lock free as long as it held it, so other processes' keepalives
@@ -192,7 +197,10 @@ file" above)."""
 WAL_AUTOCHECKPOINT_PAGES = 256
 JOURNAL_SIZE_LIMIT = 1024 * 1024
 MAX_QUEUED = 10_000
-"""Events queued for a watch that is not being read before it is dropped for a `Resync`."""
+"""Events queued for a watch that is not being read before it is dropped for a `Resync`;
+likewise past `MAX_QUEUED_BYTES` of their keys and values. A watch with a poll's worth of
+either unread is not polled until its consumer catches up (`_poll_once`), so neither is
+reached while the log holds what the watch needs."""
 SCHEMA_VERSION = 2
 
 LISTING_INDEX = "kv_listing"
@@ -832,7 +840,7 @@ class _Watcher:
     prefixes: tuple[str, ...]
     next_revision: int
     epoch: int
-    queue: asyncio.Queue[Event | StoreError | None] = field(default_factory=asyncio.Queue)
+    queue: WatchQueue[Event | StoreError | None] = field(default_factory=WatchQueue)
     resync: bool = False
 
 
@@ -1220,8 +1228,8 @@ class SQLiteStore(Store):
 
     def _poll_read(self, plan: list[tuple[tuple[str, ...], int, bool]]) -> _PollResult:
         """In one read transaction: the revision, the resyncs due, and the new changes (at
-        most `POLL_MAX_CHANGES`, from the lowest revision a watch needs: `through` says how
-        far they go)."""
+        most `POLL_MAX_CHANGES` and `POLL_BYTES`, from the lowest revision a watch needs:
+        `through` says how far they go)."""
 
         def read(conn: sqlite3.Connection) -> _PollResult:
             now = lease_clock()
@@ -1239,11 +1247,20 @@ class SQLiteStore(Store):
             through = revision
             if low is not None:
                 through = min(revision, low + POLL_MAX_CHANGES - 1)
-                changes = conn.execute(
+                rows = conn.execute(
                     "SELECT revision, key, value FROM changes"
                     " WHERE revision >= ? AND revision <= ? ORDER BY revision",
                     (low, through),
-                ).fetchall()
+                )
+                size = 0
+                with contextlib.closing(rows):
+                    for row in rows:
+                        value = row[2]
+                        size += len(row[1]) + (len(value) if isinstance(value, bytes) else 0)
+                        if size > POLL_BYTES and changes:
+                            through = row[0] - 1  # (this one is the next poll's)
+                            break
+                        changes.append(row)
             return _PollResult(int(revision), int(through), resyncs, changes)
 
         return self._read(read)
@@ -1252,7 +1269,12 @@ class SQLiteStore(Store):
         """One poll; True if a watch is left behind the log's end (read a slice only)."""
         # A watch whose consumer has not read a slice's worth is left out of this poll: it
         # reads on from the log once it has room (the log keeps what it needs for a while).
-        watchers = [w for w in self._watchers if w.queue.qsize() < MAX_QUEUED - POLL_MAX_CHANGES]
+        watchers = [
+            w
+            for w in self._watchers
+            if w.queue.qsize() < MAX_QUEUED - POLL_MAX_CHANGES
+            and w.queue.bytes <= MAX_QUEUED_BYTES - POLL_BYTES
+        ]
         if not watchers:
             return False
         epoch = self._epoch
@@ -1284,14 +1306,14 @@ class SQLiteStore(Store):
                     elif (data := _value(key, value)) is not None:
                         w.queue.put_nowait(Put(key, data, rev))
             w.next_revision = max(w.next_revision, result.through + 1)
-            if w.queue.qsize() > MAX_QUEUED:
+            if w.queue.qsize() > MAX_QUEUED or w.queue.bytes > MAX_QUEUED_BYTES:
                 log.warning(
-                    "watch on %s fell %d events behind; it will resync",
+                    "watch on %s fell %d events (%d bytes) behind; it will resync",
                     ", ".join(w.prefixes),
-                    MAX_QUEUED,
+                    w.queue.qsize(),
+                    w.queue.bytes,
                 )
-                while not w.queue.empty():
-                    w.queue.get_nowait()
+                w.queue.drop()
                 w.resync = True
         return result.through < revision
 
