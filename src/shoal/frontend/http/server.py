@@ -62,6 +62,7 @@ class Listener(head.Limits, Protocol):
     closing: bool
     max_connections: int
 
+    def admit(self, conn: HttpConnection) -> bool: ...  # (one of `connections`, if room)
     @property
     def keepalive_timeout(self) -> float: ...
     @property
@@ -139,11 +140,8 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        server = self.server
-        if len(server.connections) >= server.max_connections:
-            self._stop(errors.too_many_connections(server.max_connections))
-            return
-        server.connections.add(self)
+        if not self.server.admit(self):  # (over TLS: counted from its accept, `Handshake`)
+            self._stop(errors.too_many_connections(self.server.max_connections))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
