@@ -1,6 +1,6 @@
 """`HttpServer`: the listening socket of the gateway's HTTP server, the one timer that
 enforces every connection's deadlines, and the graceful close. Each accepted connection is an
-`HttpConnection` (server.py); over TLS, behind its `Handshake`.
+`HttpConnection` (server.py); over TLS, under the loop's TLS layer, `Counted` from its accept.
 
 A sweep checks the connections a slice of `TURN_SECONDS` at a time, the rest in the loop's
 next turns (all against the time it began): 4,000 slow heads timing out at once, each
