@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 AGAIN = (
     "tests/frontend/test_proxy.py",
     "tests/frontend/test_server.py",
+    "tests/frontend/test_auth_before_body.py",
+    "tests/frontend/test_tls_connections.py",
     "tests/frontend/test_upstream_protocol.py",
     "tests/frontend/test_upstream_stalls.py",
     "tests/frontend/test_migration.py",

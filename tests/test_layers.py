@@ -17,6 +17,7 @@ LAYERS = {
     "shoal.bounds": 0,
     "shoal.slices": 0,  # large JSON arrays decoded on the event loop a slice at a time
     "shoal.full_collections": 0,  # full garbage collections deferred, process-wide
+    "shoal.open_files": 0,  # the open-file limit: raised here, given back to children
     "shoal.urls": 0,  # URLs as they may be shown (credentials redacted)  # bounds on outside values (nesting depth): used by every layer
     "shoal.store": 1,
     "shoal.cards": 2,

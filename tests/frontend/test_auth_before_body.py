@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from shoal.frontend.http.head import DRAINED_BODY
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker
-from tests.frontend.support import serving
+from tests.frontend.support import count_responses, serving
 from tests.frontend.test_client_limits import read_until_closed
 from tests.frontend.test_keys import SECRET, grant
 from tests.helpers import wait_for
@@ -153,3 +154,69 @@ async def test_small_bodies_to_other_routes_are_answered_as_before(
     finally:
         writer.close()
     assert received.startswith(b"HTTP/1.1 200 ")
+
+
+async def responses_on(reader: asyncio.StreamReader, received: bytes, count: int) -> bytes:
+    """What the connection received once it holds `count` whole responses (or closed)."""
+    async with asyncio.timeout(5.0):
+        while count_responses(received) < count:
+            chunk = await reader.read(65536)
+            if not chunk:
+                break
+            received += chunk
+    return received
+
+
+@pytest.mark.parametrize(
+    "settings, key", [({"api_keys": ("s3cret",)}, b"s3cret"), ({"auth": "keys"}, SECRET.encode())]
+)
+async def test_a_401_to_a_small_body_keeps_the_connection_for_the_retry_with_the_key(
+    store: Store,
+    start_worker: StartWorker,
+    start_frontend: StartFrontend,
+    settings: dict[str, Any],
+    key: bytes,
+) -> None:
+    """A refused request whose body is small (`DRAINED_BODY`) has its body read and dropped,
+    and its connection kept: the client's retry with the right key goes on it (before: the
+    401 closed it). A body that never comes is still answered on its head (the test above)."""
+    worker = await start_worker("mock-llm")
+    await grant(store, SECRET)
+    frontend = await start_frontend(**settings)
+    await wait_for(lambda: serving(frontend), message="served")
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    try:
+        writer.write(head(b"Bearer wrong", len(BODY)) + BODY)
+        refused = await responses_on(reader, b"", 1)
+        assert refused.startswith(b"HTTP/1.1 401 ")
+        assert b"connection: close" not in refused.partition(b"\r\n\r\n")[0].lower()
+        # The retry, and a refused one pipelined behind it: answered in order.
+        writer.write(head(b"Bearer " + key, len(BODY)) + BODY + head(None, len(BODY)) + BODY)
+        received = await responses_on(reader, b"", 2)
+    finally:
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 200 ") and worker.requests == 1
+    assert received.index(b"HTTP/1.1 401 ") > 0  # (the second answer)
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [
+        b"Content-Length: %d" % (DRAINED_BODY + 1),
+        b"Transfer-Encoding: chunked",
+        b"Expect: 100-continue",
+    ],
+    ids=["large", "chunked", "expect"],
+)
+async def test_a_401_to_a_large_chunked_or_awaited_body_still_closes_the_connection(
+    store: Store, start_frontend: StartFrontend, framing: bytes
+) -> None:
+    """Past `DRAINED_BODY`, of a length not declared, or a body the client sends only after
+    a 100 (it may never come): answered on the head, then closed, as before."""
+    frontend = await start_frontend(api_keys=("s3cret",))
+    lines = [b"POST /v1/chat/completions HTTP/1.1", b"Host: t", framing]
+    if framing.startswith(b"Expect"):
+        lines.append(b"Content-Length: %d" % len(BODY))
+    received = await answer_to_head_alone(frontend.port, b"\r\n".join(lines) + b"\r\n\r\n")
+    assert received.startswith(b"HTTP/1.1 401 ")
+    assert b"connection: close" in received.partition(b"\r\n\r\n")[0]

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from shoal.catalog.leader import LeadershipLost
 from shoal.catalog.resources import Deployment
+from shoal.open_files import with_start_limit
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ class LocalBackend(Backend):
         log_path = self.log_dir / log_file_name(key, number)
         with log_path.open("ab") as log_file:
             replica.proc = await asyncio.create_subprocess_exec(
-                *command,
+                *with_start_limit(command),  # (not this process's raised open-file limit)
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log_file,
                 start_new_session=True,

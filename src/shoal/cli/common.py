@@ -14,11 +14,12 @@ import logging
 import math
 import os
 import re
-import resource
 import signal
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
+
+from shoal import open_files
 
 T = TypeVar("T")
 N = TypeVar("N", int, float)
@@ -173,28 +174,15 @@ def add_flag(
     parser.add_argument(*names, default=chosen, **kwargs)
 
 
-def raise_open_file_limit() -> None:
-    """Raise this process's soft limit of open files to its hard limit. A frontend holds a
-    socket per client, per upstream connection and two per KV subscription (10,000
-    instances: 20,000), and distributions start processes at a soft 1,024 under a hard
-    limit of hundreds of thousands; past the soft one, accepts fail and clients are refused.
-    (Go's runtime does the same at start.)"""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError) as exc:  # (a hard limit past the kernel's nr_open)
-            logging.getLogger(__name__).debug("open-file limit left at %d: %s", soft, exc)
-
-
 def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
     """Run `main` on uvloop, the event loop the request path is tuned for (in every command,
-    so each runs on the loop it is tested on), with the open-file limit raised; what it
+    so each runs on the loop it is tested on), with the open-file limit raised (the one it
+    started with given back to the programs it starts: `shoal.open_files`); what it
     returns."""
     import uvloop
 
     logging.getLogger("asyncio").setLevel(logging.WARNING)
-    raise_open_file_limit()
+    open_files.raise_limit()
     return uvloop.run(main)
 
 

@@ -28,6 +28,7 @@ from shoal.cli.catalog import add_catalog_port_flag, start_catalog
 from shoal.cli.common import COUNT, add_flag, on_stop_signals, parse_ready_line, run_event_loop
 from shoal.cli.frontend import add_frontend_flags, start_frontend
 from shoal.frontend import Frontend, FrontendConfig
+from shoal.open_files import with_start_limit
 from shoal.store import default_store_url
 
 log = logging.getLogger(__name__)
@@ -87,19 +88,10 @@ async def start_worker(
     """Spawn `shoal worker --engine mocker` in its own session (Ctrl-C is ours to forward)."""
     log_path = log_dir / f"worker-{number}.log"
     with log_path.open("wb") as log_file:
+        command = [sys.executable, "-m", "shoal.cli.main", "--log-level", log_level, "worker"]
+        command += ["--engine", "mocker", "--model", model, "--store", store_url]
         proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "shoal.cli.main",
-            "--log-level",
-            log_level,
-            "worker",
-            "--engine",
-            "mocker",
-            "--model",
-            model,
-            "--store",
-            store_url,
+            *with_start_limit(command),  # (not this process's raised open-file limit)
             stdout=asyncio.subprocess.PIPE,
             stderr=log_file,
             start_new_session=True,

@@ -5,6 +5,11 @@ size and header count (431), a declared body over `max_body` (413), a framing it
 of a request to a route that reads none), and what the
 server itself acts on (`Expect: 100-continue`, `Upgrade`).
 
+A refused head whose body is declared and small (`DRAINED_BODY`, no `Expect` or `Upgrade`)
+is answered once its body is read and dropped, on a connection that stays open: the client
+retries on it with its key. Any other is answered at once, and its connection closed (a
+chunked body could run on, an awaited one never come).
+
 Trailer fields (after a chunked body) are never merged into the head: they are dropped, as
 RFC 9110 §6.5.1 allows, and bounded like a head: `max_headers` fields, and `max_header_size`
 bytes of chunk framing and trailer section between two body bytes (`HttpConnection._feed`).
@@ -19,6 +24,8 @@ import httptools
 
 from shoal.frontend.http import errors
 from shoal.openai import ApiError
+
+DRAINED_BODY = 64 * 1024  # a refused request's body up to this long is read and dropped
 
 # The request headers the server itself reads (the handler reads the others).
 _READ_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
@@ -45,6 +52,7 @@ class Verdict(NamedTuple):
     expect_continue: bool  # it asks for `100 Continue`
     upgrade: bool  # it asks for an `Upgrade` (ignored: `without_upgrade`)
     max_body: int | None = None  # the most body bytes read of it (None: `Limits.max_body`)
+    refused: ApiError | None = None  # its answer once its body is read and dropped (kept open)
 
 
 _PLAIN = Verdict(None, False, False)  # (most heads: made once, not per request)
@@ -62,7 +70,7 @@ def judge_head(
             errors.headers_too_large(f"more than {limits.max_headers} headers"), False, False
         )
     size = len(url)
-    expect_continue = upgrade = False
+    expect_continue = upgrade = chunked = False
     declared = 0
     for name, value in headers:
         size += len(value)
@@ -76,6 +84,7 @@ def judge_head(
                     return Verdict(errors.bad_request(why), False, False)
                 if value.strip().lower() != b"chunked":
                     return Verdict(errors.unsupported_coding(value), False, False)
+                chunked = True
             elif name == b"expect":
                 expect_continue = value.lower() == b"100-continue"
             else:
@@ -88,6 +97,8 @@ def judge_head(
     if check is not None:
         verdict = check(parser.get_method(), url, headers)
         if isinstance(verdict, ApiError):
+            if declared <= DRAINED_BODY and not (chunked or expect_continue or upgrade):
+                return Verdict(None, False, False, declared, verdict)  # (the connection stays)
             return Verdict(verdict, False, False)  # (its body is never read: dropped, then close)
         if verdict < limits.max_body:  # (a chunked body: held to it as it comes)
             if declared > verdict:

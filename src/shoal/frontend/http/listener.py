@@ -1,6 +1,6 @@
 """`HttpServer`: the listening socket of the gateway's HTTP server, the one timer that
 enforces every connection's deadlines, and the graceful close. Each accepted connection is an
-`HttpConnection` (server.py).
+`HttpConnection` (server.py); over TLS, under the loop's TLS layer, `Counted` from its accept.
 
 A sweep checks the connections a slice of `TURN_SECONDS` at a time, the rest in the loop's
 next turns (all against the time it began): 4,000 slow heads timing out at once, each
@@ -10,14 +10,67 @@ answered 408 in its check, held the loop ~150 ms in one callback.
 from __future__ import annotations
 
 import asyncio
+import asyncio.sslproto
 import contextlib
 import ssl
 import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any, cast
+
+import uvloop
+from uvloop.loop import SSLProtocol as UvloopSSLProtocol  # type: ignore[attr-defined]
 
 from shoal.frontend.http.head import HeadCheck
 from shoal.frontend.http.server import Handler, HttpConnection
 
 TURN_SECONDS = 0.005  # a sweep's slice: then the loop turns (as `proxy.deadlines`)
+
+
+class Counted:
+    """A TLS connection from its accept to its close: the loop's own TLS layer (the other
+    base class: `Handshake`, `UvloopHandshake`) under its `HttpConnection`, which it makes.
+
+    It is one of the server's `handshakes`, counted against `max_connections`, from its
+    accept until its handshake is done (its connection is then one of `connections`:
+    `HttpServer.admit`) or its socket closes; with no room it is closed at once, with no
+    handshake (a 503 cannot be sent before one). Neither loop tells the connection above of
+    a handshake that failed, timed out or was left: only this layer sees its socket close.
+    """
+
+    def __init__(self, server: HttpServer, tls: ssl.SSLContext, timeout: float | None) -> None:
+        self.server = server
+        self.conn = HttpConnection(server)
+        self.socket: asyncio.BaseTransport | None = None
+        cast(Any, super()).__init__(
+            server.loop, self.conn, tls, None, server_side=True, ssl_handshake_timeout=timeout
+        )
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        server = self.server
+        if server.full or server.closing:
+            transport.close()  # (no handshake: its `connection_lost` follows)
+            return
+        self.socket = transport
+        server.handshakes[self.conn] = self
+        cast(Any, super()).connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        conn = self.conn
+        self.server.handshakes.pop(conn, None)
+        if conn.transport is None:  # (never made: what it holds is let go as if it was lost)
+            conn.connection_lost(None)
+        del self.conn  # (its transport holds this layer: a cycle otherwise)
+        self.socket = None
+        cast(Any, super()).connection_lost(exc)
+
+
+class Handshake(Counted, asyncio.sslproto.SSLProtocol):
+    """`Counted` over the standard library's TLS layer."""
+
+
+class UvloopHandshake(Counted, UvloopSSLProtocol):  # type: ignore[misc]
+    """`Counted` over uvloop's (read by the loop itself, not through Python calls)."""
 
 
 class HttpServer:
@@ -26,7 +79,8 @@ class HttpServer:
     Limits: `max_body` bytes of request body; `max_header_size` bytes of request line and
     headers and `max_headers` headers (431); `header_timeout` seconds from a request's first
     byte (or a new connection's start) to the end of its head and `body_timeout` between
-    body bytes (408; 0: no limit); `max_connections` clients at once (503 to the others).
+    body bytes (408; 0: no limit); `max_connections` clients at once (503 to the others;
+    over TLS, counted from their accept: closed then, with no handshake).
     """
 
     def __init__(
@@ -53,7 +107,8 @@ class HttpServer:
         self.max_header_size = max_header_size
         self.max_headers = max_headers
         self.max_connections = max_connections
-        self.connections: set[HttpConnection] = set()
+        self.connections: set[HttpConnection] = set()  # served (over TLS: once shaken hands)
+        self.handshakes: dict[HttpConnection, Counted] = {}  # TLS ones shaking hands
         self.closing = False
         self.loop = asyncio.get_running_loop()
         self._server: asyncio.Server | None = None
@@ -64,18 +119,14 @@ class HttpServer:
     ) -> None:
         """Listen on `host:port`; over TLS (HTTPS) when given a server context; with
         `reuse_port`, beside the other processes listening there (`SO_REUSEPORT`). A TLS
-        handshake has `header_timeout` (a connection is one of `connections`, and its head
-        timed, once its handshake is done: asyncio's own 60 s let sockets that never finish
-        one outlive any head)."""
+        handshake has `header_timeout` (asyncio's own 60 s let sockets that never finish
+        one outlive any head), and counts from the accept (`Counted`)."""
+        factory: Callable[[], asyncio.BaseProtocol] = partial(HttpConnection, self)
+        if tls is not None:
+            layer = UvloopHandshake if isinstance(self.loop, uvloop.Loop) else Handshake
+            factory = partial(layer, self, tls, self.header_timeout or None)
         self._server = await self.loop.create_server(
-            lambda: HttpConnection(self),
-            host,
-            port,
-            backlog=2048,
-            reuse_address=True,
-            reuse_port=reuse_port or None,
-            ssl=tls,
-            ssl_handshake_timeout=(self.header_timeout or None) if tls is not None else None,
+            factory, host, port, backlog=2048, reuse_address=True, reuse_port=reuse_port or None
         )
         self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
 
@@ -104,6 +155,23 @@ class HttpServer:
                 return
         self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
 
+    def admit(self, conn: HttpConnection) -> bool:
+        """Make `conn` one of `connections` if there is room (one whose TLS handshake is done
+        had its place from its accept: `handshakes`)."""
+        if self.handshakes.pop(conn, None) is None and self.full:
+            return False
+        self.connections.add(conn)
+        return True
+
+    @property
+    def open_connections(self) -> int:
+        """The connections counted against `max_connections`: served, or shaking hands."""
+        return len(self.connections) + len(self.handshakes)
+
+    @property
+    def full(self) -> bool:
+        return self.open_connections >= self.max_connections
+
     @property
     def port(self) -> int:
         assert self._server is not None and self._server.sockets
@@ -121,6 +189,9 @@ class HttpServer:
             self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
+        for handshake in list(self.handshakes.values()):  # (no request yet: as if idle)
+            if handshake.socket is not None:
+                handshake.socket.close()
         deadline = self.loop.time() + timeout
         while True:
             for conn in list(self.connections):

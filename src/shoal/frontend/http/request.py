@@ -32,6 +32,7 @@ class Request:
         "path",
         "query",
         "received",
+        "refused",
         "size",
         "too_deep",
     )
@@ -71,6 +72,8 @@ class Request:
         # with its fields (`proxy.fields.fields_later`): a body rebuilt from them (a virtual
         # model's rename, a disaggregated request's stages) is not parsed again.
         self.members: dict[str, msgspec.Raw] | None = None
+        # What the server answers it, not the handler: refused on its head (`head.Verdict`).
+        self.refused: ApiError | None = None
 
     @property
     def body(self) -> bytes:

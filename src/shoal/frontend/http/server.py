@@ -62,6 +62,7 @@ class Listener(head.Limits, Protocol):
     closing: bool
     max_connections: int
 
+    def admit(self, conn: HttpConnection) -> bool: ...  # (one of `connections`, if room)
     @property
     def keepalive_timeout(self) -> float: ...
     @property
@@ -84,14 +85,14 @@ class HttpConnection(asyncio.Protocol):
     without closing, and while it is not stopped every complete request gets an answer.
     """
 
-    # Slots: 41 attributes, past the 30 keys CPython 3.11 shares among a class's instances.
+    # Slots: 42 attributes, past the 30 keys CPython 3.11 shares among a class's instances.
     __slots__ = ("_answered_in_read", "_body", "_body_limit", "_body_size", "_calls", "_final",
         "_head_bytes", "_headers", "_held", "_held_pos", "_last_progress", "_linger_left",
         "_lingering", "_meter", "_next_scheduled", "_phase", "_phase_since", "_progress",
-        "_read_bytes", "_reading_paused", "_stopped", "_trailer_bytes", "_trailers",
-        "_unread", "_upgrading", "_url", "busy", "closed", "current", "extra_headers", "flow",
-        "head_only", "idle_since", "keep_alive", "loop", "parser", "pending",
-        "response_started", "server", "transport", "writing_paused")  # fmt: skip
+        "_read_bytes", "_reading_paused", "_refused", "_stopped", "_trailer_bytes",
+        "_trailers", "_unread", "_upgrading", "_url", "busy", "closed", "current",
+        "extra_headers", "flow", "head_only", "idle_since", "keep_alive", "loop", "parser",
+        "pending", "response_started", "server", "transport", "writing_paused")  # fmt: skip
     __deletable__ = ("parser",)  # (a compiled build allows `del` of these only)
 
     def __init__(self, server: Listener) -> None:
@@ -103,20 +104,16 @@ class HttpConnection(asyncio.Protocol):
         self.busy = False  # a request is being answered
         self.current: InFlight | None = None  # what to cancel if the client goes away
         self.keep_alive = True  # cleared when this connection must close after the response
-        self.response_started = False
         self.head_only = False  # answering HEAD: the response carries no body
         self.extra_headers = b""  # header lines the handler adds to this response (CORS)
-        self.writing_paused = False
+        self.response_started = self.writing_paused = self.closed = False
         self.flow: FlowListener | None = None  # told to pause while our send buffer is full
-        self.closed = False
         self.idle_since = server.loop.time()  # 0.0: since the next sweep
-        self._reading_paused = False
+        self._reading_paused = self._next_scheduled = False
         self._stopped = False  # no more requests are parsed (see the class invariant)
         self._final: ApiError | None = None  # answered after the requests owed, then close
-        self._held = b""  # bytes read but not parsed yet: the pipeline is full
-        self._held_pos = 0
+        self._held, self._held_pos = b"", 0  # bytes read, not parsed yet: the pipeline is full
         self._answered_in_read = False  # one request answered per read: the others wait a turn
-        self._next_scheduled = False
         self._upgrading = False  # the request asked for an Upgrade, which is ignored
         self._lingering = False  # the last answer is written: closing soon
         self._linger_left = 0  # bytes still dropped while lingering, then the connection closes
@@ -134,16 +131,14 @@ class HttpConnection(asyncio.Protocol):
         self._body_size, self._body_limit = 0, server.max_body  # (its head's: `Verdict`)
         self._meter: DepthMeter | None = None  # a large body's nesting, judged as it arrives
         self._read_bytes = 0  # of large reads since the last turn given (`TURN_BYTES`)
+        self._refused: ApiError | None = None  # the answer to the request read (`head.Verdict`)
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        server = self.server
-        if len(server.connections) >= server.max_connections:
-            self._stop(errors.too_many_connections(server.max_connections))
-            return
-        server.connections.add(self)
+        if not self.server.admit(self):  # (over TLS: counted from its accept, `Handshake`)
+            self._stop(errors.too_many_connections(self.server.max_connections))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -327,6 +322,7 @@ class HttpConnection(asyncio.Protocol):
         if judged.error is not None:
             self._refuse(judged.error)
         self._body_limit = self.server.max_body if judged.max_body is None else judged.max_body
+        self._refused = judged.refused  # (answered so once its body is read)
         self._upgrading = judged.upgrade
         if judged.expect_continue and not self._upgrading and self.idle and self.transport:
             # (not behind an answer: a 100 would land in it; the client sends after a wait)
@@ -338,7 +334,7 @@ class HttpConnection(asyncio.Protocol):
         self._body_size += len(body)
         if self._body_size > self._body_limit:
             self._refuse(body_too_large(self._body_limit))
-        self._body.add(body)
+        self._body.add(body)  # (a refused request's too: at most `head.DRAINED_BODY`, dropped)
         if self._body_size >= METER_FROM:  # (judged `METER_FROM` bytes at a time)
             meter = self._meter = self._meter or DepthMeter()
             if self._body_size - meter.fed >= METER_FROM:
@@ -359,6 +355,7 @@ class HttpConnection(asyncio.Protocol):
         )
         if self._meter is not None:
             request.too_deep = self._meter.feed_new(self._body.pieces)
+        request.refused = self._refused
         if self.busy or self.pending or self.writing_paused or self._answered_in_read:
             self.pending.append(request)  # answered in its turn, on a later loop iteration
             if not self.busy:
@@ -380,7 +377,10 @@ class HttpConnection(asyncio.Protocol):
         self.response_started = False
         self.head_only = request.method == b"HEAD"
         try:
-            self.server.handler(request, self)
+            if request.refused is None:
+                self.server.handler(request, self)
+            else:  # (refused on its head, its small body dropped: the connection stays)
+                self.send_error(request.refused)
         except Exception:
             log.exception("request %s %s failed", request.method.decode(), request.path.decode())
             self.keep_alive = False
