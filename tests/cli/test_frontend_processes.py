@@ -27,7 +27,7 @@ from shoal.cli.processes import reserve_port
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.registry.watcher import ModelWatcher
 from tests.helpers import free_port, wait_for
-from tests.processes import Process, Processes
+from tests.processes import Process, Processes, shoal
 
 CHAT = [{"role": "user", "content": "Tell me a story."}]
 
@@ -327,6 +327,34 @@ async def test_a_stop_signal_ends_a_process_of_several_still_loading_discovery(
             await serving
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
+async def test_a_stop_signal_to_the_whole_group_during_the_start_drains_and_exits_0(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """A closed terminal (SIGHUP) or Ctrl-C (SIGINT) signals the whole process group: the
+    children still starting, before their handlers, die of it. The parent took such a death
+    for a child that failed its start (or a failed drain), and exited 1, not 0 as for the
+    same signal once they serve."""
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    with (tmp_path / "frontend.log").open("wb") as err:
+        proc = await shoal(
+            "frontend", "--store", store_url, "--port", "0", "--processes", "2",
+            "--cache-dir", str(tmp_path / "cache"),
+            stdout=asyncio.subprocess.DEVNULL, stderr=err, start_new_session=True,
+        )  # fmt: skip
+    try:
+        await wait_for(lambda: len(children_of(proc.pid)) == 2, timeout=30, interval=0.005,
+                       message="both children started")  # fmt: skip
+        children = children_of(proc.pid)
+        os.killpg(proc.pid, sig)  # (as the terminal does: every process of the group)
+        code = await asyncio.wait_for(proc.wait(), 30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0, (tmp_path / "frontend.log").read_text()
+    await wait_for(lambda: not any(map(alive, children)), timeout=10, message="children gone")
 
 
 async def test_a_second_process_group_on_the_same_port_is_refused(

@@ -198,6 +198,44 @@ async def test_a_stream_that_finished_without_done_is_not_continued(
     assert len(requests) == 1
 
 
+@pytest.mark.parametrize("migration_limit", [1, 0])
+async def test_a_stream_whose_instance_dies_after_its_done_ends_there_with_nothing_after_it(
+    start_raw: StartRaw, start_frontend: StartFrontend, migration_limit: int
+) -> None:
+    """An instance that dies after `data: [DONE]` (before its body's last chunk) sent the
+    whole stream: the client's ends there, as the instance meant, never with an error event
+    after its `[DONE]` (which every client then reads as one more event), nor continued."""
+    requests: list[bytes] = []
+
+    async def dies_after_done(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        requests.append(request)
+        writer.write(CHUNKED + b"%x\r\n%s\r\n" % (len(CONTINUATION), CONTINUATION))
+        await writer.drain()
+        writer.transport.abort()  # (no `0\r\n\r\n`: the connection is lost)
+
+    await start_raw(dies_after_done)
+    await start_raw(dies_after_done)
+    frontend = await _started(start_frontend, migration_limit=migration_limit)
+    body = {"model": "mock-llm", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+    ):
+        received = await response.read()  # (a chunked body ended as it should be)
+    assert received == CONTINUATION
+    assert len(requests) == 1
+    client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="x", max_retries=0)
+    async with client:
+        stream = await client.chat.completions.create(
+            model="mock-llm", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text == " a time"
+
+
 async def test_a_stream_framed_by_its_content_length_is_cut_short_not_spliced(
     start_raw: StartRaw, start_frontend: StartFrontend
 ) -> None:

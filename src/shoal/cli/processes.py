@@ -2,7 +2,9 @@
 
 The parent reserves the port (bound with `SO_REUSEPORT`, never listening, so `--port 0`
 resolves once and no other program takes the port while a child restarts), then starts N
-children (`python -m shoal.cli.frontend_child`, the frontend's settings on their stdin). Each
+children (`python -m shoal.cli.frontend_child`, the frontend's settings on their stdin), each
+in a session of its own: a closed terminal's SIGHUP or a Ctrl-C reaches the parent alone,
+which forwards it (a child still importing died of it, and the parent exited 1). Each
 child is a whole frontend: its own event loop, registry, watches and router, listening on
 the port with `SO_REUSEPORT`, so the kernel spreads new connections over the children
 evenly (a shared accept queue would let whichever loop wakes first take a burst) and
@@ -11,10 +13,10 @@ each child builds its own TLS context from the files. A child also serves its ow
 
 The parent prints the one `shoal frontend ready:` line once every child is ready; restarts
 a child that dies, after a backoff (0.5 s doubling to 30 s, back to 0.5 s once a child has
-lived 30 s), and kills one whose private port stops answering (`_watch`); forwards SIGINT
-and SIGTERM to every child, which drain, and exits 0 when all drained (a child still
-running `STOP_GRACE` after its drain timeout is killed: exit 1). A child that fails before
-its first ready line fails the start (exit 1; its error is on the shared stderr).
+lived 30 s), and kills one whose private port stops answering (`_watch`); forwards SIGINT,
+SIGTERM and SIGHUP to every child (as SIGTERM), which drain, and exits 0 when all drained
+(a child still running `STOP_GRACE` after its drain timeout is killed: exit 1). A child that
+fails before its first ready line fails the start (exit 1; its error is on the shared stderr).
 `/metrics` is the parent's: the children's metrics merged, each sample labelled
 `process="K"` (the child's slot, kept across restarts), plus the parent's own
 `shoal_frontend_process*` series; served on `--metrics-port` when given, else
@@ -228,6 +230,7 @@ class Supervisor:
                 *self.child_command,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
+                start_new_session=True,  # (a terminal's signals are ours to forward)
             )
         except OSError as exc:  # no process, no memory: as if it died at once
             log.error("cannot start a frontend process (slot %d): %s", child.slot, exc)

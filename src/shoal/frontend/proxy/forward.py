@@ -299,8 +299,7 @@ class Forward:
         self.client.follow(conn)
         body = self.body
         conn.send(self._head(self.target, body), body, self)
-        deadlines = self.proxy.deadlines
-        if deadlines is not None:
+        if (deadlines := self.proxy.deadlines) is not None:
             self.since = self.last_read = time.perf_counter()
             deadlines.watch(self)
 
@@ -339,8 +338,7 @@ class Forward:
             )
 
     def _disarm(self) -> None:
-        deadlines = self.proxy.deadlines
-        if deadlines is not None:
+        if (deadlines := self.proxy.deadlines) is not None:
             deadlines.unwatch(self)
 
     def _attempt_failed(self, failure: Exception) -> None:
@@ -577,11 +575,13 @@ class Forward:
 
     def _break_off(self, failure: Exception) -> None:
         """A response failed after its first byte reached the client. A stream ends with the
-        gateway's error event (`sse.break_event`: after whole lines, the event is ended first)."""
+        gateway's error event (`sse.break_event`: after whole lines, the event is ended first),
+        unless the client has its `[DONE]`: then it ends there (nothing may follow that)."""
         log.warning("response for %s broke off: %s", self.name, failure)
         if self.chunked and self.stream and self.client.writable:
-            event = sse.break_event(failure, self.tail)
-            self.client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+            done = self.migration is not None and self.migration.done  # (else `tail` says)
+            end = b"" if done else sse.break_event(failure, self.tail)
+            self.client.write((b"%x\r\n%s\r\n" % (len(end), end) if end else b"") + b"0\r\n\r\n")
         else:
             self.client.close_after_response()  # the body is cut short: only closing tells
 

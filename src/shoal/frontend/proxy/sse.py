@@ -160,7 +160,10 @@ def break_event(failure: Exception, tail: bytes) -> bytes:
     """The gateway's error event ending a stream whose instance failed, after `tail`, the
     last piece the client has. The client has whole events (the start of one held was
     dropped), or a packet's whole lines (ending with a newline), or an event over `MAX_HELD`
-    as it came: those are ended first, the error event would be part of them."""
+    as it came: those are ended first, the error event would be part of them. Empty
+    after `data: [DONE]`: the stream was whole, and nothing may follow its end."""
+    if ends_done(tail):
+        return b""
     event = sse_event(
         error_body(
             f"The model instance failed while streaming: {failure}",
