@@ -1,5 +1,6 @@
 """A key's stream is charged the engine's usage, though its client asked for none: real mocker
-processes, an in-process frontend with `--auth keys`, the official `openai` client.
+processes, an in-process frontend with `--auth keys`, the official `openai` client (and fake
+workers and a fake provider for what each is sent).
 
 What was wrong: a key's stream without `stream_options.include_usage` was charged one
 completion token per event and its prompt as body bytes / 4 (an engine sending 3 tokens an
@@ -19,10 +20,14 @@ import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from shoal.discovery import FleetTarget, Route, publish_route
 from shoal.discovery.grants import Grant, hash_secret
 from shoal.frontend import Frontend, FrontendConfig
-from shoal.store import open_store
+from shoal.frontend.proxy.fields import LARGE_BODY
+from shoal.store import Store, open_store
 from shoal.worker.engines.mocker import MockerEngine
+from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
+from tests.frontend.test_providers import CHAT, provider, serve_route, url_target
 from tests.helpers import wait_for
 from tests.processes import Process, Processes
 
@@ -53,8 +58,7 @@ class Fleet:
 
     async def frontend(self, **settings: Any) -> Frontend:
         store = await open_store(self.store_url)
-        grant = Grant(workspace="default", name="team", hash=hash_secret(SECRET))
-        await store.put(grant.key, grant.to_json())
+        await store.put(*_grant())
         await store.close()
         config = FrontendConfig(
             store_url=self.store_url, port=0, auth="keys", api_keys=(OPERATOR,),
@@ -71,6 +75,11 @@ class Fleet:
     def client(self, key: str = SECRET) -> openai.AsyncOpenAI:
         assert self.front is not None
         return openai.AsyncOpenAI(base_url=f"{self.front.url}/v1", api_key=key, max_retries=0)
+
+
+def _grant() -> tuple[str, bytes]:
+    grant = Grant(workspace="default", name="team", hash=hash_secret(SECRET))
+    return grant.key, grant.to_json()
 
 
 def _instances(front: Frontend) -> set[int]:
@@ -228,3 +237,44 @@ async def test_a_keys_stream_that_migrates_is_charged_once_what_the_engines_coun
     assert _migrations(front, "attempted") == 1 == _migrations(front, "succeeded")
     (engine,) = undisturbed["usages"]
     assert [r[3:] for r in fleet.records] == [(200, *engine)]
+
+
+async def test_only_a_keys_stream_to_the_fleet_asks_for_the_usage_never_a_provider(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """The option is asked of workers, through a virtual model too, and of a large body
+    decoded in the decoder process; never of a provider (Mistral's API refuses the member
+    with a 422), nor of a virtual model one of whose targets is a provider."""
+    worker = await start_worker("mock-llm")
+    remote = await provider("remote-model")
+    try:
+        await store.put(*_grant())
+        front = await start_frontend(auth="keys")
+        await publish_route(store, Route(workspace="default", name="alias",
+                                         targets=(FleetTarget("mock-llm"),)))  # fmt: skip
+        await serve_route(store, front, "remote", url_target(remote.url, "remote-model"))
+        mixed = (FleetTarget("mock-llm"), url_target(remote.url, "remote-model"))
+        await serve_route(store, front, "mixed", *mixed)
+        await wait_for(lambda: "alias" in front.routes.models and bool(front.keys.by_hash))  # type: ignore[union-attr]
+        long = "word " * (LARGE_BODY // 5)
+        sent: dict[str, Any] = {}
+        async with openai_client(front, api_key=SECRET) as client:
+            for name, content in [("mock-llm", "hi"), ("alias", "hi"), ("mock-llm", long),
+                                  ("remote", "hi"), ("mixed", "hi"), ("mixed", "hi")]:  # fmt: skip
+                before = len(worker.bodies), len(remote.bodies)
+                stream = await client.chat.completions.create(
+                    model=name, messages=[{"role": "user", "content": content}], stream=True
+                )
+                assert [c async for c in stream if not c.choices] == []
+                (got,) = worker.bodies[before[0] :] + remote.bodies[before[1] :]
+                decoded = json.loads(got)
+                assert decoded["messages"][0]["content"] == content
+                sent[f"{name}{len(content)}"] = decoded.get("stream_options")
+            whole = await client.chat.completions.create(model="mock-llm", messages=CHAT)
+            assert whole.choices
+        assert "stream_options" not in json.loads(worker.bodies[-1])
+        asked = {"include_usage": True}
+        assert sent == {"mock-llm2": asked, "alias2": asked, f"mock-llm{len(long)}": asked,
+                        "remote2": None, "mixed2": None}  # fmt: skip
+    finally:
+        await remote.stop()
