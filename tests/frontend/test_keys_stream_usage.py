@@ -255,7 +255,9 @@ async def test_only_a_keys_stream_to_the_fleet_asks_for_the_usage_never_a_provid
         await serve_route(store, front, "remote", url_target(remote.url, "remote-model"))
         mixed = (FleetTarget("mock-llm"), url_target(remote.url, "remote-model"))
         await serve_route(store, front, "mixed", *mixed)
-        await wait_for(lambda: "alias" in front.routes.models and bool(front.keys.by_hash))  # type: ignore[union-attr]
+        keys = front.keys
+        assert keys is not None
+        await wait_for(lambda: "alias" in front.routes.models and bool(keys.by_hash))
         long = "word " * (LARGE_BODY // 5)
         sent: dict[str, Any] = {}
         async with openai_client(front, api_key=SECRET) as client:

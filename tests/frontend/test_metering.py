@@ -237,7 +237,10 @@ def test_usage_in_chunks_with_choices_and_an_answer_not_chunked_go_as_they_are()
     """Usage the client gets anyway (vLLM's `continuous_usage_stats`, an engine's own) is
     left, and the last one charged; a body not chunked (an HTTP/1.0 client, a worker's
     `Content-Length`) is written as it came, its usage charged."""
-    counted = b'data: {"choices":[{"index":0,"text":"x"}],"usage":{"prompt_tokens":3,"completion_tokens":%d}}\n\n'  # fmt: skip
+    counted = (
+        b'data: {"choices":[{"index":0,"text":"x"}],'
+        b'"usage":{"prompt_tokens":3,"completion_tokens":%d}}\n\n'
+    )
     stream = [HEAD + chunk(counted % 1), chunk(counted % 2 + DONE) + b"0\r\n\r\n"]
     sized = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(ROLE + USAGE + DONE)
     for writes in (stream, [sized + ROLE, USAGE + DONE]):

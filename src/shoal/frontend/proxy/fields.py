@@ -2,7 +2,8 @@
 prefix-aware routing the prompt, and for a key's tpm the completion it allows), decoded with a
 depth bound, once per request (a key's request too: the gate hands its fields to the proxy),
 and the rewrites it makes (`rewrite_model`, for a virtual model's target that names the
-model otherwise; `asking_usage`, for a key's stream whose client asked no usage event). A body of `LARGE_BODY` bytes or more is decoded in the decoder process
+model otherwise; `asking_usage`, for a key's stream whose client asked no usage event). A
+body of `LARGE_BODY` bytes or more is decoded in the decoder process
 (`fields_later`, `decoder_process.py`): a decode holds the interpreter lock from start to end
 (a 20 MB chat: 20-50 ms), and the event loop with it when it runs in this process, in a thread
 or not. The process hands back the small fields, and where the rest lies in the body. A large
