@@ -6,6 +6,8 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
+
 from shoal.discovery.grants import Grant
 from shoal.frontend.keys.metering import Metered, usage_of
 from shoal.openai import ApiError
@@ -181,3 +183,99 @@ def test_a_prompt_tokens_string_in_the_tail_never_hides_the_usage_before_it() ->
     metered.finish()
     assert gate.ends == [(GRANT, "alias", 200, 10, 90, "m", 0, False, 0)]
     conn.loop.close()
+
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+ROLE = b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant"}}],"usage":null}\n\n'
+TEXT = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a \\"usage\\": 1"}}]}\n\n'
+USAGE = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":9}}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def unchunked(body: bytes) -> bytes:
+    """The data of a chunked body (the client's view)."""
+    out, at = [], 0
+    while (size := int(body[at : body.index(b"\r\n", at)], 16)) > 0:
+        start = body.index(b"\r\n", at) + 2
+        out.append(body[start : start + size])
+        at = start + size + 2
+    assert body[at:] == b"0\r\n\r\n"
+    return b"".join(out)
+
+
+@pytest.mark.parametrize(
+    "writes",
+    [
+        [HEAD + chunk(ROLE), chunk(TEXT), chunk(USAGE), chunk(DONE) + b"0\r\n\r\n"],
+        [HEAD + chunk(ROLE) + chunk(TEXT), chunk(USAGE + DONE) + b"0\r\n\r\n"],  # one packet
+        [HEAD + chunk(ROLE + TEXT + USAGE[:-1]), chunk(b"\n" + DONE), b"0\r\n\r\n"],  # cut
+        [HEAD + chunk(ROLE), chunk(TEXT + USAGE[:-1]), chunk(b"\n"), chunk(DONE), b"0\r\n\r\n"],
+    ],
+    ids=["apart", "with-done", "blank-line-next", "blank-line-alone"],
+)
+def test_the_usage_event_asked_for_a_key_is_charged_and_never_written(writes: list[bytes]) -> None:
+    """A key's stream whose client asked no usage event (`Proxy.ask_usage` asked the engine):
+    the event, wherever the proxy's chunks cut its blank line, and the `"usage":null` the
+    engine adds to other chunks once asked, are charged and read, never written."""
+    conn, gate = Conn(), Gate()
+    metered = Metered(conn, 40, gate, GRANT, "alias", hide_usage=True)
+    for write in writes:
+        metered.write(write)
+    metered.finish()
+    assert gate.ends == [(GRANT, "alias", 200, 7, 9, "", 0, False, 0)]
+    written = b"".join(conn.written)
+    assert written.startswith(HEAD)
+    assert unchunked(written[len(HEAD) :]) == ROLE.replace(b',"usage":null', b"") + TEXT + DONE
+    conn.loop.close()
+
+
+def test_usage_in_chunks_with_choices_and_an_answer_not_chunked_go_as_they_are() -> None:
+    """Usage the client gets anyway (vLLM's `continuous_usage_stats`, an engine's own) is
+    left, and the last one charged; a body not chunked (an HTTP/1.0 client, a worker's
+    `Content-Length`) is written as it came, its usage charged."""
+    counted = (
+        b'data: {"choices":[{"index":0,"text":"x"}],'
+        b'"usage":{"prompt_tokens":3,"completion_tokens":%d}}\n\n'
+    )
+    stream = [HEAD + chunk(counted % 1), chunk(counted % 2 + DONE) + b"0\r\n\r\n"]
+    sized = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(ROLE + USAGE + DONE)
+    for writes in (stream, [sized + ROLE, USAGE + DONE]):
+        conn, gate = Conn(), Gate()
+        metered = Metered(conn, 40, gate, GRANT, "alias", hide_usage=True)
+        for write in writes:
+            metered.write(write)
+        metered.finish()
+        assert b"".join(conn.written) == b"".join(writes)
+        assert gate.ends[0][3:5] == ((3, 2) if writes is stream else (7, 9))
+        conn.loop.close()
+
+
+def test_the_usage_option_is_merged_into_the_body_or_left_to_what_the_client_asked() -> None:
+    from shoal.frontend.proxy.fields import ABSENT, LARGE_BODY, asking_usage, decode_fields
+
+    def asked(body: dict[str, Any], members: dict[str, Any] | None = None) -> Any:
+        raw = json.dumps(body).encode()
+        options = decode_fields(raw, with_tokens=True).stream_options
+        rewritten = asking_usage(raw, options, members)
+        return None if rewritten is None else json.loads(rewritten)
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    assert asked(body) == {**body, "stream_options": {"include_usage": True}}
+    merged = {**body, "stream_options": {"include_usage": False, "x": 1}}
+    assert asked(merged) == {**body, "stream_options": {"include_usage": True, "x": 1}}
+    assert asked({**body, "stream_options": None})["stream_options"] == {"include_usage": True}
+    for options in ({"include_usage": "true"}, {"include_usage": 1},  # (as engines read them)
+                    {"continuous_usage_stats": True}, "yes"):  # fmt: skip
+        assert asked({**body, "stream_options": options}) is None, options
+    large = {**body, "messages": [{"role": "user", "content": "x" * LARGE_BODY}]}
+    assert asked({**large, "stream_options": {}}) is None  # (not decoded here: left as it came)
+    members: dict[str, Any] = {}
+    assert asked(large, members)["stream_options"] == {"include_usage": True}
+    assert bytes(members["stream_options"]) == b'{"include_usage":true}'  # (a rebuild has it)
+    assert asking_usage(b' \n{"model":"m"}', ABSENT) == (
+        b' \n{"stream_options":{"include_usage":true},"model":"m"}'
+    )

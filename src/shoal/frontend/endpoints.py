@@ -174,7 +174,8 @@ class Endpoints:
         KeyRing.admit(grant, model)
         # its tpm estimate, once, of the members just decoded (a few bytes)
         tokens = estimate(request.size, fields.max_completion_tokens, fields.max_tokens)
-        self.gate.handle(request, conn, kind, grant, model, tokens, fields)
+        asked = self.proxy.ask_usage(request, fields)  # (a stream: the engine's usage charged)
+        self.gate.handle(request, conn, kind, grant, model, tokens, fields, hide_usage=asked)
 
     def _admit_later(
         self,

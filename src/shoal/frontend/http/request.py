@@ -19,7 +19,8 @@ from shoal.openai import ApiError
 class Request:
     """One parsed request. Header names are lower-cased bytes; the body is complete: `body`,
     joined when first read if it came as pieces (`BodyPieces.whole`: a large body's, read first
-    in the decoder's thread, where the join lets go of the GIL for its copy), and its `size`."""
+    in the decoder's thread, where the join lets go of the GIL for its copy), and its `size`
+    (as the client sent it, when the gateway rewrote it)."""
 
     __slots__ = (
         "_body",
@@ -84,6 +85,11 @@ class Request:
             body = self._body = b"".join(pieces)
             self._pieces = None
         return body
+
+    def rewrite(self, body: bytes) -> None:
+        """Forward `body` in place of the client's: the gateway's rewrite of it, before any
+        attempt (`Proxy.ask_usage`); `size` stays the client's."""
+        self._body, self._pieces = body, None
 
     def with_headers(self, headers: list[tuple[bytes, bytes]]) -> Request:
         """This request with other header lines (made field by field: a compiled build's

@@ -92,10 +92,12 @@ class Gate:
         model: str,
         tokens: int,
         fields: Any,
+        hide_usage: bool = False,
     ) -> None:
         """A request of `grant`'s key for `model`; `tokens`: its `windows.estimate`, made
         once by the caller that decoded its `fields` (once: the proxy is given them, and
-        never decodes the body again)."""
+        never decodes the body again); `hide_usage`: its stream asks the engine for a usage
+        event its client did not ask for (`Metered` reads it, the client never sees it)."""
         limits = self.limits
         if grant.max_parallel is not None:
             refused = limits.enter(grant)
@@ -104,7 +106,7 @@ class Gate:
                 if self.record is not None:
                     self.record(grant, model, model, refused.status, 0, 0)
                 return
-        metered = Metered(conn, len(request.body), self, grant, model)
+        metered = Metered(conn, request.size, self, grant, model, hide_usage)
         verdict = limits.admit(grant, tokens, metered)
         if verdict is None:
             waiting = _Waiting(self, request, conn, metered, kind, tokens, fields)

@@ -7,8 +7,11 @@ where an OpenAI response carries its `usage` (the JSON body's, or a stream's las
 `stream_options.include_usage`), and the `USAGE` bytes from the last `"usage"` key
 written: an engine may answer more after it (vLLM's `prompt_logprobs`, asked for by the
 client, can be far longer than the tail), and the tail alone then charged no completion
-tokens. When the engine gives no usage, the gateway counts: one completion token per
-streamed event, and the prompt as its body bytes / 4. A request refused or failed costs no
+tokens. A key's stream whose client asked for no usage event asks the engine for it all the
+same (`Proxy.ask_usage`), and the event is kept from the client (`HiddenUsage`): the client
+sees the stream it asked for. When the engine gives no usage (a provider that sends none,
+an engine that ignores the option), the gateway counts: one completion token per streamed
+event, and the prompt as its body bytes / 4. A request refused or failed costs no
 tokens; one whose client left after it was forwarded, before its answer began (499), costs
 its prompt as the gateway counts it: leaving early never makes the work asked for free.
 The gate's `done(grant, model, status, prompt_tokens, completion_tokens, served_model,
@@ -25,7 +28,9 @@ not written yet waits for the next write to say.
 from __future__ import annotations
 
 import re
-from typing import Protocol
+from typing import Any, Protocol
+
+import msgspec
 
 from shoal.discovery.grants import Grant
 from shoal.frontend.http.request import ClientConnection, FlowListener, InFlight
@@ -114,11 +119,108 @@ def _tokens(digits: bytes) -> int:
     return int(digits) if len(digits) < 10 else MAX_TOKENS
 
 
+class _Event(msgspec.Struct, gc=False):
+    choices: Any = None
+    usage: Any = None
+
+
+_decode_event = msgspec.json.Decoder(_Event).decode
+_NULL_USAGE = b',"usage":null'
+_CHUNKED = b"\r\ntransfer-encoding: chunked\r\n"
+
+
+def _usage_only(payload: bytes) -> bool:
+    """Whether an event's data is the usage event: no choices, a `usage` object."""
+    try:
+        event = _decode_event(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return False
+    return event.choices == [] and isinstance(event.usage, dict)
+
+
+class HiddenUsage:
+    """The usage event a key's stream asked its engine for, not its client (`Proxy.ask_usage`),
+    taken out of the body as the proxy writes it: the event whose `choices` are empty and whose
+    `usage` is an object (OpenAI's and vLLM's form), and the `"usage":null` such engines add to
+    every other chunk once asked. The proxy writes a chunked stream as whole chunks of whole
+    lines (the first write after the head), and nothing else of it is looked at unless it holds
+    a `"usage"`; only the blank line ending a removed event may come in the next chunk
+    (`owed`). An answer that is not a chunked 200, or a chunk unlike the proxy's, goes as it
+    is from there (the client may see the event)."""
+
+    __slots__ = ("head", "off", "owed")
+
+    def __init__(self) -> None:
+        self.head = True  # the first write, which starts with the response's head, is to come
+        self.off = False
+        self.owed = 0  # newlines of a removed event that the next chunk starts with
+
+    def take(self, data: bytes) -> bytes:
+        """What of `data`, one write of the proxy's, the client gets."""
+        start = 0
+        if self.head:
+            self.head = False
+            start = data.find(b"\r\n\r\n") + 4
+            if not data.startswith(b"HTTP/1.1 200 ") or _CHUNKED not in data[: max(start, 0)]:
+                self.off = True
+        if self.off or (not self.owed and _USAGE_KEY not in data):
+            return data
+        pieces, at, changed = [data[:start]], start, False
+        try:
+            while at < len(data):
+                line = data.index(b"\r\n", at)
+                size = int(data[at:line], 16)
+                begin, end = line + 2, line + 2 + size
+                if not size or data[end : end + 2] != b"\r\n":
+                    if size:
+                        raise ValueError("not a chunk")
+                    pieces.append(data[at:])  # (the last chunk)
+                    break
+                payload = data[begin:end]
+                kept = self._events(payload)
+                if kept is payload:
+                    pieces.append(data[at : end + 2])
+                elif kept:  # (a chunk left empty is no chunk: an empty one ends the body)
+                    pieces.append(b"%x\r\n%s\r\n" % (len(kept), kept))
+                changed |= kept is not payload
+                at = end + 2
+        except ValueError:
+            self.off = True
+            return data
+        return b"".join(pieces) if changed else data
+
+    def _events(self, events: bytes) -> bytes:
+        """`events` (a chunk's: whole lines) without the usage event and `"usage":null`."""
+        kept = events
+        if self.owed:
+            cut = 0
+            while cut < self.owed and kept[cut : cut + 1] == b"\n":
+                cut += 1
+            self.owed = 0
+            kept = kept[cut:] if cut else kept
+        if _NULL_USAGE in kept:  # (only a member can be: a string's `"` is escaped)
+            kept = kept.replace(_NULL_USAGE, b"")
+        at = 0
+        while (found := kept.find(_USAGE_KEY, at)) >= 0:
+            at = found + len(_USAGE_KEY)
+            start = kept.rfind(b"\n", 0, found) + 1
+            end = kept.find(b"\n", found)
+            if (
+                end < 0 or kept[end - 1] == 13 or not _is_key(kept[found : found + 64])
+                or not kept.startswith(b"data:", start) or not _usage_only(kept[start + 5 : end])
+            ):  # fmt: skip
+                continue
+            blank = end + 2 if kept[end + 1 : end + 2] == b"\n" else end + 1
+            self.owed = 1 if blank == end + 1 == len(kept) else 0  # (its blank line: next chunk)
+            kept, at = kept[:start] + kept[blank:], start
+        return kept
+
+
 class Metered:
     """`conn` as the proxy sees it, reporting the end to `on_done` (see the module)."""
 
     __slots__ = (
-        "_done", "conn", "events", "gate", "grant", "head", "loop", "minute", "model",
+        "_done", "conn", "events", "gate", "grant", "head", "hidden", "loop", "minute", "model",
         "request_bytes", "reserved", "shared", "status", "tail", "unsure", "usage",
     )  # fmt: skip
 
@@ -129,8 +231,10 @@ class Metered:
         gate: EndListener,
         grant: Grant,
         model: str,
+        hide_usage: bool = False,
     ) -> None:
         self.conn = conn
+        self.hidden = HiddenUsage() if hide_usage else None
         self.loop = conn.loop
         self.request_bytes = request_bytes
         self.gate = gate
@@ -165,6 +269,7 @@ class Metered:
         self.conn.close_after_response()
 
     def write(self, data: bytes) -> None:
+        out = data if self.hidden is None else self.hidden.take(data)
         if not self.status:  # the first write starts with the status line (the proxy's)
             code = data[9:12]
             self.status = int(code) if data[:7] == b"HTTP/1." and code.isdigit() else 0
@@ -185,7 +290,8 @@ class Metered:
         elif _USAGE_KEY in (edge := self.tail[-6:] + data[:6]):  # the key across two writes
             self._found((edge[edge.index(_USAGE_KEY) : 6] + data)[:USAGE])
         self.tail = data[-TAIL:] if len(data) >= TAIL else (self.tail + data)[-TAIL:]
-        self.conn.write(data)
+        if out:
+            self.conn.write(out)
 
     def _found(self, usage: bytes, before: bytes | None = None) -> None:
         """`usage` starts with `"usage"`: kept if a key, or until the next write tells."""

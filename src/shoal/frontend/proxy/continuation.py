@@ -105,7 +105,7 @@ def _continued_messages(members: dict[str, msgspec.Raw], text: bytes) -> tuple[A
     raw = members.get("messages")
     if raw is None or _first(raw) != b"[":
         return None
-    if _asked(members.get("continue_final_message")):
+    if asked(members.get("continue_final_message")):
         if len(raw) > MAX_DECODED:
             return None  # (a long chat decoded and joined again holds the event loop)
         items = _decode_list(raw)  # (the client's own continuation: rare)
@@ -136,7 +136,7 @@ def _continued_prompt(raw: msgspec.Raw | None, text: bytes) -> tuple[Any, ...] |
     return None
 
 
-def _asked(raw: msgspec.Raw | None) -> bool:
+def asked(raw: msgspec.Raw | None) -> bool:
     """A boolean member as engines' lax readers (pydantic's default) take it: `true`, `1`,
     `"true"`, `"yes"`, `"on"`, ..."""
     if raw is None or len(raw) > 16:
@@ -303,7 +303,7 @@ def ending(
     choice = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
     events = [{**head, "choices": [{**choice, "logprobs": None, "finish_reason": "length"}]}]
     options = members.get("stream_options")
-    if _first(options) == b"{" and _asked(_decode_members(options or b"{}").get("include_usage")):
+    if _first(options) == b"{" and asked(_decode_members(options or b"{}").get("include_usage")):
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         prompt = prompt if isinstance(prompt, int) and prompt >= 0 else size // 4
         counts = {"prompt_tokens": prompt, "completion_tokens": tokens}

@@ -1,8 +1,9 @@
 """The only parts of a request body the gateway reads (`Fields`: `model`, `stream`, for
 prefix-aware routing the prompt, and for a key's tpm the completion it allows), decoded with a
 depth bound, once per request (a key's request too: the gate hands its fields to the proxy),
-and the one rewrite it makes (`rewrite_model`, for a virtual model's target that names the
-model otherwise). A body of `LARGE_BODY` bytes or more is decoded in the decoder process
+and the rewrites it makes (`rewrite_model`, for a virtual model's target that names the
+model otherwise; `asking_usage`, for a key's stream whose client asked no usage event). A
+body of `LARGE_BODY` bytes or more is decoded in the decoder process
 (`fields_later`, `decoder_process.py`): a decode holds the interpreter lock from start to end
 (a 20 MB chat: 20-50 ms), and the event loop with it when it runs in this process, in a thread
 or not. The process hands back the small fields, and where the rest lies in the body. A large
@@ -28,6 +29,7 @@ import msgspec
 from shoal.bounds import MAX_DEPTH, TooDeep, check_json_depth
 from shoal.frontend.http import errors
 from shoal.frontend.http.request import ClientConnection, Request
+from shoal.frontend.proxy import continuation
 from shoal.frontend.proxy.decoder_process import DecoderProcess
 from shoal.frontend.registry.router import prefix_message
 from shoal.openai import ApiError
@@ -90,11 +92,13 @@ class LargePromptFields(Fields):
 
 class TokenFields(Fields):
     """`Fields` and the completion a request allows, which a key's tpm reserves when it is
-    admitted (`keys.windows.estimate`): its top-level members as their JSON text, whatever
-    they hold (judged by the estimate; the worker judges the request)."""
+    admitted (`keys.windows.estimate`), and the `stream_options` its metering reads
+    (`asking_usage`): top-level members as their JSON text, whatever they hold (judged by
+    the estimate; the worker judges the request)."""
 
     max_tokens: msgspec.Raw = ABSENT
     max_completion_tokens: msgspec.Raw = ABSENT
+    stream_options: msgspec.Raw = ABSENT
 
 
 class PromptTokenFields(PromptFields):
@@ -103,6 +107,7 @@ class PromptTokenFields(PromptFields):
 
     max_tokens: msgspec.Raw = ABSENT
     max_completion_tokens: msgspec.Raw = ABSENT
+    stream_options: msgspec.Raw = ABSENT
 
 
 class LargePromptTokenFields(LargePromptFields):
@@ -110,6 +115,7 @@ class LargePromptTokenFields(LargePromptFields):
 
     max_tokens: msgspec.Raw = ABSENT
     max_completion_tokens: msgspec.Raw = ABSENT
+    stream_options: msgspec.Raw = ABSENT
 
 
 WithTokens = TokenFields | PromptTokenFields | LargePromptTokenFields
@@ -135,6 +141,39 @@ def rewrite_model(body: bytes, model: str, members: Members | None = None) -> by
     thread by `members_later`, which this only encodes)."""
     members = _decode_members(body) if members is None else dict(members)
     members["model"] = msgspec.Raw(_encode(model))
+    return _encode(members)
+
+
+USAGE_ASKED = msgspec.Raw(b'{"include_usage":true}')
+_TRUE = msgspec.Raw(b"true")
+_ASK_USAGE = b'"stream_options":' + USAGE_ASKED + b","
+
+
+def asking_usage(body: bytes, options: msgspec.Raw, members: Members | None = None) -> bytes | None:
+    """`body`, a stream's that passed `decode_fields`, asking its engine for the usage event
+    (`stream_options.include_usage`), its `stream_options` (`options`; `ABSENT`: none) merged
+    with it; None when it asks already (as engines read a boolean: `continuation.asked`),
+    asks for the usage in every chunk (vLLM's `continuous_usage_stats`: the client would get
+    that), or its `stream_options` is no object. A body without them gets them as its first
+    member (one copy, never decoded); with them, it is rebuilt from its top-level `members`
+    (a large body's, decoded with its fields: `Request.members`), decoded here only if small:
+    a large one without them is left as it is (None). `members` get them too."""
+    if options is ABSENT:
+        start = body.find(b"{") + 1
+        if members is not None:
+            members["stream_options"] = USAGE_ASKED
+        return b"".join((body[:start], _ASK_USAGE, memoryview(body)[start:]))
+    first = bytes(memoryview(options)[:1])
+    if first != b"{" and (len(options) != 4 or bytes(options) != b"null"):
+        return None
+    given = {} if first != b"{" else _decode_members(options)
+    if any(continuation.asked(given.get(k)) for k in ("include_usage", "continuous_usage_stats")):
+        return None
+    if members is None:
+        if len(body) >= LARGE_BODY:
+            return None
+        members = _decode_members(body)
+    members["stream_options"] = msgspec.Raw(_encode({**given, "include_usage": _TRUE}))
     return _encode(members)
 
 
@@ -339,7 +378,7 @@ class _Refused(msgspec.Struct):
 _KINDS = {
     kind.__name__: kind for kind in (Fields, TokenFields, LargePromptFields, LargePromptTokenFields)
 }
-_SPANNED = ("kv_transfer_params", "max_tokens", "max_completion_tokens")
+_SPANNED = ("kv_transfer_params", "max_tokens", "max_completion_tokens", "stream_options")
 
 
 def _fields_elsewhere(

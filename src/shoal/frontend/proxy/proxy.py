@@ -28,6 +28,8 @@ from shoal.frontend.proxy.fields import (
     LARGE_BODY,
     NO_KV_TRANSFER_PARAMS,
     Fields,
+    WithTokens,
+    asking_usage,
     decode_fields,
     fields_later,
 )
@@ -39,6 +41,7 @@ from shoal.frontend.proxy.headers import (
     REQUEST_HEADERS_DROPPED,
     hop_by_hop,
 )
+from shoal.frontend.proxy.migration import CHAT_PATH, COMPLETIONS_PATH
 from shoal.frontend.proxy.routed import VirtualForward
 from shoal.frontend.registry.metrics import UNKNOWN_MODEL, FrontendMetrics, ModelStats
 from shoal.frontend.registry.registry import Model, Registry
@@ -236,6 +239,23 @@ class Proxy:
         else:
             message = f"The model `{name}` does not serve {kind} requests."
             self._refuse(client, errors.bad_request(message, param="model"), name)
+
+    def ask_usage(self, request: Request, fields: WithTokens) -> bool:
+        """Whether a key's request, a streamed chat or text completion its client asked no
+        usage event of, now asks its engine for one (the body rewritten: `asking_usage`): the
+        key is charged the engine's count, and `Metered` keeps the event from the client. Not
+        for a virtual model with a provider among its targets: an OpenAI-compatible API may
+        refuse the member (Mistral's answers 422), and charges as it sends."""
+        if not fields.stream or (request.path != CHAT_PATH and request.path != COMPLETIONS_PATH):
+            return False
+        virtual = self.virtual.get(fields.model or "")
+        if virtual is not None and not virtual.fleet_only:
+            return False
+        body = asking_usage(request.body, fields.stream_options, request.members)
+        if body is None:
+            return False
+        request.rewrite(body)
+        return True
 
     def may_rebuild(self) -> bool:
         """Whether a request's body may be sent rebuilt from its top-level members: a virtual

@@ -174,6 +174,8 @@ class VirtualModel:
         self.weighted = tuple(c for c in self.choices if c.weight > 0)
         # a target serves it under another name: a request's body is rewritten for it
         self.renames = any(c.served != self.name for c in self.weighted)
+        # no provider among its targets: a key's stream may ask for the usage (`Proxy.ask_usage`)
+        self.fleet_only = all(isinstance(c, FleetChoice) for c in self.weighted)
         self._cum: list[int] = list(itertools.accumulate(c.weight for c in self.weighted))
 
     @property
