@@ -149,3 +149,40 @@ async def test_an_etcd_watch_left_unread_catches_up_a_fragment_at_a_time(
         await watch.aclose()
         await writer.close()
         await reader.close()
+
+
+@pytest.mark.etcd
+async def test_an_etcd_watch_caught_up_by_replay_misses_no_change_of_a_revision_split_in_fragments(
+    own_etcd: EtcdServer,
+) -> None:
+    """A watch of several prefixes catches up on what came before its watchers by a replay
+    of etcd's history, which stopped once it saw etcd's revision at their creation. etcd
+    splits a response into fragments by size (`--max-request-bytes` and 512 KiB: 2 MiB),
+    not at revisions: the replay stopped at the first change of that revision, and lost
+    the others, in the next fragment, for good (the watchers start after it). Here the
+    last revision is a `put_many` of two values of 0.2 MiB after changes of 1 and 0.7 MiB:
+    the response of the four is split between the two of the last revision."""
+    a, b = "frag/a/", "frag/b/"
+    store = await open_store(own_etcd.url)
+    try:
+        await store.put_many([(f"{a}{i}", b"small") for i in range(4)])
+        since = (await store.get_prefix(a)).revision
+        await store.put(f"{a}big", VALUE)
+        await store.put(f"{a}large", b"l" * (MIB * 7 // 10))
+        fifth = b"f" * (MIB // 5)
+        await store.put_many([(f"{a}x", fifth), (f"{b}y", fifth)])  # (one revision)
+        watch = store.watch_prefixes((a, b), since + 1)
+        try:
+            first = await asyncio.wait_for(anext(watch), 10)  # (its watchers are made)
+            assert not isinstance(first, Resync), "caught up by a replay, not a listing"
+            await store.put(f"{a}after", b"1")
+            keys = [first.key]
+            while f"{a}after" not in keys:
+                event = await asyncio.wait_for(anext(watch), 10)
+                assert not isinstance(event, Resync), "caught up by a replay, not a listing"
+                keys.append(event.key)
+        finally:
+            await watch.aclose()
+        assert keys == [f"{a}big", f"{a}large", f"{a}x", f"{b}y", f"{a}after"]
+    finally:
+        await store.close()

@@ -492,9 +492,10 @@ class EtcdStore(Store):
         """The changes after `since` up to `now` under `prefixes`, in revision order (etcd's
         events), from etcd's history: one watcher over the whole keyspace. It must see every
         key, not only the prefixes: the write at revision `now` (every revision is a write
-        of some key) is the sign that the replay is complete, since etcd 3.4 does not say when a catching-up
-        watcher is done (before 3.4.25 its progress notification may come before the
-        events). None (the caller reads the keys instead) when the history is compacted,
+        of some key), at the end of a response that is not a fragment (etcd splits one by
+        size, a revision's changes too), is the sign that the replay is complete, since
+        etcd 3.4 does not say when a catching-up watcher is done (before 3.4.25 its progress
+        notification may come before the events). None (the caller reads the keys instead) when the history is compacted,
         the watch is refused (a user who may read only some prefixes: not tried again), or
         the replay passes `HISTORY_BYTES` or `HISTORY_TIMEOUT`."""
         ranges = [_range_of(p) for p in distinct_prefixes(prefixes)]
@@ -547,8 +548,8 @@ class EtcdStore(Store):
                         if received > HISTORY_BYTES:
                             return None
                         await asyncio.sleep(0)
-                    if seen >= now:
-                        break
+                    if seen >= now and not resp.fragment:
+                        break  # (a fragment's last revision may go on in the next one)
                 else:
                     return None
         except TimeoutError:
