@@ -61,6 +61,7 @@ class RelayStats:
         self.flying = 0  # payload bytes of every member's records in flight
         self.flying_records = 0  # and those records
         self.starved = False  # the sender waits for records in flight to be retired
+        self.answers_dropped = 0  # acknowledgements nats-py dropped (slow consumer): sent again
         self.subscriptions = KvStats()
         self.short: set[Member] = set()  # members waiting for `queued_bytes` to go down
 

@@ -63,6 +63,7 @@ BUFFER = 10_000  # records queued per member while NATS does not take them
 BACKOFF_MAX = 5.0  # seconds between two tries to reach NATS, at most
 YIELD_SECONDS = 0.005  # applying a view yields to the event loop after this long
 CHANGES_PER_TURN = 16  # members joined or left before yielding (their sockets made or closed next)
+DROPS_TOLD_EVERY = 10.0  # seconds between two warnings of acknowledgements dropped
 
 
 @dataclass
@@ -137,6 +138,7 @@ class KvRelay:
         self._applying: asyncio.Task[None] | None = None
         self._checking: asyncio.Task[None] | None = None  # the stream, after one went missing
         self.stream_differs: dict[str, dict[str, float | None]] = {}  # its settings, not ours
+        self._drops_told = -DROPS_TOLD_EVERY  # when dropped acknowledgements were last logged
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -369,7 +371,7 @@ class KvRelay:
         )
         made.append(nc)
         try:
-            acks = AckInbox(nc, self._no_stream)
+            acks = AckInbox(nc, self._no_stream, 2 * self.config.inflight_records + 256)
             await acks.start()
         except BaseException:
             with contextlib.suppress(Exception):
@@ -413,6 +415,18 @@ class KvRelay:
             self.nats_error = why
 
     async def _error(self, exc: Exception) -> None:
+        if isinstance(exc, nats.errors.SlowConsumerError):  # an answer dropped: sent again
+            self.stats.answers_dropped += 1
+            if self._acks is not None:
+                self._acks.dropped(exc.subject)
+            now = asyncio.get_running_loop().time()
+            if now - self._drops_told >= DROPS_TOLD_EVERY:
+                self._drops_told = now
+                log.warning(
+                    "kv relay: nats-py dropped acknowledgements (slow consumer; %d so far): "
+                    "their records are sent again", self.stats.answers_dropped,
+                )  # fmt: skip
+            return
         self.nats_error = str(exc) or type(exc).__name__
 
     def _note_down(self, why: str) -> None:

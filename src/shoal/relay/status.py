@@ -123,6 +123,11 @@ class _Figures:
             ),
             ("resnapshots", "resnapshot records published or queued", stats.resnapshots),
             ("publish_errors", "publishes that failed (retried)", stats.publish_errors),
+            (
+                "answers_dropped",
+                "acknowledgements nats-py dropped, its queue full (records sent again)",
+                stats.answers_dropped,
+            ),
             ("replays", "replays asked of workers", subs.replays),
             ("batches_received", "batches read from workers", subs.batches),
             ("decode_errors", "worker messages that could not be read", subs.decode_errors),

@@ -30,9 +30,11 @@ a worker's own numbering:
   flush task, so its batches are applied in the order they came); an instance whose queue
   of batches to apply fills up is resnapshotted.
 
-A reader that gets past records the stream no longer holds (removed by retention before it
-read them: after a reconnection, or once nats-py made its ordered consumer again) has lost
-some: every instance followed is dropped and rebuilt from what follows. So with a stream deleted and
+nats-py's queue of records read ahead holds `READ_AHEAD_BYTES` and `READ_AHEAD_MSGS` at most;
+records it drops past that (a slow consumer) are counted (`stream_drops`), logged, and read
+again from the first one dropped, once those before it are read. A reader that gets past
+records the stream no longer holds (removed by retention before it read them: after a
+reconnection, or once nats-py made its ordered consumer again) has lost some: every instance followed is dropped and rebuilt from what follows. So with a stream deleted and
 made again (numbered from 1; a NATS server back without its storage), seen when the reader
 connects and every `STREAM_CHECK` seconds: it is read from its start. NATS unreachable: retried
 with backoff, the index kept as it is meanwhile; `connected` and `error` (`/health`) follow
@@ -78,6 +80,9 @@ DECODED_COST = 16  # and per byte of its payload, kept decoded (measured: 5-9, 8
 STREAM_CHECK = 5.0  # seconds between two looks at the stream read (deleted, made again?)
 LOSE_SLICE = 4096  # batches kept dropped per turn of the loop at a loss of every instance's
 BACKOFF_MAX = 5.0
+# nats-py's queue of records read, not yet handled here (its defaults: 524,288, 256 MiB)
+READ_AHEAD_BYTES, READ_AHEAD_MSGS = 16 << 20, 16_384  # (a record: ~720 bytes besides its own)
+DROPS_TOLD_EVERY = 10.0  # seconds between two warnings of records dropped
 StreamKey = tuple[str, int]  # (namespace, instance id)
 
 
@@ -189,6 +194,10 @@ class KvStreamReader:
         self._told: set[str] = set()  # the errors logged since the last connection
         self._task: asyncio.Task[None] | None = None
         self._created: datetime | None = None  # when the stream read was made
+        self._sub: JetStreamContext.PushSubscription | None = None  # the consumer read now
+        self._dropped: int | None = None  # the first record nats-py dropped of it
+        self._drops_told = -DROPS_TOLD_EVERY  # when dropped records were last logged
+        self._delay = 0.1  # before connecting again
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kv-stream")
@@ -362,9 +371,7 @@ class KvStreamReader:
 
     async def _run(self) -> None:
         import nats
-        from nats.js import api
 
-        delay = 0.1
         while True:
             nc: Client | None = None
             try:
@@ -377,38 +384,10 @@ class KvStreamReader:
                     error_cb=self._error,
                 )
                 js = nc.jetstream()
-                if self._made_again(await js.stream_info(self.stream)):
-                    await self._lose_all()
-                start = self.last_stream_seq + 1
-                sub = await js.subscribe(
-                    f"{layout.SUBJECT_PREFIX}.>",
-                    stream=self.stream,
-                    ordered_consumer=True,
-                    config=api.ConsumerConfig(
-                        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start
-                    )
-                    if start > 1
-                    else None,
-                    deliver_policy=None if start > 1 else api.DeliverPolicy.ALL,
-                    idle_heartbeat=2.0,
-                )
-                self.connected, self.error, delay = True, None, 0.1
-                self._told.clear()
-                log.info("kv stream: reading %s from record %d", self.stream, start)
-                reading = asyncio.ensure_future(self._read(sub, js))
-                made_again = False
-                try:  # the stream itself looked at now and then: deleted, made again?
-                    while not (await asyncio.wait({reading}, timeout=STREAM_CHECK))[0]:
-                        if made_again := self._made_again(await js.stream_info(self.stream)):
-                            break  # read again from the new one's start
-                    else:
-                        reading.result()  # (its failure)
-                finally:
-                    reading.cancel()
-                    with contextlib.suppress(BaseException):
-                        await reading
-                if made_again:  # (once nothing is read of the old one)
-                    await self._lose_all()
+                # (nats-py's queue: two of the largest records the server takes fit, at least)
+                read_ahead = max(READ_AHEAD_BYTES, 2 * nc.max_payload + 1)
+                while await self._consume(js, read_ahead):
+                    continue  # (records nats-py dropped, a stream made again: read again)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -422,8 +401,53 @@ class KvStreamReader:
                     self.connected = False  # (before its callbacks: this one is let go)
                     with contextlib.suppress(Exception):
                         await nc.close()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, BACKOFF_MAX)
+            await asyncio.sleep(self._delay)
+            self._delay = min(self._delay * 2, BACKOFF_MAX)
+
+    async def _consume(self, js: JetStreamContext, read_ahead: int) -> bool:
+        """Read the stream with one ordered consumer, from the record after the last one
+        read; True when it is to be read again on this connection (records nats-py dropped:
+        from the first of them; a stream made again: from its start)."""
+        from nats.js import api
+
+        if self._made_again(await js.stream_info(self.stream)):
+            await self._lose_all()
+        start = self.last_stream_seq + 1
+        at = api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start
+        )
+        sub = await js.subscribe(
+            f"{layout.SUBJECT_PREFIX}.>",
+            stream=self.stream,
+            ordered_consumer=True,
+            config=at if start > 1 else None,
+            deliver_policy=None if start > 1 else api.DeliverPolicy.ALL,
+            idle_heartbeat=2.0,
+            pending_msgs_limit=READ_AHEAD_MSGS,
+            pending_bytes_limit=read_ahead,
+        )
+        self._sub, self._dropped, self._delay = sub, None, 0.1
+        self.connected, self.error = True, None
+        self._told.clear()
+        log.info("kv stream: reading %s from record %d", self.stream, start)
+        reading = asyncio.ensure_future(self._read(sub, js))
+        made_again = False
+        try:  # the stream itself looked at now and then: deleted, made again?
+            while not (await asyncio.wait({reading}, timeout=STREAM_CHECK))[0]:
+                if made_again := self._made_again(await js.stream_info(self.stream)):
+                    break  # read again from the new one's start
+            else:
+                reading.result()  # (its failure)
+        finally:
+            self._sub = None
+            reading.cancel()
+            with contextlib.suppress(BaseException):
+                await reading
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if made_again:  # (once nothing is read of the old one)
+            await self._lose_all()
+        return made_again or self._dropped is not None
 
     # nats-py's callbacks: the state shown follows the connection at once (nats-py reconnects
     # on its own, so the reading above only noticed with its next look at the stream), and
@@ -440,6 +464,12 @@ class KvStreamReader:
         log.info("kv stream %s: reconnected to NATS", self.stream)
 
     async def _error(self, exc: Exception) -> None:
+        from nats.errors import SlowConsumerError
+
+        if isinstance(exc, SlowConsumerError):  # (of the one subscription: the consumer)
+            if self._sub is not None:
+                self._slow(exc.reply)
+            return
         why = str(exc) or type(exc).__name__
         if why not in self._told and len(self._told) < 16:  # (until connected again)
             self._told.add(why)
@@ -447,10 +477,31 @@ class KvStreamReader:
         if not self.connected:
             self.error = why
 
+    def _slow(self, reply: str) -> None:
+        """nats-py dropped the record acknowledged by `reply` (its queue full): counted, told
+        (every `DROPS_TOLD_EVERY` s at most), read again once those before it are (`_read`)."""
+        from nats.aio.msg import Msg
+
+        try:
+            metadata = Msg(_client=None, reply=reply).metadata  # type: ignore[arg-type]
+        except Exception:  # (not a record's: an answer of the JetStream API)
+            return
+        if metadata.stream == self.stream:
+            seq = metadata.sequence.stream
+            self.stats.stream_drops += 1
+            self._dropped = seq if self._dropped is None else min(self._dropped, seq)
+            now = asyncio.get_running_loop().time()
+            if now - self._drops_told >= DROPS_TOLD_EVERY:
+                self._drops_told = now
+                log.warning("kv stream %s: nats-py dropped records (slow consumer; %d so far): read again from record %d", self.stream, self.stats.stream_drops, seq)  # fmt: skip
+
     async def _read(self, sub: JetStreamContext.PushSubscription, js: JetStreamContext) -> None:
+        """Apply the records; return once every one before the first nats-py dropped is."""
         pace = Pace()
         async for msg in sub.messages:
             seq, last = msg.metadata.sequence.stream, self.last_stream_seq
+            if self._dropped is not None and seq >= self._dropped:
+                return  # (read again from the first dropped: nothing after it applied first)
             if last and seq > last + 1 and await self._gone(js, last + 1):
                 # (read again after a reconnection, or by the ordered consumer made again
                 # after a lost one: either starts at the first record the stream still has)
@@ -462,6 +513,8 @@ class KvStreamReader:
                 await self._lose_all()
             self.last_stream_seq = seq
             self.record(msg.subject, msg.headers or {}, msg.data)
+            if self._dropped is not None and not sub.pending_msgs:
+                return
             await pace.step()
 
     async def _gone(self, js: JetStreamContext, seq: int) -> bool:
