@@ -10,6 +10,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
+from shoal.frontend.kv import kept
 from shoal.frontend.kv import stream as kv_stream
 from shoal.frontend.kv.stream import KvStreamReader
 from shoal.kv import AllBlocksCleared, KVEventBatch, encode_batch
@@ -82,7 +83,7 @@ async def test_a_loss_drops_a_full_ledger_a_slice_per_turn_of_the_loop(
     assert reader.ledger.live == 30 * 4096
     applied: list[float] = []
     reader.follow(("ns", 1), lambda b: applied.append(b.ts), lambda: None)
-    turns = LoopTurns().wrap(kv_stream._Ledger, "gone")
+    turns = LoopTurns().wrap(kept.Ledger, "gone")
     reader.start()
     try:
         await publish(nc, 1, 0)

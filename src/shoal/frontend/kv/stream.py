@@ -16,7 +16,7 @@ a worker's own numbering:
 - the records of an instance no `follow` asked for yet (the registry has not verified its
   card, or routes elsewhere) are kept as they came (their payload, decoded when applied), at
   most `PENDING_BATCHES` of them from its last loss on, `PENDING_BYTES` for all instances
-  (each counted as its payload and `KEPT_COST` for the objects keeping it: older ones leave
+  (each counted as its payload and `KEPT_COST` for the objects keeping it, `kept.Ledger`: older ones leave
   first, forgetting is safe, and an instance left with none and not followed is forgotten
   too), and applied when it is followed, so a frontend started late is caught up from the
   stream; a `left` record drops them (one that comes while the instance is followed is
@@ -46,14 +46,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from shoal.frontend.kv.kept import Instance, Ledger, StreamKey
 from shoal.kv import AllBlocksCleared, KVEventBatch, decode_batch
 from shoal.kv import stream as layout
 from shoal.kv.sliced import decode_batch_in_slices, decoded_at_once
@@ -74,102 +73,15 @@ log = logging.getLogger(__name__)
 
 PENDING_BATCHES = 4096  # kept per instance not yet followed
 PENDING_BYTES = 64 << 20  # bytes of the batches kept for all instances at once
-KEPT_COST = 224  # bytes a kept batch holds beyond its payload (measured: ~200)
 MAX_UNFOLLOWED = 16_384  # instances not followed known at once (~400 bytes each, and batches)
-DECODED_COST = 16  # and per byte of its payload, kept decoded (measured: 5-9, 80 for tiny ones)
 STREAM_CHECK = 5.0  # seconds between two looks at the stream read (deleted, made again?)
 LOSE_SLICE = 4096  # batches kept dropped per turn of the loop at a loss of every instance's
 BACKOFF_MAX = 5.0
-# nats-py's queue of records read, not yet handled here (its defaults: 524,288, 256 MiB)
-READ_AHEAD_BYTES, READ_AHEAD_MSGS = 16 << 20, 16_384  # (a record: ~720 bytes besides its own)
+# nats-py's queue of records read and not handled here yet (its defaults: 524,288 records,
+# 256 MiB): at most so many bytes of payload, and records (~720 bytes each besides)
+READ_AHEAD_BYTES = 16 << 20
+READ_AHEAD_MSGS = 16_384
 DROPS_TOLD_EVERY = 10.0  # seconds between two warnings of records dropped
-StreamKey = tuple[str, int]  # (namespace, instance id)
-
-
-@dataclass(eq=False, slots=True)
-class _Kept:
-    """A batch kept until it is applied: its payload (`batch` when it is kept decoded), and
-    what it is counted for."""
-
-    payload: bytes
-    batch: KVEventBatch | None
-    size: int
-    live: bool = True
-
-
-class _Ledger:
-    """Every instance's kept batches in the order they came, and their bytes: past
-    `PENDING_BYTES` the oldest go first (`KvStreamReader._trim`). A batch leaves `order` as
-    soon as it is no longer kept, in O(1): entries that stayed until a compaction held their
-    batches (1,024 applied batches of a long prefill: ~1.5 GB), and the compaction made the
-    order again in one step (~285,000 tiny batches kept: ~37 ms of the loop)."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.live = 0
-        self.order: OrderedDict[_Kept, _Instance] = OrderedDict()
-
-    def gone(self, kept: _Kept) -> None:
-        if kept.live:
-            kept.live = False
-            self.bytes -= kept.size
-            self.live -= 1
-            del self.order[kept]
-            kept.payload, kept.batch = b"", None
-
-
-_NO_BATCHES: deque[_Kept] = deque(maxlen=0)  # every instance's with none kept (760 bytes)
-
-
-@dataclass(eq=False, slots=True)
-class _Instance:
-    """One instance's place in the stream, and where its batches go."""
-
-    ledger: _Ledger
-    key: StreamKey
-    last_seq: int = -1  # the worker's number of the last batch applied (-1: none known)
-    last_ts: float = 0.0  # and its timestamp
-    pending: deque[_Kept] = field(default_factory=lambda: _NO_BATCHES)
-    apply: Callable[[KVEventBatch], None] | None = None
-    purge: Callable[[], None] | None = None
-    flushing: asyncio.Task[None] | None = None
-    losses: int = 0  # a batch being applied in slices stops when this moves
-    left: bool = False  # a `left` came while it was followed: forgotten when unfollowed
-
-    def keep(self, payload: bytes, batch: KVEventBatch | None = None) -> None:
-        size = KEPT_COST + len(payload) * (1 if batch is None else DECODED_COST)
-        kept = _Kept(payload, batch, size)
-        if self.pending is _NO_BATCHES:
-            self.pending = deque()
-        self.pending.append(kept)
-        ledger = self.ledger
-        ledger.bytes += size
-        ledger.live += 1
-        ledger.order[kept] = self
-
-    def take(self) -> tuple[bytes, KVEventBatch | None]:
-        """The oldest batch kept, no longer kept: its payload, and its events when it was
-        kept decoded."""
-        kept = self.pending.popleft()
-        taken = kept.payload, kept.batch
-        self.ledger.gone(kept)
-        if not self.pending:
-            self.pending = _NO_BATCHES  # (an emptied deque keeps 16 blocks of 64 for reuse: 8 KB)
-        return taken
-
-    def clear(self) -> None:
-        for kept in self.pending:
-            self.ledger.gone(kept)
-        self.pending = _NO_BATCHES
-
-    def lose(self, after: bool = False) -> None:
-        """What is held of this instance may be wrong: drop it, and the batches kept
-        unless they came `after` what was lost (an unreadable batch its flush task took)."""
-        self.losses += 1
-        if not after:
-            self.clear()
-        if self.purge is not None:
-            self.purge()
 
 
 def _blocks(batch: KVEventBatch) -> int:
@@ -185,17 +97,19 @@ class KvStreamReader:
         self.urls = [u for u in url.split(",") if u]
         self.stream = stream
         self.stats = stats or KvStats()
-        self.instances: dict[StreamKey, _Instance] = {}
+        self.instances: dict[StreamKey, Instance] = {}
         self.unfollowed: dict[StreamKey, None] = {}  # those not followed, read least recently first
-        self.ledger = _Ledger()  # the batches kept, of every instance
+        self.ledger = Ledger()  # the batches kept, of every instance
         self.last_stream_seq = 0  # the stream sequence of the last record read
         self.connected = False
         self.error: str | None = None
         self._told: set[str] = set()  # the errors logged since the last connection
         self._task: asyncio.Task[None] | None = None
         self._created: datetime | None = None  # when the stream read was made
+        self._js: JetStreamContext | None = None
         self._sub: JetStreamContext.PushSubscription | None = None  # the consumer read now
         self._dropped: int | None = None  # the first record nats-py dropped of it
+        self._stopping: asyncio.Task[None] | None = None  # and its consumer being deleted
         self._drops_told = -DROPS_TOLD_EVERY  # when dropped records were last logged
         self._delay = 0.1  # before connecting again
 
@@ -230,7 +144,7 @@ class KvStreamReader:
         """Send `key`'s batches to `apply` (those kept so far first, yielding as it goes)."""
         instance = self.instances.get(key)
         if instance is None:
-            instance = self.instances[key] = _Instance(self.ledger, key)
+            instance = self.instances[key] = Instance(self.ledger, key)
         self.unfollowed.pop(key, None)
         instance.apply, instance.purge = apply, purge
         if instance.pending:
@@ -266,7 +180,7 @@ class KvStreamReader:
             instance.clear()
         self.unfollowed.pop(key, None)
 
-    def _deliver(self, instance: _Instance, payload: bytes) -> None:
+    def _deliver(self, instance: Instance, payload: bytes) -> None:
         """Apply the batch now when it is small and nothing waits before it; else queue it
         for the instance's flush task, which applies it in slices, yielding between them
         (and decodes it in slices when it is more than one: `decoded_at_once`). Kept
@@ -291,7 +205,7 @@ class KvStreamReader:
         self._start_flush(instance)
         self._trim()
 
-    def _decode(self, instance: _Instance, payload: bytes) -> KVEventBatch | None:
+    def _decode(self, instance: Instance, payload: bytes) -> KVEventBatch | None:
         """The batch in `payload`; None for one that cannot be read (a loss: the instance
         is resnapshotted)."""
         try:
@@ -300,7 +214,7 @@ class KvStreamReader:
             return self._decoded(instance, None)
 
     async def _batch(
-        self, instance: _Instance, payload: bytes, decoded: KVEventBatch | None
+        self, instance: Instance, payload: bytes, decoded: KVEventBatch | None
     ) -> KVEventBatch | None:
         """The batch of a `payload` taken by the flush task (`decoded`: kept decoded), as
         `_decode` gives it (those kept after it are kept on a loss): decoded in slices (`decode_batch_in_slices`), yielding between
@@ -314,7 +228,7 @@ class KvStreamReader:
             return self._decoded(instance, None, True)
 
     def _decoded(
-        self, instance: _Instance, batch: KVEventBatch | None, taken: bool = False
+        self, instance: Instance, batch: KVEventBatch | None, taken: bool = False
     ) -> KVEventBatch | None:
         """`batch` counted; None (unreadable) a loss: the instance is resnapshotted (the
         batches kept after it stay when it was `taken` by the flush task)."""
@@ -340,11 +254,11 @@ class KvStreamReader:
             else:
                 self._resnapshot(instance)
 
-    def _start_flush(self, instance: _Instance) -> None:
+    def _start_flush(self, instance: Instance) -> None:
         if instance.flushing is None:
             instance.flushing = asyncio.create_task(self._flush(instance), name="kv-stream-flush")
 
-    async def _flush(self, instance: _Instance) -> None:
+    async def _flush(self, instance: Instance) -> None:
         pace = Pace()
         try:
             while instance.pending and instance.apply is not None:
@@ -405,9 +319,8 @@ class KvStreamReader:
             self._delay = min(self._delay * 2, BACKOFF_MAX)
 
     async def _consume(self, js: JetStreamContext, read_ahead: int) -> bool:
-        """Read the stream with one ordered consumer, from the record after the last one
-        read; True when it is to be read again on this connection (records nats-py dropped:
-        from the first of them; a stream made again: from its start)."""
+        """Read the stream with an ordered consumer from the record after the last one read;
+        True to read it again (from the first record nats-py dropped, or a new stream's start)."""
         from nats.js import api
 
         if self._made_again(await js.stream_info(self.stream)):
@@ -426,7 +339,7 @@ class KvStreamReader:
             pending_msgs_limit=READ_AHEAD_MSGS,
             pending_bytes_limit=read_ahead,
         )
-        self._sub, self._dropped, self._delay = sub, None, 0.1
+        self._js, self._sub, self._dropped, self._delay = js, sub, None, 0.1
         self.connected, self.error = True, None
         self._told.clear()
         log.info("kv stream: reading %s from record %d", self.stream, start)
@@ -479,21 +392,35 @@ class KvStreamReader:
 
     def _slow(self, reply: str) -> None:
         """nats-py dropped the record acknowledged by `reply` (its queue full): counted, told
-        (every `DROPS_TOLD_EVERY` s at most), read again once those before it are (`_read`)."""
+        (every `DROPS_TOLD_EVERY` s at most), its consumer stopped at the first (`_stop`), and
+        read again from it once the records queued before it are read (`_read`)."""
         from nats.aio.msg import Msg
 
-        try:
-            metadata = Msg(_client=None, reply=reply).metadata  # type: ignore[arg-type]
-        except Exception:  # (not a record's: an answer of the JetStream API)
-            return
-        if metadata.stream == self.stream:
-            seq = metadata.sequence.stream
-            self.stats.stream_drops += 1
-            self._dropped = seq if self._dropped is None else min(self._dropped, seq)
-            now = asyncio.get_running_loop().time()
-            if now - self._drops_told >= DROPS_TOLD_EVERY:
-                self._drops_told = now
-                log.warning("kv stream %s: nats-py dropped records (slow consumer; %d so far): read again from record %d", self.stream, self.stats.stream_drops, seq)  # fmt: skip
+        if self._dropped is None:  # (the first: those after it come after it, in order)
+            try:
+                metadata = Msg(_client=None, reply=reply).metadata  # type: ignore[arg-type]
+            except Exception:  # (not a record's: an answer of the JetStream API)
+                return
+            if metadata.stream != self.stream:
+                return
+            self._dropped = metadata.sequence.stream
+            self._stopping = asyncio.create_task(self._stop(metadata.consumer))
+        self.stats.stream_drops += 1
+        now = asyncio.get_running_loop().time()
+        if now - self._drops_told >= DROPS_TOLD_EVERY:
+            self._drops_told = now
+            log.warning(
+                "kv stream %s: nats-py dropped records (slow consumer; %d so far): "
+                "read again from record %d", self.stream, self.stats.stream_drops, self._dropped,
+            )  # fmt: skip
+
+    async def _stop(self, consumer: str) -> None:
+        """The server sends no more of `consumer`'s records: nats-py would drop them all (its
+        flow control answers as it drops: the rest of the stream came, 1.1 M drops for
+        300,000 records), and they are read again from the first dropped."""
+        with contextlib.suppress(Exception):  # (gone already, or the connection: as well)
+            if self._js is not None:
+                await self._js.delete_consumer(self.stream, consumer)
 
     async def _read(self, sub: JetStreamContext.PushSubscription, js: JetStreamContext) -> None:
         """Apply the records; return once every one before the first nats-py dropped is."""
@@ -566,7 +493,7 @@ class KvStreamReader:
                 instance.left = True  # (the registry unfollows it soon: forgotten then)
             return
         if instance is None:
-            instance = self.instances[key] = _Instance(self.ledger, key)
+            instance = self.instances[key] = Instance(self.ledger, key)
         if instance.apply is None:
             self._not_followed(key)
         try:
@@ -595,6 +522,6 @@ class KvStreamReader:
         self.stats.batches += 1
         self._deliver(instance, bytes(payload))
 
-    def _resnapshot(self, instance: _Instance, after: bool = False) -> None:
+    def _resnapshot(self, instance: Instance, after: bool = False) -> None:
         self.stats.resnapshots += 1
         instance.lose(after)
