@@ -151,18 +151,21 @@ async def test_every_run_and_namespace_of_an_instance_id_has_its_left_stored(
     await wait_for(lambda: relay.stats.relayed == 3 and not relay._departing, timeout=10)
     nc = await nats.connect(nats_server.url)
     reader = KvStreamReader(nats_server.url, STREAM)
-    kinds: list[str] = []
+    kinds: dict[str, list[str]] = {}  # per subject (the members take turns: subjects mix)
     try:
         js = nc.jetstream()
         total = (await js.stream_info(STREAM)).state.messages
         sub = await js.subscribe(f"{layout.SUBJECT_PREFIX}.>", stream=STREAM, ordered_consumer=True)
         for _ in range(total):
             msg = await sub.next_msg(timeout=5)
-            kinds.append((msg.headers or {}).get(layout.KIND, ""))
+            kinds.setdefault(msg.subject, []).append((msg.headers or {}).get(layout.KIND, ""))
             reader.record(msg.subject, msg.headers or {}, msg.data)
     finally:
         await nc.close()
-    assert kinds == ["joined", "batch", "left"] * 3
+    assert kinds == {
+        layout.subject("ns", 1): ["joined", "batch", "left"] * 2,  # (the runs never mix)
+        layout.subject("other", 1): ["joined", "batch", "left"],
+    }
     assert not reader.instances and reader.ledger.bytes == 0
 
 
@@ -209,3 +212,39 @@ async def test_a_relay_follows_more_instances_than_zmqs_default_socket_bound(
     await asyncio.sleep(0)  # (one turn of the loop: each subscription's first step, its socket)
     failed = [task for task in tasks if task is not None and task.done()]
     assert not failed, f"{len(failed)} subscriptions died"
+
+
+async def test_acknowledgements_nats_py_drops_send_their_records_again_at_once(
+    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """nats-py queued up to 524,288 acknowledgements (128 MiB) for the relay whatever its
+    records in flight; one it dropped past that (a slow consumer) was taken for a NATS error
+    (`nats_error`, in `/health`) and its record waited the publish timeout to be sent again.
+    Now the queue holds about twice the relay's budget of records in flight (here 16, and
+    `ANSWER_BYTES` made 1: a few answers), and a dropped answer is counted, logged, and its
+    record sent again at once (same id): every batch is stored once, in order."""
+    from shoal.relay import acks
+
+    monkeypatch.setattr(acks, "ANSWER_BYTES", 1, raising=False)
+    config = RelayConfig(
+        nats_urls=(nats_server.url,), stream=STREAM, publish_timeout=60, inflight_records=16
+    )
+    relay = KvRelay(config)
+    await relay.start()
+    try:
+        await wait_for(lambda: relay.connected.is_set())
+        member = fed(relay, 1, buffer=1000)
+        for seq in range(300):
+            member.apply(seq, batch(100.0 + seq))
+        stats = (
+            relay.stats
+        )  # (a record stored whose answer was dropped: a duplicate when sent again)
+        await wait_for(lambda: stats.relayed + stats.duplicates == 300, timeout=30)
+        assert stats.answers_dropped > 0, "no answer dropped: the queue was not bounded"
+        assert relay.nats_error is None
+    finally:
+        await relay.stop()
+    assert await records(nats_server.url) == [("joined", "")] + [
+        ("batch", str(seq)) for seq in range(300)
+    ]
+    assert any("dropped acknowledgements" in r.getMessage() for r in caplog.records)

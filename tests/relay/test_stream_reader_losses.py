@@ -10,6 +10,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
+from shoal.frontend.kv import kept
 from shoal.frontend.kv import stream as kv_stream
 from shoal.frontend.kv.stream import KvStreamReader
 from shoal.kv import AllBlocksCleared, KVEventBatch, encode_batch
@@ -82,7 +83,7 @@ async def test_a_loss_drops_a_full_ledger_a_slice_per_turn_of_the_loop(
     assert reader.ledger.live == 30 * 4096
     applied: list[float] = []
     reader.follow(("ns", 1), lambda b: applied.append(b.ts), lambda: None)
-    turns = LoopTurns().wrap(kv_stream._Ledger, "gone")
+    turns = LoopTurns().wrap(kept.Ledger, "gone")
     reader.start()
     try:
         await publish(nc, 1, 0)
@@ -100,3 +101,34 @@ async def test_a_loss_drops_a_full_ledger_a_slice_per_turn_of_the_loop(
         await reader.close()
     assert turns.on_loop == 30 * 4096
     assert turns.most_per_turn <= 2 * kv_stream.LOSE_SLICE, turns.most_per_turn
+
+
+async def test_records_nats_py_drops_for_a_slow_reader_are_read_again_from_the_stream(
+    nats_server: NatsServer,
+    nc: Client,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """nats-py queued up to 524,288 records (256 MiB) for the reader, whatever the reader's
+    own budget (64 MiB kept); past its limits it drops records and calls the error callback
+    (`SlowConsumerError`), which the reader only logged: the instance's index went on
+    without the dropped batches (its evictions kept for good), nothing dropped. Now the
+    subscription's limits are the reader's (`READ_AHEAD_MSGS`, here 16), a drop is counted
+    and logged, and the reader reads the stream again from the first record dropped: every
+    batch applied once, in order, no loss."""
+    monkeypatch.setattr(kv_stream, "READ_AHEAD_MSGS", 16, raising=False)
+    for seq in range(2000):  # one burst when the reader starts: far more than 16 at once
+        await publish(nc, 1, seq)
+    reader = KvStreamReader(nats_server.url, STREAM)
+    applied: list[float] = []
+    purges: list[int] = []
+    reader.follow(("ns", 1), lambda b: applied.append(b.ts), lambda: purges.append(1))
+    reader.start()
+    try:
+        await wait_for(lambda: reader.describe()["last_record"] == 2000, timeout=60)
+    finally:
+        await reader.close()
+    assert reader.stats.stream_drops > 0, "no record dropped: the queue was not bounded"
+    assert applied == [100.0 + seq for seq in range(2000)]
+    assert not purges and reader.stats.resnapshots == 0
+    assert any("slow" in r.getMessage() and "read again" in r.getMessage() for r in caplog.records)

@@ -78,7 +78,7 @@ def zmq_context() -> zmq.asyncio.Context:
 class KvStats:
     """Counters every subscription adds to, shown on `/metrics`."""
 
-    __slots__ = ("batches", "decode_errors", "events", "replays", "resnapshots")
+    __slots__ = ("batches", "decode_errors", "events", "replays", "resnapshots", "stream_drops")
 
     def __init__(self) -> None:
         self.batches = 0
@@ -86,6 +86,7 @@ class KvStats:
         self.replays = 0
         self.resnapshots = 0
         self.decode_errors = 0
+        self.stream_drops = 0  # records nats-py dropped for the stream reader (read again)
 
 
 class KvSubscription:

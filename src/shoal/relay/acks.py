@@ -7,6 +7,12 @@ subject). One subscription (`{inbox}.*`) receives every answer and hands it to t
 window, in order, and are retired in order (`Member.acknowledged`). A request per record
 (nats-py's `JetStreamContext.publish`) cost an inbox, a future and a `wait_for` each, and a
 round trip before the next one.
+
+The subscription's queue in nats-py holds at most `answers` answers (the relay's records in
+flight, twice: late answers to records sent again) and `answers * ANSWER_BYTES` of them, not
+nats-py's defaults (524,288 messages, 128 MiB). An answer nats-py drops past that (a slow
+consumer: its error callback) is a failure of its record (`dropped`): the member sends its
+records in flight again, same ids, and the stream refuses what it stored.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Callable
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from shoal.relay.member import DUPLICATE, FAILED, STORED, Member, Record
 
@@ -26,6 +33,7 @@ log = logging.getLogger(__name__)
 NO_RESPONDERS = "503"
 TOO_LARGE = 10054  # JetStream's "message size exceeds maximum allowed" (the stream's max_msg_size)
 YIELD_EVERY = 256  # answers handled before yielding to the event loop
+ANSWER_BYTES = 1024  # bytes an answer may take in nats-py's queue (a `PubAck`: ~60)
 
 
 class _ApiError(msgspec.Struct):
@@ -47,9 +55,13 @@ _decode = msgspec.json.Decoder(_PubAck).decode
 class AckInbox:
     """Reply subjects for records sent on `nc`, and the answers routed back to their member."""
 
-    def __init__(self, nc: Client, no_stream: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, nc: Client, no_stream: Callable[[], None] = lambda: None, answers: int = 8192
+    ) -> None:
         self.nc = nc
         self.no_stream = no_stream  # told when no stream takes a record's subject
+        self.answers = answers  # queued in nats-py at most (past that: dropped)
+        self.subscription: Subscription | None = None
         self.prefix = nc.new_inbox() + "."
         self.waiting: dict[str, tuple[Member, Record]] = {}
         self.refusing: str | None = None  # why the stream refused the last record answered
@@ -57,7 +69,25 @@ class AckInbox:
         self._answers = 0
 
     async def start(self) -> None:
-        await self.nc.subscribe(self.prefix + "*", cb=self._answer)
+        self.subscription = await self.nc.subscribe(
+            self.prefix + "*",
+            cb=self._answer,
+            pending_msgs_limit=self.answers,
+            pending_bytes_limit=self.answers * ANSWER_BYTES,
+        )
+
+    def dropped(self, subject: str) -> bool:
+        """nats-py dropped the answer sent to `subject` (its queue was full): its record
+        failed, to be sent again. False when it was not an answer awaited here."""
+        if not subject.startswith(self.prefix):
+            return False
+        entry = self.waiting.pop(subject[len(self.prefix) :], None)
+        if entry is None:
+            return False  # (a record sent again since, or not ours)
+        member, record = entry
+        record.token = ""
+        member.acknowledged(record, FAILED, "its acknowledgement was dropped (slow consumer)")
+        return True
 
     def reply(self, member: Member, record: Record) -> str:
         """The reply subject of `record`, now awaited."""

@@ -16,8 +16,11 @@ the records sent whose acknowledgement is awaited.
   when the stream acknowledges it and every record before it; one that fails (an error, no
   acknowledgement in time, the connection lost) sends it and every record after it again,
   with the same message ids (the stream refuses what it already stored).
+- Every member's records in flight are counted together too (`RelayStats.flying`,
+  `flying_records`): the relay's sender holds them to its relay-wide budget (`Turns`).
 - `notify(member)` tells the relay's sender the member has something to do: records to
-  send, room in its window again, a failure to handle, its `left` acknowledged.
+  send, room in its window again (or in the relay's budget, while the sender waits for it),
+  a failure to handle, its `left` acknowledged.
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ class RelayStats:
         self.resnapshots = 0  # resnapshot records queued
         self.publish_errors = 0
         self.queued_bytes = 0  # payload bytes of every member's records, queued or in flight
+        self.flying = 0  # payload bytes of every member's records in flight
+        self.flying_records = 0  # and those records
+        self.starved = False  # the sender waits for records in flight to be retired
+        self.answers_dropped = 0  # acknowledgements nats-py dropped (slow consumer): sent again
         self.subscriptions = KvStats()
         self.short: set[Member] = set()  # members waiting for `queued_bytes` to go down
 
@@ -213,10 +220,11 @@ class Member:
         was_full = self.window_full
         stats = self.stats
         newest = None
-        size = 0
+        size = retired = 0
         while inflight and inflight[0].outcome in (STORED, DUPLICATE):
             done = inflight.popleft()
             size += len(done.payload)
+            retired += 1
             self.flying -= len(done.payload)
             self.delay = 0.1
             if done.outcome == DUPLICATE:
@@ -227,9 +235,11 @@ class Member:
                 newest = done.ts
         if newest is not None:
             self.lag_ms = max(0.0, (time.time() - newest) * 1000)
+        stats.flying -= size
+        stats.flying_records -= retired
         if size:
             self._freed(size)
-        if was_full or (self.leaving and not inflight):
+        if was_full or (self.leaving and not inflight) or (retired and stats.starved):
             self.notify(self)
 
     def too_large(self, record: Record, why: str) -> None:
@@ -253,6 +263,8 @@ class Member:
         self.pending.popleft()
         self.inflight.append(record)
         self.flying += len(record.payload)
+        self.stats.flying += len(record.payload)
+        self.stats.flying_records += 1
 
     def expired(self, now: float, timeout: float) -> bool:
         return bool(self.inflight) and now - self.inflight[0].sent > timeout
@@ -264,6 +276,8 @@ class Member:
         for record in reversed(again):
             record.outcome = WAITING
             self.pending.appendleft(record)
+        self.stats.flying -= self.flying
+        self.stats.flying_records -= len(self.inflight)
         self.inflight.clear()
         self.flying = 0
         self.failed = None

@@ -3,12 +3,12 @@
 The loop, per member (an instance in the view that advertises a KV publisher): its
 `KvSubscription` hands over batches in sequence order (replay on connect and on gap,
 resnapshot when history is gone, publisher restarts seen); `Member` turns them into records
-(`shoal.kv.stream`) in a bounded queue; one sender task sends every member's queue to
+(`shoal.kv.stream`) in a bounded queue; one `Sender` task sends every member's queue to
 JetStream in order, up to `WINDOW` records ahead of their acknowledgements (`AckInbox`),
 sending again from the first one that failed or was not acknowledged in time (the same
-message ids). The sender waits `linger` seconds after the first record to send, so that the
-records of many members go out in one write to the socket (the write is the dearest part
-of a small record).
+message ids); the members take turns, one record each, within the relay's budget of
+records in flight (`inflight_bytes`, `inflight_records`), so a quiet member's batch waits
+one round of the others' at most, however many flood.
 
 The invariants, both ways:
 - Nothing blocks the subscription: a member's queue holds at most `buffer` records (and
@@ -54,14 +54,16 @@ from shoal.kv import stream as layout
 from shoal.kv.subscription import KvSubscription, zmq_context
 from shoal.membership import Membership
 from shoal.relay.acks import AckInbox
-from shoal.relay.member import BUFFER_BYTES, WINDOW, Member, MemberKey, Record, RelayStats
+from shoal.relay.member import BUFFER_BYTES, Member, MemberKey, Record, RelayStats
+from shoal.relay.sender import INFLIGHT_BYTES, INFLIGHT_RECORDS, Sender
 
 log = logging.getLogger(__name__)
 
 BUFFER = 10_000  # records queued per member while NATS does not take them
 BACKOFF_MAX = 5.0  # seconds between two tries to reach NATS, at most
-YIELD_SECONDS = 0.005  # the sender yields to the event loop after sending this long
+YIELD_SECONDS = 0.005  # applying a view yields to the event loop after this long
 CHANGES_PER_TURN = 16  # members joined or left before yielding (their sockets made or closed next)
+DROPS_TOLD_EVERY = 10.0  # seconds between two warnings of acknowledgements dropped
 
 
 @dataclass
@@ -77,6 +79,8 @@ class RelayConfig:
     buffer_bytes: int = BUFFER_BYTES
     publish_timeout: float = 2.0
     linger: float = 0.002  # seconds records gather before they are sent (one write for all)
+    inflight_bytes: int = INFLIGHT_BYTES  # payload of all members' records in flight, at most
+    inflight_records: int = INFLIGHT_RECORDS  # and records (`Turns`)
     creds: Path | None = None  # a NATS credentials file, read at every connection
 
 
@@ -114,13 +118,19 @@ class KvRelay:
         self._ctx = zmq_context()
         self._connector: asyncio.Task[None] | None = None
         self._leaving: set[asyncio.Task[None]] = set()
-        self._ready: dict[Member, None] = {}  # members with something to send or handle
-        self._work = asyncio.Event()
         self._departing: set[Member] = set()  # left the view; their `left` not acknowledged
         self._last_left: dict[MemberKey, Member] = {}  # of those, the last one of each key
-        self._sender: asyncio.Task[None] | None = None
-        self._watchdog: asyncio.TimerHandle | None = None
-        self._retry: asyncio.TimerHandle | None = None  # wakes the sender for a retry
+        self.sender = Sender(
+            self.stats,
+            self.connected,
+            lambda: (self._nc, self._acks),
+            lambda: (*self.members.values(), *self._departing),
+            self._departed,
+            linger=self.config.linger,
+            publish_timeout=self.config.publish_timeout,
+            inflight_bytes=self.config.inflight_bytes,
+            inflight_records=self.config.inflight_records,
+        )
         self.connections = 0  # connections made to NATS (a new connection_revision: one more)
         self._connection_revision: str | None = None
         self._seen_view = False
@@ -128,24 +138,21 @@ class KvRelay:
         self._applying: asyncio.Task[None] | None = None
         self._checking: asyncio.Task[None] | None = None  # the stream, after one went missing
         self.stream_differs: dict[str, dict[str, float | None]] = {}  # its settings, not ours
+        self._drops_told = -DROPS_TOLD_EVERY  # when dropped acknowledgements were last logged
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Start reaching NATS (in the background: the relay follows its workers meanwhile)."""
         self._connector = asyncio.create_task(self._connect(), name="kv-relay-nats")
-        self._sender = asyncio.create_task(self._send_loop(), name="kv-relay-sender")
-        self._watch_acks()
+        self.sender.start()
 
     async def stop(self) -> None:
         if self._applying is not None:  # (no member joins while the others stop)
             self._applying.cancel()
             with contextlib.suppress(BaseException):
                 await self._applying
-        tasks = [t for t in (self._connector, self._sender, self._checking) if t is not None]
-        for timer in (self._watchdog, self._retry):
-            if timer is not None:
-                timer.cancel()
+        tasks = [t for t in (self._connector, self.sender.stop(), self._checking) if t is not None]
         for member in self.members.values():
             if member.subscription is not None:
                 await member.subscription.stop()
@@ -248,7 +255,7 @@ class KvRelay:
             max(4, self.config.buffer),
             self.config.buffer_bytes,
         )
-        member.notify = self._notify
+        member.notify = self.sender.notify
         revision = getattr(model, "revision", 0)  # (of the card in the store; 0: not known)
         if revision:  # the same for every relay: its `joined` stored once
             member.run = f"r{revision:x}"
@@ -287,7 +294,7 @@ class KvRelay:
         for after in (*self._departing, self.members.get(member.key)):
             if after is not None and after.follows is member:
                 after.follows = None
-                self._notify(after)
+                self.sender.notify(after)
 
     # -- NATS --------------------------------------------------------------------------------
 
@@ -326,7 +333,7 @@ class KvRelay:
         if old is not None:  # (its callbacks are not heard any more: not the one in use)
             with contextlib.suppress(Exception):
                 await old.close()
-        self._resend("a new connection")  # what was in flight on the last one: sent again
+        self.sender.resend("a new connection")  # what was in flight on the last one: again
         await self._reconnected()
 
     async def _open(self) -> tuple[Client, AckInbox]:
@@ -364,7 +371,7 @@ class KvRelay:
         )
         made.append(nc)
         try:
-            acks = AckInbox(nc, self._no_stream)
+            acks = AckInbox(nc, self._no_stream, 2 * self.config.inflight_records + 256)
             await acks.start()
         except BaseException:
             with contextlib.suppress(Exception):
@@ -375,14 +382,7 @@ class KvRelay:
     async def _disconnected(self) -> None:
         self.connected.clear()
         self._note_down("disconnected; reconnecting")
-        self._resend("the connection was lost")
-
-    def _resend(self, why: str) -> None:
-        """Every member sends again what it has in flight (its answers may never come)."""
-        for member in (*self.members.values(), *self._departing):
-            if member.inflight:
-                member.failed = why
-                self._notify(member)
+        self.sender.resend("the connection was lost")
 
     async def _reconnected(self) -> None:
         delay = 0.1
@@ -415,6 +415,18 @@ class KvRelay:
             self.nats_error = why
 
     async def _error(self, exc: Exception) -> None:
+        if isinstance(exc, nats.errors.SlowConsumerError):  # an answer dropped: sent again
+            self.stats.answers_dropped += 1
+            if self._acks is not None:
+                self._acks.dropped(exc.subject)
+            now = asyncio.get_running_loop().time()
+            if now - self._drops_told >= DROPS_TOLD_EVERY:
+                self._drops_told = now
+                log.warning(
+                    "kv relay: nats-py dropped acknowledgements (slow consumer; %d so far): "
+                    "their records are sent again", self.stats.answers_dropped,
+                )  # fmt: skip
+            return
         self.nats_error = str(exc) or type(exc).__name__
 
     def _note_down(self, why: str) -> None:
@@ -465,132 +477,6 @@ class KvRelay:
                 ", ".join(f"{k} {v['stream']} (not {v['flag']})" for k, v in differs.items()),
             )  # fmt: skip
         self.stream_differs = differs
-
-    # -- publishing --------------------------------------------------------------------------
-
-    def _notify(self, member: Member) -> None:
-        self._ready[member] = None
-        self._work.set()
-
-    async def _send_loop(self) -> None:
-        """Send the queues of the members that have records, each in order, up to `WINDOW`
-        records ahead of the stream's acknowledgements; after a failure, send again from
-        the first record not acknowledged, after a pause."""
-        while True:
-            await self._work.wait()
-            if self.config.linger > 0:
-                await asyncio.sleep(self.config.linger)
-            await self.connected.wait()
-            self._work.clear()
-            ready, self._ready = self._ready, {}
-            try:
-                await self._send_round(ready)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug: the sender must outlive it, or nothing is relayed
-                log.exception("kv relay: sending failed; going on")
-                for member in ready:
-                    self._notify(member)
-                await asyncio.sleep(1.0)
-
-    async def _send_round(self, ready: dict[Member, None]) -> None:
-        loop = asyncio.get_running_loop()
-        now = started = loop.time()
-        later = None
-        for member in ready:
-            if loop.time() - started > YIELD_SECONDS:  # a backlog: others run meanwhile
-                await asyncio.sleep(0)
-                started = loop.time()
-            if not self.connected.is_set():  # lost while this round yielded: next one
-                self._notify(member)
-                continue
-            if member.follows is not None:
-                continue  # after the run before it (`_departed` wakes it)
-            if member.failed is not None:
-                self._failed(member, now)
-            if member.retry_at > now:
-                self._ready[member] = None
-                later = member.retry_at if later is None else min(later, member.retry_at)
-                continue
-            room = WINDOW - len(member.inflight)
-            if member.pending and not member.window_full:
-                await self._send(member, room, now)
-                if member.failed is not None:
-                    self._notify(member)
-            if member.leaving and not member.pending and not member.inflight:
-                self._departed(member)
-        if later is not None and (self._retry is None or self._retry.when() > later):
-            if self._retry is not None:
-                self._retry.cancel()
-            self._retry = loop.call_at(later, self._retry_now)
-
-    def _retry_now(self) -> None:
-        self._retry = None
-        self._work.set()
-
-    async def _send(self, member: Member, room: int, now: float) -> None:
-        """Send up to `room` records of the member's queue, while its window has room."""
-        nc, acks = self._nc, self._acks
-        if nc is None or acks is None:  # (connecting again: `connected` is clear then)
-            self._notify(member)
-            return
-        pending = member.pending
-        subject = member.subject
-        for _ in range(room):
-            if not pending or member.window_full:
-                break
-            record = pending[0]
-            try:
-                await nc.publish(
-                    subject,
-                    record.payload,
-                    reply=acks.reply(member, record),
-                    headers=record.headers(member),
-                )
-            except nats.errors.MaxPayloadError:
-                acks.forget(record)
-                # Larger than the server takes, ever: a loss, told as one.
-                self.stats.publish_errors += 1
-                self.stats.dropped += 1
-                self.stats.resnapshots += 1
-                log.warning(
-                    "kv relay: batch %d of instance %x is over NATS's max payload: "
-                    "published as a resnapshot", record.seq, member.instance_id,
-                )  # fmt: skip
-                if pending and pending[0] is record:
-                    member.replace_head(Record(layout.RESNAPSHOT, record.seq + 1, record.ts))
-                continue
-            except Exception as exc:
-                acks.forget(record)
-                member.failed = f"not sent: {exc!r}"
-                break
-            record.sent = now
-            member.sent(record)
-        member.taken()
-
-    def _failed(self, member: Member, now: float) -> None:
-        """Put what is in flight back in the queue, to be sent again after a pause."""
-        why = member.failed
-        acks = self._acks
-        for record in member.rewind():
-            if acks is not None:
-                acks.forget(record)
-        self.stats.publish_errors += 1
-        log.debug("kv relay: publishing to %s: %s; sending again", member.subject, why)
-        member.retry_at = now + member.delay
-        member.delay = min(member.delay * 2, BACKOFF_MAX)
-
-    def _watch_acks(self) -> None:
-        """Every so often: a member whose oldest record in flight is not acknowledged in
-        time sends again (its answer may never come)."""
-        loop = asyncio.get_running_loop()
-        timeout = self.config.publish_timeout
-        self._watchdog = loop.call_later(min(timeout / 4, 1.0), self._watch_acks)
-        now = loop.time()
-        for member in (*self.members.values(), *self._departing):
-            if member.failed is None and member.expired(now, timeout):
-                member.failed = f"no acknowledgement in {timeout} s"
-                self._notify(member)
 
     # -- status ------------------------------------------------------------------------------
 

@@ -105,6 +105,7 @@ class _Figures:
     counters: tuple[tuple[str, str, float], ...]
     members: int
     queued_bytes: int
+    flying_bytes: int
     taking: bool
     lag: Mapping[MemberKey, float]
 
@@ -122,11 +123,23 @@ class _Figures:
             ),
             ("resnapshots", "resnapshot records published or queued", stats.resnapshots),
             ("publish_errors", "publishes that failed (retried)", stats.publish_errors),
+            (
+                "answers_dropped",
+                "acknowledgements nats-py dropped, its queue full (records sent again)",
+                stats.answers_dropped,
+            ),
             ("replays", "replays asked of workers", subs.replays),
             ("batches_received", "batches read from workers", subs.batches),
             ("decode_errors", "worker messages that could not be read", subs.decode_errors),
         )
-        return cls(counters, len(relay.members), stats.queued_bytes, relay.taking, relay.lag())
+        return cls(
+            counters,
+            len(relay.members),
+            stats.queued_bytes,
+            stats.flying,
+            relay.taking,
+            relay.lag(),
+        )
 
 
 def _render(figures: _Figures) -> bytes:
@@ -148,6 +161,11 @@ class _RelayCollector(Collector):
             "shoal_relay_queued_bytes",
             "payload bytes queued for NATS by every member (bounded: buffer_bytes)",
             value=figures.queued_bytes,
+        )
+        yield GaugeMetricFamily(
+            "shoal_relay_inflight_bytes",
+            "payload bytes sent to NATS and not acknowledged yet (bounded: inflight_bytes)",
+            value=figures.flying_bytes,
         )
         yield GaugeMetricFamily(
             "shoal_relay_connected", "1 while NATS takes records", value=figures.taking

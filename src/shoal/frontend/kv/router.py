@@ -406,6 +406,11 @@ class KvCollector(Collector):
             "KV event messages that could not be read.",
             value=stats.decode_errors,
         )
+        yield CounterMetricFamily(
+            "shoal_frontend_kv_stream_drops",
+            "Records of the relay's stream nats-py dropped (its queue full), read again.",
+            value=stats.stream_drops,
+        )
         yield GaugeMetricFamily(
             "shoal_frontend_kv_index_blocks",
             "Blocks in the KV indexes, each (block, instance) counted once.",

@@ -16,7 +16,7 @@ a worker's own numbering:
 - the records of an instance no `follow` asked for yet (the registry has not verified its
   card, or routes elsewhere) are kept as they came (their payload, decoded when applied), at
   most `PENDING_BATCHES` of them from its last loss on, `PENDING_BYTES` for all instances
-  (each counted as its payload and `KEPT_COST` for the objects keeping it: older ones leave
+  (each counted as its payload and `KEPT_COST` for the objects keeping it, `kept.Ledger`: older ones leave
   first, forgetting is safe, and an instance left with none and not followed is forgotten
   too), and applied when it is followed, so a frontend started late is caught up from the
   stream; a `left` record drops them (one that comes while the instance is followed is
@@ -30,9 +30,11 @@ a worker's own numbering:
   flush task, so its batches are applied in the order they came); an instance whose queue
   of batches to apply fills up is resnapshotted.
 
-A reader that gets past records the stream no longer holds (removed by retention before it
-read them: after a reconnection, or once nats-py made its ordered consumer again) has lost
-some: every instance followed is dropped and rebuilt from what follows. So with a stream deleted and
+nats-py's queue of records read ahead holds `READ_AHEAD_BYTES` and `READ_AHEAD_MSGS` at most;
+records it drops past that (a slow consumer) are counted (`stream_drops`), logged, and read
+again from the first one dropped, once those before it are read. A reader that gets past
+records the stream no longer holds (removed by retention before it read them: after a
+reconnection, or once nats-py made its ordered consumer again) has lost some: every instance followed is dropped and rebuilt from what follows. So with a stream deleted and
 made again (numbered from 1; a NATS server back without its storage), seen when the reader
 connects and every `STREAM_CHECK` seconds: it is read from its start. NATS unreachable: retried
 with backoff, the index kept as it is meanwhile; `connected` and `error` (`/health`) follow
@@ -44,14 +46,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from shoal.frontend.kv.kept import Instance, Ledger, StreamKey
 from shoal.kv import AllBlocksCleared, KVEventBatch, decode_batch
 from shoal.kv import stream as layout
 from shoal.kv.sliced import decode_batch_in_slices, decoded_at_once
@@ -72,99 +73,15 @@ log = logging.getLogger(__name__)
 
 PENDING_BATCHES = 4096  # kept per instance not yet followed
 PENDING_BYTES = 64 << 20  # bytes of the batches kept for all instances at once
-KEPT_COST = 224  # bytes a kept batch holds beyond its payload (measured: ~200)
 MAX_UNFOLLOWED = 16_384  # instances not followed known at once (~400 bytes each, and batches)
-DECODED_COST = 16  # and per byte of its payload, kept decoded (measured: 5-9, 80 for tiny ones)
 STREAM_CHECK = 5.0  # seconds between two looks at the stream read (deleted, made again?)
 LOSE_SLICE = 4096  # batches kept dropped per turn of the loop at a loss of every instance's
 BACKOFF_MAX = 5.0
-StreamKey = tuple[str, int]  # (namespace, instance id)
-
-
-@dataclass(eq=False, slots=True)
-class _Kept:
-    """A batch kept until it is applied: its payload (`batch` when it is kept decoded), and
-    what it is counted for."""
-
-    payload: bytes
-    batch: KVEventBatch | None
-    size: int
-    live: bool = True
-
-
-class _Ledger:
-    """Every instance's kept batches in the order they came, and their bytes: past
-    `PENDING_BYTES` the oldest go first (`KvStreamReader._trim`). A batch leaves `order` as
-    soon as it is no longer kept, in O(1): entries that stayed until a compaction held their
-    batches (1,024 applied batches of a long prefill: ~1.5 GB), and the compaction made the
-    order again in one step (~285,000 tiny batches kept: ~37 ms of the loop)."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.live = 0
-        self.order: OrderedDict[_Kept, _Instance] = OrderedDict()
-
-    def gone(self, kept: _Kept) -> None:
-        if kept.live:
-            kept.live = False
-            self.bytes -= kept.size
-            self.live -= 1
-            del self.order[kept]
-            kept.payload, kept.batch = b"", None
-
-
-_NO_BATCHES: deque[_Kept] = deque(maxlen=0)  # every instance's with none kept (760 bytes)
-
-
-@dataclass(eq=False, slots=True)
-class _Instance:
-    """One instance's place in the stream, and where its batches go."""
-
-    ledger: _Ledger
-    key: StreamKey
-    last_seq: int = -1  # the worker's number of the last batch applied (-1: none known)
-    last_ts: float = 0.0  # and its timestamp
-    pending: deque[_Kept] = field(default_factory=lambda: _NO_BATCHES)
-    apply: Callable[[KVEventBatch], None] | None = None
-    purge: Callable[[], None] | None = None
-    flushing: asyncio.Task[None] | None = None
-    losses: int = 0  # a batch being applied in slices stops when this moves
-    left: bool = False  # a `left` came while it was followed: forgotten when unfollowed
-
-    def keep(self, payload: bytes, batch: KVEventBatch | None = None) -> None:
-        size = KEPT_COST + len(payload) * (1 if batch is None else DECODED_COST)
-        kept = _Kept(payload, batch, size)
-        if self.pending is _NO_BATCHES:
-            self.pending = deque()
-        self.pending.append(kept)
-        ledger = self.ledger
-        ledger.bytes += size
-        ledger.live += 1
-        ledger.order[kept] = self
-
-    def take(self) -> tuple[bytes, KVEventBatch | None]:
-        """The oldest batch kept, no longer kept: its payload, and its events when it was
-        kept decoded."""
-        kept = self.pending.popleft()
-        taken = kept.payload, kept.batch
-        self.ledger.gone(kept)
-        if not self.pending:
-            self.pending = _NO_BATCHES  # (an emptied deque keeps 16 blocks of 64 for reuse: 8 KB)
-        return taken
-
-    def clear(self) -> None:
-        for kept in self.pending:
-            self.ledger.gone(kept)
-        self.pending = _NO_BATCHES
-
-    def lose(self, after: bool = False) -> None:
-        """What is held of this instance may be wrong: drop it, and the batches kept
-        unless they came `after` what was lost (an unreadable batch its flush task took)."""
-        self.losses += 1
-        if not after:
-            self.clear()
-        if self.purge is not None:
-            self.purge()
+# nats-py's queue of records read and not handled here yet (its defaults: 524,288 records,
+# 256 MiB): at most so many bytes of payload, and records (~720 bytes each besides)
+READ_AHEAD_BYTES = 16 << 20
+READ_AHEAD_MSGS = 16_384
+DROPS_TOLD_EVERY = 10.0  # seconds between two warnings of records dropped
 
 
 def _blocks(batch: KVEventBatch) -> int:
@@ -180,15 +97,21 @@ class KvStreamReader:
         self.urls = [u for u in url.split(",") if u]
         self.stream = stream
         self.stats = stats or KvStats()
-        self.instances: dict[StreamKey, _Instance] = {}
+        self.instances: dict[StreamKey, Instance] = {}
         self.unfollowed: dict[StreamKey, None] = {}  # those not followed, read least recently first
-        self.ledger = _Ledger()  # the batches kept, of every instance
+        self.ledger = Ledger()  # the batches kept, of every instance
         self.last_stream_seq = 0  # the stream sequence of the last record read
         self.connected = False
         self.error: str | None = None
         self._told: set[str] = set()  # the errors logged since the last connection
         self._task: asyncio.Task[None] | None = None
         self._created: datetime | None = None  # when the stream read was made
+        self._js: JetStreamContext | None = None
+        self._sub: JetStreamContext.PushSubscription | None = None  # the consumer read now
+        self._dropped: int | None = None  # the first record nats-py dropped of it
+        self._stopping: asyncio.Task[None] | None = None  # and its consumer being deleted
+        self._drops_told = -DROPS_TOLD_EVERY  # when dropped records were last logged
+        self._delay = 0.1  # before connecting again
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kv-stream")
@@ -221,7 +144,7 @@ class KvStreamReader:
         """Send `key`'s batches to `apply` (those kept so far first, yielding as it goes)."""
         instance = self.instances.get(key)
         if instance is None:
-            instance = self.instances[key] = _Instance(self.ledger, key)
+            instance = self.instances[key] = Instance(self.ledger, key)
         self.unfollowed.pop(key, None)
         instance.apply, instance.purge = apply, purge
         if instance.pending:
@@ -257,7 +180,7 @@ class KvStreamReader:
             instance.clear()
         self.unfollowed.pop(key, None)
 
-    def _deliver(self, instance: _Instance, payload: bytes) -> None:
+    def _deliver(self, instance: Instance, payload: bytes) -> None:
         """Apply the batch now when it is small and nothing waits before it; else queue it
         for the instance's flush task, which applies it in slices, yielding between them
         (and decodes it in slices when it is more than one: `decoded_at_once`). Kept
@@ -282,7 +205,7 @@ class KvStreamReader:
         self._start_flush(instance)
         self._trim()
 
-    def _decode(self, instance: _Instance, payload: bytes) -> KVEventBatch | None:
+    def _decode(self, instance: Instance, payload: bytes) -> KVEventBatch | None:
         """The batch in `payload`; None for one that cannot be read (a loss: the instance
         is resnapshotted)."""
         try:
@@ -291,7 +214,7 @@ class KvStreamReader:
             return self._decoded(instance, None)
 
     async def _batch(
-        self, instance: _Instance, payload: bytes, decoded: KVEventBatch | None
+        self, instance: Instance, payload: bytes, decoded: KVEventBatch | None
     ) -> KVEventBatch | None:
         """The batch of a `payload` taken by the flush task (`decoded`: kept decoded), as
         `_decode` gives it (those kept after it are kept on a loss): decoded in slices (`decode_batch_in_slices`), yielding between
@@ -305,7 +228,7 @@ class KvStreamReader:
             return self._decoded(instance, None, True)
 
     def _decoded(
-        self, instance: _Instance, batch: KVEventBatch | None, taken: bool = False
+        self, instance: Instance, batch: KVEventBatch | None, taken: bool = False
     ) -> KVEventBatch | None:
         """`batch` counted; None (unreadable) a loss: the instance is resnapshotted (the
         batches kept after it stay when it was `taken` by the flush task)."""
@@ -331,11 +254,11 @@ class KvStreamReader:
             else:
                 self._resnapshot(instance)
 
-    def _start_flush(self, instance: _Instance) -> None:
+    def _start_flush(self, instance: Instance) -> None:
         if instance.flushing is None:
             instance.flushing = asyncio.create_task(self._flush(instance), name="kv-stream-flush")
 
-    async def _flush(self, instance: _Instance) -> None:
+    async def _flush(self, instance: Instance) -> None:
         pace = Pace()
         try:
             while instance.pending and instance.apply is not None:
@@ -362,9 +285,7 @@ class KvStreamReader:
 
     async def _run(self) -> None:
         import nats
-        from nats.js import api
 
-        delay = 0.1
         while True:
             nc: Client | None = None
             try:
@@ -377,38 +298,10 @@ class KvStreamReader:
                     error_cb=self._error,
                 )
                 js = nc.jetstream()
-                if self._made_again(await js.stream_info(self.stream)):
-                    await self._lose_all()
-                start = self.last_stream_seq + 1
-                sub = await js.subscribe(
-                    f"{layout.SUBJECT_PREFIX}.>",
-                    stream=self.stream,
-                    ordered_consumer=True,
-                    config=api.ConsumerConfig(
-                        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start
-                    )
-                    if start > 1
-                    else None,
-                    deliver_policy=None if start > 1 else api.DeliverPolicy.ALL,
-                    idle_heartbeat=2.0,
-                )
-                self.connected, self.error, delay = True, None, 0.1
-                self._told.clear()
-                log.info("kv stream: reading %s from record %d", self.stream, start)
-                reading = asyncio.ensure_future(self._read(sub, js))
-                made_again = False
-                try:  # the stream itself looked at now and then: deleted, made again?
-                    while not (await asyncio.wait({reading}, timeout=STREAM_CHECK))[0]:
-                        if made_again := self._made_again(await js.stream_info(self.stream)):
-                            break  # read again from the new one's start
-                    else:
-                        reading.result()  # (its failure)
-                finally:
-                    reading.cancel()
-                    with contextlib.suppress(BaseException):
-                        await reading
-                if made_again:  # (once nothing is read of the old one)
-                    await self._lose_all()
+                # (nats-py's queue: two of the largest records the server takes fit, at least)
+                read_ahead = max(READ_AHEAD_BYTES, 2 * nc.max_payload + 1)
+                while await self._consume(js, read_ahead):
+                    continue  # (records nats-py dropped, a stream made again: read again)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -422,8 +315,52 @@ class KvStreamReader:
                     self.connected = False  # (before its callbacks: this one is let go)
                     with contextlib.suppress(Exception):
                         await nc.close()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, BACKOFF_MAX)
+            await asyncio.sleep(self._delay)
+            self._delay = min(self._delay * 2, BACKOFF_MAX)
+
+    async def _consume(self, js: JetStreamContext, read_ahead: int) -> bool:
+        """Read the stream with an ordered consumer from the record after the last one read;
+        True to read it again (from the first record nats-py dropped, or a new stream's start)."""
+        from nats.js import api
+
+        if self._made_again(await js.stream_info(self.stream)):
+            await self._lose_all()
+        start = self.last_stream_seq + 1
+        at = api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start
+        )
+        sub = await js.subscribe(
+            f"{layout.SUBJECT_PREFIX}.>",
+            stream=self.stream,
+            ordered_consumer=True,
+            config=at if start > 1 else None,
+            deliver_policy=None if start > 1 else api.DeliverPolicy.ALL,
+            idle_heartbeat=2.0,
+            pending_msgs_limit=READ_AHEAD_MSGS,
+            pending_bytes_limit=read_ahead,
+        )
+        self._js, self._sub, self._dropped, self._delay = js, sub, None, 0.1
+        self.connected, self.error = True, None
+        self._told.clear()
+        log.info("kv stream: reading %s from record %d", self.stream, start)
+        reading = asyncio.ensure_future(self._read(sub, js))
+        made_again = False
+        try:  # the stream itself looked at now and then: deleted, made again?
+            while not (await asyncio.wait({reading}, timeout=STREAM_CHECK))[0]:
+                if made_again := self._made_again(await js.stream_info(self.stream)):
+                    break  # read again from the new one's start
+            else:
+                reading.result()  # (its failure)
+        finally:
+            self._sub = None
+            reading.cancel()
+            with contextlib.suppress(BaseException):
+                await reading
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if made_again:  # (once nothing is read of the old one)
+            await self._lose_all()
+        return made_again or self._dropped is not None
 
     # nats-py's callbacks: the state shown follows the connection at once (nats-py reconnects
     # on its own, so the reading above only noticed with its next look at the stream), and
@@ -440,6 +377,12 @@ class KvStreamReader:
         log.info("kv stream %s: reconnected to NATS", self.stream)
 
     async def _error(self, exc: Exception) -> None:
+        from nats.errors import SlowConsumerError
+
+        if isinstance(exc, SlowConsumerError):  # (of the one subscription: the consumer)
+            if self._sub is not None:
+                self._slow(exc.reply)
+            return
         why = str(exc) or type(exc).__name__
         if why not in self._told and len(self._told) < 16:  # (until connected again)
             self._told.add(why)
@@ -447,10 +390,45 @@ class KvStreamReader:
         if not self.connected:
             self.error = why
 
+    def _slow(self, reply: str) -> None:
+        """nats-py dropped the record acknowledged by `reply` (its queue full): counted, told
+        (every `DROPS_TOLD_EVERY` s at most), its consumer stopped at the first (`_stop`), and
+        read again from it once the records queued before it are read (`_read`)."""
+        from nats.aio.msg import Msg
+
+        if self._dropped is None:  # (the first: those after it come after it, in order)
+            try:
+                metadata = Msg(_client=None, reply=reply).metadata  # type: ignore[arg-type]
+            except Exception:  # (not a record's: an answer of the JetStream API)
+                return
+            if metadata.stream != self.stream:
+                return
+            self._dropped = metadata.sequence.stream
+            self._stopping = asyncio.create_task(self._stop(metadata.consumer))
+        self.stats.stream_drops += 1
+        now = asyncio.get_running_loop().time()
+        if now - self._drops_told >= DROPS_TOLD_EVERY:
+            self._drops_told = now
+            log.warning(
+                "kv stream %s: nats-py dropped records (slow consumer; %d so far): "
+                "read again from record %d", self.stream, self.stats.stream_drops, self._dropped,
+            )  # fmt: skip
+
+    async def _stop(self, consumer: str) -> None:
+        """The server sends no more of `consumer`'s records: nats-py would drop them all (its
+        flow control answers as it drops: the rest of the stream came, 1.1 M drops for
+        300,000 records), and they are read again from the first dropped."""
+        with contextlib.suppress(Exception):  # (gone already, or the connection: as well)
+            if self._js is not None:
+                await self._js.delete_consumer(self.stream, consumer)
+
     async def _read(self, sub: JetStreamContext.PushSubscription, js: JetStreamContext) -> None:
+        """Apply the records; return once every one before the first nats-py dropped is."""
         pace = Pace()
         async for msg in sub.messages:
             seq, last = msg.metadata.sequence.stream, self.last_stream_seq
+            if self._dropped is not None and seq >= self._dropped:
+                return  # (read again from the first dropped: nothing after it applied first)
             if last and seq > last + 1 and await self._gone(js, last + 1):
                 # (read again after a reconnection, or by the ordered consumer made again
                 # after a lost one: either starts at the first record the stream still has)
@@ -462,6 +440,8 @@ class KvStreamReader:
                 await self._lose_all()
             self.last_stream_seq = seq
             self.record(msg.subject, msg.headers or {}, msg.data)
+            if self._dropped is not None and not sub.pending_msgs:
+                return
             await pace.step()
 
     async def _gone(self, js: JetStreamContext, seq: int) -> bool:
@@ -513,7 +493,7 @@ class KvStreamReader:
                 instance.left = True  # (the registry unfollows it soon: forgotten then)
             return
         if instance is None:
-            instance = self.instances[key] = _Instance(self.ledger, key)
+            instance = self.instances[key] = Instance(self.ledger, key)
         if instance.apply is None:
             self._not_followed(key)
         try:
@@ -542,6 +522,6 @@ class KvStreamReader:
         self.stats.batches += 1
         self._deliver(instance, bytes(payload))
 
-    def _resnapshot(self, instance: _Instance, after: bool = False) -> None:
+    def _resnapshot(self, instance: Instance, after: bool = False) -> None:
         self.stats.resnapshots += 1
         instance.lose(after)

@@ -43,6 +43,7 @@ from shoal.cards import ModelCard
 from shoal.discovery import EndpointId, InstanceInfo, ModelInstance, ModelKey
 from shoal.frontend.kv.chain import PromptChain
 from shoal.frontend.kv.index import KvIndex
+from shoal.frontend.kv.kept import StreamKey
 from shoal.frontend.kv.prompt import (
     CONFIG_FILE,
     TOKENIZER_FILE,
@@ -50,7 +51,7 @@ from shoal.frontend.kv.prompt import (
     prompt_chain,
     read_files,
 )
-from shoal.frontend.kv.stream import KvStreamReader, StreamKey
+from shoal.frontend.kv.stream import KvStreamReader
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.registry import SetId, WorkerSet
 from shoal.kv import KvEndpoint, KVEventBatch
