@@ -117,3 +117,24 @@ async def test_the_page_shows_a_cut_row_as_text_and_says_how_much_more_there_is(
     text = await page.inner_text(f'#instances tbody tr[data-key$="/{0x1000 + TAINTED:x}"]')
     assert f"and {1 + ADAPTERS - 8} more" in text
     assert "and 13 more worker sets" in await page.inner_text("#models tbody")
+
+
+async def test_the_cookie_is_secure_whenever_the_proxy_in_front_says_https(
+    start_frontend: StartFrontend,
+) -> None:
+    """The scheme is case-insensitive, and proxies in a chain add theirs after the client's
+    (`https, http`): only a lower-case `https` alone made the cookie `Secure`, so a browser
+    behind such a proxy could send it over plain HTTP."""
+    frontend = await start_frontend(api_keys=("k",))
+    async with aiohttp.ClientSession() as session:
+        for proto, secure in [
+            ("https", True), ("HTTPS", True), ("https, http", True), (" Https ", True),
+            ("http", False), ("http, https", False), ("", False),
+        ]:  # fmt: skip
+            login = await session.post(
+                f"{frontend.url}/ui/api/login",
+                json={"key": "k"},
+                headers={"X-Forwarded-Proto": proto},
+            )
+            assert login.status == 200
+            assert ("; Secure" in login.headers["set-cookie"]) is secure, proto
