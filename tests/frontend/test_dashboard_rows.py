@@ -81,7 +81,6 @@ async def test_a_row_is_bounded_in_bytes_whatever_the_cards_behind_it_hold(
     assert many["models_total"] == 1 + ADAPTERS and len(many["models"]) == items
     (model,) = [m for m in snap["models"] if m["name"] == base.display_name]
     assert model["sets_total"] == TAINTED + 1 and len(model["sets"]) == items
-    assert all(len(m["name"]) <= chars for m in snap["models"])
     # 20 MB before: every taint of every row, whole.
     assert size < (TAINTED + 1 + ADAPTERS) * 8_000, size
 

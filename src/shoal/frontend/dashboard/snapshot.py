@@ -89,12 +89,14 @@ MAX_ROWS = 1000
 """The items a keyed section holds (models, instances, incomplete registrations): the most
 severe first, then by key; `totals` counts them all. A page does not read a hundred thousand
 rows, and a read of them held the event loop for seconds."""
+ROW_BYTES = 4096
 ROW_ITEMS = 8
 ROW_CHARS = 256
-"""A row shows the first `ROW_ITEMS` of each list (an instance's models and taints, a model's
-worker sets, a route's targets; `{name}_total` counts them) and `ROW_CHARS` characters of each
-string (the last `…`): a row is a few kB whatever the store holds (64 taints fill a card's
-1 MiB; 20 such instances made a 20 MB snapshot)."""
+"""A row over `ROW_BYTES` as JSON shows the first `ROW_ITEMS` of each list (an instance's
+models and taints, a route's targets; `{name}_total` counts them) and `ROW_CHARS` characters
+of each string (the last `…`); a model row, its first `ROW_ITEMS` worker sets. A row is then
+a few kB whatever the store holds (64 taints fill a card's 1 MiB; 20 such instances made a
+20 MB snapshot). (Rows within the bound, nearly all, are not walked: 1,000 took ~20 ms.)"""
 SLICE = 2000  # items a read handles in one turn of the event loop
 ROW_COST = 10  # a row built and encoded costs about this many items
 
@@ -449,8 +451,11 @@ async def _first_rows(groups: list[list[str]], turns: _Turns) -> list[str]:
 
 
 def _row(key: str, row: Mapping[str, Any]) -> bytes:
-    """A row as JSON, cut for reading (`ROW_ITEMS`, `ROW_CHARS`); its key whole (the page
+    """A row as JSON, cut for reading when over `ROW_BYTES`; its key whole (the page
     replaces and removes rows by it)."""
+    encoded = _encode({**row, "key": key})
+    if len(encoded) <= ROW_BYTES:
+        return encoded
     return _encode({**cut_for_reading(dict(row), ROW_ITEMS, ROW_CHARS), "key": key})
 
 
