@@ -16,7 +16,7 @@ import functools
 import heapq
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # (imported by those who read answers: not every user of this module)
     import aiohttp
@@ -175,6 +175,25 @@ def first_listed(skipped: Mapping[str, str], limit: int = MAX_LISTED) -> list[di
     """The first `limit` of `skipped` (key → why), by key, as `/health` lists them: a
     report stays small however many values an outside writer spoils."""
     return [{"key": k, "reason": r} for k, r in heapq.nsmallest(limit, skipped.items())]
+
+
+def cut_for_reading(value: Any, items: int, chars: int) -> Any:
+    """`value` (decoded JSON) as a report shows it: each string cut to `chars` characters
+    (the last one `…`), each list to its first `items`, at every level; beside a list that
+    was cut, a dict gets `{name}_total` counting it (unless it says so itself). What a
+    report holds of outside values is then bounded in bytes, however long they are."""
+    if isinstance(value, str):
+        return value if len(value) <= chars else value[: chars - 1] + "…"
+    if isinstance(value, list):
+        return [cut_for_reading(item, items, chars) for item in value[:items]]
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for name, item in value.items():
+            out[name] = cut_for_reading(item, items, chars)
+            if isinstance(item, list) and len(item) > items:
+                out.setdefault(f"{name}_total", len(item))
+        return out
+    return value
 
 
 async def read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes | None:

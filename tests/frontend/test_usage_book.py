@@ -245,3 +245,41 @@ async def test_one_keys_flood_of_model_names_leaves_room_for_the_other_keys() ->
     # the flood is counted all the same: beyond its rows, under one name
     assert sum(n for (_, key, *_), (n, _, _) in book.rows.items() if key == "flood") == 100_000
     assert any(row[2] == OTHER_MODELS for row in book.rows)
+
+
+async def test_the_catalog_token_quoted_in_an_answer_never_reaches_health_or_logs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A `--catalog-url` pointing at a service that quotes the request's `Authorization` in
+    its refusal (a gateway in front, another API): `last_error`, `last_refused` and the log
+    carried the text of the answer with the `--catalog-token` in it."""
+    from aiohttp import web
+
+    from tests.helpers import Server
+
+    token = "cat-token-7Hq2x"
+
+    async def usage(request: web.Request) -> web.Response:
+        said = f"refused {request.headers['Authorization']}"
+        return web.json_response({"error": said}, status=401 if answers.pop(0) else 400)
+
+    answers = [True, False]
+    app = web.Application()
+    app.router.add_post("/v1/usage", usage)
+    server = Server(app)
+    await server.start()
+    caplog.set_level("DEBUG")
+    book = UsageBook(server.url, token=token, interval=3600)
+    await book.start()
+    try:
+        book.record(GRANT, "chat", "chat", 200, 1, 1)
+        await book.flush()  # 401: kept, and said
+        described = json.dumps(book.describe())
+        assert "refused Bearer ***" in book.describe()["last_error"]
+        await book.flush()  # 400: dropped, and said
+        assert "refused Bearer ***" in book.describe()["last_refused"]
+        described += json.dumps(book.describe())
+    finally:
+        await book.stop()
+        await server.stop()
+    assert token not in described + caplog.text

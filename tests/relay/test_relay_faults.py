@@ -4,6 +4,7 @@ worker): what it does when the stream is deleted under it, and when a member com
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
@@ -15,9 +16,11 @@ from shoal.frontend.kv import stream as kv_stream
 from shoal.frontend.kv.stream import KvStreamReader
 from shoal.kv import AllBlocksCleared, KvEndpoint, KVEventBatch
 from shoal.kv import stream as layout
+from shoal.membership import MembershipStatus
 from shoal.relay.member import Member
 from shoal.relay.relay import KvRelay, RelayConfig
-from tests.helpers import wait_for
+from shoal.relay.status import StatusServer
+from tests.helpers import free_port, wait_for
 from tests.nats_server import NatsServer
 
 STREAM = "shoal-kv-faults"
@@ -248,3 +251,36 @@ async def test_acknowledgements_nats_py_drops_send_their_records_again_at_once(
         ("batch", str(seq)) for seq in range(300)
     ]
     assert any("dropped acknowledgements" in r.getMessage() for r in caplog.records)
+
+
+class TokenNats(NatsServer):
+    """A `nats-server -js` that takes clients with one token only (`--auth`)."""
+
+    token = "right-token-5f1e"
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--auth", self.token]
+
+
+@pytest.mark.parametrize("refused", ["a wrong token", "no server"])
+async def test_a_relay_that_cannot_make_its_first_connection_says_why_without_the_token(
+    refused: str,
+) -> None:
+    """nats-py retries a first connection for ever (`max_reconnect_attempts=-1`), telling
+    only the error callback, which the relay heard only for a connection it already had:
+    its `/health` said "connecting" for ever, and the log nothing, whether NATS refused
+    the token or was not there."""
+    with TokenNats() as server:
+        port = server.port if refused == "a wrong token" else free_port()
+        url = f"nats://wrong-token-9c2d@127.0.0.1:{port}"
+        relay = KvRelay(RelayConfig(nats_urls=(url,), stream="shoal-kv-auth"))
+        status = StatusServer(relay, SimpleNamespace(status=MembershipStatus()))  # type: ignore[arg-type]
+        await relay.start()
+        try:
+            why = "Authorization Violation" if refused == "a wrong token" else "Connect call failed"
+            await wait_for(lambda: why in str(relay.nats_error), timeout=10, message=why)
+            code, body = status.health()
+            assert code == 503 and why in body["unhealthy"]["nats"]
+            assert "wrong-token" not in json.dumps(body)
+        finally:
+            await relay.stop()

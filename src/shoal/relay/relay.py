@@ -318,13 +318,7 @@ class KvRelay:
                 nc, acks = await self._open()
                 break
             except Exception as exc:
-                why = f"cannot connect: {exc or type(exc).__name__}"
-                if self._nc is not None and self.connected.is_set():  # the one in use goes on
-                    if self.nats_error != why:
-                        log.warning("kv relay: NATS %s (the connection in use is kept)", why)
-                    self.nats_error = why
-                else:
-                    self._note_down(why)
+                self._cannot_connect(exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
         old, self._nc, self._acks = self._nc, nc, acks
@@ -336,10 +330,27 @@ class KvRelay:
         self.sender.resend("a new connection")  # what was in flight on the last one: again
         await self._reconnected()
 
+    def _cannot_connect(self, exc: BaseException, told: set[str] | None = None) -> None:
+        """Why a connection cannot be made, logged once a change or once in `told` (one
+        connection's attempts: a server refusing the token alternates two reasons)."""
+        why = f"cannot connect: {exc or type(exc).__name__}"
+        said = self.nats_error == why or why in (told or ())
+        if told is not None and len(told) < 16:
+            told.add(why)
+        if self._nc is not None and self.connected.is_set():  # the one in use goes on
+            if not said:
+                log.warning("kv relay: NATS %s (the connection in use is kept)", why)
+            self.nats_error = why
+        else:
+            if not said:
+                log.warning("kv relay: NATS %s", why)
+            self.nats_state, self.nats_error = "disconnected", why
+
     async def _open(self) -> tuple[Client, AckInbox]:
         """A new connection and its acknowledgements' subscription; its callbacks act only
         while it is the connection in use."""
         made: list[Client] = []
+        told: set[str] = set()  # why its attempts failed (each logged once)
 
         def current() -> bool:
             return bool(made) and made[0] is self._nc
@@ -355,6 +366,8 @@ class KvRelay:
         async def error(exc: Exception) -> None:
             if current():
                 await self._error(exc)
+            elif not made:  # (nats-py retries a first connection for ever, telling only us)
+                self._cannot_connect(exc, told)
 
         creds = self.config.creds
         nc = await nats.connect(

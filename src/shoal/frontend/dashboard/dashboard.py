@@ -341,7 +341,9 @@ class Dashboard:
     ) -> tuple[bytes, bytes]:
         attributes = [COOKIE + b"=" + value, b"Path=/ui/api", b"HttpOnly", b"SameSite=Strict"]
         attributes.append(b"Max-Age=%d" % (SESSION_SECONDS if max_age is None else max_age))
-        if self._tls or request.header(b"x-forwarded-proto") == b"https":
+        # (The client's scheme comes first: proxies in a chain add theirs after it.)
+        proto = (request.header(b"x-forwarded-proto") or b"").partition(b",")[0]
+        if self._tls or proto.strip().lower() == b"https":
             attributes.append(b"Secure")
         return b"set-cookie", b"; ".join(attributes)
 

@@ -31,13 +31,14 @@ from typing import Any, Protocol
 import msgspec
 
 from shoal import __version__
+from shoal.bounds import cut_for_reading
 from shoal.controllers import ControllerManager
 from shoal.discovery import ModelKey
 from shoal.discovery.keys import MODELS
 from shoal.frontend.http.upstream import Upstream
 from shoal.frontend.registry.metrics import TTFT_BUCKETS, FrontendMetrics
 from shoal.frontend.registry.registrations import Registration
-from shoal.frontend.registry.registry import Member, Model, Registry
+from shoal.frontend.registry.registry import Member, Model, Registry, SetId, WorkerSet
 from shoal.frontend.registry.watcher import ModelWatcher
 from shoal.urls import redact_url
 
@@ -88,6 +89,14 @@ MAX_ROWS = 1000
 """The items a keyed section holds (models, instances, incomplete registrations): the most
 severe first, then by key; `totals` counts them all. A page does not read a hundred thousand
 rows, and a read of them held the event loop for seconds."""
+ROW_BYTES = 4096
+ROW_ITEMS = 8
+ROW_CHARS = 256
+"""A row over `ROW_BYTES` as JSON shows the first `ROW_ITEMS` of each list (an instance's
+models and taints, a route's targets; `{name}_total` counts them) and `ROW_CHARS` characters
+of each string (the last `…`); a model row, its first `ROW_ITEMS` worker sets. A row is then
+a few kB whatever the store holds (64 taints fill a card's 1 MiB; 20 such instances made a
+20 MB snapshot). (Rows within the bound, nearly all, are not walked: 1,000 took ~20 ms.)"""
 SLICE = 2000  # items a read handles in one turn of the event loop
 ROW_COST = 10  # a row built and encoded costs about this many items
 
@@ -255,7 +264,7 @@ class FleetReader:
         for name in chosen:
             model = models.get(name)
             if model is not None:
-                out[name] = _encode(_model_row(name, model))
+                out[name] = _row(name, _model_row(name, model))
             await turns.spent(ROW_COST)
         return out, not_serving
 
@@ -321,7 +330,7 @@ class FleetReader:
         for row_key in chosen:
             row = self._instance_row(row_key, sources[row_key], states[row_key], now)
             row["kv_hit_rate"] = hit_rates.get(row.pop("iid"))
-            out[row_key] = _encode(row)
+            out[row_key] = _row(row_key, row)
             await turns.spent(ROW_COST)
         return out, by_state
 
@@ -329,6 +338,7 @@ class FleetReader:
         self, row_key: str, sources: list[_Source], state: str, now: float
     ) -> dict[str, Any]:
         models: set[str] = set()
+        adapters: set[str] = set()  # (listed after the base models: a row shows the first)
         roles: set[str] = set()
         taints: set[str] = set()
         incomplete: set[str] = set()
@@ -342,7 +352,7 @@ class FleetReader:
                 card = source.model.card
                 incomplete.add(source.state.value)
                 url = url or source.model.url
-            models.add(card.display_name)
+            (models if card.lora is None else adapters).add(card.display_name)
             roles.add(str(card.role))
             taints.update(card.taints)
         path, _, iid = row_key.rpartition("/")
@@ -356,7 +366,7 @@ class FleetReader:
             "component": component,
             "endpoint": endpoint,
             "url": redact_url(url),  # (any client with a key reads this: not the credentials)
-            "models": sorted(models),
+            "models": sorted(models) + sorted(adapters - models),
             "roles": sorted(roles),
             "taints": sorted(taints),
             "incomplete": sorted(incomplete),
@@ -395,14 +405,14 @@ class FleetReader:
         out: dict[str, bytes] = {}
         for key in chosen:
             registration = by_key[key]
-            out[key] = _encode(
+            out[key] = _row(
+                key,
                 {
-                    "key": key,
                     "model": registration.model.card.display_name,
                     "instance_id": f"{registration.model.key.instance_id:x}",
                     "state": registration.state.value,
                     "error": registration.error,
-                }
+                },
             )
             await turns.spent(ROW_COST)
         return out, len(registrations)
@@ -412,7 +422,7 @@ class FleetReader:
         out: dict[str, bytes] = {}
         for i, route in enumerate(self.routes()):
             key = f"{route.get('workspace', '')}/{route.get('name', i)}"
-            out[key] = _encode({"key": key, **route})
+            out[key] = _row(key, route)
             await turns.spent(ROW_COST * (1 + len(route.get("targets") or ())))
         return out
 
@@ -438,6 +448,15 @@ async def _first_rows(groups: list[list[str]], turns: _Turns) -> list[str]:
         chosen += first
         seen.update(first)
     return sorted(chosen)
+
+
+def _row(key: str, row: Mapping[str, Any]) -> bytes:
+    """A row as JSON, cut for reading when over `ROW_BYTES`; its key whole (the page
+    replaces and removes rows by it)."""
+    encoded = _encode({**row, "key": key})
+    if len(encoded) <= ROW_BYTES:
+        return encoded
+    return _encode({**cut_for_reading(dict(row), ROW_ITEMS, ROW_CHARS), "key": key})
 
 
 def _row_key(key: ModelKey) -> str:
@@ -467,6 +486,10 @@ def _state_of(sources: list[_Source], now: float) -> str:
     return "inhibited" if inhibited else "ready"
 
 
+def _set_id(ws: WorkerSet) -> SetId:
+    return ws.id
+
+
 def _model_row(name: str, model: Model) -> dict[str, Any]:
     sets = [
         {
@@ -477,7 +500,7 @@ def _model_row(name: str, model: Model) -> dict[str, Any]:
             "members": len(ws.members),
             "routable": len(ws.routable),
         }
-        for ws in sorted(model.sets.values(), key=lambda ws: ws.id)
+        for ws in heapq.nsmallest(ROW_ITEMS, model.sets.values(), key=_set_id)
     ]
     return {
         "key": name,
@@ -489,6 +512,7 @@ def _model_row(name: str, model: Model) -> dict[str, Any]:
         "types": sorted(str(t) for t in model.model_types),
         "parent": model.parent,
         "sets": sets,
+        "sets_total": len(model.sets),
     }
 
 

@@ -96,8 +96,8 @@ class UsageBook:
         rest = catalog_url.partition("://")[2]
         userinfo = rest[: min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))]
         userinfo = userinfo.rpartition("@")[0]
-        # what an error message may quote of the credentials, as given or decoded
-        self._secrets = [s for s in {userinfo, urllib.parse.unquote(userinfo)} if s]
+        # what an error message, or a refusal's text, may quote of the credentials
+        self._secrets = [s for s in {userinfo, urllib.parse.unquote(userinfo), token} if s]
         self.headers = {"Content-Type": "application/json"}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
@@ -274,11 +274,11 @@ class UsageBook:
                         headers=self.headers,
                     ) as resp:
                         if resp.status in REFUSED:  # never valid: the others go on
-                            text = (await resp.text())[:300]
+                            text = await self._answer(resp)
                             self._refused(f"the catalog refused a batch ({resp.status}): {text}")
                             continue
                         if resp.status >= 400:
-                            text = (await resp.text())[:300]
+                            text = await self._answer(resp)
                             raise RuntimeError(f"the catalog answered {resp.status}: {text}")
                         await _receipt(resp, batch["batch_id"])
                 except (aiohttp.ClientError, OSError, TimeoutError, RuntimeError) as exc:
@@ -292,8 +292,14 @@ class UsageBook:
             self.last_error = ""
             self.last_flush = time.time()
 
+    async def _answer(self, resp: aiohttp.ClientResponse) -> str:
+        """The start of a refusal's text, scrubbed before it is cut (a token across the cut)."""
+        head = await resp.content.read(4096)
+        return self._scrubbed(head.decode(errors="replace"))[:300]
+
     def _scrubbed(self, text: str) -> str:
-        """`text` (an error's) without the catalog URL's credentials."""
+        """`text` (an error's, an answer's) without the catalog URL's credentials nor the
+        token (a service that is not the catalog may quote the `Authorization` it got)."""
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text

@@ -235,6 +235,13 @@ function more(route) {
   return rest > 0 ? `<br><span class="count">and ${esc(rest)} more</span>` : "";
 }
 
+function listed(row, field) {
+  // A row's list as the server sent it (its first few) and how many it did not send.
+  const items = row[field] || [];
+  const rest = (row[`${field}_total`] ?? items.length) - items.length;
+  return esc(items.join(", ")) + (rest > 0 ? ` <span class="count">and ${esc(rest)} more</span>` : "");
+}
+
 function servingWord(model) {
   // "disaggregated" when served in two stages; "incomplete" when a stage waits for its partner.
   if (model.disaggregated) return "disaggregated";
@@ -245,23 +252,25 @@ function servingWord(model) {
 function renderModels() {
   const rows = [];
   for (const model of state.models.values()) {
-    for (const ws of model.sets) {
-      rows.push({ key: model.key, _text: model._text, model, ws });
-    }
+    const rest = (model.sets_total ?? model.sets.length) - model.sets.length;
+    model.sets.forEach((ws, i) => {
+      const hidden = i === model.sets.length - 1 && rest > 0 ? rest : 0;
+      rows.push({ key: model.key, _text: model._text, model, ws, hidden });
+    });
   }
-  renderTable("models", rows, ({ model, ws }) =>
+  renderTable("models", rows, ({ model, ws, hidden }) =>
     `<td>${esc(model.name)}${model.parent ? ` <span class="count">(adapter of ${esc(model.parent)})</span>` : ""}</td>` +
     `<td${model.incomplete ? ` title="${esc(model.incomplete)}"` : ""}>${badge(servingWord(model))}</td><td>${esc(ws.namespace)}</td><td>${esc(ws.component)}</td>` +
     `<td>${esc(ws.role)}</td><td class="mono" title="${esc(ws.mdcsum)}">${esc(ws.mdcsum.slice(0, 12))}</td>` +
-    `<td>${ws.routable} / ${ws.members}</td>`, state.totals ? state.totals.models : state.models.size);
+    `<td>${ws.routable} / ${ws.members}${hidden ? ` <span class="count">(and ${esc(hidden)} more worker sets)</span>` : ""}</td>`, state.totals ? state.totals.models : state.models.size);
 }
 
 function instanceRow(r) {
   const hit = r.kv_hit_rate == null ? "–" : `${(100 * r.kv_hit_rate).toFixed(0)} %`;
   return `<td class="mono">${esc(r.instance_id)}</td><td>${badge(r.state)}</td>` +
     `<td>${esc(r.namespace)} / ${esc(r.component)} / ${esc(r.endpoint)}</td>` +
-    `<td class="wrap">${esc(r.models.join(", "))}</td><td>${r.in_flight}</td><td>${r.errors}</td>` +
-    `<td>${hit}</td><td>${esc(r.taints.join(", "))}</td><td class="mono">${esc(r.url)}</td>`;
+    `<td class="wrap">${listed(r, "models")}</td><td>${r.in_flight}</td><td>${r.errors}</td>` +
+    `<td>${hit}</td><td>${listed(r, "taints")}</td><td class="mono">${esc(r.url)}</td>`;
 }
 
 function renderTable(id, rows, cells, total) {
