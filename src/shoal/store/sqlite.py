@@ -20,7 +20,7 @@ Layout:
   its lease; indexed by lease, and by key with everything but the value (`LISTING_INDEX`:
   a listing of what changed since a revision reads the values of those keys only).
 - `leases`: id, TTL, the `boot` that granted or last renewed it and its deadline on that
-  boot's monotonic clock (`expires`; see "Lease clock" below). `deadline` is a wall-clock
+  boot's monotonic clock (`expires`; see "Lease clock" in `sqlite_leases`). `deadline` is a wall-clock
   deadline: for the leases of version-1 processes still running during an upgrade (`boot`
   empty, judged on it as they were), the generous bound of a lease whose boot is unknown,
   and out of reach for the others, so a version-1 process never reaps them.
@@ -57,26 +57,8 @@ transaction runs in one hop to that thread. Background work per instance:
   it cannot reap: each gets a `Resync` without those keys instead (once per newly expired
   lease).
 
-Lease clock. Deadlines are not on the wall clock: a step of the wall clock (NTP, a VM
-resumed, an operator's `date -s`) in any one process would otherwise expire every lease in
-the file at once, or keep dead ones alive. They are on `CLOCK_MONOTONIC`, which POSIX
-defines from a fixed point set at system start: every process of the host reads the same
-value, and nothing can step it. SQLite's WAL mode already requires every process using the
-file to run on one host, so all of them share that clock. It restarts at each boot, so each
-lease also records the boot id (`/proc/sys/kernel/random/boot_id`): a lease from another
-boot is expired, since no process survives a reboot. (Leases of version-1 processes still
-running during an upgrade keep their wall-clock deadlines until they go.) The assumption: every process using
-the file runs on this host in the same time namespace (containers that share the file must
-not be given a private `CLOCK_MONOTONIC` offset). Where no boot id is available (not
-Linux), the monotonic clock alone cannot tell a reboot (it restarts near 0, so a dead
-lease would outlive the reboot by the previous uptime): each lease then also gets a
-wall-clock bound, its TTL + `WALL_CLOCK_SLACK` (120 s) after its grant or last renewal.
-A dead lease outlives a reboot by that much at most; the price is that a forward step of
-the wall clock by more than the slack expires the leases of live holders, which re-grant.
-A lease granted without a boot id is judged so by every process, one with a boot id too
-(it was taken for another boot's and reaped at once).
-A monotonic clock does not count time the host is suspended, so (with a boot id) a
-suspend neither expires the leases of live holders nor counts towards the TTL of dead ones.
+Lease clock (`shoal.store.sqlite_leases`): deadlines are kept on the host's monotonic
+clock, with the boot id, so that no step of the wall clock expires every lease at once.
 
 Layouts: a new file gets the current one (`SCHEMA_VERSION` 2). A version-1 file is
 migrated at open (see `_MIGRATE_FROM_1`), and so is the version-2 layout two development
@@ -122,7 +104,6 @@ import logging
 import operator
 import os
 import random
-import secrets
 import sqlite3
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
@@ -155,6 +136,18 @@ from shoal.store.base import (
     checked_keys,
     distinct_prefixes,
 )
+from shoal.store.sqlite_leases import (
+    _EXPIRED,
+    _LIVE,
+    OUT_OF_REACH,
+    WALL_CLOCK_SLACK,
+    _expired_at,
+    _grant,
+    _keepalive,
+    _lease_exists,
+    lease_clock,
+)
+from shoal.store.sqlite_leases import BOOT_ID as BOOT_ID  # (re-exported)
 from shoal.store.sqlite_log import (
     LOG_TRIGGERS,
     RETAIN_CHANGES,
@@ -248,8 +241,6 @@ _MIGRATE_FROM_1 = (
     "ALTER TABLE leases ADD COLUMN boot TEXT NOT NULL DEFAULT ''",
     "ALTER TABLE leases ADD COLUMN expires REAL NOT NULL DEFAULT 0",
 )
-OUT_OF_REACH = 1e300
-"""The wall-clock `deadline` of a lease judged on the monotonic clock: never passed."""
 # From the layout two development builds wrote as version 2 (no `expires`; `deadline` on
 # the monotonic clock of the raw `boot` id, "" where unknown): the deadline moves to
 # `expires`, the boot gets its prefix, and the wall-clock bound is set as `_grant` sets it.
@@ -258,58 +249,6 @@ _MIGRATE_FROM_DEV_2 = (
     "UPDATE leases SET expires = deadline, boot = 'boot:' || boot,"
     f" deadline = CASE WHEN boot = '' THEN :wall + ttl + :slack ELSE {OUT_OF_REACH} END",
 )
-
-WALL_CLOCK_SLACK = 120.0
-"""Seconds the wall clock may step forward without costing a lease, where the boot is
-unknown (see "Lease clock"): a dead lease outlives a reboot by at most its TTL + this."""
-
-
-def _boot_id() -> str:
-    """This boot of the host (Linux), or "" where the system does not say."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-BOOT_ID = _boot_id()
-BOOT = "boot:" + BOOT_ID
-"""The `boot` of the leases this process grants: never empty (empty marks version 1);
-"boot:" where the boot is unknown."""
-
-
-def lease_clock() -> float:
-    """Now on the host's monotonic clock: the clock lease deadlines are kept on."""
-    if hasattr(time, "clock_gettime"):
-        return time.clock_gettime(time.CLOCK_MONOTONIC)
-    return time.monotonic()
-
-
-def _wall_deadline(ttl: float) -> float:
-    """The wall-clock `deadline` of a lease granted or renewed now: out of reach where the
-    boot id tells a reboot, else a generous bound that a reboot always passes."""
-    if BOOT != "boot:":
-        return OUT_OF_REACH
-    return time.time() + ttl + WALL_CLOCK_SLACK
-
-
-_EXPIRED = (
-    "(CASE WHEN boot = '' THEN deadline < :wall"
-    " ELSE expires < :now OR deadline < :wall"
-    " OR (boot != :boot AND :boot != 'boot:' AND boot != 'boot:') END)"
-)
-"""SQL: the lease has expired, at `_expired_at(now)`. A lease of another boot has: no
-process survives a reboot. Where the boot is unknown (`BOOT` is "boot:", to the judge or
-to the holder: a sandbox without /proc beside a process with it), the monotonic clock
-counts, and the wall-clock bound `_wall_deadline` gave the lease."""
-
-_LIVE = f"(lease = 0 OR lease NOT IN (SELECT id FROM leases WHERE {_EXPIRED}))"
-"""SQL, on `kv`: the key's lease (if any) has not expired, at `_expired_at(now)`."""
-
-
-def _expired_at(now: float) -> dict[str, object]:
-    """The parameters of `_EXPIRED` at `now` on the lease clock."""
-    return {"now": now, "boot": BOOT, "wall": time.time()}
 
 
 _URL_USAGE = "use sqlite:///absolute/path.db or sqlite:///./relative/path.db, optionally ?mode=ro"
@@ -696,10 +635,6 @@ def _reap(conn: sqlite3.Connection, now: float) -> None:
         _end_lease(conn, now, lease_id)
 
 
-def _lease_exists(conn: sqlite3.Connection, lease_id: int) -> bool:
-    return conn.execute("SELECT 1 FROM leases WHERE id = ?", (lease_id,)).fetchone() is not None
-
-
 def _put(conn: sqlite3.Connection, now: float, key: str, value: bytes, lease: int) -> int | None:
     if lease and not _lease_exists(conn, lease):
         return None
@@ -770,27 +705,6 @@ def _delete_many(
         if (done := _delete_key(conn, now, key)) is not None:
             deleted, revision = deleted + 1, done
     return deleted, revision, 0.0
-
-
-def _grant(conn: sqlite3.Connection, now: float, ttl: float) -> int:
-    while True:
-        lease_id = secrets.randbits(62) + 1
-        inserted = conn.execute(
-            "INSERT INTO leases (id, ttl, deadline, boot, expires) VALUES (?, ?, ?, ?, ?)"
-            " ON CONFLICT (id) DO NOTHING",
-            (lease_id, ttl, _wall_deadline(ttl), BOOT, now + ttl),
-        ).rowcount
-        if inserted == 1:
-            return lease_id
-
-
-def _keepalive(conn: sqlite3.Connection, now: float, lease_id: int, ttl: float) -> bool:
-    # Expired leases were reaped at the start of this transaction.
-    updated = conn.execute(
-        "UPDATE leases SET ttl = ?, deadline = ?, boot = ?, expires = ? WHERE id = ?",
-        (ttl, _wall_deadline(ttl), BOOT, now + ttl, lease_id),
-    ).rowcount
-    return bool(updated == 1)
 
 
 def _revoke(conn: sqlite3.Connection, now: float, lease_id: int) -> None:
