@@ -3,14 +3,6 @@
 Every process opens the same file; SQLite's WAL mode lets readers run beside the one
 writer, and every write is one short `BEGIN IMMEDIATE` transaction.
 
-URL: after `sqlite://` come an empty host and the path. `sqlite:///var/x.db` and
-`sqlite:////var/x.db` both mean `/var/x.db`; a path that starts with `./` or `../`
-(`sqlite:///./x.db`) is relative to the working directory. `%XX` escapes are decoded
-(`%20` is a space). The one parameter is `mode`: `?mode=ro` opens the file read-only (it
-must exist in the current layout; every write is refused), `?mode=rw` is the default.
-Anything else (another parameter, a `#` fragment, `%00`) is refused in one line. Missing
-parent directories are created (read-write only).
-
 Layout (`shoal.store.sqlite_layout`): the tables `meta` (the store's revision), `kv` (the
 keys), `leases` and `changes` (the change log, `shoal.store.sqlite_log`); a file of an older
 layout is migrated at open.
@@ -24,7 +16,8 @@ than `RETAIN_SECONDS`; see "Compaction"), and leaving the write lock free betwee
 them as long as it held it (`PUT_MANY_SHARE`), so other processes' keepalives get in.
 
 Each store instance owns one connection, used only by a dedicated thread; a whole
-transaction runs in one hop to that thread. Background work per instance:
+transaction runs in one hop to that thread (`shoal.store.sqlite_file`, with the URL, and
+how an instance follows the file at its path). Background work per instance:
 
 - a watch poller: every `POLL_INTERVAL` (50 ms) it reads `meta` and, only if some watcher
   is behind, the new change rows (`POLL_MAX_CHANGES` at most: a watch further behind gets
@@ -48,17 +41,6 @@ transaction runs in one hop to that thread. Background work per instance:
 Lease clock (`shoal.store.sqlite_leases`): deadlines are kept on the host's monotonic
 clock, with the boot id, so that no step of the wall clock expires every lease at once.
 
-The file: an instance follows the file at its path, not the one it opened. If that file is
-deleted (a state directory wiped) or replaced (a backup moved in place, a new store made
-there after a delete), the instance opens the one at the path within `FILE_CHECK_INTERVAL`
-(making it if there is none): what it held in the old file is gone, as from an etcd whose
-data directory was lost (a lease holder finds its lease not found and re-puts what it owns),
-and its watches get a `Resync`; a listing of what changed since a revision read before
-(another history's) reads every value, and a watch from such a revision starts with a
-`Resync`. Kept on the old file (whose inode lives on while open), a
-worker renewed its lease and listed its keys to itself for good, while every process
-opening the path saw another store without them.
-
 Compaction (`shoal.store.sqlite_log`): the change log keeps every change of the last
 `RETAIN_SECONDS` (5 s) and the last `RETAIN_CHANGES` (1,000) revisions however old, within
 hard caps of `MAX_LOG_CHANGES` (100,000) rows and `MAX_LOG_BYTES` (64 MiB), trimmed every
@@ -80,16 +62,13 @@ import bisect
 import contextlib
 import functools
 import logging
-import os
-import random
 import sqlite3
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
-from urllib.parse import quote, unquote
 
 from shoal.store.base import (
     MAX_QUEUED_BYTES,
@@ -101,7 +80,6 @@ from shoal.store.base import (
     Put,
     Resync,
     Snapshot,
-    Store,
     StoreError,
     StoreUnavailableError,
     WatchQueue,
@@ -112,6 +90,7 @@ from shoal.store.base import (
     checked_keys,
     distinct_prefixes,
 )
+from shoal.store.sqlite_file import SQLiteFile
 from shoal.store.sqlite_kv import (
     _KV_COLUMNS,
     _changed_items,
@@ -133,7 +112,6 @@ from shoal.store.sqlite_kv import (
 from shoal.store.sqlite_kv import BUILD_SLICE as BUILD_SLICE  # (re-exported)
 from shoal.store.sqlite_kv import DELTA_CHANGES as DELTA_CHANGES  # (re-exported)
 from shoal.store.sqlite_layout import LISTING_INDEX as LISTING_INDEX  # (re-exported)
-from shoal.store.sqlite_layout import _check_layout
 from shoal.store.sqlite_leases import (
     _EXPIRED,
     _LIVE,
@@ -144,7 +122,6 @@ from shoal.store.sqlite_leases import (
 )
 from shoal.store.sqlite_leases import BOOT_ID as BOOT_ID  # (re-exported)
 from shoal.store.sqlite_log import RETAIN_SECONDS, batches
-from shoal.urls import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -166,152 +143,11 @@ PUT_MANY_SHARE = 0.5
 transactions it leaves the lock free as long as it held it, so other processes' keepalives
 and writes get in between (SQLite's busy handler retries by sleeping, and misses a gap that
 is only a turn of the event loop)."""
-BUSY_TIMEOUT = 5.0
-"""Seconds a statement waits for another process's lock before failing."""
-FILE_CHECK_INTERVAL = 1.0
-"""Seconds between two looks (one `stat`, in the store thread, before a read or a write) at
-whether the file at the store's path is still the one this instance has open (see "The
-file" above)."""
-WAL_AUTOCHECKPOINT_PAGES = 256
-JOURNAL_SIZE_LIMIT = 1024 * 1024
 MAX_QUEUED = 10_000
 """Events queued for a watch that is not being read before it is dropped for a `Resync`;
 likewise past `MAX_QUEUED_BYTES` of their keys and values. A watch with a poll's worth of
 either unread is not polled until its consumer catches up (`_poll_once`), so neither is
 reached while the log holds what the watch needs."""
-
-
-_URL_USAGE = "use sqlite:///absolute/path.db or sqlite:///./relative/path.db, optionally ?mode=ro"
-
-
-def _parse_url(url: str) -> tuple[Path, bool]:
-    """The file named by `url`, and whether it is opened read-only (`?mode=ro`).
-
-    After `sqlite://` comes an empty host and the path: `sqlite:///var/x.db` and
-    `sqlite:////var/x.db` both mean `/var/x.db`; a path that starts `./` or `../` is
-    relative to the working directory. `%XX` escapes are decoded. The only parameter is
-    `mode` (`ro`, or `rw`, the default); anything else is refused.
-    """
-    scheme, sep, rest = url.partition("://")
-    if scheme != "sqlite" or not sep:
-        raise ValueError(f"store URL {redact_url(url)!r}: {_URL_USAGE}")
-    if "#" in rest:
-        raise ValueError(
-            f"store URL {redact_url(url)!r}: a '#' fragment means nothing here; {_URL_USAGE}"
-        )
-    rest, _, query = rest.partition("?")
-    read_only = False
-    for param in query.split("&") if query else ():
-        name, _, value = param.partition("=")
-        if name != "mode" or value not in ("ro", "rw"):
-            raise ValueError(
-                f"store URL {redact_url(url)!r}: unsupported parameter {name!r} (only mode=ro or mode=rw)"
-            )
-        read_only = value == "ro"
-    try:
-        raw = unquote(rest, errors="strict")
-    except UnicodeDecodeError:
-        raise ValueError(
-            f"store URL {redact_url(url)!r}: an escape in the path is not UTF-8"
-        ) from None
-    if "\0" in raw:
-        raise ValueError(f"store URL {redact_url(url)!r}: the path holds a NUL character (%00)")
-    if not raw.startswith("/") or not raw.strip("/"):
-        raise ValueError(f"store URL {redact_url(url)!r}: {_URL_USAGE}")
-    path = raw[1:]
-    if path.startswith(("./", "../")):
-        return Path(os.path.abspath(path)), read_only
-    return Path("/" + path.lstrip("/")), read_only
-
-
-def _journal_mode_wal(conn: sqlite3.Connection, deadline: float) -> tuple[str]:
-    """Switch to WAL. Two processes opening a new file at once can make this fail with
-    "database is locked" at once, without the busy handler: retry until `deadline`."""
-    while True:
-        try:
-            row: tuple[str] = conn.execute("PRAGMA journal_mode = WAL").fetchone()
-            return row
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.005 + random.random() * 0.02)
-
-
-def _connect(path: Path, busy_timeout: float, read_only: bool) -> sqlite3.Connection:
-    """Open `path` in WAL mode and create the schema if the file is new, or migrate it (in
-    the store thread). Read-only: the file must exist in the current layout."""
-    if read_only:
-        if not path.is_file():
-            raise sqlite3.OperationalError(f"no store file {path} (mode=ro opens an existing one)")
-        conn = sqlite3.connect(
-            f"file:{quote(str(path))}?mode=ro",
-            uri=True,
-            timeout=busy_timeout,
-            isolation_level=None,
-            check_same_thread=False,
-        )
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(
-            path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
-        )
-    try:
-        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-        if not read_only:
-            (mode,) = _journal_mode_wal(conn, time.monotonic() + busy_timeout)
-            if str(mode).lower() != "wal":
-                raise sqlite3.OperationalError(f"cannot switch to WAL journal mode (got {mode!r})")
-            conn.execute("PRAGMA synchronous = NORMAL")
-            conn.execute(f"PRAGMA wal_autocheckpoint = {WAL_AUTOCHECKPOINT_PAGES}")
-            conn.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
-        conn.execute("BEGIN" if read_only else "BEGIN IMMEDIATE")
-        try:
-            _check_layout(conn, read_only)
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT * 1000)}")
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _close_unused(future: Future[tuple[sqlite3.Connection, FileId | None]]) -> None:
-    """Close a connection whose open finished after the caller gave up on it."""
-    if not future.cancelled() and future.exception() is None:
-        future.result()[0].close()
-
-
-FileId = tuple[int, int]
-"""A file's device and inode: which file a path names now."""
-
-
-def _file_id(path: Path) -> FileId | None:
-    """The file at `path` now (None: there is none)."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _open_file(
-    path: Path, busy_timeout: float, read_only: bool
-) -> tuple[sqlite3.Connection, FileId | None]:
-    """`_connect`, and the file it opened: the one at the path both before and after it
-    (looked at after only, a file moved in place in between was taken for the one open, and
-    never followed). If they differ, it opens the one there now."""
-    for attempt in range(3):
-        before = _file_id(path)
-        conn = _connect(path, busy_timeout, read_only)
-        after = _file_id(path)
-        if (before is not None and before == after) or attempt == 2:
-            return conn, after
-        conn.close()  # (or made by `_connect`: opened again, it is the one looked at before)
-    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,7 +193,7 @@ class _Watcher:
     resync: bool = False
 
 
-class SQLiteStore(Store):
+class SQLiteStore(SQLiteFile):
     """The store in one SQLite file shared by the processes of a host. Open with `open`."""
 
     def __init__(
@@ -368,66 +204,16 @@ class SQLiteStore(Store):
         executor: ThreadPoolExecutor,
         read_only: bool = False,
     ) -> None:
-        super().__init__()
-        self.url = url
-        self.path = path
-        self.read_only = read_only
+        super().__init__(url, path, conn, executor, read_only)
         # Expired leases this instance found and could not reap (see `_reap_forever`).
         self._unreaped: frozenset[int] = frozenset()
-        self._conn = conn
-        # The file `_conn` has open, and when the store thread last looked that it is still
-        # the one at `path` (`_follow_file`).
-        self._file: FileId | None = None
-        self._file_checked = time.monotonic()
-        # The lowest revision a listing of what changed may start from, and a watch from
-        # (beyond it): one read before the store followed its path to another file is of
-        # another history (`_follow_file`).
-        self._since_floor = 0
-        # Whether the file has `LISTING_INDEX` (looked up by the first listing that uses it).
-        self._listing_index: bool | None = None
-        self._executor = executor
-        self._closed = False
-        self._unreachable = False
-        self._epoch = 0  # bumped when an outage starts: watches from before it resync
         self._watchers: set[_Watcher] = set()
         self._wake = asyncio.Event()
         self._poller = asyncio.create_task(self._poll_forever(), name=f"sqlite-watch {path}")
         self._poller.add_done_callback(self._poller_ended)
         self._reaper = asyncio.create_task(self._reap_forever(), name=f"sqlite-reaper {path}")
 
-    @classmethod
-    async def open(cls, url: str, *, connect_timeout: float = 5.0) -> SQLiteStore:
-        """Open (creating if needed) the file named by `url`, failing within `connect_timeout`."""
-        path, read_only = _parse_url(url)
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-sqlite")
-        busy = max(0.05, min(BUSY_TIMEOUT, connect_timeout / 2))
-        future = executor.submit(_open_file, path, busy, read_only)
-        try:
-            conn, file = await asyncio.wait_for(asyncio.wrap_future(future), connect_timeout)
-        except TimeoutError:
-            future.add_done_callback(_close_unused)
-            executor.shutdown(wait=False, cancel_futures=True)
-            raise StoreUnavailableError(
-                f"store {url} could not be opened within {connect_timeout}s (locked?)"
-            ) from None
-        except (OSError, sqlite3.Error) as exc:
-            executor.shutdown(wait=False)
-            raise StoreUnavailableError(f"store {url} cannot be opened: {exc}") from exc
-        except BaseException:
-            future.add_done_callback(_close_unused)
-            executor.shutdown(wait=False)
-            raise
-        store = cls(url, path, conn, executor, read_only)
-        store._file = file
-        return store
-
     # Plumbing.
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreUnavailableError(f"store {self.url} is closed")
-        if self._unreachable:
-            raise StoreUnavailableError(f"store {self.url} is unreachable")
 
     def set_unreachable(self, unreachable: bool) -> None:
         """Test seam (see `Store.set_unreachable`): this client loses (or regains) its store.
@@ -443,17 +229,6 @@ class SQLiteStore(Store):
         self._watch_state(
             StoreUnavailableError(f"store {self.url} is unreachable") if unreachable else None
         )
-
-    async def _call(self, fn: Callable[[], T]) -> T:
-        """Run `fn` in the store thread."""
-        self._check_open()
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._executor, fn)
-        except (sqlite3.Error, OSError) as exc:  # (OSError: the path, looked at or made)
-            raise StoreUnavailableError(f"store {self.url}: {exc}") from exc
-        except RuntimeError as exc:  # the executor was shut down by close()
-            raise StoreUnavailableError(f"store {self.url} is closed") from exc
 
     def _write(self, fn: Callable[[sqlite3.Connection, float], T]) -> T:
         """One write transaction (in the store thread): reap expired leases, then `fn`."""
@@ -472,43 +247,6 @@ class SQLiteStore(Store):
                 conn.execute("ROLLBACK")
             raise
         return result
-
-    def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """One read transaction (in the store thread): a consistent snapshot."""
-        self._follow_file()
-        conn = self._conn
-        conn.execute("BEGIN")
-        try:
-            result = fn(conn)
-        finally:
-            if conn.in_transaction:
-                conn.execute("COMMIT")
-        return result
-
-    def _follow_file(self) -> None:
-        """(In the store thread.) Every `FILE_CHECK_INTERVAL`: if the file at `path` is not
-        the one `_conn` has open (deleted, replaced), open the one there (see "The file")."""
-        now = time.monotonic()
-        if now - self._file_checked < FILE_CHECK_INTERVAL:
-            return
-        self._file_checked = now
-        file = _file_id(self.path)
-        if self._file is None or file == self._file:
-            self._file = self._file or file  # (an instance not made by `open`: adopts it)
-            return
-        conn, file = _open_file(self.path, BUSY_TIMEOUT, self.read_only)
-        old, self._conn, self._file = self._conn, conn, file
-        with contextlib.suppress(sqlite3.Error):  # (every revision read there is below this)
-            self._since_floor = max(self._since_floor, _revision(old) + 1)
-        self._listing_index = None
-        self._epoch += 1  # (read by the poller between polls: its watches resync)
-        old.close()
-        log.warning(
-            "store %s: the file at %s is not the one open (deleted or replaced): opened the "
-            "one there now; what this process held in the old one is gone",
-            self.url,
-            self.path,
-        )
 
     # Reads and writes.
 
