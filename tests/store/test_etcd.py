@@ -28,6 +28,7 @@ from shoal.store import (
     Snapshot,
     Store,
     StoreUnavailableError,
+    etcd_client,
     open_store,
 )
 from shoal.store import etcd as etcd_module
@@ -134,11 +135,11 @@ async def test_frozen_server_breaks_the_watch_by_keepalive(
 ) -> None:
     """A watch on a silent connection notices within keepalive time + ping timeout."""
     options = {
-        **etcd_module._CHANNEL_OPTIONS,
+        **etcd_client._CHANNEL_OPTIONS,
         "grpc.keepalive_time_ms": 5_000,  # etcd's minimum
         "grpc.http2.ping_timeout_ms": 1_000,
     }
-    monkeypatch.setattr(etcd_module, "_CHANNEL_OPTIONS", options)
+    monkeypatch.setattr(etcd_client, "_CHANNEL_OPTIONS", options)
     caplog.set_level(logging.INFO, logger="shoal.store.etcd")
     store = await EtcdStore.open(own_etcd.url, call_timeout=1.0)
     assert own_etcd.proc is not None
