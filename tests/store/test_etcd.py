@@ -29,6 +29,7 @@ from shoal.store import (
     Store,
     StoreUnavailableError,
     etcd_client,
+    etcd_txn,
     open_store,
 )
 from shoal.store import etcd as etcd_module
@@ -185,7 +186,7 @@ async def test_a_listing_longer_than_a_page_is_read_whole_at_its_first_revision(
     """A hundred thousand keys are read a page at a time (`PAGE_KEYS`), every page at the
     first one's revision: a key written between two pages is not in the listing, and the
     listing is whole and in key order."""
-    monkeypatch.setattr(etcd_module, "PAGE_KEYS", 3)
+    monkeypatch.setattr(etcd_txn, "PAGE_KEYS", 3)
     monkeypatch.setattr(etcd_module, "HISTORY_REVISIONS", 0)  # (no replay: the keys)
     written = [f"{prefix}a/{i:02d}" for i in range(10)] + [f"{prefix}b/{i:02d}" for i in range(7)]
     for key in written:
@@ -222,7 +223,7 @@ async def test_a_listing_of_what_changed_moves_only_the_changed_values(
     """Every key comes from a `keys_only` read, a page at a time; only the values written
     after `since` are read (`min_mod_revision`), at the same revision, also when a write
     lands between the two reads."""
-    monkeypatch.setattr(etcd_module, "PAGE_KEYS", 3)
+    monkeypatch.setattr(etcd_txn, "PAGE_KEYS", 3)
     monkeypatch.setattr(etcd_module, "HISTORY_REVISIONS", 0)  # (no replay: the keys)
     written = [f"{prefix}a/{i:02d}" for i in range(10)]
     for key in written:
@@ -261,7 +262,7 @@ async def test_a_listing_of_what_changed_reads_every_value_when_most_changed(
 ) -> None:
     """Most values written since: every value a page at a time (etcd reads a
     `min_mod_revision` range whole), still at the keys' revision."""
-    monkeypatch.setattr(etcd_module, "PAGE_KEYS", 3)
+    monkeypatch.setattr(etcd_txn, "PAGE_KEYS", 3)
     monkeypatch.setattr(etcd_module, "HISTORY_REVISIONS", 0)
     assert isinstance(store, EtcdStore)
     written = [f"{prefix}a/{i:02d}" for i in range(10)]
