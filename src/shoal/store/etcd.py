@@ -43,20 +43,16 @@ Failure handling:
   fewer revisions than keys are to be replayed (counted from etcd's index), and it gives
   up past `HISTORY_BYTES` or `HISTORY_TIMEOUT`, or for good when etcd refuses to let this
   user watch the whole keyspace: then the keys are read, as before.
-- etcd raises lease TTLs to a minimum (2 s with the default election timing). For a
-  lease granted with a shorter TTL, the store that granted it revokes it itself once that
-  TTL passes without a renewal, so a living holder that stops renewing loses its keys on
-  time; if the holder dies, etcd's own (longer) TTL applies.
+- etcd raises lease TTLs to a minimum (2 s with the default election timing): the store
+  revokes a shorter lease it granted itself once that TTL passes without a renewal
+  (`shoal.store.etcd_leases`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import math
 import random
-import time
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -73,7 +69,6 @@ from shoal.store.base import (
     Event,
     KeyRevision,
     KeyValue,
-    LeaseNotFoundError,
     Listing,
     Put,
     Resync,
@@ -89,6 +84,7 @@ from shoal.store.base import (
 )
 from shoal.store.etcd_client import _grpc_code
 from shoal.store.etcd_client import parse_url as parse_url  # (re-exported)
+from shoal.store.etcd_leases import EtcdLeases
 from shoal.store.etcd_txn import CONVERT_SLICE, EtcdTransactions, _range_of, _transactions
 
 log = logging.getLogger(__name__)
@@ -130,18 +126,13 @@ class _OutOfOrder(Exception):
     """One prefix's watcher delivered a change older than one already yielded."""
 
 
-class EtcdStore(EtcdTransactions):
+class EtcdStore(EtcdTransactions, EtcdLeases):
     """A `Store` on etcd v3. Open it with `EtcdStore.open(url)` (or `shoal.store.open_store`)."""
 
     def __init__(self, url: str, *, call_timeout: float = 5.0) -> None:
         super().__init__(url, call_timeout=call_timeout)
         self._watch_calls: set[Any] = set()
         self._replay_allowed = True  # (False once etcd refused to replay its history)
-        # Leases granted here whose requested TTL is below the one etcd gave: id -> deadline.
-        self._short_leases: dict[int, float] = {}
-        self._short_ttls: dict[int, float] = {}
-        self._reaper: asyncio.Task[None] | None = None
-        self._reaper_wake = asyncio.Event()
 
     # -- key-value ----------------------------------------------------------------------
 
@@ -386,92 +377,6 @@ class EtcdStore(EtcdTransactions):
             reply = await self._txn(what, requests)
             deleted += sum(int(r.response_delete_range.deleted) for r in reply.responses)
         return deleted
-
-    # -- leases -------------------------------------------------------------------------
-
-    async def _grant(self, ttl: float) -> int:
-        if ttl <= 0:
-            raise ValueError(f"lease ttl must be positive, got {ttl}")
-        seconds = max(1, math.ceil(ttl))
-        sent = time.monotonic()
-
-        async def fn(client: Any) -> Any:
-            return await client.lease(seconds)
-
-        lease = await self._call(f"grant lease ttl={ttl}", fn)
-        lease_id = int(lease.id)
-        if int(lease.ttl) > ttl:
-            # etcd raised the TTL to its minimum: honour the requested one ourselves.
-            self._short_ttls[lease_id] = ttl
-            self._short_leases[lease_id] = sent + ttl
-            self._ensure_reaper()
-        return lease_id
-
-    async def _keepalive(self, lease_id: int, ttl: float) -> bool:
-        sent = time.monotonic()
-
-        async def fn(client: Any) -> Any:
-            call = client.leasestub.LeaseKeepAlive(
-                timeout=self._call_timeout, metadata=client.metadata
-            )
-            try:
-                await call.write(aetcd.rpc.LeaseKeepAliveRequest(ID=lease_id))
-                await call.done_writing()
-                async for reply in call:
-                    return reply
-                return None
-            finally:
-                call.cancel()
-
-        reply = await self._call(f"keepalive lease {lease_id:x}", fn)
-        if reply is None:
-            raise StoreUnavailableError(
-                f"etcd store {self.url}: keepalive of lease {lease_id:x} got no answer"
-            )
-        if int(reply.TTL) <= 0:
-            self._forget_short(lease_id)
-            return False
-        if lease_id in self._short_leases:
-            self._short_leases[lease_id] = sent + self._short_ttls[lease_id]
-        return True
-
-    async def revoke(self, lease_id: int) -> None:
-        self._forget_short(lease_id)
-
-        async def fn(client: Any) -> Any:
-            return await client.revoke_lease(lease_id)
-
-        with contextlib.suppress(LeaseNotFoundError):
-            await self._call(f"revoke lease {lease_id:x}", fn)
-
-    def _forget_short(self, lease_id: int) -> None:
-        self._short_leases.pop(lease_id, None)
-        self._short_ttls.pop(lease_id, None)
-
-    def _ensure_reaper(self) -> None:
-        if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.get_running_loop().create_task(
-                self._reap_forever(), name="etcd-store-lease-reaper"
-            )
-        self._reaper_wake.set()
-
-    async def _reap_forever(self) -> None:
-        """Revoke short leases (see the module doc) whose requested TTL ran out."""
-        while not self._closed:
-            now = time.monotonic()
-            for lease_id, deadline in list(self._short_leases.items()):
-                if deadline <= now:
-                    log.debug("lease %x: ttl passed without keepalive, revoking", lease_id)
-                    try:
-                        await self.revoke(lease_id)
-                    except StoreError as exc:  # etcd expires it on its own
-                        log.debug("revoking expired lease %x: %s", lease_id, exc)
-            self._reaper_wake.clear()
-            timeout = None
-            if self._short_leases:
-                timeout = max(0.0, min(self._short_leases.values()) - time.monotonic())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reaper_wake.wait(), timeout)
 
     # -- watch --------------------------------------------------------------------------
 
