@@ -62,8 +62,6 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TypeVar
 
 from shoal.store.base import (
@@ -128,18 +126,12 @@ is only a turn of the event loop)."""
 class SQLiteStore(SQLiteWatches):
     """The store in one SQLite file shared by the processes of a host. Open with `open`."""
 
-    def __init__(
-        self,
-        url: str,
-        path: Path,
-        conn: sqlite3.Connection,
-        executor: ThreadPoolExecutor,
-        read_only: bool = False,
-    ) -> None:
-        super().__init__(url, path, conn, executor, read_only)
+    def _start(self) -> None:
+        """The lease reaper, started after the watch poller."""
+        super()._start()
         # Expired leases this instance found and could not reap (see `_reap_forever`).
         self._unreaped: frozenset[int] = frozenset()
-        self._reaper = asyncio.create_task(self._reap_forever(), name=f"sqlite-reaper {path}")
+        self._reaper = asyncio.create_task(self._reap_forever(), name=f"sqlite-reaper {self.path}")
 
     # Plumbing.
 

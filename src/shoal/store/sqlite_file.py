@@ -225,6 +225,12 @@ class SQLiteFile(Store):
         self._closed = False
         self._unreachable = False
         self._epoch = 0  # bumped when an outage starts: watches from before it resync
+        self._start()
+
+    def _start(self) -> None:
+        """Set up what each class of the store adds to an instance, and start its background
+        work (`SQLiteWatches`: the watch poller; `SQLiteStore`: the lease reaper). Here,
+        nothing: the file's state is set up above."""
 
     @classmethod
     async def open(cls, url: str, *, connect_timeout: float = 5.0) -> Self:

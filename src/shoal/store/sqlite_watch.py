@@ -18,9 +18,7 @@ import functools
 import logging
 import sqlite3
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from shoal.store.base import (
     MAX_QUEUED_BYTES,
@@ -104,18 +102,12 @@ class SQLiteWatches(SQLiteFile):
     """The watches of one store instance, and the poller that serves them all (see the
     module's docstring); a watch whose instance's poller stops ends with an error."""
 
-    def __init__(
-        self,
-        url: str,
-        path: Path,
-        conn: sqlite3.Connection,
-        executor: ThreadPoolExecutor,
-        read_only: bool = False,
-    ) -> None:
-        super().__init__(url, path, conn, executor, read_only)
+    def _start(self) -> None:
+        """The watches' state, and the poller that serves them."""
+        super()._start()
         self._watchers: set[_Watcher] = set()
         self._wake = asyncio.Event()
-        self._poller = asyncio.create_task(self._poll_forever(), name=f"sqlite-watch {path}")
+        self._poller = asyncio.create_task(self._poll_forever(), name=f"sqlite-watch {self.path}")
         self._poller.add_done_callback(self._poller_ended)
 
     def watch(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
