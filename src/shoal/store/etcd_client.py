@@ -35,9 +35,7 @@ log = logging.getLogger("shoal.store.etcd")  # (the backend's one logger, as it 
 
 T = TypeVar("T")
 
-
 DEFAULT_PORT = 2379
-
 
 # gRPC channel options: reconnect quickly after an outage, and find a dead peer (a host
 # gone silent, a frozen etcd) under an open watch within ~15 s. etcd refuses pings more

@@ -62,7 +62,6 @@ from shoal.store.etcd_txn import CONVERT_SLICE, EtcdTransactions, _range_of
 
 log = logging.getLogger("shoal.store.etcd")  # (the backend's one logger, as it always was)
 
-
 WATCH_BATCH = 64
 """Events a watch hands its consumer between two yields to the event loop: a catch-up
 replay, or one response of a large transaction, is thousands of events, and a consumer

@@ -49,7 +49,6 @@ log = logging.getLogger("shoal.store.sqlite")  # (the backend's one logger, as i
 
 T = TypeVar("T")
 
-
 BUSY_TIMEOUT = 5.0
 """Seconds a statement waits for another process's lock before failing."""
 FILE_CHECK_INTERVAL = 1.0

@@ -30,7 +30,6 @@ from shoal.store.sqlite_log import (
 
 log = logging.getLogger("shoal.store.sqlite")  # (the backend's one logger, as it always was)
 
-
 DELTA_CHANGES = RETAIN_CHANGES + TRIM_EVERY
 """Revisions back a listing of what changed is read from the change log at most, as a delta
 (`_changes_since`): it scans them once per prefix. The log may keep up to `MAX_LOG_CHANGES`

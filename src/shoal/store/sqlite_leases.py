@@ -35,8 +35,6 @@ from pathlib import Path
 
 OUT_OF_REACH = 1e300
 """The wall-clock `deadline` of a lease judged on the monotonic clock: never passed."""
-
-
 WALL_CLOCK_SLACK = 120.0
 """Seconds the wall clock may step forward without costing a lease, where the boot is
 unknown (see "Lease clock"): a dead lease outlives a reboot by at most its TTL + this."""
