@@ -24,8 +24,7 @@ import time
 
 from tests.etcd_server import EtcdServer
 
-from shoal.store import Resync, open_store
-from shoal.store import etcd as etcd_module
+from shoal.store import Resync, etcd_watch, open_store
 from shoal.store.etcd import EtcdStore
 
 PREFIX = "shoal/v1/instances/bench/"
@@ -44,7 +43,7 @@ async def run(keys: int, writes: list[int], rounds: int) -> None:
                 await store.put(f"{PREFIX}{i:07d}", value)
 
         await asyncio.gather(*(put(i, b"x" * 400) for i in range(keys)))
-        history = etcd_module.HISTORY_REVISIONS
+        history = etcd_watch.HISTORY_REVISIONS
         print("| writes since | path | wall (ms) | CPU (ms) | items | delta |")
         print("|---:|---|---:|---:|---:|---|")
         for n in writes:
@@ -54,12 +53,12 @@ async def run(keys: int, writes: list[int], rounds: int) -> None:
                     since = (await store.get_prefixes_changed((PREFIX,), 0)).revision
                     for i in range(n):
                         await store.put(f"{PREFIX}{i:07d}", b"y" * 400)
-                    etcd_module.HISTORY_REVISIONS = limit
+                    etcd_watch.HISTORY_REVISIONS = limit
                     wall, cpu = time.perf_counter(), time.process_time()
                     listing = await store.get_prefixes_changed((PREFIX,), since)
                     wall = (time.perf_counter() - wall) * 1000
                     cpu = (time.process_time() - cpu) * 1000
-                    etcd_module.HISTORY_REVISIONS = history
+                    etcd_watch.HISTORY_REVISIONS = history
                     got = (wall, cpu, len(listing.items), listing.removed is not None)
                     if path not in best or wall < best[path][0]:
                         best[path] = got
@@ -72,9 +71,9 @@ async def run(keys: int, writes: list[int], rounds: int) -> None:
             caught: dict[str, tuple[float, float, bool]] = {}
             for _ in range(rounds):
                 for path, limit in (("history", history), ("every key", 0)):
-                    etcd_module.HISTORY_REVISIONS = limit
+                    etcd_watch.HISTORY_REVISIONS = limit
                     timed = await broken_watch(store, n)
-                    etcd_module.HISTORY_REVISIONS = history
+                    etcd_watch.HISTORY_REVISIONS = history
                     if path not in caught or timed[0] < caught[path][0]:
                         caught[path] = timed
             for path, (wall, cpu, resynced) in caught.items():

@@ -28,9 +28,11 @@ from shoal.store import (
     Snapshot,
     Store,
     StoreUnavailableError,
+    etcd_client,
+    etcd_txn,
+    etcd_watch,
     open_store,
 )
-from shoal.store import etcd as etcd_module
 from shoal.store.etcd import EtcdStore, parse_url
 from tests.etcd_server import EtcdServer
 from tests.helpers import LoopTurns, free_port, wait_for
@@ -134,11 +136,11 @@ async def test_frozen_server_breaks_the_watch_by_keepalive(
 ) -> None:
     """A watch on a silent connection notices within keepalive time + ping timeout."""
     options = {
-        **etcd_module._CHANNEL_OPTIONS,
+        **etcd_client._CHANNEL_OPTIONS,
         "grpc.keepalive_time_ms": 5_000,  # etcd's minimum
         "grpc.http2.ping_timeout_ms": 1_000,
     }
-    monkeypatch.setattr(etcd_module, "_CHANNEL_OPTIONS", options)
+    monkeypatch.setattr(etcd_client, "_CHANNEL_OPTIONS", options)
     caplog.set_level(logging.INFO, logger="shoal.store.etcd")
     store = await EtcdStore.open(own_etcd.url, call_timeout=1.0)
     assert own_etcd.proc is not None
@@ -184,8 +186,8 @@ async def test_a_listing_longer_than_a_page_is_read_whole_at_its_first_revision(
     """A hundred thousand keys are read a page at a time (`PAGE_KEYS`), every page at the
     first one's revision: a key written between two pages is not in the listing, and the
     listing is whole and in key order."""
-    monkeypatch.setattr(etcd_module, "PAGE_KEYS", 3)
-    monkeypatch.setattr(etcd_module, "HISTORY_REVISIONS", 0)  # (no replay: the keys)
+    monkeypatch.setattr(etcd_txn, "PAGE_KEYS", 3)
+    monkeypatch.setattr(etcd_watch, "HISTORY_REVISIONS", 0)  # (no replay: the keys)
     written = [f"{prefix}a/{i:02d}" for i in range(10)] + [f"{prefix}b/{i:02d}" for i in range(7)]
     for key in written:
         await store.put(key, b"v")
@@ -221,8 +223,8 @@ async def test_a_listing_of_what_changed_moves_only_the_changed_values(
     """Every key comes from a `keys_only` read, a page at a time; only the values written
     after `since` are read (`min_mod_revision`), at the same revision, also when a write
     lands between the two reads."""
-    monkeypatch.setattr(etcd_module, "PAGE_KEYS", 3)
-    monkeypatch.setattr(etcd_module, "HISTORY_REVISIONS", 0)  # (no replay: the keys)
+    monkeypatch.setattr(etcd_txn, "PAGE_KEYS", 3)
+    monkeypatch.setattr(etcd_watch, "HISTORY_REVISIONS", 0)  # (no replay: the keys)
     written = [f"{prefix}a/{i:02d}" for i in range(10)]
     for key in written:
         await store.put(key, b"v")
@@ -260,8 +262,8 @@ async def test_a_listing_of_what_changed_reads_every_value_when_most_changed(
 ) -> None:
     """Most values written since: every value a page at a time (etcd reads a
     `min_mod_revision` range whole), still at the keys' revision."""
-    monkeypatch.setattr(etcd_module, "PAGE_KEYS", 3)
-    monkeypatch.setattr(etcd_module, "HISTORY_REVISIONS", 0)
+    monkeypatch.setattr(etcd_txn, "PAGE_KEYS", 3)
+    monkeypatch.setattr(etcd_watch, "HISTORY_REVISIONS", 0)
     assert isinstance(store, EtcdStore)
     written = [f"{prefix}a/{i:02d}" for i in range(10)]
     for key in written:
@@ -378,7 +380,7 @@ async def test_a_listing_of_what_changed_reads_the_keys_when_the_history_will_no
         await store.put(a + "0", b"changed")
         await store.delete(a + "1")
         if why == "too far back":
-            monkeypatch.setattr(etcd_module, "HISTORY_REVISIONS", 1)
+            monkeypatch.setattr(etcd_watch, "HISTORY_REVISIONS", 1)
             await store.put(prefix + "b/outside", b"x")
         elif why == "fewer keys":  # (2 keys listed, 3 revisions since)
             await store.put(prefix + "b/outside", b"x")
@@ -386,7 +388,7 @@ async def test_a_listing_of_what_changed_reads_the_keys_when_the_history_will_no
             client, _ = await store._current()
             await client.compact((await store.get_prefix(a)).revision, physical=True)
         else:
-            monkeypatch.setattr(etcd_module, "HISTORY_BYTES", 1000)
+            monkeypatch.setattr(etcd_watch, "HISTORY_BYTES", 1000)
             await store.put(prefix + "b/outside", b"x" * 2000)
         listing = await store.get_prefixes_changed((a,), since)
         assert listing.removed is None
@@ -751,7 +753,7 @@ async def test_a_catch_up_and_a_large_transaction_reach_the_consumer_a_batch_per
         back.set()
         await wait_for(lambda: len(values) == 600, message="the catch-up")
         assert values == [b"live"] * 300 + [b"missed"] * 300
-        assert turns.most_per_turn <= etcd_module.WATCH_BATCH
+        assert turns.most_per_turn <= etcd_watch.WATCH_BATCH
     finally:
         if consumer is not None:
             consumer.cancel()

@@ -556,7 +556,7 @@ async def test_without_a_boot_id_a_lease_from_before_a_reboot_expires_by_the_wal
 ) -> None:
     """With no boot id the monotonic clock alone cannot tell a reboot (it restarts near 0):
     the wall clock bounds every lease too, generously (`WALL_CLOCK_SLACK`)."""
-    from shoal.store import sqlite as backend
+    from shoal.store import sqlite_leases as backend
 
     monkeypatch.setattr(backend, "BOOT", "boot:")
     monkeypatch.setattr(backend, "BOOT_ID", "")
@@ -825,7 +825,7 @@ async def test_a_live_lease_granted_without_a_boot_id_is_not_expired_by_a_proces
     """A process that cannot read the boot id (a sandbox without /proc) shares the file with
     one that can: its live leases are judged on the clocks both share (the monotonic
     deadline and the wall-clock bound), not taken for another boot's and reaped at once."""
-    from shoal.store import sqlite as backend
+    from shoal.store import sqlite_leases as backend
 
     monkeypatch.setattr(backend, "BOOT", "boot:")
     monkeypatch.setattr(backend, "BOOT_ID", "")

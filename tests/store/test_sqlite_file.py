@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.store import KeyValue, LeaseNotFoundError, Resync, StoreUnavailableError
-from shoal.store import sqlite as sqlite_module
+from shoal.store import KeyValue, LeaseNotFoundError, Resync, StoreUnavailableError, sqlite_file
 from shoal.store.sqlite import SQLiteStore
 from tests.helpers import wait_for
 from tests.store.support import Recorder, as_held, held_after
@@ -100,7 +99,7 @@ async def test_a_path_that_cannot_be_looked_at_fails_calls_as_a_store_error(
         await store.put("k/a", b"1")
         remove_store_file(path)
         path.symlink_to(path)  # (a loop: stat raises ELOOP)
-        monkeypatch.setattr(sqlite_module, "FILE_CHECK_INTERVAL", 0.0)
+        monkeypatch.setattr(sqlite_file, "FILE_CHECK_INTERVAL", 0.0)
         with pytest.raises(StoreUnavailableError):
             await store.put("k/b", b"2")
         with pytest.raises(StoreUnavailableError):
@@ -131,7 +130,7 @@ async def test_a_file_replaced_while_the_store_opens_it_is_still_followed(
         made = await SQLiteStore.open(f"sqlite:///{where}")
         await made.put(key, b"1")
         await made.close()
-    connect = sqlite_module._connect
+    connect = sqlite_file._connect
 
     def connect_then_replace(*args: object, **kwargs: object) -> object:
         conn = connect(*args, **kwargs)  # type: ignore[arg-type]
@@ -140,7 +139,7 @@ async def test_a_file_replaced_while_the_store_opens_it_is_still_followed(
             remove_store_file(path, ("-wal", "-shm"))
         return conn
 
-    monkeypatch.setattr(sqlite_module, "_connect", connect_then_replace)
+    monkeypatch.setattr(sqlite_file, "_connect", connect_then_replace)
     store = await SQLiteStore.open(f"sqlite:///{path}")
     try:
         assert not other_path.exists()

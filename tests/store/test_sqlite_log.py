@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from shoal.store import Event, Put, Resync, sqlite_log
+from shoal.store import Event, Put, Resync, sqlite_log, sqlite_watch
 from shoal.store import sqlite as sqlite_module
 from shoal.store.sqlite import SQLiteStore
 from tests.helpers import wait_for
@@ -181,8 +181,8 @@ async def test_a_watch_whose_consumer_lags_reads_on_from_the_log_without_a_resyn
     `MAX_QUEUED` events unread was dropped for a `Resync`, though the log still held them.
     Now a poll reads `POLL_MAX_CHANGES` at most and skips a watch with a slice's worth
     unread: it reads on from the log once its consumer catches up."""
-    monkeypatch.setattr(sqlite_module, "POLL_MAX_CHANGES", 200)
-    monkeypatch.setattr(sqlite_module, "MAX_QUEUED", 500)
+    monkeypatch.setattr(sqlite_watch, "POLL_MAX_CHANGES", 200)
+    monkeypatch.setattr(sqlite_watch, "MAX_QUEUED", 500)
     url = f"sqlite:///{tmp_path / 'store.db'}"
     writer = await SQLiteStore.open(url)
     watcher = await SQLiteStore.open(url)

@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from shoal.store import Put, Resync, open_store
+from shoal.store import Put, Resync, open_store, sqlite_watch
 from shoal.store import memory as memory_module
-from shoal.store import sqlite as sqlite_module
 from shoal.store.base import MAX_QUEUED_BYTES, WatchQueue
 from shoal.store.memory import MemoryStore
 from shoal.store.sqlite import SQLiteStore
@@ -77,8 +76,8 @@ async def test_a_sqlite_watch_not_read_holds_at_most_its_bytes_and_reads_on_from
     all queued. Now a poll reads `POLL_BYTES` at most and a watch with a poll's worth of
     bytes short of `MAX_QUEUED_BYTES` waits for its consumer, then reads on from the log
     (here with bounds of 8 and 2 MiB: the log holds 64 MiB)."""
-    monkeypatch.setattr(sqlite_module, "MAX_QUEUED_BYTES", 8 * MIB, raising=False)
-    monkeypatch.setattr(sqlite_module, "POLL_BYTES", 2 * MIB, raising=False)
+    monkeypatch.setattr(sqlite_watch, "MAX_QUEUED_BYTES", 8 * MIB, raising=False)
+    monkeypatch.setattr(sqlite_watch, "POLL_BYTES", 2 * MIB, raising=False)
     url = f"sqlite:///{tmp_path / 'store.db'}"
     writer = await SQLiteStore.open(url)
     watcher = await SQLiteStore.open(url)
