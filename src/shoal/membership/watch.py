@@ -17,7 +17,10 @@ The invariants, both ways:
   a time) while the old selection stays in force; the view and `applied_revision` move to it
   in one step, and only then are the scopes it dropped closed. An update not done within
   `update_timeout` leaves the old selection in force, says why in `last_error`, and is tried
-  again at the next tick (scopes already opened for it are kept).
+  again at the next tick (scopes already opened for it are kept). An update replaced by a
+  newer valid selection before it is done stops there and never goes into force: the newer
+  one is set up next, from the scopes opened so far (the last of two quick rewrites wins, and
+  the one it replaced never moves the view).
 - A source error changes nothing in force; only a valid selection (even an empty one) does.
 - Taint updates are applied in place, O(1) each, and published coalesced: a view is built
   from the endpoints that changed since the last one, never from every endpoint.
@@ -120,6 +123,7 @@ class MembershipWatch:
         self._epochs = itertools.count(1)
         self._generations = itertools.count(1)
         self._desired: Selection | None = None
+        self._superseded = asyncio.Event()  # a new valid selection is desired
         self._applied: Selection | None = None
         # The view being built: endpoints as last published, those changed since, and
         # per namespace how many endpoints are in the view and how many were seen at all.
@@ -197,6 +201,8 @@ class MembershipWatch:
                         self._fail("source", str(item))
                     else:
                         self._clear("source")
+                        if item != self._desired:
+                            self._superseded.set()
                         self._desired = item
                         self.status.desired_revision = item.revision
                     self._wake.set()
@@ -277,13 +283,10 @@ class MembershipWatch:
         for name, query in wanted.items():
             if name not in self._scopes and name not in self._opening:
                 self._opening[name] = _Scope(name, query)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.update_timeout):
-                opening = list(self._opening.values())
-                await self._open_each([s for s in opening if s.task is None])
-                await self._each(
-                    [s for s in opening if s.task is not None and not s.ready], self._read
-                )
+        await self._set_up(selection)
+        if self._desired is not None and self._desired != selection:
+            log.info("membership: selection %s replaced before it was set up", selection.revision)
+            return  # (the next step sets up the newer one)
         missing = [s for s in self._opening.values() if s.task is None or not s.ready]
         if missing:
             errors = [self.status.errors.get(f"scope:{s.name}") for s in missing]
@@ -308,6 +311,29 @@ class MembershipWatch:
         self._first_applied.set()
         for scope in dropped:
             self._close(scope)
+
+    async def _set_up(self, selection: Selection) -> None:
+        """Open and read the scopes of `_opening` not set up yet; stops after
+        `update_timeout`, or once a newer selection than `selection` is desired."""
+        self._superseded.clear()
+        if self._desired is not None and self._desired != selection:
+            return
+
+        async def set_up() -> None:
+            opening = list(self._opening.values())
+            await self._open_each([s for s in opening if s.task is None])
+            await self._each([s for s in opening if s.task is not None and not s.ready], self._read)
+
+        work = asyncio.ensure_future(set_up())
+        newer = asyncio.ensure_future(self._superseded.wait())
+        try:
+            await asyncio.wait(
+                (work, newer), timeout=self.update_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for task in (work, newer):
+                task.cancel()
+            await asyncio.gather(work, newer, return_exceptions=True)
 
     async def _each(
         self, scopes: list[_Scope], action: Callable[[_Scope], Awaitable[None]]
