@@ -409,11 +409,25 @@ class MembershipWatch:
             scope.reading = False
         before, scope.endpoints, scope.ready = scope.endpoints, endpoints, True
         if self._in_force(scope) and not scope.closed:
-            changed = self._changed
-            for ref in before.keys() | endpoints.keys():
-                if before.get(ref) != endpoints.get(ref):  # identical models compare at once
-                    changed.add(ref)
+            await self._note_changes(before, endpoints)
         self._clear(f"scope:{scope.name}")
+
+    async def _note_changes(
+        self, before: dict[EndpointRef, Models], after: dict[EndpointRef, Models]
+    ) -> None:
+        """Mark the endpoints whose models differ between two snapshots of a scope, yielding
+        every `YIELD_EVERY` (10,000 endpoints compared at once held the loop 10-150 ms)."""
+        changed = self._changed
+        for i, (ref, models) in enumerate(list(after.items()), 1):
+            if i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+            if before.get(ref) != models:  # identical models compare at once
+                changed.add(ref)
+        for i, ref in enumerate(before, 1):  # (`before` is no longer changed by anyone)
+            if i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+            if ref not in after:
+                changed.add(ref)
 
     async def _consume(self, scope: _Scope, watch: ScopeWatch, epoch: int) -> None:
         reason = "ended"
