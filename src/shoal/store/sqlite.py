@@ -869,6 +869,12 @@ class SQLiteStore(Store):
         self._unreachable = False
         self._epoch = 0  # bumped when an outage starts: watches from before it resync
         self._watchers: set[_Watcher] = set()
+        # Bumped when a watch may need a poll that no new revision brings (one added, a
+        # resync asked for); with `_caught_up`, (revision, epoch, `_due`) of the last poll
+        # that left every watch served and nothing due: the next polls read only the
+        # revision until it moves.
+        self._due = 0
+        self._caught_up: tuple[int, int, int] | None = None
         self._wake = asyncio.Event()
         self._poller = asyncio.create_task(self._poll_forever(), name=f"sqlite-watch {path}")
         self._poller.add_done_callback(self._poller_ended)
@@ -1185,6 +1191,7 @@ class SQLiteStore(Store):
             if unreaped - self._unreaped:
                 for w in self._watchers:
                     w.resync = True
+                self._due += 1
                 self._wake.set()
             self._unreaped = unreaped
 
@@ -1206,6 +1213,7 @@ class SQLiteStore(Store):
         # is of another history: the watch starts with a `Resync` of this file.
         watcher.resync = 0 < start_revision <= self._since_floor
         self._watchers.add(watcher)
+        self._due += 1
         self._wake.set()
         try:
             while True:
@@ -1249,13 +1257,21 @@ class SQLiteStore(Store):
         return self._read(read)
 
     async def _poll_once(self) -> bool:
-        """One poll; True if a watch is left behind the log's end (read a slice only)."""
+        """One poll; True if a watch is left behind the log's end (read a slice only). While
+        every watch is served and nothing else is due (`_caught_up`), a poll reads the
+        revision only: looking at each of 12,288 idle watches held the loop 20-50 ms."""
+        caught_up, self._caught_up = self._caught_up, None
+        if caught_up is not None and caught_up[1:] == (self._epoch, self._due):
+            revision = await self._call(functools.partial(self._read, _revision))
+            if (revision, self._epoch, self._due) == caught_up:
+                self._caught_up = caught_up
+                return False
         # A watch whose consumer has not read a slice's worth is left out of this poll: it
         # reads on from the log once it has room (the log keeps what it needs for a while).
         watchers = [w for w in self._watchers if w.queue.qsize() < MAX_QUEUED - POLL_MAX_CHANGES]
         if not watchers:
             return False
-        epoch = self._epoch
+        epoch, due, skipped = self._epoch, self._due, len(watchers) < len(self._watchers)
         plan = [(w.prefixes, w.next_revision, w.resync or w.epoch != epoch) for w in watchers]
         try:
             result = await self._call(functools.partial(self._poll_read, plan))
@@ -1293,7 +1309,11 @@ class SQLiteStore(Store):
                 while not w.queue.empty():
                     w.queue.get_nowait()
                 w.resync = True
-        return result.through < revision
+                skipped = True
+        behind = result.through < revision
+        if not behind and not skipped and (self._epoch, self._due) == (epoch, due):
+            self._caught_up = (revision, epoch, due)
+        return behind
 
     async def _poll_forever(self) -> None:
         """Poll until closed. A failed poll is reported (a traceback for the first of a run
