@@ -35,6 +35,7 @@ from shoal.store.sqlite import (
     BUILD_SLICE,
     DELTA_CHANGES,
     LISTING_INDEX,
+    POLL_SLICE,
     SQLiteStore,
 )
 from shoal.store.sqlite_log import RETAIN_CHANGES
@@ -277,6 +278,37 @@ async def test_an_idle_poll_never_looks_at_every_watch(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await writer.close()
+
+
+async def test_a_poll_of_8192_watches_looks_at_a_slice_of_them_per_turn_of_the_loop(
+    store: SQLiteStore, url: str
+) -> None:
+    """A frontend swapping 4,096 namespaces for 4,096 others holds up to 24,576 watches while
+    the new ones are added, and each addition calls for a poll of them all: each poll looked at
+    every watch in one callback (up to 1 s of the loop, poll after poll). Counted, not timed:
+    the watches' queues looked at per turn of the loop, over the polls that set them up and
+    hand them a change each."""
+    writer = await SQLiteStore.open(url)
+    start = (await store.get_prefix("")).revision + 1
+    got = [0]
+
+    async def follow(i: int) -> None:
+        async for event in store.watch(f"ns-{i}/", start):
+            got[0] += isinstance(event, Put)
+
+    looked = LoopTurns().wrap(asyncio.Queue, "qsize")  # (twice per watch and poll)
+    tasks = [asyncio.create_task(follow(i)) for i in range(8192)]
+    try:
+        await writer.put_many([(f"ns-{i}/k", b"1") for i in range(0, 8192, 4)])
+        await wait_for(lambda: got[0] == 2048, timeout=60, message="every watch served")
+    finally:
+        await looked.stop()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await writer.close()
+    assert looked.on_loop >= 2 * 8192  # (every watch was looked at)
+    assert looked.most_per_turn <= 3 * POLL_SLICE, looked.most_per_turn
 
 
 async def test_two_processes_sharing_the_file_see_each_others_writes(

@@ -258,10 +258,9 @@ class MembershipWatch:
         if desired is not None and (applied is None or desired != applied):
             await self._update(desired)
         elif self._opening:  # the update was withdrawn (a source error, or back to applied)
-            for scope in self._opening.values():
-                self._close(scope)
-            self._opening = {}
+            withdrawn, self._opening = list(self._opening.values()), {}
             self._clear("update")
+            await self._close_all(withdrawn)
         scopes = list(self._scopes.values())
         await self._open_each([s for s in scopes if s.task is None])
         await self._each(
@@ -278,8 +277,9 @@ class MembershipWatch:
             if selection.watch_all
             else {ns: Query(namespace=ns) for ns in sorted(selection.namespaces)}
         )
-        for name in [n for n in self._opening if n not in wanted]:
-            self._close(self._opening.pop(name))
+        await self._close_all(
+            [self._opening.pop(n) for n in list(self._opening) if n not in wanted]
+        )
         for name, query in wanted.items():
             if name not in self._scopes and name not in self._opening:
                 self._opening[name] = _Scope(name, query)
@@ -309,8 +309,7 @@ class MembershipWatch:
         self._clear("update")
         await self._publish()
         self._first_applied.set()
-        for scope in dropped:
-            self._close(scope)
+        await self._close_all(dropped)
 
     async def _set_up(self, selection: Selection) -> None:
         """Open and read the scopes of `_opening` not set up yet; stops after
@@ -382,6 +381,21 @@ class MembershipWatch:
             self._consume(scope, watch, scope.epoch), name=f"membership:{scope.label}"
         )
         await self._read(scope)
+
+    async def _close_all(self, scopes: list[_Scope]) -> None:
+        """Close `scopes`, `YIELD_EVERY` at a time: a closed watch's tasks run in the next
+        turn of the loop (4,096 closed at once: 11,600 callbacks in one turn, 1-1.3 s)."""
+        pending = list(scopes)
+        try:
+            while pending:
+                for scope in pending[:YIELD_EVERY]:
+                    self._close(scope)
+                del pending[:YIELD_EVERY]
+                if pending:
+                    await asyncio.sleep(0)
+        finally:
+            for scope in pending:  # (stopped meanwhile: the rest at once)
+                self._close(scope)
 
     def _close(self, scope: _Scope) -> None:
         """Stop the scope's watch; its events are ignored from now on, its listing dropped."""

@@ -44,7 +44,10 @@ transaction runs in one hop to that thread. Background work per instance:
   instance's watches; a watch whose consumer has a slice's worth unread waits for it to
   catch up, then reads on from the log. A watch whose next revision was trimmed, whose
   read failed, or whose client was cut off (`set_unreachable`) gets a `Resync` read in
-  that same snapshot.
+  that same snapshot. While every watch is served and none was added, a poll reads the
+  revision alone; otherwise it looks at its watches `POLL_SLICE` at a time between two
+  yields to the event loop (tens of thousands of watches: a frontend following thousands of
+  namespaces).
 - a lease reaper: every `REAP_INTERVAL` (200 ms) it looks for an expired lease (a read,
   no lock) and only then deletes expired leases and their keys with delete events. Every
   client reaps, so a holder killed by SIGKILL loses its keys within TTL + ~0.25 s. Each
@@ -178,6 +181,9 @@ POLL_MAX_CHANGES = 2048
 """Changes one poll reads at most; a watch further behind is served by the next poll at once
 (a slice each: a burst of 30,000 changes is read and fanned out a slice per turn of the
 event loop, not in one)."""
+POLL_SLICE = 512
+"""Watches a poll looks at between two yields to the event loop (24,576 of them, a frontend
+swapping 4,096 namespaces, held it up to 1 s per poll)."""
 PUT_MANY_SHARE = 0.5
 """The share of the time a `put_many` holds the file's write lock at most: after each of its
 transactions it leaves the lock free as long as it held it, so other processes' keepalives
@@ -867,12 +873,13 @@ class SQLiteStore(Store):
         self._executor = executor
         self._closed = False
         self._unreachable = False
-        self._epoch = 0  # bumped when an outage starts: watches from before it resync
+        # Bumped when every watch must resync (an outage starts, another file is followed,
+        # leases expired that this client cannot reap): watches from before it resync.
+        self._epoch = 0
         self._watchers: set[_Watcher] = set()
-        # Bumped when a watch may need a poll that no new revision brings (one added, a
-        # resync asked for); with `_caught_up`, (revision, epoch, `_due`) of the last poll
-        # that left every watch served and nothing due: the next polls read only the
-        # revision until it moves.
+        # Bumped when a watch is added (it needs a poll that no new revision brings). With
+        # `_caught_up`, (revision, epoch, `_due`) of the last poll that left every watch
+        # served and nothing due: the next polls read only the revision until it moves.
         self._due = 0
         self._caught_up: tuple[int, int, int] | None = None
         self._wake = asyncio.Event()
@@ -1189,9 +1196,7 @@ class SQLiteStore(Store):
                 log.debug("lease reaper: %s", exc)
                 continue
             if unreaped - self._unreaped:
-                for w in self._watchers:
-                    w.resync = True
-                self._due += 1
+                self._epoch += 1  # (every watch resyncs, from a read made after this)
                 self._wake.set()
             self._unreaped = unreaped
 
@@ -1268,11 +1273,19 @@ class SQLiteStore(Store):
                 return False
         # A watch whose consumer has not read a slice's worth is left out of this poll: it
         # reads on from the log once it has room (the log keeps what it needs for a while).
-        watchers = [w for w in self._watchers if w.queue.qsize() < MAX_QUEUED - POLL_MAX_CHANGES]
+        epoch, due, everyone = self._epoch, self._due, list(self._watchers)
+        watchers: list[_Watcher] = []
+        plan: list[tuple[tuple[str, ...], int, bool]] = []
+        for start in range(0, len(everyone), POLL_SLICE):
+            if start:
+                await asyncio.sleep(0)  # (the watches only this poller moves stay as they were)
+            for w in everyone[start : start + POLL_SLICE]:
+                if w.queue.qsize() < MAX_QUEUED - POLL_MAX_CHANGES:
+                    watchers.append(w)
+                    plan.append((w.prefixes, w.next_revision, w.resync or w.epoch != epoch))
         if not watchers:
             return False
-        epoch, due, skipped = self._epoch, self._due, len(watchers) < len(self._watchers)
-        plan = [(w.prefixes, w.next_revision, w.resync or w.epoch != epoch) for w in watchers]
+        skipped = len(watchers) < len(everyone)
         try:
             result = await self._call(functools.partial(self._poll_read, plan))
         except StoreUnavailableError:
@@ -1284,6 +1297,10 @@ class SQLiteStore(Store):
         revision = result.revision
         changes = _Changes(result.changes)
         for i, w in enumerate(watchers):
+            if i and i % POLL_SLICE == 0:
+                await asyncio.sleep(0)
+                if self._closed or self._unreachable or self._epoch != epoch:
+                    return False  # (those not handed theirs yet resync, as the others)
             if w not in self._watchers:
                 continue
             items = result.resyncs.get(i)
