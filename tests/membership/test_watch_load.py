@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from shoal.cards import ModelCard
 from shoal.discovery import Discovery, EndpointId
 from shoal.membership import DiscoverySource, MembershipWatch, Selection
 from shoal.membership.feed import ScopeWatch
@@ -154,3 +155,20 @@ async def test_a_swap_of_1024_namespaces_closes_the_old_scopes_a_slice_per_turn(
         await closed.stop()
     assert watch.status.applied_revision == swap.revision
     assert closed.most_per_turn <= YIELD_EVERY, closed.most_per_turn
+
+
+async def test_a_burst_of_new_endpoints_decodes_each_card_once(
+    start_watch: StartWatch, discovery: Discovery
+) -> None:
+    """Every model card put while the scope was not being read was decoded on the event loop
+    to look for a taint update, before looking up whether its endpoint was known at all: each
+    new card (10,000 namespaces appearing at once) was decoded twice, once for nothing."""
+    watch = await start_watch(DiscoverySource(watch_all=True))
+    decoded = LoopTurns().wrap(ModelCard, "from_json")
+    try:
+        for i in range(500):
+            await add_endpoint(discovery, f"ns-{i}", i + 1)
+        await wait_for(lambda: len(watch.view.endpoints) == 500, message="500 endpoints")
+    finally:
+        await decoded.stop()
+    assert decoded.on_loop + decoded.off_loop <= 500 + 50, decoded.on_loop  # (the reads')

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import itertools
 import logging
@@ -39,13 +38,12 @@ import types
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-from shoal.cards import CardError, ModelCard
-from shoal.discovery import Discovery, EndpointId, ModelInstance, ModelKey, Query
-from shoal.discovery.join import check_size
-from shoal.discovery.keys import MODELS, parse_model_key
+from shoal.discovery import Discovery, EndpointId, Query
+from shoal.discovery.keys import MODELS
 from shoal.membership.discovery_source import EndpointPrefix
 from shoal.membership.errors import MembershipError, SourceError
 from shoal.membership.feed import Change, DiscoveryFeed, ScopeWatch
+from shoal.membership.scope import YIELD_EVERY, Models, Scope, note_changes
 from shoal.membership.selection import Selection, Source
 from shoal.membership.view import EMPTY, EndpointRef, EndpointView, Membership, MembershipStatus
 from shoal.store import Put
@@ -59,28 +57,6 @@ RECONCILE_SECONDS = 30.0
 SETUP_TIMEOUT_SECONDS = 10.0
 CONCURRENCY = 32
 OPEN_CHUNK = 128  # scopes opened after one read of the store revision
-YIELD_EVERY = 256  # events applied, or endpoints built, between two yields to the loop
-
-Models = dict[ModelKey, ModelInstance]
-
-
-@dataclasses.dataclass(eq=False)
-class _Scope:
-    """One watched scope (a namespace, or everything when `name` is None)."""
-
-    name: str | None
-    query: Query
-    epoch: int = 0
-    task: asyncio.Task[None] | None = None  # consumes the open watch; None: closed, reopen
-    ready: bool = False  # a snapshot was read since the watch opened
-    dirty: bool = False
-    reading: bool = False
-    closed: bool = False
-    endpoints: dict[EndpointRef, Models] = dataclasses.field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        return "all namespaces" if self.name is None else f"namespace {self.name!r}"
 
 
 class MembershipWatch:
@@ -118,8 +94,8 @@ class MembershipWatch:
         self.clock = clock
         self.status = MembershipStatus()
         self.view: Membership = EMPTY
-        self._scopes: dict[str | None, _Scope] = {}  # in force
-        self._opening: dict[str | None, _Scope] = {}  # for the desired selection, not yet
+        self._scopes: dict[str | None, Scope] = {}  # in force
+        self._opening: dict[str | None, Scope] = {}  # for the desired selection, not yet
         self._epochs = itertools.count(1)
         self._generations = itertools.count(1)
         self._desired: Selection | None = None
@@ -200,7 +176,7 @@ class MembershipWatch:
                         self._desired = self.status.desired_revision = None
                         self._fail("source", str(item))
                     else:
-                        self._clear("source")
+                        self.status.clear("source")
                         if item != self._desired:
                             self._superseded.set()
                         self._desired = item
@@ -259,7 +235,7 @@ class MembershipWatch:
             await self._update(desired)
         elif self._opening:  # the update was withdrawn (a source error, or back to applied)
             withdrawn, self._opening = list(self._opening.values()), {}
-            self._clear("update")
+            self.status.clear("update")
             await self._close_all(withdrawn)
         scopes = list(self._scopes.values())
         await self._open_each([s for s in scopes if s.task is None])
@@ -282,7 +258,7 @@ class MembershipWatch:
         )
         for name, query in wanted.items():
             if name not in self._scopes and name not in self._opening:
-                self._opening[name] = _Scope(name, query)
+                self._opening[name] = Scope(name, query)
         await self._set_up(selection)
         if self._desired is not None and self._desired != selection:
             log.info("membership: selection %s replaced before it was set up", selection.revision)
@@ -306,7 +282,7 @@ class MembershipWatch:
             self._rescope = True
         else:
             self._view_scopes = self._scopes_of([n for n in scopes if n is not None])
-        self._clear("update")
+        self.status.clear("update")
         await self._publish()
         self._first_applied.set()
         await self._close_all(dropped)
@@ -334,15 +310,13 @@ class MembershipWatch:
                 task.cancel()
             await asyncio.gather(work, newer, return_exceptions=True)
 
-    async def _each(
-        self, scopes: list[_Scope], action: Callable[[_Scope], Awaitable[None]]
-    ) -> None:
+    async def _each(self, scopes: list[Scope], action: Callable[[Scope], Awaitable[None]]) -> None:
         """`action` on every scope, at most `concurrency` at a time."""
         if not scopes:
             return
         limit = asyncio.Semaphore(self.concurrency)
 
-        async def one(scope: _Scope) -> None:
+        async def one(scope: Scope) -> None:
             async with limit:
                 await action(scope)
 
@@ -350,10 +324,10 @@ class MembershipWatch:
 
     # -- one scope ---------------------------------------------------------------------------
 
-    def _in_force(self, scope: _Scope) -> bool:
+    def _in_force(self, scope: Scope) -> bool:
         return self._scopes.get(scope.name) is scope
 
-    async def _open_each(self, scopes: list[_Scope]) -> None:
+    async def _open_each(self, scopes: list[Scope]) -> None:
         """Open the scopes, `OPEN_CHUNK` at a time after one read of the store revision
         (watch before list holds: that read precedes every snapshot read of the chunk)."""
         for i in range(0, len(scopes), OPEN_CHUNK):
@@ -366,7 +340,7 @@ class MembershipWatch:
                 continue
             await self._each(chunk, functools.partial(self._open, revision=revision))
 
-    async def _open(self, scope: _Scope, revision: int) -> None:
+    async def _open(self, scope: Scope, revision: int) -> None:
         """Open the scope's watch from `revision` + 1, then read its snapshot."""
         try:
             watch = await self.feed.open(scope.query, revision)
@@ -382,30 +356,28 @@ class MembershipWatch:
         )
         await self._read(scope)
 
-    async def _close_all(self, scopes: list[_Scope]) -> None:
+    async def _close_all(self, scopes: list[Scope]) -> None:
         """Close `scopes`, `YIELD_EVERY` at a time: a closed watch's tasks run in the next
         turn of the loop (4,096 closed at once: 11,600 callbacks in one turn, 1-1.3 s)."""
-        pending = list(scopes)
         try:
-            while pending:
-                for scope in pending[:YIELD_EVERY]:
-                    self._close(scope)
-                del pending[:YIELD_EVERY]
-                if pending:
+            for i, scope in enumerate(scopes, 1):
+                self._close(scope)
+                if i % YIELD_EVERY == 0:
                     await asyncio.sleep(0)
         finally:
-            for scope in pending:  # (stopped meanwhile: the rest at once)
-                self._close(scope)
+            for scope in scopes:  # (stopped meanwhile: the rest at once)
+                if not scope.closed:
+                    self._close(scope)
 
-    def _close(self, scope: _Scope) -> None:
+    def _close(self, scope: Scope) -> None:
         """Stop the scope's watch; its events are ignored from now on, its listing dropped."""
         scope.closed, scope.epoch = True, 0
         if scope.task is not None:
             scope.task.cancel()
         self.feed.forget(scope.query)
-        self._clear(f"scope:{scope.name}")
+        self.status.clear(f"scope:{scope.name}")
 
-    async def _read(self, scope: _Scope) -> None:
+    async def _read(self, scope: Scope) -> None:
         scope.dirty, scope.reading = False, True
         try:
             models = await self.feed.read(scope.query)
@@ -423,27 +395,10 @@ class MembershipWatch:
             scope.reading = False
         before, scope.endpoints, scope.ready = scope.endpoints, endpoints, True
         if self._in_force(scope) and not scope.closed:
-            await self._note_changes(before, endpoints)
-        self._clear(f"scope:{scope.name}")
+            await note_changes(before, endpoints, self._changed)
+        self.status.clear(f"scope:{scope.name}")
 
-    async def _note_changes(
-        self, before: dict[EndpointRef, Models], after: dict[EndpointRef, Models]
-    ) -> None:
-        """Mark the endpoints whose models differ between two snapshots of a scope, yielding
-        every `YIELD_EVERY` (10,000 endpoints compared at once held the loop 10-150 ms)."""
-        changed = self._changed
-        for i, (ref, models) in enumerate(list(after.items()), 1):
-            if i % YIELD_EVERY == 0:
-                await asyncio.sleep(0)
-            if before.get(ref) != models:  # identical models compare at once
-                changed.add(ref)
-        for i, ref in enumerate(before, 1):  # (`before` is no longer changed by anyone)
-            if i % YIELD_EVERY == 0:
-                await asyncio.sleep(0)
-            if ref not in after:
-                changed.add(ref)
-
-    async def _consume(self, scope: _Scope, watch: ScopeWatch, epoch: int) -> None:
+    async def _consume(self, scope: Scope, watch: ScopeWatch, epoch: int) -> None:
         reason = "ended"
         try:
             applied = 0
@@ -464,10 +419,10 @@ class MembershipWatch:
             scope.task = None  # reopened by the retry tick
             self._fail(f"scope:{scope.name}", f"watch of {scope.label} {reason}; reopening")
 
-    def _on_change(self, scope: _Scope, change: Change) -> None:
+    def _on_change(self, scope: Scope, change: Change) -> None:
         """Taints in place; anything else marks the scope dirty for the coalesced read."""
         if not scope.reading and isinstance(change, Put) and change.key.startswith(MODELS):
-            ref = self._update_taints(scope, change)
+            ref = scope.update_taints(change)
             if ref is not None:
                 if ref and self._in_force(scope):
                     self._changed.add(ref)
@@ -477,26 +432,6 @@ class MembershipWatch:
         now = time.monotonic()
         self._burst = (self._burst[0] if self._burst else now, now)
         self._wake.set()
-
-    @staticmethod
-    def _update_taints(scope: _Scope, change: Put) -> EndpointRef | tuple[()] | None:
-        """The endpoint whose taints changed; () when nothing changed; None when the change
-        is not a taint update of a known card."""
-        try:
-            key = parse_model_key(change.key)
-            check_size(change.value)
-            card = ModelCard.from_json(change.value)
-        except (ValueError, CardError):
-            return None
-        ref = (key.endpoint, key.instance_id)
-        models = scope.endpoints.get(ref)
-        model = None if models is None else models.get(key)
-        if models is None or model is None or not model.card.same_except_taints(card):
-            return None
-        if model.card.taints == card.taints:
-            return ()
-        models[key] = dataclasses.replace(model, card=card, revision=change.revision)
-        return ref
 
     # -- publishing --------------------------------------------------------------------------
 
@@ -631,17 +566,5 @@ class MembershipWatch:
     # -- errors ------------------------------------------------------------------------------
 
     def _fail(self, what: str, message: str) -> None:
-        """Record an error; logged once per distinct message, not on every tick."""
-        errors = self.status.errors
-        if errors.get(what) != message:
-            kept = "the last applied membership stays in force" if self._applied else "none yet"
-            log.warning("membership: %s (%s)", message, kept)
-        errors.pop(what, None)
-        errors[what] = message
-        self.status.last_error = message
-
-    def _clear(self, what: str) -> None:
-        errors = self.status.errors
-        if errors.pop(what, None) is not None:
-            log.info("membership: %s recovered", what)
-            self.status.last_error = next(reversed(errors.values()), None)
+        kept = "the last applied membership stays in force" if self._applied else "none yet"
+        self.status.fail(what, message, kept)
