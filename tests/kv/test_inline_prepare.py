@@ -155,7 +155,7 @@ async def test_chats_go_inline_or_to_the_thread_and_the_loop_is_never_held(
     spy_filter(state.tokenizer, "wordwrap", wrapped)
     short = [{"role": "user", "content": words(200)}]
     await client.chat.completions.create(model=MODEL, messages=short, max_tokens=1)  # type: ignore[arg-type]
-    assert state.tokenizer._worker is None  # no thread was needed
+    assert tokenized.off_loop == 0  # no thread was needed
     assert figures(front).picks == 1 and figures(front).deferred == 0
     slow = [*short, {"role": "tool", "content": words(4000), "tool_call_id": "x"}]
     answers = await asyncio.gather(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -126,12 +127,16 @@ async def test_sets_with_the_same_tokenizer_files_load_and_share_one_tokenizer(
         assert all(not p.disabled for p in prompts[1:])  # type: ignore[union-attr]
         last = prompts[4]
         assert last is not None
-        last.submit(lambda: None).result(timeout=10)  # (its thread runs)
+        started, release = threading.Event(), threading.Event()
+        busy = last.submit(lambda: (started.set(), release.wait(10)))
+        assert started.wait(10)  # (its thread runs)
         for model, _ in models[:4]:
             registry.leave(model.key)
-        assert last._worker is not None and tracker._tokenizers  # still in use
+        assert last._queue is not None and tracker._tokenizers  # still in use
         registry.leave(models[4][0].key)
-        assert last._worker is None and not tracker._tokenizers  # let go with its last set
+        assert last._queue is None and not tracker._tokenizers  # let go with its last set
+        release.set()
+        busy.result(timeout=10)
         again = registry.join(models[0][0])  # a set that comes back loads it anew
         await wait_for(lambda: tracker.sets[again.id].tokenizer is not None, message="reloaded")
         assert len(loads) == 2

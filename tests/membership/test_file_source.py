@@ -221,3 +221,17 @@ def test_an_error_about_a_huge_namespace_quotes_only_its_start_and_length() -> N
             parse_sources(sources(name))
         message = str(caught.value)
         assert len(message) < 300 and f"({len(name):,} characters)" in message, message
+
+
+def test_a_50_mb_sources_file_is_refused_naming_its_size_without_reading_it(
+    tmp_path: Path,
+) -> None:
+    """The error said `1048577 bytes, over the 1048576-byte limit` of any larger file: the
+    bytes read, not the file's size (50 MB here), in the status and the log."""
+    path = tmp_path / "sources.json"
+    with path.open("wb") as file:
+        file.truncate(50 * 1024 * 1024)
+    with pytest.raises(SourceError) as caught:
+        file_source.read_sources(path)
+    message = f"{50 * 1024 * 1024} bytes, over the {MAX_FILE_BYTES}-byte limit"
+    assert message in str(caught.value), caught.value

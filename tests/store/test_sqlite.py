@@ -19,6 +19,7 @@ import pytest
 
 from shoal.store import (
     Delete,
+    Event,
     KeyRevision,
     KeyValue,
     LeaseNotFoundError,
@@ -37,6 +38,7 @@ from shoal.store.sqlite import (
     SQLiteStore,
 )
 from shoal.store.sqlite_log import RETAIN_CHANGES
+from shoal.store.sqlite_watch import POLL_SLICE
 from tests.helpers import LoopTurns, wait_for
 from tests.store.support import Recorder
 
@@ -230,6 +232,83 @@ async def test_a_poll_fanning_changes_out_to_4096_watches_never_holds_the_event_
     finally:
         await store.close()
         await writer.close()
+
+
+async def test_an_idle_poll_never_looks_at_every_watch(
+    store: SQLiteStore, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frontend following 4,096 namespaces through a sources file holds three watches per
+    namespace (its own and the membership's): every poll, every 50 ms, looked at each of them
+    on the event loop and in the store's thread while nothing had changed (12,288 idle
+    watches: 20-50 ms of the loop per poll). An idle poll now reads the revision only.
+    Counted, not timed: the watches a poll's plan holds, over polls with nothing new."""
+    writer = await SQLiteStore.open(url)
+    start = (await store.get_prefix("")).revision + 1
+    got: dict[int, list[Event]] = {i: [] for i in range(2000)}
+
+    async def follow(i: int) -> None:
+        async for event in store.watch(f"ns-{i}/", start):
+            got[i].append(event)
+
+    planned, polls = [0], [0]
+    read, poll = store._poll_read, store._poll_once
+
+    def poll_read(plan: Any) -> Any:
+        planned[0] += len(plan)
+        return read(plan)
+
+    async def poll_once() -> bool:
+        polls[0] += 1
+        return await poll()
+
+    tasks = [asyncio.create_task(follow(i)) for i in range(2000)]
+    try:
+        await writer.put("ns-7/a", b"1")
+        await wait_for(lambda: len(got[7]) == 1, message="the first change")
+        monkeypatch.setattr(store, "_poll_read", poll_read)
+        monkeypatch.setattr(store, "_poll_once", poll_once)
+        await wait_for(lambda: polls[0] >= 10, message="ten polls")
+        assert planned[0] == 0, f"{planned[0]} watches looked at by {polls[0]} idle polls"
+        await writer.put("ns-1999/b", b"2")  # a change: the poll after it hands it out
+        await wait_for(lambda: len(got[1999]) == 1, message="the next change")
+        assert isinstance(got[1999][0], Put) and got[1999][0].key == "ns-1999/b"
+        assert all(not events for i, events in got.items() if i not in (7, 1999))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await writer.close()
+
+
+async def test_a_poll_of_8192_watches_looks_at_a_slice_of_them_per_turn_of_the_loop(
+    store: SQLiteStore, url: str
+) -> None:
+    """A frontend swapping 4,096 namespaces for 4,096 others holds up to 24,576 watches while
+    the new ones are added, and each addition calls for a poll of them all: each poll looked at
+    every watch in one callback (up to 1 s of the loop, poll after poll). Counted, not timed:
+    the watches' queues looked at per turn of the loop, over the polls that set them up and
+    hand them a change each."""
+    writer = await SQLiteStore.open(url)
+    start = (await store.get_prefix("")).revision + 1
+    got = [0]
+
+    async def follow(i: int) -> None:
+        async for event in store.watch(f"ns-{i}/", start):
+            got[0] += isinstance(event, Put)
+
+    looked = LoopTurns().wrap(asyncio.Queue, "qsize")  # (twice per watch and poll)
+    tasks = [asyncio.create_task(follow(i)) for i in range(8192)]
+    try:
+        await writer.put_many([(f"ns-{i}/k", b"1") for i in range(0, 8192, 4)])
+        await wait_for(lambda: got[0] == 2048, timeout=60, message="every watch served")
+    finally:
+        await looked.stop()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await writer.close()
+    assert looked.on_loop >= 2 * 8192  # (every watch was looked at)
+    assert looked.most_per_turn <= 3 * POLL_SLICE, looked.most_per_turn
 
 
 async def test_two_processes_sharing_the_file_see_each_others_writes(

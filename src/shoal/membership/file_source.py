@@ -104,8 +104,13 @@ def read_bytes(path: Path) -> bytes:
     except OSError as exc:
         raise SourceError(f"sources file {path}: {exc}") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise SourceError(f"sources file {path}: not a regular file")
+        if info.st_size > MAX_FILE_BYTES:  # (its size named, not the bytes a read would get)
+            raise SourceError(
+                f"sources file {path}: {info.st_size} bytes, over the {MAX_FILE_BYTES}-byte limit"
+            )
         os.set_blocking(fd, True)
         with os.fdopen(fd, "rb", closefd=False) as fh:
             return fh.read(MAX_FILE_BYTES + 1)

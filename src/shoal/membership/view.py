@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,8 @@ import msgspec
 
 from shoal.discovery import EndpointId, ModelInstance, Query
 from shoal.slices import ENCODED_PER_SLICE, encode_in_slices
+
+log = logging.getLogger("shoal.membership.watch")  # (the watch's messages)
 
 EndpointRef = tuple[EndpointId, int]
 """An endpoint instance: where it serves and its instance id (the id of its lease)."""
@@ -161,3 +164,18 @@ class MembershipStatus:
         if self.connection_revision is not None:  # (only sources that give one)
             shown["connection_revision"] = self.connection_revision
         return shown
+
+    def fail(self, what: str, message: str, kept: str) -> None:
+        """Record `what`'s error (`kept`: what stays in force); logged once per distinct
+        message, not on every tick."""
+        if self.errors.get(what) != message:
+            log.warning("membership: %s (%s)", message, kept)
+        self.errors.pop(what, None)
+        self.errors[what] = message
+        self.last_error = message
+
+    def clear(self, what: str) -> None:
+        """`what` works again: `last_error` is the latest error left, or None."""
+        if self.errors.pop(what, None) is not None:
+            log.info("membership: %s recovered", what)
+            self.last_error = next(reversed(self.errors.values()), None)

@@ -362,8 +362,7 @@ class SQLiteStore(SQLiteWatches):
                 log.debug("lease reaper: %s", exc)
                 continue
             if unreaped - self._unreaped:
-                for w in self._watchers:
-                    w.resync = True
+                self._epoch += 1  # (every watch resyncs, from a read made after this)
                 self._wake.set()
             self._unreaped = unreaped
 

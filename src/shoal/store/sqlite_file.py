@@ -223,7 +223,9 @@ class SQLiteFile(Store):
         self._executor = executor
         self._closed = False
         self._unreachable = False
-        self._epoch = 0  # bumped when an outage starts: watches from before it resync
+        # Bumped when every watch must resync (an outage starts, another file is followed,
+        # leases expired that this client cannot reap): watches from before it resync.
+        self._epoch = 0
         self._start()
 
     def _start(self) -> None:

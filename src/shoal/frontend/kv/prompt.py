@@ -14,8 +14,10 @@ string built (`*`, `+`, `~`, string methods and filters) is checked against a si
 (the text the chat holds, tool calls' arguments included, plus `MAX_TEXT`), before it is
 built where its size can be foreseen, an operation not known quick is given nothing over
 `OP_BOUND`, and the output stops at `MAX_TEXT`. Rendering and tokenizing run in the
-tokenizer's own thread (`submit`, one per tokenizer: a bad template occupies at most one
-thread). A template that overruns on a small chat (`SMALL_CHAT`) is disabled for good
+tokenizer's own thread (`submit`, one per tokenizer at a time: a bad template occupies at most
+one thread), started for the work queued and ended once none is left, with `RENDER_THREADS`
+alive in the process at most (`shoal.frontend.kv.threads`: a set that finds none free has its
+chat routed by prefix), so that many sets do not keep as many idle threads. A template that overruns on a small chat (`SMALL_CHAT`) is disabled for good
 (`disabled` says why: the set is routed by prefix, `/health` shows it); on a larger chat,
 whose size may explain it, only that request is routed by prefix. A render still running
 past its deadline (stuck where no check runs) is interrupted from the event loop
@@ -42,11 +44,12 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from types import EllipsisType
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 import msgspec
@@ -69,12 +72,23 @@ from shoal.frontend.kv.sandbox import (
     TemplateOverrun,
 )
 from shoal.frontend.kv.sizes import chars, text_size
+from shoal.frontend.kv.threads import RENDER_THREADS, THREADS, NoRenderThread
 from shoal.kv import token_block_hashes
 
-__all__ = ["MAX_TEXT", "RENDER_SECONDS", "Deferred", "PromptTokenizer", "TemplateOverrun"]
+__all__ = [
+    "MAX_TEXT",
+    "RENDER_SECONDS",
+    "RENDER_THREADS",
+    "Deferred",
+    "NoRenderThread",
+    "PromptTokenizer",
+    "TemplateOverrun",
+]
 
-# Tokenizing runs on the event loop or in one thread per tokenizer: `tokenizers`' own thread
-# pool would only spin on the other cores (measured: 1.5 times the CPU for a chat's pieces).
+T = TypeVar("T")
+
+# Tokenizing runs on the event loop or in one thread per tokenizer at a time: `tokenizers`' own
+# thread pool would only spin on the other cores (measured: 1.5 times the CPU for a chat's pieces).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -89,6 +103,7 @@ SMALL_CHAT = OP_BOUND // 2  # characters and items: a template that overruns on 
 # small is disabled (on a larger one, the request is routed by prefix: the chat may explain it)
 INLINE_NEW = 8192  # and tokenizes at most this much new text; else all of it is left to
 # the tokenizer's thread (`Deferred`), where the full budgets apply
+Job = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
 
 
 def read_files(tokenizer_file: Path, config_file: Path | None) -> tuple[Tokenizer, dict[str, Any]]:
@@ -146,7 +161,7 @@ class PromptTokenizer:
         if isinstance(template, str):
             self.template = self.env.from_string(template)
         self.disabled = ""  # why the template is no longer rendered ("" while it is)
-        self._worker: ThreadPoolExecutor | None = None
+        self._queue: deque[Job] | None = None  # the work of this tokenizer's thread, if any
         self._rendering: tuple[int, float] | None = None  # (thread, deadline) of a render
         self.watched = False  # the event loop checks on the render in progress
         self._lock = threading.Lock()
@@ -158,16 +173,63 @@ class PromptTokenizer:
 
     # -- the worker thread ----------------------------------------------------------------
 
-    def submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
-        """Run `fn(*args)` in this tokenizer's thread."""
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-tokenizer")
-        return self._worker.submit(fn, *args)
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run `fn(*args)` in this tokenizer's thread, after the work queued there; the
+        thread is started if there is none (`THREADS`: `NoRenderThread` when none can be,
+        raised here or set on the future)."""
+        future: Future[T] = Future()
+        with self._lock:
+            if self._queue is None:
+                queue: deque[Job] = deque()
+                serve = functools.partial(self._serve, queue)
+                THREADS.start(serve, functools.partial(self._refused, queue))
+                self._queue = queue
+            self._queue.append((future, fn, args))
+        return future
+
+    def _refused(self, queue: deque[Job], exc: BaseException) -> None:
+        """No thread could be started for `queue`: its work fails with `exc`."""
+        with self._lock:
+            if self._queue is queue:
+                self._queue = None
+            jobs = list(queue)
+            queue.clear()
+        for future, _, _ in jobs:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(exc)
+
+    def _serve(self, queue: deque[Job]) -> None:
+        """The tokenizer's thread: runs `queue`'s work in order and ends once it is empty,
+        or once the tokenizer gave the thread up (`overran`, `close`)."""
+        try:
+            while True:
+                with self._lock:
+                    if self._queue is not queue or not queue:
+                        if self._queue is queue:
+                            self._queue = None
+                        return
+                    future, fn, args = queue.popleft()
+                if future.set_running_or_notify_cancel():
+                    try:
+                        result = fn(*args)
+                    except BaseException as exc:  # (as `ThreadPoolExecutor` does)
+                        future.set_exception(exc)
+                    else:
+                        future.set_result(result)
+                del future, fn, args
+        except TemplateOverrun:  # (`overran`'s interruption landing past the render)
+            pass
+
+    def _give_up_thread(self) -> list[Job]:
+        """Leave this tokenizer's thread to end after the work it is doing (the caller holds
+        `_lock`); the work queued behind it, to cancel."""
+        queue, self._queue = self._queue, None
+        return list(queue or ())
 
     def overran(self, now: float) -> bool:
         """Called from the event loop: if a render has run past twice its budget (it ignored
         the checks, stuck in C code), disable the template, interrupt the render and give
-        the tokenizer a new thread. True when it did."""
+        the tokenizer a new thread (on its next work). True when it did."""
         with self._lock:
             rendering = self._rendering
             if rendering is None or now < rendering[1] + RENDER_SECONDS:
@@ -177,9 +239,9 @@ class PromptTokenizer:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(rendering[0]), ctypes.py_object(TemplateOverrun)
             )
-        if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
-            self._worker = None
+            queued = self._give_up_thread()
+        for future, _, _ in queued:
+            future.cancel()
         return True
 
     @property
@@ -192,9 +254,10 @@ class PromptTokenizer:
             self.disabled = reason
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
-            self._worker = None
+        with self._lock:
+            queued = self._give_up_thread()
+        for future, _, _ in queued:
+            future.cancel()
 
     # -- tokenizing -----------------------------------------------------------------------
 

@@ -29,7 +29,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from shoal.frontend.http.upstream import Upstream
-from shoal.frontend.kv.prompt import RENDER_SECONDS, Deferred, PromptTokenizer, TemplateOverrun
+from shoal.frontend.kv.prompt import (
+    RENDER_SECONDS,
+    Deferred,
+    NoRenderThread,
+    PromptTokenizer,
+    TemplateOverrun,
+)
 from shoal.frontend.kv.tracker import KvSet, KvTracker
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.metrics import FrontendMetrics, Histogram
@@ -142,6 +148,7 @@ class KvStatsView:
         "deferred",
         "fallbacks",
         "matched",
+        "no_thread",
         "overlap",
         "picks",
         "slow_prepares",
@@ -152,6 +159,7 @@ class KvStatsView:
         self.deferred = 0  # chats tried on the event loop, left to the tokenizer's thread
         self.fallbacks = 0  # requests routed by prefix as their prompt could not be tokenized
         self.slow_prepares = 0  # of them, because tokenizing took longer than PREPARE_WAIT
+        self.no_thread = 0  # of them, because every render thread was busy (`RENDER_THREADS`)
         self.blocks = 0
         self.matched = 0
         self.overlap = Histogram(OVERLAP_BUCKETS)
@@ -247,6 +255,8 @@ class KvRouter(Router):
             pending.discard(tokenizer)
             if not job.cancelled() and (exc := job.exception()) is not None:
                 prompt.failure = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, NoRenderThread):  # (the system refused a thread)
+                    self.figures.no_thread += 1
                 if isinstance(exc, TemplateOverrun) and tokenizer.disabled:
                     log.warning("kv router: a chat template is disabled: %s", tokenizer.disabled)
             if not pending and not done.done():
@@ -265,7 +275,9 @@ class KvRouter(Router):
             report = functools.partial(finished, tokenizer)
             try:
                 job = tokenizer.submit(prompt.prepare, tokenizer, sizes, self.max_blocks)
-            except RuntimeError:  # its thread was just replaced and shut down
+            except NoRenderThread as exc:  # `RENDER_THREADS` busy
+                prompt.failure = str(exc)
+                self.figures.no_thread += 1
                 pending.discard(tokenizer)
                 continue
             job.add_done_callback(functools.partial(_on_loop, loop, report))
@@ -435,6 +447,12 @@ class KvCollector(Collector):
             "shoal_frontend_kv_slow_prompts",
             "Requests whose prompt was not tokenized within the wait, routed by prefix.",
             value=figures.slow_prepares,
+        )
+        yield CounterMetricFamily(
+            "shoal_frontend_kv_no_render_thread",
+            "Chats left to a thread that found none free (all busy, or the system refused "
+            "one), routed by prefix.",
+            value=figures.no_thread,
         )
         yield CounterMetricFamily(
             "shoal_frontend_kv_over_block_cap",

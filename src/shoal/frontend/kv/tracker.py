@@ -21,7 +21,7 @@ once and let go with the last set that uses it: a load holds the GIL for ~100 ms
 tokenizer's memory. They share its cache of tokenized chat segments too (`prompt_chain`, a
 function of the tokenizer alone: one `CHAIN_CACHE_BYTES` for all of them, its probe of the
 vocabulary made once). Each set still has its own `PromptTokenizer` around them (its
-template, its render thread): a chat that makes one set's template overrun disables that
+template, its render thread while it has work): a chat that makes one set's template overrun disables that
 set's template only, as before the sharing. Loads run one at a time, so that many new
 tokenizers hold the loop for one load at a time, not for a pile of threads each waiting for
 the GIL.
