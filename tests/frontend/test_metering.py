@@ -233,6 +233,54 @@ def test_the_usage_event_asked_for_a_key_is_charged_and_never_written(writes: li
     conn.loop.close()
 
 
+def _lines(stream: bytes) -> list[bytes]:
+    """`stream`'s lines, each with its line end (LF, CRLF or CR)."""
+    lines, at = [], 0
+    while at < len(stream):
+        ends = [i for c in b"\r\n" if (i := stream.find(bytes([c]), at)) >= 0]
+        end = min(ends) + 1
+        end += stream[end - 1 : end + 1] == b"\r\n"
+        lines.append(stream[at:end])
+        at = end
+    return lines
+
+
+@pytest.mark.parametrize(
+    ("newline", "fields", "after"),
+    [(b"\n", b"", b""), (b"\r\n", b"", b""), (b"\r", b"", b""),
+     (b"\n", b"event: chunk\n: note\n", b"id: 3\n"), (b"\r\n", b"id: 3\n", b"retry: 9\n")],
+    ids=["lf", "crlf", "cr", "fields-lf", "fields-crlf"],
+)  # fmt: skip
+def test_the_usage_event_goes_whole_wherever_the_proxys_chunks_cut_its_lines(
+    newline: bytes, fields: bytes, after: bytes
+) -> None:
+    """The proxy's chunks hold whole lines: cut before any line (two cuts, every pair) but
+    between the usage event's own fields and its data (gone already then, they join the next
+    event: harmless), the usage event leaves nothing behind (an `id:` after it alone was an
+    event without data, on which the official client fails), whatever the line ends (SSE's
+    LF, CRLF, CR), and the other events reach the client byte for byte, blank lines too."""
+    usage = USAGE.replace(b"\n\n", b"\n")
+    event = (fields + usage + after).replace(b"\n", newline) + newline
+    text = TEXT.replace(b"\n\n", newline * 2)
+    done = DONE.replace(b"\n\n", newline * 2)
+    lines = _lines(text + event + done)
+    before = len(_lines(text)) + len(_lines(fields))  # (the usage's data line)
+    cuts = [cut for cut in range(1, len(lines)) if not len(_lines(text)) < cut <= before]
+    for first in cuts:
+        for second in cuts[cuts.index(first) :]:
+            parts = [lines[:first], lines[first:second], lines[second:]]
+            writes = [chunk(b"".join(part)) for part in parts if part]
+            conn, gate = Conn(), Gate()
+            metered = Metered(conn, 40, gate, GRANT, "alias", hide_usage=True)
+            for write in [HEAD + writes[0], *writes[1:], b"0\r\n\r\n"]:
+                metered.write(write)
+            metered.finish()
+            written = b"".join(conn.written)
+            assert unchunked(written[len(HEAD) :]) == text + done, (first, second)
+            assert gate.ends[0][3:5] == (7, 9)
+            conn.loop.close()
+
+
 def test_usage_in_chunks_with_choices_and_an_answer_not_chunked_go_as_they_are() -> None:
     """Usage the client gets anyway (vLLM's `continuous_usage_stats`, an engine's own) is
     left, and the last one charged; a body not chunked (an HTTP/1.0 client, a worker's
