@@ -28,7 +28,7 @@ not written yet waits for the next write to say.
 from __future__ import annotations
 
 import re
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 
@@ -120,8 +120,11 @@ def _tokens(digits: bytes) -> int:
 
 
 class _Event(msgspec.Struct, gc=False):
-    choices: Any = None
-    usage: Any = None
+    """The members of an event's data the usage event is told by, as their JSON text: a long
+    event is checked, never made into objects (20,000 of them: 60 ms)."""
+
+    choices: msgspec.Raw = msgspec.Raw()
+    usage: msgspec.Raw = msgspec.Raw()
 
 
 _decode_event = msgspec.json.Decoder(_Event).decode
@@ -135,7 +138,9 @@ def _usage_only(payload: bytes) -> bool:
         event = _decode_event(payload)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return False
-    return event.choices == [] and isinstance(event.usage, dict)
+    choices, usage = memoryview(event.choices), memoryview(event.usage)  # (never copied)
+    empty = 2 <= len(choices) <= 64 and choices[0] == 91 and not bytes(choices[1:-1]).strip()
+    return empty and len(usage) > 1 and usage[0] == 123  # (`[]`, whitespace inside; a `{`)
 
 
 class HiddenUsage:
