@@ -283,6 +283,34 @@ def test_the_usage_event_goes_whole_wherever_the_proxys_chunks_cut_its_lines(
             conn.loop.close()
 
 
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+def test_the_usage_event_goes_whole_wherever_the_engines_packets_cut_it(newline: bytes) -> None:
+    """The engine's stream cut in two packets at every byte, each handed on as the proxy
+    does (`sse.Unfinished`: whole events, which may end with the CR of a CRLF whose LF comes
+    next): the client gets every other event byte for byte, nothing of the usage event's
+    (its LF once came alone: a stray blank line)."""
+    from shoal.frontend.proxy.sse import Unfinished
+
+    text = TEXT.replace(b"\n\n", newline * 2)
+    event = (USAGE.replace(b"\n\n", b"\nid: 2\n")).replace(b"\n", newline) + newline
+    done = DONE.replace(b"\n\n", newline * 2)
+    stream = text + event + done
+    for cut in range(1, len(stream)):
+        conn, gate = Conn(), Gate()
+        metered = Metered(conn, 40, gate, GRANT, "alias", hide_usage=True)
+        held, relayed, head = Unfinished(), b"", HEAD
+        for packet in (stream[:cut], stream[cut:]):
+            if out := held.take(packet, relayed[-2:]):
+                metered.write(head + chunk(out))
+                relayed, head = out, b""
+        rest = held.release()
+        metered.write(head + (chunk(rest) if rest else b"") + b"0\r\n\r\n")
+        metered.finish()
+        assert unchunked(b"".join(conn.written)[len(HEAD) :]) == text + done, cut
+        assert gate.ends[0][3:5] == (7, 9)
+        conn.loop.close()
+
+
 def test_an_event_with_many_usage_keys_is_judged_once_and_never_decoded_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

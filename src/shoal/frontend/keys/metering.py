@@ -152,18 +152,20 @@ class HiddenUsage:
     `"usage":null` such engines add to every other chunk once asked. The proxy writes a chunked
     stream as whole chunks of whole lines (the first write after the head), and nothing else of
     it is looked at unless it holds a `"usage"`; only the end of a removed event may come in
-    the next chunk (`owed`: the last bytes before it, until its blank line), and fields before
+    the next chunk (`owed`: the last bytes before it, until its blank line; `lf`: the LF of a
+    CRLF whose CR ended it, as `sse.Unfinished` may cut them), and fields before
     its data in an earlier one (an engine's packet ending there) are gone already: they join
     the next event, `[DONE]` (harmless: it has its data). An answer
     that is not a chunked 200, or a chunk unlike the proxy's, goes as it is from there (the
     client may see the event: an HTTP/1.0 client's stream is never asked for it)."""
 
-    __slots__ = ("head", "off", "owed")
+    __slots__ = ("head", "lf", "off", "owed")
 
     def __init__(self) -> None:
         self.head = True  # the first write, which starts with the response's head, is to come
         self.off = False
         self.owed = b""  # the last bytes of a removed event whose blank line is still to come
+        self.lf = False  # a removed event ended with a CR at the end of its chunk
 
     def take(self, data: bytes) -> bytes:
         """What of `data`, one write of the proxy's, the client gets."""
@@ -173,7 +175,7 @@ class HiddenUsage:
             start = data.find(b"\r\n\r\n") + 4
             if not data.startswith(b"HTTP/1.1 200 ") or _CHUNKED not in data[: max(start, 0)]:
                 self.off = True
-        if self.off or (not self.owed and _USAGE_KEY not in data):
+        if self.off or (not self.owed and not self.lf and _USAGE_KEY not in data):
             return data
         pieces, at, changed = [data[:start]], start, False
         try:
@@ -202,12 +204,16 @@ class HiddenUsage:
     def _events(self, events: bytes) -> bytes:
         """`events` (a chunk's: whole lines) without the usage event and `"usage":null`."""
         kept = events
+        if self.lf:  # (the CRLF ending the removed event, cut after its CR)
+            self.lf = False
+            kept = kept[1:] if kept[:1] == b"\n" else kept
         if self.owed:  # (the removed event goes on to its blank line)
             owed, self.owed = self.owed, b""
             end = _after_blank(owed + kept, 0) - len(owed)
             if end < 0:  # (no blank line yet: all of it is the removed event's)
                 self.owed = (owed + kept)[-2:]
                 return b""
+            self.lf = end == len(kept) and kept[-1:] == b"\r"
             kept = kept[end:]
         if _NULL_USAGE in kept:  # (only a member can be: a string's `"` is escaped)
             kept = kept.replace(_NULL_USAGE, b"")
@@ -229,6 +235,8 @@ class HiddenUsage:
             if after < 0:  # (its blank line, maybe more of its fields, in the next chunk)
                 self.owed = kept[-2:]
                 after = len(kept)
+            else:
+                self.lf = after == len(kept) and kept[-1:] == b"\r"
             kept, at = kept[:start] + kept[after:], start
         return kept
 
@@ -249,8 +257,9 @@ def _after_blank(data: bytes, at: int) -> int:
 
 def _event_start(data: bytes, line: int) -> int:
     """Where the event whose line starts at `line` starts: after the last empty line before
-    it, a line end at the chunk's start one too (a chunk starts a line: the proxy's never
-    cut a CRLF); 0: the chunk's start, whose lines are the event's."""
+    it; a line end at the chunk's start is kept (a blank line, or the LF of a CRLF that
+    `sse.Unfinished` cut after its CR: either ends the event before); 0: the chunk's start,
+    whose lines are the event's."""
     found = [i for blank in _BLANKS if (i := data.rfind(blank, 0, line)) >= 0]
     if not found:
         if not line or data[0] not in b"\r\n":
