@@ -36,6 +36,7 @@ AGAIN = (
     "tests/frontend/test_disagg_faults.py",
     "tests/frontend/test_large_bodies.py",
     "tests/frontend/test_keys_stream_usage.py",  # (`Proxy.ask_usage`, `Request.rewrite`)
+    "tests/frontend/test_keys_stream_usage_framing.py",  # (`Proxy.ask_usage`: HTTP/1.0)
     # (a compiled coroutine keeps what it held after it ends: reference cycles of its own)
     "tests/frontend/test_request_garbage.py",
     "tests/frontend/test_request_garbage_stages.py",

@@ -28,7 +28,7 @@ not written yet waits for the next write to say.
 from __future__ import annotations
 
 import re
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 
@@ -120,8 +120,11 @@ def _tokens(digits: bytes) -> int:
 
 
 class _Event(msgspec.Struct, gc=False):
-    choices: Any = None
-    usage: Any = None
+    """The members of an event's data the usage event is told by, as their JSON text: a long
+    event is checked, never made into objects (20,000 of them: 60 ms)."""
+
+    choices: msgspec.Raw = msgspec.Raw()
+    usage: msgspec.Raw = msgspec.Raw()
 
 
 _decode_event = msgspec.json.Decoder(_Event).decode
@@ -135,25 +138,34 @@ def _usage_only(payload: bytes) -> bool:
         event = _decode_event(payload)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return False
-    return event.choices == [] and isinstance(event.usage, dict)
+    choices, usage = memoryview(event.choices), memoryview(event.usage)  # (never copied)
+    empty = 2 <= len(choices) <= 64 and choices[0] == 91 and not bytes(choices[1:-1]).strip()
+    return empty and len(usage) > 1 and usage[0] == 123  # (`[]`, whitespace inside; a `{`)
 
 
 class HiddenUsage:
     """The usage event a key's stream asked its engine for, not its client (`Proxy.ask_usage`),
     taken out of the body as the proxy writes it: the event whose `choices` are empty and whose
-    `usage` is an object (OpenAI's and vLLM's form), and the `"usage":null` such engines add to
-    every other chunk once asked. The proxy writes a chunked stream as whole chunks of whole
-    lines (the first write after the head), and nothing else of it is looked at unless it holds
-    a `"usage"`; only the blank line ending a removed event may come in the next chunk
-    (`owed`). An answer that is not a chunked 200, or a chunk unlike the proxy's, goes as it
-    is from there (the client may see the event)."""
+    `usage` is an object (OpenAI's and vLLM's form), the whole event (its other fields, `id:`,
+    `event:`, comments, and its blank line: an `id:` left alone was an event without data, on
+    which the official client fails), with any line ends SSE allows (LF, CRLF, CR), and the
+    `"usage":null` such engines add to every other chunk once asked. The proxy writes a chunked
+    stream as whole chunks of whole lines (the first write after the head), and nothing else of
+    it is looked at unless it holds a `"usage"`; only the end of a removed event may come in
+    the next chunk (`owed`: the last bytes before it, until its blank line; `lf`: the LF of a
+    CRLF whose CR ended it, as `sse.Unfinished` may cut them), and fields before
+    its data in an earlier one (an engine's packet ending there) are gone already: they join
+    the next event, `[DONE]` (harmless: it has its data). An answer
+    that is not a chunked 200, or a chunk unlike the proxy's, goes as it is from there (the
+    client may see the event: an HTTP/1.0 client's stream is never asked for it)."""
 
-    __slots__ = ("head", "off", "owed")
+    __slots__ = ("head", "lf", "off", "owed")
 
     def __init__(self) -> None:
         self.head = True  # the first write, which starts with the response's head, is to come
         self.off = False
-        self.owed = 0  # newlines of a removed event that the next chunk starts with
+        self.owed = b""  # the last bytes of a removed event whose blank line is still to come
+        self.lf = False  # a removed event ended with a CR at the end of its chunk
 
     def take(self, data: bytes) -> bytes:
         """What of `data`, one write of the proxy's, the client gets."""
@@ -163,7 +175,7 @@ class HiddenUsage:
             start = data.find(b"\r\n\r\n") + 4
             if not data.startswith(b"HTTP/1.1 200 ") or _CHUNKED not in data[: max(start, 0)]:
                 self.off = True
-        if self.off or (not self.owed and _USAGE_KEY not in data):
+        if self.off or (not self.owed and not self.lf and _USAGE_KEY not in data):
             return data
         pieces, at, changed = [data[:start]], start, False
         try:
@@ -192,28 +204,69 @@ class HiddenUsage:
     def _events(self, events: bytes) -> bytes:
         """`events` (a chunk's: whole lines) without the usage event and `"usage":null`."""
         kept = events
-        if self.owed:
-            cut = 0
-            while cut < self.owed and kept[cut : cut + 1] == b"\n":
-                cut += 1
-            self.owed = 0
-            kept = kept[cut:] if cut else kept
+        if self.lf:  # (the CRLF ending the removed event, cut after its CR)
+            self.lf = False
+            kept = kept[1:] if kept[:1] == b"\n" else kept
+        if self.owed:  # (the removed event goes on to its blank line)
+            owed, self.owed = self.owed, b""
+            end = _after_blank(owed + kept, 0) - len(owed)
+            if end < 0:  # (no blank line yet: all of it is the removed event's)
+                self.owed = (owed + kept)[-2:]
+                return b""
+            self.lf = end == len(kept) and kept[-1:] == b"\r"
+            kept = kept[end:]
         if _NULL_USAGE in kept:  # (only a member can be: a string's `"` is escaped)
             kept = kept.replace(_NULL_USAGE, b"")
         at = 0
         while (found := kept.find(_USAGE_KEY, at)) >= 0:
-            at = found + len(_USAGE_KEY)
-            start = kept.rfind(b"\n", 0, found) + 1
-            end = kept.find(b"\n", found)
+            line = max(kept.rfind(b"\n", 0, found), kept.rfind(b"\r", 0, found)) + 1
+            ends = [i for c in (b"\n", b"\r") if (i := kept.find(c, found)) >= 0]
+            if not ends:
+                break  # (a line not ended in this chunk: not the proxy's)
+            end = min(ends)  # (the line's end: a line is judged once, however many keys)
+            at = end
             if (
-                end < 0 or kept[end - 1] == 13 or not _is_key(kept[found : found + 64])
-                or not kept.startswith(b"data:", start) or not _usage_only(kept[start + 5 : end])
+                not _is_key(kept[found : found + 64]) or not kept.startswith(b"data:", line)
+                or not _usage_only(kept[line + 5 : end])
             ):  # fmt: skip
                 continue
-            blank = end + 2 if kept[end + 1 : end + 2] == b"\n" else end + 1
-            self.owed = 1 if blank == end + 1 == len(kept) else 0  # (its blank line: next chunk)
-            kept, at = kept[:start] + kept[blank:], start
+            start = _event_start(kept, line)
+            after = _after_blank(kept, end)
+            if after < 0:  # (its blank line, maybe more of its fields, in the next chunk)
+                self.owed = kept[-2:]
+                after = len(kept)
+            else:
+                self.lf = after == len(kept) and kept[-1:] == b"\r"
+            kept, at = kept[:start] + kept[after:], start
         return kept
+
+
+_BLANKS = (b"\n\n", b"\r\r", b"\n\r")
+"""An empty line after a line's end (LF, CR, or the LF of a CRLF, then a line end): any
+`\n\r` is one (CRLF CRLF, LF CRLF, CRLF CR), as SSE allows every mix (`sse.py`'s rule)."""
+
+
+def _after_blank(data: bytes, at: int) -> int:
+    """Where the first empty line of `data` after the line end at `at` ends (-1: none)."""
+    found = [i for blank in _BLANKS if (i := data.find(blank, at)) >= 0]
+    if not found:
+        return -1
+    end = min(found) + 2
+    return end + 1 if data[end - 1] == 13 and data[end : end + 1] == b"\n" else end
+
+
+def _event_start(data: bytes, line: int) -> int:
+    """Where the event whose line starts at `line` starts: after the last empty line before
+    it; a line end at the chunk's start is kept (a blank line, or the LF of a CRLF that
+    `sse.Unfinished` cut after its CR: either ends the event before); 0: the chunk's start,
+    whose lines are the event's."""
+    found = [i for blank in _BLANKS if (i := data.rfind(blank, 0, line)) >= 0]
+    if not found:
+        if not line or data[0] not in b"\r\n":
+            return 0
+        return 2 if data.startswith(b"\r\n") else 1
+    end = max(found) + 2
+    return end + 1 if data[end - 1] == 13 and data[end : end + 1] == b"\n" else end
 
 
 class Metered:

@@ -245,8 +245,12 @@ class Proxy:
         usage event of, now asks its engine for one (the body rewritten: `asking_usage`): the
         key is charged the engine's count, and `Metered` keeps the event from the client. Not
         for a virtual model with a provider among its targets: an OpenAI-compatible API may
-        refuse the member (Mistral's answers 422), and charges as it sends."""
+        refuse the member (Mistral's answers 422), and charges as it sends. Nor for an HTTP/1.0
+        client (nginx's default to its upstreams): its stream is not chunked, the event could
+        not be told apart in it, and the client saw it."""
         if not fields.stream or (request.path != CHAT_PATH and request.path != COMPLETIONS_PATH):
+            return False
+        if not request.http11:
             return False
         virtual = self.virtual.get(fields.model or "")
         if virtual is not None and not virtual.fleet_only:
