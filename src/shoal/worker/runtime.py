@@ -11,11 +11,12 @@ both started in `start()`, keep the store true to the process:
 - `models`: keeps each endpoint's announced models in step with its engine's
   `served_models()` (an upstream going down withdraws its models).
 
-Drain (`drain()`, on SIGTERM): taint every model `draining`, let in-flight requests
-finish (up to the drain timeout; a second signal ends the wait), cut what is left, detach
-(discovery first, then metadata), revoke the lease; the store calls share `CLEANUP_BUDGET`,
-of which `REVOKE_RESERVE` is the revoke's. With more than `WITHDRAW_ONE_BY_ONE` models the
-revoke is their withdrawal from discovery (one call, not one per model).
+Drain (`drain()`, on SIGTERM): let in-flight requests finish (up to the drain timeout; a
+second signal ends the wait), tainting every model `draining` meanwhile, cut what is left,
+detach (discovery first, then metadata), revoke the lease. Its store calls share
+`CLEANUP_BUDGET`, of which `REVOKE_RESERVE` is the revoke's; the taint is the wait's, never
+the budget's. With more than `WITHDRAW_ONE_BY_ONE` models the revoke is their withdrawal
+from discovery (one call, not one per model).
 """
 
 from __future__ import annotations
@@ -49,12 +50,18 @@ otherwise kill the process with its cards announced until its lease runs out."""
 log = logging.getLogger(__name__)
 
 CLEANUP_BUDGET = 2.0
-"""Seconds a drain may spend past its timeout on the store: every store call of the drain
-(taints, withdrawals, revoke, close) shares it, so a frozen store delays exit by this much
-at most. Stopping the servers adds about `2 * SHUTDOWN_GRACE`."""
-REVOKE_RESERVE = 0.5
+"""Seconds a drain may spend past its timeout on the store: its store calls but the taint
+(ending replaced leases, withdrawals, revoke, close) share it, so a frozen store delays exit
+by this much at most. Stopping the servers adds about `2 * SHUTDOWN_GRACE`."""
+REVOKE_RESERVE = 1.5
 """Seconds of `CLEANUP_BUDGET` kept for the lease revoke (which alone deletes every key of
-the process): the taints and withdrawals before it never spend them."""
+the process): the calls before it never spend them. A revoke of 20,002 keys takes 0.4 s on
+an idle SQLite file, twice that on a busy one; with 0.5 s kept, and the taint spending the
+rest, it was cut and a worker in front of 20,001 models left them all in the store."""
+TAINT_TRY = 1.0
+"""Seconds one try at tainting an endpoint `draining` gets while the drain waits; one the
+store refused or did not finish is tried again after the rest of them (a try goes on where
+the one before stopped)."""
 WITHDRAW_ONE_BY_ONE = 32
 """Models a drain withdraws one store call each before the revoke; with more, the revoke
 withdraws them all in one call (discovery first), then their metadata files go."""
@@ -339,7 +346,8 @@ class Runtime:
         return sum(ep.in_flight for ep in self.endpoints.values())
 
     async def drain(self, timeout: float | None = None) -> None:
-        """Taint `draining`, wait for in-flight requests (up to `timeout`), detach, revoke, stop.
+        """Wait for in-flight requests (up to `timeout`; tainted `draining` meanwhile),
+        detach, revoke, stop.
 
         Takes at most `timeout` plus `CLEANUP_BUDGET` (plus a fraction of a second to stop
         the servers), whatever the store does.
@@ -360,15 +368,12 @@ class Runtime:
         await self.manager.loops["models"].stop(timeout=LOOP_STOP_TIMEOUT)
         serving = [ep for ep in self.endpoints.values() if ep.serving]
         if self._registrations is not None:  # (copies under a replaced lease: not tainted)
-            await budget.spend("ending replaced leases", self._registrations.retire_replaced())
-        untainted = [
-            ep
-            for ep in serving
-            if not await budget.spend(
-                f"tainting {ep.id} draining", ep.set_taints([DRAINING]), keep=REVOKE_RESERVE
+            await budget.spend(
+                "ending replaced leases",
+                self._registrations.retire_replaced(),
+                keep=REVOKE_RESERVE,
             )
-        ]
-        await self._wait_idle(serving, timeout, untainted)
+        await self._wait_idle(serving, timeout)
         for ep in serving:
             await ep.stop_serving()  # cuts what is still in flight
         await self.manager.stop_all(timeout=LOOP_STOP_TIMEOUT)
@@ -388,14 +393,18 @@ class Runtime:
             await budget.spend("closing the store", self.store.close())
         self.cleanup_cut_short = budget.cut_short
 
-    async def _wait_idle(
-        self, endpoints: list[Endpoint], timeout: float, untainted: list[Endpoint]
-    ) -> None:
+    async def _wait_idle(self, endpoints: list[Endpoint], timeout: float) -> None:
         """Wait until no request is in flight on any of `endpoints`, at most `timeout` seconds
-        (less if a second stop is requested). Endpoints whose `draining` taint the store
-        refused are tainted again meanwhile: until frontends see it, they keep sending."""
+        (less if a second stop is requested), tainting them `draining` meanwhile: until
+        frontends see it, they keep sending. The taint is a courtesy to the requests waited
+        for, cut when the wait ends: with none in flight there is no wait and no taint (the
+        revoke comes at once), and it never spends the cleanup budget the revoke needs
+        (20,001 cards took the 1.5 s it had and more; the revoke was cut)."""
+        if all(ep.idle.is_set() for ep in endpoints):
+            return
         deadline = time.monotonic() + timeout
         hurry = asyncio.ensure_future(self._hurry.wait())
+        tainting = asyncio.ensure_future(self._taint(endpoints))
         try:
             while busy := [ep for ep in endpoints if not ep.idle.is_set()]:
                 remaining = deadline - time.monotonic()
@@ -403,29 +412,31 @@ class Runtime:
                     why = "second stop request" if hurry.done() else "drain timeout"
                     log.warning("%s: cutting %d requests in flight", why, self.in_flight)
                     return
-                if untainted:
-                    untainted = await self._taint_again(untainted, min(remaining, 1.0))
-                    continue
                 idle = asyncio.ensure_future(busy[0].idle.wait())
                 await asyncio.wait([idle, hurry], timeout=remaining, return_when="FIRST_COMPLETED")
                 idle.cancel()
         finally:
             hurry.cancel()
+            tainting.cancel()
+            await asyncio.wait([tainting])  # (its store call let go before the revoke's)
+            if not tainting.cancelled() and (exc := tainting.exception()) is not None:
+                log.warning("drain: tainting draining failed: %r", exc)
 
-    async def _taint_again(self, endpoints: list[Endpoint], within: float) -> list[Endpoint]:
-        """Try to taint `endpoints` `draining` once more (each within `within` seconds, then
-        a pause of the rest); the ones still untainted."""
-        started = time.monotonic()
-        left = []
-        for ep in endpoints:
-            try:
-                async with asyncio.timeout(within):
-                    await ep.set_taints([DRAINING])
-            except (TimeoutError, *STORE_ERRORS):
-                left.append(ep)
-        if left:
-            await asyncio.sleep(max(0.0, within - (time.monotonic() - started)))
-        return left
+    async def _taint(self, endpoints: list[Endpoint]) -> None:
+        """Taint `endpoints` `draining`, each try within `TAINT_TRY` seconds; those the store
+        refused (or a try did not finish) are tried again, after a pause of the rest of it."""
+        while endpoints:
+            started = time.monotonic()
+            left = []
+            for ep in endpoints:
+                try:
+                    async with asyncio.timeout(TAINT_TRY):
+                        await ep.set_taints([DRAINING])
+                except (TimeoutError, *STORE_ERRORS):
+                    left.append(ep)
+            if left:
+                await asyncio.sleep(max(0.0, TAINT_TRY - (time.monotonic() - started)))
+            endpoints = left
 
 
 def is_loopback(host: str) -> bool:

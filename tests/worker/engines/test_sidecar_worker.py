@@ -5,6 +5,11 @@ the status server and the openai client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -12,11 +17,14 @@ import pytest
 
 from shoal.catalog.backends import READY_LINE
 from shoal.discovery import Discovery, ModelInstance, Query
-from shoal.store import Store
+from shoal.store import Store, open_store
 from shoal.worker.engines.openai_sidecar import OpenAISidecarEngine
-from shoal.worker.runtime import Runtime
+from shoal.worker.runtime import CLEANUP_BUDGET, Runtime
+from tests.etcd_server import EtcdServer
+from tests.helpers import wait_for
 from tests.processes import Process, Processes, shoal
 from tests.worker.engines.fake_upstream import MODEL, FakeUpstream
+from tests.worker.test_worker_drain import SLACK
 
 UPSTREAM_KEY = "sk-upstream-only"
 
@@ -257,3 +265,112 @@ async def test_health_is_never_200_before_the_models_of_an_upstream_come_up_are_
             await asyncio.sleep(0.01)
     assert answers, "never healthy"
     assert answers[0][1:] == (1 + len(fake.adapter_ids), True), answers
+
+
+BIG_LISTING = 20_000
+"""Adapters the upstream of the drain tests below lists, besides its base model."""
+
+
+async def big_sidecars(
+    count: int, url: str, fake: FakeUpstream, processes: Processes, store: Store, *args: str
+) -> list[Process]:
+    """`count` sidecar workers on `url` in front of `fake` listing 1 + `BIG_LISTING` models,
+    each with every one of them announced."""
+    fake.adapter_ids = [f"lora-{i:05d}" for i in range(BIG_LISTING)]
+    workers = []
+    for _ in range(count):
+        worker = await processes.worker(
+            url, "--upstream", fake.server.url, "--lease-ttl", "60", *args,
+            model=MODEL, engine="openai", timeout=120,
+        )  # fmt: skip
+        workers.append(worker)
+
+        async def announced(worker: Process = worker) -> bool:
+            return len(await models_of(store, worker)) == 1 + BIG_LISTING
+
+        await wait_for(announced, timeout=120, interval=0.5, message="every model announced")
+    return workers
+
+
+@contextlib.asynccontextmanager
+async def store_of(backend: str, tmp_path: Path) -> AsyncIterator[tuple[str, Store]]:
+    """A store URL of `backend` of the test's own (a SQLite file, an etcd), and a client."""
+    with contextlib.ExitStack() as stack:
+        if backend == "etcd":
+            url = stack.enter_context(EtcdServer()).url
+        else:
+            url = f"sqlite:///{tmp_path / 'store.db'}"
+        store = await open_store(url)
+        try:
+            yield url, store
+        finally:
+            await store.close()
+
+
+BACKENDS = ["sqlite", pytest.param("etcd", marks=pytest.mark.etcd)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_sidecars_in_front_of_20_001_models_stopped_at_once_leave_no_key_when_they_exit(
+    backend: str, fake: FakeUpstream, processes: Processes, tmp_path: Path
+) -> None:
+    """What was wrong: a sidecar in front of an upstream listing 20,001 models, on SIGTERM,
+    tainted its 20,001 cards `draining` out of its 2 s cleanup budget (1.5 s of it, a
+    SQLite file writing ~15,000 keys/s) and left its lease revoke (0.4 s for 20,002 keys) the
+    0.5 s reserved: a store any busier (two such workers stopped at once, as a host shutting
+    down stops them; a loaded machine) cut the revoke and the worker exited with every key
+    in the store until its lease expired (20,002 ghosts, up to the TTL). What holds now: a
+    drain with nothing to wait for taints nothing, the revoke has first claim on the budget,
+    and both workers exit within their drain timeout plus the budget, no key of theirs left."""
+    drain_timeout = 1.0
+    async with store_of(backend, tmp_path) as (url, store):
+        workers = await big_sidecars(
+            2, url, fake, processes, store, "--drain-timeout", str(drain_timeout)
+        )
+        signalled = time.monotonic()
+        for worker in workers:
+            worker.signal(signal.SIGTERM)
+        codes = [await w.wait(drain_timeout + CLEANUP_BUDGET + 30) for w in workers]
+        exited = time.monotonic() - signalled
+        left = (await store.get_prefix("shoal/v1/")).items
+    logs = "\n".join(w.stderr()[-2000:] for w in workers)
+    assert codes == [0, 0], logs
+    assert left == [], f"{len(left)} keys left (first {left[0].key}):\n{logs}"
+    assert exited < drain_timeout + CLEANUP_BUDGET + SLACK, f"exit after {exited:.1f}s:\n{logs}"
+    assert "cleanup budget" not in logs, logs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_sidecar_in_front_of_20_001_models_taints_while_it_waits_and_leaves_no_key(
+    backend: str, fake: FakeUpstream, processes: Processes, tmp_path: Path
+) -> None:
+    """A drain with a request in flight taints the cards `draining` while it waits for it
+    (frontends stop picking the worker), cuts it at the drain timeout, and then revokes:
+    the taint, however long 20,001 cards take, is the wait's, never the revoke's budget."""
+    drain_timeout = 2.0
+    async with store_of(backend, tmp_path) as (url, store):
+        (worker,) = await big_sidecars(
+            1, url, fake, processes, store, "--drain-timeout", str(drain_timeout)
+        )
+        discovery = Discovery(store)
+
+        async def base_tainted() -> bool:
+            models = await discovery.list(Query(namespace="default"))
+            return any(m.card.lora is None and "draining" in m.card.taints for m in models)
+
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            async with http.post(worker.url + "/v1/chat/completions", json=body) as resp:
+                fake.gate.release()  # one chunk; the rest of the stream waits
+                await resp.content.readuntil(b"\n\n")
+                signalled = time.monotonic()
+                worker.signal(signal.SIGTERM)
+                await wait_for(base_tainted, timeout=drain_timeout, message="tainted while waiting")
+                code = await worker.wait(drain_timeout + CLEANUP_BUDGET + 30)
+                exited = time.monotonic() - signalled
+        left = (await store.get_prefix("shoal/v1/")).items
+    log = worker.stderr()
+    assert code == 0, log
+    assert left == [], f"{len(left)} keys left (first {left[0].key}):\n{log[-3000:]}"
+    assert exited < drain_timeout + CLEANUP_BUDGET + SLACK, f"exit after {exited:.1f}s:\n{log}"
+    assert "cleanup budget" not in log, log
