@@ -284,3 +284,54 @@ async def test_a_relay_that_cannot_make_its_first_connection_says_why_without_th
             assert "wrong-token" not in json.dumps(body)
         finally:
             await relay.stop()
+
+
+async def test_records_sent_as_nats_is_lost_are_never_stored_before_those_sent_first(
+    nats_server: NatsServer,
+) -> None:
+    """1,000 members joining at once take turns within the relay's budget, so a member's
+    records go out over several rounds. NATS killed mid-flight: nats-py kept the records
+    published after its socket broke (before its disconnect callback) and those its flusher
+    had not written, and sent them first on its next connection; the relay then sent again
+    what was lost on the broken socket, same ids. So a member's later batches were stored
+    before its `joined` and first batches (`16..19, joined, 0..15`; one member of 1,000 in 4
+    outages of 5), and a reader applied 16..19 and skipped 0..15 as seen: lost, untold. Now
+    nothing published on a lost connection is sent on the next: after three outages every
+    subject's records are stored in order, and the relay's budget is all returned."""
+    relay = KvRelay(
+        RelayConfig(nats_urls=(nats_server.url,), stream=STREAM, max_bytes=-1, publish_timeout=2)
+    )
+    await relay.start()
+    stats = relay.stats
+    try:
+        for outage in range(3):
+            await wait_for(lambda: relay.connected.is_set(), timeout=30)
+            members = [fed(relay, 1 + outage * 1000 + i, buffer=1000) for i in range(1000)]
+            for seq in range(20):
+                for member in members:
+                    member.apply(seq, batch(100.0 + seq))
+            await wait_for(lambda: stats.flying_records > 500, message="records in flight")
+            nats_server.stop()  # (SIGKILL, with records in flight)
+            await wait_for(lambda: not relay.connected.is_set(), message="the relay saw it")
+            nats_server.start()
+            await wait_for(lambda: not stats.queued_bytes and not stats.flying_records, timeout=120)
+            assert not any(m.pending or m.inflight for m in members) and stats.flying == 0
+    finally:
+        await relay.stop()
+    nc = await nats.connect(nats_server.url)
+    per_subject: dict[str, list[tuple[str, str]]] = {}
+    try:
+        js = nc.jetstream()
+        total = (await js.stream_info(STREAM)).state.messages
+        sub = await js.subscribe(f"{layout.SUBJECT_PREFIX}.>", stream=STREAM, ordered_consumer=True)
+        for _ in range(total):
+            msg = await sub.next_msg(timeout=5)
+            headers = msg.headers or {}
+            kind_seq = (headers.get(layout.KIND, ""), headers.get(layout.SEQ, ""))
+            per_subject.setdefault(msg.subject, []).append(kind_seq)
+    finally:
+        await nc.close()
+    expected = [("joined", "")] + [("batch", str(seq)) for seq in range(20)]
+    out_of_order = {s: r for s, r in per_subject.items() if r != expected}
+    assert len(per_subject) == 3000
+    assert not out_of_order, f"{len(out_of_order)} subjects: {next(iter(out_of_order.items()))}"

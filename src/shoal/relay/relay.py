@@ -17,7 +17,9 @@ The invariants, both ways:
   than keep evicted ones.
 - Per subject, the stream stores records in the order of the worker's batches: they are sent
   in order on one connection, and after a failure sent again from the first one not
-  acknowledged (what the stream stored meanwhile it refuses as duplicates).
+  acknowledged (what the stream stored meanwhile it refuses as duplicates); what nats-py
+  holds unwritten when its socket breaks is dropped, not written on its next connection
+  before the records lost with the socket (`drop_unsent`).
 - Every batch has the message id `{namespace}:{instance}:{seq}:{ts}` (`batch_id`): the
   worker's own number and timestamp of it, the same from every relay that publishes it,
   whenever each started following the worker, so the stream keeps one copy when two run.
@@ -82,6 +84,17 @@ class RelayConfig:
     inflight_bytes: int = INFLIGHT_BYTES  # payload of all members' records in flight, at most
     inflight_records: int = INFLIGHT_RECORDS  # and records (`Turns`)
     creds: Path | None = None  # a NATS credentials file, read at every connection
+
+
+def drop_unsent(nc: Client) -> None:
+    """Forget what nats-py holds to write on `nc`, whose socket broke (its disconnect
+    callback runs before it connects again): it wrote that first on its next connection,
+    before the relay sent again the records lost with the socket, so the stream stored a
+    member's later records before its earlier ones (`16..19, joined, 0..15`). The relay sends
+    every record not acknowledged again itself, in order; subscriptions nats-py makes again
+    on its own. (nats-py has no public call for this: its buffer, `_pending`.)"""
+    nc._pending = []
+    nc._pending_data_size = 0
 
 
 STATUS_MEMBERS = 1000  # members on a page of the status (and the most a page may ask for)
@@ -356,6 +369,8 @@ class KvRelay:
             return bool(made) and made[0] is self._nc
 
         async def disconnected() -> None:
+            if made:
+                drop_unsent(made[0])
             if current():
                 await self._disconnected()
 
@@ -393,6 +408,7 @@ class KvRelay:
         return nc, acks
 
     async def _disconnected(self) -> None:
+        """(After `drop_unsent`: every record in flight is sent again, in order.)"""
         self.connected.clear()
         self._note_down("disconnected; reconnecting")
         self.sender.resend("the connection was lost")
