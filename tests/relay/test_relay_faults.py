@@ -102,6 +102,32 @@ async def test_a_relay_whose_stream_was_made_with_another_max_age_says_so(
     assert "max_age 600.0 (not 3600" in caplog.text
 
 
+async def test_a_relay_with_a_max_age_under_the_duplicate_window_makes_its_stream(
+    nats_server: NatsServer,
+) -> None:
+    """`--max-age 60`: the relay asked for a stream keeping message ids 120 s, longer than
+    its records, which JetStream refuses ("duplicates window can not be larger then max
+    age"): it never made its stream nor relayed a record. Now the duplicate window is the
+    max age when that is shorter (a record is resent within seconds: 60 s covers it), and
+    the stream so made is not reported as differing from the flags."""
+    relay = KvRelay(RelayConfig(nats_urls=(nats_server.url,), stream=STREAM, max_age=60))
+    await relay.start()
+    try:
+        await wait_for(lambda: relay.connected.is_set(), message="the stream made")
+        member = fed(relay, 1)
+        member.apply(0, batch(100.0))
+        await wait_for(lambda: relay.stats.relayed == 1)
+        assert relay.status()["stream_differs"] == {}
+    finally:
+        await relay.stop()
+    nc = await nats.connect(nats_server.url)
+    try:
+        config = (await nc.jetstream().stream_info(STREAM)).config
+    finally:
+        await nc.close()
+    assert (config.max_age, config.duplicate_window) == (60.0, 60.0)
+
+
 async def records(url: str) -> list[tuple[str, str]]:
     """(kind, Shoal-Seq) of every record in the stream, in its order."""
     nc = await nats.connect(url)

@@ -76,7 +76,7 @@ class RelayConfig:
     stream: str = layout.DEFAULT_STREAM
     max_age: float = 600.0  # seconds a record is kept
     max_bytes: int = 1 << 30  # bytes the stream keeps at most (-1: no bound)
-    duplicate_window: float = 120.0  # seconds the stream remembers message ids
+    duplicate_window: float = 120.0  # seconds the stream remembers message ids (`window`)
     buffer: int = BUFFER
     buffer_bytes: int = BUFFER_BYTES
     publish_timeout: float = 2.0
@@ -84,6 +84,14 @@ class RelayConfig:
     inflight_bytes: int = INFLIGHT_BYTES  # payload of all members' records in flight, at most
     inflight_records: int = INFLIGHT_RECORDS  # and records (`Turns`)
     creds: Path | None = None  # a NATS credentials file, read at every connection
+
+    @property
+    def window(self) -> float:
+        """The duplicate window asked of the stream: at most `max_age` (JetStream refuses a
+        longer one; a record is sent again within seconds)."""
+        if self.max_age > 0:
+            return min(self.duplicate_window, self.max_age)
+        return self.duplicate_window
 
 
 def drop_unsent(nc: Client) -> None:
@@ -480,7 +488,7 @@ class KvRelay:
                 storage=api.StorageType.FILE,
                 max_age=config.max_age,
                 max_bytes=config.max_bytes,
-                duplicate_window=config.duplicate_window,
+                duplicate_window=config.window,
                 num_replicas=1,
             )
             log.info("kv relay: created stream %s", config.stream)
@@ -496,7 +504,7 @@ class KvRelay:
         for name, flag, value in (
             ("max_age", config.max_age, found.max_age),
             ("max_bytes", config.max_bytes, found.max_bytes),
-            ("duplicate_window", config.duplicate_window, found.duplicate_window),
+            ("duplicate_window", config.window, found.duplicate_window),
         ):
             if value != flag:
                 differs[name] = {"stream": value, "flag": flag}
