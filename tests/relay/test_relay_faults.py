@@ -102,6 +102,32 @@ async def test_a_relay_whose_stream_was_made_with_another_max_age_says_so(
     assert "max_age 600.0 (not 3600" in caplog.text
 
 
+async def test_a_relay_with_a_max_age_under_the_duplicate_window_makes_its_stream(
+    nats_server: NatsServer,
+) -> None:
+    """`--max-age 60`: the relay asked for a stream keeping message ids 120 s, longer than
+    its records, which JetStream refuses ("duplicates window can not be larger then max
+    age"): it never made its stream nor relayed a record. Now the duplicate window is the
+    max age when that is shorter (a record is resent within seconds: 60 s covers it), and
+    the stream so made is not reported as differing from the flags."""
+    relay = KvRelay(RelayConfig(nats_urls=(nats_server.url,), stream=STREAM, max_age=60))
+    await relay.start()
+    try:
+        await wait_for(lambda: relay.connected.is_set(), message="the stream made")
+        member = fed(relay, 1)
+        member.apply(0, batch(100.0))
+        await wait_for(lambda: relay.stats.relayed == 1)
+        assert relay.status()["stream_differs"] == {}
+    finally:
+        await relay.stop()
+    nc = await nats.connect(nats_server.url)
+    try:
+        config = (await nc.jetstream().stream_info(STREAM)).config
+    finally:
+        await nc.close()
+    assert (config.max_age, config.duplicate_window) == (60.0, 60.0)
+
+
 async def records(url: str) -> list[tuple[str, str]]:
     """(kind, Shoal-Seq) of every record in the stream, in its order."""
     nc = await nats.connect(url)
@@ -284,3 +310,54 @@ async def test_a_relay_that_cannot_make_its_first_connection_says_why_without_th
             assert "wrong-token" not in json.dumps(body)
         finally:
             await relay.stop()
+
+
+async def test_records_sent_as_nats_is_lost_are_never_stored_before_those_sent_first(
+    nats_server: NatsServer,
+) -> None:
+    """1,000 members joining at once take turns within the relay's budget, so a member's
+    records go out over several rounds. NATS killed mid-flight: nats-py kept the records
+    published after its socket broke (before its disconnect callback) and those its flusher
+    had not written, and sent them first on its next connection; the relay then sent again
+    what was lost on the broken socket, same ids. So a member's later batches were stored
+    before its `joined` and first batches (`16..19, joined, 0..15`; one member of 1,000 in 4
+    outages of 5), and a reader applied 16..19 and skipped 0..15 as seen: lost, untold. Now
+    nothing published on a lost connection is sent on the next: after three outages every
+    subject's records are stored in order, and the relay's budget is all returned."""
+    relay = KvRelay(
+        RelayConfig(nats_urls=(nats_server.url,), stream=STREAM, max_bytes=-1, publish_timeout=2)
+    )
+    await relay.start()
+    stats = relay.stats
+    try:
+        for outage in range(3):
+            await wait_for(lambda: relay.connected.is_set(), timeout=30)
+            members = [fed(relay, 1 + outage * 1000 + i, buffer=1000) for i in range(1000)]
+            for seq in range(20):
+                for member in members:
+                    member.apply(seq, batch(100.0 + seq))
+            await wait_for(lambda: stats.flying_records > 500, message="records in flight")
+            nats_server.stop()  # (SIGKILL, with records in flight)
+            await wait_for(lambda: not relay.connected.is_set(), message="the relay saw it")
+            nats_server.start()
+            await wait_for(lambda: not stats.queued_bytes and not stats.flying_records, timeout=120)
+            assert not any(m.pending or m.inflight for m in members) and stats.flying == 0
+    finally:
+        await relay.stop()
+    nc = await nats.connect(nats_server.url)
+    per_subject: dict[str, list[tuple[str, str]]] = {}
+    try:
+        js = nc.jetstream()
+        total = (await js.stream_info(STREAM)).state.messages
+        sub = await js.subscribe(f"{layout.SUBJECT_PREFIX}.>", stream=STREAM, ordered_consumer=True)
+        for _ in range(total):
+            msg = await sub.next_msg(timeout=5)
+            headers = msg.headers or {}
+            kind_seq = (headers.get(layout.KIND, ""), headers.get(layout.SEQ, ""))
+            per_subject.setdefault(msg.subject, []).append(kind_seq)
+    finally:
+        await nc.close()
+    expected = [("joined", "")] + [("batch", str(seq)) for seq in range(20)]
+    out_of_order = {s: r for s, r in per_subject.items() if r != expected}
+    assert len(per_subject) == 3000
+    assert not out_of_order, f"{len(out_of_order)} subjects: {next(iter(out_of_order.items()))}"

@@ -17,7 +17,9 @@ The invariants, both ways:
   than keep evicted ones.
 - Per subject, the stream stores records in the order of the worker's batches: they are sent
   in order on one connection, and after a failure sent again from the first one not
-  acknowledged (what the stream stored meanwhile it refuses as duplicates).
+  acknowledged (what the stream stored meanwhile it refuses as duplicates); what nats-py
+  holds unwritten when its socket breaks is dropped, not written on its next connection
+  before the records lost with the socket (`drop_unsent`).
 - Every batch has the message id `{namespace}:{instance}:{seq}:{ts}` (`batch_id`): the
   worker's own number and timestamp of it, the same from every relay that publishes it,
   whenever each started following the worker, so the stream keeps one copy when two run.
@@ -74,7 +76,7 @@ class RelayConfig:
     stream: str = layout.DEFAULT_STREAM
     max_age: float = 600.0  # seconds a record is kept
     max_bytes: int = 1 << 30  # bytes the stream keeps at most (-1: no bound)
-    duplicate_window: float = 120.0  # seconds the stream remembers message ids
+    duplicate_window: float = 120.0  # seconds the stream remembers message ids (`window`)
     buffer: int = BUFFER
     buffer_bytes: int = BUFFER_BYTES
     publish_timeout: float = 2.0
@@ -82,6 +84,25 @@ class RelayConfig:
     inflight_bytes: int = INFLIGHT_BYTES  # payload of all members' records in flight, at most
     inflight_records: int = INFLIGHT_RECORDS  # and records (`Turns`)
     creds: Path | None = None  # a NATS credentials file, read at every connection
+
+    @property
+    def window(self) -> float:
+        """The duplicate window asked of the stream: at most `max_age` (JetStream refuses a
+        longer one; a record is sent again within seconds)."""
+        if self.max_age > 0:
+            return min(self.duplicate_window, self.max_age)
+        return self.duplicate_window
+
+
+def drop_unsent(nc: Client) -> None:
+    """Forget what nats-py holds to write on `nc`, whose socket broke (its disconnect
+    callback runs before it connects again): it wrote that first on its next connection,
+    before the relay sent again the records lost with the socket, so the stream stored a
+    member's later records before its earlier ones (`16..19, joined, 0..15`). The relay sends
+    every record not acknowledged again itself, in order; subscriptions nats-py makes again
+    on its own. (nats-py has no public call for this: its buffer, `_pending`.)"""
+    nc._pending = []
+    nc._pending_data_size = 0
 
 
 STATUS_MEMBERS = 1000  # members on a page of the status (and the most a page may ask for)
@@ -356,6 +377,8 @@ class KvRelay:
             return bool(made) and made[0] is self._nc
 
         async def disconnected() -> None:
+            if made:
+                drop_unsent(made[0])
             if current():
                 await self._disconnected()
 
@@ -393,6 +416,7 @@ class KvRelay:
         return nc, acks
 
     async def _disconnected(self) -> None:
+        """(After `drop_unsent`: every record in flight is sent again, in order.)"""
         self.connected.clear()
         self._note_down("disconnected; reconnecting")
         self.sender.resend("the connection was lost")
@@ -464,7 +488,7 @@ class KvRelay:
                 storage=api.StorageType.FILE,
                 max_age=config.max_age,
                 max_bytes=config.max_bytes,
-                duplicate_window=config.duplicate_window,
+                duplicate_window=config.window,
                 num_replicas=1,
             )
             log.info("kv relay: created stream %s", config.stream)
@@ -480,7 +504,7 @@ class KvRelay:
         for name, flag, value in (
             ("max_age", config.max_age, found.max_age),
             ("max_bytes", config.max_bytes, found.max_bytes),
-            ("duplicate_window", config.duplicate_window, found.duplicate_window),
+            ("duplicate_window", config.window, found.duplicate_window),
         ):
             if value != flag:
                 differs[name] = {"stream": value, "flag": flag}
