@@ -188,3 +188,44 @@ async def test_a_chat_whose_render_thread_the_system_refuses_is_routed_by_prefix
     async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
         assert r.status == 200, await r.text()
     assert figures(front).picks == picks + 1  # the next chat gets its thread
+
+
+async def test_a_chat_whose_request_stopped_waiting_is_never_rendered_after(
+    front: Frontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request waits `PREPARE_WAIT` for its chat's tokens, then is routed by prefix: the
+    render queued for it behind a slow one is of no use to anyone. They all ran, one after
+    the other, in the set's thread: its render slot held, and the set's next chats queued
+    behind them (each waiting its full `PREPARE_WAIT`), for as long as the backlog lasted.
+    Counted: the renders that run once the slow one lets go, after every request was answered."""
+    state = kv_set(front)
+    tokenizer = state.tokenizer
+    assert tokenizer is not None
+    real_render, release = tokenizer.render, threading.Event()
+    rendered = [0]
+
+    def render(messages: list[Any], *, inline: bool = False) -> str:
+        if not inline:
+            rendered[0] += 1
+            release.wait(30)  # the first: slow; the others queue behind it
+        return real_render(messages, inline=inline)
+
+    monkeypatch.setattr(tokenizer, "render", render)
+    url = f"{front.url}/v1/chat/completions"
+
+    async def post(i: int) -> None:
+        body = {"model": MODEL, "messages": long_chat(i), "max_tokens": 1}
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
+            assert r.status == 200, await r.text()
+
+    try:
+        await asyncio.gather(*(post(i) for i in range(12)))  # each routed by prefix at last
+        assert figures(front).slow_prepares == 12 and rendered[0] == 1
+        release.set()
+        await wait_for(lambda: render_threads() == 0, timeout=10, message="its thread ended")
+        assert rendered[0] == 1, f"{rendered[0] - 1} chats rendered for requests long answered"
+        picks = figures(front).picks
+        await post(99)  # the set's next chat has the thread at once: routed by its KV blocks
+        assert figures(front).picks == picks + 1 and rendered[0] == 2
+    finally:
+        release.set()

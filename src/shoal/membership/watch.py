@@ -20,7 +20,8 @@ The invariants, both ways:
   again at the next tick (scopes already opened for it are kept). An update replaced by a
   newer valid selection before it is done stops there and never goes into force: the newer
   one is set up next, from the scopes opened so far (the last of two quick rewrites wins, and
-  the one it replaced never moves the view).
+  the one it replaced never moves the view); the same selection again, after a source error,
+  is no newer one: its set-up goes on.
 - A source error changes nothing in force; only a valid selection (even an empty one) does.
 - Taint updates are applied in place, O(1) each, and published coalesced: a view is built
   from the endpoints that changed since the last one, never from every endpoint.
@@ -289,18 +290,26 @@ class MembershipWatch:
 
     async def _set_up(self, selection: Selection) -> None:
         """Open and read the scopes of `_opening` not set up yet; stops after
-        `update_timeout`, or once a newer selection than `selection` is desired."""
-        self._superseded.clear()
-        if self._desired is not None and self._desired != selection:
-            return
+        `update_timeout`, or once a newer selection than `selection` is desired (not the
+        same one again, after a source error: its set-up goes on)."""
+
+        def replaced() -> bool:
+            return self._desired is not None and self._desired != selection
 
         async def set_up() -> None:
             opening = list(self._opening.values())
             await self._open_each([s for s in opening if s.task is None])
             await self._each([s for s in opening if s.task is not None and not s.ready], self._read)
 
+        async def superseded() -> None:
+            while not replaced():
+                self._superseded.clear()
+                await self._superseded.wait()
+
+        if replaced():
+            return
         work = asyncio.ensure_future(set_up())
-        newer = asyncio.ensure_future(self._superseded.wait())
+        newer = asyncio.ensure_future(superseded())
         try:
             await asyncio.wait(
                 (work, newer), timeout=self.update_timeout, return_when=asyncio.FIRST_COMPLETED

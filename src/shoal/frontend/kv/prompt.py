@@ -103,7 +103,6 @@ SMALL_CHAT = OP_BOUND // 2  # characters and items: a template that overruns on 
 # small is disabled (on a larger one, the request is routed by prefix: the chat may explain it)
 INLINE_NEW = 8192  # and tokenizes at most this much new text; else all of it is left to
 # the tokenizer's thread (`Deferred`), where the full budgets apply
-Job = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
 
 
 def read_files(tokenizer_file: Path, config_file: Path | None) -> tuple[Tokenizer, dict[str, Any]]:
@@ -135,6 +134,22 @@ def prompt_chain(tokenizer: Tokenizer) -> PromptChain | None:
     )
 
 
+class Job(Future[T]):
+    """Work queued for a tokenizer's thread (`PromptTokenizer.submit`). Cancelled before it
+    runs (its request stopped waiting), it is skipped, and lets go of its work at once (a
+    chat's messages) rather than when the thread comes to it."""
+
+    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...]) -> None:
+        super().__init__()
+        self.work: tuple[Callable[..., T], tuple[Any, ...]] | None = (fn, args)
+
+    def cancel(self) -> bool:
+        if not super().cancel():
+            return False
+        self.work = None
+        return True
+
+
 class PromptTokenizer:
     """Tokenizes chat messages (through the chat template) and completion prompts."""
 
@@ -161,7 +176,7 @@ class PromptTokenizer:
         if isinstance(template, str):
             self.template = self.env.from_string(template)
         self.disabled = ""  # why the template is no longer rendered ("" while it is)
-        self._queue: deque[Job] | None = None  # the work of this tokenizer's thread, if any
+        self._queue: deque[Job[Any]] | None = None  # the work of this tokenizer's thread, if any
         self._rendering: tuple[int, float] | None = None  # (thread, deadline) of a render
         self.watched = False  # the event loop checks on the render in progress
         self._lock = threading.Lock()
@@ -173,34 +188,36 @@ class PromptTokenizer:
 
     # -- the worker thread ----------------------------------------------------------------
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+    def submit(self, fn: Callable[..., T], *args: Any) -> Job[T]:
         """Run `fn(*args)` in this tokenizer's thread, after the work queued there; the
         thread is started if there is none (`THREADS`: `NoRenderThread` when none can be,
-        raised here or set on the future)."""
-        future: Future[T] = Future()
+        raised here or set on the job). Cancel the job when its result is no longer wanted:
+        the thread then never runs it (it would hold the thread, and the work queued behind
+        it, for nothing)."""
+        job = Job(fn, args)
         with self._lock:
             if self._queue is None:
-                queue: deque[Job] = deque()
+                queue: deque[Job[Any]] = deque()
                 serve = functools.partial(self._serve, queue)
                 THREADS.start(serve, functools.partial(self._refused, queue))
                 self._queue = queue
-            self._queue.append((future, fn, args))
-        return future
+            self._queue.append(job)
+        return job
 
-    def _refused(self, queue: deque[Job], exc: BaseException) -> None:
+    def _refused(self, queue: deque[Job[Any]], exc: BaseException) -> None:
         """No thread could be started for `queue`: its work fails with `exc`."""
         with self._lock:
             if self._queue is queue:
                 self._queue = None
             jobs = list(queue)
             queue.clear()
-        for future, _, _ in jobs:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(exc)
+        for job in jobs:
+            if job.set_running_or_notify_cancel():
+                job.set_exception(exc)
 
-    def _serve(self, queue: deque[Job]) -> None:
-        """The tokenizer's thread: runs `queue`'s work in order and ends once it is empty,
-        or once the tokenizer gave the thread up (`overran`, `close`)."""
+    def _serve(self, queue: deque[Job[Any]]) -> None:
+        """The tokenizer's thread: runs `queue`'s work in order (skipping the cancelled) and
+        ends once it is empty, or once the tokenizer gave the thread up (`overran`, `close`)."""
         try:
             while True:
                 with self._lock:
@@ -208,19 +225,22 @@ class PromptTokenizer:
                         if self._queue is queue:
                             self._queue = None
                         return
-                    future, fn, args = queue.popleft()
-                if future.set_running_or_notify_cancel():
+                    job = queue.popleft()
+                if job.set_running_or_notify_cancel():
+                    assert job.work is not None  # (let go of only when cancelled)
+                    (fn, args), job.work = job.work, None
                     try:
                         result = fn(*args)
                     except BaseException as exc:  # (as `ThreadPoolExecutor` does)
-                        future.set_exception(exc)
+                        job.set_exception(exc)
                     else:
-                        future.set_result(result)
-                del future, fn, args
+                        job.set_result(result)
+                    del fn, args
+                del job
         except TemplateOverrun:  # (`overran`'s interruption landing past the render)
             pass
 
-    def _give_up_thread(self) -> list[Job]:
+    def _give_up_thread(self) -> list[Job[Any]]:
         """Leave this tokenizer's thread to end after the work it is doing (the caller holds
         `_lock`); the work queued behind it, to cancel."""
         queue, self._queue = self._queue, None
@@ -240,8 +260,8 @@ class PromptTokenizer:
                 ctypes.c_ulong(rendering[0]), ctypes.py_object(TemplateOverrun)
             )
             queued = self._give_up_thread()
-        for future, _, _ in queued:
-            future.cancel()
+        for job in queued:
+            job.cancel()
         return True
 
     @property
@@ -256,8 +276,8 @@ class PromptTokenizer:
     def close(self) -> None:
         with self._lock:
             queued = self._give_up_thread()
-        for future, _, _ in queued:
-            future.cancel()
+        for job in queued:
+            job.cancel()
 
     # -- tokenizing -----------------------------------------------------------------------
 

@@ -211,7 +211,9 @@ class KvRouter(Router):
     def prepare(self, prompt: str | None, models: Iterable[str]) -> asyncio.Future[None] | None:
         """Tokenize and hash `prompt` for the tokenizers of `models`' worker sets, off the
         event loop: a future done when it is (or after `PREPARE_WAIT`, whatever is left
-        then routed by prefix); None when nothing needs to wait. Never raises: a prompt
+        then routed by prefix, and the work not started by then dropped: run for nobody, it
+        held the set's thread and the chats queued behind it); None when nothing needs to
+        wait. Never raises: a prompt
         that cannot be tokenized is routed by prefix, counted in `fallbacks`."""
         if not isinstance(prompt, KvPrompt) or self.registry is None:
             return None
@@ -264,13 +266,15 @@ class KvRouter(Router):
                 done.set_result(None)
 
         def too_slow() -> None:
-            for tokenizer in pending:
+            for tokenizer in list(pending):
+                jobs[tokenizer].cancel()  # (not started yet: nobody waits for it now)
                 self._watch(tokenizer)
             if not done.done():
                 self.figures.slow_prepares += 1
                 done.set_result(None)
 
         timer = loop.call_later(PREPARE_WAIT, too_slow)
+        jobs: dict[PromptTokenizer, concurrent.futures.Future[None]] = {}
         for tokenizer, sizes in work.items():
             report = functools.partial(finished, tokenizer)
             try:
@@ -280,6 +284,7 @@ class KvRouter(Router):
                 self.figures.no_thread += 1
                 pending.discard(tokenizer)
                 continue
+            jobs[tokenizer] = job
             job.add_done_callback(functools.partial(_on_loop, loop, report))
         if not pending:
             timer.cancel()
