@@ -139,3 +139,81 @@ def test_the_estimate_reads_max_completion_tokens_else_max_tokens_as_integers() 
     for odd in (-3, "5", [5], {"n": 5}, True, 10**12, None):
         assert tokens({"max_tokens": odd}) == 0, odd
     assert tokens({"max_tokens": 999_999_999}) == 999_999_999
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large-body"])
+@pytest.mark.parametrize("shared", [False, True], ids=["local", "redis"])
+async def test_a_burst_asking_n_choices_is_held_to_tpm_by_what_it_allows(
+    store: Store, start_frontend: StartFrontend, redis_server: RedisServer, shared: bool,
+    large: bool,
+) -> None:  # fmt: skip
+    """A request asking `n` choices allows `n` x `max_tokens` of completion (vLLM, SGLang and
+    OpenAI's providers answer them all; OpenAI counts `n` x `max_tokens` against its limits),
+    but reserved `max_tokens` once: 30 requests of `n` 50 and `max_tokens` 100 in flight
+    together, under a tpm of 10,000, were all admitted and used 150,000 tokens (15 x tpm).
+    The estimate counts each choice: two are admitted, the last one's overshoot its own (a
+    body of 256 KiB or more, decoded in the decoder process, alike: 12 were admitted)."""
+    import asyncio
+
+    from tests.frontend.raw_upstream import RawUpstream
+
+    release = asyncio.Event()
+
+    async def choices(request: bytes, reader: Any, writer: Any) -> None:
+        asked = json.loads(request.split(b"\r\n\r\n", 1)[1])
+        await release.wait()  # (the burst is in flight together)
+        completion = asked.get("n", 1) * asked["max_tokens"]
+        body = json.dumps({
+            "id": "x", "object": "chat.completion", "created": 1, "model": "mock-llm",
+            "choices": [{"index": i, "message": {"role": "assistant", "content": "x"},
+                         "finish_reason": "length"} for i in range(asked.get("n", 1))],
+            "usage": {"prompt_tokens": 10, "completion_tokens": completion,
+                      "total_tokens": 10 + completion},
+        }).encode()  # fmt: skip
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+
+    upstream = await RawUpstream(choices).start()
+    try:
+        await upstream.register(store)
+        content, max_tokens = ("x" * (300 << 10), 10_000) if large else ("hi", 100)
+        body = json.dumps({"model": "mock-llm", "n": 50, "max_tokens": max_tokens,
+                           "messages": [{"role": "user", "content": content}]}).encode()  # fmt: skip
+        size = len(body) // 4 + 50 * max_tokens  # what each allows
+        tpm = 10_000 if not large else size * 3 // 2  # (two reach it)
+        made = Grant(workspace="default", name="team", hash=hash_secret(SECRET), tpm=tpm)
+        await store.put(made.key, made.to_json())
+        front = await start_frontend(auth="keys", limits_url=redis_server.url if shared else None)
+        await wait_for(lambda: "mock-llm" in front.registry.models and front.keys
+                       and front.keys.by_hash and (front.limits.shared or not shared))  # fmt: skip
+        burst = [asyncio.create_task(post(front, body)) for _ in range(30)]
+        await wait_for(lambda: len(upstream.raw_requests) + sum(t.done() for t in burst) == 30)
+        release.set()
+        statuses = [status for status, _ in await asyncio.gather(*burst)]
+    finally:
+        release.set()
+        await upstream.stop()
+    assert set(statuses) <= {200, 429}, statuses
+    # each reserves 50 x max_tokens + its body / 4: the second reaches tpm, the third refused
+    assert statuses.count(200) == 2, statuses.count(200)
+
+
+def test_the_estimate_counts_each_choice_a_request_asks() -> None:
+    """`n`, or `best_of` if larger, multiplies the completion a request allows, at most
+    `MAX_CHOICES` times; a value that is not a positive integer counts as one choice."""
+    from shoal.frontend.proxy.fields import decode_fields
+
+    def tokens(members: dict[str, Any]) -> int:
+        body = json.dumps({"model": "m", **members}).encode()
+        fields = decode_fields(body, with_tokens=True)
+        declared = windows_module.estimate(
+            len(body), fields.max_completion_tokens, fields.max_tokens, fields.n, fields.best_of
+        )
+        return declared - len(body) // 4
+
+    assert tokens({"max_tokens": 7, "n": 3}) == 21
+    assert tokens({"max_completion_tokens": 7, "n": 3, "best_of": 5}) == 35
+    assert tokens({"max_tokens": 7, "n": 10**6}) == 7 * windows_module.MAX_CHOICES
+    assert tokens({"n": 50}) == 0  # (no completion declared: the key's average covers it)
+    for odd in (0, -3, "5", [5], None, 1.5):
+        assert tokens({"max_tokens": 7, "n": odd}) == 7, odd

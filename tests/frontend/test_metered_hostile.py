@@ -11,7 +11,7 @@ import pytest
 
 from shoal.discovery.grants import Grant, hash_secret
 from shoal.store import Store
-from tests.frontend.conftest import StartFrontend
+from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.raw_upstream import Behaviour, StartRaw, start_raw
 from tests.frontend.support import raw_exchange, serving
 from tests.helpers import wait_for
@@ -180,3 +180,44 @@ async def test_an_answer_is_asked_for_uncompressed_so_a_gzip_client_is_charged_i
     assert seen == [200, 200, 429]
     heads = [r.split(b"\r\n\r\n")[0].lower() for r in raw.raw_requests]
     assert heads and all(b"accept-encoding: identity" in h and b"gzip" not in h for h in heads)
+
+
+async def test_a_client_leaving_while_its_large_body_is_decoded_again_gives_the_keys_slot_back(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """A key's large body to a renaming alias whose members could not be decoded with its
+    fields (more than `MAX_MEMBERS`: its rebuild answers 400) has them decoded again once
+    admitted; a client that left meanwhile cancelled that decode, and nothing ended the
+    request: its `max_parallel` slot was held for good (the key answered 429 on that
+    frontend until it restarted), and its usage never recorded."""
+    import socket
+    import struct
+
+    from shoal.discovery import FleetTarget, Route, publish_route
+    from shoal.frontend.proxy.fields import LARGE_BODY, MAX_MEMBERS
+
+    await start_worker("mock-llm")
+    grant = Grant(workspace="default", name="team", hash=hash_secret(SECRET), max_parallel=1)
+    await store.put(grant.key, grant.to_json())
+    frontend = await start_frontend(auth="keys")
+    alias = Route(workspace="default", name="alias", targets=(FleetTarget("mock-llm"),))
+    await publish_route(store, alias)
+    await wait_for(lambda: frontend.keys and frontend.keys.by_hash
+                   and "alias" in frontend.routes.models
+                   and frontend.routes.models["alias"].serving)  # fmt: skip
+    filler = b"".join(b',"k%06x":0' % i for i in range(200 * MAX_MEMBERS))  # (decoded twice)
+    body = b'{"model":"alias","messages":[{"role":"user","content":"hi"}]' + filler + b"}"
+    assert len(body) >= LARGE_BODY
+    head = POST.split(b"content-length:")[0].replace(b"mock-llm", b"alias")
+    _, writer = await asyncio.open_connection("127.0.0.1", frontend.port)
+    writer.write(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+    await wait_for(lambda: frontend.limits.in_flight, timeout=30)  # admitted: decoded again
+    sock = writer.get_extra_info("socket")  # the client leaves (a reset)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+    await wait_for(lambda: not frontend.limits.in_flight, timeout=10)  # its place, given back
+    small = BODY.replace(b"mock-llm", b"alias")
+    received = await raw_exchange(
+        frontend.port, head + b"content-length: %d\r\n\r\n" % len(small) + small
+    )
+    assert received.startswith(b"HTTP/1.1 200 "), received[:300]  # (429 before)

@@ -283,3 +283,23 @@ async def test_the_catalog_token_quoted_in_an_answer_never_reaches_health_or_log
         await book.stop()
         await server.stop()
     assert token not in described + caplog.text
+
+
+async def test_usage_the_catalog_never_took_is_counted_as_lost_when_the_frontend_stops(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A frontend stopped during a catalog outage (a rolling restart) lost its whole backlog,
+    and its last word was 'usage not flushed (2 batches wait)': nothing waits once it exits.
+    What is lost is now said, as an error: its rows, requests and tokens, and why."""
+    book = UsageBook(f"http://127.0.0.1:{free_port()}", interval=3600)
+    await book.start()
+    book.record(GRANT, "chat", "chat", 200, 10, 30)
+    await book.flush()  # a batch waits
+    book.record(GRANT, "chat", "chat", 200, 5, 7)
+    book.record(key_number(2), "other", "other", 429, 0, 0)  # not sealed yet
+    with caplog.at_level("ERROR", logger="shoal.frontend.keys.usage"):
+        await book.stop()
+    lost = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(lost) == 1, lost
+    assert "3 rows (3 requests, 52 tokens) of 2 keys" in lost[0], lost[0]
+    assert "127.0.0.1" in lost[0]  # why: the catalog's last error

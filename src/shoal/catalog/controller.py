@@ -8,7 +8,9 @@
         keys               each API key's live secrets published as grants (hashes, never
                            secrets); a key that cannot be published keeps its grants as
                            they are
-      then for each workspace:
+      then for each workspace (and, while they run, every workspace's keys again every
+      `keys_interval`: a key revoked after the pass's keys waits for no provider, deployment
+      or route of this pass, which hung providers make as long as one timeout a workspace):
         deployments phase  replicas started, polled, stopped; statuses; fleet providers
         providers phase    served models → entities, links, statuses, passthrough names
         routes             each virtual model's targets published to discovery, each route
@@ -35,9 +37,10 @@ API (`shoal catalog serve`, `shoal up`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +88,7 @@ class PassReport:
     grants_written: int = 0
     grants_deleted: int = 0
     keys_failed: dict[str, str] = field(default_factory=dict)  # "workspace/key" -> why
+    keys_sweeps: int = 0  # every workspace's keys published again while the other phases ran
     workspaces: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # workspace -> why its pass failed
 
@@ -104,8 +108,10 @@ class ModelsController(Controller, HeartbeatMixin):
         deployment_ttl: float = 3600.0,
         provider_timeout: float = 10.0,
         collections: PassCollections | None = None,
+        keys_interval: float = 2.0,
     ) -> None:
         self.calls = Calls(client, self.emit_heartbeat)
+        self.keys_interval = keys_interval  # keys published again while the other phases run
         self.store = store
         self.backend = backend
         self.leadership = leadership
@@ -139,20 +145,20 @@ class ModelsController(Controller, HeartbeatMixin):
         started, calls = time.monotonic(), self.calls.requests
         names = self.workspaces or [w.name for w in await self.calls.workspaces()]
         failed = report.failed
-        for phase in (self._keys, self._models):  # every workspace's keys first
-            for workspace in names:
-                self._in_force()
-                try:
-                    await phase(workspace, report)
-                except LeadershipLost:  # the pass ends; the fence stops what runs here
-                    raise
-                except Exception as exc:  # that workspace's pass only, the others go on
-                    why = f"{type(exc).__name__}: {exc}"
-                    if workspace in failed:  # its keys failed, then its phases too
-                        why = f"{failed[workspace]}; {why}"
-                    failed[workspace] = why[:1000]
-                    log.warning("workspace %s: pass failed: %s", workspace, exc, exc_info=exc)
-                self.emit_heartbeat()
+        await self._each(self._keys, names, report)  # every workspace's keys first
+        done = asyncio.Event()
+        keys = asyncio.create_task(self._keys_meanwhile(names, report, done), name="keys")
+        try:
+            await self._each(self._models, names, report)
+        except BaseException:
+            keys.cancel()  # (the loop stops: the next pass publishes them first)
+            raise
+        finally:
+            done.set()
+            await asyncio.wait([keys])  # (a sweep under way ends: never two at once)
+            exc = None if keys.cancelled() else keys.exception()
+            if exc is not None and not isinstance(exc, LeadershipLost):  # (the pass's own)
+                log.warning("keys published meanwhile failed: %s", exc, exc_info=exc)
         report.calls = self.calls.requests - calls
         report.seconds = time.monotonic() - started
         self.last, self.passes = report, self.passes + 1
@@ -171,6 +177,51 @@ class ModelsController(Controller, HeartbeatMixin):
         """`LeadershipLost` unless this replica's leadership is in force (a clock read)."""
         if self.leadership is not None and not self.leadership.in_force():
             raise LeadershipLost(f"{ROLE}: leadership no longer in force; the pass stops")
+
+    async def _each(
+        self,
+        phase: Callable[[str, PassReport], Awaitable[None]],
+        names: list[str],
+        report: PassReport,
+    ) -> None:
+        """`phase` of each workspace, each one's failure its own."""
+        failed = report.failed
+        for workspace in names:
+            self._in_force()
+            try:
+                await phase(workspace, report)
+            except LeadershipLost:  # the pass ends; the fence stops what runs here
+                raise
+            except Exception as exc:  # that workspace's pass only, the others go on
+                why = f"{type(exc).__name__}: {exc}"
+                if workspace in failed:  # its keys failed, then its phases too
+                    why = f"{failed[workspace]}; {why}"
+                failed[workspace] = why[:1000]
+                log.warning("workspace %s: pass failed: %s", workspace, exc, exc_info=exc)
+            self.emit_heartbeat()
+
+    async def _keys_meanwhile(
+        self, names: list[str], report: PassReport, done: asyncio.Event
+    ) -> None:
+        """Every workspace's keys again every `keys_interval` until `done` (the other
+        phases ended): one sweep at a time, each listing afresh, so an older listing never
+        puts back a grant a newer one deleted. A workspace's failure is logged, its grants
+        left as they are until the next sweep or pass."""
+        while True:
+            try:
+                await asyncio.wait_for(done.wait(), self.keys_interval)
+                return
+            except TimeoutError:
+                pass
+            for workspace in names:
+                self._in_force()
+                try:
+                    await self._keys(workspace, report)
+                except LeadershipLost:
+                    raise
+                except Exception as exc:
+                    log.warning("workspace %s: keys not published: %s", workspace, exc)
+            report.keys_sweeps += 1
 
     async def _keys(self, workspace: str, report: PassReport) -> None:
         """One workspace's grants, published only while the leadership is in force."""
@@ -301,6 +352,7 @@ class ModelsControllerService:
             leadership=self.leadership, deployment_ttl=config.deployment_ttl,
             provider_timeout=min(config.provider_timeout, 2 * config.interval),
             collections=PassCollections() if config.defer_full_collections else None,
+            keys_interval=config.interval,
         )  # fmt: skip
         self.manager.register(Loop(self.controller, interval=config.interval, name=ROLE))
         fence, every = Fence(self.leadership, self.backend), min(config.leader_ttl / 4, 1.0)

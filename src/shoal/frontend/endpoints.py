@@ -173,7 +173,10 @@ class Endpoints:
         model = fields.model or ""
         KeyRing.admit(grant, model)
         # its tpm estimate, once, of the members just decoded (a few bytes)
-        tokens = estimate(request.size, fields.max_completion_tokens, fields.max_tokens)
+        tokens = estimate(
+            request.size, fields.max_completion_tokens, fields.max_tokens, fields.n,
+            fields.best_of,
+        )  # fmt: skip
         asked = self.proxy.ask_usage(request, fields)  # (a stream: the engine's usage charged)
         self.gate.handle(request, conn, kind, grant, model, tokens, fields, hide_usage=asked)
 

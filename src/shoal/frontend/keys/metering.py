@@ -274,7 +274,7 @@ class Metered:
 
     __slots__ = (
         "_done", "conn", "events", "gate", "grant", "head", "hidden", "loop", "minute", "model",
-        "request_bytes", "reserved", "shared", "status", "tail", "unsure", "usage",
+        "request_bytes", "reserved", "shared", "status", "tail", "unsure", "usage", "work",
     )  # fmt: skip
 
     def __init__(
@@ -302,6 +302,7 @@ class Metered:
         self.reserved = 0  # tokens reserved for it when admitted (`Limits.admit`)...
         self.shared = False  # ... in Redis, or in the local windows...
         self.minute = 0  # ... in this minute (Redis' window, or the local one)
+        self.work: InFlight | None = None  # what produces the response (`produce_later`)
         self._done = False
 
     @property
@@ -313,7 +314,19 @@ class Metered:
         return self.conn.writable
 
     def produce_later(self, work: InFlight) -> None:
-        self.conn.produce_later(work)
+        """`work` produces the response; this stands for it on the connection, so that a
+        client that leaves ends the request here whatever `work` does when cancelled."""
+        self.work = work
+        self.conn.produce_later(self)
+
+    def cancel(self) -> None:
+        """The client left: `work` is cancelled, and the request ends (once) if `work` did
+        not end it. A large body's members decoded again once admitted (a rename) were
+        cancelled without a word: the key's `max_parallel` slot was held for good."""
+        work, self.work = self.work, None
+        if work is not None:
+            work.cancel()
+        self._end(self.status)
 
     def follow(self, flow: FlowListener | None) -> None:
         self.conn.follow(flow)
@@ -372,6 +385,7 @@ class Metered:
         self._end(error.status)
 
     def _end(self, status: int) -> None:
+        self.work = None  # (it holds this connection: no cycle left for the collector)
         if self._done:
             return
         self._done = True

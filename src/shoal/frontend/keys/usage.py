@@ -154,7 +154,8 @@ class UsageBook:
         self._task = asyncio.create_task(self._flushes(), name="usage:flush")
 
     async def stop(self) -> None:
-        """Stop flushing, after one last try to send what is counted."""
+        """Stop flushing, after one last try to send what is counted; what the catalog
+        never took is then lost, and said (an error naming its rows, requests and tokens)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(BaseException):
@@ -163,6 +164,14 @@ class UsageBook:
             await self.flush()
         if self._session is not None:
             await self._session.close()
+        if self.pending or self.rows:
+            batches, self.pending, counted, self.rows = self.pending, deque(), self.rows, {}
+            rows, requests, tokens, keys = await asyncio.to_thread(_totals, batches, counted)
+            log.error(
+                "usage lost at stop: %d rows (%d requests, %d tokens) of %d keys never reached "
+                "the catalog at %s (%s)", rows, requests, tokens, keys, self.shown,
+                self.last_error or "not sent",
+            )  # fmt: skip
 
     async def _flushes(self) -> None:
         while True:
@@ -328,6 +337,26 @@ class UsageBook:
 _NAMES = ("workspace", "key", "model", "served_model")
 _COUNTS = ("requests", "prompt_tokens", "completion_tokens")
 ROW_COUNT_MAX = 10**15  # the catalog's bound on a row's count
+
+
+def _totals(
+    batches: deque[dict[str, Any]], counted: dict[Row, list[int]]
+) -> tuple[int, int, int, int]:
+    """Rows, requests, tokens and keys of `batches` and of the rows `counted` (not sealed)."""
+    rows = requests = tokens = 0
+    keys: set[tuple[str, str]] = set()
+    for batch in batches:
+        for row in batch["rows"]:
+            rows += 1
+            requests += row["requests"]
+            tokens += row["prompt_tokens"] + row["completion_tokens"]
+            keys.add((row["workspace"], row["key"]))
+    for (workspace, key, *_), (n, prompt, completion) in counted.items():
+        rows += 1
+        requests += n
+        tokens += prompt + completion
+        keys.add((workspace, key))
+    return rows, requests, tokens, len(keys)
 
 
 def _rows_of(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:

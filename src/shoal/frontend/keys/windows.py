@@ -32,6 +32,7 @@ MAX_KEYS = 100_000  # keys' states held here (beyond, idle ones are forgotten)
 
 MAX_DECLARED = 10  # bytes of a declared completion looked at: 9 digits, and what follows
 _DECLARED = re.compile(rb"\d{1,9}(?!\d)")  # (a larger count, a sign, a string: nothing known)
+MAX_CHOICES = 128  # choices a request is counted for at most (OpenAI's bound on `n`)
 
 
 def fade(prev: float, cur: float, bound: float, keep: float) -> int:
@@ -50,19 +51,38 @@ def fade(prev: float, cur: float, bound: float, keep: float) -> int:
     return math.floor(at) + 1
 
 
-def estimate(size: int, max_completion_tokens: bytes = b"", max_tokens: bytes = b"") -> int:
+def estimate(
+    size: int,
+    max_completion_tokens: bytes = b"",
+    max_tokens: bytes = b"",
+    n: bytes = b"",
+    best_of: bytes = b"",
+) -> int:
     """A request's tokens before its answer (OpenAI's own estimate): its prompt as its body's
     `size` in bytes / 4, plus the completion it allows: its `max_completion_tokens`, else its
-    `max_tokens` (each the JSON text of the request's own top-level member, decoded with its
-    other fields: `proxy.fields.TokenFields`), when an integer of at most 9 digits. Made once
-    per request, when it comes (the waiter keeps it); at most `MAX_DECLARED` bytes of each
-    value are looked at, whatever the body holds (searching the body for every `"max_tokens"`
-    made a 9 MB body quoting it 700,000 times cost ~550 ms a search)."""
+    `max_tokens`, for each choice it asks (`n`, or `best_of` if larger, at most
+    `MAX_CHOICES`: engines answer them all, and OpenAI counts `n` x `max_tokens`; counted
+    once, a burst asking 50 choices each was admitted at 1/50 of its size); each the JSON
+    text of the request's own top-level member, decoded with its other fields
+    (`proxy.fields.TokenFields`), when an integer of at most 9 digits. Made once per request,
+    when it comes (the waiter keeps it); at most `MAX_DECLARED` bytes of each value are looked
+    at, whatever the body holds (searching the body for every `"max_tokens"` made a 9 MB body
+    quoting it 700,000 times cost ~550 ms a search)."""
     tokens = size // 4
     for declared in (max_completion_tokens, max_tokens):
         if declared and (found := _DECLARED.match(declared, 0, MAX_DECLARED)) is not None:
-            return tokens + int(found.group())
+            return tokens + int(found.group()) * _choices(n, best_of)
     return tokens
+
+
+def _choices(n: bytes, best_of: bytes) -> int:
+    """The choices a request asks for: its `n`, or its `best_of` if larger (1 if neither is
+    a positive integer), at most `MAX_CHOICES`."""
+    choices = 1
+    for asked in (n, best_of):
+        if asked and (found := _DECLARED.match(asked, 0, MAX_DECLARED)) is not None:
+            choices = max(choices, int(found.group()))
+    return min(choices, MAX_CHOICES)
 
 
 class Ticket(Protocol):

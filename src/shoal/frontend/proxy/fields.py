@@ -91,13 +91,15 @@ class LargePromptFields(Fields):
 
 
 class TokenFields(Fields):
-    """`Fields` and the completion a request allows, which a key's tpm reserves when it is
-    admitted (`keys.windows.estimate`), and the `stream_options` its metering reads
-    (`asking_usage`): top-level members as their JSON text, whatever they hold (judged by
-    the estimate; the worker judges the request)."""
+    """`Fields` and the completion a request allows (per choice, and its choices), which a
+    key's tpm reserves when it is admitted (`keys.windows.estimate`), and the `stream_options`
+    its metering reads (`asking_usage`): top-level members as their JSON text, whatever they
+    hold (judged by the estimate; the worker judges the request)."""
 
     max_tokens: msgspec.Raw = ABSENT
     max_completion_tokens: msgspec.Raw = ABSENT
+    n: msgspec.Raw = ABSENT
+    best_of: msgspec.Raw = ABSENT
     stream_options: msgspec.Raw = ABSENT
 
 
@@ -107,6 +109,8 @@ class PromptTokenFields(PromptFields):
 
     max_tokens: msgspec.Raw = ABSENT
     max_completion_tokens: msgspec.Raw = ABSENT
+    n: msgspec.Raw = ABSENT
+    best_of: msgspec.Raw = ABSENT
     stream_options: msgspec.Raw = ABSENT
 
 
@@ -115,6 +119,8 @@ class LargePromptTokenFields(LargePromptFields):
 
     max_tokens: msgspec.Raw = ABSENT
     max_completion_tokens: msgspec.Raw = ABSENT
+    n: msgspec.Raw = ABSENT
+    best_of: msgspec.Raw = ABSENT
     stream_options: msgspec.Raw = ABSENT
 
 
@@ -378,7 +384,14 @@ class _Refused(msgspec.Struct):
 _KINDS = {
     kind.__name__: kind for kind in (Fields, TokenFields, LargePromptFields, LargePromptTokenFields)
 }
-_SPANNED = ("kv_transfer_params", "max_tokens", "max_completion_tokens", "stream_options")
+_SPANNED = (
+    "kv_transfer_params",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "best_of",
+    "stream_options",
+)
 
 
 def _fields_elsewhere(
