@@ -81,17 +81,16 @@ def _card(slug: str, files: dict[str, MetadataFile]) -> ModelCard:
     )  # fmt: skip
 
 
-async def test_sets_with_the_same_tokenizer_files_load_and_share_one_tokenizer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Models (or namespaces) whose cards name the same tokenizer files load it once: each
-    load holds the GIL ~100 ms and keeps its own Rust tables and prompt cache. The shared
-    tokenizer stays usable while any set uses it and is closed with the last one."""
+def _counted_tracker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: bytes, *, on_disk: bool = True
+) -> tuple[dict[str, MetadataFile], list[Path], Registry, KvTracker]:
+    """A tracker over a metadata cache holding the tokenizer file `text` (or not yet, unless
+    `on_disk`), the files a card names for it, and the list of the paths it loaded."""
     cache = MetadataCache(tmp_path / "cache")
-    text = TOKENIZER.to_str().encode()
     checksum = "sha256:" + hashlib.sha256(text).hexdigest()
     cache.directory.mkdir(parents=True, exist_ok=True)
-    cache.path(checksum).write_bytes(text)
+    if on_disk:
+        cache.path(checksum).write_bytes(text)
     files = {
         TOKENIZER_FILE: MetadataFile(url="http://127.0.0.1:1/t", checksum=checksum, size=len(text))
     }
@@ -105,6 +104,17 @@ async def test_sets_with_the_same_tokenizer_files_load_and_share_one_tokenizer(
     monkeypatch.setattr(tracker_module, "read_files", counting)
     registry, tracker = Registry(), KvTracker(cache)
     registry.observers.append(tracker)
+    return files, loads, registry, tracker
+
+
+async def test_sets_with_the_same_tokenizer_files_load_and_share_one_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Models (or namespaces) whose cards name the same tokenizer files load it once: each
+    load holds the GIL ~100 ms and keeps its own Rust tables and prompt cache. The shared
+    tokenizer stays usable while any set uses it and is closed with the last one."""
+    text = TOKENIZER.to_str().encode()
+    files, loads, registry, tracker = _counted_tracker(tmp_path, monkeypatch, text)
     models = []
     try:
         for i in range(5):
@@ -152,23 +162,8 @@ async def test_a_failed_shared_load_is_made_anew_by_the_next_set_that_joins(
     the answer for every later set naming the same files: the next set to join loads it
     anew, and the sets that joined before get the tokenizer too. Shared as it was, a failed
     load left every later set of those files routed by prefix while any earlier one lived."""
-    cache = MetadataCache(tmp_path / "cache")
     text = TOKENIZER.to_str().encode()
-    checksum = "sha256:" + hashlib.sha256(text).hexdigest()
-    cache.directory.mkdir(parents=True, exist_ok=True)
-    files = {
-        TOKENIZER_FILE: MetadataFile(url="http://127.0.0.1:1/t", checksum=checksum, size=len(text))
-    }
-    loads: list[Path] = []
-    real = tracker_module.read_files
-
-    def counting(path: Path, config: Path | None) -> tuple[Any, Any]:
-        loads.append(path)
-        return real(path, config)
-
-    monkeypatch.setattr(tracker_module, "read_files", counting)
-    registry, tracker = Registry(), KvTracker(cache)
-    registry.observers.append(tracker)
+    files, loads, registry, tracker = _counted_tracker(tmp_path, monkeypatch, text, on_disk=False)
 
     def joined(i: int) -> WorkerSet:
         endpoint = EndpointId(f"ns{i}", "backend", "generate")
@@ -179,7 +174,8 @@ async def test_a_failed_shared_load_is_made_anew_by_the_next_set_that_joins(
     try:
         first = tracker.sets[joined(0).id]
         await wait_for(lambda: "could not be loaded" in first.no_tokenizer, message="failed")
-        cache.path(checksum).write_bytes(text)  # (the file is on disk now)
+        checksum = files[TOKENIZER_FILE].checksum
+        MetadataCache(tmp_path / "cache").path(checksum).write_bytes(text)  # (on disk now)
         second = tracker.sets[joined(1).id]
         await wait_for(lambda: second.tokenizer is not None, message="the second set's load")
         await wait_for(
@@ -205,26 +201,10 @@ async def test_a_tokenizer_file_refused_for_its_content_is_parsed_once_for_every
     set as a file missing from the disk is, a base model's adapters joining one by one
     parsed it once each, every parse holding the GIL (the event loop) as long as a good
     file's does: 85-114 ms for a real model's, up to seconds at the 64 MiB file bound."""
-    cache = MetadataCache(tmp_path / "cache")
     refused = json.loads(TOKENIZER.to_str())
     refused["model"]["type"] = "NoSuchModel"  # (a format of a newer `tokenizers`, say)
     text = json.dumps(refused).encode()
-    checksum = "sha256:" + hashlib.sha256(text).hexdigest()
-    cache.directory.mkdir(parents=True, exist_ok=True)
-    cache.path(checksum).write_bytes(text)
-    files = {
-        TOKENIZER_FILE: MetadataFile(url="http://127.0.0.1:1/t", checksum=checksum, size=len(text))
-    }
-    loads: list[Path] = []
-    real = tracker_module.read_files
-
-    def counting(path: Path, config: Path | None) -> tuple[Any, Any]:
-        loads.append(path)
-        return real(path, config)
-
-    monkeypatch.setattr(tracker_module, "read_files", counting)
-    registry, tracker = Registry(), KvTracker(cache)
-    registry.observers.append(tracker)
+    files, loads, registry, tracker = _counted_tracker(tmp_path, monkeypatch, text)
     endpoint = EndpointId("ns", "backend", "generate")
     url = "http://127.0.0.1:9000"
     info = InstanceInfo("ns", "backend", "generate", 1, url, url)
