@@ -10,6 +10,7 @@ from typing import Any
 
 import openai
 import pytest
+import trustme
 
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.store import Store, open_store
@@ -93,3 +94,16 @@ def openai_client(frontend: Frontend, **kwargs: Any) -> openai.AsyncOpenAI:
     kwargs.setdefault("api_key", "unused")
     kwargs.setdefault("max_retries", 0)
     return openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", **kwargs)
+
+
+@pytest.fixture
+def certificates(tmp_path: Path) -> dict[str, Path]:
+    """A CA made for the test, and a certificate it issued for localhost and 127.0.0.1."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    paths = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key")}
+    ca.cert_pem.write_to_path(str(paths["ca"]))
+    cert.private_key_pem.write_to_path(str(paths["key"]))
+    for i, pem in enumerate(cert.cert_chain_pems):
+        pem.write_to_path(str(paths["cert"]), append=i > 0)
+    return paths

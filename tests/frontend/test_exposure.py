@@ -12,7 +12,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-import trustme
 
 from shoal.cli.frontend import config_from_args
 from shoal.cli.main import build_parser
@@ -168,18 +167,6 @@ def test_sessions_expire_and_the_store_keeps_at_most_its_limit() -> None:
     assert [sessions.valid(s) for s in ids] == [False, False, True, True, True]
     sessions.close(ids[-1])
     assert not sessions.valid(ids[-1])
-
-
-@pytest.fixture
-def certificates(tmp_path: Path) -> dict[str, Path]:
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    paths = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key")}
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    for i, pem in enumerate(cert.cert_chain_pems):
-        pem.write_to_path(str(paths["cert"]), append=i > 0)
-    return paths
 
 
 async def test_the_session_cookie_is_secure_on_an_https_listener(

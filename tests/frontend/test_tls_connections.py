@@ -12,7 +12,6 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import trustme
 
 from shoal.frontend.http.listener import HttpServer
 from tests.frontend.conftest import StartFrontend
@@ -23,18 +22,6 @@ pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
 
 LIVE = b"GET /live HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-
-
-@pytest.fixture
-def certificates(tmp_path: Path) -> dict[str, Path]:
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    paths = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key")}
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    for i, pem in enumerate(cert.cert_chain_pems):
-        pem.write_to_path(str(paths["cert"]), append=i > 0)
-    return paths
 
 
 def counted(server: HttpServer | None) -> int:

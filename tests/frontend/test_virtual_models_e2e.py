@@ -13,7 +13,6 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-import trustme
 
 from shoal.discovery import FleetTarget, Route, UrlTarget, publish_route
 from shoal.store import open_store
@@ -88,19 +87,6 @@ async def test_an_alias_reaches_mocker_workers_under_the_name_they_serve(
     chunks = [chunk async for chunk in stream]
     assert {c.model for c in chunks} == {"mock-llm"}
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) == 4
-
-
-@pytest.fixture
-def certificates(tmp_path: Path) -> dict[str, Path]:
-    """A CA made for the test, and a certificate it issued for localhost."""
-    ca = trustme.CA()
-    cert = ca.issue_cert("localhost", "127.0.0.1")
-    paths = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key")}
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    for i, pem in enumerate(cert.cert_chain_pems):
-        pem.write_to_path(str(paths["cert"]), append=i > 0)
-    return paths
 
 
 async def test_a_url_target_is_another_frontend_over_https_with_its_api_key(
