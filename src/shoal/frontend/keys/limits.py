@@ -34,7 +34,8 @@ Redis is reached through one dedicated connection, calls pipelined (`RedisLink`)
 Redis down (`--limits redis://...` refused, timed out): the frontend fails **open** onto
 local windows at 1/N of each limit, N being the frontends that reported to Redis in its last
 `FRONTENDS_TTL` seconds before the outage (each frontend adds itself to a sorted set every
-`BEAT` seconds; frontends do not register in discovery). A beat that reaches Redis again
+`BEAT` seconds; frontends do not register in discovery), each key's starting at its 1/N of
+what Redis last said it had used (`_fallback`). A beat that reaches Redis again
 puts the shared windows back in force. `/health` says which are in force (`describe`).
 Without `--limits`, every frontend applies the limits alone, as if N were 1.
 
@@ -202,7 +203,7 @@ class _Key:
     """One key's state here while the windows are shared (see the module's docstring)."""
 
     __slots__ = (
-        "asking", "avg", "given", "giving", "grant", "left_requests", "left_tokens",
+        "asking", "avg", "given", "giving", "grant", "heard", "left_requests", "left_tokens",
         "owed", "per", "reset_at", "since", "units", "until", "used", "waiting", "window",
     )  # fmt: skip
 
@@ -220,6 +221,7 @@ class _Key:
         self.avg = 0.0  # tokens per answer (0: none seen yet)
         self.left_requests = self.left_tokens = 0  # Redis' last answer, for the headers
         self.reset_at = 0.0
+        self.heard = 0.0  # when (monotonic) they came; 0: told to the fallback already
         self.waiting: list[Waiter] = []  # (a deque is 760 bytes empty, for 100,000 keys)
         self.asking = False  # a LEASE is on its way
 
@@ -324,7 +326,7 @@ class Limits:
         if grant.rpm is None and grant.tpm is None:
             return b""
         if not self.shared:
-            return self.local.admit(grant, self.frontends if self.url else 1, tokens, ticket)
+            return self._fallback(grant, tokens, ticket)
         named = self._keys.get(grant.workspace)
         key = named.get(grant.name) if named is not None else None
         if key is None or key.units <= 0 or key.owed - key.giving > key.units * key.per:
@@ -338,6 +340,22 @@ class Limits:
         if held is not grant and (held.rpm != grant.rpm or held.tpm != grant.tpm):
             return None  # the limits changed: the allowance was not leased for them
         return self._take(key, now, ticket)
+
+    def _fallback(self, grant: Grant, tokens: int, ticket: Ticket | None) -> bytes | Refusal:
+        """The verdict of the local windows (Redis down, or no `--limits`). A key Redis
+        answered about in the last minute first has its windows here start at its share of
+        what Redis counted then (`LocalWindows.seed`): started empty, a key whose minute was
+        used up before the outage was admitted its whole limit again (rpm 60 let 120 through
+        that minute). Told once an outage, when the key is next asked about: not all keys
+        at the outage's start, on the event loop at once."""
+        share = self.frontends if self.url else 1
+        named = self._keys.get(grant.workspace)
+        key = named.get(grant.name) if named is not None else None
+        if key is not None and key.heard:
+            if time.monotonic() - key.heard < WINDOW:
+                self.local.seed(grant, share, key.left_requests, key.left_tokens)
+            key.heard = 0.0
+        return self.local.admit(grant, share, tokens, ticket)
 
     def wait(self, grant: Grant, waiter: Waiter) -> None:
         """Queue `waiter` for Redis' answer about its key; it is told, unless cancelled."""
@@ -461,7 +479,7 @@ class Limits:
             if owed > 0:
                 self.local.charge(grant, owed, answer=False)
             for waiter in self._waiters(key):
-                _tell(waiter, self.local.admit(grant, self.frontends, waiter.tokens, waiter.ticket))
+                _tell(waiter, self._fallback(grant, waiter.tokens, waiter.ticket))
             return
         admitted, granted, left_r, left_t, wait, turn, window, which, other = future.result()
         now = time.monotonic()
@@ -469,6 +487,7 @@ class Limits:
             pass
         elif not admitted:
             key.left_requests, key.left_tokens, key.reset_at = left_r, left_t, now + turn
+            key.heard = now
             wait, other = max(int(wait), 1), max(int(other), 1)
             if which == 1:  # each limit's own reset
                 headers = headers_of(grant, left_r, left_t, wait, other)
@@ -479,6 +498,7 @@ class Limits:
                 waiter.refused(refusal)
         else:
             key.left_requests, key.left_tokens, key.reset_at = left_r, left_t, now + turn
+            key.heard = now
             key.units, key.window, key.per = granted, window, per
             key.until, key.since, key.used = now + LEASE_TIME, now, 0
             told = 0

@@ -215,6 +215,26 @@ class LocalWindows:
                 ticket.reserved, ticket.shared, ticket.minute = per, False, minute
         return headers_of(grant, rpm - r - 1, tpm - tk, turn)
 
+    def seed(
+        self,
+        grant: Grant,
+        share: int,
+        left_requests: float,
+        left_tokens: float,
+        now: float | None = None,
+    ) -> None:
+        """Start the key's windows here at its 1/`share` of what the shared windows had used
+        when last heard of (`left_*`: what Redis said was left of each limit), unless more
+        is counted here already."""
+        now = time.time() if now is None else now
+        window = self._at(grant, int(now // WINDOW))
+        if grant.rpm:
+            used = max(grant.rpm - max(left_requests, 0), 0) // share
+            window.requests = max(window.requests, int(used))
+        if grant.tpm:
+            used = max(grant.tpm - max(left_tokens, 0), 0) // share
+            window.tokens = max(window.tokens, int(used))
+
     def charge(
         self,
         grant: Grant,
