@@ -246,8 +246,11 @@ class KvStreamReader:
         ledger = self.ledger
         order = ledger.order
         while ledger.bytes > PENDING_BYTES and order:
-            instance = order[next(iter(order))]  # (whose batch is the oldest kept of all)
-            if instance.apply is None:
+            number = next(iter(order))  # (the oldest kept of all)
+            instance = self.instances.get(order[number][2])
+            if instance is None:  # (never: an instance forgotten is cleared first)
+                ledger.gone(number)
+            elif instance.apply is None:
                 instance.take()  # (the oldest kept of all: the first of its instance's)
                 if not instance.pending:  # (its place is worth less than its entry's bytes)
                     self._forget(instance.key)
