@@ -26,7 +26,7 @@ from shoal.discovery import (
     keys,
     service,
 )
-from shoal.discovery.join import MALFORMED
+from shoal.discovery.values import MALFORMED
 from shoal.store import Event, Snapshot, Store, memory, open_store
 from tests.helpers import Collector, LoopTurns, wait_for
 from tests.store.conftest import Backend
