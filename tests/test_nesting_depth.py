@@ -23,8 +23,9 @@ from shoal.cards import CardError, ModelCard
 from shoal.catalog.apply import ApplyError, parse_documents
 from shoal.cli.catalog import apply as cli_apply
 from shoal.discovery import RouteError, decode_route, route_key
-from shoal.discovery.join import CardsAndInstances, parse_instance
+from shoal.discovery.join import CardsAndInstances
 from shoal.discovery.keys import MODELS, EndpointId, ModelKey, instance_key
+from shoal.discovery.values import parse_instance
 from shoal.frontend.dashboard.dashboard import login_key
 from shoal.frontend.kv.prompt import PromptTokenizer
 from shoal.frontend.proxy.fields import decode_fields, rewrite_model

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from shoal.cli.frontend import config_from_args, membership_for
+from shoal.cli.frontend import config_from_args
 from shoal.cli.main import build_parser
+from shoal.cli.scope import membership_for
 from shoal.discovery import Discovery
 from shoal.frontend import FrontendConfig
 from shoal.membership import DiscoverySource, MembershipWatch, Selection

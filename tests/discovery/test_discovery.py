@@ -25,8 +25,9 @@ from shoal.discovery import (
     join,
     keys,
     service,
+    values,
 )
-from shoal.discovery.join import MALFORMED
+from shoal.discovery.values import MALFORMED
 from shoal.store import Event, Snapshot, Store, memory, open_store
 from tests.helpers import Collector, LoopTurns, wait_for
 from tests.store.conftest import Backend
@@ -574,7 +575,7 @@ async def test_a_listing_parses_only_what_changed_since_the_last_one(
             return msgspec.json.decode(data, type=InstanceInfo)
 
     monkeypatch.setattr(ModelCard, "from_json", counting_from_json)
-    monkeypatch.setattr(join, "_instance_decoder", CountingDecoder())
+    monkeypatch.setattr(values, "_instance_decoder", CountingDecoder())
     again = await disc.list()
     assert parsed == []
     assert all(a is b for a, b in zip(again, first, strict=True))

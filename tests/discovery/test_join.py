@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from shoal.cards import MetadataFile, ModelCard
-from shoal.discovery import Discovery, EndpointId, ModelKey, Query, join, service
+from shoal.discovery import Discovery, EndpointId, ModelKey, Query, join, service, values
 from shoal.store import KeyRevision, Store, open_store
 from shoal.store.sqlite import SQLiteStore
 from tests.discovery.test_discovery import EP, Watch, info, make_card, register
@@ -187,10 +187,10 @@ async def test_a_malformed_value_left_out_of_a_listing_is_read_and_reported_agai
     await store.put(bad.key, b"{not json")
     assert [m.key for m in await disc.list()] == [good]
     reads = Reads(store, monkeypatch)
-    counted = join.MALFORMED.labels("model")._value.get()
+    counted = values.MALFORMED.labels("model")._value.get()
     assert [m.key for m in await disc.list()] == [good]
     assert reads.take() == [("get_prefixes_changed", disc._listed_at[Query()]), ("get", bad.key)]
-    assert join.MALFORMED.labels("model")._value.get() == counted + 1
+    assert values.MALFORMED.labels("model")._value.get() == counted + 1
     assert bad.key in disc.skipped
     await store.put(bad.key, card_at(1).to_json())
     assert [m.key for m in await disc.list()] == [good, bad]
@@ -381,7 +381,7 @@ async def test_a_value_over_the_stores_bound_written_by_an_outside_writer_is_ski
     card["padding"] = "x" * base.MAX_VALUE_BYTES  # (valid, but for its size)
     monkeypatch.setattr(base, "MAX_VALUE_BYTES", 4 * base.MAX_VALUE_BYTES)  # (the outsider)
     await store.put(big.key, msgspec.json.encode(card))
-    counted = join.MALFORMED.labels("model")._value.get()
+    counted = values.MALFORMED.labels("model")._value.get()
     assert [m.key for m in await disc.list()] == [good]
-    assert join.MALFORMED.labels("model")._value.get() == counted + 1
+    assert values.MALFORMED.labels("model")._value.get() == counted + 1
     assert "bytes" in disc.skipped[big.key]

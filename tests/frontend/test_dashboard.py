@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from shoal.cli.frontend import membership_for
+from shoal.cli.scope import membership_for
 from shoal.controllers import Controller, Loop
 from shoal.discovery import Discovery
 from shoal.frontend import Frontend, FrontendConfig

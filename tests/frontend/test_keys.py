@@ -218,7 +218,7 @@ async def test_a_team_key_reads_no_membership_view_an_operator_does(
     """`/v1/membership` names every model, namespace and instance in the frontend's scope:
     it is an operator's route (`--api-key`), like the fleet page; a team's key, even one that
     may use a model there, is refused as if it were no key."""
-    from shoal.cli.frontend import membership_for
+    from shoal.cli.scope import membership_for
     from shoal.discovery import Discovery
     from shoal.frontend import FrontendConfig
     from tests.frontend.support import FakeWorker, serving

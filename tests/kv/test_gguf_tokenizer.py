@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from shoal.frontend.kv.prompt import PromptTokenizer
-from shoal.worker.engines.llamacpp import LlamaCppEngine, default_model_path
+from shoal.worker.engines.llamacpp import LlamaCppEngine
+from shoal.worker.engines.llamacpp.engine import default_model_path
 from tests.helpers import Server
 from tests.worker.engines.support import client_for, engine_served
 

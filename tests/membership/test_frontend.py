@@ -14,7 +14,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from shoal.cli.frontend import membership_for, start_frontend
+from shoal.cli.frontend import start_frontend
+from shoal.cli.scope import membership_for
 from shoal.discovery import Added, Discovery
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.registry.scope import FOLLOW_SLICE

@@ -13,9 +13,7 @@ import contextlib
 import ctypes
 import logging
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from shoal import membership
 from shoal.cli.common import (
@@ -31,14 +29,11 @@ from shoal.cli.common import (
     print_ready,
     run_event_loop,
 )
+from shoal.cli.scope import add_membership_flags, check_membership_flags, membership_for
 from shoal.frontend import POLICIES, Frontend, FrontendConfig
 from shoal.frontend.registry.metadata import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES
 from shoal.kv.stream import DEFAULT_STREAM
 from shoal.store import StoreError
-
-if TYPE_CHECKING:
-    from shoal.discovery import Discovery
-    from shoal.frontend.config import MembershipFollower
 
 log = logging.getLogger(__name__)
 
@@ -279,41 +274,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
 
 
-def add_membership_flags(parser: argparse.ArgumentParser, what: str = "serve") -> None:
-    """How the scope is chosen (one way): listed namespaces, a sources file, or discovery;
-    the flags `shoal frontend` and `shoal kv-relay` share (`what`: what is done with it)."""
-    add_flag(
-        parser,
-        "--namespace",
-        action="append",
-        metavar="NS",
-        help=f"{what} only models of this namespace (repeatable; default: all)",
-    )
-    add_flag(
-        parser,
-        "--namespace-sources",
-        type=Path,
-        metavar="FILE",
-        help=f'{what} the namespaces this JSON file lists ({{"version": 1, "sources": '
-        '[{"namespace": "..."}]}), following its changes without a restart',
-    )
-    add_flag(
-        parser,
-        "--namespaces-from-discovery",
-        action="store_true",
-        help=f"{what} every namespace that has models in discovery, as namespaces come and go",
-    )
-    add_flag(
-        parser,
-        "--endpoint-prefix",
-        action="append",
-        metavar="P",
-        help=f"with --namespace or --namespaces-from-discovery: {what} only endpoints under ns, "
-        "ns.component or ns.component.endpoint in namespace ns (repeatable; with --namespace, "
-        "each inside a listed namespace)",
-    )
-
-
 def add_virtual_model_flags(parser: argparse.ArgumentParser) -> None:
     """Which routes the frontend serves, and how it reaches external providers."""
     add_flag(
@@ -463,79 +423,6 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         tls_certfile=args.tls_certfile,
         tls_keyfile=args.tls_keyfile,
     )
-
-
-def check_membership_flags(args: argparse.Namespace) -> None:
-    """One way to choose the scope; endpoint prefixes only with discovery as the source."""
-    chosen = [
-        flag
-        for flag, given in (
-            ("--namespace", bool(args.namespace)),
-            ("--namespace-sources", args.namespace_sources is not None),
-            ("--namespaces-from-discovery", args.namespaces_from_discovery),
-        )
-        if given
-    ]
-    if len(chosen) > 1:
-        raise ValueError(f"{' and '.join(chosen)} exclude each other: choose one")
-    if args.endpoint_prefix and not (args.namespaces_from_discovery or args.namespace):
-        raise ValueError("--endpoint-prefix needs --namespace or --namespaces-from-discovery")
-    membership_source(
-        args.namespace_sources,
-        args.namespaces_from_discovery,
-        args.endpoint_prefix,
-        namespaces=args.namespace,
-    )
-
-
-def membership_source(
-    sources_file: Path | None,
-    from_discovery: bool,
-    endpoint_prefixes: list[str] | tuple[str, ...],
-    *,
-    namespaces: list[str] | tuple[str, ...] = (),
-) -> membership.Source | None:
-    """The namespace source the flags ask for (None: fixed namespaces, no prefixes); refuses
-    a configuration that breaks a rule, naming it. Listed namespaces with endpoint prefixes
-    are a discovery source over those namespaces."""
-    if sources_file is not None:
-        return membership.FileSource(sources_file)
-    if from_discovery:
-        return membership.DiscoverySource(watch_all=True, endpoint_prefixes=endpoint_prefixes)
-    if namespaces and endpoint_prefixes:
-        return membership.DiscoverySource(namespaces, endpoint_prefixes=endpoint_prefixes)
-    return None
-
-
-def membership_watch(
-    source: membership.Source,
-    endpoint_prefixes: tuple[str, ...] | list[str],
-    setup_timeout: float,
-) -> Callable[[Discovery], membership.MembershipWatch]:
-    """A factory of the membership watch over `source` (the frontend's and the relay's)."""
-    prefixes = tuple(endpoint_prefixes)
-
-    def build(discovery: Discovery) -> membership.MembershipWatch:
-        return membership.MembershipWatch(
-            discovery, source, endpoint_prefixes=prefixes, setup_timeout=setup_timeout
-        )
-
-    return build
-
-
-def membership_for(
-    config: FrontendConfig,
-) -> Callable[[Discovery], MembershipFollower] | None:
-    """A factory of the membership watch the frontend's scope follows, or None."""
-    source = membership_source(
-        config.namespace_sources,
-        config.namespaces_from_discovery,
-        config.endpoint_prefixes,
-        namespaces=config.namespaces,
-    )
-    if source is None:
-        return None
-    return membership_watch(source, config.endpoint_prefixes, config.setup_timeout)
 
 
 async def start_frontend(config: FrontendConfig, failed: str) -> Frontend | None:

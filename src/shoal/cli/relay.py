@@ -23,7 +23,7 @@ from shoal.cli.common import (
     print_ready,
     run_event_loop,
 )
-from shoal.cli.frontend import (
+from shoal.cli.scope import (
     add_membership_flags,
     check_membership_flags,
     membership_source,

@@ -1,5 +1,5 @@
 """`CardsAndInstances`: the join of model cards to endpoint instances that every discovery
-reader goes through, and the parsing of store values into what it holds.
+reader goes through. The store values it takes are parsed into records by `values`.
 
 A frontend holds a whole fleet here, twice (its listing and its watch stream read the same
 query), so what it holds per instance is kept small:
@@ -7,9 +7,9 @@ query), so what it holds per instance is kept small:
   record, one key string per store key, however many readers hold it;
 - each reader indexes by store key (`ModelKey.key` is one), three dict entries per
   instance: cards, instances and the models reported;
-- the cards of one model share what they repeat (`_compact`: names, file checksums and
-  sizes, kinds, numbers), and carry their `mdcsum` in `ModelInstance`, not in a per-card
-  cache;
+- the cards of one model share what they repeat (`values.compact_card`: names, file
+  checksums and sizes, kinds, numbers), and carry their `mdcsum` in `ModelInstance`, not
+  in a per-card cache;
 - the records are kept out of the garbage collector's way (`gc=False`): they hold no
   reference cycles, and a collector pass over a hundred thousand of them holds the loop.
 """
@@ -19,44 +19,36 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-import sys
 import weakref
 from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
 from operator import attrgetter, is_, ne
-from typing import TypeVar
 
-import msgspec
 from prometheus_client import Counter
 
-from shoal.bounds import check_json_depth
-from shoal.cards import CardError, MetadataFile, ModelCard
-from shoal.discovery.keys import (
-    INSTANCES,
-    MODELS,
-    ModelKey,
-    Query,
-    parse_instance_key,
-    parse_model_key,
-)
+from shoal.cards import CardError, ModelCard
+from shoal.discovery.keys import INSTANCES, MODELS, ModelKey, Query, parse_model_key
 from shoal.discovery.records import (
     Added,
     DiscoveryEvent,
-    InstanceInfo,
     ModelInstance,
     Removed,
     TaintsUpdated,
 )
-from shoal.store import MAX_VALUE_BYTES, KeyRevision, KeyValue
+from shoal.discovery.values import (
+    HeldCard,
+    HeldInstance,
+    Skipped,
+    check_size,
+    compact_card,
+    held_revisions,
+    parse_instance,
+    report_malformed,
+)
+from shoal.store import KeyRevision, KeyValue
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-MALFORMED = Counter(
-    "shoal_discovery_malformed_values_total",
-    "Values in the discovery store that could not be parsed and were skipped.",
-    ["kind"],
-)
 IGNORED_CHANGES = Counter(
     "shoal_discovery_ignored_card_changes_total",
     "Changes to a registered card other than its taints, which watchers ignore.",
@@ -65,15 +57,9 @@ IGNORED_CHANGES = Counter(
 LIST_BATCH = 64
 """Values (or keys) a listing or a `Resync` goes through between two yields to the event
 loop: ten thousand of them must not hold up the requests a frontend serves meanwhile."""
-MAX_SHARED_MODELS = 16384
-"""Models whose cards share what they repeat (`_compact`). Past that, the cards of further
-models are held whole: as correct, only larger."""
 RESORT_AFTER = 1024
 """Models moved since the last listing past which `listing()` sorts them all again, rather
 than moving each into place."""
-
-Skipped = dict[str, str]
-"""Store keys whose value is not used, with the reason: malformed, or a change ignored."""
 
 IGNORED = "a change other than its taints was ignored: the registered card is kept"
 
@@ -81,7 +67,6 @@ SCAN_SLICE = 2048
 """Values of a listing checked against what is held in one go (in C loops), between two
 yields to the event loop."""
 
-_instance_decoder = msgspec.json.Decoder(InstanceInfo)
 _by_key = attrgetter("key.key")  # the order of listings: store order
 _key = attrgetter("key")
 _mod_revision = attrgetter("mod_revision")
@@ -96,122 +81,6 @@ class _Absent:
 _ABSENT = _Absent()
 
 
-def _report_malformed(kind: str, kv_key: str, error: Exception, skipped: Skipped | None) -> None:
-    """Count and log a value that cannot be used (`kind`: "model" or "instance"), and list
-    it in `skipped` if given."""
-    MALFORMED.labels(kind).inc()
-    if kind == "model":
-        log.error("skipping malformed model card at %s: %s", kv_key, error)
-        reason = str(error)
-    else:
-        log.error("skipping malformed endpoint instance at %s: %s", kv_key, error)
-        reason = f"invalid endpoint instance: {error}"
-    if skipped is not None:
-        skipped[kv_key] = reason
-
-
-def check_size(value: bytes) -> None:
-    """ValueError for a value over the stores' bound (`MAX_VALUE_BYTES`): another writer's
-    (a store takes no larger one), left unread: it would be parsed on the event loop."""
-    if len(value) > MAX_VALUE_BYTES:
-        raise ValueError(f"{len(value)} bytes, over the {MAX_VALUE_BYTES}-byte bound of values")
-
-
-def parse_instance(kv_key: str, value: bytes) -> InstanceInfo:
-    """The endpoint instance stored at `kv_key`; ValueError if key or value does not fit
-    (`TooDeep` if it nests deeper than `shoal.bounds.MAX_DEPTH`). It holds the name strings
-    of its key's `EndpointId` (one copy for the fleet), and its URL twice when its status
-    URL is the same."""
-    endpoint, instance_id = parse_instance_key(kv_key)
-    check_size(value)
-    check_json_depth(value)
-    try:
-        info = _instance_decoder.decode(value)
-    except msgspec.DecodeError as exc:
-        raise ValueError(str(exc)) from None
-    if (info.namespace, info.component, info.endpoint, info.instance_id) != (
-        endpoint.namespace,
-        endpoint.component,
-        endpoint.endpoint,
-        instance_id,
-    ):
-        raise ValueError("value does not match its key")
-    return msgspec.structs.replace(
-        info,
-        namespace=endpoint.namespace,
-        component=endpoint.component,
-        endpoint=endpoint.endpoint,
-        status_url=info.url if info.status_url == info.url else info.status_url,
-    )
-
-
-_models: dict[str, tuple[ModelCard, str]] = {}
-"""A card of each model (by name) and its `mdcsum`, whose parts later cards share."""
-
-
-def _compact(card: ModelCard) -> tuple[ModelCard, str]:
-    """`card`, holding what it repeats of the first card read of its model (its names, file
-    names, checksums and sizes, kinds, numbers, an equal runtime config) as that card's
-    objects, and its `mdcsum`, computed only when its identity differs from that card's.
-    Ten thousand instances of a model then each hold little more than their file URLs."""
-    first = _models.get(card.display_name)
-    if first is None:
-        card = msgspec.structs.replace(
-            card,
-            display_name=sys.intern(card.display_name),
-            slug=sys.intern(card.slug),
-            source=sys.intern(card.source),
-            metadata_files={
-                sys.intern(name): MetadataFile(file.url, sys.intern(file.checksum), file.size)
-                for name, file in card.metadata_files.items()
-            },
-        )
-        mdcsum = sys.intern(card.mdcsum)
-        if len(_models) >= MAX_SHARED_MODELS:
-            del _models[next(iter(_models))]  # the oldest: its model's later cards are held whole
-        _models[card.display_name] = (card, mdcsum)
-        return card, mdcsum
-    model, mdcsum = first
-    theirs = model.metadata_files
-    same = len(card.metadata_files) == len(theirs)  # an identity equal to `model`'s
-    files: dict[str, MetadataFile] = {}
-    for name, file in card.metadata_files.items():
-        other = theirs.get(name)
-        if other is not None and other.checksum == file.checksum:
-            size = other.size if other.size == file.size else file.size
-            files[sys.intern(name)] = MetadataFile(file.url, other.checksum, size)
-        else:
-            same = False
-            files[sys.intern(name)] = MetadataFile(file.url, sys.intern(file.checksum), file.size)
-    same = (
-        same
-        and card.source == model.source
-        and card.context_length == model.context_length
-        and card.kv_block_size == model.kv_block_size
-        and card.role == model.role
-        and card.lora == model.lora
-    )
-    compact = ModelCard(
-        display_name=model.display_name,
-        slug=_either(card.slug, model.slug),
-        source=_either(card.source, model.source),
-        model_types=_either(card.model_types, model.model_types),
-        context_length=_either(card.context_length, model.context_length),
-        kv_block_size=_either(card.kv_block_size, model.kv_block_size),
-        role=card.role,
-        runtime_config=_either(card.runtime_config, model.runtime_config),
-        metadata_files=files,
-        lora=_either(card.lora, model.lora),
-        created=_either(card.created, model.created),
-    )
-    return compact, mdcsum if same else sys.intern(compact.mdcsum)
-
-
-def _either(value: T, shared: T) -> T:
-    """`shared` when it equals `value` (a card never changes what it holds: sharing is safe)."""
-    return shared if value == shared else value
-
-
 async def release(
     items: list[KeyValue] | list[KeyValue | KeyRevision], pause_every: int = LIST_BATCH
 ) -> None:
@@ -222,32 +91,6 @@ async def release(
     while items:
         del items[-step:]
         await asyncio.sleep(0)
-
-
-class _HeldInstance(msgspec.Struct, frozen=True, gc=False):
-    """An endpoint instance as read at `kv_key`, with the revisions of that store value.
-    Immutable: the readers of one query that read the same value share it."""
-
-    kv_key: str
-    info: InstanceInfo
-    create_revision: int
-    mod_revision: int
-
-
-class _HeldCard(msgspec.Struct, frozen=True, gc=False):
-    """A registered card (at `key.key`) and its `mdcsum`, with the revisions of the store
-    value it was read from. Immutable: the readers of one query share it."""
-
-    key: ModelKey
-    card: ModelCard
-    mdcsum: str
-    create_revision: int
-    mod_revision: int
-
-
-def _held_revisions(create_revision: int, mod_revision: int) -> tuple[int, int]:
-    """One number object when a value was never changed since its key was created."""
-    return (mod_revision if create_revision == mod_revision else create_revision), mod_revision
 
 
 class CardsAndInstances:
@@ -285,7 +128,7 @@ class CardsAndInstances:
         )
         self.peers.add(self)
         # The cards and instances held, by store key (`ModelKey.key` is a card's).
-        self.held: dict[str, _HeldCard | _HeldInstance] = {}
+        self.held: dict[str, HeldCard | HeldInstance] = {}
         # The adapter cards of each instance (by its store key); its base card is found by
         # its key, so an instance with none (most of them) has no entry.
         self.adapters: dict[str, list[ModelKey]] = {}
@@ -316,13 +159,13 @@ class CardsAndInstances:
         if not create_revision:
             create_revision = mod_revision if held is None else held.create_revision
         touched: list[ModelKey] = []
-        revisions = _held_revisions(create_revision, mod_revision)
+        revisions = held_revisions(create_revision, mod_revision)
         self._put(held, kv_key, value, revisions, touched, self._others())
         return touched
 
     def _put(
         self,
-        held: _HeldInstance | _HeldCard | None,
+        held: HeldInstance | HeldCard | None,
         kv_key: str,
         value: bytes,
         read_at: tuple[int, int],
@@ -340,7 +183,7 @@ class CardsAndInstances:
 
     def _take_from_peer(
         self,
-        held: _HeldInstance | _HeldCard | None,
+        held: HeldInstance | HeldCard | None,
         kv_key: str,
         read_at: tuple[int, int],
         touched: list[ModelKey],
@@ -362,7 +205,7 @@ class CardsAndInstances:
         shared = None
         for peer in others:
             theirs = peer.held.get(kv_key)
-            if isinstance(theirs, _HeldInstance) and (
+            if isinstance(theirs, HeldInstance) and (
                 (theirs.create_revision, theirs.mod_revision) == read_at
             ):
                 shared = theirs
@@ -371,9 +214,9 @@ class CardsAndInstances:
             try:
                 info = parse_instance(kv_key, value)
             except ValueError as exc:
-                _report_malformed("instance", kv_key, exc, self.skipped)
+                report_malformed("instance", kv_key, exc, self.skipped)
                 return ()
-            shared = _HeldInstance(kv_key, info, *read_at)
+            shared = HeldInstance(kv_key, info, *read_at)
         self.skipped.pop(kv_key, None)
         self.held[shared.kv_key] = shared
         return self._cards_of(kv_key)
@@ -382,7 +225,7 @@ class CardsAndInstances:
         """The keys of the cards held for the instance at `instance_key`."""
         base = self.held.get(MODELS + instance_key[len(INSTANCES) :])
         adapters = self.adapters.get(instance_key, ())
-        return [base.key, *adapters] if isinstance(base, _HeldCard) else list(adapters)
+        return [base.key, *adapters] if isinstance(base, HeldCard) else list(adapters)
 
     def _put_card(
         self, kv_key: str, value: bytes, read_at: tuple[int, int], others: list[CardsAndInstances]
@@ -390,7 +233,7 @@ class CardsAndInstances:
         shared = None
         for peer in others:
             theirs = peer.held.get(kv_key)
-            if isinstance(theirs, _HeldCard) and (
+            if isinstance(theirs, HeldCard) and (
                 (theirs.create_revision, theirs.mod_revision) == read_at
             ):
                 shared = theirs
@@ -401,12 +244,12 @@ class CardsAndInstances:
             try:
                 key = parse_model_key(kv_key)
                 check_size(value)
-                card, mdcsum = _compact(ModelCard.from_json(value))
+                card, mdcsum = compact_card(ModelCard.from_json(value))
             except (ValueError, CardError) as exc:
-                _report_malformed("model", kv_key, exc, self.skipped)
+                report_malformed("model", kv_key, exc, self.skipped)
                 return ()
         held = self.held.get(kv_key)
-        if isinstance(held, _HeldCard) and not held.card.same_except_taints(card):
+        if isinstance(held, HeldCard) and not held.card.same_except_taints(card):
             IGNORED_CHANGES.inc()
             log.warning("ignoring a change to registered card %s other than its taints", key)
             self.skipped[kv_key] = IGNORED
@@ -414,7 +257,7 @@ class CardsAndInstances:
         self.skipped.pop(kv_key, None)
         if held is None and key.suffix is not None:
             self.adapters.setdefault(key.instance_key, []).append(key)
-        self.held[key.key] = shared or _HeldCard(key, card, mdcsum, *read_at)
+        self.held[key.key] = shared or HeldCard(key, card, mdcsum, *read_at)
         return (key,)
 
     def delete(self, kv_key: str) -> Iterable[ModelKey]:
@@ -423,7 +266,7 @@ class CardsAndInstances:
         held = self.held.pop(kv_key, None)
         if held is None:
             return ()
-        if isinstance(held, _HeldInstance):
+        if isinstance(held, HeldInstance):
             return self._cards_of(kv_key)
         key = held.key
         if key.suffix is not None:
@@ -466,8 +309,8 @@ class CardsAndInstances:
             held_seen += len(chunk) - sum(map(is_, helds, repeat(_ABSENT)))
             changed = map(ne, map(_mod_revision, helds), map(_mod_revision, chunk))
             for kv, was in compress(zip(chunk, helds, strict=True), changed):
-                read_at = _held_revisions(kv.create_revision, kv.mod_revision)
-                held_now = was if isinstance(was, _HeldCard | _HeldInstance) else None
+                read_at = held_revisions(kv.create_revision, kv.mod_revision)
+                held_now = was if isinstance(was, HeldCard | HeldInstance) else None
                 if isinstance(kv, KeyRevision):
                     if not self._take_from_peer(held_now, kv.key, read_at, touched, others):
                         if needed is None:
@@ -514,7 +357,7 @@ class CardsAndInstances:
                 continue  # (held already: a peer's value, or one read since)
             if isinstance(kv, KeyRevision):
                 raise ValueError(f"{kv.key} listed as changed without its value")
-            read_at = _held_revisions(kv.create_revision, kv.mod_revision)
+            read_at = held_revisions(kv.create_revision, kv.mod_revision)
             self._put(was, kv.key, kv.value, read_at, touched, others)
             parsed += 1
             if parsed % LIST_BATCH == 0:
@@ -573,7 +416,7 @@ class CardsAndInstances:
         before = self.reported.get(key)
         held = self.held.get(key.key)
         instance = None if held is None else self.held.get(key.instance_key)
-        if not isinstance(held, _HeldCard) or not isinstance(instance, _HeldInstance):
+        if not isinstance(held, HeldCard) or not isinstance(instance, HeldInstance):
             if before is not None:
                 del self.reported[key]
                 self._moved_in_listing(key)

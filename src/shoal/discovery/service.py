@@ -35,14 +35,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, MutableSequence, 
 import msgspec
 
 from shoal.cards import CardError, ModelCard
-from shoal.discovery.join import (
-    LIST_BATCH,
-    CardsAndInstances,
-    Skipped,
-    _report_malformed,
-    parse_instance,
-    release,
-)
+from shoal.discovery.join import LIST_BATCH, CardsAndInstances, release
 from shoal.discovery.keys import EndpointId, ModelKey, Query, instance_key
 from shoal.discovery.records import (
     Added,
@@ -52,6 +45,7 @@ from shoal.discovery.records import (
     Removed,
     TaintsUpdated,
 )
+from shoal.discovery.values import Skipped, parse_instance, report_malformed
 from shoal.store import InvalidKeyError, KeyRevision, Put, Resync, Store
 from shoal.store.base import check_key
 
@@ -168,7 +162,7 @@ class Discovery:
             try:
                 instances.append(parse_instance(kv.key, kv.value))
             except ValueError as exc:
-                _report_malformed("instance", kv.key, exc, None)
+                report_malformed("instance", kv.key, exc, None)
         return instances
 
     async def list(
@@ -249,7 +243,7 @@ class Discovery:
                 # (a key an outside writer put, which no reader can read alone; it never
                 # parses either: skipped, as its first listing found it)
                 if kv.key not in join.skipped:
-                    _report_malformed(
+                    report_malformed(
                         "model" if kv.key.startswith(query.models_prefix) else "instance",
                         kv.key,
                         exc,

@@ -10,8 +10,8 @@ import dataclasses
 
 from shoal.cards import CardError, ModelCard
 from shoal.discovery import ModelInstance, ModelKey, Query
-from shoal.discovery.join import check_size
 from shoal.discovery.keys import parse_model_key
+from shoal.discovery.values import check_size
 from shoal.membership.view import EndpointRef
 from shoal.store import Put
 

@@ -23,7 +23,8 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from shoal.cards import ModelType
 from shoal.worker.engine import EngineUnavailableError
-from shoal.worker.engines.llamacpp import DEFAULT_MODEL_NAME, FILES_PREFIX, LlamaCppEngine
+from shoal.worker.engines.llamacpp import LlamaCppEngine
+from shoal.worker.engines.llamacpp.engine import DEFAULT_MODEL_NAME, FILES_PREFIX
 from shoal.worker.engines.scratch import OWNER_FILE
 from tests.helpers import Server, wait_for
 from tests.worker.engines.support import client_for, engine_served

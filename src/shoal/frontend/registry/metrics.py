@@ -36,7 +36,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString as _go_float
 
-from shoal.discovery.join import IGNORED_CHANGES, MALFORMED
+from shoal.discovery.join import IGNORED_CHANGES
+from shoal.discovery.values import MALFORMED
 from shoal.frontend.registry.metadata import MetadataCache
 from shoal.frontend.registry.names import SORT_SLICE, live_names, sorted_in_steps
 

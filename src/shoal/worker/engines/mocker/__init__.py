@@ -5,8 +5,9 @@ Text is derived from a hash of the prompt, so the same request always gets the s
 naming it (`conformance`). Prompts are tokenized with a real `tokenizers` model
 (`tokenizer`), published with the chat template among the model's files (`metadata`); with
 `kv_events_port` set, every block the simulated prefix cache (`prefix_cache`) stores or
-evicts is published in vLLM's KV event format. The engine itself, its timing model and its
-handlers are in `engine`; the bytes of its answers in `framing`.
+evicts is published in vLLM's KV event format. The engine itself and its handlers are in
+`engine`, its timing model and KV handoff in `sequences`; the bytes of its answers in
+`framing`.
 """
 
 from shoal.worker.engines.mocker.engine import MockerEngine

