@@ -121,7 +121,9 @@ class KeyRing:
 
     @staticmethod
     def admit(grant: Grant | None, model: str) -> None:
-        """403 unless `grant` may use `model` (an empty allow-list allows every model)."""
+        """403 unless `grant`'s allow-list names `model` (an empty one: every model the key
+        reaches, its own workspace's virtual models and the fleet's; the proxy looks the name
+        up in the key's workspace, `RouteTable.lookup`)."""
         if grant is not None and grant.models and model not in grant.models:
             raise model_not_allowed(model)
 
