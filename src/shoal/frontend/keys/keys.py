@@ -268,6 +268,13 @@ class ModelListing:
         self.body = msgspec.json.encode({"object": "list", "data": data})
         self.by_id = {str(obj["id"]): obj for obj in data}
 
+    @classmethod
+    def made(cls, body: bytes, by_id: dict[str, dict[str, Any]]) -> ModelListing:
+        """A listing whose body and objects were made a slice at a time (`frontend/listings.py`)."""
+        listing = cls.__new__(cls)
+        listing.body, listing.by_id = body, by_id
+        return listing
+
 
 def models_for(listing: ModelListing, grant: Grant | None) -> bytes:
     """The `/v1/models` body with only the models `grant` may use (in the listing's order)."""
