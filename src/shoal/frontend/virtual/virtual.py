@@ -360,7 +360,10 @@ class RouteTable:
     def lookup(self, name: str, workspace: str | None) -> VirtualModel | None:
         """The virtual model a request for `name` goes to (see `visible`); None: no route of
         that name is visible to it (a discovered model of the name, if any, serves it)."""
-        return self.visible(workspace).get(name)
+        if workspace is None:  # (the request path: no call to `visible`)
+            return self.models.get(name)
+        held = self.by_workspace.get(workspace)
+        return None if held is None else held.get(name)
 
     def version_of(self, workspace: str | None) -> int:
         """The version of what `visible(workspace)` holds (bumped by each change of it)."""
