@@ -24,25 +24,25 @@ async def test_models_listings_under_constant_change_are_made_one_at_a_time_and_
     and each made its own listing of every model, at the same time (20 callers a millisecond
     apart: 4 listings of 10,000 models in flight at once, their memory and CPU with them). Now one is made at a time; a
     caller that comes while an older one is made waits for the next, started after it came."""
-    from shoal.frontend import endpoints
+    from shoal.frontend import listings
 
     await start_worker("mock-llm")
     frontend = await start_frontend()
-    count = 10 * endpoints.LISTING_SLICE
+    count = 10 * listings.LISTING_SLICE
     await store.put_many([(r.key, r.to_json()) for r in (route(f"vm{i:05d}", FleetTarget("mock-llm")) for i in range(count))])  # fmt: skip
     await wait_for(lambda: serving(frontend) and len(frontend.routes.models) == count)
-    real = endpoints.Endpoints._make_listing
+    real = listings.Listings._make
     making = [0, 0]  # (now, most at once)
 
-    async def counted(self: endpoints.Endpoints, version: tuple[int, int]) -> Any:
+    async def counted(self: listings.Listings, view: str | None, version: tuple[int, int]) -> Any:
         making[0] += 1
         making[1] = max(making)
         try:
-            return await real(self, version)
+            return await real(self, view, version)
         finally:
             making[0] -= 1
 
-    endpoints.Endpoints._make_listing = counted  # type: ignore[method-assign]
+    listings.Listings._make = counted  # type: ignore[method-assign]
     stop = asyncio.Event()
 
     async def churn() -> None:
@@ -71,5 +71,5 @@ async def test_models_listings_under_constant_change_are_made_one_at_a_time_and_
     finally:
         stop.set()
         await changer
-        endpoints.Endpoints._make_listing = real  # type: ignore[method-assign]
+        listings.Listings._make = real  # type: ignore[method-assign]
     assert making[1] == 1, f"{making[1]} listings made at once"

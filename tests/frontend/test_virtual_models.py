@@ -24,7 +24,8 @@ from shoal.frontend.registry.registry import Registry
 from shoal.frontend.registry.router import make_router
 from shoal.frontend.virtual.routes import RouteWatcher
 from shoal.frontend.virtual.secrets import SecretError, Secrets, env_name
-from shoal.frontend.virtual.virtual import RouteTable, UrlChoice
+from shoal.frontend.virtual.targets import UrlChoice
+from shoal.frontend.virtual.virtual import RouteTable
 from shoal.store import Store
 from tests.frontend.conftest import StartFrontend, StartWorker, openai_client
 from tests.frontend.support import FakeWorker, serving
@@ -905,17 +906,17 @@ async def test_a_models_listing_of_many_virtual_models_is_made_a_slice_per_turn_
     every change of the registry or the routes: 10,000 virtual models held the gateway's
     loop 14 ms (single targets) to 111 ms (`/live` measured; wide routes) per change, for any
     caller. Now `LISTING_SLICE` models a turn; callers meanwhile wait for the same one."""
-    from shoal.frontend import endpoints
+    from shoal.frontend import listings
     from tests.helpers import LoopTurns
 
     await start_worker("mock-llm")
     frontend = await start_frontend()
-    count = 4 * endpoints.LISTING_SLICE
+    count = 4 * listings.LISTING_SLICE
     virtual = [route(f"vm{i:05d}", FleetTarget("mock-llm")) for i in range(count)]
     await store.put_many([(r.key, r.to_json()) for r in virtual])
     await wait_for(lambda: serving(frontend) and len(frontend.routes.models) == count)
     versions = (frontend.registry.version, frontend.routes.version)
-    made = LoopTurns().wrap(endpoints.Endpoints, "_virtual_object")
+    made = LoopTurns().wrap(listings.Listings, "virtual_object")
     try:
         async with aiohttp.ClientSession() as session:
             answers = await asyncio.gather(
@@ -928,7 +929,7 @@ async def test_a_models_listing_of_many_virtual_models_is_made_a_slice_per_turn_
     assert bodies[0]["data"][0]["id"] == "mock-llm" and bodies[0]["data"][1]["id"] == "vm00000"
     if (frontend.registry.version, frontend.routes.version) == versions:  # (nothing moved)
         assert sum(made.per_turn.values()) == count  # (one listing made for the three callers)
-    assert made.most_per_turn <= endpoints.LISTING_SLICE, made.most_per_turn
+    assert made.most_per_turn <= listings.LISTING_SLICE, made.most_per_turn
 
 
 async def test_a_models_listing_that_failed_is_made_anew_by_the_next_caller(
@@ -936,21 +937,21 @@ async def test_a_models_listing_that_failed_is_made_anew_by_the_next_caller(
 ) -> None:
     """The listing is made once for every caller of a version: one that failed (a bug) must
     not answer every later caller of that version with its error."""
-    from shoal.frontend import endpoints
+    from shoal.frontend import listings
 
     await start_worker("mock-llm")
     frontend = await start_frontend()
     await wait_for(lambda: serving(frontend))
-    real = endpoints.Endpoints._model_object
+    real = listings.Listings.model_object
     failures = [1]
 
-    def failing_once(self: endpoints.Endpoints, model: Any) -> dict[str, Any]:
+    def failing_once(self: listings.Listings, model: Any) -> dict[str, Any]:
         if failures:
             failures.pop()
             raise RuntimeError("a bug")
         return real(self, model)
 
-    monkeypatch.setattr(endpoints.Endpoints, "_model_object", failing_once)
+    monkeypatch.setattr(listings.Listings, "model_object", failing_once)
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{frontend.url}/v1/models") as first:
             assert first.status == 503

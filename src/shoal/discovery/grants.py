@@ -42,8 +42,9 @@ class GrantError(ValueError):
 class Grant(msgspec.Struct, frozen=True):
     """What one secret of key `name` in `workspace` may do.
 
-    `models` empty: every model the frontend serves. `rpm`, `tpm` (tokens per minute) and
-    `max_parallel` null: no limit. `expires_at` (Unix seconds, null: never) is the earlier of
+    `models` empty: every model the key reaches (the fleet's, and its own workspace's virtual
+    models: never another workspace's); else only those named. `rpm`, `tpm` (tokens per
+    minute) and `max_parallel` null: no limit. `expires_at` (Unix seconds, null: never) is the earlier of
     the key's expiry and this secret's own end after a rotation. `disabled` refuses it at once.
     """
 

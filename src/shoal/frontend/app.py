@@ -30,11 +30,12 @@ from shoal.frontend.endpoints import Endpoints
 from shoal.frontend.http.cors import Cors
 from shoal.frontend.http.listener import HttpServer
 from shoal.frontend.keys.gate import Gate
-from shoal.frontend.keys.keys import KeyRing, KeyWatcher, ModelListing
+from shoal.frontend.keys.keys import KeyRing, KeyWatcher
 from shoal.frontend.keys.limits import Limits
 from shoal.frontend.keys.usage import UsageBook
 from shoal.frontend.kv.router import KvRouter
 from shoal.frontend.kv.stream import KvStreamReader
+from shoal.frontend.listings import Listings
 from shoal.frontend.proxy.disagg import TwoStages
 from shoal.frontend.proxy.fields import stop_decoder
 from shoal.frontend.proxy.proxy import Proxy
@@ -133,10 +134,7 @@ class Frontend(Endpoints):
         self.metrics_source: Callable[[], Awaitable[bytes | list[bytes]]] | None = None
         self.draining = False
         self.started_at = time.time()
-        # ((registry version, route table version), the /v1/models listing)
-        self._models_body: tuple[tuple[int, int], ModelListing] | None = None
-        self._listing: tuple[tuple[int, int], asyncio.Future[ModelListing]] | None = None
-        self._next_listing: asyncio.Future[ModelListing] | None = None
+        self.listings = Listings(self.registry, self.routes, self._fleet_loaded)
         self._health_body: tuple[int, dict[str, Any]] | None = None
 
     @property

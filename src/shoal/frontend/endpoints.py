@@ -1,7 +1,7 @@
 """The frontend's HTTP surface: which handler a request goes to, and the small ones.
 
-Routes: the OpenAI request routes go to the proxy; `/v1/models`, `/live`, `/ready`,
-`/health`, `/health/controllers` and `/metrics` are small handlers on the same server.
+Routes: the OpenAI request routes go to the proxy; `/v1/models` (`listings.py`), `/live`,
+`/ready`, `/health`, `/health/controllers` and `/metrics` are small handlers on the same server.
 `/live` is the liveness probe (503 only while shutting down), `/ready` the readiness probe
 (503 with reasons while starting, draining, or a control loop is stuck on its own work; never
 for the store or a worker, which every replica shares), and `/health` a report for people
@@ -44,10 +44,11 @@ from shoal.frontend.http.listener import HttpServer
 from shoal.frontend.http.request import Request, bearer_token
 from shoal.frontend.http.server import HttpConnection
 from shoal.frontend.keys.gate import Gate
-from shoal.frontend.keys.keys import KeyRing, ModelListing, models_for
+from shoal.frontend.keys.keys import KeyRing
 from shoal.frontend.keys.limits import Limits
 from shoal.frontend.keys.usage import UsageBook
 from shoal.frontend.keys.windows import estimate
+from shoal.frontend.listings import Listings
 from shoal.frontend.proxy.fields import (
     LARGE_BODY,
     Fields,
@@ -60,7 +61,7 @@ from shoal.frontend.registry.metrics import FrontendMetrics
 from shoal.frontend.registry.registry import Model, Registry
 from shoal.frontend.registry.router import Router
 from shoal.frontend.registry.watcher import ModelWatcher
-from shoal.frontend.virtual.virtual import FleetChoice, LiveInstances, RouteTable, VirtualModel
+from shoal.frontend.virtual.virtual import LiveInstances, RouteTable
 from shoal.openai import ApiError
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,6 @@ PROXY_ROUTES = {
 }
 HEALTH_MODELS = 100  # models `/health` describes (it counts them all; `/ui` shows more)
 OTHER_BODY = 64 * 1024  # with keys required: the most body any request but a proxied one sends
-LISTING_SLICE = 1000  # models a `/v1/models` listing makes between two turns of the loop
 _json = msgspec.json.encode
 _instance_id = operator.attrgetter("instance_id")
 
@@ -102,9 +102,7 @@ class Endpoints:
     metrics_server: HttpServer | None  # `/metrics` alone, on `metrics_port`
     metrics_source: Callable[[], Awaitable[bytes | list[bytes]]] | None
     draining: bool
-    _models_body: tuple[tuple[int, int], ModelListing] | None
-    _listing: tuple[tuple[int, int], asyncio.Future[ModelListing]] | None  # being made
-    _next_listing: asyncio.Future[ModelListing] | None  # made once that one ends
+    listings: Listings  # `/v1/models`
     _health_body: tuple[int, dict[str, Any]] | None
 
     def handle(self, request: Request, conn: HttpConnection) -> None:
@@ -177,7 +175,8 @@ class Endpoints:
             request.size, fields.max_completion_tokens, fields.max_tokens, fields.n,
             fields.best_of,
         )  # fmt: skip
-        asked = self.proxy.ask_usage(request, fields)  # (a stream: the engine's usage charged)
+        # (a stream: the engine's usage charged)
+        asked = self.proxy.ask_usage(request, fields, grant.workspace)
         self.gate.handle(request, conn, kind, grant, model, tokens, fields, hide_usage=asked)
 
     def _admit_later(
@@ -262,31 +261,15 @@ class Endpoints:
     def _control(self, request: Request, conn: HttpConnection) -> None:
         path = request.path
         if path == b"/v1/models":
-            grant = self._authorize(request)
-            version = (self.registry.version, self.routes.version)
-            if self._models_body is not None and self._models_body[0] == version:
-                conn.send(200, models_for(self._models_body[1], grant))
+            listing = self.listings.listing(self._authorize(request))
+            if isinstance(listing, bytes):
+                conn.send(200, listing)
             else:
-                _AnswerLater(conn, self._listing_later(version, grant), _JSON_TYPE)
+                _AnswerLater(conn, listing, _JSON_TYPE)
         elif path.startswith(b"/v1/models/"):
             grant = self._authorize(request)
             name = urllib.parse.unquote(path[len(b"/v1/models/") :].decode())
-            if not KeyRing.allows(grant, name):  # as if absent: nothing told about it
-                raise errors.model_not_found(name)
-            virtual = self.routes.models.get(name)
-            if virtual is not None:  # wins over a discovered model of the same name
-                if not virtual.serving:  # (while loading, its targets may be live)
-                    loaded = self._fleet_loaded()
-                    raise errors.model_not_found(name) if loaded else errors.discovery_loading(name)
-                conn.send(200, _json(self._virtual_object(virtual)))
-                return
-            model = self.registry.models.get(name)
-            if model is None or not model.listed:  # (while loading: as a request to it is)
-                loaded = self._fleet_loaded()
-                raise errors.model_not_found(name) if loaded else errors.discovery_loading(name)
-            if not model.serving:
-                raise errors.no_ready_instance(name)  # draining: the same 503 as requests
-            conn.send(200, _json(self._model_object(model)))
+            conn.send(200, self.listings.model(name, grant))
         elif path == b"/live":
             if self.draining:
                 conn.send(503, _json({"status": "shutting down"}))
@@ -371,59 +354,6 @@ class Endpoints:
             return
         conn.send(error.status, error.body(), headers=error.headers)
 
-    async def _listing_later(self, version: tuple[int, int], grant: Grant | None) -> bytes:
-        """The `/v1/models` body for `grant`, once a listing as new as `version` is made (one
-        for every caller meanwhile: a caller that leaves does not stop it). One is made at a
-        time: a caller that comes while an older one is made waits for the next, started
-        once that one ends (under a change every millisecond, each caller made its own)."""
-        making, after = self._listing, self._next_listing
-        if making is not None and not _failed(making[1]) and _covers(making[0], version):
-            future = making[1]  # (one that failed is made anew, not awaited again)
-        elif (making is not None and not making[1].done()) or after is not None:
-            if after is None:
-                after = self._next_listing = asyncio.ensure_future(self._listing_after(making))
-            future = after
-        else:
-            future = self._start_listing()
-        return models_for(await asyncio.shield(future), grant)
-
-    def _start_listing(self) -> asyncio.Future[ModelListing]:
-        version = (self.registry.version, self.routes.version)
-        self._listing = (version, asyncio.ensure_future(self._make_listing(version)))
-        return self._listing[1]
-
-    async def _listing_after(
-        self, making: tuple[tuple[int, int], asyncio.Future[ModelListing]] | None
-    ) -> ModelListing:
-        """The listing started once `making` ends, at the versions then."""
-        try:
-            if making is not None:
-                await asyncio.wait([making[1]])
-        finally:
-            self._next_listing = None
-        return await self._start_listing()
-
-    async def _make_listing(self, version: tuple[int, int]) -> ModelListing:
-        """The `/v1/models` listing, made again only after the registry or the routes changed
-        (`version`): discovered models and the virtual models with a serving target, by name
-        (a virtual model hides a discovered one of its name), `LISTING_SLICE` a turn of the
-        loop (10,000 virtual models made at once held it 14-111 ms)."""
-        routes, data = self.routes, []
-        for count, m in enumerate(list(self.registry.models.values()), 1):
-            if m.listed and not routes.shadows(m.name):
-                data.append(self._model_object(m))
-            if count % LISTING_SLICE == 0:
-                await asyncio.sleep(0)
-        for count, v in enumerate(list(routes.models.values()), 1):
-            if v.serving:
-                data.append(self._virtual_object(v))
-            if count % LISTING_SLICE == 0:
-                await asyncio.sleep(0)
-        data.sort(key=lambda obj: str(obj["id"]))
-        listing = ModelListing(data)
-        self._models_body = (version, listing)
-        return listing
-
     def _fleet_loaded(self) -> bool:
         """Whether the registry holds the fleet: the first discovery listing loaded (and,
         following a membership, its first selection's namespaces)."""
@@ -494,29 +424,6 @@ class Endpoints:
             ),
         }
 
-    def _model_object(self, model: Model) -> dict[str, Any]:
-        obj: dict[str, Any] = {
-            "id": model.name,
-            "object": "model",
-            "created": model.created,
-            "owned_by": "shoal",
-        }
-        parent = None if model.parent is None else self.registry.models.get(model.parent)
-        if parent is not None and parent.listed:  # never name a model that is not listed
-            obj["parent"] = parent.name
-        return obj
-
-    def _virtual_object(self, virtual: VirtualModel) -> dict[str, Any]:
-        """A virtual model as `/v1/models` shows it; `created` is its first fleet target's."""
-        created = 0
-        for choice in virtual.choices:
-            fleet = isinstance(choice, FleetChoice)
-            model = self.registry.models.get(choice.served) if fleet else None
-            if model is not None:
-                created = model.created
-                break
-        return {"id": virtual.name, "object": "model", "created": created, "owned_by": "shoal"}
-
 
 class _AnswerLater:
     """An answer produced by an awaitable (`/metrics` written a slice of models at a time, or
@@ -557,15 +464,6 @@ _CONTROL_PATHS = frozenset(
     {b"/live", b"/ready", b"/health", b"/health/controllers", b"/metrics"}
     | {b"/v1/membership", b"/v1/membership/status"}
 )
-
-
-def _failed(future: asyncio.Future[Any]) -> bool:
-    return future.done() and (future.cancelled() or future.exception() is not None)
-
-
-def _covers(made: tuple[int, int], asked: tuple[int, int]) -> bool:
-    """Whether a listing made from versions `made` is as new as a caller of `asked` needs."""
-    return made[0] >= asked[0] and made[1] >= asked[1]
 
 
 def _cors_lines(lines: bytes) -> tuple[tuple[bytes, bytes], ...]:

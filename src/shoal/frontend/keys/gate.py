@@ -26,9 +26,10 @@ from shoal.frontend.keys.limits import Limits, rate_limited
 from shoal.frontend.keys.metering import Metered
 from shoal.frontend.keys.windows import Refusal
 
-# request, connection, kind, and its body's fields as the caller decoded them (the proxy's
-# `Fields`, opaque here: passed on as they are, so the body is decoded once)
-Forward = Callable[[Request, ClientConnection, ModelType, Any], None]
+# request, connection, kind, its body's fields as the caller decoded them (the proxy's
+# `Fields`, opaque here: passed on as they are, so the body is decoded once), and the key's
+# workspace (whose virtual models alone the key sees)
+Forward = Callable[[Request, ClientConnection, ModelType, Any, str], None]
 # grant, model, served model, status, prompt tokens, completion tokens
 Record = Callable[[Grant, str, str, int, int, int], None]
 
@@ -69,7 +70,8 @@ class _Waiting:
 
     def admitted(self, headers: bytes) -> None:
         self.conn.extra_headers += headers
-        self.gate.forward(self.request, self.metered, self.kind, self.fields)
+        grant = self.metered.grant
+        self.gate.forward(self.request, self.metered, self.kind, self.fields, grant.workspace)
 
     def refused(self, refusal: Refusal) -> None:
         self.conn.extra_headers += refusal.headers
@@ -115,7 +117,7 @@ class Gate:
         elif isinstance(verdict, bytes):
             if verdict:
                 conn.extra_headers += verdict
-            self.forward(request, metered, kind, fields)
+            self.forward(request, metered, kind, fields, grant.workspace)
         else:
             conn.extra_headers += verdict.headers
             metered.send_error(rate_limited(grant, verdict))

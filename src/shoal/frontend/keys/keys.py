@@ -121,7 +121,9 @@ class KeyRing:
 
     @staticmethod
     def admit(grant: Grant | None, model: str) -> None:
-        """403 unless `grant` may use `model` (an empty allow-list allows every model)."""
+        """403 unless `grant`'s allow-list names `model` (an empty one: every model the key
+        reaches, its own workspace's virtual models and the fleet's; the proxy looks the name
+        up in the key's workspace, `RouteTable.lookup`)."""
         if grant is not None and grant.models and model not in grant.models:
             raise model_not_allowed(model)
 
@@ -265,6 +267,13 @@ class ModelListing:
         """`data`: the models' objects, sorted by id."""
         self.body = msgspec.json.encode({"object": "list", "data": data})
         self.by_id = {str(obj["id"]): obj for obj in data}
+
+    @classmethod
+    def made(cls, body: bytes, by_id: dict[str, dict[str, Any]]) -> ModelListing:
+        """A listing whose body and objects were made a slice at a time (`frontend/listings.py`)."""
+        listing = cls.__new__(cls)
+        listing.body, listing.by_id = body, by_id
+        return listing
 
 
 def models_for(listing: ModelListing, grant: Grant | None) -> bytes:

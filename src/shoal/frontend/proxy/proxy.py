@@ -92,7 +92,6 @@ class Proxy:
         # restarted on its port under load answered 404 for live models while it loaded).
         self.loaded: Callable[[], bool] = _always
         self.routes = routes
-        self.virtual: dict[str, VirtualModel] = routes.models if routes is not None else {}
         self.router = router
         self.metrics = metrics
         self.retries = retries
@@ -122,17 +121,20 @@ class Proxy:
         client: ClientConnection,
         kind: ModelType,
         fields: Fields | None = None,
+        workspace: str | None = None,
     ) -> None:
         """Start answering one request of `kind` (chat, completions, embeddings); `fields`:
         its body's, when the caller decoded them (a key's request: `decode_fields` with the
-        router's `needs_prompt`). A body of `LARGE_BODY` or more is decoded in the decoder
-        process (`fields_later`), and answered from here when that is done. Nothing raises out of
-        here: a bug answers 500 in the OpenAI format, counted like any answer (a `Forward`
-        once started answers for itself)."""
+        router's `needs_prompt`); `workspace`: its key's (its model is looked for among that
+        workspace's virtual models alone, `virtual_model`), None without a team's key. A body
+        of `LARGE_BODY` or more is decoded in the decoder process (`fields_later`), and
+        answered from here when that is done. Nothing raises out of here: a bug answers 500
+        in the OpenAI format, counted like any answer (a `Forward` once started answers for
+        itself)."""
         try:
             if fields is None:
                 if request.size >= LARGE_BODY:  # (its pieces joined in the decoder's thread)
-                    done = functools.partial(self._decoded, request, client, kind)
+                    done = functools.partial(self._decoded, request, client, kind, workspace)
                     prompt, members = self.router.needs_prompt, self.may_rebuild()
                     fields_later(request, client, done, with_prompt=prompt, with_members=members)
                     return
@@ -150,11 +152,11 @@ class Proxy:
             if params is not NO_KV_TRANSFER_PARAMS and bytes(params) != b"null":
                 self._refuse(client, errors.client_kv_transfer_params(), UNKNOWN_MODEL)
                 return
+            virtual = self.virtual_model(name, workspace)
             if (looped := self._looped(request)) is not None:
-                known = name in self.virtual or name in self.registry.models
+                known = virtual is not None or name in self.registry.models
                 self._refuse(client, looped, name if known else UNKNOWN_MODEL)
                 return
-            virtual = self.virtual.get(name)
             if virtual is not None:
                 self._route(request, client, kind, fields, virtual)
                 return
@@ -178,13 +180,21 @@ class Proxy:
         request: Request,
         client: ClientConnection,
         kind: ModelType,
+        workspace: str | None,
         fields: Fields | ApiError,
     ) -> None:
         """A large body's fields, decoded in a thread (`fields_later`): answer as `handle`."""
         if isinstance(fields, ApiError):
             self._refuse(client, fields, UNKNOWN_MODEL)
         else:
-            self.handle(request, client, kind, fields)
+            self.handle(request, client, kind, fields, workspace)
+
+    def virtual_model(self, name: str, workspace: str | None) -> VirtualModel | None:
+        """The virtual model a request for `name` goes to, `workspace` being its key's (None:
+        no team's key), as every path resolves it (`RouteTable.lookup`); None: no route of
+        that name is visible to it, and the discovered model of the name, if any, serves it."""
+        routes = self.routes
+        return None if routes is None else routes.lookup(name, workspace)
 
     def _start(
         self,
@@ -240,7 +250,7 @@ class Proxy:
             message = f"The model `{name}` does not serve {kind} requests."
             self._refuse(client, errors.bad_request(message, param="model"), name)
 
-    def ask_usage(self, request: Request, fields: WithTokens) -> bool:
+    def ask_usage(self, request: Request, fields: WithTokens, workspace: str | None) -> bool:
         """Whether a key's request, a streamed chat or text completion its client asked no
         usage event of, now asks its engine for one (the body rewritten: `asking_usage`): the
         key is charged the engine's count, and `Metered` keeps the event from the client. Not
@@ -252,7 +262,7 @@ class Proxy:
             return False
         if not request.http11:
             return False
-        virtual = self.virtual.get(fields.model or "")
+        virtual = self.virtual_model(fields.model or "", workspace)
         if virtual is not None and not virtual.fleet_only:
             return False
         body = asking_usage(request.body, fields.stream_options, request.members)
@@ -267,7 +277,7 @@ class Proxy:
         stages (disagg.py). A large body's members are then decoded with its fields, in one
         pass (`fields_later`); else not: with a prompt for the router, they cost a second
         pass over its messages."""
-        if any(virtual.renames for virtual in self.virtual.values()):
+        if self.routes is not None and self.routes.renaming:  # (of any workspace)
             return True
         models = self.registry.models.values()
         return self.two_stages is not None and any(m.stages is not None for m in models)

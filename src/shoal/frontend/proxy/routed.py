@@ -41,7 +41,8 @@ from shoal.frontend.proxy.forward import Forward, Gateway
 from shoal.frontend.proxy.headers import provider_response_headers
 from shoal.frontend.registry.metrics import ModelStats
 from shoal.frontend.virtual.masking import Masked
-from shoal.frontend.virtual.virtual import FleetChoice, UrlChoice, VirtualModel
+from shoal.frontend.virtual.targets import FleetChoice, UrlChoice
+from shoal.frontend.virtual.virtual import VirtualModel
 from shoal.openai import ApiError
 from shoal.urls import redact_url
 

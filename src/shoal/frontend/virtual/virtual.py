@@ -2,10 +2,11 @@
 
 The models controller publishes each virtual model's targets at
 `shoal/v1/routes/{workspace}/{name}` (`shoal.discovery.routes`); the `RouteWatcher` feeds
-them to the `RouteTable`, which keeps `models`: name → `VirtualModel`, what the proxy looks
-up. A request picks one target by weight. A `fleet` target is a model of the registry
-(routed as a request for it would be: its worker sets, the routing policy, inhibition); a
-`url` target is an external provider behind one pooled `Upstream` (HTTPS or HTTP), whose
+them to the `RouteTable`, which keeps each workspace's `VirtualModel`s by name, what the
+proxy looks up (`lookup`). A request picks one target by weight (`targets.py`). A `fleet`
+target is a model of the registry (routed as a request for it would be: its worker sets, the
+routing policy, inhibition); a `url` target is an external provider behind one pooled
+`Upstream` (HTTPS or HTTP), whose
 bearer token comes from the frontend's own secrets. Targets that differ only in the model
 they name (gpt-4o and gpt-4o-mini on one key) have an `Upstream` each: a failure excludes
 and inhibits the target that failed, not its neighbour at the same base URL (a 403 too: the
@@ -15,8 +16,10 @@ key denied that model); but a 401 refuses the key itself, and inhibits every tar
 Names: a virtual model wins over a discovered model of the same name (logged once per name):
 the route is what an operator declared, and the controller's passthrough virtual models are
 named like the fleet models they point at. A fleet target always names a discovered model,
-never another virtual model, so routes do not chain. When several served workspaces define
-one name, the first workspace in `--workspace` order wins.
+never another virtual model, so routes do not chain. A key belongs to its workspace: a request
+made with one sees that workspace's virtual models alone (`by_workspace`); a request without a
+team's key sees every served workspace's (`models`), the first in `--workspace` order winning
+a name several define. `lookup` is the one place a request's name is resolved.
 
 A malformed route is reported in `skipped` and never hides a valid one: a key that held a
 valid route keeps it until the key is deleted or a valid value replaces it.
@@ -33,7 +36,7 @@ import logging
 import random
 import ssl
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from shoal.bounds import first_listed
@@ -45,6 +48,7 @@ from shoal.frontend.registry.registry import Model, Registry
 from shoal.frontend.registry.router import Router
 from shoal.frontend.virtual import masking
 from shoal.frontend.virtual.secrets import SecretError, Secrets
+from shoal.frontend.virtual.targets import Choice, FleetChoice, UrlChoice
 from shoal.store import KeyValue
 from shoal.urls import redact_url
 
@@ -58,109 +62,6 @@ DESCRIBED = 100  # virtual models `describe` lists (it counts them all), as `/he
 DESCRIBED_TARGETS = 16
 """Targets a virtual model's `describe` lists, in its route's order (`targets_total` counts
 them all): 100 routes of 256 targets each, described whole, held the loop 40-80 ms."""
-
-
-@dataclass(eq=False, slots=True)
-class FleetChoice:
-    """A `fleet` target: requests go where a request for `served` would."""
-
-    served: str
-    weight: int
-    registry: Registry
-
-    def model(self, kind: ModelType) -> Model | None:
-        model = self.registry.models.get(self.served)
-        return None if model is None else model.for_kind(kind)
-
-    def pick(
-        self, kind: ModelType, router: Router, prompt: str | None, exclude: Collection[Upstream]
-    ) -> Upstream | None:
-        model = self.registry.models.get(self.served)
-        if model is not None:
-            model = model.for_kind(kind)
-        if model is None or not model.routable_sets:
-            return None
-        return router.choose(model, prompt, exclude)
-
-    def candidates(self, kind: ModelType) -> Iterable[Upstream]:
-        model = self.model(kind)
-        if model is None:
-            return ()
-        return (u for ws in model.routable_sets for u in ws.routable)
-
-    @property
-    def serving(self) -> bool:
-        model = self.registry.models.get(self.served)
-        return model is not None and model.serving
-
-    def instances(self) -> Iterable[Upstream]:
-        """Every instance that can take a request of some kind now."""
-        model = self.registry.models.get(self.served)
-        return () if model is None else (u for ws in model.routable_sets for u in ws.routable)
-
-    def accepts(self, kind: ModelType) -> bool:
-        model = self.registry.models.get(self.served)
-        return model is not None and kind in model.model_types
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "kind": "fleet",
-            "model": self.served,
-            "weight": self.weight,
-            "serving": self.serving,
-        }
-
-
-@dataclass(eq=False, slots=True)
-class UrlChoice:
-    """A `url` target: an external provider; `upstream` is None while it cannot be used
-    (`error` says why: a missing secret, a URL the frontend cannot reach)."""
-
-    served: str
-    weight: int
-    target: UrlTarget
-    upstream: Upstream | None
-    error: str | None = None
-    secret_missing: bool = False  # the only reason it cannot be used: resolved again later
-    # The upstreams of every target on its key (its base URL and secret), its own too: a 401
-    # refuses them all (`RouteTable._keys`, shared).
-    on_key: Collection[Upstream] = ()
-
-    def pick(
-        self, kind: ModelType, router: Router, prompt: str | None, exclude: Collection[Upstream]
-    ) -> Upstream | None:
-        upstream = self.upstream
-        return None if upstream is None or upstream in exclude else upstream
-
-    def candidates(self, kind: ModelType) -> Iterable[Upstream]:
-        return () if self.upstream is None else (self.upstream,)
-
-    @property
-    def serving(self) -> bool:
-        return self.upstream is not None
-
-    def instances(self) -> Iterable[Upstream]:
-        return () if self.upstream is None else (self.upstream,)
-
-    def accepts(self, kind: ModelType) -> bool:
-        return self.upstream is not None  # a provider's kinds are not known: it answers
-
-    def describe(self) -> dict[str, Any]:
-        upstream = self.upstream
-        return {
-            "kind": "url",
-            "base_url": redact_url(self.target.base_url),
-            "model": self.served,
-            "weight": self.weight,
-            "secret": self.target.secret,
-            "provider": self.target.provider,
-            "serving": upstream is not None,
-            "inhibited": upstream is not None and upstream.inhibited,
-            "error": self.error,
-        }
-
-
-Choice = FleetChoice | UrlChoice
 
 
 class VirtualModel:
@@ -314,9 +215,12 @@ class LiveInstances(Mapping[str, int]):
 class RouteTable:
     """The virtual models of this frontend's workspaces, by name, as the proxy reads them.
 
-    `models` is mutated in place (the proxy holds it); `version` is bumped by every change
-    of what it holds, so what is derived from it (the `/v1/models` body) is rebuilt only
-    then. `skipped` holds the route keys whose value is not used, with the reason.
+    `by_workspace` holds each workspace's, what its keys see; `models` the view of a request
+    without a team's key, each name the first workspace's that defines it (the same
+    objects). Both are mutated in place; `version` is bumped by every change of what they
+    hold, and `versions[workspace]` by every change of that workspace's, so what is derived
+    from a view (its `/v1/models` listing) is made again only then. `skipped` holds the
+    route keys whose value is not used, with the reason.
     """
 
     def __init__(
@@ -334,14 +238,18 @@ class RouteTable:
         self.tls = tls  # for HTTPS providers; None: the system's defaults, made when first needed
         self.connect_timeout = connect_timeout
         self.models: dict[str, VirtualModel] = {}
+        self.by_workspace: dict[str, dict[str, VirtualModel]] = {ws: {} for ws in self.workspaces}
         self.routes: dict[str, dict[str, Route]] = {ws: {} for ws in self.workspaces}
         self.skipped: dict[str, str] = {}
         self.version = 0
+        self.versions = dict.fromkeys(self.workspaces, 0)
+        self.renaming = 0  # virtual models (of any workspace) with a target renaming the model
         # (base URL, secret, model) -> the target's upstream and how many choices hold it
         self._upstreams: dict[tuple[str, str | None, str], tuple[Upstream, int]] = {}
         # (base URL, secret) -> the upstreams of the targets on that key
         self._keys: dict[tuple[str, str | None], set[Upstream]] = {}
         self._clashes_logged: set[str] = set()
+        self._shared_logged: set[str] = set()  # names several workspaces define (logged once)
 
     # -- changes (from the route watcher) ----------------------------------------------------
 
@@ -358,7 +266,7 @@ class RouteTable:
             return  # not a workspace of this frontend
         if held.get(route.name) != route:
             held[route.name] = route
-            self._settle(route.name)
+            self._settle(route.workspace, route.name)
 
     def delete(self, key: str) -> None:
         self.skipped.pop(key, None)
@@ -368,7 +276,7 @@ class RouteTable:
             return
         held = self.routes.get(workspace)
         if held is not None and held.pop(name, None) is not None:
-            self._settle(name)
+            self._settle(workspace, name)
 
     async def replace(self, workspace: str, items: Iterable[KeyValue]) -> None:
         """The whole of `workspace` as a listing or a resync read it: what is not in it goes.
@@ -391,7 +299,7 @@ class RouteTable:
                 await asyncio.sleep(0)
         for count, name in enumerate([n for n in held if n not in seen], 1):
             if held.pop(name, None) is not None:  # (a watch event may have taken it meanwhile)
-                self._settle(name)
+                self._settle(workspace, name)
             if count % SLICE_ROUTES == 0:
                 await asyncio.sleep(0)
         prefix = workspace_prefix(workspace)
@@ -402,7 +310,8 @@ class RouteTable:
         """Resolve every provider's secret again (a rotated file, a variable set late): the
         files are read in a thread (3,000 of them held the loop 129 ms), each secret alone (one
         that fails to resolve keeps the value in use, and never stops the others)."""
-        missing = [c.target for vm in self.models.values() for c in vm.choices
+        every = [vm for held in self.by_workspace.values() for vm in held.values()]
+        missing = [c.target for vm in every for c in vm.choices
                    if isinstance(c, UrlChoice) and c.secret_missing]  # fmt: skip
         names = {secret for _, secret, _ in self._upstreams if secret is not None}
         names.update(t.secret for t in missing if t.secret is not None)
@@ -411,11 +320,11 @@ class RouteTable:
             value = values.get(secret) if secret is not None else None
             if value is not None:
                 upstream.authorization = b"Bearer " + value.encode()
-        stale = {vm.name for vm in self.models.values() for c in vm.choices
+        stale = {(vm.workspace, vm.name) for vm in every for c in vm.choices
                  if isinstance(c, UrlChoice) and c.secret_missing
                  and c.target.secret is not None and values.get(c.target.secret) is not None}  # fmt: skip
-        for count, name in enumerate(stale, 1):
-            self._settle(name)
+        for count, (workspace, name) in enumerate(stale, 1):
+            self._settle(workspace, name)
             if count % SLICE_ROUTES == 0:
                 await asyncio.sleep(0)
 
@@ -442,6 +351,24 @@ class RouteTable:
 
     # -- reading -----------------------------------------------------------------------------
 
+    def visible(self, workspace: str | None) -> Mapping[str, VirtualModel]:
+        """The virtual models a request sees, by name: a key's, its `workspace`'s alone (a
+        workspace not served: none); a request without a team's key (None), every served
+        workspace's, the first in `--workspace` order winning a name."""
+        return self.models if workspace is None else self.by_workspace.get(workspace, _NONE)
+
+    def lookup(self, name: str, workspace: str | None) -> VirtualModel | None:
+        """The virtual model a request for `name` goes to (see `visible`); None: no route of
+        that name is visible to it (a discovered model of the name, if any, serves it)."""
+        if workspace is None:  # (the request path: no call to `visible`)
+            return self.models.get(name)
+        held = self.by_workspace.get(workspace)
+        return None if held is None else held.get(name)
+
+    def version_of(self, workspace: str | None) -> int:
+        """The version of what `visible(workspace)` holds (bumped by each change of it)."""
+        return self.version if workspace is None else self.versions.get(workspace, 0)
+
     def shadows(self, name: str) -> bool:
         """A virtual model hides the discovered model `name` (logged once per name)."""
         if name not in self.models:
@@ -461,15 +388,15 @@ class RouteTable:
         return LiveInstances(self.registry.models, self.models)
 
     def describe(self, limit: int = DESCRIBED) -> dict[str, Any]:
-        """The table for people and dashboards: the first `limit` virtual models by name
-        (`models_total` counts them all: 10,000 described held the loop 111 ms), each with
-        its first `DESCRIBED_TARGETS` targets, and skipped routes."""
-        models = self.models
-        names = heapq.nsmallest(limit, models)
+        """The table for people and dashboards: the first `limit` virtual models by name, then
+        workspace, of every workspace (`models_total` counts them all: 10,000 described held
+        the loop 111 ms), each with its first `DESCRIBED_TARGETS` targets, and skipped routes."""
+        every = self.by_workspace
+        firsts = [(name, ws) for ws, held in every.items() for name in heapq.nsmallest(limit, held)]
         return {
             "workspaces": list(self.workspaces),
-            "models_total": len(models),
-            "models": [models[name].describe() for name in names],
+            "models_total": sum(map(len, every.values())),
+            "models": [every[ws][name].describe() for name, ws in heapq.nsmallest(limit, firsts)],
             "skipped_total": len(self.skipped),
             "skipped": first_listed(self.skipped),
         }
@@ -481,26 +408,38 @@ class RouteTable:
             log.error("%s; skipped (a valid route held at this key is kept)", reason)
         self.skipped[key] = reason
 
-    def _settle(self, name: str) -> None:
-        """Make `models[name]` the route of the first workspace that defines `name`."""
-        route = next((r[name] for r in self.routes.values() if name in r), None)
-        old = self.models.get(name)
-        if route is None:
-            if old is not None:
-                del self.models[name]
-                self._clashes_logged.discard(name)
-                self._release(old)
-                self.version += 1
+    def _settle(self, workspace: str, name: str) -> None:
+        """Make `by_workspace[workspace][name]` the route `workspace` holds for `name`, and
+        `models[name]` the first workspace's that defines `name`."""
+        held = self.by_workspace[workspace]
+        route, old = self.routes[workspace].get(name), held.get(name)
+        if route is None and old is None:
             return
-        defined = [ws for ws, r in self.routes.items() if name in r]
-        if len(defined) > 1:
-            log.warning(
-                "virtual model %r is defined in workspaces %s: %r wins", name, defined, defined[0]
-            )
-        self.models[name] = VirtualModel(route, [self._resolve(t) for t in route.targets])
+        if route is not None:
+            held[name] = new = VirtualModel(route, [self._resolve(t) for t in route.targets])
+            self.renaming += new.renames
+        else:
+            del held[name]
         if old is not None:
+            self.renaming -= old.renames
             self._release(old)
+        self.versions[workspace] += 1
         self.version += 1
+        defined = [ws for ws, vms in self.by_workspace.items() if name in vms]
+        if not defined:
+            del self.models[name]
+            self._clashes_logged.discard(name)
+            self._shared_logged.discard(name)
+            return
+        if len(defined) < 2:
+            self._shared_logged.discard(name)
+        elif name not in self._shared_logged:  # (once: each workspace's passthroughs share names)
+            self._shared_logged.add(name)
+            log.info(
+                "virtual model %r is defined in workspaces %s: %r wins for requests without a "
+                "team's key (a key sees its own workspace's)", name, defined, defined[0],
+            )  # fmt: skip
+        self.models[name] = self.by_workspace[defined[0]][name]
         self.shadows(name)
 
     def _resolve(self, target: FleetTarget | UrlTarget) -> Choice:
@@ -570,6 +509,9 @@ class RouteTable:
                             del self._keys[key[:2]]
                 else:
                     self._upstreams[key] = (held[0], held[1] - 1)
+
+
+_NONE: Mapping[str, VirtualModel] = MappingProxyType({})  # a workspace not served: no route
 
 
 def workspace_prefix(workspace: str) -> str:
