@@ -68,7 +68,7 @@ class EtcdStore(EtcdWatches, EtcdLeases):
         self, prefixes: Sequence[str], *, on_answer: Callable[[], None] | None = None
     ) -> Snapshot:
         """One revision for every range: the first transaction's, which the later ones (past
-        `MAX_TXN_OPS` prefixes) and the later pages (past `PAGE_KEYS` keys in a range) read
+        `MAX_TXN_OPS` prefixes) and the later pages (a page is bounded in keys and bytes) read
         at. Each response is converted a slice at a time, yielding to the event loop."""
         items, revision = await self._ranges(prefixes, self._kv, on_answer=on_answer)
         return Snapshot(items, revision)
