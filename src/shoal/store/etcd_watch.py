@@ -388,8 +388,11 @@ class EtcdWatches(EtcdTransactions):
                     err = self._failure(exc, f"watch {prefix!r}", generation)
                     raise _StreamBroken(str(err)) from exc
                 check(resp)
-                if resp.events:
-                    yield [self._event(e) for e in resp.events]
+                events = resp.events
+                for first in range(0, len(events), CONVERT_SLICE):
+                    if first:
+                        await asyncio.sleep(0)
+                    yield [self._event(e) for e in events[first : first + CONVERT_SLICE]]
         finally:
             if call is not None:
                 self._watch_calls.discard(call)
