@@ -328,7 +328,10 @@ class EtcdWatches(EtcdTransactions):
                     opening = None
                 if self._closed:
                     return
-                log.info("watch %r broke (%s); catching up", prefix, exc)
+                # (once per outage: while it lasts, every watch fails again at each attempt,
+                # and a frontend of 3,000 namespaces logged 11,000 lines in one restart)
+                level = logging.DEBUG if broken else logging.INFO
+                log.log(level, "watch %r broke (%s); catching up", prefix, exc)
                 broken = True
                 why = str(exc) if self.url in str(exc) else f"etcd store {self.url}: {exc}"
                 self._watch_state(
