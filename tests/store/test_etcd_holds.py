@@ -140,3 +140,35 @@ async def test_a_watch_logs_its_outage_once_not_at_every_attempt(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await store.close()
+
+
+async def test_watches_broken_at_once_are_handled_a_few_per_loop_turn(
+    own_etcd: EtcdServer,
+) -> None:
+    """etcd going away breaks every watch at once: each one's failure (its log line, its
+    listeners told, its backoff set up) ran in the same turn of the event loop (3,000
+    namespaces: 200-300 ms). At most `OPENING_WATCHES` are handled per turn; all come
+    back with etcd."""
+    store = await open_store(own_etcd.url)
+    assert isinstance(store, EtcdStore)
+    count = 300
+    turns = LoopTurns()
+    store.watch_listeners.append(lambda lost: turns.note() if lost is not None else None)
+
+    async def follow(i: int) -> None:
+        async for _ in store.watch_prefixes((f"o/{i}/a/", f"o/{i}/b/"), 1):
+            pass
+
+    tasks = [asyncio.create_task(follow(i)) for i in range(count)]
+    try:
+        await wait_for(lambda: len(store._watch_calls) == count, 30, message="every watch open")
+        own_etcd.stop()
+        await wait_for(lambda: turns.on_loop >= count, 30, message="every watch broke")
+        own_etcd.start()
+        await wait_for(lambda: len(store._watch_calls) == count, 30, message="every one back")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await store.close()
+    assert turns.most_per_turn <= etcd_watch.OPENING_WATCHES
