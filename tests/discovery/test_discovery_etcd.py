@@ -138,5 +138,8 @@ async def test_a_megabyte_key_from_another_writer_is_skipped_and_reported_cut(
         assert all("over the 1024-byte bound" in entry["reason"] for entry in reported)
         assert caplog.records and all(len(r.getMessage()) < 1024 for r in caplog.records)
     finally:
+        # (keys no store may delete: the session's etcd is shared by the tests after this)
+        await client.delete_prefix(f"shoal/v1/instances/{namespace}/".encode())
+        await client.delete_prefix(f"shoal/v1/models/{namespace}/".encode())
         await store.close()
         await client.close()
