@@ -173,8 +173,18 @@ MAX_LISTED = 20
 
 def first_listed(skipped: Mapping[str, str], limit: int = MAX_LISTED) -> list[dict[str, str]]:
     """The first `limit` of `skipped` (key → why), by key, as `/health` lists them: a
-    report stays small however many values an outside writer spoils."""
-    return [{"key": k, "reason": r} for k, r in heapq.nsmallest(limit, skipped.items())]
+    report stays small however many values an outside writer spoils, and however long their
+    keys (etcd takes keys of 1.5 MiB: each shown cut to `MAX_SHOWN_KEY` characters)."""
+    return [{"key": _cut_key(k), "reason": r} for k, r in heapq.nsmallest(limit, skipped.items())]
+
+
+MAX_SHOWN_KEY = 256
+
+
+def _cut_key(key: str) -> str:
+    if len(key) <= MAX_SHOWN_KEY:
+        return key
+    return f"{key[:MAX_SHOWN_KEY]}... ({len(key):,} characters)"
 
 
 def cut_for_reading(value: Any, items: int, chars: int) -> Any:

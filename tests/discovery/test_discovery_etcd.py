@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 
@@ -10,7 +11,8 @@ import aetcd
 import aiohttp
 import pytest
 
-from shoal.discovery import Added, Discovery, ModelKey, Removed
+from shoal.bounds import first_listed
+from shoal.discovery import Added, Discovery, ModelKey, Query, Removed
 from shoal.store import open_store
 from tests.discovery.test_discovery import EP, make_card, register
 from tests.etcd_server import EtcdServer
@@ -110,3 +112,34 @@ async def test_a_key_only_an_outside_writer_could_put_never_fails_a_listing(
         assert "shoal/v1/models/prod/backend/generate/10 copy" in disc.skipped
     finally:
         await store.close()
+
+
+async def test_a_megabyte_key_from_another_writer_is_skipped_and_reported_cut(
+    etcd_server: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """etcd takes keys up to its request bound (1.5 MiB); shoal's stores refuse keys over
+    `MAX_KEY_BYTES`. An instance and a card at 1 MiB keys written by another writer are
+    skipped and counted, and every report of them (the log, `skipped`, which `/health`
+    lists) quotes the key cut: each was the whole megabyte, 100 of them a 100 MB `/health`."""
+    namespace = f"bigkeys-{uuid.uuid4().hex[:8]}"
+    client = aetcd.Client(host="127.0.0.1", port=etcd_server.client_port, timeout=5)
+    await client.connect()
+    store = await open_store(etcd_server.url)
+    try:
+        base = f"{namespace}/backend/generate/"
+        await client.put(f"shoal/v1/instances/{base}{'b' * 2**20}".encode(), b"{}")
+        await client.put(f"shoal/v1/models/{base}{'a' * 2**20}".encode(), make_card().to_json())
+        discovery = Discovery(store)
+        with caplog.at_level("INFO"):
+            assert await discovery.list(Query(namespace=namespace)) == []
+        assert len(discovery.skipped) == 2
+        reported = first_listed(discovery.skipped)
+        assert all(len(json.dumps(entry)) < 1024 for entry in reported), reported
+        assert all("over the 1024-byte bound" in entry["reason"] for entry in reported)
+        assert caplog.records and all(len(r.getMessage()) < 1024 for r in caplog.records)
+    finally:
+        # (keys no store may delete: the session's etcd is shared by the tests after this)
+        await client.delete_prefix(f"shoal/v1/instances/{namespace}/".encode())
+        await client.delete_prefix(f"shoal/v1/models/{namespace}/".encode())
+        await store.close()
+        await client.close()

@@ -14,6 +14,7 @@ from shoal.discovery import (
     publish_route,
     route_key,
 )
+from shoal.discovery.grants import GrantError, decode_grant
 from shoal.discovery.routes import parse_route_key
 from shoal.store import open_store
 
@@ -88,3 +89,18 @@ def test_a_route_copied_to_another_key_is_refused_without_carrying_its_names() -
         decode_route(ROUTE.key, value)
     assert len(str(refused.value)) < 400, len(str(refused.value))
     assert "500,000 characters" in str(refused.value)
+
+
+@pytest.mark.parametrize("what", ["route", "key grant"])
+def test_an_outside_megabyte_route_or_grant_key_is_refused_without_quoting_it(what: str) -> None:
+    """etcd takes keys of 1.5 MiB: the error for such a route or grant key, which the frontend
+    logs and lists in `/health` (`virtual_models.skipped`, `keys.skipped`), quoted it whole."""
+    root = "shoal/v1/routes/" if what == "route" else "shoal/v1/keys/"
+    key = root + "w/" + "n" * 2**20
+    with pytest.raises(RouteError if what == "route" else GrantError) as refused:
+        if what == "route":
+            decode_route(key, b"{}")
+        else:
+            decode_grant(key, b"{}")
+    assert "over the store's bound" in str(refused.value)
+    assert len(str(refused.value)) < 200

@@ -24,7 +24,8 @@ from shoal.catalog.kinds import KEYS
 from shoal.catalog.resources import Key
 from shoal.catalog.routing import SLICE, Waiting, pause, unwatched
 from shoal.discovery.grants import Grant, decode_grant, grants_prefix
-from shoal.store import Store
+from shoal.discovery.keys import quoted
+from shoal.store import InvalidKeyError, Store
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,13 @@ class KeysPhase:
                 guard()
             if result.failed and _held_by(name, held[name], result.failed):
                 continue
-            with self.waiting_on("the store"):
-                await self.store.delete(name)
+            try:
+                with self.waiting_on("the store"):
+                    await self.store.delete(name)
+            except InvalidKeyError as exc:  # another writer's key: reported, the others go on
+                result.failed[quoted(name)] = f"not deleted: {exc}"
+                log.warning("key grants of %s: %s not deleted: %s", workspace, quoted(name), exc)
+                continue
             result.deleted += 1
         return result
 

@@ -22,6 +22,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from shoal.catalog.resources import Model, Provider, VirtualModel
+from shoal.discovery.keys import quoted
 from shoal.discovery.routes import (
     MAX_TARGETS,
     FleetTarget,
@@ -34,7 +35,7 @@ from shoal.discovery.routes import (
     publish_route,
     route_key,
 )
-from shoal.store import Store, StoreError
+from shoal.store import InvalidKeyError, Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +176,13 @@ async def publish(
         try:
             _, name = parse_route_key(key)
         except RouteError:  # not a route key: not ours to judge, but in our prefix all the same
-            with waiting_on("the store"):
-                await store.delete(key)
+            try:
+                with waiting_on("the store"):
+                    await store.delete(key)
+            except InvalidKeyError as exc:  # another writer's key no store of ours may delete
+                done.failed[quoted(key)] = f"not deleted: {exc}"
+                log.warning("routes of %s: %s not deleted: %s", workspace, quoted(key), exc)
+                continue
             done.deleted += 1
             continue
         if await gone(name):

@@ -23,6 +23,7 @@ import msgspec
 from shoal.bounds import TooDeep, check_json_depth
 from shoal.discovery.keys import ROOT
 from shoal.discovery.routes import _quote
+from shoal.store import MAX_KEY_BYTES
 
 KEYS = ROOT + "keys/"
 SECRET_PREFIX = "sk-shoal-"
@@ -87,6 +88,8 @@ def grant_key(workspace: str, hash_: str) -> str:
 
 def decode_grant(key: str, value: bytes) -> Grant:
     """The grant stored at `key`; `GrantError` naming the problem if it does not fit."""
+    if len(key) > MAX_KEY_BYTES:  # (another writer's: etcd takes keys of 1.5 MiB)
+        raise GrantError(f"key grant key of {len(key):,} characters, over the store's bound")
     if not key.startswith(KEYS) or key.count("/") != KEYS.count("/") + 1:
         raise GrantError(f"malformed key grant {key!r}: expected {KEYS}WORKSPACE/HASH_PREFIX")
     try:

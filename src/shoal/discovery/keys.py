@@ -11,6 +11,8 @@ import functools
 import re
 from dataclasses import dataclass, field
 
+from shoal.store import MAX_KEY_BYTES
+
 ROOT = "shoal/v1/"
 INSTANCES = ROOT + "instances/"
 MODELS = ROOT + "models/"
@@ -127,39 +129,51 @@ def _endpoint(namespace: str, component: str, endpoint: str) -> EndpointId:
 
 def parse_instance_id(text: str) -> int:
     """An instance id as keys spell it: lowercase hex with no leading zeros (`2a`, never
-    `002A`), so that one instance has exactly one key and an alias can never shadow it."""
+    `002A`), so that one instance has exactly one key and an alias can never shadow it.
+    It is a lease id: 64 bits at most (16 digits)."""
+    if len(text) > 16:
+        raise ValueError(f"instance id {quoted(text)} is longer than 64 bits")
     value = int(text, 16)
     if value < 0 or f"{value:x}" != text:
         raise ValueError(f"instance id {text!r} is not canonical lowercase hex ({value:x})")
     return value
 
 
+def check_key_size(key: str) -> None:
+    """ValueError for a key over the stores' bound (`MAX_KEY_BYTES`): another writer's (etcd
+    takes keys up to its request bound, 1.5 MiB), refused before it is parsed."""
+    if len(key) > MAX_KEY_BYTES:
+        raise ValueError(f"key of {len(key):,} characters, over the {MAX_KEY_BYTES}-byte bound")
+
+
 def parse_model_key(key: str) -> ModelKey:
     """Inverse of `ModelKey.key`; raises ValueError naming the key if it does not fit."""
+    check_key_size(key)
     if not key.startswith(MODELS):
-        raise ValueError(f"not a model key: {key!r}")
+        raise ValueError(f"not a model key: {quoted(key, 200)}")
     parts = key[len(MODELS) :].split("/")
     if len(parts) not in (4, 5):
-        raise ValueError(f"malformed model key {key!r}")
+        raise ValueError(f"malformed model key {quoted(key, 200)}")
     try:
         endpoint = _endpoint(*parts[:3])
         instance_id = parse_instance_id(parts[3])
         suffix = check_suffix(parts[4]) if len(parts) == 5 else None
     except ValueError as exc:
-        raise ValueError(f"malformed model key {key!r}: {exc}") from None
+        raise ValueError(f"malformed model key {quoted(key, 200)}: {exc}") from None
     return ModelKey(endpoint, instance_id, suffix)
 
 
 def parse_instance_key(key: str) -> tuple[EndpointId, int]:
+    check_key_size(key)
     if not key.startswith(INSTANCES):
-        raise ValueError(f"not an instance key: {key!r}")
+        raise ValueError(f"not an instance key: {quoted(key, 200)}")
     parts = key[len(INSTANCES) :].split("/")
     if len(parts) != 4:
-        raise ValueError(f"malformed instance key {key!r}")
+        raise ValueError(f"malformed instance key {quoted(key, 200)}")
     try:
         return _endpoint(*parts[:3]), parse_instance_id(parts[3])
     except ValueError as exc:
-        raise ValueError(f"malformed instance key {key!r}: {exc}") from None
+        raise ValueError(f"malformed instance key {quoted(key, 200)}: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)

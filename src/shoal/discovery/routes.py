@@ -22,7 +22,7 @@ import msgspec
 
 from shoal.bounds import TooDeep, check_json_depth
 from shoal.discovery.keys import ROOT, quoted
-from shoal.store import Store
+from shoal.store import MAX_KEY_BYTES, Store
 from shoal.urls import redact_url
 
 ROUTES = ROOT + "routes/"
@@ -88,6 +88,8 @@ def route_key(workspace: str, name: str) -> str:
 
 def parse_route_key(key: str) -> tuple[str, str]:
     """(workspace, name) of a route key; `RouteError` if it is not one."""
+    if len(key) > MAX_KEY_BYTES:  # (another writer's: etcd takes keys of 1.5 MiB)
+        raise RouteError(f"route key of {len(key):,} characters, over the store's bound")
     if not key.startswith(ROUTES):
         raise RouteError(f"not a route key: {key!r}")
     parts = key[len(ROUTES) :].split("/")

@@ -19,7 +19,7 @@ from prometheus_client import Counter
 
 from shoal.bounds import check_json_depth
 from shoal.cards import MetadataFile, ModelCard
-from shoal.discovery.keys import ModelKey, parse_instance_key
+from shoal.discovery.keys import ModelKey, parse_instance_key, quoted
 from shoal.discovery.records import InstanceInfo
 from shoal.store import MAX_VALUE_BYTES
 
@@ -46,11 +46,12 @@ def report_malformed(kind: str, kv_key: str, error: Exception, skipped: Skipped 
     """Count and log a value that cannot be used (`kind`: "model" or "instance"), and list
     it in `skipped` if given."""
     MALFORMED.labels(kind).inc()
+    shown = quoted(kv_key, 200)  # (another writer's key may be a megabyte)
     if kind == "model":
-        log.error("skipping malformed model card at %s: %s", kv_key, error)
+        log.error("skipping malformed model card at %s: %s", shown, error)
         reason = str(error)
     else:
-        log.error("skipping malformed endpoint instance at %s: %s", kv_key, error)
+        log.error("skipping malformed endpoint instance at %s: %s", shown, error)
         reason = f"invalid endpoint instance: {error}"
     if skipped is not None:
         skipped[kv_key] = reason

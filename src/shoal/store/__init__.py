@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from shoal.store.base import (
+    MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
     Delete,
     Event,
@@ -30,6 +31,7 @@ from shoal.store.lease import LeaseKeeper
 from shoal.urls import redact_url
 
 __all__ = [
+    "MAX_KEY_BYTES",
     "MAX_VALUE_BYTES",
     "Delete",
     "Event",

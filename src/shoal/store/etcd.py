@@ -68,7 +68,7 @@ class EtcdStore(EtcdWatches, EtcdLeases):
         self, prefixes: Sequence[str], *, on_answer: Callable[[], None] | None = None
     ) -> Snapshot:
         """One revision for every range: the first transaction's, which the later ones (past
-        `MAX_TXN_OPS` prefixes) and the later pages (past `PAGE_KEYS` keys in a range) read
+        `MAX_TXN_OPS` prefixes) and the later pages (a page is bounded in keys and bytes) read
         at. Each response is converted a slice at a time, yielding to the event loop."""
         items, revision = await self._ranges(prefixes, self._kv, on_answer=on_answer)
         return Snapshot(items, revision)
@@ -99,7 +99,7 @@ class EtcdStore(EtcdWatches, EtcdLeases):
         if await self._worth_replaying(prefixes, since, now):
             replayed = await self._replay(prefixes, since, now)
             if replayed is not None:
-                return self._delta(replayed, now)
+                return await self._delta(replayed, now)
         keys, revision = await self._ranges(
             prefixes, self._key_revision, keys_only=True, on_answer=on_answer
         )
@@ -124,17 +124,27 @@ class EtcdStore(EtcdWatches, EtcdLeases):
             await asyncio.sleep(0)
         return Listing(items, revision)
 
-    def _delta(self, events: list[Any], now: int) -> Listing:
-        """A delta listing at `now` from the replayed `events`: each key as its last one left it."""
-        latest = {event.kv.key: event for event in events}
+    async def _delta(self, events: list[Any], now: int) -> Listing:
+        """A delta listing at `now` from the replayed `events`: each key as its last one left
+        it, `CONVERT_SLICE` events per turn of the event loop (a replay of 20,000 cards put
+        at once was converted in one piece: 46 ms)."""
+        latest: dict[bytes, Any] = {}
+        for first in range(0, len(events), CONVERT_SLICE * 16):
+            latest.update(
+                (event.kv.key, event) for event in events[first : first + CONVERT_SLICE * 16]
+            )
+            await asyncio.sleep(0)
         items: list[KeyValue | KeyRevision] = []
         removed: list[str] = []
-        for key in sorted(latest):
-            event = latest[key]
-            if event.type == aetcd.rpc.Event.DELETE:
-                removed.append(key.decode("utf-8", "replace"))
-            else:
-                items.append(self._kv(event.kv))
+        keys = sorted(latest)
+        for first in range(0, len(keys), CONVERT_SLICE):
+            for key in keys[first : first + CONVERT_SLICE]:
+                event = latest[key]
+                if event.type == aetcd.rpc.Event.DELETE:
+                    removed.append(key.decode("utf-8", "replace"))
+                else:
+                    items.append(self._kv(event.kv))
+            await asyncio.sleep(0)
         return Listing(items, now, removed=removed)
 
     async def get(self, key: str) -> KeyValue | None:

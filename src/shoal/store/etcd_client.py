@@ -41,6 +41,9 @@ DEFAULT_PORT = 2379
 # gone silent, a frozen etcd) under an open watch within ~15 s. etcd refuses pings more
 # often than every 5 s, and pings with no stream open. gRPC now times a ping out after
 # `ping_timeout_ms` (default 60 s), no longer after `keepalive_timeout_ms`: set both.
+# A message is at most 64 MiB: a listing's page aims at 16 MiB (`etcd_txn.PAGE_BYTES`) and
+# one refused is read again smaller; a watch's responses are fragments of etcd's request
+# bound (1.5 MiB by default).
 _CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.initial_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 1000,
@@ -49,7 +52,7 @@ _CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.http2.ping_timeout_ms": 5_000,
     "grpc.keepalive_permit_without_calls": 0,
     "grpc.http2.max_pings_without_data": 0,
-    "grpc.max_receive_message_length": 256 * 1024 * 1024,
+    "grpc.max_receive_message_length": 64 * 1024 * 1024,
 }
 
 # Transport-level gRPC outcomes: etcd (or the way to it) is not there right now.

@@ -1,7 +1,13 @@
 """The transactions the etcd store's reads and writes are made of, on its connection
-(`shoal.store.etcd_client`): ranges read at one revision, a page at a time (`PAGE_KEYS`),
-converted a slice at a time between turns of the event loop (`CONVERT_SLICE`); etcd's
-revision now; and the transactions of many puts or deletes (`_transactions`, `_txn`).
+(`shoal.store.etcd_client`): ranges read at one revision, a page at a time (at most
+`PAGE_KEYS` keys a range, and about `PAGE_BYTES` a page), converted a slice at a time
+between turns of the event loop (`CONVERT_SLICE`); etcd's revision now; and the
+transactions of many puts or deletes (`_transactions`, `_txn`).
+
+A page is bounded in keys by the request and in bytes by its size estimate: etcd has no
+byte limit for a range, so a page's key limit follows the bytes per key of the page before
+(`_PageSize`), starting small (`FIRST_PAGE_KEYS`). A page the client refuses as too large
+(past the channel's message limit, `etcd_client`) is read again with fewer keys.
 
 Several prefixes as one (`get_prefixes`): the listing is one read-only transaction with a
 range per prefix, so all are read at one revision (past `MAX_TXN_OPS` prefixes, several
@@ -19,8 +25,8 @@ import aetcd
 import aetcd.rpc
 import aetcd.utils
 
-from shoal.store.base import KeyRevision, KeyValue, distinct_prefixes
-from shoal.store.etcd_client import EtcdConnection
+from shoal.store.base import KeyRevision, KeyValue, StoreError, distinct_prefixes
+from shoal.store.etcd_client import EtcdConnection, _grpc_code
 
 T = TypeVar("T")
 
@@ -35,6 +41,18 @@ PAGE_KEYS = 16384
 in one piece on the event loop (~0.3 s). (Pages of 4,096 keys once made a pass take 4.5 s
 at 100,000 instances, 1.3 s with 16,384: etcd read the whole rest of the range for every
 page of a sorted request; `_range` no longer asks for a sort.)"""
+PAGE_BYTES = 8 * 1024 * 1024
+"""Bytes of keys and values a page aims at (as SQLite's watch polls, `sqlite_watch.
+POLL_BYTES`): 16,384 values of `MAX_VALUE_BYTES` made one page 16 GiB (past the 256 MiB a
+message could have: a listing that never succeeded), held at once and parsed in one piece
+on the event loop (10 ms for 7 MB)."""
+FIRST_PAGE_KEYS = 8
+"""Keys the first page of a listing reads, over all its ranges: nothing is known yet of the
+values' sizes, and 8 of the largest (`MAX_VALUE_BYTES`) are `PAGE_BYTES`. Each later page
+reads at most `PAGE_GROWTH` times as many as the one before, and no more than the bytes per
+key of the one before let into `PAGE_BYTES`: cards of a few hundred bytes are read
+`PAGE_KEYS` a range from the fourth page on."""
+PAGE_GROWTH = 16
 CONVERT_SLICE = 1024
 """Keys of a response converted between two yields to the event loop."""
 
@@ -64,6 +82,34 @@ def _transactions(items: list[tuple[str, bytes]]) -> Iterator[list[tuple[bytes, 
         size += cost
     if txn:
         yield txn
+
+
+class _PageSize:
+    """The keys the next page of a listing may read over all its ranges (`keys`): the first
+    `FIRST_PAGE_KEYS`, then as many as the bytes per key of the last page let into
+    `PAGE_BYTES`, growing at most `PAGE_GROWTH` times a page (values that grow from one
+    page to the next are met before a page holds many of them)."""
+
+    def __init__(self) -> None:
+        self.keys = FIRST_PAGE_KEYS
+
+    def read(self, keys: int, size: int) -> None:
+        """The last page read `keys` keys in a response of `size` bytes."""
+        if keys:
+            per_key = max(size // keys, 1)
+            self.keys = max(1, min(self.keys * PAGE_GROWTH, PAGE_BYTES // per_key))
+
+    def refused(self) -> bool:
+        """The last page was refused as too large: read fewer keys (False: one was too many)."""
+        if self.keys <= 1:
+            return False
+        self.keys = max(1, self.keys // 16)
+        return True
+
+    def limits(self, ranges: int) -> tuple[int, int]:
+        """How many of `ranges` ranges the next page reads, and the key limit of each."""
+        taken = max(1, min(ranges, MAX_TXN_OPS, self.keys))
+        return taken, max(1, min(PAGE_KEYS, self.keys // taken))
 
 
 class EtcdTransactions(EtcdConnection):
@@ -127,38 +173,61 @@ class EtcdTransactions(EtcdConnection):
         # The prefixes are sorted and none is inside another, and each range is read in key
         # order: the ranges' items, one after the other, are in key order.
         read: list[list[T]] = [[] for _ in distinct]
-        for i in range(0, len(distinct), MAX_TXN_OPS):
-            # (each range with keys left to read: its index, and from where to its end)
-            ranges = [(i + j, *_range_of(p)) for j, p in enumerate(distinct[i : i + MAX_TXN_OPS])]
-            while ranges:
-                requests = [
-                    aetcd.rpc.RequestOp(
-                        request_range=self._range(start, end, revision, keys_only, min_mod_revision)
+        # (each range with keys left to read: its index, and from where to its end)
+        ranges = [(i, *_range_of(p)) for i, p in enumerate(distinct)]
+        page = _PageSize()
+        while ranges:
+            taken, limit = page.limits(len(ranges))
+            requests = [
+                aetcd.rpc.RequestOp(
+                    request_range=self._range(
+                        start, end, revision, keys_only, min_mod_revision, limit
                     )
-                    for _, start, end in ranges
-                ]
+                )
+                for _, start, end in ranges[:taken]
+            ]
 
-                async def fn(client: Any, requests: list[Any] = requests) -> Any:
-                    # A read-only transaction: one revision for all its ranges.
-                    return await client.kvstub.Txn(
-                        aetcd.rpc.TxnRequest(success=requests),
-                        timeout=self._call_timeout,
-                        metadata=client.metadata,
-                    )
+            async def fn(client: Any, requests: list[Any] = requests) -> bytes:
+                # A read-only transaction: one revision for all its ranges. Its response as
+                # it came, whose length is the page's size (`ByteSize()` encodes the whole
+                # message again: 70 ms for 7 MB).
+                txn = client.channel.unary_unary(
+                    "/etcdserverpb.KV/Txn",
+                    request_serializer=aetcd.rpc.TxnRequest.SerializeToString,
+                    response_deserializer=None,
+                )
+                raw: bytes = await txn(
+                    aetcd.rpc.TxnRequest(success=requests),
+                    timeout=self._call_timeout,
+                    metadata=client.metadata,
+                )
+                return raw
 
-                resp = await self._call(what, fn)
-                if not revision and on_answer is not None:
-                    on_answer()
-                revision = revision or int(resp.header.revision)
-                more = []
-                for (index, _, end), op in zip(ranges, resp.responses, strict=True):
-                    kvs = op.response_range.kvs
-                    for first in range(0, len(kvs), CONVERT_SLICE):
-                        read[index].extend(map(convert, kvs[first : first + CONVERT_SLICE]))
-                        await asyncio.sleep(0)
-                    if op.response_range.more and len(kvs):
-                        more.append((index, kvs[len(kvs) - 1].key + b"\0", end))
-                ranges = more
+            try:
+                raw = await self._call(what, fn)
+            except StoreError as exc:
+                if _grpc_code(exc)[0] == "RESOURCE_EXHAUSTED" and page.refused():
+                    continue  # (a page past the message limit: fewer keys)
+                raise
+            size = len(raw)
+            resp = aetcd.rpc.TxnResponse.FromString(raw)
+            del raw
+            if not revision and on_answer is not None:
+                on_answer()
+            revision = revision or int(resp.header.revision)
+            more = []
+            keys = 0
+            for (index, _, end), op in zip(ranges[:taken], resp.responses, strict=True):
+                kvs = op.response_range.kvs
+                keys += len(kvs)
+                for first in range(0, len(kvs), CONVERT_SLICE):
+                    read[index].extend(map(convert, kvs[first : first + CONVERT_SLICE]))
+                    await asyncio.sleep(0)
+                if op.response_range.more and len(kvs):
+                    more.append((index, kvs[len(kvs) - 1].key + b"\0", end))
+            page.read(keys, size)
+            del resp
+            ranges = more + ranges[taken:]
         items = read[0] if len(read) == 1 else list(itertools.chain.from_iterable(read))
         return items, revision
 
@@ -173,7 +242,12 @@ class EtcdTransactions(EtcdConnection):
 
     @staticmethod
     def _range(
-        start: bytes, end: bytes, revision: int, keys_only: bool = False, min_mod: int = 0
+        start: bytes,
+        end: bytes,
+        revision: int,
+        keys_only: bool = False,
+        min_mod: int = 0,
+        limit: int = PAGE_KEYS,
     ) -> Any:
         # No `sort_order`: etcd returns a range in key order as it is, and a sorted request
         # makes it read the whole rest of the range for every page ("fetch everything; sort
@@ -182,7 +256,7 @@ class EtcdTransactions(EtcdConnection):
             key=start,
             range_end=end,
             revision=revision,
-            limit=PAGE_KEYS,
+            limit=limit,
             keys_only=keys_only,
             min_mod_revision=min_mod,
         )
