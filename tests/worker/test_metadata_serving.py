@@ -10,12 +10,16 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from shoal.cards import ModelCard
 from shoal.discovery import Discovery
 from shoal.store import Store
-from shoal.worker import Engine, Runtime, ServedModel
+from shoal.worker import Engine, Runtime, ServedModel, status
+from shoal.worker.http_server import STATUS_MAX_CONNECTIONS
 from shoal.worker.metadata import MAX_METADATA_FILE
+from tests.helpers import wait_for
+from tests.worker.support import never_reading
 
 EP = "ns.backend.generate"
 
@@ -86,3 +90,35 @@ async def test_a_metadata_file_over_the_cap_is_refused_at_registration(
         await runtime.endpoint(EP).attach_model(card, files={"tokenizer.json": big})
     assert await Discovery(store).list() == []
     assert len(runtime.metadata) == 0
+
+
+async def test_clients_that_never_read_a_metadata_file_are_cut_and_live_answers_again(
+    store_url: str, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """128 clients that asked for an 8 MiB tokenizer and read none of it held every place
+    of the status server for good: `/live` answered 503 `too_many_connections` (still after
+    25 s, and a frontend could fetch no metadata). Their connections are now cut once they
+    read nothing for the status server's send timeout, and `/live` answers 200."""
+    monkeypatch.setattr(status, "STATUS_SEND_TIMEOUT", 4.0, raising=False)
+    (tmp_path / "tokenizer.json").write_bytes(b"x" * (8 << 20))
+    async with Runtime(store_url, lease_ttl=5) as runtime:
+        await runtime.endpoint(EP).serve(OneModel(tmp_path))
+        [model] = await Discovery(store).list()
+        url = URL(model.card.metadata_files["tokenizer.json"].url)
+        assert url.port is not None
+        held = [await never_reading(url.port, url.raw_path) for _ in range(STATUS_MAX_CONNECTIONS)]
+        try:
+            async with aiohttp.ClientSession() as http:
+
+                async def live() -> bool:
+                    async with http.get(runtime.status_url + "/live") as response:
+                        return response.status == 200
+
+                async def refused() -> bool:
+                    return not await live()
+
+                await wait_for(refused, message="the unread answers never held every place")
+                await wait_for(live, message="/live never answered past the unread answers")
+        finally:
+            for sock in held:
+                sock.close()
