@@ -594,3 +594,60 @@ async def test_one_large_event_applied_is_freed_a_slice_a_turn() -> None:
     freed = [a - b for a, b in itertools.pairwise([*left, 0])]
     assert max(freed) <= subscription.FREE_SLICE, freed
     assert sum(freed) == 2 * tokens
+
+
+def _large_history(pub: KvEventPublisher, batches: int) -> None:
+    """`batches` batches of ~12 KB each (one block of 4,096 tokens): more than ZMQ's queue and
+    the kernel's buffers hold for a peer that reads nothing for a while."""
+    tokens = list(range(1000, 5096))
+    for i in range(batches):
+        pub.record(BlockStored(block_hashes=[i], parent_block_hash=None,
+                               token_ids=tokens, block_size=4096))  # fmt: skip
+        pub.flush()
+
+
+def _replay_peer(ctx: zmq.asyncio.Context, endpoint: str, **options: int) -> zmq.asyncio.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    for name, value in options.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    sock.connect(endpoint)
+    return sock
+
+
+async def test_a_replay_waits_for_a_subscriber_whose_queue_is_full_while_another_peer_is_there() -> (
+    None
+):
+    """A replay's send to a subscriber whose queue is full was to wait (for at most
+    `REPLAY_SEND_TIMEOUT`), but with any other peer connected to the replay socket the
+    socket counts as writable, and pyzmq's send failed at once with EAGAIN: the replay was
+    abandoned at the first full queue (a frontend busy applying what it got, while another
+    frontend or a relay replayed too), and the subscriber got nothing more until it noticed
+    the stall (2 s) and asked again, round after round. Now the send waits, and one replay
+    brings the whole history."""
+    from shoal.kv.events import END_OF_REPLAY, decode_seq, encode_seq
+
+    pub = KvEventPublisher(buffer=3000)
+    await pub.start()
+    ctx = zmq.asyncio.Context()
+    try:
+        _large_history(pub, 3000)
+        assert pub.endpoint is not None
+        other = _replay_peer(ctx, pub.endpoint.replay)  # another subscriber, its replay done
+        await other.send_multipart([b"", encode_seq(2999)])
+        assert (await asyncio.wait_for(other.recv_multipart(), 5))[1] == encode_seq(2999)
+        assert (await asyncio.wait_for(other.recv_multipart(), 5))[1] == END_OF_REPLAY
+        slow = _replay_peer(ctx, pub.endpoint.replay, RCVHWM=1, RCVBUF=4096)
+        await slow.send_multipart([b"", encode_seq(0)])
+        # (until the replay ends, or waits for the slow one to read: its queue is full)
+        await wait_for(lambda: not pub._replays or getattr(pub, "waiting", 0), timeout=5)
+        got: list[int] = []
+        while True:  # (now it reads: every batch, then the end, from the one replay)
+            frames = await asyncio.wait_for(slow.recv_multipart(), 5)
+            if frames[1] == END_OF_REPLAY:
+                break
+            got.append(decode_seq(frames[1]))
+        assert got == list(range(3000)), (len(got), got[-1:])
+    finally:
+        ctx.destroy(linger=0)
+        await pub.close()

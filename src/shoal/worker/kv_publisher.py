@@ -49,6 +49,8 @@ DEFAULT_BUFFER = 10_000  # batches kept for replay
 MAX_REPLAYS = 16  # replays served at once
 REPLAY_SEND_TIMEOUT = 10.0  # seconds a replay waits for its subscriber to read
 YIELD_EVERY = 64  # replayed messages sent before yielding to the event loop
+RETRY_WAIT = 0.02
+"""The longest wait between two tries of a send refused for a full queue (`zmq.Again`)."""
 MAX_INBOUND_BYTES = 4096
 """The largest frame either socket takes from a peer (ZMQ_MAXMSGSIZE): a replay request is
 a few bytes, a subscription its topic. A peer sending more is disconnected before it is
@@ -86,6 +88,7 @@ class KvEventPublisher:
         self._replay: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
         self._replays: set[asyncio.Task[None]] = set()
+        self.waiting = 0  # replays waiting for their subscriber to read
 
     async def start(self) -> KvEndpoint:
         """Bind both sockets (port 0: a free port) and serve replays; returns the endpoint."""
@@ -179,14 +182,32 @@ class KvEventPublisher:
                 "KV replay from %d abandoned after its subscriber stalled or left: %s", first, exc
             )
 
-    @staticmethod
-    async def _send(sock: zmq.asyncio.Socket, frames: tuple[bytes, ...]) -> None:
-        """Send `frames`, waiting (at most `REPLAY_SEND_TIMEOUT`) while the queue is full."""
+    async def _send(self, sock: zmq.asyncio.Socket, frames: tuple[bytes, ...]) -> None:
+        """Send `frames`, waiting (at most `REPLAY_SEND_TIMEOUT`) while the queue is full.
+
+        With `ROUTER_MANDATORY` the socket counts as writable while any peer's queue has room,
+        so pyzmq's send to a full one fails at once (`zmq.Again`) whenever another peer is
+        connected, rather than waiting: it is tried again, at most `RETRY_WAIT` apart."""
         sent = cast("asyncio.Future[object]", sock.send_multipart(frames))
-        if sent.done():
-            sent.result()
-        else:
-            await asyncio.wait_for(sent, REPLAY_SEND_TIMEOUT)
+        if sent.done() and sent.exception() is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REPLAY_SEND_TIMEOUT
+        pause = 0.001
+        self.waiting += 1
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(sent, max(0.0, deadline - loop.time()))
+                    return
+                except zmq.Again:
+                    if loop.time() >= deadline:
+                        raise TimeoutError(f"no room for {REPLAY_SEND_TIMEOUT:g}s") from None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, RETRY_WAIT)
+                sent = cast("asyncio.Future[object]", sock.send_multipart(frames))
+        finally:
+            self.waiting -= 1
 
     def replay_from(self, first: int) -> list[tuple[int, bytes]]:
         """The buffered batches from `first` on; from the oldest one when `first` is older
