@@ -651,3 +651,37 @@ async def test_a_replay_waits_for_a_subscriber_whose_queue_is_full_while_another
     finally:
         ctx.destroy(linger=0)
         await pub.close()
+
+
+async def test_replays_to_peers_that_read_nothing_give_way_to_a_new_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A publisher serves `MAX_REPLAYS` replays at once and dropped any request past them,
+    and a replay whose peer reads nothing holds its place for `REPLAY_SEND_TIMEOUT` (10 s):
+    peers that ask replays and read none of them (as many as the places, asking again) kept
+    every frontend's replay unanswered, which the frontend gives up on, dropping the
+    worker's blocks. Now a replay whose peer has read nothing for `REPLAY_STALL` gives its
+    place to a new request, which is answered at once (`REPLAY_STALL` 0 here: the test need
+    not wait for the stalls to age)."""
+    from shoal.kv.events import END_OF_REPLAY, encode_seq
+    from shoal.worker import kv_publisher
+
+    monkeypatch.setattr(kv_publisher, "MAX_REPLAYS", 2)
+    monkeypatch.setattr(kv_publisher, "REPLAY_STALL", 0.0, raising=False)
+    pub = KvEventPublisher(buffer=3000)
+    await pub.start()
+    ctx = zmq.asyncio.Context()
+    try:
+        _large_history(pub, 3000)
+        assert pub.endpoint is not None
+        hostile = [_replay_peer(ctx, pub.endpoint.replay, RCVHWM=1, RCVBUF=4096) for _ in "ab"]
+        for peer in hostile:  # they ask, and never read
+            await peer.send_multipart([b"", encode_seq(0)])
+        await wait_for(lambda: pub.waiting == 2, message="both replays wait for their peers")
+        good = _replay_peer(ctx, pub.endpoint.replay)
+        await good.send_multipart([b"", encode_seq(2998)])
+        got = [await asyncio.wait_for(good.recv_multipart(), 5) for _ in range(3)]
+        assert [frames[1] for frames in got] == [encode_seq(2998), encode_seq(2999), END_OF_REPLAY]
+    finally:
+        ctx.destroy(linger=0)
+        await pub.close()

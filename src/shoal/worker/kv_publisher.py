@@ -49,6 +49,12 @@ DEFAULT_BUFFER = 10_000  # batches kept for replay
 MAX_REPLAYS = 16  # replays served at once
 REPLAY_SEND_TIMEOUT = 10.0  # seconds a replay waits for its subscriber to read
 YIELD_EVERY = 64  # replayed messages sent before yielding to the event loop
+REPLAY_STALL = 0.1
+"""Seconds a replay's subscriber may read nothing before the replay gives its place to a new
+request, when all `MAX_REPLAYS` are taken. Peers asking replays they never read held every
+place for `REPLAY_SEND_TIMEOUT`, and a subscriber whose request is dropped gets no replay at
+all (a loss: the instance's blocks are dropped); one whose replay is abandoned after progress
+asks again from where it got to. A subscriber that reads empties a full queue in far less."""
 RETRY_WAIT = 0.02
 """The longest wait between two tries of a send refused for a full queue (`zmq.Again`)."""
 MAX_INBOUND_BYTES = 4096
@@ -89,6 +95,7 @@ class KvEventPublisher:
         self._replay_task: asyncio.Task[None] | None = None
         self._replays: set[asyncio.Task[None]] = set()
         self.waiting = 0  # replays waiting for their subscriber to read
+        self._stalled: dict[asyncio.Task[None], float] = {}  # waiting replay -> since when
 
     async def start(self) -> KvEndpoint:
         """Bind both sockets (port 0: a free port) and serve replays; returns the endpoint."""
@@ -157,13 +164,32 @@ class KvEventPublisher:
         sock = self._replay
         while True:
             frames = await sock.recv_multipart()
-            if len(frames) < 3 or len(self._replays) >= MAX_REPLAYS:
-                continue  # not [identity, b"", start], or too many at once: it asks again
+            if len(frames) < 3:
+                continue  # not [identity, b"", start]
+            if len(self._replays) >= MAX_REPLAYS and not self._make_room():
+                continue  # too many at once, their subscribers reading: it asks again
             identity, start = frames[0], frames[-1]
             first = int.from_bytes(start, "big", signed=True) if len(start) == 8 else -1
             task = asyncio.create_task(self._replay_to(sock, identity, first))
             self._replays.add(task)
             task.add_done_callback(self._replays.discard)
+
+    def _make_room(self) -> bool:
+        """Abandon the replay whose subscriber has read nothing the longest, if for
+        `REPLAY_STALL` seconds at least; whether one was."""
+        if not self._stalled:
+            return False
+        task, since = min(self._stalled.items(), key=lambda item: item[1])
+        stalled = asyncio.get_running_loop().time() - since
+        if stalled < REPLAY_STALL:
+            return False
+        log.info(
+            "KV replay abandoned: its subscriber read nothing for %.1fs, another asks", stalled
+        )
+        task.cancel()
+        self._replays.discard(task)
+        del self._stalled[task]
+        return True
 
     async def _replay_to(self, sock: zmq.asyncio.Socket, identity: bytes, first: int) -> None:
         """Send one subscriber the batches from `first` on, then the end marker, at the pace
@@ -187,7 +213,8 @@ class KvEventPublisher:
 
         With `ROUTER_MANDATORY` the socket counts as writable while any peer's queue has room,
         so pyzmq's send to a full one fails at once (`zmq.Again`) whenever another peer is
-        connected, rather than waiting: it is tried again, at most `RETRY_WAIT` apart."""
+        connected, rather than waiting: it is tried again, at most `RETRY_WAIT` apart.
+        Meanwhile the replay is stalled: `_make_room` may abandon it for a new request."""
         sent = cast("asyncio.Future[object]", sock.send_multipart(frames))
         if sent.done() and sent.exception() is None:
             return
@@ -195,6 +222,9 @@ class KvEventPublisher:
         deadline = loop.time() + REPLAY_SEND_TIMEOUT
         pause = 0.001
         self.waiting += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._stalled[task] = loop.time()  # type: ignore[index]
         try:
             while True:
                 try:
@@ -208,6 +238,8 @@ class KvEventPublisher:
                 sent = cast("asyncio.Future[object]", sock.send_multipart(frames))
         finally:
             self.waiting -= 1
+            if task is not None:
+                self._stalled.pop(task, None)  # type: ignore[arg-type]
 
     def replay_from(self, first: int) -> list[tuple[int, bytes]]:
         """The buffered batches from `first` on; from the oldest one when `first` is older
