@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -88,6 +89,50 @@ async def test_a_metadata_file_over_the_cap_is_refused_at_registration(
     )  # fmt: skip
     with pytest.raises(ValueError, match="tokenizer"):
         await runtime.endpoint(EP).attach_model(card, files={"tokenizer.json": big})
+    assert await Discovery(store).list() == []
+    assert len(runtime.metadata) == 0
+
+
+async def test_files_whose_names_a_url_cannot_carry_are_skipped_and_the_model_announced(
+    runtime: Runtime, store: Store, tmp_path: Path
+) -> None:
+    """A model directory scanned for metadata files listed every name: one file whose name
+    is not UTF-8 (`extra\\xff.json`, left by some tool) made the card unencodable, so the
+    whole model was refused (`UnicodeEncodeError`) and the worker announced nothing; one
+    named with a backslash was listed with a URL the status server answers 400, so no
+    frontend could verify the card. Such files are skipped, as an oversized one is; the
+    model is announced with the others, each served as listed."""
+    (tmp_path / "config.json").write_text('{"layers": 2}')
+    (tmp_path / "tokenizer.json").write_text('{"vocab": {}}')
+    (tmp_path / "extra\\x.json").write_text("{}")
+    (tmp_path / os.fsdecode(b"extra\xff.json")).write_bytes(b"{}")  # (not UTF-8)
+    await runtime.endpoint(EP).serve(OneModel(tmp_path))
+    [model] = await Discovery(store).list()
+    files = model.card.metadata_files
+    assert set(files) == {"config.json", "tokenizer.json"}
+    async with aiohttp.ClientSession() as http:
+        for meta in files.values():
+            async with http.get(meta.url) as resp:
+                assert resp.status == 200
+                body = await resp.read()
+            assert f"sha256:{hashlib.sha256(body).hexdigest()}" == meta.checksum
+
+
+@pytest.mark.parametrize("name", ["a\\b.json", "extra\udcff.json"])
+async def test_a_metadata_file_named_so_no_url_carries_it_is_refused_at_registration(
+    runtime: Runtime, store: Store, tmp_path: Path, name: str
+) -> None:
+    """Named explicitly, such a file is refused with a `ValueError` naming it (before, the
+    backslash one was announced unservable, the other failed as a `UnicodeEncodeError`)."""
+    await runtime.endpoint(EP).serve(OneModel(tmp_path / "nothing"), attach_models=False)
+    path = tmp_path / "config.json"
+    path.write_text("{}")
+    card = ModelCard.build(
+        display_name="odd", slug="odd", source="test://odd", model_types=["chat"],
+        context_length=1024,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="metadata file name"):
+        await runtime.endpoint(EP).attach_model(card, files={name: path})
     assert await Discovery(store).list() == []
     assert len(runtime.metadata) == 0
 

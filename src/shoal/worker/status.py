@@ -25,10 +25,8 @@ from shoal.worker.adapters import AdapterRoutes
 from shoal.worker.endpoint import SHUTDOWN_GRACE, advertised_host
 from shoal.worker.health import Health
 from shoal.worker.http_server import STATUS_MAX_CONNECTIONS, STATUS_SEND_TIMEOUT, start_server
-from shoal.worker.metadata import MetadataKey, MetadataRegistry
+from shoal.worker.metadata import MetadataKey, MetadataRegistry, url_segment
 from shoal.worker.protocol import openai_errors
-
-_BAD_SEGMENT_CHARS = ("/", "\\", "\x00")
 
 
 class StatusServer:
@@ -112,7 +110,7 @@ class StatusServer:
             info["filename"],
         )
         for part in key:
-            if part in ("", ".", "..") or any(c in part for c in _BAD_SEGMENT_CHARS):
+            if not url_segment(part):
                 raise ApiError(400, f"invalid metadata path segment {part!r}")
         data = self.metadata.lookup(key)
         if data is None:
