@@ -53,10 +53,11 @@ LATE_BODY_LINGER = 2.0
 """Seconds a connection answered 408 for a late body still reads (and drops) what comes."""
 STATUS_MAX_CONNECTIONS = 128
 """Connections the status server holds at once: probes, scrapes and metadata fetches."""
-SEND_TIMEOUT = 60.0
-"""Seconds a request port's client may take none of the answer waiting for it (the
-frontend's own `--send-timeout`: a frontend passes its slow client's pace on to the worker,
-so the worker waits at least as long as the frontend does)."""
+SEND_TIMEOUT = 90.0
+"""Seconds a request port's client may take none of the answer waiting for it. A frontend
+passes its own slow client's pace on to the worker, and ends that client at its
+`--send-timeout` (60 s by default), which must act first: a worker that cut the stream first
+would look dead to the frontend (which would continue the stream elsewhere)."""
 STATUS_SEND_TIMEOUT = 15.0
 """The same for the status server, whose readers (probes, scrapes, frontends fetching
 metadata) read at once: a place held by one that does not is freed as soon as a silent one's."""
