@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -34,7 +35,7 @@ from shoal.worker.kv_publisher import KvEventPublisher
 from tests.helpers import LoopTurns, wait_for
 from tests.kv import vllm_fixtures as vllm
 from tests.kv.fake_vllm import FakeVllmPublisher
-from tests.kv.subscribers import start_seeing_subscribers, subscribed
+from tests.kv.subscribers import raw_subscriptions, start_seeing_subscribers, subscribed
 
 BS = 256  # tokens a block: ~1.2 KB a batch with ids of 5 bytes
 BATCHES = 20_000
@@ -683,5 +684,66 @@ async def test_replays_to_peers_that_read_nothing_give_way_to_a_new_request(
         got = [await asyncio.wait_for(good.recv_multipart(), 5) for _ in range(3)]
         assert [frames[1] for frames in got] == [encode_seq(2998), encode_seq(2999), END_OF_REPLAY]
     finally:
+        ctx.destroy(linger=0)
+        await pub.close()
+
+
+def _rss() -> int:
+    """This process's resident memory, in bytes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_a_peer_subscribing_to_thousands_of_topics_does_not_grow_the_worker() -> None:
+    """The PUB socket kept every subscription a peer sent, each at ~45 times its size (its
+    tree of prefixes): 2,000 subscriptions of 4 KB (8 MB sent, by anyone who reaches the
+    port) grew the worker by ~370 MB, and 20,000 by gigabytes. Now a subscription over
+    `PUB_MAX_INBOUND` bytes disconnects its peer, and past `MAX_STRAY_SUBSCRIPTIONS` to
+    topics never sent the socket is opened anew on its port (dropping what they cost); a
+    subscriber reconnects and gets the batches still."""
+    from shoal.kv.events import decode_seq
+    from shoal.worker import kv_publisher
+
+    pub = KvEventPublisher()
+    endpoint = await pub.start()
+    ticking = asyncio.Event()
+
+    async def publish() -> None:  # (a busy engine: the socket reads subscriptions as it sends)
+        for i in itertools.count():
+            store(pub, i)
+            ticking.set()
+            await asyncio.sleep(0.005)
+
+    publishing = asyncio.ensure_future(publish())
+    ctx = zmq.asyncio.Context()
+    try:
+        await ticking.wait()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint.publisher)
+        await asyncio.wait_for(sub.recv_multipart(), 10)
+        before, bound = _rss(), 100 << 20
+        large = await raw_subscriptions(
+            endpoint.publisher, [i.to_bytes(8, "big") * 500 for i in range(2000)]
+        )
+
+        def cut_or_grown() -> bool:  # (the peer disconnected, or the memory grew past)
+            return large.transport.is_closing() or _rss() - before > bound
+
+        await wait_for(cut_or_grown, timeout=30)
+        grown = _rss() - before
+        assert grown < bound, f"the worker grew by {grown >> 20} MiB"
+        stray = await raw_subscriptions(
+            endpoint.publisher, [i.to_bytes(8, "big") * 16 for i in range(2000)]
+        )
+        await wait_for(lambda: pub.reopened >= 1, message="the socket was never opened anew")
+        assert pub.subscriptions <= kv_publisher.MAX_STRAY_SUBSCRIPTIONS + 3 + 2 * 64
+        stray.close()
+        seen = decode_seq((await asyncio.wait_for(sub.recv_multipart(), 10))[1])
+        later = decode_seq((await asyncio.wait_for(sub.recv_multipart(), 10))[1])
+        assert later > seen  # (it reconnected: batches come again)
+    finally:
+        publishing.cancel()
         ctx.destroy(linger=0)
         await pub.close()
