@@ -85,7 +85,7 @@ def _closing_answer(status_line: str, error: ApiError) -> bytes:
 def _refusal(limit: int) -> bytes:
     error = ApiError(
         503,
-        f"The worker already holds its limit of {limit} connections on this port; retry shortly.",
+        f"The server already holds its limit of {limit} connections on this port; retry shortly.",
         type="service_unavailable_error",
         code="too_many_connections",
     )
