@@ -416,3 +416,35 @@ async def test_processes_serve_metrics_on_an_ipv6_host(
     metrics = front.ready["metrics"]
     assert "[::1]" in metrics, metrics
     assert "shoal_frontend_processes_up" in await scrape(metrics)
+
+
+async def test_the_parents_metrics_server_refuses_connections_past_its_bound(
+    processes: Processes, tmp_path: Path
+) -> None:
+    """The parent's merged `/metrics` (`--metrics-port`) was aiohttp's plain runner: any
+    number of connections, a silent one held for good, so a client could use up the
+    parent's file descriptors (which its children's restarts need). It is bounded as a
+    worker's status server is: past 128 connections a new one is answered 503
+    `too_many_connections` and closed."""
+    front = await processes.start(
+        "frontend", "--store", f"sqlite:///{tmp_path / 'store.db'}", "--host", "127.0.0.1",
+        "--port", "0", "--metrics-port", "0", "--processes", "2",
+        "--cache-dir", str(tmp_path / "cache"), ready="frontend",
+    )  # fmt: skip
+    metrics = front.ready["metrics"]
+    host, port = metrics.removeprefix("http://").split("/", 1)[0].rsplit(":", 1)
+    held = [await asyncio.open_connection(host, int(port)) for _ in range(128)]
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        answer = await asyncio.wait_for(reader.read(), 10)  # to the close
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+        assert b"too_many_connections" in answer, answer
+    finally:
+        for _, held_writer in held:
+            held_writer.close()
+
+    async def scraped() -> bool:  # (once the server has seen them go)
+        return "shoal_frontend_processes_up" in await scrape(metrics)
+
+    await wait_for(scraped, message="/metrics never answered once the connections went")

@@ -1,20 +1,19 @@
 """When a subscriber's subscription is in place at a `KvEventPublisher` (ZMQ's slow joiner).
 
-A PUB socket sends a message only to the subscribers whose subscription it has: one that
-connected a moment ago, whose subscription is still on its way, misses what is published
+A publishing socket sends a message only to the subscribers whose subscription it has: one
+that connected a moment ago, whose subscription is still on its way, misses what is published
 meanwhile (a lost batch, which only a later one shows). A test that publishes live right
 after subscribing waits for the subscription to reach the publisher's socket, not for a
-while: `start_seeing_subscribers` starts the publisher with an XPUB for its PUB socket
-(libzmq's PUB is an XPUB that reads nothing: it publishes alike), and `subscribed` reads
-from it the subscription that arrived, which the socket has applied when it hands it over.
-"""
+while: the publisher takes each subscription itself and counts it (`subscriptions`), and
+`subscribed` waits for the count; `subscription_reached` reads one from an XPUB made
+verbose (a fake vLLM's). `raw_subscriptions` is a peer sending subscriptions and nothing
+else, as an attacker would."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
-from unittest import mock
+import weakref
 
 import zmq
 import zmq.asyncio
@@ -24,30 +23,24 @@ from shoal.worker.kv_publisher import KvEventPublisher
 
 
 async def start_seeing_subscribers(publisher: KvEventPublisher) -> KvEndpoint:
-    """`publisher.start()`, its PUB socket made an XPUB that hands over every subscription
-    (`XPUB_VERBOSE`), with every option `start` sets on it."""
-    real = zmq.asyncio.Context.socket
+    """`publisher.start()`: its socket takes every subscription itself and counts it
+    (`subscriptions`), which `subscribed` waits for."""
+    return await publisher.start()
 
-    def socket(ctx: zmq.asyncio.Context, kind: int, *args: Any, **kwargs: Any) -> Any:
-        if kind != zmq.PUB:
-            return real(ctx, kind, *args, **kwargs)
-        sock = real(ctx, zmq.XPUB, *args, **kwargs)
-        sock.setsockopt(zmq.XPUB_VERBOSE, 1)
-        return sock
 
-    # (`start` makes its sockets before its first await: no other task's socket is made so)
-    with mock.patch.object(zmq.asyncio.Context, "socket", socket):
-        endpoint = await publisher.start()
-    assert publisher._pub is not None and publisher._pub.type == zmq.XPUB
-    return endpoint
+_waited: weakref.WeakKeyDictionary[KvEventPublisher, int] = weakref.WeakKeyDictionary()
 
 
 async def subscribed(publisher: KvEventPublisher, timeout: float = 10.0) -> None:
-    """Until a subscription to `publisher`'s topic has reached its socket (one not waited for
-    before): from then on, what it publishes reaches that subscriber while its queue has room."""
-    sock = publisher._pub
-    assert sock is not None and sock.type == zmq.XPUB, "start_seeing_subscribers first"
-    await subscription_reached(sock, publisher.topic, timeout)
+    """Until a subscription has reached `publisher`'s socket (one not waited for before): from
+    then on, what it publishes reaches that subscriber while its queue has room."""
+    wanted = _waited.get(publisher, 0) + 1
+    deadline = time.monotonic() + timeout
+    while publisher.subscriptions < wanted:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no subscription reached the publisher within {timeout}s")
+        await asyncio.sleep(0.005)
+    _waited[publisher] = wanted
 
 
 async def subscription_reached(sock: zmq.asyncio.Socket, topic: bytes, timeout: float) -> None:
@@ -67,3 +60,28 @@ async def subscription_reached(sock: zmq.asyncio.Socket, topic: bytes, timeout: 
         if frame == wanted:
             return
         got.append(frame)
+
+
+async def raw_subscriptions(endpoint: str, topics: list[bytes]) -> asyncio.StreamWriter:
+    """Connect to the PUB/XPUB socket at `endpoint` ("tcp://host:port") as a bare ZMTP 3.0 SUB
+    peer and send a subscription to each of `topics`, holding no state of its own (a libzmq
+    SUB or XSUB keeps its subscriptions too, at the same cost as the publisher); the writer,
+    to close (the publisher may have closed it already)."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    mechanism = b"NULL".ljust(20, b"\0")
+    writer.write(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + mechanism + b"\0" + b"\0" * 31)
+    await reader.readexactly(64)  # the publisher's greeting
+    ready = b"\x05READY" + b"\x0bSocket-Type" + (3).to_bytes(4, "big") + b"SUB"
+    writer.write(b"\x04" + bytes([len(ready)]) + ready)
+    for topic in topics:
+        body = b"\x01" + topic
+        if len(body) < 256:
+            writer.write(b"\x00" + bytes([len(body)]) + body)
+        else:
+            writer.write(b"\x02" + len(body).to_bytes(8, "big") + body)
+        try:
+            await writer.drain()
+        except ConnectionError:  # (the publisher closed the connection)
+            break
+    return writer

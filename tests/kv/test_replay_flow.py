@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -34,7 +35,7 @@ from shoal.worker.kv_publisher import KvEventPublisher
 from tests.helpers import LoopTurns, wait_for
 from tests.kv import vllm_fixtures as vllm
 from tests.kv.fake_vllm import FakeVllmPublisher
-from tests.kv.subscribers import start_seeing_subscribers, subscribed
+from tests.kv.subscribers import raw_subscriptions, start_seeing_subscribers, subscribed
 
 BS = 256  # tokens a block: ~1.2 KB a batch with ids of 5 bytes
 BATCHES = 20_000
@@ -594,3 +595,155 @@ async def test_one_large_event_applied_is_freed_a_slice_a_turn() -> None:
     freed = [a - b for a, b in itertools.pairwise([*left, 0])]
     assert max(freed) <= subscription.FREE_SLICE, freed
     assert sum(freed) == 2 * tokens
+
+
+def _large_history(pub: KvEventPublisher, batches: int) -> None:
+    """`batches` batches of ~12 KB each (one block of 4,096 tokens): more than ZMQ's queue and
+    the kernel's buffers hold for a peer that reads nothing for a while."""
+    tokens = list(range(1000, 5096))
+    for i in range(batches):
+        pub.record(BlockStored(block_hashes=[i], parent_block_hash=None,
+                               token_ids=tokens, block_size=4096))  # fmt: skip
+        pub.flush()
+
+
+def _replay_peer(ctx: zmq.asyncio.Context, endpoint: str, **options: int) -> zmq.asyncio.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    for name, value in options.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    sock.connect(endpoint)
+    return sock
+
+
+async def test_a_replay_waits_for_a_subscriber_whose_queue_is_full_while_another_peer_is_there() -> (
+    None
+):
+    """A replay's send to a subscriber whose queue is full was to wait (for at most
+    `REPLAY_SEND_TIMEOUT`), but with any other peer connected to the replay socket the
+    socket counts as writable, and pyzmq's send failed at once with EAGAIN: the replay was
+    abandoned at the first full queue (a frontend busy applying what it got, while another
+    frontend or a relay replayed too), and the subscriber got nothing more until it noticed
+    the stall (2 s) and asked again, round after round. Now the send waits, and one replay
+    brings the whole history."""
+    from shoal.kv.events import END_OF_REPLAY, decode_seq, encode_seq
+
+    pub = KvEventPublisher(buffer=3000)
+    await pub.start()
+    ctx = zmq.asyncio.Context()
+    try:
+        _large_history(pub, 3000)
+        assert pub.endpoint is not None
+        other = _replay_peer(ctx, pub.endpoint.replay)  # another subscriber, its replay done
+        await other.send_multipart([b"", encode_seq(2999)])
+        assert (await asyncio.wait_for(other.recv_multipart(), 5))[1] == encode_seq(2999)
+        assert (await asyncio.wait_for(other.recv_multipart(), 5))[1] == END_OF_REPLAY
+        slow = _replay_peer(ctx, pub.endpoint.replay, RCVHWM=1, RCVBUF=4096)
+        await slow.send_multipart([b"", encode_seq(0)])
+        # (until the replay ends, or waits for the slow one to read: its queue is full)
+        await wait_for(lambda: not pub._replays or getattr(pub, "waiting", 0), timeout=5)
+        got: list[int] = []
+        while True:  # (now it reads: every batch, then the end, from the one replay)
+            frames = await asyncio.wait_for(slow.recv_multipart(), 5)
+            if frames[1] == END_OF_REPLAY:
+                break
+            got.append(decode_seq(frames[1]))
+        assert got == list(range(3000)), (len(got), got[-1:])
+    finally:
+        ctx.destroy(linger=0)
+        await pub.close()
+
+
+async def test_replays_to_peers_that_read_nothing_give_way_to_a_new_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A publisher serves `MAX_REPLAYS` replays at once and dropped any request past them,
+    and a replay whose peer reads nothing holds its place for `REPLAY_SEND_TIMEOUT` (10 s):
+    peers that ask replays and read none of them (as many as the places, asking again) kept
+    every frontend's replay unanswered, which the frontend gives up on, dropping the
+    worker's blocks. Now a replay whose peer has read nothing for `REPLAY_STALL` gives its
+    place to a new request, which is answered at once (`REPLAY_STALL` 0 here: the test need
+    not wait for the stalls to age)."""
+    from shoal.kv.events import END_OF_REPLAY, encode_seq
+    from shoal.worker import kv_publisher
+
+    monkeypatch.setattr(kv_publisher, "MAX_REPLAYS", 2)
+    monkeypatch.setattr(kv_publisher, "REPLAY_STALL", 0.0, raising=False)
+    pub = KvEventPublisher(buffer=3000)
+    await pub.start()
+    ctx = zmq.asyncio.Context()
+    try:
+        _large_history(pub, 3000)
+        assert pub.endpoint is not None
+        hostile = [_replay_peer(ctx, pub.endpoint.replay, RCVHWM=1, RCVBUF=4096) for _ in "ab"]
+        for peer in hostile:  # they ask, and never read
+            await peer.send_multipart([b"", encode_seq(0)])
+        await wait_for(lambda: pub.waiting == 2, message="both replays wait for their peers")
+        good = _replay_peer(ctx, pub.endpoint.replay)
+        await good.send_multipart([b"", encode_seq(2998)])
+        got = [await asyncio.wait_for(good.recv_multipart(), 5) for _ in range(3)]
+        assert [frames[1] for frames in got] == [encode_seq(2998), encode_seq(2999), END_OF_REPLAY]
+    finally:
+        ctx.destroy(linger=0)
+        await pub.close()
+
+
+def _rss() -> int:
+    """This process's resident memory, in bytes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_a_peer_subscribing_to_thousands_of_topics_does_not_grow_the_worker() -> None:
+    """The PUB socket kept every subscription a peer sent, each at ~45 times its size (its
+    tree of prefixes): 2,000 subscriptions of 4 KB (8 MB sent, by anyone who reaches the
+    port) grew the worker by ~370 MB, and 20,000 by gigabytes. Now a subscription over
+    `PUB_MAX_INBOUND` bytes disconnects its peer, and past `MAX_STRAY_SUBSCRIPTIONS` to
+    topics never sent the socket is opened anew on its port (dropping what they cost); a
+    subscriber reconnects and gets the batches still."""
+    from shoal.kv.events import decode_seq
+    from shoal.worker import kv_publisher
+
+    pub = KvEventPublisher()
+    endpoint = await pub.start()
+    ticking = asyncio.Event()
+
+    async def publish() -> None:  # (a busy engine: the socket reads subscriptions as it sends)
+        for i in itertools.count():
+            store(pub, i)
+            ticking.set()
+            await asyncio.sleep(0.005)
+
+    publishing = asyncio.ensure_future(publish())
+    ctx = zmq.asyncio.Context()
+    try:
+        await ticking.wait()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint.publisher)
+        await asyncio.wait_for(sub.recv_multipart(), 10)
+        before, bound = _rss(), 100 << 20
+        large = await raw_subscriptions(
+            endpoint.publisher, [i.to_bytes(8, "big") * 500 for i in range(2000)]
+        )
+
+        def cut_or_grown() -> bool:  # (the peer disconnected, or the memory grew past)
+            return large.transport.is_closing() or _rss() - before > bound
+
+        await wait_for(cut_or_grown, timeout=30)
+        grown = _rss() - before
+        assert grown < bound, f"the worker grew by {grown >> 20} MiB"
+        stray = await raw_subscriptions(
+            endpoint.publisher, [i.to_bytes(8, "big") * 16 for i in range(2000)]
+        )
+        await wait_for(lambda: pub.reopened >= 1, message="the socket was never opened anew")
+        assert pub.subscriptions <= kv_publisher.MAX_STRAY_SUBSCRIPTIONS + 3 + 2 * 64
+        stray.close()
+        seen = decode_seq((await asyncio.wait_for(sub.recv_multipart(), 10))[1])
+        later = decode_seq((await asyncio.wait_for(sub.recv_multipart(), 10))[1])
+        assert later > seen  # (it reconnected: batches come again)
+    finally:
+        publishing.cancel()
+        ctx.destroy(linger=0)
+        await pub.close()

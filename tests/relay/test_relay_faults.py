@@ -361,3 +361,30 @@ async def test_records_sent_as_nats_is_lost_are_never_stored_before_those_sent_f
     out_of_order = {s: r for s, r in per_subject.items() if r != expected}
     assert len(per_subject) == 3000
     assert not out_of_order, f"{len(out_of_order)} subjects: {next(iter(out_of_order.items()))}"
+
+
+async def test_a_relay_whose_stream_cannot_be_made_for_another_streams_subjects_says_so(
+    nats_server: NatsServer,
+) -> None:
+    """Another stream already takes the relay's subjects (the stream of an earlier
+    `--stream` name, say): NATS refuses to make the relay's with "subjects overlap", which the
+    relay took for another relay having made it meanwhile, asked for it, and reported only
+    that: `/health` said "stream ... not ready: stream not found" for as long as it ran. It
+    now says NATS's own reason."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        await nc.jetstream().add_stream(
+            name="shoal-kv-older", subjects=[f"{layout.SUBJECT_PREFIX}.>"]
+        )
+        relay = KvRelay(RelayConfig(nats_urls=(nats_server.url,), stream=STREAM))
+        status = StatusServer(relay, SimpleNamespace(status=MembershipStatus()))  # type: ignore[arg-type]
+        await relay.start()
+        try:
+            await wait_for(lambda: relay.nats_error is not None and "not ready" in relay.nats_error)
+            code, body = status.health()
+            assert code == 503
+            assert "overlap" in body["unhealthy"]["nats"], body
+        finally:
+            await relay.stop()
+    finally:
+        await nc.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from urllib.parse import urlsplit
 
 
@@ -37,3 +38,14 @@ async def raw_request(base_url: str, head: bytes, body: bytes = b"") -> tuple[in
         writer.close()
     response_head, _, response_body = data.partition(b"\r\n\r\n")
     return int(response_head.split(b" ", 2)[1]), response_head, response_body
+
+
+async def never_reading(port: int, path: str) -> socket.socket:
+    """A connection that asks for `path` and never reads a byte of the answer (a small
+    receive buffer, so the server's side fills soon)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    sock.send(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    return sock

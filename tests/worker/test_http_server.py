@@ -17,6 +17,7 @@ from shoal.worker.engines.mocker import MockerEngine
 from shoal.worker.http_server import BoundedRunner, start_server
 from shoal.worker.runtime import Runtime
 from tests.helpers import wait_for
+from tests.worker.support import never_reading
 
 GET = b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -27,6 +28,10 @@ async def _ok(request: web.Request) -> web.Response:
 
 async def _echo(request: web.Request) -> web.Response:
     return web.Response(body=await request.read())
+
+
+async def _big(request: web.Request) -> web.Response:
+    return web.Response(body=b"x" * (16 << 20))
 
 
 async def _answer_then_read(request: web.Request) -> web.StreamResponse:
@@ -43,6 +48,7 @@ async def serving(**limits: float) -> AsyncIterator[tuple[BoundedRunner, int]]:
     app.router.add_get("/ok", _ok)
     app.router.add_post("/echo", _echo)
     app.router.add_post("/answer-then-read", _answer_then_read)
+    app.router.add_get("/big", _big)
     runner = await start_server(app, "127.0.0.1", 0, access_log=None, **limits)  # type: ignore[arg-type]
     try:
         yield runner, runner.addresses[0][1]
@@ -111,6 +117,46 @@ async def test_a_connection_past_the_limit_is_answered_503_and_closed_and_the_re
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(GET)
         assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        writer.close()
+
+
+async def test_an_answer_its_client_never_reads_is_cut_after_the_send_timeout() -> None:
+    """Nothing timed the answer side: a client that asked for a large answer and read none
+    of it held its connection for ever (the handler waiting for the buffer to drain), so
+    128 of them kept a status server answering 503 to `/live`. Past the send timeout with
+    nothing read, the connection is closed and its place is free."""
+    async with serving(max_connections=1, send_timeout=0.3) as (runner, port):
+        sock = await never_reading(port, "/big")
+        server = runner.server
+        assert isinstance(server, http_server.BoundedServer)
+        try:
+            await wait_for(lambda: server.open == 0, message="the unread answer was never cut")
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)  # its place, free
+            writer.write(GET)
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            writer.close()
+        finally:
+            sock.close()
+
+
+async def test_an_answer_read_slowly_but_steadily_is_not_cut() -> None:
+    """The send timeout is a bound on a wait with nothing read, not on the answer's time: a
+    client that reads its 16 MiB answer in small pieces, longer in all than the timeout,
+    gets all of it."""
+    async with serving(max_connections=1, send_timeout=0.5) as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
+        writer.write(GET.replace(b"/ok", b"/big"))
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        got = 0
+        started = asyncio.get_running_loop().time()
+        while got < 16 << 20:
+            piece = await asyncio.wait_for(reader.read(1 << 20), 10)
+            assert piece, f"closed after {got} bytes"
+            got += len(piece)
+            if got < 4 << 20:
+                await asyncio.sleep(0.05)  # (the slow client itself, not a synchronisation)
+        assert asyncio.get_running_loop().time() - started > 0.5
         writer.close()
 
 

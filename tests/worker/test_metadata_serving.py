@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -10,12 +11,16 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from shoal.cards import ModelCard
 from shoal.discovery import Discovery
 from shoal.store import Store
-from shoal.worker import Engine, Runtime, ServedModel
+from shoal.worker import Engine, Runtime, ServedModel, status
+from shoal.worker.http_server import STATUS_MAX_CONNECTIONS
 from shoal.worker.metadata import MAX_METADATA_FILE
+from tests.helpers import wait_for
+from tests.worker.support import never_reading
 
 EP = "ns.backend.generate"
 
@@ -86,3 +91,79 @@ async def test_a_metadata_file_over_the_cap_is_refused_at_registration(
         await runtime.endpoint(EP).attach_model(card, files={"tokenizer.json": big})
     assert await Discovery(store).list() == []
     assert len(runtime.metadata) == 0
+
+
+async def test_files_whose_names_a_url_cannot_carry_are_skipped_and_the_model_announced(
+    runtime: Runtime, store: Store, tmp_path: Path
+) -> None:
+    """A model directory scanned for metadata files listed every name: one file whose name
+    is not UTF-8 (`extra\\xff.json`, left by some tool) made the card unencodable, so the
+    whole model was refused (`UnicodeEncodeError`) and the worker announced nothing; one
+    named with a backslash was listed with a URL the status server answers 400, so no
+    frontend could verify the card. Such files are skipped, as an oversized one is; the
+    model is announced with the others, each served as listed."""
+    (tmp_path / "config.json").write_text('{"layers": 2}')
+    (tmp_path / "tokenizer.json").write_text('{"vocab": {}}')
+    (tmp_path / "extra\\x.json").write_text("{}")
+    (tmp_path / os.fsdecode(b"extra\xff.json")).write_bytes(b"{}")  # (not UTF-8)
+    await runtime.endpoint(EP).serve(OneModel(tmp_path))
+    [model] = await Discovery(store).list()
+    files = model.card.metadata_files
+    assert set(files) == {"config.json", "tokenizer.json"}
+    async with aiohttp.ClientSession() as http:
+        for meta in files.values():
+            async with http.get(meta.url) as resp:
+                assert resp.status == 200
+                body = await resp.read()
+            assert f"sha256:{hashlib.sha256(body).hexdigest()}" == meta.checksum
+
+
+@pytest.mark.parametrize("name", ["a\\b.json", "extra\udcff.json"])
+async def test_a_metadata_file_named_so_no_url_carries_it_is_refused_at_registration(
+    runtime: Runtime, store: Store, tmp_path: Path, name: str
+) -> None:
+    """Named explicitly, such a file is refused with a `ValueError` naming it (before, the
+    backslash one was announced unservable, the other failed as a `UnicodeEncodeError`)."""
+    await runtime.endpoint(EP).serve(OneModel(tmp_path / "nothing"), attach_models=False)
+    path = tmp_path / "config.json"
+    path.write_text("{}")
+    card = ModelCard.build(
+        display_name="odd", slug="odd", source="test://odd", model_types=["chat"],
+        context_length=1024,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="metadata file name"):
+        await runtime.endpoint(EP).attach_model(card, files={name: path})
+    assert await Discovery(store).list() == []
+    assert len(runtime.metadata) == 0
+
+
+async def test_clients_that_never_read_a_metadata_file_are_cut_and_live_answers_again(
+    store_url: str, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """128 clients that asked for an 8 MiB tokenizer and read none of it held every place
+    of the status server for good: `/live` answered 503 `too_many_connections` (still after
+    25 s, and a frontend could fetch no metadata). Their connections are now cut once they
+    read nothing for the status server's send timeout, and `/live` answers 200."""
+    monkeypatch.setattr(status, "STATUS_SEND_TIMEOUT", 4.0, raising=False)
+    (tmp_path / "tokenizer.json").write_bytes(b"x" * (8 << 20))
+    async with Runtime(store_url, lease_ttl=5) as runtime:
+        await runtime.endpoint(EP).serve(OneModel(tmp_path))
+        [model] = await Discovery(store).list()
+        url = URL(model.card.metadata_files["tokenizer.json"].url)
+        assert url.port is not None
+        held = [await never_reading(url.port, url.raw_path) for _ in range(STATUS_MAX_CONNECTIONS)]
+        try:
+            async with aiohttp.ClientSession() as http:
+
+                async def live() -> bool:
+                    async with http.get(runtime.status_url + "/live") as response:
+                        return response.status == 200
+
+                async def refused() -> bool:
+                    return not await live()
+
+                await wait_for(refused, message="the unread answers never held every place")
+                await wait_for(live, message="/live never answered past the unread answers")
+        finally:
+            for sock in held:
+                sock.close()

@@ -48,6 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from shoal.cli.common import on_stop_signals, parse_ready_line, print_ready
 from shoal.frontend import FrontendConfig
 from shoal.frontend.config import server_tls, url_host
+from shoal.worker.http_server import STATUS_MAX_CONNECTIONS, STATUS_SEND_TIMEOUT, BoundedRunner
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +338,13 @@ class Supervisor:
         port that the children ask for `/metrics` on the API port. Its URL."""
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
-        runner = web.AppRunner(app, access_log=None)
+        # (bounded as a worker's status server: connections, heads, idle and unread answers)
+        runner = BoundedRunner(
+            app,
+            max_connections=STATUS_MAX_CONNECTIONS,
+            send_timeout=STATUS_SEND_TIMEOUT,
+            access_log=None,
+        )
         await runner.setup()
         self._metrics_runner = runner
         given = self.config.metrics_port

@@ -493,8 +493,12 @@ class KvRelay:
             )
             log.info("kv relay: created stream %s", config.stream)
             self.stream_differs = {}
-        except nats.js.errors.BadRequestError:  # another relay created it meanwhile
-            self._compare((await self._js.stream_info(config.stream)).config)
+        except nats.js.errors.BadRequestError as refused:
+            try:  # another relay created it meanwhile?
+                info = await self._js.stream_info(config.stream)
+            except nats.js.errors.NotFoundError:
+                raise refused from None  # no: NATS's reason (another stream's subjects...)
+            self._compare(info.config)
 
     def _compare(self, found: api.StreamConfig) -> None:
         """Note (`stream_differs`, logged once a change) the stream's retention settings

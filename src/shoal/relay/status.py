@@ -5,6 +5,9 @@
 not fixed by a restart). `/health` answers 200 while the membership has a selection in force
 and NATS takes records, 503 naming why otherwise (the relay keeps following its workers
 meanwhile): a report to alert on, not a probe.
+
+It is served as a worker's status server is (`shoal.worker.http_server`): at most
+`STATUS_MAX_CONNECTIONS` connections, heads, bodies, unread answers and idle keep-alive timed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from prometheus_client.registry import Collector
 from shoal.membership import MembershipWatch
 from shoal.relay.member import MemberKey
 from shoal.relay.relay import STATUS_MEMBERS, KvRelay, parse_member_cursor
+from shoal.worker.http_server import STATUS_MAX_CONNECTIONS, STATUS_SEND_TIMEOUT, start_server
 
 
 class StatusServer:
@@ -40,9 +44,14 @@ class StatusServer:
         app.router.add_get("/v1/membership/status", self.get_status)
         app.router.add_get("/v1/membership", self.get_membership)
         app.router.add_get("/metrics", self.get_metrics)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, host, port).start()
+        runner = await start_server(
+            app,
+            host,
+            port,
+            max_connections=STATUS_MAX_CONNECTIONS,
+            send_timeout=STATUS_SEND_TIMEOUT,
+            access_log=None,
+        )
         self._runner = runner
         shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.url = f"http://{shown}:{runner.addresses[0][1]}"

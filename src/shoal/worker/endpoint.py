@@ -30,7 +30,7 @@ from shoal.discovery.keys import check_suffix, quoted
 from shoal.store import LeaseNotFoundError, StoreUnavailableError
 from shoal.worker.engine import Engine, ServedModel
 from shoal.worker.http_server import request_port_max_connections, start_server
-from shoal.worker.metadata import MAX_METADATA_FILE, MetadataKey, Snapshot
+from shoal.worker.metadata import MAX_METADATA_FILE, MetadataKey, Snapshot, url_segment
 from shoal.worker.registrations import PUT_BATCH, Attached, Entry, Registrations
 
 log = logging.getLogger(__name__)
@@ -69,12 +69,14 @@ refused."""
 
 
 def metadata_files_in(directory: Path) -> dict[str, Path]:
-    """The non-weight files beside a model: config, tokenizer, chat template, generation config."""
+    """The non-weight files beside a model: config, tokenizer, chat template, generation config
+    (not one whose name no metadata URL can carry: `url_segment`)."""
     found: dict[str, Path] = {}
     for path in sorted(directory.iterdir()):
         name = path.name
         if (
             name.startswith(".")
+            or not url_segment(name)
             or not path.is_file()
             or name.endswith(WEIGHT_SUFFIXES)
             or name.endswith(".index.json")
@@ -538,6 +540,12 @@ class Endpoint:
         listed: dict[str, MetadataFile] = {}
         snapshots: dict[str, bytes] = {}
         base = self.status_url
+        for name in files:
+            if not url_segment(name):
+                raise ValueError(
+                    f"metadata file name {name!r} cannot be one segment of a URL (empty, "
+                    "'.' or '..', a '/', backslash or NUL, or not UTF-8): not hosted"
+                )
         for name, path in files.items():
             snapshot = await asyncio.to_thread(Snapshot.read, path)
             url = base + MetadataKey.of(self.id, card.slug, suffix, name).path

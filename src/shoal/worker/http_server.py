@@ -16,7 +16,13 @@ whose chats then failed. Here a server holds:
   reading and dropping what comes, so that a reset does not discard the answer). A gap alone (reset by each byte) let a
   body sent a byte every few seconds hold a place for ever: 64 of them kept every new
   connection to a request port answered 503;
-- an idle keep-alive connection: closed after `KEEPALIVE_TIMEOUT` seconds.
+- an idle keep-alive connection: closed after `KEEPALIVE_TIMEOUT` seconds;
+- an answer its client does not read: once bytes wait in the connection's write buffer
+  (writing paused, or an answer's end left there), the client must take some of them within
+  `send_timeout` seconds, again and again until none wait, else the connection is dropped
+  (aborted: a close waits for those bytes to go, for good) and its handler stopped. Nothing
+  timed this side: 128 clients asking for a large metadata file and reading none of it held
+  every place of a status server for good (`/live` answered 503 `too_many_connections`).
 
 `start_server(app, host, port, ...)` serves `app` so; `runner.addresses` names the port.
 """
@@ -47,6 +53,14 @@ LATE_BODY_LINGER = 2.0
 """Seconds a connection answered 408 for a late body still reads (and drops) what comes."""
 STATUS_MAX_CONNECTIONS = 128
 """Connections the status server holds at once: probes, scrapes and metadata fetches."""
+SEND_TIMEOUT = 90.0
+"""Seconds a request port's client may take none of the answer waiting for it. A frontend
+passes its own slow client's pace on to the worker, and ends that client at its
+`--send-timeout` (60 s by default), which must act first: a worker that cut the stream first
+would look dead to the frontend (which would continue the stream elsewhere)."""
+STATUS_SEND_TIMEOUT = 15.0
+"""The same for the status server, whose readers (probes, scrapes, frontends fetching
+metadata) read at once: a place held by one that does not is freed as soon as a silent one's."""
 
 
 def request_port_max_connections() -> int:
@@ -71,7 +85,7 @@ def _closing_answer(status_line: str, error: ApiError) -> bytes:
 def _refusal(limit: int) -> bytes:
     error = ApiError(
         503,
-        f"The worker already holds its limit of {limit} connections on this port; retry shortly.",
+        f"The server already holds its limit of {limit} connections on this port; retry shortly.",
         type="service_unavailable_error",
         code="too_many_connections",
     )
@@ -118,6 +132,9 @@ class _TimedHandler(RequestHandler):
         "_head_timer",
         "_heads_at_arm",
         "_late_close",
+        "_send_timeout",
+        "_send_timer",
+        "_unsent",
     )
 
     def __init__(
@@ -128,9 +145,13 @@ class _TimedHandler(RequestHandler):
         body_timeout: float,
         body_min_rate: float,
         body_late: bytes,
+        send_timeout: float,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, **kwargs)
+        self._send_timeout = send_timeout
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._unsent = 0  # bytes waiting in the write buffer at the last look
         self._head_timeout = head_timeout
         self._head_timer: asyncio.TimerHandle | None = None
         self._heads_at_arm = 0
@@ -179,6 +200,44 @@ class _TimedHandler(RequestHandler):
         finally:
             if self._body_request is request:
                 self._body_answered = True
+            self._time_unsent()  # (an answer's end may wait in the buffer, writing unpaused)
+
+    # -- the answer side: a client that reads nothing of it ------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._time_unsent()
+
+    def _time_unsent(self) -> None:
+        """Start timing the bytes waiting for the client, if some wait and none are timed."""
+        transport = self.transport
+        if self._send_timer is not None or self._send_timeout <= 0 or transport is None:
+            return
+        unsent = transport.get_write_buffer_size()
+        if unsent:
+            self._unsent = unsent
+            self._send_timer = self._loop.call_later(self._send_timeout, self._send_due)
+
+    def _send_due(self) -> None:
+        """A send timeout after the last look: fewer bytes wait (the client read some: a new
+        wait), more wait while writing is not paused (a new answer: a new wait), none wait
+        (done), or the client took nothing: the connection is dropped."""
+        self._send_timer = None
+        transport = self.transport
+        if transport is None:
+            return
+        unsent = transport.get_write_buffer_size()
+        if not unsent:
+            return
+        if unsent < self._unsent or (unsent > self._unsent and not self.writing_paused):
+            self._unsent = unsent
+            self._send_timer = self._loop.call_later(self._send_timeout, self._send_due)
+            return
+        handler = self._task_handler
+        self.force_close()  # (no more requests: what it would answer is not read either)
+        transport.abort()  # (a close would wait for the unread bytes to go: for ever)
+        if handler is not None:
+            handler.cancel()
 
     def _body_due(self) -> None:
         self._body_timer = None
@@ -238,9 +297,10 @@ class _TimedHandler(RequestHandler):
             self._arm()
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        for timer in (self._head_timer, self._body_timer, self._late_close):
+        for timer in (self._head_timer, self._body_timer, self._late_close, self._send_timer):
             if timer is not None:
                 timer.cancel()
+        self._send_timer = None
         if self._late_close is not None and self._task_handler is not None:
             self._task_handler.cancel()  # (before aiohttp fails its read: no error logged)
         self._head_timer = self._body_timer = self._late_close = None
@@ -249,8 +309,8 @@ class _TimedHandler(RequestHandler):
 
 
 class BoundedServer(web.Server):
-    """`web.Server` holding at most `max_connections` connections, heads and bodies timed
-    (`body_timeout` 0: bodies untimed)."""
+    """`web.Server` holding at most `max_connections` connections, heads, bodies and unread
+    answers timed (`body_timeout` 0: bodies untimed; `send_timeout` 0: answers untimed)."""
 
     def __init__(
         self,
@@ -259,6 +319,7 @@ class BoundedServer(web.Server):
         head_timeout: float,
         body_timeout: float,
         body_min_rate: float,
+        send_timeout: float = 0.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -268,6 +329,7 @@ class BoundedServer(web.Server):
         self.head_timeout = head_timeout
         self.body_timeout = body_timeout
         self.body_min_rate = body_min_rate
+        self.send_timeout = send_timeout
         self.open = 0  # connections made and not yet lost
         self.refused = 0
         self._answer = _refusal(max_connections)
@@ -285,6 +347,7 @@ class BoundedServer(web.Server):
             body_timeout=self.body_timeout,
             body_min_rate=self.body_min_rate,
             body_late=self._body_late,
+            send_timeout=self.send_timeout,
             **self._kwargs,
         )
 
@@ -304,6 +367,7 @@ class BoundedRunner(web.AppRunner):
         head_timeout: float | None = None,
         body_timeout: float | None = None,
         body_min_rate: float | None = None,
+        send_timeout: float | None = None,
         keepalive_timeout: float | None = None,
         **kwargs: Any,
     ) -> None:
@@ -313,6 +377,7 @@ class BoundedRunner(web.AppRunner):
         self._head_timeout = HEAD_TIMEOUT if head_timeout is None else head_timeout
         self._body_timeout = BODY_TIMEOUT if body_timeout is None else body_timeout
         self._body_min_rate = BODY_MIN_RATE if body_min_rate is None else body_min_rate
+        self._send_timeout = SEND_TIMEOUT if send_timeout is None else send_timeout
 
     async def _make_server(self) -> web.Server:
         made = await super()._make_server()
@@ -325,6 +390,7 @@ class BoundedRunner(web.AppRunner):
             head_timeout=self._head_timeout,
             body_timeout=self._body_timeout,
             body_min_rate=self._body_min_rate,
+            send_timeout=self._send_timeout,
             **made._kwargs,
         )
 
@@ -334,7 +400,7 @@ async def start_server(
 ) -> BoundedRunner:
     """Serve `app` on host:port (0: a free port) with the bounds above; `kwargs` go to the
     runner (`handler_cancellation`, `access_log`, `shutdown_timeout`, `head_timeout`,
-    `body_timeout`, `body_min_rate`...)."""
+    `body_timeout`, `body_min_rate`, `send_timeout`...)."""
     runner = BoundedRunner(app, max_connections=max_connections, **kwargs)
     await runner.setup()
     try:

@@ -12,8 +12,17 @@ from the oldest one kept: the first number it gets shows what it missed.
 vLLM's newer form such as vllm-router; the default, `array`, is what shoal's frontend and
 relay read.
 
-Publishing never blocks the engine: PUB drops messages for a subscriber that does not
-keep up (its next sequence number shows the gap).
+Publishing never blocks the engine: the socket drops messages for a subscriber that does
+not keep up (its next sequence number shows the gap).
+
+The publishing socket is an XPUB that takes subscriptions itself (`XPUB_MANUAL`), since
+libzmq keeps every subscription a peer sends, each at ~45 times its size (a tree of its
+prefixes): 2,000 of 4 KB from anyone who reached the port grew the worker by ~370 MB. A
+peer that asks for this publisher's topic (or a prefix of it) is subscribed to it; a
+subscription is at most `PUB_MAX_INBOUND` bytes (a larger one disconnects its peer); and
+after `MAX_STRAY_SUBSCRIPTIONS` subscriptions to topics this publisher never sends (no
+subscriber that means to read asks for one) the socket is opened anew on the same port,
+dropping what they cost: every subscriber reconnects, and replays what it missed.
 """
 
 from __future__ import annotations
@@ -48,7 +57,20 @@ log = logging.getLogger(__name__)
 DEFAULT_BUFFER = 10_000  # batches kept for replay
 MAX_REPLAYS = 16  # replays served at once
 REPLAY_SEND_TIMEOUT = 10.0  # seconds a replay waits for its subscriber to read
-YIELD_EVERY = 64  # replayed messages sent before yielding to the event loop
+YIELD_EVERY = 64  # replayed messages sent, or subscriptions taken, before yielding
+REPLAY_STALL = 0.1
+"""Seconds a replay's subscriber may read nothing before the replay gives its place to a new
+request, when all `MAX_REPLAYS` are taken. Peers asking replays they never read held every
+place for `REPLAY_SEND_TIMEOUT`, and a subscriber whose request is dropped gets no replay at
+all (a loss: the instance's blocks are dropped); one whose replay is abandoned after progress
+asks again from where it got to. A subscriber that reads empties a full queue in far less."""
+RETRY_WAIT = 0.02
+"""The longest wait between two tries of a send refused for a full queue (`zmq.Again`)."""
+PUB_MAX_INBOUND = 256
+"""The largest frame the publishing socket takes from a peer: a subscription (its topic; this
+publisher's own is at most `PUB_MAX_INBOUND - 64` bytes), or the handshake's few dozen."""
+MAX_STRAY_SUBSCRIPTIONS = 64
+"""Subscriptions to topics never sent taken before the publishing socket is opened anew."""
 MAX_INBOUND_BYTES = 4096
 """The largest frame either socket takes from a peer (ZMQ_MAXMSGSIZE): a replay request is
 a few bytes, a subscription its topic. A peer sending more is disconnected before it is
@@ -70,6 +92,8 @@ class KvEventPublisher:
     ) -> None:
         if wire_format not in WIRE_FORMATS:
             raise ValueError(f"wire_format must be one of {', '.join(WIRE_FORMATS)}")
+        if len(topic.encode()) > PUB_MAX_INBOUND - 64:
+            raise ValueError(f"topic must be at most {PUB_MAX_INBOUND - 64} bytes")
         self.wire_format = wire_format
         self._encode = encode_batch if wire_format == "array" else encode_batch_map
         self.host = host
@@ -85,14 +109,17 @@ class KvEventPublisher:
         self._pub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
+        self._subscription_task: asyncio.Task[None] | None = None
+        self.subscriptions = 0  # subscription requests taken
+        self.reopened = 0  # times the publishing socket was opened anew (stray subscriptions)
         self._replays: set[asyncio.Task[None]] = set()
+        self.waiting = 0  # replays waiting for their subscriber to read
+        self._stalled: dict[asyncio.Task[None], float] = {}  # waiting replay -> since when
 
     async def start(self) -> KvEndpoint:
         """Bind both sockets (port 0: a free port) and serve replays; returns the endpoint."""
         self._ctx = ctx = zmq.asyncio.Context()
-        self._pub = ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)  # (subscriptions come in)
+        self._pub = self._publishing_socket()
         self._replay = ctx.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
         self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
@@ -106,13 +133,24 @@ class KvEventPublisher:
             topic=self.topic.decode(),
         )
         self._replay_task = asyncio.create_task(self._serve_replays(), name="kv-replay")
+        self._subscription_task = asyncio.create_task(
+            self._serve_subscriptions(), name="kv-subscriptions"
+        )
         return self.endpoint
+
+    def _publishing_socket(self) -> zmq.asyncio.Socket:
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.XPUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, PUB_MAX_INBOUND)  # (subscriptions come in)
+        sock.setsockopt(zmq.XPUB_MANUAL, 1)  # (taken by `_serve_subscriptions`)
+        return sock
 
     async def close(self) -> None:
         if self._flush is not None:
             self._flush.cancel()
             self.flush()
-        for task in (self._replay_task, *self._replays):
+        for task in (self._replay_task, self._subscription_task, *self._replays):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -128,7 +166,7 @@ class KvEventPublisher:
 
     def record(self, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
         """Queue `event` for the batch sent at the end of this event-loop turn."""
-        if self._pub is None:
+        if self._ctx is None:
             return
         self._pending.append(event)
         if self._flush is None:
@@ -137,15 +175,70 @@ class KvEventPublisher:
     def flush(self) -> None:
         """Send the queued events as one batch with the next sequence number."""
         self._flush = None
-        if not self._pending or self._pub is None:
+        if not self._pending or self._ctx is None:
             return
         batch = KVEventBatch(ts=time.time(), events=self._pending)
         self._pending = []
         seq, payload = self.next_seq, self._encode(batch)
         self.next_seq += 1
         self.buffer.append((seq, payload))
+        if self._pub is None:  # (opened anew: subscribers get it by replay)
+            return
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart((self.topic, encode_seq(seq), payload), flags=zmq.NOBLOCK)
+
+    # -- subscriptions --------------------------------------------------------------------------
+
+    async def _serve_subscriptions(self) -> None:
+        """Subscribe each peer that asks for this publisher's topic (or a prefix of it) to that
+        topic (`XPUB_MANUAL`: a subscription applies to the peer of the message just read);
+        count the others, and past `MAX_STRAY_SUBSCRIPTIONS` open the socket anew.
+        Unsubscriptions are ignored: a peer's entry goes when it disconnects."""
+        topic, stray = self.topic, 0
+        while True:
+            sock = self._pub
+            assert sock is not None
+            for _ in range(YIELD_EVERY):
+                message = await sock.recv()
+                if message[:1] != b"\x01":
+                    continue
+                self.subscriptions += 1
+                if topic.startswith(message[1:]):
+                    sock.setsockopt(zmq.SUBSCRIBE, topic)
+                    continue
+                stray += 1
+                if stray > MAX_STRAY_SUBSCRIPTIONS:
+                    await self._reopen(stray)
+                    stray = 0
+                    break
+            await asyncio.sleep(0)
+
+    async def _reopen(self, stray: int) -> None:
+        """Close the publishing socket, with every subscription it keeps, and bind a new one
+        on the same port (tried again until the port is free: what is published meanwhile
+        is buffered, and replayed to the subscribers that reconnect)."""
+        assert self._pub is not None and self.endpoint is not None
+        log.warning(
+            "KV events: %d subscriptions to topics this publisher never sends: its socket is "
+            "opened anew (its subscribers reconnect and replay what they missed)",
+            stray,
+        )
+        self._pub.close(0)
+        self._pub = None
+        self.reopened += 1
+        port = int(self.endpoint.publisher.rsplit(":", 1)[1])
+        pause = 0.005
+        while True:
+            sock = self._publishing_socket()
+            try:
+                sock.bind(f"tcp://{self.host}:{port}")
+            except zmq.ZMQError:
+                sock.close(0)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
+                continue
+            self._pub = sock
+            return
 
     # -- replay -------------------------------------------------------------------------------
 
@@ -154,13 +247,32 @@ class KvEventPublisher:
         sock = self._replay
         while True:
             frames = await sock.recv_multipart()
-            if len(frames) < 3 or len(self._replays) >= MAX_REPLAYS:
-                continue  # not [identity, b"", start], or too many at once: it asks again
+            if len(frames) < 3:
+                continue  # not [identity, b"", start]
+            if len(self._replays) >= MAX_REPLAYS and not self._make_room():
+                continue  # too many at once, their subscribers reading: it asks again
             identity, start = frames[0], frames[-1]
             first = int.from_bytes(start, "big", signed=True) if len(start) == 8 else -1
             task = asyncio.create_task(self._replay_to(sock, identity, first))
             self._replays.add(task)
             task.add_done_callback(self._replays.discard)
+
+    def _make_room(self) -> bool:
+        """Abandon the replay whose subscriber has read nothing the longest, if for
+        `REPLAY_STALL` seconds at least; whether one was."""
+        if not self._stalled:
+            return False
+        task, since = min(self._stalled.items(), key=lambda item: item[1])
+        stalled = asyncio.get_running_loop().time() - since
+        if stalled < REPLAY_STALL:
+            return False
+        log.info(
+            "KV replay abandoned: its subscriber read nothing for %.1fs, another asks", stalled
+        )
+        task.cancel()
+        self._replays.discard(task)
+        del self._stalled[task]
+        return True
 
     async def _replay_to(self, sock: zmq.asyncio.Socket, identity: bytes, first: int) -> None:
         """Send one subscriber the batches from `first` on, then the end marker, at the pace
@@ -179,14 +291,38 @@ class KvEventPublisher:
                 "KV replay from %d abandoned after its subscriber stalled or left: %s", first, exc
             )
 
-    @staticmethod
-    async def _send(sock: zmq.asyncio.Socket, frames: tuple[bytes, ...]) -> None:
-        """Send `frames`, waiting (at most `REPLAY_SEND_TIMEOUT`) while the queue is full."""
+    async def _send(self, sock: zmq.asyncio.Socket, frames: tuple[bytes, ...]) -> None:
+        """Send `frames`, waiting (at most `REPLAY_SEND_TIMEOUT`) while the queue is full.
+
+        With `ROUTER_MANDATORY` the socket counts as writable while any peer's queue has room,
+        so pyzmq's send to a full one fails at once (`zmq.Again`) whenever another peer is
+        connected, rather than waiting: it is tried again, at most `RETRY_WAIT` apart.
+        Meanwhile the replay is stalled: `_make_room` may abandon it for a new request."""
         sent = cast("asyncio.Future[object]", sock.send_multipart(frames))
-        if sent.done():
-            sent.result()
-        else:
-            await asyncio.wait_for(sent, REPLAY_SEND_TIMEOUT)
+        if sent.done() and sent.exception() is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REPLAY_SEND_TIMEOUT
+        pause = 0.001
+        self.waiting += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._stalled[task] = loop.time()  # type: ignore[index]
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(sent, max(0.0, deadline - loop.time()))
+                    return
+                except zmq.Again:
+                    if loop.time() >= deadline:
+                        raise TimeoutError(f"no room for {REPLAY_SEND_TIMEOUT:g}s") from None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, RETRY_WAIT)
+                sent = cast("asyncio.Future[object]", sock.send_multipart(frames))
+        finally:
+            self.waiting -= 1
+            if task is not None:
+                self._stalled.pop(task, None)  # type: ignore[arg-type]
 
     def replay_from(self, first: int) -> list[tuple[int, bytes]]:
         """The buffered batches from `first` on; from the oldest one when `first` is older

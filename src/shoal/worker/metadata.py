@@ -35,6 +35,26 @@ BASE_SUFFIX = "_"
 Owner = ModelKey
 """Who registered an entry: the model registration (endpoint, instance id, suffix)."""
 
+_BAD_SEGMENT_CHARS = ("/", "\\", "\x00")
+
+
+def url_segment(part: str) -> bool:
+    """Whether `part` can be one segment of a metadata URL: not empty, `.` or `..`, no `/`,
+    backslash or NUL, and UTF-8 (a file name that is not decodes with surrogates, which
+    neither a URL nor a card's JSON can carry). The status server refuses any other, so a
+    file named so is never hosted."""
+    if part in ("", ".", "..") or any(c in part for c in _BAD_SEGMENT_CHARS):
+        return False
+    return part.isascii() or _encodes(part)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
 
 class MetadataKey(NamedTuple):
     """The six URL segments that name one hosted file."""

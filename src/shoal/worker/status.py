@@ -9,8 +9,8 @@
 - `GET|POST /v1/loras`, `DELETE /v1/loras/{name}`: list, load and unload LoRA adapters
   at run time (`AdapterRoutes`; Bearer `admin_token` required for changes when one is set).
 
-It holds `STATUS_MAX_CONNECTIONS` connections at once, heads and idle keep-alive timed
-(`http_server`).
+It holds `STATUS_MAX_CONNECTIONS` connections at once, heads, bodies, unread answers
+(`STATUS_SEND_TIMEOUT`) and idle keep-alive timed (`http_server`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,9 @@ from shoal.openai import ApiError
 from shoal.worker.adapters import AdapterRoutes
 from shoal.worker.endpoint import SHUTDOWN_GRACE, advertised_host
 from shoal.worker.health import Health
-from shoal.worker.http_server import STATUS_MAX_CONNECTIONS, start_server
-from shoal.worker.metadata import MetadataKey, MetadataRegistry
+from shoal.worker.http_server import STATUS_MAX_CONNECTIONS, STATUS_SEND_TIMEOUT, start_server
+from shoal.worker.metadata import MetadataKey, MetadataRegistry, url_segment
 from shoal.worker.protocol import openai_errors
-
-_BAD_SEGMENT_CHARS = ("/", "\\", "\x00")
 
 
 class StatusServer:
@@ -69,6 +67,7 @@ class StatusServer:
             host,
             port,
             max_connections=STATUS_MAX_CONNECTIONS,
+            send_timeout=STATUS_SEND_TIMEOUT,
             access_log=None,
             shutdown_timeout=SHUTDOWN_GRACE,
         )
@@ -111,7 +110,7 @@ class StatusServer:
             info["filename"],
         )
         for part in key:
-            if part in ("", ".", "..") or any(c in part for c in _BAD_SEGMENT_CHARS):
+            if not url_segment(part):
                 raise ApiError(400, f"invalid metadata path segment {part!r}")
         data = self.metadata.lookup(key)
         if data is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -238,3 +239,80 @@ async def test_a_fetch_that_fails_in_the_side_channel_is_answered_and_the_channe
     resp = await d_client.post("/v1/chat/completions", json=chat(PROMPT, kv_transfer_params=params))
     assert resp.status == 200, await resp.text()
     assert p_engine.held.served_blocks == len(params["remote_block_ids"])
+
+
+class LoopGaps:
+    """The longest time the event loop went without running a 1 ms ticker, while it runs."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._task = asyncio.ensure_future(self._tick())
+
+    async def _tick(self) -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            self.longest = max(self.longest, now - last)
+            last = now
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+async def test_a_side_channel_fetch_naming_a_million_blocks_never_holds_the_loop(
+    make_mocker: Make,
+) -> None:
+    """A fetch line was taken up to 8 MiB and decoded whole on the prefill worker's event
+    loop, then checked for repeats: 7.6 MiB naming a million block ids held the loop for
+    about 200 ms (its requests, its lease keepalive). Now a line is at most 2 MiB and a
+    fetch naming more than `MAX_FETCH_BLOCKS` ids is refused before it is decoded, naming
+    the bound; the next fetch is served."""
+    from shoal.worker.engines.mocker import kv_transfer
+
+    p_engine, p_client = await make_mocker(role="prefill", speedup=0)
+    channel = p_engine.side_channel
+    assert channel is not None
+    ids = b",".join(str(1_000_000 + i).encode() for i in range(1_000_000))  # 7.6 MiB
+    engine_id = p_engine.held.engine_id.encode()
+    for line in (
+        b'{"engine_id":"' + engine_id + b'","block_ids":[' + ids + b"]}\n",
+        b'{"engine_id":"' + engine_id + b'","block_ids":[' + ids[:1_900_000] + b"]}\n",
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", channel.port)
+        gaps = LoopGaps()
+        try:
+            writer.write(line)
+            try:
+                answer = await asyncio.wait_for(reader.readline(), 10)  # one answer, or the close
+            except ConnectionResetError:  # (closed with what it sent unread)
+                answer = b""
+        finally:
+            await gaps.stop()
+            writer.close()
+        assert gaps.longest < 0.05, f"the loop was held {gaps.longest * 1000:.0f} ms"
+        assert answer == b"" or f"more than {kv_transfer.MAX_FETCH_BLOCKS}".encode() in answer
+    _, d_client = await make_mocker(role="decode", speedup=0)
+    params = (await prefill(p_client))["kv_transfer_params"]
+    resp = await d_client.post("/v1/chat/completions", json=chat(PROMPT, kv_transfer_params=params))
+    assert resp.status == 200, await resp.text()
+
+
+async def test_a_side_channel_peer_that_sends_nothing_is_closed_after_the_idle_timeout(
+    make_mocker: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The side channel kept a connection that sent nothing (or never read its answer) for
+    good: file descriptors a prefill worker needs. Now one idle for `IDLE_TIMEOUT` is
+    closed."""
+    from shoal.worker.engines.mocker import kv_transfer
+
+    monkeypatch.setattr(kv_transfer, "IDLE_TIMEOUT", 0.2, raising=False)
+    p_engine, _ = await make_mocker(role="prefill", speedup=0)
+    assert p_engine.side_channel is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", p_engine.side_channel.port)
+    try:
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+    finally:
+        writer.close()

@@ -31,9 +31,19 @@ log = logging.getLogger(__name__)
 
 HOLD_SECONDS = 120.0  # blocks never fetched are dropped after this (vLLM's abort timeout)
 MAX_HELD = 1_000_000  # blocks held at once; the oldest go first beyond it
-MAX_LINE = 8 * 1024 * 1024  # one side-channel message, in bytes
+MAX_FETCH_BLOCKS = 65_536
+"""Blocks one fetch may name (a million tokens at 16 a block): a fetch naming more is
+refused, before it is decoded, by the decode (the request's 400) and the side channel alike."""
+MAX_LINE = 2 * 1024 * 1024
+"""One side-channel message, in bytes: a fetch, or its answer, of `MAX_FETCH_BLOCKS` blocks
+(an answer's hashes take up to 21 bytes each). A line is decoded on the event loop (msgspec
+holds the GIL whichever thread decodes): 8 MiB of block ids held it ~200 ms."""
 CONNECT_TIMEOUT = 2.0
 FETCH_TIMEOUT = 30.0
+IDLE_TIMEOUT = 30.0
+"""Seconds the side channel waits for a peer's next fetch, or for it to take an answer."""
+MAX_PEERS = 256
+"""Side-channel connections held at once (a decode opens one per fetch); one more is closed."""
 
 
 class KvTransferError(ApiError):
@@ -75,6 +85,8 @@ class RemotePrefill:
             raise KvTransferError("remote_port", "must be a port number")
         if not isinstance(block_ids, list) or not all(type(b) is int for b in block_ids):
             raise KvTransferError("remote_block_ids", "must be a list of block ids")
+        if len(block_ids) > MAX_FETCH_BLOCKS:
+            raise KvTransferError("remote_block_ids", f"names more than {MAX_FETCH_BLOCKS} blocks")
         return cls(engine_id, host, port, block_ids)
 
 
@@ -165,6 +177,7 @@ class KvSideChannel:
         self.host = host
         self.port = port
         self._server: asyncio.Server | None = None
+        self._peers = 0  # connections held
 
     @property
     def advertised_host(self) -> str:
@@ -182,21 +195,37 @@ class KvSideChannel:
             self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer each fetch line of one peer, until it leaves, sends a line over `MAX_LINE`,
+        or sends nothing (or takes no answer) for `IDLE_TIMEOUT`."""
+        if self._peers >= MAX_PEERS:
+            writer.transport.abort()
+            return
+        self._peers += 1
         try:
-            while line := await reader.readline():
+            while True:
+                async with asyncio.timeout(IDLE_TIMEOUT):
+                    line = await reader.readline()
+                if not line:
+                    break
                 try:
                     answer = self._answer(line)
                 except Exception:  # (a bug here: the peer is told, the channel goes on)
                     log.exception("answering a KV fetch failed")
                     answer = _Answer(error="the fetch failed in the prefill engine")
                 writer.write(msgspec.json.encode(answer) + b"\n")
-                await writer.drain()
-        except (OSError, ValueError):  # a peer gone, or a line over the limit
-            pass
+                async with asyncio.timeout(IDLE_TIMEOUT):
+                    await writer.drain()
+        except (OSError, ValueError, TimeoutError):  # a peer gone, silent, or a line over the limit
+            writer.transport.abort()  # (a close would wait for an answer it never takes)
         finally:
+            self._peers -= 1
             writer.close()
 
     def _answer(self, line: bytes) -> _Answer:
+        if _over_bound(line):
+            return _Answer(
+                error=f"names more than {MAX_FETCH_BLOCKS} blocks", field="remote_block_ids"
+            )
         try:
             fetch = msgspec.json.decode(line, type=_Fetch)
         except msgspec.DecodeError:
@@ -230,6 +259,8 @@ async def fetch_blocks(remote: RemotePrefill, us_per_block: float, speedup: floa
             fetch = _Fetch(engine_id=remote.engine_id, block_ids=remote.block_ids)
             writer.write(msgspec.json.encode(fetch) + b"\n")
             line = await reader.readline()
+            if _over_bound(line):
+                raise ValueError(f"an answer of more than {MAX_FETCH_BLOCKS} blocks")
             answer = msgspec.json.decode(line, type=_Answer)
     except (OSError, TimeoutError, ValueError) as exc:
         raise KvTransferError("remote_host", f"the fetch from {where} failed: {exc}") from None
@@ -240,3 +271,10 @@ async def fetch_blocks(remote: RemotePrefill, us_per_block: float, speedup: floa
     if us_per_block and speedup:
         await asyncio.sleep(len(answer.hashes) * us_per_block / 1e6 / speedup)
     return answer.hashes
+
+
+def _over_bound(line: bytes) -> bool:
+    """Whether a JSON line surely holds an array of more than `MAX_FETCH_BLOCKS` elements:
+    told by its commas (a scan in C) before it is decoded, with room for the few a fetch or
+    an answer has besides its array's (between its fields, in an error's message)."""
+    return line.count(b",") > MAX_FETCH_BLOCKS + 16
