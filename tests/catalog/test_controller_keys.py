@@ -286,3 +286,26 @@ async def test_a_replica_whose_leadership_lapses_while_it_publishes_routes_stops
             await ctl.step()
         assert 10 <= len(written) <= SLICE, len(written)
         assert await store.get(route_key(WS, "gone-vm")) is not None  # nor deleted
+
+
+async def test_a_key_with_an_expiry_without_offset_is_still_revoked_after_a_graced_rotation(
+    catalog: CatalogServer,
+) -> None:
+    """An `expires_at` written without an offset is UTC: beside a rotated secret's end (with
+    an offset) it once made the key's grants impossible to compute (naive vs aware), so the
+    key's grants were kept as they were, and disabling it never reached the frontends."""
+    async with controller_on(catalog.url) as (ctl, client, store):
+        first = await client.create_key("k", {"expires_at": "2099-01-01T00:00:00"})
+        until = datetime.now(UTC) + timedelta(hours=1)
+        second = await client.rotate_key("k", old_valid_until=until.isoformat())
+        await client.update(KEYS, "k", {"disabled": True})
+        await ctl.step()
+        assert ctl.last is not None and ctl.last.keys_failed == {}
+        for secret in (first.secret, second.secret):
+            held = await store.get(grant_key(WS, hash_secret(secret)))
+            assert held is not None
+            grant = decode_grant(held.key, held.value)
+            assert grant.disabled
+        new = decode_grant(held.key, held.value)
+        assert new.expires_at == datetime(2099, 1, 1, tzinfo=UTC).timestamp()
+

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -257,7 +257,13 @@ def _iso_time(value: Any) -> Any:
     return value
 
 
-Time = Annotated[datetime, BeforeValidator(_iso_time)]
+def _utc(moment: datetime) -> datetime:
+    """A time without an offset is UTC (as `rotate` always read it): beside an aware time a
+    naive one cannot even be compared, so a key's grants could not be computed at all."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+Time = Annotated[datetime, BeforeValidator(_iso_time), AfterValidator(_utc)]
 
 
 class KeySpec(Strict):
