@@ -317,7 +317,7 @@ class DeploymentCreate(DeploymentSpec):
 
 
 class KeyCreate(KeySpec):
-    name: Name
+    name: ResourceName
 
 
 class Patch(Strict):
