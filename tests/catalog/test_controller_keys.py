@@ -4,9 +4,11 @@ or disable it, and a converged pass writes nothing."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import aiohttp
 import pytest
 
 from shoal.catalog import KEYS, CatalogError, CatalogServer, routing
@@ -309,3 +311,50 @@ async def test_a_key_with_an_expiry_without_offset_is_still_revoked_after_a_grac
         new = decode_grant(held.key, held.value)
         assert new.expires_at == datetime(2099, 1, 1, tzinfo=UTC).timestamp()
 
+
+def _key_body_at_the_bound(name: str) -> bytes:
+    """A key create body of exactly `MAX_BODY_BYTES` (4-byte characters, written raw), whose
+    grant is ~270 bytes larger (the workspace, the hash, the limits), over the store's bound."""
+    from shoal.catalog.api import MAX_BODY_BYTES
+
+    item = "\U0001f600" * 400
+    models = [item] * ((MAX_BODY_BYTES - 2000) // (len(item.encode()) + 3))
+
+    def encoded() -> bytes:
+        body = {"name": name, "rpm": 10**12, "tpm": 10**12, "max_parallel": 10**12,
+                "expires_at": "2099-01-01T00:00:00Z", "models": models}  # fmt: skip
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+    models.append("x" * 400)
+    while len(encoded()) + 403 <= MAX_BODY_BYTES:
+        models.append("x" * 400)
+    models.append("x" * (MAX_BODY_BYTES - len(encoded()) - 3))
+    assert len(encoded()) == MAX_BODY_BYTES
+    return encoded()
+
+
+async def test_a_grant_the_store_refuses_fails_only_its_key(catalog: CatalogServer) -> None:
+    """A key whose grant the store refuses (over its 1 MiB value bound) stopped the keys phase
+    of its workspace at that write: the other keys were not published, and the grants of
+    keys deleted meanwhile were never deleted (a revoked key kept working). Now it is that
+    key's failure, named in `keys_failed`, and the others are published and revoked."""
+    async with controller_on(catalog.url) as (ctl, client, store):
+        async with aiohttp.ClientSession() as session:
+            url = f"{catalog.url}/v1/workspaces/{WS}/keys"
+            headers = {"Content-Type": "application/json"}
+            async with session.post(
+                url, data=_key_body_at_the_bound("a-big"), headers=headers
+            ) as resp:
+                assert resp.status == 201, await resp.text()
+        small = await client.create_key("z-small")
+        revoked = await client.create_key("m-revoked")
+        await ctl.step()
+        assert ctl.last is not None and list(ctl.last.keys_failed) == [f"{WS}/a-big"]
+        assert "byte" in ctl.last.keys_failed[f"{WS}/a-big"]
+        assert ctl.last.failed == {}
+        assert await store.get(grant_key(WS, hash_secret(small.secret))) is not None
+        assert await store.get(grant_key(WS, hash_secret(revoked.secret))) is not None
+        await client.delete(KEYS, "m-revoked")
+        await ctl.step()
+        assert await store.get(grant_key(WS, hash_secret(revoked.secret))) is None
+        assert await store.get(grant_key(WS, hash_secret(small.secret))) is not None
