@@ -8,6 +8,7 @@ import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic.script import ScriptDirectory
@@ -17,6 +18,7 @@ from shoal.catalog import (
     KEYS,
     MODELS,
     PROVIDERS,
+    VIRTUAL_MODELS,
     CatalogClient,
     CatalogConfig,
     CatalogServer,
@@ -304,3 +306,31 @@ def test_yaml_aliases_and_files_over_the_byte_bound_are_refused() -> None:
     big = "kind: Model\nname: m\ndescription: x\n" + "#" * MAX_FILE_BYTES
     with pytest.raises(ApplyError, match=f"over {MAX_FILE_BYTES} bytes"):
         parse_documents(big, workspace="w")
+
+
+async def test_prune_deletes_a_resource_the_controller_updates_meanwhile(
+    catalog: CatalogServer, client: CatalogClient
+) -> None:
+    """The controller writes statuses all the time (a provider's `status`, a virtual model's
+    `status_message`): a prune whose delete finds the version just bumped reads the resource
+    again and deletes it still, instead of failing the whole apply with a 409 halfway."""
+    for name in ("keep", "gone", "later"):
+        await client.create(VIRTUAL_MODELS, {"name": name, "default_model": "m"})
+
+    class Racing(CatalogClient):
+        async def list_all(self, kind: Any, **kwargs: Any) -> Any:
+            items = await super().list_all(kind, **kwargs)
+            if kind is VIRTUAL_MODELS:  # the controller writes after the listing
+                for name in ("gone", "later"):
+                    await client.update(VIRTUAL_MODELS, name, {"status_message": "no route"})
+            return items
+
+    documents = parse_documents(
+        "kind: VirtualModel\nname: keep\ndefault_model: m\n", workspace="team-a"
+    )
+    async with Racing(catalog.url) as racing:
+        changes = await apply_documents(racing, documents, prune=True)
+    assert sorted(str(c) for c in changes if c.action == "deleted") == [
+        "virtual-model team-a/gone deleted", "virtual-model team-a/later deleted",
+    ]  # fmt: skip
+    assert [vm.name for vm in await client.list_all(VIRTUAL_MODELS)] == ["keep"]

@@ -188,11 +188,32 @@ async def _prune(client: CatalogClient, documents: list[Document]) -> list[Chang
                 continue  # (keys are pruned only by a file that declares keys: see above)
             for item in await client.list_all(kind, workspace=workspace):
                 label = f"{kind.plural.rstrip('s')} {workspace}/{item.name}"
-                if label in named or getattr(item, "autoprovisioned", False):
+                if label in named:
                     continue
-                try:
-                    await client.delete(kind, item.name, version=item.version, workspace=workspace)
-                except NotFoundError:
-                    continue  # deleted by someone else meanwhile: what prune wanted
-                changes.append(Change("deleted", label))
+                if await _prune_one(client, kind, workspace, item):
+                    changes.append(Change("deleted", label))
     return changes
+
+
+async def _prune_one(client: CatalogClient, kind: Kind[Any], workspace: str, item: Any) -> bool:
+    """Delete `item` unless the controller made it, with a version check; a delete that finds
+    the version just bumped (the controller writes statuses all the time) reads the resource
+    again and judges it afresh. False if it is kept, or was deleted by someone else."""
+    for _ in range(ATTEMPTS):
+        if getattr(item, "autoprovisioned", False):
+            return False
+        try:
+            await client.delete(kind, item.name, version=item.version, workspace=workspace)
+            return True
+        except NotFoundError:
+            return False  # deleted by someone else meanwhile: what prune wanted
+        except ConflictError:
+            pass  # changed meanwhile: read it again
+        try:
+            item = await client.get(kind, item.name, workspace=workspace)
+        except NotFoundError:
+            return False
+    raise ConflictError(
+        f"{kind.plural.rstrip('s')} {workspace}/{item.name} changed under every one of "
+        f"{ATTEMPTS} attempts to prune it"
+    )
