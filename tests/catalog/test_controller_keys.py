@@ -258,14 +258,16 @@ async def test_the_keys_phase_turns_the_loop_every_slice_of_keys(
         await store.close()
 
 
-async def test_a_replica_whose_leadership_lapses_while_it_publishes_routes_stops_within_a_slice(
+async def test_a_replica_whose_leadership_lapses_while_it_publishes_routes_stops_at_once(
     catalog: CatalogServer, database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Leadership was checked once before a workspace's routes were published: a replica
     whose lease lapsed after its first route went on writing the other 2,000 (and deleting
     routes, each after a catalog read) while another replica led; at 1-5 ms a write on etcd,
-    10,000 routes outlast a TTL. It is checked again every `SLICE` routes and before each
-    delete: the pass stops with `LeadershipLost` within a slice."""
+    10,000 routes outlast a TTL. Then it was checked every `SLICE` routes: a replica frozen
+    (SIGSTOP, a VM pause) mid-slice for longer than two TTLs still wrote up to 499 routes of
+    its old listing over the new leader's when it ran again. It is checked (a clock read)
+    before each write and each delete: nothing is written once it lapsed."""
     await seed_converged(database_url, {"p": [f"m{i:04d}" for i in range(4 * SLICE + 1)]})
     async with controller_on(catalog.url, workspaces=[WS]) as (ctl, _, store):
         await store.put(route_key(WS, "gone-vm"), b"{}")  # a route whose model was deleted
@@ -286,8 +288,38 @@ async def test_a_replica_whose_leadership_lapses_while_it_publishes_routes_stops
         monkeypatch.setattr(routing, "publish_route", publish_route)
         with pytest.raises(LeadershipLost):
             await ctl.step()
-        assert 10 <= len(written) <= SLICE, len(written)
+        assert written == [True] * 10, written  # (the 10th was checked before its lease went)
         assert await store.get(route_key(WS, "gone-vm")) is not None  # nor deleted
+
+
+async def test_a_replica_whose_leadership_lapses_while_it_publishes_grants_stops_at_once(
+    catalog: CatalogServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Grants were written and deleted a slice (500) between two checks of the leadership: a
+    replica that lapsed mid-slice (frozen past two TTLs) put back grants of keys the new
+    leader had revoked, and deleted grants it had published. Each write and delete is checked
+    now: none follows the lapse."""
+    async with controller_on(catalog.url, workspaces=[WS]) as (ctl, client, store):
+        for i in range(30):
+            await client.create_key(f"k{i:02d}")
+        await store.put(grant_key(WS, "0" * 64), b"{}")  # a grant of no key: to be deleted
+        leadership = ctl.leadership = Leadership(store, "models-controller", ttl=5.0)
+        await wait_for(leadership.hold, timeout=30)
+        written: list[bool] = []
+        real_put = store.put
+
+        async def put(key: str, value: bytes, **kwargs: Any) -> Any:
+            written.append(leadership.in_force())
+            if len(written) == 10:
+                assert leadership.lease is not None
+                await leadership.lease.revoke()  # its lease ends; another replica may lead
+            return await real_put(key, value, **kwargs)
+
+        monkeypatch.setattr(store, "put", put)
+        with pytest.raises(LeadershipLost):
+            await ctl.step()
+        assert written == [True] * 10, written
+        assert await store.get(grant_key(WS, "0" * 64)) is not None  # nor deleted
 
 
 async def test_a_key_with_an_expiry_without_offset_is_still_revoked_after_a_graced_rotation(

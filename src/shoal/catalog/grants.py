@@ -9,8 +9,8 @@ reported and its grants in the store are kept as they are; it never stops the ot
 does a grant the store refuses, one over its value bound: that key's failure). Secrets
 never reach this phase: the catalog keeps only hashes. The loop runs (and the controller's
 heartbeat beats) every `routing.SLICE` keys turned into grants and grants compared: 10,000
-keys held it ~50 ms in one go. `guard` (the controller's leadership check) is called before
-anything is written, and again every slice: it raises to stop the phase.
+keys held it ~50 ms in one go. `guard` (the controller's leadership check, a clock read) is
+called before each write and each delete: it raises to stop the phase.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ class KeysPhase:
                 await pause(beat)
                 guard()
             if held.get(name) != (data := grant.to_json()):
+                guard()  # (a clock read: a replica frozen mid-slice writes nothing after)
                 try:
                     with self.waiting_on("the store"):
                         await self.store.put(name, data)
@@ -109,6 +110,7 @@ class KeysPhase:
                 guard()
             if result.failed and _held_by(name, held[name], result.failed):
                 continue
+            guard()
             with self.waiting_on("the store"):
                 await self.store.delete(name)
             result.deleted += 1
