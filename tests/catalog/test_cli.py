@@ -137,6 +137,24 @@ async def test_bad_file_is_refused_naming_document_and_field(
     assert "document 2" in err and "context_length" in err
 
 
+@pytest.mark.parametrize("workspace", ["Team-A", "null", "a/b", "-x", "w" * 64, "[a]"])
+async def test_a_file_naming_an_invalid_workspace_is_refused_before_anything_is_written(
+    catalog: CatalogServer, client: CatalogClient, tmp_path: Path, workspace: str
+) -> None:
+    """A document's `workspace` was not checked with the file: the documents before it (in
+    kind order) were created, then the API refused that one (422), leaving the file half
+    applied. It is checked with the rest of the file now, naming the document and field."""
+    file = tmp_path / "bad.yaml"
+    file.write_text(
+        f"kind: Model\nname: ok\nworkspace: team-a\n---\n"
+        f"kind: VirtualModel\nname: vm\ndefault_model: ok\nworkspace: {workspace}\n"
+    )
+    code, out, err = await catalog_cli("apply", "-f", str(file), "--url", catalog.url)
+    assert code == 1 and out == "", (out, err)
+    assert "document 2" in err and "workspace" in err, err
+    assert await client.workspaces() == []  # nothing made, not even team-a
+
+
 async def test_serve_migrate_get_delete_end_to_end(processes: Processes, tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'c.db'}"
     code, out, err = await catalog_cli("migrate", "--db", db)

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from shoal.bounds import MAX_DEPTH, TooDeep, check_json_depth
 from shoal.catalog.client import CatalogClient
 from shoal.catalog.errors import ConflictError, NotFoundError
 from shoal.catalog.kinds import KEYS, KINDS, Kind, kind_named
+from shoal.catalog.resources import WorkspaceName
 
 READ_ONLY = frozenset(
     {"version", "created_at", "updated_at", "status_history", "credentials", "secret"}
@@ -47,6 +48,9 @@ class NoAliasLoader(yaml.SafeLoader):
             )  # fmt: skip
         return super().compose_node(parent, index)
 
+
+_WORKSPACE: TypeAdapter[str] = TypeAdapter(WorkspaceName)
+"""A document's workspace, as the API checks it."""
 
 ATTEMPTS = 5  # reads and writes of one resource before a race it keeps losing is an error
 
@@ -116,7 +120,15 @@ def _document(item: Any, where: str, default_workspace: str) -> Document:
         kind = kind_named(str(fields.pop("kind", "")))
     except KeyError as exc:
         raise ApplyError(f"{where}: kind: {exc.args[0]}") from exc
-    workspace = str(fields.pop("workspace", default_workspace))
+    workspace = fields.pop("workspace", default_workspace)
+    if isinstance(workspace, int) and not isinstance(workspace, bool):
+        workspace = str(workspace)  # (YAML reads `workspace: 12` as a number)
+    try:  # checked with the file: refused by the API, the file was left half applied
+        _WORKSPACE.validate_python(workspace)
+    except ValidationError as exc:
+        raise ApplyError(
+            f"{where} ({kind.singular} {fields.get('name')!r}): workspace: {exc.errors()[0]['msg']}"
+        ) from exc
     try:
         kind.create.model_validate(fields)
     except ValidationError as exc:
