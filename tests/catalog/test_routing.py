@@ -263,3 +263,33 @@ async def test_an_oversized_listing_is_judged_a_slice_at_a_time_and_never_encode
     assert (
         f"would be {len(msgspec.json.encode(served_models))} bytes" in written[-1]["status_message"]
     )  # counted exactly
+
+
+async def test_each_keeps_its_writes_in_a_few_tasks_and_yields_between_slices() -> None:
+    """`each` (a cold pass's entity and passthrough creates: 10,000 for a provider serving
+    10,000 models) made a task per item at once: 10,000 tasks, ~100 ms of one turn of the
+    event loop before the first write, 100,000 items 1.2 s. It runs `WRITES_AT_ONCE` workers
+    over the items now, and work that finds nothing to wait on still lets the loop run every
+    `SLICE` items."""
+    from shoal.catalog.calls import WRITES_AT_ONCE, each
+
+    tasks: list[int] = []
+
+    async def write(_item: int) -> None:
+        tasks.append(len(asyncio.all_tasks()))
+        await asyncio.sleep(0)
+
+    base = len(asyncio.all_tasks())
+    await each(range(3 * SLICE), write)
+    assert len(tasks) == 3 * SLICE
+    assert max(tasks) <= base + WRITES_AT_ONCE, max(tasks)
+
+    async with ticker() as ticks:
+        turns: list[int] = []
+
+        async def nothing_to_write(_item: int) -> None:
+            turns.append(ticks[0])
+
+        await each(range(4 * SLICE), nothing_to_write)
+    assert len(turns) == 4 * SLICE
+    assert max(turns.count(tick) for tick in set(turns)) <= SLICE
