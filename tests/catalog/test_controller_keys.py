@@ -365,18 +365,39 @@ def _key_body_at_the_bound(name: str) -> bytes:
     return encoded()
 
 
-async def test_a_grant_the_store_refuses_fails_only_its_key(catalog: CatalogServer) -> None:
-    """A key whose grant the store refuses (over its 1 MiB value bound) stopped the keys phase
-    of its workspace at that write: the other keys were not published, and the grants of
-    keys deleted meanwhile were never deleted (a revoked key kept working). Now it is that
-    key's failure, named in `keys_failed`, and the others are published and revoked."""
+async def test_a_key_whose_models_would_not_fit_a_grant_is_422(catalog: CatalogServer) -> None:
+    """The API took a key whose grant the store then refused (a body at the 1 MiB bound, its
+    models in 4-byte characters): a key that could never be used. Its `models` are bounded
+    in bytes now (`KEY_MODELS_BYTES`), well within a grant."""
+    async with aiohttp.ClientSession() as session:
+        url = f"{catalog.url}/v1/workspaces/{WS}/keys"
+        headers = {"Content-Type": "application/json"}
+        body = _key_body_at_the_bound("a-big")
+        async with session.post(url, data=body, headers=headers) as resp:
+            answer = await resp.json()
+            assert resp.status == 422, answer
+        assert answer["error"]["param"] == "models", answer
+        async with session.get(f"{catalog.url}/v1/workspaces/{WS}/keys/a-big") as resp:
+            assert resp.status == 404
+
+
+async def test_a_grant_the_store_refuses_fails_only_its_key(
+    catalog: CatalogServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key whose grant the store refuses (over its 1 MiB value bound: as the API let in
+    before `KEY_MODELS_BYTES`, lifted here) stopped the keys phase of its workspace at that
+    write: the other keys were not published, and the grants of keys deleted meanwhile were
+    never deleted (a revoked key kept working). Now it is that key's failure, named in
+    `keys_failed`, and the others are published and revoked."""
+    from shoal.catalog import resources
+
+    monkeypatch.setattr(resources, "KEY_MODELS_BYTES", 2 << 20, raising=False)
     async with controller_on(catalog.url) as (ctl, client, store):
         async with aiohttp.ClientSession() as session:
             url = f"{catalog.url}/v1/workspaces/{WS}/keys"
             headers = {"Content-Type": "application/json"}
-            async with session.post(
-                url, data=_key_body_at_the_bound("a-big"), headers=headers
-            ) as resp:
+            body = _key_body_at_the_bound("a-big")
+            async with session.post(url, data=body, headers=headers) as resp:
                 assert resp.status == 201, await resp.text()
         small = await client.create_key("z-small")
         revoked = await client.create_key("m-revoked")
