@@ -293,3 +293,55 @@ async def test_each_keeps_its_writes_in_a_few_tasks_and_yields_between_slices() 
         await each(range(4 * SLICE), nothing_to_write)
     assert len(turns) == 4 * SLICE
     assert max(turns.count(tick) for tick in set(turns)) <= SLICE
+
+
+async def test_a_pass_judges_and_cleans_up_its_virtual_models_a_slice_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before resolving, the pass judged every virtual model (its entities readable?) and the
+    providers phase looked at each for cleanup, each in one hold of the event loop: 10,000
+    of them held it ~10 ms (27-48 ms sampled on a loaded machine, with what ran beside).
+    Both go a slice at a time now."""
+    from shoal.catalog import controller as controller_module
+    from shoal.catalog.providers import ProvidersPhase, ProvidersResult
+
+    n = 3 * SLICE + 1
+    vms, _, providers = fleet_of(n)
+    vms = [vm.model_copy(update={"autoprovisioned": True}) for vm in vms]
+
+    class Served(set[str]):
+        """The entities served, noting the turn each virtual model is looked at in."""
+
+        def __init__(self, ticks: list[int]) -> None:
+            super().__init__(vm.default_model for vm in vms)
+            self.ticks, self.looked = ticks, []
+
+        def __contains__(self, name: object) -> bool:
+            self.looked.append(self.ticks[0])
+            return super().__contains__(name)
+
+    class Calls:
+        def beat(self) -> None:
+            pass
+
+    phase = ProvidersPhase(Calls(), None, None)  # type: ignore[arg-type]
+    async with ticker() as ticks:
+        result = ProvidersResult(list(vms), dict(providers))
+        result.served = served = Served(ticks)
+        await phase._cleanup("w", result)
+        judged: list[int] = []
+        real_names = controller_module._names
+
+        def names(vm: VirtualModel) -> set[str]:
+            judged.append(ticks[0])
+            return real_names(vm)
+
+        monkeypatch.setattr(controller_module, "_names", names)
+        unreadable: set[str] = set()
+        await resolve(
+            "w", controller_module.judged(vms, unreadable), lambda _: None, providers,
+        )  # fmt: skip
+    assert result.virtual_models == vms  # all served: all kept
+    assert len(served.looked) == len(judged) == n
+    for turns in (served.looked, judged):
+        assert max(turns.count(tick) for tick in set(turns)) <= SLICE

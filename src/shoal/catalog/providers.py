@@ -457,7 +457,9 @@ class ProvidersPhase:
         assert result.virtual_models is not None
         kept: list[VirtualModel] = []
         served, unjudged = result.served, result.unreadable_entities
-        for vm in result.virtual_models:
+        for count, vm in enumerate(result.virtual_models, 1):
+            if count % SLICE == 0:  # (10,000 looked at in one go held the loop ~3 ms and more)
+                await pause(self.calls.beat)
             if not vm.autoprovisioned or vm.default_model in served or vm.default_model in unjudged:
                 kept.append(vm)
                 continue
