@@ -145,6 +145,9 @@ async def test_names_with_dot_segments_are_422(client: CatalogClient, name: str)
         with pytest.raises(InvalidError) as caught:
             await client.create(kind, {"name": name, **body})
         assert caught.value.param == "name" and "segment" in caught.value.message
+    with pytest.raises(InvalidError) as caught:  # a key's name too (its create is its own)
+        await client.create_key(name)
+    assert caught.value.param == "name" and "segment" in caught.value.message
     # a reference may name anything: a name that cannot exist only resolves to nothing
     await client.create(VIRTUAL_MODELS, {"name": "vm", "default_model": name})
     await client.delete(VIRTUAL_MODELS, "vm")

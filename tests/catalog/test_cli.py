@@ -8,6 +8,7 @@ import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic.script import ScriptDirectory
@@ -17,6 +18,7 @@ from shoal.catalog import (
     KEYS,
     MODELS,
     PROVIDERS,
+    VIRTUAL_MODELS,
     CatalogClient,
     CatalogConfig,
     CatalogServer,
@@ -133,6 +135,24 @@ async def test_bad_file_is_refused_naming_document_and_field(
     code, out, err = await catalog_cli("apply", "-f", str(file), "--url", catalog.url)
     assert code == 1 and out == ""
     assert "document 2" in err and "context_length" in err
+
+
+@pytest.mark.parametrize("workspace", ["Team-A", "null", "a/b", "-x", "w" * 64, "[a]"])
+async def test_a_file_naming_an_invalid_workspace_is_refused_before_anything_is_written(
+    catalog: CatalogServer, client: CatalogClient, tmp_path: Path, workspace: str
+) -> None:
+    """A document's `workspace` was not checked with the file: the documents before it (in
+    kind order) were created, then the API refused that one (422), leaving the file half
+    applied. It is checked with the rest of the file now, naming the document and field."""
+    file = tmp_path / "bad.yaml"
+    file.write_text(
+        f"kind: Model\nname: ok\nworkspace: team-a\n---\n"
+        f"kind: VirtualModel\nname: vm\ndefault_model: ok\nworkspace: {workspace}\n"
+    )
+    code, out, err = await catalog_cli("apply", "-f", str(file), "--url", catalog.url)
+    assert code == 1 and out == "", (out, err)
+    assert "document 2" in err and "workspace" in err, err
+    assert await client.workspaces() == []  # nothing made, not even team-a
 
 
 async def test_serve_migrate_get_delete_end_to_end(processes: Processes, tmp_path: Path) -> None:
@@ -304,3 +324,31 @@ def test_yaml_aliases_and_files_over_the_byte_bound_are_refused() -> None:
     big = "kind: Model\nname: m\ndescription: x\n" + "#" * MAX_FILE_BYTES
     with pytest.raises(ApplyError, match=f"over {MAX_FILE_BYTES} bytes"):
         parse_documents(big, workspace="w")
+
+
+async def test_prune_deletes_a_resource_the_controller_updates_meanwhile(
+    catalog: CatalogServer, client: CatalogClient
+) -> None:
+    """The controller writes statuses all the time (a provider's `status`, a virtual model's
+    `status_message`): a prune whose delete finds the version just bumped reads the resource
+    again and deletes it still, instead of failing the whole apply with a 409 halfway."""
+    for name in ("keep", "gone", "later"):
+        await client.create(VIRTUAL_MODELS, {"name": name, "default_model": "m"})
+
+    class Racing(CatalogClient):
+        async def list_all(self, kind: Any, **kwargs: Any) -> Any:
+            items = await super().list_all(kind, **kwargs)
+            if kind is VIRTUAL_MODELS:  # the controller writes after the listing
+                for name in ("gone", "later"):
+                    await client.update(VIRTUAL_MODELS, name, {"status_message": "no route"})
+            return items
+
+    documents = parse_documents(
+        "kind: VirtualModel\nname: keep\ndefault_model: m\n", workspace="team-a"
+    )
+    async with Racing(catalog.url) as racing:
+        changes = await apply_documents(racing, documents, prune=True)
+    assert sorted(str(c) for c in changes if c.action == "deleted") == [
+        "virtual-model team-a/gone deleted", "virtual-model team-a/later deleted",
+    ]  # fmt: skip
+    assert [vm.name for vm in await client.list_all(VIRTUAL_MODELS)] == ["keep"]

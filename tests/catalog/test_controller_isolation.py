@@ -543,6 +543,34 @@ async def test_a_served_name_with_a_trailing_newline_is_skipped_and_the_provider
         assert len(skipped) == 1 and "bad" in skipped[0].getMessage()
 
 
+async def test_served_names_with_dot_segments_are_skipped_not_retried_every_pass(
+    catalog: CatalogServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A listed id such as `a/../b` passed the controller's name check, but the API refuses a
+    new resource named so: its entity and its passthrough virtual model were refused every
+    pass (two failed calls and two warnings per name, ~15,000 names in a listing within the
+    served_models bound), and the provider said it served them. Now they are skipped and
+    counted like any invalid name."""
+    async with (
+        openai_servers(["good", "a/../b", "x/."]) as (server,),
+        controller_on(catalog.url, workspaces=[WS]) as (ctl, client, _),
+    ):
+        await client.create(PROVIDERS, {"name": "p", "type": "url",
+                                        "base_url": server.base_url})  # fmt: skip
+        with caplog.at_level("WARNING"):
+            await ctl.step()
+            await ctl.step()
+        provider = await client.get(PROVIDERS, "p")
+        assert provider.status == "READY", provider.status_message
+        assert provider.status_message == "1 model(s); 2 name(s) not valid entity names"
+        assert [s.model_entity for s in provider.served_models or ()] == ["good"]
+        messages = [r.getMessage() for r in caplog.records]
+        assert [m for m in messages if "/.." in m or "x/." in m] == [
+            "provider team-a/p: 2 served name(s) skipped, not valid entity names: 'a/../b', 'x/.'"
+        ]  # logged once, never refused by the API
+        assert [m.name for m in await client.list_all(MODELS)] == ["good"]
+
+
 async def test_a_providers_listing_is_bounded(
     catalog: CatalogServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

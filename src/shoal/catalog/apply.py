@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from shoal.bounds import MAX_DEPTH, TooDeep, check_json_depth
 from shoal.catalog.client import CatalogClient
 from shoal.catalog.errors import ConflictError, NotFoundError
 from shoal.catalog.kinds import KEYS, KINDS, Kind, kind_named
+from shoal.catalog.resources import WorkspaceName
 
 READ_ONLY = frozenset(
     {"version", "created_at", "updated_at", "status_history", "credentials", "secret"}
@@ -47,6 +48,9 @@ class NoAliasLoader(yaml.SafeLoader):
             )  # fmt: skip
         return super().compose_node(parent, index)
 
+
+_WORKSPACE: TypeAdapter[str] = TypeAdapter(WorkspaceName)
+"""A document's workspace, as the API checks it."""
 
 ATTEMPTS = 5  # reads and writes of one resource before a race it keeps losing is an error
 
@@ -116,7 +120,15 @@ def _document(item: Any, where: str, default_workspace: str) -> Document:
         kind = kind_named(str(fields.pop("kind", "")))
     except KeyError as exc:
         raise ApplyError(f"{where}: kind: {exc.args[0]}") from exc
-    workspace = str(fields.pop("workspace", default_workspace))
+    workspace = fields.pop("workspace", default_workspace)
+    if isinstance(workspace, int) and not isinstance(workspace, bool):
+        workspace = str(workspace)  # (YAML reads `workspace: 12` as a number)
+    try:  # checked with the file: refused by the API, the file was left half applied
+        _WORKSPACE.validate_python(workspace)
+    except ValidationError as exc:
+        raise ApplyError(
+            f"{where} ({kind.singular} {fields.get('name')!r}): workspace: {exc.errors()[0]['msg']}"
+        ) from exc
     try:
         kind.create.model_validate(fields)
     except ValidationError as exc:
@@ -188,11 +200,32 @@ async def _prune(client: CatalogClient, documents: list[Document]) -> list[Chang
                 continue  # (keys are pruned only by a file that declares keys: see above)
             for item in await client.list_all(kind, workspace=workspace):
                 label = f"{kind.plural.rstrip('s')} {workspace}/{item.name}"
-                if label in named or getattr(item, "autoprovisioned", False):
+                if label in named:
                     continue
-                try:
-                    await client.delete(kind, item.name, version=item.version, workspace=workspace)
-                except NotFoundError:
-                    continue  # deleted by someone else meanwhile: what prune wanted
-                changes.append(Change("deleted", label))
+                if await _prune_one(client, kind, workspace, item):
+                    changes.append(Change("deleted", label))
     return changes
+
+
+async def _prune_one(client: CatalogClient, kind: Kind[Any], workspace: str, item: Any) -> bool:
+    """Delete `item` unless the controller made it, with a version check; a delete that finds
+    the version just bumped (the controller writes statuses all the time) reads the resource
+    again and judges it afresh. False if it is kept, or was deleted by someone else."""
+    for _ in range(ATTEMPTS):
+        if getattr(item, "autoprovisioned", False):
+            return False
+        try:
+            await client.delete(kind, item.name, version=item.version, workspace=workspace)
+            return True
+        except NotFoundError:
+            return False  # deleted by someone else meanwhile: what prune wanted
+        except ConflictError:
+            pass  # changed meanwhile: read it again
+        try:
+            item = await client.get(kind, item.name, workspace=workspace)
+        except NotFoundError:
+            return False
+    raise ConflictError(
+        f"{kind.plural.rstrip('s')} {workspace}/{item.name} changed under every one of "
+        f"{ATTEMPTS} attempts to prune it"
+    )

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +71,12 @@ FENCE = "models-controller-fence"
 def _names(vm: VirtualModel) -> set[str]:
     """The model entities a virtual model routes to."""
     return {t.model_entity for t in vm.targets} or {vm.default_model}
+
+
+def judged(virtual_models: Iterable[VirtualModel], unreadable: set[str]) -> Iterator[VirtualModel]:
+    """The virtual models none of whose entities is unreadable, taken as `resolve` takes them,
+    a slice at a time (judged all at once, 10,000 held the event loop ~10 ms before any)."""
+    return (vm for vm in virtual_models if not _names(vm) & unreadable)
 
 
 class PassError(Exception):
@@ -237,11 +243,10 @@ class ModelsController(Controller, HeartbeatMixin):
         result = await self.providers.run(workspace)
         if result.virtual_models is None:  # not read: the routes stay as they are
             return
-        unreadable = result.unreadable_entities
-        judged = [vm for vm in result.virtual_models if not _names(vm) & unreadable]
         routes = await resolve(
-            workspace, judged, result.entities.get, result.providers, beat=self.emit_heartbeat
-        )
+            workspace, judged(result.virtual_models, result.unreadable_entities),
+            result.entities.get, result.providers, beat=self.emit_heartbeat,
+        )  # fmt: skip
 
         async def gone(name: str) -> bool:
             return await self._virtual_model_gone(workspace, name)

@@ -5,11 +5,12 @@ For one workspace: list its keys (one list), turn each live secret of each key i
 `shoal/v1/keys/{workspace}/` hold exactly those (`publish_grants` writes only what differs).
 A secret whose rotation already ended it is not published, so it is deleted. One key that
 cannot be turned into grants, or whose row cannot be read (left out of the listing), is
-reported and its grants in the store are kept as they are; it never stops the others. Secrets
+reported and its grants in the store are kept as they are; it never stops the others (nor
+does a grant the store refuses, one over its value bound: that key's failure). Secrets
 never reach this phase: the catalog keeps only hashes. The loop runs (and the controller's
 heartbeat beats) every `routing.SLICE` keys turned into grants and grants compared: 10,000
-keys held it ~50 ms in one go. `guard` (the controller's leadership check) is called before
-anything is written, and again every slice: it raises to stop the phase.
+keys held it ~50 ms in one go. `guard` (the controller's leadership check, a clock read) is
+called before each write and each delete: it raises to stop the phase.
 """
 
 from __future__ import annotations
@@ -95,8 +96,14 @@ class KeysPhase:
                 await pause(beat)
                 guard()
             if held.get(name) != (data := grant.to_json()):
-                with self.waiting_on("the store"):
-                    await self.store.put(name, data)
+                guard()  # (a clock read: a replica frozen mid-slice writes nothing after)
+                try:
+                    with self.waiting_on("the store"):
+                        await self.store.put(name, data)
+                except ValueError as exc:  # refused for this grant alone (over the value bound)
+                    result.failed[grant.name] = f"{type(exc).__name__}: {exc}"
+                    log.warning("key %s/%s: not published: %s", workspace, grant.name, exc)
+                    continue
                 result.written += 1
         for count, name in enumerate(sorted(held.keys() - wanted.keys()), 1):
             if count % SLICE == 0:
@@ -104,6 +111,7 @@ class KeysPhase:
                 guard()
             if result.failed and _held_by(name, held[name], result.failed):
                 continue
+            guard()
             try:
                 with self.waiting_on("the store"):
                     await self.store.delete(name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -257,7 +257,26 @@ def _iso_time(value: Any) -> Any:
     return value
 
 
-Time = Annotated[datetime, BeforeValidator(_iso_time)]
+def _utc(moment: datetime) -> datetime:
+    """A time without an offset is UTC (as `rotate` always read it): beside an aware time a
+    naive one cannot even be compared, so a key's grants could not be computed at all."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+Time = Annotated[datetime, BeforeValidator(_iso_time), AfterValidator(_utc)]
+
+
+KEY_MODELS_BYTES = 512 * 1024
+"""A key's `models` as UTF-8 JSON: every live secret of the key is a grant carrying them in one
+store value (1 MiB); at the 1 MiB body bound, in 4-byte characters, they made a grant the store
+refused, so the key could never be used."""
+
+
+def _models_within(models: list[str]) -> list[str]:
+    size = len(json.dumps(models, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    if size > KEY_MODELS_BYTES:  # (a row stored over it cannot be read: its grants are kept)
+        raise ValueError(f"{size} bytes as JSON, over the {KEY_MODELS_BYTES}-byte limit")
+    return models
 
 
 class KeySpec(Strict):
@@ -265,10 +284,13 @@ class KeySpec(Strict):
     never a field: the catalog makes it on create and rotate, shows it once, keeps its hash."""
 
     description: Text = ""
-    models: list[Annotated[str, Field(min_length=1, max_length=400)]] = Field(
+    models: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=400)]], AfterValidator(_models_within)
+    ] = Field(
         default_factory=list,
         max_length=1000,
-        description="served names (virtual or fleet) it may use; empty: every one",
+        description="served names (virtual or fleet) it may use; empty: every one "
+        f"(at most {KEY_MODELS_BYTES} bytes as JSON)",
     )
     rpm: Limit | None = Field(None, description="requests per minute; null: no limit")
     tpm: Limit | None = Field(None, description="tokens (prompt + completion) per minute")
@@ -311,7 +333,7 @@ class DeploymentCreate(DeploymentSpec):
 
 
 class KeyCreate(KeySpec):
-    name: Name
+    name: ResourceName
 
 
 class Patch(Strict):

@@ -142,9 +142,11 @@ async def publish(
     """Make the store hold `routes` for `workspace`, and no route of a virtual model that
     `gone(name)` confirms is gone; one route's failure is in `failed`, not raised. The loop
     runs (`pause(beat)`) every `SLICE` routes compared, written or not. `guard` (the
-    controller's leadership check, which raises to stop) is called before the first write,
-    every `SLICE` routes and before each delete: 10,000 writes, or deletes each after a read
-    of the catalog, outlast a leader's TTL. Every store call is made `waiting_on` the store."""
+    controller's leadership check, a clock read that raises to stop) is called before each
+    write and each delete: 10,000 writes, or deletes each after a read of the catalog,
+    outlast a leader's TTL, and a replica frozen mid-way (checked only every `SLICE`, it
+    wrote up to 499 routes of its old listing over the new leader's once it ran again) must
+    write nothing once it lapsed. Every store call is made `waiting_on` the store."""
     with waiting_on("the store"):
         held = await store.get_prefix(routes_prefix(workspace))
     held_values = {kv.key: kv.value for kv in held.items}
@@ -165,6 +167,7 @@ async def publish(
                 )
             data = route.to_json()
             if held_values.get(key) != data:
+                guard()  # (a clock read: a replica frozen mid-slice writes nothing after)
                 with waiting_on("the store"):
                     if await publish_route(store, route):
                         done.written += 1
