@@ -128,3 +128,29 @@ async def test_a_worker_being_started_when_the_fence_stops_its_deployment_is_sto
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+async def test_a_deployment_asking_more_workers_than_the_host_allows_fails_alone(
+    tmp_path: Path,
+) -> None:
+    """`replicas: 10000` started 10,000 worker processes on one host. The local backend now
+    runs at most `max_workers` for all deployments: one asking more gets none of the rest and
+    is failed, naming the bound, while the others run on; within the bound it starts."""
+    backend = LocalBackend("memory://unused", tmp_path / "logs", max_workers=3)
+    small = deployment(name="small", replicas=2)
+    huge = deployment(name="huge", replicas=10_000)
+    try:
+        await backend.start(small)
+        await backend.start(huge)
+        observed = await backend.poll(huge)
+        assert observed.failed and "at most 3 workers" in observed.message, observed.message
+        assert "--max-local-workers" in observed.message
+        assert backend.pids("team-a", "huge") == []
+        assert len(backend.pids("team-a", "small")) == 2
+        assert not (await backend.poll(small)).failed
+        fits = deployment(name="huge", replicas=1)  # scaled down into the room left
+        assert not (await backend.poll(fits)).failed
+        assert len(backend.pids("team-a", "huge")) == 1
+    finally:
+        await backend.close()
+    assert backend.running() == set()

@@ -34,6 +34,7 @@ BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 60.0
 STABLE_AFTER = 30.0  # a replica up this long has its backoff reset
 GIVE_UP_AFTER = 5  # failed starts in a row (never ready) before the deployment is in ERROR
+MAX_LOCAL_WORKERS = 64  # worker processes at most for all deployments on this host (default)
 STOP_TIMEOUT = 30.0  # a stopped worker's drain, before SIGKILL
 
 
@@ -120,6 +121,7 @@ class _Replica:
 class _Running:
     command: list[str]
     replicas: list[_Replica] = field(default_factory=list)
+    refused: str = ""  # why its replicas are not all started: over the host's bound
 
 
 class LocalBackend(Backend):
@@ -130,6 +132,11 @@ class LocalBackend(Backend):
     stayed up for 30 s). Workers log to `log_dir/` (`log_file_name`). A process is started
     only while `may_start()` (the leadership is in force), and one whose deployment was
     stopped while it was being made (the fence) is stopped once made: none is left untracked.
+
+    At most `max_workers` processes run at once for all deployments (`--max-local-workers`):
+    a deployment asking more replicas than are left gets no new ones and is failed, saying
+    so (the controller puts it in ERROR, as one whose workers keep failing), while every
+    other deployment runs on (`replicas: 10000` started 10,000 processes on one host).
     """
 
     def __init__(
@@ -140,8 +147,10 @@ class LocalBackend(Backend):
         clock: Callable[[], float] = time.monotonic,
         backoff_first: float = BACKOFF_FIRST,
         may_start: Callable[[], bool] = lambda: True,
+        max_workers: int = MAX_LOCAL_WORKERS,
     ) -> None:
         self.store_url = store_url
+        self.max_workers = max_workers
         self.log_dir = log_dir
         self.clock = clock
         self.backoff_first = backoff_first
@@ -162,6 +171,8 @@ class LocalBackend(Backend):
     async def poll(self, deployment: Deployment) -> Observed:
         running = await self._reconcile(deployment)
         ready = sum(1 for r in running.replicas if r.alive and r.ready)
+        if running.refused:
+            return Observed(ready, deployment.replicas, True, running.refused)
         failing = [r for r in running.replicas if r.failures >= GIVE_UP_AFTER]
         if failing:
             message = f"replicas keep failing to start: {failing[0].last_error}"
@@ -184,7 +195,16 @@ class LocalBackend(Backend):
             running = self._running[key] = _Running(command)
         while len(running.replicas) > deployment.replicas:
             await _stop_replica(running.replicas.pop())
-        while len(running.replicas) < deployment.replicas:
+        others = sum(len(r.replicas) for k, r in self._running.items() if k != key)
+        room = self.max_workers - others
+        running.refused = ""
+        if deployment.replicas > room:
+            running.refused = (
+                f"{deployment.replicas} replicas asked, but the local backend runs at most "
+                f"{self.max_workers} workers on this host (--max-local-workers) and "
+                f"{others} run for other deployments"
+            )
+        while len(running.replicas) < deployment.replicas and not running.refused:
             running.replicas.append(_Replica())
         now = self.clock()
         for number, replica in enumerate(running.replicas):

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import aiohttp
 
-from shoal.catalog.backends import STOP_TIMEOUT, Backend, LocalBackend
+from shoal.catalog.backends import MAX_LOCAL_WORKERS, STOP_TIMEOUT, Backend, LocalBackend
 from shoal.catalog.calls import Calls
 from shoal.catalog.client import CatalogClient
 from shoal.catalog.collector import PassCollections
@@ -323,6 +323,7 @@ class ControllerConfig:
     log_dir: Path = Path(".")
     deployment_ttl: float = 3600.0
     leader_ttl: float = 10.0
+    max_local_workers: int = MAX_LOCAL_WORKERS  # worker processes the local backend runs at most
     provider_timeout: float = 10.0  # at most; kept below the loop's max_silence (3 intervals)
     # Full garbage collections kept out of the passes (`shoal.catalog.collector`): process-wide
     # settings of the collector, which `shoal catalog serve` makes.
@@ -350,7 +351,10 @@ class ModelsControllerService:
         self.session = aiohttp.ClientSession()
         self.leadership = Leadership(self.store, ROLE, ttl=config.leader_ttl)
         self.backend = LocalBackend(
-            config.store_url, config.log_dir, may_start=self.leadership.in_force
+            config.store_url,
+            config.log_dir,
+            may_start=self.leadership.in_force,
+            max_workers=config.max_local_workers,
         )
         self.controller = ModelsController(
             self.client, self.store, self.backend, self.session,

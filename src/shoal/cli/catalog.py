@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.cli.common import (
+    COUNT,
     PORT,
     SECONDS,
     add_flag,
@@ -40,6 +41,7 @@ from shoal.cli.common import (
 DEFAULT_PORT = 8100
 DEFAULT_INTERVAL = 2.0
 DEFAULT_LEADER_TTL = 10.0
+MAX_LOCAL_WORKERS = 64  # as `shoal.catalog.backends.MAX_LOCAL_WORKERS` (not imported: start-up)
 COLUMNS: dict[str, tuple[str, ...]] = {
     "providers": ("type", "status", "base_url", "namespace", "auth_secret"),
     "models": ("base_model", "format", "context_length", "providers"),
@@ -169,6 +171,15 @@ def add_controller_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds of the controller's leadership lease: a replica takes over that long "
         f"after the leader is gone, and acts that long later (default {DEFAULT_LEADER_TTL:g})",
     )
+    add_flag(
+        parser,
+        "--max-local-workers",
+        MAX_LOCAL_WORKERS,
+        type=COUNT,
+        help="worker processes the controller starts at most on this host for all deployments: "
+        "one asking more is in ERROR, the others run on "
+        f"(SHOAL_MAX_LOCAL_WORKERS; default {MAX_LOCAL_WORKERS})",
+    )
 
 
 def add_auth_flags(parser: argparse.ArgumentParser) -> None:
@@ -258,7 +269,12 @@ async def serve(args: argparse.Namespace) -> int:
     controller = None
     if args.store:
         controller = await start_controller(
-            server, args.store, args.controller_interval, args.leader_ttl, own_process=True
+            server,
+            args.store,
+            args.controller_interval,
+            args.leader_ttl,
+            own_process=True,
+            max_local_workers=args.max_local_workers,
         )
         if controller is None:
             await server.stop()
@@ -278,6 +294,7 @@ async def start_controller(
     leader_ttl: float = DEFAULT_LEADER_TTL,
     *,
     own_process: bool = False,
+    max_local_workers: int = MAX_LOCAL_WORKERS,
 ) -> Any:
     """The models controller of `server`'s catalog, started on the store at `store_url`;
     `None` once the reason it cannot start is printed. Its workers log beside the store.
@@ -293,6 +310,7 @@ async def start_controller(
         admin_token=server.config.admin_token,
         interval=interval,
         leader_ttl=leader_ttl,
+        max_local_workers=max_local_workers,
         log_dir=Path(platformdirs.user_log_dir("shoal")) / "deployments",
         defer_full_collections=own_process,
     )
@@ -509,7 +527,10 @@ async def start_catalog(
     if interval is None:
         interval = float(env_value("controller_interval") or DEFAULT_INTERVAL)
     leader_ttl = float(env_value("leader_ttl") or DEFAULT_LEADER_TTL)
+    most = int(env_value("max_local_workers") or MAX_LOCAL_WORKERS)
     controller = (
-        await start_controller(server, store_url, interval, leader_ttl) if store_url else None
+        await start_controller(server, store_url, interval, leader_ttl, max_local_workers=most)
+        if store_url
+        else None
     )
     return EmbeddedCatalog(server, controller)
