@@ -88,6 +88,26 @@ _SERVER_PORTS = range(20_000, 32_768)
 _pick = random.SystemRandom()  # (not `random`: pytest-randomly seeds it alike in every worker)
 
 
+async def refused_past(
+    host: str, port: int, held: int
+) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """Hold `held` connections to a bounded server and open one more: that one must be
+    answered 503 `too_many_connections` and closed. The held ones are returned (the caller
+    closes them)."""
+    kept = [await asyncio.open_connection(host, port) for _ in range(held)]
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+        answer = await asyncio.wait_for(reader.read(), 10)  # to the close
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+        assert b"too_many_connections" in answer, answer
+    except BaseException:
+        for _, kept_writer in kept:
+            kept_writer.close()
+        raise
+    return kept
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, outside the ephemeral range."""
     for _ in range(200):

@@ -26,7 +26,7 @@ from shoal.cli.main import build_parser
 from shoal.cli.processes import reserve_port
 from shoal.frontend import Frontend, FrontendConfig
 from shoal.frontend.registry.watcher import ModelWatcher
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, refused_past, wait_for
 from tests.processes import Process, Processes, shoal
 
 CHAT = [{"role": "user", "content": "Tell me a story."}]
@@ -433,16 +433,8 @@ async def test_the_parents_metrics_server_refuses_connections_past_its_bound(
     )  # fmt: skip
     metrics = front.ready["metrics"]
     host, port = metrics.removeprefix("http://").split("/", 1)[0].rsplit(":", 1)
-    held = [await asyncio.open_connection(host, int(port)) for _ in range(128)]
-    try:
-        reader, writer = await asyncio.open_connection(host, int(port))
-        answer = await asyncio.wait_for(reader.read(), 10)  # to the close
-        writer.close()
-        assert answer.startswith(b"HTTP/1.1 503"), answer
-        assert b"too_many_connections" in answer, answer
-    finally:
-        for _, held_writer in held:
-            held_writer.close()
+    for _, held_writer in await refused_past(host, int(port), 128):
+        held_writer.close()
 
     async def scraped() -> bool:  # (once the server has seen them go)
         return "shoal_frontend_processes_up" in await scrape(metrics)

@@ -84,3 +84,11 @@ async def store(backend: Backend) -> AsyncIterator[Store]:
     s = await backend.open()
     yield s
     await s.close()
+
+
+@pytest.fixture
+async def etcd_store(etcd_server: EtcdServer) -> AsyncIterator[Store]:
+    """A client of the etcd server alone, for the tests of etcd's own behaviour."""
+    s = await open_store(etcd_server.url)
+    yield s
+    await s.close()

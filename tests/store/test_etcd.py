@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aetcd
@@ -42,15 +42,8 @@ pytestmark = pytest.mark.etcd
 
 
 @pytest.fixture
-async def store(etcd_server: EtcdServer) -> AsyncIterator[Store]:
-    s = await open_store(etcd_server.url)
-    yield s
-    await s.close()
-
-
-@pytest.fixture
-def prefix() -> str:
-    return f"etcd/{os.urandom(6).hex()}/"
+def store(etcd_store: Store) -> Store:
+    return etcd_store  # (`prefix`: tests/store/conftest.py's)
 
 
 # -- URLs and connecting ----------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
 
 import aetcd.rpc
 import pytest
@@ -18,19 +17,13 @@ from tests.helpers import LoopTurns, wait_for
 
 pytestmark = pytest.mark.etcd
 
+
+@pytest.fixture
+def store(etcd_store: Store) -> Store:
+    return etcd_store  # (`prefix`: tests/store/conftest.py's)
+
+
 KEYS = 5000
-
-
-@pytest.fixture
-async def store(etcd_server: EtcdServer) -> AsyncIterator[Store]:
-    s = await open_store(etcd_server.url)
-    yield s
-    await s.close()
-
-
-@pytest.fixture
-def prefix() -> str:
-    return f"holds/{os.urandom(6).hex()}/"
 
 
 async def written_since(store: Store, prefix: str) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -20,15 +19,8 @@ pytestmark = pytest.mark.etcd
 
 
 @pytest.fixture
-async def store(etcd_server: EtcdServer) -> AsyncIterator[Store]:
-    s = await open_store(etcd_server.url)
-    yield s
-    await s.close()
-
-
-@pytest.fixture
-def prefix() -> str:
-    return f"pages/{os.urandom(6).hex()}/"
+def store(etcd_store: Store) -> Store:
+    return etcd_store  # (`prefix`: tests/store/conftest.py's)
 
 
 def record_pages(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[int]:
