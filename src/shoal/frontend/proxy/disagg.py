@@ -42,14 +42,9 @@ from prometheus_client.registry import Collector
 
 from shoal.cards import ModelType
 from shoal.frontend.http import errors
+from shoal.frontend.http.exchange import ConnectRefused, UpstreamError, UpstreamTimeout
 from shoal.frontend.http.request import ClientConnection, Request
-from shoal.frontend.http.upstream import (
-    ConnectRefused,
-    Upstream,
-    UpstreamConnection,
-    UpstreamError,
-    UpstreamTimeout,
-)
+from shoal.frontend.http.upstream import Upstream, UpstreamConnection
 from shoal.frontend.proxy.fields import (
     Fields,
     Members,

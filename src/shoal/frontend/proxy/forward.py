@@ -35,14 +35,9 @@ from typing import Protocol
 from mypy_extensions import mypyc_attr
 
 from shoal.frontend.http import errors
+from shoal.frontend.http.exchange import ConnectRefused, UpstreamError, UpstreamTimeout
 from shoal.frontend.http.request import ClientConnection, Request, status_line
-from shoal.frontend.http.upstream import (
-    ConnectRefused,
-    Upstream,
-    UpstreamConnection,
-    UpstreamError,
-    UpstreamTimeout,
-)
+from shoal.frontend.http.upstream import Upstream, UpstreamConnection
 from shoal.frontend.proxy import migration, sse
 from shoal.frontend.proxy.deadlines import Deadlines
 from shoal.frontend.proxy.fields import Fields, prompt_hint

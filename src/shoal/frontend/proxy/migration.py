@@ -37,8 +37,9 @@ from typing import Any, Protocol
 
 import msgspec
 
+from shoal.frontend.http.exchange import UpstreamError
 from shoal.frontend.http.request import Request
-from shoal.frontend.http.upstream import Upstream, UpstreamError
+from shoal.frontend.http.upstream import Upstream
 from shoal.frontend.proxy import continuation, sse
 from shoal.frontend.registry.metrics import FrontendMetrics
 from shoal.frontend.registry.registry import Model, WorkerSet
