@@ -160,6 +160,16 @@ def too_many_connections(limit: int) -> ApiError:
     )
 
 
+def out_of_files(reason: str) -> ApiError:
+    return ApiError(
+        503,
+        f"The gateway holds its limit of open files and could reach no instance ({reason}); "
+        "retry shortly.",
+        type="service_unavailable_error",
+        code="gateway_overloaded",
+    )
+
+
 def origin_not_allowed(origin: str) -> ApiError:
     return ApiError(
         403,

@@ -6,6 +6,8 @@
   instance is left).
   - `UpstreamTimeout`: a wait ran out (a 504 when no instance is left).
   - `ConnectRefused`: refused or reset before anything was sent: another instance costs nothing.
+  - `OutOfFiles`: the gateway itself could open no socket (its limit of open files): no
+    instance's fault, and none other would fare better (a 503).
 - `FramingTooLarge`: what made a chunked response malformed (the parser's errors are others).
 """
 
@@ -31,6 +33,13 @@ class FramingTooLarge(ValueError):
 class UpstreamTimeout(UpstreamError):
     """A wait on an instance ran out: its connect, or its answer after it took the request
     (then no stale connection: it was read). 504 when no instance is left."""
+
+
+@mypyc_attr(native_class=False)
+class OutOfFiles(UpstreamError):
+    """This process (or the system) is at its limit of open files (EMFILE, ENFILE): a
+    connect failed before it left the gateway. Blamed on the instance as a refused connect,
+    it inhibited every instance in turn, and their clients got 502s naming them."""
 
 
 @mypyc_attr(native_class=False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import ssl
 import time
@@ -30,6 +31,7 @@ import httptools
 from shoal.frontend.http.exchange import (
     ConnectRefused,
     FramingTooLarge,
+    OutOfFiles,
     ResponseSink,
     UpstreamError,
     UpstreamTimeout,
@@ -42,6 +44,7 @@ MAX_RESPONSE_HEAD = 64 * 1024  # bytes of header lines in a response, its interi
 # (and bytes of chunk framing, extensions and trailer section read between two body bytes)
 FEED_SLICE = 8192  # a larger read is parsed this much at a time, so the bound below holds
 TURN_CALLS = 2048  # body pieces parsed per turn of the loop at most (and one slice's more)
+_OUT_OF_FILES = frozenset({errno.EMFILE, errno.ENFILE})  # (the gateway's own limit)
 
 
 class Upstream:
@@ -174,6 +177,8 @@ class Upstream:
         except TimeoutError as exc:
             raise UpstreamTimeout(f"cannot connect to {self.address}: timed out") from exc
         except OSError as exc:
+            if exc.errno in _OUT_OF_FILES:
+                raise OutOfFiles(f"cannot open a connection to {self.address}: {exc}") from exc
             raise ConnectRefused(f"cannot connect to {self.address}: {exc}") from exc
         return conn
 
