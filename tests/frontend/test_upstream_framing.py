@@ -71,3 +71,28 @@ async def test_chunk_framing_without_end_fails_the_response_within_a_bound(
     assert sent[0] < 64 << 20
     stats = frontend.metrics.models["mock-llm"]
     await wait_for(lambda: stats.in_flight == 0, message="the request left the gauge")
+
+
+@pytest.mark.parametrize("status", [b"204 No Content", b"304 Not Modified"])
+async def test_a_bodiless_status_declared_chunked_gets_no_chunks_on_the_client_connection(
+    start_raw: StartRaw, start_frontend: StartFrontend, status: bytes
+) -> None:
+    """A 204 or 304 has no body, whatever its head says (RFC 9112 §6.3); one saying
+    `transfer-encoding: chunked` was relayed chunked, its empty last chunk (`0\\r\\n\\r\\n`)
+    written after the head: the client read those bytes as the start of its next answer on
+    the connection (a proxy in front pooling it: another user's answer), out of step."""
+
+    async def bodiless(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(b"HTTP/1.1 %s\r\ntransfer-encoding: chunked\r\n\r\n" % status)
+
+    await start_raw(bodiless)
+    frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend, "mock-llm"), message="model served")
+    live = b"GET /live HTTP/1.1\r\nhost: gateway\r\n\r\n"
+    received = await raw_exchange(frontend.port, POST + live, responses=2)
+    head, _, rest = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 " + status + b"\r\n")
+    assert b"transfer-encoding" not in head.lower()
+    assert rest.startswith(b"HTTP/1.1 200 OK\r\n"), rest  # (the next answer, in step)

@@ -557,8 +557,9 @@ class UpstreamConnection(asyncio.Protocol):
             self._interim_head(sink, status)
             return
         self._in_head = False
-        self._until_eof = not chunked and not self._has_length and status not in (204, 304)
-        if not sink.on_head(status, self._headers, chunked or self._until_eof):
+        bodiless = status == 204 or status == 304  # (no body, whatever the head says: RFC 9112)
+        self._until_eof = not (chunked or self._has_length or bodiless)
+        if not sink.on_head(status, self._headers, (chunked or self._until_eof) and not bodiless):
             self.abort()
 
     def _interim_head(self, sink: ResponseSink, status: int) -> None:
