@@ -245,6 +245,7 @@ class Frontend(Endpoints):
             max_header_size=config.max_header_size,
             max_headers=config.max_headers,
             max_connections=config.max_connections,
+            max_body_memory=config.max_body_memory,
             # (a request refused for its key is refused on its head: its body never read)
             head_check=self.check_head if self.keys is not None or self._keys else None,
         )
