@@ -447,6 +447,8 @@ class HttpConnection(asyncio.Protocol):
     def _let_go(self, keep_pending: bool = False) -> None:
         """Give back the `bodies` held: the one being read, and the waiting ones (dropped)."""
         reading, self._body_size = (self._body_size if self._phase == BODY else 0), 0
+        if reading:
+            self._body.reset()  # (never read now: its pieces go with its count)
         self.server.bodies.let_go(reading, None if keep_pending else self.pending)
 
     def _finish(self) -> None:
