@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from shoal import open_files
 from shoal.cards import WorkerRole
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import raw_exchange, serving
@@ -87,3 +88,32 @@ async def test_a_connect_failing_for_the_gateways_own_file_limit_inhibits_no_ins
     # Descriptors free again: the instances serve at once (none was inhibited).
     again = await raw_exchange(frontend.port, POST)
     assert again.startswith(b"HTTP/1.1 200 "), again
+
+
+async def test_client_connections_are_held_within_the_limit_of_open_files(
+    start_worker: StartWorker, start_frontend: StartFrontend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--max-connections` (10,000) over what the process may open (a soft limit of 1,024, or a
+    hard one of 4,096): past the limit, accepts failed and libuv closed each new connection at
+    once, unanswered (a liveness probe saw a reset), and connects to instances failed. Now a
+    frontend serves at most half the descriptors left beside `RESERVED`, and says so: the
+    connection over it is answered 503 `too_many_connections`."""
+    await start_worker()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1000, hard))
+    try:
+        frontend = await start_frontend()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    limit = (1000 - open_files.RESERVED) // 2
+    assert frontend.server.max_connections == limit
+    assert f"serving at most {limit} client connections, not 10000" in caplog.text
+    await wait_for(lambda: serving(frontend), message="served")
+    held = [await asyncio.open_connection("127.0.0.1", frontend.port) for _ in range(limit)]
+    try:
+        await wait_for(lambda: len(frontend.server.connections) == limit, message="all held")
+        over = await raw_exchange(frontend.port, POST)
+        assert over.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in over, over
+    finally:
+        for _, writer in held:
+            writer.close()

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from shoal import open_files
 from shoal.controllers import ControllerManager, Loop, LoopCollector
 from shoal.discovery import Discovery, Query
 from shoal.frontend.config import (
@@ -235,6 +237,14 @@ class Frontend(Endpoints):
         self.watcher.other_changes.append(lambda: routes.version)
         store = self.watcher.store
         self.metrics.watch_store(lambda: store.unreachable_since)
+        max_connections = open_files.connections_within(config.max_connections)
+        if max_connections < config.max_connections:
+            log.warning(
+                "serving at most %d client connections, not %d: the limit of open files is %d "
+                "(each may hold one to an instance too); raise it (ulimit -n) for more",
+                max_connections, config.max_connections,
+                resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            )  # fmt: skip
         self.server = HttpServer(
             self.handle,
             max_body=config.max_body,
@@ -244,7 +254,7 @@ class Frontend(Endpoints):
             send_timeout=config.send_timeout,
             max_header_size=config.max_header_size,
             max_headers=config.max_headers,
-            max_connections=config.max_connections,
+            max_connections=max_connections,
             max_body_memory=config.max_body_memory,
             # (a request refused for its key is refused on its head: its body never read)
             head_check=self.check_head if self.keys is not None or self._keys else None,
