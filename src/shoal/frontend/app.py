@@ -207,6 +207,13 @@ class Frontend(Endpoints):
             assert self.server is not None
             await self.server.start(config.host, config.port, self._tls, reuse_port=True)
         log.info("frontend serving on %s", self.url)
+        served = self.server.max_connections if self.server is not None else None
+        if served is not None and served < config.max_connections:  # (said once serving)
+            log.warning(
+                "serving at most %d client connections, not %d: the limit of open files is %d "
+                "(each may hold one to an instance too); raise it (ulimit -n) for more",
+                served, config.max_connections, resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            )  # fmt: skip
 
     async def _set_up(self) -> None:
         config = self.config
@@ -237,14 +244,6 @@ class Frontend(Endpoints):
         self.watcher.other_changes.append(lambda: routes.version)
         store = self.watcher.store
         self.metrics.watch_store(lambda: store.unreachable_since)
-        max_connections = open_files.connections_within(config.max_connections)
-        if max_connections < config.max_connections:
-            log.warning(
-                "serving at most %d client connections, not %d: the limit of open files is %d "
-                "(each may hold one to an instance too); raise it (ulimit -n) for more",
-                max_connections, config.max_connections,
-                resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-            )  # fmt: skip
         self.server = HttpServer(
             self.handle,
             max_body=config.max_body,
@@ -254,7 +253,7 @@ class Frontend(Endpoints):
             send_timeout=config.send_timeout,
             max_header_size=config.max_header_size,
             max_headers=config.max_headers,
-            max_connections=max_connections,
+            max_connections=open_files.connections_within(config.max_connections),
             max_body_memory=config.max_body_memory,
             # (a request refused for its key is refused on its head: its body never read)
             head_check=self.check_head if self.keys is not None or self._keys else None,
