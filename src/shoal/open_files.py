@@ -42,6 +42,20 @@ def raise_limit() -> None:
     _start_soft = soft
 
 
+RESERVED = 256  # descriptors a server keeps beside its connections (store, files, logs, pipes)
+
+
+def connections_within(wanted: int) -> int:
+    """The client connections a proxy may hold within this process's limit of open files: each
+    may hold one to an instance too, and `RESERVED` stay for the rest. Past it, accepts fail
+    (libuv closes the connection at once, unanswered: a probe sees a reset) and so do connects
+    to instances (a 503 then); within it, the connection over the limit is answered 503."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, (soft - RESERVED) // 2))
+
+
 def with_start_limit(command: Sequence[str]) -> list[str]:
     """`command` to start a program with the soft limit of open files this process started
     with (itself, when the limit was never raised, or there is no `/bin/sh`)."""

@@ -9,7 +9,7 @@ from shoal.cli.frontend import config_from_args
 from shoal.cli.main import build_parser
 
 NAMES = ("HEADER_TIMEOUT", "BODY_TIMEOUT", "MAX_CONNECTIONS", "MAX_HEADER_SIZE", "MAX_HEADERS",
-         "CORS_ORIGIN")  # fmt: skip
+         "CORS_ORIGIN", "MAX_BODY_MEMORY")  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -24,17 +24,19 @@ def test_client_limits_have_defaults_and_cors_is_off() -> None:
     assert (config.max_connections, config.max_header_size, config.max_headers) == (
         10_000, 65_536, 100,
     )  # fmt: skip
+    assert config.max_body_memory == 1 << 30
     assert config.cors_origins == ()
 
 
 def test_client_limits_fall_back_to_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    values = ("2.5", "0", "50", "4096", "20", "https://a.example,https://b.example")
+    values = ("2.5", "0", "50", "4096", "20", "https://a.example,https://b.example", "65536")
     for name, value in zip(NAMES, values, strict=True):
         monkeypatch.setenv(f"SHOAL_{name}", value)
     config = config_from_args(build_parser().parse_args(["frontend"]))
     assert (config.header_timeout, config.body_timeout) == (2.5, 0.0)
     assert (config.max_connections, config.max_header_size, config.max_headers) == (50, 4096, 20)
     assert config.cors_origins == ("https://a.example", "https://b.example")
+    assert config.max_body_memory == 65_536
 
 
 def test_cors_origin_is_repeatable() -> None:

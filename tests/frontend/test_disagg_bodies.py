@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from shoal.frontend.http.upstream import UpstreamError
+from shoal.frontend.http.exchange import UpstreamError
 from shoal.frontend.proxy.stages import prefill_handle, refuses_handle, stage_one, stage_two
 
 _members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode

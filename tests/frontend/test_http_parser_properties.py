@@ -245,6 +245,9 @@ def check_served(
     assert not server.errors, server.errors
     after = exchange(server.port, [b"GET /live HTTP/1.1\r\nConnection: close\r\n\r\n"])
     assert [status for status, _ in parse_responses(after)] == [200]
+    # Every body byte a connection took of the server's budget, it gave back (`shared.py`).
+    bodies = server.frontend.server.bodies
+    server.run(wait_for(lambda: bodies.held == 0, message=f"bodies held: {bodies.held}"))
     return responses
 
 

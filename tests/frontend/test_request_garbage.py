@@ -16,8 +16,9 @@ from collections.abc import Iterator
 import pytest
 from bench.request_path import Bench, Transport
 
+from shoal.frontend.http.exchange import ConnectRefused
 from shoal.frontend.http.server import HttpConnection
-from shoal.frontend.http.upstream import ConnectRefused, Upstream, UpstreamConnection
+from shoal.frontend.http.upstream import Upstream, UpstreamConnection
 from tests.frontend.support import shoal_cycles
 from tests.helpers import free_port, wait_for
 

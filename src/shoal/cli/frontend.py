@@ -339,6 +339,15 @@ def add_client_limit_flags(parser: argparse.ArgumentParser) -> None:
     )
     add_flag(
         parser,
+        "--max-body-memory",
+        1 << 30,
+        type=POSITIVE,
+        metavar="BYTES",
+        help="bytes of request bodies held at once by all the connections, as they arrive "
+        "or wait their turn; the request crossing it gets 503 (default 1 GiB)",
+    )
+    add_flag(
+        parser,
         "--max-header-size",
         64 * 1024,
         type=POSITIVE,
@@ -414,6 +423,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         body_timeout=args.body_timeout,
         send_timeout=args.send_timeout,
         max_connections=args.max_connections,
+        max_body_memory=args.max_body_memory,
         max_header_size=args.max_header_size,
         max_headers=args.max_headers,
         cors_origins=tuple(args.cors_origin),

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from shoal import open_files
 from shoal.controllers import ControllerManager, Loop, LoopCollector
 from shoal.discovery import Discovery, Query
 from shoal.frontend.config import (
@@ -203,6 +205,13 @@ class Frontend(Endpoints):
             assert self.server is not None
             await self.server.start(config.host, config.port, self._tls, reuse_port=True)
         log.info("frontend serving on %s", self.url)
+        served = self.server.max_connections if self.server is not None else None
+        if served is not None and served < config.max_connections:  # (said once serving)
+            log.warning(
+                "serving at most %d client connections, not %d: the limit of open files is %d "
+                "(each may hold one to an instance too); raise it (ulimit -n) for more",
+                served, config.max_connections, resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            )  # fmt: skip
 
     async def _set_up(self) -> None:
         config = self.config
@@ -242,7 +251,8 @@ class Frontend(Endpoints):
             send_timeout=config.send_timeout,
             max_header_size=config.max_header_size,
             max_headers=config.max_headers,
-            max_connections=config.max_connections,
+            max_connections=open_files.connections_within(config.max_connections),
+            max_body_memory=config.max_body_memory,
             # (a request refused for its key is refused on its head: its body never read)
             head_check=self.check_head if self.keys is not None or self._keys else None,
         )

@@ -42,6 +42,7 @@ class FrontendConfig:
     body_timeout: float = 30.0  # seconds between request body bytes; 0: no limit
     send_timeout: float = 60.0  # seconds a client may read nothing of its answer; 0: no limit
     max_connections: int = 10_000
+    max_body_memory: int = 1 << 30  # bytes of request bodies held by all the connections
     max_header_size: int = 64 * 1024  # bytes of request line and headers
     max_headers: int = 100
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any)

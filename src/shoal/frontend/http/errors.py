@@ -160,6 +160,26 @@ def too_many_connections(limit: int) -> ApiError:
     )
 
 
+def bodies_held(limit: int) -> ApiError:
+    return ApiError(
+        503,
+        f"The server already holds its limit of {limit} bytes of request bodies being "
+        "received; retry shortly.",
+        type="service_unavailable_error",
+        code="server_busy",
+    )
+
+
+def out_of_files(reason: str) -> ApiError:
+    return ApiError(
+        503,
+        f"The gateway holds its limit of open files and could reach no instance ({reason}); "
+        "retry shortly.",
+        type="service_unavailable_error",
+        code="gateway_overloaded",
+    )
+
+
 def origin_not_allowed(origin: str) -> ApiError:
     return ApiError(
         403,

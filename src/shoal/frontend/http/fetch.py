@@ -20,7 +20,8 @@ import re
 import urllib.parse
 from collections import OrderedDict
 
-from shoal.frontend.http.upstream import Upstream, UpstreamConnection, UpstreamError
+from shoal.frontend.http.exchange import UpstreamError
+from shoal.frontend.http.upstream import Upstream, UpstreamConnection
 
 _PLAIN_TARGET = re.compile(r"/[\x21-\x7e]*")
 _PLAIN_NETLOC = re.compile(

@@ -23,6 +23,7 @@ from uvloop.loop import SSLProtocol as UvloopSSLProtocol  # type: ignore[attr-de
 
 from shoal.frontend.http.head import HeadCheck
 from shoal.frontend.http.server import Handler, HttpConnection
+from shoal.frontend.http.shared import BodyBudget
 
 TURN_SECONDS = 0.005  # a sweep's slice: then the loop turns (as `proxy.deadlines`)
 
@@ -80,7 +81,8 @@ class HttpServer:
     headers and `max_headers` headers (431); `header_timeout` seconds from a request's first
     byte (or a new connection's start) to the end of its head and `body_timeout` between
     body bytes (408; 0: no limit); `max_connections` clients at once (503 to the others;
-    over TLS, counted from their accept: closed then, with no handshake).
+    over TLS, counted from their accept: closed then, with no handshake); `max_body_memory`
+    bytes of request bodies held by them all (`budget.py`: 503 to the request crossing it).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class HttpServer:
         max_header_size: int = 64 * 1024,
         max_headers: int = 100,
         max_connections: int = 10_000,
+        max_body_memory: int = 1 << 30,
         head_check: HeadCheck | None = None,
     ) -> None:
         self.handler = handler
@@ -107,6 +110,7 @@ class HttpServer:
         self.max_header_size = max_header_size
         self.max_headers = max_headers
         self.max_connections = max_connections
+        self.bodies = BodyBudget(max_body_memory)  # (request bodies its connections hold)
         self.connections: set[HttpConnection] = set()  # served (over TLS: once shaken hands)
         self.handshakes: dict[HttpConnection, Counted] = {}  # TLS ones shaking hands
         self.closing = False

@@ -25,7 +25,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol, cast
+from typing import cast
 
 import httptools
 
@@ -33,6 +33,7 @@ from shoal.bounds import DepthMeter
 from shoal.frontend.http import errors, head
 from shoal.frontend.http.errors import bad_request, body_too_large
 from shoal.frontend.http.request import BodyPieces, FlowListener, InFlight, Request, encode_response
+from shoal.frontend.http.shared import Listener
 from shoal.frontend.http.unread import Unread
 from shoal.openai import ApiError
 
@@ -51,26 +52,6 @@ IDLE, HEAD, BODY = 0, 1, 2  # what a connection reads: nothing yet of a request,
 
 # A handler answers with `send()`, or `produce_later()`, `write()`s and `finish()` later.
 Handler = Callable[[Request, "HttpConnection"], None]
-
-
-class Listener(head.Limits, Protocol):
-    """What a connection reads of its `HttpServer` (floats as properties: `forward.Gateway`)."""
-
-    handler: Handler
-    loop: asyncio.AbstractEventLoop
-    connections: set[HttpConnection]
-    closing: bool
-    max_connections: int
-
-    def admit(self, conn: HttpConnection) -> bool: ...  # (one of `connections`, if room)
-    @property
-    def keepalive_timeout(self) -> float: ...
-    @property
-    def header_timeout(self) -> float: ...
-    @property
-    def body_timeout(self) -> float: ...
-    @property
-    def send_timeout(self) -> float: ...
 
 
 class StopParsing(Exception):
@@ -95,7 +76,7 @@ class HttpConnection(asyncio.Protocol):
         "pending", "response_started", "server", "transport", "writing_paused")  # fmt: skip
     __deletable__ = ("parser",)  # (a compiled build allows `del` of these only)
 
-    def __init__(self, server: Listener) -> None:
+    def __init__(self, server: Listener[HttpConnection]) -> None:
         self.server = server
         self.loop = server.loop
         self.parser = httptools.HttpRequestParser(self)
@@ -146,7 +127,7 @@ class HttpConnection(asyncio.Protocol):
         # The parser holds this connection's methods: a reference cycle, left to the garbage
         # collector for every closed connection (a client without keep-alive: every request).
         del self.parser
-        self.pending.clear()
+        self._let_go()
         self._held = b""
         current, self.current = self.current, None
         if current is not None:
@@ -332,8 +313,11 @@ class HttpConnection(asyncio.Protocol):
         self._head_bytes = 0  # (bytes of chunk framing since: bounded as a head is)
         self._calls += 1
         self._body_size += len(body)
+        fits = self.server.bodies.take(len(body))  # (given back: `_dispatch`, `_let_go`)
         if self._body_size > self._body_limit:
             self._refuse(body_too_large(self._body_limit))
+        if not fits:
+            self._refuse(errors.bodies_held(self.server.bodies.limit))
         self._body.add(body)  # (a refused request's too: at most `head.DRAINED_BODY`, dropped)
         if self._body_size >= METER_FROM:  # (judged `METER_FROM` bytes at a time)
             meter = self._meter = self._meter or DepthMeter()
@@ -342,8 +326,9 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._phase = IDLE
-        if self._upgrading:
-            return  # the body is still unread: parsed again once the upgrade is ignored
+        if self._upgrading:  # the body is parsed again once the upgrade is ignored
+            self.server.bodies.give(self._body_size)
+            return
         body = self._body.whole(METER_FROM)  # (a large one joined when read: off the loop)
         request = Request(
             self.parser.get_method(),
@@ -372,6 +357,7 @@ class HttpConnection(asyncio.Protocol):
     # -- answering requests in order ---------------------------------------------------------
 
     def _dispatch(self, request: Request) -> None:
+        self.server.bodies.give(request.size)  # (the handler's from now on)
         self.busy = True
         self.keep_alive = request.keep_alive and not self.server.closing
         self.response_started = False
@@ -451,11 +437,19 @@ class HttpConnection(asyncio.Protocol):
         if self._stopped:
             return
         self._stopped, self._final, self._held = True, error, b""
+        self._let_go(keep_pending=True)
         self._linger_left = max(LINGER_BYTES, 2 * self.server.max_body)  # (dropped, then paused)
         if self.busy or self.pending:
             self._update_reading()
         else:
             self._finish()
+
+    def _let_go(self, keep_pending: bool = False) -> None:
+        """Give back the `bodies` held: the one being read, and the waiting ones (dropped)."""
+        reading, self._body_size = (self._body_size if self._phase == BODY else 0), 0
+        if reading:
+            self._body.reset()  # (never read now: its pieces go with its count)
+        self.server.bodies.let_go(reading, None if keep_pending else self.pending)
 
     def _finish(self) -> None:
         """Write the final error if one is owed, then close as nginx does: shut down our side,
@@ -468,7 +462,7 @@ class HttpConnection(asyncio.Protocol):
             return
         self._lingering = True
         self._linger_left = max(LINGER_BYTES, 2 * self.server.max_body)
-        self.pending.clear()  # (when the response cut the connection short)
+        self._let_go()  # (requests waiting when the response cut the connection short)
         error, self._final = self._final, None
         if error is not None:  # (its header lines too: a refused head's CORS lines)
             transport.write(encode_response(error.status, error.body(), headers=error.headers, keep_alive=False))  # fmt: skip

@@ -19,60 +19,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import ssl
 import time
 from types import SimpleNamespace
-from typing import ClassVar, Protocol, cast
+from typing import ClassVar, cast
 
 import httptools
-from mypy_extensions import mypyc_attr
 
+from shoal.frontend.http.exchange import (
+    ConnectRefused,
+    FramingTooLarge,
+    OutOfFiles,
+    ResponseSink,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from shoal.frontend.http.opening import open_within
 from shoal.frontend.http.target import parse_target
 
 MAX_IDLE = 256  # idle keep-alive connections kept per instance
 MAX_RESPONSE_HEAD = 64 * 1024  # bytes of header lines in a response, its interim ones included
+# (and bytes of chunk framing, extensions and trailer section read between two body bytes)
 FEED_SLICE = 8192  # a larger read is parsed this much at a time, so the bound below holds
 TURN_CALLS = 2048  # body pieces parsed per turn of the loop at most (and one slice's more)
-
-
-@mypyc_attr(native_class=False)  # (a compiled build: a builtin exception's subclass)
-class UpstreamError(ConnectionError):
-    """The connection to an instance failed or returned something unusable."""
-
-
-@mypyc_attr(native_class=False)
-class UpstreamTimeout(UpstreamError):
-    """A wait on an instance ran out: its connect, or its answer after it took the request
-    (then no stale connection: it was read). 504 when no instance is left."""
-
-
-@mypyc_attr(native_class=False)
-class ConnectRefused(UpstreamError):
-    """The instance refused or reset the connection: nothing was sent, little time was spent,
-    so trying another instance costs nothing (a dead worker, not a slow one)."""
-
-
-class ResponseSink(Protocol):
-    """Receives one response from an `UpstreamConnection`."""
-
-    def on_head(self, status: int, headers: list[tuple[bytes, bytes]], chunked: bool) -> bool:
-        """The status and headers; return False to abandon the response (the connection closes)."""
-
-    def on_body(self, data: bytes) -> None:
-        """A piece of body, before the end (`on_complete`) or a failure in its packet."""
-
-    def on_packet(self, bodies: list[bytes]) -> None:
-        """A packet from the worker was parsed: its pieces of body (none for a packet of the
-        head alone), to pass on now. The list is the connection's, emptied after the call:
-        a sink keeps its pieces, never the list. (One call per packet, not one per piece:
-        a stream's every event is a packet.) Raising fails the response (`on_failure`)."""
-
-    def on_complete(self) -> None: ...
-
-    def on_failure(self, exc: Exception) -> None:
-        """The connection failed before the response was complete."""
+_OUT_OF_FILES = frozenset({errno.EMFILE, errno.ENFILE})  # (the gateway's own limit)
 
 
 class Upstream:
@@ -205,6 +177,8 @@ class Upstream:
         except TimeoutError as exc:
             raise UpstreamTimeout(f"cannot connect to {self.address}: timed out") from exc
         except OSError as exc:
+            if exc.errno in _OUT_OF_FILES:
+                raise OutOfFiles(f"cannot open a connection to {self.address}: {exc}") from exc
             raise ConnectRefused(f"cannot connect to {self.address}: {exc}") from exc
         return conn
 
@@ -264,6 +238,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._interim = False  # parsing a 1xx response
         self._head_bytes = 0  # of the response being read, interim responses included
         self._head_read = 0  # bytes read while its final head is incomplete (the same bound)
+        self._framing = 0  # bytes read since its last body byte, once chunked (the same bound)
         self._in_head = False  # its final head is not complete yet
         self._paused = False  # by the client's flow (`pause_reading`)
         self._calls = 0  # body pieces parsed by `_parse_held` in this turn (`TURN_CALLS`)
@@ -299,7 +274,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._chunked = self._has_length = False
         self._until_eof = False
         self._interim = False
-        self._head_bytes = self._head_read = 0
+        self._head_bytes = self._head_read = self._framing = 0
         self._in_head = True
         if len(body) < 65536:
             self.transport.write(data + body)
@@ -393,6 +368,8 @@ class UpstreamConnection(asyncio.Protocol):
             if self._head_read > MAX_RESPONSE_HEAD:
                 self._failed(None)
                 return
+        elif not in_head and self._framed(len(data), 0):
+            return
         sink, bodies = self.sink, self._bodies  # (as `_deliver`, inline)
         if sink is None:  # (it ended in this packet; pieces after its end are of a response
             bodies.clear()  # nobody asked for, and the connection is closed: `on_message_begin`)
@@ -424,6 +401,7 @@ class UpstreamConnection(asyncio.Protocol):
         in_head = self._in_head
         if in_head:
             self.answered = True
+        before = len(self._bodies)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -437,6 +415,27 @@ class UpstreamConnection(asyncio.Protocol):
             if self._head_read > MAX_RESPONSE_HEAD:
                 self._failed(None)
                 return False
+        elif not in_head and self._framed(len(data), before):
+            return False
+        return True
+
+    def _framed(self, size: int, before: int) -> bool:
+        """Count `size` bytes just parsed of a chunked body that gave no body piece (the
+        parser's pieces were `before` pieces long): chunk lines, their extensions, the trailer
+        section. True if they passed `MAX_RESPONSE_HEAD` since the last piece (the response
+        failed: an endless trailer line grew in the parser, copied at every packet; endless
+        extensions kept the idle timeout from ever firing)."""
+        if not self._chunked or self.sink is None:
+            return False
+        if len(self._bodies) > before:
+            self._framing = 0
+            return False
+        self._framing += size
+        if self._framing <= MAX_RESPONSE_HEAD:
+            return False
+        self._failed(
+            FramingTooLarge(f"chunk framing over {MAX_RESPONSE_HEAD} bytes between body bytes")
+        )
         return True
 
     def _held_read(self, data: bytes) -> None:
@@ -558,8 +557,9 @@ class UpstreamConnection(asyncio.Protocol):
             self._interim_head(sink, status)
             return
         self._in_head = False
-        self._until_eof = not chunked and not self._has_length and status not in (204, 304)
-        if not sink.on_head(status, self._headers, chunked or self._until_eof):
+        bodiless = status == 204 or status == 304  # (no body, whatever the head says: RFC 9112)
+        self._until_eof = not (chunked or self._has_length or bodiless)
+        if not sink.on_head(status, self._headers, (chunked or self._until_eof) and not bodiless):
             self.abort()
 
     def _interim_head(self, sink: ResponseSink, status: int) -> None:

@@ -42,14 +42,14 @@ from prometheus_client.registry import Collector
 
 from shoal.cards import ModelType
 from shoal.frontend.http import errors
-from shoal.frontend.http.request import ClientConnection, Request
-from shoal.frontend.http.upstream import (
+from shoal.frontend.http.exchange import (
     ConnectRefused,
-    Upstream,
-    UpstreamConnection,
+    OutOfFiles,
     UpstreamError,
     UpstreamTimeout,
 )
+from shoal.frontend.http.request import ClientConnection, Request
+from shoal.frontend.http.upstream import Upstream, UpstreamConnection
 from shoal.frontend.proxy.fields import (
     Fields,
     Members,
@@ -346,7 +346,7 @@ class TwoStageForward(Forward):
                     # holds it: a reference cycle for each failed prefill)
                     failure = exc.with_traceback(None)
                     self.stages.stats.failures["prefill"] += 1
-                    if isinstance(exc, AnswerTooLong):  # the request's doing: it alone fails
+                    if isinstance(exc, (AnswerTooLong, OutOfFiles)):  # (no instance's fault)
                         log.warning("prefill of a request for %s: %s", self.name, exc)
                         break
                     log.warning("prefill failed: %s; trying another prefill instance", exc)

@@ -22,7 +22,7 @@ import itertools
 import logging
 import operator
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Annotated, Any, Generic, Literal, TypeVar, overload
 
 import msgspec
 
@@ -62,10 +62,13 @@ ABSENT = msgspec.Raw()
 """`TokenFields`' value of a member the body does not have (empty)."""
 
 
+MAX_MODEL_NAME = 1024  # characters of a body's `model` (a 15 MB one was quoted in its 404)
+
+
 class Fields(msgspec.Struct):
     """The only parts of a request body the gateway reads."""
 
-    model: str | None = None
+    model: Annotated[str, msgspec.Meta(max_length=MAX_MODEL_NAME)] | None = None
     stream: bool | None = None
     # Set by the gateway alone (disagg.py): they make a worker connect where they say.
     kv_transfer_params: msgspec.Raw = NO_KV_TRANSFER_PARAMS

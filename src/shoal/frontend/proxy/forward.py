@@ -35,14 +35,9 @@ from typing import Protocol
 from mypy_extensions import mypyc_attr
 
 from shoal.frontend.http import errors
+from shoal.frontend.http.exchange import ConnectRefused, OutOfFiles, UpstreamError, UpstreamTimeout
 from shoal.frontend.http.request import ClientConnection, Request, status_line
-from shoal.frontend.http.upstream import (
-    ConnectRefused,
-    Upstream,
-    UpstreamConnection,
-    UpstreamError,
-    UpstreamTimeout,
-)
+from shoal.frontend.http.upstream import Upstream, UpstreamConnection
 from shoal.frontend.proxy import migration, sse
 from shoal.frontend.proxy.deadlines import Deadlines
 from shoal.frontend.proxy.fields import Fields, prompt_hint
@@ -229,6 +224,8 @@ class Forward:
                 error = errors.no_ready_instance(name)
             elif isinstance(failure, UpstreamTimeout):  # (the first-byte or the idle wait)
                 error = errors.upstream_timeout(name, str(failure))
+            elif isinstance(failure, OutOfFiles):
+                error = errors.out_of_files(str(failure))
             elif isinstance(failure, ApiError):  # an answer the failure carries (routed.py)
                 error = failure
             else:
@@ -356,6 +353,9 @@ class Forward:
         if self.started:  # a migrated stream's continuation failed before its first event
             self._failed_after_start(failure, target)
             return
+        if isinstance(failure, OutOfFiles):  # (the gateway's own limit: no instance to blame,
+            log.error("%s: out of file descriptors", failure)  # and none would fare better)
+            return self._finish(errors.out_of_files(str(failure)))
         log.warning("%s; trying another instance", failure)
         target.inhibit(self.proxy.inhibit_seconds)
         self.proxy.metrics.instances_inhibited.inc()

@@ -37,8 +37,9 @@ from typing import Any, Protocol
 
 import msgspec
 
+from shoal.frontend.http.exchange import UpstreamError
 from shoal.frontend.http.request import Request
-from shoal.frontend.http.upstream import Upstream, UpstreamError
+from shoal.frontend.http.upstream import Upstream
 from shoal.frontend.proxy import continuation, sse
 from shoal.frontend.registry.metrics import FrontendMetrics
 from shoal.frontend.registry.registry import Model, WorkerSet
@@ -175,37 +176,10 @@ def _odd(delta: sse.Delta) -> str:
 class Migration:
     """The state of one stream that may move to another instance (see the module doc)."""
 
-    __slots__ = (
-        "began",
-        "carried",
-        "chat",
-        "created",
-        "delivered",
-        "done",
-        "failed_at",
-        "finished",
-        "forward",
-        "id",
-        "limit",
-        "members",
-        "migrations",
-        "model",
-        "opened",
-        "parsing",
-        "pending",
-        "pending_size",
-        "reason",
-        "refused",
-        "resuming",
-        "retries",
-        "size",
-        "text",
-        "tokens",
-        "unread",
-        "unread_size",
-        "usage",
-        "ws",
-    )
+    __slots__ = ("began", "carried", "chat", "created", "delivered", "done", "failed_at",
+        "finished", "forward", "id", "limit", "members", "migrations", "model", "opened",
+        "parsing", "pending", "pending_size", "reason", "refused", "resuming", "retries",
+        "size", "text", "tokens", "unread", "unread_size", "usage", "ws")  # fmt: skip
 
     def __init__(
         self,

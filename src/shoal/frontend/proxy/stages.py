@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from shoal.bounds import TooDeep, check_json_depth
-from shoal.frontend.http.upstream import UpstreamError
+from shoal.frontend.http.exchange import UpstreamError
 from shoal.frontend.proxy.fields import Members
 from shoal.openai import ApiError
 
