@@ -368,8 +368,11 @@ class UpstreamConnection(asyncio.Protocol):
             if self._head_read > MAX_RESPONSE_HEAD:
                 self._failed(None)
                 return
-        elif not in_head and self._framed(len(data), 0):
-            return
+        elif not in_head and self._chunked:  # (`_framed`, its test inline: every event)
+            if self._bodies:
+                self._framing = 0
+            elif self._framed(len(data)):
+                return
         sink, bodies = self.sink, self._bodies  # (as `_deliver`, inline)
         if sink is None:  # (it ended in this packet; pieces after its end are of a response
             bodies.clear()  # nobody asked for, and the connection is closed: `on_message_begin`)
@@ -415,20 +418,17 @@ class UpstreamConnection(asyncio.Protocol):
             if self._head_read > MAX_RESPONSE_HEAD:
                 self._failed(None)
                 return False
-        elif not in_head and self._framed(len(data), before):
-            return False
+        elif not in_head and self._chunked:
+            if len(self._bodies) > before:
+                self._framing = 0
+            elif self._framed(len(data)):
+                return False
         return True
 
-    def _framed(self, size: int, before: int) -> bool:
-        """Count `size` bytes just parsed of a chunked body that gave no body piece (the
-        parser's pieces were `before` pieces long): chunk lines, their extensions, the trailer
-        section. True if they passed `MAX_RESPONSE_HEAD` since the last piece (the response
-        failed: an endless trailer line grew in the parser, copied at every packet; endless
-        extensions kept the idle timeout from ever firing)."""
-        if not self._chunked or self.sink is None:
-            return False
-        if len(self._bodies) > before:
-            self._framing = 0
+    def _framed(self, size: int) -> bool:
+        """Count `size` bytes of chunk framing parsed with no body piece (a piece resets it);
+        True past `MAX_RESPONSE_HEAD`: the response failed (endless trailers or extensions)."""
+        if self.sink is None:
             return False
         self._framing += size
         if self._framing <= MAX_RESPONSE_HEAD:
