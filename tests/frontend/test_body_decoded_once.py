@@ -24,6 +24,7 @@ from shoal.discovery import FleetTarget, Route, publish_route
 from shoal.discovery.grants import Grant, hash_secret
 from shoal.frontend import Frontend
 from shoal.frontend.http.request import Request
+from shoal.frontend.http.shared import BodyBudget
 from shoal.frontend.keys import gate as gate_module
 from shoal.frontend.proxy import fields as fields_module
 from shoal.openai import ApiError
@@ -232,6 +233,7 @@ async def test_a_client_that_leaves_while_its_body_is_decoded_is_never_answered(
         def __init__(self) -> None:
             self.loop = loop
             self.current: Any = None
+            self.bodies = BodyBudget(1 << 40)
 
         def produce_later(self, work: Any) -> None:
             self.current = work

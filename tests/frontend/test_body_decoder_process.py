@@ -21,6 +21,7 @@ import msgspec
 import pytest
 
 from shoal.frontend.http.request import Request
+from shoal.frontend.http.shared import BodyBudget
 from shoal.frontend.proxy import fields as fields_module
 from shoal.frontend.proxy.decoder_process import DecoderFailed
 from shoal.frontend.proxy.fields import ABSENT, NO_KV_TRANSFER_PARAMS, Fields, decode_fields
@@ -42,6 +43,7 @@ class Client:
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.current: Any = None
+        self.bodies = BodyBudget(1 << 40)
 
     def produce_later(self, work: Any) -> None:
         self.current = work

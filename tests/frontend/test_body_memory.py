@@ -6,7 +6,9 @@ request is handed on, refused, or its connection closes, so the count returns to
 from __future__ import annotations
 
 import asyncio
+import threading
 
+from shoal.frontend.proxy import fields as fields_module
 from tests.frontend.conftest import StartFrontend, StartWorker
 from tests.frontend.support import raw_exchange, serving
 from tests.helpers import wait_for
@@ -77,3 +79,31 @@ async def test_bodies_of_pipelined_requests_waiting_are_counted_until_answered(
     await wait_for(lambda: bodies.held == 0, message="given back as the connection closed")
     worker.answering.set()
     del reader
+
+
+async def test_large_bodies_waiting_for_their_decode_stay_counted(
+    start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """A large body (`LARGE_BODY`) is decoded in the decoder process, one at a time: once
+    handed on it was given back to the budget, yet it waited, whole, for the decoder's one
+    thread. Bodies sent faster than they are decoded queued there without bound (with the
+    decoder busy: two 600 KB bodies waiting, 0 bytes counted). They are counted until
+    decoded now: the request crossing the budget is 503."""
+    await start_worker()
+    body = chat(600 * KIB)
+    frontend = await start_frontend(max_body=1024 * KIB, max_body_memory=2 * len(body) + 1)
+    await wait_for(lambda: serving(frontend), message="served")
+    bodies = frontend.server.bodies
+    started, release = threading.Event(), threading.Event()
+    fields_module._DECODER.submit(lambda: (started.set(), release.wait(30)))
+    try:
+        await asyncio.to_thread(started.wait, 10)  # the decoder's thread is busy
+        waiting = [asyncio.create_task(raw_exchange(frontend.port, post(body))) for _ in range(2)]
+        await wait_for(lambda: bodies.held == 2 * len(body), message="two bodies counted")
+        refused = await asyncio.wait_for(raw_exchange(frontend.port, post(body)), 10)
+        assert refused.startswith(b"HTTP/1.1 503 ") and b"server_busy" in refused, refused[:200]
+    finally:
+        release.set()
+    for answer in await asyncio.gather(*waiting):
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    await wait_for(lambda: bodies.held == 0, message="given back once decoded")

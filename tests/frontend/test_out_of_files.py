@@ -6,18 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import resource
 from collections.abc import Iterator
+from typing import Any
 
+import aiohttp
 import pytest
 
 from shoal import open_files
 from shoal.cards import WorkerRole
+from shoal.frontend import Frontend
+from shoal.frontend.http import upstream
 from tests.frontend.conftest import StartFrontend, StartWorker
+from tests.frontend.raw_upstream import StartRaw, start_raw
 from tests.frontend.support import raw_exchange, serving
 from tests.frontend.test_disagg_faults import _two_stages
+from tests.frontend.test_migration_last_resort import Gated
 from tests.helpers import wait_for
+
+__all__ = ["start_raw"]  # the fixture
 
 BODY = b'{"model":"mock-llm","messages":[{"role":"user","content":"hi"}]}'
 POST = (
@@ -117,3 +126,51 @@ async def test_client_connections_are_held_within_the_limit_of_open_files(
     finally:
         for _, writer in held:
             writer.close()
+
+
+async def test_a_stream_migrating_while_out_of_files_inhibits_no_other_instance(
+    start_raw: StartRaw, start_frontend: StartFrontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream's instance dies and the gateway, out of descriptors, can open no connection
+    to continue it: each continuation's connect failed with EMFILE, and `Migration.resume`
+    took it for that instance's failure, inhibiting it and trying the next (the three
+    instances all inhibited, though only the first had failed). Now the stream ends with its
+    error event naming the gateway's limit, and only the instance that died is inhibited."""
+    script = Gated()
+    for _ in range(3):
+        await start_raw(script)
+    frontend: Frontend = await start_frontend()
+    await wait_for(lambda: serving(frontend, "mock-llm", 3), message="model served")
+    out_of_files = False
+    real = upstream.open_within
+
+    async def opening(*args: Any) -> Any:  # (the socket the connect would open: EMFILE)
+        if out_of_files:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return await real(*args)
+
+    monkeypatch.setattr(upstream, "open_within", opening)
+    body = {
+        "model": "mock-llm",
+        "messages": [{"role": "user", "content": "Tell me"}],
+        "max_tokens": 10,
+        "stream": True,
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(10),
+        session.post(f"{frontend.url}/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status == 200
+        await response.content.readuntil(b"upon")  # the stream runs on one instance
+        out_of_files = True
+        script.cut.set()
+        received = await response.read()
+    assert b"open files" in received, received
+    assert frontend.metrics.instances_inhibited._value.get() == 1  # (the one that died)
+    assert len(script.bodies) == 1
+    model = frontend.registry.models["mock-llm"]
+    await wait_for(
+        lambda: all(not u.in_flight for ws in model.routable_sets for u in ws.routable),
+        message="no request in flight",
+    )

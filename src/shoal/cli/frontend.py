@@ -386,6 +386,11 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     for workspace in args.workspace:
         if not workspace:
             raise ValueError("--workspace must not be empty")
+    if args.max_body_memory < args.max_body:  # (a body over it: 503 'retry shortly', for good)
+        raise ValueError(
+            f"--max-body-memory ({args.max_body_memory}) is below --max-body ({args.max_body}): "
+            "a body between them could never be received; raise it, or lower --max-body"
+        )
     return FrontendConfig(
         store_url=args.store,
         host=args.host,

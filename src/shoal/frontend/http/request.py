@@ -9,11 +9,14 @@ import asyncio
 import http
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from shoal.openai import ApiError
+
+if TYPE_CHECKING:
+    from shoal.frontend.http.shared import BodyBudget
 
 
 class Request:
@@ -206,6 +209,11 @@ class ClientConnection(Protocol):
 
     @property
     def writable(self) -> bool: ...
+
+    @property
+    def bodies(self) -> BodyBudget:
+        """The server's budget of request bodies (a body waiting for its decode counts)."""
+        ...
 
     def produce_later(self, work: InFlight) -> None: ...
     def follow(self, flow: FlowListener | None) -> None: ...

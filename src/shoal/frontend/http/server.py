@@ -33,7 +33,7 @@ from shoal.bounds import DepthMeter
 from shoal.frontend.http import errors, head
 from shoal.frontend.http.errors import bad_request, body_too_large
 from shoal.frontend.http.request import BodyPieces, FlowListener, InFlight, Request, encode_response
-from shoal.frontend.http.shared import Listener
+from shoal.frontend.http.shared import BodyBudget, Listener
 from shoal.frontend.http.unread import Unread
 from shoal.openai import ApiError
 
@@ -588,6 +588,10 @@ class HttpConnection(asyncio.Protocol):
     @property
     def writable(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
+
+    @property
+    def bodies(self) -> BodyBudget:
+        return self.server.bodies
 
     @property
     def idle(self) -> bool:

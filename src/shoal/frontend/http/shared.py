@@ -44,6 +44,14 @@ class BodyBudget:
     def give(self, size: int) -> None:
         self.held -= size
 
+    def hold(self, size: int) -> bool:
+        """Count `size` bytes of a body handed on that still waits, whole (a large one, for
+        the decoder's one thread: `fields.InThread`), if they fit; else count nothing."""
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
     def let_go(self, reading: int, waiting: deque[Request] | None) -> None:
         """Give back `reading` bytes (a body no more read), and the bodies of the requests
         `waiting` if given (emptied: they are dropped, never answered)."""

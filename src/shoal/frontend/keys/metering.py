@@ -34,6 +34,7 @@ import msgspec
 
 from shoal.discovery.grants import Grant
 from shoal.frontend.http.request import ClientConnection, FlowListener, InFlight
+from shoal.frontend.http.shared import BodyBudget
 from shoal.openai import ApiError
 
 TAIL = 4096
@@ -312,6 +313,10 @@ class Metered:
     @property
     def writable(self) -> bool:
         return self.conn.writable
+
+    @property
+    def bodies(self) -> BodyBudget:
+        return self.conn.bodies
 
     def produce_later(self, work: InFlight) -> None:
         """`work` produces the response; this stands for it on the connection, so that a

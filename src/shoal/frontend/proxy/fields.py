@@ -263,19 +263,25 @@ def _refuse_too_deep(body: bytes, too_deep: bool | None) -> None:
         ) from None
 
 
+Done = Callable[[T | ApiError], None]  # (what `InThread` calls with its result, or the error)
+
+
 class InThread(Generic[T]):
     """`work()` run in `_DECODER`'s thread (a call of the decoder process), then `done(its
     result)`, or `done(error)`: the `ApiError` to answer, on the event loop. Until then it is
     the connection's response in progress: a client that leaves cancels it, and `done` is not
-    called."""
+    called. The `size` bytes of its body count in the server's budget until then (they wait
+    for the one thread; uncounted, they queued without bound): a 503 if they cross it."""
 
-    __slots__ = ("done", "future")
+    __slots__ = ("bodies", "done", "future", "size")
 
-    def __init__(
-        self, client: ClientConnection, work: Callable[[], T], done: Callable[[T | ApiError], None]
-    ) -> None:
-        self.done = done
-        self.future = client.loop.run_in_executor(_DECODER, work)
+    def __init__(self, client: ClientConnection, work: Callable[[], T], done: Done[T], size: int = 0) -> None:  # fmt: skip
+        self.done, self.bodies, self.size = done, client.bodies, size
+        if self.bodies.hold(size):
+            self.future = client.loop.run_in_executor(_DECODER, work)
+        else:
+            self.size, self.future = 0, client.loop.create_future()
+            self.future.set_exception(errors.bodies_held(self.bodies.limit))
         client.produce_later(self)
         self.future.add_done_callback(self._finished)
 
@@ -283,6 +289,8 @@ class InThread(Generic[T]):
         self.future.cancel()
 
     def _finished(self, future: asyncio.Future[T]) -> None:
+        self.bodies.give(self.size)
+        self.size = 0
         if future.cancelled():
             return
         exc = future.exception()
@@ -309,7 +317,7 @@ def fields_later(
     `with_members`: its top-level members too, in the same pass, kept as `request.members`
     for a body rebuilt from them."""
     decode = functools.partial(_fields_elsewhere, request, with_prompt, with_tokens, with_members)
-    return InThread(client, decode, done)
+    return InThread(client, decode, done, request.size)
 
 
 def members_later(
@@ -317,7 +325,7 @@ def members_later(
 ) -> InThread[Members]:
     """The top-level members of a large body that passed `decode_fields`, for
     `rewrite_model`, decoded in the decoder process (`InThread`)."""
-    return InThread(client, functools.partial(_members_elsewhere, body), done)
+    return InThread(client, functools.partial(_members_elsewhere, body), done, len(body))
 
 
 async def stop_decoder() -> None:

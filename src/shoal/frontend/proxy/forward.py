@@ -351,8 +351,7 @@ class Forward:
         target.in_flight -= 1
         self.target = None
         if self.started:  # a migrated stream's continuation failed before its first event
-            self._failed_after_start(failure, target)
-            return
+            return self._failed_after_start(failure, target)
         if isinstance(failure, OutOfFiles):  # (the gateway's own limit: no instance to blame,
             log.error("%s: out of file descriptors", failure)  # and none would fare better)
             return self._finish(errors.out_of_files(str(failure)))
@@ -523,8 +522,9 @@ class Forward:
         """The response failed after its first byte reached the client: a stream that may
         migrate goes on elsewhere (`Migration.resume`), any other ends (nothing held sent)."""
         self.held = None
-        try:
-            if self.migration is not None and self.migration.resume(exc, target):
+        try:  # (not out of files: each continuation's instance was blamed, inhibited in turn)
+            migration = None if isinstance(exc, OutOfFiles) else self.migration
+            if migration is not None and migration.resume(exc, target):
                 return
         except Exception:
             self._broken()
