@@ -154,3 +154,32 @@ async def test_a_deployment_asking_more_workers_than_the_host_allows_fails_alone
     finally:
         await backend.close()
     assert backend.running() == set()
+
+
+async def test_a_deployment_waiting_for_workers_others_hold_starts_once_they_scale_down(
+    tmp_path: Path,
+) -> None:
+    """A deployment that fits the host's bound alone but not beside the others' workers was
+    failed (and in the controller put in ERROR, its workers stopped, for good), even when
+    the others were being scaled down in the same pass. It now waits, saying so, not failed,
+    and starts once there is room; only one asking more than the bound itself is failed."""
+    backend = LocalBackend("memory://unused", tmp_path / "logs", max_workers=3)
+    holder = deployment(name="holder", replicas=3)
+    waiting = deployment(name="waiting", replicas=2)
+    try:
+        await backend.start(holder)
+        await backend.start(waiting)
+        observed = await backend.poll(waiting)
+        assert not observed.failed and not observed.all_ready, observed
+        assert "waiting" in observed.message and "3 run for other deployments" in observed.message
+        assert backend.pids("team-a", "waiting") == []
+        await backend.poll(deployment(name="holder", replicas=1))  # scaled down
+        observed = await backend.poll(waiting)
+        assert not observed.failed, observed.message
+        assert len(backend.pids("team-a", "waiting")) == 2
+        assert len(backend.pids("team-a", "holder")) == 1
+        never = await backend.poll(deployment(name="never", replicas=4))
+        assert never.failed and "at most 3 workers" in never.message, never.message
+    finally:
+        await backend.close()
+    assert backend.running() == set()

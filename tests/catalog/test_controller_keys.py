@@ -11,14 +11,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from shoal.catalog import KEYS, CatalogError, CatalogServer, routing
+from shoal.catalog import KEYS, PROVIDERS, CatalogError, CatalogServer, routing
+from shoal.catalog.calls import WRITES_AT_ONCE
 from shoal.catalog.controller import PassError
 from shoal.catalog.grants import KeysResult
 from shoal.catalog.leader import Leadership, LeadershipLost
 from shoal.catalog.routing import SLICE
 from shoal.discovery import route_key
 from shoal.discovery.grants import decode_grant, grant_key, grants_prefix, hash_secret
-from tests.catalog.controller_fixtures import WS, controller_on, seed_converged
+from tests.catalog.controller_fixtures import WS, controller_on, openai_servers, seed_converged
 from tests.helpers import wait_for
 
 
@@ -320,6 +321,37 @@ async def test_a_replica_whose_leadership_lapses_while_it_publishes_grants_stops
             await ctl.step()
         assert written == [True] * 10, written
         assert await store.get(grant_key(WS, "0" * 64)) is not None  # nor deleted
+
+
+async def test_a_replica_whose_leadership_lapses_while_it_writes_the_catalog_stops_at_once(
+    catalog: CatalogServer,
+) -> None:
+    """The providers phase's catalog writes (entities, passthrough virtual models, statuses,
+    deletes of those nobody serves) were checked for leadership only before the phase: a
+    replica that lapsed mid-phase (frozen past two TTLs) went on creating and deleting from
+    its old listing while another led. Each catalog write is checked now: none follows."""
+    async with (
+        openai_servers([f"m{i:03d}" for i in range(60)]) as [server],
+        controller_on(catalog.url, workspaces=[WS]) as (ctl, client, store),
+    ):
+        await client.create(PROVIDERS, {"name": "p", "type": "url", "base_url": server.base_url})
+        leadership = ctl.leadership = Leadership(store, "models-controller", ttl=5.0)
+        await wait_for(leadership.hold, timeout=30)
+        written: list[bool] = []
+
+        async def before(call: str, params: Any) -> None:
+            if call.startswith("GET "):
+                return
+            written.append(leadership.in_force())
+            if len(written) == 10:
+                assert leadership.lease is not None
+                await leadership.lease.revoke()  # its lease ends; another replica may lead
+
+        client.before = before
+        with pytest.raises(LeadershipLost):
+            await ctl.step()
+        # (besides the 10th, only writes checked before it lapsed, already on their way)
+        assert written[:10] == [True] * 10 and len(written) < 10 + WRITES_AT_ONCE, written
 
 
 async def test_a_key_with_an_expiry_without_offset_is_still_revoked_after_a_graced_rotation(

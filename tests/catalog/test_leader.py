@@ -4,6 +4,7 @@ itself leader once its lease was not renewed for a TTL."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -65,6 +66,32 @@ async def test_a_leader_whose_lease_was_not_renewed_for_a_ttl_is_not_in_force(
     leadership.lease.stop_keepalive()  # as if the store stopped answering
     await wait_for(lambda: not leadership.in_force(), timeout=2)
     assert leadership.leading  # the key may still be there: not in force all the same
+
+
+async def test_a_renewal_answered_after_the_lease_expired_does_not_put_leadership_in_force(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal counted from when its answer came: a replica frozen (or a network slow) for
+    a TTL between the store renewing the lease and the answer reaching it took the lease as
+    renewed just now, in force for one more TTL of writes, though the store had expired it
+    (and another replica may lead). It counts from when it was asked: the store cannot have
+    renewed it before."""
+    leadership = Leadership(store, ROLE, ttl=1)
+    await in_force_after_a_ttl(leadership)
+    lease = leadership.lease
+    assert lease is not None
+    lease.stop_keepalive()
+    renew = store._keepalive
+
+    async def answered_late(lease_id: int, ttl: float) -> bool:
+        alive = await renew(lease_id, ttl)
+        await asyncio.sleep(ttl * 1.2)  # the answer reaches the replica a TTL late
+        return alive
+
+    monkeypatch.setattr(store, "_keepalive", answered_late)
+    await lease.keepalive()
+    assert await store.get(leader_key(ROLE)) is None  # the store expired the lease meanwhile
+    assert not leadership.in_force()
 
 
 async def test_only_the_leading_controller_makes_passes(

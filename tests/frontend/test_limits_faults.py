@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -197,3 +198,31 @@ def test_the_state_of_many_keys_is_small() -> None:
     finally:
         tracemalloc.stop()
     assert per_key < 400, f"{per_key:.0f} bytes a key"  # (~350; 1,050 with a deque)
+
+
+async def test_an_outage_seeds_a_key_with_what_it_used_under_the_limits_redis_counted_for(
+    shared: Limits, redis_server: RedisServer
+) -> None:
+    # rpm 30, 24 used (6 left), then the key's rpm raised to 300 and Redis gone: the local
+    # windows start at the 24 used, so 276 more are admitted this minute, not 6 (300 - 6
+    # taken for used); and lowered to 10, none (the 24 are past it)
+    for _ in range(24):
+        told = Told()
+        shared.wait(grant(0, rpm=30), told)
+        await wait_for(lambda told=told: told.verdicts)
+        assert isinstance(told.verdicts[0], bytes)
+    used = 30 - shared._keys["default"]["k0"].left_requests  # (24, and any allowance left)
+    raised, lowered = grant(0, rpm=300), grant(1, rpm=10)
+    for _ in range(12):
+        told = Told()
+        shared.wait(grant(1, rpm=30), told)
+        await wait_for(lambda told=told: told.verdicts)
+    redis_server.stop()
+    await wait_for(lambda: not shared.shared, timeout=5)
+    local_minute = int(time.time() // windows.WINDOW)
+    admitted = 0
+    while isinstance(shared.admit(raised), bytes) and admitted < 400:
+        admitted += 1
+    if int(time.time() // windows.WINDOW) == local_minute:  # (not across a minute's turn)
+        assert admitted == 300 - used, (admitted, used)
+        assert isinstance(shared.admit(lowered), windows.Refusal)

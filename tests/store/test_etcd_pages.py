@@ -151,3 +151,37 @@ async def test_a_listing_paginated_while_another_writer_deletes_and_adds_is_one_
     assert [kv.key for kv in snap.items] == sorted(expected)
     assert {kv.key: kv.value for kv in snap.items} == expected
     assert all(kv.mod_revision <= snap.revision for kv in snap.items)
+
+
+async def test_values_growing_past_the_message_limit_cost_few_refused_pages(
+    etcd_server: EtcdServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused page is one etcd made whole and sent (here 6 MiB; with 1.5 MiB values up
+    to the range's whole rest): small values before large ones made the page grow back past
+    the limit after each page of small ones (15 refused here). It is read again 16 times
+    smaller until it fits (a refusal a step), and does not grow over the keys it refused."""
+    options = dict(etcd_client._CHANNEL_OPTIONS)
+    options["grpc.max_receive_message_length"] = 3 * 1024 * 1024
+    monkeypatch.setattr(etcd_client, "_CHANNEL_OPTIONS", options)
+    monkeypatch.setattr(etcd_txn, "PAGE_BYTES", 1024 * 1024, raising=False)
+    store = await open_store(etcd_server.url)
+    try:
+        written = {f"{prefix}a/{i:04d}": b"s" * 10 for i in range(3000)}
+        written |= {f"{prefix}b/{i:03d}": os.urandom(256 * 1024) for i in range(24)}
+        await store.put_many(list(written.items()))
+        assert isinstance(store, EtcdStore)
+        call, refused = store._call, []
+
+        async def counted(what: str, fn: Any) -> Any:
+            try:
+                return await call(what, fn)
+            except Exception as exc:
+                refused.append(etcd_client._grpc_code(exc)[0])
+                raise
+
+        monkeypatch.setattr(store, "_call", counted)
+        snap = await store.get_prefix(prefix)
+        assert [kv.key for kv in snap.items] == sorted(written)
+        assert refused.count("RESOURCE_EXHAUSTED") <= 3, refused  # (a step each, 16x fewer keys)
+    finally:
+        await store.close()

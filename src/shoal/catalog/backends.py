@@ -121,7 +121,8 @@ class _Replica:
 class _Running:
     command: list[str]
     replicas: list[_Replica] = field(default_factory=list)
-    refused: str = ""  # why its replicas are not all started: over the host's bound
+    refused: str = ""  # why it is failed: more replicas than the host's bound
+    waiting: str = ""  # why its replicas are not all started: others hold the room
 
 
 class LocalBackend(Backend):
@@ -134,9 +135,11 @@ class LocalBackend(Backend):
     stopped while it was being made (the fence) is stopped once made: none is left untracked.
 
     At most `max_workers` processes run at once for all deployments (`--max-local-workers`):
-    a deployment asking more replicas than are left gets no new ones and is failed, saying
-    so (the controller puts it in ERROR, as one whose workers keep failing), while every
-    other deployment runs on (`replicas: 10000` started 10,000 processes on one host).
+    a deployment asking more replicas than that is failed, saying so (the controller puts it
+    in ERROR, as one whose workers keep failing), while every other deployment runs on
+    (`replicas: 10000` started 10,000 processes on one host). One that fits the bound but not
+    beside the other deployments' workers gets no new ones and waits, saying so (not failed:
+    the others may be scaled down in the same pass, after it), until they leave it room.
     """
 
     def __init__(
@@ -173,6 +176,9 @@ class LocalBackend(Backend):
         ready = sum(1 for r in running.replicas if r.alive and r.ready)
         if running.refused:
             return Observed(ready, deployment.replicas, True, running.refused)
+        if running.waiting:
+            return Observed(ready, deployment.replicas, False, f"{ready}/{deployment.replicas}"
+                            f" ready; {running.waiting}")  # fmt: skip
         failing = [r for r in running.replicas if r.failures >= GIVE_UP_AFTER]
         if failing:
             message = f"replicas keep failing to start: {failing[0].last_error}"
@@ -196,15 +202,21 @@ class LocalBackend(Backend):
         while len(running.replicas) > deployment.replicas:
             await _stop_replica(running.replicas.pop())
         others = sum(len(r.replicas) for k, r in self._running.items() if k != key)
-        room = self.max_workers - others
-        running.refused = ""
-        if deployment.replicas > room:
+        running.refused = running.waiting = ""
+        if deployment.replicas > self.max_workers:  # it can never run here
             running.refused = (
                 f"{deployment.replicas} replicas asked, but the local backend runs at most "
-                f"{self.max_workers} workers on this host (--max-local-workers) and "
-                f"{others} run for other deployments"
+                f"{self.max_workers} workers on this host (--max-local-workers)"
             )
-        while len(running.replicas) < deployment.replicas and not running.refused:
+        elif deployment.replicas > self.max_workers - others:  # room others may give back
+            running.waiting = (
+                f"waiting for room: {deployment.replicas} replicas asked, the local backend "
+                f"runs at most {self.max_workers} workers on this host (--max-local-workers) "
+                f"and {others} run for other deployments"
+            )
+        while len(running.replicas) < deployment.replicas and not (
+            running.refused or running.waiting
+        ):
             running.replicas.append(_Replica())
         now = self.clock()
         for number, replica in enumerate(running.replicas):

@@ -23,6 +23,7 @@ from typing import Any
 from shoal.catalog.calls import Calls, each
 from shoal.catalog.errors import ConflictError, NotFoundError
 from shoal.catalog.kinds import MODELS
+from shoal.catalog.leader import LeadershipLost
 from shoal.catalog.resources import Model
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,8 @@ class EntityCache:
             change = self._staged[name]
             try:
                 written = await self._write(name, change)
+            except LeadershipLost:  # not this entity's: the pass stops
+                raise
             except Exception as exc:  # this entity only (unreadable, refused, the catalog down)
                 change.attempted = True
                 result.failed[name] = f"{type(exc).__name__}: {exc}"

@@ -17,8 +17,8 @@
                            on its own (a failure is that virtual model's status_message)
 
 Leadership is checked again (`in_force`, a clock read) before each workspace's keys, before
-each of its phases, and before grants and routes are published, then every slice of them and
-before each delete: a replica whose leadership lapsed mid-pass stops the pass
+each of its phases, before each grant and route written or deleted, and before each catalog
+write (`Calls.guard`): a replica whose leadership lapsed mid-pass stops the pass
 (`LeadershipLost`) instead of publishing from its listings while another leads.
 
 Failures are isolated to what they come from: a row the client cannot read is left out of
@@ -116,7 +116,7 @@ class ModelsController(Controller, HeartbeatMixin):
         collections: PassCollections | None = None,
         keys_interval: float = 2.0,
     ) -> None:
-        self.calls = Calls(client, self.emit_heartbeat)
+        self.calls = Calls(client, self.emit_heartbeat, self._in_force)
         self.keys_interval = keys_interval  # keys published again while the other phases run
         self.store = store
         self.backend = backend

@@ -295,6 +295,10 @@ class Lease:
         """
         if self.lost.is_set():
             raise LeaseNotFoundError(f"lease {self.id:x} is lost")
+        # Renewed as of when it was asked, not when the answer came: the store renewed it in
+        # between, and an answer that reached a process frozen (or a network slow) for a TTL
+        # put a lease the store had expired meanwhile in force for one more TTL.
+        asked = time.monotonic()
         try:
             alive = await self.store._keepalive(self.id, self.ttl)
         except Exception as exc:
@@ -304,7 +308,7 @@ class Lease:
         if not alive:
             self.lost.set()
             raise LeaseNotFoundError(f"lease {self.id:x} no longer exists")
-        self.last_renewed = time.monotonic()
+        self.last_renewed = max(self.last_renewed, asked)
 
     def start_keepalive(self) -> asyncio.Task[None]:
         """Renew in the background about every TTL/3 until the lease is lost or revoked."""
@@ -490,7 +494,8 @@ class Store(abc.ABC):
         """Grant a lease of `ttl` seconds, renewed in the background unless `keepalive=False`."""
         if ttl <= 0:
             raise ValueError(f"lease ttl must be positive, got {ttl}")
-        lease = Lease(id=await self._grant(ttl), ttl=ttl, store=self)
+        asked = time.monotonic()  # (granted no earlier: its TTL counts from then, as a renewal's)
+        lease = Lease(id=await self._grant(ttl), ttl=ttl, store=self, last_renewed=asked)
         if keepalive:
             self._kept_alive.add(lease)
             lease.start_keepalive().add_done_callback(lambda _: self._kept_alive.discard(lease))

@@ -88,21 +88,28 @@ class _PageSize:
     """The keys the next page of a listing may read over all its ranges (`keys`): the first
     `FIRST_PAGE_KEYS`, then as many as the bytes per key of the last page let into
     `PAGE_BYTES`, growing at most `PAGE_GROWTH` times a page (values that grow from one
-    page to the next are met before a page holds many of them)."""
+    page to the next are met before a page holds many of them). Over the keys a refused
+    page would have read (`careful`), pages do not grow: small values before large ones
+    made the page grow back past the message limit page after page (3,000 keys of 10
+    bytes before 24 of 256 KiB, a 3 MiB limit: 15 pages refused, each made whole by etcd)."""
 
     def __init__(self) -> None:
         self.keys = FIRST_PAGE_KEYS
+        self.careful = 0
 
     def read(self, keys: int, size: int) -> None:
         """The last page read `keys` keys in a response of `size` bytes."""
         if keys:
             per_key = max(size // keys, 1)
-            self.keys = max(1, min(self.keys * PAGE_GROWTH, PAGE_BYTES // per_key))
+            grown = self.keys if self.careful > 0 else self.keys * PAGE_GROWTH
+            self.keys = max(1, min(grown, PAGE_BYTES // per_key))
+            self.careful -= keys
 
     def refused(self) -> bool:
         """The last page was refused as too large: read fewer keys (False: one was too many)."""
         if self.keys <= 1:
             return False
+        self.careful = self.keys
         self.keys = max(1, self.keys // 16)
         return True
 

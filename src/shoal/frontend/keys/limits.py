@@ -131,8 +131,8 @@ class _Key:
     """One key's state here while the windows are shared (see the module's docstring)."""
 
     __slots__ = (
-        "asking", "avg", "given", "giving", "grant", "heard", "left_requests", "left_tokens",
-        "owed", "per", "reset_at", "since", "units", "until", "used", "waiting", "window",
+        "asking", "avg", "given", "giving", "grant", "heard", "heard_of", "left_requests",
+        "left_tokens", "owed", "per", "reset_at", "since", "units", "until", "used", "waiting", "window",
     )  # fmt: skip
 
     def __init__(self, grant: Grant) -> None:
@@ -150,6 +150,7 @@ class _Key:
         self.left_requests = self.left_tokens = 0  # Redis' last answer, for the headers
         self.reset_at = 0.0
         self.heard = 0.0  # when (monotonic) they came; 0: told to the fallback already
+        self.heard_of = grant  # the limits Redis counted them against (`grant`'s may be newer)
         self.waiting: list[Waiter] = []  # (a deque is 760 bytes empty, for 100,000 keys)
         self.asking = False  # a LEASE is on its way
 
@@ -281,7 +282,12 @@ class Limits:
         key = named.get(grant.name) if named is not None else None
         if key is not None and key.heard:
             if time.monotonic() - key.heard < WINDOW:
-                self.local.seed(grant, share, key.left_requests, key.left_tokens)
+                # what was used, by the limits Redis counted it against: the key's may have
+                # changed since (rpm 30 with 6 left, raised to 300: 24 used, not 294)
+                of = key.heard_of
+                used_r = max(of.rpm - max(key.left_requests, 0), 0) if of.rpm else 0
+                used_t = max(of.tpm - max(key.left_tokens, 0), 0) if of.tpm else 0
+                self.local.seed(grant, share, used_r, used_t)
             key.heard = 0.0
         return self.local.admit(grant, share, tokens, ticket)
 
@@ -391,11 +397,17 @@ class Limits:
             back, back * key.per, key.window,
             *(() if given is None else itertools.chain.from_iterable(given.items())),
         )  # fmt: skip
-        future.add_done_callback(functools.partial(self._answered, key, want, per, owed))
+        future.add_done_callback(functools.partial(self._answered, key, grant, want, per, owed))
         return future
 
     def _answered(
-        self, key: _Key, want: int, per: int, owed: int, future: asyncio.Future[Any]
+        self,
+        key: _Key,
+        asked: Grant,
+        want: int,
+        per: int,
+        owed: int,
+        future: asyncio.Future[Any],
     ) -> None:
         key.asking = False
         if future.cancelled():
@@ -415,7 +427,7 @@ class Limits:
             pass
         elif not admitted:
             key.left_requests, key.left_tokens, key.reset_at = left_r, left_t, now + turn
-            key.heard = now
+            key.heard, key.heard_of = now, asked
             wait, other = max(int(wait), 1), max(int(other), 1)
             if which == 1:  # each limit's own reset
                 headers = headers_of(grant, left_r, left_t, wait, other)
@@ -426,7 +438,7 @@ class Limits:
                 waiter.refused(refusal)
         else:
             key.left_requests, key.left_tokens, key.reset_at = left_r, left_t, now + turn
-            key.heard = now
+            key.heard, key.heard_of = now, asked
             key.units, key.window, key.per = granted, window, per
             key.until, key.since, key.used = now + LEASE_TIME, now, 0
             told = 0

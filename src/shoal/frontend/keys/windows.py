@@ -219,21 +219,19 @@ class LocalWindows:
         self,
         grant: Grant,
         share: int,
-        left_requests: float,
-        left_tokens: float,
+        used_requests: float,
+        used_tokens: float,
         now: float | None = None,
     ) -> None:
         """Start the key's windows here at its 1/`share` of what the shared windows had used
-        when last heard of (`left_*`: what Redis said was left of each limit), unless more
-        is counted here already."""
+        when last heard of (`used_*`: what Redis counted against the limits it was asked
+        about then), unless more is counted here already."""
         now = time.time() if now is None else now
         window = self._at(grant, int(now // WINDOW))
         if grant.rpm:
-            used = max(grant.rpm - max(left_requests, 0), 0) // share
-            window.requests = max(window.requests, int(used))
+            window.requests = max(window.requests, int(max(used_requests, 0) // share))
         if grant.tpm:
-            used = max(grant.tpm - max(left_tokens, 0), 0) // share
-            window.tokens = max(window.tokens, int(used))
+            window.tokens = max(window.tokens, int(max(used_tokens, 0) // share))
 
     def charge(
         self,
