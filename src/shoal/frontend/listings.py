@@ -24,7 +24,7 @@ import asyncio
 import heapq
 import itertools
 import operator
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -160,12 +160,16 @@ class Listings:
         del hidden
         chunks.append(kept)
         pieces: list[bytes] = [b'{"object":"list","data":[']
+        # A key's allow-list is looked up in its view's objects; a request without a team's
+        # key is given the body alone: that view keeps none (10 workspaces of 10,000 virtual
+        # models: ~30 MB kept, freed in one turn of 8-20 ms when it was made again).
         by_id: dict[str, dict[str, Any]] = {}
         async for batch in _merged(chunks):
             if len(pieces) > 1:
                 pieces.append(b",")
             pieces.append(_json(batch)[1:-1])  # (the objects, without the list's brackets)
-            by_id.update((obj["id"], obj) for obj in batch)
+            if view is not None:
+                by_id.update((obj["id"], obj) for obj in batch)
         pieces.append(b"]}")
         body = b"".join(pieces)  # (one copy: head and tail added after a join copied it twice)
         del pieces
@@ -223,10 +227,18 @@ class Listings:
 async def _merged(chunks: list[list[dict[str, Any]]]) -> AsyncIterator[list[dict[str, Any]]]:
     """The objects of `chunks` (each sorted by id) in one order by id, `LISTING_SLICE` a turn
     of the loop: a sort and an encoding of 30,000 objects in one go held it 30-40 ms."""
-    merged = heapq.merge(*chunks, key=_ID)
+    merged = heapq.merge(*map(_drained, chunks), key=_ID)
     while batch := list(itertools.islice(merged, LISTING_SLICE)):
         yield batch
         await asyncio.sleep(0)
+
+
+def _drained(chunk: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """`chunk`'s items in order, each let go of as it is taken: the objects a listing does not
+    keep are freed a slice a turn, not all at once at its end."""
+    chunk.reverse()
+    while chunk:
+        yield chunk.pop()
 
 
 def _failed(future: asyncio.Future[Any]) -> bool:
