@@ -356,3 +356,30 @@ async def test_a_listing_of_several_workspaces_is_sorted_and_encoded_a_slice_per
     assert len(names) == 3 * count + 1 and names == sorted(names)
     assert sum(encoded.per_turn.values()) == 3 * count + 1  # (every object encoded once)
     assert encoded.most_per_turn <= listings.LISTING_SLICE, encoded.most_per_turn
+
+
+async def test_health_asked_with_a_team_key_describes_no_routes(
+    store: Store, start_worker: StartWorker, start_frontend: StartFrontend
+) -> None:
+    """`/health` built its whole body, every workspace's routes described (8 ms a call at 10
+    workspaces of 10,000 virtual models), then kept the status alone for a caller without the
+    operator's key: anyone could make the frontend do that work per request. It is told the
+    status without the details being made; the operator still gets them."""
+    frontend, _ = await two_workspaces(store, start_worker, start_frontend)
+    from tests.helpers import LoopTurns
+
+    described = LoopTurns().wrap(frontend.routes, "describe")
+    try:
+        async with aiohttp.ClientSession() as session:
+            for key in (KEY_B, KEY_A, None):
+                headers = {"authorization": f"Bearer {key}"} if key else {}
+                async with session.get(f"{frontend.url}/health", headers=headers) as answer:
+                    assert await answer.json() == {"status": "ok"}
+            assert described.on_loop == 0
+            headers = {"authorization": f"Bearer {OPERATOR}"}
+            async with session.get(f"{frontend.url}/health", headers=headers) as answer:
+                body = await answer.json()
+    finally:
+        await described.stop()
+    assert body["virtual_models"]["models_total"] == len(ROUTES)
+    assert described.on_loop == 1

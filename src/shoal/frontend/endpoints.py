@@ -279,8 +279,9 @@ class Endpoints:
             status, body = self.readiness()
             conn.send(status, _json(body))
         elif path == b"/health":
-            status, body = self.health()
-            if not self.config.public_health and not self._authorized(request):
+            detailed = self.config.public_health or self._authorized(request)
+            status, body = self.health(detailed)
+            if not detailed:
                 body = {k: v for k, v in body.items() if k in _PUBLIC_HEALTH}
             conn.send(status, _json(body))
         elif path == b"/health/controllers":
@@ -389,14 +390,18 @@ class Endpoints:
             return 503, {"status": "not ready", "reasons": reasons}
         return 200, {"status": "ready"}
 
-    def health(self) -> tuple[int, dict[str, Any]]:
-        """503 while starting or draining; else 200 with what the registry knows."""
+    def health(self, detailed: bool = True) -> tuple[int, dict[str, Any]]:
+        """503 while starting or draining; else 200 with what the registry knows (not
+        `detailed`: the status alone, what a caller without the API key is told; the details
+        describe every workspace's routes, 8 ms a call at 10 workspaces of 10,000)."""
         if self.draining:
             return 503, {"status": "draining"}
         if self.watcher is None:
             return 503, {"status": "starting"}
         if not self.watcher.snapshot_loaded.is_set():
             return 503, {"status": "starting", "loading": self.watcher.progress()}
+        if not detailed:
+            return 200, {"status": "ok"}
         fleet = self._health_fleet()
         incomplete = self.watcher.incomplete()
         listed = heapq.nsmallest(MAX_LISTED, incomplete, key=lambda r: r.model.key.key)
