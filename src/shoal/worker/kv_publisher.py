@@ -119,6 +119,7 @@ class KvEventPublisher:
         self._subscribers = 0  # subscriptions to the topic taken by the socket now open
         self._marks = 0  # of those before the last reopen: each returning one gets a mark
         self._unseen = 0  # the first number published since the last reopen began
+        self._last_events = -1  # the number of the last batch with events (not a mark)
         self._replays: set[asyncio.Task[None]] = set()
         self.waiting = 0  # replays waiting for their subscriber to read
         self._stalled: dict[asyncio.Task[None], float] = {}  # waiting replay -> since when
@@ -185,6 +186,8 @@ class KvEventPublisher:
         self._flush = None
         if not (self._pending or mark) or self._ctx is None:
             return
+        if self._pending:
+            self._last_events = self.next_seq
         batch = KVEventBatch(ts=time.time(), events=self._pending)
         self._pending = []
         seq, payload = self.next_seq, self._encode(batch)
@@ -214,7 +217,7 @@ class KvEventPublisher:
                 if topic.startswith(message[1:]):
                     sock.setsockopt(zmq.SUBSCRIBE, topic)
                     self._subscribers += 1
-                    if self._marks and self.next_seq > self._unseen:
+                    if self._marks and self._last_events >= self._unseen:
                         self._marks -= 1
                         self.flush(mark=True)  # (sent to the peer just subscribed too)
                     continue
@@ -241,9 +244,12 @@ class KvEventPublisher:
         # A batch published from now until a subscriber is back is not sent to it, and an
         # idle worker may send none after: each subscriber coming back (as many as there
         # were) is sent the next number at once (an empty batch when none is queued), so
-        # it replays what it missed.
+        # it replays what it missed (only when batches with events were published since:
+        # an idle worker opened anew again and again fills its buffer with no marks).
+        if not self._marks:
+            self._unseen = self.next_seq
         self._marks = min(self._marks + self._subscribers, MAX_MARKS)
-        self._subscribers, self._unseen = 0, self.next_seq
+        self._subscribers = 0
         port = int(self.endpoint.publisher.rsplit(":", 1)[1])
         pause = 0.005
         while True:
