@@ -15,6 +15,7 @@ from yarl import URL
 
 from shoal.cards import ModelCard
 from shoal.discovery import Discovery
+from shoal.frontend.http.fetch import Fetcher
 from shoal.store import Store
 from shoal.worker import Engine, Runtime, ServedModel, status
 from shoal.worker.http_server import STATUS_MAX_CONNECTIONS
@@ -116,6 +117,34 @@ async def test_files_whose_names_a_url_cannot_carry_are_skipped_and_the_model_an
                 assert resp.status == 200
                 body = await resp.read()
             assert f"sha256:{hashlib.sha256(body).hexdigest()}" == meta.checksum
+
+
+async def test_metadata_files_with_unicode_spaces_and_url_characters_are_announced_and_fetched(
+    runtime: Runtime, store: Store, tmp_path: Path
+) -> None:
+    """Names a URL carries quoted (`tokenizer-日本.json`, spaces, `%`, `?`, `#`, `+`) are
+    announced with the others and each is served as listed."""
+    names = ["config.json", "tokenizer-日本.json", "my file.json", "a%20b.json", "q?.json",
+             "h#.json", "p+q.json", "e\u0301.json"]  # fmt: skip
+    for n, name in enumerate(names):
+        (tmp_path / name).write_text(f'{{"n": {n}}}')
+    await runtime.endpoint(EP).serve(OneModel(tmp_path))
+    [model] = await Discovery(store).list()
+    files = model.card.metadata_files
+    assert set(files) == set(names)
+    async with aiohttp.ClientSession() as http:
+        for name, meta in files.items():
+            async with http.get(meta.url) as resp:
+                assert resp.status == 200, (name, meta.url)
+                body = await resp.read()
+            assert body == (tmp_path / name).read_bytes(), name
+    fetcher = Fetcher()  # (the gateway's own client, which fetches small files)
+    try:
+        for name, meta in files.items():
+            assert Fetcher.handles(meta.url), meta.url
+            assert await fetcher.get(meta.url, 1024, 10) == (tmp_path / name).read_bytes()
+    finally:
+        fetcher.close()
 
 
 @pytest.mark.parametrize("name", ["a\\b.json", "extra\udcff.json"])

@@ -71,6 +71,10 @@ PUB_MAX_INBOUND = 256
 publisher's own is at most `PUB_MAX_INBOUND - 64` bytes), or the handshake's few dozen."""
 MAX_STRAY_SUBSCRIPTIONS = 64
 """Subscriptions to topics never sent taken before the publishing socket is opened anew."""
+MAX_MARKS = 256
+"""Subscribers coming back after the publishing socket was opened anew sent the publisher's
+next number at once (an empty batch when none is queued), at most: they replay what was
+published while they were away."""
 MAX_INBOUND_BYTES = 4096
 """The largest frame either socket takes from a peer (ZMQ_MAXMSGSIZE): a replay request is
 a few bytes, a subscription its topic. A peer sending more is disconnected before it is
@@ -112,6 +116,10 @@ class KvEventPublisher:
         self._subscription_task: asyncio.Task[None] | None = None
         self.subscriptions = 0  # subscription requests taken
         self.reopened = 0  # times the publishing socket was opened anew (stray subscriptions)
+        self._subscribers = 0  # subscriptions to the topic taken by the socket now open
+        self._marks = 0  # of those before the last reopen: each returning one gets a mark
+        self._unseen = 0  # the first number published since the last reopen began
+        self._last_events = -1  # the number of the last batch with events (not a mark)
         self._replays: set[asyncio.Task[None]] = set()
         self.waiting = 0  # replays waiting for their subscriber to read
         self._stalled: dict[asyncio.Task[None], float] = {}  # waiting replay -> since when
@@ -172,11 +180,14 @@ class KvEventPublisher:
         if self._flush is None:
             self._flush = asyncio.get_running_loop().call_soon(self.flush)
 
-    def flush(self) -> None:
-        """Send the queued events as one batch with the next sequence number."""
+    def flush(self, mark: bool = False) -> None:
+        """Send the queued events as one batch with the next sequence number (`mark`: even
+        none, to show subscribers the last number)."""
         self._flush = None
-        if not self._pending or self._ctx is None:
+        if not (self._pending or mark) or self._ctx is None:
             return
+        if self._pending:
+            self._last_events = self.next_seq
         batch = KVEventBatch(ts=time.time(), events=self._pending)
         self._pending = []
         seq, payload = self.next_seq, self._encode(batch)
@@ -205,6 +216,10 @@ class KvEventPublisher:
                 self.subscriptions += 1
                 if topic.startswith(message[1:]):
                     sock.setsockopt(zmq.SUBSCRIBE, topic)
+                    self._subscribers += 1
+                    if self._marks and self._last_events >= self._unseen:
+                        self._marks -= 1
+                        self.flush(mark=True)  # (sent to the peer just subscribed too)
                     continue
                 stray += 1
                 if stray > MAX_STRAY_SUBSCRIPTIONS:
@@ -226,6 +241,15 @@ class KvEventPublisher:
         self._pub.close(0)
         self._pub = None
         self.reopened += 1
+        # A batch published from now until a subscriber is back is not sent to it, and an
+        # idle worker may send none after: each subscriber coming back (as many as there
+        # were) is sent the next number at once (an empty batch when none is queued), so
+        # it replays what it missed (only when batches with events were published since:
+        # an idle worker opened anew again and again fills its buffer with no marks).
+        if not self._marks:
+            self._unseen = self.next_seq
+        self._marks = min(self._marks + self._subscribers, MAX_MARKS)
+        self._subscribers = 0
         port = int(self.endpoint.publisher.rsplit(":", 1)[1])
         pause = 0.005
         while True:
