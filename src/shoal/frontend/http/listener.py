@@ -22,8 +22,8 @@ import uvloop
 from uvloop.loop import SSLProtocol as UvloopSSLProtocol  # type: ignore[attr-defined]
 
 from shoal.frontend.http.head import HeadCheck
+from shoal.frontend.http.request import BodyBudget
 from shoal.frontend.http.server import Handler, HttpConnection
-from shoal.frontend.http.shared import BodyBudget
 
 TURN_SECONDS = 0.005  # a sweep's slice: then the loop turns (as `proxy.deadlines`)
 

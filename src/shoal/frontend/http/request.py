@@ -8,15 +8,13 @@ from __future__ import annotations
 import asyncio
 import http
 import time
+from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import msgspec
 
 from shoal.openai import ApiError
-
-if TYPE_CHECKING:
-    from shoal.frontend.http.shared import BodyBudget
 
 
 class Request:
@@ -193,6 +191,46 @@ class InFlight(Protocol):
     """A response being produced after the handler returned; told if the client goes away."""
 
     def cancel(self) -> None: ...
+
+
+class BodyBudget:
+    """Bytes of request bodies held (`held`), at most `limit` (`take` says whether they fit).
+
+    Invariant: `held` is the sum, over the server's connections, of the body being read and
+    the bodies of requests parsed and not yet handed to the handler; a connection gives back
+    what it took when it hands a request on, and all it still holds when it stops or closes.
+    """
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int) -> bool:
+        """Count `size` more bytes held; False if they cross the limit (counted all the same:
+        the connection gives them back with the rest of its body)."""
+        self.held += size
+        return self.held <= self.limit
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+    def hold(self, size: int) -> bool:
+        """Count `size` bytes of a body handed on that still waits, whole (a large one, for
+        the decoder's one thread: `fields.InThread`), if they fit; else count nothing."""
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def let_go(self, reading: int, waiting: deque[Request] | None) -> None:
+        """Give back `reading` bytes (a body no more read), and the bodies of the requests
+        `waiting` if given (emptied: they are dropped, never answered)."""
+        if waiting:
+            reading += sum(request.size for request in waiting)
+            waiting.clear()
+        self.held -= reading
 
 
 class ClientConnection(Protocol):

@@ -1,14 +1,10 @@
-"""The gateway's HTTP/1.1 server: one `asyncio.Protocol` per connection, parsed by httptools.
-This module is the connection (`HttpConnection`); `listener.py` listens and sweeps deadlines,
-`request.py` holds what a handler sees. A web framework costs more CPU per request than the
-whole proxy path should: this is the minimum that is correct (keep-alive, pipelining, length
-and chunked bodies, `Expect: 100-continue`, limits, timeouts, write-side flow control passed
-on to the upstream connection: `ClientConnection.follow`).
-
+"""The gateway's HTTP/1.1 server, one `asyncio.Protocol` per connection (`HttpConnection`),
+parsed by httptools; `listener.py` listens, `request.py` holds what a handler sees. A web
+framework costs more CPU per request than the whole proxy path should: this is the minimum
+that is correct (keep-alive, pipelining, length and chunked bodies, `Expect: 100-continue`,
+limits, timeouts, write-side flow control passed upstream: `ClientConnection.follow`).
 Each complete request goes to the handler as a `Request` with its whole body, from the
-parser's callback (no task per request). The handler answers with `send()`, or later through
-`ClientConnection`: `produce_later()` (a client that goes away cancels it), `follow()`,
-`write()`s, then `finish()`.
+parser's callback; the handler answers with `send()`, or through `ClientConnection`.
 
 What a connection owes its client, in order (RFC 9112 §9.3): an answer to every complete
 request, one at a time, then (if reading stopped on an error) that error, then the close.
@@ -31,9 +27,15 @@ import httptools
 
 from shoal.bounds import DepthMeter
 from shoal.frontend.http import errors, head
-from shoal.frontend.http.errors import bad_request, body_too_large
-from shoal.frontend.http.request import BodyPieces, FlowListener, InFlight, Request, encode_response
-from shoal.frontend.http.shared import BodyBudget, Listener
+from shoal.frontend.http.request import (
+    BodyBudget,
+    BodyPieces,
+    FlowListener,
+    InFlight,
+    Request,
+    encode_response,
+)
+from shoal.frontend.http.shared import Listener
 from shoal.frontend.http.unread import Unread
 from shoal.openai import ApiError
 
@@ -221,7 +223,7 @@ class HttpConnection(asyncio.Protocol):
             log.exception("parsing a request failed")
             self._stop(errors.internal_error())
         else:
-            self._stop(bad_request(f"Malformed HTTP request: {exc}"))
+            self._stop(errors.bad_request(f"Malformed HTTP request: {exc}"))
 
     def _hold(self, data: bytes | memoryview) -> None:
         rest = self._held[self._held_pos :]
@@ -315,7 +317,7 @@ class HttpConnection(asyncio.Protocol):
         self._body_size += len(body)
         fits = self.server.bodies.take(len(body))  # (given back: `_dispatch`, `_let_go`)
         if self._body_size > self._body_limit:
-            self._refuse(body_too_large(self._body_limit))
+            self._refuse(errors.body_too_large(self._body_limit))
         if not fits:
             self._refuse(errors.bodies_held(self.server.bodies.limit))
         self._body.add(body)  # (a refused request's too: at most `head.DRAINED_BODY`, dropped)

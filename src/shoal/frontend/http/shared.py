@@ -11,54 +11,13 @@ needed). Past the budget, the request whose bytes crossed it is refused (503): t
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from shoal.frontend.http import head
-from shoal.frontend.http.request import Request
+from shoal.frontend.http.request import BodyBudget, Request
 
 C = TypeVar("C")  # the connection (`server.HttpConnection`: this module does not import it)
-
-
-class BodyBudget:
-    """Bytes of request bodies held (`held`), at most `limit` (`take` says whether they fit).
-
-    Invariant: `held` is the sum, over the server's connections, of the body being read and
-    the bodies of requests parsed and not yet handed to the handler; a connection gives back
-    what it took when it hands a request on, and all it still holds when it stops or closes.
-    """
-
-    __slots__ = ("held", "limit")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-
-    def take(self, size: int) -> bool:
-        """Count `size` more bytes held; False if they cross the limit (counted all the same:
-        the connection gives them back with the rest of its body)."""
-        self.held += size
-        return self.held <= self.limit
-
-    def give(self, size: int) -> None:
-        self.held -= size
-
-    def hold(self, size: int) -> bool:
-        """Count `size` bytes of a body handed on that still waits, whole (a large one, for
-        the decoder's one thread: `fields.InThread`), if they fit; else count nothing."""
-        if self.held + size > self.limit:
-            return False
-        self.held += size
-        return True
-
-    def let_go(self, reading: int, waiting: deque[Request] | None) -> None:
-        """Give back `reading` bytes (a body no more read), and the bodies of the requests
-        `waiting` if given (emptied: they are dropped, never answered)."""
-        if waiting:
-            reading += sum(request.size for request in waiting)
-            waiting.clear()
-        self.held -= reading
 
 
 class Listener(head.Limits, Protocol[C]):

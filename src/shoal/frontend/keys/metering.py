@@ -33,8 +33,7 @@ from typing import Protocol
 import msgspec
 
 from shoal.discovery.grants import Grant
-from shoal.frontend.http.request import ClientConnection, FlowListener, InFlight
-from shoal.frontend.http.shared import BodyBudget
+from shoal.frontend.http.request import BodyBudget, ClientConnection, FlowListener, InFlight
 from shoal.openai import ApiError
 
 TAIL = 4096
