@@ -27,7 +27,7 @@ from tests.frontend.support import count_responses, raw_exchange
 from tests.frontend.test_fleet_reports import FIRST_ID, card, join
 from tests.frontend.test_proxy import ready
 from tests.frontend.test_server import post
-from tests.helpers import wait_for
+from tests.helpers import errors_logged, wait_for
 
 # Every probe on both loops (`shoal frontend` runs on uvloop, which reads a socket up to 32
 # times in one go).
@@ -399,4 +399,4 @@ async def test_a_client_gone_while_its_connection_gives_way_leaves_the_server_we
     await wait_for(lambda: not frontend.server.connections, 5, message="connections gone")  # type: ignore[union-attr]
     received = await raw_exchange(frontend.port, post(large_body()), timeout=10)
     assert statuses(received) == [200]
-    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert not errors_logged(caplog.records)
