@@ -40,3 +40,26 @@ def test_a_restart_on_a_port_another_process_took_during_the_outage_says_so() ->
         assert server.port == port
     finally:
         server.close()
+
+
+def test_a_first_start_whose_port_was_held_only_a_moment_picks_a_port_of_its_own() -> None:
+    """The server could not bind a port another process held a moment and let go of before
+    the check of who holds it (CI: etcd's "bind: address already in use", its port free
+    again): that was an error, not a port to pick again. Its own log now says so."""
+
+    class Once(NatsServer):
+        tries = 0
+
+        def command(self) -> list[str]:
+            Once.tries += 1
+            if Once.tries == 1:  # (as a server that lost the race for its port says)
+                return ["sh", "-c", "echo 'listen tcp: bind: address already in use'; exit 1"]
+            return super().command()
+
+    server = Once()
+    try:
+        server.start()
+        assert Once.tries == 2 and server.proc is not None
+        assert _holder_of(server.port) == server.proc.pid
+    finally:
+        server.close()

@@ -70,12 +70,15 @@ class ThrowawayServer:
 
     def _start_once(self, timeout: float) -> bool:
         """True once the server answers on its own ports, False when another process does."""
+        logged = os.path.getsize(self.log.name)  # (what this start writes comes after)
         self.proc = subprocess.Popen(self.command(), stdout=self.log, stderr=self.log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 if not all(_holder_of(port) is None for port in self.ports()):
                     return False  # it could not bind: another process holds a port
+                if _said_in_use(self.log.name, logged):
+                    return False  # (one that held it a moment, gone by now: CI, 1 of 2,781)
                 raise RuntimeError(
                     f"{self.name} exited with {self.proc.returncode}; see {self.log.name}"
                 )
@@ -147,3 +150,10 @@ def _holder_of(port: int) -> int | None:
             if link.startswith("socket:[") and link[8:-1] in inodes:
                 return int(pid)
     return -1  # listening, by a process we cannot see
+
+
+def _said_in_use(log: str, start: int) -> bool:
+    """Whether the server's log, from byte `start`, says a port it wanted was in use."""
+    with open(log, "rb") as f:
+        f.seek(start)
+        return b"address already in use" in f.read().lower()
