@@ -126,6 +126,26 @@ def json_answer(status: bytes, body: bytes) -> Behaviour:
     return answer
 
 
+def endless(start: bytes, piece: bytes, sent: list[int]) -> Behaviour:
+    """A behaviour answering `start` then `piece` again and again, up to 256 MiB (a head or
+    framing without end), appending to `sent` how many bytes of pieces it got out."""
+
+    async def answer(
+        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        total = 0
+        writer.write(start)
+        try:
+            while total < 256 << 20:
+                writer.write(piece * 64)
+                total += len(piece) * 64
+                await writer.drain()
+        finally:
+            sent.append(total)
+
+    return answer
+
+
 StartRaw = Callable[..., Awaitable[RawUpstream]]
 
 

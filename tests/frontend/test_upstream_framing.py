@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from tests.frontend.conftest import StartFrontend
-from tests.frontend.raw_upstream import StartRaw, start_raw
+from tests.frontend.raw_upstream import StartRaw, endless, start_raw
 from tests.frontend.support import raw_exchange, serving
 from tests.helpers import wait_for
 
@@ -44,20 +44,7 @@ async def test_chunk_framing_without_end_fails_the_response_within_a_bound(
     dropped, and the request leaves the in-flight gauge."""
     sent: list[int] = []
 
-    async def endless(
-        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        total = 0
-        writer.write(start)
-        try:
-            while total < 256 << 20:
-                writer.write(piece * 64)
-                total += len(piece) * 64
-                await writer.drain()
-        finally:
-            sent.append(total)
-
-    await start_raw(endless)
+    await start_raw(endless(start, piece, sent))
     frontend = await start_frontend()
     await wait_for(lambda: serving(frontend, "mock-llm"), message="model served")
     received = await asyncio.wait_for(raw_exchange(frontend.port, POST), 10)

@@ -16,7 +16,7 @@ import pytest
 from shoal.frontend import Frontend
 from shoal.frontend.http.upstream import Upstream
 from tests.frontend.conftest import StartFrontend
-from tests.frontend.raw_upstream import StartRaw, completion, start_raw
+from tests.frontend.raw_upstream import StartRaw, completion, endless, start_raw
 from tests.frontend.support import count_responses, raw_exchange, serving
 from tests.helpers import wait_for
 
@@ -165,20 +165,7 @@ async def test_a_response_head_without_end_fails_the_attempt_within_a_bound(
     responses without end likewise. Now a response head is bounded: 502 naming it."""
     sent: list[int] = []
 
-    async def endless(
-        request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        total = 0
-        writer.write(start)
-        try:
-            while total < 256 << 20:
-                writer.write(line * 64)
-                total += len(line) * 64
-                await writer.drain()
-        finally:
-            sent.append(total)
-
-    await start_raw(endless)
+    await start_raw(endless(start, line, sent))
     frontend = await started(start_frontend)
     received = await asyncio.wait_for(raw_exchange(frontend.port, post()), 10)
     assert received.startswith(b"HTTP/1.1 502 ")
